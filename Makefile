@@ -1,0 +1,34 @@
+# pd-extproc — build, test, run.
+# Tools that tests need (grpcurl, egctl, docker-compose) are installed once into
+# TOOLS_BIN, outside the checkout, so a clean clone on the same machine reuses them.
+
+GO        ?= go
+BIN       := bin
+TOOLS_BIN ?= $(HOME)/.cache/pd-extproc/bin
+export PATH := $(TOOLS_BIN):$(PATH)
+
+GRPCURL_VERSION := v1.9.4
+EGCTL_VERSION   := v1.9.1
+
+.PHONY: all build test tools run clean
+
+all: build
+
+build:
+	$(GO) build -o $(BIN)/ ./cmd/...
+
+test: tools
+	$(GO) vet ./...
+	$(GO) test -race -count=1 ./...
+
+tools: $(TOOLS_BIN)/grpcurl $(TOOLS_BIN)/egctl
+
+$(TOOLS_BIN)/grpcurl:
+	GOBIN=$(TOOLS_BIN) $(GO) install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)
+
+# egctl takes about 5 minutes to build; it is built once and cached in TOOLS_BIN.
+$(TOOLS_BIN)/egctl:
+	GOBIN=$(TOOLS_BIN) $(GO) install github.com/envoyproxy/gateway/cmd/egctl@$(EGCTL_VERSION)
+
+clean:
+	rm -rf $(BIN)

@@ -1,0 +1,211 @@
+// Package body reads the few top-level fields routing needs from an OpenAI-style JSON
+// request body and applies top-level edits by splicing bytes, so that everything a
+// client sent and we do not edit reaches the engine byte for byte (big integers,
+// key order, whitespace, unknown fields). The body is never decoded into a map.
+package body
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"unicode/utf8"
+)
+
+// Object is a validated JSON object whose top-level members are located by offset.
+// It does not copy the body; the caller must not modify it while the Object is used.
+type Object struct {
+	raw     []byte
+	members []member
+	open    int // offset just after '{'
+	close   int // offset of the final '}'
+}
+
+type member struct {
+	name     string // decoded key, so "kv\u005ftransfer_params" matches like Python's json does
+	start    int    // offset of the key's opening quote
+	valStart int
+	valEnd   int
+}
+
+// ErrNotObject is returned for valid JSON whose top level is not an object.
+var ErrNotObject = errors.New("request body must be a JSON object")
+
+// Parse validates b once (JSON syntax, UTF-8, nesting depth) and indexes its members.
+func Parse(b []byte) (*Object, error) {
+	if !utf8.Valid(b) {
+		return nil, errors.New("request body is not valid UTF-8")
+	}
+	if !json.Valid(b) {
+		// Re-run the standard decoder only on the error path, for a precise message.
+		var v json.RawMessage
+		if err := json.Unmarshal(b, &v); err != nil {
+			return nil, fmt.Errorf("request body is not valid JSON: %w", err)
+		}
+		return nil, errors.New("request body is not valid JSON")
+	}
+	i := skipSpace(b, 0)
+	if b[i] != '{' {
+		return nil, ErrNotObject
+	}
+	o := &Object{raw: b, open: i + 1}
+	i = skipSpace(b, i+1)
+	for b[i] != '}' {
+		keyEnd := skipString(b, i)
+		name, err := decodeKey(b[i:keyEnd])
+		if err != nil {
+			return nil, err
+		}
+		valStart := skipSpace(b, skipSpace(b, keyEnd)+1) // past ':'
+		valEnd := skipValue(b, valStart)
+		o.members = append(o.members, member{name: name, start: i, valStart: valStart, valEnd: valEnd})
+		i = skipSpace(b, valEnd)
+		if b[i] == ',' {
+			i = skipSpace(b, i+1)
+		}
+	}
+	o.close = i
+	return o, nil
+}
+
+// Bytes returns the body the Object was parsed from.
+func (o *Object) Bytes() []byte { return o.raw }
+
+// Raw returns the raw JSON value of key. Like Python's json module, which vLLM and
+// SGLang use, the last duplicate wins.
+func (o *Object) Raw(key string) ([]byte, bool) {
+	for i := len(o.members) - 1; i >= 0; i-- {
+		if m := o.members[i]; m.name == key {
+			return o.raw[m.valStart:m.valEnd], true
+		}
+	}
+	return nil, false
+}
+
+// Has reports whether key is present (with any value, null included).
+func (o *Object) Has(key string) bool {
+	_, ok := o.Raw(key)
+	return ok
+}
+
+// String returns key's value when it is a JSON string.
+func (o *Object) String(key string) (string, bool) {
+	raw, ok := o.Raw(key)
+	if !ok || raw[0] != '"' {
+		return "", false
+	}
+	if bytes.IndexByte(raw, '\\') < 0 {
+		return string(raw[1 : len(raw)-1]), true
+	}
+	var s string
+	if json.Unmarshal(raw, &s) != nil {
+		return "", false
+	}
+	return s, true
+}
+
+// Bool returns key's value when it is a JSON boolean.
+func (o *Object) Bool(key string) (value, ok bool) {
+	raw, ok := o.Raw(key)
+	switch {
+	case !ok:
+		return false, false
+	case string(raw) == "true":
+		return true, true
+	case string(raw) == "false":
+		return false, true
+	}
+	return false, false
+}
+
+// Int returns key's value when it is a JSON integer that fits in an int64.
+func (o *Object) Int(key string) (int64, bool) {
+	raw, ok := o.Raw(key)
+	if !ok {
+		return 0, false
+	}
+	n, err := strconv.ParseInt(string(raw), 10, 64)
+	if err != nil {
+		return 0, false // not the clamped value ParseInt returns on overflow
+	}
+	return n, true
+}
+
+// IsNull reports whether raw is the JSON literal null.
+func IsNull(raw []byte) bool { return string(raw) == "null" }
+
+func decodeKey(raw []byte) (string, error) {
+	if bytes.IndexByte(raw, '\\') < 0 {
+		return string(raw[1 : len(raw)-1]), nil
+	}
+	var s string
+	if err := json.Unmarshal(raw, &s); err != nil {
+		return "", fmt.Errorf("request body has an invalid key: %w", err)
+	}
+	return s, nil
+}
+
+// The skip functions assume b is valid JSON (checked once in Parse).
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// skipString returns the offset just past the string starting at b[i] == '"'.
+func skipString(b []byte, i int) int {
+	i++
+	for {
+		j := bytes.IndexByte(b[i:], '"')
+		end := i + j
+		// The quote is escaped when an odd number of backslashes precede it.
+		k := end - 1
+		for k >= i && b[k] == '\\' {
+			k--
+		}
+		if (end-k)%2 == 1 {
+			return end + 1
+		}
+		i = end + 1
+	}
+}
+
+// skipValue returns the offset just past the value starting at b[i].
+func skipValue(b []byte, i int) int {
+	switch b[i] {
+	case '"':
+		return skipString(b, i)
+	case '{', '[':
+		depth := 0
+		for {
+			switch b[i] {
+			case '"':
+				i = skipString(b, i)
+				continue
+			case '{', '[':
+				depth++
+			case '}', ']':
+				depth--
+				if depth == 0 {
+					return i + 1
+				}
+			}
+			i++
+		}
+	default: // number, true, false, null
+		for i < len(b) && !isDelim(b[i]) {
+			i++
+		}
+		return i
+	}
+}
+
+func isDelim(c byte) bool {
+	return c == ',' || c == '}' || c == ']' || c == ' ' || c == '\t' || c == '\n' || c == '\r'
+}
+
+// Len returns the number of top-level members, duplicates included.
+func (o *Object) Len() int { return len(o.members) }

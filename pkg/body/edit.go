@@ -1,0 +1,168 @@
+package body
+
+import (
+	"strconv"
+	"unicode/utf8"
+)
+
+// Edit changes one top-level member. Value is raw JSON; a nil (or empty) Value
+// deletes every occurrence of Key. A set replaces the first occurrence in place and drops the
+// duplicates (an engine would otherwise read the last one), or appends the member
+// when Key is absent — unless IfPresent, which only rewrites a key the client sent.
+type Edit struct {
+	Key       string
+	Value     []byte
+	IfPresent bool
+}
+
+// Set returns an Edit that sets key to the raw JSON value.
+func Set(key string, value []byte) Edit { return Edit{Key: key, Value: value} }
+
+// SetIfPresent returns an Edit that rewrites key only when the body has it.
+func SetIfPresent(key string, value []byte) Edit {
+	return Edit{Key: key, Value: value, IfPresent: true}
+}
+
+// Delete returns an Edit that removes every occurrence of key.
+func Delete(key string) Edit { return Edit{Key: key} }
+
+// Common raw values.
+var (
+	True  = []byte("true")
+	False = []byte("false")
+	One   = []byte("1")
+)
+
+// Uint returns n as a raw JSON integer.
+func Uint(n uint64) []byte { return strconv.AppendUint(nil, n, 10) }
+
+// Quote returns s as a raw JSON string. Unlike strconv.Quote it only uses escapes
+// JSON has (no \x, \v or \U), so any s, even one that is not UTF-8, gives valid
+// JSON; invalid bytes become U+FFFD as with encoding/json.
+func Quote(s string) []byte { return appendQuote(make([]byte, 0, len(s)+2), s) }
+
+func appendQuote(dst []byte, s string) []byte {
+	const hex = "0123456789abcdef"
+	dst = append(dst, '"')
+	start := 0 // s[start:i] still to be copied
+	for i := 0; i < len(s); {
+		c := s[i]
+		if c >= 0x20 && c != '"' && c != '\\' && c < utf8.RuneSelf {
+			i++
+			continue
+		}
+		if c >= utf8.RuneSelf {
+			r, size := utf8.DecodeRuneInString(s[i:])
+			if r != utf8.RuneError || size != 1 {
+				i += size
+				continue
+			}
+			dst = append(dst, s[start:i]...)
+			dst = append(dst, `\ufffd`...)
+			i++
+			start = i
+			continue
+		}
+		dst = append(dst, s[start:i]...)
+		switch c {
+		case '"', '\\':
+			dst = append(dst, '\\', c)
+		case '\n':
+			dst = append(dst, '\\', 'n')
+		case '\r':
+			dst = append(dst, '\\', 'r')
+		case '\t':
+			dst = append(dst, '\\', 't')
+		default:
+			dst = append(dst, '\\', 'u', '0', '0', hex[c>>4], hex[c&0xf])
+		}
+		i++
+		start = i
+	}
+	dst = append(dst, s[start:]...)
+	return append(dst, '"')
+}
+
+// Apply returns a new body with the edits applied; when several edits name the
+// same key the last one wins. Every byte outside the edited members is kept,
+// including the separators and whitespace around the members that stay.
+// The Object itself is not changed.
+func (o *Object) Apply(edits ...Edit) []byte {
+	if len(edits) == 0 {
+		return o.raw
+	}
+	final := make(map[string]Edit, len(edits))
+	var order []string // first-mention order, for deterministic appends
+	for _, e := range edits {
+		if _, seen := final[e.Key]; !seen {
+			order = append(order, e.Key)
+		}
+		final[e.Key] = e
+	}
+	if !o.touches(final) {
+		return o.raw // nothing to change: no copy
+	}
+
+	// Size the output for the worst case (no replaced bytes reused) so that a big
+	// body is copied exactly once.
+	size := len(o.raw)
+	for key, e := range final {
+		if len(e.Value) > 0 {
+			size += len(key) + len(e.Value) + 4 // ,"key":
+		}
+	}
+	out := make([]byte, 0, size)
+	wrote := false // a member has been written, so the next one needs a separator
+	placed := make(map[string]bool, len(final))
+	if len(o.members) == 0 {
+		out = append(out, o.raw[:o.close]...)
+	} else {
+		out = append(out, o.raw[:o.members[0].start]...)
+	}
+	for i, m := range o.members {
+		e, edited := final[m.name]
+		var value []byte
+		switch {
+		case !edited:
+			value = o.raw[m.valStart:m.valEnd]
+		case len(e.Value) == 0 || placed[m.name]:
+			continue // deleted, or a duplicate of a key already set
+		default:
+			value = e.Value
+			placed[m.name] = true
+		}
+		if wrote {
+			out = append(out, o.raw[o.members[i-1].valEnd:m.start]...)
+		}
+		out = append(out, o.raw[m.start:m.valStart]...)
+		out = append(out, value...)
+		wrote = true
+	}
+	for _, key := range order {
+		e := final[key]
+		if len(e.Value) == 0 || e.IfPresent || placed[key] {
+			continue
+		}
+		if wrote {
+			out = append(out, ',')
+		}
+		out = appendQuote(out, key)
+		out = append(out, ':')
+		out = append(out, e.Value...)
+		wrote = true
+	}
+	if len(o.members) == 0 {
+		return append(out, o.raw[o.close:]...)
+	}
+	return append(out, o.raw[o.members[len(o.members)-1].valEnd:]...)
+}
+
+// touches reports whether applying the edits changes any byte.
+func (o *Object) touches(final map[string]Edit) bool {
+	for key, e := range final {
+		if (len(e.Value) > 0 && !e.IfPresent) || o.Has(key) {
+			return true
+		}
+	}
+	return false
+}

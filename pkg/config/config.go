@@ -1,0 +1,189 @@
+// Package config defines the extproc configuration file: its schema, defaults and
+// validation. Errors name the offending key, as a user wrote it.
+package config
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"strings"
+	"time"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
+)
+
+// Config is the whole configuration file.
+type Config struct {
+	Connector string  `json:"connector"`
+	Pools     Pools   `json:"pools"`
+	Prefill   Prefill `json:"prefill"`
+	Limits    Limits  `json:"limits"`
+	Envoy     Envoy   `json:"envoy"`
+}
+
+// Pools lists the engine endpoints of each role.
+type Pools struct {
+	Prefill Pool `json:"prefill"`
+	Decode  Pool `json:"decode"`
+}
+
+// Pool is one role's endpoints.
+type Pool struct {
+	Endpoints     []string `json:"endpoints"`
+	BootstrapPort int      `json:"bootstrap_port,omitempty"` // kv-sglang only
+}
+
+// Failure policies for a prefill leg that cannot be completed.
+const (
+	OnFailureDecodeOnly = "decode-only"
+	OnFailureFail       = "fail"
+)
+
+// Prefill configures the prefill leg.
+type Prefill struct {
+	Timeout   Duration `json:"timeout"`
+	OnFailure string   `json:"on_failure"`
+}
+
+// Limits bounds what one request may use.
+type Limits struct {
+	MaxBodyBytes int64 `json:"max_body_bytes"`
+}
+
+// Envoy tunes how we talk to Envoy.
+type Envoy struct {
+	OverrideAfter          Duration `json:"override_after"`
+	OverrideMessageTimeout Duration `json:"override_message_timeout"`
+}
+
+// Defaults for keys the file leaves out.
+const (
+	DefaultBootstrapPort = 8998
+	DefaultMaxBodyBytes  = 32 << 20
+	DefaultPrefillTimout = 30 * time.Second
+)
+
+// Parse reads a YAML configuration, fills defaults and validates it.
+// Unknown keys are errors: a misspelt key must not silently fall back to a default.
+func Parse(data []byte) (*Config, error) {
+	var c Config
+	if err := yaml.UnmarshalStrict(data, &c); err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	c.setDefaults()
+	if err := c.validate(); err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	return &c, nil
+}
+
+// Load reads and parses the file at path.
+func Load(path string) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	return Parse(data)
+}
+
+func (c *Config) setDefaults() {
+	if c.Connector == "" {
+		c.Connector = kv.DefaultKVConnectorName
+	}
+	if c.Pools.Prefill.BootstrapPort == 0 {
+		c.Pools.Prefill.BootstrapPort = DefaultBootstrapPort
+	}
+	if c.Prefill.Timeout == 0 {
+		c.Prefill.Timeout = Duration(DefaultPrefillTimout)
+	}
+	if c.Prefill.OnFailure == "" {
+		c.Prefill.OnFailure = OnFailureDecodeOnly
+	}
+	if c.Limits.MaxBodyBytes == 0 {
+		c.Limits.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if c.Envoy.OverrideAfter == 0 {
+		c.Envoy.OverrideAfter = Duration(150 * time.Millisecond)
+	}
+	if c.Envoy.OverrideMessageTimeout == 0 {
+		c.Envoy.OverrideMessageTimeout = c.Prefill.Timeout + Duration(30*time.Second)
+	}
+}
+
+func (c *Config) validate() error {
+	var errs []error
+	if _, err := kv.Build(c.Connector); err != nil {
+		errs = append(errs, fmt.Errorf("connector: %w", err))
+	}
+	if len(c.Pools.Decode.Endpoints) == 0 {
+		errs = append(errs, errors.New("pools.decode.endpoints: at least one ip:port is required"))
+	}
+	errs = append(errs, validateEndpoints("pools.prefill.endpoints", c.Pools.Prefill.Endpoints)...)
+	errs = append(errs, validateEndpoints("pools.decode.endpoints", c.Pools.Decode.Endpoints)...)
+	if p := c.Pools.Prefill.BootstrapPort; p < 1 || p > 65535 {
+		errs = append(errs, fmt.Errorf("pools.prefill.bootstrap_port: %d is not a port", p))
+	}
+	if c.Pools.Decode.BootstrapPort != 0 {
+		errs = append(errs, errors.New("pools.decode.bootstrap_port: only the prefill pool has a bootstrap port"))
+	}
+	if c.Prefill.Timeout < 0 {
+		errs = append(errs, errors.New("prefill.timeout: must be positive"))
+	}
+	if c.Prefill.OnFailure != OnFailureDecodeOnly && c.Prefill.OnFailure != OnFailureFail {
+		errs = append(errs, fmt.Errorf("prefill.on_failure: %q is not %q or %q", c.Prefill.OnFailure, OnFailureDecodeOnly, OnFailureFail))
+	}
+	if c.Limits.MaxBodyBytes < 0 {
+		errs = append(errs, errors.New("limits.max_body_bytes: must be positive"))
+	}
+	if c.Envoy.OverrideAfter < 0 || c.Envoy.OverrideMessageTimeout < 0 {
+		errs = append(errs, errors.New("envoy.override_after, envoy.override_message_timeout: must be positive"))
+	}
+	return errors.Join(errs...)
+}
+
+// validateEndpoints requires literal ip:port: Envoy's ORIGINAL_DST cluster cannot
+// resolve host names, so a name here would only fail later, per request.
+func validateEndpoints(key string, addrs []string) []error {
+	var errs []error
+	seen := map[string]bool{}
+	for i, a := range addrs {
+		ap, err := netip.ParseAddrPort(a)
+		switch {
+		case err != nil:
+			errs = append(errs, fmt.Errorf("%s[%d]: %q is not ip:port", key, i, a))
+		case ap.Port() == 0:
+			errs = append(errs, fmt.Errorf("%s[%d]: %q has no port", key, i, a))
+		case seen[a]:
+			errs = append(errs, fmt.Errorf("%s[%d]: %q is listed twice", key, i, a))
+		}
+		seen[a] = true
+	}
+	return errs
+}
+
+// Duration is a time.Duration written as a Go duration string ("30s", "150ms").
+type Duration time.Duration
+
+// D returns the value as a time.Duration.
+func (d Duration) D() time.Duration { return time.Duration(d) }
+
+// UnmarshalJSON accepts a duration string.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return fmt.Errorf("want a duration such as \"30s\", got %s", strings.TrimSpace(string(b)))
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return err
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// MarshalJSON writes the duration string.
+func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(time.Duration(d).String()) }

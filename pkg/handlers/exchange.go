@@ -1,0 +1,251 @@
+package handlers
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strconv"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/google/uuid"
+
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+)
+
+// Supported request body modes, named in the error for the others.
+const supportedModes = "FULL_DUPLEX_STREAMED, BUFFERED or NONE"
+
+// maxPresize caps the body buffer allocated up front from Content-Length, so a
+// lying header cannot make us allocate the whole limit.
+const maxPresize = 1 << 20
+
+// exchange is the state of one Process stream: one HTTP request and its response.
+type exchange struct {
+	*Server
+	stream extprocv3.ExternalProcessor_ProcessServer
+	ctx    context.Context
+
+	requestMode, responseMode filterv3.ProcessingMode_BodySendMode
+
+	headersSeen   bool
+	req           pipeline.Request
+	contentLength int64 // -1 when the client sent none
+	body          []byte
+	requestDone   bool // the request body has been handled: later chunks are dropped (envoy#46237)
+	responseDone  bool
+	decision      *pipeline.Decision
+}
+
+// handle answers one message. done means the stream is finished for us.
+func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err error) {
+	if pc := req.GetProtocolConfig(); pc != nil {
+		x.requestMode, x.responseMode = pc.GetRequestBodyMode(), pc.GetResponseBodyMode()
+	}
+	switch m := req.Request.(type) {
+	case *extprocv3.ProcessingRequest_RequestHeaders:
+		return x.onRequestHeaders(m.RequestHeaders)
+	case *extprocv3.ProcessingRequest_RequestBody:
+		return x.onRequestBody(m.RequestBody)
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		return x.onRequestTrailers()
+	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		return false, x.send(continueReply("response_headers"))
+	case *extprocv3.ProcessingRequest_ResponseBody:
+		return false, x.onResponseBody(m.ResponseBody)
+	case *extprocv3.ProcessingRequest_ResponseTrailers:
+		return false, x.send(continueReply("response_trailers"))
+	}
+	return false, nil
+}
+
+func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
+	if x.headersSeen {
+		x.log.V(1).Info("ignoring repeated request headers")
+		return false, nil
+	}
+	x.headersSeen = true
+	x.readHeaders(h.GetHeaders())
+
+	if h.GetEndOfStream() || x.requestMode == filterv3.ProcessingMode_NONE {
+		// No body will follow (or none is sent to us): route from the headers.
+		x.requestDone = true
+		d, err := x.router.RouteHeaders(&x.req)
+		if err != nil {
+			return x.fail(err)
+		}
+		x.decision = d
+		return false, x.send(headersReply(d, x.req.RequestID))
+	}
+	if limit := x.router.MaxBodyBytes(); x.contentLength > limit {
+		return x.fail(pipeline.TooLarge(limit))
+	}
+	x.body = make([]byte, 0, min(max(x.contentLength, 0), maxPresize))
+
+	switch x.requestMode {
+	case filterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
+		return false, nil // the headers reply carries the routing: hold it until the body is in
+	case filterv3.ProcessingMode_BUFFERED, filterv3.ProcessingMode_BUFFERED_PARTIAL:
+		// Envoy holds the body until the headers are answered, then sends it whole;
+		// the body reply can still set headers, so routing waits for it.
+		return false, x.send(headersReply(nil, ""))
+	default:
+		return x.fail(&pipeline.Error{Status: http.StatusInternalServerError, Type: "server_error", Message: fmt.Sprintf(
+			"ext_proc request_body_mode %s is not supported: routing depends on the body; configure %s", x.requestMode, supportedModes)})
+	}
+}
+
+func (x *exchange) onRequestBody(b *extprocv3.HttpBody) (bool, error) {
+	if x.requestDone || !x.headersSeen {
+		x.log.V(1).Info("dropping request body after its end", "bytes", len(b.GetBody()))
+		return false, nil
+	}
+	x.body = append(x.body, b.GetBody()...)
+	if limit := x.router.MaxBodyBytes(); int64(len(x.body)) > limit {
+		return x.fail(pipeline.TooLarge(limit))
+	}
+	switch x.requestMode {
+	case filterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
+		if !b.GetEndOfStream() {
+			return false, nil
+		}
+		return x.finishDuplex(false)
+	case filterv3.ProcessingMode_BUFFERED_PARTIAL:
+		if !b.GetEndOfStream() {
+			return x.fail(&pipeline.Error{Status: http.StatusInternalServerError, Type: "server_error", Message: "the request body exceeded " +
+				"Envoy's buffer in BUFFERED_PARTIAL mode, so it cannot be rewritten; configure " + supportedModes})
+		}
+	}
+	// BUFFERED sends the whole body in one message, end_of_stream false only when
+	// trailers follow; either way the body is complete.
+	return x.finishBuffered()
+}
+
+func (x *exchange) onRequestTrailers() (bool, error) {
+	if x.requestMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED && x.headersSeen && !x.requestDone {
+		// Trailers end a FULL_DUPLEX body whose last chunk had no end_of_stream.
+		return x.finishDuplex(true)
+	}
+	return false, x.send(continueReply("request_trailers"))
+}
+
+// finishDuplex routes a complete FULL_DUPLEX request: the held headers reply with
+// the routing, then the new body as streamed chunks, then (with trailers) the
+// trailers reply.
+func (x *exchange) finishDuplex(trailers bool) (bool, error) {
+	x.requestDone = true
+	d, err := x.route(false)
+	if err != nil {
+		return x.fail(err)
+	}
+	x.decision = d
+	if err := x.send(headersReply(d, x.req.RequestID)); err != nil {
+		return false, err
+	}
+	for _, c := range chunks(true, d.Body, !trailers) {
+		if err := x.send(c); err != nil {
+			return false, err
+		}
+	}
+	if trailers {
+		return false, x.send(continueReply("request_trailers"))
+	}
+	return false, nil
+}
+
+// finishBuffered routes a complete BUFFERED request in the body reply.
+func (x *exchange) finishBuffered() (bool, error) {
+	x.requestDone = true
+	d, err := x.route(true)
+	if err != nil {
+		return x.fail(err)
+	}
+	x.decision = d
+	// Envoy checks a Content-Length against the new body; without one (chunked)
+	// it checks nothing and must not be given one.
+	return false, x.send(bufferedBodyReply(d, x.req.RequestID, x.contentLength >= 0))
+}
+
+// route runs the pipeline on the whole body. With keepAlive, Envoy's message
+// timer is running, and a slow route extends it once.
+func (x *exchange) route(keepAlive bool) (*pipeline.Decision, error) {
+	x.req.Body = x.body
+	if !keepAlive || x.opts.OverrideAfter <= 0 {
+		return x.router.Route(x.ctx, &x.req)
+	}
+	type result struct {
+		d   *pipeline.Decision
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		d, err := x.router.Route(x.ctx, &x.req)
+		ch <- result{d, err}
+	}()
+	timer := time.NewTimer(x.opts.OverrideAfter)
+	defer timer.Stop()
+	select {
+	case r := <-ch:
+		return r.d, r.err
+	case <-timer.C:
+		if err := x.send(overrideReply(x.opts.OverrideTimeout)); err != nil {
+			x.log.V(1).Info("sending override_message_timeout failed", "error", err.Error())
+		}
+	}
+	r := <-ch
+	return r.d, r.err
+}
+
+func (x *exchange) onResponseBody(b *extprocv3.HttpBody) error {
+	if x.responseDone {
+		return nil
+	}
+	x.responseDone = b.GetEndOfStream()
+	if x.responseMode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+		// Echo at once: SSE tokens must keep streaming to the client.
+		return x.send(streamedChunk(false, b.GetBody(), b.GetEndOfStream()))
+	}
+	return x.send(continueReply("response_body"))
+}
+
+// fail ends the exchange with a local reply from Envoy to the client.
+func (x *exchange) fail(err error) (bool, error) {
+	x.requestDone = true
+	e, ok := err.(*pipeline.Error)
+	if !ok {
+		e = &pipeline.Error{Status: http.StatusInternalServerError, Type: "server_error", Message: err.Error()}
+	}
+	x.log.V(1).Info("request rejected", "requestID", x.req.RequestID, "status", e.Status, "reason", e.Message)
+	return true, x.send(immediate(e))
+}
+
+func (x *exchange) send(r *extprocv3.ProcessingResponse) error { return x.stream.Send(r) }
+
+// readHeaders takes what routing needs. Envoy sends values in raw_value; value is
+// read only as a fallback for Envoys with the raw_value guard off.
+func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
+	x.contentLength = -1
+	for _, h := range hm.GetHeaders() {
+		v := string(h.GetRawValue())
+		if v == "" {
+			v = h.GetValue()
+		}
+		switch h.GetKey() {
+		case ":path":
+			x.req.Path = v
+		case RequestIDHeader:
+			x.req.RequestID = v
+		case "content-length":
+			if n, err := strconv.ParseInt(v, 10, 64); err == nil && n >= 0 {
+				x.contentLength = n
+			}
+		case "authorization":
+			x.req.Forward = http.Header{"Authorization": {v}}
+		}
+	}
+	if x.req.RequestID == "" {
+		x.req.RequestID = uuid.NewString()
+	}
+}

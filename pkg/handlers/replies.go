@@ -1,0 +1,130 @@
+package handlers
+
+import (
+	"strconv"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+)
+
+// The endpoint-picker protocol of the Gateway API Inference Extension: the chosen
+// endpoint goes both in a request header (read by an ORIGINAL_DST cluster) and in
+// dynamic metadata under the envoy.lb namespace, with the same value.
+const (
+	DestinationHeader   = "x-gateway-destination-endpoint"
+	DestinationMetadata = "envoy.lb"
+	RequestIDHeader     = "x-request-id"
+)
+
+// maxStreamedChunk bounds each FULL_DUPLEX body reply, below Envoy's recommended
+// 64 KiB per message.
+const maxStreamedChunk = 62000
+
+// setHeader returns a header mutation entry. Envoy reads only raw_value (value and
+// raw_value together are rejected), and with append unset it overwrites, which
+// also replaces any value the client sent.
+func setHeader(key, value string) *corev3.HeaderValueOption {
+	return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: key, RawValue: []byte(value)}}
+}
+
+// routing returns the header mutation and metadata that send the request to d.
+func routing(d *pipeline.Decision, requestID string, contentLength bool) (*extprocv3.HeaderMutation, *structpb.Struct) {
+	m := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+		setHeader(DestinationHeader, d.Endpoint),
+		setHeader(RequestIDHeader, requestID),
+	}}
+	if contentLength {
+		m.SetHeaders = append(m.SetHeaders, setHeader("content-length", strconv.Itoa(len(d.Body))))
+	}
+	md := &structpb.Struct{Fields: map[string]*structpb.Value{
+		DestinationMetadata: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
+			DestinationHeader: structpb.NewStringValue(d.Endpoint),
+		}}),
+	}}
+	return m, md
+}
+
+// headersReply answers request headers; with a decision it carries the routing.
+// clear_route_cache is honoured by Envoy only next to a header mutation.
+func headersReply(d *pipeline.Decision, requestID string) *extprocv3.ProcessingResponse {
+	common := &extprocv3.CommonResponse{}
+	var md *structpb.Struct
+	if d != nil {
+		common.HeaderMutation, md = routing(d, requestID, false)
+		common.ClearRouteCache = true
+	}
+	return &extprocv3.ProcessingResponse{
+		Response:        &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{Response: common}},
+		DynamicMetadata: md,
+	}
+}
+
+// bufferedBodyReply carries the routing and the new body in one BUFFERED body
+// reply: Envoy still holds the headers, and checks Content-Length against the new body.
+func bufferedBodyReply(d *pipeline.Decision, requestID string, contentLength bool) *extprocv3.ProcessingResponse {
+	m, md := routing(d, requestID, contentLength)
+	return &extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{
+			HeaderMutation:  m,
+			BodyMutation:    &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: d.Body}},
+			ClearRouteCache: true,
+		}}},
+		DynamicMetadata: md,
+	}
+}
+
+// streamedChunk is one FULL_DUPLEX body reply; Envoy rejects any other body
+// mutation in that mode, an empty CommonResponse included.
+func streamedChunk(request bool, chunk []byte, eos bool) *extprocv3.ProcessingResponse {
+	br := &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{
+		Mutation: &extprocv3.BodyMutation_StreamedResponse{StreamedResponse: &extprocv3.StreamedBodyResponse{Body: chunk, EndOfStream: eos}},
+	}}}
+	if request {
+		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: br}}
+	}
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: br}}
+}
+
+// chunks splits b into FULL_DUPLEX replies; an empty body is one empty final chunk.
+func chunks(request bool, b []byte, eos bool) []*extprocv3.ProcessingResponse {
+	var out []*extprocv3.ProcessingResponse
+	for {
+		n := min(len(b), maxStreamedChunk)
+		last := n == len(b)
+		out = append(out, streamedChunk(request, b[:n], eos && last))
+		if last {
+			return out
+		}
+		b = b[n:]
+	}
+}
+
+// continueReply answers a message of the given kind without changing anything.
+func continueReply(kind string) *extprocv3.ProcessingResponse {
+	switch kind {
+	case "response_headers":
+		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}}
+	case "response_body":
+		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{}}}
+	case "request_trailers":
+		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}}}
+	case "response_trailers":
+		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}}
+	}
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}}}
+}
+
+// immediate turns an error into Envoy's local reply to the client.
+func immediate(e *pipeline.Error) *extprocv3.ProcessingResponse {
+	b, contentType := e.Body()
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{ImmediateResponse: &extprocv3.ImmediateResponse{
+		Status:  &typev3.HttpStatus{Code: typev3.StatusCode(e.Status)},
+		Headers: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{setHeader("content-type", contentType)}},
+		Body:    b,
+		Details: "pd_extproc_" + strconv.Itoa(e.Status),
+	}}}
+}

@@ -1,0 +1,111 @@
+// Package kv holds the KV transfer connectors selected at config time. A connector
+// knows what one engine family needs on the wire for a prefill/decode handoff: the
+// top-level body edits of each leg and whether the decode leg must wait for the
+// prefill response (vLLM NIXL, shared storage) or both legs go out at once (SGLang).
+// Connectors are stateless and safe to share across requests.
+package kv
+
+import (
+	"fmt"
+
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+)
+
+// Connector names, as users write them in the config's `connector` key.
+const (
+	NIXL          = "kv-nixl"
+	SharedStorage = "kv-shared-storage"
+	SGLang        = "kv-sglang"
+)
+
+// DefaultKVConnectorName is the connector selected when an empty name is passed to
+// Build. kv-shared-storage puts nothing on the wire, so it is the safe default.
+const DefaultKVConnectorName = SharedStorage
+
+// Dispatch is the order in which the two legs are sent.
+type Dispatch int
+
+const (
+	// Sequential: the prefill leg completes first; its response feeds the decode body.
+	Sequential Dispatch = iota
+	// Concurrent: both legs go out at once; the engines pair up by themselves.
+	Concurrent
+)
+
+// Handoff is what a connector may read to build the legs of one request.
+type Handoff struct {
+	Body          *body.Object // the client's request body
+	PrefillHost   string       // host of the chosen prefill endpoint (IPv6 in brackets)
+	BootstrapPort int          // the prefill pool's SGLang bootstrap port
+	Room          uint64       // random per request, 0..2^63-1: pairs concurrent legs
+	PrefillKV     []byte       // Sequential only: raw kv_transfer_params of the prefill response, nil when it gave none
+}
+
+// Connector controls the wire shape of the prefill and decode requests.
+type Connector interface {
+	Name() string
+	Dispatch() Dispatch
+	// PrefillEdits turns the client's body into the prefill leg's body.
+	PrefillEdits(h *Handoff) []body.Edit
+	// DecodeEdits turns the client's body into the decode leg's body.
+	DecodeEdits(h *Handoff) []body.Edit
+}
+
+// ReservedKeys are the body fields through which a request steers a KV handoff.
+// A client must never set them: they are removed from every leg before a
+// connector adds its own (Python's json keeps the last duplicate, so all go).
+var ReservedKeys = []string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
+
+// Build returns the connector for name. An empty name selects DefaultKVConnectorName.
+func Build(name string) (Connector, error) {
+	if name == "" {
+		name = DefaultKVConnectorName
+	}
+	switch name {
+	case NIXL:
+		return nixlKV{}, nil
+	case SharedStorage:
+		return sharedStorageKV{}, nil
+	case SGLang:
+		return sglangKV{}, nil
+	default:
+		return nil, fmt.Errorf("unknown kv connector %q (want %s, %s or %s)", name, NIXL, SharedStorage, SGLang)
+	}
+}
+
+// vllmPrefillCaps makes a vLLM prefill leg compute the prompt and stop after one
+// token: non-streamed (only the non-streamed response carries kv_transfer_params),
+// no stream_options (vLLM rejects them without stream), every output limit at 1,
+// and no minimum that would exceed it (vLLM answers 400 to min_tokens > max_tokens).
+func vllmPrefillCaps() []body.Edit {
+	return []body.Edit{
+		body.Set("stream", body.False),
+		body.Delete("stream_options"),
+		body.Set("max_tokens", body.One),
+		body.SetIfPresent("max_completion_tokens", body.One),
+		body.Delete("min_tokens"),
+		body.Delete("min_completion_tokens"),
+	}
+}
+
+// PrefillBody returns the body of the prefill leg.
+func PrefillBody(c Connector, h *Handoff) []byte {
+	return h.Body.Apply(append(scrub(), c.PrefillEdits(h)...)...)
+}
+
+// DecodeBody returns the body of the decode leg.
+func DecodeBody(c Connector, h *Handoff) []byte {
+	return h.Body.Apply(append(scrub(), c.DecodeEdits(h)...)...)
+}
+
+// Scrubbed returns the client's body without the reserved keys: the body of a
+// request that goes to a decode endpoint alone.
+func Scrubbed(o *body.Object) []byte { return o.Apply(scrub()...) }
+
+func scrub() []body.Edit {
+	edits := make([]body.Edit, 0, len(ReservedKeys)+8)
+	for _, k := range ReservedKeys {
+		edits = append(edits, body.Delete(k))
+	}
+	return edits
+}

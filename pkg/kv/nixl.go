@@ -1,0 +1,44 @@
+package kv
+
+import (
+	"bytes"
+
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+)
+
+// nixlKV drives vLLM's NixlConnector (pull mode): the prefill engine keeps the KV
+// blocks and answers with the kv_transfer_params the decode engine needs to read
+// them; we pass that object on byte for byte because new keys keep appearing.
+type nixlKV struct{}
+
+// nixlPrefillParams asks the prefill engine to keep the blocks for a remote
+// decode. Only do_remote_decode matters to vLLM; the null keys follow its proxies.
+var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,` +
+	`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
+
+func (nixlKV) Name() string       { return NIXL }
+func (nixlKV) Dispatch() Dispatch { return Sequential }
+
+func (nixlKV) PrefillEdits(*Handoff) []body.Edit {
+	return append(vllmPrefillCaps(), body.Set("kv_transfer_params", nixlPrefillParams))
+}
+
+// DecodeEdits never sends do_remote_prefill without the prefill's remote_* fields:
+// when the prefill returned no params (absent, null or {}, as vLLM's proxies
+// read it) the decode engine simply recomputes.
+func (nixlKV) DecodeEdits(h *Handoff) []body.Edit {
+	if !hasParams(h.PrefillKV) {
+		return nil
+	}
+	return []body.Edit{body.Set("kv_transfer_params", h.PrefillKV)}
+}
+
+// hasParams reports whether raw, a JSON value, is something other than nothing,
+// null or an empty object.
+func hasParams(raw []byte) bool {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || body.IsNull(raw) {
+		return false
+	}
+	return !(len(raw) >= 2 && raw[0] == '{' && len(bytes.TrimSpace(raw[1:len(raw)-1])) == 0)
+}

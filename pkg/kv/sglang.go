@@ -1,0 +1,25 @@
+package kv
+
+import "github.com/pd-extproc/pd-extproc/pkg/body"
+
+// sglangKV drives SGLang's PD disaggregation: both legs carry the same top-level
+// bootstrap fields and must be in flight together, because the prefill engine
+// waits for the decode engine to connect to its bootstrap server. SGLang has no
+// kv_transfer_params (it would silently drop it) and needs an integer room.
+type sglangKV struct{}
+
+func (sglangKV) Name() string       { return SGLang }
+func (sglangKV) Dispatch() Dispatch { return Concurrent }
+
+// The prefill leg is not capped: SGLang's prefill engine stops after the forward
+// pass by itself, and the reference routers send it the client's body unchanged.
+func (sglangKV) PrefillEdits(h *Handoff) []body.Edit { return bootstrapFields(h) }
+func (sglangKV) DecodeEdits(h *Handoff) []body.Edit  { return bootstrapFields(h) }
+
+func bootstrapFields(h *Handoff) []body.Edit {
+	return []body.Edit{
+		body.Set("bootstrap_host", body.Quote(h.PrefillHost)),
+		body.Set("bootstrap_port", body.Uint(uint64(h.BootstrapPort))),
+		body.Set("bootstrap_room", body.Uint(h.Room)),
+	}
+}

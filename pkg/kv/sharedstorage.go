@@ -1,0 +1,13 @@
+package kv
+
+import "github.com/pd-extproc/pd-extproc/pkg/body"
+
+// sharedStorageKV drives vLLM connectors that exchange KV through storage keyed by
+// the prompt (ExampleConnector, LMCache): the prefill leg writes it, the decode leg
+// with the same prompt reads it. Nothing about the handoff travels in the body.
+type sharedStorageKV struct{}
+
+func (sharedStorageKV) Name() string                      { return SharedStorage }
+func (sharedStorageKV) Dispatch() Dispatch                { return Sequential }
+func (sharedStorageKV) PrefillEdits(*Handoff) []body.Edit { return vllmPrefillCaps() }
+func (sharedStorageKV) DecodeEdits(*Handoff) []body.Edit  { return nil }

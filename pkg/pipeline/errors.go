@@ -1,0 +1,73 @@
+package pipeline
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+)
+
+// Error is a request failure the client must see, with its HTTP status. Every
+// status the pipeline produces is decided here, in one place.
+type Error struct {
+	Status  int
+	Type    string // OpenAI error type
+	Message string
+	// Raw, when set, is an engine's own error body, returned as is.
+	Raw         []byte
+	ContentType string
+}
+
+func (e *Error) Error() string { return fmt.Sprintf("%d %s: %s", e.Status, e.Type, e.Message) }
+
+// Body returns the response body: the engine's own, or OpenAI-style JSON
+// {"error":{"message","type","code"}} with the status as the code, as vLLM does.
+func (e *Error) Body() (body []byte, contentType string) {
+	if e.Raw != nil {
+		return e.Raw, e.ContentType
+	}
+	type detail struct {
+		Message string `json:"message"`
+		Type    string `json:"type"`
+		Code    int    `json:"code"`
+	}
+	b, _ := json.Marshal(struct {
+		Error detail `json:"error"`
+	}{detail{e.Message, e.Type, e.Status}})
+	return b, "application/json"
+}
+
+func badRequest(format string, args ...any) *Error {
+	return &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Message: fmt.Sprintf(format, args...)}
+}
+
+func notFound(path string) *Error {
+	return &Error{Status: http.StatusNotFound, Type: "invalid_request_error",
+		Message: fmt.Sprintf("unknown path %q: supported are POST /v1/chat/completions and POST /v1/completions", path)}
+}
+
+// TooLarge is the error for a body over the configured limit.
+func TooLarge(limit int64) *Error {
+	return &Error{Status: http.StatusRequestEntityTooLarge, Type: "invalid_request_error",
+		Message: fmt.Sprintf("request body is larger than the limit of %d bytes (limits.max_body_bytes)", limit)}
+}
+
+func noDecodeEndpoint() *Error {
+	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable",
+		Message: "no healthy decode endpoint"}
+}
+
+// engineError passes an engine's 4xx answer on to the client unchanged: it is
+// about the request (bad parameters), which retrying elsewhere cannot fix.
+func engineError(status int, body []byte, contentType string) *Error {
+	return &Error{Status: status, Type: "invalid_request_error", Message: "prefill engine rejected the request",
+		Raw: body, ContentType: contentType}
+}
+
+// prefillFailed is the error under prefill.on_failure=fail.
+func prefillFailed(cause error) *Error {
+	status := http.StatusServiceUnavailable // the engine could not be reached or timed out
+	if se, ok := cause.(*statusError); ok && se.status >= 500 {
+		status = http.StatusBadGateway // the engine answered with its own failure
+	}
+	return &Error{Status: status, Type: "upstream_error", Message: "prefill leg failed: " + cause.Error()}
+}

@@ -1,0 +1,95 @@
+package pipeline
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+)
+
+// maxPrefillResponseBytes bounds what we read of a prefill answer: it is one
+// token plus kv_transfer_params, far below this.
+const maxPrefillResponseBytes = 8 << 20
+
+// statusError is an engine's non-2xx answer.
+type statusError struct {
+	status      int
+	body        []byte
+	contentType string
+}
+
+func (e *statusError) Error() string { return fmt.Sprintf("engine answered %d", e.status) }
+
+// retryable reports whether another prefill endpoint may succeed where this one
+// failed: connection errors, timeouts and 5xx yes; an engine's 4xx is about the
+// request itself.
+func retryable(err error) bool {
+	se, ok := err.(*statusError)
+	return !ok || se.status >= 500
+}
+
+// newEngineClient returns the HTTP client for prefill legs: keep-alive pools per
+// endpoint, no environment proxy (engines are addressed directly by ip:port),
+// and no transparent compression that would hide the response size.
+func newEngineClient() *http.Client {
+	return &http.Client{Transport: &http.Transport{
+		Proxy:               nil,
+		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:        1024,
+		MaxIdleConnsPerHost: 64,
+		IdleConnTimeout:     90 * time.Second,
+		DisableCompression:  true,
+	}}
+}
+
+// postPrefill sends one prefill leg and returns the raw kv_transfer_params of the
+// answer, or nil when the engine returned none (absent, null or empty).
+func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request, leg []byte) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+endpoint+r.Path, bytes.NewReader(leg))
+	if err != nil {
+		return nil, err
+	}
+	for k, v := range r.Forward {
+		req.Header[k] = v
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Request-Id", r.RequestID)
+	resp, err := p.client.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	answer, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillResponseBytes))
+	if err != nil {
+		return nil, fmt.Errorf("reading prefill answer: %w", err)
+	}
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return nil, &statusError{status: resp.StatusCode, body: answer, contentType: resp.Header.Get("Content-Type")}
+	}
+	return transferParams(answer), nil
+}
+
+// transferParams extracts kv_transfer_params from a non-streamed engine answer.
+// Anything but a non-empty object means there is nothing to hand to the decode
+// engine (a streamed answer, no connector on the prefill engine, an EOS token).
+func transferParams(answer []byte) []byte {
+	o, err := body.Parse(answer)
+	if err != nil {
+		return nil
+	}
+	raw, ok := o.Raw("kv_transfer_params")
+	if !ok || raw[0] != '{' {
+		return nil
+	}
+	if inner, err := body.Parse(raw); err != nil || inner.Len() == 0 {
+		return nil
+	}
+	return raw
+}
