@@ -1,0 +1,56 @@
+package config
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	defaults "github.com/pd-extproc/pd-extproc/config"
+)
+
+func TestEmbeddedDefaultIsValid(t *testing.T) {
+	c, err := Parse(defaults.DefaultYAML)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Connector != "kv-nixl" || c.Limits.MaxBodyBytes != 32<<20 || c.Prefill.Timeout.D() != 30*time.Second {
+		t.Errorf("unexpected default config: %+v", c)
+	}
+}
+
+func TestDefaultsFillMissingKeys(t *testing.T) {
+	c, err := Parse([]byte(`pools: {decode: {endpoints: ["10.0.0.2:8000"]}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Config{Connector: "kv-shared-storage"}
+	if c.Connector != want.Connector || c.Pools.Prefill.BootstrapPort != 8998 || c.Prefill.OnFailure != "decode-only" ||
+		c.Limits.MaxBodyBytes != 32<<20 || c.Envoy.OverrideMessageTimeout.D() != 60*time.Second {
+		t.Errorf("defaults not applied: %+v", c)
+	}
+}
+
+func TestInvalidConfigNamesTheKey(t *testing.T) {
+	tests := []struct {
+		name, yaml, wantKey string
+	}{
+		{"no decode endpoints", `connector: kv-nixl`, "pools.decode.endpoints"},
+		{"unknown connector", `{connector: kv-mooncake, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "connector"},
+		{"host name endpoint", `pools: {decode: {endpoints: ["decode:8000"]}}`, "pools.decode.endpoints[0]"},
+		{"endpoint without port", `pools: {prefill: {endpoints: ["10.0.0.1"]}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "pools.prefill.endpoints[0]"},
+		{"duplicate endpoint", `pools: {decode: {endpoints: ["10.0.0.2:8000", "10.0.0.2:8000"]}}`, "pools.decode.endpoints[1]"},
+		{"bad on_failure", `{prefill: {on_failure: retry}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "prefill.on_failure"},
+		{"bad duration", `{prefill: {timeout: 30}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "duration"},
+		{"misspelt key", `{pool: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, `unknown field "pool"`},
+		{"bootstrap port out of range", `pools: {prefill: {bootstrap_port: 70000}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "pools.prefill.bootstrap_port"},
+		{"negative body limit", `{limits: {max_body_bytes: -1}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "limits.max_body_bytes"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := Parse([]byte(tt.yaml))
+			if err == nil || !strings.Contains(err.Error(), tt.wantKey) {
+				t.Errorf("Parse() error = %v, want one naming %q", err, tt.wantKey)
+			}
+		})
+	}
+}

@@ -1,0 +1,251 @@
+package handlers_test
+
+import (
+	"fmt"
+	"regexp"
+	"strings"
+	"testing"
+
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
+)
+
+const (
+	fullDuplex = filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
+	buffered   = filterv3.ProcessingMode_BUFFERED
+	chatPath   = "/v1/chat/completions"
+)
+
+// clientChat carries fields a client must not be able to set (kv_transfer_params,
+// bootstrap_room) and a 20-digit seed that must keep every digit.
+const clientChat = `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,` +
+	`"stream_options":{"include_usage":true},"max_tokens":50,"seed":12345678901234567890,` +
+	`"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"evil"},"bootstrap_room":"x"}`
+
+var roomRE = regexp.MustCompile(`"bootstrap_room":\d+`)
+
+// pinRoom replaces the random SGLang room so bodies can be compared exactly.
+func pinRoom(s string) string { return roomRE.ReplaceAllString(s, `"bootstrap_room":ROOM`) }
+
+func TestFullDuplexRoutesWithHeldHeadersAndStreamedBody(t *testing.T) {
+	tests := []struct {
+		connector   string
+		body        string
+		chunks      int
+		wantPrefill string // "" when a leg is not pinned
+		wantDecode  string
+	}{
+		{
+			connector: "kv-nixl", body: clientChat, chunks: 3,
+			wantPrefill: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false,"max_tokens":1,"seed":12345678901234567890,` +
+				`"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}`,
+			wantDecode: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},` +
+				`"max_tokens":50,"seed":12345678901234567890,"kv_transfer_params":` + nixlParams + `}`,
+		},
+		{
+			connector: "kv-shared-storage", body: clientChat, chunks: 2,
+			wantPrefill: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false,"max_tokens":1,"seed":12345678901234567890}`,
+			wantDecode: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},` +
+				`"max_tokens":50,"seed":12345678901234567890}`,
+		},
+		{
+			connector: "kv-sglang", body: clientChat, chunks: 1,
+			wantPrefill: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},` +
+				`"max_tokens":50,"seed":12345678901234567890,"bootstrap_room":ROOM,"bootstrap_host":"127.0.0.1","bootstrap_port":8998}`,
+			wantDecode: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},` +
+				`"max_tokens":50,"seed":12345678901234567890,"bootstrap_room":ROOM,"bootstrap_host":"127.0.0.1","bootstrap_port":8998}`,
+		},
+		{
+			connector: "kv-nixl", chunks: 7, // a long prompt: the decode body comes back in ≤ 62,000-byte chunks
+			body: `{"model":"m","prompt":"` + strings.Repeat("a", 200_000) + `"}`,
+			wantDecode: `{"model":"m","prompt":"` + strings.Repeat("a", 200_000) + `","kv_transfer_params":` + nixlParams + `}`,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(fmt.Sprintf("%s/%d-bytes/%d-chunks", tt.connector, len(tt.body), tt.chunks), func(t *testing.T) {
+			prefill := newEngine(t, prefillOK)
+			decode := newEngine(t, answerJSON(`{}`))
+			c := startServer(t, testConfig(t, fmt.Sprintf(`
+connector: %s
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}`, tt.connector, prefill.addr(), decode.addr())), handlers.Options{})
+
+			path := chatPath
+			if !strings.Contains(tt.body, "messages") {
+				path = "/v1/completions"
+			}
+			msgs := append([]*extprocv3.ProcessingRequest{postHeaders(fullDuplex, path, tt.body, hdr{"x-request-id", "req-1"})},
+				split(tt.body, tt.chunks)...)
+			replies := exchange(t, c, msgs...)
+
+			hr := replies[0].GetRequestHeaders().GetResponse()
+			if hr == nil {
+				t.Fatalf("first reply is not the request headers reply: %v", replies[0])
+			}
+			if got, _ := headerValue(hr.GetHeaderMutation(), "x-gateway-destination-endpoint"); got != decode.addr() {
+				t.Errorf("destination header = %q, want %q", got, decode.addr())
+			}
+			if got := metadataDestination(replies[0]); got != decode.addr() {
+				t.Errorf("envoy.lb metadata = %q, want %q", got, decode.addr())
+			}
+			if got, _ := headerValue(hr.GetHeaderMutation(), "x-request-id"); got != "req-1" {
+				t.Errorf("x-request-id = %q, want the client's req-1", got)
+			}
+			if !hr.GetClearRouteCache() {
+				t.Error("clear_route_cache not set")
+			}
+			if got := pinRoom(streamedBody(t, replies[1:])); got != tt.wantDecode {
+				t.Errorf("decode body:\n got %.300s\nwant %.300s", got, tt.wantDecode)
+			}
+			if n := len(tt.body) / 62000; len(replies)-1 < n+1 {
+				t.Errorf("%d body replies for a %d-byte body", len(replies)-1, len(tt.body))
+			}
+
+			if tt.connector == "kv-sglang" {
+				prefill.await(t) // the leg runs in the background
+			}
+			bodies, ids := prefill.received()
+			if len(bodies) != 1 || ids[0] != "req-1" {
+				t.Fatalf("prefill engine got %d requests with ids %v, want 1 with req-1", len(bodies), ids)
+			}
+			if tt.wantPrefill != "" && pinRoom(bodies[0]) != tt.wantPrefill {
+				t.Errorf("prefill body:\n got %s\nwant %s", bodies[0], tt.wantPrefill)
+			}
+			if tt.connector == "kv-sglang" && roomRE.FindString(bodies[0]) != roomRE.FindString(streamedBody(t, replies[1:])) {
+				t.Error("prefill and decode legs carry different bootstrap rooms")
+			}
+			if got, _ := decode.received(); len(got) != 0 {
+				t.Errorf("the service itself sent %d requests to the decode engine; Envoy must", len(got))
+			}
+		})
+	}
+}
+
+func TestBufferedCarriesRoutingAndContentLengthInBodyReply(t *testing.T) {
+	tests := []struct {
+		name              string
+		withContentLength bool
+	}{
+		{"content-length sent", true},
+		{"chunked request", false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			prefill := newEngine(t, prefillOK)
+			c := startServer(t, testConfig(t, fmt.Sprintf(`
+connector: kv-nixl
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.addr())), handlers.Options{})
+			headers := postHeaders(buffered, chatPath, clientChat)
+			if !tt.withContentLength {
+				headers = requestHeaders(buffered, false, hdr{":method", "POST"}, hdr{":path", chatPath})
+			}
+			replies := exchange(t, c, headers, requestBody(clientChat, true))
+			if len(replies) != 2 {
+				t.Fatalf("got %d replies, want headers then body: %v", len(replies), replies)
+			}
+			if m := replies[0].GetRequestHeaders().GetResponse().GetHeaderMutation(); m != nil {
+				t.Errorf("BUFFERED headers reply must be a plain CONTINUE, got mutation %v", m)
+			}
+			br := replies[1].GetRequestBody().GetResponse()
+			newBody := br.GetBodyMutation().GetBody()
+			if !strings.Contains(string(newBody), `"kv_transfer_params":`+nixlParams) {
+				t.Errorf("decode body lacks the prefill's params: %s", newBody)
+			}
+			if got, _ := headerValue(br.GetHeaderMutation(), "x-gateway-destination-endpoint"); got != "10.1.1.1:8000" {
+				t.Errorf("destination = %q", got)
+			}
+			if got := metadataDestination(replies[1]); got != "10.1.1.1:8000" {
+				t.Errorf("metadata destination = %q", got)
+			}
+			cl, ok := headerValue(br.GetHeaderMutation(), "content-length")
+			switch {
+			case tt.withContentLength && cl != fmt.Sprint(len(newBody)):
+				t.Errorf("content-length = %q, want %d (Envoy answers 500 on a mismatch)", cl, len(newBody))
+			case !tt.withContentLength && ok:
+				t.Errorf("content-length %q set on a chunked request", cl)
+			}
+		})
+	}
+}
+
+func TestBodilessRequestsRouteFromHeaders(t *testing.T) {
+	tests := []struct {
+		name string
+		msg  *extprocv3.ProcessingRequest
+	}{
+		{"GET with end_of_stream", requestHeaders(fullDuplex, true, hdr{":method", "GET"}, hdr{":path", "/v1/models"})},
+		{"body mode NONE", postHeaders(filterv3.ProcessingMode_NONE, chatPath, clientChat)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := startServer(t, testConfig(t, `pools: {prefill: {endpoints: ["10.0.0.1:1"]}, decode: {endpoints: ["10.1.1.1:8000"]}}`), handlers.Options{})
+			replies := exchange(t, c, tt.msg)
+			if len(replies) != 1 {
+				t.Fatalf("got %d replies, want 1", len(replies))
+			}
+			m := replies[0].GetRequestHeaders().GetResponse().GetHeaderMutation()
+			if got, _ := headerValue(m, "x-gateway-destination-endpoint"); got != "10.1.1.1:8000" {
+				t.Errorf("destination = %q", got)
+			}
+			if id, _ := headerValue(m, "x-request-id"); len(id) != 36 {
+				t.Errorf("generated x-request-id = %q, want a UUID", id)
+			}
+		})
+	}
+}
+
+func TestDuplexTrailersEndTheBody(t *testing.T) {
+	prefill := newEngine(t, prefillOK)
+	c := startServer(t, testConfig(t, fmt.Sprintf(`
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.addr())), handlers.Options{})
+	replies := exchange(t, c, postHeaders(fullDuplex, chatPath, clientChat), requestBody(clientChat, false), requestTrailers())
+	if len(replies) != 3 {
+		t.Fatalf("got %d replies, want headers, body, trailers", len(replies))
+	}
+	sr := replies[1].GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
+	if sr == nil || sr.GetEndOfStream() {
+		t.Errorf("with trailers the body reply must not end the stream: %v", replies[1])
+	}
+	if replies[2].GetRequestTrailers() == nil {
+		t.Errorf("last reply is not a trailers reply: %v", replies[2])
+	}
+}
+
+func TestDuplicateFinalChunkIsNotProcessedTwice(t *testing.T) {
+	prefill := newEngine(t, prefillOK)
+	c := startServer(t, testConfig(t, fmt.Sprintf(`
+connector: kv-nixl
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.addr())), handlers.Options{})
+	// envoy#46237: the final chunk is sometimes delivered twice.
+	replies := exchange(t, c, postHeaders(fullDuplex, chatPath, clientChat), requestBody(clientChat, true), requestBody(clientChat, true))
+	if len(replies) != 2 {
+		t.Fatalf("got %d replies, want exactly one headers and one body reply", len(replies))
+	}
+	if bodies, _ := prefill.received(); len(bodies) != 1 {
+		t.Errorf("prefill ran %d times", len(bodies))
+	}
+}
+
+func TestResponsePathIsEchoedUnchanged(t *testing.T) {
+	c := startServer(t, testConfig(t, `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`), handlers.Options{})
+	sse := []string{"data: {\"choices\":[{\"delta\":{\"content\":\"tok0\"}}]}\n\n", "data: [DONE]\n\n"}
+	replies := exchange(t, c,
+		requestHeaders(fullDuplex, true, hdr{":method", "GET"}, hdr{":path", "/v1/models"}),
+		&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{}}},
+		responseBody(sse[0], false), responseBody(sse[1], true),
+		&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: &extprocv3.HttpTrailers{}}},
+	)
+	if len(replies) != 5 {
+		t.Fatalf("got %d replies, want 5", len(replies))
+	}
+	if replies[1].GetResponseHeaders() == nil || replies[4].GetResponseTrailers() == nil {
+		t.Errorf("response headers/trailers not answered in kind: %v / %v", replies[1], replies[4])
+	}
+	for i, want := range sse {
+		sr := replies[2+i].GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse()
+		if string(sr.GetBody()) != want || sr.GetEndOfStream() != (i == 1) {
+			t.Errorf("response chunk %d echoed as %q eos=%v", i, sr.GetBody(), sr.GetEndOfStream())
+		}
+	}
+}
