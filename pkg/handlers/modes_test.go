@@ -59,7 +59,7 @@ func TestFullDuplexRoutesWithHeldHeadersAndStreamedBody(t *testing.T) {
 		},
 		{
 			connector: "kv-nixl", chunks: 7, // a long prompt: the decode body comes back in ≤ 62,000-byte chunks
-			body: `{"model":"m","prompt":"` + strings.Repeat("a", 200_000) + `"}`,
+			body:       `{"model":"m","prompt":"` + strings.Repeat("a", 200_000) + `"}`,
 			wantDecode: `{"model":"m","prompt":"` + strings.Repeat("a", 200_000) + `","kv_transfer_params":` + nixlParams + `}`,
 		},
 	}
