@@ -1,0 +1,77 @@
+// Command pdsim runs a simulated vLLM or SGLang engine for prefill/decode
+// disaggregation: start one with --role prefill and one with --role decode,
+// put a P/D router in front, and watch the x-pdsim-kv* response headers.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	err := run(ctx, os.Args[1:], os.Stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "pdsim:", err)
+		os.Exit(1)
+	}
+}
+
+// run serves until ctx ends, then stops the engine (in-flight requests are cancelled).
+func run(ctx context.Context, args []string, stderr io.Writer) error {
+	cfg, err := parseFlags(args, stderr)
+	if err != nil {
+		return err
+	}
+	cfg.Log = stderr
+	s, err := pdsim.Start(cfg)
+	if err != nil {
+		return err
+	}
+	<-ctx.Done()
+	return s.Close()
+}
+
+func parseFlags(args []string, stderr io.Writer) (pdsim.Config, error) {
+	var c pdsim.Config
+	fs := flag.NewFlagSet("pdsim", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&c.Role, "role", pdsim.RoleDecode, "prefill | decode")
+	fs.StringVar(&c.Protocol, "protocol", pdsim.ProtocolNIXL, "vllm-nixl | sglang | shared-storage")
+	fs.StringVar(&c.Model, "model", "pdsim", "served model name")
+	fs.StringVar(&c.Addr, "addr", ":8000", "HTTP (OpenAI API) listen address")
+	fs.StringVar(&c.KVAddr, "kv-addr", ":5600", "vllm-nixl prefill: NIXL side-channel listen address (VLLM_NIXL_SIDE_CHANNEL_PORT)")
+	fs.StringVar(&c.BootstrapAddr, "bootstrap-addr", ":8998", "sglang prefill: bootstrap server listen address")
+	fs.StringVar(&c.AdvertiseHost, "advertise-host", "", "host to hand out as remote_host (VLLM_NIXL_SIDE_CHANNEL_HOST); default: the listen IP, or the first non-loopback IP")
+	fs.StringVar(&c.SharedDir, "shared-dir", filepath.Join(os.TempDir(), "pdsim-shared"), "shared-storage: directory shared by prefill and decode")
+	fs.DurationVar(&c.TTFT, "ttft", 100*time.Millisecond, "prefill compute time before the first token")
+	fs.DurationVar(&c.TPOT, "tpot", 10*time.Millisecond, "time per output token after the first")
+	fs.DurationVar(&c.KVTransfer, "kv-transfer", 20*time.Millisecond, "KV transfer time, replacing --ttft on a decode that loads remote KV")
+	fs.IntVar(&c.OutputTokens, "output-tokens", 16, "tokens the model emits before EOS; max_tokens caps it, min_tokens extends it")
+	fs.DurationVar(&c.HandshakeTimeout, "handshake-timeout", 30*time.Second, "sglang: how long each leg waits for the other")
+	fs.IntVar(&c.FailStatus, "fail-status", 0, "answer this HTTP status to faulty requests (0: none)")
+	fs.IntVar(&c.FailEvery, "fail-every", 1, "every N-th inference request is faulty")
+	fs.DurationVar(&c.Delay, "delay", 0, "extra delay before answering each inference request")
+	fs.BoolVar(&c.DropConnections, "drop-connections", false, "close faulty requests' TCP connections without answering")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	if fs.NArg() > 0 {
+		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	return c, nil
+}

@@ -1,0 +1,55 @@
+package pdsim
+
+import (
+	"context"
+	"net/http"
+	"time"
+)
+
+// Faults makes the engine misbehave on purpose, to test how a router copes.
+type Faults struct {
+	FailStatus      int           // answer this status (vLLM's error JSON) to faulty requests
+	FailEvery       int           // every FailEvery-th inference request is faulty; <=1: all of them
+	Delay           time.Duration // wait this long before handling any inference request
+	DropConnections bool          // close the TCP connection of faulty requests without answering
+}
+
+func (c Config) faults() Faults {
+	return Faults{FailStatus: c.FailStatus, FailEvery: c.FailEvery, Delay: c.Delay, DropConnections: c.DropConnections}
+}
+
+// SetFaults changes fault injection for requests that arrive from now on;
+// FailEvery counts from the change.
+func (s *Server) SetFaults(f Faults) {
+	s.mu.Lock()
+	s.faults = f
+	s.counted = 0
+	s.mu.Unlock()
+}
+
+// injectFaults applies the configured delay, then fails or drops the request if
+// it is a faulty one. It reports whether the request has been dealt with.
+func (s *Server) injectFaults(ctx context.Context, w http.ResponseWriter) bool {
+	s.mu.Lock()
+	f := s.faults
+	s.counted++
+	faulty := (f.FailStatus != 0 || f.DropConnections) && s.counted%max(f.FailEvery, 1) == 0
+	s.mu.Unlock()
+
+	if err := wait(ctx, f.Delay); err != nil {
+		return true
+	}
+	switch {
+	case !faulty:
+		return false
+	case f.DropConnections:
+		if conn, _, err := http.NewResponseController(w).Hijack(); err == nil {
+			conn.Close()
+			return true
+		}
+		s.writeError(w, &apiError{http.StatusBadGateway, "pdsim: connection could not be dropped"}) // HTTP/2 cannot hijack
+	default:
+		s.writeError(w, &apiError{f.FailStatus, "pdsim: injected failure"})
+	}
+	return true
+}

@@ -1,0 +1,207 @@
+package pdsim
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+)
+
+// connector is the engine side of one P/D protocol in one role.
+type connector interface {
+	// firstToken does everything that must happen before the first token can be
+	// sampled: prefill compute, or loading KV computed elsewhere. An *apiError
+	// rejects the request as the real engine would; any other error is a KV
+	// load failure (vLLM's kv_load_failure_policy=fail).
+	firstToken(ctx context.Context, req *request) (kvResult, error)
+}
+
+// KV outcomes, as recorded in Record.KV and the x-pdsim-kv header.
+const (
+	kvNone       = "none"
+	kvIssued     = "issued"
+	kvHit        = "hit"
+	kvMiss       = "miss"
+	kvRecompute  = "recompute"
+	kvLoadFailed = "load-failed"
+)
+
+type kvResult struct {
+	outcome   string
+	source    string          // where the KV came from (decode)
+	requestID string          // X-Request-Id the prefill computed the KV for (decode)
+	params    json.RawMessage // top-level kv_transfer_params of a non-streamed answer
+	oneToken  bool            // a disaggregated prefill stops after its first token
+}
+
+// compute simulates the prefill forward pass on this engine.
+func (s *Server) compute(ctx context.Context, req *request) error {
+	req.phase.run()
+	return wait(ctx, s.cfg.TTFT)
+}
+
+func (s *Server) inference(api apiKind) http.HandlerFunc {
+	return func(rw http.ResponseWriter, r *http.Request) {
+		w := &statusWriter{ResponseWriter: rw}
+		ctx := r.Context()
+		body, readErr := io.ReadAll(r.Body)
+		ex := s.begin(r, body)
+		ph := s.metrics.enter()
+		defer func() {
+			ph.exit()
+			ex.rec.Status = w.status
+			ex.rec.Canceled = ex.rec.Canceled || ctx.Err() != nil
+			s.finish(ex)
+		}()
+		if readErr != nil {
+			ex.rec.Canceled = true
+			return
+		}
+		if s.injectFaults(ctx, w) {
+			return
+		}
+		req, aerr := s.parseRequest(api, ex.rec.RequestID, body)
+		if aerr != nil {
+			s.writeError(w, aerr)
+			return
+		}
+		ex.rec.Stream = req.stream
+		ph.blocks = blocksFor(req.promptTokens)
+		req.phase = ph
+		s.update(ex)
+
+		res, err := s.kv.firstToken(ctx, req)
+		if errors.As(err, &aerr) {
+			s.writeError(w, aerr)
+			return
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		if err != nil {
+			res.outcome = kvLoadFailed
+			ex.err = err
+		}
+		ex.rec.KV, ex.rec.KVSource, ex.rec.KVRequestID = res.outcome, res.source, res.requestID
+		w.Header().Set("x-pdsim-kv", res.outcome)
+		if res.outcome == kvHit {
+			w.Header().Set("x-pdsim-kv-source", res.source)
+			w.Header().Set("x-pdsim-kv-request-id", res.requestID)
+		}
+		if err != nil {
+			// Real vLLM has already answered 200 to a streamed request by now and
+			// reports this as an SSE error event; pdsim holds its headers until the
+			// first token so they can carry the KV outcome, and answers 500.
+			s.writeError(w, &apiError{http.StatusInternalServerError, err.Error()})
+			return
+		}
+		ph.run()
+		if err := s.generate(ctx, w, req, res); err != nil {
+			ex.rec.Canceled = true
+		}
+	}
+}
+
+// generate emits the tokens after the first one has been made possible.
+func (s *Server) generate(ctx context.Context, w http.ResponseWriter, req *request, res kvResult) error {
+	n, finish := req.outputTokens(s.cfg.OutputTokens)
+	if res.oneToken {
+		n, finish = 1, "length"
+	}
+	u := &usage{PromptTokens: req.promptTokens, CompletionTokens: n, TotalTokens: req.promptTokens + n}
+	if !req.stream {
+		text := ""
+		for i := range n {
+			if i > 0 {
+				if err := wait(ctx, s.cfg.TPOT); err != nil {
+					return err
+				}
+			}
+			text += token(i)
+		}
+		c := req.envelope(s.cfg.Model, false)
+		ch := choice{FinishReason: &finish, Text: &text}
+		if req.api == apiChat {
+			ch.Text, ch.Message = nil, &message{Role: "assistant", Content: text}
+		}
+		c.Choices, c.Usage, c.KVTransferParams = []choice{ch}, u, res.params
+		if c.KVTransferParams == nil && s.cfg.Protocol != ProtocolSGLang {
+			c.KVTransferParams = json.RawMessage("null") // vLLM always prints the field
+		}
+		writeJSON(w, http.StatusOK, c)
+		return nil
+	}
+
+	out := newSSE(w)
+	if req.api == apiChat {
+		c := req.envelope(s.cfg.Model, true)
+		c.Choices = []choice{req.choice("", nil, true)}
+		if err := out.send(c); err != nil {
+			return err
+		}
+	}
+	for i := range n {
+		if i > 0 {
+			if err := wait(ctx, s.cfg.TPOT); err != nil {
+				return err
+			}
+		}
+		c := req.envelope(s.cfg.Model, true)
+		var fr *string
+		if i == n-1 {
+			fr = &finish
+		}
+		c.Choices = []choice{req.choice(token(i), fr, false)}
+		if err := out.send(c); err != nil {
+			return err
+		}
+	}
+	if req.includeUsage {
+		c := req.envelope(s.cfg.Model, true)
+		c.Usage = u
+		if err := out.send(c); err != nil {
+			return err
+		}
+	}
+	return out.raw([]byte("[DONE]"))
+}
+
+// callPeer makes one request to another engine's side channel or bootstrap server.
+func (s *Server) callPeer(ctx context.Context, method, url string, body []byte, into any) error {
+	r, err := http.NewRequestWithContext(ctx, method, url, bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	resp, err := s.client.Do(r)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode >= 300 {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 300))
+		return fmt.Errorf("%s: %s", resp.Status, bytes.TrimSpace(msg))
+	}
+	if into != nil {
+		return json.NewDecoder(resp.Body).Decode(into)
+	}
+	return nil
+}
+
+func newUUID() string {
+	var b [16]byte
+	rand.Read(b[:])
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:])
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	rand.Read(b)
+	return hex.EncodeToString(b)
+}

@@ -1,0 +1,227 @@
+package pdsim
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/url"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// kvLease is how long a prefill keeps blocks no decode has read (vLLM's kv_lease_duration).
+const kvLease = 30 * time.Second
+
+// nixlParams is the kv_transfer_params object current vLLM's NIXL pull
+// scheduler returns from a prefill, keys in its order.
+type nixlParams struct {
+	DoRemotePrefill        bool      `json:"do_remote_prefill"`
+	DoRemoteDecode         bool      `json:"do_remote_decode"`
+	RemoteBlockIDs         [][]int64 `json:"remote_block_ids"`
+	RemoteEngineID         string    `json:"remote_engine_id"`
+	RemoteRequestID        string    `json:"remote_request_id"`
+	RemoteHost             string    `json:"remote_host"`
+	RemotePort             int       `json:"remote_port"`
+	TPSize                 int       `json:"tp_size"`
+	DCPSize                int       `json:"dcp_size"`
+	PPSize                 int       `json:"pp_size"`
+	RemoteNumTokens        int       `json:"remote_num_tokens"`
+	RemoteBlocksExpiryTime *float64  `json:"remote_blocks_expiry_time"`
+	TransferMode           string    `json:"transfer_mode"`
+}
+
+// kvBlocks is what a prefill holds for one request until a decode reads it.
+// The side channel serves it so the decode can check it got what it asked for.
+type kvBlocks struct {
+	EngineID   string    `json:"engine_id"`
+	BlockIDs   [][]int64 `json:"block_ids"`
+	PromptHash string    `json:"prompt_hash"`
+	RequestID  string    `json:"request_id"` // the prefill request's X-Request-Id
+	NumTokens  int       `json:"num_tokens"`
+	expires    time.Time
+}
+
+// blockStore is the prefill's set of blocks waiting for a decode, keyed by
+// remote_request_id.
+type blockStore struct {
+	metrics *metrics
+	mu      sync.Mutex
+	held    map[string]*kvBlocks
+	nextID  int64
+}
+
+func newBlockStore(m *metrics) *blockStore {
+	return &blockStore{metrics: m, held: map[string]*kvBlocks{}}
+}
+
+func (b *blockStore) issue(key, engineID string, req *request) *kvBlocks {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.expire(time.Now())
+	n := blocksFor(req.promptTokens)
+	ids := make([]int64, n)
+	for i := range ids {
+		b.nextID++
+		ids[i] = b.nextID
+	}
+	blk := &kvBlocks{EngineID: engineID, BlockIDs: [][]int64{ids}, PromptHash: req.promptHash, RequestID: req.id,
+		NumTokens: req.promptTokens, expires: time.Now().Add(kvLease)}
+	b.held[key] = blk
+	b.metrics.blocks.Add(n)
+	return blk
+}
+
+func (b *blockStore) get(key string) (*kvBlocks, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.expire(time.Now())
+	blk, ok := b.held[key]
+	return blk, ok
+}
+
+func (b *blockStore) release(key string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	blk, ok := b.held[key]
+	if ok {
+		b.drop(key, blk)
+	}
+	return ok
+}
+
+// expire frees blocks whose lease ran out; checked lazily, so no timers to stop.
+func (b *blockStore) expire(now time.Time) {
+	for key, blk := range b.held {
+		if now.After(blk.expires) {
+			b.drop(key, blk)
+		}
+	}
+}
+
+func (b *blockStore) drop(key string, blk *kvBlocks) {
+	delete(b.held, key)
+	b.metrics.blocks.Add(-blocksFor(blk.NumTokens))
+}
+
+const errNoBlocks = "no such blocks: never issued, already read, or lease expired"
+
+// sideChannel stands in for NIXL's handshake and RDMA read: a decode GETs the
+// blocks, then DELETEs them as NIXL's "done reading" notification frees them.
+func (b *blockStore) sideChannel() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /kv/{id}", func(w http.ResponseWriter, r *http.Request) {
+		if blk, ok := b.get(r.PathValue("id")); ok {
+			writeJSON(w, http.StatusOK, blk)
+			return
+		}
+		http.Error(w, errNoBlocks, http.StatusNotFound)
+	})
+	mux.HandleFunc("DELETE /kv/{id}", func(w http.ResponseWriter, r *http.Request) {
+		if b.release(r.PathValue("id")) {
+			w.WriteHeader(http.StatusNoContent)
+			return
+		}
+		http.Error(w, errNoBlocks, http.StatusNotFound)
+	})
+	return mux
+}
+
+type nixlPrefill struct {
+	s     *Server
+	store *blockStore
+}
+
+func (p *nixlPrefill) firstToken(ctx context.Context, req *request) (kvResult, error) {
+	if err := p.s.compute(ctx, req); err != nil {
+		return kvResult{}, err
+	}
+	// A streamed answer has no kv_transfer_params field in vLLM, so the blocks
+	// could never be claimed: treat it as an ordinary request.
+	if !flag(kvParams(req), "do_remote_decode") || req.stream {
+		return kvResult{outcome: kvNone}, nil
+	}
+	host, portText, _ := net.SplitHostPort(p.s.KVAddr())
+	port, _ := strconv.Atoi(portText)
+	blk := p.store.issue(req.internalID, p.s.engineID, req)
+	params, err := json.Marshal(nixlParams{
+		DoRemotePrefill: true, RemoteBlockIDs: blk.BlockIDs, RemoteEngineID: p.s.engineID,
+		RemoteRequestID: req.internalID, RemoteHost: host, RemotePort: port,
+		TPSize: 1, DCPSize: 1, PPSize: 1, RemoteNumTokens: req.promptTokens, TransferMode: "pull",
+	})
+	return kvResult{outcome: kvIssued, params: params}, err
+}
+
+type nixlDecode struct{ s *Server }
+
+func (d *nixlDecode) firstToken(ctx context.Context, req *request) (kvResult, error) {
+	kv := kvParams(req)
+	if !flag(kv, "do_remote_prefill") {
+		return kvResult{outcome: kvNone}, d.s.compute(ctx, req)
+	}
+	var blockIDs any
+	if raw, ok := present(kv, "remote_block_ids"); ok {
+		decodeNumbers(raw, &blockIDs)
+	}
+	if list, _ := blockIDs.([]any); len(list) == 0 {
+		return kvResult{}, errors.New("do_remote_prefill without remote_block_ids: vLLM's scheduler asserts num_external_tokens == 0")
+	}
+	for _, key := range []string{"remote_engine_id", "remote_request_id", "remote_host", "remote_port"} {
+		if _, ok := present(kv, key); !ok {
+			d.s.log.Warn("Got invalid KVTransferParams, will not utilize KVTransfer", "request_id", req.id, "missing", key)
+			return kvResult{outcome: kvRecompute}, d.s.compute(ctx, req)
+		}
+	}
+	var want struct {
+		EngineID  string `json:"remote_engine_id"`
+		RequestID string `json:"remote_request_id"`
+		Host      string `json:"remote_host"`
+		Port      int    `json:"remote_port"`
+	}
+	if err := json.Unmarshal(req.fields["kv_transfer_params"], &want); err != nil {
+		return kvResult{}, fmt.Errorf("kv_transfer_params: %w", err)
+	}
+	source := net.JoinHostPort(want.Host, strconv.Itoa(want.Port))
+	blocksURL := "http://" + source + "/kv/" + url.PathEscape(want.RequestID)
+
+	var held kvBlocks
+	if err := d.s.callPeer(ctx, http.MethodGet, blocksURL, nil, &held); err != nil {
+		return kvResult{}, fmt.Errorf("reading KV blocks of %s from %s: %w", want.RequestID, source, err)
+	}
+	gotIDs, _ := json.Marshal(held.BlockIDs)
+	wantIDs, _ := json.Marshal(blockIDs)
+	switch {
+	case held.EngineID != want.EngineID:
+		return kvResult{}, fmt.Errorf("KV blocks of %s belong to engine %s, not remote_engine_id %s", want.RequestID, held.EngineID, want.EngineID)
+	case !bytes.Equal(gotIDs, wantIDs):
+		return kvResult{}, fmt.Errorf("remote_block_ids %s do not match the blocks %s of %s", wantIDs, gotIDs, want.RequestID)
+	case held.PromptHash != req.promptHash:
+		return kvResult{}, fmt.Errorf("KV blocks of %s were computed for a different prompt", want.RequestID)
+	}
+	if err := wait(ctx, d.s.cfg.KVTransfer); err != nil {
+		return kvResult{}, err
+	}
+	if err := d.s.callPeer(ctx, http.MethodDelete, blocksURL, nil, nil); err != nil {
+		d.s.log.Warn("releasing KV blocks", "remote_request_id", want.RequestID, "err", err) // the lease frees them
+	}
+	return kvResult{outcome: kvHit, source: source, requestID: held.RequestID}, nil
+}
+
+// kvParams returns the top-level kv_transfer_params object, nil when absent.
+func kvParams(req *request) map[string]json.RawMessage {
+	var m map[string]json.RawMessage
+	if raw, ok := present(req.fields, "kv_transfer_params"); ok {
+		json.Unmarshal(raw, &m)
+	}
+	return m
+}
+
+// flag is true only for a JSON true, as the connector's params.get(key) is truthy.
+func flag(m map[string]json.RawMessage, key string) bool {
+	var v bool
+	return json.Unmarshal(m[key], &v) == nil && v
+}

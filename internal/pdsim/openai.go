@@ -1,0 +1,364 @@
+package pdsim
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+)
+
+type apiKind int
+
+const (
+	apiChat apiKind = iota
+	apiCompletion
+)
+
+// request is the part of an OpenAI request body the simulated engine acts on.
+// The raw top-level fields are kept so protocol code reads its own keys with
+// their exact JSON (big integers included).
+type request struct {
+	api          apiKind
+	id           string // X-Request-Id, or a random id as vLLM makes one
+	internalID   string // vLLM's engine request id: chatcmpl-<id>-<8 hex>
+	fields       map[string]json.RawMessage
+	model        string
+	stream       bool
+	includeUsage bool
+	maxTokens    int64 // 0: no cap
+	minTokens    int64
+	promptTokens int
+	promptHash   string // model + prompt, so KV computed for one prompt is never served to another
+	phase        *phase // for the engine's load metrics
+}
+
+// apiError is an answer the engine gives instead of a completion.
+type apiError struct {
+	status  int
+	message string
+}
+
+func (e *apiError) Error() string { return e.message }
+
+func badRequest(format string, a ...any) *apiError {
+	return &apiError{http.StatusBadRequest, fmt.Sprintf(format, a...)}
+}
+
+// parseRequest validates a body the way vLLM's pydantic models and
+// SamplingParams do, as far as a router can trip over them.
+func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*request, *apiError) {
+	var fields map[string]json.RawMessage // duplicate keys: the last wins, as in Python's json
+	if err := json.Unmarshal(body, &fields); err != nil || fields == nil {
+		return nil, badRequest("JSON decode error: the body must be a JSON object")
+	}
+	req := &request{api: api, fields: fields, model: s.cfg.Model, id: requestID}
+	if req.id == "" {
+		req.id = strings.ReplaceAll(newUUID(), "-", "")
+	}
+	prefix := "chatcmpl-"
+	if api == apiCompletion {
+		prefix = "cmpl-"
+	}
+	req.internalID = prefix + req.id + "-" + randomHex(4) // vLLM >= 0.14 randomizes the suffix
+
+	if raw, ok := present(fields, "model"); ok {
+		if err := json.Unmarshal(raw, &req.model); err != nil {
+			return nil, badRequest("model: Input should be a valid string")
+		}
+		if req.model != s.cfg.Model {
+			return nil, &apiError{http.StatusNotFound, fmt.Sprintf("The model `%s` does not exist.", req.model)}
+		}
+	}
+
+	promptKey := "messages"
+	if api == apiCompletion {
+		promptKey = "prompt"
+	}
+	prompt, ok := present(fields, promptKey)
+	if !ok {
+		return nil, badRequest("%s: Field required", promptKey)
+	}
+	if err := req.readPrompt(prompt); err != nil {
+		return nil, badRequest("%s: %v", promptKey, err)
+	}
+
+	var aerr *apiError
+	if req.stream, aerr = boolField(fields, "stream"); aerr != nil {
+		return nil, aerr
+	}
+	if aerr := req.readTokenLimits(); aerr != nil {
+		return nil, aerr
+	}
+	if raw, ok := present(fields, "stream_options"); ok {
+		var opts struct {
+			IncludeUsage *bool `json:"include_usage"`
+		}
+		if err := json.Unmarshal(raw, &opts); err != nil {
+			return nil, badRequest("stream_options: Input should be a valid dictionary")
+		}
+		req.includeUsage = opts.IncludeUsage != nil && *opts.IncludeUsage
+		// vLLM's check tests truthiness, so {} passes; SGLang has no such check.
+		if s.cfg.Protocol != ProtocolSGLang && !req.stream && !bytes.Equal(bytes.TrimSpace(raw), []byte("{}")) {
+			return nil, badRequest("Stream options can only be defined when `stream=True`.")
+		}
+	}
+	if raw, ok := present(fields, "kv_transfer_params"); ok && s.cfg.Protocol != ProtocolSGLang {
+		var obj map[string]json.RawMessage
+		if json.Unmarshal(raw, &obj) != nil {
+			return nil, badRequest("kv_transfer_params: Input should be a valid dictionary")
+		}
+	}
+	return req, nil
+}
+
+func (r *request) readPrompt(raw json.RawMessage) error {
+	var v any
+	if err := decodeNumbers(raw, &v); err != nil {
+		return err
+	}
+	if list, ok := v.([]any); r.api == apiChat && (!ok || len(list) == 0) {
+		return fmt.Errorf("Input should be a non-empty list")
+	}
+	canonical, _ := json.Marshal(v) // sorted keys, so a router may re-encode the body freely
+	sum := sha256.Sum256(append([]byte(r.model+"\x00"), canonical...))
+	r.promptHash = hex.EncodeToString(sum[:16])
+	r.promptTokens = max(1, countTokens(v))
+	return nil
+}
+
+// countTokens stands in for a tokenizer: one token per word, or per token id.
+func countTokens(v any) int {
+	switch v := v.(type) {
+	case string:
+		return len(strings.Fields(v))
+	case json.Number:
+		return 1
+	case []any:
+		n := 0
+		for _, e := range v {
+			n += countTokens(e)
+		}
+		return n
+	case map[string]any:
+		n := 0
+		for _, e := range v {
+			n += countTokens(e)
+		}
+		return n
+	}
+	return 0
+}
+
+func (r *request) readTokenLimits() *apiError {
+	limit := "max_tokens"
+	if _, ok := present(r.fields, "max_completion_tokens"); ok && r.api == apiChat {
+		limit = "max_completion_tokens" // chat prefers it over max_tokens
+	}
+	var aerr *apiError
+	if r.maxTokens, aerr = intField(r.fields, limit); aerr != nil {
+		return aerr
+	}
+	if _, ok := present(r.fields, limit); ok && r.maxTokens < 1 {
+		return badRequest("max_tokens must be at least 1, got %d.", r.maxTokens)
+	}
+	if r.minTokens, aerr = intField(r.fields, "min_tokens"); aerr != nil {
+		return aerr
+	}
+	if r.minTokens < 0 {
+		return badRequest("min_tokens must be greater than or equal to 0, got %d.", r.minTokens)
+	}
+	if r.maxTokens > 0 && r.minTokens > r.maxTokens {
+		return badRequest("min_tokens must be less than or equal to max_tokens=%d, got %d.", r.maxTokens, r.minTokens)
+	}
+	return nil
+}
+
+// outputTokens is how many tokens the simulated model emits and why it stops:
+// it would say EOS after naturalLen tokens, min_tokens suppresses that, and
+// max_tokens cuts it short.
+func (r *request) outputTokens(naturalLen int) (int, string) {
+	n := max(int64(naturalLen), r.minTokens)
+	if r.maxTokens > 0 && n >= r.maxTokens {
+		return int(r.maxTokens), "length"
+	}
+	return int(n), "stop"
+}
+
+// present returns a top-level field unless it is absent or null (pydantic's None).
+func present(fields map[string]json.RawMessage, key string) (json.RawMessage, bool) {
+	raw, ok := fields[key]
+	if !ok || string(bytes.TrimSpace(raw)) == "null" {
+		return nil, false
+	}
+	return raw, true
+}
+
+func boolField(fields map[string]json.RawMessage, key string) (bool, *apiError) {
+	var v bool
+	if raw, ok := present(fields, key); ok && json.Unmarshal(raw, &v) != nil {
+		return false, badRequest("%s: Input should be a valid boolean", key)
+	}
+	return v, nil
+}
+
+// intField accepts what pydantic's lax int does: integers and integral floats.
+func intField(fields map[string]json.RawMessage, key string) (int64, *apiError) {
+	raw, ok := present(fields, key)
+	if !ok {
+		return 0, nil
+	}
+	text := string(bytes.TrimSpace(raw))
+	if v, err := strconv.ParseInt(text, 10, 64); err == nil {
+		return v, nil
+	}
+	if f, err := strconv.ParseFloat(text, 64); err == nil && f == float64(int64(f)) {
+		return int64(f), nil
+	}
+	return 0, badRequest("%s: Input should be a valid integer", key)
+}
+
+// decodeNumbers keeps numbers as written: a float64 would corrupt 63-bit ids.
+func decodeNumbers(raw json.RawMessage, into any) error {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.UseNumber()
+	return dec.Decode(into)
+}
+
+// OpenAI response shapes, field order as vLLM prints them.
+type completion struct {
+	ID               string          `json:"id"`
+	Object           string          `json:"object"`
+	Created          int64           `json:"created"`
+	Model            string          `json:"model"`
+	Choices          []choice        `json:"choices"`
+	Usage            *usage          `json:"usage,omitempty"`
+	KVTransferParams json.RawMessage `json:"kv_transfer_params,omitempty"`
+}
+
+type choice struct {
+	Index        int      `json:"index"`
+	Message      *message `json:"message,omitempty"`
+	Delta        *message `json:"delta,omitempty"`
+	Text         *string  `json:"text,omitempty"`
+	Logprobs     any      `json:"logprobs"`
+	FinishReason *string  `json:"finish_reason"`
+}
+
+type message struct {
+	Role    string `json:"role,omitempty"`
+	Content string `json:"content"`
+}
+
+type usage struct {
+	PromptTokens     int `json:"prompt_tokens"`
+	TotalTokens      int `json:"total_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+}
+
+// token is the deterministic text of output token i, so tests can assert content.
+func token(i int) string {
+	if i == 0 {
+		return "tok0"
+	}
+	return " tok" + strconv.Itoa(i)
+}
+
+func (r *request) envelope(model string, chunk bool) completion {
+	c := completion{ID: r.internalID, Object: "chat.completion", Created: time.Now().Unix(), Model: model, Choices: []choice{}}
+	switch {
+	case r.api == apiCompletion:
+		c.Object = "text_completion"
+	case chunk:
+		c.Object = "chat.completion.chunk"
+	}
+	return c
+}
+
+func (r *request) choice(text string, finish *string, first bool) choice {
+	c := choice{FinishReason: finish}
+	switch {
+	case r.api == apiCompletion:
+		c.Text = &text
+	case first:
+		c.Delta = &message{Role: "assistant", Content: text}
+	default:
+		c.Delta = &message{Content: text}
+	}
+	return c
+}
+
+// sse writes server-sent events, flushing each one as vLLM does per token.
+type sse struct {
+	w  http.ResponseWriter
+	rc *http.ResponseController
+}
+
+func newSSE(w http.ResponseWriter) sse {
+	w.Header().Set("Content-Type", "text/event-stream; charset=utf-8")
+	w.Header().Set("Cache-Control", "no-cache")
+	w.WriteHeader(http.StatusOK)
+	return sse{w, http.NewResponseController(w)}
+}
+
+func (e sse) send(v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return e.raw(b)
+}
+
+func (e sse) raw(data []byte) error {
+	if _, err := fmt.Fprintf(e.w, "data: %s\n\n", data); err != nil {
+		return err
+	}
+	return e.rc.Flush()
+}
+
+// errorBody is vLLM's error object; SGLang prints the same fields flat, after "object".
+type errorBody struct {
+	Object  string  `json:"object,omitempty"`
+	Message string  `json:"message"`
+	Type    string  `json:"type"`
+	Param   *string `json:"param"`
+	Code    int     `json:"code"`
+}
+
+func (s *Server) writeError(w http.ResponseWriter, e *apiError) {
+	kind := strings.ReplaceAll(http.StatusText(e.status), " ", "")
+	switch e.status {
+	case http.StatusBadRequest:
+		kind = "BadRequest"
+	case http.StatusInternalServerError:
+		kind = "InternalServer"
+	}
+	body := errorBody{Message: e.message, Type: kind + "Error", Code: e.status}
+	if s.cfg.Protocol == ProtocolSGLang {
+		body.Object = "error"
+		writeJSON(w, e.status, body)
+		return
+	}
+	writeJSON(w, e.status, map[string]errorBody{"error": body})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		status, b = http.StatusInternalServerError, []byte(`{"error":{"message":"encoding failed"}}`)
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	w.Write(b)
+}
+
+func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []map[string]any{{
+		"id": s.cfg.Model, "object": "model", "created": time.Now().Unix(), "owned_by": "pdsim",
+		"root": s.cfg.Model, "parent": nil,
+	}}})
+}

@@ -1,0 +1,402 @@
+// Package pdsim simulates a vLLM or SGLang engine taking part in prefill/decode
+// disaggregation, without a GPU. It speaks the engines' real wire formats (OpenAI
+// API, vLLM NIXL kv_transfer_params, SGLang bootstrap fields, a shared KV directory)
+// and really moves a small KV record between prefill and decode, so a router that
+// pairs the wrong legs fails here the way it would fail against real engines.
+package pdsim
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// Config describes one simulated engine. Zero durations mean "no latency".
+type Config struct {
+	Role     string // "prefill" | "decode" (default: a decode, which alone is an ordinary engine)
+	Protocol string // "vllm-nixl" (default) | "sglang" | "shared-storage"
+	Model    string // served model name; default "pdsim"
+	Addr     string // HTTP listen address; default "127.0.0.1:0"
+
+	// KVAddr is the NIXL side-channel listener of a vllm-nixl prefill
+	// (VLLM_NIXL_SIDE_CHANNEL_PORT); default "127.0.0.1:0".
+	KVAddr string
+	// BootstrapAddr is the bootstrap server of an sglang prefill; default "127.0.0.1:0".
+	BootstrapAddr string
+	// AdvertiseHost is the host put in remote_host (VLLM_NIXL_SIDE_CHANNEL_HOST).
+	// Default: the listener's IP, or this machine's first non-loopback IP when the
+	// listener binds all interfaces.
+	AdvertiseHost string
+	// SharedDir is the directory shared by prefill and decode (shared-storage);
+	// default $TMPDIR/pdsim-shared.
+	SharedDir string
+
+	TTFT       time.Duration // prefill compute before the first token
+	TPOT       time.Duration // between output tokens
+	KVTransfer time.Duration // replaces TTFT on a decode that loads remote KV
+	// OutputTokens is the natural answer length: the simulated model emits EOS
+	// after this many tokens (default 16). max_tokens caps it (finish_reason
+	// "length"), min_tokens extends it.
+	OutputTokens int
+	// HandshakeTimeout bounds the sglang bootstrap handshake on both legs; default 30s.
+	HandshakeTimeout time.Duration
+
+	FailStatus      int           // answer this status to faulty requests
+	FailEvery       int           // every FailEvery-th inference request is faulty (<=1: all)
+	Delay           time.Duration // extra delay before answering any inference request
+	DropConnections bool          // faulty requests get their TCP connection closed instead
+
+	Log io.Writer // one line per request; default os.Stderr
+}
+
+// Record is what the engine saw of one inference request.
+type Record struct {
+	Path        string `json:"path"`
+	RequestID   string `json:"request_id"` // X-Request-Id header
+	Body        []byte `json:"body"`       // exactly as received
+	Status      int    `json:"status"`     // 0 when the connection was dropped
+	Stream      bool   `json:"stream"`
+	KV          string `json:"kv"` // "" | issued | hit | miss | recompute | load-failed | none
+	KVSource    string `json:"kv_source,omitempty"`
+	KVRequestID string `json:"kv_request_id,omitempty"` // X-Request-Id the prefill issued the KV for
+	Canceled    bool   `json:"canceled"`                // the client (or Close) ended it before the answer was complete
+}
+
+// MarshalJSON prints Body as text rather than base64, for people reading /pdsim/requests.
+func (r Record) MarshalJSON() ([]byte, error) {
+	type plain Record
+	return json.Marshal(struct {
+		plain
+		Body string `json:"body"`
+	}{plain(r), string(r.Body)})
+}
+
+func (r *Record) UnmarshalJSON(b []byte) error {
+	type plain Record
+	v := struct {
+		*plain
+		Body string `json:"body"`
+	}{plain: (*plain)(r)}
+	if err := json.Unmarshal(b, &v); err != nil {
+		return err
+	}
+	r.Body = []byte(v.Body)
+	return nil
+}
+
+// Server is a running simulated engine.
+type Server struct {
+	cfg      Config
+	engineID string
+	kv       connector
+	metrics  *metrics
+	client   *http.Client // decode → prefill side channel / bootstrap server
+	log      *slog.Logger
+
+	ctx    context.Context // cancelled by Close: every handler's context derives from it
+	cancel context.CancelFunc
+	http   []*http.Server
+	addrs  map[string]string // listener name → advertised ip:port
+	wg     sync.WaitGroup    // handlers and servers
+	once   sync.Once
+
+	mu      sync.Mutex
+	records []Record
+	faults  Faults
+	counted int  // inference requests seen, for FailEvery
+	closing bool // no new handlers once set
+}
+
+const (
+	listenHTTP      = "http"
+	listenKV        = "kv"
+	listenBootstrap = "bootstrap"
+)
+
+// Start validates cfg, opens the listeners and serves in the background.
+func Start(cfg Config) (*Server, error) {
+	cfg, err := withDefaults(cfg)
+	if err != nil {
+		return nil, err
+	}
+	logOut := cfg.Log
+	if logOut == nil {
+		logOut = os.Stderr
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	s := &Server{
+		cfg:      cfg,
+		engineID: newUUID(),
+		metrics:  &metrics{},
+		client:   &http.Client{Transport: &http.Transport{}}, // no HTTP_PROXY: peers are engines next door
+		log:      slog.New(slog.NewTextHandler(logOut, nil)).With("role", cfg.Role, "protocol", cfg.Protocol),
+		ctx:      ctx,
+		cancel:   cancel,
+		addrs:    map[string]string{},
+		faults:   cfg.faults(),
+	}
+	ls := []listener{{listenHTTP, cfg.Addr, s.routes()}}
+	switch {
+	case cfg.Protocol == ProtocolNIXL && cfg.Role == RolePrefill:
+		store := newBlockStore(s.metrics)
+		s.kv = &nixlPrefill{s: s, store: store}
+		ls = append(ls, listener{listenKV, cfg.KVAddr, store.sideChannel()})
+	case cfg.Protocol == ProtocolNIXL:
+		s.kv = &nixlDecode{s: s}
+	case cfg.Protocol == ProtocolSGLang && cfg.Role == RolePrefill:
+		rooms := newBootstrap()
+		s.kv = &sglangPrefill{s: s, rooms: rooms}
+		ls = append(ls, listener{listenBootstrap, cfg.BootstrapAddr, rooms.routes()})
+	case cfg.Protocol == ProtocolSGLang:
+		s.kv = &sglangDecode{s: s}
+	default:
+		if err := os.MkdirAll(cfg.SharedDir, 0o755); err != nil {
+			cancel()
+			return nil, fmt.Errorf("pdsim: shared dir: %w", err)
+		}
+		s.kv = &sharedStorage{s: s}
+	}
+	for _, l := range ls {
+		if err := s.serve(l); err != nil {
+			s.Close()
+			return nil, err
+		}
+	}
+	s.log.Info("pdsim listening", "model", cfg.Model, "addr", s.Addr(), "kv_addr", s.KVAddr(),
+		"bootstrap_addr", s.BootstrapAddr(), "engine_id", s.engineID)
+	return s, nil
+}
+
+type listener struct {
+	name, addr string
+	handler    http.Handler
+}
+
+func (s *Server) serve(l listener) error {
+	ln, err := net.Listen("tcp", l.addr)
+	if err != nil {
+		return fmt.Errorf("pdsim: %s listener: %w", l.name, err)
+	}
+	tracked := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		// http.Server.Close does not wait for handlers; Server.Close does.
+		s.mu.Lock()
+		closing := s.closing
+		if !closing {
+			s.wg.Add(1)
+		}
+		s.mu.Unlock()
+		if closing {
+			http.Error(w, "pdsim: shutting down", http.StatusServiceUnavailable)
+			return
+		}
+		defer s.wg.Done()
+		l.handler.ServeHTTP(w, r)
+	})
+	srv := &http.Server{Handler: tracked, BaseContext: func(net.Listener) context.Context { return s.ctx }}
+	s.http = append(s.http, srv)
+	s.addrs[l.name] = advertise(ln.Addr().(*net.TCPAddr), s.cfg.AdvertiseHost)
+	s.wg.Go(func() {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			s.log.Error("serve", "listener", l.name, "err", err)
+		}
+	})
+	return nil
+}
+
+// Addr is the HTTP (OpenAI API) address, ip:port.
+func (s *Server) Addr() string { return s.addrs[listenHTTP] }
+
+// KVAddr is the NIXL side channel a vllm-nixl prefill puts in remote_host/remote_port ("" otherwise).
+func (s *Server) KVAddr() string { return s.addrs[listenKV] }
+
+// BootstrapAddr is the sglang prefill's bootstrap server ("" otherwise).
+func (s *Server) BootstrapAddr() string { return s.addrs[listenBootstrap] }
+
+// Requests returns a copy of every inference request received so far, in arrival order.
+// Requests still in flight show what is known so far.
+func (s *Server) Requests() []Record {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]Record, len(s.records))
+	copy(out, s.records)
+	return out
+}
+
+// Close stops the listeners, cancels in-flight work and returns once every
+// goroutine the server started has finished.
+func (s *Server) Close() error {
+	var err error
+	s.once.Do(func() {
+		s.mu.Lock()
+		s.closing = true
+		s.mu.Unlock()
+		s.cancel() // in-flight work ends now, so there is nothing to drain gracefully
+		for _, srv := range s.http {
+			err = errors.Join(err, srv.Close())
+		}
+		s.wg.Wait()
+		s.client.CloseIdleConnections()
+	})
+	return err
+}
+
+func (s *Server) routes() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/chat/completions", s.inference(apiChat))
+	mux.HandleFunc("POST /v1/completions", s.inference(apiCompletion))
+	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
+	mux.HandleFunc("GET /v1/models", s.models)
+	mux.HandleFunc("GET /metrics", s.metrics.serve(s.cfg.Model))
+	mux.HandleFunc("GET /pdsim/requests", func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, http.StatusOK, s.Requests())
+	})
+	mux.HandleFunc("/", func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, http.StatusNotFound, map[string]string{"detail": "Not Found"}) // FastAPI's answer
+	})
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("x-pdsim-role", s.cfg.Role)
+		mux.ServeHTTP(w, r)
+	})
+}
+
+// exchange is one inference request on its way through the server.
+type exchange struct {
+	index int
+	rec   Record
+	start time.Time
+	err   error // why the KV could not be loaded, for the log
+}
+
+func (s *Server) begin(r *http.Request, body []byte) *exchange {
+	ex := &exchange{rec: Record{Path: r.URL.Path, RequestID: r.Header.Get("X-Request-Id"), Body: body}, start: time.Now()}
+	s.mu.Lock()
+	ex.index = len(s.records)
+	s.records = append(s.records, ex.rec)
+	s.mu.Unlock()
+	return ex
+}
+
+func (s *Server) update(ex *exchange) {
+	s.mu.Lock()
+	s.records[ex.index] = ex.rec
+	s.mu.Unlock()
+}
+
+func (s *Server) finish(ex *exchange) {
+	s.update(ex)
+	r := ex.rec
+	attrs := []any{"path", r.Path, "request_id", r.RequestID, "status", r.Status, "stream", r.Stream,
+		"kv", r.KV, "kv_source", r.KVSource, "kv_request_id", r.KVRequestID, "canceled", r.Canceled,
+		"duration", time.Since(ex.start).Round(time.Microsecond)}
+	if ex.err != nil {
+		attrs = append(attrs, "err", ex.err)
+	}
+	s.log.Info("request", attrs...)
+}
+
+// statusWriter remembers the status for the Record; Unwrap lets
+// http.ResponseController reach Flush and Hijack underneath.
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (w *statusWriter) WriteHeader(code int) {
+	if w.status == 0 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *statusWriter) Write(b []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(b)
+}
+
+func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// wait sleeps for d unless ctx ends first.
+func wait(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// advertise turns a listener address into one a peer can dial.
+func advertise(a *net.TCPAddr, host string) string {
+	port := strconv.Itoa(a.Port)
+	if host != "" {
+		return net.JoinHostPort(host, port)
+	}
+	if !a.IP.IsUnspecified() {
+		return net.JoinHostPort(a.IP.String(), port)
+	}
+	if addrs, err := net.InterfaceAddrs(); err == nil {
+		for _, ad := range addrs {
+			if n, ok := ad.(*net.IPNet); ok && !n.IP.IsLoopback() && n.IP.To4() != nil {
+				return net.JoinHostPort(n.IP.String(), port)
+			}
+		}
+	}
+	return net.JoinHostPort("127.0.0.1", port)
+}
+
+// Roles and protocols accepted in Config.
+const (
+	RolePrefill = "prefill"
+	RoleDecode  = "decode"
+
+	ProtocolNIXL          = "vllm-nixl"
+	ProtocolSGLang        = "sglang"
+	ProtocolSharedStorage = "shared-storage"
+)
+
+func withDefaults(c Config) (Config, error) {
+	def := func(s *string, v string) {
+		if *s == "" {
+			*s = v
+		}
+	}
+	def(&c.Role, RoleDecode)
+	def(&c.Protocol, ProtocolNIXL)
+	if c.Role != RolePrefill && c.Role != RoleDecode {
+		return c, fmt.Errorf("pdsim: role %q: want %s or %s", c.Role, RolePrefill, RoleDecode)
+	}
+	switch c.Protocol {
+	case ProtocolNIXL, ProtocolSGLang, ProtocolSharedStorage:
+	default:
+		return c, fmt.Errorf("pdsim: protocol %q: want %s, %s or %s", c.Protocol, ProtocolNIXL, ProtocolSGLang, ProtocolSharedStorage)
+	}
+	def(&c.Model, "pdsim")
+	def(&c.Addr, "127.0.0.1:0")
+	def(&c.KVAddr, "127.0.0.1:0")
+	def(&c.BootstrapAddr, "127.0.0.1:0")
+	def(&c.SharedDir, filepath.Join(os.TempDir(), "pdsim-shared"))
+	if c.OutputTokens <= 0 {
+		c.OutputTokens = 16
+	}
+	if c.HandshakeTimeout <= 0 {
+		c.HandshakeTimeout = 30 * time.Second
+	}
+	return c, nil
+}

@@ -1,0 +1,251 @@
+package pdsim
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// sglangDefaultBootstrapPort is what SGLang uses when bootstrap_port is null.
+const sglangDefaultBootstrapPort = 8998
+
+// bootstrapFields are SGLang's top-level P/D fields; the same on both legs.
+type bootstrapFields struct {
+	host string
+	port int64
+	room int64
+}
+
+func bootstrapOf(req *request, needHost bool) (bootstrapFields, error) {
+	f := bootstrapFields{port: sglangDefaultBootstrapPort}
+	raw, ok := present(req.fields, "bootstrap_room")
+	if !ok {
+		return f, badRequest("bootstrap_room is required for disaggregated serving")
+	}
+	// Strictly an integer literal: a string or float room means a router lost
+	// precision or sent a UUID, and SGLang needs room % dp_size.
+	room, err := strconv.ParseInt(string(bytes.TrimSpace(raw)), 10, 64)
+	if err != nil || room < 0 {
+		return f, badRequest("bootstrap_room: Input should be a valid integer in [0, 2^63-1], got %s", raw)
+	}
+	f.room = room
+	if raw, ok := present(req.fields, "bootstrap_host"); ok {
+		if json.Unmarshal(raw, &f.host) != nil || f.host == "" {
+			return f, badRequest("bootstrap_host: Input should be a valid string")
+		}
+	} else if needHost {
+		return f, badRequest("bootstrap_host is required for disaggregated serving")
+	}
+	if raw, ok := present(req.fields, "bootstrap_port"); ok {
+		port, err := strconv.ParseInt(string(bytes.TrimSpace(raw)), 10, 64)
+		if err != nil || port < 1 || port > 65535 {
+			return f, badRequest("bootstrap_port: Input should be a valid port number, got %s", raw)
+		}
+		f.port = port
+	}
+	return f, nil
+}
+
+// room is one bootstrap_room on a prefill's bootstrap server. Each channel
+// marks a step of the handoff and is closed at most once, in this order;
+// gone may close at any point.
+type room struct {
+	registered chan struct{} // the prefill has arrived (requestID, promptHash set)
+	connected  chan struct{} // a decode has handshaken
+	ready      chan struct{} // the prefill's KV is computed
+	fetched    chan struct{} // the decode has taken the KV
+	gone       chan struct{} // the prefill has left, for whatever reason
+
+	requestID, promptHash string
+	taken                 bool // guarded by bootstrap.mu
+	connectOnce           sync.Once
+	fetchOnce             sync.Once
+}
+
+// bootstrap is an SGLang prefill's bootstrap server: the rendezvous where the
+// two legs of a request, sent concurrently in either order, find each other.
+type bootstrap struct {
+	mu    sync.Mutex
+	rooms map[int64]*room
+}
+
+func newBootstrap() *bootstrap { return &bootstrap{rooms: map[int64]*room{}} }
+
+func (b *bootstrap) room(id int64) *room {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	r, ok := b.rooms[id]
+	if !ok {
+		r = &room{registered: make(chan struct{}), connected: make(chan struct{}), ready: make(chan struct{}),
+			fetched: make(chan struct{}), gone: make(chan struct{})}
+		b.rooms[id] = r
+	}
+	return r
+}
+
+func (b *bootstrap) register(id int64, req *request) (*room, error) {
+	r := b.room(id)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if r.taken {
+		return nil, fmt.Errorf("bootstrap_room %d is already used by request %s", id, r.requestID)
+	}
+	r.taken, r.requestID, r.promptHash = true, req.id, req.promptHash
+	close(r.registered)
+	return r, nil
+}
+
+// leave is the prefill going away: waiting decodes learn it through gone.
+func (b *bootstrap) leave(id int64, r *room) {
+	close(r.gone)
+	b.mu.Lock()
+	if b.rooms[id] == r {
+		delete(b.rooms, id)
+	}
+	b.mu.Unlock()
+}
+
+// abandon forgets a room a decode waited for in vain, unless the prefill came.
+func (b *bootstrap) abandon(id int64, r *room) {
+	b.mu.Lock()
+	if b.rooms[id] == r && !r.taken {
+		delete(b.rooms, id)
+	}
+	b.mu.Unlock()
+}
+
+// routes are the decode's side of the rendezvous, as long polls: handshake
+// waits for the prefill to register the room, kv for its KV to be computed.
+func (b *bootstrap) routes() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /handshake/{room}", func(w http.ResponseWriter, r *http.Request) {
+		id, err := strconv.ParseInt(r.PathValue("room"), 10, 64)
+		var hello struct {
+			PromptHash string `json:"prompt_hash"`
+		}
+		if err != nil || json.NewDecoder(r.Body).Decode(&hello) != nil {
+			http.Error(w, "bad handshake", http.StatusBadRequest)
+			return
+		}
+		rm := b.room(id)
+		select {
+		case <-rm.registered:
+		case <-r.Context().Done():
+			b.abandon(id, rm)
+			return
+		}
+		if rm.promptHash != hello.PromptHash {
+			http.Error(w, "the prefill in this room has a different prompt", http.StatusConflict)
+			return
+		}
+		rm.connectOnce.Do(func() { close(rm.connected) })
+		writeJSON(w, http.StatusOK, map[string]string{"request_id": rm.requestID})
+	})
+	mux.HandleFunc("GET /kv/{room}", func(w http.ResponseWriter, r *http.Request) {
+		id, _ := strconv.ParseInt(r.PathValue("room"), 10, 64)
+		b.mu.Lock()
+		rm := b.rooms[id]
+		b.mu.Unlock()
+		if rm == nil {
+			http.NotFound(w, r)
+			return
+		}
+		select {
+		case <-rm.ready:
+		case <-rm.gone:
+			http.Error(w, "the prefill left before its KV was ready", http.StatusGone)
+			return
+		case <-r.Context().Done():
+			return
+		}
+		rm.fetchOnce.Do(func() { close(rm.fetched) })
+		w.WriteHeader(http.StatusOK)
+	})
+	return mux
+}
+
+type sglangPrefill struct {
+	s     *Server
+	rooms *bootstrap
+}
+
+// firstToken holds the request in the bootstrap queue until a decode
+// handshakes, as SGLang does: a router that awaits the prefill before sending
+// the decode waits for HandshakeTimeout.
+func (p *sglangPrefill) firstToken(ctx context.Context, req *request) (kvResult, error) {
+	f, err := bootstrapOf(req, false)
+	if err != nil {
+		return kvResult{}, err
+	}
+	rm, err := p.rooms.register(f.room, req)
+	if err != nil {
+		return kvResult{}, err
+	}
+	defer p.rooms.leave(f.room, rm)
+	timeout := p.s.cfg.HandshakeTimeout
+	if err := awaitOrTimeout(ctx, rm.connected, timeout); err != nil {
+		return kvResult{}, fmt.Errorf("no decode connected for bootstrap_room %d: %w", f.room, err)
+	}
+	if err := p.s.compute(ctx, req); err != nil {
+		return kvResult{}, err
+	}
+	close(rm.ready)
+	if err := awaitOrTimeout(ctx, rm.fetched, timeout); err != nil {
+		return kvResult{}, fmt.Errorf("decode did not take the KV of bootstrap_room %d: %w", f.room, err)
+	}
+	return kvResult{outcome: kvIssued, oneToken: true}, nil
+}
+
+type sglangDecode struct{ s *Server }
+
+func (d *sglangDecode) firstToken(ctx context.Context, req *request) (kvResult, error) {
+	f, err := bootstrapOf(req, true)
+	if err != nil {
+		return kvResult{}, err
+	}
+	source := net.JoinHostPort(f.host, strconv.FormatInt(f.port, 10))
+	peerURL := func(step string) string { return fmt.Sprintf("http://%s/%s/%d", source, step, f.room) }
+
+	hctx, cancel := context.WithTimeout(ctx, d.s.cfg.HandshakeTimeout)
+	hello, _ := json.Marshal(map[string]string{"prompt_hash": req.promptHash})
+	var peer struct {
+		RequestID string `json:"request_id"`
+	}
+	err = d.s.callPeer(hctx, http.MethodPost, peerURL("handshake"), hello, &peer)
+	if errors.Is(hctx.Err(), context.DeadlineExceeded) {
+		err = fmt.Errorf("timed out after %s", d.s.cfg.HandshakeTimeout)
+	}
+	cancel()
+	if err != nil {
+		return kvResult{}, fmt.Errorf("bootstrap handshake with %s for bootstrap_room %d: %w", source, f.room, err)
+	}
+	if err := d.s.callPeer(ctx, http.MethodGet, peerURL("kv"), nil, nil); err != nil {
+		return kvResult{}, fmt.Errorf("receiving KV of bootstrap_room %d from %s: %w", f.room, source, err)
+	}
+	if err := wait(ctx, d.s.cfg.KVTransfer); err != nil {
+		return kvResult{}, err
+	}
+	return kvResult{outcome: kvHit, source: source, requestID: peer.RequestID}, nil
+}
+
+// awaitOrTimeout waits for done, failing after timeout or when ctx ends.
+func awaitOrTimeout(ctx context.Context, done <-chan struct{}, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			return fmt.Errorf("timed out after %s", timeout)
+		}
+		return ctx.Err()
+	}
+}

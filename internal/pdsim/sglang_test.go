@@ -1,0 +1,112 @@
+package pdsim
+
+import (
+	"net"
+	"strings"
+	"testing"
+	"time"
+)
+
+// sglangBody is the one body a router sends to both legs.
+func sglangBody(t *testing.T, p *Server, room, content string) string {
+	host, port, err := net.SplitHostPort(p.BootstrapAddr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return chat(content, `,"stream":true,"max_tokens":4,"bootstrap_host":"`+host+`","bootstrap_port":`+port+`,"bootstrap_room":`+room)
+}
+
+func TestSGLangConcurrentLegs(t *testing.T) {
+	tests := []struct {
+		name         string
+		prefillDelay time.Duration // makes the decode likely to arrive first; the outcome must not depend on it
+	}{
+		{"prefill first or together", 0},
+		{"decode first", 50 * time.Millisecond},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := start(t, Config{Role: RolePrefill, Protocol: ProtocolSGLang, Delay: tt.prefillDelay, HandshakeTimeout: 5 * time.Second})
+			d := start(t, Config{Role: RoleDecode, Protocol: ProtocolSGLang, HandshakeTimeout: 5 * time.Second})
+			body := sglangBody(t, p, "9223372036854775807", "hello sglang")
+
+			prefilled := goPost(p, "/v1/chat/completions", body, "req-S")
+			dr := post(t, d, "/v1/chat/completions", body, "req-S")
+			pr := <-prefilled
+
+			if dr.status != 200 || dr.header.Get("x-pdsim-kv") != kvHit || dr.header.Get("x-pdsim-kv-source") != p.BootstrapAddr() ||
+				dr.header.Get("x-pdsim-kv-request-id") != "req-S" {
+				t.Fatalf("decode %d %v %s", dr.status, dr.header, dr.body)
+			}
+			if data := events(t, dr.body); len(data) != 1+4+1 { // role, 4 tokens, [DONE]
+				t.Errorf("decode stream %q", data)
+			}
+			if pr.status != 200 || pr.header.Get("x-pdsim-kv") != kvIssued || strings.Count(string(pr.body), "tok") != 1 {
+				t.Errorf("prefill %d %v %s", pr.status, pr.header, pr.body)
+			}
+			if rec := d.Requests()[0]; rec.KV != kvHit || rec.KVSource != p.BootstrapAddr() || rec.KVRequestID != "req-S" {
+				t.Errorf("decode record %+v", rec)
+			}
+		})
+	}
+}
+
+func TestSGLangHandshakeFailures(t *testing.T) {
+	const timeout = 100 * time.Millisecond
+	tests := []struct {
+		name string
+		run  func(t *testing.T, p, d *Server) (prefill, decode reply)
+	}{
+		{"prefill awaited before the decode is sent", func(t *testing.T, p, d *Server) (reply, reply) {
+			body := sglangBody(t, p, "42", "hello")
+			pr := post(t, p, "/v1/chat/completions", body, "")
+			return pr, post(t, d, "/v1/chat/completions", body, "")
+		}},
+		{"legs with different prompts in one room", func(t *testing.T, p, d *Server) (reply, reply) {
+			prefilled := goPost(p, "/v1/chat/completions", sglangBody(t, p, "7", "hello"), "")
+			dr := post(t, d, "/v1/chat/completions", sglangBody(t, p, "7", "goodbye"), "")
+			return <-prefilled, dr
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := start(t, Config{Role: RolePrefill, Protocol: ProtocolSGLang, HandshakeTimeout: timeout})
+			d := start(t, Config{Role: RoleDecode, Protocol: ProtocolSGLang, HandshakeTimeout: timeout})
+			began := time.Now()
+			pr, dr := tt.run(t, p, d)
+			for leg, r := range map[string]reply{"prefill": pr, "decode": dr} {
+				if r.status != 500 || r.header.Get("x-pdsim-kv") != kvLoadFailed || r.json(t)["object"] != "error" {
+					t.Errorf("%s: %d %v %s", leg, r.status, r.header, r.body)
+				}
+			}
+			if time.Since(began) < timeout {
+				t.Errorf("failed after %s, before the handshake timeout", time.Since(began))
+			}
+		})
+	}
+}
+
+func TestSGLangBootstrapFields(t *testing.T) {
+	tests := []struct {
+		name, role, fields string
+	}{
+		{"room as a string", RoleDecode, `"bootstrap_host":"127.0.0.1","bootstrap_port":8998,"bootstrap_room":"42"`},
+		{"room as a UUID", RolePrefill, `"bootstrap_host":"127.0.0.1","bootstrap_port":8998,"bootstrap_room":"5b0c7a9e-0000-4000-8000-000000000001"`},
+		{"room as a float", RoleDecode, `"bootstrap_host":"127.0.0.1","bootstrap_port":8998,"bootstrap_room":4.6e18`},
+		{"room above 2^63-1", RoleDecode, `"bootstrap_host":"127.0.0.1","bootstrap_port":8998,"bootstrap_room":9223372036854775808`},
+		{"negative room", RolePrefill, `"bootstrap_room":-1`},
+		{"no room", RolePrefill, `"bootstrap_host":"127.0.0.1"`},
+		{"decode without host", RoleDecode, `"bootstrap_port":8998,"bootstrap_room":1`},
+		{"port as a string", RoleDecode, `"bootstrap_host":"127.0.0.1","bootstrap_port":"8998","bootstrap_room":1`},
+		{"fields inside kv_transfer_params, where SGLang never looks", RoleDecode, `"kv_transfer_params":{"bootstrap_host":"127.0.0.1","bootstrap_port":8998,"bootstrap_room":1}`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := start(t, Config{Role: tt.role, Protocol: ProtocolSGLang})
+			r := post(t, s, "/v1/chat/completions", chat("x", ","+tt.fields), "")
+			if r.status != 400 || !strings.Contains(r.json(t)["message"].(string), "bootstrap_") {
+				t.Errorf("%d %s", r.status, r.body)
+			}
+		})
+	}
+}
