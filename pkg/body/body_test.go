@@ -1,0 +1,191 @@
+package body
+
+import (
+	"errors"
+	"strings"
+	"testing"
+)
+
+func TestParseAcceptsOnlyValidJSONObjects(t *testing.T) {
+	deep := func(n int, open, close string) string {
+		return `{"a":` + strings.Repeat(open, n) + strings.Repeat(close, n) + `}`
+	}
+	tests := []struct {
+		name      string
+		in        string
+		wantErr   bool
+		notObject bool // the error is ErrNotObject
+	}{
+		{name: "empty object", in: `{}`},
+		{name: "typical chat body", in: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`},
+		{name: "whitespace everywhere", in: " \t\r\n{ \n\t\"a\" \r: \n1 ,\t\"b\"\n:\t[ 1 , { } ] , \"c\" : \"x\" \n} \r\n\t"},
+		{name: "quotes braces and backslashes inside strings", in: `{"a":"}\"{[\\","b":"\\","c":"\\\""}`},
+		{name: "escaped key", in: `{"kv\u005ftransfer_params":{}}`},
+		{name: "duplicate keys", in: `{"a":1,"a":2}`},
+		{name: "nesting 1,000 deep", in: deep(1000, "[", "]")},
+		{name: "invalid UTF-8 in a string", in: "{\"a\":\"\xff\"}", wantErr: true},
+		{name: "invalid UTF-8 in a key", in: "{\"\xc3\x28\":1}", wantErr: true},
+		{name: "overlong UTF-8", in: "{\"a\":\"\xc0\xaf\"}", wantErr: true},
+		{name: "UTF-8 encoded surrogate", in: "{\"a\":\"\xed\xa0\x80\"}", wantErr: true},
+		{name: "empty body", in: ``, wantErr: true},
+		{name: "only whitespace", in: " \n", wantErr: true},
+		{name: "truncated", in: `{"model":"m"`, wantErr: true},
+		{name: "trailing comma", in: `{"a":1,}`, wantErr: true},
+		{name: "missing value", in: `{"a":}`, wantErr: true},
+		{name: "single quotes", in: `{'a':1}`, wantErr: true},
+		{name: "NaN", in: `{"a":NaN}`, wantErr: true},
+		{name: "two objects", in: `{"a":1}{"b":2}`, wantErr: true},
+		{name: "control character in a string", in: "{\"a\":\"\x01\"}", wantErr: true},
+		{name: "byte order mark", in: "\ufeff{}", wantErr: true},
+		{name: "object nested 100,000 deep", in: deep(100000, `{"a":`, "}"), wantErr: true},
+		{name: "array nested 100,000 deep", in: deep(100000, "[", "]"), wantErr: true},
+		{name: "top-level array nested 100,000 deep", in: strings.Repeat("[", 100000) + strings.Repeat("]", 100000), wantErr: true},
+		{name: "top-level array", in: `[{"model":"m"}]`, wantErr: true, notObject: true},
+		{name: "top-level string", in: `"{}"`, wantErr: true, notObject: true},
+		{name: "top-level number", in: ` 1 `, wantErr: true, notObject: true},
+		{name: "top-level null", in: `null`, wantErr: true, notObject: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			o, err := Parse([]byte(tt.in))
+			if (err != nil) != tt.wantErr {
+				t.Fatalf("Parse error = %v, want error %v", err, tt.wantErr)
+			}
+			if tt.notObject != errors.Is(err, ErrNotObject) {
+				t.Fatalf("Parse error = %v, want ErrNotObject %v", err, tt.notObject)
+			}
+			if err == nil && string(o.Bytes()) != tt.in {
+				t.Fatalf("Bytes() = %q, want the input", o.Bytes())
+			}
+		})
+	}
+}
+
+func TestRawReadsTheValueAnEngineReads(t *testing.T) {
+	tests := []struct {
+		name   string
+		in     string
+		key    string
+		want   string
+		absent bool
+	}{
+		{name: "plain", in: `{"model":"m","n":1}`, key: "n", want: `1`},
+		{name: "escaped key matches", in: `{"kv\u005ftransfer_params":{"x":1}}`, key: "kv_transfer_params", want: `{"x":1}`},
+		{name: "fully escaped key matches", in: `{"\u006d\u006F\u0064\u0065\u006c":"m"}`, key: "model", want: `"m"`},
+		{name: "non-ASCII key", in: `{"mod\u00e8le":1,"modèle":2}`, key: "modèle", want: `2`},
+		{name: "last duplicate wins", in: `{"n":1,"model":"m","n":4}`, key: "n", want: `4`},
+		{name: "last duplicate wins across spellings", in: `{"kv_transfer_params":1,"kv\u005ftransfer_params":2}`, key: "kv_transfer_params", want: `2`},
+		{name: "null is present", in: `{"a":null}`, key: "a", want: `null`},
+		{name: "value without surrounding whitespace", in: "{ \"a\" :\n [1, 2]\t, \"b\":0 }", key: "a", want: `[1, 2]`},
+		{name: "last member before spaces", in: `{"a":0, "b": true }`, key: "b", want: `true`},
+		{name: "string with escaped quote and brace", in: `{"a":"x\"}y","b":1}`, key: "a", want: `"x\"}y"`},
+		{name: "after a string ending in a backslash", in: `{"a":"x\\","b":1}`, key: "b", want: `1`},
+		{name: "20-digit integer", in: `{"seed":98765432109876543210}`, key: "seed", want: `98765432109876543210`},
+		{name: "float out of float64 range", in: `{"t":1e400}`, key: "t", want: `1e400`},
+		{name: "key is case sensitive", in: `{"Model":"m"}`, key: "model", absent: true},
+		{name: "nested keys are not top level", in: `{"a":{"model":"m"}}`, key: "model", absent: true},
+		{name: "empty object", in: `{}`, key: "model", absent: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			o := mustParse(t, tt.in)
+			got, ok := o.Raw(tt.key)
+			if ok == tt.absent || string(got) != tt.want {
+				t.Fatalf("Raw(%q) = %q, %v; want %q, %v", tt.key, got, ok, tt.want, !tt.absent)
+			}
+			if o.Has(tt.key) != !tt.absent {
+				t.Fatalf("Has(%q) = %v, want %v", tt.key, tt.absent, !tt.absent)
+			}
+		})
+	}
+}
+
+func TestRoutingFieldReaders(t *testing.T) {
+	const in = `{"model":"llama","esc":"m\u00e9\n\"q\"","empty":"","t":true,"f":false,` +
+		`"str_true":"true","one":1,"neg":-3,"max":9223372036854775807,"big":9223372036854775808,` +
+		`"float":1.0,"exp":1e2,"null":null,"n":1,"n":4}`
+	o := mustParse(t, in)
+
+	strings := []struct {
+		key  string
+		want string
+		ok   bool
+	}{
+		{"model", "llama", true},
+		{"esc", "mé\n\"q\"", true},
+		{"empty", "", true},
+		{"one", "", false},
+		{"null", "", false},
+		{"absent", "", false},
+	}
+	for _, tt := range strings {
+		if got, ok := o.String(tt.key); got != tt.want || ok != tt.ok {
+			t.Errorf("String(%q) = %q, %v; want %q, %v", tt.key, got, ok, tt.want, tt.ok)
+		}
+	}
+
+	bools := []struct {
+		key      string
+		want, ok bool
+	}{
+		{"t", true, true},
+		{"f", false, true},
+		{"str_true", false, false},
+		{"one", false, false},
+		{"null", false, false},
+		{"absent", false, false},
+	}
+	for _, tt := range bools {
+		if got, ok := o.Bool(tt.key); got != tt.want || ok != tt.ok {
+			t.Errorf("Bool(%q) = %v, %v; want %v, %v", tt.key, got, ok, tt.want, tt.ok)
+		}
+	}
+
+	ints := []struct {
+		key  string
+		want int64
+		ok   bool
+	}{
+		{"one", 1, true},
+		{"neg", -3, true},
+		{"max", 9223372036854775807, true},
+		{"n", 4, true}, // the engine reads the last duplicate, so routing must too
+		{"big", 0, false},
+		{"float", 0, false},
+		{"exp", 0, false},
+		{"str_true", 0, false},
+		{"null", 0, false},
+		{"absent", 0, false},
+	}
+	for _, tt := range ints {
+		if got, ok := o.Int(tt.key); got != tt.want || ok != tt.ok {
+			t.Errorf("Int(%q) = %v, %v; want %v, %v", tt.key, got, ok, tt.want, tt.ok)
+		}
+	}
+}
+
+func TestLenCountsMembersWithDuplicates(t *testing.T) {
+	// The pipeline treats kv_transfer_params with Len() == 0 as "no params".
+	for in, want := range map[string]int{`{}`: 0, " { \n } ": 0, `{"a":{"b":1}}`: 1, `{"a":1,"a":2}`: 2, `{"a":[1,2],"b":{}}`: 2} {
+		if got := mustParse(t, in).Len(); got != want {
+			t.Errorf("Parse(%q).Len() = %d, want %d", in, got, want)
+		}
+	}
+}
+
+func TestIsNull(t *testing.T) {
+	for raw, want := range map[string]bool{"null": true, "": false, `"null"`: false, "nul": false, "{}": false} {
+		if got := IsNull([]byte(raw)); got != want {
+			t.Errorf("IsNull(%q) = %v, want %v", raw, got, want)
+		}
+	}
+}
+
+func mustParse(t testing.TB, s string) *Object {
+	t.Helper()
+	o, err := Parse([]byte(s))
+	if err != nil {
+		t.Fatalf("Parse(%q): %v", s, err)
+	}
+	return o
+}

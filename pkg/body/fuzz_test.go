@@ -1,0 +1,224 @@
+package body
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"reflect"
+	"strings"
+	"testing"
+	"unicode/utf8"
+)
+
+// The seed corpora in testdata/fuzz hold realistic chat and completions bodies;
+// the f.Add seeds below are the edge shapes. Plain `go test` runs both.
+
+func FuzzParse(f *testing.F) {
+	for _, s := range []string{
+		`{}`, ` { } `, `[]`, `"x"`, `1`, `null`, ``, `{`, `{"a":1,}`, `{"a":1}{}`,
+		`{"a":"\"}","b":[{"c":"\\"}]}`, `{"kv\u005ftransfer_params":1,"kv_transfer_params":2}`,
+		`{"\ud800":1,"\udc00":2}`, "{\"a\":\"\xff\"}", `{"n":98765432109876543210,"t":1e400}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		o, err := Parse(b)
+		if want := utf8.Valid(b) && json.Valid(b); !want {
+			if err == nil {
+				t.Fatalf("Parse accepted %q, which is not valid UTF-8 JSON", b)
+			}
+			return
+		}
+		if isObject := b[skipSpace(b, 0)] == '{'; !isObject {
+			if !errors.Is(err, ErrNotObject) {
+				t.Fatalf("Parse(%q) error = %v, want ErrNotObject", b, err)
+			}
+			return
+		}
+		if err != nil {
+			t.Fatalf("Parse rejected the valid object %q: %v", b, err)
+		}
+		if got := o.Apply(); len(got) != len(b) || (len(b) > 0 && &got[0] != &b[0]) {
+			t.Fatalf("Apply() copied the body")
+		}
+
+		// Every key reads the value encoding/json keeps: the last duplicate, as in Python.
+		var want map[string]json.RawMessage
+		if err := json.Unmarshal(b, &want); err != nil {
+			t.Fatalf("encoding/json rejected what Parse accepted: %v", err)
+		}
+		names := make(map[string]bool)
+		prevEnd := o.open
+		for _, m := range o.members {
+			names[m.name] = true
+			if m.start < prevEnd || m.valStart > m.valEnd || b[m.start] != '"' {
+				t.Fatalf("member %q is located at %d..%d..%d, after %d", m.name, m.start, m.valStart, m.valEnd, prevEnd)
+			}
+			if !json.Valid(b[m.valStart:m.valEnd]) {
+				t.Fatalf("member %q has value %q, not a JSON value", m.name, b[m.valStart:m.valEnd])
+			}
+			prevEnd = m.valEnd
+		}
+		if len(names) != len(want) {
+			t.Fatalf("Parse found %d distinct keys, encoding/json %d", len(names), len(want))
+		}
+		for k, v := range want {
+			raw, ok := o.Raw(k)
+			if !ok || !bytes.Equal(raw, v) {
+				t.Fatalf("Raw(%q) = %q, %v; want %q", k, raw, ok, v)
+			}
+			var s string
+			sErr := json.Unmarshal(v, &s)
+			if got, ok := o.String(k); ok != (sErr == nil && v[0] == '"') || got != s {
+				t.Fatalf("String(%q) = %q, %v; encoding/json gives %q, %v", k, got, ok, s, sErr)
+			}
+			if got, ok := o.Bool(k); ok != (string(v) == "true" || string(v) == "false") || got != (string(v) == "true") {
+				t.Fatalf("Bool(%q) = %v, %v for %s", k, got, ok, v)
+			}
+		}
+	})
+}
+
+// FuzzApply checks Apply against a model: decode the input the way Python's
+// json does (last duplicate wins), apply the edits to the decoded map, and
+// compare with the decoded output. Every member no edit names must also keep
+// its exact bytes.
+//
+// script holds one edit per line, "op\tkey\tvalue": op s (Set), i (SetIfPresent)
+// or d (Delete). A value that is not UTF-8 JSON is quoted, which exercises Quote.
+func FuzzApply(f *testing.F) {
+	for _, s := range []struct{ body, script string }{
+		{`{}`, "s\tmax_tokens\t1"},
+		{`{"a":1,"a":2,"b":3,"a":4}`, "s\ta\ttrue"},
+		{`{"a":1,"a":2,"b":3,"a":4}`, "d\ta"},
+		{`{"a":1,"b":2}`, "d\ta\nd\tb\ns\tc\t\"x\""},
+		{`{"a":1}`, "s\ta\t1\nd\ta\ns\ta\tnull\ni\ta\t2"},
+		{`{"a":1}`, "i\tb\t1\nd\tc"},
+		{`{"\u0061":1}`, "s\ta\t[1, {\"b\": 98765432109876543210}]"},
+		{"\n{\n \"a\" : 1 ,\n \"b\" : 2\n}\n", "s\tb\tfalse\ns\tc\t1e400"},
+		{`{"a":1}`, "s\tk\x01\x7f\"\\\tnot json \x00\xff"},
+	} {
+		f.Add([]byte(s.body), s.script)
+	}
+	f.Fuzz(func(t *testing.T, b []byte, script string) {
+		o, err := Parse(b)
+		if err != nil {
+			return
+		}
+		edits := parseScript(script)
+		orig := bytes.Clone(b)
+
+		out := o.Apply(edits...)
+
+		if !bytes.Equal(b, orig) {
+			t.Fatalf("Apply changed its input")
+		}
+		if !utf8.Valid(out) || !json.Valid(out) {
+			t.Fatalf("Apply(%s) = %q: not valid UTF-8 JSON", describe(edits), out)
+		}
+		after, err := Parse(out)
+		if err != nil {
+			t.Fatalf("Parse(Apply output %q): %v", out, err)
+		}
+
+		final := make(map[string]Edit)
+		for _, e := range edits {
+			final[e.Key] = e
+		}
+		want := decodeLastWins(t, b).(map[string]any)
+		changes := false
+		for k, e := range final {
+			_, present := want[k]
+			switch {
+			case len(e.Value) == 0:
+				changes = changes || present
+				delete(want, k)
+			case e.IfPresent && !present:
+			default:
+				changes = true
+				want[k] = decodeLastWins(t, e.Value)
+			}
+		}
+		if got := decodeLastWins(t, out); !reflect.DeepEqual(got, want) {
+			t.Fatalf("Apply(%s) on %q\n = %q\ndecodes to %v\nwant %v", describe(edits), b, out, got, want)
+		}
+		if !changes && (len(out) != len(b) || &out[0] != &b[0]) {
+			t.Fatalf("Apply(%s) changed nothing but copied the body", describe(edits))
+		}
+
+		// Untouched members: same bytes, same order. Edited keys: at most once.
+		untouched := func(x *Object) (kept [][]byte) {
+			for _, m := range x.members {
+				if _, edited := final[m.name]; !edited {
+					kept = append(kept, x.raw[m.start:m.valEnd])
+				}
+			}
+			return kept
+		}
+		if before, got := untouched(o), untouched(after); !reflect.DeepEqual(before, got) {
+			t.Fatalf("untouched members changed:\n%q\nbecame\n%q", before, got)
+		}
+		count := make(map[string]int)
+		for _, m := range after.members {
+			if _, edited := final[m.name]; edited {
+				if count[m.name]++; count[m.name] > 1 {
+					t.Fatalf("edited key %q appears twice in %q", m.name, out)
+				}
+			}
+		}
+	})
+}
+
+func parseScript(script string) []Edit {
+	var edits []Edit
+	for line := range strings.SplitSeq(script, "\n") {
+		op, rest, _ := strings.Cut(line, "\t")
+		key, value, _ := strings.Cut(rest, "\t")
+		if !utf8.ValidString(key) {
+			continue // keys are ours; Quote's replacement of invalid bytes is tested on values
+		}
+		raw := []byte(value)
+		if !json.Valid(raw) || !utf8.Valid(raw) { // values are trusted to be JSON, as P's params are once parsed
+			raw = Quote(value)
+		}
+		switch op {
+		case "s":
+			edits = append(edits, Set(key, raw))
+		case "i":
+			edits = append(edits, SetIfPresent(key, raw))
+		case "d":
+			edits = append(edits, Delete(key))
+		}
+	}
+	return edits
+}
+
+// decodeLastWins decodes JSON as vLLM and SGLang do: numbers exact, the last
+// duplicate key wins (encoding/json into a map does the same).
+func decodeLastWins(t *testing.T, b []byte) any {
+	t.Helper()
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.UseNumber()
+	var v any
+	if err := d.Decode(&v); err != nil {
+		t.Fatalf("decode %q: %v", b, err)
+	}
+	return v
+}
+
+// describe renders edits the way a test failure should show them.
+func describe(edits []Edit) string {
+	parts := make([]string, len(edits))
+	for i, e := range edits {
+		switch {
+		case len(e.Value) == 0:
+			parts[i] = fmt.Sprintf("Delete(%q)", e.Key)
+		case e.IfPresent:
+			parts[i] = fmt.Sprintf("SetIfPresent(%q, %s)", e.Key, e.Value)
+		default:
+			parts[i] = fmt.Sprintf("Set(%q, %s)", e.Key, e.Value)
+		}
+	}
+	return strings.Join(parts, ", ")
+}
