@@ -37,36 +37,18 @@ func Parse(b []byte) (*Object, error) {
 	if !utf8.Valid(b) {
 		return nil, errors.New("request body is not valid UTF-8")
 	}
-	if !json.Valid(b) {
-		// Re-run the standard decoder only on the error path, for a precise message.
-		var v json.RawMessage
-		if err := json.Unmarshal(b, &v); err != nil {
-			return nil, fmt.Errorf("request body is not valid JSON: %w", err)
-		}
-		return nil, errors.New("request body is not valid JSON")
+	s := scanner{b: b, members: make([]member, 0, 16)}
+	if err := s.scan(); err != nil {
+		return nil, fmt.Errorf("request body is not valid JSON: %w", err)
 	}
-	i := skipSpace(b, 0)
-	if b[i] != '{' {
+	if s.open < 0 {
 		return nil, ErrNotObject
 	}
-	o := &Object{raw: b, open: i + 1}
-	i = skipSpace(b, i+1)
-	for b[i] != '}' {
-		keyEnd := skipString(b, i)
-		name, err := decodeKey(b[i:keyEnd])
-		if err != nil {
-			return nil, err
-		}
-		valStart := skipSpace(b, skipSpace(b, keyEnd)+1) // past ':'
-		valEnd := skipValue(b, valStart)
-		o.members = append(o.members, member{name: name, start: i, valStart: valStart, valEnd: valEnd})
-		i = skipSpace(b, valEnd)
-		if b[i] == ',' {
-			i = skipSpace(b, i+1)
-		}
+	close := len(b) - 1
+	for b[close] != '}' {
+		close--
 	}
-	o.close = i
-	return o, nil
+	return &Object{raw: b, members: s.members, open: s.open, close: close}, nil
 }
 
 // Bytes returns the body the Object was parsed from.
@@ -144,67 +126,6 @@ func decodeKey(raw []byte) (string, error) {
 		return "", fmt.Errorf("request body has an invalid key: %w", err)
 	}
 	return s, nil
-}
-
-// The skip functions assume b is valid JSON (checked once in Parse).
-
-func skipSpace(b []byte, i int) int {
-	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
-		i++
-	}
-	return i
-}
-
-// skipString returns the offset just past the string starting at b[i] == '"'.
-func skipString(b []byte, i int) int {
-	i++
-	for {
-		j := bytes.IndexByte(b[i:], '"')
-		end := i + j
-		// The quote is escaped when an odd number of backslashes precede it.
-		k := end - 1
-		for k >= i && b[k] == '\\' {
-			k--
-		}
-		if (end-k)%2 == 1 {
-			return end + 1
-		}
-		i = end + 1
-	}
-}
-
-// skipValue returns the offset just past the value starting at b[i].
-func skipValue(b []byte, i int) int {
-	switch b[i] {
-	case '"':
-		return skipString(b, i)
-	case '{', '[':
-		depth := 0
-		for {
-			switch b[i] {
-			case '"':
-				i = skipString(b, i)
-				continue
-			case '{', '[':
-				depth++
-			case '}', ']':
-				depth--
-				if depth == 0 {
-					return i + 1
-				}
-			}
-			i++
-		}
-	default: // number, true, false, null
-		for i < len(b) && !isDelim(b[i]) {
-			i++
-		}
-		return i
-	}
-}
-
-func isDelim(c byte) bool {
-	return c == ',' || c == '}' || c == ']' || c == ' ' || c == '\t' || c == '\n' || c == '\r'
 }
 
 // Len returns the number of top-level members, duplicates included.
