@@ -1,0 +1,127 @@
+package envoy
+
+import (
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+)
+
+func TestLoadConfigShippedFiles(t *testing.T) {
+	const (
+		fd       = extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED
+		buffered = extprocfilterv3.ProcessingMode_BUFFERED
+		none     = extprocfilterv3.ProcessingMode_NONE
+		send     = extprocfilterv3.ProcessingMode_SEND
+		skip     = extprocfilterv3.ProcessingMode_SKIP
+	)
+	tests := []struct {
+		file                   string
+		reqBody, respBody      extprocfilterv3.ProcessingMode_BodySendMode
+		reqTrailer, respTrailr extprocfilterv3.ProcessingMode_HeaderSendMode
+		msgTimeout, maxTimeout time.Duration
+	}{
+		{"envoy.yaml", fd, fd, send, send, 10 * time.Second, 0},
+		{"envoy-buffered.yaml", buffered, none, send, skip, time.Second, 120 * time.Second},
+	}
+	for _, tc := range tests {
+		t.Run(tc.file, func(t *testing.T) {
+			cfg := loadShipped(t, tc.file)
+			if cfg.RequestHeaderMode != send || cfg.ResponseHeaderMode != send {
+				t.Errorf("header modes = %v/%v, want SEND/SEND", cfg.RequestHeaderMode, cfg.ResponseHeaderMode)
+			}
+			if cfg.RequestBodyMode != tc.reqBody || cfg.ResponseBodyMode != tc.respBody {
+				t.Errorf("body modes = %v/%v, want %v/%v", cfg.RequestBodyMode, cfg.ResponseBodyMode, tc.reqBody, tc.respBody)
+			}
+			if cfg.RequestTrailerMode != tc.reqTrailer || cfg.ResponseTrailerMode != tc.respTrailr {
+				t.Errorf("trailer modes = %v/%v, want %v/%v", cfg.RequestTrailerMode, cfg.ResponseTrailerMode, tc.reqTrailer, tc.respTrailr)
+			}
+			if cfg.FailureModeAllow {
+				t.Error("failure_mode_allow = true")
+			}
+			if cfg.MessageTimeout != tc.msgTimeout || cfg.MaxMessageTimeout != tc.maxTimeout {
+				t.Errorf("timeouts = %v/%v, want %v/%v", cfg.MessageTimeout, cfg.MaxMessageTimeout, tc.msgTimeout, tc.maxTimeout)
+			}
+			if !slices.Equal(cfg.ReceivingNamespaces, []string{"envoy.lb"}) {
+				t.Errorf("receiving namespaces = %v, want [envoy.lb]", cfg.ReceivingNamespaces)
+			}
+			if cfg.BufferLimitBytes != 64<<20 {
+				t.Errorf("buffer limit = %d, want 64 MiB", cfg.BufferLimitBytes)
+			}
+			if cfg.MaxReceiveMessageLength != 64<<20 {
+				t.Errorf("max_receive_message_length = %d, want 64 MiB", cfg.MaxReceiveMessageLength)
+			}
+			if len(cfg.Routes) == 0 {
+				t.Fatal("no routes")
+			}
+			if r := matchRoute(cfg.Routes, "/v1/chat/completions"); r == nil || r.Timeout != 0 || r.Cluster != "pd_original_dst" {
+				t.Errorf("/v1/ route = %+v, want pd_original_dst with no timeout", r)
+			}
+			if r := matchRoute(cfg.Routes, "/metrics"); r == nil || r.Cluster != "pd_original_dst" {
+				t.Errorf("catch-all route = %+v, want pd_original_dst", r)
+			}
+			od := cfg.Clusters["pd_original_dst"].OriginalDst
+			if !od.UseHTTPHeader || od.HeaderName != "x-gateway-destination-endpoint" ||
+				od.MetadataNamespace != "envoy.lb" || !slices.Equal(od.MetadataPath, []string{"x-gateway-destination-endpoint"}) {
+				t.Errorf("ORIGINAL_DST = %+v", od)
+			}
+		})
+	}
+}
+
+// TestLoadConfigRejects breaks envoy.yaml one way at a time: what Envoy
+// refuses to load, LoadConfig refuses too.
+func TestLoadConfigRejects(t *testing.T) {
+	raw, err := os.ReadFile(filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name, old, new, want string
+	}{
+		{"FULL_DUPLEX with failure_mode_allow", "failure_mode_allow: false", "failure_mode_allow: true", "failure_mode_allow must be false"},
+		{"FULL_DUPLEX without request trailers", "request_trailer_mode: SEND", "request_trailer_mode: SKIP", "request_trailer_mode SEND"},
+		{"FULL_DUPLEX without response trailers", "response_trailer_mode: SEND", "response_trailer_mode: SKIP", "response_trailer_mode SEND"},
+		{"ORIGINAL_DST with round robin", "lb_policy: CLUSTER_PROVIDED", "lb_policy: ROUND_ROBIN", "CLUSTER_PROVIDED"},
+		{"header name without use_http_header", "use_http_header: true", "use_http_header: false", "requires use_http_header"},
+		{"unknown field", "failure_mode_allow: false", "failure_mode_alow: false", "failure_mode_alow"},
+		{"message_timeout over the maximum", "message_timeout: 10s", "message_timeout: 7200s", "MessageTimeout"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if !strings.Contains(string(raw), tc.old) {
+				t.Fatalf("envoy.yaml has no %q to break", tc.old)
+			}
+			p := filepath.Join(t.TempDir(), "envoy.yaml")
+			if err := os.WriteFile(p, []byte(strings.Replace(string(raw), tc.old, tc.new, 1)), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			_, err := LoadConfig(p)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("LoadConfig error = %v, want one mentioning %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestStartRejectsTweakedConfig: Start re-validates, so a test cannot run a
+// combination Envoy would refuse.
+func TestStartRejectsTweakedConfig(t *testing.T) {
+	cfg := loadShipped(t, "envoy.yaml")
+	cfg.FailureModeAllow = true
+	if p, err := Start(cfg, "127.0.0.1:1"); err == nil {
+		_ = p.Close()
+		t.Fatal("Start accepted FULL_DUPLEX_STREAMED with failure_mode_allow")
+	}
+	cfg = loadShipped(t, "envoy-buffered.yaml")
+	cfg.RequestBodyMode = extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED
+	cfg.RequestTrailerMode = extprocfilterv3.ProcessingMode_SKIP
+	if p, err := Start(cfg, "127.0.0.1:1"); err == nil {
+		_ = p.Close()
+		t.Fatal("Start accepted FULL_DUPLEX_STREAMED with request trailers skipped")
+	}
+}

@@ -1,0 +1,90 @@
+package envoy
+
+import (
+	"context"
+	"math"
+	"sync"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
+)
+
+// grpcStream is one ext_proc Process stream (§1.1). Sends go through an
+// unbounded queue drained by a goroutine so the event loop never blocks on
+// gRPC flow control; replies and the stream's end come back as events.
+type grpcStream struct {
+	x      *exchange
+	cancel context.CancelFunc
+	closed bool // reset by us: later errors are ours, not the server's
+
+	mu     sync.Mutex
+	queue  []*extprocv3.ProcessingRequest
+	signal chan struct{}
+}
+
+func openStream(x *exchange) *grpcStream {
+	ctx, cancel := context.WithCancel(x.ctx)
+	s := &grpcStream{x: x, cancel: cancel, signal: make(chan struct{}, 1)}
+	maxRecv := math.MaxInt32 // envoy_grpc max_receive_message_length 0 = unlimited
+	if x.cfg.MaxReceiveMessageLength > 0 {
+		maxRecv = x.cfg.MaxReceiveMessageLength
+	}
+	go s.run(ctx, maxRecv)
+	return s
+}
+
+func (s *grpcStream) push(m *extprocv3.ProcessingRequest) {
+	s.mu.Lock()
+	s.queue = append(s.queue, m)
+	s.mu.Unlock()
+	select {
+	case s.signal <- struct{}{}:
+	default:
+	}
+}
+
+// close resets the stream; the server sees codes.Canceled.
+func (s *grpcStream) close() {
+	if !s.closed {
+		s.closed = true
+		s.cancel()
+	}
+}
+
+func (s *grpcStream) run(ctx context.Context, maxRecv int) {
+	x := s.x
+	stream, err := x.p.client.Process(ctx, grpc.MaxCallRecvMsgSize(maxRecv), grpc.MaxCallSendMsgSize(math.MaxInt32))
+	if err != nil {
+		x.post(func() { x.onStreamEnd(err) })
+		return
+	}
+	go func() {
+		for {
+			resp, err := stream.Recv()
+			if err != nil {
+				x.post(func() { x.onStreamEnd(err) })
+				return
+			}
+			if !x.post(func() { x.onMessage(resp) }) {
+				return
+			}
+		}
+	}()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.signal:
+		}
+		s.mu.Lock()
+		batch := s.queue
+		s.queue = nil
+		s.mu.Unlock()
+		for _, m := range batch {
+			// A failed Send means the stream is over; Recv reports the status.
+			if stream.Send(m) != nil {
+				return
+			}
+		}
+	}
+}

@@ -1,0 +1,192 @@
+package envoy
+
+import (
+	"net/http"
+	"sort"
+	"strings"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+)
+
+// headerEntry is one header line. Keys are always lower-case, as in Envoy's
+// header maps (§1.3).
+type headerEntry struct {
+	key, value string
+}
+
+// headerMap is an ordered multi-map of lower-case header names, the stand-in
+// for Envoy's RequestHeaderMap / ResponseHeaderMap / trailer maps. Repeated
+// names are separate entries, as Envoy keeps them (and as it sends them to the
+// ext_proc server, one HeaderValue per entry).
+type headerMap struct {
+	entries []headerEntry
+}
+
+func (h *headerMap) clone() *headerMap {
+	if h == nil {
+		return nil
+	}
+	return &headerMap{entries: append([]headerEntry(nil), h.entries...)}
+}
+
+// get returns the first value of key.
+func (h *headerMap) get(key string) (string, bool) {
+	for _, e := range h.entries {
+		if e.key == key {
+			return e.value, true
+		}
+	}
+	return "", false
+}
+
+func (h *headerMap) has(key string) bool {
+	_, ok := h.get(key)
+	return ok
+}
+
+// set replaces every value of key by one value (Envoy setCopy).
+func (h *headerMap) set(key, value string) {
+	for i, e := range h.entries {
+		if e.key == key {
+			h.entries[i].value = value
+			h.removeFrom(key, i+1)
+			return
+		}
+	}
+	h.entries = append(h.entries, headerEntry{key, value})
+}
+
+// add appends another value for key (Envoy addCopy).
+func (h *headerMap) add(key, value string) {
+	h.entries = append(h.entries, headerEntry{key, value})
+}
+
+func (h *headerMap) remove(key string) {
+	h.removeFrom(key, 0)
+}
+
+func (h *headerMap) removeFrom(key string, start int) {
+	out := h.entries[:start]
+	for _, e := range h.entries[start:] {
+		if e.key != key {
+			out = append(out, e)
+		}
+	}
+	h.entries = out
+}
+
+// byteSize approximates Envoy's header map byte size (keys + values).
+func (h *headerMap) byteSize() int {
+	n := 0
+	for _, e := range h.entries {
+		n += len(e.key) + len(e.value)
+	}
+	return n
+}
+
+// toProto renders the map the way Envoy sends it to the server: the value only
+// in raw_value, value empty (§1.3, runtime guard send_header_raw_value on).
+// allow filters the entries by forward_rules (nil = everything).
+func (h *headerMap) toProto(allow func(string) bool) *corev3.HeaderMap {
+	out := &corev3.HeaderMap{}
+	for _, e := range h.entries {
+		if allow != nil && !allow(e.key) {
+			continue
+		}
+		out.Headers = append(out.Headers, &corev3.HeaderValue{Key: e.key, RawValue: []byte(e.value)})
+	}
+	return out
+}
+
+// hopByHop lists connection-specific headers that an HTTP/1 proxy never
+// forwards; Envoy's codecs strip them too.
+var hopByHop = map[string]bool{
+	"connection":        true,
+	"keep-alive":        true,
+	"proxy-connection":  true,
+	"transfer-encoding": true,
+	"upgrade":           true,
+	"te":                true,
+	"trailer":           true,
+}
+
+// fromHTTPHeader converts a Go header map into lower-case entries in a stable
+// (sorted) order, dropping hop-by-hop headers.
+func fromHTTPHeader(hdr http.Header, out *headerMap) {
+	keys := make([]string, 0, len(hdr))
+	for k := range hdr {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		lk := strings.ToLower(k)
+		if hopByHop[lk] {
+			continue
+		}
+		for _, v := range hdr[k] {
+			out.add(lk, v)
+		}
+	}
+}
+
+// toHTTPHeader copies the non-pseudo entries into dst.
+func (h *headerMap) toHTTPHeader(dst http.Header) {
+	for _, e := range h.entries {
+		if strings.HasPrefix(e.key, ":") || hopByHop[e.key] {
+			continue
+		}
+		k := http.CanonicalHeaderKey(e.key)
+		dst[k] = append(dst[k], e.value)
+	}
+}
+
+// isTokenChar reports RFC 9110 tchar.
+func isTokenChar(c byte) bool {
+	switch {
+	case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9':
+		return true
+	}
+	return strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0
+}
+
+// headerNameIsValid mirrors Envoy's HeaderUtility::headerNameIsValid:
+// pseudo-headers use HTTP/2 rules (lower-case only), other names HTTP/1 token
+// rules.
+func headerNameIsValid(name string) bool {
+	if name == "" {
+		return false
+	}
+	if name[0] == ':' {
+		if len(name) == 1 {
+			return false
+		}
+		for i := 1; i < len(name); i++ {
+			c := name[i]
+			if !isTokenChar(c) || (c >= 'A' && c <= 'Z') {
+				return false
+			}
+		}
+		return true
+	}
+	for i := 0; i < len(name); i++ {
+		if !isTokenChar(name[i]) {
+			return false
+		}
+	}
+	return true
+}
+
+// headerValueIsValid follows nghttp2's check: HTAB, SP, VCHAR and obs-text.
+// NUL, CR, LF and other controls are refused.
+func headerValueIsValid(v string) bool {
+	for i := 0; i < len(v); i++ {
+		c := v[i]
+		if c == '\t' {
+			continue
+		}
+		if c < 0x20 || c == 0x7f {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,330 @@
+package envoy
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/types/known/structpb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+// repoRoot walks up from the test's directory to the go.mod.
+func repoRoot(t testing.TB) string {
+	t.Helper()
+	dir, err := os.Getwd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			return dir
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			t.Fatal("go.mod not found above the test directory")
+		}
+		dir = parent
+	}
+}
+
+func loadShipped(t testing.TB, name string) *Config {
+	t.Helper()
+	cfg, err := LoadConfig(filepath.Join(repoRoot(t), "config", "envoy", name))
+	if err != nil {
+		t.Fatalf("LoadConfig(%s): %v", name, err)
+	}
+	return cfg
+}
+
+// ---- scripted ext_proc server ----
+
+// procStream is one Process stream as the scripted server sees it.
+type procStream struct {
+	t testing.TB
+	extprocv3.ExternalProcessor_ProcessServer
+}
+
+// next returns the next message, or nil once the stream is over.
+func (s *procStream) next() *extprocv3.ProcessingRequest {
+	m, err := s.Recv()
+	if err != nil {
+		return nil
+	}
+	return m
+}
+
+func (s *procStream) reply(r *extprocv3.ProcessingResponse) {
+	_ = s.Send(r)
+}
+
+type scriptedServer struct {
+	extprocv3.UnimplementedExternalProcessorServer
+	t      testing.TB
+	handle func(s *procStream) error
+}
+
+func (f *scriptedServer) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
+	return f.handle(&procStream{t: f.t, ExternalProcessor_ProcessServer: stream})
+}
+
+// startExtProc serves handle for every Process stream on 127.0.0.1 and
+// stops (waiting for the handlers) at cleanup.
+func startExtProc(t testing.TB, handle func(s *procStream) error) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer(grpc.WaitForHandlers(true))
+	extprocv3.RegisterExternalProcessorServer(srv, &scriptedServer{t: t, handle: handle})
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(srv.Stop)
+	return ln.Addr().String()
+}
+
+// startProxy runs the emulator against a scripted server and closes it at
+// cleanup (before the server stops: cleanups run last-in first-out).
+func startProxy(t testing.TB, cfg *Config, handle func(s *procStream) error) *Proxy {
+	t.Helper()
+	addr := startExtProc(t, handle)
+	cfg.Logf = t.Logf
+	p, err := Start(cfg, addr)
+	if err != nil {
+		t.Fatalf("Start: %v", err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	return p
+}
+
+// ---- reply builders ----
+
+func rawHeader(k, v string) *corev3.HeaderValueOption {
+	return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: k, RawValue: []byte(v)}}
+}
+
+func lbMetadata(ns, addr string) *structpb.Struct {
+	s, _ := structpb.NewStruct(map[string]any{ns: map[string]any{"x-gateway-destination-endpoint": addr}})
+	return s
+}
+
+func requestHeadersReply(cr *extprocv3.CommonResponse, md *structpb.Struct) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{
+		Response:        &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{Response: cr}},
+		DynamicMetadata: md,
+	}
+}
+
+func requestBodyReply(cr *extprocv3.CommonResponse) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: cr}}}
+}
+
+func streamedMutation(b []byte, eos bool) *extprocv3.CommonResponse {
+	return &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{
+		Mutation: &extprocv3.BodyMutation_StreamedResponse{StreamedResponse: &extprocv3.StreamedBodyResponse{Body: b, EndOfStream: eos}},
+	}}
+}
+
+func bodyMutation(b []byte, setHeaders ...*corev3.HeaderValueOption) *extprocv3.CommonResponse {
+	cr := &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: b}}}
+	if len(setHeaders) > 0 {
+		cr.HeaderMutation = &extprocv3.HeaderMutation{SetHeaders: setHeaders}
+	}
+	return cr
+}
+
+func setHeaders(hs ...*corev3.HeaderValueOption) *extprocv3.CommonResponse {
+	return &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: hs}}
+}
+
+func appendHeader(k, v string) *corev3.HeaderValueOption {
+	h := rawHeader(k, v)
+	h.Append = wrapperspb.Bool(true)
+	return h
+}
+
+// ---- server scripts ----
+
+// readRequestBody collects FULL_DUPLEX request chunks until end_of_stream
+// (or the trailers message, which it returns).
+func readRequestBody(s *procStream) (body []byte, trailers *extprocv3.HttpTrailers, ok bool) {
+	for {
+		m := s.next()
+		if m == nil {
+			return body, nil, false
+		}
+		switch r := m.Request.(type) {
+		case *extprocv3.ProcessingRequest_RequestBody:
+			body = append(body, r.RequestBody.GetBody()...)
+			if r.RequestBody.GetEndOfStream() {
+				return body, nil, true
+			}
+		case *extprocv3.ProcessingRequest_RequestTrailers:
+			return body, r.RequestTrailers, true
+		default:
+			s.t.Errorf("unexpected message while reading the request body: %T", m.Request)
+			return body, nil, false
+		}
+	}
+}
+
+// passResponse answers every response-path message unchanged (FULL_DUPLEX
+// echo for bodies), until the stream ends.
+func passResponse(s *procStream) {
+	for {
+		m := s.next()
+		if m == nil {
+			return
+		}
+		switch r := m.Request.(type) {
+		case *extprocv3.ProcessingRequest_ResponseHeaders:
+			s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}})
+		case *extprocv3.ProcessingRequest_ResponseBody:
+			s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{
+				Response: streamedMutation(r.ResponseBody.GetBody(), r.ResponseBody.GetEndOfStream()),
+			}}})
+		case *extprocv3.ProcessingRequest_ResponseTrailers:
+			s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}})
+		default:
+			s.t.Errorf("unexpected message on the response path: %T", m.Request)
+			return
+		}
+	}
+}
+
+// fullDuplexRouter is the GIE-style FULL_DUPLEX script: buffer the whole
+// body, answer headers (routing) then the new body as streamed_response,
+// then pass the response through.
+func fullDuplexRouter(headers *extprocv3.CommonResponse, md *structpb.Struct, newBody func([]byte) []byte) func(*procStream) error {
+	return func(s *procStream) error {
+		if m := s.next(); m.GetRequestHeaders() == nil {
+			s.t.Errorf("first message = %T, want request_headers", m.GetRequest())
+			return nil
+		}
+		body, _, ok := readRequestBody(s)
+		if !ok {
+			return nil
+		}
+		s.reply(requestHeadersReply(headers, md))
+		if newBody != nil {
+			body = newBody(body)
+		}
+		s.reply(requestBodyReply(streamedMutation(body, true)))
+		passResponse(s)
+		return nil
+	}
+}
+
+// ---- upstream ----
+
+type seenRequest struct {
+	Method, Path, Host string
+	Header             http.Header
+	Body               []byte
+	ContentLength      int64
+	TransferEncoding   []string
+	Trailer            http.Header
+}
+
+type upstream struct {
+	*httptest.Server
+	addr string
+	mu   sync.Mutex
+	seen []seenRequest
+}
+
+// startUpstream is an engine stand-in that records each request and answers
+// "upstream:" + body.
+func startUpstream(t testing.TB) *upstream {
+	t.Helper()
+	return startUpstreamWith(t, nil)
+}
+
+// startUpstreamWith records each request, then runs handle (nil = answer
+// "upstream:" + body).
+func startUpstreamWith(t testing.TB, handle http.HandlerFunc) *upstream {
+	t.Helper()
+	u := &upstream{}
+	u.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		u.mu.Lock()
+		u.seen = append(u.seen, seenRequest{
+			Method: r.Method, Path: r.URL.RequestURI(), Host: r.Host, Header: r.Header.Clone(), Body: body,
+			ContentLength: r.ContentLength, TransferEncoding: r.TransferEncoding, Trailer: r.Trailer.Clone(),
+		})
+		u.mu.Unlock()
+		if handle != nil {
+			handle(w, r)
+			return
+		}
+		w.Header().Set("Content-Type", "text/plain")
+		_, _ = w.Write(append([]byte("upstream:"), body...))
+	}))
+	u.addr = strings.TrimPrefix(u.URL, "http://")
+	t.Cleanup(u.Close)
+	return u
+}
+
+func (u *upstream) requests() []seenRequest {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return append([]seenRequest(nil), u.seen...)
+}
+
+// ---- client ----
+
+type result struct {
+	status  int
+	header  http.Header
+	trailer http.Header
+	body    string
+}
+
+func do(t testing.TB, p *Proxy, method, path, body string, hdr map[string]string) result {
+	t.Helper()
+	var rd io.Reader
+	if body != "" {
+		rd = strings.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(context.Background(), method, p.URL()+path, rd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, v := range hdr {
+		req.Header.Set(k, v)
+	}
+	return doReq(t, req)
+}
+
+func doReq(t testing.TB, req *http.Request) result {
+	t.Helper()
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", req.Method, req.URL, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("reading response: %v", err)
+	}
+	return result{status: resp.StatusCode, header: resp.Header, trailer: resp.Trailer, body: string(b)}
+}
+
+// chunkedBody hides the length so the client sends Transfer-Encoding: chunked.
+type chunkedBody struct{ r io.Reader }
+
+func (c chunkedBody) Read(p []byte) (int, error) { return c.r.Read(p) }
+
+func chunked(s string) io.Reader { return chunkedBody{bytes.NewReader([]byte(s))} }

@@ -1,0 +1,151 @@
+package envoy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+// Proxy is a running emulated Envoy: an HTTP/1.1 listener on 127.0.0.1 with
+// the ext_proc filter (talking to one ext_proc server) and the router.
+type Proxy struct {
+	cfg       Config
+	rules     *mutationRules
+	ln        net.Listener
+	srv       *http.Server
+	conn      *grpc.ClientConn
+	client    extprocv3.ExternalProcessorClient
+	transport *http.Transport
+	ctx       context.Context
+	cancel    context.CancelFunc
+
+	// hooks are test-only observation points; set them before any request.
+	hooks struct {
+		clientBodyDone func() // the whole client body reached the filter
+	}
+
+	mu        sync.Mutex
+	closed    bool
+	handlers  sync.WaitGroup
+	upstreams []string
+}
+
+// Start validates cfg like Envoy would (a config Envoy rejects does not
+// start), then listens on 127.0.0.1:0. Each HTTP request opens its own
+// Process stream to extProcAddr (insecure gRPC) when it first needs one.
+func Start(cfg *Config, extProcAddr string) (*Proxy, error) {
+	if cfg == nil {
+		return nil, errors.New("envoy: nil config")
+	}
+	c := cfg.withDefaults()
+	if err := c.Validate(); err != nil {
+		return nil, fmt.Errorf("envoy: config rejected: %w", err)
+	}
+	rules, err := compileRules(c.MutationRules, c.HeaderPrefix)
+	if err != nil {
+		return nil, fmt.Errorf("envoy: config rejected: %w", err)
+	}
+	conn, err := grpc.NewClient(extProcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, fmt.Errorf("envoy: ext_proc client: %w", err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		_ = conn.Close()
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &Proxy{
+		cfg:    c,
+		rules:  rules,
+		ln:     ln,
+		conn:   conn,
+		client: extprocv3.NewExternalProcessorClient(conn),
+		transport: &http.Transport{
+			Proxy:               nil,
+			DialContext:         (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
+			DisableCompression:  true,
+			MaxIdleConnsPerHost: 64,
+		},
+		ctx:    ctx,
+		cancel: cancel,
+	}
+	p.srv = &http.Server{
+		Handler:           http.HandlerFunc(p.serveHTTP),
+		ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog:          log.New(io.Discard, "", 0),
+	}
+	go func() { _ = p.srv.Serve(ln) }()
+	return p, nil
+}
+
+// URL is the listener's base URL, e.g. http://127.0.0.1:41234.
+func (p *Proxy) URL() string { return "http://" + p.ln.Addr().String() }
+
+// Upstreams lists the ip:port each request was forwarded to, in order.
+func (p *Proxy) Upstreams() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string(nil), p.upstreams...)
+}
+
+func (p *Proxy) recordUpstream(addr string) {
+	p.mu.Lock()
+	p.upstreams = append(p.upstreams, addr)
+	p.mu.Unlock()
+}
+
+// Close stops the listener, cancels every in-flight exchange (their gRPC
+// streams are reset) and waits for them.
+func (p *Proxy) Close() error {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil
+	}
+	p.closed = true
+	p.mu.Unlock()
+	p.cancel()
+	err := p.srv.Close()
+	p.handlers.Wait()
+	p.transport.CloseIdleConnections()
+	if cerr := p.conn.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+func (p *Proxy) serveHTTP(w http.ResponseWriter, r *http.Request) {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		http.Error(w, "proxy closed", http.StatusServiceUnavailable)
+		return
+	}
+	p.handlers.Add(1)
+	p.mu.Unlock()
+	defer p.handlers.Done()
+
+	// A client disconnect or Close cancels everything of this exchange.
+	ctx, cancel := context.WithCancel(r.Context())
+	defer cancel()
+	stop := context.AfterFunc(p.ctx, cancel)
+	defer stop()
+
+	x := newExchange(p, w, r, ctx)
+	x.run()
+	if x.abort {
+		// A reset: the client sees a broken or truncated response.
+		panic(http.ErrAbortHandler)
+	}
+}

@@ -1,0 +1,292 @@
+package envoy
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+)
+
+// matchRoute picks the first matching route: prefix against the whole
+// :path, path against :path without its query (Envoy RouteMatch).
+func matchRoute(routes []Route, path string) *Route {
+	noQuery, _, _ := strings.Cut(path, "?")
+	for i := range routes {
+		r := &routes[i]
+		if (r.Path != "" && r.Path == noQuery) || (r.Path == "" && strings.HasPrefix(path, r.Prefix)) {
+			return r
+		}
+	}
+	return nil
+}
+
+// router is the request direction's sink: the router filter. It picks the
+// host when the headers arrive (§2.11) and streams the body upstream over
+// HTTP/1.1, chunked when there is no Content-Length (§2.6 "Upstream framing").
+type router struct {
+	x *exchange
+}
+
+func (rt *router) headers(h *headerMap, end bool) {
+	x := rt.x
+	if x.reroute {
+		// clear_route_cache: re-match with the mutated :path (§3.6).
+		p, _ := h.get(":path")
+		x.route = matchRoute(x.cfg.Routes, p)
+		x.reroute = false
+	}
+	route := x.route
+	if route == nil {
+		x.localReply(http.StatusNotFound, "", "route_not_found")
+		return
+	}
+	md := x.routeMeta
+	if md == nil {
+		md = x.metadata
+	}
+	addr, ok := chooseHost(x.cfg.Clusters[route.Cluster].OriginalDst, h, md)
+	if !ok {
+		x.localReply(http.StatusServiceUnavailable, "no healthy upstream", "no_healthy_upstream")
+		return
+	}
+	x.p.recordUpstream(addr)
+	req, err := rt.buildRequest(addr, h, end, route)
+	if err != nil {
+		x.localReply(http.StatusBadRequest, "", "invalid_upstream_request: "+err.Error())
+		return
+	}
+	x.startUpstream(req)
+	if end {
+		x.startRouteTimer(route.Timeout)
+	}
+}
+
+func (rt *router) data(b []byte, end bool) {
+	x := rt.x
+	if len(b) > 0 {
+		x.reqBody.push(b)
+	}
+	if end {
+		x.reqBody.end(nil)
+		x.startRouteTimer(x.route.Timeout)
+	}
+}
+
+func (rt *router) trailers(t *headerMap) {
+	x := rt.x
+	x.reqBody.end(t)
+	x.startRouteTimer(x.route.Timeout)
+}
+
+func (rt *router) buildRequest(addr string, h *headerMap, end bool, route *Route) (*http.Request, error) {
+	x := rt.x
+	method, _ := h.get(":method")
+	path, _ := h.get(":path")
+	authority, _ := h.get(":authority")
+	u, err := url.Parse("http://" + addr + path)
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(x.ctx)
+	x.upCancel = cancel
+	var body io.ReadCloser = http.NoBody
+	contentLength := int64(0)
+	if !end {
+		x.reqBody = newStreamBody()
+		body = x.reqBody
+		contentLength = -1
+		if v, ok := h.get("content-length"); ok {
+			if n, err := strconv.ParseInt(v, 10, 64); err == nil && n >= 0 {
+				contentLength = n
+			}
+		}
+	}
+	req, err := http.NewRequestWithContext(ctx, method, u.String(), body)
+	if err != nil {
+		return nil, err
+	}
+	req.Host = authority
+	req.Header = http.Header{}
+	h.toHTTPHeader(req.Header)
+	req.Header.Del("Content-Length") // framing comes from ContentLength
+	if _, ok := req.Header["User-Agent"]; !ok {
+		req.Header["User-Agent"] = nil // Go would add its own; Envoy does not
+	}
+	if route.Timeout > 0 {
+		req.Header.Set("X-Envoy-Expected-Rq-Timeout-Ms", strconv.FormatInt(route.Timeout.Milliseconds(), 10))
+	}
+	req.ContentLength = contentLength
+	if contentLength < 0 {
+		// Filled from the transport's own goroutine when the body ends.
+		req.Trailer = http.Header{}
+		x.reqBody.trailerDst = req.Trailer
+	}
+	return req, nil
+}
+
+// startUpstream runs the upstream exchange in the background and reports
+// headers, body chunks and trailers as events.
+func (x *exchange) startUpstream(req *http.Request) {
+	go func() {
+		resp, err := x.p.transport.RoundTrip(req)
+		if err != nil {
+			x.post(func() { x.onUpstreamError(err, false) })
+			return
+		}
+		defer resp.Body.Close()
+		h := &headerMap{}
+		h.add(":status", strconv.Itoa(resp.StatusCode))
+		fromHTTPHeader(resp.Header, h)
+		if resp.ContentLength >= 0 && !h.has("content-length") && req.Method != http.MethodHead {
+			h.add("content-length", strconv.FormatInt(resp.ContentLength, 10))
+		}
+		noBody := req.Method == http.MethodHead || resp.StatusCode == http.StatusNoContent ||
+			resp.StatusCode == http.StatusNotModified || resp.ContentLength == 0
+		if !x.post(func() { x.onUpstreamHeaders(h, noBody) }) || noBody {
+			return
+		}
+		buf := make([]byte, 32<<10)
+		for {
+			n, err := resp.Body.Read(buf)
+			eof := errors.Is(err, io.EOF)
+			if n > 0 || eof {
+				chunk := append([]byte(nil), buf[:n]...)
+				var tr *headerMap
+				if eof && len(resp.Trailer) > 0 {
+					tr = &headerMap{}
+					fromHTTPHeader(resp.Trailer, tr)
+				}
+				if !x.post(func() { x.onUpstreamData(chunk, eof, tr) }) {
+					return
+				}
+			}
+			if eof {
+				return
+			}
+			if err != nil {
+				x.post(func() { x.onUpstreamError(err, true) })
+				return
+			}
+		}
+	}()
+}
+
+func (x *exchange) onUpstreamHeaders(h *headerMap, noBody bool) {
+	if x.finished {
+		return
+	}
+	x.resetIdle()
+	if noBody {
+		x.stopRouteTimer()
+	}
+	x.enc.onHeaders(h, noBody)
+}
+
+func (x *exchange) onUpstreamData(b []byte, end bool, tr *headerMap) {
+	if x.finished {
+		return
+	}
+	x.resetIdle()
+	if end {
+		x.stopRouteTimer()
+	}
+	if tr != nil && len(tr.entries) > 0 {
+		if len(b) > 0 {
+			x.enc.onData(b, false)
+		}
+		x.enc.onTrailers(tr)
+		return
+	}
+	x.enc.onData(b, end)
+}
+
+func (x *exchange) onUpstreamError(err error, afterHeaders bool) {
+	if x.finished {
+		return
+	}
+	x.logf("upstream error: %v", err)
+	if afterHeaders || x.respStarted {
+		x.finished, x.abort = true, true
+		return
+	}
+	x.localReply(http.StatusServiceUnavailable,
+		"upstream connect error or disconnect/reset before headers. reset reason: connection failure",
+		"upstream_reset_before_response_started")
+}
+
+// streamBody is the upstream request body: the event loop pushes, the
+// transport reads. Never blocks the loop.
+type streamBody struct {
+	mu       sync.Mutex
+	cond     *sync.Cond
+	bufs     [][]byte
+	ended    bool
+	trailers *headerMap
+	err      error
+	// trailerDst is the request's Trailer map. It is written from Read, on
+	// the transport goroutine that later reads it, so no lock is needed.
+	trailerDst http.Header
+}
+
+func newStreamBody() *streamBody {
+	b := &streamBody{}
+	b.cond = sync.NewCond(&b.mu)
+	return b
+}
+
+func (b *streamBody) push(p []byte) {
+	b.mu.Lock()
+	b.bufs = append(b.bufs, append([]byte(nil), p...))
+	b.mu.Unlock()
+	b.cond.Broadcast()
+}
+
+func (b *streamBody) end(t *headerMap) {
+	b.mu.Lock()
+	b.ended, b.trailers = true, t
+	b.mu.Unlock()
+	b.cond.Broadcast()
+}
+
+func (b *streamBody) abort(err error) {
+	b.mu.Lock()
+	if b.err == nil {
+		b.err = err
+	}
+	b.mu.Unlock()
+	b.cond.Broadcast()
+}
+
+func (b *streamBody) Read(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for len(b.bufs) == 0 && !b.ended && b.err == nil {
+		b.cond.Wait()
+	}
+	if len(b.bufs) > 0 {
+		n := copy(p, b.bufs[0])
+		if b.bufs[0] = b.bufs[0][n:]; len(b.bufs[0]) == 0 {
+			b.bufs = b.bufs[1:]
+		}
+		return n, nil
+	}
+	if b.err != nil {
+		return 0, b.err
+	}
+	if b.trailers != nil && b.trailerDst != nil {
+		for _, e := range b.trailers.entries {
+			b.trailerDst.Add(http.CanonicalHeaderKey(e.key), e.value)
+		}
+		b.trailers = nil
+	}
+	return 0, io.EOF
+}
+
+func (b *streamBody) Close() error {
+	b.abort(errors.New("body closed"))
+	return nil
+}
