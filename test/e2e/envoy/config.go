@@ -63,6 +63,10 @@ const (
 // Config is what the emulator takes from an Envoy bootstrap. Tests may change
 // fields after LoadConfig; Start validates the result again.
 type Config struct {
+	// ListenAddr is where the emulator listens; default 127.0.0.1:0. The
+	// bootstrap's own listener address is not used: tests need free ports.
+	ListenAddr string
+
 	// Processing mode of the ext_proc filter (§2). Header and trailer modes
 	// use DEFAULT like Envoy: headers DEFAULT = SEND, trailers DEFAULT = SKIP.
 	RequestHeaderMode   extprocfilterv3.ProcessingMode_HeaderSendMode

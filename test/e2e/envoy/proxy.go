@@ -41,7 +41,7 @@ type Proxy struct {
 }
 
 // Start validates cfg like Envoy would (a config Envoy rejects does not
-// start), then listens on 127.0.0.1:0. Each HTTP request opens its own
+// start), then listens on cfg.ListenAddr (default 127.0.0.1:0). Each HTTP request opens its own
 // Process stream to extProcAddr (insecure gRPC) when it first needs one.
 func Start(cfg *Config, extProcAddr string) (*Proxy, error) {
 	if cfg == nil {
@@ -59,7 +59,11 @@ func Start(cfg *Config, extProcAddr string) (*Proxy, error) {
 	if err != nil {
 		return nil, fmt.Errorf("envoy: ext_proc client: %w", err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	addr := c.ListenAddr
+	if addr == "" {
+		addr = "127.0.0.1:0"
+	}
+	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		_ = conn.Close()
 		return nil, err

@@ -1,0 +1,143 @@
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+)
+
+// TestMatrix sends real client requests through the Envoy emulator and checks,
+// for every body mode × connector × stream × API, that the client got a correct
+// completion and that the engines saw a KV handoff from the prefill endpoint the
+// service chose to the decode endpoint it chose, with one request id on both legs.
+func TestMatrix(t *testing.T) {
+	for _, mode := range []string{"full_duplex", "buffered"} {
+		t.Run(mode, func(t *testing.T) {
+			for _, connector := range []string{"kv-nixl", "kv-shared-storage", "kv-sglang"} {
+				t.Run(connector, func(t *testing.T) {
+					r := startRig(t, mode, connector, rigOptions{})
+					for _, stream := range []string{"stream", "non-stream"} {
+						for _, api := range []string{"chat", "completions"} {
+							t.Run(stream+"/"+api, func(t *testing.T) {
+								r.checkHandoff(t, stream == "stream", api, fmt.Sprintf("%s %s %s %s", mode, connector, stream, api))
+							})
+						}
+					}
+				})
+			}
+		})
+	}
+}
+
+// request builds an OpenAI request whose prompt names the case, so each case's
+// legs can be found in the simulators' records.
+func request(api string, stream bool, prompt string) (path, body string) {
+	if api == "chat" {
+		return "/v1/chat/completions", fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":%q}],"stream":%v,"max_tokens":4}`, prompt, stream)
+	}
+	return "/v1/completions", fmt.Sprintf(`{"model":"pdsim","prompt":%q,"stream":%v,"max_tokens":4}`, prompt, stream)
+}
+
+func (r *rig) post(t *testing.T, path, body string) (*http.Response, string) {
+	t.Helper()
+	resp, err := http.Post(r.proxy.URL()+path, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp, string(b)
+}
+
+func (r *rig) checkHandoff(t *testing.T, stream bool, api, prompt string) {
+	path, body := request(api, stream, prompt)
+	resp, got := r.post(t, path, body)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("status %d: %s", resp.StatusCode, got)
+	}
+	checkCompletion(t, stream, got)
+
+	has := func(rec pdsim.Record) bool { return strings.Contains(string(rec.Body), prompt) }
+	prefill, pRec := served(t, r.prefill, has)
+	decode, dRec := served(t, r.decode, has)
+	if up := r.proxy.Upstreams(); up[len(up)-1] != decode.Addr() {
+		t.Errorf("Envoy forwarded to %s, but the decode leg was served by %s", up[len(up)-1], decode.Addr())
+	}
+	if dRec.KV != "hit" || resp.Header.Get("x-pdsim-kv") != "hit" {
+		t.Errorf("decode KV outcome %q (header %q), want a hit", dRec.KV, resp.Header.Get("x-pdsim-kv"))
+	}
+	var wantSource string
+	switch r.connector {
+	case "kv-nixl":
+		wantSource = prefill.KVAddr()
+	case "kv-sglang":
+		wantSource = prefill.BootstrapAddr()
+	default:
+		wantSource = pRec.KVSource // the prompt's file in the shared directory
+	}
+	if dRec.KVSource != wantSource {
+		t.Errorf("decode pulled KV from %q, want the chosen prefill's %q", dRec.KVSource, wantSource)
+	}
+	if pRec.RequestID == "" || dRec.RequestID != pRec.RequestID || dRec.KVRequestID != pRec.RequestID {
+		t.Errorf("request ids: prefill %q, decode %q, KV issued for %q; want one id", pRec.RequestID, dRec.RequestID, dRec.KVRequestID)
+	}
+}
+
+// checkCompletion checks the client got tokens from the decode simulator.
+func checkCompletion(t *testing.T, stream bool, body string) {
+	t.Helper()
+	if stream {
+		if !strings.HasPrefix(body, "data: ") || !strings.HasSuffix(body, "data: [DONE]\n\n") || !strings.Contains(body, "tok0") {
+			t.Errorf("not an SSE completion ending in [DONE]: %.300s", body)
+		}
+		return
+	}
+	var c struct {
+		Choices []json.RawMessage `json:"choices"`
+	}
+	if err := json.Unmarshal([]byte(body), &c); err != nil || len(c.Choices) != 1 || !strings.Contains(body, "tok0") {
+		t.Errorf("not a completion: %.300s", body)
+	}
+}
+
+func TestPrefillFailureFallsBackToDecodeOnly(t *testing.T) {
+	r := startRig(t, "full_duplex", "kv-nixl", rigOptions{})
+	for _, p := range r.prefill {
+		p.SetFaults(pdsim.Faults{FailStatus: http.StatusServiceUnavailable})
+	}
+	path, body := request("chat", false, "prefill is down")
+	resp, got := r.post(t, path, body)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("status %d: %s", resp.StatusCode, got)
+	}
+	checkCompletion(t, false, got)
+	_, dRec := served(t, r.decode, func(rec pdsim.Record) bool { return strings.Contains(string(rec.Body), "prefill is down") })
+	if dRec.KV != "none" || strings.Contains(string(dRec.Body), "kv_transfer_params") {
+		t.Errorf("decode leg after a failed prefill: KV %q, body %s; want a plain request the engine recomputes", dRec.KV, dRec.Body)
+	}
+	attempts := 0
+	for _, p := range r.prefill {
+		attempts += len(p.Requests())
+	}
+	if attempts != 2 {
+		t.Errorf("%d prefill attempts, want the first and one retry on the other endpoint", attempts)
+	}
+}
+
+func TestDecodeEndpointDownIs503(t *testing.T) {
+	dead := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	r := startRig(t, "full_duplex", "kv-nixl", rigOptions{decodeAddrs: []string{dead}})
+	path, body := request("chat", true, "decode is down")
+	resp, got := r.post(t, path, body)
+	if resp.StatusCode != http.StatusServiceUnavailable {
+		t.Errorf("status %d (%s), want 503 from Envoy", resp.StatusCode, got)
+	}
+}
