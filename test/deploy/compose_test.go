@@ -1,0 +1,250 @@
+package deploy
+
+import (
+	"fmt"
+	"maps"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+
+	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
+	"google.golang.org/protobuf/encoding/protojson"
+	"sigs.k8s.io/yaml"
+)
+
+const composeFile = "config/envoy/docker-compose.yaml"
+
+// composeCommand finds a compose implementation that can run `config` without a Docker engine:
+// the Compose v2 plugin (`docker compose`) or the standalone docker-compose.
+func composeCommand(t *testing.T) []string {
+	t.Helper()
+	if docker := findTool("docker"); docker != "" {
+		if _, err := runTool(t, "", docker, "compose", "version"); err == nil {
+			return []string{docker, "compose"}
+		}
+	}
+	if dc := findTool("docker-compose"); dc != "" {
+		return []string{dc}
+	}
+	return nil
+}
+
+func TestDockerCompose(t *testing.T) {
+	cmd := composeCommand(t)
+	if cmd == nil {
+		t.Skip("neither `docker compose` nor docker-compose found; run `make tools` " +
+			"(or `apt-get install docker-compose`) to check " + composeFile)
+	}
+	root := repoRoot(t)
+	args := append(slices.Clone(cmd[1:]), "-f", filepath.Join(root, filepath.FromSlash(composeFile)), "config")
+	out, err := runTool(t, root, cmd[0], args...)
+	if err != nil {
+		t.Fatalf("%s rejects %s: %v", strings.Join(cmd, " "), composeFile, err)
+	}
+	var resolved map[string]any
+	if err := yaml.Unmarshal(out, &resolved); err != nil {
+		t.Fatalf("compose config output: %v", err)
+	}
+	services, _ := resolved["services"].(map[string]any)
+	svc := func(name string) map[string]any {
+		s, _ := services[name].(map[string]any)
+		return s
+	}
+
+	t.Run("services", func(t *testing.T) {
+		got := slices.Sorted(maps.Keys(services))
+		want := []string{"decode", "envoy", "extproc", "prefill"}
+		if !slices.Equal(got, want) {
+			t.Errorf("services = %v, want %v", got, want)
+		}
+	})
+
+	t.Run("envoy runs the shared envoy.yaml on a pinned image", func(t *testing.T) {
+		envoy := svc("envoy")
+		image := digString(envoy, "image")
+		tag, ok := strings.CutPrefix(image, "envoyproxy/envoy:")
+		if !ok || tag == "" || tag == "latest" || strings.HasPrefix(tag, "dev") {
+			t.Errorf("envoy image = %q, want envoyproxy/envoy with a pinned release tag", image)
+		}
+		// The e2e emulator reads config/envoy/envoy.yaml; the demo must run that same file.
+		want := filepath.Join(root, "config", "envoy", "envoy.yaml")
+		if src := bindMounts(envoy)["/etc/envoy/envoy.yaml"]; src != want {
+			t.Errorf("envoy mounts %q at /etc/envoy/envoy.yaml, want %q", src, want)
+		}
+		if !slices.Contains(publishedTargets(envoy), 8080) {
+			t.Errorf("envoy does not publish port 8080: %v", envoy["ports"])
+		}
+	})
+
+	t.Run("images come from the repository Dockerfile", func(t *testing.T) {
+		for _, name := range []string{"extproc", "prefill", "decode"} {
+			s := svc(name)
+			ctx := digString(s, "build", "context")
+			df := digString(s, "build", "dockerfile")
+			if ctx != root || (df != "Dockerfile" && df != filepath.Join(root, "Dockerfile")) {
+				t.Errorf("%s builds %s with %s, want the repository root and its Dockerfile", name, ctx, df)
+			}
+		}
+		for _, name := range []string{"prefill", "decode"} {
+			if ep := fmt.Sprint(dig(svc(name), "entrypoint")); !strings.Contains(ep, "pdsim") {
+				t.Errorf("%s entrypoint = %s, want pdsim", name, ep)
+			}
+		}
+	})
+
+	t.Run("extproc pools point at the engine containers by IP", func(t *testing.T) {
+		// ORIGINAL_DST accepts only ip:port, so the pool endpoints must be the fixed
+		// addresses the engines get on the compose network, on the port pdsim listens on.
+		src := bindMounts(svc("extproc"))["/etc/pd-extproc/extproc.yaml"]
+		if src == "" {
+			t.Fatal("extproc has no config mounted at /etc/pd-extproc/extproc.yaml")
+		}
+		if !slices.Contains(toStrings(dig(svc("extproc"), "command")), "--config=/etc/pd-extproc/extproc.yaml") {
+			t.Errorf("extproc command %v does not load the mounted config", dig(svc("extproc"), "command"))
+		}
+		docs := yamlDocuments(t, src)
+		subnet := composeSubnet(t, resolved)
+		for _, pool := range []string{"prefill", "decode"} {
+			eps := toStrings(dig(docs[0], "pools", pool, "endpoints"))
+			want := netip.AddrPortFrom(serviceIP(t, svc(pool), subnet), listenPort(t, svc(pool)))
+			if !slices.Equal(eps, []string{want.String()}) {
+				t.Errorf("pools.%s.endpoints = %v, want [%s] (the %s container)", pool, eps, want, pool)
+			}
+		}
+		for _, name := range []string{"envoy", "extproc"} {
+			serviceIP(t, svc(name), subnet)
+		}
+	})
+
+	t.Run("envoy.yaml reaches extproc by its compose name", func(t *testing.T) {
+		host, port := extProcUpstream(t, filepath.Join(root, "config", "envoy", "envoy.yaml"))
+		if _, ok := services[host]; !ok || port != 9002 {
+			t.Errorf("envoy.yaml sends ext_proc to %s:%d, want the compose service extproc:9002", host, port)
+		}
+	})
+}
+
+// extProcUpstream returns the address of the first endpoint of the cluster ext_proc uses.
+func extProcUpstream(t *testing.T, path string) (string, uint32) {
+	t.Helper()
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Skipf("%v (reported by TestEnvoyConfigsAreValid)", err)
+	}
+	js, err := yaml.YAMLToJSON(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b bootstrapv3.Bootstrap
+	if err := protojson.Unmarshal(js, &b); err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	var r report
+	m := modelFromBootstrap(&b, &r)
+	for _, u := range m.hcms {
+		for _, ep := range extProcFilters(u.hcm) {
+			c := m.clusters[ep.config.GetGrpcService().GetEnvoyGrpc().GetClusterName()]
+			for _, le := range c.GetLoadAssignment().GetEndpoints() {
+				for _, lb := range le.GetLbEndpoints() {
+					sa := lb.GetEndpoint().GetAddress().GetSocketAddress()
+					return sa.GetAddress(), sa.GetPortValue()
+				}
+			}
+		}
+	}
+	t.Fatalf("%s: no ext_proc cluster endpoint found", path)
+	return "", 0
+}
+
+// composeSubnet is the fixed subnet of the compose network the services share.
+func composeSubnet(t *testing.T, resolved map[string]any) netip.Prefix {
+	t.Helper()
+	cfgs, _ := dig(resolved, "networks", "pd", "ipam", "config").([]any)
+	if len(cfgs) != 1 {
+		t.Fatalf("network pd: want one fixed ipam subnet, got %v", cfgs)
+	}
+	p, err := netip.ParsePrefix(digString(cfgs[0], "subnet"))
+	if err != nil {
+		t.Fatalf("network pd subnet: %v", err)
+	}
+	return p
+}
+
+// serviceIP is a service's fixed address on the pd network, which must lie in its subnet.
+func serviceIP(t *testing.T, svc map[string]any, subnet netip.Prefix) netip.Addr {
+	t.Helper()
+	a, err := netip.ParseAddr(digString(svc, "networks", "pd", "ipv4_address"))
+	if err != nil || !subnet.Contains(a) {
+		t.Fatalf("service networks = %v: want a fixed ipv4_address in %s", svc["networks"], subnet)
+	}
+	return a
+}
+
+// listenPort reads pdsim's --addr=host:port flag.
+func listenPort(t *testing.T, svc map[string]any) uint16 {
+	t.Helper()
+	for _, arg := range toStrings(svc["command"]) {
+		if addr, ok := strings.CutPrefix(arg, "--addr="); ok {
+			_, p, _ := strings.Cut(addr, ":")
+			n, err := strconv.ParseUint(p, 10, 16)
+			if err == nil {
+				return uint16(n)
+			}
+		}
+	}
+	t.Fatalf("command %v has no --addr=host:port", svc["command"])
+	return 0
+}
+
+// bindMounts maps container paths to host paths; compose v1 prints "src:dst[:mode]" strings,
+// compose v2 prints long-syntax objects.
+func bindMounts(svc map[string]any) map[string]string {
+	out := map[string]string{}
+	vols, _ := svc["volumes"].([]any)
+	for _, v := range vols {
+		switch x := v.(type) {
+		case string:
+			parts := strings.Split(x, ":")
+			if len(parts) >= 2 {
+				out[parts[1]] = parts[0]
+			}
+		case map[string]any:
+			out[digString(x, "target")] = digString(x, "source")
+		}
+	}
+	return out
+}
+
+// publishedTargets lists container ports published to the host, in either compose syntax.
+func publishedTargets(svc map[string]any) []int {
+	var out []int
+	ports, _ := svc["ports"].([]any)
+	for _, p := range ports {
+		switch x := p.(type) {
+		case string:
+			spec, _, _ := strings.Cut(x, "/")
+			parts := strings.Split(spec, ":")
+			if n, err := strconv.Atoi(parts[len(parts)-1]); err == nil && len(parts) > 1 {
+				out = append(out, n)
+			}
+		case map[string]any:
+			if n, ok := x["target"].(float64); ok && x["published"] != nil {
+				out = append(out, int(n))
+			}
+		}
+	}
+	return out
+}
+
+func toStrings(v any) []string {
+	list, _ := v.([]any)
+	out := make([]string, 0, len(list))
+	for _, e := range list {
+		out = append(out, fmt.Sprint(e))
+	}
+	return out
+}

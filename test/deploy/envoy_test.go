@@ -1,0 +1,519 @@
+package deploy
+
+import (
+	"encoding/json"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	"sigs.k8s.io/yaml"
+
+	defaultconfig "github.com/pd-extproc/pd-extproc/config"
+	extprocconfig "github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+// envoyConfig is one Envoy bootstrap in the repository, already converted to JSON.
+type envoyConfig struct {
+	rel  string // repository-relative path, for messages
+	json []byte
+}
+
+// notEnvoy names YAML files in config/envoy that are not Envoy bootstraps.
+var notEnvoy = []string{"docker-compose*.yaml", "extproc*.yaml"}
+
+// envoyConfigs finds every Envoy bootstrap: the shipped ones in config/envoy and the fixtures
+// in testdata. A new config file is picked up (and checked) without touching this test.
+func envoyConfigs(t *testing.T) []envoyConfig {
+	t.Helper()
+	root := repoRoot(t)
+	var paths []string
+	for _, pattern := range []string{"config/envoy/*.yaml", "config/envoy/*.yml", "test/deploy/testdata/envoy-*.yaml"} {
+		m, err := filepath.Glob(filepath.Join(root, filepath.FromSlash(pattern)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		paths = append(paths, m...)
+	}
+	var out []envoyConfig
+	for _, p := range paths {
+		if slices.ContainsFunc(notEnvoy, func(pat string) bool {
+			ok, _ := filepath.Match(pat, filepath.Base(p))
+			return ok
+		}) {
+			continue
+		}
+		raw, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		js, err := yaml.YAMLToJSON(raw)
+		if err != nil {
+			t.Fatalf("%s: not YAML: %v", p, err)
+		}
+		rel, _ := filepath.Rel(root, p)
+		out = append(out, envoyConfig{rel: filepath.ToSlash(rel), json: js})
+	}
+	return out
+}
+
+// defaultServiceLimits takes the limits Envoy must accommodate from the config embedded in
+// the extproc binary, through the service's own parser (so its defaults apply too): raising
+// them there without adjusting Envoy fails here.
+func defaultServiceLimits(t *testing.T) serviceLimits {
+	t.Helper()
+	c, err := extprocconfig.Parse(defaultconfig.DefaultYAML)
+	if err != nil {
+		t.Fatalf("embedded config/extproc.yaml: %v", err)
+	}
+	return serviceLimits{
+		maxBodyBytes:           uint64(c.Limits.MaxBodyBytes),
+		overrideMessageTimeout: time.Duration(c.Envoy.OverrideMessageTimeout),
+	}
+}
+
+func TestEnvoyConfigsAreValid(t *testing.T) {
+	configs := envoyConfigs(t)
+	limits := defaultServiceLimits(t)
+	// The shipped configs and the body mode each must keep; the e2e emulator and the docs
+	// depend on envoy.yaml being the FULL_DUPLEX one.
+	want := map[string]extprocv3.ProcessingMode_BodySendMode{
+		"config/envoy/envoy.yaml":          extprocv3.ProcessingMode_FULL_DUPLEX_STREAMED,
+		"config/envoy/envoy-buffered.yaml": extprocv3.ProcessingMode_BUFFERED,
+	}
+	for rel := range want {
+		if !slices.ContainsFunc(configs, func(c envoyConfig) bool { return c.rel == rel }) {
+			t.Errorf("%s is missing", rel)
+		}
+	}
+	for _, c := range configs {
+		t.Run(c.rel, func(t *testing.T) {
+			r := checkEnvoyBootstrapJSON(c.json, limits)
+			for _, w := range r.warnings {
+				t.Logf("warning: %s", w)
+			}
+			for _, e := range r.errs {
+				t.Error(e)
+			}
+			if mode, ok := want[c.rel]; ok {
+				got := requestBodyModes(t, c.json)
+				if len(got) == 0 || slices.ContainsFunc(got, func(m extprocv3.ProcessingMode_BodySendMode) bool { return m != mode }) {
+					t.Errorf("ext_proc request_body_mode = %v, want %v", got, mode)
+				}
+			}
+		})
+	}
+}
+
+func requestBodyModes(t *testing.T, js []byte) []extprocv3.ProcessingMode_BodySendMode {
+	t.Helper()
+	var doc map[string]any
+	if err := json.Unmarshal(js, &doc); err != nil {
+		t.Fatal(err)
+	}
+	var modes []extprocv3.ProcessingMode_BodySendMode
+	for _, ep := range extProcsIn(doc) {
+		name := digString(ep, "processing_mode", "request_body_mode")
+		modes = append(modes, extprocv3.ProcessingMode_BodySendMode(extprocv3.ProcessingMode_BodySendMode_value[name]))
+	}
+	return modes
+}
+
+// eachObject calls fn on every JSON object in v, parents before children.
+func eachObject(v any, fn func(map[string]any)) {
+	switch x := v.(type) {
+	case map[string]any:
+		fn(x)
+		for _, k := range slices.Sorted(maps.Keys(x)) {
+			eachObject(x[k], fn)
+		}
+	case []any:
+		for _, e := range x {
+			eachObject(e, fn)
+		}
+	}
+}
+
+// hasType reports whether a JSON object is a packed Any of the given proto type.
+func hasType(m map[string]any, fullName string) bool {
+	s, _ := m["@type"].(string)
+	return strings.HasSuffix(s, "/"+fullName)
+}
+
+// breakage turns a valid config into one with a single known mistake; it reports false when
+// the config has nothing to break that way (e.g. a BUFFERED rule on a FULL_DUPLEX config).
+type breakage func(doc map[string]any) bool
+
+func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
+	configs := envoyConfigs(t)
+	limits := defaultServiceLimits(t)
+	tests := []struct {
+		name  string
+		brk   breakage
+		wants []string // substrings the report must contain, naming the problem
+	}{
+		{
+			name: "route to a missing cluster",
+			brk: forEachRouteAction(func(ra map[string]any) bool {
+				if _, ok := ra["cluster"]; !ok {
+					return false
+				}
+				ra["cluster"] = "no-such-cluster"
+				return true
+			}),
+			wants: []string{`cluster "no-such-cluster" is not defined`},
+		},
+		{
+			name: "FULL_DUPLEX with failure_mode_allow true",
+			brk: forEachExtProc(func(ep map[string]any) bool {
+				if !isFullDuplex(ep) {
+					return false
+				}
+				ep["failure_mode_allow"] = true
+				return true
+			}),
+			wants: []string{"failure_mode_allow must be false with FULL_DUPLEX_STREAMED"},
+		},
+		{
+			name: "FULL_DUPLEX with request trailers skipped",
+			brk: forEachExtProc(func(ep map[string]any) bool {
+				pm, _ := ep["processing_mode"].(map[string]any)
+				if digString(pm, "request_body_mode") != "FULL_DUPLEX_STREAMED" {
+					return false
+				}
+				pm["request_trailer_mode"] = "SKIP"
+				return true
+			}),
+			wants: []string{"request_trailer_mode is SKIP; FULL_DUPLEX_STREAMED requires SEND"},
+		},
+		{
+			name: "BUFFERED failing open lets clients steer ORIGINAL_DST",
+			brk: forEachExtProc(func(ep map[string]any) bool {
+				if isFullDuplex(ep) {
+					return false
+				}
+				ep["failure_mode_allow"] = true
+				return true
+			}),
+			wants: []string{"failure_mode_allow is true", destinationHeader},
+		},
+		{
+			name: "ORIGINAL_DST keyed on another header",
+			brk: forEachOriginalDstCluster(func(c map[string]any) bool {
+				cfg, _ := c["original_dst_lb_config"].(map[string]any)
+				if cfg == nil {
+					return false
+				}
+				cfg["http_header_name"] = "target-pod"
+				return true
+			}),
+			wants: []string{"reads header target-pod, but pd-extproc sets " + destinationHeader},
+		},
+		{
+			name: "ORIGINAL_DST without use_http_header",
+			brk: forEachOriginalDstCluster(func(c map[string]any) bool {
+				delete(c, "original_dst_lb_config")
+				return true
+			}),
+			wants: []string{"use_http_header must be true"},
+		},
+		{
+			name: "ORIGINAL_DST with round robin",
+			brk: forEachOriginalDstCluster(func(c map[string]any) bool {
+				c["lb_policy"] = "ROUND_ROBIN"
+				return true
+			}),
+			wants: []string{"lb_policy is ROUND_ROBIN; Envoy requires CLUSTER_PROVIDED"},
+		},
+		{
+			name:  "HTTP/1 ext_proc cluster",
+			brk:   http1ExtProcCluster,
+			wants: []string{"is not HTTP/2, but gRPC needs HTTP/2"},
+		},
+		{
+			name: "ext_proc grpc cluster missing",
+			brk: forEachExtProc(func(ep map[string]any) bool {
+				g, _ := dig(ep, "grpc_service", "envoy_grpc").(map[string]any)
+				if g == nil {
+					return false
+				}
+				g["cluster_name"] = "no-such-extproc"
+				return true
+			}),
+			wants: []string{`grpc_service cluster "no-such-extproc" is not defined`},
+		},
+		{
+			name: "envoy.lb not a receiving namespace",
+			brk: forEachExtProc(func(ep map[string]any) bool {
+				delete(ep, "metadata_options")
+				return true
+			}),
+			wants: []string{`receiving_namespaces.untyped lacks "envoy.lb"`},
+		},
+		{
+			name: "inference route keeps the 15 s default timeout",
+			brk: forEachRouteAction(func(ra map[string]any) bool {
+				delete(ra, "timeout")
+				return true
+			}),
+			wants: []string{"no timeout, so Envoy's default 15s route timeout"},
+		},
+		{
+			name: "inference route with a 60 s timeout",
+			brk: forEachRouteAction(func(ra map[string]any) bool {
+				ra["timeout"] = "60s"
+				return true
+			}),
+			wants: []string{"timeout 1m0s cuts long generations"},
+		},
+		{
+			name: "BUFFERED without max_message_timeout",
+			brk: forEachExtProc(func(ep map[string]any) bool {
+				if digString(ep, "processing_mode", "request_body_mode") != "BUFFERED" {
+					return false
+				}
+				delete(ep, "max_message_timeout")
+				return true
+			}),
+			wants: []string{"needs max_message_timeout (0s) > message_timeout"},
+		},
+		{
+			name: "BUFFERED max_message_timeout below what pd-extproc asks for",
+			brk: forEachExtProc(func(ep map[string]any) bool {
+				if digString(ep, "processing_mode", "request_body_mode") != "BUFFERED" {
+					return false
+				}
+				ep["max_message_timeout"] = "30s"
+				return true
+			}),
+			wants: []string{"max_message_timeout 30s is below the 1m0s pd-extproc asks for"},
+		},
+		{
+			name: "BUFFERED behind Envoy's 1 MiB default buffer",
+			brk: func(doc map[string]any) bool {
+				if !slices.ContainsFunc(extProcsIn(doc), func(ep map[string]any) bool {
+					return digString(ep, "processing_mode", "request_body_mode") == "BUFFERED"
+				}) {
+					return false
+				}
+				changed := false
+				eachObject(doc, func(m map[string]any) {
+					for _, k := range []string{"per_connection_buffer_limit_bytes", "per_request_buffer_limit_bytes", "request_body_buffer_limit"} {
+						if _, ok := m[k]; ok {
+							delete(m, k)
+							changed = true
+						}
+					}
+				})
+				return changed
+			},
+			wants: []string{"1048576-byte Envoy buffer limit", "413"},
+		},
+		{
+			name: "ext_proc disabled on the inference route",
+			brk: func(doc map[string]any) bool {
+				names := extProcFilterNames(doc)
+				if len(names) == 0 {
+					return false
+				}
+				return forEachRoute(func(rt map[string]any) bool {
+					rt["typed_per_filter_config"] = map[string]any{names[0]: map[string]any{
+						"@type":    "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+						"disabled": true,
+					}}
+					return true
+				})(doc)
+			},
+			wants: []string{"disables ext_proc", "client-supplied " + destinationHeader},
+		},
+		{
+			name: "router filter before ext_proc",
+			brk: func(doc map[string]any) bool {
+				changed := false
+				eachObject(doc, func(m map[string]any) {
+					fs, ok := m["http_filters"].([]any)
+					if ok && len(fs) > 1 {
+						slices.Reverse(fs)
+						changed = true
+					}
+				})
+				return changed
+			},
+			wants: []string{"comes after the router, so it never runs"},
+		},
+		{
+			// Proves Any contents are validated: stat_prefix is required by the HCM's own
+			// proto rules, and the HCM only exists packed in the listener's typed_config.
+			name: "proto rule broken inside a packed Any",
+			brk: func(doc map[string]any) bool {
+				changed := false
+				eachObject(doc, func(m map[string]any) {
+					if hasType(m, "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager") {
+						m["stat_prefix"] = ""
+						changed = true
+					}
+				})
+				return changed
+			},
+			wants: []string{"HttpConnectionManager.StatPrefix"},
+		},
+		{
+			name: "unknown typed_config type",
+			brk: func(doc map[string]any) bool {
+				changed := false
+				eachObject(doc, func(m map[string]any) {
+					if hasType(m, "envoy.extensions.filters.http.router.v3.Router") {
+						m["@type"] = "type.googleapis.com/envoy.extensions.filters.http.no_such.v3.NoSuchFilter"
+						changed = true
+					}
+				})
+				return changed
+			},
+			wants: []string{"NoSuchFilter"},
+		},
+		{
+			name: "unknown field",
+			brk: forEachExtProc(func(ep map[string]any) bool {
+				ep["failure_mode_alow"] = false
+				return true
+			}),
+			wants: []string{"failure_mode_alow"},
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			applied := 0
+			for _, c := range configs {
+				var doc map[string]any
+				if err := json.Unmarshal(c.json, &doc); err != nil {
+					t.Fatal(err)
+				}
+				if !tc.brk(doc) {
+					continue
+				}
+				applied++
+				broken, err := json.Marshal(doc)
+				if err != nil {
+					t.Fatal(err)
+				}
+				r := checkEnvoyBootstrapJSON(broken, limits)
+				all := strings.Join(r.errs, "\n")
+				for _, want := range tc.wants {
+					if !strings.Contains(all, want) {
+						t.Errorf("%s broken: report does not mention %q; got:\n%s", c.rel, want, all)
+					}
+				}
+			}
+			if applied == 0 {
+				t.Fatalf("no config to break this way; the case tests nothing")
+			}
+		})
+	}
+}
+
+func isFullDuplex(ep map[string]any) bool {
+	return digString(ep, "processing_mode", "request_body_mode") == "FULL_DUPLEX_STREAMED" ||
+		digString(ep, "processing_mode", "response_body_mode") == "FULL_DUPLEX_STREAMED"
+}
+
+func extProcsIn(doc map[string]any) []map[string]any {
+	var out []map[string]any
+	eachObject(doc, func(m map[string]any) {
+		if hasType(m, "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor") {
+			out = append(out, m)
+		}
+	})
+	return out
+}
+
+func forEachExtProc(fn func(ep map[string]any) bool) breakage {
+	return func(doc map[string]any) bool {
+		changed := false
+		for _, ep := range extProcsIn(doc) {
+			changed = fn(ep) || changed
+		}
+		return changed
+	}
+}
+
+// forEachRoute visits every route that forwards upstream (has a "route" action).
+func forEachRoute(fn func(rt map[string]any) bool) breakage {
+	return func(doc map[string]any) bool {
+		changed := false
+		eachObject(doc, func(m map[string]any) {
+			if _, isRoute := m["match"]; !isRoute {
+				return
+			}
+			if _, ok := m["route"].(map[string]any); ok {
+				changed = fn(m) || changed
+			}
+		})
+		return changed
+	}
+}
+
+func forEachRouteAction(fn func(ra map[string]any) bool) breakage {
+	return forEachRoute(func(rt map[string]any) bool { return fn(rt["route"].(map[string]any)) })
+}
+
+func forEachOriginalDstCluster(fn func(c map[string]any) bool) breakage {
+	return func(doc map[string]any) bool {
+		changed := false
+		for _, c := range staticClusters(doc) {
+			if c["type"] == "ORIGINAL_DST" {
+				changed = fn(c) || changed
+			}
+		}
+		return changed
+	}
+}
+
+func staticClusters(doc map[string]any) []map[string]any {
+	var out []map[string]any
+	list, _ := dig(doc, "static_resources", "clusters").([]any)
+	for _, c := range list {
+		if m, ok := c.(map[string]any); ok {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// http1ExtProcCluster strips HTTP/2 from the cluster ext_proc talks to, the way a config
+// written for a plain HTTP upstream would look.
+func http1ExtProcCluster(doc map[string]any) bool {
+	names := map[string]bool{}
+	for _, ep := range extProcsIn(doc) {
+		if n := digString(ep, "grpc_service", "envoy_grpc", "cluster_name"); n != "" {
+			names[n] = true
+		}
+	}
+	changed := false
+	for _, c := range staticClusters(doc) {
+		if name, _ := c["name"].(string); names[name] {
+			delete(c, "http2_protocol_options")
+			delete(c, "typed_extension_protocol_options")
+			changed = true
+		}
+	}
+	return changed
+}
+
+// extProcFilterNames lists the HTTP filter names under which ext_proc filters are installed;
+// per-route config refers to a filter by that name.
+func extProcFilterNames(doc map[string]any) []string {
+	var names []string
+	eachObject(doc, func(m map[string]any) {
+		tc, ok := m["typed_config"].(map[string]any)
+		if ok && hasType(tc, "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor") {
+			if n, _ := m["name"].(string); n != "" {
+				names = append(names, n)
+			}
+		}
+	})
+	return names
+}

@@ -1,0 +1,338 @@
+package deploy
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
+)
+
+// What the manifests in config/envoy/gateway promise; the names come from those files.
+const (
+	gatewayDir           = "config/envoy/gateway"
+	gatewayXDSKey        = "pd-extproc/pd-gateway"      // egctl output key: <namespace>/<gateway>
+	gatewayRouteConfig   = "pd-extproc/pd-gateway/http" // <namespace>/<gateway>/<listener>
+	gatewayListenerPort  = 8080
+	inferenceRoutePrefix = "httproute/pd-extproc/pd-inference/"
+	extprocServicePort   = 9002
+)
+
+// gatewayInferencePaths are the OpenAI paths the HTTPRoute must send through pd-extproc.
+var gatewayInferencePaths = []string{"/v1/chat/completions", "/v1/completions"}
+
+// gatewayManifests concatenates the manifests of config/envoy/gateway into one stream, the
+// form `egctl x translate --file` takes; `kubectl apply -f` on the directory reads the same.
+func gatewayManifests(t *testing.T) []byte {
+	t.Helper()
+	paths, err := filepath.Glob(filepath.Join(repoPath(t, gatewayDir), "*.yaml"))
+	if err != nil || len(paths) == 0 {
+		t.Fatalf("no manifests in %s: %v", gatewayDir, err)
+	}
+	var buf bytes.Buffer
+	for _, p := range paths {
+		data, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		buf.WriteString("---\n")
+		buf.Write(data)
+		buf.WriteString("\n")
+	}
+	return buf.Bytes()
+}
+
+// translateGateway runs Envoy Gateway's own translator on the manifests. --to gateway-api,xds
+// returns the resources with their status (is each policy accepted?) and the xDS Envoy would
+// receive; --add-missing-resources gives Services the cluster IP an API server would.
+func translateGateway(t *testing.T, egctl string, manifests []byte) (map[string]any, error) {
+	t.Helper()
+	in := filepath.Join(t.TempDir(), "gateway.yaml")
+	if err := os.WriteFile(in, manifests, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err := runTool(t, "", egctl, "x", "translate",
+		"--from", "gateway-api", "--to", "gateway-api,xds", "--type", "all",
+		"--output", "json", "--add-missing-resources", "--file", in)
+	if err != nil {
+		return nil, fmt.Errorf("egctl x translate: %w", err)
+	}
+	var res map[string]any
+	if err := json.Unmarshal(out, &res); err != nil {
+		return nil, fmt.Errorf("egctl output is not JSON: %w", err)
+	}
+	return res, nil
+}
+
+func TestEnvoyGatewayTranslation(t *testing.T) {
+	egctl := findTool("egctl")
+	if egctl == "" {
+		t.Skip("egctl not found on PATH or in " + toolsBin() + "; run `make tools` " +
+			"(go install github.com/envoyproxy/gateway/cmd/egctl@v1.9.1) to check the Envoy Gateway manifests")
+	}
+	limits := defaultServiceLimits(t)
+	shipped := gatewayManifests(t)
+	tests := []struct {
+		name  string
+		edit  func(manifests string) string
+		wants []string // empty: the translation must be clean
+	}{
+		{name: "as shipped"},
+		{
+			// Envoy Gateway reports a patch whose target does not exist only in the policy
+			// status; the route silently keeps its Service cluster and pd-extproc's choice of
+			// decode endpoint is ignored.
+			name: "patch targets a route config that does not exist",
+			edit: func(m string) string {
+				return strings.Replace(m, "name: "+gatewayRouteConfig, "name: pd-extproc/pd-gateway/https", 1)
+			},
+			wants: []string{"is not an ORIGINAL_DST cluster"},
+		},
+		{
+			name: "envoy.lb not writable by the processor",
+			edit: func(m string) string {
+				return strings.Replace(m, "- envoy.lb", "- pd-extproc", 1)
+			},
+			wants: []string{`receiving_namespaces.untyped lacks "envoy.lb"`},
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel() // each case is one egctl process; run them side by side
+			manifests := string(shipped)
+			if tc.edit != nil {
+				edited := tc.edit(manifests)
+				if edited == manifests {
+					t.Fatal("edit changed nothing; the manifests no longer contain what this case breaks")
+				}
+				manifests = edited
+			}
+			res, err := translateGateway(t, egctl, []byte(manifests))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var r report
+			checkGatewayStatus(res, &r)
+			checkGatewayXDS(res, limits, &r)
+			for _, w := range r.warnings {
+				t.Logf("warning: %s", w)
+			}
+			if len(tc.wants) == 0 {
+				for _, e := range r.errs {
+					t.Error(e)
+				}
+				return
+			}
+			all := strings.Join(r.errs, "\n")
+			for _, want := range tc.wants {
+				if !strings.Contains(all, want) {
+					t.Errorf("report does not mention %q; got:\n%s", want, all)
+				}
+			}
+		})
+	}
+}
+
+// checkGatewayStatus fails on any False condition Envoy Gateway set on a resource, such as a
+// policy whose target is missing or a route whose backend cannot be resolved.
+func checkGatewayStatus(res map[string]any, r *report) {
+	for kind, v := range res {
+		if kind == "xds" {
+			continue
+		}
+		objs, ok := v.([]any)
+		if !ok {
+			objs = []any{v}
+		}
+		for _, o := range objs {
+			name := digString(o, "metadata", "name")
+			var conds []any
+			if c, ok := dig(o, "status", "conditions").([]any); ok {
+				conds = append(conds, c...)
+			}
+			for _, group := range []string{"parents", "ancestors", "listeners"} {
+				list, _ := dig(o, "status", group).([]any)
+				for _, e := range list {
+					if c, ok := dig(e, "conditions").([]any); ok {
+						conds = append(conds, c...)
+					}
+				}
+			}
+			for _, c := range conds {
+				if digString(c, "status") == "False" {
+					r.errorf("%s %s: condition %s is False (%s): %s", kind, name, digString(c, "type"), digString(c, "reason"), digString(c, "message"))
+				}
+			}
+		}
+	}
+}
+
+// checkGatewayXDS parses the xDS egctl produced into Envoy's types, runs the same proto and
+// semantic rules as the standalone configs, and then checks what the manifests promise.
+func checkGatewayXDS(res map[string]any, limits serviceLimits, r *report) {
+	configs, _ := dig(res, "xds", gatewayXDSKey, "configs").([]any)
+	if len(configs) == 0 {
+		r.errorf("egctl produced no xDS for %s", gatewayXDSKey)
+		return
+	}
+	m := newEnvoyModel()
+	endpoints := map[string]*endpointv3.ClusterLoadAssignment{}
+	var listeners []*listenerv3.Listener
+	for _, c := range configs {
+		dump, err := unpackJSONAny(c)
+		if err != nil {
+			r.errorf("xDS config dump: %v", err)
+			continue
+		}
+		validateDeep(dump, r)
+		switch d := dump.(type) {
+		case *adminv3.ClustersConfigDump:
+			for _, dc := range d.GetDynamicActiveClusters() {
+				var cl clusterv3.Cluster
+				if unpackInto(dc.GetCluster(), &cl, r) {
+					m.addCluster(&cl, r)
+				}
+			}
+		case *adminv3.ListenersConfigDump:
+			for _, dl := range d.GetDynamicListeners() {
+				var l listenerv3.Listener
+				if unpackInto(dl.GetActiveState().GetListener(), &l, r) {
+					m.addListener(&l)
+					listeners = append(listeners, &l)
+				}
+			}
+		case *adminv3.RoutesConfigDump:
+			for _, dr := range d.GetDynamicRouteConfigs() {
+				var rc routev3.RouteConfiguration
+				if unpackInto(dr.GetRouteConfig(), &rc, r) {
+					m.routeConfigs[rc.GetName()] = &rc
+				}
+			}
+		case *adminv3.EndpointsConfigDump:
+			for _, de := range d.GetDynamicEndpointConfigs() {
+				var cla endpointv3.ClusterLoadAssignment
+				if unpackInto(de.GetEndpointConfig(), &cla, r) {
+					endpoints[cla.GetClusterName()] = &cla
+				}
+			}
+		}
+	}
+	m.check(limits, r)
+	checkGatewayPromises(m, listeners, endpoints, limits, r)
+}
+
+// checkGatewayPromises: the inference listener runs pd-extproc in FULL_DUPLEX over HTTP/2 to
+// the extproc Service, and both inference paths go to the ORIGINAL_DST cluster.
+func checkGatewayPromises(m *envoyModel, listeners []*listenerv3.Listener, endpoints map[string]*endpointv3.ClusterLoadAssignment, limits serviceLimits, r *report) {
+	var hcm *hcmUse
+	for i, u := range m.hcms {
+		if u.hcm.GetRds().GetRouteConfigName() == gatewayRouteConfig {
+			hcm = &m.hcms[i]
+		}
+	}
+	if hcm == nil {
+		r.errorf("no listener uses route config %s", gatewayRouteConfig)
+		return
+	}
+	if port := hcm.listener.GetAddress().GetSocketAddress().GetPortValue(); port != gatewayListenerPort {
+		r.errorf("inference listener port = %d, want %d", port, gatewayListenerPort)
+	}
+	if got := uint64(hcm.listener.GetPerConnectionBufferLimitBytes().GetValue()); got < limits.maxBodyBytes {
+		r.errorf("inference listener buffer limit = %d bytes, below limits.max_body_bytes %d (ClientTrafficPolicy connection.bufferLimit)", got, limits.maxBodyBytes)
+	}
+
+	var extProc *extprocv3.ExternalProcessor
+	var extProcName string
+	for _, f := range hcm.hcm.GetHttpFilters() {
+		var ep extprocv3.ExternalProcessor
+		if f.GetTypedConfig().MessageIs(&ep) && f.GetTypedConfig().UnmarshalTo(&ep) == nil {
+			extProc, extProcName = &ep, f.GetName()
+		}
+	}
+	if extProc == nil {
+		r.errorf("inference listener has no ext_proc filter")
+		return
+	}
+	pm := extProc.GetProcessingMode()
+	if pm.GetRequestBodyMode() != extprocv3.ProcessingMode_FULL_DUPLEX_STREAMED || pm.GetResponseBodyMode() != extprocv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+		r.errorf("ext_proc body modes = %s/%s, want FULL_DUPLEX_STREAMED for both", pm.GetRequestBodyMode(), pm.GetResponseBodyMode())
+	}
+	grpcCluster := extProc.GetGrpcService().GetEnvoyGrpc().GetClusterName()
+	if c, ok := m.clusters[grpcCluster]; !ok || !clusterSpeaksHTTP2(c) {
+		r.errorf("ext_proc cluster %q missing or not HTTP/2", grpcCluster)
+	}
+	if !claHasPort(endpoints[grpcCluster], extprocServicePort) {
+		r.errorf("ext_proc cluster %q has no endpoint on the extproc Service port %d", grpcCluster, extprocServicePort)
+	}
+
+	rc := m.routeConfigs[gatewayRouteConfig]
+	var seen []string
+	for _, vh := range rc.GetVirtualHosts() {
+		for _, rt := range vh.GetRoutes() {
+			if !strings.HasPrefix(rt.GetName(), inferenceRoutePrefix) {
+				continue
+			}
+			seen = append(seen, rt.GetMatch().GetPathSeparatedPrefix(), rt.GetMatch().GetPrefix(), rt.GetMatch().GetPath())
+			cluster := rt.GetRoute().GetCluster()
+			if c, ok := m.clusters[cluster]; !ok || c.GetType() != clusterv3.Cluster_ORIGINAL_DST {
+				r.errorf("route %s goes to %q, which is not an ORIGINAL_DST cluster: the EnvoyPatchPolicy did not apply", rt.GetName(), cluster)
+			}
+			if _, ok := rt.GetTypedPerFilterConfig()[extProcName]; !ok {
+				r.errorf("route %s does not enable ext_proc %q", rt.GetName(), extProcName)
+			}
+			if rt.GetRoute().GetIdleTimeout() != nil && rt.GetRoute().GetIdleTimeout().AsDuration() == 0 {
+				r.errorf("route %s has no stream idle timeout, so a hung engine holds the stream forever (BackendTrafficPolicy timeout.http.streamIdleTimeout)", rt.GetName())
+			}
+		}
+	}
+	for _, p := range gatewayInferencePaths {
+		if !slices.Contains(seen, p) {
+			r.errorf("no inference route for %s", p)
+		}
+	}
+}
+
+func claHasPort(cla *endpointv3.ClusterLoadAssignment, port uint32) bool {
+	for _, le := range cla.GetEndpoints() {
+		for _, lb := range le.GetLbEndpoints() {
+			if lb.GetEndpoint().GetAddress().GetSocketAddress().GetPortValue() == port {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// unpackJSONAny turns one element of a config dump (JSON with "@type") into its message.
+func unpackJSONAny(v any) (proto.Message, error) {
+	js, err := json.Marshal(v)
+	if err != nil {
+		return nil, err
+	}
+	var a anypb.Any
+	if err := protojson.Unmarshal(js, &a); err != nil {
+		return nil, err
+	}
+	return a.UnmarshalNew()
+}
+
+func unpackInto(a *anypb.Any, m proto.Message, r *report) bool {
+	if err := a.UnmarshalTo(m); err != nil {
+		r.errorf("unpack %s: %v", a.GetTypeUrl(), err)
+		return false
+	}
+	return true
+}

@@ -1,0 +1,339 @@
+package deploy
+
+import (
+	"encoding/json"
+	"fmt"
+	"maps"
+	"path/filepath"
+	"reflect"
+	"slices"
+	"strings"
+	"testing"
+
+	defaultconfig "github.com/pd-extproc/pd-extproc/config"
+	extprocconfig "github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+// The manifest directories; everything in them is applied with `kubectl apply -f <dir>`.
+var manifestDirs = []string{"config/k8s", gatewayDir}
+
+// manifestNamespace: all objects share one namespace so the directories combine (the Gateway
+// manifests route to the engines of config/k8s).
+const manifestNamespace = "pd-extproc"
+
+// clusterScoped kinds carry no namespace.
+var clusterScoped = map[string]bool{"Namespace": true, "GatewayClass": true}
+
+type manifest struct {
+	file string
+	doc  map[string]any
+}
+
+func (m manifest) kind() string { return digString(m.doc, "kind") }
+func (m manifest) name() string { return digString(m.doc, "metadata", "name") }
+
+func loadManifests(t *testing.T, dir string) []manifest {
+	t.Helper()
+	paths, err := filepath.Glob(filepath.Join(repoPath(t, dir), "*.yaml"))
+	if err != nil || len(paths) == 0 {
+		t.Fatalf("no manifests in %s: %v", dir, err)
+	}
+	var out []manifest
+	for _, p := range paths {
+		rel := dir + "/" + filepath.Base(p)
+		for _, d := range yamlDocuments(t, p) {
+			out = append(out, manifest{file: rel, doc: d})
+		}
+	}
+	return out
+}
+
+// find returns the one object of a kind and name, failing when it is missing.
+func find(t *testing.T, ms []manifest, kind, name string) map[string]any {
+	t.Helper()
+	for _, m := range ms {
+		if m.kind() == kind && m.name() == name {
+			return m.doc
+		}
+	}
+	t.Fatalf("no %s %q", kind, name)
+	return nil
+}
+
+func TestManifestsAreWellFormed(t *testing.T) {
+	for _, dir := range manifestDirs {
+		t.Run(dir, func(t *testing.T) {
+			seen := map[string]string{}
+			for _, m := range loadManifests(t, dir) {
+				id := fmt.Sprintf("%s %s/%s", digString(m.doc, "apiVersion"), m.kind(), m.name())
+				if digString(m.doc, "apiVersion") == "" || m.kind() == "" || m.name() == "" {
+					t.Errorf("%s: object without apiVersion, kind or metadata.name: %v", m.file, m.doc)
+					continue
+				}
+				ns := digString(m.doc, "metadata", "namespace")
+				if clusterScoped[m.kind()] != (ns == "") || (ns != "" && ns != manifestNamespace) {
+					t.Errorf("%s: %s has namespace %q; want %q (or none for cluster-scoped kinds)", m.file, id, ns, manifestNamespace)
+				}
+				if prev, dup := seen[id]; dup {
+					t.Errorf("%s: %s is also defined in %s", m.file, id, prev)
+				}
+				seen[id] = m.file
+			}
+		})
+	}
+}
+
+// Every extproc config users run must load with the service's own strict parser: a misspelt
+// key would otherwise surface only when the pod crash-loops.
+func TestExtprocConfigsLoad(t *testing.T) {
+	k8s := loadManifests(t, "config/k8s")
+	gw := loadManifests(t, gatewayDir)
+	configMapData := func(ms []manifest) func(t *testing.T) []byte {
+		return func(t *testing.T) []byte {
+			return []byte(digString(find(t, ms, "ConfigMap", "pd-extproc"), "data", "extproc.yaml"))
+		}
+	}
+	tests := []struct {
+		name string
+		data func(t *testing.T) []byte
+	}{
+		{"embedded default config/extproc.yaml", func(*testing.T) []byte { return defaultconfig.DefaultYAML }},
+		{"docker compose config/envoy/extproc-compose.yaml", func(t *testing.T) []byte {
+			return yamlFileBytes(t, "config/envoy/extproc-compose.yaml")
+		}},
+		{"config/k8s ConfigMap", configMapData(k8s)},
+		{"config/envoy/gateway ConfigMap", configMapData(gw)},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			data := tc.data(t)
+			if len(data) == 0 {
+				t.Fatal("empty config")
+			}
+			if _, err := extprocconfig.Parse(data); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+}
+
+func yamlFileBytes(t *testing.T, rel string) []byte {
+	t.Helper()
+	docs := yamlDocuments(t, repoPath(t, rel))
+	if len(docs) != 1 {
+		t.Fatalf("%s: want one document, got %d", rel, len(docs))
+	}
+	js, err := json.Marshal(docs[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return js
+}
+
+// The Gateway directory carries its own copy of the extproc objects so it applies on its own;
+// the copies must not drift apart.
+func TestGatewayExtprocMatchesKubernetes(t *testing.T) {
+	byID := func(ms []manifest) map[string]map[string]any {
+		out := map[string]map[string]any{}
+		for _, m := range ms {
+			if m.file == "config/k8s/extproc.yaml" || m.file == gatewayDir+"/extproc.yaml" {
+				out[m.kind()+"/"+m.name()] = m.doc
+			}
+		}
+		return out
+	}
+	k8s := byID(loadManifests(t, "config/k8s"))
+	gw := byID(loadManifests(t, gatewayDir))
+	if !slices.Equal(slices.Sorted(maps.Keys(k8s)), slices.Sorted(maps.Keys(gw))) {
+		t.Fatalf("objects differ: config/k8s has %v, %s has %v", slices.Sorted(maps.Keys(k8s)), gatewayDir, slices.Sorted(maps.Keys(gw)))
+	}
+	for id, doc := range k8s {
+		if !reflect.DeepEqual(doc, gw[id]) {
+			t.Errorf("%s differs between config/k8s/extproc.yaml and %s/extproc.yaml", id, gatewayDir)
+		}
+	}
+}
+
+func TestExtprocDeployment(t *testing.T) {
+	ms := loadManifests(t, "config/k8s")
+	dep := find(t, ms, "Deployment", "pd-extproc")
+	pod := dig(dep, "spec", "template").(map[string]any)
+	containers, _ := dig(pod, "spec", "containers").([]any)
+	if len(containers) != 1 {
+		t.Fatalf("want one container, got %d", len(containers))
+	}
+	c := containers[0]
+	ports := map[string]float64{}
+	for _, p := range dig(c, "ports").([]any) {
+		ports[digString(p, "name")], _ = dig(p, "containerPort").(float64)
+	}
+
+	checks := []struct {
+		what string
+		got  any
+		want any
+	}{
+		// Two replicas and a PDB: with failure_mode_allow false, no processor means 500s.
+		{"replicas", dig(dep, "spec", "replicas"), 2.0},
+		{"grpc containerPort", ports["grpc"], 9002.0},
+		{"metrics containerPort", ports["metrics"], 9090.0},
+		{"liveness path", digString(c, "livenessProbe", "httpGet", "path"), "/healthz"},
+		{"liveness port", digString(c, "livenessProbe", "httpGet", "port"), "metrics"},
+		{"readiness path", digString(c, "readinessProbe", "httpGet", "path"), "/readyz"},
+		{"readiness port", digString(c, "readinessProbe", "httpGet", "port"), "metrics"},
+		{"pod runAsNonRoot", dig(pod, "spec", "securityContext", "runAsNonRoot"), true},
+		{"readOnlyRootFilesystem", dig(c, "securityContext", "readOnlyRootFilesystem"), true},
+		{"allowPrivilegeEscalation", dig(c, "securityContext", "allowPrivilegeEscalation"), false},
+		{"capabilities.drop", fmt.Sprint(dig(c, "securityContext", "capabilities", "drop")), "[ALL]"},
+		{"memory limit set", dig(c, "resources", "limits", "memory") != nil, true},
+		{"cpu request set", dig(c, "resources", "requests", "cpu") != nil, true},
+	}
+	for _, ck := range checks {
+		if !reflect.DeepEqual(ck.got, ck.want) {
+			t.Errorf("%s = %v, want %v", ck.what, ck.got, ck.want)
+		}
+	}
+
+	// The --config flag must point into the mounted ConfigMap.
+	args := toStrings(dig(c, "args"))
+	cfgPath := ""
+	for _, a := range args {
+		if v, ok := strings.CutPrefix(a, "--config="); ok {
+			cfgPath = v
+		}
+	}
+	mounted := false
+	for _, vm := range dig(c, "volumeMounts").([]any) {
+		if strings.HasPrefix(cfgPath, digString(vm, "mountPath")+"/") {
+			mounted = true
+		}
+	}
+	if !mounted || !strings.HasSuffix(cfgPath, "/extproc.yaml") {
+		t.Errorf("--config=%q is not the extproc.yaml key of a mounted volume", cfgPath)
+	}
+
+	svc := find(t, ms, "Service", "pd-extproc")
+	svcPorts := map[string]map[string]any{}
+	for _, p := range dig(svc, "spec", "ports").([]any) {
+		svcPorts[digString(p, "name")] = p.(map[string]any)
+	}
+	if p := svcPorts["grpc"]; dig(p, "port") != 9002.0 || digString(p, "appProtocol") != "kubernetes.io/h2c" {
+		t.Errorf("Service grpc port = %v; want 9002 with appProtocol kubernetes.io/h2c (gRPC needs HTTP/2)", p)
+	}
+	if p := svcPorts["metrics"]; dig(p, "port") != 9090.0 {
+		t.Errorf("Service metrics port = %v, want 9090", p)
+	}
+	podLabels, _ := dig(pod, "metadata", "labels").(map[string]any)
+	for _, sel := range []struct {
+		what     string
+		selector any
+	}{
+		{"Service", dig(svc, "spec", "selector")},
+		{"PodDisruptionBudget", dig(find(t, ms, "PodDisruptionBudget", "pd-extproc"), "spec", "selector", "matchLabels")},
+		{"Deployment", dig(dep, "spec", "selector", "matchLabels")},
+	} {
+		if !selects(sel.selector, podLabels) {
+			t.Errorf("%s selector %v does not match the pod labels %v", sel.what, sel.selector, podLabels)
+		}
+	}
+}
+
+// Each example engine pool is reachable through a headless Service (the planned
+// pools.<pool>.dns discovery needs one name per pool that resolves to pod IPs) and starts the
+// engine in its P/D role.
+func TestEngineExamples(t *testing.T) {
+	k8s := loadManifests(t, "config/k8s")
+	defaults, err := extprocconfig.Parse(defaultconfig.DefaultYAML)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bootstrapPort := fmt.Sprint(defaults.Pools.Prefill.BootstrapPort)
+	tests := []struct {
+		file       string
+		deployment string
+		service    string
+		wantArgs   []string                  // each must appear in command+args
+		check      func(t *testing.T, c any) // engine-specific settings
+	}{
+		{"config/k8s/vllm-pd.yaml", "vllm-prefill", "vllm-prefill", nil, checkNixl},
+		{"config/k8s/vllm-pd.yaml", "vllm-decode", "vllm-decode", nil, checkNixl},
+		{"config/k8s/sglang-pd.yaml", "sglang-prefill", "sglang-prefill",
+			[]string{"--disaggregation-mode=prefill", "--disaggregation-bootstrap-port=" + bootstrapPort, "--disaggregation-transfer-backend=mooncake"}, nil},
+		{"config/k8s/sglang-pd.yaml", "sglang-decode", "sglang-decode",
+			[]string{"--disaggregation-mode=decode", "--disaggregation-transfer-backend=mooncake"}, nil},
+	}
+	for _, tc := range tests {
+		t.Run(tc.deployment, func(t *testing.T) {
+			dep := find(t, k8s, "Deployment", tc.deployment)
+			c := dig(dep, "spec", "template", "spec", "containers").([]any)[0]
+			cmd := append(toStrings(dig(c, "command")), toStrings(dig(c, "args"))...)
+			for _, want := range tc.wantArgs {
+				if !slices.Contains(cmd, want) {
+					t.Errorf("command %v lacks %s", cmd, want)
+				}
+			}
+			if tc.check != nil {
+				tc.check(t, c)
+			}
+			svc := find(t, k8s, "Service", tc.service)
+			if digString(svc, "spec", "clusterIP") != "None" {
+				t.Errorf("Service %s is not headless (clusterIP: None)", tc.service)
+			}
+			labels, _ := dig(dep, "spec", "template", "metadata", "labels").(map[string]any)
+			if !selects(dig(svc, "spec", "selector"), labels) {
+				t.Errorf("Service %s does not select the %s pods", tc.service, tc.deployment)
+			}
+		})
+	}
+
+	// The Gateway route's backend Service must find the decode pods of either example.
+	gwSvc := find(t, loadManifests(t, gatewayDir), "Service", "pd-decode")
+	for _, name := range []string{"vllm-decode", "sglang-decode"} {
+		labels, _ := dig(find(t, k8s, "Deployment", name), "spec", "template", "metadata", "labels").(map[string]any)
+		if !selects(dig(gwSvc, "spec", "selector"), labels) {
+			t.Errorf("gateway Service pd-decode does not select the %s pods", name)
+		}
+	}
+}
+
+// checkNixl: the NixlConnector flag, and a side channel advertised on the pod IP (vLLM's
+// default host, localhost, is unreachable from the other pool).
+func checkNixl(t *testing.T, c any) {
+	t.Helper()
+	args := toStrings(dig(c, "args"))
+	i := slices.Index(args, "--kv-transfer-config")
+	if i < 0 || i+1 >= len(args) {
+		t.Fatalf("args %v lack --kv-transfer-config", args)
+	}
+	var ktc map[string]any
+	if err := json.Unmarshal([]byte(args[i+1]), &ktc); err != nil {
+		t.Fatalf("--kv-transfer-config is not JSON: %v", err)
+	}
+	if ktc["kv_connector"] != "NixlConnector" || ktc["kv_role"] != "kv_both" {
+		t.Errorf("--kv-transfer-config = %v, want NixlConnector with kv_role kv_both", ktc)
+	}
+	env := map[string]any{}
+	for _, e := range dig(c, "env").([]any) {
+		env[digString(e, "name")] = e
+	}
+	if got := digString(env["VLLM_NIXL_SIDE_CHANNEL_HOST"], "valueFrom", "fieldRef", "fieldPath"); got != "status.podIP" {
+		t.Errorf("VLLM_NIXL_SIDE_CHANNEL_HOST comes from %q, want status.podIP", got)
+	}
+	if digString(env["VLLM_NIXL_SIDE_CHANNEL_PORT"], "value") == "" {
+		t.Error("VLLM_NIXL_SIDE_CHANNEL_PORT is not set")
+	}
+}
+
+// selects reports whether a label selector (a plain map) matches a label set.
+func selects(selector any, labels map[string]any) bool {
+	sel, ok := selector.(map[string]any)
+	if !ok || len(sel) == 0 {
+		return false
+	}
+	for k, v := range sel {
+		if labels[k] != v {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,141 @@
+package deploy
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"sigs.k8s.io/yaml"
+)
+
+// repoRoot finds the module root, so tests read the same files users copy whatever the
+// working directory `go test` picked.
+func repoRoot(t testing.TB) string {
+	t.Helper()
+	dir, err := os.Getwd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			return dir
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			t.Fatal("go.mod not found above the test directory")
+		}
+		dir = parent
+	}
+}
+
+// repoPath joins slash-separated repository-relative parts onto the module root.
+func repoPath(t testing.TB, rel string) string {
+	return filepath.Join(repoRoot(t), filepath.FromSlash(rel))
+}
+
+// yamlDocuments splits a multi-document YAML file and converts each non-empty document to a
+// generic map (through JSON, as kubectl and Envoy do), so tests see what the tools see.
+func yamlDocuments(t testing.TB, path string) []map[string]any {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var docs []map[string]any
+	for i, part := range splitYAML(data) {
+		var doc map[string]any
+		if err := yaml.Unmarshal(part, &doc); err != nil {
+			t.Fatalf("%s: document %d: %v", path, i, err)
+		}
+		if doc != nil {
+			docs = append(docs, doc)
+		}
+	}
+	return docs
+}
+
+// splitYAML cuts a YAML stream at "---" document separators.
+func splitYAML(data []byte) [][]byte {
+	var parts [][]byte
+	var cur bytes.Buffer
+	for _, line := range strings.SplitAfter(string(data), "\n") {
+		if strings.TrimRight(line, " \t\r\n") == "---" {
+			parts = append(parts, bytes.Clone(cur.Bytes()))
+			cur.Reset()
+			continue
+		}
+		cur.WriteString(line)
+	}
+	return append(parts, cur.Bytes())
+}
+
+// dig walks a generic YAML/JSON value along map keys; it returns nil when a key is missing.
+func dig(v any, keys ...string) any {
+	for _, k := range keys {
+		m, ok := v.(map[string]any)
+		if !ok {
+			return nil
+		}
+		v = m[k]
+	}
+	return v
+}
+
+// digString is dig for leaf strings.
+func digString(v any, keys ...string) string {
+	s, _ := dig(v, keys...).(string)
+	return s
+}
+
+// toolsBin is where `make tools` installs test tools; tests look there as well as on PATH so a
+// plain `go test ./...` finds what the Makefile installed.
+func toolsBin() string {
+	if dir := os.Getenv("TOOLS_BIN"); dir != "" {
+		return dir
+	}
+	home, err := os.UserHomeDir()
+	if err != nil {
+		return ""
+	}
+	return filepath.Join(home, ".cache", "pd-extproc", "bin")
+}
+
+// findTool returns the path of an executable on PATH or in toolsBin, or "" when absent.
+func findTool(name string) string {
+	if p, err := exec.LookPath(name); err == nil {
+		return p
+	}
+	if dir := toolsBin(); dir != "" {
+		p := filepath.Join(dir, name)
+		if st, err := os.Stat(p); err == nil && !st.IsDir() && st.Mode()&0o111 != 0 {
+			return p
+		}
+	}
+	return ""
+}
+
+// toolTimeout bounds one tool run; egctl and docker-compose answer in seconds, so a run that
+// takes longer is stuck (e.g. waiting on a network) and should fail rather than hang CI.
+const toolTimeout = 2 * time.Minute
+
+// runTool runs a command and returns stdout; on failure the error carries stderr, which is
+// where docker-compose and egctl explain what is wrong with the input.
+func runTool(t testing.TB, dir string, name string, args ...string) ([]byte, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), toolTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.Dir = dir
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		return stdout.Bytes(), errors.Join(err, errors.New(strings.TrimSpace(stderr.String())))
+	}
+	return stdout.Bytes(), nil
+}
