@@ -42,5 +42,10 @@ docker-compose:
 		echo "docker-compose not found and cannot apt-get install it: the compose check will skip"; \
 	fi
 
+# The 5-minute demo: extproc, a prefill and a decode simulator, and the Envoy
+# emulator on 127.0.0.1:8080. Ctrl-C stops everything.
+run: build
+	$(GO) run ./test/e2e/demo
+
 clean:
 	rm -rf $(BIN)
