@@ -23,6 +23,7 @@ type Config struct {
 	Prefill   Prefill `json:"prefill"`
 	Limits    Limits  `json:"limits"`
 	Envoy     Envoy   `json:"envoy"`
+	Tracing   Tracing `json:"tracing"`
 }
 
 // Pools lists the engine endpoints of each role.
@@ -112,6 +113,7 @@ func (c *Config) setDefaults() {
 	if c.Envoy.OverrideMessageTimeout == 0 {
 		c.Envoy.OverrideMessageTimeout = c.Prefill.Timeout + Duration(30*time.Second)
 	}
+	c.Tracing.SetDefaults()
 }
 
 func (c *Config) validate() error {
@@ -142,6 +144,7 @@ func (c *Config) validate() error {
 	if c.Envoy.OverrideAfter < 0 || c.Envoy.OverrideMessageTimeout < 0 {
 		errs = append(errs, errors.New("envoy.override_after, envoy.override_message_timeout: must be positive"))
 	}
+	errs = append(errs, c.Tracing.Validate("tracing"))
 	return errors.Join(errs...)
 }
 

@@ -10,7 +10,10 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/go-logr/logr"
 	"github.com/google/uuid"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 )
@@ -26,7 +29,9 @@ const maxPresize = 1 << 20
 type exchange struct {
 	*Server
 	stream extprocv3.ExternalProcessor_ProcessServer
-	ctx    context.Context
+	ctx    context.Context // the stream's, carrying the request span once headers are in
+	// log shadows the Server's: once the headers are in, every line carries the request id.
+	log logr.Logger
 
 	requestMode, responseMode filterv3.ProcessingMode_BodySendMode
 
@@ -37,6 +42,13 @@ type exchange struct {
 	requestDone   bool // the request body has been handled: later chunks are dropped (envoy#46237)
 	responseDone  bool
 	decision      *pipeline.Decision
+
+	// Observability of the request path: see observe.go.
+	start        time.Time // first message
+	method       string
+	traceHeaders propagation.MapCarrier
+	span         trace.Span
+	concluded    bool // counted and logged
 }
 
 // handle answers one message. done means the stream is finished for us.
@@ -67,7 +79,9 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 		return false, nil
 	}
 	x.headersSeen = true
+	x.start = time.Now()
 	x.readHeaders(h.GetHeaders())
+	x.begin()
 
 	if h.GetEndOfStream() || x.requestMode == filterv3.ProcessingMode_NONE {
 		// No body will follow (or none is sent to us): route from the headers.
@@ -77,7 +91,11 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 			return x.fail(err)
 		}
 		x.decision = d
-		return false, x.send(headersReply(d, x.req.RequestID))
+		if err := x.send(headersReply(d, x.req.RequestID)); err != nil {
+			return false, err
+		}
+		x.routed()
+		return false, nil
 	}
 	if limit := x.router.MaxBodyBytes(); x.contentLength > limit {
 		return x.fail(pipeline.TooLarge(limit))
@@ -149,6 +167,7 @@ func (x *exchange) finishDuplex(trailers bool) (bool, error) {
 			return false, err
 		}
 	}
+	x.routed()
 	if trailers {
 		return false, x.send(continueReply("request_trailers"))
 	}
@@ -165,13 +184,18 @@ func (x *exchange) finishBuffered() (bool, error) {
 	x.decision = d
 	// Envoy checks a Content-Length against the new body; without one (chunked)
 	// it checks nothing and must not be given one.
-	return false, x.send(bufferedBodyReply(d, x.req.RequestID, x.contentLength >= 0))
+	if err := x.send(bufferedBodyReply(d, x.req.RequestID, x.contentLength >= 0)); err != nil {
+		return false, err
+	}
+	x.routed()
+	return false, nil
 }
 
 // route runs the pipeline on the whole body. With keepAlive, Envoy's message
 // timer is running, and a slow route extends it once.
 func (x *exchange) route(keepAlive bool) (*pipeline.Decision, error) {
 	x.req.Body = x.body
+	x.opts.Metrics.RequestBody(len(x.body))
 	if !keepAlive || x.opts.OverrideAfter <= 0 {
 		return x.router.Route(x.ctx, &x.req)
 	}
@@ -217,7 +241,7 @@ func (x *exchange) fail(err error) (bool, error) {
 	if !ok {
 		e = &pipeline.Error{Status: http.StatusInternalServerError, Type: "server_error", Message: err.Error()}
 	}
-	x.log.V(1).Info("request rejected", "requestID", x.req.RequestID, "status", e.Status, "reason", e.Message)
+	x.rejected(e)
 	return true, x.send(immediate(e))
 }
 
@@ -227,12 +251,25 @@ func (x *exchange) send(r *extprocv3.ProcessingResponse) error { return x.stream
 // read only as a fallback for Envoys with the raw_value guard off.
 func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 	x.contentLength = -1
+	x.traceHeaders = propagation.MapCarrier{}
+	var logged map[string]string // protocol-detail logging only
+	if x.log.V(2).Enabled() {
+		logged = make(map[string]string, len(hm.GetHeaders()))
+	}
 	for _, h := range hm.GetHeaders() {
 		v := string(h.GetRawValue())
 		if v == "" {
 			v = h.GetValue()
 		}
+		if logged != nil {
+			logged[h.GetKey()] = redact(h.GetKey(), v)
+		}
+		if x.traceFields[h.GetKey()] {
+			x.traceHeaders[h.GetKey()] = v
+		}
 		switch h.GetKey() {
+		case ":method":
+			x.method = v
 		case ":path":
 			x.req.Path = v
 		case RequestIDHeader:
@@ -247,5 +284,8 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 	}
 	if x.req.RequestID == "" {
 		x.req.RequestID = uuid.NewString()
+	}
+	if logged != nil {
+		x.log.V(2).Info("request headers", "requestID", x.req.RequestID, "headers", logged)
 	}
 }

@@ -12,9 +12,13 @@ import (
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 )
 
@@ -33,25 +37,55 @@ type Options struct {
 	// max_message_timeout, and at most once per message.
 	OverrideAfter   time.Duration
 	OverrideTimeout time.Duration
+
+	// Metrics counts streams and requests; nil counts nothing.
+	Metrics *metrics.Metrics
+	// TracerProvider gives each request a span, joined to the trace of the
+	// caller's traceparent header as read by Propagator; nil traces nothing.
+	TracerProvider trace.TracerProvider
+	// Propagator reads the caller's trace context from the request headers;
+	// nil means W3C Trace Context.
+	Propagator propagation.TextMapPropagator
+	// LogPrompts adds the request body to the per-request log line. Off by
+	// default: prompts are user data.
+	LogPrompts bool
 }
 
 // Server implements envoy.service.ext_proc.v3.ExternalProcessor.
 type Server struct {
 	extprocv3.UnimplementedExternalProcessorServer
-	router Router
-	opts   Options
-	log    logr.Logger
+	router      Router
+	opts        Options
+	log         logr.Logger
+	tracer      trace.Tracer
+	traceFields map[string]bool // headers the propagator reads
 }
 
 // NewServer returns an ext_proc server routing with r.
 func NewServer(r Router, opts Options, log logr.Logger) *Server {
-	return &Server{router: r, opts: opts, log: log}
+	if opts.TracerProvider == nil {
+		opts.TracerProvider = noop.NewTracerProvider()
+	}
+	if opts.Propagator == nil {
+		opts.Propagator = propagation.TraceContext{}
+	}
+	s := &Server{router: r, opts: opts, log: log, traceFields: map[string]bool{},
+		tracer: opts.TracerProvider.Tracer("github.com/pd-extproc/pd-extproc/pkg/handlers")}
+	for _, f := range opts.Propagator.Fields() {
+		s.traceFields[f] = true
+	}
+	return s
 }
 
 // Process handles the messages of one HTTP request until Envoy closes the stream.
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
-	x := &exchange{Server: s, stream: stream, ctx: stream.Context()}
-	defer x.decision.Release()
+	s.opts.Metrics.StreamOpened()
+	defer s.opts.Metrics.StreamClosed()
+	x := &exchange{Server: s, stream: stream, ctx: stream.Context(), log: s.log}
+	// A closure: x.decision is set later, and a deferred method value would bind
+	// the nil it holds now, leaving the decode endpoint counted busy for good.
+	defer func() { x.decision.Release() }()
+	defer x.abandon()
 	for {
 		req, err := stream.Recv()
 		switch {

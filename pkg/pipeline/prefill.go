@@ -3,13 +3,22 @@ package pipeline
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"strconv"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/pd-extproc/pd-extproc/pkg/body"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
 // maxPrefillResponseBytes bounds what we read of a prefill answer: it is one
@@ -47,6 +56,59 @@ func newEngineClient() *http.Client {
 	}}
 }
 
+// attempt sends one prefill leg to endpoint inside its own span, and records
+// its duration and any failure.
+func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg []byte) ([]byte, error) {
+	attrs := []attribute.KeyValue{semconv.HTTPRequestMethodPost, semconv.URLPath(r.Path), attribute.String("pd.request_id", r.RequestID)}
+	if host, port, err := net.SplitHostPort(endpoint); err == nil {
+		n, _ := strconv.Atoi(port)
+		attrs = append(attrs, semconv.ServerAddress(host), semconv.ServerPort(n))
+	}
+	ctx, span := p.tracer.Start(ctx, "prefill", trace.WithSpanKind(trace.SpanKindClient), trace.WithAttributes(attrs...))
+	defer span.End()
+
+	start := time.Now()
+	params, err := p.postPrefill(ctx, endpoint, r, leg)
+	reason := ""
+	if err != nil {
+		reason = failureReason(ctx, err)
+	}
+	p.metrics.PrefillAttempt(time.Since(start), reason)
+
+	var se *statusError
+	if errors.As(err, &se) {
+		span.SetAttributes(semconv.HTTPResponseStatusCode(se.status))
+	}
+	if err != nil {
+		span.SetAttributes(attribute.String("error.type", reason))
+		span.SetStatus(codes.Error, err.Error())
+		return nil, err
+	}
+	span.SetAttributes(semconv.HTTPResponseStatusCode(http.StatusOK), attribute.Bool("pd.kv_transfer_params", params != nil))
+	return params, nil
+}
+
+// failureReason classifies a failed attempt for prefill_failures_total; ctx is
+// the attempt's parent, whose end means the client left.
+func failureReason(ctx context.Context, err error) string {
+	var se *statusError
+	var op *net.OpError
+	var ne net.Error
+	switch {
+	case errors.As(err, &se) && se.status >= 500:
+		return metrics.FailureStatus5xx
+	case errors.As(err, &se):
+		return metrics.FailureStatus4xx
+	case ctx.Err() != nil:
+		return metrics.FailureCancelled
+	case errors.As(err, &op) && op.Op == "dial":
+		return metrics.FailureConnect
+	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
+		return metrics.FailureTimeout
+	}
+	return metrics.FailureTransport
+}
+
 // postPrefill sends one prefill leg and returns the raw kv_transfer_params of the
 // answer, or nil when the engine returned none (absent, null or empty).
 func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request, leg []byte) ([]byte, error) {
@@ -59,6 +121,8 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 	for k, v := range r.Forward {
 		req.Header[k] = v
 	}
+	// The engine joins the caller's trace (vLLM reads traceparent when tracing is on).
+	p.propagator.Inject(ctx, propagation.HeaderCarrier(req.Header))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", r.RequestID)
 	resp, err := p.client.Do(req)

@@ -1,0 +1,259 @@
+// Package metrics is the one place where pd-extproc's Prometheus metrics are
+// named: every metric, label and label value it exports is defined here and
+// described in docs/metrics.md. Label values come from the constants below only,
+// so every label set is bounded: no request ids, no model names.
+//
+// A *Metrics owns its registry (never the global default), so a binary and each
+// test get their own. A nil *Metrics records nothing, which keeps callers free of
+// "is metrics on" checks.
+package metrics
+
+import (
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+const namespace = "pd_extproc"
+
+// Values of the api label: which OpenAI API a request used.
+const (
+	APIChat        = "chat"
+	APICompletions = "completions"
+	APIOther       = "other"
+)
+
+// Values of the mode label. ModeNone marks a request rejected before the
+// pipeline chose a mode (bad JSON, unknown path, body too large, ...).
+const (
+	ModePD         = "pd"
+	ModeDecodeOnly = "decode_only"
+	ModeNone       = "none"
+)
+
+// Values of requests_total{outcome}: how the request path of one ext_proc stream ended.
+const (
+	OutcomeRouted    = "routed"    // a decode endpoint was chosen and Envoy was told
+	Outcome4xx       = "4xx"       // rejected with a 4xx local reply (ours, or the prefill engine's own 4xx)
+	Outcome5xx       = "5xx"       // rejected with a 5xx local reply (no decode endpoint, prefill failed under on_failure=fail, ...)
+	OutcomeCancelled = "cancelled" // the stream ended before the request was routed or rejected (client or Envoy gave up)
+)
+
+// Values of pd_decisions_total{reason}: why a routed request got its mode.
+const (
+	ReasonPD                = "pd"                  // disaggregated: the prefill leg ran (or was launched)
+	ReasonNGT1              = "n_gt_1"              // decode-only: n > 1 cannot be handed off
+	ReasonNoPrefillEndpoint = "no_prefill_endpoint" // decode-only: no prefill endpoint configured or eligible
+	ReasonPrefillFailed     = "prefill_failed"      // decode-only: the prefill leg failed and prefill.on_failure is decode-only
+	ReasonNoBody            = "no_body"             // decode-only: a request without a body (GET /v1/models, body mode NONE)
+)
+
+// Values of prefill_duration_seconds{outcome}.
+const (
+	PrefillOK        = "ok"
+	PrefillFailed    = "failed"
+	PrefillCancelled = "cancelled"
+)
+
+// Values of prefill_failures_total{reason}: why one prefill attempt failed.
+const (
+	FailureConnect   = "connect"    // the engine could not be dialled
+	FailureTimeout   = "timeout"    // prefill.timeout expired
+	FailureStatus4xx = "status_4xx" // the engine rejected the request
+	FailureStatus5xx = "status_5xx" // the engine answered with its own failure
+	FailureTransport = "transport"  // the connection broke while sending or reading
+	FailureCancelled = "cancelled"  // the client left (the ext_proc stream ended) while the leg ran
+)
+
+var (
+	apis          = []string{APIChat, APICompletions, APIOther}
+	modes         = []string{ModePD, ModeDecodeOnly, ModeNone}
+	outcomes      = []string{OutcomeRouted, Outcome4xx, Outcome5xx, OutcomeCancelled}
+	reasons       = []string{ReasonPD, ReasonNGT1, ReasonNoPrefillEndpoint, ReasonPrefillFailed, ReasonNoBody}
+	failures      = []string{FailureConnect, FailureTimeout, FailureStatus4xx, FailureStatus5xx, FailureTransport, FailureCancelled}
+	prefillStates = []string{PrefillOK, PrefillFailed, PrefillCancelled}
+)
+
+// Metrics holds pd-extproc's collectors and the registry they are on.
+type Metrics struct {
+	registry  *prometheus.Registry
+	connector string
+
+	requests        *prometheus.CounterVec
+	processing      *prometheus.HistogramVec
+	prefillDuration *prometheus.HistogramVec
+	prefillFailures *prometheus.CounterVec
+	kvParamsMissing prometheus.Counter
+	decisions       *prometheus.CounterVec
+	bodyBytes       prometheus.Histogram
+	streams         prometheus.Gauge
+}
+
+// New returns the metrics of a server using connector, on a new registry that
+// also carries the Go runtime and process collectors.
+func New(connector string) *Metrics {
+	m := &Metrics{
+		registry:  prometheus.NewRegistry(),
+		connector: connector,
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "requests_total",
+			Help: "Requests by OpenAI API, P/D mode, KV connector and how their routing ended (routed, 4xx, 5xx, cancelled).",
+		}, []string{"api", "mode", "connector", "outcome"}),
+		processing: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: namespace, Name: "request_processing_seconds",
+			Help: "Time the service adds to a routed request, from its first ext_proc message to the routing reply, excluding the prefill leg.",
+			// Sub-millisecond for small bodies; FULL_DUPLEX includes Envoy streaming the body to us.
+			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5},
+		}, []string{"mode"}),
+		prefillDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: namespace, Name: "prefill_duration_seconds",
+			Help:    "Duration of each prefill leg attempt the service sent, by outcome (ok, failed, cancelled).",
+			Buckets: []float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 30, 60},
+		}, []string{"outcome"}),
+		prefillFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "prefill_failures_total",
+			Help: "Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, transport, cancelled).",
+		}, []string{"reason"}),
+		kvParamsMissing: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: namespace, Name: "kv_params_missing_total",
+			Help: "Successful kv-nixl prefill legs that returned no kv_transfer_params, so the decode engine recomputed the prompt.",
+		}),
+		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "pd_decisions_total",
+			Help: "Routed requests by why they got their mode (pd, n_gt_1, no_prefill_endpoint, prefill_failed, no_body).",
+		}, []string{"reason"}),
+		bodyBytes: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: namespace, Name: "request_body_bytes",
+			Help:    "Size of complete client request bodies received.",
+			Buckets: prometheus.ExponentialBuckets(256, 4, 10), // 256 B .. 64 MiB
+		}),
+		streams: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "streams_in_flight",
+			Help: "ext_proc Process streams currently open.",
+		}),
+	}
+	m.registry.MustRegister(
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		m.requests, m.processing, m.prefillDuration, m.prefillFailures, m.kvParamsMissing,
+		m.decisions, m.bodyBytes, m.streams,
+	)
+	m.initSeries()
+	return m
+}
+
+// initSeries creates every counter series at zero, so that rate() and increase()
+// see the first event and alerts can tell "none yet" from "no data".
+func (m *Metrics) initSeries() {
+	for _, api := range apis {
+		for _, mode := range modes {
+			for _, outcome := range outcomes {
+				if mode == ModeNone && outcome == OutcomeRouted {
+					continue // a routed request always has a mode
+				}
+				m.requests.WithLabelValues(api, mode, m.connector, outcome)
+			}
+		}
+	}
+	for _, r := range reasons {
+		m.decisions.WithLabelValues(r)
+	}
+	for _, r := range failures {
+		m.prefillFailures.WithLabelValues(r)
+	}
+	m.processing.WithLabelValues(ModePD)
+	m.processing.WithLabelValues(ModeDecodeOnly)
+	for _, s := range prefillStates {
+		m.prefillDuration.WithLabelValues(s)
+	}
+}
+
+// Registry is the registry every collector is on.
+func (m *Metrics) Registry() *prometheus.Registry { return m.registry }
+
+// Handler serves the registry in the Prometheus exposition formats.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{Registry: m.registry})
+}
+
+// StreamOpened counts an ext_proc stream as open until StreamClosed.
+func (m *Metrics) StreamOpened() {
+	if m != nil {
+		m.streams.Inc()
+	}
+}
+
+// StreamClosed ends what StreamOpened started.
+func (m *Metrics) StreamClosed() {
+	if m != nil {
+		m.streams.Dec()
+	}
+}
+
+// Request is how the request path of one stream ended.
+type Request struct {
+	API     string // an API* value
+	Mode    string // ModePD, ModeDecodeOnly, or ModeNone when no mode was chosen
+	Outcome string // an Outcome* value
+	// Processing is the service's own time (prefill legs excluded); recorded for
+	// routed requests only.
+	Processing time.Duration
+}
+
+// ObserveRequest records one request's end.
+func (m *Metrics) ObserveRequest(r Request) {
+	if m == nil {
+		return
+	}
+	if r.Mode == "" {
+		r.Mode = ModeNone
+	}
+	m.requests.WithLabelValues(r.API, r.Mode, m.connector, r.Outcome).Inc()
+	if r.Outcome == OutcomeRouted {
+		m.processing.WithLabelValues(r.Mode).Observe(r.Processing.Seconds())
+	}
+}
+
+// RequestBody records the size of a complete request body.
+func (m *Metrics) RequestBody(n int) {
+	if m != nil {
+		m.bodyBytes.Observe(float64(n))
+	}
+}
+
+// Decision counts a routed request's mode decision; reason is a Reason* value.
+func (m *Metrics) Decision(reason string) {
+	if m != nil {
+		m.decisions.WithLabelValues(reason).Inc()
+	}
+}
+
+// PrefillAttempt records one prefill leg: failure is "" when it succeeded, else
+// a Failure* value.
+func (m *Metrics) PrefillAttempt(d time.Duration, failure string) {
+	if m == nil {
+		return
+	}
+	outcome := PrefillOK
+	switch failure {
+	case "":
+	case FailureCancelled:
+		outcome = PrefillCancelled
+	default:
+		outcome = PrefillFailed
+	}
+	if failure != "" {
+		m.prefillFailures.WithLabelValues(failure).Inc()
+	}
+	m.prefillDuration.WithLabelValues(outcome).Observe(d.Seconds())
+}
+
+// KVParamsMissing counts a prefill answer without kv_transfer_params.
+func (m *Metrics) KVParamsMissing() {
+	if m != nil {
+		m.kvParamsMissing.Inc()
+	}
+}

@@ -1,0 +1,134 @@
+package metrics
+
+import (
+	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+)
+
+// sample returns the value of one series (a histogram's sample count), and
+// false when the series does not exist.
+func sample(t *testing.T, m *Metrics, name string, labels map[string]string) (float64, bool) {
+	t.Helper()
+	families, err := m.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+	next:
+		for _, s := range f.GetMetric() {
+			for _, l := range s.GetLabel() {
+				if labels[l.GetName()] != l.GetValue() {
+					continue next
+				}
+			}
+			switch f.GetType() {
+			case dto.MetricType_HISTOGRAM:
+				return float64(s.GetHistogram().GetSampleCount()), true
+			case dto.MetricType_GAUGE:
+				return s.GetGauge().GetValue(), true
+			default:
+				return s.GetCounter().GetValue(), true
+			}
+		}
+	}
+	return 0, false
+}
+
+func TestNilMetricsRecordNothing(t *testing.T) {
+	var m *Metrics // what a pipeline or handler built without metrics holds
+	m.StreamOpened()
+	m.StreamClosed()
+	m.ObserveRequest(Request{API: APIChat, Mode: ModePD, Outcome: OutcomeRouted})
+	m.RequestBody(10)
+	m.Decision(ReasonPD)
+	m.PrefillAttempt(time.Second, FailureTimeout)
+	m.KVParamsMissing()
+}
+
+func TestPrefillAttemptOutcomes(t *testing.T) {
+	tests := []struct {
+		failure     string
+		wantOutcome string
+	}{
+		{"", PrefillOK},
+		{FailureStatus5xx, PrefillFailed},
+		{FailureConnect, PrefillFailed},
+		{FailureCancelled, PrefillCancelled},
+	}
+	for _, tt := range tests {
+		t.Run(tt.wantOutcome+"/"+tt.failure, func(t *testing.T) {
+			m := New("kv-nixl")
+			m.PrefillAttempt(time.Second, tt.failure)
+			for _, outcome := range prefillStates {
+				want := 0.0
+				if outcome == tt.wantOutcome {
+					want = 1
+				}
+				if got, _ := sample(t, m, "pd_extproc_prefill_duration_seconds", map[string]string{"outcome": outcome}); got != want {
+					t.Errorf("prefill_duration_seconds{outcome=%q} count = %v, want %v", outcome, got, want)
+				}
+			}
+			for _, reason := range failures {
+				want := 0.0
+				if reason == tt.failure {
+					want = 1
+				}
+				if got, _ := sample(t, m, "pd_extproc_prefill_failures_total", map[string]string{"reason": reason}); got != want {
+					t.Errorf("prefill_failures_total{reason=%q} = %v, want %v", reason, got, want)
+				}
+			}
+		})
+	}
+}
+
+func TestSeriesExistBeforeTheFirstEvent(t *testing.T) {
+	m := New("kv-sglang")
+	tests := []struct {
+		name   string
+		labels map[string]string
+	}{
+		{"pd_extproc_requests_total", map[string]string{"api": APIChat, "mode": ModePD, "connector": "kv-sglang", "outcome": OutcomeRouted}},
+		{"pd_extproc_requests_total", map[string]string{"api": APIOther, "mode": ModeNone, "connector": "kv-sglang", "outcome": Outcome4xx}},
+		{"pd_extproc_pd_decisions_total", map[string]string{"reason": ReasonPrefillFailed}},
+		{"pd_extproc_prefill_failures_total", map[string]string{"reason": FailureTimeout}},
+		{"pd_extproc_request_processing_seconds", map[string]string{"mode": ModeDecodeOnly}},
+		{"pd_extproc_kv_params_missing_total", nil},
+		{"pd_extproc_streams_in_flight", nil},
+	}
+	for _, tt := range tests {
+		if v, ok := sample(t, m, tt.name, tt.labels); !ok || v != 0 {
+			t.Errorf("%s%v = %v, %v; want an existing zero series", tt.name, tt.labels, v, ok)
+		}
+	}
+	if _, ok := sample(t, m, "pd_extproc_requests_total", map[string]string{"api": APIChat, "mode": ModeNone, "connector": "kv-sglang", "outcome": OutcomeRouted}); ok {
+		t.Error("requests_total{mode=none,outcome=routed} exists: a routed request always has a mode")
+	}
+}
+
+func TestEndpointGaugesReadTheSourceAtEachScrape(t *testing.T) {
+	m := New("kv-nixl")
+	state := []EndpointState{{Pool: "decode", Endpoint: "10.0.0.2:8000", InFlight: 3, Healthy: true}}
+	m.WatchEndpoints(func() []EndpointState { return state })
+	steps := []struct {
+		set                  EndpointState
+		wantInflight, wantUp float64
+	}{
+		{EndpointState{Pool: "decode", Endpoint: "10.0.0.2:8000", InFlight: 3, Healthy: true}, 3, 1},
+		{EndpointState{Pool: "decode", Endpoint: "10.0.0.2:8000", InFlight: 0, Healthy: false}, 0, 0},
+	}
+	for _, s := range steps {
+		state = []EndpointState{s.set}
+		labels := map[string]string{"pool": "decode", "endpoint": "10.0.0.2:8000"}
+		if got, _ := sample(t, m, "pd_extproc_endpoint_inflight", labels); got != s.wantInflight {
+			t.Errorf("endpoint_inflight = %v, want %v", got, s.wantInflight)
+		}
+		if got, _ := sample(t, m, "pd_extproc_endpoint_healthy", labels); got != s.wantUp {
+			t.Errorf("endpoint_healthy = %v, want %v", got, s.wantUp)
+		}
+	}
+}

@@ -1,0 +1,304 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/go-logr/logr"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+const (
+	chatPath = "/v1/chat/completions"
+	decodeEP = "10.1.1.1:8000" // never contacted: Envoy sends the decode leg
+)
+
+// running is a Server serving on loopback, as cmd/extproc runs it.
+type running struct {
+	*Server
+	ext    extprocv3.ExternalProcessorClient
+	health healthpb.HealthClient
+	admin  string // http://host:port
+	stop   context.CancelFunc
+	served chan error // Serve's result
+}
+
+// start serves configYAML on loopback ports until the test ends.
+func start(t *testing.T, configYAML string, opts Options, log logr.Logger) *running {
+	t.Helper()
+	cfg, err := config.Parse([]byte(configYAML))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(cfg, opts, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	grpcLis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	adminLis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	r := &running{Server: s, admin: "http://" + adminLis.Addr().String(), stop: stop, served: make(chan error, 1)}
+	go func() { r.served <- s.Serve(ctx, grpcLis, adminLis) }()
+	conn, err := grpc.NewClient(grpcLis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.ext, r.health = extprocv3.NewExternalProcessorClient(conn), healthpb.NewHealthClient(conn)
+	t.Cleanup(func() {
+		conn.Close()
+		stop()
+		if err := r.wait(t); err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	})
+	return r
+}
+
+// wait returns Serve's result, bounded so a hung shutdown fails the test.
+func (r *running) wait(t *testing.T) error {
+	t.Helper()
+	select {
+	case err := <-r.served:
+		r.served <- err // later callers (the cleanup) see it too
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatal("Serve did not return")
+		return nil
+	}
+}
+
+// adminClient keeps no idle connections, so nothing outlives a test.
+var adminClient = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 10 * time.Second}
+
+func (r *running) get(t *testing.T, path string) (int, string) {
+	t.Helper()
+	resp, err := adminClient.Get(r.admin + path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// scrape reads /metrics with the Prometheus text parser. Each series is keyed
+// name{label="value",...} with labels sorted; a histogram gives name_count{...}
+// and name_sum{...}.
+func (r *running) scrape(t *testing.T) map[string]float64 {
+	t.Helper()
+	resp, err := adminClient.Get(r.admin + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if ct := resp.Header.Get("Content-Type"); !strings.HasPrefix(ct, "text/plain") {
+		t.Fatalf("/metrics Content-Type = %q, want the text format", ct)
+	}
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("parsing /metrics: %v", err)
+	}
+	out := map[string]float64{}
+	for name, f := range families {
+		for _, m := range f.GetMetric() {
+			labels := labelString(m.GetLabel())
+			switch f.GetType() {
+			case dto.MetricType_COUNTER:
+				out[name+labels] = m.GetCounter().GetValue()
+			case dto.MetricType_GAUGE:
+				out[name+labels] = m.GetGauge().GetValue()
+			case dto.MetricType_HISTOGRAM:
+				out[name+"_count"+labels] = float64(m.GetHistogram().GetSampleCount())
+				out[name+"_sum"+labels] = m.GetHistogram().GetSampleSum()
+			case dto.MetricType_SUMMARY:
+				out[name+"_count"+labels] = float64(m.GetSummary().GetSampleCount())
+			default:
+				out[name+labels] = m.GetUntyped().GetValue()
+			}
+		}
+	}
+	return out
+}
+
+func labelString(pairs []*dto.LabelPair) string {
+	if len(pairs) == 0 {
+		return ""
+	}
+	s := make([]string, 0, len(pairs))
+	for _, p := range pairs {
+		s = append(s, fmt.Sprintf("%s=%q", p.GetName(), p.GetValue()))
+	}
+	slices.Sort(s)
+	return "{" + strings.Join(s, ",") + "}"
+}
+
+// --- fake engines ---
+
+// engine is a fake prefill engine recording the headers of what it receives.
+type engine struct {
+	*httptest.Server
+	mu      sync.Mutex
+	headers []http.Header
+	arrived chan struct{}
+}
+
+func newEngine(t *testing.T, answer http.HandlerFunc) *engine {
+	e := &engine{arrived: make(chan struct{}, 100)}
+	e.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		e.mu.Lock()
+		e.headers = append(e.headers, r.Header.Clone())
+		e.mu.Unlock()
+		e.arrived <- struct{}{}
+		answer(w, r)
+	}))
+	t.Cleanup(e.Close)
+	return e
+}
+
+func (e *engine) addr() string { return strings.TrimPrefix(e.URL, "http://") }
+
+func (e *engine) await(t *testing.T) {
+	t.Helper()
+	select {
+	case <-e.arrived:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the prefill engine never received the request")
+	}
+}
+
+func (e *engine) received() []http.Header {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return slices.Clone(e.headers)
+}
+
+const nixlParams = `{"do_remote_prefill":true,"remote_engine_id":"e-1","remote_block_ids":[1],"remote_host":"10.0.0.9","remote_port":5600}`
+
+func answer(status int, body string) http.HandlerFunc {
+	return func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(status)
+		io.WriteString(w, body)
+	}
+}
+
+var prefillOK = answer(200, `{"choices":[{"text":"a"}],"kv_transfer_params":`+nixlParams+`}`)
+
+// blocked answers with next once release is closed, or gives up with the request.
+func blocked(release <-chan struct{}, next http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-release:
+			next(w, r)
+		case <-r.Context().Done():
+		}
+	}
+}
+
+// --- Envoy-shaped messages ---
+
+type hdr = [2]string
+
+func postHeaders(path, body string, extra ...hdr) *extprocv3.ProcessingRequest {
+	headers := append([]hdr{{":method", "POST"}, {":path", path}, {":authority", "gw"},
+		{"content-type", "application/json"}, {"content-length", fmt.Sprint(len(body))}}, extra...)
+	return headersMsg(false, headers...)
+}
+
+func headersMsg(eos bool, headers ...hdr) *extprocv3.ProcessingRequest {
+	hm := &corev3.HeaderMap{}
+	for _, h := range headers {
+		hm.Headers = append(hm.Headers, &corev3.HeaderValue{Key: h[0], RawValue: []byte(h[1])})
+	}
+	return &extprocv3.ProcessingRequest{
+		Request:        &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm, EndOfStream: eos}},
+		ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED},
+	}
+}
+
+func bodyMsg(body string) *extprocv3.ProcessingRequest {
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
+		RequestBody: &extprocv3.HttpBody{Body: []byte(body), EndOfStream: true}}}
+}
+
+// post is a whole FULL_DUPLEX request: headers then the body in one chunk.
+func post(path, body string, extra ...hdr) []*extprocv3.ProcessingRequest {
+	return []*extprocv3.ProcessingRequest{postHeaders(path, body, extra...), bodyMsg(body)}
+}
+
+// exchange sends msgs, half-closes like Envoy, and returns every reply.
+func (r *running) exchange(t *testing.T, msgs ...*extprocv3.ProcessingRequest) []*extprocv3.ProcessingResponse {
+	t.Helper()
+	out, err := r.tryExchange(msgs...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// tryExchange is exchange for goroutines other than the test's.
+func (r *running) tryExchange(msgs ...*extprocv3.ProcessingRequest) ([]*extprocv3.ProcessingResponse, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s, err := r.ext.Process(ctx)
+	if err != nil {
+		return nil, err
+	}
+	for _, m := range msgs {
+		if err := s.Send(m); err != nil {
+			return nil, err
+		}
+	}
+	s.CloseSend()
+	var out []*extprocv3.ProcessingResponse
+	for {
+		resp, err := s.Recv()
+		if errors.Is(err, io.EOF) {
+			return out, nil
+		}
+		if err != nil {
+			return out, fmt.Errorf("Recv: %w", err)
+		}
+		out = append(out, resp)
+	}
+}
+
+func destination(resp *extprocv3.ProcessingResponse) string {
+	for _, h := range resp.GetRequestHeaders().GetResponse().GetHeaderMutation().GetSetHeaders() {
+		if h.GetHeader().GetKey() == "x-gateway-destination-endpoint" {
+			return string(h.GetHeader().GetRawValue())
+		}
+	}
+	return ""
+}

@@ -1,0 +1,200 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
+)
+
+const extProcService = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+// fakePools stands in for pkg/scheduling's endpoint state: one prefill and one
+// decode endpoint whose health the test sets.
+type fakePools struct{ decodeHealthy atomic.Bool }
+
+func (f *fakePools) endpoints() []metrics.EndpointState {
+	return []metrics.EndpointState{
+		{Pool: "prefill", Endpoint: "10.0.0.1:8000", Healthy: true},
+		{Pool: "decode", Endpoint: decodeEP, Healthy: f.decodeHealthy.Load()},
+	}
+}
+
+// awaitHealth follows the health Watch stream of service until it reports
+// want: the server's own poller has to notice the change, with no sleeps.
+func awaitHealth(t *testing.T, c healthpb.HealthClient, service string, want healthpb.HealthCheckResponse_ServingStatus) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	w, err := c.Watch(ctx, &healthpb.HealthCheckRequest{Service: service})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		resp, err := w.Recv()
+		if err != nil {
+			t.Fatalf("health of %q never became %v: %v", service, want, err)
+		}
+		if resp.GetStatus() == want {
+			return
+		}
+	}
+}
+
+func TestReadinessFollowsTheDecodePool(t *testing.T) {
+	pools := &fakePools{}
+	pools.decodeHealthy.Store(true)
+	r := start(t, fmt.Sprintf("pools: {decode: {endpoints: [%q]}}", decodeEP),
+		Options{Endpoints: pools.endpoints, HealthInterval: time.Millisecond}, logr.Discard())
+
+	tests := []struct {
+		name          string
+		decodeHealthy bool
+		wantGRPC      healthpb.HealthCheckResponse_ServingStatus
+		wantReadyz    int
+		wantGauge     float64
+	}{
+		{"healthy decode endpoint", true, healthpb.HealthCheckResponse_SERVING, http.StatusOK, 1},
+		{"no healthy decode endpoint", false, healthpb.HealthCheckResponse_NOT_SERVING, http.StatusServiceUnavailable, 0},
+		{"decode endpoint recovered", true, healthpb.HealthCheckResponse_SERVING, http.StatusOK, 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pools.decodeHealthy.Store(tt.decodeHealthy)
+			for _, svc := range []string{"", extProcService} {
+				awaitHealth(t, r.health, svc, tt.wantGRPC)
+				resp, err := r.health.Check(context.Background(), &healthpb.HealthCheckRequest{Service: svc})
+				if err != nil || resp.GetStatus() != tt.wantGRPC {
+					t.Errorf("Check(%q) = %v, %v; want %v", svc, resp.GetStatus(), err, tt.wantGRPC)
+				}
+			}
+			if code, body := r.get(t, "/readyz"); code != tt.wantReadyz {
+				t.Errorf("/readyz = %d %q, want %d", code, body, tt.wantReadyz)
+			}
+			if code, _ := r.get(t, "/healthz"); code != http.StatusOK {
+				t.Errorf("/healthz = %d: the process is alive whatever the pool", code)
+			}
+			key := series("pd_extproc_endpoint_healthy", "endpoint", decodeEP, "pool", "decode")
+			if got := r.scrape(t)[key]; got != tt.wantGauge {
+				t.Errorf("%s = %v, want %v", key, got, tt.wantGauge)
+			}
+		})
+	}
+}
+
+// reporter is an endpoint that tracks its own health.
+type reporter struct{ up bool }
+
+func (r reporter) Healthy() bool { return r.up }
+
+func TestEndpointHealthComesFromHealthyWhenImplemented(t *testing.T) {
+	tests := []struct {
+		name     string
+		endpoint any
+		want     bool
+	}{
+		{"reports healthy", reporter{up: true}, true},
+		{"reports unhealthy", reporter{up: false}, false},
+		{"no health reporting counts as healthy", struct{ Addr string }{decodeEP}, true},
+		{"a fresh scheduling.Endpoint is healthy", &scheduling.Endpoint{Addr: decodeEP}, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := healthy(tt.endpoint); got != tt.want {
+				t.Errorf("healthy() = %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestShutdownTurnsNotReadyThenDrains(t *testing.T) {
+	tests := []struct {
+		name         string
+		grace        time.Duration
+		finishInTime bool // the held request completes within the grace period
+	}{
+		{"in-flight stream finishes within the grace", time.Minute, true},
+		{"grace over: the stream is cut", 20 * time.Millisecond, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			release := make(chan struct{})
+			prefill := newEngine(t, blocked(release, prefillOK))
+			defer close(release)
+			r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
+				prefill.addr(), decodeEP), Options{Grace: tt.grace}, logr.Discard())
+
+			type result struct {
+				dest string
+				err  error
+			}
+			done := make(chan result, 1)
+			go func() {
+				replies, err := r.tryExchange(post(chatPath, `{"model":"m","prompt":"hi"}`)...)
+				var dest string
+				if len(replies) > 0 {
+					dest = destination(replies[0])
+				}
+				done <- result{dest, err}
+			}()
+			prefill.await(t) // the stream is in flight, held by the prefill leg
+
+			r.stop() // SIGTERM
+			<-r.draining
+			if code, body := r.get(t, "/readyz"); code != http.StatusServiceUnavailable {
+				t.Errorf("/readyz while draining = %d %q, want 503", code, body)
+			}
+			for _, svc := range []string{"", extProcService} {
+				resp, err := r.ready.health.Check(context.Background(), &healthpb.HealthCheckRequest{Service: svc})
+				if err != nil || resp.GetStatus() != healthpb.HealthCheckResponse_NOT_SERVING {
+					t.Errorf("health of %q while draining = %v, %v; want NOT_SERVING", svc, resp.GetStatus(), err)
+				}
+			}
+
+			if tt.finishInTime {
+				release <- struct{}{} // answer the held prefill leg
+			}
+			res := <-done
+			if tt.finishInTime && (res.err != nil || res.dest != decodeEP) {
+				t.Errorf("in-flight request = %q, %v; want it routed to %s during the drain", res.dest, res.err, decodeEP)
+			}
+			if !tt.finishInTime && res.err == nil {
+				t.Errorf("in-flight request routed to %q after the grace period; want the stream cut", res.dest)
+			}
+			if err := r.wait(t); err != nil {
+				t.Errorf("Serve = %v, want a clean shutdown", err)
+			}
+		})
+	}
+}
+
+func TestAdminEndpoints(t *testing.T) {
+	tests := []struct {
+		path  string
+		pprof bool
+		want  int
+	}{
+		{"/healthz", false, http.StatusOK},
+		{"/readyz", false, http.StatusOK},
+		{"/metrics", false, http.StatusOK},
+		{"/debug/pprof/", false, http.StatusNotFound},
+		{"/debug/pprof/", true, http.StatusOK},
+		{"/debug/pprof/cmdline", true, http.StatusOK},
+	}
+	for _, tt := range tests {
+		t.Run(fmt.Sprintf("%s pprof=%v", tt.path, tt.pprof), func(t *testing.T) {
+			r := start(t, fmt.Sprintf("pools: {decode: {endpoints: [%q]}}", decodeEP), Options{Pprof: tt.pprof}, logr.Discard())
+			if code, body := r.get(t, tt.path); code != tt.want {
+				t.Errorf("GET %s = %d %.100q, want %d", tt.path, code, body, tt.want)
+			}
+		})
+	}
+}

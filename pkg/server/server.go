@@ -1,0 +1,173 @@
+// Package server assembles pd-extproc from a config: the pipeline, the ext_proc
+// gRPC service with health and reflection, the admin HTTP endpoints, metrics,
+// tracing and readiness; and it shuts them down in order. cmd/extproc only
+// parses flags, builds the logger and turns signals into a cancelled context,
+// so everything a user relies on at run time is testable here.
+package server
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/go-logr/logr"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/reflection"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+)
+
+// grpcHeadroom is added to the body limit for the rest of an ext_proc message.
+const grpcHeadroom = 1 << 20
+
+// DefaultHealthInterval is how often the decode pool's health is polled.
+const DefaultHealthInterval = time.Second
+
+// Options are the run-time settings that come from flags, not the config file.
+type Options struct {
+	// Grace bounds how long in-flight streams may finish once shutdown begins;
+	// 0 cuts them at once.
+	Grace time.Duration
+	// Pprof serves net/http/pprof under /debug/pprof/ on the admin address.
+	Pprof bool
+	// LogPrompts adds request bodies to the per-request log lines.
+	LogPrompts bool
+	// HealthInterval is how often readiness re-reads the decode pool; 0 means
+	// DefaultHealthInterval.
+	HealthInterval time.Duration
+	// TracerProvider, when set, replaces the one the config's tracing key
+	// describes (and is not shut down by the server).
+	TracerProvider trace.TracerProvider
+	// Endpoints, when set, replaces the pipeline's pools as the source of
+	// endpoint state for readiness and the endpoint metrics.
+	Endpoints func() []metrics.EndpointState
+}
+
+// Server is a configured pd-extproc, ready to Serve.
+type Server struct {
+	opts            Options
+	log             logr.Logger
+	pipeline        *pipeline.Pipeline
+	metrics         *metrics.Metrics
+	grpc            *grpc.Server
+	ready           *readiness
+	admin           *http.Server
+	shutdownTracing func(context.Context) error
+	draining        chan struct{} // closed when shutdown begins
+}
+
+// New builds a server from a validated config. It listens on nothing yet.
+func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
+	if opts.HealthInterval <= 0 {
+		opts.HealthInterval = DefaultHealthInterval
+	}
+	s := &Server{opts: opts, log: log, metrics: metrics.New(cfg.Connector), draining: make(chan struct{})}
+	tp := opts.TracerProvider
+	s.shutdownTracing = func(context.Context) error { return nil }
+	if tp == nil {
+		var err error
+		if tp, s.shutdownTracing, err = newTracerProvider(context.Background(), cfg.Tracing); err != nil {
+			return nil, err
+		}
+	}
+	prop := propagation.TraceContext{}
+
+	p, err := pipeline.New(cfg, log.WithName("pipeline"), pipeline.WithMetrics(s.metrics), pipeline.WithTracing(tp, prop))
+	if err != nil {
+		s.shutdownTracing(context.Background())
+		return nil, err
+	}
+	s.pipeline = p
+	prefill, decode := p.Pools()
+	endpoints := opts.Endpoints
+	if endpoints == nil {
+		endpoints = poolStates(prefill, decode)
+	}
+	s.metrics.WatchEndpoints(endpoints)
+
+	s.grpc = grpc.NewServer(grpc.MaxRecvMsgSize(int(cfg.Limits.MaxBodyBytes) + grpcHeadroom))
+	extprocv3.RegisterExternalProcessorServer(s.grpc, handlers.NewServer(p, handlers.Options{
+		OverrideAfter:   cfg.Envoy.OverrideAfter.D(),
+		OverrideTimeout: cfg.Envoy.OverrideMessageTimeout.D(),
+		Metrics:         s.metrics,
+		TracerProvider:  tp,
+		Propagator:      prop,
+		LogPrompts:      opts.LogPrompts,
+	}, log.WithName("extproc")))
+	hs := health.NewServer()
+	healthpb.RegisterHealthServer(s.grpc, hs)
+	reflection.Register(s.grpc)
+
+	s.ready = newReadiness(hs, decode.Name, endpoints, log.WithName("health"))
+	s.ready.update() // serving from the first health check on, when the pool allows
+	s.admin = &http.Server{Handler: s.adminMux(), ReadHeaderTimeout: 10 * time.Second}
+	return s, nil
+}
+
+// Serve serves ext_proc on grpcLis and the admin endpoints on adminLis until
+// ctx is done or a listener fails, then shuts down: readiness goes false first,
+// in-flight streams get Options.Grace to finish, background prefill legs end,
+// traces are flushed, and the admin server stops last.
+func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) error {
+	pollCtx, stopPolling := context.WithCancel(context.Background())
+	var polling sync.WaitGroup
+	polling.Go(func() { s.ready.run(pollCtx, s.opts.HealthInterval) })
+
+	errc := make(chan error, 2)
+	go func() { errc <- s.grpc.Serve(grpcLis) }()
+	go func() { errc <- s.admin.Serve(adminLis) }()
+	var err error
+	pending := 2
+	select {
+	case err = <-errc:
+		pending--
+	case <-ctx.Done():
+	}
+	s.shutdown()
+	stopPolling()
+	polling.Wait()
+	for range pending {
+		<-errc // http.ErrServerClosed, or nil from grpc
+	}
+	return err
+}
+
+func (s *Server) shutdown() {
+	// Readiness goes false first so that Envoy and Kubernetes stop opening new
+	// streams; then in-flight streams get the grace period to finish.
+	s.log.Info("shutting down", "grace", s.opts.Grace.String())
+	s.ready.drain()
+	close(s.draining)
+
+	drained := make(chan struct{})
+	go func() { s.grpc.GracefulStop(); close(drained) }()
+	grace := time.NewTimer(s.opts.Grace)
+	defer grace.Stop()
+	select {
+	case <-drained:
+	case <-grace.C:
+		s.log.Info("grace period over; cutting the remaining streams")
+		s.grpc.Stop()
+		<-drained
+	}
+	s.pipeline.Wait()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := s.shutdownTracing(ctx); err != nil {
+		s.log.Error(err, "flushing traces")
+	}
+	if err := s.admin.Shutdown(ctx); err != nil {
+		s.log.Error(err, "stopping the admin server")
+	}
+}

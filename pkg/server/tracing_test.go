@@ -1,0 +1,159 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/go-logr/logr"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+	"go.opentelemetry.io/otel/trace/noop"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+const (
+	callerTrace  = "4bf92f3577b34da6a3ce929d0e0e4736"
+	callerSpan   = "00f067aa0ba902b7"
+	callerParent = "00-" + callerTrace + "-" + callerSpan + "-01"
+)
+
+func TestRequestSpanJoinsTheCallerAndPropagatesToPrefill(t *testing.T) {
+	tests := []struct {
+		name        string
+		traceparent string // "" when the client sent none
+		tracing     bool   // an SDK provider with an in-memory exporter; false: tracing off
+	}{
+		{name: "caller's trace continued", traceparent: callerParent, tracing: true},
+		{name: "new trace when the caller sent none", tracing: true},
+		{name: "tracing off still passes the caller's trace on", traceparent: callerParent},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			exporter := tracetest.NewInMemoryExporter()
+			opts := Options{}
+			if tt.tracing {
+				tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exporter))
+				t.Cleanup(func() { tp.Shutdown(context.Background()) })
+				opts.TracerProvider = tp
+			}
+			prefill := newEngine(t, prefillOK)
+			r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
+				prefill.addr(), decodeEP), opts, logr.Discard())
+			var extra []hdr
+			if tt.traceparent != "" {
+				extra = append(extra, hdr{"traceparent", tt.traceparent})
+			}
+			r.exchange(t, post(chatPath, `{"model":"m","prompt":"hi"}`, extra...)...)
+
+			got := prefill.received()
+			if len(got) != 1 {
+				t.Fatalf("prefill engine got %d requests, want 1", len(got))
+			}
+			sent, err := parseTraceparent(got[0].Get("Traceparent"))
+			if err != nil {
+				t.Fatalf("prefill request traceparent: %v", err)
+			}
+
+			if !tt.tracing {
+				if sent.TraceID().String() != callerTrace || sent.SpanID().String() != callerSpan {
+					t.Errorf("prefill traceparent = %q, want the caller's %q passed through", got[0].Get("Traceparent"), callerParent)
+				}
+				return
+			}
+			spans := map[string]tracetest.SpanStub{}
+			for _, s := range exporter.GetSpans() {
+				spans[s.Name] = s
+			}
+			request, ok := spans["extproc.request"]
+			if !ok {
+				t.Fatalf("no request span among %d ended spans", len(spans))
+			}
+			leg, ok := spans["prefill"]
+			if !ok {
+				t.Fatalf("no prefill span among %d ended spans", len(spans))
+			}
+			traceID := request.SpanContext.TraceID()
+			if tt.traceparent != "" && (traceID.String() != callerTrace || request.Parent.SpanID().String() != callerSpan) {
+				t.Errorf("request span trace %s parent %s, want the caller's %s/%s", traceID, request.Parent.SpanID(), callerTrace, callerSpan)
+			}
+			if tt.traceparent == "" && request.Parent.IsValid() {
+				t.Errorf("request span has parent %s, want a new root", request.Parent.SpanID())
+			}
+			if leg.SpanContext.TraceID() != traceID || leg.Parent.SpanID() != request.SpanContext.SpanID() {
+				t.Errorf("prefill span %s/%s parent %s, want a child of the request span %s", leg.SpanContext.TraceID(),
+					leg.SpanContext.SpanID(), leg.Parent.SpanID(), request.SpanContext.SpanID())
+			}
+			if leg.SpanKind != trace.SpanKindClient || request.SpanKind != trace.SpanKindServer {
+				t.Errorf("span kinds request %v prefill %v, want server and client", request.SpanKind, leg.SpanKind)
+			}
+			if sent.TraceID() != traceID || sent.SpanID() != leg.SpanContext.SpanID() {
+				t.Errorf("prefill engine got traceparent %q, want trace %s with the prefill span %s as parent",
+					got[0].Get("Traceparent"), traceID, leg.SpanContext.SpanID())
+			}
+			for key, want := range map[attribute.Key]string{"pd.mode": "pd", "pd.reason": "pd", "pd.outcome": "routed",
+				"pd.decode_endpoint": decodeEP, "pd.prefill_endpoint": prefill.addr()} {
+				if v := attr(request.Attributes, key); v != want {
+					t.Errorf("request span %s = %q, want %q", key, v, want)
+				}
+			}
+		})
+	}
+}
+
+func attr(attrs []attribute.KeyValue, key attribute.Key) string {
+	for _, a := range attrs {
+		if a.Key == key {
+			return a.Value.Emit()
+		}
+	}
+	return ""
+}
+
+// parseTraceparent reads a W3C traceparent header with the standard propagator.
+func parseTraceparent(h string) (trace.SpanContext, error) {
+	ctx := propagation.TraceContext{}.Extract(context.Background(), propagation.MapCarrier{"traceparent": h})
+	sc := trace.SpanContextFromContext(ctx)
+	if !sc.IsValid() {
+		return sc, fmt.Errorf("%q is not a valid traceparent", h)
+	}
+	return sc, nil
+}
+
+func TestTracingIsOffUnlessConfigured(t *testing.T) {
+	ratio := 0.5
+	tests := []struct {
+		name string
+		cfg  config.Tracing
+		env  map[string]string
+		want bool // an SDK provider, exporting
+	}{
+		{name: "nothing set", want: false},
+		{name: "config endpoint", cfg: config.Tracing{OTLPEndpoint: "http://127.0.0.1:4317", SampleRatio: &ratio}, want: true},
+		{name: "standard environment variable", env: map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, want: true},
+		{name: "traces-only environment variable", env: map[string]string{"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4317"}, want: true},
+		{name: "SDK disabled wins", cfg: config.Tracing{OTLPEndpoint: "http://127.0.0.1:4317"},
+			env: map[string]string{"OTEL_SDK_DISABLED": "true"}, want: false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			for _, k := range []string{"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED"} {
+				t.Setenv(k, tt.env[k])
+			}
+			tp, shutdown, err := newTracerProvider(context.Background(), tt.cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer shutdown(context.Background())
+			_, sdk := tp.(*sdktrace.TracerProvider)
+			_, off := tp.(noop.TracerProvider)
+			if sdk != tt.want || off == tt.want || TracingEnabled(tt.cfg) != tt.want {
+				t.Errorf("provider %T, TracingEnabled %v; want tracing on = %v", tp, TracingEnabled(tt.cfg), tt.want)
+			}
+		})
+	}
+}
