@@ -1,77 +1,228 @@
 // Package scheduling owns the endpoint pools and the choice of an endpoint for
-// each leg of a request.
+// each leg of a request: endpoint state (requests in flight, health, the
+// engines' own load), pickers built from small scorers, the P/D decider, and
+// live updates from config reloads and DNS.
 package scheduling
 
 import (
-	"math/rand/v2"
+	"cmp"
+	"errors"
+	"fmt"
 	"slices"
+	"sync"
 	"sync/atomic"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
-// Endpoint is one engine server, addressed as ip:port.
-type Endpoint struct {
-	Addr     string
-	inflight atomic.Int64
+// Why a pool had no endpoint for a request; test with errors.Is. The pipeline
+// answers 503 for each.
+var (
+	ErrEmpty     = errors.New("the pool has no endpoints")
+	ErrSubset    = errors.New("no endpoint of the pool is in the subset hint")
+	ErrTried     = errors.New("every endpoint has been tried")
+	ErrUnhealthy = errors.New("every endpoint is unhealthy")
+)
+
+// PoolSpec is one pool's configuration: its static endpoints and how it picks.
+type PoolSpec struct {
+	Endpoints []string
+	config.PoolScheduling
 }
 
-// InFlight returns the number of requests currently holding the endpoint.
-func (e *Endpoint) InFlight() int64 { return e.inflight.Load() }
-
-// Acquire counts one more request on the endpoint; the returned func releases it
-// and is safe to call more than once.
-func (e *Endpoint) Acquire() (release func()) {
-	e.inflight.Add(1)
-	var done atomic.Bool
-	return func() {
-		if done.CompareAndSwap(false, true) {
-			e.inflight.Add(-1)
-		}
-	}
-}
-
-// Pool is a named set of endpoints of one role (prefill or decode).
+// Pool is a named set of endpoints of one role (prefill or decode) and the
+// policy that picks among them. It is safe for concurrent use. Update swaps
+// endpoints and policy atomically; an endpoint that stays keeps its state.
 type Pool struct {
-	Name      string
-	endpoints []*Endpoint
+	Name string
+	deps Deps
+	// hinted: the endpoint-picker subset hint applies. It names candidates for
+	// Envoy's destination, the decode leg; the prefill leg is ours to place.
+	hinted bool
+
+	mu       sync.Mutex // serialises changes
+	spec     PoolSpec
+	resolved []string // from DNS
+	settings atomic.Pointer[settings]
+	state    atomic.Pointer[poolState]
 }
 
-// NewPool returns a pool over addrs.
+// poolState is one immutable generation of a pool.
+type poolState struct {
+	endpoints []*Endpoint
+	picker    Picker
+	spec      PoolSpec
+	changed   chan struct{} // closed when the next generation replaces this one
+}
+
+// NewPool returns a least-load pool over addrs with default settings.
 func NewPool(name string, addrs []string) *Pool {
-	p := &Pool{Name: name}
-	for _, a := range addrs {
-		p.endpoints = append(p.endpoints, &Endpoint{Addr: a})
-	}
+	return newPool(name, PoolSpec{Endpoints: addrs}, Deps{})
+}
+
+func newPool(name string, spec PoolSpec, deps Deps) *Pool {
+	p := &Pool{Name: name, deps: deps.withDefaults(), hinted: name != "prefill"}
+	p.Update(spec)
 	return p
 }
 
-// Endpoints returns the pool's endpoints.
-func (p *Pool) Endpoints() []*Endpoint { return p.endpoints }
+// Endpoints returns the pool's current endpoints.
+func (p *Pool) Endpoints() []*Endpoint { return p.state.Load().endpoints }
 
-// Pick returns the least-loaded endpoint not in exclude, using power-of-two
-// choices: two random candidates compared, so that concurrent pickers that see
-// the same counts do not all pile onto one endpoint. It returns nil when no
-// endpoint is eligible.
+// Fallbacks is how many extra endpoints the pool's spec asks SelectN for.
+func (p *Pool) Fallbacks() int { return p.state.Load().spec.Fallbacks }
+
+// Pick returns an endpoint not in exclude, or nil when none is eligible. It is
+// Select without a request: the policy can only go by load.
 func (p *Pool) Pick(exclude ...string) *Endpoint {
-	eligible := make([]*Endpoint, 0, len(p.endpoints))
-	for _, e := range p.endpoints {
-		if !slices.Contains(exclude, e.Addr) {
-			eligible = append(eligible, e)
+	e, _ := p.Select(nil, exclude...)
+	return e
+}
+
+// Select picks the endpoint for req among the healthy endpoints that are not
+// in exclude (endpoints already tried) and, except in the prefill pool, are in
+// req's subset hint. The error says why there is none: ErrEmpty, ErrSubset,
+// ErrTried or ErrUnhealthy.
+func (p *Pool) Select(req *Request, exclude ...string) (*Endpoint, error) {
+	st := p.state.Load()
+	cands, err := p.candidates(st, req, exclude)
+	if err != nil {
+		return nil, err
+	}
+	return st.picker.Pick(req, cands), nil
+}
+
+// SelectN returns up to n distinct endpoints, the policy's choice first and
+// then the least busy others: the fallback list Envoy may retry down. Only the
+// first is remembered by the policy; acquire it alone.
+func (p *Pool) SelectN(req *Request, n int, exclude ...string) ([]*Endpoint, error) {
+	st := p.state.Load()
+	cands, err := p.candidates(st, req, exclude)
+	if err != nil {
+		return nil, err
+	}
+	first := st.picker.Pick(req, cands)
+	rest := slices.DeleteFunc(slices.Clone(cands), func(e *Endpoint) bool { return e == first })
+	slices.SortStableFunc(rest, func(a, b *Endpoint) int { return cmp.Compare(a.Busyness(), b.Busyness()) })
+	return append([]*Endpoint{first}, rest[:min(len(rest), max(n-1, 0))]...), nil
+}
+
+// Ready reports whether some endpoint could take a request now.
+func (p *Pool) Ready() bool {
+	if p == nil {
+		return false
+	}
+	for _, e := range p.state.Load().endpoints {
+		if e.Healthy() {
+			return true
 		}
 	}
-	switch len(eligible) {
-	case 0:
-		return nil
-	case 1:
-		return eligible[0]
+	return false
+}
+
+func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*Endpoint, error) {
+	if len(st.endpoints) == 0 {
+		return nil, fmt.Errorf("%s: %w", p.Name, ErrEmpty)
 	}
-	i := rand.IntN(len(eligible))
-	j := rand.IntN(len(eligible) - 1)
-	if j >= i {
-		j++
+	var subset Subset
+	if req != nil && p.hinted {
+		subset = req.Subset
 	}
-	a, b := eligible[i], eligible[j]
-	if b.InFlight() < a.InFlight() {
-		return b
+	out := make([]*Endpoint, 0, len(st.endpoints))
+	allowed, untried := 0, 0
+	for _, e := range st.endpoints {
+		if !subset.Allows(e.Addr) {
+			continue
+		}
+		allowed++
+		if slices.Contains(exclude, e.Addr) {
+			continue
+		}
+		untried++
+		if e.Healthy() {
+			out = append(out, e)
+		}
 	}
-	return a
+	switch {
+	case allowed == 0:
+		return nil, fmt.Errorf("%s: %w", p.Name, ErrSubset)
+	case untried == 0:
+		return nil, fmt.Errorf("%s: %w", p.Name, ErrTried)
+	case len(out) == 0:
+		return nil, fmt.Errorf("%s: %w", p.Name, ErrUnhealthy)
+	}
+	return out, nil
+}
+
+// Update replaces the pool's configuration. Endpoints whose address stays keep
+// their Endpoint (requests in flight, health, scraped load); the policy keeps
+// its memory (the prefix index) unless the policy's own keys changed.
+func (p *Pool) Update(spec PoolSpec) {
+	spec.SetDefaults()
+	spec.Endpoints = slices.Clone(spec.Endpoints)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if spec.DNS != p.spec.DNS {
+		p.resolved = nil
+	}
+	p.spec = spec
+	p.rebuild()
+}
+
+// setResolved replaces the endpoints found through DNS under name, unless the
+// pool's name changed while it was looked up.
+func (p *Pool) setResolved(name string, addrs []string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if name != p.spec.DNS || slices.Equal(addrs, p.resolved) {
+		return
+	}
+	p.resolved = addrs
+	p.rebuild()
+}
+
+func (p *Pool) rebuild() {
+	old := p.state.Load()
+	s := p.spec
+	p.settings.Store(&settings{
+		now:         p.deps.Now,
+		failures:    s.Health.ConsecutiveFailures,
+		ejection:    s.Health.BaseEjection.D(),
+		maxEjection: s.Health.MaxEjection.D(),
+		staleAfter:  s.Metrics.StaleAfter.D(),
+	})
+
+	keep := map[string]*Endpoint{}
+	var picker Picker
+	if old != nil {
+		for _, e := range old.endpoints {
+			keep[e.Addr] = e
+		}
+		if old.spec.Policy == s.Policy && old.spec.Prefix == s.Prefix {
+			picker = old.picker
+		}
+	}
+	if picker == nil {
+		picker = newPicker(s.PoolScheduling, p.deps.intn)
+	}
+	var eps []*Endpoint
+	seen := map[string]bool{}
+	for _, a := range slices.Concat(s.Endpoints, p.resolved) {
+		if seen[a] {
+			continue
+		}
+		seen[a] = true
+		e := keep[a]
+		if e == nil {
+			e = newEndpoint(a, &p.settings)
+		}
+		if s.Health.CheckInterval <= 0 {
+			e.setActive(true) // checks are off: a down verdict no longer holds
+		}
+		eps = append(eps, e)
+	}
+	p.state.Store(&poolState{endpoints: eps, picker: picker, spec: s, changed: make(chan struct{})})
+	if old != nil {
+		close(old.changed)
+	}
 }

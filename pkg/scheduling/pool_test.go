@@ -1,6 +1,12 @@
 package scheduling
 
-import "testing"
+import (
+	"errors"
+	"slices"
+	"testing"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
 
 func TestPickPrefersLessLoadedAndHonoursExclude(t *testing.T) {
 	tests := []struct {
@@ -47,5 +53,172 @@ func TestAcquireReleaseIsIdempotent(t *testing.T) {
 	release()
 	if got := e.InFlight(); got != 1 {
 		t.Fatalf("InFlight() = %d after one double release of two acquires, want 1", got)
+	}
+}
+
+func TestSelectSaysWhyThereIsNoEndpoint(t *testing.T) {
+	tests := []struct {
+		name    string
+		addrs   []string
+		ejected []string
+		exclude []string
+		wantErr error
+	}{
+		{name: "empty pool", wantErr: ErrEmpty},
+		{name: "all tried", addrs: []string{"a", "b"}, exclude: []string{"a", "b"}, wantErr: ErrTried},
+		{name: "all ejected", addrs: []string{"a", "b"}, ejected: []string{"a", "b"}, wantErr: ErrUnhealthy},
+		{name: "the untried one is ejected", addrs: []string{"a", "b"}, ejected: []string{"b"}, exclude: []string{"a"}, wantErr: ErrUnhealthy},
+		{name: "one healthy left", addrs: []string{"a", "b"}, ejected: []string{"a"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, _ := testPool(t, policy(""), tt.addrs...)
+			for _, a := range tt.ejected {
+				for range 3 {
+					byAddr(p, a).ReportFailure()
+				}
+			}
+			e, err := p.Select(nil, tt.exclude...)
+			if !errors.Is(err, tt.wantErr) {
+				t.Fatalf("Select() error = %v, want %v", err, tt.wantErr)
+			}
+			if err == nil && e.Addr != "b" {
+				t.Fatalf("Select() = %s, want the healthy b", e.Addr)
+			}
+			if err != nil && e != nil {
+				t.Fatal("Select() returned an endpoint with an error")
+			}
+			if p.Ready() != (len(tt.addrs) > len(tt.ejected)) {
+				t.Errorf("Ready() = %v with %d of %d ejected", p.Ready(), len(tt.ejected), len(tt.addrs))
+			}
+		})
+	}
+}
+
+func TestSelectN(t *testing.T) {
+	tests := []struct {
+		name     string
+		policy   string
+		inflight map[string]int
+		ejected  []string
+		n        int
+		want     []string
+	}{
+		{name: "one", policy: config.PolicyRoundRobin, n: 1, want: []string{"a"}},
+		{name: "the policy's pick, then the least busy", policy: config.PolicyRoundRobin,
+			inflight: map[string]int{"a": 5, "b": 3, "c": 1, "d": 2}, n: 3, want: []string{"a", "c", "d"}},
+		{name: "never more than the healthy endpoints", policy: config.PolicyRoundRobin,
+			ejected: []string{"b", "c"}, n: 4, want: []string{"a", "d"}},
+		{name: "zero is one", policy: config.PolicyRoundRobin, n: 0, want: []string{"a"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, _ := testPool(t, policy(tt.policy), "a", "b", "c", "d")
+			for a, n := range tt.inflight {
+				for range n {
+					byAddr(p, a).Acquire()
+				}
+			}
+			for _, a := range tt.ejected {
+				for range 3 {
+					byAddr(p, a).ReportFailure()
+				}
+			}
+			got, err := p.SelectN(nil, tt.n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(addrsOf(got), tt.want) {
+				t.Fatalf("SelectN(%d) = %v, want %v", tt.n, addrsOf(got), tt.want)
+			}
+		})
+	}
+}
+
+func TestUpdateKeepsTheStateOfEndpointsThatStay(t *testing.T) {
+	p, _ := testPool(t, policy(""), "a", "b")
+	a, b := byAddr(p, "a"), byAddr(p, "b")
+	releaseA, releaseB := a.Acquire(), b.Acquire()
+	a.ReportFailure()
+	a.ReportFailure()
+
+	p.Update(PoolSpec{Endpoints: []string{"a", "c"}})
+
+	if got := addrsOf(p.Endpoints()); !slices.Equal(got, []string{"a", "c"}) {
+		t.Fatalf("endpoints after Update = %v", got)
+	}
+	if byAddr(p, "a") != a || a.InFlight() != 1 {
+		t.Fatalf("a was replaced or lost its request in flight (in flight %d)", byAddr(p, "a").InFlight())
+	}
+	a.ReportFailure()
+	if a.Healthy() {
+		t.Error("a lost its failure count across the Update: a third failure did not eject it")
+	}
+	releaseA()
+	releaseB() // b left the pool; releasing it is still safe
+	if a.InFlight() != 0 || b.InFlight() != 0 {
+		t.Errorf("in flight after release: a %d, b %d", a.InFlight(), b.InFlight())
+	}
+}
+
+func TestUpdateKeepsThePolicyMemoryUnlessItsKeysChange(t *testing.T) {
+	affinity := config.PoolScheduling{Policy: config.PolicyPrefixAffinity}
+	p, _ := testPool(t, affinity, "a", "b")
+	picker := p.state.Load().picker
+
+	affinity.Health.ConsecutiveFailures = 5
+	p.Update(PoolSpec{Endpoints: []string{"a", "b", "c"}, PoolScheduling: affinity})
+	if p.state.Load().picker != picker {
+		t.Error("the prefix index was dropped by an Update that kept the policy")
+	}
+	affinity.Prefix.BlockChars = 512
+	p.Update(PoolSpec{Endpoints: []string{"a", "b", "c"}, PoolScheduling: affinity})
+	if p.state.Load().picker == picker {
+		t.Error("a new block size kept the old index, whose blocks no longer line up")
+	}
+	p.Update(PoolSpec{Endpoints: []string{"a", "b", "c"}, PoolScheduling: policy(config.PolicyRoundRobin)})
+	if _, ok := p.state.Load().picker.(*roundRobin); !ok {
+		t.Errorf("policy change not applied: picker %T", p.state.Load().picker)
+	}
+}
+
+func TestAttempts(t *testing.T) {
+	tests := []struct {
+		name    string
+		addrs   []string
+		ejected []string
+		budget  int
+		want    []string
+		wantErr error
+	}{
+		{name: "budget of two over three endpoints", addrs: []string{"a", "b", "c"}, budget: 2, want: []string{"a", "b"}, wantErr: ErrTried},
+		{name: "the pool runs out first", addrs: []string{"a", "b"}, budget: 3, want: []string{"a", "b"}, wantErr: ErrTried},
+		{name: "ejected endpoints are skipped", addrs: []string{"a", "b", "c"}, ejected: []string{"a"}, budget: 3, want: []string{"b", "c"}, wantErr: ErrUnhealthy},
+		{name: "at least one attempt", addrs: []string{"a"}, budget: 0, want: []string{"a"}, wantErr: ErrTried},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, _ := testPool(t, policy(""), tt.addrs...)
+			for _, a := range tt.ejected {
+				for range 3 {
+					byAddr(p, a).ReportFailure()
+				}
+			}
+			att := p.Attempts(nil, tt.budget)
+			var got []string
+			for {
+				e, err := att.Next()
+				if err != nil {
+					if !errors.Is(err, tt.wantErr) {
+						t.Fatalf("Next() error = %v, want %v", err, tt.wantErr)
+					}
+					break
+				}
+				got = append(got, e.Addr)
+			}
+			if !slices.Equal(got, tt.want) || !slices.Equal(att.Tried(), tt.want) {
+				t.Fatalf("attempts = %v (Tried %v), want %v", got, att.Tried(), tt.want)
+			}
+		})
 	}
 }

@@ -1,0 +1,336 @@
+package config
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// This file holds the scheduling keys: how each pool picks endpoints, when a
+// request is disaggregated, and the prefill retry budget. Each type fills its
+// own defaults (SetDefaults, idempotent) and validates itself with errors that
+// name the key as the user wrote it.
+
+// Scheduling policies of a pool (pools.<pool>.policy).
+const (
+	PolicyLeastLoad      = "least-load"
+	PolicyPrefixAffinity = "prefix-affinity"
+	PolicyRoundRobin     = "round-robin"
+)
+
+// P/D modes (pd.mode).
+const (
+	PDAuto   = "auto"
+	PDAlways = "always"
+	PDNever  = "never"
+)
+
+// Scheduling defaults.
+const (
+	DefaultBlockChars          = 256
+	DefaultMaxBlocks           = 1 << 16
+	DefaultLoadFactor          = 1.5
+	DefaultLoadSlack           = 4
+	DefaultConsecutiveFailures = 3
+	DefaultBaseEjection        = time.Second
+	DefaultMaxEjection         = 30 * time.Second
+	DefaultCheckPath           = "/health"
+	DefaultCheckTimeout        = time.Second
+	DefaultMetricsPath         = "/metrics"
+	DefaultDNSInterval         = 10 * time.Second
+	DefaultCharsPerToken       = 4
+	DefaultPrefillAttempts     = 2
+	maxFallbacks               = 8
+)
+
+// PoolScheduling is how one pool picks its endpoints. Embed it in Pool so that
+// its keys sit next to endpoints, under pools.<pool>.
+type PoolScheduling struct {
+	// Policy is least-load (default), prefix-affinity or round-robin.
+	Policy string `json:"policy,omitempty"`
+	// Prefix tunes prefix-affinity.
+	Prefix PrefixAffinity `json:"prefix"`
+	// Health ejects failing endpoints and optionally probes them.
+	Health EngineHealth `json:"health"`
+	// Metrics scrapes the engines' own load.
+	Metrics EngineMetrics `json:"metrics"`
+	// DNS is name:port, resolved every DNSInterval; its addresses join Endpoints.
+	DNS         string   `json:"dns,omitempty"`
+	DNSInterval Duration `json:"dns_interval,omitempty"`
+	// Fallbacks is how many extra decode endpoints to offer Envoy for retries
+	// (decode pool only; 0, the default, sends exactly one).
+	Fallbacks int `json:"fallbacks,omitempty"`
+}
+
+// PrefixAffinity tunes the prefix-affinity policy.
+type PrefixAffinity struct {
+	// BlockChars is the size of a prompt block, in bytes of rendered prompt.
+	BlockChars int `json:"block_chars,omitempty"`
+	// MaxBlocks bounds the remembered block chains (LRU).
+	MaxBlocks int `json:"max_blocks,omitempty"`
+	// An endpoint whose load exceeds LoadFactor × mean load + LoadSlack is
+	// passed over even when it holds the longest prefix.
+	LoadFactor float64 `json:"load_factor,omitempty"`
+	LoadSlack  float64 `json:"load_slack,omitempty"`
+}
+
+// EngineHealth configures passive ejection and optional active checks.
+type EngineHealth struct {
+	// ConsecutiveFailures (connection errors, 5xx) eject an endpoint.
+	ConsecutiveFailures int `json:"consecutive_failures,omitempty"`
+	// An ejection lasts BaseEjection, doubling per failed probe up to MaxEjection.
+	BaseEjection Duration `json:"base_ejection,omitempty"`
+	MaxEjection  Duration `json:"max_ejection,omitempty"`
+	// CheckInterval > 0 turns on active checks: GET CheckPath, 2xx is healthy.
+	CheckInterval Duration `json:"check_interval,omitempty"`
+	CheckPath     string   `json:"check_path,omitempty"`
+	CheckTimeout  Duration `json:"check_timeout,omitempty"`
+}
+
+// EngineMetrics configures scraping the engines' /metrics for their queue and KV use.
+type EngineMetrics struct {
+	// Interval > 0 turns scraping on.
+	Interval Duration `json:"interval,omitempty"`
+	Path     string   `json:"path,omitempty"`
+	// Timeout bounds one scrape; default min(Interval, 1s).
+	Timeout Duration `json:"timeout,omitempty"`
+	// StaleAfter: older figures are ignored; default 3 × Interval.
+	StaleAfter Duration `json:"stale_after,omitempty"`
+}
+
+// PD decides per request between P/D and decode-only.
+type PD struct {
+	// Mode is auto (default: by prompt size), always or never.
+	Mode string `json:"mode,omitempty"`
+	// MinPromptTokens: in auto mode, shorter prompts are decode-only.
+	MinPromptTokens int `json:"min_prompt_tokens,omitempty"`
+	// CharsPerToken estimates tokens from characters when the body has no token ids.
+	CharsPerToken float64 `json:"chars_per_token,omitempty"`
+}
+
+// PrefillAttempts is the prefill leg's retry budget. Embed it in Prefill so
+// that its keys sit under prefill.
+type PrefillAttempts struct {
+	// Attempts is how many prefill endpoints one request may try (default 2).
+	Attempts int `json:"attempts,omitempty"`
+	// AttemptTimeout bounds one attempt (default: prefill.timeout).
+	AttemptTimeout Duration `json:"attempt_timeout,omitempty"`
+}
+
+// SetDefaults fills the keys left out.
+func (s *PoolScheduling) SetDefaults() {
+	if s.Policy == "" {
+		s.Policy = PolicyLeastLoad
+	}
+	s.Prefix.SetDefaults()
+	s.Health.SetDefaults()
+	s.Metrics.SetDefaults()
+	if s.DNS != "" && s.DNSInterval == 0 {
+		s.DNSInterval = Duration(DefaultDNSInterval)
+	}
+}
+
+// Validate checks the pool's scheduling keys; key is the pool's own key,
+// e.g. "pools.decode".
+func (s PoolScheduling) Validate(key string) error {
+	var errs []error
+	switch s.Policy {
+	case PolicyLeastLoad, PolicyPrefixAffinity, PolicyRoundRobin:
+	default:
+		errs = append(errs, fmt.Errorf("%s.policy: %q is not %s, %s or %s", key, s.Policy, PolicyLeastLoad, PolicyPrefixAffinity, PolicyRoundRobin))
+	}
+	errs = append(errs, s.Prefix.Validate(key+".prefix"), s.Health.Validate(key+".health"), s.Metrics.Validate(key+".metrics"))
+	if s.DNS != "" {
+		if err := validateHostPort(s.DNS); err != nil {
+			errs = append(errs, fmt.Errorf("%s.dns: %w", key, err))
+		}
+		if s.DNSInterval <= 0 {
+			errs = append(errs, fmt.Errorf("%s.dns_interval: must be positive", key))
+		}
+	}
+	switch {
+	case s.Fallbacks < 0 || s.Fallbacks > maxFallbacks:
+		errs = append(errs, fmt.Errorf("%s.fallbacks: %d is not between 0 and %d", key, s.Fallbacks, maxFallbacks))
+	case s.Fallbacks > 0 && strings.HasSuffix(key, ".prefill"):
+		errs = append(errs, fmt.Errorf("%s.fallbacks: only the decode pool has fallbacks (prefill.attempts is the prefill retry budget)", key))
+	}
+	return errors.Join(errs...)
+}
+
+// SetDefaults fills the keys left out.
+func (p *PrefixAffinity) SetDefaults() {
+	if p.BlockChars == 0 {
+		p.BlockChars = DefaultBlockChars
+	}
+	if p.MaxBlocks == 0 {
+		p.MaxBlocks = DefaultMaxBlocks
+	}
+	if p.LoadFactor == 0 {
+		p.LoadFactor = DefaultLoadFactor
+	}
+	if p.LoadSlack == 0 {
+		p.LoadSlack = DefaultLoadSlack
+	}
+}
+
+// Validate checks the prefix-affinity keys under key.
+func (p PrefixAffinity) Validate(key string) error {
+	var errs []error
+	if p.BlockChars < 16 || p.BlockChars > 1<<16 {
+		errs = append(errs, fmt.Errorf("%s.block_chars: %d is not between 16 and 65536", key, p.BlockChars))
+	}
+	if p.MaxBlocks < 1 || p.MaxBlocks > 1<<24 {
+		errs = append(errs, fmt.Errorf("%s.max_blocks: %d is not between 1 and %d", key, p.MaxBlocks, 1<<24))
+	}
+	if p.LoadFactor < 1 {
+		errs = append(errs, fmt.Errorf("%s.load_factor: %g is below 1 (1 means: never above the mean load)", key, p.LoadFactor))
+	}
+	if p.LoadSlack < 0 {
+		errs = append(errs, fmt.Errorf("%s.load_slack: must not be negative", key))
+	}
+	return errors.Join(errs...)
+}
+
+// SetDefaults fills the keys left out.
+func (h *EngineHealth) SetDefaults() {
+	if h.ConsecutiveFailures == 0 {
+		h.ConsecutiveFailures = DefaultConsecutiveFailures
+	}
+	if h.BaseEjection == 0 {
+		h.BaseEjection = Duration(DefaultBaseEjection)
+	}
+	if h.MaxEjection == 0 {
+		h.MaxEjection = max(Duration(DefaultMaxEjection), h.BaseEjection)
+	}
+	if h.CheckPath == "" {
+		h.CheckPath = DefaultCheckPath
+	}
+	if h.CheckTimeout == 0 {
+		h.CheckTimeout = Duration(DefaultCheckTimeout)
+		if h.CheckInterval > 0 {
+			h.CheckTimeout = min(h.CheckTimeout, h.CheckInterval)
+		}
+	}
+}
+
+// Validate checks the health keys under key.
+func (h EngineHealth) Validate(key string) error {
+	var errs []error
+	if h.ConsecutiveFailures < 1 {
+		errs = append(errs, fmt.Errorf("%s.consecutive_failures: must be at least 1", key))
+	}
+	if h.BaseEjection <= 0 {
+		errs = append(errs, fmt.Errorf("%s.base_ejection: must be positive", key))
+	}
+	if h.MaxEjection < h.BaseEjection {
+		errs = append(errs, fmt.Errorf("%s.max_ejection: %s is below base_ejection %s", key, h.MaxEjection.D(), h.BaseEjection.D()))
+	}
+	if h.CheckInterval < 0 {
+		errs = append(errs, fmt.Errorf("%s.check_interval: must not be negative (0 turns active checks off)", key))
+	}
+	if !strings.HasPrefix(h.CheckPath, "/") {
+		errs = append(errs, fmt.Errorf("%s.check_path: %q does not start with /", key, h.CheckPath))
+	}
+	if h.CheckTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("%s.check_timeout: must be positive", key))
+	}
+	return errors.Join(errs...)
+}
+
+// SetDefaults fills the keys left out.
+func (m *EngineMetrics) SetDefaults() {
+	if m.Path == "" {
+		m.Path = DefaultMetricsPath
+	}
+	if m.Interval > 0 && m.Timeout == 0 {
+		m.Timeout = min(m.Interval, Duration(time.Second))
+	}
+	if m.Interval > 0 && m.StaleAfter == 0 {
+		m.StaleAfter = 3 * m.Interval
+	}
+}
+
+// Validate checks the metrics keys under key.
+func (m EngineMetrics) Validate(key string) error {
+	var errs []error
+	if m.Interval < 0 {
+		errs = append(errs, fmt.Errorf("%s.interval: must not be negative (0 turns scraping off)", key))
+	}
+	if !strings.HasPrefix(m.Path, "/") {
+		errs = append(errs, fmt.Errorf("%s.path: %q does not start with /", key, m.Path))
+	}
+	if m.Interval > 0 && m.Timeout <= 0 {
+		errs = append(errs, fmt.Errorf("%s.timeout: must be positive", key))
+	}
+	if m.Interval > 0 && m.StaleAfter < m.Interval {
+		errs = append(errs, fmt.Errorf("%s.stale_after: %s is below interval %s: every figure would be stale", key, m.StaleAfter.D(), m.Interval.D()))
+	}
+	return errors.Join(errs...)
+}
+
+// SetDefaults fills the keys left out.
+func (p *PD) SetDefaults() {
+	if p.Mode == "" {
+		p.Mode = PDAuto
+	}
+	if p.CharsPerToken == 0 {
+		p.CharsPerToken = DefaultCharsPerToken
+	}
+}
+
+// Validate checks the P/D keys under key ("pd").
+func (p PD) Validate(key string) error {
+	var errs []error
+	switch p.Mode {
+	case PDAuto, PDAlways, PDNever:
+	default:
+		errs = append(errs, fmt.Errorf("%s.mode: %q is not %s, %s or %s", key, p.Mode, PDAuto, PDAlways, PDNever))
+	}
+	if p.MinPromptTokens < 0 {
+		errs = append(errs, fmt.Errorf("%s.min_prompt_tokens: must not be negative", key))
+	}
+	if p.CharsPerToken <= 0 || p.CharsPerToken > 100 {
+		errs = append(errs, fmt.Errorf("%s.chars_per_token: %g is not in (0, 100]", key, p.CharsPerToken))
+	}
+	return errors.Join(errs...)
+}
+
+// SetDefaults fills the keys left out; timeout is prefill.timeout.
+func (a *PrefillAttempts) SetDefaults(timeout Duration) {
+	if a.Attempts == 0 {
+		a.Attempts = DefaultPrefillAttempts
+	}
+	if a.AttemptTimeout == 0 {
+		a.AttemptTimeout = timeout
+	}
+}
+
+// Validate checks the retry keys under key ("prefill"); timeout is prefill.timeout.
+func (a PrefillAttempts) Validate(key string, timeout Duration) error {
+	var errs []error
+	if a.Attempts < 1 || a.Attempts > 10 {
+		errs = append(errs, fmt.Errorf("%s.attempts: %d is not between 1 and 10", key, a.Attempts))
+	}
+	if a.AttemptTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("%s.attempt_timeout: must be positive", key))
+	}
+	if timeout > 0 && a.AttemptTimeout > timeout {
+		errs = append(errs, fmt.Errorf("%s.attempt_timeout: %s exceeds %s.timeout %s", key, a.AttemptTimeout.D(), key, timeout.D()))
+	}
+	return errors.Join(errs...)
+}
+
+// validateHostPort accepts name:port with a port in 1..65535.
+func validateHostPort(s string) error {
+	host, port, err := net.SplitHostPort(s)
+	if err != nil || host == "" {
+		return fmt.Errorf("%q is not name:port", s)
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 1 || n > 65535 {
+		return fmt.Errorf("%q has no valid port", s)
+	}
+	return nil
+}

@@ -1,0 +1,77 @@
+package config
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+)
+
+// watchReady is called once the watch is in place (tests wait for it).
+var watchReady = func() {}
+
+// settle is how long the directory must stay quiet before the file is re-read:
+// editors and Kubernetes write a new file in several steps.
+const settle = 100 * time.Millisecond
+
+// Watch re-reads the file at path whenever its directory changes and hands
+// each new valid config to apply. A file that fails to load or validate goes to
+// reject and the old config stays in force. It returns when ctx is done, or at
+// once with an error when the directory cannot be watched.
+//
+// The directory is watched, not the file, because the file is usually replaced
+// rather than written: editors rename a temporary file over it, and a
+// Kubernetes ConfigMap volume swaps its ..data symlink, so a watch on the file
+// itself would follow the old inode and go silent.
+func Watch(ctx context.Context, path string, apply func(*Config), reject func(error)) error {
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		return fmt.Errorf("config: watching %s: %w", path, err)
+	}
+	defer w.Close()
+	if err := w.Add(filepath.Dir(path)); err != nil {
+		return fmt.Errorf("config: watching %s: %w", path, err)
+	}
+	last, _ := os.ReadFile(path) // the config the caller already runs with
+	watchReady()
+
+	timer := time.NewTimer(0)
+	<-timer.C
+	defer timer.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case _, ok := <-w.Events:
+			if !ok {
+				return nil
+			}
+			timer.Reset(settle)
+		case err, ok := <-w.Errors:
+			if !ok {
+				return nil
+			}
+			reject(fmt.Errorf("config: watching %s: %w", path, err))
+		case <-timer.C:
+			data, err := os.ReadFile(path)
+			if err != nil {
+				reject(fmt.Errorf("config: %w; keeping the running config", err))
+				continue
+			}
+			if bytes.Equal(data, last) {
+				continue // a touch, or a sibling file changed
+			}
+			last = data
+			c, err := Parse(data)
+			if err != nil {
+				reject(fmt.Errorf("%w; keeping the running config", err))
+				continue
+			}
+			apply(c)
+		}
+	}
+}

@@ -1,0 +1,167 @@
+package config
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+)
+
+const (
+	validA = "connector: kv-nixl\npools: {decode: {endpoints: [\"10.0.0.2:8000\"]}}\n"
+	validB = "connector: kv-nixl\npools: {decode: {endpoints: [\"10.0.0.3:8000\"]}}\n"
+	broken = "connector: kv-nixl\npools: {decode: {endpoints: [\"not-an-address\"]}}\n"
+)
+
+// watching runs Watch on path and returns channels of what it applied and rejected.
+func watching(t *testing.T, path string) (applied chan *Config, rejected chan error) {
+	t.Helper()
+	t.Cleanup(func() { goleak.VerifyNone(t) }) // runs last
+	applied, rejected = make(chan *Config, 10), make(chan error, 10)
+	ready := make(chan struct{})
+	watchReady = func() { close(ready) }
+	t.Cleanup(func() { watchReady = func() {} })
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- Watch(ctx, path, func(c *Config) { applied <- c }, func(err error) { rejected <- err })
+	}()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Watch() = %v", err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Error("Watch did not return after cancel")
+		}
+	})
+	select {
+	case <-ready:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the watch did not start within 5s")
+	}
+	return applied, rejected
+}
+
+func decodeEndpoint(t *testing.T, applied chan *Config) string {
+	t.Helper()
+	select {
+	case c := <-applied:
+		return c.Pools.Decode.Endpoints[0]
+	case <-time.After(5 * time.Second):
+		t.Fatal("no config applied within 5s")
+		return ""
+	}
+}
+
+func nothingApplied(t *testing.T, applied chan *Config) {
+	t.Helper()
+	select {
+	case c := <-applied:
+		t.Fatalf("applied %v, want nothing", c.Pools.Decode.Endpoints)
+	case <-time.After(3 * settle):
+	}
+}
+
+func write(t *testing.T, path, data string) {
+	t.Helper()
+	if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestWatchInPlaceWrites(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "extproc.yaml")
+	write(t, path, validA)
+	applied, rejected := watching(t, path)
+
+	write(t, path, validA) // same bytes: nothing to do
+	nothingApplied(t, applied)
+
+	write(t, path, validB)
+	if got := decodeEndpoint(t, applied); got != "10.0.0.3:8000" {
+		t.Fatalf("applied decode endpoint %s, want the new one", got)
+	}
+
+	write(t, path, broken)
+	select {
+	case err := <-rejected:
+		if !strings.Contains(err.Error(), "pools.decode.endpoints[0]") || !strings.Contains(err.Error(), "keeping the running config") {
+			t.Errorf("rejection = %v; want the key named and the old config kept", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("an invalid file was not rejected within 5s")
+	}
+	nothingApplied(t, applied)
+
+	write(t, path, validA) // fixed: applied again
+	if got := decodeEndpoint(t, applied); got != "10.0.0.2:8000" {
+		t.Fatalf("applied decode endpoint %s after the fix", got)
+	}
+}
+
+func TestWatchAtomicRename(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "extproc.yaml")
+	write(t, path, validA)
+	applied, _ := watching(t, path)
+
+	tmp := filepath.Join(dir, ".extproc.yaml.tmp")
+	write(t, tmp, validB)
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+	if got := decodeEndpoint(t, applied); got != "10.0.0.3:8000" {
+		t.Fatalf("applied %s after a rename over the file", got)
+	}
+	write(t, path, validA) // the watch still follows the new inode
+	if got := decodeEndpoint(t, applied); got != "10.0.0.2:8000" {
+		t.Fatalf("applied %s after a write to the renamed file", got)
+	}
+}
+
+// A Kubernetes ConfigMap volume: extproc.yaml -> ..data/extproc.yaml,
+// ..data -> ..<timestamp>; an update swaps ..data with a rename.
+func TestWatchConfigMapSymlinkSwap(t *testing.T) {
+	dir := t.TempDir()
+	version := func(name, data string) {
+		if err := os.Mkdir(filepath.Join(dir, name), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		write(t, filepath.Join(dir, name, "extproc.yaml"), data)
+	}
+	version("..v1", validA)
+	if err := os.Symlink("..v1", filepath.Join(dir, "..data")); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "extproc.yaml")
+	if err := os.Symlink(filepath.Join("..data", "extproc.yaml"), path); err != nil {
+		t.Fatal(err)
+	}
+	applied, _ := watching(t, path)
+
+	version("..v2", validB)
+	if err := os.Symlink("..v2", filepath.Join(dir, "..data_tmp")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(filepath.Join(dir, "..data_tmp"), filepath.Join(dir, "..data")); err != nil {
+		t.Fatal(err)
+	}
+	os.RemoveAll(filepath.Join(dir, "..v1"))
+	if got := decodeEndpoint(t, applied); got != "10.0.0.3:8000" {
+		t.Fatalf("applied %s after the ConfigMap swap", got)
+	}
+}
+
+func TestWatchMissingDirectory(t *testing.T) {
+	err := Watch(context.Background(), filepath.Join(t.TempDir(), "nope", "extproc.yaml"), func(*Config) {}, func(error) {})
+	if err == nil {
+		t.Fatal("Watch() on a missing directory = nil, want an error")
+	}
+}

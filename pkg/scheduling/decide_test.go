@@ -1,0 +1,62 @@
+package scheduling
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+func TestDecide(t *testing.T) {
+	long := `{"model":"m","prompt":"` + strings.Repeat("x", 400) + `"}` // 100 tokens at 4 characters each
+	tests := []struct {
+		name        string
+		pd          config.PD
+		body        string
+		prefillDown bool
+		want        Decision
+	}{
+		{name: "defaults: everything is P/D", body: `{"model":"m","prompt":"hi"}`, want: Decision{PD: true, Reason: ReasonLongPrompt}},
+		{name: "at the threshold", pd: config.PD{MinPromptTokens: 100}, body: long, want: Decision{PD: true, Reason: ReasonLongPrompt}},
+		{name: "below the threshold", pd: config.PD{MinPromptTokens: 101}, body: long, want: Decision{Reason: ReasonShortPrompt}},
+		{name: "another characters-per-token ratio", pd: config.PD{MinPromptTokens: 101, CharsPerToken: 2}, body: long, want: Decision{PD: true, Reason: ReasonLongPrompt}},
+		{name: "token ids count exactly", pd: config.PD{MinPromptTokens: 3}, body: `{"model":"m","prompt":[1,2,3]}`, want: Decision{PD: true, Reason: ReasonLongPrompt}},
+		{name: "too few token ids", pd: config.PD{MinPromptTokens: 4}, body: `{"model":"m","prompt_token_ids":[1,2,3]}`, want: Decision{Reason: ReasonShortPrompt}},
+		{name: "always ignores the threshold", pd: config.PD{Mode: config.PDAlways, MinPromptTokens: 1000}, body: long, want: Decision{PD: true, Reason: ReasonAlways}},
+		{name: "never", pd: config.PD{Mode: config.PDNever}, body: long, want: Decision{Reason: ReasonNever}},
+		{name: "n > 1 is decode-only even when always", pd: config.PD{Mode: config.PDAlways}, body: `{"model":"m","n":2,"prompt":"hi"}`, want: Decision{Reason: ReasonMultipleN}},
+		{name: "n = 1 is fine", body: `{"model":"m","n":1,"prompt":"hi"}`, want: Decision{PD: true, Reason: ReasonLongPrompt}},
+		{name: "a batch is decode-only", body: `{"model":"m","prompt":["a","b"]}`, want: Decision{Reason: ReasonBatch}},
+		{name: "no healthy prefill", body: long, prefillDown: true, want: Decision{Reason: ReasonNoPrefill}},
+		{name: "no healthy prefill when always", pd: config.PD{Mode: config.PDAlways}, body: long, prefillDown: true, want: Decision{Reason: ReasonNoPrefill}},
+		{name: "a short prompt says so even with prefill down", pd: config.PD{MinPromptTokens: 1000}, body: long, prefillDown: true, want: Decision{Reason: ReasonShortPrompt}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			obj, err := body.Parse([]byte(tt.body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			prefill := NewPool("prefill", []string{"10.0.0.1:8000"})
+			if tt.prefillDown {
+				for range 3 {
+					prefill.Endpoints()[0].ReportFailure()
+				}
+			}
+			if got := NewDecider(tt.pd).Decide(NewRequest(obj), prefill); got != tt.want {
+				t.Fatalf("Decide() = %+v, want %+v", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestDecideWithoutPrefillPool(t *testing.T) {
+	if got := NewDecider(config.PD{}).Decide(nil, nil); got.PD || got.Reason != ReasonNoPrefill {
+		t.Fatalf("Decide(nil, nil) = %+v, want decode-only for lack of prefill", got)
+	}
+	empty := NewPool("prefill", nil)
+	if got := NewDecider(config.PD{}).Decide(PromptRequest("hi"), empty); got.Reason != ReasonNoPrefill {
+		t.Fatalf("Decide() with an empty prefill pool = %+v", got)
+	}
+}

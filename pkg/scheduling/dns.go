@@ -1,0 +1,44 @@
+package scheduling
+
+import (
+	"context"
+	"net"
+	"slices"
+)
+
+// Resolver looks up a host's addresses; *net.Resolver is one.
+type Resolver interface {
+	LookupHost(ctx context.Context, host string) ([]string, error)
+}
+
+// resolve looks up the pool's DNS name (name:port) and makes its addresses the
+// pool's discovered endpoints. A failed lookup keeps the last good set: a DNS
+// hiccup must not empty a pool, and passive health handles endpoints that died.
+func (p *Pool) resolve(ctx context.Context, hostport string) {
+	host, port, err := net.SplitHostPort(hostport)
+	if err != nil {
+		p.deps.Log.Error(err, "bad DNS name for pool", "pool", p.Name, "dns", hostport)
+		return
+	}
+	ips, err := p.deps.Resolver.LookupHost(ctx, host)
+	if err != nil || len(ips) == 0 {
+		if ctx.Err() == nil {
+			p.deps.Log.Info("DNS lookup failed; keeping the endpoints found before", "pool", p.Name, "dns", hostport, "error", errString(err))
+		}
+		return
+	}
+	addrs := make([]string, 0, len(ips))
+	for _, ip := range ips {
+		addrs = append(addrs, net.JoinHostPort(ip, port))
+	}
+	slices.Sort(addrs)
+	addrs = slices.Compact(addrs)
+	p.setResolved(hostport, addrs)
+}
+
+func errString(err error) string {
+	if err == nil {
+		return "no addresses"
+	}
+	return err.Error()
+}

@@ -1,0 +1,143 @@
+package scheduling
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+// fakeResolver answers from a table that tests change as they go.
+type fakeResolver struct {
+	mu      sync.Mutex
+	answers map[string][]string
+	err     error
+	lookups chan string
+}
+
+func newFakeResolver() *fakeResolver {
+	return &fakeResolver{answers: map[string][]string{}, lookups: make(chan string, 100)}
+}
+
+func (r *fakeResolver) LookupHost(_ context.Context, host string) ([]string, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	select {
+	case r.lookups <- host:
+	default:
+	}
+	if r.err != nil {
+		return nil, r.err
+	}
+	return slices.Clone(r.answers[host]), nil
+}
+
+func (r *fakeResolver) set(host string, ips []string, err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.answers[host], r.err = ips, err
+}
+
+func dnsPool(t *testing.T, r Resolver, static []string, name string) *Pool {
+	t.Helper()
+	spec := PoolSpec{Endpoints: static, PoolScheduling: config.PoolScheduling{DNS: name, DNSInterval: config.Duration(10 * time.Millisecond)}}
+	return newPool("decode", spec, Deps{Resolver: r})
+}
+
+func TestResolve(t *testing.T) {
+	r := newFakeResolver()
+	p := dnsPool(t, r, []string{"10.0.0.9:8000"}, "decode.svc:8000")
+	ctx := context.Background()
+
+	r.set("decode.svc", []string{"10.0.0.2", "10.0.0.1", "10.0.0.2", "fd00::1"}, nil)
+	p.resolve(ctx, "decode.svc:8000")
+	want := []string{"10.0.0.9:8000", "10.0.0.1:8000", "10.0.0.2:8000", "[fd00::1]:8000"}
+	if got := addrsOf(p.Endpoints()); !slices.Equal(got, want) {
+		t.Fatalf("endpoints = %v, want static then resolved, sorted, deduplicated: %v", got, want)
+	}
+
+	kept := byAddr(p, "10.0.0.2:8000")
+	release := kept.Acquire()
+	r.set("decode.svc", []string{"10.0.0.2", "10.0.0.3"}, nil)
+	p.resolve(ctx, "decode.svc:8000")
+	if got := addrsOf(p.Endpoints()); !slices.Equal(got, []string{"10.0.0.9:8000", "10.0.0.2:8000", "10.0.0.3:8000"}) {
+		t.Fatalf("endpoints after re-resolution = %v", got)
+	}
+	if byAddr(p, "10.0.0.2:8000") != kept || kept.InFlight() != 1 {
+		t.Fatal("an address that stayed in DNS lost its endpoint state")
+	}
+	release()
+
+	r.set("decode.svc", nil, errors.New("SERVFAIL"))
+	p.resolve(ctx, "decode.svc:8000")
+	if got := len(p.Endpoints()); got != 3 {
+		t.Fatalf("a failed lookup changed the pool to %d endpoints; want the last good set kept", got)
+	}
+	r.set("decode.svc", nil, nil)
+	p.resolve(ctx, "decode.svc:8000")
+	if got := len(p.Endpoints()); got != 3 {
+		t.Fatalf("an empty answer changed the pool to %d endpoints; want the last good set kept", got)
+	}
+
+	p.Update(PoolSpec{Endpoints: []string{"10.0.0.9:8000"}, PoolScheduling: config.PoolScheduling{DNS: "other.svc:9000"}})
+	if got := addrsOf(p.Endpoints()); !slices.Equal(got, []string{"10.0.0.9:8000"}) {
+		t.Fatalf("a new DNS name kept the old name's endpoints: %v", got)
+	}
+	r.set("decode.svc", []string{"10.0.0.7"}, nil)
+	p.resolve(ctx, "decode.svc:8000") // a lookup of the old name that finishes late
+	if got := len(p.Endpoints()); got != 1 {
+		t.Fatal("a late answer for the old DNS name was applied")
+	}
+}
+
+func TestRunReResolves(t *testing.T) {
+	r := newFakeResolver()
+	r.set("decode.svc", []string{"10.0.0.1"}, nil)
+	p := dnsPool(t, r, nil, "decode.svc:8000")
+	if len(p.Endpoints()) != 0 {
+		t.Fatal("a DNS-only pool has endpoints before the first lookup")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { p.Run(ctx); close(done) }()
+	defer func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			t.Fatal("Run did not return after cancel")
+		}
+	}()
+
+	waitFor(t, "the first lookup", func() bool { return slices.Equal(addrsOf(p.Endpoints()), []string{"10.0.0.1:8000"}) })
+	r.set("decode.svc", []string{"10.0.0.1", "10.0.0.2"}, nil)
+	waitFor(t, "re-resolution", func() bool { return len(p.Endpoints()) == 2 })
+
+	p.Update(PoolSpec{PoolScheduling: config.PoolScheduling{}}) // DNS off
+	waitFor(t, "DNS turned off", func() bool { return len(p.Endpoints()) == 0 })
+	time.Sleep(20 * time.Millisecond) // a lookup already under way may finish
+	for len(r.lookups) > 0 {
+		<-r.lookups
+	}
+	select {
+	case h := <-r.lookups:
+		t.Fatalf("looked up %s after DNS was turned off", h)
+	case <-time.After(50 * time.Millisecond):
+	}
+}
+
+// waitFor polls cond for up to five seconds.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}

@@ -1,0 +1,101 @@
+package scheduling
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Endpoint is one engine server, addressed as ip:port. It carries what pickers
+// read: requests in flight through us, health, and the engine's own load.
+// An Endpoint survives config reloads for as long as its address stays listed,
+// so its counts are never reset under running requests.
+type Endpoint struct {
+	Addr     string
+	inflight atomic.Int64
+	load     atomic.Pointer[Load]
+	settings *atomic.Pointer[settings] // the pool's; nil for a bare Endpoint
+
+	troubled atomic.Bool // fast path: false means healthy without taking mu
+	mu       sync.Mutex
+	health   healthState
+}
+
+// settings are the pool-wide knobs an endpoint consults, swapped on reload.
+type settings struct {
+	now         func() time.Time
+	failures    int           // consecutive failures that eject
+	ejection    time.Duration // first ejection
+	maxEjection time.Duration
+	staleAfter  time.Duration // scraped load older than this is ignored; 0: never scraped
+}
+
+var defaultSettings = settings{now: time.Now, failures: 3, ejection: time.Second, maxEjection: 30 * time.Second}
+
+func newEndpoint(addr string, s *atomic.Pointer[settings]) *Endpoint {
+	return &Endpoint{Addr: addr, settings: s}
+}
+
+func (e *Endpoint) cfg() *settings {
+	if e.settings != nil {
+		if s := e.settings.Load(); s != nil {
+			return s
+		}
+	}
+	return &defaultSettings
+}
+
+// InFlight returns the number of requests currently holding the endpoint.
+func (e *Endpoint) InFlight() int64 { return e.inflight.Load() }
+
+// Acquire counts one more request on the endpoint; the returned func releases it
+// and is safe to call more than once. The first request to an endpoint whose
+// ejection has run out is its probe: until the probe releases or reports, the
+// endpoint takes no other request.
+func (e *Endpoint) Acquire() (release func()) {
+	e.inflight.Add(1)
+	probe := e.troubled.Load() && e.claimProbe()
+	var done atomic.Bool
+	return func() {
+		if done.CompareAndSwap(false, true) {
+			e.inflight.Add(-1)
+			if probe {
+				e.endProbe()
+			}
+		}
+	}
+}
+
+// Load is an engine's own account of its load, scraped from /metrics.
+type Load struct {
+	Waiting float64   // requests queued in the engine, not yet running
+	KVUsage float64   // KV cache in use, 0..1
+	At      time.Time // when it was scraped
+}
+
+// Load returns the last scraped load, and false when there is none or it is stale.
+func (e *Endpoint) Load() (Load, bool) {
+	l := e.load.Load()
+	if l == nil {
+		return Load{}, false
+	}
+	s := e.cfg()
+	if s.staleAfter <= 0 || s.now().Sub(l.At) > s.staleAfter {
+		return Load{}, false
+	}
+	return *l, true
+}
+
+func (e *Endpoint) observe(l Load) { e.load.Store(&l) }
+
+// Busyness is what load-aware pickers compare, lower is better: our requests in
+// flight, plus the engine's queue and KV use when a fresh scrape has them. The
+// queue counts on top of in-flight on purpose: waiting requests are the sign of
+// a saturated engine, and they include other routers' traffic.
+func (e *Endpoint) Busyness() float64 {
+	b := float64(e.InFlight())
+	if l, ok := e.Load(); ok {
+		b += l.Waiting + l.KVUsage
+	}
+	return b
+}

@@ -1,0 +1,156 @@
+package scheduling
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"sync"
+	"time"
+)
+
+// healthState is an endpoint's health, guarded by Endpoint.mu.
+//
+// Passive: consecutive failures reported by the pipeline eject the endpoint
+// for a backoff (1s, 2s, 4s … capped). When the backoff runs out the endpoint
+// is half-open: it takes one probe request; success restores it, failure ejects
+// it again for twice as long. Failures reported while ejected (requests that
+// were already running) do not lengthen the ejection.
+//
+// Active (optional): a failed check marks the endpoint down until a check
+// passes. The two signals are independent: an endpoint must pass both.
+type healthState struct {
+	failures   int       // consecutive
+	ejections  int       // consecutive, sizes the next backoff
+	until      time.Time // zero: not ejected
+	probing    bool      // a probe request is in flight
+	activeDown bool
+}
+
+// ReportFailure records a connection error, timeout or 5xx from the endpoint.
+func (e *Endpoint) ReportFailure() {
+	s := e.cfg()
+	now := s.now()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	h := &e.health
+	h.failures++
+	e.troubled.Store(true)
+	if h.failures < s.failures || (!h.until.IsZero() && now.Before(h.until)) {
+		return
+	}
+	backoff := s.ejection << min(h.ejections, 20)
+	if backoff <= 0 || backoff > s.maxEjection {
+		backoff = s.maxEjection
+	}
+	h.until = now.Add(backoff)
+	h.ejections++
+	h.probing = false
+}
+
+// ReportSuccess records a request the endpoint served (an engine 4xx counts:
+// the endpoint is alive, the request was at fault). While an ejection runs, a
+// success is news from before it and is ignored; after it, it ends the ejection.
+func (e *Endpoint) ReportSuccess() {
+	if !e.troubled.Load() {
+		return
+	}
+	now := e.cfg().now()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if now.Before(e.health.until) {
+		return
+	}
+	e.health = healthState{activeDown: e.health.activeDown}
+	e.troubled.Store(e.health.activeDown)
+}
+
+// Healthy reports whether the endpoint may take a request now.
+func (e *Endpoint) Healthy() bool {
+	if !e.troubled.Load() {
+		return true
+	}
+	now := e.cfg().now()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	h := &e.health
+	switch {
+	case h.activeDown:
+		return false
+	case h.until.IsZero():
+		return true
+	case now.Before(h.until):
+		return false
+	}
+	return !h.probing
+}
+
+// Ejected reports whether passive health has taken the endpoint out (for
+// metrics and logs; pickers use Healthy).
+func (e *Endpoint) Ejected() bool {
+	if !e.troubled.Load() {
+		return false
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return !e.health.until.IsZero()
+}
+
+// claimProbe makes the caller the probe of a half-open endpoint.
+func (e *Endpoint) claimProbe() bool {
+	now := e.cfg().now()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	h := &e.health
+	if h.until.IsZero() || now.Before(h.until) || h.probing {
+		return false
+	}
+	h.probing = true
+	return true
+}
+
+// endProbe frees the probe slot of a request that ended without a report, so
+// that a lost report cannot keep the endpoint out for good.
+func (e *Endpoint) endProbe() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.health.probing = false
+}
+
+func (e *Endpoint) setActive(up bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	h := &e.health
+	h.activeDown = !up
+	e.troubled.Store(h.activeDown || h.failures > 0)
+}
+
+// checkAll runs one active health check on every endpoint, concurrently.
+func checkAll(ctx context.Context, client *http.Client, eps []*Endpoint, path string, timeout time.Duration) {
+	var wg sync.WaitGroup
+	for _, e := range eps {
+		wg.Go(func() {
+			if up, ok := check(ctx, client, "http://"+e.Addr+path, timeout); ok {
+				e.setActive(up)
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// check GETs url; ok is false when there is no verdict because we are
+// shutting down.
+func check(parent context.Context, client *http.Client, url string, timeout time.Duration) (up, ok bool) {
+	ctx, cancel := context.WithTimeout(parent, timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return false, true
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return false, parent.Err() == nil
+	}
+	io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // so the connection is reused
+	resp.Body.Close()
+	return resp.StatusCode >= 200 && resp.StatusCode < 300, true
+}

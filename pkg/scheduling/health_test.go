@@ -1,0 +1,147 @@
+package scheduling
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+// step is one thing that happens to an endpoint, and what a picker then sees.
+type step struct {
+	do          string // "fail", "ok", "wait:<duration>", "acquire", "release"
+	wantHealthy bool
+}
+
+func TestEjectionAndRecovery(t *testing.T) {
+	tests := []struct {
+		name  string
+		steps []step
+	}{
+		{"two failures do not eject", []step{{"fail", true}, {"fail", true}}},
+		{"a success resets the count", []step{{"fail", true}, {"fail", true}, {"ok", true}, {"fail", true}, {"fail", true}}},
+		{"three consecutive failures eject for 1s", []step{
+			{"fail", true}, {"fail", true}, {"fail", false},
+			{"wait:999ms", false}, {"wait:1ms", true}}},
+		{"a failed probe doubles the ejection", []step{
+			{"fail", true}, {"fail", true}, {"fail", false},
+			{"wait:1s", true}, {"fail", false},
+			{"wait:1999ms", false}, {"wait:1ms", true}, {"fail", false},
+			{"wait:3999ms", false}, {"wait:1ms", true}}},
+		{"the ejection is capped at max_ejection", []step{
+			{"fail", true}, {"fail", true}, {"fail", false}, // 1s
+			{"wait:1s", true}, {"fail", false}, // 2s
+			{"wait:2s", true}, {"fail", false}, // 4s
+			{"wait:4s", true}, {"fail", false}, // capped at 5s
+			{"wait:4999ms", false}, {"wait:1ms", true}}},
+		{"a successful probe restores the endpoint and resets the backoff", []step{
+			{"fail", true}, {"fail", true}, {"fail", false},
+			{"wait:1s", true}, {"fail", false},
+			{"wait:2s", true}, {"ok", true},
+			{"fail", true}, {"fail", true}, {"fail", false}, {"wait:1s", true}}},
+		{"failures of requests already running do not lengthen the ejection", []step{
+			{"fail", true}, {"fail", true}, {"fail", false}, {"fail", false}, {"fail", false},
+			{"wait:1s", true}}},
+		{"a success from before the ejection does not end it", []step{
+			{"fail", true}, {"fail", true}, {"fail", false}, {"ok", false}, {"wait:1s", true}}},
+		{"half-open takes a single probe", []step{
+			{"fail", true}, {"fail", true}, {"fail", false},
+			{"wait:1s", true}, {"acquire", false}, {"release", true}}},
+		{"the probe's success restores it for everyone", []step{
+			{"fail", true}, {"fail", true}, {"fail", false},
+			{"wait:1s", true}, {"acquire", false}, {"ok", true}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, clock := testPool(t, config.PoolScheduling{Health: config.EngineHealth{MaxEjection: config.Duration(5 * time.Second)}}, "10.0.0.1:8000")
+			e := p.Endpoints()[0]
+			var release func()
+			for i, s := range tt.steps {
+				switch {
+				case s.do == "fail":
+					e.ReportFailure()
+				case s.do == "ok":
+					e.ReportSuccess()
+				case s.do == "acquire":
+					release = e.Acquire()
+				case s.do == "release":
+					release()
+				case strings.HasPrefix(s.do, "wait:"):
+					d, err := time.ParseDuration(strings.TrimPrefix(s.do, "wait:"))
+					if err != nil {
+						t.Fatal(err)
+					}
+					clock.Advance(d)
+				}
+				if got := e.Healthy(); got != s.wantHealthy {
+					t.Fatalf("step %d (%s): Healthy() = %v, want %v", i, s.do, got, s.wantHealthy)
+				}
+			}
+		})
+	}
+}
+
+func TestBareEndpointUsesDefaults(t *testing.T) {
+	e := &Endpoint{Addr: "10.0.0.1:8000"}
+	for range 3 {
+		e.ReportFailure()
+	}
+	if e.Healthy() || !e.Ejected() {
+		t.Fatal("three failures did not eject an endpoint built without a pool")
+	}
+}
+
+func TestActiveChecks(t *testing.T) {
+	status := http.StatusOK
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(status) })
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	addr := strings.TrimPrefix(srv.URL, "http://")
+	dead := "127.0.0.1:1" // nothing listens on port 1
+
+	spec := PoolSpec{Endpoints: []string{addr, dead}, PoolScheduling: config.PoolScheduling{Health: config.EngineHealth{CheckInterval: config.Duration(time.Second)}}}
+	p, _ := testPool(t, spec.PoolScheduling, spec.Endpoints...)
+	ctx := context.Background()
+	check := func() { checkAll(ctx, p.deps.Client, p.Endpoints(), "/health", time.Second) }
+
+	check()
+	if !byAddr(p, addr).Healthy() || byAddr(p, dead).Healthy() {
+		t.Fatalf("after one check: healthy = %v, %v; want true, false", byAddr(p, addr).Healthy(), byAddr(p, dead).Healthy())
+	}
+	status = http.StatusServiceUnavailable
+	check()
+	if byAddr(p, addr).Healthy() {
+		t.Fatal("an endpoint answering 503 to /health stayed healthy")
+	}
+	if e, err := p.Select(nil); err == nil {
+		t.Fatalf("Select() = %s, want no endpoint when every check fails", e.Addr)
+	}
+	status = http.StatusOK
+	check()
+	if !byAddr(p, addr).Healthy() {
+		t.Fatal("an endpoint passing its check again stayed down")
+	}
+
+	spec.Health.CheckInterval = 0
+	p.Update(spec)
+	if !byAddr(p, dead).Healthy() {
+		t.Fatal("turning checks off kept the last down verdict")
+	}
+}
+
+func TestCheckDuringShutdownGivesNoVerdict(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	defer srv.Close()
+	e := &Endpoint{Addr: strings.TrimPrefix(srv.URL, "http://")}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	checkAll(ctx, srv.Client(), []*Endpoint{e}, "/health", time.Second)
+	if !e.Healthy() {
+		t.Fatal("a check cut short by shutdown marked the endpoint down")
+	}
+}

@@ -1,0 +1,64 @@
+package scheduling
+
+import (
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// fakeClock is a settable clock for ejections and staleness.
+type fakeClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func newFakeClock() *fakeClock { return &fakeClock{t: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)} }
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *fakeClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.t = c.t.Add(d)
+}
+
+// testPool builds a pool over addrs with a fake clock. Picks are
+// deterministic: intn is always 0, so two-choices compares the first two
+// candidates.
+func testPool(t *testing.T, s config.PoolScheduling, addrs ...string) (*Pool, *fakeClock) {
+	t.Helper()
+	clock := newFakeClock()
+	spec := PoolSpec{Endpoints: addrs, PoolScheduling: s}
+	return newPool("decode", spec, Deps{Now: clock.Now, intn: func(int) int { return 0 }}), clock
+}
+
+func policy(name string) config.PoolScheduling { return config.PoolScheduling{Policy: name} }
+
+func addrsOf(eps []*Endpoint) []string {
+	out := make([]string, len(eps))
+	for i, e := range eps {
+		out[i] = e.Addr
+	}
+	return out
+}
+
+func byAddr(p *Pool, addr string) *Endpoint {
+	for _, e := range p.Endpoints() {
+		if e.Addr == addr {
+			return e
+		}
+	}
+	return nil
+}

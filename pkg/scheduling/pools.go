@@ -1,0 +1,150 @@
+package scheduling
+
+import (
+	"context"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-logr/logr"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+// Spec is the whole scheduling configuration, as the config file gives it.
+type Spec struct {
+	Prefill, Decode PoolSpec
+	PD              config.PD
+}
+
+// Deps are the pools' outside world. Zero fields get the real thing.
+type Deps struct {
+	Now      func() time.Time
+	Client   *http.Client // active health checks and /metrics scrapes
+	Resolver Resolver     // DNS pools
+	Log      logr.Logger
+
+	intn func(int) int // random numbers in [0, n); simulations seed it
+}
+
+func (d Deps) withDefaults() Deps {
+	if d.Now == nil {
+		d.Now = time.Now
+	}
+	if d.Client == nil {
+		d.Client = &http.Client{Transport: &http.Transport{
+			Proxy:               nil, // engines are addressed directly
+			DialContext:         (&net.Dialer{Timeout: 2 * time.Second}).DialContext,
+			MaxIdleConnsPerHost: 2,
+			IdleConnTimeout:     time.Minute,
+		}}
+	}
+	if d.Resolver == nil {
+		d.Resolver = net.DefaultResolver
+	}
+	if d.Log.GetSink() == nil {
+		d.Log = logr.Discard()
+	}
+	if d.intn == nil {
+		d.intn = rand.IntN
+	}
+	return d
+}
+
+// Pools is the prefill and decode pools and the P/D decider, updated together.
+type Pools struct {
+	Prefill, Decode *Pool
+	decider         atomic.Pointer[Decider]
+	deps            Deps
+}
+
+// NewPools builds the pools. Call Run to start their background work.
+func NewPools(spec Spec, deps Deps) *Pools {
+	deps = deps.withDefaults()
+	ps := &Pools{
+		Prefill: newPool("prefill", spec.Prefill, deps),
+		Decode:  newPool("decode", spec.Decode, deps),
+		deps:    deps,
+	}
+	ps.decider.Store(NewDecider(spec.PD))
+	return ps
+}
+
+// Update applies a reloaded configuration: endpoints, policies, health and
+// P/D thresholds. Requests in flight are not disturbed.
+func (ps *Pools) Update(spec Spec) {
+	ps.Prefill.Update(spec.Prefill)
+	ps.Decode.Update(spec.Decode)
+	ps.decider.Store(NewDecider(spec.PD))
+}
+
+// Decide chooses P/D or decode-only for req.
+func (ps *Pools) Decide(req *Request) Decision {
+	return ps.decider.Load().Decide(req, ps.Prefill)
+}
+
+// Run does the pools' background work until ctx is done: active health
+// checks, /metrics scrapes and DNS resolution, each as configured (and
+// reconfigured) per pool. It returns once all of it has stopped.
+func (ps *Pools) Run(ctx context.Context) {
+	var wg sync.WaitGroup
+	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
+		wg.Go(func() { p.Run(ctx) })
+	}
+	wg.Wait()
+}
+
+// Run does one pool's background work until ctx is done.
+func (p *Pool) Run(ctx context.Context) {
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		p.every(ctx, func(s PoolSpec) time.Duration { return s.Health.CheckInterval.D() }, func(st *poolState) {
+			checkAll(ctx, p.deps.Client, st.endpoints, st.spec.Health.CheckPath, st.spec.Health.CheckTimeout.D())
+		})
+	})
+	wg.Go(func() {
+		p.every(ctx, func(s PoolSpec) time.Duration { return s.Metrics.Interval.D() }, func(st *poolState) {
+			scrapeAll(ctx, p.deps.Client, st.endpoints, st.spec.Metrics.Path, st.spec.Metrics.Timeout.D(), p.deps.Now)
+		})
+	})
+	wg.Go(func() {
+		p.every(ctx, func(s PoolSpec) time.Duration {
+			if s.DNS == "" {
+				return 0
+			}
+			return s.DNSInterval.D()
+		}, func(st *poolState) { p.resolve(ctx, st.spec.DNS) })
+	})
+	wg.Wait()
+	p.deps.Client.CloseIdleConnections() // leave no keep-alive goroutines behind
+}
+
+// every runs work now and then every period of the pool's current spec; a zero
+// period pauses until the spec changes. A change restarts the cycle, so new
+// endpoints and settings take effect at once.
+func (p *Pool) every(ctx context.Context, period func(PoolSpec) time.Duration, work func(*poolState)) {
+	timer := time.NewTimer(0)
+	defer timer.Stop()
+	for {
+		st := p.state.Load()
+		d := period(st.spec)
+		if d > 0 {
+			work(st)
+			timer.Reset(d)
+		}
+		var tick <-chan time.Time
+		if d > 0 {
+			tick = timer.C
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-st.changed:
+			timer.Stop()
+		case <-tick:
+		}
+	}
+}

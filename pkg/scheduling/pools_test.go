@@ -1,0 +1,81 @@
+package scheduling
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+// engine is a test engine serving /health and /metrics.
+func engine(t *testing.T, healthy *atomic.Bool, waiting string) string {
+	t.Helper()
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) {
+		if !healthy.Load() {
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
+	})
+	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, _ *http.Request) {
+		w.Write([]byte("vllm:num_requests_waiting " + waiting + "\n"))
+	})
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	return strings.TrimPrefix(srv.URL, "http://")
+}
+
+func TestRunFollowsReloads(t *testing.T) {
+	var up atomic.Bool
+	up.Store(true)
+	addr := engine(t, &up, "4")
+	spec := Spec{
+		Prefill: PoolSpec{Endpoints: []string{addr}},
+		Decode:  PoolSpec{Endpoints: []string{addr}},
+	}
+	ps := NewPools(spec, Deps{})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { ps.Run(ctx); close(done) }()
+
+	time.Sleep(20 * time.Millisecond)
+	if _, ok := ps.Decode.Endpoints()[0].Load(); ok {
+		t.Fatal("scraped with metrics.interval unset")
+	}
+
+	spec.Decode.Metrics.Interval = config.Duration(10 * time.Millisecond)
+	spec.Decode.Health.CheckInterval = config.Duration(10 * time.Millisecond)
+	ps.Update(spec)
+	e := ps.Decode.Endpoints()[0]
+	waitFor(t, "a scrape after the reload", func() bool { l, ok := e.Load(); return ok && l.Waiting == 4 })
+	up.Store(false)
+	waitFor(t, "a failed check", func() bool { return !e.Healthy() })
+	if !ps.Prefill.Endpoints()[0].Healthy() {
+		t.Error("the prefill pool, without checks, took the decode pool's verdict")
+	}
+	up.Store(true)
+	waitFor(t, "a passed check", e.Healthy)
+
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Run did not return after cancel")
+	}
+}
+
+func TestPoolsUpdateAppliesPDThresholds(t *testing.T) {
+	ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"a"}}, Decode: PoolSpec{Endpoints: []string{"b"}}}, Deps{})
+	req := PromptRequest(strings.Repeat("x", 40)) // 10 tokens
+	if d := ps.Decide(req); !d.PD {
+		t.Fatalf("Decide() = %+v with defaults, want P/D", d)
+	}
+	ps.Update(Spec{Prefill: PoolSpec{Endpoints: []string{"a"}}, Decode: PoolSpec{Endpoints: []string{"b"}}, PD: config.PD{MinPromptTokens: 11}})
+	if d := ps.Decide(req); d.PD || d.Reason != ReasonShortPrompt {
+		t.Fatalf("Decide() = %+v after raising the threshold, want decode-only", d)
+	}
+}

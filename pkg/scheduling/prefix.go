@@ -1,0 +1,170 @@
+package scheduling
+
+import (
+	"container/list"
+	"encoding/binary"
+	"hash/maphash"
+	"sync"
+)
+
+// serversPerBlock is how many recent servers of a block are remembered: a hot
+// prefix that the load bound spread over several endpoints is cached on each.
+const serversPerBlock = 4
+
+var blockSeed = maphash.MakeSeed()
+
+// prefixIndex remembers which endpoints last served each chain of prompt
+// blocks, the approximate stand-in for the engines' prefix caches. A chain
+// hash covers a block and everything before it, so a match on block i means
+// the endpoint saw the same first i blocks. It is a bounded LRU.
+type prefixIndex struct {
+	blockChars, capacity int
+
+	mu      sync.Mutex
+	entries map[uint64]*list.Element
+	lru     list.List // of *prefixEntry, most recent first
+}
+
+type prefixEntry struct {
+	hash    uint64
+	servers [serversPerBlock]string // most recent first
+}
+
+func newPrefixIndex(blockChars, capacity int) *prefixIndex {
+	return &prefixIndex{blockChars: blockChars, capacity: capacity, entries: map[uint64]*list.Element{}}
+}
+
+// hashes returns the chain hashes of the prompt's full blocks; a trailing
+// partial block is left out, as engines cache only full blocks.
+func (x *prefixIndex) hashes(prompt string) []uint64 {
+	n := len(prompt) / x.blockChars
+	if n == 0 {
+		return nil
+	}
+	out := make([]uint64, n)
+	var h maphash.Hash
+	h.SetSeed(blockSeed)
+	var prev [8]byte
+	for i := range n {
+		h.Reset()
+		h.Write(prev[:])
+		h.WriteString(prompt[i*x.blockChars : (i+1)*x.blockChars])
+		out[i] = h.Sum64()
+		binary.LittleEndian.PutUint64(prev[:], out[i])
+	}
+	return out
+}
+
+// matched returns, per endpoint address, the number of leading blocks of the
+// chain it served last.
+func (x *prefixIndex) matched(hs []uint64) map[string]int {
+	m := map[string]int{}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	for i, h := range hs {
+		el, ok := x.entries[h]
+		if !ok {
+			break // record refreshes a chain head last, so it outlives its tail
+		}
+		for _, s := range el.Value.(*prefixEntry).servers {
+			if s != "" {
+				m[s] = i + 1
+			}
+		}
+	}
+	return m
+}
+
+// record notes that addr now holds the chain.
+func (x *prefixIndex) record(hs []uint64, addr string) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	for i := len(hs) - 1; i >= 0; i-- {
+		var e *prefixEntry
+		if el, ok := x.entries[hs[i]]; ok {
+			x.lru.MoveToFront(el)
+			e = el.Value.(*prefixEntry)
+		} else {
+			if x.lru.Len() >= x.capacity {
+				old := x.lru.Back()
+				delete(x.entries, old.Value.(*prefixEntry).hash)
+				x.lru.Remove(old)
+			}
+			e = &prefixEntry{hash: hs[i]}
+			x.entries[hs[i]] = x.lru.PushFront(e)
+		}
+		e.servers = withFirst(e.servers, addr)
+	}
+}
+
+func withFirst(s [serversPerBlock]string, addr string) [serversPerBlock]string {
+	out := [serversPerBlock]string{addr}
+	k := 1
+	for _, v := range s {
+		if v != addr && v != "" && k < serversPerBlock {
+			out[k] = v
+			k++
+		}
+	}
+	return out
+}
+
+// Score is the share of the prompt's blocks each endpoint last served.
+func (x *prefixIndex) Score(req *Request, eps []*Endpoint) []float64 {
+	s := make([]float64, len(eps))
+	hs := x.hashes(req.Prompt())
+	if len(hs) == 0 {
+		return s
+	}
+	m := x.matched(hs)
+	for i, e := range eps {
+		s[i] = float64(m[e.Addr]) / float64(len(hs))
+	}
+	return s
+}
+
+// prefixAffinity sends a request to the endpoint that served the longest part
+// of its prompt, unless that endpoint is busier than factor × the mean
+// busyness + slack: a hot prefix spills over to other endpoints instead of
+// queueing on one (consistent hashing with bounded loads, with a slack because
+// an engine batches a few extra requests nearly for free). Without a usable
+// match it falls back to least load among the endpoints within the bound.
+// Either way the choice is remembered.
+type prefixAffinity struct {
+	index         *prefixIndex
+	factor, slack float64
+	fallback      Picker
+}
+
+func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
+	hs := p.index.hashes(req.Prompt())
+	if len(hs) == 0 {
+		return p.fallback.Pick(req, eps)
+	}
+	matched := p.index.matched(hs)
+	busy := make([]float64, len(eps))
+	var total float64
+	for i, e := range eps {
+		busy[i] = e.Busyness()
+		total += busy[i]
+	}
+	bound := p.factor*total/float64(len(eps)) + p.slack
+	var best *Endpoint
+	bestBlocks, bestBusy := 0, 0.0
+	within := make([]*Endpoint, 0, len(eps)) // never empty: the least busy is below the mean
+	for i, e := range eps {
+		if busy[i] > bound {
+			continue
+		}
+		within = append(within, e)
+		n := matched[e.Addr]
+		if n > 0 && (n > bestBlocks || (n == bestBlocks && busy[i] < bestBusy)) {
+			best, bestBlocks, bestBusy = e, n, busy[i]
+		}
+	}
+	if best == nil {
+		best = p.fallback.Pick(req, within)
+	}
+	p.index.record(hs, best.Addr)
+	return best
+}

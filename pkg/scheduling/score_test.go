@@ -1,0 +1,100 @@
+package scheduling
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+// loaded returns endpoints with the given requests in flight.
+func loaded(inflight ...int) []*Endpoint {
+	eps := make([]*Endpoint, len(inflight))
+	for i, n := range inflight {
+		eps[i] = &Endpoint{Addr: string(rune('a' + i))}
+		for range n {
+			eps[i].Acquire()
+		}
+	}
+	return eps
+}
+
+func TestLoadScorer(t *testing.T) {
+	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, "a", "b", "c")
+	eps := p.Endpoints()
+	eps[0].Acquire()
+	eps[0].Acquire()
+	eps[1].observe(Load{Waiting: 3, KVUsage: 0.5, At: clock.Now()})
+	eps[2].observe(Load{Waiting: 9, At: clock.Now().Add(-time.Hour)}) // stale: ignored
+
+	got := loadScorer{}.Score(nil, eps)
+	want := []float64{-2, -3.5, 0}
+	if !slices.Equal(got, want) {
+		t.Fatalf("Score() = %v, want %v", got, want)
+	}
+}
+
+func TestTwoChoices(t *testing.T) {
+	tests := []struct {
+		name     string
+		inflight []int
+		draws    []int // successive intn results
+		want     string
+	}{
+		{"single candidate", []int{5}, nil, "a"},
+		{"the less loaded of the pair", []int{4, 1, 0}, []int{0, 0}, "b"},  // pair a, b
+		{"the third is not in the pair", []int{4, 1, 0}, []int{1, 0}, "b"}, // pair b, a
+		{"second draw skips the first", []int{4, 1, 0}, []int{1, 1}, "c"},  // pair b, c
+		{"a tie keeps the first drawn", []int{2, 2, 2}, []int{2, 0}, "c"},  // pair c, a
+		{"the busiest is never chosen", []int{9, 1, 1}, []int{0, 1}, "c"},  // pair a, c
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			draws := slices.Clone(tt.draws)
+			p := &twoChoices{scorer: loadScorer{}, intn: func(int) int { d := draws[0]; draws = draws[1:]; return d }}
+			if got := p.Pick(nil, loaded(tt.inflight...)); got.Addr != tt.want {
+				t.Fatalf("Pick() = %s, want %s", got.Addr, tt.want)
+			}
+		})
+	}
+}
+
+func TestRoundRobinTakesTurns(t *testing.T) {
+	eps := loaded(5, 0, 0)
+	p := &roundRobin{}
+	var got []string
+	for range 4 {
+		got = append(got, p.Pick(nil, eps).Addr)
+	}
+	got = append(got, p.Pick(nil, eps[1:]).Addr) // candidates shrink: still one of them
+	if want := []string{"a", "b", "c", "a", "b"}; !slices.Equal(got, want) {
+		t.Fatalf("picks = %v, want %v", got, want)
+	}
+}
+
+// BenchmarkSelect is the cost of one pick on a pool of 16 endpoints, for the
+// ext_proc's own latency budget.
+func BenchmarkSelect(b *testing.B) {
+	addrs := make([]string, 16)
+	for i := range addrs {
+		addrs[i] = fmt.Sprintf("10.0.0.%d:8000", i+1)
+	}
+	for _, policy := range []string{config.PolicyRoundRobin, config.PolicyLeastLoad, config.PolicyPrefixAffinity} {
+		for _, chars := range []int{1_000, 32_000} {
+			b.Run(fmt.Sprintf("%s/%dchars", policy, chars), func(b *testing.B) {
+				p := NewPool("decode", nil)
+				p.Update(PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{Policy: policy}})
+				req := PromptRequest(strings.Repeat("You are a helpful assistant. ", chars/29+1)[:chars])
+				b.ReportAllocs()
+				for b.Loop() {
+					if _, err := p.Select(req); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+}

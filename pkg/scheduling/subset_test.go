@@ -1,0 +1,104 @@
+package scheduling
+
+import (
+	"errors"
+	"slices"
+	"testing"
+)
+
+func TestParseSubset(t *testing.T) {
+	tests := []struct {
+		name    string
+		hint    any
+		wantSet bool
+		allowed []string
+		denied  []string
+	}{
+		{name: "no hint allows all", hint: nil, wantSet: false, allowed: []string{"10.0.0.1:8000"}},
+		{name: "list from Struct metadata", hint: []any{"10.0.0.1:8000", "10.0.0.2:8000"}, wantSet: true,
+			allowed: []string{"10.0.0.1:8000", "10.0.0.2:8000"}, denied: []string{"10.0.0.3:8000"}},
+		{name: "string list", hint: []string{"10.0.0.2:8000"}, wantSet: true, allowed: []string{"10.0.0.2:8000"}, denied: []string{"10.0.0.1:8000"}},
+		{name: "comma-separated header value with spaces", hint: "10.0.0.1:8000, 10.0.0.2:8000", wantSet: true,
+			allowed: []string{"10.0.0.1:8000", "10.0.0.2:8000"}, denied: []string{"10.0.0.3:8000"}},
+		{name: "empty list allows nothing", hint: []any{}, wantSet: true, denied: []string{"10.0.0.1:8000"}},
+		{name: "empty string allows nothing", hint: "", wantSet: true, denied: []string{"10.0.0.1:8000"}},
+		{name: "a list with a non-string allows nothing", hint: []any{"10.0.0.1:8000", 7.0}, wantSet: true, denied: []string{"10.0.0.1:8000"}},
+		{name: "another type allows nothing", hint: 42.0, wantSet: true, denied: []string{"10.0.0.1:8000"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := ParseSubset(tt.hint)
+			if s.IsSet() != tt.wantSet {
+				t.Errorf("IsSet() = %v, want %v", s.IsSet(), tt.wantSet)
+			}
+			for _, a := range tt.allowed {
+				if !s.Allows(a) {
+					t.Errorf("Allows(%s) = false, want true", a)
+				}
+			}
+			for _, a := range tt.denied {
+				if s.Allows(a) {
+					t.Errorf("Allows(%s) = true, want false", a)
+				}
+			}
+		})
+	}
+}
+
+func TestSelectHonoursTheSubsetHint(t *testing.T) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
+	tests := []struct {
+		name    string
+		hint    any
+		ejected []string
+		want    []string // acceptable picks; nil means an error
+		wantErr error
+	}{
+		{name: "no hint", hint: nil, want: addrs},
+		{name: "one allowed", hint: "10.0.0.3:8000", want: []string{"10.0.0.3:8000"}},
+		{name: "unknown endpoints in the hint are ignored", hint: []any{"10.9.9.9:8000", "10.0.0.2:8000"}, want: []string{"10.0.0.2:8000"}},
+		{name: "empty hint", hint: []any{}, wantErr: ErrSubset},
+		{name: "none of ours", hint: "10.9.9.9:8000", wantErr: ErrSubset},
+		{name: "the allowed one is ejected", hint: "10.0.0.1:8000", ejected: []string{"10.0.0.1:8000"}, wantErr: ErrUnhealthy},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, _ := testPool(t, policy(""), addrs...)
+			for _, a := range tt.ejected {
+				for range 3 {
+					byAddr(p, a).ReportFailure()
+				}
+			}
+			req := PromptRequest("hello")
+			req.Subset = ParseSubset(tt.hint)
+			for range 20 {
+				e, err := p.Select(req)
+				if tt.wantErr != nil {
+					if !errors.Is(err, tt.wantErr) {
+						t.Fatalf("Select() error = %v, want %v", err, tt.wantErr)
+					}
+					continue
+				}
+				if err != nil || !slices.Contains(tt.want, e.Addr) {
+					t.Fatalf("Select() = %v, %v; want one of %v", e, err, tt.want)
+				}
+			}
+		})
+	}
+}
+
+func TestThePrefillPoolIgnoresTheSubsetHint(t *testing.T) {
+	ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"10.0.0.1:8000"}}, Decode: PoolSpec{Endpoints: []string{"10.0.0.2:8000"}}}, Deps{})
+	req := PromptRequest("hello")
+	req.Subset = ParseSubset("10.0.0.2:8000")
+	if e, err := ps.Prefill.Select(req); err != nil || e.Addr != "10.0.0.1:8000" {
+		t.Fatalf("prefill Select() = %v, %v; the hint names decode candidates only", e, err)
+	}
+	req.Subset = ParseSubset("10.0.0.9:8000")
+	if _, err := ps.Decode.Select(req); !errors.Is(err, ErrSubset) {
+		t.Fatalf("decode Select() error = %v, want ErrSubset", err)
+	}
+	if d := ps.Decide(req); !d.PD {
+		t.Fatalf("Decide() = %+v: the decode hint must not make prefill look unavailable", d)
+	}
+}
