@@ -72,7 +72,7 @@ func run(f flags, log logr.Logger) error {
 		return err
 	}
 	defer adminLis.Close()
-	s, err := server.New(cfg, server.Options{Grace: f.grace, Pprof: f.pprof, LogPrompts: f.logPrompts}, log)
+	s, err := server.New(cfg, server.Options{Grace: f.grace, Pprof: f.pprof, LogPrompts: f.logPrompts, ConfigPath: f.config}, log)
 	if err != nil {
 		return err
 	}

@@ -24,6 +24,7 @@ type Config struct {
 	Limits    Limits  `json:"limits"`
 	Envoy     Envoy   `json:"envoy"`
 	Tracing   Tracing `json:"tracing"`
+	PD        PD      `json:"pd"`
 }
 
 // Pools lists the engine endpoints of each role.
@@ -32,10 +33,11 @@ type Pools struct {
 	Decode  Pool `json:"decode"`
 }
 
-// Pool is one role's endpoints.
+// Pool is one role's endpoints and how they are picked.
 type Pool struct {
 	Endpoints     []string `json:"endpoints"`
 	BootstrapPort int      `json:"bootstrap_port,omitempty"` // kv-sglang only
+	PoolScheduling
 }
 
 // Failure policies for a prefill leg that cannot be completed.
@@ -44,10 +46,12 @@ const (
 	OnFailureFail       = "fail"
 )
 
-// Prefill configures the prefill leg.
+// Prefill configures the prefill leg. Timeout bounds the whole prefill phase of
+// a request, retries included; each attempt has its own AttemptTimeout.
 type Prefill struct {
 	Timeout   Duration `json:"timeout"`
 	OnFailure string   `json:"on_failure"`
+	PrefillAttempts
 }
 
 // Limits bounds what one request may use.
@@ -114,6 +118,10 @@ func (c *Config) setDefaults() {
 		c.Envoy.OverrideMessageTimeout = c.Prefill.Timeout + Duration(30*time.Second)
 	}
 	c.Tracing.SetDefaults()
+	c.Pools.Prefill.PoolScheduling.SetDefaults()
+	c.Pools.Decode.PoolScheduling.SetDefaults()
+	c.PD.SetDefaults()
+	c.Prefill.PrefillAttempts.SetDefaults(c.Prefill.Timeout)
 }
 
 func (c *Config) validate() error {
@@ -121,8 +129,8 @@ func (c *Config) validate() error {
 	if _, err := kv.Build(c.Connector); err != nil {
 		errs = append(errs, fmt.Errorf("connector: %w", err))
 	}
-	if len(c.Pools.Decode.Endpoints) == 0 {
-		errs = append(errs, errors.New("pools.decode.endpoints: at least one ip:port is required"))
+	if len(c.Pools.Decode.Endpoints) == 0 && c.Pools.Decode.DNS == "" {
+		errs = append(errs, errors.New("pools.decode.endpoints: at least one ip:port (or pools.decode.dns) is required"))
 	}
 	errs = append(errs, validateEndpoints("pools.prefill.endpoints", c.Pools.Prefill.Endpoints)...)
 	errs = append(errs, validateEndpoints("pools.decode.endpoints", c.Pools.Decode.Endpoints)...)
@@ -144,7 +152,11 @@ func (c *Config) validate() error {
 	if c.Envoy.OverrideAfter < 0 || c.Envoy.OverrideMessageTimeout < 0 {
 		errs = append(errs, errors.New("envoy.override_after, envoy.override_message_timeout: must be positive"))
 	}
-	errs = append(errs, c.Tracing.Validate("tracing"))
+	errs = append(errs, c.Tracing.Validate("tracing"),
+		c.Pools.Prefill.PoolScheduling.Validate("pools.prefill"),
+		c.Pools.Decode.PoolScheduling.Validate("pools.decode"),
+		c.PD.Validate("pd"),
+		c.Prefill.PrefillAttempts.Validate("prefill", c.Prefill.Timeout))
 	return errors.Join(errs...)
 }
 

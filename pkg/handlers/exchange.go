@@ -58,12 +58,14 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err erro
 	}
 	switch m := req.Request.(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
+		x.req.Subset = subsetHint(req.GetMetadataContext())
 		return x.onRequestHeaders(m.RequestHeaders)
 	case *extprocv3.ProcessingRequest_RequestBody:
 		return x.onRequestBody(m.RequestBody)
 	case *extprocv3.ProcessingRequest_RequestTrailers:
 		return x.onRequestTrailers()
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		x.observeStatus(m.ResponseHeaders.GetHeaders())
 		return false, x.send(continueReply("response_headers"))
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		return false, x.onResponseBody(m.ResponseBody)
@@ -287,5 +289,36 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 	}
 	if logged != nil {
 		x.log.V(2).Info("request headers", "requestID", x.req.RequestID, "headers", logged)
+	}
+}
+
+// subsetHint reads the endpoint-picker subset hint Envoy may forward in the
+// envoy.lb.subset_hint metadata namespace; nil when there is none.
+func subsetHint(md *corev3.Metadata) any {
+	ns, ok := md.GetFilterMetadata()[SubsetHintNamespace]
+	if !ok {
+		return nil
+	}
+	v, ok := ns.GetFields()[SubsetHintKey]
+	if !ok {
+		return nil
+	}
+	return v.AsInterface()
+}
+
+// observeStatus tells scheduling how the decode engine answered, so that an
+// endpoint answering 5xx is ejected.
+func (x *exchange) observeStatus(hm *corev3.HeaderMap) {
+	for _, h := range hm.GetHeaders() {
+		if h.GetKey() == ":status" {
+			v := string(h.GetRawValue())
+			if v == "" {
+				v = h.GetValue()
+			}
+			if status, err := strconv.Atoi(v); err == nil {
+				x.decision.Observe(status)
+			}
+			return
+		}
 	}
 }

@@ -18,6 +18,10 @@ const (
 	DestinationHeader   = "x-gateway-destination-endpoint"
 	DestinationMetadata = "envoy.lb"
 	RequestIDHeader     = "x-request-id"
+
+	// The proxy may restrict the choice to a subset of endpoints.
+	SubsetHintNamespace = "envoy.lb.subset_hint"
+	SubsetHintKey       = "x-gateway-destination-endpoint-subset"
 )
 
 // maxStreamedChunk bounds each FULL_DUPLEX body reply, below Envoy's recommended

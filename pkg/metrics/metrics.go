@@ -42,13 +42,19 @@ const (
 	OutcomeCancelled = "cancelled" // the stream ended before the request was routed or rejected (client or Envoy gave up)
 )
 
-// Values of pd_decisions_total{reason}: why a routed request got its mode.
+// Values of pd_decisions_total{reason}: why a routed request got its mode. The
+// first seven are the P/D decider's (pkg/scheduling, Reason*), which a test
+// keeps in step with this list.
 const (
-	ReasonPD                = "pd"                  // disaggregated: the prefill leg ran (or was launched)
-	ReasonNGT1              = "n_gt_1"              // decode-only: n > 1 cannot be handed off
-	ReasonNoPrefillEndpoint = "no_prefill_endpoint" // decode-only: no prefill endpoint configured or eligible
-	ReasonPrefillFailed     = "prefill_failed"      // decode-only: the prefill leg failed and prefill.on_failure is decode-only
-	ReasonNoBody            = "no_body"             // decode-only: a request without a body (GET /v1/models, body mode NONE)
+	ReasonAlways        = "always"         // P/D: pd.mode always
+	ReasonLongPrompt    = "long_prompt"    // P/D: auto, prompt at or above pd.min_prompt_tokens
+	ReasonNever         = "never"          // decode-only: pd.mode never
+	ReasonShortPrompt   = "short_prompt"   // decode-only: auto, prompt below pd.min_prompt_tokens
+	ReasonNGT1          = "n_gt_1"         // decode-only: n > 1 cannot be handed off
+	ReasonBatch         = "batch"          // decode-only: several prompts in one completions request
+	ReasonNoPrefill     = "no_prefill"     // decode-only: no healthy prefill endpoint
+	ReasonPrefillFailed = "prefill_failed" // the prefill leg failed (decode-only under on_failure decode-only)
+	ReasonNoBody        = "no_body"        // decode-only: a request without a body (GET /v1/models, body mode NONE)
 )
 
 // Values of prefill_duration_seconds{outcome}.
@@ -69,10 +75,11 @@ const (
 )
 
 var (
-	apis          = []string{APIChat, APICompletions, APIOther}
-	modes         = []string{ModePD, ModeDecodeOnly, ModeNone}
-	outcomes      = []string{OutcomeRouted, Outcome4xx, Outcome5xx, OutcomeCancelled}
-	reasons       = []string{ReasonPD, ReasonNGT1, ReasonNoPrefillEndpoint, ReasonPrefillFailed, ReasonNoBody}
+	apis     = []string{APIChat, APICompletions, APIOther}
+	modes    = []string{ModePD, ModeDecodeOnly, ModeNone}
+	outcomes = []string{OutcomeRouted, Outcome4xx, Outcome5xx, OutcomeCancelled}
+	// Reasons lists every pd_decisions_total{reason} value.
+	Reasons       = []string{ReasonAlways, ReasonLongPrompt, ReasonNever, ReasonShortPrompt, ReasonNGT1, ReasonBatch, ReasonNoPrefill, ReasonPrefillFailed, ReasonNoBody}
 	failures      = []string{FailureConnect, FailureTimeout, FailureStatus4xx, FailureStatus5xx, FailureTransport, FailureCancelled}
 	prefillStates = []string{PrefillOK, PrefillFailed, PrefillCancelled}
 )
@@ -123,7 +130,7 @@ func New(connector string) *Metrics {
 		}),
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "pd_decisions_total",
-			Help: "Routed requests by why they got their mode (pd, n_gt_1, no_prefill_endpoint, prefill_failed, no_body).",
+			Help: "Routed requests by why they got their mode (always, long_prompt, never, short_prompt, n_gt_1, batch, no_prefill, prefill_failed, no_body).",
 		}, []string{"reason"}),
 		bodyBytes: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Namespace: namespace, Name: "request_body_bytes",
@@ -158,7 +165,7 @@ func (m *Metrics) initSeries() {
 			}
 		}
 	}
-	for _, r := range reasons {
+	for _, r := range Reasons {
 		m.decisions.WithLabelValues(r)
 	}
 	for _, r := range failures {

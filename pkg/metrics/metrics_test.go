@@ -45,7 +45,7 @@ func TestNilMetricsRecordNothing(t *testing.T) {
 	m.StreamClosed()
 	m.ObserveRequest(Request{API: APIChat, Mode: ModePD, Outcome: OutcomeRouted})
 	m.RequestBody(10)
-	m.Decision(ReasonPD)
+	m.Decision(ReasonLongPrompt)
 	m.PrefillAttempt(time.Second, FailureTimeout)
 	m.KVParamsMissing()
 }

@@ -2,6 +2,7 @@ package pipeline
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 )
@@ -51,9 +52,11 @@ func TooLarge(limit int64) *Error {
 		Message: fmt.Sprintf("request body is larger than the limit of %d bytes (limits.max_body_bytes)", limit)}
 }
 
-func noDecodeEndpoint() *Error {
+// noDecodeEndpoint is the endpoint-picker protocol's 503: no decode endpoint is
+// configured, healthy, or in the proxy's subset hint.
+func noDecodeEndpoint(cause error) *Error {
 	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable",
-		Message: "no healthy decode endpoint"}
+		Message: "no healthy decode endpoint: " + cause.Error()}
 }
 
 // engineError passes an engine's 4xx answer on to the client unchanged: it is
@@ -66,7 +69,7 @@ func engineError(status int, body []byte, contentType string) *Error {
 // prefillFailed is the error under prefill.on_failure=fail.
 func prefillFailed(cause error) *Error {
 	status := http.StatusServiceUnavailable // the engine could not be reached or timed out
-	if se, ok := cause.(*statusError); ok && se.status >= 500 {
+	if se := (*statusError)(nil); errors.As(cause, &se) && se.status >= 500 {
 		status = http.StatusBadGateway // the engine answered with its own failure
 	}
 	return &Error{Status: status, Type: "upstream_error", Message: "prefill leg failed: " + cause.Error()}

@@ -28,20 +28,22 @@ import (
 
 // Options are the pipeline's settings, taken from the config file.
 type Options struct {
-	PrefillTimeout time.Duration
-	OnFailure      string // config.OnFailureDecodeOnly or config.OnFailureFail
+	PrefillTimeout time.Duration // the whole prefill phase of a request, retries included
+	AttemptTimeout time.Duration // one prefill attempt
+	Attempts       int           // prefill endpoints one request may try
+	OnFailure      string        // config.OnFailureDecodeOnly or config.OnFailureFail
 	BootstrapPort  int
 	MaxBodyBytes   int64
 }
 
 // Pipeline routes requests. It is safe for concurrent use.
 type Pipeline struct {
-	connector       kv.Connector
-	prefill, decode *scheduling.Pool
-	opts            Options
-	client          *http.Client
-	log             logr.Logger
-	background      sync.WaitGroup // concurrent (SGLang) prefill legs still running
+	connector  kv.Connector
+	pools      *scheduling.Pools
+	opts       Options
+	client     *http.Client
+	log        logr.Logger
+	background sync.WaitGroup // concurrent (SGLang) prefill legs still running
 
 	metrics    *metrics.Metrics // nil records nothing
 	tracer     trace.Tracer
@@ -72,10 +74,11 @@ func New(cfg *config.Config, log logr.Logger, options ...Option) (*Pipeline, err
 	}
 	p := &Pipeline{
 		connector: c,
-		prefill:   scheduling.NewPool("prefill", cfg.Pools.Prefill.Endpoints),
-		decode:    scheduling.NewPool("decode", cfg.Pools.Decode.Endpoints),
+		pools:     scheduling.NewPools(SchedulingSpec(cfg), scheduling.Deps{Log: log.WithName("scheduling")}),
 		opts: Options{
 			PrefillTimeout: cfg.Prefill.Timeout.D(),
+			AttemptTimeout: cfg.Prefill.AttemptTimeout.D(),
+			Attempts:       cfg.Prefill.Attempts,
 			OnFailure:      cfg.Prefill.OnFailure,
 			BootstrapPort:  cfg.Pools.Prefill.BootstrapPort,
 			MaxBodyBytes:   cfg.Limits.MaxBodyBytes,
@@ -94,8 +97,26 @@ func New(cfg *config.Config, log logr.Logger, options ...Option) (*Pipeline, err
 // MaxBodyBytes is the largest request body accepted.
 func (p *Pipeline) MaxBodyBytes() int64 { return p.opts.MaxBodyBytes }
 
+// SchedulingSpec is the part of cfg that scheduling follows, and that a config
+// reload can change without a restart.
+func SchedulingSpec(cfg *config.Config) scheduling.Spec {
+	return scheduling.Spec{
+		Prefill: scheduling.PoolSpec{Endpoints: cfg.Pools.Prefill.Endpoints, PoolScheduling: cfg.Pools.Prefill.PoolScheduling},
+		Decode:  scheduling.PoolSpec{Endpoints: cfg.Pools.Decode.Endpoints, PoolScheduling: cfg.Pools.Decode.PoolScheduling},
+		PD:      cfg.PD,
+	}
+}
+
 // Pools returns the endpoint pools, for health and metrics to read.
-func (p *Pipeline) Pools() (prefill, decode *scheduling.Pool) { return p.prefill, p.decode }
+func (p *Pipeline) Pools() (prefill, decode *scheduling.Pool) { return p.pools.Prefill, p.pools.Decode }
+
+// Run does the pools' background work (health checks, load scrapes, DNS) until
+// ctx is done.
+func (p *Pipeline) Run(ctx context.Context) { p.pools.Run(ctx) }
+
+// Reload applies a new configuration's pools, policies and P/D thresholds.
+// Requests in flight keep their endpoints; other keys take effect on restart.
+func (p *Pipeline) Reload(cfg *config.Config) { p.pools.Update(SchedulingSpec(cfg)) }
 
 // Request is what the pipeline needs of one client request.
 type Request struct {
@@ -103,6 +124,10 @@ type Request struct {
 	RequestID string      // sent on both legs
 	Forward   http.Header // client headers copied onto the prefill leg (e.g. Authorization)
 	Body      []byte      // nil for a request without a body
+	// Subset is the endpoint-picker subset hint as Envoy sent it in metadata
+	// (envoy.lb.subset_hint): nil when absent, else a list of ip:port or a
+	// comma-separated string. Decode endpoints outside it are never picked.
+	Subset any
 
 	// Report is filled in by Route and RouteHeaders, whether they succeed or
 	// fail, with what the caller logs and counts.
@@ -140,9 +165,12 @@ func APIOf(path string) string {
 
 // Decision is where a request goes and with which body.
 type Decision struct {
-	Endpoint string // decode endpoint, ip:port
+	// Endpoint is the decode endpoint, ip:port, followed by the fallbacks of
+	// pools.decode.fallbacks when configured (comma-separated, in order).
+	Endpoint string
 	Body     []byte // the decode leg's body; nil when the request has none
 	Mode     string
+	decode   *scheduling.Endpoint
 	release  func()
 }
 
@@ -153,16 +181,42 @@ func (d *Decision) Release() {
 	}
 }
 
+// Observe reports the decode engine's response status, so that an endpoint
+// answering 5xx is ejected like one that refuses connections.
+func (d *Decision) Observe(status int) {
+	switch {
+	case d == nil || d.decode == nil:
+	case status >= 500:
+		d.decode.ReportFailure()
+	default:
+		d.decode.ReportSuccess()
+	}
+}
+
+// pickDecode chooses the decode endpoint (and fallbacks) and takes its slot.
+func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
+	eps, err := p.pools.Decode.SelectN(req, 1+p.pools.Decode.Fallbacks())
+	if err != nil {
+		return nil, noDecodeEndpoint(err)
+	}
+	addrs := make([]string, len(eps))
+	for i, e := range eps {
+		addrs[i] = e.Addr
+	}
+	return &Decision{Endpoint: strings.Join(addrs, ","), decode: eps[0], release: eps[0].Acquire()}, nil
+}
+
 // RouteHeaders routes a request that has no body to a decode endpoint.
 func (p *Pipeline) RouteHeaders(r *Request) (*Decision, error) {
 	r.Report = Report{Mode: ModeDecodeOnly, Reason: metrics.ReasonNoBody}
-	ep := p.decode.Pick()
-	if ep == nil {
-		return nil, noDecodeEndpoint()
+	d, err := p.pickDecode(&scheduling.Request{N: 1, Prompts: 1, Subset: scheduling.ParseSubset(r.Subset)})
+	if err != nil {
+		return nil, err
 	}
-	r.Report.Decode = ep.Addr
+	d.Mode = ModeDecodeOnly
+	r.Report.Decode = d.Endpoint
 	p.metrics.Decision(r.Report.Reason)
-	return &Decision{Endpoint: ep.Addr, Mode: ModeDecodeOnly, release: ep.Acquire()}, nil
+	return d, nil
 }
 
 // Route runs the flow for a request with a body. Errors are *Error.
@@ -182,13 +236,14 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if model, ok := obj.String("model"); !ok || model == "" {
 		return nil, badRequest("the request has no \"model\" string")
 	}
-	decode := p.decode.Pick()
-	if decode == nil {
-		return nil, noDecodeEndpoint()
+	sreq := scheduling.NewRequest(obj)
+	sreq.Subset = scheduling.ParseSubset(r.Subset)
+	d, err := p.pickDecode(sreq)
+	if err != nil {
+		return nil, err
 	}
-	r.Report.Decode = decode.Addr
-	d := &Decision{Endpoint: decode.Addr, release: decode.Acquire()}
-	d.Body, err = p.legs(ctx, r, obj)
+	r.Report.Decode = d.Endpoint
+	d.Body, err = p.legs(ctx, r, obj, sreq)
 	if err != nil {
 		d.Release()
 		return nil, err
@@ -200,38 +255,33 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 
 // legs decides P/D or decode-only, runs or launches the prefill leg, and returns
 // the decode leg's body. It records the decision in r.Report.
-func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object) ([]byte, error) {
+func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq *scheduling.Request) ([]byte, error) {
 	rep := &r.Report
-	if n, ok := obj.Int("n"); ok && n > 1 {
-		rep.Mode, rep.Reason = ModeDecodeOnly, metrics.ReasonNGT1 // vLLM cannot hand off n>1 sequences
+	decision := p.pools.Decide(sreq)
+	rep.Reason = decision.Reason
+	if !decision.PD {
+		rep.Mode = ModeDecodeOnly
 		return kv.Scrubbed(obj), nil
 	}
-	prefill := p.prefill.Pick()
-	if prefill == nil {
-		rep.Mode, rep.Reason = ModeDecodeOnly, metrics.ReasonNoPrefillEndpoint
-		return kv.Scrubbed(obj), nil
-	}
-	rep.Mode, rep.Reason, rep.Prefill = ModePD, metrics.ReasonPD, prefill.Addr
+	rep.Mode = ModePD
 	h := &kv.Handoff{
 		Body:          obj,
-		PrefillHost:   bootstrapHost(prefill.Addr),
 		BootstrapPort: p.opts.BootstrapPort,
 		Room:          rand.Uint64() >> 1, // 0..2^63-1, as SGLang's routers draw it
 	}
 	if p.connector.Dispatch() == kv.Concurrent {
+		prefill, err := p.pools.Prefill.Select(sreq)
+		if err != nil {
+			return p.withoutPrefill(r, obj, err)
+		}
+		rep.Prefill = prefill.Addr
+		h.PrefillHost = bootstrapHost(prefill.Addr)
 		p.launch(ctx, prefill, r, kv.PrefillBody(p.connector, h))
 		return kv.DecodeBody(p.connector, h), nil
 	}
-	params, err := p.runPrefill(ctx, prefill, r, kv.PrefillBody(p.connector, h))
+	params, err := p.runPrefill(ctx, sreq, r, h)
 	if err != nil {
-		rep.Reason = metrics.ReasonPrefillFailed
-		var e *Error
-		if errors.As(err, &e) || p.opts.OnFailure == config.OnFailureFail || ctx.Err() != nil {
-			return nil, failure(err)
-		}
-		rep.Mode = ModeDecodeOnly
-		p.log.Info("prefill failed; decode will recompute the prompt", "requestID", r.RequestID, "error", err.Error())
-		return kv.Scrubbed(obj), nil
+		return p.withoutPrefill(r, obj, err)
 	}
 	if params == nil && p.connector.Name() == kv.NIXL {
 		p.metrics.KVParamsMissing()
@@ -242,31 +292,54 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object) ([]by
 	return kv.DecodeBody(p.connector, h), nil
 }
 
-// runPrefill sends the prefill leg, retrying once on another endpoint after a
-// failure another endpoint might not have. An engine 4xx comes back as *Error.
-func (p *Pipeline) runPrefill(ctx context.Context, first *scheduling.Endpoint, r *Request, leg []byte) ([]byte, error) {
+// withoutPrefill applies prefill.on_failure once the prefill leg could not be
+// had: the decode engine recomputes the prompt, or the client gets the error.
+// An engine's own 4xx (about the request) and a client that left always end here.
+func (p *Pipeline) withoutPrefill(r *Request, obj *body.Object, err error) ([]byte, error) {
+	r.Report.Reason = metrics.ReasonPrefillFailed
+	var e *Error
+	if errors.As(err, &e) || p.opts.OnFailure == config.OnFailureFail || errors.Is(err, context.Canceled) {
+		return nil, failure(err)
+	}
+	r.Report.Mode = ModeDecodeOnly
+	p.log.Info("prefill failed; decode will recompute the prompt", "requestID", r.RequestID, "error", err.Error())
+	return kv.Scrubbed(obj), nil
+}
+
+// runPrefill sends the sequential prefill leg to one endpoint after another
+// until one answers, within prefill.attempts and prefill.timeout. An engine 4xx
+// ends it at once, as *Error: another endpoint would refuse the same request.
+func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *Request, h *kv.Handoff) ([]byte, error) {
 	start := time.Now()
 	defer func() { r.Report.PrefillTime = time.Since(start) }()
-	ep, tried := first, []string{}
+	ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
+	defer cancel()
+	attempts := p.pools.Prefill.Attempts(sreq, p.opts.Attempts)
+	var last error
 	for {
+		ep, err := attempts.Next()
+		if err != nil {
+			return nil, errors.Join(last, err)
+		}
 		r.Report.Prefill = ep.Addr
+		h.PrefillHost = bootstrapHost(ep.Addr)
 		release := ep.Acquire()
-		params, err := p.attempt(ctx, ep.Addr, r, leg)
+		params, err := p.attempt(ctx, ep.Addr, r, kv.PrefillBody(p.connector, h))
 		release()
-		if err == nil {
+		var se *statusError
+		switch {
+		case err == nil:
+			ep.ReportSuccess()
 			return params, nil
-		}
-		if se, ok := err.(*statusError); ok && !retryable(err) {
+		case errors.As(err, &se) && !retryable(err):
+			ep.ReportSuccess() // the engine is fine; the request is not
 			return nil, engineError(se.status, se.body, se.contentType)
+		case ctx.Err() != nil:
+			return nil, err // the client left or the phase timed out: not the endpoint's fault
 		}
-		tried = append(tried, ep.Addr)
-		if ctx.Err() != nil || len(tried) > 1 {
-			return nil, err
-		}
-		if ep = p.prefill.Pick(tried...); ep == nil {
-			return nil, err
-		}
-		p.log.V(1).Info("retrying prefill on another endpoint", "requestID", r.RequestID, "failed", tried[0], "error", err.Error())
+		ep.ReportFailure()
+		last = err
+		p.log.V(1).Info("prefill attempt failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", err.Error())
 	}
 }
 
@@ -278,9 +351,16 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 	ctx = context.WithoutCancel(ctx)
 	p.background.Go(func() {
 		defer release()
+		ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
+		defer cancel()
 		if _, err := p.attempt(ctx, ep.Addr, r, leg); err != nil {
+			if retryable(err) {
+				ep.ReportFailure()
+			}
 			p.log.Info("concurrent prefill leg failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", err.Error())
+			return
 		}
+		ep.ReportSuccess()
 	})
 }
 

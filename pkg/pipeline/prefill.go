@@ -99,7 +99,7 @@ func failureReason(ctx context.Context, err error) string {
 		return metrics.FailureStatus5xx
 	case errors.As(err, &se):
 		return metrics.FailureStatus4xx
-	case ctx.Err() != nil:
+	case errors.Is(ctx.Err(), context.Canceled):
 		return metrics.FailureCancelled
 	case errors.As(err, &op) && op.Op == "dial":
 		return metrics.FailureConnect
@@ -112,7 +112,7 @@ func failureReason(ctx context.Context, err error) string {
 // postPrefill sends one prefill leg and returns the raw kv_transfer_params of the
 // answer, or nil when the engine returned none (absent, null or empty).
 func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request, leg []byte) ([]byte, error) {
-	ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
+	ctx, cancel := context.WithTimeout(ctx, p.opts.AttemptTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+endpoint+r.Path, bytes.NewReader(leg))
 	if err != nil {

@@ -12,7 +12,6 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
-	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
 const extProcService = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -85,31 +84,6 @@ func TestReadinessFollowsTheDecodePool(t *testing.T) {
 			key := series("pd_extproc_endpoint_healthy", "endpoint", decodeEP, "pool", "decode")
 			if got := r.scrape(t)[key]; got != tt.wantGauge {
 				t.Errorf("%s = %v, want %v", key, got, tt.wantGauge)
-			}
-		})
-	}
-}
-
-// reporter is an endpoint that tracks its own health.
-type reporter struct{ up bool }
-
-func (r reporter) Healthy() bool { return r.up }
-
-func TestEndpointHealthComesFromHealthyWhenImplemented(t *testing.T) {
-	tests := []struct {
-		name     string
-		endpoint any
-		want     bool
-	}{
-		{"reports healthy", reporter{up: true}, true},
-		{"reports unhealthy", reporter{up: false}, false},
-		{"no health reporting counts as healthy", struct{ Addr string }{decodeEP}, true},
-		{"a fresh scheduling.Endpoint is healthy", &scheduling.Endpoint{Addr: decodeEP}, true},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			if got := healthy(tt.endpoint); got != tt.want {
-				t.Errorf("healthy() = %v, want %v", got, tt.want)
 			}
 		})
 	}

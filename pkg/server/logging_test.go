@@ -61,7 +61,7 @@ func TestOneRequestLinePerRequestWithIDAndNoSecrets(t *testing.T) {
 	}{
 		{
 			name: "P/D routed", prefill: prefillOK, body: chat,
-			want:      map[string]any{"mode": "pd", "reason": "pd", "outcome": "routed", "api": "chat", "decode": decodeEP, "bodyBytes": float64(len(chat))},
+			want:      map[string]any{"mode": "pd", "reason": "long_prompt", "outcome": "routed", "api": "chat", "decode": decodeEP, "bodyBytes": float64(len(chat))},
 			wantLines: []string{"request headers"},
 		},
 		{

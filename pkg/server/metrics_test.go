@@ -48,7 +48,7 @@ func TestMetricsMoveWithEachKindOfRequest(t *testing.T) {
 			name: "P/D request", prefill: slowOK, msgs: post(chatPath, chat), prefillAtLeast: prefillLatency,
 			want: map[string]float64{
 				requests("chat", "pd", "routed"):                                                                                       1,
-				series("pd_extproc_pd_decisions_total", "reason", "pd"):                                                                1,
+				series("pd_extproc_pd_decisions_total", "reason", "long_prompt"):                                                       1,
 				series("pd_extproc_prefill_duration_seconds_count", "outcome", "ok"):                                                   1,
 				series("pd_extproc_prefill_failures_total", "reason", "status_5xx"):                                                    0,
 				series("pd_extproc_request_processing_seconds_count", "mode", "pd"):                                                    1,
@@ -67,7 +67,7 @@ func TestMetricsMoveWithEachKindOfRequest(t *testing.T) {
 			want: map[string]float64{
 				requests("completions", "decode_only", "routed"):                             1,
 				series("pd_extproc_pd_decisions_total", "reason", "n_gt_1"):                  1,
-				series("pd_extproc_pd_decisions_total", "reason", "pd"):                      0,
+				series("pd_extproc_pd_decisions_total", "reason", "long_prompt"):             0,
 				series("pd_extproc_prefill_duration_seconds_count", "outcome", "ok"):         0,
 				series("pd_extproc_request_processing_seconds_count", "mode", "decode_only"): 1,
 			},
@@ -97,7 +97,7 @@ func TestMetricsMoveWithEachKindOfRequest(t *testing.T) {
 			name: "rejected request (invalid JSON)", prefill: prefillOK, msgs: post(chatPath, `{"model":`),
 			want: map[string]float64{
 				requests("chat", "none", "4xx"):                                      1,
-				series("pd_extproc_pd_decisions_total", "reason", "pd"):              0,
+				series("pd_extproc_pd_decisions_total", "reason", "long_prompt"):     0,
 				series("pd_extproc_prefill_duration_seconds_count", "outcome", "ok"): 0,
 				"pd_extproc_request_body_bytes_count":                                1,
 			},

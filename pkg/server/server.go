@@ -51,6 +51,9 @@ type Options struct {
 	// Endpoints, when set, replaces the pipeline's pools as the source of
 	// endpoint state for readiness and the endpoint metrics.
 	Endpoints func() []metrics.EndpointState
+	// ConfigPath, when set, is watched: a valid new file updates the pools,
+	// policies and P/D thresholds in place; an invalid one is logged and ignored.
+	ConfigPath string
 }
 
 // Server is a configured pd-extproc, ready to Serve.
@@ -122,6 +125,10 @@ func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) erro
 	pollCtx, stopPolling := context.WithCancel(context.Background())
 	var polling sync.WaitGroup
 	polling.Go(func() { s.ready.run(pollCtx, s.opts.HealthInterval) })
+	polling.Go(func() { s.pipeline.Run(pollCtx) })
+	if s.opts.ConfigPath != "" {
+		polling.Go(s.watchConfig(pollCtx))
+	}
 
 	errc := make(chan error, 2)
 	go func() { errc <- s.grpc.Serve(grpcLis) }()
@@ -140,6 +147,22 @@ func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) erro
 		<-errc // http.ErrServerClosed, or nil from grpc
 	}
 	return err
+}
+
+// watchConfig returns the loop that reloads the config file when it changes.
+func (s *Server) watchConfig(ctx context.Context) func() {
+	return func() {
+		err := config.Watch(ctx, s.opts.ConfigPath, func(c *config.Config) {
+			s.pipeline.Reload(c)
+			s.log.Info("config reloaded", "path", s.opts.ConfigPath,
+				"prefill", c.Pools.Prefill.Endpoints, "decode", c.Pools.Decode.Endpoints)
+		}, func(err error) {
+			s.log.Error(err, "config change rejected; the previous config stays", "path", s.opts.ConfigPath)
+		})
+		if err != nil {
+			s.log.Error(err, "cannot watch the config file; changes need a restart", "path", s.opts.ConfigPath)
+		}
+	}
 }
 
 func (s *Server) shutdown() {

@@ -95,7 +95,7 @@ func TestRequestSpanJoinsTheCallerAndPropagatesToPrefill(t *testing.T) {
 				t.Errorf("prefill engine got traceparent %q, want trace %s with the prefill span %s as parent",
 					got[0].Get("Traceparent"), traceID, leg.SpanContext.SpanID())
 			}
-			for key, want := range map[attribute.Key]string{"pd.mode": "pd", "pd.reason": "pd", "pd.outcome": "routed",
+			for key, want := range map[attribute.Key]string{"pd.mode": "pd", "pd.reason": "long_prompt", "pd.outcome": "routed",
 				"pd.decode_endpoint": decodeEP, "pd.prefill_endpoint": prefill.addr()} {
 				if v := attr(request.Attributes, key); v != want {
 					t.Errorf("request span %s = %q, want %q", key, v, want)

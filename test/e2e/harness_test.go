@@ -86,8 +86,9 @@ func startExtproc(t *testing.T, configYAML string, args ...string) *extproc {
 	if err := x.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	ready := make(chan struct{})
+	ready, exited := make(chan struct{}), make(chan struct{})
 	go func() {
+		defer close(exited)
 		sc := bufio.NewScanner(stderr)
 		sc.Buffer(make([]byte, 1<<20), 1<<20)
 		for sc.Scan() {
@@ -112,6 +113,8 @@ func startExtproc(t *testing.T, configYAML string, args ...string) *extproc {
 	})
 	select {
 	case <-ready:
+	case <-exited:
+		t.Fatalf("extproc exited at start:\n%s", x.Logs())
 	case <-time.After(30 * time.Second):
 		t.Fatalf("extproc did not start:\n%s", x.Logs())
 	}

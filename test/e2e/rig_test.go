@@ -36,7 +36,8 @@ var protocols = map[string]string{
 
 type rigOptions struct {
 	decodeAddrs []string // overrides the decode pool (e.g. a dead endpoint)
-	extra       string   // more extproc config
+	prefillPool string   // more keys of pools.prefill, e.g. "policy: round-robin"
+	extra       string   // more top-level extproc config
 }
 
 func startRig(t *testing.T, mode, connector string, opts rigOptions) *rig {
@@ -70,9 +71,9 @@ func startRig(t *testing.T, mode, connector string, opts rigOptions) *rig {
 	}
 	r.extproc = startExtproc(t, fmt.Sprintf(`connector: %s
 pools:
-  prefill: {endpoints: [%s], bootstrap_port: %d}
+  prefill: {endpoints: [%s], bootstrap_port: %d, %s}
   decode: {endpoints: [%s]}
-%s`, connector, quoteAll(prefillAddrs), bootstrapPort, quoteAll(decodeAddrs), opts.extra))
+%s`, connector, quoteAll(prefillAddrs), bootstrapPort, opts.prefillPool, quoteAll(decodeAddrs), opts.extra))
 
 	cfg, err := envoy.LoadConfig(filepath.Join(repoRoot(), envoyYAML[mode]))
 	if err != nil {

@@ -1,0 +1,97 @@
+package e2e
+
+import (
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+)
+
+// legsOn counts, per simulator, the requests whose body contains marker.
+func legsOn(sims []*pdsim.Server, marker string) []int {
+	counts := make([]int, len(sims))
+	for i, s := range sims {
+		for _, r := range s.Requests() {
+			if strings.Contains(string(r.Body), marker) {
+				counts[i]++
+			}
+		}
+	}
+	return counts
+}
+
+func TestFailingPrefillEndpointIsEjected(t *testing.T) {
+	r := startRig(t, "full_duplex", "kv-nixl", rigOptions{
+		prefillPool: "policy: round-robin, health: {consecutive_failures: 2, base_ejection: 1m}",
+		extra:       "prefill: {on_failure: fail}",
+	})
+	r.prefill[0].SetFaults(pdsim.Faults{FailStatus: http.StatusInternalServerError})
+	const requests = 20
+	for i := range requests {
+		path, body := request("chat", false, fmt.Sprintf("ejection %d", i))
+		if resp, got := r.post(t, path, body); resp.StatusCode != http.StatusOK {
+			t.Fatalf("request %d: status %d: %s", i, resp.StatusCode, got)
+		}
+	}
+	failing, healthy := len(r.prefill[0].Requests()), legsOn(r.prefill[1:], "ejection")[0]
+	// Each failure is retried on the healthy endpoint, so no request fails; after
+	// consecutive_failures the failing endpoint gets no more legs.
+	if failing > 2 || healthy != requests {
+		t.Errorf("prefill legs: failing endpoint %d, healthy endpoint %d; want at most 2 and %d", failing, healthy, requests)
+	}
+}
+
+func TestSharedPrefixesStickToOnePrefillEndpoint(t *testing.T) {
+	r := startRig(t, "full_duplex", "kv-nixl", rigOptions{prefillPool: "policy: prefix-affinity, prefix: {block_chars: 64}"})
+	system := strings.Repeat("You are a careful assistant who answers in French. ", 8)
+	const turns = 20
+	for i := range turns {
+		path, body := request("chat", false, fmt.Sprintf("%s shared turn %d", system, i))
+		if resp, got := r.post(t, path, body); resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d: %s", resp.StatusCode, got)
+		}
+	}
+	counts := legsOn(r.prefill, "shared turn")
+	if top := max(counts[0], counts[1]); top*10 < turns*9 {
+		t.Errorf("shared-prefix prefill legs per endpoint %v: want >= 90%% on one", counts)
+	}
+
+	for i := range turns {
+		path, body := request("chat", false, fmt.Sprintf("distinct prompt %d: %s", i, strings.Repeat(fmt.Sprint(i), 300)))
+		if resp, got := r.post(t, path, body); resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d: %s", resp.StatusCode, got)
+		}
+	}
+	if spread := legsOn(r.prefill, "distinct prompt"); spread[0] == 0 || spread[1] == 0 {
+		t.Errorf("distinct prompts per prefill endpoint %v: want both used", spread)
+	}
+}
+
+func TestShortPromptSkipsThePrefillLeg(t *testing.T) {
+	r := startRig(t, "full_duplex", "kv-nixl", rigOptions{extra: "pd: {min_prompt_tokens: 100}"})
+	tests := []struct {
+		name        string
+		prompt      string
+		wantPrefill int
+	}{
+		{"short prompt goes decode-only", "short one", 0},
+		{"long prompt is disaggregated", "long one " + strings.Repeat("word ", 200), 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path, body := request("chat", false, tt.prompt)
+			if resp, got := r.post(t, path, body); resp.StatusCode != http.StatusOK {
+				t.Fatalf("status %d: %s", resp.StatusCode, got)
+			}
+			marker := tt.prompt[:8]
+			if got := legsOn(r.prefill, marker); got[0]+got[1] != tt.wantPrefill {
+				t.Errorf("prefill legs %v, want %d in all", got, tt.wantPrefill)
+			}
+			if got := legsOn(r.decode, marker); got[0]+got[1] != 1 {
+				t.Errorf("decode legs %v, want 1", got)
+			}
+		})
+	}
+}
