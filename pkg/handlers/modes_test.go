@@ -6,8 +6,10 @@ import (
 	"strings"
 	"testing"
 
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 )
@@ -247,5 +249,45 @@ func TestResponsePathIsEchoedUnchanged(t *testing.T) {
 		if string(sr.GetBody()) != want || sr.GetEndOfStream() != (i == 1) {
 			t.Errorf("response chunk %d echoed as %q eos=%v", i, sr.GetBody(), sr.GetEndOfStream())
 		}
+	}
+}
+
+func TestSubsetHintRestrictsTheDecodeEndpoint(t *testing.T) {
+	tests := []struct {
+		name       string
+		hint       *structpb.Value // nil: no hint
+		wantDest   string
+		wantStatus int // 503 when the hint allows nothing
+	}{
+		{"no hint", nil, "", 0},
+		{"list naming one endpoint", structpb.NewListValue(&structpb.ListValue{Values: []*structpb.Value{structpb.NewStringValue("10.1.1.2:8000")}}), "10.1.1.2:8000", 0},
+		{"comma-separated string", structpb.NewStringValue("10.9.9.9:1, 10.1.1.1:8000"), "10.1.1.1:8000", 0},
+		{"empty list", structpb.NewListValue(&structpb.ListValue{}), "", 503},
+		{"only unknown endpoints", structpb.NewStringValue("10.9.9.9:1"), "", 503},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := startServer(t, testConfig(t, `pools: {decode: {endpoints: ["10.1.1.1:8000", "10.1.1.2:8000"]}}`), handlers.Options{})
+			msg := requestHeaders(fullDuplex, true, hdr{":method", "GET"}, hdr{":path", "/v1/models"})
+			if tt.hint != nil {
+				msg.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
+					"envoy.lb.subset_hint": {Fields: map[string]*structpb.Value{"x-gateway-destination-endpoint-subset": tt.hint}},
+				}}
+			}
+			replies := exchange(t, c, msg)
+			if tt.wantStatus != 0 {
+				if status, _ := immediateOf(t, replies); status != tt.wantStatus {
+					t.Errorf("status = %d, want %d", status, tt.wantStatus)
+				}
+				return
+			}
+			got, _ := headerValue(replies[0].GetRequestHeaders().GetResponse().GetHeaderMutation(), "x-gateway-destination-endpoint")
+			if tt.wantDest != "" && got != tt.wantDest {
+				t.Errorf("destination = %q, want %q", got, tt.wantDest)
+			}
+			if got == "" {
+				t.Error("no destination")
+			}
+		})
 	}
 }

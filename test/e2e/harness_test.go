@@ -57,6 +57,7 @@ func repoRoot() string {
 // extproc is a running extproc process.
 type extproc struct {
 	GRPCAddr, AdminAddr string
+	ConfigPath          string // the --config file, watched by extproc
 	cmd                 *exec.Cmd
 	mu                  sync.Mutex
 	log                 strings.Builder
@@ -69,6 +70,18 @@ func (x *extproc) Logs() string {
 	return x.log.String()
 }
 
+// waitLog waits, bounded, until extproc has logged a line containing s.
+func (x *extproc) waitLog(t *testing.T, s string) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !strings.Contains(x.Logs(), s) {
+		if time.Now().After(deadline) {
+			t.Fatalf("extproc never logged %q:\n%s", s, x.Logs())
+		}
+		time.Sleep(10 * time.Millisecond) // polling a log we do not control: bounded above
+	}
+}
+
 // startExtproc runs the binary with configYAML on loopback ports it picks itself,
 // and learns them from its "serving" log line.
 func startExtproc(t *testing.T, configYAML string, args ...string) *extproc {
@@ -77,7 +90,7 @@ func startExtproc(t *testing.T, configYAML string, args ...string) *extproc {
 	if err := os.WriteFile(cfg, []byte(configYAML), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	x := &extproc{cmd: exec.Command(extprocBin, append([]string{"--config", cfg,
+	x := &extproc{ConfigPath: cfg, cmd: exec.Command(extprocBin, append([]string{"--config", cfg,
 		"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "-v", "1"}, args...)...)}
 	stderr, err := x.cmd.StderrPipe()
 	if err != nil {

@@ -3,6 +3,7 @@ package e2e
 import (
 	"fmt"
 	"net/http"
+	"os"
 	"strings"
 	"testing"
 
@@ -93,5 +94,35 @@ func TestShortPromptSkipsThePrefillLeg(t *testing.T) {
 				t.Errorf("decode legs %v, want 1", got)
 			}
 		})
+	}
+}
+
+func TestConfigReloadMovesTrafficWithoutRestart(t *testing.T) {
+	r := startRig(t, "full_duplex", "kv-nixl", rigOptions{})
+	only := func(addr string) string {
+		return fmt.Sprintf(`connector: kv-nixl
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}
+`, r.prefill[0].Addr(), addr)
+	}
+	for i, tt := range []struct{ config, wantDecode string }{
+		{only(r.decode[1].Addr()), r.decode[1].Addr()},
+		{"connector: kv-nixl\npools: {decode: {endpoints: [\"not-an-ip:1\"]}}\n", r.decode[1].Addr()}, // rejected: the previous config stays
+		{only(r.decode[0].Addr()), r.decode[0].Addr()},
+	} {
+		if err := os.WriteFile(r.extproc.ConfigPath, []byte(tt.config), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if i == 1 {
+			r.extproc.waitLog(t, "config change rejected")
+		} else {
+			r.extproc.waitLog(t, fmt.Sprintf(`"decode":["%s"]`, tt.wantDecode))
+		}
+		path, body := request("chat", false, fmt.Sprintf("reload %d", i))
+		if resp, got := r.post(t, path, body); resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d: %s", resp.StatusCode, got)
+		}
+		if up := r.proxy.Upstreams(); up[len(up)-1] != tt.wantDecode {
+			t.Errorf("step %d: routed to %s, want %s", i, up[len(up)-1], tt.wantDecode)
+		}
 	}
 }
