@@ -54,9 +54,14 @@ type Prefill struct {
 	PrefillAttempts
 }
 
-// Limits bounds what one request may use.
+// Limits bounds what one request, and all of them together, may use.
 type Limits struct {
 	MaxBodyBytes int64 `json:"max_body_bytes"`
+	// MaxConcurrentStreams bounds the requests in progress at once; past it a
+	// request is refused at once with 429 and Retry-After, never queued.
+	MaxConcurrentStreams int `json:"max_concurrent_streams"`
+	// RetryAfter is the Retry-After a refused request is given.
+	RetryAfter Duration `json:"retry_after"`
 }
 
 // Envoy tunes how we talk to Envoy.
@@ -69,6 +74,9 @@ type Envoy struct {
 const (
 	DefaultBootstrapPort = 8998
 	DefaultMaxBodyBytes  = 32 << 20
+	// DefaultMaxConcurrentStreams keeps a replica's memory bounded: each stream
+	// may hold a body up to limits.max_body_bytes (and its rewritten copy).
+	DefaultMaxConcurrentStreams = 1024
 	DefaultPrefillTimout = 30 * time.Second
 )
 
@@ -111,6 +119,12 @@ func (c *Config) setDefaults() {
 	if c.Limits.MaxBodyBytes == 0 {
 		c.Limits.MaxBodyBytes = DefaultMaxBodyBytes
 	}
+	if c.Limits.MaxConcurrentStreams == 0 {
+		c.Limits.MaxConcurrentStreams = DefaultMaxConcurrentStreams
+	}
+	if c.Limits.RetryAfter == 0 {
+		c.Limits.RetryAfter = Duration(time.Second)
+	}
 	if c.Envoy.OverrideAfter == 0 {
 		c.Envoy.OverrideAfter = Duration(150 * time.Millisecond)
 	}
@@ -148,6 +162,12 @@ func (c *Config) validate() error {
 	}
 	if c.Limits.MaxBodyBytes < 0 {
 		errs = append(errs, errors.New("limits.max_body_bytes: must be positive"))
+	}
+	if c.Limits.MaxConcurrentStreams < 0 {
+		errs = append(errs, errors.New("limits.max_concurrent_streams: must be positive"))
+	}
+	if c.Limits.RetryAfter < Duration(time.Second) {
+		errs = append(errs, errors.New("limits.retry_after: must be at least 1s (Retry-After is in whole seconds)"))
 	}
 	if c.Envoy.OverrideAfter < 0 || c.Envoy.OverrideMessageTimeout < 0 {
 		errs = append(errs, errors.New("envoy.override_after, envoy.override_message_timeout: must be positive"))

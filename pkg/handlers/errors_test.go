@@ -242,3 +242,37 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, tt
 		})
 	}
 }
+
+func TestOverMaxStreamsIsShedWith429(t *testing.T) {
+	c := startServer(t, testConfig(t, `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`),
+		handlers.Options{MaxStreams: 1, RetryAfter: 2 * time.Second})
+	ctx, cancel := context.WithCancel(context.Background())
+	held, err := c.Process(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	held.Send(postHeaders(buffered, chatPath, clientChat))
+	if r, err := held.Recv(); err != nil || r.GetRequestHeaders() == nil {
+		t.Fatalf("held stream: %v, %v", r, err)
+	}
+
+	replies := exchange(t, c, postHeaders(fullDuplex, chatPath, clientChat), requestBody(clientChat, true))
+	status, body := immediateOf(t, replies)
+	retry, _ := headerValue(replies[0].GetImmediateResponse().GetHeaders(), "retry-after")
+	if status != 429 || retry != "2" || body["error"] == nil {
+		t.Errorf("over the limit: status %d, retry-after %q, body %v; want 429, 2 and an error", status, retry, body)
+	}
+
+	cancel() // the held request ends: the next one is served
+	held.Recv()
+	// The server may take a moment to see the held stream's end: retry, bounded.
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); {
+		replies = exchange(t, c, requestHeaders(fullDuplex, true, hdr{":method", "GET"}, hdr{":path", "/v1/models"}))
+		if replies[0].GetImmediateResponse() == nil {
+			break
+		}
+	}
+	if replies[0].GetRequestHeaders() == nil {
+		t.Errorf("after the held stream ended: %v", replies[0])
+	}
+}

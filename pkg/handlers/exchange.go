@@ -39,6 +39,7 @@ type exchange struct {
 	req           pipeline.Request
 	contentLength int64 // -1 when the client sent none
 	body          []byte
+	overloaded    bool // over Options.MaxStreams: refuse with 429
 	requestDone   bool // the request body has been handled: later chunks are dropped (envoy#46237)
 	responseDone  bool
 	decision      *pipeline.Decision
@@ -58,6 +59,12 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err erro
 	}
 	switch m := req.Request.(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
+		if x.overloaded {
+			x.headersSeen = true
+			x.readHeaders(m.RequestHeaders.GetHeaders())
+			x.begin()
+			return x.fail(pipeline.Overloaded(x.opts.MaxStreams, x.opts.RetryAfter))
+		}
 		x.req.Subset = subsetHint(req.GetMetadataContext())
 		return x.onRequestHeaders(m.RequestHeaders)
 	case *extprocv3.ProcessingRequest_RequestBody:

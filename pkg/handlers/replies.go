@@ -2,6 +2,7 @@ package handlers
 
 import (
 	"strconv"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -125,9 +126,13 @@ func continueReply(kind string) *extprocv3.ProcessingResponse {
 // immediate turns an error into Envoy's local reply to the client.
 func immediate(e *pipeline.Error) *extprocv3.ProcessingResponse {
 	b, contentType := e.Body()
+	headers := []*corev3.HeaderValueOption{setHeader("content-type", contentType)}
+	if e.RetryAfter > 0 {
+		headers = append(headers, setHeader("retry-after", strconv.Itoa(int(e.RetryAfter.Round(time.Second)/time.Second))))
+	}
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{ImmediateResponse: &extprocv3.ImmediateResponse{
 		Status:  &typev3.HttpStatus{Code: typev3.StatusCode(e.Status)},
-		Headers: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{setHeader("content-type", contentType)}},
+		Headers: &extprocv3.HeaderMutation{SetHeaders: headers},
 		Body:    b,
 		Details: "pd_extproc_" + strconv.Itoa(e.Status),
 	}}}

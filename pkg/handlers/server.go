@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"sync/atomic"
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -49,11 +50,16 @@ type Options struct {
 	// LogPrompts adds the request body to the per-request log line. Off by
 	// default: prompts are user data.
 	LogPrompts bool
+	// MaxStreams bounds the streams (requests) in progress; past it a request
+	// gets 429 with Retry-After (RetryAfter). 0 means no bound.
+	MaxStreams int
+	RetryAfter time.Duration
 }
 
 // Server implements envoy.service.ext_proc.v3.ExternalProcessor.
 type Server struct {
 	extprocv3.UnimplementedExternalProcessorServer
+	streams     atomic.Int64 // Process calls in progress
 	router      Router
 	opts        Options
 	log         logr.Logger
@@ -82,6 +88,10 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 	s.opts.Metrics.StreamOpened()
 	defer s.opts.Metrics.StreamClosed()
 	x := &exchange{Server: s, stream: stream, ctx: stream.Context(), log: s.log}
+	if n := s.streams.Add(1); s.opts.MaxStreams > 0 && n > int64(s.opts.MaxStreams) {
+		x.overloaded = true // refused at its first message, without holding a body
+	}
+	defer s.streams.Add(-1)
 	// A closure: x.decision is set later, and a deferred method value would bind
 	// the nil it holds now, leaving the decode endpoint counted busy for good.
 	defer func() { x.decision.Release() }()

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"time"
 )
 
 // Error is a request failure the client must see, with its HTTP status. Every
@@ -16,6 +17,8 @@ type Error struct {
 	// Raw, when set, is an engine's own error body, returned as is.
 	Raw         []byte
 	ContentType string
+	// RetryAfter, when set, tells the client when to try again (429).
+	RetryAfter time.Duration
 }
 
 func (e *Error) Error() string { return fmt.Sprintf("%d %s: %s", e.Status, e.Type, e.Message) }
@@ -35,6 +38,13 @@ func (e *Error) Body() (body []byte, contentType string) {
 		Error detail `json:"error"`
 	}{detail{e.Message, e.Type, e.Status}})
 	return b, "application/json"
+}
+
+// Overloaded refuses a request over limits.max_concurrent_streams: shed at once
+// rather than queued, as the endpoint-picker protocol's 429.
+func Overloaded(limit int, retryAfter time.Duration) *Error {
+	return &Error{Status: http.StatusTooManyRequests, Type: "rate_limit_exceeded", RetryAfter: retryAfter,
+		Message: fmt.Sprintf("too many requests in progress (limits.max_concurrent_streams is %d); retry later", limit)}
 }
 
 func badRequest(format string, args ...any) *Error {

@@ -106,6 +106,8 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 		TracerProvider:  tp,
 		Propagator:      prop,
 		LogPrompts:      opts.LogPrompts,
+		MaxStreams:      cfg.Limits.MaxConcurrentStreams,
+		RetryAfter:      cfg.Limits.RetryAfter.D(),
 	}, log.WithName("extproc")))
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(s.grpc, hs)
