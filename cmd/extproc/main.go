@@ -30,6 +30,7 @@ type flags struct {
 	verbosity                              int
 	grace                                  time.Duration
 	pprof, logPrompts                      bool
+	tls                                    server.TLSFiles
 }
 
 func main() {
@@ -42,6 +43,9 @@ func main() {
 	flag.DurationVar(&f.grace, "shutdown-grace", 30*time.Second, "on SIGTERM, how long in-flight streams may finish")
 	flag.BoolVar(&f.pprof, "pprof", false, "serve the Go profiler under /debug/pprof/ on the admin address")
 	flag.BoolVar(&f.logPrompts, "log-prompts", false, "add request bodies (prompts: user data) to the per-request log lines")
+	flag.StringVar(&f.tls.Cert, "tls-cert-file", "", "serve ext_proc over TLS with this certificate (PEM); reloaded when it changes")
+	flag.StringVar(&f.tls.Key, "tls-key-file", "", "the certificate's private key (PEM)")
+	flag.StringVar(&f.tls.ClientCA, "tls-client-ca-file", "", "require client certificates signed by these CAs (mTLS)")
 	flag.Parse()
 
 	log, err := newLogger(f.logFormat, f.verbosity)
@@ -56,6 +60,9 @@ func main() {
 }
 
 func run(f flags, log logr.Logger) error {
+	if err := f.tls.Validate(); err != nil {
+		return err
+	}
 	cfg, err := loadConfig(f.config)
 	if err != nil {
 		return err
@@ -72,13 +79,14 @@ func run(f flags, log logr.Logger) error {
 		return err
 	}
 	defer adminLis.Close()
-	s, err := server.New(cfg, server.Options{Grace: f.grace, Pprof: f.pprof, LogPrompts: f.logPrompts, ConfigPath: f.config}, log)
+	s, err := server.New(cfg, server.Options{Grace: f.grace, Pprof: f.pprof, LogPrompts: f.logPrompts, ConfigPath: f.config, TLS: f.tls}, log)
 	if err != nil {
 		return err
 	}
 	log.Info("extproc serving", "grpc", grpcLis.Addr().String(), "admin", adminLis.Addr().String(),
 		"connector", cfg.Connector, "prefill", cfg.Pools.Prefill.Endpoints, "decode", cfg.Pools.Decode.Endpoints,
-		"tracing", server.TracingEnabled(cfg.Tracing), "pprof", f.pprof, "logPrompts", f.logPrompts)
+		"tracing", server.TracingEnabled(cfg.Tracing), "pprof", f.pprof, "logPrompts", f.logPrompts,
+		"tls", f.tls.Cert != "", "mtls", f.tls.ClientCA != "")
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()

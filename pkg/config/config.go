@@ -49,9 +49,21 @@ const (
 // Prefill configures the prefill leg. Timeout bounds the whole prefill phase of
 // a request, retries included; each attempt has its own AttemptTimeout.
 type Prefill struct {
-	Timeout   Duration `json:"timeout"`
-	OnFailure string   `json:"on_failure"`
+	Timeout   Duration  `json:"timeout"`
+	OnFailure string    `json:"on_failure"`
+	TLS       EngineTLS `json:"tls"`
 	PrefillAttempts
+}
+
+// EngineTLS makes the prefill legs HTTPS.
+type EngineTLS struct {
+	Enabled bool `json:"enabled"`
+	// CAFile is a PEM bundle of the CAs that sign the engines' certificates;
+	// the system's roots when empty.
+	CAFile string `json:"ca_file,omitempty"`
+	// ServerName overrides the name checked in the engines' certificates
+	// (they are dialled by IP).
+	ServerName string `json:"server_name,omitempty"`
 }
 
 // Limits bounds what one request, and all of them together, may use.
@@ -77,7 +89,7 @@ const (
 	// DefaultMaxConcurrentStreams keeps a replica's memory bounded: each stream
 	// may hold a body up to limits.max_body_bytes (and its rewritten copy).
 	DefaultMaxConcurrentStreams = 1024
-	DefaultPrefillTimout = 30 * time.Second
+	DefaultPrefillTimout        = 30 * time.Second
 )
 
 // Parse reads a YAML configuration, fills defaults and validates it.
@@ -156,6 +168,9 @@ func (c *Config) validate() error {
 	}
 	if c.Prefill.Timeout < 0 {
 		errs = append(errs, errors.New("prefill.timeout: must be positive"))
+	}
+	if !c.Prefill.TLS.Enabled && (c.Prefill.TLS.CAFile != "" || c.Prefill.TLS.ServerName != "") {
+		errs = append(errs, errors.New("prefill.tls: ca_file and server_name need prefill.tls.enabled: true"))
 	}
 	if c.Prefill.OnFailure != OnFailureDecodeOnly && c.Prefill.OnFailure != OnFailureFail {
 		errs = append(errs, fmt.Errorf("prefill.on_failure: %q is not %q or %q", c.Prefill.OnFailure, OnFailureDecodeOnly, OnFailureFail))

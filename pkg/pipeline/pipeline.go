@@ -42,6 +42,7 @@ type Pipeline struct {
 	pools      *scheduling.Pools
 	opts       Options
 	client     *http.Client
+	scheme     string // of prefill legs: http, or https with prefill.tls
 	log        logr.Logger
 	background sync.WaitGroup // concurrent (SGLang) prefill legs still running
 
@@ -72,6 +73,10 @@ func New(cfg *config.Config, log logr.Logger, options ...Option) (*Pipeline, err
 	if err != nil {
 		return nil, err
 	}
+	client, scheme, err := newEngineClient(cfg.Prefill.TLS)
+	if err != nil {
+		return nil, err
+	}
 	p := &Pipeline{
 		connector: c,
 		pools:     scheduling.NewPools(SchedulingSpec(cfg), scheduling.Deps{Log: log.WithName("scheduling")}),
@@ -83,7 +88,8 @@ func New(cfg *config.Config, log logr.Logger, options ...Option) (*Pipeline, err
 			BootstrapPort:  cfg.Pools.Prefill.BootstrapPort,
 			MaxBodyBytes:   cfg.Limits.MaxBodyBytes,
 		},
-		client:     newEngineClient(),
+		client:     client,
+		scheme:     scheme,
 		log:        log,
 		tracer:     noop.NewTracerProvider().Tracer(""),
 		propagator: propagation.TraceContext{},

@@ -3,11 +3,14 @@ package pipeline
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"time"
 
@@ -18,6 +21,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
+	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
@@ -42,18 +46,34 @@ func retryable(err error) bool {
 	return !ok || se.status >= 500
 }
 
-// newEngineClient returns the HTTP client for prefill legs: keep-alive pools per
-// endpoint, no environment proxy (engines are addressed directly by ip:port),
-// and no transparent compression that would hide the response size.
-func newEngineClient() *http.Client {
-	return &http.Client{Transport: &http.Transport{
+// newEngineClient returns the HTTP client for prefill legs and the URL scheme
+// it speaks: keep-alive pools per endpoint, no environment proxy (engines are
+// addressed directly by ip:port), no transparent compression that would hide
+// the response size, and HTTPS when prefill.tls says so.
+func newEngineClient(cfg config.EngineTLS) (*http.Client, string, error) {
+	t := &http.Transport{
 		Proxy:               nil,
 		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
 		MaxIdleConns:        1024,
 		MaxIdleConnsPerHost: 64,
 		IdleConnTimeout:     90 * time.Second,
 		DisableCompression:  true,
-	}}
+	}
+	if !cfg.Enabled {
+		return &http.Client{Transport: t}, "http", nil
+	}
+	t.TLSClientConfig = &tls.Config{MinVersion: tls.VersionTLS12, ServerName: cfg.ServerName}
+	if cfg.CAFile != "" {
+		pem, err := os.ReadFile(cfg.CAFile)
+		if err != nil {
+			return nil, "", fmt.Errorf("prefill.tls.ca_file: %w", err)
+		}
+		t.TLSClientConfig.RootCAs = x509.NewCertPool()
+		if !t.TLSClientConfig.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, "", fmt.Errorf("prefill.tls.ca_file: no PEM certificate in %s", cfg.CAFile)
+		}
+	}
+	return &http.Client{Transport: t}, "https", nil
 }
 
 // attempt sends one prefill leg to endpoint inside its own span, and records
@@ -114,7 +134,7 @@ func failureReason(ctx context.Context, err error) string {
 func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request, leg []byte) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, p.opts.AttemptTimeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+endpoint+r.Path, bytes.NewReader(leg))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.scheme+"://"+endpoint+r.Path, bytes.NewReader(leg))
 	if err != nil {
 		return nil, err
 	}

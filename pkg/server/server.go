@@ -51,6 +51,9 @@ type Options struct {
 	// Endpoints, when set, replaces the pipeline's pools as the source of
 	// endpoint state for readiness and the endpoint metrics.
 	Endpoints func() []metrics.EndpointState
+	// TLS, when it names a certificate, serves ext_proc over TLS (mTLS with a
+	// client CA).
+	TLS TLSFiles
 	// ConfigPath, when set, is watched: a valid new file updates the pools,
 	// policies and P/D thresholds in place; an invalid one is logged and ignored.
 	ConfigPath string
@@ -98,7 +101,16 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	}
 	s.metrics.WatchEndpoints(endpoints)
 
-	s.grpc = grpc.NewServer(grpc.MaxRecvMsgSize(int(cfg.Limits.MaxBodyBytes) + grpcHeadroom))
+	grpcOpts := []grpc.ServerOption{grpc.MaxRecvMsgSize(int(cfg.Limits.MaxBodyBytes) + grpcHeadroom)}
+	creds, err := opts.TLS.credentials(log.WithName("tls"))
+	if err != nil {
+		s.shutdownTracing(context.Background())
+		return nil, err
+	}
+	if creds != nil {
+		grpcOpts = append(grpcOpts, grpc.Creds(creds))
+	}
+	s.grpc = grpc.NewServer(grpcOpts...)
 	extprocv3.RegisterExternalProcessorServer(s.grpc, handlers.NewServer(p, handlers.Options{
 		OverrideAfter:   cfg.Envoy.OverrideAfter.D(),
 		OverrideTimeout: cfg.Envoy.OverrideMessageTimeout.D(),

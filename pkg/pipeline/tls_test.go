@@ -1,0 +1,68 @@
+package pipeline
+
+import (
+	"context"
+	"encoding/pem"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/go-logr/logr"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+func TestPrefillLegOverTLSWithACAFile(t *testing.T) {
+	engine := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		io.WriteString(w, `{"kv_transfer_params":{"remote_host":"10.0.0.9"}}`)
+	}))
+	defer engine.Close()
+	caFile := filepath.Join(t.TempDir(), "ca.crt")
+	os.WriteFile(caFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: engine.Certificate().Raw}), 0o600)
+	addr := strings.TrimPrefix(engine.URL, "https://")
+
+	tests := []struct {
+		name       string
+		tls        string
+		wantStatus int // 0: routed with the engine's params
+	}{
+		{"engine's CA trusted", fmt.Sprintf("{enabled: true, ca_file: %q}", caFile), 0},
+		{"engine's certificate not trusted", "{enabled: true}", 503},
+		{"plain HTTP to a TLS engine: its 400 is passed on", "{enabled: false}", 400},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := config.Parse([]byte(fmt.Sprintf(`connector: kv-nixl
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {on_failure: fail, attempts: 1, tls: %s}`, addr, tt.tls)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			p, err := New(cfg, logr.Discard())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.client.CloseIdleConnections()
+			d, err := p.Route(context.Background(), &Request{Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi"}`)})
+			if tt.wantStatus != 0 {
+				if e, ok := err.(*Error); !ok || e.Status != tt.wantStatus {
+					t.Fatalf("Route error = %v, want status %d", err, tt.wantStatus)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Release()
+			if !strings.Contains(string(d.Body), `"remote_host":"10.0.0.9"`) {
+				t.Errorf("decode body lacks the params of the TLS prefill: %s", d.Body)
+			}
+		})
+	}
+}
