@@ -10,7 +10,7 @@ export PATH := $(TOOLS_BIN):$(PATH)
 GRPCURL_VERSION := v1.9.4
 EGCTL_VERSION   := v1.9.1
 
-.PHONY: all build test tools run clean
+.PHONY: all build test tools run bench clean
 
 all: build
 
@@ -47,5 +47,33 @@ docker-compose:
 run: build
 	$(GO) run ./test/e2e/demo
 
+# Benchmarks, not part of test (docs/benchmarks.md): extproc P/D and decode-only
+# against an echo ext_proc server, the floor; 7-9 minutes on 2 cores. The
+# driver starts every server itself; the report also goes to $(BIN)/bench.md.
+# BENCH_FLAGS adds driver flags, e.g. BENCH_FLAGS="-sizes 2MiB -pprof-dir /tmp/prof".
+bench:
+	$(GO) build -o $(BIN)/ ./cmd/... ./bench/echo
+	$(GO) run ./bench/load -bin $(BIN) -duration 3s -out $(BIN)/bench.md $(BENCH_FLAGS)
+
 clean:
 	rm -rf $(BIN)
+
+# Each fuzz target of the repo, FUZZTIME each (plain `go test`, hence `make test`,
+# runs only their seed corpora). Targets are found in the sources, so new ones join.
+FUZZTIME ?= 60s
+.PHONY: fuzz
+fuzz:
+	@set -e; grep -rHo --include='*_test.go' '^func Fuzz[A-Za-z0-9_]*' cmd internal pkg test | sort | \
+	while IFS=: read -r file fn; do \
+		target=$${fn#func }; \
+		echo "== $$target ./$$(dirname $$file) ($(FUZZTIME))"; \
+		$(GO) test -run '^$$' -fuzz "^$$target\$$" -fuzztime $(FUZZTIME) ./$$(dirname $$file); \
+	done
+
+# Mixed traffic with injected faults through the Envoy emulator, extproc and the
+# engine simulators on loopback; prints the outcome table, latencies, goroutines
+# and RSS. Not part of `make test`.
+SOAK_DURATION ?= 60s
+.PHONY: soak
+soak:
+	$(GO) run ./test/soak -duration $(SOAK_DURATION)

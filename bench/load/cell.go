@@ -1,0 +1,240 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// Cell is one measurement: a target, a body mode, a body size, a concurrency.
+type Cell struct {
+	Target      string
+	Mode        Mode
+	Size        int // nominal body size, as given with -sizes
+	Concurrency int
+}
+
+func (c Cell) String() string {
+	return fmt.Sprintf("%s %s %s c=%d", c.Target, c.Mode, sizeName(c.Size), c.Concurrency)
+}
+
+// CellResult is what a cell measured. CPU and memory are of the ext_proc
+// server process alone unless named otherwise.
+type CellResult struct {
+	Cell
+	BodyBytes     int
+	Requests      int
+	Errors        int
+	FirstErr      string
+	Elapsed       time.Duration
+	P50, P99, Avg time.Duration
+	ServerCPU     float64 // seconds, utime+stime
+	PrefillCPU    float64 // seconds, the prefill simulator (pd only)
+	DriverCPU     float64 // seconds, this process (client side and its gRPC)
+	OtherCPU      float64 // seconds, the rest of the machine: other processes are noise
+	IdleRSS       uint64  // right after start, before any request
+	PeakRSS       uint64  // VmHWM during the measured phase
+	GBefore       int     // goroutines after warm-up, settled; -1 unknown
+	GAfter        int     // goroutines after the measured phase, settled; -1 unknown
+}
+
+// Throughput is completed requests per second.
+func (r CellResult) Throughput() float64 {
+	if r.Elapsed <= 0 {
+		return 0
+	}
+	return float64(r.Requests) / r.Elapsed.Seconds()
+}
+
+// PerInFlight is the peak memory above idle per concurrent request, in units
+// of the body size.
+func (r CellResult) PerInFlight() float64 {
+	if r.PeakRSS < r.IdleRSS || r.BodyBytes == 0 {
+		return 0
+	}
+	return float64(r.PeakRSS-r.IdleRSS) / float64(r.Concurrency) / float64(r.BodyBytes)
+}
+
+// warmupWorkers bounds the concurrency of a cell's warm-up.
+const warmupWorkers = 16
+
+// CellOptions are the knobs shared by every cell of a run.
+type CellOptions struct {
+	Launcher *Launcher
+	Conns    int
+	Warmup   time.Duration
+	Duration time.Duration
+	Requests int    // per cell; 0: run for Duration
+	PprofDir string // when set, save CPU and alloc profiles of servers serving /debug/pprof
+}
+
+// runCell starts a fresh target, checks one exchange end to end, warms up,
+// measures, and stops the target.
+func runCell(ctx context.Context, o CellOptions, cell Cell, p *Payload) (res CellResult, err error) {
+	res = CellResult{Cell: cell, BodyBytes: len(p.Body), GBefore: -1, GAfter: -1}
+	t, err := o.Launcher.Start(ctx, cell.Target)
+	if err != nil {
+		return res, err
+	}
+	defer func() { t.Stop(o.Launcher.KeepLogs || err != nil) }()
+	pid := t.Server.Pid()
+	client, err := Dial(t.Server.GRPCAddr, o.Conns)
+	if err != nil {
+		return res, err
+	}
+	defer client.Close()
+
+	res.IdleRSS, _, _ = memory(pid)
+	if err := verify(ctx, client, cell, p); err != nil {
+		return res, fmt.Errorf("%s: the first exchange is wrong: %w", cell, err)
+	}
+	// The warm-up opens the connections and grows the buffers; a few workers
+	// suffice, and full concurrency would cost tens of seconds per big cell.
+	id := fmt.Sprintf("%s-%s-%d-%d", cell.Target, sizeName(cell.Size), cell.Mode, cell.Concurrency)
+	warm := min(cell.Concurrency, warmupWorkers)
+	warmup := Load{Mode: cell.Mode, Payload: p, Concurrency: warm, Duration: o.Warmup, IDPrefix: id + "-warmup"}
+	if o.Requests > 0 {
+		warmup.Requests = warm
+	}
+	client.Run(ctx, warmup)
+	res.GBefore = stableGoroutines(ctx, t.Server.AdminAddr)
+
+	peakReset := resetPeak(pid) == nil
+	sampler := sampleRSS(pid, 50*time.Millisecond)
+	server0, _ := cpuSeconds(pid)
+	driver0, _ := cpuSeconds(os.Getpid())
+	machine0, _ := machineCPUSeconds()
+	var prefill0 float64
+	if t.Prefill != nil {
+		prefill0, _ = cpuSeconds(t.Prefill.Pid())
+	}
+	profiled := make(chan error, 1)
+	if o.PprofDir != "" {
+		go func() {
+			profiled <- saveProfile(ctx, t.Server.AdminAddr, o.Duration, filepath.Join(o.PprofDir, fileName(cell)+".cpu.pprof"))
+		}()
+	} else {
+		profiled <- nil
+	}
+
+	lr := client.Run(ctx, Load{Mode: cell.Mode, Payload: p, Concurrency: cell.Concurrency, Duration: o.Duration,
+		Requests: o.Requests, IDPrefix: id})
+
+	server1, _ := cpuSeconds(pid)
+	driver1, _ := cpuSeconds(os.Getpid())
+	machine1, _ := machineCPUSeconds()
+	res.ServerCPU, res.DriverCPU = server1-server0, driver1-driver0
+	if t.Prefill != nil {
+		prefill1, _ := cpuSeconds(t.Prefill.Pid())
+		res.PrefillCPU = prefill1 - prefill0
+	}
+	res.OtherCPU = max(0, machine1-machine0-res.ServerCPU-res.DriverCPU-res.PrefillCPU)
+	sampled := sampler.Max()
+	_, hwm, _ := memory(pid)
+	res.PeakRSS = max(sampled, hwm)
+	if !peakReset {
+		res.PeakRSS = sampled
+	}
+	// Streams end asynchronously after Envoy's reset: give them time to go.
+	if res.GBefore >= 0 {
+		res.GAfter, _ = settledGoroutines(ctx, t.Server.AdminAddr, res.GBefore+allowedGrowth(cell.Target), 3*time.Second)
+	}
+	if err := <-profiled; err != nil {
+		fmt.Fprintf(os.Stderr, "%s: profile: %v\n", cell, err)
+	}
+	if o.PprofDir != "" {
+		saveProfile(ctx, t.Server.AdminAddr, 0, filepath.Join(o.PprofDir, fileName(cell)+".allocs.pprof"))
+	}
+
+	res.Requests, res.Errors, res.Elapsed = len(lr.Latencies), lr.Errors, lr.Elapsed
+	if lr.FirstErr != nil {
+		res.FirstErr = lr.FirstErr.Error()
+	}
+	res.P50, res.P99, res.Avg = Percentile(lr.Latencies, 0.50), Percentile(lr.Latencies, 0.99), Mean(lr.Latencies)
+	return res, nil
+}
+
+// verify runs one exchange and checks what Envoy would forward: the decode
+// endpoint in the routing header, and the body the target must produce.
+func verify(ctx context.Context, c *Client, cell Cell, p *Payload) error {
+	ctx, cancel := context.WithTimeout(ctx, requestTimeout)
+	defer cancel()
+	r, err := roundTrip(ctx, c.procs[0], cell.Mode, p, "bench-verify", true)
+	if err != nil {
+		return err
+	}
+	if r.Destination != "127.0.0.1:8201" {
+		return fmt.Errorf("%s = %q, want 127.0.0.1:8201", DestinationHeader, r.Destination)
+	}
+	switch {
+	case isPD(cell.Target):
+		if !bytes.Contains(r.Body, []byte(`"kv_transfer_params":{"do_remote_prefill":true`)) {
+			return fmt.Errorf("the decode body has no kv_transfer_params from the prefill: %.300s", r.Body)
+		}
+	default:
+		if !bytes.Equal(r.Body, p.Body) {
+			return fmt.Errorf("the body came back changed (%d bytes, sent %d)", len(r.Body), len(p.Body))
+		}
+	}
+	return nil
+}
+
+// stableGoroutines waits until the goroutine count stops changing (streams end
+// asynchronously after Envoy's reset), at most 3 s; -1 when it cannot be read.
+func stableGoroutines(ctx context.Context, adminAddr string) int {
+	last := -1
+	for range 30 {
+		n, err := goroutines(ctx, adminAddr)
+		if err != nil {
+			return -1
+		}
+		if n == last {
+			return n
+		}
+		last = n
+		time.Sleep(100 * time.Millisecond)
+	}
+	return last
+}
+
+// saveProfile fetches /debug/pprof/profile for d, or the allocs profile when d is 0.
+func saveProfile(ctx context.Context, adminAddr string, d time.Duration, path string) error {
+	url := "http://" + adminAddr + "/debug/pprof/allocs"
+	if d > 0 {
+		url = fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", adminAddr, max(int(d.Seconds()), 1))
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("%s: %s (the server may not serve /debug/pprof; see -pprof-extproc)", url, resp.Status)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+func fileName(c Cell) string {
+	mode := "fd"
+	if c.Mode == Buffered {
+		mode = "buf"
+	}
+	return fmt.Sprintf("%s-%s-%s-c%d", c.Target, mode, sizeName(c.Size), c.Concurrency)
+}

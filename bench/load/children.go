@@ -1,0 +1,67 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+)
+
+// The driver re-executes itself as this child (-child NAME): a process of its
+// own, so its CPU is measured apart from the client's.
+const (
+	// childPrefill is a zero-latency vLLM NIXL prefill engine that answers
+	// every request with the same kv_transfer_params, for runs where pdsim's
+	// own cost (it parses every prompt and keeps every request) is unwanted.
+	childPrefill = "fake-prefill"
+)
+
+func runChild(name string, args []string) error {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	addr := fs.String("addr", "127.0.0.1:0", "HTTP listen address")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if name != childPrefill {
+		return fmt.Errorf("unknown -child %q", name)
+	}
+	return serveFakePrefill(*addr)
+}
+
+// fakePrefillAnswer is a vLLM NIXL prefill's non-streamed answer.
+const fakePrefillAnswer = `{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,"model":"` + Model + `",` +
+	`"choices":[{"index":0,"message":{"role":"assistant","content":"The"},"finish_reason":"length"}],` +
+	`"usage":{"prompt_tokens":1000,"completion_tokens":1,"total_tokens":1001},` +
+	`"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2,3,4,5,6,7,8]],` +
+	`"remote_engine_id":"bench-engine","remote_request_id":"chatcmpl-bench","remote_host":"127.0.0.1","remote_port":5600,` +
+	`"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":1000,"remote_blocks_expiry_time":null,"transfer_mode":"pull"}}`
+
+func serveFakePrefill(addr string) error {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
+	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, fakePrefillAnswer)
+	})
+	return serveUntilSignal(&http.Server{Addr: addr, Handler: mux})
+}
+
+// serveUntilSignal serves s until SIGTERM or interrupt.
+func serveUntilSignal(s *http.Server) error {
+	s.ReadHeaderTimeout = 10 * time.Second
+	errc := make(chan error, 1)
+	go func() { errc <- s.ListenAndServe() }()
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGTERM, os.Interrupt)
+	select {
+	case err := <-errc:
+		return err
+	case <-sig:
+	}
+	return s.Close()
+}

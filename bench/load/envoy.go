@@ -1,0 +1,209 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+)
+
+// Mode is the request body mode Envoy is configured with.
+type Mode int
+
+const (
+	FullDuplex Mode = iota // FULL_DUPLEX_STREAMED, what GIE configures
+	Buffered               // BUFFERED
+)
+
+func (m Mode) String() string {
+	if m == Buffered {
+		return "BUFFERED"
+	}
+	return "FULL_DUPLEX_STREAMED"
+}
+
+func parseMode(s string) (Mode, error) {
+	switch s {
+	case "full-duplex", "FULL_DUPLEX_STREAMED":
+		return FullDuplex, nil
+	case "buffered", "BUFFERED":
+		return Buffered, nil
+	}
+	return 0, fmt.Errorf("mode %q: want full-duplex or buffered", s)
+}
+
+func (m Mode) proto() filterv3.ProcessingMode_BodySendMode {
+	if m == Buffered {
+		return filterv3.ProcessingMode_BUFFERED
+	}
+	return filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
+}
+
+// envoyChunk is the size of the data chunks Envoy forwards in FULL_DUPLEX:
+// its default HTTP/2 and HTTP/1 read buffers hand the filter 64 KiB at most.
+const envoyChunk = 64 << 10
+
+// DestinationHeader is where every target puts the chosen endpoint.
+const DestinationHeader = "x-gateway-destination-endpoint"
+
+// Payload is one request body, with its Envoy messages prepared once and shared
+// by every stream (protobuf messages are safe for concurrent marshalling).
+type Payload struct {
+	Body       []byte
+	fullDuplex []*extprocv3.ProcessingRequest // the body in envoyChunk pieces, the last with end_of_stream
+	buffered   *extprocv3.ProcessingRequest   // the whole body, end_of_stream
+}
+
+// NewPayload prepares body for both modes.
+func NewPayload(body []byte) *Payload {
+	p := &Payload{Body: body, buffered: bodyMessage(body, true)}
+	for i := 0; i < len(body); i += envoyChunk {
+		end := min(i+envoyChunk, len(body))
+		p.fullDuplex = append(p.fullDuplex, bodyMessage(body[i:end], end == len(body)))
+	}
+	return p
+}
+
+func bodyMessage(chunk []byte, eos bool) *extprocv3.ProcessingRequest {
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
+		RequestBody: &extprocv3.HttpBody{Body: chunk, EndOfStream: eos}}}
+}
+
+// headersMessage is the first message of a stream, as Envoy sends a chat
+// completion POST: pseudo-headers, the client's headers, the ones Envoy adds,
+// and protocol_config. Values travel in raw_value (Envoy's default).
+func headersMessage(mode Mode, bodyLen int, requestID string) *extprocv3.ProcessingRequest {
+	headers := [][2]string{
+		{":authority", "gateway.example.com"}, {":path", "/v1/chat/completions"}, {":method", "POST"}, {":scheme", "https"},
+		{"content-type", "application/json"}, {"content-length", strconv.Itoa(bodyLen)},
+		{"authorization", "Bearer sk-bench-0123456789abcdef"}, {"user-agent", "OpenAI/Python 1.54.4"},
+		{"accept", "application/json"}, {"accept-encoding", "gzip, deflate"},
+		{"x-forwarded-proto", "https"}, {"x-forwarded-for", "10.1.2.3"}, {"x-request-id", requestID},
+		{"x-envoy-expected-rq-timeout-ms", "600000"},
+	}
+	hm := &corev3.HeaderMap{Headers: make([]*corev3.HeaderValue, len(headers))}
+	for i, h := range headers {
+		hm.Headers[i] = &corev3.HeaderValue{Key: h[0], RawValue: []byte(h[1])}
+	}
+	return &extprocv3.ProcessingRequest{
+		Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm}},
+		ProtocolConfig: &extprocv3.ProtocolConfiguration{
+			RequestBodyMode:  mode.proto(),
+			ResponseBodyMode: filterv3.ProcessingMode_NONE,
+		},
+	}
+}
+
+// Reply is what Envoy would forward upstream after the ext_proc exchange.
+type Reply struct {
+	Destination string // x-gateway-destination-endpoint set by the server
+	BodyBytes   int
+	Body        []byte // only when asked to keep it
+}
+
+// roundTrip runs one HTTP request's ext_proc exchange on a new Process stream,
+// sending exactly what Envoy sends in mode, and returns once the request path
+// is complete. It then resets the stream, as Envoy does when it has every reply
+// it expects.
+func roundTrip(ctx context.Context, c extprocv3.ExternalProcessorClient, mode Mode, p *Payload, requestID string, keepBody bool) (*Reply, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel() // Envoy's RST_STREAM once the last reply is in
+	s, err := c.Process(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.Send(headersMessage(mode, len(p.Body), requestID)); err != nil {
+		return nil, err
+	}
+	r := &Reply{}
+	recv := func() (*extprocv3.ProcessingResponse, error) {
+		for {
+			m, err := s.Recv()
+			if err != nil {
+				return nil, err
+			}
+			if ir := m.GetImmediateResponse(); ir != nil {
+				return nil, fmt.Errorf("immediate response %d: %.200s", ir.GetStatus().GetCode(), ir.GetBody())
+			}
+			if m.Response == nil {
+				continue // override_message_timeout only
+			}
+			return m, nil
+		}
+	}
+	readDestination := func(cr *extprocv3.CommonResponse) {
+		for _, h := range cr.GetHeaderMutation().GetSetHeaders() {
+			if h.GetHeader().GetKey() == DestinationHeader {
+				r.Destination = string(h.GetHeader().GetRawValue())
+			}
+		}
+	}
+
+	if mode == Buffered {
+		m, err := recv()
+		if err != nil {
+			return nil, err
+		}
+		if m.GetRequestHeaders() == nil {
+			return nil, fmt.Errorf("BUFFERED: want a headers reply first, got %T", m.Response)
+		}
+		if err := s.Send(p.buffered); err != nil {
+			return nil, err
+		}
+		if m, err = recv(); err != nil {
+			return nil, err
+		}
+		cr := m.GetRequestBody().GetResponse()
+		if cr == nil {
+			return nil, fmt.Errorf("BUFFERED: want a body reply, got %T", m.Response)
+		}
+		readDestination(cr)
+		b := cr.GetBodyMutation().GetBody()
+		r.BodyBytes = len(b)
+		if keepBody {
+			r.Body = b
+		}
+		return r, nil
+	}
+
+	// FULL_DUPLEX: every chunk goes out without waiting; the server holds its
+	// headers reply until it has the whole body.
+	for _, m := range p.fullDuplex {
+		if err := s.Send(m); err != nil {
+			return nil, err
+		}
+	}
+	headersSeen := false
+	for {
+		m, err := recv()
+		if err != nil {
+			return nil, err
+		}
+		switch {
+		case m.GetRequestHeaders() != nil:
+			headersSeen = true
+			readDestination(m.GetRequestHeaders().GetResponse())
+		case m.GetRequestBody() != nil:
+			if !headersSeen {
+				return nil, errors.New("FULL_DUPLEX: body reply before the headers reply (Envoy answers 500)")
+			}
+			sr := m.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
+			if sr == nil {
+				return nil, errors.New("FULL_DUPLEX: body reply without streamed_response (Envoy answers 500)")
+			}
+			r.BodyBytes += len(sr.GetBody())
+			if keepBody {
+				r.Body = append(r.Body, sr.GetBody()...)
+			}
+			if sr.GetEndOfStream() {
+				return r, nil
+			}
+		default:
+			return nil, fmt.Errorf("FULL_DUPLEX: unexpected reply %T", m.Response)
+		}
+	}
+}

@@ -1,0 +1,72 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net"
+	"strings"
+	"testing"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
+
+	"github.com/pd-extproc/pd-extproc/bench/internal/echo"
+)
+
+// TestSmoke runs one small cell per mode against the echo server in-process,
+// so the driver does not rot between benchmark runs.
+func TestSmoke(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	extprocv3.RegisterExternalProcessorServer(srv, echo.Server{})
+	go srv.Serve(lis)
+	defer srv.Stop()
+	client, err := Dial(lis.Addr().String(), 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+
+	p := NewPayload(chatBody(150<<10, 1)) // three FULL_DUPLEX chunks, three reply chunks
+	for _, mode := range []Mode{FullDuplex, Buffered} {
+		t.Run(mode.String(), func(t *testing.T) {
+			cell := Cell{Target: TargetEcho, Mode: mode, Size: 150 << 10, Concurrency: 3}
+			if err := verify(context.Background(), client, cell, p); err != nil {
+				t.Fatal(err)
+			}
+			res := client.Run(context.Background(), Load{Mode: mode, Payload: p, Concurrency: 3, Requests: 10, IDPrefix: "smoke"})
+			if res.Errors != 0 || len(res.Latencies) != 10 {
+				t.Fatalf("%d completed, %d errors (first: %v), want 10 and 0", len(res.Latencies), res.Errors, res.FirstErr)
+			}
+			if Percentile(res.Latencies, 0.5) > Percentile(res.Latencies, 0.99) {
+				t.Error("p50 > p99")
+			}
+		})
+	}
+}
+
+func TestChatBodyIsValidJSONOfTheRequestedSize(t *testing.T) {
+	for _, size := range []int{4 << 10, 256 << 10, 2 << 20} {
+		b := chatBody(size, uint64(size))
+		var v struct {
+			Model    string `json:"model"`
+			Messages []struct{ Role, Content string }
+		}
+		if err := json.Unmarshal(b, &v); err != nil {
+			t.Fatalf("%s: %v", sizeName(size), err)
+		}
+		if v.Model != Model || len(v.Messages) < 2 {
+			t.Errorf("%s: model %q, %d messages", sizeName(size), v.Model, len(v.Messages))
+		}
+		if d := len(b) - size; d < -64 || d > 0 {
+			t.Errorf("%s: %d bytes, want within 64 below", sizeName(size), len(b))
+		}
+		if !bytes.Contains(b, []byte(`\n`)) || !strings.Contains(string(b), "東京") {
+			t.Errorf("%s: no escapes or non-ASCII text", sizeName(size))
+		}
+	}
+}

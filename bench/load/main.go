@@ -1,0 +1,291 @@
+// Command load is pd-extproc's benchmark driver. ghz cannot express Envoy's
+// FULL_DUPLEX_STREAMED exchange (all body chunks sent before the server's held
+// headers reply, then many replies to read), so this driver plays Envoy: one
+// Process stream per HTTP request with exactly the messages Envoy sends. It
+// starts every target as a child process, fresh for each cell, and prints
+// Markdown tables. See docs/benchmarks.md.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+type options struct {
+	binDir, targets, modes, sizes, concs, prefill, out, logDir, pprofDir string
+	duration, warmup                                                     time.Duration
+	requests, conns, rttRequests                                         int
+	keepLogs                                                             bool
+}
+
+func main() {
+	// The driver re-executes itself as its helper processes (children.go).
+	if len(os.Args) > 2 && os.Args[1] == "-child" {
+		if err := runChild(os.Args[2], os.Args[3:]); err != nil {
+			fmt.Fprintf(os.Stderr, "%s: %v\n", os.Args[2], err)
+			os.Exit(1)
+		}
+		return
+	}
+	var o options
+	flag.StringVar(&o.binDir, "bin", "bin", "directory holding extproc, echo and pdsim (make bench builds them)")
+	flag.StringVar(&o.targets, "targets", "pd,pd-fake,decode,echo",
+		"targets: pd (extproc P/D, kv-nixl, -prefill simulator), pd-fake (the same with the fake prefill), decode (extproc decode-only), echo (the floor)")
+	flag.StringVar(&o.modes, "modes", "full-duplex,buffered", "Envoy request body modes: full-duplex, buffered")
+	flag.StringVar(&o.sizes, "sizes", "4KiB,256KiB,2MiB", "request body sizes")
+	flag.StringVar(&o.concs, "conc", "1,64,256", "concurrent streams")
+	flag.DurationVar(&o.duration, "duration", 5*time.Second, "measured time per cell (after the warm-up)")
+	flag.IntVar(&o.requests, "requests", 0, "requests per cell instead of -duration (0: use -duration)")
+	flag.DurationVar(&o.warmup, "warmup", 500*time.Millisecond, "unmeasured load per cell before measuring")
+	flag.IntVar(&o.conns, "conns", 2, "gRPC connections to the server (Envoy opens one per worker thread)")
+	flag.StringVar(&o.prefill, "prefill", SimPdsim, "prefill simulator of target pd: pdsim (bin/pdsim, every latency zero) or fake (a canned answer)")
+	flag.IntVar(&o.rttRequests, "rtt-requests", 2000, "requests for the small-POST loopback round-trip baseline (0: skip the baseline)")
+	flag.StringVar(&o.out, "out", "", "also write the Markdown report to this file")
+	flag.StringVar(&o.logDir, "logs", "", "directory for the children's logs and configs (default: a new temporary directory)")
+	flag.StringVar(&o.pprofDir, "pprof-dir", "", "save a CPU and an allocs profile of the server of each cell here (runs extproc with --pprof)")
+	flag.BoolVar(&o.keepLogs, "keep-logs", false, "keep the children's logs of cells that succeed (extproc logs a line per request)")
+	flag.Parse()
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, o); err != nil {
+		fmt.Fprintln(os.Stderr, "load:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, o options) error {
+	targets := splitList(o.targets)
+	modes, err := parseList(o.modes, parseMode)
+	if err != nil {
+		return err
+	}
+	sizes, err := parseList(o.sizes, parseSize)
+	if err != nil {
+		return err
+	}
+	concs, err := parseList(o.concs, func(s string) (int, error) {
+		n, err := strconv.Atoi(s)
+		if err != nil || n < 1 {
+			return 0, fmt.Errorf("concurrency %q: want a positive integer", s)
+		}
+		return n, nil
+	})
+	if err != nil {
+		return err
+	}
+	if err := checkBinaries(o, targets); err != nil {
+		return err
+	}
+	if o.logDir == "" {
+		if o.logDir, err = os.MkdirTemp("", "pd-bench-"); err != nil {
+			return err
+		}
+	}
+	if o.pprofDir != "" {
+		if err := os.MkdirAll(o.pprofDir, 0o755); err != nil {
+			return err
+		}
+	}
+	l := &Launcher{BinDir: o.binDir, LogDir: o.logDir, Prefill: o.prefill, Pprof: o.pprofDir != "", KeepLogs: o.keepLogs}
+	copts := CellOptions{Launcher: l, Conns: o.conns, Warmup: o.warmup, Duration: o.duration, Requests: o.requests, PprofDir: o.pprofDir}
+
+	payloads := map[int]*Payload{}
+	for _, s := range sizes {
+		payloads[s] = NewPayload(chatBody(s, uint64(s)))
+	}
+	rep := &Report{Header: header(o, payloads, sizes)}
+	start := time.Now()
+
+	if o.rttRequests > 0 {
+		for _, sim := range simulators(l, targets) {
+			fmt.Fprintf(os.Stderr, "loopback round trip to the prefill simulator %s ...\n", sim)
+			rtt, err := loopbackBaseline(ctx, l, sim, o.rttRequests, sizes, payloads)
+			if err != nil {
+				return fmt.Errorf("loopback baseline, %s: %w", sim, err)
+			}
+			rep.RTT = append(rep.RTT, rtt...)
+		}
+	}
+
+	total := len(modes) * len(sizes) * len(concs) * len(targets)
+	n := 0
+	// Targets are interleaved cell by cell, so slow drift of the machine hits
+	// all of them alike.
+	for _, mode := range modes {
+		for _, size := range sizes {
+			for _, conc := range concs {
+				for _, target := range targets {
+					if ctx.Err() != nil {
+						return ctx.Err()
+					}
+					n++
+					cell := Cell{Target: target, Mode: mode, Size: size, Concurrency: conc}
+					res, err := runCell(ctx, copts, cell, payloads[size])
+					if err != nil {
+						fmt.Fprintf(os.Stderr, "[%d/%d] %s: FAILED: %v\n", n, total, cell, err)
+						rep.Failed = append(rep.Failed, fmt.Sprintf("%s: %v", cell, err))
+						continue
+					}
+					rep.Cells = append(rep.Cells, res)
+					fmt.Fprintf(os.Stderr, "[%d/%d] %s: %d req, %.0f req/s, p50 %s ms, p99 %s ms, cpu %.2fs, peak %.0f MiB, errors %d (%s elapsed)\n",
+						n, total, cell, res.Requests, res.Throughput(), ms(res.P50), ms(res.P99), res.ServerCPU, mib(res.PeakRSS), res.Errors,
+						time.Since(start).Round(time.Second))
+				}
+			}
+		}
+	}
+	rep.Header = append(rep.Header, "load average at the end: "+loadAverage(),
+		fmt.Sprintf("wall time of the run: %s; children's logs: %s", time.Since(start).Round(time.Second), o.logDir))
+
+	var w io.Writer = os.Stdout
+	if o.out != "" {
+		f, err := os.Create(o.out)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		w = io.MultiWriter(os.Stdout, f)
+	}
+	rep.Write(w, l, modes, sizes, concs, targets)
+	return nil
+}
+
+// simulators lists the prefill simulators the P/D targets use.
+func simulators(l *Launcher, targets []string) []string {
+	var sims []string
+	for _, t := range targets {
+		if sim := l.prefillSim(t); isPD(t) && !contains(sims, sim) {
+			sims = append(sims, sim)
+		}
+	}
+	return sims
+}
+
+// loopbackBaseline measures the small-POST round trip and the round trip of
+// each size's prefill leg against a fresh prefill simulator sim.
+func loopbackBaseline(ctx context.Context, l *Launcher, sim string, n int, sizes []int, payloads map[int]*Payload) ([]RTTResult, error) {
+	p, err := l.StartPrefill(ctx, sim)
+	if err != nil {
+		return nil, err
+	}
+	defer p.Stop()
+	small, err := measureRTT(ctx, sim, p.HTTPAddr, "small", smallPrefillLeg, n)
+	if err != nil {
+		return nil, err
+	}
+	out := []RTTResult{small}
+	for _, s := range sizes {
+		leg, err := prefillLeg(payloads[s].Body)
+		if err != nil {
+			return nil, err
+		}
+		// Fewer round trips for big legs: each moves and parses megabytes.
+		count := max(20, min(n, n*(64<<10)/len(leg)))
+		r, err := measureRTT(ctx, sim, p.HTTPAddr, sizeName(s), leg, count)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+func header(o options, payloads map[int]*Payload, sizes []int) []string {
+	var bodies []string
+	for _, s := range sizes {
+		bodies = append(bodies, fmt.Sprintf("%s = %d bytes (%d FULL_DUPLEX chunks)", sizeName(s), len(payloads[s].Body), len(payloads[s].fullDuplex)))
+	}
+	cpu := "unknown"
+	if b, err := exec.Command("sh", "-c", "lscpu | sed -n 's/^Model name: *//p'").Output(); err == nil {
+		cpu = strings.TrimSpace(string(b))
+	}
+	per := fmt.Sprintf("%s measured after a %s warm-up by at most %d workers", o.duration, o.warmup, warmupWorkers)
+	if o.requests > 0 {
+		per = fmt.Sprintf("%d requests after at most %d warm-up requests", o.requests, warmupWorkers)
+	}
+	rev := "unknown"
+	if b, err := exec.Command("git", "describe", "--always", "--dirty").Output(); err == nil {
+		rev = strings.TrimSpace(string(b))
+	}
+	return []string{
+		"source: " + rev + " (bin/extproc as built by make bench)",
+		fmt.Sprintf("%s, %s/%s, %d CPUs (%s), GOMAXPROCS %d in the driver", runtime.Version(), runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), cpu, runtime.GOMAXPROCS(0)),
+		fmt.Sprintf("per cell: a fresh target process; %s; %d gRPC connections; closed loop", per, o.conns),
+		fmt.Sprintf("prefill simulator of target pd: %s; of pd-fake: fake; bodies: %s", o.prefill, strings.Join(bodies, ", ")),
+		"command: " + strings.Join(os.Args, " "),
+		"load average at the start (other sessions share this machine): " + loadAverage(),
+	}
+}
+
+func loadAverage() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "unknown"
+	}
+	f := strings.Fields(string(b))
+	return strings.Join(f[:min(3, len(f))], " ")
+}
+
+func checkBinaries(o options, targets []string) error {
+	need := map[string]bool{}
+	for _, t := range targets {
+		switch t {
+		case TargetEcho:
+			need["echo"] = true
+		case TargetDecode, TargetPD, TargetPDFake:
+			need["extproc"] = true
+			if t == TargetPD && o.prefill == SimPdsim {
+				need["pdsim"] = true
+			}
+		default:
+			return fmt.Errorf("unknown target %q (want %s, %s, %s or %s)", t, TargetPD, TargetPDFake, TargetDecode, TargetEcho)
+		}
+	}
+	for b := range need {
+		if _, err := os.Stat(o.binDir + "/" + b); err != nil {
+			return fmt.Errorf("%v: build the binaries first (make bench does)", err)
+		}
+	}
+	return nil
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+func parseList[T any](s string, parse func(string) (T, error)) ([]T, error) {
+	var out []T
+	for _, f := range splitList(s) {
+		v, err := parse(f)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}

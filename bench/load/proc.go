@@ -1,0 +1,171 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// clockTicks is USER_HZ, the unit of utime and stime in /proc/<pid>/stat; it
+// is 100 on every Linux architecture Go supports.
+const clockTicks = 100
+
+// cpuSeconds is the user+system CPU time pid has used so far.
+func cpuSeconds(pid int) (float64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// The command name (field 2) may hold spaces; the fields after it do not.
+	rest := b[bytes.LastIndexByte(b, ')')+2:]
+	f := strings.Fields(string(rest))
+	if len(f) < 13 {
+		return 0, fmt.Errorf("/proc/%d/stat: too few fields", pid)
+	}
+	utime, err1 := strconv.ParseUint(f[11], 10, 64) // field 14
+	stime, err2 := strconv.ParseUint(f[12], 10, 64) // field 15
+	if err1 != nil || err2 != nil {
+		return 0, fmt.Errorf("/proc/%d/stat: bad utime/stime", pid)
+	}
+	return float64(utime+stime) / clockTicks, nil
+}
+
+// machineCPUSeconds is the busy CPU time of the whole machine (every CPU),
+// from the first line of /proc/stat.
+func machineCPUSeconds() (float64, error) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, err
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line) // cpu user nice system idle iowait irq softirq steal ...
+	if len(f) < 9 || f[0] != "cpu" {
+		return 0, fmt.Errorf("/proc/stat: unexpected first line %q", line)
+	}
+	var busy uint64
+	for i, v := range f[1:9] {
+		if i == 3 || i == 4 { // idle, iowait
+			continue
+		}
+		n, err := strconv.ParseUint(v, 10, 64)
+		if err != nil {
+			return 0, err
+		}
+		busy += n
+	}
+	return float64(busy) / clockTicks, nil
+}
+
+// memory reads the resident set and its peak (VmHWM) of pid, in bytes.
+func memory(pid int) (rss, peak uint64, err error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, 0, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		k, v, _ := strings.Cut(sc.Text(), ":")
+		if k != "VmRSS" && k != "VmHWM" {
+			continue
+		}
+		kb, err := strconv.ParseUint(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+		if err != nil {
+			return 0, 0, fmt.Errorf("/proc/%d/status %s: %v", pid, k, err)
+		}
+		if k == "VmRSS" {
+			rss = kb << 10
+		} else {
+			peak = kb << 10
+		}
+	}
+	return rss, peak, sc.Err()
+}
+
+// resetPeak sets VmHWM back to the current RSS (Linux >= 4.0), so a cell's
+// peak is its own and not the process's lifetime maximum.
+func resetPeak(pid int) error {
+	return os.WriteFile(fmt.Sprintf("/proc/%d/clear_refs", pid), []byte("5"), 0)
+}
+
+// rssSampler keeps the largest RSS seen, in case VmHWM cannot be reset.
+type rssSampler struct {
+	max  uint64
+	stop chan struct{}
+	done chan struct{}
+}
+
+func sampleRSS(pid int, every time.Duration) *rssSampler {
+	s := &rssSampler{stop: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(s.done)
+		t := time.NewTicker(every)
+		defer t.Stop()
+		for {
+			if rss, _, err := memory(pid); err == nil {
+				s.max = max(s.max, rss)
+			}
+			select {
+			case <-s.stop:
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	return s
+}
+
+// Max stops sampling and returns the largest RSS seen.
+func (s *rssSampler) Max() uint64 {
+	close(s.stop)
+	<-s.done
+	return s.max
+}
+
+// goroutines reads go_goroutines from a Prometheus /metrics endpoint: extproc
+// serves the default registry, whose Go collector exports it (extproc has no
+// /debug/pprof).
+func goroutines(ctx context.Context, adminAddr string) (int, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+adminAddr+"/metrics", nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, err
+	}
+	for line := range strings.Lines(string(b)) {
+		if v, ok := strings.CutPrefix(line, "go_goroutines "); ok {
+			n, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			return int(n), err
+		}
+	}
+	return 0, fmt.Errorf("%s/metrics has no go_goroutines", adminAddr)
+}
+
+// settledGoroutines polls until the count stops falling below want (streams
+// end asynchronously after Envoy's reset), for at most wait.
+func settledGoroutines(ctx context.Context, adminAddr string, want int, wait time.Duration) (int, error) {
+	deadline := time.Now().Add(wait)
+	for {
+		n, err := goroutines(ctx, adminAddr)
+		if err != nil || n <= want || time.Now().After(deadline) {
+			return n, err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
