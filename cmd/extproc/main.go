@@ -19,6 +19,8 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+	"google.golang.org/grpc/experimental"
+	"google.golang.org/grpc/mem"
 
 	defaults "github.com/pd-extproc/pd-extproc/config"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -31,6 +33,12 @@ type flags struct {
 	grace                                  time.Duration
 	pprof, logPrompts                      bool
 	tls                                    server.TLSFiles
+}
+
+func init() {
+	// grpc-go's default pool has no size between 32 KiB and 1 MiB, so every
+	// ~64 KiB body chunk from Envoy would take (and zero) a 1 MiB buffer.
+	experimental.SetDefaultBufferPool(mem.NewTieredBufferPool(256, 4<<10, 16<<10, 32<<10, 72<<10, 1<<20))
 }
 
 func main() {

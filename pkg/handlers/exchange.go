@@ -21,10 +21,6 @@ import (
 // Supported request body modes, named in the error for the others.
 const supportedModes = "FULL_DUPLEX_STREAMED, BUFFERED or NONE"
 
-// maxPresize caps the body buffer allocated up front from Content-Length, so a
-// lying header cannot make us allocate the whole limit.
-const maxPresize = 1 << 20
-
 // exchange is the state of one Process stream: one HTTP request and its response.
 type exchange struct {
 	*Server
@@ -109,8 +105,6 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 	if limit := x.router.MaxBodyBytes(); x.contentLength > limit {
 		return x.fail(pipeline.TooLarge(limit))
 	}
-	x.body = make([]byte, 0, min(max(x.contentLength, 0), maxPresize))
-
 	switch x.requestMode {
 	case filterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
 		return false, nil // the headers reply carries the routing: hold it until the body is in
@@ -129,7 +123,7 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) (bool, error) {
 		x.log.V(1).Info("dropping request body after its end", "bytes", len(b.GetBody()))
 		return false, nil
 	}
-	x.body = append(x.body, b.GetBody()...)
+	x.appendBody(b)
 	if limit := x.router.MaxBodyBytes(); int64(len(x.body)) > limit {
 		return x.fail(pipeline.TooLarge(limit))
 	}
@@ -148,6 +142,23 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) (bool, error) {
 	// BUFFERED sends the whole body in one message, end_of_stream false only when
 	// trailers follow; either way the body is complete.
 	return x.finishBuffered()
+}
+
+// appendBody collects the body without copying it more than once: a body that
+// comes whole (BUFFERED, or a small FULL_DUPLEX body) is used as gRPC decoded
+// it; a chunked one goes into a buffer sized once from Content-Length, which
+// the limit was checked against, so it never regrows.
+func (x *exchange) appendBody(b *extprocv3.HttpBody) {
+	chunk := b.GetBody()
+	switch {
+	case x.body == nil && (b.GetEndOfStream() || x.requestMode != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED):
+		x.body = chunk
+	case x.body == nil:
+		x.body = make([]byte, 0, max(x.contentLength, int64(len(chunk))))
+		fallthrough
+	default:
+		x.body = append(x.body, chunk...)
+	}
 }
 
 func (x *exchange) onRequestTrailers() (bool, error) {

@@ -55,7 +55,7 @@ func newEngineClient(cfg config.EngineTLS) (*http.Client, string, error) {
 		Proxy:               nil,
 		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
 		MaxIdleConns:        1024,
-		MaxIdleConnsPerHost: 64,
+		MaxIdleConnsPerHost: 256, // past it, each concurrent leg would open and close its own connection
 		IdleConnTimeout:     90 * time.Second,
 		DisableCompression:  true,
 	}

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"strconv"
 	"strings"
+	"sync"
 	"unicode/utf8"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
@@ -19,27 +20,25 @@ type Request struct {
 	// Subset restricts picking to an endpoint-picker subset hint.
 	Subset Subset
 
+	// The prompt is rendered on first use: only prefix affinity and a
+	// min_prompt_tokens threshold read it, and rendering a long chat costs more
+	// than everything else the service does with the body.
+	render   sync.Once
+	obj      *body.Object
 	prompt   string
 	tokenIDs int // exact prompt length when the body carries token ids, else -1
 }
 
 // NewRequest reads a parsed OpenAI-style body (chat or completions).
 func NewRequest(obj *body.Object) *Request {
-	r := &Request{N: 1, Prompts: 1, tokenIDs: -1}
+	r := &Request{N: 1, Prompts: 1, tokenIDs: -1, obj: obj}
 	if n, ok := obj.Int("n"); ok {
 		r.N = int(n)
 	}
-	switch {
-	case obj.Has("messages"):
-		r.prompt = renderChat(obj)
-	case obj.Has("prompt"):
-		raw, _ := obj.Raw("prompt")
+	if raw, ok := obj.Raw("prompt"); ok && raw[0] == '[' && !obj.Has("messages") {
+		// An array is token ids or a batch: the decider needs to know which now.
 		r.prompt, r.tokenIDs, r.Prompts = renderPrompt(raw)
-	}
-	if raw, ok := obj.Raw("prompt_token_ids"); ok {
-		if ids, ok := tokenIDs(raw); ok {
-			r.prompt, r.tokenIDs = ids, countIDs(ids)
-		}
+		r.render.Do(func() {})
 	}
 	return r
 }
@@ -47,7 +46,9 @@ func NewRequest(obj *body.Object) *Request {
 // PromptRequest is a request whose prompt is text (tests, simulations, a
 // caller with its own parsing).
 func PromptRequest(prompt string) *Request {
-	return &Request{N: 1, Prompts: 1, prompt: prompt, tokenIDs: -1}
+	r := &Request{N: 1, Prompts: 1, prompt: prompt, tokenIDs: -1}
+	r.render.Do(func() {})
+	return r
 }
 
 // Prompt is the prompt as the prefix index sees it: chat messages rendered in
@@ -56,7 +57,28 @@ func (r *Request) Prompt() string {
 	if r == nil {
 		return ""
 	}
+	r.render.Do(r.renderBody)
 	return r.prompt
+}
+
+func (r *Request) renderBody() {
+	obj := r.obj
+	switch {
+	case obj == nil:
+	case obj.Has("messages"):
+		r.prompt = renderChat(obj)
+	case obj.Has("prompt"):
+		raw, _ := obj.Raw("prompt")
+		r.prompt, r.tokenIDs, r.Prompts = renderPrompt(raw)
+	}
+	if obj == nil {
+		return
+	}
+	if raw, ok := obj.Raw("prompt_token_ids"); ok {
+		if ids, ok := tokenIDs(raw); ok {
+			r.prompt, r.tokenIDs = ids, countIDs(ids)
+		}
+	}
 }
 
 // PromptTokens is the prompt's length in tokens: exact when the body carries
@@ -65,13 +87,14 @@ func (r *Request) PromptTokens(charsPerToken float64) int {
 	if r == nil {
 		return 0
 	}
+	prompt := r.Prompt()
 	if r.tokenIDs >= 0 {
 		return r.tokenIDs
 	}
 	if charsPerToken <= 0 {
 		charsPerToken = 4
 	}
-	chars := float64(utf8.RuneCountInString(r.prompt))
+	chars := float64(utf8.RuneCountInString(prompt))
 	return int((chars + charsPerToken - 1) / charsPerToken)
 }
 
