@@ -10,7 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"unicode/utf8"
 )
 
 // Object is a validated JSON object whose top-level members are located by offset.
@@ -34,11 +33,10 @@ var ErrNotObject = errors.New("request body must be a JSON object")
 
 // Parse validates b once (JSON syntax, UTF-8, nesting depth) and indexes its members.
 func Parse(b []byte) (*Object, error) {
-	if !utf8.Valid(b) {
-		return nil, errors.New("request body is not valid UTF-8")
-	}
 	s := scanner{b: b, members: make([]member, 0, 16)}
-	if err := s.scan(); err != nil {
+	if err := s.scan(); err == errNotUTF8 {
+		return nil, err
+	} else if err != nil {
 		return nil, fmt.Errorf("request body is not valid JSON: %w", err)
 	}
 	if s.open < 0 {

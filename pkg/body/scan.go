@@ -2,7 +2,9 @@ package body
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
+	"unicode/utf8"
 )
 
 // maxDepth matches encoding/json's nesting limit, so a body is accepted here
@@ -176,23 +178,42 @@ func plain(w uint64) bool {
 	return (control|special)&^(w&highs) == 0
 }
 
-// str checks the string starting at s.i (a '"') and moves past it.
+// str checks the string starting at s.i (a '"') and moves past it. Its text is
+// checked 8 bytes at a time up to the next quote, backslash or control byte;
+// a stretch that held a non-ASCII byte is then checked as UTF-8 (escapes and
+// quotes are ASCII, so they never split a multi-byte sequence).
 func (s *scanner) str() error {
 	b := s.b
 	i := s.i + 1
 	for {
-		for i+8 <= len(b) && plain(binary.LittleEndian.Uint64(b[i:])) {
+		start, high := i, byte(0)
+		for i+8 <= len(b) {
+			w := binary.LittleEndian.Uint64(b[i:])
+			if !plain(w) {
+				break
+			}
+			if w&highs != 0 {
+				high = 0x80
+			}
 			i += 8
+		}
+		for i < len(b) && b[i] >= 0x20 && b[i] != '"' && b[i] != '\\' {
+			high |= b[i] & 0x80
+			i++
+		}
+		if high != 0 && !utf8.Valid(b[start:i]) {
+			s.i = start
+			return errNotUTF8
 		}
 		if i >= len(b) {
 			s.i = i
 			return s.fail("unterminated string")
 		}
-		switch c := b[i]; {
-		case c == '"':
+		switch c := b[i]; c {
+		case '"':
 			s.i = i + 1
 			return nil
-		case c == '\\':
+		case '\\':
 			if i+1 >= len(b) {
 				s.i = i
 				return s.fail("unterminated escape")
@@ -210,14 +231,16 @@ func (s *scanner) str() error {
 				s.i = i
 				return s.fail("invalid escape")
 			}
-		case c < 0x20:
+		default: // a control character
 			s.i = i
 			return s.fail("control character in a string")
-		default:
-			i++
 		}
 	}
 }
+
+// errNotUTF8 is returned for a string that is not valid UTF-8. Outside strings
+// every valid JSON byte is ASCII, so the strings are all there is to check.
+var errNotUTF8 = errors.New("request body is not valid UTF-8")
 
 func hex4(b []byte) bool {
 	for _, c := range b {
