@@ -16,9 +16,9 @@ const (
 	memoryMinBody = 256 << 10
 	memoryMinConc = 64
 	// idleConnGoroutines is what extproc's prefill client may legitimately
-	// keep after a cell: 2 goroutines for each of up to 64 idle keep-alive
+	// keep after a cell: 2 goroutines for each of up to 256 idle keep-alive
 	// connections (MaxIdleConnsPerHost), closed after 90 s idle.
-	idleConnGoroutines = 2 * 64
+	idleConnGoroutines = 2 * 256
 )
 
 // Report is everything a run measured.
