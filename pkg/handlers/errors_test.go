@@ -35,6 +35,10 @@ func TestErrorsReachTheClientAsOpenAIStyleLocalReplies(t *testing.T) {
 			msgs: []*extprocv3.ProcessingRequest{postHeaders(filterv3.ProcessingMode_BUFFERED_PARTIAL, chatPath, clientChat), requestBody(clientChat[:20], false)},
 		},
 		{
+			name: "NONE mode with a body that could not be scrubbed", wantStatus: 500, wantMessage: "FULL_DUPLEX_STREAMED or BUFFERED",
+			msgs: []*extprocv3.ProcessingRequest{postHeaders(filterv3.ProcessingMode_NONE, chatPath, clientChat)},
+		},
+		{
 			name: "invalid JSON", wantStatus: 400, wantMessage: "not valid JSON",
 			msgs: []*extprocv3.ProcessingRequest{postHeaders(fullDuplex, chatPath, `{"model":`), requestBody(`{"model":`, true)},
 		},

@@ -18,8 +18,12 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 )
 
-// Supported request body modes, named in the error for the others.
-const supportedModes = "FULL_DUPLEX_STREAMED, BUFFERED or NONE"
+// Supported request body modes, named in the error for the others. NONE serves
+// only requests without a body.
+const (
+	supportedModes = "FULL_DUPLEX_STREAMED, BUFFERED or NONE"
+	scrubbingModes = "FULL_DUPLEX_STREAMED or BUFFERED"
+)
 
 // exchange is the state of one Process stream: one HTTP request and its response.
 type exchange struct {
@@ -88,8 +92,14 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 	x.readHeaders(h.GetHeaders())
 	x.begin()
 
+	if x.requestMode == filterv3.ProcessingMode_NONE && !h.GetEndOfStream() && x.contentLength != 0 {
+		// The body would reach the engine unseen, with any kv_transfer_params or
+		// bootstrap fields the client put in it (DESIGN §5): refuse, do not route.
+		return x.fail(&pipeline.Error{Status: http.StatusInternalServerError, Type: "server_error", Message: "ext_proc " +
+			"request_body_mode NONE cannot check a request body for fields that steer the engines; configure " + scrubbingModes})
+	}
 	if h.GetEndOfStream() || x.requestMode == filterv3.ProcessingMode_NONE {
-		// No body will follow (or none is sent to us): route from the headers.
+		// No body will follow: route from the headers.
 		x.requestDone = true
 		d, err := x.router.RouteHeaders(&x.req)
 		if err != nil {

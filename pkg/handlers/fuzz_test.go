@@ -74,12 +74,6 @@ func FuzzProcess(f *testing.F) {
 	})
 }
 
-// knownBugEmptyContentType tolerates a known bug so the fuzz target stays
-// green: an engine 4xx without a Content-Type is passed on as an
-// ImmediateResponse that sets content-type to "". See
-// TestKnownBugEngineErrorWithoutContentType; set to false once it is fixed.
-const knownBugEmptyContentType = true
-
 // fuzzStreamBound is how long one stream may take before it counts as a
 // deadlock: the slowest fake prefill ends at the 50 ms prefill timeout.
 const fuzzStreamBound = 10 * time.Second
@@ -162,8 +156,7 @@ type fuzzCase struct {
 	verbose       bool
 	metrics       bool
 	overrideAfter time.Duration
-	cancelAt      int  // reset the stream before sending msgs[cancelAt]; -1: half-close after all
-	strict        bool // known bugs are not tolerated
+	cancelAt      int // reset the stream before sending msgs[cancelAt]; -1: half-close after all
 	msgs          []*extprocv3.ProcessingRequest
 }
 
@@ -1163,7 +1156,7 @@ func (k *fuzzChecker) checkMutation(where string, m *extprocv3.HeaderMutation) {
 			continue
 		case hv.GetValue() != "":
 			k.fail("%s: %s set in value (%q): Envoy reads raw_value only, and both set is a 500 (§3.2)", where, key, hv.GetValue())
-		case len(hv.GetRawValue()) == 0 && !(knownBugEmptyContentType && !k.c.strict && where == "ImmediateResponse" && key == "content-type"):
+		case len(hv.GetRawValue()) == 0:
 			k.fail("%s: %s set to an empty value", where, key)
 		case !fuzzValidHeaderName(key):
 			k.fail("%s: invalid header name %q", where, key)
@@ -1456,12 +1449,10 @@ func fuzzSeeds() [][]byte {
 	return seeds
 }
 
-// TestKnownBugEngineErrorWithoutContentType: a prefill engine's 4xx without a
-// Content-Type reaches the client as a local reply whose content-type is set
-// to an empty value, instead of Envoy's text/plain for a local reply body.
-func TestKnownBugEngineErrorWithoutContentType(t *testing.T) {
-	t.Skip("known bug: pkg/handlers/replies.go immediate() sets content-type to \"\" when the engine sent none")
+// TestEngineErrorWithoutContentTypeSetsNoEmptyHeader: a prefill engine's 4xx
+// without a Content-Type reaches the client with Envoy's own local-reply
+// content type, not an empty content-type header (found by FuzzProcess).
+func TestEngineErrorWithoutContentTypeSetsNoEmptyHeader(t *testing.T) {
 	c := decodeFuzzCase(fuzzSeed(map[int]byte{ctlReqMode: modeBuffered, ctlPrefill: prefill4xxNoType}, "\x05hello"))
-	c.strict = true
 	runFuzzCase(t, c)
 }

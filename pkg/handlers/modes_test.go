@@ -177,7 +177,7 @@ func TestBodilessRequestsRouteFromHeaders(t *testing.T) {
 		msg  *extprocv3.ProcessingRequest
 	}{
 		{"GET with end_of_stream", requestHeaders(fullDuplex, true, hdr{":method", "GET"}, hdr{":path", "/v1/models"})},
-		{"body mode NONE", postHeaders(filterv3.ProcessingMode_NONE, chatPath, clientChat)},
+		{"body mode NONE, no body", postHeaders(filterv3.ProcessingMode_NONE, "/v1/models", "")},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

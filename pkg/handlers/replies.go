@@ -126,7 +126,10 @@ func continueReply(kind string) *extprocv3.ProcessingResponse {
 // immediate turns an error into Envoy's local reply to the client.
 func immediate(e *pipeline.Error) *extprocv3.ProcessingResponse {
 	b, contentType := e.Body()
-	headers := []*corev3.HeaderValueOption{setHeader("content-type", contentType)}
+	var headers []*corev3.HeaderValueOption
+	if contentType != "" { // else Envoy's local reply keeps its own text/plain
+		headers = append(headers, setHeader("content-type", contentType))
+	}
 	if e.RetryAfter > 0 {
 		headers = append(headers, setHeader("retry-after", strconv.Itoa(int(e.RetryAfter.Round(time.Second)/time.Second))))
 	}

@@ -189,13 +189,10 @@ func TestHostileReservedFieldsNeverReachAnEngine(t *testing.T) {
 	}
 }
 
-// TestKnownBugNoneBodyModeCannotScrub: pkg/handlers accepts request_body_mode
-// NONE ("FULL_DUPLEX_STREAMED, BUFFERED or NONE") and routes from the headers.
-// The body then goes to the decode engine unseen, so nothing removes a
-// client's kv_transfer_params: the engine pulls KV from wherever the client
-// says (here it dials the attacker's host).
-func TestKnownBugNoneBodyModeCannotScrub(t *testing.T) {
-	t.Skip("known bug (security): with request_body_mode NONE the body is not scrubbed; pkg/handlers onRequestHeaders must refuse a request with a body in NONE mode")
+// TestNoneBodyModeRefusesABodyItCannotScrub: with request_body_mode NONE the
+// body would go to the decode engine unseen, with a client's kv_transfer_params
+// telling the engine to pull KV from the attacker's host. extproc refuses.
+func TestNoneBodyModeRefusesABodyItCannotScrub(t *testing.T) {
 	attacker := newAttacker(t)
 	host, port := hostPort(t, attacker.addr())
 	r := startFaultRig(t, faultOptions{envoy: func(c *envoy.Config) { c.RequestBodyMode = filterv3.ProcessingMode_NONE }})
