@@ -70,6 +70,7 @@ const (
 	FailureTimeout   = "timeout"    // prefill.timeout expired
 	FailureStatus4xx = "status_4xx" // the engine rejected the request
 	FailureStatus5xx = "status_5xx" // the engine answered with its own failure
+	FailureRedirect  = "redirect"   // the engine answered with a redirect, which is not followed
 	FailureTransport = "transport"  // the connection broke while sending or reading
 	FailureCancelled = "cancelled"  // the client left (the ext_proc stream ended) while the leg ran
 )
@@ -80,7 +81,7 @@ var (
 	outcomes = []string{OutcomeRouted, Outcome4xx, Outcome5xx, OutcomeCancelled}
 	// Reasons lists every pd_decisions_total{reason} value.
 	Reasons       = []string{ReasonAlways, ReasonLongPrompt, ReasonNever, ReasonShortPrompt, ReasonNGT1, ReasonBatch, ReasonNoPrefill, ReasonPrefillFailed, ReasonNoBody}
-	failures      = []string{FailureConnect, FailureTimeout, FailureStatus4xx, FailureStatus5xx, FailureTransport, FailureCancelled}
+	failures      = []string{FailureConnect, FailureTimeout, FailureStatus4xx, FailureStatus5xx, FailureRedirect, FailureTransport, FailureCancelled}
 	prefillStates = []string{PrefillOK, PrefillFailed, PrefillCancelled}
 )
 

@@ -79,8 +79,8 @@ func engineError(status int, body []byte, contentType string) *Error {
 // prefillFailed is the error under prefill.on_failure=fail.
 func prefillFailed(cause error) *Error {
 	status := http.StatusServiceUnavailable // the engine could not be reached or timed out
-	if se := (*statusError)(nil); errors.As(cause, &se) && se.status >= 500 {
-		status = http.StatusBadGateway // the engine answered with its own failure
+	if se := (*statusError)(nil); errors.As(cause, &se) && retryable(se) {
+		status = http.StatusBadGateway // the engine answered with its own failure (5xx, a redirect)
 	}
 	return &Error{Status: status, Type: "upstream_error", Message: "prefill leg failed: " + cause.Error()}
 }

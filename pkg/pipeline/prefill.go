@@ -39,11 +39,11 @@ type statusError struct {
 func (e *statusError) Error() string { return fmt.Sprintf("engine answered %d", e.status) }
 
 // retryable reports whether another prefill endpoint may succeed where this one
-// failed: connection errors, timeouts and 5xx yes; an engine's 4xx is about the
-// request itself.
+// failed: connection errors, timeouts, redirects and 5xx yes; an engine's 4xx
+// is about the request itself.
 func retryable(err error) bool {
 	se, ok := err.(*statusError)
-	return !ok || se.status >= 500
+	return !ok || se.status < 400 || se.status >= 500
 }
 
 // newEngineClient returns the HTTP client for prefill legs and the URL scheme
@@ -60,7 +60,7 @@ func newEngineClient(cfg config.EngineTLS) (*http.Client, string, error) {
 		DisableCompression:  true,
 	}
 	if !cfg.Enabled {
-		return &http.Client{Transport: t}, "http", nil
+		return &http.Client{Transport: t, CheckRedirect: noRedirects}, "http", nil
 	}
 	t.TLSClientConfig = &tls.Config{MinVersion: tls.VersionTLS12, ServerName: cfg.ServerName}
 	if cfg.CAFile != "" {
@@ -73,8 +73,13 @@ func newEngineClient(cfg config.EngineTLS) (*http.Client, string, error) {
 			return nil, "", fmt.Errorf("prefill.tls.ca_file: no PEM certificate in %s", cfg.CAFile)
 		}
 	}
-	return &http.Client{Transport: t}, "https", nil
+	return &http.Client{Transport: t, CheckRedirect: noRedirects}, "https", nil
 }
+
+// noRedirects keeps the prefill leg on the configured endpoint (DESIGN §5): a
+// redirect would send the prompt and the client's Authorization elsewhere, and
+// let that host's kv_transfer_params steer the decode engine.
+func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 
 // attempt sends one prefill leg to endpoint inside its own span, and records
 // its duration and any failure.
@@ -117,6 +122,8 @@ func failureReason(ctx context.Context, err error) string {
 	switch {
 	case errors.As(err, &se) && se.status >= 500:
 		return metrics.FailureStatus5xx
+	case errors.As(err, &se) && se.status < 400:
+		return metrics.FailureRedirect
 	case errors.As(err, &se):
 		return metrics.FailureStatus4xx
 	case errors.Is(ctx.Err(), context.Canceled):

@@ -486,12 +486,11 @@ func TestFaultPrefillReturnsNoTransferParams(t *testing.T) {
 	}
 }
 
-// TestKnownBugPrefillRedirectIsFollowed: the prefill leg goes only to
+// TestPrefillRedirectIsNotFollowed: the prefill leg goes only to
 // configured endpoints (DESIGN §5). An engine (or whatever answers on its
 // port) that redirects must not send the prompt, the client's Authorization
 // and the KV handoff somewhere else.
-func TestKnownBugPrefillRedirectIsFollowed(t *testing.T) {
-	t.Skip("known bug: pkg/pipeline/prefill.go newEngineClient follows redirects; the prefill leg (prompt, Authorization) is re-sent to the Location host and its kv_transfer_params steer the decode engine")
+func TestPrefillRedirectIsNotFollowed(t *testing.T) {
 	for _, code := range []int{http.StatusFound, http.StatusTemporaryRedirect, http.StatusPermanentRedirect} {
 		t.Run(fmt.Sprint(code), func(t *testing.T) {
 			elsewhere := newRecorder(t, "")
