@@ -169,6 +169,10 @@ func (c *Config) validate() error {
 	if c.Prefill.Timeout < 0 {
 		errs = append(errs, errors.New("prefill.timeout: must be positive"))
 	}
+	if c.Connector == kv.SGLang && (c.PD.Mode == PDNever || c.PD.MinPromptTokens > 0) {
+		errs = append(errs, errors.New("pd.mode, pd.min_prompt_tokens: kv-sglang cannot send a request decode-only "+
+			"(SGLang decode servers in PD mode serve only prefill/decode pairs)"))
+	}
 	if !c.Prefill.TLS.Enabled && (c.Prefill.TLS.CAFile != "" || c.Prefill.TLS.ServerName != "") {
 		errs = append(errs, errors.New("prefill.tls: ca_file and server_name need prefill.tls.enabled: true"))
 	}

@@ -69,6 +69,13 @@ func noDecodeEndpoint(cause error) *Error {
 		Message: "no healthy decode endpoint: " + cause.Error()}
 }
 
+// noPrefillEndpoint refuses a kv-sglang request when no prefill endpoint can
+// take it: SGLang's decode servers serve only paired requests.
+func noPrefillEndpoint() *Error {
+	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable",
+		Message: "no healthy prefill endpoint: kv-sglang decode engines serve only prefill/decode pairs"}
+}
+
 // engineError passes an engine's 4xx answer on to the client unchanged: it is
 // about the request (bad parameters), which retrying elsewhere cannot fix.
 func engineError(status int, body []byte, contentType string) *Error {

@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -178,6 +179,9 @@ type Decision struct {
 	Mode     string
 	decode   *scheduling.Endpoint
 	release  func()
+	// partnerFailed is set when a concurrent prefill leg failed: the decode
+	// engine's 5xx is then the pair's failure, not the decode endpoint's.
+	partnerFailed atomic.Bool
 }
 
 // Release frees the decode endpoint's slot; call it when the exchange ends.
@@ -192,6 +196,7 @@ func (d *Decision) Release() {
 func (d *Decision) Observe(status int) {
 	switch {
 	case d == nil || d.decode == nil:
+	case status >= 500 && d.partnerFailed.Load():
 	case status >= 500:
 		d.decode.ReportFailure()
 	default:
@@ -249,7 +254,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 		return nil, err
 	}
 	r.Report.Decode = d.Endpoint
-	d.Body, err = p.legs(ctx, r, obj, sreq)
+	d.Body, err = p.legs(ctx, r, obj, sreq, d)
 	if err != nil {
 		d.Release()
 		return nil, err
@@ -261,11 +266,19 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 
 // legs decides P/D or decode-only, runs or launches the prefill leg, and returns
 // the decode leg's body. It records the decision in r.Report.
-func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq *scheduling.Request) ([]byte, error) {
+func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq *scheduling.Request, d *Decision) ([]byte, error) {
 	rep := &r.Report
 	decision := p.pools.Decide(sreq)
 	rep.Reason = decision.Reason
-	if !decision.PD {
+	paired := p.connector.Dispatch() == kv.Concurrent
+	switch {
+	case decision.PD:
+	case paired && decision.Reason == scheduling.ReasonNoPrefill:
+		// SGLang decode servers in PD mode refuse a request without a partner.
+		return nil, noPrefillEndpoint()
+	case paired:
+		// n > 1 and batches: SGLang pairs them too, one room for all samples.
+	default:
 		rep.Mode = ModeDecodeOnly
 		return kv.Scrubbed(obj), nil
 	}
@@ -275,14 +288,14 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq 
 		BootstrapPort: p.opts.BootstrapPort,
 		Room:          rand.Uint64() >> 1, // 0..2^63-1, as SGLang's routers draw it
 	}
-	if p.connector.Dispatch() == kv.Concurrent {
+	if paired {
 		prefill, err := p.pools.Prefill.Select(sreq)
 		if err != nil {
-			return p.withoutPrefill(r, obj, err)
+			return nil, noPrefillEndpoint()
 		}
 		rep.Prefill = prefill.Addr
 		h.PrefillHost = bootstrapHost(prefill.Addr)
-		p.launch(ctx, prefill, r, kv.PrefillBody(p.connector, h))
+		p.launch(ctx, prefill, r, kv.PrefillBody(p.connector, h), d)
 		return kv.DecodeBody(p.connector, h), nil
 	}
 	params, err := p.runPrefill(ctx, sreq, r, h)
@@ -352,7 +365,12 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 // launch sends a concurrent prefill leg in the background. It runs on its own
 // deadline: Envoy closes the ext_proc stream as soon as its last reply is in,
 // which must not cancel a leg the decode engine is waiting to pair with.
-func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Request, leg []byte) {
+//
+// The legs fail together: a prefill whose decode never connects answers 5xx,
+// and a decode whose prefill failed does too. So only a leg that got no answer
+// counts against the prefill endpoint, and a failed leg spares its decode
+// endpoint the blame for the 5xx that follows (Decision.Observe).
+func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Request, leg []byte, d *Decision) {
 	release := ep.Acquire()
 	ctx = context.WithoutCancel(ctx)
 	p.background.Go(func() {
@@ -360,7 +378,8 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 		ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
 		defer cancel()
 		if _, err := p.attempt(ctx, ep.Addr, r, leg); err != nil {
-			if retryable(err) {
+			d.partnerFailed.Store(true)
+			if se := (*statusError)(nil); !errors.As(err, &se) {
 				ep.ReportFailure()
 			}
 			p.log.Info("concurrent prefill leg failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", err.Error())

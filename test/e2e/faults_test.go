@@ -819,14 +819,13 @@ func TestFaultOverloadIs429(t *testing.T) {
 
 // ---------------------------------------------------------------- kv-sglang pairs
 
-// TestKnownBugSGLangDecodeOnlyIsRefused: an SGLang decode server in PD mode
+// TestSGLangNeverGoesDecodeOnly: an SGLang decode server in PD mode
 // cannot serve a request without bootstrap fields (pdsim: 400 "bootstrap_room
 // is required"; SGLang with DP attention asserts "send to the router instead").
-// extproc still routes decode-only under kv-sglang: for n>1 (which SGLang
-// serves in PD mode: one room, the engine adds the sample index), and when no
-// prefill endpoint is ready. Any client can send n:2.
-func TestKnownBugSGLangDecodeOnlyIsRefused(t *testing.T) {
-	t.Skip("known bug: pkg/pipeline legs routes kv-sglang requests decode-only (n>1, no prefill ready), which SGLang decode servers refuse")
+// So under kv-sglang extproc never routes decode-only: n>1 goes P/D (SGLang
+// serves it with one room, adding the sample index), and with no prefill
+// endpoint ready the answer is 503. Any client can send n:2.
+func TestSGLangNeverGoesDecodeOnly(t *testing.T) {
 	r := startFaultRig(t, faultOptions{connector: "kv-sglang"})
 	body := `{"model":"pdsim","prompt":"two samples","n":2,"max_tokens":4}`
 	resp, got := r.must(t, "/v1/completions", body, nil)
@@ -835,15 +834,14 @@ func TestKnownBugSGLangDecodeOnlyIsRefused(t *testing.T) {
 	}
 }
 
-// TestKnownBugSGLangFailuresAreBlamedOnThePartner: kv-sglang legs pair up, so
+// TestSGLangFailuresAreNotBlamedOnThePartner: kv-sglang legs pair up, so
 // one side's failure shows on the other: a prefill leg that fails leaves its
 // decode waiting for a handshake (500 after the bootstrap timeout), and a
-// decode that dies leaves its prefill leg waiting (500). extproc counts each
-// against the endpoint that reported it, so one faulty engine gets healthy
-// engines of the other pool ejected; with one endpoint per pool the next
-// requests then fail although nothing is wrong any more.
-func TestKnownBugSGLangFailuresAreBlamedOnThePartner(t *testing.T) {
-	t.Skip("known bug: pkg/pipeline launch and the response-path Observe blame a kv-sglang leg's failure on the endpoint that reported it, not the one that failed")
+// decode that dies leaves its prefill leg waiting (500). Counting each against
+// the endpoint that reported it would eject healthy engines of the other pool;
+// with one endpoint per pool the next requests would then fail although
+// nothing is wrong any more. The next request must succeed.
+func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 	const health = "health: {consecutive_failures: 1, base_ejection: 1m}"
 	for _, tt := range []struct {
 		name  string
