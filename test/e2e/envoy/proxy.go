@@ -87,6 +87,9 @@ func Start(cfg *Config, extProcAddr string) (*Proxy, error) {
 	p.srv = &http.Server{
 		Handler:           http.HandlerFunc(p.serveHTTP),
 		ReadHeaderTimeout: 10 * time.Second,
+		// Envoy's codec answers 431 above max_request_headers_kb; Go's server
+		// answers 431 above MaxHeaderBytes (plus a small allowance of its own).
+		MaxHeaderBytes: c.MaxHeadersKB << 10,
 		ErrorLog:          log.New(io.Discard, "", 0),
 	}
 	go func() { _ = p.srv.Serve(ln) }()
