@@ -27,6 +27,10 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
+// maxModelBytes bounds a model name: real ones are tens of bytes, and a longer
+// one would only cost a prefill leg to be refused (and echoed back) by the engine.
+const maxModelBytes = 1024
+
 // Options are the pipeline's settings, taken from the config file.
 type Options struct {
 	PrefillTimeout time.Duration // the whole prefill phase of a request, retries included
@@ -244,8 +248,12 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if err != nil {
 		return nil, badRequest("%v", err)
 	}
-	if model, ok := obj.String("model"); !ok || model == "" {
+	model, ok := obj.String("model")
+	switch {
+	case !ok || model == "":
 		return nil, badRequest("the request has no \"model\" string")
+	case len(model) > maxModelBytes:
+		return nil, badRequest("\"model\" is %d bytes long; model names are at most %d", len(model), maxModelBytes)
 	}
 	sreq := scheduling.NewRequest(obj)
 	sreq.Subset = scheduling.ParseSubset(r.Subset)
