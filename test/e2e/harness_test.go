@@ -39,19 +39,13 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// repoRoot finds the module root, where config/ lives.
+// repoRoot is the module root, where config/ lives: go test runs a package in its own directory.
 func repoRoot() string {
-	dir, _ := os.Getwd()
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return dir
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			panic("go.mod not found above the test directory")
-		}
-		dir = parent
+	root, err := filepath.Abs("../..")
+	if err != nil {
+		panic(err)
 	}
+	return root
 }
 
 // extproc is a running extproc process.
