@@ -90,7 +90,7 @@ func Start(cfg *Config, extProcAddr string) (*Proxy, error) {
 		// Envoy's codec answers 431 above max_request_headers_kb; Go's server
 		// answers 431 above MaxHeaderBytes (plus a small allowance of its own).
 		MaxHeaderBytes: c.MaxHeadersKB << 10,
-		ErrorLog:          log.New(io.Discard, "", 0),
+		ErrorLog:       log.New(io.Discard, "", 0),
 	}
 	go func() { _ = p.srv.Serve(ln) }()
 	return p, nil
