@@ -25,16 +25,36 @@ var benchSizes = []struct {
 	{"1KiB", 1 << 10},
 	{"64KiB", 64 << 10},
 	{"1MiB", 1 << 20},
+	{"English-1MiB", 1 << 20}, // English text and code; the others are multilingual
 	{"8MiB", 8 << 20},
 }
 
+// Conversation text of the benchmark bodies: a multilingual one, a third of
+// its bytes non-ASCII with an escape every 15 bytes (the hard case for a
+// scanner), and an English one with code, as most long prompts are.
+var (
+	multilingual = "Voici le rapport trimestriel — revenue rose 12% “year over year”.\n" +
+		"```go\nfmt.Println(\"hello\\tworld\")\n```\n日本語のテキストも含まれます。 "
+	english = "The quarterly report shows revenue rose 12 percent year over year, driven by the " +
+		"inference platform; the attached function computes the weighted average of the latencies. " +
+		"func avg(xs []float64) float64 { s := 0.0; for _, x := range xs { s += x }; return s / float64(len(xs)) }\n"
+)
+
 // chatBody returns a chat completions body of about size bytes: a long
-// conversation (unicode, escapes, code) followed by the usual parameters.
-func chatBody(size int) []byte {
+// conversation followed by the usual parameters.
+func chatBody(size int) []byte { return chatBodyOf(multilingual, size) }
+
+// sizedBody is the body of one benchSizes entry.
+func sizedBody(name string, size int) []byte {
+	if strings.HasPrefix(name, "English") {
+		return chatBodyOf(english, size)
+	}
+	return chatBody(size)
+}
+
+func chatBodyOf(turn string, size int) []byte {
 	const tail = `],"stream":true,"stream_options":{"include_usage":true},"max_completion_tokens":512,` +
 		`"temperature":0.7,"top_p":0.95,"n":1,"seed":1234567890,"user":"u-42"}`
-	const turn = "Voici le rapport trimestriel — revenue rose 12% “year over year”.\n" +
-		"```go\nfmt.Println(\"hello\\tworld\")\n```\n日本語のテキストも含まれます。 "
 	var b strings.Builder
 	b.WriteString(`{"model":"meta-llama/Llama-3.1-8B-Instruct","messages":[`)
 	b.WriteString(`{"role":"system","content":"You are a helpful assistant."}`)
@@ -55,7 +75,7 @@ var sink int
 
 func BenchmarkReadRoutingFields(b *testing.B) {
 	for _, size := range benchSizes {
-		in := chatBody(size.n)
+		in := sizedBody(size.name, size.n)
 		b.Run(size.name+"/splice", func(b *testing.B) {
 			b.SetBytes(int64(len(in)))
 			for b.Loop() {
@@ -114,7 +134,7 @@ func BenchmarkEdit(b *testing.B) {
 		}
 		short := strings.TrimPrefix(name, "kv-")
 		for _, size := range benchSizes {
-			in := chatBody(size.n)
+			in := sizedBody(size.name, size.n)
 			b.Run(short+"/"+size.name+"/splice", func(b *testing.B) {
 				b.SetBytes(int64(len(in)))
 				for b.Loop() {

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math/bits"
 	"unicode/utf8"
 )
 
@@ -179,41 +180,40 @@ func plain(w uint64) bool {
 }
 
 // str checks the string starting at s.i (a '"') and moves past it. Its text is
-// checked 8 bytes at a time up to the next quote, backslash or control byte;
-// a stretch that held a non-ASCII byte is then checked as UTF-8 (escapes and
-// quotes are ASCII, so they never split a multi-byte sequence).
+// read 8 bytes at a time while they hold no quote, backslash or control byte,
+// and each non-ASCII character is decoded once, which checks its UTF-8: every
+// byte of the string is looked at once.
 func (s *scanner) str() error {
 	b := s.b
 	i := s.i + 1
 	for {
-		start, high := i, byte(0)
 		for i+8 <= len(b) {
 			w := binary.LittleEndian.Uint64(b[i:])
 			if !plain(w) {
 				break
 			}
-			if w&highs != 0 {
-				high = 0x80
+			high := w & highs
+			if high == 0 {
+				i += 8
+				continue
 			}
-			i += 8
-		}
-		for i < len(b) && b[i] >= 0x20 && b[i] != '"' && b[i] != '\\' {
-			high |= b[i] & 0x80
-			i++
-		}
-		if high != 0 && !utf8.Valid(b[start:i]) {
-			s.i = start
-			return errNotUTF8
+			i += bits.TrailingZeros64(high) / 8
+			r, size := utf8.DecodeRune(b[i:])
+			if r == utf8.RuneError && size == 1 {
+				s.i = i
+				return errNotUTF8
+			}
+			i += size
 		}
 		if i >= len(b) {
 			s.i = i
 			return s.fail("unterminated string")
 		}
-		switch c := b[i]; c {
-		case '"':
+		switch c := b[i]; {
+		case c == '"':
 			s.i = i + 1
 			return nil
-		case '\\':
+		case c == '\\':
 			if i+1 >= len(b) {
 				s.i = i
 				return s.fail("unterminated escape")
@@ -231,9 +231,18 @@ func (s *scanner) str() error {
 				s.i = i
 				return s.fail("invalid escape")
 			}
-		default: // a control character
+		case c < 0x20:
 			s.i = i
 			return s.fail("control character in a string")
+		case c < utf8.RuneSelf:
+			i++
+		default:
+			r, size := utf8.DecodeRune(b[i:])
+			if r == utf8.RuneError && size == 1 {
+				s.i = i
+				return errNotUTF8
+			}
+			i += size
 		}
 	}
 }
