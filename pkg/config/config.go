@@ -52,6 +52,12 @@ type Prefill struct {
 	Timeout   Duration  `json:"timeout"`
 	OnFailure string    `json:"on_failure"`
 	TLS       EngineTLS `json:"tls"`
+	// HTTP2 speaks HTTP/2 to the engines: cleartext with prior knowledge
+	// (h2c), or negotiated with TLS. Off by default: vLLM and SGLang serve HTTP/1.1.
+	HTTP2 bool `json:"http2"`
+	// MaxIdleConnsPerEndpoint sizes the keep-alive pool per prefill engine;
+	// beyond it, each concurrent leg opens and closes its own connection.
+	MaxIdleConnsPerEndpoint int `json:"max_idle_conns_per_endpoint"`
 	PrefillAttempts
 }
 
@@ -125,6 +131,9 @@ func (c *Config) setDefaults() {
 	if c.Prefill.Timeout == 0 {
 		c.Prefill.Timeout = Duration(DefaultPrefillTimout)
 	}
+	if c.Prefill.MaxIdleConnsPerEndpoint == 0 {
+		c.Prefill.MaxIdleConnsPerEndpoint = 256
+	}
 	if c.Prefill.OnFailure == "" {
 		c.Prefill.OnFailure = OnFailureDecodeOnly
 	}
@@ -168,6 +177,9 @@ func (c *Config) validate() error {
 	}
 	if c.Prefill.Timeout < 0 {
 		errs = append(errs, errors.New("prefill.timeout: must be positive"))
+	}
+	if c.Prefill.MaxIdleConnsPerEndpoint < 0 {
+		errs = append(errs, errors.New("prefill.max_idle_conns_per_endpoint: must be positive"))
 	}
 	if c.Connector == kv.SGLang && (c.PD.Mode == PDNever || c.PD.MinPromptTokens > 0) {
 		errs = append(errs, errors.New("pd.mode, pd.min_prompt_tokens: kv-sglang cannot send a request decode-only "+

@@ -78,7 +78,7 @@ func New(cfg *config.Config, log logr.Logger, options ...Option) (*Pipeline, err
 	if err != nil {
 		return nil, err
 	}
-	client, scheme, err := newEngineClient(cfg.Prefill.TLS)
+	client, scheme, err := newEngineClient(cfg.Prefill)
 	if err != nil {
 		return nil, err
 	}

@@ -47,33 +47,40 @@ func retryable(err error) bool {
 }
 
 // newEngineClient returns the HTTP client for prefill legs and the URL scheme
-// it speaks: keep-alive pools per endpoint, no environment proxy (engines are
-// addressed directly by ip:port), no transparent compression that would hide
-// the response size, and HTTPS when prefill.tls says so.
-func newEngineClient(cfg config.EngineTLS) (*http.Client, string, error) {
+// it speaks: a keep-alive pool per endpoint (prefill.max_idle_conns_per_endpoint),
+// no environment proxy (engines are addressed directly by ip:port), no
+// transparent compression that would hide the response size, HTTPS when
+// prefill.tls says so and HTTP/2 when prefill.http2 does.
+func newEngineClient(cfg config.Prefill) (*http.Client, string, error) {
 	t := &http.Transport{
 		Proxy:               nil,
 		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		MaxIdleConns:        1024,
-		MaxIdleConnsPerHost: 256, // past it, each concurrent leg would open and close its own connection
+		MaxIdleConns:        4 * cfg.MaxIdleConnsPerEndpoint,
+		MaxIdleConnsPerHost: cfg.MaxIdleConnsPerEndpoint,
 		IdleConnTimeout:     90 * time.Second,
 		DisableCompression:  true,
+		Protocols:           new(http.Protocols),
 	}
-	if !cfg.Enabled {
-		return &http.Client{Transport: t, CheckRedirect: noRedirects}, "http", nil
+	client := &http.Client{Transport: t, CheckRedirect: noRedirects}
+	if !cfg.TLS.Enabled {
+		t.Protocols.SetHTTP1(!cfg.HTTP2)
+		t.Protocols.SetUnencryptedHTTP2(cfg.HTTP2)
+		return client, "http", nil
 	}
-	t.TLSClientConfig = &tls.Config{MinVersion: tls.VersionTLS12, ServerName: cfg.ServerName}
-	if cfg.CAFile != "" {
-		pem, err := os.ReadFile(cfg.CAFile)
+	t.Protocols.SetHTTP1(true)
+	t.Protocols.SetHTTP2(cfg.HTTP2)
+	t.TLSClientConfig = &tls.Config{MinVersion: tls.VersionTLS12, ServerName: cfg.TLS.ServerName}
+	if cfg.TLS.CAFile != "" {
+		pem, err := os.ReadFile(cfg.TLS.CAFile)
 		if err != nil {
 			return nil, "", fmt.Errorf("prefill.tls.ca_file: %w", err)
 		}
 		t.TLSClientConfig.RootCAs = x509.NewCertPool()
 		if !t.TLSClientConfig.RootCAs.AppendCertsFromPEM(pem) {
-			return nil, "", fmt.Errorf("prefill.tls.ca_file: no PEM certificate in %s", cfg.CAFile)
+			return nil, "", fmt.Errorf("prefill.tls.ca_file: no PEM certificate in %s", cfg.TLS.CAFile)
 		}
 	}
-	return &http.Client{Transport: t, CheckRedirect: noRedirects}, "https", nil
+	return client, "https", nil
 }
 
 // noRedirects keeps the prefill leg on the configured endpoint (DESIGN §5): a

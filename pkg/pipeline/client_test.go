@@ -1,0 +1,57 @@
+package pipeline
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/go-logr/logr"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+func TestPrefillLegSpeaksHTTP2CleartextWhenAsked(t *testing.T) {
+	var proto atomic.Int32
+	engine := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		proto.Store(int32(r.ProtoMajor))
+		io.Copy(io.Discard, r.Body)
+		io.WriteString(w, `{"kv_transfer_params":{"remote_host":"10.0.0.9"}}`)
+	}))
+	engine.Config.Protocols = new(http.Protocols)
+	engine.Config.Protocols.SetHTTP1(true)
+	engine.Config.Protocols.SetUnencryptedHTTP2(true)
+	engine.Start()
+	defer engine.Close()
+
+	for _, tt := range []struct {
+		http2     bool
+		wantProto int32
+	}{{false, 1}, {true, 2}} {
+		t.Run(fmt.Sprintf("http2=%v", tt.http2), func(t *testing.T) {
+			cfg, err := config.Parse([]byte(fmt.Sprintf(`connector: kv-nixl
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {on_failure: fail, http2: %v}`, strings.TrimPrefix(engine.URL, "http://"), tt.http2)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			p, err := New(cfg, logr.Discard())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.client.CloseIdleConnections()
+			d, err := p.Route(context.Background(), &Request{Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi"}`)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			d.Release()
+			if got := proto.Load(); got != tt.wantProto {
+				t.Errorf("the engine saw HTTP/%d, want HTTP/%d", got, tt.wantProto)
+			}
+		})
+	}
+}
