@@ -215,13 +215,11 @@ func TestNoneBodyModeRefusesABodyItCannotScrub(t *testing.T) {
 // extproc, or the engine), and right after it extproc is healthy and an
 // ordinary request completes.
 func TestHostileInputsGetAClear4xx(t *testing.T) {
-	// The body-limit rows run against a 64 KiB limit: the whole upload then
-	// sits in the socket buffers when the 413 comes back at the request headers.
-	// With a larger upload the emulator (Go's net/http) resets the connection
-	// while the client still writes, and the client never reads the 413; real
-	// Envoy drains for delayed_close_timeout (1 s) first. The other rows run
-	// against a 4 MiB limit, room for the 1 MiB model and the deep nesting.
-	const limit, small = 4 << 20, 64 << 10
+	// The body-limit rows run against a 2 MiB limit, the other rows against
+	// 4 MiB: room for the 1 MiB model and the deep nesting. After an early 413
+	// the emulator drains the rest of the upload for up to 1 s, as Envoy does,
+	// so the client reads the 413 rather than a reset.
+	const limit, small = 4 << 20, 2 << 20
 	deep := `{"model":"pdsim","messages":` + strings.Repeat("[", 100_000) + strings.Repeat("]", 100_000) + `}`
 	prompt := func(n int) string { // a completions body of exactly n bytes
 		head, tail := `{"model":"pdsim","prompt":"`, `"}`

@@ -155,4 +155,17 @@ func (p *Proxy) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		// A reset: the client sees a broken or truncated response.
 		panic(http.ErrAbortHandler)
 	}
+	drainUpload(w, r)
+}
+
+// drainUpload reads what is left of the client's upload, for at most 1 s, after
+// the response: Envoy does so after a local reply (delayed_close_timeout), so
+// that a client still sending its body reads the early 413 instead of a reset,
+// which is what net/http would give it.
+func drainUpload(w http.ResponseWriter, r *http.Request) {
+	rc := http.NewResponseController(w)
+	if rc.Flush() != nil || rc.SetReadDeadline(time.Now().Add(time.Second)) != nil {
+		return
+	}
+	_, _ = io.Copy(io.Discard, r.Body)
 }
