@@ -198,12 +198,14 @@ func (s *scanner) str() error {
 				continue
 			}
 			i += bits.TrailingZeros64(high) / 8
-			r, size := utf8.DecodeRune(b[i:])
-			if r == utf8.RuneError && size == 1 {
-				s.i = i
-				return errNotUTF8
+			for i < len(b) && b[i] >= utf8.RuneSelf { // a run of non-ASCII characters
+				size := utf8Seq(b, i)
+				if size == 0 {
+					s.i = i
+					return errNotUTF8
+				}
+				i += size
 			}
-			i += size
 		}
 		if i >= len(b) {
 			s.i = i
@@ -237,14 +239,54 @@ func (s *scanner) str() error {
 		case c < utf8.RuneSelf:
 			i++
 		default:
-			r, size := utf8.DecodeRune(b[i:])
-			if r == utf8.RuneError && size == 1 {
+			size := utf8Seq(b, i)
+			if size == 0 {
 				s.i = i
 				return errNotUTF8
 			}
 			i += size
 		}
 	}
+}
+
+// utf8Seq returns the length of the well-formed UTF-8 sequence that starts at
+// b[i] (a byte >= 0x80), or 0 when there is none: the checks of utf8.Valid
+// (no overlong forms, no surrogates, nothing above U+10FFFF) without decoding.
+func utf8Seq(b []byte, i int) int {
+	c := b[i]
+	cont := func(j int) bool { return j < len(b) && b[j]&0xC0 == 0x80 }
+	second := func(lo, hi byte) bool { return i+1 < len(b) && lo <= b[i+1] && b[i+1] <= hi }
+	switch {
+	case c < 0xC2:
+		return 0
+	case c < 0xE0:
+		if cont(i + 1) {
+			return 2
+		}
+	case c < 0xF0:
+		lo, hi := byte(0x80), byte(0xBF)
+		switch c {
+		case 0xE0:
+			lo = 0xA0 // else overlong
+		case 0xED:
+			hi = 0x9F // else a surrogate
+		}
+		if second(lo, hi) && cont(i+2) {
+			return 3
+		}
+	case c < 0xF5:
+		lo, hi := byte(0x80), byte(0xBF)
+		switch c {
+		case 0xF0:
+			lo = 0x90 // else overlong
+		case 0xF4:
+			hi = 0x8F // else above U+10FFFF
+		}
+		if second(lo, hi) && cont(i+2) && cont(i+3) {
+			return 4
+		}
+	}
+	return 0
 }
 
 // errNotUTF8 is returned for a string that is not valid UTF-8. Outside strings
