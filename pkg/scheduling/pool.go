@@ -72,13 +72,6 @@ func (p *Pool) Endpoints() []*Endpoint { return p.state.Load().endpoints }
 // Fallbacks is how many extra endpoints the pool's spec asks SelectN for.
 func (p *Pool) Fallbacks() int { return p.state.Load().spec.Fallbacks }
 
-// Pick returns an endpoint not in exclude, or nil when none is eligible. It is
-// Select without a request: the policy can only go by load.
-func (p *Pool) Pick(exclude ...string) *Endpoint {
-	e, _ := p.Select(nil, exclude...)
-	return e
-}
-
 // Select picks the endpoint for req among the healthy endpoints that are not
 // in exclude (endpoints already tried) and, except in the prefill pool, are in
 // req's subset hint. The error says why there is none: ErrEmpty, ErrSubset,

@@ -33,12 +33,12 @@ func TestPickPrefersLessLoadedAndHonoursExclude(t *testing.T) {
 				}
 			}
 			for range max(tt.attempts, 1) {
-				got := p.Pick(tt.exclude...)
+				got, _ := p.Select(nil, tt.exclude...)
 				switch {
 				case got == nil && tt.want != "":
-					t.Fatalf("Pick() = nil, want %s", tt.want)
+					t.Fatalf("Select() = nil, want %s", tt.want)
 				case got != nil && got.Addr != tt.want:
-					t.Fatalf("Pick() = %s, want %s", got.Addr, tt.want)
+					t.Fatalf("Select() = %s, want %s", got.Addr, tt.want)
 				}
 			}
 		})
