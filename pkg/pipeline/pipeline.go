@@ -180,7 +180,6 @@ type Decision struct {
 	// pools.decode.fallbacks when configured (comma-separated, in order).
 	Endpoint string
 	Body     []byte // the decode leg's body; nil when the request has none
-	Mode     string
 	decode   *scheduling.Endpoint
 	release  func()
 	// partnerFailed is set when a concurrent prefill leg failed: the decode
@@ -228,7 +227,6 @@ func (p *Pipeline) RouteHeaders(r *Request) (*Decision, error) {
 	if err != nil {
 		return nil, err
 	}
-	d.Mode = ModeDecodeOnly
 	r.Report.Decode = d.Endpoint
 	p.metrics.Decision(r.Report.Reason)
 	return d, nil
@@ -267,7 +265,6 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 		d.Release()
 		return nil, err
 	}
-	d.Mode = r.Report.Mode
 	p.metrics.Decision(r.Report.Reason)
 	return d, nil
 }
