@@ -59,12 +59,6 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err erro
 	}
 	switch m := req.Request.(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
-		if x.overloaded {
-			x.headersSeen = true
-			x.readHeaders(m.RequestHeaders.GetHeaders())
-			x.begin()
-			return x.fail(pipeline.Overloaded(x.opts.MaxStreams, x.opts.RetryAfter))
-		}
 		x.req.Subset = subsetHint(req.GetMetadataContext())
 		return x.onRequestHeaders(m.RequestHeaders)
 	case *extprocv3.ProcessingRequest_RequestBody:
@@ -91,6 +85,9 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 	x.start = time.Now()
 	x.readHeaders(h.GetHeaders())
 	x.begin()
+	if x.overloaded {
+		return x.fail(pipeline.Overloaded(x.opts.MaxStreams, x.opts.RetryAfter))
+	}
 
 	if x.requestMode == filterv3.ProcessingMode_NONE && !h.GetEndOfStream() && x.contentLength != 0 {
 		// The body would reach the engine unseen, with any kv_transfer_params or
