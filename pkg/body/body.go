@@ -125,6 +125,3 @@ func decodeKey(raw []byte) (string, error) {
 	}
 	return s, nil
 }
-
-// Len returns the number of top-level members, duplicates included.
-func (o *Object) Len() int { return len(o.members) }

@@ -164,15 +164,6 @@ func TestRoutingFieldReaders(t *testing.T) {
 	}
 }
 
-func TestLenCountsMembersWithDuplicates(t *testing.T) {
-	// The pipeline treats kv_transfer_params with Len() == 0 as "no params".
-	for in, want := range map[string]int{`{}`: 0, " { \n } ": 0, `{"a":{"b":1}}`: 1, `{"a":1,"a":2}`: 2, `{"a":[1,2],"b":{}}`: 2} {
-		if got := mustParse(t, in).Len(); got != want {
-			t.Errorf("Parse(%q).Len() = %d, want %d", in, got, want)
-		}
-	}
-}
-
 func TestIsNull(t *testing.T) {
 	for raw, want := range map[string]bool{"null": true, "": false, `"null"`: false, "nul": false, "{}": false} {
 		if got := IsNull([]byte(raw)); got != want {

@@ -64,7 +64,7 @@ func FuzzLegs(f *testing.F) {
 			"bootstrap_room": decodeValue(t, body.Uint(h.Room)),
 		})
 		nixlDecode := client
-		if hasParams(prefillKV) {
+		if HasParams(prefillKV) {
 			nixlDecode = with(map[string]any{"kv_transfer_params": decodeValue(t, prefillKV)})
 		}
 

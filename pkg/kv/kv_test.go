@@ -354,8 +354,8 @@ func TestHasParams(t *testing.T) {
 		"": false, "null": false, " null ": false, "{}": false, "{ \n\t}": false, "{": true,
 		`{"do_remote_prefill":true}`: true, "[]": true, `"x"`: true,
 	} {
-		if got := hasParams([]byte(raw)); got != want {
-			t.Errorf("hasParams(%q) = %v, want %v", raw, got, want)
+		if got := HasParams([]byte(raw)); got != want {
+			t.Errorf("HasParams(%q) = %v, want %v", raw, got, want)
 		}
 	}
 	if !bytes.Equal(nixlPrefillParams, []byte(nixlAsk)) {

@@ -27,15 +27,16 @@ func (nixlKV) PrefillEdits(*Handoff) []body.Edit {
 // when the prefill returned no params (absent, null or {}, as vLLM's proxies
 // read it) the decode engine simply recomputes.
 func (nixlKV) DecodeEdits(h *Handoff) []body.Edit {
-	if !hasParams(h.PrefillKV) {
+	if !HasParams(h.PrefillKV) {
 		return nil
 	}
 	return []body.Edit{body.Set("kv_transfer_params", h.PrefillKV)}
 }
 
-// hasParams reports whether raw, a JSON value, is something other than nothing,
-// null or an empty object.
-func hasParams(raw []byte) bool {
+// HasParams reports whether raw, a prefill answer's kv_transfer_params, hands
+// anything to the decode engine: nothing, null and an empty object do not, as
+// vLLM's proxies read it.
+func HasParams(raw []byte) bool {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || body.IsNull(raw) {
 		return false

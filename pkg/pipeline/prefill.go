@@ -22,6 +22,7 @@ import (
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
@@ -183,10 +184,7 @@ func transferParams(answer []byte) []byte {
 		return nil
 	}
 	raw, ok := o.Raw("kv_transfer_params")
-	if !ok || raw[0] != '{' {
-		return nil
-	}
-	if inner, err := body.Parse(raw); err != nil || inner.Len() == 0 {
+	if !ok || raw[0] != '{' || !kv.HasParams(raw) {
 		return nil
 	}
 	return raw
