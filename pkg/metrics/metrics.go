@@ -43,8 +43,8 @@ const (
 )
 
 // Values of pd_decisions_total{reason}: why a routed request got its mode. The
-// first seven are the P/D decider's (pkg/scheduling, Reason*), which a test
-// keeps in step with this list.
+// first seven are the P/D decider's (scheduling.Reasons); a pipeline test keeps
+// the two lists in step.
 const (
 	ReasonAlways        = "always"         // P/D: pd.mode always
 	ReasonLongPrompt    = "long_prompt"    // P/D: auto, prompt at or above pd.min_prompt_tokens

@@ -14,6 +14,9 @@ const (
 	ReasonNoPrefill   = "no_prefill"   // no healthy prefill endpoint
 )
 
+// Reasons lists every reason Decide can give.
+var Reasons = []string{ReasonAlways, ReasonLongPrompt, ReasonNever, ReasonShortPrompt, ReasonMultipleN, ReasonBatch, ReasonNoPrefill}
+
 // Decision says whether a request is disaggregated, and why.
 type Decision struct {
 	PD     bool
