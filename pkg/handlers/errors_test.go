@@ -12,6 +12,7 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 )
 
@@ -63,12 +64,12 @@ func TestErrorsReachTheClientAsOpenAIStyleLocalReplies(t *testing.T) {
 		},
 		{
 			name: "prefill engine 4xx is returned as is", wantStatus: 400, wantRaw: engine400,
-			prefill: answerStatus(400, engine400),
+			prefill: enginetest.JSON(400, engine400),
 			msgs:    []*extprocv3.ProcessingRequest{postHeaders(fullDuplex, chatPath, clientChat), requestBody(clientChat, true)},
 		},
 		{
 			name: "prefill 5xx with on_failure fail", wantStatus: 502, wantMessage: "prefill leg failed",
-			config: "prefill: {on_failure: fail}\n", prefill: answerStatus(503, `{}`),
+			config: "prefill: {on_failure: fail}\n", prefill: enginetest.JSON(503, `{}`),
 			msgs: []*extprocv3.ProcessingRequest{postHeaders(fullDuplex, chatPath, clientChat), requestBody(clientChat, true)},
 		},
 		{
@@ -81,7 +82,7 @@ func TestErrorsReachTheClientAsOpenAIStyleLocalReplies(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			prefillAddr := "127.0.0.1:1" // nothing listens there
 			if tt.prefill != nil {
-				prefillAddr = newEngine(t, tt.prefill).addr()
+				prefillAddr = enginetest.Start(t, tt.prefill).Addr()
 			}
 			c := startServer(t, testConfig(t, tt.config+fmt.Sprintf(`connector: kv-nixl
 pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefillAddr)), handlers.Options{})
@@ -122,14 +123,14 @@ func TestFailedPrefillIsRetriedThenFallsBackToDecodeOnly(t *testing.T) {
 			var seen atomic.Int32
 			answer := func(w http.ResponseWriter, r *http.Request) {
 				if seen.Add(1) <= tt.failures {
-					answerStatus(503, `{}`)(w, r)
+					enginetest.JSON(503, `{}`)(w, r)
 					return
 				}
 				prefillOK(w, r)
 			}
-			a, b := newEngine(t, answer), newEngine(t, answer)
+			a, b := enginetest.Start(t, answer), enginetest.Start(t, answer)
 			c := startServer(t, testConfig(t, fmt.Sprintf(`connector: kv-nixl
-pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, a.addr(), b.addr())), handlers.Options{})
+pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, a.Addr(), b.Addr())), handlers.Options{})
 			replies := exchange(t, c, postHeaders(fullDuplex, chatPath, clientChat), requestBody(clientChat, true))
 			decodeBody := streamedBody(t, replies[1:])
 			if got := strings.Contains(decodeBody, nixlParams); got != tt.wantParams {
@@ -138,10 +139,8 @@ pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`
 			if strings.Contains(decodeBody, "evil") || strings.Contains(decodeBody, "bootstrap_room") {
 				t.Errorf("client-supplied transfer fields reached the decode body: %s", decodeBody)
 			}
-			ba, _ := a.received()
-			bb, _ := b.received()
-			if len(ba) != 1 || len(bb) != 1 {
-				t.Errorf("prefill attempts = %d + %d, want one on each endpoint", len(ba), len(bb))
+			if na, nb := len(a.Requests()), len(b.Requests()); na != 1 || nb != 1 {
+				t.Errorf("prefill attempts = %d + %d, want one on each endpoint", na, nb)
 			}
 		})
 	}
@@ -150,14 +149,14 @@ pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`
 // blockingEngine holds each request until released or cancelled, and reports
 // how each ended.
 type blockingEngine struct {
-	*engine
+	*enginetest.Engine
 	release chan struct{}
 	ended   chan error // ctx error of each request: nil when it completed
 }
 
 func newBlockingEngine(t *testing.T, answer func(http.ResponseWriter, *http.Request)) *blockingEngine {
 	b := &blockingEngine{release: make(chan struct{}), ended: make(chan error, 10)}
-	b.engine = newEngine(t, func(w http.ResponseWriter, r *http.Request) {
+	b.Engine = enginetest.Start(t, func(w http.ResponseWriter, r *http.Request) {
 		select {
 		case <-b.release:
 			answer(w, r)
@@ -183,7 +182,7 @@ func (b *blockingEngine) outcome(t *testing.T) error {
 func TestBufferedSlowPrefillExtendsEnvoysMessageTimer(t *testing.T) {
 	prefill := newBlockingEngine(t, prefillOK)
 	c := startServer(t, testConfig(t, fmt.Sprintf(`connector: kv-nixl
-pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.addr())),
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.Addr())),
 		handlers.Options{OverrideAfter: time.Millisecond, OverrideTimeout: 90 * time.Second})
 	s, err := c.Process(context.Background())
 	if err != nil {
@@ -217,7 +216,7 @@ func TestStreamEndCancelsSequentialButNotConcurrentPrefill(t *testing.T) {
 		t.Run(tt.connector, func(t *testing.T) {
 			prefill := newBlockingEngine(t, prefillOK)
 			c := startServer(t, testConfig(t, fmt.Sprintf(`connector: %s
-pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, tt.connector, prefill.addr())), handlers.Options{})
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, tt.connector, prefill.Addr())), handlers.Options{})
 			ctx, cancel := context.WithCancel(context.Background())
 			s, err := c.Process(ctx)
 			if err != nil {
@@ -225,7 +224,7 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, tt
 			}
 			s.Send(postHeaders(fullDuplex, chatPath, clientChat))
 			s.Send(requestBody(clientChat, true))
-			prefill.await(t)
+			prefill.Await(t)
 			if !tt.wantCancel {
 				// Envoy is answered while the concurrent leg is still in flight.
 				if r, err := s.Recv(); err != nil || r.GetRequestHeaders() == nil {

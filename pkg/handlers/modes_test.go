@@ -11,6 +11,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 )
 
@@ -67,11 +68,11 @@ func TestFullDuplexRoutesWithHeldHeadersAndStreamedBody(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(fmt.Sprintf("%s/%d-bytes/%d-chunks", tt.connector, len(tt.body), tt.chunks), func(t *testing.T) {
-			prefill := newEngine(t, prefillOK)
-			decode := newEngine(t, answerJSON(`{}`))
+			prefill := enginetest.Start(t, prefillOK)
+			decode := enginetest.Start(t, enginetest.JSON(200, `{}`))
 			c := startServer(t, testConfig(t, fmt.Sprintf(`
 connector: %s
-pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}`, tt.connector, prefill.addr(), decode.addr())), handlers.Options{})
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}`, tt.connector, prefill.Addr(), decode.Addr())), handlers.Options{})
 
 			path := chatPath
 			if !strings.Contains(tt.body, "messages") {
@@ -85,11 +86,11 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}`, tt.connector, p
 			if hr == nil {
 				t.Fatalf("first reply is not the request headers reply: %v", replies[0])
 			}
-			if got, _ := headerValue(hr.GetHeaderMutation(), "x-gateway-destination-endpoint"); got != decode.addr() {
-				t.Errorf("destination header = %q, want %q", got, decode.addr())
+			if got, _ := headerValue(hr.GetHeaderMutation(), "x-gateway-destination-endpoint"); got != decode.Addr() {
+				t.Errorf("destination header = %q, want %q", got, decode.Addr())
 			}
-			if got := metadataDestination(replies[0]); got != decode.addr() {
-				t.Errorf("envoy.lb metadata = %q, want %q", got, decode.addr())
+			if got := metadataDestination(replies[0]); got != decode.Addr() {
+				t.Errorf("envoy.lb metadata = %q, want %q", got, decode.Addr())
 			}
 			if got, _ := headerValue(hr.GetHeaderMutation(), "x-request-id"); got != "req-1" {
 				t.Errorf("x-request-id = %q, want the client's req-1", got)
@@ -105,19 +106,19 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}`, tt.connector, p
 			}
 
 			if tt.connector == "kv-sglang" {
-				prefill.await(t) // the leg runs in the background
+				prefill.Await(t) // the leg runs in the background
 			}
-			bodies, ids := prefill.received()
-			if len(bodies) != 1 || ids[0] != "req-1" {
-				t.Fatalf("prefill engine got %d requests with ids %v, want 1 with req-1", len(bodies), ids)
+			legs := prefill.Requests()
+			if len(legs) != 1 || legs[0].Header.Get("X-Request-Id") != "req-1" {
+				t.Fatalf("prefill engine got %d requests (%v), want 1 with X-Request-Id req-1", len(legs), legs)
 			}
-			if tt.wantPrefill != "" && pinRoom(bodies[0]) != tt.wantPrefill {
-				t.Errorf("prefill body:\n got %s\nwant %s", bodies[0], tt.wantPrefill)
+			if tt.wantPrefill != "" && pinRoom(legs[0].Body) != tt.wantPrefill {
+				t.Errorf("prefill body:\n got %s\nwant %s", legs[0].Body, tt.wantPrefill)
 			}
-			if tt.connector == "kv-sglang" && roomRE.FindString(bodies[0]) != roomRE.FindString(streamedBody(t, replies[1:])) {
+			if tt.connector == "kv-sglang" && roomRE.FindString(legs[0].Body) != roomRE.FindString(streamedBody(t, replies[1:])) {
 				t.Error("prefill and decode legs carry different bootstrap rooms")
 			}
-			if got, _ := decode.received(); len(got) != 0 {
+			if got := decode.Requests(); len(got) != 0 {
 				t.Errorf("the service itself sent %d requests to the decode engine; Envoy must", len(got))
 			}
 		})
@@ -134,10 +135,10 @@ func TestBufferedCarriesRoutingAndContentLengthInBodyReply(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			prefill := newEngine(t, prefillOK)
+			prefill := enginetest.Start(t, prefillOK)
 			c := startServer(t, testConfig(t, fmt.Sprintf(`
 connector: kv-nixl
-pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.addr())), handlers.Options{})
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.Addr())), handlers.Options{})
 			headers := postHeaders(buffered, chatPath, clientChat)
 			if !tt.withContentLength {
 				headers = requestHeaders(buffered, false, hdr{":method", "POST"}, hdr{":path", chatPath})
@@ -198,9 +199,9 @@ func TestBodilessRequestsRouteFromHeaders(t *testing.T) {
 }
 
 func TestDuplexTrailersEndTheBody(t *testing.T) {
-	prefill := newEngine(t, prefillOK)
+	prefill := enginetest.Start(t, prefillOK)
 	c := startServer(t, testConfig(t, fmt.Sprintf(`
-pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.addr())), handlers.Options{})
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.Addr())), handlers.Options{})
 	replies := exchange(t, c, postHeaders(fullDuplex, chatPath, clientChat), requestBody(clientChat, false), requestTrailers())
 	if len(replies) != 3 {
 		t.Fatalf("got %d replies, want headers, body, trailers", len(replies))
@@ -215,17 +216,17 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, pr
 }
 
 func TestDuplicateFinalChunkIsNotProcessedTwice(t *testing.T) {
-	prefill := newEngine(t, prefillOK)
+	prefill := enginetest.Start(t, prefillOK)
 	c := startServer(t, testConfig(t, fmt.Sprintf(`
 connector: kv-nixl
-pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.addr())), handlers.Options{})
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.Addr())), handlers.Options{})
 	// envoy#46237: the final chunk is sometimes delivered twice.
 	replies := exchange(t, c, postHeaders(fullDuplex, chatPath, clientChat), requestBody(clientChat, true), requestBody(clientChat, true))
 	if len(replies) != 2 {
 		t.Fatalf("got %d replies, want exactly one headers and one body reply", len(replies))
 	}
-	if bodies, _ := prefill.received(); len(bodies) != 1 {
-		t.Errorf("prefill ran %d times", len(bodies))
+	if n := len(prefill.Requests()); n != 1 {
+		t.Errorf("prefill ran %d times", n)
 	}
 }
 

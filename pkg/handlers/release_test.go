@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
@@ -28,9 +29,9 @@ func TestStreamEndReleasesTheDecodeEndpoint(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			prefill := newEngine(t, prefillOK)
+			prefill := enginetest.Start(t, prefillOK)
 			p, err := pipeline.New(testConfig(t, fmt.Sprintf(`connector: kv-nixl
-pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.addr())), logr.Discard())
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.Addr())), logr.Discard())
 			if err != nil {
 				t.Fatal(err)
 			}

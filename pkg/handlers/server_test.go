@@ -7,10 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http"
-	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -22,6 +19,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
@@ -29,70 +27,13 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// engine is a fake engine endpoint that records the bodies it receives.
-type engine struct {
-	*httptest.Server
-	mu      sync.Mutex
-	bodies  []string
-	ids     []string
-	arrived chan struct{} // one token per request received
-}
-
-func newEngine(t *testing.T, answer func(w http.ResponseWriter, r *http.Request)) *engine {
-	e := &engine{arrived: make(chan struct{}, 100)}
-	e.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		b, _ := io.ReadAll(r.Body)
-		e.mu.Lock()
-		e.bodies = append(e.bodies, string(b))
-		e.ids = append(e.ids, r.Header.Get("X-Request-Id"))
-		e.mu.Unlock()
-		e.arrived <- struct{}{}
-		answer(w, r)
-	}))
-	t.Cleanup(e.Close)
-	return e
-}
-
-func (e *engine) addr() string { return strings.TrimPrefix(e.URL, "http://") }
-
-// await waits for the next request, bounded so a missing one fails the test.
-func (e *engine) await(t *testing.T) {
-	t.Helper()
-	select {
-	case <-e.arrived:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the engine never received the request")
-	}
-}
-
-func (e *engine) received() (bodies, ids []string) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return append([]string(nil), e.bodies...), append([]string(nil), e.ids...)
-}
-
 // nixlParams is what a current vLLM prefill returns: nested lists, keys we do not
 // know, and an integer too large for a float64 — all must reach decode unchanged.
 const nixlParams = `{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2],[3]],` +
 	`"remote_engine_id":"e-1","remote_request_id":"chatcmpl-r1-0a1b2c3d","remote_host":"10.0.0.9","remote_port":5600,` +
 	`"tp_size":1,"future_key":{"n":12345678901234567890}}`
 
-func answerJSON(body string) func(http.ResponseWriter, *http.Request) {
-	return func(w http.ResponseWriter, _ *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		io.WriteString(w, body)
-	}
-}
-
-func answerStatus(status int, body string) func(http.ResponseWriter, *http.Request) {
-	return func(w http.ResponseWriter, _ *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(status)
-		io.WriteString(w, body)
-	}
-}
-
-var prefillOK = answerJSON(`{"id":"x","choices":[{"text":"a"}],"kv_transfer_params":` + nixlParams + `}`)
+var prefillOK = enginetest.JSON(200, `{"id":"x","choices":[{"text":"a"}],"kv_transfer_params":`+nixlParams+`}`)
 
 // startServer serves the ext_proc service on loopback and returns a client.
 func startServer(t *testing.T, cfg *config.Config, opts handlers.Options) extprocv3.ExternalProcessorClient {

@@ -7,10 +7,8 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/http/httptest"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -26,6 +24,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
@@ -164,56 +163,9 @@ func labelString(pairs []*dto.LabelPair) string {
 
 // --- fake engines ---
 
-// engine is a fake prefill engine recording the headers of what it receives.
-type engine struct {
-	*httptest.Server
-	mu      sync.Mutex
-	headers []http.Header
-	arrived chan struct{}
-}
-
-func newEngine(t *testing.T, answer http.HandlerFunc) *engine {
-	e := &engine{arrived: make(chan struct{}, 100)}
-	e.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		io.Copy(io.Discard, r.Body)
-		e.mu.Lock()
-		e.headers = append(e.headers, r.Header.Clone())
-		e.mu.Unlock()
-		e.arrived <- struct{}{}
-		answer(w, r)
-	}))
-	t.Cleanup(e.Close)
-	return e
-}
-
-func (e *engine) addr() string { return strings.TrimPrefix(e.URL, "http://") }
-
-func (e *engine) await(t *testing.T) {
-	t.Helper()
-	select {
-	case <-e.arrived:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the prefill engine never received the request")
-	}
-}
-
-func (e *engine) received() []http.Header {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return slices.Clone(e.headers)
-}
-
 const nixlParams = `{"do_remote_prefill":true,"remote_engine_id":"e-1","remote_block_ids":[1],"remote_host":"10.0.0.9","remote_port":5600}`
 
-func answer(status int, body string) http.HandlerFunc {
-	return func(w http.ResponseWriter, _ *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(status)
-		io.WriteString(w, body)
-	}
-}
-
-var prefillOK = answer(200, `{"choices":[{"text":"a"}],"kv_transfer_params":`+nixlParams+`}`)
+var prefillOK = enginetest.JSON(200, `{"choices":[{"text":"a"}],"kv_transfer_params":`+nixlParams+`}`)
 
 // blocked answers with next once release is closed, or gives up with the request.
 func blocked(release <-chan struct{}, next http.HandlerFunc) http.HandlerFunc {

@@ -11,6 +11,7 @@ import (
 	"github.com/go-logr/logr"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
@@ -101,10 +102,10 @@ func TestShutdownTurnsNotReadyThenDrains(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			release := make(chan struct{})
-			prefill := newEngine(t, blocked(release, prefillOK))
+			prefill := enginetest.Start(t, blocked(release, prefillOK))
 			defer close(release)
 			r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
-				prefill.addr(), decodeEP), Options{Grace: tt.grace}, logr.Discard())
+				prefill.Addr(), decodeEP), Options{Grace: tt.grace}, logr.Discard())
 
 			type result struct {
 				dest string
@@ -119,7 +120,7 @@ func TestShutdownTurnsNotReadyThenDrains(t *testing.T) {
 				}
 				done <- result{dest, err}
 			}()
-			prefill.await(t) // the stream is in flight, held by the prefill leg
+			prefill.Await(t) // the stream is in flight, held by the prefill leg
 
 			r.stop() // SIGTERM
 			<-r.draining

@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	"github.com/go-logr/logr/funcr"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 )
 
 // logLines collects JSON log lines at verbosity 2 (protocol detail).
@@ -65,7 +67,7 @@ func TestOneRequestLinePerRequestWithIDAndNoSecrets(t *testing.T) {
 			wantLines: []string{"request headers"},
 		},
 		{
-			name: "prefill failure falls back", prefill: answer(503, `{}`), body: chat,
+			name: "prefill failure falls back", prefill: enginetest.JSON(503, `{}`), body: chat,
 			want:      map[string]any{"mode": "decode_only", "reason": "prefill_failed", "outcome": "routed", "decode": decodeEP},
 			wantLines: []string{"prefill failed; decode will recompute the prompt"},
 		},
@@ -82,9 +84,9 @@ func TestOneRequestLinePerRequestWithIDAndNoSecrets(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			logs := &logLines{}
 			log := funcr.NewJSON(logs.add, funcr.Options{Verbosity: 2})
-			prefill := newEngine(t, tt.prefill)
+			prefill := enginetest.Start(t, tt.prefill)
 			r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
-				prefill.addr(), decodeEP), Options{LogPrompts: tt.logPrompts}, log)
+				prefill.Addr(), decodeEP), Options{LogPrompts: tt.logPrompts}, log)
 			r.exchange(t, post(chatPath, tt.body, hdr{"x-request-id", id}, hdr{"authorization", token}, hdr{"cookie", "session=abc"})...)
 
 			var requestLines []map[string]any

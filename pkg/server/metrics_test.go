@@ -9,6 +9,8 @@ import (
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 )
 
 // series names one labelled series as scrape keys it.
@@ -73,7 +75,7 @@ func TestMetricsMoveWithEachKindOfRequest(t *testing.T) {
 			},
 		},
 		{
-			name: "prefill 5xx falls back to decode-only", prefill: answer(503, `{}`), msgs: post(chatPath, chat),
+			name: "prefill 5xx falls back to decode-only", prefill: enginetest.JSON(503, `{}`), msgs: post(chatPath, chat),
 			want: map[string]float64{
 				requests("chat", "decode_only", "routed"):                                1,
 				series("pd_extproc_pd_decisions_total", "reason", "prefill_failed"):      1,
@@ -103,7 +105,7 @@ func TestMetricsMoveWithEachKindOfRequest(t *testing.T) {
 			},
 		},
 		{
-			name: "prefill without kv_transfer_params", prefill: answer(200, `{"choices":[{"text":"a"}],"kv_transfer_params":null}`),
+			name: "prefill without kv_transfer_params", prefill: enginetest.JSON(200, `{"choices":[{"text":"a"}],"kv_transfer_params":null}`),
 			msgs: post(chatPath, chat),
 			want: map[string]float64{
 				requests("chat", "pd", "routed"):     1,
@@ -123,7 +125,7 @@ func TestMetricsMoveWithEachKindOfRequest(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			prefillAddr := "127.0.0.1:1" // nothing listens there
 			if tt.prefill != nil {
-				prefillAddr = newEngine(t, tt.prefill).addr()
+				prefillAddr = enginetest.Start(t, tt.prefill).Addr()
 			}
 			r := start(t, tt.config+fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
 				prefillAddr, decodeEP), Options{}, logr.Discard())
@@ -157,16 +159,16 @@ func TestMetricsMoveWithEachKindOfRequest(t *testing.T) {
 
 func TestEndpointGaugesAreReadAtScrapeTime(t *testing.T) {
 	release := make(chan struct{})
-	prefill := newEngine(t, blocked(release, prefillOK))
+	prefill := enginetest.Start(t, blocked(release, prefillOK))
 	r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
-		prefill.addr(), decodeEP), Options{}, logr.Discard())
+		prefill.Addr(), decodeEP), Options{}, logr.Discard())
 
 	done := make(chan []*extprocv3.ProcessingResponse)
 	go func() {
 		replies, _ := r.tryExchange(post(chatPath, `{"model":"m","prompt":"hi"}`)...)
 		done <- replies
 	}()
-	prefill.await(t)
+	prefill.Await(t)
 
 	tests := []struct {
 		stage string
@@ -174,12 +176,12 @@ func TestEndpointGaugesAreReadAtScrapeTime(t *testing.T) {
 	}{
 		{"while the prefill leg runs", map[string]float64{
 			"pd_extproc_streams_in_flight": 1,
-			series("pd_extproc_endpoint_inflight", "endpoint", prefill.addr(), "pool", "prefill"): 1,
+			series("pd_extproc_endpoint_inflight", "endpoint", prefill.Addr(), "pool", "prefill"): 1,
 			series("pd_extproc_endpoint_inflight", "endpoint", decodeEP, "pool", "decode"):        1,
 		}},
 		{"after the stream ended", map[string]float64{
 			"pd_extproc_streams_in_flight": 0,
-			series("pd_extproc_endpoint_inflight", "endpoint", prefill.addr(), "pool", "prefill"): 0,
+			series("pd_extproc_endpoint_inflight", "endpoint", prefill.Addr(), "pool", "prefill"): 0,
 			series("pd_extproc_endpoint_inflight", "endpoint", decodeEP, "pool", "decode"):        0,
 		}},
 	}

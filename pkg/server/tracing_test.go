@@ -13,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
@@ -41,27 +42,27 @@ func TestRequestSpanJoinsTheCallerAndPropagatesToPrefill(t *testing.T) {
 				t.Cleanup(func() { tp.Shutdown(context.Background()) })
 				opts.TracerProvider = tp
 			}
-			prefill := newEngine(t, prefillOK)
+			prefill := enginetest.Start(t, prefillOK)
 			r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
-				prefill.addr(), decodeEP), opts, logr.Discard())
+				prefill.Addr(), decodeEP), opts, logr.Discard())
 			var extra []hdr
 			if tt.traceparent != "" {
 				extra = append(extra, hdr{"traceparent", tt.traceparent})
 			}
 			r.exchange(t, post(chatPath, `{"model":"m","prompt":"hi"}`, extra...)...)
 
-			got := prefill.received()
+			got := prefill.Requests()
 			if len(got) != 1 {
 				t.Fatalf("prefill engine got %d requests, want 1", len(got))
 			}
-			sent, err := parseTraceparent(got[0].Get("Traceparent"))
+			sent, err := parseTraceparent(got[0].Header.Get("Traceparent"))
 			if err != nil {
 				t.Fatalf("prefill request traceparent: %v", err)
 			}
 
 			if !tt.tracing {
 				if sent.TraceID().String() != callerTrace || sent.SpanID().String() != callerSpan {
-					t.Errorf("prefill traceparent = %q, want the caller's %q passed through", got[0].Get("Traceparent"), callerParent)
+					t.Errorf("prefill traceparent = %q, want the caller's %q passed through", got[0].Header.Get("Traceparent"), callerParent)
 				}
 				return
 			}
@@ -93,10 +94,10 @@ func TestRequestSpanJoinsTheCallerAndPropagatesToPrefill(t *testing.T) {
 			}
 			if sent.TraceID() != traceID || sent.SpanID() != leg.SpanContext.SpanID() {
 				t.Errorf("prefill engine got traceparent %q, want trace %s with the prefill span %s as parent",
-					got[0].Get("Traceparent"), traceID, leg.SpanContext.SpanID())
+					got[0].Header.Get("Traceparent"), traceID, leg.SpanContext.SpanID())
 			}
 			for key, want := range map[attribute.Key]string{"pd.mode": "pd", "pd.reason": "long_prompt", "pd.outcome": "routed",
-				"pd.decode_endpoint": decodeEP, "pd.prefill_endpoint": prefill.addr()} {
+				"pd.decode_endpoint": decodeEP, "pd.prefill_endpoint": prefill.Addr()} {
 				if v := attr(request.Attributes, key); v != want {
 					t.Errorf("request span %s = %q, want %q", key, v, want)
 				}

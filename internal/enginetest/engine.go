@@ -1,0 +1,73 @@
+// Package enginetest is a fake engine for unit tests: an HTTP server that
+// records what it receives and answers as a test tells it to. The end-to-end
+// tests use the real simulator (internal/pdsim) instead.
+package enginetest
+
+import (
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// Request is what the engine received.
+type Request struct {
+	Body   string
+	Header http.Header
+}
+
+// Engine is a running fake engine.
+type Engine struct {
+	*httptest.Server
+	mu       sync.Mutex
+	requests []Request
+	arrived  chan struct{} // one token per request received
+}
+
+// Start serves answer on loopback until the test ends.
+func Start(t testing.TB, answer http.HandlerFunc) *Engine {
+	e := &Engine{arrived: make(chan struct{}, 100)}
+	e.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		e.mu.Lock()
+		e.requests = append(e.requests, Request{Body: string(b), Header: r.Header.Clone()})
+		e.mu.Unlock()
+		e.arrived <- struct{}{}
+		answer(w, r)
+	}))
+	t.Cleanup(e.Close)
+	return e
+}
+
+// Addr is the engine's ip:port, as pools list it.
+func (e *Engine) Addr() string { return strings.TrimPrefix(e.URL, "http://") }
+
+// Await waits for the next request, bounded so that a missing one fails the test.
+func (e *Engine) Await(t testing.TB) {
+	t.Helper()
+	select {
+	case <-e.arrived:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the engine never received the request")
+	}
+}
+
+// Requests returns what the engine received, in order.
+func (e *Engine) Requests() []Request {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return slices.Clone(e.requests)
+}
+
+// JSON answers status with a JSON body.
+func JSON(status int, body string) http.HandlerFunc {
+	return func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(status)
+		io.WriteString(w, body)
+	}
+}
