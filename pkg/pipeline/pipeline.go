@@ -115,6 +115,7 @@ func SchedulingSpec(cfg *config.Config) scheduling.Spec {
 		Prefill: scheduling.PoolSpec{Endpoints: cfg.Pools.Prefill.Endpoints, PoolScheduling: cfg.Pools.Prefill.PoolScheduling},
 		Decode:  scheduling.PoolSpec{Endpoints: cfg.Pools.Decode.Endpoints, PoolScheduling: cfg.Pools.Decode.PoolScheduling},
 		PD:      cfg.PD,
+		Paired:  cfg.Connector == kv.SGLang,
 	}
 }
 
@@ -278,11 +279,9 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq 
 	paired := p.connector.Dispatch() == kv.Concurrent
 	switch {
 	case decision.PD:
-	case paired && decision.Reason == scheduling.ReasonNoPrefill:
+	case paired:
 		// SGLang decode servers in PD mode refuse a request without a partner.
 		return nil, noPrefillEndpoint()
-	case paired:
-		// n > 1 and batches: SGLang pairs them too, one room for all samples.
 	default:
 		rep.Mode = ModeDecodeOnly
 		return kv.Scrubbed(obj), nil

@@ -25,7 +25,10 @@ type Decision struct {
 
 // Decider chooses P/D or decode-only per request. It is separate from the
 // pickers: it never looks at which endpoint a request would get.
-type Decider struct{ cfg config.PD }
+type Decider struct {
+	cfg    config.PD
+	paired bool // Spec.Paired
+}
 
 // NewDecider returns a decider for cfg (defaults filled in).
 func NewDecider(cfg config.PD) *Decider {
@@ -33,15 +36,23 @@ func NewDecider(cfg config.PD) *Decider {
 	return &Decider{cfg: cfg}
 }
 
+func newDecider(spec Spec) *Decider {
+	d := NewDecider(spec.PD)
+	d.paired = spec.Paired
+	return d
+}
+
 // Decide returns the decision for req given the prefill pool. Requests the
-// engines cannot disaggregate go decode-only whatever the mode.
+// engines cannot disaggregate go decode-only whatever the mode. For paired
+// engines the only decode-only reason left is no_prefill (config refuses
+// never and min_prompt_tokens for them); the caller must then refuse.
 func (d *Decider) Decide(req *Request, prefill *Pool) Decision {
 	switch {
 	case d.cfg.Mode == config.PDNever:
 		return Decision{Reason: ReasonNever}
-	case req != nil && req.N > 1:
+	case req != nil && req.N > 1 && !d.paired:
 		return Decision{Reason: ReasonMultipleN}
-	case req != nil && req.Prompts > 1:
+	case req != nil && req.Prompts > 1 && !d.paired:
 		return Decision{Reason: ReasonBatch}
 	case d.cfg.Mode == config.PDAuto && d.cfg.MinPromptTokens > 0 && req.PromptTokens(d.cfg.CharsPerToken) < d.cfg.MinPromptTokens:
 		return Decision{Reason: ReasonShortPrompt}

@@ -13,6 +13,7 @@ func TestDecide(t *testing.T) {
 	tests := []struct {
 		name        string
 		pd          config.PD
+		paired      bool // SGLang engines
 		body        string
 		prefillDown bool
 		want        Decision
@@ -30,6 +31,9 @@ func TestDecide(t *testing.T) {
 		{name: "a batch is decode-only", body: `{"model":"m","prompt":["a","b"]}`, want: Decision{Reason: ReasonBatch}},
 		{name: "no healthy prefill", body: long, prefillDown: true, want: Decision{Reason: ReasonNoPrefill}},
 		{name: "no healthy prefill when always", pd: config.PD{Mode: config.PDAlways}, body: long, prefillDown: true, want: Decision{Reason: ReasonNoPrefill}},
+		{name: "paired engines hand off n > 1 themselves", paired: true, body: `{"model":"m","n":2,"prompt":"hi"}`, want: Decision{PD: true, Reason: ReasonLongPrompt}},
+		{name: "paired engines hand off a batch", paired: true, body: `{"model":"m","prompt":["a","b"]}`, want: Decision{PD: true, Reason: ReasonLongPrompt}},
+		{name: "paired engines without a prefill", paired: true, body: long, prefillDown: true, want: Decision{Reason: ReasonNoPrefill}},
 		{name: "a short prompt says so even with prefill down", pd: config.PD{MinPromptTokens: 1000}, body: long, prefillDown: true, want: Decision{Reason: ReasonShortPrompt}},
 	}
 	for _, tt := range tests {
@@ -44,7 +48,7 @@ func TestDecide(t *testing.T) {
 					prefill.Endpoints()[0].ReportFailure()
 				}
 			}
-			if got := NewDecider(tt.pd).Decide(NewRequest(obj), prefill); got != tt.want {
+			if got := newDecider(Spec{PD: tt.pd, Paired: tt.paired}).Decide(NewRequest(obj), prefill); got != tt.want {
 				t.Fatalf("Decide() = %+v, want %+v", got, tt.want)
 			}
 		})

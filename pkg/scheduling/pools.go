@@ -18,6 +18,9 @@ import (
 type Spec struct {
 	Prefill, Decode PoolSpec
 	PD              config.PD
+	// Paired engines serve only prefill/decode pairs (SGLang in PD mode): they
+	// hand off n > 1 and batches themselves, and nothing may go decode-only.
+	Paired bool
 }
 
 // Deps are the pools' outside world. Zero fields get the real thing.
@@ -69,7 +72,7 @@ func NewPools(spec Spec, deps Deps) *Pools {
 		Decode:  newPool("decode", spec.Decode, deps),
 		deps:    deps,
 	}
-	ps.decider.Store(NewDecider(spec.PD))
+	ps.decider.Store(newDecider(spec))
 	return ps
 }
 
@@ -78,7 +81,7 @@ func NewPools(spec Spec, deps Deps) *Pools {
 func (ps *Pools) Update(spec Spec) {
 	ps.Prefill.Update(spec.Prefill)
 	ps.Decode.Update(spec.Decode)
-	ps.decider.Store(NewDecider(spec.PD))
+	ps.decider.Store(newDecider(spec))
 }
 
 // Decide chooses P/D or decode-only for req.
