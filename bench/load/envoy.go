@@ -163,6 +163,9 @@ func roundTrip(ctx context.Context, c extprocv3.ExternalProcessorClient, mode Mo
 		}
 		readDestination(cr)
 		b := cr.GetBodyMutation().GetBody()
+		if cr.GetBodyMutation() == nil {
+			b = p.Body // Envoy forwards the body it buffered
+		}
 		r.BodyBytes = len(b)
 		if keepBody {
 			r.Body = b

@@ -121,7 +121,8 @@ func newLogger(format string, verbosity int) (logr.Logger, error) {
 	}
 	zc.Level = zap.NewAtomicLevelAt(zapcore.Level(-verbosity))
 	zc.DisableStacktrace = true
-	zc.Sampling = nil // every request gets its one "request" line, however busy
+	zc.DisableCaller = true // the logger name says where a line comes from; a stack walk per request line does not pay
+	zc.Sampling = nil       // every request gets its one "request" line, however busy
 	z, err := zc.Build()
 	if err != nil {
 		return logr.Logger{}, err

@@ -10,7 +10,6 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
-	"github.com/go-logr/logr"
 	"github.com/google/uuid"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
@@ -30,8 +29,6 @@ type exchange struct {
 	*Server
 	stream extprocv3.ExternalProcessor_ProcessServer
 	ctx    context.Context // the stream's, carrying the request span once headers are in
-	// log shadows the Server's: once the headers are in, every line carries the request id.
-	log logr.Logger
 
 	requestMode, responseMode filterv3.ProcessingMode_BodySendMode
 
@@ -78,7 +75,7 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err erro
 
 func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 	if x.headersSeen {
-		x.log.V(1).Info("ignoring repeated request headers")
+		x.log.V(1).Info("ignoring repeated request headers", "requestID", x.req.RequestID)
 		return false, nil
 	}
 	x.headersSeen = true
@@ -127,7 +124,7 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 
 func (x *exchange) onRequestBody(b *extprocv3.HttpBody) (bool, error) {
 	if x.requestDone || !x.headersSeen {
-		x.log.V(1).Info("dropping request body after its end", "bytes", len(b.GetBody()))
+		x.log.V(1).Info("dropping request body after its end", "requestID", x.req.RequestID, "bytes", len(b.GetBody()))
 		return false, nil
 	}
 	x.appendBody(b)
@@ -209,44 +206,44 @@ func (x *exchange) finishBuffered() (bool, error) {
 		return x.fail(err)
 	}
 	x.decision = d
-	// Envoy checks a Content-Length against the new body; without one (chunked)
-	// it checks nothing and must not be given one.
-	if err := x.send(bufferedBodyReply(d, x.req.RequestID, x.contentLength >= 0)); err != nil {
+	// Envoy keeps the body it buffered unless the reply replaces it: a body the
+	// pipeline passed on untouched is not sent back. Envoy checks a
+	// Content-Length against a new body; without one (chunked) it checks nothing
+	// and must not be given one.
+	rewritten := !untouched(d.Body, x.body)
+	if err := x.send(bufferedBodyReply(d, x.req.RequestID, rewritten, rewritten && x.contentLength >= 0)); err != nil {
 		return false, err
 	}
 	x.routed()
 	return false, nil
 }
 
+// untouched reports whether out is in itself (the same bytes, not a copy): the
+// pipeline returns the body it was given when it has nothing to change.
+func untouched(out, in []byte) bool {
+	return len(out) == len(in) && (len(in) == 0 || &out[0] == &in[0])
+}
+
 // route runs the pipeline on the whole body. With keepAlive, Envoy's message
-// timer is running, and a slow route extends it once.
+// timer is running, and a slow route (a prefill leg) extends it once.
 func (x *exchange) route(keepAlive bool) (*pipeline.Decision, error) {
 	x.req.Body = x.body
 	x.opts.Metrics.RequestBody(len(x.body))
-	if !keepAlive || x.opts.OverrideAfter <= 0 {
-		return x.router.Route(x.ctx, &x.req)
+	if keepAlive && x.opts.OverrideAfter > 0 {
+		sent := make(chan struct{})
+		timer := time.AfterFunc(x.opts.OverrideAfter, func() {
+			defer close(sent)
+			if err := x.send(overrideReply(x.opts.OverrideTimeout)); err != nil {
+				x.log.V(1).Info("sending override_message_timeout failed", "requestID", x.req.RequestID, "error", err.Error())
+			}
+		})
+		defer func() {
+			if !timer.Stop() {
+				<-sent // the override is being sent: the stream is ours again after it
+			}
+		}()
 	}
-	type result struct {
-		d   *pipeline.Decision
-		err error
-	}
-	ch := make(chan result, 1)
-	go func() {
-		d, err := x.router.Route(x.ctx, &x.req)
-		ch <- result{d, err}
-	}()
-	timer := time.NewTimer(x.opts.OverrideAfter)
-	defer timer.Stop()
-	select {
-	case r := <-ch:
-		return r.d, r.err
-	case <-timer.C:
-		if err := x.send(overrideReply(x.opts.OverrideTimeout)); err != nil {
-			x.log.V(1).Info("sending override_message_timeout failed", "error", err.Error())
-		}
-	}
-	r := <-ch
-	return r.d, r.err
+	return x.router.Route(x.ctx, &x.req)
 }
 
 func (x *exchange) onResponseBody(b *extprocv3.HttpBody) error {

@@ -126,24 +126,36 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}`, tt.connector, p
 }
 
 func TestBufferedCarriesRoutingAndContentLengthInBodyReply(t *testing.T) {
+	// A decode-only request whose body needs no change: Envoy forwards its own copy.
+	const plainChat = `{"model":"m","messages":[{"role":"user","content":"hi"}],"seed":12345678901234567890}`
 	tests := []struct {
 		name              string
+		prefill           bool
+		body              string
 		withContentLength bool
+		wantBody          string // the body mutation; "" for none
 	}{
-		{"content-length sent", true},
-		{"chunked request", false},
+		{"P/D, content-length sent", true, clientChat, true, "params"},
+		{"P/D, chunked request", true, clientChat, false, "params"},
+		{"decode-only, nothing to change: no body sent back", false, plainChat, true, ""},
+		{"decode-only, client's transfer fields removed", false, clientChat, true,
+			`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},` +
+				`"max_tokens":50,"seed":12345678901234567890}`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			prefill := enginetest.Start(t, prefillOK)
+			prefill := `[]`
+			if tt.prefill {
+				prefill = fmt.Sprintf("[%q]", enginetest.Start(t, prefillOK).Addr())
+			}
 			c := startServer(t, testConfig(t, fmt.Sprintf(`
 connector: kv-nixl
-pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.Addr())), handlers.Options{})
-			headers := postHeaders(buffered, chatPath, clientChat)
+pools: {prefill: {endpoints: %s}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill)), handlers.Options{})
+			headers := postHeaders(buffered, chatPath, tt.body)
 			if !tt.withContentLength {
 				headers = requestHeaders(buffered, false, hdr{":method", "POST"}, hdr{":path", chatPath})
 			}
-			replies := exchange(t, c, headers, requestBody(clientChat, true))
+			replies := exchange(t, c, headers, requestBody(tt.body, true))
 			if len(replies) != 2 {
 				t.Fatalf("got %d replies, want headers then body: %v", len(replies), replies)
 			}
@@ -152,8 +164,13 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, pr
 			}
 			br := replies[1].GetRequestBody().GetResponse()
 			newBody := br.GetBodyMutation().GetBody()
-			if !strings.Contains(string(newBody), `"kv_transfer_params":`+nixlParams) {
+			switch {
+			case tt.wantBody == "params" && !strings.Contains(string(newBody), `"kv_transfer_params":`+nixlParams):
 				t.Errorf("decode body lacks the prefill's params: %s", newBody)
+			case tt.wantBody == "" && br.GetBodyMutation() != nil:
+				t.Errorf("unchanged body sent back as a mutation: %v", br.GetBodyMutation())
+			case tt.wantBody != "" && tt.wantBody != "params" && string(newBody) != tt.wantBody:
+				t.Errorf("decode body\n%s\nwant\n%s", newBody, tt.wantBody)
 			}
 			if got, _ := headerValue(br.GetHeaderMutation(), "x-gateway-destination-endpoint"); got != "10.1.1.1:8000" {
 				t.Errorf("destination = %q", got)
@@ -163,7 +180,9 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, pr
 			}
 			cl, ok := headerValue(br.GetHeaderMutation(), "content-length")
 			switch {
-			case tt.withContentLength && cl != fmt.Sprint(len(newBody)):
+			case tt.wantBody == "" && ok:
+				t.Errorf("content-length %q set for a body left as the client sent it", cl)
+			case tt.wantBody != "" && tt.withContentLength && cl != fmt.Sprint(len(newBody)):
 				t.Errorf("content-length = %q, want %d (Envoy answers 500 on a mismatch)", cl, len(newBody))
 			case !tt.withContentLength && ok:
 				t.Errorf("content-length %q set on a chunked request", cl)

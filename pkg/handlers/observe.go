@@ -30,10 +30,9 @@ func redact(key, value string) string {
 	return value
 }
 
-// begin starts the request's observation once its headers are read: the
-// per-request logger and the span, joined to the caller's trace.
+// begin starts the request's observation once its headers are read: its span,
+// joined to the caller's trace.
 func (x *exchange) begin() {
-	x.log = x.Server.log.WithValues("requestID", x.req.RequestID)
 	ctx := x.opts.Propagator.Extract(x.ctx, x.traceHeaders)
 	x.ctx, x.span = x.tracer.Start(ctx, "extproc.request", trace.WithSpanKind(trace.SpanKindServer),
 		trace.WithAttributes(
@@ -78,22 +77,13 @@ func (x *exchange) conclude(outcome string, status int, reason string) {
 	processing := max(time.Since(x.start)-rep.PrefillTime, 0)
 	x.opts.Metrics.ObserveRequest(metrics.Request{API: api, Mode: rep.Mode, Outcome: outcome, Processing: processing})
 
-	kv := []any{"api", api, "mode", modeOrNone(rep.Mode), "reason", rep.Reason, "outcome", outcome,
+	kv := []any{"requestID", x.req.RequestID, "api", api, "mode", modeOrNone(rep.Mode), "reason", rep.Reason, "outcome", outcome,
 		"processing", processing, "prefill", rep.Prefill, "prefillTime", rep.PrefillTime}
-	attrs := []attribute.KeyValue{
-		attribute.String("pd.api", api), attribute.String("pd.mode", modeOrNone(rep.Mode)),
-		attribute.String("pd.reason", rep.Reason), attribute.String("pd.outcome", outcome),
-	}
-	if rep.Prefill != "" {
-		attrs = append(attrs, attribute.String("pd.prefill_endpoint", rep.Prefill))
-	}
 	if x.decision != nil {
 		kv = append(kv, "decode", x.decision.Endpoint)
-		attrs = append(attrs, attribute.String("pd.decode_endpoint", x.decision.Endpoint))
 	}
 	if status != 0 {
 		kv = append(kv, "status", status, "error", reason)
-		attrs = append(attrs, semconv.HTTPResponseStatusCode(status))
 	}
 	if x.body != nil {
 		kv = append(kv, "bodyBytes", len(x.body))
@@ -101,12 +91,35 @@ func (x *exchange) conclude(outcome string, status int, reason string) {
 			kv = append(kv, "body", truncate(x.body, maxLoggedBody))
 		}
 	}
+	x.endSpan(outcome, status, reason)
+	x.log.Info("request", kv...)
+}
+
+// endSpan ends the request's span with the decision and outcome; with tracing
+// off the span records nothing and the attributes are not built.
+func (x *exchange) endSpan(outcome string, status int, reason string) {
+	defer x.span.End()
+	if !x.span.IsRecording() {
+		return
+	}
+	rep := x.req.Report
+	attrs := []attribute.KeyValue{
+		attribute.String("pd.api", pipeline.APIOf(x.req.Path)), attribute.String("pd.mode", modeOrNone(rep.Mode)),
+		attribute.String("pd.reason", rep.Reason), attribute.String("pd.outcome", outcome),
+	}
+	if rep.Prefill != "" {
+		attrs = append(attrs, attribute.String("pd.prefill_endpoint", rep.Prefill))
+	}
+	if x.decision != nil {
+		attrs = append(attrs, attribute.String("pd.decode_endpoint", x.decision.Endpoint))
+	}
+	if status != 0 {
+		attrs = append(attrs, semconv.HTTPResponseStatusCode(status))
+	}
 	x.span.SetAttributes(attrs...)
 	if status >= 500 {
 		x.span.SetStatus(codes.Error, reason)
 	}
-	x.span.End()
-	x.log.Info("request", kv...)
 }
 
 func modeOrNone(mode string) string {

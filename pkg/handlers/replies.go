@@ -68,16 +68,16 @@ func headersReply(d *pipeline.Decision, requestID string) *extprocv3.ProcessingR
 	}
 }
 
-// bufferedBodyReply carries the routing and the new body in one BUFFERED body
-// reply: Envoy still holds the headers, and checks Content-Length against the new body.
-func bufferedBodyReply(d *pipeline.Decision, requestID string, contentLength bool) *extprocv3.ProcessingResponse {
+// bufferedBodyReply carries the routing in one BUFFERED body reply (Envoy still
+// holds the headers) and, when rewritten, the new body.
+func bufferedBodyReply(d *pipeline.Decision, requestID string, rewritten, contentLength bool) *extprocv3.ProcessingResponse {
 	m, md := routing(d, requestID, contentLength)
+	common := &extprocv3.CommonResponse{HeaderMutation: m, ClearRouteCache: true}
+	if rewritten {
+		common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: d.Body}}
+	}
 	return &extprocv3.ProcessingResponse{
-		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{
-			HeaderMutation:  m,
-			BodyMutation:    &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: d.Body}},
-			ClearRouteCache: true,
-		}}},
+		Response:        &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: common}},
 		DynamicMetadata: md,
 	}
 }

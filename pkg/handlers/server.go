@@ -87,7 +87,7 @@ func NewServer(r Router, opts Options, log logr.Logger) *Server {
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
 	s.opts.Metrics.StreamOpened()
 	defer s.opts.Metrics.StreamClosed()
-	x := &exchange{Server: s, stream: stream, ctx: stream.Context(), log: s.log}
+	x := &exchange{Server: s, stream: stream, ctx: stream.Context()}
 	if n := s.streams.Add(1); s.opts.MaxStreams > 0 && n > int64(s.opts.MaxStreams) {
 		x.overloaded = true // refused at its first message, without holding a body
 	}

@@ -71,7 +71,6 @@ func TestSharedPrefixesStickToOnePrefillEndpoint(t *testing.T) {
 }
 
 func TestShortPromptSkipsThePrefillLeg(t *testing.T) {
-	r := startRig(t, "full_duplex", "kv-nixl", rigOptions{extra: "pd: {min_prompt_tokens: 100}"})
 	tests := []struct {
 		name        string
 		prompt      string
@@ -80,20 +79,29 @@ func TestShortPromptSkipsThePrefillLeg(t *testing.T) {
 		{"short prompt goes decode-only", "short one", 0},
 		{"long prompt is disaggregated", "long one " + strings.Repeat("word ", 200), 1},
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			path, body := request("chat", false, tt.prompt)
-			if resp, got := r.post(t, path, body); resp.StatusCode != http.StatusOK {
-				t.Fatalf("status %d: %s", resp.StatusCode, got)
-			}
-			marker := tt.prompt[:8]
-			if got := legsOn(r.prefill, marker); got[0]+got[1] != tt.wantPrefill {
-				t.Errorf("prefill legs %v, want %d in all", got, tt.wantPrefill)
-			}
-			if got := legsOn(r.decode, marker); got[0]+got[1] != 1 {
-				t.Errorf("decode legs %v, want 1", got)
-			}
-		})
+	// In BUFFERED a decode-only body needs no change, so extproc does not send it
+	// back and Envoy forwards its own copy: the engine must still get it whole.
+	for _, mode := range []string{"full_duplex", "buffered"} {
+		r := startRig(t, mode, "kv-nixl", rigOptions{extra: "pd: {min_prompt_tokens: 100}"})
+		for _, tt := range tests {
+			t.Run(mode+"/"+tt.name, func(t *testing.T) {
+				path, body := request("chat", false, mode+tt.prompt)
+				if resp, got := r.post(t, path, body); resp.StatusCode != http.StatusOK {
+					t.Fatalf("status %d: %s", resp.StatusCode, got)
+				}
+				marker := mode + tt.prompt[:8]
+				if got := legsOn(r.prefill, marker); got[0]+got[1] != tt.wantPrefill {
+					t.Errorf("prefill legs %v, want %d in all", got, tt.wantPrefill)
+				}
+				if got := legsOn(r.decode, marker); got[0]+got[1] != 1 {
+					t.Errorf("decode legs %v, want 1", got)
+				}
+				_, rec := served(t, r.decode, func(rec pdsim.Record) bool { return strings.Contains(string(rec.Body), marker) })
+				if tt.wantPrefill == 0 && string(rec.Body) != body {
+					t.Errorf("decode-only leg body\n%s\nwant the client's\n%s", rec.Body, body)
+				}
+			})
+		}
 	}
 }
 
