@@ -33,20 +33,69 @@ var ErrNotObject = errors.New("request body must be a JSON object")
 
 // Parse validates b once (JSON syntax, UTF-8, nesting depth) and indexes its members.
 func Parse(b []byte) (*Object, error) {
-	s := scanner{b: b, members: make([]member, 0, 16)}
-	if err := s.scan(); err == errNotUTF8 {
-		return nil, err
-	} else if err != nil {
-		return nil, fmt.Errorf("request body is not valid JSON: %w", err)
+	var sc Scanner
+	return sc.Object(b)
+}
+
+// Scanner validates a body while its chunks arrive, so that when the last one
+// comes only the tail is left to scan. The zero Scanner is ready; Scan it the
+// body so far as it grows, then call Object with the whole body. Each Scan
+// goes on where the previous one stopped (inside a string, at its last whole
+// character; else at the start of the unfinished token) and waits for at
+// least as many new bytes as it would look at again, so a body costs at most
+// about three scans whatever its chunks, and one and a bit in practice.
+type Scanner struct {
+	s       scanner
+	started bool
+	err     error // the first error: the body is invalid whatever follows
+	scanned int   // bytes seen so far, those looked at twice counted twice (for tests)
+}
+
+// minScanStep is the least new data worth a Scan: below it the bookkeeping
+// would cost more than the scan it saves.
+const minScanStep = 16 << 10
+
+// Scan validates what is new in sofar, the body received so far; each call's
+// sofar must begin with the previous one's bytes.
+func (sc *Scanner) Scan(sofar []byte) {
+	if sc.err != nil || len(sofar)-len(sc.s.b) < max(minScanStep, len(sc.s.b)-sc.s.resume()) {
+		return
 	}
-	if s.open < 0 {
-		return nil, ErrNotObject
+	sc.step(sofar, false)
+}
+
+// Object finishes the scan of the whole body b and returns its index.
+func (sc *Scanner) Object(b []byte) (*Object, error) {
+	if sc.err == nil {
+		sc.step(b, true)
+	}
+	switch {
+	case sc.err == errNotUTF8 || sc.err == ErrNotObject:
+		return nil, sc.err
+	case sc.err != nil:
+		return nil, fmt.Errorf("request body is not valid JSON: %w", sc.err)
 	}
 	close := len(b) - 1
 	for b[close] != '}' {
 		close--
 	}
-	return &Object{raw: b, members: s.members, open: s.open, close: close}, nil
+	return &Object{raw: b, members: sc.s.members, open: sc.s.open, close: close}, nil
+}
+
+func (sc *Scanner) step(b []byte, final bool) {
+	if !sc.started {
+		sc.s, sc.started = newScanner(), true
+	}
+	sc.scanned += len(b) - sc.s.resume()
+	sc.s.b, sc.s.final = b, final
+	err := sc.s.run()
+	switch {
+	case err == errMore:
+	case err != nil:
+		sc.err = err
+	case sc.s.open < 0:
+		sc.err = ErrNotObject
+	}
 }
 
 // Bytes returns the body the Object was parsed from.

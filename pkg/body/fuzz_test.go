@@ -80,6 +80,48 @@ func FuzzParse(f *testing.F) {
 	})
 }
 
+// FuzzScanInChunks feeds a body to a Scanner in pieces, cut where cuts says
+// (each byte a piece length), and checks the result is Parse's: the same
+// verdict and the same members at the same offsets. The pieces bypass Scan's
+// minimum step, so every cut lands wherever the fuzzer puts it: inside a
+// string, an escape, a UTF-8 sequence, a number, a literal or whitespace.
+func FuzzScanInChunks(f *testing.F) {
+	for _, s := range []struct{ body, cuts string }{
+		{`{"model":"m","messages":[{"role":"user","content":"h\u00e9llo \"x\" café 東京"}],"max_tokens":512,"t":1.5e-3,"s":true,"n":null}`, "\x01\x03\x05\x02\x07"},
+		{`{"a":98765432109876543210,"b":-0.5E+2,"c":[true,false,null],"d":{}}`, "\x04\x01\x01\x01\x02\x03"},
+		{"\n{ \"a\" :\t[ ] , \"b\" : { } }\n", "\x01"},
+		{"{\"a\":\"\xe6\x9d\xb1\xf0\x9f\x98\x80\"}", "\x06\x01\x01\x01\x01"},
+		{`{"a":1}x`, "\x07"},
+		{`{"a":tru}`, "\x06\x01"},
+		{`{"a":"\u12"}`, "\x08\x01"},
+		{"{\"a\":\"\xff\"}", "\x06"},
+		{`[1,2]`, "\x02"},
+	} {
+		f.Add([]byte(s.body), []byte(s.cuts))
+	}
+	f.Fuzz(func(t *testing.T, b, cuts []byte) {
+		want, wantErr := Parse(b)
+		var sc Scanner
+		at := 0
+		for _, c := range cuts {
+			if at += int(c); at >= len(b) {
+				break
+			}
+			sc.step(b[:at], false)
+		}
+		got, err := sc.Object(b)
+		if (err == nil) != (wantErr == nil) {
+			t.Fatalf("in pieces %v: error %v; at once: %v", cuts, err, wantErr)
+		}
+		if err != nil {
+			return
+		}
+		if !reflect.DeepEqual(got.members, want.members) || got.open != want.open || got.close != want.close {
+			t.Fatalf("in pieces %v:\n%+v\nat once:\n%+v", cuts, got.members, want.members)
+		}
+	})
+}
+
 // FuzzApply checks Apply against a model: decode the input the way Python's
 // json does (last duplicate wins), apply the edits to the decoded map, and
 // compare with the decoded output. Every member no edit names must also keep

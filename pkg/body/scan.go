@@ -12,17 +12,47 @@ import (
 // exactly when json.Valid and utf8.Valid both accept it (fuzzed in FuzzParse).
 const maxDepth = 10000
 
-// scanner validates a whole JSON document in one pass and, on the way, records
-// the members of a top-level object. It replaces json.Valid + utf8.Valid + a
-// second indexing pass: validation dominated the cost of a large body, and
-// almost all of a prompt is string bytes, which are checked 8 at a time.
+// scanner validates a JSON document in one pass and, on the way, records the
+// members of a top-level object. It replaces json.Valid + utf8.Valid + a second
+// indexing pass: validation dominated the cost of a large body, and almost all
+// of a prompt is string bytes, which are checked 8 at a time.
+//
+// It can also run on a body that is still arriving (final false): it stops
+// where the bytes run out with errMore, at the start of the unfinished token
+// or, inside a string, at the last whole character, and the next run goes on
+// from there over a longer b.
 type scanner struct {
 	b       []byte
+	final   bool // b is the whole document
 	i       int
+	state   uint8
+	strFrom int    // inside a string that ran out: where to go on; 0 when not in one
 	stack   []byte // open containers, '{' or '['
 	members []member
-	open    int // offset of the top-level '{' + 1, or -1 when the top level is not an object
+	cur     member // the top-level member being read; start -1 when none
+	open    int    // offset of the top-level '{' + 1, or -1 when the top level is not an object
 }
+
+// What the scanner expects at s.i.
+const (
+	stValue  uint8 = iota // a value
+	stAfter               // the end of a value: ',' or the end of its container
+	stKey                 // a member's key
+	stColon               // the ':' after a key
+	stOpened              // the first member or element of a container, or its end
+	stDone                // nothing but trailing space
+)
+
+// resume is where the next run starts reading.
+func (s *scanner) resume() int {
+	if s.strFrom > 0 {
+		return s.strFrom
+	}
+	return s.i
+}
+
+// errMore says the bytes ran out before the end of a document that is not final.
+var errMore = errors.New("the body is incomplete")
 
 type syntaxError struct {
 	msg string
@@ -33,132 +63,192 @@ func (e *syntaxError) Error() string { return fmt.Sprintf("%s at offset %d", e.m
 
 func (s *scanner) fail(msg string) error { return &syntaxError{msg, s.i} }
 
-func (s *scanner) space() {
+// short is the answer when the bytes end inside a token: wait for more, or,
+// when they are all there, the document is cut short.
+func (s *scanner) short() error {
+	if !s.final {
+		return errMore
+	}
+	s.i = len(s.b)
+	return s.fail("unexpected end of JSON")
+}
+
+// space skips whitespace and reports whether a byte follows.
+func (s *scanner) space() bool {
 	for s.i < len(s.b) {
 		switch s.b[s.i] {
 		case ' ', '\t', '\n', '\r':
 			s.i++
 		default:
-			return
+			return true
 		}
 	}
+	return false
 }
 
-// scan validates s.b. Top-level members are recorded only when the document is an object.
-func (s *scanner) scan() error {
-	s.open = -1
-	s.space()
-	if s.i < len(s.b) && s.b[s.i] == '{' {
-		s.open = s.i + 1
-	}
-	cur := member{start: -1} // the top-level member being read
+func newScanner() scanner {
+	return scanner{members: make([]member, 0, 16), cur: member{start: -1}, open: -1}
+}
+
+// run scans s.b from where the last run stopped: nil when the document is
+// complete and valid, errMore when it may go on, else the first error.
+func (s *scanner) run() error {
 	for {
-		// A value starts at s.i.
-		if s.i >= len(s.b) {
-			return s.fail("unexpected end of JSON")
-		}
-		switch c := s.b[s.i]; c {
-		case '{', '[':
-			if len(s.stack) >= maxDepth {
-				return s.fail("JSON nested too deeply")
-			}
-			s.stack = append(s.stack, c)
-			s.i++
-			s.space()
-			if s.i < len(s.b) && s.b[s.i] == c+2 { // '}' is '{'+2, ']' is '['+2
-				s.i++
-				s.stack = s.stack[:len(s.stack)-1]
-				break
-			}
-			if c == '{' {
-				if err := s.key(&cur); err != nil {
-					return err
-				}
-			}
-			continue
-		case '"':
-			if err := s.str(); err != nil {
-				return err
-			}
-		case 't':
-			if err := s.literal("true"); err != nil {
-				return err
-			}
-		case 'f':
-			if err := s.literal("false"); err != nil {
-				return err
-			}
-		case 'n':
-			if err := s.literal("null"); err != nil {
-				return err
-			}
-		default:
-			if err := s.number(); err != nil {
-				return err
-			}
-		}
-		// A value ended at s.i: close containers, or move to the next element.
-		for {
-			if len(s.stack) == 1 && s.open >= 0 && cur.start >= 0 {
-				cur.valEnd = s.i
-				s.members = append(s.members, cur)
-				cur.start = -1
-			}
-			s.space()
-			if len(s.stack) == 0 {
-				if s.i != len(s.b) {
-					return s.fail("data after the JSON value")
-				}
+		var err error
+		switch s.state {
+		case stValue:
+			err = s.value()
+		case stAfter:
+			err = s.after()
+		case stKey:
+			err = s.key()
+		case stColon:
+			err = s.colon()
+		case stOpened:
+			err = s.opened()
+		case stDone:
+			switch {
+			case s.space():
+				return s.fail("data after the JSON value")
+			case s.final:
 				return nil
 			}
-			if s.i >= len(s.b) {
-				return s.fail("unexpected end of JSON")
-			}
-			top := s.stack[len(s.stack)-1]
-			if s.b[s.i] == top+2 {
-				s.i++
-				s.stack = s.stack[:len(s.stack)-1]
-				continue
-			}
-			if s.b[s.i] != ',' {
-				return s.fail("expected ',' or the end of a container")
-			}
-			s.i++
-			s.space()
-			if top == '{' {
-				if err := s.key(&cur); err != nil {
-					return err
-				}
-			}
-			break
+			return errMore
 		}
-	}
-}
-
-// key reads `"name" :` and leaves s.i on the value; at the top level it starts
-// recording a member.
-func (s *scanner) key(cur *member) error {
-	if s.i >= len(s.b) || s.b[s.i] != '"' {
-		return s.fail("expected a string key")
-	}
-	start := s.i
-	if err := s.str(); err != nil {
-		return err
-	}
-	keyEnd := s.i
-	s.space()
-	if s.i >= len(s.b) || s.b[s.i] != ':' {
-		return s.fail("expected ':' after a key")
-	}
-	s.i++
-	s.space()
-	if len(s.stack) == 1 && s.open >= 0 {
-		name, err := decodeKey(s.b[start:keyEnd])
 		if err != nil {
 			return err
 		}
-		*cur = member{name: name, start: start, valStart: s.i}
 	}
+}
+
+// value reads the value at s.i, or opens its container.
+func (s *scanner) value() error {
+	if !s.space() {
+		return s.short()
+	}
+	if len(s.stack) == 1 && s.cur.start >= 0 {
+		s.cur.valStart = s.i
+	}
+	switch c := s.b[s.i]; c {
+	case '{', '[':
+		if len(s.stack) >= maxDepth {
+			return s.fail("JSON nested too deeply")
+		}
+		if len(s.stack) == 0 && c == '{' {
+			s.open = s.i + 1
+		}
+		s.stack = append(s.stack, c)
+		s.i++
+		s.state = stOpened
+		return nil
+	case '"':
+		if err := s.str(); err != nil {
+			return err
+		}
+	case 't':
+		if err := s.literal("true"); err != nil {
+			return err
+		}
+	case 'f':
+		if err := s.literal("false"); err != nil {
+			return err
+		}
+	case 'n':
+		if err := s.literal("null"); err != nil {
+			return err
+		}
+	default:
+		if err := s.number(); err != nil {
+			return err
+		}
+	}
+	s.state = stAfter
+	return nil
+}
+
+// after closes containers or moves to the next element once a value ended at s.i.
+func (s *scanner) after() error {
+	if len(s.stack) == 1 && s.cur.start >= 0 {
+		s.cur.valEnd = s.i
+		s.members = append(s.members, s.cur)
+		s.cur.start = -1
+	}
+	if len(s.stack) == 0 {
+		s.state = stDone
+		return nil
+	}
+	if !s.space() {
+		return s.short()
+	}
+	top := s.stack[len(s.stack)-1]
+	switch s.b[s.i] {
+	case top + 2:
+		s.i++
+		s.stack = s.stack[:len(s.stack)-1]
+		return nil
+	case ',':
+		s.i++
+		s.state = stValue
+		if top == '{' {
+			s.state = stKey
+		}
+		return nil
+	}
+	return s.fail("expected ',' or the end of a container")
+}
+
+// key reads a member's key; at the top level it starts recording a member.
+func (s *scanner) key() error {
+	if !s.space() {
+		return s.short()
+	}
+	if s.b[s.i] != '"' {
+		return s.fail("expected a string key")
+	}
+	start := s.i // str leaves s.i on the opening quote until the string ends
+	if err := s.str(); err != nil {
+		return err
+	}
+	if len(s.stack) == 1 && s.open >= 0 {
+		name, err := decodeKey(s.b[start:s.i])
+		if err != nil {
+			return err
+		}
+		s.cur = member{name: name, start: start}
+	}
+	s.state = stColon
+	return nil
+}
+
+// opened reads what follows '{' or '[': the container's end, or its first
+// member or element.
+func (s *scanner) opened() error {
+	if !s.space() {
+		return s.short()
+	}
+	top := s.stack[len(s.stack)-1]
+	switch {
+	case s.b[s.i] == top+2: // '}' is '{'+2, ']' is '['+2
+		s.i++
+		s.stack = s.stack[:len(s.stack)-1]
+		s.state = stAfter
+	case top == '{':
+		s.state = stKey
+	default:
+		s.state = stValue
+	}
+	return nil
+}
+
+func (s *scanner) colon() error {
+	if !s.space() {
+		return s.short()
+	}
+	if s.b[s.i] != ':' {
+		return s.fail("expected ':' after a key")
+	}
+	s.i++
+	s.state = stValue
 	return nil
 }
 
@@ -168,8 +258,8 @@ const (
 )
 
 // plain reports whether none of the 8 bytes in w needs a closer look inside a
-// string: no control character, quote or backslash. Bytes of multi-byte UTF-8
-// sequences are plain: the whole body's UTF-8 was checked before the scan.
+// string: no control character, quote or backslash. Bytes >= 0x80 are plain
+// here; the caller checks their UTF-8.
 func plain(w uint64) bool {
 	control := (w - ones*0x20) & ^w & highs
 	quote := w ^ (ones * '"')
@@ -181,11 +271,25 @@ func plain(w uint64) bool {
 
 // str checks the string starting at s.i (a '"') and moves past it. Its text is
 // read 8 bytes at a time while they hold no quote, backslash or control byte,
-// and each non-ASCII character is decoded once, which checks its UTF-8: every
-// byte of the string is looked at once.
+// and each non-ASCII character is checked once as UTF-8 without decoding it:
+// every byte of the string is looked at once. When the bytes run out in a
+// body still arriving, s.i stays on the opening quote and s.strFrom keeps the
+// place to go on from.
 func (s *scanner) str() error {
 	b := s.b
-	i := s.i + 1
+	i := s.strFrom
+	if i == 0 {
+		i = s.i + 1
+	}
+	s.strFrom = 0
+	more := func(at int) error { // the bytes ran out at b[at], inside the string
+		if s.final {
+			s.i = at
+			return s.fail("unterminated string")
+		}
+		s.strFrom = at
+		return errMore
+	}
 	for {
 		for i+8 <= len(b) {
 			w := binary.LittleEndian.Uint64(b[i:])
@@ -201,6 +305,9 @@ func (s *scanner) str() error {
 			for i < len(b) && b[i] >= utf8.RuneSelf { // a run of non-ASCII characters
 				size := utf8Seq(b, i)
 				if size == 0 {
+					if !s.final && len(b)-i < utf8.UTFMax {
+						return more(i) // perhaps only cut short
+					}
 					s.i = i
 					return errNotUTF8
 				}
@@ -208,8 +315,7 @@ func (s *scanner) str() error {
 			}
 		}
 		if i >= len(b) {
-			s.i = i
-			return s.fail("unterminated string")
+			return more(i)
 		}
 		switch c := b[i]; {
 		case c == '"':
@@ -217,13 +323,15 @@ func (s *scanner) str() error {
 			return nil
 		case c == '\\':
 			if i+1 >= len(b) {
-				s.i = i
-				return s.fail("unterminated escape")
+				return more(i)
 			}
 			switch b[i+1] {
 			case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
 				i += 2
 			case 'u':
+				if i+6 > len(b) && !s.final {
+					return more(i)
+				}
 				if i+6 > len(b) || !hex4(b[i+2:i+6]) {
 					s.i = i
 					return s.fail("invalid \\u escape")
@@ -241,6 +349,9 @@ func (s *scanner) str() error {
 		default:
 			size := utf8Seq(b, i)
 			if size == 0 {
+				if !s.final && len(b)-i < utf8.UTFMax {
+					return more(i)
+				}
 				s.i = i
 				return errNotUTF8
 			}
@@ -303,14 +414,19 @@ func hex4(b []byte) bool {
 }
 
 func (s *scanner) literal(word string) error {
-	if len(s.b)-s.i < len(word) || string(s.b[s.i:s.i+len(word)]) != word {
+	n := min(len(word), len(s.b)-s.i)
+	if string(s.b[s.i:s.i+n]) != word[:n] {
 		return s.fail("invalid literal")
+	}
+	if n < len(word) {
+		return s.short()
 	}
 	s.i += len(word)
 	return nil
 }
 
-// number checks -?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)? at s.i.
+// number checks -?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)? at s.i. In a body
+// still arriving, a number that reaches the last byte may go on.
 func (s *scanner) number() error {
 	b := s.b
 	i := s.i
@@ -318,30 +434,42 @@ func (s *scanner) number() error {
 		i++
 	}
 	switch {
-	case i < len(b) && b[i] == '0':
+	case i >= len(b):
+		return s.short()
+	case b[i] == '0':
 		i++
-	case i < len(b) && '1' <= b[i] && b[i] <= '9':
+	case '1' <= b[i] && b[i] <= '9':
 		i = digits(b, i)
 	default:
 		return s.fail("invalid character looking for a value")
 	}
 	if i < len(b) && b[i] == '.' {
-		if i+1 >= len(b) || b[i+1] < '0' || b[i+1] > '9' {
+		i++
+		if i >= len(b) {
+			return s.short()
+		}
+		if b[i] < '0' || b[i] > '9' {
 			s.i = i
 			return s.fail("invalid number")
 		}
-		i = digits(b, i+1)
+		i = digits(b, i)
 	}
 	if i < len(b) && (b[i] == 'e' || b[i] == 'E') {
 		i++
 		if i < len(b) && (b[i] == '+' || b[i] == '-') {
 			i++
 		}
-		if i >= len(b) || b[i] < '0' || b[i] > '9' {
+		if i >= len(b) {
+			return s.short()
+		}
+		if b[i] < '0' || b[i] > '9' {
 			s.i = i
 			return s.fail("invalid number")
 		}
 		i = digits(b, i)
+	}
+	if i >= len(b) && !s.final {
+		return errMore
 	}
 	s.i = i
 	return nil

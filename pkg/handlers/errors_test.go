@@ -17,6 +17,7 @@ import (
 )
 
 func TestErrorsReachTheClientAsOpenAIStyleLocalReplies(t *testing.T) {
+	badLong := `{"model":"m","prompt":"caf` + "\xe9 " + strings.Repeat("a", 100_000) + `"}`
 	const engine400 = `{"object":"error","message":"Stream options can only be defined when stream=True.","type":"BadRequestError","code":400}`
 	tests := []struct {
 		name        string
@@ -42,6 +43,11 @@ func TestErrorsReachTheClientAsOpenAIStyleLocalReplies(t *testing.T) {
 		{
 			name: "invalid JSON", wantStatus: 400, wantMessage: "not valid JSON",
 			msgs: []*extprocv3.ProcessingRequest{postHeaders(fullDuplex, chatPath, `{"model":`), requestBody(`{"model":`, true)},
+		},
+		{
+			// Found in the first chunk, while the rest arrives: still one 400 at the end.
+			name: "invalid UTF-8 early in a long chunked body", wantStatus: 400, wantMessage: "not valid UTF-8",
+			msgs: append([]*extprocv3.ProcessingRequest{postHeaders(fullDuplex, chatPath, badLong)}, split(badLong, 5)...),
 		},
 		{
 			name: "missing model", wantStatus: 400, wantMessage: `no "model"`,

@@ -134,6 +134,7 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) (bool, error) {
 	switch x.requestMode {
 	case filterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
 		if !b.GetEndOfStream() {
+			x.req.Arrived(x.body) // validate while the rest is on its way
 			return false, nil
 		}
 		return x.finishDuplex(false)

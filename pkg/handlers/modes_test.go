@@ -33,6 +33,8 @@ var roomRE = regexp.MustCompile(`"bootstrap_room":\d+`)
 func pinRoom(s string) string { return roomRE.ReplaceAllString(s, `"bootstrap_room":ROOM`) }
 
 func TestFullDuplexRoutesWithHeldHeadersAndStreamedBody(t *testing.T) {
+	longChat := `{"model":"m","messages":[` + strings.Repeat(`{"role":"user","content":"r\u00e9sum\u00e9 \"café\" 東京\n"},`, 3000) +
+		`{"role":"user","content":"end"}],"max_tokens":5,"seed":98765432109876543210}`
 	tests := []struct {
 		connector   string
 		body        string
@@ -59,6 +61,12 @@ func TestFullDuplexRoutesWithHeldHeadersAndStreamedBody(t *testing.T) {
 				`"max_tokens":50,"seed":12345678901234567890,"bootstrap_room":ROOM,"bootstrap_host":"127.0.0.1","bootstrap_port":8998}`,
 			wantDecode: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},` +
 				`"max_tokens":50,"seed":12345678901234567890,"bootstrap_room":ROOM,"bootstrap_host":"127.0.0.1","bootstrap_port":8998}`,
+		},
+		{
+			// A long conversation cut anywhere (inside strings, escapes, UTF-8
+			// sequences): it is validated as it arrives, and reaches decode intact.
+			connector: "kv-nixl", chunks: 9, body: longChat,
+			wantDecode: strings.TrimSuffix(longChat, "}") + `,"kv_transfer_params":` + nixlParams + `}`,
 		},
 		{
 			connector: "kv-nixl", chunks: 7, // a long prompt: the decode body comes back in ≤ 62,000-byte chunks

@@ -144,7 +144,14 @@ type Request struct {
 	// Report is filled in by Route and RouteHeaders, whether they succeed or
 	// fail, with what the caller logs and counts.
 	Report Report
+
+	scan body.Scanner // what has been validated of Body while it arrived
 }
+
+// Arrived passes the body received so far, while the rest is on its way: it
+// is validated now, so that Route has only the tail left to scan. Each call's
+// body must begin with the previous one's bytes, and Body must begin with them all.
+func (r *Request) Arrived(sofar []byte) { r.scan.Scan(sofar) }
 
 // Report is what routing one request did. On a failure it holds what was
 // reached: a prefill failure under on_failure=fail keeps Mode pd.
@@ -243,7 +250,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if int64(len(r.Body)) > p.opts.MaxBodyBytes {
 		return nil, TooLarge(p.opts.MaxBodyBytes)
 	}
-	obj, err := body.Parse(r.Body)
+	obj, err := r.scan.Object(r.Body)
 	if err != nil {
 		return nil, badRequest("%v", err)
 	}
