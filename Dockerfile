@@ -19,10 +19,11 @@ RUN --mount=type=cache,target=/go/pkg/mod \
 
 COPY . .
 # CGO off: static binaries that run on distroless/static (no libc). -trimpath and -s -w keep
-# build paths and debug tables out of the image.
+# build paths and debug tables out of the image. GOEXPERIMENT=simd: on amd64 the body
+# scanner skips plain prompt text 32 bytes at a time with AVX2 (see the Makefile).
 RUN --mount=type=cache,target=/go/pkg/mod \
     --mount=type=cache,target=/root/.cache/go-build \
-    CGO_ENABLED=0 GOOS=$TARGETOS GOARCH=$TARGETARCH \
+    CGO_ENABLED=0 GOOS=$TARGETOS GOARCH=$TARGETARCH GOEXPERIMENT=simd \
     go build -trimpath -ldflags "-s -w" -o /out/ ./cmd/extproc ./cmd/pdsim
 
 FROM gcr.io/distroless/static-debian12:nonroot

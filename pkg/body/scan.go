@@ -252,29 +252,12 @@ func (s *scanner) colon() error {
 	return nil
 }
 
-const (
-	ones  = 0x0101010101010101
-	highs = 0x8080808080808080
-)
-
-// plain reports whether none of the 8 bytes in w needs a closer look inside a
-// string: no control character, quote or backslash. Bytes >= 0x80 are plain
-// here; the caller checks their UTF-8.
-func plain(w uint64) bool {
-	control := (w - ones*0x20) & ^w & highs
-	quote := w ^ (ones * '"')
-	backslash := w ^ (ones * '\\')
-	special := (quote - ones) & ^quote & highs
-	special |= (backslash - ones) & ^backslash & highs
-	return (control|special)&^(w&highs) == 0
-}
-
-// str checks the string starting at s.i (a '"') and moves past it. Its text is
-// read 8 bytes at a time while they hold no quote, backslash or control byte,
-// and each non-ASCII character is checked once as UTF-8 without decoding it:
-// every byte of the string is looked at once. When the bytes run out in a
-// body still arriving, s.i stays on the opening quote and s.strFrom keeps the
-// place to go on from.
+// str checks the string starting at s.i (a '"') and moves past it. nextSpecial
+// skips the plain text in blocks; only quotes, escapes, control bytes and
+// non-ASCII characters are looked at one by one, each non-ASCII character
+// checked once as UTF-8 without decoding it. When the bytes run out in a body
+// still arriving, s.i stays on the opening quote and s.strFrom keeps the place
+// to go on from.
 func (s *scanner) str() error {
 	b := s.b
 	i := s.strFrom
@@ -282,40 +265,10 @@ func (s *scanner) str() error {
 		i = s.i + 1
 	}
 	s.strFrom = 0
-	more := func(at int) error { // the bytes ran out at b[at], inside the string
-		if s.final {
-			s.i = at
-			return s.fail("unterminated string")
-		}
-		s.strFrom = at
-		return errMore
-	}
 	for {
-		for i+8 <= len(b) {
-			w := binary.LittleEndian.Uint64(b[i:])
-			if !plain(w) {
-				break
-			}
-			high := w & highs
-			if high == 0 {
-				i += 8
-				continue
-			}
-			i += bits.TrailingZeros64(high) / 8
-			for i < len(b) && b[i] >= utf8.RuneSelf { // a run of non-ASCII characters
-				size := utf8Seq(b, i)
-				if size == 0 {
-					if !s.final && len(b)-i < utf8.UTFMax {
-						return more(i) // perhaps only cut short
-					}
-					s.i = i
-					return errNotUTF8
-				}
-				i += size
-			}
-		}
+		i = nextSpecial(b, i)
 		if i >= len(b) {
-			return more(i)
+			return s.cut(i, "unterminated string")
 		}
 		switch c := b[i]; {
 		case c == '"':
@@ -323,16 +276,16 @@ func (s *scanner) str() error {
 			return nil
 		case c == '\\':
 			if i+1 >= len(b) {
-				return more(i)
+				return s.cut(i, "unterminated escape")
 			}
 			switch b[i+1] {
 			case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
 				i += 2
 			case 'u':
-				if i+6 > len(b) && !s.final {
-					return more(i)
+				if i+6 > len(b) {
+					return s.cut(i, "invalid \\u escape")
 				}
-				if i+6 > len(b) || !hex4(b[i+2:i+6]) {
+				if !hex4(b[i+2 : i+6]) {
 					s.i = i
 					return s.fail("invalid \\u escape")
 				}
@@ -344,20 +297,63 @@ func (s *scanner) str() error {
 		case c < 0x20:
 			s.i = i
 			return s.fail("control character in a string")
-		case c < utf8.RuneSelf:
-			i++
 		default:
-			size := utf8Seq(b, i)
-			if size == 0 {
-				if !s.final && len(b)-i < utf8.UTFMax {
-					return more(i)
+			for i < len(b) && b[i] >= utf8.RuneSelf { // a run of non-ASCII characters
+				size := utf8Seq(b, i)
+				if size == 0 {
+					if !s.final && len(b)-i < utf8.UTFMax {
+						return s.cut(i, "") // perhaps only cut short
+					}
+					s.i = i
+					return errNotUTF8
 				}
-				s.i = i
-				return errNotUTF8
+				i += size
 			}
-			i += size
 		}
 	}
+}
+
+// cut answers a string that runs past the bytes at b[at]: in a body still
+// arriving, go on from there next time; in a whole body, fail with msg.
+func (s *scanner) cut(at int, msg string) error {
+	if !s.final {
+		s.strFrom = at
+		return errMore
+	}
+	s.i = at
+	if msg == "" {
+		return errNotUTF8
+	}
+	return s.fail(msg)
+}
+
+const (
+	ones  = 0x0101010101010101
+	highs = 0x8080808080808080
+)
+
+// nextSpecialSWAR returns the offset of the first byte at or after b[i] that
+// ends a string's plain text (a quote, backslash, control or non-ASCII byte),
+// or len(b). It reads 8 bytes at a time.
+func nextSpecialSWAR(b []byte, i int) int {
+	for ; i+8 <= len(b); i += 8 {
+		w := binary.LittleEndian.Uint64(b[i:])
+		control := (w - ones*0x20) & ^w & highs
+		quote := w ^ (ones * '"')
+		backslash := w ^ (ones * '\\')
+		special := control | w&highs
+		special |= (quote - ones) & ^quote & highs
+		special |= (backslash - ones) & ^backslash & highs
+		if special != 0 {
+			return i + bits.TrailingZeros64(special)/8
+		}
+	}
+	for ; i < len(b); i++ {
+		if c := b[i]; c < 0x20 || c == '"' || c == '\\' || c >= utf8.RuneSelf {
+			return i
+		}
+	}
+	return i
 }
 
 // utf8Seq returns the length of the well-formed UTF-8 sequence that starts at

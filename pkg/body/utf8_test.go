@@ -38,3 +38,33 @@ func TestUTF8SeqAgreesWithTheStandardDecoder(t *testing.T) {
 		}
 	}
 }
+
+// TestNextSpecialFindsEveryByteThatEndsPlainText puts each of the 256 byte
+// values at each position of plain text long enough for two vector blocks and
+// a tail, and starts the search at several offsets: nextSpecial (AVX2 when
+// built with GOEXPERIMENT=simd) and nextSpecialSWAR must both stop exactly at
+// quotes, backslashes, control bytes and non-ASCII bytes, and nowhere else.
+func TestNextSpecialFindsEveryByteThatEndsPlainText(t *testing.T) {
+	special := func(c byte) bool { return c == '"' || c == '\\' || c < 0x20 || c >= utf8.RuneSelf }
+	buf := make([]byte, 75)
+	for v := 0; v < 256; v++ {
+		for p := range buf {
+			for i := range buf {
+				buf[i] = 'a'
+			}
+			buf[p] = byte(v)
+			for _, from := range []int{0, 1, 31, 32, 40} {
+				want := len(buf)
+				if special(byte(v)) && p >= from {
+					want = p
+				}
+				if got := nextSpecial(buf, from); got != want {
+					t.Fatalf("nextSpecial with %#02x at %d, from %d = %d, want %d", v, p, from, got, want)
+				}
+				if got := nextSpecialSWAR(buf, from); got != want {
+					t.Fatalf("nextSpecialSWAR with %#02x at %d, from %d = %d, want %d", v, p, from, got, want)
+				}
+			}
+		}
+	}
+}

@@ -85,6 +85,7 @@ func TestDockerfile(t *testing.T) {
 		{"module cache mount", strings.Contains(buildRun, "--mount=type=cache,target=/go/pkg/mod")},
 		{"build cache mount", strings.Contains(buildRun, "--mount=type=cache,target=/root/.cache/go-build")},
 		{"CGO_ENABLED=0 (distroless/static has no libc)", strings.Contains(buildRun, "CGO_ENABLED=0")},
+		{"GOEXPERIMENT=simd, as the Makefile builds (AVX2 body scanner)", strings.Contains(buildRun, "GOEXPERIMENT=simd")},
 		{"-trimpath", strings.Contains(buildRun, "-trimpath")},
 		{`-ldflags "-s -w"`, strings.Contains(buildRun, `-ldflags "-s -w"`)},
 		{"final stage is distroless static nonroot", final.from == "gcr.io/distroless/static-debian12:nonroot"},
