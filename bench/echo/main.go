@@ -24,11 +24,16 @@ import (
 	"google.golang.org/grpc/reflection"
 
 	"github.com/pd-extproc/pd-extproc/bench/internal/echo"
+	"github.com/pd-extproc/pd-extproc/pkg/server"
 )
 
 // maxRecvMsgSize matches extproc with its default config: the 32 MiB body
 // limit plus 1 MiB of headroom for the rest of the message.
 const maxRecvMsgSize = 32<<20 + 1<<20
+
+// The same gRPC buffers as extproc: the floor must not pay for a setting
+// extproc does not.
+func init() { server.UseChunkSizedBuffers() }
 
 func main() {
 	grpcAddr := flag.String("grpc-addr", ":9003", "ext_proc gRPC listen address")

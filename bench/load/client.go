@@ -12,18 +12,14 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/experimental"
-	"google.golang.org/grpc/mem"
+
+	"github.com/pd-extproc/pd-extproc/pkg/server"
 )
 
-// The driver stands in for Envoy, whose own cost is not under test, so it
-// spends as little CPU as it can on the two cores it shares with the servers:
-// grpc-go's default buffer pool has no tier between 32 KiB and 1 MiB, and
-// zeroes the whole 1 MiB buffer for every 64 KiB chunk sent and every 62,000-byte
-// reply received. The servers keep grpc-go's defaults, as extproc does.
-func init() {
-	experimental.SetDefaultBufferPool(mem.NewTieredBufferPool(256, 4<<10, 16<<10, 32<<10, 72<<10, 1<<20))
-}
+// The driver stands in for Envoy, whose own cost is not under test: it uses
+// the same chunk-sized gRPC buffers as extproc and echo, to spend as little
+// CPU as it can on the two cores it shares with the servers.
+func init() { server.UseChunkSizedBuffers() }
 
 // envoyWindow is Envoy's default HTTP/2 initial stream and connection window
 // (256 MiB): Envoy never throttles what an ext_proc server sends back.

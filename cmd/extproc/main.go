@@ -19,8 +19,6 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
-	"google.golang.org/grpc/experimental"
-	"google.golang.org/grpc/mem"
 
 	defaults "github.com/pd-extproc/pd-extproc/config"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -35,11 +33,7 @@ type flags struct {
 	tls                                    server.TLSFiles
 }
 
-func init() {
-	// grpc-go's default pool has no size between 32 KiB and 1 MiB, so every
-	// ~64 KiB body chunk from Envoy would take (and zero) a 1 MiB buffer.
-	experimental.SetDefaultBufferPool(mem.NewTieredBufferPool(256, 4<<10, 16<<10, 32<<10, 72<<10, 1<<20))
-}
+func init() { server.UseChunkSizedBuffers() }
 
 func main() {
 	var f flags
