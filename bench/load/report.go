@@ -115,7 +115,7 @@ func (r *Report) writeMode(w io.Writer, mode Mode, sizes, concs []int, targets [
 				}
 				fmt.Fprintf(w, "| %s | %d | %s | %d | %.0f | %s | %s | %.2f | %.3f | %s | %.2f | %.2f | %.1f | %.1f | %.2f | %s | %s |\n",
 					sizeName(size), conc, c.Target, c.Requests, c.Throughput(), ms(c.P50), ms(c.P99),
-					c.ServerCPU, c.ServerCPU*1000/float64(max(c.Requests, 1)), prefill, c.DriverCPU, c.OtherCPU,
+					c.ServerCPU, c.cpuPerRequest(), prefill, c.DriverCPU, c.OtherCPU,
 					mib(c.IdleRSS), mib(c.PeakRSS), c.PerInFlight(), goroutineDelta(c), errorsCell(c))
 			}
 		}
@@ -132,12 +132,13 @@ func (r *Report) writeRatios(w io.Writer, l *Launcher, modes []Mode, sizes, conc
 	fmt.Fprint(w, "### Ratios to the floor (echo)\n\n")
 	fmt.Fprintf(w, "`÷ budget` is the target's p99 over %.1f × echo p99 + the small-POST loopback RTT p99 of its prefill\n", latencyFactor)
 	fmt.Fprintln(w, "simulator (≤ 1 meets the P/D target); `÷ leg budget` uses the RTT of the same-size prefill leg")
-	fmt.Fprint(w, "instead, which includes the simulator's own work on the prompt.\n\n")
+	fmt.Fprintln(w, "instead, which includes the simulator's own work on the prompt. `CPU` is server CPU per request, the")
+	fmt.Fprint(w, "steadiest figure on a shared machine: at c ≥ 64 the CPUs are saturated and latency follows it.\n\n")
 	cols := []string{"mode", "body", "c"}
 	for _, t := range targets {
 		switch {
 		case t == TargetDecode:
-			cols = append(cols, "decode/echo p50", "decode/echo p99")
+			cols = append(cols, "decode/echo p50", "decode/echo p99", "decode/echo CPU")
 		case isPD(t):
 			cols = append(cols, t+"/echo p50", t+"/echo p99", t+" p99 ÷ budget", t+" p99 ÷ leg budget")
 		}
@@ -157,6 +158,9 @@ func (r *Report) writeRatios(w io.Writer, l *Launcher, modes []Mode, sizes, conc
 					}
 					c := r.find(t, mode, size, conc)
 					row = append(row, ratio(c, echo.P50, (*CellResult).p50), ratio(c, echo.P99, (*CellResult).p99))
+					if t == TargetDecode {
+						row = append(row, cpuRatio(c, echo))
+					}
 					if isPD(t) {
 						sim := l.prefillSim(t)
 						small, ok1 := r.rtt(sim, "small")
@@ -169,6 +173,16 @@ func (r *Report) writeRatios(w io.Writer, l *Launcher, modes []Mode, sizes, conc
 		}
 	}
 	fmt.Fprintln(w)
+}
+
+// cpuPerRequest is the server's CPU per completed request, in milliseconds.
+func (c *CellResult) cpuPerRequest() float64 { return c.ServerCPU * 1000 / float64(max(c.Requests, 1)) }
+
+func cpuRatio(c, echo *CellResult) string {
+	if c == nil || echo.cpuPerRequest() == 0 {
+		return "–"
+	}
+	return fmt.Sprintf("%.2f", c.cpuPerRequest()/echo.cpuPerRequest())
 }
 
 func (c *CellResult) p50() time.Duration { return c.P50 }
