@@ -88,8 +88,8 @@ func appendQuote(dst []byte, s string) []byte {
 // including the separators and whitespace around the members that stay.
 // The Object itself is not changed.
 func (o *Object) Apply(edits ...Edit) []byte {
-	if len(edits) == 0 {
-		return o.raw
+	if !o.touches(edits) {
+		return o.raw // nothing to change: no copy
 	}
 	final := make(map[string]Edit, len(edits))
 	var order []string // first-mention order, for deterministic appends
@@ -98,9 +98,6 @@ func (o *Object) Apply(edits ...Edit) []byte {
 			order = append(order, e.Key)
 		}
 		final[e.Key] = e
-	}
-	if !o.touches(final) {
-		return o.raw // nothing to change: no copy
 	}
 
 	// Size the output for the worst case (no replaced bytes reused) so that a big
@@ -157,10 +154,17 @@ func (o *Object) Apply(edits ...Edit) []byte {
 	return append(out, o.raw[o.members[len(o.members)-1].valEnd:]...)
 }
 
-// touches reports whether applying the edits changes any byte.
-func (o *Object) touches(final map[string]Edit) bool {
-	for key, e := range final {
-		if (len(e.Value) > 0 && !e.IfPresent) || o.Has(key) {
+// touches reports whether applying the edits may change a byte: false when
+// they only delete or rewrite keys the body does not have.
+func (o *Object) touches(edits []Edit) bool {
+next:
+	for i, e := range edits {
+		for _, later := range edits[i+1:] {
+			if later.Key == e.Key {
+				continue next // the last edit of a key wins
+			}
+		}
+		if (len(e.Value) > 0 && !e.IfPresent) || o.Has(e.Key) {
 			return true
 		}
 	}

@@ -276,35 +276,40 @@ func (x *exchange) send(r *extprocv3.ProcessingResponse) error { return x.stream
 // read only as a fallback for Envoys with the raw_value guard off.
 func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 	x.contentLength = -1
-	x.traceHeaders = propagation.MapCarrier{}
 	var logged map[string]string // protocol-detail logging only
 	if x.log.V(2).Enabled() {
 		logged = make(map[string]string, len(hm.GetHeaders()))
 	}
 	for _, h := range hm.GetHeaders() {
-		v := string(h.GetRawValue())
-		if v == "" {
-			v = h.GetValue()
+		key := h.GetKey()
+		value := func() string {
+			if raw := h.GetRawValue(); len(raw) > 0 {
+				return string(raw)
+			}
+			return h.GetValue()
 		}
 		if logged != nil {
-			logged[h.GetKey()] = redact(h.GetKey(), v)
+			logged[key] = redact(key, value())
 		}
-		if x.traceFields[h.GetKey()] {
-			x.traceHeaders[h.GetKey()] = v
+		if x.traceFields[key] {
+			if x.traceHeaders == nil {
+				x.traceHeaders = propagation.MapCarrier{}
+			}
+			x.traceHeaders[key] = value()
 		}
-		switch h.GetKey() {
+		switch key {
 		case ":method":
-			x.method = v
+			x.method = value()
 		case ":path":
-			x.req.Path = v
+			x.req.Path = value()
 		case RequestIDHeader:
-			x.req.RequestID = v
+			x.req.RequestID = value()
 		case "content-length":
-			if n, err := strconv.ParseInt(v, 10, 64); err == nil && n >= 0 {
+			if n, err := strconv.ParseInt(value(), 10, 64); err == nil && n >= 0 {
 				x.contentLength = n
 			}
 		case "authorization":
-			x.req.Forward = http.Header{"Authorization": {v}}
+			x.req.Forward = http.Header{"Authorization": {value()}}
 		}
 	}
 	if x.req.RequestID == "" {
