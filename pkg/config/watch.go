@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -19,15 +20,18 @@ var watchReady = func() {}
 const settle = 100 * time.Millisecond
 
 // Watch re-reads the file at path whenever its directory changes and hands
-// each new valid config to apply. A file that fails to load or validate goes to
-// reject and the old config stays in force. It returns when ctx is done, or at
-// once with an error when the directory cannot be watched.
+// each valid config that differs from running, the one the caller runs with,
+// to apply. A file that fails to load or validate goes to reject and the old
+// config stays in force. The file is also read once as soon as the watch is in
+// place, so that a change made between the caller's load and the watch is not
+// lost. Watch returns when ctx is done, or at once with an error when the
+// directory cannot be watched.
 //
 // The directory is watched, not the file, because the file is usually replaced
 // rather than written: editors rename a temporary file over it, and a
 // Kubernetes ConfigMap volume swaps its ..data symlink, so a watch on the file
 // itself would follow the old inode and go silent.
-func Watch(ctx context.Context, path string, apply func(*Config), reject func(error)) error {
+func Watch(ctx context.Context, path string, running *Config, apply func(*Config), reject func(error)) error {
 	w, err := fsnotify.NewWatcher()
 	if err != nil {
 		return fmt.Errorf("config: watching %s: %w", path, err)
@@ -36,11 +40,10 @@ func Watch(ctx context.Context, path string, apply func(*Config), reject func(er
 	if err := w.Add(filepath.Dir(path)); err != nil {
 		return fmt.Errorf("config: watching %s: %w", path, err)
 	}
-	last, _ := os.ReadFile(path) // the config the caller already runs with
 	watchReady()
 
-	timer := time.NewTimer(0)
-	<-timer.C
+	var last []byte
+	timer := time.NewTimer(0) // the first read, now that the watch is in place
 	defer timer.Stop()
 	for {
 		select {
@@ -71,6 +74,10 @@ func Watch(ctx context.Context, path string, apply func(*Config), reject func(er
 				reject(fmt.Errorf("%w; keeping the running config", err))
 				continue
 			}
+			if reflect.DeepEqual(c, running) {
+				continue // the same config, perhaps written differently
+			}
+			running = c
 			apply(c)
 		}
 	}

@@ -17,9 +17,14 @@ const (
 	broken = "connector: kv-nixl\npools: {decode: {endpoints: [\"not-an-address\"]}}\n"
 )
 
-// watching runs Watch on path and returns channels of what it applied and rejected.
+// watching runs Watch on path, with the caller running the config in the
+// file now, and returns channels of what it applied and rejected.
 func watching(t *testing.T, path string) (applied chan *Config, rejected chan error) {
 	t.Helper()
+	running, err := Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(func() { goleak.VerifyNone(t) }) // runs last
 	applied, rejected = make(chan *Config, 10), make(chan error, 10)
 	ready := make(chan struct{})
@@ -28,7 +33,7 @@ func watching(t *testing.T, path string) (applied chan *Config, rejected chan er
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- Watch(ctx, path, func(c *Config) { applied <- c }, func(err error) { rejected <- err })
+		done <- Watch(ctx, path, running, func(c *Config) { applied <- c }, func(err error) { rejected <- err })
 	}()
 	t.Cleanup(func() {
 		cancel()
@@ -82,6 +87,8 @@ func TestWatchInPlaceWrites(t *testing.T) {
 	applied, rejected := watching(t, path)
 
 	write(t, path, validA) // same bytes: nothing to do
+	nothingApplied(t, applied)
+	write(t, path, "# the same config, written differently\n"+validA)
 	nothingApplied(t, applied)
 
 	write(t, path, validB)
@@ -160,8 +167,31 @@ func TestWatchConfigMapSymlinkSwap(t *testing.T) {
 }
 
 func TestWatchMissingDirectory(t *testing.T) {
-	err := Watch(context.Background(), filepath.Join(t.TempDir(), "nope", "extproc.yaml"), func(*Config) {}, func(error) {})
+	err := Watch(context.Background(), filepath.Join(t.TempDir(), "nope", "extproc.yaml"), &Config{}, func(*Config) {}, func(error) {})
 	if err == nil {
 		t.Fatal("Watch() on a missing directory = nil, want an error")
+	}
+}
+
+// A change written after the caller loaded the file but before the watch was
+// in place (extproc announces itself in between) is applied, not lost.
+func TestWatchAppliesAChangeMadeBeforeTheWatchStarted(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "extproc.yaml")
+	write(t, path, validA)
+	running, err := Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	write(t, path, validB)
+	applied := make(chan *Config, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- Watch(ctx, path, running, func(c *Config) { applied <- c }, func(error) {}) }()
+	if got := decodeEndpoint(t, applied); got != "10.0.0.3:8000" {
+		t.Fatalf("applied %s, want the change made before the watch", got)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
 	}
 }

@@ -63,6 +63,7 @@ type Options struct {
 type Server struct {
 	opts            Options
 	log             logr.Logger
+	cfg             *config.Config // as loaded; the config watch reloads only a different one
 	pipeline        *pipeline.Pipeline
 	metrics         *metrics.Metrics
 	grpc            *grpc.Server
@@ -77,7 +78,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	if opts.HealthInterval <= 0 {
 		opts.HealthInterval = DefaultHealthInterval
 	}
-	s := &Server{opts: opts, log: log, metrics: metrics.New(cfg.Connector), draining: make(chan struct{})}
+	s := &Server{opts: opts, log: log, cfg: cfg, metrics: metrics.New(cfg.Connector), draining: make(chan struct{})}
 	tp := opts.TracerProvider
 	s.shutdownTracing = func(context.Context) error { return nil }
 	if tp == nil {
@@ -166,7 +167,7 @@ func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) erro
 // watchConfig returns the loop that reloads the config file when it changes.
 func (s *Server) watchConfig(ctx context.Context) func() {
 	return func() {
-		err := config.Watch(ctx, s.opts.ConfigPath, func(c *config.Config) {
+		err := config.Watch(ctx, s.opts.ConfigPath, s.cfg, func(c *config.Config) {
 			s.pipeline.Reload(c)
 			s.log.Info("config reloaded", "path", s.opts.ConfigPath,
 				"prefill", c.Pools.Prefill.Endpoints, "decode", c.Pools.Decode.Endpoints)
