@@ -28,7 +28,7 @@ import (
 type flags struct {
 	config, grpcAddr, adminAddr, logFormat string
 	verbosity                              int
-	grace                                  time.Duration
+	grace, logFlush                        time.Duration
 	pprof, logPrompts                      bool
 	tls                                    server.TLSFiles
 }
@@ -42,6 +42,8 @@ func main() {
 	flag.StringVar(&f.adminAddr, "admin-addr", ":9090", "admin HTTP listen address (/metrics, /healthz, /readyz)")
 	flag.IntVar(&f.verbosity, "v", 0, "log verbosity: 0 info, 1 per-request debug, 2 protocol detail")
 	flag.StringVar(&f.logFormat, "log-format", "json", "log format: json or console")
+	flag.DurationVar(&f.logFlush, "log-flush-interval", time.Second,
+		"how long log lines may wait in a buffer before they are written, as Envoy's access logs do; 0 writes each line at once")
 	flag.DurationVar(&f.grace, "shutdown-grace", 30*time.Second, "on SIGTERM, how long in-flight streams may finish")
 	flag.BoolVar(&f.pprof, "pprof", false, "serve the Go profiler under /debug/pprof/ on the admin address")
 	flag.BoolVar(&f.logPrompts, "log-prompts", false, "add request bodies (prompts: user data) to the per-request log lines")
@@ -50,18 +52,22 @@ func main() {
 	flag.StringVar(&f.tls.ClientCA, "tls-client-ca-file", "", "require client certificates signed by these CAs (mTLS)")
 	flag.Parse()
 
-	log, err := newLogger(f.logFormat, f.verbosity)
+	log, flush, err := newLogger(f.logFormat, f.verbosity, f.logFlush)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "extproc:", err)
 		os.Exit(2)
 	}
-	if err := run(f, log); err != nil {
+	err = run(f, log, flush)
+	if err != nil {
 		log.Error(err, "extproc stopped")
+	}
+	flush()
+	if err != nil {
 		os.Exit(1)
 	}
 }
 
-func run(f flags, log logr.Logger) error {
+func run(f flags, log logr.Logger, flush func()) error {
 	if err := f.tls.Validate(); err != nil {
 		return err
 	}
@@ -89,6 +95,7 @@ func run(f flags, log logr.Logger) error {
 		"connector", cfg.Connector, "prefill", cfg.Pools.Prefill.Endpoints, "decode", cfg.Pools.Decode.Endpoints,
 		"tracing", server.TracingEnabled(cfg.Tracing), "pprof", f.pprof, "logPrompts", f.logPrompts,
 		"tls", f.tls.Cert != "", "mtls", f.tls.ClientCA != "")
+	flush() // whoever waits for this line gets it now
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
@@ -102,24 +109,35 @@ func loadConfig(path string) (*config.Config, error) {
 	return config.Load(path)
 }
 
-func newLogger(format string, verbosity int) (logr.Logger, error) {
+// newLogger returns the logger and a function that writes out what it holds.
+// With a flush interval, lines are written in batches at least that often
+// (and when 256 KiB are waiting) instead of one write per line: the request
+// line is the only write extproc makes per request.
+func newLogger(format string, verbosity int, flushInterval time.Duration) (logr.Logger, func(), error) {
 	var zc zap.Config
+	var enc func(zapcore.EncoderConfig) zapcore.Encoder
 	switch format {
 	case "json":
-		zc = zap.NewProductionConfig()
+		zc, enc = zap.NewProductionConfig(), zapcore.NewJSONEncoder
 	case "console":
-		zc = zap.NewDevelopmentConfig()
+		zc, enc = zap.NewDevelopmentConfig(), zapcore.NewConsoleEncoder
 		zc.EncoderConfig.EncodeLevel = zapcore.CapitalColorLevelEncoder
 	default:
-		return logr.Logger{}, errors.New("--log-format must be json or console")
+		return logr.Logger{}, nil, errors.New("--log-format must be json or console")
 	}
 	zc.Level = zap.NewAtomicLevelAt(zapcore.Level(-verbosity))
 	zc.DisableStacktrace = true
 	zc.DisableCaller = true // the logger name says where a line comes from; a stack walk per request line does not pay
 	zc.Sampling = nil       // every request gets its one "request" line, however busy
-	z, err := zc.Build()
-	if err != nil {
-		return logr.Logger{}, err
+	var out zapcore.WriteSyncer = zapcore.Lock(os.Stderr)
+	if flushInterval > 0 {
+		out = &zapcore.BufferedWriteSyncer{WS: zapcore.AddSync(os.Stderr), Size: 256 << 10, FlushInterval: flushInterval}
 	}
-	return zapr.NewLogger(z), nil
+	z, err := zc.Build(zap.WrapCore(func(zapcore.Core) zapcore.Core {
+		return zapcore.NewCore(enc(zc.EncoderConfig), out, zc.Level)
+	}))
+	if err != nil {
+		return logr.Logger{}, nil, err
+	}
+	return zapr.NewLogger(z), func() { _ = out.Sync() }, nil
 }

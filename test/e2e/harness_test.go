@@ -85,7 +85,7 @@ func startExtproc(t *testing.T, configYAML string, args ...string) *extproc {
 		t.Fatal(err)
 	}
 	x := &extproc{ConfigPath: cfg, cmd: exec.Command(extprocBin, append([]string{"--config", cfg,
-		"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "-v", "1"}, args...)...)}
+		"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "-v", "1", "--log-flush-interval", "0"}, args...)...)}
 	stderr, err := x.cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)

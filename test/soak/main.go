@@ -306,7 +306,8 @@ pools:
 		return nil, err
 	}
 	// --pprof: the goroutine profile tells idle connection pools from work left behind.
-	s.extproc = exec.Command(bin, "--config", cfgPath, "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--pprof")
+	s.extproc = exec.Command(bin, "--config", cfgPath, "--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "--pprof",
+		"--log-flush-interval", "0") // the soak reads request lines as they come
 	stderr, err := s.extproc.StderrPipe()
 	if err != nil {
 		return nil, err
