@@ -91,42 +91,42 @@ func (o *Object) Apply(edits ...Edit) []byte {
 	if !o.touches(edits) {
 		return o.raw // nothing to change: no copy
 	}
-	final := make(map[string]Edit, len(edits))
-	var order []string // first-mention order, for deterministic appends
+	// The last edit of each key, in first-mention order (for deterministic
+	// appends). Edits are a handful: a slice searched in order beats a map.
+	final := make([]finalEdit, 0, len(edits))
 	for _, e := range edits {
-		if _, seen := final[e.Key]; !seen {
-			order = append(order, e.Key)
+		if k := find(final, e.Key); k >= 0 {
+			final[k].Edit = e
+		} else {
+			final = append(final, finalEdit{Edit: e})
 		}
-		final[e.Key] = e
 	}
 
 	// Size the output for the worst case (no replaced bytes reused) so that a big
 	// body is copied exactly once.
 	size := len(o.raw)
-	for key, e := range final {
+	for _, e := range final {
 		if len(e.Value) > 0 {
-			size += len(key) + len(e.Value) + 4 // ,"key":
+			size += len(e.Key) + len(e.Value) + 4 // ,"key":
 		}
 	}
 	out := make([]byte, 0, size)
 	wrote := false // a member has been written, so the next one needs a separator
-	placed := make(map[string]bool, len(final))
 	if len(o.members) == 0 {
 		out = append(out, o.raw[:o.close]...)
 	} else {
 		out = append(out, o.raw[:o.members[0].start]...)
 	}
 	for i, m := range o.members {
-		e, edited := final[m.name]
 		var value []byte
-		switch {
-		case !edited:
+		switch k := find(final, m.name); {
+		case k < 0:
 			value = o.raw[m.valStart:m.valEnd]
-		case len(e.Value) == 0 || placed[m.name]:
+		case len(final[k].Value) == 0 || final[k].placed:
 			continue // deleted, or a duplicate of a key already set
 		default:
-			value = e.Value
-			placed[m.name] = true
+			value = final[k].Value
+			final[k].placed = true
 		}
 		if wrote {
 			out = append(out, o.raw[o.members[i-1].valEnd:m.start]...)
@@ -135,15 +135,14 @@ func (o *Object) Apply(edits ...Edit) []byte {
 		out = append(out, value...)
 		wrote = true
 	}
-	for _, key := range order {
-		e := final[key]
-		if len(e.Value) == 0 || e.IfPresent || placed[key] {
+	for _, e := range final {
+		if len(e.Value) == 0 || e.IfPresent || e.placed {
 			continue
 		}
 		if wrote {
 			out = append(out, ',')
 		}
-		out = appendQuote(out, key)
+		out = appendQuote(out, e.Key)
 		out = append(out, ':')
 		out = append(out, e.Value...)
 		wrote = true
@@ -152,6 +151,21 @@ func (o *Object) Apply(edits ...Edit) []byte {
 		return append(out, o.raw[o.close:]...)
 	}
 	return append(out, o.raw[o.members[len(o.members)-1].valEnd:]...)
+}
+
+// finalEdit is the edit in force for a key, and whether it has been written.
+type finalEdit struct {
+	Edit
+	placed bool
+}
+
+func find(final []finalEdit, key string) int {
+	for k := range final {
+		if final[k].Key == key {
+			return k
+		}
+	}
+	return -1
 }
 
 // touches reports whether applying the edits may change a byte: false when
