@@ -46,6 +46,7 @@ func Parse(b []byte) (*Object, error) {
 // about three scans whatever its chunks, and one and a bit in practice.
 type Scanner struct {
 	s       scanner
+	utf8    utf8Stream
 	started bool
 	err     error // the first error: the body is invalid whatever follows
 	scanned int   // bytes seen so far, those looked at twice counted twice (for tests)
@@ -87,6 +88,10 @@ func (sc *Scanner) step(b []byte, final bool) {
 		sc.s, sc.started = newScanner(), true
 	}
 	sc.scanned += len(b) - sc.s.resume()
+	if !sc.utf8.feed(b, final) {
+		sc.err = errNotUTF8
+		return
+	}
 	sc.s.b, sc.s.final = b, final
 	err := sc.s.run()
 	switch {

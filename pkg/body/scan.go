@@ -333,15 +333,19 @@ const (
 )
 
 // nextSpecialSWAR returns the offset of the first byte at or after b[i] that
-// ends a string's plain text (a quote, backslash, control or non-ASCII byte),
-// or len(b). It reads 8 bytes at a time.
+// ends a string's plain text (a quote, backslash, control byte, or, unless
+// utf8Vectorized, a non-ASCII byte), or len(b). It reads 8 bytes at a time.
 func nextSpecialSWAR(b []byte, i int) int {
+	high := uint64(highs)
+	if utf8Vectorized {
+		high = 0 // the whole body's UTF-8 is checked apart (utf8Stream)
+	}
 	for ; i+8 <= len(b); i += 8 {
 		w := binary.LittleEndian.Uint64(b[i:])
 		control := (w - ones*0x20) & ^w & highs
 		quote := w ^ (ones * '"')
 		backslash := w ^ (ones * '\\')
-		special := control | w&highs
+		special := control | w&high
 		special |= (quote - ones) & ^quote & highs
 		special |= (backslash - ones) & ^backslash & highs
 		if special != 0 {
@@ -349,7 +353,7 @@ func nextSpecialSWAR(b []byte, i int) int {
 		}
 	}
 	for ; i < len(b); i++ {
-		if c := b[i]; c < 0x20 || c == '"' || c == '\\' || c >= utf8.RuneSelf {
+		if c := b[i]; c < 0x20 || c == '"' || c == '\\' || c >= utf8.RuneSelf && !utf8Vectorized {
 			return i
 		}
 	}
