@@ -129,14 +129,8 @@ func (o *Object) String(key string) (string, bool) {
 	if !ok || raw[0] != '"' {
 		return "", false
 	}
-	if bytes.IndexByte(raw, '\\') < 0 {
-		return string(raw[1 : len(raw)-1]), true
-	}
-	var s string
-	if json.Unmarshal(raw, &s) != nil {
-		return "", false
-	}
-	return s, true
+	s, err := decodeString(raw)
+	return s, err == nil
 }
 
 // Bool returns key's value when it is a JSON boolean.
@@ -169,13 +163,12 @@ func (o *Object) Int(key string) (int64, bool) {
 // IsNull reports whether raw is the JSON literal null.
 func IsNull(raw []byte) bool { return string(raw) == "null" }
 
-func decodeKey(raw []byte) (string, error) {
+// decodeString decodes a validated JSON string, copying it out of the body.
+func decodeString(raw []byte) (string, error) {
 	if bytes.IndexByte(raw, '\\') < 0 {
 		return string(raw[1 : len(raw)-1]), nil
 	}
 	var s string
-	if err := json.Unmarshal(raw, &s); err != nil {
-		return "", fmt.Errorf("request body has an invalid key: %w", err)
-	}
-	return s, nil
+	err := json.Unmarshal(raw, &s)
+	return s, err
 }

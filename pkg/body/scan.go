@@ -210,9 +210,9 @@ func (s *scanner) key() error {
 		return err
 	}
 	if len(s.stack) == 1 && s.open >= 0 {
-		name, err := decodeKey(s.b[start:s.i])
+		name, err := decodeString(s.b[start:s.i])
 		if err != nil {
-			return err
+			return fmt.Errorf("request body has an invalid key: %w", err)
 		}
 		s.cur = member{name: name, start: start}
 	}
@@ -300,10 +300,11 @@ func (s *scanner) str() error {
 		default:
 			for i < len(b) && b[i] >= utf8.RuneSelf { // a run of non-ASCII characters
 				size := utf8Seq(b, i)
-				if size == 0 {
-					if !s.final && len(b)-i < utf8.UTFMax {
-						return s.cut(i, "") // perhaps only cut short
-					}
+				switch {
+				case size == 0 && !s.final && len(b)-i < utf8.UTFMax:
+					s.strFrom = i // perhaps only cut short: go on from here
+					return errMore
+				case size == 0:
 					s.i = i
 					return errNotUTF8
 				}
@@ -321,9 +322,6 @@ func (s *scanner) cut(at int, msg string) error {
 		return errMore
 	}
 	s.i = at
-	if msg == "" {
-		return errNotUTF8
-	}
 	return s.fail(msg)
 }
 
@@ -443,36 +441,38 @@ func (s *scanner) number() error {
 	default:
 		return s.fail("invalid character looking for a value")
 	}
+	var err error
 	if i < len(b) && b[i] == '.' {
-		i++
-		if i >= len(b) {
-			return s.short()
+		if i, err = s.someDigits(i + 1); err != nil {
+			return err
 		}
-		if b[i] < '0' || b[i] > '9' {
-			s.i = i
-			return s.fail("invalid number")
-		}
-		i = digits(b, i)
 	}
 	if i < len(b) && (b[i] == 'e' || b[i] == 'E') {
 		i++
 		if i < len(b) && (b[i] == '+' || b[i] == '-') {
 			i++
 		}
-		if i >= len(b) {
-			return s.short()
+		if i, err = s.someDigits(i); err != nil {
+			return err
 		}
-		if b[i] < '0' || b[i] > '9' {
-			s.i = i
-			return s.fail("invalid number")
-		}
-		i = digits(b, i)
 	}
 	if i >= len(b) && !s.final {
 		return errMore
 	}
 	s.i = i
 	return nil
+}
+
+// someDigits reads the one or more digits a fraction or an exponent needs at b[i].
+func (s *scanner) someDigits(i int) (int, error) {
+	switch {
+	case i >= len(s.b):
+		return i, s.short()
+	case s.b[i] < '0' || s.b[i] > '9':
+		s.i = i
+		return i, s.fail("invalid number")
+	}
+	return digits(s.b, i), nil
 }
 
 func digits(b []byte, i int) int {

@@ -187,7 +187,7 @@ func (x *exchange) finishDuplex(trailers bool) (bool, error) {
 	if err := x.send(headersReply(d, x.req.RequestID)); err != nil {
 		return false, err
 	}
-	for _, c := range chunks(true, d.Body, !trailers) {
+	for _, c := range chunks(d.Body, !trailers) {
 		if err := x.send(c); err != nil {
 			return false, err
 		}
@@ -282,34 +282,28 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 	}
 	for _, h := range hm.GetHeaders() {
 		key := h.GetKey()
-		value := func() string {
-			if raw := h.GetRawValue(); len(raw) > 0 {
-				return string(raw)
-			}
-			return h.GetValue()
-		}
 		if logged != nil {
-			logged[key] = redact(key, value())
+			logged[key] = redact(key, headerValue(h))
 		}
 		if x.traceFields[key] {
 			if x.traceHeaders == nil {
 				x.traceHeaders = propagation.MapCarrier{}
 			}
-			x.traceHeaders[key] = value()
+			x.traceHeaders[key] = headerValue(h)
 		}
 		switch key {
 		case ":method":
-			x.method = value()
+			x.method = headerValue(h)
 		case ":path":
-			x.req.Path = value()
+			x.req.Path = headerValue(h)
 		case RequestIDHeader:
-			x.req.RequestID = value()
+			x.req.RequestID = headerValue(h)
 		case "content-length":
-			if n, err := strconv.ParseInt(value(), 10, 64); err == nil && n >= 0 {
+			if n, err := strconv.ParseInt(headerValue(h), 10, 64); err == nil && n >= 0 {
 				x.contentLength = n
 			}
 		case "authorization":
-			x.req.Forward = http.Header{"Authorization": {value()}}
+			x.req.Forward = http.Header{"Authorization": {headerValue(h)}}
 		}
 	}
 	if x.req.RequestID == "" {
@@ -318,6 +312,15 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 	if logged != nil {
 		x.log.V(2).Info("request headers", "requestID", x.req.RequestID, "headers", logged)
 	}
+}
+
+// headerValue is a header's value: Envoy sends it in raw_value, and value only
+// when its raw_value guard is off.
+func headerValue(h *corev3.HeaderValue) string {
+	if raw := h.GetRawValue(); len(raw) > 0 {
+		return string(raw)
+	}
+	return h.GetValue()
 }
 
 // subsetHint reads the endpoint-picker subset hint Envoy may forward in the
@@ -339,11 +342,7 @@ func subsetHint(md *corev3.Metadata) any {
 func (x *exchange) observeStatus(hm *corev3.HeaderMap) {
 	for _, h := range hm.GetHeaders() {
 		if h.GetKey() == ":status" {
-			v := string(h.GetRawValue())
-			if v == "" {
-				v = h.GetValue()
-			}
-			if status, err := strconv.Atoi(v); err == nil {
+			if status, err := strconv.Atoi(headerValue(h)); err == nil {
 				x.decision.Observe(status)
 			}
 			return

@@ -91,20 +91,20 @@ func (x *exchange) conclude(outcome string, status int, reason string) {
 			kv = append(kv, "body", truncate(x.body, maxLoggedBody))
 		}
 	}
-	x.endSpan(outcome, status, reason)
+	x.endSpan(api, outcome, status, reason)
 	x.log.Info("request", kv...)
 }
 
 // endSpan ends the request's span with the decision and outcome; with tracing
 // off the span records nothing and the attributes are not built.
-func (x *exchange) endSpan(outcome string, status int, reason string) {
+func (x *exchange) endSpan(api, outcome string, status int, reason string) {
 	defer x.span.End()
 	if !x.span.IsRecording() {
 		return
 	}
 	rep := x.req.Report
 	attrs := []attribute.KeyValue{
-		attribute.String("pd.api", pipeline.APIOf(x.req.Path)), attribute.String("pd.mode", modeOrNone(rep.Mode)),
+		attribute.String("pd.api", api), attribute.String("pd.mode", modeOrNone(rep.Mode)),
 		attribute.String("pd.reason", rep.Reason), attribute.String("pd.outcome", outcome),
 	}
 	if rep.Prefill != "" {

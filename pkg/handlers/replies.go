@@ -94,13 +94,14 @@ func streamedChunk(request bool, chunk []byte, eos bool) *extprocv3.ProcessingRe
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: br}}
 }
 
-// chunks splits b into FULL_DUPLEX replies; an empty body is one empty final chunk.
-func chunks(request bool, b []byte, eos bool) []*extprocv3.ProcessingResponse {
+// chunks splits a request body into FULL_DUPLEX replies; an empty body is one
+// empty final chunk.
+func chunks(b []byte, eos bool) []*extprocv3.ProcessingResponse {
 	var out []*extprocv3.ProcessingResponse
 	for {
 		n := min(len(b), maxStreamedChunk)
 		last := n == len(b)
-		out = append(out, streamedChunk(request, b[:n], eos && last))
+		out = append(out, streamedChunk(true, b[:n], eos && last))
 		if last {
 			return out
 		}

@@ -7,6 +7,7 @@ package kv
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
@@ -77,35 +78,35 @@ func Build(name string) (Connector, error) {
 // token: non-streamed (only the non-streamed response carries kv_transfer_params),
 // no stream_options (vLLM rejects them without stream), every output limit at 1,
 // and no minimum that would exceed it (vLLM answers 400 to min_tokens > max_tokens).
-func vllmPrefillCaps() []body.Edit {
-	return []body.Edit{
-		body.Set("stream", body.False),
-		body.Delete("stream_options"),
-		body.Set("max_tokens", body.One),
-		body.SetIfPresent("max_completion_tokens", body.One),
-		body.Delete("min_tokens"),
-		body.Delete("min_completion_tokens"),
-	}
+// Edit lists are read, never changed, so they are built once.
+var vllmPrefillCaps = []body.Edit{
+	body.Set("stream", body.False),
+	body.Delete("stream_options"),
+	body.Set("max_tokens", body.One),
+	body.SetIfPresent("max_completion_tokens", body.One),
+	body.Delete("min_tokens"),
+	body.Delete("min_completion_tokens"),
 }
 
 // PrefillBody returns the body of the prefill leg.
 func PrefillBody(c Connector, h *Handoff) []byte {
-	return h.Body.Apply(append(scrub(), c.PrefillEdits(h)...)...)
+	return h.Body.Apply(slices.Concat(scrub, c.PrefillEdits(h))...)
 }
 
 // DecodeBody returns the body of the decode leg.
 func DecodeBody(c Connector, h *Handoff) []byte {
-	return h.Body.Apply(append(scrub(), c.DecodeEdits(h)...)...)
+	return h.Body.Apply(slices.Concat(scrub, c.DecodeEdits(h))...)
 }
 
 // Scrubbed returns the client's body without the reserved keys: the body of a
 // request that goes to a decode endpoint alone.
-func Scrubbed(o *body.Object) []byte { return o.Apply(scrub()...) }
+func Scrubbed(o *body.Object) []byte { return o.Apply(scrub...) }
 
-func scrub() []body.Edit {
-	edits := make([]body.Edit, 0, len(ReservedKeys)+8)
+// scrub deletes every reserved key.
+var scrub = func() []body.Edit {
+	edits := make([]body.Edit, 0, len(ReservedKeys))
 	for _, k := range ReservedKeys {
 		edits = append(edits, body.Delete(k))
 	}
 	return edits
-}
+}()

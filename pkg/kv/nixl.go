@@ -2,6 +2,7 @@ package kv
 
 import (
 	"bytes"
+	"slices"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
@@ -20,7 +21,7 @@ func (nixlKV) Name() string       { return NIXL }
 func (nixlKV) Dispatch() Dispatch { return Sequential }
 
 func (nixlKV) PrefillEdits(*Handoff) []body.Edit {
-	return append(vllmPrefillCaps(), body.Set("kv_transfer_params", nixlPrefillParams))
+	return slices.Concat(vllmPrefillCaps, []body.Edit{body.Set("kv_transfer_params", nixlPrefillParams)})
 }
 
 // DecodeEdits never sends do_remote_prefill without the prefill's remote_* fields:

@@ -9,5 +9,5 @@ type sharedStorageKV struct{}
 
 func (sharedStorageKV) Name() string                      { return SharedStorage }
 func (sharedStorageKV) Dispatch() Dispatch                { return Sequential }
-func (sharedStorageKV) PrefillEdits(*Handoff) []body.Edit { return vllmPrefillCaps() }
+func (sharedStorageKV) PrefillEdits(*Handoff) []body.Edit { return vllmPrefillCaps }
 func (sharedStorageKV) DecodeEdits(*Handoff) []body.Edit  { return nil }

@@ -95,6 +95,9 @@ func (p *Pool) SelectN(req *Request, n int, exclude ...string) ([]*Endpoint, err
 		return nil, err
 	}
 	first := st.picker.Pick(req, cands)
+	if n <= 1 { // no fallbacks (the default): nothing to rank
+		return []*Endpoint{first}, nil
+	}
 	rest := slices.DeleteFunc(slices.Clone(cands), func(e *Endpoint) bool { return e == first })
 	slices.SortStableFunc(rest, func(a, b *Endpoint) int { return cmp.Compare(a.Busyness(), b.Busyness()) })
 	return append([]*Endpoint{first}, rest[:min(len(rest), max(n-1, 0))]...), nil
