@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -164,7 +165,7 @@ func run(ctx context.Context, o options) error {
 func simulators(l *Launcher, targets []string) []string {
 	var sims []string
 	for _, t := range targets {
-		if sim := l.prefillSim(t); isPD(t) && !contains(sims, sim) {
+		if sim := l.prefillSim(t); isPD(t) && !slices.Contains(sims, sim) {
 			sims = append(sims, sim)
 		}
 	}
@@ -279,13 +280,4 @@ func parseList[T any](s string, parse func(string) (T, error)) ([]T, error) {
 		out = append(out, v)
 	}
 	return out, nil
-}
-
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
-	}
-	return false
 }

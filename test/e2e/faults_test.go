@@ -182,6 +182,13 @@ func (r *faultRig) must(t *testing.T, path, body string, header http.Header) (*h
 
 // healthy checks extproc still serves: /healthz answers 200 and an ordinary
 // request completes through Envoy.
+// clearPrefillFaults makes every prefill simulator well again.
+func (r *faultRig) clearPrefillFaults() {
+	for _, p := range r.prefill {
+		p.SetFaults(pdsim.Faults{})
+	}
+}
+
 func (r *faultRig) healthy(t *testing.T, marker string) {
 	t.Helper()
 	r.alive(t)
@@ -447,9 +454,7 @@ func TestFaultPrefillLegFails(t *testing.T) {
 						r.alive(t)
 						return
 					}
-					for _, p := range r.prefill {
-						p.SetFaults(pdsim.Faults{})
-					}
+					r.clearPrefillFaults()
 					r.healthy(t, marker+" after")
 				})
 			}
@@ -562,9 +567,7 @@ func TestFaultSlowPrefillPastEnvoysMessageTimer(t *testing.T) {
 				recs := recordsWith(r.prefill, marker)
 				return len(recs) == 1 && recs[0].Canceled
 			})
-			for _, p := range r.prefill {
-				p.SetFaults(pdsim.Faults{})
-			}
+			r.clearPrefillFaults()
 			r.healthy(t, marker+" after")
 		})
 	}
@@ -660,9 +663,7 @@ func TestFaultClientDisconnectsDuringPrefill(t *testing.T) {
 				if d := recordsWith(r.decode, marker); len(d) != 0 {
 					t.Errorf("the abandoned request reached the decode engine")
 				}
-				for _, p := range r.prefill {
-					p.SetFaults(pdsim.Faults{})
-				}
+				r.clearPrefillFaults()
 				r.healthy(t, marker+" after")
 			})
 		}
@@ -745,9 +746,7 @@ func TestFaultExtprocRestartsUnderLoad(t *testing.T) {
 			t.Errorf("a request inside the killed extproc ended with %d %q (%v), want Envoy's 500/503", o.status, o.details, o.err)
 		}
 	}
-	for _, p := range r.prefill {
-		p.SetFaults(pdsim.Faults{})
-	}
+	r.clearPrefillFaults()
 	down, _ := r.must(t, "/v1/completions", `{"model":"pdsim","prompt":"while down"}`, nil)
 	if down.StatusCode != http.StatusInternalServerError {
 		t.Errorf("while extproc is down: status %d, want Envoy's 500 (status_on_error)", down.StatusCode)
@@ -811,9 +810,7 @@ func TestFaultOverloadIs429(t *testing.T) {
 			t.Errorf("a request under the cap ended with %d", s)
 		}
 	}
-	for _, p := range r.prefill {
-		p.SetFaults(pdsim.Faults{})
-	}
+	r.clearPrefillFaults()
 	r.healthy(t, "after the overload")
 }
 

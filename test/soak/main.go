@@ -98,7 +98,6 @@ type stack struct {
 	mu      sync.Mutex
 	killed  []window       // decode kill windows
 	routes  map[string]int // extproc's own request lines: mode/reason/outcome
-	lastBad string         // the last non-routed request line, for the report
 	startGR float64        // goroutines, idle connection pools excluded (see goroutines)
 	startRS float64
 	peakGR  float64

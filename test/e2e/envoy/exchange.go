@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -421,7 +422,7 @@ func (x *exchange) maybeCloseStream() {
 // merged per key into the stream's metadata.
 func (x *exchange) applyMetadata(resp *extprocv3.ProcessingResponse) {
 	for ns, v := range resp.GetDynamicMetadata().GetFields() {
-		if !contains(x.cfg.ReceivingNamespaces, ns) {
+		if !slices.Contains(x.cfg.ReceivingNamespaces, ns) {
 			x.logf("dynamic_metadata namespace %q dropped: not in receiving_namespaces", ns)
 			continue
 		}
@@ -439,15 +440,6 @@ func (x *exchange) applyMetadata(resp *extprocv3.ProcessingResponse) {
 			cur.Fields[k] = proto.Clone(fv).(*structpb.Value)
 		}
 	}
-}
-
-func contains(list []string, s string) bool {
-	for _, v := range list {
-		if v == s {
-			return true
-		}
-	}
-	return false
 }
 
 // snapshotRouting freezes the metadata the LB will consult (§2.11).

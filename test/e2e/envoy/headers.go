@@ -22,13 +22,6 @@ type headerMap struct {
 	entries []headerEntry
 }
 
-func (h *headerMap) clone() *headerMap {
-	if h == nil {
-		return nil
-	}
-	return &headerMap{entries: append([]headerEntry(nil), h.entries...)}
-}
-
 // get returns the first value of key.
 func (h *headerMap) get(key string) (string, bool) {
 	for _, e := range h.entries {

@@ -3,6 +3,7 @@ package envoy
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -279,6 +280,7 @@ type result struct {
 	header  http.Header
 	trailer http.Header
 	body    string
+	err     error // from send only; doReq fails the test instead
 }
 
 func do(t testing.TB, p *Proxy, method, path, body string, hdr map[string]string) result {
@@ -299,17 +301,37 @@ func do(t testing.TB, p *Proxy, method, path, body string, hdr map[string]string
 
 func doReq(t testing.TB, req *http.Request) result {
 	t.Helper()
+	res := send(req)
+	if res.err != nil {
+		t.Fatal(res.err)
+	}
+	return res
+}
+
+// send makes one request on a fresh connection; a failure is in result.err,
+// so it may run on any goroutine.
+func send(req *http.Request) result {
 	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
 	resp, err := client.Do(req)
 	if err != nil {
-		t.Fatalf("%s %s: %v", req.Method, req.URL, err)
+		return result{err: fmt.Errorf("%s %s: %w", req.Method, req.URL, err)}
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
 	if err != nil {
-		t.Fatalf("reading response: %v", err)
+		return result{err: fmt.Errorf("reading response: %w", err)}
 	}
 	return result{status: resp.StatusCode, header: resp.Header, trailer: resp.Trailer, body: string(b)}
+}
+
+// streamedPost starts a POST to url whose body the caller writes through the
+// returned pipe (and closes); the response, or the error, comes on the channel.
+func streamedPost(url string) (*io.PipeWriter, <-chan result) {
+	pr, pw := io.Pipe()
+	req, _ := http.NewRequest(http.MethodPost, url, pr)
+	resc := make(chan result, 1)
+	go func() { resc <- send(req) }()
+	return pw, resc
 }
 
 // chunkedBody hides the length so the client sends Transfer-Encoding: chunked.

@@ -72,10 +72,7 @@ func TestStreamedChunks(t *testing.T) {
 				}
 			}
 		})
-		pr, pw := io.Pipe()
-		req, _ := http.NewRequest(http.MethodPost, p.URL()+"/v1/completions", pr)
-		resc := make(chan result, 1)
-		go func() { resc <- doReq(t, req) }()
+		pw, resc := streamedPost(p.URL() + "/v1/completions")
 		for _, chunk := range []string{"ab", "cd"} {
 			_, _ = pw.Write([]byte(chunk))
 			if g := <-got; g != chunk {
@@ -86,8 +83,8 @@ func TestStreamedChunks(t *testing.T) {
 		if g := <-got; g != "" {
 			t.Errorf("last chunk = %q, want the empty end-of-stream chunk", g)
 		}
-		if res := <-resc; res.status != http.StatusOK || res.body != "upstream:ABCD" {
-			t.Fatalf("response = %d %q", res.status, res.body)
+		if res := <-resc; res.err != nil || res.status != http.StatusOK || res.body != "upstream:ABCD" {
+			t.Fatalf("response = %d %q (%v)", res.status, res.body, res.err)
 		}
 	})
 	t.Run("streamed_response is spurious", func(t *testing.T) {
@@ -133,17 +130,14 @@ func TestBufferedPartial(t *testing.T) {
 		passResponse(s)
 		return nil
 	})
-	pr, pw := io.Pipe()
-	req, _ := http.NewRequest(http.MethodPost, p.URL()+"/v1/completions", pr)
-	resc := make(chan result, 1)
-	go func() { resc <- doReq(t, req) }()
+	pw, resc := streamedPost(p.URL() + "/v1/completions")
 	_, _ = pw.Write([]byte("sixteen-bytes-ab"))
 	if b := <-got; string(b.GetBody()) != "sixteen-bytes-ab" || b.GetEndOfStream() {
 		t.Errorf("partial message = %v, want 16 bytes without end_of_stream", b)
 	}
 	_, _ = pw.Write([]byte("-tail"))
 	_ = pw.Close()
-	if res := <-resc; res.status != http.StatusOK || res.body != "upstream:SIXTEEN-BYTES-AB-tail" {
-		t.Fatalf("response = %d %q", res.status, res.body)
+	if res := <-resc; res.err != nil || res.status != http.StatusOK || res.body != "upstream:SIXTEEN-BYTES-AB-tail" {
+		t.Fatalf("response = %d %q (%v)", res.status, res.body, res.err)
 	}
 }
