@@ -37,8 +37,7 @@ func NewRequest(obj *body.Object) *Request {
 	}
 	if raw, ok := obj.Raw("prompt"); ok && raw[0] == '[' && !obj.Has("messages") {
 		// An array is token ids or a batch: the decider needs to know which now.
-		r.prompt, r.tokenIDs, r.Prompts = renderPrompt(raw)
-		r.render.Do(func() {})
+		r.render.Do(r.renderBody)
 	}
 	return r
 }
@@ -46,9 +45,7 @@ func NewRequest(obj *body.Object) *Request {
 // PromptRequest is a request whose prompt is text (tests, simulations, a
 // caller with its own parsing).
 func PromptRequest(prompt string) *Request {
-	r := &Request{N: 1, Prompts: 1, prompt: prompt, tokenIDs: -1}
-	r.render.Do(func() {})
-	return r
+	return &Request{N: 1, Prompts: 1, prompt: prompt, tokenIDs: -1} // no body: nothing to render
 }
 
 // Prompt is the prompt as the prefix index sees it: chat messages rendered in
