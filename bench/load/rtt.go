@@ -37,7 +37,7 @@ func prefillLeg(client []byte) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	return kv.PrefillBody(c, &kv.Handoff{Body: o}), nil
+	return kv.PrefillBody(c, &kv.Handoff{Body: o}).Bytes(), nil
 }
 
 // measureRTT posts leg to the prefill simulator n times, one at a time over a

@@ -125,7 +125,10 @@ var prefillAnswer = []byte(`{"do_remote_prefill":true,"do_remote_decode":false,"
 	`"remote_blocks_expiry_time":null,"transfer_mode":"pull"}`)
 
 // BenchmarkEdit builds both legs of one request: parse once, then the prefill and
-// the decode body. The map variant decodes once and marshals each leg from a copy.
+// the decode body. splice builds each leg as extproc sends it, the client's
+// bytes with the edits between them (FULL_DUPLEX replies and the prefill client
+// send the pieces); joined also copies each leg into one buffer, as a BUFFERED
+// reply needs. The map variant decodes once and marshals each leg from a copy.
 func BenchmarkEdit(b *testing.B) {
 	for _, name := range []string{kv.NIXL, kv.SharedStorage, kv.SGLang} {
 		c, err := kv.Build(name)
@@ -135,17 +138,25 @@ func BenchmarkEdit(b *testing.B) {
 		short := strings.TrimPrefix(name, "kv-")
 		for _, size := range benchSizes {
 			in := sizedBody(size.name, size.n)
-			b.Run(short+"/"+size.name+"/splice", func(b *testing.B) {
-				b.SetBytes(int64(len(in)))
-				for b.Loop() {
-					o, err := body.Parse(in)
-					if err != nil {
-						b.Fatal(err)
+			for _, variant := range []struct {
+				name string
+				size func(body.Spliced) int
+			}{
+				{"splice", body.Spliced.Len},
+				{"joined", func(s body.Spliced) int { return len(s.Bytes()) }},
+			} {
+				b.Run(short+"/"+size.name+"/"+variant.name, func(b *testing.B) {
+					b.SetBytes(int64(len(in)))
+					for b.Loop() {
+						o, err := body.Parse(in)
+						if err != nil {
+							b.Fatal(err)
+						}
+						h := &kv.Handoff{Body: o, PrefillHost: "10.0.4.21", BootstrapPort: 8998, Room: 4611686018427388111, PrefillKV: prefillAnswer}
+						sink += variant.size(kv.PrefillBody(c, h)) + variant.size(kv.DecodeBody(c, h))
 					}
-					h := &kv.Handoff{Body: o, PrefillHost: "10.0.4.21", BootstrapPort: 8998, Room: 4611686018427388111, PrefillKV: prefillAnswer}
-					sink += len(kv.PrefillBody(c, h)) + len(kv.DecodeBody(c, h))
-				}
-			})
+				})
+			}
 			b.Run(short+"/"+size.name+"/map", func(b *testing.B) {
 				b.SetBytes(int64(len(in)))
 				for b.Loop() {

@@ -83,13 +83,17 @@ func appendQuote(dst []byte, s string) []byte {
 	return append(dst, '"')
 }
 
-// Apply returns a new body with the edits applied; when several edits name the
-// same key the last one wins. Every byte outside the edited members is kept,
-// including the separators and whitespace around the members that stay.
-// The Object itself is not changed.
-func (o *Object) Apply(edits ...Edit) []byte {
+// Apply returns a new body with the edits applied, in one piece; see Splice.
+func (o *Object) Apply(edits ...Edit) []byte { return o.Splice(edits...).Bytes() }
+
+// Splice returns the body with the edits applied, as runs of the client's
+// bytes with the edited values between them: nothing is copied. When several
+// edits name the same key the last one wins. Every byte outside the edited
+// members is kept, including the separators and whitespace around the members
+// that stay. The Object itself is not changed.
+func (o *Object) Splice(edits ...Edit) Spliced {
 	if !o.touches(edits) {
-		return o.raw // nothing to change: no copy
+		return Spliced{o.raw} // nothing to change
 	}
 	// The last edit of each key, in first-mention order (for deterministic
 	// appends). Edits are a handful: a slice searched in order beats a map.
@@ -102,55 +106,74 @@ func (o *Object) Apply(edits ...Edit) []byte {
 		}
 	}
 
-	// Size the output for the worst case (no replaced bytes reused) so that a big
-	// body is copied exactly once.
-	size := len(o.raw)
-	for _, e := range final {
-		if len(e.Value) > 0 {
-			size += len(e.Key) + len(e.Value) + 4 // ,"key":
-		}
-	}
-	out := make([]byte, 0, size)
+	s := splicer{raw: o.raw, out: make(Spliced, 0, 2*len(final)+3), rawEnd: -1}
 	wrote := false // a member has been written, so the next one needs a separator
 	if len(o.members) == 0 {
-		out = append(out, o.raw[:o.close]...)
+		s.keep(0, o.close)
 	} else {
-		out = append(out, o.raw[:o.members[0].start]...)
+		s.keep(0, o.members[0].start)
 	}
 	for i, m := range o.members {
-		var value []byte
-		switch k := find(final, m.name); {
-		case k < 0:
-			value = o.raw[m.valStart:m.valEnd]
-		case len(final[k].Value) == 0 || final[k].placed:
+		k := find(final, m.name)
+		if k >= 0 && (len(final[k].Value) == 0 || final[k].placed) {
 			continue // deleted, or a duplicate of a key already set
-		default:
-			value = final[k].Value
-			final[k].placed = true
 		}
 		if wrote {
-			out = append(out, o.raw[o.members[i-1].valEnd:m.start]...)
+			s.keep(o.members[i-1].valEnd, m.start)
 		}
-		out = append(out, o.raw[m.start:m.valStart]...)
-		out = append(out, value...)
+		if k < 0 {
+			s.keep(m.start, m.valEnd)
+		} else {
+			s.keep(m.start, m.valStart)
+			s.add(final[k].Value)
+			final[k].placed = true
+		}
 		wrote = true
 	}
 	for _, e := range final {
 		if len(e.Value) == 0 || e.IfPresent || e.placed {
 			continue
 		}
+		key := make([]byte, 0, len(e.Key)+4)
 		if wrote {
-			out = append(out, ',')
+			key = append(key, ',')
 		}
-		out = appendQuote(out, e.Key)
-		out = append(out, ':')
-		out = append(out, e.Value...)
+		s.add(append(appendQuote(key, e.Key), ':'))
+		s.add(e.Value)
 		wrote = true
 	}
 	if len(o.members) == 0 {
-		return append(out, o.raw[o.close:]...)
+		s.keep(o.close, len(o.raw))
+	} else {
+		s.keep(o.members[len(o.members)-1].valEnd, len(o.raw))
 	}
-	return append(out, o.raw[o.members[len(o.members)-1].valEnd:]...)
+	return s.out
+}
+
+// splicer builds a Spliced body, merging adjacent runs of the client's bytes.
+type splicer struct {
+	raw    []byte
+	out    Spliced
+	rawEnd int // where the last piece ends in raw; -1 when it is not raw
+}
+
+// keep adds raw[i:j].
+func (s *splicer) keep(i, j int) {
+	switch {
+	case i == j:
+	case i == s.rawEnd:
+		s.out[len(s.out)-1] = s.raw[i-len(s.out[len(s.out)-1]) : j]
+		s.rawEnd = j
+	default:
+		s.out = append(s.out, s.raw[i:j])
+		s.rawEnd = j
+	}
+}
+
+// add adds bytes that are not the client's.
+func (s *splicer) add(b []byte) {
+	s.out = append(s.out, b)
+	s.rawEnd = -1
 }
 
 // finalEdit is the edit in force for a key, and whether it has been written.

@@ -156,6 +156,7 @@ func FuzzApply(f *testing.F) {
 		if !bytes.Equal(b, orig) {
 			t.Fatalf("Apply changed its input")
 		}
+		checkChunks(t, o.Splice(edits...), out)
 		if !utf8.Valid(out) || !json.Valid(out) {
 			t.Fatalf("Apply(%s) = %q: not valid UTF-8 JSON", describe(edits), out)
 		}
@@ -210,6 +211,27 @@ func FuzzApply(f *testing.F) {
 			}
 		}
 	})
+}
+
+// checkChunks: the pieces are never empty, and cut into chunks of any size
+// they give out, in full chunks but the last.
+func checkChunks(t *testing.T, s Spliced, out []byte) {
+	for i, p := range s {
+		if len(p) == 0 {
+			t.Fatalf("piece %d of %q is empty", i, out)
+		}
+	}
+	for _, max := range []int{1, 3, 64} {
+		chunks := s.Chunks(max)
+		for i, c := range chunks[:len(chunks)-1] {
+			if len(c) != max {
+				t.Fatalf("Chunks(%d) of %q: chunk %d has %d bytes", max, out, i, len(c))
+			}
+		}
+		if got := bytes.Join(chunks, nil); !bytes.Equal(got, out) {
+			t.Fatalf("Chunks(%d) = %q, want the pieces of %q", max, chunks, out)
+		}
+	}
 }
 
 func parseScript(script string) []Edit {

@@ -187,7 +187,7 @@ func (x *exchange) finishDuplex(trailers bool) (bool, error) {
 	if err := x.send(headersReply(d, x.req.RequestID)); err != nil {
 		return false, err
 	}
-	for _, c := range chunks(d.Body, !trailers) {
+	for _, c := range chunks(d.Body.Chunks(maxStreamedChunk), !trailers) {
 		if err := x.send(c); err != nil {
 			return false, err
 		}
@@ -211,8 +211,11 @@ func (x *exchange) finishBuffered() (bool, error) {
 	// pipeline passed on untouched is not sent back. Envoy checks a
 	// Content-Length against a new body; without one (chunked) it checks nothing
 	// and must not be given one.
-	rewritten := !untouched(d.Body, x.body)
-	if err := x.send(bufferedBodyReply(d, x.req.RequestID, rewritten, rewritten && x.contentLength >= 0)); err != nil {
+	var rewritten []byte
+	if b := d.Body.Bytes(); !untouched(b, x.body) {
+		rewritten = b
+	}
+	if err := x.send(bufferedBodyReply(d, x.req.RequestID, rewritten, rewritten != nil && x.contentLength >= 0)); err != nil {
 		return false, err
 	}
 	x.routed()

@@ -43,7 +43,7 @@ func routing(d *pipeline.Decision, requestID string, contentLength bool) (*extpr
 		setHeader(RequestIDHeader, requestID),
 	}}
 	if contentLength {
-		m.SetHeaders = append(m.SetHeaders, setHeader("content-length", strconv.Itoa(len(d.Body))))
+		m.SetHeaders = append(m.SetHeaders, setHeader("content-length", strconv.Itoa(d.Body.Len())))
 	}
 	md := &structpb.Struct{Fields: map[string]*structpb.Value{
 		DestinationMetadata: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
@@ -69,12 +69,12 @@ func headersReply(d *pipeline.Decision, requestID string) *extprocv3.ProcessingR
 }
 
 // bufferedBodyReply carries the routing in one BUFFERED body reply (Envoy still
-// holds the headers) and, when rewritten, the new body.
-func bufferedBodyReply(d *pipeline.Decision, requestID string, rewritten, contentLength bool) *extprocv3.ProcessingResponse {
+// holds the headers) and the rewritten body, if any.
+func bufferedBodyReply(d *pipeline.Decision, requestID string, rewritten []byte, contentLength bool) *extprocv3.ProcessingResponse {
 	m, md := routing(d, requestID, contentLength)
 	common := &extprocv3.CommonResponse{HeaderMutation: m, ClearRouteCache: true}
-	if rewritten {
-		common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: d.Body}}
+	if rewritten != nil {
+		common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: rewritten}}
 	}
 	return &extprocv3.ProcessingResponse{
 		Response:        &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: common}},
@@ -94,19 +94,13 @@ func streamedChunk(request bool, chunk []byte, eos bool) *extprocv3.ProcessingRe
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: br}}
 }
 
-// chunks splits a request body into FULL_DUPLEX replies; an empty body is one
-// empty final chunk.
-func chunks(b []byte, eos bool) []*extprocv3.ProcessingResponse {
-	var out []*extprocv3.ProcessingResponse
-	for {
-		n := min(len(b), maxStreamedChunk)
-		last := n == len(b)
-		out = append(out, streamedChunk(true, b[:n], eos && last))
-		if last {
-			return out
-		}
-		b = b[n:]
+// chunks turns a request body, cut into chunks, into FULL_DUPLEX replies.
+func chunks(cut [][]byte, eos bool) []*extprocv3.ProcessingResponse {
+	out := make([]*extprocv3.ProcessingResponse, len(cut))
+	for i, c := range cut {
+		out[i] = streamedChunk(true, c, eos && i == len(cut)-1)
 	}
+	return out
 }
 
 // continueReply answers a message of the given kind without changing anything.

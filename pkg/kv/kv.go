@@ -89,18 +89,18 @@ var vllmPrefillCaps = []body.Edit{
 }
 
 // PrefillBody returns the body of the prefill leg.
-func PrefillBody(c Connector, h *Handoff) []byte {
-	return h.Body.Apply(slices.Concat(scrub, c.PrefillEdits(h))...)
+func PrefillBody(c Connector, h *Handoff) body.Spliced {
+	return h.Body.Splice(slices.Concat(scrub, c.PrefillEdits(h))...)
 }
 
 // DecodeBody returns the body of the decode leg.
-func DecodeBody(c Connector, h *Handoff) []byte {
-	return h.Body.Apply(slices.Concat(scrub, c.DecodeEdits(h))...)
+func DecodeBody(c Connector, h *Handoff) body.Spliced {
+	return h.Body.Splice(slices.Concat(scrub, c.DecodeEdits(h))...)
 }
 
 // Scrubbed returns the client's body without the reserved keys: the body of a
 // request that goes to a decode endpoint alone.
-func Scrubbed(o *body.Object) []byte { return o.Apply(scrub...) }
+func Scrubbed(o *body.Object) body.Spliced { return o.Splice(scrub...) }
 
 // scrub deletes every reserved key.
 var scrub = func() []body.Edit {

@@ -158,10 +158,10 @@ func TestLegBodies(t *testing.T) {
 				t.Fatal(err)
 			}
 			h := handoff(t, tt.in)
-			if got := PrefillBody(c, h); string(got) != tt.prefill {
+			if got := PrefillBody(c, h).Bytes(); string(got) != tt.prefill {
 				t.Errorf("prefill body =\n%s\nwant\n%s", got, tt.prefill)
 			}
-			if got := DecodeBody(c, h); string(got) != tt.decode {
+			if got := DecodeBody(c, h).Bytes(); string(got) != tt.decode {
 				t.Errorf("decode body =\n%s\nwant\n%s", got, tt.decode)
 			}
 			if string(h.Body.Bytes()) != tt.in {
@@ -202,7 +202,7 @@ func TestNIXLDecodeCarriesPrefillParams(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			h := handoff(t, in)
 			h.PrefillKV = tt.prefillKV
-			if got := DecodeBody(c, h); string(got) != tt.want {
+			if got := DecodeBody(c, h).Bytes(); string(got) != tt.want {
 				t.Fatalf("decode body =\n%s\nwant\n%s", got, tt.want)
 			}
 		})
@@ -238,7 +238,7 @@ func TestSGLangBootstrapFields(t *testing.T) {
 				t.Fatal(err)
 			}
 			h := &Handoff{Body: o, PrefillHost: tt.host, BootstrapPort: tt.port, Room: tt.room}
-			prefill, decode := PrefillBody(c, h), DecodeBody(c, h)
+			prefill, decode := PrefillBody(c, h).Bytes(), DecodeBody(c, h).Bytes()
 			if string(prefill) != tt.want || string(decode) != tt.want {
 				t.Fatalf("legs =\n%s\n%s\nwant both\n%s", prefill, decode, tt.want)
 			}
@@ -285,7 +285,7 @@ func TestScrubbed(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := Scrubbed(o); string(got) != tt.want {
+			if got := Scrubbed(o).Bytes(); string(got) != tt.want {
 				t.Fatalf("Scrubbed = %s, want %s", got, tt.want)
 			}
 		})
@@ -297,7 +297,7 @@ func TestScrubbed(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := Scrubbed(o); &got[0] != &in[0] {
+		if got := Scrubbed(o).Bytes(); &got[0] != &in[0] {
 			t.Fatalf("Scrubbed copied a body with nothing to remove")
 		}
 	})

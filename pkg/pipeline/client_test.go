@@ -15,11 +15,15 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
+// The prefill leg goes out from its pieces: whole, with its Content-Length
+// (not chunked), over HTTP/1.1 or, when asked, HTTP/2 cleartext.
 func TestPrefillLegSpeaksHTTP2CleartextWhenAsked(t *testing.T) {
 	var proto atomic.Int32
+	var got atomic.Value // the leg as the engine read it
 	engine := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		proto.Store(int32(r.ProtoMajor))
-		io.Copy(io.Discard, r.Body)
+		b, _ := io.ReadAll(r.Body)
+		got.Store(fmt.Sprintf("%d %s", r.ContentLength, b))
 		io.WriteString(w, `{"kv_transfer_params":{"remote_host":"10.0.0.9"}}`)
 	}))
 	engine.Config.Protocols = new(http.Protocols)
@@ -51,6 +55,11 @@ prefill: {on_failure: fail, http2: %v}`, strings.TrimPrefix(engine.URL, "http://
 			d.Release()
 			if got := proto.Load(); got != tt.wantProto {
 				t.Errorf("the engine saw HTTP/%d, want HTTP/%d", got, tt.wantProto)
+			}
+			const leg = `{"model":"m","prompt":"hi","kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,` +
+				`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null},"stream":false,"max_tokens":1}`
+			if got, want := got.Load(), fmt.Sprintf("%d %s", len(leg), leg); got != want {
+				t.Errorf("the engine read Content-Length and body\n%s\nwant\n%s", got, want)
 			}
 		})
 	}

@@ -187,7 +187,7 @@ type Decision struct {
 	// Endpoint is the decode endpoint, ip:port, followed by the fallbacks of
 	// pools.decode.fallbacks when configured (comma-separated, in order).
 	Endpoint string
-	Body     []byte // the decode leg's body; nil when the request has none
+	Body     body.Spliced // the decode leg's body; nil when the request has none
 	decode   *scheduling.Endpoint
 	release  func()
 	// partnerFailed is set when a concurrent prefill leg failed: the decode
@@ -279,7 +279,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 
 // legs decides P/D or decode-only, runs or launches the prefill leg, and returns
 // the decode leg's body. It records the decision in r.Report.
-func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq *scheduling.Request, d *Decision) ([]byte, error) {
+func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq *scheduling.Request, d *Decision) (body.Spliced, error) {
 	rep := &r.Report
 	decision := p.pools.Decide(sreq)
 	rep.Reason = decision.Reason
@@ -325,7 +325,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq 
 // withoutPrefill applies prefill.on_failure once the prefill leg could not be
 // had: the decode engine recomputes the prompt, or the client gets the error.
 // An engine's own 4xx (about the request) and a client that left always end here.
-func (p *Pipeline) withoutPrefill(r *Request, obj *body.Object, err error) ([]byte, error) {
+func (p *Pipeline) withoutPrefill(r *Request, obj *body.Object, err error) (body.Spliced, error) {
 	r.Report.Reason = metrics.ReasonPrefillFailed
 	var e *Error
 	if errors.As(err, &e) || p.opts.OnFailure == config.OnFailureFail || errors.Is(err, context.Canceled) {
@@ -381,7 +381,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 // and a decode whose prefill failed does too. So only a leg that got no answer
 // counts against the prefill endpoint, and a failed leg spares its decode
 // endpoint the blame for the 5xx that follows (Decision.Observe).
-func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Request, leg []byte, d *Decision) {
+func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Request, leg body.Spliced, d *Decision) {
 	release := ep.Acquire()
 	ctx = context.WithoutCancel(ctx)
 	p.background.Go(func() {

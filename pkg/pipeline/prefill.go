@@ -1,7 +1,6 @@
 package pipeline
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -91,7 +90,7 @@ func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastR
 
 // attempt sends one prefill leg to endpoint inside its own span, and records
 // its duration and any failure.
-func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg []byte) ([]byte, error) {
+func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg body.Spliced) ([]byte, error) {
 	attrs := []attribute.KeyValue{semconv.HTTPRequestMethodPost, semconv.URLPath(r.Path), attribute.String("pd.request_id", r.RequestID)}
 	if host, port, err := net.SplitHostPort(endpoint); err == nil {
 		n, _ := strconv.Atoi(port)
@@ -146,13 +145,18 @@ func failureReason(ctx context.Context, err error) string {
 
 // postPrefill sends one prefill leg and returns the raw kv_transfer_params of the
 // answer, or nil when the engine returned none (absent, null or empty).
-func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request, leg []byte) ([]byte, error) {
+func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request, leg body.Spliced) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, p.opts.AttemptTimeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.scheme+"://"+endpoint+r.Path, bytes.NewReader(leg))
+	// The leg is sent from its pieces, the client's bytes among them, without
+	// joining them first; GetBody lets the transport resend it on a fresh
+	// connection, as it would a bytes.Reader.
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.scheme+"://"+endpoint+r.Path, leg.Reader())
 	if err != nil {
 		return nil, err
 	}
+	req.ContentLength = int64(leg.Len())
+	req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(leg.Reader()), nil }
 	for k, v := range r.Forward {
 		req.Header[k] = v
 	}

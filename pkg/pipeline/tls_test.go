@@ -60,8 +60,8 @@ prefill: {on_failure: fail, attempts: 1, tls: %s}`, addr, tt.tls)))
 				t.Fatal(err)
 			}
 			defer d.Release()
-			if !strings.Contains(string(d.Body), `"remote_host":"10.0.0.9"`) {
-				t.Errorf("decode body lacks the params of the TLS prefill: %s", d.Body)
+			if !strings.Contains(string(d.Body.Bytes()), `"remote_host":"10.0.0.9"`) {
+				t.Errorf("decode body lacks the params of the TLS prefill: %s", d.Body.Bytes())
 			}
 		})
 	}
