@@ -221,7 +221,7 @@ func mapLegs(connector string, client map[string]any) (prefill, decode map[strin
 // (utf8.Valid then json.Valid) and the whole Parse.
 func BenchmarkValidate(b *testing.B) {
 	for _, size := range benchSizes {
-		in := chatBody(size.n)
+		in := sizedBody(size.name, size.n)
 		for _, step := range []struct {
 			name string
 			run  func() bool

@@ -15,7 +15,7 @@ const maxDepth = 10000
 // scanner validates a JSON document in one pass and, on the way, records the
 // members of a top-level object. It replaces json.Valid + utf8.Valid + a second
 // indexing pass: validation dominated the cost of a large body, and almost all
-// of a prompt is string bytes, which are checked 8 at a time.
+// of a prompt is string bytes, which are checked a block at a time (specials).
 //
 // It can also run on a body that is still arriving (final false): it stops
 // where the bytes run out with errMore, at the start of the unfinished token
@@ -252,12 +252,13 @@ func (s *scanner) colon() error {
 	return nil
 }
 
-// str checks the string starting at s.i (a '"') and moves past it. nextSpecial
-// skips the plain text in blocks; only quotes, escapes, control bytes and
-// non-ASCII characters are looked at one by one, each non-ASCII character
-// checked once as UTF-8 without decoding it. When the bytes run out in a body
-// still arriving, s.i stays on the opening quote and s.strFrom keeps the place
-// to go on from.
+// str checks the string starting at s.i (a '"') and moves past it. It reads
+// the string a block at a time (specials): plain text costs nothing beyond
+// the block, and each quote, escape, control byte and non-ASCII character
+// found is taken from the block's mask, each non-ASCII character checked once
+// as UTF-8 without decoding it. When the bytes run out in a body still
+// arriving, s.i stays on the opening quote and s.strFrom keeps the place to
+// go on from.
 func (s *scanner) str() error {
 	b := s.b
 	i := s.strFrom
@@ -265,53 +266,58 @@ func (s *scanner) str() error {
 		i = s.i + 1
 	}
 	s.strFrom = 0
-	for {
-		i = nextSpecial(b, i)
-		if i >= len(b) {
-			return s.cut(i, "unterminated string")
+	for i < len(b) {
+		base, mask, n := specials(b, i)
+		next := base // the first byte the specials handled so far leave
+		for ; mask != 0; mask &= ^uint64(0) << (next - base) {
+			j := base + bits.TrailingZeros64(mask)
+			mask &= mask - 1
+			switch c := b[j]; {
+			case c == '"':
+				s.i = j + 1
+				return nil
+			case c == '\\':
+				if j+1 >= len(b) {
+					return s.cut(j, "unterminated escape")
+				}
+				switch b[j+1] {
+				case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
+					next = j + 2
+				case 'u':
+					if j+6 > len(b) {
+						return s.cut(j, "invalid \\u escape")
+					}
+					if !hex4(b[j+2 : j+6]) {
+						s.i = j
+						return s.fail("invalid \\u escape")
+					}
+					next = j + 6
+				default:
+					s.i = j
+					return s.fail("invalid escape")
+				}
+			case c < 0x20:
+				s.i = j
+				return s.fail("control character in a string")
+			case c >= utf8.RuneSelf && !utf8Vectorized:
+				for next = j; next < len(b) && b[next] >= utf8.RuneSelf; { // a run of non-ASCII characters
+					size := utf8Seq(b, next)
+					switch {
+					case size == 0 && !s.final && len(b)-next < utf8.UTFMax:
+						s.strFrom = next // perhaps only cut short: go on from here
+						return errMore
+					case size == 0:
+						s.i = next
+						return errNotUTF8
+					}
+					next += size
+				}
+			}
+			// Anything else is plain text a mask may also mark (specialsSWAR).
 		}
-		switch c := b[i]; {
-		case c == '"':
-			s.i = i + 1
-			return nil
-		case c == '\\':
-			if i+1 >= len(b) {
-				return s.cut(i, "unterminated escape")
-			}
-			switch b[i+1] {
-			case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
-				i += 2
-			case 'u':
-				if i+6 > len(b) {
-					return s.cut(i, "invalid \\u escape")
-				}
-				if !hex4(b[i+2 : i+6]) {
-					s.i = i
-					return s.fail("invalid \\u escape")
-				}
-				i += 6
-			default:
-				s.i = i
-				return s.fail("invalid escape")
-			}
-		case c < 0x20:
-			s.i = i
-			return s.fail("control character in a string")
-		default:
-			for i < len(b) && b[i] >= utf8.RuneSelf { // a run of non-ASCII characters
-				size := utf8Seq(b, i)
-				switch {
-				case size == 0 && !s.final && len(b)-i < utf8.UTFMax:
-					s.strFrom = i // perhaps only cut short: go on from here
-					return errMore
-				case size == 0:
-					s.i = i
-					return errNotUTF8
-				}
-				i += size
-			}
-		}
+		i = max(base+n, next)
 	}
+	return s.cut(i, "unterminated string")
 }
 
 // cut answers a string that runs past the bytes at b[at]: in a body still
@@ -330,33 +336,37 @@ const (
 	highs = 0x8080808080808080
 )
 
-// nextSpecialSWAR returns the offset of the first byte at or after b[i] that
-// ends a string's plain text (a quote, backslash, control byte, or, unless
-// utf8Vectorized, a non-ASCII byte), or len(b). It reads 8 bytes at a time.
-func nextSpecialSWAR(b []byte, i int) int {
+// specialsSWAR finds the first 8 bytes from b[i] (fewer at the end of b) that
+// hold a byte ending a string's plain text: a quote, backslash, control byte
+// or, unless utf8Vectorized, non-ASCII byte. It returns where they start, a
+// mask with bit k set when byte k is such a byte, and how many bytes it
+// covers; past plain text to the end of b, the mask is 0 and base+n is len(b).
+// The borrows of its subtractions may also mark plain bytes after the first
+// special one, which str looks at and passes over.
+func specialsSWAR(b []byte, i int) (base int, mask uint64, n int) {
 	high := uint64(highs)
 	if utf8Vectorized {
 		high = 0 // the whole body's UTF-8 is checked apart (utf8Stream)
 	}
 	for ; i+8 <= len(b); i += 8 {
-		w := binary.LittleEndian.Uint64(b[i:])
-		control := (w - ones*0x20) & ^w & highs
-		quote := w ^ (ones * '"')
-		backslash := w ^ (ones * '\\')
-		special := control | w&high
-		special |= (quote - ones) & ^quote & highs
-		special |= (backslash - ones) & ^backslash & highs
-		if special != 0 {
-			return i + bits.TrailingZeros64(special)/8
+		if w := swarSpecial(binary.LittleEndian.Uint64(b[i:]), high); w != 0 {
+			return i, byteBits(w), 8
 		}
 	}
-	for ; i < len(b); i++ {
-		if c := b[i]; c < 0x20 || c == '"' || c == '\\' || c >= utf8.RuneSelf && !utf8Vectorized {
-			return i
-		}
-	}
-	return i
+	var tail [8]byte // padded with zeros, which the mask drops
+	n = copy(tail[:], b[i:])
+	return i, byteBits(swarSpecial(binary.LittleEndian.Uint64(tail[:]), high)) & (1<<n - 1), n
 }
+
+// swarSpecial sets bit 7 of each byte of w that is a quote, a backslash, a
+// control byte or, when high is highs, non-ASCII.
+func swarSpecial(w, high uint64) uint64 {
+	quote, backslash := w^(ones*'"'), w^(ones*'\\')
+	return ((w-ones*0x20)&^w | w&high | (quote-ones)&^quote | (backslash-ones)&^backslash) & highs
+}
+
+// byteBits packs bit 7 of byte k into bit k.
+func byteBits(w uint64) uint64 { return (w >> 7) * 0x0102040810204080 >> 56 }
 
 // utf8Seq returns the length of the well-formed UTF-8 sequence that starts at
 // b[i] (a byte >= 0x80), or 0 when there is none: the checks of utf8.Valid

@@ -9,8 +9,9 @@ package body
 // UTF-8 the scanner checks as it goes.
 const utf8Vectorized = false
 
-// nextSpecial finds the end of a string's plain text; see nextSpecialSWAR.
-func nextSpecial(b []byte, i int) int { return nextSpecialSWAR(b, i) }
+// specials finds the next block that holds a byte ending a string's plain
+// text; see specialsSWAR.
+func specials(b []byte, i int) (base int, mask uint64, n int) { return specialsSWAR(b, i) }
 
 // utf8Stream has nothing to do in the portable build.
 type utf8Stream struct{}

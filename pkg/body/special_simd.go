@@ -3,13 +3,8 @@
 package body
 
 import (
-	"math/bits"
 	"simd/archsimd"
 )
-
-// minVector is how much plain text is looked at 8 bytes at a time before AVX2
-// is worth setting up.
-const minVector = 16
 
 var (
 	avx2 = archsimd.X86.AVX2()
@@ -20,25 +15,25 @@ var (
 	vControl           = archsimd.BroadcastUint8x32(0x1F)
 )
 
-// nextSpecial finds the end of a string's plain text, as nextSpecialSWAR
-// does: quotes, backslashes and control bytes. Most strings in a body are
-// short (keys, roles, numbers as text), so it first looks at 16 bytes 8 at a
-// time, and only a longer plain run goes to AVX2, 32 bytes at a time.
-func nextSpecial(b []byte, i int) int {
-	if !avx2 || len(b)-i < 32+minVector {
-		return nextSpecialSWAR(b, i)
+// specials finds the first 32 bytes from b[i] (fewer at the end of b) that
+// hold a byte ending a string's plain text, as specialsSWAR does, and marks
+// them exactly. Without AVX2 it is specialsSWAR.
+func specials(b []byte, i int) (base int, mask uint64, n int) {
+	if !avx2 {
+		return specialsSWAR(b, i)
 	}
-	if j := nextSpecialSWAR(b[:i+minVector], i); j < i+minVector {
-		return j
-	}
-	for i += minVector; i+32 <= len(b); i += 32 {
-		v := archsimd.LoadUint8x32Slice(b[i : i+32])
-		m := v.Equal(vQuote).Or(v.Equal(vBackslash)).Or(v.Min(vControl).Equal(v)).ToBits()
-		if m != 0 {
-			return i + bits.TrailingZeros32(m)
+	for ; i+32 <= len(b); i += 32 {
+		if m := specialMask(archsimd.LoadUint8x32Slice(b[i : i+32])); m != 0 {
+			return i, uint64(m), 32
 		}
 	}
-	return nextSpecialSWAR(b, i)
+	n = len(b) - i
+	m := specialMask(archsimd.LoadUint8x32SlicePart(b[i:])) // padded with zeros, which the mask drops
+	return i, uint64(m) & (1<<n - 1), n
+}
+
+func specialMask(v archsimd.Uint8x32) uint32 {
+	return v.Equal(vQuote).Or(v.Equal(vBackslash)).Or(v.Min(vControl).Equal(v)).ToBits()
 }
 
 // utf8Stream checks a body's UTF-8 as it arrives, 32 bytes at a time.

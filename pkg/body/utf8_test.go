@@ -1,6 +1,7 @@
 package body
 
 import (
+	"fmt"
 	"testing"
 	"unicode/utf8"
 )
@@ -39,33 +40,58 @@ func TestUTF8SeqAgreesWithTheStandardDecoder(t *testing.T) {
 	}
 }
 
-// TestNextSpecialFindsEveryByteThatEndsPlainText puts each of the 256 byte
-// values at each position of plain text long enough for two vector blocks and
-// a tail, and starts the search at several offsets: nextSpecial (AVX2 when
-// built with GOEXPERIMENT=simd) and nextSpecialSWAR must both stop exactly at
-// quotes, backslashes, control bytes and (unless UTF-8 is checked apart)
-// non-ASCII bytes, and nowhere else.
-func TestNextSpecialFindsEveryByteThatEndsPlainText(t *testing.T) {
+// TestSpecialsMarkEveryByteThatEndsPlainText puts two byte values at every
+// pair of positions of plain text long enough for two vector blocks and a
+// tail, and walks it block by block from several offsets: specials (AVX2 when
+// built with GOEXPERIMENT=simd) and specialsSWAR must both mark every quote,
+// backslash, control byte and (unless UTF-8 is checked apart) non-ASCII byte,
+// mark nothing before the first of them, and nothing past the bytes they cover.
+func TestSpecialsMarkEveryByteThatEndsPlainText(t *testing.T) {
 	special := func(c byte) bool { return c == '"' || c == '\\' || c < 0x20 || c >= utf8.RuneSelf && !utf8Vectorized }
-	buf := make([]byte, 75)
-	for v := 0; v < 256; v++ {
-		for p := range buf {
-			for i := range buf {
-				buf[i] = 'a'
-			}
-			buf[p] = byte(v)
+	for name, f := range map[string]func([]byte, int) (int, uint64, int){"specials": specials, "specialsSWAR": specialsSWAR} {
+		buf := make([]byte, 75)
+		check := func(what string) {
 			for _, from := range []int{0, 1, 31, 32, 40} {
-				want := len(buf)
-				if special(byte(v)) && p >= from {
-					want = p
-				}
-				if got := nextSpecial(buf, from); got != want {
-					t.Fatalf("nextSpecial with %#02x at %d, from %d = %d, want %d", v, p, from, got, want)
-				}
-				if got := nextSpecialSWAR(buf, from); got != want {
-					t.Fatalf("nextSpecialSWAR with %#02x at %d, from %d = %d, want %d", v, p, from, got, want)
+				first := true // no special byte seen yet
+				for i := from; i < len(buf); {
+					base, mask, n := f(buf, i)
+					if base < i || n < 1 || n > 32 || base+n > len(buf) || mask>>n != 0 || mask == 0 && base+n != len(buf) {
+						t.Fatalf("%s(%s, %d) = %d, %b, %d: outside the bytes", name, what, i, base, mask, n)
+					}
+					for k := i; k < base+n; k++ {
+						switch marked := k >= base && mask>>(k-base)&1 == 1; {
+						case special(buf[k]) && !marked:
+							t.Fatalf("%s(%s, %d) misses %#02x at %d", name, what, i, buf[k], k)
+						case !special(buf[k]) && marked && first:
+							t.Fatalf("%s(%s, %d) marks plain %#02x at %d", name, what, i, buf[k], k)
+						}
+						first = first && !special(buf[k])
+					}
+					i = base + n
 				}
 			}
 		}
+		for v := range 256 {
+			for p := range buf {
+				fill(buf, 'a')
+				buf[p] = byte(v)
+				check(fmt.Sprintf("%#02x at %d", v, p))
+			}
+		}
+		for _, v := range []byte{'"', '\\', 0, 0x1f, 0x80, 0xff, '#', ']', 'a'} {
+			for p := range buf {
+				for q := p + 1; q < len(buf); q++ {
+					fill(buf, 'a')
+					buf[p], buf[q] = '\\', v
+					check(fmt.Sprintf("backslash at %d, %#02x at %d", p, v, q))
+				}
+			}
+		}
+	}
+}
+
+func fill(b []byte, c byte) {
+	for i := range b {
+		b[i] = c
 	}
 }
