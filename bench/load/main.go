@@ -92,8 +92,8 @@ func run(ctx context.Context, o options) error {
 			return err
 		}
 	}
-	if o.pprofDir != "" {
-		if err := os.MkdirAll(o.pprofDir, 0o755); err != nil {
+	for _, dir := range []string{o.logDir, o.pprofDir} {
+		if err := os.MkdirAll(dir, 0o755); dir != "" && err != nil {
 			return err
 		}
 	}

@@ -96,8 +96,10 @@ func (o *Object) Splice(edits ...Edit) Spliced {
 		return Spliced{o.raw} // nothing to change
 	}
 	// The last edit of each key, in first-mention order (for deterministic
-	// appends). Edits are a handful: a slice searched in order beats a map.
-	final := make([]finalEdit, 0, len(edits))
+	// appends). Edits are a handful: a slice searched in order beats a map,
+	// and it stays on the stack.
+	var few [16]finalEdit
+	final := few[:0]
 	for _, e := range edits {
 		if k := find(final, e.Key); k >= 0 {
 			final[k].Edit = e

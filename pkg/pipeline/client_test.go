@@ -15,8 +15,8 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
-// The prefill leg goes out from its pieces: whole, with its Content-Length
-// (not chunked), over HTTP/1.1 or, when asked, HTTP/2 cleartext.
+// The prefill leg goes out whole with its Content-Length (not chunked), joined
+// or from its pieces, over HTTP/1.1 or, when asked, HTTP/2 cleartext.
 func TestPrefillLegSpeaksHTTP2CleartextWhenAsked(t *testing.T) {
 	var proto atomic.Int32
 	var got atomic.Value // the leg as the engine read it
@@ -48,18 +48,20 @@ prefill: {on_failure: fail, http2: %v}`, strings.TrimPrefix(engine.URL, "http://
 				t.Fatal(err)
 			}
 			defer p.client.CloseIdleConnections()
-			d, err := p.Route(context.Background(), &Request{Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi"}`)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			d.Release()
-			if got := proto.Load(); got != tt.wantProto {
-				t.Errorf("the engine saw HTTP/%d, want HTTP/%d", got, tt.wantProto)
-			}
-			const leg = `{"model":"m","prompt":"hi","kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,` +
-				`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null},"stream":false,"max_tokens":1}`
-			if got, want := got.Load(), fmt.Sprintf("%d %s", len(leg), leg); got != want {
-				t.Errorf("the engine read Content-Length and body\n%s\nwant\n%s", got, want)
+			for _, prompt := range []string{"hi", strings.Repeat("x", maxJoinedLeg)} {
+				d, err := p.Route(context.Background(), &Request{Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"` + prompt + `"}`)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				d.Release()
+				if got := proto.Load(); got != tt.wantProto {
+					t.Errorf("the engine saw HTTP/%d, want HTTP/%d", got, tt.wantProto)
+				}
+				leg := `{"model":"m","prompt":"` + prompt + `","kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,` +
+					`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null},"stream":false,"max_tokens":1}`
+				if got, want := got.Load(), fmt.Sprintf("%d %s", len(leg), leg); got != want {
+					t.Errorf("the engine read Content-Length and body\n%.200s\nwant\n%.200s", got, want)
+				}
 			}
 		})
 	}

@@ -1,6 +1,7 @@
 package pipeline
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -148,15 +149,11 @@ func failureReason(ctx context.Context, err error) string {
 func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request, leg body.Spliced) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, p.opts.AttemptTimeout)
 	defer cancel()
-	// The leg is sent from its pieces, the client's bytes among them, without
-	// joining them first; GetBody lets the transport resend it on a fresh
-	// connection, as it would a bytes.Reader.
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.scheme+"://"+endpoint+r.Path, leg.Reader())
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.scheme+"://"+endpoint+r.Path, nil)
 	if err != nil {
 		return nil, err
 	}
-	req.ContentLength = int64(leg.Len())
-	req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(leg.Reader()), nil }
+	setBody(req, leg)
 	for k, v := range r.Forward {
 		req.Header[k] = v
 	}
@@ -177,6 +174,27 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 		return nil, &statusError{status: resp.StatusCode, body: answer, contentType: resp.Header.Get("Content-Type")}
 	}
 	return transferParams(answer), nil
+}
+
+// maxJoinedLeg is the largest prefill leg joined into one buffer before it is
+// sent. net/http writes a bytes.Reader's first bytes in the headers' packet
+// but flushes the headers on their own before any other reader, so a small leg
+// is joined; a larger one is sent from its pieces, without a copy of the
+// client's body.
+const maxJoinedLeg = 64 << 10
+
+// setBody makes leg the request's body, with its Content-Length and a GetBody
+// with which the transport may send it again on a fresh connection.
+func setBody(req *http.Request, leg body.Spliced) {
+	n := leg.Len()
+	reader := leg.Reader
+	if n <= maxJoinedLeg {
+		joined := leg.Bytes()
+		reader = func() io.Reader { return bytes.NewReader(joined) }
+	}
+	req.ContentLength = int64(n)
+	req.Body = io.NopCloser(reader())
+	req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(reader()), nil }
 }
 
 // transferParams extracts kv_transfer_params from a non-streamed engine answer.
