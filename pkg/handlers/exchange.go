@@ -36,6 +36,7 @@ type exchange struct {
 	req           pipeline.Request
 	contentLength int64 // -1 when the client sent none
 	body          []byte
+	pooled        bool // body is a buffer from takeBuffer
 	overloaded    bool // over Options.MaxStreams: refuse with 429
 	requestDone   bool // the request body has been handled: later chunks are dropped (envoy#46237)
 	responseDone  bool
@@ -151,18 +152,27 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) (bool, error) {
 
 // appendBody collects the body without copying it more than once: a body that
 // comes whole (BUFFERED, or a small FULL_DUPLEX body) is used as gRPC decoded
-// it; a chunked one goes into a buffer sized once from Content-Length, which
-// the limit was checked against, so it never regrows.
+// it; a chunked one goes into a pooled buffer sized once from Content-Length,
+// which the limit was checked against, so it never regrows (bodies.go).
 func (x *exchange) appendBody(b *extprocv3.HttpBody) {
 	chunk := b.GetBody()
 	switch {
 	case x.body == nil && (b.GetEndOfStream() || x.requestMode != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED):
 		x.body = chunk
-	case x.body == nil:
-		x.body = make([]byte, 0, max(x.contentLength, int64(len(chunk))))
+	case x.body == nil && x.contentLength > 0:
+		x.body = takeBuffer(int(max(x.contentLength, int64(len(chunk)))))
+		x.pooled = true
 		fallthrough
 	default:
 		x.body = append(x.body, chunk...)
+	}
+}
+
+// releaseBody gives a pooled body buffer back once the stream is over, unless
+// a prefill leg may still be reading it.
+func (x *exchange) releaseBody() {
+	if x.pooled && !x.req.BodyHeld() {
+		giveBack(x.body)
 	}
 }
 

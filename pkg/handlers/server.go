@@ -95,7 +95,8 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 	// A closure: x.decision is set later, and a deferred method value would bind
 	// the nil it holds now, leaving the decode endpoint counted busy for good.
 	defer func() { x.decision.Release() }()
-	defer x.abandon()
+	defer x.releaseBody()
+	defer x.abandon() // first: it may log the body
 	for {
 		req, err := stream.Recv()
 		switch {

@@ -153,6 +153,11 @@ type Request struct {
 // body must begin with the previous one's bytes, and Body must begin with them all.
 func (r *Request) Arrived(sofar []byte) { r.scan.Scan(sofar) }
 
+// BodyHeld reports whether a prefill leg may read Body after Route returned:
+// net/http may still be writing a leg when the engine has answered, and a
+// concurrent leg runs on its own. Until Route returns, only Route reads Body.
+func (r *Request) BodyHeld() bool { return r.Report.Prefill != "" }
+
 // Report is what routing one request did. On a failure it holds what was
 // reached: a prefill failure under on_failure=fail keeps Mode pd.
 type Report struct {
