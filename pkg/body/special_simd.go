@@ -3,8 +3,13 @@
 package body
 
 import (
+	"encoding/binary"
 	"simd/archsimd"
 )
+
+// minVector is how much of a string is looked at 8 bytes at a time before
+// AVX2 is worth setting up.
+const minVector = 16
 
 var (
 	avx2 = archsimd.X86.AVX2()
@@ -15,12 +20,20 @@ var (
 	vControl           = archsimd.BroadcastUint8x32(0x1F)
 )
 
-// specials finds the first 32 bytes from b[i] (fewer at the end of b) that
-// hold a byte ending a string's plain text, as specialsSWAR does, and marks
-// them exactly. Without AVX2 it is specialsSWAR.
+// specials finds the first block from b[i] that holds a byte ending a
+// string's plain text, as specialsSWAR does. Most strings in a body are short
+// (keys, roles, numbers as text), and AVX2 costs more than it saves on them,
+// so the first 16 bytes are looked at 8 at a time; from there on, blocks are
+// 32 bytes (fewer at the end of b), marked exactly. Without AVX2 it is
+// specialsSWAR.
 func specials(b []byte, i int) (base int, mask uint64, n int) {
-	if !avx2 {
+	if !avx2 || len(b)-i < minVector+32 {
 		return specialsSWAR(b, i)
+	}
+	for end := i + minVector; i < end; i += 8 {
+		if w := swarSpecial(binary.LittleEndian.Uint64(b[i:]), 0); w != 0 {
+			return i, byteBits(w), 8
+		}
 	}
 	for ; i+32 <= len(b); i += 32 {
 		if m := specialMask(archsimd.LoadUint8x32Slice(b[i : i+32])); m != 0 {
