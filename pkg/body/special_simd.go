@@ -31,6 +31,7 @@ func specials(b []byte, i int) (base int, mask uint64, n int) {
 		return specialsSWAR(b, i)
 	}
 	for end := i + minVector; i < end; i += 8 {
+		// high 0: with AVX2, UTF-8 is checked apart (utf8Stream).
 		if w := swarSpecial(binary.LittleEndian.Uint64(b[i:]), 0); w != 0 {
 			return i, byteBits(w), 8
 		}
@@ -45,6 +46,7 @@ func specials(b []byte, i int) (base int, mask uint64, n int) {
 	return i, uint64(m) & (1<<n - 1), n
 }
 
+// specialMask marks the quotes, backslashes and control bytes of v.
 func specialMask(v archsimd.Uint8x32) uint32 {
 	return v.Equal(vQuote).Or(v.Equal(vBackslash)).Or(v.Min(vControl).Equal(v)).ToBits()
 }

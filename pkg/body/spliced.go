@@ -1,11 +1,6 @@
 package body
 
-import (
-	"bytes"
-	"io"
-	"net"
-	"slices"
-)
+import "bytes"
 
 // Spliced is a body as the pieces it is made of, in order: runs of the
 // client's bytes and the values edits put between them. The pieces are shared
@@ -28,12 +23,6 @@ func (s Spliced) Bytes() []byte {
 		return s[0]
 	}
 	return bytes.Join(s, nil)
-}
-
-// Reader reads the body from its start; each call returns a new reader.
-func (s Spliced) Reader() io.Reader {
-	b := net.Buffers(slices.Clone(s))
-	return &b
 }
 
 // Chunks cuts the body into chunks of at most max bytes, in order; an empty

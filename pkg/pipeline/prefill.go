@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"slices"
 	"strconv"
 	"time"
 
@@ -187,7 +188,10 @@ const maxJoinedLeg = 64 << 10
 // with which the transport may send it again on a fresh connection.
 func setBody(req *http.Request, leg body.Spliced) {
 	n := leg.Len()
-	reader := leg.Reader
+	reader := func() io.Reader {
+		pieces := net.Buffers(slices.Clone(leg)) // reading consumes the list, not the pieces
+		return &pieces
+	}
 	if n <= maxJoinedLeg {
 		joined := leg.Bytes()
 		reader = func() io.Reader { return bytes.NewReader(joined) }
