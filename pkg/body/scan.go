@@ -373,39 +373,38 @@ func byteBits(w uint64) uint64 { return (w >> 7) * 0x0102040810204080 >> 56 }
 // (no overlong forms, no surrogates, nothing above U+10FFFF) without decoding.
 func utf8Seq(b []byte, i int) int {
 	c := b[i]
-	cont := func(j int) bool { return j < len(b) && b[j]&0xC0 == 0x80 }
-	second := func(lo, hi byte) bool { return i+1 < len(b) && lo <= b[i+1] && b[i+1] <= hi }
+	var n int // the sequence's length, from its lead byte
 	switch {
 	case c < 0xC2:
 		return 0
 	case c < 0xE0:
-		if cont(i + 1) {
-			return 2
-		}
+		n = 2
 	case c < 0xF0:
-		lo, hi := byte(0x80), byte(0xBF)
-		switch c {
-		case 0xE0:
-			lo = 0xA0 // else overlong
-		case 0xED:
-			hi = 0x9F // else a surrogate
-		}
-		if second(lo, hi) && cont(i+2) {
-			return 3
-		}
+		n = 3
 	case c < 0xF5:
-		lo, hi := byte(0x80), byte(0xBF)
-		switch c {
-		case 0xF0:
-			lo = 0x90 // else overlong
-		case 0xF4:
-			hi = 0x8F // else above U+10FFFF
-		}
-		if second(lo, hi) && cont(i+2) && cont(i+3) {
-			return 4
-		}
+		n = 4
+	default:
+		return 0
 	}
-	return 0
+	if i+n > len(b) {
+		return 0
+	}
+	// The second byte's range: narrower after four lead bytes.
+	lo, hi := byte(0x80), byte(0xBF)
+	switch c {
+	case 0xE0:
+		lo = 0xA0 // else overlong
+	case 0xED:
+		hi = 0x9F // else a surrogate
+	case 0xF0:
+		lo = 0x90 // else overlong
+	case 0xF4:
+		hi = 0x8F // else above U+10FFFF
+	}
+	if b[i+1] < lo || b[i+1] > hi || n > 2 && b[i+2]&0xC0 != 0x80 || n > 3 && b[i+3]&0xC0 != 0x80 {
+		return 0
+	}
+	return n
 }
 
 // errNotUTF8 is returned for a string that is not valid UTF-8. Outside strings
