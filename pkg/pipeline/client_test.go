@@ -9,10 +9,6 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
-
-	"github.com/go-logr/logr"
-
-	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
 // The prefill leg goes out whole with its Content-Length (not chunked), joined
@@ -37,17 +33,7 @@ func TestPrefillLegSpeaksHTTP2CleartextWhenAsked(t *testing.T) {
 		wantProto int32
 	}{{false, 1}, {true, 2}} {
 		t.Run(fmt.Sprintf("http2=%v", tt.http2), func(t *testing.T) {
-			cfg, err := config.Parse([]byte(fmt.Sprintf(`connector: kv-nixl
-pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
-prefill: {on_failure: fail, http2: %v}`, strings.TrimPrefix(engine.URL, "http://"), tt.http2)))
-			if err != nil {
-				t.Fatal(err)
-			}
-			p, err := New(cfg, logr.Discard())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer p.client.CloseIdleConnections()
+			p := newNIXL(t, strings.TrimPrefix(engine.URL, "http://"), fmt.Sprintf("{on_failure: fail, http2: %v}", tt.http2))
 			for _, prompt := range []string{"hi", strings.Repeat("x", maxJoinedLeg)} {
 				d, err := p.Route(context.Background(), &Request{Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"` + prompt + `"}`)})
 				if err != nil {

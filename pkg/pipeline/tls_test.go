@@ -11,10 +11,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-
-	"github.com/go-logr/logr"
-
-	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
 func TestPrefillLegOverTLSWithACAFile(t *testing.T) {
@@ -38,17 +34,7 @@ func TestPrefillLegOverTLSWithACAFile(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			cfg, err := config.Parse([]byte(fmt.Sprintf(`connector: kv-nixl
-pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
-prefill: {on_failure: fail, attempts: 1, tls: %s}`, addr, tt.tls)))
-			if err != nil {
-				t.Fatal(err)
-			}
-			p, err := New(cfg, logr.Discard())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer p.client.CloseIdleConnections()
+			p := newNIXL(t, addr, fmt.Sprintf("{on_failure: fail, attempts: 1, tls: %s}", tt.tls))
 			d, err := p.Route(context.Background(), &Request{Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi"}`)})
 			if tt.wantStatus != 0 {
 				if e, ok := err.(*Error); !ok || e.Status != tt.wantStatus {
