@@ -19,6 +19,18 @@ var watchReady = func() {}
 // editors and Kubernetes write a new file in several steps.
 const settle = 100 * time.Millisecond
 
+// reloadable checks c as it would run in place of running: the connector is
+// read at start only, so the reloadable keys must suit the running one (a
+// running kv-sglang cannot take pd.mode never, whatever the file now names).
+func (c *Config) reloadable(running *Config) error {
+	asRun := *c
+	asRun.Connector = running.Connector
+	if err := asRun.validate(); err != nil {
+		return fmt.Errorf("config: with the running connector %s (a new one takes a restart): %w", running.Connector, err)
+	}
+	return nil
+}
+
 // Watch re-reads the file at path whenever its directory changes and hands
 // each valid config that differs from running, the one the caller runs with,
 // to apply. A file that fails to load or validate goes to reject and the old
@@ -70,6 +82,9 @@ func Watch(ctx context.Context, path string, running *Config, apply func(*Config
 			}
 			last = data
 			c, err := Parse(data)
+			if err == nil {
+				err = c.reloadable(running)
+			}
 			if err != nil {
 				reject(fmt.Errorf("%w; keeping the running config", err))
 				continue

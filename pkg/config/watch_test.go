@@ -195,3 +195,24 @@ func TestWatchAppliesAChangeMadeBeforeTheWatchStarted(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// The connector takes effect on restart, so a reloaded file is checked against
+// the running one: a running kv-sglang must not take pd.mode never because the
+// file now names kv-nixl.
+func TestWatchChecksAReloadAgainstTheRunningConnector(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "extproc.yaml")
+	const pools = "pools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 8998}, decode: {endpoints: [\"10.0.0.2:8000\"]}}\n"
+	write(t, path, "connector: kv-sglang\n"+pools)
+	applied, rejected := watching(t, path)
+
+	write(t, path, "connector: kv-nixl\n"+pools+"pd: {mode: never}\n")
+	select {
+	case err := <-rejected:
+		if !strings.Contains(err.Error(), "running connector kv-sglang") || !strings.Contains(err.Error(), "pd.mode") {
+			t.Errorf("rejection = %v; want the running connector and pd.mode named", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("pd.mode never under a running kv-sglang was not rejected within 5s")
+	}
+	nothingApplied(t, applied)
+}

@@ -84,7 +84,7 @@ func New(cfg *config.Config, log logr.Logger, options ...Option) (*Pipeline, err
 	}
 	p := &Pipeline{
 		connector: c,
-		pools:     scheduling.NewPools(SchedulingSpec(cfg), scheduling.Deps{Log: log.WithName("scheduling")}),
+		pools:     scheduling.NewPools(schedulingSpec(cfg, c), scheduling.Deps{Log: log.WithName("scheduling")}),
 		opts: Options{
 			PrefillTimeout: cfg.Prefill.Timeout.D(),
 			AttemptTimeout: cfg.Prefill.AttemptTimeout.D(),
@@ -108,14 +108,15 @@ func New(cfg *config.Config, log logr.Logger, options ...Option) (*Pipeline, err
 // MaxBodyBytes is the largest request body accepted.
 func (p *Pipeline) MaxBodyBytes() int64 { return p.opts.MaxBodyBytes }
 
-// SchedulingSpec is the part of cfg that scheduling follows, and that a config
-// reload can change without a restart.
-func SchedulingSpec(cfg *config.Config) scheduling.Spec {
+// schedulingSpec is the part of cfg that scheduling follows, and that a config
+// reload can change without a restart. Whether legs are paired is the running
+// connector's: a new connector takes effect on restart only.
+func schedulingSpec(cfg *config.Config, c kv.Connector) scheduling.Spec {
 	return scheduling.Spec{
 		Prefill: scheduling.PoolSpec{Endpoints: cfg.Pools.Prefill.Endpoints, PoolScheduling: cfg.Pools.Prefill.PoolScheduling},
 		Decode:  scheduling.PoolSpec{Endpoints: cfg.Pools.Decode.Endpoints, PoolScheduling: cfg.Pools.Decode.PoolScheduling},
 		PD:      cfg.PD,
-		Paired:  cfg.Connector == kv.SGLang,
+		Paired:  c.Dispatch() == kv.Concurrent,
 	}
 }
 
@@ -128,7 +129,7 @@ func (p *Pipeline) Run(ctx context.Context) { p.pools.Run(ctx) }
 
 // Reload applies a new configuration's pools, policies and P/D thresholds.
 // Requests in flight keep their endpoints; other keys take effect on restart.
-func (p *Pipeline) Reload(cfg *config.Config) { p.pools.Update(SchedulingSpec(cfg)) }
+func (p *Pipeline) Reload(cfg *config.Config) { p.pools.Update(schedulingSpec(cfg, p.connector)) }
 
 // Request is what the pipeline needs of one client request.
 type Request struct {
