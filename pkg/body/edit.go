@@ -92,9 +92,6 @@ func (o *Object) Apply(edits ...Edit) []byte { return o.Splice(edits...).Bytes()
 // members is kept, including the separators and whitespace around the members
 // that stay. The Object itself is not changed.
 func (o *Object) Splice(edits ...Edit) Spliced {
-	if !o.touches(edits) {
-		return Spliced{o.raw} // nothing to change
-	}
 	// The last edit of each key, in first-mention order (for deterministic
 	// appends). Edits are a handful: a slice searched in order beats a map,
 	// and it stays on the stack.
@@ -106,6 +103,9 @@ func (o *Object) Splice(edits ...Edit) Spliced {
 		} else {
 			final = append(final, finalEdit{Edit: e})
 		}
+	}
+	if !o.touches(final) {
+		return Spliced{o.raw} // nothing to change
 	}
 
 	s := splicer{raw: o.raw, out: make(Spliced, 0, 2*len(final)+3), rawEnd: -1}
@@ -193,16 +193,10 @@ func find(final []finalEdit, key string) int {
 	return -1
 }
 
-// touches reports whether applying the edits may change a byte: false when
-// they only delete or rewrite keys the body does not have.
-func (o *Object) touches(edits []Edit) bool {
-next:
-	for i, e := range edits {
-		for _, later := range edits[i+1:] {
-			if later.Key == e.Key {
-				continue next // the last edit of a key wins
-			}
-		}
+// touches reports whether applying the edits in force may change a byte:
+// false when they only delete or rewrite keys the body does not have.
+func (o *Object) touches(final []finalEdit) bool {
+	for _, e := range final {
 		if (len(e.Value) > 0 && !e.IfPresent) || o.Has(e.Key) {
 			return true
 		}

@@ -130,16 +130,3 @@ func (u *utf8Blocks) valid(complete bool) bool {
 	}
 	return u.errs.IsZero()
 }
-
-// validUTF8 checks b whole with utf8Blocks; the last, short block is padded
-// with ASCII zeros.
-func validUTF8(b []byte) bool {
-	var u utf8Blocks
-	for ; len(b) >= 32; b = b[32:] {
-		u.block(archsimd.LoadUint8x32Slice(b[:32]))
-	}
-	if len(b) > 0 {
-		u.block(archsimd.LoadUint8x32SlicePart(b))
-	}
-	return u.valid(true)
-}

@@ -20,9 +20,10 @@ var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":fal
 func (nixlKV) Name() string       { return NIXL }
 func (nixlKV) Dispatch() Dispatch { return Sequential }
 
-func (nixlKV) PrefillEdits(*Handoff) []body.Edit {
-	return slices.Concat(vllmPrefillCaps, []body.Edit{body.Set("kv_transfer_params", nixlPrefillParams)})
-}
+func (nixlKV) PrefillEdits(*Handoff) []body.Edit { return nixlPrefillEdits }
+
+// nixlPrefillEdits are the same for every request, so they are built once.
+var nixlPrefillEdits = append(slices.Clip(vllmPrefillCaps), body.Set("kv_transfer_params", nixlPrefillParams))
 
 // DecodeEdits never sends do_remote_prefill without the prefill's remote_* fields:
 // when the prefill returned no params (absent, null or {}, as vLLM's proxies

@@ -43,8 +43,7 @@ const (
 )
 
 // Values of pd_decisions_total{reason}: why a routed request got its mode. The
-// first seven are the P/D decider's (scheduling.Reasons); a pipeline test keeps
-// the two lists in step.
+// first seven are the P/D decider's (scheduling names them too).
 const (
 	ReasonAlways        = "always"         // P/D: pd.mode always
 	ReasonLongPrompt    = "long_prompt"    // P/D: auto, prompt at or above pd.min_prompt_tokens

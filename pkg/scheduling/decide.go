@@ -1,21 +1,21 @@
 package scheduling
 
-import "github.com/pd-extproc/pd-extproc/pkg/config"
-
-// Why a request went P/D or decode-only. The set is closed, so that it can
-// label a metric (pd_decisions_total{reason}).
-const (
-	ReasonAlways      = "always"       // pd.mode: always
-	ReasonLongPrompt  = "long_prompt"  // auto, prompt at or above pd.min_prompt_tokens
-	ReasonNever       = "never"        // pd.mode: never
-	ReasonShortPrompt = "short_prompt" // auto, prompt below pd.min_prompt_tokens
-	ReasonMultipleN   = "n_gt_1"       // several choices: engines cannot hand off n > 1
-	ReasonBatch       = "batch"        // several prompts in one completions request
-	ReasonNoPrefill   = "no_prefill"   // no healthy prefill endpoint
+import (
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
-// Reasons lists every reason Decide can give.
-var Reasons = []string{ReasonAlways, ReasonLongPrompt, ReasonNever, ReasonShortPrompt, ReasonMultipleN, ReasonBatch, ReasonNoPrefill}
+// Why a request went P/D or decode-only: the pd_decisions_total{reason}
+// labels metrics declares, so the set stays closed.
+const (
+	ReasonAlways      = metrics.ReasonAlways      // pd.mode: always
+	ReasonLongPrompt  = metrics.ReasonLongPrompt  // auto, prompt at or above pd.min_prompt_tokens
+	ReasonNever       = metrics.ReasonNever       // pd.mode: never
+	ReasonShortPrompt = metrics.ReasonShortPrompt // auto, prompt below pd.min_prompt_tokens
+	ReasonMultipleN   = metrics.ReasonNGT1        // several choices: engines cannot hand off n > 1
+	ReasonBatch       = metrics.ReasonBatch       // several prompts in one completions request
+	ReasonNoPrefill   = metrics.ReasonNoPrefill   // no healthy prefill endpoint
+)
 
 // Decision says whether a request is disaggregated, and why.
 type Decision struct {
@@ -30,16 +30,10 @@ type Decider struct {
 	paired bool // Spec.Paired
 }
 
-// NewDecider returns a decider for cfg (defaults filled in).
-func NewDecider(cfg config.PD) *Decider {
-	cfg.SetDefaults()
-	return &Decider{cfg: cfg}
-}
-
+// newDecider returns the decider of spec (pd defaults filled in).
 func newDecider(spec Spec) *Decider {
-	d := NewDecider(spec.PD)
-	d.paired = spec.Paired
-	return d
+	spec.PD.SetDefaults()
+	return &Decider{cfg: spec.PD, paired: spec.Paired}
 }
 
 // Decide returns the decision for req given the prefill pool. Requests the

@@ -56,11 +56,11 @@ func TestDecide(t *testing.T) {
 }
 
 func TestDecideWithoutPrefillPool(t *testing.T) {
-	if got := NewDecider(config.PD{}).Decide(nil, nil); got.PD || got.Reason != ReasonNoPrefill {
+	if got := newDecider(Spec{}).Decide(nil, nil); got.PD || got.Reason != ReasonNoPrefill {
 		t.Fatalf("Decide(nil, nil) = %+v, want decode-only for lack of prefill", got)
 	}
 	empty := NewPool("prefill", nil)
-	if got := NewDecider(config.PD{}).Decide(PromptRequest("hi"), empty); got.Reason != ReasonNoPrefill {
+	if got := newDecider(Spec{}).Decide(PromptRequest("hi"), empty); got.Reason != ReasonNoPrefill {
 		t.Fatalf("Decide() with an empty prefill pool = %+v", got)
 	}
 }

@@ -100,7 +100,7 @@ func (p *Pool) SelectN(req *Request, n int, exclude ...string) ([]*Endpoint, err
 	}
 	rest := slices.DeleteFunc(slices.Clone(cands), func(e *Endpoint) bool { return e == first })
 	slices.SortStableFunc(rest, func(a, b *Endpoint) int { return cmp.Compare(a.Busyness(), b.Busyness()) })
-	return append([]*Endpoint{first}, rest[:min(len(rest), max(n-1, 0))]...), nil
+	return append([]*Endpoint{first}, rest[:min(len(rest), n-1)]...), nil
 }
 
 // Ready reports whether some endpoint could take a request now.
