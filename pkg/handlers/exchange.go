@@ -197,8 +197,9 @@ func (x *exchange) finishDuplex(trailers bool) (bool, error) {
 	if err := x.send(headersReply(d, x.req.RequestID)); err != nil {
 		return false, err
 	}
-	for _, c := range chunks(d.Body.Chunks(maxStreamedChunk), !trailers) {
-		if err := x.send(c); err != nil {
+	cut := d.Body.Chunks(maxStreamedChunk)
+	for i, c := range cut {
+		if err := x.send(streamedChunk(true, c, !trailers && i == len(cut)-1)); err != nil {
 			return false, err
 		}
 	}
@@ -218,14 +219,12 @@ func (x *exchange) finishBuffered() (bool, error) {
 	}
 	x.decision = d
 	// Envoy keeps the body it buffered unless the reply replaces it: a body the
-	// pipeline passed on untouched is not sent back. Envoy checks a
-	// Content-Length against a new body; without one (chunked) it checks nothing
-	// and must not be given one.
+	// pipeline passed on untouched is not sent back.
 	var rewritten []byte
 	if b := d.Body.Bytes(); !untouched(b, x.body) {
 		rewritten = b
 	}
-	if err := x.send(bufferedBodyReply(d, x.req.RequestID, rewritten, rewritten != nil && x.contentLength >= 0)); err != nil {
+	if err := x.send(bufferedBodyReply(d, x.req.RequestID, rewritten, x.contentLength >= 0)); err != nil {
 		return false, err
 	}
 	x.routed()

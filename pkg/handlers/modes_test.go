@@ -1,12 +1,10 @@
 package handlers_test
 
 import (
-	"context"
 	"fmt"
 	"regexp"
 	"strings"
 	"testing"
-	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -336,11 +334,11 @@ func TestEachStreamGetsBackItsOwnCollectedBody(t *testing.T) {
 					// 200,000 to 230,000 bytes: one 224 KiB or 256 KiB class.
 					body := `{"model":"m","prompt":"` + strings.Repeat(string(rune('a'+w)), 200_000+w*3000+r*97) + `"}`
 					msgs := append([]*extprocv3.ProcessingRequest{postHeaders(fullDuplex, "/v1/completions", body)}, split(body, 5)...)
-					got, err := decodeBodyOf(c, msgs)
+					replies, err := tryExchange(c, msgs...)
 					if err != nil {
 						return err
 					}
-					if got != body {
+					if got := joinStreamed(replies[1:]); got != body {
 						return fmt.Errorf("stream %d round %d got back %d bytes starting %.40q, want its own %d", w, r, len(got), got, len(body))
 					}
 				}
@@ -351,34 +349,6 @@ func TestEachStreamGetsBackItsOwnCollectedBody(t *testing.T) {
 	for range streams {
 		if err := <-errs; err != nil {
 			t.Error(err)
-		}
-	}
-}
-
-// decodeBodyOf sends a FULL_DUPLEX request and returns the body replied for
-// the engine, reporting failures to the caller's goroutine.
-func decodeBodyOf(c extprocv3.ExternalProcessorClient, msgs []*extprocv3.ProcessingRequest) (string, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	s, err := c.Process(ctx)
-	if err != nil {
-		return "", err
-	}
-	for _, m := range msgs {
-		if err := s.Send(m); err != nil {
-			return "", err
-		}
-	}
-	var b strings.Builder
-	for {
-		r, err := s.Recv()
-		if err != nil {
-			return "", err
-		}
-		sr := r.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
-		b.Write(sr.GetBody())
-		if sr.GetEndOfStream() {
-			return b.String(), nil
 		}
 	}
 }

@@ -37,14 +37,11 @@ func setHeader(key, value string) *corev3.HeaderValueOption {
 }
 
 // routing returns the header mutation and metadata that send the request to d.
-func routing(d *pipeline.Decision, requestID string, contentLength bool) (*extprocv3.HeaderMutation, *structpb.Struct) {
+func routing(d *pipeline.Decision, requestID string) (*extprocv3.HeaderMutation, *structpb.Struct) {
 	m := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 		setHeader(DestinationHeader, d.Endpoint),
 		setHeader(RequestIDHeader, requestID),
 	}}
-	if contentLength {
-		m.SetHeaders = append(m.SetHeaders, setHeader("content-length", strconv.Itoa(d.Body.Len())))
-	}
 	md := &structpb.Struct{Fields: map[string]*structpb.Value{
 		DestinationMetadata: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
 			DestinationHeader: structpb.NewStringValue(d.Endpoint),
@@ -59,7 +56,7 @@ func headersReply(d *pipeline.Decision, requestID string) *extprocv3.ProcessingR
 	common := &extprocv3.CommonResponse{}
 	var md *structpb.Struct
 	if d != nil {
-		common.HeaderMutation, md = routing(d, requestID, false)
+		common.HeaderMutation, md = routing(d, requestID)
 		common.ClearRouteCache = true
 	}
 	return &extprocv3.ProcessingResponse{
@@ -69,12 +66,17 @@ func headersReply(d *pipeline.Decision, requestID string) *extprocv3.ProcessingR
 }
 
 // bufferedBodyReply carries the routing in one BUFFERED body reply (Envoy still
-// holds the headers) and the rewritten body, if any.
-func bufferedBodyReply(d *pipeline.Decision, requestID string, rewritten []byte, contentLength bool) *extprocv3.ProcessingResponse {
-	m, md := routing(d, requestID, contentLength)
+// holds the headers) and the rewritten body, if any, with a matching
+// Content-Length when the client sent one: Envoy checks it against a new body,
+// and a chunked request must not be given one.
+func bufferedBodyReply(d *pipeline.Decision, requestID string, rewritten []byte, clientSentLength bool) *extprocv3.ProcessingResponse {
+	m, md := routing(d, requestID)
 	common := &extprocv3.CommonResponse{HeaderMutation: m, ClearRouteCache: true}
 	if rewritten != nil {
 		common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: rewritten}}
+		if clientSentLength {
+			m.SetHeaders = append(m.SetHeaders, setHeader("content-length", strconv.Itoa(len(rewritten))))
+		}
 	}
 	return &extprocv3.ProcessingResponse{
 		Response:        &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: common}},
@@ -92,15 +94,6 @@ func streamedChunk(request bool, chunk []byte, eos bool) *extprocv3.ProcessingRe
 		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: br}}
 	}
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: br}}
-}
-
-// chunks turns a request body, cut into chunks, into FULL_DUPLEX replies.
-func chunks(cut [][]byte, eos bool) []*extprocv3.ProcessingResponse {
-	out := make([]*extprocv3.ProcessingResponse, len(cut))
-	for i, c := range cut {
-		out[i] = streamedChunk(true, c, eos && i == len(cut)-1)
-	}
-	return out
 }
 
 // continueReply answers a message of the given kind without changing anything.

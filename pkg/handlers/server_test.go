@@ -123,15 +123,24 @@ func split(body string, n int) []*extprocv3.ProcessingRequest {
 // exchange sends msgs, half-closes like Envoy's graceful close, and returns every reply.
 func exchange(t *testing.T, c extprocv3.ExternalProcessorClient, msgs ...*extprocv3.ProcessingRequest) []*extprocv3.ProcessingResponse {
 	t.Helper()
+	out, err := tryExchange(c, msgs...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// tryExchange is exchange for any goroutine: it returns the error.
+func tryExchange(c extprocv3.ExternalProcessorClient, msgs ...*extprocv3.ProcessingRequest) ([]*extprocv3.ProcessingResponse, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	s, err := c.Process(ctx)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	for _, m := range msgs {
 		if err := s.Send(m); err != nil {
-			t.Fatal(err)
+			return nil, err
 		}
 	}
 	s.CloseSend()
@@ -139,10 +148,10 @@ func exchange(t *testing.T, c extprocv3.ExternalProcessorClient, msgs ...*extpro
 	for {
 		r, err := s.Recv()
 		if errors.Is(err, io.EOF) {
-			return out
+			return out, nil
 		}
 		if err != nil {
-			t.Fatalf("Recv: %v", err)
+			return nil, fmt.Errorf("Recv: %w", err)
 		}
 		out = append(out, r)
 	}
@@ -169,7 +178,6 @@ func metadataDestination(r *extprocv3.ProcessingResponse) string {
 // streamedBody concatenates FULL_DUPLEX body replies and checks only the last ends the stream.
 func streamedBody(t *testing.T, replies []*extprocv3.ProcessingResponse) string {
 	t.Helper()
-	var b strings.Builder
 	for i, r := range replies {
 		sr := r.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
 		if sr == nil {
@@ -181,7 +189,15 @@ func streamedBody(t *testing.T, replies []*extprocv3.ProcessingResponse) string 
 		if sr.GetEndOfStream() != (i == len(replies)-1) {
 			t.Errorf("chunk %d end_of_stream=%v", i, sr.GetEndOfStream())
 		}
-		b.Write(sr.GetBody())
+	}
+	return joinStreamed(replies)
+}
+
+// joinStreamed joins the bodies of streamed_response replies.
+func joinStreamed(replies []*extprocv3.ProcessingResponse) string {
+	var b strings.Builder
+	for _, r := range replies {
+		b.Write(r.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetBody())
 	}
 	return b.String()
 }

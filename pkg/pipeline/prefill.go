@@ -40,12 +40,15 @@ type statusError struct {
 
 func (e *statusError) Error() string { return fmt.Sprintf("engine answered %d", e.status) }
 
+// aboutRequest reports whether the engine refused the request itself (4xx),
+// which another endpoint would refuse too.
+func (e *statusError) aboutRequest() bool { return e.status >= 400 && e.status < 500 }
+
 // retryable reports whether another prefill endpoint may succeed where this one
-// failed: connection errors, timeouts, redirects and 5xx yes; an engine's 4xx
-// is about the request itself.
+// failed: connection errors, timeouts, redirects and 5xx yes; an engine's 4xx no.
 func retryable(err error) bool {
 	se, ok := err.(*statusError)
-	return !ok || se.status < 400 || se.status >= 500
+	return !ok || !se.aboutRequest()
 }
 
 // newEngineClient returns the HTTP client for prefill legs and the URL scheme
@@ -129,12 +132,12 @@ func failureReason(ctx context.Context, err error) string {
 	var op *net.OpError
 	var ne net.Error
 	switch {
+	case errors.As(err, &se) && se.aboutRequest():
+		return metrics.FailureStatus4xx
 	case errors.As(err, &se) && se.status >= 500:
 		return metrics.FailureStatus5xx
-	case errors.As(err, &se) && se.status < 400:
-		return metrics.FailureRedirect
 	case errors.As(err, &se):
-		return metrics.FailureStatus4xx
+		return metrics.FailureRedirect
 	case errors.Is(ctx.Err(), context.Canceled):
 		return metrics.FailureCancelled
 	case errors.As(err, &op) && op.Op == "dial":

@@ -180,8 +180,6 @@ func (r *faultRig) must(t *testing.T, path, body string, header http.Header) (*h
 	return resp, got
 }
 
-// healthy checks extproc still serves: /healthz answers 200 and an ordinary
-// request completes through Envoy.
 // clearPrefillFaults makes every prefill simulator well again.
 func (r *faultRig) clearPrefillFaults() {
 	for _, p := range r.prefill {
@@ -189,6 +187,8 @@ func (r *faultRig) clearPrefillFaults() {
 	}
 }
 
+// healthy checks extproc still serves: /healthz answers 200 and an ordinary
+// request completes through Envoy.
 func (r *faultRig) healthy(t *testing.T, marker string) {
 	t.Helper()
 	r.alive(t)
