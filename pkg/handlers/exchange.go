@@ -90,8 +90,8 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 	if x.requestMode == filterv3.ProcessingMode_NONE && !h.GetEndOfStream() && x.contentLength != 0 {
 		// The body would reach the engine unseen, with any kv_transfer_params or
 		// bootstrap fields the client put in it (DESIGN §5): refuse, do not route.
-		return x.fail(&pipeline.Error{Status: http.StatusInternalServerError, Type: "server_error", Message: "ext_proc " +
-			"request_body_mode NONE cannot check a request body for fields that steer the engines; configure " + scrubbingModes})
+		return x.fail(pipeline.Misconfigured("ext_proc request_body_mode NONE cannot check a request body for fields " +
+			"that steer the engines; configure " + scrubbingModes))
 	}
 	if h.GetEndOfStream() || x.requestMode == filterv3.ProcessingMode_NONE {
 		// No body will follow: route from the headers.
@@ -118,8 +118,8 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 		// the body reply can still set headers, so routing waits for it.
 		return false, x.send(headersReply(nil, ""))
 	default:
-		return x.fail(&pipeline.Error{Status: http.StatusInternalServerError, Type: "server_error", Message: fmt.Sprintf(
-			"ext_proc request_body_mode %s is not supported: routing depends on the body; configure %s", x.requestMode, supportedModes)})
+		return x.fail(pipeline.Misconfigured(fmt.Sprintf(
+			"ext_proc request_body_mode %s is not supported: routing depends on the body; configure %s", x.requestMode, supportedModes)))
 	}
 }
 
@@ -141,8 +141,8 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) (bool, error) {
 		return x.finishDuplex(false)
 	case filterv3.ProcessingMode_BUFFERED_PARTIAL:
 		if !b.GetEndOfStream() {
-			return x.fail(&pipeline.Error{Status: http.StatusInternalServerError, Type: "server_error", Message: "the request body exceeded " +
-				"Envoy's buffer in BUFFERED_PARTIAL mode, so it cannot be rewritten; configure " + supportedModes})
+			return x.fail(pipeline.Misconfigured("the request body exceeded Envoy's buffer in BUFFERED_PARTIAL mode, " +
+				"so it cannot be rewritten; configure " + supportedModes))
 		}
 	}
 	// BUFFERED sends the whole body in one message, end_of_stream false only when
@@ -274,10 +274,7 @@ func (x *exchange) onResponseBody(b *extprocv3.HttpBody) error {
 // fail ends the exchange with a local reply from Envoy to the client.
 func (x *exchange) fail(err error) (bool, error) {
 	x.requestDone = true
-	e, ok := err.(*pipeline.Error)
-	if !ok {
-		e = &pipeline.Error{Status: http.StatusInternalServerError, Type: "server_error", Message: err.Error()}
-	}
+	e := pipeline.AsError(err)
 	x.rejected(e)
 	return true, x.send(immediate(e))
 }

@@ -47,6 +47,22 @@ func Overloaded(limit int, retryAfter time.Duration) *Error {
 		Message: fmt.Sprintf("too many requests in progress (limits.max_concurrent_streams is %d); retry later", limit)}
 }
 
+// Misconfigured is a 500 for a request the deployment, not the client, cannot
+// serve (a proxy set up in a way the service cannot work with); the message
+// says what to change.
+func Misconfigured(message string) *Error {
+	return &Error{Status: http.StatusInternalServerError, Type: "server_error", Message: message}
+}
+
+// AsError is err as the client sees it: the *Error it is or wraps, else a 500
+// with its text.
+func AsError(err error) *Error {
+	if e := (*Error)(nil); errors.As(err, &e) {
+		return e
+	}
+	return Misconfigured(err.Error())
+}
+
 func badRequest(format string, args ...any) *Error {
 	return &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Message: fmt.Sprintf(format, args...)}
 }

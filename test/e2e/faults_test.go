@@ -14,7 +14,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
-	"github.com/pd-extproc/pd-extproc/test/e2e/envoy"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 )
 
 // ---------------------------------------------------------------- the rig
@@ -25,7 +25,7 @@ import (
 // started again on the same gRPC port.
 type faultRig struct {
 	mode, connector string
-	proxy           *envoy.Proxy
+	proxy           *envoyemu.Proxy
 	extproc         *extproc
 	config          string // extproc's config file
 	prefill, decode []*pdsim.Server
@@ -45,7 +45,7 @@ type faultOptions struct {
 	extra           string        // more extproc config
 	prefillPool     string        // more keys of pools.prefill / pools.decode, e.g. "health: {...}"
 	decodePool      string
-	envoy           func(*envoy.Config)
+	envoy           func(*envoyemu.Config)
 }
 
 func startFaultRig(t *testing.T, o faultOptions) *faultRig {
@@ -94,7 +94,7 @@ func startFaultRig(t *testing.T, o faultOptions) *faultRig {
 		o.connector, quoteAll(prefillAddrs), bootstrapPort, more(o.prefillPool), quoteAll(decodeAddrs), more(o.decodePool), o.extra)
 	r.extproc = startExtproc(t, r.config)
 
-	cfg, err := envoy.LoadConfig(filepath.Join(repoRoot(), envoyYAML[o.mode]))
+	cfg, err := envoyemu.LoadConfig(filepath.Join(repoRoot(), envoyYAML[o.mode]))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -102,7 +102,7 @@ func startFaultRig(t *testing.T, o faultOptions) *faultRig {
 	if o.envoy != nil {
 		o.envoy(cfg)
 	}
-	if r.proxy, err = envoy.Start(cfg, r.extproc.GRPCAddr); err != nil {
+	if r.proxy, err = envoyemu.Start(cfg, r.extproc.GRPCAddr); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { r.proxy.Close() })
@@ -531,7 +531,7 @@ func TestFaultSlowPrefillPastEnvoysMessageTimer(t *testing.T) {
 		{"override disabled", new(time.Duration), http.StatusGatewayTimeout},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			r := startFaultRig(t, faultOptions{mode: "buffered", envoy: func(c *envoy.Config) {
+			r := startFaultRig(t, faultOptions{mode: "buffered", envoy: func(c *envoyemu.Config) {
 				if c.MessageTimeout != time.Second {
 					t.Fatalf("envoy-buffered.yaml message_timeout is %v; this test assumes 1s", c.MessageTimeout)
 				}
@@ -546,7 +546,7 @@ func TestFaultSlowPrefillPastEnvoysMessageTimer(t *testing.T) {
 			path, body := request("chat", true, marker)
 			resp, got := r.must(t, path, body, nil)
 			if resp.StatusCode != tt.want {
-				t.Fatalf("status %d (%.300s, %s), want %d", resp.StatusCode, got, resp.Header.Get(envoy.DetailsHeader), tt.want)
+				t.Fatalf("status %d (%.300s, %s), want %d", resp.StatusCode, got, resp.Header.Get(envoyemu.DetailsHeader), tt.want)
 			}
 			decoded := recordsWith(r.decode, marker)
 			if tt.want == http.StatusOK {
@@ -556,7 +556,7 @@ func TestFaultSlowPrefillPastEnvoysMessageTimer(t *testing.T) {
 				}
 				return
 			}
-			if d := resp.Header.Get(envoy.DetailsHeader); d != "ext_proc_error_per-message_timeout_exceeded" {
+			if d := resp.Header.Get(envoyemu.DetailsHeader); d != "ext_proc_error_per-message_timeout_exceeded" {
 				t.Errorf("details %q, want Envoy's message timeout", d)
 			}
 			if len(decoded) != 0 {
@@ -699,7 +699,7 @@ func TestFaultExtprocRestartsUnderLoad(t *testing.T) {
 				heldOut <- outcome{err: err}
 				return
 			}
-			heldOut <- outcome{status: resp.StatusCode, details: resp.Header.Get(envoy.DetailsHeader)}
+			heldOut <- outcome{status: resp.StatusCode, details: resp.Header.Get(envoyemu.DetailsHeader)}
 		}()
 	}
 	waitFor(t, 10*time.Second, "every held request to reach a prefill engine", func() bool { return len(recordsWith(r.prefill, "held")) == held })

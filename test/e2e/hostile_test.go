@@ -15,7 +15,7 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
-	"github.com/pd-extproc/pd-extproc/test/e2e/envoy"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 )
 
 // attackerIP is where a hostile client tries to send traffic: no leg may ever
@@ -195,7 +195,7 @@ func TestHostileReservedFieldsNeverReachAnEngine(t *testing.T) {
 func TestNoneBodyModeRefusesABodyItCannotScrub(t *testing.T) {
 	attacker := newAttacker(t)
 	host, port := hostPort(t, attacker.addr())
-	r := startFaultRig(t, faultOptions{envoy: func(c *envoy.Config) { c.RequestBodyMode = filterv3.ProcessingMode_NONE }})
+	r := startFaultRig(t, faultOptions{envoy: func(c *envoyemu.Config) { c.RequestBodyMode = filterv3.ProcessingMode_NONE }})
 	body := fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":"none mode"}],"kv_transfer_params":`+
 		`{"do_remote_prefill":true,"remote_block_ids":[[1]],"remote_engine_id":"e","remote_request_id":"r","remote_host":%q,"remote_port":%s}}`, host, port)
 	resp, got := r.must(t, "/v1/chat/completions", body, nil)
@@ -289,7 +289,7 @@ func TestHostileInputsGetAClear4xx(t *testing.T) {
 					}
 					got, _ := io.ReadAll(resp.Body)
 					resp.Body.Close()
-					details := resp.Header.Get(envoy.DetailsHeader)
+					details := resp.Header.Get(envoyemu.DetailsHeader)
 					if resp.StatusCode != tt.want || !strings.Contains(string(got), tt.says) {
 						t.Errorf("status %d (%.200s, %s), want %d saying %q", resp.StatusCode, got, details, tt.want, tt.says)
 					}

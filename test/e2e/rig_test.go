@@ -9,13 +9,13 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
-	"github.com/pd-extproc/pd-extproc/test/e2e/envoy"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 )
 
 // rig is one deployment on loopback: the Envoy emulator in front of extproc, two
 // prefill and two decode engine simulators.
 type rig struct {
-	proxy            *envoy.Proxy
+	proxy            *envoyemu.Proxy
 	extproc          *extproc
 	prefill, decode  []*pdsim.Server
 	connector, proto string
@@ -75,12 +75,12 @@ pools:
   decode: {endpoints: [%s]}
 %s`, connector, quoteAll(prefillAddrs), bootstrapPort, opts.prefillPool, quoteAll(decodeAddrs), opts.extra))
 
-	cfg, err := envoy.LoadConfig(filepath.Join(repoRoot(), envoyYAML[mode]))
+	cfg, err := envoyemu.LoadConfig(filepath.Join(repoRoot(), envoyYAML[mode]))
 	if err != nil {
 		t.Fatal(err)
 	}
 	cfg.Logf = t.Logf
-	r.proxy, err = envoy.Start(cfg, r.extproc.GRPCAddr)
+	r.proxy, err = envoyemu.Start(cfg, r.extproc.GRPCAddr)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -48,7 +48,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
-	"github.com/pd-extproc/pd-extproc/test/e2e/envoy"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 )
 
 type options struct {
@@ -90,7 +90,7 @@ type stack struct {
 	extproc         *exec.Cmd
 	grpc, admin     string
 	prefill, decode []*pdsim.Server
-	proxies         map[string]*envoy.Proxy // by mode
+	proxies         map[string]*envoyemu.Proxy // by mode
 	shared          string
 	bootstrapPort   int
 	ip              func(role string, i int) string
@@ -263,7 +263,7 @@ func run(o options) error {
 }
 
 func startStack(root, tmp, bin, connector string, n int, o options) (*stack, error) {
-	s := &stack{connector: connector, shared: filepath.Join(tmp, connector), proxies: map[string]*envoy.Proxy{}, routes: map[string]int{}}
+	s := &stack{connector: connector, shared: filepath.Join(tmp, connector), proxies: map[string]*envoyemu.Proxy{}, routes: map[string]int{}}
 	s.ip = func(role string, i int) string {
 		base := 50
 		if role == pdsim.RoleDecode {
@@ -340,11 +340,11 @@ pools:
 		return nil, fmt.Errorf("%s: extproc did not start", connector)
 	}
 	for mode, file := range map[string]string{"full_duplex": "envoy.yaml", "buffered": "envoy-buffered.yaml"} {
-		ec, err := envoy.LoadConfig(filepath.Join(root, "config", "envoy", file))
+		ec, err := envoyemu.LoadConfig(filepath.Join(root, "config", "envoy", file))
 		if err != nil {
 			return nil, err
 		}
-		p, err := envoy.Start(ec, s.grpc)
+		p, err := envoyemu.Start(ec, s.grpc)
 		if err != nil {
 			return nil, err
 		}
@@ -592,7 +592,7 @@ func one(s *stack, rng *rand.Rand, o options, st *stats, withBad bool) {
 		if resp.StatusCode == http.StatusOK {
 			class = unexpectedPrefix + "incomplete answer"
 		}
-		detail = fmt.Sprintf("%s (bad input: %q): %d %s %.200s", desc, bad, resp.StatusCode, resp.Header.Get(envoy.DetailsHeader), got)
+		detail = fmt.Sprintf("%s (bad input: %q): %d %s %.200s", desc, bad, resp.StatusCode, resp.Header.Get(envoyemu.DetailsHeader), got)
 	}
 }
 

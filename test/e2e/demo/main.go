@@ -17,7 +17,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/pd-extproc/pd-extproc/test/e2e/envoy"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 )
 
 const (
@@ -66,13 +66,13 @@ func run() error {
 		}
 	}
 
-	cfg, err := envoy.LoadConfig(filepath.Join("config", "envoy", "envoy.yaml"))
+	cfg, err := envoyemu.LoadConfig(filepath.Join("config", "envoy", "envoy.yaml"))
 	if err != nil {
 		return err
 	}
 	cfg.ListenAddr = listen
 	cfg.Logf = prefixed("envoy").Printf
-	proxy, err := envoy.Start(cfg, grpcAddr)
+	proxy, err := envoyemu.Start(cfg, grpcAddr)
 	if err != nil {
 		return err
 	}

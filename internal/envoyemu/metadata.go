@@ -1,4 +1,4 @@
-package envoy
+package envoyemu
 
 import (
 	"regexp"

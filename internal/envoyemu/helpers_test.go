@@ -1,4 +1,4 @@
-package envoy
+package envoyemu
 
 import (
 	"bytes"
@@ -23,7 +23,7 @@ import (
 // repoRoot is the module root: go test runs a package in its own directory.
 func repoRoot(t testing.TB) string {
 	t.Helper()
-	root, err := filepath.Abs("../../..")
+	root, err := filepath.Abs("../..")
 	if err != nil {
 		t.Fatal(err)
 	}

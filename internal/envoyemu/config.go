@@ -1,12 +1,12 @@
-// Package envoy is an Envoy emulator for tests: an HTTP/1.1 listener that
+// Package envoyemu is an Envoy emulator for tests: an HTTP/1.1 listener that
 // behaves like Envoy's HTTP connection manager with the ext_proc filter and
 // the router in front of an ORIGINAL_DST cluster, and that refuses what
 // Envoy refuses. It is driven by a real Envoy bootstrap
 // (config/envoy/envoy.yaml). Section numbers (§) refer to
 // shared/reference/envoy-ext-proc.md.
 //
-//	cfg, err := envoy.LoadConfig(".../config/envoy/envoy.yaml")
-//	p, err := envoy.Start(cfg, extProcAddr)
+//	cfg, err := envoyemu.LoadConfig(".../config/envoy/envoy.yaml")
+//	p, err := envoyemu.Start(cfg, extProcAddr)
 //	defer p.Close()
 //	resp, err := http.Post(p.URL()+"/v1/completions", ...)
 //	p.Upstreams() // where each request went
@@ -18,7 +18,7 @@
 // Refused rather than guessed (LoadConfig errors): observability mode,
 // CEL attributes, mode_override, http_service, GRPC body mode, other HTTP
 // filters, non-ORIGINAL_DST route clusters.
-package envoy
+package envoyemu
 
 import (
 	"errors"
