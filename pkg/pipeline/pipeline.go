@@ -116,7 +116,7 @@ func schedulingSpec(cfg *config.Config, c kv.Connector) scheduling.Spec {
 		Prefill: scheduling.PoolSpec{Endpoints: cfg.Pools.Prefill.Endpoints, PoolScheduling: cfg.Pools.Prefill.PoolScheduling},
 		Decode:  scheduling.PoolSpec{Endpoints: cfg.Pools.Decode.Endpoints, PoolScheduling: cfg.Pools.Decode.PoolScheduling},
 		PD:      cfg.PD,
-		Paired:  c.Dispatch() == kv.Concurrent,
+		Paired:  c.Paired(),
 	}
 }
 
@@ -289,11 +289,9 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq 
 	rep := &r.Report
 	decision := p.pools.Decide(sreq)
 	rep.Reason = decision.Reason
-	paired := p.connector.Dispatch() == kv.Concurrent
 	switch {
 	case decision.PD:
-	case paired:
-		// SGLang decode servers in PD mode refuse a request without a partner.
+	case p.connector.Paired():
 		return nil, noPrefillEndpoint()
 	default:
 		rep.Mode = ModeDecodeOnly
@@ -305,7 +303,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq 
 		BootstrapPort: p.opts.BootstrapPort,
 		Room:          rand.Uint64() >> 1, // 0..2^63-1, as SGLang's routers draw it
 	}
-	if paired {
+	if p.connector.Dispatch() == kv.Concurrent {
 		prefill, err := p.pools.Prefill.Select(sreq)
 		if err != nil {
 			return nil, noPrefillEndpoint()
@@ -319,7 +317,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq 
 	if err != nil {
 		return p.withoutPrefill(r, obj, err)
 	}
-	if params == nil && p.connector.Name() == kv.NIXL {
+	if params == nil && p.connector.HandsBackParams() {
 		p.metrics.KVParamsMissing()
 		p.log.Info("prefill returned no kv_transfer_params; decode will recompute the prompt",
 			"requestID", r.RequestID, "prefill", rep.Prefill)
