@@ -331,9 +331,8 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq 
 // An engine's own 4xx (about the request) and a client that left always end here.
 func (p *Pipeline) withoutPrefill(r *Request, obj *body.Object, err error) (body.Spliced, error) {
 	r.Report.Reason = metrics.ReasonPrefillFailed
-	var e *Error
-	if errors.As(err, &e) || p.opts.OnFailure == config.OnFailureFail || errors.Is(err, context.Canceled) {
-		return nil, failure(err)
+	if last := lastAttempt(err); p.opts.OnFailure == config.OnFailureFail || last != nil && (last.aboutRequest() || last.clientLeft()) {
+		return nil, prefillFailed(err)
 	}
 	r.Report.Mode = ModeDecodeOnly
 	p.log.Info("prefill failed; decode will recompute the prompt", "requestID", r.RequestID, "error", err.Error())
@@ -342,7 +341,7 @@ func (p *Pipeline) withoutPrefill(r *Request, obj *body.Object, err error) (body
 
 // runPrefill sends the sequential prefill leg to one endpoint after another
 // until one answers, within prefill.attempts and prefill.timeout. An engine 4xx
-// ends it at once, as *Error: another endpoint would refuse the same request.
+// ends it at once: another endpoint would refuse the same request.
 func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *Request, h *kv.Handoff) ([]byte, error) {
 	start := time.Now()
 	defer func() { r.Report.PrefillTime = time.Since(start) }()
@@ -358,22 +357,23 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 		r.Report.Prefill = ep.Addr
 		h.PrefillHost = bootstrapHost(ep.Addr)
 		release := ep.Acquire()
-		params, err := p.attempt(ctx, ep.Addr, r, kv.PrefillBody(p.connector, h))
+		params, failed := p.attempt(ctx, ep.Addr, r, kv.PrefillBody(p.connector, h))
 		release()
-		var se *statusError
-		switch {
-		case err == nil:
+		if failed == nil {
 			ep.ReportSuccess()
 			return params, nil
-		case errors.As(err, &se) && !retryable(err):
-			ep.ReportSuccess() // the engine is fine; the request is not
-			return nil, engineError(se.status, se.body, se.contentType)
-		case ctx.Err() != nil:
-			return nil, err // the client left or the phase timed out: not the endpoint's fault
 		}
-		ep.ReportFailure()
-		last = err
-		p.log.V(1).Info("prefill attempt failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", err.Error())
+		switch {
+		case failed.blames(false):
+			ep.ReportFailure()
+		case failed.aboutRequest():
+			ep.ReportSuccess() // the engine is fine; the request is not
+		}
+		if !failed.retryable() {
+			return nil, failed
+		}
+		last = failed
+		p.log.V(1).Info("prefill attempt failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())
 	}
 }
 
@@ -392,12 +392,12 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 		defer release()
 		ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
 		defer cancel()
-		if _, err := p.attempt(ctx, ep.Addr, r, leg); err != nil {
+		if _, failed := p.attempt(ctx, ep.Addr, r, leg); failed != nil {
 			d.partnerFailed.Store(true)
-			if se := (*statusError)(nil); !errors.As(err, &se) {
+			if failed.blames(true) {
 				ep.ReportFailure()
 			}
-			p.log.Info("concurrent prefill leg failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", err.Error())
+			p.log.Info("concurrent prefill leg failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())
 			return
 		}
 		ep.ReportSuccess()
@@ -406,14 +406,6 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 
 // Wait blocks until every background prefill leg has ended.
 func (p *Pipeline) Wait() { p.background.Wait() }
-
-func failure(err error) *Error {
-	var e *Error
-	if errors.As(err, &e) {
-		return e
-	}
-	return prefillFailed(err)
-}
 
 // bootstrapHost is the host part of ip:port, IPv6 in brackets as SGLang expects.
 func bootstrapHost(addr string) string {
