@@ -176,6 +176,9 @@ func (c *Config) validate() error {
 	if c.Pools.Decode.BootstrapPort != 0 {
 		errs = append(errs, errors.New("pools.decode.bootstrap_port: only the prefill pool has a bootstrap port"))
 	}
+	if c.Pools.Prefill.Fallbacks > 0 {
+		errs = append(errs, errors.New("pools.prefill.fallbacks: only the decode pool has fallbacks (prefill.attempts is the prefill retry budget)"))
+	}
 	if c.Prefill.Timeout < 0 {
 		errs = append(errs, errors.New("prefill.timeout: must be positive"))
 	}

@@ -41,7 +41,7 @@ func testPool(t *testing.T, s config.PoolScheduling, addrs ...string) (*Pool, *f
 	t.Helper()
 	clock := newFakeClock()
 	spec := PoolSpec{Endpoints: addrs, PoolScheduling: s}
-	return newPool("decode", spec, Deps{Now: clock.Now, intn: func(int) int { return 0 }}), clock
+	return newPool("decode", true, spec, Deps{Now: clock.Now, intn: func(int) int { return 0 }}), clock
 }
 
 func policy(name string) config.PoolScheduling { return config.PoolScheduling{Policy: name} }

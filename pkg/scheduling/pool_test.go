@@ -26,7 +26,7 @@ func TestPickPrefersLessLoadedAndHonoursExclude(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			p := NewPool("decode", tt.addrs)
+			p := NewPools(Spec{Decode: PoolSpec{Endpoints: tt.addrs}}, Deps{}).Decode
 			for _, e := range p.Endpoints() {
 				for range tt.load[e.Addr] {
 					e.Acquire()
