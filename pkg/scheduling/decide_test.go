@@ -60,7 +60,7 @@ func TestDecideWithoutPrefillPool(t *testing.T) {
 		t.Fatalf("Decide(nil, nil) = %+v, want decode-only for lack of prefill", got)
 	}
 	empty := NewPools(Spec{}, Deps{}).Prefill
-	if got := newDecider(Spec{}).Decide(PromptRequest("hi"), empty); got.Reason != ReasonNoPrefill {
+	if got := newDecider(Spec{}).Decide(promptRequest("hi"), empty); got.Reason != ReasonNoPrefill {
 		t.Fatalf("Decide() with an empty prefill pool = %+v", got)
 	}
 }

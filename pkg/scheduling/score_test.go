@@ -86,7 +86,7 @@ func BenchmarkSelect(b *testing.B) {
 		for _, chars := range []int{1_000, 32_000} {
 			b.Run(fmt.Sprintf("%s/%dchars", policy, chars), func(b *testing.B) {
 				p := NewPools(Spec{Decode: PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{Policy: policy}}}, Deps{}).Decode
-				req := PromptRequest(strings.Repeat("You are a helpful assistant. ", chars/29+1)[:chars])
+				req := promptRequest(strings.Repeat("You are a helpful assistant. ", chars/29+1)[:chars])
 				b.ReportAllocs()
 				for b.Loop() {
 					if _, err := p.Select(req); err != nil {

@@ -342,7 +342,7 @@ func simulate(p simParams, w *workload, policy string) simResult {
 }
 
 func (s *sim) send(r *simReq) {
-	ep, err := s.pool.Select(PromptRequest(r.prompt))
+	ep, err := s.pool.Select(promptRequest(r.prompt))
 	if err != nil {
 		s.failed++
 		r.done(false)
