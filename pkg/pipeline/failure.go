@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
@@ -68,12 +69,12 @@ func (e *attemptError) clientLeft() bool { return e.reason == metrics.FailureCan
 // long as the prefill phase lasts.
 func (e *attemptError) retryable() bool { return !e.aboutRequest() && !e.ended }
 
-// blames reports whether the failure counts against the endpoint's health. A
-// sequential leg's does when another endpoint is worth a try. A paired leg
-// fails with its partner, so any answer, even a 5xx, may be the partner's
-// doing: only no answer at all counts.
-func (e *attemptError) blames(paired bool) bool {
-	if paired {
+// blames reports whether the failure of a leg sent as d counts against the
+// endpoint's health. A sequential leg's does when another endpoint is worth a
+// try. A concurrent leg fails with its partner, so any answer, even a 5xx, may
+// be the partner's doing: only no answer at all counts.
+func (e *attemptError) blames(d kv.Dispatch) bool {
+	if d == kv.Concurrent {
 		return e.answer == nil
 	}
 	return e.retryable()

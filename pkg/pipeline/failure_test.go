@@ -10,12 +10,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
 // Every decision about a failed prefill attempt comes from its classification:
 // the metrics label, a retry on another endpoint, the blame on this one for a
-// sequential and a paired leg, and the client's status under on_failure=fail.
+// sequential and a concurrent leg, and the client's status under on_failure=fail.
 func TestClassifyPrefillErrors(t *testing.T) {
 	cancelled, cancel := context.WithCancel(context.Background())
 	cancel()
@@ -24,12 +25,12 @@ func TestClassifyPrefillErrors(t *testing.T) {
 	dial := &url.Error{Op: "Post", URL: "http://10.0.0.1:8000/v1/completions",
 		Err: &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connect: connection refused")}}
 	tests := []struct {
-		name                        string
-		ctx                         context.Context
-		err                         error
-		reason                      string
-		retry, blamed, blamedPaired bool
-		status                      int
+		name                            string
+		ctx                             context.Context
+		err                             error
+		reason                          string
+		retry, blamed, blamedConcurrent bool
+		status                          int
 	}{
 		{"engine 503", context.Background(), &statusError{status: 503}, metrics.FailureStatus5xx, true, true, false, 502},
 		{"engine 400", context.Background(), &statusError{status: 400}, metrics.FailureStatus4xx, false, false, false, 400},
@@ -48,9 +49,9 @@ func TestClassifyPrefillErrors(t *testing.T) {
 			if f.reason != tt.reason {
 				t.Errorf("reason = %q, want %q", f.reason, tt.reason)
 			}
-			if f.retryable() != tt.retry || f.blames(false) != tt.blamed || f.blames(true) != tt.blamedPaired {
-				t.Errorf("retry %v, blamed %v, blamed when paired %v; want %v, %v, %v",
-					f.retryable(), f.blames(false), f.blames(true), tt.retry, tt.blamed, tt.blamedPaired)
+			if f.retryable() != tt.retry || f.blames(kv.Sequential) != tt.blamed || f.blames(kv.Concurrent) != tt.blamedConcurrent {
+				t.Errorf("retry %v, blamed %v, blamed when concurrent %v; want %v, %v, %v",
+					f.retryable(), f.blames(kv.Sequential), f.blames(kv.Concurrent), tt.retry, tt.blamed, tt.blamedConcurrent)
 			}
 			if got := prefillFailed(errors.Join(f, errors.New("no endpoint left"))).Status; got != tt.status {
 				t.Errorf("client status = %d, want %d", got, tt.status)

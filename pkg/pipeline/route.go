@@ -129,7 +129,8 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq 
 // An engine's own 4xx (about the request) and a client that left always end here.
 func (p *Pipeline) withoutPrefill(r *Request, obj *body.Object, err error) (body.Spliced, error) {
 	r.Report.Reason = metrics.ReasonPrefillFailed
-	if last := lastAttempt(err); p.opts.OnFailure == config.OnFailureFail || last != nil && (last.aboutRequest() || last.clientLeft()) {
+	last := lastAttempt(err) // nil when no endpoint could be tried
+	if p.opts.OnFailure == config.OnFailureFail || last != nil && (last.aboutRequest() || last.clientLeft()) {
 		return nil, prefillFailed(err)
 	}
 	r.Report.Mode = ModeDecodeOnly
@@ -162,7 +163,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 			return params, nil
 		}
 		switch {
-		case failed.blames(false):
+		case failed.blames(kv.Sequential):
 			ep.ReportFailure()
 		case failed.aboutRequest():
 			ep.ReportSuccess() // the engine is fine; the request is not
@@ -180,9 +181,9 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 // which must not cancel a leg the decode engine is waiting to pair with.
 //
 // The legs fail together: a prefill whose decode never connects answers 5xx,
-// and a decode whose prefill failed does too. So only a leg that got no answer
-// counts against the prefill endpoint, and a failed leg spares its decode
-// endpoint the blame for the 5xx that follows (Decision.Observe).
+// and a decode whose prefill failed does too. So a failed leg spares its
+// decode endpoint the blame for the 5xx that follows (Decision.Observe), and
+// an answer spares its own (attemptError.blames).
 func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Request, leg body.Spliced, d *Decision) {
 	release := ep.Acquire()
 	ctx = context.WithoutCancel(ctx)
@@ -192,7 +193,7 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 		defer cancel()
 		if _, failed := p.attempt(ctx, ep.Addr, r, leg); failed != nil {
 			d.partnerFailed.Store(true)
-			if failed.blames(true) {
+			if failed.blames(kv.Concurrent) {
 				ep.ReportFailure()
 			}
 			p.log.Info("concurrent prefill leg failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())
