@@ -133,20 +133,6 @@ func (o *Object) String(key string) (string, bool) {
 	return s, err == nil
 }
 
-// Bool returns key's value when it is a JSON boolean.
-func (o *Object) Bool(key string) (value, ok bool) {
-	raw, ok := o.Raw(key)
-	switch {
-	case !ok:
-		return false, false
-	case string(raw) == "true":
-		return true, true
-	case string(raw) == "false":
-		return false, true
-	}
-	return false, false
-}
-
 // Int returns key's value when it is a JSON integer that fits in an int64.
 func (o *Object) Int(key string) (int64, bool) {
 	raw, ok := o.Raw(key)

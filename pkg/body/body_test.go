@@ -124,23 +124,6 @@ func TestRoutingFieldReaders(t *testing.T) {
 		}
 	}
 
-	bools := []struct {
-		key      string
-		want, ok bool
-	}{
-		{"t", true, true},
-		{"f", false, true},
-		{"str_true", false, false},
-		{"one", false, false},
-		{"null", false, false},
-		{"absent", false, false},
-	}
-	for _, tt := range bools {
-		if got, ok := o.Bool(tt.key); got != tt.want || ok != tt.ok {
-			t.Errorf("Bool(%q) = %v, %v; want %v, %v", tt.key, got, ok, tt.want, tt.ok)
-		}
-	}
-
 	ints := []struct {
 		key  string
 		want int64

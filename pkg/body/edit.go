@@ -83,9 +83,6 @@ func appendQuote(dst []byte, s string) []byte {
 	return append(dst, '"')
 }
 
-// Apply returns a new body with the edits applied, in one piece; see Splice.
-func (o *Object) Apply(edits ...Edit) []byte { return o.Splice(edits...).Bytes() }
-
 // Splice returns the body with the edits applied, as runs of the client's
 // bytes with the edited values between them: nothing is copied. When several
 // edits name the same key the last one wins. Every byte outside the edited

@@ -6,7 +6,7 @@ import (
 	"unicode/utf8"
 )
 
-func TestApplyWritesExactBytes(t *testing.T) {
+func TestSpliceWritesExactBytes(t *testing.T) {
 	tests := []struct {
 		name  string
 		in    string
@@ -212,24 +212,24 @@ func TestApplyWritesExactBytes(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			o := mustParse(t, tt.in)
-			got := o.Apply(tt.edits...)
+			got := o.Splice(tt.edits...).Bytes()
 			if string(got) != tt.want {
-				t.Fatalf("Apply =\n%q\nwant\n%q", got, tt.want)
+				t.Fatalf("Splice =\n%q\nwant\n%q", got, tt.want)
 			}
 			if !json.Valid(got) {
-				t.Fatalf("Apply output is not valid JSON: %q", got)
+				t.Fatalf("Splice output is not valid JSON: %q", got)
 			}
 			if string(o.Bytes()) != tt.in {
-				t.Fatalf("Apply changed the input to %q", o.Bytes())
+				t.Fatalf("Splice changed the input to %q", o.Bytes())
 			}
-			if again := o.Apply(tt.edits...); string(again) != tt.want {
-				t.Fatalf("second Apply = %q, want the same output as the first", again)
+			if again := o.Splice(tt.edits...).Bytes(); string(again) != tt.want {
+				t.Fatalf("second Splice = %q, want the same output as the first", again)
 			}
 		})
 	}
 }
 
-func TestApplyWithoutChangeReturnsTheSameSlice(t *testing.T) {
+func TestSpliceWithoutChangeReturnsTheSameSlice(t *testing.T) {
 	tests := []struct {
 		name  string
 		in    string
@@ -250,9 +250,9 @@ func TestApplyWithoutChangeReturnsTheSameSlice(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			got := o.Apply(tt.edits...)
+			got := o.Splice(tt.edits...).Bytes()
 			if len(got) != len(in) || &got[0] != &in[0] {
-				t.Fatalf("Apply = %q, a copy; want the input slice itself", got)
+				t.Fatalf("Splice = %q, a copy; want the input slice itself", got)
 			}
 		})
 	}

@@ -161,7 +161,8 @@ func (c *Config) setDefaults() {
 
 func (c *Config) validate() error {
 	var errs []error
-	if _, err := kv.Build(c.Connector); err != nil {
+	connector, err := kv.Build(c.Connector)
+	if err != nil {
 		errs = append(errs, fmt.Errorf("connector: %w", err))
 	}
 	if len(c.Pools.Decode.Endpoints) == 0 && c.Pools.Decode.DNS == "" {
@@ -175,15 +176,18 @@ func (c *Config) validate() error {
 	if c.Pools.Decode.BootstrapPort != 0 {
 		errs = append(errs, errors.New("pools.decode.bootstrap_port: only the prefill pool has a bootstrap port"))
 	}
+	if c.Pools.Prefill.Fallbacks > 0 {
+		errs = append(errs, errors.New("pools.prefill.fallbacks: only the decode pool has fallbacks (prefill.attempts is the prefill retry budget)"))
+	}
 	if c.Prefill.Timeout < 0 {
 		errs = append(errs, errors.New("prefill.timeout: must be positive"))
 	}
 	if c.Prefill.MaxIdleConnsPerEndpoint < 0 {
 		errs = append(errs, errors.New("prefill.max_idle_conns_per_endpoint: must be positive"))
 	}
-	if c.Connector == kv.SGLang && (c.PD.Mode == PDNever || c.PD.MinPromptTokens > 0) {
-		errs = append(errs, errors.New("pd.mode, pd.min_prompt_tokens: kv-sglang cannot send a request decode-only "+
-			"(SGLang decode servers in PD mode serve only prefill/decode pairs)"))
+	if connector != nil && connector.Paired() && (c.PD.Mode == PDNever || c.PD.MinPromptTokens > 0) {
+		errs = append(errs, fmt.Errorf("pd.mode, pd.min_prompt_tokens: %s cannot send a request decode-only "+
+			"(its decode engines serve only prefill/decode pairs)", c.Connector))
 	}
 	if !c.Prefill.TLS.Enabled && (c.Prefill.TLS.CAFile != "" || c.Prefill.TLS.ServerName != "") {
 		errs = append(errs, errors.New("prefill.tls: ca_file and server_name need prefill.tls.enabled: true"))

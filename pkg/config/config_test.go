@@ -42,6 +42,7 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 		{"bad on_failure", `{prefill: {on_failure: retry}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "prefill.on_failure"},
 		{"bad duration", `{prefill: {timeout: 30}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "duration"},
 		{"misspelt key", `{pool: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, `unknown field "pool"`},
+		{"prefill fallbacks", `pools: {prefill: {fallbacks: 1}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "pools.prefill.fallbacks"},
 		{"bootstrap port out of range", `pools: {prefill: {bootstrap_port: 70000}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "pools.prefill.bootstrap_port"},
 		{"kv-sglang cannot go decode-only", `{connector: kv-sglang, pd: {min_prompt_tokens: 10}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "pd.mode, pd.min_prompt_tokens"},
 		{"negative body limit", `{limits: {max_body_bytes: -1}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "limits.max_body_bytes"},

@@ -151,11 +151,8 @@ func (s PoolScheduling) Validate(key string) error {
 			errs = append(errs, fmt.Errorf("%s.dns_interval: must be positive", key))
 		}
 	}
-	switch {
-	case s.Fallbacks < 0 || s.Fallbacks > maxFallbacks:
+	if s.Fallbacks < 0 || s.Fallbacks > maxFallbacks {
 		errs = append(errs, fmt.Errorf("%s.fallbacks: %d is not between 0 and %d", key, s.Fallbacks, maxFallbacks))
-	case s.Fallbacks > 0 && strings.HasSuffix(key, ".prefill"):
-		errs = append(errs, fmt.Errorf("%s.fallbacks: only the decode pool has fallbacks (prefill.attempts is the prefill retry budget)", key))
 	}
 	return errors.Join(errs...)
 }

@@ -112,7 +112,6 @@ func TestSchedulingValidationNamesTheKey(t *testing.T) {
 		{"dns with a bad port", `pools: {decode: {dns: "decode.svc:http"}}`, "pools.decode.dns"},
 		{"negative dns interval", `pools: {decode: {dns: "decode.svc:8000", dns_interval: -1s}}`, "pools.decode.dns_interval"},
 		{"too many fallbacks", `pools: {decode: {fallbacks: 9}}`, "pools.decode.fallbacks"},
-		{"prefill fallbacks", `pools: {prefill: {fallbacks: 1}}`, "pools.prefill.fallbacks"},
 		{"unknown mode", `pd: {mode: sometimes}`, "pd.mode"},
 		{"negative threshold", `pd: {min_prompt_tokens: -5}`, "pd.min_prompt_tokens"},
 		{"negative ratio", `pd: {chars_per_token: -4}`, "pd.chars_per_token"},

@@ -33,7 +33,7 @@ func FuzzLegs(f *testing.F) {
 		h := &Handoff{Body: o, PrefillHost: host, BootstrapPort: port & 0xffff, Room: room &^ (1 << 63), PrefillKV: prefillKV}
 
 		client := decode(t, in)
-		for _, k := range ReservedKeys {
+		for _, k := range reservedKeys {
 			delete(client, k)
 		}
 		with := func(fields map[string]any) map[string]any {

@@ -1,8 +1,9 @@
 // Package kv holds the KV transfer connectors selected at config time. A connector
-// knows what one engine family needs on the wire for a prefill/decode handoff: the
-// top-level body edits of each leg and whether the decode leg must wait for the
-// prefill response (vLLM NIXL, shared storage) or both legs go out at once (SGLang).
-// Connectors are stateless and safe to share across requests.
+// knows what one engine family needs for a prefill/decode handoff: the top-level
+// body edits of each leg, whether the decode leg must wait for the prefill
+// response (vLLM NIXL, shared storage) or both legs go out at once (SGLang),
+// whether a request may skip the prefill, and whether the prefill answer hands
+// anything back. Connectors are stateless and safe to share across requests.
 package kv
 
 import (
@@ -42,20 +43,30 @@ type Handoff struct {
 	PrefillKV     []byte       // Sequential only: raw kv_transfer_params of the prefill response, nil when it gave none
 }
 
-// Connector controls the wire shape of the prefill and decode requests.
+// Connector controls the wire shape of the prefill and decode requests, and
+// says what its engines need of the flow around them: callers ask it, never
+// its name.
 type Connector interface {
-	Name() string
+	// Dispatch is the order in which the two legs go out.
 	Dispatch() Dispatch
+	// Paired reports whether the engines serve only prefill/decode pairs: the
+	// decode engine refuses a request without a prefill partner, so none may
+	// go decode-only, and the pair hands off n > 1 and batches by itself.
+	Paired() bool
+	// HandsBackParams reports whether the prefill answer carries the
+	// kv_transfer_params the decode leg needs (Handoff.PrefillKV): an answer
+	// without them means the decode engine recomputes the prompt.
+	HandsBackParams() bool
 	// PrefillEdits turns the client's body into the prefill leg's body.
 	PrefillEdits(h *Handoff) []body.Edit
 	// DecodeEdits turns the client's body into the decode leg's body.
 	DecodeEdits(h *Handoff) []body.Edit
 }
 
-// ReservedKeys are the body fields through which a request steers a KV handoff.
+// reservedKeys are the body fields through which a request steers a KV handoff.
 // A client must never set them: they are removed from every leg before a
 // connector adds its own (Python's json keeps the last duplicate, so all go).
-var ReservedKeys = []string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
+var reservedKeys = []string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
 
 // Build returns the connector for name. An empty name selects DefaultKVConnectorName.
 func Build(name string) (Connector, error) {
@@ -104,8 +115,8 @@ func Scrubbed(o *body.Object) body.Spliced { return o.Splice(scrub...) }
 
 // scrub deletes every reserved key.
 var scrub = func() []body.Edit {
-	edits := make([]body.Edit, 0, len(ReservedKeys))
-	for _, k := range ReservedKeys {
+	edits := make([]body.Edit, 0, len(reservedKeys))
+	for _, k := range reservedKeys {
 		edits = append(edits, body.Delete(k))
 	}
 	return edits

@@ -304,15 +304,19 @@ func TestScrubbed(t *testing.T) {
 }
 
 func TestBuild(t *testing.T) {
+	// What the pipeline, scheduling and config ask of each connector.
+	type properties struct {
+		dispatch                Dispatch
+		paired, handsBackParams bool
+	}
 	tests := []struct {
-		name     string
-		wantName string
-		dispatch Dispatch
+		name string
+		want properties
 	}{
-		{name: "", wantName: SharedStorage, dispatch: Sequential},
-		{name: "kv-nixl", wantName: NIXL, dispatch: Sequential},
-		{name: "kv-shared-storage", wantName: SharedStorage, dispatch: Sequential},
-		{name: "kv-sglang", wantName: SGLang, dispatch: Concurrent},
+		{name: "", want: properties{dispatch: Sequential}}, // kv-shared-storage
+		{name: "kv-nixl", want: properties{dispatch: Sequential, handsBackParams: true}},
+		{name: "kv-shared-storage", want: properties{dispatch: Sequential}},
+		{name: "kv-sglang", want: properties{dispatch: Concurrent, paired: true}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -320,8 +324,8 @@ func TestBuild(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Build(%q): %v", tt.name, err)
 			}
-			if c.Name() != tt.wantName || c.Dispatch() != tt.dispatch {
-				t.Fatalf("Build(%q) = %s dispatching %v; want %s dispatching %v", tt.name, c.Name(), c.Dispatch(), tt.wantName, tt.dispatch)
+			if got := (properties{c.Dispatch(), c.Paired(), c.HandsBackParams()}); got != tt.want {
+				t.Fatalf("Build(%q) = %+v, want %+v", tt.name, got, tt.want)
 			}
 		})
 	}

@@ -17,8 +17,9 @@ type nixlKV struct{}
 var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,` +
 	`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
 
-func (nixlKV) Name() string       { return NIXL }
-func (nixlKV) Dispatch() Dispatch { return Sequential }
+func (nixlKV) Dispatch() Dispatch    { return Sequential }
+func (nixlKV) Paired() bool          { return false }
+func (nixlKV) HandsBackParams() bool { return true }
 
 func (nixlKV) PrefillEdits(*Handoff) []body.Edit { return nixlPrefillEdits }
 

@@ -8,8 +8,9 @@ import "github.com/pd-extproc/pd-extproc/pkg/body"
 // kv_transfer_params (it would silently drop it) and needs an integer room.
 type sglangKV struct{}
 
-func (sglangKV) Name() string       { return SGLang }
-func (sglangKV) Dispatch() Dispatch { return Concurrent }
+func (sglangKV) Dispatch() Dispatch    { return Concurrent }
+func (sglangKV) Paired() bool          { return true }
+func (sglangKV) HandsBackParams() bool { return false }
 
 // The prefill leg is not capped: SGLang's prefill engine stops after the forward
 // pass by itself, and the reference routers send it the client's body unchanged.

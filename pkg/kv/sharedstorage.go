@@ -7,7 +7,8 @@ import "github.com/pd-extproc/pd-extproc/pkg/body"
 // with the same prompt reads it. Nothing about the handoff travels in the body.
 type sharedStorageKV struct{}
 
-func (sharedStorageKV) Name() string                      { return SharedStorage }
 func (sharedStorageKV) Dispatch() Dispatch                { return Sequential }
+func (sharedStorageKV) Paired() bool                      { return false }
+func (sharedStorageKV) HandsBackParams() bool             { return false }
 func (sharedStorageKV) PrefillEdits(*Handoff) []body.Edit { return vllmPrefillCaps }
 func (sharedStorageKV) DecodeEdits(*Handoff) []body.Edit  { return nil }

@@ -92,18 +92,19 @@ func noPrefillEndpoint() *Error {
 		Message: "no healthy prefill endpoint: kv-sglang decode engines serve only prefill/decode pairs"}
 }
 
-// engineError passes an engine's 4xx answer on to the client unchanged: it is
-// about the request (bad parameters), which retrying elsewhere cannot fix.
-func engineError(status int, body []byte, contentType string) *Error {
-	return &Error{Status: status, Type: "invalid_request_error", Message: "prefill engine rejected the request",
-		Raw: body, ContentType: contentType}
-}
-
-// prefillFailed is the error under prefill.on_failure=fail.
+// prefillFailed is the client's error when the prefill phase ended in cause
+// and the request does not go decode-only. An engine's 4xx is passed on as the
+// engine wrote it: it is about the request, which retrying elsewhere cannot
+// fix. Another answer of the engine's own (a 5xx, a redirect) is a 502; no
+// answer at all (unreachable, timed out, no endpoint left) a 503.
 func prefillFailed(cause error) *Error {
-	status := http.StatusServiceUnavailable // the engine could not be reached or timed out
-	if se := (*statusError)(nil); errors.As(cause, &se) && retryable(se) {
-		status = http.StatusBadGateway // the engine answered with its own failure (5xx, a redirect)
+	last := lastAttempt(cause)
+	switch {
+	case last == nil || last.answer == nil:
+		return &Error{Status: http.StatusServiceUnavailable, Type: "upstream_error", Message: "prefill leg failed: " + cause.Error()}
+	case last.aboutRequest():
+		return &Error{Status: last.answer.status, Type: "invalid_request_error", Message: "prefill engine rejected the request",
+			Raw: last.answer.body, ContentType: last.answer.contentType}
 	}
-	return &Error{Status: status, Type: "upstream_error", Message: "prefill leg failed: " + cause.Error()}
+	return &Error{Status: http.StatusBadGateway, Type: "upstream_error", Message: "prefill leg failed: " + cause.Error()}
 }

@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -24,32 +23,11 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
-	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
 // maxPrefillResponseBytes bounds what we read of a prefill answer: it is one
 // token plus kv_transfer_params, far below this.
 const maxPrefillResponseBytes = 8 << 20
-
-// statusError is an engine's non-2xx answer.
-type statusError struct {
-	status      int
-	body        []byte
-	contentType string
-}
-
-func (e *statusError) Error() string { return fmt.Sprintf("engine answered %d", e.status) }
-
-// aboutRequest reports whether the engine refused the request itself (4xx),
-// which another endpoint would refuse too.
-func (e *statusError) aboutRequest() bool { return e.status >= 400 && e.status < 500 }
-
-// retryable reports whether another prefill endpoint may succeed where this one
-// failed: connection errors, timeouts, redirects and 5xx yes; an engine's 4xx no.
-func retryable(err error) bool {
-	se, ok := err.(*statusError)
-	return !ok || !se.aboutRequest()
-}
 
 // newEngineClient returns the HTTP client for prefill legs and the URL scheme
 // it speaks: a keep-alive pool per endpoint (prefill.max_idle_conns_per_endpoint),
@@ -94,8 +72,8 @@ func newEngineClient(cfg config.Prefill) (*http.Client, string, error) {
 func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 
 // attempt sends one prefill leg to endpoint inside its own span, and records
-// its duration and any failure.
-func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg body.Spliced) ([]byte, error) {
+// its duration and any failure, classified.
+func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg body.Spliced) ([]byte, *attemptError) {
 	attrs := []attribute.KeyValue{semconv.HTTPRequestMethodPost, semconv.URLPath(r.Path), attribute.String("pd.request_id", r.RequestID)}
 	if host, port, err := net.SplitHostPort(endpoint); err == nil {
 		n, _ := strconv.Atoi(port)
@@ -106,46 +84,19 @@ func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg
 
 	start := time.Now()
 	params, err := p.postPrefill(ctx, endpoint, r, leg)
-	reason := ""
 	if err != nil {
-		reason = failureReason(ctx, err)
-	}
-	p.metrics.PrefillAttempt(time.Since(start), reason)
-
-	var se *statusError
-	if errors.As(err, &se) {
-		span.SetAttributes(semconv.HTTPResponseStatusCode(se.status))
-	}
-	if err != nil {
-		span.SetAttributes(attribute.String("error.type", reason))
+		failed := classify(ctx, err)
+		p.metrics.PrefillAttempt(time.Since(start), failed.reason)
+		if failed.answer != nil {
+			span.SetAttributes(semconv.HTTPResponseStatusCode(failed.answer.status))
+		}
+		span.SetAttributes(attribute.String("error.type", failed.reason))
 		span.SetStatus(codes.Error, err.Error())
-		return nil, err
+		return nil, failed
 	}
+	p.metrics.PrefillAttempt(time.Since(start), "")
 	span.SetAttributes(semconv.HTTPResponseStatusCode(http.StatusOK), attribute.Bool("pd.kv_transfer_params", params != nil))
 	return params, nil
-}
-
-// failureReason classifies a failed attempt for prefill_failures_total; ctx is
-// the attempt's parent, whose end means the client left.
-func failureReason(ctx context.Context, err error) string {
-	var se *statusError
-	var op *net.OpError
-	var ne net.Error
-	switch {
-	case errors.As(err, &se) && se.aboutRequest():
-		return metrics.FailureStatus4xx
-	case errors.As(err, &se) && se.status >= 500:
-		return metrics.FailureStatus5xx
-	case errors.As(err, &se):
-		return metrics.FailureRedirect
-	case errors.Is(ctx.Err(), context.Canceled):
-		return metrics.FailureCancelled
-	case errors.As(err, &op) && op.Op == "dial":
-		return metrics.FailureConnect
-	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
-		return metrics.FailureTimeout
-	}
-	return metrics.FailureTransport
 }
 
 // postPrefill sends one prefill leg and returns the raw kv_transfer_params of the

@@ -31,6 +31,3 @@ func (a *Attempts) Next() (*Endpoint, error) {
 	a.tried = append(a.tried, e.Addr)
 	return e, nil
 }
-
-// Tried lists the endpoints handed out so far, in order.
-func (a *Attempts) Tried() []string { return a.tried }

@@ -42,7 +42,7 @@ func TestDecide(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			prefill := NewPool("prefill", []string{"10.0.0.1:8000"})
+			prefill := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"10.0.0.1:8000"}}}, Deps{}).Prefill
 			if tt.prefillDown {
 				for range 3 {
 					prefill.Endpoints()[0].ReportFailure()
@@ -59,8 +59,8 @@ func TestDecideWithoutPrefillPool(t *testing.T) {
 	if got := newDecider(Spec{}).Decide(nil, nil); got.PD || got.Reason != ReasonNoPrefill {
 		t.Fatalf("Decide(nil, nil) = %+v, want decode-only for lack of prefill", got)
 	}
-	empty := NewPool("prefill", nil)
-	if got := newDecider(Spec{}).Decide(PromptRequest("hi"), empty); got.Reason != ReasonNoPrefill {
+	empty := NewPools(Spec{}, Deps{}).Prefill
+	if got := newDecider(Spec{}).Decide(promptRequest("hi"), empty); got.Reason != ReasonNoPrefill {
 		t.Fatalf("Decide() with an empty prefill pool = %+v", got)
 	}
 }

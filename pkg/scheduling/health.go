@@ -84,17 +84,6 @@ func (e *Endpoint) Healthy() bool {
 	return !h.probing
 }
 
-// Ejected reports whether passive health has taken the endpoint out (for
-// metrics and logs; pickers use Healthy).
-func (e *Endpoint) Ejected() bool {
-	if !e.troubled.Load() {
-		return false
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return !e.health.until.IsZero()
-}
-
 // claimProbe makes the caller the probe of a half-open endpoint.
 func (e *Endpoint) claimProbe() bool {
 	now := e.cfg().now()

@@ -1,12 +1,14 @@
 package scheduling
 
 import (
+	"encoding/json"
 	"sync"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
 
+	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
@@ -41,7 +43,18 @@ func testPool(t *testing.T, s config.PoolScheduling, addrs ...string) (*Pool, *f
 	t.Helper()
 	clock := newFakeClock()
 	spec := PoolSpec{Endpoints: addrs, PoolScheduling: s}
-	return newPool("decode", spec, Deps{Now: clock.Now, intn: func(int) int { return 0 }}), clock
+	return newPool("decode", true, spec, Deps{Now: clock.Now, intn: func(int) int { return 0 }}), clock
+}
+
+// promptRequest is a completions request for prompt, read as the pipeline
+// reads a client's body.
+func promptRequest(prompt string) *Request {
+	b, _ := json.Marshal(map[string]string{"model": "m", "prompt": prompt})
+	obj, err := body.Parse(b)
+	if err != nil {
+		panic(err)
+	}
+	return NewRequest(obj)
 }
 
 func policy(name string) config.PoolScheduling { return config.PoolScheduling{Policy: name} }

@@ -36,8 +36,7 @@ type PoolSpec struct {
 type Pool struct {
 	Name string
 	deps Deps
-	// hinted: the endpoint-picker subset hint applies. It names candidates for
-	// Envoy's destination, the decode leg; the prefill leg is ours to place.
+	// hinted: the endpoint-picker subset hint applies (see NewPools).
 	hinted bool
 
 	mu       sync.Mutex // serialises changes
@@ -55,13 +54,8 @@ type poolState struct {
 	changed   chan struct{} // closed when the next generation replaces this one
 }
 
-// NewPool returns a least-load pool over addrs with default settings.
-func NewPool(name string, addrs []string) *Pool {
-	return newPool(name, PoolSpec{Endpoints: addrs}, Deps{})
-}
-
-func newPool(name string, spec PoolSpec, deps Deps) *Pool {
-	p := &Pool{Name: name, deps: deps.withDefaults(), hinted: name != "prefill"}
+func newPool(name string, hinted bool, spec PoolSpec, deps Deps) *Pool {
+	p := &Pool{Name: name, deps: deps.withDefaults(), hinted: hinted}
 	p.Update(spec)
 	return p
 }
@@ -73,8 +67,8 @@ func (p *Pool) Endpoints() []*Endpoint { return p.state.Load().endpoints }
 func (p *Pool) Fallbacks() int { return p.state.Load().spec.Fallbacks }
 
 // Select picks the endpoint for req among the healthy endpoints that are not
-// in exclude (endpoints already tried) and, except in the prefill pool, are in
-// req's subset hint. The error says why there is none: ErrEmpty, ErrSubset,
+// in exclude (endpoints already tried) and, in the decode pool, are in req's
+// subset hint. The error says why there is none: ErrEmpty, ErrSubset,
 // ErrTried or ErrUnhealthy.
 func (p *Pool) Select(req *Request, exclude ...string) (*Endpoint, error) {
 	st := p.state.Load()

@@ -67,9 +67,11 @@ type Pools struct {
 // NewPools builds the pools. Call Run to start their background work.
 func NewPools(spec Spec, deps Deps) *Pools {
 	deps = deps.withDefaults()
+	// Only the decode pool follows the subset hint: it names candidates for
+	// Envoy's destination, the decode leg; the prefill leg is ours to place.
 	ps := &Pools{
-		Prefill: newPool("prefill", spec.Prefill, deps),
-		Decode:  newPool("decode", spec.Decode, deps),
+		Prefill: newPool("prefill", false, spec.Prefill, deps),
+		Decode:  newPool("decode", true, spec.Decode, deps),
 		deps:    deps,
 	}
 	ps.decider.Store(newDecider(spec))

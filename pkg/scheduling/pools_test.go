@@ -70,7 +70,7 @@ func TestRunFollowsReloads(t *testing.T) {
 
 func TestPoolsUpdateAppliesPDThresholds(t *testing.T) {
 	ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"a"}}, Decode: PoolSpec{Endpoints: []string{"b"}}}, Deps{})
-	req := PromptRequest(strings.Repeat("x", 40)) // 10 tokens
+	req := promptRequest(strings.Repeat("x", 40)) // 10 tokens
 	if d := ps.Decide(req); !d.PD {
 		t.Fatalf("Decide() = %+v with defaults, want P/D", d)
 	}

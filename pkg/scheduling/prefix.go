@@ -109,20 +109,6 @@ func withFirst(s [serversPerBlock]string, addr string) [serversPerBlock]string {
 	return out
 }
 
-// Score is the share of the prompt's blocks each endpoint last served.
-func (x *prefixIndex) Score(req *Request, eps []*Endpoint) []float64 {
-	s := make([]float64, len(eps))
-	hs := x.hashes(req.Prompt())
-	if len(hs) == 0 {
-		return s
-	}
-	m := x.matched(hs)
-	for i, e := range eps {
-		s[i] = float64(m[e.Addr]) / float64(len(hs))
-	}
-	return s
-}
-
 // prefixAffinity sends a request to the endpoint that served the longest part
 // of its prompt, unless that endpoint is busier than factor × the mean
 // busyness + slack: a hot prefix spills over to other endpoints instead of

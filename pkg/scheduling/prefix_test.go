@@ -73,24 +73,6 @@ func TestPrefixIndexMatch(t *testing.T) {
 	}
 }
 
-func TestPrefixScorer(t *testing.T) {
-	x := newPrefixIndex(16, 100)
-	x.record(x.hashes(blocks("abcd")), "a")
-	x.record(x.hashes(blocks("ab")), "b")
-	got := x.Score(PromptRequest(blocks("abcd")), loaded(0, 0, 0))
-	if want := []float64{1, 0.5, 0}; !maps.Equal(indexed(got), indexed(want)) {
-		t.Fatalf("Score() = %v, want %v", got, want)
-	}
-}
-
-func indexed(s []float64) map[int]float64 {
-	m := map[int]float64{}
-	for i, v := range s {
-		m[i] = v
-	}
-	return m
-}
-
 func TestPrefixAffinityPick(t *testing.T) {
 	// Endpoints a, b, c, d; bound = 1.5 × mean busyness + 2. Least load is
 	// two-choices over the endpoints within the bound, and testPool's draws
@@ -134,7 +116,7 @@ func TestPrefixAffinityPick(t *testing.T) {
 					eps[i].Acquire()
 				}
 			}
-			got, err := p.Select(PromptRequest(tt.prompt))
+			got, err := p.Select(promptRequest(tt.prompt))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -152,7 +134,7 @@ func TestPrefixAffinityPick(t *testing.T) {
 func TestHotPrefixSpillsOver(t *testing.T) {
 	p, _ := testPool(t, config.PoolScheduling{Policy: config.PolicyPrefixAffinity,
 		Prefix: config.PrefixAffinity{LoadFactor: 1.5, LoadSlack: 2}}, "a", "b", "c", "d")
-	hot := PromptRequest(strings.Repeat("the same long system prompt ", 100))
+	hot := promptRequest(strings.Repeat("the same long system prompt ", 100))
 	counts := map[string]int{}
 	for range 200 {
 		e, err := p.Select(hot)

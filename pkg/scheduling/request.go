@@ -42,12 +42,6 @@ func NewRequest(obj *body.Object) *Request {
 	return r
 }
 
-// PromptRequest is a request whose prompt is text (tests, simulations, a
-// caller with its own parsing).
-func PromptRequest(prompt string) *Request {
-	return &Request{N: 1, Prompts: 1, prompt: prompt, tokenIDs: -1} // no body: nothing to render
-}
-
 // Prompt is the prompt as the prefix index sees it: chat messages rendered in
 // order as role and content, a completions prompt as is, token ids in decimal.
 func (r *Request) Prompt() string {

@@ -85,9 +85,8 @@ func BenchmarkSelect(b *testing.B) {
 	for _, policy := range []string{config.PolicyRoundRobin, config.PolicyLeastLoad, config.PolicyPrefixAffinity} {
 		for _, chars := range []int{1_000, 32_000} {
 			b.Run(fmt.Sprintf("%s/%dchars", policy, chars), func(b *testing.B) {
-				p := NewPool("decode", nil)
-				p.Update(PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{Policy: policy}})
-				req := PromptRequest(strings.Repeat("You are a helpful assistant. ", chars/29+1)[:chars])
+				p := NewPools(Spec{Decode: PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{Policy: policy}}}, Deps{}).Decode
+				req := promptRequest(strings.Repeat("You are a helpful assistant. ", chars/29+1)[:chars])
 				b.ReportAllocs()
 				for b.Loop() {
 					if _, err := p.Select(req); err != nil {

@@ -279,7 +279,7 @@ func simulate(p simParams, w *workload, policy string) simResult {
 		Policy:  policy,
 		Metrics: config.EngineMetrics{Interval: config.Duration(p.ScrapeEvery)},
 	}}
-	s.pool = newPool("sim", spec, Deps{Now: func() time.Time { return simEpoch.Add(s.now) }, intn: r.IntN})
+	s.pool = newPool("sim", false, spec, Deps{Now: func() time.Time { return simEpoch.Add(s.now) }, intn: r.IntN})
 
 	failing := s.engines[addrs[p.FailEndpoint]]
 	s.at(time.Duration(p.FailFrom*float64(p.Duration)), func() { failing.down = true })
@@ -342,7 +342,7 @@ func simulate(p simParams, w *workload, policy string) simResult {
 }
 
 func (s *sim) send(r *simReq) {
-	ep, err := s.pool.Select(PromptRequest(r.prompt))
+	ep, err := s.pool.Select(promptRequest(r.prompt))
 	if err != nil {
 		s.failed++
 		r.done(false)

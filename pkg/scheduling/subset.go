@@ -48,8 +48,5 @@ func ParseSubset(hint any) Subset {
 	return s
 }
 
-// IsSet reports whether a hint was given.
-func (s Subset) IsSet() bool { return s.set }
-
 // Allows reports whether the hint lets the request go to addr.
 func (s Subset) Allows(addr string) bool { return !s.set || slices.Contains(s.addrs, addr) }

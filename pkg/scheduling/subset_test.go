@@ -10,27 +10,23 @@ func TestParseSubset(t *testing.T) {
 	tests := []struct {
 		name    string
 		hint    any
-		wantSet bool
 		allowed []string
 		denied  []string
 	}{
-		{name: "no hint allows all", hint: nil, wantSet: false, allowed: []string{"10.0.0.1:8000"}},
-		{name: "list from Struct metadata", hint: []any{"10.0.0.1:8000", "10.0.0.2:8000"}, wantSet: true,
+		{name: "no hint allows all", hint: nil, allowed: []string{"10.0.0.1:8000"}},
+		{name: "list from Struct metadata", hint: []any{"10.0.0.1:8000", "10.0.0.2:8000"},
 			allowed: []string{"10.0.0.1:8000", "10.0.0.2:8000"}, denied: []string{"10.0.0.3:8000"}},
-		{name: "string list", hint: []string{"10.0.0.2:8000"}, wantSet: true, allowed: []string{"10.0.0.2:8000"}, denied: []string{"10.0.0.1:8000"}},
-		{name: "comma-separated header value with spaces", hint: "10.0.0.1:8000, 10.0.0.2:8000", wantSet: true,
+		{name: "string list", hint: []string{"10.0.0.2:8000"}, allowed: []string{"10.0.0.2:8000"}, denied: []string{"10.0.0.1:8000"}},
+		{name: "comma-separated header value with spaces", hint: "10.0.0.1:8000, 10.0.0.2:8000",
 			allowed: []string{"10.0.0.1:8000", "10.0.0.2:8000"}, denied: []string{"10.0.0.3:8000"}},
-		{name: "empty list allows nothing", hint: []any{}, wantSet: true, denied: []string{"10.0.0.1:8000"}},
-		{name: "empty string allows nothing", hint: "", wantSet: true, denied: []string{"10.0.0.1:8000"}},
-		{name: "a list with a non-string allows nothing", hint: []any{"10.0.0.1:8000", 7.0}, wantSet: true, denied: []string{"10.0.0.1:8000"}},
-		{name: "another type allows nothing", hint: 42.0, wantSet: true, denied: []string{"10.0.0.1:8000"}},
+		{name: "empty list allows nothing", hint: []any{}, denied: []string{"10.0.0.1:8000"}},
+		{name: "empty string allows nothing", hint: "", denied: []string{"10.0.0.1:8000"}},
+		{name: "a list with a non-string allows nothing", hint: []any{"10.0.0.1:8000", 7.0}, denied: []string{"10.0.0.1:8000"}},
+		{name: "another type allows nothing", hint: 42.0, denied: []string{"10.0.0.1:8000"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			s := ParseSubset(tt.hint)
-			if s.IsSet() != tt.wantSet {
-				t.Errorf("IsSet() = %v, want %v", s.IsSet(), tt.wantSet)
-			}
 			for _, a := range tt.allowed {
 				if !s.Allows(a) {
 					t.Errorf("Allows(%s) = false, want true", a)
@@ -69,7 +65,7 @@ func TestSelectHonoursTheSubsetHint(t *testing.T) {
 					byAddr(p, a).ReportFailure()
 				}
 			}
-			req := PromptRequest("hello")
+			req := promptRequest("hello")
 			req.Subset = ParseSubset(tt.hint)
 			for range 20 {
 				e, err := p.Select(req)
@@ -89,7 +85,7 @@ func TestSelectHonoursTheSubsetHint(t *testing.T) {
 
 func TestThePrefillPoolIgnoresTheSubsetHint(t *testing.T) {
 	ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"10.0.0.1:8000"}}, Decode: PoolSpec{Endpoints: []string{"10.0.0.2:8000"}}}, Deps{})
-	req := PromptRequest("hello")
+	req := promptRequest("hello")
 	req.Subset = ParseSubset("10.0.0.2:8000")
 	if e, err := ps.Prefill.Select(req); err != nil || e.Addr != "10.0.0.1:8000" {
 		t.Fatalf("prefill Select() = %v, %v; the hint names decode candidates only", e, err)

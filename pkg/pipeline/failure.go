@@ -1,0 +1,89 @@
+package pipeline
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+)
+
+// statusError is an engine's non-2xx answer.
+type statusError struct {
+	status      int
+	body        []byte
+	contentType string
+}
+
+func (e *statusError) Error() string { return fmt.Sprintf("engine answered %d", e.status) }
+
+// attemptError is a failed prefill attempt and what it means, worked out once
+// by classify: the metrics label, the endpoint's health, a retry and what the
+// client is told are all read from it, so they cannot disagree.
+type attemptError struct {
+	err    error
+	reason string       // a metrics.Failure* value
+	answer *statusError // the engine's own non-2xx answer; nil when none came
+	ended  bool         // the attempt's parent context ended: the client left or prefill.timeout passed
+}
+
+func (e *attemptError) Error() string { return e.err.Error() }
+func (e *attemptError) Unwrap() error { return e.err }
+
+// classify says what err, the failure of an attempt whose parent context is
+// ctx, means. An answer is the engine's, whatever the context did meanwhile.
+func classify(ctx context.Context, err error) *attemptError {
+	e := &attemptError{err: err, ended: ctx.Err() != nil}
+	var op *net.OpError
+	var ne net.Error
+	switch {
+	case errors.As(err, &e.answer) && e.answer.status >= 400 && e.answer.status < 500:
+		e.reason = metrics.FailureStatus4xx
+	case e.answer != nil && e.answer.status >= 500:
+		e.reason = metrics.FailureStatus5xx
+	case e.answer != nil:
+		e.reason = metrics.FailureRedirect
+	case errors.Is(ctx.Err(), context.Canceled):
+		e.reason = metrics.FailureCancelled
+	case errors.As(err, &op) && op.Op == "dial":
+		e.reason = metrics.FailureConnect
+	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
+		e.reason = metrics.FailureTimeout
+	default:
+		e.reason = metrics.FailureTransport
+	}
+	return e
+}
+
+// aboutRequest reports whether the engine refused the request itself (4xx),
+// which any endpoint would refuse too and decode-only cannot mend.
+func (e *attemptError) aboutRequest() bool { return e.reason == metrics.FailureStatus4xx }
+
+// clientLeft reports whether the attempt ended because the client went away.
+func (e *attemptError) clientLeft() bool { return e.reason == metrics.FailureCancelled }
+
+// retryable reports whether another prefill endpoint may succeed where this
+// one failed: after a transport failure, a timeout, a redirect or a 5xx, as
+// long as the prefill phase lasts.
+func (e *attemptError) retryable() bool { return !e.aboutRequest() && !e.ended }
+
+// blames reports whether the failure of a leg sent as d counts against the
+// endpoint's health. A sequential leg's does when another endpoint is worth a
+// try. A concurrent leg fails with its partner, so any answer, even a 5xx, may
+// be the partner's doing: only no answer at all counts.
+func (e *attemptError) blames(d kv.Dispatch) bool {
+	if d == kv.Concurrent {
+		return e.answer == nil
+	}
+	return e.retryable()
+}
+
+// lastAttempt is the failed attempt that ended a prefill phase in err; nil
+// when no endpoint could be tried.
+func lastAttempt(err error) *attemptError {
+	var e *attemptError
+	errors.As(err, &e)
+	return e
+}

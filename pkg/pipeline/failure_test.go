@@ -1,0 +1,61 @@
+package pipeline
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"testing"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+)
+
+// Every decision about a failed prefill attempt comes from its classification:
+// the metrics label, a retry on another endpoint, the blame on this one for a
+// sequential and a concurrent leg, and the client's status under on_failure=fail.
+func TestClassifyPrefillErrors(t *testing.T) {
+	cancelled, cancel := context.WithCancel(context.Background())
+	cancel()
+	expired, stop := context.WithDeadline(context.Background(), time.Now())
+	defer stop()
+	dial := &url.Error{Op: "Post", URL: "http://10.0.0.1:8000/v1/completions",
+		Err: &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connect: connection refused")}}
+	tests := []struct {
+		name                            string
+		ctx                             context.Context
+		err                             error
+		reason                          string
+		retry, blamed, blamedConcurrent bool
+		status                          int
+	}{
+		{"engine 503", context.Background(), &statusError{status: 503}, metrics.FailureStatus5xx, true, true, false, 502},
+		{"engine 400", context.Background(), &statusError{status: 400}, metrics.FailureStatus4xx, false, false, false, 400},
+		{"engine redirect", context.Background(), &statusError{status: 307}, metrics.FailureRedirect, true, true, false, 502},
+		{"connection refused", context.Background(), dial, metrics.FailureConnect, true, true, true, 503},
+		{"prefill.attempt_timeout expired", context.Background(), &url.Error{Op: "Post", Err: context.DeadlineExceeded}, metrics.FailureTimeout, true, true, true, 503},
+		{"prefill.timeout expired", expired, &url.Error{Op: "Post", Err: context.DeadlineExceeded}, metrics.FailureTimeout, false, false, true, 503},
+		{"answer cut short", context.Background(), fmt.Errorf("reading prefill answer: %w", io.ErrUnexpectedEOF), metrics.FailureTransport, true, true, true, 503},
+		{"client left", cancelled, &url.Error{Op: "Post", Err: context.Canceled}, metrics.FailureCancelled, false, false, true, 503},
+		{"client left during dial", cancelled, dial, metrics.FailureCancelled, false, false, true, 503},
+		{"engine 503 as the client left", cancelled, &statusError{status: 503}, metrics.FailureStatus5xx, false, false, false, 502},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := classify(tt.ctx, tt.err)
+			if f.reason != tt.reason {
+				t.Errorf("reason = %q, want %q", f.reason, tt.reason)
+			}
+			if f.retryable() != tt.retry || f.blames(kv.Sequential) != tt.blamed || f.blames(kv.Concurrent) != tt.blamedConcurrent {
+				t.Errorf("retry %v, blamed %v, blamed when concurrent %v; want %v, %v, %v",
+					f.retryable(), f.blames(kv.Sequential), f.blames(kv.Concurrent), tt.retry, tt.blamed, tt.blamedConcurrent)
+			}
+			if got := prefillFailed(errors.Join(f, errors.New("no endpoint left"))).Status; got != tt.status {
+				t.Errorf("client status = %d, want %d", got, tt.status)
+			}
+		})
+	}
+}

@@ -1,0 +1,102 @@
+package pipeline
+
+import (
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
+)
+
+// Request is what the pipeline needs of one client request.
+type Request struct {
+	Path      string      // :path, query included
+	RequestID string      // sent on both legs
+	Forward   http.Header // client headers copied onto the prefill leg (e.g. Authorization)
+	Body      []byte      // nil for a request without a body
+	// Subset is the endpoint-picker subset hint as Envoy sent it in metadata
+	// (envoy.lb.subset_hint): nil when absent, else a list of ip:port or a
+	// comma-separated string. Decode endpoints outside it are never picked.
+	Subset any
+
+	// Report is filled in by Route and RouteHeaders, whether they succeed or
+	// fail, with what the caller logs and counts.
+	Report Report
+
+	scan body.Scanner // what has been validated of Body while it arrived
+}
+
+// Arrived passes the body received so far, while the rest is on its way: it
+// is validated now, so that Route has only the tail left to scan. Each call's
+// body must begin with the previous one's bytes, and Body must begin with them all.
+func (r *Request) Arrived(sofar []byte) { r.scan.Scan(sofar) }
+
+// BodyHeld reports whether a prefill leg may read Body after Route returned:
+// net/http may still be writing a leg when the engine has answered, and a
+// concurrent leg runs on its own. Until Route returns, only Route reads Body.
+func (r *Request) BodyHeld() bool { return r.Report.Prefill != "" }
+
+// Report is what routing one request did. On a failure it holds what was
+// reached: a prefill failure under on_failure=fail keeps Mode pd.
+type Report struct {
+	Mode        string        // ModePD or ModeDecodeOnly; "" when no mode was chosen
+	Reason      string        // why that mode: a metrics.Reason* value
+	Decode      string        // decode endpoint
+	Prefill     string        // prefill endpoint of the last attempt; "" when no prefill leg was sent
+	PrefillTime time.Duration // time spent waiting on sequential prefill legs, retries included
+}
+
+// Modes of a routed request.
+const (
+	ModePD         = metrics.ModePD
+	ModeDecodeOnly = metrics.ModeDecodeOnly
+)
+
+// APIOf names the OpenAI API a request path belongs to, as metrics and logs
+// label it; the pipeline routes only chat and completions.
+func APIOf(path string) string {
+	path, _, _ = strings.Cut(path, "?")
+	switch path {
+	case "/v1/chat/completions":
+		return metrics.APIChat
+	case "/v1/completions":
+		return metrics.APICompletions
+	}
+	return metrics.APIOther
+}
+
+// Decision is where a request goes and with which body.
+type Decision struct {
+	// Endpoint is the decode endpoint, ip:port, followed by the fallbacks of
+	// pools.decode.fallbacks when configured (comma-separated, in order).
+	Endpoint string
+	Body     body.Spliced // the decode leg's body; nil when the request has none
+	decode   *scheduling.Endpoint
+	release  func()
+	// partnerFailed is set when a concurrent prefill leg failed: the decode
+	// engine's 5xx is then the pair's failure, not the decode endpoint's.
+	partnerFailed atomic.Bool
+}
+
+// Release frees the decode endpoint's slot; call it when the exchange ends.
+func (d *Decision) Release() {
+	if d != nil && d.release != nil {
+		d.release()
+	}
+}
+
+// Observe reports the decode engine's response status, so that an endpoint
+// answering 5xx is ejected like one that refuses connections.
+func (d *Decision) Observe(status int) {
+	switch {
+	case d == nil || d.decode == nil:
+	case status >= 500 && d.partnerFailed.Load():
+	case status >= 500:
+		d.decode.ReportFailure()
+	default:
+		d.decode.ReportSuccess()
+	}
+}
