@@ -14,8 +14,8 @@ import (
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 
-	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 )
 
 // attackerIP is where a hostile client tries to send traffic: no leg may ever
@@ -71,7 +71,7 @@ func TestHostileDestinationHeaderDoesNotSteer(t *testing.T) {
 		} {
 			t.Run(mode+"/"+tt.name, func(t *testing.T) {
 				var fronts []*recorder
-				r := startFaultRig(t, faultOptions{mode: mode, decodeAddrs: func(sims []*pdsim.Server) []string {
+				r := startRig(t, rigOptions{mode: mode, decodeAddrs: func(sims []*pdsim.Server) []string {
 					for _, s := range sims {
 						fronts = append(fronts, newRecorder(t, s.Addr()))
 					}
@@ -127,7 +127,7 @@ func TestHostileReservedFieldsNeverReachAnEngine(t *testing.T) {
 	for _, connector := range []string{"kv-nixl", "kv-sglang", "kv-shared-storage"} {
 		for _, mode := range []string{"full_duplex", "buffered"} {
 			t.Run(connector+"/"+mode, func(t *testing.T) {
-				r := startFaultRig(t, faultOptions{mode: mode, connector: connector})
+				r := startRig(t, rigOptions{mode: mode, connector: connector})
 				marker := "reserved " + connector + mode
 				messages := fmt.Sprintf(messagesTmpl, marker)
 				body := fmt.Sprintf(`{"kv_transfer_params":%s,"model":"pdsim","messages":%s,"kv\u005ftransfer_params":%s,`+
@@ -195,7 +195,7 @@ func TestHostileReservedFieldsNeverReachAnEngine(t *testing.T) {
 func TestNoneBodyModeRefusesABodyItCannotScrub(t *testing.T) {
 	attacker := newAttacker(t)
 	host, port := hostPort(t, attacker.addr())
-	r := startFaultRig(t, faultOptions{envoy: func(c *envoyemu.Config) { c.RequestBodyMode = filterv3.ProcessingMode_NONE }})
+	r := startRig(t, rigOptions{envoy: func(c *envoyemu.Config) { c.RequestBodyMode = filterv3.ProcessingMode_NONE }})
 	body := fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":"none mode"}],"kv_transfer_params":`+
 		`{"do_remote_prefill":true,"remote_block_ids":[[1]],"remote_engine_id":"e","remote_request_id":"r","remote_host":%q,"remote_port":%s}}`, host, port)
 	resp, got := r.must(t, "/v1/chat/completions", body, nil)
@@ -257,9 +257,9 @@ func TestHostileInputsGetAClear4xx(t *testing.T) {
 	}
 	for _, mode := range []string{"full_duplex", "buffered"} {
 		t.Run(mode, func(t *testing.T) {
-			rigs := map[bool]*faultRig{
-				false: startFaultRig(t, faultOptions{mode: mode, extra: fmt.Sprintf("limits: {max_body_bytes: %d}", limit)}),
-				true:  startFaultRig(t, faultOptions{mode: mode, extra: fmt.Sprintf("limits: {max_body_bytes: %d}", small)}),
+			rigs := map[bool]*rig{
+				false: startRig(t, rigOptions{mode: mode, extra: fmt.Sprintf("limits: {max_body_bytes: %d}", limit)}),
+				true:  startRig(t, rigOptions{mode: mode, extra: fmt.Sprintf("limits: {max_body_bytes: %d}", small)}),
 			}
 			for _, tt := range tests {
 				t.Run(tt.name, func(t *testing.T) {
