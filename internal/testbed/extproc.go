@@ -5,13 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
-	"strings"
-	"time"
 )
 
 // BuildExtproc builds cmd/extproc from the working tree into dir and returns
@@ -138,36 +134,3 @@ func writeConfig(c Cleaner, dir, yaml string) (string, error) {
 func (x *Extproc) Metric(ctx context.Context, series string) (float64, error) {
 	return Metric(ctx, x.AdminAddr, series)
 }
-
-// ErrNoSample is Metric's error when /metrics has no such series.
-var ErrNoSample = errors.New("no such sample")
-
-// Metric reads one sample from the Prometheus /metrics of the admin server at
-// adminAddr: the first line that starts with series (a metric name, with its
-// labels if they matter) and a space.
-func Metric(ctx context.Context, adminAddr, series string) (float64, error) {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+adminAddr+"/metrics", nil)
-	if err != nil {
-		return 0, err
-	}
-	resp, err := metricsClient.Do(req)
-	if err != nil {
-		return 0, err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return 0, err
-	}
-	for line := range strings.Lines(string(b)) {
-		if v, ok := strings.CutPrefix(line, series+" "); ok {
-			return strconv.ParseFloat(strings.TrimSpace(v), 64)
-		}
-	}
-	return 0, fmt.Errorf("%s/metrics: %s: %w", adminAddr, series, ErrNoSample)
-}
-
-// metricsClient keeps its connection: tests poll /metrics while they wait.
-var metricsClient = &http.Client{Transport: &http.Transport{Proxy: nil}}

@@ -16,56 +16,44 @@ type TB interface {
 	Context() context.Context
 }
 
+// failOn takes a function's two results and returns the value, failing t if
+// there is an error: failOn(StartSim(t, cfg))(t).
+func failOn[T any](v T, err error) func(t TB) T {
+	return func(t TB) T {
+		t.Helper()
+		if err != nil {
+			t.Fatalf("%v", err)
+		}
+		return v
+	}
+}
+
 func MustRepoRoot(t TB) string {
 	t.Helper()
-	root, err := RepoRoot()
-	if err != nil {
-		t.Fatalf("%v", err)
-	}
-	return root
+	return failOn(RepoRoot())(t)
 }
 
 func MustRepoPath(t TB, rel string) string {
 	t.Helper()
-	path, err := RepoPath(rel)
-	if err != nil {
-		t.Fatalf("%v", err)
-	}
-	return path
+	return failOn(RepoPath(rel))(t)
 }
 
 func MustFreePort(t TB) int {
 	t.Helper()
-	port, err := FreePort()
-	if err != nil {
-		t.Fatalf("%v", err)
-	}
-	return port
+	return failOn(FreePort())(t)
 }
 
 func MustStartSim(t TB, cfg SimConfig) *pdsim.Server {
 	t.Helper()
-	s, err := StartSim(t, cfg)
-	if err != nil {
-		t.Fatalf("%v", err)
-	}
-	return s
+	return failOn(StartSim(t, cfg))(t)
 }
 
 func MustStartExtproc(t TB, cfg ExtprocConfig) *Extproc {
 	t.Helper()
-	x, err := StartExtproc(t.Context(), t, cfg)
-	if err != nil {
-		t.Fatalf("%v", err)
-	}
-	return x
+	return failOn(StartExtproc(t.Context(), t, cfg))(t)
 }
 
 func MustStartEnvoy(t TB, file, extprocAddr string, tweak func(*envoyemu.Config)) *envoyemu.Proxy {
 	t.Helper()
-	p, err := StartEnvoy(t, file, extprocAddr, tweak)
-	if err != nil {
-		t.Fatalf("%v", err)
-	}
-	return p
+	return failOn(StartEnvoy(t, file, extprocAddr, tweak))(t)
 }

@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net/http"
 	"os"
 	"os/exec"
 	"strings"
@@ -213,32 +212,6 @@ func WithFreshPorts[T any](start func() (T, error)) (T, error) {
 		}
 	}
 }
-
-// HTTPOK is a readiness check: GET url answers 200.
-func HTTPOK(url string) func(context.Context) error {
-	return func(ctx context.Context) error {
-		ctx, cancel := context.WithTimeout(ctx, time.Second)
-		defer cancel()
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-		if err != nil {
-			return err
-		}
-		resp, err := probeClient.Do(req)
-		if err != nil {
-			return err
-		}
-		io.Copy(io.Discard, resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			return fmt.Errorf("GET %s: %s", url, resp.Status)
-		}
-		return nil
-	}
-}
-
-// probeClient reaches loopback servers directly, whatever HTTP_PROXY says,
-// and leaves no idle connection in the child.
-var probeClient = &http.Client{Transport: &http.Transport{Proxy: nil, DisableKeepAlives: true}}
 
 // LineFunc is a Log writer that hands each line to a function, without its
 // newline. It expects a whole line per Write, as StartProcess and pdsim

@@ -7,7 +7,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 )
 
@@ -35,25 +34,13 @@ func TestRepoRootHoldsConfig(t *testing.T) {
 	}
 }
 
-// lines collects what a child printed, a line per Write.
-type lines struct {
-	mu  sync.Mutex
-	got []string
-}
-
-func (l *lines) add(s string) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.got = append(l.got, s)
-}
-
 func TestStartProcessWaitsUntilReady(t *testing.T) {
 	dir := t.TempDir()
 	flag := filepath.Join(dir, "ready")
-	var out lines
+	var got []string // written by the copy, read once the child has exited
 	p, err := StartProcess(t.Context(), t, ProcessConfig{
 		Name: "child", Bin: "sh", Args: []string{"-c", `printf 'one\ntw'; printf 'o\n'; touch "$0"; exec sleep 60`, flag},
-		Log: LineFunc(out.add),
+		Log: LineFunc(func(line string) { got = append(got, line) }),
 		Ready: func(context.Context) error {
 			_, err := os.Stat(flag)
 			return err
@@ -68,8 +55,8 @@ func TestStartProcessWaitsUntilReady(t *testing.T) {
 	default:
 		t.Fatal("Stop returned before the child exited")
 	}
-	if !slices.Equal(out.got, []string{"one", "two"}) {
-		t.Errorf("the log got %q, want one whole line per Write", out.got)
+	if !slices.Equal(got, []string{"one", "two"}) {
+		t.Errorf("the log got %q, want one whole line per Write", got)
 	}
 }
 

@@ -3,10 +3,7 @@ package e2e
 import (
 	"fmt"
 	"net"
-	"net/http"
-	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -61,76 +58,6 @@ func recordsWith(sims []*pdsim.Server, marker string) []pdsim.Record {
 		}
 	}
 	return out
-}
-
-// recorder is an HTTP endpoint that only counts and keeps what reaches it:
-// somewhere nothing may go (an attacker's host), or, with next set, a
-// transparent proxy in front of a simulator that keeps the headers it saw.
-type recorder struct {
-	*httptest.Server
-	mu      sync.Mutex
-	headers []http.Header
-	paths   []string
-}
-
-func newRecorder(t *testing.T, next string) *recorder {
-	rec := &recorder{}
-	var proxy http.Handler
-	if next != "" {
-		target := "http://" + next
-		proxy = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			out, err := http.NewRequestWithContext(r.Context(), r.Method, target+r.URL.RequestURI(), r.Body)
-			if err != nil {
-				http.Error(w, err.Error(), http.StatusBadGateway)
-				return
-			}
-			out.Header = r.Header.Clone()
-			out.ContentLength = r.ContentLength
-			resp, err := http.DefaultTransport.RoundTrip(out)
-			if err != nil {
-				http.Error(w, err.Error(), http.StatusBadGateway)
-				return
-			}
-			defer resp.Body.Close()
-			for k, v := range resp.Header {
-				w.Header()[k] = v
-			}
-			w.WriteHeader(resp.StatusCode)
-			rc := http.NewResponseController(w)
-			buf := make([]byte, 32<<10)
-			for {
-				n, err := resp.Body.Read(buf)
-				if n > 0 {
-					w.Write(buf[:n])
-					rc.Flush()
-				}
-				if err != nil {
-					return
-				}
-			}
-		})
-	}
-	rec.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		rec.mu.Lock()
-		rec.headers = append(rec.headers, r.Header.Clone())
-		rec.paths = append(rec.paths, r.URL.Path)
-		rec.mu.Unlock()
-		if proxy == nil {
-			http.Error(w, "recorder: nothing should reach me", http.StatusTeapot)
-			return
-		}
-		proxy.ServeHTTP(w, r)
-	}))
-	t.Cleanup(rec.Close)
-	return rec
-}
-
-func (rec *recorder) addr() string { return rec.Listener.Addr().String() }
-
-func (rec *recorder) seen() ([]http.Header, []string) {
-	rec.mu.Lock()
-	defer rec.mu.Unlock()
-	return append([]http.Header(nil), rec.headers...), append([]string(nil), rec.paths...)
 }
 
 // hostPort splits an address for config that wants them apart.
