@@ -28,8 +28,8 @@ type rig struct {
 	extproc         *extproc
 	config          string // extproc's config
 	prefill, decode []*pdsim.Server
-	decodeAddrs     []string // the decode pool as configured
-	sim             testbed.SimConfig
+	decodeAddrs     []string          // the decode pool as configured
+	sim             testbed.SimConfig // what the rig's simulators share: protocol, shared dir, bootstrap port, timings
 }
 
 type rigOptions struct {
@@ -46,7 +46,7 @@ type rigOptions struct {
 	extra        string        // more top-level extproc config
 	prefillPool  string        // more keys of pools.prefill / pools.decode, e.g. "policy: round-robin"
 	decodePool   string
-	envoy        func(*envoyemu.Config)
+	envoy        func(*envoyemu.Config) // changes the Envoy config before the emulator starts
 }
 
 // simIP is the loopback IP of the rig's i-th simulator of a role: each has
