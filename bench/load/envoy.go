@@ -6,9 +6,10 @@ import (
 	"fmt"
 	"strconv"
 
-	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
 )
 
 // Mode is the request body mode Envoy is configured with.
@@ -60,42 +61,25 @@ type Payload struct {
 
 // NewPayload prepares body for both modes.
 func NewPayload(body []byte) *Payload {
-	p := &Payload{Body: body, buffered: bodyMessage(body, true)}
-	for i := 0; i < len(body); i += envoyChunk {
-		end := min(i+envoyChunk, len(body))
-		p.fullDuplex = append(p.fullDuplex, bodyMessage(body[i:end], end == len(body)))
+	return &Payload{
+		Body:       body,
+		buffered:   envoymsg.Body(envoymsg.Request, body, true),
+		fullDuplex: envoymsg.ChunksOf(envoymsg.Request, body, envoyChunk, true),
 	}
-	return p
-}
-
-func bodyMessage(chunk []byte, eos bool) *extprocv3.ProcessingRequest {
-	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
-		RequestBody: &extprocv3.HttpBody{Body: chunk, EndOfStream: eos}}}
 }
 
 // headersMessage is the first message of a stream, as Envoy sends a chat
 // completion POST: pseudo-headers, the client's headers, the ones Envoy adds,
 // and protocol_config. Values travel in raw_value (Envoy's default).
 func headersMessage(mode Mode, bodyLen int, requestID string) *extprocv3.ProcessingRequest {
-	headers := [][2]string{
+	return envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, []envoymsg.Header{
 		{":authority", "gateway.example.com"}, {":path", "/v1/chat/completions"}, {":method", "POST"}, {":scheme", "https"},
 		{"content-type", "application/json"}, {"content-length", strconv.Itoa(bodyLen)},
 		{"authorization", "Bearer sk-bench-0123456789abcdef"}, {"user-agent", "OpenAI/Python 1.54.4"},
 		{"accept", "application/json"}, {"accept-encoding", "gzip, deflate"},
 		{"x-forwarded-proto", "https"}, {"x-forwarded-for", "10.1.2.3"}, {"x-request-id", requestID},
 		{"x-envoy-expected-rq-timeout-ms", "600000"},
-	}
-	hm := &corev3.HeaderMap{Headers: make([]*corev3.HeaderValue, len(headers))}
-	for i, h := range headers {
-		hm.Headers[i] = &corev3.HeaderValue{Key: h[0], RawValue: []byte(h[1])}
-	}
-	return &extprocv3.ProcessingRequest{
-		Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm}},
-		ProtocolConfig: &extprocv3.ProtocolConfiguration{
-			RequestBodyMode:  mode.proto(),
-			ResponseBodyMode: filterv3.ProcessingMode_NONE,
-		},
-	}
+	}...), mode.proto(), filterv3.ProcessingMode_NONE)
 }
 
 // Reply is what Envoy would forward upstream after the ext_proc exchange.

@@ -70,3 +70,29 @@ func TestChatBodyIsValidJSONOfTheRequestedSize(t *testing.T) {
 		}
 	}
 }
+
+// TestPayloadIsCutAsEnvoyForwardsIt: the messages a payload carries are
+// built once, as Envoy sends them: 64 KiB data chunks in FULL_DUPLEX, the last
+// with end_of_stream, and the whole body in BUFFERED.
+func TestPayloadIsCutAsEnvoyForwardsIt(t *testing.T) {
+	body := chatBody(150<<10, 1)
+	p := NewPayload(body)
+	var joined []byte
+	for i, m := range p.fullDuplex {
+		b := m.GetRequestBody()
+		if last := i == len(p.fullDuplex)-1; b.GetEndOfStream() != last || (!last && len(b.GetBody()) != envoyChunk) {
+			t.Errorf("chunk %d: %d bytes, end_of_stream %v", i, len(b.GetBody()), b.GetEndOfStream())
+		}
+		joined = append(joined, b.GetBody()...)
+	}
+	if len(p.fullDuplex) != 3 || !bytes.Equal(joined, body) {
+		t.Errorf("%d chunks holding %d bytes, want 3 holding the %d of the body", len(p.fullDuplex), len(joined), len(body))
+	}
+	if b := p.buffered.GetRequestBody(); !bytes.Equal(b.GetBody(), body) || !b.GetEndOfStream() {
+		t.Errorf("BUFFERED: %d bytes, end_of_stream %v; want the whole body, ended", len(b.GetBody()), b.GetEndOfStream())
+	}
+	h := headersMessage(Buffered, len(body), "id-1")
+	if h.GetProtocolConfig().GetRequestBodyMode() != Buffered.proto() || len(h.GetRequestHeaders().GetHeaders().GetHeaders()) != 14 {
+		t.Errorf("headers message %v: want protocol_config and the 14 headers Envoy sends", h)
+	}
+}

@@ -175,11 +175,12 @@ func simulators(l *Launcher, targets []string) []string {
 // loopbackBaseline measures the small-POST round trip and the round trip of
 // each size's prefill leg against a fresh prefill simulator sim.
 func loopbackBaseline(ctx context.Context, l *Launcher, sim string, n int, sizes []int, payloads map[int]*Payload) ([]RTTResult, error) {
-	p, err := l.StartPrefill(ctx, sim)
+	var g group
+	defer g.Stop(true)
+	p, err := l.StartPrefill(ctx, &g, sim)
 	if err != nil {
 		return nil, err
 	}
-	defer p.Stop()
 	small, err := measureRTT(ctx, sim, p.HTTPAddr, "small", smallPrefillLeg, n)
 	if err != nil {
 		return nil, err

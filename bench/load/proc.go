@@ -5,12 +5,12 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"io"
-	"net/http"
 	"os"
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // clockTicks is USER_HZ, the unit of utime and stime in /proc/<pid>/stat; it
@@ -133,28 +133,8 @@ func (s *rssSampler) Max() uint64 {
 // serves the default registry, whose Go collector exports it (extproc has no
 // /debug/pprof).
 func goroutines(ctx context.Context, adminAddr string) (int, error) {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+adminAddr+"/metrics", nil)
-	if err != nil {
-		return 0, err
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return 0, err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return 0, err
-	}
-	for line := range strings.Lines(string(b)) {
-		if v, ok := strings.CutPrefix(line, "go_goroutines "); ok {
-			n, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
-			return int(n), err
-		}
-	}
-	return 0, fmt.Errorf("%s/metrics has no go_goroutines", adminAddr)
+	n, err := testbed.Metric(ctx, adminAddr, "go_goroutines")
+	return int(n), err
 }
 
 // settledGoroutines polls until the count stops falling below want (streams

@@ -4,18 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
-	"syscall"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // Targets, as named on the command line.
@@ -49,46 +48,34 @@ type Target struct {
 	Name    string
 	Server  *Process // the ext_proc server measured
 	Prefill *Process // the prefill simulator (pd only)
+	group
 }
 
-// Stop ends every process of the target; keepLogs false deletes their logs
+// group is child processes started together, and their logs.
+type group struct {
+	stop testbed.Cleanups
+	logs []*os.File
+}
+
+// Stop ends every process of the group; keepLogs false deletes their logs
 // (extproc writes a line per request: gigabytes over a run).
-func (t *Target) Stop(keepLogs bool) {
-	for _, p := range []*Process{t.Server, t.Prefill} {
-		if p == nil {
-			continue
-		}
-		p.Stop()
+func (g *group) Stop(keepLogs bool) {
+	g.stop.Close()
+	for _, f := range g.logs {
+		f.Close()
 		if !keepLogs {
-			os.Remove(p.log.Name())
+			os.Remove(f.Name())
 		}
 	}
+	g.logs = nil
 }
 
 // Process is a child process with its listen addresses.
 type Process struct {
-	Name      string
-	cmd       *exec.Cmd
-	exited    chan struct{}
-	log       *os.File
+	*testbed.Process
 	GRPCAddr  string // ext_proc servers
 	AdminAddr string // /metrics (go_goroutines) and, when served, /debug/pprof
 	HTTPAddr  string // prefill simulators
-}
-
-// Pid is the child's process id.
-func (p *Process) Pid() int { return p.cmd.Process.Pid }
-
-// Stop asks the child to stop (SIGTERM), then kills it after a grace period.
-func (p *Process) Stop() {
-	p.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-p.exited:
-	case <-time.After(5 * time.Second):
-		p.cmd.Process.Kill()
-		<-p.exited
-	}
-	p.log.Close()
 }
 
 // Launcher starts the child processes of a run.
@@ -107,14 +94,14 @@ func (l *Launcher) Start(ctx context.Context, name string) (*Target, error) {
 	var err error
 	switch name {
 	case TargetEcho:
-		t.Server, err = l.startGRPC(ctx, "echo", filepath.Join(l.BinDir, "echo"))
+		t.Server, err = l.startEcho(ctx, &t.group)
 	case TargetDecode:
-		t.Server, err = l.startExtproc(ctx, nil)
+		t.Server, err = l.startExtproc(ctx, &t.group, nil)
 	case TargetPD, TargetPDFake:
-		if t.Prefill, err = l.StartPrefill(ctx, l.prefillSim(name)); err != nil {
-			return nil, err
+		if t.Prefill, err = l.StartPrefill(ctx, &t.group, l.prefillSim(name)); err != nil {
+			break
 		}
-		t.Server, err = l.startExtproc(ctx, []string{t.Prefill.HTTPAddr})
+		t.Server, err = l.startExtproc(ctx, &t.group, []string{t.Prefill.HTTPAddr})
 	default:
 		err = fmt.Errorf("unknown target %q (want %s, %s, %s or %s)", name, TargetPD, TargetPDFake, TargetDecode, TargetEcho)
 	}
@@ -140,120 +127,103 @@ pools:
 `, strings.Join(quoted, ", "))
 }
 
-func (l *Launcher) startExtproc(ctx context.Context, prefill []string) (*Process, error) {
-	l.seq++
-	cfg := filepath.Join(l.LogDir, fmt.Sprintf("extproc-%d.yaml", l.seq))
-	if err := os.WriteFile(cfg, []byte(extprocConfig(prefill)), 0o644); err != nil {
+// startExtproc starts extproc, ready once /readyz answers 200.
+func (l *Launcher) startExtproc(ctx context.Context, g *group, prefill []string) (*Process, error) {
+	log, err := l.logFile(g, "extproc")
+	if err != nil {
 		return nil, err
 	}
-	args := []string{"--config", cfg}
+	var args []string
 	if l.Pprof {
 		args = append(args, "--pprof")
 	}
-	return l.startGRPC(ctx, "extproc", filepath.Join(l.BinDir, "extproc"), args...)
-}
-
-// startGRPC starts an ext_proc server and waits until its health service answers.
-func (l *Launcher) startGRPC(ctx context.Context, name, bin string, args ...string) (*Process, error) {
-	return withFreshPorts(func() (*Process, error) {
-		grpcAddr, adminAddr := freeAddr(), freeAddr()
-		p, err := l.spawn(name, bin, append(args, "--grpc-addr", grpcAddr, "--admin-addr", adminAddr)...)
-		if err != nil {
-			return nil, err
-		}
-		p.GRPCAddr, p.AdminAddr = grpcAddr, adminAddr
-		return p, waitReady(ctx, p, func(ctx context.Context) error { return grpcHealthy(ctx, grpcAddr) })
+	x, err := testbed.StartExtproc(ctx, &g.stop, testbed.ExtprocConfig{
+		Bin: filepath.Join(l.BinDir, "extproc"), Config: extprocConfig(prefill), Dir: l.LogDir, Args: args, Log: log,
 	})
-}
-
-// withFreshPorts retries start while the child lost the race for a port
-// freeAddr picked: the driver's own connections draw from the same range.
-func withFreshPorts(start func() (*Process, error)) (*Process, error) {
-	for attempt := 1; ; attempt++ {
-		p, err := start()
-		if err == nil {
-			return p, nil
-		}
-		if p == nil {
-			return nil, err
-		}
-		p.Stop()
-		if attempt == 5 || !p.logContains("address already in use") {
-			return nil, err
-		}
-		os.Remove(p.log.Name())
+	if err != nil {
+		return nil, fmt.Errorf("%w; see %s", err, log.Name())
 	}
+	return &Process{Process: x.Process, GRPCAddr: x.GRPCAddr, AdminAddr: x.AdminAddr}, nil
 }
 
-func (p *Process) logContains(s string) bool {
-	b, err := os.ReadFile(p.log.Name())
-	return err == nil && strings.Contains(string(b), s)
+// startEcho starts the echo server, ready once its gRPC health service answers.
+func (l *Launcher) startEcho(ctx context.Context, g *group) (*Process, error) {
+	return l.start(ctx, g, "echo", func(p *Process) testbed.ProcessConfig {
+		p.GRPCAddr, p.AdminAddr = freeAddr(), freeAddr()
+		return testbed.ProcessConfig{
+			Bin: filepath.Join(l.BinDir, "echo"), Args: []string{"--grpc-addr", p.GRPCAddr, "--admin-addr", p.AdminAddr},
+			Ready: func(ctx context.Context) error { return grpcHealthy(ctx, p.GRPCAddr) },
+		}
+	})
 }
 
 // StartPrefill starts a zero-latency prefill simulator: pdsim with every
 // latency at zero and one output token, or this driver's fake (children.go).
-func (l *Launcher) StartPrefill(ctx context.Context, sim string) (*Process, error) {
-	return withFreshPorts(func() (*Process, error) {
-		addr := freeAddr()
-		var p *Process
-		var err error
-		switch sim {
-		case SimPdsim:
-			p, err = l.spawn("pdsim", filepath.Join(l.BinDir, "pdsim"), "--role", "prefill", "--protocol", "vllm-nixl",
-				"--model", Model, "--addr", addr, "--kv-addr", "127.0.0.1:0",
-				"--ttft", "0", "--tpot", "0", "--kv-transfer", "0", "--output-tokens", "1")
-		case SimFake:
-			var self string
-			if self, err = os.Executable(); err == nil {
-				p, err = l.spawn("fake-prefill", self, "-child", childPrefill, "-addr", addr)
-			}
-		default:
-			err = fmt.Errorf("prefill simulator %q: want %s or %s", sim, SimPdsim, SimFake)
-		}
+func (l *Launcher) StartPrefill(ctx context.Context, g *group, sim string) (*Process, error) {
+	var bin string
+	var args []string
+	switch sim {
+	case SimPdsim:
+		bin, args = filepath.Join(l.BinDir, "pdsim"), []string{"--role", "prefill", "--protocol", "vllm-nixl",
+			"--model", Model, "--kv-addr", "127.0.0.1:0",
+			"--ttft", "0", "--tpot", "0", "--kv-transfer", "0", "--output-tokens", "1"}
+	case SimFake:
+		self, err := os.Executable()
 		if err != nil {
 			return nil, err
 		}
-		p.HTTPAddr = addr
-		return p, waitReady(ctx, p, func(ctx context.Context) error { return httpHealthy(ctx, "http://"+addr+"/health") })
+		bin, args = self, []string{"-child", childPrefill}
+	default:
+		return nil, fmt.Errorf("prefill simulator %q: want %s or %s", sim, SimPdsim, SimFake)
+	}
+	return l.start(ctx, g, sim+"-prefill", func(p *Process) testbed.ProcessConfig {
+		p.HTTPAddr = freeAddr()
+		return testbed.ProcessConfig{
+			Bin: bin, Args: append(slices.Clip(args), "--addr", p.HTTPAddr),
+			Ready: testbed.HTTPOK("http://" + p.HTTPAddr + "/health"),
+		}
 	})
 }
 
-func (l *Launcher) spawn(name, bin string, args ...string) (*Process, error) {
-	l.seq++
-	log, err := os.Create(filepath.Join(l.LogDir, fmt.Sprintf("%03d-%s.log", l.seq, name)))
+// start runs the child that config describes, with free ports it picks into
+// p, logging to a file of its own; again with fresh ports while the child
+// loses the race for one.
+func (l *Launcher) start(ctx context.Context, g *group, name string, config func(p *Process) testbed.ProcessConfig) (*Process, error) {
+	log, err := l.logFile(g, name)
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(bin, args...)
-	cmd.Stdout, cmd.Stderr = log, log
-	if err := cmd.Start(); err != nil {
-		log.Close()
-		return nil, fmt.Errorf("starting %s: %w", name, err)
-	}
-	p := &Process{Name: name, cmd: cmd, exited: make(chan struct{}), log: log}
-	go func() { cmd.Wait(); close(p.exited) }()
-	return p, nil
+	return testbed.WithFreshPorts(func() (*Process, error) {
+		p := &Process{}
+		cfg := config(p)
+		cfg.Name, cfg.Log = name, log
+		var err error
+		if p.Process, err = testbed.StartProcess(ctx, &g.stop, cfg); err != nil {
+			return nil, fmt.Errorf("%w; see %s", err, log.Name())
+		}
+		return p, nil
+	})
 }
 
-// waitReady polls check until it succeeds, the child exits or 20 s pass.
-func waitReady(ctx context.Context, p *Process, check func(context.Context) error) error {
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		err := check(ctx)
-		if err == nil {
-			return nil
-		}
-		select {
-		case <-p.exited:
-			return fmt.Errorf("%s exited before it was ready; see %s", p.Name, p.log.Name())
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(20 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%s not ready after 20s: %v; see %s", p.Name, err, p.log.Name())
-		}
+// logFile creates the log of a child of g.
+func (l *Launcher) logFile(g *group, name string) (*os.File, error) {
+	l.seq++
+	f, err := os.Create(filepath.Join(l.LogDir, fmt.Sprintf("%03d-%s.log", l.seq, name)))
+	if err != nil {
+		return nil, err
 	}
+	g.logs = append(g.logs, f)
+	return f, nil
+}
+
+// freeAddr returns a loopback address with a port free at the time of the
+// call; start picks another when the child loses the race for it.
+func freeAddr() string {
+	addr, err := testbed.FreeAddr()
+	if err != nil {
+		panic(err)
+	}
+	return addr
 }
 
 func grpcHealthy(ctx context.Context, addr string) error {
@@ -272,34 +242,4 @@ func grpcHealthy(ctx context.Context, addr string) error {
 		return errors.New(resp.GetStatus().String())
 	}
 	return nil
-}
-
-func httpHealthy(ctx context.Context, url string) error {
-	ctx, cancel := context.WithTimeout(ctx, time.Second)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err != nil {
-		return err
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return err
-	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return errors.New(resp.Status)
-	}
-	return nil
-}
-
-// freeAddr returns a loopback address with a port free at the time of the call.
-// Children need an address on their command line; the window in which another
-// process could take the port is tiny on a benchmark machine.
-func freeAddr() string {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		panic(err)
-	}
-	defer l.Close()
-	return l.Addr().String()
 }

@@ -14,6 +14,8 @@ import (
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	"google.golang.org/protobuf/encoding/protojson"
 	"sigs.k8s.io/yaml"
+
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 const composeFile = "config/envoy/docker-compose.yaml"
@@ -39,7 +41,7 @@ func TestDockerCompose(t *testing.T) {
 		t.Skip("neither `docker compose` nor docker-compose found; run `make tools` " +
 			"(or `apt-get install docker-compose`) to check " + composeFile)
 	}
-	root := repoRoot(t)
+	root := testbed.MustRepoRoot(t)
 	args := append(slices.Clone(cmd[1:]), "-f", filepath.Join(root, filepath.FromSlash(composeFile)), "config")
 	out, err := runTool(t, root, cmd[0], args...)
 	if err != nil {

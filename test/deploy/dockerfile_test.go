@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // dockerStage is one FROM … block of the Dockerfile, its instructions joined across
@@ -18,7 +20,7 @@ type dockerStage struct {
 
 func parseDockerfile(t *testing.T) []dockerStage {
 	t.Helper()
-	data, err := os.ReadFile(repoPath(t, "Dockerfile"))
+	data, err := os.ReadFile(testbed.MustRepoPath(t, "Dockerfile"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -67,11 +69,11 @@ func TestDockerfile(t *testing.T) {
 		return slices.ContainsFunc(s.instructions, func(i string) bool { return strings.HasPrefix(i, prefix) })
 	}
 
-	goVersion := regexp.MustCompile(`(?m)^go (\d+\.\d+)`).FindStringSubmatch(string(mustRead(t, repoPath(t, "go.mod"))))
+	goVersion := regexp.MustCompile(`(?m)^go (\d+\.\d+)`).FindStringSubmatch(string(mustRead(t, testbed.MustRepoPath(t, "go.mod"))))
 	if goVersion == nil {
 		t.Fatal("go.mod has no go directive")
 	}
-	cmds, err := filepath.Glob(filepath.Join(repoRoot(t), "cmd", "*"))
+	cmds, err := filepath.Glob(filepath.Join(testbed.MustRepoRoot(t), "cmd", "*"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -109,14 +111,14 @@ func TestDockerfile(t *testing.T) {
 // .dockerignore must keep everything the build compiles or embeds in the context.
 func TestDockerignoreKeepsBuildInputs(t *testing.T) {
 	var patterns []string
-	for _, line := range strings.Split(string(mustRead(t, repoPath(t, ".dockerignore"))), "\n") {
+	for _, line := range strings.Split(string(mustRead(t, testbed.MustRepoPath(t, ".dockerignore"))), "\n") {
 		if l := strings.TrimSpace(line); l != "" && !strings.HasPrefix(l, "#") {
 			patterns = append(patterns, strings.TrimSuffix(l, "/"))
 		}
 	}
 	needed := []string{"go.mod", "go.sum", "cmd/extproc/main.go", "cmd/pdsim/main.go", "config/embed.go", "config/extproc.yaml"}
 	for _, dir := range []string{"pkg", "internal"} {
-		if _, err := os.Stat(repoPath(t, dir)); err == nil {
+		if _, err := os.Stat(testbed.MustRepoPath(t, dir)); err == nil {
 			needed = append(needed, dir+"/x.go")
 		}
 	}

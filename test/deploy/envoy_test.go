@@ -14,6 +14,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	defaultconfig "github.com/pd-extproc/pd-extproc/config"
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 	extprocconfig "github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
@@ -30,7 +31,7 @@ var notEnvoy = []string{"docker-compose*.yaml", "extproc*.yaml"}
 // in testdata. A new config file is picked up (and checked) without touching this test.
 func envoyConfigs(t *testing.T) []envoyConfig {
 	t.Helper()
-	root := repoRoot(t)
+	root := testbed.MustRepoRoot(t)
 	var paths []string
 	for _, pattern := range []string{"config/envoy/*.yaml", "config/envoy/*.yml", "test/deploy/testdata/envoy-*.yaml"} {
 		m, err := filepath.Glob(filepath.Join(root, filepath.FromSlash(pattern)))

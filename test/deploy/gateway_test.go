@@ -19,6 +19,8 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // What the manifests in config/envoy/gateway promise; the names come from those files.
@@ -38,7 +40,7 @@ var gatewayInferencePaths = []string{"/v1/chat/completions", "/v1/completions"}
 // form `egctl x translate --file` takes; `kubectl apply -f` on the directory reads the same.
 func gatewayManifests(t *testing.T) []byte {
 	t.Helper()
-	paths, err := filepath.Glob(filepath.Join(repoPath(t, gatewayDir), "*.yaml"))
+	paths, err := filepath.Glob(filepath.Join(testbed.MustRepoPath(t, gatewayDir), "*.yaml"))
 	if err != nil || len(paths) == 0 {
 		t.Fatalf("no manifests in %s: %v", gatewayDir, err)
 	}

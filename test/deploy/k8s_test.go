@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	defaultconfig "github.com/pd-extproc/pd-extproc/config"
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 	extprocconfig "github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
@@ -34,7 +35,7 @@ func (m manifest) name() string { return digString(m.doc, "metadata", "name") }
 
 func loadManifests(t *testing.T, dir string) []manifest {
 	t.Helper()
-	paths, err := filepath.Glob(filepath.Join(repoPath(t, dir), "*.yaml"))
+	paths, err := filepath.Glob(filepath.Join(testbed.MustRepoPath(t, dir), "*.yaml"))
 	if err != nil || len(paths) == 0 {
 		t.Fatalf("no manifests in %s: %v", dir, err)
 	}
@@ -119,7 +120,7 @@ func TestExtprocConfigsLoad(t *testing.T) {
 
 func yamlFileBytes(t *testing.T, rel string) []byte {
 	t.Helper()
-	docs := yamlDocuments(t, repoPath(t, rel))
+	docs := yamlDocuments(t, testbed.MustRepoPath(t, rel))
 	if len(docs) != 1 {
 		t.Fatalf("%s: want one document, got %d", rel, len(docs))
 	}

@@ -14,22 +14,6 @@ import (
 	"sigs.k8s.io/yaml"
 )
 
-// repoRoot is the module root (go test runs a package in its own directory), so tests
-// read the same files users copy.
-func repoRoot(t testing.TB) string {
-	t.Helper()
-	root, err := filepath.Abs("../..")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return root
-}
-
-// repoPath joins slash-separated repository-relative parts onto the module root.
-func repoPath(t testing.TB, rel string) string {
-	return filepath.Join(repoRoot(t), filepath.FromSlash(rel))
-}
-
 // yamlDocuments splits a multi-document YAML file and converts each non-empty document to a
 // generic map (through JSON, as kubectl and Envoy do), so tests see what the tools see.
 func yamlDocuments(t testing.TB, path string) []map[string]any {

@@ -4,339 +4,16 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 )
-
-// ---------------------------------------------------------------- the rig
-
-// faultRig is one deployment on loopback like rig, built to be broken: pool
-// addresses can point anywhere (dead ports, simulators in the wrong role,
-// recorders), the Envoy config can be tweaked, and extproc can be killed and
-// started again on the same gRPC port.
-type faultRig struct {
-	mode, connector string
-	proxy           *envoyemu.Proxy
-	extproc         *extproc
-	config          string // extproc's config file
-	prefill, decode []*pdsim.Server
-	decodeAddrs     []string
-	handshake       time.Duration
-}
-
-type faultOptions struct {
-	mode, connector string // default full_duplex, kv-nixl
-	prefills        int    // prefill simulators (default 2; -1 none)
-	decodes         int    // decode simulators (default 2)
-	prefillAddrs    func(sims []*pdsim.Server) []string
-	decodeAddrs     func(sims []*pdsim.Server) []string
-	prefillRole     string        // a decode-role "prefill" is an engine without a KV connector
-	outputTokens    int           // decode answer length (default 5)
-	handshake       time.Duration // SGLang bootstrap handshake bound of the simulators (default 10s)
-	extra           string        // more extproc config
-	prefillPool     string        // more keys of pools.prefill / pools.decode, e.g. "health: {...}"
-	decodePool      string
-	envoy           func(*envoyemu.Config)
-}
-
-func startFaultRig(t *testing.T, o faultOptions) *faultRig {
-	t.Helper()
-	if o.mode == "" {
-		o.mode = "full_duplex"
-	}
-	if o.connector == "" {
-		o.connector = "kv-nixl"
-	}
-	if o.prefills == 0 {
-		o.prefills = 2
-	}
-	if o.decodes == 0 {
-		o.decodes = 2
-	}
-	if o.prefillRole == "" {
-		o.prefillRole = pdsim.RolePrefill
-	}
-	if o.handshake == 0 {
-		o.handshake = 10 * time.Second
-	}
-	r := &faultRig{mode: o.mode, connector: o.connector, handshake: o.handshake}
-	shared, bootstrapPort := t.TempDir(), freePort(t)
-	for i := range max(o.prefills, 0) {
-		r.prefill = append(r.prefill, startSim(t, o.prefillRole, protocols[o.connector], fmt.Sprintf("127.0.0.%d", 30+i), "", shared, bootstrapPort, o.outputTokens, o.handshake))
-	}
-	for i := range o.decodes {
-		r.decode = append(r.decode, startSim(t, pdsim.RoleDecode, protocols[o.connector], fmt.Sprintf("127.0.0.%d", 40+i), "", shared, bootstrapPort, o.outputTokens, o.handshake))
-	}
-	prefillAddrs, decodeAddrs := simAddrs(r.prefill), simAddrs(r.decode)
-	if o.prefillAddrs != nil {
-		prefillAddrs = o.prefillAddrs(r.prefill)
-	}
-	if o.decodeAddrs != nil {
-		decodeAddrs = o.decodeAddrs(r.decode)
-	}
-	r.decodeAddrs = decodeAddrs
-	more := func(keys string) string {
-		if keys == "" {
-			return ""
-		}
-		return ", " + keys
-	}
-	r.config = fmt.Sprintf("connector: %s\npools:\n  prefill: {endpoints: [%s], bootstrap_port: %d%s}\n  decode: {endpoints: [%s]%s}\n%s\n",
-		o.connector, quoteAll(prefillAddrs), bootstrapPort, more(o.prefillPool), quoteAll(decodeAddrs), more(o.decodePool), o.extra)
-	r.extproc = startExtproc(t, r.config)
-
-	cfg, err := envoyemu.LoadConfig(filepath.Join(repoRoot(), envoyYAML[o.mode]))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.Logf = t.Logf
-	if o.envoy != nil {
-		o.envoy(cfg)
-	}
-	if r.proxy, err = envoyemu.Start(cfg, r.extproc.GRPCAddr); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { r.proxy.Close() })
-	return r
-}
-
-// startSim runs one engine simulator on ip (addr overrides the HTTP address,
-// to restart one in place).
-func startSim(t *testing.T, role, protocol, ip, addr, shared string, bootstrapPort, outputTokens int, handshake time.Duration) *pdsim.Server {
-	t.Helper()
-	if addr == "" {
-		addr = ip + ":0"
-	}
-	if outputTokens == 0 {
-		outputTokens = 5
-	}
-	s, err := pdsim.Start(pdsim.Config{
-		Role: role, Protocol: protocol, SharedDir: shared,
-		Addr: addr, KVAddr: ip + ":0", BootstrapAddr: fmt.Sprintf("%s:%d", ip, bootstrapPort),
-		TTFT: time.Millisecond, TPOT: time.Millisecond, KVTransfer: time.Millisecond,
-		OutputTokens: outputTokens, HandshakeTimeout: handshake, Log: testWriter{t},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close() })
-	return s
-}
-
-func simAddrs(sims []*pdsim.Server) []string {
-	var out []string
-	for _, s := range sims {
-		out = append(out, s.Addr())
-	}
-	return out
-}
-
-// deadAddr is a loopback address nothing listens on.
-func deadAddr(t *testing.T) string { return fmt.Sprintf("127.0.0.1:%d", freePort(t)) }
-
-// send posts body to path through the emulator; the context bounds it.
-func (r *faultRig) send(ctx context.Context, path, body string, header http.Header) (*http.Response, string, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, r.proxy.URL()+path, strings.NewReader(body))
-	if err != nil {
-		return nil, "", err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	for k, v := range header {
-		req.Header[k] = v
-	}
-	resp, err := rigClient.Do(req)
-	if err != nil {
-		return nil, "", err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	return resp, string(b), err
-}
-
-// rigClient opens a connection per request. After a local reply sent before
-// the request body was read the emulator closes the connection, and a pooled
-// client may pick it up in that instant ("server closed idle connection"): a
-// client-side race that would hide what the tests look at.
-var rigClient = &http.Client{Transport: &http.Transport{DisableKeepAlives: true, Proxy: nil}}
-
-// must sends a request that has to come back whole.
-func (r *faultRig) must(t *testing.T, path, body string, header http.Header) (*http.Response, string) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	resp, got, err := r.send(ctx, path, body, header)
-	if err != nil {
-		t.Fatalf("POST %s: %v", path, err)
-	}
-	return resp, got
-}
-
-// clearPrefillFaults makes every prefill simulator well again.
-func (r *faultRig) clearPrefillFaults() {
-	for _, p := range r.prefill {
-		p.SetFaults(pdsim.Faults{})
-	}
-}
-
-// healthy checks extproc still serves: /healthz answers 200 and an ordinary
-// request completes through Envoy.
-func (r *faultRig) healthy(t *testing.T, marker string) {
-	t.Helper()
-	r.alive(t)
-	path, body := request("chat", true, marker)
-	if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK {
-		t.Fatalf("an ordinary request after the fault: status %d: %.300s", resp.StatusCode, got)
-	} else {
-		checkCompletion(t, true, got)
-	}
-}
-
-// alive checks extproc's /healthz answers 200.
-func (r *faultRig) alive(t *testing.T) {
-	t.Helper()
-	resp, err := http.Get("http://" + r.extproc.AdminAddr + "/healthz")
-	if err != nil {
-		t.Fatalf("/healthz: %v", err)
-	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("/healthz answered %d", resp.StatusCode)
-	}
-}
-
-// waitFor polls cond until it holds, for at most d.
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-		time.Sleep(5 * time.Millisecond) // polling state we do not own; bounded above
-	}
-}
-
-// recordsWith returns every record, over sims, whose body contains marker.
-func recordsWith(sims []*pdsim.Server, marker string) []pdsim.Record {
-	var out []pdsim.Record
-	for _, s := range sims {
-		for _, rec := range s.Requests() {
-			if strings.Contains(string(rec.Body), marker) {
-				out = append(out, rec)
-			}
-		}
-	}
-	return out
-}
-
-// recorder is an HTTP endpoint that only counts and keeps what reaches it:
-// somewhere nothing may go (an attacker's host), or, with next set, a
-// transparent proxy in front of a simulator that keeps the headers it saw.
-type recorder struct {
-	*httptest.Server
-	mu      sync.Mutex
-	headers []http.Header
-	paths   []string
-}
-
-func newRecorder(t *testing.T, next string) *recorder {
-	rec := &recorder{}
-	var proxy http.Handler
-	if next != "" {
-		target := "http://" + next
-		proxy = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			out, err := http.NewRequestWithContext(r.Context(), r.Method, target+r.URL.RequestURI(), r.Body)
-			if err != nil {
-				http.Error(w, err.Error(), http.StatusBadGateway)
-				return
-			}
-			out.Header = r.Header.Clone()
-			out.ContentLength = r.ContentLength
-			resp, err := http.DefaultTransport.RoundTrip(out)
-			if err != nil {
-				http.Error(w, err.Error(), http.StatusBadGateway)
-				return
-			}
-			defer resp.Body.Close()
-			for k, v := range resp.Header {
-				w.Header()[k] = v
-			}
-			w.WriteHeader(resp.StatusCode)
-			rc := http.NewResponseController(w)
-			buf := make([]byte, 32<<10)
-			for {
-				n, err := resp.Body.Read(buf)
-				if n > 0 {
-					w.Write(buf[:n])
-					rc.Flush()
-				}
-				if err != nil {
-					return
-				}
-			}
-		})
-	}
-	rec.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		rec.mu.Lock()
-		rec.headers = append(rec.headers, r.Header.Clone())
-		rec.paths = append(rec.paths, r.URL.Path)
-		rec.mu.Unlock()
-		if proxy == nil {
-			http.Error(w, "recorder: nothing should reach me", http.StatusTeapot)
-			return
-		}
-		proxy.ServeHTTP(w, r)
-	}))
-	t.Cleanup(rec.Close)
-	return rec
-}
-
-func (rec *recorder) addr() string { return rec.Listener.Addr().String() }
-
-func (rec *recorder) seen() ([]http.Header, []string) {
-	rec.mu.Lock()
-	defer rec.mu.Unlock()
-	return append([]http.Header(nil), rec.headers...), append([]string(nil), rec.paths...)
-}
-
-// hostPort splits an address for config that wants them apart.
-func hostPort(t *testing.T, addr string) (string, string) {
-	t.Helper()
-	h, p, err := net.SplitHostPort(addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return h, p
-}
-
-// metric reads one sample from extproc's /metrics: the first line that starts
-// with series (a metric name, with labels if they matter); -1 when absent.
-func (r *faultRig) metric(t *testing.T, series string) float64 {
-	t.Helper()
-	resp, err := http.Get("http://" + r.extproc.AdminAddr + "/metrics")
-	if err != nil {
-		t.Fatalf("/metrics: %v", err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	for _, line := range strings.Split(string(b), "\n") {
-		if rest, ok := strings.CutPrefix(line, series+" "); ok {
-			var v float64
-			fmt.Sscan(rest, &v)
-			return v
-		}
-	}
-	return -1
-}
 
 // ---------------------------------------------------------------- prefill leg faults
 
@@ -348,13 +25,13 @@ func (r *faultRig) metric(t *testing.T, series string) float64 {
 func TestFaultPrefillLegFails(t *testing.T) {
 	type fault struct {
 		name    string
-		opts    faultOptions
-		break_  func(r *faultRig)
+		opts    rigOptions
+		break_  func(r *rig)
 		attempt func(t *testing.T, recs []pdsim.Record) // what each prefill attempt looked like
 		tries   int                                     // prefill attempts: prefill.attempts (2) unless the timeout ends the phase
 		failed  int                                     // status with on_failure: fail
 	}
-	slow := func(r *faultRig) {
+	slow := func(r *rig) {
 		for _, p := range r.prefill {
 			p.SetFaults(pdsim.Faults{Delay: time.Minute})
 		}
@@ -362,7 +39,7 @@ func TestFaultPrefillLegFails(t *testing.T) {
 	faults := []fault{
 		{
 			// prefill.timeout bounds the whole prefill phase, retries included: one attempt.
-			name: "times out", opts: faultOptions{extra: "prefill: {timeout: 250ms, on_failure: %s}"}, break_: slow, tries: 1, failed: 503,
+			name: "times out", opts: rigOptions{extra: "prefill: {timeout: 250ms, on_failure: %s}"}, break_: slow, tries: 1, failed: 503,
 			attempt: func(t *testing.T, recs []pdsim.Record) {
 				for _, rec := range recs {
 					if !rec.Canceled {
@@ -372,8 +49,8 @@ func TestFaultPrefillLegFails(t *testing.T) {
 			},
 		},
 		{
-			name: "answers 5xx", opts: faultOptions{extra: "prefill: {on_failure: %s}"}, tries: 2, failed: 502,
-			break_: func(r *faultRig) {
+			name: "answers 5xx", opts: rigOptions{extra: "prefill: {on_failure: %s}"}, tries: 2, failed: 502,
+			break_: func(r *rig) {
 				for _, p := range r.prefill {
 					p.SetFaults(pdsim.Faults{FailStatus: http.StatusInternalServerError})
 				}
@@ -387,8 +64,8 @@ func TestFaultPrefillLegFails(t *testing.T) {
 			},
 		},
 		{
-			name: "drops the connection", opts: faultOptions{extra: "prefill: {on_failure: %s}"}, tries: 2, failed: 503,
-			break_: func(r *faultRig) {
+			name: "drops the connection", opts: rigOptions{extra: "prefill: {on_failure: %s}"}, tries: 2, failed: 503,
+			break_: func(r *rig) {
 				for _, p := range r.prefill {
 					p.SetFaults(pdsim.Faults{DropConnections: true})
 				}
@@ -403,7 +80,7 @@ func TestFaultPrefillLegFails(t *testing.T) {
 		},
 		{
 			name: "refuses the connection", failed: 503,
-			opts: faultOptions{extra: "prefill: {on_failure: %s}", prefills: -1, prefillAddrs: func([]*pdsim.Server) []string {
+			opts: rigOptions{extra: "prefill: {on_failure: %s}", prefills: -1, prefillAddrs: func([]*pdsim.Server) []string {
 				return []string{"127.0.0.1:1", "127.0.0.2:1"}
 			}},
 		},
@@ -414,7 +91,7 @@ func TestFaultPrefillLegFails(t *testing.T) {
 				t.Run(fmt.Sprintf("%s/%s/%s", mode, f.name, policy), func(t *testing.T) {
 					o := f.opts
 					o.mode, o.extra = mode, fmt.Sprintf(o.extra, policy)
-					r := startFaultRig(t, o)
+					r := startRig(t, o)
 					if f.break_ != nil {
 						f.break_(r)
 					}
@@ -469,7 +146,7 @@ func TestFaultPrefillLegFails(t *testing.T) {
 func TestFaultPrefillReturnsNoTransferParams(t *testing.T) {
 	for _, mode := range []string{"full_duplex", "buffered"} {
 		t.Run(mode, func(t *testing.T) {
-			r := startFaultRig(t, faultOptions{mode: mode, prefillRole: pdsim.RoleDecode})
+			r := startRig(t, rigOptions{mode: mode, prefillRole: pdsim.RoleDecode})
 			marker := "no params " + mode
 			path, body := request("completions", true, marker)
 			resp, got := r.must(t, path, body, nil)
@@ -501,7 +178,7 @@ func TestPrefillRedirectIsNotFollowed(t *testing.T) {
 			elsewhere := newRecorder(t, "")
 			redirector := httptest.NewServer(http.RedirectHandler(elsewhere.URL+"/v1/chat/completions", code))
 			t.Cleanup(redirector.Close)
-			r := startFaultRig(t, faultOptions{prefills: -1, prefillAddrs: func([]*pdsim.Server) []string { return []string{redirector.Listener.Addr().String()} }})
+			r := startRig(t, rigOptions{prefills: -1, prefillAddrs: func([]*pdsim.Server) []string { return []string{redirector.Listener.Addr().String()} }})
 			path, body := request("chat", false, fmt.Sprintf("redirect %d", code))
 			resp, got := r.must(t, path, body, http.Header{"Authorization": {"Bearer sk-client"}})
 			if _, paths := elsewhere.seen(); len(paths) != 0 {
@@ -531,7 +208,7 @@ func TestFaultSlowPrefillPastEnvoysMessageTimer(t *testing.T) {
 		{"override disabled", new(time.Duration), http.StatusGatewayTimeout},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			r := startFaultRig(t, faultOptions{mode: "buffered", envoy: func(c *envoyemu.Config) {
+			r := startRig(t, rigOptions{mode: "buffered", envoy: func(c *envoyemu.Config) {
 				if c.MessageTimeout != time.Second {
 					t.Fatalf("envoy-buffered.yaml message_timeout is %v; this test assumes 1s", c.MessageTimeout)
 				}
@@ -582,7 +259,7 @@ func TestFaultSlowPrefillPastEnvoysMessageTimer(t *testing.T) {
 func TestFaultDecodeDiesMidStream(t *testing.T) {
 	for _, mode := range []string{"full_duplex", "buffered"} {
 		t.Run(mode, func(t *testing.T) {
-			r := startFaultRig(t, faultOptions{mode: mode, decodes: 1, outputTokens: 1_000_000})
+			r := startRig(t, rigOptions{mode: mode, decodes: 1, outputTokens: 1_000_000})
 			marker := "decode dies " + mode
 			path, body := request("chat", true, marker)
 			body = strings.Replace(body, `"max_tokens":4`, `"max_tokens":1000000`, 1)
@@ -618,7 +295,7 @@ func TestFaultDecodeDiesMidStream(t *testing.T) {
 			if down.StatusCode != http.StatusServiceUnavailable {
 				t.Errorf("while the decode engine is down: status %d (%.200s), want Envoy's 503", down.StatusCode, got)
 			}
-			r.decode[0] = startSim(t, pdsim.RoleDecode, protocols[r.connector], "127.0.0.40", addr, t.TempDir(), freePort(t), 5, r.handshake)
+			r.restartDecode(t, 0, addr)
 			r.healthy(t, marker+" after")
 			waitFor(t, 10*time.Second, "extproc to close every stream", func() bool {
 				return r.metric(t, "pd_extproc_streams_in_flight") == 0
@@ -636,7 +313,7 @@ func TestFaultClientDisconnectsDuringPrefill(t *testing.T) {
 	for _, mode := range []string{"full_duplex", "buffered"} {
 		for _, connector := range []string{"kv-nixl", "kv-shared-storage"} {
 			t.Run(mode+"/"+connector, func(t *testing.T) {
-				r := startFaultRig(t, faultOptions{mode: mode, connector: connector})
+				r := startRig(t, rigOptions{mode: mode, connector: connector})
 				for _, p := range r.prefill {
 					p.SetFaults(pdsim.Faults{Delay: time.Minute})
 				}
@@ -678,7 +355,7 @@ func TestFaultClientDisconnectsDuringPrefill(t *testing.T) {
 // stream broke, failure_mode_allow is false), requests while it is down fail
 // fast the same way, nothing hangs, and once it is back requests complete.
 func TestFaultExtprocRestartsUnderLoad(t *testing.T) {
-	r := startFaultRig(t, faultOptions{})
+	r := startRig(t, rigOptions{})
 	for _, p := range r.prefill {
 		p.SetFaults(pdsim.Faults{Delay: time.Minute})
 	}
@@ -737,9 +414,7 @@ func TestFaultExtprocRestartsUnderLoad(t *testing.T) {
 		})
 	}
 
-	grpcAddr := r.extproc.GRPCAddr
-	r.extproc.cmd.Process.Kill()
-	r.extproc.cmd.Wait()
+	r.extproc.Kill()
 	for range held {
 		o := <-heldOut
 		if o.err != nil || (o.status != http.StatusInternalServerError && o.status != http.StatusServiceUnavailable) {
@@ -752,7 +427,7 @@ func TestFaultExtprocRestartsUnderLoad(t *testing.T) {
 		t.Errorf("while extproc is down: status %d, want Envoy's 500 (status_on_error)", down.StatusCode)
 	}
 
-	r.extproc = startExtproc(t, r.config, "--grpc-addr", grpcAddr)
+	r.restartExtproc(t)
 	// Envoy's gRPC client reconnects with backoff (1 s, then longer): poll, bounded.
 	waitFor(t, 15*time.Second, "a request to complete through the new extproc", func() bool {
 		resp, _, err := r.send(context.Background(), "/v1/completions", `{"model":"pdsim","prompt":"back?","max_tokens":2}`, nil)
@@ -780,7 +455,7 @@ func TestFaultExtprocRestartsUnderLoad(t *testing.T) {
 // frees up as they end. Shedding has to be an ImmediateResponse: a gRPC-level
 // limit (grpc.MaxConcurrentStreams) would make Envoy queue or answer 500.
 func TestFaultOverloadIs429(t *testing.T) {
-	r := startFaultRig(t, faultOptions{extra: "limits: {max_concurrent_streams: 2}"})
+	r := startRig(t, rigOptions{extra: "limits: {max_concurrent_streams: 2}"})
 	for _, p := range r.prefill {
 		p.SetFaults(pdsim.Faults{Delay: time.Second})
 	}
@@ -823,7 +498,7 @@ func TestFaultOverloadIs429(t *testing.T) {
 // serves it with one room, adding the sample index), and with no prefill
 // endpoint ready the answer is 503. Any client can send n:2.
 func TestSGLangNeverGoesDecodeOnly(t *testing.T) {
-	r := startFaultRig(t, faultOptions{connector: "kv-sglang"})
+	r := startRig(t, rigOptions{connector: "kv-sglang"})
 	body := `{"model":"pdsim","prompt":"two samples","n":2,"max_tokens":4}`
 	resp, got := r.must(t, "/v1/completions", body, nil)
 	if resp.StatusCode != http.StatusOK {
@@ -842,15 +517,15 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 	const health = "health: {consecutive_failures: 1, base_ejection: 1m}"
 	for _, tt := range []struct {
 		name  string
-		fault func(t *testing.T, r *faultRig) // break one side for one request, then heal it
+		fault func(t *testing.T, r *rig) // break one side for one request, then heal it
 	}{
-		{"a failing prefill ejects the decode", func(t *testing.T, r *faultRig) {
+		{"a failing prefill ejects the decode", func(t *testing.T, r *rig) {
 			r.prefill[0].SetFaults(pdsim.Faults{FailStatus: http.StatusServiceUnavailable})
 			path, body := request("chat", false, "prefill fails")
 			r.must(t, path, body, nil) // the decode waits for the handshake, then answers 500
 			r.prefill[0].SetFaults(pdsim.Faults{})
 		}},
-		{"a dead decode ejects the prefill", func(t *testing.T, r *faultRig) {
+		{"a dead decode ejects the prefill", func(t *testing.T, r *rig) {
 			r.decode[0].SetFaults(pdsim.Faults{DropConnections: true})
 			path, body := request("chat", false, "decode dies")
 			r.must(t, path, body, nil) // Envoy's 503; the prefill leg waits for a handshake, then fails
@@ -862,7 +537,7 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 		}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			r := startFaultRig(t, faultOptions{connector: "kv-sglang", prefills: 1, decodes: 1, handshake: 300 * time.Millisecond,
+			r := startRig(t, rigOptions{connector: "kv-sglang", prefills: 1, decodes: 1, handshake: 300 * time.Millisecond,
 				prefillPool: health, decodePool: health})
 			tt.fault(t, r)
 			r.healthy(t, "after "+tt.name)

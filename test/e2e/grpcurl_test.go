@@ -7,6 +7,8 @@ import (
 	"os/exec"
 	"strings"
 	"testing"
+
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // grpcurl runs the reference gRPC client (installed by `make tools`) with stdin.
@@ -26,7 +28,7 @@ func grpcurl(t *testing.T, stdin string, args ...string) string {
 }
 
 func TestGrpcurlSeesTheServiceAsEnvoyWould(t *testing.T) {
-	x := startExtproc(t, `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`)
+	x := startExtproc(t, testbed.ExtprocConfig{Config: `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`})
 
 	t.Run("list shows ext_proc, health and reflection", func(t *testing.T) {
 		out := grpcurl(t, "", "-plaintext", x.GRPCAddr, "list")

@@ -3,18 +3,14 @@
 package e2e
 
 import (
-	"bufio"
-	"encoding/json"
 	"fmt"
-	"io"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // extprocBin is built once for the package from the working tree.
@@ -26,12 +22,8 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	extprocBin = filepath.Join(dir, "extproc")
-	build := exec.Command("go", "build", "-o", extprocBin, "./cmd/extproc")
-	build.Dir = repoRoot()
-	build.Stdout, build.Stderr = os.Stderr, os.Stderr
-	if err := build.Run(); err != nil {
-		fmt.Fprintln(os.Stderr, "building extproc:", err)
+	if extprocBin, err = testbed.BuildExtproc(dir); err != nil {
+		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
 	code := m.Run()
@@ -39,30 +31,32 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// repoRoot is the module root, where config/ lives: go test runs a package in its own directory.
-func repoRoot() string {
-	root, err := filepath.Abs("../..")
-	if err != nil {
-		panic(err)
-	}
-	return root
+// extproc is a running extproc process and what it has logged.
+type extproc struct {
+	*testbed.Extproc
+	log *logBuffer
 }
 
-// extproc is a running extproc process.
-type extproc struct {
-	GRPCAddr, AdminAddr string
-	ConfigPath          string // the --config file, watched by extproc
-	cmd                 *exec.Cmd
-	mu                  sync.Mutex
-	log                 strings.Builder
+// logBuffer keeps every line a process logs.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf strings.Builder
+}
+
+func (b *logBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *logBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
 
 // Logs returns what the process has logged so far.
-func (x *extproc) Logs() string {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	return x.log.String()
-}
+func (x *extproc) Logs() string { return x.log.String() }
 
 // waitLog waits, bounded, until extproc has logged a line containing s.
 func (x *extproc) waitLog(t *testing.T, s string) {
@@ -76,54 +70,25 @@ func (x *extproc) waitLog(t *testing.T, s string) {
 	}
 }
 
-// startExtproc runs the binary with configYAML on loopback ports it picks itself,
-// and learns them from its "serving" log line.
-func startExtproc(t *testing.T, configYAML string, args ...string) *extproc {
+// startExtproc runs the binary with cfg (its Config, and the addresses or
+// the wait when they matter) at -v 1, every log line written at once, and
+// shows its logs when the test fails.
+func startExtproc(t *testing.T, cfg testbed.ExtprocConfig) *extproc {
 	t.Helper()
-	cfg := filepath.Join(t.TempDir(), "extproc.yaml")
-	if err := os.WriteFile(cfg, []byte(configYAML), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	x := &extproc{ConfigPath: cfg, cmd: exec.Command(extprocBin, append([]string{"--config", cfg,
-		"--grpc-addr", "127.0.0.1:0", "--admin-addr", "127.0.0.1:0", "-v", "1", "--log-flush-interval", "0"}, args...)...)}
-	stderr, err := x.cmd.StderrPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := x.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	ready, exited := make(chan struct{}), make(chan struct{})
-	go func() {
-		defer close(exited)
-		sc := bufio.NewScanner(stderr)
-		sc.Buffer(make([]byte, 1<<20), 1<<20)
-		for sc.Scan() {
-			line := sc.Text()
-			x.mu.Lock()
-			x.log.WriteString(line + "\n")
-			x.mu.Unlock()
-			var entry struct{ Msg, GRPC, Admin string }
-			if x.GRPCAddr == "" && json.Unmarshal([]byte(line), &entry) == nil && entry.Msg == "extproc serving" {
-				x.GRPCAddr, x.AdminAddr = entry.GRPC, entry.Admin
-				close(ready)
-			}
-		}
-		io.Copy(io.Discard, stderr)
-	}()
+	x := &extproc{log: &logBuffer{}}
+	// Registered first, so it runs once the process has stopped.
 	t.Cleanup(func() {
-		x.cmd.Process.Signal(syscall.SIGTERM)
-		x.cmd.Wait()
 		if t.Failed() {
 			t.Logf("extproc logs:\n%s", x.Logs())
 		}
 	})
-	select {
-	case <-ready:
-	case <-exited:
-		t.Fatalf("extproc exited at start:\n%s", x.Logs())
-	case <-time.After(30 * time.Second):
-		t.Fatalf("extproc did not start:\n%s", x.Logs())
-	}
+	cfg.Bin, cfg.Log = extprocBin, x.log
+	cfg.Args = append([]string{"-v", "1", "--log-flush-interval", "0"}, cfg.Args...)
+	x.Extproc = testbed.MustStartExtproc(t, cfg)
 	return x
+}
+
+// logTo sends a simulator's lines to the test log (shown on failure or -v).
+func logTo(t *testing.T) testbed.LineFunc {
+	return func(line string) { t.Log(line) }
 }

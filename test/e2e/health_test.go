@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // TestReadinessFollowsTheDecodePool checks what an operator sees with grpcurl
@@ -15,15 +16,13 @@ import (
 // 200 again once one is back.
 func TestReadinessFollowsTheDecodePool(t *testing.T) {
 	startDecode := func(addr string) *pdsim.Server {
-		s, err := pdsim.Start(pdsim.Config{Role: pdsim.RoleDecode, Addr: addr, Log: testWriter{t}})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return s
+		return testbed.MustStartSim(t, testbed.SimConfig{Role: pdsim.RoleDecode, Addr: addr, Log: logTo(t)})
 	}
-	decode := startDecode("127.0.0.1:0")
+	decode := startDecode("")
 	addr := decode.Addr()
-	x := startExtproc(t, fmt.Sprintf(`pools: {decode: {endpoints: [%q], health: {check_interval: 50ms, check_timeout: 1s}}}`, addr))
+	// Started, not ready: what readiness does is the test.
+	x := startExtproc(t, testbed.ExtprocConfig{Wait: testbed.WaitStarted,
+		Config: fmt.Sprintf(`pools: {decode: {endpoints: [%q], health: {check_interval: 50ms, check_timeout: 1s}}}`, addr)})
 
 	readyz := func() int {
 		resp, err := http.Get("http://" + x.AdminAddr + "/readyz")
@@ -55,7 +54,6 @@ func TestReadinessFollowsTheDecodePool(t *testing.T) {
 	eventually("SERVING", http.StatusOK)
 	decode.Close()
 	eventually("NOT_SERVING", http.StatusServiceUnavailable)
-	decode = startDecode(addr) // the engine comes back on the same address
-	defer decode.Close()
+	startDecode(addr) // the engine comes back on the same address
 	eventually("SERVING", http.StatusOK)
 }

@@ -10,13 +10,84 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 
-	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 )
+
+// recorder is an HTTP endpoint that only counts and keeps what reaches it:
+// somewhere nothing may go (an attacker's host), or, with next set, a
+// transparent proxy in front of a simulator that keeps the headers it saw.
+type recorder struct {
+	*httptest.Server
+	mu      sync.Mutex
+	headers []http.Header
+	paths   []string
+}
+
+func newRecorder(t *testing.T, next string) *recorder {
+	rec := &recorder{}
+	var proxy http.Handler
+	if next != "" {
+		target := "http://" + next
+		proxy = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			out, err := http.NewRequestWithContext(r.Context(), r.Method, target+r.URL.RequestURI(), r.Body)
+			if err != nil {
+				http.Error(w, err.Error(), http.StatusBadGateway)
+				return
+			}
+			out.Header = r.Header.Clone()
+			out.ContentLength = r.ContentLength
+			resp, err := http.DefaultTransport.RoundTrip(out)
+			if err != nil {
+				http.Error(w, err.Error(), http.StatusBadGateway)
+				return
+			}
+			defer resp.Body.Close()
+			for k, v := range resp.Header {
+				w.Header()[k] = v
+			}
+			w.WriteHeader(resp.StatusCode)
+			rc := http.NewResponseController(w)
+			buf := make([]byte, 32<<10)
+			for {
+				n, err := resp.Body.Read(buf)
+				if n > 0 {
+					w.Write(buf[:n])
+					rc.Flush()
+				}
+				if err != nil {
+					return
+				}
+			}
+		})
+	}
+	rec.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rec.mu.Lock()
+		rec.headers = append(rec.headers, r.Header.Clone())
+		rec.paths = append(rec.paths, r.URL.Path)
+		rec.mu.Unlock()
+		if proxy == nil {
+			http.Error(w, "recorder: nothing should reach me", http.StatusTeapot)
+			return
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	t.Cleanup(rec.Close)
+	return rec
+}
+
+func (rec *recorder) addr() string { return rec.Listener.Addr().String() }
+
+func (rec *recorder) seen() ([]http.Header, []string) {
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	return append([]http.Header(nil), rec.headers...), append([]string(nil), rec.paths...)
+}
 
 // attackerIP is where a hostile client tries to send traffic: no leg may ever
 // mention it, and nothing may connect to it.
@@ -71,7 +142,7 @@ func TestHostileDestinationHeaderDoesNotSteer(t *testing.T) {
 		} {
 			t.Run(mode+"/"+tt.name, func(t *testing.T) {
 				var fronts []*recorder
-				r := startFaultRig(t, faultOptions{mode: mode, decodeAddrs: func(sims []*pdsim.Server) []string {
+				r := startRig(t, rigOptions{mode: mode, decodeAddrs: func(sims []*pdsim.Server) []string {
 					for _, s := range sims {
 						fronts = append(fronts, newRecorder(t, s.Addr()))
 					}
@@ -127,7 +198,7 @@ func TestHostileReservedFieldsNeverReachAnEngine(t *testing.T) {
 	for _, connector := range []string{"kv-nixl", "kv-sglang", "kv-shared-storage"} {
 		for _, mode := range []string{"full_duplex", "buffered"} {
 			t.Run(connector+"/"+mode, func(t *testing.T) {
-				r := startFaultRig(t, faultOptions{mode: mode, connector: connector})
+				r := startRig(t, rigOptions{mode: mode, connector: connector})
 				marker := "reserved " + connector + mode
 				messages := fmt.Sprintf(messagesTmpl, marker)
 				body := fmt.Sprintf(`{"kv_transfer_params":%s,"model":"pdsim","messages":%s,"kv\u005ftransfer_params":%s,`+
@@ -195,7 +266,7 @@ func TestHostileReservedFieldsNeverReachAnEngine(t *testing.T) {
 func TestNoneBodyModeRefusesABodyItCannotScrub(t *testing.T) {
 	attacker := newAttacker(t)
 	host, port := hostPort(t, attacker.addr())
-	r := startFaultRig(t, faultOptions{envoy: func(c *envoyemu.Config) { c.RequestBodyMode = filterv3.ProcessingMode_NONE }})
+	r := startRig(t, rigOptions{envoy: func(c *envoyemu.Config) { c.RequestBodyMode = filterv3.ProcessingMode_NONE }})
 	body := fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":"none mode"}],"kv_transfer_params":`+
 		`{"do_remote_prefill":true,"remote_block_ids":[[1]],"remote_engine_id":"e","remote_request_id":"r","remote_host":%q,"remote_port":%s}}`, host, port)
 	resp, got := r.must(t, "/v1/chat/completions", body, nil)
@@ -257,9 +328,9 @@ func TestHostileInputsGetAClear4xx(t *testing.T) {
 	}
 	for _, mode := range []string{"full_duplex", "buffered"} {
 		t.Run(mode, func(t *testing.T) {
-			rigs := map[bool]*faultRig{
-				false: startFaultRig(t, faultOptions{mode: mode, extra: fmt.Sprintf("limits: {max_body_bytes: %d}", limit)}),
-				true:  startFaultRig(t, faultOptions{mode: mode, extra: fmt.Sprintf("limits: {max_body_bytes: %d}", small)}),
+			rigs := map[bool]*rig{
+				false: startRig(t, rigOptions{mode: mode, extra: fmt.Sprintf("limits: {max_body_bytes: %d}", limit)}),
+				true:  startRig(t, rigOptions{mode: mode, extra: fmt.Sprintf("limits: {max_body_bytes: %d}", small)}),
 			}
 			for _, tt := range tests {
 				t.Run(tt.name, func(t *testing.T) {

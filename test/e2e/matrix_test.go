@@ -3,7 +3,6 @@ package e2e
 import (
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -20,7 +19,7 @@ func TestMatrix(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			for _, connector := range []string{"kv-nixl", "kv-shared-storage", "kv-sglang"} {
 				t.Run(connector, func(t *testing.T) {
-					r := startRig(t, mode, connector, rigOptions{})
+					r := startRig(t, rigOptions{mode: mode, connector: connector})
 					for _, stream := range []string{"stream", "non-stream"} {
 						for _, api := range []string{"chat", "completions"} {
 							t.Run(stream+"/"+api, func(t *testing.T) {
@@ -43,23 +42,9 @@ func request(api string, stream bool, prompt string) (path, body string) {
 	return "/v1/completions", fmt.Sprintf(`{"model":"pdsim","prompt":%q,"stream":%v,"max_tokens":4}`, prompt, stream)
 }
 
-func (r *rig) post(t *testing.T, path, body string) (*http.Response, string) {
-	t.Helper()
-	resp, err := http.Post(r.proxy.URL()+path, "application/json", strings.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return resp, string(b)
-}
-
 func (r *rig) checkHandoff(t *testing.T, stream bool, api, prompt string) {
 	path, body := request(api, stream, prompt)
-	resp, got := r.post(t, path, body)
+	resp, got := r.must(t, path, body, nil)
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("status %d: %s", resp.StatusCode, got)
 	}
@@ -109,12 +94,12 @@ func checkCompletion(t *testing.T, stream bool, body string) {
 }
 
 func TestPrefillFailureFallsBackToDecodeOnly(t *testing.T) {
-	r := startRig(t, "full_duplex", "kv-nixl", rigOptions{})
+	r := startRig(t, rigOptions{})
 	for _, p := range r.prefill {
 		p.SetFaults(pdsim.Faults{FailStatus: http.StatusServiceUnavailable})
 	}
 	path, body := request("chat", false, "prefill is down")
-	resp, got := r.post(t, path, body)
+	resp, got := r.must(t, path, body, nil)
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("status %d: %s", resp.StatusCode, got)
 	}
@@ -133,10 +118,10 @@ func TestPrefillFailureFallsBackToDecodeOnly(t *testing.T) {
 }
 
 func TestDecodeEndpointDownIs503(t *testing.T) {
-	dead := fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	r := startRig(t, "full_duplex", "kv-nixl", rigOptions{decodeAddrs: []string{dead}})
+	dead := deadAddr(t)
+	r := startRig(t, rigOptions{decodeAddrs: func([]*pdsim.Server) []string { return []string{dead} }})
 	path, body := request("chat", true, "decode is down")
-	resp, got := r.post(t, path, body)
+	resp, got := r.must(t, path, body, nil)
 	if resp.StatusCode != http.StatusServiceUnavailable {
 		t.Errorf("status %d (%s), want 503 from Envoy", resp.StatusCode, got)
 	}

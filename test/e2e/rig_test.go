@@ -1,102 +1,138 @@
 package e2e
 
 import (
+	"cmp"
+	"context"
+	"errors"
 	"fmt"
-	"net"
-	"path/filepath"
+	"io"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
-// rig is one deployment on loopback: the Envoy emulator in front of extproc, two
-// prefill and two decode engine simulators.
+// rig is one deployment on loopback: the Envoy emulator in front of extproc,
+// prefill and decode engine simulators (two of each by default). It can be
+// built to be broken: pool addresses can point anywhere (dead ports,
+// simulators in the wrong role, recorders), the Envoy config can be tweaked,
+// a simulator can be started again in place, and extproc can be killed and
+// started again on the same gRPC port.
 type rig struct {
-	proxy            *envoyemu.Proxy
-	extproc          *extproc
-	prefill, decode  []*pdsim.Server
-	connector, proto string
-}
-
-// envoyYAML is the bootstrap for each request body mode: the files users run.
-var envoyYAML = map[string]string{
-	"full_duplex": "config/envoy/envoy.yaml",
-	"buffered":    "config/envoy/envoy-buffered.yaml",
-}
-
-// protocols maps a connector to the simulators' protocol.
-var protocols = map[string]string{
-	"kv-nixl":           pdsim.ProtocolNIXL,
-	"kv-shared-storage": pdsim.ProtocolSharedStorage,
-	"kv-sglang":         pdsim.ProtocolSGLang,
+	mode, connector string
+	proxy           *envoyemu.Proxy
+	extproc         *extproc
+	config          string // extproc's config
+	prefill, decode []*pdsim.Server
+	decodeAddrs     []string          // the decode pool as configured
+	sim             testbed.SimConfig // what the rig's simulators share: protocol, shared dir, bootstrap port, timings
 }
 
 type rigOptions struct {
-	decodeAddrs []string // overrides the decode pool (e.g. a dead endpoint)
-	prefillPool string   // more keys of pools.prefill, e.g. "policy: round-robin"
-	extra       string   // more top-level extproc config
+	mode, connector string // default full_duplex, kv-nixl
+	prefills        int    // prefill simulators (default 2; -1 none)
+	decodes         int    // decode simulators (default 2)
+	// prefillAddrs and decodeAddrs override the pools' endpoints, given the
+	// simulators (e.g. a dead endpoint, or recorders in front of them).
+	prefillAddrs func(sims []*pdsim.Server) []string
+	decodeAddrs  func(sims []*pdsim.Server) []string
+	prefillRole  string        // a decode-role "prefill" is an engine without a KV connector
+	outputTokens int           // decode answer length (default 5)
+	handshake    time.Duration // SGLang bootstrap handshake bound of the simulators (default 10s)
+	extra        string        // more top-level extproc config
+	prefillPool  string        // more keys of pools.prefill / pools.decode, e.g. "policy: round-robin"
+	decodePool   string
+	envoy        func(*envoyemu.Config) // changes the Envoy config before the emulator starts
 }
 
-func startRig(t *testing.T, mode, connector string, opts rigOptions) *rig {
-	t.Helper()
-	r := &rig{connector: connector, proto: protocols[connector]}
-	shared := t.TempDir()
-	// Each simulator has its own loopback IP, like engines on their own hosts, so
-	// SGLang prefills can share one bootstrap port as the pool config says.
-	bootstrapPort := freePort(t)
-	start := func(role string, ip string) *pdsim.Server {
-		s, err := pdsim.Start(pdsim.Config{
-			Role: role, Protocol: r.proto, SharedDir: shared,
-			Addr: ip + ":0", KVAddr: ip + ":0", BootstrapAddr: fmt.Sprintf("%s:%d", ip, bootstrapPort),
-			TTFT: time.Millisecond, TPOT: time.Millisecond, KVTransfer: time.Millisecond,
-			OutputTokens: 5, HandshakeTimeout: 10 * time.Second, Log: testWriter{t},
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { s.Close() })
-		return s
+// simIP is the loopback IP of the rig's i-th simulator of a role: each has
+// its own, like engines on their own hosts, so SGLang prefills can share one
+// bootstrap port as the pool config says.
+func simIP(role string, i int) string {
+	if role == pdsim.RoleDecode {
+		return fmt.Sprintf("127.0.0.%d", 40+i)
 	}
-	var prefillAddrs, decodeAddrs []string
-	for i := range 2 {
-		p, d := start(pdsim.RolePrefill, fmt.Sprintf("127.0.0.%d", 10+i)), start(pdsim.RoleDecode, fmt.Sprintf("127.0.0.%d", 20+i))
-		r.prefill, r.decode = append(r.prefill, p), append(r.decode, d)
-		prefillAddrs, decodeAddrs = append(prefillAddrs, p.Addr()), append(decodeAddrs, d.Addr())
-	}
-	if opts.decodeAddrs != nil {
-		decodeAddrs = opts.decodeAddrs
-	}
-	r.extproc = startExtproc(t, fmt.Sprintf(`connector: %s
-pools:
-  prefill: {endpoints: [%s], bootstrap_port: %d, %s}
-  decode: {endpoints: [%s]}
-%s`, connector, quoteAll(prefillAddrs), bootstrapPort, opts.prefillPool, quoteAll(decodeAddrs), opts.extra))
+	return fmt.Sprintf("127.0.0.%d", 30+i)
+}
 
-	cfg, err := envoyemu.LoadConfig(filepath.Join(repoRoot(), envoyYAML[mode]))
-	if err != nil {
-		t.Fatal(err)
+func startRig(t *testing.T, o rigOptions) *rig {
+	t.Helper()
+	o.mode = cmp.Or(o.mode, "full_duplex")
+	o.connector = cmp.Or(o.connector, "kv-nixl")
+	o.prefillRole = cmp.Or(o.prefillRole, pdsim.RolePrefill)
+	if o.prefills == 0 {
+		o.prefills = 2
 	}
-	cfg.Logf = t.Logf
-	r.proxy, err = envoyemu.Start(cfg, r.extproc.GRPCAddr)
-	if err != nil {
-		t.Fatal(err)
+	if o.decodes == 0 {
+		o.decodes = 2
 	}
-	t.Cleanup(func() { r.proxy.Close() })
+	r := &rig{mode: o.mode, connector: o.connector, sim: testbed.SimConfig{
+		Protocol: testbed.Protocols[o.connector], SharedDir: t.TempDir(), BootstrapPort: testbed.MustFreePort(t),
+		Timings: testbed.Timings{
+			TTFT: time.Millisecond, TPOT: time.Millisecond, KVTransfer: time.Millisecond,
+			OutputTokens: cmp.Or(o.outputTokens, 5), HandshakeTimeout: cmp.Or(o.handshake, 10*time.Second),
+		},
+		Log: logTo(t),
+	}}
+	for i := range max(o.prefills, 0) {
+		r.prefill = append(r.prefill, r.startSim(t, o.prefillRole, simIP(pdsim.RolePrefill, i), ""))
+	}
+	for i := range o.decodes {
+		r.decode = append(r.decode, r.startSim(t, pdsim.RoleDecode, simIP(pdsim.RoleDecode, i), ""))
+	}
+	prefillAddrs, decodeAddrs := testbed.Addrs(r.prefill), testbed.Addrs(r.decode)
+	if o.prefillAddrs != nil {
+		prefillAddrs = o.prefillAddrs(r.prefill)
+	}
+	if o.decodeAddrs != nil {
+		decodeAddrs = o.decodeAddrs(r.decode)
+	}
+	r.decodeAddrs = decodeAddrs
+	more := func(keys string) string {
+		if keys == "" {
+			return ""
+		}
+		return ", " + keys
+	}
+	r.config = fmt.Sprintf("connector: %s\npools:\n  prefill: {endpoints: [%s], bootstrap_port: %d%s}\n  decode: {endpoints: [%s]%s}\n%s\n",
+		o.connector, quoteAll(prefillAddrs), r.sim.BootstrapPort, more(o.prefillPool), quoteAll(decodeAddrs), more(o.decodePool), o.extra)
+	r.extproc = startExtproc(t, testbed.ExtprocConfig{Config: r.config})
+
+	r.proxy = testbed.MustStartEnvoy(t, testbed.EnvoyConfigs[o.mode], r.extproc.GRPCAddr, func(cfg *envoyemu.Config) {
+		cfg.Logf = t.Logf
+		if o.envoy != nil {
+			o.envoy(cfg)
+		}
+	})
 	return r
 }
 
-// freePort returns a TCP port that is free on loopback now.
-func freePort(t *testing.T) int {
+// startSim runs one engine simulator of the rig's protocol on ip (addr
+// overrides the HTTP address, to start one again in place).
+func (r *rig) startSim(t *testing.T, role, ip, addr string) *pdsim.Server {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
+	cfg := r.sim
+	cfg.Role, cfg.IP, cfg.Addr = role, ip, addr
+	return testbed.MustStartSim(t, cfg)
+}
+
+// restartDecode starts decode simulator i again on the address it had, after
+// it was closed.
+func (r *rig) restartDecode(t *testing.T, i int, addr string) {
+	t.Helper()
+	ip, _ := hostPort(t, addr)
+	r.decode[i] = r.startSim(t, pdsim.RoleDecode, ip, addr)
+}
+
+// restartExtproc starts extproc again, after it was killed, with the same
+// config on the same gRPC port.
+func (r *rig) restartExtproc(t *testing.T) {
+	t.Helper()
+	r.extproc = startExtproc(t, testbed.ExtprocConfig{Config: r.config, GRPCAddr: r.extproc.GRPCAddr})
 }
 
 func quoteAll(addrs []string) string {
@@ -107,31 +143,86 @@ func quoteAll(addrs []string) string {
 	return strings.Join(q, ", ")
 }
 
-// served returns the record of requestID on whichever simulator saw it.
-func served(t *testing.T, sims []*pdsim.Server, pick func(pdsim.Record) bool) (*pdsim.Server, pdsim.Record) {
-	t.Helper()
-	var found *pdsim.Server
-	var rec pdsim.Record
-	for _, s := range sims {
-		for _, r := range s.Requests() {
-			if pick(r) {
-				if found != nil {
-					t.Fatalf("two simulators served the same leg: %s and %s", found.Addr(), s.Addr())
-				}
-				found, rec = s, r
-			}
-		}
+// send posts body to path through the emulator; the context bounds it.
+func (r *rig) send(ctx context.Context, path, body string, header http.Header) (*http.Response, string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, r.proxy.URL()+path, strings.NewReader(body))
+	if err != nil {
+		return nil, "", err
 	}
-	if found == nil {
-		t.Fatal("no simulator served the leg")
+	req.Header.Set("Content-Type", "application/json")
+	for k, v := range header {
+		req.Header[k] = v
 	}
-	return found, rec
+	resp, err := rigClient.Do(req)
+	if err != nil {
+		return nil, "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return resp, string(b), err
 }
 
-// testWriter sends simulator logs to the test log (shown on failure or -v).
-type testWriter struct{ t *testing.T }
+// rigClient opens a connection per request. After a local reply sent before
+// the request body was read the emulator closes the connection, and a pooled
+// client may pick it up in that instant ("server closed idle connection"): a
+// client-side race that would hide what the tests look at.
+var rigClient = &http.Client{Transport: &http.Transport{DisableKeepAlives: true, Proxy: nil}}
 
-func (w testWriter) Write(p []byte) (int, error) {
-	w.t.Log(strings.TrimRight(string(p), "\n"))
-	return len(p), nil
+// must sends a request that has to come back whole.
+func (r *rig) must(t *testing.T, path, body string, header http.Header) (*http.Response, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	resp, got, err := r.send(ctx, path, body, header)
+	if err != nil {
+		t.Fatalf("POST %s: %v", path, err)
+	}
+	return resp, got
+}
+
+// clearPrefillFaults makes every prefill simulator well again.
+func (r *rig) clearPrefillFaults() {
+	for _, p := range r.prefill {
+		p.SetFaults(pdsim.Faults{})
+	}
+}
+
+// healthy checks extproc still serves: /healthz answers 200 and an ordinary
+// request completes through Envoy.
+func (r *rig) healthy(t *testing.T, marker string) {
+	t.Helper()
+	r.alive(t)
+	path, body := request("chat", true, marker)
+	if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK {
+		t.Fatalf("an ordinary request after the fault: status %d: %.300s", resp.StatusCode, got)
+	} else {
+		checkCompletion(t, true, got)
+	}
+}
+
+// alive checks extproc's /healthz answers 200.
+func (r *rig) alive(t *testing.T) {
+	t.Helper()
+	resp, err := http.Get("http://" + r.extproc.AdminAddr + "/healthz")
+	if err != nil {
+		t.Fatalf("/healthz: %v", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("/healthz answered %d", resp.StatusCode)
+	}
+}
+
+// metric reads one sample from extproc's /metrics: the first line that starts
+// with series (a metric name, with labels if they matter); -1 when absent.
+func (r *rig) metric(t *testing.T, series string) float64 {
+	t.Helper()
+	v, err := r.extproc.Metric(t.Context(), series)
+	switch {
+	case errors.Is(err, testbed.ErrNoSample):
+		return -1
+	case err != nil:
+		t.Fatalf("/metrics: %v", err)
+	}
+	return v
 }

@@ -24,7 +24,7 @@ func legsOn(sims []*pdsim.Server, marker string) []int {
 }
 
 func TestFailingPrefillEndpointIsEjected(t *testing.T) {
-	r := startRig(t, "full_duplex", "kv-nixl", rigOptions{
+	r := startRig(t, rigOptions{
 		prefillPool: "policy: round-robin, health: {consecutive_failures: 2, base_ejection: 1m}",
 		extra:       "prefill: {on_failure: fail}",
 	})
@@ -32,7 +32,7 @@ func TestFailingPrefillEndpointIsEjected(t *testing.T) {
 	const requests = 20
 	for i := range requests {
 		path, body := request("chat", false, fmt.Sprintf("ejection %d", i))
-		if resp, got := r.post(t, path, body); resp.StatusCode != http.StatusOK {
+		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK {
 			t.Fatalf("request %d: status %d: %s", i, resp.StatusCode, got)
 		}
 	}
@@ -45,12 +45,12 @@ func TestFailingPrefillEndpointIsEjected(t *testing.T) {
 }
 
 func TestSharedPrefixesStickToOnePrefillEndpoint(t *testing.T) {
-	r := startRig(t, "full_duplex", "kv-nixl", rigOptions{prefillPool: "policy: prefix-affinity, prefix: {block_chars: 64}"})
+	r := startRig(t, rigOptions{prefillPool: "policy: prefix-affinity, prefix: {block_chars: 64}"})
 	system := strings.Repeat("You are a careful assistant who answers in French. ", 8)
 	const turns = 20
 	for i := range turns {
 		path, body := request("chat", false, fmt.Sprintf("%s shared turn %d", system, i))
-		if resp, got := r.post(t, path, body); resp.StatusCode != http.StatusOK {
+		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK {
 			t.Fatalf("status %d: %s", resp.StatusCode, got)
 		}
 	}
@@ -61,7 +61,7 @@ func TestSharedPrefixesStickToOnePrefillEndpoint(t *testing.T) {
 
 	for i := range turns {
 		path, body := request("chat", false, fmt.Sprintf("distinct prompt %d: %s", i, strings.Repeat(fmt.Sprint(i), 300)))
-		if resp, got := r.post(t, path, body); resp.StatusCode != http.StatusOK {
+		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK {
 			t.Fatalf("status %d: %s", resp.StatusCode, got)
 		}
 	}
@@ -82,11 +82,11 @@ func TestShortPromptSkipsThePrefillLeg(t *testing.T) {
 	// In BUFFERED a decode-only body needs no change, so extproc does not send it
 	// back and Envoy forwards its own copy: the engine must still get it whole.
 	for _, mode := range []string{"full_duplex", "buffered"} {
-		r := startRig(t, mode, "kv-nixl", rigOptions{extra: "pd: {min_prompt_tokens: 100}"})
+		r := startRig(t, rigOptions{mode: mode, extra: "pd: {min_prompt_tokens: 100}"})
 		for _, tt := range tests {
 			t.Run(mode+"/"+tt.name, func(t *testing.T) {
 				path, body := request("chat", false, mode+tt.prompt)
-				if resp, got := r.post(t, path, body); resp.StatusCode != http.StatusOK {
+				if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK {
 					t.Fatalf("status %d: %s", resp.StatusCode, got)
 				}
 				marker := mode + tt.prompt[:8]
@@ -106,7 +106,7 @@ func TestShortPromptSkipsThePrefillLeg(t *testing.T) {
 }
 
 func TestConfigReloadMovesTrafficWithoutRestart(t *testing.T) {
-	r := startRig(t, "full_duplex", "kv-nixl", rigOptions{})
+	r := startRig(t, rigOptions{})
 	only := func(addr string) string {
 		return fmt.Sprintf(`connector: kv-nixl
 pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}
@@ -126,7 +126,7 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}
 			r.extproc.waitLog(t, fmt.Sprintf(`"decode":["%s"]`, tt.wantDecode))
 		}
 		path, body := request("chat", false, fmt.Sprintf("reload %d", i))
-		if resp, got := r.post(t, path, body); resp.StatusCode != http.StatusOK {
+		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK {
 			t.Fatalf("status %d: %s", resp.StatusCode, got)
 		}
 		if up := r.proxy.Upstreams(); up[len(up)-1] != tt.wantDecode {

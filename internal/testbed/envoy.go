@@ -1,0 +1,29 @@
+package testbed
+
+import (
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
+)
+
+// StartEnvoy starts the Envoy emulator on a bootstrap file of the repo
+// (repository-relative, as in EnvoyConfigs, or absolute) in front of the
+// ext_proc server at extprocAddr, and hands its Close to c. tweak, when set,
+// changes the loaded config first.
+func StartEnvoy(c Cleaner, file, extprocAddr string, tweak func(*envoyemu.Config)) (*envoyemu.Proxy, error) {
+	path, err := RepoPath(file)
+	if err != nil {
+		return nil, err
+	}
+	cfg, err := envoyemu.LoadConfig(path)
+	if err != nil {
+		return nil, err
+	}
+	if tweak != nil {
+		tweak(cfg)
+	}
+	p, err := envoyemu.Start(cfg, extprocAddr)
+	if err != nil {
+		return nil, err
+	}
+	c.Cleanup(func() { p.Close() })
+	return p, nil
+}

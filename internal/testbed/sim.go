@@ -1,0 +1,63 @@
+package testbed
+
+import (
+	"cmp"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+)
+
+// Timings are a simulator's latencies and answer length.
+type Timings struct {
+	TTFT, TPOT, KVTransfer time.Duration
+	OutputTokens           int           // the natural answer length (max_tokens caps it)
+	HandshakeTimeout       time.Duration // the kv-sglang bootstrap handshake bound of both legs
+}
+
+// SimConfig is one engine simulator on loopback.
+type SimConfig struct {
+	Role, Protocol string // pdsim.RolePrefill or RoleDecode; pdsim.ProtocolNIXL, ...
+	// IP is where every listener of the simulator is; default 127.0.0.1.
+	// Simulators on IPs of their own are like engines on their own hosts:
+	// SGLang prefills can then share one bootstrap port, as a pool config says.
+	IP string
+	// Addr is the HTTP listen address; default IP:0 (a restart passes the
+	// address the simulator had).
+	Addr string
+	// KVPort and BootstrapPort are the NIXL side channel's and the SGLang
+	// bootstrap server's ports on IP; 0: any free one.
+	KVPort, BootstrapPort int
+	SharedDir             string // kv-shared-storage's directory
+	Timings
+	Log io.Writer // a line per request; nil discards them
+}
+
+// StartSim starts an engine simulator in this process and hands its Close to c.
+func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
+	ip := cmp.Or(cfg.IP, "127.0.0.1")
+	s, err := pdsim.Start(pdsim.Config{
+		Role: cfg.Role, Protocol: cfg.Protocol, SharedDir: cfg.SharedDir,
+		Addr:          cmp.Or(cfg.Addr, ip+":0"),
+		KVAddr:        fmt.Sprintf("%s:%d", ip, cfg.KVPort),
+		BootstrapAddr: fmt.Sprintf("%s:%d", ip, cfg.BootstrapPort),
+		TTFT:          cfg.TTFT, TPOT: cfg.TPOT, KVTransfer: cfg.KVTransfer,
+		OutputTokens: cfg.OutputTokens, HandshakeTimeout: cfg.HandshakeTimeout,
+		Log: cmp.Or[io.Writer](cfg.Log, io.Discard),
+	})
+	if err != nil {
+		return nil, err
+	}
+	c.Cleanup(func() { s.Close() })
+	return s, nil
+}
+
+// Addrs lists the simulators' HTTP addresses: a pool's endpoints.
+func Addrs(sims []*pdsim.Server) []string {
+	out := make([]string, len(sims))
+	for i, s := range sims {
+		out[i] = s.Addr()
+	}
+	return out
+}

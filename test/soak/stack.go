@@ -1,0 +1,117 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
+)
+
+// stack is one connector's deployment: a real extproc process, two prefill
+// and two decode simulators, and an Envoy emulator per body mode in front.
+type stack struct {
+	connector string
+	extproc   *testbed.Extproc
+	proxies   map[string]*envoyemu.Proxy // by mode
+	engines   *engines
+	kills     *killWindows // faults.go
+	routes    *routeCounts // stats.go
+	usage     *usage       // stats.go
+}
+
+// engines are a stack's simulators; a killed decode is replaced in place.
+type engines struct {
+	c   testbed.Cleaner
+	sim testbed.SimConfig // what every simulator of the stack shares
+	n   int               // the stack's number: its simulators' IPs are 127.0.<10+n>.x
+
+	mu              sync.Mutex
+	prefill, decode []*pdsim.Server
+}
+
+// soakTimings: a short handshake bound, so a kv-sglang decode whose prefill
+// leg failed gives up after it (see sglangLegClass).
+var soakTimings = testbed.Timings{
+	TTFT: 2 * time.Millisecond, TPOT: time.Millisecond, KVTransfer: time.Millisecond,
+	OutputTokens: 8, HandshakeTimeout: 2 * time.Second,
+}
+
+func startStack(ctx context.Context, c testbed.Cleaner, tmp, bin, connector string, n int) (*stack, error) {
+	port, err := testbed.FreePort()
+	if err != nil {
+		return nil, err
+	}
+	e := &engines{c: c, n: n, sim: testbed.SimConfig{
+		Protocol: testbed.Protocols[connector], SharedDir: filepath.Join(tmp, connector),
+		BootstrapPort: port, Timings: soakTimings,
+	}}
+	for i := range 2 {
+		p, err := e.start(pdsim.RolePrefill, i, "")
+		if err != nil {
+			return nil, err
+		}
+		d, err := e.start(pdsim.RoleDecode, i, "")
+		if err != nil {
+			return nil, err
+		}
+		e.prefill, e.decode = append(e.prefill, p), append(e.decode, d)
+	}
+	s := &stack{connector: connector, engines: e, proxies: map[string]*envoyemu.Proxy{},
+		kills: &killWindows{}, routes: &routeCounts{n: map[string]int{}}, usage: &usage{}}
+	s.extproc, err = testbed.StartExtproc(ctx, c, testbed.ExtprocConfig{
+		Bin: bin, Dir: tmp, Log: testbed.LineFunc(s.routes.add),
+		Config: fmt.Sprintf(`connector: %s
+pools:
+  prefill: {endpoints: [%s], bootstrap_port: %d}
+  decode: {endpoints: [%s], health: {check_interval: 1s}}
+`, connector, quote(e.prefill), port, quote(e.decode)),
+		// --pprof: the goroutine profile tells idle connection pools from
+		// work left behind; the soak reads request lines as they come.
+		Args: []string{"--pprof", "--log-flush-interval", "0"},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", connector, err)
+	}
+	for _, mode := range testbed.Modes {
+		if s.proxies[mode], err = testbed.StartEnvoy(c, testbed.EnvoyConfigs[mode], s.extproc.GRPCAddr, nil); err != nil {
+			return nil, err
+		}
+	}
+	return s, nil
+}
+
+func quote(sims []*pdsim.Server) string {
+	var q []string
+	for _, a := range testbed.Addrs(sims) {
+		q = append(q, strconv.Quote(a))
+	}
+	return strings.Join(q, ", ")
+}
+
+// start runs the stack's i-th simulator of role (addr: on the address a
+// killed one had).
+func (e *engines) start(role string, i int, addr string) (*pdsim.Server, error) {
+	base := 50
+	if role == pdsim.RoleDecode {
+		base = 60
+	}
+	cfg := e.sim
+	cfg.Role, cfg.IP, cfg.Addr = role, fmt.Sprintf("127.0.%d.%d", 10+e.n, base+i), addr
+	return testbed.StartSim(e.c, cfg)
+}
+
+// metric reads one sample of extproc's /metrics; -1 when it cannot.
+func (s *stack) metric(name string) float64 {
+	v, err := s.extproc.Metric(context.Background(), name)
+	if err != nil {
+		return -1
+	}
+	return v
+}
