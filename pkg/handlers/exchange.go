@@ -7,7 +7,6 @@ import (
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
-	"github.com/go-logr/logr"
 
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 )
@@ -31,7 +30,6 @@ type sink interface {
 type exchange struct {
 	router Router
 	opts   *Options
-	log    logr.Logger
 	out    sink
 	ctx    context.Context // the stream's, carrying the request span once headers are in
 
@@ -46,7 +44,7 @@ type exchange struct {
 	decision      *pipeline.Decision
 
 	body bodyCollector
-	obs  observation
+	obs  observation // its logger is the exchange's too
 }
 
 func (x *exchange) requestMode() filterv3.ProcessingMode_BodySendMode {
@@ -83,13 +81,13 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err erro
 
 func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 	if x.headersSeen {
-		x.log.V(1).Info("ignoring repeated request headers", "requestID", x.req.RequestID)
+		x.obs.log.V(1).Info("ignoring repeated request headers", "requestID", x.req.RequestID)
 		return false, nil
 	}
 	x.headersSeen = true
 	start := time.Now()
 	x.readHeaders(h.GetHeaders())
-	x.ctx = x.obs.begin(x.ctx, &x.req, start)
+	x.ctx = x.obs.begin(x.ctx, &x.req, h.GetHeaders(), start)
 	if x.overloaded {
 		return x.fail(pipeline.Overloaded(x.opts.MaxStreams, x.opts.RetryAfter))
 	}
@@ -132,7 +130,7 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 
 func (x *exchange) onRequestBody(b *extprocv3.HttpBody) (bool, error) {
 	if x.requestDone || !x.headersSeen {
-		x.log.V(1).Info("dropping request body after its end", "requestID", x.req.RequestID, "bytes", len(b.GetBody()))
+		x.obs.log.V(1).Info("dropping request body after its end", "requestID", x.req.RequestID, "bytes", len(b.GetBody()))
 		return false, nil
 	}
 	// Only FULL_DUPLEX cuts a body into several messages, and a first one with
@@ -231,7 +229,7 @@ func (x *exchange) route(keepAlive bool) (*pipeline.Decision, error) {
 		timer := time.AfterFunc(x.opts.OverrideAfter, func() {
 			defer close(sent)
 			if err := x.out.Send(overrideReply(x.opts.OverrideTimeout)); err != nil {
-				x.log.V(1).Info("sending override_message_timeout failed", "requestID", x.req.RequestID, "error", err.Error())
+				x.obs.log.V(1).Info("sending override_message_timeout failed", "requestID", x.req.RequestID, "error", err.Error())
 			}
 		})
 		defer func() {

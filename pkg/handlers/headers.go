@@ -8,12 +8,12 @@ import (
 	"github.com/google/uuid"
 )
 
-// readHeaders takes what routing needs. Envoy sends values in raw_value; value is
+// readHeaders takes what routing needs (begin reads what the observation does). Envoy sends values in raw_value; value is
 // read only as a fallback for Envoys with the raw_value guard off.
 func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 	x.contentLength = -1
 	var logged map[string]string // protocol-detail logging only
-	if x.log.V(2).Enabled() {
+	if x.obs.log.V(2).Enabled() {
 		logged = make(map[string]string, len(hm.GetHeaders()))
 	}
 	for _, h := range hm.GetHeaders() {
@@ -21,7 +21,6 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 		if logged != nil {
 			logged[key] = redact(key, headerValue(h))
 		}
-		x.obs.header(key, h)
 		switch key {
 		case ":path":
 			x.req.Path = headerValue(h)
@@ -39,7 +38,7 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 		x.req.RequestID = uuid.NewString()
 	}
 	if logged != nil {
-		x.log.V(2).Info("request headers", "requestID", x.req.RequestID, "headers", logged)
+		x.obs.log.V(2).Info("request headers", "requestID", x.req.RequestID, "headers", logged)
 	}
 }
 

@@ -49,36 +49,34 @@ type observer struct {
 // It concludes once: routed, rejected or abandoned, whichever comes first.
 type observation struct {
 	*observer
-	req          *pipeline.Request // set by begin; nil until the request headers
-	start        time.Time
-	method       string
-	traceHeaders propagation.MapCarrier
-	span         trace.Span
-	concluded    bool // counted and logged
+	req   *pipeline.Request // set by begin
+	start time.Time
+	// span is the request's from begin until the observation concludes, and
+	// nil outside that time.
+	span trace.Span
 }
 
-// header notes what the observation needs of one request header.
-func (o *observation) header(key string, h *corev3.HeaderValue) {
-	if o.traceFields[key] {
-		if o.traceHeaders == nil {
-			o.traceHeaders = propagation.MapCarrier{}
+// begin starts the observation of r, whose headers hm arrived at start: its
+// span, joined to the caller's trace. It returns ctx carrying the span.
+func (o *observation) begin(ctx context.Context, r *pipeline.Request, hm *corev3.HeaderMap, start time.Time) context.Context {
+	var method string
+	var traceHeaders propagation.MapCarrier
+	for _, h := range hm.GetHeaders() {
+		key := h.GetKey()
+		if o.traceFields[key] {
+			if traceHeaders == nil {
+				traceHeaders = propagation.MapCarrier{}
+			}
+			traceHeaders[key] = headerValue(h)
 		}
-		o.traceHeaders[key] = headerValue(h)
+		if key == ":method" {
+			method = headerValue(h)
+		}
 	}
-	if key == ":method" {
-		o.method = headerValue(h)
-	}
-}
-
-// begin starts the observation of r once its headers, which arrived at start,
-// are read: its span, joined to the caller's trace. It returns ctx carrying the
-// span.
-func (o *observation) begin(ctx context.Context, r *pipeline.Request, start time.Time) context.Context {
 	o.req, o.start = r, start
-	ctx = o.propagator.Extract(ctx, o.traceHeaders)
-	ctx, o.span = o.tracer.Start(ctx, "extproc.request", trace.WithSpanKind(trace.SpanKindServer),
+	ctx, o.span = o.tracer.Start(o.propagator.Extract(ctx, traceHeaders), "extproc.request", trace.WithSpanKind(trace.SpanKindServer),
 		trace.WithAttributes(
-			semconv.HTTPRequestMethodKey.String(o.method),
+			semconv.HTTPRequestMethodKey.String(method),
 			semconv.URLPath(r.Path),
 			attribute.String("pd.request_id", r.RequestID),
 		))
@@ -114,10 +112,9 @@ func (o *observation) abandon(d *pipeline.Decision, body []byte) {
 // decision, endpoints, timings, outcome. It acts once, and only on a request
 // begun.
 func (o *observation) conclude(outcome string, status int, reason string, d *pipeline.Decision, body []byte) {
-	if o.req == nil || o.concluded {
+	if o.span == nil {
 		return
 	}
-	o.concluded = true
 	rep := o.req.Report
 	api := pipeline.APIOf(o.req.Path)
 	// The prefill leg is the engine's time, not ours; what is left is parsing,
@@ -140,6 +137,7 @@ func (o *observation) conclude(outcome string, status int, reason string, d *pip
 		}
 	}
 	o.endSpan(api, outcome, status, reason, d)
+	o.span = nil
 	o.log.Info("request", kv...)
 }
 

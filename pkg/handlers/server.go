@@ -62,7 +62,6 @@ type Server struct {
 	streams atomic.Int64 // Process calls in progress
 	router  Router
 	opts    Options
-	log     logr.Logger
 	obs     observer
 }
 
@@ -74,7 +73,7 @@ func NewServer(r Router, opts Options, log logr.Logger) *Server {
 	if opts.Propagator == nil {
 		opts.Propagator = propagation.TraceContext{}
 	}
-	s := &Server{router: r, opts: opts, log: log, obs: observer{
+	s := &Server{router: r, opts: opts, obs: observer{
 		metrics:     opts.Metrics,
 		log:         log,
 		tracer:      opts.TracerProvider.Tracer("github.com/pd-extproc/pd-extproc/pkg/handlers"),
@@ -115,7 +114,7 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 // open starts the exchange of a new stream, whose replies go to out.
 func (s *Server) open(ctx context.Context, out sink) *exchange {
 	s.opts.Metrics.StreamOpened()
-	x := &exchange{router: s.router, opts: &s.opts, log: s.log, out: out, ctx: ctx, obs: observation{observer: &s.obs}}
+	x := &exchange{router: s.router, opts: &s.opts, out: out, ctx: ctx, obs: observation{observer: &s.obs}}
 	if n := s.streams.Add(1); s.opts.MaxStreams > 0 && n > int64(s.opts.MaxStreams) {
 		x.overloaded = true // refused at its first message, without holding a body
 	}
