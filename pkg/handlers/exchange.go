@@ -33,7 +33,7 @@ type exchange struct {
 	out    sink
 	ctx    context.Context // the stream's, carrying the request span once headers are in
 
-	protocol *extprocv3.ProtocolConfiguration // the last Envoy sent: the body modes
+	protocol *extprocv3.ProtocolConfiguration // the last one Envoy sent: the body modes
 
 	headersSeen   bool
 	overloaded    bool // over Options.MaxStreams: refuse with 429
