@@ -5,6 +5,41 @@ import (
 	"sync"
 )
 
+// bodyCollector gathers a request body from its chunks without copying it more
+// than once: a body that comes whole (BUFFERED, or a small FULL_DUPLEX body) is
+// used as gRPC decoded it; a chunked one goes into a pooled buffer sized once
+// from Content-Length, which the limit was checked against, so it never regrows.
+type bodyCollector struct {
+	buf    []byte
+	pooled bool // buf is from takeBuffer
+}
+
+// add appends chunk. whole says the first chunk is the whole body; announced
+// is the Content-Length, -1 when the client sent none.
+func (c *bodyCollector) add(chunk []byte, whole bool, announced int64) {
+	switch {
+	case c.buf == nil && whole:
+		c.buf = chunk
+	case c.buf == nil && announced > 0:
+		c.buf = takeBuffer(int(max(announced, int64(len(chunk)))))
+		c.pooled = true
+		fallthrough
+	default:
+		c.buf = append(c.buf, chunk...)
+	}
+}
+
+// bytes is the body collected so far; nil before any chunk.
+func (c *bodyCollector) bytes() []byte { return c.buf }
+
+// release gives a pooled buffer back once the stream is over, unless held: a
+// prefill leg may still be reading it.
+func (c *bodyCollector) release(held bool) {
+	if c.pooled && !held {
+		giveBack(c.buf)
+	}
+}
+
 // Buffers for FULL_DUPLEX bodies that come in several chunks, which are
 // collected into one. A buffer is taken at the first chunk, sized from
 // Content-Length, and given back when the stream ends, unless the body went to

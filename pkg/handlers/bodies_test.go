@@ -1,6 +1,10 @@
 package handlers
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+)
 
 func TestSizeClassesHoldTheBodyWithAQuarterToSpare(t *testing.T) {
 	tests := []struct{ n, size int }{
@@ -40,10 +44,10 @@ func TestBodyBufferIsReusedOnlyWhenNoLegHoldsIt(t *testing.T) {
 	}{{"", true}, {"10.0.0.7:8000", false}} {
 		seen := false
 		for range 20 { // sync.Pool may drop an item (always under -race, now and then)
-			x := &exchange{body: takeBuffer(n), pooled: true}
-			x.req.Report.Prefill = tt.prefill
-			first := &x.body[:1][0]
-			x.releaseBody()
+			c := bodyCollector{buf: takeBuffer(n), pooled: true}
+			req := pipeline.Request{Report: pipeline.Report{Prefill: tt.prefill}}
+			first := &c.buf[:1][0]
+			c.release(req.BodyHeld())
 			next := takeBuffer(n)
 			if &next[:1][0] == first {
 				seen = true

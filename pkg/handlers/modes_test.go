@@ -1,31 +1,23 @@
 package handlers_test
 
+// The real pipeline behind the phases, driven without gRPC: what reaches the
+// engines and Envoy for each connector and body mode.
+
 import (
 	"fmt"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 )
-
-const (
-	fullDuplex = filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
-	buffered   = filterv3.ProcessingMode_BUFFERED
-	chatPath   = "/v1/chat/completions"
-)
-
-// clientChat carries fields a client must not be able to set (kv_transfer_params,
-// bootstrap_room) and a 20-digit seed that must keep every digit.
-const clientChat = `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,` +
-	`"stream_options":{"include_usage":true},"max_tokens":50,"seed":12345678901234567890,` +
-	`"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"evil"},"bootstrap_room":"x"}`
 
 var roomRE = regexp.MustCompile(`"bootstrap_room":\d+`)
 
@@ -78,17 +70,19 @@ func TestFullDuplexRoutesWithHeldHeadersAndStreamedBody(t *testing.T) {
 		t.Run(fmt.Sprintf("%s/%d-bytes/%d-chunks", tt.connector, len(tt.body), tt.chunks), func(t *testing.T) {
 			prefill := enginetest.Start(t, prefillOK)
 			decode := enginetest.Start(t, enginetest.JSON(200, `{}`))
-			c := startServer(t, testConfig(t, fmt.Sprintf(`
+			s := newServer(t, fmt.Sprintf(`
 connector: %s
-pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}`, tt.connector, prefill.Addr(), decode.Addr())), handlers.Options{})
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}`, tt.connector, prefill.Addr(), decode.Addr()), handlers.Options{})
 
 			path := chatPath
 			if !strings.Contains(tt.body, "messages") {
 				path = "/v1/completions"
 			}
-			msgs := append([]*extprocv3.ProcessingRequest{postHeaders(fullDuplex, path, tt.body, hdr{"x-request-id", "req-1"})},
-				split(tt.body, tt.chunks)...)
-			replies := exchange(t, c, msgs...)
+			msgs := append([]*extprocv3.ProcessingRequest{envoymsg.WithModes(
+				envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(path, len(tt.body), envoymsg.Header{"x-request-id", "req-1"})...),
+				fullDuplex, fullDuplex)},
+				envoymsg.Chunks(envoymsg.Request, []byte(tt.body), tt.chunks, true)...)
+			replies := drive(t, s, msgs...)
 
 			hr := replies[0].GetRequestHeaders().GetResponse()
 			if hr == nil {
@@ -106,7 +100,7 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}`, tt.connector, p
 			if !hr.GetClearRouteCache() {
 				t.Error("clear_route_cache not set")
 			}
-			if got := pinRoom(streamedBody(t, replies[1:])); got != tt.wantDecode {
+			if got := pinRoom(streamedBody(t, replies[1:], false)); got != tt.wantDecode {
 				t.Errorf("decode body:\n got %.300s\nwant %.300s", got, tt.wantDecode)
 			}
 			if n := len(tt.body) / 62000; len(replies)-1 < n+1 {
@@ -123,7 +117,7 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}`, tt.connector, p
 			if tt.wantPrefill != "" && pinRoom(legs[0].Body) != tt.wantPrefill {
 				t.Errorf("prefill body:\n got %s\nwant %s", legs[0].Body, tt.wantPrefill)
 			}
-			if tt.connector == "kv-sglang" && roomRE.FindString(legs[0].Body) != roomRE.FindString(streamedBody(t, replies[1:])) {
+			if tt.connector == "kv-sglang" && roomRE.FindString(legs[0].Body) != roomRE.FindString(streamedBody(t, replies[1:], false)) {
 				t.Error("prefill and decode legs carry different bootstrap rooms")
 			}
 			if got := decode.Requests(); len(got) != 0 {
@@ -156,14 +150,15 @@ func TestBufferedCarriesRoutingAndContentLengthInBodyReply(t *testing.T) {
 			if tt.prefill {
 				prefill = fmt.Sprintf("[%q]", enginetest.Start(t, prefillOK).Addr())
 			}
-			c := startServer(t, testConfig(t, fmt.Sprintf(`
+			s := newServer(t, fmt.Sprintf(`
 connector: kv-nixl
-pools: {prefill: {endpoints: %s}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill)), handlers.Options{})
-			headers := postHeaders(buffered, chatPath, tt.body)
+pools: {prefill: {endpoints: %s}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill), handlers.Options{})
+			hs := envoymsg.Post(chatPath, len(tt.body))
 			if !tt.withContentLength {
-				headers = requestHeaders(buffered, false, hdr{":method", "POST"}, hdr{":path", chatPath})
+				hs = slices.DeleteFunc(hs, func(h envoymsg.Header) bool { return h[0] == "content-length" })
 			}
-			replies := exchange(t, c, headers, requestBody(tt.body, true))
+			replies := drive(t, s, envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, hs...), buffered, fullDuplex),
+				envoymsg.Body(envoymsg.Request, []byte(tt.body), true))
 			if len(replies) != 2 {
 				t.Fatalf("got %d replies, want headers then body: %v", len(replies), replies)
 			}
@@ -199,87 +194,6 @@ pools: {prefill: {endpoints: %s}, decode: {endpoints: ["10.1.1.1:8000"]}}`, pref
 	}
 }
 
-func TestBodilessRequestsRouteFromHeaders(t *testing.T) {
-	tests := []struct {
-		name string
-		msg  *extprocv3.ProcessingRequest
-	}{
-		{"GET with end_of_stream", requestHeaders(fullDuplex, true, hdr{":method", "GET"}, hdr{":path", "/v1/models"})},
-		{"body mode NONE, no body", postHeaders(filterv3.ProcessingMode_NONE, "/v1/models", "")},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			c := startServer(t, testConfig(t, `pools: {prefill: {endpoints: ["10.0.0.1:1"]}, decode: {endpoints: ["10.1.1.1:8000"]}}`), handlers.Options{})
-			replies := exchange(t, c, tt.msg)
-			if len(replies) != 1 {
-				t.Fatalf("got %d replies, want 1", len(replies))
-			}
-			m := replies[0].GetRequestHeaders().GetResponse().GetHeaderMutation()
-			if got, _ := headerValue(m, "x-gateway-destination-endpoint"); got != "10.1.1.1:8000" {
-				t.Errorf("destination = %q", got)
-			}
-			if id, _ := headerValue(m, "x-request-id"); len(id) != 36 {
-				t.Errorf("generated x-request-id = %q, want a UUID", id)
-			}
-		})
-	}
-}
-
-func TestDuplexTrailersEndTheBody(t *testing.T) {
-	prefill := enginetest.Start(t, prefillOK)
-	c := startServer(t, testConfig(t, fmt.Sprintf(`
-pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.Addr())), handlers.Options{})
-	replies := exchange(t, c, postHeaders(fullDuplex, chatPath, clientChat), requestBody(clientChat, false), requestTrailers())
-	if len(replies) != 3 {
-		t.Fatalf("got %d replies, want headers, body, trailers", len(replies))
-	}
-	sr := replies[1].GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
-	if sr == nil || sr.GetEndOfStream() {
-		t.Errorf("with trailers the body reply must not end the stream: %v", replies[1])
-	}
-	if replies[2].GetRequestTrailers() == nil {
-		t.Errorf("last reply is not a trailers reply: %v", replies[2])
-	}
-}
-
-func TestDuplicateFinalChunkIsNotProcessedTwice(t *testing.T) {
-	prefill := enginetest.Start(t, prefillOK)
-	c := startServer(t, testConfig(t, fmt.Sprintf(`
-connector: kv-nixl
-pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.Addr())), handlers.Options{})
-	// envoy#46237: the final chunk is sometimes delivered twice.
-	replies := exchange(t, c, postHeaders(fullDuplex, chatPath, clientChat), requestBody(clientChat, true), requestBody(clientChat, true))
-	if len(replies) != 2 {
-		t.Fatalf("got %d replies, want exactly one headers and one body reply", len(replies))
-	}
-	if n := len(prefill.Requests()); n != 1 {
-		t.Errorf("prefill ran %d times", n)
-	}
-}
-
-func TestResponsePathIsEchoedUnchanged(t *testing.T) {
-	c := startServer(t, testConfig(t, `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`), handlers.Options{})
-	sse := []string{"data: {\"choices\":[{\"delta\":{\"content\":\"tok0\"}}]}\n\n", "data: [DONE]\n\n"}
-	replies := exchange(t, c,
-		requestHeaders(fullDuplex, true, hdr{":method", "GET"}, hdr{":path", "/v1/models"}),
-		&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{}}},
-		responseBody(sse[0], false), responseBody(sse[1], true),
-		&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: &extprocv3.HttpTrailers{}}},
-	)
-	if len(replies) != 5 {
-		t.Fatalf("got %d replies, want 5", len(replies))
-	}
-	if replies[1].GetResponseHeaders() == nil || replies[4].GetResponseTrailers() == nil {
-		t.Errorf("response headers/trailers not answered in kind: %v / %v", replies[1], replies[4])
-	}
-	for i, want := range sse {
-		sr := replies[2+i].GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse()
-		if string(sr.GetBody()) != want || sr.GetEndOfStream() != (i == 1) {
-			t.Errorf("response chunk %d echoed as %q eos=%v", i, sr.GetBody(), sr.GetEndOfStream())
-		}
-	}
-}
-
 func TestSubsetHintRestrictsTheDecodeEndpoint(t *testing.T) {
 	tests := []struct {
 		name       string
@@ -295,14 +209,15 @@ func TestSubsetHintRestrictsTheDecodeEndpoint(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			c := startServer(t, testConfig(t, `pools: {decode: {endpoints: ["10.1.1.1:8000", "10.1.1.2:8000"]}}`), handlers.Options{})
-			msg := requestHeaders(fullDuplex, true, hdr{":method", "GET"}, hdr{":path", "/v1/models"})
+			s := newServer(t, `pools: {decode: {endpoints: ["10.1.1.1:8000", "10.1.1.2:8000"]}}`, handlers.Options{})
+			msg := envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, true, envoymsg.Header{":method", "GET"}, envoymsg.Header{":path", "/v1/models"}),
+				fullDuplex, fullDuplex)
 			if tt.hint != nil {
 				msg.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
 					"envoy.lb.subset_hint": {Fields: map[string]*structpb.Value{"x-gateway-destination-endpoint-subset": tt.hint}},
 				}}
 			}
-			replies := exchange(t, c, msg)
+			replies := drive(t, s, msg)
 			if tt.wantStatus != 0 {
 				if status, _ := immediateOf(t, replies); status != tt.wantStatus {
 					t.Errorf("status = %d, want %d", status, tt.wantStatus)
@@ -317,38 +232,5 @@ func TestSubsetHintRestrictsTheDecodeEndpoint(t *testing.T) {
 				t.Error("no destination")
 			}
 		})
-	}
-}
-
-// Chunked FULL_DUPLEX bodies are collected in buffers that later streams reuse
-// (bodies.go): streams at once, of sizes in one buffer class, must each get
-// back exactly their own body.
-func TestEachStreamGetsBackItsOwnCollectedBody(t *testing.T) {
-	c := startServer(t, testConfig(t, `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`), handlers.Options{})
-	const streams, rounds = 8, 10
-	errs := make(chan error, streams)
-	for w := range streams {
-		go func() {
-			errs <- func() error {
-				for r := range rounds {
-					// 200,000 to 230,000 bytes: one 224 KiB or 256 KiB class.
-					body := `{"model":"m","prompt":"` + strings.Repeat(string(rune('a'+w)), 200_000+w*3000+r*97) + `"}`
-					msgs := append([]*extprocv3.ProcessingRequest{postHeaders(fullDuplex, "/v1/completions", body)}, split(body, 5)...)
-					replies, err := tryExchange(c, msgs...)
-					if err != nil {
-						return err
-					}
-					if got := joinStreamed(replies[1:]); got != body {
-						return fmt.Errorf("stream %d round %d got back %d bytes starting %.40q, want its own %d", w, r, len(got), got, len(body))
-					}
-				}
-				return nil
-			}()
-		}()
-	}
-	for range streams {
-		if err := <-errs; err != nil {
-			t.Error(err)
-		}
 	}
 }

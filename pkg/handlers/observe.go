@@ -1,11 +1,15 @@
 package handlers
 
 import (
+	"context"
 	"time"
 	"unicode/utf8"
 
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"github.com/go-logr/logr"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
 	"go.opentelemetry.io/otel/trace"
 
@@ -30,79 +34,121 @@ func redact(key, value string) string {
 	return value
 }
 
-// begin starts the request's observation once its headers are read: its span,
-// joined to the caller's trace.
-func (x *exchange) begin() {
-	ctx := x.opts.Propagator.Extract(x.ctx, x.traceHeaders)
-	x.ctx, x.span = x.tracer.Start(ctx, "extproc.request", trace.WithSpanKind(trace.SpanKindServer),
-		trace.WithAttributes(
-			semconv.HTTPRequestMethodKey.String(x.method),
-			semconv.URLPath(x.req.Path),
-			attribute.String("pd.request_id", x.req.RequestID),
-		))
+// observer is what the observations of every stream share: where requests
+// are counted, logged and traced.
+type observer struct {
+	metrics     *metrics.Metrics
+	log         logr.Logger
+	tracer      trace.Tracer
+	propagator  propagation.TextMapPropagator
+	traceFields map[string]bool // headers the propagator reads
+	logPrompts  bool
 }
 
-// routed ends the observation of a request Envoy has been told where to send.
-func (x *exchange) routed() { x.conclude(metrics.OutcomeRouted, 0, "") }
+// observation is what one request's metrics, log line and span are made of.
+// It concludes once: routed, rejected or abandoned, whichever comes first.
+type observation struct {
+	*observer
+	req   *pipeline.Request // set by begin
+	start time.Time
+	// span is the request's from begin until the observation concludes, and
+	// nil outside that time.
+	span trace.Span
+}
 
-// rejected ends the observation of a request answered with a local reply.
-func (x *exchange) rejected(e *pipeline.Error) {
+// begin starts the observation of r, whose headers hm arrived at start: its
+// span, joined to the caller's trace. It returns ctx carrying the span.
+func (o *observation) begin(ctx context.Context, r *pipeline.Request, hm *corev3.HeaderMap, start time.Time) context.Context {
+	var method string
+	var traceHeaders propagation.MapCarrier
+	for _, h := range hm.GetHeaders() {
+		key := h.GetKey()
+		if o.traceFields[key] {
+			if traceHeaders == nil {
+				traceHeaders = propagation.MapCarrier{}
+			}
+			traceHeaders[key] = headerValue(h)
+		}
+		if key == ":method" {
+			method = headerValue(h)
+		}
+	}
+	o.req, o.start = r, start
+	ctx, o.span = o.tracer.Start(o.propagator.Extract(ctx, traceHeaders), "extproc.request", trace.WithSpanKind(trace.SpanKindServer),
+		trace.WithAttributes(
+			semconv.HTTPRequestMethodKey.String(method),
+			semconv.URLPath(r.Path),
+			attribute.String("pd.request_id", r.RequestID),
+		))
+	return ctx
+}
+
+// routed ends the observation of a request Envoy has been told to send to d.
+func (o *observation) routed(d *pipeline.Decision, body []byte) {
+	o.conclude(metrics.OutcomeRouted, 0, "", d, body)
+}
+
+// rejected ends the observation of a request answered with a local reply;
+// cancelled says nobody will see it. No decision is held then: routing failed
+// or never ran.
+func (o *observation) rejected(e *pipeline.Error, cancelled bool, body []byte) {
 	outcome := metrics.Outcome4xx
 	switch {
-	case x.ctx.Err() != nil:
-		outcome = metrics.OutcomeCancelled // nobody will see the reply
+	case cancelled:
+		outcome = metrics.OutcomeCancelled
 	case e.Status >= 500:
 		outcome = metrics.Outcome5xx
 	}
-	x.conclude(outcome, e.Status, e.Message)
+	o.conclude(outcome, e.Status, e.Message, nil, body)
 }
 
 // abandon ends the observation of a stream that closed before its request was
 // routed or rejected.
-func (x *exchange) abandon() {
-	x.conclude(metrics.OutcomeCancelled, 0, "the stream ended before the request was complete")
+func (o *observation) abandon(d *pipeline.Decision, body []byte) {
+	o.conclude(metrics.OutcomeCancelled, 0, "the stream ended before the request was complete", d, body)
 }
 
 // conclude counts the request, ends its span and writes its one info line:
-// decision, endpoints, timings, outcome. It acts once per stream.
-func (x *exchange) conclude(outcome string, status int, reason string) {
-	if !x.headersSeen || x.concluded {
+// decision, endpoints, timings, outcome. It acts once, and only on a request
+// begun.
+func (o *observation) conclude(outcome string, status int, reason string, d *pipeline.Decision, body []byte) {
+	if o.span == nil {
 		return
 	}
-	x.concluded = true
-	rep := x.req.Report
-	api := pipeline.APIOf(x.req.Path)
+	rep := o.req.Report
+	api := pipeline.APIOf(o.req.Path)
 	// The prefill leg is the engine's time, not ours; what is left is parsing,
 	// waiting for the body, and talking to Envoy.
-	processing := max(time.Since(x.start)-rep.PrefillTime, 0)
-	x.opts.Metrics.ObserveRequest(metrics.Request{API: api, Mode: rep.Mode, Outcome: outcome, Processing: processing})
+	processing := max(time.Since(o.start)-rep.PrefillTime, 0)
+	o.metrics.ObserveRequest(metrics.Request{API: api, Mode: rep.Mode, Outcome: outcome, Processing: processing})
 
-	kv := []any{"requestID", x.req.RequestID, "api", api, "mode", modeOrNone(rep.Mode), "reason", rep.Reason, "outcome", outcome,
+	kv := []any{"requestID", o.req.RequestID, "api", api, "mode", modeOrNone(rep.Mode), "reason", rep.Reason, "outcome", outcome,
 		"processing", processing, "prefill", rep.Prefill, "prefillTime", rep.PrefillTime}
-	if x.decision != nil {
-		kv = append(kv, "decode", x.decision.Endpoint)
+	if d != nil {
+		kv = append(kv, "decode", d.Endpoint)
 	}
 	if status != 0 {
 		kv = append(kv, "status", status, "error", reason)
 	}
-	if x.body != nil {
-		kv = append(kv, "bodyBytes", len(x.body))
-		if x.opts.LogPrompts {
-			kv = append(kv, "body", truncate(x.body, maxLoggedBody))
+	if body != nil {
+		kv = append(kv, "bodyBytes", len(body))
+		if o.logPrompts {
+			kv = append(kv, "body", truncate(body, maxLoggedBody))
 		}
 	}
-	x.endSpan(api, outcome, status, reason)
-	x.log.Info("request", kv...)
+	o.endSpan(api, outcome, status, reason, d)
+	o.span = nil
+	o.log.Info("request", kv...)
 }
 
 // endSpan ends the request's span with the decision and outcome; with tracing
 // off the span records nothing and the attributes are not built.
-func (x *exchange) endSpan(api, outcome string, status int, reason string) {
-	defer x.span.End()
-	if !x.span.IsRecording() {
+func (o *observation) endSpan(api, outcome string, status int, reason string, d *pipeline.Decision) {
+	defer o.span.End()
+	if !o.span.IsRecording() {
 		return
 	}
-	rep := x.req.Report
+	rep := o.req.Report
 	attrs := []attribute.KeyValue{
 		attribute.String("pd.api", api), attribute.String("pd.mode", modeOrNone(rep.Mode)),
 		attribute.String("pd.reason", rep.Reason), attribute.String("pd.outcome", outcome),
@@ -110,15 +156,15 @@ func (x *exchange) endSpan(api, outcome string, status int, reason string) {
 	if rep.Prefill != "" {
 		attrs = append(attrs, attribute.String("pd.prefill_endpoint", rep.Prefill))
 	}
-	if x.decision != nil {
-		attrs = append(attrs, attribute.String("pd.decode_endpoint", x.decision.Endpoint))
+	if d != nil {
+		attrs = append(attrs, attribute.String("pd.decode_endpoint", d.Endpoint))
 	}
 	if status != 0 {
 		attrs = append(attrs, semconv.HTTPResponseStatusCode(status))
 	}
-	x.span.SetAttributes(attrs...)
+	o.span.SetAttributes(attrs...)
 	if status >= 500 {
-		x.span.SetStatus(codes.Error, reason)
+		o.span.SetStatus(codes.Error, reason)
 	}
 }
 

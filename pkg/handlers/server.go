@@ -59,12 +59,10 @@ type Options struct {
 // Server implements envoy.service.ext_proc.v3.ExternalProcessor.
 type Server struct {
 	extprocv3.UnimplementedExternalProcessorServer
-	streams     atomic.Int64 // Process calls in progress
-	router      Router
-	opts        Options
-	log         logr.Logger
-	tracer      trace.Tracer
-	traceFields map[string]bool // headers the propagator reads
+	streams atomic.Int64 // Process calls in progress
+	router  Router
+	opts    Options
+	obs     observer
 }
 
 // NewServer returns an ext_proc server routing with r.
@@ -75,28 +73,25 @@ func NewServer(r Router, opts Options, log logr.Logger) *Server {
 	if opts.Propagator == nil {
 		opts.Propagator = propagation.TraceContext{}
 	}
-	s := &Server{router: r, opts: opts, log: log, traceFields: map[string]bool{},
-		tracer: opts.TracerProvider.Tracer("github.com/pd-extproc/pd-extproc/pkg/handlers")}
+	s := &Server{router: r, opts: opts, obs: observer{
+		metrics:     opts.Metrics,
+		log:         log,
+		tracer:      opts.TracerProvider.Tracer("github.com/pd-extproc/pd-extproc/pkg/handlers"),
+		propagator:  opts.Propagator,
+		traceFields: map[string]bool{},
+		logPrompts:  opts.LogPrompts,
+	}}
 	for _, f := range opts.Propagator.Fields() {
-		s.traceFields[f] = true
+		s.obs.traceFields[f] = true
 	}
 	return s
 }
 
-// Process handles the messages of one HTTP request until Envoy closes the stream.
+// Process handles the messages of one HTTP request until Envoy closes the
+// stream. It alone reads the stream; the exchange answers each message.
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
-	s.opts.Metrics.StreamOpened()
-	defer s.opts.Metrics.StreamClosed()
-	x := &exchange{Server: s, stream: stream, ctx: stream.Context()}
-	if n := s.streams.Add(1); s.opts.MaxStreams > 0 && n > int64(s.opts.MaxStreams) {
-		x.overloaded = true // refused at its first message, without holding a body
-	}
-	defer s.streams.Add(-1)
-	// A closure: x.decision is set later, and a deferred method value would bind
-	// the nil it holds now, leaving the decode endpoint counted busy for good.
-	defer func() { x.decision.Release() }()
-	defer x.releaseBody()
-	defer x.abandon() // first: it may log the body
+	x := s.open(stream.Context(), stream)
+	defer s.close(x)
 	for {
 		req, err := stream.Recv()
 		switch {
@@ -114,4 +109,21 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			return err
 		}
 	}
+}
+
+// open starts the exchange of a new stream, whose replies go to out.
+func (s *Server) open(ctx context.Context, out sink) *exchange {
+	s.opts.Metrics.StreamOpened()
+	x := &exchange{router: s.router, opts: &s.opts, out: out, ctx: ctx, obs: observation{observer: &s.obs}}
+	if n := s.streams.Add(1); s.opts.MaxStreams > 0 && n > int64(s.opts.MaxStreams) {
+		x.overloaded = true // refused at its first message, without holding a body
+	}
+	return x
+}
+
+// close ends the exchange of a stream that ended.
+func (s *Server) close(x *exchange) {
+	defer s.opts.Metrics.StreamClosed()
+	defer s.streams.Add(-1)
+	x.end()
 }

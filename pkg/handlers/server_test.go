@@ -1,219 +1,207 @@
 package handlers_test
 
+// Process over a real gRPC connection with the real pipeline: what only the
+// stream itself shows (its loop, its end, streams at once, cancellation).
+
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
-	"net"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
 
-	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
-	"github.com/go-logr/logr"
-	"go.uber.org/goleak"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
-	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
-	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
-
-// nixlParams is what a current vLLM prefill returns: nested lists, keys we do not
-// know, and an integer too large for a float64 — all must reach decode unchanged.
-const nixlParams = `{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2],[3]],` +
-	`"remote_engine_id":"e-1","remote_request_id":"chatcmpl-r1-0a1b2c3d","remote_host":"10.0.0.9","remote_port":5600,` +
-	`"tp_size":1,"future_key":{"n":12345678901234567890}}`
-
-var prefillOK = enginetest.JSON(200, `{"id":"x","choices":[{"text":"a"}],"kv_transfer_params":`+nixlParams+`}`)
-
-// startServer serves the ext_proc service on loopback and returns a client.
-func startServer(t *testing.T, cfg *config.Config, opts handlers.Options) extprocv3.ExternalProcessorClient {
-	t.Helper()
-	p, err := pipeline.New(cfg, logr.Discard())
-	if err != nil {
-		t.Fatal(err)
+// The loop reads each message, has it answered, and ends the stream when Envoy
+// half-closes it or when a local reply has ended the exchange; each stream's
+// end gives its slot under MaxStreams back.
+func TestStreamLoop(t *testing.T) {
+	chat := []byte(clientChat)
+	request := []*extprocv3.ProcessingRequest{
+		envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(chat))...), fullDuplex, fullDuplex),
 	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := grpc.NewServer()
-	extprocv3.RegisterExternalProcessorServer(srv, handlers.NewServer(p, opts, logr.Discard()))
-	go srv.Serve(lis)
-	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		conn.Close()
-		srv.Stop()
-		p.Wait()
-	})
-	return extprocv3.NewExternalProcessorClient(conn)
-}
-
-func testConfig(t *testing.T, yaml string) *config.Config {
-	t.Helper()
-	cfg, err := config.Parse([]byte(yaml))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return cfg
-}
-
-// --- Envoy-shaped messages ---
-
-type hdr = [2]string
-
-func requestHeaders(mode filterv3.ProcessingMode_BodySendMode, eos bool, headers ...hdr) *extprocv3.ProcessingRequest {
-	hm := &corev3.HeaderMap{}
-	for _, h := range headers {
-		hm.Headers = append(hm.Headers, &corev3.HeaderValue{Key: h[0], RawValue: []byte(h[1])})
-	}
-	return &extprocv3.ProcessingRequest{
-		Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: hm, EndOfStream: eos}},
-		ProtocolConfig: &extprocv3.ProtocolConfiguration{
-			RequestBodyMode:  mode,
-			ResponseBodyMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED,
+	request = append(request, envoymsg.Chunks(envoymsg.Request, chat, 3, true)...)
+	response := append([]*extprocv3.ProcessingRequest{envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"})},
+		envoymsg.Chunks(envoymsg.Response, []byte("data: [DONE]\n\n"), 2, false)...)
+	response = append(response, envoymsg.Trailers(envoymsg.Response))
+	tests := []struct {
+		name      string
+		msgs      []*extprocv3.ProcessingRequest
+		halfClose bool
+		streams   int // one after another, with MaxStreams 1
+		want      []string
+	}{
+		{
+			name: "a request and its response, then Envoy's half-close", msgs: append(request, response...), halfClose: true, streams: 1,
+			want: []string{"request_headers", "request_body", "response_headers", "response_body", "response_body", "response_trailers"},
+		},
+		{
+			name: "a local reply ends the stream without a half-close", halfClose: false, streams: 1,
+			msgs: []*extprocv3.ProcessingRequest{envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(chat))...),
+				filterv3.ProcessingMode_STREAMED, fullDuplex)},
+			want: []string{"immediate_response 500"},
+		},
+		{
+			name: "each stream's end gives its slot back", msgs: request, halfClose: true, streams: 3,
+			want: []string{"request_headers", "request_body"},
 		},
 	}
-}
-
-func postHeaders(mode filterv3.ProcessingMode_BodySendMode, path string, body string, extra ...hdr) *extprocv3.ProcessingRequest {
-	h := append([]hdr{{":method", "POST"}, {":path", path}, {":authority", "gw"}, {":scheme", "http"},
-		{"content-type", "application/json"}, {"content-length", fmt.Sprint(len(body))}}, extra...)
-	return requestHeaders(mode, false, h...)
-}
-
-func requestBody(chunk string, eos bool) *extprocv3.ProcessingRequest {
-	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
-		RequestBody: &extprocv3.HttpBody{Body: []byte(chunk), EndOfStream: eos}}}
-}
-
-func requestTrailers() *extprocv3.ProcessingRequest {
-	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{
-		RequestTrailers: &extprocv3.HttpTrailers{Trailers: &corev3.HeaderMap{}}}}
-}
-
-func responseBody(chunk string, eos bool) *extprocv3.ProcessingRequest {
-	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
-		ResponseBody: &extprocv3.HttpBody{Body: []byte(chunk), EndOfStream: eos}}}
-}
-
-// split cuts body into n chunks as Envoy forwards data frames in FULL_DUPLEX.
-func split(body string, n int) []*extprocv3.ProcessingRequest {
-	var msgs []*extprocv3.ProcessingRequest
-	size := (len(body) + n - 1) / n
-	for i := 0; i < len(body); i += size {
-		end := min(i+size, len(body))
-		msgs = append(msgs, requestBody(body[i:end], end == len(body)))
-	}
-	return msgs
-}
-
-// exchange sends msgs, half-closes like Envoy's graceful close, and returns every reply.
-func exchange(t *testing.T, c extprocv3.ExternalProcessorClient, msgs ...*extprocv3.ProcessingRequest) []*extprocv3.ProcessingResponse {
-	t.Helper()
-	out, err := tryExchange(c, msgs...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return out
-}
-
-// tryExchange is exchange for any goroutine: it returns the error.
-func tryExchange(c extprocv3.ExternalProcessorClient, msgs ...*extprocv3.ProcessingRequest) ([]*extprocv3.ProcessingResponse, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	s, err := c.Process(ctx)
-	if err != nil {
-		return nil, err
-	}
-	for _, m := range msgs {
-		if err := s.Send(m); err != nil {
-			return nil, err
-		}
-	}
-	s.CloseSend()
-	var out []*extprocv3.ProcessingResponse
-	for {
-		r, err := s.Recv()
-		if errors.Is(err, io.EOF) {
-			return out, nil
-		}
-		if err != nil {
-			return nil, fmt.Errorf("Recv: %w", err)
-		}
-		out = append(out, r)
-	}
-}
-
-// --- reading replies ---
-
-func headerValue(m *extprocv3.HeaderMutation, key string) (string, bool) {
-	for _, h := range m.GetSetHeaders() {
-		if h.GetHeader().GetKey() == key {
-			if h.GetHeader().GetValue() != "" {
-				panic("value must stay empty: Envoy rejects value together with raw_value")
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := startServer(t, newServer(t, `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`, handlers.Options{MaxStreams: 1}))
+			for i := range tt.streams {
+				replies, err := tryExchange(c, tt.halfClose, tt.msgs...)
+				if err != nil {
+					t.Fatalf("stream %d: %v", i, err)
+				}
+				var kinds []string
+				for _, r := range replies {
+					kinds = append(kinds, kindOf(r))
+				}
+				if strings.Join(kinds, " ") != strings.Join(tt.want, " ") {
+					t.Errorf("stream %d replies %v, want %v", i, kinds, tt.want)
+				}
 			}
-			return string(h.GetHeader().GetRawValue()), true
+		})
+	}
+}
+
+// kindOf names a reply by what it answers.
+func kindOf(r *extprocv3.ProcessingResponse) string {
+	switch r.Response.(type) {
+	case *extprocv3.ProcessingResponse_RequestHeaders:
+		return "request_headers"
+	case *extprocv3.ProcessingResponse_RequestBody:
+		return "request_body"
+	case *extprocv3.ProcessingResponse_RequestTrailers:
+		return "request_trailers"
+	case *extprocv3.ProcessingResponse_ResponseHeaders:
+		return "response_headers"
+	case *extprocv3.ProcessingResponse_ResponseBody:
+		return "response_body"
+	case *extprocv3.ProcessingResponse_ResponseTrailers:
+		return "response_trailers"
+	case *extprocv3.ProcessingResponse_ImmediateResponse:
+		return fmt.Sprint("immediate_response ", int(r.GetImmediateResponse().GetStatus().GetCode()))
+	}
+	return fmt.Sprint(r)
+}
+
+// Chunked FULL_DUPLEX bodies are collected in buffers that later streams reuse
+// (bodies.go): streams at once, of sizes in one buffer class, must each get
+// back exactly their own body. Over gRPC, since a buffer may be reused once
+// gRPC has copied the replies sent from it.
+func TestEachStreamGetsBackItsOwnCollectedBody(t *testing.T) {
+	c := startServer(t, newServer(t, `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`, handlers.Options{}))
+	const streams, rounds = 8, 10
+	errs := make(chan error, streams)
+	for w := range streams {
+		go func() {
+			errs <- func() error {
+				for r := range rounds {
+					// 200,000 to 230,000 bytes: one 224 KiB or 256 KiB class.
+					body := `{"model":"m","prompt":"` + strings.Repeat(string(rune('a'+w)), 200_000+w*3000+r*97) + `"}`
+					msgs := append([]*extprocv3.ProcessingRequest{envoymsg.WithModes(
+						envoymsg.Headers(envoymsg.Request, false, envoymsg.Post("/v1/completions", len(body))...), fullDuplex, fullDuplex)},
+						envoymsg.Chunks(envoymsg.Request, []byte(body), 5, true)...)
+					replies, err := tryExchange(c, true, msgs...)
+					if err != nil {
+						return err
+					}
+					if got := joinStreamed(replies[1:]); got != body {
+						return fmt.Errorf("stream %d round %d got back %d bytes starting %.40q, want its own %d", w, r, len(got), got, len(body))
+					}
+				}
+				return nil
+			}()
+		}()
+	}
+	for range streams {
+		if err := <-errs; err != nil {
+			t.Error(err)
 		}
 	}
-	return "", false
 }
 
-func metadataDestination(r *extprocv3.ProcessingResponse) string {
-	return r.GetDynamicMetadata().GetFields()["envoy.lb"].GetStructValue().GetFields()["x-gateway-destination-endpoint"].GetStringValue()
+// blockingEngine holds each request until released or cancelled, and reports
+// how each ended.
+type blockingEngine struct {
+	*enginetest.Engine
+	release chan struct{}
+	ended   chan error // ctx error of each request: nil when it completed
 }
 
-// streamedBody concatenates FULL_DUPLEX body replies and checks only the last ends the stream.
-func streamedBody(t *testing.T, replies []*extprocv3.ProcessingResponse) string {
+func newBlockingEngine(t *testing.T, answer func(http.ResponseWriter, *http.Request)) *blockingEngine {
+	b := &blockingEngine{release: make(chan struct{}), ended: make(chan error, 10)}
+	b.Engine = enginetest.Start(t, func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-b.release:
+			answer(w, r)
+			b.ended <- nil
+		case <-r.Context().Done():
+			b.ended <- r.Context().Err()
+		}
+	})
+	return b
+}
+
+func (b *blockingEngine) outcome(t *testing.T) error {
 	t.Helper()
-	for i, r := range replies {
-		sr := r.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
-		if sr == nil {
-			t.Fatalf("reply %d is not a streamed_response body reply: %v", i, r)
-		}
-		if len(sr.GetBody()) > 62000 {
-			t.Errorf("chunk %d has %d bytes, over 62000", i, len(sr.GetBody()))
-		}
-		if sr.GetEndOfStream() != (i == len(replies)-1) {
-			t.Errorf("chunk %d end_of_stream=%v", i, sr.GetEndOfStream())
-		}
+	select {
+	case err := <-b.ended:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatal("the prefill request neither completed nor was cancelled")
+		return nil
 	}
-	return joinStreamed(replies)
 }
 
-// joinStreamed joins the bodies of streamed_response replies.
-func joinStreamed(replies []*extprocv3.ProcessingResponse) string {
-	var b strings.Builder
-	for _, r := range replies {
-		b.Write(r.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetBody())
+func TestStreamEndCancelsSequentialButNotConcurrentPrefill(t *testing.T) {
+	tests := []struct {
+		connector  string
+		wantCancel bool
+	}{
+		{"kv-nixl", true},    // nobody will use the KV once the client is gone
+		{"kv-sglang", false}, // the decode engine is waiting to pair with this leg
 	}
-	return b.String()
-}
-
-func immediateOf(t *testing.T, replies []*extprocv3.ProcessingResponse) (int, map[string]any) {
-	t.Helper()
-	if len(replies) == 0 {
-		t.Fatal("no reply")
+	for _, tt := range tests {
+		t.Run(tt.connector, func(t *testing.T) {
+			prefill := newBlockingEngine(t, prefillOK)
+			c := startServer(t, newServer(t, fmt.Sprintf(`connector: %s
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, tt.connector, prefill.Addr()), handlers.Options{}))
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			s, err := c.Process(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s.Send(envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), fullDuplex, fullDuplex))
+			s.Send(envoymsg.Body(envoymsg.Request, []byte(clientChat), true))
+			prefill.Await(t)
+			if !tt.wantCancel {
+				// Envoy is answered while the concurrent leg is still in flight.
+				if r, err := s.Recv(); err != nil || r.GetRequestHeaders() == nil {
+					t.Fatalf("reply = %v, %v; want the routing before the prefill completes", r, err)
+				}
+			}
+			cancel() // Envoy resets the stream (the client left, or its replies are all in)
+			if tt.wantCancel {
+				if err := prefill.outcome(t); err == nil {
+					t.Error("the sequential prefill leg was not cancelled with the stream")
+				}
+				return
+			}
+			close(prefill.release)
+			if err := prefill.outcome(t); err != nil {
+				t.Errorf("the concurrent prefill leg was cancelled with the stream: %v", err)
+			}
+		})
 	}
-	ir := replies[len(replies)-1].GetImmediateResponse()
-	if ir == nil {
-		t.Fatalf("last reply is not an ImmediateResponse: %v", replies[len(replies)-1])
-	}
-	var body map[string]any
-	if err := json.Unmarshal(ir.GetBody(), &body); err != nil {
-		t.Fatalf("ImmediateResponse body is not JSON: %q", ir.GetBody())
-	}
-	return int(ir.GetStatus().GetCode()), body
 }

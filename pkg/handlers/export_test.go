@@ -1,0 +1,30 @@
+package handlers
+
+import (
+	"context"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+)
+
+// Exchange is one stream's exchange driven by a test without gRPC: each
+// message goes through the phases as Process hands it over, and the replies go
+// to the sink it was opened with.
+type Exchange struct {
+	s *Server
+	x *exchange
+}
+
+// Open starts an exchange as Process does for a new stream.
+func (s *Server) Open(ctx context.Context, out interface {
+	Send(*extprocv3.ProcessingResponse) error
+}) *Exchange {
+	return &Exchange{s: s, x: s.open(ctx, out)}
+}
+
+// Handle answers one message; done, or an error, is where Process returns.
+func (e *Exchange) Handle(m *extprocv3.ProcessingRequest) (done bool, err error) {
+	return e.x.handle(m)
+}
+
+// Close ends the exchange as the end of its stream does.
+func (e *Exchange) Close() { e.s.close(e.x) }
