@@ -19,6 +19,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/rules"
 )
 
 // DetailsHeader carries Envoy's %RESPONSE_CODE_DETAILS% on local replies.
@@ -46,6 +48,7 @@ type exchange struct {
 
 	// ext_proc stream (§1).
 	stream             *grpcStream
+	rules              *rules.Stream // what Envoy makes of each reply (§7.3, §10)
 	firstSent          bool
 	processingComplete bool
 	fdBodySeen         bool
@@ -76,12 +79,19 @@ func newExchange(p *Proxy, w http.ResponseWriter, r *http.Request, ctx context.C
 		x.metadata[ns] = proto.Clone(s).(*structpb.Struct)
 	}
 	c := &p.cfg
-	x.dec = &direction{x: x, sink: &router{x: x},
+	x.rules = rules.NewStream(rules.Config{
+		RequestMode:                             c.RequestBodyMode,
+		ResponseMode:                            c.ResponseBodyMode,
+		SendBodyWithoutWaitingForHeaderResponse: c.SendBodyWithoutWaitingForHeaderResponse,
+		MaxMessageTimeout:                       c.MaxMessageTimeout,
+		DisableImmediateResponse:                c.DisableImmediateResponse,
+	})
+	x.dec = &direction{x: x, sink: &router{x: x}, rules: x.rules.Request,
 		sendHeaders:  c.RequestHeaderMode != extprocfilterv3.ProcessingMode_SKIP,
 		bodyMode:     c.RequestBodyMode,
 		sendTrailers: c.RequestTrailerMode == extprocfilterv3.ProcessingMode_SEND,
 	}
-	x.enc = &direction{x: x, response: true, sink: &downstream{x: x},
+	x.enc = &direction{x: x, response: true, sink: &downstream{x: x}, rules: x.rules.Response,
 		sendHeaders:  c.ResponseHeaderMode != extprocfilterv3.ProcessingMode_SKIP,
 		bodyMode:     c.ResponseBodyMode,
 		sendTrailers: c.ResponseTrailerMode == extprocfilterv3.ProcessingMode_SEND,
@@ -310,56 +320,63 @@ func (x *exchange) failureModeAllow() bool {
 // continue unmodified.
 func (x *exchange) completeProcessing() {
 	x.processingComplete = true
+	x.rules.Close("processing completed")
 	x.closeStream()
 	x.dec.clearAsyncState()
 	x.enc.clearAsyncState()
 }
 
-// onMessage is Filter::onReceiveMessage: route each reply by its oneof to
-// its direction and state (§1.7, §7.3).
+// onMessage is Filter::onReceiveMessage: the rules judge each reply against
+// its direction's state (§1.7, §7.3), then the direction applies it.
 func (x *exchange) onMessage(resp *extprocv3.ProcessingResponse) {
 	if x.finished || x.processingComplete {
 		return // §7.2: late replies are dropped
 	}
+	v := x.rules.Reply(resp)
 	if ot := resp.GetOverrideMessageTimeout(); ot != nil {
 		// §5: handled alone; every other field of the message is ignored.
-		x.onOverrideTimeout(ot.AsDuration())
+		x.onOverrideTimeout(ot.AsDuration(), v)
 		return
+	}
+	switch resp.GetResponse().(type) {
+	case nil, *extprocv3.ProcessingResponse_StreamedImmediateResponse:
+	case *extprocv3.ProcessingResponse_ImmediateResponse:
+		if v.Outcome == rules.Accepted {
+			x.applyMetadata(resp)
+		}
+	default:
+		// Envoy takes a reply's dynamic metadata before it judges the reply.
+		x.applyMetadata(resp)
+	}
+	switch v.Outcome {
+	case rules.Accepted:
+	case rules.Spurious:
+		x.onProcessingError(spurious("%s", v.Reason))
+		return
+	default:
+		x.logf("reply %s: %s", v.Outcome, v.Reason)
+		return
+	}
+	for _, part := range v.Dropped {
+		x.logf("ignored: %s", part)
 	}
 	var err error
 	switch r := resp.GetResponse().(type) {
 	case *extprocv3.ProcessingResponse_RequestHeaders:
-		x.applyMetadata(resp)
 		err = x.dec.onHeadersResponse(r.RequestHeaders)
 	case *extprocv3.ProcessingResponse_ResponseHeaders:
-		x.applyMetadata(resp)
 		err = x.enc.onHeadersResponse(r.ResponseHeaders)
 	case *extprocv3.ProcessingResponse_RequestBody:
-		x.applyMetadata(resp)
-		err = x.dec.onBodyResponse(r.RequestBody)
+		err = x.dec.onBodyResponse(r.RequestBody, v.Answered)
 	case *extprocv3.ProcessingResponse_ResponseBody:
-		x.applyMetadata(resp)
-		err = x.enc.onBodyResponse(r.ResponseBody)
+		err = x.enc.onBodyResponse(r.ResponseBody, v.Answered)
 	case *extprocv3.ProcessingResponse_RequestTrailers:
-		x.applyMetadata(resp)
 		err = x.dec.onTrailersResponse(r.RequestTrailers)
 	case *extprocv3.ProcessingResponse_ResponseTrailers:
-		x.applyMetadata(resp)
 		err = x.enc.onTrailersResponse(r.ResponseTrailers)
 	case *extprocv3.ProcessingResponse_ImmediateResponse:
-		if x.cfg.DisableImmediateResponse {
-			err = spurious("immediate response received while disable_immediate_response is set")
-			break
-		}
-		x.applyMetadata(resp)
 		x.immediateResponse(r.ImmediateResponse)
 		return
-	case *extprocv3.ProcessingResponse_StreamedImmediateResponse:
-		// Newer than the filter version of the reference (§4): an unknown
-		// oneof there, hence "unhandled".
-		err = spurious("unhandled message: streamed_immediate_response is not emulated")
-	default:
-		err = spurious("unhandled message: no response oneof set")
 	}
 	if err != nil {
 		x.onProcessingError(err)
@@ -379,15 +396,22 @@ func (x *exchange) onProcessingError(err error) {
 	x.localReply(x.cfg.StatusOnError, "", err.Error())
 }
 
-func (x *exchange) onOverrideTimeout(dur time.Duration) {
-	if dur < time.Millisecond || dur > x.cfg.MaxMessageTimeout {
-		x.logf("override_message_timeout %v ignored (max_message_timeout %v)", dur, x.cfg.MaxMessageTimeout)
+// onOverrideTimeout restarts the timers the rules say the override applies
+// to (§5).
+func (x *exchange) onOverrideTimeout(dur time.Duration, v rules.Verdict) {
+	for _, part := range v.Dropped {
+		x.logf("ignored: %s", part)
+	}
+	if v.Outcome != rules.Accepted {
+		x.logf("%s", v.Reason)
 		return
 	}
-	restarted := x.dec.restartTimer(dur)
-	restarted = x.enc.restartTimer(dur) || restarted
-	if !restarted {
-		x.logf("override_message_timeout %v ignored: no running timer or already overridden", dur)
+	for _, d := range v.Restarted {
+		if d == x.dec.rules {
+			x.dec.restartTimer(dur)
+		} else {
+			x.enc.restartTimer(dur)
+		}
 	}
 }
 
@@ -411,8 +435,7 @@ func (x *exchange) maybeCloseStream() {
 	enc := x.enc
 	encSilent := !enc.sendHeaders && enc.bodyMode == extprocfilterv3.ProcessingMode_NONE && !enc.sendTrailers
 	dec := x.dec
-	decDone := dec.ended && dec.state == cbIdle && len(dec.chunks) == 0 && !dec.trailersOutstanding &&
-		(!dec.fullDuplex() || dec.fdEOSReceived || dec.noBody)
+	decDone := dec.ended && dec.rules.Settled() && len(dec.chunks) == 0
 	if encSilent && decDone {
 		x.closeStream()
 	}

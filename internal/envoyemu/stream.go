@@ -1,33 +1,16 @@
 package envoyemu
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
-	"strconv"
 	"time"
 
 	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/rules"
 )
-
-// cbState is the per-direction callback state of §10
-// (ProcessorState::CallbackState in Envoy).
-type cbState int
-
-const (
-	cbIdle cbState = iota
-	cbHeaders
-	cbBufferedBody
-	cbStreamedBody // STREAMED chunks outstanding, or FULL_DUPLEX awaiting body replies
-	cbBufferedPartialBody
-	cbTrailers
-)
-
-func (s cbState) String() string {
-	return [...]string{"Idle", "HeadersCallback", "BufferedBodyCallback", "StreamedBodyCallback",
-		"BufferedPartialBodyCallback", "TrailersCallback"}[s]
-}
 
 // sink is what sits after the filter in a direction: the router for the
 // request, the downstream connection for the response.
@@ -57,13 +40,14 @@ type direction struct {
 	x        *exchange
 	response bool
 	sink     sink
+	// rules is what Envoy sent in this direction and what it waits for (the
+	// callback state of §10): it decides which replies are spurious (§7.3).
+	rules *rules.Direction
 
 	// Effective modes; CONTINUE_AND_REPLACE changes them (§3.1).
 	sendHeaders  bool
 	bodyMode     extprocfilterv3.ProcessingMode_BodySendMode
 	sendTrailers bool
-
-	state cbState
 
 	// What the source (client or upstream) delivered so far.
 	headers      *headerMap
@@ -72,17 +56,14 @@ type direction struct {
 	trailers     *headerMap
 
 	// Body held inside the filter.
-	held          []byte        // not yet sent to the server nor passed on
-	inflight      []byte        // BUFFERED / BUFFERED_PARTIAL body sent, awaiting its reply
-	inflightEnd   bool          // end_of_stream of that message
-	chunks        []queuedChunk // STREAMED: sent, awaiting their reply (FIFO, §2.4)
-	partialDone   bool          // BUFFERED_PARTIAL answered: the rest passes through (§2.5)
-	fdEOSSent     bool          // FULL_DUPLEX: end_of_stream sent to the server
-	fdEOSReceived bool          // FULL_DUPLEX: streamed_response end_of_stream (or trailers reply) received
-	replaced      bool          // CONTINUE_AND_REPLACE: later source body is dropped (§3.1)
+	held        []byte        // not yet sent to the server nor passed on
+	inflight    []byte        // BUFFERED / BUFFERED_PARTIAL body sent, awaiting its reply
+	inflightEnd bool          // end_of_stream of that message
+	chunks      []queuedChunk // STREAMED: sent, awaiting their reply (FIFO, §2.4)
+	partialDone bool          // BUFFERED_PARTIAL answered: the rest passes through (§2.5)
+	replaced    bool          // CONTINUE_AND_REPLACE: later source body is dropped (§3.1)
 
-	trailersPending     bool // received, waiting for earlier callbacks (§2.8)
-	trailersOutstanding bool // sent to the server, reply pending
+	trailersPending bool // received, waiting for earlier callbacks (§2.8)
 
 	// Output side: everything waits until the headers continue.
 	headersContinued bool
@@ -91,10 +72,9 @@ type direction struct {
 	outTrailers      *headerMap
 	ended            bool
 
-	// Message timer (§5).
-	timer        *time.Timer
-	timerGen     int
-	overrideUsed bool
+	// Message timer (§5); whether an override may restart it is the rules'.
+	timer    *time.Timer
+	timerGen int
 }
 
 func (d *direction) name() string {
@@ -105,6 +85,15 @@ func (d *direction) name() string {
 }
 
 func (d *direction) fullDuplex() bool { return isFullDuplex(d.bodyMode) }
+
+func (d *direction) dir() envoymsg.Direction { return envoymsg.Direction(d.response) }
+
+// expect logs a message the rules say Envoy would not send: an emulator bug.
+func (d *direction) expect(f rules.Fit) {
+	if f != rules.Expected {
+		d.x.logf("%s: a message Envoy would not send (%v): %s", d.name(), f, d.rules.Off())
+	}
+}
 
 // shouldRemoveContentLength is ProcessorState::shouldRemoveContentLength (§3.5).
 func (d *direction) shouldRemoveContentLength() bool {
@@ -124,24 +113,12 @@ func (d *direction) shouldRemoveContentLength() bool {
 
 // ---- timer (§5) ----
 
-// startCall records a message that needs a reply. The timer is never armed
-// in a FULL_DUPLEX direction, headers message included (§5).
-func (d *direction) startCall(s cbState) {
-	d.state = s
-	d.armForCall()
-}
-
+// armForCall (re)arms the timer for a message that needs a reply. It is
+// never armed in a FULL_DUPLEX direction, headers message included (§5).
 func (d *direction) armForCall() {
-	d.overrideUsed = false
 	if !d.fullDuplex() {
 		d.armTimer(d.x.cfg.MessageTimeout)
 	}
-}
-
-func (d *direction) finishCall() {
-	d.state = cbIdle
-	d.overrideUsed = false
-	d.stopTimer()
 }
 
 func (d *direction) armTimer(dur time.Duration) {
@@ -167,15 +144,12 @@ func (d *direction) onTimer(gen int) {
 	d.x.onMessageTimeout(d)
 }
 
-// restartTimer applies override_message_timeout: only a running timer, once
-// per outstanding call (§5).
-func (d *direction) restartTimer(dur time.Duration) bool {
-	if d.timer == nil || d.overrideUsed {
-		return false
+// restartTimer applies an override_message_timeout the rules accepted for
+// this direction (§5).
+func (d *direction) restartTimer(dur time.Duration) {
+	if d.timer != nil {
+		d.armTimer(dur)
 	}
-	d.armTimer(dur)
-	d.overrideUsed = true
-	return true
 }
 
 // ---- output ----
@@ -235,59 +209,35 @@ func (d *direction) emitTrailers(t *headerMap) {
 
 // ---- messages to the server ----
 
-func (d *direction) headersMessage(h *headerMap, end bool) *extprocv3.ProcessingRequest {
-	hh := &extprocv3.HttpHeaders{Headers: h.toProto(d.x.forwardAllowed), EndOfStream: end}
-	if d.response {
-		return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: hh}}
-	}
-	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: hh}}
-}
+// Body messages carry the filter's slices without a copy: nothing writes to
+// them once sent. Client and upstream reads each land in a fresh chunk, and a
+// held body is handed over whole (held = nil), never appended to again.
 
-func (d *direction) bodyMessage(b []byte, end bool) *extprocv3.ProcessingRequest {
-	hb := &extprocv3.HttpBody{Body: bytes.Clone(b), EndOfStream: end}
-	if d.response {
-		return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: hb}}
-	}
-	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: hb}}
-}
-
-func (d *direction) trailersMessage(t *headerMap) *extprocv3.ProcessingRequest {
-	ht := &extprocv3.HttpTrailers{Trailers: t.toProto(nil)}
-	if d.response {
-		return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: ht}}
-	}
-	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: ht}}
-}
-
-// sendBuffered sends the held body as the one BUFFERED (or BUFFERED_PARTIAL)
-// message. Envoy keeps the data until the reply, so a fail-open can
-// re-inject it.
-func (d *direction) sendBuffered(s cbState, end bool) {
+// sendBuffered sends the held body as one message, answered as a buffered
+// body: BUFFERED's and BUFFERED_PARTIAL's, and STREAMED's when the body was
+// complete before the headers reply (§2.9). Envoy keeps the data until the
+// reply, so a fail-open can re-inject it.
+func (d *direction) sendBuffered(end bool) {
 	d.inflight, d.inflightEnd = d.held, end
 	d.held = nil
-	d.startCall(s)
-	d.x.send(d.bodyMessage(d.inflight, end))
+	d.expect(d.rules.WholeBody(end))
+	d.armForCall()
+	d.x.send(envoymsg.Body(d.dir(), d.inflight, end))
 }
 
 // sendChunk sends one STREAMED chunk and queues it for its reply (§2.4).
 func (d *direction) sendChunk(b []byte, end bool) {
 	d.chunks = append(d.chunks, queuedChunk{data: b, end: end})
-	if d.state != cbHeaders {
-		d.state = cbStreamedBody
-	}
+	d.expect(d.rules.Body(end))
 	d.armForCall()
-	d.x.send(d.bodyMessage(b, end))
+	d.x.send(envoymsg.Body(d.dir(), b, end))
 }
 
 func (d *direction) sendTrailersNow() {
 	d.trailersPending = false
-	d.trailersOutstanding = true
-	if d.fullDuplex() {
-		d.overrideUsed = false // no timer in FULL_DUPLEX (§5)
-	} else {
-		d.startCall(cbTrailers)
-	}
-	d.x.send(d.trailersMessage(d.trailers))
+	d.expect(d.rules.Trailers())
+	d.armForCall()
+	d.x.send(envoymsg.TrailersOf(d.dir(), d.trailers.toProto(nil)))
 }
 
 // ---- source events ----
@@ -299,11 +249,11 @@ func (d *direction) onHeaders(h *headerMap, end bool) {
 		d.bodyComplete = true
 	}
 	if x.processingComplete || !d.sendHeaders {
-		if !x.processingComplete && d.shouldRemoveContentLength() {
-			d.headers.remove("content-length") // §3.5 case 3 (BUFFERED + SKIP) among others
-		}
-		if !x.processingComplete && d.fullDuplex() && !end {
-			d.state = cbStreamedBody // body replies may come with no headers reply
+		if !x.processingComplete {
+			d.rules.SkipHeaders(end) // FULL_DUPLEX body replies may come with no headers reply
+			if d.shouldRemoveContentLength() {
+				d.headers.remove("content-length") // §3.5 case 3 (BUFFERED + SKIP) among others
+			}
 		}
 		if !d.response {
 			x.snapshotRouting()
@@ -311,8 +261,9 @@ func (d *direction) onHeaders(h *headerMap, end bool) {
 		d.continueHeaders()
 		return
 	}
-	d.startCall(cbHeaders)
-	x.send(d.headersMessage(h, end))
+	d.expect(d.rules.Headers(end))
+	d.armForCall()
+	x.send(envoymsg.HeadersOf(d.dir(), h.toProto(x.forwardAllowed), end))
 	// §3.5: removed right after the headers message is sent, before any reply.
 	if d.shouldRemoveContentLength() {
 		d.headers.remove("content-length")
@@ -340,28 +291,28 @@ func (d *direction) onData(b []byte, end bool) {
 	case extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
 		// §2.6: each chunk goes at once, headers reply or not; Envoy drains it
 		// and keeps no copy.
-		if d.fdEOSSent {
+		if d.rules.BodyEnded() {
 			return
 		}
 		x.fdBodySeen = true
-		d.fdEOSSent = end
-		x.send(d.bodyMessage(b, end))
+		d.expect(d.rules.Body(end))
+		x.send(envoymsg.Body(d.dir(), b, end))
 	case extprocfilterv3.ProcessingMode_BUFFERED:
 		d.held = append(d.held, b...)
 		if len(d.held) > x.cfg.BufferLimitBytes {
 			x.bufferOverflow(d)
 			return
 		}
-		if d.state == cbIdle && end {
-			d.sendBuffered(cbBufferedBody, true)
+		if d.rules.State() == rules.Idle && end {
+			d.sendBuffered(true)
 		}
 	case extprocfilterv3.ProcessingMode_BUFFERED_PARTIAL:
 		d.held = append(d.held, b...)
-		if d.state == cbIdle && (end || len(d.held) >= x.cfg.BufferLimitBytes) {
-			d.sendBuffered(cbBufferedPartialBody, end)
+		if d.rules.State() == rules.Idle && (end || len(d.held) >= x.cfg.BufferLimitBytes) {
+			d.sendBuffered(end)
 		}
 	case extprocfilterv3.ProcessingMode_STREAMED:
-		if d.state == cbHeaders && !x.cfg.SendBodyWithoutWaitingForHeaderResponse {
+		if d.rules.State() == rules.HeadersCallback && !x.cfg.SendBodyWithoutWaitingForHeaderResponse {
 			d.held = append(d.held, b...) // §2.1: held until the headers reply
 			return
 		}
@@ -382,7 +333,7 @@ func (d *direction) onTrailers(t *headerMap) {
 		d.sendTrailersNow()
 		return
 	}
-	if d.state != cbIdle || len(d.chunks) > 0 {
+	if d.rules.State() != rules.Idle || len(d.chunks) > 0 {
 		d.trailersPending = true // §2.8: held until earlier callbacks finish
 		return
 	}
@@ -392,11 +343,11 @@ func (d *direction) onTrailers(t *headerMap) {
 		// §2.3: the buffered body goes now with end_of_stream=false, the
 		// trailers after its reply.
 		d.trailersPending = true
-		d.sendBuffered(cbBufferedBody, false)
+		d.sendBuffered(false)
 		return
 	case d.bodyMode == extprocfilterv3.ProcessingMode_BUFFERED_PARTIAL:
 		d.trailersPending = true
-		d.sendBuffered(cbBufferedPartialBody, false)
+		d.sendBuffered(false)
 		return
 	}
 	d.trailersStep()
@@ -414,7 +365,7 @@ func (d *direction) trailersStep() {
 
 // afterCallback runs once a reply left the direction idle.
 func (d *direction) afterCallback() {
-	if d.state == cbIdle && len(d.chunks) == 0 && d.trailersPending {
+	if d.rules.State() == rules.Idle && len(d.chunks) == 0 && d.trailersPending {
 		d.trailersStep()
 	}
 }
@@ -435,11 +386,10 @@ func (d *direction) applyHeaders(m *extprocv3.HeaderMutation, replacing bool) er
 	return err
 }
 
+// The reply handlers run once the rules accepted the reply.
+
 func (d *direction) onHeadersResponse(hr *extprocv3.HeadersResponse) error {
-	if d.state != cbHeaders {
-		return spurious("%s headers response received in state %s", d.name(), d.state)
-	}
-	d.finishCall()
+	d.stopTimer()
 	cr := hr.GetResponse()
 	replacing := cr.GetStatus() == extprocv3.CommonResponse_CONTINUE_AND_REPLACE
 	if err := d.applyHeaders(cr.GetHeaderMutation(), replacing); err != nil {
@@ -465,7 +415,6 @@ func (d *direction) onHeadersResponse(hr *extprocv3.HeadersResponse) error {
 		d.continueHeaders()
 		d.afterCallback()
 	case extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
-		d.state = cbStreamedBody
 		if !d.bodyComplete {
 			d.continueHeaders()
 		}
@@ -473,27 +422,24 @@ func (d *direction) onHeadersResponse(hr *extprocv3.HeadersResponse) error {
 	case extprocfilterv3.ProcessingMode_BUFFERED:
 		if d.bodyComplete {
 			// §2.3 step 3 / §2.9: the headers stay held until the body reply.
-			d.sendBuffered(cbBufferedBody, d.trailers == nil)
+			d.sendBuffered(d.trailers == nil)
 		}
 	case extprocfilterv3.ProcessingMode_BUFFERED_PARTIAL:
 		switch {
 		case d.bodyComplete:
-			d.sendBuffered(cbBufferedPartialBody, d.trailers == nil)
+			d.sendBuffered(d.trailers == nil)
 		case len(d.held) >= x.cfg.BufferLimitBytes:
-			d.sendBuffered(cbBufferedPartialBody, false)
+			d.sendBuffered(false)
 		}
 	case extprocfilterv3.ProcessingMode_STREAMED:
 		switch {
 		case x.cfg.SendBodyWithoutWaitingForHeaderResponse:
 			d.continueHeaders()
-			if len(d.chunks) > 0 {
-				d.state = cbStreamedBody
-			}
 			d.afterCallback()
 		case d.bodyComplete:
 			// §2.9: the whole body arrived before the headers reply: one
 			// message, answered as a buffered body, headers held.
-			d.sendBuffered(cbBufferedBody, d.trailers == nil)
+			d.sendBuffered(d.trailers == nil)
 		default:
 			d.continueHeaders()
 			if len(d.held) > 0 {
@@ -513,7 +459,7 @@ func (d *direction) continueAndReplace(bm *extprocv3.BodyMutation) {
 	d.sendTrailers = false
 	d.replaced = true
 	d.held = nil
-	nb, ok := bodyMutationResult(bm)
+	nb, ok := rules.Replacement(bm)
 	if !ok {
 		d.continueHeaders()
 		if d.bodyComplete && !d.noBody {
@@ -531,63 +477,41 @@ func (d *direction) continueAndReplace(bm *extprocv3.BodyMutation) {
 	}
 }
 
-func (d *direction) onBodyResponse(br *extprocv3.BodyResponse) error {
-	if d.state == cbHeaders {
-		// §2.6 rule 1, ServerSendOutOfOrderResponseDuplexStreamed.
-		return spurious("%s body response received before the headers response", d.name())
-	}
+// onBodyResponse handles a body reply to the callback it answered.
+func (d *direction) onBodyResponse(br *extprocv3.BodyResponse, answered rules.Callback) error {
 	cr := br.GetResponse()
-	bm := cr.GetBodyMutation()
 	switch {
 	case d.fullDuplex():
 		return d.onFullDuplexBody(cr)
-	case d.state == cbBufferedBody:
+	case answered == rules.BufferedBodyCallback:
 		return d.onBufferedBody(cr, true)
-	case d.state == cbBufferedPartialBody:
+	case answered == rules.BufferedPartialBodyCallback:
 		return d.onBufferedBody(cr, false)
-	case d.bodyMode == extprocfilterv3.ProcessingMode_STREAMED && len(d.chunks) > 0:
-		if bm.GetStreamedResponse() != nil {
-			return spurious("streamed_response received while body_mode_ is STREAMED") // §3.4
-		}
-		c := d.chunks[0]
-		d.chunks = d.chunks[1:]
-		if nb, ok := bodyMutationResult(bm); ok {
-			c.data = nb // replaces or clears only this chunk
-		}
-		// §2.4: header mutations are ignored, the headers already went on.
-		if len(d.chunks) == 0 {
-			d.finishCall()
-		} else {
-			d.stopTimer() // re-armed by the next chunk sent (§5)
-		}
-		d.emitData(c.data, c.end)
-		d.afterCallback()
-		return nil
 	}
-	return spurious("%s body response received while no body call is pending (state %s)", d.name(), d.state)
+	// A STREAMED chunk; its header mutations come too late (§2.4).
+	c := d.chunks[0]
+	d.chunks = d.chunks[1:]
+	if nb, ok := rules.Replacement(cr.GetBodyMutation()); ok {
+		c.data = nb // replaces or clears only this chunk
+	}
+	d.stopTimer() // re-armed by the next chunk sent (§5)
+	d.emitData(c.data, c.end)
+	d.afterCallback()
+	return nil
 }
 
 func (d *direction) onFullDuplexBody(cr *extprocv3.CommonResponse) error {
-	if d.state != cbStreamedBody || d.fdEOSReceived {
-		return spurious("%s body response received in state %s after end_of_stream=%v", d.name(), d.state, d.fdEOSReceived)
-	}
 	sr := cr.GetBodyMutation().GetStreamedResponse()
-	if sr == nil {
-		// §2.6 rule 3 (GIE #3035): an empty CommonResponse is spurious too.
-		return spurious("Normal body mutation response is received while body_mode_ is FULL_DUPLEX_STREAMED")
-	}
 	// Header mutations in FULL_DUPLEX body replies come too late (§2.11).
 	if !sr.GetEndOfStream() {
 		d.emitData(sr.GetBody(), false)
 		return nil
 	}
-	d.fdEOSReceived = true
 	if d.trailers != nil {
 		// Trailers follow with their own reply (§2.6 rule 6).
 		d.emitData(sr.GetBody(), false)
 		return nil
 	}
-	d.state = cbIdle
 	d.emitData(sr.GetBody(), true)
 	d.continueHeaders()
 	return nil
@@ -596,7 +520,7 @@ func (d *direction) onFullDuplexBody(cr *extprocv3.CommonResponse) error {
 // onBufferedBody handles BufferedBodyCallback (BUFFERED and the §2.9 case)
 // and BufferedPartialBodyCallback.
 func (d *direction) onBufferedBody(cr *extprocv3.CommonResponse, buffered bool) error {
-	d.finishCall()
+	d.stopTimer()
 	// Header mutations apply only while the headers are still held (§2.3).
 	if !d.headersContinued {
 		if err := d.applyHeaders(cr.GetHeaderMutation(), false); err != nil {
@@ -608,10 +532,11 @@ func (d *direction) onBufferedBody(cr *extprocv3.CommonResponse, buffered bool) 
 	d.inflight = nil
 	// body / clear_body replace the buffer; streamed_response is a no-op here
 	// (§3.4).
-	if nb, ok := bodyMutationResult(cr.GetBodyMutation()); ok {
+	if nb, ok := rules.Replacement(cr.GetBodyMutation()); ok {
 		if buffered && !d.headersContinued {
-			if err := validateContentLength(d.headers, len(nb)); err != nil {
-				return err
+			cl, _ := d.headers.get("content-length")
+			if err := rules.CheckContentLength(cl, len(nb)); err != nil {
+				return fmt.Errorf("%w: %v", errMutation, err)
 			}
 		}
 		body = nb
@@ -633,30 +558,8 @@ func (d *direction) onBufferedBody(cr *extprocv3.CommonResponse, buffered bool) 
 	return nil
 }
 
-// validateContentLength is ProcessorState::validateContentLength (§3.5).
-func validateContentLength(h *headerMap, n int) error {
-	v, ok := h.get("content-length")
-	if !ok {
-		return nil
-	}
-	cl, err := strconv.ParseUint(v, 10, 64)
-	if err != nil || cl == uint64(n) {
-		return nil
-	}
-	return fmt.Errorf("%w: mismatch between content length and the length of the mutated body", errMutation)
-}
-
 func (d *direction) onTrailersResponse(tr *extprocv3.TrailersResponse) error {
-	if !d.trailersOutstanding || (d.fullDuplex() && d.state == cbHeaders) {
-		return spurious("%s trailers response received while not waiting for it", d.name())
-	}
-	d.trailersOutstanding = false
-	if d.fullDuplex() {
-		d.fdEOSReceived = true
-		d.state = cbIdle
-	} else {
-		d.finishCall()
-	}
+	d.stopTimer()
 	rejected, err := applyHeaderMutation(tr.GetHeaderMutation(), d.trailers, d.x.p.rules, d.x.limits(), mutationOptions{})
 	if err != nil {
 		return err
@@ -674,8 +577,6 @@ func (d *direction) onTrailersResponse(tr *extprocv3.TrailersResponse) error {
 // data already handed to the server is lost.
 func (d *direction) clearAsyncState() {
 	d.stopTimer()
-	d.state = cbIdle
-	d.trailersOutstanding = false
 	if d.headers == nil {
 		return
 	}
