@@ -75,26 +75,26 @@ func newExchange(p *Proxy, w http.ResponseWriter, r *http.Request, ctx context.C
 		done:     make(chan struct{}),
 		metadata: map[string]*structpb.Struct{},
 	}
-	for ns, s := range p.cfg.InitialMetadata {
+	for ns, s := range p.cfg.Metadata.Initial {
 		x.metadata[ns] = proto.Clone(s).(*structpb.Struct)
 	}
 	c := &p.cfg
 	x.rules = rules.NewStream(rules.Config{
-		RequestMode:                             c.RequestBodyMode,
-		ResponseMode:                            c.ResponseBodyMode,
-		SendBodyWithoutWaitingForHeaderResponse: c.SendBodyWithoutWaitingForHeaderResponse,
-		MaxMessageTimeout:                       c.MaxMessageTimeout,
-		DisableImmediateResponse:                c.DisableImmediateResponse,
+		RequestMode:                             c.Modes.Request.Body,
+		ResponseMode:                            c.Modes.Response.Body,
+		SendBodyWithoutWaitingForHeaderResponse: c.Modes.SendBodyWithoutWaitingForHeaderResponse,
+		MaxMessageTimeout:                       c.Failure.MaxMessageTimeout,
+		DisableImmediateResponse:                c.Mutations.DisableImmediateResponse,
 	})
 	x.dec = &direction{x: x, sink: &router{x: x}, rules: x.rules.Request,
-		sendHeaders:  c.RequestHeaderMode != extprocfilterv3.ProcessingMode_SKIP,
-		bodyMode:     c.RequestBodyMode,
-		sendTrailers: c.RequestTrailerMode == extprocfilterv3.ProcessingMode_SEND,
+		sendHeaders:  c.Modes.Request.Headers != extprocfilterv3.ProcessingMode_SKIP,
+		bodyMode:     c.Modes.Request.Body,
+		sendTrailers: c.Modes.Request.Trailers == extprocfilterv3.ProcessingMode_SEND,
 	}
 	x.enc = &direction{x: x, response: true, sink: &downstream{x: x}, rules: x.rules.Response,
-		sendHeaders:  c.ResponseHeaderMode != extprocfilterv3.ProcessingMode_SKIP,
-		bodyMode:     c.ResponseBodyMode,
-		sendTrailers: c.ResponseTrailerMode == extprocfilterv3.ProcessingMode_SEND,
+		sendHeaders:  c.Modes.Response.Headers != extprocfilterv3.ProcessingMode_SKIP,
+		bodyMode:     c.Modes.Response.Body,
+		sendTrailers: c.Modes.Response.Trailers == extprocfilterv3.ProcessingMode_SEND,
 	}
 	return x
 }
@@ -116,7 +116,7 @@ func (x *exchange) post(fn func()) bool {
 }
 
 func (x *exchange) limits() mutationLimits {
-	return mutationLimits{maxHeadersCount: x.cfg.MaxHeadersCount, maxHeadersKB: x.cfg.MaxHeadersKB}
+	return mutationLimits{maxHeadersCount: x.cfg.Limits.MaxHeadersCount, maxHeadersKB: x.cfg.Limits.MaxHeadersKB}
 }
 
 // run drives the exchange to its end.
@@ -269,12 +269,12 @@ func (x *exchange) send(req *extprocv3.ProcessingRequest) {
 	if !x.firstSent {
 		x.firstSent = true
 		req.ProtocolConfig = &extprocv3.ProtocolConfiguration{
-			RequestBodyMode:                         x.cfg.RequestBodyMode,
-			ResponseBodyMode:                        x.cfg.ResponseBodyMode,
-			SendBodyWithoutWaitingForHeaderResponse: x.cfg.SendBodyWithoutWaitingForHeaderResponse,
+			RequestBodyMode:                         x.cfg.Modes.Request.Body,
+			ResponseBodyMode:                        x.cfg.Modes.Response.Body,
+			SendBodyWithoutWaitingForHeaderResponse: x.cfg.Modes.SendBodyWithoutWaitingForHeaderResponse,
 		}
 	}
-	if len(x.cfg.ForwardingNamespaces) > 0 {
+	if len(x.cfg.Metadata.ForwardingNamespaces) > 0 {
 		req.MetadataContext = x.metadataContext()
 	}
 	if x.stream == nil {
@@ -307,13 +307,13 @@ func (x *exchange) onStreamEnd(err error) {
 		x.completeProcessing()
 		return
 	}
-	x.localReply(x.cfg.StatusOnError, "", fmt.Sprintf("ext_proc_error_gRPC_error_%d{%s}", st.Code(), st.Message()))
+	x.localReply(x.cfg.Failure.StatusOnError, "", fmt.Sprintf("ext_proc_error_gRPC_error_%d{%s}", st.Code(), st.Message()))
 }
 
 // failureModeAllow is Filter::failureModeAllow: never once FULL_DUPLEX body
 // data went to the server (§5).
 func (x *exchange) failureModeAllow() bool {
-	return x.cfg.FailureModeAllow && !x.fdBodySeen
+	return x.cfg.Failure.FailureModeAllow && !x.fdBodySeen
 }
 
 // completeProcessing stops consulting the server and lets both directions
@@ -393,7 +393,7 @@ func (x *exchange) onProcessingError(err error) {
 		x.completeProcessing()
 		return
 	}
-	x.localReply(x.cfg.StatusOnError, "", err.Error())
+	x.localReply(x.cfg.Failure.StatusOnError, "", err.Error())
 }
 
 // onOverrideTimeout restarts the timers the rules say the override applies
@@ -445,7 +445,7 @@ func (x *exchange) maybeCloseStream() {
 // merged per key into the stream's metadata.
 func (x *exchange) applyMetadata(resp *extprocv3.ProcessingResponse) {
 	for ns, v := range resp.GetDynamicMetadata().GetFields() {
-		if !slices.Contains(x.cfg.ReceivingNamespaces, ns) {
+		if !slices.Contains(x.cfg.Metadata.ReceivingNamespaces, ns) {
 			x.logf("dynamic_metadata namespace %q dropped: not in receiving_namespaces", ns)
 			continue
 		}
@@ -476,10 +476,10 @@ func (x *exchange) snapshotRouting() {
 // maybeClearRouteCache: honoured only on the request path and only with a
 // header mutation in the same reply (§3.6).
 func (x *exchange) maybeClearRouteCache(d *direction, cr *extprocv3.CommonResponse) {
-	if d.response || cr.GetHeaderMutation() == nil || x.cfg.DisableClearRouteCache {
+	if d.response || cr.GetHeaderMutation() == nil || x.cfg.Mutations.DisableClearRouteCache {
 		return
 	}
-	switch x.cfg.RouteCacheAction {
+	switch x.cfg.Mutations.RouteCacheAction {
 	case extprocfilterv3.ExternalProcessor_CLEAR:
 		x.reroute = true
 	case extprocfilterv3.ExternalProcessor_DEFAULT:
@@ -490,7 +490,7 @@ func (x *exchange) maybeClearRouteCache(d *direction, cr *extprocv3.CommonRespon
 }
 
 func (x *exchange) metadataContext() *corev3.Metadata {
-	return buildMetadataContext(x.cfg.ForwardingNamespaces, x.metadata)
+	return buildMetadataContext(x.cfg.Metadata.ForwardingNamespaces, x.metadata)
 }
 
 func (x *exchange) forwardAllowed(key string) bool {
@@ -589,7 +589,7 @@ func (x *exchange) bufferOverflow(d *direction) {
 
 // resetIdle re-arms the HCM stream_idle_timeout on stream activity.
 func (x *exchange) resetIdle() {
-	if x.cfg.StreamIdleTimeout <= 0 {
+	if x.cfg.Limits.StreamIdleTimeout <= 0 {
 		return
 	}
 	if x.idleTimer != nil {
@@ -597,7 +597,7 @@ func (x *exchange) resetIdle() {
 	}
 	x.idleGen++
 	gen := x.idleGen
-	x.idleTimer = time.AfterFunc(x.cfg.StreamIdleTimeout, func() {
+	x.idleTimer = time.AfterFunc(x.cfg.Limits.StreamIdleTimeout, func() {
 		x.post(func() {
 			if gen != x.idleGen || x.finished {
 				return

@@ -97,7 +97,7 @@ func (d *direction) expect(f rules.Fit) {
 
 // shouldRemoveContentLength is ProcessorState::shouldRemoveContentLength (§3.5).
 func (d *direction) shouldRemoveContentLength() bool {
-	if d.x.cfg.AllowContentLengthHeader {
+	if d.x.cfg.Mutations.AllowContentLengthHeader {
 		return false
 	}
 	switch d.bodyMode {
@@ -117,7 +117,7 @@ func (d *direction) shouldRemoveContentLength() bool {
 // never armed in a FULL_DUPLEX direction, headers message included (§5).
 func (d *direction) armForCall() {
 	if !d.fullDuplex() {
-		d.armTimer(d.x.cfg.MessageTimeout)
+		d.armTimer(d.x.cfg.Failure.MessageTimeout)
 	}
 }
 
@@ -299,7 +299,7 @@ func (d *direction) onData(b []byte, end bool) {
 		x.send(envoymsg.Body(d.dir(), b, end))
 	case extprocfilterv3.ProcessingMode_BUFFERED:
 		d.held = append(d.held, b...)
-		if len(d.held) > x.cfg.BufferLimitBytes {
+		if len(d.held) > x.cfg.Limits.BufferLimitBytes {
 			x.bufferOverflow(d)
 			return
 		}
@@ -308,11 +308,11 @@ func (d *direction) onData(b []byte, end bool) {
 		}
 	case extprocfilterv3.ProcessingMode_BUFFERED_PARTIAL:
 		d.held = append(d.held, b...)
-		if d.rules.State() == rules.Idle && (end || len(d.held) >= x.cfg.BufferLimitBytes) {
+		if d.rules.State() == rules.Idle && (end || len(d.held) >= x.cfg.Limits.BufferLimitBytes) {
 			d.sendBuffered(end)
 		}
 	case extprocfilterv3.ProcessingMode_STREAMED:
-		if d.rules.State() == rules.HeadersCallback && !x.cfg.SendBodyWithoutWaitingForHeaderResponse {
+		if d.rules.State() == rules.HeadersCallback && !x.cfg.Modes.SendBodyWithoutWaitingForHeaderResponse {
 			d.held = append(d.held, b...) // §2.1: held until the headers reply
 			return
 		}
@@ -428,12 +428,12 @@ func (d *direction) onHeadersResponse(hr *extprocv3.HeadersResponse) error {
 		switch {
 		case d.bodyComplete:
 			d.sendBuffered(d.trailers == nil)
-		case len(d.held) >= x.cfg.BufferLimitBytes:
+		case len(d.held) >= x.cfg.Limits.BufferLimitBytes:
 			d.sendBuffered(false)
 		}
 	case extprocfilterv3.ProcessingMode_STREAMED:
 		switch {
-		case x.cfg.SendBodyWithoutWaitingForHeaderResponse:
+		case x.cfg.Modes.SendBodyWithoutWaitingForHeaderResponse:
 			d.continueHeaders()
 			d.afterCallback()
 		case d.bodyComplete:
