@@ -22,20 +22,26 @@ import (
 //     endpoint, the same in header and envoy.lb metadata; end_of_stream at most
 //     once per direction and nothing after it; an ImmediateResponse last;
 //   - for the messages Envoy can send (most inputs are built to look like
-//     Envoy's own sequences) the replies follow Envoy's state machine: in
-//     FULL_DUPLEX the headers reply before body replies, body replies only as
-//     streamed_response, end_of_stream only after Envoy's; in other modes
-//     exactly one reply per message, in order, unless an ImmediateResponse ends
-//     the stream; a BUFFERED body reply that replaces the body sets
-//     Content-Length to the new body's size exactly when the client sent one; the response path is echoed
-//     byte for byte; nothing is owed when the stream ends; and no
-//     client-supplied kv_transfer_params or bootstrap_* reaches the decode body.
+//     Envoy's own sequences) Envoy accepts every reply whole, by the reply
+//     rules the emulator runs on (internal/envoyemu/rules): in FULL_DUPLEX the
+//     headers reply before body replies, body replies only as
+//     streamed_response; in other modes exactly one reply per message, in
+//     order, unless an ImmediateResponse ends the stream; an
+//     override_message_timeout only for a running timer, once per call; a
+//     replaced BUFFERED body matching the Content-Length Envoy holds; and
+//     nothing is owed when the stream ends;
+//   - beyond Envoy's rules, our own: FULL_DUPLEX end_of_stream only after
+//     Envoy's; a BUFFERED body reply that replaces the body sets
+//     Content-Length to the new body's size exactly when the client sent one;
+//     the response path is echoed byte for byte; and no client-supplied
+//     kv_transfer_params or bootstrap_* reaches the decode body.
 //
 // Messages Envoy never sends in that state are fed too. A body after the
 // direction's end_of_stream is the one Envoy really does send (envoy#46237) and
 // must get no reply. Anything else (duplicate headers, a body in NONE mode, a
-// second protocol_config, ...) leaves the server free to answer or not, so from
-// there on that direction gets only the always-rules.
+// second protocol_config, ...) takes that direction off Envoy's model: the
+// server is free to answer or not, so from there on that direction gets only
+// the always-rules.
 //
 // Input layout: fuzzCtlLen control bytes (see fuzzCase), then free data used
 // for prompts, raw bodies and header values.

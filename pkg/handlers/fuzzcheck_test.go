@@ -9,78 +9,53 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"testing"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
-	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/structpb"
 
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/rules"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 )
 
-type fuzzKind int
+// fuzzMaxMessageTimeout is the max_message_timeout of
+// config/envoy/envoy-buffered.yaml, the mode in which the server extends
+// Envoy's message timer (§5).
+const fuzzMaxMessageTimeout = 120 * time.Second
 
-const (
-	fuzzHeaders fuzzKind = iota + 1
-	fuzzBody
-	fuzzTrailers
-)
-
-// fuzzDirection is Envoy's view of one direction (§1.7, §10): what it sent,
-// and what it is owed.
-type fuzzDirection struct {
-	name                   string
-	mode                   filterv3.ProcessingMode_BodySendMode
-	hdrSent, hdrEOS        bool
-	bodyMsgs               int
-	bodyEOS, trailersSent  bool
-	degraded               string     // why only the always-rules apply from now on
-	pending                []fuzzKind // non-FULL_DUPLEX: messages awaiting their one reply, in order
-	hdrReplied, eosReplied bool
-	trailersReplied        bool
-	sentBody, repliedBody  []byte                        // body bytes Envoy sent, and the body the replies carry
-	bodyReplaced           bool                          // a BUFFERED reply carried a new body
-	headers                []*corev3.HeaderValue         // what the request headers message carried
-	routing                *extprocv3.ProcessingResponse // the reply that carried the destination
-	anyEOSReplied          bool
-}
-
-func (d *fuzzDirection) fullDuplex() bool {
-	return d.mode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
-}
-
-func (d *fuzzDirection) sendsBody() bool {
-	switch d.mode {
-	case filterv3.ProcessingMode_STREAMED, filterv3.ProcessingMode_BUFFERED,
-		filterv3.ProcessingMode_BUFFERED_PARTIAL, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
-		return true
-	}
-	return false
-}
-
-func (d *fuzzDirection) oneBodyMessage() bool {
-	return d.mode == filterv3.ProcessingMode_BUFFERED || d.mode == filterv3.ProcessingMode_BUFFERED_PARTIAL
-}
-
-func (d *fuzzDirection) degrade(why string) {
-	if d.degraded == "" {
-		d.degraded = why
-	}
-}
-
+// fuzzChecker judges what the server sent: Envoy's reply rules, the model the
+// emulator runs on (internal/envoyemu/rules), decide whether Envoy would
+// accept each reply and what it is still owed; the rest are this server's own
+// rules (routing, the decode body, the subset hint, raw_value-only mutations,
+// the response echoed...).
 type fuzzChecker struct {
 	c         *fuzzCase
-	req, resp *fuzzDirection
+	envoy     *rules.Stream
+	req, resp *fuzzSide
 	problems  []string
-	first     *extprocv3.ProtocolConfiguration
 	received  int
-	ignorable bool // the message being answered must get no reply
-	overrides int  // override_message_timeout replies to the message being answered
-	immediate bool
+	repeat    bool     // the message being answered is the body's end again: it must get no reply
+	overrides int      // override_message_timeout replies to the message being answered
 	subset    []string // the endpoints the request's subset hint allows
 	hasSubset bool
+}
+
+// fuzzSide is what the checker keeps of one direction for its own rules,
+// next to Envoy's view of it.
+type fuzzSide struct {
+	*rules.Direction
+	headersSeen  bool
+	headers      []*corev3.HeaderValue         // what the headers message carried
+	sentBody     []byte                        // body bytes Envoy sent
+	repliedBody  []byte                        // the body the replies carry
+	bodyReplaced bool                          // a buffered body reply carried a new body
+	endReplied   bool                          // a body reply carried end_of_stream
+	routing      *extprocv3.ProcessingResponse // the reply that carried the destination
 }
 
 func (k *fuzzChecker) fail(format string, args ...any) {
@@ -88,13 +63,23 @@ func (k *fuzzChecker) fail(format string, args ...any) {
 }
 
 func checkFuzzExchange(c *fuzzCase, rec *fuzzRecorder, reset bool) []string {
-	k := &fuzzChecker{c: c, req: &fuzzDirection{name: "request"}, resp: &fuzzDirection{name: "response"}}
-	for i, e := range rec.events {
+	// The first message's protocol_config gives the modes (§1.2).
+	var pc *extprocv3.ProtocolConfiguration
+	for _, e := range rec.events {
 		if e.recv != nil {
-			if i == 0 {
-				k.req.mode, k.resp.mode = e.recv.GetProtocolConfig().GetRequestBodyMode(), e.recv.GetProtocolConfig().GetResponseBodyMode()
-				k.first = e.recv.GetProtocolConfig()
-			}
+			pc = e.recv.GetProtocolConfig()
+			break
+		}
+	}
+	envoy := rules.NewStream(rules.Config{
+		RequestMode:                             pc.GetRequestBodyMode(),
+		ResponseMode:                            pc.GetResponseBodyMode(),
+		SendBodyWithoutWaitingForHeaderResponse: pc.GetSendBodyWithoutWaitingForHeaderResponse(),
+		MaxMessageTimeout:                       fuzzMaxMessageTimeout,
+	})
+	k := &fuzzChecker{c: c, envoy: envoy, req: &fuzzSide{Direction: envoy.Request}, resp: &fuzzSide{Direction: envoy.Response}}
+	for _, e := range rec.events {
+		if e.recv != nil {
 			k.received++
 			k.onMessage(e.recv)
 			continue
@@ -106,127 +91,92 @@ func checkFuzzExchange(c *fuzzCase, rec *fuzzRecorder, reset bool) []string {
 	}
 	// Owed replies: only when Envoy half-closed after its last message and no
 	// ImmediateResponse ended the exchange.
-	if !reset && !k.immediate && errors.Is(rec.recvErr, io.EOF) {
-		for _, d := range []*fuzzDirection{k.req, k.resp} {
-			k.owed(d)
+	if !reset && envoy.Over() == "" && errors.Is(rec.recvErr, io.EOF) {
+		for _, why := range envoy.Owed() {
+			k.fail("%s", why)
 		}
+		k.owedResponse()
 		k.checkRouting()
 	}
 	return k.problems
 }
 
-// onMessage updates Envoy's state with a message it sent, classifying it.
-func (k *fuzzChecker) onMessage(m *extprocv3.ProcessingRequest) {
-	k.ignorable, k.overrides = false, 0
-	if pc := m.GetProtocolConfig(); pc != nil && k.received > 1 && !proto.Equal(pc, k.first) {
-		// Envoy sends protocol_config on the first message only (§1.2).
-		k.req.degrade("a later protocol_config changed the modes")
-		k.resp.degrade("a later protocol_config changed the modes")
-	}
-	var d *fuzzDirection
+func (k *fuzzChecker) side(m *extprocv3.ProcessingRequest) *fuzzSide {
 	switch m.Request.(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders, *extprocv3.ProcessingRequest_RequestBody, *extprocv3.ProcessingRequest_RequestTrailers:
-		d = k.req
+		return k.req
 	case *extprocv3.ProcessingRequest_ResponseHeaders, *extprocv3.ProcessingRequest_ResponseBody, *extprocv3.ProcessingRequest_ResponseTrailers:
-		d = k.resp
-	default:
-		return // no oneof: nothing to answer, no state changed
+		return k.resp
 	}
-	switch {
-	case m.GetRequestHeaders() != nil || m.GetResponseHeaders() != nil:
-		h := m.GetRequestHeaders()
-		if h == nil {
-			h = m.GetResponseHeaders()
-		}
-		if d.hdrSent {
-			d.degrade("headers sent twice")
-			return
-		}
-		d.hdrSent, d.hdrEOS = true, h.GetEndOfStream()
-		d.headers = h.GetHeaders().GetHeaders()
+	return nil
+}
+
+// onMessage records a message Envoy sent.
+func (k *fuzzChecker) onMessage(m *extprocv3.ProcessingRequest) {
+	k.repeat, k.overrides = false, 0
+	d := k.side(m)
+	h := m.GetRequestHeaders()
+	if h == nil {
+		h = m.GetResponseHeaders()
+	}
+	if h != nil && !d.headersSeen {
+		d.headersSeen, d.headers = true, h.GetHeaders().GetHeaders()
 		if d == k.req {
 			k.subset, k.hasSubset = fuzzSubsetOf(m.GetMetadataContext())
 		}
-		if !d.fullDuplex() {
-			d.pending = append(d.pending, fuzzHeaders)
-		}
-	case m.GetRequestBody() != nil || m.GetResponseBody() != nil:
+	}
+	switch k.envoy.Sent(m) {
+	case rules.Repeat:
+		k.repeat = true // envoy#46237: the end of the body again
+	case rules.Expected:
 		b := m.GetRequestBody()
 		if b == nil {
 			b = m.GetResponseBody()
 		}
-		switch {
-		case d.bodyEOS && d.degraded == "":
-			// envoy#46237: the end of the body again. It must be dropped.
-			k.ignorable = true
-			return
-		case !d.hdrSent, d.hdrEOS, d.bodyEOS, d.trailersSent, !d.sendsBody(), d.oneBodyMessage() && d.bodyMsgs > 0:
-			d.degrade(fmt.Sprintf("a body Envoy would not send (mode %s)", d.mode))
-			return
-		}
-		d.bodyMsgs++
-		d.bodyEOS = b.GetEndOfStream()
 		d.sentBody = append(d.sentBody, b.GetBody()...)
-		if !d.fullDuplex() {
-			d.pending = append(d.pending, fuzzBody)
-		}
-	default: // trailers
-		if !d.hdrSent || d.hdrEOS || d.bodyEOS || d.trailersSent || (d.oneBodyMessage() && d.bodyMsgs != 1) {
-			d.degrade("trailers Envoy would not send")
-			return
-		}
-		d.trailersSent = true
-		if !d.fullDuplex() {
-			d.pending = append(d.pending, fuzzTrailers)
-		}
 	}
 }
 
-// onReply checks one reply against Envoy's state.
+// onReply judges one reply with Envoy's rules, then with ours.
 func (k *fuzzChecker) onReply(r *extprocv3.ProcessingResponse) {
-	if k.immediate {
-		k.fail("a reply after the ImmediateResponse: %v", r)
+	if over := k.envoy.Over(); over != "" {
+		k.fail("a reply after %s, which ended the stream: %v", over, r)
 		return
 	}
-	if k.ignorable {
+	if k.repeat {
 		k.fail("a reply to a repeated end of the body, which must be dropped (envoy#46237): %v", r)
 	}
-	if ot := r.GetOverrideMessageTimeout(); ot != nil {
-		switch {
-		case r.Response != nil:
-			k.fail("override_message_timeout together with a %T: Envoy ignores every other field of the message, so that reply is lost", r.Response)
-		case ot.AsDuration() < time.Millisecond:
-			k.fail("override_message_timeout %v is below Envoy's 1 ms minimum", ot.AsDuration())
-		}
-		k.overrides++
-		if k.overrides > 1 {
+	v := k.envoy.Reply(r)
+	switch v.Outcome {
+	case rules.Spurious:
+		k.fail("spurious (§7.3), Envoy answers status_on_error: %s", v.Reason)
+	case rules.Ignored:
+		k.fail("Envoy ignores it: %s", v.Reason)
+	}
+	for _, part := range v.Dropped {
+		k.fail("Envoy drops %s", part)
+	}
+	if r.GetOverrideMessageTimeout() != nil {
+		if k.overrides++; k.overrides > 1 {
 			k.fail("%d override_message_timeout replies to one message: Envoy honours one per call", k.overrides)
-		}
-		if !k.timedCallPending() {
-			k.fail("override_message_timeout while no timed (non-FULL_DUPLEX) call is outstanding")
 		}
 		return
 	}
 	k.checkDynamicMetadata(r)
 	switch x := r.Response.(type) {
-	case nil:
-		k.fail("a reply with no oneof and no override_message_timeout is spurious (§7.3)")
 	case *extprocv3.ProcessingResponse_RequestHeaders:
-		k.headersReply(k.req, x.RequestHeaders.GetResponse(), r)
+		k.headersReply(k.req, x.RequestHeaders.GetResponse(), r, v)
 	case *extprocv3.ProcessingResponse_ResponseHeaders:
-		k.headersReply(k.resp, x.ResponseHeaders.GetResponse(), r)
+		k.headersReply(k.resp, x.ResponseHeaders.GetResponse(), r, v)
 	case *extprocv3.ProcessingResponse_RequestBody:
-		k.bodyReply(k.req, x.RequestBody.GetResponse(), r)
+		k.bodyReply(k.req, x.RequestBody.GetResponse(), r, v)
 	case *extprocv3.ProcessingResponse_ResponseBody:
-		k.bodyReply(k.resp, x.ResponseBody.GetResponse(), r)
+		k.bodyReply(k.resp, x.ResponseBody.GetResponse(), r, v)
 	case *extprocv3.ProcessingResponse_RequestTrailers:
 		k.checkMutation("request trailers reply", x.RequestTrailers.GetHeaderMutation())
-		k.trailersReply(k.req)
 	case *extprocv3.ProcessingResponse_ResponseTrailers:
 		k.checkMutation("response trailers reply", x.ResponseTrailers.GetHeaderMutation())
-		k.trailersReply(k.resp)
 	case *extprocv3.ProcessingResponse_ImmediateResponse:
-		k.immediate = true
 		ir := x.ImmediateResponse
 		if code := ir.GetStatus().GetCode(); code < 400 || code > 599 {
 			k.fail("ImmediateResponse status %d: errors must be 4xx or 5xx", code)
@@ -235,139 +185,88 @@ func (k *fuzzChecker) onReply(r *extprocv3.ProcessingResponse) {
 		if ir.GetGrpcStatus() != nil {
 			k.fail("ImmediateResponse carries a grpc_status for an HTTP request")
 		}
-	default:
-		k.fail("unsupported reply %T: this Envoy treats it as spurious", r.Response)
 	}
 }
 
-func (k *fuzzChecker) timedCallPending() bool {
-	for _, d := range []*fuzzDirection{k.req, k.resp} {
-		if !d.fullDuplex() && (len(d.pending) > 0 || d.degraded != "") {
-			return true
-		}
-	}
-	return false
-}
-
-func (k *fuzzChecker) headersReply(d *fuzzDirection, cr *extprocv3.CommonResponse, r *extprocv3.ProcessingResponse) {
-	k.checkMutation(d.name+" headers reply", cr.GetHeaderMutation())
-	k.checkBodyMutationOutsideBody(d, cr)
+func (k *fuzzChecker) headersReply(d *fuzzSide, cr *extprocv3.CommonResponse, r *extprocv3.ProcessingResponse, v rules.Verdict) {
+	k.checkMutation(d.Name()+" headers reply", cr.GetHeaderMutation())
 	k.noteRouting(d, cr, r)
-	if d.degraded != "" {
-		return
+	if v.Outcome == rules.Accepted && cr.GetStatus() == extprocv3.CommonResponse_CONTINUE_AND_REPLACE {
+		k.fail("%s headers reply with CONTINUE_AND_REPLACE: it drops the body and Content-Length (§3.1)", d.Name())
 	}
-	if cr.GetStatus() == extprocv3.CommonResponse_CONTINUE_AND_REPLACE {
-		k.fail("%s headers reply with CONTINUE_AND_REPLACE: it drops the body and Content-Length (§3.1)", d.name)
-	}
-	if d.fullDuplex() {
-		if !d.hdrSent || d.hdrReplied {
-			k.fail("%s headers reply while Envoy waits for none (sent %v, already answered %v): spurious (§7.3)", d.name, d.hdrSent, d.hdrReplied)
-		}
-		d.hdrReplied = true
-		return
-	}
-	k.pop(d, fuzzHeaders)
-	d.hdrReplied = true
 }
 
-func (k *fuzzChecker) bodyReply(d *fuzzDirection, cr *extprocv3.CommonResponse, r *extprocv3.ProcessingResponse) {
-	k.checkMutation(d.name+" body reply", cr.GetHeaderMutation())
+func (k *fuzzChecker) bodyReply(d *fuzzSide, cr *extprocv3.CommonResponse, r *extprocv3.ProcessingResponse, v rules.Verdict) {
+	k.checkMutation(d.Name()+" body reply", cr.GetHeaderMutation())
 	sr := cr.GetBodyMutation().GetStreamedResponse()
 	// Always: one end per direction, nothing after it.
-	if d.anyEOSReplied {
-		k.fail("%s body reply after the one that ended the body: spurious (§2.6 rule 5)", d.name)
+	if d.endReplied {
+		k.fail("%s body reply after the one that ended the body (§2.6 rule 5)", d.Name())
 	}
 	if sr.GetEndOfStream() {
-		d.anyEOSReplied = true
+		d.endReplied = true
 	}
 	if sr != nil && d == k.req && len(sr.GetBody()) > 64<<10 {
 		k.fail("request body reply chunk of %d bytes: over the 64 KiB Envoy recommends", len(sr.GetBody()))
 	}
 	k.noteRouting(d, cr, r)
-	if d.degraded != "" {
+	if v.Outcome != rules.Accepted {
 		return
 	}
-	if d.fullDuplex() {
-		switch {
-		case !d.hdrReplied:
-			k.fail("%s body reply before the headers reply in FULL_DUPLEX: spurious, 500 (§2.6 rule 1)", d.name)
-		case sr == nil:
-			k.fail("%s FULL_DUPLEX body reply without streamed_response: spurious, 500 (§2.6 rule 3)", d.name)
-		case sr.GetEndOfStream() && !d.bodyEOS && !d.trailersSent:
-			k.fail("%s end_of_stream reply before Envoy ended the body (§2.6 rule 5)", d.name)
-		case d.eosReplied:
-			k.fail("%s body reply after end_of_stream (§2.6 rule 5)", d.name)
-		}
-		if sr.GetEndOfStream() {
-			d.eosReplied = true
+	if d.Mode() == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+		// Envoy takes an early end, and the rest of the body then gets no reply.
+		if sr.GetEndOfStream() && !d.BodyEnded() {
+			k.fail("%s end_of_stream reply before Envoy ended the body (§2.6 rule 5)", d.Name())
 		}
 		d.repliedBody = append(d.repliedBody, sr.GetBody()...)
 		return
 	}
-	if sr != nil {
-		k.fail("%s streamed_response outside FULL_DUPLEX (mode %s): spurious in STREAMED, a no-op otherwise (§3.4)", d.name, d.mode)
-	}
-	k.pop(d, fuzzBody)
-	if b, ok := cr.GetBodyMutation().GetMutation().(*extprocv3.BodyMutation_Body); ok {
-		d.repliedBody, d.bodyReplaced = b.Body, true
-	} else {
+	nb, ok := rules.Replacement(cr.GetBodyMutation())
+	if !ok {
 		d.repliedBody = d.sentBody // Envoy forwards the body it buffered
-	}
-}
-
-func (k *fuzzChecker) trailersReply(d *fuzzDirection) {
-	if d.degraded != "" {
 		return
 	}
-	if d.fullDuplex() {
-		if !d.trailersSent || d.trailersReplied || !d.hdrReplied {
-			k.fail("%s trailers reply while Envoy waits for none: spurious (§7.3)", d.name)
+	d.repliedBody, d.bodyReplaced = nb, true
+	if v.Answered == rules.BufferedBodyCallback { // the headers are still held (§2.3)
+		cl := fuzzContentLength(d.headers, cr.GetHeaderMutation())
+		if err := rules.CheckContentLength(cl, len(nb)); err != nil {
+			k.fail("%s body reply: %v (content-length %q, %d bytes): Envoy answers 500 (§3.5)", d.Name(), err, cl, len(nb))
 		}
-		d.trailersReplied = true
-		return
 	}
-	k.pop(d, fuzzTrailers)
 }
 
-// pop matches a non-FULL_DUPLEX reply with the oldest message awaiting one.
-func (k *fuzzChecker) pop(d *fuzzDirection, kind fuzzKind) {
-	names := map[fuzzKind]string{fuzzHeaders: "headers", fuzzBody: "body", fuzzTrailers: "trailers"}
-	if len(d.pending) == 0 {
-		k.fail("%s %s reply while Envoy waits for nothing in that direction (mode %s): spurious (§7.3)", d.name, names[kind], d.mode)
-		return
-	}
-	if d.pending[0] != kind {
-		k.fail("%s %s reply while Envoy waits for the %s reply: spurious (§7.3)", d.name, names[kind], names[d.pending[0]])
-	}
-	d.pending = d.pending[1:]
-}
-
-// owed checks nothing is left unanswered once Envoy half-closed.
-func (k *fuzzChecker) owed(d *fuzzDirection) {
-	if d.degraded != "" {
-		return
-	}
-	if !d.fullDuplex() {
-		if len(d.pending) > 0 {
-			k.fail("%s: %d message(s) never answered (mode %s): Envoy would wait until its message timeout", d.name, len(d.pending), d.mode)
+// fuzzContentLength is the Content-Length Envoy holds once a reply's header
+// mutation applied: the last one it sets, else the first the headers had.
+func fuzzContentLength(hs []*corev3.HeaderValue, m *extprocv3.HeaderMutation) string {
+	cl, set := "", false
+	for _, h := range m.GetSetHeaders() {
+		if h.GetHeader().GetKey() == "content-length" {
+			cl, set = string(h.GetHeader().GetRawValue()), true
 		}
+	}
+	if all := fuzzAllHeaders(hs, "content-length"); !set && len(all) > 0 {
+		cl = all[0]
+	}
+	return cl
+}
+
+// owedResponse: beyond what Envoy waits for, this server answers the response
+// headers at once and echoes a FULL_DUPLEX response byte for byte.
+func (k *fuzzChecker) owedResponse() {
+	d := k.resp
+	if d.Off() != "" || d.Mode() != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		return
 	}
-	switch {
-	case d.hdrSent && (d.hdrEOS || d.bodyEOS || d.trailersSent || d == k.resp) && !d.hdrReplied:
-		k.fail("%s: the headers reply never came", d.name)
-	case d.bodyEOS && !d.trailersSent && !d.eosReplied:
-		k.fail("%s: the body ended but no end_of_stream reply came: Envoy would wait forever (FULL_DUPLEX has no message timer)", d.name)
-	case d.trailersSent && !d.trailersReplied:
-		k.fail("%s: the trailers reply never came", d.name)
+	if d.State() == rules.HeadersCallback && !d.HeadersEOS() && !d.BodyEnded() {
+		k.fail("response: the headers reply never came") // else Envoy's own rules say so
 	}
-	if d == k.resp && !bytes.Equal(d.sentBody, d.repliedBody) {
+	if !bytes.Equal(d.sentBody, d.repliedBody) {
 		k.fail("response body echoed as %q, want %q unchanged", d.repliedBody, d.sentBody)
 	}
 }
 
 // noteRouting keeps the reply that carries the destination.
-func (k *fuzzChecker) noteRouting(d *fuzzDirection, cr *extprocv3.CommonResponse, r *extprocv3.ProcessingResponse) {
+func (k *fuzzChecker) noteRouting(d *fuzzSide, cr *extprocv3.CommonResponse, r *extprocv3.ProcessingResponse) {
 	dest, ok := fuzzSetHeader(cr.GetHeaderMutation(), handlers.DestinationHeader)
 	if !ok {
 		return
@@ -397,13 +296,6 @@ func (k *fuzzChecker) checkDynamicMetadata(r *extprocv3.ProcessingResponse) {
 		if v.GetStructValue() == nil {
 			k.fail("dynamic_metadata namespace %q is not a Struct: Envoy drops it (§3.7)", ns)
 		}
-	}
-}
-
-// checkBodyMutationOutsideBody: a body mutation in a CONTINUE headers reply is ignored.
-func (k *fuzzChecker) checkBodyMutationOutsideBody(d *fuzzDirection, cr *extprocv3.CommonResponse) {
-	if cr.GetBodyMutation() != nil && cr.GetStatus() != extprocv3.CommonResponse_CONTINUE_AND_REPLACE {
-		k.fail("%s headers reply carries a body mutation Envoy ignores (§3.4)", d.name)
 	}
 }
 
@@ -444,12 +336,11 @@ func (k *fuzzChecker) checkMutation(where string, m *extprocv3.HeaderMutation) {
 // checkRouting checks the routing of a request that ran to its end.
 func (k *fuzzChecker) checkRouting() {
 	d := k.req
-	if d.degraded != "" || !d.hdrSent {
+	if d.Off() != "" || !d.HeadersSent() {
 		return
 	}
-	bodyless := d.hdrEOS || d.mode == filterv3.ProcessingMode_NONE
-	complete := bodyless || d.bodyEOS || d.trailersSent
-	if !complete {
+	bodyless := d.HeadersEOS() || d.Mode() == filterv3.ProcessingMode_NONE
+	if !bodyless && !d.BodyEnded() {
 		return
 	}
 	if d.routing == nil {
@@ -468,15 +359,17 @@ func (k *fuzzChecker) checkRouting() {
 		return
 	}
 	cl, hasCL := fuzzSetHeader(cr.GetHeaderMutation(), "content-length")
-	if d.mode == filterv3.ProcessingMode_BUFFERED {
+	if d.Mode() == filterv3.ProcessingMode_BUFFERED {
 		if d.routing.GetRequestBody() == nil {
 			k.fail("BUFFERED routing must be in the body reply, while Envoy still holds the headers (§2.11)")
 		}
+		// Envoy checks a Content-Length against the new body (§3.5, at the
+		// reply); ours is set exactly when the client sent one.
 		client := fuzzAllHeaders(d.headers, "content-length")
 		valid := len(client) == 1 && fuzzIsUint(client[0])
 		switch {
-		case valid && d.bodyReplaced && cl != strconv.Itoa(len(d.repliedBody)):
-			k.fail("BUFFERED body reply: content-length %q for a %d-byte body: Envoy answers 500 on a mismatch (§3.5)", cl, len(d.repliedBody))
+		case valid && d.bodyReplaced && !hasCL:
+			k.fail("BUFFERED body reply replaces the body without the content-length the client sent")
 		case len(client) == 0 && hasCL:
 			k.fail("BUFFERED body reply sets content-length %q on a chunked request", cl)
 		}
@@ -628,4 +521,88 @@ func fuzzJSONEqual(a, b []byte) bool {
 	xa, _ := json.Marshal(x)
 	ya, _ := json.Marshal(y)
 	return bytes.Equal(xa, ya)
+}
+
+// TestFuzzCheckerCatchesWhatEnvoyRefuses runs the checker on hand-made
+// exchanges: one Envoy takes whole, and replies Envoy would refuse, ignore or
+// wait for in vain.
+func TestFuzzCheckerCatchesWhatEnvoyRefuses(t *testing.T) {
+	const (
+		fd       = filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
+		buffered = filterv3.ProcessingMode_BUFFERED
+	)
+	body := []byte(`{"model":"m","prompt":"hi"}`)
+	dest := fuzzDecodeEndpoints[0]
+	headers := func(mode filterv3.ProcessingMode_BodySendMode) *extprocv3.ProcessingRequest {
+		return envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false,
+			envoymsg.Post("/v1/completions", len(body), envoymsg.Header{"x-request-id", "r1"})...), mode, fd)
+	}
+	routing := &extprocv3.CommonResponse{ClearRouteCache: true, HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+		{Header: &corev3.HeaderValue{Key: handlers.DestinationHeader, RawValue: []byte(dest)}},
+		{Header: &corev3.HeaderValue{Key: "x-request-id", RawValue: []byte("r1")}},
+	}}}
+	md, _ := structpb.NewStruct(map[string]any{handlers.DestinationMetadata: map[string]any{handlers.DestinationHeader: dest}})
+	headersReply := &extprocv3.ProcessingResponse{DynamicMetadata: md,
+		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{Response: routing}}}
+	bodyReply := func(bm *extprocv3.BodyMutation) *extprocv3.ProcessingResponse {
+		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{
+			Response: &extprocv3.CommonResponse{BodyMutation: bm}}}}
+	}
+	streamed := bodyReply(&extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{
+		StreamedResponse: &extprocv3.StreamedBodyResponse{Body: body, EndOfStream: true}}})
+	override := &extprocv3.ProcessingResponse{OverrideMessageTimeout: durationpb.New(time.Second)}
+	bufferedRouting := &extprocv3.ProcessingResponse{DynamicMetadata: md,
+		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: routing}}}
+	continueHeaders := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}}}
+
+	recv := func(m *extprocv3.ProcessingRequest) fuzzEvent { return fuzzEvent{recv: m} }
+	sent := func(r *extprocv3.ProcessingResponse) fuzzEvent { return fuzzEvent{sent: r} }
+	tests := []struct {
+		name   string
+		events []fuzzEvent
+		want   string // in one of the problems; "" for none at all
+	}{
+		{"FULL_DUPLEX as Envoy wants it", []fuzzEvent{
+			recv(headers(fd)), recv(envoymsg.Body(envoymsg.Request, body, true)), sent(headersReply), sent(streamed),
+		}, ""},
+		{"BUFFERED as Envoy wants it, the timer extended once", []fuzzEvent{
+			recv(headers(buffered)), sent(continueHeaders), recv(envoymsg.Body(envoymsg.Request, body, true)),
+			sent(override), sent(bufferedRouting),
+		}, ""},
+		{"FULL_DUPLEX body reply that is not streamed_response", []fuzzEvent{
+			recv(headers(fd)), recv(envoymsg.Body(envoymsg.Request, body, true)), sent(headersReply),
+			sent(bodyReply(&extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: body}})),
+		}, "Normal body mutation response"},
+		{"FULL_DUPLEX body reply before the headers reply", []fuzzEvent{
+			recv(headers(fd)), recv(envoymsg.Body(envoymsg.Request, body, true)), sent(streamed), sent(headersReply),
+		}, "before the headers response"},
+		{"headers answered twice", []fuzzEvent{
+			recv(headers(fd)), recv(envoymsg.Body(envoymsg.Request, body, true)), sent(headersReply), sent(headersReply),
+		}, "headers response received in state StreamedBodyCallback"},
+		{"a body the server never answers", []fuzzEvent{
+			recv(headers(buffered)), sent(continueHeaders), recv(envoymsg.Body(envoymsg.Request, body, true)),
+		}, "1 message(s) never answered"},
+		{"a second override for one call", []fuzzEvent{
+			recv(headers(buffered)), sent(continueHeaders), recv(envoymsg.Body(envoymsg.Request, body, true)),
+			sent(override), sent(override), sent(bufferedRouting),
+		}, "already overridden"},
+		{"a reply to the body's end sent again", []fuzzEvent{
+			recv(headers(fd)), recv(envoymsg.Body(envoymsg.Request, body, true)), sent(headersReply), sent(streamed),
+			recv(envoymsg.Body(envoymsg.Request, body, true)), sent(streamed),
+		}, "envoy#46237"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			problems := checkFuzzExchange(&fuzzCase{connector: "kv-shared-storage"}, &fuzzRecorder{events: tc.events, recvErr: io.EOF}, false)
+			if tc.want == "" {
+				if len(problems) > 0 {
+					t.Fatalf("problems in an exchange Envoy takes: %q", problems)
+				}
+				return
+			}
+			if !slices.ContainsFunc(problems, func(p string) bool { return strings.Contains(p, tc.want) }) {
+				t.Fatalf("problems %q, want one mentioning %q", problems, tc.want)
+			}
+		})
+	}
 }
