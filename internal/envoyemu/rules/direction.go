@@ -222,7 +222,7 @@ func (d *Direction) unjudged(v Verdict) Verdict {
 }
 
 func (d *Direction) headersReply(cr *extprocv3.CommonResponse) Verdict {
-	v := Verdict{Dir: d}
+	var v Verdict
 	replacing := cr.GetStatus() == extprocv3.CommonResponse_CONTINUE_AND_REPLACE
 	if cr.GetBodyMutation() != nil && !replacing {
 		v.Dropped = append(v.Dropped, "a body_mutation in a headers reply without CONTINUE_AND_REPLACE (§3.4)")
@@ -258,7 +258,7 @@ func (d *Direction) replace() {
 }
 
 func (d *Direction) bodyReply(cr *extprocv3.CommonResponse) Verdict {
-	v := Verdict{Dir: d}
+	var v Verdict
 	if d.off != "" {
 		return d.unjudged(v)
 	}
@@ -305,7 +305,7 @@ func (d *Direction) bodyReply(cr *extprocv3.CommonResponse) Verdict {
 }
 
 func (d *Direction) trailersReply() Verdict {
-	v := Verdict{Dir: d}
+	var v Verdict
 	if d.off != "" {
 		return d.unjudged(v)
 	}

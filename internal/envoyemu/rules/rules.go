@@ -37,6 +37,11 @@
 // direction off the model: its replies are Unjudged from then on. The one
 // repeat Envoy does send, a body after the body's end (envoy#46237), is a
 // Repeat, which Envoy expects no reply to.
+//
+// Messages come in two ways: Stream.Sent takes one as it went on the wire (the
+// fuzz checker), the Direction methods take what only the sender knows, headers
+// passed on unseen (SkipHeaders) and the §2.9 whole body (WholeBody) (the
+// emulator). Replies all go through Stream.Reply.
 package rules
 
 import (
@@ -86,9 +91,6 @@ type Verdict struct {
 	Outcome Outcome
 	Reason  string   // why it is not Accepted, in Envoy's words where it logs some
 	Dropped []string // parts of the message Envoy drops without error
-	// Dir is the direction the reply answers; nil for stream-level messages
-	// (ImmediateResponse, override_message_timeout, no oneof).
-	Dir *Direction
 	// Answered is the callback an Accepted reply answered: what the reply
 	// means depends on it (a body reply to a BufferedBodyCallback replaces the
 	// whole body, to a STREAMED chunk only that chunk).
