@@ -180,7 +180,7 @@ func TestMessageTimeout(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			up := startUpstream(t)
 			cfg := loadShipped(t, "envoy-buffered.yaml")
-			cfg.MessageTimeout, cfg.MaxMessageTimeout, cfg.FailureModeAllow = tc.msg, tc.max, tc.failOpen
+			cfg.Failure.MessageTimeout, cfg.Failure.MaxMessageTimeout, cfg.Failure.FailureModeAllow = tc.msg, tc.max, tc.failOpen
 			p := startProxy(t, cfg, func(s *procStream) error {
 				s.next()
 				s.reply(continueHeaders())
@@ -216,7 +216,7 @@ func TestMessageTimeout(t *testing.T) {
 // own 413 (§2.3).
 func TestBufferedOverLimit(t *testing.T) {
 	cfg := loadShipped(t, "envoy-buffered.yaml")
-	cfg.BufferLimitBytes = 1024
+	cfg.Limits.BufferLimitBytes = 1024
 	p := startProxy(t, cfg, func(s *procStream) error {
 		s.next()
 		s.reply(continueHeaders())
@@ -253,7 +253,7 @@ func TestFailOpen(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			up := startUpstream(t)
 			cfg := loadShipped(t, "envoy-buffered.yaml")
-			cfg.FailureModeAllow = true
+			cfg.Failure.FailureModeAllow = true
 			p := startProxy(t, cfg, tc.script)
 			res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, map[string]string{"x-gateway-destination-endpoint": up.addr})
 			if res.status != http.StatusOK || res.body != `upstream:{"model":"m"}` {
@@ -308,7 +308,7 @@ func TestBufferedResponseBody(t *testing.T) {
 		t.Run("content-length fixed="+strconv.FormatBool(fixLength), func(t *testing.T) {
 			up := startUpstream(t)
 			cfg := loadShipped(t, "envoy-buffered.yaml")
-			cfg.ResponseBodyMode = extprocfilterv3.ProcessingMode_BUFFERED
+			cfg.Modes.Response.Body = extprocfilterv3.ProcessingMode_BUFFERED
 			p := startProxy(t, cfg, func(s *procStream) error {
 				s.next()
 				s.reply(requestHeadersReply(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil))
@@ -349,7 +349,7 @@ func TestBufferedResponseBody(t *testing.T) {
 func TestBufferedHeadersSkipped(t *testing.T) {
 	up := startUpstream(t)
 	cfg := loadShipped(t, "envoy-buffered.yaml")
-	cfg.RequestHeaderMode = extprocfilterv3.ProcessingMode_SKIP
+	cfg.Modes.Request.Headers = extprocfilterv3.ProcessingMode_SKIP
 	p := startProxy(t, cfg, func(s *procStream) error {
 		m := s.next()
 		if m.GetRequestBody() == nil || m.GetProtocolConfig() == nil {

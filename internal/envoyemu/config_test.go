@@ -31,29 +31,29 @@ func TestLoadConfigShippedFiles(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.file, func(t *testing.T) {
 			cfg := loadShipped(t, tc.file)
-			if cfg.RequestHeaderMode != send || cfg.ResponseHeaderMode != send {
-				t.Errorf("header modes = %v/%v, want SEND/SEND", cfg.RequestHeaderMode, cfg.ResponseHeaderMode)
+			if cfg.Modes.Request.Headers != send || cfg.Modes.Response.Headers != send {
+				t.Errorf("header modes = %v/%v, want SEND/SEND", cfg.Modes.Request.Headers, cfg.Modes.Response.Headers)
 			}
-			if cfg.RequestBodyMode != tc.reqBody || cfg.ResponseBodyMode != tc.respBody {
-				t.Errorf("body modes = %v/%v, want %v/%v", cfg.RequestBodyMode, cfg.ResponseBodyMode, tc.reqBody, tc.respBody)
+			if cfg.Modes.Request.Body != tc.reqBody || cfg.Modes.Response.Body != tc.respBody {
+				t.Errorf("body modes = %v/%v, want %v/%v", cfg.Modes.Request.Body, cfg.Modes.Response.Body, tc.reqBody, tc.respBody)
 			}
-			if cfg.RequestTrailerMode != tc.reqTrailer || cfg.ResponseTrailerMode != tc.respTrailr {
-				t.Errorf("trailer modes = %v/%v, want %v/%v", cfg.RequestTrailerMode, cfg.ResponseTrailerMode, tc.reqTrailer, tc.respTrailr)
+			if cfg.Modes.Request.Trailers != tc.reqTrailer || cfg.Modes.Response.Trailers != tc.respTrailr {
+				t.Errorf("trailer modes = %v/%v, want %v/%v", cfg.Modes.Request.Trailers, cfg.Modes.Response.Trailers, tc.reqTrailer, tc.respTrailr)
 			}
-			if cfg.FailureModeAllow {
+			if cfg.Failure.FailureModeAllow {
 				t.Error("failure_mode_allow = true")
 			}
-			if cfg.MessageTimeout != tc.msgTimeout || cfg.MaxMessageTimeout != tc.maxTimeout {
-				t.Errorf("timeouts = %v/%v, want %v/%v", cfg.MessageTimeout, cfg.MaxMessageTimeout, tc.msgTimeout, tc.maxTimeout)
+			if cfg.Failure.MessageTimeout != tc.msgTimeout || cfg.Failure.MaxMessageTimeout != tc.maxTimeout {
+				t.Errorf("timeouts = %v/%v, want %v/%v", cfg.Failure.MessageTimeout, cfg.Failure.MaxMessageTimeout, tc.msgTimeout, tc.maxTimeout)
 			}
-			if !slices.Equal(cfg.ReceivingNamespaces, []string{"envoy.lb"}) {
-				t.Errorf("receiving namespaces = %v, want [envoy.lb]", cfg.ReceivingNamespaces)
+			if !slices.Equal(cfg.Metadata.ReceivingNamespaces, []string{"envoy.lb"}) {
+				t.Errorf("receiving namespaces = %v, want [envoy.lb]", cfg.Metadata.ReceivingNamespaces)
 			}
-			if cfg.BufferLimitBytes != 64<<20 {
-				t.Errorf("buffer limit = %d, want 64 MiB", cfg.BufferLimitBytes)
+			if cfg.Limits.BufferLimitBytes != 64<<20 {
+				t.Errorf("buffer limit = %d, want 64 MiB", cfg.Limits.BufferLimitBytes)
 			}
-			if cfg.MaxReceiveMessageLength != 64<<20 {
-				t.Errorf("max_receive_message_length = %d, want 64 MiB", cfg.MaxReceiveMessageLength)
+			if cfg.Limits.MaxReceiveMessageLength != 64<<20 {
+				t.Errorf("max_receive_message_length = %d, want 64 MiB", cfg.Limits.MaxReceiveMessageLength)
 			}
 			if len(cfg.Routes) == 0 {
 				t.Fatal("no routes")
@@ -112,14 +112,14 @@ func TestLoadConfigRejects(t *testing.T) {
 // combination Envoy would refuse.
 func TestStartRejectsTweakedConfig(t *testing.T) {
 	cfg := loadShipped(t, "envoy.yaml")
-	cfg.FailureModeAllow = true
+	cfg.Failure.FailureModeAllow = true
 	if p, err := Start(cfg, "127.0.0.1:1"); err == nil {
 		_ = p.Close()
 		t.Fatal("Start accepted FULL_DUPLEX_STREAMED with failure_mode_allow")
 	}
 	cfg = loadShipped(t, "envoy-buffered.yaml")
-	cfg.RequestBodyMode = extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED
-	cfg.RequestTrailerMode = extprocfilterv3.ProcessingMode_SKIP
+	cfg.Modes.Request.Body = extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED
+	cfg.Modes.Request.Trailers = extprocfilterv3.ProcessingMode_SKIP
 	if p, err := Start(cfg, "127.0.0.1:1"); err == nil {
 		_ = p.Close()
 		t.Fatal("Start accepted FULL_DUPLEX_STREAMED with request trailers skipped")

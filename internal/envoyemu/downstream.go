@@ -1,14 +1,84 @@
 package envoyemu
 
 import (
+	"errors"
+	"io"
 	"net/http"
 	"strconv"
 )
 
-// downstream is the response direction's sink: the client connection. Every
-// write is flushed so SSE keeps streaming chunk by chunk.
+// downstream is the client connection: the request read from it, and, as
+// the response direction's sink, the response written to it. Every write is
+// flushed so SSE keeps streaming chunk by chunk.
 type downstream struct {
-	x *exchange
+	x        *exchange
+	w        http.ResponseWriter
+	r        *http.Request
+	rc       *http.ResponseController
+	bodyDone bool // the whole request body reached the filter
+	started  bool // the response headers went out: a local reply now resets
+}
+
+// readBody turns the request body into data events, one per read (one
+// request_body message per chunk in FULL_DUPLEX). A Content-Length body's
+// last read carries the end of stream; a chunked body ends with an empty
+// end-of-stream chunk or with trailers, as in Envoy's HTTP/1 codec.
+func (s *downstream) readBody() {
+	x, r := s.x, s.r
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := r.Body.Read(buf)
+		eof := errors.Is(err, io.EOF)
+		var trailers *headerMap
+		if eof && len(r.Trailer) > 0 {
+			trailers = &headerMap{}
+			fromHTTPHeader(r.Trailer, trailers)
+			if len(trailers.entries) == 0 {
+				trailers = nil
+			}
+		}
+		if n > 0 || (eof && trailers == nil) {
+			chunk := append([]byte(nil), buf[:n]...)
+			end := eof && trailers == nil
+			if !x.post(func() { s.onData(chunk, end) }) {
+				return
+			}
+		}
+		if trailers != nil {
+			x.post(func() { s.onTrailers(trailers) })
+		}
+		if eof {
+			return
+		}
+		if err != nil {
+			x.post(func() {
+				x.logf("downstream reset while sending the body: %v", err)
+				x.finished = true
+			})
+			return
+		}
+	}
+}
+
+func (s *downstream) onData(b []byte, end bool) {
+	s.x.resetIdle()
+	if end {
+		s.requestDone()
+	}
+	s.x.dec.onData(b, end)
+}
+
+func (s *downstream) onTrailers(t *headerMap) {
+	s.x.resetIdle()
+	s.requestDone()
+	s.x.dec.onTrailers(t)
+}
+
+func (s *downstream) requestDone() {
+	s.bodyDone = true
+	if h := s.x.p.hooks.clientBodyDone; h != nil {
+		h()
+	}
 }
 
 func (s *downstream) headers(h *headerMap, end bool) {
@@ -19,31 +89,31 @@ func (s *downstream) headers(h *headerMap, end bool) {
 			code = n
 		}
 	}
-	hdr := x.w.Header()
+	hdr := s.w.Header()
 	h.toHTTPHeader(hdr)
 	if _, ok := hdr["Content-Type"]; !ok {
 		hdr["Content-Type"] = nil // Go would sniff one; Envoy passes what it got
 	}
-	x.respStarted = true
+	s.started = true
 	x.resetIdle()
-	x.w.WriteHeader(code)
+	s.w.WriteHeader(code)
 	if end {
 		x.finished = true
 		return
 	}
-	_ = x.rc.Flush()
+	_ = s.rc.Flush()
 }
 
 func (s *downstream) data(b []byte, end bool) {
 	x := s.x
 	if len(b) > 0 {
-		if _, err := x.w.Write(b); err != nil {
+		if _, err := s.w.Write(b); err != nil {
 			x.logf("downstream write: %v", err)
 			x.finished = true
 			return
 		}
 	}
-	_ = x.rc.Flush()
+	_ = s.rc.Flush()
 	x.resetIdle()
 	if end {
 		x.finished = true
@@ -51,10 +121,9 @@ func (s *downstream) data(b []byte, end bool) {
 }
 
 func (s *downstream) trailers(t *headerMap) {
-	x := s.x
-	hdr := x.w.Header()
+	hdr := s.w.Header()
 	for _, e := range t.entries {
 		hdr.Add(http.TrailerPrefix+http.CanonicalHeaderKey(e.key), e.value)
 	}
-	x.finished = true
+	s.x.finished = true
 }

@@ -407,7 +407,7 @@ func TestFullDuplexResponseTrailersAndNoTimer(t *testing.T) {
 		w.Header().Set("X-Usage", "5")
 	})
 	cfg := loadShipped(t, "envoy.yaml")
-	cfg.MessageTimeout = 10 * time.Millisecond
+	cfg.Failure.MessageTimeout = 10 * time.Millisecond
 	sawTrailers := make(chan string, 1)
 	p := startProxy(t, cfg, func(s *procStream) error {
 		s.next()

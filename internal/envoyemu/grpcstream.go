@@ -26,8 +26,8 @@ func openStream(x *exchange) *grpcStream {
 	ctx, cancel := context.WithCancel(x.ctx)
 	s := &grpcStream{x: x, cancel: cancel, signal: make(chan struct{}, 1)}
 	maxRecv := math.MaxInt32 // envoy_grpc max_receive_message_length 0 = unlimited
-	if x.cfg.MaxReceiveMessageLength > 0 {
-		maxRecv = x.cfg.MaxReceiveMessageLength
+	if x.cfg.Limits.MaxReceiveMessageLength > 0 {
+		maxRecv = x.cfg.Limits.MaxReceiveMessageLength
 	}
 	go s.run(ctx, maxRecv)
 	return s

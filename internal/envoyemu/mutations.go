@@ -251,17 +251,3 @@ func applyHeaderMutation(m *extprocv3.HeaderMutation, h *headerMap, rules *mutat
 	}
 	return rejected, nil
 }
-
-// bodyMutationResult is what a body_mutation means for a buffered body (§3.4).
-// ok is false when the mutation has neither body nor clear_body (no change).
-func bodyMutationResult(bm *extprocv3.BodyMutation) (body []byte, ok bool) {
-	switch m := bm.GetMutation().(type) {
-	case *extprocv3.BodyMutation_Body:
-		return m.Body, true
-	case *extprocv3.BodyMutation_ClearBody:
-		if m.ClearBody {
-			return nil, true
-		}
-	}
-	return nil, false
-}

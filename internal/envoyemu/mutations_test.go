@@ -93,7 +93,7 @@ func TestHeaderMutations(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			up := startUpstream(t)
 			cfg := loadShipped(t, "envoy-buffered.yaml")
-			cfg.MutationRules = tc.rules
+			cfg.Mutations.Rules = tc.rules
 			p := startProxy(t, cfg, func(s *procStream) error {
 				s.next()
 				set := append([]*corev3.HeaderValueOption{rawHeader("x-gateway-destination-endpoint", up.addr)}, tc.set...)
@@ -131,9 +131,9 @@ func TestHeaderMutations(t *testing.T) {
 func TestDynamicMetadataForwarding(t *testing.T) {
 	up := startUpstream(t)
 	cfg := loadShipped(t, "envoy-buffered.yaml")
-	cfg.ForwardingNamespaces = []string{"envoy.lb", "pd"}
-	cfg.ReceivingNamespaces = []string{"envoy.lb"}
-	cfg.InitialMetadata = map[string]*structpb.Struct{"pd": lbMetadata("x", "hint").GetFields()["x"].GetStructValue()}
+	cfg.Metadata.ForwardingNamespaces = []string{"envoy.lb", "pd"}
+	cfg.Metadata.ReceivingNamespaces = []string{"envoy.lb"}
+	cfg.Metadata.Initial = map[string]*structpb.Struct{"pd": lbMetadata("x", "hint").GetFields()["x"].GetStructValue()}
 	seen := make(chan *corev3.Metadata, 2)
 	p := startProxy(t, cfg, func(s *procStream) error {
 		m := s.next()

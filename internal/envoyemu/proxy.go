@@ -51,7 +51,7 @@ func Start(cfg *Config, extProcAddr string) (*Proxy, error) {
 	if err := c.Validate(); err != nil {
 		return nil, fmt.Errorf("envoy: config rejected: %w", err)
 	}
-	rules, err := compileRules(c.MutationRules, c.HeaderPrefix)
+	rules, err := compileRules(c.Mutations.Rules, c.Mutations.HeaderPrefix)
 	if err != nil {
 		return nil, fmt.Errorf("envoy: config rejected: %w", err)
 	}
@@ -89,7 +89,7 @@ func Start(cfg *Config, extProcAddr string) (*Proxy, error) {
 		ReadHeaderTimeout: 10 * time.Second,
 		// Envoy's codec answers 431 above max_request_headers_kb; Go's server
 		// answers 431 above MaxHeaderBytes (plus a small allowance of its own).
-		MaxHeaderBytes: c.MaxHeadersKB << 10,
+		MaxHeaderBytes: c.Limits.MaxHeadersKB << 10,
 		ErrorLog:       log.New(io.Discard, "", 0),
 	}
 	go func() { _ = p.srv.Serve(ln) }()

@@ -28,25 +28,46 @@ func matchRoute(routes []Route, path string) *Route {
 // host when the headers arrive (§2.11) and streams the body upstream over
 // HTTP/1.1, chunked when there is no Content-Length (§2.6 "Upstream framing").
 type router struct {
-	x *exchange
+	x       *exchange
+	route   *Route // cached at decodeHeaders time (§3.6)
+	reroute bool   // clear_route_cache honoured
+	cancel  context.CancelFunc
+	body    *streamBody // the upstream request's
+	timer   loopTimer   // the route timeout (§5)
+}
+
+// cancelUpstream abandons the upstream request, if one started.
+func (rt *router) cancelUpstream() {
+	if rt.cancel != nil {
+		rt.cancel()
+	}
+}
+
+// stop ends everything the router started, at the exchange's end.
+func (rt *router) stop(err error) {
+	rt.timer.stop()
+	if rt.body != nil {
+		rt.body.abort(err)
+	}
+	rt.cancelUpstream()
 }
 
 func (rt *router) headers(h *headerMap, end bool) {
 	x := rt.x
-	if x.reroute {
+	if rt.reroute {
 		// clear_route_cache: re-match with the mutated :path (§3.6).
 		p, _ := h.get(":path")
-		x.route = matchRoute(x.cfg.Routes, p)
-		x.reroute = false
+		rt.route = matchRoute(x.cfg.Routes, p)
+		rt.reroute = false
 	}
-	route := x.route
+	route := rt.route
 	if route == nil {
 		x.localReply(http.StatusNotFound, "", "route_not_found")
 		return
 	}
-	md := x.routeMeta
+	md := x.md.routing
 	if md == nil {
-		md = x.metadata
+		md = x.md.stream
 	}
 	addr, ok := chooseHost(x.cfg.Clusters[route.Cluster].OriginalDst, h, md)
 	if !ok {
@@ -61,25 +82,23 @@ func (rt *router) headers(h *headerMap, end bool) {
 	}
 	x.startUpstream(req)
 	if end {
-		x.startRouteTimer(route.Timeout)
+		rt.startRouteTimer(route.Timeout)
 	}
 }
 
 func (rt *router) data(b []byte, end bool) {
-	x := rt.x
 	if len(b) > 0 {
-		x.reqBody.push(b)
+		rt.body.push(b)
 	}
 	if end {
-		x.reqBody.end(nil)
-		x.startRouteTimer(x.route.Timeout)
+		rt.body.end(nil)
+		rt.startRouteTimer(rt.route.Timeout)
 	}
 }
 
 func (rt *router) trailers(t *headerMap) {
-	x := rt.x
-	x.reqBody.end(t)
-	x.startRouteTimer(x.route.Timeout)
+	rt.body.end(t)
+	rt.startRouteTimer(rt.route.Timeout)
 }
 
 func (rt *router) buildRequest(addr string, h *headerMap, end bool, route *Route) (*http.Request, error) {
@@ -92,12 +111,12 @@ func (rt *router) buildRequest(addr string, h *headerMap, end bool, route *Route
 		return nil, err
 	}
 	ctx, cancel := context.WithCancel(x.ctx)
-	x.upCancel = cancel
+	rt.cancel = cancel
 	var body io.ReadCloser = http.NoBody
 	contentLength := int64(0)
 	if !end {
-		x.reqBody = newStreamBody()
-		body = x.reqBody
+		rt.body = newStreamBody()
+		body = rt.body
 		contentLength = -1
 		if v, ok := h.get("content-length"); ok {
 			if n, err := strconv.ParseInt(v, 10, 64); err == nil && n >= 0 {
@@ -123,7 +142,7 @@ func (rt *router) buildRequest(addr string, h *headerMap, end bool, route *Route
 	if contentLength < 0 {
 		// Filled from the transport's own goroutine when the body ends.
 		req.Trailer = http.Header{}
-		x.reqBody.trailerDst = req.Trailer
+		rt.body.trailerDst = req.Trailer
 	}
 	return req, nil
 }
@@ -181,7 +200,7 @@ func (x *exchange) onUpstreamHeaders(h *headerMap, noBody bool) {
 	}
 	x.resetIdle()
 	if noBody {
-		x.stopRouteTimer()
+		x.rt.timer.stop()
 	}
 	x.enc.onHeaders(h, noBody)
 }
@@ -192,7 +211,7 @@ func (x *exchange) onUpstreamData(b []byte, end bool, tr *headerMap) {
 	}
 	x.resetIdle()
 	if end {
-		x.stopRouteTimer()
+		x.rt.timer.stop()
 	}
 	if tr != nil && len(tr.entries) > 0 {
 		if len(b) > 0 {
@@ -209,7 +228,7 @@ func (x *exchange) onUpstreamError(err error, afterHeaders bool) {
 		return
 	}
 	x.logf("upstream error: %v", err)
-	if afterHeaders || x.respStarted {
+	if afterHeaders || x.down.started {
 		x.finished, x.abort = true, true
 		return
 	}

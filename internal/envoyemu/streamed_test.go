@@ -14,7 +14,7 @@ import (
 
 func streamedConfig(t *testing.T, mode extprocfilterv3.ProcessingMode_BodySendMode) *Config {
 	cfg := loadShipped(t, "envoy-buffered.yaml")
-	cfg.RequestBodyMode = mode
+	cfg.Modes.Request.Body = mode
 	return cfg
 }
 
@@ -114,7 +114,7 @@ func TestStreamedChunks(t *testing.T) {
 func TestBufferedPartial(t *testing.T) {
 	up := startUpstream(t)
 	cfg := streamedConfig(t, extprocfilterv3.ProcessingMode_BUFFERED_PARTIAL)
-	cfg.BufferLimitBytes = 8
+	cfg.Limits.BufferLimitBytes = 8
 	got := make(chan *extprocv3.HttpBody, 2)
 	p := startProxy(t, cfg, func(s *procStream) error {
 		s.next()

@@ -209,11 +209,11 @@ func TestFaultSlowPrefillPastEnvoysMessageTimer(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			r := startRig(t, rigOptions{mode: "buffered", envoy: func(c *envoyemu.Config) {
-				if c.MessageTimeout != time.Second {
-					t.Fatalf("envoy-buffered.yaml message_timeout is %v; this test assumes 1s", c.MessageTimeout)
+				if c.Failure.MessageTimeout != time.Second {
+					t.Fatalf("envoy-buffered.yaml message_timeout is %v; this test assumes 1s", c.Failure.MessageTimeout)
 				}
 				if tt.maxMessageTimeout != nil {
-					c.MaxMessageTimeout = *tt.maxMessageTimeout
+					c.Failure.MaxMessageTimeout = *tt.maxMessageTimeout
 				}
 			}})
 			for _, p := range r.prefill {

@@ -266,7 +266,7 @@ func TestHostileReservedFieldsNeverReachAnEngine(t *testing.T) {
 func TestNoneBodyModeRefusesABodyItCannotScrub(t *testing.T) {
 	attacker := newAttacker(t)
 	host, port := hostPort(t, attacker.addr())
-	r := startRig(t, rigOptions{envoy: func(c *envoyemu.Config) { c.RequestBodyMode = filterv3.ProcessingMode_NONE }})
+	r := startRig(t, rigOptions{envoy: func(c *envoyemu.Config) { c.Modes.Request.Body = filterv3.ProcessingMode_NONE }})
 	body := fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":"none mode"}],"kv_transfer_params":`+
 		`{"do_remote_prefill":true,"remote_block_ids":[[1]],"remote_engine_id":"e","remote_request_id":"r","remote_host":%q,"remote_port":%s}}`, host, port)
 	resp, got := r.must(t, "/v1/chat/completions", body, nil)

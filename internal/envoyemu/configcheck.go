@@ -1,0 +1,72 @@
+package envoyemu
+
+import (
+	"errors"
+	"fmt"
+
+	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+)
+
+func isFullDuplex(m extprocfilterv3.ProcessingMode_BodySendMode) bool {
+	return m == extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED
+}
+
+// Validate applies the ext_proc config checks Envoy runs at load time (§2.6,
+// §3.6, §5, §10.1). A config Envoy would reject must not run here either.
+func (cfg *Config) Validate() error {
+	// §2.6 / SRC-CFG verifyProcessingModeConfig.
+	req, resp := cfg.Modes.Request, cfg.Modes.Response
+	if isFullDuplex(req.Body) && req.Trailers != extprocfilterv3.ProcessingMode_SEND {
+		return errors.New("request_body_mode FULL_DUPLEX_STREAMED requires request_trailer_mode SEND")
+	}
+	if isFullDuplex(resp.Body) && resp.Trailers != extprocfilterv3.ProcessingMode_SEND {
+		return errors.New("response_body_mode FULL_DUPLEX_STREAMED requires response_trailer_mode SEND")
+	}
+	if (isFullDuplex(req.Body) || isFullDuplex(resp.Body)) && cfg.Failure.FailureModeAllow {
+		return errors.New("failure_mode_allow must be false when a body mode is FULL_DUPLEX_STREAMED")
+	}
+	for _, m := range []extprocfilterv3.ProcessingMode_BodySendMode{req.Body, resp.Body} {
+		if m == extprocfilterv3.ProcessingMode_GRPC {
+			// §2.7: not-implemented-hide; refusing is safer than guessing.
+			return errors.New("body mode GRPC is not emulated")
+		}
+	}
+	if cfg.Mutations.RouteCacheAction != extprocfilterv3.ExternalProcessor_DEFAULT && cfg.Mutations.DisableClearRouteCache {
+		return errors.New("route_cache_action and disable_clear_route_cache are mutually exclusive")
+	}
+	if t := cfg.Failure.MessageTimeout; t < 0 || t > maxTimeout {
+		return fmt.Errorf("message_timeout %v out of [0s, 3600s]", t)
+	}
+	if t := cfg.Failure.MaxMessageTimeout; t < 0 || t > maxTimeout {
+		return fmt.Errorf("max_message_timeout %v out of [0s, 3600s]", t)
+	}
+	if len(cfg.Routes) == 0 {
+		return errors.New("no routes")
+	}
+	for _, r := range cfg.Routes {
+		if cl := cfg.Clusters[r.Cluster]; cl == nil || cl.OriginalDst == nil {
+			return fmt.Errorf("route to unknown or non-ORIGINAL_DST cluster %q", r.Cluster)
+		}
+	}
+	return nil
+}
+
+// withDefaults fills zero values a hand-made Config may leave out.
+func (cfg Config) withDefaults() Config {
+	if cfg.Failure.StatusOnError == 0 {
+		cfg.Failure.StatusOnError = 500
+	}
+	if cfg.Limits.BufferLimitBytes == 0 {
+		cfg.Limits.BufferLimitBytes = defaultBufferLimit
+	}
+	if cfg.Limits.MaxHeadersCount == 0 {
+		cfg.Limits.MaxHeadersCount = defaultMaxHeadersCount
+	}
+	if cfg.Limits.MaxHeadersKB == 0 {
+		cfg.Limits.MaxHeadersKB = defaultMaxHeadersKB
+	}
+	if cfg.Mutations.HeaderPrefix == "" {
+		cfg.Mutations.HeaderPrefix = "x-envoy"
+	}
+	return cfg
+}

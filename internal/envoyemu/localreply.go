@@ -1,0 +1,94 @@
+package envoyemu
+
+import (
+	"net/http"
+	"strconv"
+	"strings"
+	"unicode"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+)
+
+// immediateResponse is §4: status <200 becomes 200, headers through the
+// filter's mutation rules (a failing mutation is only logged), body as given,
+// the stream closed and later messages ignored.
+func (x *exchange) immediateResponse(ir *extprocv3.ImmediateResponse) {
+	code := int(ir.GetStatus().GetCode())
+	if code < 200 {
+		code = 200
+	}
+	if code > 999 {
+		code = 500
+	}
+	h := &headerMap{}
+	if len(ir.GetBody()) > 0 {
+		h.set("content-type", "text/plain")
+	}
+	if _, err := applyHeaderMutation(ir.GetHeaders(), h, x.p.rules, x.limits(), mutationOptions{}); err != nil {
+		x.logf("immediate response header mutation failed: %v", err)
+	}
+	h.remove("content-length")
+	details := strings.Map(func(r rune) rune {
+		if unicode.IsSpace(r) {
+			return '_'
+		}
+		return r
+	}, ir.GetDetails())
+	x.sendLocalReply(code, ir.GetBody(), h, details)
+}
+
+func (x *exchange) localReply(code int, body, details string) {
+	var h *headerMap
+	if body != "" {
+		h = &headerMap{}
+		h.set("content-type", "text/plain")
+	}
+	x.sendLocalReply(code, []byte(body), h, details)
+}
+
+// sendLocalReply ends the exchange with an Envoy-generated response, or a
+// reset when the response already started downstream (§4). Local replies do
+// not go through ext_proc (§9 skip_ext_proc_on_local_reply).
+func (x *exchange) sendLocalReply(code int, body []byte, h *headerMap, details string) {
+	if x.finished {
+		return
+	}
+	x.logf("local reply %d (%s)", code, details)
+	x.proc.complete = true
+	x.closeStream()
+	x.dec.timer.stop()
+	x.enc.timer.stop()
+	x.rt.cancelUpstream()
+	x.finished = true
+	if x.down.started {
+		x.abort = true
+		return
+	}
+	hdr := x.down.w.Header()
+	for k := range hdr {
+		delete(hdr, k)
+	}
+	if h != nil {
+		h.toHTTPHeader(hdr)
+	}
+	if _, ok := hdr["Content-Type"]; !ok {
+		hdr["Content-Type"] = nil // no sniffing: Envoy sends none for an empty body
+	}
+	hdr.Set("Content-Length", strconv.Itoa(len(body)))
+	if details != "" {
+		hdr.Set(DetailsHeader, details)
+	}
+	x.down.started = true
+	x.down.w.WriteHeader(code)
+	_, _ = x.down.w.Write(body)
+}
+
+// bufferOverflow: a BUFFERED body over the buffer limit is a 413 on the
+// request path, a 500 (or reset) on the response path (§2.3).
+func (x *exchange) bufferOverflow(d *direction) {
+	if d.response {
+		x.localReply(http.StatusInternalServerError, "Internal Server Error", "response_payload_too_large")
+		return
+	}
+	x.localReply(http.StatusRequestEntityTooLarge, "Payload Too Large", "request_payload_too_large")
+}
