@@ -37,10 +37,15 @@ type CellResult struct {
 	PrefillCPU    float64 // seconds, the prefill simulator (pd only)
 	DriverCPU     float64 // seconds, this process (client side and its gRPC)
 	OtherCPU      float64 // seconds, the rest of the machine: other processes are noise
-	IdleRSS       uint64  // right after start, before any request
-	PeakRSS       uint64  // VmHWM during the measured phase
-	GBefore       int     // goroutines after warm-up, settled; -1 unknown
-	GAfter        int     // goroutines after the measured phase, settled; -1 unknown
+	Footprint
+}
+
+// Footprint is what the server under test holds: memory and goroutines.
+type Footprint struct {
+	IdleRSS uint64 // right after start, before any request
+	PeakRSS uint64 // VmHWM during the measured phase
+	GBefore int    // goroutines after warm-up, settled; -1 unknown
+	GAfter  int    // goroutines after the measured phase, settled; -1 unknown
 }
 
 // Throughput is completed requests per second.
@@ -76,7 +81,7 @@ type CellOptions struct {
 // runCell starts a fresh target, checks one exchange end to end, warms up,
 // measures, and stops the target.
 func runCell(ctx context.Context, o CellOptions, cell Cell, p *Payload) (res CellResult, err error) {
-	res = CellResult{Cell: cell, BodyBytes: len(p.Body), GBefore: -1, GAfter: -1}
+	res = CellResult{Cell: cell, BodyBytes: len(p.Body), Footprint: Footprint{GBefore: -1, GAfter: -1}}
 	t, err := o.Launcher.Start(ctx, cell.Target)
 	if err != nil {
 		return res, err

@@ -3,6 +3,7 @@ package pdsim
 import (
 	"context"
 	"net/http"
+	"sync"
 	"time"
 )
 
@@ -21,20 +22,26 @@ func (c Config) faults() Faults {
 // SetFaults changes fault injection for requests that arrive from now on;
 // FailEvery counts from the change.
 func (s *Server) SetFaults(f Faults) {
-	s.mu.Lock()
-	s.faults = f
-	s.counted = 0
-	s.mu.Unlock()
+	s.faults.mu.Lock()
+	s.faults.current, s.faults.counted = f, 0
+	s.faults.mu.Unlock()
+}
+
+// faultState is the fault injection in force and the requests it has seen.
+type faultState struct {
+	mu      sync.Mutex
+	current Faults
+	counted int // inference requests seen, for FailEvery
 }
 
 // injectFaults applies the configured delay, then fails or drops the request if
 // it is a faulty one. It reports whether the request has been dealt with.
 func (s *Server) injectFaults(ctx context.Context, w http.ResponseWriter) bool {
-	s.mu.Lock()
-	f := s.faults
-	s.counted++
-	faulty := (f.FailStatus != 0 || f.DropConnections) && s.counted%max(f.FailEvery, 1) == 0
-	s.mu.Unlock()
+	s.faults.mu.Lock()
+	f := s.faults.current
+	s.faults.counted++
+	faulty := (f.FailStatus != 0 || f.DropConnections) && s.faults.counted%max(f.FailEvery, 1) == 0
+	s.faults.mu.Unlock()
 
 	if err := wait(ctx, f.Delay); err != nil {
 		return true

@@ -105,16 +105,21 @@ type Server struct {
 
 	ctx    context.Context // cancelled by Close: every handler's context derives from it
 	cancel context.CancelFunc
-	http   []*http.Server
-	addrs  map[string]string // listener name → advertised ip:port
+	served map[string]served // by listener name
 	wg     sync.WaitGroup    // handlers and servers
 	once   sync.Once
 
 	mu      sync.Mutex
 	records []Record
-	faults  Faults
-	counted int  // inference requests seen, for FailEvery
 	closing bool // no new handlers once set
+
+	faults faultState
+}
+
+// served is one listener's server and the ip:port it advertises.
+type served struct {
+	srv  *http.Server
+	addr string
 }
 
 const (
@@ -142,8 +147,8 @@ func Start(cfg Config) (*Server, error) {
 		log:      slog.New(slog.NewTextHandler(logOut, nil)).With("role", cfg.Role, "protocol", cfg.Protocol),
 		ctx:      ctx,
 		cancel:   cancel,
-		addrs:    map[string]string{},
-		faults:   cfg.faults(),
+		served:   map[string]served{},
+		faults:   faultState{current: cfg.faults()},
 	}
 	ls := []listener{{listenHTTP, cfg.Addr, s.routes()}}
 	switch {
@@ -203,8 +208,7 @@ func (s *Server) serve(l listener) error {
 		l.handler.ServeHTTP(w, r)
 	})
 	srv := &http.Server{Handler: tracked, BaseContext: func(net.Listener) context.Context { return s.ctx }}
-	s.http = append(s.http, srv)
-	s.addrs[l.name] = advertise(ln.Addr().(*net.TCPAddr), s.cfg.AdvertiseHost)
+	s.served[l.name] = served{srv, advertise(ln.Addr().(*net.TCPAddr), s.cfg.AdvertiseHost)}
 	s.wg.Go(func() {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			s.log.Error("serve", "listener", l.name, "err", err)
@@ -214,13 +218,13 @@ func (s *Server) serve(l listener) error {
 }
 
 // Addr is the HTTP (OpenAI API) address, ip:port.
-func (s *Server) Addr() string { return s.addrs[listenHTTP] }
+func (s *Server) Addr() string { return s.served[listenHTTP].addr }
 
 // KVAddr is the NIXL side channel a vllm-nixl prefill puts in remote_host/remote_port ("" otherwise).
-func (s *Server) KVAddr() string { return s.addrs[listenKV] }
+func (s *Server) KVAddr() string { return s.served[listenKV].addr }
 
 // BootstrapAddr is the sglang prefill's bootstrap server ("" otherwise).
-func (s *Server) BootstrapAddr() string { return s.addrs[listenBootstrap] }
+func (s *Server) BootstrapAddr() string { return s.served[listenBootstrap].addr }
 
 // Requests returns a copy of every inference request received so far, in arrival order.
 // Requests still in flight show what is known so far.
@@ -241,8 +245,8 @@ func (s *Server) Close() error {
 		s.closing = true
 		s.mu.Unlock()
 		s.cancel() // in-flight work ends now, so there is nothing to drain gracefully
-		for _, srv := range s.http {
-			err = errors.Join(err, srv.Close())
+		for _, l := range s.served {
+			err = errors.Join(err, l.srv.Close())
 		}
 		s.wg.Wait()
 		s.client.CloseIdleConnections()
