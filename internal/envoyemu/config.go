@@ -2,8 +2,8 @@
 // behaves like Envoy's HTTP connection manager with the ext_proc filter and
 // the router in front of an ORIGINAL_DST cluster, and that refuses what
 // Envoy refuses. It is driven by a real Envoy bootstrap
-// (config/envoy/envoy.yaml). Section numbers (§) refer to
-// shared/reference/envoy-ext-proc.md. What the filter makes of the server's
+// (config/envoy/envoy.yaml). Section numbers (§) in this
+// package and its subpackages refer to docs/envoy.md. What the filter makes of the server's
 // replies is the rules subpackage's model, which the handlers' fuzz checker
 // shares.
 //

@@ -94,7 +94,7 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 
 	if x.requestMode() == filterv3.ProcessingMode_NONE && !h.GetEndOfStream() && x.contentLength != 0 {
 		// The body would reach the engine unseen, with any kv_transfer_params or
-		// bootstrap fields the client put in it (DESIGN §5): refuse, do not route.
+		// bootstrap fields the client put in it (docs/architecture.md, Security rules): refuse, do not route.
 		return x.fail(pipeline.Misconfigured("ext_proc request_body_mode NONE cannot check a request body for fields " +
 			"that steer the engines; configure " + scrubbingModes))
 	}

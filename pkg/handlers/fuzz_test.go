@@ -11,8 +11,7 @@ import (
 
 // FuzzProcess drives one Process stream per input over real gRPC (bufconn)
 // with a fake prefill engine behind the pipeline, and checks what a real Envoy
-// would make of the replies (shared/reference/envoy-ext-proc.md §2, §3.5, §7.3,
-// §10):
+// would make of the replies (docs/envoy.md §2, §3.5, §7.3, §10):
 //
 //   - the server never panics, every stream ends within fuzzStreamBound, and
 //     nothing it started outlives the stream (goleak);

@@ -381,7 +381,7 @@ func (k *fuzzChecker) checkRouting() {
 }
 
 // checkDecodeBody: whatever the client sent, the reserved keys the decode
-// engine reads at the top level are ours (§5).
+// engine reads at the top level are ours (docs/architecture.md, Security rules).
 func (k *fuzzChecker) checkDecodeBody(b []byte) {
 	var top map[string]json.RawMessage
 	d := json.NewDecoder(bytes.NewReader(b))

@@ -1,7 +1,8 @@
 // Package handlers speaks Envoy's ext_proc protocol: one Process stream per HTTP
 // request, a small state machine per direction, each body mode answered exactly
-// as Envoy drives it (see shared/reference/envoy-ext-proc.md). What to do with a
-// request is the pipeline's business; this package only knows Envoy.
+// as Envoy drives it (docs/envoy.md; section numbers (§) in this package refer
+// to it). What to do with a request is the pipeline's business; this package
+// only knows Envoy.
 package handlers
 
 import (

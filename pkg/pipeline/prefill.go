@@ -66,7 +66,7 @@ func newEngineClient(cfg config.Prefill) (*http.Client, string, error) {
 	return client, "https", nil
 }
 
-// noRedirects keeps the prefill leg on the configured endpoint (DESIGN §5): a
+// noRedirects keeps the prefill leg on the configured endpoint (docs/architecture.md, Security rules): a
 // redirect would send the prompt and the client's Authorization elsewhere, and
 // let that host's kv_transfer_params steer the decode engine.
 func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }

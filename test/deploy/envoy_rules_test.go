@@ -23,7 +23,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 )
 
-// The service contract (DESIGN.md §3) that every Envoy config must honour. These mirror what
+// The service contract (docs/architecture.md, Contracts users depend on) that every Envoy config must honour. These mirror what
 // pd-extproc sends; a config that disagrees routes nowhere or drops the routing decision.
 const (
 	// destinationHeader is the request header pd-extproc sets to the chosen decode ip:port.
@@ -327,7 +327,7 @@ func (m *envoyModel) checkHCM(u hcmUse, limits serviceLimits, r *report) {
 	}
 }
 
-// checkExtProc holds the ext_proc rules from reference/envoy-ext-proc.md §2.6, §3.7 and §5.
+// checkExtProc holds the ext_proc rules from docs/envoy.md §2.6, §3.7 and §5.
 func (m *envoyModel) checkExtProc(where string, ep extProcUse, limits serviceLimits, r *report) {
 	cfg := ep.config
 	where = fmt.Sprintf("%s ext_proc %q", where, ep.name)

@@ -169,7 +169,7 @@ func TestFaultPrefillReturnsNoTransferParams(t *testing.T) {
 }
 
 // TestPrefillRedirectIsNotFollowed: the prefill leg goes only to
-// configured endpoints (DESIGN §5). An engine (or whatever answers on its
+// configured endpoints (docs/architecture.md, Security rules). An engine (or whatever answers on its
 // port) that redirects must not send the prompt, the client's Authorization
 // and the KV handoff somewhere else.
 func TestPrefillRedirectIsNotFollowed(t *testing.T) {

@@ -124,7 +124,7 @@ func (rec *recorder) nothingReached(t *testing.T) {
 }
 
 // TestHostileDestinationHeaderDoesNotSteer: a client's own
-// x-gateway-destination-endpoint must not choose the upstream (DESIGN §5).
+// x-gateway-destination-endpoint must not choose the upstream (docs/architecture.md, Security rules).
 // extproc overwrites it (set, not append) and sets the same endpoint in the
 // envoy.lb metadata the ORIGINAL_DST cluster reads first. The decode engines
 // sit behind recorders, so the test sees the header value they received.

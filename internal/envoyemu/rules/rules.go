@@ -1,5 +1,5 @@
 // Package rules is one model of what Envoy's ext_proc filter makes of the
-// server's replies (§7.3, §10): per direction, what Envoy sent (headers, body
+// server's replies (docs/envoy.md §7.3, §10): per direction, what Envoy sent (headers, body
 // messages and trailers with their end_of_stream, in the direction's body
 // mode) and what it waits for; per reply, whether Envoy acts on it
 // (Accepted), drops it without error (Ignored), or rejects it (Spurious:
