@@ -1,7 +1,8 @@
-// Package body reads the few top-level fields routing needs from an OpenAI-style JSON
-// request body and applies top-level edits by splicing bytes, so that everything a
-// client sent and we do not edit reaches the engine byte for byte (big integers,
-// key order, whitespace, unknown fields). The body is never decoded into a map.
+// Package body reads the few fields routing needs from an OpenAI-style JSON
+// request body and applies edits by splicing bytes, so that everything a client
+// sent and we do not edit reaches the engine byte for byte (big integers, key
+// order, whitespace, unknown fields). The body is never decoded into a map; an
+// edit inside a nested object (nested.go) re-splices only that object.
 package body
 
 import (
@@ -144,6 +145,31 @@ func (o *Object) Int(key string) (int64, bool) {
 		return 0, false // not the clamped value ParseInt returns on overflow
 	}
 	return n, true
+}
+
+// Object returns key's value when it is a JSON object, indexed like the body
+// itself (the last duplicate, as everywhere).
+func (o *Object) Object(key string) (*Object, bool) {
+	raw, ok := o.Raw(key)
+	if !ok || raw[0] != '{' {
+		return nil, false
+	}
+	sub, err := Parse(raw)
+	return sub, err == nil
+}
+
+// Bool returns key's value when it is true or false.
+func (o *Object) Bool(key string) (value, ok bool) {
+	raw, ok := o.Raw(key)
+	switch {
+	case !ok:
+		return false, false
+	case string(raw) == "true":
+		return true, true
+	case string(raw) == "false":
+		return false, true
+	}
+	return false, false
 }
 
 // IsNull reports whether raw is the JSON literal null.

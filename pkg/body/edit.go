@@ -5,14 +5,19 @@ import (
 	"unicode/utf8"
 )
 
-// Edit changes one top-level member. Value is raw JSON; a nil (or empty) Value
-// deletes every occurrence of Key. A set replaces the first occurrence in place and drops the
-// duplicates (an engine would otherwise read the last one), or appends the member
-// when Key is absent — unless IfPresent, which only rewrites a key the client sent.
+// Edit changes one member: of the body itself, or, with Path, of an object
+// nested in it (see In). Value is raw JSON; a nil (or empty) Value deletes
+// every occurrence of Key. A set replaces the first occurrence in place and
+// drops the duplicates (an engine would otherwise read the last one), or
+// appends the member when Key is absent — unless IfPresent, which only
+// rewrites a key the client sent.
 type Edit struct {
 	Key       string
 	Value     []byte
 	IfPresent bool
+	// Path names the objects Key is in, outermost first; empty for a
+	// member of the body itself.
+	Path []string
 }
 
 // Set returns an Edit that sets key to the raw JSON value.
@@ -84,11 +89,15 @@ func appendQuote(dst []byte, s string) []byte {
 }
 
 // Splice returns the body with the edits applied, as runs of the client's
-// bytes with the edited values between them: nothing is copied. When several
-// edits name the same key the last one wins. Every byte outside the edited
-// members is kept, including the separators and whitespace around the members
-// that stay. The Object itself is not changed.
+// bytes with the edited values between them: nothing is copied but the
+// nested objects an edit reaches into. When several edits name the same
+// member the last one wins. Every byte outside the edited members is kept,
+// including the separators and whitespace around the members that stay. The
+// Object itself is not changed.
 func (o *Object) Splice(edits ...Edit) Spliced {
+	if nested(edits) {
+		edits = o.flatten(edits)
+	}
 	// The last edit of each key, in first-mention order (for deterministic
 	// appends). Edits are a handful: a slice searched in order beats a map,
 	// and it stays on the stack.

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -120,12 +121,13 @@ func FuzzScanInChunks(f *testing.F) {
 }
 
 // FuzzApply checks Splice against a model: decode the input the way Python's
-// json does (last duplicate wins), apply the edits to the decoded map, and
-// compare with the decoded output. Every member no edit names must also keep
-// its exact bytes.
+// json does (last duplicate wins), apply the edits to the decoded map by the
+// rules of nested.go, and compare with the decoded output. Every member no
+// edit names must also keep its exact bytes.
 //
 // script holds one edit per line, "op\tkey\tvalue": op s (Set), i (SetIfPresent)
-// or d (Delete). A value that is not UTF-8 JSON is quoted, which exercises Quote.
+// or d (Delete); dots in key name nested objects ("a.b.c" is c inside a.b). A
+// value that is not UTF-8 JSON is quoted, which exercises Quote.
 func FuzzApply(f *testing.F) {
 	for _, s := range []struct{ body, script string }{
 		{`{}`, "s\tmax_tokens\t1"},
@@ -137,6 +139,16 @@ func FuzzApply(f *testing.F) {
 		{`{"\u0061":1}`, "s\ta\t[1, {\"b\": 98765432109876543210}]"},
 		{"\n{\n \"a\" : 1 ,\n \"b\" : 2\n}\n", "s\tb\tfalse\ns\tc\t1e400"},
 		{`{"a":1}`, "s\tk\x01\x7f\"\\\tnot json \x00\xff"},
+		// Nested: create, rewrite, delete, through duplicates and non-objects.
+		{`{"token_ids":[1,2],"sampling_params":{"max_tokens":64,"min_tokens":8}}`,
+			"d\tsampling_params.extra_args.kv_transfer_params\ns\tsampling_params.max_tokens\t1\nd\tsampling_params.min_tokens\n" +
+				"s\tsampling_params.extra_args.kv_transfer_params\t{\"do_remote_decode\":true}"},
+		{`{"p":{"x":{"k":1},"x":{"k":2}},"p":{"x":{"k":3,"k":4}}}`, "d\tp.x.k"},
+		{`{"p":null,"q":"s","r":[{}]}`, "s\tp.a\t1\ns\tq.b.c\t2\nd\tr.c\ni\tp.z\t3"},
+		{`{"p":{"a":1}}`, "s\tp.b\t2\nd\tp\ns\tp.c\t3"},
+		{`{"p":{"a":1}}`, "s\tp\t{\"z\":0}\ni\tp.z\t9\ni\tp.a\t8"},
+		{`{"p":{}}`, "d\tp.a\ni\tp.b.c\t1"},
+		{`{"":{"":1},"a":0}`, "s\t.\t2\nd\ta."},
 	} {
 		f.Add([]byte(s.body), s.script)
 	}
@@ -162,24 +174,8 @@ func FuzzApply(f *testing.F) {
 			t.Fatalf("Parse(Splice output %q): %v", out, err)
 		}
 
-		final := make(map[string]Edit)
-		for _, e := range edits {
-			final[e.Key] = e
-		}
 		want := decodeLastWins(t, b).(map[string]any)
-		changes := false
-		for k, e := range final {
-			_, present := want[k]
-			switch {
-			case len(e.Value) == 0:
-				changes = changes || present
-				delete(want, k)
-			case e.IfPresent && !present:
-			default:
-				changes = true
-				want[k] = decodeLastWins(t, e.Value)
-			}
-		}
+		changes := applyModel(t, want, edits)
 		if got := decodeLastWins(t, out); !reflect.DeepEqual(got, want) {
 			t.Fatalf("Splice(%s) on %q\n = %q\ndecodes to %v\nwant %v", describe(edits), b, out, got, want)
 		}
@@ -187,10 +183,19 @@ func FuzzApply(f *testing.F) {
 			t.Fatalf("Splice(%s) changed nothing but copied the body", describe(edits))
 		}
 
-		// Untouched members: same bytes, same order. Edited keys: at most once.
+		// Untouched members: same bytes, same order. Members an edit names
+		// at the top level: at most once.
+		edited, whole := map[string]bool{}, map[string]bool{}
+		for _, e := range edits {
+			if len(e.Path) == 0 {
+				edited[e.Key], whole[e.Key] = true, true
+			} else {
+				edited[e.Path[0]] = true
+			}
+		}
 		untouched := func(x *Object) (kept [][]byte) {
 			for _, m := range x.members {
-				if _, edited := final[m.name]; !edited {
+				if !edited[m.name] {
 					kept = append(kept, x.raw[m.start:m.valEnd])
 				}
 			}
@@ -201,13 +206,62 @@ func FuzzApply(f *testing.F) {
 		}
 		count := make(map[string]int)
 		for _, m := range after.members {
-			if _, edited := final[m.name]; edited {
+			if whole[m.name] {
 				if count[m.name]++; count[m.name] > 1 {
 					t.Fatalf("edited key %q appears twice in %q", m.name, out)
 				}
 			}
 		}
 	})
+}
+
+// applyModel applies edits to the decoded body m by the rules of nested.go
+// and reports whether any of them changes the body (a set that applies, or a
+// delete of something present).
+func applyModel(t *testing.T, m map[string]any, edits []Edit) (changes bool) {
+	t.Helper()
+	// The last edit of each member, in first-mention order, outer ones first.
+	var order []string
+	last := map[string]Edit{}
+	for _, e := range edits {
+		id := strings.Join(append(slices.Clone(e.Path), e.Key), "\x00")
+		if _, ok := last[id]; !ok {
+			order = append(order, id)
+		}
+		last[id] = e
+	}
+	slices.SortStableFunc(order, func(a, b string) int { return len(last[a].Path) - len(last[b].Path) })
+	for _, id := range order {
+		e := last[id]
+		set := len(e.Value) > 0 && !e.IfPresent
+		cur, ok := m, true
+		for _, seg := range e.Path {
+			next, isObject := cur[seg].(map[string]any)
+			if !isObject {
+				if !set {
+					ok = false
+					break
+				}
+				next = map[string]any{}
+				cur[seg] = next
+			}
+			cur = next
+		}
+		if !ok {
+			continue
+		}
+		_, present := cur[e.Key]
+		switch {
+		case len(e.Value) == 0:
+			changes = changes || present
+			delete(cur, e.Key)
+		case e.IfPresent && !present:
+		default:
+			changes = true
+			cur[e.Key] = decodeLastWins(t, e.Value)
+		}
+	}
+	return changes
 }
 
 // checkChunks: the pieces are never empty, and cut into chunks of any size
@@ -235,22 +289,31 @@ func parseScript(script string) []Edit {
 	var edits []Edit
 	for line := range strings.SplitSeq(script, "\n") {
 		op, rest, _ := strings.Cut(line, "\t")
-		key, value, _ := strings.Cut(rest, "\t")
-		if !utf8.ValidString(key) {
+		name, value, _ := strings.Cut(rest, "\t")
+		if !utf8.ValidString(name) {
 			continue // keys are ours; Quote's replacement of invalid bytes is tested on values
 		}
+		path := strings.Split(name, ".")
+		key, path := path[len(path)-1], path[:len(path)-1]
 		raw := []byte(value)
 		if !json.Valid(raw) || !utf8.Valid(raw) { // values are trusted to be JSON, as P's params are once parsed
 			raw = Quote(value)
 		}
+		var e Edit
 		switch op {
 		case "s":
-			edits = append(edits, Set(key, raw))
+			e = Set(key, raw)
 		case "i":
-			edits = append(edits, SetIfPresent(key, raw))
+			e = SetIfPresent(key, raw)
 		case "d":
-			edits = append(edits, Delete(key))
+			e = Delete(key)
+		default:
+			continue
 		}
+		if len(path) > 0 {
+			e = e.In(path...)
+		}
+		edits = append(edits, e)
 	}
 	return edits
 }
@@ -279,6 +342,9 @@ func describe(edits []Edit) string {
 			parts[i] = fmt.Sprintf("SetIfPresent(%q, %s)", e.Key, e.Value)
 		default:
 			parts[i] = fmt.Sprintf("Set(%q, %s)", e.Key, e.Value)
+		}
+		if len(e.Path) > 0 {
+			parts[i] += fmt.Sprintf(".In(%q)", e.Path)
 		}
 	}
 	return strings.Join(parts, ", ")
