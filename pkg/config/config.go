@@ -13,6 +13,7 @@ import (
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 )
 
@@ -25,6 +26,7 @@ type Config struct {
 	Envoy     Envoy   `json:"envoy"`
 	Tracing   Tracing `json:"tracing"`
 	PD        PD      `json:"pd"`
+	Routes    Routes  `json:"routes"`
 }
 
 // Pools lists the engine endpoints of each role.
@@ -156,6 +158,7 @@ func (c *Config) setDefaults() {
 	c.Pools.Prefill.PoolScheduling.SetDefaults()
 	c.Pools.Decode.PoolScheduling.SetDefaults()
 	c.PD.SetDefaults()
+	c.Routes.SetDefaults()
 	c.Prefill.PrefillAttempts.SetDefaults(c.Prefill.Timeout)
 }
 
@@ -189,6 +192,10 @@ func (c *Config) validate() error {
 		errs = append(errs, fmt.Errorf("pd.mode, pd.min_prompt_tokens: %s cannot send a request decode-only "+
 			"(its decode engines serve only prefill/decode pairs)", c.Connector))
 	}
+	if connector != nil && !connector.Family().Has(api.SGLang) && c.PD.SGLangParallelSampling == ParallelSamplingRooms {
+		errs = append(errs, fmt.Errorf("pd.sglang_parallel_sampling: %s sends a request with several samples decode-only; "+
+			"only kv-sglang pairs them", c.Connector))
+	}
 	if !c.Prefill.TLS.Enabled && (c.Prefill.TLS.CAFile != "" || c.Prefill.TLS.ServerName != "") {
 		errs = append(errs, errors.New("prefill.tls: ca_file and server_name need prefill.tls.enabled: true"))
 	}
@@ -211,6 +218,7 @@ func (c *Config) validate() error {
 		c.Pools.Prefill.PoolScheduling.Validate("pools.prefill"),
 		c.Pools.Decode.PoolScheduling.Validate("pools.decode"),
 		c.PD.Validate("pd"),
+		c.Routes.Validate("routes"),
 		c.Prefill.PrefillAttempts.Validate("prefill", c.Prefill.Timeout))
 	return errors.Join(errs...)
 }

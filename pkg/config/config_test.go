@@ -1,11 +1,13 @@
 package config
 
 import (
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	defaults "github.com/pd-extproc/pd-extproc/config"
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 )
 
 func TestEmbeddedDefaultIsValid(t *testing.T) {
@@ -30,6 +32,28 @@ func TestDefaultsFillMissingKeys(t *testing.T) {
 	}
 }
 
+func TestPassthroughDefaultsAndReplacement(t *testing.T) {
+	tests := []struct {
+		name, yaml string
+		want       []string
+	}{
+		{"left out: the defaults", ``, api.DefaultPassthrough},
+		{"a list replaces them whole", `routes: {passthrough: ["GET /v1/models", "POST /v1/embeddings/*"]}`, []string{"GET /v1/models", "POST /v1/embeddings/*"}},
+		{"an empty list lets nothing through", `routes: {passthrough: []}`, []string{}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := Parse([]byte(tt.yaml + "\npools: {decode: {endpoints: [\"10.0.0.2:8000\"]}}"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(c.Routes.Passthrough, tt.want) || c.Routes.Passthrough == nil {
+				t.Errorf("routes.passthrough = %q, want %q", c.Routes.Passthrough, tt.want)
+			}
+		})
+	}
+}
+
 func TestInvalidConfigNamesTheKey(t *testing.T) {
 	tests := []struct {
 		name, yaml, wantKey string
@@ -46,6 +70,20 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 		{"bootstrap port out of range", `pools: {prefill: {bootstrap_port: 70000}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "pools.prefill.bootstrap_port"},
 		{"kv-sglang cannot go decode-only", `{connector: kv-sglang, pd: {min_prompt_tokens: 10}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "pd.mode, pd.min_prompt_tokens"},
 		{"negative body limit", `{limits: {max_body_bytes: -1}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "limits.max_body_bytes"},
+		{"pass-through entry without a method", `{routes: {passthrough: ["/v1/embeddings"]}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`,
+			"routes.passthrough[0]"},
+		{"pass-through path with a dot segment", `{routes: {passthrough: ["GET /v1/models", "GET /v1/../flush_cache"]}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`,
+			"routes.passthrough[1]"},
+		{"pass-through wildcard over everything", `{routes: {passthrough: ["POST /*"]}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`,
+			"routes.passthrough[0]"},
+		{"pass-through of a built-in API", `{routes: {passthrough: ["POST /v1/chat/completions"]}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`,
+			"routes.passthrough[0]"},
+		{"pass-through entry twice", `{routes: {passthrough: ["GET /health", "GET /health"]}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`,
+			"routes.passthrough[1]"},
+		{"unknown parallel sampling", `{connector: kv-sglang, pd: {sglang_parallel_sampling: lists}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`,
+			"pd.sglang_parallel_sampling"},
+		{"parallel sampling rooms without kv-sglang", `{connector: kv-nixl, pd: {sglang_parallel_sampling: rooms}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`,
+			"pd.sglang_parallel_sampling"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -109,6 +109,9 @@ type PD struct {
 	MinPromptTokens int `json:"min_prompt_tokens,omitempty"`
 	// CharsPerToken estimates tokens from characters when the body has no token ids.
 	CharsPerToken float64 `json:"chars_per_token,omitempty"`
+	// SGLangParallelSampling is how kv-sglang pairs a request with n > 1:
+	// refuse (default, 400) or rooms (a bootstrap room per sample).
+	SGLangParallelSampling string `json:"sglang_parallel_sampling,omitempty"`
 }
 
 // PrefillAttempts is the prefill leg's retry budget. Embed it in Prefill so
@@ -276,6 +279,9 @@ func (p *PD) SetDefaults() {
 	if p.CharsPerToken == 0 {
 		p.CharsPerToken = DefaultCharsPerToken
 	}
+	if p.SGLangParallelSampling == "" {
+		p.SGLangParallelSampling = ParallelSamplingRefuse
+	}
 }
 
 // Validate checks the P/D keys under key ("pd").
@@ -291,6 +297,10 @@ func (p PD) Validate(key string) error {
 	}
 	if p.CharsPerToken <= 0 || p.CharsPerToken > 100 {
 		errs = append(errs, fmt.Errorf("%s.chars_per_token: %g is not in (0, 100]", key, p.CharsPerToken))
+	}
+	if p.SGLangParallelSampling != ParallelSamplingRefuse && p.SGLangParallelSampling != ParallelSamplingRooms {
+		errs = append(errs, fmt.Errorf("%s.sglang_parallel_sampling: %q is not %s or %s", key, p.SGLangParallelSampling,
+			ParallelSamplingRefuse, ParallelSamplingRooms))
 	}
 	return errors.Join(errs...)
 }

@@ -66,7 +66,7 @@ func TestSchedulingDefaults(t *testing.T) {
 	if d != want {
 		t.Errorf("pool defaults = %+v\nwant %+v", d, want)
 	}
-	if f.PD != (PD{Mode: PDAuto, CharsPerToken: 4}) {
+	if f.PD != (PD{Mode: PDAuto, CharsPerToken: 4, SGLangParallelSampling: ParallelSamplingRefuse}) {
 		t.Errorf("pd defaults = %+v", f.PD)
 	}
 	if f.Prefill.Attempts != 2 || f.Prefill.AttemptTimeout != f.Prefill.Timeout {

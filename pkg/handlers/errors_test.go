@@ -42,7 +42,7 @@ func TestErrorsReachTheClientAsOpenAIStyleLocalReplies(t *testing.T) {
 			wantStatus: 400, wantMessage: "not valid UTF-8",
 		},
 		{name: "missing model", mode: buffered, body: `{"prompt":"x"}`, chunks: 1, wantStatus: 400, wantMessage: `no "model"`},
-		{name: "unknown path", mode: fullDuplex, path: "/v1/embeddings", body: clientChat, chunks: 1, wantStatus: 404, wantMessage: "unknown path"},
+		{name: "unknown path", mode: fullDuplex, path: "/flush_cache", body: clientChat, chunks: 1, wantStatus: 404, wantMessage: "unknown path"},
 		{
 			name: "content-length over the limit is refused before the body", config: "limits: {max_body_bytes: 100}\n",
 			mode: fullDuplex, body: strings.Repeat("x", 101), wantStatus: 413, wantMessage: "limits.max_body_bytes",

@@ -22,6 +22,8 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 			logged[key] = redact(key, headerValue(h))
 		}
 		switch key {
+		case ":method":
+			x.req.Method = headerValue(h)
 		case ":path":
 			x.req.Path = headerValue(h)
 		case RequestIDHeader:

@@ -116,7 +116,7 @@ func (o *observation) conclude(outcome string, status int, reason string, d *pip
 		return
 	}
 	rep := o.req.Report
-	api := pipeline.APIOf(o.req.Path)
+	api := pipeline.APIOf(o.req)
 	// The prefill leg is the engine's time, not ours; what is left is parsing,
 	// waiting for the body, and talking to Envoy.
 	processing := max(time.Since(o.start)-rep.PrefillTime, 0)

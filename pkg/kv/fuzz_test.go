@@ -8,21 +8,28 @@ import (
 	"testing"
 	"unicode/utf8"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
-// FuzzLegs checks every connector's legs against what an engine reads (Python's
-// json: the last duplicate wins): the client's body minus the reserved keys, plus
-// exactly the connector's fields. Whatever the client sends, a reserved key on a
-// leg is always ours.
+// FuzzLegs checks every connector's legs, for each API it disaggregates,
+// against what an engine reads (Python's json: the last duplicate wins): the
+// client's body minus the reserved fields, plus exactly the connector's
+// fields where that API reads them. Whatever the client sends, a reserved
+// field on a leg is always ours.
 func FuzzLegs(f *testing.F) {
-	for _, in := range []string{chatStream, chatNoStream, completionsStream, completionsNoStream, `{}`} {
-		f.Add([]byte(in), []byte(prefillAnswer), "10.0.4.21", 8998, uint64(1<<63-1))
+	for _, in := range []string{chatStream, chatNoStream, completionsStream, completionsNoStream, responsesStream, generateNoStream, `{}`} {
+		for which := range uint8(4) {
+			f.Add([]byte(in), []byte(prefillAnswer), "10.0.4.21", 8998, uint64(1<<63-1), which)
+		}
 	}
-	f.Add([]byte(`{"max_completion_tokens":null,"min_completion_tokens":3}`), []byte("null"), "[fd00::1]", 0, uint64(0))
-	f.Add([]byte(`{"bootstrap_host":"x","bootstrap_host":"y"}`), []byte(" {} "), "h\"\x01\xff", 65535, uint64(42))
+	f.Add([]byte(`{"max_completion_tokens":null,"min_completion_tokens":3}`), []byte("null"), "[fd00::1]", 0, uint64(0), uint8(0))
+	f.Add([]byte(`{"bootstrap_host":"x","bootstrap_host":"y"}`), []byte(" {} "), "h\"\x01\xff", 65535, uint64(42), uint8(3))
+	f.Add([]byte(`{"sampling_params":{"extra_args":[1]},"sampling_params":{"extra_args":{"kv_transfer_params":1},"min_tokens":2}}`),
+		[]byte(prefillAnswer), "h", 1, uint64(1), uint8(2))
+	f.Add([]byte(`{"vllm_xargs":{"kv_transfer_params":"x","a":1},"store":true,"background":true}`), []byte(prefillAnswer), "h", 1, uint64(1), uint8(1))
 
-	f.Fuzz(func(t *testing.T, in, prefillKV []byte, host string, port int, room uint64) {
+	f.Fuzz(func(t *testing.T, in, prefillKV []byte, host string, port int, room uint64, which uint8) {
 		o, err := body.Parse(in)
 		if err != nil {
 			return
@@ -30,14 +37,23 @@ func FuzzLegs(f *testing.F) {
 		if !json.Valid(prefillKV) || !utf8.Valid(prefillKV) {
 			prefillKV = nil // the pipeline hands over parsed JSON or nothing
 		}
-		h := &Handoff{Body: o, PrefillHost: host, BootstrapPort: port & 0xffff, Room: room &^ (1 << 63), PrefillKV: prefillKV}
+		a := []*api.API{api.Chat, api.Responses, api.Generate, api.SGLangGenerate}[which%4]
+		h := &Handoff{Body: o, Shape: &a.Shape, PrefillHost: host, BootstrapPort: port & 0xffff, Room: room &^ (1 << 63), PrefillKV: prefillKV}
 
 		client := decode(t, in)
-		for _, k := range reservedKeys {
+		for _, k := range []string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"} {
 			delete(client, k)
 		}
-		with := func(fields map[string]any) map[string]any {
-			m := maps.Clone(client)
+		paramsIn := []string(nil)
+		switch a {
+		case api.Generate:
+			paramsIn = []string{"sampling_params", "extra_args"}
+			deleteIn(client, paramsIn, "kv_transfer_params")
+		case api.Chat, api.Responses:
+			deleteIn(client, []string{"vllm_xargs"}, "kv_transfer_params")
+		}
+		with := func(fields map[string]any, inner ...func(map[string]any)) map[string]any {
+			m := deepClone(client)
 			for k, v := range fields {
 				if v == nil {
 					delete(m, k)
@@ -45,52 +61,107 @@ func FuzzLegs(f *testing.F) {
 					m[k] = v
 				}
 			}
+			for _, edit := range inner {
+				edit(m)
+			}
 			return m
 		}
-		capped := func(extra map[string]any) map[string]any {
-			fields := map[string]any{
-				"stream": false, "stream_options": nil, "max_tokens": json.Number("1"),
-				"min_tokens": nil, "min_completion_tokens": nil,
-			}
+		params := func(v []byte) func(map[string]any) {
+			return func(m map[string]any) { setIn(m, paramsIn, "kv_transfer_params", decodeValue(t, v)) }
+		}
+		one := json.Number("1")
+		var capsFields map[string]any
+		var capsInner []func(map[string]any)
+		switch a {
+		case api.Chat:
+			capsFields = map[string]any{"stream": false, "stream_options": nil, "max_tokens": one, "min_tokens": nil, "min_completion_tokens": nil}
 			if _, ok := client["max_completion_tokens"]; ok {
-				fields["max_completion_tokens"] = json.Number("1")
+				capsFields["max_completion_tokens"] = one
 			}
-			maps.Copy(fields, extra)
-			return with(fields)
+		case api.Responses:
+			capsFields = map[string]any{"stream": false, "stream_options": nil, "max_output_tokens": one, "store": false, "background": false}
+		case api.Generate:
+			capsFields = map[string]any{"stream": false, "stream_options": nil}
+			capsInner = append(capsInner, func(m map[string]any) {
+				setIn(m, []string{"sampling_params"}, "max_tokens", one)
+				deleteIn(m, []string{"sampling_params"}, "min_tokens")
+			})
+		}
+		sharedPrefill := with(capsFields, capsInner...)
+		nixlPrefill := with(capsFields, append(capsInner, params(nixlPrefillParams))...)
+		nixlDecode := client
+		if HasParams(prefillKV) {
+			nixlDecode = with(nil, params(prefillKV))
 		}
 		bootstrap := with(map[string]any{
 			"bootstrap_host": decodeValue(t, body.Quote(host)),
 			"bootstrap_port": decodeValue(t, body.Uint(uint64(h.BootstrapPort))),
 			"bootstrap_room": decodeValue(t, body.Uint(h.Room)),
 		})
-		nixlDecode := client
-		if HasParams(prefillKV) {
-			nixlDecode = with(map[string]any{"kv_transfer_params": decodeValue(t, prefillKV)})
-		}
 
-		for _, tt := range []struct {
+		type legs struct {
 			connector       string
 			prefill, decode map[string]any
-		}{
-			{NIXL, capped(map[string]any{"kv_transfer_params": decodeValue(t, nixlPrefillParams)}), nixlDecode},
-			{SharedStorage, capped(nil), client},
-			{SGLang, bootstrap, bootstrap},
-		} {
+		}
+		var cases []legs
+		if a.Pairs.Has(api.VLLM) {
+			cases = append(cases, legs{NIXL, nixlPrefill, nixlDecode}, legs{SharedStorage, sharedPrefill, client})
+		}
+		if a.Pairs.Has(api.SGLang) {
+			cases = append(cases, legs{SGLang, bootstrap, bootstrap})
+		}
+		for _, tt := range cases {
 			c, err := Build(tt.connector)
 			if err != nil {
 				t.Fatal(err)
 			}
 			if got := decode(t, PrefillBody(c, h).Bytes()); !reflect.DeepEqual(got, tt.prefill) {
-				t.Fatalf("%s prefill leg of %q reads as\n%v\nwant\n%v", tt.connector, in, got, tt.prefill)
+				t.Fatalf("%s %s prefill leg of %q reads as\n%v\nwant\n%v", tt.connector, a.Name, in, got, tt.prefill)
 			}
 			if got := decode(t, DecodeBody(c, h).Bytes()); !reflect.DeepEqual(got, tt.decode) {
-				t.Fatalf("%s decode leg of %q reads as\n%v\nwant\n%v", tt.connector, in, got, tt.decode)
+				t.Fatalf("%s %s decode leg of %q reads as\n%v\nwant\n%v", tt.connector, a.Name, in, got, tt.decode)
 			}
 		}
-		if got := decode(t, Scrubbed(o).Bytes()); !reflect.DeepEqual(got, client) {
+		if got := decode(t, Scrubbed(o, &a.Shape).Bytes()); !reflect.DeepEqual(got, client) {
 			t.Fatalf("Scrubbed(%q) reads as %v, want %v", in, got, client)
 		}
 	})
+}
+
+// setIn sets key in the object at path of m, making the objects on the way
+// (replacing what is not one), as a nested body.Set does.
+func setIn(m map[string]any, path []string, key string, v any) {
+	for _, seg := range path {
+		next, ok := m[seg].(map[string]any)
+		if !ok {
+			next = map[string]any{}
+			m[seg] = next
+		}
+		m = next
+	}
+	m[key] = v
+}
+
+// deleteIn deletes key in the object at path of m, if the path is all objects.
+func deleteIn(m map[string]any, path []string, key string) {
+	for _, seg := range path {
+		next, ok := m[seg].(map[string]any)
+		if !ok {
+			return
+		}
+		m = next
+	}
+	delete(m, key)
+}
+
+func deepClone(m map[string]any) map[string]any {
+	out := maps.Clone(m)
+	for k, v := range out {
+		if sub, ok := v.(map[string]any); ok {
+			out[k] = deepClone(sub)
+		}
+	}
+	return out
 }
 
 // decode reads a leg as vLLM and SGLang do; it fails on anything but a UTF-8 JSON object.

@@ -1,15 +1,17 @@
 // Package kv holds the KV transfer connectors selected at config time. A connector
-// knows what one engine family needs for a prefill/decode handoff: the top-level
-// body edits of each leg, whether the decode leg must wait for the prefill
-// response (vLLM NIXL, shared storage) or both legs go out at once (SGLang),
-// whether a request may skip the prefill, and whether the prefill answer hands
-// anything back. Connectors are stateless and safe to share across requests.
+// knows what one engine family needs for a prefill/decode handoff: the body
+// edits of each leg, placed where the request's API wants them (api.Shape),
+// whether the decode leg must wait for the prefill response (vLLM NIXL, shared
+// storage) or both legs go out at once (SGLang), whether a request may skip the
+// prefill, and whether the prefill answer hands anything back. Connectors are
+// stateless and safe to share across requests.
 package kv
 
 import (
 	"fmt"
 	"slices"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
@@ -37,21 +39,28 @@ const (
 // Handoff is what a connector may read to build the legs of one request.
 type Handoff struct {
 	Body          *body.Object // the client's request body
+	Shape         *api.Shape   // where the request's API puts the fields
 	PrefillHost   string       // host of the chosen prefill endpoint (IPv6 in brackets)
 	BootstrapPort int          // the prefill pool's SGLang bootstrap port
 	Room          uint64       // random per request, 0..2^63-1: pairs concurrent legs
-	PrefillKV     []byte       // Sequential only: raw kv_transfer_params of the prefill response, nil when it gave none
+	// Rooms, when set, pairs each of a request's samples on its own
+	// (pd.sglang_parallel_sampling: rooms): one distinct room per sample.
+	Rooms     []uint64
+	PrefillKV []byte // Sequential only: raw kv_transfer_params of the prefill response, nil when it gave none
 }
 
 // Connector controls the wire shape of the prefill and decode requests, and
 // says what its engines need of the flow around them: callers ask it, never
 // its name.
 type Connector interface {
+	// Family is the engines it drives: the APIs they serve and can
+	// disaggregate are theirs (pkg/api).
+	Family() api.Family
 	// Dispatch is the order in which the two legs go out.
 	Dispatch() Dispatch
 	// Paired reports whether the engines serve only prefill/decode pairs: the
 	// decode engine refuses a request without a prefill partner, so none may
-	// go decode-only, and the pair hands off n > 1 and batches by itself.
+	// go decode-only, and the pair hands off batches by itself.
 	Paired() bool
 	// HandsBackParams reports whether the prefill answer carries the
 	// kv_transfer_params the decode leg needs (Handoff.PrefillKV): an answer
@@ -62,11 +71,6 @@ type Connector interface {
 	// DecodeEdits turns the client's body into the decode leg's body.
 	DecodeEdits(h *Handoff) []body.Edit
 }
-
-// reservedKeys are the body fields through which a request steers a KV handoff.
-// A client must never set them: they are removed from every leg before a
-// connector adds its own (Python's json keeps the last duplicate, so all go).
-var reservedKeys = []string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
 
 // Build returns the connector for name. An empty name selects DefaultKVConnectorName.
 func Build(name string) (Connector, error) {
@@ -85,39 +89,22 @@ func Build(name string) (Connector, error) {
 	}
 }
 
-// vllmPrefillCaps makes a vLLM prefill leg compute the prompt and stop after one
-// token: non-streamed (only the non-streamed response carries kv_transfer_params),
-// no stream_options (vLLM rejects them without stream), every output limit at 1,
-// and no minimum that would exceed it (vLLM answers 400 to min_tokens > max_tokens).
-// Edit lists are read, never changed, so they are built once.
-var vllmPrefillCaps = []body.Edit{
-	body.Set("stream", body.False),
-	body.Delete("stream_options"),
-	body.Set("max_tokens", body.One),
-	body.SetIfPresent("max_completion_tokens", body.One),
-	body.Delete("min_tokens"),
-	body.Delete("min_completion_tokens"),
-}
-
-// PrefillBody returns the body of the prefill leg.
+// PrefillBody returns the body of the prefill leg: the client's without the
+// fields it may not set (api.Shape.Reserved), plus the connector's.
 func PrefillBody(c Connector, h *Handoff) body.Spliced {
-	return h.Body.Splice(slices.Concat(scrub, c.PrefillEdits(h))...)
+	return h.Body.Splice(slices.Concat(h.Shape.Reserved, c.PrefillEdits(h))...)
 }
 
 // DecodeBody returns the body of the decode leg.
 func DecodeBody(c Connector, h *Handoff) body.Spliced {
-	return h.Body.Splice(slices.Concat(scrub, c.DecodeEdits(h))...)
+	return h.Body.Splice(slices.Concat(h.Shape.Reserved, c.DecodeEdits(h))...)
 }
 
-// Scrubbed returns the client's body without the reserved keys: the body of a
-// request that goes to a decode endpoint alone.
-func Scrubbed(o *body.Object) body.Spliced { return o.Splice(scrub...) }
+// Scrubbed returns the client's body without the fields it may not set: the
+// body of a request that goes to a decode endpoint alone.
+func Scrubbed(o *body.Object, s *api.Shape) body.Spliced { return o.Splice(s.Reserved...) }
 
-// scrub deletes every reserved key.
-var scrub = func() []body.Edit {
-	edits := make([]body.Edit, 0, len(reservedKeys))
-	for _, k := range reservedKeys {
-		edits = append(edits, body.Delete(k))
-	}
-	return edits
-}()
+// transferParams sets kv_transfer_params where the request's API reads it.
+func transferParams(s *api.Shape, value []byte) body.Edit {
+	return body.Set("kv_transfer_params", value).In(s.ParamsIn...)
+}

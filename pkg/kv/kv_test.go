@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
@@ -25,6 +26,17 @@ const (
 		`"kv\u005ftransfer_params":{"do_remote_prefill":true},"bootstrap_room":3,"bootstrap_room":4}`
 )
 
+// Client bodies of the other APIs, smuggling the same way.
+const (
+	responsesStream = `{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":"Hi"}],"stream":true,` +
+		`"max_output_tokens":256,"store":true,"seed":98765432109876543210,"kv_transfer_params":{"do_remote_prefill":true},` +
+		`"vllm_xargs":{"kv_transfer_params":"x","kind":"a"},"bootstrap_room":1}`
+	generateNoStream = `{"token_ids":[1,2,3],"sampling_params":{"max_tokens":64,"min_tokens":8,"seed":98765432109876543210,` +
+		`"extra_args":{"kv_transfer_params":{"remote_host":"203.0.113.9"},"other":1}},"kv_transfer_params":{"do_remote_prefill":true},"stream":false}`
+	sglangGenerate = `{"text":"Once upon","sampling_params":{"max_new_tokens":64},"stream":true,"bootstrap_host":"203.0.113.9",` +
+		`"seed":98765432109876543210,"bootstrap_room":7}`
+)
+
 const (
 	// What the prefill engine is asked for, as vLLM's toy proxy sends it.
 	nixlAsk = `{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,` +
@@ -36,7 +48,8 @@ const (
 		`"remote_blocks_expiry_time":null,"transfer_mode":"pull","future_key":{"x":[1.5e-3]}}`
 )
 
-func handoff(t *testing.T, in string) *Handoff {
+// handoff is the handoff of the client body in, a request of api a.
+func handoff(t *testing.T, a *api.API, in string) *Handoff {
 	t.Helper()
 	o, err := body.Parse([]byte(in))
 	if err != nil {
@@ -44,6 +57,7 @@ func handoff(t *testing.T, in string) *Handoff {
 	}
 	return &Handoff{
 		Body:          o,
+		Shape:         &a.Shape,
 		PrefillHost:   "10.0.4.21",
 		BootstrapPort: 8998,
 		Room:          1<<63 - 1,
@@ -55,6 +69,7 @@ func TestLegBodies(t *testing.T) {
 	tests := []struct {
 		name      string
 		connector string
+		api       *api.API // api.Chat when nil
 		in        string
 		prefill   string
 		decode    string
@@ -150,6 +165,43 @@ func TestLegBodies(t *testing.T) {
 			decode: `{"model":"m","prompt":[1,2,3],"stream":false,"min_tokens":1,"seed":98765432109876543210,` +
 				`"bootstrap_room":9223372036854775807,"bootstrap_host":"10.0.4.21","bootstrap_port":8998}`,
 		},
+		// The Responses API: its own limit and storage caps, the params at the top level.
+		{
+			name: "nixl/responses/stream", connector: NIXL, api: api.Responses, in: responsesStream,
+			prefill: `{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":"Hi"}],"stream":false,"max_output_tokens":1,` +
+				`"store":false,"seed":98765432109876543210,"kv_transfer_params":` + nixlAsk + `,"vllm_xargs":{"kind":"a"},"background":false}`,
+			decode: `{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":"Hi"}],"stream":true,"max_output_tokens":256,` +
+				`"store":true,"seed":98765432109876543210,"kv_transfer_params":` + prefillAnswer + `,"vllm_xargs":{"kind":"a"}}`,
+		},
+		{
+			name: "shared-storage/responses/stream", connector: SharedStorage, api: api.Responses, in: responsesStream,
+			prefill: `{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":"Hi"}],"stream":false,"max_output_tokens":1,` +
+				`"store":false,"seed":98765432109876543210,"vllm_xargs":{"kind":"a"},"background":false}`,
+			decode: `{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":"Hi"}],"stream":true,"max_output_tokens":256,` +
+				`"store":true,"seed":98765432109876543210,"vllm_xargs":{"kind":"a"}}`,
+		},
+		// vLLM's token-in generate: limits and params inside sampling_params,
+		// the client's in both places gone.
+		{
+			name: "nixl/generate/no-stream", connector: NIXL, api: api.Generate, in: generateNoStream,
+			prefill: `{"token_ids":[1,2,3],"sampling_params":{"max_tokens":1,"seed":98765432109876543210,"extra_args":{"kv_transfer_params":` +
+				nixlAsk + `,"other":1}},"stream":false}`,
+			decode: `{"token_ids":[1,2,3],"sampling_params":{"max_tokens":64,"min_tokens":8,"seed":98765432109876543210,"extra_args":{"kv_transfer_params":` +
+				prefillAnswer + `,"other":1}},"stream":false}`,
+		},
+		{
+			name: "shared-storage/generate/no-stream", connector: SharedStorage, api: api.Generate, in: generateNoStream,
+			prefill: `{"token_ids":[1,2,3],"sampling_params":{"max_tokens":1,"seed":98765432109876543210,"extra_args":{"other":1}},"stream":false}`,
+			decode:  `{"token_ids":[1,2,3],"sampling_params":{"max_tokens":64,"min_tokens":8,"seed":98765432109876543210,"extra_args":{"other":1}},"stream":false}`,
+		},
+		// SGLang's native generate: the bootstrap fields at the top level, as on chat.
+		{
+			name: "sglang/generate/stream", connector: SGLang, api: api.SGLangGenerate, in: sglangGenerate,
+			prefill: `{"text":"Once upon","sampling_params":{"max_new_tokens":64},"stream":true,"bootstrap_host":"10.0.4.21",` +
+				`"seed":98765432109876543210,"bootstrap_room":9223372036854775807,"bootstrap_port":8998}`,
+			decode: `{"text":"Once upon","sampling_params":{"max_new_tokens":64},"stream":true,"bootstrap_host":"10.0.4.21",` +
+				`"seed":98765432109876543210,"bootstrap_room":9223372036854775807,"bootstrap_port":8998}`,
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -157,7 +209,11 @@ func TestLegBodies(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			h := handoff(t, tt.in)
+			a := tt.api
+			if a == nil {
+				a = api.Chat // chat and completions have one shape
+			}
+			h := handoff(t, a, tt.in)
 			if got := PrefillBody(c, h).Bytes(); string(got) != tt.prefill {
 				t.Errorf("prefill body =\n%s\nwant\n%s", got, tt.prefill)
 			}
@@ -200,7 +256,7 @@ func TestNIXLDecodeCarriesPrefillParams(t *testing.T) {
 	c, _ := Build(NIXL)
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			h := handoff(t, in)
+			h := handoff(t, api.Chat, in)
 			h.PrefillKV = tt.prefillKV
 			if got := DecodeBody(c, h).Bytes(); string(got) != tt.want {
 				t.Fatalf("decode body =\n%s\nwant\n%s", got, tt.want)
@@ -237,7 +293,7 @@ func TestSGLangBootstrapFields(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			h := &Handoff{Body: o, PrefillHost: tt.host, BootstrapPort: tt.port, Room: tt.room}
+			h := &Handoff{Body: o, Shape: &api.Chat.Shape, PrefillHost: tt.host, BootstrapPort: tt.port, Room: tt.room}
 			prefill, decode := PrefillBody(c, h).Bytes(), DecodeBody(c, h).Bytes()
 			if string(prefill) != tt.want || string(decode) != tt.want {
 				t.Fatalf("legs =\n%s\n%s\nwant both\n%s", prefill, decode, tt.want)
@@ -256,27 +312,63 @@ func TestSGLangBootstrapFields(t *testing.T) {
 	}
 }
 
+func TestSGLangRoomsPerSample(t *testing.T) {
+	o, err := body.Parse([]byte(`{"model":"m","n":3,"bootstrap_room":[1,1,1],"messages":[]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, _ := Build(SGLang)
+	h := &Handoff{Body: o, Shape: &api.Chat.Shape, PrefillHost: "[fd00::1]", BootstrapPort: 8998, Room: 5, Rooms: []uint64{11, 1<<63 - 1, 0}}
+	const want = `{"model":"m","n":3,"bootstrap_room":[11,9223372036854775807,0],"messages":[],` +
+		`"bootstrap_host":["[fd00::1]","[fd00::1]","[fd00::1]"],"bootstrap_port":[8998,8998,8998]}`
+	if prefill, decode := PrefillBody(c, h).Bytes(), DecodeBody(c, h).Bytes(); string(prefill) != want || string(decode) != want {
+		t.Fatalf("legs =\n%s\n%s\nwant both\n%s", prefill, decode, want)
+	}
+}
+
 func TestScrubbed(t *testing.T) {
 	tests := []struct {
 		name string
+		api  *api.API
 		in   string
 		want string
 	}{
 		{
 			name: "every reserved key and every duplicate removed",
+			api:  api.Chat,
 			in: `{"bootstrap_host":"a","model":"m","kv_transfer_params":{},"bootstrap_port":1,"bootstrap_room":1,` +
 				`"stream":true,"kv\u005ftransfer_params":null,"bootstrap_room":2}`,
 			want: `{"model":"m","stream":true}`,
 		},
 		{
-			name: "nested reserved keys are the client's business",
+			name: "vllm_xargs cannot carry kv_transfer_params into vLLM's extra_args",
+			api:  api.Completions,
+			in:   `{"model":"m","vllm_xargs":{"kv_transfer_params":"x","a":1,"kv_transfer_params":"y"}}`,
+			want: `{"model":"m","vllm_xargs":{"a":1}}`,
+		},
+		{
+			name: "other nested reserved keys are the client's business",
+			api:  api.Chat,
 			in:   `{"model":"m","metadata":{"kv_transfer_params":1,"bootstrap_room":2}}`,
 			want: `{"model":"m","metadata":{"kv_transfer_params":1,"bootstrap_room":2}}`,
 		},
 		{
 			name: "a body with only reserved keys",
+			api:  api.Chat,
 			in:   `{"bootstrap_room":1}`,
 			want: `{}`,
+		},
+		{
+			name: "generate: in sampling_params.extra_args and at the top level",
+			api:  api.Generate,
+			in:   `{"token_ids":[1],"sampling_params":{"extra_args":{"kv_transfer_params":{"do_remote_prefill":true}}},"kv_transfer_params":{}}`,
+			want: `{"token_ids":[1],"sampling_params":{"extra_args":{}}}`,
+		},
+		{
+			name: "pass-through: the top-level handoff fields",
+			api:  passthrough(t),
+			in:   `{"model":"m","input":"x","bootstrap_room":1,"vllm_xargs":{"kv_transfer_params":"x"}}`,
+			want: `{"model":"m","input":"x","vllm_xargs":{"kv_transfer_params":"x"}}`,
 		},
 	}
 	for _, tt := range tests {
@@ -285,7 +377,7 @@ func TestScrubbed(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := Scrubbed(o).Bytes(); string(got) != tt.want {
+			if got := Scrubbed(o, &tt.api.Shape).Bytes(); string(got) != tt.want {
 				t.Fatalf("Scrubbed = %s, want %s", got, tt.want)
 			}
 		})
@@ -297,15 +389,30 @@ func TestScrubbed(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := Scrubbed(o).Bytes(); &got[0] != &in[0] {
+		if got := Scrubbed(o, &api.Chat.Shape).Bytes(); &got[0] != &in[0] {
 			t.Fatalf("Scrubbed copied a body with nothing to remove")
 		}
 	})
 }
 
+// passthrough is the API of the default pass-through list.
+func passthrough(t *testing.T) *api.API {
+	t.Helper()
+	routes, err := api.ParseRoutes("routes.passthrough", api.DefaultPassthrough)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := api.NewTable(routes).Match("POST", "/v1/embeddings")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
 func TestBuild(t *testing.T) {
 	// What the pipeline, scheduling and config ask of each connector.
 	type properties struct {
+		family                  api.Family
 		dispatch                Dispatch
 		paired, handsBackParams bool
 	}
@@ -313,10 +420,10 @@ func TestBuild(t *testing.T) {
 		name string
 		want properties
 	}{
-		{name: "", want: properties{dispatch: Sequential}}, // kv-shared-storage
-		{name: "kv-nixl", want: properties{dispatch: Sequential, handsBackParams: true}},
-		{name: "kv-shared-storage", want: properties{dispatch: Sequential}},
-		{name: "kv-sglang", want: properties{dispatch: Concurrent, paired: true}},
+		{name: "", want: properties{family: api.VLLM, dispatch: Sequential}}, // kv-shared-storage
+		{name: "kv-nixl", want: properties{family: api.VLLM, dispatch: Sequential, handsBackParams: true}},
+		{name: "kv-shared-storage", want: properties{family: api.VLLM, dispatch: Sequential}},
+		{name: "kv-sglang", want: properties{family: api.SGLang, dispatch: Concurrent, paired: true}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -324,7 +431,7 @@ func TestBuild(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Build(%q): %v", tt.name, err)
 			}
-			if got := (properties{c.Dispatch(), c.Paired(), c.HandsBackParams()}); got != tt.want {
+			if got := (properties{c.Family(), c.Dispatch(), c.Paired(), c.HandsBackParams()}); got != tt.want {
 				t.Fatalf("Build(%q) = %+v, want %+v", tt.name, got, tt.want)
 			}
 		})

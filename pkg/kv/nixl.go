@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"slices"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
@@ -17,14 +18,14 @@ type nixlKV struct{}
 var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,` +
 	`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
 
+func (nixlKV) Family() api.Family    { return api.VLLM }
 func (nixlKV) Dispatch() Dispatch    { return Sequential }
 func (nixlKV) Paired() bool          { return false }
 func (nixlKV) HandsBackParams() bool { return true }
 
-func (nixlKV) PrefillEdits(*Handoff) []body.Edit { return nixlPrefillEdits }
-
-// nixlPrefillEdits are the same for every request, so they are built once.
-var nixlPrefillEdits = append(slices.Clip(vllmPrefillCaps), body.Set("kv_transfer_params", nixlPrefillParams))
+func (nixlKV) PrefillEdits(h *Handoff) []body.Edit {
+	return append(slices.Clip(h.Shape.Caps), transferParams(h.Shape, nixlPrefillParams))
+}
 
 // DecodeEdits never sends do_remote_prefill without the prefill's remote_* fields:
 // when the prefill returned no params (absent, null or {}, as vLLM's proxies
@@ -33,7 +34,7 @@ func (nixlKV) DecodeEdits(h *Handoff) []body.Edit {
 	if !HasParams(h.PrefillKV) {
 		return nil
 	}
-	return []body.Edit{body.Set("kv_transfer_params", h.PrefillKV)}
+	return []body.Edit{transferParams(h.Shape, h.PrefillKV)}
 }
 
 // HasParams reports whether raw, a prefill answer's kv_transfer_params, hands

@@ -15,15 +15,19 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 )
 
 const namespace = "pd_extproc"
 
-// Values of the api label: which OpenAI API a request used.
+// Values of the api label: which engine API a request used, as the API table
+// names it (api.Labels: each built-in API, passthrough, other), so that the
+// set is closed and an unknown path never becomes a label.
 const (
-	APIChat        = "chat"
-	APICompletions = "completions"
-	APIOther       = "other"
+	APIChat        = api.NameChat
+	APICompletions = api.NameCompletions
+	APIOther       = api.Other
 )
 
 // Values of the mode label. ModeNone marks a request rejected before the
@@ -45,15 +49,19 @@ const (
 // Values of pd_decisions_total{reason}: why a routed request got its mode. The
 // first seven are the P/D decider's (scheduling names them too).
 const (
-	ReasonAlways        = "always"         // P/D: pd.mode always
-	ReasonLongPrompt    = "long_prompt"    // P/D: auto, prompt at or above pd.min_prompt_tokens
-	ReasonNever         = "never"          // decode-only: pd.mode never
-	ReasonShortPrompt   = "short_prompt"   // decode-only: auto, prompt below pd.min_prompt_tokens
-	ReasonNGT1          = "n_gt_1"         // decode-only: n > 1 cannot be handed off
-	ReasonBatch         = "batch"          // decode-only: several prompts in one completions request
-	ReasonNoPrefill     = "no_prefill"     // decode-only: no healthy prefill endpoint
-	ReasonPrefillFailed = "prefill_failed" // the prefill leg failed (decode-only under on_failure decode-only)
-	ReasonNoBody        = "no_body"        // decode-only: a request without a body (GET /v1/models, body mode NONE)
+	ReasonAlways         = "always"          // P/D: pd.mode always
+	ReasonLongPrompt     = "long_prompt"     // P/D: auto, prompt at or above pd.min_prompt_tokens
+	ReasonNever          = "never"           // decode-only: pd.mode never
+	ReasonShortPrompt    = "short_prompt"    // decode-only: auto, prompt below pd.min_prompt_tokens
+	ReasonNGT1           = "n_gt_1"          // decode-only: n > 1 cannot be handed off
+	ReasonBatch          = "batch"           // decode-only: several prompts in one completions request
+	ReasonNoPrefill      = "no_prefill"      // decode-only: no healthy prefill endpoint
+	ReasonPrefillFailed  = "prefill_failed"  // the prefill leg failed (decode-only under on_failure decode-only)
+	ReasonNoBody         = "no_body"         // decode-only: a request without a body (GET /v1/models, body mode NONE)
+	ReasonPassthrough    = "passthrough"     // decode-only: a request of the pass-through list (routes.passthrough)
+	ReasonUnpairedAPI    = "unpaired_api"    // decode-only: an API the connector's engines cannot disaggregate (/v1/messages)
+	ReasonPromptLogprobs = "prompt_logprobs" // decode-only: the request asks for the prompt's logprobs
+	ReasonStoredResponse = "stored_response" // decode-only: a Responses request that continues a stored response or runs in the background
 )
 
 // Values of prefill_duration_seconds{outcome}.
@@ -75,11 +83,12 @@ const (
 )
 
 var (
-	apis     = []string{APIChat, APICompletions, APIOther}
+	apis     = api.Labels()
 	modes    = []string{ModePD, ModeDecodeOnly, ModeNone}
 	outcomes = []string{OutcomeRouted, Outcome4xx, Outcome5xx, OutcomeCancelled}
 	// Reasons lists every pd_decisions_total{reason} value.
-	Reasons       = []string{ReasonAlways, ReasonLongPrompt, ReasonNever, ReasonShortPrompt, ReasonNGT1, ReasonBatch, ReasonNoPrefill, ReasonPrefillFailed, ReasonNoBody}
+	Reasons = []string{ReasonAlways, ReasonLongPrompt, ReasonNever, ReasonShortPrompt, ReasonNGT1, ReasonBatch, ReasonNoPrefill,
+		ReasonPrefillFailed, ReasonNoBody, ReasonPassthrough, ReasonUnpairedAPI, ReasonPromptLogprobs, ReasonStoredResponse}
 	failures      = []string{FailureConnect, FailureTimeout, FailureStatus4xx, FailureStatus5xx, FailureRedirect, FailureTransport, FailureCancelled}
 	prefillStates = []string{PrefillOK, PrefillFailed, PrefillCancelled}
 )
@@ -107,7 +116,7 @@ func New(connector string) *Metrics {
 		connector: connector,
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "requests_total",
-			Help: "Requests by OpenAI API, P/D mode, KV connector and how their routing ended (routed, 4xx, 5xx, cancelled).",
+			Help: "Requests by engine API, P/D mode, KV connector and how their routing ended (routed, 4xx, 5xx, cancelled).",
 		}, []string{"api", "mode", "connector", "outcome"}),
 		processing: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: namespace, Name: "request_processing_seconds",
@@ -130,7 +139,8 @@ func New(connector string) *Metrics {
 		}),
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "pd_decisions_total",
-			Help: "Routed requests by why they got their mode (always, long_prompt, never, short_prompt, n_gt_1, batch, no_prefill, prefill_failed, no_body).",
+			Help: "Routed requests by why they got their mode (always, long_prompt, never, short_prompt, n_gt_1, batch, no_prefill, prefill_failed, no_body, " +
+				"passthrough, unpaired_api, prompt_logprobs, stored_response).",
 		}, []string{"reason"}),
 		bodyBytes: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Namespace: namespace, Name: "request_body_bytes",

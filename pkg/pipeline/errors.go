@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net/http"
 	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 )
 
 // Error is a request failure the client must see, with its HTTP status. Every
@@ -67,9 +69,45 @@ func badRequest(format string, args ...any) *Error {
 	return &Error{Status: http.StatusBadRequest, Type: "invalid_request_error", Message: fmt.Sprintf(format, args...)}
 }
 
-func notFound(path string) *Error {
+// notFound refuses a request the API table does not admit: an unknown path,
+// a method the path does not take, or an unsafe path. All are 404, so that a
+// path the gateway must keep from the engines (their admin and debug
+// endpoints) looks the same as one that does not exist.
+func notFound(cause error) *Error {
 	return &Error{Status: http.StatusNotFound, Type: "invalid_request_error",
-		Message: fmt.Sprintf("unknown path %q: supported are POST /v1/chat/completions and POST /v1/completions", path)}
+		Message: cause.Error() + "; see the README's API table and routes.passthrough"}
+}
+
+// notServed is a 404 for a built-in API the connector's engines do not serve.
+func notServed(a *api.API, connector string, family api.Family) *Error {
+	return &Error{Status: http.StatusNotFound, Type: "invalid_request_error",
+		Message: fmt.Sprintf("%s %s is an API of %s engines; connector %s drives %s engines", a.Method, a.Path, a.Serves, connector, family)}
+}
+
+// cannotPair is a 400 for a request the connector can neither disaggregate
+// nor send to a decode engine alone.
+func cannotPair(a *api.API, connector, why string) *Error {
+	return &Error{Status: http.StatusBadRequest, Type: "invalid_request_error",
+		Message: fmt.Sprintf("%s cannot serve %s %s: %s", connector, a.Method, a.Path, why)}
+}
+
+// noBody refuses a bodiless request to an API that reads its body.
+func noBody(a *api.API) *Error {
+	return &Error{Status: http.StatusBadRequest, Type: "invalid_request_error",
+		Message: fmt.Sprintf("%s %s needs a JSON body", a.Method, a.Path)}
+}
+
+// parallelSamplesRefused refuses kv-sglang's n > 1 unless rooms per sample are on.
+func parallelSamplesRefused(n int) *Error {
+	return &Error{Status: http.StatusBadRequest, Type: "invalid_request_error",
+		Message: fmt.Sprintf("n is %d: kv-sglang pairs several samples only with pd.sglang_parallel_sampling: rooms "+
+			"(SGLang is reported to hang or fail when the samples share one bootstrap room); ask for one sample per request", n)}
+}
+
+// tooManySamples bounds the bootstrap lists of one kv-sglang request.
+func tooManySamples(n, limit int) *Error {
+	return &Error{Status: http.StatusBadRequest, Type: "invalid_request_error",
+		Message: fmt.Sprintf("the request asks for %d samples (n × prompts); kv-sglang pairs at most %d in one request", n, limit)}
 }
 
 // TooLarge is the error for a body over the configured limit.

@@ -8,6 +8,7 @@ import (
 	"context"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/go-logr/logr"
@@ -15,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -29,17 +31,21 @@ type Options struct {
 	OnFailure      string        // config.OnFailureDecodeOnly or config.OnFailureFail
 	BootstrapPort  int
 	MaxBodyBytes   int64
+	Connector      string // its name, for the errors that name it
 }
 
 // Pipeline routes requests. It is safe for concurrent use.
 type Pipeline struct {
 	connector  kv.Connector
+	table      *api.Table // what is routed: the built-in APIs and routes.passthrough
 	pools      *scheduling.Pools
 	opts       Options
 	client     *http.Client
 	scheme     string // of prefill legs: http, or https with prefill.tls
 	log        logr.Logger
 	background sync.WaitGroup // concurrent (SGLang) prefill legs still running
+	// parallelRooms: pd.sglang_parallel_sampling is rooms (it follows reloads).
+	parallelRooms atomic.Bool
 
 	metrics    *metrics.Metrics // nil records nothing
 	tracer     trace.Tracer
@@ -72,8 +78,13 @@ func New(cfg *config.Config, log logr.Logger, options ...Option) (*Pipeline, err
 	if err != nil {
 		return nil, err
 	}
+	routes, err := api.ParseRoutes("routes.passthrough", cfg.Routes.Passthrough)
+	if err != nil {
+		return nil, err
+	}
 	p := &Pipeline{
 		connector: c,
+		table:     api.NewTable(routes),
 		pools:     scheduling.NewPools(schedulingSpec(cfg, c), scheduling.Deps{Log: log.WithName("scheduling")}),
 		opts: Options{
 			PrefillTimeout: cfg.Prefill.Timeout.D(),
@@ -82,6 +93,7 @@ func New(cfg *config.Config, log logr.Logger, options ...Option) (*Pipeline, err
 			OnFailure:      cfg.Prefill.OnFailure,
 			BootstrapPort:  cfg.Pools.Prefill.BootstrapPort,
 			MaxBodyBytes:   cfg.Limits.MaxBodyBytes,
+			Connector:      cfg.Connector,
 		},
 		client:     client,
 		scheme:     scheme,
@@ -89,6 +101,7 @@ func New(cfg *config.Config, log logr.Logger, options ...Option) (*Pipeline, err
 		tracer:     noop.NewTracerProvider().Tracer(""),
 		propagator: propagation.TraceContext{},
 	}
+	p.parallelRooms.Store(cfg.PD.SGLangParallelSampling == config.ParallelSamplingRooms)
 	for _, o := range options {
 		o(p)
 	}
@@ -117,9 +130,12 @@ func (p *Pipeline) Pools() (prefill, decode *scheduling.Pool) { return p.pools.P
 // ctx is done.
 func (p *Pipeline) Run(ctx context.Context) { p.pools.Run(ctx) }
 
-// Reload applies a new configuration's pools, policies and P/D thresholds.
+// Reload applies a new configuration's pools, policies and pd.* keys.
 // Requests in flight keep their endpoints; other keys take effect on restart.
-func (p *Pipeline) Reload(cfg *config.Config) { p.pools.Update(schedulingSpec(cfg, p.connector)) }
+func (p *Pipeline) Reload(cfg *config.Config) {
+	p.pools.Update(schedulingSpec(cfg, p.connector))
+	p.parallelRooms.Store(cfg.PD.SGLangParallelSampling == config.ParallelSamplingRooms)
+}
 
 // Wait blocks until every background prefill leg has ended.
 func (p *Pipeline) Wait() { p.background.Wait() }

@@ -21,7 +21,7 @@ pools: {prefill: {endpoints: ["127.0.0.1:1"], bootstrap_port: 8998}, decode: {en
 	}
 	p.Reload(reloaded)
 
-	r := &Request{Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi","n":2}`)}
+	r := &Request{Method: "POST", Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi","n":2}`)}
 	d, err := p.Route(context.Background(), r)
 	if err != nil {
 		t.Fatal(err)

@@ -2,10 +2,10 @@ package pipeline
 
 import (
 	"net/http"
-	"strings"
 	"sync/atomic"
 	"time"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
@@ -13,6 +13,7 @@ import (
 
 // Request is what the pipeline needs of one client request.
 type Request struct {
+	Method    string      // :method
 	Path      string      // :path, query included
 	RequestID string      // sent on both legs
 	Forward   http.Header // client headers copied onto the prefill leg (e.g. Authorization)
@@ -42,6 +43,7 @@ func (r *Request) BodyHeld() bool { return r.Report.Prefill != "" }
 // Report is what routing one request did. On a failure it holds what was
 // reached: a prefill failure under on_failure=fail keeps Mode pd.
 type Report struct {
+	API         string        // the API's metrics label (api.Labels); "" until the request is matched
 	Mode        string        // ModePD or ModeDecodeOnly; "" when no mode was chosen
 	Reason      string        // why that mode: a metrics.Reason* value
 	Decode      string        // decode endpoint
@@ -55,17 +57,13 @@ const (
 	ModeDecodeOnly = metrics.ModeDecodeOnly
 )
 
-// APIOf names the OpenAI API a request path belongs to, as metrics and logs
-// label it; the pipeline routes only chat and completions.
-func APIOf(path string) string {
-	path, _, _ = strings.Cut(path, "?")
-	switch path {
-	case "/v1/chat/completions":
-		return metrics.APIChat
-	case "/v1/completions":
-		return metrics.APICompletions
+// APIOf labels a request as metrics and logs do: by the API Route or
+// RouteHeaders matched, or, for one refused before routing, by its path.
+func APIOf(r *Request) string {
+	if r.Report.API != "" {
+		return r.Report.API
 	}
-	return metrics.APIOther
+	return api.LabelOf(r.Path)
 }
 
 // Decision is where a request goes and with which body.

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
@@ -32,9 +33,19 @@ func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
 	return &Decision{Endpoint: strings.Join(addrs, ","), decode: eps[0], release: eps[0].Acquire()}, nil
 }
 
-// RouteHeaders routes a request that has no body to a decode endpoint.
+// RouteHeaders routes a request that has no body: one the pass-through list
+// admits goes to a decode endpoint; an API that needs a body is refused, and
+// so is every path and method the table does not admit.
 func (p *Pipeline) RouteHeaders(r *Request) (*Decision, error) {
-	r.Report = Report{Mode: ModeDecodeOnly, Reason: metrics.ReasonNoBody}
+	r.Report = Report{}
+	a, err := p.match(r)
+	if err != nil {
+		return nil, err
+	}
+	if !a.IsPassthrough() {
+		return nil, noBody(a)
+	}
+	r.Report.Mode, r.Report.Reason = ModeDecodeOnly, metrics.ReasonNoBody
 	d, err := p.pickDecode(&scheduling.Request{N: 1, Prompts: 1, Subset: scheduling.ParseSubset(r.Subset)})
 	if err != nil {
 		return nil, err
@@ -44,12 +55,22 @@ func (p *Pipeline) RouteHeaders(r *Request) (*Decision, error) {
 	return d, nil
 }
 
+// match finds the request's API in the table and labels the request with it.
+func (p *Pipeline) match(r *Request) (*api.API, error) {
+	a, err := p.table.Match(r.Method, r.Path)
+	if err != nil {
+		return nil, notFound(err)
+	}
+	r.Report.API = a.Name
+	return a, nil
+}
+
 // Route runs the flow for a request with a body. Errors are *Error.
 func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	r.Report = Report{}
-	if APIOf(r.Path) == metrics.APIOther {
-		path, _, _ := strings.Cut(r.Path, "?")
-		return nil, notFound(path)
+	a, err := p.match(r)
+	if err != nil {
+		return nil, err
 	}
 	if int64(len(r.Body)) > p.opts.MaxBodyBytes {
 		return nil, TooLarge(p.opts.MaxBodyBytes)
@@ -58,21 +79,26 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if err != nil {
 		return nil, badRequest("%v", err)
 	}
-	model, ok := obj.String("model")
-	switch {
-	case !ok || model == "":
-		return nil, badRequest("the request has no \"model\" string")
-	case len(model) > maxModelBytes:
-		return nil, badRequest("\"model\" is %d bytes long; model names are at most %d", len(model), maxModelBytes)
+	if err := checkModel(a, obj); err != nil {
+		return nil, err
 	}
-	sreq := scheduling.NewRequest(obj)
+	alone, err := p.admit(a, obj)
+	if err != nil {
+		return nil, err
+	}
+	sreq := scheduling.NewRequest(a.Prompt(obj))
 	sreq.Subset = scheduling.ParseSubset(r.Subset)
+	rooms, err := p.rooms(sreq)
+	if err != nil {
+		return nil, err
+	}
 	d, err := p.pickDecode(sreq)
 	if err != nil {
 		return nil, err
 	}
 	r.Report.Decode = d.Endpoint
-	d.Body, err = p.legs(ctx, r, obj, sreq, d)
+	h := &kv.Handoff{Body: obj, Shape: &a.Shape, BootstrapPort: p.opts.BootstrapPort, Rooms: rooms}
+	d.Body, err = p.legs(ctx, r, h, sreq, d, alone)
 	if err != nil {
 		d.Release()
 		return nil, err
@@ -81,26 +107,39 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	return d, nil
 }
 
+// checkModel: a "model" string where the engine needs one, and never one
+// longer than any real name (it would only cost a prefill leg to be refused).
+func checkModel(a *api.API, obj *body.Object) error {
+	model, ok := obj.String("model")
+	switch {
+	case a.Model && (!ok || model == ""):
+		return badRequest("the request has no \"model\" string")
+	case len(model) > maxModelBytes:
+		return badRequest("\"model\" is %d bytes long; model names are at most %d", len(model), maxModelBytes)
+	}
+	return nil
+}
+
 // legs decides P/D or decode-only, runs or launches the prefill leg, and returns
-// the decode leg's body. It records the decision in r.Report.
-func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq *scheduling.Request, d *Decision) (body.Spliced, error) {
+// the decode leg's body. alone, when set, is why the request must go to the
+// decode endpoint alone. It records the decision in r.Report.
+func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *scheduling.Request, d *Decision, alone string) (body.Spliced, error) {
 	rep := &r.Report
-	decision := p.pools.Decide(sreq)
+	decision := scheduling.Decision{Reason: alone}
+	if alone == "" {
+		decision = p.pools.Decide(sreq)
+	}
 	rep.Reason = decision.Reason
 	switch {
 	case decision.PD:
-	case p.connector.Paired():
+	case p.connector.Paired() && alone == "": // no prefill endpoint, and the decode engines serve only pairs
 		return nil, noPrefillEndpoint()
 	default:
 		rep.Mode = ModeDecodeOnly
-		return kv.Scrubbed(obj), nil
+		return kv.Scrubbed(h.Body, h.Shape), nil
 	}
 	rep.Mode = ModePD
-	h := &kv.Handoff{
-		Body:          obj,
-		BootstrapPort: p.opts.BootstrapPort,
-		Room:          rand.Uint64() >> 1, // 0..2^63-1, as SGLang's routers draw it
-	}
+	h.Room = rand.Uint64() >> 1 // 0..2^63-1, as SGLang's routers draw it
 	if p.connector.Dispatch() == kv.Concurrent {
 		prefill, err := p.pools.Prefill.Select(sreq)
 		if err != nil {
@@ -113,7 +152,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq 
 	}
 	params, err := p.runPrefill(ctx, sreq, r, h)
 	if err != nil {
-		return p.withoutPrefill(r, obj, err)
+		return p.withoutPrefill(r, h, err)
 	}
 	if params == nil && p.connector.HandsBackParams() {
 		p.metrics.KVParamsMissing()
@@ -127,7 +166,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq 
 // withoutPrefill applies prefill.on_failure once the prefill leg could not be
 // had: the decode engine recomputes the prompt, or the client gets the error.
 // An engine's own 4xx (about the request) and a client that left always end here.
-func (p *Pipeline) withoutPrefill(r *Request, obj *body.Object, err error) (body.Spliced, error) {
+func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Spliced, error) {
 	r.Report.Reason = metrics.ReasonPrefillFailed
 	last := lastAttempt(err) // nil when no endpoint could be tried
 	if p.opts.OnFailure == config.OnFailureFail || last != nil && (last.aboutRequest() || last.clientLeft()) {
@@ -135,7 +174,7 @@ func (p *Pipeline) withoutPrefill(r *Request, obj *body.Object, err error) (body
 	}
 	r.Report.Mode = ModeDecodeOnly
 	p.log.Info("prefill failed; decode will recompute the prompt", "requestID", r.RequestID, "error", err.Error())
-	return kv.Scrubbed(obj), nil
+	return kv.Scrubbed(h.Body, h.Shape), nil
 }
 
 // runPrefill sends the sequential prefill leg to one endpoint after another

@@ -48,7 +48,7 @@ func TestDecide(t *testing.T) {
 					prefill.Endpoints()[0].ReportFailure()
 				}
 			}
-			if got := newDecider(Spec{PD: tt.pd, Paired: tt.paired}).Decide(NewRequest(obj), prefill); got != tt.want {
+			if got := newDecider(Spec{PD: tt.pd, Paired: tt.paired}).Decide(NewRequest(completions(obj)), prefill); got != tt.want {
 				t.Fatalf("Decide() = %+v, want %+v", got, tt.want)
 			}
 		})

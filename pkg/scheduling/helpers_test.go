@@ -8,6 +8,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
@@ -54,8 +55,11 @@ func promptRequest(prompt string) *Request {
 	if err != nil {
 		panic(err)
 	}
-	return NewRequest(obj)
+	return NewRequest(completions(obj))
 }
+
+// completions reads obj as a completions request.
+func completions(obj *body.Object) *api.Prompt { return api.Completions.Prompt(obj) }
 
 func policy(name string) config.PoolScheduling { return config.PoolScheduling{Policy: name} }
 

@@ -113,9 +113,40 @@ func TestMetricsMoveWithEachKindOfRequest(t *testing.T) {
 			},
 		},
 		{
+			name: "prompt logprobs go decode-only", prefill: prefillOK,
+			msgs: post("/v1/completions", `{"model":"m","prompt":"hi","echo":true,"logprobs":1}`),
+			want: map[string]float64{
+				requests("completions", "decode_only", "routed"):                         1,
+				series("pd_extproc_pd_decisions_total", "reason", "prompt_logprobs"):     1,
+				series("pd_extproc_prefill_duration_seconds_count", "outcome", "ok"):     0,
+				requests("responses", "none", "4xx"):                                     0, // every API's series exists from the start
+				requests("sglang_generate", "decode_only", "routed"):                     0,
+				series("pd_extproc_pd_decisions_total", "reason", "stored_response"):     0,
+				series("pd_extproc_pd_decisions_total", "reason", "unpaired_api"):        0,
+				series("pd_extproc_pd_decisions_total", "reason", "passthrough"):         0,
+				series("pd_extproc_prefill_duration_seconds_count", "outcome", "failed"): 0,
+			},
+		},
+		{
+			name: "pass-through request", prefill: prefillOK, msgs: post("/v1/embeddings", `{"model":"m","input":"hi"}`),
+			want: map[string]float64{
+				requests("passthrough", "decode_only", "routed"):                     1,
+				series("pd_extproc_pd_decisions_total", "reason", "passthrough"):     1,
+				series("pd_extproc_prefill_duration_seconds_count", "outcome", "ok"): 0,
+			},
+		},
+		{
+			name: "an engine admin path is an unknown one", prefill: prefillOK, msgs: post("/flush_cache", `{}`),
+			want: map[string]float64{
+				requests("other", "none", "4xx"):       1,
+				requests("passthrough", "none", "4xx"): 0,
+				"pd_extproc_request_body_bytes_count":  1,
+			},
+		},
+		{
 			name: "bodiless request", msgs: []*extprocv3.ProcessingRequest{headersMsg(true, hdr{":method", "GET"}, hdr{":path", "/v1/models"})},
 			want: map[string]float64{
-				requests("other", "decode_only", "routed"):                   1,
+				requests("passthrough", "decode_only", "routed"):             1,
 				series("pd_extproc_pd_decisions_total", "reason", "no_body"): 1,
 				"pd_extproc_request_body_bytes_count":                        0,
 			},

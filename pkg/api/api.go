@@ -1,0 +1,168 @@
+// Package api is the table of the engine APIs pd-extproc routes: for each
+// one its method and path, which engine families serve it and which can
+// disaggregate it, whether the engine needs "model", how its prompt is read
+// for scheduling, where a connector's fields go in its body, which fields a
+// client may not set, and its metrics label. The pipeline routes by it and
+// the metrics take their api labels from it. The engine facts behind each
+// entry, with their upstream sources, are in the README's API table.
+//
+// Everything else a deployment lets through is the pass-through list
+// (routes.go): routed to a decode engine alone, after the same scrub.
+package api
+
+import "github.com/pd-extproc/pd-extproc/pkg/body"
+
+// Family is a set of engine families: those that serve an API, or those
+// under which it can be disaggregated. A connector drives one family.
+type Family uint8
+
+// Engine families.
+const (
+	VLLM Family = 1 << iota
+	SGLang
+)
+
+// Has reports whether f includes g.
+func (f Family) Has(g Family) bool { return f&g != 0 }
+
+func (f Family) String() string {
+	switch f {
+	case VLLM:
+		return "vLLM"
+	case SGLang:
+		return "SGLang"
+	}
+	return "vLLM and SGLang"
+}
+
+// Reason is why one request of an API that can be disaggregated goes to a
+// decode engine alone.
+type Reason uint8
+
+// Why a request is not disaggregated.
+const (
+	NoReason Reason = iota
+	// PromptLogprobs: the request asks for the prompt's logprobs, which only
+	// the engine that computed the prompt has.
+	PromptLogprobs
+	// StoredResponse: the request reads or makes a response the engine
+	// stores (a background run, a previous_response_id); the prefill engine
+	// never stores one.
+	StoredResponse
+)
+
+// API is one engine API pd-extproc routes.
+type API struct {
+	Name   string // its metrics label and log name
+	Method string
+	Path   string
+	Serves Family // the engines that serve it
+	Pairs  Family // those of them under which it can be disaggregated
+	// Unpaired says why a family that serves the API cannot disaggregate
+	// it, for the client's error when its connector cannot go decode-only.
+	Unpaired string
+	// Model: the engine refuses a request without a "model" string.
+	Model bool
+	Shape Shape
+	// Prompt reads the request for scheduling.
+	Prompt func(*body.Object) *Prompt
+	// Alone says when one request must go to a decode engine alone.
+	Alone func(*body.Object) Reason
+}
+
+// The metrics labels of requests outside the built-in APIs.
+const (
+	Passthrough = "passthrough" // a request of the pass-through list
+	Other       = "other"       // refused: an unknown path or method
+)
+
+// The APIs, as named in metrics and logs.
+const (
+	NameChat           = "chat"
+	NameCompletions    = "completions"
+	NameResponses      = "responses"
+	NameGenerate       = "generate"
+	NameSGLangGenerate = "sglang_generate"
+	NameMessages       = "messages"
+)
+
+// sglangDropsBootstrap is why SGLang cannot pair an API whose handler builds
+// its generate request without the bootstrap fields: its P/D decode server
+// refuses a request without bootstrap_room.
+const sglangDropsBootstrap = "SGLang's handler for it does not pass bootstrap_host, bootstrap_port and " +
+	"bootstrap_room on to its scheduler, so a P/D decode server refuses it"
+
+// The built-in APIs: those pd-extproc disaggregates, or routes itself.
+var (
+	Chat = &API{
+		Name: NameChat, Method: "POST", Path: "/v1/chat/completions",
+		Serves: VLLM | SGLang, Pairs: VLLM | SGLang, Model: true,
+		Shape: openAIShape, Prompt: chatPrompt, Alone: promptLogprobs,
+	}
+	Completions = &API{
+		Name: NameCompletions, Method: "POST", Path: "/v1/completions",
+		Serves: VLLM | SGLang, Pairs: VLLM | SGLang, Model: true,
+		Shape: openAIShape, Prompt: completionsPrompt, Alone: promptLogprobs,
+	}
+	Responses = &API{
+		Name: NameResponses, Method: "POST", Path: "/v1/responses",
+		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap,
+		Shape: responsesShape, Prompt: responsesPrompt, Alone: storedResponse,
+	}
+	Generate = &API{
+		Name: NameGenerate, Method: "POST", Path: "/inference/v1/generate",
+		Serves: VLLM, Pairs: VLLM,
+		Shape: generateShape, Prompt: generatePrompt, Alone: generatePromptLogprobs,
+	}
+	SGLangGenerate = &API{
+		Name: NameSGLangGenerate, Method: "POST", Path: "/generate",
+		Serves: SGLang, Pairs: SGLang,
+		Shape: topLevelShape, Prompt: sglangGeneratePrompt, Alone: sglangPromptLogprobs,
+	}
+	// Messages: vLLM declares kv_transfer_params on its Anthropic request
+	// but neither passes it to the engine nor returns it, so a prefill leg
+	// could hand nothing back (README, API table).
+	Messages = &API{
+		Name: NameMessages, Method: "POST", Path: "/v1/messages",
+		Serves: VLLM | SGLang, Unpaired: sglangDropsBootstrap, Model: true,
+		Shape: openAIShape, Prompt: messagesPrompt, Alone: func(*body.Object) Reason { return NoReason },
+	}
+)
+
+// Builtin lists the built-in APIs in the order the README's table shows them.
+var Builtin = []*API{Chat, Completions, Responses, Generate, SGLangGenerate, Messages}
+
+// passthrough is the API of every request the pass-through list admits.
+var passthrough = &API{
+	Name: Passthrough, Serves: VLLM | SGLang,
+	Shape: topLevelShape, Prompt: func(*body.Object) *Prompt { return noPrompt() },
+	Alone: func(*body.Object) Reason { return NoReason },
+}
+
+// Labels lists every value the api label of the metrics can take.
+func Labels() []string {
+	labels := make([]string, 0, len(Builtin)+2)
+	for _, a := range Builtin {
+		labels = append(labels, a.Name)
+	}
+	return append(labels, Passthrough, Other)
+}
+
+// LabelOf is the label of a request to path (query included) known before
+// it is routed: a built-in API's name, else Other. A request the
+// pass-through list admits is labelled once routed.
+func LabelOf(path string) string {
+	if a := builtinAt(stripQuery(path)); a != nil {
+		return a.Name
+	}
+	return Other
+}
+
+func builtinAt(path string) *API {
+	for _, a := range Builtin {
+		if a.Path == path {
+			return a
+		}
+	}
+	return nil
+}

@@ -1,0 +1,94 @@
+package api
+
+import (
+	"testing"
+
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+)
+
+func TestPromptReaders(t *testing.T) {
+	tests := []struct {
+		name        string
+		api         *API
+		body        string
+		wantText    string
+		wantTokens  int // exact, -1 when the body has no token ids
+		wantN       int
+		wantPrompts int
+	}{
+		{name: "chat: role and content in order", api: Chat,
+			body:     `{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]}`,
+			wantText: "system\nBe brief.\nuser\nHi\n", wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "chat: text parts joined, other parts as JSON", api: Chat,
+			body:     `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"What is"},{"type":"image_url","image_url":{"url":"u"}},{"type":"text","text":" this?"}]}]}`,
+			wantText: "user\nWhat is{\"type\":\"image_url\",\"image_url\":{\"url\":\"u\"}} this?\n", wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "chat: tools first, tool calls kept, escapes decoded", api: Chat,
+			body:     `{"model":"m","tools":[{"type":"function"}],"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]},{"role":"user","content":"a\"b"}]}`,
+			wantText: "[{\"type\":\"function\"}]\nassistant\n[{\"id\":\"1\"}]\nuser\na\"b\n", wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "chat: n", api: Chat, body: `{"model":"m","n":3,"messages":[{"role":"user","content":"Hi"}]}`,
+			wantText: "user\nHi\n", wantTokens: -1, wantN: 3, wantPrompts: 1},
+		{name: "chat: messages of the wrong shape", api: Chat, body: `{"model":"m","messages":"hi"}`, wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "completions: string", api: Completions, body: `{"model":"m","prompt":"Once upon a time"}`,
+			wantText: "Once upon a time", wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "completions: token ids count exactly", api: Completions, body: `{"model":"m","prompt":[1, 22, 333]}`,
+			wantText: "1,22,333", wantTokens: 3, wantN: 1, wantPrompts: 1},
+		{name: "completions: batch of strings", api: Completions, body: `{"model":"m","prompt":["first prompt","second"]}`,
+			wantText: "first prompt", wantTokens: -1, wantN: 1, wantPrompts: 2},
+		{name: "completions: batch of token ids", api: Completions, body: `{"model":"m","prompt":[[1,2],[3]],"n":2}`,
+			wantText: "1,2", wantTokens: 2, wantN: 2, wantPrompts: 2},
+		{name: "completions: prompt_token_ids", api: Completions, body: `{"model":"m","prompt_token_ids":[5,6,7,8,9]}`,
+			wantText: "5,6,7,8,9", wantTokens: 5, wantN: 1, wantPrompts: 1},
+		{name: "completions: no prompt at all", api: Completions, body: `{"model":"m"}`, wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "responses: instructions, then a string input", api: Responses,
+			body:     `{"model":"m","instructions":"Be brief.","input":"Hi there"}`,
+			wantText: "Be brief.\nHi there", wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "responses: items, input_text parts as text, other items as JSON", api: Responses,
+			body: `{"input":[{"type":"message","role":"user","content":[{"type":"input_text","text":"Hi"},{"type":"input_image","image_url":"u"}]},` +
+				`{"type":"function_call_output","call_id":"c","output":"42"},{"role":"assistant","content":"ok"}]}`,
+			wantText:   "user\nHi{\"type\":\"input_image\",\"image_url\":\"u\"}\n{\"type\":\"function_call_output\",\"call_id\":\"c\",\"output\":\"42\"}\nassistant\nok\n",
+			wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "messages: system, then messages", api: Messages,
+			body:     `{"model":"m","system":"Be brief.","messages":[{"role":"user","content":[{"type":"text","text":"Hi"}]}]}`,
+			wantText: "Be brief.\nuser\nHi\n", wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "generate: token ids, n in sampling_params", api: Generate,
+			body:     `{"token_ids":[9,8,7,6],"sampling_params":{"n":2,"max_tokens":5}}`,
+			wantText: "9,8,7,6", wantTokens: 4, wantN: 2, wantPrompts: 1},
+		{name: "generate: no sampling_params", api: Generate, body: `{"token_ids":[1]}`, wantText: "1", wantTokens: 1, wantN: 1, wantPrompts: 1},
+		{name: "SGLang generate: text", api: SGLangGenerate, body: `{"text":"Once upon","sampling_params":{"max_new_tokens":8}}`,
+			wantText: "Once upon", wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "SGLang generate: a batch of texts with n", api: SGLangGenerate, body: `{"text":["a b","c"],"sampling_params":{"n":3}}`,
+			wantText: "a b", wantTokens: -1, wantN: 3, wantPrompts: 2},
+		{name: "SGLang generate: input_ids count exactly", api: SGLangGenerate, body: `{"input_ids":[4,5,6]}`,
+			wantText: "4,5,6", wantTokens: 3, wantN: 1, wantPrompts: 1},
+		{name: "SGLang generate: a batch of input_ids", api: SGLangGenerate, body: `{"input_ids":[[4,5],[6]]}`,
+			wantText: "4,5", wantTokens: 2, wantN: 1, wantPrompts: 2},
+		{name: "characters, not bytes", api: Completions, body: `{"model":"m","prompt":"héllo wörld"}`,
+			wantText: "héllo wörld", wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "pass-through: nothing to go by", api: passthrough, body: `{"model":"m","input":"x","n":4}`, wantTokens: -1, wantN: 1, wantPrompts: 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			obj, err := body.Parse([]byte(tt.body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			p := tt.api.Prompt(obj)
+			if p.N != tt.wantN || p.Prompts != tt.wantPrompts {
+				t.Errorf("N, Prompts = %d, %d; want %d, %d", p.N, p.Prompts, tt.wantN, tt.wantPrompts)
+			}
+			if p.Text() != tt.wantText {
+				t.Errorf("Text() = %q, want %q", p.Text(), tt.wantText)
+			}
+			if p.Tokens() != tt.wantTokens {
+				t.Errorf("Tokens() = %d, want %d", p.Tokens(), tt.wantTokens)
+			}
+		})
+	}
+}
+
+func TestNilPromptHasNothingToGoBy(t *testing.T) {
+	var p *Prompt
+	if p.Text() != "" || p.Tokens() != -1 {
+		t.Fatal("a nil prompt has a text")
+	}
+}

@@ -1,0 +1,147 @@
+package api
+
+import (
+	"strconv"
+
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+)
+
+// Shape is where a KV handoff sits in an API's body.
+type Shape struct {
+	// Caps make a vLLM prefill leg compute the prompt and stop after one
+	// token, non-streamed (only a non-streamed answer carries
+	// kv_transfer_params). SGLang's prefill engine stops by itself.
+	Caps []body.Edit
+	// ParamsIn is the object vLLM reads kv_transfer_params from: nil for
+	// the top level. The answer always carries it at the top level.
+	ParamsIn []string
+	// Reserved removes every field through which a client could steer a
+	// handoff (docs/architecture.md §Security rules), with every duplicate:
+	// applied to every leg before a connector adds its own.
+	Reserved []body.Edit
+}
+
+// handoffKeys are the top-level fields of both engine families' handoffs:
+// vLLM's kv_transfer_params, SGLang's bootstrap fields.
+var handoffKeys = []string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
+
+// reserved deletes the handoff keys at the top level and kv_transfer_params
+// inside each object of also.
+func reserved(also ...[]string) []body.Edit {
+	edits := make([]body.Edit, 0, len(handoffKeys)+len(also))
+	for _, k := range handoffKeys {
+		edits = append(edits, body.Delete(k))
+	}
+	for _, in := range also {
+		edits = append(edits, body.Delete("kv_transfer_params").In(in...))
+	}
+	return edits
+}
+
+// vllmXargs: vLLM's OpenAI requests copy vllm_xargs into the engine's
+// extra_args, where the connector reads kv_transfer_params when the top
+// level has none (chat_completion/protocol.py, to_sampling_params). Its
+// values may only be strings and numbers, which no connector expects.
+var vllmXargs = []string{"vllm_xargs"}
+
+// extraArgs is where vLLM's token-in generate passes kv_transfer_params on:
+// its handler hands the engine only sampling_params (serve/disagg/serving.py).
+var extraArgs = []string{"sampling_params", "extra_args"}
+
+var (
+	// openAIShape: chat and completions, as vLLM's toy proxy builds them.
+	openAIShape = Shape{
+		Caps: []body.Edit{
+			body.Set("stream", body.False),
+			body.Delete("stream_options"), // vLLM refuses stream_options without stream
+			body.Set("max_tokens", body.One),
+			body.SetIfPresent("max_completion_tokens", body.One), // chat prefers it over max_tokens
+			body.Delete("min_tokens"),                            // vLLM refuses min_tokens > max_tokens
+			body.Delete("min_completion_tokens"),
+		},
+		Reserved: reserved(vllmXargs),
+	}
+	// responsesShape: the same caps in the Responses API's words; the
+	// prefill engine must neither keep the response nor run it in the
+	// background.
+	responsesShape = Shape{
+		Caps: []body.Edit{
+			body.Set("stream", body.False),
+			body.Delete("stream_options"),
+			body.Set("max_output_tokens", body.One),
+			body.Set("store", body.False),
+			body.Set("background", body.False),
+		},
+		Reserved: reserved(vllmXargs),
+	}
+	// generateShape: vLLM's token-in API has the limits in sampling_params.
+	generateShape = Shape{
+		Caps: []body.Edit{
+			body.Set("stream", body.False),
+			body.Delete("stream_options"),
+			body.Set("max_tokens", body.One).In("sampling_params"),
+			body.Delete("min_tokens").In("sampling_params"),
+		},
+		ParamsIn: extraArgs,
+		Reserved: reserved(extraArgs),
+	}
+	// topLevelShape: SGLang's native generate and the pass-through list.
+	topLevelShape = Shape{Reserved: reserved()}
+)
+
+// promptLogprobs: chat and completions ask for the prompt's logprobs with
+// prompt_logprobs, or with echo and logprobs.
+func promptLogprobs(o *body.Object) Reason {
+	if present(o, "prompt_logprobs") {
+		return PromptLogprobs
+	}
+	if echo, _ := o.Bool("echo"); echo && present(o, "logprobs") {
+		if v, ok := o.Bool("logprobs"); !ok || v {
+			return PromptLogprobs
+		}
+	}
+	return NoReason
+}
+
+// generatePromptLogprobs: vLLM's generate asks in sampling_params.
+func generatePromptLogprobs(o *body.Object) Reason {
+	if sp, ok := o.Object("sampling_params"); ok && present(sp, "prompt_logprobs") {
+		return PromptLogprobs
+	}
+	return NoReason
+}
+
+// sglangPromptLogprobs: SGLang's generate returns the prompt's logprobs with
+// return_logprob from logprob_start_len on; a negative start means the
+// output only.
+func sglangPromptLogprobs(o *body.Object) Reason {
+	if !present(o, "return_logprob") || !present(o, "logprob_start_len") {
+		return NoReason
+	}
+	if v, ok := o.Bool("return_logprob"); ok && !v {
+		return NoReason
+	}
+	raw, _ := o.Raw("logprob_start_len")
+	if n, err := strconv.ParseInt(string(raw), 10, 64); err == nil && n < 0 {
+		return NoReason
+	}
+	return PromptLogprobs
+}
+
+// storedResponse: a Responses request that continues a stored response or
+// runs in the background needs the engine that stores it.
+func storedResponse(o *body.Object) Reason {
+	if present(o, "previous_response_id") {
+		return StoredResponse
+	}
+	if bg, _ := o.Bool("background"); bg {
+		return StoredResponse
+	}
+	return NoReason
+}
+
+// present reports whether key is there and not null (pydantic's None).
+func present(o *body.Object, key string) bool {
+	raw, ok := o.Raw(key)
+	return ok && !body.IsNull(raw)
+}

@@ -1,0 +1,31 @@
+package config
+
+import "github.com/pd-extproc/pd-extproc/pkg/api"
+
+// Routes is what the service routes besides the APIs it disaggregates
+// (pkg/api): everything else gets its 404.
+type Routes struct {
+	// Passthrough lists "METHOD /path" entries (a path ending in /* admits
+	// the paths below it) routed to a decode engine alone after the usual
+	// scrub. Left out: api.DefaultPassthrough; a list replaces it whole.
+	Passthrough []string `json:"passthrough"`
+}
+
+// SetDefaults fills the keys left out.
+func (r *Routes) SetDefaults() {
+	if r.Passthrough == nil {
+		r.Passthrough = api.DefaultPassthrough
+	}
+}
+
+// Validate checks the entries under key ("routes").
+func (r Routes) Validate(key string) error {
+	_, err := api.ParseRoutes(key+".passthrough", r.Passthrough)
+	return err
+}
+
+// Ways of pairing a kv-sglang request with several samples (pd.sglang_parallel_sampling).
+const (
+	ParallelSamplingRefuse = "refuse" // 400: SGLang is reported to hang on one room shared by the samples
+	ParallelSamplingRooms  = "rooms"  // a room per sample, in lists, as SGLang's gateway sends them
+)

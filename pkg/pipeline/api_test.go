@@ -1,0 +1,233 @@
+package pipeline
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/go-logr/logr"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+)
+
+// prefillKV is what the fake prefill engine hands back.
+const prefillKV = `{"do_remote_prefill":true,"remote_block_ids":[[1]],"remote_engine_id":"e","remote_request_id":"r","remote_host":"10.0.0.9","remote_port":5600}`
+
+// newPipelineFor is a pipeline of connector whose one prefill endpoint is
+// prefill, with more config keys; background legs end with the test.
+func newPipelineFor(t *testing.T, connector, prefill, more string) *Pipeline {
+	t.Helper()
+	cfg, err := config.Parse([]byte(fmt.Sprintf("connector: %s\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\n%s",
+		connector, prefill, more)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := New(cfg, logr.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		p.Wait()
+		p.client.CloseIdleConnections()
+	})
+	return p
+}
+
+// TestAPITable routes a request of each API under each connector family and
+// checks what the README's table promises: P/D (a prefill leg), decode-only
+// with its reason (no prefill leg), or the client's error.
+func TestAPITable(t *testing.T) {
+	const chat = `{"model":"m","messages":[{"role":"user","content":"hi"}]`
+	tests := []struct {
+		name, connector, more string
+		method, path, body    string // body "" routes the headers alone
+		wantStatus            int    // 0: routed
+		wantMessage           string // in the error, or in the decode body when routed
+		wantReason            string // routed: the decision's reason
+	}{
+		// vLLM connectors.
+		{name: "chat", connector: "kv-nixl", path: "/v1/chat/completions", body: chat + `}`, wantReason: metrics.ReasonLongPrompt,
+			wantMessage: `"kv_transfer_params":` + prefillKV},
+		{name: "responses", connector: "kv-nixl", path: "/v1/responses", body: `{"input":"hi","stream":true}`, wantReason: metrics.ReasonLongPrompt,
+			wantMessage: `{"input":"hi","stream":true,"kv_transfer_params":` + prefillKV + `}`},
+		{name: "responses continuing a stored one", connector: "kv-nixl", path: "/v1/responses",
+			body: `{"input":"hi","previous_response_id":"resp_1"}`, wantReason: metrics.ReasonStoredResponse, wantMessage: `{"input":"hi","previous_response_id":"resp_1"}`},
+		{name: "responses in the background", connector: "kv-nixl", path: "/v1/responses", body: `{"input":"hi","background":true}`,
+			wantReason: metrics.ReasonStoredResponse},
+		{name: "generate, no model needed", connector: "kv-shared-storage", path: "/inference/v1/generate",
+			body: `{"token_ids":[1,2],"sampling_params":{"max_tokens":9}}`, wantReason: metrics.ReasonLongPrompt,
+			wantMessage: `{"token_ids":[1,2],"sampling_params":{"max_tokens":9}}`},
+		{name: "generate hands the params back inside sampling_params", connector: "kv-nixl", path: "/inference/v1/generate",
+			body: `{"token_ids":[1,2],"sampling_params":{"max_tokens":9},"kv_transfer_params":{"remote_host":"evil"}}`, wantReason: metrics.ReasonLongPrompt,
+			wantMessage: `{"token_ids":[1,2],"sampling_params":{"max_tokens":9,"extra_args":{"kv_transfer_params":` + prefillKV + `}}}`},
+		{name: "generate asking for prompt logprobs", connector: "kv-nixl", path: "/inference/v1/generate",
+			body: `{"token_ids":[1],"sampling_params":{"prompt_logprobs":0}}`, wantReason: metrics.ReasonPromptLogprobs},
+		{name: "generate with n > 1", connector: "kv-nixl", path: "/inference/v1/generate",
+			body: `{"token_ids":[1],"sampling_params":{"n":2}}`, wantReason: metrics.ReasonNGT1},
+		{name: "chat asking for prompt logprobs", connector: "kv-nixl", path: "/v1/chat/completions", body: chat + `,"prompt_logprobs":1}`,
+			wantReason: metrics.ReasonPromptLogprobs, wantMessage: `"prompt_logprobs":1}`},
+		{name: "completions echo with logprobs", connector: "kv-nixl", path: "/v1/completions", body: `{"model":"m","prompt":"hi","echo":true,"logprobs":0}`,
+			wantReason: metrics.ReasonPromptLogprobs},
+		{name: "completions echo without logprobs", connector: "kv-nixl", path: "/v1/completions", body: `{"model":"m","prompt":"hi","echo":true,"logprobs":null}`,
+			wantReason: metrics.ReasonLongPrompt},
+		{name: "chat echo with logprobs off", connector: "kv-nixl", path: "/v1/chat/completions", body: chat + `,"echo":true,"logprobs":false}`,
+			wantReason: metrics.ReasonLongPrompt},
+		{name: "messages", connector: "kv-nixl", path: "/v1/messages", body: `{"model":"m","max_tokens":8,"messages":[],"kv_transfer_params":{}}`,
+			wantReason: metrics.ReasonUnpairedAPI, wantMessage: `{"model":"m","max_tokens":8,"messages":[]}`},
+		{name: "SGLang's generate", connector: "kv-nixl", path: "/generate", body: `{"text":"hi"}`, wantStatus: 404,
+			wantMessage: "POST /generate is an API of SGLang engines; connector kv-nixl drives vLLM engines"},
+		// The pass-through list and its boundary.
+		{name: "pass-through, scrubbed", connector: "kv-nixl", path: "/v1/embeddings?x=1", body: `{"model":"m","input":"hi","bootstrap_room":1,"kv_transfer_params":{}}`,
+			wantReason: metrics.ReasonPassthrough, wantMessage: `{"model":"m","input":"hi"}`},
+		{name: "pass-through without a model", connector: "kv-nixl", path: "/tokenize", body: `{"prompt":"hi"}`, wantReason: metrics.ReasonPassthrough},
+		{name: "pass-through with a model too long", connector: "kv-nixl", path: "/tokenize", body: `{"model":"` + strings.Repeat("m", 1025) + `"}`,
+			wantStatus: 400, wantMessage: "model names are at most 1024"},
+		{name: "pass-through headers", connector: "kv-nixl", method: "GET", path: "/v1/models", wantReason: metrics.ReasonNoBody},
+		{name: "a stored response", connector: "kv-nixl", method: "GET", path: "/v1/responses/resp_1?stream=true", wantReason: metrics.ReasonNoBody},
+		{name: "deleting a stored response", connector: "kv-nixl", method: "DELETE", path: "/v1/responses/resp_1", wantReason: metrics.ReasonNoBody},
+		{name: "a method the path does not take", connector: "kv-nixl", method: "POST", path: "/v1/models", body: `{}`, wantStatus: 404,
+			wantMessage: "POST /v1/models is not routed; this path takes GET"},
+		{name: "a built-in API without a body", connector: "kv-nixl", path: "/v1/chat/completions", wantStatus: 400, wantMessage: "needs a JSON body"},
+		{name: "a built-in API by another method", connector: "kv-nixl", method: "GET", path: "/v1/chat/completions", wantStatus: 404,
+			wantMessage: "this path takes POST"},
+		{name: "an admin path with a body", connector: "kv-nixl", path: "/flush_cache", body: `{}`, wantStatus: 404, wantMessage: `unknown path "/flush_cache"`},
+		{name: "an admin path without a body", connector: "kv-nixl", method: "GET", path: "/start_profile", wantStatus: 404, wantMessage: "unknown path"},
+		{name: "a dot segment", connector: "kv-nixl", method: "GET", path: "/v1/responses/../../collective_rpc", wantStatus: 404, wantMessage: "is refused"},
+		{name: "an empty segment", connector: "kv-nixl", path: "/v1//embeddings", body: `{}`, wantStatus: 404, wantMessage: "is refused"},
+		{name: "an encoded slash", connector: "kv-nixl", method: "GET", path: "/v1/responses/x%2F..%2Fsleep", wantStatus: 404, wantMessage: "is refused"},
+		{name: "a prefix entry needs something below it", connector: "kv-nixl", method: "GET", path: "/v1/responses/", wantStatus: 404},
+		{name: "a list of the user's replaces the defaults", connector: "kv-nixl", more: `routes: {passthrough: ["GET /health"]}`,
+			path: "/v1/embeddings", body: `{}`, wantStatus: 404, wantMessage: "unknown path"},
+		// kv-sglang: nothing can go to a decode engine alone but the pass-through list.
+		{name: "sglang: chat", connector: "kv-sglang", path: "/v1/chat/completions", body: chat + `}`, wantReason: metrics.ReasonLongPrompt,
+			wantMessage: `"bootstrap_room":`},
+		{name: "sglang: generate", connector: "kv-sglang", path: "/generate", body: `{"input_ids":[1,2],"bootstrap_room":3}`,
+			wantReason: metrics.ReasonLongPrompt, wantMessage: `"bootstrap_port":8998`},
+		{name: "sglang: a batch with n = 1 shares one room", connector: "kv-sglang", path: "/v1/completions", body: `{"model":"m","prompt":["a","b"]}`,
+			wantReason: metrics.ReasonLongPrompt, wantMessage: `"bootstrap_host":"127.0.0.1"`},
+		{name: "sglang: responses", connector: "kv-sglang", path: "/v1/responses", body: `{"input":"hi"}`, wantStatus: 400,
+			wantMessage: "kv-sglang cannot serve POST /v1/responses: SGLang's handler for it does not pass bootstrap_host"},
+		{name: "sglang: messages", connector: "kv-sglang", path: "/v1/messages", body: `{"model":"m","messages":[]}`, wantStatus: 400,
+			wantMessage: "kv-sglang cannot serve POST /v1/messages"},
+		{name: "sglang: vLLM's generate", connector: "kv-sglang", path: "/inference/v1/generate", body: `{"token_ids":[1]}`, wantStatus: 404,
+			wantMessage: "is an API of vLLM engines"},
+		{name: "sglang: prompt logprobs", connector: "kv-sglang", path: "/v1/completions", body: `{"model":"m","prompt":"hi","echo":true,"logprobs":1}`,
+			wantStatus: 400, wantMessage: "asks for prompt logprobs"},
+		{name: "sglang: generate's prompt logprobs", connector: "kv-sglang", path: "/generate", body: `{"text":"hi","return_logprob":true,"logprob_start_len":0}`,
+			wantStatus: 400, wantMessage: "asks for prompt logprobs"},
+		{name: "sglang: generate's output logprobs", connector: "kv-sglang", path: "/generate", body: `{"text":"hi","return_logprob":true,"logprob_start_len":-1}`,
+			wantReason: metrics.ReasonLongPrompt},
+		{name: "sglang: n > 1 is refused", connector: "kv-sglang", path: "/v1/chat/completions", body: chat + `,"n":2}`, wantStatus: 400,
+			wantMessage: "pd.sglang_parallel_sampling: rooms"},
+		{name: "sglang: generate's n > 1 is refused", connector: "kv-sglang", path: "/generate", body: `{"text":"hi","sampling_params":{"n":3}}`,
+			wantStatus: 400, wantMessage: "n is 3"},
+		{name: "sglang: too many samples", connector: "kv-sglang", more: "pd: {sglang_parallel_sampling: rooms}", path: "/v1/completions",
+			body: `{"model":"m","prompt":["a","b","c"],"n":50}`, wantStatus: 400, wantMessage: "150 samples"},
+		{name: "sglang: pass-through", connector: "kv-sglang", path: "/v1/tokenize", body: `{"model":"m","prompt":"hi","bootstrap_room":1}`,
+			wantReason: metrics.ReasonPassthrough, wantMessage: `{"model":"m","prompt":"hi"}`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			engine := enginetest.Start(t, enginetest.JSON(200, `{"kv_transfer_params":`+prefillKV+`}`))
+			p := newPipelineFor(t, tt.connector, engine.Addr(), tt.more)
+			method := tt.method
+			if method == "" {
+				method = http.MethodPost
+			}
+			r := &Request{Method: method, Path: tt.path, RequestID: "r1"}
+			var d *Decision
+			var err error
+			if tt.body == "" {
+				d, err = p.RouteHeaders(r)
+			} else {
+				r.Body = []byte(tt.body)
+				d, err = p.Route(context.Background(), r)
+			}
+			if tt.wantStatus != 0 {
+				if err == nil {
+					t.Fatalf("routed, want status %d with %q", tt.wantStatus, tt.wantMessage)
+				}
+				if e := AsError(err); e.Status != tt.wantStatus || !strings.Contains(e.Message, tt.wantMessage) {
+					t.Fatalf("error %v, want status %d with %q", err, tt.wantStatus, tt.wantMessage)
+				}
+				if r.Report.Prefill != "" || len(engine.Requests()) != 0 {
+					t.Errorf("a refused request reached the prefill engine")
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Release()
+			if r.Report.Reason != tt.wantReason {
+				t.Errorf("reason %q, want %q", r.Report.Reason, tt.wantReason)
+			}
+			pd := r.Report.Mode == ModePD
+			if pd != (tt.wantReason == metrics.ReasonLongPrompt) || pd != (r.Report.Prefill != "") {
+				t.Errorf("mode %q with prefill %q for reason %q", r.Report.Mode, r.Report.Prefill, r.Report.Reason)
+			}
+			if tt.connector != "kv-sglang" && !pd && len(engine.Requests()) != 0 {
+				t.Errorf("a decode-only request reached the prefill engine: %s", engine.Requests()[0].Body)
+			}
+			if got := string(d.Body.Bytes()); !strings.Contains(got, tt.wantMessage) {
+				t.Errorf("decode body %s, want it to contain %s", got, tt.wantMessage)
+			}
+		})
+	}
+}
+
+// Under pd.sglang_parallel_sampling: rooms, a kv-sglang request with several
+// samples carries a bootstrap room per sample, distinct, the same on both
+// legs, with the host and port repeated as SGLang's gateway sends them.
+func TestSGLangRoomsPerSample(t *testing.T) {
+	engine := enginetest.Start(t, enginetest.JSON(200, `{}`))
+	p := newPipelineFor(t, "kv-sglang", engine.Addr(), "pd: {sglang_parallel_sampling: rooms}")
+	r := &Request{Method: http.MethodPost, Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":["a","b"],"n":3}`)}
+	d, err := p.Route(context.Background(), r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Release()
+	engine.Await(t)
+	var legs [2]struct {
+		Host []string `json:"bootstrap_host"`
+		Port []int    `json:"bootstrap_port"`
+		Room []uint64 `json:"bootstrap_room"`
+	}
+	for i, b := range []string{engine.Requests()[0].Body, string(d.Body.Bytes())} {
+		if err := json.Unmarshal([]byte(b), &legs[i]); err != nil {
+			t.Fatalf("leg %d: %v: %s", i, err, b)
+		}
+	}
+	got := legs[1]
+	seen := map[uint64]bool{}
+	for _, room := range got.Room {
+		if seen[room] || room >= 1<<63 {
+			t.Errorf("room %d repeated or out of range in %v", room, got.Room)
+		}
+		seen[room] = true
+	}
+	if len(got.Room) != 6 || len(got.Host) != 6 || len(got.Port) != 6 || got.Host[5] != "127.0.0.1" || got.Port[5] != 8998 {
+		t.Errorf("decode leg bootstrap lists %+v, want 6 samples (2 prompts × n 3)", got)
+	}
+	if fmt.Sprint(legs[0]) != fmt.Sprint(got) {
+		t.Errorf("prefill leg %+v, decode leg %+v: want the same lists", legs[0], got)
+	}
+
+	t.Run("off again after a reload", func(t *testing.T) {
+		cfg, err := config.Parse([]byte(fmt.Sprintf("connector: kv-sglang\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}", engine.Addr())))
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Reload(cfg)
+		r := &Request{Method: http.MethodPost, Path: "/v1/completions", RequestID: "r2", Body: []byte(`{"model":"m","prompt":"a","n":3}`)}
+		if _, err := p.Route(context.Background(), r); AsError(err).Status != 400 {
+			t.Fatalf("after the reload: %v, want 400", err)
+		}
+	})
+}
