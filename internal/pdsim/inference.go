@@ -101,28 +101,52 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 			return
 		}
 		ph.run()
-		if err := s.generate(ctx, w, req, res); err != nil {
+		if err := s.answer(ctx, w, req, res); err != nil {
 			ex.rec.Canceled = true
 		}
 	}
 }
 
-// generate emits the tokens after the first one has been made possible.
-func (s *Server) generate(ctx context.Context, w http.ResponseWriter, req *request, res kvResult) error {
+// answer emits the tokens after the first one has been made possible, in the
+// request's API's shape.
+func (s *Server) answer(ctx context.Context, w http.ResponseWriter, req *request, res kvResult) error {
 	n, finish := req.outputTokens(s.cfg.OutputTokens)
 	if res.oneToken {
 		n, finish = 1, "length"
 	}
+	switch req.api {
+	case apiResponses:
+		return s.answerResponses(ctx, w, req, res, n, finish)
+	case apiGenerate:
+		return s.answerGenerate(ctx, w, req, res, n, finish)
+	case apiSGLangGenerate:
+		return s.answerSGLang(ctx, w, req, n, finish)
+	}
+	return s.answerOpenAI(ctx, w, req, res, n, finish)
+}
+
+// tokens runs each of n output tokens, TPOT apart.
+func (s *Server) tokens(ctx context.Context, n int, each func(i int) error) error {
+	for i := range n {
+		if i > 0 {
+			if err := wait(ctx, s.cfg.TPOT); err != nil {
+				return err
+			}
+		}
+		if err := each(i); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// answerOpenAI answers chat and completions.
+func (s *Server) answerOpenAI(ctx context.Context, w http.ResponseWriter, req *request, res kvResult, n int, finish string) error {
 	u := &usage{PromptTokens: req.promptTokens, CompletionTokens: n, TotalTokens: req.promptTokens + n}
 	if !req.stream {
 		text := ""
-		for i := range n {
-			if i > 0 {
-				if err := wait(ctx, s.cfg.TPOT); err != nil {
-					return err
-				}
-			}
-			text += token(i)
+		if err := s.tokens(ctx, n, func(i int) error { text += token(i); return nil }); err != nil {
+			return err
 		}
 		c := req.envelope(s.cfg.Model, false)
 		ch := choice{FinishReason: &finish, Text: &text}
@@ -145,21 +169,17 @@ func (s *Server) generate(ctx context.Context, w http.ResponseWriter, req *reque
 			return err
 		}
 	}
-	for i := range n {
-		if i > 0 {
-			if err := wait(ctx, s.cfg.TPOT); err != nil {
-				return err
-			}
-		}
+	err := s.tokens(ctx, n, func(i int) error {
 		c := req.envelope(s.cfg.Model, true)
 		var fr *string
 		if i == n-1 {
 			fr = &finish
 		}
 		c.Choices = []choice{req.choice(token(i), fr, false)}
-		if err := out.send(c); err != nil {
-			return err
-		}
+		return out.send(c)
+	})
+	if err != nil {
+		return err
 	}
 	if req.includeUsage {
 		c := req.envelope(s.cfg.Model, true)

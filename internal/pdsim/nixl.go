@@ -182,7 +182,7 @@ func (d *nixlDecode) firstToken(ctx context.Context, req *request) (kvResult, er
 		Host      string `json:"remote_host"`
 		Port      int    `json:"remote_port"`
 	}
-	if err := json.Unmarshal(req.fields["kv_transfer_params"], &want); err != nil {
+	if err := json.Unmarshal(req.kv, &want); err != nil {
 		return kvResult{}, fmt.Errorf("kv_transfer_params: %w", err)
 	}
 	source := net.JoinHostPort(want.Host, strconv.Itoa(want.Port))
@@ -211,12 +211,10 @@ func (d *nixlDecode) firstToken(ctx context.Context, req *request) (kvResult, er
 	return kvResult{outcome: kvHit, source: source, requestID: held.RequestID}, nil
 }
 
-// kvParams returns the top-level kv_transfer_params object, nil when absent.
+// kvParams returns the request's kv_transfer_params object, nil when absent.
 func kvParams(req *request) map[string]json.RawMessage {
 	var m map[string]json.RawMessage
-	if raw, ok := present(req.fields, "kv_transfer_params"); ok {
-		json.Unmarshal(raw, &m)
-	}
+	json.Unmarshal(req.kv, &m)
 	return m
 }
 

@@ -14,11 +14,6 @@ import (
 
 type apiKind int
 
-const (
-	apiChat apiKind = iota
-	apiCompletion
-)
-
 // request is the part of an OpenAI request body the simulated engine acts on.
 // The raw top-level fields are kept so protocol code reads its own keys with
 // their exact JSON (big integers included).
@@ -32,6 +27,7 @@ type request struct {
 	includeUsage bool
 	maxTokens    int64 // 0: no cap
 	minTokens    int64
+	kv           json.RawMessage // kv_transfer_params where the API reads it; nil when absent
 	promptTokens int
 	promptHash   string // model + prompt, so KV computed for one prompt is never served to another
 	phase        *phase // for the engine's load metrics
@@ -60,13 +56,9 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 	if req.id == "" {
 		req.id = strings.ReplaceAll(newUUID(), "-", "")
 	}
-	prefix := "chatcmpl-"
-	if api == apiCompletion {
-		prefix = "cmpl-"
-	}
-	req.internalID = prefix + req.id + "-" + randomHex(4) // vLLM >= 0.14 randomizes the suffix
+	req.internalID = api.idPrefix() + req.id + "-" + randomHex(4) // vLLM >= 0.14 randomizes the suffix
 
-	if raw, ok := present(fields, "model"); ok {
+	if raw, ok := present(fields, "model"); ok && api.checksModel() {
 		if err := json.Unmarshal(raw, &req.model); err != nil {
 			return nil, badRequest("model: Input should be a valid string")
 		}
@@ -75,12 +67,8 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 		}
 	}
 
-	promptKey := "messages"
-	if api == apiCompletion {
-		promptKey = "prompt"
-	}
-	prompt, ok := present(fields, promptKey)
-	if !ok {
+	prompt, promptKey := api.prompt(fields)
+	if prompt == nil {
 		return nil, badRequest("%s: Field required", promptKey)
 	}
 	if err := req.readPrompt(prompt); err != nil {
@@ -107,11 +95,15 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 			return nil, badRequest("Stream options can only be defined when `stream=True`.")
 		}
 	}
-	if raw, ok := present(fields, "kv_transfer_params"); ok && s.cfg.Protocol != ProtocolSGLang {
+	if raw, ok := req.kvRaw(); ok && s.cfg.Protocol != ProtocolSGLang {
 		var obj map[string]json.RawMessage
 		if json.Unmarshal(raw, &obj) != nil {
 			return nil, badRequest("kv_transfer_params: Input should be a valid dictionary")
 		}
+		req.kv = raw
+	}
+	if aerr := s.checkStored(req); aerr != nil {
+		return nil, aerr
 	}
 	return req, nil
 }
@@ -124,11 +116,25 @@ func (r *request) readPrompt(raw json.RawMessage) error {
 	if list, ok := v.([]any); r.api == apiChat && (!ok || len(list) == 0) {
 		return fmt.Errorf("Input should be a non-empty list")
 	}
+	if r.api == apiGenerate && !tokenList(v) {
+		return fmt.Errorf("Input should be a list of integers")
+	}
 	canonical, _ := json.Marshal(v) // sorted keys, so a router may re-encode the body freely
 	sum := sha256.Sum256(append([]byte(r.model+"\x00"), canonical...))
 	r.promptHash = hex.EncodeToString(sum[:16])
 	r.promptTokens = max(1, countTokens(v))
 	return nil
+}
+
+// tokenList reports whether v is a non-empty list of integers.
+func tokenList(v any) bool {
+	list, ok := v.([]any)
+	for _, e := range list {
+		if n, isNumber := e.(json.Number); !isNumber || strings.ContainsAny(string(n), ".eE") {
+			return false
+		}
+	}
+	return ok && len(list) > 0
 }
 
 // countTokens stands in for a tokenizer: one token per word, or per token id.
@@ -155,18 +161,15 @@ func countTokens(v any) int {
 }
 
 func (r *request) readTokenLimits() *apiError {
-	limit := "max_tokens"
-	if _, ok := present(r.fields, "max_completion_tokens"); ok && r.api == apiChat {
-		limit = "max_completion_tokens" // chat prefers it over max_tokens
-	}
+	fields, limit, least := r.limitKeys()
 	var aerr *apiError
-	if r.maxTokens, aerr = intField(r.fields, limit); aerr != nil {
+	if r.maxTokens, aerr = intField(fields, limit); aerr != nil {
 		return aerr
 	}
-	if _, ok := present(r.fields, limit); ok && r.maxTokens < 1 {
-		return badRequest("max_tokens must be at least 1, got %d.", r.maxTokens)
+	if _, ok := present(fields, limit); ok && r.maxTokens < 1 {
+		return badRequest("%s must be at least 1, got %d.", limit, r.maxTokens)
 	}
-	if r.minTokens, aerr = intField(r.fields, "min_tokens"); aerr != nil {
+	if r.minTokens, aerr = intField(fields, least); aerr != nil {
 		return aerr
 	}
 	if r.minTokens < 0 {
@@ -311,6 +314,18 @@ func (e sse) send(v any) error {
 		return err
 	}
 	return e.raw(b)
+}
+
+// event sends v as a named event, as vLLM streams the Responses API.
+func (e sse) event(name string, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	if _, err := fmt.Fprintf(e.w, "event: %s\ndata: %s\n\n", name, b); err != nil {
+		return err
+	}
+	return e.rc.Flush()
 }
 
 func (e sse) raw(data []byte) error {

@@ -1,8 +1,12 @@
 // Package pdsim simulates a vLLM or SGLang engine taking part in prefill/decode
 // disaggregation, without a GPU. It speaks the engines' real wire formats (OpenAI
-// API, vLLM NIXL kv_transfer_params, SGLang bootstrap fields, a shared KV directory)
-// and really moves a small KV record between prefill and decode, so a router that
-// pairs the wrong legs fails here the way it would fail against real engines.
+// chat and completions, vLLM's Responses and token-in generate APIs, SGLang's
+// native generate; vLLM NIXL kv_transfer_params, SGLang bootstrap fields, a
+// shared KV directory) and really moves a small KV record between prefill and
+// decode, so a router that pairs the wrong legs fails here the way it would
+// fail against real engines. It also serves and records the endpoints a gateway
+// passes through (embeddings, tokenizing, stored responses) and admin ones it
+// must not.
 package pdsim
 
 import (
@@ -59,41 +63,6 @@ type Config struct {
 	Log io.Writer // one line per request; default os.Stderr
 }
 
-// Record is what the engine saw of one inference request.
-type Record struct {
-	Path        string `json:"path"`
-	RequestID   string `json:"request_id"` // X-Request-Id header
-	Body        []byte `json:"body"`       // exactly as received
-	Status      int    `json:"status"`     // 0 when the connection was dropped
-	Stream      bool   `json:"stream"`
-	KV          string `json:"kv"` // "" | issued | hit | miss | recompute | load-failed | none
-	KVSource    string `json:"kv_source,omitempty"`
-	KVRequestID string `json:"kv_request_id,omitempty"` // X-Request-Id the prefill issued the KV for
-	Canceled    bool   `json:"canceled"`                // the client (or Close) ended it before the answer was complete
-}
-
-// MarshalJSON prints Body as text rather than base64, for people reading /pdsim/requests.
-func (r Record) MarshalJSON() ([]byte, error) {
-	type plain Record
-	return json.Marshal(struct {
-		plain
-		Body string `json:"body"`
-	}{plain(r), string(r.Body)})
-}
-
-func (r *Record) UnmarshalJSON(b []byte) error {
-	type plain Record
-	v := struct {
-		*plain
-		Body string `json:"body"`
-	}{plain: (*plain)(r)}
-	if err := json.Unmarshal(b, &v); err != nil {
-		return err
-	}
-	r.Body = []byte(v.Body)
-	return nil
-}
-
 // Server is a running simulated engine.
 type Server struct {
 	cfg      Config
@@ -109,11 +78,16 @@ type Server struct {
 	wg     sync.WaitGroup    // handlers and servers
 	once   sync.Once
 
-	mu      sync.Mutex
-	records []Record
-	closing bool // no new handlers once set
-
+	ledger
 	faults faultState
+}
+
+// ledger is what the server keeps of its requests, under one lock.
+type ledger struct {
+	mu        sync.Mutex
+	records   []Record
+	closing   bool                       // no new handlers once set
+	responses map[string]json.RawMessage // the Responses API's store, by response id
 }
 
 // served is one listener's server and the ip:port it advertises.
@@ -148,6 +122,7 @@ func Start(cfg Config) (*Server, error) {
 		ctx:      ctx,
 		cancel:   cancel,
 		served:   map[string]served{},
+		ledger:   ledger{responses: map[string]json.RawMessage{}},
 		faults:   faultState{current: cfg.faults()},
 	}
 	ls := []listener{{listenHTTP, cfg.Addr, s.routes()}}
@@ -226,7 +201,7 @@ func (s *Server) KVAddr() string { return s.served[listenKV].addr }
 // BootstrapAddr is the sglang prefill's bootstrap server ("" otherwise).
 func (s *Server) BootstrapAddr() string { return s.served[listenBootstrap].addr }
 
-// Requests returns a copy of every inference request received so far, in arrival order.
+// Requests returns a copy of every request recorded so far (Record), in arrival order.
 // Requests still in flight show what is known so far.
 func (s *Server) Requests() []Record {
 	s.mu.Lock()
@@ -258,6 +233,10 @@ func (s *Server) routes() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/chat/completions", s.inference(apiChat))
 	mux.HandleFunc("POST /v1/completions", s.inference(apiCompletion))
+	mux.HandleFunc("POST /v1/responses", s.inference(apiResponses))
+	mux.HandleFunc("POST /inference/v1/generate", s.inference(apiGenerate))
+	mux.HandleFunc("POST /generate", s.inference(apiSGLangGenerate))
+	s.otherRoutes(mux)
 	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
 	mux.HandleFunc("GET /v1/models", s.models)
 	mux.HandleFunc("GET /metrics", s.metrics.serve(s.cfg.Model))
@@ -272,64 +251,6 @@ func (s *Server) routes() http.Handler {
 		mux.ServeHTTP(w, r)
 	})
 }
-
-// exchange is one inference request on its way through the server.
-type exchange struct {
-	index int
-	rec   Record
-	start time.Time
-	err   error // why the KV could not be loaded, for the log
-}
-
-func (s *Server) begin(r *http.Request, body []byte) *exchange {
-	ex := &exchange{rec: Record{Path: r.URL.Path, RequestID: r.Header.Get("X-Request-Id"), Body: body}, start: time.Now()}
-	s.mu.Lock()
-	ex.index = len(s.records)
-	s.records = append(s.records, ex.rec)
-	s.mu.Unlock()
-	return ex
-}
-
-func (s *Server) update(ex *exchange) {
-	s.mu.Lock()
-	s.records[ex.index] = ex.rec
-	s.mu.Unlock()
-}
-
-func (s *Server) finish(ex *exchange) {
-	s.update(ex)
-	r := ex.rec
-	attrs := []any{"path", r.Path, "request_id", r.RequestID, "status", r.Status, "stream", r.Stream,
-		"kv", r.KV, "kv_source", r.KVSource, "kv_request_id", r.KVRequestID, "canceled", r.Canceled,
-		"duration", time.Since(ex.start).Round(time.Microsecond)}
-	if ex.err != nil {
-		attrs = append(attrs, "err", ex.err)
-	}
-	s.log.Info("request", attrs...)
-}
-
-// statusWriter remembers the status for the Record; Unwrap lets
-// http.ResponseController reach Flush and Hijack underneath.
-type statusWriter struct {
-	http.ResponseWriter
-	status int
-}
-
-func (w *statusWriter) WriteHeader(code int) {
-	if w.status == 0 {
-		w.status = code
-	}
-	w.ResponseWriter.WriteHeader(code)
-}
-
-func (w *statusWriter) Write(b []byte) (int, error) {
-	if w.status == 0 {
-		w.status = http.StatusOK
-	}
-	return w.ResponseWriter.Write(b)
-}
-
-func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 // wait sleeps for d unless ctx ends first.
 func wait(ctx context.Context, d time.Duration) error {

@@ -16,37 +16,77 @@ import (
 // sglangDefaultBootstrapPort is what SGLang uses when bootstrap_port is null.
 const sglangDefaultBootstrapPort = 8998
 
-// bootstrapFields are SGLang's top-level P/D fields; the same on both legs.
+// bootstrapFields are SGLang's top-level P/D fields of one pairing; the same
+// on both legs.
 type bootstrapFields struct {
 	host string
 	port int64
 	room int64
 }
 
-func bootstrapOf(req *request, needHost bool) (bootstrapFields, error) {
-	f := bootstrapFields{port: sglangDefaultBootstrapPort}
+// bootstrapOf reads a request's pairings: one, or, when the fields are lists
+// (a room per sample, as SGLang's gateway sends parallel samples), one per
+// entry, a scalar host or port standing for every entry.
+func bootstrapOf(req *request, needHost bool) ([]bootstrapFields, error) {
 	raw, ok := present(req.fields, "bootstrap_room")
 	if !ok {
-		return f, badRequest("bootstrap_room is required for disaggregated serving")
+		return nil, badRequest("bootstrap_room is required for disaggregated serving")
 	}
+	rooms, isList := entries(raw)
+	hosts, _ := entries(orNull(req.fields["bootstrap_host"]))
+	ports, _ := entries(orNull(req.fields["bootstrap_port"]))
+	if len(rooms) == 0 || len(hosts) == 0 || len(ports) == 0 || isList && (len(hosts) > 1 && len(hosts) != len(rooms) || len(ports) > 1 && len(ports) != len(rooms)) {
+		return nil, badRequest("bootstrap_host, bootstrap_port and bootstrap_room lists must have one entry per sample")
+	}
+	out := make([]bootstrapFields, len(rooms))
+	for i, roomRaw := range rooms {
+		f, err := bootstrapEntry(at(hosts, i), at(ports, i), roomRaw, needHost)
+		if err != nil {
+			return nil, err
+		}
+		out[i] = f
+	}
+	return out, nil
+}
+
+func isNull(raw json.RawMessage) bool { return string(bytes.TrimSpace(raw)) == "null" }
+
+// entries are a list's elements, or the one value that is not a list.
+func entries(raw json.RawMessage) (values []json.RawMessage, isList bool) {
+	if bytes.HasPrefix(bytes.TrimSpace(raw), []byte("[")) && json.Unmarshal(raw, &values) == nil {
+		return values, true
+	}
+	return []json.RawMessage{raw}, false
+}
+
+// at is values[i], or the one value standing for all.
+func at(values []json.RawMessage, i int) json.RawMessage {
+	if len(values) == 1 {
+		return values[0]
+	}
+	return values[i]
+}
+
+func bootstrapEntry(hostRaw, portRaw, roomRaw json.RawMessage, needHost bool) (bootstrapFields, error) {
+	f := bootstrapFields{port: sglangDefaultBootstrapPort}
 	// Strictly an integer literal: a string or float room means a router lost
 	// precision or sent a UUID, and SGLang needs room % dp_size.
-	room, err := strconv.ParseInt(string(bytes.TrimSpace(raw)), 10, 64)
+	room, err := strconv.ParseInt(string(bytes.TrimSpace(roomRaw)), 10, 64)
 	if err != nil || room < 0 {
-		return f, badRequest("bootstrap_room: Input should be a valid integer in [0, 2^63-1], got %s", raw)
+		return f, badRequest("bootstrap_room: Input should be a valid integer in [0, 2^63-1], got %s", roomRaw)
 	}
 	f.room = room
-	if raw, ok := present(req.fields, "bootstrap_host"); ok {
-		if json.Unmarshal(raw, &f.host) != nil || f.host == "" {
+	if !isNull(hostRaw) {
+		if json.Unmarshal(hostRaw, &f.host) != nil || f.host == "" {
 			return f, badRequest("bootstrap_host: Input should be a valid string")
 		}
 	} else if needHost {
 		return f, badRequest("bootstrap_host is required for disaggregated serving")
 	}
-	if raw, ok := present(req.fields, "bootstrap_port"); ok {
-		port, err := strconv.ParseInt(string(bytes.TrimSpace(raw)), 10, 64)
+	if !isNull(portRaw) {
+		port, err := strconv.ParseInt(string(bytes.TrimSpace(portRaw)), 10, 64)
 		if err != nil || port < 1 || port > 65535 {
-			return f, badRequest("bootstrap_port: Input should be a valid port number, got %s", raw)
+			return f, badRequest("bootstrap_port: Input should be a valid port number, got %s", portRaw)
 		}
 		f.port = port
 	}
@@ -177,62 +217,96 @@ type sglangPrefill struct {
 }
 
 // firstToken holds the request in the bootstrap queue until a decode
-// handshakes, as SGLang does: a router that awaits the prefill before sending
-// the decode waits for HandshakeTimeout.
+// handshakes in each of its rooms, as SGLang does: a router that awaits the
+// prefill before sending the decode waits for HandshakeTimeout.
 func (p *sglangPrefill) firstToken(ctx context.Context, req *request) (kvResult, error) {
-	f, err := bootstrapOf(req, false)
+	pairings, err := bootstrapOf(req, false)
 	if err != nil {
 		return kvResult{}, err
 	}
-	rm, err := p.rooms.register(f.room, req)
-	if err != nil {
-		return kvResult{}, err
+	rooms := make([]*room, 0, len(pairings))
+	defer func() {
+		for i, rm := range rooms {
+			p.rooms.leave(pairings[i].room, rm)
+		}
+	}()
+	for _, f := range pairings {
+		rm, err := p.rooms.register(f.room, req)
+		if err != nil {
+			return kvResult{}, err
+		}
+		rooms = append(rooms, rm)
 	}
-	defer p.rooms.leave(f.room, rm)
 	timeout := p.s.cfg.HandshakeTimeout
-	if err := awaitOrTimeout(ctx, rm.connected, timeout); err != nil {
-		return kvResult{}, fmt.Errorf("no decode connected for bootstrap_room %d: %w", f.room, err)
+	for i, rm := range rooms {
+		if err := awaitOrTimeout(ctx, rm.connected, timeout); err != nil {
+			return kvResult{}, fmt.Errorf("no decode connected for bootstrap_room %d: %w", pairings[i].room, err)
+		}
 	}
 	if err := p.s.compute(ctx, req); err != nil {
 		return kvResult{}, err
 	}
-	close(rm.ready)
-	if err := awaitOrTimeout(ctx, rm.fetched, timeout); err != nil {
-		return kvResult{}, fmt.Errorf("decode did not take the KV of bootstrap_room %d: %w", f.room, err)
+	for _, rm := range rooms {
+		close(rm.ready)
+	}
+	for i, rm := range rooms {
+		if err := awaitOrTimeout(ctx, rm.fetched, timeout); err != nil {
+			return kvResult{}, fmt.Errorf("decode did not take the KV of bootstrap_room %d: %w", pairings[i].room, err)
+		}
 	}
 	return kvResult{outcome: kvIssued, oneToken: true}, nil
 }
 
 type sglangDecode struct{ s *Server }
 
+// firstToken handshakes in every room first, then takes every room's KV: the
+// prefill computes once all its rooms have a decode.
 func (d *sglangDecode) firstToken(ctx context.Context, req *request) (kvResult, error) {
-	f, err := bootstrapOf(req, true)
+	pairings, err := bootstrapOf(req, true)
 	if err != nil {
 		return kvResult{}, err
 	}
-	source := net.JoinHostPort(f.host, strconv.FormatInt(f.port, 10))
-	peerURL := func(step string) string { return fmt.Sprintf("http://%s/%s/%d", source, step, f.room) }
-
-	hctx, cancel := context.WithTimeout(ctx, d.s.cfg.HandshakeTimeout)
-	hello, _ := json.Marshal(map[string]string{"prompt_hash": req.promptHash})
-	var peer struct {
-		RequestID string `json:"request_id"`
+	var res kvResult
+	for _, f := range pairings {
+		if res, err = d.handshake(ctx, req, f); err != nil {
+			return kvResult{}, err
+		}
 	}
-	err = d.s.callPeer(hctx, http.MethodPost, peerURL("handshake"), hello, &peer)
-	if errors.Is(hctx.Err(), context.DeadlineExceeded) {
-		err = fmt.Errorf("timed out after %s", d.s.cfg.HandshakeTimeout)
-	}
-	cancel()
-	if err != nil {
-		return kvResult{}, fmt.Errorf("bootstrap handshake with %s for bootstrap_room %d: %w", source, f.room, err)
-	}
-	if err := d.s.callPeer(ctx, http.MethodGet, peerURL("kv"), nil, nil); err != nil {
-		return kvResult{}, fmt.Errorf("receiving KV of bootstrap_room %d from %s: %w", f.room, source, err)
+	for _, f := range pairings {
+		if err := d.s.callPeer(ctx, http.MethodGet, peerURL(f, "kv"), nil, nil); err != nil {
+			return kvResult{}, fmt.Errorf("receiving KV of bootstrap_room %d from %s: %w", f.room, res.source, err)
+		}
 	}
 	if err := wait(ctx, d.s.cfg.KVTransfer); err != nil {
 		return kvResult{}, err
 	}
-	return kvResult{outcome: kvHit, source: source, requestID: peer.RequestID}, nil
+	return res, nil
+}
+
+func (f bootstrapFields) source() string {
+	return net.JoinHostPort(f.host, strconv.FormatInt(f.port, 10))
+}
+
+func peerURL(f bootstrapFields, step string) string {
+	return fmt.Sprintf("http://%s/%s/%d", f.source(), step, f.room)
+}
+
+// handshake joins the prefill in one room, bounded by HandshakeTimeout.
+func (d *sglangDecode) handshake(ctx context.Context, req *request, f bootstrapFields) (kvResult, error) {
+	hctx, cancel := context.WithTimeout(ctx, d.s.cfg.HandshakeTimeout)
+	defer cancel()
+	hello, _ := json.Marshal(map[string]string{"prompt_hash": req.promptHash})
+	var peer struct {
+		RequestID string `json:"request_id"`
+	}
+	err := d.s.callPeer(hctx, http.MethodPost, peerURL(f, "handshake"), hello, &peer)
+	if errors.Is(hctx.Err(), context.DeadlineExceeded) {
+		err = fmt.Errorf("timed out after %s", d.s.cfg.HandshakeTimeout)
+	}
+	if err != nil {
+		return kvResult{}, fmt.Errorf("bootstrap handshake with %s for bootstrap_room %d: %w", f.source(), f.room, err)
+	}
+	return kvResult{outcome: kvHit, source: f.source(), requestID: peer.RequestID}, nil
 }
 
 // awaitOrTimeout waits for done, failing after timeout or when ctx ends.

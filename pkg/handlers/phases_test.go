@@ -234,13 +234,14 @@ func TestBodilessRequestsRouteFromHeaders(t *testing.T) {
 		name      string
 		msg       *extprocv3.ProcessingRequest
 		requestID string // "" when a UUID must be made
+		method    string // what the router is told
 	}{
-		{"GET with end_of_stream", envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, true, get...), fullDuplex, fullDuplex), ""},
-		{"GET with end_of_stream, BUFFERED", envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, true, get...), buffered, buffered), ""},
+		{"GET with end_of_stream", envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, true, get...), fullDuplex, fullDuplex), "", "GET"},
+		{"GET with end_of_stream, BUFFERED", envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, true, get...), buffered, buffered), "", "GET"},
 		{"GET keeps the client's request id",
-			envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, true, append(get, envoymsg.Header{"x-request-id", "req-7"})...), fullDuplex, fullDuplex), "req-7"},
+			envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, true, append(get, envoymsg.Header{"x-request-id", "req-7"})...), fullDuplex, fullDuplex), "req-7", "GET"},
 		{"body mode NONE, no body", envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post("/v1/models", 0)...),
-			filterv3.ProcessingMode_NONE, filterv3.ProcessingMode_NONE), ""},
+			filterv3.ProcessingMode_NONE, filterv3.ProcessingMode_NONE), "", "POST"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -252,6 +253,9 @@ func TestBodilessRequestsRouteFromHeaders(t *testing.T) {
 			checkRouting(t, replies[0], fakeEndpoint, tt.requestID)
 			if !slices.Equal(r.calls, []string{"RouteHeaders"}) {
 				t.Errorf("router calls %v, want RouteHeaders only", r.calls)
+			}
+			if m, p := r.seen[0].Method, r.seen[0].Path; m != tt.method || p != "/v1/models" {
+				t.Errorf("the router was asked about %s %s, want %s /v1/models", m, p, tt.method)
 			}
 		})
 	}

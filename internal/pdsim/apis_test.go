@@ -1,0 +1,199 @@
+package pdsim
+
+import (
+	"encoding/json"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+// nixlAsk is what a router asks a NIXL prefill for.
+const nixlAsk = `{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`
+
+// kvOf reads the top-level kv_transfer_params of a non-streamed answer.
+func kvOf(t *testing.T, r reply) json.RawMessage {
+	t.Helper()
+	var a struct {
+		KV json.RawMessage `json:"kv_transfer_params"`
+	}
+	if err := json.Unmarshal(r.body, &a); err != nil || r.status != 200 {
+		t.Fatalf("answer %d %s", r.status, r.body)
+	}
+	return a.KV
+}
+
+// Each vLLM API hands the KV over where vLLM reads and writes it: the
+// Responses API at the top level both ways, the token-in generate API in
+// sampling_params.extra_args going in and at the top level coming back.
+func TestVLLMAPIsHandOffKV(t *testing.T) {
+	tests := []struct {
+		name, path      string
+		prefill, decode func(kv string) string
+		streamed        string // in the streamed decode answer
+	}{
+		{
+			name: "responses", path: "/v1/responses",
+			prefill: func(kv string) string {
+				return `{"input":"the quick brown fox","max_output_tokens":1,"stream":false,"store":false,"kv_transfer_params":` + kv + `}`
+			},
+			decode: func(kv string) string {
+				return `{"input":"the quick brown fox","stream":true,"kv_transfer_params":` + kv + `}`
+			},
+			streamed: "event: response.completed\ndata: ",
+		},
+		{
+			name: "generate", path: "/inference/v1/generate",
+			prefill: func(kv string) string {
+				return `{"token_ids":[11,12,13],"stream":false,"sampling_params":{"max_tokens":1,"extra_args":{"kv_transfer_params":` + kv + `}}}`
+			},
+			decode: func(kv string) string {
+				return `{"token_ids":[11,12,13],"stream":true,"sampling_params":{"max_tokens":3,"extra_args":{"kv_transfer_params":` + kv + `}}}`
+			},
+			streamed: `"token_ids":[1002]`,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, d := nixlPair(t)
+			pr := post(t, p, tt.path, tt.prefill(nixlAsk), "req-"+tt.name)
+			kv := kvOf(t, pr)
+			if pr.header.Get("x-pdsim-kv") != kvIssued || !strings.Contains(string(kv), `"remote_block_ids"`) {
+				t.Fatalf("prefill %v %s: want KV issued, its params at the top level", pr.header, pr.body)
+			}
+			dr := post(t, d, tt.path, tt.decode(string(kv)), "req-"+tt.name)
+			if dr.status != 200 || dr.header.Get("x-pdsim-kv") != kvHit || dr.header.Get("x-pdsim-kv-request-id") != "req-"+tt.name {
+				t.Fatalf("decode %d %v %s", dr.status, dr.header, dr.body)
+			}
+			if !strings.Contains(string(dr.body), tt.streamed) || !strings.Contains(string(dr.body), "\n\n") {
+				t.Errorf("decode stream %s, want it to contain %q", dr.body, tt.streamed)
+			}
+		})
+	}
+
+	t.Run("generate ignores params at the top level", func(t *testing.T) {
+		p, _ := nixlPair(t)
+		r := post(t, p, "/inference/v1/generate", `{"token_ids":[1],"sampling_params":{"max_tokens":1},"kv_transfer_params":`+nixlAsk+`}`, "")
+		if r.header.Get("x-pdsim-kv") != kvNone || string(kvOf(t, r)) != "null" {
+			t.Fatalf("answer %v %s: want no KV issued", r.header, r.body)
+		}
+	})
+}
+
+func TestResponsesStore(t *testing.T) {
+	d := start(t, Config{Role: RoleDecode, Protocol: ProtocolNIXL, OutputTokens: 3})
+	first := post(t, d, "/v1/responses", `{"input":"hi","max_output_tokens":2}`, "r1")
+	var resp struct {
+		ID     string `json:"id"`
+		Status string `json:"status"`
+		Output []struct {
+			Content []struct{ Text string } `json:"content"`
+		} `json:"output"`
+		Usage struct {
+			OutputTokens int `json:"output_tokens"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal(first.body, &resp); err != nil || first.status != 200 {
+		t.Fatalf("first %d %s", first.status, first.body)
+	}
+	if resp.Status != "incomplete" || resp.Usage.OutputTokens != 2 || resp.Output[0].Content[0].Text != "tok0 tok1" {
+		t.Errorf("max_output_tokens 2: %s", first.body)
+	}
+	if r := get(t, d, "/v1/responses/"+resp.ID); r.status != 200 || !strings.Contains(string(r.body), resp.ID) {
+		t.Errorf("GET the stored response: %d %s", r.status, r.body)
+	}
+	if r := post(t, d, "/v1/responses", `{"input":"more","previous_response_id":"`+resp.ID+`"}`, ""); r.status != 200 {
+		t.Errorf("continuing a stored response: %d %s", r.status, r.body)
+	}
+	if r := post(t, d, "/v1/responses", `{"input":"more","previous_response_id":"resp_elsewhere"}`, ""); r.status != http.StatusNotFound {
+		t.Errorf("continuing a response stored elsewhere: %d %s, want 404", r.status, r.body)
+	}
+	unstored := kvlessID(t, post(t, d, "/v1/responses", `{"input":"hi","store":false}`, ""))
+	if r := get(t, d, "/v1/responses/"+unstored); r.status != http.StatusNotFound {
+		t.Errorf("store:false was stored: %d %s", r.status, r.body)
+	}
+	req, _ := http.NewRequest(http.MethodDelete, "http://"+d.Addr()+"/v1/responses/"+resp.ID, nil)
+	if r, err := client.Do(req); err != nil || r.StatusCode != 200 {
+		t.Fatalf("DELETE: %v %v", r, err)
+	} else {
+		r.Body.Close()
+	}
+	if r := get(t, d, "/v1/responses/"+resp.ID); r.status != http.StatusNotFound {
+		t.Errorf("GET after DELETE: %d", r.status)
+	}
+	var paths []string
+	for _, rec := range d.Requests() {
+		paths = append(paths, rec.Path)
+	}
+	if len(paths) != 8 || paths[1] != "/v1/responses/"+resp.ID {
+		t.Errorf("records %q: want every request, stored-response ones included", paths)
+	}
+}
+
+func kvlessID(t *testing.T, r reply) string {
+	t.Helper()
+	var resp struct{ ID string }
+	if err := json.Unmarshal(r.body, &resp); err != nil || resp.ID == "" {
+		t.Fatalf("answer %d %s", r.status, r.body)
+	}
+	return resp.ID
+}
+
+// SGLang's native generate pairs like chat; a room per sample pairs each.
+func TestSGLangGenerate(t *testing.T) {
+	tests := []struct {
+		name, fields string
+		fails        bool
+	}{
+		{"one room", `"bootstrap_room":42`, false},
+		{"a room per sample", `"bootstrap_host":["H","H","H"],"bootstrap_port":["P","P","P"],"bootstrap_room":[1,2,3]`, false},
+		{"rooms with a scalar host and port", `"bootstrap_room":[4,5]`, false},
+		{"one room twice", `"bootstrap_room":[6,6]`, true},
+		{"lists of unequal length", `"bootstrap_host":["H","H"],"bootstrap_room":[7,8,9]`, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			handshake := 5 * time.Second
+			if tt.fails {
+				handshake = 100 * time.Millisecond // the decode's wait for a prefill that refused
+			}
+			p := start(t, Config{Role: RolePrefill, Protocol: ProtocolSGLang, HandshakeTimeout: handshake})
+			d := start(t, Config{Role: RoleDecode, Protocol: ProtocolSGLang, HandshakeTimeout: handshake})
+			host, port, _ := net.SplitHostPort(p.BootstrapAddr())
+			fields := strings.NewReplacer(`"H"`, `"`+host+`"`, `"P"`, port).Replace(tt.fields)
+			if !strings.Contains(fields, "bootstrap_host") {
+				fields += `,"bootstrap_host":"` + host + `","bootstrap_port":` + port
+			}
+			body := `{"text":"once upon a time","sampling_params":{"max_new_tokens":2},"stream":true,` + fields + `}`
+			prefilled := goPost(p, "/generate", body, "req-G")
+			dr := post(t, d, "/generate", body, "req-G")
+			pr := <-prefilled
+			if tt.fails {
+				if pr.status < 400 || dr.status < 400 {
+					t.Fatalf("prefill %d %s, decode %d %s; want both to fail", pr.status, pr.body, dr.status, dr.body)
+				}
+				return
+			}
+			if dr.status != 200 || dr.header.Get("x-pdsim-kv") != kvHit || pr.status != 200 {
+				t.Fatalf("decode %d %v %s; prefill %d %s", dr.status, dr.header, dr.body, pr.status, pr.body)
+			}
+			if data := events(t, dr.body); len(data) != 3 || !strings.Contains(data[1], `"text":"tok0 tok1"`) || data[2] != "[DONE]" {
+				t.Errorf("decode stream %q", data)
+			}
+		})
+	}
+}
+
+func TestOtherEndpointsAreRecorded(t *testing.T) {
+	d := start(t, Config{})
+	for _, path := range []string{"/v1/embeddings", "/tokenize", "/v1/tokenize", "/detokenize", "/flush_cache", "/reset_prefix_cache"} {
+		if r := post(t, d, path, `{"model":"pdsim","input":"x `+path+`"}`, ""); r.status != 200 {
+			t.Errorf("POST %s: %d %s", path, r.status, r.body)
+		}
+	}
+	recs := d.Requests()
+	if len(recs) != 6 || recs[0].Path != "/v1/embeddings" || string(recs[4].Body) != `{"model":"pdsim","input":"x /flush_cache"}` || recs[4].Status != 200 {
+		t.Errorf("records %+v: want each request with its body", recs)
+	}
+}

@@ -1,0 +1,105 @@
+package pdsim
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+)
+
+// outputID is the token id of output token i, so tests can assert content.
+func outputID(i int) int { return 1000 + i }
+
+// generateAnswer is vLLM's GenerateResponse (token ids out); a stream sends
+// one per token, with that token's id.
+type generateAnswer struct {
+	RequestID        string           `json:"request_id"`
+	Choices          []generateChoice `json:"choices"`
+	PromptLogprobs   any              `json:"prompt_logprobs"`
+	KVTransferParams json.RawMessage  `json:"kv_transfer_params,omitempty"`
+}
+
+type generateChoice struct {
+	Index        int     `json:"index"`
+	Logprobs     any     `json:"logprobs"`
+	FinishReason *string `json:"finish_reason"`
+	TokenIDs     []int   `json:"token_ids"`
+}
+
+// answerGenerate answers vLLM's token-in API, whose kv_transfer_params comes
+// back at the top level.
+func (s *Server) answerGenerate(ctx context.Context, w http.ResponseWriter, req *request, res kvResult, n int, finish string) error {
+	var out *sse
+	if req.stream {
+		stream := newSSE(w)
+		out = &stream
+	}
+	ids := []int{}
+	err := s.tokens(ctx, n, func(i int) error {
+		ids = append(ids, outputID(i))
+		if out == nil {
+			return nil
+		}
+		var fr *string
+		if i == n-1 {
+			fr = &finish
+		}
+		return out.send(generateAnswer{RequestID: req.internalID, Choices: []generateChoice{{FinishReason: fr, TokenIDs: []int{outputID(i)}}}})
+	})
+	if err != nil {
+		return err
+	}
+	if out != nil {
+		return out.raw([]byte("[DONE]"))
+	}
+	a := generateAnswer{RequestID: req.internalID, Choices: []generateChoice{{FinishReason: &finish, TokenIDs: ids}}, KVTransferParams: res.params}
+	if a.KVTransferParams == nil {
+		a.KVTransferParams = json.RawMessage("null")
+	}
+	writeJSON(w, http.StatusOK, a)
+	return nil
+}
+
+// sglangAnswer is SGLang's native generate answer; a stream sends the text
+// and ids so far with each token.
+type sglangAnswer struct {
+	Text      string     `json:"text"`
+	OutputIDs []int      `json:"output_ids"`
+	MetaInfo  sglangMeta `json:"meta_info"`
+}
+
+type sglangMeta struct {
+	ID               string         `json:"id"`
+	FinishReason     map[string]any `json:"finish_reason"`
+	PromptTokens     int            `json:"prompt_tokens"`
+	CompletionTokens int            `json:"completion_tokens"`
+}
+
+// answerSGLang answers SGLang's /generate.
+func (s *Server) answerSGLang(ctx context.Context, w http.ResponseWriter, req *request, n int, finish string) error {
+	var out *sse
+	if req.stream {
+		stream := newSSE(w)
+		out = &stream
+	}
+	a := sglangAnswer{OutputIDs: []int{}, MetaInfo: sglangMeta{ID: req.id, PromptTokens: req.promptTokens}}
+	err := s.tokens(ctx, n, func(i int) error {
+		a.Text += token(i)
+		a.OutputIDs = append(a.OutputIDs, outputID(i))
+		a.MetaInfo.CompletionTokens = i + 1
+		if i == n-1 {
+			a.MetaInfo.FinishReason = map[string]any{"type": finish}
+		}
+		if out == nil {
+			return nil
+		}
+		return out.send(a)
+	})
+	switch {
+	case err != nil:
+		return err
+	case out != nil:
+		return out.raw([]byte("[DONE]"))
+	}
+	writeJSON(w, http.StatusOK, a)
+	return nil
+}
