@@ -21,6 +21,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 )
 
 // What the manifests in config/envoy/gateway promise; the names come from those files.
@@ -33,8 +34,28 @@ const (
 	extprocServicePort   = 9002
 )
 
-// gatewayInferencePaths are the OpenAI paths the HTTPRoute must send through pd-extproc.
-var gatewayInferencePaths = []string{"/v1/chat/completions", "/v1/completions"}
+// gatewayPaths are the paths the HTTPRoute must send through pd-extproc: every
+// built-in API's and every entry's of the default pass-through list (a path
+// below a prefix entry for it).
+func gatewayPaths(t *testing.T) []string {
+	t.Helper()
+	var paths []string
+	for _, a := range api.Builtin {
+		paths = append(paths, a.Path)
+	}
+	routes, err := api.ParseRoutes("routes.passthrough", api.DefaultPassthrough)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range routes {
+		if r.Prefix {
+			paths = append(paths, r.Path+"some-id")
+		} else {
+			paths = append(paths, r.Path)
+		}
+	}
+	return paths
+}
 
 // gatewayManifests concatenates the manifests of config/envoy/gateway into one stream, the
 // form `egctl x translate --file` takes; `kubectl apply -f` on the directory reads the same.
@@ -104,6 +125,22 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 			wants: []string{"is not an ORIGINAL_DST cluster"},
 		},
 		{
+			// A path of the API table that no route matches gets Envoy's own 404:
+			// the pass-through list is only as good as the HTTPRoute's matches.
+			name: "a pass-through path without a route match",
+			edit: func(m string) string {
+				return strings.Replace(m, "        - path: {type: PathPrefix, value: /v1/embeddings}\n", "", 1)
+			},
+			wants: []string{"no inference route for /v1/embeddings"},
+		},
+		{
+			name: "stored responses without a route match",
+			edit: func(m string) string {
+				return strings.Replace(m, "{type: PathPrefix, value: /v1/responses}", "{type: Exact, value: /v1/responses}", 1)
+			},
+			wants: []string{"no inference route for /v1/responses/some-id"},
+		},
+		{
 			name: "envoy.lb not writable by the processor",
 			edit: func(m string) string {
 				return strings.Replace(m, "- envoy.lb", "- pd-extproc", 1)
@@ -128,7 +165,7 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 			}
 			var r report
 			checkGatewayStatus(res, &r)
-			checkGatewayXDS(res, limits, &r)
+			checkGatewayXDS(res, limits, gatewayPaths(t), &r)
 			for _, w := range r.warnings {
 				t.Logf("warning: %s", w)
 			}
@@ -184,7 +221,7 @@ func checkGatewayStatus(res map[string]any, r *report) {
 
 // checkGatewayXDS parses the xDS egctl produced into Envoy's types, runs the same proto and
 // semantic rules as the standalone configs, and then checks what the manifests promise.
-func checkGatewayXDS(res map[string]any, limits serviceLimits, r *report) {
+func checkGatewayXDS(res map[string]any, limits serviceLimits, paths []string, r *report) {
 	configs, _ := dig(res, "xds", gatewayXDSKey, "configs").([]any)
 	if len(configs) == 0 {
 		r.errorf("egctl produced no xDS for %s", gatewayXDSKey)
@@ -233,12 +270,13 @@ func checkGatewayXDS(res map[string]any, limits serviceLimits, r *report) {
 		}
 	}
 	m.check(limits, r)
-	checkGatewayPromises(m, listeners, endpoints, limits, r)
+	checkGatewayPromises(m, listeners, endpoints, limits, paths, r)
 }
 
 // checkGatewayPromises: the inference listener runs pd-extproc in FULL_DUPLEX over HTTP/2 to
-// the extproc Service, and both inference paths go to the ORIGINAL_DST cluster.
-func checkGatewayPromises(m *envoyModel, listeners []*listenerv3.Listener, endpoints map[string]*endpointv3.ClusterLoadAssignment, limits serviceLimits, r *report) {
+// the extproc Service, and every path of the API table (paths) goes to the ORIGINAL_DST cluster.
+func checkGatewayPromises(m *envoyModel, listeners []*listenerv3.Listener, endpoints map[string]*endpointv3.ClusterLoadAssignment,
+	limits serviceLimits, paths []string, r *report) {
 	var hcm *hcmUse
 	for i, u := range m.hcms {
 		if u.hcm.GetRds().GetRouteConfigName() == gatewayRouteConfig {
@@ -281,13 +319,13 @@ func checkGatewayPromises(m *envoyModel, listeners []*listenerv3.Listener, endpo
 	}
 
 	rc := m.routeConfigs[gatewayRouteConfig]
-	var seen []string
+	var matches []*routev3.RouteMatch
 	for _, vh := range rc.GetVirtualHosts() {
 		for _, rt := range vh.GetRoutes() {
 			if !strings.HasPrefix(rt.GetName(), inferenceRoutePrefix) {
 				continue
 			}
-			seen = append(seen, rt.GetMatch().GetPathSeparatedPrefix(), rt.GetMatch().GetPrefix(), rt.GetMatch().GetPath())
+			matches = append(matches, rt.GetMatch())
 			cluster := rt.GetRoute().GetCluster()
 			if c, ok := m.clusters[cluster]; !ok || c.GetType() != clusterv3.Cluster_ORIGINAL_DST {
 				r.errorf("route %s goes to %q, which is not an ORIGINAL_DST cluster: the EnvoyPatchPolicy did not apply", rt.GetName(), cluster)
@@ -300,11 +338,26 @@ func checkGatewayPromises(m *envoyModel, listeners []*listenerv3.Listener, endpo
 			}
 		}
 	}
-	for _, p := range gatewayInferencePaths {
-		if !slices.Contains(seen, p) {
+	for _, p := range paths {
+		if !slices.ContainsFunc(matches, func(m *routev3.RouteMatch) bool { return routeMatches(m, p) }) {
 			r.errorf("no inference route for %s", p)
 		}
 	}
+}
+
+// routeMatches reports whether an Envoy route match takes path, as Envoy's
+// router matches paths (case-sensitive).
+func routeMatches(m *routev3.RouteMatch, path string) bool {
+	switch {
+	case m.GetPath() != "":
+		return path == m.GetPath()
+	case m.GetPathSeparatedPrefix() != "":
+		p := m.GetPathSeparatedPrefix()
+		return path == p || strings.HasPrefix(path, p+"/")
+	case m.GetPrefix() != "":
+		return strings.HasPrefix(path, m.GetPrefix())
+	}
+	return false
 }
 
 func claHasPort(cla *endpointv3.ClusterLoadAssignment, port uint32) bool {

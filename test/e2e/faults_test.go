@@ -494,15 +494,22 @@ func TestFaultOverloadIs429(t *testing.T) {
 // TestSGLangNeverGoesDecodeOnly: an SGLang decode server in PD mode
 // cannot serve a request without bootstrap fields (pdsim: 400 "bootstrap_room
 // is required"; SGLang with DP attention asserts "send to the router instead").
-// So under kv-sglang extproc never routes decode-only: n>1 goes P/D (SGLang
-// serves it with one room, adding the sample index), and with no prefill
-// endpoint ready the answer is 503. Any client can send n:2.
+// So under kv-sglang extproc never routes decode-only: a batch goes P/D with
+// one room (SGLang adds the prompt's index), n>1 is refused by default (its
+// samples would share a room, on which SGLang is reported to hang), and with
+// no prefill endpoint ready the answer is 503. Any client can send either.
 func TestSGLangNeverGoesDecodeOnly(t *testing.T) {
 	r := startRig(t, rigOptions{connector: "kv-sglang"})
-	body := `{"model":"pdsim","prompt":"two samples","n":2,"max_tokens":4}`
-	resp, got := r.must(t, "/v1/completions", body, nil)
-	if resp.StatusCode != http.StatusOK {
-		t.Errorf("n:2 under kv-sglang: status %d (%.200s), want 200 through P/D", resp.StatusCode, got)
+	resp, got := r.must(t, "/v1/completions", `{"model":"pdsim","prompt":["two prompts","in a batch"],"max_tokens":4}`, nil)
+	if resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
+		t.Errorf("a batch under kv-sglang: status %d, KV %q (%.200s), want 200 through P/D", resp.StatusCode, resp.Header.Get("x-pdsim-kv"), got)
+	}
+	resp, got = r.must(t, "/v1/completions", `{"model":"pdsim","prompt":"two samples","n":2,"max_tokens":4}`, nil)
+	if resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("n:2 under kv-sglang: status %d (%.200s), want 400", resp.StatusCode, got)
+	}
+	if recs := append(recordsWith(r.decode, "two samples"), recordsWith(r.prefill, "two samples")...); len(recs) != 0 {
+		t.Errorf("a refused request reached an engine: %+v", recs)
 	}
 }
 

@@ -315,8 +315,8 @@ func TestHostileInputsGetAClear4xx(t *testing.T) {
 		{name: "invalid UTF-8", path: "/v1/completions", body: "{\"model\":\"pdsim\",\"prompt\":\"\xff\xfe\xc0\"}", want: 400, by: "extproc", says: "not valid UTF-8"},
 		{name: "not JSON", path: "/v1/completions", body: `model=pdsim&prompt=hi`, want: 400, by: "extproc", says: "not valid JSON"},
 		{name: "a model of 1 MiB", path: "/v1/completions", body: `{"model":"` + strings.Repeat("m", 1<<20) + `","prompt":"x"}`, want: 400, by: "extproc", says: "model names are at most"},
-		{name: "unknown path with a body", path: "/v1/embeddings", body: `{"model":"pdsim","input":"x"}`, want: 404, by: "extproc", says: "unknown path"},
-		{name: "unknown path without a body", method: http.MethodGet, path: "/admin/config", want: 404, by: "engine", says: "Not Found"},
+		{name: "unknown path with a body", path: "/admin/config", body: `{"model":"pdsim","input":"x"}`, want: 404, by: "extproc", says: "unknown path"},
+		{name: "unknown path without a body", method: http.MethodGet, path: "/admin/config", want: 404, by: "extproc", says: "unknown path"},
 		{
 			name: "a 1 MiB header", path: "/v1/completions", body: prompt(100), header: http.Header{"X-Big": {strings.Repeat("h", 1<<20)}},
 			want: 431, by: "Envoy",

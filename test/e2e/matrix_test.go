@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"encoding/json"
 	"fmt"
 	"net/http"
 	"strings"
@@ -11,35 +10,35 @@ import (
 )
 
 // TestMatrix sends real client requests through the Envoy emulator and checks,
-// for every body mode × connector × stream × API, that the client got a correct
-// completion and that the engines saw a KV handoff from the prefill endpoint the
-// service chose to the decode endpoint it chose, with one request id on both legs.
+// for every body mode × connector × stream × API the connector disaggregates,
+// that the client got a correct answer and that the engines saw a KV handoff
+// from the prefill endpoint the service chose to the decode endpoint it chose,
+// with one request id on both legs. Each rig also checks the rest of the API
+// table: pass-through paths reach a decode engine scrubbed, and everything
+// else, the engines' admin endpoints first, gets extproc's 404.
 func TestMatrix(t *testing.T) {
+	apis := map[string][]string{
+		"kv-nixl":           {"chat", "completions", "responses", "generate"},
+		"kv-shared-storage": {"chat", "completions", "responses", "generate"},
+		"kv-sglang":         {"chat", "completions", "sglang/generate"},
+	}
 	for _, mode := range []string{"full_duplex", "buffered"} {
 		t.Run(mode, func(t *testing.T) {
 			for _, connector := range []string{"kv-nixl", "kv-shared-storage", "kv-sglang"} {
 				t.Run(connector, func(t *testing.T) {
 					r := startRig(t, rigOptions{mode: mode, connector: connector})
 					for _, stream := range []string{"stream", "non-stream"} {
-						for _, api := range []string{"chat", "completions"} {
+						for _, api := range apis[connector] {
 							t.Run(stream+"/"+api, func(t *testing.T) {
 								r.checkHandoff(t, stream == "stream", api, fmt.Sprintf("%s %s %s %s", mode, connector, stream, api))
 							})
 						}
 					}
+					t.Run("routes", func(t *testing.T) { r.checkRoutes(t, fmt.Sprintf("routes of %s %s", mode, connector)) })
 				})
 			}
 		})
 	}
-}
-
-// request builds an OpenAI request whose prompt names the case, so each case's
-// legs can be found in the simulators' records.
-func request(api string, stream bool, prompt string) (path, body string) {
-	if api == "chat" {
-		return "/v1/chat/completions", fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":%q}],"stream":%v,"max_tokens":4}`, prompt, stream)
-	}
-	return "/v1/completions", fmt.Sprintf(`{"model":"pdsim","prompt":%q,"stream":%v,"max_tokens":4}`, prompt, stream)
 }
 
 func (r *rig) checkHandoff(t *testing.T, stream bool, api, prompt string) {
@@ -48,9 +47,10 @@ func (r *rig) checkHandoff(t *testing.T, stream bool, api, prompt string) {
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("status %d: %s", resp.StatusCode, got)
 	}
-	checkCompletion(t, stream, got)
+	checkAnswer(t, api, stream, got)
 
-	has := func(rec pdsim.Record) bool { return strings.Contains(string(rec.Body), prompt) }
+	marker := markerOf(api, prompt)
+	has := func(rec pdsim.Record) bool { return strings.Contains(string(rec.Body), marker) }
 	prefill, pRec := served(t, r.prefill, has)
 	decode, dRec := served(t, r.decode, has)
 	if up := r.proxy.Upstreams(); up[len(up)-1] != decode.Addr() {
@@ -73,23 +73,6 @@ func (r *rig) checkHandoff(t *testing.T, stream bool, api, prompt string) {
 	}
 	if pRec.RequestID == "" || dRec.RequestID != pRec.RequestID || dRec.KVRequestID != pRec.RequestID {
 		t.Errorf("request ids: prefill %q, decode %q, KV issued for %q; want one id", pRec.RequestID, dRec.RequestID, dRec.KVRequestID)
-	}
-}
-
-// checkCompletion checks the client got tokens from the decode simulator.
-func checkCompletion(t *testing.T, stream bool, body string) {
-	t.Helper()
-	if stream {
-		if !strings.HasPrefix(body, "data: ") || !strings.HasSuffix(body, "data: [DONE]\n\n") || !strings.Contains(body, "tok0") {
-			t.Errorf("not an SSE completion ending in [DONE]: %.300s", body)
-		}
-		return
-	}
-	var c struct {
-		Choices []json.RawMessage `json:"choices"`
-	}
-	if err := json.Unmarshal([]byte(body), &c); err != nil || len(c.Choices) != 1 || !strings.Contains(body, "tok0") {
-		t.Errorf("not a completion: %.300s", body)
 	}
 }
 

@@ -1,0 +1,190 @@
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+)
+
+// request builds a request of api (chat, completions, responses, generate or
+// sglang/generate) whose prompt names the case, so that each case's legs can
+// be found in the simulators' records (markerOf).
+func request(api string, stream bool, prompt string) (path, body string) {
+	switch api {
+	case "chat":
+		return "/v1/chat/completions", fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":%q}],"stream":%v,"max_tokens":4}`, prompt, stream)
+	case "responses":
+		return "/v1/responses", fmt.Sprintf(`{"model":"pdsim","input":%q,"stream":%v,"max_output_tokens":4}`, prompt, stream)
+	case "generate":
+		return "/inference/v1/generate", fmt.Sprintf(`{"token_ids":%s,"stream":%v,"sampling_params":{"max_tokens":4}}`, markerOf(api, prompt), stream)
+	case "sglang/generate":
+		return "/generate", fmt.Sprintf(`{"text":%q,"stream":%v,"sampling_params":{"max_new_tokens":4}}`, prompt, stream)
+	}
+	return "/v1/completions", fmt.Sprintf(`{"model":"pdsim","prompt":%q,"stream":%v,"max_tokens":4}`, prompt, stream)
+}
+
+// markerOf is what a leg of request(api, …, prompt) carries of the prompt:
+// the prompt, or for the token-in API the token ids it is spelt with.
+func markerOf(api, prompt string) string {
+	if api != "generate" {
+		return prompt
+	}
+	ids := make([]string, len(prompt))
+	for i := range len(prompt) {
+		ids[i] = fmt.Sprint(prompt[i])
+	}
+	return "[" + strings.Join(ids, ",") + "]"
+}
+
+// checkCompletion checks the client got a chat or completions answer from the
+// decode simulator.
+func checkCompletion(t *testing.T, stream bool, body string) {
+	t.Helper()
+	checkAnswer(t, "chat", stream, body)
+}
+
+// checkAnswer checks the client got tokens from the decode simulator, in the
+// API's shape.
+func checkAnswer(t *testing.T, api string, stream bool, body string) {
+	t.Helper()
+	first := "tok0" // the first output token's text
+	if api == "generate" {
+		first = `"token_ids":[1000`
+	}
+	switch {
+	case !strings.Contains(body, first):
+		t.Errorf("no first token %s in %.300s", first, body)
+	case stream && api == "responses":
+		if !strings.HasPrefix(body, "event: response.created\ndata: ") || !strings.Contains(body, "event: response.completed\ndata: ") {
+			t.Errorf("not a streamed response: %.300s", body)
+		}
+	case stream:
+		if !strings.HasPrefix(body, "data: ") || !strings.HasSuffix(body, "data: [DONE]\n\n") {
+			t.Errorf("not an SSE stream ending in [DONE]: %.300s", body)
+		}
+	default:
+		var a struct {
+			Choices []json.RawMessage `json:"choices"`
+			Output  []json.RawMessage `json:"output"`
+			Text    *string           `json:"text"`
+		}
+		err := json.Unmarshal([]byte(body), &a)
+		if whole := len(a.Choices) == 1 || len(a.Output) == 1 || a.Text != nil; err != nil || !whole {
+			t.Errorf("not a whole %s answer: %.300s", api, body)
+		}
+	}
+}
+
+// checkRoutes checks the rest of the API table on a rig: a pass-through
+// request reaches one decode simulator with the client's body less the
+// handoff fields, bodiless ones too; the engines' admin endpoints and paths
+// that could resolve into them get extproc's 404, with or without a body,
+// and no simulator ever sees them.
+func (r *rig) checkRoutes(t *testing.T, marker string) {
+	const smuggled = `,"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"203.0.113.9"},"bootstrap_room":1,"bootstrap_host":"203.0.113.9"`
+	in := fmt.Sprintf(`{"model":"pdsim","input":%q%s,"seed":98765432109876543210}`, marker, smuggled)
+	want := fmt.Sprintf(`{"model":"pdsim","input":%q,"seed":98765432109876543210}`, marker)
+	resp, got := r.must(t, "/v1/embeddings", in, nil)
+	if resp.StatusCode != http.StatusOK || !strings.Contains(got, `"embedding"`) {
+		t.Fatalf("pass-through: status %d: %.300s", resp.StatusCode, got)
+	}
+	if _, rec := served(t, r.decode, func(rec pdsim.Record) bool { return strings.Contains(string(rec.Body), marker) }); string(rec.Body) != want {
+		t.Errorf("the decode engine got\n%s\nwant\n%s", rec.Body, want)
+	}
+	if recs := recordsWith(r.prefill, marker); len(recs) != 0 {
+		t.Errorf("a pass-through request reached a prefill engine: %+v", recs)
+	}
+
+	tests := []struct {
+		method, path, body string
+		want               int
+		by                 string // extproc or engine
+	}{
+		{"GET", "/v1/models", "", 200, "engine"},
+		{"POST", "/tokenize", `{"model":"pdsim","prompt":"hi"}`, 200, "engine"},
+		{"GET", "/v1/responses/resp_nowhere", "", 404, "engine"}, // passed through: the engine's own 404
+		{"POST", "/flush_cache", `{}`, 404, "extproc"},
+		{"POST", "/flush_cache", "", 404, "extproc"},
+		{"GET", "/start_profile", "", 404, "extproc"},
+		{"POST", "/sleep", `{"level":1}`, 404, "extproc"},
+		{"POST", "/reset_prefix_cache", "", 404, "extproc"},
+		{"POST", "/v1/models", `{}`, 404, "extproc"},
+		{"GET", "/v1/responses/x/..%2F..%2Fflush_cache", "", 404, "extproc"},
+		{"POST", "/v1//embeddings", `{}`, 404, "extproc"},
+	}
+	for _, tt := range tests {
+		var body *strings.Reader
+		if tt.body != "" {
+			body = strings.NewReader(tt.body)
+		}
+		req, err := http.NewRequest(tt.method, r.proxy.URL()+tt.path, nil)
+		if body != nil {
+			req, err = http.NewRequest(tt.method, r.proxy.URL()+tt.path, body)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := rigClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		fromExtproc := resp.Header.Get(envoyemu.DetailsHeader) == fmt.Sprintf("pd_extproc_%d", tt.want)
+		if resp.StatusCode != tt.want || fromExtproc != (tt.by == "extproc") {
+			t.Errorf("%s %s (body %q): status %d, from extproc %v; want %d from %s", tt.method, tt.path, tt.body, resp.StatusCode, fromExtproc, tt.want, tt.by)
+		}
+	}
+	if r.connector == "kv-sglang" {
+		path, body := request("chat", false, marker+" n=2")
+		body = strings.Replace(body, `"max_tokens":4`, `"max_tokens":4,"n":2`, 1)
+		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "pd.sglang_parallel_sampling") {
+			t.Errorf("kv-sglang n=2 by default: status %d (%.200s), want 400 naming pd.sglang_parallel_sampling", resp.StatusCode, got)
+		}
+	}
+	for _, sims := range [][]*pdsim.Server{r.prefill, r.decode} {
+		for _, s := range sims {
+			for _, rec := range s.Requests() {
+				if p := rec.Path; strings.Contains(p, "flush_cache") || p == "/start_profile" || p == "/sleep" || p == "/reset_prefix_cache" {
+					t.Errorf("%s reached the engine at %s", p, s.Addr())
+				}
+			}
+		}
+	}
+}
+
+// TestSGLangRoomPerSample: with pd.sglang_parallel_sampling: rooms, a
+// request with several samples is paired sample by sample, each in a room of
+// its own, and the decode engine takes the KV of every room.
+func TestSGLangRoomPerSample(t *testing.T) {
+	r := startRig(t, rigOptions{connector: "kv-sglang", extra: "pd: {sglang_parallel_sampling: rooms}"})
+	for _, api := range []string{"chat", "sglang/generate"} {
+		t.Run(api, func(t *testing.T) {
+			path, body := request(api, true, "three samples "+api)
+			body = strings.NewReplacer(`"max_tokens":4`, `"max_tokens":4,"n":3`, `"max_new_tokens":4`, `"max_new_tokens":4,"n":3`).Replace(body)
+			resp, got := r.must(t, path, body, nil)
+			if resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
+				t.Fatalf("status %d, KV %q: %.300s", resp.StatusCode, resp.Header.Get("x-pdsim-kv"), got)
+			}
+			checkAnswer(t, api, true, got)
+			_, dRec := served(t, r.decode, func(rec pdsim.Record) bool { return strings.Contains(string(rec.Body), "three samples "+api) })
+			_, pRec := served(t, r.prefill, func(rec pdsim.Record) bool { return strings.Contains(string(rec.Body), "three samples "+api) })
+			var legs [2]struct {
+				Rooms []uint64 `json:"bootstrap_room"`
+			}
+			for i, b := range [][]byte{pRec.Body, dRec.Body} {
+				if err := json.Unmarshal(b, &legs[i]); err != nil {
+					t.Fatalf("leg %s: %v", b, err)
+				}
+			}
+			if len(legs[1].Rooms) != 3 || legs[1].Rooms[0] == legs[1].Rooms[1] || fmt.Sprint(legs[0]) != fmt.Sprint(legs[1]) {
+				t.Errorf("rooms: prefill %v, decode %v; want the same 3 distinct rooms", legs[0].Rooms, legs[1].Rooms)
+			}
+		})
+	}
+}
