@@ -221,17 +221,21 @@ func (g *fuzzGen) chaos(n int) []*extprocv3.ProcessingRequest {
 }
 
 func (g *fuzzGen) path(i int) string {
-	switch i % 6 {
+	switch i % 8 {
 	case 0:
 		return "/v1/chat/completions"
 	case 1:
 		return "/v1/completions"
 	case 2:
-		return "/v1/embeddings"
+		return "/flush_cache" // an engine admin path: 404
 	case 3:
 		return "/v1/chat/completions?api-version=1"
 	case 4:
 		return ""
+	case 5:
+		return "/v1/embeddings" // pass-through, scrubbed like any leg
+	case 6:
+		return "/inference/v1/generate"
 	}
 	return "/" + string(g.data.take(int(g.data.next())%16))
 }

@@ -51,7 +51,8 @@ func fuzzSeeds() [][]byte {
 		{ctlReqMode: modeFuture, ctlRespMode: modeFuture, ctlExtra: 32, ctlRespChunks: 1},                 // unknown modes
 		{ctlReqMode: modeNone, ctlExtra: 32, ctlRespMode: modeBuffered, ctlRespChunks: 1},                 // NONE routes from headers
 		{ctlReqMode: modeDuplex, ctlPath: 8},                                                              // GET without a body
-		{ctlReqMode: modeDuplex, ctlPath: 2},                                                              // unknown path: 404
+		{ctlReqMode: modeDuplex, ctlPath: 2},                                                              // an admin path: 404
+		{ctlReqMode: modeDuplex, ctlPath: 5},                                                              // pass-through
 		{ctlReqMode: modeDuplex, ctlBody: 3},                                                              // raw data body: 400
 		{ctlReqMode: modeDuplex, ctlBody: 6},                                                              // no model: 400
 		{ctlReqMode: modeDuplex, ctlBody: 5},                                                              // n=2: decode-only
