@@ -48,6 +48,8 @@ func TestNilMetricsRecordNothing(t *testing.T) {
 	m.Decision(ReasonLongPrompt)
 	m.PrefillAttempt(time.Second, FailureTimeout)
 	m.KVParamsMissing()
+	m.UsageRewrite(UsageRewritten)
+	m.KVParamsSuspect()
 }
 
 func TestPrefillAttemptOutcomes(t *testing.T) {
@@ -99,6 +101,8 @@ func TestSeriesExistBeforeTheFirstEvent(t *testing.T) {
 		{"pd_extproc_request_processing_seconds", map[string]string{"mode": ModeDecodeOnly}},
 		{"pd_extproc_kv_params_missing_total", nil},
 		{"pd_extproc_streams_in_flight", nil},
+		{"pd_extproc_usage_rewrites_total", map[string]string{"outcome": UsagePrefillMissing}},
+		{"pd_extproc_kv_params_suspect_total", nil},
 	}
 	for _, tt := range tests {
 		if v, ok := sample(t, m, tt.name, tt.labels); !ok || v != 0 {
