@@ -114,6 +114,9 @@ func (s *Server) generate(ctx context.Context, w http.ResponseWriter, req *reque
 		n, finish = 1, "length"
 	}
 	u := &usage{PromptTokens: req.promptTokens, CompletionTokens: n, TotalTokens: req.promptTokens + n}
+	if cached := s.metrics.cachedTokens(req, res.outcome == kvHit); s.cfg.PromptTokensDetails {
+		u.PromptTokensDetails = &tokensDetails{CachedTokens: cached}
+	}
 	if !req.stream {
 		text := ""
 		for i := range n {
