@@ -2,6 +2,7 @@ package response
 
 import (
 	"bytes"
+	"cmp"
 	"strings"
 	"testing"
 
@@ -111,7 +112,7 @@ func TestRewriterChangesOnlyTheNumber(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r := New(chatPath, []byte("8"), cmpOr(tt.limit, 1<<20))
+			r := New(chatPath, []byte("8"), cmp.Or(tt.limit, 1<<20))
 			r.Start(tt.headers.status, tt.headers.contentType, tt.headers.encode)
 			var all strings.Builder
 			for i, c := range tt.chunks {
@@ -190,11 +191,4 @@ func FuzzRewriterIgnoresChunking(f *testing.F) {
 			t.Fatalf("outcome %q cut, %q whole", r.Outcome(), whole.Outcome())
 		}
 	})
-}
-
-func cmpOr(a, b int) int {
-	if a != 0 {
-		return a
-	}
-	return b
 }
