@@ -24,8 +24,9 @@ import (
 
 type options struct {
 	binDir, targets, modes, sizes, concs, prefill, out, logDir, pprofDir string
+	answerTargets, answerConcs                                           string
 	duration, warmup                                                     time.Duration
-	requests, conns, rttRequests                                         int
+	requests, conns, rttRequests, answerTokens                           int
 	keepLogs                                                             bool
 }
 
@@ -55,6 +56,10 @@ func main() {
 	flag.StringVar(&o.logDir, "logs", "", "directory for the children's logs and configs (default: a new temporary directory)")
 	flag.StringVar(&o.pprofDir, "pprof-dir", "", "save a CPU and an allocs profile of the server of each cell here (runs extproc with --pprof)")
 	flag.BoolVar(&o.keepLogs, "keep-logs", false, "keep the children's logs of cells that succeed (extproc logs a line per request)")
+	flag.IntVar(&o.answerTokens, "answer-tokens", 64, "response cells: token events per streamed answer (0: no response cells)")
+	flag.StringVar(&o.answerTargets, "answer-targets", TargetPDFake+","+TargetPDUsage,
+		"response cells' targets: pd-fake passes the answer through, pd-usage rewrites its usage (echo: the floor)")
+	flag.StringVar(&o.answerConcs, "answer-conc", "1,64", "response cells' concurrent streams")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -74,17 +79,19 @@ func run(ctx context.Context, o options) error {
 	if err != nil {
 		return err
 	}
-	concs, err := parseList(o.concs, func(s string) (int, error) {
-		n, err := strconv.Atoi(s)
-		if err != nil || n < 1 {
-			return 0, fmt.Errorf("concurrency %q: want a positive integer", s)
-		}
-		return n, nil
-	})
+	concs, err := parseList(o.concs, parseConc)
 	if err != nil {
 		return err
 	}
-	if err := checkBinaries(o, targets); err != nil {
+	answerConcs, err := parseList(o.answerConcs, parseConc)
+	if err != nil {
+		return err
+	}
+	answerTargets := splitList(o.answerTargets)
+	if o.answerTokens <= 0 {
+		answerTargets = nil
+	}
+	if err := checkBinaries(o, append(slices.Clone(targets), answerTargets...)); err != nil {
 		return err
 	}
 	if o.logDir == "" {
@@ -145,6 +152,11 @@ func run(ctx context.Context, o options) error {
 			}
 		}
 	}
+	if len(answerTargets) > 0 {
+		if err := runAnswers(ctx, copts, rep, answerTargets, answerConcs, o.answerTokens, start); err != nil {
+			return err
+		}
+	}
 	rep.Header = append(rep.Header, "load average at the end: "+loadAverage(),
 		fmt.Sprintf("wall time of the run: %s; children's logs: %s", time.Since(start).Round(time.Second), o.logDir))
 
@@ -158,6 +170,37 @@ func run(ctx context.Context, o options) error {
 		w = io.MultiWriter(os.Stdout, f)
 	}
 	rep.Write(w, l, modes, sizes, concs, targets)
+	rep.writeAnswers(w, answerTargets, answerConcs)
+	return nil
+}
+
+// answerSize is the request body of the response cells: what they measure
+// is the answer, after an ordinary small request.
+const answerSize = 4 << 10
+
+// runAnswers runs the response cells: each target at each concurrency, the
+// targets interleaved cell by cell as in the main loop.
+func runAnswers(ctx context.Context, copts CellOptions, rep *Report, targets []string, concs []int, tokens int, start time.Time) error {
+	p := NewPayload(chatBody(answerSize, answerSize))
+	n, total := 0, len(targets)*len(concs)
+	for _, conc := range concs {
+		for _, target := range targets {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			n++
+			cell := Cell{Target: target, Mode: FullDuplex, Size: answerSize, Concurrency: conc, Tokens: tokens}
+			res, err := runCell(ctx, copts, cell, p)
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "[answers %d/%d] %s: FAILED: %v\n", n, total, cell, err)
+				rep.Failed = append(rep.Failed, fmt.Sprintf("%s: %v", cell, err))
+				continue
+			}
+			rep.Answers = append(rep.Answers, res)
+			fmt.Fprintf(os.Stderr, "[answers %d/%d] %s: %d answers, %d chunks, chunk p50 %s ms, p99 %s ms, cpu %.2fs, errors %d (%s elapsed)\n",
+				n, total, cell, res.Requests, res.Chunks, ms(res.P50), ms(res.P99), res.ServerCPU, res.Errors, time.Since(start).Round(time.Second))
+		}
+	}
 	return nil
 }
 
@@ -244,13 +287,13 @@ func checkBinaries(o options, targets []string) error {
 		switch t {
 		case TargetEcho:
 			need["echo"] = true
-		case TargetDecode, TargetPD, TargetPDFake:
+		case TargetDecode, TargetPD, TargetPDFake, TargetPDUsage:
 			need["extproc"] = true
 			if t == TargetPD && o.prefill == SimPdsim {
 				need["pdsim"] = true
 			}
 		default:
-			return fmt.Errorf("unknown target %q (want %s, %s, %s or %s)", t, TargetPD, TargetPDFake, TargetDecode, TargetEcho)
+			return fmt.Errorf("unknown target %q (want %s, %s, %s, %s or %s)", t, TargetPD, TargetPDFake, TargetPDUsage, TargetDecode, TargetEcho)
 		}
 	}
 	for b := range need {
@@ -259,6 +302,14 @@ func checkBinaries(o options, targets []string) error {
 		}
 	}
 	return nil
+}
+
+func parseConc(s string) (int, error) {
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 1 {
+		return 0, fmt.Errorf("concurrency %q: want a positive integer", s)
+	}
+	return n, nil
 }
 
 func splitList(s string) []string {
