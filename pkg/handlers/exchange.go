@@ -250,7 +250,7 @@ func (x *exchange) onResponseBody(b *extprocv3.HttpBody) error {
 		return x.out.Send(continueReply("response_body"))
 	}
 	if x.rewriting() {
-		return x.sendResponse(x.decision.Rewrite.Body(b.GetBody(), b.GetEndOfStream()).Chunks(maxStreamedChunk), b.GetEndOfStream())
+		return x.passResponse(b.GetBody(), b.GetEndOfStream(), b.GetEndOfStream())
 	}
 	// Echo at once: SSE tokens must keep streaming to the client.
 	return x.out.Send(streamedChunk(false, b.GetBody(), b.GetEndOfStream()))
@@ -261,24 +261,36 @@ func (x *exchange) onResponseBody(b *extprocv3.HttpBody) error {
 func (x *exchange) onResponseTrailers() error {
 	if x.rewriting() && !x.responseDone && x.responseMode() == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		x.responseDone = true
-		if err := x.sendResponse(x.decision.Rewrite.Body(nil, true).Chunks(maxStreamedChunk), false); err != nil {
+		if err := x.passResponse(nil, true, false); err != nil {
 			return err
 		}
 	}
 	return x.out.Send(continueReply("response_trailers"))
 }
 
-// sendResponse sends what a rewrite lets through of the response body as
-// FULL_DUPLEX replies. While it holds a partial event there is nothing to
-// send, and Envoy needs no reply per chunk (docs/envoy.md §2.6); the reply
-// that ends the body is always sent, empty or not.
-func (x *exchange) sendResponse(chunks [][]byte, eos bool) error {
+// passResponse gives the rewrite a response chunk (last: the body ends with
+// it, or with the trailers that came) and sends what it lets through as
+// FULL_DUPLEX replies, the last with end_of_stream when eos. While it holds a
+// partial event there is nothing to send, and Envoy needs no reply per chunk
+// (docs/envoy.md §2.6); the reply that ends the body is always sent, empty or
+// not.
+func (x *exchange) passResponse(chunk []byte, last, eos bool) error {
+	out := x.decision.Rewrite.Body(chunk, last)
+	chunks := [][]byte(out) // almost always the chunk itself, one piece
+	if len(out) > 1 || out.Len() > maxStreamedChunk {
+		chunks = out.Chunks(maxStreamedChunk) // a fixed event or answer, joined; a long answer, cut
+	}
+	sent := false
 	for i, c := range chunks {
-		if last := i == len(chunks)-1; len(c) > 0 || last && eos {
-			if err := x.out.Send(streamedChunk(false, c, last && eos)); err != nil {
+		if end := eos && i == len(chunks)-1; len(c) > 0 || end {
+			if err := x.out.Send(streamedChunk(false, c, end)); err != nil {
 				return err
 			}
+			sent = true
 		}
+	}
+	if eos && !sent {
+		return x.out.Send(streamedChunk(false, nil, true))
 	}
 	return nil
 }

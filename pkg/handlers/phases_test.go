@@ -563,6 +563,8 @@ func TestUsageRewriteOnTheResponsePath(t *testing.T) {
 		answer  = `{"choices":[{"text":"tok0"}],"usage":{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":12}},"kv_transfer_params":null}`
 		fixed   = `{"choices":[{"text":"tok0"}],"usage":{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":8}},"kv_transfer_params":null}`
 	)
+	long := strings.Replace(answer, "tok0", strings.Repeat("tok ", 20000), 1)
+	longFixed := strings.Replace(fixed, "tok0", strings.Repeat("tok ", 20000), 1)
 	sse := []envoymsg.Header{{":status", "200"}, {"content-type", "text/event-stream; charset=utf-8"}}
 	jsonHeaders := []envoymsg.Header{{":status", "200"}, {"content-type", "application/json"}}
 	type reply struct {
@@ -591,6 +593,8 @@ func TestUsageRewriteOnTheResponsePath(t *testing.T) {
 			want:   []reply{{tok, false}, {fixedEv, false}}, outcome: metrics.UsageRewritten},
 		{name: "non-streamed: held to its end, then whole", responseMode: fullDuplex, headers: jsonHeaders,
 			chunks: []string{answer[:20], answer[20:]}, want: []reply{{fixed, true}}, outcome: metrics.UsageRewritten},
+		{name: "non-streamed, long: fixed, then cut into replies of at most 62,000 bytes", responseMode: fullDuplex, headers: jsonHeaders,
+			chunks: []string{long[:40000], long[40000:]}, want: []reply{{longFixed[:62000], false}, {longFixed[62000:], true}}, outcome: metrics.UsageRewritten},
 		{name: "an error answer is echoed as it comes", responseMode: fullDuplex,
 			headers: []envoymsg.Header{{":status", "500"}, {"content-type", "application/json"}},
 			chunks:  []string{answer[:20], answer[20:]}, want: []reply{{answer[:20], false}, {answer[20:], true}}, outcome: metrics.UsageNotRewritable},

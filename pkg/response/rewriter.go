@@ -25,8 +25,9 @@ type Rewriter struct {
 	key   []byte   // the path's last name, quoted: an event without it is not read
 	limit int      // bytes held at most: a JSON answer, or one event
 	kind  kind
-	held  []byte // a JSON answer so far, or the start of an event cut across chunks
-	fixed bool   // the number has been written at least once
+	held  []byte    // a JSON answer so far, or the start of an event cut across chunks
+	fixed bool      // the number has been written at least once
+	one   [1][]byte // the list of what passes as it came (see only)
 	// outcome is how the answer fared (a metrics.Usage* value), "" until known.
 	outcome string
 }
@@ -68,7 +69,8 @@ func (r *Rewriter) Outcome() string { return r.outcome }
 // Body takes the next chunk of the answer, last when it is the end (the final
 // chunk, or the trailers after it), and returns what to pass on now, in order:
 // nothing while a JSON answer or a cut event is held, everything held at the
-// end. The pieces may share chunk's bytes.
+// end. The pieces may share chunk's bytes, and the list is valid until the
+// next call: send it first.
 func (r *Rewriter) Body(chunk []byte, last bool) body.Spliced {
 	switch r.kind {
 	case whole:
@@ -76,7 +78,7 @@ func (r *Rewriter) Body(chunk []byte, last bool) body.Spliced {
 	case events:
 		return r.stream(chunk, last)
 	}
-	return nonEmpty(chunk)
+	return r.only(chunk)
 }
 
 // document collects a JSON answer and fixes it at its end; past the limit it
@@ -102,7 +104,7 @@ func (r *Rewriter) fix(doc []byte) body.Spliced {
 	r.outcome = metrics.UsageAbsent
 	start, end, ok := body.Locate(doc, r.path...)
 	if !ok {
-		return nonEmpty(doc)
+		return r.only(doc)
 	}
 	r.outcome = metrics.UsageRewritten
 	return body.Spliced{doc[:start], r.value, doc[end:]}
@@ -111,7 +113,12 @@ func (r *Rewriter) fix(doc []byte) body.Spliced {
 // giveUp passes on what is held and chunk, and the rest of the answer as it
 // comes: it is larger than the service holds for a rewrite.
 func (r *Rewriter) giveUp(chunk []byte) body.Spliced {
-	out := append(nonEmpty(r.held), nonEmpty(chunk)...)
+	var out body.Spliced
+	for _, b := range [][]byte{r.held, chunk} {
+		if len(b) > 0 {
+			out = append(out, b)
+		}
+	}
 	r.held = nil
 	r.kind = passing
 	if !r.fixed {
@@ -120,10 +127,12 @@ func (r *Rewriter) giveUp(chunk []byte) body.Spliced {
 	return out
 }
 
-// nonEmpty is b as the only piece, or no piece for no bytes.
-func nonEmpty(b []byte) body.Spliced {
+// only is b as the only piece, or no piece for no bytes. Almost every chunk
+// passes as it came, so the list is the rewriter's own, not a new one.
+func (r *Rewriter) only(b []byte) body.Spliced {
 	if len(b) == 0 {
 		return nil
 	}
-	return body.Spliced{b}
+	r.one[0] = b
+	return r.one[:]
 }

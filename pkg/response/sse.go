@@ -58,7 +58,7 @@ func eventsEnd(data []byte, from int) int {
 // value; every other byte is passed on as it is.
 func (r *Rewriter) events(b []byte) body.Spliced {
 	if !bytes.Contains(b, r.key) {
-		return nonEmpty(b)
+		return r.only(b)
 	}
 	var out body.Spliced
 	kept := 0 // b[kept:] is still to be passed on
