@@ -19,12 +19,13 @@ type Cell struct {
 	Size        int // nominal body size, as given with -sizes
 	Concurrency int
 	Tokens      int // > 0: the response path is played too, an answer of this many token events
+	Round       int // response cells run in two rounds, the second in the reverse order
 }
 
 func (c Cell) String() string {
 	s := fmt.Sprintf("%s %s %s c=%d", c.Target, c.Mode, sizeName(c.Size), c.Concurrency)
 	if c.Tokens > 0 {
-		s += fmt.Sprintf(" answer=%d tokens", c.Tokens)
+		s += fmt.Sprintf(" answer=%d tokens round %d", c.Tokens, c.Round+1)
 	}
 	return s
 }
@@ -269,7 +270,7 @@ func fileName(c Cell) string {
 	}
 	name := fmt.Sprintf("%s-%s-%s-c%d", c.Target, mode, sizeName(c.Size), c.Concurrency)
 	if c.Tokens > 0 {
-		name += fmt.Sprintf("-t%d", c.Tokens)
+		name += fmt.Sprintf("-t%d-r%d", c.Tokens, c.Round+1)
 	}
 	return name
 }
