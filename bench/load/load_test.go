@@ -17,19 +17,7 @@ import (
 // TestSmoke runs one small cell per mode against the echo server in-process,
 // so the driver does not rot between benchmark runs.
 func TestSmoke(t *testing.T) {
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := grpc.NewServer()
-	extprocv3.RegisterExternalProcessorServer(srv, echo.Server{})
-	go srv.Serve(lis)
-	defer srv.Stop()
-	client, err := Dial(lis.Addr().String(), 2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
+	client := startEcho(t)
 
 	p := NewPayload(chatBody(150<<10, 1)) // three FULL_DUPLEX chunks, three reply chunks
 	for _, mode := range []Mode{FullDuplex, Buffered} {
@@ -52,19 +40,7 @@ func TestSmoke(t *testing.T) {
 // TestSmokeResponsePath plays answers through the echo server: each chunk
 // comes back as it went, in its own reply, and is timed.
 func TestSmokeResponsePath(t *testing.T) {
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := grpc.NewServer()
-	extprocv3.RegisterExternalProcessorServer(srv, echo.Server{})
-	go srv.Serve(lis)
-	defer srv.Stop()
-	client, err := Dial(lis.Addr().String(), 2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
+	client := startEcho(t)
 
 	p, a := NewPayload(chatBody(4<<10, 1)), NewAnswer(5)
 	cell := Cell{Target: TargetEcho, Mode: FullDuplex, Size: 4 << 10, Concurrency: 2, Tokens: 5}
@@ -79,6 +55,26 @@ func TestSmokeResponsePath(t *testing.T) {
 	if err := checkAnswer(a, []byte("data: [DONE]\n\n"), decodeCachedTokens); err == nil {
 		t.Error("checkAnswer accepted a cut answer")
 	}
+}
+
+// startEcho serves the echo server in-process until the test ends and
+// returns a client of it.
+func startEcho(t *testing.T) *Client {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	extprocv3.RegisterExternalProcessorServer(srv, echo.Server{})
+	go srv.Serve(lis)
+	t.Cleanup(srv.Stop)
+	client, err := Dial(lis.Addr().String(), 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(client.Close)
+	return client
 }
 
 func TestChatBodyIsValidJSONOfTheRequestedSize(t *testing.T) {

@@ -138,10 +138,8 @@ func run(ctx context.Context, o options) error {
 					}
 					n++
 					cell := Cell{Target: target, Mode: mode, Size: size, Concurrency: conc}
-					res, err := runCell(ctx, copts, cell, payloads[size])
-					if err != nil {
-						fmt.Fprintf(os.Stderr, "[%d/%d] %s: FAILED: %v\n", n, total, cell, err)
-						rep.Failed = append(rep.Failed, fmt.Sprintf("%s: %v", cell, err))
+					res, ok := tryCell(ctx, copts, rep, cell, payloads[size], fmt.Sprintf("[%d/%d]", n, total))
+					if !ok {
 						continue
 					}
 					rep.Cells = append(rep.Cells, res)
@@ -200,10 +198,8 @@ func runAnswers(ctx context.Context, copts CellOptions, rep *Report, targets []s
 			}
 			n++
 			cell := Cell{Target: target, Mode: FullDuplex, Size: answerSize, Concurrency: conc, Tokens: tokens, Round: round}
-			res, err := runCell(ctx, copts, cell, p)
-			if err != nil {
-				fmt.Fprintf(os.Stderr, "[answers %d/%d] %s: FAILED: %v\n", n, total, cell, err)
-				rep.Failed = append(rep.Failed, fmt.Sprintf("%s: %v", cell, err))
+			res, ok := tryCell(ctx, copts, rep, cell, p, fmt.Sprintf("[answers %d/%d]", n, total))
+			if !ok {
 				continue
 			}
 			rep.Answers = append(rep.Answers, res)
@@ -212,6 +208,18 @@ func runAnswers(ctx context.Context, copts CellOptions, rep *Report, targets []s
 		}
 	}
 	return nil
+}
+
+// tryCell runs cell; a cell that fails is said on stderr after progress and
+// kept in rep, and the run goes on.
+func tryCell(ctx context.Context, copts CellOptions, rep *Report, cell Cell, p *Payload, progress string) (CellResult, bool) {
+	res, err := runCell(ctx, copts, cell, p)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "%s %s: FAILED: %v\n", progress, cell, err)
+		rep.Failed = append(rep.Failed, fmt.Sprintf("%s: %v", cell, err))
+		return res, false
+	}
+	return res, true
 }
 
 // simulators lists the prefill simulators the P/D targets use.

@@ -652,18 +652,11 @@ func TestUsageRewriteOnTheResponsePath(t *testing.T) {
 // usageCount is usage_rewrites_total{outcome}.
 func usageCount(t *testing.T, m *metrics.Metrics, outcome string) float64 {
 	t.Helper()
-	families, err := m.Registry().Gather()
-	if err != nil {
-		t.Fatal(err)
+	v, ok := m.Sample("pd_extproc_usage_rewrites_total", map[string]string{"outcome": outcome})
+	if !ok {
+		t.Fatalf("no series usage_rewrites_total{outcome=%q}", outcome)
 	}
-	for _, f := range families {
-		for _, s := range f.GetMetric() {
-			if f.GetName() == "pd_extproc_usage_rewrites_total" && s.GetLabel()[0].GetValue() == outcome {
-				return s.GetCounter().GetValue()
-			}
-		}
-	}
-	return -1
+	return v
 }
 
 // A rewrite that cannot see the response body is a config problem of the

@@ -56,30 +56,18 @@ func (l *logLines) count(substr string) int {
 	return n
 }
 
-// counter reads one series of a counter.
+// counter reads one series of a counter, labelled label=value (none when label is "").
 func counter(t *testing.T, m *metrics.Metrics, name, label, value string) float64 {
 	t.Helper()
-	families, err := m.Registry().Gather()
-	if err != nil {
-		t.Fatal(err)
+	labels := map[string]string{}
+	if label != "" {
+		labels[label] = value
 	}
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-		for _, s := range f.GetMetric() {
-			for _, l := range s.GetLabel() {
-				if l.GetName() == label && l.GetValue() == value {
-					return s.GetCounter().GetValue()
-				}
-			}
-			if label == "" {
-				return s.GetCounter().GetValue()
-			}
-		}
+	v, ok := m.Sample(name, labels)
+	if !ok {
+		t.Fatalf("no series %s{%s=%q}", name, label, value)
 	}
-	t.Fatalf("no series %s{%s=%q}", name, label, value)
-	return 0
+	return v
 }
 
 // vLLM's answers with --enable-prompt-tokens-details: the prefill engine
