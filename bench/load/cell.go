@@ -11,24 +11,33 @@ import (
 	"time"
 )
 
-// Cell is one measurement: a target, a body mode, a body size, a concurrency.
+// Cell is one measurement: a target, a body mode, a body size, a
+// concurrency, and for a response cell the token events of each answer.
 type Cell struct {
 	Target      string
 	Mode        Mode
 	Size        int // nominal body size, as given with -sizes
 	Concurrency int
+	Tokens      int // > 0: the response path is played too, an answer of this many token events
+	Round       int // response cells run in two rounds, the second in the reverse order
 }
 
 func (c Cell) String() string {
-	return fmt.Sprintf("%s %s %s c=%d", c.Target, c.Mode, sizeName(c.Size), c.Concurrency)
+	s := fmt.Sprintf("%s %s %s c=%d", c.Target, c.Mode, sizeName(c.Size), c.Concurrency)
+	if c.Tokens > 0 {
+		s += fmt.Sprintf(" answer=%d tokens round %d", c.Tokens, c.Round+1)
+	}
+	return s
 }
 
 // CellResult is what a cell measured. CPU and memory are of the ext_proc
-// server process alone unless named otherwise.
+// server process alone unless named otherwise. In a response cell the
+// percentiles are of the answers' chunks, each from its send to its reply.
 type CellResult struct {
 	Cell
 	BodyBytes     int
 	Requests      int
+	Chunks        int // answer chunks replied to (response cells)
 	Errors        int
 	FirstErr      string
 	Elapsed       time.Duration
@@ -95,14 +104,18 @@ func runCell(ctx context.Context, o CellOptions, cell Cell, p *Payload) (res Cel
 	defer client.Close()
 
 	res.IdleRSS, _, _ = memory(pid)
-	if err := verify(ctx, client, cell, p); err != nil {
+	var answer *Answer
+	if cell.Tokens > 0 {
+		answer = NewAnswer(cell.Tokens)
+	}
+	if err := verify(ctx, client, cell, p, answer); err != nil {
 		return res, fmt.Errorf("%s: the first exchange is wrong: %w", cell, err)
 	}
 	// The warm-up opens the connections and grows the buffers; a few workers
 	// suffice, and full concurrency would cost tens of seconds per big cell.
 	id := fmt.Sprintf("%s-%s-%d-%d", cell.Target, sizeName(cell.Size), cell.Mode, cell.Concurrency)
 	warm := min(cell.Concurrency, warmupWorkers)
-	warmup := Load{Mode: cell.Mode, Payload: p, Concurrency: warm, Duration: o.Warmup, IDPrefix: id + "-warmup"}
+	warmup := Load{Mode: cell.Mode, Payload: p, Answer: answer, Concurrency: warm, Duration: o.Warmup, IDPrefix: id + "-warmup"}
 	if o.Requests > 0 {
 		warmup.Requests = warm
 	}
@@ -127,7 +140,7 @@ func runCell(ctx context.Context, o CellOptions, cell Cell, p *Payload) (res Cel
 		profiled <- nil
 	}
 
-	lr := client.Run(ctx, Load{Mode: cell.Mode, Payload: p, Concurrency: cell.Concurrency, Duration: o.Duration,
+	lr := client.Run(ctx, Load{Mode: cell.Mode, Payload: p, Answer: answer, Concurrency: cell.Concurrency, Duration: o.Duration,
 		Requests: o.Requests, IDPrefix: id})
 
 	server1, _ := cpuSeconds(pid)
@@ -160,18 +173,32 @@ func runCell(ctx context.Context, o CellOptions, cell Cell, p *Payload) (res Cel
 	if lr.FirstErr != nil {
 		res.FirstErr = lr.FirstErr.Error()
 	}
-	res.P50, res.P99, res.Avg = Percentile(lr.Latencies, 0.50), Percentile(lr.Latencies, 0.99), Mean(lr.Latencies)
+	lat := lr.Latencies
+	if answer != nil {
+		lat, res.Chunks = lr.Chunks, len(lr.Chunks)
+	}
+	res.P50, res.P99, res.Avg = Percentile(lat, 0.50), Percentile(lat, 0.99), Mean(lat)
 	return res, nil
 }
 
 // verify runs one exchange and checks what Envoy would forward: the decode
-// endpoint in the routing header, and the body the target must produce.
-func verify(ctx context.Context, c *Client, cell Cell, p *Payload) error {
+// endpoint in the routing header, the body the target must produce, and the
+// answer the client would get.
+func verify(ctx context.Context, c *Client, cell Cell, p *Payload, a *Answer) error {
 	ctx, cancel := context.WithTimeout(ctx, requestTimeout)
 	defer cancel()
-	r, err := roundTrip(ctx, c.procs[0], cell.Mode, p, "bench-verify", true)
+	r, err := roundTrip(ctx, c.procs[0], cell.Mode, p, a, "bench-verify", true)
 	if err != nil {
 		return err
+	}
+	if a != nil {
+		want := decodeCachedTokens
+		if cell.Target == TargetPDUsage {
+			want = fakePrefillCached
+		}
+		if err := checkAnswer(a, r.Answer, want); err != nil {
+			return err
+		}
 	}
 	if r.Destination != "127.0.0.1:8201" {
 		return fmt.Errorf("%s = %q, want 127.0.0.1:8201", DestinationHeader, r.Destination)
@@ -241,5 +268,9 @@ func fileName(c Cell) string {
 	if c.Mode == Buffered {
 		mode = "buf"
 	}
-	return fmt.Sprintf("%s-%s-%s-c%d", c.Target, mode, sizeName(c.Size), c.Concurrency)
+	name := fmt.Sprintf("%s-%s-%s-c%d", c.Target, mode, sizeName(c.Size), c.Concurrency)
+	if c.Tokens > 0 {
+		name += fmt.Sprintf("-t%d-r%d", c.Tokens, c.Round+1)
+	}
+	return name
 }

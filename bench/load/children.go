@@ -32,10 +32,14 @@ func runChild(name string, args []string) error {
 	return serveFakePrefill(*addr)
 }
 
-// fakePrefillAnswer is a vLLM NIXL prefill's non-streamed answer.
+// fakePrefillCached is the prompt tokens the fake prefill found cached.
+const fakePrefillCached = "384"
+
+// fakePrefillAnswer is a vLLM NIXL prefill's non-streamed answer, from an
+// engine run with --enable-prompt-tokens-details.
 const fakePrefillAnswer = `{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,"model":"` + Model + `",` +
 	`"choices":[{"index":0,"message":{"role":"assistant","content":"The"},"finish_reason":"length"}],` +
-	`"usage":{"prompt_tokens":1000,"completion_tokens":1,"total_tokens":1001},` +
+	`"usage":{"prompt_tokens":1000,"completion_tokens":1,"total_tokens":1001,"prompt_tokens_details":{"cached_tokens":` + fakePrefillCached + `}},` +
 	`"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1,2,3,4,5,6,7,8]],` +
 	`"remote_engine_id":"bench-engine","remote_request_id":"chatcmpl-bench","remote_host":"127.0.0.1","remote_port":5600,` +
 	`"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":1000,"remote_blocks_expiry_time":null,"transfer_mode":"pull"}}`

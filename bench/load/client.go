@@ -65,15 +65,18 @@ func (c *Client) Close() {
 type Load struct {
 	Mode        Mode
 	Payload     *Payload
+	Answer      *Answer // when set, the response path is played after each request
 	Concurrency int
 	Duration    time.Duration // used when Requests is 0
 	Requests    int
 	IDPrefix    string // request ids are IDPrefix-<n>, unique per run
 }
 
-// LoadResult holds the latencies of the completed requests, sorted.
+// LoadResult holds the latencies of the completed requests, sorted, and of
+// their answers' chunks.
 type LoadResult struct {
 	Latencies []time.Duration
+	Chunks    []time.Duration
 	Errors    int
 	FirstErr  error
 	Elapsed   time.Duration // first request sent to last reply received
@@ -102,7 +105,7 @@ func (c *Client) Run(ctx context.Context, l Load) LoadResult {
 	for w := range l.Concurrency {
 		proc := c.procs[w%len(c.procs)]
 		wg.Go(func() {
-			var lat []time.Duration
+			var lat, chunks []time.Duration
 			var errs int
 			var firstErr error
 			for {
@@ -112,7 +115,7 @@ func (c *Client) Run(ctx context.Context, l Load) LoadResult {
 				}
 				rctx, cancel := context.WithTimeout(ctx, requestTimeout)
 				t0 := time.Now()
-				_, err := roundTrip(rctx, proc, l.Mode, l.Payload, fmt.Sprintf("%s-%d", l.IDPrefix, n), false)
+				r, err := roundTrip(rctx, proc, l.Mode, l.Payload, l.Answer, fmt.Sprintf("%s-%d", l.IDPrefix, n), false)
 				d := time.Since(t0)
 				cancel()
 				if err != nil {
@@ -123,9 +126,11 @@ func (c *Client) Run(ctx context.Context, l Load) LoadResult {
 					continue
 				}
 				lat = append(lat, d)
+				chunks = append(chunks, r.Chunks...)
 			}
 			mu.Lock()
 			res.Latencies = append(res.Latencies, lat...)
+			res.Chunks = append(res.Chunks, chunks...)
 			res.Errors += errs
 			if res.FirstErr == nil {
 				res.FirstErr = firstErr
@@ -136,6 +141,7 @@ func (c *Client) Run(ctx context.Context, l Load) LoadResult {
 	wg.Wait()
 	res.Elapsed = time.Since(start)
 	slices.Sort(res.Latencies)
+	slices.Sort(res.Chunks)
 	return res
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"time"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -70,8 +71,14 @@ func NewPayload(body []byte) *Payload {
 
 // headersMessage is the first message of a stream, as Envoy sends a chat
 // completion POST: pseudo-headers, the client's headers, the ones Envoy adds,
-// and protocol_config. Values travel in raw_value (Envoy's default).
-func headersMessage(mode Mode, bodyLen int, requestID string) *extprocv3.ProcessingRequest {
+// and protocol_config: the request body mode, and the response body mode,
+// FULL_DUPLEX_STREAMED when the response is processed too, else NONE. Values
+// travel in raw_value (Envoy's default).
+func headersMessage(mode Mode, bodyLen int, requestID string, response bool) *extprocv3.ProcessingRequest {
+	responseMode := filterv3.ProcessingMode_NONE
+	if response {
+		responseMode = filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
+	}
 	return envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, []envoymsg.Header{
 		{":authority", "gateway.example.com"}, {":path", "/v1/chat/completions"}, {":method", "POST"}, {":scheme", "https"},
 		{"content-type", "application/json"}, {"content-length", strconv.Itoa(bodyLen)},
@@ -79,46 +86,67 @@ func headersMessage(mode Mode, bodyLen int, requestID string) *extprocv3.Process
 		{"accept", "application/json"}, {"accept-encoding", "gzip, deflate"},
 		{"x-forwarded-proto", "https"}, {"x-forwarded-for", "10.1.2.3"}, {"x-request-id", requestID},
 		{"x-envoy-expected-rq-timeout-ms", "600000"},
-	}...), mode.proto(), filterv3.ProcessingMode_NONE)
+	}...), mode.proto(), responseMode)
 }
 
-// Reply is what Envoy would forward upstream after the ext_proc exchange.
+// Reply is what Envoy would forward upstream after the ext_proc exchange,
+// and downstream of the answer when the response path was played.
 type Reply struct {
 	Destination string // x-gateway-destination-endpoint set by the server
 	BodyBytes   int
 	Body        []byte // only when asked to keep it
+	// Chunks is how long each chunk of the answer took to come back, and
+	// Answer the answer as the client gets it (only when asked to keep it).
+	Chunks []time.Duration
+	Answer []byte
 }
 
 // roundTrip runs one HTTP request's ext_proc exchange on a new Process stream,
-// sending exactly what Envoy sends in mode, and returns once the request path
-// is complete. It then resets the stream, as Envoy does when it has every reply
-// it expects.
-func roundTrip(ctx context.Context, c extprocv3.ExternalProcessorClient, mode Mode, p *Payload, requestID string, keepBody bool) (*Reply, error) {
+// sending exactly what Envoy sends in mode, then, with an answer, the
+// response path in FULL_DUPLEX; it returns once the last reply is in. It then
+// resets the stream, as Envoy does when it has every reply it expects.
+func roundTrip(ctx context.Context, c extprocv3.ExternalProcessorClient, mode Mode, p *Payload, a *Answer, requestID string, keepBody bool) (*Reply, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // Envoy's RST_STREAM once the last reply is in
 	s, err := c.Process(ctx)
 	if err != nil {
 		return nil, err
 	}
-	if err := s.Send(headersMessage(mode, len(p.Body), requestID)); err != nil {
+	if err := s.Send(headersMessage(mode, len(p.Body), requestID, a != nil)); err != nil {
 		return nil, err
 	}
 	r := &Reply{}
-	recv := func() (*extprocv3.ProcessingResponse, error) {
-		for {
-			m, err := s.Recv()
-			if err != nil {
-				return nil, err
-			}
-			if ir := m.GetImmediateResponse(); ir != nil {
-				return nil, fmt.Errorf("immediate response %d: %.200s", ir.GetStatus().GetCode(), ir.GetBody())
-			}
-			if m.Response == nil {
-				continue // override_message_timeout only
-			}
-			return m, nil
+	if err := requestPath(s, mode, p, r, keepBody); err != nil {
+		return nil, err
+	}
+	if a != nil {
+		if r.Chunks, r.Answer, err = playAnswer(s, a, keepBody); err != nil {
+			return nil, err
 		}
 	}
+	return r, nil
+}
+
+// recvReply reads the server's next reply; an ImmediateResponse is an error.
+func recvReply(s extprocv3.ExternalProcessor_ProcessClient) (*extprocv3.ProcessingResponse, error) {
+	for {
+		m, err := s.Recv()
+		if err != nil {
+			return nil, err
+		}
+		if ir := m.GetImmediateResponse(); ir != nil {
+			return nil, fmt.Errorf("immediate response %d: %.200s", ir.GetStatus().GetCode(), ir.GetBody())
+		}
+		if m.Response == nil {
+			continue // override_message_timeout only
+		}
+		return m, nil
+	}
+}
+
+// requestPath sends the request body as Envoy does in mode, once the headers
+// are out, and reads the replies into r until the request path is complete.
+func requestPath(s extprocv3.ExternalProcessor_ProcessClient, mode Mode, p *Payload, r *Reply, keepBody bool) error {
 	readDestination := func(cr *extprocv3.CommonResponse) {
 		for _, h := range cr.GetHeaderMutation().GetSetHeaders() {
 			if h.GetHeader().GetKey() == DestinationHeader {
@@ -128,22 +156,22 @@ func roundTrip(ctx context.Context, c extprocv3.ExternalProcessorClient, mode Mo
 	}
 
 	if mode == Buffered {
-		m, err := recv()
+		m, err := recvReply(s)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		if m.GetRequestHeaders() == nil {
-			return nil, fmt.Errorf("BUFFERED: want a headers reply first, got %T", m.Response)
+			return fmt.Errorf("BUFFERED: want a headers reply first, got %T", m.Response)
 		}
 		if err := s.Send(p.buffered); err != nil {
-			return nil, err
+			return err
 		}
-		if m, err = recv(); err != nil {
-			return nil, err
+		if m, err = recvReply(s); err != nil {
+			return err
 		}
 		cr := m.GetRequestBody().GetResponse()
 		if cr == nil {
-			return nil, fmt.Errorf("BUFFERED: want a body reply, got %T", m.Response)
+			return fmt.Errorf("BUFFERED: want a body reply, got %T", m.Response)
 		}
 		readDestination(cr)
 		b := cr.GetBodyMutation().GetBody()
@@ -154,21 +182,21 @@ func roundTrip(ctx context.Context, c extprocv3.ExternalProcessorClient, mode Mo
 		if keepBody {
 			r.Body = b
 		}
-		return r, nil
+		return nil
 	}
 
 	// FULL_DUPLEX: every chunk goes out without waiting; the server holds its
 	// headers reply until it has the whole body.
 	for _, m := range p.fullDuplex {
 		if err := s.Send(m); err != nil {
-			return nil, err
+			return err
 		}
 	}
 	headersSeen := false
 	for {
-		m, err := recv()
+		m, err := recvReply(s)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		switch {
 		case m.GetRequestHeaders() != nil:
@@ -176,21 +204,21 @@ func roundTrip(ctx context.Context, c extprocv3.ExternalProcessorClient, mode Mo
 			readDestination(m.GetRequestHeaders().GetResponse())
 		case m.GetRequestBody() != nil:
 			if !headersSeen {
-				return nil, errors.New("FULL_DUPLEX: body reply before the headers reply (Envoy answers 500)")
+				return errors.New("FULL_DUPLEX: body reply before the headers reply (Envoy answers 500)")
 			}
 			sr := m.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
 			if sr == nil {
-				return nil, errors.New("FULL_DUPLEX: body reply without streamed_response (Envoy answers 500)")
+				return errors.New("FULL_DUPLEX: body reply without streamed_response (Envoy answers 500)")
 			}
 			r.BodyBytes += len(sr.GetBody())
 			if keepBody {
 				r.Body = append(r.Body, sr.GetBody()...)
 			}
 			if sr.GetEndOfStream() {
-				return r, nil
+				return nil
 			}
 		default:
-			return nil, fmt.Errorf("FULL_DUPLEX: unexpected reply %T", m.Response)
+			return fmt.Errorf("FULL_DUPLEX: unexpected reply %T", m.Response)
 		}
 	}
 }

@@ -17,25 +17,13 @@ import (
 // TestSmoke runs one small cell per mode against the echo server in-process,
 // so the driver does not rot between benchmark runs.
 func TestSmoke(t *testing.T) {
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := grpc.NewServer()
-	extprocv3.RegisterExternalProcessorServer(srv, echo.Server{})
-	go srv.Serve(lis)
-	defer srv.Stop()
-	client, err := Dial(lis.Addr().String(), 2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
+	client := startEcho(t)
 
 	p := NewPayload(chatBody(150<<10, 1)) // three FULL_DUPLEX chunks, three reply chunks
 	for _, mode := range []Mode{FullDuplex, Buffered} {
 		t.Run(mode.String(), func(t *testing.T) {
 			cell := Cell{Target: TargetEcho, Mode: mode, Size: 150 << 10, Concurrency: 3}
-			if err := verify(context.Background(), client, cell, p); err != nil {
+			if err := verify(context.Background(), client, cell, p, nil); err != nil {
 				t.Fatal(err)
 			}
 			res := client.Run(context.Background(), Load{Mode: mode, Payload: p, Concurrency: 3, Requests: 10, IDPrefix: "smoke"})
@@ -47,6 +35,46 @@ func TestSmoke(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestSmokeResponsePath plays answers through the echo server: each chunk
+// comes back as it went, in its own reply, and is timed.
+func TestSmokeResponsePath(t *testing.T) {
+	client := startEcho(t)
+
+	p, a := NewPayload(chatBody(4<<10, 1)), NewAnswer(5)
+	cell := Cell{Target: TargetEcho, Mode: FullDuplex, Size: 4 << 10, Concurrency: 2, Tokens: 5}
+	if err := verify(context.Background(), client, cell, p, a); err != nil {
+		t.Fatal(err)
+	}
+	res := client.Run(context.Background(), Load{Mode: FullDuplex, Payload: p, Answer: a, Concurrency: 2, Requests: 4, IDPrefix: "smoke"})
+	// Per answer: a role event, 5 token events, the usage event, [DONE].
+	if res.Errors != 0 || len(res.Latencies) != 4 || len(res.Chunks) != 4*8 {
+		t.Fatalf("%d completed with %d chunks, %d errors (first: %v); want 4 with 32 and 0", len(res.Latencies), len(res.Chunks), res.Errors, res.FirstErr)
+	}
+	if err := checkAnswer(a, []byte("data: [DONE]\n\n"), decodeCachedTokens); err == nil {
+		t.Error("checkAnswer accepted a cut answer")
+	}
+}
+
+// startEcho serves the echo server in-process until the test ends and
+// returns a client of it.
+func startEcho(t *testing.T) *Client {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	extprocv3.RegisterExternalProcessorServer(srv, echo.Server{})
+	go srv.Serve(lis)
+	t.Cleanup(srv.Stop)
+	client, err := Dial(lis.Addr().String(), 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(client.Close)
+	return client
 }
 
 func TestChatBodyIsValidJSONOfTheRequestedSize(t *testing.T) {
@@ -91,7 +119,7 @@ func TestPayloadIsCutAsEnvoyForwardsIt(t *testing.T) {
 	if b := p.buffered.GetRequestBody(); !bytes.Equal(b.GetBody(), body) || !b.GetEndOfStream() {
 		t.Errorf("BUFFERED: %d bytes, end_of_stream %v; want the whole body, ended", len(b.GetBody()), b.GetEndOfStream())
 	}
-	h := headersMessage(Buffered, len(body), "id-1")
+	h := headersMessage(Buffered, len(body), "id-1", false)
 	if h.GetProtocolConfig().GetRequestBodyMode() != Buffered.proto() || len(h.GetRequestHeaders().GetHeaders().GetHeaders()) != 14 {
 		t.Errorf("headers message %v: want protocol_config and the 14 headers Envoy sends", h)
 	}

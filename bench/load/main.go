@@ -24,8 +24,9 @@ import (
 
 type options struct {
 	binDir, targets, modes, sizes, concs, prefill, out, logDir, pprofDir string
+	answerTargets, answerConcs                                           string
 	duration, warmup                                                     time.Duration
-	requests, conns, rttRequests                                         int
+	requests, conns, rttRequests, answerTokens                           int
 	keepLogs                                                             bool
 }
 
@@ -55,6 +56,10 @@ func main() {
 	flag.StringVar(&o.logDir, "logs", "", "directory for the children's logs and configs (default: a new temporary directory)")
 	flag.StringVar(&o.pprofDir, "pprof-dir", "", "save a CPU and an allocs profile of the server of each cell here (runs extproc with --pprof)")
 	flag.BoolVar(&o.keepLogs, "keep-logs", false, "keep the children's logs of cells that succeed (extproc logs a line per request)")
+	flag.IntVar(&o.answerTokens, "answer-tokens", 64, "response cells: token events per streamed answer (0: no response cells)")
+	flag.StringVar(&o.answerTargets, "answer-targets", TargetPDFake+","+TargetPDUsage,
+		"response cells' targets: pd-fake passes the answer through, pd-usage rewrites its usage (echo: the floor)")
+	flag.StringVar(&o.answerConcs, "answer-conc", "1,64", "response cells' concurrent streams")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -74,17 +79,19 @@ func run(ctx context.Context, o options) error {
 	if err != nil {
 		return err
 	}
-	concs, err := parseList(o.concs, func(s string) (int, error) {
-		n, err := strconv.Atoi(s)
-		if err != nil || n < 1 {
-			return 0, fmt.Errorf("concurrency %q: want a positive integer", s)
-		}
-		return n, nil
-	})
+	concs, err := parseList(o.concs, parseConc)
 	if err != nil {
 		return err
 	}
-	if err := checkBinaries(o, targets); err != nil {
+	answerConcs, err := parseList(o.answerConcs, parseConc)
+	if err != nil {
+		return err
+	}
+	answerTargets := splitList(o.answerTargets)
+	if o.answerTokens <= 0 {
+		answerTargets = nil
+	}
+	if err := checkBinaries(o, append(slices.Clone(targets), answerTargets...)); err != nil {
 		return err
 	}
 	if o.logDir == "" {
@@ -131,10 +138,8 @@ func run(ctx context.Context, o options) error {
 					}
 					n++
 					cell := Cell{Target: target, Mode: mode, Size: size, Concurrency: conc}
-					res, err := runCell(ctx, copts, cell, payloads[size])
-					if err != nil {
-						fmt.Fprintf(os.Stderr, "[%d/%d] %s: FAILED: %v\n", n, total, cell, err)
-						rep.Failed = append(rep.Failed, fmt.Sprintf("%s: %v", cell, err))
+					res, ok := tryCell(ctx, copts, rep, cell, payloads[size], fmt.Sprintf("[%d/%d]", n, total))
+					if !ok {
 						continue
 					}
 					rep.Cells = append(rep.Cells, res)
@@ -143,6 +148,11 @@ func run(ctx context.Context, o options) error {
 						time.Since(start).Round(time.Second))
 				}
 			}
+		}
+	}
+	if len(answerTargets) > 0 {
+		if err := runAnswers(ctx, copts, rep, answerTargets, answerConcs, o.answerTokens, start); err != nil {
+			return err
 		}
 	}
 	rep.Header = append(rep.Header, "load average at the end: "+loadAverage(),
@@ -158,7 +168,58 @@ func run(ctx context.Context, o options) error {
 		w = io.MultiWriter(os.Stdout, f)
 	}
 	rep.Write(w, l, modes, sizes, concs, targets)
+	rep.writeAnswers(w, answerTargets, answerConcs)
 	return nil
+}
+
+// answerSize is the request body of the response cells: what they measure
+// is the answer, after an ordinary small request.
+const answerSize = 4 << 10
+
+// answerRounds is how often each response cell runs. The difference measured
+// is a few percent, less than the drift of a shared machine between two
+// cells, so the second round runs the targets in the reverse order
+// (A B B A) and the drift cancels out.
+const answerRounds = 2
+
+// runAnswers runs the response cells: each target at each concurrency, the
+// targets interleaved cell by cell as in the main loop, in two rounds.
+func runAnswers(ctx context.Context, copts CellOptions, rep *Report, targets []string, concs []int, tokens int, start time.Time) error {
+	p := NewPayload(chatBody(answerSize, answerSize))
+	n, total := 0, answerRounds*len(targets)*len(concs)
+	for _, conc := range concs {
+		for i := range answerRounds * len(targets) {
+			round, target := i/len(targets), targets[i%len(targets)]
+			if round%2 == 1 {
+				target = targets[len(targets)-1-i%len(targets)]
+			}
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			n++
+			cell := Cell{Target: target, Mode: FullDuplex, Size: answerSize, Concurrency: conc, Tokens: tokens, Round: round}
+			res, ok := tryCell(ctx, copts, rep, cell, p, fmt.Sprintf("[answers %d/%d]", n, total))
+			if !ok {
+				continue
+			}
+			rep.Answers = append(rep.Answers, res)
+			fmt.Fprintf(os.Stderr, "[answers %d/%d] %s: %d answers, %d chunks, chunk p50 %s ms, p99 %s ms, cpu %.2fs, errors %d (%s elapsed)\n",
+				n, total, cell, res.Requests, res.Chunks, ms(res.P50), ms(res.P99), res.ServerCPU, res.Errors, time.Since(start).Round(time.Second))
+		}
+	}
+	return nil
+}
+
+// tryCell runs cell; a cell that fails is said on stderr after progress and
+// kept in rep, and the run goes on.
+func tryCell(ctx context.Context, copts CellOptions, rep *Report, cell Cell, p *Payload, progress string) (CellResult, bool) {
+	res, err := runCell(ctx, copts, cell, p)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "%s %s: FAILED: %v\n", progress, cell, err)
+		rep.Failed = append(rep.Failed, fmt.Sprintf("%s: %v", cell, err))
+		return res, false
+	}
+	return res, true
 }
 
 // simulators lists the prefill simulators the P/D targets use.
@@ -244,13 +305,13 @@ func checkBinaries(o options, targets []string) error {
 		switch t {
 		case TargetEcho:
 			need["echo"] = true
-		case TargetDecode, TargetPD, TargetPDFake:
+		case TargetDecode, TargetPD, TargetPDFake, TargetPDUsage:
 			need["extproc"] = true
 			if t == TargetPD && o.prefill == SimPdsim {
 				need["pdsim"] = true
 			}
 		default:
-			return fmt.Errorf("unknown target %q (want %s, %s, %s or %s)", t, TargetPD, TargetPDFake, TargetDecode, TargetEcho)
+			return fmt.Errorf("unknown target %q (want %s, %s, %s, %s or %s)", t, TargetPD, TargetPDFake, TargetPDUsage, TargetDecode, TargetEcho)
 		}
 	}
 	for b := range need {
@@ -259,6 +320,14 @@ func checkBinaries(o options, targets []string) error {
 		}
 	}
 	return nil
+}
+
+func parseConc(s string) (int, error) {
+	n, err := strconv.Atoi(s)
+	if err != nil || n < 1 {
+		return 0, fmt.Errorf("concurrency %q: want a positive integer", s)
+	}
+	return n, nil
 }
 
 func splitList(s string) []string {

@@ -23,10 +23,11 @@ const (
 
 // Report is everything a run measured.
 type Report struct {
-	Header []string // lines describing the run
-	RTT    []RTTResult
-	Cells  []CellResult
-	Failed []string // cells that could not run, with the reason
+	Header  []string // lines describing the run
+	RTT     []RTTResult
+	Cells   []CellResult
+	Answers []CellResult // the response cells
+	Failed  []string     // cells that could not run, with the reason
 }
 
 // find returns the cell's result if any request of it completed.
@@ -65,11 +66,13 @@ func (r *Report) Write(w io.Writer, l *Launcher, modes []Mode, sizes, concs []in
 	}
 	fmt.Fprintln(w)
 	r.writeRTT(w)
-	for _, mode := range modes {
-		r.writeMode(w, mode, sizes, concs, targets)
+	if len(r.Cells) > 0 {
+		for _, mode := range modes {
+			r.writeMode(w, mode, sizes, concs, targets)
+		}
+		r.writeRatios(w, l, modes, sizes, concs, targets)
+		r.writeTargets(w, l, modes, sizes, concs, targets)
 	}
-	r.writeRatios(w, l, modes, sizes, concs, targets)
-	r.writeTargets(w, l, modes, sizes, concs, targets)
 	if len(r.Failed) > 0 {
 		fmt.Fprint(w, "### Cells that did not run\n\n")
 		for _, f := range r.Failed {

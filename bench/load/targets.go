@@ -21,8 +21,11 @@ import (
 const (
 	TargetPD     = "pd"      // extproc, kv-nixl, the -prefill simulator (pdsim by default)
 	TargetPDFake = "pd-fake" // extproc, kv-nixl, the canned-answer fake prefill: extproc's own P/D cost
-	TargetDecode = "decode"  // extproc without prefill endpoints: decode-only
-	TargetEcho   = "echo"    // the floor
+	// TargetPDUsage is pd-fake with response.rewrite_usage on: in a response
+	// cell it rewrites the answer's usage, where pd-fake passes it through.
+	TargetPDUsage = "pd-usage"
+	TargetDecode  = "decode" // extproc without prefill endpoints: decode-only
+	TargetEcho    = "echo"   // the floor
 )
 
 // Prefill simulators.
@@ -32,11 +35,13 @@ const (
 )
 
 // isPD reports whether target runs the P/D flow.
-func isPD(target string) bool { return target == TargetPD || target == TargetPDFake }
+func isPD(target string) bool {
+	return target == TargetPD || target == TargetPDFake || target == TargetPDUsage
+}
 
 // prefillSim is the simulator target uses.
 func (l *Launcher) prefillSim(target string) string {
-	if target == TargetPDFake {
+	if target == TargetPDFake || target == TargetPDUsage {
 		return SimFake
 	}
 	return l.Prefill
@@ -96,14 +101,14 @@ func (l *Launcher) Start(ctx context.Context, name string) (*Target, error) {
 	case TargetEcho:
 		t.Server, err = l.startEcho(ctx, &t.group)
 	case TargetDecode:
-		t.Server, err = l.startExtproc(ctx, &t.group, nil)
-	case TargetPD, TargetPDFake:
+		t.Server, err = l.startExtproc(ctx, &t.group, extprocConfig(nil, false))
+	case TargetPD, TargetPDFake, TargetPDUsage:
 		if t.Prefill, err = l.StartPrefill(ctx, &t.group, l.prefillSim(name)); err != nil {
 			break
 		}
-		t.Server, err = l.startExtproc(ctx, &t.group, []string{t.Prefill.HTTPAddr})
+		t.Server, err = l.startExtproc(ctx, &t.group, extprocConfig([]string{t.Prefill.HTTPAddr}, name == TargetPDUsage))
 	default:
-		err = fmt.Errorf("unknown target %q (want %s, %s, %s or %s)", name, TargetPD, TargetPDFake, TargetDecode, TargetEcho)
+		err = fmt.Errorf("unknown target %q (want %s, %s, %s, %s or %s)", name, TargetPD, TargetPDFake, TargetPDUsage, TargetDecode, TargetEcho)
 	}
 	if err != nil {
 		t.Stop(true)
@@ -114,8 +119,9 @@ func (l *Launcher) Start(ctx context.Context, name string) (*Target, error) {
 
 // extprocConfig is the config of targets pd and decode: kv-nixl, one decode
 // endpoint that is never dialled (Envoy, not extproc, sends the decode leg),
-// and the prefill endpoints given (none: every request is decode-only).
-func extprocConfig(prefill []string) string {
+// the prefill endpoints given (none: every request is decode-only), and
+// response.rewrite_usage.
+func extprocConfig(prefill []string, rewriteUsage bool) string {
 	quoted := make([]string, len(prefill))
 	for i, a := range prefill {
 		quoted[i] = fmt.Sprintf("%q", a)
@@ -124,11 +130,12 @@ func extprocConfig(prefill []string) string {
 pools:
   prefill: {endpoints: [%s]}
   decode: {endpoints: ["127.0.0.1:8201"]}
-`, strings.Join(quoted, ", "))
+response: {rewrite_usage: %v}
+`, strings.Join(quoted, ", "), rewriteUsage)
 }
 
-// startExtproc starts extproc, ready once /readyz answers 200.
-func (l *Launcher) startExtproc(ctx context.Context, g *group, prefill []string) (*Process, error) {
+// startExtproc starts extproc with config, ready once /readyz answers 200.
+func (l *Launcher) startExtproc(ctx context.Context, g *group, config string) (*Process, error) {
 	log, err := l.logFile(g, "extproc")
 	if err != nil {
 		return nil, err
@@ -138,7 +145,7 @@ func (l *Launcher) startExtproc(ctx context.Context, g *group, prefill []string)
 		args = append(args, "--pprof")
 	}
 	x, err := testbed.StartExtproc(ctx, &g.stop, testbed.ExtprocConfig{
-		Bin: filepath.Join(l.BinDir, "extproc"), Config: extprocConfig(prefill), Dir: l.LogDir, Args: args, Log: log,
+		Bin: filepath.Join(l.BinDir, "extproc"), Config: config, Dir: l.LogDir, Args: args, Log: log,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("%w; see %s", err, log.Name())

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 )
 
@@ -14,10 +15,38 @@ const (
 
 func blocksFor(tokens int) int64 { return int64((tokens + blockSize - 1) / blockSize) }
 
-// metrics holds the live load a router's scorers read from /metrics.
+// metrics holds the live load a router's scorers read from /metrics, and
+// what the KV cache holds.
 type metrics struct {
 	waiting, running atomic.Int64
 	blocks           atomic.Int64 // held by running requests and by issued NIXL blocks
+	pdQueues         atomic.Pointer[PDQueues]
+	// computed holds the prompt hashes computed here: the prefix cache behind
+	// usage.prompt_tokens_details.cached_tokens.
+	computed sync.Map
+}
+
+// PDQueues are the queues an SGLang engine in P/D mode reports beside its
+// waiting queue, set by a test (Server.SetPDQueues) to stand for a busy engine.
+type PDQueues struct {
+	PrefillBootstrap, PrefillInflight int // a prefill's
+	DecodePrealloc, DecodeTransfer    int // a decode's
+}
+
+// cachedTokens is what vLLM reports as prompt_tokens_details.cached_tokens
+// for a prompt: the whole prompt when its KV came from another engine (vLLM
+// counts external KV as cached), else the full blocks of a prompt this engine
+// computed before, less the last token, which is always computed again.
+// Either way the prompt is in this engine's cache afterwards.
+func (m *metrics) cachedTokens(req *request, remote bool) int {
+	_, seen := m.computed.LoadOrStore(req.promptHash, true)
+	switch {
+	case remote:
+		return req.promptTokens
+	case seen:
+		return (req.promptTokens - 1) / blockSize * blockSize
+	}
+	return 0
 }
 
 // phase tracks one request: waiting (fault delay, remote KV, bootstrap
@@ -54,21 +83,48 @@ func (p *phase) exit() {
 
 var labelEscaper = strings.NewReplacer(`\`, `\\`, `"`, `\"`, "\n", `\n`)
 
-// serve writes the gauges in Prometheus text format under vLLM's names.
-func (m *metrics) serve(model string) http.HandlerFunc {
-	labels := fmt.Sprintf(`{engine="0",model_name="%s"}`, labelEscaper.Replace(model))
+// gauge is one line of the exposition.
+type gauge struct {
+	name, help string
+	value      float64
+}
+
+// serve writes the gauges in Prometheus text format under the engine's names:
+// vLLM's, or SGLang's with the labels its scheduler sets and its P/D queues.
+func (m *metrics) serve(model, protocol, role string) http.HandlerFunc {
+	name := labelEscaper.Replace(model)
+	labels := fmt.Sprintf(`{engine="0",model_name="%s"}`, name)
+	if protocol == ProtocolSGLang {
+		labels = fmt.Sprintf(`{engine_type="%s",model_name="%s",pp_rank="0",tp_rank="0"}`, role, name)
+	}
 	return func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
 		usage := min(1, float64(m.blocks.Load())/kvCapacityBlocks)
-		for _, g := range []struct {
-			name, help string
-			value      float64
-		}{
+		gauges := []gauge{
 			{"vllm:num_requests_running", "Number of requests in model execution batches.", float64(m.running.Load())},
 			{"vllm:num_requests_waiting", "Number of requests waiting to be processed.", float64(m.waiting.Load())},
 			{"vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage},
-		} {
+		}
+		if protocol == ProtocolSGLang {
+			var q PDQueues
+			if p := m.pdQueues.Load(); p != nil {
+				q = *p
+			}
+			gauges = []gauge{
+				{"sglang:num_running_reqs", "The number of running requests.", float64(m.running.Load())},
+				{"sglang:num_queue_reqs", "The number of requests in the waiting queue.", float64(m.waiting.Load())},
+				{"sglang:token_usage", "The token usage.", usage},
+				{"sglang:num_prefill_bootstrap_queue_reqs", "The number of requests in the prefill bootstrap queue.", float64(q.PrefillBootstrap)},
+				{"sglang:num_prefill_inflight_queue_reqs", "The number of requests in the prefill inflight queue.", float64(q.PrefillInflight)},
+				{"sglang:num_decode_prealloc_queue_reqs", "The number of requests in the decode prealloc queue.", float64(q.DecodePrealloc)},
+				{"sglang:num_decode_transfer_queue_reqs", "The number of requests in the decode transfer queue.", float64(q.DecodeTransfer)},
+			}
+		}
+		for _, g := range gauges {
 			fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s gauge\n%s%s %g\n", g.name, g.help, g.name, g.name, labels, g.value)
 		}
 	}
 }
+
+// SetPDQueues sets the P/D queues an SGLang engine reports from now on.
+func (s *Server) SetPDQueues(q PDQueues) { s.metrics.pdQueues.Store(&q) }

@@ -258,9 +258,14 @@ type message struct {
 }
 
 type usage struct {
-	PromptTokens     int `json:"prompt_tokens"`
-	TotalTokens      int `json:"total_tokens"`
-	CompletionTokens int `json:"completion_tokens"`
+	PromptTokens        int            `json:"prompt_tokens"`
+	TotalTokens         int            `json:"total_tokens"`
+	CompletionTokens    int            `json:"completion_tokens"`
+	PromptTokensDetails *tokensDetails `json:"prompt_tokens_details,omitempty"`
+}
+
+type tokensDetails struct {
+	CachedTokens int `json:"cached_tokens"`
 }
 
 // token is the deterministic text of output token i, so tests can assert content.

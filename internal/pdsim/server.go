@@ -54,6 +54,9 @@ type Config struct {
 	OutputTokens int
 	// HandshakeTimeout bounds the sglang bootstrap handshake on both legs; default 30s.
 	HandshakeTimeout time.Duration
+	// PromptTokensDetails adds usage.prompt_tokens_details.cached_tokens to
+	// the answers, as vLLM does with --enable-prompt-tokens-details.
+	PromptTokensDetails bool
 
 	FailStatus      int           // answer this status to faulty requests
 	FailEvery       int           // every FailEvery-th inference request is faulty (<=1: all)
@@ -239,7 +242,7 @@ func (s *Server) routes() http.Handler {
 	s.otherRoutes(mux)
 	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
 	mux.HandleFunc("GET /v1/models", s.models)
-	mux.HandleFunc("GET /metrics", s.metrics.serve(s.cfg.Model))
+	mux.HandleFunc("GET /metrics", s.metrics.serve(s.cfg.Model, s.cfg.Protocol, s.cfg.Role))
 	mux.HandleFunc("GET /pdsim/requests", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, s.Requests())
 	})

@@ -110,3 +110,28 @@ func TestSGLangBootstrapFields(t *testing.T) {
 		})
 	}
 }
+
+// An SGLang engine reports its load under SGLang's names and labels, P/D
+// queues included; a test sets those to stand for a busy engine.
+func TestSGLangMetricsUseSGLangNames(t *testing.T) {
+	s := start(t, Config{Role: RoleDecode, Protocol: ProtocolSGLang})
+	labels := `{engine_type="decode",model_name="pdsim",pp_rank="0",tp_rank="0"}`
+	m := string(get(t, s, "/metrics").body)
+	for _, want := range []string{"sglang:num_running_reqs" + labels + " 0", "sglang:num_queue_reqs" + labels + " 0", "sglang:token_usage" + labels + " 0",
+		"sglang:num_prefill_bootstrap_queue_reqs" + labels + " 0", "sglang:num_decode_transfer_queue_reqs" + labels + " 0"} {
+		if !strings.Contains(m, want+"\n") {
+			t.Errorf("/metrics lacks %q:\n%s", want, m)
+		}
+	}
+	if strings.Contains(m, "vllm:") {
+		t.Errorf("an SGLang engine serves vLLM names:\n%s", m)
+	}
+	s.SetPDQueues(PDQueues{PrefillBootstrap: 1, PrefillInflight: 2, DecodePrealloc: 3, DecodeTransfer: 4})
+	m = string(get(t, s, "/metrics").body)
+	for name, v := range map[string]string{"num_prefill_bootstrap_queue_reqs": "1", "num_prefill_inflight_queue_reqs": "2",
+		"num_decode_prealloc_queue_reqs": "3", "num_decode_transfer_queue_reqs": "4"} {
+		if want := "sglang:" + name + labels + " " + v + "\n"; !strings.Contains(m, want) {
+			t.Errorf("after SetPDQueues /metrics lacks %q", want)
+		}
+	}
+}

@@ -30,6 +30,9 @@ type SimConfig struct {
 	// bootstrap server's ports on IP; 0: any free one.
 	KVPort, BootstrapPort int
 	SharedDir             string // kv-shared-storage's directory
+	// PromptTokensDetails reports cached tokens in the usage (vLLM's
+	// --enable-prompt-tokens-details).
+	PromptTokensDetails bool
 	Timings
 	Log io.Writer // a line per request; nil discards them
 }
@@ -43,7 +46,7 @@ func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
 		KVAddr:        fmt.Sprintf("%s:%d", ip, cfg.KVPort),
 		BootstrapAddr: fmt.Sprintf("%s:%d", ip, cfg.BootstrapPort),
 		TTFT:          cfg.TTFT, TPOT: cfg.TPOT, KVTransfer: cfg.KVTransfer,
-		OutputTokens: cfg.OutputTokens, HandshakeTimeout: cfg.HandshakeTimeout,
+		OutputTokens: cfg.OutputTokens, HandshakeTimeout: cfg.HandshakeTimeout, PromptTokensDetails: cfg.PromptTokensDetails,
 		Log: cmp.Or[io.Writer](cfg.Log, io.Discard),
 	})
 	if err != nil {

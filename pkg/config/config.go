@@ -19,14 +19,15 @@ import (
 
 // Config is the whole configuration file.
 type Config struct {
-	Connector string  `json:"connector"`
-	Pools     Pools   `json:"pools"`
-	Prefill   Prefill `json:"prefill"`
-	Limits    Limits  `json:"limits"`
-	Envoy     Envoy   `json:"envoy"`
-	Tracing   Tracing `json:"tracing"`
-	PD        PD      `json:"pd"`
-	Routes    Routes  `json:"routes"`
+	Connector string   `json:"connector"`
+	Pools     Pools    `json:"pools"`
+	Prefill   Prefill  `json:"prefill"`
+	Limits    Limits   `json:"limits"`
+	Envoy     Envoy    `json:"envoy"`
+	Tracing   Tracing  `json:"tracing"`
+	PD        PD       `json:"pd"`
+	Routes    Routes   `json:"routes"`
+	Response  Response `json:"response"`
 }
 
 // Pools lists the engine endpoints of each role.
@@ -39,6 +40,9 @@ type Pools struct {
 type Pool struct {
 	Endpoints     []string `json:"endpoints"`
 	BootstrapPort int      `json:"bootstrap_port,omitempty"` // kv-sglang only
+	// TLS makes the decode pool's health checks and /metrics scrapes HTTPS
+	// (the decode leg itself is Envoy's). The prefill pool's follow prefill.tls.
+	TLS EngineTLS `json:"tls"`
 	PoolScheduling
 }
 
@@ -63,7 +67,9 @@ type Prefill struct {
 	PrefillAttempts
 }
 
-// EngineTLS makes the prefill legs HTTPS.
+// EngineTLS makes the requests to a pool's engines HTTPS: prefill.tls for the
+// prefill legs and the prefill pool's checks and scrapes, pools.decode.tls for
+// the decode pool's.
 type EngineTLS struct {
 	Enabled bool `json:"enabled"`
 	// CAFile is a PEM bundle of the CAs that sign the engines' certificates;
@@ -72,6 +78,14 @@ type EngineTLS struct {
 	// ServerName overrides the name checked in the engines' certificates
 	// (they are dialled by IP).
 	ServerName string `json:"server_name,omitempty"`
+}
+
+// Validate checks the TLS keys under key.
+func (t EngineTLS) Validate(key string) error {
+	if !t.Enabled && (t.CAFile != "" || t.ServerName != "") {
+		return fmt.Errorf("%s: ca_file and server_name need %s.enabled: true", key, key)
+	}
+	return nil
 }
 
 // Limits bounds what one request, and all of them together, may use.
@@ -155,6 +169,7 @@ func (c *Config) setDefaults() {
 		c.Envoy.OverrideMessageTimeout = c.Prefill.Timeout + Duration(30*time.Second)
 	}
 	c.Tracing.SetDefaults()
+	c.Response.SetDefaults()
 	c.Pools.Prefill.PoolScheduling.SetDefaults()
 	c.Pools.Decode.PoolScheduling.SetDefaults()
 	c.PD.SetDefaults()
@@ -196,9 +211,10 @@ func (c *Config) validate() error {
 		errs = append(errs, fmt.Errorf("pd.sglang_parallel_sampling: %s sends a request with several samples decode-only; "+
 			"only kv-sglang pairs them", c.Connector))
 	}
-	if !c.Prefill.TLS.Enabled && (c.Prefill.TLS.CAFile != "" || c.Prefill.TLS.ServerName != "") {
-		errs = append(errs, errors.New("prefill.tls: ca_file and server_name need prefill.tls.enabled: true"))
+	if c.Pools.Prefill.TLS != (EngineTLS{}) {
+		errs = append(errs, errors.New("pools.prefill.tls: the prefill pool's checks and scrapes follow prefill.tls"))
 	}
+	errs = append(errs, c.Prefill.TLS.Validate("prefill.tls"), c.Pools.Decode.TLS.Validate("pools.decode.tls"), c.Response.Validate("response"))
 	if c.Prefill.OnFailure != OnFailureDecodeOnly && c.Prefill.OnFailure != OnFailureFail {
 		errs = append(errs, fmt.Errorf("prefill.on_failure: %q is not %q or %q", c.Prefill.OnFailure, OnFailureDecodeOnly, OnFailureFail))
 	}

@@ -27,7 +27,8 @@ func TestDefaultsFillMissingKeys(t *testing.T) {
 	}
 	want := Config{Connector: "kv-shared-storage"}
 	if c.Connector != want.Connector || c.Pools.Prefill.BootstrapPort != 8998 || c.Prefill.OnFailure != "decode-only" ||
-		c.Limits.MaxBodyBytes != 32<<20 || c.Envoy.OverrideMessageTimeout.D() != 60*time.Second {
+		c.Limits.MaxBodyBytes != 32<<20 || c.Envoy.OverrideMessageTimeout.D() != 60*time.Second ||
+		c.Response.RewriteUsage || c.Response.MaxBodyBytes != 4<<20 || c.Pools.Decode.TLS.Enabled {
 		t.Errorf("defaults not applied: %+v", c)
 	}
 }
@@ -84,6 +85,11 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 			"pd.sglang_parallel_sampling"},
 		{"parallel sampling rooms without kv-sglang", `{connector: kv-nixl, pd: {sglang_parallel_sampling: rooms}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`,
 			"pd.sglang_parallel_sampling"},
+		{"prefill CA without TLS", `{prefill: {tls: {ca_file: /ca.pem}}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "prefill.tls: ca_file and server_name need prefill.tls.enabled"},
+		{"decode server name without TLS", `pools: {decode: {endpoints: ["10.0.0.2:8000"], tls: {server_name: engine}}}`, "pools.decode.tls: ca_file and server_name need pools.decode.tls.enabled"},
+		{"the prefill pool's TLS is prefill.tls", `pools: {prefill: {tls: {enabled: true}}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "pools.prefill.tls"},
+		{"negative response bound", `{response: {max_body_bytes: -1}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "response.max_body_bytes"},
+		{"misspelt response key", `{response: {rewrite_usages: true}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, `unknown field "rewrite_usages"`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

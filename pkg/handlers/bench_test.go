@@ -18,7 +18,9 @@ import (
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+	"github.com/pd-extproc/pd-extproc/pkg/response"
 )
 
 // benchFrame is the size of the data frames Envoy forwards a FULL_DUPLEX body
@@ -184,3 +186,39 @@ func (s *benchStream) Send(r *extprocv3.ProcessingResponse) error {
 	}
 	return nil
 }
+
+// BenchmarkResponseChunk is the handlers' cost of one streamed token event of
+// an answer, passed through or read by a usage rewrite, without gRPC (the
+// replies go to a sink that drops them).
+func BenchmarkResponseChunk(b *testing.B) {
+	tok := []byte("data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\"," +
+		"\"choices\":[{\"index\":0,\"delta\":{\"content\":\" token\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n")
+	for _, rewrite := range []bool{false, true} {
+		b.Run(fmt.Sprintf("rewrite=%v", rewrite), func(b *testing.B) {
+			r := &fakeRouter{}
+			if rewrite {
+				r.rewrite = func() *response.Rewriter {
+					return response.New(response.CachedTokensPath(metrics.APIChat), []byte("8"), 1<<20)
+				}
+			}
+			x := handlers.NewServer(r, handlers.Options{}, logr.Discard()).Open(b.Context(), discard{})
+			defer x.Close()
+			for _, m := range []*extprocv3.ProcessingRequest{
+				envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), fullDuplex, fullDuplex),
+				envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
+				envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, envoymsg.Header{"content-type", "text/event-stream"}),
+			} {
+				x.Handle(m)
+			}
+			chunk := envoymsg.Body(envoymsg.Response, tok, false)
+			b.ReportAllocs()
+			for b.Loop() {
+				x.Handle(chunk)
+			}
+		})
+	}
+}
+
+type discard struct{}
+
+func (discard) Send(*extprocv3.ProcessingResponse) error { return nil }

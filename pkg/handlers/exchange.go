@@ -69,12 +69,12 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err erro
 	case *extprocv3.ProcessingRequest_RequestTrailers:
 		return x.onRequestTrailers()
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
-		x.observeStatus(m.ResponseHeaders.GetHeaders())
+		x.onResponseHeaders(m.ResponseHeaders.GetHeaders())
 		return false, x.out.Send(continueReply("response_headers"))
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		return false, x.onResponseBody(m.ResponseBody)
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
-		return false, x.out.Send(continueReply("response_trailers"))
+		return false, x.onResponseTrailers()
 	}
 	return false, nil
 }
@@ -246,12 +246,58 @@ func (x *exchange) onResponseBody(b *extprocv3.HttpBody) error {
 		return nil
 	}
 	x.responseDone = b.GetEndOfStream()
-	if x.responseMode() == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
-		// Echo at once: SSE tokens must keep streaming to the client.
-		return x.out.Send(streamedChunk(false, b.GetBody(), b.GetEndOfStream()))
+	if x.responseMode() != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+		return x.out.Send(continueReply("response_body"))
 	}
-	return x.out.Send(continueReply("response_body"))
+	if x.rewriting() {
+		return x.passResponse(b.GetBody(), b.GetEndOfStream(), b.GetEndOfStream())
+	}
+	// Echo at once: SSE tokens must keep streaming to the client.
+	return x.out.Send(streamedChunk(false, b.GetBody(), b.GetEndOfStream()))
 }
+
+// onResponseTrailers answers the response's trailers. In FULL_DUPLEX they end
+// the body, so what a rewrite still holds goes before their reply.
+func (x *exchange) onResponseTrailers() error {
+	if x.rewriting() && !x.responseDone && x.responseMode() == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+		x.responseDone = true
+		if err := x.passResponse(nil, true, false); err != nil {
+			return err
+		}
+	}
+	return x.out.Send(continueReply("response_trailers"))
+}
+
+// passResponse gives the rewrite a response chunk (last: the body ends with
+// it, or with the trailers that came) and sends what it lets through as
+// FULL_DUPLEX replies, the last with end_of_stream when eos. While it holds a
+// partial event there is nothing to send, and Envoy needs no reply per chunk
+// (docs/envoy.md §2.6); the reply that ends the body is always sent, empty or
+// not.
+func (x *exchange) passResponse(chunk []byte, last, eos bool) error {
+	out := x.decision.Rewrite.Body(chunk, last)
+	chunks := [][]byte(out) // almost always the chunk itself, one piece
+	if len(out) > 1 || out.Len() > maxStreamedChunk {
+		chunks = out.Chunks(maxStreamedChunk) // a fixed event or answer, joined; a long answer, cut
+	}
+	sent := false
+	for i, c := range chunks {
+		if end := eos && i == len(chunks)-1; len(c) > 0 || end {
+			if err := x.out.Send(streamedChunk(false, c, end)); err != nil {
+				return err
+			}
+			sent = true
+		}
+	}
+	if eos && !sent {
+		return x.out.Send(streamedChunk(false, nil, true))
+	}
+	return nil
+}
+
+// rewriting reports whether the decision rewrites the response (the
+// pipeline's Decision.Rewrite).
+func (x *exchange) rewriting() bool { return x.decision != nil && x.decision.Rewrite != nil }
 
 // fail ends the exchange with a local reply from Envoy to the client.
 func (x *exchange) fail(err error) (bool, error) {
@@ -266,6 +312,9 @@ func (x *exchange) fail(err error) (bool, error) {
 // back.
 func (x *exchange) end() {
 	x.obs.abandon(x.decision, x.body.bytes())
+	if x.rewriting() {
+		x.opts.Metrics.UsageRewrite(x.decision.Rewrite.Outcome())
+	}
 	x.body.release(x.req.BodyHeld())
 	x.decision.Release()
 }

@@ -5,7 +5,10 @@ import (
 	"strconv"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"github.com/google/uuid"
+
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
 // readHeaders takes what routing needs (begin reads what the observation does). Envoy sends values in raw_value; value is
@@ -67,15 +70,36 @@ func subsetHint(md *corev3.Metadata) any {
 	return v.AsInterface()
 }
 
-// observeStatus tells scheduling how the decode engine answered, so that an
-// endpoint answering 5xx is ejected.
-func (x *exchange) observeStatus(hm *corev3.HeaderMap) {
+// onResponseHeaders reads the decode engine's answer: its status tells
+// scheduling how the endpoint is doing (a 5xx ejects it like a refused
+// connection), and its status and content headers tell a rewrite whether the
+// body can be rewritten, which needs the body in FULL_DUPLEX.
+func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap) {
+	status := 0
+	var contentType, contentEncoding string
 	for _, h := range hm.GetHeaders() {
-		if h.GetKey() == ":status" {
-			if status, err := strconv.Atoi(headerValue(h)); err == nil {
-				x.decision.Observe(status)
-			}
-			return
+		switch h.GetKey() {
+		case ":status":
+			status, _ = strconv.Atoi(headerValue(h))
+		case "content-type":
+			contentType = headerValue(h)
+		case "content-encoding":
+			contentEncoding = headerValue(h)
 		}
+	}
+	if status != 0 {
+		x.decision.Observe(status)
+	}
+	switch {
+	case !x.rewriting():
+	case x.responseMode() != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
+		x.decision.Rewrite.Skip(metrics.UsageNotFullDuplex)
+		x.obs.notDuplex.Do(func() {
+			x.obs.log.Info("response.rewrite_usage is on, but Envoy does not send response bodies in FULL_DUPLEX_STREAMED: "+
+				"answers are passed on unchanged; set the ext_proc filter's response_body_mode (with response_trailer_mode: SEND)",
+				"responseBodyMode", x.responseMode().String())
+		})
+	default:
+		x.decision.Rewrite.Start(status, contentType, contentEncoding)
 	}
 }

@@ -27,6 +27,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+	"github.com/pd-extproc/pd-extproc/pkg/response"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -111,6 +112,8 @@ type fakeRouter struct {
 	decode func(client []byte) body.Spliced
 	err    error         // returned instead of a decision
 	block  chan struct{} // when set, Route waits for it to close
+	// rewrite, when set, gives each decision a rewrite of the response.
+	rewrite func() *response.Rewriter
 
 	calls []string           // "Route" or "RouteHeaders", in order
 	seen  []pipeline.Request // the request of each call, as it was then
@@ -146,6 +149,9 @@ func (f *fakeRouter) Route(ctx context.Context, r *pipeline.Request) (*pipeline.
 	d := &pipeline.Decision{Endpoint: fakeEndpoint, Body: body.Spliced{r.Body}}
 	if f.decode != nil {
 		d.Body = f.decode(r.Body)
+	}
+	if f.rewrite != nil {
+		d.Rewrite = f.rewrite()
 	}
 	return d, nil
 }

@@ -2,6 +2,7 @@ package handlers
 
 import (
 	"context"
+	"sync"
 	"time"
 	"unicode/utf8"
 
@@ -43,6 +44,9 @@ type observer struct {
 	propagator  propagation.TextMapPropagator
 	traceFields map[string]bool // headers the propagator reads
 	logPrompts  bool
+	// notDuplex: the warning that a usage rewrite cannot see the response
+	// body has been logged; it is a config problem, said once per process.
+	notDuplex sync.Once
 }
 
 // observation is what one request's metrics, log line and span are made of.

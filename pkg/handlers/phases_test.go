@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -15,11 +16,14 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+	"github.com/pd-extproc/pd-extproc/pkg/response"
 )
 
 // prompt is a completions request of about n bytes.
@@ -546,5 +550,146 @@ func TestResponsePathIsPassedOnUnchanged(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// With a rewrite of the usage, the response still streams: each complete
+// event goes back at once, an event cut across chunks waits for its end, a
+// JSON answer waits for its own; the bytes the client gets are the engine's
+// but for cached_tokens. The request's body mode does not matter; the
+// response's must be FULL_DUPLEX.
+func TestUsageRewriteOnTheResponsePath(t *testing.T) {
+	const (
+		tok     = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"tok0\"}}]}\n\n"
+		usage   = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"prompt_tokens_details\":{\"cached_tokens\":12}}}\n\n"
+		fixedEv = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\n"
+		done    = "data: [DONE]\n\n"
+		answer  = `{"choices":[{"text":"tok0"}],"usage":{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":12}},"kv_transfer_params":null}`
+		fixed   = `{"choices":[{"text":"tok0"}],"usage":{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":8}},"kv_transfer_params":null}`
+	)
+	long := strings.Replace(answer, "tok0", strings.Repeat("tok ", 20000), 1)
+	longFixed := strings.Replace(fixed, "tok0", strings.Repeat("tok ", 20000), 1)
+	sse := []envoymsg.Header{{":status", "200"}, {"content-type", "text/event-stream; charset=utf-8"}}
+	jsonHeaders := []envoymsg.Header{{":status", "200"}, {"content-type", "application/json"}}
+	type reply struct {
+		body string
+		eos  bool
+	}
+	tests := []struct {
+		name         string
+		responseMode filterv3.ProcessingMode_BodySendMode
+		headers      []envoymsg.Header
+		chunks       []string // the response body; the last has end_of_stream unless trailers end it
+		trailers     bool
+		want         []reply // the response body replies, in order
+		outcome      string
+	}{
+		{name: "streamed: every event at once, the usage event fixed", responseMode: fullDuplex, headers: sse,
+			chunks: []string{tok, tok, usage, done, ""},
+			want:   []reply{{tok, false}, {tok, false}, {fixedEv, false}, {done, false}, {"", true}}, outcome: metrics.UsageRewritten},
+		{name: "streamed: a cut event waits for its end, and nothing else does", responseMode: fullDuplex, headers: sse,
+			chunks: []string{tok + usage[:30], usage[30:] + done},
+			want:   []reply{{tok, false}, {fixedEv + done, true}}, outcome: metrics.UsageRewritten},
+		{name: "streamed without usage: unchanged", responseMode: fullDuplex, headers: sse,
+			chunks: []string{tok, done}, want: []reply{{tok, false}, {done, true}}, outcome: metrics.UsageAbsent},
+		{name: "streamed, trailers end it: what is held goes before them", responseMode: fullDuplex, headers: sse, trailers: true,
+			chunks: []string{tok + usage[:30], usage[30:]},
+			want:   []reply{{tok, false}, {fixedEv, false}}, outcome: metrics.UsageRewritten},
+		{name: "non-streamed: held to its end, then whole", responseMode: fullDuplex, headers: jsonHeaders,
+			chunks: []string{answer[:20], answer[20:]}, want: []reply{{fixed, true}}, outcome: metrics.UsageRewritten},
+		{name: "non-streamed, long: fixed, then cut into replies of at most 62,000 bytes", responseMode: fullDuplex, headers: jsonHeaders,
+			chunks: []string{long[:40000], long[40000:]}, want: []reply{{longFixed[:62000], false}, {longFixed[62000:], true}}, outcome: metrics.UsageRewritten},
+		{name: "an error answer is echoed as it comes", responseMode: fullDuplex,
+			headers: []envoymsg.Header{{":status", "500"}, {"content-type", "application/json"}},
+			chunks:  []string{answer[:20], answer[20:]}, want: []reply{{answer[:20], false}, {answer[20:], true}}, outcome: metrics.UsageNotRewritable},
+		{name: "response body mode BUFFERED: not rewritten", responseMode: buffered, headers: jsonHeaders,
+			chunks: []string{answer}, outcome: metrics.UsageNotFullDuplex},
+	}
+	for _, requestMode := range []filterv3.ProcessingMode_BodySendMode{fullDuplex, buffered} {
+		for _, tt := range tests {
+			t.Run(requestMode.String()+"/"+tt.name, func(t *testing.T) {
+				m := metrics.New("kv-nixl")
+				r := &fakeRouter{rewrite: func() *response.Rewriter {
+					return response.New(response.CachedTokensPath(metrics.APIChat), []byte("8"), 1<<20)
+				}}
+				s := handlers.NewServer(r, handlers.Options{Metrics: m}, logr.Discard())
+				msgs := []*extprocv3.ProcessingRequest{
+					envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), requestMode, tt.responseMode),
+					envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
+					envoymsg.Headers(envoymsg.Response, false, tt.headers...),
+				}
+				for i, c := range tt.chunks {
+					msgs = append(msgs, envoymsg.Body(envoymsg.Response, []byte(c), !tt.trailers && i == len(tt.chunks)-1))
+				}
+				if tt.trailers {
+					msgs = append(msgs, envoymsg.Trailers(envoymsg.Response))
+				}
+				replies := drive(t, s, msgs...)
+
+				var got []reply
+				for _, rp := range replies {
+					if rb := rp.GetResponseBody(); rb != nil {
+						if sr := rb.GetResponse().GetBodyMutation().GetStreamedResponse(); sr != nil {
+							got = append(got, reply{string(sr.GetBody()), sr.GetEndOfStream()})
+						} else if tt.responseMode == fullDuplex {
+							t.Errorf("a FULL_DUPLEX response body reply without streamed_response: %v", rp)
+						}
+					}
+				}
+				if !slices.Equal(got, tt.want) {
+					t.Errorf("response body replies\n  %+v\nwant\n  %+v", got, tt.want)
+				}
+				if tt.responseMode != fullDuplex && replies[len(replies)-1].GetResponseBody() == nil {
+					t.Errorf("the response chunk is not answered CONTINUE: %v", replies[len(replies)-1])
+				}
+				if tt.trailers && replies[len(replies)-1].GetResponseTrailers() == nil {
+					t.Errorf("the last reply is not the trailers reply: %v", replies[len(replies)-1])
+				}
+				if got := usageCount(t, m, tt.outcome); got != 1 {
+					t.Errorf("usage_rewrites_total{outcome=%q} = %v, want 1", tt.outcome, got)
+				}
+			})
+		}
+	}
+}
+
+// usageCount is usage_rewrites_total{outcome}.
+func usageCount(t *testing.T, m *metrics.Metrics, outcome string) float64 {
+	t.Helper()
+	v, ok := m.Sample("pd_extproc_usage_rewrites_total", map[string]string{"outcome": outcome})
+	if !ok {
+		t.Fatalf("no series usage_rewrites_total{outcome=%q}", outcome)
+	}
+	return v
+}
+
+// A rewrite that cannot see the response body is a config problem of the
+// whole process: said once, counted per answer.
+func TestUsageRewriteWithoutFullDuplexResponsesIsLoggedOnce(t *testing.T) {
+	var mu sync.Mutex
+	warnings := 0
+	log := funcr.New(func(_, args string) {
+		mu.Lock()
+		defer mu.Unlock()
+		if strings.Contains(args, "rewrite_usage is on") {
+			warnings++
+		}
+	}, funcr.Options{})
+	m := metrics.New("kv-nixl")
+	r := &fakeRouter{rewrite: func() *response.Rewriter {
+		return response.New(response.CachedTokensPath(metrics.APIChat), []byte("8"), 1<<20)
+	}}
+	s := handlers.NewServer(r, handlers.Options{Metrics: m}, log)
+	for range 3 {
+		drive(t, s,
+			envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), fullDuplex, filterv3.ProcessingMode_NONE),
+			envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
+			envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, envoymsg.Header{"content-type", "application/json"}))
+	}
+	if warnings != 1 {
+		t.Errorf("%d warnings, want one for the process", warnings)
+	}
+	if got := usageCount(t, m, metrics.UsageNotFullDuplex); got != 3 {
+		t.Errorf("usage_rewrites_total{outcome=not_full_duplex} = %v, want 3", got)
 	}
 }

@@ -106,6 +106,7 @@ type Metrics struct {
 	decisions       *prometheus.CounterVec
 	bodyBytes       prometheus.Histogram
 	streams         prometheus.Gauge
+	answers         answers
 }
 
 // New returns the metrics of a server using connector, on a new registry that
@@ -151,6 +152,7 @@ func New(connector string) *Metrics {
 			Namespace: namespace, Name: "streams_in_flight",
 			Help: "ext_proc Process streams currently open.",
 		}),
+		answers: newAnswers(),
 	}
 	m.registry.MustRegister(
 		collectors.NewGoCollector(),
@@ -158,6 +160,7 @@ func New(connector string) *Metrics {
 		m.requests, m.processing, m.prefillDuration, m.prefillFailures, m.kvParamsMissing,
 		m.decisions, m.bodyBytes, m.streams,
 	)
+	m.registry.MustRegister(m.answers.collectors()...)
 	m.initSeries()
 	return m
 }
@@ -186,6 +189,7 @@ func (m *Metrics) initSeries() {
 	for _, s := range prefillStates {
 		m.prefillDuration.WithLabelValues(s)
 	}
+	m.answers.initSeries()
 }
 
 // Registry is the registry every collector is on.

@@ -3,40 +3,13 @@ package metrics
 import (
 	"testing"
 	"time"
-
-	dto "github.com/prometheus/client_model/go"
 )
 
 // sample returns the value of one series (a histogram's sample count), and
 // false when the series does not exist.
 func sample(t *testing.T, m *Metrics, name string, labels map[string]string) (float64, bool) {
 	t.Helper()
-	families, err := m.Registry().Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-	next:
-		for _, s := range f.GetMetric() {
-			for _, l := range s.GetLabel() {
-				if labels[l.GetName()] != l.GetValue() {
-					continue next
-				}
-			}
-			switch f.GetType() {
-			case dto.MetricType_HISTOGRAM:
-				return float64(s.GetHistogram().GetSampleCount()), true
-			case dto.MetricType_GAUGE:
-				return s.GetGauge().GetValue(), true
-			default:
-				return s.GetCounter().GetValue(), true
-			}
-		}
-	}
-	return 0, false
+	return m.Sample(name, labels)
 }
 
 func TestNilMetricsRecordNothing(t *testing.T) {
@@ -48,6 +21,8 @@ func TestNilMetricsRecordNothing(t *testing.T) {
 	m.Decision(ReasonLongPrompt)
 	m.PrefillAttempt(time.Second, FailureTimeout)
 	m.KVParamsMissing()
+	m.UsageRewrite(UsageRewritten)
+	m.KVParamsSuspect()
 }
 
 func TestPrefillAttemptOutcomes(t *testing.T) {
@@ -99,6 +74,8 @@ func TestSeriesExistBeforeTheFirstEvent(t *testing.T) {
 		{"pd_extproc_request_processing_seconds", map[string]string{"mode": ModeDecodeOnly}},
 		{"pd_extproc_kv_params_missing_total", nil},
 		{"pd_extproc_streams_in_flight", nil},
+		{"pd_extproc_usage_rewrites_total", map[string]string{"outcome": UsagePrefillMissing}},
+		{"pd_extproc_kv_params_suspect_total", nil},
 	}
 	for _, tt := range tests {
 		if v, ok := sample(t, m, tt.name, tt.labels); !ok || v != 0 {

@@ -32,6 +32,10 @@ type Options struct {
 	BootstrapPort  int
 	MaxBodyBytes   int64
 	Connector      string // its name, for the errors that name it
+	// RewriteUsage gives P/D answers the prefill engine's cached tokens,
+	// holding at most MaxResponseBytes of an answer for it.
+	RewriteUsage     bool
+	MaxResponseBytes int64
 }
 
 // Pipeline routes requests. It is safe for concurrent use.
@@ -46,6 +50,7 @@ type Pipeline struct {
 	background sync.WaitGroup // concurrent (SGLang) prefill legs still running
 	// parallelRooms: pd.sglang_parallel_sampling is rooms (it follows reloads).
 	parallelRooms atomic.Bool
+	suspects      sync.Map // prefill endpoints already logged for an unreachable remote_host
 
 	metrics    *metrics.Metrics // nil records nothing
 	tracer     trace.Tracer
@@ -82,18 +87,29 @@ func New(cfg *config.Config, log logr.Logger, options ...Option) (*Pipeline, err
 	if err != nil {
 		return nil, err
 	}
+	// Each pool's health checks and scrapes speak as its engines serve: the
+	// prefill pool as the prefill legs, the decode pool as pools.decode.tls says.
+	deps := scheduling.Deps{Log: log.WithName("scheduling")}
+	if deps.PrefillTLS, err = engineTLS("prefill.tls", cfg.Prefill.TLS); err != nil {
+		return nil, err
+	}
+	if deps.DecodeTLS, err = engineTLS("pools.decode.tls", cfg.Pools.Decode.TLS); err != nil {
+		return nil, err
+	}
 	p := &Pipeline{
 		connector: c,
 		table:     api.NewTable(routes),
-		pools:     scheduling.NewPools(schedulingSpec(cfg, c), scheduling.Deps{Log: log.WithName("scheduling")}),
+		pools:     scheduling.NewPools(schedulingSpec(cfg, c), deps),
 		opts: Options{
-			PrefillTimeout: cfg.Prefill.Timeout.D(),
-			AttemptTimeout: cfg.Prefill.AttemptTimeout.D(),
-			Attempts:       cfg.Prefill.Attempts,
-			OnFailure:      cfg.Prefill.OnFailure,
-			BootstrapPort:  cfg.Pools.Prefill.BootstrapPort,
-			MaxBodyBytes:   cfg.Limits.MaxBodyBytes,
-			Connector:      cfg.Connector,
+			PrefillTimeout:   cfg.Prefill.Timeout.D(),
+			AttemptTimeout:   cfg.Prefill.AttemptTimeout.D(),
+			Attempts:         cfg.Prefill.Attempts,
+			OnFailure:        cfg.Prefill.OnFailure,
+			BootstrapPort:    cfg.Pools.Prefill.BootstrapPort,
+			MaxBodyBytes:     cfg.Limits.MaxBodyBytes,
+			Connector:        cfg.Connector,
+			RewriteUsage:     cfg.Response.RewriteUsage,
+			MaxResponseBytes: cfg.Response.MaxBodyBytes,
 		},
 		client:     client,
 		scheme:     scheme,

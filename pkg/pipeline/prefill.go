@@ -22,7 +22,6 @@ import (
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
-	"github.com/pd-extproc/pd-extproc/pkg/kv"
 )
 
 // maxPrefillResponseBytes bounds what we read of a prefill answer: it is one
@@ -52,18 +51,31 @@ func newEngineClient(cfg config.Prefill) (*http.Client, string, error) {
 	}
 	t.Protocols.SetHTTP1(true)
 	t.Protocols.SetHTTP2(cfg.HTTP2)
-	t.TLSClientConfig = &tls.Config{MinVersion: tls.VersionTLS12, ServerName: cfg.TLS.ServerName}
-	if cfg.TLS.CAFile != "" {
-		pem, err := os.ReadFile(cfg.TLS.CAFile)
-		if err != nil {
-			return nil, "", fmt.Errorf("prefill.tls.ca_file: %w", err)
-		}
-		t.TLSClientConfig.RootCAs = x509.NewCertPool()
-		if !t.TLSClientConfig.RootCAs.AppendCertsFromPEM(pem) {
-			return nil, "", fmt.Errorf("prefill.tls.ca_file: no PEM certificate in %s", cfg.TLS.CAFile)
-		}
+	var err error
+	if t.TLSClientConfig, err = engineTLS("prefill.tls", cfg.TLS); err != nil {
+		return nil, "", err
 	}
 	return client, "https", nil
+}
+
+// engineTLS is the client TLS of requests to engines under the keys at key;
+// nil when they speak plain HTTP.
+func engineTLS(key string, cfg config.EngineTLS) (*tls.Config, error) {
+	if !cfg.Enabled {
+		return nil, nil
+	}
+	c := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: cfg.ServerName}
+	if cfg.CAFile != "" {
+		pem, err := os.ReadFile(cfg.CAFile)
+		if err != nil {
+			return nil, fmt.Errorf("%s.ca_file: %w", key, err)
+		}
+		c.RootCAs = x509.NewCertPool()
+		if !c.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("%s.ca_file: no PEM certificate in %s", key, cfg.CAFile)
+		}
+	}
+	return c, nil
 }
 
 // noRedirects keeps the prefill leg on the configured endpoint (docs/architecture.md, Security rules): a
@@ -73,7 +85,7 @@ func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastR
 
 // attempt sends one prefill leg to endpoint inside its own span, and records
 // its duration and any failure, classified.
-func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg body.Spliced) ([]byte, *attemptError) {
+func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg body.Spliced) (prefillAnswer, *attemptError) {
 	attrs := []attribute.KeyValue{semconv.HTTPRequestMethodPost, semconv.URLPath(r.Path), attribute.String("pd.request_id", r.RequestID)}
 	if host, port, err := net.SplitHostPort(endpoint); err == nil {
 		n, _ := strconv.Atoi(port)
@@ -83,7 +95,7 @@ func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg
 	defer span.End()
 
 	start := time.Now()
-	params, err := p.postPrefill(ctx, endpoint, r, leg)
+	answer, err := p.postPrefill(ctx, endpoint, r, leg)
 	if err != nil {
 		failed := classify(ctx, err)
 		p.metrics.PrefillAttempt(time.Since(start), failed.reason)
@@ -92,21 +104,21 @@ func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg
 		}
 		span.SetAttributes(attribute.String("error.type", failed.reason))
 		span.SetStatus(codes.Error, err.Error())
-		return nil, failed
+		return prefillAnswer{}, failed
 	}
 	p.metrics.PrefillAttempt(time.Since(start), "")
-	span.SetAttributes(semconv.HTTPResponseStatusCode(http.StatusOK), attribute.Bool("pd.kv_transfer_params", params != nil))
-	return params, nil
+	span.SetAttributes(semconv.HTTPResponseStatusCode(http.StatusOK), attribute.Bool("pd.kv_transfer_params", answer.params != nil))
+	return answer, nil
 }
 
-// postPrefill sends one prefill leg and returns the raw kv_transfer_params of the
-// answer, or nil when the engine returned none (absent, null or empty).
-func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request, leg body.Spliced) ([]byte, error) {
+// postPrefill sends one prefill leg and reads what the decode leg and the
+// client's answer need of the engine's answer.
+func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request, leg body.Spliced) (prefillAnswer, error) {
 	ctx, cancel := context.WithTimeout(ctx, p.opts.AttemptTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.scheme+"://"+endpoint+r.Path, nil)
 	if err != nil {
-		return nil, err
+		return prefillAnswer{}, err
 	}
 	setBody(req, leg)
 	for k, v := range r.Forward {
@@ -118,17 +130,17 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 	req.Header.Set("X-Request-Id", r.RequestID)
 	resp, err := p.client.Do(req)
 	if err != nil {
-		return nil, err
+		return prefillAnswer{}, err
 	}
 	defer resp.Body.Close()
 	answer, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillResponseBytes))
 	if err != nil {
-		return nil, fmt.Errorf("reading prefill answer: %w", err)
+		return prefillAnswer{}, fmt.Errorf("reading prefill answer: %w", err)
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		return nil, &statusError{status: resp.StatusCode, body: answer, contentType: resp.Header.Get("Content-Type")}
+		return prefillAnswer{}, &statusError{status: resp.StatusCode, body: answer, contentType: resp.Header.Get("Content-Type")}
 	}
-	return transferParams(answer), nil
+	return p.readAnswer(answer, r), nil
 }
 
 // maxJoinedLeg is the largest prefill leg joined into one buffer before it is
@@ -153,19 +165,4 @@ func setBody(req *http.Request, leg body.Spliced) {
 	req.ContentLength = int64(n)
 	req.Body = io.NopCloser(reader())
 	req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(reader()), nil }
-}
-
-// transferParams extracts kv_transfer_params from a non-streamed engine answer.
-// Anything but a non-empty object means there is nothing to hand to the decode
-// engine (a streamed answer, no connector on the prefill engine, an EOS token).
-func transferParams(answer []byte) []byte {
-	o, err := body.Parse(answer)
-	if err != nil {
-		return nil
-	}
-	raw, ok := o.Raw("kv_transfer_params")
-	if !ok || raw[0] != '{' || !kv.HasParams(raw) {
-		return nil
-	}
-	return raw
 }

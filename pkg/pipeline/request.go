@@ -8,6 +8,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/response"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
@@ -72,8 +73,11 @@ type Decision struct {
 	// pools.decode.fallbacks when configured (comma-separated, in order).
 	Endpoint string
 	Body     body.Spliced // the decode leg's body; nil when the request has none
-	decode   *scheduling.Endpoint
-	release  func()
+	// Rewrite fixes the decode engine's answer on its way back (the usage
+	// under response.rewrite_usage); nil when it is passed on as it is.
+	Rewrite *response.Rewriter
+	decode  *scheduling.Endpoint
+	release func()
 	// partnerFailed is set when a concurrent prefill leg failed: the decode
 	// engine's 5xx is then the pair's failure, not the decode endpoint's.
 	partnerFailed atomic.Bool

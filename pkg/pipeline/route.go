@@ -150,16 +150,18 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		p.launch(ctx, prefill, r, kv.PrefillBody(p.connector, h), d)
 		return kv.DecodeBody(p.connector, h), nil
 	}
-	params, err := p.runPrefill(ctx, sreq, r, h)
+	answer, err := p.runPrefill(ctx, sreq, r, h)
 	if err != nil {
 		return p.withoutPrefill(r, h, err)
 	}
-	if params == nil && p.connector.HandsBackParams() {
+	if answer.params == nil && p.connector.HandsBackParams() {
 		p.metrics.KVParamsMissing()
 		p.log.Info("prefill returned no kv_transfer_params; decode will recompute the prompt",
 			"requestID", r.RequestID, "prefill", rep.Prefill)
 	}
-	h.PrefillKV = params
+	p.checkRemoteHost(answer.params, rep.Prefill, d.decode.Addr, r.RequestID)
+	d.Rewrite = p.usageRewriter(r, answer)
+	h.PrefillKV = answer.params
 	return kv.DecodeBody(p.connector, h), nil
 }
 
@@ -180,7 +182,7 @@ func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Sp
 // runPrefill sends the sequential prefill leg to one endpoint after another
 // until one answers, within prefill.attempts and prefill.timeout. An engine 4xx
 // ends it at once: another endpoint would refuse the same request.
-func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *Request, h *kv.Handoff) ([]byte, error) {
+func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *Request, h *kv.Handoff) (prefillAnswer, error) {
 	start := time.Now()
 	defer func() { r.Report.PrefillTime = time.Since(start) }()
 	ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
@@ -190,16 +192,16 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 	for {
 		ep, err := attempts.Next()
 		if err != nil {
-			return nil, errors.Join(last, err)
+			return prefillAnswer{}, errors.Join(last, err)
 		}
 		r.Report.Prefill = ep.Addr
 		h.PrefillHost = bootstrapHost(ep.Addr)
 		release := ep.Acquire()
-		params, failed := p.attempt(ctx, ep.Addr, r, kv.PrefillBody(p.connector, h))
+		answer, failed := p.attempt(ctx, ep.Addr, r, kv.PrefillBody(p.connector, h))
 		release()
 		if failed == nil {
 			ep.ReportSuccess()
-			return params, nil
+			return answer, nil
 		}
 		switch {
 		case failed.blames(kv.Sequential):
@@ -208,7 +210,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 			ep.ReportSuccess() // the engine is fine; the request is not
 		}
 		if !failed.retryable() {
-			return nil, failed
+			return prefillAnswer{}, failed
 		}
 		last = failed
 		p.log.V(1).Info("prefill attempt failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())

@@ -11,6 +11,11 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
 func TestPrefillLegOverTLSWithACAFile(t *testing.T) {
@@ -50,5 +55,51 @@ func TestPrefillLegOverTLSWithACAFile(t *testing.T) {
 				t.Errorf("decode body lacks the params of the TLS prefill: %s", d.Body.Bytes())
 			}
 		})
+	}
+}
+
+// The prefill pool's health checks follow prefill.tls, the decode pool's
+// pools.decode.tls: each engine below serves only HTTPS with a certificate of
+// the CA the keys name, so a check reaches its handler only over TLS trusted
+// that way.
+func TestPoolsAreCheckedOverTheirTLS(t *testing.T) {
+	checked := map[string]chan struct{}{"prefill": make(chan struct{}, 1), "decode": make(chan struct{}, 1)}
+	engine := func(role string) *httptest.Server {
+		srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			select {
+			case checked[role] <- struct{}{}:
+			default: // checks go on every 20ms: one is enough
+			}
+		}))
+		t.Cleanup(srv.Close)
+		return srv
+	}
+	prefill, decode := engine("prefill"), engine("decode")
+	caFile := filepath.Join(t.TempDir(), "ca.crt")
+	os.WriteFile(caFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: prefill.Certificate().Raw}), 0o600)
+	checks := "health: {check_interval: 20ms}"
+	cfg, err := config.Parse([]byte(fmt.Sprintf(`connector: kv-nixl
+pools:
+  prefill: {endpoints: [%q], %s}
+  decode: {endpoints: [%q], %s, tls: {enabled: true, ca_file: %q}}
+prefill: {tls: {enabled: true, ca_file: %q}}`,
+		strings.TrimPrefix(prefill.URL, "https://"), checks, strings.TrimPrefix(decode.URL, "https://"), checks, caFile, caFile)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := New(cfg, logr.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan struct{})
+	go func() { p.Run(ctx); close(ran) }()
+	defer func() { cancel(); <-ran }()
+	for role, ch := range checked {
+		select {
+		case <-ch:
+		case <-time.After(10 * time.Second):
+			t.Errorf("the %s engine's /health was never reached over HTTPS", role)
+		}
 	}
 }

@@ -68,7 +68,7 @@ func (e *Endpoint) Acquire() (release func()) {
 
 // Load is an engine's own account of its load, scraped from /metrics.
 type Load struct {
-	Waiting float64   // requests queued in the engine, not yet running
+	Waiting float64   // requests queued in the engine, not yet running (SGLang P/D: its role's transfer queues too)
 	KVUsage float64   // KV cache in use, 0..1
 	At      time.Time // when it was scraped
 }

@@ -114,11 +114,11 @@ func (e *Endpoint) setActive(up bool) {
 }
 
 // checkAll runs one active health check on every endpoint, concurrently.
-func checkAll(ctx context.Context, client *http.Client, eps []*Endpoint, path string, timeout time.Duration) {
+func checkAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration) {
 	var wg sync.WaitGroup
 	for _, e := range eps {
 		wg.Go(func() {
-			if up, ok := check(ctx, client, "http://"+e.Addr+path, timeout); ok {
+			if up, ok := check(ctx, pr.client, pr.url(e.Addr, path), timeout); ok {
 				e.setActive(up)
 			}
 		})

@@ -2,6 +2,10 @@ package scheduling
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"io"
+	"log"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -107,7 +111,7 @@ func TestActiveChecks(t *testing.T) {
 	spec := PoolSpec{Endpoints: []string{addr, dead}, PoolScheduling: config.PoolScheduling{Health: config.EngineHealth{CheckInterval: config.Duration(time.Second)}}}
 	p, _ := testPool(t, spec.PoolScheduling, spec.Endpoints...)
 	ctx := context.Background()
-	check := func() { checkAll(ctx, p.deps.Client, p.Endpoints(), "/health", time.Second) }
+	check := func() { checkAll(ctx, p.probe, p.Endpoints(), "/health", time.Second) }
 
 	check()
 	if !byAddr(p, addr).Healthy() || byAddr(p, dead).Healthy() {
@@ -140,8 +144,53 @@ func TestCheckDuringShutdownGivesNoVerdict(t *testing.T) {
 	e := &Endpoint{Addr: strings.TrimPrefix(srv.URL, "http://")}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	checkAll(ctx, srv.Client(), []*Endpoint{e}, "/health", time.Second)
+	checkAll(ctx, probe{client: srv.Client(), scheme: "http"}, []*Endpoint{e}, "/health", time.Second)
 	if !e.Healthy() {
 		t.Fatal("a check cut short by shutdown marked the endpoint down")
+	}
+}
+
+// A pool whose engines serve TLS is checked and scraped over HTTPS, trusting
+// the CA its keys name; plain HTTP or an untrusted certificate reads as down
+// and scrapes nothing.
+func TestChecksAndScrapesSpeakThePoolsTLS(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
+	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("vllm:num_requests_waiting 4\n")) })
+	srv := httptest.NewUnstartedServer(mux)
+	srv.Config.ErrorLog = log.New(io.Discard, "", 0) // the refused handshakes are the point
+	srv.StartTLS()
+	defer srv.Close()
+	addr := strings.TrimPrefix(srv.URL, "https://")
+	roots := x509.NewCertPool()
+	roots.AddCert(srv.Certificate())
+
+	tests := []struct {
+		name   string
+		tls    *tls.Config
+		wantUp bool
+	}{
+		{"HTTPS trusting the engines' CA", &tls.Config{RootCAs: roots}, true},
+		{"HTTPS checking the name the certificate carries", &tls.Config{RootCAs: roots, ServerName: "example.com"}, true},
+		{"HTTPS checking another name", &tls.Config{RootCAs: roots, ServerName: "engine.internal"}, false},
+		{"HTTPS not trusting the engines' CA", &tls.Config{}, false},
+		{"plain HTTP to a TLS engine", nil, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			scraped := config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Minute)}}
+			spec := PoolSpec{Endpoints: []string{addr}, PoolScheduling: scraped}
+			ps := NewPools(Spec{Prefill: spec, Decode: spec}, Deps{PrefillTLS: tt.tls, DecodeTLS: tt.tls})
+			for _, p := range []*Pool{ps.Prefill, ps.Decode} {
+				defer p.probe.client.CloseIdleConnections()
+				e := p.Endpoints()[0]
+				checkAll(context.Background(), p.probe, p.Endpoints(), "/health", time.Second)
+				scrapeAll(context.Background(), p.probe, p.Endpoints(), "/metrics", time.Second, time.Now)
+				l, scrapedOK := e.Load()
+				if e.Healthy() != tt.wantUp || scrapedOK != tt.wantUp || scrapedOK && l.Waiting != 4 {
+					t.Errorf("%s pool: healthy %v, scraped %v (%+v); want both %v", p.Name, e.Healthy(), scrapedOK, l, tt.wantUp)
+				}
+			}
+		})
 	}
 }

@@ -24,13 +24,30 @@ var (
 	kvUsageGauges = []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"}
 )
 
+// pdQueues are the queues an SGLang engine in P/D mode keeps apart from its
+// waiting queue, by the role it plays (SGLang's
+// python/sglang/srt/metrics/collector.py): a prefill's bootstrap queue (named
+// …prealloc… before SGLang renamed it) and its in-flight transfers, a
+// decode's preallocation and transfer queues. Each is a list of the names one
+// queue has had, newest first; the queues of a pool's role add to Waiting.
+var pdQueues = map[role][][]string{
+	rolePrefill: {
+		{"sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_prealloc_queue_reqs"},
+		{"sglang:num_prefill_inflight_queue_reqs"},
+	},
+	roleDecode: {
+		{"sglang:num_decode_prealloc_queue_reqs"},
+		{"sglang:num_decode_transfer_queue_reqs"},
+	},
+}
+
 // scrapeAll reads every endpoint's /metrics concurrently. A failed scrape
 // leaves the old figures to go stale.
-func scrapeAll(ctx context.Context, client *http.Client, eps []*Endpoint, path string, timeout time.Duration, now func() time.Time) {
+func scrapeAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration, now func() time.Time) {
 	var wg sync.WaitGroup
 	for _, e := range eps {
 		wg.Go(func() {
-			if l, err := scrape(ctx, client, "http://"+e.Addr+path, timeout); err == nil {
+			if l, err := scrape(ctx, pr, pr.url(e.Addr, path), timeout); err == nil {
 				l.At = now()
 				e.observe(l)
 			}
@@ -39,7 +56,7 @@ func scrapeAll(ctx context.Context, client *http.Client, eps []*Endpoint, path s
 	wg.Wait()
 }
 
-func scrape(ctx context.Context, client *http.Client, url string, timeout time.Duration) (Load, error) {
+func scrape(ctx context.Context, pr probe, url string, timeout time.Duration) (Load, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
@@ -47,7 +64,7 @@ func scrape(ctx context.Context, client *http.Client, url string, timeout time.D
 		return Load{}, err
 	}
 	req.Header.Set("Accept", string(expfmt.NewFormat(expfmt.TypeTextPlain)))
-	resp, err := client.Do(req)
+	resp, err := pr.client.Do(req)
 	if err != nil {
 		return Load{}, err
 	}
@@ -55,36 +72,47 @@ func scrape(ctx context.Context, client *http.Client, url string, timeout time.D
 	if resp.StatusCode != http.StatusOK {
 		return Load{}, fmt.Errorf("%s answered %d", url, resp.StatusCode)
 	}
-	return parseLoad(io.LimitReader(resp.Body, maxMetricsBytes))
+	return parseLoad(io.LimitReader(resp.Body, maxMetricsBytes), pr.role)
 }
 
-// parseLoad reads the load gauges from the Prometheus text format. An answer
-// without any of them is an error: the endpoint is not an engine we know, and
-// reading it as idle would draw traffic to it.
-func parseLoad(r io.Reader) (Load, error) {
+// parseLoad reads the load gauges from the Prometheus text format, and the P/D
+// queues of an engine in role ro. An answer without any of the load gauges is
+// an error: the endpoint is not an engine we know, and reading it as idle
+// would draw traffic to it.
+func parseLoad(r io.Reader, ro role) (Load, error) {
 	p := expfmt.NewTextParser(model.UTF8Validation)
 	families, err := p.TextToMetricFamilies(r)
 	if err != nil {
 		return Load{}, fmt.Errorf("parsing metrics: %w", err)
 	}
 	var l Load
-	found := false
-	for _, name := range waitingGauges {
-		if f, ok := families[name]; ok {
-			l.Waiting, found = sum(f), true
-			break
-		}
-	}
-	for _, name := range kvUsageGauges {
-		if f, ok := families[name]; ok {
-			l.KVUsage, found = min(1, maxOf(f)), true
-			break
-		}
-	}
-	if !found {
+	waiting, hasWaiting := firstOf(families, waitingGauges)
+	kvUsage, hasKVUsage := firstOf(families, kvUsageGauges)
+	if !hasWaiting && !hasKVUsage {
 		return Load{}, fmt.Errorf("no load gauge among %v %v", waitingGauges, kvUsageGauges)
 	}
+	if hasWaiting {
+		l.Waiting = sum(waiting)
+	}
+	if hasKVUsage {
+		l.KVUsage = min(1, maxOf(kvUsage))
+	}
+	for _, names := range pdQueues[ro] {
+		if f, ok := firstOf(families, names); ok {
+			l.Waiting += sum(f)
+		}
+	}
 	return l, nil
+}
+
+// firstOf is the family of the first of names that families has.
+func firstOf(families map[string]*dto.MetricFamily, names []string) (*dto.MetricFamily, bool) {
+	for _, name := range names {
+		if f, ok := families[name]; ok {
+			return f, true
+		}
+	}
+	return nil, false
 }
 
 func value(m *dto.Metric) float64 {

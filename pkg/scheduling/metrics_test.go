@@ -2,6 +2,7 @@ package scheduling
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -12,9 +13,19 @@ import (
 )
 
 func TestParseLoad(t *testing.T) {
+	// An SGLang engine in P/D mode exports all four P/D queues, each role
+	// filling its own (SGLang's metric names and labels).
+	sglangPD := func(bootstrapName string, bootstrap, inflight, prealloc, transfer int) string {
+		labels := `{engine_type="decode",model_name="m",pp_rank="0",tp_rank="0"}`
+		return fmt.Sprintf("sglang:num_queue_reqs%s 4\nsglang:token_usage%s 0.25\n"+
+			"sglang:%s%s %d\nsglang:num_prefill_inflight_queue_reqs%s %d\n"+
+			"sglang:num_decode_prealloc_queue_reqs%s %d\nsglang:num_decode_transfer_queue_reqs%s %d\n",
+			labels, labels, bootstrapName, labels, bootstrap, labels, inflight, labels, prealloc, labels, transfer)
+	}
 	tests := []struct {
 		name    string
 		text    string
+		role    role
 		want    Load
 		wantErr bool
 	}{
@@ -37,13 +48,25 @@ sglang:num_queue_reqs{model_name="m"} 4
 # TYPE sglang:token_usage gauge
 sglang:token_usage{model_name="m"} 0.25
 `, want: Load{Waiting: 4, KVUsage: 0.25}},
+		{name: "SGLang prefill: its bootstrap and in-flight queues add up", role: rolePrefill,
+			text: sglangPD("num_prefill_bootstrap_queue_reqs", 2, 3, 50, 60), want: Load{Waiting: 4 + 2 + 3, KVUsage: 0.25}},
+		{name: "SGLang prefill, the bootstrap queue's older name", role: rolePrefill,
+			text: sglangPD("num_prefill_prealloc_queue_reqs", 2, 3, 50, 60), want: Load{Waiting: 4 + 2 + 3, KVUsage: 0.25}},
+		{name: "SGLang prefill, both names: the newer counts once", role: rolePrefill,
+			text: sglangPD("num_prefill_bootstrap_queue_reqs", 2, 3, 50, 60) + "sglang:num_prefill_prealloc_queue_reqs 7\n", want: Load{Waiting: 4 + 2 + 3, KVUsage: 0.25}},
+		{name: "SGLang decode: its prealloc and transfer queues add up", role: roleDecode,
+			text: sglangPD("num_prefill_bootstrap_queue_reqs", 20, 30, 5, 6), want: Load{Waiting: 4 + 5 + 6, KVUsage: 0.25}},
+		{name: "a pool of no role counts no P/D queue", role: roleUnknown,
+			text: sglangPD("num_prefill_bootstrap_queue_reqs", 2, 3, 5, 6), want: Load{Waiting: 4, KVUsage: 0.25}},
+		{name: "P/D queues alone are not an engine we know", role: roleDecode,
+			text: "sglang:num_decode_prealloc_queue_reqs 3\n", wantErr: true},
 		{name: "KV use above 1 is clamped", text: "vllm:kv_cache_usage_perc 1.7\n", want: Load{KVUsage: 1}},
 		{name: "not an engine we know", text: "process_cpu_seconds_total 12\n", wantErr: true},
 		{name: "not the text format", text: "<html>", wantErr: true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got, err := parseLoad(strings.NewReader(tt.text))
+			got, err := parseLoad(strings.NewReader(tt.text), tt.role)
 			if (err != nil) != tt.wantErr {
 				t.Fatalf("parseLoad() error = %v, wantErr %v", err, tt.wantErr)
 			}
@@ -67,7 +90,7 @@ func TestScrapedLoadCountsUntilStale(t *testing.T) {
 	if got := e.Busyness(); got != 1 {
 		t.Fatalf("Busyness() before any scrape = %g, want the 1 request in flight", got)
 	}
-	scrapeAll(context.Background(), srv.Client(), p.Endpoints(), "/metrics", time.Second, clock.Now)
+	scrapeAll(context.Background(), probe{client: srv.Client(), scheme: "http"}, p.Endpoints(), "/metrics", time.Second, clock.Now)
 	if got := e.Busyness(); got != 6.5 {
 		t.Fatalf("Busyness() after a scrape = %g, want 1 in flight + 5 waiting + 0.5 KV", got)
 	}
@@ -89,8 +112,34 @@ func TestFailedScrapeKeepsOldFigures(t *testing.T) {
 	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, strings.TrimPrefix(srv.URL, "http://"))
 	e := p.Endpoints()[0]
 	e.observe(Load{Waiting: 2, At: clock.Now()})
-	scrapeAll(context.Background(), srv.Client(), p.Endpoints(), "/metrics", time.Second, clock.Now)
+	scrapeAll(context.Background(), probe{client: srv.Client(), scheme: "http"}, p.Endpoints(), "/metrics", time.Second, clock.Now)
 	if l, ok := e.Load(); !ok || l.Waiting != 2 {
 		t.Fatalf("Load() = %+v, %v after a failed scrape; want the previous figures", l, ok)
+	}
+}
+
+// A decode endpoint whose SGLang P/D queues are full is passed over, though
+// its waiting queue is as short as the other's; the prefill queues the other
+// reports (an engine exports all four) do not count against a decode.
+func TestBusySGLangDecodeEndpointIsAvoided(t *testing.T) {
+	serve := func(text string) string {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte(text)) }))
+		t.Cleanup(srv.Close)
+		return strings.TrimPrefix(srv.URL, "http://")
+	}
+	busy := serve("sglang:num_queue_reqs 0\nsglang:token_usage 0.1\nsglang:num_prefill_bootstrap_queue_reqs 0\n" +
+		"sglang:num_decode_prealloc_queue_reqs 3\nsglang:num_decode_transfer_queue_reqs 2\n")
+	idle := serve("sglang:num_queue_reqs 0\nsglang:token_usage 0.1\nsglang:num_prefill_bootstrap_queue_reqs 9\n" +
+		"sglang:num_decode_prealloc_queue_reqs 0\nsglang:num_decode_transfer_queue_reqs 0\n")
+	scraped := config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Minute)}}
+	// intn 0: least-load compares the first two candidates and keeps the first on a tie.
+	ps := NewPools(Spec{Decode: PoolSpec{Endpoints: []string{busy, idle}, PoolScheduling: scraped}}, Deps{intn: func(int) int { return 0 }})
+	if e, _ := ps.Decode.Select(nil); e.Addr != busy {
+		t.Fatalf("before any scrape the pick is %s; want the first endpoint, %s, on the tie", e.Addr, busy)
+	}
+	scrapeAll(context.Background(), ps.Decode.probe, ps.Decode.Endpoints(), "/metrics", time.Second, time.Now)
+	if e, _ := ps.Decode.Select(nil); e.Addr != idle {
+		t.Errorf("after the scrape the pick is %s; want %s, whose P/D queues are empty (busyness %g against %g)",
+			e.Addr, idle, byAddr(ps.Decode, idle).Busyness(), byAddr(ps.Decode, busy).Busyness())
 	}
 }

@@ -38,6 +38,7 @@ type Pool struct {
 	deps Deps
 	// hinted: the endpoint-picker subset hint applies (see NewPools).
 	hinted bool
+	probe  probe // how checks and scrapes reach the engines (see NewPools)
 
 	mu       sync.Mutex // serialises changes
 	spec     PoolSpec
@@ -56,6 +57,7 @@ type poolState struct {
 
 func newPool(name string, hinted bool, spec PoolSpec, deps Deps) *Pool {
 	p := &Pool{Name: name, deps: deps.withDefaults(), hinted: hinted}
+	p.probe = p.deps.probe(roleUnknown, nil, true)
 	p.Update(spec)
 	return p
 }

@@ -2,6 +2,7 @@ package scheduling
 
 import (
 	"context"
+	"crypto/tls"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -29,6 +30,10 @@ type Deps struct {
 	Client   *http.Client // active health checks and /metrics scrapes
 	Resolver Resolver     // DNS pools
 	Log      logr.Logger
+	// PrefillTLS and DecodeTLS make a pool's checks and scrapes HTTPS with
+	// these settings (its engines' CA and name); nil: plain HTTP. A TLS pool
+	// gets a client of its own unless Client is given.
+	PrefillTLS, DecodeTLS *tls.Config
 
 	intn func(int) int // random numbers in [0, n); simulations seed it
 }
@@ -38,12 +43,7 @@ func (d Deps) withDefaults() Deps {
 		d.Now = time.Now
 	}
 	if d.Client == nil {
-		d.Client = &http.Client{Transport: &http.Transport{
-			Proxy:               nil, // engines are addressed directly
-			DialContext:         (&net.Dialer{Timeout: 2 * time.Second}).DialContext,
-			MaxIdleConnsPerHost: 2,
-			IdleConnTimeout:     time.Minute,
-		}}
+		d.Client = probeClient(nil)
 	}
 	if d.Resolver == nil {
 		d.Resolver = net.DefaultResolver
@@ -66,6 +66,7 @@ type Pools struct {
 
 // NewPools builds the pools. Call Run to start their background work.
 func NewPools(spec Spec, deps Deps) *Pools {
+	clientGiven := deps.Client != nil
 	deps = deps.withDefaults()
 	// Only the decode pool follows the subset hint: it names candidates for
 	// Envoy's destination, the decode leg; the prefill leg is ours to place.
@@ -74,6 +75,8 @@ func NewPools(spec Spec, deps Deps) *Pools {
 		Decode:  newPool("decode", true, spec.Decode, deps),
 		deps:    deps,
 	}
+	ps.Prefill.probe = deps.probe(rolePrefill, deps.PrefillTLS, clientGiven)
+	ps.Decode.probe = deps.probe(roleDecode, deps.DecodeTLS, clientGiven)
 	ps.decider.Store(newDecider(spec))
 	return ps
 }
@@ -107,12 +110,12 @@ func (p *Pool) Run(ctx context.Context) {
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		p.every(ctx, func(s PoolSpec) time.Duration { return s.Health.CheckInterval.D() }, func(st *poolState) {
-			checkAll(ctx, p.deps.Client, st.endpoints, st.spec.Health.CheckPath, st.spec.Health.CheckTimeout.D())
+			checkAll(ctx, p.probe, st.endpoints, st.spec.Health.CheckPath, st.spec.Health.CheckTimeout.D())
 		})
 	})
 	wg.Go(func() {
 		p.every(ctx, func(s PoolSpec) time.Duration { return s.Metrics.Interval.D() }, func(st *poolState) {
-			scrapeAll(ctx, p.deps.Client, st.endpoints, st.spec.Metrics.Path, st.spec.Metrics.Timeout.D(), p.deps.Now)
+			scrapeAll(ctx, p.probe, st.endpoints, st.spec.Metrics.Path, st.spec.Metrics.Timeout.D(), p.deps.Now)
 		})
 	})
 	wg.Go(func() {
@@ -124,7 +127,7 @@ func (p *Pool) Run(ctx context.Context) {
 		}, func(st *poolState) { p.resolve(ctx, st.spec.DNS) })
 	})
 	wg.Wait()
-	p.deps.Client.CloseIdleConnections() // leave no keep-alive goroutines behind
+	p.probe.client.CloseIdleConnections() // leave no keep-alive goroutines behind
 }
 
 // every runs work now and then every period of the pool's current spec; a zero

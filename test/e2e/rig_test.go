@@ -43,10 +43,13 @@ type rigOptions struct {
 	prefillRole  string        // a decode-role "prefill" is an engine without a KV connector
 	outputTokens int           // decode answer length (default 5)
 	handshake    time.Duration // SGLang bootstrap handshake bound of the simulators (default 10s)
-	extra        string        // more top-level extproc config
-	prefillPool  string        // more keys of pools.prefill / pools.decode, e.g. "policy: round-robin"
-	decodePool   string
-	envoy        func(*envoyemu.Config) // changes the Envoy config before the emulator starts
+	// promptTokensDetails: the simulators report cached tokens in their
+	// usage (vLLM's --enable-prompt-tokens-details).
+	promptTokensDetails bool
+	extra               string // more top-level extproc config
+	prefillPool         string // more keys of pools.prefill / pools.decode, e.g. "policy: round-robin"
+	decodePool          string
+	envoy               func(*envoyemu.Config) // changes the Envoy config before the emulator starts
 }
 
 // simIP is the loopback IP of the rig's i-th simulator of a role: each has
@@ -76,7 +79,8 @@ func startRig(t *testing.T, o rigOptions) *rig {
 			TTFT: time.Millisecond, TPOT: time.Millisecond, KVTransfer: time.Millisecond,
 			OutputTokens: cmp.Or(o.outputTokens, 5), HandshakeTimeout: cmp.Or(o.handshake, 10*time.Second),
 		},
-		Log: logTo(t),
+		PromptTokensDetails: o.promptTokensDetails,
+		Log:                 logTo(t),
 	}}
 	for i := range max(o.prefills, 0) {
 		r.prefill = append(r.prefill, r.startSim(t, o.prefillRole, simIP(pdsim.RolePrefill, i), ""))

@@ -6,6 +6,7 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 )
@@ -131,6 +132,38 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}
 		}
 		if up := r.proxy.Upstreams(); up[len(up)-1] != tt.wantDecode {
 			t.Errorf("step %d: routed to %s, want %s", i, up[len(up)-1], tt.wantDecode)
+		}
+	}
+}
+
+// An SGLang decode engine whose P/D queues are full (as its /metrics, under
+// SGLang's names, reports them) is passed over, though its waiting queue is
+// empty like the other's.
+func TestBusySGLangDecodeEndpointIsPassedOver(t *testing.T) {
+	r := startRig(t, rigOptions{connector: "kv-sglang", decodePool: "metrics: {interval: 100ms, stale_after: 1h}"})
+	r.decode[0].SetPDQueues(pdsim.PDQueues{DecodePrealloc: 20, DecodeTransfer: 10})
+	n := 0
+	onIdle := func() bool {
+		n++
+		path, body := request("chat", false, fmt.Sprintf("sglang queues %d", n))
+		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d: %s", resp.StatusCode, got)
+		}
+		up := r.proxy.Upstreams()
+		return up[len(up)-1] == r.decode[1].Addr()
+	}
+	// Until a scrape has seen the queues the two are even; after it, never.
+	waitFor(t, 20*time.Second, "five requests in a row on the idle decode endpoint", func() bool {
+		for range 5 {
+			if !onIdle() {
+				return false
+			}
+		}
+		return true
+	})
+	for i := range 20 {
+		if !onIdle() {
+			t.Fatalf("request %d after the scrape went to the busy decode endpoint %s", i, r.decode[0].Addr())
 		}
 	}
 }

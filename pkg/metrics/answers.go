@@ -1,0 +1,61 @@
+package metrics
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// Values of usage_rewrites_total{outcome}: what became of the usage a decode
+// engine reported for one P/D answer, with response.rewrite_usage on.
+const (
+	UsageRewritten      = "rewritten"       // cached_tokens now says the prefill engine's value
+	UsageAbsent         = "absent"          // the answer has no such field (a stream without include_usage, decode without --enable-prompt-tokens-details)
+	UsagePrefillMissing = "prefill_missing" // the prefill's answer had none: the decode's is left as it is
+	UsageTooLarge       = "too_large"       // over response.max_body_bytes: passed on unchanged
+	UsageNotRewritable  = "not_rewritable"  // an error status, an encoded body, or neither JSON nor SSE: passed on unchanged
+	UsageNotFullDuplex  = "not_full_duplex" // Envoy does not send the response body in FULL_DUPLEX_STREAMED: passed on unchanged
+)
+
+var usageOutcomes = []string{UsageRewritten, UsageAbsent, UsagePrefillMissing, UsageTooLarge, UsageNotRewritable, UsageNotFullDuplex}
+
+// answers counts what the engines answered that the service checks or fixes.
+type answers struct {
+	usageRewrites   *prometheus.CounterVec
+	kvParamsSuspect prometheus.Counter
+}
+
+func newAnswers() answers {
+	return answers{
+		usageRewrites: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "usage_rewrites_total",
+			Help: "P/D answers whose usage.prompt_tokens_details.cached_tokens was to be replaced by the prefill engine's, by outcome.",
+		}, []string{"outcome"}),
+		kvParamsSuspect: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: namespace, Name: "kv_params_suspect_total",
+			Help: "Prefill answers whose kv_transfer_params.remote_host is a loopback or unspecified address while the decode endpoint is on another host.",
+		}),
+	}
+}
+
+func (a answers) collectors() []prometheus.Collector {
+	return []prometheus.Collector{a.usageRewrites, a.kvParamsSuspect}
+}
+
+func (a answers) initSeries() {
+	for _, o := range usageOutcomes {
+		a.usageRewrites.WithLabelValues(o)
+	}
+}
+
+// UsageRewrite counts how one answer's usage fared: outcome is a Usage*
+// value; "" counts nothing (the answer never came).
+func (m *Metrics) UsageRewrite(outcome string) {
+	if m != nil && outcome != "" {
+		m.answers.usageRewrites.WithLabelValues(outcome).Inc()
+	}
+}
+
+// KVParamsSuspect counts a prefill answer whose remote_host the decode engine
+// cannot reach.
+func (m *Metrics) KVParamsSuspect() {
+	if m != nil {
+		m.answers.kvParamsSuspect.Inc()
+	}
+}

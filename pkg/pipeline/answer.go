@@ -1,0 +1,128 @@
+package pipeline
+
+import (
+	"net"
+	"net/netip"
+	"strings"
+
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/response"
+)
+
+// prefillAnswer is what the decode leg and the client's answer take from a
+// sequential prefill engine's (non-streamed) answer.
+type prefillAnswer struct {
+	// params is the raw kv_transfer_params; nil when the engine returned none
+	// (absent, null or empty: a streamed answer, no connector on the prefill
+	// engine, an EOS token).
+	params []byte
+	// cached is the prompt tokens the engine found in its cache, a raw JSON
+	// integer; nil when it reports none (vLLM without
+	// --enable-prompt-tokens-details) or the usage is not rewritten.
+	cached []byte
+}
+
+// readAnswer reads a prefill engine's answer to r without decoding it.
+func (p *Pipeline) readAnswer(answer []byte, r *Request) prefillAnswer {
+	o, err := body.Parse(answer)
+	if err != nil {
+		return prefillAnswer{}
+	}
+	var a prefillAnswer
+	if raw, ok := o.Raw("kv_transfer_params"); ok && raw[0] == '{' && kv.HasParams(raw) {
+		a.params = raw
+	}
+	if path := response.CachedTokensPath(APIOf(r)); p.opts.RewriteUsage && path != nil {
+		if start, end, ok := o.Locate(path...); ok && isCount(answer[start:end]) {
+			a.cached = answer[start:end]
+		}
+	}
+	return a
+}
+
+// isCount reports whether raw is a JSON integer that is a plausible token
+// count: not negative (vLLM's placeholder for unknown is -1), at most 18 digits.
+func isCount(raw []byte) bool {
+	if len(raw) == 0 || len(raw) > 18 {
+		return false
+	}
+	for _, c := range raw {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return true
+}
+
+// usageRewriter is the rewriter of the decode engine's answer to r, or nil
+// when it is passed on as it is: response.rewrite_usage is off, or the API
+// reports no cached tokens, or the prefill engine reported none (counted: the
+// decode engine's number then stands).
+func (p *Pipeline) usageRewriter(r *Request, a prefillAnswer) *response.Rewriter {
+	path := response.CachedTokensPath(APIOf(r))
+	if !p.opts.RewriteUsage || path == nil {
+		return nil
+	}
+	if a.cached == nil {
+		p.metrics.UsageRewrite(metrics.UsagePrefillMissing)
+		return nil
+	}
+	return response.New(path, a.cached, int(p.opts.MaxResponseBytes))
+}
+
+// checkRemoteHost warns when the prefill engine at prefill tells a decode
+// engine at decode, on another host, to pull the KV from a loopback or
+// unspecified address: vLLM's NIXL connector advertises
+// VLLM_NIXL_SIDE_CHANNEL_HOST, which defaults to localhost, so the decode
+// engine will fail to pull and recompute the prompt. Each such answer is
+// counted; each prefill endpoint is logged once.
+func (p *Pipeline) checkRemoteHost(params []byte, prefill, decode, requestID string) {
+	if params == nil {
+		return
+	}
+	o, err := body.Parse(params)
+	if err != nil {
+		return
+	}
+	host, ok := o.String("remote_host")
+	if !ok || !unreachableFromElsewhere(host) || sameHost(prefill, decode) {
+		return
+	}
+	p.metrics.KVParamsSuspect()
+	if _, logged := p.suspects.LoadOrStore(prefill, true); !logged {
+		p.log.Info("the prefill engine hands out a kv_transfer_params.remote_host that the decode engine, on another host, cannot reach: "+
+			"its KV will be recomputed; set VLLM_NIXL_SIDE_CHANNEL_HOST on the prefill engine to an address the decode engines reach (logged once per prefill endpoint)",
+			"prefill", prefill, "remote_host", host, "decode", decode, "requestID", requestID)
+	}
+}
+
+// unreachableFromElsewhere reports whether host names the machine it is
+// read on: a loopback or unspecified address, or localhost.
+func unreachableFromElsewhere(host string) bool {
+	host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
+	if strings.EqualFold(host, "localhost") || strings.HasSuffix(strings.ToLower(host), ".localhost") {
+		return true
+	}
+	ip, err := netip.ParseAddr(host)
+	if err != nil {
+		return false // a name: whether it resolves elsewhere is not ours to tell
+	}
+	ip = ip.Unmap()
+	return ip.IsLoopback() || ip.IsUnspecified()
+}
+
+// sameHost reports whether two ip:port endpoints may be one machine: the same
+// IP, or both loopback. When either cannot be read, it cannot tell, and says so.
+func sameHost(a, b string) bool {
+	ha, _, errA := net.SplitHostPort(a)
+	hb, _, errB := net.SplitHostPort(b)
+	ipA, errA2 := netip.ParseAddr(ha)
+	ipB, errB2 := netip.ParseAddr(hb)
+	if errA != nil || errB != nil || errA2 != nil || errB2 != nil {
+		return true
+	}
+	ipA, ipB = ipA.Unmap(), ipB.Unmap()
+	return ipA == ipB || ipA.IsLoopback() && ipB.IsLoopback()
+}

@@ -1,0 +1,190 @@
+package pipeline
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/go-logr/logr/funcr"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+)
+
+// newPipeline builds a pipeline from yaml with its own metrics and a logger
+// that keeps its lines; its idle connections close with the test.
+func newPipeline(t *testing.T, yaml string) (*Pipeline, *metrics.Metrics, *logLines) {
+	t.Helper()
+	cfg, err := config.Parse([]byte(yaml))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := metrics.New(cfg.Connector)
+	lines := &logLines{}
+	p, err := New(cfg, funcr.New(lines.add, funcr.Options{}), WithMetrics(m))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.client.CloseIdleConnections)
+	return p, m, lines
+}
+
+type logLines struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *logLines) add(prefix, args string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, prefix+" "+args)
+}
+
+func (l *logLines) count(substr string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, s := range l.lines {
+		if strings.Contains(s, substr) {
+			n++
+		}
+	}
+	return n
+}
+
+// counter reads one series of a counter, labelled label=value (none when label is "").
+func counter(t *testing.T, m *metrics.Metrics, name, label, value string) float64 {
+	t.Helper()
+	labels := map[string]string{}
+	if label != "" {
+		labels[label] = value
+	}
+	v, ok := m.Sample(name, labels)
+	if !ok {
+		t.Fatalf("no series %s{%s=%q}", name, label, value)
+	}
+	return v
+}
+
+// vLLM's answers with --enable-prompt-tokens-details: the prefill engine
+// found 8 of the prompt's 12 tokens in its prefix cache; the decode engine
+// counts the 12 it pulled.
+const (
+	decodeAnswer = `{"id":"x","choices":[{"index":0,"text":" a b"}],"usage":{"prompt_tokens":12,"total_tokens":14,"completion_tokens":2,` +
+		`"prompt_tokens_details":{"cached_tokens":12}},"kv_transfer_params":null}`
+	prefillParams = `"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[[1]],"remote_engine_id":"e","remote_request_id":"r",` +
+		`"remote_host":"10.0.0.9","remote_port":5600}`
+)
+
+func prefillAnswerWith(usage string) string {
+	return `{"id":"p","choices":[{"index":0,"text":" a"}],"usage":` + usage + `,` + prefillParams + `}`
+}
+
+func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
+	withCached := prefillAnswerWith(`{"prompt_tokens":12,"total_tokens":13,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":8}}`)
+	tests := []struct {
+		name      string
+		connector string
+		path      string
+		settings  string // more top-level config
+		prefill   string // the prefill engine's answer
+		status    int    // its status; 0: 200
+		want      string // the decode answer as the client gets it; "" when it is not rewritten
+		missing   float64
+	}{
+		{name: "kv-nixl completions", connector: "kv-nixl", path: "/v1/completions", prefill: withCached,
+			want: strings.Replace(decodeAnswer, `"cached_tokens":12`, `"cached_tokens":8`, 1)},
+		{name: "kv-nixl chat", connector: "kv-nixl", path: "/v1/chat/completions", prefill: withCached,
+			want: strings.Replace(decodeAnswer, `"cached_tokens":12`, `"cached_tokens":8`, 1)},
+		{name: "kv-shared-storage, none cached", connector: "kv-shared-storage", path: "/v1/completions",
+			prefill: `{"usage":{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":0}}}`,
+			want:    strings.Replace(decodeAnswer, `"cached_tokens":12`, `"cached_tokens":0`, 1)},
+		{name: "the prefill engine reports no details", connector: "kv-nixl", path: "/v1/completions",
+			prefill: prefillAnswerWith(`{"prompt_tokens":12,"total_tokens":13,"completion_tokens":1}`), missing: 1},
+		{name: "the prefill engine reports null details", connector: "kv-nixl", path: "/v1/completions",
+			prefill: prefillAnswerWith(`{"prompt_tokens":12,"prompt_tokens_details":null}`), missing: 1},
+		{name: "a placeholder is not a count", connector: "kv-nixl", path: "/v1/completions",
+			prefill: prefillAnswerWith(`{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":-1}}`), missing: 1},
+		{name: "rewrite_usage off", connector: "kv-nixl", path: "/v1/completions", settings: "response: {rewrite_usage: false}", prefill: withCached},
+		{name: "decode-only after a failed prefill", connector: "kv-nixl", path: "/v1/completions", prefill: withCached, status: 503},
+		{name: "decode-only by pd.mode", connector: "kv-nixl", path: "/v1/completions", settings: "pd: {mode: never}", prefill: withCached},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			engine := enginetest.Start(t, enginetest.JSON(max(tt.status, 200), tt.prefill))
+			settings := cmp.Or(tt.settings, "response: {rewrite_usage: true}")
+			p, m, _ := newPipeline(t, fmt.Sprintf("connector: %s\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\nprefill: {attempts: 1}\n%s\n",
+				tt.connector, engine.Addr(), settings))
+			d, err := p.Route(context.Background(), &Request{Path: tt.path, RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi","messages":[]}`)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Release()
+			if (d.Rewrite != nil) != (tt.want != "") {
+				t.Fatalf("Rewrite = %v, want one: %v", d.Rewrite, tt.want != "")
+			}
+			if d.Rewrite != nil {
+				d.Rewrite.Start(200, "application/json", "")
+				if got := string(d.Rewrite.Body([]byte(decodeAnswer), true).Bytes()); got != tt.want {
+					t.Errorf("the client gets\n  %s\nwant\n  %s", got, tt.want)
+				}
+			}
+			if got := counter(t, m, "pd_extproc_usage_rewrites_total", "outcome", metrics.UsagePrefillMissing); got != tt.missing {
+				t.Errorf("usage_rewrites_total{outcome=prefill_missing} = %v, want %v", got, tt.missing)
+			}
+		})
+	}
+}
+
+// A prefill engine left with VLLM_NIXL_SIDE_CHANNEL_HOST at its default hands
+// out remote_host localhost: a decode engine on another host cannot pull.
+func TestUnreachableRemoteHostIsCountedAndLoggedOncePerEndpoint(t *testing.T) {
+	tests := []struct {
+		remoteHost string
+		decode     string // the decode endpoint
+		suspect    bool
+	}{
+		{"localhost", "10.1.1.1:8000", true},
+		{"LocalHost", "10.1.1.1:8000", true},
+		{"127.0.0.1", "10.1.1.1:8000", true},
+		{"127.0.1.1", "10.1.1.1:8000", true},
+		{"0.0.0.0", "10.1.1.1:8000", true},
+		{"::1", "[fd00::2]:8000", true},
+		{"[::]", "10.1.1.1:8000", true},
+		{"::ffff:127.0.0.1", "10.1.1.1:8000", true},
+		{"10.0.0.9", "10.1.1.1:8000", false},
+		{"prefill-0.engines.svc", "10.1.1.1:8000", false},
+		// The decode engine runs on the prefill engine's host (loopback here):
+		// localhost is the same machine for both.
+		{"localhost", "127.0.0.1:9", false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.remoteHost+" to "+tt.decode, func(t *testing.T) {
+			engine := enginetest.Start(t, enginetest.JSON(200, `{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[[1]],`+
+				`"remote_engine_id":"e","remote_request_id":"r","remote_host":"`+tt.remoteHost+`","remote_port":5600}}`))
+			p, m, lines := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}\n",
+				engine.Addr(), tt.decode))
+			for i := range 3 {
+				d, err := p.Route(context.Background(), &Request{Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				d.Release()
+			}
+			wantCount, wantLogs := 0.0, 0
+			if tt.suspect {
+				wantCount, wantLogs = 3, 1
+			}
+			if got := counter(t, m, "pd_extproc_kv_params_suspect_total", "", ""); got != wantCount {
+				t.Errorf("kv_params_suspect_total = %v, want %v", got, wantCount)
+			}
+			if got := lines.count("VLLM_NIXL_SIDE_CHANNEL_HOST"); got != wantLogs {
+				t.Errorf("%d warnings logged, want %d: %v", got, wantLogs, lines.lines)
+			}
+		})
+	}
+}

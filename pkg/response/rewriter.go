@@ -1,0 +1,138 @@
+package response
+
+import (
+	"strings"
+
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+)
+
+// kind is how an answer's body is read.
+type kind uint8
+
+const (
+	passing kind = iota // passed on as it comes, unread
+	whole               // one JSON document: held until its end, then fixed
+	events              // server-sent events: each complete event passed on at once
+)
+
+// Rewriter fixes one answer. Start it with the answer's headers, then give it
+// every chunk of the body in order; what it returns is what the client gets.
+// It is not safe for concurrent use: one stream's goroutine drives it.
+type Rewriter struct {
+	path  []string // where the number sits in the answer's JSON
+	value []byte   // what to write there: the prefill engine's raw number
+	key   []byte   // the path's last name, quoted: an event without it is not read
+	limit int      // bytes held at most: a JSON answer, or one event
+	kind  kind
+	held  []byte    // a JSON answer so far, or the start of an event cut across chunks
+	fixed bool      // the number has been written at least once
+	one   [1][]byte // the list of what passes as it came (see only)
+	// outcome is how the answer fared (a metrics.Usage* value), "" until known.
+	outcome string
+}
+
+// New returns a rewriter that writes value (raw JSON) at path in an answer,
+// holding at most limit bytes of it back.
+func New(path []string, value []byte, limit int) *Rewriter {
+	return &Rewriter{path: path, value: value, key: []byte(`"` + path[len(path)-1] + `"`), limit: limit}
+}
+
+// Start reads what the answer's headers say of its body. An error status, an
+// encoded body (gzip: the number cannot be found in it) and any body that is
+// neither JSON nor an event stream pass on untouched.
+func (r *Rewriter) Start(status int, contentType, contentEncoding string) {
+	mediaType, _, _ := strings.Cut(contentType, ";")
+	switch mediaType = strings.ToLower(strings.TrimSpace(mediaType)); {
+	case status < 200 || status > 299:
+		r.Skip(metrics.UsageNotRewritable)
+	case contentEncoding != "" && !strings.EqualFold(contentEncoding, "identity"):
+		r.Skip(metrics.UsageNotRewritable)
+	case mediaType == "application/json":
+		r.kind = whole
+	case mediaType == "text/event-stream":
+		r.kind = events
+	default:
+		r.Skip(metrics.UsageNotRewritable)
+	}
+}
+
+// Skip passes the whole answer on unchanged; why is the outcome to report.
+func (r *Rewriter) Skip(why string) {
+	r.kind, r.outcome = passing, why
+}
+
+// Outcome is how the answer fared, a metrics.Usage* value; "" while its end
+// has not been seen.
+func (r *Rewriter) Outcome() string { return r.outcome }
+
+// Body takes the next chunk of the answer, last when it is the end (the final
+// chunk, or the trailers after it), and returns what to pass on now, in order:
+// nothing while a JSON answer or a cut event is held, everything held at the
+// end. The pieces may share chunk's bytes, and the list is valid until the
+// next call: send it first.
+func (r *Rewriter) Body(chunk []byte, last bool) body.Spliced {
+	switch r.kind {
+	case whole:
+		return r.document(chunk, last)
+	case events:
+		return r.stream(chunk, last)
+	}
+	return r.only(chunk)
+}
+
+// document collects a JSON answer and fixes it at its end; past the limit it
+// gives up and passes on what it has.
+func (r *Rewriter) document(chunk []byte, last bool) body.Spliced {
+	if len(r.held)+len(chunk) > r.limit {
+		return r.giveUp(chunk)
+	}
+	if r.held == nil && last {
+		return r.fix(chunk) // the whole answer in one chunk: no copy
+	}
+	r.held = append(r.held, chunk...)
+	if !last {
+		return nil
+	}
+	doc := r.held
+	r.held = nil
+	return r.fix(doc)
+}
+
+// fix writes the value into a whole JSON answer.
+func (r *Rewriter) fix(doc []byte) body.Spliced {
+	r.outcome = metrics.UsageAbsent
+	start, end, ok := body.Locate(doc, r.path...)
+	if !ok {
+		return r.only(doc)
+	}
+	r.outcome = metrics.UsageRewritten
+	return body.Spliced{doc[:start], r.value, doc[end:]}
+}
+
+// giveUp passes on what is held and chunk, and the rest of the answer as it
+// comes: it is larger than the service holds for a rewrite.
+func (r *Rewriter) giveUp(chunk []byte) body.Spliced {
+	var out body.Spliced
+	for _, b := range [][]byte{r.held, chunk} {
+		if len(b) > 0 {
+			out = append(out, b)
+		}
+	}
+	r.held = nil
+	r.kind = passing
+	if !r.fixed {
+		r.outcome = metrics.UsageTooLarge
+	}
+	return out
+}
+
+// only is b as the only piece, or no piece for no bytes. Almost every chunk
+// passes as it came, so the list is the rewriter's own, not a new one.
+func (r *Rewriter) only(b []byte) body.Spliced {
+	if len(b) == 0 {
+		return nil
+	}
+	r.one[0] = b
+	return r.one[:]
+}

@@ -1,0 +1,194 @@
+package response
+
+import (
+	"bytes"
+	"cmp"
+	"strings"
+	"testing"
+
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+)
+
+// A vLLM decode engine's answers under P/D: cached_tokens counts the KV pulled
+// from the prefill engine, so it equals prompt_tokens (12). The prefill
+// engine's value is 8.
+const (
+	chatJSON = `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m",` +
+		`"choices":[{"index":0,"message":{"role":"assistant","content":"tok0 tok1"},"logprobs":null,"finish_reason":"length"}],` +
+		`"usage":{"prompt_tokens":12,"total_tokens":14,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":12}},` +
+		`"prompt_logprobs":null,"kv_transfer_params":null}`
+	fixedJSON = `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m",` +
+		`"choices":[{"index":0,"message":{"role":"assistant","content":"tok0 tok1"},"logprobs":null,"finish_reason":"length"}],` +
+		`"usage":{"prompt_tokens":12,"total_tokens":14,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":8}},` +
+		`"prompt_logprobs":null,"kv_transfer_params":null}`
+	role    = "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n"
+	tok0    = "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"tok0\"}}]}\n\n"
+	tok1    = "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" tok1\"},\"finish_reason\":\"length\"}]}\n\n"
+	usageEv = "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"choices\":[]," +
+		"\"usage\":{\"prompt_tokens\":12,\"total_tokens\":14,\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":12}}}\n\n"
+	fixedEv = "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"choices\":[]," +
+		"\"usage\":{\"prompt_tokens\":12,\"total_tokens\":14,\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\n"
+	done = "data: [DONE]\n\n"
+)
+
+var chatPath = CachedTokensPath(metrics.APIChat)
+
+type headers struct {
+	status              int
+	contentType, encode string
+}
+
+var (
+	sseOK  = headers{200, "text/event-stream; charset=utf-8", ""}
+	jsonOK = headers{200, "application/json", ""}
+)
+
+func TestRewriterChangesOnlyTheNumber(t *testing.T) {
+	crlf := func(s string) string { return strings.ReplaceAll(s, "\n", "\r\n") }
+	half := len(usageEv) / 2
+	at := strings.Index(usageEv, "cached_tokens\":12") + len("cached_tokens\":1") // inside the number
+	tests := []struct {
+		name    string
+		headers headers
+		chunks  []string // the body as Envoy sends it; the last one ends it
+		want    []string // what each chunk lets through, in order
+		outcome string
+		limit   int // 0: 1 MiB
+	}{
+		{name: "JSON in one chunk", headers: jsonOK, chunks: []string{chatJSON}, want: []string{fixedJSON}, outcome: metrics.UsageRewritten},
+		{name: "JSON in chunks is held to its end", headers: jsonOK,
+			chunks: []string{chatJSON[:10], chatJSON[10 : strings.Index(chatJSON, `":12}`)+3], chatJSON[strings.Index(chatJSON, `":12}`)+3:], ""},
+			want:   []string{"", "", "", fixedJSON}, outcome: metrics.UsageRewritten},
+		{name: "JSON with charset, upper case", headers: headers{200, "Application/JSON; charset=utf-8", ""}, chunks: []string{chatJSON},
+			want: []string{fixedJSON}, outcome: metrics.UsageRewritten},
+		{name: "JSON without prompt_tokens_details is passed on", headers: jsonOK,
+			chunks: []string{`{"usage":{"prompt_tokens":12,"prompt_tokens_details":null}}`},
+			want:   []string{`{"usage":{"prompt_tokens":12,"prompt_tokens_details":null}}`}, outcome: metrics.UsageAbsent},
+		{name: "JSON over the limit goes on as it comes", headers: jsonOK, limit: 100,
+			chunks: []string{chatJSON[:60], chatJSON[60:120], chatJSON[120:]},
+			want:   []string{"", chatJSON[:120], chatJSON[120:]}, outcome: metrics.UsageTooLarge},
+		{name: "invalid JSON is passed on", headers: jsonOK, chunks: []string{chatJSON[:len(chatJSON)-1]},
+			want: []string{chatJSON[:len(chatJSON)-1]}, outcome: metrics.UsageAbsent},
+
+		{name: "SSE: every event at once, the usage event fixed", headers: sseOK,
+			chunks: []string{role, tok0, tok1, usageEv, done, ""},
+			want:   []string{role, tok0, tok1, fixedEv, done, ""}, outcome: metrics.UsageRewritten},
+		{name: "SSE: the usage event and [DONE] in one chunk", headers: sseOK,
+			chunks: []string{tok0, usageEv + done},
+			want:   []string{tok0, fixedEv + done}, outcome: metrics.UsageRewritten},
+		{name: "SSE: an event cut across chunks is held until it is whole", headers: sseOK,
+			chunks: []string{tok0 + usageEv[:half], usageEv[half:], done},
+			want:   []string{tok0, fixedEv, done}, outcome: metrics.UsageRewritten},
+		{name: "SSE: cut inside the number", headers: sseOK,
+			chunks: []string{usageEv[:at], usageEv[at:] + done},
+			want:   []string{"", fixedEv + done}, outcome: metrics.UsageRewritten},
+		{name: "SSE: cut between the two line ends", headers: sseOK,
+			chunks: []string{tok0[:len(tok0)-1], tok0[len(tok0)-1:] + usageEv[:5], usageEv[5:], done},
+			want:   []string{"", tok0, fixedEv, done}, outcome: metrics.UsageRewritten},
+		{name: "SSE with CRLF line ends", headers: sseOK,
+			chunks: []string{crlf(tok0), crlf(usageEv)[:40], crlf(usageEv)[40:], crlf(done)},
+			want:   []string{crlf(tok0), "", crlf(fixedEv), crlf(done)}, outcome: metrics.UsageRewritten},
+		{name: "SSE: a last event without its blank line goes at the end", headers: sseOK,
+			chunks: []string{tok0, strings.TrimSuffix(usageEv, "\n\n"), ""},
+			want:   []string{tok0, "", strings.TrimSuffix(fixedEv, "\n\n")}, outcome: metrics.UsageRewritten},
+		{name: "SSE without usage is passed on", headers: sseOK,
+			chunks: []string{role, tok0, tok1, done},
+			want:   []string{role, tok0, tok1, done}, outcome: metrics.UsageAbsent},
+		{name: "SSE: the name in text or in a comment line is left alone", headers: sseOK,
+			chunks: []string{`data: {"choices":[{"delta":{"content":"\"cached_tokens\":3"}}]}` + "\n\n", `: "cached_tokens"` + "\n\n", done},
+			want:   []string{`data: {"choices":[{"delta":{"content":"\"cached_tokens\":3"}}]}` + "\n\n", `: "cached_tokens"` + "\n\n", done}, outcome: metrics.UsageAbsent},
+		{name: "SSE: an event over the limit gives the stream up", headers: sseOK, limit: 100,
+			chunks: []string{tok0, usageEv[:90], usageEv[90:150], usageEv[150:], done},
+			want:   []string{tok0, "", usageEv[:150], usageEv[150:], done}, outcome: metrics.UsageTooLarge},
+
+		{name: "an error status is passed on", headers: headers{500, "application/json", ""}, chunks: []string{chatJSON},
+			want: []string{chatJSON}, outcome: metrics.UsageNotRewritable},
+		{name: "a gzip body is passed on", headers: headers{200, "application/json", "gzip"}, chunks: []string{chatJSON[:50], chatJSON[50:]},
+			want: []string{chatJSON[:50], chatJSON[50:]}, outcome: metrics.UsageNotRewritable},
+		{name: "identity encoding is no encoding", headers: headers{200, "application/json", "identity"}, chunks: []string{chatJSON},
+			want: []string{fixedJSON}, outcome: metrics.UsageRewritten},
+		{name: "plain text is passed on", headers: headers{200, "text/plain", ""}, chunks: []string{usageEv},
+			want: []string{usageEv}, outcome: metrics.UsageNotRewritable},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := New(chatPath, []byte("8"), cmp.Or(tt.limit, 1<<20))
+			r.Start(tt.headers.status, tt.headers.contentType, tt.headers.encode)
+			var all strings.Builder
+			for i, c := range tt.chunks {
+				got := string(r.Body([]byte(c), i == len(tt.chunks)-1).Bytes())
+				if got != tt.want[i] {
+					t.Errorf("chunk %d let through\n  %q\nwant\n  %q", i, got, tt.want[i])
+				}
+				all.WriteString(got)
+			}
+			if want := strings.Join(tt.want, ""); all.String() != want {
+				t.Errorf("the client got\n  %q\nwant\n  %q", all.String(), want)
+			}
+			if r.Outcome() != tt.outcome {
+				t.Errorf("outcome %q, want %q", r.Outcome(), tt.outcome)
+			}
+		})
+	}
+}
+
+// Trailers end a body whose last chunk did not: the end then comes with no
+// chunk of its own, and what is held goes with it.
+func TestRewriterFlushesAtTrailers(t *testing.T) {
+	r := New(chatPath, []byte("8"), 1<<20)
+	r.Start(sseOK.status, sseOK.contentType, "")
+	if got := r.Body([]byte(tok0+usageEv[:20]), false).Bytes(); string(got) != tok0 {
+		t.Fatalf("first chunk let through %q, want the complete event", got)
+	}
+	if got := r.Body(nil, true).Bytes(); string(got) != usageEv[:20] {
+		t.Errorf("the end let through %q, want the held %q", got, usageEv[:20])
+	}
+}
+
+func TestRewriterSkipped(t *testing.T) {
+	r := New(chatPath, []byte("8"), 1<<20)
+	r.Skip(metrics.UsageNotFullDuplex)
+	if got := r.Body([]byte(chatJSON), true).Bytes(); string(got) != chatJSON || r.Outcome() != metrics.UsageNotFullDuplex {
+		t.Errorf("skipped rewriter let through %q, outcome %q", got, r.Outcome())
+	}
+}
+
+// FuzzRewriterIgnoresChunking: however Envoy cuts a stream, the client gets
+// the same bytes as from the stream in one piece, and the pieces of each
+// reply never hold back a complete event.
+func FuzzRewriterIgnoresChunking(f *testing.F) {
+	f.Add([]byte(role+tok0+tok1+usageEv+done), []byte{7, 200, 3})
+	f.Add([]byte(strings.ReplaceAll(tok0+usageEv+done, "\n", "\r\n")), []byte{1, 1, 1, 1, 90})
+	f.Add([]byte("data: x\r\rdata: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":1}}}\r\r"), []byte{9, 1})
+	f.Fuzz(func(t *testing.T, stream, cuts []byte) {
+		whole := New(chatPath, []byte("8"), 1<<20)
+		whole.Start(200, "text/event-stream", "")
+		want := whole.Body(stream, true).Bytes()
+
+		r := New(chatPath, []byte("8"), 1<<20)
+		r.Start(200, "text/event-stream", "")
+		var got []byte
+		rest := stream
+		for _, c := range cuts {
+			n := min(int(c), len(rest))
+			out := r.Body(rest[:n], false).Bytes()
+			got = append(got, out...)
+			rest = rest[n:]
+			// Without the name nothing changes, so what went on is the stream so
+			// far but for a cut event: no more, and no less than the complete
+			// events (blank lines between events may wait).
+			sofar := stream[:len(stream)-len(rest)]
+			heldBack := bytes.TrimLeft(sofar[min(len(got), len(sofar)):], "\r\n")
+			if !bytes.Contains(stream, r.key) && (!bytes.HasPrefix(sofar, got) || eventsEnd(heldBack, 0) > 0) {
+				t.Fatalf("of %q, %q went on; want every complete event and no more", sofar, got)
+			}
+		}
+		got = append(got, r.Body(rest, true).Bytes()...)
+		if !bytes.Equal(got, want) {
+			t.Fatalf("cut at %v the client got\n  %q\nin one piece\n  %q", cuts, got, want)
+		}
+		if r.Outcome() != whole.Outcome() {
+			t.Fatalf("outcome %q cut, %q whole", r.Outcome(), whole.Outcome())
+		}
+	})
+}

@@ -1,0 +1,103 @@
+package response
+
+import (
+	"bytes"
+
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+)
+
+// stream passes on every complete event of a server-sent event stream at
+// once, fixing the number in the events that carry it, and holds back only an
+// event cut across chunks until the rest of it comes. An event that outgrows
+// the limit gives the stream up.
+func (r *Rewriter) stream(chunk []byte, last bool) body.Spliced {
+	data, fresh := chunk, 0 // fresh: where the bytes not yet looked at begin
+	if len(r.held) > 0 {
+		data, fresh = append(r.held, chunk...), len(r.held) // held is our own copy
+		r.held = nil
+	}
+	cut := len(data)
+	if !last {
+		cut = eventsEnd(data, fresh)
+	}
+	if len(data)-cut > r.limit {
+		return r.giveUp(data)
+	}
+	out := r.events(data[:cut])
+	if cut < len(data) {
+		r.held = bytes.Clone(data[cut:]) // chunk's bytes are Envoy's message's, not ours to keep
+	}
+	if last {
+		r.outcome = metrics.UsageAbsent
+		if r.fixed {
+			r.outcome = metrics.UsageRewritten
+		}
+	}
+	return out
+}
+
+// eventsEnd is where the last complete event of data ends: just after the
+// blank line that ends it, 0 when none does. An event ends with two line
+// ends in a row, each of them CRLF, LF or CR. Only a blank line finishing at
+// or after data[from] is new, so the bytes before it are not read again.
+func eventsEnd(data []byte, from int) int {
+	for i := len(data) - 1; i >= max(from, 1); i-- {
+		switch c, prev := data[i], data[i-1]; {
+		case c == '\n' && prev == '\n', // LF LF, CRLF LF
+			c == '\n' && prev == '\r' && i >= 2 && data[i-2] == '\n', // LF CRLF, CRLF CRLF
+			c == '\r' && prev == '\r':                                // CR CR
+			return i + 1
+		}
+	}
+	return 0
+}
+
+// events fixes the number in the complete events of b. Only a line holding
+// the quoted name is read: a "data:" line whose JSON has the path gets the
+// value; every other byte is passed on as it is.
+func (r *Rewriter) events(b []byte) body.Spliced {
+	if !bytes.Contains(b, r.key) {
+		return r.only(b)
+	}
+	var out body.Spliced
+	kept := 0 // b[kept:] is still to be passed on
+	for at := 0; ; {
+		i := bytes.Index(b[at:], r.key)
+		if i < 0 {
+			break
+		}
+		lineStart := bytes.LastIndexAny(b[:at+i], "\r\n") + 1
+		lineEnd := at + i + len(r.key)
+		if j := bytes.IndexAny(b[lineEnd:], "\r\n"); j >= 0 {
+			lineEnd += j
+		} else {
+			lineEnd = len(b)
+		}
+		if start, end, ok := r.locateInData(b[lineStart:lineEnd]); ok {
+			out = append(out, b[kept:lineStart+start], r.value)
+			kept = lineStart + end
+			r.fixed = true
+		}
+		at = lineEnd
+	}
+	if kept < len(b) {
+		out = append(out, b[kept:])
+	}
+	return out
+}
+
+// locateInData finds the number in an event line "data: {json}"; the offsets
+// are into the line.
+func (r *Rewriter) locateInData(line []byte) (start, end int, ok bool) {
+	const field = "data:"
+	if !bytes.HasPrefix(line, []byte(field)) {
+		return 0, 0, false
+	}
+	off := len(field)
+	if off < len(line) && line[off] == ' ' { // one space after the colon is not part of the value
+		off++
+	}
+	start, end, ok = body.Locate(line[off:], r.path...)
+	return off + start, off + end, ok
+}

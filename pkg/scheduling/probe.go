@@ -1,0 +1,53 @@
+package scheduling
+
+import (
+	"crypto/tls"
+	"net"
+	"net/http"
+	"time"
+)
+
+// role is what a pool's engines do in a P/D pair. It decides which of an
+// engine's P/D queues count as its load (parseLoad).
+type role uint8
+
+const (
+	roleUnknown role = iota // a pool built on its own (tests): no P/D queue counts
+	rolePrefill
+	roleDecode
+)
+
+// probe is how a pool's health checks and /metrics scrapes reach its engines.
+type probe struct {
+	client *http.Client
+	scheme string // http, or https when the engines serve TLS
+	role   role
+}
+
+func (p probe) url(addr, path string) string { return p.scheme + "://" + addr + path }
+
+// probe returns how the pool of role r reaches its engines: over HTTPS with
+// tlsCfg when it is set, with the deps' client when one was given (tests) or
+// else one of its own that trusts what tlsCfg trusts.
+func (d Deps) probe(r role, tlsCfg *tls.Config, clientGiven bool) probe {
+	p := probe{client: d.Client, scheme: "http", role: r}
+	if tlsCfg != nil {
+		p.scheme = "https"
+		if !clientGiven {
+			p.client = probeClient(tlsCfg)
+		}
+	}
+	return p
+}
+
+// probeClient is the client of checks and scrapes: engines are addressed
+// directly (no environment proxy), a couple of connections kept per engine.
+func probeClient(tlsCfg *tls.Config) *http.Client {
+	return &http.Client{Transport: &http.Transport{
+		Proxy:               nil,
+		DialContext:         (&net.Dialer{Timeout: 2 * time.Second}).DialContext,
+		MaxIdleConnsPerHost: 2,
+		IdleConnTimeout:     time.Minute,
+		TLSClientConfig:     tlsCfg,
+	}}
+}

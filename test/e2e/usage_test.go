@@ -1,0 +1,106 @@
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
+)
+
+// TestUsageRewrite: with response.rewrite_usage on, a client of a P/D request
+// sees the prefill engine's cached_tokens, not the decode engine's (which
+// counts the KV it pulled: the whole prompt), streamed or not, whatever the
+// request body mode, as long as Envoy sends response bodies in FULL_DUPLEX.
+// The simulators report like vLLM: the first request's prefill finds nothing
+// cached, the second, of the same prompt, its full blocks.
+func TestUsageRewrite(t *testing.T) {
+	fullDuplexResponses := func(c *envoyemu.Config) {
+		c.Modes.Response.Body = filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
+		c.Modes.Response.Trailers = filterv3.ProcessingMode_SEND
+	}
+	prompt := strings.TrimSpace(strings.Repeat("word ", 40))
+	// The 40 words, the two of the case's marker and the role, as the simulator
+	// counts tokens; the prefill engine's full blocks of them are 32.
+	const promptTokens = 43
+	tests := []struct {
+		mode, connector string
+		envoy           func(*envoyemu.Config)
+		want            [2]int // the cached_tokens the client sees for the first and the second request
+		outcome         string
+	}{
+		{"full_duplex", "kv-nixl", nil, [2]int{0, 32}, "rewritten"},
+		{"full_duplex", "kv-shared-storage", nil, [2]int{0, 32}, "rewritten"},
+		{"buffered", "kv-nixl", fullDuplexResponses, [2]int{0, 32}, "rewritten"},
+		// The shipped BUFFERED config sends no response body: the decode
+		// engine's number reaches the client, and the case is counted.
+		{"buffered", "kv-nixl", nil, [2]int{promptTokens, promptTokens}, "not_full_duplex"},
+	}
+	for _, tt := range tests {
+		name := fmt.Sprintf("%s/%s/full-duplex-responses=%v", tt.mode, tt.connector, tt.mode == "full_duplex" || tt.envoy != nil)
+		t.Run(name, func(t *testing.T) {
+			r := startRig(t, rigOptions{mode: tt.mode, connector: tt.connector, prefills: 1, decodes: 1, promptTokensDetails: true,
+				extra: "response: {rewrite_usage: true}", envoy: tt.envoy})
+			sent := 0
+			for _, stream := range []bool{false, true} {
+				marker := fmt.Sprintf("%s stream=%v", name, stream)
+				for i, want := range tt.want {
+					body := fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":%q}],"stream":%v,"max_tokens":4%s}`,
+						prompt+" "+marker, stream, map[bool]string{true: `,"stream_options":{"include_usage":true}`}[stream])
+					resp, got := r.must(t, "/v1/chat/completions", body, nil)
+					sent++
+					if resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
+						t.Fatalf("request %d: status %d, KV %q: %.300s", i, resp.StatusCode, resp.Header.Get("x-pdsim-kv"), got)
+					}
+					checkCompletion(t, stream, got)
+					u := usageOf(t, stream, got)
+					if u.CachedTokens != want || u.PromptTokens != promptTokens {
+						t.Errorf("request %d, stream %v: usage %+v; want cached_tokens %d and the decode engine's prompt_tokens %d",
+							i, stream, u, want, promptTokens)
+					}
+				}
+			}
+			series := fmt.Sprintf(`pd_extproc_usage_rewrites_total{outcome="%s"}`, tt.outcome)
+			waitFor(t, 10*time.Second, series, func() bool { return r.metric(t, series) == float64(sent) })
+		})
+	}
+}
+
+type usage struct {
+	PromptTokens int `json:"prompt_tokens"`
+	CachedTokens int
+}
+
+// usageOf reads the usage of a completion, or of a stream's usage event.
+func usageOf(t *testing.T, stream bool, body string) usage {
+	t.Helper()
+	var data []string
+	if !stream {
+		data = []string{body}
+	}
+	for line := range strings.SplitSeq(body, "\n") {
+		if d, ok := strings.CutPrefix(line, "data: "); ok && stream && strings.Contains(d, `"usage"`) {
+			data = append(data, d)
+		}
+	}
+	if len(data) != 1 {
+		t.Fatalf("%d answers with usage in %.500s", len(data), body)
+	}
+	var c struct {
+		Usage struct {
+			PromptTokens        int `json:"prompt_tokens"`
+			PromptTokensDetails struct {
+				CachedTokens int `json:"cached_tokens"`
+			} `json:"prompt_tokens_details"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal([]byte(data[0]), &c); err != nil {
+		t.Fatalf("usage of %.300s: %v", data[0], err)
+	}
+	return usage{PromptTokens: c.Usage.PromptTokens, CachedTokens: c.Usage.PromptTokensDetails.CachedTokens}
+}
