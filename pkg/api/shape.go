@@ -19,6 +19,15 @@ type Shape struct {
 	// handoff (docs/architecture.md §Security rules), with every duplicate:
 	// applied to every leg before a connector adds its own.
 	Reserved []body.Edit
+	// CachedTokens is where the API's answer reports the prompt tokens found
+	// in the engine's cache, the number response.rewrite_usage corrects (a
+	// decode engine counts the KV it pulled as cached: vllm-project/router
+	// issue #193); the prefill answer, being of the same API, carries the
+	// true one there. Nil: the usage is not rewritten. The Responses API
+	// would need two places (usage.input_tokens_details.cached_tokens in its
+	// answer, and inside "response" of its final response.completed event);
+	// vLLM's token-in generate has no usage object.
+	CachedTokens []string
 }
 
 // handoffKeys are the top-level fields of both engine families' handoffs:
@@ -59,7 +68,8 @@ var (
 			body.Delete("min_tokens"),                            // vLLM refuses min_tokens > max_tokens
 			body.Delete("min_completion_tokens"),
 		},
-		Reserved: reserved(vllmXargs),
+		Reserved:     reserved(vllmXargs),
+		CachedTokens: []string{"usage", "prompt_tokens_details", "cached_tokens"},
 	}
 	// responsesShape: the same caps in the Responses API's words; the
 	// prefill engine must neither keep the response nor run it in the

@@ -16,9 +16,9 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
-	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 	"github.com/pd-extproc/pd-extproc/pkg/response"
 )
@@ -198,7 +198,7 @@ func BenchmarkResponseChunk(b *testing.B) {
 			r := &fakeRouter{}
 			if rewrite {
 				r.rewrite = func() *response.Rewriter {
-					return response.New(response.CachedTokensPath(metrics.APIChat), []byte("8"), 1<<20)
+					return response.New(api.Chat.Shape.CachedTokens, []byte("8"), 1<<20)
 				}
 			}
 			x := handlers.NewServer(r, handlers.Options{}, logr.Discard()).Open(b.Context(), discard{})

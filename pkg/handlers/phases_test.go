@@ -19,6 +19,7 @@ import (
 	"github.com/go-logr/logr/funcr"
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -610,7 +611,7 @@ func TestUsageRewriteOnTheResponsePath(t *testing.T) {
 			t.Run(requestMode.String()+"/"+tt.name, func(t *testing.T) {
 				m := metrics.New("kv-nixl")
 				r := &fakeRouter{rewrite: func() *response.Rewriter {
-					return response.New(response.CachedTokensPath(metrics.APIChat), []byte("8"), 1<<20)
+					return response.New(api.Chat.Shape.CachedTokens, []byte("8"), 1<<20)
 				}}
 				s := handlers.NewServer(r, handlers.Options{Metrics: m}, logr.Discard())
 				msgs := []*extprocv3.ProcessingRequest{
@@ -677,7 +678,7 @@ func TestUsageRewriteWithoutFullDuplexResponsesIsLoggedOnce(t *testing.T) {
 	}, funcr.Options{})
 	m := metrics.New("kv-nixl")
 	r := &fakeRouter{rewrite: func() *response.Rewriter {
-		return response.New(response.CachedTokensPath(metrics.APIChat), []byte("8"), 1<<20)
+		return response.New(api.Chat.Shape.CachedTokens, []byte("8"), 1<<20)
 	}}
 	s := handlers.NewServer(r, handlers.Options{Metrics: m}, log)
 	for range 3 {

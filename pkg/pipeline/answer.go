@@ -34,7 +34,7 @@ func (p *Pipeline) readAnswer(answer []byte, r *Request) prefillAnswer {
 	if raw, ok := o.Raw("kv_transfer_params"); ok && raw[0] == '{' && kv.HasParams(raw) {
 		a.params = raw
 	}
-	if path := response.CachedTokensPath(APIOf(r)); p.opts.RewriteUsage && path != nil {
+	if path := r.api.Shape.CachedTokens; p.opts.RewriteUsage && path != nil {
 		if start, end, ok := o.Locate(path...); ok && isCount(answer[start:end]) {
 			a.cached = answer[start:end]
 		}
@@ -61,7 +61,7 @@ func isCount(raw []byte) bool {
 // reports no cached tokens, or the prefill engine reported none (counted: the
 // decode engine's number then stands).
 func (p *Pipeline) usageRewriter(r *Request, a prefillAnswer) *response.Rewriter {
-	path := response.CachedTokensPath(APIOf(r))
+	path := r.api.Shape.CachedTokens
 	if !p.opts.RewriteUsage || path == nil {
 		return nil
 	}

@@ -119,7 +119,7 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 			settings := cmp.Or(tt.settings, "response: {rewrite_usage: true}")
 			p, m, _ := newPipeline(t, fmt.Sprintf("connector: %s\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\nprefill: {attempts: 1}\n%s\n",
 				tt.connector, engine.Addr(), settings))
-			d, err := p.Route(context.Background(), &Request{Path: tt.path, RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi","messages":[]}`)})
+			d, err := p.Route(context.Background(), &Request{Method: "POST", Path: tt.path, RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi","messages":[]}`)})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -169,7 +169,7 @@ func TestUnreachableRemoteHostIsCountedAndLoggedOncePerEndpoint(t *testing.T) {
 			p, m, lines := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}\n",
 				engine.Addr(), tt.decode))
 			for i := range 3 {
-				d, err := p.Route(context.Background(), &Request{Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)})
+				d, err := p.Route(context.Background(), &Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)})
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -29,6 +29,7 @@ type Request struct {
 	Report Report
 
 	scan body.Scanner // what has been validated of Body while it arrived
+	api  *api.API     // the matched API; nil until then
 }
 
 // Arrived passes the body received so far, while the rest is on its way: it

@@ -61,7 +61,7 @@ func (p *Pipeline) match(r *Request) (*api.API, error) {
 	if err != nil {
 		return nil, notFound(err)
 	}
-	r.Report.API = a.Name
+	r.Report.API, r.api = a.Name, a
 	return a, nil
 }
 

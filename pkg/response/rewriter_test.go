@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
@@ -31,7 +32,7 @@ const (
 	done = "data: [DONE]\n\n"
 )
 
-var chatPath = CachedTokensPath(metrics.APIChat)
+var chatPath = api.Chat.Shape.CachedTokens
 
 type headers struct {
 	status              int
