@@ -38,7 +38,7 @@ const (
 type Handoff struct {
 	Body          *body.Object // the client's request body
 	PrefillHost   string       // host of the chosen prefill endpoint (IPv6 in brackets)
-	BootstrapPort int          // the prefill pool's SGLang bootstrap port
+	BootstrapPort int          // the chosen prefill endpoint's SGLang bootstrap port (its own, else the pool's)
 	Room          uint64       // random per request, 0..2^63-1: pairs concurrent legs
 	PrefillKV     []byte       // Sequential only: raw kv_transfer_params of the prefill response, nil when it gave none
 }

@@ -108,6 +108,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, obj *body.Object, sreq 
 		}
 		rep.Prefill = prefill.Addr
 		h.PrefillHost = bootstrapHost(prefill.Addr)
+		h.BootstrapPort = prefill.BootstrapPort(p.opts.BootstrapPort)
 		p.launch(ctx, prefill, r, kv.PrefillBody(p.connector, h), d)
 		return kv.DecodeBody(p.connector, h), nil
 	}
@@ -155,6 +156,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 		}
 		r.Report.Prefill = ep.Addr
 		h.PrefillHost = bootstrapHost(ep.Addr)
+		h.BootstrapPort = ep.BootstrapPort(p.opts.BootstrapPort)
 		release := ep.Acquire()
 		params, failed := p.attempt(ctx, ep.Addr, r, kv.PrefillBody(p.connector, h))
 		release()
