@@ -34,6 +34,8 @@ type source struct {
 	onError   func(reason string)
 
 	mu        sync.Mutex
+	streams   int       // watch streams open, each counted until it ends
+	lastOK    time.Time // the last successful list or watch
 	reachable bool
 	lastErr   error
 	lastErrAt time.Time
@@ -58,7 +60,10 @@ func (s *source) listWatch(
 		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
 			w, err := watchFn(ctx, o)
 			s.observe(ctx, "watch", err)
-			return w, err
+			if err != nil {
+				return nil, err
+			}
+			return s.observeStream(w), nil
 		},
 	}
 }
@@ -72,8 +77,11 @@ func (s *source) observe(ctx context.Context, verb string, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err == nil {
-		s.reachable = true
+		s.reachable, s.lastOK = true, time.Now()
 		delete(s.refused, verb)
+		if verb == "watch" {
+			s.streams++
+		}
 		return
 	}
 	reason, explained := s.explain(verb, err)
@@ -90,11 +98,19 @@ func (s *source) observe(ctx context.Context, verb string, err error) {
 }
 
 // streamBroken records a watch that ended with an error after it started:
-// the server went away or dropped it. The informer lists again on its own.
+// the server went away or dropped it, and the informer lists again on its
+// own. An expired resource version is the protocol at work, not news.
 func (s *source) streamBroken(err error) {
+	if apierrors.IsResourceExpired(err) || apierrors.IsGone(err) {
+		return
+	}
 	s.mu.Lock()
-	defer s.mu.Unlock()
+	s.reachable = false
 	s.lastErr, s.lastErrAt = fmt.Errorf("watching %s: %w", s.resource, err), time.Now()
+	s.mu.Unlock()
+	if s.onError != nil {
+		s.onError(ReasonUnreachable)
+	}
 }
 
 // explain classifies err and words it for an operator: what is missing, and

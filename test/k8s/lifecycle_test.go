@@ -111,6 +111,7 @@ func TestPodLifecycle(t *testing.T) {
 		{"relabelled", func(e *engine) { c.update(t, e, func(p *corev1.Pod) { p.Labels[roleLabel] = "drained" }) }},
 		{"deleted", func(e *engine) { c.deletePod(t, e) }},
 	}
+	outer := t // the pod a case brings in serves into the next case
 	for i, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			// Each case takes d0 out, then brings a fresh Ready pod in its place.
@@ -125,7 +126,7 @@ func TestPodLifecycle(t *testing.T) {
 			if n := len(d0.sim.Requests()); n != before {
 				t.Fatalf("the pod that left got %d more requests", n-before)
 			}
-			d0 = c.startEngine(t, ns, fmt.Sprintf("decode-0-%d", i), pdsim.RoleDecode, nixl, map[string]string{roleLabel: "decode"}, nil, nil)
+			d0 = c.startEngine(outer, ns, fmt.Sprintf("decode-0-%d", i), pdsim.RoleDecode, nixl, map[string]string{roleLabel: "decode"}, nil, nil)
 			c.setReady(t, d0, true)
 			eventually(t, "the new pod to join", func() bool { return len(s.endpoints(t, "decode")) == 2 })
 		})

@@ -1,6 +1,7 @@
 package k8s
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -62,6 +63,9 @@ func nextIP() string {
 }
 
 const enginePort = 8000
+
+// extprocVerbosity is extproc's -v in the tests.
+var extprocVerbosity = cmp.Or(os.Getenv("K8S_TEST_V"), "0")
 
 // engine is a pod and the simulator that serves on its IP.
 type engine struct {
@@ -165,7 +169,7 @@ func startStack(t testing.TB, server, token, config string) *stack {
 	}
 	x := testbed.MustStartExtproc(t, testbed.ExtprocConfig{
 		Bin: mustExtproc(t), Config: config, Wait: testbed.WaitStarted,
-		Args: []string{"--kubeconfig", c.kubeconfig(t, server, token), "--log-flush-interval=0", "--log-format=console"},
+		Args: []string{"--kubeconfig", c.kubeconfig(t, server, token), "--log-flush-interval=0", "--log-format=console", "-v=" + extprocVerbosity},
 		Log:  testbed.LineFunc(func(line string) { t.Log(line) }),
 	})
 	proxy := testbed.MustStartEnvoy(t, testbed.EnvoyConfigs["full_duplex"], x.GRPCAddr, nil)
