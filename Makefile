@@ -71,6 +71,12 @@ bench:
 	$(GO) build -o $(BIN)/ ./cmd/... ./bench/echo
 	$(GO) run ./bench/load -bin $(BIN) -duration 3s -out $(BIN)/bench.md $(BENCH_FLAGS)
 
+# The scale of Kubernetes discovery (docs/kubernetes.md): 1,000 pods in a pool, 100 pod writes
+# per second for 60 s, on the real API server of test/k8s. About 2 minutes; not part of test.
+.PHONY: bench-k8s
+bench-k8s: $(K8S_TOOLS)
+	$(GO) test -run '^$$' -bench Discovery -benchtime 1x -timeout 20m ./test/k8s/
+
 clean:
 	rm -rf $(BIN)
 

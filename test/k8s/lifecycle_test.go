@@ -56,7 +56,7 @@ func TestPodLifecycle(t *testing.T) {
 		c.setReady(t, e, true)
 	}
 	eventually(t, "the Ready pods to join", func() bool {
-		return slices.Equal(s.endpoints(t, "decode"), []string{d0.addr(), d1.addr()}) && slices.Equal(s.endpoints(t, "prefill"), []string{prefill.addr()})
+		return slices.Equal(sorted(s.endpoints(t, "decode")), sorted([]string{d0.addr(), d1.addr()})) && slices.Equal(s.endpoints(t, "prefill"), []string{prefill.addr()})
 	})
 	eventually(t, "readiness", func() bool { code, _ := s.readyz(t); return code == http.StatusOK })
 	served := map[string]bool{}

@@ -161,7 +161,15 @@ type stack struct {
 // startStack runs extproc on config with a kubeconfig for token at server
 // (the API server's URL unless a test puts something between), and the
 // Envoy emulator in front of it. It waits only until extproc has started.
+// extproc's log goes to the test's.
 func startStack(t testing.TB, server, token, config string) *stack {
+	t.Helper()
+	return startStackLogging(t, server, token, config, testbed.LineFunc(func(line string) { t.Log(line) }),
+		"--log-flush-interval=0", "--log-format=console")
+}
+
+// startStackLogging is startStack with extproc's log going to log, and more flags.
+func startStackLogging(t testing.TB, server, token, config string, log io.Writer, args ...string) *stack {
 	t.Helper()
 	c := mustCluster(t)
 	if server == "" {
@@ -169,8 +177,8 @@ func startStack(t testing.TB, server, token, config string) *stack {
 	}
 	x := testbed.MustStartExtproc(t, testbed.ExtprocConfig{
 		Bin: mustExtproc(t), Config: config, Wait: testbed.WaitStarted,
-		Args: []string{"--kubeconfig", c.kubeconfig(t, server, token), "--log-flush-interval=0", "--log-format=console", "-v=" + extprocVerbosity},
-		Log:  testbed.LineFunc(func(line string) { t.Log(line) }),
+		Args: append([]string{"--kubeconfig", c.kubeconfig(t, server, token), "-v=" + extprocVerbosity}, args...),
+		Log:  log,
 	})
 	proxy := testbed.MustStartEnvoy(t, testbed.EnvoyConfigs["full_duplex"], x.GRPCAddr, nil)
 	return &stack{x: x, proxy: proxy}
