@@ -1,12 +1,16 @@
 package discovery
 
 import (
+	"os"
+	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/rest"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
@@ -69,3 +73,35 @@ func TestPodEndpoints(t *testing.T) {
 		})
 	}
 }
+
+func TestNamespaceDefaultsToThePods(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "namespace")
+	old := serviceAccountNamespace
+	t.Cleanup(func() { serviceAccountNamespace = old })
+	opts := Options{REST: &rest.Config{Host: "https://127.0.0.1:1"}} // New talks to no server
+	pools := map[string]*config.Kubernetes{"decode": {Selector: "app=vllm", Port: &config.PodPort{Number: 8000}}}
+	sinks := map[string]Sink{"decode": sinkFunc(func([]scheduling.Discovered) {})}
+
+	serviceAccountNamespace = file
+	if _, err := New(pools, sinks, opts); err == nil || !strings.Contains(err.Error(), "pools.decode.kubernetes.namespace: not set, and not running in a pod") {
+		t.Errorf("New outside a pod = %v, want an error naming the key", err)
+	}
+	if err := os.WriteFile(file, []byte("llm\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d, err := New(pools, sinks, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := d.Status(); len(st) != 1 || st[0].Namespace != "llm" || st[0].Ready() {
+		t.Errorf("status %+v, want the pod's namespace and not ready before any list", st)
+	}
+	if d, err := New(map[string]*config.Kubernetes{"decode": nil}, sinks, opts); d != nil || err != nil {
+		t.Errorf("New with no kubernetes pool = %v, %v; want nil, nil", d, err)
+	}
+}
+
+type sinkFunc func([]scheduling.Discovered)
+
+func (f sinkFunc) SetDiscovered(eps []scheduling.Discovered) { f(eps) }

@@ -46,8 +46,10 @@ type cluster struct {
 	pki     *pki
 	etcd    *testbed.Process
 	api     *testbed.Process
-	apiArgs []string
-	url     string // https://127.0.0.1:port
+	apiArgs []string // all but the port
+	port    int
+	url     string   // https://127.0.0.1:port
+	log     *os.File // etcd's and kube-apiserver's output
 	cleanup *testbed.Cleanups
 
 	rest   *rest.Config // admin
@@ -60,7 +62,6 @@ var (
 	theCluster  *cluster
 	clusterErr  error
 	clusterOnce sync.Once
-	clusterLog  = filepath.Join(os.TempDir(), "pd-extproc-k8s-test.log")
 )
 
 // binaries finds kube-apiserver and etcd on PATH (make puts TOOLS_BIN there)
@@ -123,27 +124,30 @@ func startCluster() (*cluster, error) {
 	if c.pki, err = newPKI(dir); err != nil {
 		return nil, c.fail(err)
 	}
-	log, err := os.Create(clusterLog)
+	log, err := os.Create(filepath.Join(dir, "control-plane.log")) // its start is in a failure's message
 	if err != nil {
 		return nil, c.fail(err)
 	}
 	c.cleanup.Cleanup(func() { log.Close() })
+	c.log = log
 
-	ports := make([]int, 3)
-	for i := range ports {
-		if ports[i], err = testbed.FreePort(); err != nil {
-			return nil, c.fail(err)
+	var client string
+	c.etcd, err = testbed.WithFreshPorts(func() (*testbed.Process, error) {
+		cp, pp, err := twoPorts()
+		if err != nil {
+			return nil, err
 		}
-	}
-	client, peer := fmt.Sprintf("http://127.0.0.1:%d", ports[0]), fmt.Sprintf("http://127.0.0.1:%d", ports[1])
-	c.etcd, err = testbed.StartProcess(context.Background(), c.cleanup, testbed.ProcessConfig{
-		Name: "etcd", Bin: etcdBin, Log: log, Timeout: time.Minute,
-		Args: []string{
-			"--name=default", "--data-dir=" + filepath.Join(dir, "etcd"), "--log-level=warn", "--unsafe-no-fsync",
-			"--listen-client-urls=" + client, "--advertise-client-urls=" + client,
-			"--listen-peer-urls=" + peer, "--initial-advertise-peer-urls=" + peer, "--initial-cluster=default=" + peer,
-		},
-		Ready: testbed.HTTPOK(client + "/health"),
+		client = fmt.Sprintf("http://127.0.0.1:%d", cp)
+		peer := fmt.Sprintf("http://127.0.0.1:%d", pp)
+		return testbed.StartProcess(context.Background(), c.cleanup, testbed.ProcessConfig{
+			Name: "etcd", Bin: etcdBin, Log: log, Timeout: time.Minute,
+			Args: []string{
+				"--name=default", "--data-dir=" + filepath.Join(dir, "etcd"), "--log-level=warn", "--unsafe-no-fsync",
+				"--listen-client-urls=" + client, "--advertise-client-urls=" + client,
+				"--listen-peer-urls=" + peer, "--initial-advertise-peer-urls=" + peer, "--initial-cluster=default=" + peer,
+			},
+			Ready: testbed.HTTPOK(client + "/health"),
+		})
 	})
 	if err != nil {
 		return nil, c.fail(err)
@@ -157,10 +161,9 @@ func startCluster() (*cluster, error) {
 	}, "\n")+"\n"), 0o600); err != nil {
 		return nil, c.fail(err)
 	}
-	c.url = fmt.Sprintf("https://127.0.0.1:%d", ports[2])
 	c.apiArgs = []string{
 		"--etcd-servers=" + client,
-		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", fmt.Sprintf("--secure-port=%d", ports[2]),
+		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
 		"--tls-cert-file=" + c.pki.certFile, "--tls-private-key-file=" + c.pki.keyFile, "--cert-dir=" + filepath.Join(dir, "certs"),
 		"--token-auth-file=" + tokens, "--authorization-mode=RBAC",
 		"--service-account-issuer=https://kubernetes.default.svc", "--service-account-key-file=" + c.pki.saPublic,
@@ -170,12 +173,22 @@ func startCluster() (*cluster, error) {
 		"--endpoint-reconciler-type=none",
 		"--profiling=false", "--v=0",
 	}
+	// The port is picked again while another socket takes it first; a
+	// restart (startAPI) keeps it.
+	if _, err := testbed.WithFreshPorts(func() (struct{}, error) {
+		port, err := testbed.FreePort()
+		if err != nil {
+			return struct{}{}, err
+		}
+		c.url = fmt.Sprintf("https://127.0.0.1:%d", port)
+		c.port = port
+		return struct{}{}, c.startAPI()
+	}); err != nil {
+		return nil, c.fail(err)
+	}
 	c.rest = &rest.Config{
 		Host: c.url, BearerToken: adminToken, TLSClientConfig: rest.TLSClientConfig{CAData: c.pki.caPEM},
 		QPS: 500, Burst: 1000, UserAgent: "pd-extproc-test",
-	}
-	if err := c.startAPI(); err != nil {
-		return nil, c.fail(err)
 	}
 	if c.kube, err = kubernetes.NewForConfig(c.rest); err != nil {
 		return nil, c.fail(err)
@@ -185,6 +198,16 @@ func startCluster() (*cluster, error) {
 	}
 	c.mapper = restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(c.kube.Discovery()))
 	return c, nil
+}
+
+// twoPorts is two free loopback ports.
+func twoPorts() (int, int, error) {
+	a, err := testbed.FreePort()
+	if err != nil {
+		return 0, 0, err
+	}
+	b, err := testbed.FreePort()
+	return a, b, err
 }
 
 func (c *cluster) fail(err error) error {
@@ -198,16 +221,11 @@ func (c *cluster) startAPI() error {
 	if err != nil {
 		return err
 	}
-	log, err := os.OpenFile(clusterLog, os.O_WRONLY|os.O_APPEND, 0)
-	if err != nil {
-		return err
-	}
-	c.cleanup.Cleanup(func() { log.Close() })
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(c.pki.caPEM)
 	probe := &http.Client{Transport: &http.Transport{Proxy: nil, TLSClientConfig: &tls.Config{RootCAs: pool}, DisableKeepAlives: true}}
 	c.api, err = testbed.StartProcess(context.Background(), c.cleanup, testbed.ProcessConfig{
-		Name: "kube-apiserver", Bin: apiserver, Args: c.apiArgs, Log: log, Timeout: 2 * time.Minute,
+		Name: "kube-apiserver", Bin: apiserver, Args: append(c.apiArgs, fmt.Sprintf("--secure-port=%d", c.port)), Log: c.log, Timeout: 2 * time.Minute,
 		Ready: func(ctx context.Context) error {
 			req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.url+"/readyz", nil)
 			req.Header.Set("Authorization", "Bearer "+adminToken)
