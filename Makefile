@@ -15,6 +15,9 @@ export GOEXPERIMENT ?= simd
 
 GRPCURL_VERSION := v1.9.4
 EGCTL_VERSION   := v1.9.1
+KUBE_VERSION    := v1.37.2
+ETCD_VERSION    := v3.7.3
+K8S_TOOLS       := $(TOOLS_BIN)/kube-apiserver $(TOOLS_BIN)/etcd
 
 .PHONY: all build test tools run bench clean
 
@@ -28,7 +31,7 @@ test: tools
 	$(GO) test -race -count=1 ./...
 	GOEXPERIMENT= $(GO) test -count=1 ./pkg/body/
 
-tools: $(TOOLS_BIN)/grpcurl $(TOOLS_BIN)/egctl docker-compose
+tools: $(TOOLS_BIN)/grpcurl $(TOOLS_BIN)/egctl $(K8S_TOOLS) docker-compose
 
 $(TOOLS_BIN)/grpcurl:
 	GOBIN=$(TOOLS_BIN) $(GO) install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)
@@ -36,6 +39,12 @@ $(TOOLS_BIN)/grpcurl:
 # egctl takes about 5 minutes to build; it is built once and cached in TOOLS_BIN.
 $(TOOLS_BIN)/egctl:
 	GOBIN=$(TOOLS_BIN) $(GO) install github.com/envoyproxy/gateway/cmd/egctl@$(EGCTL_VERSION)
+
+# test/k8s runs a real Kubernetes API server and etcd, built from the Go module proxy
+# (hack/k8s-tools.sh: 3-4 minutes once on 2 cores, then cached in TOOLS_BIN).
+# The script builds whichever of the two is missing.
+$(K8S_TOOLS):
+	GO=$(GO) TOOLS_BIN=$(TOOLS_BIN) KUBE_VERSION=$(KUBE_VERSION) ETCD_VERSION=$(ETCD_VERSION) bash hack/k8s-tools.sh
 
 # test/deploy runs `docker-compose config` on config/envoy/docker-compose.yaml; that needs no
 # Docker engine. The Compose v2 plugin serves as well; otherwise Debian's docker-compose
@@ -61,6 +70,12 @@ run: build
 bench:
 	$(GO) build -o $(BIN)/ ./cmd/... ./bench/echo
 	$(GO) run ./bench/load -bin $(BIN) -duration 3s -out $(BIN)/bench.md $(BENCH_FLAGS)
+
+# The scale of Kubernetes discovery (docs/kubernetes.md): 1,000 pods in a pool, 100 pod writes
+# per second for 60 s, on the real API server of test/k8s. About 2 minutes; not part of test.
+.PHONY: bench-k8s
+bench-k8s: $(K8S_TOOLS)
+	$(GO) test -run '^$$' -bench Discovery -benchtime 1x -timeout 20m ./test/k8s/
 
 clean:
 	rm -rf $(BIN)

@@ -19,6 +19,7 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+	"k8s.io/klog/v2"
 
 	defaults "github.com/pd-extproc/pd-extproc/config"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -27,6 +28,7 @@ import (
 
 type flags struct {
 	config, grpcAddr, adminAddr, logFormat string
+	kubeconfig                             string
 	verbosity                              int
 	grace, logFlush                        time.Duration
 	pprof, logPrompts                      bool
@@ -50,6 +52,8 @@ func main() {
 	flag.StringVar(&f.tls.Cert, "tls-cert-file", "", "serve ext_proc over TLS with this certificate (PEM); reloaded when it changes")
 	flag.StringVar(&f.tls.Key, "tls-key-file", "", "the certificate's private key (PEM)")
 	flag.StringVar(&f.tls.ClientCA, "tls-client-ca-file", "", "require client certificates signed by these CAs (mTLS)")
+	flag.StringVar(&f.kubeconfig, "kubeconfig", "",
+		"credentials for pools discovered from Kubernetes (pools.<pool>.kubernetes); default: in-cluster, else KUBECONFIG or ~/.kube/config")
 	flag.Parse()
 
 	log, flush, err := newLogger(f.logFormat, f.verbosity, f.logFlush)
@@ -76,6 +80,7 @@ func run(f flags, log logr.Logger, flush func()) error {
 		return err
 	}
 	otel.SetLogger(log.WithName("otel"))
+	klog.SetLogger(log.WithName("client-go")) // Kubernetes discovery's client library logs through ours
 	otel.SetErrorHandler(otel.ErrorHandlerFunc(func(err error) { log.Error(err, "opentelemetry") }))
 	grpcLis, err := net.Listen("tcp", f.grpcAddr)
 	if err != nil {
@@ -87,7 +92,7 @@ func run(f flags, log logr.Logger, flush func()) error {
 		return err
 	}
 	defer adminLis.Close()
-	s, err := server.New(cfg, server.Options{Grace: f.grace, Pprof: f.pprof, LogPrompts: f.logPrompts, ConfigPath: f.config, TLS: f.tls}, log)
+	s, err := server.New(cfg, server.Options{Grace: f.grace, Pprof: f.pprof, LogPrompts: f.logPrompts, ConfigPath: f.config, TLS: f.tls, Kubeconfig: f.kubeconfig}, log)
 	if err != nil {
 		return err
 	}

@@ -43,6 +43,8 @@ type Pool struct {
 	// TLS makes the decode pool's health checks and /metrics scrapes HTTPS
 	// (the decode leg itself is Envoy's). The prefill pool's follow prefill.tls.
 	TLS EngineTLS `json:"tls"`
+	// Kubernetes discovers more endpoints from the Kubernetes API (kubernetes.go).
+	Kubernetes *Kubernetes `json:"kubernetes,omitempty"`
 	PoolScheduling
 }
 
@@ -183,8 +185,8 @@ func (c *Config) validate() error {
 	if err != nil {
 		errs = append(errs, fmt.Errorf("connector: %w", err))
 	}
-	if len(c.Pools.Decode.Endpoints) == 0 && c.Pools.Decode.DNS == "" {
-		errs = append(errs, errors.New("pools.decode.endpoints: at least one ip:port (or pools.decode.dns) is required"))
+	if d := c.Pools.Decode; len(d.Endpoints) == 0 && d.DNS == "" && d.Kubernetes == nil {
+		errs = append(errs, errors.New("pools.decode.endpoints: at least one ip:port (or pools.decode.dns, or pools.decode.kubernetes) is required"))
 	}
 	errs = append(errs, validateEndpoints("pools.prefill.endpoints", c.Pools.Prefill.Endpoints)...)
 	errs = append(errs, validateEndpoints("pools.decode.endpoints", c.Pools.Decode.Endpoints)...)
@@ -231,6 +233,8 @@ func (c *Config) validate() error {
 		errs = append(errs, errors.New("envoy.override_after, envoy.override_message_timeout: must be positive"))
 	}
 	errs = append(errs, c.Tracing.Validate("tracing"),
+		c.Pools.Prefill.Kubernetes.Validate("pools.prefill.kubernetes"),
+		c.Pools.Decode.Kubernetes.Validate("pools.decode.kubernetes"),
 		c.Pools.Prefill.PoolScheduling.Validate("pools.prefill"),
 		c.Pools.Decode.PoolScheduling.Validate("pools.decode"),
 		c.PD.Validate("pd"),

@@ -41,7 +41,7 @@ type Handoff struct {
 	Body          *body.Object // the client's request body
 	Shape         *api.Shape   // where the request's API puts the fields
 	PrefillHost   string       // host of the chosen prefill endpoint (IPv6 in brackets)
-	BootstrapPort int          // the prefill pool's SGLang bootstrap port
+	BootstrapPort int          // the chosen prefill endpoint's SGLang bootstrap port (its own, else the pool's)
 	Room          uint64       // random per request, 0..2^63-1: pairs concurrent legs
 	// Rooms, when set, pairs each of a request's samples on its own
 	// (pd.sglang_parallel_sampling: rooms): one distinct room per sample.

@@ -147,6 +147,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		}
 		rep.Prefill = prefill.Addr
 		h.PrefillHost = bootstrapHost(prefill.Addr)
+		h.BootstrapPort = prefill.BootstrapPort(p.opts.BootstrapPort)
 		p.launch(ctx, prefill, r, kv.PrefillBody(p.connector, h), d)
 		return kv.DecodeBody(p.connector, h), nil
 	}
@@ -196,6 +197,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 		}
 		r.Report.Prefill = ep.Addr
 		h.PrefillHost = bootstrapHost(ep.Addr)
+		h.BootstrapPort = ep.BootstrapPort(p.opts.BootstrapPort)
 		release := ep.Acquire()
 		answer, failed := p.attempt(ctx, ep.Addr, r, kv.PrefillBody(p.connector, h))
 		release()

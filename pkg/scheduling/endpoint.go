@@ -15,6 +15,8 @@ type Endpoint struct {
 	inflight atomic.Int64
 	load     atomic.Pointer[Load]
 	settings *atomic.Pointer[settings] // the pool's; nil for a bare Endpoint
+	// bootstrapPort is the endpoint's own SGLang bootstrap port (Discovered); 0: the pool's.
+	bootstrapPort atomic.Int32
 
 	troubled atomic.Bool // fast path: false means healthy without taking mu
 	mu       sync.Mutex

@@ -1,7 +1,7 @@
 // Package scheduling owns the endpoint pools and the choice of an endpoint for
 // each leg of a request: endpoint state (requests in flight, health, the
 // engines' own load), pickers built from small scorers, the P/D decider, and
-// live updates from config reloads and DNS.
+// live updates from config reloads, DNS and discovery sources (SetDiscovered).
 package scheduling
 
 import (
@@ -33,6 +33,8 @@ type PoolSpec struct {
 // Pool is a named set of endpoints of one role (prefill or decode) and the
 // policy that picks among them. It is safe for concurrent use. Update swaps
 // endpoints and policy atomically; an endpoint that stays keeps its state.
+// Its endpoints are the static ones of its spec, then those DNS resolved,
+// then those a discovery source set (SetDiscovered).
 type Pool struct {
 	Name string
 	deps Deps
@@ -43,8 +45,10 @@ type Pool struct {
 	mu       sync.Mutex // serialises changes
 	spec     PoolSpec
 	resolved []string // from DNS
-	settings atomic.Pointer[settings]
-	state    atomic.Pointer[poolState]
+	// discovered come from a discovery source (SetDiscovered), sorted by address.
+	discovered []Discovered
+	settings   atomic.Pointer[settings]
+	state      atomic.Pointer[poolState]
 }
 
 // poolState is one immutable generation of a pool.
@@ -199,19 +203,26 @@ func (p *Pool) rebuild() {
 	}
 	var eps []*Endpoint
 	seen := map[string]bool{}
-	for _, a := range slices.Concat(s.Endpoints, p.resolved) {
+	add := func(a string, bootstrapPort int) {
 		if seen[a] {
-			continue
+			return
 		}
 		seen[a] = true
 		e := keep[a]
 		if e == nil {
 			e = newEndpoint(a, &p.settings)
 		}
+		e.bootstrapPort.Store(int32(bootstrapPort))
 		if s.Health.CheckInterval <= 0 {
 			e.setActive(true) // checks are off: a down verdict no longer holds
 		}
 		eps = append(eps, e)
+	}
+	for _, a := range slices.Concat(s.Endpoints, p.resolved) {
+		add(a, 0)
+	}
+	for _, d := range p.discovered {
+		add(d.Addr, d.BootstrapPort)
 	}
 	p.state.Store(&poolState{endpoints: eps, picker: picker, spec: s, changed: make(chan struct{})})
 	if old != nil {

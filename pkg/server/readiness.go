@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/pd-extproc/pd-extproc/pkg/discovery"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
@@ -21,17 +22,20 @@ import (
 var healthServices = []string{"", extprocv3.ExternalProcessor_ServiceDesc.ServiceName}
 
 // readiness tells Envoy (gRPC health) and Kubernetes (/readyz) whether to send
-// traffic: only while the decode pool has a healthy endpoint, and never again
+// traffic: only while the decode pool has a healthy endpoint and every pool
+// discovered from Kubernetes has synced with nothing refused, and never again
 // once shutdown has begun. A request routed without one would only get a 503.
 type readiness struct {
 	health    *health.Server
 	pool      string // the decode pool's name
 	endpoints func() []metrics.EndpointState
+	discovery func() []discovery.PoolStatus // nil: no pool is discovered
 	log       logr.Logger
 
 	mu       sync.Mutex // orders updates, so each transition is applied and logged once
 	known    bool
-	up       atomic.Bool // the decode pool has a healthy endpoint
+	up       atomic.Bool // ready, as update last found
+	why      atomic.Pointer[string]
 	draining atomic.Bool
 }
 
@@ -55,15 +59,17 @@ func (r *readiness) run(ctx context.Context, interval time.Duration) {
 	}
 }
 
-// update reads the decode pool now and applies a change of state.
+// update reads the pools now and applies a change of state.
 func (r *readiness) update() {
-	up := false
-	for _, e := range r.endpoints() {
-		if e.Pool == r.pool && e.Healthy {
-			up = true
+	checks := r.checks()
+	up, why := true, ""
+	for _, c := range checks {
+		if !c.ok {
+			up, why = false, c.name+": "+c.detail
 			break
 		}
 	}
+	r.why.Store(&why)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.known && r.up.Load() == up {
@@ -79,9 +85,9 @@ func (r *readiness) update() {
 		r.health.SetServingStatus(svc, status) // ignored once draining: Shutdown is final
 	}
 	if up {
-		r.log.Info("the decode pool has a healthy endpoint: ready")
+		r.log.Info("ready: the decode pool has a healthy endpoint and every discovered pool has synced")
 	} else {
-		r.log.Info("the decode pool has no healthy endpoint: not ready until one recovers", "pool", r.pool)
+		r.log.Info("not ready", "why", why)
 	}
 }
 
@@ -91,14 +97,28 @@ func (r *readiness) drain() {
 	r.health.Shutdown()
 }
 
-// ServeHTTP answers /readyz.
-func (r *readiness) ServeHTTP(w http.ResponseWriter, _ *http.Request) {
+// ServeHTTP answers /readyz with the state update last found; /readyz?verbose
+// also lists each check as it is now, as the Kubernetes API server's own
+// /readyz?verbose does: [+] passing, [-] failing.
+func (r *readiness) ServeHTTP(w http.ResponseWriter, req *http.Request) {
+	code, msg := http.StatusOK, "ready"
 	switch {
 	case r.draining.Load():
-		http.Error(w, "shutting down", http.StatusServiceUnavailable)
+		code, msg = http.StatusServiceUnavailable, "shutting down"
 	case !r.up.Load():
-		http.Error(w, "no healthy decode endpoint", http.StatusServiceUnavailable)
-	default:
-		fmt.Fprintln(w, "ready")
+		code, msg = http.StatusServiceUnavailable, "not ready: "+*r.why.Load()
 	}
+	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	w.WriteHeader(code)
+	if _, verbose := req.URL.Query()["verbose"]; verbose {
+		for _, c := range r.checks() {
+			mark := "+"
+			if !c.ok {
+				mark = "-"
+			}
+			fmt.Fprintf(w, "[%s]%s: %s\n", mark, c.name, c.detail)
+		}
+	}
+	fmt.Fprintln(w, msg)
 }

@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/reflection"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/discovery"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
@@ -57,6 +58,9 @@ type Options struct {
 	// ConfigPath, when set, is watched: a valid new file updates the pools,
 	// policies and P/D thresholds in place; an invalid one is logged and ignored.
 	ConfigPath string
+	// Kubeconfig is the credentials file of pools discovered from Kubernetes
+	// (pools.<pool>.kubernetes); empty: in-cluster, else KUBECONFIG.
+	Kubeconfig string
 }
 
 // Server is a configured pd-extproc, ready to Serve.
@@ -65,6 +69,7 @@ type Server struct {
 	log             logr.Logger
 	cfg             *config.Config // as loaded; the config watch reloads only a different one
 	pipeline        *pipeline.Pipeline
+	discovery       *discovery.Discovery // nil: no pool is discovered from Kubernetes
 	metrics         *metrics.Metrics
 	grpc            *grpc.Server
 	ready           *readiness
@@ -126,7 +131,14 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	healthpb.RegisterHealthServer(s.grpc, hs)
 	reflection.Register(s.grpc)
 
+	if s.discovery, err = s.newDiscovery(cfg, prefill, decode, opts.Kubeconfig, log.WithName("discovery")); err != nil {
+		s.shutdownTracing(context.Background())
+		return nil, err
+	}
 	s.ready = newReadiness(hs, decode.Name, endpoints, log.WithName("health"))
+	if s.discovery != nil {
+		s.ready.discovery = s.discovery.Status
+	}
 	s.ready.update() // serving from the first health check on, when the pool allows
 	s.admin = &http.Server{Handler: s.adminMux(), ReadHeaderTimeout: 10 * time.Second}
 	return s, nil
@@ -141,6 +153,9 @@ func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) erro
 	var polling sync.WaitGroup
 	polling.Go(func() { s.ready.run(pollCtx, s.opts.HealthInterval) })
 	polling.Go(func() { s.pipeline.Run(pollCtx) })
+	if s.discovery != nil {
+		polling.Go(func() { s.discovery.Run(pollCtx) })
+	}
 	if s.opts.ConfigPath != "" {
 		polling.Go(s.watchConfig(pollCtx))
 	}
@@ -171,6 +186,9 @@ func (s *Server) watchConfig(ctx context.Context) func() {
 			s.pipeline.Reload(c)
 			s.log.Info("config reloaded", "path", s.opts.ConfigPath,
 				"prefill", c.Pools.Prefill.Endpoints, "decode", c.Pools.Decode.Endpoints)
+			if keys := discoveryChanged(s.cfg, c); len(keys) > 0 {
+				s.log.Info("Kubernetes discovery keys changed; they take effect on restart", "keys", keys)
+			}
 		}, func(err error) {
 			s.log.Error(err, "config change rejected; the previous config stays", "path", s.opts.ConfigPath)
 		})

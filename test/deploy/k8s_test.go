@@ -131,13 +131,16 @@ func yamlFileBytes(t *testing.T, rel string) []byte {
 	return js
 }
 
-// The Gateway directory carries its own copy of the extproc objects so it applies on its own;
-// the copies must not drift apart.
+// sharedManifests are the files config/k8s and the Gateway directory both carry.
+var sharedManifests = []string{"extproc.yaml", "rbac.yaml"}
+
+// The Gateway directory carries its own copy of the extproc objects (and their RBAC) so it
+// applies on its own; the copies must not drift apart.
 func TestGatewayExtprocMatchesKubernetes(t *testing.T) {
 	byID := func(ms []manifest) map[string]map[string]any {
 		out := map[string]map[string]any{}
 		for _, m := range ms {
-			if m.file == "config/k8s/extproc.yaml" || m.file == gatewayDir+"/extproc.yaml" {
+			if slices.Contains(sharedManifests, filepath.Base(m.file)) {
 				out[m.kind()+"/"+m.name()] = m.doc
 			}
 		}
@@ -150,7 +153,7 @@ func TestGatewayExtprocMatchesKubernetes(t *testing.T) {
 	}
 	for id, doc := range k8s {
 		if !reflect.DeepEqual(doc, gw[id]) {
-			t.Errorf("%s differs between config/k8s/extproc.yaml and %s/extproc.yaml", id, gatewayDir)
+			t.Errorf("%s differs between config/k8s and %s", id, gatewayDir)
 		}
 	}
 }

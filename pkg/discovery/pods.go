@@ -1,0 +1,88 @@
+package discovery
+
+import (
+	"fmt"
+	"net"
+	"strconv"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/labels"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
+)
+
+// BootstrapPortAnnotation on a pod gives that pod's SGLang bootstrap port
+// (kv-sglang), overriding pools.prefill.bootstrap_port: the convention of
+// SGLang's own gateway, for pods whose engines were started with different
+// --disaggregation-bootstrap-port values.
+const BootstrapPortAnnotation = "sglang.ai/bootstrap-port"
+
+// selection is which pods of a watch are a pool's endpoints, and on which ports.
+type selection struct {
+	selector labels.Selector // nil selects nothing (an InferencePool not found yet)
+	port     config.PodPort  // without an InferencePool
+	ports    []int           // an InferencePool's target ports
+}
+
+// endpoints returns the endpoints pod gives under sel, or none and why not.
+// Only a pod that is Ready, has an IP and is not terminating is an endpoint;
+// with an InferencePool, each of its target ports is one. A bootstrap port
+// annotation that is not a port is ignored (the pool's is used) and said in why.
+func (sel selection) endpoints(pod *corev1.Pod) (eps []scheduling.Discovered, why string) {
+	switch {
+	case sel.selector == nil || !sel.selector.Matches(labels.Set(pod.Labels)):
+		return nil, "not selected"
+	case pod.DeletionTimestamp != nil:
+		return nil, "terminating"
+	case pod.Status.PodIP == "":
+		return nil, "no pod IP"
+	case !podReady(pod):
+		return nil, "not Ready"
+	}
+	ports := sel.ports
+	if ports == nil {
+		n := sel.port.Number
+		if sel.port.Name != "" {
+			if n = namedPort(pod, sel.port.Name); n == 0 {
+				return nil, fmt.Sprintf("no container port named %q", sel.port.Name)
+			}
+		}
+		ports = []int{n}
+	}
+	bootstrap := 0
+	if v, ok := pod.Annotations[BootstrapPortAnnotation]; ok {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > 65535 {
+			why = fmt.Sprintf("annotation %s: %q is not a port; the pool's bootstrap port applies", BootstrapPortAnnotation, v)
+		} else {
+			bootstrap = n
+		}
+	}
+	for _, port := range ports {
+		eps = append(eps, scheduling.Discovered{Addr: net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(port)), BootstrapPort: bootstrap})
+	}
+	return eps, why
+}
+
+func podReady(pod *corev1.Pod) bool {
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// namedPort is the number of the pod's container port called name, 0 when
+// no container has one.
+func namedPort(pod *corev1.Pod, name string) int {
+	for _, c := range pod.Spec.Containers {
+		for _, p := range c.Ports {
+			if p.Name == name {
+				return int(p.ContainerPort)
+			}
+		}
+	}
+	return 0
+}

@@ -1,0 +1,43 @@
+package scheduling
+
+import (
+	"cmp"
+	"slices"
+)
+
+// Discovered is an endpoint that a discovery source outside this package (the
+// Kubernetes API, pkg/discovery) found: its address and, for kv-sglang
+// prefills, a bootstrap port of its own.
+type Discovered struct {
+	Addr string
+	// BootstrapPort overrides the pool's bootstrap port for this endpoint; 0
+	// keeps the pool's.
+	BootstrapPort int
+}
+
+// SetDiscovered makes eps the pool's discovered endpoints, beside the static
+// and DNS ones. As with a config reload, an address that stays keeps its
+// Endpoint (requests in flight, health, scraped load, prefix memory); one that
+// goes is no longer picked from the moment this returns. A discovery source
+// calls it with its whole current set after each change it observes.
+func (p *Pool) SetDiscovered(eps []Discovered) {
+	eps = slices.Clone(eps)
+	slices.SortFunc(eps, func(a, b Discovered) int { return cmp.Compare(a.Addr, b.Addr) })
+	eps = slices.CompactFunc(eps, func(a, b Discovered) bool { return a.Addr == b.Addr })
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if slices.Equal(eps, p.discovered) {
+		return
+	}
+	p.discovered = eps
+	p.rebuild()
+}
+
+// BootstrapPort is the endpoint's SGLang bootstrap port: its own when
+// discovery gave it one, else poolPort.
+func (e *Endpoint) BootstrapPort(poolPort int) int {
+	if n := e.bootstrapPort.Load(); n > 0 {
+		return int(n)
+	}
+	return poolPort
+}

@@ -1,0 +1,71 @@
+package server
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/discovery"
+)
+
+// check is one condition of readiness, as /readyz?verbose lists it.
+type check struct {
+	name   string
+	ok     bool
+	detail string
+}
+
+// checks reads every readiness condition now: the decode pool's health, then
+// each discovered pool's sync state and API server reachability. An
+// unreachable API server is reported but passes: the pool serves on with the
+// endpoints it last had.
+func (r *readiness) checks() []check {
+	healthy, total := 0, 0
+	for _, e := range r.endpoints() {
+		if e.Pool == r.pool {
+			total++
+			if e.Healthy {
+				healthy++
+			}
+		}
+	}
+	out := []check{{name: r.pool + " pool", ok: healthy > 0, detail: fmt.Sprintf("%d of %d endpoints healthy", healthy, total)}}
+	if healthy == 0 {
+		out[0].detail = "no healthy decode endpoint (" + out[0].detail + ")"
+	}
+	if r.discovery == nil {
+		return out
+	}
+	for _, st := range r.discovery() {
+		out = append(out, discoveryCheck(st))
+	}
+	return out
+}
+
+func discoveryCheck(st discovery.PoolStatus) check {
+	c := check{name: "kubernetes " + st.Pool, ok: st.Ready()}
+	what := fmt.Sprintf("pods in namespace %q", st.Namespace)
+	if st.InferencePool != "" {
+		what = fmt.Sprintf("InferencePool %s/%s", st.Namespace, st.InferencePool)
+	}
+	switch {
+	case st.Refused != nil:
+		c.detail = fmt.Sprintf("%s: refused: %v", what, st.Refused)
+		return c
+	case !st.Synced:
+		c.detail = what + ": not synced yet"
+	case !st.PoolFound:
+		c.detail = fmt.Sprintf("%s: synced; the InferencePool does not exist, so no endpoints", what)
+	default:
+		c.detail = fmt.Sprintf("%s: synced, %d endpoints", what, st.Endpoints)
+	}
+	switch {
+	case st.Synced && st.Reachable:
+		c.detail += "; API server reachable"
+	case st.Synced:
+		c.detail += "; API server unreachable, serving the last endpoints known"
+	}
+	if st.LastError != nil {
+		c.detail += fmt.Sprintf("; last error %s ago: %v", time.Since(st.LastErrorAt).Round(time.Second), st.LastError)
+	}
+	return c
+}

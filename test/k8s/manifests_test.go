@@ -1,0 +1,136 @@
+package k8s
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+)
+
+// The directories whose manifests users apply as they are.
+var manifestDirs = []string{"config/k8s", "config/envoy/gateway"}
+
+// shippedManifests reads every object of the shipped manifests.
+func shippedManifests(t *testing.T) []*unstructured.Unstructured {
+	t.Helper()
+	var out []*unstructured.Unstructured
+	for _, dir := range manifestDirs {
+		out = append(out, loadManifests(t, dir+"/*.yaml")...)
+	}
+	return out
+}
+
+// prepareForManifests installs the CRDs the manifests use and creates their
+// namespace, which namespaced objects need even in a dry run.
+func prepareForManifests(t *testing.T, c *cluster) {
+	t.Helper()
+	c.installCRDs(t, "InferencePool", "GatewayClass", "Gateway", "HTTPRoute",
+		"EnvoyExtensionPolicy", "EnvoyPatchPolicy", "ClientTrafficPolicy", "BackendTrafficPolicy")
+	_, err := c.kube.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "pd-extproc"}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+}
+
+// Every shipped manifest is accepted by a real API server: server-side
+// apply in dry-run mode runs admission, the OpenAPI schema, the CRDs'
+// validation (CEL rules included) and defaulting, and stores nothing.
+func TestManifestsPassServerSideDryRun(t *testing.T) {
+	c := mustCluster(t)
+	prepareForManifests(t, c)
+	objs := shippedManifests(t)
+	kinds := map[string]bool{}
+	for _, obj := range objs {
+		kinds[obj.GetKind()] = true
+		if err := c.dryRunApply(obj); err != nil {
+			t.Errorf("%s refused: %v", describe(obj), err)
+		}
+	}
+	for _, k := range []string{"Deployment", "Role", "RoleBinding", "ServiceAccount", "InferencePool", "EnvoyExtensionPolicy", "HTTPRoute"} {
+		if !kinds[k] {
+			t.Errorf("no %s among the %d objects checked", k, len(objs))
+		}
+	}
+}
+
+// Broken copies of shipped manifests are refused, each for its own reason:
+// the dry run does check what the previous test relies on.
+func TestBrokenManifestsAreRefused(t *testing.T) {
+	c := mustCluster(t)
+	prepareForManifests(t, c)
+	objs := shippedManifests(t)
+	pick := func(kind, name string) *unstructured.Unstructured {
+		for _, o := range objs {
+			if o.GetKind() == kind && o.GetName() == name {
+				return o.DeepCopy()
+			}
+		}
+		t.Fatalf("no %s %s in the manifests", kind, name)
+		return nil
+	}
+	set := func(o *unstructured.Unstructured, v any, path ...string) {
+		if err := unstructured.SetNestedField(o.Object, v, path...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tests := []struct {
+		name, kind, obj string
+		breakIt         func(*unstructured.Unstructured)
+		want            string // in the API server's answer
+	}{
+		{"InferencePool target port twice (a CEL rule)", "InferencePool", "vllm-decode", func(o *unstructured.Unstructured) {
+			set(o, []any{map[string]any{"number": int64(8000)}, map[string]any{"number": int64(8000)}}, "spec", "targetPorts")
+		}, "port number must be unique"},
+		{"InferencePool with nine target ports", "InferencePool", "vllm-decode", func(o *unstructured.Unstructured) {
+			var ports []any
+			for i := range 9 {
+				ports = append(ports, map[string]any{"number": int64(8000 + i)})
+			}
+			set(o, ports, "spec", "targetPorts")
+		}, "must have at most 8 items"},
+		{"EnvoyExtensionPolicy failing open in FULL_DUPLEX_STREAMED (a CEL rule)", "EnvoyExtensionPolicy", "", func(o *unstructured.Unstructured) {
+			procs, _, _ := unstructured.NestedSlice(o.Object, "spec", "extProc")
+			procs[0].(map[string]any)["failOpen"] = true
+			set(o, procs, "spec", "extProc")
+		}, "FailOpen must be false"},
+		{"Deployment with replicas as a string", "Deployment", "pd-extproc", func(o *unstructured.Unstructured) {
+			set(o, "two", "spec", "replicas")
+		}, "replicas"},
+		{"Role with an unknown field", "Role", "pd-extproc", func(o *unstructured.Unstructured) {
+			set(o, []any{"pods"}, "rules0")
+		}, "rules0"},
+		{"HTTPRoute path of an unknown type", "HTTPRoute", "pd-inference", func(o *unstructured.Unstructured) {
+			rules, _, _ := unstructured.NestedSlice(o.Object, "spec", "rules")
+			m := rules[0].(map[string]any)["matches"].([]any)[0].(map[string]any)
+			m["path"].(map[string]any)["type"] = "Glob"
+			set(o, rules, "spec", "rules")
+		}, "Glob"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var o *unstructured.Unstructured
+			if tc.obj == "" {
+				for _, x := range objs {
+					if x.GetKind() == tc.kind {
+						o = x.DeepCopy()
+						break
+					}
+				}
+			} else {
+				o = pick(tc.kind, tc.obj)
+			}
+			if err := c.dryRunApply(o); err != nil {
+				t.Fatalf("the unbroken %s is refused: %v", describe(o), err)
+			}
+			tc.breakIt(o)
+			err := c.dryRunApply(o)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("dry run of the broken %s: %v; want a refusal naming %q", describe(o), err, tc.want)
+			}
+		})
+	}
+}
