@@ -9,6 +9,8 @@ import (
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // Cell is one measurement: a target, a body mode, a body size, a concurrency.
@@ -94,7 +96,7 @@ func runCell(ctx context.Context, o CellOptions, cell Cell, p *Payload) (res Cel
 	}
 	defer client.Close()
 
-	res.IdleRSS, _, _ = memory(pid)
+	res.IdleRSS, _, _ = testbed.Memory(pid)
 	if err := verify(ctx, client, cell, p); err != nil {
 		return res, fmt.Errorf("%s: the first exchange is wrong: %w", cell, err)
 	}
@@ -111,12 +113,12 @@ func runCell(ctx context.Context, o CellOptions, cell Cell, p *Payload) (res Cel
 
 	peakReset := resetPeak(pid) == nil
 	sampler := sampleRSS(pid, 50*time.Millisecond)
-	server0, _ := cpuSeconds(pid)
-	driver0, _ := cpuSeconds(os.Getpid())
-	machine0, _ := machineCPUSeconds()
+	server0, _ := testbed.CPUSeconds(pid)
+	driver0, _ := testbed.CPUSeconds(os.Getpid())
+	machine0, _ := testbed.MachineCPUSeconds()
 	var prefill0 float64
 	if t.Prefill != nil {
-		prefill0, _ = cpuSeconds(t.Prefill.Pid())
+		prefill0, _ = testbed.CPUSeconds(t.Prefill.Pid())
 	}
 	profiled := make(chan error, 1)
 	if o.PprofDir != "" {
@@ -130,17 +132,17 @@ func runCell(ctx context.Context, o CellOptions, cell Cell, p *Payload) (res Cel
 	lr := client.Run(ctx, Load{Mode: cell.Mode, Payload: p, Concurrency: cell.Concurrency, Duration: o.Duration,
 		Requests: o.Requests, IDPrefix: id})
 
-	server1, _ := cpuSeconds(pid)
-	driver1, _ := cpuSeconds(os.Getpid())
-	machine1, _ := machineCPUSeconds()
+	server1, _ := testbed.CPUSeconds(pid)
+	driver1, _ := testbed.CPUSeconds(os.Getpid())
+	machine1, _ := testbed.MachineCPUSeconds()
 	res.ServerCPU, res.DriverCPU = server1-server0, driver1-driver0
 	if t.Prefill != nil {
-		prefill1, _ := cpuSeconds(t.Prefill.Pid())
+		prefill1, _ := testbed.CPUSeconds(t.Prefill.Pid())
 		res.PrefillCPU = prefill1 - prefill0
 	}
 	res.OtherCPU = max(0, machine1-machine0-res.ServerCPU-res.DriverCPU-res.PrefillCPU)
 	sampled := sampler.Max()
-	_, hwm, _ := memory(pid)
+	_, hwm, _ := testbed.Memory(pid)
 	res.PeakRSS = max(sampled, hwm)
 	if !peakReset {
 		res.PeakRSS = sampled
