@@ -87,3 +87,14 @@ func Memory(pid int) (rss, peak uint64, err error) {
 	}
 	return rss, peak, sc.Err()
 }
+
+// LoadAverage is the 1, 5 and 15 minute load averages of the machine, as
+// /proc/loadavg gives them: the reports say how busy the machine was.
+func LoadAverage() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "unknown"
+	}
+	f := strings.Fields(string(b))
+	return strings.Join(f[:min(3, len(f))], " ")
+}
