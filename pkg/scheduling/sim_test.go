@@ -484,7 +484,7 @@ func TestSimulatedReplicasAgree(t *testing.T) {
 		t.Skip("simulation")
 	}
 	p := defaultSimParams()
-	p.Duration = 2 * time.Minute
+	p.Duration = 75 * time.Second
 	w := newWorkload(p)
 	one := simulate(p, w, configured(config.PolicyPrefixAffinity), 1)
 	four := simulate(p, w, configured(config.PolicyPrefixAffinity), 4)
