@@ -99,3 +99,13 @@ SOAK_DURATION ?= 60s
 .PHONY: soak
 soak:
 	$(GO) run ./test/soak -duration $(SOAK_DURATION)
+
+# 10,000 streaming generations held at once through two Envoy emulator processes and two
+# ext_proc replicas (extproc P/D, extproc decode-only, and bench/echo beside them), with the
+# response path on and off: requests lost or failed, and memory, goroutines and CPU per held
+# stream (docs/benchmarks.md, "Held streams"). About 15 minutes on 2 cores; not part of
+# `make test`. SCALE_FLAGS adds flags, e.g. SCALE_FLAGS="-streams 2000 -targets decode,echo".
+.PHONY: soak-scale
+soak-scale:
+	$(GO) build -o $(BIN)/ ./cmd/... ./bench/echo
+	$(GO) run ./test/scale -bin $(BIN) -out $(BIN)/scale.md -pprof-dir $(BIN)/scale-pprof $(SCALE_FLAGS)

@@ -38,14 +38,15 @@ func init() { server.UseChunkSizedBuffers() }
 func main() {
 	grpcAddr := flag.String("grpc-addr", ":9003", "ext_proc gRPC listen address")
 	adminAddr := flag.String("admin-addr", ":9093", "admin HTTP listen address (/metrics, /healthz, /debug/pprof)")
+	dest := flag.String("destination", echo.Value, "the ip:port every request is routed to (x-gateway-destination-endpoint)")
 	flag.Parse()
-	if err := run(*grpcAddr, *adminAddr); err != nil {
+	if err := run(*grpcAddr, *adminAddr, *dest); err != nil {
 		fmt.Fprintln(os.Stderr, "echo:", err)
 		os.Exit(1)
 	}
 }
 
-func run(grpcAddr, adminAddr string) error {
+func run(grpcAddr, adminAddr, dest string) error {
 	grpcLis, err := net.Listen("tcp", grpcAddr)
 	if err != nil {
 		return err
@@ -55,7 +56,7 @@ func run(grpcAddr, adminAddr string) error {
 		return err
 	}
 	srv := grpc.NewServer(grpc.MaxRecvMsgSize(maxRecvMsgSize))
-	extprocv3.RegisterExternalProcessorServer(srv, echo.Server{})
+	extprocv3.RegisterExternalProcessorServer(srv, echo.Server{Destination: dest})
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(srv, hs)
 	reflection.Register(srv)

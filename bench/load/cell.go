@@ -128,7 +128,7 @@ func runCell(ctx context.Context, o CellOptions, cell Cell, p *Payload) (res Cel
 	sampler := sampleRSS(pid, 50*time.Millisecond)
 	server0, _ := testbed.CPUSeconds(pid)
 	driver0, _ := testbed.CPUSeconds(os.Getpid())
-	machine0, _ := machineCPUSeconds()
+	machine0, _ := testbed.MachineCPUSeconds()
 	var prefill0 float64
 	if t.Prefill != nil {
 		prefill0, _ = testbed.CPUSeconds(t.Prefill.Pid())
@@ -147,7 +147,7 @@ func runCell(ctx context.Context, o CellOptions, cell Cell, p *Payload) (res Cel
 
 	server1, _ := testbed.CPUSeconds(pid)
 	driver1, _ := testbed.CPUSeconds(os.Getpid())
-	machine1, _ := machineCPUSeconds()
+	machine1, _ := testbed.MachineCPUSeconds()
 	res.ServerCPU, res.DriverCPU = server1-server0, driver1-driver0
 	if t.Prefill != nil {
 		prefill1, _ := testbed.CPUSeconds(t.Prefill.Pid())

@@ -20,6 +20,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 type options struct {
@@ -155,7 +157,7 @@ func run(ctx context.Context, o options) error {
 			return err
 		}
 	}
-	rep.Header = append(rep.Header, "load average at the end: "+loadAverage(),
+	rep.Header = append(rep.Header, "load average at the end: "+testbed.LoadAverage(),
 		fmt.Sprintf("wall time of the run: %s; children's logs: %s", time.Since(start).Round(time.Second), o.logDir))
 
 	var w io.Writer = os.Stdout
@@ -286,17 +288,8 @@ func header(o options, payloads map[int]*Payload, sizes []int) []string {
 		fmt.Sprintf("per cell: a fresh target process; %s; %d gRPC connections; closed loop", per, o.conns),
 		fmt.Sprintf("prefill simulator of target pd: %s; of pd-fake: fake; bodies: %s", o.prefill, strings.Join(bodies, ", ")),
 		"command: " + strings.Join(os.Args, " "),
-		"load average at the start (other sessions share this machine): " + loadAverage(),
+		"load average at the start (other sessions share this machine): " + testbed.LoadAverage(),
 	}
-}
-
-func loadAverage() string {
-	b, err := os.ReadFile("/proc/loadavg")
-	if err != nil {
-		return "unknown"
-	}
-	f := strings.Fields(string(b))
-	return strings.Join(f[:min(3, len(f))], " ")
 }
 
 func checkBinaries(o options, targets []string) error {

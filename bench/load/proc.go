@@ -4,41 +4,10 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
-
-// clockTicks is USER_HZ, the unit of /proc/stat (testbed.CPUSeconds reads a process's).
-const clockTicks = 100
-
-// machineCPUSeconds is the busy CPU time of the whole machine (every CPU),
-// from the first line of /proc/stat.
-func machineCPUSeconds() (float64, error) {
-	b, err := os.ReadFile("/proc/stat")
-	if err != nil {
-		return 0, err
-	}
-	line, _, _ := strings.Cut(string(b), "\n")
-	f := strings.Fields(line) // cpu user nice system idle iowait irq softirq steal ...
-	if len(f) < 9 || f[0] != "cpu" {
-		return 0, fmt.Errorf("/proc/stat: unexpected first line %q", line)
-	}
-	var busy uint64
-	for i, v := range f[1:9] {
-		if i == 3 || i == 4 { // idle, iowait
-			continue
-		}
-		n, err := strconv.ParseUint(v, 10, 64)
-		if err != nil {
-			return 0, err
-		}
-		busy += n
-	}
-	return float64(busy) / clockTicks, nil
-}
 
 // resetPeak sets VmHWM back to the current RSS (Linux >= 4.0), so a cell's
 // peak is its own and not the process's lifetime maximum.

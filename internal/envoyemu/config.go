@@ -8,7 +8,7 @@
 // shares.
 //
 //	cfg, err := envoyemu.LoadConfig(".../config/envoy/envoy.yaml")
-//	p, err := envoyemu.Start(cfg, extProcAddr)
+//	p, err := envoyemu.Start(cfg, extProcAddr) // or several: the cluster's endpoints
 //	defer p.Close()
 //	resp, err := http.Post(p.URL()+"/v1/completions", ...)
 //	p.Upstreams() // where each request went
@@ -17,9 +17,13 @@
 // details in DetailsHeader; Config.Metadata.Initial stands for metadata an
 // earlier filter would set; Config.Logf traces decisions.
 //
+// Both clusters, ext_proc and ORIGINAL_DST, enforce their circuit breakers
+// (§12); ClusterStats reads Envoy's overflow counters.
+//
 // Refused rather than guessed (LoadConfig errors): observability mode,
 // CEL attributes, mode_override, http_service, GRPC body mode, other HTTP
-// filters, non-ORIGINAL_DST route clusters.
+// filters, non-ORIGINAL_DST route clusters, per-host circuit breakers and
+// retry budgets.
 package envoyemu
 
 import (
@@ -40,6 +44,9 @@ const (
 	defaultMaxHeadersKB      = 60
 	defaultOriginalDstHeader = "x-envoy-original-dst-host" // §8.1
 	maxTimeout               = 3600 * time.Second          // §5: max for both message timeouts
+	// defaultHTTP2Streams is http2_protocol_options.max_concurrent_streams
+	// unset (protocol.proto): 2^31 - 1.
+	defaultHTTP2Streams = 1<<31 - 1
 )
 
 // Config is what the emulator takes from an Envoy bootstrap, grouped as the
@@ -59,7 +66,14 @@ type Config struct {
 	Limits       Limits // the connection manager's, the listener's and the gRPC client's
 
 	Routes   []Route
-	Clusters map[string]*Cluster
+	Clusters map[string]*Cluster // every static cluster, by name
+	// ExtProcCluster names the cluster of grpc_service.envoy_grpc; its
+	// endpoints are the addresses given to Start, its circuit breakers and
+	// HTTP/2 stream limit are the bootstrap's (Envoy's defaults without one).
+	ExtProcCluster string
+	// SuppressEnvoyHeaders is the router's suppress_envoy_headers: no
+	// x-envoy-overloaded on an overflow reply (§12).
+	SuppressEnvoyHeaders bool
 
 	// Logf, when set, receives debug lines (e.g. t.Logf).
 	Logf func(format string, args ...any)
@@ -128,11 +142,17 @@ type Route struct {
 	Timeout time.Duration
 }
 
-// Cluster is an upstream cluster the routes may target. Only ORIGINAL_DST
-// clusters are emulated.
+// Cluster is a static cluster of the bootstrap. Routes may target only
+// ORIGINAL_DST clusters; the ext_proc cluster is the other one emulated.
 type Cluster struct {
 	Name        string
-	OriginalDst *OriginalDst
+	OriginalDst *OriginalDst // nil: not an ORIGINAL_DST cluster
+	// Breakers are its circuit breakers (§12); the zero value stands for
+	// Envoy's defaults in a hand-made Config.
+	Breakers Thresholds
+	// StreamsPerConnection is 1 over HTTP/1 and http2_protocol_options'
+	// max_concurrent_streams over HTTP/2; 0 means the protocol's default.
+	StreamsPerConnection int
 }
 
 // OriginalDst is original_dst_lb_config (§8.1).

@@ -64,12 +64,72 @@ func TestLoadConfigShippedFiles(t *testing.T) {
 			if r := matchRoute(cfg.Routes, "/metrics"); r == nil || r.Cluster != "pd_original_dst" {
 				t.Errorf("catch-all route = %+v, want pd_original_dst", r)
 			}
+			sized := Thresholds{MaxConnections: 16384, MaxPendingRequests: 16384, MaxRequests: 16384, MaxRetries: 3}
+			if cfg.ExtProcCluster != "extproc" {
+				t.Errorf("ext_proc cluster = %q, want extproc", cfg.ExtProcCluster)
+			}
+			for _, name := range []string{"pd_original_dst", "extproc"} {
+				if got := cfg.Clusters[name].Breakers; got != sized {
+					t.Errorf("%s circuit breakers = %+v, want %+v", name, got, sized)
+				}
+			}
+			if got := cfg.Clusters["extproc"].StreamsPerConnection; got != 16384 {
+				t.Errorf("extproc HTTP/2 streams per connection = %d, want 16384", got)
+			}
+			if got := cfg.Clusters["pd_original_dst"].StreamsPerConnection; got != 1 {
+				t.Errorf("pd_original_dst streams per connection = %d, want 1 (HTTP/1)", got)
+			}
 			od := cfg.Clusters["pd_original_dst"].OriginalDst
 			if !od.UseHTTPHeader || od.HeaderName != "x-gateway-destination-endpoint" ||
 				od.MetadataNamespace != "envoy.lb" || !slices.Equal(od.MetadataPath, []string{"x-gateway-destination-endpoint"}) {
 				t.Errorf("ORIGINAL_DST = %+v", od)
 			}
 		})
+	}
+}
+
+// TestLoadConfigBreakerDefaults: a cluster without circuit_breakers gets
+// Envoy's defaults, a thresholds entry that sets some fields keeps the
+// defaults of the others, and HTTP/2 without max_concurrent_streams carries
+// 2^31 - 1 streams per connection.
+func TestLoadConfigBreakerDefaults(t *testing.T) {
+	raw, err := os.ReadFile(filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := string(raw)
+	for _, cut := range []struct{ old, new string }{
+		// the decode cluster's thresholds entry keeps max_requests only
+		{"      - max_connections: 16384\n        max_pending_requests: 16384\n        max_requests: 16384\n        max_retries: 3\n", "      - max_requests: 4096\n"},
+		{"            max_concurrent_streams: 16384\n", ""},
+	} {
+		if !strings.Contains(s, cut.old) {
+			t.Fatalf("envoy.yaml has no %q", cut.old)
+		}
+		s = strings.Replace(s, cut.old, cut.new, 1)
+	}
+	// The ext_proc cluster's circuit_breakers go entirely.
+	i := strings.LastIndex(s, "    circuit_breakers:")
+	j := strings.Index(s[i:], "    typed_extension_protocol_options:")
+	s = s[:i] + s[i+j:]
+	p := filepath.Join(t.TempDir(), "envoy.yaml")
+	if err := os.WriteFile(p, []byte(s), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := LoadConfig(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := cfg.Clusters["extproc"].Breakers; got != DefaultThresholds {
+		t.Errorf("extproc without circuit_breakers = %+v, want %+v", got, DefaultThresholds)
+	}
+	want := DefaultThresholds
+	want.MaxRequests = 4096
+	if got := cfg.Clusters["pd_original_dst"].Breakers; got != want {
+		t.Errorf("pd_original_dst with max_requests only = %+v, want %+v", got, want)
+	}
+	if got := cfg.Clusters["extproc"].StreamsPerConnection; got != defaultHTTP2Streams {
+		t.Errorf("extproc streams per connection = %d, want %d", got, defaultHTTP2Streams)
 	}
 }
 

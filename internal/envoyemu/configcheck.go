@@ -68,5 +68,20 @@ func (cfg Config) withDefaults() Config {
 	if cfg.Mutations.HeaderPrefix == "" {
 		cfg.Mutations.HeaderPrefix = "x-envoy"
 	}
+	clusters := make(map[string]*Cluster, len(cfg.Clusters))
+	for name, cl := range cfg.Clusters {
+		c := *cl
+		if c.Breakers == (Thresholds{}) {
+			c.Breakers = DefaultThresholds
+		}
+		if c.StreamsPerConnection == 0 {
+			c.StreamsPerConnection = 1 // HTTP/1, as an ORIGINAL_DST cluster here
+			if name == cfg.ExtProcCluster {
+				c.StreamsPerConnection = defaultHTTP2Streams // gRPC is HTTP/2
+			}
+		}
+		clusters[name] = &c
+	}
+	cfg.Clusters = clusters
 	return cfg
 }

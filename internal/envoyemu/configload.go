@@ -4,11 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"strings"
 	"time"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
-	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -80,9 +78,7 @@ func fromBootstrap(bs *bootstrapv3.Bootstrap) (*Config, error) {
 		if err != nil {
 			return nil, fmt.Errorf("cluster %q: %w", c.GetName(), err)
 		}
-		if cl != nil {
-			cfg.Clusters[cl.Name] = cl
-		}
+		cfg.Clusters[cl.Name] = cl
 	}
 	var found bool
 	for _, l := range bs.GetStaticResources().GetListeners() {
@@ -99,48 +95,11 @@ func fromBootstrap(bs *bootstrapv3.Bootstrap) (*Config, error) {
 		return nil, errors.New("no listener with an http_connection_manager that runs envoy.filters.http.ext_proc")
 	}
 	for _, r := range cfg.Routes {
-		if cfg.Clusters[r.Cluster] == nil {
+		if cl := cfg.Clusters[r.Cluster]; cl == nil || cl.OriginalDst == nil {
 			return nil, fmt.Errorf("route to cluster %q: only static ORIGINAL_DST clusters are emulated", r.Cluster)
 		}
 	}
 	return cfg, nil
-}
-
-// clusterFromProto keeps ORIGINAL_DST clusters (nil for others, e.g. the
-// ext_proc cluster, which Start replaces by its extProcAddr argument) and
-// applies Envoy's ORIGINAL_DST config checks (§8.1).
-func clusterFromProto(c *clusterv3.Cluster) (*Cluster, error) {
-	odc := c.GetOriginalDstLbConfig()
-	if c.GetType() != clusterv3.Cluster_ORIGINAL_DST {
-		if odc != nil {
-			return nil, errors.New("original_dst_lb_config set on a cluster that is not ORIGINAL_DST")
-		}
-		return nil, nil
-	}
-	if c.GetLbPolicy() != clusterv3.Cluster_CLUSTER_PROVIDED {
-		return nil, errors.New("ORIGINAL_DST cluster requires lb_policy CLUSTER_PROVIDED")
-	}
-	if c.GetLoadAssignment() != nil {
-		return nil, errors.New("ORIGINAL_DST clusters must have no load_assignment")
-	}
-	od := &OriginalDst{HeaderName: defaultOriginalDstHeader}
-	if odc != nil {
-		if odc.GetHttpHeaderName() != "" && !odc.GetUseHttpHeader() {
-			return nil, errors.New("original_dst_lb_config.http_header_name requires use_http_header")
-		}
-		od.UseHTTPHeader = odc.GetUseHttpHeader()
-		if odc.GetHttpHeaderName() != "" {
-			od.HeaderName = strings.ToLower(odc.GetHttpHeaderName())
-		}
-		od.PortOverride = odc.GetUpstreamPortOverride().GetValue()
-		if mk := odc.GetMetadataKey(); mk != nil {
-			od.MetadataNamespace = mk.GetKey()
-			for _, seg := range mk.GetPath() {
-				od.MetadataPath = append(od.MetadataPath, seg.GetKey())
-			}
-		}
-	}
-	return &Cluster{Name: c.GetName(), OriginalDst: od}, nil
 }
 
 // fromListener fills the HCM, route and ext_proc parts from the first
@@ -179,6 +138,7 @@ func durationOr(d *durationpb.Duration, def time.Duration) time.Duration {
 
 func (cfg *Config) fromHCM(hcm *hcmv3.HttpConnectionManager) (bool, error) {
 	var extProc *extprocfilterv3.ExternalProcessor
+	router := &routerv3.Router{}
 	filters := hcm.GetHttpFilters()
 	for i, hf := range filters {
 		ta := hf.GetTypedConfig()
@@ -198,7 +158,7 @@ func (cfg *Config) fromHCM(hcm *hcmv3.HttpConnectionManager) (bool, error) {
 			if i != len(filters)-1 {
 				return false, errors.New("the router must be the last http filter")
 			}
-			if err := unpack(ta, &routerv3.Router{}); err != nil {
+			if err := unpack(ta, router); err != nil {
 				return false, err
 			}
 		default:
@@ -214,6 +174,7 @@ func (cfg *Config) fromHCM(hcm *hcmv3.HttpConnectionManager) (bool, error) {
 	if err := cfg.fromExtProc(extProc); err != nil {
 		return false, err
 	}
+	cfg.SuppressEnvoyHeaders = router.GetSuppressEnvoyHeaders()
 
 	lim := &cfg.Limits
 	lim.StreamIdleTimeout = durationOr(hcm.GetStreamIdleTimeout(), defaultStreamIdleTimeout)
@@ -306,5 +267,6 @@ func (cfg *Config) fromExtProc(ep *extprocfilterv3.ExternalProcessor) error {
 	m.DisableClearRouteCache = ep.GetDisableClearRouteCache()
 	cfg.ForwardRules = ep.GetForwardRules()
 	cfg.Limits.MaxReceiveMessageLength = int(ep.GetGrpcService().GetEnvoyGrpc().GetMaxReceiveMessageLength().GetValue())
+	cfg.ExtProcCluster = ep.GetGrpcService().GetEnvoyGrpc().GetClusterName()
 	return nil
 }

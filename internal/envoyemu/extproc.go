@@ -69,7 +69,9 @@ func (x *exchange) onStreamEnd(err error) {
 		x.completeProcessing()
 		return
 	}
-	x.localReply(x.cfg.Failure.StatusOnError, "", fmt.Sprintf("ext_proc_error_gRPC_error_%d{%s}", st.Code(), st.Message()))
+	// onGrpcError answers through sendImmediateResponse, which puts
+	// underscores for the whitespace of the details (§10.10).
+	x.localReply(x.cfg.Failure.StatusOnError, "", noSpaces(fmt.Sprintf("ext_proc_error_gRPC_error_%d{%s}", st.Code(), st.Message())))
 }
 
 // failureModeAllow is Filter::failureModeAllow: never once FULL_DUPLEX body

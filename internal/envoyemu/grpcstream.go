@@ -2,11 +2,14 @@ package envoyemu
 
 import (
 	"context"
+	"errors"
 	"math"
 	"sync"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 // grpcStream is one ext_proc Process stream (§1.1). Sends go through an
@@ -53,12 +56,28 @@ func (s *grpcStream) close() {
 
 func (s *grpcStream) run(ctx context.Context, maxRecv int) {
 	x := s.x
-	stream, err := x.p.client.Process(ctx, grpc.MaxCallRecvMsgSize(maxRecv), grpc.MaxCallSendMsgSize(math.MaxInt32))
+	cluster := x.p.extProc
+	// The stream is one request on the ext_proc cluster for its whole life
+	// (§12). Past the circuit breakers Envoy's async client gets the
+	// router's overflow reply, which it reads as UNAVAILABLE.
+	release, err := cluster.resources.acquire(ctx)
 	if err != nil {
+		if errors.Is(err, errOverflow) {
+			err = status.Error(codes.Unavailable, err.Error())
+		}
+		x.post(func() { x.onStreamEnd(err) })
+		return
+	}
+	stream, err := cluster.pick().Process(ctx, grpc.MaxCallRecvMsgSize(maxRecv), grpc.MaxCallSendMsgSize(math.MaxInt32))
+	if err != nil {
+		release()
 		x.post(func() { x.onStreamEnd(err) })
 		return
 	}
 	go func() {
+		// Recv ends with the stream, whoever ends it (a reset by us cancels
+		// ctx): then the cluster has the request back.
+		defer release()
 		for {
 			resp, err := stream.Recv()
 			if err != nil {

@@ -28,13 +28,18 @@ func (x *exchange) immediateResponse(ir *extprocv3.ImmediateResponse) {
 		x.logf("immediate response header mutation failed: %v", err)
 	}
 	h.remove("content-length")
-	details := strings.Map(func(r rune) rune {
+	x.sendLocalReply(code, ir.GetBody(), h, noSpaces(ir.GetDetails()))
+}
+
+// noSpaces replaces whitespace in response code details with '_', as Envoy
+// does (StringUtil::replaceAllEmptySpace).
+func noSpaces(details string) string {
+	return strings.Map(func(r rune) rune {
 		if unicode.IsSpace(r) {
 			return '_'
 		}
 		return r
-	}, ir.GetDetails())
-	x.sendLocalReply(code, ir.GetBody(), h, details)
+	}, details)
 }
 
 func (x *exchange) localReply(code int, body, details string) {
@@ -81,6 +86,19 @@ func (x *exchange) sendLocalReply(code int, body []byte, h *headerMap, details s
 	x.down.started = true
 	x.down.w.WriteHeader(code)
 	_, _ = x.down.w.Write(body)
+}
+
+// upstreamOverflow is the router's answer when the route cluster's circuit
+// breakers refuse the request (onUpstreamReset/onUpstreamAbort in router.cc,
+// reset reason Overflow): 503, x-envoy-overloaded unless the router
+// suppresses Envoy's headers, response flag UO (§12).
+func (x *exchange) upstreamOverflow() {
+	h := &headerMap{}
+	h.set("content-type", "text/plain")
+	if !x.cfg.SuppressEnvoyHeaders {
+		h.set(x.cfg.Mutations.HeaderPrefix+"-overloaded", "true")
+	}
+	x.sendLocalReply(http.StatusServiceUnavailable, []byte(errOverflow.Error()), h, "upstream_reset_before_response_started{overflow}")
 }
 
 // bufferOverflow: a BUFFERED body over the buffer limit is a 413 on the

@@ -10,21 +10,18 @@ import (
 	"net/http"
 	"sync"
 	"time"
-
-	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 )
 
 // Proxy is a running emulated Envoy: an HTTP/1.1 listener on 127.0.0.1 with
-// the ext_proc filter (talking to one ext_proc server) and the router.
+// the ext_proc filter (talking to the ext_proc servers of its cluster) and the
+// router, both clusters behind their circuit breakers (§12).
 type Proxy struct {
 	cfg       Config
 	rules     *mutationRules
 	ln        net.Listener
 	srv       *http.Server
-	conn      *grpc.ClientConn
-	client    extprocv3.ExternalProcessorClient
+	extProc   *extProcCluster
+	routed    clusterResources // the route clusters' circuit breakers
 	transport *http.Transport
 	ctx       context.Context
 	cancel    context.CancelFunc
@@ -41,9 +38,11 @@ type Proxy struct {
 }
 
 // Start validates cfg like Envoy would (a config Envoy rejects does not
-// start), then listens on cfg.ListenAddr (default 127.0.0.1:0). Each HTTP request opens its own
-// Process stream to extProcAddr (insecure gRPC) when it first needs one.
-func Start(cfg *Config, extProcAddr string) (*Proxy, error) {
+// start), then listens on cfg.ListenAddr (default 127.0.0.1:0). The
+// extProcAddrs are the endpoints of the ext_proc cluster, in place of the
+// bootstrap's (insecure gRPC): each HTTP request opens its own Process stream,
+// when it first needs one, to the next endpoint in turn.
+func Start(cfg *Config, extProcAddrs ...string) (*Proxy, error) {
 	if cfg == nil {
 		return nil, errors.New("envoy: nil config")
 	}
@@ -55,7 +54,7 @@ func Start(cfg *Config, extProcAddr string) (*Proxy, error) {
 	if err != nil {
 		return nil, fmt.Errorf("envoy: config rejected: %w", err)
 	}
-	conn, err := grpc.NewClient(extProcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	ep, err := newExtProcCluster(extProcAddrs, c.Clusters[c.ExtProcCluster])
 	if err != nil {
 		return nil, fmt.Errorf("envoy: ext_proc client: %w", err)
 	}
@@ -65,16 +64,15 @@ func Start(cfg *Config, extProcAddr string) (*Proxy, error) {
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		_ = conn.Close()
+		_ = ep.close()
 		return nil, err
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Proxy{
-		cfg:    c,
-		rules:  rules,
-		ln:     ln,
-		conn:   conn,
-		client: extprocv3.NewExternalProcessorClient(conn),
+		cfg:     c,
+		rules:   rules,
+		ln:      ln,
+		extProc: ep,
 		transport: &http.Transport{
 			Proxy:               nil,
 			DialContext:         (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
@@ -106,6 +104,14 @@ func (p *Proxy) Upstreams() []string {
 	return append([]string(nil), p.upstreams...)
 }
 
+// ClusterStats returns the circuit-breaker counters of every cluster that saw
+// a request, the ext_proc cluster under its name in the config.
+func (p *Proxy) ClusterStats() map[string]ClusterStats {
+	out := p.routed.stats()
+	out[p.cfg.ExtProcCluster] = p.extProc.resources.snapshot()
+	return out
+}
+
 func (p *Proxy) recordUpstream(addr string) {
 	p.mu.Lock()
 	p.upstreams = append(p.upstreams, addr)
@@ -126,7 +132,7 @@ func (p *Proxy) Close() error {
 	err := p.srv.Close()
 	p.handlers.Wait()
 	p.transport.CloseIdleConnections()
-	if cerr := p.conn.Close(); err == nil {
+	if cerr := p.extProc.close(); err == nil {
 		err = cerr
 	}
 	return err

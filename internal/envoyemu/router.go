@@ -69,7 +69,8 @@ func (rt *router) headers(h *headerMap, end bool) {
 	if md == nil {
 		md = x.md.stream
 	}
-	addr, ok := chooseHost(x.cfg.Clusters[route.Cluster].OriginalDst, h, md)
+	cluster := x.cfg.Clusters[route.Cluster]
+	addr, ok := chooseHost(cluster.OriginalDst, h, md)
 	if !ok {
 		x.localReply(http.StatusServiceUnavailable, "no healthy upstream", "no_healthy_upstream")
 		return
@@ -80,7 +81,7 @@ func (rt *router) headers(h *headerMap, end bool) {
 		x.localReply(http.StatusBadRequest, "", "invalid_upstream_request: "+err.Error())
 		return
 	}
-	x.startUpstream(req)
+	x.startUpstream(req, x.p.routed.get(cluster))
 	if end {
 		rt.startRouteTimer(route.Timeout)
 	}
@@ -147,10 +148,19 @@ func (rt *router) buildRequest(addr string, h *headerMap, end bool, route *Route
 	return req, nil
 }
 
-// startUpstream runs the upstream exchange in the background and reports
-// headers, body chunks and trailers as events.
-func (x *exchange) startUpstream(req *http.Request) {
+// startUpstream runs the upstream exchange in the background, once the
+// cluster's circuit breakers admit it (§12), and reports headers, body chunks
+// and trailers as events.
+func (x *exchange) startUpstream(req *http.Request, cluster *resources) {
 	go func() {
+		release, err := cluster.acquire(req.Context())
+		if err != nil {
+			if errors.Is(err, errOverflow) {
+				x.post(x.onUpstreamOverflow)
+			}
+			return
+		}
+		defer release()
 		resp, err := x.p.transport.RoundTrip(req)
 		if err != nil {
 			x.post(func() { x.onUpstreamError(err, false) })
@@ -221,6 +231,13 @@ func (x *exchange) onUpstreamData(b []byte, end bool, tr *headerMap) {
 		return
 	}
 	x.enc.onData(b, end)
+}
+
+func (x *exchange) onUpstreamOverflow() {
+	if !x.finished {
+		x.logf("upstream overflow: the cluster's circuit breakers are full")
+		x.upstreamOverflow()
+	}
 }
 
 func (x *exchange) onUpstreamError(err error, afterHeaders bool) {

@@ -9,6 +9,12 @@ import (
 // ext_proc server at extprocAddr, and hands its Close to c. tweak, when set,
 // changes the loaded config first.
 func StartEnvoy(c Cleaner, file, extprocAddr string, tweak func(*envoyemu.Config)) (*envoyemu.Proxy, error) {
+	return StartEnvoyOn(c, file, []string{extprocAddr}, tweak)
+}
+
+// StartEnvoyOn is StartEnvoy in front of several ext_proc servers, the
+// endpoints of its ext_proc cluster, which take the streams in turn.
+func StartEnvoyOn(c Cleaner, file string, extprocAddrs []string, tweak func(*envoyemu.Config)) (*envoyemu.Proxy, error) {
 	path, err := RepoPath(file)
 	if err != nil {
 		return nil, err
@@ -20,7 +26,7 @@ func StartEnvoy(c Cleaner, file, extprocAddr string, tweak func(*envoyemu.Config
 	if tweak != nil {
 		tweak(cfg)
 	}
-	p, err := envoyemu.Start(cfg, extprocAddr)
+	p, err := envoyemu.Start(cfg, extprocAddrs...)
 	if err != nil {
 		return nil, err
 	}

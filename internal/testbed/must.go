@@ -57,3 +57,8 @@ func MustStartEnvoy(t TB, file, extprocAddr string, tweak func(*envoyemu.Config)
 	t.Helper()
 	return failOn(StartEnvoy(t, file, extprocAddr, tweak))(t)
 }
+
+func MustStartEnvoyOn(t TB, file string, extprocAddrs []string, tweak func(*envoyemu.Config)) *envoyemu.Proxy {
+	t.Helper()
+	return failOn(StartEnvoyOn(t, file, extprocAddrs, tweak))(t)
+}

@@ -31,9 +31,10 @@ const (
 // Scheduling defaults.
 const (
 	DefaultBlockChars          = 256
+	DefaultKeyBlocks           = 16
 	DefaultMaxBlocks           = 1 << 16
-	DefaultLoadFactor          = 1.5
-	DefaultLoadSlack           = 4
+	DefaultLoadFactor          = 2
+	DefaultLoadSlack           = 8
 	DefaultConsecutiveFailures = 3
 	DefaultBaseEjection        = time.Second
 	DefaultMaxEjection         = 30 * time.Second
@@ -69,7 +70,12 @@ type PoolScheduling struct {
 type PrefixAffinity struct {
 	// BlockChars is the size of a prompt block, in bytes of rendered prompt.
 	BlockChars int `json:"block_chars,omitempty"`
-	// MaxBlocks bounds the remembered block chains (LRU).
+	// KeyBlocks is how many leading full blocks of the prompt rank the
+	// endpoints: requests that share them go to the same endpoint on every
+	// replica, while the load bound allows.
+	KeyBlocks int `json:"key_blocks,omitempty"`
+	// MaxBlocks bounds the remembered block chains (LRU), the local hint that
+	// keeps a conversation where a load spill sent it.
 	MaxBlocks int `json:"max_blocks,omitempty"`
 	// An endpoint whose load exceeds LoadFactor × mean load + LoadSlack is
 	// passed over even when it holds the longest prefix.
@@ -165,6 +171,9 @@ func (p *PrefixAffinity) SetDefaults() {
 	if p.BlockChars == 0 {
 		p.BlockChars = DefaultBlockChars
 	}
+	if p.KeyBlocks == 0 {
+		p.KeyBlocks = DefaultKeyBlocks
+	}
 	if p.MaxBlocks == 0 {
 		p.MaxBlocks = DefaultMaxBlocks
 	}
@@ -181,6 +190,9 @@ func (p PrefixAffinity) Validate(key string) error {
 	var errs []error
 	if p.BlockChars < 16 || p.BlockChars > 1<<16 {
 		errs = append(errs, fmt.Errorf("%s.block_chars: %d is not between 16 and 65536", key, p.BlockChars))
+	}
+	if p.KeyBlocks < 1 || p.KeyBlocks > 1<<12 {
+		errs = append(errs, fmt.Errorf("%s.key_blocks: %d is not between 1 and 4096", key, p.KeyBlocks))
 	}
 	if p.MaxBlocks < 1 || p.MaxBlocks > 1<<24 {
 		errs = append(errs, fmt.Errorf("%s.max_blocks: %d is not between 1 and %d", key, p.MaxBlocks, 1<<24))

@@ -58,7 +58,7 @@ func TestSchedulingDefaults(t *testing.T) {
 	d := f.Pools.Decode.PoolScheduling
 	want := PoolScheduling{
 		Policy: PolicyLeastLoad,
-		Prefix: PrefixAffinity{BlockChars: 256, MaxBlocks: 65536, LoadFactor: 1.5, LoadSlack: 4},
+		Prefix: PrefixAffinity{BlockChars: 256, KeyBlocks: 16, MaxBlocks: 65536, LoadFactor: 2, LoadSlack: 8},
 		Health: EngineHealth{ConsecutiveFailures: 3, BaseEjection: Duration(time.Second), MaxEjection: Duration(30 * time.Second),
 			CheckPath: "/health", CheckTimeout: Duration(time.Second)},
 		Metrics: EngineMetrics{Path: "/metrics"},
@@ -100,6 +100,7 @@ func TestSchedulingValidationNamesTheKey(t *testing.T) {
 		{"unknown policy", `pools: {decode: {policy: fastest}}`, "pools.decode.policy"},
 		{"tiny block", `pools: {decode: {prefix: {block_chars: 4}}}`, "pools.decode.prefix.block_chars"},
 		{"negative max_blocks", `pools: {prefill: {prefix: {max_blocks: -1}}}`, "pools.prefill.prefix.max_blocks"},
+		{"key over 4096 blocks", `pools: {prefill: {prefix: {key_blocks: 5000}}}`, "pools.prefill.prefix.key_blocks"},
 		{"load factor below 1", `pools: {decode: {prefix: {load_factor: 0.5}}}`, "pools.decode.prefix.load_factor"},
 		{"negative slack", `pools: {decode: {prefix: {load_slack: -1}}}`, "pools.decode.prefix.load_slack"},
 		{"negative failures", `pools: {decode: {health: {consecutive_failures: -1}}}`, "pools.decode.health.consecutive_failures"},

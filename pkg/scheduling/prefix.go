@@ -16,7 +16,9 @@ var blockSeed = maphash.MakeSeed()
 // prefixIndex remembers which endpoints last served each chain of prompt
 // blocks, the approximate stand-in for the engines' prefix caches. A chain
 // hash covers a block and everything before it, so a match on block i means
-// the endpoint saw the same first i blocks. It is a bounded LRU.
+// the endpoint saw the same first i blocks. It is a bounded LRU, and local to
+// one replica: prefix affinity uses it only as a hint (rendezvous.go), and the
+// simulation's baseline as the whole policy.
 type prefixIndex struct {
 	blockChars, capacity int
 
@@ -107,50 +109,4 @@ func withFirst(s [serversPerBlock]string, addr string) [serversPerBlock]string {
 		}
 	}
 	return out
-}
-
-// prefixAffinity sends a request to the endpoint that served the longest part
-// of its prompt, unless that endpoint is busier than factor × the mean
-// busyness + slack: a hot prefix spills over to other endpoints instead of
-// queueing on one (consistent hashing with bounded loads, with a slack because
-// an engine batches a few extra requests nearly for free). Without a usable
-// match it falls back to least load among the endpoints within the bound.
-// Either way the choice is remembered.
-type prefixAffinity struct {
-	index         *prefixIndex
-	factor, slack float64
-	fallback      Picker
-}
-
-func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
-	hs := p.index.hashes(req.Prompt())
-	if len(hs) == 0 {
-		return p.fallback.Pick(req, eps)
-	}
-	matched := p.index.matched(hs)
-	busy := make([]float64, len(eps))
-	var total float64
-	for i, e := range eps {
-		busy[i] = e.Busyness()
-		total += busy[i]
-	}
-	bound := p.factor*total/float64(len(eps)) + p.slack
-	var best *Endpoint
-	bestBlocks, bestBusy := 0, 0.0
-	within := make([]*Endpoint, 0, len(eps)) // never empty: the least busy is below the mean
-	for i, e := range eps {
-		if busy[i] > bound {
-			continue
-		}
-		within = append(within, e)
-		n := matched[e.Addr]
-		if n > 0 && (n > bestBlocks || (n == bestBlocks && busy[i] < bestBusy)) {
-			best, bestBlocks, bestBusy = e, n, busy[i]
-		}
-	}
-	if best == nil {
-		best = p.fallback.Pick(req, within)
-	}
-	p.index.record(hs, best.Addr)
-	return best
 }

@@ -1,7 +1,9 @@
 package scheduling
 
 import (
+	"cmp"
 	"maps"
+	"slices"
 	"strings"
 	"testing"
 
@@ -73,61 +75,143 @@ func TestPrefixIndexMatch(t *testing.T) {
 	}
 }
 
+// ranking is the order prefix affinity tries the pool's endpoints in for
+// prompt, by address; nil when the prompt has no key.
+func ranking(p *Pool, prompt string) []string {
+	aff := p.state.Load().picker.(*prefixAffinity)
+	eps := slices.Clone(p.Endpoints())
+	w := aff.scorer.Score(promptRequest(prompt), eps)
+	if w == nil {
+		return nil
+	}
+	idx := make([]int, len(eps))
+	for i := range idx {
+		idx[i] = i
+	}
+	slices.SortFunc(idx, func(a, b int) int { return cmp.Compare(w[b], w[a]) })
+	out := make([]string, len(eps))
+	for i, j := range idx {
+		out[i] = eps[j].Addr
+	}
+	return out
+}
+
 func TestPrefixAffinityPick(t *testing.T) {
-	// Endpoints a, b, c, d; bound = 1.5 × mean busyness + 2. Least load is
-	// two-choices over the endpoints within the bound, and testPool's draws
-	// make the pair the first two of them.
+	// Four endpoints; bound = 1.5 × mean busyness + 2; keys of two 16-char
+	// blocks. Positions name the endpoints in the prompt's ranking; least load
+	// is two-choices over the first two candidates (testPool's draws).
+	type served struct {
+		prompt string
+		rank   int
+	}
 	tests := []struct {
 		name     string
-		served   []struct{ prompt, addr string }
-		inflight []int
+		served   []served
 		prompt   string
-		want     string
+		inflight []int // by rank
+		want     int   // rank, or -1: least load (the less busy of a and b)
 	}{
-		{name: "no full block: least load", inflight: []int{3, 1, 2, 2}, prompt: "short", want: "b"},
-		{name: "least load stays within the bound", inflight: []int{9, 1, 0, 0}, prompt: blocks("abc"), want: "c"}, // bound 5.75; pair b, c
-		{name: "no match: least load", inflight: []int{3, 1, 2, 2}, prompt: blocks("abc"), want: "b"},
-		{name: "the endpoint that served the prefix, though busier",
-			served: []struct{ prompt, addr string }{{blocks("abc"), "c"}}, inflight: []int{3, 1, 4, 2}, prompt: blocks("abcd"), want: "c"},
-		{name: "the longest match wins",
-			served:   []struct{ prompt, addr string }{{blocks("ab"), "a"}, {blocks("abc"), "d"}},
-			inflight: []int{0, 0, 0, 1}, prompt: blocks("abcd"), want: "d"},
-		{name: "equal matches: the less busy",
-			served:   []struct{ prompt, addr string }{{blocks("ab"), "a"}, {blocks("ab"), "c"}},
-			inflight: []int{3, 0, 2, 0}, prompt: blocks("abx"), want: "c"},
-		{name: "over the bound: the next best match",
-			served:   []struct{ prompt, addr string }{{blocks("ab"), "a"}, {blocks("abc"), "d"}},
-			inflight: []int{2, 0, 0, 8}, prompt: blocks("abcd"), want: "a"}, // mean 2.5, bound 5.75
-		{name: "every match over the bound: least load",
-			served:   []struct{ prompt, addr string }{{blocks("abc"), "d"}},
-			inflight: []int{1, 2, 0, 9}, prompt: blocks("abcd"), want: "a"}, // mean 3, bound 6.5; pair a, b
+		{name: "no full block: least load", prompt: "short", inflight: []int{0, 0, 0, 0}, want: -1},
+		{name: "the first-ranked, though busier", prompt: blocks("abc"), inflight: []int{4, 0, 1, 1}, want: 0},
+		{name: "first over the bound: the second", prompt: blocks("abc"), inflight: []int{9, 1, 1, 1}, want: 1}, // bound 6.5
+		{name: "a hint that knows more than the key wins",
+			served: []served{{blocks("abcd"), 2}}, prompt: blocks("abcde"), inflight: []int{0, 0, 3, 0}, want: 2},
+		{name: "a hint over the bound is ignored",
+			served: []served{{blocks("abcd"), 2}}, prompt: blocks("abcde"), inflight: []int{0, 0, 9, 0}, want: 0},
+		{name: "a hint no longer than the key is ignored",
+			served: []served{{blocks("abz"), 2}}, prompt: blocks("abcde"), inflight: []int{0, 0, 0, 0}, want: 0},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p, _ := testPool(t, config.PoolScheduling{Policy: config.PolicyPrefixAffinity,
-				Prefix: config.PrefixAffinity{BlockChars: 16, LoadFactor: 1.5, LoadSlack: 2}}, "a", "b", "c", "d")
+				Prefix: config.PrefixAffinity{BlockChars: 16, KeyBlocks: 2, LoadFactor: 1.5, LoadSlack: 2}}, "a", "b", "c", "d")
 			aff := p.state.Load().picker.(*prefixAffinity)
+			rank := ranking(p, tt.prompt)
 			for _, s := range tt.served {
-				aff.index.record(aff.index.hashes(s.prompt), s.addr)
+				aff.index.record(aff.index.hashes(s.prompt), rank[s.rank])
 			}
-			eps := p.Endpoints()
 			for i, n := range tt.inflight {
 				for range n {
-					eps[i].Acquire()
+					byAddr(p, rank[i]).Acquire()
 				}
 			}
 			got, err := p.Select(promptRequest(tt.prompt))
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got.Addr != tt.want {
-				t.Fatalf("Select() = %s, want %s", got.Addr, tt.want)
+			want := "a"
+			if tt.want >= 0 {
+				want = rank[tt.want]
 			}
-			if m := aff.index.matched(aff.index.hashes(tt.prompt)); m[got.Addr] != len(tt.prompt)/16 {
-				t.Errorf("the pick was not remembered: matched = %v", m)
+			if got.Addr != want {
+				t.Fatalf("Select() = %s, want %s (ranking %v)", got.Addr, want, rank)
+			}
+			if n := len(tt.prompt) / 16; n > 0 {
+				if m := aff.index.matched(aff.index.hashes(tt.prompt)); m[got.Addr] != n {
+					t.Errorf("the pick was not remembered: matched = %v", m)
+				}
 			}
 		})
 	}
+}
+
+// TestRendezvousRanking: the ranking is a function of the key (the first
+// key_blocks full blocks) and the endpoints' addresses, nothing else, and the
+// same in every process.
+func TestRendezvousRanking(t *testing.T) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000", "10.0.0.5:8000"}
+	pool := func(addrs ...string) *Pool {
+		p, _ := testPool(t, config.PoolScheduling{Policy: config.PolicyPrefixAffinity,
+			Prefix: config.PrefixAffinity{BlockChars: 16, KeyBlocks: 2}}, addrs...)
+		return p
+	}
+	reversed := slices.Clone(addrs)
+	slices.Reverse(reversed)
+	p := pool(addrs...)
+	// Pinned: a hash seeded per process would rank differently on every replica.
+	golden := []string{"10.0.0.5:8000", "10.0.0.1:8000", "10.0.0.3:8000", "10.0.0.2:8000", "10.0.0.4:8000"}
+	if got := ranking(p, blocks("abcd")); !slices.Equal(got, golden) {
+		t.Fatalf("ranking of %q = %v, want %v: the key hash changed, and replicas of two versions disagree", blocks("abcd"), got, golden)
+	}
+	tests := []struct {
+		name   string
+		pool   *Pool
+		prompt string
+	}{
+		{"another replica", pool(addrs...), blocks("abcd")},
+		{"the endpoints listed in another order", pool(reversed...), blocks("abcd")},
+		{"the same key, another tail", p, blocks("abxyz")},
+		{"the key alone", p, blocks("ab") + "partial"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := ranking(tc.pool, tc.prompt); !slices.Equal(got, golden) {
+				t.Errorf("ranking = %v, want %v", got, golden)
+			}
+		})
+	}
+	t.Run("an endpoint removed: the others keep their order", func(t *testing.T) {
+		without := slices.DeleteFunc(slices.Clone(golden), func(a string) bool { return a == golden[1] })
+		if got := ranking(pool(without...), blocks("abcd")); !slices.Equal(got, without) {
+			t.Errorf("ranking = %v, want %v", got, without)
+		}
+	})
+	t.Run("other keys rank otherwise", func(t *testing.T) {
+		first := map[string]int{}
+		for c := 'a'; c <= 'z'; c++ {
+			for d := 'a'; d <= 'z'; d += 5 {
+				first[ranking(p, blocks(string([]rune{c, d})))[0]]++
+			}
+		}
+		for a, n := range first {
+			if n > 26*6/len(addrs)*2 {
+				t.Errorf("%s is first for %d of %d keys: %v", a, n, 26*6, first)
+			}
+		}
+		if len(first) != len(addrs) {
+			t.Errorf("only %d endpoints are ever first: %v", len(first), first)
+		}
+	})
 }
 
 // A single hot prefix must not pile every request onto one endpoint.

@@ -26,6 +26,7 @@ func newPicker(s config.PoolScheduling, intn func(int) int) Picker {
 		return &roundRobin{}
 	case config.PolicyPrefixAffinity:
 		return &prefixAffinity{
+			scorer:   rendezvousScorer{blockChars: s.Prefix.BlockChars, keyBlocks: s.Prefix.KeyBlocks},
 			index:    newPrefixIndex(s.Prefix.BlockChars, s.Prefix.MaxBlocks),
 			factor:   s.Prefix.LoadFactor,
 			slack:    s.Prefix.LoadSlack,

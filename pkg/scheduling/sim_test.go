@@ -4,6 +4,7 @@ import (
 	"container/heap"
 	"container/list"
 	"encoding/binary"
+	"encoding/json"
 	"fmt"
 	"hash/maphash"
 	"math"
@@ -12,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
@@ -19,8 +22,11 @@ import (
 // chat-heavy workload, on a simulated clock: no real time passes. Each engine
 // has a FIFO prefill stage whose cost is proportional to the prompt characters
 // not in its prefix cache (an LRU of 64-character blocks), then decodes
-// concurrently. The router is the real Pool with the real policies; only time,
-// randomness and /metrics scrapes are simulated.
+// concurrently. The router is the real Pool with the real policies, as many
+// independent replicas of it as asked, each taking every N-th request in
+// turn (as Envoy's round robin spreads ext_proc streams); only time,
+// randomness and /metrics scrapes are simulated, and every replica scrapes
+// the same figures.
 
 type simParams struct {
 	Seed          uint64
@@ -60,14 +66,15 @@ func defaultSimParams() simParams {
 
 type simResult struct {
 	Policy            string
+	Replicas          int
 	Requests, Failed  int
 	HitRate, ChatHits float64 // cached share of prompt characters: all, chat only
 	MeanTTFT, P99TTFT time.Duration
 }
 
 func (r simResult) String() string {
-	return fmt.Sprintf("%-16s requests %6d  failed %4d  hit rate %5.1f%% (chat %5.1f%%)  TTFT mean %7.1f ms  p99 %8.1f ms",
-		r.Policy, r.Requests, r.Failed, 100*r.HitRate, 100*r.ChatHits,
+	return fmt.Sprintf("%-15s x%d  requests %6d  failed %4d  hit rate %5.1f%% (chat %5.1f%%)  TTFT mean %7.1f ms  p99 %8.1f ms",
+		r.Policy, r.Replicas, r.Requests, r.Failed, 100*r.HitRate, 100*r.ChatHits,
 		float64(r.MeanTTFT.Microseconds())/1000, float64(r.P99TTFT.Microseconds())/1000)
 }
 
@@ -146,6 +153,36 @@ func zipf(r *rand.Rand, n int) int {
 }
 
 func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+
+type simMessage struct{ Role, Content string }
+
+// chatRequest is a chat completions request with these messages, read as the
+// pipeline reads a client's body.
+func chatRequest(msgs []simMessage) *Request {
+	type message struct {
+		Role    string `json:"role"`
+		Content string `json:"content"`
+	}
+	ms := make([]message, len(msgs))
+	for i, m := range msgs {
+		ms[i] = message(m)
+	}
+	b, _ := json.Marshal(map[string]any{"model": "m", "messages": ms})
+	obj, err := body.Parse(b)
+	if err != nil {
+		panic(err)
+	}
+	return NewRequest(api.Chat.Prompt(obj))
+}
+
+// simPolicy is a policy as configured, or a picker built by the simulation
+// itself (a baseline that is no longer configurable).
+type simPolicy struct {
+	name, config string
+	picker       func(s config.PoolScheduling, intn func(int) int) Picker
+}
+
+func configured(name string) simPolicy { return simPolicy{name: name, config: name} }
 
 // ---- engines ----
 
@@ -235,7 +272,8 @@ func (q *simQueue) Pop() any {
 }
 
 type simReq struct {
-	prompt  string
+	prompt  string   // as the engine caches it
+	req     *Request // as the router reads the client's body
 	chat    bool
 	output  int
 	arrived time.Duration
@@ -251,7 +289,8 @@ type sim struct {
 	seq     int
 	events  simQueue
 	engines map[string]*simEngine
-	pool    *Pool
+	pools   []*Pool // one per replica
+	sent    int     // requests sent, for the replicas' turns
 
 	ttfts             []time.Duration
 	prompt, cached    float64
@@ -266,7 +305,7 @@ func (s *sim) at(t time.Duration, fn func()) {
 
 var simEpoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 
-func simulate(p simParams, w *workload, policy string) simResult {
+func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResult {
 	s := &sim{p: p, engines: map[string]*simEngine{}}
 	var addrs []string
 	for i, speed := range p.Speeds {
@@ -274,12 +313,20 @@ func simulate(p simParams, w *workload, policy string) simResult {
 		addrs = append(addrs, a)
 		s.engines[a] = &simEngine{speed: speed, cache: newSimCache(p.CacheChars)}
 	}
-	r := rand.New(rand.NewPCG(p.Seed, 2))
 	spec := PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{
-		Policy:  policy,
+		Policy:  policy.config,
 		Metrics: config.EngineMetrics{Interval: config.Duration(p.ScrapeEvery)},
 	}}
-	s.pool = newPool("sim", false, spec, Deps{Now: func() time.Time { return simEpoch.Add(s.now) }, intn: r.IntN})
+	for i := range replicas {
+		r := rand.New(rand.NewPCG(p.Seed, 2+uint64(i)))
+		pool := newPool("sim", false, spec, Deps{Now: func() time.Time { return simEpoch.Add(s.now) }, intn: r.IntN})
+		if policy.picker != nil {
+			st := *pool.state.Load()
+			st.picker = policy.picker(spec.PoolScheduling, r.IntN)
+			pool.state.Store(&st)
+		}
+		s.pools = append(s.pools, pool)
+	}
 
 	failing := s.engines[addrs[p.FailEndpoint]]
 	s.at(time.Duration(p.FailFrom*float64(p.Duration)), func() { failing.down = true })
@@ -289,10 +336,12 @@ func simulate(p simParams, w *workload, policy string) simResult {
 	})
 	var scrape func()
 	scrape = func() {
-		for _, e := range s.pool.Endpoints() {
-			eng := s.engines[e.Addr]
-			if !eng.down {
-				e.observe(Load{Waiting: float64(len(eng.queue)), KVUsage: min(1, float64(eng.running)/128), At: simEpoch.Add(s.now)})
+		for _, pool := range s.pools {
+			for _, e := range pool.Endpoints() {
+				eng := s.engines[e.Addr]
+				if !eng.down {
+					e.observe(Load{Waiting: float64(len(eng.queue)), KVUsage: min(1, float64(eng.running)/128), At: simEpoch.Add(s.now)})
+				}
 			}
 		}
 		if s.now < p.Duration {
@@ -303,15 +352,18 @@ func simulate(p simParams, w *workload, policy string) simResult {
 
 	for _, sess := range w.sessions {
 		history := w.systems[sess.system]
+		messages := []simMessage{{"system", history}}
 		var turn func(i int)
 		turn = func(i int) {
 			prompt := history + "\nuser\n" + sess.turns[i].user
-			s.send(&simReq{prompt: prompt, chat: true, output: sess.turns[i].output, arrived: s.now, done: func(ok bool) {
+			asked := append(slices.Clip(messages), simMessage{"user", sess.turns[i].user})
+			s.send(&simReq{prompt: prompt, req: chatRequest(asked), chat: true, output: sess.turns[i].output, arrived: s.now, done: func(ok bool) {
 				if !ok {
 					s.at(s.now+time.Second, func() { turn(i) }) // the client retries
 					return
 				}
 				history = prompt + "\nassistant\n" + sess.turns[i].reply
+				messages = append(asked, simMessage{"assistant", sess.turns[i].reply})
 				if i+1 < len(sess.turns) && s.now < p.Duration {
 					s.at(s.now+sess.turns[i].think, func() { turn(i + 1) })
 				}
@@ -320,7 +372,9 @@ func simulate(p simParams, w *workload, policy string) simResult {
 		s.at(sess.started, func() { turn(0) })
 	}
 	for _, rr := range w.randoms {
-		s.at(rr.at, func() { s.send(&simReq{prompt: rr.prompt, output: rr.output, arrived: s.now, done: func(bool) {}}) })
+		s.at(rr.at, func() {
+			s.send(&simReq{prompt: rr.prompt, req: promptRequest(rr.prompt), output: rr.output, arrived: s.now, done: func(bool) {}})
+		})
 	}
 
 	for s.events.Len() > 0 {
@@ -329,7 +383,7 @@ func simulate(p simParams, w *workload, policy string) simResult {
 		e.fn()
 	}
 
-	res := simResult{Policy: policy, Requests: len(s.ttfts) + s.failed, Failed: s.failed,
+	res := simResult{Policy: policy.name, Replicas: replicas, Requests: len(s.ttfts) + s.failed, Failed: s.failed,
 		HitRate: s.cached / s.prompt, ChatHits: s.chatCached / s.chatP}
 	slices.Sort(s.ttfts)
 	var sum time.Duration
@@ -342,7 +396,9 @@ func simulate(p simParams, w *workload, policy string) simResult {
 }
 
 func (s *sim) send(r *simReq) {
-	ep, err := s.pool.Select(promptRequest(r.prompt))
+	pool := s.pools[s.sent%len(s.pools)]
+	s.sent++
+	ep, err := pool.Select(r.req)
 	if err != nil {
 		s.failed++
 		r.done(false)
@@ -402,8 +458,8 @@ func TestSimulatedPrefixAffinityBeatsRoundRobin(t *testing.T) {
 	p := defaultSimParams()
 	p.Duration = time.Minute
 	w := newWorkload(p)
-	rr := simulate(p, w, config.PolicyRoundRobin)
-	pa := simulate(p, w, config.PolicyPrefixAffinity)
+	rr := simulate(p, w, configured(config.PolicyRoundRobin), 1)
+	pa := simulate(p, w, configured(config.PolicyPrefixAffinity), 1)
 	t.Log(rr)
 	t.Log(pa)
 	if pa.ChatHits <= rr.ChatHits || pa.P99TTFT >= rr.P99TTFT {
@@ -412,6 +468,68 @@ func TestSimulatedPrefixAffinityBeatsRoundRobin(t *testing.T) {
 	if pa.Failed == 0 || rr.Failed == 0 {
 		t.Error("the failing endpoint failed no request: the scenario is broken")
 	}
+}
+
+// replicaPolicies are the policies the replicas table compares: the baselines,
+// prefix affinity as it was (each replica's own memory), and as it is.
+var replicaPolicies = []simPolicy{
+	configured(config.PolicyRoundRobin), configured(config.PolicyLeastLoad),
+	todaysPrefixAffinity, configured(config.PolicyPrefixAffinity),
+}
+
+// The replicas claim, on a shorter run: N independent replicas that share
+// nothing place a conversation as one does, so prefix affinity keeps its hit
+// rate at 4 replicas, where each replica's own memory loses much of it.
+func TestSimulatedReplicasAgree(t *testing.T) {
+	if testing.Short() {
+		t.Skip("simulation")
+	}
+	p := defaultSimParams()
+	p.Duration = 75 * time.Second
+	w := newWorkload(p)
+	one := simulate(p, w, configured(config.PolicyPrefixAffinity), 1)
+	four := simulate(p, w, configured(config.PolicyPrefixAffinity), 4)
+	learned := simulate(p, w, todaysPrefixAffinity, 4)
+	for _, r := range []simResult{one, four, learned} {
+		t.Log(r)
+	}
+	if four.HitRate < one.HitRate-0.02 {
+		t.Errorf("prefix-affinity at 4 replicas caches %.1f%%, more than 2 points below its %.1f%% at 1", 100*four.HitRate, 100*one.HitRate)
+	}
+	if four.HitRate < learned.HitRate+0.05 {
+		t.Errorf("at 4 replicas prefix-affinity caches %.1f%%, not clearly above per-replica memory's %.1f%%", 100*four.HitRate, 100*learned.HitRate)
+	}
+}
+
+// BenchmarkReplicas is the replicas table of docs/scheduling.md: the nominal
+// workload spread over N = 1, 2, 4, 8 replicas in turn, for each policy. Run
+// it with
+//
+//	go test -run '^$' -bench Replicas -benchtime 1x ./pkg/scheduling/
+func BenchmarkReplicas(b *testing.B) {
+	p := defaultSimParams()
+	w := newWorkload(p)
+	for _, policy := range replicaPolicies {
+		for _, n := range []int{1, 2, 4, 8} {
+			b.Run(fmt.Sprintf("%s/replicas=%d", policy.name, n), func(b *testing.B) {
+				var res simResult
+				for range b.N {
+					res = simulate(p, w, policy, n)
+				}
+				reportSim(b, res)
+			})
+		}
+	}
+}
+
+func reportSim(b *testing.B, res simResult) {
+	b.ReportMetric(100*res.HitRate, "hit%")
+	b.ReportMetric(100*res.ChatHits, "chat-hit%")
+	b.ReportMetric(float64(res.MeanTTFT.Microseconds())/1000, "mean-ttft-ms")
+	b.ReportMetric(float64(res.P99TTFT.Microseconds())/1000, "p99-ttft-ms")
+	b.ReportMetric(float64(res.Failed), "failed")
+	b.ReportMetric(float64(res.Requests), "requests")
+	b.Log(res)
 }
 
 // BenchmarkPolicies runs the same simulated workloads against each policy and
@@ -425,19 +543,13 @@ func BenchmarkPolicies(b *testing.B) {
 		p.SessionRate *= load
 		p.RandomRate *= load
 		w := newWorkload(p)
-		for _, policy := range []string{config.PolicyRoundRobin, config.PolicyLeastLoad, config.PolicyPrefixAffinity} {
-			b.Run(fmt.Sprintf("load=%.1fx/%s", load, policy), func(b *testing.B) {
+		for _, policy := range replicaPolicies {
+			b.Run(fmt.Sprintf("load=%.1fx/%s", load, policy.name), func(b *testing.B) {
 				var res simResult
 				for range b.N {
-					res = simulate(p, w, policy)
+					res = simulate(p, w, policy, 1)
 				}
-				b.ReportMetric(100*res.HitRate, "hit%")
-				b.ReportMetric(100*res.ChatHits, "chat-hit%")
-				b.ReportMetric(float64(res.MeanTTFT.Microseconds())/1000, "mean-ttft-ms")
-				b.ReportMetric(float64(res.P99TTFT.Microseconds())/1000, "p99-ttft-ms")
-				b.ReportMetric(float64(res.Failed), "failed")
-				b.ReportMetric(float64(res.Requests), "requests")
-				b.Log(res)
+				reportSim(b, res)
 			})
 		}
 	}

@@ -80,6 +80,11 @@ func TestDockerCompose(t *testing.T) {
 		if !slices.Contains(publishedTargets(envoy), 8080) {
 			t.Errorf("envoy does not publish port 8080: %v", envoy["ports"])
 		}
+		// envoy.yaml binds the admin interface to the container's loopback, where a
+		// published port cannot reach it; the stats listener is what the host may scrape.
+		if ports := publishedTargets(envoy); slices.Contains(ports, 9901) || !slices.Contains(ports, 9902) {
+			t.Errorf("envoy publishes %v; want the stats listener 9902 and not the admin port 9901", ports)
+		}
 	})
 
 	t.Run("images come from the repository Dockerfile", func(t *testing.T) {

@@ -45,6 +45,7 @@ const (
 // serviceLimits are the values of pd-extproc's own config that Envoy must accommodate.
 type serviceLimits struct {
 	maxBodyBytes           uint64        // limits.max_body_bytes
+	maxConcurrentStreams   int           // limits.max_concurrent_streams
 	overrideMessageTimeout time.Duration // envoy.override_message_timeout (BUFFERED mode)
 }
 
@@ -76,6 +77,7 @@ func checkEnvoyBootstrapJSON(data []byte, limits serviceLimits) report {
 	}
 	validateDeep(&b, &r)
 	m := modelFromBootstrap(&b, &r)
+	checkAdmin(&b, m, &r)
 	m.check(limits, &r)
 	return r
 }
@@ -180,9 +182,10 @@ func checkDeprecation(fd protoreflect.FieldDescriptor, v protoreflect.Value, pat
 // envoyModel is the part of a config the semantic rules look at, gathered from a static
 // bootstrap or from an xDS dump (Envoy Gateway), so both go through the same rules.
 type envoyModel struct {
-	clusters     map[string]*clusterv3.Cluster
-	routeConfigs map[string]*routev3.RouteConfiguration // by name, for HCMs that use RDS
-	hcms         []hcmUse
+	clusters      map[string]*clusterv3.Cluster
+	routeConfigs  map[string]*routev3.RouteConfiguration // by name, for HCMs that use RDS
+	hcms          []hcmUse
+	adminClusters map[string]bool // clusters whose endpoint is the admin interface
 }
 
 // hcmUse is one HTTP connection manager and where it sits.
@@ -205,8 +208,9 @@ func modelFromBootstrap(b *bootstrapv3.Bootstrap, r *report) *envoyModel {
 
 func newEnvoyModel() *envoyModel {
 	return &envoyModel{
-		clusters:     map[string]*clusterv3.Cluster{},
-		routeConfigs: map[string]*routev3.RouteConfiguration{},
+		clusters:      map[string]*clusterv3.Cluster{},
+		routeConfigs:  map[string]*routev3.RouteConfiguration{},
+		adminClusters: map[string]bool{},
 	}
 }
 
@@ -250,6 +254,7 @@ func (m *envoyModel) check(limits serviceLimits, r *report) {
 	for _, name := range slices.Sorted(maps.Keys(m.clusters)) {
 		if c := m.clusters[name]; c.GetType() == clusterv3.Cluster_ORIGINAL_DST {
 			checkOriginalDstCluster(c, r)
+			checkBreakers(c, "ORIGINAL_DST", limits, r)
 		}
 	}
 	for _, u := range m.hcms {
@@ -338,6 +343,8 @@ func (m *envoyModel) checkExtProc(where string, ep extProcUse, limits serviceLim
 			r.errorf("%s: grpc_service cluster %q is not defined", where, g.GetClusterName())
 		case !clusterSpeaksHTTP2(c):
 			r.errorf("%s: cluster %q is not HTTP/2, but gRPC needs HTTP/2 (set typed_extension_protocol_options %s explicit_http_config.http2_protocol_options)", where, g.GetClusterName(), httpProtocolOptionsKey)
+		default:
+			checkBreakers(c, "ext_proc", limits, r)
 		}
 	} else if cfg.GetGrpcService().GetGoogleGrpc() == nil {
 		r.errorf("%s: no grpc_service; pd-extproc speaks gRPC", where)
@@ -441,6 +448,9 @@ func (m *envoyModel) checkRoute(u hcmUse, vh *routev3.VirtualHost, rt *routev3.R
 		if !ok {
 			r.errorf("%s: cluster %q is not defined", where, name)
 			continue
+		}
+		if m.adminClusters[name] {
+			checkAdminRoute(rt, where, r)
 		}
 		if c.GetType() == clusterv3.Cluster_ORIGINAL_DST {
 			originalDst = name

@@ -73,6 +73,7 @@ func defaultServiceLimits(t *testing.T) serviceLimits {
 	}
 	return serviceLimits{
 		maxBodyBytes:           uint64(c.Limits.MaxBodyBytes),
+		maxConcurrentStreams:   c.Limits.MaxConcurrentStreams,
 		overrideMessageTimeout: time.Duration(c.Envoy.OverrideMessageTimeout),
 	}
 }
@@ -377,6 +378,59 @@ func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
 			wants: []string{"NoSuchFilter"},
 		},
 		{
+			name: "ORIGINAL_DST at Envoy's default circuit breakers",
+			brk: forEachOriginalDstCluster(func(c map[string]any) bool {
+				delete(c, "circuit_breakers")
+				return true
+			}),
+			wants: []string{`ORIGINAL_DST cluster "pd_original_dst" sets no circuit_breakers`},
+		},
+		{
+			name: "ext_proc cluster admitting no more streams than pd-extproc",
+			brk: forEachExtProcCluster(func(c map[string]any) bool {
+				c["circuit_breakers"] = map[string]any{"thresholds": []any{map[string]any{"max_requests": 1024}}}
+				return true
+			}),
+			wants: []string{"max_requests 1024 is below 10000", "max_connections 1024 is below 10000", "not above limits.max_concurrent_streams 1024"},
+		},
+		{
+			name: "ext_proc HTTP/2 connections that cannot carry the streams",
+			brk: forEachExtProcCluster(func(c map[string]any) bool {
+				h2, _ := dig(c, "typed_extension_protocol_options", httpProtocolOptionsKey, "explicit_http_config", "http2_protocol_options").(map[string]any)
+				if h2 == nil {
+					return false
+				}
+				h2["max_concurrent_streams"] = 100
+				c["circuit_breakers"] = map[string]any{"thresholds": []any{map[string]any{
+					"max_connections": 16, "max_pending_requests": 16384, "max_requests": 16384}}}
+				return true
+			}),
+			wants: []string{"16 connections of 100 HTTP/2 streams cannot carry max_requests 16384"},
+		},
+		{
+			name: "admin interface on every address",
+			brk: func(doc map[string]any) bool {
+				sa, _ := dig(doc, "admin", "address", "socket_address").(map[string]any)
+				if sa == nil {
+					return false
+				}
+				sa["address"] = "0.0.0.0"
+				return true
+			},
+			wants: []string{`admin listens on "0.0.0.0"`},
+		},
+		{
+			name: "stats listener opened to the whole admin interface",
+			brk: forEachRoute(func(rt map[string]any) bool {
+				if digString(rt, "route", "cluster") != "envoy_admin" {
+					return false
+				}
+				rt["match"] = map[string]any{"prefix": "/"}
+				return true
+			}),
+			wants: []string{"reaches the admin interface; it may serve only GET /stats/prometheus"},
+		},
+		{
 			name: "unknown field",
 			brk: forEachExtProc(func(ep map[string]any) bool {
 				ep["failure_mode_alow"] = false
@@ -482,6 +536,23 @@ func staticClusters(doc map[string]any) []map[string]any {
 		}
 	}
 	return out
+}
+
+// forEachExtProcCluster visits the static clusters the ext_proc filters stream to.
+func forEachExtProcCluster(fn func(c map[string]any) bool) breakage {
+	return func(doc map[string]any) bool {
+		names := map[string]bool{}
+		for _, ep := range extProcsIn(doc) {
+			names[digString(ep, "grpc_service", "envoy_grpc", "cluster_name")] = true
+		}
+		changed := false
+		for _, c := range staticClusters(doc) {
+			if name, _ := c["name"].(string); names[name] {
+				changed = fn(c) || changed
+			}
+		}
+		return changed
+	}
 }
 
 // http1ExtProcCluster strips HTTP/2 from the cluster ext_proc talks to, the way a config

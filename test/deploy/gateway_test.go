@@ -141,6 +141,24 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 			wants: []string{"no inference route for /v1/responses/some-id"},
 		},
 		{
+			// The EnvoyExtensionPolicy's backendSettings reach the ext_proc cluster Envoy
+			// Gateway builds; without them its defaults (1,024) apply.
+			name: "ext_proc cluster at the default request limit",
+			edit: func(m string) string {
+				return strings.Replace(m, "maxParallelRequests: 16384", "maxParallelRequests: 1024", 1)
+			},
+			wants: []string{"circuit_breakers max_requests 1024 is below 10000", "not above limits.max_concurrent_streams"},
+		},
+		{
+			// No policy reaches the cluster the EnvoyPatchPolicy adds: its thresholds are
+			// in the patch.
+			name: "decode cluster at the default request limit",
+			edit: func(m string) string {
+				return strings.Replace(m, "max_requests: 16384", "max_requests: 1024", 1)
+			},
+			wants: []string{`ORIGINAL_DST cluster "pd_original_dst": circuit_breakers max_requests 1024 is below 10000`},
+		},
+		{
 			name: "envoy.lb not writable by the processor",
 			edit: func(m string) string {
 				return strings.Replace(m, "- envoy.lb", "- pd-extproc", 1)

@@ -26,7 +26,8 @@ type rig struct {
 	mode, connector string
 	proxy           *envoyemu.Proxy
 	extproc         *extproc
-	config          string // extproc's config
+	replicas        []*extproc // every extproc behind the emulator, extproc first
+	config          string     // extproc's config
 	prefill, decode []*pdsim.Server
 	decodeAddrs     []string          // the decode pool as configured
 	sim             testbed.SimConfig // what the rig's simulators share: protocol, shared dir, bootstrap port, timings
@@ -36,6 +37,7 @@ type rigOptions struct {
 	mode, connector string // default full_duplex, kv-nixl
 	prefills        int    // prefill simulators (default 2; -1 none)
 	decodes         int    // decode simulators (default 2)
+	replicas        int    // extproc processes behind the emulator, one config (default 1)
 	// prefillAddrs and decodeAddrs override the pools' endpoints, given the
 	// simulators (e.g. a dead endpoint, or recorders in front of them).
 	prefillAddrs func(sims []*pdsim.Server) []string
@@ -105,8 +107,16 @@ func startRig(t *testing.T, o rigOptions) *rig {
 	r.config = fmt.Sprintf("connector: %s\npools:\n  prefill: {endpoints: [%s], bootstrap_port: %d%s}\n  decode: {endpoints: [%s]%s}\n%s\n",
 		o.connector, quoteAll(prefillAddrs), r.sim.BootstrapPort, more(o.prefillPool), quoteAll(decodeAddrs), more(o.decodePool), o.extra)
 	r.extproc = startExtproc(t, testbed.ExtprocConfig{Config: r.config})
+	r.replicas = []*extproc{r.extproc}
+	for range o.replicas - 1 {
+		r.replicas = append(r.replicas, startExtproc(t, testbed.ExtprocConfig{Config: r.config}))
+	}
+	var addrs []string
+	for _, x := range r.replicas {
+		addrs = append(addrs, x.GRPCAddr)
+	}
 
-	r.proxy = testbed.MustStartEnvoy(t, testbed.EnvoyConfigs[o.mode], r.extproc.GRPCAddr, func(cfg *envoyemu.Config) {
+	r.proxy = testbed.MustStartEnvoyOn(t, testbed.EnvoyConfigs[o.mode], addrs, func(cfg *envoyemu.Config) {
 		cfg.Logf = t.Logf
 		if o.envoy != nil {
 			o.envoy(cfg)

@@ -167,3 +167,35 @@ func TestBusySGLangDecodeEndpointIsPassedOver(t *testing.T) {
 		}
 	}
 }
+
+// TestReplicasAgreeOnPrefixAffinity: three extproc replicas behind one Envoy,
+// which hands them the streams in turn, share nothing; yet each repeated
+// prefix keeps its prefill legs on one endpoint, because every replica ranks
+// the endpoints alike for it.
+func TestReplicasAgreeOnPrefixAffinity(t *testing.T) {
+	const replicas, prefixes, repeats = 3, 5, 12
+	r := startRig(t, rigOptions{prefills: 3, replicas: replicas, prefillPool: "policy: prefix-affinity, prefix: {block_chars: 64}"})
+	for i := range prefixes * repeats {
+		p, turn := i%prefixes, i/prefixes // interleaved, so each replica sees every prefix
+		system := strings.Repeat(fmt.Sprintf("Conversation %d: answer as assistant number %d would. ", p, p), 8)
+		path, body := request("chat", false, fmt.Sprintf("%s[prefix %d] turn %d", system, p, turn))
+		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d: %s", resp.StatusCode, got)
+		}
+	}
+	for p := range prefixes {
+		counts := legsOn(r.prefill, fmt.Sprintf("[prefix %d] turn", p))
+		top, total := 0, 0
+		for _, n := range counts {
+			top, total = max(top, n), total+n
+		}
+		if total != repeats || top*10 < total*9 {
+			t.Errorf("prefix %d: prefill legs per endpoint %v; want all %d and >= 90%% on one", p, counts, repeats)
+		}
+	}
+	for i, x := range r.replicas {
+		if n, err := x.Metric(t.Context(), `pd_extproc_requests_total{api="chat",connector="kv-nixl",mode="pd",outcome="routed"}`); err != nil || n == 0 {
+			t.Errorf("replica %d routed %v requests (%v): the streams did not reach every replica", i, n, err)
+		}
+	}
+}

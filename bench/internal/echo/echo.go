@@ -31,6 +31,8 @@ const maxPresize = 64 << 20
 // Server implements envoy.service.ext_proc.v3.ExternalProcessor as an echo.
 type Server struct {
 	extprocv3.UnimplementedExternalProcessorServer
+	// Destination is the value of Header; Value when empty.
+	Destination string
 }
 
 // Process answers one HTTP request:
@@ -40,7 +42,11 @@ type Server struct {
 //   - BUFFERED: headers CONTINUE at once; the body reply sets Header and carries the
 //     body unchanged (the same bytes extproc would send back).
 //   - anything else: CONTINUE.
-func (Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
+func (s Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
+	dest := s.Destination
+	if dest == "" {
+		dest = Value
+	}
 	var (
 		mode filterv3.ProcessingMode_BodySendMode
 		body []byte
@@ -65,7 +71,7 @@ func (Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
 				body = make([]byte, 0, presize(h.GetHeaders()))
 				continue
 			}
-			replies = append(replies, headersReply(h.GetEndOfStream()))
+			replies = append(replies, headersReply(dest, h.GetEndOfStream()))
 		case *extprocv3.ProcessingRequest_RequestBody:
 			b := m.RequestBody
 			if done {
@@ -73,7 +79,7 @@ func (Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
 			}
 			if mode != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 				done = true
-				replies = append(replies, bufferedReply(b.GetBody()))
+				replies = append(replies, bufferedReply(dest, b.GetBody()))
 				break
 			}
 			body = append(body, b.GetBody()...)
@@ -81,12 +87,12 @@ func (Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
 				continue
 			}
 			done = true
-			replies = append(replies, headersReply(true))
+			replies = append(replies, headersReply(dest, true))
 			replies = append(replies, streamed(body, true)...)
 		case *extprocv3.ProcessingRequest_RequestTrailers:
 			if mode == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED && !done {
 				done = true
-				replies = append(replies, headersReply(true))
+				replies = append(replies, headersReply(dest, true))
 				replies = append(replies, streamed(body, false)...)
 			}
 			replies = append(replies, &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{
@@ -120,26 +126,26 @@ func presize(hm *corev3.HeaderMap) int {
 	return 0
 }
 
-func setHeader() *extprocv3.HeaderMutation {
+func setHeader(dest string) *extprocv3.HeaderMutation {
 	return &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-		{Header: &corev3.HeaderValue{Key: Header, RawValue: []byte(Value)}},
+		{Header: &corev3.HeaderValue{Key: Header, RawValue: []byte(dest)}},
 	}}
 }
 
 // headersReply is CONTINUE; routed says it carries Header.
-func headersReply(routed bool) *extprocv3.ProcessingResponse {
+func headersReply(dest string, routed bool) *extprocv3.ProcessingResponse {
 	common := &extprocv3.CommonResponse{}
 	if routed {
-		common.HeaderMutation = setHeader()
+		common.HeaderMutation = setHeader(dest)
 	}
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
 		RequestHeaders: &extprocv3.HeadersResponse{Response: common}}}
 }
 
-func bufferedReply(body []byte) *extprocv3.ProcessingResponse {
+func bufferedReply(dest string, body []byte) *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{
 		Response: &extprocv3.CommonResponse{
-			HeaderMutation: setHeader(),
+			HeaderMutation: setHeader(dest),
 			BodyMutation:   &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: body}},
 		}}}}
 }

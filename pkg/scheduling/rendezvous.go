@@ -1,0 +1,105 @@
+package scheduling
+
+import (
+	"cmp"
+	"slices"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// rendezvousScorer weights each endpoint for a request by rendezvous
+// (highest-random-weight) hashing: a hash of the request's key and the
+// endpoint's address. The key is the prompt's first keyBlocks full blocks, so
+// requests that share them rank the endpoints alike, and every replica ranks
+// them alike: the hash is fixed (xxhash), not seeded per process. Removing an
+// endpoint moves only the keys it ranked first.
+type rendezvousScorer struct{ blockChars, keyBlocks int }
+
+// Score returns nil when the prompt has no full block: there is no key.
+func (s rendezvousScorer) Score(req *Request, eps []*Endpoint) []float64 {
+	prompt := req.Prompt()
+	n := min(len(prompt)/s.blockChars, s.keyBlocks)
+	if n == 0 {
+		return nil
+	}
+	key := xxhash.Sum64String(prompt[:n*s.blockChars])
+	out := make([]float64, len(eps))
+	for i, e := range eps {
+		// 53 bits, exact in a float64: no two weights tie by rounding.
+		out[i] = float64(mix64(key^xxhash.Sum64String(e.Addr)) >> 11)
+	}
+	return out
+}
+
+// mix64 is splitmix64's finalizer, so that an endpoint's weight for one key
+// says nothing of its weight for another.
+func mix64(x uint64) uint64 {
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	return x ^ x>>31
+}
+
+// prefixAffinity ranks the candidates by rendezvousScorer and takes the first
+// whose busyness is within the bound, factor × the mean busyness + slack
+// (consistent hashing with bounded loads; the slack because an engine batches
+// a few extra requests nearly for free). A hot key spills over to the next
+// endpoints in its own order.
+//
+// Its choice depends on the request, the candidates and their busyness,
+// which is the engines' scraped queue and KV use (alike on every replica)
+// plus this replica's own requests in flight. So replicas agree, without
+// talking, whenever the first-ranked endpoint is within the bound, and part
+// only by the local share of the in-flight counts.
+//
+// The index is a local hint on top: when this replica remembers an endpoint,
+// within the bound, that served more of the prompt than the key covers (an
+// earlier turn of the conversation, spilled there), the request follows it
+// rather than going back to a cold cache (the higher-ranked of equals).
+// Agreement never depends on it: a
+// replica that never saw the conversation takes the ranking.
+type prefixAffinity struct {
+	scorer        rendezvousScorer
+	index         *prefixIndex
+	factor, slack float64
+	fallback      Picker // for prompts without a full block
+}
+
+func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
+	weights := p.scorer.Score(req, eps)
+	if weights == nil || len(eps) == 1 {
+		return p.fallback.Pick(req, eps)
+	}
+	type ranked struct {
+		e            *Endpoint
+		weight, busy float64
+	}
+	rs := make([]ranked, len(eps))
+	var total float64
+	for i, e := range eps {
+		rs[i] = ranked{e: e, weight: weights[i], busy: e.Busyness()}
+		total += rs[i].busy
+	}
+	bound := p.factor*total/float64(len(eps)) + p.slack
+	slices.SortFunc(rs, func(a, b ranked) int { return cmp.Compare(b.weight, a.weight) })
+	chosen := rs[0].e // unless one is within the bound, and the least busy always is
+	for _, r := range rs {
+		if r.busy <= bound {
+			chosen = r.e
+			break
+		}
+	}
+	hs := p.index.hashes(req.Prompt())
+	keyLen := min(len(hs), p.scorer.keyBlocks)
+	if served := p.index.matched(hs); len(served) > 0 {
+		best := 0
+		for _, r := range rs {
+			if n := served[r.e.Addr]; n > keyLen && n > best && r.busy <= bound {
+				chosen, best = r.e, n
+			}
+		}
+	}
+	p.index.record(hs, chosen.Addr)
+	return chosen
+}
