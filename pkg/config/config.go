@@ -48,6 +48,14 @@ type Pool struct {
 	PoolScheduling
 }
 
+// Configured reports whether the pool names a source of endpoints: a list,
+// a DNS name or Kubernetes discovery. A config without a decode pool is
+// valid (the embedded default names no engine); the server then stays not
+// ready and says what to set.
+func (p Pool) Configured() bool {
+	return len(p.Endpoints) > 0 || p.DNS != "" || p.Kubernetes != nil
+}
+
 // Failure policies for a prefill leg that cannot be completed.
 const (
 	OnFailureDecodeOnly = "decode-only"
@@ -184,9 +192,6 @@ func (c *Config) validate() error {
 	connector, err := kv.Build(c.Connector)
 	if err != nil {
 		errs = append(errs, fmt.Errorf("connector: %w", err))
-	}
-	if d := c.Pools.Decode; len(d.Endpoints) == 0 && d.DNS == "" && d.Kubernetes == nil {
-		errs = append(errs, errors.New("pools.decode.endpoints: at least one ip:port (or pools.decode.dns, or pools.decode.kubernetes) is required"))
 	}
 	errs = append(errs, validateEndpoints("pools.prefill.endpoints", c.Pools.Prefill.Endpoints)...)
 	errs = append(errs, validateEndpoints("pools.decode.endpoints", c.Pools.Decode.Endpoints)...)

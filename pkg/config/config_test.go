@@ -1,6 +1,7 @@
 package config
 
 import (
+	"encoding/json"
 	"slices"
 	"strings"
 	"testing"
@@ -15,8 +16,26 @@ func TestEmbeddedDefaultIsValid(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Connector != "kv-nixl" || c.Limits.MaxBodyBytes != 32<<20 || c.Prefill.Timeout.D() != 30*time.Second {
+	if c.Connector != "kv-shared-storage" || c.Limits.MaxBodyBytes != 32<<20 || c.Prefill.Timeout.D() != 30*time.Second {
 		t.Errorf("unexpected default config: %+v", c)
+	}
+	// It names no engine: a binary run without --config must not route to
+	// whatever listens on its own loopback.
+	if c.Pools.Prefill.Configured() || c.Pools.Decode.Configured() {
+		t.Errorf("the embedded default names engines: prefill %+v, decode %+v", c.Pools.Prefill, c.Pools.Decode)
+	}
+	// Every value it writes is the default a file gets without the key.
+	bare, err := Parse(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []*Pool{&c.Pools.Prefill, &c.Pools.Decode} {
+		p.Endpoints = nil // "endpoints: []" in the file, absent in an empty one
+	}
+	got, _ := json.Marshal(c)
+	want, _ := json.Marshal(bare)
+	if string(got) != string(want) {
+		t.Errorf("the embedded default differs from the defaults of an empty file:\n%s\n%s", got, want)
 	}
 }
 
@@ -59,7 +78,6 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 	tests := []struct {
 		name, yaml, wantKey string
 	}{
-		{"no decode endpoints", `connector: kv-nixl`, "pools.decode.endpoints"},
 		{"unknown connector", `{connector: kv-mooncake, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "connector"},
 		{"host name endpoint", `pools: {decode: {endpoints: ["decode:8000"]}}`, "pools.decode.endpoints[0]"},
 		{"endpoint without port", `pools: {prefill: {endpoints: ["10.0.0.1"]}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "pools.prefill.endpoints[0]"},

@@ -141,6 +141,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	}
 	s.ready.update() // serving from the first health check on, when the pool allows
 	s.admin = &http.Server{Handler: s.adminMux(), ReadHeaderTimeout: 10 * time.Second}
+	warnNoDecodePool(log, opts.ConfigPath, cfg)
 	return s, nil
 }
 
@@ -189,6 +190,7 @@ func (s *Server) watchConfig(ctx context.Context) func() {
 			if keys := discoveryChanged(s.cfg, c); len(keys) > 0 {
 				s.log.Info("Kubernetes discovery keys changed; they take effect on restart", "keys", keys)
 			}
+			warnNoDecodePool(s.log, s.opts.ConfigPath, c)
 		}, func(err error) {
 			s.log.Error(err, "config change rejected; the previous config stays", "path", s.opts.ConfigPath)
 		})

@@ -21,10 +21,17 @@ const (
 	listen    = "127.0.0.1:8080"
 	grpcAddr  = "127.0.0.1:9002"
 	adminAddr = "127.0.0.1:9090"
-	// The embedded default config (config/extproc.yaml) points at these.
 	prefillAddr = "127.0.0.1:8101"
 	decodeAddr  = "127.0.0.1:8201"
 )
+
+// extprocConfig is the demo's own config: the embedded default names no
+// engine, so a binary run without --config routes nothing.
+const extprocConfig = `connector: kv-nixl
+pools:
+  prefill: {endpoints: ["` + prefillAddr + `"]}
+  decode: {endpoints: ["` + decodeAddr + `"]}
+`
 
 func main() {
 	log.SetFlags(0)
@@ -62,7 +69,7 @@ func run() error {
 		return err
 	}
 	if _, err := testbed.StartExtproc(ctx, &cleanups, testbed.ExtprocConfig{
-		Bin: extproc, GRPCAddr: grpcAddr, AdminAddr: adminAddr, // the embedded default config
+		Bin: extproc, GRPCAddr: grpcAddr, AdminAddr: adminAddr, Config: extprocConfig,
 		Args: []string{"--log-format", "console", "-v", "1"}, Log: lines("extproc"),
 	}); err != nil {
 		return err
