@@ -1,8 +1,6 @@
 package server
 
 import (
-	"reflect"
-
 	"github.com/go-logr/logr"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -35,17 +33,4 @@ func (s *Server) newDiscovery(cfg *config.Config, prefill, decode *scheduling.Po
 		return out
 	})
 	return d, nil
-}
-
-// discoveryChanged names the kubernetes keys a reloaded config changes:
-// discovery keeps the watches it started with until a restart.
-func discoveryChanged(old, c *config.Config) []string {
-	var keys []string
-	if !reflect.DeepEqual(old.Pools.Prefill.Kubernetes, c.Pools.Prefill.Kubernetes) {
-		keys = append(keys, "pools.prefill.kubernetes")
-	}
-	if !reflect.DeepEqual(old.Pools.Decode.Kubernetes, c.Pools.Decode.Kubernetes) {
-		keys = append(keys, "pools.decode.kubernetes")
-	}
-	return keys
 }

@@ -1,10 +1,115 @@
 package server
 
 import (
+	"encoding/json"
+	"fmt"
+	"maps"
+	"reflect"
+	"slices"
+	"strings"
+
 	"github.com/go-logr/logr"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
+
+// liveKeys are the config keys a reload applies in place, and the keys below
+// them: what pipeline.Reload hands to scheduling.Pools.Update (each pool's
+// endpoints and scheduling keys, the P/D decider) and the parallel-sampling
+// switch it keeps itself. Every other key takes effect on restart only. A key
+// added to the config is restart-only until it is listed here, so a new key
+// can be wrongly reported as needing a restart, never wrongly as applied.
+var liveKeys = []string{
+	"pools.prefill.endpoints", "pools.decode.endpoints",
+	"pools.prefill.policy", "pools.decode.policy",
+	"pools.prefill.prefix", "pools.decode.prefix",
+	"pools.prefill.health", "pools.decode.health",
+	"pools.prefill.metrics", "pools.decode.metrics",
+	"pools.prefill.dns", "pools.decode.dns",
+	"pools.prefill.dns_interval", "pools.decode.dns_interval",
+	"pools.decode.fallbacks",
+	"pd",
+}
+
+// isLive reports whether key is one of liveKeys or below one.
+func isLive(key string) bool {
+	return slices.ContainsFunc(liveKeys, func(k string) bool { return key == k || strings.HasPrefix(key, k+".") })
+}
+
+// restartOnly names the keys whose value in next differs from the one the
+// process started with and that a reload does not apply: they keep their
+// running value until a restart. Keys are named as a user writes them
+// (limits.max_concurrent_streams, pools.prefill.kubernetes.selector), each
+// leaf once, in order.
+func restartOnly(started, next *config.Config) []string {
+	var keys []string
+	for _, k := range changedKeys(asTree(started), asTree(next), "") {
+		if !isLive(k) {
+			keys = append(keys, k)
+		}
+	}
+	return keys
+}
+
+// asTree is c as its file would spell it: the keys its JSON tags name, with
+// the defaults filled in.
+func asTree(c *config.Config) any {
+	js, err := json.Marshal(c)
+	if err != nil {
+		// Every field of Config marshals; a failure here is a bug in a new type.
+		panic(fmt.Sprintf("config does not marshal: %v", err))
+	}
+	var tree any
+	if err := json.Unmarshal(js, &tree); err != nil {
+		panic(err)
+	}
+	return tree
+}
+
+// changedKeys lists the leaf keys whose values differ between a and b, under
+// prefix. A list is one value; an empty list and a missing one are the same.
+func changedKeys(a, b any, prefix string) []string {
+	am, aok := a.(map[string]any)
+	bm, bok := b.(map[string]any)
+	if !aok || !bok {
+		if empty(a) && empty(b) || reflect.DeepEqual(a, b) {
+			return nil
+		}
+		return []string{prefix}
+	}
+	var out []string
+	for _, k := range slices.Sorted(maps.Keys(union(am, bm))) {
+		key := k
+		if prefix != "" {
+			key = prefix + "." + k
+		}
+		out = append(out, changedKeys(am[k], bm[k], key)...)
+	}
+	return out
+}
+
+func union(a, b map[string]any) map[string]any {
+	out := maps.Clone(a)
+	maps.Copy(out, b)
+	return out
+}
+
+func empty(v any) bool {
+	l, ok := v.([]any)
+	return v == nil || ok && len(l) == 0
+}
+
+// logConfigReloaded is the line a reload writes: what the pools now are,
+// and every changed key that waits for a restart.
+func logConfigReloaded(log logr.Logger, path string, started, c *config.Config) {
+	if keys := restartOnly(started, c); len(keys) > 0 {
+		log.Info("config reloaded, but these keys take effect only on restart and keep their running values",
+			"path", path, "restartPending", keys, "prefill", c.Pools.Prefill.Endpoints, "decode", c.Pools.Decode.Endpoints)
+	} else {
+		log.Info("config reloaded", "path", path, "prefill", c.Pools.Prefill.Endpoints, "decode", c.Pools.Decode.Endpoints)
+	}
+	warnNoDecodePool(log, path, c)
+}
 
 // warnNoDecodePool says what to set when the config names no decode engine
 // (the embedded default, or a file without pools.decode): the server runs but

@@ -1,13 +1,118 @@
 package server
 
 import (
+	"cmp"
 	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/go-logr/logr/funcr"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
+
+// reloadPools is the pools block of the configs below, unless a case gives its own.
+const reloadPools = `pools:
+  prefill: {endpoints: ["10.0.0.1:8000"], bootstrap_port: 8998}
+  decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}}
+`
+
+// Every changed key is either applied by a reload or named as waiting for a
+// restart: the keys of the issue's list (connector, bootstrap_port, limits,
+// prefill.*, envoy.*, tracing) and those the response, Kubernetes and
+// pass-through work added.
+func TestRestartOnlyNamesTheKeysAReloadDoesNotApply(t *testing.T) {
+	tests := []struct {
+		name      string
+		connector string // default kv-nixl
+		pools     string // default reloadPools
+		more      string // other top-level keys
+		want      []string
+	}{
+		{name: "nothing changed"},
+		{name: "pools, policies, health, scrapes, DNS and pd.* apply live",
+			pools: `pools:
+  prefill: {endpoints: ["10.0.0.9:8000"], bootstrap_port: 8998, policy: round-robin, health: {consecutive_failures: 5}, prefix: {key_blocks: 4}}
+  decode: {endpoints: ["10.0.0.8:8000"], kubernetes: {selector: "role=decode", port: 8000}, metrics: {interval: 2s}, dns: "d.example:8000", dns_interval: 3s, fallbacks: 1}
+`,
+			more: `pd: {mode: always, chars_per_token: 3}`},
+		{name: "connector", connector: "kv-shared-storage", want: []string{"connector"}},
+		{name: "bootstrap port", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"], bootstrap_port: 9000}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}}}`,
+			want: []string{"pools.prefill.bootstrap_port"}},
+		{name: "a pool's Kubernetes selector", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=other", port: 8000}}}`,
+			want: []string{"pools.decode.kubernetes.selector"}},
+		{name: "Kubernetes discovery added to a pool", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"], kubernetes: {selector: "role=prefill", port: 8000}}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}}}`,
+			want: []string{"pools.prefill.kubernetes"}},
+		{name: "the decode pool's TLS", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}, tls: {enabled: true}}}`,
+			want: []string{"pools.decode.tls.enabled"}},
+		{name: "limits", more: `limits: {max_concurrent_streams: 10, max_body_bytes: 1048576}`, want: []string{"limits.max_body_bytes", "limits.max_concurrent_streams"}},
+		// The defaults that follow prefill.timeout change with it.
+		{name: "prefill.timeout", more: `prefill: {timeout: 10s}`, want: []string{"envoy.override_message_timeout", "prefill.attempt_timeout", "prefill.timeout"}},
+		{name: "prefill legs", more: `prefill: {on_failure: fail, http2: true, max_idle_conns_per_endpoint: 8, attempts: 3, tls: {enabled: true}}`,
+			want: []string{"prefill.attempts", "prefill.http2", "prefill.max_idle_conns_per_endpoint", "prefill.on_failure", "prefill.tls.enabled"}},
+		{name: "envoy", more: `envoy: {override_after: 1s}`, want: []string{"envoy.override_after"}},
+		{name: "tracing", more: `tracing: {otlp_endpoint: "http://collector:4317", sample_ratio: 0.5}`, want: []string{"tracing.otlp_endpoint", "tracing.sample_ratio"}},
+		{name: "the pass-through list", more: `routes: {passthrough: ["GET /v1/models"]}`, want: []string{"routes.passthrough"}},
+		{name: "the response path", more: `response: {rewrite_usage: true, max_body_bytes: 1024}`, want: []string{"response.max_body_bytes", "response.rewrite_usage"}},
+	}
+	file := func(connector, pools, more string) string {
+		return "connector: " + cmp.Or(connector, "kv-nixl") + "\n" + cmp.Or(pools, reloadPools) + "\n" + more + "\n"
+	}
+	started := mustParse(t, file("", "", ""))
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := restartOnly(started, mustParse(t, file(tt.connector, tt.pools, tt.more))); !slices.Equal(got, tt.want) {
+				t.Errorf("restart-only keys = %q, want %q", got, tt.want)
+			}
+		})
+	}
+}
+
+func mustParse(t *testing.T, yaml string) *config.Config {
+	t.Helper()
+	c, err := config.Parse([]byte(yaml))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// A reload of the watched file applies the pools and names, in its log line,
+// each changed key that keeps its running value until a restart.
+func TestReloadLogNamesRestartOnlyKeys(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "extproc.yaml")
+	first := "connector: kv-nixl\npools: {decode: {endpoints: [\"" + decodeEP + "\"]}}\n"
+	if err := os.WriteFile(path, []byte(first), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	logs := &logLines{}
+	r := start(t, first, Options{ConfigPath: path}, funcr.NewJSON(logs.add, funcr.Options{}))
+	next := "connector: kv-nixl\npools: {decode: {endpoints: [\"10.1.1.2:8000\"]}}\nlimits: {max_concurrent_streams: 7}\n"
+	if err := os.WriteFile(path, []byte(next), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	line := waitLogLine(t, logs, "config reloaded")
+	keys, _ := line["restartPending"].([]any)
+	if len(keys) != 1 || keys[0] != "limits.max_concurrent_streams" {
+		t.Errorf("restartPending = %v, want [limits.max_concurrent_streams]: %v", line["restartPending"], line)
+	}
+	if msg := line["msg"].(string); !strings.Contains(msg, "only on restart") {
+		t.Errorf("the reload line does not say keys wait for a restart: %q", msg)
+	}
+	// The pool itself is live: the new decode endpoint is the one reported.
+	deadline := time.Now().Add(10 * time.Second)
+	for r.scrape(t)[series("pd_extproc_endpoint_healthy", "endpoint", "10.1.1.2:8000", "pool", "decode")] != 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the reloaded decode endpoint never appeared in /metrics")
+		}
+		time.Sleep(20 * time.Millisecond) // the metrics read the pools as they are: poll, bounded
+	}
+}
 
 // With no decode engine configured (the embedded default names none) the
 // server starts, is not ready, and says what to set.
@@ -43,5 +148,60 @@ func waitLogLine(t *testing.T, logs *logLines, prefix string) map[string]any {
 			t.Fatalf("no log line %q:\n%s", prefix, logs.raw())
 		}
 		time.Sleep(10 * time.Millisecond) // the watch runs on its own goroutine: poll, bounded
+	}
+}
+
+// The README's Configuration section names the keys a reload applies and
+// those that wait for a restart; both lists must be the ones above.
+func TestREADMENamesTheReloadableKeys(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := strings.Join(strings.Fields(string(readme)), " ")
+	between := func(from, to string) []string {
+		_, rest, ok := strings.Cut(text, from)
+		part, _, ok2 := strings.Cut(rest, to)
+		if !ok || !ok2 {
+			t.Fatalf("README has no %q ... %q", from, to)
+		}
+		var keys []string
+		for i, s := range strings.Split(part, "`") {
+			if i%2 == 1 {
+				keys = append(keys, s)
+			}
+		}
+		return keys
+	}
+	expand := func(key string) []string {
+		key = strings.TrimSuffix(key, ".*")
+		switch {
+		case strings.HasPrefix(key, "."):
+			return []string{"pools.prefill" + key, "pools.decode" + key}
+		case strings.HasPrefix(key, "pools.<pool>."):
+			rest := strings.TrimPrefix(key, "pools.<pool>")
+			return []string{"pools.prefill" + rest, "pools.decode" + rest}
+		}
+		return []string{key}
+	}
+	var live []string
+	for _, k := range between("These keys apply without a restart", "Every other key") {
+		live = append(live, expand(k)...)
+	}
+	if !slices.Equal(slices.Sorted(slices.Values(live)), slices.Sorted(slices.Values(liveKeys))) {
+		t.Errorf("README's live keys %q, want %q", live, liveKeys)
+	}
+	restart := between("takes effect only on restart:", "A reload")
+	for _, k := range restart {
+		for _, key := range expand(k) {
+			if isLive(key) {
+				t.Errorf("README calls %s restart-only, but a reload applies it", key)
+			}
+		}
+	}
+	for _, top := range []string{"connector", "prefill.*", "limits.*", "envoy.*", "tracing.*", "routes.passthrough", "response.*"} {
+		if !slices.Contains(restart, top) {
+			t.Errorf("README's restart-only list lacks %s", top)
+		}
 	}
 }

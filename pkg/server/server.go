@@ -56,7 +56,9 @@ type Options struct {
 	// client CA).
 	TLS TLSFiles
 	// ConfigPath, when set, is watched: a valid new file updates the pools,
-	// policies and P/D thresholds in place; an invalid one is logged and ignored.
+	// policies and P/D thresholds in place, and the log names every other key
+	// it changes (those take effect on restart); an invalid one is logged and
+	// ignored.
 	ConfigPath string
 	// Kubeconfig is the credentials file of pools discovered from Kubernetes
 	// (pools.<pool>.kubernetes); empty: in-cluster, else KUBECONFIG.
@@ -185,12 +187,7 @@ func (s *Server) watchConfig(ctx context.Context) func() {
 	return func() {
 		err := config.Watch(ctx, s.opts.ConfigPath, s.cfg, func(c *config.Config) {
 			s.pipeline.Reload(c)
-			s.log.Info("config reloaded", "path", s.opts.ConfigPath,
-				"prefill", c.Pools.Prefill.Endpoints, "decode", c.Pools.Decode.Endpoints)
-			if keys := discoveryChanged(s.cfg, c); len(keys) > 0 {
-				s.log.Info("Kubernetes discovery keys changed; they take effect on restart", "keys", keys)
-			}
-			warnNoDecodePool(s.log, s.opts.ConfigPath, c)
+			logConfigReloaded(s.log, s.opts.ConfigPath, s.cfg, c)
 		}, func(err error) {
 			s.log.Error(err, "config change rejected; the previous config stays", "path", s.opts.ConfigPath)
 		})
