@@ -18,12 +18,16 @@
 // earlier filter would set; Config.Logf traces decisions.
 //
 // Both clusters, ext_proc and ORIGINAL_DST, enforce their circuit breakers
-// (§12); ClusterStats reads Envoy's overflow counters.
+// (§12); ClusterStats reads Envoy's overflow counters. The ext_proc cluster
+// speaks TLS, mTLS included, from its transport_socket (§13): the bootstrap's
+// certificate paths are in Config, for a test to point at its own files.
 //
 // Refused rather than guessed (LoadConfig errors): observability mode,
 // CEL attributes, mode_override, http_service, GRPC body mode, other HTTP
 // filters, non-ORIGINAL_DST route clusters, per-host circuit breakers and
-// retry budgets.
+// retry budgets, TLS on a route cluster, TLS settings other than files,
+// versions, SNI, ALPN and typed SAN matchers, use_remote_address without
+// preserve_external_request_id.
 package envoyemu
 
 import (
@@ -74,6 +78,9 @@ type Config struct {
 	// SuppressEnvoyHeaders is the router's suppress_envoy_headers: no
 	// x-envoy-overloaded on an overflow reply (§12).
 	SuppressEnvoyHeaders bool
+	// ClientHeaders is what the connection manager does with the client's
+	// forwarding headers and request id.
+	ClientHeaders ClientHeaders
 
 	// Logf, when set, receives debug lines (e.g. t.Logf).
 	Logf func(format string, args ...any)
@@ -133,6 +140,17 @@ type Limits struct {
 	MaxReceiveMessageLength int
 }
 
+// ClientHeaders are the HCM's use_remote_address and its companions. With
+// UseRemoteAddress Envoy appends the peer's address to x-forwarded-for
+// (unless SkipXFFAppend). The emulator keeps the client's x-request-id, which
+// is what Envoy does with preserve_external_request_id, or without
+// use_remote_address; the one other combination is refused at load.
+type ClientHeaders struct {
+	UseRemoteAddress          bool
+	SkipXFFAppend             bool
+	PreserveExternalRequestID bool
+}
+
 // Route is one route of the route table, matched in order.
 type Route struct {
 	Prefix  string // match.prefix, or
@@ -153,6 +171,9 @@ type Cluster struct {
 	// StreamsPerConnection is 1 over HTTP/1 and http2_protocol_options'
 	// max_concurrent_streams over HTTP/2; 0 means the protocol's default.
 	StreamsPerConnection int
+	// TLS is its transport_socket, nil for plaintext (§13). Only the ext_proc
+	// cluster may have one.
+	TLS *UpstreamTLS
 }
 
 // OriginalDst is original_dst_lb_config (§8.1).

@@ -44,8 +44,17 @@ func (cfg *Config) Validate() error {
 		return errors.New("no routes")
 	}
 	for _, r := range cfg.Routes {
-		if cl := cfg.Clusters[r.Cluster]; cl == nil || cl.OriginalDst == nil {
+		cl := cfg.Clusters[r.Cluster]
+		if cl == nil || cl.OriginalDst == nil {
 			return fmt.Errorf("route to unknown or non-ORIGINAL_DST cluster %q", r.Cluster)
+		}
+		if cl.TLS != nil {
+			return fmt.Errorf("cluster %q: a transport_socket on a route cluster is not emulated (the router speaks plaintext HTTP/1.1)", r.Cluster)
+		}
+	}
+	for name, cl := range cfg.Clusters {
+		if err := cl.TLS.validate(); err != nil {
+			return fmt.Errorf("cluster %q: transport_socket: %w", name, err)
 		}
 	}
 	return nil

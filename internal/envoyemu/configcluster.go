@@ -24,7 +24,11 @@ func clusterFromProto(c *clusterv3.Cluster) (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	cl := &Cluster{Name: c.GetName(), Breakers: breakers, StreamsPerConnection: perConn}
+	tls, err := tlsFromCluster(c)
+	if err != nil {
+		return nil, err
+	}
+	cl := &Cluster{Name: c.GetName(), Breakers: breakers, StreamsPerConnection: perConn, TLS: tls}
 	odc := c.GetOriginalDstLbConfig()
 	if c.GetType() != clusterv3.Cluster_ORIGINAL_DST {
 		if odc != nil {

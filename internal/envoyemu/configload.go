@@ -176,6 +176,20 @@ func (cfg *Config) fromHCM(hcm *hcmv3.HttpConnectionManager) (bool, error) {
 	}
 	cfg.SuppressEnvoyHeaders = router.GetSuppressEnvoyHeaders()
 
+	cfg.ClientHeaders = ClientHeaders{
+		UseRemoteAddress:          hcm.GetUseRemoteAddress().GetValue(),
+		SkipXFFAppend:             hcm.GetSkipXffAppend(),
+		PreserveExternalRequestID: hcm.GetPreserveExternalRequestId(),
+	}
+	switch ch := cfg.ClientHeaders; {
+	case ch.UseRemoteAddress && !ch.PreserveExternalRequestID:
+		// Envoy would then replace the x-request-id of requests it deems
+		// external, which depends on internal_address_config.
+		return false, errors.New("use_remote_address without preserve_external_request_id is not emulated")
+	case hcm.GetXffNumTrustedHops() > 0 || hcm.GetInternalAddressConfig() != nil || len(hcm.GetOriginalIpDetectionExtensions()) > 0:
+		return false, errors.New("xff_num_trusted_hops, internal_address_config and original_ip_detection_extensions are not emulated")
+	}
+
 	lim := &cfg.Limits
 	lim.StreamIdleTimeout = durationOr(hcm.GetStreamIdleTimeout(), defaultStreamIdleTimeout)
 	lim.MaxHeadersCount = defaultMaxHeadersCount

@@ -163,6 +163,9 @@ func (x *exchange) requestHeaders() *headerMap {
 	if r.ContentLength > 0 && !h.has("content-length") {
 		h.add("content-length", strconv.FormatInt(r.ContentLength, 10))
 	}
+	if ch := x.cfg.ClientHeaders; ch.UseRemoteAddress && !ch.SkipXFFAppend {
+		appendXFF(h, r.RemoteAddr)
+	}
 	if !h.has("x-forwarded-proto") {
 		h.add("x-forwarded-proto", "http")
 	}

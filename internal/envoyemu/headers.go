@@ -1,6 +1,7 @@
 package envoyemu
 
 import (
+	"net"
 	"net/http"
 	"sort"
 	"strings"
@@ -182,4 +183,21 @@ func headerValueIsValid(v string) bool {
 		}
 	}
 	return true
+}
+
+// appendXFF is Envoy's Utility::appendXff, run with use_remote_address: the
+// peer's IP joins x-forwarded-for after a "," (Envoy holds the header as one
+// inline entry, the client's values joined by ",").
+func appendXFF(h *headerMap, remoteAddr string) {
+	host, _, err := net.SplitHostPort(remoteAddr)
+	if err != nil {
+		return
+	}
+	var vals []string
+	for _, e := range h.entries {
+		if e.key == "x-forwarded-for" {
+			vals = append(vals, e.value)
+		}
+	}
+	h.set("x-forwarded-for", strings.Join(append(vals, host), ","))
 }

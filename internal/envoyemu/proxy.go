@@ -40,8 +40,9 @@ type Proxy struct {
 // Start validates cfg like Envoy would (a config Envoy rejects does not
 // start), then listens on cfg.ListenAddr (default 127.0.0.1:0). The
 // extProcAddrs are the endpoints of the ext_proc cluster, in place of the
-// bootstrap's (insecure gRPC): each HTTP request opens its own Process stream,
-// when it first needs one, to the next endpoint in turn.
+// bootstrap's, dialled over the cluster's transport socket (TLS with the
+// files Config names, or plaintext): each HTTP request opens its own Process
+// stream, when it first needs one, to the next endpoint in turn.
 func Start(cfg *Config, extProcAddrs ...string) (*Proxy, error) {
 	if cfg == nil {
 		return nil, errors.New("envoy: nil config")

@@ -8,6 +8,7 @@ import (
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 )
 
@@ -20,7 +21,8 @@ type extProcCluster struct {
 	resources *resources
 }
 
-// newExtProcCluster dials one insecure gRPC connection per endpoint.
+// newExtProcCluster dials one gRPC connection per endpoint: over TLS when
+// the cluster has a TLS transport socket (§13), else plaintext.
 func newExtProcCluster(addrs []string, cl *Cluster) (*extProcCluster, error) {
 	if len(addrs) == 0 {
 		return nil, errors.New("no ext_proc endpoint")
@@ -29,9 +31,17 @@ func newExtProcCluster(addrs []string, cl *Cluster) (*extProcCluster, error) {
 	if cl != nil {
 		t, perConn = cl.Breakers, cl.StreamsPerConnection
 	}
+	creds := insecure.NewCredentials()
+	if cl != nil && cl.TLS != nil {
+		tc, err := cl.TLS.clientConfig()
+		if err != nil {
+			return nil, fmt.Errorf("cluster %q transport_socket: %w", cl.Name, err)
+		}
+		creds = credentials.NewTLS(tc)
+	}
 	c := &extProcCluster{resources: newResources(t, perConn)}
 	for _, a := range addrs {
-		conn, err := grpc.NewClient(a, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		conn, err := grpc.NewClient(a, grpc.WithTransportCredentials(creds))
 		if err != nil {
 			c.close()
 			return nil, fmt.Errorf("ext_proc endpoint %s: %w", a, err)

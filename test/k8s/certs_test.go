@@ -5,13 +5,11 @@ import (
 	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/pem"
-	"math/big"
-	"net"
 	"os"
 	"path/filepath"
-	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/testpki"
 )
 
 // pki is what the API server needs to serve and sign, written into dir:
@@ -19,38 +17,18 @@ import (
 // for service-account tokens.
 type pki struct {
 	caPEM               []byte
-	caFile              string
 	certFile, keyFile   string
 	saPublic, saPrivate string
 }
 
 func newPKI(dir string) (*pki, error) {
-	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	ca, err := testpki.NewCA("pd-extproc test CA")
 	if err != nil {
 		return nil, err
 	}
-	now := time.Now()
-	caTmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "pd-extproc test CA"},
-		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(24 * time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
-	}
-	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
-	if err != nil {
-		return nil, err
-	}
-	ca, _ := x509.ParseCertificate(caDER)
-	srvKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return nil, err
-	}
-	srvTmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: "kube-apiserver"},
-		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(24 * time.Hour),
-		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, DNSNames: []string{"localhost", "kubernetes.default.svc"},
-	}
-	srvDER, err := x509.CreateCertificate(rand.Reader, srvTmpl, ca, &srvKey.PublicKey, caKey)
+	srv, err := ca.Issue(filepath.Join(dir, "apiserver"), testpki.Leaf{
+		Name: "kube-apiserver", SANs: []string{"127.0.0.1", "localhost", "kubernetes.default.svc"}, Server: true,
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -59,13 +37,8 @@ func newPKI(dir string) (*pki, error) {
 		return nil, err
 	}
 	p := &pki{
-		caPEM:  pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}),
-		caFile: filepath.Join(dir, "ca.crt"), certFile: filepath.Join(dir, "apiserver.crt"), keyFile: filepath.Join(dir, "apiserver.key"),
+		caPEM: ca.PEM, certFile: srv.Cert, keyFile: srv.Key,
 		saPublic: filepath.Join(dir, "sa.pub"), saPrivate: filepath.Join(dir, "sa.key"),
-	}
-	srvKeyDER, err := x509.MarshalECPrivateKey(srvKey)
-	if err != nil {
-		return nil, err
 	}
 	saKeyDER, err := x509.MarshalECPrivateKey(saKey)
 	if err != nil {
@@ -76,9 +49,6 @@ func newPKI(dir string) (*pki, error) {
 		return nil, err
 	}
 	files := map[string][]byte{
-		p.caFile:    p.caPEM,
-		p.certFile:  pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srvDER}),
-		p.keyFile:   pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: srvKeyDER}),
 		p.saPrivate: pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: saKeyDER}),
 		p.saPublic:  pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: saPubDER}),
 	}
