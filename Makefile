@@ -19,12 +19,30 @@ KUBE_VERSION    := v1.37.2
 ETCD_VERSION    := v3.7.3
 K8S_TOOLS       := $(TOOLS_BIN)/kube-apiserver $(TOOLS_BIN)/etcd
 
-.PHONY: all build test tools run bench clean
+.PHONY: all build test tools run bench clean image certs grpcurl
 
 all: build
 
 build:
 	$(GO) build -o $(BIN)/ ./cmd/...
+
+# The container image of the Dockerfile (extproc, with pdsim beside it), built with this
+# Makefile's GOEXPERIMENT. Needs Docker with BuildKit; push it where your cluster pulls from:
+#   make image IMAGE=registry.example.com/pd-extproc:0.1.0 && docker push registry.example.com/pd-extproc:0.1.0
+# (kind: `kind load docker-image pd-extproc:dev`). Not run by `make test`.
+IMAGE ?= pd-extproc:dev
+image:
+	DOCKER_BUILDKIT=1 docker build --build-arg GOEXPERIMENT=$(GOEXPERIMENT) -t $(IMAGE) .
+
+# Development certificates for the mTLS between Envoy and pd-extproc, for the compose demo
+# (config/envoy/docker-compose.yaml): hack/certs.sh, with OpenSSL. Kept until removed.
+CERTS_DIR ?= config/envoy/certs
+certs: $(CERTS_DIR)/envoy/tls.crt
+$(CERTS_DIR)/envoy/tls.crt:
+	bash hack/certs.sh $(CERTS_DIR)
+
+# grpcurl alone, for trying the gRPC service by hand (README).
+grpcurl: $(TOOLS_BIN)/grpcurl
 
 test: tools
 	$(GO) vet ./...

@@ -51,6 +51,10 @@ type ExtprocConfig struct {
 	Args                []string  // more flags: -v 1, --pprof, --log-flush-interval 0 ...
 	Log                 io.Writer // its output; see ProcessConfig.Log
 	Wait                Wait
+	// MTLS, when set, serves ext_proc over TLS with its server certificate
+	// and requires its client certificate (MTLS.Envoy gives it to the
+	// emulator); nil serves plaintext gRPC.
+	MTLS *MTLS
 }
 
 // Extproc is a running extproc process.
@@ -84,6 +88,9 @@ func StartExtproc(ctx context.Context, c Cleaner, cfg ExtprocConfig) (*Extproc, 
 		args := []string{"--grpc-addr", x.GRPCAddr, "--admin-addr", x.AdminAddr}
 		if x.ConfigPath != "" {
 			args = append(args, "--config", x.ConfigPath)
+		}
+		if cfg.MTLS != nil {
+			args = append(args, cfg.MTLS.ExtprocArgs()...)
 		}
 		ready := "/readyz"
 		if cfg.Wait == WaitStarted {

@@ -3,6 +3,8 @@ package testbed
 import (
 	"context"
 
+	"google.golang.org/grpc/credentials"
+
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 )
@@ -61,4 +63,14 @@ func MustStartEnvoy(t TB, file, extprocAddr string, tweak func(*envoyemu.Config)
 func MustStartEnvoyOn(t TB, file string, extprocAddrs []string, tweak func(*envoyemu.Config)) *envoyemu.Proxy {
 	t.Helper()
 	return failOn(StartEnvoyOn(t, file, extprocAddrs, tweak))(t)
+}
+
+func MustNewMTLS(t TB, cfg MTLSConfig) *MTLS {
+	t.Helper()
+	return failOn(NewMTLS(t, cfg))(t)
+}
+
+func MustCredentials(t TB, m *MTLS) credentials.TransportCredentials {
+	t.Helper()
+	return failOn(m.Credentials())(t)
 }

@@ -110,12 +110,14 @@ var (
 )
 
 // Modes are the request body modes the repo ships an Envoy bootstrap for,
-// and EnvoyConfigs those files (repository-relative): the files users run.
+// and EnvoyConfigs those files (repository-relative): the files users run,
+// with no_response, envoy.yaml without the response path.
 var (
 	Modes        = []string{"full_duplex", "buffered"}
 	EnvoyConfigs = map[string]string{
 		"full_duplex": "config/envoy/envoy.yaml",
 		"buffered":    "config/envoy/envoy-buffered.yaml",
+		"no_response": "config/envoy/envoy-no-response.yaml",
 	}
 )
 

@@ -18,9 +18,9 @@ import (
 )
 
 const (
-	listen    = "127.0.0.1:8080"
-	grpcAddr  = "127.0.0.1:9002"
-	adminAddr = "127.0.0.1:9090"
+	listen      = "127.0.0.1:8080"
+	grpcAddr    = "127.0.0.1:9002"
+	adminAddr   = "127.0.0.1:9090"
 	prefillAddr = "127.0.0.1:8101"
 	decodeAddr  = "127.0.0.1:8201"
 )
@@ -68,8 +68,13 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	// Envoy and extproc speak mTLS, as in every shipped setup, with certificates made now.
+	mtls, err := testbed.NewMTLS(&cleanups, testbed.MTLSConfig{})
+	if err != nil {
+		return err
+	}
 	if _, err := testbed.StartExtproc(ctx, &cleanups, testbed.ExtprocConfig{
-		Bin: extproc, GRPCAddr: grpcAddr, AdminAddr: adminAddr, Config: extprocConfig,
+		Bin: extproc, GRPCAddr: grpcAddr, AdminAddr: adminAddr, Config: extprocConfig, MTLS: mtls,
 		Args: []string{"--log-format", "console", "-v", "1"}, Log: lines("extproc"),
 	}); err != nil {
 		return err
@@ -77,12 +82,13 @@ func run() error {
 	if _, err := testbed.StartEnvoy(&cleanups, testbed.EnvoyConfigs["full_duplex"], grpcAddr, func(cfg *envoyemu.Config) {
 		cfg.ListenAddr = listen
 		cfg.Logf = prefixed("envoy").Printf
+		mtls.Envoy(cfg)
 	}); err != nil {
 		return err
 	}
 
 	fmt.Printf(`
-pd-extproc demo is up: Envoy emulator on %s -> extproc %s -> prefill %s, decode %s.
+pd-extproc demo is up: Envoy emulator on %s -> (mTLS) extproc %s -> prefill %s, decode %s.
 Paste this in another terminal (the x-pdsim-kv* response headers show the KV handoff):
 
   curl -sN http://%s/v1/chat/completions -H 'content-type: application/json' -D - \

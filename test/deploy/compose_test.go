@@ -15,6 +15,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"sigs.k8s.io/yaml"
 
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
@@ -106,12 +107,15 @@ func TestDockerCompose(t *testing.T) {
 	t.Run("extproc pools point at the engine containers by IP", func(t *testing.T) {
 		// ORIGINAL_DST accepts only ip:port, so the pool endpoints must be the fixed
 		// addresses the engines get on the compose network, on the port pdsim listens on.
-		src := bindMounts(svc("extproc"))["/etc/pd-extproc/extproc.yaml"]
-		if src == "" {
-			t.Fatal("extproc has no config mounted at /etc/pd-extproc/extproc.yaml")
+		// The config's directory is mounted, so that an edit that replaces the file reaches
+		// the watching pd-extproc.
+		cfgPath := flagValue(toStrings(dig(svc("extproc"), "command")), "--config")
+		src := hostPath(bindMounts(svc("extproc")), cfgPath)
+		if want := filepath.Join(root, "config", "envoy", "extproc-compose.yaml"); src != want {
+			t.Fatalf("--config=%s is %q on the host, want %s through a directory mount", cfgPath, src, want)
 		}
-		if !slices.Contains(toStrings(dig(svc("extproc"), "command")), "--config=/etc/pd-extproc/extproc.yaml") {
-			t.Errorf("extproc command %v does not load the mounted config", dig(svc("extproc"), "command"))
+		if _, fileMounted := bindMounts(svc("extproc"))[cfgPath]; fileMounted {
+			t.Errorf("%s is mounted as a single file: a replaced file would never reach the container", cfgPath)
 		}
 		docs := yamlDocuments(t, src)
 		subnet := composeSubnet(t, resolved)
@@ -124,6 +128,28 @@ func TestDockerCompose(t *testing.T) {
 		}
 		for _, name := range []string{"envoy", "extproc"} {
 			serviceIP(t, svc(name), subnet)
+		}
+	})
+
+	t.Run("mTLS certificates from make certs on both sides", func(t *testing.T) {
+		// Every file Envoy's transport socket and pd-extproc's --tls-* flags name lies in a
+		// mount of the directory hack/certs.sh writes.
+		certs := filepath.Join(root, "config", "envoy", "certs")
+		envoyMounts := bindMounts(svc("envoy"))
+		for _, f := range extProcTLSFiles(t, filepath.Join(root, "config", "envoy", "envoy.yaml")) {
+			if src := hostPath(envoyMounts, f); !strings.HasPrefix(src, filepath.Join(certs, "envoy")+"/") {
+				t.Errorf("envoy reads %s from %q on the host, want a file of %s/envoy", f, src, certs)
+			}
+		}
+		cmd := toStrings(dig(svc("extproc"), "command"))
+		for _, flag := range []string{"--tls-cert-file", "--tls-key-file", "--tls-client-ca-file"} {
+			f := flagValue(cmd, flag)
+			if src := hostPath(bindMounts(svc("extproc")), f); f == "" || !strings.HasPrefix(src, filepath.Join(certs, "extproc")+"/") {
+				t.Errorf("extproc %s=%s is %q on the host, want a file of %s/extproc", flag, f, src, certs)
+			}
+		}
+		if got := flagValue(cmd, "--tls-client-allowed-sans"); got != clientSAN {
+			t.Errorf("extproc --tls-client-allowed-sans=%q, want %s, the SAN of Envoy's certificate", got, clientSAN)
 		}
 	})
 
@@ -254,4 +280,44 @@ func toStrings(v any) []string {
 		out = append(out, fmt.Sprint(e))
 	}
 	return out
+}
+
+// flagValue is the value of --name=value in args ("" when absent).
+func flagValue(args []string, name string) string {
+	for _, a := range args {
+		if v, ok := strings.CutPrefix(a, name+"="); ok {
+			return v
+		}
+	}
+	return ""
+}
+
+// hostPath is where a container path comes from on the host through the bind mounts (the
+// longest mount that contains it), or "".
+func hostPath(mounts map[string]string, containerPath string) string {
+	best := ""
+	for target := range mounts {
+		if (containerPath == target || strings.HasPrefix(containerPath, strings.TrimSuffix(target, "/")+"/")) && len(target) > len(best) {
+			best = target
+		}
+	}
+	if best == "" {
+		return ""
+	}
+	return filepath.Join(mounts[best], strings.TrimPrefix(containerPath, best))
+}
+
+// extProcTLSFiles lists the files the ext_proc cluster's TLS transport socket of a bootstrap
+// reads, as the emulator reads them.
+func extProcTLSFiles(t *testing.T, path string) []string {
+	t.Helper()
+	cfg, err := envoyemu.LoadConfig(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tls := cfg.Clusters[cfg.ExtProcCluster].TLS
+	if tls == nil {
+		t.Fatalf("%s: the ext_proc cluster has no TLS", path)
+	}
+	return []string{tls.CertFile, tls.KeyFile, tls.CAFile}
 }

@@ -79,6 +79,7 @@ func checkEnvoyBootstrapJSON(data []byte, limits serviceLimits) report {
 	m := modelFromBootstrap(&b, &r)
 	checkAdmin(&b, m, &r)
 	m.check(limits, &r)
+	m.checkLink(&r)
 	return r
 }
 
@@ -405,7 +406,8 @@ func (m *envoyModel) checkExtProc(where string, ep extProcUse, limits serviceLim
 }
 
 // checkBufferLimit: in BUFFERED mode Envoy holds the whole body before pd-extproc sees
-// it, so its buffer limit must admit what pd-extproc admits, or clients get Envoy's 413.
+// it, so its buffer limit must admit what pd-extproc admits, or clients get Envoy's 413, and
+// no more, or a body pd-extproc refuses travels as a gRPC message it rejects (a 500).
 func checkBufferLimit(u hcmUse, vh *routev3.VirtualHost, rt *routev3.Route, where string, limits serviceLimits, r *report) {
 	limit := uint64(envoyDefaultBufferLimit)
 	if v := u.listener.GetPerConnectionBufferLimitBytes(); v != nil {
@@ -423,8 +425,12 @@ func checkBufferLimit(u hcmUse, vh *routev3.VirtualHost, rt *routev3.Route, wher
 			limit = v
 		}
 	}
-	if limits.maxBodyBytes > 0 && limit < limits.maxBodyBytes {
+	switch {
+	case limits.maxBodyBytes == 0:
+	case limit < limits.maxBodyBytes:
 		r.errorf("%s: BUFFERED ext_proc with a %d-byte Envoy buffer limit, below pd-extproc's limits.max_body_bytes %d: larger prompts get 413 from Envoy", where, limit, limits.maxBodyBytes)
+	case limit > limits.maxBodyBytes:
+		r.errorf("%s: BUFFERED ext_proc with a %d-byte Envoy buffer limit, above pd-extproc's limits.max_body_bytes %d: bodies in between reach pd-extproc, which refuses the gRPC message, and the client gets a 500 instead of a 413; keep the two equal", where, limit, limits.maxBodyBytes)
 	}
 }
 

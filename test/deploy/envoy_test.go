@@ -86,6 +86,8 @@ func TestEnvoyConfigsAreValid(t *testing.T) {
 	want := map[string]extprocv3.ProcessingMode_BodySendMode{
 		"config/envoy/envoy.yaml":          extprocv3.ProcessingMode_FULL_DUPLEX_STREAMED,
 		"config/envoy/envoy-buffered.yaml": extprocv3.ProcessingMode_BUFFERED,
+		// The response path skipped (README, "The response path"), the request as in envoy.yaml.
+		"config/envoy/envoy-no-response.yaml": extprocv3.ProcessingMode_FULL_DUPLEX_STREAMED,
 	}
 	for rel := range want {
 		if !slices.ContainsFunc(configs, func(c envoyConfig) bool { return c.rel == rel }) {
@@ -438,6 +440,80 @@ func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
 			}),
 			wants: []string{"failure_mode_alow"},
 		},
+		{
+			name: "plaintext ext_proc cluster",
+			brk: forEachExtProcCluster(func(c map[string]any) bool {
+				delete(c, "transport_socket")
+				return true
+			}),
+			wants: []string{`ext_proc cluster "extproc" is plaintext`},
+		},
+		{
+			name: "ext_proc TLS that verifies nothing",
+			brk: forEachExtProcTLS(func(ctc map[string]any) bool {
+				delete(ctc, "validation_context")
+				return true
+			}),
+			wants: []string{"does not verify pd-extproc's certificate", "does not require the SAN pd-extproc.pd-extproc.svc"},
+		},
+		{
+			name: "ext_proc TLS accepting another service's certificate",
+			brk: forEachExtProcTLS(func(ctc map[string]any) bool {
+				sans, _ := dig(ctc, "validation_context", "match_typed_subject_alt_names").([]any)
+				if len(sans) == 0 {
+					return false
+				}
+				sans[0].(map[string]any)["matcher"] = map[string]any{"exact": "vllm-decode.pd-extproc.svc"}
+				return true
+			}),
+			wants: []string{"does not require the SAN pd-extproc.pd-extproc.svc"},
+		},
+		{
+			name: "ext_proc TLS without a client certificate",
+			brk: forEachExtProcTLS(func(ctc map[string]any) bool {
+				delete(ctc, "tls_certificates")
+				return true
+			}),
+			wants: []string{"sends no client certificate"},
+		},
+		{
+			name: "ext_proc TLS offering HTTP/1.1 only",
+			brk: forEachExtProcTLS(func(ctc map[string]any) bool {
+				ctc["alpn_protocols"] = []any{"http/1.1"}
+				return true
+			}),
+			wants: []string{"without h2"},
+		},
+		{
+			name: "Envoy not the edge",
+			brk: forEachHCM(func(hcm map[string]any) bool {
+				if extProcsIn(hcm) == nil {
+					return false
+				}
+				hcm["use_remote_address"] = false
+				delete(hcm, "preserve_external_request_id")
+				return true
+			}),
+			wants: []string{"use_remote_address is not true", "preserve_external_request_id is not true"},
+		},
+		{
+			name: "BUFFERED buffer above what pd-extproc accepts",
+			brk: func(doc map[string]any) bool {
+				if !slices.ContainsFunc(extProcsIn(doc), func(ep map[string]any) bool {
+					return digString(ep, "processing_mode", "request_body_mode") == "BUFFERED"
+				}) {
+					return false
+				}
+				for _, l := range dig(doc, "static_resources", "listeners").([]any) {
+					if _, ok := l.(map[string]any)["per_connection_buffer_limit_bytes"]; ok && extProcsIn(l.(map[string]any)) != nil {
+						l.(map[string]any)["per_connection_buffer_limit_bytes"] = 67108864
+						return true
+					}
+				}
+				return false
+			},
+			wants: []string{"above pd-extproc's limits.max_body_bytes 33554432", "500 instead of a 413"},
+		},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -551,6 +627,27 @@ func forEachExtProcCluster(fn func(c map[string]any) bool) breakage {
 				changed = fn(c) || changed
 			}
 		}
+		return changed
+	}
+}
+
+// forEachExtProcTLS visits the common_tls_context of each ext_proc cluster's TLS transport socket.
+func forEachExtProcTLS(fn func(ctc map[string]any) bool) breakage {
+	return forEachExtProcCluster(func(c map[string]any) bool {
+		ctc, _ := dig(c, "transport_socket", "typed_config", "common_tls_context").(map[string]any)
+		return ctc != nil && fn(ctc)
+	})
+}
+
+// forEachHCM visits every HTTP connection manager config.
+func forEachHCM(fn func(hcm map[string]any) bool) breakage {
+	return func(doc map[string]any) bool {
+		changed := false
+		eachObject(doc, func(m map[string]any) {
+			if hasType(m, "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager") {
+				changed = fn(m) || changed
+			}
+		})
 		return changed
 	}
 }

@@ -118,10 +118,11 @@ func TestCircuitBreakersHoldManyGenerations(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			engine := startHoldingEngine(t)
-			x := startExtproc(t, testbed.ExtprocConfig{Config: fmt.Sprintf(
+			mtls := testbed.MustNewMTLS(t, testbed.MTLSConfig{})
+			x := startExtproc(t, testbed.ExtprocConfig{MTLS: mtls, Config: fmt.Sprintf(
 				"connector: kv-nixl\npools:\n  prefill: {endpoints: []}\n  decode: {endpoints: [%q]}\npd: {mode: never}\nlimits: {max_concurrent_streams: %d}\n",
 				engine.addr, load+500)})
-			p := testbed.MustStartEnvoy(t, tc.config, x.GRPCAddr, nil)
+			p := testbed.MustStartEnvoy(t, tc.config, x.GRPCAddr, mtls.Envoy)
 			var ok, failed atomic.Int64
 			var firstFailure sync.Once
 			var wg sync.WaitGroup

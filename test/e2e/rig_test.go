@@ -31,6 +31,8 @@ type rig struct {
 	prefill, decode []*pdsim.Server
 	decodeAddrs     []string          // the decode pool as configured
 	sim             testbed.SimConfig // what the rig's simulators share: protocol, shared dir, bootstrap port, timings
+	mtls            *testbed.MTLS     // the certificates of the Envoy-extproc link
+	extprocArgs     []string          // more extproc flags
 }
 
 type rigOptions struct {
@@ -52,6 +54,11 @@ type rigOptions struct {
 	prefillPool         string // more keys of pools.prefill / pools.decode, e.g. "policy: round-robin"
 	decodePool          string
 	envoy               func(*envoyemu.Config) // changes the Envoy config before the emulator starts
+	// mtls replaces the certificates of the Envoy-extproc link (by default
+	// the shipped names: extproc pd-extproc.pd-extproc.svc, Envoy
+	// envoy.pd-extproc); extprocArgs adds extproc flags.
+	mtls        *testbed.MTLS
+	extprocArgs []string
 }
 
 // simIP is the loopback IP of the rig's i-th simulator of a role: each has
@@ -106,10 +113,15 @@ func startRig(t *testing.T, o rigOptions) *rig {
 	}
 	r.config = fmt.Sprintf("connector: %s\npools:\n  prefill: {endpoints: [%s], bootstrap_port: %d%s}\n  decode: {endpoints: [%s]%s}\n%s\n",
 		o.connector, quoteAll(prefillAddrs), r.sim.BootstrapPort, more(o.prefillPool), quoteAll(decodeAddrs), more(o.decodePool), o.extra)
-	r.extproc = startExtproc(t, testbed.ExtprocConfig{Config: r.config})
+	// Envoy and extproc speak mTLS, as every shipped config has them do.
+	r.mtls, r.extprocArgs = o.mtls, o.extprocArgs
+	if r.mtls == nil {
+		r.mtls = testbed.MustNewMTLS(t, testbed.MTLSConfig{})
+	}
+	r.extproc = r.startExtproc(t, "")
 	r.replicas = []*extproc{r.extproc}
 	for range o.replicas - 1 {
-		r.replicas = append(r.replicas, startExtproc(t, testbed.ExtprocConfig{Config: r.config}))
+		r.replicas = append(r.replicas, r.startExtproc(t, ""))
 	}
 	var addrs []string
 	for _, x := range r.replicas {
@@ -118,6 +130,7 @@ func startRig(t *testing.T, o rigOptions) *rig {
 
 	r.proxy = testbed.MustStartEnvoyOn(t, testbed.EnvoyConfigs[o.mode], addrs, func(cfg *envoyemu.Config) {
 		cfg.Logf = t.Logf
+		r.mtls.Envoy(cfg)
 		if o.envoy != nil {
 			o.envoy(cfg)
 		}
@@ -146,7 +159,13 @@ func (r *rig) restartDecode(t *testing.T, i int, addr string) {
 // config on the same gRPC port.
 func (r *rig) restartExtproc(t *testing.T) {
 	t.Helper()
-	r.extproc = startExtproc(t, testbed.ExtprocConfig{Config: r.config, GRPCAddr: r.extproc.GRPCAddr})
+	r.extproc = r.startExtproc(t, r.extproc.GRPCAddr)
+}
+
+// startExtproc runs one extproc of the rig, on grpcAddr when it is given.
+func (r *rig) startExtproc(t *testing.T, grpcAddr string) *extproc {
+	t.Helper()
+	return startExtproc(t, testbed.ExtprocConfig{Config: r.config, GRPCAddr: grpcAddr, MTLS: r.mtls, Args: r.extprocArgs})
 }
 
 func quoteAll(addrs []string) string {

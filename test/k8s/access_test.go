@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -85,16 +84,16 @@ func TestNotReadyUntilDiscoveryCanBeTrusted(t *testing.T) {
 			if got := s.metric(t, `pd_extproc_discovery_refused{pool="prefill"}`); (got == 1) != tc.refused {
 				t.Errorf("discovery_refused = %v, want refused %v", got, tc.refused)
 			}
-			if got := healthStatus(t, s.x.GRPCAddr); got != healthpb.HealthCheckResponse_NOT_SERVING {
+			if got := healthStatus(t, s); got != healthpb.HealthCheckResponse_NOT_SERVING {
 				t.Errorf("gRPC health = %v, want NOT_SERVING", got)
 			}
 		})
 	}
 }
 
-func healthStatus(t *testing.T, addr string) healthpb.HealthCheckResponse_ServingStatus {
+func healthStatus(t *testing.T, s *stack) healthpb.HealthCheckResponse_ServingStatus {
 	t.Helper()
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(s.x.GRPCAddr, grpc.WithTransportCredentials(testbed.MustCredentials(t, s.mtls)))
 	if err != nil {
 		t.Fatal(err)
 	}

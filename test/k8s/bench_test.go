@@ -16,7 +16,6 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/types/known/structpb"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -59,7 +58,7 @@ func BenchmarkDiscovery(b *testing.B) {
 	eventually(b, "the initial list", func() bool { return s.metric(b, endpoints) == float64(nPods) })
 	b.Logf("extproc started and discovered %d pods in %v", nPods, time.Since(start).Round(time.Millisecond))
 
-	conn, err := grpc.NewClient(s.x.GRPCAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(s.x.GRPCAddr, grpc.WithTransportCredentials(testbed.MustCredentials(b, s.mtls)))
 	if err != nil {
 		b.Fatal(err)
 	}

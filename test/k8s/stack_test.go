@@ -156,6 +156,7 @@ func (c *cluster) deletePod(t testing.TB, e *engine) {
 type stack struct {
 	x     *testbed.Extproc
 	proxy *envoyemu.Proxy
+	mtls  *testbed.MTLS // of the Envoy-extproc link; a test dials extproc in Envoy's place with it
 }
 
 // startStack runs extproc on config with a kubeconfig for token at server
@@ -175,13 +176,14 @@ func startStackLogging(t testing.TB, server, token, config string, log io.Writer
 	if server == "" {
 		server = c.url
 	}
+	mtls := testbed.MustNewMTLS(t, testbed.MTLSConfig{})
 	x := testbed.MustStartExtproc(t, testbed.ExtprocConfig{
-		Bin: mustExtproc(t), Config: config, Wait: testbed.WaitStarted,
+		Bin: mustExtproc(t), Config: config, Wait: testbed.WaitStarted, MTLS: mtls,
 		Args: append([]string{"--kubeconfig", c.kubeconfig(t, server, token), "-v=" + extprocVerbosity}, args...),
 		Log:  log,
 	})
-	proxy := testbed.MustStartEnvoy(t, testbed.EnvoyConfigs["full_duplex"], x.GRPCAddr, nil)
-	return &stack{x: x, proxy: proxy}
+	proxy := testbed.MustStartEnvoy(t, testbed.EnvoyConfigs["full_duplex"], x.GRPCAddr, mtls.Envoy)
+	return &stack{x: x, proxy: proxy, mtls: mtls}
 }
 
 // metric reads one sample; -1 when the series is absent.

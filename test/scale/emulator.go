@@ -15,6 +15,7 @@ import (
 	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // childEmulator is the first argument that makes this program an Envoy
@@ -46,6 +47,10 @@ func runEmulator(args []string) error {
 	if err != nil {
 		return err
 	}
+	// The echo server speaks no TLS, and extproc is measured beside it on the same
+	// plaintext link: TLS costs a handshake per connection (a few per replica), not per
+	// held stream, which is what this run measures.
+	testbed.Plaintext(cfg)
 	if *response == "off" {
 		cfg.Modes.Response = responsePathOff
 	}

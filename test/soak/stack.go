@@ -65,8 +65,12 @@ func startStack(ctx context.Context, c testbed.Cleaner, tmp, bin, connector stri
 	}
 	s := &stack{connector: connector, engines: e, proxies: map[string]*envoyemu.Proxy{},
 		kills: &killWindows{}, routes: &routeCounts{n: map[string]int{}}, usage: &usage{}}
+	mtls, err := testbed.NewMTLS(c, testbed.MTLSConfig{})
+	if err != nil {
+		return nil, err
+	}
 	s.extproc, err = testbed.StartExtproc(ctx, c, testbed.ExtprocConfig{
-		Bin: bin, Dir: tmp, Log: testbed.LineFunc(s.routes.add),
+		Bin: bin, Dir: tmp, Log: testbed.LineFunc(s.routes.add), MTLS: mtls,
 		Config: fmt.Sprintf(`connector: %s
 pools:
   prefill: {endpoints: [%s], bootstrap_port: %d}
@@ -80,7 +84,7 @@ pools:
 		return nil, fmt.Errorf("%s: %w", connector, err)
 	}
 	for _, mode := range testbed.Modes {
-		if s.proxies[mode], err = testbed.StartEnvoy(c, testbed.EnvoyConfigs[mode], s.extproc.GRPCAddr, nil); err != nil {
+		if s.proxies[mode], err = testbed.StartEnvoy(c, testbed.EnvoyConfigs[mode], s.extproc.GRPCAddr, mtls.Envoy); err != nil {
 			return nil, err
 		}
 	}

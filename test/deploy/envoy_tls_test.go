@@ -1,0 +1,78 @@
+package deploy
+
+import (
+	"slices"
+
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
+)
+
+// extprocServerSAN is the name pd-extproc's server certificate carries in every shipped setup
+// (the Service pd-extproc in namespace pd-extproc); Envoy accepts no other.
+const extprocServerSAN = "pd-extproc.pd-extproc.svc"
+
+// checkExtProcTLS: the ext_proc port lets its caller hold stream slots, send prefill legs with
+// any Authorization and eject endpoints, so Envoy reaches it over mTLS only: a client
+// certificate, and pd-extproc's certificate checked against a CA and its SAN (docs/envoy.md §13).
+// Files (a static bootstrap) and SDS secrets (Envoy Gateway) both count.
+func checkExtProcTLS(c *clusterv3.Cluster, r *report) {
+	name := c.GetName()
+	ts := c.GetTransportSocket()
+	var utc tlsv3.UpstreamTlsContext
+	if ts == nil || !ts.GetTypedConfig().MessageIs(&utc) || ts.GetTypedConfig().UnmarshalTo(&utc) != nil {
+		r.errorf("ext_proc cluster %q is plaintext: give it a transport_socket with an UpstreamTlsContext (mTLS), or anyone who reaches pd-extproc's port can use it", name)
+		return
+	}
+	ctc := utc.GetCommonTlsContext()
+	if len(ctc.GetTlsCertificates()) == 0 && len(ctc.GetTlsCertificateSdsSecretConfigs()) == 0 {
+		r.errorf("ext_proc cluster %q sends no client certificate: pd-extproc (--tls-client-ca-file) refuses the handshake", name)
+	}
+	vc := ctc.GetValidationContext()
+	if cvc := ctc.GetCombinedValidationContext(); cvc != nil {
+		vc = cvc.GetDefaultValidationContext()
+	}
+	hasCA := vc.GetTrustedCa() != nil || ctc.GetValidationContextSdsSecretConfig() != nil || ctc.GetCombinedValidationContext() != nil
+	if !hasCA {
+		r.errorf("ext_proc cluster %q does not verify pd-extproc's certificate (no trusted_ca): Envoy would talk to any server", name)
+	}
+	sanOK := slices.ContainsFunc(vc.GetMatchTypedSubjectAltNames(), func(m *tlsv3.SubjectAltNameMatcher) bool {
+		return m.GetSanType() == tlsv3.SubjectAltNameMatcher_DNS && m.GetMatcher().GetExact() == extprocServerSAN
+	})
+	if !sanOK {
+		r.errorf("ext_proc cluster %q does not require the SAN %s of pd-extproc's certificate (match_typed_subject_alt_names): any certificate of the CA would do", name, extprocServerSAN)
+	}
+	if alpn := ctc.GetAlpnProtocols(); len(alpn) > 0 && !slices.Contains(alpn, "h2") {
+		r.errorf("ext_proc cluster %q offers ALPN %v without h2: pd-extproc's gRPC server refuses the handshake", name, alpn)
+	}
+}
+
+// checkEdge: the connection manager in front of pd-extproc is the edge. It appends the client's
+// address to x-forwarded-for and keeps the client's x-request-id (pd-extproc validates it).
+func checkEdge(u hcmUse, r *report) {
+	if !u.hcm.GetUseRemoteAddress().GetValue() {
+		r.errorf("%s: use_remote_address is not true: Envoy trusts the client's own x-forwarded-for and x-envoy-* headers", u.where)
+	}
+	if !u.hcm.GetPreserveExternalRequestId() {
+		r.errorf("%s: preserve_external_request_id is not true: clients' request ids are replaced", u.where)
+	}
+}
+
+// checkLink holds the security rules of the link to pd-extproc for every connection manager
+// that runs it: the edge headers, and mTLS on its ext_proc cluster.
+func (m *envoyModel) checkLink(r *report) {
+	seen := map[string]bool{}
+	for _, u := range m.hcms {
+		eps := extProcFilters(u.hcm)
+		if len(eps) == 0 {
+			continue
+		}
+		checkEdge(u, r)
+		for _, ep := range eps {
+			name := ep.config.GetGrpcService().GetEnvoyGrpc().GetClusterName()
+			if c, ok := m.clusters[name]; ok && !seen[name] {
+				seen[name] = true
+				checkExtProcTLS(c, r)
+			}
+		}
+	}
+}
