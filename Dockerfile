@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 # pd-extproc image: the extproc service (entrypoint) and the pdsim engine simulator, as static
 # binaries on distroless. Build from the repository root:
+#   make image                      # docker build with the Makefile's GOEXPERIMENT, tag pd-extproc:dev
 #   docker build -t pd-extproc:dev .
 # Run pdsim from the same image with --entrypoint /usr/local/bin/pdsim.
 
@@ -9,6 +10,8 @@
 FROM --platform=$BUILDPLATFORM golang:1.26 AS build
 ARG TARGETOS
 ARG TARGETARCH
+# The Makefile's GOEXPERIMENT (make image passes it); simd: the AVX2 body scanner on amd64.
+ARG GOEXPERIMENT=simd
 WORKDIR /src
 
 # Dependencies first: this layer and the module cache survive source-only changes.
@@ -19,11 +22,11 @@ RUN --mount=type=cache,target=/go/pkg/mod \
 
 COPY . .
 # CGO off: static binaries that run on distroless/static (no libc). -trimpath and -s -w keep
-# build paths and debug tables out of the image. GOEXPERIMENT=simd: on amd64 the body
-# scanner skips plain prompt text 32 bytes at a time with AVX2 (see the Makefile).
+# build paths and debug tables out of the image. GOEXPERIMENT=simd (the default above): on
+# amd64 the body scanner skips plain prompt text 32 bytes at a time with AVX2 (see the Makefile).
 RUN --mount=type=cache,target=/go/pkg/mod \
     --mount=type=cache,target=/root/.cache/go-build \
-    CGO_ENABLED=0 GOOS=$TARGETOS GOARCH=$TARGETARCH GOEXPERIMENT=simd \
+    CGO_ENABLED=0 GOOS=$TARGETOS GOARCH=$TARGETARCH GOEXPERIMENT=$GOEXPERIMENT \
     go build -trimpath -ldflags "-s -w" -o /out/ ./cmd/extproc ./cmd/pdsim
 
 FROM gcr.io/distroless/static-debian12:nonroot

@@ -106,9 +106,12 @@ func podLabelsAny(s labels.Set) map[string]any {
 	return out
 }
 
-// The engine images are pinned to a release, not a moving tag.
+// envoyTag is the Envoy release the shipped setups run: the one Envoy Gateway v1.9.1 runs.
+const envoyTag = "v1.39.1"
+
+// The engine and Envoy images are pinned to a release, not a moving tag.
 func TestEngineImagesArePinned(t *testing.T) {
-	want := map[string]string{"vllm/vllm-openai": "v0.33.0", "lmsysorg/sglang": "v0.5.23"}
+	want := map[string]string{"vllm/vllm-openai": "v0.33.0", "lmsysorg/sglang": "v0.5.23", "envoyproxy/envoy": envoyTag}
 	for _, m := range loadManifests(t, "config/k8s") {
 		if m.kind() != "Deployment" || m.name() == "pd-extproc" {
 			continue

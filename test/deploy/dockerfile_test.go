@@ -87,7 +87,8 @@ func TestDockerfile(t *testing.T) {
 		{"module cache mount", strings.Contains(buildRun, "--mount=type=cache,target=/go/pkg/mod")},
 		{"build cache mount", strings.Contains(buildRun, "--mount=type=cache,target=/root/.cache/go-build")},
 		{"CGO_ENABLED=0 (distroless/static has no libc)", strings.Contains(buildRun, "CGO_ENABLED=0")},
-		{"GOEXPERIMENT=simd, as the Makefile builds (AVX2 body scanner)", strings.Contains(buildRun, "GOEXPERIMENT=simd")},
+		{"ARG GOEXPERIMENT=simd, as the Makefile builds (AVX2 body scanner)", slices.Contains(build.instructions, "ARG GOEXPERIMENT="+makefileVar(t, "GOEXPERIMENT"))},
+		{"the build runs with the GOEXPERIMENT argument", strings.Contains(buildRun, "GOEXPERIMENT=$GOEXPERIMENT go build")},
 		{"-trimpath", strings.Contains(buildRun, "-trimpath")},
 		{`-ldflags "-s -w"`, strings.Contains(buildRun, `-ldflags "-s -w"`)},
 		{"final stage is distroless static nonroot", final.from == "gcr.io/distroless/static-debian12:nonroot"},
@@ -156,4 +157,37 @@ func mustRead(t *testing.T, path string) []byte {
 		t.Fatal(err)
 	}
 	return data
+}
+
+// makefileVar is the default a Makefile variable is given (VAR ?= value, or VAR := value).
+func makefileVar(t *testing.T, name string) string {
+	t.Helper()
+	m := regexp.MustCompile(`(?m)^(?:export )?` + name + `\s*[?:]?=\s*(\S*)`).FindStringSubmatch(string(mustRead(t, testbed.MustRepoPath(t, "Makefile"))))
+	if m == nil {
+		t.Fatalf("the Makefile does not set %s", name)
+	}
+	return m[1]
+}
+
+// make image builds the Dockerfile with the Makefile's GOEXPERIMENT, under the name the compose
+// demo and the Kubernetes manifests run.
+func TestMakeImage(t *testing.T) {
+	mk := string(mustRead(t, testbed.MustRepoPath(t, "Makefile")))
+	recipe := regexp.MustCompile(`(?m)^image:.*\n\t(.*)$`).FindStringSubmatch(mk)
+	if recipe == nil {
+		t.Fatal("the Makefile has no image target")
+	}
+	for _, want := range []string{"docker build", "--build-arg GOEXPERIMENT=$(GOEXPERIMENT)", "-t $(IMAGE)"} {
+		if !strings.Contains(recipe[1], want) {
+			t.Errorf("make image runs %q, which lacks %q", recipe[1], want)
+		}
+	}
+	image := makefileVar(t, "IMAGE")
+	for _, m := range loadManifests(t, "config/k8s") {
+		if m.kind() == "Deployment" && m.name() == "pd-extproc" {
+			if got := digString(dig(m.doc, "spec", "template", "spec", "containers").([]any)[0], "image"); got != image {
+				t.Errorf("the pd-extproc Deployment runs %q, not %q, the image make image builds (kind load docker-image %s)", got, image, image)
+			}
+		}
+	}
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/envoyproxy/go-control-plane/envoy/annotations"
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -184,7 +185,8 @@ func checkDeprecation(fd protoreflect.FieldDescriptor, v protoreflect.Value, pat
 // bootstrap or from an xDS dump (Envoy Gateway), so both go through the same rules.
 type envoyModel struct {
 	clusters      map[string]*clusterv3.Cluster
-	routeConfigs  map[string]*routev3.RouteConfiguration // by name, for HCMs that use RDS
+	endpoints     map[string]*endpointv3.ClusterLoadAssignment // EDS (Envoy Gateway); a static cluster has its own
+	routeConfigs  map[string]*routev3.RouteConfiguration       // by name, for HCMs that use RDS
 	hcms          []hcmUse
 	adminClusters map[string]bool // clusters whose endpoint is the admin interface
 }
@@ -210,6 +212,7 @@ func modelFromBootstrap(b *bootstrapv3.Bootstrap, r *report) *envoyModel {
 func newEnvoyModel() *envoyModel {
 	return &envoyModel{
 		clusters:      map[string]*clusterv3.Cluster{},
+		endpoints:     map[string]*endpointv3.ClusterLoadAssignment{},
 		routeConfigs:  map[string]*routev3.RouteConfiguration{},
 		adminClusters: map[string]bool{},
 	}

@@ -4,7 +4,10 @@ import (
 	"slices"
 
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
+	"google.golang.org/protobuf/proto"
 )
 
 // extprocServerSAN is the name pd-extproc's server certificate carries in every shipped setup
@@ -14,10 +17,54 @@ const extprocServerSAN = "pd-extproc.pd-extproc.svc"
 // checkExtProcTLS: the ext_proc port lets its caller hold stream slots, send prefill legs with
 // any Authorization and eject endpoints, so Envoy reaches it over mTLS only: a client
 // certificate, and pd-extproc's certificate checked against a CA and its SAN (docs/envoy.md §13).
-// Files (a static bootstrap) and SDS secrets (Envoy Gateway) both count.
-func checkExtProcTLS(c *clusterv3.Cluster, r *report) {
-	name := c.GetName()
-	ts := c.GetTransportSocket()
+// Files (a static bootstrap) and SDS secrets (Envoy Gateway) both count. Each endpoint is
+// checked with the transport socket Envoy picks for it: the first transport_socket_matches entry
+// its envoy.transport_socket_match metadata matches (how Envoy Gateway attaches a
+// BackendTLSPolicy), else the cluster's transport_socket.
+func checkExtProcTLS(c *clusterv3.Cluster, cla *endpointv3.ClusterLoadAssignment, r *report) {
+	if cla == nil {
+		cla = c.GetLoadAssignment()
+	}
+	seen := map[*corev3.TransportSocket]bool{}
+	for _, lle := range cla.GetEndpoints() {
+		for _, le := range lle.GetLbEndpoints() {
+			ts := socketFor(c, le.GetMetadata(), lle.GetMetadata())
+			if !seen[ts] {
+				seen[ts] = true
+				checkSocket(c.GetName(), ts, r)
+			}
+		}
+	}
+	if len(seen) == 0 {
+		checkSocket(c.GetName(), c.GetTransportSocket(), r)
+	}
+}
+
+// socketFor is Envoy's choice of transport socket for an endpoint (cluster.proto,
+// transport_socket_matches): the first match whose fields all equal the endpoint's
+// envoy.transport_socket_match metadata (the endpoint's, else its locality's).
+func socketFor(c *clusterv3.Cluster, mds ...*corev3.Metadata) *corev3.TransportSocket {
+	for _, md := range mds {
+		fields := md.GetFilterMetadata()["envoy.transport_socket_match"].GetFields()
+		if fields == nil {
+			continue
+		}
+		for _, m := range c.GetTransportSocketMatches() {
+			ok := true
+			for k, v := range m.GetMatch().GetFields() {
+				if !proto.Equal(fields[k], v) {
+					ok = false
+				}
+			}
+			if ok {
+				return m.GetTransportSocket()
+			}
+		}
+	}
+	return c.GetTransportSocket()
+}
+
+func checkSocket(name string, ts *corev3.TransportSocket, r *report) {
 	var utc tlsv3.UpstreamTlsContext
 	if ts == nil || !ts.GetTypedConfig().MessageIs(&utc) || ts.GetTypedConfig().UnmarshalTo(&utc) != nil {
 		r.errorf("ext_proc cluster %q is plaintext: give it a transport_socket with an UpstreamTlsContext (mTLS), or anyone who reaches pd-extproc's port can use it", name)
@@ -71,7 +118,7 @@ func (m *envoyModel) checkLink(r *report) {
 			name := ep.config.GetGrpcService().GetEnvoyGrpc().GetClusterName()
 			if c, ok := m.clusters[name]; ok && !seen[name] {
 				seen[name] = true
-				checkExtProcTLS(c, r)
+				checkExtProcTLS(c, m.endpoints[name], r)
 			}
 		}
 	}

@@ -2,6 +2,7 @@ package deploy
 
 import (
 	"bytes"
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -21,6 +22,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
+	"github.com/pd-extproc/pd-extproc/internal/testpki"
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 )
 
@@ -107,7 +109,9 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 			"(go install github.com/envoyproxy/gateway/cmd/egctl@v1.9.1) to check the Envoy Gateway manifests")
 	}
 	limits := defaultServiceLimits(t)
-	shipped := gatewayManifests(t)
+	// The Secret users create (README, "Secure by default"), here from a test CA: Envoy Gateway
+	// refuses the policies that name it until it exists.
+	shipped := append(gatewayManifests(t), clientTLSSecret(t)...)
 	tests := []struct {
 		name  string
 		edit  func(manifests string) string
@@ -157,6 +161,35 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 				return strings.Replace(m, "max_requests: 16384", "max_requests: 1024", 1)
 			},
 			wants: []string{`ORIGINAL_DST cluster "pd_original_dst": circuit_breakers max_requests 1024 is below 10000`},
+		},
+		{
+			// The client certificate comes from the EnvoyProxy the Gateway names.
+			name: "EnvoyProxy without a client certificate",
+			edit: func(m string) string {
+				return strings.Replace(m, "  backendTLS:\n    clientCertificateRef:\n      kind: Secret\n      name: pd-extproc-client-tls\n", "  backendTLS: {}\n", 1)
+			},
+			wants: []string{"sends no client certificate"},
+		},
+		{
+			name: "no BackendTLSPolicy on the pd-extproc Service",
+			edit: func(m string) string {
+				return strings.Replace(m, "      name: pd-extproc\n      sectionName: grpc\n", "      name: pd-decode\n      sectionName: http\n", 1)
+			},
+			wants: []string{"is plaintext"},
+		},
+		{
+			name: "BackendTLSPolicy for another name",
+			edit: func(m string) string {
+				return strings.Replace(m, "hostname: pd-extproc.pd-extproc.svc", "hostname: extproc.example.com", 1)
+			},
+			wants: []string{"does not require the SAN pd-extproc.pd-extproc.svc"},
+		},
+		{
+			name: "clients' request ids replaced",
+			edit: func(m string) string {
+				return strings.Replace(m, "    requestID: PreserveOrGenerate\n", "    requestID: Generate\n", 1)
+			},
+			wants: []string{"preserve_external_request_id is not true"},
 		},
 		{
 			name: "envoy.lb not writable by the processor",
@@ -246,7 +279,7 @@ func checkGatewayXDS(res map[string]any, limits serviceLimits, paths []string, r
 		return
 	}
 	m := newEnvoyModel()
-	endpoints := map[string]*endpointv3.ClusterLoadAssignment{}
+	endpoints := m.endpoints
 	var listeners []*listenerv3.Listener
 	for _, c := range configs {
 		dump, err := unpackJSONAny(c)
@@ -288,6 +321,7 @@ func checkGatewayXDS(res map[string]any, limits serviceLimits, paths []string, r
 		}
 	}
 	m.check(limits, r)
+	m.checkLink(r)
 	checkGatewayPromises(m, listeners, endpoints, limits, paths, r)
 }
 
@@ -408,4 +442,21 @@ func unpackInto(a *anypb.Any, m proto.Message, r *report) bool {
 		return false
 	}
 	return true
+}
+
+// clientTLSSecret is the Secret pd-extproc-client-tls as cert-manager writes it (type
+// kubernetes.io/tls with tls.crt, tls.key and ca.crt), for a certificate of a test CA.
+func clientTLSSecret(t *testing.T) []byte {
+	t.Helper()
+	ca, err := testpki.NewCA("test CA")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := ca.Issue(t.TempDir(), testpki.Leaf{Name: "envoy", SANs: []string{clientSAN}, Client: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	enc := func(path string) string { return base64.StdEncoding.EncodeToString(mustRead(t, path)) }
+	return fmt.Appendf(nil, "---\napiVersion: v1\nkind: Secret\nmetadata: {name: pd-extproc-client-tls, namespace: %s}\ntype: kubernetes.io/tls\ndata:\n  tls.crt: %s\n  tls.key: %s\n  ca.crt: %s\n",
+		manifestNamespace, enc(f.Cert), enc(f.Key), enc(f.CA))
 }

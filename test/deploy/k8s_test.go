@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	defaultconfig "github.com/pd-extproc/pd-extproc/config"
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
@@ -131,6 +132,23 @@ func yamlFileBytes(t *testing.T, rel string) []byte {
 	return js
 }
 
+// tlsSecret is the kubernetes.io/tls Secret the Deployment reads its certificate from.
+const tlsSecret = "pd-extproc-tls"
+
+// mountedVolume is the volume of the pod that container c mounts at a directory holding path.
+func mountedVolume(pod any, c any, path string) any {
+	for _, vm := range dig(c, "volumeMounts").([]any) {
+		if path != "" && strings.HasPrefix(path, digString(vm, "mountPath")+"/") {
+			for _, v := range dig(pod, "spec", "volumes").([]any) {
+				if digString(v, "name") == digString(vm, "name") {
+					return v
+				}
+			}
+		}
+	}
+	return nil
+}
+
 // sharedManifests are the files config/k8s and the Gateway directory both carry.
 var sharedManifests = []string{"extproc.yaml", "rbac.yaml"}
 
@@ -206,14 +224,28 @@ func TestExtprocDeployment(t *testing.T) {
 			cfgPath = v
 		}
 	}
-	mounted := false
-	for _, vm := range dig(c, "volumeMounts").([]any) {
-		if strings.HasPrefix(cfgPath, digString(vm, "mountPath")+"/") {
-			mounted = true
+	if vol := mountedVolume(pod, c, cfgPath); digString(vol, "configMap", "name") != "pd-extproc" || !strings.HasSuffix(cfgPath, "/extproc.yaml") {
+		t.Errorf("--config=%q is not the extproc.yaml key of the mounted ConfigMap", cfgPath)
+	}
+	// mTLS from the Secret pd-extproc-tls, a kubernetes.io/tls Secret's keys.
+	for flag, key := range map[string]string{"--tls-cert-file": "tls.crt", "--tls-key-file": "tls.key", "--tls-client-ca-file": "ca.crt"} {
+		f := flagValue(args, flag)
+		if vol := mountedVolume(pod, c, f); digString(vol, "secret", "secretName") != tlsSecret || filepath.Base(f) != key {
+			t.Errorf("%s=%q is not the %s key of the mounted Secret %s", flag, f, key, tlsSecret)
 		}
 	}
-	if !mounted || !strings.HasSuffix(cfgPath, "/extproc.yaml") {
-		t.Errorf("--config=%q is not the extproc.yaml key of a mounted volume", cfgPath)
+	if got := flagValue(args, "--tls-client-allowed-sans"); got != clientSAN {
+		t.Errorf("--tls-client-allowed-sans=%q, want %s, the SAN of Envoy's client certificate", got, clientSAN)
+	}
+	// The drain: the preStop sleep and --shutdown-grace fit in the termination grace period.
+	grace, err := time.ParseDuration(flagValue(args, "--shutdown-grace"))
+	if err != nil {
+		t.Fatalf("--shutdown-grace: %v", err)
+	}
+	preStop, _ := dig(c, "lifecycle", "preStop", "sleep", "seconds").(float64)
+	period, _ := dig(pod, "spec", "terminationGracePeriodSeconds").(float64)
+	if grace != 590*time.Second || period != 600 || time.Duration(preStop)*time.Second+grace >= time.Duration(period)*time.Second {
+		t.Errorf("preStop %vs + --shutdown-grace %v against terminationGracePeriodSeconds %v: want 590 s of grace inside 600 s, with time left to flush", preStop, grace, period)
 	}
 
 	svc := find(t, ms, "Service", "pd-extproc")
@@ -221,8 +253,9 @@ func TestExtprocDeployment(t *testing.T) {
 	for _, p := range dig(svc, "spec", "ports").([]any) {
 		svcPorts[digString(p, "name")] = p.(map[string]any)
 	}
-	if p := svcPorts["grpc"]; dig(p, "port") != 9002.0 || digString(p, "appProtocol") != "kubernetes.io/h2c" {
-		t.Errorf("Service grpc port = %v; want 9002 with appProtocol kubernetes.io/h2c (gRPC needs HTTP/2)", p)
+	// The port serves TLS: appProtocol must not claim cleartext HTTP/2.
+	if p := svcPorts["grpc"]; dig(p, "port") != 9002.0 || digString(p, "appProtocol") != "https" {
+		t.Errorf("Service grpc port = %v; want 9002 with appProtocol https (TLS, HTTP/2 by ALPN)", p)
 	}
 	if p := svcPorts["metrics"]; dig(p, "port") != 9090.0 {
 		t.Errorf("Service metrics port = %v, want 9090", p)
@@ -340,4 +373,23 @@ func selects(selector any, labels map[string]any) bool {
 		}
 	}
 	return true
+}
+
+// `kubectl apply -f config/envoy/gateway/` applies the files in lexical order, so the file with
+// the Namespace must come before every file with objects in it, or a fresh cluster refuses them;
+// and it is the same Namespace as config/k8s/namespace.yaml.
+func TestGatewayDirectoryAppliesOnAFreshCluster(t *testing.T) {
+	ms := loadManifests(t, gatewayDir) // in lexical file order, as kubectl reads them
+	nsAt := slices.IndexFunc(ms, func(m manifest) bool { return m.kind() == "Namespace" && m.name() == manifestNamespace })
+	if nsAt < 0 {
+		t.Fatalf("%s creates no Namespace %s", gatewayDir, manifestNamespace)
+	}
+	for _, m := range ms[:nsAt] {
+		if !clusterScoped[m.kind()] {
+			t.Errorf("%s (%s %s) is applied before %s creates the namespace", m.file, m.kind(), m.name(), ms[nsAt].file)
+		}
+	}
+	if k8s := find(t, loadManifests(t, "config/k8s"), "Namespace", manifestNamespace); !reflect.DeepEqual(k8s, ms[nsAt].doc) {
+		t.Errorf("the Namespace of %s differs from config/k8s/namespace.yaml's", ms[nsAt].file)
+	}
 }

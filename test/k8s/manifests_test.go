@@ -28,8 +28,8 @@ func shippedManifests(t *testing.T) []*unstructured.Unstructured {
 // namespace, which namespaced objects need even in a dry run.
 func prepareForManifests(t *testing.T, c *cluster) {
 	t.Helper()
-	c.installCRDs(t, "InferencePool", "GatewayClass", "Gateway", "HTTPRoute",
-		"EnvoyExtensionPolicy", "EnvoyPatchPolicy", "ClientTrafficPolicy", "BackendTrafficPolicy")
+	c.installCRDs(t, "InferencePool", "GatewayClass", "Gateway", "HTTPRoute", "BackendTLSPolicy",
+		"EnvoyExtensionPolicy", "EnvoyPatchPolicy", "ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyProxy")
 	_, err := c.kube.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "pd-extproc"}}, metav1.CreateOptions{})
 	if err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatal(err)
@@ -50,7 +50,8 @@ func TestManifestsPassServerSideDryRun(t *testing.T) {
 			t.Errorf("%s refused: %v", describe(obj), err)
 		}
 	}
-	for _, k := range []string{"Deployment", "Role", "RoleBinding", "ServiceAccount", "InferencePool", "EnvoyExtensionPolicy", "HTTPRoute"} {
+	for _, k := range []string{"Deployment", "Role", "RoleBinding", "ServiceAccount", "InferencePool", "EnvoyExtensionPolicy", "HTTPRoute",
+		"NetworkPolicy", "BackendTLSPolicy", "EnvoyProxy"} {
 		if !kinds[k] {
 			t.Errorf("no %s among the %d objects checked", k, len(objs))
 		}
@@ -103,6 +104,30 @@ func TestBrokenManifestsAreRefused(t *testing.T) {
 		{"Role with an unknown field", "Role", "pd-extproc", func(o *unstructured.Unstructured) {
 			set(o, []any{"pods"}, "rules0")
 		}, "rules0"},
+		{"NetworkPolicy naming a port no Service port could be called", "NetworkPolicy", "pd-extproc", func(o *unstructured.Unstructured) {
+			ingress, _, _ := unstructured.NestedSlice(o.Object, "spec", "ingress")
+			ingress[0].(map[string]any)["ports"] = []any{map[string]any{"port": "grpc_9002", "protocol": "TCP"}}
+			set(o, ingress, "spec", "ingress")
+		}, "grpc_9002"},
+		{"NetworkPolicy of an unknown policy type", "NetworkPolicy", "pd-extproc", func(o *unstructured.Unstructured) {
+			set(o, []any{"Inbound"}, "spec", "policyTypes")
+		}, "Inbound"},
+		{"BackendTLSPolicy without the hostname it checks", "BackendTLSPolicy", "pd-extproc", func(o *unstructured.Unstructured) {
+			unstructured.RemoveNestedField(o.Object, "spec", "validation", "hostname")
+		}, "hostname"},
+		{"BackendTLSPolicy trusting the system CAs beside its own (a CEL rule)", "BackendTLSPolicy", "pd-extproc", func(o *unstructured.Unstructured) {
+			set(o, "System", "spec", "validation", "wellKnownCACertificates")
+		}, "must not contain both CACertificateRefs and WellKnownCACertificates"},
+		{"EnvoyProxy with a misspelt backendTLS", "EnvoyProxy", "pd-proxy", func(o *unstructured.Unstructured) {
+			v, _, _ := unstructured.NestedMap(o.Object, "spec", "backendTLS")
+			unstructured.RemoveNestedField(o.Object, "spec", "backendTLS")
+			set(o, v, "spec", "backendTls")
+		}, "backendTls"},
+		{"Deployment whose preStop sleeps past the grace period", "Deployment", "pd-extproc", func(o *unstructured.Unstructured) {
+			cs, _, _ := unstructured.NestedSlice(o.Object, "spec", "template", "spec", "containers")
+			cs[0].(map[string]any)["lifecycle"] = map[string]any{"preStop": map[string]any{"sleep": map[string]any{"seconds": int64(700)}}}
+			set(o, cs, "spec", "template", "spec", "containers")
+		}, "less than terminationGracePeriodSeconds (600)"},
 		{"HTTPRoute path of an unknown type", "HTTPRoute", "pd-inference", func(o *unstructured.Unstructured) {
 			rules, _, _ := unstructured.NestedSlice(o.Object, "spec", "rules")
 			m := rules[0].(map[string]any)["matches"].([]any)[0].(map[string]any)
