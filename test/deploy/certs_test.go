@@ -3,8 +3,10 @@ package deploy
 import (
 	"crypto/tls"
 	"crypto/x509"
+	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"testing"
 
@@ -96,4 +98,45 @@ func pool(t *testing.T, file string) *x509.CertPool {
 		t.Fatalf("%s: no certificate", file)
 	}
 	return p
+}
+
+// The cert-manager example issues the Secrets the manifests read, for the names they check:
+// pd-extproc's certificate for the SAN Envoy's matcher and the BackendTLSPolicy name, Envoy's
+// for the SAN --tls-client-allowed-sans admits, both from one CA (whose ca.crt each side trusts).
+func TestCertManagerExampleIssuesWhatTheManifestsRead(t *testing.T) {
+	k8s := loadManifests(t, "config/k8s")
+	gw := loadManifests(t, gatewayDir)
+	server := find(t, k8s, "Certificate", tlsSecret)
+	client := find(t, k8s, "Certificate", "pd-extproc-client-tls")
+	envoyPod := dig(find(t, k8s, "Deployment", "envoy"), "spec", "template")
+	var envoySecret string
+	for _, v := range dig(envoyPod, "spec", "volumes").([]any) {
+		if s := digString(v, "secret", "secretName"); s != "" {
+			envoySecret = s
+		}
+	}
+	btp := find(t, gw, "BackendTLSPolicy", "pd-extproc")
+	checks := []struct {
+		what      string
+		got, want any
+	}{
+		{"pd-extproc's Secret", digString(server, "spec", "secretName"), tlsSecret},
+		{"pd-extproc's SANs include Envoy's check", slices.Contains(toStrings(dig(server, "spec", "dnsNames")), extprocServerSAN), true},
+		{"pd-extproc's usages", fmt.Sprint(dig(server, "spec", "usages")), "[server auth digital signature]"},
+		{"Envoy's Secret (Kubernetes Envoy)", digString(client, "spec", "secretName"), envoySecret},
+		{"Envoy's Secret (the EnvoyProxy)", digString(client, "spec", "secretName"), digString(find(t, gw, "EnvoyProxy", "pd-proxy"), "spec", "backendTLS", "clientCertificateRef", "name")},
+		{"the CA the BackendTLSPolicy trusts", digString(client, "spec", "secretName"), digString(dig(btp, "spec", "validation", "caCertificateRefs").([]any)[0], "name")},
+		{"the BackendTLSPolicy's hostname", digString(btp, "spec", "validation", "hostname"), extprocServerSAN},
+		{"Envoy's SANs", fmt.Sprint(dig(client, "spec", "dnsNames")), "[" + clientSAN + "]"},
+		{"Envoy's usages", fmt.Sprint(dig(client, "spec", "usages")), "[client auth digital signature]"},
+		{"one CA issues both", digString(server, "spec", "issuerRef", "name") == digString(client, "spec", "issuerRef", "name"), true},
+		{"the CA issuer signs with the CA certificate", digString(find(t, k8s, "Issuer", digString(client, "spec", "issuerRef", "name")), "spec", "ca", "secretName"),
+			digString(find(t, k8s, "Certificate", "pd-extproc-ca"), "spec", "secretName")},
+		{"the CA certificate is a CA", dig(find(t, k8s, "Certificate", "pd-extproc-ca"), "spec", "isCA"), true},
+	}
+	for _, c := range checks {
+		if !reflect.DeepEqual(c.got, c.want) {
+			t.Errorf("%s: %v, want %v", c.what, c.got, c.want)
+		}
+	}
 }

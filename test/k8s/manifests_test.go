@@ -29,7 +29,7 @@ func shippedManifests(t *testing.T) []*unstructured.Unstructured {
 func prepareForManifests(t *testing.T, c *cluster) {
 	t.Helper()
 	c.installCRDs(t, "InferencePool", "GatewayClass", "Gateway", "HTTPRoute", "BackendTLSPolicy",
-		"EnvoyExtensionPolicy", "EnvoyPatchPolicy", "ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyProxy")
+		"EnvoyExtensionPolicy", "EnvoyPatchPolicy", "ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyProxy", "Issuer", "Certificate")
 	_, err := c.kube.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "pd-extproc"}}, metav1.CreateOptions{})
 	if err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatal(err)
@@ -51,7 +51,7 @@ func TestManifestsPassServerSideDryRun(t *testing.T) {
 		}
 	}
 	for _, k := range []string{"Deployment", "Role", "RoleBinding", "ServiceAccount", "InferencePool", "EnvoyExtensionPolicy", "HTTPRoute",
-		"NetworkPolicy", "BackendTLSPolicy", "EnvoyProxy"} {
+		"NetworkPolicy", "BackendTLSPolicy", "EnvoyProxy", "Certificate"} {
 		if !kinds[k] {
 			t.Errorf("no %s among the %d objects checked", k, len(objs))
 		}
@@ -128,6 +128,9 @@ func TestBrokenManifestsAreRefused(t *testing.T) {
 			cs[0].(map[string]any)["lifecycle"] = map[string]any{"preStop": map[string]any{"sleep": map[string]any{"seconds": int64(700)}}}
 			set(o, cs, "spec", "template", "spec", "containers")
 		}, "less than terminationGracePeriodSeconds (600)"},
+		{"Certificate with a usage cert-manager does not know", "Certificate", "pd-extproc-tls", func(o *unstructured.Unstructured) {
+			set(o, []any{"server authentication"}, "spec", "usages")
+		}, "server authentication"},
 		{"HTTPRoute path of an unknown type", "HTTPRoute", "pd-inference", func(o *unstructured.Unstructured) {
 			rules, _, _ := unstructured.NestedSlice(o.Object, "spec", "rules")
 			m := rules[0].(map[string]any)["matches"].([]any)[0].(map[string]any)

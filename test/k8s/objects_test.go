@@ -121,6 +121,7 @@ var crdSources = []struct {
 	{"sigs.k8s.io/gateway-api-inference-extension@v1.6.0", "config/crd/bases", false},
 	{"sigs.k8s.io/gateway-api@v1.6.1", "config/crd/standard", false},
 	{"github.com/envoyproxy/gateway@v1.9.1", "charts/gateway-crds-helm/templates/generated", true},
+	{"github.com/cert-manager/cert-manager@v1.21.2", "deploy/crds", false},
 }
 
 // installCRDs installs the CRDs that define kinds (those of the sources
