@@ -74,7 +74,7 @@ const (
 // Values of prefill_failures_total{reason}: why one prefill attempt failed.
 const (
 	FailureConnect   = "connect"    // the engine could not be dialled
-	FailureTimeout   = "timeout"    // prefill.timeout expired
+	FailureTimeout   = "timeout"    // prefill.attempt_timeout or prefill.timeout expired
 	FailureStatus4xx = "status_4xx" // the engine rejected the request
 	FailureStatus5xx = "status_5xx" // the engine answered with its own failure
 	FailureRedirect  = "redirect"   // the engine answered with a redirect, which is not followed
@@ -132,7 +132,7 @@ func New(connector string) *Metrics {
 		}, []string{"outcome"}),
 		prefillFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "prefill_failures_total",
-			Help: "Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, transport, cancelled).",
+			Help: "Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled).",
 		}, []string{"reason"}),
 		kvParamsMissing: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: namespace, Name: "kv_params_missing_total",

@@ -275,9 +275,9 @@ func TestExtprocDeployment(t *testing.T) {
 	}
 }
 
-// Each example engine pool is reachable through a headless Service (the planned
-// pools.<pool>.dns discovery needs one name per pool that resolves to pod IPs) and starts the
-// engine in its P/D role.
+// Each example engine pool is reachable through a headless Service (pools.<pool>.dns, the
+// alternative to Kubernetes discovery, needs one name per pool that resolves to pod IPs) and
+// starts the engine in its P/D role.
 func TestEngineExamples(t *testing.T) {
 	k8s := loadManifests(t, "config/k8s")
 	defaults, err := extprocconfig.Parse(defaultconfig.DefaultYAML)

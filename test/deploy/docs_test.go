@@ -1,0 +1,128 @@
+package deploy
+
+import (
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+)
+
+const metricPrefix = "pd_extproc_"
+
+// docFiles are the documents users read: the READMEs and docs/.
+func docFiles(t *testing.T) []string {
+	t.Helper()
+	root := testbed.MustRepoRoot(t)
+	files := []string{filepath.Join(root, "README.md"), filepath.Join(root, gatewayDir, "README.md")}
+	more, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return append(files, more...)
+}
+
+// exportedMetrics names every metric pd-extproc exports, without the prefix.
+func exportedMetrics(t *testing.T) []string {
+	t.Helper()
+	m := metrics.New("kv-nixl")
+	m.WatchEndpoints(func() []metrics.EndpointState { return []metrics.EndpointState{{Pool: "decode", Endpoint: "10.0.0.1:8000"}} })
+	m.WatchDiscovery([]string{"decode"}, func() []metrics.DiscoveryState { return []metrics.DiscoveryState{{Pool: "decode"}} })
+	families, err := m.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, f := range families {
+		if name, ok := strings.CutPrefix(f.GetName(), metricPrefix); ok {
+			out = append(out, name)
+		}
+	}
+	if len(out) < 10 {
+		t.Fatalf("only %d pd_extproc_ metrics gathered: %v", len(out), out)
+	}
+	return out
+}
+
+// Every metric the docs name carries its full name, so that a query pasted into Prometheus
+// finds it: `kv_params_missing_total` alone returns nothing.
+func TestDocsNameMetricsInFull(t *testing.T) {
+	names := exportedMetrics(t)
+	word := regexp.MustCompile(`[A-Za-z0-9_:…]+`)
+	for _, path := range docFiles(t) {
+		rel, _ := filepath.Rel(testbed.MustRepoRoot(t), path)
+		for i, line := range strings.Split(string(mustRead(t, path)), "\n") {
+			for _, w := range word.FindAllString(line, -1) {
+				bare := strings.TrimSuffix(strings.TrimSuffix(strings.TrimSuffix(w, "_bucket"), "_count"), "_sum")
+				if slices.Contains(names, bare) && !strings.HasPrefix(w, metricPrefix) {
+					t.Errorf("%s:%d names the metric %s without its prefix: write %s%s", rel, i+1, w, metricPrefix, w)
+				}
+			}
+		}
+	}
+}
+
+// The documents link to files of the repository that exist, and to headings that exist.
+func TestDocsLinkToFilesThatExist(t *testing.T) {
+	root := testbed.MustRepoRoot(t)
+	link := regexp.MustCompile(`\]\(([^)#:\s]*)(#[^)\s]*)?\)`)
+	for _, path := range docFiles(t) {
+		rel, _ := filepath.Rel(root, path)
+		for _, m := range link.FindAllStringSubmatch(string(mustRead(t, path)), -1) {
+			target := path
+			if m[1] != "" {
+				target = filepath.Join(filepath.Dir(path), m[1])
+			}
+			if _, err := os.Stat(target); err != nil {
+				t.Errorf("%s links to %s, which does not exist", rel, m[1])
+				continue
+			}
+			if anchor := strings.TrimPrefix(m[2], "#"); anchor != "" && strings.HasSuffix(target, ".md") && !slices.Contains(anchors(t, target), anchor) {
+				t.Errorf("%s links to %s#%s, which has no such heading", rel, m[1], anchor)
+			}
+		}
+	}
+}
+
+// anchors are the heading ids GitHub gives a Markdown file: lower case, punctuation other
+// than - and _ dropped, spaces made -.
+func anchors(t *testing.T, path string) []string {
+	t.Helper()
+	var out []string
+	drop := regexp.MustCompile(`[^\p{L}\p{N} _-]`)
+	inCode := false
+	for _, line := range strings.Split(string(mustRead(t, path)), "\n") {
+		if strings.HasPrefix(line, "```") {
+			inCode = !inCode
+		}
+		h, ok := strings.CutPrefix(strings.TrimLeft(line, "#"), " ")
+		if inCode || !strings.HasPrefix(line, "#") || !ok {
+			continue
+		}
+		out = append(out, strings.ReplaceAll(drop.ReplaceAllString(strings.ToLower(h), ""), " ", "-"))
+	}
+	return out
+}
+
+// The reasons the docs select pd_decisions_total by are the metric's own.
+func TestDocsNameDecisionReasonsThatExist(t *testing.T) {
+	sel := regexp.MustCompile(`pd_extproc_pd_decisions_total\{reason(=~?)"([^"]+)"`)
+	for _, path := range docFiles(t) {
+		rel, _ := filepath.Rel(testbed.MustRepoRoot(t), path)
+		for _, m := range sel.FindAllStringSubmatch(string(mustRead(t, path)), -1) {
+			values := []string{m[2]}
+			if m[1] == "=~" {
+				values = strings.Split(m[2], "|")
+			}
+			for _, v := range values {
+				if !slices.Contains(metrics.Reasons, v) {
+					t.Errorf("%s selects pd_extproc_pd_decisions_total{reason=%q}, which is no reason of the metric (%v)", rel, v, metrics.Reasons)
+				}
+			}
+		}
+	}
+}
