@@ -2,8 +2,10 @@ package server
 
 import (
 	"fmt"
+	"net"
 	"net/http"
 	"net/http/pprof"
+	"net/netip"
 )
 
 // adminMux serves the admin address: /metrics, /healthz (the process is alive),
@@ -16,11 +18,26 @@ func (s *Server) adminMux() *http.ServeMux {
 	if s.opts.Pprof {
 		// Registered by hand: importing net/http/pprof only fills
 		// http.DefaultServeMux, which nothing here serves.
-		mux.HandleFunc("/debug/pprof/", pprof.Index)
-		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
-		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
-		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
-		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		mux.HandleFunc("/debug/pprof/", loopbackOnly(pprof.Index))
+		mux.HandleFunc("/debug/pprof/cmdline", loopbackOnly(pprof.Cmdline))
+		mux.HandleFunc("/debug/pprof/profile", loopbackOnly(pprof.Profile))
+		mux.HandleFunc("/debug/pprof/symbol", loopbackOnly(pprof.Symbol))
+		mux.HandleFunc("/debug/pprof/trace", loopbackOnly(pprof.Trace))
 	}
 	return mux
+}
+
+// loopbackOnly serves h to clients on the host's (the pod's) own loopback
+// only: the profiler asks for no credentials, reads memory and burns CPU on
+// demand, and the admin address also faces Prometheus. kubectl port-forward
+// arrives on the pod's loopback, so it still reaches it.
+func loopbackOnly(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		host, _, err := net.SplitHostPort(r.RemoteAddr)
+		if ip, perr := netip.ParseAddr(host); err != nil || perr != nil || !ip.Unmap().IsLoopback() {
+			http.Error(w, "the profiler answers only on loopback (kubectl port-forward, or a shell in the pod)", http.StatusForbidden)
+			return
+		}
+		h(w, r)
+	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
@@ -171,5 +173,40 @@ func TestAdminEndpoints(t *testing.T) {
 				t.Errorf("GET %s = %d %.100q, want %d", tt.path, code, body, tt.want)
 			}
 		})
+	}
+}
+
+// The profiler answers on loopback only (a port-forward arrives there); a
+// client on another address, such as Prometheus reaching the admin port,
+// gets 403, while /metrics still answers it.
+func TestProfilerAnswersOnLoopbackOnly(t *testing.T) {
+	cfg, err := config.Parse([]byte(fmt.Sprintf("pools: {decode: {endpoints: [%q]}}", decodeEP)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(cfg, Options{Pprof: true}, logr.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.shutdownTracing(context.Background()) })
+	mux := s.adminMux()
+	tests := []struct {
+		path, remote string
+		want         int
+	}{
+		{"/debug/pprof/cmdline", "127.0.0.1:40000", http.StatusOK},
+		{"/debug/pprof/cmdline", "[::1]:40000", http.StatusOK},
+		{"/debug/pprof/cmdline", "10.1.2.3:40000", http.StatusForbidden},
+		{"/debug/pprof/", "[2001:db8::1]:40000", http.StatusForbidden},
+		{"/metrics", "10.1.2.3:40000", http.StatusOK},
+	}
+	for _, tt := range tests {
+		req := httptest.NewRequest(http.MethodGet, tt.path, nil)
+		req.RemoteAddr = tt.remote
+		rec := httptest.NewRecorder()
+		mux.ServeHTTP(rec, req)
+		if rec.Code != tt.want {
+			t.Errorf("GET %s from %s = %d, want %d", tt.path, tt.remote, rec.Code, tt.want)
+		}
 	}
 }
