@@ -25,7 +25,6 @@ func TestUseRemoteAddressAppendsTheClientToXFF(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			up := startUpstream(t)
 			cfg := loadShipped(t, "envoy.yaml")
-			cfg.Clusters[cfg.ExtProcCluster].TLS = nil // a scripted plaintext server
 			cfg.ClientHeaders = tc.headers
 			p := startProxy(t, cfg, fullDuplexRouter(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil, nil))
 			hdr := map[string]string{"x-request-id": "client-id-1"}

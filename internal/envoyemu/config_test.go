@@ -21,18 +21,31 @@ func TestLoadConfigShippedFiles(t *testing.T) {
 	)
 	tests := []struct {
 		file                   string
+		respHeaders            extprocfilterv3.ProcessingMode_HeaderSendMode
 		reqBody, respBody      extprocfilterv3.ProcessingMode_BodySendMode
 		reqTrailer, respTrailr extprocfilterv3.ProcessingMode_HeaderSendMode
 		msgTimeout, maxTimeout time.Duration
+		bufferLimit            int
 	}{
-		{"envoy.yaml", fd, fd, send, send, 10 * time.Second, 0},
-		{"envoy-buffered.yaml", buffered, none, send, skip, time.Second, 120 * time.Second},
+		{"envoy.yaml", send, fd, fd, send, send, 10 * time.Second, 0, 64 << 20},
+		// BUFFERED: the buffer equals pd-extproc's limits.max_body_bytes.
+		{"envoy-buffered.yaml", send, buffered, none, send, skip, time.Second, 120 * time.Second, 32 << 20},
+		{"envoy-no-response.yaml", skip, fd, none, send, skip, 10 * time.Second, 0, 64 << 20},
 	}
 	for _, tc := range tests {
 		t.Run(tc.file, func(t *testing.T) {
-			cfg := loadShipped(t, tc.file)
-			if cfg.Modes.Request.Headers != send || cfg.Modes.Response.Headers != send {
-				t.Errorf("header modes = %v/%v, want SEND/SEND", cfg.Modes.Request.Headers, cfg.Modes.Response.Headers)
+			cfg := loadShippedAsIs(t, tc.file)
+			if cfg.Modes.Request.Headers != send || cfg.Modes.Response.Headers != tc.respHeaders {
+				t.Errorf("header modes = %v/%v, want SEND/%v", cfg.Modes.Request.Headers, cfg.Modes.Response.Headers, tc.respHeaders)
+			}
+			// mTLS to pd-extproc, as the README's "Secure by default" says, and Envoy as the edge.
+			tls := cfg.Clusters[cfg.ExtProcCluster].TLS
+			if tls == nil || tls.CertFile != "/etc/envoy/certs/tls.crt" || tls.KeyFile != "/etc/envoy/certs/tls.key" || tls.CAFile != "/etc/envoy/certs/ca.crt" ||
+				!slices.Equal(tls.SubjectAltNames, []SANMatcher{{Type: "DNS", Op: "exact", Value: "pd-extproc.pd-extproc.svc"}}) {
+				t.Errorf("ext_proc cluster TLS = %+v, want the client certificate, the CA and pd-extproc's SAN from /etc/envoy/certs", tls)
+			}
+			if ch := cfg.ClientHeaders; !ch.UseRemoteAddress || !ch.PreserveExternalRequestID {
+				t.Errorf("client headers = %+v, want use_remote_address and preserve_external_request_id", ch)
 			}
 			if cfg.Modes.Request.Body != tc.reqBody || cfg.Modes.Response.Body != tc.respBody {
 				t.Errorf("body modes = %v/%v, want %v/%v", cfg.Modes.Request.Body, cfg.Modes.Response.Body, tc.reqBody, tc.respBody)
@@ -49,8 +62,8 @@ func TestLoadConfigShippedFiles(t *testing.T) {
 			if !slices.Equal(cfg.Metadata.ReceivingNamespaces, []string{"envoy.lb"}) {
 				t.Errorf("receiving namespaces = %v, want [envoy.lb]", cfg.Metadata.ReceivingNamespaces)
 			}
-			if cfg.Limits.BufferLimitBytes != 64<<20 {
-				t.Errorf("buffer limit = %d, want 64 MiB", cfg.Limits.BufferLimitBytes)
+			if cfg.Limits.BufferLimitBytes != tc.bufferLimit {
+				t.Errorf("buffer limit = %d, want %d", cfg.Limits.BufferLimitBytes, tc.bufferLimit)
 			}
 			if cfg.Limits.MaxReceiveMessageLength != 64<<20 {
 				t.Errorf("max_receive_message_length = %d, want 64 MiB", cfg.Limits.MaxReceiveMessageLength)

@@ -30,7 +30,17 @@ func repoRoot(t testing.TB) string {
 	return root
 }
 
+// loadShipped loads a shipped bootstrap for the scripted ext_proc servers of
+// these tests, which speak plaintext gRPC: the ext_proc cluster's TLS
+// (mTLS in every shipped file) is dropped. tls_test.go covers it.
 func loadShipped(t testing.TB, name string) *Config {
+	t.Helper()
+	cfg := loadShippedAsIs(t, name)
+	cfg.Clusters[cfg.ExtProcCluster].TLS = nil
+	return cfg
+}
+
+func loadShippedAsIs(t testing.TB, name string) *Config {
 	t.Helper()
 	cfg, err := LoadConfig(filepath.Join(repoRoot(t), "config", "envoy", name))
 	if err != nil {
