@@ -15,6 +15,7 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/structpb"
 
@@ -355,6 +356,12 @@ func (k *fuzzChecker) checkRouting() {
 	} else if _, ok := fuzzSetHeader(cr.GetHeaderMutation(), "x-request-id"); !ok && len(fuzzAllHeaders(d.headers, "x-request-id")) < 2 {
 		k.fail("routing reply without an x-request-id")
 	}
+	removed := cr.GetHeaderMutation().GetRemoveHeaders()
+	for _, h := range fuzzReservedHeaders[k.c.connector] {
+		if !slices.Contains(removed, h) {
+			k.fail("routing reply does not remove %s: a client's would steer the decode engine (removes %v)", h, removed)
+		}
+	}
 	if bodyless {
 		return
 	}
@@ -378,6 +385,14 @@ func (k *fuzzChecker) checkRouting() {
 		k.fail("content-length %q for a %d-byte body", cl, len(d.repliedBody))
 	}
 	k.checkDecodeBody(d.repliedBody)
+}
+
+// fuzzReservedHeaders are some of the headers each connector's decode engines
+// read that only a router may set (pkg/kv lists them all, with their sources).
+var fuzzReservedHeaders = map[string][]string{
+	"kv-nixl":           {"x-data-parallel-rank"},
+	"kv-shared-storage": {"x-data-parallel-rank"},
+	"kv-sglang":         {"x-data-parallel-rank", "x-override-bootstrap-host", "x-override-bootstrap-room", "x-override-routed-dp-rank"},
 }
 
 // checkDecodeBody: whatever the client sent, the reserved keys the decode
@@ -540,7 +555,7 @@ func TestFuzzCheckerCatchesWhatEnvoyRefuses(t *testing.T) {
 	routing := &extprocv3.CommonResponse{ClearRouteCache: true, HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 		{Header: &corev3.HeaderValue{Key: handlers.DestinationHeader, RawValue: []byte(dest)}},
 		{Header: &corev3.HeaderValue{Key: "x-request-id", RawValue: []byte("r1")}},
-	}}}
+	}, RemoveHeaders: []string{"x-data-parallel-rank"}}}
 	md, _ := structpb.NewStruct(map[string]any{handlers.DestinationMetadata: map[string]any{handlers.DestinationHeader: dest}})
 	headersReply := &extprocv3.ProcessingResponse{DynamicMetadata: md,
 		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{Response: routing}}}
@@ -553,6 +568,10 @@ func TestFuzzCheckerCatchesWhatEnvoyRefuses(t *testing.T) {
 	override := &extprocv3.ProcessingResponse{OverrideMessageTimeout: durationpb.New(time.Second)}
 	bufferedRouting := &extprocv3.ProcessingResponse{DynamicMetadata: md,
 		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: routing}}}
+	keeping := proto.Clone(routing).(*extprocv3.CommonResponse)
+	keeping.HeaderMutation.RemoveHeaders = nil
+	headersReplyKeeping := &extprocv3.ProcessingResponse{DynamicMetadata: md,
+		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{Response: keeping}}}
 	continueHeaders := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}}}
 
 	recv := func(m *extprocv3.ProcessingRequest) fuzzEvent { return fuzzEvent{recv: m} }
@@ -590,6 +609,9 @@ func TestFuzzCheckerCatchesWhatEnvoyRefuses(t *testing.T) {
 			recv(headers(fd)), recv(envoymsg.Body(envoymsg.Request, body, true)), sent(headersReply), sent(streamed),
 			recv(envoymsg.Body(envoymsg.Request, body, true)), sent(streamed),
 		}, "envoy#46237"},
+		{"a client's data-parallel rank left on the request", []fuzzEvent{
+			recv(headers(fd)), recv(envoymsg.Body(envoymsg.Request, body, true)), sent(headersReplyKeeping), sent(streamed),
+		}, "does not remove x-data-parallel-rank"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

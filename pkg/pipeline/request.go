@@ -74,6 +74,10 @@ type Decision struct {
 	// pools.decode.fallbacks when configured (comma-separated, in order).
 	Endpoint string
 	Body     body.Spliced // the decode leg's body; nil when the request has none
+	// RemoveHeaders are the client's request headers through which the
+	// decode engine could be steered past the service (the connector's
+	// reserved headers): Envoy must not forward them. Shared: do not modify.
+	RemoveHeaders []string
 	// Rewrite fixes the decode engine's answer on its way back (the usage
 	// under response.rewrite_usage); nil when it is passed on as it is.
 	Rewrite *response.Rewriter

@@ -30,7 +30,8 @@ func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
 	for i, e := range eps {
 		addrs[i] = e.Addr
 	}
-	return &Decision{Endpoint: strings.Join(addrs, ","), decode: eps[0], release: eps[0].Acquire()}, nil
+	return &Decision{Endpoint: strings.Join(addrs, ","), RemoveHeaders: p.connector.ReservedHeaders(),
+		decode: eps[0], release: eps[0].Acquire()}, nil
 }
 
 // RouteHeaders routes a request that has no body: one the pass-through list
@@ -136,7 +137,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		return nil, noPrefillEndpoint()
 	default:
 		rep.Mode = ModeDecodeOnly
-		return kv.Scrubbed(h.Body, h.Shape), nil
+		return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
 	}
 	rep.Mode = ModePD
 	h.Room = rand.Uint64() >> 1 // 0..2^63-1, as SGLang's routers draw it
@@ -176,7 +177,7 @@ func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Sp
 	}
 	r.Report.Mode = ModeDecodeOnly
 	p.log.Info("prefill failed; decode will recompute the prompt", "requestID", r.RequestID, "error", err.Error())
-	return kv.Scrubbed(h.Body, h.Shape), nil
+	return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
 }
 
 // runPrefill sends the sequential prefill leg to one endpoint after another
