@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -349,12 +350,16 @@ func (k *fuzzChecker) checkRouting() {
 		return
 	}
 	cr := fuzzCommon(d.routing)
-	if want, ok := fuzzSingleHeader(d.headers, "x-request-id"); ok && want != "" {
-		if got, _ := fuzzSetHeader(cr.GetHeaderMutation(), "x-request-id"); got != want {
+	got, set := fuzzSetHeader(cr.GetHeaderMutation(), "x-request-id")
+	switch want, ok := fuzzSingleHeader(d.headers, "x-request-id"); {
+	case ok && fuzzSafeRequestID.MatchString(want):
+		if got != want {
 			k.fail("x-request-id %q, want the client's %q on both legs", got, want)
 		}
-	} else if _, ok := fuzzSetHeader(cr.GetHeaderMutation(), "x-request-id"); !ok && len(fuzzAllHeaders(d.headers, "x-request-id")) < 2 {
+	case !set:
 		k.fail("routing reply without an x-request-id")
+	case !fuzzSafeRequestID.MatchString(got):
+		k.fail("x-request-id %.80q replaces the client's with one that is not safe either", got)
 	}
 	removed := cr.GetHeaderMutation().GetRemoveHeaders()
 	for _, h := range fuzzReservedHeaders[k.c.connector] {
@@ -386,6 +391,9 @@ func (k *fuzzChecker) checkRouting() {
 	}
 	k.checkDecodeBody(d.repliedBody)
 }
+
+// fuzzSafeRequestID is a request id kept as the client sent it; any other is replaced.
+var fuzzSafeRequestID = regexp.MustCompile(`^[A-Za-z0-9._:-]{1,128}$`)
 
 // fuzzReservedHeaders are some of the headers each connector's decode engines
 // read that only a router may set (pkg/kv lists them all, with their sources).

@@ -80,6 +80,7 @@ const (
 	FailureRedirect  = "redirect"   // the engine answered with a redirect, which is not followed
 	FailureTransport = "transport"  // the connection broke while sending or reading
 	FailureCancelled = "cancelled"  // the client left (the ext_proc stream ended) while the leg ran
+	FailureNotSent   = "not_sent"   // net/http refused the leg before connecting (a header value or query of the client's that is not valid HTTP)
 )
 
 var (
@@ -89,7 +90,7 @@ var (
 	// Reasons lists every pd_decisions_total{reason} value.
 	Reasons = []string{ReasonAlways, ReasonLongPrompt, ReasonNever, ReasonShortPrompt, ReasonNGT1, ReasonBatch, ReasonNoPrefill,
 		ReasonPrefillFailed, ReasonNoBody, ReasonPassthrough, ReasonUnpairedAPI, ReasonPromptLogprobs, ReasonStoredResponse}
-	failures      = []string{FailureConnect, FailureTimeout, FailureStatus4xx, FailureStatus5xx, FailureRedirect, FailureTransport, FailureCancelled}
+	failures      = []string{FailureConnect, FailureTimeout, FailureStatus4xx, FailureStatus5xx, FailureRedirect, FailureTransport, FailureCancelled, FailureNotSent}
 	prefillStates = []string{PrefillOK, PrefillFailed, PrefillCancelled}
 )
 
@@ -132,7 +133,7 @@ func New(connector string) *Metrics {
 		}, []string{"outcome"}),
 		prefillFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "prefill_failures_total",
-			Help: "Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, transport, cancelled).",
+			Help: "Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled, not_sent).",
 		}, []string{"reason"}),
 		kvParamsMissing: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: namespace, Name: "kv_params_missing_total",

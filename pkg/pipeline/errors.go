@@ -133,11 +133,15 @@ func noPrefillEndpoint() *Error {
 // prefillFailed is the client's error when the prefill phase ended in cause
 // and the request does not go decode-only. An engine's 4xx is passed on as the
 // engine wrote it: it is about the request, which retrying elsewhere cannot
-// fix. Another answer of the engine's own (a 5xx, a redirect) is a 502; no
-// answer at all (unreachable, timed out, no endpoint left) a 503.
+// fix. A leg net/http refused to send is the client's 400: its header values or
+// query are not valid HTTP. Another answer of the engine's own (a 5xx, a
+// redirect) is a 502; no answer at all (unreachable, timed out, no endpoint
+// left) a 503.
 func prefillFailed(cause error) *Error {
 	last := lastAttempt(cause)
 	switch {
+	case last != nil && last.unsendable():
+		return badRequest("the request cannot be forwarded: a header value or its query is not valid HTTP")
 	case last == nil || last.answer == nil:
 		return &Error{Status: http.StatusServiceUnavailable, Type: "upstream_error", Message: "prefill leg failed: " + cause.Error()}
 	case last.aboutRequest():

@@ -9,9 +9,11 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"os"
 	"slices"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -95,9 +97,13 @@ func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg
 	defer span.End()
 
 	start := time.Now()
-	answer, err := p.postPrefill(ctx, endpoint, r, leg)
+	var reached atomic.Bool // the transport began to connect to endpoint, or took a pooled connection to it
+	answer, err := p.postPrefill(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		ConnectStart: func(string, string) { reached.Store(true) },
+		GotConn:      func(httptrace.GotConnInfo) { reached.Store(true) },
+	}), endpoint, r, leg)
 	if err != nil {
-		failed := classify(ctx, err)
+		failed := classify(ctx, err, reached.Load())
 		p.metrics.PrefillAttempt(time.Since(start), failed.reason)
 		if failed.answer != nil {
 			span.SetAttributes(semconv.HTTPResponseStatusCode(failed.answer.status))

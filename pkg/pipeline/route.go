@@ -168,11 +168,12 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 
 // withoutPrefill applies prefill.on_failure once the prefill leg could not be
 // had: the decode engine recomputes the prompt, or the client gets the error.
-// An engine's own 4xx (about the request) and a client that left always end here.
+// An engine's own 4xx (about the request), a request no leg can carry and a
+// client that left always end here.
 func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Spliced, error) {
 	r.Report.Reason = metrics.ReasonPrefillFailed
 	last := lastAttempt(err) // nil when no endpoint could be tried
-	if p.opts.OnFailure == config.OnFailureFail || last != nil && (last.aboutRequest() || last.clientLeft()) {
+	if p.opts.OnFailure == config.OnFailureFail || last != nil && (last.aboutRequest() || last.unsendable() || last.clientLeft()) {
 		return nil, prefillFailed(err)
 	}
 	r.Report.Mode = ModeDecodeOnly
