@@ -94,7 +94,7 @@ func run(f flags, log logr.Logger, flush func()) error {
 	log.Info("extproc serving", "grpc", grpcLis.Addr().String(), "admin", adminLis.Addr().String(),
 		"connector", cfg.Connector, "prefill", cfg.Pools.Prefill.Endpoints, "decode", cfg.Pools.Decode.Endpoints,
 		"tracing", server.TracingEnabled(cfg.Tracing), "pprof", f.pprof, "logPrompts", f.logPrompts,
-		"tls", f.tls.Cert != "", "mtls", f.tls.ClientCA != "")
+		"tls", f.tls.Cert != "", "mtls", f.tls.ClientCA != "", "maxBufferedBytes", cfg.Limits.MaxBufferedBytes)
 	flush() // whoever waits for this line gets it now
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)

@@ -96,6 +96,14 @@ type Limits struct {
 	MaxConcurrentStreams int `json:"max_concurrent_streams"`
 	// RetryAfter is the Retry-After a refused request is given.
 	RetryAfter Duration `json:"retry_after"`
+	// BodyTimeout bounds how long a request body may take to arrive, from its
+	// headers on: a body not complete by then gets 408 and gives its stream
+	// slot and buffer back.
+	BodyTimeout Duration `json:"body_timeout"`
+	// MaxBufferedBytes bounds the request bodies held at once, all streams
+	// together; past it a request gets 503 with Retry-After. 0 (the default)
+	// derives it from the container's memory limit (limits.go).
+	MaxBufferedBytes int64 `json:"max_buffered_bytes"`
 }
 
 // Envoy tunes how we talk to Envoy.
@@ -112,6 +120,7 @@ const (
 	// may hold a body up to limits.max_body_bytes (and its rewritten copy).
 	DefaultMaxConcurrentStreams = 1024
 	DefaultPrefillTimout        = 30 * time.Second
+	DefaultBodyTimeout          = 60 * time.Second
 )
 
 // Parse reads a YAML configuration, fills defaults and validates it.
@@ -161,6 +170,13 @@ func (c *Config) setDefaults() {
 	}
 	if c.Limits.RetryAfter == 0 {
 		c.Limits.RetryAfter = Duration(time.Second)
+	}
+	if c.Limits.BodyTimeout == 0 {
+		c.Limits.BodyTimeout = Duration(DefaultBodyTimeout)
+	}
+	if c.Limits.MaxBufferedBytes == 0 {
+		// One body of the largest size must always fit.
+		c.Limits.MaxBufferedBytes = max(DefaultMaxBufferedBytes(cgroupFS), c.Limits.MaxBodyBytes)
 	}
 	if c.Envoy.OverrideAfter == 0 {
 		c.Envoy.OverrideAfter = Duration(150 * time.Millisecond)
@@ -223,6 +239,13 @@ func (c *Config) validate() error {
 	}
 	if c.Limits.MaxConcurrentStreams < 0 {
 		errs = append(errs, errors.New("limits.max_concurrent_streams: must be positive"))
+	}
+	if c.Limits.BodyTimeout < 0 {
+		errs = append(errs, errors.New("limits.body_timeout: must be positive"))
+	}
+	if c.Limits.MaxBufferedBytes < c.Limits.MaxBodyBytes {
+		errs = append(errs, fmt.Errorf("limits.max_buffered_bytes: %d is below limits.max_body_bytes (%d): no body of that size could be held",
+			c.Limits.MaxBufferedBytes, c.Limits.MaxBodyBytes))
 	}
 	if c.Limits.RetryAfter < Duration(time.Second) {
 		errs = append(errs, errors.New("limits.retry_after: must be at least 1s (Retry-After is in whole seconds)"))

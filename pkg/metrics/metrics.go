@@ -108,6 +108,7 @@ type Metrics struct {
 	bodyBytes       prometheus.Histogram
 	streams         prometheus.Gauge
 	answers         answers
+	limits          limits
 }
 
 // New returns the metrics of a server using connector, on a new registry that
@@ -154,6 +155,7 @@ func New(connector string) *Metrics {
 			Help: "ext_proc Process streams currently open.",
 		}),
 		answers: newAnswers(),
+		limits:  newLimits(),
 	}
 	m.registry.MustRegister(
 		collectors.NewGoCollector(),
@@ -162,6 +164,7 @@ func New(connector string) *Metrics {
 		m.decisions, m.bodyBytes, m.streams,
 	)
 	m.registry.MustRegister(m.answers.collectors()...)
+	m.registry.MustRegister(m.limits.collectors()...)
 	m.initSeries()
 	return m
 }
@@ -191,6 +194,7 @@ func (m *Metrics) initSeries() {
 		m.prefillDuration.WithLabelValues(s)
 	}
 	m.answers.initSeries()
+	m.limits.initSeries()
 }
 
 // Registry is the registry every collector is on.

@@ -19,7 +19,7 @@ type Error struct {
 	// Raw, when set, is an engine's own error body, returned as is.
 	Raw         []byte
 	ContentType string
-	// RetryAfter, when set, tells the client when to try again (429).
+	// RetryAfter, when set, tells the client when to try again (429, 503).
 	RetryAfter time.Duration
 }
 
@@ -47,6 +47,22 @@ func (e *Error) Body() (body []byte, contentType string) {
 func Overloaded(limit int, retryAfter time.Duration) *Error {
 	return &Error{Status: http.StatusTooManyRequests, Type: "rate_limit_exceeded", RetryAfter: retryAfter,
 		Message: fmt.Sprintf("too many requests in progress (limits.max_concurrent_streams is %d); retry later", limit)}
+}
+
+// BodyTimeout refuses a request whose body did not arrive within
+// limits.body_timeout: a slow client must not hold a stream slot and a
+// buffer for as long as it likes.
+func BodyTimeout(limit time.Duration) *Error {
+	return &Error{Status: http.StatusRequestTimeout, Type: "invalid_request_error",
+		Message: fmt.Sprintf("the request body did not arrive within %s (limits.body_timeout)", limit)}
+}
+
+// BuffersFull refuses a request whose body would take the bodies held at once
+// past limits.max_buffered_bytes: shed, like a stream over the limit, rather
+// than held until memory runs out.
+func BuffersFull(limit int64, retryAfter time.Duration) *Error {
+	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", RetryAfter: retryAfter,
+		Message: fmt.Sprintf("too many request bodies held at once (limits.max_buffered_bytes is %d); retry later", limit)}
 }
 
 // Misconfigured is a 500 for a request the deployment, not the client, cannot

@@ -229,6 +229,10 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 // an answer spares its own (attemptError.blames).
 func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Request, leg body.Spliced, d *Decision) {
 	release := ep.Acquire()
+	if r.Hold != nil { // the leg reads the client's body after Route returns
+		slot, body := release, r.Hold()
+		release = func() { slot(); body() }
+	}
 	ctx = context.WithoutCancel(ctx)
 	p.background.Go(func() {
 		defer release()
