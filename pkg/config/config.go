@@ -64,6 +64,13 @@ type Prefill struct {
 	// MaxIdleConnsPerEndpoint sizes the keep-alive pool per prefill engine;
 	// beyond it, each concurrent leg opens and closes its own connection.
 	MaxIdleConnsPerEndpoint int `json:"max_idle_conns_per_endpoint"`
+	// MaxConnsPerEndpoint bounds the connections open to one prefill engine
+	// at once; a leg past it waits for one, within its attempt's timeout.
+	MaxConnsPerEndpoint int `json:"max_conns_per_endpoint"`
+	// MaxBackground bounds the kv-sglang prefill legs running in the
+	// background, which outlive their streams; past it a request gets 503
+	// with Retry-After. Default: limits.max_concurrent_streams.
+	MaxBackground int `json:"max_background"`
 	PrefillAttempts
 }
 
@@ -121,6 +128,10 @@ const (
 	DefaultMaxConcurrentStreams = 1024
 	DefaultPrefillTimout        = 30 * time.Second
 	DefaultBodyTimeout          = 60 * time.Second
+	// DefaultMaxConnsPerEndpoint: twice the keep-alive pool, so that a burst
+	// still opens connections, but a flood of kv-sglang legs (each holds its
+	// connection for the whole prefill) cannot open one per request.
+	DefaultMaxConnsPerEndpoint = 512
 )
 
 // Parse reads a YAML configuration, fills defaults and validates it.
@@ -159,6 +170,9 @@ func (c *Config) setDefaults() {
 	if c.Prefill.MaxIdleConnsPerEndpoint == 0 {
 		c.Prefill.MaxIdleConnsPerEndpoint = 256
 	}
+	if c.Prefill.MaxConnsPerEndpoint == 0 {
+		c.Prefill.MaxConnsPerEndpoint = DefaultMaxConnsPerEndpoint
+	}
 	if c.Prefill.OnFailure == "" {
 		c.Prefill.OnFailure = OnFailureDecodeOnly
 	}
@@ -167,6 +181,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.Limits.MaxConcurrentStreams == 0 {
 		c.Limits.MaxConcurrentStreams = DefaultMaxConcurrentStreams
+	}
+	if c.Prefill.MaxBackground == 0 {
+		c.Prefill.MaxBackground = c.Limits.MaxConcurrentStreams
 	}
 	if c.Limits.RetryAfter == 0 {
 		c.Limits.RetryAfter = Duration(time.Second)
@@ -218,6 +235,12 @@ func (c *Config) validate() error {
 	}
 	if c.Prefill.MaxIdleConnsPerEndpoint < 0 {
 		errs = append(errs, errors.New("prefill.max_idle_conns_per_endpoint: must be positive"))
+	}
+	if c.Prefill.MaxConnsPerEndpoint < 0 {
+		errs = append(errs, errors.New("prefill.max_conns_per_endpoint: must be positive"))
+	}
+	if c.Prefill.MaxBackground < 0 {
+		errs = append(errs, errors.New("prefill.max_background: must be positive"))
 	}
 	if connector != nil && connector.Paired() && (c.PD.Mode == PDNever || c.PD.MinPromptTokens > 0) {
 		errs = append(errs, fmt.Errorf("pd.mode, pd.min_prompt_tokens: %s cannot send a request decode-only "+

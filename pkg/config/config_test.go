@@ -74,6 +74,8 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 		{"buffered bytes below one body", `{limits: {max_body_bytes: 1000, max_buffered_bytes: 999}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`,
 			"limits.max_buffered_bytes"},
 		{"negative body timeout", `{limits: {body_timeout: -1s}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "limits.body_timeout"},
+		{"negative background cap", `{prefill: {max_background: -1}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "prefill.max_background"},
+		{"negative connection cap", `{prefill: {max_conns_per_endpoint: -1}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "prefill.max_conns_per_endpoint"},
 		{"pass-through entry without a method", `{routes: {passthrough: ["/v1/embeddings"]}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`,
 			"routes.passthrough[0]"},
 		{"pass-through path with a dot segment", `{routes: {passthrough: ["GET /v1/models", "GET /v1/../flush_cache"]}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`,

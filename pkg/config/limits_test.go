@@ -59,3 +59,27 @@ func TestBodyLimitsDefaults(t *testing.T) {
 		})
 	}
 }
+
+// Background legs are capped by default at the stream cap; each prefill engine
+// gets at most DefaultMaxConnsPerEndpoint connections.
+func TestPrefillCapsDefaults(t *testing.T) {
+	const decode = `pools: {decode: {endpoints: ["10.0.0.2:8000"]}}`
+	tests := []struct {
+		keys                  string
+		wantBackground, conns int
+	}{
+		{``, DefaultMaxConcurrentStreams, DefaultMaxConnsPerEndpoint},
+		{`limits: {max_concurrent_streams: 7}, `, 7, DefaultMaxConnsPerEndpoint},
+		{`limits: {max_concurrent_streams: 7}, prefill: {max_background: 3, max_conns_per_endpoint: 9}, `, 3, 9},
+	}
+	for _, tt := range tests {
+		c, err := Parse([]byte(`{` + tt.keys + decode + `}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.Prefill.MaxBackground != tt.wantBackground || c.Prefill.MaxConnsPerEndpoint != tt.conns {
+			t.Errorf("%q: max_background %d, max_conns_per_endpoint %d; want %d, %d", tt.keys,
+				c.Prefill.MaxBackground, c.Prefill.MaxConnsPerEndpoint, tt.wantBackground, tt.conns)
+		}
+	}
+}

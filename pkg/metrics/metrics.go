@@ -73,14 +73,15 @@ const (
 
 // Values of prefill_failures_total{reason}: why one prefill attempt failed.
 const (
-	FailureConnect   = "connect"    // the engine could not be dialled
-	FailureTimeout   = "timeout"    // prefill.timeout expired
-	FailureStatus4xx = "status_4xx" // the engine rejected the request
-	FailureStatus5xx = "status_5xx" // the engine answered with its own failure
-	FailureRedirect  = "redirect"   // the engine answered with a redirect, which is not followed
-	FailureTransport = "transport"  // the connection broke while sending or reading
-	FailureCancelled = "cancelled"  // the client left (the ext_proc stream ended) while the leg ran
-	FailureNotSent   = "not_sent"   // net/http refused the leg before connecting (a header value or query of the client's that is not valid HTTP)
+	FailureConnect   = "connect"          // the engine could not be dialled
+	FailureTimeout   = "timeout"          // prefill.timeout expired
+	FailureStatus4xx = "status_4xx"       // the engine rejected the request
+	FailureStatus5xx = "status_5xx"       // the engine answered with its own failure
+	FailureRedirect  = "redirect"         // the engine answered with a redirect, which is not followed
+	FailureTransport = "transport"        // the connection broke while sending or reading
+	FailureCancelled = "cancelled"        // the client left (the ext_proc stream ended) while the leg ran
+	FailureNotSent   = "not_sent"         // net/http refused the leg before connecting (a header value or query of the client's that is not valid HTTP)
+	FailureTooLarge  = "answer_too_large" // a 2xx answer longer than the 8 MiB read: its kv_transfer_params would be lost
 )
 
 var (
@@ -90,7 +91,7 @@ var (
 	// Reasons lists every pd_decisions_total{reason} value.
 	Reasons = []string{ReasonAlways, ReasonLongPrompt, ReasonNever, ReasonShortPrompt, ReasonNGT1, ReasonBatch, ReasonNoPrefill,
 		ReasonPrefillFailed, ReasonNoBody, ReasonPassthrough, ReasonUnpairedAPI, ReasonPromptLogprobs, ReasonStoredResponse}
-	failures      = []string{FailureConnect, FailureTimeout, FailureStatus4xx, FailureStatus5xx, FailureRedirect, FailureTransport, FailureCancelled, FailureNotSent}
+	failures      = []string{FailureConnect, FailureTimeout, FailureStatus4xx, FailureStatus5xx, FailureRedirect, FailureTransport, FailureCancelled, FailureNotSent, FailureTooLarge}
 	prefillStates = []string{PrefillOK, PrefillFailed, PrefillCancelled}
 )
 
@@ -134,7 +135,7 @@ func New(connector string) *Metrics {
 		}, []string{"outcome"}),
 		prefillFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "prefill_failures_total",
-			Help: "Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled, not_sent).",
+			Help: "Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled, not_sent, answer_too_large).",
 		}, []string{"reason"}),
 		kvParamsMissing: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: namespace, Name: "kv_params_missing_total",

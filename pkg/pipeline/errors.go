@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
 // Error is a request failure the client must see, with its HTTP status. Every
@@ -63,6 +64,14 @@ func BodyTimeout(limit time.Duration) *Error {
 func BuffersFull(limit int64, retryAfter time.Duration) *Error {
 	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", RetryAfter: retryAfter,
 		Message: fmt.Sprintf("too many request bodies held at once (limits.max_buffered_bytes is %d); retry later", limit)}
+}
+
+// backgroundFull refuses a kv-sglang request while prefill.max_background
+// prefill legs run already: they outlive their streams, and each holds a
+// body and a connection to a prefill engine.
+func backgroundFull(limit int, retryAfter time.Duration) *Error {
+	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", RetryAfter: retryAfter,
+		Message: fmt.Sprintf("too many prefill legs in progress (prefill.max_background is %d); retry later", limit)}
 }
 
 // Misconfigured is a 500 for a request the deployment, not the client, cannot
@@ -151,14 +160,14 @@ func noPrefillEndpoint() *Error {
 // engine wrote it: it is about the request, which retrying elsewhere cannot
 // fix. A leg net/http refused to send is the client's 400: its header values or
 // query are not valid HTTP. Another answer of the engine's own (a 5xx, a
-// redirect) is a 502; no answer at all (unreachable, timed out, no endpoint
+// redirect, one too long to read) is a 502; no answer at all (unreachable, timed out, no endpoint
 // left) a 503.
 func prefillFailed(cause error) *Error {
 	last := lastAttempt(cause)
 	switch {
 	case last != nil && last.unsendable():
 		return badRequest("the request cannot be forwarded: a header value or its query is not valid HTTP")
-	case last == nil || last.answer == nil:
+	case last == nil || last.answer == nil && last.reason != metrics.FailureTooLarge:
 		return &Error{Status: http.StatusServiceUnavailable, Type: "upstream_error", Message: "prefill leg failed: " + cause.Error()}
 	case last.aboutRequest():
 		return &Error{Status: last.answer.status, Type: "invalid_request_error", Message: "prefill engine rejected the request",

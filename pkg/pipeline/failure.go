@@ -48,6 +48,8 @@ func classify(ctx context.Context, err error, reached bool) *attemptError {
 		e.reason = metrics.FailureStatus5xx
 	case e.answer != nil:
 		e.reason = metrics.FailureRedirect
+	case errors.Is(err, errAnswerTooLarge):
+		e.reason = metrics.FailureTooLarge
 	case errors.Is(ctx.Err(), context.Canceled):
 		e.reason = metrics.FailureCancelled
 	case errors.As(err, &op) && op.Op == "dial":
@@ -75,13 +77,16 @@ func (e *attemptError) clientLeft() bool { return e.reason == metrics.FailureCan
 
 // retryable reports whether another prefill endpoint may succeed where this
 // one failed: after a transport failure, a timeout, a redirect or a 5xx, as
-// long as the prefill phase lasts.
-func (e *attemptError) retryable() bool { return !e.aboutRequest() && !e.unsendable() && !e.ended }
+// long as the prefill phase lasts. An answer over the read cap would come as
+// long from any engine: the request asks for it (prompt logprobs, say).
+func (e *attemptError) retryable() bool {
+	return !e.aboutRequest() && !e.unsendable() && e.reason != metrics.FailureTooLarge && !e.ended
+}
 
 // counts reports whether the failure says something of the endpoint's
 // health: it could not be connected to, it timed out, the connection broke,
-// or it answered 5xx. A redirect, or a leg that never left, says nothing of
-// it; counting them would let a client eject endpoints with requests no
+// or it answered 5xx. A redirect, an answer too long to read, or a leg that
+// never left, says nothing of it; counting them would let a client eject endpoints with requests no
 // engine could serve.
 func (e *attemptError) counts() bool {
 	switch e.reason {

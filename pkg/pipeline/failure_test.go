@@ -45,6 +45,7 @@ func TestClassifyPrefillErrors(t *testing.T) {
 		{"engine 400", context.Background(), &statusError{status: 400}, false, metrics.FailureStatus4xx, false, false, false, 400},
 		{"engine redirect", context.Background(), &statusError{status: 307}, false, metrics.FailureRedirect, true, false, false, 502},
 		{"a leg net/http refused to send", context.Background(), refused, true, metrics.FailureNotSent, false, false, false, 400},
+		{"an answer over the read cap", context.Background(), errAnswerTooLarge, false, metrics.FailureTooLarge, false, false, false, 502},
 		{"a URL net/http cannot parse", context.Background(), &url.Error{Op: "parse", Err: errors.New("invalid character")}, true,
 			metrics.FailureNotSent, false, false, false, 400},
 		{"attempt timed out waiting for a connection", context.Background(), &url.Error{Op: "Post", Err: context.DeadlineExceeded}, true,

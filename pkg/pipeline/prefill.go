@@ -27,12 +27,17 @@ import (
 )
 
 // maxPrefillResponseBytes bounds what we read of a prefill answer: it is one
-// token plus kv_transfer_params, far below this.
+// token plus kv_transfer_params, far below this. A longer one fails the
+// attempt (errAnswerTooLarge): vLLM writes kv_transfer_params last, so what
+// was read would lose the handoff without a word.
 const maxPrefillResponseBytes = 8 << 20
+
+// errAnswerTooLarge is a 2xx prefill answer over maxPrefillResponseBytes.
+var errAnswerTooLarge = fmt.Errorf("the prefill answer is longer than %d bytes", maxPrefillResponseBytes)
 
 // newEngineClient returns the HTTP client for prefill legs and the URL scheme
 // it speaks: a keep-alive pool per endpoint (prefill.max_idle_conns_per_endpoint),
-// no environment proxy (engines are addressed directly by ip:port), no
+// at most prefill.max_conns_per_endpoint connections to each, no environment proxy (engines are addressed directly by ip:port), no
 // transparent compression that would hide the response size, HTTPS when
 // prefill.tls says so and HTTP/2 when prefill.http2 does.
 func newEngineClient(cfg config.Prefill) (*http.Client, string, error) {
@@ -41,6 +46,7 @@ func newEngineClient(cfg config.Prefill) (*http.Client, string, error) {
 		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
 		MaxIdleConns:        4 * cfg.MaxIdleConnsPerEndpoint,
 		MaxIdleConnsPerHost: cfg.MaxIdleConnsPerEndpoint,
+		MaxConnsPerHost:     cfg.MaxConnsPerEndpoint,
 		IdleConnTimeout:     90 * time.Second,
 		DisableCompression:  true,
 		Protocols:           new(http.Protocols),
@@ -139,12 +145,16 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 		return prefillAnswer{}, err
 	}
 	defer resp.Body.Close()
-	answer, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillResponseBytes))
+	answer, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillResponseBytes+1))
 	if err != nil {
 		return prefillAnswer{}, fmt.Errorf("reading prefill answer: %w", err)
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		answer = answer[:min(len(answer), maxPrefillResponseBytes)]
 		return prefillAnswer{}, &statusError{status: resp.StatusCode, body: answer, contentType: resp.Header.Get("Content-Type")}
+	}
+	if len(answer) > maxPrefillResponseBytes {
+		return prefillAnswer{}, errAnswerTooLarge
 	}
 	return p.readAnswer(answer, r), nil
 }

@@ -146,6 +146,9 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		if err != nil {
 			return nil, noPrefillEndpoint()
 		}
+		if !p.takeBackground() {
+			return nil, backgroundFull(p.opts.MaxBackground, p.opts.RetryAfter)
+		}
 		rep.Prefill = prefill.Addr
 		h.PrefillHost = bootstrapHost(prefill.Addr)
 		p.launch(ctx, prefill, r, kv.PrefillBody(p.connector, h), d)
@@ -219,9 +222,23 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 	}
 }
 
-// launch sends a concurrent prefill leg in the background. It runs on its own
-// deadline: Envoy closes the ext_proc stream as soon as its last reply is in,
-// which must not cancel a leg the decode engine is waiting to pair with.
+// takeBackground counts one more background leg, unless
+// prefill.max_background of them run already: they outlive their streams, so
+// limits.max_concurrent_streams does not bound them. launch gives it back.
+func (p *Pipeline) takeBackground() bool {
+	if n := p.inBackground.Add(1); p.opts.MaxBackground > 0 && n > int64(p.opts.MaxBackground) {
+		p.inBackground.Add(-1)
+		p.metrics.LimitRefused(metrics.LimitBackground)
+		return false
+	}
+	p.metrics.BackgroundLeg(1)
+	return true
+}
+
+// launch sends a concurrent prefill leg in the background, counted by
+// takeBackground. It runs on its own deadline: Envoy closes the ext_proc
+// stream as soon as its last reply is in, which must not cancel a leg the
+// decode engine is waiting to pair with.
 //
 // The legs fail together: a prefill whose decode never connects answers 5xx,
 // and a decode whose prefill failed does too. So a failed leg spares its
@@ -235,7 +252,11 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 	}
 	ctx = context.WithoutCancel(ctx)
 	p.background.Go(func() {
-		defer release()
+		defer func() {
+			release()
+			p.inBackground.Add(-1)
+			p.metrics.BackgroundLeg(-1)
+		}()
 		ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
 		defer cancel()
 		if _, failed := p.attempt(ctx, ep.Addr, r, leg); failed != nil {
