@@ -315,7 +315,7 @@ func (x *exchange) rewriting() bool { return x.decision != nil && x.decision.Rew
 // fail ends the exchange with a local reply from Envoy to the client.
 func (x *exchange) fail(err error) (bool, error) {
 	x.requestDone = true
-	e := pipeline.AsError(err)
+	e := pipeline.AsError(err, x.req.RequestID)
 	x.obs.rejected(e, x.ctx.Err() != nil, x.body.bytes())
 	return true, x.out.Send(immediate(e))
 }

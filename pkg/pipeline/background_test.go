@@ -83,7 +83,7 @@ limits: {retry_after: 4s}`, engine.addr()))
 	engine.await(t)
 	engine.await(t)
 	err := route()
-	if e := AsError(err); err == nil || e.Status != 503 || e.RetryAfter != 4*time.Second || !strings.Contains(e.Message, "prefill.max_background") {
+	if e := AsError(err, "r"); err == nil || e.Status != 503 || e.RetryAfter != 4*time.Second || !strings.Contains(e.Message, "prefill.max_background") {
 		t.Fatalf("the third request: %v, want 503 with Retry-After 4s naming prefill.max_background", err)
 	}
 	if got := counter(t, m, "pd_extproc_limit_refusals_total", "limit", metrics.LimitBackground); got != 1 {
@@ -168,7 +168,7 @@ prefill: {on_failure: %s, attempts: 2}`, engines[0].Addr(), engines[1].Addr(), t
 				r := &Request{Method: "POST", Path: "/v1/completions", RequestID: "r", Body: []byte(`{"model":"m","prompt":"hi"}`)}
 				d, err := p.Route(context.Background(), r)
 				if tt.wantErr != 0 {
-					if e := AsError(err); err == nil || e.Status != tt.wantErr {
+					if e := AsError(err, "r"); err == nil || e.Status != tt.wantErr {
 						t.Fatalf("Route: %v, want %d", err, tt.wantErr)
 					}
 					continue

@@ -22,6 +22,10 @@ type Error struct {
 	ContentType string
 	// RetryAfter, when set, tells the client when to try again (429, 503).
 	RetryAfter time.Duration
+	// Detail is for the log only: the cause behind Message, which may name
+	// internal addresses or carry a transport error the client must not see
+	// (docs/architecture.md §Security rules, rule 5).
+	Detail string
 }
 
 func (e *Error) Error() string { return fmt.Sprintf("%d %s: %s", e.Status, e.Type, e.Message) }
@@ -82,12 +86,13 @@ func Misconfigured(message string) *Error {
 }
 
 // AsError is err as the client sees it: the *Error it is or wraps, else a 500
-// with its text.
-func AsError(err error) *Error {
+// that names the request, its text kept for the log.
+func AsError(err error, requestID string) *Error {
 	if e := (*Error)(nil); errors.As(err, &e) {
 		return e
 	}
-	return Misconfigured(err.Error())
+	return &Error{Status: http.StatusInternalServerError, Type: "server_error", Detail: err.Error(),
+		Message: "internal error; request id " + requestID + " (the service's log has the cause)"}
 }
 
 func badRequest(format string, args ...any) *Error {
@@ -162,16 +167,24 @@ func noPrefillEndpoint() *Error {
 // query are not valid HTTP. Another answer of the engine's own (a 5xx, a
 // redirect, one too long to read) is a 502; no answer at all (unreachable, timed out, no endpoint
 // left) a 503.
-func prefillFailed(cause error) *Error {
+//
+// The message names the request, not the cause: that would tell the client
+// the engines' addresses, and Go's transport errors quote the leg's URL with
+// its query. The cause goes to the log (Detail).
+func prefillFailed(cause error, requestID string) *Error {
 	last := lastAttempt(cause)
+	e := &Error{Status: http.StatusBadGateway, Type: "upstream_error", Detail: cause.Error(),
+		Message: "prefill leg failed: the prefill engine answered with an error; request id " + requestID + " (the service's log has the cause)"}
 	switch {
 	case last != nil && last.unsendable():
-		return badRequest("the request cannot be forwarded: a header value or its query is not valid HTTP")
+		e = badRequest("the request cannot be forwarded: a header value or its query is not valid HTTP")
+		e.Detail = cause.Error()
 	case last == nil || last.answer == nil && last.reason != metrics.FailureTooLarge:
-		return &Error{Status: http.StatusServiceUnavailable, Type: "upstream_error", Message: "prefill leg failed: " + cause.Error()}
+		e.Status = http.StatusServiceUnavailable
+		e.Message = "prefill leg failed: no prefill engine answered; request id " + requestID + " (the service's log has the cause)"
 	case last.aboutRequest():
 		return &Error{Status: last.answer.status, Type: "invalid_request_error", Message: "prefill engine rejected the request",
 			Raw: last.answer.body, ContentType: last.answer.contentType}
 	}
-	return &Error{Status: http.StatusBadGateway, Type: "upstream_error", Message: "prefill leg failed: " + cause.Error()}
+	return e
 }

@@ -68,7 +68,7 @@ func TestClassifyPrefillErrors(t *testing.T) {
 				t.Errorf("retry %v, blamed %v, blamed when concurrent %v; want %v, %v, %v",
 					f.retryable(), f.blames(kv.Sequential), f.blames(kv.Concurrent), tt.retry, tt.blamed, tt.blamedConcurrent)
 			}
-			if got := prefillFailed(errors.Join(f, errors.New("no endpoint left"))).Status; got != tt.status {
+			if got := prefillFailed(errors.Join(f, errors.New("no endpoint left")), "r").Status; got != tt.status {
 				t.Errorf("client status = %d, want %d", got, tt.status)
 			}
 		})
@@ -118,7 +118,7 @@ prefill: {on_failure: %s, attempts: 1}`, engine.Addr(), onFailure))
 					switch {
 					case want == 0 && err != nil:
 						t.Fatalf("Route: %v, want decode-only", err)
-					case want != 0 && (err == nil || AsError(err).Status != want):
+					case want != 0 && (err == nil || AsError(err, "r").Status != want):
 						t.Fatalf("Route: %v, want %d", err, want)
 					}
 					d.Release()

@@ -177,7 +177,7 @@ func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Sp
 	r.Report.Reason = metrics.ReasonPrefillFailed
 	last := lastAttempt(err) // nil when no endpoint could be tried
 	if p.opts.OnFailure == config.OnFailureFail || last != nil && (last.aboutRequest() || last.unsendable() || last.clientLeft()) {
-		return nil, prefillFailed(err)
+		return nil, prefillFailed(err, r.RequestID)
 	}
 	r.Report.Mode = ModeDecodeOnly
 	p.log.Info("prefill failed; decode will recompute the prompt", "requestID", r.RequestID, "error", err.Error())
