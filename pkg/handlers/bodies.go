@@ -18,7 +18,7 @@ const firstBuffer = 1 << 20
 // is used as gRPC decoded it; a chunked one goes into pooled buffers that grow
 // with what arrives. What it holds is counted against the server's budget
 // (limits.max_buffered_bytes) until no one reads the body any more: the
-// stream, and a background prefill leg that holds it (hold).
+// stream, and a background prefill leg that holds it (Hold).
 type bodyCollector struct {
 	buf    []byte
 	pooled bool // buf is from takeBuffer
@@ -76,10 +76,10 @@ func (c *bodyCollector) grow(need int, announced int64) bool {
 // bytes is the body collected so far; nil before any chunk.
 func (c *bodyCollector) bytes() []byte { return c.buf }
 
-// hold counts one more reader of the body after the stream (a background
+// Hold counts one more reader of the body after the stream (a background
 // prefill leg); the function it returns ends that reader's hold. It is called
-// before the stream releases the body.
-func (c *bodyCollector) hold() (release func()) {
+// before the stream releases the body (pipeline.Request.Keep).
+func (c *bodyCollector) Hold() (release func()) {
 	c.readers.Add(1)
 	return c.unhold
 }

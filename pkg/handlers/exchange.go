@@ -58,8 +58,10 @@ func (x *exchange) responseMode() filterv3.ProcessingMode_BodySendMode {
 
 // handle answers one message. done means the stream is finished for us.
 func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err error) {
-	unlock := x.lock() // the request's deadline may fire meanwhile
-	defer unlock()
+	if !x.lim.over { // the request's deadline may fire meanwhile
+		x.lim.mu.Lock()
+		defer x.unlock()
+	}
 	switch {
 	case x.lim.expired:
 		return true, nil // answered 408 already
@@ -235,7 +237,7 @@ func untouched(out, in []byte) bool {
 // route runs the pipeline on the whole body. With keepAlive, Envoy's message
 // timer is running, and a slow route (a prefill leg) extends it once.
 func (x *exchange) route(keepAlive bool) (*pipeline.Decision, error) {
-	x.req.Body, x.req.Hold = x.body.bytes(), x.body.hold
+	x.req.Body, x.req.Keep = x.body.bytes(), &x.body
 	x.opts.Metrics.RequestBody(len(x.req.Body))
 	if keepAlive && x.opts.OverrideAfter > 0 {
 		sent := make(chan struct{})

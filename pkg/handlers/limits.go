@@ -90,18 +90,13 @@ func (h *holding) stop() {
 	}
 }
 
-// lock holds mu while the request phase lasts; it returns what undoes it.
-func (x *exchange) lock() (unlock func()) {
-	if x.lim.over {
-		return func() {}
+// unlock ends the hold of mu that handle takes while the request phase
+// lasts; once the request is done, the deadline goes with it.
+func (x *exchange) unlock() {
+	if x.requestDone {
+		x.lim.stop()
 	}
-	x.lim.mu.Lock()
-	return func() {
-		if x.requestDone {
-			x.lim.stop()
-		}
-		x.lim.mu.Unlock()
-	}
+	x.lim.mu.Unlock()
 }
 
 // start admits the stream at its first message and starts the request's

@@ -192,7 +192,7 @@ type holdingRouter struct {
 }
 
 func (h *holdingRouter) Route(ctx context.Context, r *pipeline.Request) (*pipeline.Decision, error) {
-	h.holds = append(h.holds, r.Hold())
+	h.holds = append(h.holds, r.Keep.Hold())
 	return h.fakeRouter.Route(ctx, r)
 }
 

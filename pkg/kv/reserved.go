@@ -2,6 +2,7 @@ package kv
 
 import (
 	"slices"
+	"sync"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
@@ -72,7 +73,24 @@ func (vllmFamily) Reserved(s *api.Shape) []body.Edit {
 	if s.ExtraArgs == nil {
 		return handoffEdits
 	}
-	return append(slices.Clip(handoffEdits), body.Delete("kv_transfer_params").In(s.ExtraArgs...))
+	// The edits are built once per path: every leg asks, and the API table's
+	// shapes share a few path slices.
+	key := pathKey{&s.ExtraArgs[0], len(s.ExtraArgs)}
+	if edits, ok := vllmEdits.Load(key); ok {
+		return edits.([]body.Edit)
+	}
+	edits := append(slices.Clip(handoffEdits), body.Delete("kv_transfer_params").In(s.ExtraArgs...))
+	vllmEdits.Store(key, edits)
+	return edits
+}
+
+// vllmEdits caches vllmFamily.Reserved by the path of extra_args.
+var vllmEdits sync.Map // pathKey -> []body.Edit
+
+// pathKey names a path slice: its array and length.
+type pathKey struct {
+	first *string
+	n     int
 }
 
 func (vllmFamily) ReservedHeaders() []string { return vllmHeaders }

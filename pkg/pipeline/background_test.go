@@ -66,11 +66,10 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {max_background: 2}
 limits: {retry_after: 4s}`, engine.addr()))
 	t.Cleanup(p.Wait)
-	var holds atomic.Int32
+	var holds keeper
 	route := func() error {
 		r := &Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
-			Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`),
-			Hold: func() func() { holds.Add(1); return func() { holds.Add(-1) } }}
+			Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`), Keep: &holds}
 		d, err := p.Route(context.Background(), r)
 		d.Release() // the stream ends at once, as Envoy closes it
 		return err
@@ -92,7 +91,7 @@ limits: {retry_after: 4s}`, engine.addr()))
 	if got := counter(t, m, "pd_extproc_prefill_background_legs", "", ""); got != 2 {
 		t.Errorf("prefill_background_legs = %v, want 2", got)
 	}
-	if n := holds.Load(); n != 2 {
+	if n := holds.n.Load(); n != 2 {
 		t.Errorf("%d bodies held, want the two running legs'", n)
 	}
 	_, decode := p.Pools()
@@ -102,7 +101,7 @@ limits: {retry_after: 4s}`, engine.addr()))
 
 	engine.release()
 	p.Wait()
-	if n := holds.Load(); n != 0 {
+	if n := holds.n.Load(); n != 0 {
 		t.Errorf("%d bodies still held after the legs ended", n)
 	}
 	if got := counter(t, m, "pd_extproc_prefill_background_legs", "", ""); got != 0 {
@@ -111,6 +110,14 @@ limits: {retry_after: 4s}`, engine.addr()))
 	if err := route(); err != nil {
 		t.Errorf("once the legs ended: %v, want the request routed", err)
 	}
+}
+
+// keeper counts the bodies held by background legs.
+type keeper struct{ n atomic.Int32 }
+
+func (k *keeper) Hold() func() {
+	k.n.Add(1)
+	return func() { k.n.Add(-1) }
 }
 
 // Each prefill engine gets at most prefill.max_conns_per_endpoint

@@ -19,11 +19,11 @@ type Request struct {
 	RequestID string      // sent on both legs
 	Forward   http.Header // client headers copied onto the prefill leg (e.g. Authorization)
 	Body      []byte      // nil for a request without a body
-	// Hold, when set, is called when a leg will read Body after Route has
-	// returned (a concurrent prefill leg, launched in the background); the
-	// release it returns is called once that leg has ended. The caller keeps
-	// Body's memory counted until then.
-	Hold func() (release func())
+	// Keep, when set, is told when a leg will read Body after Route has
+	// returned (a concurrent prefill leg, launched in the background): Hold
+	// is called before Route returns, and the release it returns once that
+	// leg has ended. The caller keeps Body's memory counted until then.
+	Keep interface{ Hold() (release func()) }
 	// Subset is the endpoint-picker subset hint as Envoy sent it in metadata
 	// (envoy.lb.subset_hint): nil when absent, else a list of ip:port or a
 	// comma-separated string. Decode endpoints outside it are never picked.

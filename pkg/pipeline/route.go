@@ -246,8 +246,8 @@ func (p *Pipeline) takeBackground() bool {
 // an answer spares its own (attemptError.blames).
 func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Request, leg body.Spliced, d *Decision) {
 	release := ep.Acquire()
-	if r.Hold != nil { // the leg reads the client's body after Route returns
-		slot, body := release, r.Hold()
+	if r.Keep != nil { // the leg reads the client's body after Route returns
+		slot, body := release, r.Keep.Hold()
 		release = func() { slot(); body() }
 	}
 	ctx = context.WithoutCancel(ctx)
