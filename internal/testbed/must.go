@@ -2,6 +2,8 @@ package testbed
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
@@ -61,4 +63,29 @@ func MustStartEnvoy(t TB, file, extprocAddr string, tweak func(*envoyemu.Config)
 func MustStartEnvoyOn(t TB, file string, extprocAddrs []string, tweak func(*envoyemu.Config)) *envoyemu.Proxy {
 	t.Helper()
 	return failOn(StartEnvoyOn(t, file, extprocAddrs, tweak))(t)
+}
+
+func MustNewCA(t TB) *CA {
+	t.Helper()
+	return failOn(NewCA())(t)
+}
+
+// MustIssue is Issue, failing t on an error.
+func (ca *CA) MustIssue(t TB, serial int64, usage x509.ExtKeyUsage, sans ...string) (certPEM, keyPEM []byte) {
+	t.Helper()
+	certPEM, keyPEM, err := ca.Issue(serial, usage, sans...)
+	if err != nil {
+		t.Fatalf("%v", err)
+	}
+	return certPEM, keyPEM
+}
+
+// MustIssuePair is IssuePair, failing t on an error.
+func (ca *CA) MustIssuePair(t TB, serial int64, usage x509.ExtKeyUsage, sans ...string) tls.Certificate {
+	t.Helper()
+	pair, err := ca.IssuePair(serial, usage, sans...)
+	if err != nil {
+		t.Fatalf("%v", err)
+	}
+	return pair
 }
