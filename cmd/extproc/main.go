@@ -54,6 +54,9 @@ func main() {
 	flag.StringVar(&f.tls.ClientCA, "tls-client-ca-file", "", "require client certificates signed by these CAs (mTLS)")
 	flag.StringVar(&f.kubeconfig, "kubeconfig", "",
 		"credentials for pools discovered from Kubernetes (pools.<pool>.kubernetes); default: in-cluster, else KUBECONFIG or ~/.kube/config")
+	flag.Func("tls-client-allowed-sans", "with --tls-client-ca-file, accept only client certificates with one of these SANs "+
+		"(comma-separated DNS names and URIs such as spiffe://cluster.local/ns/envoy-gateway-system/sa/envoy; exact, no wildcards)",
+		func(v string) error { f.tls.AllowedSANs = server.ParseSANs(v); return nil })
 	flag.Parse()
 
 	log, flush, err := newLogger(f.logFormat, f.verbosity, f.logFlush)
@@ -99,7 +102,7 @@ func run(f flags, log logr.Logger, flush func()) error {
 	log.Info("extproc serving", "grpc", grpcLis.Addr().String(), "admin", adminLis.Addr().String(),
 		"connector", cfg.Connector, "prefill", cfg.Pools.Prefill.Endpoints, "decode", cfg.Pools.Decode.Endpoints,
 		"tracing", server.TracingEnabled(cfg.Tracing), "pprof", f.pprof, "logPrompts", f.logPrompts,
-		"tls", f.tls.Cert != "", "mtls", f.tls.ClientCA != "")
+		"tls", f.tls.Cert != "", "mtls", f.tls.ClientCA != "", "allowedSANs", f.tls.AllowedSANs, "maxBufferedBytes", cfg.Limits.MaxBufferedBytes)
 	flush() // whoever waits for this line gets it now
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)

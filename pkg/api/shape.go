@@ -15,10 +15,13 @@ type Shape struct {
 	// ParamsIn is the object vLLM reads kv_transfer_params from: nil for
 	// the top level. The answer always carries it at the top level.
 	ParamsIn []string
-	// Reserved removes every field through which a client could steer a
-	// handoff (docs/architecture.md §Security rules), with every duplicate:
-	// applied to every leg before a connector adds its own.
-	Reserved []body.Edit
+	// ExtraArgs is the object whose members vLLM's handler for the API copies
+	// into the engine's extra_args, where its connectors read
+	// kv_transfer_params when the top level has none: a vLLM connector
+	// removes the client's there too (pkg/kv owns which keys each connector
+	// reserves; the shape says only where they sit). Nil: the API has none.
+	// SGLang's reserved fields sit at the top level of every API it serves.
+	ExtraArgs []string
 	// CachedTokens is where the API's answer reports the prompt tokens found
 	// in the engine's cache, the number response.rewrite_usage corrects (a
 	// decode engine counts the KV it pulled as cached: vllm-project/router
@@ -28,23 +31,6 @@ type Shape struct {
 	// answer, and inside "response" of its final response.completed event);
 	// vLLM's token-in generate has no usage object.
 	CachedTokens []string
-}
-
-// handoffKeys are the top-level fields of both engine families' handoffs:
-// vLLM's kv_transfer_params, SGLang's bootstrap fields.
-var handoffKeys = []string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
-
-// reserved deletes the handoff keys at the top level and kv_transfer_params
-// inside each object of also.
-func reserved(also ...[]string) []body.Edit {
-	edits := make([]body.Edit, 0, len(handoffKeys)+len(also))
-	for _, k := range handoffKeys {
-		edits = append(edits, body.Delete(k))
-	}
-	for _, in := range also {
-		edits = append(edits, body.Delete("kv_transfer_params").In(in...))
-	}
-	return edits
 }
 
 // vllmXargs: vLLM's OpenAI requests copy vllm_xargs into the engine's
@@ -68,7 +54,7 @@ var (
 			body.Delete("min_tokens"),                            // vLLM refuses min_tokens > max_tokens
 			body.Delete("min_completion_tokens"),
 		},
-		Reserved:     reserved(vllmXargs),
+		ExtraArgs:    vllmXargs,
 		CachedTokens: []string{"usage", "prompt_tokens_details", "cached_tokens"},
 	}
 	// responsesShape: the same caps in the Responses API's words; the
@@ -82,7 +68,7 @@ var (
 			body.Set("store", body.False),
 			body.Set("background", body.False),
 		},
-		Reserved: reserved(vllmXargs),
+		ExtraArgs: vllmXargs,
 	}
 	// generateShape: vLLM's token-in API has the limits in sampling_params.
 	generateShape = Shape{
@@ -92,11 +78,11 @@ var (
 			body.Set("max_tokens", body.One).In("sampling_params"),
 			body.Delete("min_tokens").In("sampling_params"),
 		},
-		ParamsIn: extraArgs,
-		Reserved: reserved(extraArgs),
+		ParamsIn:  extraArgs,
+		ExtraArgs: extraArgs,
 	}
 	// topLevelShape: SGLang's native generate and the pass-through list.
-	topLevelShape = Shape{Reserved: reserved()}
+	topLevelShape = Shape{}
 )
 
 // promptLogprobs: chat and completions ask for the prompt's logprobs with

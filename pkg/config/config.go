@@ -74,6 +74,13 @@ type Prefill struct {
 	// MaxIdleConnsPerEndpoint sizes the keep-alive pool per prefill engine;
 	// beyond it, each concurrent leg opens and closes its own connection.
 	MaxIdleConnsPerEndpoint int `json:"max_idle_conns_per_endpoint"`
+	// MaxConnsPerEndpoint bounds the connections open to one prefill engine
+	// at once; a leg past it waits for one, within its attempt's timeout.
+	MaxConnsPerEndpoint int `json:"max_conns_per_endpoint"`
+	// MaxBackground bounds the kv-sglang prefill legs running in the
+	// background, which outlive their streams; past it a request gets 503
+	// with Retry-After. Default: limits.max_concurrent_streams.
+	MaxBackground int `json:"max_background"`
 	PrefillAttempts
 }
 
@@ -106,6 +113,14 @@ type Limits struct {
 	MaxConcurrentStreams int `json:"max_concurrent_streams"`
 	// RetryAfter is the Retry-After a refused request is given.
 	RetryAfter Duration `json:"retry_after"`
+	// BodyTimeout bounds how long a request body may take to arrive, from its
+	// headers on: a body not complete by then gets 408 and gives its stream
+	// slot and buffer back.
+	BodyTimeout Duration `json:"body_timeout"`
+	// MaxBufferedBytes bounds the request bodies held at once, all streams
+	// together; past it a request gets 503 with Retry-After. 0 (the default)
+	// derives it from the container's memory limit (limits.go).
+	MaxBufferedBytes int64 `json:"max_buffered_bytes"`
 }
 
 // Envoy tunes how we talk to Envoy.
@@ -122,6 +137,11 @@ const (
 	// may hold a body up to limits.max_body_bytes (and its rewritten copy).
 	DefaultMaxConcurrentStreams = 1024
 	DefaultPrefillTimout        = 30 * time.Second
+	DefaultBodyTimeout          = 60 * time.Second
+	// DefaultMaxConnsPerEndpoint: twice the keep-alive pool, so that a burst
+	// still opens connections, but a flood of kv-sglang legs (each holds its
+	// connection for the whole prefill) cannot open one per request.
+	DefaultMaxConnsPerEndpoint = 512
 )
 
 // Parse reads a YAML configuration, fills defaults and validates it.
@@ -160,6 +180,9 @@ func (c *Config) setDefaults() {
 	if c.Prefill.MaxIdleConnsPerEndpoint == 0 {
 		c.Prefill.MaxIdleConnsPerEndpoint = 256
 	}
+	if c.Prefill.MaxConnsPerEndpoint == 0 {
+		c.Prefill.MaxConnsPerEndpoint = DefaultMaxConnsPerEndpoint
+	}
 	if c.Prefill.OnFailure == "" {
 		c.Prefill.OnFailure = OnFailureDecodeOnly
 	}
@@ -169,8 +192,18 @@ func (c *Config) setDefaults() {
 	if c.Limits.MaxConcurrentStreams == 0 {
 		c.Limits.MaxConcurrentStreams = DefaultMaxConcurrentStreams
 	}
+	if c.Prefill.MaxBackground == 0 {
+		c.Prefill.MaxBackground = c.Limits.MaxConcurrentStreams
+	}
 	if c.Limits.RetryAfter == 0 {
 		c.Limits.RetryAfter = Duration(time.Second)
+	}
+	if c.Limits.BodyTimeout == 0 {
+		c.Limits.BodyTimeout = Duration(DefaultBodyTimeout)
+	}
+	if c.Limits.MaxBufferedBytes == 0 {
+		// One body of the largest size must always fit.
+		c.Limits.MaxBufferedBytes = max(DefaultMaxBufferedBytes(cgroupFS), c.Limits.MaxBodyBytes)
 	}
 	if c.Envoy.OverrideAfter == 0 {
 		c.Envoy.OverrideAfter = Duration(150 * time.Millisecond)
@@ -210,6 +243,12 @@ func (c *Config) validate() error {
 	if c.Prefill.MaxIdleConnsPerEndpoint < 0 {
 		errs = append(errs, errors.New("prefill.max_idle_conns_per_endpoint: must be positive"))
 	}
+	if c.Prefill.MaxConnsPerEndpoint < 0 {
+		errs = append(errs, errors.New("prefill.max_conns_per_endpoint: must be positive"))
+	}
+	if c.Prefill.MaxBackground < 0 {
+		errs = append(errs, errors.New("prefill.max_background: must be positive"))
+	}
 	if connector != nil && connector.Paired() && (c.PD.Mode == PDNever || c.PD.MinPromptTokens > 0) {
 		errs = append(errs, fmt.Errorf("pd.mode, pd.min_prompt_tokens: %s cannot send a request decode-only "+
 			"(its decode engines serve only prefill/decode pairs)", c.Connector))
@@ -230,6 +269,13 @@ func (c *Config) validate() error {
 	}
 	if c.Limits.MaxConcurrentStreams < 0 {
 		errs = append(errs, errors.New("limits.max_concurrent_streams: must be positive"))
+	}
+	if c.Limits.BodyTimeout < 0 {
+		errs = append(errs, errors.New("limits.body_timeout: must be positive"))
+	}
+	if c.Limits.MaxBufferedBytes < c.Limits.MaxBodyBytes {
+		errs = append(errs, fmt.Errorf("limits.max_buffered_bytes: %d is below limits.max_body_bytes (%d): no body of that size could be held",
+			c.Limits.MaxBufferedBytes, c.Limits.MaxBodyBytes))
 	}
 	if c.Limits.RetryAfter < Duration(time.Second) {
 		errs = append(errs, errors.New("limits.retry_after: must be at least 1s (Retry-After is in whole seconds)"))

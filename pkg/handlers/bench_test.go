@@ -70,10 +70,12 @@ pools: {prefill: {endpoints: %s}, decode: {endpoints: ["10.1.1.1:8000"]}}`, pdMo
 	}
 	b.Cleanup(p.Wait)
 	s := handlers.NewServer(p, handlers.Options{
-		OverrideAfter:   cfg.Envoy.OverrideAfter.D(),
-		OverrideTimeout: cfg.Envoy.OverrideMessageTimeout.D(),
-		MaxStreams:      cfg.Limits.MaxConcurrentStreams,
-		RetryAfter:      cfg.Limits.RetryAfter.D(),
+		OverrideAfter:    cfg.Envoy.OverrideAfter.D(),
+		OverrideTimeout:  cfg.Envoy.OverrideMessageTimeout.D(),
+		MaxStreams:       cfg.Limits.MaxConcurrentStreams,
+		RetryAfter:       cfg.Limits.RetryAfter.D(),
+		BodyTimeout:      cfg.Limits.BodyTimeout.D(),
+		MaxBufferedBytes: cfg.Limits.MaxBufferedBytes,
 	}, logr.Discard())
 
 	body := benchChat(n)

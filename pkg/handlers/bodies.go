@@ -3,47 +3,115 @@ package handlers
 import (
 	"math/bits"
 	"sync"
+	"sync/atomic"
 )
 
+// firstBuffer bounds the first buffer of a body that comes in chunks,
+// whatever its Content-Length announces: a client announcing 32 MiB and
+// sending one byte holds 1 MiB, not 32. A larger buffer is taken only as the
+// bytes arrive, each at least twice the last (so the body is copied about
+// once more in all) and never past what Content-Length announced.
+const firstBuffer = 1 << 20
+
 // bodyCollector gathers a request body from its chunks without copying it more
-// than once: a body that comes whole (BUFFERED, or a small FULL_DUPLEX body) is
-// used as gRPC decoded it; a chunked one goes into a pooled buffer sized once
-// from Content-Length, which the limit was checked against, so it never regrows.
+// than it must: a body that comes whole (BUFFERED, or a small FULL_DUPLEX body)
+// is used as gRPC decoded it; a chunked one goes into pooled buffers that grow
+// with what arrives. What it holds is counted against the server's budget
+// (limits.max_buffered_bytes) until no one reads the body any more: the
+// stream, and a background prefill leg that holds it (Hold).
 type bodyCollector struct {
 	buf    []byte
 	pooled bool // buf is from takeBuffer
+	budget *budget
+	taken  int64 // bytes of buf counted against budget
+	// readers are the holds on the body besides the stream's (background
+	// legs), less one once the stream has released it: the hold that takes
+	// it to -1 is the last.
+	readers  atomic.Int32
+	released bool // by the stream
 }
 
-// add appends chunk. whole says the first chunk is the whole body; announced
-// is the Content-Length, -1 when the client sent none.
-func (c *bodyCollector) add(chunk []byte, whole bool, announced int64) {
-	switch {
+// add appends chunk, unless the budget refuses the memory it needs. whole
+// says the first chunk is the whole body; announced is the Content-Length,
+// -1 when the client sent none.
+func (c *bodyCollector) add(chunk []byte, whole bool, announced int64) bool {
+	switch need := len(c.buf) + len(chunk); {
 	case c.buf == nil && whole:
-		c.buf = chunk
-	case c.buf == nil && announced > 0:
-		c.buf = takeBuffer(int(max(announced, int64(len(chunk)))))
-		c.pooled = true
-		fallthrough
-	default:
-		c.buf = append(c.buf, chunk...)
+		if !c.budget.take(int64(len(chunk))) {
+			return false
+		}
+		c.buf, c.taken = chunk, int64(len(chunk))
+		return true
+	case need > cap(c.buf):
+		if !c.grow(need, announced) {
+			return false
+		}
 	}
+	c.buf = append(c.buf, chunk...)
+	return true
+}
+
+// grow moves the body into a pooled buffer that holds need bytes.
+func (c *bodyCollector) grow(need int, announced int64) bool {
+	size := max(need, 2*cap(c.buf))
+	switch {
+	case c.buf == nil:
+		size = max(need, int(min(announced, firstBuffer)))
+	case announced >= int64(need):
+		size = min(size, int(announced)) // an honest Content-Length is never passed
+	}
+	_, class := sizeClass(size)
+	if !c.budget.take(int64(class)) { // both buffers are held while the body is copied
+		return false
+	}
+	next := append(takeBuffer(size), c.buf...)
+	if c.pooled {
+		giveBack(c.buf)
+	}
+	c.budget.give(c.taken)
+	c.buf, c.pooled, c.taken = next, true, int64(class)
+	return true
 }
 
 // bytes is the body collected so far; nil before any chunk.
 func (c *bodyCollector) bytes() []byte { return c.buf }
 
-// release gives a pooled buffer back once the stream is over, unless held: a
-// prefill leg may still be reading it.
-func (c *bodyCollector) release(held bool) {
-	if c.pooled && !held {
-		giveBack(c.buf)
+// Hold counts one more reader of the body after the stream (a background
+// prefill leg); the function it returns ends that reader's hold. It is called
+// before the stream releases the body (pipeline.Request.Keep).
+func (c *bodyCollector) Hold() (release func()) {
+	c.readers.Add(1)
+	return c.unhold
+}
+
+// unhold ends one hold; the last gives the bytes back to the budget.
+func (c *bodyCollector) unhold() {
+	if c.readers.Add(-1) == -1 {
+		c.budget.give(c.taken)
 	}
 }
 
+// release ends the stream's hold once the stream is over: the bytes go back
+// to the budget unless a background leg still reads them, and a pooled
+// buffer to the pool unless a prefill leg was sent from it (net/http may still
+// be writing it). Once only; later calls do nothing.
+func (c *bodyCollector) release(held bool) {
+	if c.released {
+		return
+	}
+	c.released = true
+	c.unhold()
+	if c.pooled && !held {
+		giveBack(c.buf)
+	}
+	c.buf, c.pooled = nil, false
+}
+
 // Buffers for FULL_DUPLEX bodies that come in several chunks, which are
-// collected into one. A buffer is taken at the first chunk, sized from
-// Content-Length, and given back when the stream ends, unless the body went to
-// a prefill endpoint (pipeline.Request.BodyHeld). Until then the body is read
+// collected into one. A buffer is taken at the first chunk, at most
+// firstBuffer whatever Content-Length says, replaced by a larger one as the
+// body outgrows it, and given back when the stream ends, unless the body went
+// to a prefill endpoint (pipeline.Request.BodyHeld). Until then the body is read
 // only on the stream's goroutine: by the pipeline while it routes, and by gRPC,
 // which copies each reply as it is sent (no stats handler is installed that
 // could keep a sent message).

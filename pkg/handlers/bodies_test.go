@@ -1,8 +1,16 @@
 package handlers
 
 import (
+	"context"
+	"errors"
+	"runtime"
 	"testing"
 
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/go-logr/logr"
+
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 )
 
@@ -56,5 +64,111 @@ func TestBodyBufferIsReusedOnlyWhenNoLegHoldsIt(t *testing.T) {
 		if seen != tt.reused {
 			t.Errorf("with prefill %q the buffer was reused: %v, want %v", tt.prefill, seen, tt.reused)
 		}
+	}
+}
+
+// A client announcing a large Content-Length and sending a byte holds a
+// first buffer of at most 1 MiB, however much it announced: measured
+// with the runtime's own count of what was allocated, over streams held open
+// together as slow clients hold them.
+func TestContentLengthLieAllocatesLittle(t *testing.T) {
+	const (
+		streams   = 10
+		announced = 32 << 20
+		first     = 1 << 20 // the promise: at most 1 MiB whatever Content-Length says
+	)
+	s := NewServer(lyingRouter{}, Options{}, logr.Discard())
+	headers := envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false,
+		envoymsg.Post("/v1/chat/completions", announced)...), filterv3.ProcessingMode_FULL_DUPLEX_STREAMED, filterv3.ProcessingMode_FULL_DUPLEX_STREAMED)
+	chunk := envoymsg.Body(envoymsg.Request, []byte("{"), false)
+
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	open := make([]*exchange, streams)
+	for i := range open {
+		open[i] = s.open(t.Context(), discard{})
+		for _, m := range []*extprocv3.ProcessingRequest{headers, chunk} {
+			if done, err := open[i].handle(m); done || err != nil {
+				t.Fatalf("stream %d ended: %v", i, err)
+			}
+		}
+	}
+	runtime.ReadMemStats(&after)
+	allocated := after.TotalAlloc - before.TotalAlloc
+	live := int64(after.HeapAlloc) - int64(before.HeapAlloc)
+	t.Logf("%d streams announcing %d bytes and sending 1: %.1f MiB allocated, heap %+.1f MiB",
+		streams, announced, float64(allocated)/(1<<20), float64(live)/(1<<20))
+	for i, x := range open {
+		if c := cap(x.body.bytes()); c > first {
+			t.Errorf("stream %d holds a %d-byte buffer for 1 byte received", i, c)
+		}
+		s.close(x)
+	}
+	if limit := uint64(streams * (first + 256<<10)); allocated > limit {
+		t.Errorf("%d streams allocated %d bytes, want at most %d (a first buffer each, and some)", streams, allocated, limit)
+	}
+}
+
+// lyingRouter serves the streams of TestContentLengthLieAllocatesLittle,
+// which never finish their bodies.
+type lyingRouter struct{}
+
+func (lyingRouter) MaxBodyBytes() int64 { return 64 << 20 }
+func (lyingRouter) Route(context.Context, *pipeline.Request) (*pipeline.Decision, error) {
+	return nil, errors.New("a lying body is never complete")
+}
+func (lyingRouter) RouteHeaders(*pipeline.Request) (*pipeline.Decision, error) {
+	return nil, errors.New("a lying body is never complete")
+}
+
+// discard is a sink that keeps nothing.
+type discard struct{}
+
+func (discard) Send(*extprocv3.ProcessingResponse) error { return nil }
+
+// A chunked body's buffer grows with what arrives, to no more than an honest
+// Content-Length; every byte is kept, and what the buffer holds is counted
+// against the budget until the stream releases it.
+func TestBodyBufferGrowsWithWhatArrives(t *testing.T) {
+	const mib = 1 << 20
+	tests := []struct {
+		name      string
+		announced int64
+		size      int // bytes sent, in 64 KiB chunks
+		wantCap   int
+	}{
+		{"small, announced: its size class", 1000, 1000, 1024},
+		{"3 MiB, announced: 1 MiB, then 2, then 3", 3 * mib, 3 * mib, 3 * mib},
+		{"3 MiB, none announced: doubling", -1, 3 * mib, 4 * mib},
+		{"more than announced", 100, 200 << 10, 256 << 10},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			b := &budget{}
+			c := bodyCollector{budget: b}
+			sent := make([]byte, tt.size)
+			for i := range sent {
+				sent[i] = byte(i * 7)
+			}
+			for off := 0; off < len(sent); off += 64 << 10 {
+				if !c.add(sent[off:min(off+64<<10, len(sent))], false, tt.announced) {
+					t.Fatal("refused without a limit")
+				}
+			}
+			if string(c.bytes()) != string(sent) {
+				t.Fatal("the collected body differs from what was sent")
+			}
+			if got := cap(c.bytes()); got != tt.wantCap {
+				t.Errorf("buffer of %d bytes, want %d", got, tt.wantCap)
+			}
+			if held := b.held.Load(); held != int64(cap(c.bytes())) {
+				t.Errorf("%d bytes counted for a %d-byte buffer", held, cap(c.bytes()))
+			}
+			c.release(false)
+			if held := b.held.Load(); held != 0 {
+				t.Errorf("%d bytes still counted after the release", held)
+			}
+		})
 	}
 }

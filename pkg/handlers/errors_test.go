@@ -8,11 +8,13 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/go-logr/logr/funcr"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
@@ -131,6 +133,54 @@ pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`
 			}
 			if na, nb := len(a.Requests()), len(b.Requests()); na != 1 || nb != 1 {
 				t.Errorf("prefill attempts = %d + %d, want one on each endpoint", na, nb)
+			}
+		})
+	}
+}
+
+// A failure whose cause would tell the client an internal address, or Go's
+// transport error (which quotes the leg's URL and query), reaches the client
+// as a message naming its request id; the cause is in the request's log line.
+// An engine's own 4xx still passes as the engine wrote it (above).
+func TestErrorsHideInternalAddressesAndNameTheRequest(t *testing.T) {
+	dead := "127.0.0.1:1" // nothing listens there
+	tests := []struct {
+		name       string
+		prefill    func(t *testing.T) string
+		wantStatus int
+	}{
+		{"prefill unreachable", func(*testing.T) string { return dead }, 503},
+		{"prefill 5xx", func(t *testing.T) string {
+			return enginetest.Start(t, enginetest.JSON(503, `{"detail":"10.0.0.5 is sad"}`)).Addr()
+		}, 502},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			addr := tt.prefill(t)
+			var mu sync.Mutex
+			var logged strings.Builder
+			log := funcr.New(func(_, args string) {
+				mu.Lock()
+				defer mu.Unlock()
+				logged.WriteString(args + "\n")
+			}, funcr.Options{})
+			p := newPipeline(t, fmt.Sprintf("connector: kv-nixl\nprefill: {on_failure: fail}\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
+				addr, fakeEndpoint))
+			replies := drive(t, handlers.NewServer(p, handlers.Options{}, log),
+				envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false,
+					envoymsg.Post(chatPath+"?api_key=s3cret", len(clientChat), envoymsg.Header{"x-request-id", "req-e1"})...), fullDuplex, fullDuplex),
+				envoymsg.Body(envoymsg.Request, []byte(clientChat), true))
+			checkOpenAIError(t, replies, tt.wantStatus, "request id req-e1")
+			body := string(replies[len(replies)-1].GetImmediateResponse().GetBody())
+			for _, leak := range []string{addr, "127.0.0.1", "10.0.0.5", "s3cret", "dial", "Post ", "http://"} {
+				if strings.Contains(body, leak) {
+					t.Errorf("the client's error shows %q: %s", leak, body)
+				}
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if !strings.Contains(logged.String(), `"detail"=`) || !strings.Contains(logged.String(), addr) {
+				t.Errorf("the request's log line lacks the cause naming %s:\n%s", addr, logged.String())
 			}
 		})
 	}

@@ -8,6 +8,7 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 )
 
@@ -36,8 +37,8 @@ type exchange struct {
 	protocol *extprocv3.ProtocolConfiguration // the last one Envoy sent: the body modes
 
 	headersSeen   bool
-	overloaded    bool // over Options.MaxStreams: refuse with 429
-	requestDone   bool // the request body has been handled: later chunks are dropped (envoy#46237)
+	lim           holding // the stream's slot and its request's deadline
+	requestDone   bool    // the request body has been handled: later chunks are dropped (envoy#46237)
 	responseDone  bool
 	req           pipeline.Request
 	contentLength int64 // -1 when the client sent none
@@ -57,6 +58,16 @@ func (x *exchange) responseMode() filterv3.ProcessingMode_BodySendMode {
 
 // handle answers one message. done means the stream is finished for us.
 func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err error) {
+	if !x.lim.over { // the request's deadline may fire meanwhile
+		x.lim.mu.Lock()
+		defer x.unlock()
+	}
+	switch {
+	case x.lim.expired:
+		return true, nil // answered 408 already
+	case !x.lim.started:
+		x.start()
+	}
 	if pc := req.GetProtocolConfig(); pc != nil {
 		x.protocol = pc
 	}
@@ -88,7 +99,8 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 	start := time.Now()
 	x.readHeaders(h.GetHeaders())
 	x.ctx = x.obs.begin(x.ctx, &x.req, h.GetHeaders(), start)
-	if x.overloaded {
+	if !x.lim.slot {
+		x.opts.Metrics.LimitRefused(metrics.LimitStreams)
 		return x.fail(pipeline.Overloaded(x.opts.MaxStreams, x.opts.RetryAfter))
 	}
 
@@ -136,7 +148,10 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) (bool, error) {
 	// Only FULL_DUPLEX cuts a body into several messages, and a first one with
 	// end_of_stream is the whole body there too.
 	whole := b.GetEndOfStream() || x.requestMode() != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
-	x.body.add(b.GetBody(), whole, x.contentLength)
+	if !x.body.add(b.GetBody(), whole, x.contentLength) {
+		x.opts.Metrics.LimitRefused(metrics.LimitBuffered)
+		return x.fail(pipeline.BuffersFull(x.opts.MaxBufferedBytes, x.opts.RetryAfter))
+	}
 	if limit := x.router.MaxBodyBytes(); int64(len(x.body.bytes())) > limit {
 		return x.fail(pipeline.TooLarge(limit))
 	}
@@ -222,7 +237,7 @@ func untouched(out, in []byte) bool {
 // route runs the pipeline on the whole body. With keepAlive, Envoy's message
 // timer is running, and a slow route (a prefill leg) extends it once.
 func (x *exchange) route(keepAlive bool) (*pipeline.Decision, error) {
-	x.req.Body = x.body.bytes()
+	x.req.Body, x.req.Keep = x.body.bytes(), &x.body
 	x.opts.Metrics.RequestBody(len(x.req.Body))
 	if keepAlive && x.opts.OverrideAfter > 0 {
 		sent := make(chan struct{})
@@ -302,7 +317,7 @@ func (x *exchange) rewriting() bool { return x.decision != nil && x.decision.Rew
 // fail ends the exchange with a local reply from Envoy to the client.
 func (x *exchange) fail(err error) (bool, error) {
 	x.requestDone = true
-	e := pipeline.AsError(err)
+	e := pipeline.AsError(err, x.req.RequestID)
 	x.obs.rejected(e, x.ctx.Err() != nil, x.body.bytes())
 	return true, x.out.Send(immediate(e))
 }
@@ -311,6 +326,10 @@ func (x *exchange) fail(err error) (bool, error) {
 // observation first (it may log the body), then what the request held goes
 // back.
 func (x *exchange) end() {
+	x.lim.mu.Lock() // the request's deadline must not fire now
+	defer x.lim.mu.Unlock()
+	x.lim.stop()
+	x.lim.letGo()
 	x.obs.abandon(x.decision, x.body.bytes())
 	if x.rewriting() {
 		x.opts.Metrics.UsageRewrite(x.decision.Rewrite.Outcome())

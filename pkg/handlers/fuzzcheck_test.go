@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -15,6 +16,7 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/structpb"
 
@@ -348,12 +350,22 @@ func (k *fuzzChecker) checkRouting() {
 		return
 	}
 	cr := fuzzCommon(d.routing)
-	if want, ok := fuzzSingleHeader(d.headers, "x-request-id"); ok && want != "" {
-		if got, _ := fuzzSetHeader(cr.GetHeaderMutation(), "x-request-id"); got != want {
+	got, set := fuzzSetHeader(cr.GetHeaderMutation(), "x-request-id")
+	switch want, ok := fuzzSingleHeader(d.headers, "x-request-id"); {
+	case ok && fuzzSafeRequestID.MatchString(want):
+		if got != want {
 			k.fail("x-request-id %q, want the client's %q on both legs", got, want)
 		}
-	} else if _, ok := fuzzSetHeader(cr.GetHeaderMutation(), "x-request-id"); !ok && len(fuzzAllHeaders(d.headers, "x-request-id")) < 2 {
+	case !set:
 		k.fail("routing reply without an x-request-id")
+	case !fuzzSafeRequestID.MatchString(got):
+		k.fail("x-request-id %.80q replaces the client's with one that is not safe either", got)
+	}
+	removed := cr.GetHeaderMutation().GetRemoveHeaders()
+	for _, h := range fuzzReservedHeaders[k.c.connector] {
+		if !slices.Contains(removed, h) {
+			k.fail("routing reply does not remove %s: a client's would steer the decode engine (removes %v)", h, removed)
+		}
 	}
 	if bodyless {
 		return
@@ -378,6 +390,17 @@ func (k *fuzzChecker) checkRouting() {
 		k.fail("content-length %q for a %d-byte body", cl, len(d.repliedBody))
 	}
 	k.checkDecodeBody(d.repliedBody)
+}
+
+// fuzzSafeRequestID is a request id kept as the client sent it; any other is replaced.
+var fuzzSafeRequestID = regexp.MustCompile(`^[A-Za-z0-9._:-]{1,128}$`)
+
+// fuzzReservedHeaders are some of the headers each connector's decode engines
+// read that only a router may set (pkg/kv lists them all, with their sources).
+var fuzzReservedHeaders = map[string][]string{
+	"kv-nixl":           {"x-data-parallel-rank"},
+	"kv-shared-storage": {"x-data-parallel-rank"},
+	"kv-sglang":         {"x-data-parallel-rank", "x-override-bootstrap-host", "x-override-bootstrap-room", "x-override-routed-dp-rank"},
 }
 
 // checkDecodeBody: whatever the client sent, the reserved keys the decode
@@ -540,7 +563,7 @@ func TestFuzzCheckerCatchesWhatEnvoyRefuses(t *testing.T) {
 	routing := &extprocv3.CommonResponse{ClearRouteCache: true, HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 		{Header: &corev3.HeaderValue{Key: handlers.DestinationHeader, RawValue: []byte(dest)}},
 		{Header: &corev3.HeaderValue{Key: "x-request-id", RawValue: []byte("r1")}},
-	}}}
+	}, RemoveHeaders: []string{"x-data-parallel-rank"}}}
 	md, _ := structpb.NewStruct(map[string]any{handlers.DestinationMetadata: map[string]any{handlers.DestinationHeader: dest}})
 	headersReply := &extprocv3.ProcessingResponse{DynamicMetadata: md,
 		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{Response: routing}}}
@@ -553,6 +576,10 @@ func TestFuzzCheckerCatchesWhatEnvoyRefuses(t *testing.T) {
 	override := &extprocv3.ProcessingResponse{OverrideMessageTimeout: durationpb.New(time.Second)}
 	bufferedRouting := &extprocv3.ProcessingResponse{DynamicMetadata: md,
 		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: routing}}}
+	keeping := proto.Clone(routing).(*extprocv3.CommonResponse)
+	keeping.HeaderMutation.RemoveHeaders = nil
+	headersReplyKeeping := &extprocv3.ProcessingResponse{DynamicMetadata: md,
+		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{Response: keeping}}}
 	continueHeaders := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}}}
 
 	recv := func(m *extprocv3.ProcessingRequest) fuzzEvent { return fuzzEvent{recv: m} }
@@ -590,6 +617,9 @@ func TestFuzzCheckerCatchesWhatEnvoyRefuses(t *testing.T) {
 			recv(headers(fd)), recv(envoymsg.Body(envoymsg.Request, body, true)), sent(headersReply), sent(streamed),
 			recv(envoymsg.Body(envoymsg.Request, body, true)), sent(streamed),
 		}, "envoy#46237"},
+		{"a client's data-parallel rank left on the request", []fuzzEvent{
+			recv(headers(fd)), recv(envoymsg.Body(envoymsg.Request, body, true)), sent(headersReplyKeeping), sent(streamed),
+		}, "does not remove x-data-parallel-rank"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -39,12 +39,39 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 			x.req.Forward = http.Header{"Authorization": {headerValue(h)}}
 		}
 	}
-	if x.req.RequestID == "" {
+	if id := x.req.RequestID; !validRequestID(id) {
 		x.req.RequestID = uuid.NewString()
+		if id != "" {
+			x.obs.log.V(1).Info("replacing the client's x-request-id: not 1 to 128 bytes of A-Z a-z 0-9 . _ : -",
+				"requestID", x.req.RequestID, "bytes", len(id), "got", strconv.Quote(truncate([]byte(id), 64)))
+		}
 	}
 	if logged != nil {
 		x.obs.log.V(2).Info("request headers", "requestID", x.req.RequestID, "headers", logged)
 	}
+}
+
+// maxRequestIDBytes bounds a client's request id: a UUID is 36 bytes, and
+// the id goes into every log line and onto both legs.
+const maxRequestIDBytes = 128
+
+// validRequestID reports whether id may be kept: 1 to 128 bytes of
+// [A-Za-z0-9._:-]. Anything else is replaced, not passed on: Go's HTTP client
+// refuses control bytes in a header (the prefill leg would fail before it is
+// sent), and the engines take the id as their own request id (vLLM's
+// X-Request-Id), where it lands in their logs.
+func validRequestID(id string) bool {
+	if id == "" || len(id) > maxRequestIDBytes {
+		return false
+	}
+	for i := 0; i < len(id); i++ {
+		switch c := id[i]; {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9', c == '.', c == '_', c == ':', c == '-':
+		default:
+			return false
+		}
+	}
+	return true
 }
 
 // headerValue is a header's value: Envoy sends it in raw_value, and value only

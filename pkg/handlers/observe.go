@@ -2,6 +2,7 @@ package handlers
 
 import (
 	"context"
+	"strings"
 	"sync"
 	"time"
 	"unicode/utf8"
@@ -21,16 +22,31 @@ import (
 // maxLoggedBody bounds the body on the request line under --log-prompts.
 const maxLoggedBody = 16 << 10
 
-// secretHeaders are never logged with their value.
-var secretHeaders = map[string]bool{
-	"authorization": true, "proxy-authorization": true, "cookie": true, "set-cookie": true,
-	"x-api-key": true, "api-key": true,
+// loggedHeaders are the request headers logged with their value (-v 2);
+// every other header is logged as [REDACTED]. An allowlist, because a list
+// of secrets is never complete: each API and gateway brings its own key
+// header (x-goog-api-key, x-auth-token, ...). What is here describes the
+// request, its routing and its trace, and carries no credential or personal
+// data (not x-forwarded-for: client addresses).
+var loggedHeaders = map[string]bool{
+	":method": true, ":scheme": true, ":authority": true, ":path": true,
+	"content-type": true, "content-length": true, "content-encoding": true, "transfer-encoding": true,
+	"accept": true, "accept-encoding": true, "user-agent": true, "te": true,
+	RequestIDHeader: true, "traceparent": true, "tracestate": true, DestinationHeader: true,
+	"x-forwarded-proto": true, "x-envoy-expected-rq-timeout-ms": true,
 }
 
-// redact returns the value of header key as it may be logged.
+// redact returns the value of header key as it may be logged: the path
+// without its query (it may carry an api_key), other headers only when
+// allowed.
 func redact(key, value string) string {
-	if secretHeaders[key] {
+	switch {
+	case !loggedHeaders[key]:
 		return "[REDACTED]"
+	case key == ":path":
+		if path, _, query := strings.Cut(value, "?"); query {
+			return path + "?[REDACTED]"
+		}
 	}
 	return value
 }
@@ -58,6 +74,9 @@ type observation struct {
 	// span is the request's from begin until the observation concludes, and
 	// nil outside that time.
 	span trace.Span
+	// detail is what the log gets of a refusal beyond its message
+	// (pipeline.Error.Detail).
+	detail string
 }
 
 // begin starts the observation of r, whose headers hm arrived at start: its
@@ -78,10 +97,11 @@ func (o *observation) begin(ctx context.Context, r *pipeline.Request, hm *corev3
 		}
 	}
 	o.req, o.start = r, start
+	path, _, _ := strings.Cut(r.Path, "?") // the query may carry a credential
 	ctx, o.span = o.tracer.Start(o.propagator.Extract(ctx, traceHeaders), "extproc.request", trace.WithSpanKind(trace.SpanKindServer),
 		trace.WithAttributes(
 			semconv.HTTPRequestMethodKey.String(method),
-			semconv.URLPath(r.Path),
+			semconv.URLPath(path),
 			attribute.String("pd.request_id", r.RequestID),
 		))
 	return ctx
@@ -103,6 +123,7 @@ func (o *observation) rejected(e *pipeline.Error, cancelled bool, body []byte) {
 	case e.Status >= 500:
 		outcome = metrics.Outcome5xx
 	}
+	o.detail = e.Detail
 	o.conclude(outcome, e.Status, e.Message, nil, body)
 }
 
@@ -133,6 +154,9 @@ func (o *observation) conclude(outcome string, status int, reason string, d *pip
 	}
 	if status != 0 {
 		kv = append(kv, "status", status, "error", reason)
+	}
+	if o.detail != "" {
+		kv = append(kv, "detail", o.detail)
 	}
 	if body != nil {
 		kv = append(kv, "bodyBytes", len(body))

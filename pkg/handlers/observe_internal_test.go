@@ -10,6 +10,15 @@ func TestRedactAndTruncate(t *testing.T) {
 		{"x-api-key", "k", "[REDACTED]"},
 		{"x-request-id", "req-1", "req-1"},
 		{":path", "/v1/completions", "/v1/completions"},
+		// Not on the list: redacted whatever they are.
+		{"x-goog-api-key", "AIza-1", "[REDACTED]"},
+		{"x-auth-token", "t", "[REDACTED]"},
+		{"x-forwarded-for", "198.51.100.7", "[REDACTED]"},
+		{"x-anything-new", "v", "[REDACTED]"},
+		// The path without its query.
+		{":path", "/v1/completions?api_key=sk-2&x=1", "/v1/completions?[REDACTED]"},
+		{"content-type", "application/json", "application/json"},
+		{"traceparent", "00-1-2-01", "00-1-2-01"},
 	}
 	for _, tt := range redactions {
 		if got := redact(tt.key, tt.value); got != tt.want {

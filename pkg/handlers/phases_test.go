@@ -337,10 +337,10 @@ func TestRefusalsAreLocalRepliesThatEndTheStream(t *testing.T) {
 			wantStatus: 502, wantMessage: "prefill leg failed", wantBefore: 1, wantCalls: []string{"Route"},
 		},
 		{
-			name:       "a plain error from the router is a 500 with its text",
-			router:     &fakeRouter{err: errors.New("the pool is gone")},
+			name:       "a plain error from the router is a 500 that names the request, not the error",
+			router:     &fakeRouter{err: errors.New("dial tcp 10.9.9.9:8000: connection refused")},
 			msgs:       []*extprocv3.ProcessingRequest{first(fullDuplex, post...), envoymsg.Body(envoymsg.Request, chat, true)},
-			wantStatus: 500, wantMessage: "the pool is gone", wantCalls: []string{"Route"},
+			wantStatus: 500, wantMessage: "internal error; request id ", wantCalls: []string{"Route"},
 		},
 		{
 			name:   "the router's error routing from headers",

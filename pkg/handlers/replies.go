@@ -41,7 +41,7 @@ func routing(d *pipeline.Decision, requestID string) (*extprocv3.HeaderMutation,
 	m := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 		setHeader(DestinationHeader, d.Endpoint),
 		setHeader(RequestIDHeader, requestID),
-	}}
+	}, RemoveHeaders: d.RemoveHeaders} // Envoy may remove any of them (docs/envoy.md §3.3)
 	md := &structpb.Struct{Fields: map[string]*structpb.Value{
 		DestinationMetadata: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
 			DestinationHeader: structpb.NewStringValue(d.Endpoint),

@@ -51,16 +51,26 @@ type Options struct {
 	// LogPrompts adds the request body to the per-request log line. Off by
 	// default: prompts are user data.
 	LogPrompts bool
-	// MaxStreams bounds the streams (requests) in progress; past it a request
-	// gets 429 with Retry-After (RetryAfter). 0 means no bound.
+	// MaxStreams bounds the streams (requests) in progress, each counted from
+	// its first message; past it a request gets 429 with Retry-After
+	// (RetryAfter). 0 means no bound.
 	MaxStreams int
 	RetryAfter time.Duration
+	// BodyTimeout bounds the time from a stream's first message until its
+	// request body is complete; past it the request gets 408 and gives back
+	// its slot and buffer. 0 means no bound.
+	BodyTimeout time.Duration
+	// MaxBufferedBytes bounds the request bodies held at once, all streams
+	// together; a body that would pass it gets 503 with Retry-After. 0 means
+	// no bound.
+	MaxBufferedBytes int64
 }
 
 // Server implements envoy.service.ext_proc.v3.ExternalProcessor.
 type Server struct {
 	extprocv3.UnimplementedExternalProcessorServer
-	streams atomic.Int64 // Process calls in progress
+	streams atomic.Int64 // streams holding a slot of Options.MaxStreams
+	bodies  budget       // the request bodies held, against Options.MaxBufferedBytes
 	router  Router
 	opts    Options
 	obs     observer
@@ -85,6 +95,7 @@ func NewServer(r Router, opts Options, log logr.Logger) *Server {
 	for _, f := range opts.Propagator.Fields() {
 		s.obs.traceFields[f] = true
 	}
+	s.bodies.limit, s.bodies.metrics = opts.MaxBufferedBytes, opts.Metrics
 	return s
 }
 
@@ -112,19 +123,17 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 	}
 }
 
-// open starts the exchange of a new stream, whose replies go to out.
+// open starts the exchange of a new stream, whose replies go to out. It
+// takes a slot of Options.MaxStreams only at the stream's first message.
 func (s *Server) open(ctx context.Context, out sink) *exchange {
 	s.opts.Metrics.StreamOpened()
 	x := &exchange{router: s.router, opts: &s.opts, out: out, ctx: ctx, obs: observation{observer: &s.obs}}
-	if n := s.streams.Add(1); s.opts.MaxStreams > 0 && n > int64(s.opts.MaxStreams) {
-		x.overloaded = true // refused at its first message, without holding a body
-	}
+	x.lim.streams, x.body.budget = &s.streams, &s.bodies
 	return x
 }
 
 // close ends the exchange of a stream that ended.
 func (s *Server) close(x *exchange) {
 	defer s.opts.Metrics.StreamClosed()
-	defer s.streams.Add(-1)
 	x.end()
 }

@@ -28,6 +28,8 @@ func FuzzLegs(f *testing.F) {
 	f.Add([]byte(`{"sampling_params":{"extra_args":[1]},"sampling_params":{"extra_args":{"kv_transfer_params":1},"min_tokens":2}}`),
 		[]byte(prefillAnswer), "h", 1, uint64(1), uint8(2))
 	f.Add([]byte(`{"vllm_xargs":{"kv_transfer_params":"x","a":1},"store":true,"background":true}`), []byte(prefillAnswer), "h", 1, uint64(1), uint8(1))
+	f.Add([]byte(`{"rid":"a","routed_dp_rank":1,"data_parallel_rank":2,"disagg_prefill_dp_rank":3,"bootstrap_pair_key":"k",`+
+		`"decode_tp_size":8,"kv_router_hint":{},"rid":"b","vllm_xargs":{"kv_transfer_params":"x"}}`), []byte(prefillAnswer), "h", 1, uint64(1), uint8(3))
 
 	f.Fuzz(func(t *testing.T, in, prefillKV []byte, host string, port int, room uint64, which uint8) {
 		o, err := body.Parse(in)
@@ -40,17 +42,23 @@ func FuzzLegs(f *testing.F) {
 		a := []*api.API{api.Chat, api.Responses, api.Generate, api.SGLangGenerate}[which%4]
 		h := &Handoff{Body: o, Shape: &a.Shape, PrefillHost: host, BootstrapPort: port & 0xffff, Room: room &^ (1 << 63), PrefillKV: prefillKV}
 
-		client := decode(t, in)
-		for _, k := range []string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"} {
-			delete(client, k)
+		// What each family's engines may read of the client's body: all of
+		// it but the reserved fields (reserved_test.go), which no leg keeps.
+		clientFor := func(family api.Family) map[string]any {
+			m := decode(t, in)
+			top, inExtraArgs := reservedOf(family, &a.Shape)
+			for _, k := range top {
+				delete(m, k)
+			}
+			for _, k := range inExtraArgs {
+				deleteIn(m, a.Shape.ExtraArgs, k)
+			}
+			return m
 		}
+		client := clientFor(api.VLLM)
 		paramsIn := []string(nil)
-		switch a {
-		case api.Generate:
+		if a == api.Generate {
 			paramsIn = []string{"sampling_params", "extra_args"}
-			deleteIn(client, paramsIn, "kv_transfer_params")
-		case api.Chat, api.Responses:
-			deleteIn(client, []string{"vllm_xargs"}, "kv_transfer_params")
 		}
 		with := func(fields map[string]any, inner ...func(map[string]any)) map[string]any {
 			m := deepClone(client)
@@ -93,6 +101,8 @@ func FuzzLegs(f *testing.F) {
 		if HasParams(prefillKV) {
 			nixlDecode = with(nil, params(prefillKV))
 		}
+		vllmClient := client
+		client = clientFor(api.SGLang) // the base of with from here on
 		bootstrap := with(map[string]any{
 			"bootstrap_host": decodeValue(t, body.Quote(host)),
 			"bootstrap_port": decodeValue(t, body.Uint(uint64(h.BootstrapPort))),
@@ -105,7 +115,7 @@ func FuzzLegs(f *testing.F) {
 		}
 		var cases []legs
 		if a.Pairs.Has(api.VLLM) {
-			cases = append(cases, legs{NIXL, nixlPrefill, nixlDecode}, legs{SharedStorage, sharedPrefill, client})
+			cases = append(cases, legs{NIXL, nixlPrefill, nixlDecode}, legs{SharedStorage, sharedPrefill, vllmClient})
 		}
 		if a.Pairs.Has(api.SGLang) {
 			cases = append(cases, legs{SGLang, bootstrap, bootstrap})
@@ -122,8 +132,14 @@ func FuzzLegs(f *testing.F) {
 				t.Fatalf("%s %s decode leg of %q reads as\n%v\nwant\n%v", tt.connector, a.Name, in, got, tt.decode)
 			}
 		}
-		if got := decode(t, Scrubbed(o, &a.Shape).Bytes()); !reflect.DeepEqual(got, client) {
-			t.Fatalf("Scrubbed(%q) reads as %v, want %v", in, got, client)
+		for _, name := range []string{NIXL, SharedStorage, SGLang} {
+			c, _ := Build(name)
+			if !a.Serves.Has(c.Family()) {
+				continue
+			}
+			if got, want := decode(t, Scrubbed(c, o, &a.Shape).Bytes()), clientFor(c.Family()); !reflect.DeepEqual(got, want) {
+				t.Fatalf("%s: Scrubbed(%q) reads as %v, want %v", name, in, got, want)
+			}
 		}
 	})
 }

@@ -56,6 +56,15 @@ type Connector interface {
 	// Family is the engines it drives: the APIs they serve and can
 	// disaggregate are theirs (pkg/api).
 	Family() api.Family
+	// Reserved removes, from a body of an API of shape s, every field its
+	// engines read through which a client could steer a handoff
+	// (reserved.go), with every duplicate: applied to every leg, before the
+	// connector's own edits.
+	Reserved(s *api.Shape) []body.Edit
+	// ReservedHeaders are the request headers its engines read that only a
+	// router may set (lower case): removed from the request Envoy forwards
+	// to the decode engine. The prefill leg carries none of them.
+	ReservedHeaders() []string
 	// Dispatch is the order in which the two legs go out.
 	Dispatch() Dispatch
 	// Paired reports whether the engines serve only prefill/decode pairs: the
@@ -90,19 +99,21 @@ func Build(name string) (Connector, error) {
 }
 
 // PrefillBody returns the body of the prefill leg: the client's without the
-// fields it may not set (api.Shape.Reserved), plus the connector's.
+// fields it may not set (Connector.Reserved), plus the connector's.
 func PrefillBody(c Connector, h *Handoff) body.Spliced {
-	return h.Body.Splice(slices.Concat(h.Shape.Reserved, c.PrefillEdits(h))...)
+	return h.Body.Splice(slices.Concat(c.Reserved(h.Shape), c.PrefillEdits(h))...)
 }
 
 // DecodeBody returns the body of the decode leg.
 func DecodeBody(c Connector, h *Handoff) body.Spliced {
-	return h.Body.Splice(slices.Concat(h.Shape.Reserved, c.DecodeEdits(h))...)
+	return h.Body.Splice(slices.Concat(c.Reserved(h.Shape), c.DecodeEdits(h))...)
 }
 
-// Scrubbed returns the client's body without the fields it may not set: the
-// body of a request that goes to a decode endpoint alone.
-func Scrubbed(o *body.Object, s *api.Shape) body.Spliced { return o.Splice(s.Reserved...) }
+// Scrubbed returns the client's body without the fields it may not set for
+// c's engines: the body of a request that goes to a decode endpoint alone.
+func Scrubbed(c Connector, o *body.Object, s *api.Shape) body.Spliced {
+	return o.Splice(c.Reserved(s)...)
+}
 
 // transferParams sets kv_transfer_params where the request's API reads it.
 func transferParams(s *api.Shape, value []byte) body.Edit {

@@ -377,7 +377,8 @@ func TestScrubbed(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := Scrubbed(o, &tt.api.Shape).Bytes(); string(got) != tt.want {
+			c, _ := Build(NIXL)
+			if got := Scrubbed(c, o, &tt.api.Shape).Bytes(); string(got) != tt.want {
 				t.Fatalf("Scrubbed = %s, want %s", got, tt.want)
 			}
 		})
@@ -389,7 +390,8 @@ func TestScrubbed(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := Scrubbed(o, &api.Chat.Shape).Bytes(); &got[0] != &in[0] {
+		c, _ := Build(SGLang)
+		if got := Scrubbed(c, o, &api.Chat.Shape).Bytes(); &got[0] != &in[0] {
 			t.Fatalf("Scrubbed copied a body with nothing to remove")
 		}
 	})

@@ -4,21 +4,19 @@ import (
 	"bytes"
 	"slices"
 
-	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
 // nixlKV drives vLLM's NixlConnector (pull mode): the prefill engine keeps the KV
 // blocks and answers with the kv_transfer_params the decode engine needs to read
 // them; we pass that object on byte for byte because new keys keep appearing.
-type nixlKV struct{}
+type nixlKV struct{ vllmFamily }
 
 // nixlPrefillParams asks the prefill engine to keep the blocks for a remote
 // decode. Only do_remote_decode matters to vLLM; the null keys follow its proxies.
 var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,` +
 	`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
 
-func (nixlKV) Family() api.Family    { return api.VLLM }
 func (nixlKV) Dispatch() Dispatch    { return Sequential }
 func (nixlKV) Paired() bool          { return false }
 func (nixlKV) HandsBackParams() bool { return true }

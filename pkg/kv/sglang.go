@@ -1,7 +1,6 @@
 package kv
 
 import (
-	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
@@ -9,9 +8,8 @@ import (
 // bootstrap fields and must be in flight together, because the prefill engine
 // waits for the decode engine to connect to its bootstrap server. SGLang has no
 // kv_transfer_params (it would silently drop it) and needs an integer room.
-type sglangKV struct{}
+type sglangKV struct{ sglangFamily }
 
-func (sglangKV) Family() api.Family    { return api.SGLang }
 func (sglangKV) Dispatch() Dispatch    { return Concurrent }
 func (sglangKV) Paired() bool          { return true }
 func (sglangKV) HandsBackParams() bool { return false }

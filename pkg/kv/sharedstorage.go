@@ -1,16 +1,14 @@
 package kv
 
 import (
-	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
 // sharedStorageKV drives vLLM connectors that exchange KV through storage keyed by
 // the prompt (ExampleConnector, LMCache): the prefill leg writes it, the decode leg
 // with the same prompt reads it. Nothing about the handoff travels in the body.
-type sharedStorageKV struct{}
+type sharedStorageKV struct{ vllmFamily }
 
-func (sharedStorageKV) Family() api.Family                  { return api.VLLM }
 func (sharedStorageKV) Dispatch() Dispatch                  { return Sequential }
 func (sharedStorageKV) Paired() bool                        { return false }
 func (sharedStorageKV) HandsBackParams() bool               { return false }

@@ -73,13 +73,15 @@ const (
 
 // Values of prefill_failures_total{reason}: why one prefill attempt failed.
 const (
-	FailureConnect   = "connect"    // the engine could not be dialled
-	FailureTimeout   = "timeout"    // prefill.attempt_timeout or prefill.timeout expired
-	FailureStatus4xx = "status_4xx" // the engine rejected the request
-	FailureStatus5xx = "status_5xx" // the engine answered with its own failure
-	FailureRedirect  = "redirect"   // the engine answered with a redirect, which is not followed
-	FailureTransport = "transport"  // the connection broke while sending or reading
-	FailureCancelled = "cancelled"  // the client left (the ext_proc stream ended) while the leg ran
+	FailureConnect   = "connect"          // the engine could not be dialled
+	FailureTimeout   = "timeout"          // prefill.attempt_timeout or prefill.timeout expired
+	FailureStatus4xx = "status_4xx"       // the engine rejected the request
+	FailureStatus5xx = "status_5xx"       // the engine answered with its own failure
+	FailureRedirect  = "redirect"         // the engine answered with a redirect, which is not followed
+	FailureTransport = "transport"        // the connection broke while sending or reading
+	FailureCancelled = "cancelled"        // the client left (the ext_proc stream ended) while the leg ran
+	FailureNotSent   = "not_sent"         // net/http refused the leg before connecting (a header value or query of the client's that is not valid HTTP)
+	FailureTooLarge  = "answer_too_large" // a 2xx answer longer than the 8 MiB read: its kv_transfer_params would be lost
 )
 
 var (
@@ -89,7 +91,7 @@ var (
 	// Reasons lists every pd_decisions_total{reason} value.
 	Reasons = []string{ReasonAlways, ReasonLongPrompt, ReasonNever, ReasonShortPrompt, ReasonNGT1, ReasonBatch, ReasonNoPrefill,
 		ReasonPrefillFailed, ReasonNoBody, ReasonPassthrough, ReasonUnpairedAPI, ReasonPromptLogprobs, ReasonStoredResponse}
-	failures      = []string{FailureConnect, FailureTimeout, FailureStatus4xx, FailureStatus5xx, FailureRedirect, FailureTransport, FailureCancelled}
+	failures      = []string{FailureConnect, FailureTimeout, FailureStatus4xx, FailureStatus5xx, FailureRedirect, FailureTransport, FailureCancelled, FailureNotSent, FailureTooLarge}
 	prefillStates = []string{PrefillOK, PrefillFailed, PrefillCancelled}
 )
 
@@ -107,6 +109,7 @@ type Metrics struct {
 	bodyBytes       prometheus.Histogram
 	streams         prometheus.Gauge
 	answers         answers
+	limits          limits
 }
 
 // New returns the metrics of a server using connector, on a new registry that
@@ -132,7 +135,7 @@ func New(connector string) *Metrics {
 		}, []string{"outcome"}),
 		prefillFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "prefill_failures_total",
-			Help: "Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled).",
+			Help: "Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled, not_sent, answer_too_large).",
 		}, []string{"reason"}),
 		kvParamsMissing: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: namespace, Name: "kv_params_missing_total",
@@ -153,6 +156,7 @@ func New(connector string) *Metrics {
 			Help: "ext_proc Process streams currently open.",
 		}),
 		answers: newAnswers(),
+		limits:  newLimits(),
 	}
 	m.registry.MustRegister(
 		collectors.NewGoCollector(),
@@ -161,6 +165,7 @@ func New(connector string) *Metrics {
 		m.decisions, m.bodyBytes, m.streams,
 	)
 	m.registry.MustRegister(m.answers.collectors()...)
+	m.registry.MustRegister(m.limits.collectors()...)
 	m.initSeries()
 	return m
 }
@@ -190,6 +195,7 @@ func (m *Metrics) initSeries() {
 		m.prefillDuration.WithLabelValues(s)
 	}
 	m.answers.initSeries()
+	m.limits.initSeries()
 }
 
 // Registry is the registry every collector is on.

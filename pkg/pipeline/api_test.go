@@ -152,7 +152,7 @@ func TestAPITable(t *testing.T) {
 				if err == nil {
 					t.Fatalf("routed, want status %d with %q", tt.wantStatus, tt.wantMessage)
 				}
-				if e := AsError(err); e.Status != tt.wantStatus || !strings.Contains(e.Message, tt.wantMessage) {
+				if e := AsError(err, "r"); e.Status != tt.wantStatus || !strings.Contains(e.Message, tt.wantMessage) {
 					t.Fatalf("error %v, want status %d with %q", err, tt.wantStatus, tt.wantMessage)
 				}
 				if r.Report.Prefill != "" || len(engine.Requests()) != 0 {
@@ -226,7 +226,7 @@ func TestSGLangRoomsPerSample(t *testing.T) {
 		}
 		p.Reload(cfg)
 		r := &Request{Method: http.MethodPost, Path: "/v1/completions", RequestID: "r2", Body: []byte(`{"model":"m","prompt":"a","n":3}`)}
-		if _, err := p.Route(context.Background(), r); AsError(err).Status != 400 {
+		if _, err := p.Route(context.Background(), r); AsError(err, "r").Status != 400 {
 			t.Fatalf("after the reload: %v, want 400", err)
 		}
 	})

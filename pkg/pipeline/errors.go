@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
 // Error is a request failure the client must see, with its HTTP status. Every
@@ -19,8 +20,12 @@ type Error struct {
 	// Raw, when set, is an engine's own error body, returned as is.
 	Raw         []byte
 	ContentType string
-	// RetryAfter, when set, tells the client when to try again (429).
+	// RetryAfter, when set, tells the client when to try again (429, 503).
 	RetryAfter time.Duration
+	// Detail is for the log only: the cause behind Message, which may name
+	// internal addresses or carry a transport error the client must not see
+	// (docs/architecture.md §Security rules, rule 5).
+	Detail string
 }
 
 func (e *Error) Error() string { return fmt.Sprintf("%d %s: %s", e.Status, e.Type, e.Message) }
@@ -49,6 +54,30 @@ func Overloaded(limit int, retryAfter time.Duration) *Error {
 		Message: fmt.Sprintf("too many requests in progress (limits.max_concurrent_streams is %d); retry later", limit)}
 }
 
+// BodyTimeout refuses a request whose body did not arrive within
+// limits.body_timeout: a slow client must not hold a stream slot and a
+// buffer for as long as it likes.
+func BodyTimeout(limit time.Duration) *Error {
+	return &Error{Status: http.StatusRequestTimeout, Type: "invalid_request_error",
+		Message: fmt.Sprintf("the request body did not arrive within %s (limits.body_timeout)", limit)}
+}
+
+// BuffersFull refuses a request whose body would take the bodies held at once
+// past limits.max_buffered_bytes: shed, like a stream over the limit, rather
+// than held until memory runs out.
+func BuffersFull(limit int64, retryAfter time.Duration) *Error {
+	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", RetryAfter: retryAfter,
+		Message: fmt.Sprintf("too many request bodies held at once (limits.max_buffered_bytes is %d); retry later", limit)}
+}
+
+// backgroundFull refuses a kv-sglang request while prefill.max_background
+// prefill legs run already: they outlive their streams, and each holds a
+// body and a connection to a prefill engine.
+func backgroundFull(limit int, retryAfter time.Duration) *Error {
+	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", RetryAfter: retryAfter,
+		Message: fmt.Sprintf("too many prefill legs in progress (prefill.max_background is %d); retry later", limit)}
+}
+
 // Misconfigured is a 500 for a request the deployment, not the client, cannot
 // serve (a proxy set up in a way the service cannot work with); the message
 // says what to change.
@@ -57,12 +86,13 @@ func Misconfigured(message string) *Error {
 }
 
 // AsError is err as the client sees it: the *Error it is or wraps, else a 500
-// with its text.
-func AsError(err error) *Error {
+// that names the request, its text kept for the log.
+func AsError(err error, requestID string) *Error {
 	if e := (*Error)(nil); errors.As(err, &e) {
 		return e
 	}
-	return Misconfigured(err.Error())
+	return &Error{Status: http.StatusInternalServerError, Type: "server_error", Detail: err.Error(),
+		Message: "internal error; request id " + requestID + " (the service's log has the cause)"}
 }
 
 func badRequest(format string, args ...any) *Error {
@@ -133,16 +163,28 @@ func noPrefillEndpoint() *Error {
 // prefillFailed is the client's error when the prefill phase ended in cause
 // and the request does not go decode-only. An engine's 4xx is passed on as the
 // engine wrote it: it is about the request, which retrying elsewhere cannot
-// fix. Another answer of the engine's own (a 5xx, a redirect) is a 502; no
-// answer at all (unreachable, timed out, no endpoint left) a 503.
-func prefillFailed(cause error) *Error {
+// fix. A leg net/http refused to send is the client's 400: its header values or
+// query are not valid HTTP. Another answer of the engine's own (a 5xx, a
+// redirect, one too long to read) is a 502; no answer at all (unreachable, timed out, no endpoint
+// left) a 503.
+//
+// The message names the request, not the cause: that would tell the client
+// the engines' addresses, and Go's transport errors quote the leg's URL with
+// its query. The cause goes to the log (Detail).
+func prefillFailed(cause error, requestID string) *Error {
 	last := lastAttempt(cause)
+	e := &Error{Status: http.StatusBadGateway, Type: "upstream_error", Detail: cause.Error(),
+		Message: "prefill leg failed: the prefill engine answered with an error; request id " + requestID + " (the service's log has the cause)"}
 	switch {
-	case last == nil || last.answer == nil:
-		return &Error{Status: http.StatusServiceUnavailable, Type: "upstream_error", Message: "prefill leg failed: " + cause.Error()}
+	case last != nil && last.unsendable():
+		e = badRequest("the request cannot be forwarded: a header value or its query is not valid HTTP")
+		e.Detail = cause.Error()
+	case last == nil || last.answer == nil && last.reason != metrics.FailureTooLarge:
+		e.Status = http.StatusServiceUnavailable
+		e.Message = "prefill leg failed: no prefill engine answered; request id " + requestID + " (the service's log has the cause)"
 	case last.aboutRequest():
 		return &Error{Status: last.answer.status, Type: "invalid_request_error", Message: "prefill engine rejected the request",
 			Raw: last.answer.body, ContentType: last.answer.contentType}
 	}
-	return &Error{Status: http.StatusBadGateway, Type: "upstream_error", Message: "prefill leg failed: " + cause.Error()}
+	return e
 }

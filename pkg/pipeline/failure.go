@@ -34,7 +34,10 @@ func (e *attemptError) Unwrap() error { return e.err }
 
 // classify says what err, the failure of an attempt whose parent context is
 // ctx, means. An answer is the engine's, whatever the context did meanwhile.
-func classify(ctx context.Context, err error) *attemptError {
+// reached says the transport began to connect to the endpoint or took a
+// pooled connection to it: a failure before that (net/http refusing a header
+// value or the URL of the leg) is the request's, not the endpoint's.
+func classify(ctx context.Context, err error, reached bool) *attemptError {
 	e := &attemptError{err: err, ended: ctx.Err() != nil}
 	var op *net.OpError
 	var ne net.Error
@@ -45,12 +48,16 @@ func classify(ctx context.Context, err error) *attemptError {
 		e.reason = metrics.FailureStatus5xx
 	case e.answer != nil:
 		e.reason = metrics.FailureRedirect
+	case errors.Is(err, errAnswerTooLarge):
+		e.reason = metrics.FailureTooLarge
 	case errors.Is(ctx.Err(), context.Canceled):
 		e.reason = metrics.FailureCancelled
 	case errors.As(err, &op) && op.Op == "dial":
 		e.reason = metrics.FailureConnect
 	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
 		e.reason = metrics.FailureTimeout
+	case !reached:
+		e.reason = metrics.FailureNotSent
 	default:
 		e.reason = metrics.FailureTransport
 	}
@@ -61,20 +68,43 @@ func classify(ctx context.Context, err error) *attemptError {
 // which any endpoint would refuse too and decode-only cannot mend.
 func (e *attemptError) aboutRequest() bool { return e.reason == metrics.FailureStatus4xx }
 
+// unsendable reports whether net/http refused to send the leg: a value of the
+// client's request it carries is not valid HTTP, for any endpoint.
+func (e *attemptError) unsendable() bool { return e.reason == metrics.FailureNotSent }
+
 // clientLeft reports whether the attempt ended because the client went away.
 func (e *attemptError) clientLeft() bool { return e.reason == metrics.FailureCancelled }
 
 // retryable reports whether another prefill endpoint may succeed where this
 // one failed: after a transport failure, a timeout, a redirect or a 5xx, as
-// long as the prefill phase lasts.
-func (e *attemptError) retryable() bool { return !e.aboutRequest() && !e.ended }
+// long as the prefill phase lasts. An answer over the read cap would come as
+// long from any engine: the request asks for it (prompt logprobs, say).
+func (e *attemptError) retryable() bool {
+	return !e.aboutRequest() && !e.unsendable() && e.reason != metrics.FailureTooLarge && !e.ended
+}
+
+// counts reports whether the failure says something of the endpoint's
+// health: it could not be connected to, it timed out, the connection broke,
+// or it answered 5xx. A redirect, an answer too long to read, or a leg that
+// never left, says nothing of it; counting them would let a client eject endpoints with requests no
+// engine could serve.
+func (e *attemptError) counts() bool {
+	switch e.reason {
+	case metrics.FailureConnect, metrics.FailureTimeout, metrics.FailureTransport, metrics.FailureStatus5xx:
+		return true
+	}
+	return false
+}
 
 // blames reports whether the failure of a leg sent as d counts against the
 // endpoint's health. A sequential leg's does when another endpoint is worth a
 // try. A concurrent leg fails with its partner, so any answer, even a 5xx, may
 // be the partner's doing: only no answer at all counts.
 func (e *attemptError) blames(d kv.Dispatch) bool {
-	if d == kv.Concurrent {
+	switch {
+	case !e.counts():
+		return false
+	case d == kv.Concurrent:
 		return e.answer == nil
 	}
 	return e.retryable()

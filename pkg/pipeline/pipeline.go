@@ -36,18 +36,23 @@ type Options struct {
 	// holding at most MaxResponseBytes of an answer for it.
 	RewriteUsage     bool
 	MaxResponseBytes int64
+	// MaxBackground bounds the concurrent (SGLang) prefill legs running at
+	// once; past it a request gets 503 with RetryAfter.
+	MaxBackground int
+	RetryAfter    time.Duration
 }
 
 // Pipeline routes requests. It is safe for concurrent use.
 type Pipeline struct {
-	connector  kv.Connector
-	table      *api.Table // what is routed: the built-in APIs and routes.passthrough
-	pools      *scheduling.Pools
-	opts       Options
-	client     *http.Client
-	scheme     string // of prefill legs: http, or https with prefill.tls
-	log        logr.Logger
-	background sync.WaitGroup // concurrent (SGLang) prefill legs still running
+	connector    kv.Connector
+	table        *api.Table // what is routed: the built-in APIs and routes.passthrough
+	pools        *scheduling.Pools
+	opts         Options
+	client       *http.Client
+	scheme       string // of prefill legs: http, or https with prefill.tls
+	log          logr.Logger
+	background   sync.WaitGroup // concurrent (SGLang) prefill legs still running
+	inBackground atomic.Int64   // how many, against Options.MaxBackground
 	// parallelRooms: pd.sglang_parallel_sampling is rooms (it follows reloads).
 	parallelRooms atomic.Bool
 	suspects      sync.Map // prefill endpoints already logged for an unreachable remote_host
@@ -110,6 +115,8 @@ func New(cfg *config.Config, log logr.Logger, options ...Option) (*Pipeline, err
 			Connector:        cfg.Connector,
 			RewriteUsage:     cfg.Response.RewriteUsage,
 			MaxResponseBytes: cfg.Response.MaxBodyBytes,
+			MaxBackground:    cfg.Prefill.MaxBackground,
+			RetryAfter:       cfg.Limits.RetryAfter.D(),
 		},
 		client:     client,
 		scheme:     scheme,

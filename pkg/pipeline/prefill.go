@@ -9,9 +9,12 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"os"
 	"slices"
 	"strconv"
+	"strings"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -25,12 +28,17 @@ import (
 )
 
 // maxPrefillResponseBytes bounds what we read of a prefill answer: it is one
-// token plus kv_transfer_params, far below this.
+// token plus kv_transfer_params, far below this. A longer one fails the
+// attempt (errAnswerTooLarge): vLLM writes kv_transfer_params last, so what
+// was read would lose the handoff without a word.
 const maxPrefillResponseBytes = 8 << 20
+
+// errAnswerTooLarge is a 2xx prefill answer over maxPrefillResponseBytes.
+var errAnswerTooLarge = fmt.Errorf("the prefill answer is longer than %d bytes", maxPrefillResponseBytes)
 
 // newEngineClient returns the HTTP client for prefill legs and the URL scheme
 // it speaks: a keep-alive pool per endpoint (prefill.max_idle_conns_per_endpoint),
-// no environment proxy (engines are addressed directly by ip:port), no
+// at most prefill.max_conns_per_endpoint connections to each, no environment proxy (engines are addressed directly by ip:port), no
 // transparent compression that would hide the response size, HTTPS when
 // prefill.tls says so and HTTP/2 when prefill.http2 does.
 func newEngineClient(cfg config.Prefill) (*http.Client, string, error) {
@@ -39,6 +47,7 @@ func newEngineClient(cfg config.Prefill) (*http.Client, string, error) {
 		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
 		MaxIdleConns:        4 * cfg.MaxIdleConnsPerEndpoint,
 		MaxIdleConnsPerHost: cfg.MaxIdleConnsPerEndpoint,
+		MaxConnsPerHost:     cfg.MaxConnsPerEndpoint,
 		IdleConnTimeout:     90 * time.Second,
 		DisableCompression:  true,
 		Protocols:           new(http.Protocols),
@@ -86,7 +95,8 @@ func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastR
 // attempt sends one prefill leg to endpoint inside its own span, and records
 // its duration and any failure, classified.
 func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg body.Spliced) (prefillAnswer, *attemptError) {
-	attrs := []attribute.KeyValue{semconv.HTTPRequestMethodPost, semconv.URLPath(r.Path), attribute.String("pd.request_id", r.RequestID)}
+	path, _, _ := strings.Cut(r.Path, "?") // the query may carry a credential
+	attrs := []attribute.KeyValue{semconv.HTTPRequestMethodPost, semconv.URLPath(path), attribute.String("pd.request_id", r.RequestID)}
 	if host, port, err := net.SplitHostPort(endpoint); err == nil {
 		n, _ := strconv.Atoi(port)
 		attrs = append(attrs, semconv.ServerAddress(host), semconv.ServerPort(n))
@@ -95,9 +105,13 @@ func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg
 	defer span.End()
 
 	start := time.Now()
-	answer, err := p.postPrefill(ctx, endpoint, r, leg)
+	var reached atomic.Bool // the transport began to connect to endpoint, or took a pooled connection to it
+	answer, err := p.postPrefill(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		ConnectStart: func(string, string) { reached.Store(true) },
+		GotConn:      func(httptrace.GotConnInfo) { reached.Store(true) },
+	}), endpoint, r, leg)
 	if err != nil {
-		failed := classify(ctx, err)
+		failed := classify(ctx, err, reached.Load())
 		p.metrics.PrefillAttempt(time.Since(start), failed.reason)
 		if failed.answer != nil {
 			span.SetAttributes(semconv.HTTPResponseStatusCode(failed.answer.status))
@@ -133,12 +147,16 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 		return prefillAnswer{}, err
 	}
 	defer resp.Body.Close()
-	answer, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillResponseBytes))
+	answer, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillResponseBytes+1))
 	if err != nil {
 		return prefillAnswer{}, fmt.Errorf("reading prefill answer: %w", err)
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		answer = answer[:min(len(answer), maxPrefillResponseBytes)]
 		return prefillAnswer{}, &statusError{status: resp.StatusCode, body: answer, contentType: resp.Header.Get("Content-Type")}
+	}
+	if len(answer) > maxPrefillResponseBytes {
+		return prefillAnswer{}, errAnswerTooLarge
 	}
 	return p.readAnswer(answer, r), nil
 }

@@ -19,6 +19,11 @@ type Request struct {
 	RequestID string      // sent on both legs
 	Forward   http.Header // client headers copied onto the prefill leg (e.g. Authorization)
 	Body      []byte      // nil for a request without a body
+	// Keep, when set, is told when a leg will read Body after Route has
+	// returned (a concurrent prefill leg, launched in the background): Hold
+	// is called before Route returns, and the release it returns once that
+	// leg has ended. The caller keeps Body's memory counted until then.
+	Keep interface{ Hold() (release func()) }
 	// Subset is the endpoint-picker subset hint as Envoy sent it in metadata
 	// (envoy.lb.subset_hint): nil when absent, else a list of ip:port or a
 	// comma-separated string. Decode endpoints outside it are never picked.
@@ -74,6 +79,10 @@ type Decision struct {
 	// pools.decode.fallbacks when configured (comma-separated, in order).
 	Endpoint string
 	Body     body.Spliced // the decode leg's body; nil when the request has none
+	// RemoveHeaders are the client's request headers through which the
+	// decode engine could be steered past the service (the connector's
+	// reserved headers): Envoy must not forward them. Shared: do not modify.
+	RemoveHeaders []string
 	// Rewrite fixes the decode engine's answer on its way back (the usage
 	// under response.rewrite_usage); nil when it is passed on as it is.
 	Rewrite *response.Rewriter

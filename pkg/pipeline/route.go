@@ -30,7 +30,8 @@ func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
 	for i, e := range eps {
 		addrs[i] = e.Addr
 	}
-	return &Decision{Endpoint: strings.Join(addrs, ","), decode: eps[0], release: eps[0].Acquire()}, nil
+	return &Decision{Endpoint: strings.Join(addrs, ","), RemoveHeaders: p.connector.ReservedHeaders(),
+		decode: eps[0], release: eps[0].Acquire()}, nil
 }
 
 // RouteHeaders routes a request that has no body: one the pass-through list
@@ -136,7 +137,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		return nil, noPrefillEndpoint()
 	default:
 		rep.Mode = ModeDecodeOnly
-		return kv.Scrubbed(h.Body, h.Shape), nil
+		return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
 	}
 	rep.Mode = ModePD
 	h.Room = rand.Uint64() >> 1 // 0..2^63-1, as SGLang's routers draw it
@@ -144,6 +145,9 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		prefill, err := p.pools.Prefill.Select(sreq)
 		if err != nil {
 			return nil, noPrefillEndpoint()
+		}
+		if !p.takeBackground() {
+			return nil, backgroundFull(p.opts.MaxBackground, p.opts.RetryAfter)
 		}
 		rep.Prefill = prefill.Addr
 		h.PrefillHost = bootstrapHost(prefill.Addr)
@@ -168,16 +172,17 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 
 // withoutPrefill applies prefill.on_failure once the prefill leg could not be
 // had: the decode engine recomputes the prompt, or the client gets the error.
-// An engine's own 4xx (about the request) and a client that left always end here.
+// An engine's own 4xx (about the request), a request no leg can carry and a
+// client that left always end here.
 func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Spliced, error) {
 	r.Report.Reason = metrics.ReasonPrefillFailed
 	last := lastAttempt(err) // nil when no endpoint could be tried
-	if p.opts.OnFailure == config.OnFailureFail || last != nil && (last.aboutRequest() || last.clientLeft()) {
-		return nil, prefillFailed(err)
+	if p.opts.OnFailure == config.OnFailureFail || last != nil && (last.aboutRequest() || last.unsendable() || last.clientLeft()) {
+		return nil, prefillFailed(err, r.RequestID)
 	}
 	r.Report.Mode = ModeDecodeOnly
 	p.log.Info("prefill failed; decode will recompute the prompt", "requestID", r.RequestID, "error", err.Error())
-	return kv.Scrubbed(h.Body, h.Shape), nil
+	return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
 }
 
 // runPrefill sends the sequential prefill leg to one endpoint after another
@@ -219,9 +224,23 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 	}
 }
 
-// launch sends a concurrent prefill leg in the background. It runs on its own
-// deadline: Envoy closes the ext_proc stream as soon as its last reply is in,
-// which must not cancel a leg the decode engine is waiting to pair with.
+// takeBackground counts one more background leg, unless
+// prefill.max_background of them run already: they outlive their streams, so
+// limits.max_concurrent_streams does not bound them. launch gives it back.
+func (p *Pipeline) takeBackground() bool {
+	if n := p.inBackground.Add(1); p.opts.MaxBackground > 0 && n > int64(p.opts.MaxBackground) {
+		p.inBackground.Add(-1)
+		p.metrics.LimitRefused(metrics.LimitBackground)
+		return false
+	}
+	p.metrics.BackgroundLeg(1)
+	return true
+}
+
+// launch sends a concurrent prefill leg in the background, counted by
+// takeBackground. It runs on its own deadline: Envoy closes the ext_proc
+// stream as soon as its last reply is in, which must not cancel a leg the
+// decode engine is waiting to pair with.
 //
 // The legs fail together: a prefill whose decode never connects answers 5xx,
 // and a decode whose prefill failed does too. So a failed leg spares its
@@ -229,9 +248,17 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 // an answer spares its own (attemptError.blames).
 func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Request, leg body.Spliced, d *Decision) {
 	release := ep.Acquire()
+	if r.Keep != nil { // the leg reads the client's body after Route returns
+		slot, body := release, r.Keep.Hold()
+		release = func() { slot(); body() }
+	}
 	ctx = context.WithoutCancel(ctx)
 	p.background.Go(func() {
-		defer release()
+		defer func() {
+			release()
+			p.inBackground.Add(-1)
+			p.metrics.BackgroundLeg(-1)
+		}()
 		ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
 		defer cancel()
 		if _, failed := p.attempt(ctx, ep.Addr, r, leg); failed != nil {

@@ -38,11 +38,12 @@ const (
 // running is a Server serving on loopback, as cmd/extproc runs it.
 type running struct {
 	*Server
-	ext    extprocv3.ExternalProcessorClient
-	health healthpb.HealthClient
-	admin  string // http://host:port
-	stop   context.CancelFunc
-	served chan error // Serve's result
+	ext      extprocv3.ExternalProcessorClient
+	health   healthpb.HealthClient
+	admin    string // http://host:port
+	grpcAddr string // host:port
+	stop     context.CancelFunc
+	served   chan error // Serve's result
 }
 
 // start serves configYAML on loopback ports until the test ends.
@@ -65,7 +66,7 @@ func start(t *testing.T, configYAML string, opts Options, log logr.Logger) *runn
 		t.Fatal(err)
 	}
 	ctx, stop := context.WithCancel(context.Background())
-	r := &running{Server: s, admin: "http://" + adminLis.Addr().String(), stop: stop, served: make(chan error, 1)}
+	r := &running{Server: s, admin: "http://" + adminLis.Addr().String(), grpcAddr: grpcLis.Addr().String(), stop: stop, served: make(chan error, 1)}
 	go func() { r.served <- s.Serve(ctx, grpcLis, adminLis) }()
 	conn, err := grpc.NewClient(grpcLis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {

@@ -120,14 +120,16 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	}
 	s.grpc = grpc.NewServer(grpcOpts...)
 	extprocv3.RegisterExternalProcessorServer(s.grpc, handlers.NewServer(p, handlers.Options{
-		OverrideAfter:   cfg.Envoy.OverrideAfter.D(),
-		OverrideTimeout: cfg.Envoy.OverrideMessageTimeout.D(),
-		Metrics:         s.metrics,
-		TracerProvider:  tp,
-		Propagator:      prop,
-		LogPrompts:      opts.LogPrompts,
-		MaxStreams:      cfg.Limits.MaxConcurrentStreams,
-		RetryAfter:      cfg.Limits.RetryAfter.D(),
+		OverrideAfter:    cfg.Envoy.OverrideAfter.D(),
+		OverrideTimeout:  cfg.Envoy.OverrideMessageTimeout.D(),
+		Metrics:          s.metrics,
+		TracerProvider:   tp,
+		Propagator:       prop,
+		LogPrompts:       opts.LogPrompts,
+		MaxStreams:       cfg.Limits.MaxConcurrentStreams,
+		RetryAfter:       cfg.Limits.RetryAfter.D(),
+		BodyTimeout:      cfg.Limits.BodyTimeout.D(),
+		MaxBufferedBytes: cfg.Limits.MaxBufferedBytes,
 	}, log.WithName("extproc")))
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(s.grpc, hs)

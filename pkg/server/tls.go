@@ -5,19 +5,28 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
+	"strings"
 	"sync"
 
 	"github.com/go-logr/logr"
 	"google.golang.org/grpc/credentials"
 )
 
-// TLSFiles names the gRPC listener's certificate files. Without Cert the
-// listener is plaintext (Envoy next to us on a private network or localhost).
-// With ClientCA, clients must present a certificate it signed (mTLS, as Envoy
-// Gateway's BackendTLSPolicy sets up).
+// TLSFiles names the gRPC listener's certificate files, and the clients it
+// accepts. Without Cert the listener is plaintext (Envoy next to us on a
+// private network or localhost). With ClientCA, clients must present a
+// certificate it signed (mTLS, as Envoy Gateway's BackendTLSPolicy sets up);
+// with AllowedSANs too, one whose SANs name an allowed identity.
 type TLSFiles struct {
 	Cert, Key, ClientCA string
+	// AllowedSANs are the client identities accepted: DNS names, compared
+	// without regard to case, and URIs (SPIFFE ids, spiffe://trust-domain/…),
+	// compared byte for byte. A certificate passes when any of its DNS or URI
+	// SANs is on the list. No wildcards, on either side: a CA that signs for
+	// other workloads must not let them in by a pattern.
+	AllowedSANs []string
 }
 
 // Validate checks the combination of files given.
@@ -27,8 +36,73 @@ func (f TLSFiles) Validate() error {
 		return errors.New("--tls-cert-file and --tls-key-file go together")
 	case f.ClientCA != "" && f.Cert == "":
 		return errors.New("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+	case len(f.AllowedSANs) > 0 && f.ClientCA == "":
+		return errors.New("--tls-client-allowed-sans needs --tls-client-ca-file: without a client CA no client certificate is asked for")
+	}
+	for _, san := range f.AllowedSANs {
+		switch {
+		case san == "":
+			return errors.New("--tls-client-allowed-sans: an empty entry")
+		case strings.Contains(san, "*"):
+			return fmt.Errorf("--tls-client-allowed-sans: %q: wildcards are not supported; list each identity", san)
+		}
+		if strings.Contains(san, "://") {
+			if _, err := url.Parse(san); err != nil {
+				return fmt.Errorf("--tls-client-allowed-sans: %q: %w", san, err)
+			}
+		}
 	}
 	return nil
+}
+
+// ParseSANs reads the comma-separated value of --tls-client-allowed-sans.
+func ParseSANs(flag string) []string {
+	var sans []string
+	for s := range strings.SplitSeq(flag, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			sans = append(sans, s)
+		}
+	}
+	return sans
+}
+
+// allowedClient returns the check of a verified client certificate's SANs
+// against f.AllowedSANs; nil when any certificate the CA signed is accepted.
+func (f TLSFiles) allowedClient(log logr.Logger) func(tls.ConnectionState) error {
+	if len(f.AllowedSANs) == 0 {
+		return nil
+	}
+	dns, uris := map[string]bool{}, map[string]bool{}
+	for _, san := range f.AllowedSANs {
+		if strings.Contains(san, "://") {
+			uris[san] = true
+		} else {
+			dns[strings.ToLower(san)] = true
+		}
+	}
+	return func(cs tls.ConnectionState) error {
+		if len(cs.PeerCertificates) == 0 {
+			return errors.New("no client certificate") // RequireAndVerifyClientCert refuses first
+		}
+		leaf := cs.PeerCertificates[0]
+		for _, name := range leaf.DNSNames {
+			if dns[strings.ToLower(name)] {
+				return nil
+			}
+		}
+		for _, u := range leaf.URIs {
+			if uris[u.String()] {
+				return nil
+			}
+		}
+		presented := make([]string, len(leaf.URIs))
+		for i, u := range leaf.URIs {
+			presented[i] = u.String()
+		}
+		log.Info("refused a client certificate: none of its SANs is in --tls-client-allowed-sans",
+			"dnsNames", leaf.DNSNames, "uris", presented, "subject", leaf.Subject.String())
+		return errors.New("the client certificate names no allowed identity")
+	}
 }
 
 // credentials returns the listener's transport credentials, or nil for
@@ -73,7 +147,7 @@ func (r *tlsReloader) current() (*tls.Config, error) {
 	switch {
 	case loadErr == nil:
 		r.stamp, r.cfg = stamp, cfg
-		r.log.Info("TLS certificate loaded", "cert", r.files.Cert, "clientCA", r.files.ClientCA)
+		r.log.Info("TLS certificate loaded", "cert", r.files.Cert, "clientCA", r.files.ClientCA, "allowedSANs", r.files.AllowedSANs)
 	case r.cfg == nil:
 		return nil, loadErr
 	default:
@@ -110,6 +184,8 @@ func (r *tlsReloader) load() (*tls.Config, error) {
 			return nil, err
 		}
 		cfg.ClientCAs, cfg.ClientAuth = pool, tls.RequireAndVerifyClientCert
+		// Runs after the chain is verified against ClientCAs.
+		cfg.VerifyConnection = r.files.allowedClient(r.log)
 	}
 	return cfg, nil
 }

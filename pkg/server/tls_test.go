@@ -2,64 +2,25 @@ package server
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
-	"math/big"
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
-
-// testCA issues certificates for the TLS tests.
-type testCA struct {
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
-	pem  []byte
-}
-
-func newTestCA(t *testing.T) *testCA {
-	t.Helper()
-	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, _ := x509.ParseCertificate(der)
-	return &testCA{cert: cert, key: key, pem: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})}
-}
-
-// issue returns a PEM certificate and key for 127.0.0.1 with the given serial.
-func (ca *testCA) issue(t *testing.T, serial int64, usage x509.ExtKeyUsage) (certPEM, keyPEM []byte) {
-	t.Helper()
-	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(serial), Subject: pkix.Name{CommonName: "pd-extproc"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, ExtKeyUsage: []x509.ExtKeyUsage{usage},
-		KeyUsage: x509.KeyUsageDigitalSignature}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	keyDER, _ := x509.MarshalECPrivateKey(key)
-	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER})
-}
 
 func writeFile(t *testing.T, path string, b []byte) {
 	t.Helper()
@@ -74,13 +35,13 @@ func writeFile(t *testing.T, path string, b []byte) {
 }
 
 func TestGRPCListenerServesMTLSAndReloadsRotatedCertificates(t *testing.T) {
-	ca := newTestCA(t)
+	ca := testbed.MustNewCA(t)
 	dir := t.TempDir()
 	files := TLSFiles{Cert: filepath.Join(dir, "tls.crt"), Key: filepath.Join(dir, "tls.key"), ClientCA: filepath.Join(dir, "ca.crt")}
-	certPEM, keyPEM := ca.issue(t, 100, x509.ExtKeyUsageServerAuth)
+	certPEM, keyPEM := ca.MustIssue(t, 100, x509.ExtKeyUsageServerAuth, "127.0.0.1")
 	writeFile(t, files.Cert, certPEM)
 	writeFile(t, files.Key, keyPEM)
-	writeFile(t, files.ClientCA, ca.pem)
+	writeFile(t, files.ClientCA, ca.PEM)
 
 	cfg, err := config.Parse([]byte(`pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`))
 	if err != nil {
@@ -97,13 +58,8 @@ func TestGRPCListenerServesMTLSAndReloadsRotatedCertificates(t *testing.T) {
 	go func() { served <- s.Serve(ctx, grpcLis, adminLis) }()
 	t.Cleanup(func() { stop(); <-served })
 
-	roots := x509.NewCertPool()
-	roots.AddCert(ca.cert)
-	clientCert, clientKey := ca.issue(t, 200, x509.ExtKeyUsageClientAuth)
-	pair, err := tls.X509KeyPair(clientCert, clientKey)
-	if err != nil {
-		t.Fatal(err)
-	}
+	roots := ca.Roots()
+	pair := ca.MustIssuePair(t, 200, x509.ExtKeyUsageClientAuth, "127.0.0.1")
 	// check dials with cfg, runs a health check, and returns the serial of the
 	// server certificate it saw.
 	check := func(cfg *tls.Config) (int64, error) {
@@ -137,7 +93,7 @@ func TestGRPCListenerServesMTLSAndReloadsRotatedCertificates(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			if tt.rotate {
-				certPEM, keyPEM := ca.issue(t, 101, x509.ExtKeyUsageServerAuth)
+				certPEM, keyPEM := ca.MustIssue(t, 101, x509.ExtKeyUsageServerAuth, "127.0.0.1")
 				writeFile(t, files.Key, keyPEM)
 				writeFile(t, files.Cert, certPEM)
 			}
@@ -166,10 +122,88 @@ func TestTLSFlagsMustGoTogether(t *testing.T) {
 		{TLSFiles{Cert: "c", Key: "k", ClientCA: "ca"}, false},
 		{TLSFiles{Cert: "c"}, true},
 		{TLSFiles{ClientCA: "ca"}, true},
+		{TLSFiles{Cert: "c", Key: "k", ClientCA: "ca", AllowedSANs: []string{"gw.svc", "spiffe://td/ns/gw/sa/envoy"}}, false},
+		{TLSFiles{Cert: "c", Key: "k", AllowedSANs: []string{"gw.svc"}}, true}, // no client CA: no client certificate to check
+		{TLSFiles{Cert: "c", Key: "k", ClientCA: "ca", AllowedSANs: []string{"*.gw.svc"}}, true},
+		{TLSFiles{Cert: "c", Key: "k", ClientCA: "ca", AllowedSANs: []string{"spiffe://td/ns/*"}}, true},
 	}
 	for _, tt := range tests {
 		if err := tt.files.Validate(); (err != nil) != tt.wantErr {
 			t.Errorf("%+v: Validate() = %v, want error %v", tt.files, err, tt.wantErr)
 		}
 	}
+}
+
+// With --tls-client-allowed-sans, a client certificate the CA signed is
+// accepted only when one of its DNS or URI SANs is on the list, exactly (DNS
+// names in any case); a real gRPC client over mTLS is refused otherwise, and
+// the refusal is logged with the SANs it presented.
+func TestClientCertificateSANsAreChecked(t *testing.T) {
+	const (
+		gateway = "envoy.gateway.svc.cluster.local"
+		spiffe  = "spiffe://cluster.local/ns/envoy-gateway-system/sa/envoy"
+	)
+	ca, other := testbed.MustNewCA(t), testbed.MustNewCA(t)
+	cert, key, clientCA, err := ca.ServerFiles(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var refusals strings.Builder
+	log := funcr.New(func(_, args string) {
+		mu.Lock()
+		defer mu.Unlock()
+		if strings.Contains(args, "refused a client certificate") {
+			refusals.WriteString(args + "\n")
+		}
+	}, funcr.Options{})
+	r := start(t, `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`,
+		Options{TLS: TLSFiles{Cert: cert, Key: key, ClientCA: clientCA, AllowedSANs: []string{gateway, spiffe}}}, log)
+	tests := []struct {
+		name   string
+		signer *testbed.CA // nil: no client certificate
+		sans   []string
+		ok     bool
+	}{
+		{"the allowed DNS name", ca, []string{gateway}, true},
+		{"the allowed DNS name in capitals", ca, []string{strings.ToUpper(gateway)}, true},
+		{"the allowed SPIFFE id among others", ca, []string{"other.svc", spiffe}, true},
+		{"another DNS name", ca, []string{"attacker.svc.cluster.local"}, false},
+		{"another SPIFFE id", ca, []string{"spiffe://cluster.local/ns/default/sa/default"}, false},
+		{"a SPIFFE id that only starts like the allowed one", ca, []string{spiffe + "-debug"}, false},
+		{"a wildcard that would cover the allowed name", ca, []string{"*.gateway.svc.cluster.local"}, false},
+		{"an IP address only", ca, []string{"127.0.0.1"}, false},
+		{"the allowed name, signed by another CA", other, []string{gateway}, false},
+		{"no client certificate", nil, nil, false},
+	}
+	for i, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := &tls.Config{RootCAs: ca.Roots(), ServerName: "127.0.0.1"}
+			if tt.signer != nil {
+				cfg.Certificates = []tls.Certificate{tt.signer.MustIssuePair(t, int64(300+i), x509.ExtKeyUsageClientAuth, tt.sans...)}
+			}
+			err := checkHealth(r.grpcAddr, cfg)
+			if (err == nil) != tt.ok {
+				t.Fatalf("health check over mTLS: %v; want accepted %v", err, tt.ok)
+			}
+		})
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if got := refusals.String(); !strings.Contains(got, "attacker.svc.cluster.local") || !strings.Contains(got, "spiffe://cluster.local/ns/default/sa/default") {
+		t.Errorf("the refusals were not logged with the SANs presented:\n%s", got)
+	}
+}
+
+// checkHealth dials addr with cfg and runs a gRPC health check.
+func checkHealth(addr string, cfg *tls.Config) error {
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(credentials.NewTLS(cfg)))
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err = healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
+	return err
 }

@@ -49,7 +49,7 @@ func TestRequestSpanJoinsTheCallerAndPropagatesToPrefill(t *testing.T) {
 			if tt.traceparent != "" {
 				extra = append(extra, hdr{"traceparent", tt.traceparent})
 			}
-			r.exchange(t, post(chatPath, `{"model":"m","prompt":"hi"}`, extra...)...)
+			r.exchange(t, post(chatPath+"?api_key=k", `{"model":"m","prompt":"hi"}`, extra...)...)
 
 			got := prefill.Requests()
 			if len(got) != 1 {
@@ -100,6 +100,12 @@ func TestRequestSpanJoinsTheCallerAndPropagatesToPrefill(t *testing.T) {
 				"pd.decode_endpoint": decodeEP, "pd.prefill_endpoint": prefill.Addr()} {
 				if v := attr(request.Attributes, key); v != want {
 					t.Errorf("request span %s = %q, want %q", key, v, want)
+				}
+			}
+			// The query may carry a credential: no span records it.
+			for _, s := range []tracetest.SpanStub{request, leg} {
+				if v := attr(s.Attributes, "url.path"); v != chatPath {
+					t.Errorf("%s span url.path = %q, want %q without the query", s.Name, v, chatPath)
 				}
 			}
 		})

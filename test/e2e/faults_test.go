@@ -551,3 +551,40 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 		})
 	}
 }
+
+// TestFaultSlowBodyIs408: a client that sends part of its body and stalls
+// gets 408 once limits.body_timeout has passed, through Envoy, in both body
+// modes; the stalled request holds no slot after that (the cap here is one).
+func TestFaultSlowBodyIs408(t *testing.T) {
+	for _, mode := range []string{"full_duplex", "buffered"} {
+		t.Run(mode, func(t *testing.T) {
+			r := startRig(t, rigOptions{mode: mode, extra: "limits: {body_timeout: 1s, max_concurrent_streams: 1}"})
+			path, body := request("chat", false, "a slow client")
+			pr, pw := io.Pipe()
+			defer pw.Close() // the rest of the body never comes
+			req, err := http.NewRequest(http.MethodPost, r.proxy.URL()+path, pr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.ContentLength = int64(len(body))
+			go pw.Write([]byte(body[:len(body)/2]))
+			start := time.Now()
+			resp, err := rigClient.Do(req)
+			if err != nil {
+				t.Fatalf("POST: %v", err)
+			}
+			got, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusRequestTimeout || !strings.Contains(string(got), "limits.body_timeout") {
+				t.Errorf("status %d, body %.200s; want 408 naming limits.body_timeout", resp.StatusCode, got)
+			}
+			if d := time.Since(start); d < time.Second {
+				t.Errorf("answered after %v, before limits.body_timeout", d)
+			}
+			if n := r.metric(t, `pd_extproc_limit_refusals_total{limit="body_timeout"}`); n != 1 {
+				t.Errorf("limit_refusals_total{limit=body_timeout} = %v, want 1", n)
+			}
+			r.healthy(t, "after a slow client")
+		})
+	}
+}

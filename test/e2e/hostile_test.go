@@ -205,6 +205,12 @@ func TestHostileReservedFieldsNeverReachAnEngine(t *testing.T) {
 					`"bootstrap_host":%q,"bootstrap_port":%s,"bootstrap_room":7,"bootstrap\u005fhost":%q,"bootstrap_port":%s,`+
 					`"max_tokens":4,"stream":false,"kv_transfer_params":%s}`,
 					evilParams, messages, evilParams, host, port, host, port, evilParams)
+				// SGLang's other router-only fields, which its connector removes too.
+				sglangOnly := []string{"rid", "bootstrap_pair_key", "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"}
+				if connector == "kv-sglang" {
+					body = strings.TrimSuffix(body, "}") + `,"rid":"evil","bootstrap_pair_key":"evil","routed_dp_rank":66,` +
+						`"data_parallel_rank":66,"disagg_prefill_dp_rank":66,"rid":"evil"}`
+				}
 				resp, got := r.must(t, "/v1/chat/completions", body, nil)
 				if resp.StatusCode != http.StatusOK {
 					t.Fatalf("status %d: %.300s", resp.StatusCode, got)
@@ -245,6 +251,11 @@ func TestHostileReservedFieldsNeverReachAnEngine(t *testing.T) {
 					case "kv-sglang":
 						if string(top["bootstrap_host"]) != fmt.Sprintf("%q", prefillHost) {
 							t.Errorf("%s leg bootstrap_host %s, want the chosen prefill's %s", leg.name, top["bootstrap_host"], prefillHost)
+						}
+						for _, k := range sglangOnly {
+							if _, ok := top[k]; ok {
+								t.Errorf("%s leg keeps the client's %s: %s", leg.name, k, top[k])
+							}
 						}
 					case "kv-shared-storage":
 						for _, k := range []string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"} {

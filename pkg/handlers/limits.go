@@ -1,0 +1,127 @@
+package handlers
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+)
+
+// The limits every stream of a Server counts against: the stream slots of
+// limits.max_concurrent_streams, and the bytes of request bodies held, of
+// limits.max_buffered_bytes. A request holds a slot from its stream's first
+// message (not from the stream's opening: a stream that sends nothing costs
+// a goroutine, not a request's memory) until the stream ends, or until its
+// body runs out of time.
+
+// budget is limits.max_buffered_bytes: the bytes of request bodies held.
+type budget struct {
+	limit   int64 // 0: no bound
+	held    atomic.Int64
+	metrics *metrics.Metrics
+}
+
+// take counts n more bytes, unless that would pass the limit.
+func (b *budget) take(n int64) bool {
+	if b == nil || n <= 0 {
+		return true
+	}
+	if v := b.held.Add(n); b.limit > 0 && v > b.limit {
+		b.held.Add(-n)
+		return false
+	}
+	b.metrics.BodyBytesHeld(n)
+	return true
+}
+
+// give returns n bytes taken.
+func (b *budget) give(n int64) {
+	if b != nil && n > 0 {
+		b.held.Add(-n)
+		b.metrics.BodyBytesHeld(-n)
+	}
+}
+
+// holding is what one exchange holds of the server's limits, and the
+// deadline of its request: from the first message until the request is
+// complete, a timer may refuse it (408) and take back what it holds, from
+// another goroutine than the stream's. While the request is incomplete the
+// stream's goroutine handles each message under mu, so that the two never
+// act on the exchange at once.
+type holding struct {
+	streams *atomic.Int64 // the Server's streams holding a slot
+	started bool          // the first message came: a slot was asked for
+	slot    bool          // holds one of the streams
+	// over: the request phase is over for the timer (stream goroutine only).
+	over    bool
+	mu      sync.Mutex
+	timer   *time.Timer
+	expired bool // the timer refused the request
+}
+
+// admit takes a slot for the stream's first message; it reports false when
+// limit (> 0) slots are taken already.
+func (h *holding) admit(limit int) bool {
+	h.started = true
+	if n := h.streams.Add(1); limit > 0 && n > int64(limit) {
+		h.streams.Add(-1)
+		return false
+	}
+	h.slot = true
+	return true
+}
+
+// letGo gives the slot back, once.
+func (h *holding) letGo() {
+	if h.slot {
+		h.slot = false
+		h.streams.Add(-1)
+	}
+}
+
+// stop ends the request's deadline: its body is complete, or it was
+// answered. Under mu.
+func (h *holding) stop() {
+	h.over = true
+	if h.timer != nil {
+		h.timer.Stop()
+	}
+}
+
+// unlock ends the hold of mu that handle takes while the request phase
+// lasts; once the request is done, the deadline goes with it.
+func (x *exchange) unlock() {
+	if x.requestDone {
+		x.lim.stop()
+	}
+	x.lim.mu.Unlock()
+}
+
+// start admits the stream at its first message and starts the request's
+// deadline, limits.body_timeout. Under mu.
+func (x *exchange) start() {
+	if !x.lim.admit(x.opts.MaxStreams) {
+		return // refused at its headers, holding nothing
+	}
+	if d := x.opts.BodyTimeout; d > 0 {
+		x.lim.timer = time.AfterFunc(d, x.expire)
+	}
+}
+
+// expire refuses a request whose body is still incomplete at its deadline,
+// and gives back at once what it holds: a client may keep the stream open
+// after the 408 (Envoy closes it).
+func (x *exchange) expire() {
+	x.lim.mu.Lock()
+	defer x.lim.mu.Unlock()
+	if x.lim.over || x.requestDone {
+		return
+	}
+	x.lim.expired = true
+	x.opts.Metrics.LimitRefused(metrics.LimitBodyTime)
+	x.fail(pipeline.BodyTimeout(x.opts.BodyTimeout)) // a stream gone meanwhile has nobody to tell
+	x.lim.letGo()
+	x.body.release(false) // no leg was sent: the body never reached routing
+}

@@ -1,0 +1,228 @@
+package handlers_test
+
+// What a slow or greedy client can hold of the server: a stream slot for at
+// most limits.body_timeout, and request bodies within limits.max_buffered_bytes.
+
+import (
+	"context"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/go-logr/logr"
+
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+)
+
+// A request whose body is not complete limits.body_timeout after its first
+// message gets 408 and gives its slot back at once, even while the client
+// keeps the stream open; a body complete in time is routed, and its deadline
+// never fires afterwards. The bubble's clock moves only when every goroutine
+// in it is blocked, so the timings are exact.
+func TestSlowBodyGets408AndGivesItsSlotBack(t *testing.T) {
+	const timeout = 60 * time.Second
+	chat := []byte(clientChat)
+	headers := func(mode any) *extprocv3.ProcessingRequest {
+		m := fullDuplex
+		if mode == buffered {
+			m = buffered
+		}
+		return envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(chat))...), m, fullDuplex)
+	}
+	tests := []struct {
+		name   string
+		msgs   []*extprocv3.ProcessingRequest // what the slow client sends at once
+		finish *extprocv3.ProcessingRequest   // what it sends at 59 s; nil: nothing more
+	}{
+		{name: "FULL_DUPLEX, half a body", msgs: []*extprocv3.ProcessingRequest{headers(fullDuplex), envoymsg.Body(envoymsg.Request, chat[:10], false)}},
+		{name: "BUFFERED, Envoy still buffering", msgs: []*extprocv3.ProcessingRequest{headers(buffered)}},
+		{name: "a body without headers", msgs: []*extprocv3.ProcessingRequest{envoymsg.Body(envoymsg.Request, chat[:10], false)}},
+		{name: "complete at 59 s: routed", msgs: []*extprocv3.ProcessingRequest{headers(fullDuplex), envoymsg.Body(envoymsg.Request, chat[:10], false)},
+			finish: envoymsg.Body(envoymsg.Request, chat[10:], true)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				m := metrics.New("kv-nixl")
+				s := handlers.NewServer(&fakeRouter{}, handlers.Options{MaxStreams: 1, RetryAfter: time.Second, BodyTimeout: timeout, Metrics: m}, logr.Discard())
+				rec := newRecorder()
+				slow := s.Open(t.Context(), rec)
+				defer slow.Close()
+				for _, msg := range tt.msgs {
+					if done, err := slow.Handle(msg); done || err != nil {
+						t.Fatalf("the slow request ended early: %v", err)
+					}
+				}
+				before := len(rec.all())
+
+				time.Sleep(timeout - time.Second)
+				synctest.Wait()
+				if got := rec.all()[before:]; len(got) != 0 {
+					t.Fatalf("replies before the deadline: %v", got)
+				}
+				other := drive(t, s, headers(fullDuplex), envoymsg.Body(envoymsg.Request, chat, true))
+				checkOpenAIError(t, other, 429, "limits.max_concurrent_streams")
+
+				if tt.finish != nil {
+					if _, err := slow.Handle(tt.finish); err != nil {
+						t.Fatal(err)
+					}
+					time.Sleep(time.Hour)
+					synctest.Wait()
+					replies := rec.all()
+					if len(replies) < 2 || replies[0].GetRequestHeaders() == nil || replies[len(replies)-1].GetImmediateResponse() != nil {
+						t.Fatalf("replies %v, want the request routed and nothing after", replies)
+					}
+					return
+				}
+
+				time.Sleep(time.Second)
+				synctest.Wait()
+				replies := rec.all()
+				checkOpenAIError(t, replies, 408, "limits.body_timeout")
+				if retry, ok := headerValue(replies[len(replies)-1].GetImmediateResponse().GetHeaders(), "retry-after"); ok {
+					t.Errorf("retry-after %q on a 408: the client's own body was late", retry)
+				}
+				// The client keeps the stream open: its slot is free all the same.
+				if replies := drive(t, s, headers(fullDuplex), envoymsg.Body(envoymsg.Request, chat, true)); len(replies) < 2 || replies[0].GetRequestHeaders() == nil {
+					t.Errorf("after the 408 another request got %v, want it routed", replies)
+				}
+				// What the slow client sends next ends its stream, unanswered.
+				if done, err := slow.Handle(envoymsg.Body(envoymsg.Request, chat, true)); !done || err != nil || len(rec.all()) != len(replies) {
+					t.Errorf("a message after the 408: done %v, %v, %d replies; want the stream ended unanswered", done, err, len(rec.all())-len(replies))
+				}
+				if got, _ := m.Sample("pd_extproc_limit_refusals_total", map[string]string{"limit": metrics.LimitBodyTime}); got != 1 {
+					t.Errorf("limit_refusals_total{limit=body_timeout} = %v, want 1", got)
+				}
+			})
+		})
+	}
+}
+
+// The request bodies held at once stay within limits.max_buffered_bytes: a
+// body that would pass it gets 503 with Retry-After, and is served once the
+// bodies held before it are given back, by their streams or by the
+// background prefill legs still reading them.
+func TestBufferedBodiesStayWithinTheirBudget(t *testing.T) {
+	const mib = 1 << 20
+	post := func(mode any, n int) *extprocv3.ProcessingRequest {
+		m := fullDuplex
+		if mode == buffered {
+			m = buffered
+		}
+		return envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, n)...), m, fullDuplex)
+	}
+	// A chunked body announcing 1 MiB takes a 1 MiB buffer at its first chunk.
+	chunked := func() []*extprocv3.ProcessingRequest {
+		return []*extprocv3.ProcessingRequest{post(fullDuplex, mib), envoymsg.Body(envoymsg.Request, make([]byte, 100), false)}
+	}
+	whole := func(n int) []*extprocv3.ProcessingRequest {
+		return []*extprocv3.ProcessingRequest{post(buffered, n), envoymsg.Body(envoymsg.Request, []byte(prompt(n)), true)}
+	}
+	tests := []struct {
+		name   string
+		second []*extprocv3.ProcessingRequest
+	}{
+		{"a chunked body", chunked()},
+		{"a BUFFERED body", whole(mib)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			m := metrics.New("kv-nixl")
+			r := &fakeRouter{limit: 8 * mib}
+			s := handlers.NewServer(r, handlers.Options{MaxBufferedBytes: 3 * mib / 2, RetryAfter: 3 * time.Second, Metrics: m}, logr.Discard())
+			held := s.Open(t.Context(), newRecorder())
+			for _, msg := range chunked() {
+				held.Handle(msg)
+			}
+			if got := gauge(t, m, "pd_extproc_request_body_buffered_bytes"); got != mib {
+				t.Errorf("request_body_buffered_bytes = %v with one 1 MiB buffer held, want %d", got, mib)
+			}
+
+			replies := drive(t, s, tt.second...)
+			checkOpenAIError(t, replies, 503, "limits.max_buffered_bytes")
+			if retry, _ := headerValue(replies[len(replies)-1].GetImmediateResponse().GetHeaders(), "retry-after"); retry != "3" {
+				t.Errorf("retry-after = %q, want 3", retry)
+			}
+			if got, _ := m.Sample("pd_extproc_limit_refusals_total", map[string]string{"limit": metrics.LimitBuffered}); got != 1 {
+				t.Errorf("limit_refusals_total{limit=max_buffered_bytes} = %v, want 1", got)
+			}
+
+			held.Close()
+			if replies := drive(t, s, tt.second...); refused(replies) {
+				t.Errorf("once the first body was given back: %v, want the body taken", replies)
+			}
+			if got := gauge(t, m, "pd_extproc_request_body_buffered_bytes"); got != 0 {
+				t.Errorf("request_body_buffered_bytes = %v with every stream closed, want 0", got)
+			}
+		})
+	}
+
+	t.Run("held by a background leg after its stream ended", func(t *testing.T) {
+		m := metrics.New("kv-sglang")
+		r := &holdingRouter{fakeRouter: fakeRouter{limit: 8 * mib}}
+		s := handlers.NewServer(r, handlers.Options{MaxBufferedBytes: 3 * mib / 2, RetryAfter: time.Second, Metrics: m}, logr.Discard())
+		drive(t, s, whole(mib)...) // routed; its leg keeps reading the body
+		checkOpenAIError(t, drive(t, s, whole(mib)...), 503, "limits.max_buffered_bytes")
+		r.release()
+		if replies := drive(t, s, whole(mib)...); refused(replies) {
+			t.Errorf("once the leg ended: %v, want the body taken", replies)
+		}
+		r.release()
+		if got := gauge(t, m, "pd_extproc_request_body_buffered_bytes"); got != 0 {
+			t.Errorf("request_body_buffered_bytes = %v with every leg over, want 0", got)
+		}
+	})
+}
+
+// refused reports whether the last reply is a local reply.
+func refused(replies []*extprocv3.ProcessingResponse) bool {
+	return len(replies) > 0 && replies[len(replies)-1].GetImmediateResponse() != nil
+}
+
+// holdingRouter routes like fakeRouter and holds each body as a background
+// prefill leg would, until release.
+type holdingRouter struct {
+	fakeRouter
+	holds []func()
+}
+
+func (h *holdingRouter) Route(ctx context.Context, r *pipeline.Request) (*pipeline.Decision, error) {
+	h.holds = append(h.holds, r.Keep.Hold())
+	return h.fakeRouter.Route(ctx, r)
+}
+
+// release ends the oldest hold.
+func (h *holdingRouter) release() {
+	h.holds[0]()
+	h.holds = h.holds[1:]
+}
+
+// gauge reads a gauge without labels.
+func gauge(t *testing.T, m *metrics.Metrics, name string) float64 {
+	t.Helper()
+	v, ok := m.Sample(name, nil)
+	if !ok {
+		t.Fatalf("no series %s", name)
+	}
+	return v
+}
+
+// A stream counts against limits.max_concurrent_streams from its first
+// message: streams opened and left silent hold no slot.
+func TestSilentStreamsHoldNoSlot(t *testing.T) {
+	s := handlers.NewServer(&fakeRouter{}, handlers.Options{MaxStreams: 1, RetryAfter: time.Second}, logr.Discard())
+	for range 3 {
+		silent := s.Open(t.Context(), newRecorder())
+		defer silent.Close()
+	}
+	replies := drive(t, s, envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), fullDuplex, fullDuplex),
+		envoymsg.Body(envoymsg.Request, []byte(clientChat), true))
+	if len(replies) < 2 || replies[0].GetRequestHeaders() == nil {
+		t.Errorf("with three silent streams open: %v, want the request routed", replies)
+	}
+}

@@ -1,0 +1,68 @@
+package metrics
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// Values of limit_refusals_total{limit}: the limit a refused request met.
+const (
+	LimitStreams    = "max_concurrent_streams" // 429: limits.max_concurrent_streams
+	LimitBodyTime   = "body_timeout"           // 408: the body took longer than limits.body_timeout
+	LimitBuffered   = "max_buffered_bytes"     // 503: the bodies held at once would pass limits.max_buffered_bytes
+	LimitBackground = "max_background"         // 503: prefill.max_background kv-sglang legs already run
+)
+
+var limitNames = []string{LimitStreams, LimitBodyTime, LimitBuffered, LimitBackground}
+
+// limits counts what the service's resource limits hold and refuse.
+type limits struct {
+	refusals   *prometheus.CounterVec
+	bodyBytes  prometheus.Gauge
+	background prometheus.Gauge
+}
+
+func newLimits() limits {
+	return limits{
+		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "limit_refusals_total",
+			Help: "Requests refused by a resource limit, by limit (max_concurrent_streams, body_timeout, max_buffered_bytes, max_background).",
+		}, []string{"limit"}),
+		bodyBytes: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "request_body_buffered_bytes",
+			Help: "Bytes of request bodies held now, all streams together, as counted against limits.max_buffered_bytes.",
+		}),
+		background: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "prefill_background_legs",
+			Help: "kv-sglang prefill legs running in the background now, as counted against prefill.max_background.",
+		}),
+	}
+}
+
+func (l limits) collectors() []prometheus.Collector {
+	return []prometheus.Collector{l.refusals, l.bodyBytes, l.background}
+}
+
+func (l limits) initSeries() {
+	for _, n := range limitNames {
+		l.refusals.WithLabelValues(n)
+	}
+}
+
+// LimitRefused counts a request refused by limit, a Limit* value.
+func (m *Metrics) LimitRefused(limit string) {
+	if m != nil {
+		m.limits.refusals.WithLabelValues(limit).Inc()
+	}
+}
+
+// BodyBytesHeld adds delta bytes to the request bodies held.
+func (m *Metrics) BodyBytesHeld(delta int64) {
+	if m != nil {
+		m.limits.bodyBytes.Add(float64(delta))
+	}
+}
+
+// BackgroundLeg adds delta to the background prefill legs running.
+func (m *Metrics) BackgroundLeg(delta int) {
+	if m != nil {
+		m.limits.background.Add(float64(delta))
+	}
+}

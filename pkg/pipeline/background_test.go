@@ -1,0 +1,206 @@
+package pipeline
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+)
+
+// gate is a prefill engine that holds every leg until it is let through,
+// and says on which connection each arrived.
+type gate struct {
+	*httptest.Server
+	pass    chan struct{} // one token lets one leg through; closed, all of them
+	arrived chan string   // the client address of each leg, as it arrives
+	once    sync.Once
+}
+
+func newGate(t *testing.T) *gate {
+	g := &gate{pass: make(chan struct{}), arrived: make(chan string, 100)}
+	g.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		g.arrived <- r.RemoteAddr
+		<-g.pass
+		w.Write([]byte(`{"choices":[]}`))
+	}))
+	t.Cleanup(func() {
+		g.release()
+		g.Close()
+	})
+	return g
+}
+
+func (g *gate) addr() string { return strings.TrimPrefix(g.URL, "http://") }
+
+// await returns the connection of the next leg to arrive.
+func (g *gate) await(t *testing.T) string {
+	t.Helper()
+	select {
+	case conn := <-g.arrived:
+		return conn
+	case <-time.After(10 * time.Second):
+		t.Fatal("a prefill leg never reached the engine")
+		return ""
+	}
+}
+
+// release lets every leg through, now and later.
+func (g *gate) release() { g.once.Do(func() { close(g.pass) }) }
+
+// kv-sglang legs run on after their streams: prefill.max_background of them
+// at most, past which a request gets 503 with Retry-After, holding no
+// decode slot; each holds its client's body until it ends.
+func TestBackgroundLegsAreCapped(t *testing.T) {
+	engine := newGate(t)
+	p, m, _ := newPipeline(t, fmt.Sprintf(`connector: kv-sglang
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {max_background: 2}
+limits: {retry_after: 4s}`, engine.addr()))
+	t.Cleanup(p.Wait)
+	var holds keeper
+	route := func() error {
+		r := &Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+			Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`), Keep: &holds}
+		d, err := p.Route(context.Background(), r)
+		d.Release() // the stream ends at once, as Envoy closes it
+		return err
+	}
+	for i := range 2 {
+		if err := route(); err != nil {
+			t.Fatalf("leg %d: %v", i, err)
+		}
+	}
+	engine.await(t)
+	engine.await(t)
+	err := route()
+	if e := AsError(err, "r"); err == nil || e.Status != 503 || e.RetryAfter != 4*time.Second || !strings.Contains(e.Message, "prefill.max_background") {
+		t.Fatalf("the third request: %v, want 503 with Retry-After 4s naming prefill.max_background", err)
+	}
+	if got := counter(t, m, "pd_extproc_limit_refusals_total", "limit", metrics.LimitBackground); got != 1 {
+		t.Errorf("limit_refusals_total{limit=max_background} = %v, want 1", got)
+	}
+	if got := counter(t, m, "pd_extproc_prefill_background_legs", "", ""); got != 2 {
+		t.Errorf("prefill_background_legs = %v, want 2", got)
+	}
+	if n := holds.n.Load(); n != 2 {
+		t.Errorf("%d bodies held, want the two running legs'", n)
+	}
+	_, decode := p.Pools()
+	if n := decode.Endpoints()[0].InFlight(); n != 0 {
+		t.Errorf("decode endpoint in flight %d after the streams ended, want 0", n)
+	}
+
+	engine.release()
+	p.Wait()
+	if n := holds.n.Load(); n != 0 {
+		t.Errorf("%d bodies still held after the legs ended", n)
+	}
+	if got := counter(t, m, "pd_extproc_prefill_background_legs", "", ""); got != 0 {
+		t.Errorf("prefill_background_legs = %v after the legs ended, want 0", got)
+	}
+	if err := route(); err != nil {
+		t.Errorf("once the legs ended: %v, want the request routed", err)
+	}
+}
+
+// keeper counts the bodies held by background legs.
+type keeper struct{ n atomic.Int32 }
+
+func (k *keeper) Hold() func() {
+	k.n.Add(1)
+	return func() { k.n.Add(-1) }
+}
+
+// Each prefill engine gets at most prefill.max_conns_per_endpoint
+// connections: with one, a second leg waits for the first's connection
+// instead of opening its own.
+func TestConnectionsPerPrefillEngineAreCapped(t *testing.T) {
+	engine := newGate(t)
+	p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-sglang
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {max_conns_per_endpoint: 1}`, engine.addr()))
+	t.Cleanup(p.Wait)
+	for range 2 {
+		d, err := p.Route(context.Background(), &Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+			Body: []byte(`{"model":"m","messages":[]}`)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		d.Release()
+	}
+	first := engine.await(t)
+	engine.pass <- struct{}{} // the first leg ends; its connection is free
+	if second := engine.await(t); second != first {
+		t.Errorf("the second leg came on its own connection (%s, the first on %s)", second, first)
+	}
+	engine.release()
+}
+
+// A prefill answer longer than the 8 MiB read (prompt logprobs ahead of
+// kv_transfer_params, as vLLM orders it) fails the attempt, counted, instead
+// of handing the decode engine a body without the params. It says nothing of
+// the engine's health, and another engine would answer as long.
+func TestPrefillAnswerOverTheReadCapFailsTheAttempt(t *testing.T) {
+	answer := func(n int) string {
+		head, tail := `{"prompt_logprobs":"`, `","kv_transfer_params":{"remote_host":"10.0.0.9","remote_port":5600}}`
+		return head + strings.Repeat("x", n-len(head)-len(tail)) + tail
+	}
+	tests := []struct {
+		name      string
+		size      int
+		onFailure string
+		wantErr   int // the client's status; 0 when routed
+		wantKV    bool
+	}{
+		{"exactly 8 MiB: read whole", maxPrefillResponseBytes, config.OnFailureDecodeOnly, 0, true},
+		{"one byte over, decode-only: recomputed", maxPrefillResponseBytes + 1, config.OnFailureDecodeOnly, 0, false},
+		{"one byte over, fail: 502", maxPrefillResponseBytes + 1, config.OnFailureFail, 502, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			engines := []*enginetest.Engine{enginetest.Start(t, enginetest.JSON(200, answer(tt.size))), enginetest.Start(t, enginetest.JSON(200, answer(tt.size)))}
+			p, m, _ := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {on_failure: %s, attempts: 2}`, engines[0].Addr(), engines[1].Addr(), tt.onFailure))
+			for range 3 {
+				r := &Request{Method: "POST", Path: "/v1/completions", RequestID: "r", Body: []byte(`{"model":"m","prompt":"hi"}`)}
+				d, err := p.Route(context.Background(), r)
+				if tt.wantErr != 0 {
+					if e := AsError(err, "r"); err == nil || e.Status != tt.wantErr {
+						t.Fatalf("Route: %v, want %d", err, tt.wantErr)
+					}
+					continue
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := strings.Contains(string(d.Body.Bytes()), `"remote_port":5600`); got != tt.wantKV {
+					t.Errorf("decode body carries the prefill's params: %v, want %v", got, tt.wantKV)
+				}
+				d.Release()
+			}
+			want := map[bool]float64{true: 0, false: 3}[tt.wantKV]
+			if got := counter(t, m, "pd_extproc_prefill_failures_total", "reason", metrics.FailureTooLarge); got != want {
+				t.Errorf("prefill_failures_total{reason=answer_too_large} = %v, want %v", got, want)
+			}
+			if legs := len(engines[0].Requests()) + len(engines[1].Requests()); legs != 3 {
+				t.Errorf("%d prefill legs for 3 requests: a too-long answer is not worth another engine", legs)
+			}
+			prefill, _ := p.Pools()
+			for _, e := range prefill.Endpoints() {
+				if !e.Healthy() {
+					t.Errorf("%s was ejected for its answer's length", e.Addr)
+				}
+			}
+		})
+	}
+}
