@@ -2,9 +2,9 @@ package testbed
 
 import (
 	"crypto/tls"
-	"crypto/x509"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"google.golang.org/grpc/credentials"
 
@@ -30,13 +30,15 @@ const (
 type MTLS struct {
 	CA             *testpki.CA
 	Server, Client testpki.Files
-	serverName     string // the server certificate's first SAN
+	serverName     string   // the server certificate's first SAN
+	allowed        []string // the client SANs extproc admits
 }
 
-// MTLSConfig names the SANs of each certificate; empty: ServerSAN and
-// ClientSAN, the shipped names.
+// MTLSConfig names the SANs of each certificate, and those extproc admits
+// (--tls-client-allowed-sans); empty: ServerSAN, ClientSAN and ClientSAN, the
+// shipped names.
 type MTLSConfig struct {
-	ServerSANs, ClientSANs []string
+	ServerSANs, ClientSANs, AllowedSANs []string
 }
 
 // NewMTLS issues the certificates into a new temporary directory, removed
@@ -48,6 +50,9 @@ func NewMTLS(c Cleaner, cfg MTLSConfig) (*MTLS, error) {
 	if len(cfg.ClientSANs) == 0 {
 		cfg.ClientSANs = []string{ClientSAN}
 	}
+	if len(cfg.AllowedSANs) == 0 {
+		cfg.AllowedSANs = []string{ClientSAN}
+	}
 	dir, err := os.MkdirTemp("", "pd-extproc-certs-")
 	if err != nil {
 		return nil, err
@@ -57,7 +62,7 @@ func NewMTLS(c Cleaner, cfg MTLSConfig) (*MTLS, error) {
 	if err != nil {
 		return nil, err
 	}
-	m := &MTLS{CA: ca, serverName: cfg.ServerSANs[0]}
+	m := &MTLS{CA: ca, serverName: cfg.ServerSANs[0], allowed: cfg.AllowedSANs}
 	if m.Server, err = ca.Issue(filepath.Join(dir, "extproc"), testpki.Leaf{Name: "pd-extproc", SANs: cfg.ServerSANs, Server: true}); err != nil {
 		return nil, err
 	}
@@ -68,9 +73,11 @@ func NewMTLS(c Cleaner, cfg MTLSConfig) (*MTLS, error) {
 }
 
 // ExtprocArgs are the flags that make extproc serve ext_proc over TLS with
-// the server certificate and require a client certificate the CA signed.
+// the server certificate and require a client certificate the CA signed for
+// an allowed SAN, as the shipped manifests run it.
 func (m *MTLS) ExtprocArgs() []string {
-	return []string{"--tls-cert-file", m.Server.Cert, "--tls-key-file", m.Server.Key, "--tls-client-ca-file", m.Server.CA}
+	return []string{"--tls-cert-file", m.Server.Cert, "--tls-key-file", m.Server.Key, "--tls-client-ca-file", m.Server.CA,
+		"--tls-client-allowed-sans", strings.Join(m.allowed, ",")}
 }
 
 // Envoy points the ext_proc cluster's certificate files of cfg at the client
@@ -102,7 +109,5 @@ func (m *MTLS) Credentials() (credentials.TransportCredentials, error) {
 	if err != nil {
 		return nil, err
 	}
-	roots := x509.NewCertPool()
-	roots.AppendCertsFromPEM(m.CA.PEM)
-	return credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: roots, ServerName: m.serverName, MinVersion: tls.VersionTLS12}), nil
+	return credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: m.CA.Roots(), ServerName: m.serverName, MinVersion: tls.VersionTLS12}), nil
 }

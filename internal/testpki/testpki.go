@@ -59,6 +59,15 @@ type Leaf struct {
 	SANs []string // DNS names, URIs (with a scheme: spiffe://...) and IP addresses
 	// Server and Client set the extended key usages; neither: both.
 	Server, Client bool
+	// Serial is the certificate's serial number; 0: the next of a counter.
+	Serial int64
+}
+
+// Roots is a pool of the CA alone, for a client checking a server.
+func (ca *CA) Roots() *x509.CertPool {
+	pool := x509.NewCertPool()
+	pool.AddCert(ca.cert)
+	return pool
 }
 
 // Files are the paths of a written certificate: tls.crt, tls.key and ca.crt
@@ -68,13 +77,34 @@ type Files struct{ Dir, Cert, Key, CA string }
 // Issue signs a certificate for leaf and writes it, its key and the CA's
 // certificate into dir (created if need be).
 func (ca *CA) Issue(dir string, leaf Leaf) (Files, error) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	certPEM, keyPEM, err := ca.IssuePEM(leaf)
 	if err != nil {
 		return Files{}, err
 	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return Files{}, err
+	}
+	f := Files{Dir: dir, Cert: filepath.Join(dir, "tls.crt"), Key: filepath.Join(dir, "tls.key"), CA: filepath.Join(dir, "ca.crt")}
+	for path, data := range map[string][]byte{f.Cert: certPEM, f.Key: keyPEM, f.CA: ca.PEM} {
+		if err := os.WriteFile(path, data, 0o600); err != nil {
+			return Files{}, fmt.Errorf("testpki: %w", err)
+		}
+	}
+	return f, nil
+}
+
+// IssuePEM signs a certificate for leaf and returns it and its key in PEM.
+func (ca *CA) IssuePEM(leaf Leaf) (certPEM, keyPEM []byte, err error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, nil, err
+	}
+	if leaf.Serial == 0 {
+		leaf.Serial = serial.Add(1)
+	}
 	now := time.Now()
 	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(serial.Add(1)), Subject: pkix.Name{CommonName: leaf.Name},
+		SerialNumber: big.NewInt(leaf.Serial), Subject: pkix.Name{CommonName: leaf.Name},
 		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(24 * time.Hour),
 		KeyUsage: x509.KeyUsageDigitalSignature,
 	}
@@ -95,24 +125,11 @@ func (ca *CA) Issue(dir string, leaf Leaf) (Files, error) {
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
 	if err != nil {
-		return Files{}, err
+		return nil, nil, err
 	}
 	keyDER, err := x509.MarshalPKCS8PrivateKey(key)
 	if err != nil {
-		return Files{}, err
+		return nil, nil, err
 	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return Files{}, err
-	}
-	f := Files{Dir: dir, Cert: filepath.Join(dir, "tls.crt"), Key: filepath.Join(dir, "tls.key"), CA: filepath.Join(dir, "ca.crt")}
-	for path, data := range map[string][]byte{
-		f.Cert: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		f.Key:  pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER}),
-		f.CA:   ca.PEM,
-	} {
-		if err := os.WriteFile(path, data, 0o600); err != nil {
-			return Files{}, fmt.Errorf("testpki: %w", err)
-		}
-	}
-	return f, nil
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER}), nil
 }

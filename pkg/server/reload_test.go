@@ -2,6 +2,7 @@ package server
 
 import (
 	"cmp"
+	"fmt"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -49,11 +50,13 @@ func TestRestartOnlyNamesTheKeysAReloadDoesNotApply(t *testing.T) {
 			want: []string{"pools.prefill.kubernetes"}},
 		{name: "the decode pool's TLS", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}, tls: {enabled: true}}}`,
 			want: []string{"pools.decode.tls.enabled"}},
-		{name: "limits", more: `limits: {max_concurrent_streams: 10, max_body_bytes: 1048576}`, want: []string{"limits.max_body_bytes", "limits.max_concurrent_streams"}},
+		// prefill.max_background defaults to limits.max_concurrent_streams and follows it.
+		{name: "limits", more: `limits: {max_concurrent_streams: 10, max_body_bytes: 1048576, body_timeout: 5s, max_buffered_bytes: 104857600}`,
+			want: []string{"limits.body_timeout", "limits.max_body_bytes", "limits.max_buffered_bytes", "limits.max_concurrent_streams", "prefill.max_background"}},
 		// The defaults that follow prefill.timeout change with it.
 		{name: "prefill.timeout", more: `prefill: {timeout: 10s}`, want: []string{"envoy.override_message_timeout", "prefill.attempt_timeout", "prefill.timeout"}},
-		{name: "prefill legs", more: `prefill: {on_failure: fail, http2: true, max_idle_conns_per_endpoint: 8, attempts: 3, tls: {enabled: true}}`,
-			want: []string{"prefill.attempts", "prefill.http2", "prefill.max_idle_conns_per_endpoint", "prefill.on_failure", "prefill.tls.enabled"}},
+		{name: "prefill legs", more: `prefill: {on_failure: fail, http2: true, max_idle_conns_per_endpoint: 8, max_conns_per_endpoint: 16, max_background: 4, attempts: 3, tls: {enabled: true}}`,
+			want: []string{"prefill.attempts", "prefill.http2", "prefill.max_background", "prefill.max_conns_per_endpoint", "prefill.max_idle_conns_per_endpoint", "prefill.on_failure", "prefill.tls.enabled"}},
 		{name: "envoy", more: `envoy: {override_after: 1s}`, want: []string{"envoy.override_after"}},
 		{name: "tracing", more: `tracing: {otlp_endpoint: "http://collector:4317", sample_ratio: 0.5}`, want: []string{"tracing.otlp_endpoint", "tracing.sample_ratio"}},
 		{name: "the pass-through list", more: `routes: {passthrough: ["GET /v1/models"]}`, want: []string{"routes.passthrough"}},
@@ -97,9 +100,9 @@ func TestReloadLogNamesRestartOnlyKeys(t *testing.T) {
 		t.Fatal(err)
 	}
 	line := waitLogLine(t, logs, "config reloaded")
-	keys, _ := line["restartPending"].([]any)
-	if len(keys) != 1 || keys[0] != "limits.max_concurrent_streams" {
-		t.Errorf("restartPending = %v, want [limits.max_concurrent_streams]: %v", line["restartPending"], line)
+	// prefill.max_background follows limits.max_concurrent_streams, its default.
+	if keys := fmt.Sprint(line["restartPending"]); keys != "[limits.max_concurrent_streams prefill.max_background]" {
+		t.Errorf("restartPending = %s, want [limits.max_concurrent_streams prefill.max_background]: %v", keys, line)
 	}
 	if msg := line["msg"].(string); !strings.Contains(msg, "only on restart") {
 		t.Errorf("the reload line does not say keys wait for a restart: %q", msg)

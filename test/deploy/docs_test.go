@@ -30,7 +30,9 @@ func docFiles(t *testing.T) []string {
 func exportedMetrics(t *testing.T) []string {
 	t.Helper()
 	m := metrics.New("kv-nixl")
-	m.WatchEndpoints(func() []metrics.EndpointState { return []metrics.EndpointState{{Pool: "decode", Endpoint: "10.0.0.1:8000"}} })
+	m.WatchEndpoints(func() []metrics.EndpointState {
+		return []metrics.EndpointState{{Pool: "decode", Endpoint: "10.0.0.1:8000"}}
+	})
 	m.WatchDiscovery([]string{"decode"}, func() []metrics.DiscoveryState { return []metrics.DiscoveryState{{Pool: "decode"}} })
 	families, err := m.Registry().Gather()
 	if err != nil {
@@ -123,6 +125,60 @@ func TestDocsNameDecisionReasonsThatExist(t *testing.T) {
 					t.Errorf("%s selects pd_extproc_pd_decisions_total{reason=%q}, which is no reason of the metric (%v)", rel, v, metrics.Reasons)
 				}
 			}
+		}
+	}
+}
+
+// extprocFlags are the flags cmd/extproc defines.
+func extprocFlags(t *testing.T) []string {
+	t.Helper()
+	def := regexp.MustCompile(`flag\.(?:String|Int|Bool|Duration|Func)(?:Var)?\((?:&[^,]+, )?"([^"]+)"`)
+	var out []string
+	for _, m := range def.FindAllStringSubmatch(string(mustRead(t, testbed.MustRepoPath(t, "cmd/extproc/main.go"))), -1) {
+		out = append(out, m[1])
+	}
+	if len(out) < 10 {
+		t.Fatalf("found only %d flags in cmd/extproc/main.go: %v", len(out), out)
+	}
+	return out
+}
+
+// The flags the shipped Deployment and compose file pass, and the README's list, are the
+// binary's own (an unknown flag makes extproc exit at start), and the README names every flag.
+func TestFlagsAreTheBinarys(t *testing.T) {
+	flags := extprocFlags(t)
+	check := func(where string, args []string) {
+		for _, a := range args {
+			name, _, _ := strings.Cut(strings.TrimPrefix(strings.TrimPrefix(a, "-"), "-"), "=")
+			if strings.HasPrefix(a, "-") && !slices.Contains(flags, name) {
+				t.Errorf("%s passes %s, which extproc does not define", where, a)
+			}
+		}
+	}
+	for _, dir := range manifestDirs {
+		dep := find(t, loadManifests(t, dir), "Deployment", "pd-extproc")
+		check(dir+" Deployment", toStrings(dig(dig(dep, "spec", "template", "spec", "containers").([]any)[0], "args")))
+	}
+	compose := yamlDocuments(t, testbed.MustRepoPath(t, composeFile))[0]
+	check(composeFile, toStrings(dig(compose, "services", "extproc", "command")))
+	readme := string(mustRead(t, testbed.MustRepoPath(t, "README.md")))
+	_, list, _ := strings.Cut(readme, "\nFlags: ")
+	list, _, _ = strings.Cut(list, "\n\n")
+	named := regexp.MustCompile("`(-{1,2}[a-z][a-z-]*)").FindAllStringSubmatch(list, -1)
+	var documented []string
+	for _, m := range named {
+		documented = append(documented, strings.TrimLeft(m[1], "-"))
+	}
+	check("README's Flags", func() []string {
+		var out []string
+		for _, m := range named {
+			out = append(out, m[1])
+		}
+		return out
+	}())
+	for _, f := range flags {
+		if !slices.Contains(documented, f) {
+			t.Errorf("README's Flags paragraph does not name --%s", f)
 		}
 	}
 }

@@ -32,7 +32,6 @@ type rig struct {
 	decodeAddrs     []string          // the decode pool as configured
 	sim             testbed.SimConfig // what the rig's simulators share: protocol, shared dir, bootstrap port, timings
 	mtls            *testbed.MTLS     // the certificates of the Envoy-extproc link
-	extprocArgs     []string          // more extproc flags
 }
 
 type rigOptions struct {
@@ -56,9 +55,8 @@ type rigOptions struct {
 	envoy               func(*envoyemu.Config) // changes the Envoy config before the emulator starts
 	// mtls replaces the certificates of the Envoy-extproc link (by default
 	// the shipped names: extproc pd-extproc.pd-extproc.svc, Envoy
-	// envoy.pd-extproc); extprocArgs adds extproc flags.
-	mtls        *testbed.MTLS
-	extprocArgs []string
+	// envoy.pd-extproc, the one extproc admits).
+	mtls *testbed.MTLS
 }
 
 // simIP is the loopback IP of the rig's i-th simulator of a role: each has
@@ -114,7 +112,7 @@ func startRig(t *testing.T, o rigOptions) *rig {
 	r.config = fmt.Sprintf("connector: %s\npools:\n  prefill: {endpoints: [%s], bootstrap_port: %d%s}\n  decode: {endpoints: [%s]%s}\n%s\n",
 		o.connector, quoteAll(prefillAddrs), r.sim.BootstrapPort, more(o.prefillPool), quoteAll(decodeAddrs), more(o.decodePool), o.extra)
 	// Envoy and extproc speak mTLS, as every shipped config has them do.
-	r.mtls, r.extprocArgs = o.mtls, o.extprocArgs
+	r.mtls = o.mtls
 	if r.mtls == nil {
 		r.mtls = testbed.MustNewMTLS(t, testbed.MTLSConfig{})
 	}
@@ -165,7 +163,7 @@ func (r *rig) restartExtproc(t *testing.T) {
 // startExtproc runs one extproc of the rig, on grpcAddr when it is given.
 func (r *rig) startExtproc(t *testing.T, grpcAddr string) *extproc {
 	t.Helper()
-	return startExtproc(t, testbed.ExtprocConfig{Config: r.config, GRPCAddr: grpcAddr, MTLS: r.mtls, Args: r.extprocArgs})
+	return startExtproc(t, testbed.ExtprocConfig{Config: r.config, GRPCAddr: grpcAddr, MTLS: r.mtls})
 }
 
 func quoteAll(addrs []string) string {

@@ -24,8 +24,8 @@ import (
 // from one CA, and only Envoy's identity (a SPIFFE id) let in. A real gRPC
 // client over mTLS routes a request with Envoy's certificate; one the same CA
 // signed for another workload, or none, is refused at the handshake, and the
-// refusal is logged. (The Envoy emulator speaks plaintext gRPC to ext_proc, so
-// the client here is a gRPC client sending what Envoy sends.)
+// refusal is logged. (Here a gRPC client sends what Envoy sends, with each
+// identity in turn; the rig's emulator over mTLS is test/e2e/mtls_test.go.)
 func TestExtprocOverMTLSChecksTheClientSAN(t *testing.T) {
 	const envoyID = "spiffe://cluster.local/ns/envoy-gateway-system/sa/envoy"
 	ca := testbed.MustNewCA(t)
