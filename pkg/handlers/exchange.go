@@ -121,7 +121,7 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 		if err := x.out.Send(headersReply(d, x.req.RequestID)); err != nil {
 			return false, err
 		}
-		x.obs.routed(x.decision, x.body.bytes())
+		x.routed()
 		return false, nil
 	}
 	if limit := x.router.MaxBodyBytes(); x.contentLength > limit {
@@ -200,7 +200,7 @@ func (x *exchange) finishDuplex(trailers bool) (bool, error) {
 			return false, err
 		}
 	}
-	x.obs.routed(x.decision, x.body.bytes())
+	x.routed()
 	if trailers {
 		return false, x.out.Send(continueReply("request_trailers"))
 	}
@@ -224,8 +224,22 @@ func (x *exchange) finishBuffered() (bool, error) {
 	if err := x.out.Send(bufferedBodyReply(d, x.req.RequestID, rewritten, x.contentLength >= 0)); err != nil {
 		return false, err
 	}
-	x.obs.routed(x.decision, x.body.bytes())
+	x.routed()
 	return false, nil
+}
+
+// routed concludes a request whose routing reply, and every chunk of its new
+// body, has been sent: its observation (the log line may show the body),
+// then what only routing read goes. The stream may last as long as the
+// generation, and the response path reads only the decision's endpoint and
+// rewrite and the request's id. gRPC copied each reply as it was sent
+// (bodies.go), so the body goes back now, to the budget and, unless a prefill
+// leg was sent from it, to the pool, as at the stream's end.
+func (x *exchange) routed() {
+	x.obs.routed(x.decision, x.body.bytes())
+	x.decision.Sent()
+	x.req.Routed()
+	x.body.release(x.req.BodyHeld())
 }
 
 // untouched reports whether out is in itself (the same bytes, not a copy): the

@@ -87,6 +87,7 @@ func (h *holding) stop() {
 	h.over = true
 	if h.timer != nil {
 		h.timer.Stop()
+		h.timer = nil // a stream held for a generation need not keep it
 	}
 }
 

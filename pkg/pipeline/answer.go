@@ -1,6 +1,7 @@
 package pipeline
 
 import (
+	"bytes"
 	"net"
 	"net/netip"
 	"strings"
@@ -69,7 +70,9 @@ func (p *Pipeline) usageRewriter(r *Request, a prefillAnswer) *response.Rewriter
 		p.metrics.UsageRewrite(metrics.UsagePrefillMissing)
 		return nil
 	}
-	return response.New(path, a.cached, int(p.opts.MaxResponseBytes))
+	// A copy: a.cached points into the whole prefill answer, and the rewriter
+	// lives as long as the stream.
+	return response.New(path, bytes.Clone(a.cached), int(p.opts.MaxResponseBytes))
 }
 
 // checkRemoteHost warns when the prefill engine at prefill tells a decode

@@ -42,6 +42,14 @@ type Request struct {
 // body must begin with the previous one's bytes, and Body must begin with them all.
 func (r *Request) Arrived(sofar []byte) { r.scan.Scan(sofar) }
 
+// Routed drops what only routing reads, once the caller has passed the
+// decode leg's body on: Body and what was scanned of it. The caller keeps
+// the Request while the stream lasts (for its log line and the response
+// path), which for a generation is its whole life. A background prefill leg
+// still running reads only the request's path, id, Forward and matched API,
+// never these.
+func (r *Request) Routed() { r.Body, r.scan = nil, body.Scanner{} }
+
 // BodyHeld reports whether a prefill leg may read Body after Route returned:
 // net/http may still be writing a leg when the engine has answered, and a
 // concurrent leg runs on its own. Until Route returns, only Route reads Body.
@@ -97,6 +105,17 @@ type Decision struct {
 func (d *Decision) Release() {
 	if d != nil && d.release != nil {
 		d.release()
+	}
+}
+
+// Sent drops the decode leg's body once the caller has passed it on (a reply
+// sent over gRPC is a copy): its pieces are the client's body and, in P/D,
+// the prefill engine's answer that kv_transfer_params was spliced from, which
+// the response path does not read. Endpoint, Rewrite, Observe and Release
+// keep working.
+func (d *Decision) Sent() {
+	if d != nil {
+		d.Body = nil
 	}
 }
 
