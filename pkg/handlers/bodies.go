@@ -91,7 +91,8 @@ func (c *bodyCollector) unhold() {
 	}
 }
 
-// release ends the stream's hold once the stream is over: the bytes go back
+// release ends the stream's hold once the request is routed or the stream is
+// over, whichever is first: the bytes go back
 // to the budget unless a background leg still reads them, and a pooled
 // buffer to the pool unless a prefill leg was sent from it (net/http may still
 // be writing it). Once only; later calls do nothing.
@@ -110,8 +111,9 @@ func (c *bodyCollector) release(held bool) {
 // Buffers for FULL_DUPLEX bodies that come in several chunks, which are
 // collected into one. A buffer is taken at the first chunk, at most
 // firstBuffer whatever Content-Length says, replaced by a larger one as the
-// body outgrows it, and given back when the stream ends, unless the body went
-// to a prefill endpoint (pipeline.Request.BodyHeld). Until then the body is read
+// body outgrows it, and given back once the request is routed (or the stream
+// ends before that), unless the body went to a prefill endpoint
+// (pipeline.Request.BodyHeld). Until then the body is read
 // only on the stream's goroutine: by the pipeline while it routes, and by gRPC,
 // which copies each reply as it is sent (no stats handler is installed that
 // could keep a sent message).
