@@ -23,7 +23,7 @@ func HTTPOK(url string) func(context.Context) error {
 		if err != nil {
 			return err
 		}
-		resp, err := probeClient.Do(req)
+		resp, err := Client.Do(req)
 		if err != nil {
 			return err
 		}
@@ -36,9 +36,33 @@ func HTTPOK(url string) func(context.Context) error {
 	}
 }
 
-// probeClient reaches loopback servers directly, whatever HTTP_PROXY says,
-// and leaves no idle connection in the child.
-var probeClient = &http.Client{Transport: &http.Transport{Proxy: nil, DisableKeepAlives: true}}
+// Client reaches loopback servers directly, whatever HTTP_PROXY says, and
+// opens a connection per request, leaving no idle one in the child. After a
+// local reply sent before the request body was read the emulator closes the
+// connection, and a pooled client may pick it up in that instant ("server
+// closed idle connection"): a client-side race that would hide what the tests
+// look at.
+var Client = &http.Client{Transport: &http.Transport{Proxy: nil, DisableKeepAlives: true}}
+
+// Post sends body to url as JSON, with header's fields too, on Client, and
+// returns the response and its whole body; ctx bounds it.
+func Post(ctx context.Context, url, body string, header http.Header) (*http.Response, string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	if err != nil {
+		return nil, "", err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	for k, v := range header {
+		req.Header[k] = v
+	}
+	resp, err := Client.Do(req)
+	if err != nil {
+		return nil, "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return resp, string(b), err
+}
 
 // ErrNoSample is Metric's error when /metrics has no such series.
 var ErrNoSample = errors.New("no such sample")

@@ -9,6 +9,7 @@ import (
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // request builds a request of api (chat, completions, responses, generate or
@@ -130,7 +131,7 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 			t.Fatal(err)
 		}
 		req.Header.Set("Content-Type", "application/json")
-		resp, err := rigClient.Do(req)
+		resp, err := testbed.Client.Do(req)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // ---------------------------------------------------------------- prefill leg faults
@@ -266,7 +267,7 @@ func TestFaultDecodeDiesMidStream(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 			defer cancel()
 			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.proxy.URL()+path, strings.NewReader(body))
-			resp, err := rigClient.Do(req)
+			resp, err := testbed.Client.Do(req)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -569,7 +570,7 @@ func TestFaultSlowBodyIs408(t *testing.T) {
 			req.ContentLength = int64(len(body))
 			go pw.Write([]byte(body[:len(body)/2]))
 			start := time.Now()
-			resp, err := rigClient.Do(req)
+			resp, err := testbed.Client.Do(req)
 			if err != nil {
 				t.Fatalf("POST: %v", err)
 			}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // recorder is an HTTP endpoint that only counts and keeps what reaches it:
@@ -365,7 +366,7 @@ func TestHostileInputsGetAClear4xx(t *testing.T) {
 					for k, v := range tt.header {
 						req.Header[k] = v
 					}
-					resp, err := rigClient.Do(req)
+					resp, err := testbed.Client.Do(req)
 					if err != nil {
 						t.Fatal(err)
 					}

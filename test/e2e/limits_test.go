@@ -128,12 +128,11 @@ func TestCircuitBreakersHoldManyGenerations(t *testing.T) {
 			var wg sync.WaitGroup
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
-			client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true, Proxy: nil}}
 			for i := range load {
 				wg.Go(func() {
 					path, body := request("completions", true, fmt.Sprintf("generation %d", i))
 					req, _ := http.NewRequestWithContext(ctx, http.MethodPost, p.URL()+path, strings.NewReader(body))
-					resp, err := client.Do(req)
+					resp, err := testbed.Client.Do(req)
 					if err != nil {
 						t.Errorf("request %d: %v", i, err)
 						failed.Add(1)

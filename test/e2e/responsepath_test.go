@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // With the response path processed (envoy.yaml) a generation holds its
@@ -25,7 +27,7 @@ func TestResponsePathHoldsTheStreamForTheGeneration(t *testing.T) {
 			body := `{"model":"pdsim","messages":[{"role":"user","content":"a long generation"}],"stream":true,"max_tokens":100000}`
 			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.proxy.URL()+"/v1/chat/completions", strings.NewReader(body))
 			req.Header.Set("Content-Type", "application/json")
-			resp, err := rigClient.Do(req)
+			resp, err := testbed.Client.Do(req)
 			if err != nil {
 				t.Fatal(err)
 			}

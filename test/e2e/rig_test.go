@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -176,28 +175,8 @@ func quoteAll(addrs []string) string {
 
 // send posts body to path through the emulator; the context bounds it.
 func (r *rig) send(ctx context.Context, path, body string, header http.Header) (*http.Response, string, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, r.proxy.URL()+path, strings.NewReader(body))
-	if err != nil {
-		return nil, "", err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	for k, v := range header {
-		req.Header[k] = v
-	}
-	resp, err := rigClient.Do(req)
-	if err != nil {
-		return nil, "", err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	return resp, string(b), err
+	return testbed.Post(ctx, r.proxy.URL()+path, body, header)
 }
-
-// rigClient opens a connection per request. After a local reply sent before
-// the request body was read the emulator closes the connection, and a pooled
-// client may pick it up in that instant ("server closed idle connection"): a
-// client-side race that would hide what the tests look at.
-var rigClient = &http.Client{Transport: &http.Transport{DisableKeepAlives: true, Proxy: nil}}
 
 // must sends a request that has to come back whole.
 func (r *rig) must(t *testing.T, path, body string, header http.Header) (*http.Response, string) {

@@ -254,21 +254,8 @@ func (s *stack) endpoints(t testing.TB, pool string) []string {
 // post sends a chat completion through Envoy.
 func (s *stack) post(ctx context.Context, prompt string) (*http.Response, string, error) {
 	body := fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":%q}],"max_tokens":4}`, prompt)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.proxy.URL()+"/v1/chat/completions", strings.NewReader(body))
-	if err != nil {
-		return nil, "", err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := client.Do(req)
-	if err != nil {
-		return nil, "", err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	return resp, string(b), err
+	return testbed.Post(ctx, s.proxy.URL()+"/v1/chat/completions", body, nil)
 }
-
-var client = &http.Client{Transport: &http.Transport{DisableKeepAlives: true, Proxy: nil}}
 
 // mustPost sends a request that must succeed with a KV hit, and returns
 // which decode endpoint served it and where its KV came from.
