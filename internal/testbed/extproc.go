@@ -141,3 +141,16 @@ func writeConfig(c Cleaner, dir, yaml string) (string, error) {
 func (x *Extproc) Metric(ctx context.Context, series string) (float64, error) {
 	return Metric(ctx, x.AdminAddr, series)
 }
+
+// MustMetric is Metric, -1 when the series is absent; any other error fails t.
+func (x *Extproc) MustMetric(t TB, series string) float64 {
+	t.Helper()
+	v, err := x.Metric(t.Context(), series)
+	switch {
+	case errors.Is(err, ErrNoSample):
+		return -1
+	case err != nil:
+		t.Fatalf("/metrics: %v", err)
+	}
+	return v
+}

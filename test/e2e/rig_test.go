@@ -3,7 +3,6 @@ package e2e
 import (
 	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"net/http"
 	"strings"
@@ -227,12 +226,5 @@ func (r *rig) alive(t *testing.T) {
 // with series (a metric name, with labels if they matter); -1 when absent.
 func (r *rig) metric(t *testing.T, series string) float64 {
 	t.Helper()
-	v, err := r.extproc.Metric(t.Context(), series)
-	switch {
-	case errors.Is(err, testbed.ErrNoSample):
-		return -1
-	case err != nil:
-		t.Fatalf("/metrics: %v", err)
-	}
-	return v
+	return r.extproc.MustMetric(t, series)
 }

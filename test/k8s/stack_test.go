@@ -3,7 +3,6 @@ package k8s
 import (
 	"cmp"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -189,14 +188,7 @@ func startStackLogging(t testing.TB, server, token, config string, log io.Writer
 // metric reads one sample; -1 when the series is absent.
 func (s *stack) metric(t testing.TB, series string) float64 {
 	t.Helper()
-	v, err := s.x.Metric(context.Background(), series)
-	switch {
-	case errors.Is(err, testbed.ErrNoSample):
-		return -1
-	case err != nil:
-		t.Fatalf("/metrics: %v", err)
-	}
-	return v
+	return s.x.MustMetric(t, series)
 }
 
 // readyz answers GET /readyz?verbose: the status code and the text.
