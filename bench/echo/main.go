@@ -5,7 +5,6 @@
 package main
 
 import (
-	"errors"
 	"flag"
 	"fmt"
 	"net"
@@ -79,8 +78,5 @@ func run(grpcAddr, adminAddr, dest string) error {
 	case <-sig:
 	}
 	srv.Stop()
-	if err := admin.Close(); err != nil && !errors.Is(err, http.ErrServerClosed) {
-		return err
-	}
-	return nil
+	return admin.Close()
 }

@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -27,14 +26,13 @@ const decodeCachedTokens = "1000"
 // Answer is one streamed answer's messages, built once and shared by every
 // stream (protobuf messages are safe for concurrent marshalling).
 type Answer struct {
-	Tokens  int // token events
 	headers *extprocv3.ProcessingRequest
 	chunks  []*extprocv3.ProcessingRequest
 }
 
 // NewAnswer builds a streamed answer of tokens token events.
 func NewAnswer(tokens int) *Answer {
-	a := &Answer{Tokens: tokens, headers: envoymsg.Headers(envoymsg.Response, false,
+	a := &Answer{headers: envoymsg.Headers(envoymsg.Response, false,
 		envoymsg.Header{":status", "200"}, envoymsg.Header{"content-type", "text/event-stream; charset=utf-8"},
 		envoymsg.Header{"cache-control", "no-cache"}, envoymsg.Header{"date", "Mon, 30 Nov 2026 10:00:00 GMT"},
 		envoymsg.Header{"server", "uvicorn"}, envoymsg.Header{"x-envoy-upstream-service-time", "12"})}
@@ -108,9 +106,6 @@ func checkAnswer(a *Answer, got []byte, want string) error {
 		}
 		return fmt.Errorf("the answer differs from the engine's with cached_tokens %s at byte %d: %q", want, i,
 			strings.TrimSpace(string(got[max(0, i-40):min(len(got), i+40)])))
-	}
-	if len(got) == 0 {
-		return errors.New("no answer")
 	}
 	return nil
 }

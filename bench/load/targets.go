@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 	"time"
 
 	"google.golang.org/grpc"
@@ -122,16 +121,12 @@ func (l *Launcher) Start(ctx context.Context, name string) (*Target, error) {
 // the prefill endpoints given (none: every request is decode-only), and
 // response.rewrite_usage.
 func extprocConfig(prefill []string, rewriteUsage bool) string {
-	quoted := make([]string, len(prefill))
-	for i, a := range prefill {
-		quoted[i] = fmt.Sprintf("%q", a)
-	}
 	return fmt.Sprintf(`connector: kv-nixl
 pools:
   prefill: {endpoints: [%s]}
   decode: {endpoints: ["127.0.0.1:8201"]}
 response: {rewrite_usage: %v}
-`, strings.Join(quoted, ", "), rewriteUsage)
+`, testbed.QuoteAll(prefill), rewriteUsage)
 }
 
 // startExtproc starts extproc with config, ready once /readyz answers 200.

@@ -4,6 +4,8 @@ import (
 	"cmp"
 	"fmt"
 	"io"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
@@ -54,6 +56,16 @@ func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
 	}
 	c.Cleanup(func() { s.Close() })
 	return s, nil
+}
+
+// QuoteAll writes addrs as the items of a YAML flow list: each quoted, joined
+// by ", ".
+func QuoteAll(addrs []string) string {
+	q := make([]string, len(addrs))
+	for i, a := range addrs {
+		q[i] = strconv.Quote(a)
+	}
+	return strings.Join(q, ", ")
 }
 
 // Addrs lists the simulators' HTTP addresses: a pool's endpoints.

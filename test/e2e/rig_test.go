@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"strings"
 	"testing"
 	"time"
 
@@ -108,7 +107,7 @@ func startRig(t *testing.T, o rigOptions) *rig {
 		return ", " + keys
 	}
 	r.config = fmt.Sprintf("connector: %s\npools:\n  prefill: {endpoints: [%s], bootstrap_port: %d%s}\n  decode: {endpoints: [%s]%s}\n%s\n",
-		o.connector, quoteAll(prefillAddrs), r.sim.BootstrapPort, more(o.prefillPool), quoteAll(decodeAddrs), more(o.decodePool), o.extra)
+		o.connector, testbed.QuoteAll(prefillAddrs), r.sim.BootstrapPort, more(o.prefillPool), testbed.QuoteAll(decodeAddrs), more(o.decodePool), o.extra)
 	// Envoy and extproc speak mTLS, as every shipped config has them do.
 	r.mtls = o.mtls
 	if r.mtls == nil {
@@ -162,14 +161,6 @@ func (r *rig) restartExtproc(t *testing.T) {
 func (r *rig) startExtproc(t *testing.T, grpcAddr string) *extproc {
 	t.Helper()
 	return startExtproc(t, testbed.ExtprocConfig{Config: r.config, GRPCAddr: grpcAddr, MTLS: r.mtls})
-}
-
-func quoteAll(addrs []string) string {
-	q := make([]string, len(addrs))
-	for i, a := range addrs {
-		q[i] = fmt.Sprintf("%q", a)
-	}
-	return strings.Join(q, ", ")
 }
 
 // send posts body to path through the emulator; the context bounds it.

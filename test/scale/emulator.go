@@ -1,8 +1,8 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
-	"errors"
 	"flag"
 	"net"
 	"net/http"
@@ -43,23 +43,21 @@ func runEmulator(args []string) error {
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	cfg, err := envoyemu.LoadConfig(*config)
+	var c testbed.Cleanups
+	defer c.Close()
+	p, err := testbed.StartEnvoyOn(&c, *config, strings.Split(*extproc, ","), func(cfg *envoyemu.Config) {
+		// The echo server speaks no TLS, and extproc is measured beside it on the same
+		// plaintext link: TLS costs a handshake per connection (a few per replica), not per
+		// held stream, which is what this run measures.
+		testbed.Plaintext(cfg)
+		if *response == "off" {
+			cfg.Modes.Response = responsePathOff
+		}
+		cfg.ListenAddr = *listen
+	})
 	if err != nil {
 		return err
 	}
-	// The echo server speaks no TLS, and extproc is measured beside it on the same
-	// plaintext link: TLS costs a handshake per connection (a few per replica), not per
-	// held stream, which is what this run measures.
-	testbed.Plaintext(cfg)
-	if *response == "off" {
-		cfg.Modes.Response = responsePathOff
-	}
-	cfg.ListenAddr = *listen
-	p, err := envoyemu.Start(cfg, strings.Split(*extproc, ",")...)
-	if err != nil {
-		return err
-	}
-	defer p.Close()
 	ln, err := net.Listen("tcp", *stats)
 	if err != nil {
 		return err
@@ -70,17 +68,14 @@ func runEmulator(args []string) error {
 		_ = json.NewEncoder(w).Encode(p.ClusterStats())
 	})
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	defer stop()
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
-	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGTERM, os.Interrupt)
 	select {
 	case err := <-errc:
 		return err
-	case <-sig:
+	case <-ctx.Done():
 	}
-	if err := srv.Close(); err != nil && !errors.Is(err, http.ErrServerClosed) {
-		return err
-	}
-	return nil
+	return srv.Close()
 }

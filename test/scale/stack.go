@@ -122,7 +122,7 @@ func (s *stack) startExtproc(ctx context.Context, o options, i int, prefills, de
 	x, err := testbed.StartExtproc(ctx, &s.stop, testbed.ExtprocConfig{
 		Bin: filepath.Join(o.bin, "extproc"), Dir: o.logDir, Log: log, Args: []string{"--pprof"},
 		Config: fmt.Sprintf("connector: kv-nixl\npools:\n  prefill: {endpoints: [%s], policy: prefix-affinity}\n  decode: {endpoints: [%s]}\n%s\nlimits: {max_concurrent_streams: %d}\n",
-			quoteAll(prefills), quoteAll(decodes), pd, o.streams+o.streams/4),
+			testbed.QuoteAll(prefills), testbed.QuoteAll(decodes), pd, o.streams+o.streams/4),
 	})
 	if err != nil {
 		return server{}, fmt.Errorf("%w; see %s", err, log.Name())
@@ -219,14 +219,6 @@ func freeAddr() string {
 		panic(err)
 	}
 	return a
-}
-
-func quoteAll(addrs []string) string {
-	q := make([]string, len(addrs))
-	for i, a := range addrs {
-		q[i] = strconv.Quote(a)
-	}
-	return strings.Join(q, ", ")
 }
 
 // splitList reads a comma-separated flag.

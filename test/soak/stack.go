@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -75,7 +73,7 @@ func startStack(ctx context.Context, c testbed.Cleaner, tmp, bin, connector stri
 pools:
   prefill: {endpoints: [%s], bootstrap_port: %d}
   decode: {endpoints: [%s], health: {check_interval: 1s}}
-`, connector, quote(e.prefill), port, quote(e.decode)),
+`, connector, testbed.QuoteAll(testbed.Addrs(e.prefill)), port, testbed.QuoteAll(testbed.Addrs(e.decode))),
 		// --pprof: the goroutine profile tells idle connection pools from
 		// work left behind; the soak reads request lines as they come.
 		Args: []string{"--pprof", "--log-flush-interval", "0"},
@@ -89,14 +87,6 @@ pools:
 		}
 	}
 	return s, nil
-}
-
-func quote(sims []*pdsim.Server) string {
-	var q []string
-	for _, a := range testbed.Addrs(sims) {
-		q = append(q, strconv.Quote(a))
-	}
-	return strings.Join(q, ", ")
 }
 
 // start runs the stack's i-th simulator of role (addr: on the address a
