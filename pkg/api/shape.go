@@ -1,8 +1,6 @@
 package api
 
 import (
-	"strconv"
-
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
@@ -117,8 +115,7 @@ func sglangPromptLogprobs(o *body.Object) Reason {
 	if v, ok := o.Bool("return_logprob"); ok && !v {
 		return NoReason
 	}
-	raw, _ := o.Raw("logprob_start_len")
-	if n, err := strconv.ParseInt(string(raw), 10, 64); err == nil && n < 0 {
+	if n, ok := o.Int("logprob_start_len"); ok && n < 0 {
 		return NoReason
 	}
 	return PromptLogprobs

@@ -82,25 +82,20 @@ type observation struct {
 // begin starts the observation of r, whose headers hm arrived at start: its
 // span, joined to the caller's trace. It returns ctx carrying the span.
 func (o *observation) begin(ctx context.Context, r *pipeline.Request, hm *corev3.HeaderMap, start time.Time) context.Context {
-	var method string
 	var traceHeaders propagation.MapCarrier
 	for _, h := range hm.GetHeaders() {
-		key := h.GetKey()
-		if o.traceFields[key] {
+		if key := h.GetKey(); o.traceFields[key] {
 			if traceHeaders == nil {
 				traceHeaders = propagation.MapCarrier{}
 			}
 			traceHeaders[key] = headerValue(h)
-		}
-		if key == ":method" {
-			method = headerValue(h)
 		}
 	}
 	o.req, o.start = r, start
 	path, _, _ := strings.Cut(r.Path, "?") // the query may carry a credential
 	ctx, o.span = o.tracer.Start(o.propagator.Extract(ctx, traceHeaders), "extproc.request", trace.WithSpanKind(trace.SpanKindServer),
 		trace.WithAttributes(
-			semconv.HTTPRequestMethodKey.String(method),
+			semconv.HTTPRequestMethodKey.String(r.Method),
 			semconv.URLPath(path),
 			attribute.String("pd.request_id", r.RequestID),
 		))

@@ -58,7 +58,6 @@ func (r *Request) BodyHeld() bool { return r.Report.Prefill != "" }
 // Report is what routing one request did. On a failure it holds what was
 // reached: a prefill failure under on_failure=fail keeps Mode pd.
 type Report struct {
-	API         string        // the API's metrics label (api.Labels); "" until the request is matched
 	Mode        string        // ModePD or ModeDecodeOnly; "" when no mode was chosen
 	Reason      string        // why that mode: a metrics.Reason* value
 	Decode      string        // decode endpoint
@@ -75,8 +74,8 @@ const (
 // APIOf labels a request as metrics and logs do: by the API Route or
 // RouteHeaders matched, or, for one refused before routing, by its path.
 func APIOf(r *Request) string {
-	if r.Report.API != "" {
-		return r.Report.API
+	if r.api != nil {
+		return r.api.Name
 	}
 	return api.LabelOf(r.Path)
 }

@@ -62,7 +62,7 @@ func (p *Pipeline) match(r *Request) (*api.API, error) {
 	if err != nil {
 		return nil, notFound(err)
 	}
-	r.Report.API, r.api = a.Name, a
+	r.api = a
 	return a, nil
 }
 
@@ -98,7 +98,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 		return nil, err
 	}
 	r.Report.Decode = d.Endpoint
-	h := &kv.Handoff{Body: obj, Shape: &a.Shape, BootstrapPort: p.opts.BootstrapPort, Rooms: rooms}
+	h := &kv.Handoff{Body: obj, Shape: &a.Shape, Rooms: rooms}
 	d.Body, err = p.legs(ctx, r, h, sreq, d, alone)
 	if err != nil {
 		d.Release()
@@ -150,8 +150,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 			return nil, backgroundFull(p.opts.MaxBackground, p.opts.RetryAfter)
 		}
 		rep.Prefill = prefill.Addr
-		h.PrefillHost = bootstrapHost(prefill.Addr)
-		h.BootstrapPort = prefill.BootstrapPort(p.opts.BootstrapPort)
+		p.pairWith(h, prefill)
 		p.launch(ctx, prefill, r, kv.PrefillBody(p.connector, h), d)
 		return kv.DecodeBody(p.connector, h), nil
 	}
@@ -201,8 +200,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 			return prefillAnswer{}, errors.Join(last, err)
 		}
 		r.Report.Prefill = ep.Addr
-		h.PrefillHost = bootstrapHost(ep.Addr)
-		h.BootstrapPort = ep.BootstrapPort(p.opts.BootstrapPort)
+		p.pairWith(h, ep)
 		release := ep.Acquire()
 		answer, failed := p.attempt(ctx, ep.Addr, r, kv.PrefillBody(p.connector, h))
 		release()
@@ -271,6 +269,12 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 		}
 		ep.ReportSuccess()
 	})
+}
+
+// pairWith points h's legs at prefill: the host and bootstrap port SGLang's
+// decode leg names (vLLM's connectors read neither).
+func (p *Pipeline) pairWith(h *kv.Handoff, prefill *scheduling.Endpoint) {
+	h.PrefillHost, h.BootstrapPort = bootstrapHost(prefill.Addr), prefill.BootstrapPort(p.opts.BootstrapPort)
 }
 
 // bootstrapHost is the host part of ip:port, IPv6 in brackets as SGLang expects.
