@@ -92,11 +92,10 @@ func (o *observation) begin(ctx context.Context, r *pipeline.Request, hm *corev3
 		}
 	}
 	o.req, o.start = r, start
-	path, _, _ := strings.Cut(r.Path, "?") // the query may carry a credential
 	ctx, o.span = o.tracer.Start(o.propagator.Extract(ctx, traceHeaders), "extproc.request", trace.WithSpanKind(trace.SpanKindServer),
 		trace.WithAttributes(
 			semconv.HTTPRequestMethodKey.String(r.Method),
-			semconv.URLPath(path),
+			semconv.URLPath(r.URLPath()),
 			attribute.String("pd.request_id", r.RequestID),
 		))
 	return ctx

@@ -13,7 +13,6 @@ import (
 	"os"
 	"slices"
 	"strconv"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -95,8 +94,7 @@ func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastR
 // attempt sends one prefill leg to endpoint inside its own span, and records
 // its duration and any failure, classified.
 func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg body.Spliced) (prefillAnswer, *attemptError) {
-	path, _, _ := strings.Cut(r.Path, "?") // the query may carry a credential
-	attrs := []attribute.KeyValue{semconv.HTTPRequestMethodPost, semconv.URLPath(path), attribute.String("pd.request_id", r.RequestID)}
+	attrs := []attribute.KeyValue{semconv.HTTPRequestMethodPost, semconv.URLPath(r.URLPath()), attribute.String("pd.request_id", r.RequestID)}
 	if host, port, err := net.SplitHostPort(endpoint); err == nil {
 		n, _ := strconv.Atoi(port)
 		attrs = append(attrs, semconv.ServerAddress(host), semconv.ServerPort(n))

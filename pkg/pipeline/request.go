@@ -2,6 +2,7 @@ package pipeline
 
 import (
 	"net/http"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -49,6 +50,13 @@ func (r *Request) Arrived(sofar []byte) { r.scan.Scan(sofar) }
 // still running reads only the request's path, id, Forward and matched API,
 // never these.
 func (r *Request) Routed() { r.Body, r.scan = nil, body.Scanner{} }
+
+// URLPath is Path without its query, which may carry a credential: the path
+// spans may show.
+func (r *Request) URLPath() string {
+	path, _, _ := strings.Cut(r.Path, "?")
+	return path
+}
 
 // BodyHeld reports whether a prefill leg may read Body after Route returned:
 // net/http may still be writing a leg when the engine has answered, and a
