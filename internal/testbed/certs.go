@@ -3,8 +3,6 @@ package testbed
 import (
 	"crypto/tls"
 	"crypto/x509"
-	"os"
-	"path/filepath"
 
 	"github.com/pd-extproc/pd-extproc/internal/testpki"
 )
@@ -44,15 +42,6 @@ func (ca *CA) IssuePair(serial int64, usage x509.ExtKeyUsage, sans ...string) (t
 // into dir, as tls.crt, tls.key and ca.crt (the names of a Kubernetes TLS
 // Secret), and returns their paths.
 func (ca *CA) ServerFiles(dir string) (cert, key, clientCA string, err error) {
-	certPEM, keyPEM, err := ca.Issue(100, x509.ExtKeyUsageServerAuth, "127.0.0.1")
-	if err != nil {
-		return "", "", "", err
-	}
-	cert, key, clientCA = filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key"), filepath.Join(dir, "ca.crt")
-	for path, b := range map[string][]byte{cert: certPEM, key: keyPEM, clientCA: ca.PEM} {
-		if err := os.WriteFile(path, b, 0o600); err != nil {
-			return "", "", "", err
-		}
-	}
-	return cert, key, clientCA, nil
+	f, err := ca.CA.Issue(dir, testpki.Leaf{Name: "pd-extproc test", SANs: []string{"127.0.0.1"}, Serial: 100, Server: true})
+	return f.Cert, f.Key, f.CA, err
 }

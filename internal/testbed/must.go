@@ -47,6 +47,11 @@ func MustFreePort(t TB) int {
 	return failOn(FreePort())(t)
 }
 
+func MustFreeAddr(t TB) string {
+	t.Helper()
+	return failOn(FreeAddr())(t)
+}
+
 func MustStartSim(t TB, cfg SimConfig) *pdsim.Server {
 	t.Helper()
 	return failOn(StartSim(t, cfg))(t)

@@ -13,10 +13,6 @@ import (
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
-// clientSAN is the SAN of Envoy's client certificate in every shipped setup, the one
-// pd-extproc's --tls-client-allowed-sans admits.
-const clientSAN = "envoy.pd-extproc"
-
 // `make certs` (hack/certs.sh, OpenSSL) writes certificates the shipped configs accept: a
 // handshake between pd-extproc's and Envoy's succeeds with each side checking the other as the
 // configs say (the server's SAN as Envoy's matcher names it, the client's CA), and the SANs are
@@ -31,11 +27,11 @@ func TestMakeCertsWritesWhatTheConfigsAccept(t *testing.T) {
 	}
 	server := loadPair(t, filepath.Join(dir, "extproc"))
 	client := loadPair(t, filepath.Join(dir, "envoy"))
-	if !slices.Contains(server.Leaf.DNSNames, extprocServerSAN) || !slices.Contains(server.Leaf.ExtKeyUsage, x509.ExtKeyUsageServerAuth) {
-		t.Errorf("pd-extproc's certificate: SANs %v, usages %v; want %s for server authentication", server.Leaf.DNSNames, server.Leaf.ExtKeyUsage, extprocServerSAN)
+	if !slices.Contains(server.Leaf.DNSNames, testbed.ServerSAN) || !slices.Contains(server.Leaf.ExtKeyUsage, x509.ExtKeyUsageServerAuth) {
+		t.Errorf("pd-extproc's certificate: SANs %v, usages %v; want %s for server authentication", server.Leaf.DNSNames, server.Leaf.ExtKeyUsage, testbed.ServerSAN)
 	}
-	if !slices.Contains(client.Leaf.DNSNames, clientSAN) || !slices.Contains(client.Leaf.ExtKeyUsage, x509.ExtKeyUsageClientAuth) {
-		t.Errorf("Envoy's certificate: SANs %v, usages %v; want %s for client authentication", client.Leaf.DNSNames, client.Leaf.ExtKeyUsage, clientSAN)
+	if !slices.Contains(client.Leaf.DNSNames, testbed.ClientSAN) || !slices.Contains(client.Leaf.ExtKeyUsage, x509.ExtKeyUsageClientAuth) {
+		t.Errorf("Envoy's certificate: SANs %v, usages %v; want %s for client authentication", client.Leaf.DNSNames, client.Leaf.ExtKeyUsage, testbed.ClientSAN)
 	}
 	for _, name := range []string{"extproc/tls.key", "envoy/tls.key"} {
 		if fi, err := os.Stat(filepath.Join(dir, name)); err != nil || fi.Mode().Perm()&0o004 == 0 {
@@ -66,7 +62,7 @@ func TestMakeCertsWritesWhatTheConfigsAccept(t *testing.T) {
 	}()
 	conn, err := tls.Dial("tcp", ln.Addr().String(), &tls.Config{
 		Certificates: []tls.Certificate{client}, RootCAs: pool(t, filepath.Join(dir, "envoy", "ca.crt")),
-		ServerName: extprocServerSAN, NextProtos: []string{"h2"}, MinVersion: tls.VersionTLS12,
+		ServerName: testbed.ServerSAN, NextProtos: []string{"h2"}, MinVersion: tls.VersionTLS12,
 	})
 	if err != nil {
 		t.Fatalf("Envoy's side of the handshake: %v", err)
@@ -121,13 +117,13 @@ func TestCertManagerExampleIssuesWhatTheManifestsRead(t *testing.T) {
 		got, want any
 	}{
 		{"pd-extproc's Secret", digString(server, "spec", "secretName"), tlsSecret},
-		{"pd-extproc's SANs include Envoy's check", slices.Contains(toStrings(dig(server, "spec", "dnsNames")), extprocServerSAN), true},
+		{"pd-extproc's SANs include Envoy's check", slices.Contains(toStrings(dig(server, "spec", "dnsNames")), testbed.ServerSAN), true},
 		{"pd-extproc's usages", fmt.Sprint(dig(server, "spec", "usages")), "[server auth digital signature]"},
 		{"Envoy's Secret (Kubernetes Envoy)", digString(client, "spec", "secretName"), envoySecret},
 		{"Envoy's Secret (the EnvoyProxy)", digString(client, "spec", "secretName"), digString(find(t, gw, "EnvoyProxy", "pd-proxy"), "spec", "backendTLS", "clientCertificateRef", "name")},
 		{"the CA the BackendTLSPolicy trusts", digString(client, "spec", "secretName"), digString(dig(btp, "spec", "validation", "caCertificateRefs").([]any)[0], "name")},
-		{"the BackendTLSPolicy's hostname", digString(btp, "spec", "validation", "hostname"), extprocServerSAN},
-		{"Envoy's SANs", fmt.Sprint(dig(client, "spec", "dnsNames")), "[" + clientSAN + "]"},
+		{"the BackendTLSPolicy's hostname", digString(btp, "spec", "validation", "hostname"), testbed.ServerSAN},
+		{"Envoy's SANs", fmt.Sprint(dig(client, "spec", "dnsNames")), "[" + testbed.ClientSAN + "]"},
 		{"Envoy's usages", fmt.Sprint(dig(client, "spec", "usages")), "[client auth digital signature]"},
 		{"one CA issues both", digString(server, "spec", "issuerRef", "name") == digString(client, "spec", "issuerRef", "name"), true},
 		{"the CA issuer signs with the CA certificate", digString(find(t, k8s, "Issuer", digString(client, "spec", "issuerRef", "name")), "spec", "ca", "secretName"),

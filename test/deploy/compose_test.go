@@ -148,8 +148,8 @@ func TestDockerCompose(t *testing.T) {
 				t.Errorf("extproc %s=%s is %q on the host, want a file of %s/extproc", flag, f, src, certs)
 			}
 		}
-		if got := flagValue(cmd, "--tls-client-allowed-sans"); got != clientSAN {
-			t.Errorf("extproc --tls-client-allowed-sans=%q, want %s, the SAN of Envoy's certificate", got, clientSAN)
+		if got := flagValue(cmd, "--tls-client-allowed-sans"); got != testbed.ClientSAN {
+			t.Errorf("extproc --tls-client-allowed-sans=%q, want %s, the SAN of Envoy's certificate", got, testbed.ClientSAN)
 		}
 	})
 

@@ -7,12 +7,9 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	tlsv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/transport_sockets/tls/v3"
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 	"google.golang.org/protobuf/proto"
 )
-
-// extprocServerSAN is the name pd-extproc's server certificate carries in every shipped setup
-// (the Service pd-extproc in namespace pd-extproc); Envoy accepts no other.
-const extprocServerSAN = "pd-extproc.pd-extproc.svc"
 
 // checkExtProcTLS: the ext_proc port lets its caller hold stream slots, send prefill legs with
 // any Authorization and eject endpoints, so Envoy reaches it over mTLS only: a client
@@ -83,10 +80,10 @@ func checkSocket(name string, ts *corev3.TransportSocket, r *report) {
 		r.errorf("ext_proc cluster %q does not verify pd-extproc's certificate (no trusted_ca): Envoy would talk to any server", name)
 	}
 	sanOK := slices.ContainsFunc(vc.GetMatchTypedSubjectAltNames(), func(m *tlsv3.SubjectAltNameMatcher) bool {
-		return m.GetSanType() == tlsv3.SubjectAltNameMatcher_DNS && m.GetMatcher().GetExact() == extprocServerSAN
+		return m.GetSanType() == tlsv3.SubjectAltNameMatcher_DNS && m.GetMatcher().GetExact() == testbed.ServerSAN
 	})
 	if !sanOK {
-		r.errorf("ext_proc cluster %q does not require the SAN %s of pd-extproc's certificate (match_typed_subject_alt_names): any certificate of the CA would do", name, extprocServerSAN)
+		r.errorf("ext_proc cluster %q does not require the SAN %s of pd-extproc's certificate (match_typed_subject_alt_names): any certificate of the CA would do", name, testbed.ServerSAN)
 	}
 	if alpn := ctc.GetAlpnProtocols(); len(alpn) > 0 && !slices.Contains(alpn, "h2") {
 		r.errorf("ext_proc cluster %q offers ALPN %v without h2: pd-extproc's gRPC server refuses the handshake", name, alpn)

@@ -108,94 +108,84 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 		t.Skip("egctl not found on PATH or in " + toolsBin() + "; run `make tools` " +
 			"(go install github.com/envoyproxy/gateway/cmd/egctl@v1.9.1) to check the Envoy Gateway manifests")
 	}
-	limits := defaultServiceLimits(t)
+	limits, paths := defaultServiceLimits(t), gatewayPaths(t)
 	// The Secret users create (README, "Secure by default"), here from a test CA: Envoy Gateway
 	// refuses the policies that name it until it exists.
 	shipped := append(gatewayManifests(t), clientTLSSecret(t)...)
 	tests := []struct {
-		name  string
-		edit  func(manifests string) string
-		wants []string // empty: the translation must be clean
+		name     string
+		old, new string   // the edit: the first old in the manifests becomes new
+		wants    []string // empty: the translation must be clean
 	}{
 		{name: "as shipped"},
 		{
 			// Envoy Gateway reports a patch whose target does not exist only in the policy
 			// status; the route silently keeps its Service cluster and pd-extproc's choice of
 			// decode endpoint is ignored.
-			name: "patch targets a route config that does not exist",
-			edit: func(m string) string {
-				return strings.Replace(m, "name: "+gatewayRouteConfig, "name: pd-extproc/pd-gateway/https", 1)
-			},
+			name:  "patch targets a route config that does not exist",
+			old:   "name: " + gatewayRouteConfig,
+			new:   "name: pd-extproc/pd-gateway/https",
 			wants: []string{"is not an ORIGINAL_DST cluster"},
 		},
 		{
 			// A path of the API table that no route matches gets Envoy's own 404:
 			// the pass-through list is only as good as the HTTPRoute's matches.
-			name: "a pass-through path without a route match",
-			edit: func(m string) string {
-				return strings.Replace(m, "        - path: {type: PathPrefix, value: /v1/embeddings}\n", "", 1)
-			},
+			name:  "a pass-through path without a route match",
+			old:   "        - path: {type: PathPrefix, value: /v1/embeddings}\n",
+			new:   "",
 			wants: []string{"no inference route for /v1/embeddings"},
 		},
 		{
-			name: "stored responses without a route match",
-			edit: func(m string) string {
-				return strings.Replace(m, "{type: PathPrefix, value: /v1/responses}", "{type: Exact, value: /v1/responses}", 1)
-			},
+			name:  "stored responses without a route match",
+			old:   "{type: PathPrefix, value: /v1/responses}",
+			new:   "{type: Exact, value: /v1/responses}",
 			wants: []string{"no inference route for /v1/responses/some-id"},
 		},
 		{
 			// The EnvoyExtensionPolicy's backendSettings reach the ext_proc cluster Envoy
 			// Gateway builds; without them its defaults (1,024) apply.
-			name: "ext_proc cluster at the default request limit",
-			edit: func(m string) string {
-				return strings.Replace(m, "maxParallelRequests: 16384", "maxParallelRequests: 1024", 1)
-			},
+			name:  "ext_proc cluster at the default request limit",
+			old:   "maxParallelRequests: 16384",
+			new:   "maxParallelRequests: 1024",
 			wants: []string{"circuit_breakers max_requests 1024 is below 10000", "not above limits.max_concurrent_streams"},
 		},
 		{
 			// No policy reaches the cluster the EnvoyPatchPolicy adds: its thresholds are
 			// in the patch.
-			name: "decode cluster at the default request limit",
-			edit: func(m string) string {
-				return strings.Replace(m, "max_requests: 16384", "max_requests: 1024", 1)
-			},
+			name:  "decode cluster at the default request limit",
+			old:   "max_requests: 16384",
+			new:   "max_requests: 1024",
 			wants: []string{`ORIGINAL_DST cluster "pd_original_dst": circuit_breakers max_requests 1024 is below 10000`},
 		},
 		{
 			// The client certificate comes from the EnvoyProxy the Gateway names.
-			name: "EnvoyProxy without a client certificate",
-			edit: func(m string) string {
-				return strings.Replace(m, "  backendTLS:\n    clientCertificateRef:\n      kind: Secret\n      name: pd-extproc-client-tls\n", "  backendTLS: {}\n", 1)
-			},
+			name:  "EnvoyProxy without a client certificate",
+			old:   "  backendTLS:\n    clientCertificateRef:\n      kind: Secret\n      name: pd-extproc-client-tls\n",
+			new:   "  backendTLS: {}\n",
 			wants: []string{"sends no client certificate"},
 		},
 		{
-			name: "no BackendTLSPolicy on the pd-extproc Service",
-			edit: func(m string) string {
-				return strings.Replace(m, "      name: pd-extproc\n      sectionName: grpc\n", "      name: pd-decode\n      sectionName: http\n", 1)
-			},
+			name:  "no BackendTLSPolicy on the pd-extproc Service",
+			old:   "      name: pd-extproc\n      sectionName: grpc\n",
+			new:   "      name: pd-decode\n      sectionName: http\n",
 			wants: []string{"is plaintext"},
 		},
 		{
-			name: "BackendTLSPolicy for another name",
-			edit: func(m string) string {
-				return strings.Replace(m, "hostname: pd-extproc.pd-extproc.svc", "hostname: extproc.example.com", 1)
-			},
+			name:  "BackendTLSPolicy for another name",
+			old:   "hostname: pd-extproc.pd-extproc.svc",
+			new:   "hostname: extproc.example.com",
 			wants: []string{"does not require the SAN pd-extproc.pd-extproc.svc"},
 		},
 		{
-			name: "clients' request ids replaced",
-			edit: func(m string) string {
-				return strings.Replace(m, "    requestID: PreserveOrGenerate\n", "    requestID: Generate\n", 1)
-			},
+			name:  "clients' request ids replaced",
+			old:   "    requestID: PreserveOrGenerate\n",
+			new:   "    requestID: Generate\n",
 			wants: []string{"preserve_external_request_id is not true"},
 		},
 		{
-			name: "envoy.lb not writable by the processor",
-			edit: func(m string) string {
-				return strings.Replace(m, "- envoy.lb", "- pd-extproc", 1)
-			},
+			name:  "envoy.lb not writable by the processor",
+			old:   "- envoy.lb",
+			new:   "- pd-extproc",
 			wants: []string{`receiving_namespaces.untyped lacks "envoy.lb"`},
 		},
 	}
@@ -203,8 +193,8 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel() // each case is one egctl process; run them side by side
 			manifests := string(shipped)
-			if tc.edit != nil {
-				edited := tc.edit(manifests)
+			if tc.old != "" {
+				edited := strings.Replace(manifests, tc.old, tc.new, 1)
 				if edited == manifests {
 					t.Fatal("edit changed nothing; the manifests no longer contain what this case breaks")
 				}
@@ -216,7 +206,7 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 			}
 			var r report
 			checkGatewayStatus(res, &r)
-			checkGatewayXDS(res, limits, gatewayPaths(t), &r)
+			checkGatewayXDS(res, limits, paths, &r)
 			for _, w := range r.warnings {
 				t.Logf("warning: %s", w)
 			}
@@ -279,8 +269,6 @@ func checkGatewayXDS(res map[string]any, limits serviceLimits, paths []string, r
 		return
 	}
 	m := newEnvoyModel()
-	endpoints := m.endpoints
-	var listeners []*listenerv3.Listener
 	for _, c := range configs {
 		dump, err := unpackJSONAny(c)
 		if err != nil {
@@ -301,7 +289,6 @@ func checkGatewayXDS(res map[string]any, limits serviceLimits, paths []string, r
 				var l listenerv3.Listener
 				if unpackInto(dl.GetActiveState().GetListener(), &l, r) {
 					m.addListener(&l)
-					listeners = append(listeners, &l)
 				}
 			}
 		case *adminv3.RoutesConfigDump:
@@ -315,20 +302,19 @@ func checkGatewayXDS(res map[string]any, limits serviceLimits, paths []string, r
 			for _, de := range d.GetDynamicEndpointConfigs() {
 				var cla endpointv3.ClusterLoadAssignment
 				if unpackInto(de.GetEndpointConfig(), &cla, r) {
-					endpoints[cla.GetClusterName()] = &cla
+					m.endpoints[cla.GetClusterName()] = &cla
 				}
 			}
 		}
 	}
 	m.check(limits, r)
 	m.checkLink(r)
-	checkGatewayPromises(m, listeners, endpoints, limits, paths, r)
+	checkGatewayPromises(m, limits, paths, r)
 }
 
 // checkGatewayPromises: the inference listener runs pd-extproc in FULL_DUPLEX over HTTP/2 to
 // the extproc Service, and every path of the API table (paths) goes to the ORIGINAL_DST cluster.
-func checkGatewayPromises(m *envoyModel, listeners []*listenerv3.Listener, endpoints map[string]*endpointv3.ClusterLoadAssignment,
-	limits serviceLimits, paths []string, r *report) {
+func checkGatewayPromises(m *envoyModel, limits serviceLimits, paths []string, r *report) {
 	var hcm *hcmUse
 	for i, u := range m.hcms {
 		if u.hcm.GetRds().GetRouteConfigName() == gatewayRouteConfig {
@@ -366,7 +352,7 @@ func checkGatewayPromises(m *envoyModel, listeners []*listenerv3.Listener, endpo
 	if c, ok := m.clusters[grpcCluster]; !ok || !clusterSpeaksHTTP2(c) {
 		r.errorf("ext_proc cluster %q missing or not HTTP/2", grpcCluster)
 	}
-	if !claHasPort(endpoints[grpcCluster], extprocServicePort) {
+	if !claHasPort(m.endpoints[grpcCluster], extprocServicePort) {
 		r.errorf("ext_proc cluster %q has no endpoint on the extproc Service port %d", grpcCluster, extprocServicePort)
 	}
 
@@ -452,7 +438,7 @@ func clientTLSSecret(t *testing.T) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f, err := ca.Issue(t.TempDir(), testpki.Leaf{Name: "envoy", SANs: []string{clientSAN}, Client: true})
+	f, err := ca.Issue(t.TempDir(), testpki.Leaf{Name: "envoy", SANs: []string{testbed.ClientSAN}, Client: true})
 	if err != nil {
 		t.Fatal(err)
 	}

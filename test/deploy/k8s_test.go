@@ -234,8 +234,8 @@ func TestExtprocDeployment(t *testing.T) {
 			t.Errorf("%s=%q is not the %s key of the mounted Secret %s", flag, f, key, tlsSecret)
 		}
 	}
-	if got := flagValue(args, "--tls-client-allowed-sans"); got != clientSAN {
-		t.Errorf("--tls-client-allowed-sans=%q, want %s, the SAN of Envoy's client certificate", got, clientSAN)
+	if got := flagValue(args, "--tls-client-allowed-sans"); got != testbed.ClientSAN {
+		t.Errorf("--tls-client-allowed-sans=%q, want %s, the SAN of Envoy's client certificate", got, testbed.ClientSAN)
 	}
 	// The drain: the preStop sleep and --shutdown-grace fit in the termination grace period.
 	grace, err := time.ParseDuration(flagValue(args, "--shutdown-grace"))

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // TestMatrix sends real client requests through the Envoy emulator and checks,
@@ -101,7 +102,7 @@ func TestPrefillFailureFallsBackToDecodeOnly(t *testing.T) {
 }
 
 func TestDecodeEndpointDownIs503(t *testing.T) {
-	dead := deadAddr(t)
+	dead := testbed.MustFreeAddr(t)
 	r := startRig(t, rigOptions{decodeAddrs: func([]*pdsim.Server) []string { return []string{dead} }})
 	path, body := request("chat", true, "decode is down")
 	resp, got := r.must(t, path, body, nil)

@@ -1,14 +1,12 @@
 package e2e
 
 import (
-	"fmt"
 	"net"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
-	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // served returns the record of requestID on whichever simulator saw it.
@@ -31,9 +29,6 @@ func served(t *testing.T, sims []*pdsim.Server, pick func(pdsim.Record) bool) (*
 	}
 	return found, rec
 }
-
-// deadAddr is a loopback address nothing listens on.
-func deadAddr(t *testing.T) string { return fmt.Sprintf("127.0.0.1:%d", testbed.MustFreePort(t)) }
 
 // waitFor polls cond until it holds, for at most d.
 func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {

@@ -64,7 +64,7 @@ func TestNotReadyUntilDiscoveryCanBeTrusted(t *testing.T) {
 			[]string{"[-]kubernetes prefill", fmt.Sprintf(`may not watch pods in namespace %q`, noCRD)}, true, false},
 		{"InferencePool CRD not installed", "", extprocToken, withPrefill(fmt.Sprintf(`{namespace: %s, inference_pool: vllm}`, noCRD)),
 			[]string{"[-]kubernetes prefill", "does not serve inferencepools", "install the InferencePool CRD"}, true, true},
-		{"API server unreachable from the start", "https://" + deadAddr(t), extprocToken, withPrefill(fmt.Sprintf(`{namespace: %s, selector: "a=b", port: 8000}`, noCRD)),
+		{"API server unreachable from the start", "https://" + testbed.MustFreeAddr(t), extprocToken, withPrefill(fmt.Sprintf(`{namespace: %s, selector: "a=b", port: 8000}`, noCRD)),
 			[]string{"[-]kubernetes prefill", "not synced yet", "last error"}, false, false},
 	}
 	for _, tc := range tests {
@@ -105,10 +105,4 @@ func healthStatus(t *testing.T, s *stack) healthpb.HealthCheckResponse_ServingSt
 		t.Fatal(err)
 	}
 	return resp.GetStatus()
-}
-
-// deadAddr is a loopback address nothing listens on.
-func deadAddr(t *testing.T) string {
-	t.Helper()
-	return fmt.Sprintf("127.0.0.1:%d", testbed.MustFreePort(t))
 }

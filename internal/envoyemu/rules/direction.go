@@ -137,13 +137,10 @@ func (d *Direction) SkipHeaders(eos bool) {
 // Body records a body message as the direction's mode sends it: a STREAMED or
 // FULL_DUPLEX chunk, or the one BUFFERED / BUFFERED_PARTIAL message.
 func (d *Direction) Body(eos bool) Fit {
-	switch d.mode {
-	case filterv3.ProcessingMode_STREAMED:
+	if d.mode == filterv3.ProcessingMode_STREAMED {
 		return d.body(eos, StreamedBodyCallback)
-	case filterv3.ProcessingMode_BUFFERED_PARTIAL:
-		return d.body(eos, BufferedPartialBodyCallback)
 	}
-	return d.body(eos, BufferedBodyCallback)
+	return d.WholeBody(eos)
 }
 
 // WholeBody records a body held until now and sent as one message, answered
@@ -163,8 +160,7 @@ func (d *Direction) body(eos bool, c Callback) Fit {
 	if d.sent.bodyEOS {
 		return Repeat // envoy#46237
 	}
-	one := d.mode == filterv3.ProcessingMode_BUFFERED || d.mode == filterv3.ProcessingMode_BUFFERED_PARTIAL
-	if !d.sent.headers || d.sent.headersEOS || d.sent.trailers || !sendsBody(d.mode) || (one && d.sent.bodies > 0) {
+	if !d.sent.headers || d.sent.headersEOS || d.sent.trailers || !sendsBody(d.mode) || (d.buffered() && d.sent.bodies > 0) {
 		d.leave(fmt.Sprintf("a body Envoy would not send (mode %s)", d.mode))
 		return Unexpected
 	}
@@ -174,6 +170,11 @@ func (d *Direction) body(eos bool, c Callback) Fit {
 		d.call(c)
 	}
 	return Expected
+}
+
+// buffered reports whether the mode sends the body as one message.
+func (d *Direction) buffered() bool {
+	return d.mode == filterv3.ProcessingMode_BUFFERED || d.mode == filterv3.ProcessingMode_BUFFERED_PARTIAL
 }
 
 func sendsBody(m filterv3.ProcessingMode_BodySendMode) bool {
@@ -191,8 +192,7 @@ func (d *Direction) Trailers() Fit {
 	if d.off != "" {
 		return Unexpected
 	}
-	one := d.mode == filterv3.ProcessingMode_BUFFERED || d.mode == filterv3.ProcessingMode_BUFFERED_PARTIAL
-	if !d.sent.headers || d.sent.headersEOS || d.sent.bodyEOS || d.sent.trailers || d.replaced || (one && d.sent.bodies != 1) {
+	if !d.sent.headers || d.sent.headersEOS || d.sent.bodyEOS || d.sent.trailers || d.replaced || (d.buffered() && d.sent.bodies != 1) {
 		d.leave("trailers Envoy would not send")
 		return Unexpected
 	}
