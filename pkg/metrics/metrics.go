@@ -21,15 +21,6 @@ import (
 
 const namespace = "pd_extproc"
 
-// Values of the api label: which engine API a request used, as the API table
-// names it (api.Labels: each built-in API, passthrough, other), so that the
-// set is closed and an unknown path never becomes a label.
-const (
-	APIChat        = api.NameChat
-	APICompletions = api.NameCompletions
-	APIOther       = api.Other
-)
-
 // Values of the mode label. ModeNone marks a request rejected before the
 // pipeline chose a mode (bad JSON, unknown path, body too large, ...).
 const (

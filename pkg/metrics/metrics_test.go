@@ -3,6 +3,8 @@ package metrics
 import (
 	"testing"
 	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 )
 
 // sample returns the value of one series (a histogram's sample count), and
@@ -16,7 +18,7 @@ func TestNilMetricsRecordNothing(t *testing.T) {
 	var m *Metrics // what a pipeline or handler built without metrics holds
 	m.StreamOpened()
 	m.StreamClosed()
-	m.ObserveRequest(Request{API: APIChat, Mode: ModePD, Outcome: OutcomeRouted})
+	m.ObserveRequest(Request{API: api.NameChat, Mode: ModePD, Outcome: OutcomeRouted})
 	m.RequestBody(10)
 	m.Decision(ReasonLongPrompt)
 	m.PrefillAttempt(time.Second, FailureTimeout)
@@ -67,8 +69,8 @@ func TestSeriesExistBeforeTheFirstEvent(t *testing.T) {
 		name   string
 		labels map[string]string
 	}{
-		{"pd_extproc_requests_total", map[string]string{"api": APIChat, "mode": ModePD, "connector": "kv-sglang", "outcome": OutcomeRouted}},
-		{"pd_extproc_requests_total", map[string]string{"api": APIOther, "mode": ModeNone, "connector": "kv-sglang", "outcome": Outcome4xx}},
+		{"pd_extproc_requests_total", map[string]string{"api": api.NameChat, "mode": ModePD, "connector": "kv-sglang", "outcome": OutcomeRouted}},
+		{"pd_extproc_requests_total", map[string]string{"api": api.Other, "mode": ModeNone, "connector": "kv-sglang", "outcome": Outcome4xx}},
 		{"pd_extproc_pd_decisions_total", map[string]string{"reason": ReasonPrefillFailed}},
 		{"pd_extproc_prefill_failures_total", map[string]string{"reason": FailureTimeout}},
 		{"pd_extproc_request_processing_seconds", map[string]string{"mode": ModeDecodeOnly}},
@@ -82,7 +84,7 @@ func TestSeriesExistBeforeTheFirstEvent(t *testing.T) {
 			t.Errorf("%s%v = %v, %v; want an existing zero series", tt.name, tt.labels, v, ok)
 		}
 	}
-	if _, ok := sample(t, m, "pd_extproc_requests_total", map[string]string{"api": APIChat, "mode": ModeNone, "connector": "kv-sglang", "outcome": OutcomeRouted}); ok {
+	if _, ok := sample(t, m, "pd_extproc_requests_total", map[string]string{"api": api.NameChat, "mode": ModeNone, "connector": "kv-sglang", "outcome": OutcomeRouted}); ok {
 		t.Error("requests_total{mode=none,outcome=routed} exists: a routed request always has a mode")
 	}
 }

@@ -85,18 +85,12 @@ func parseLoad(r io.Reader, ro role) (Load, error) {
 	if err != nil {
 		return Load{}, fmt.Errorf("parsing metrics: %w", err)
 	}
-	var l Load
 	waiting, hasWaiting := firstOf(families, waitingGauges)
 	kvUsage, hasKVUsage := firstOf(families, kvUsageGauges)
 	if !hasWaiting && !hasKVUsage {
 		return Load{}, fmt.Errorf("no load gauge among %v %v", waitingGauges, kvUsageGauges)
 	}
-	if hasWaiting {
-		l.Waiting = sum(waiting)
-	}
-	if hasKVUsage {
-		l.KVUsage = min(1, maxOf(kvUsage))
-	}
+	l := Load{Waiting: sum(waiting), KVUsage: min(1, maxOf(kvUsage))} // a missing family sums to 0
 	for _, names := range pdQueues[ro] {
 		if f, ok := firstOf(families, names); ok {
 			l.Waiting += sum(f)

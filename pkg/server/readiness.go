@@ -32,9 +32,9 @@ type readiness struct {
 	discovery func() []discovery.PoolStatus // nil: no pool is discovered
 	log       logr.Logger
 
-	mu       sync.Mutex // orders updates, so each transition is applied and logged once
-	known    bool
-	up       atomic.Bool // ready, as update last found
+	mu sync.Mutex // orders updates, so each transition is applied and logged once
+	// why is why not ready as update last found it, "" when ready; nil before
+	// the first update (New runs one before anything is served).
 	why      atomic.Pointer[string]
 	draining atomic.Bool
 }
@@ -69,14 +69,12 @@ func (r *readiness) update() {
 			break
 		}
 	}
-	r.why.Store(&why)
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.known && r.up.Load() == up {
+	old := r.why.Swap(&why)
+	if old != nil && (*old == "") == up {
 		return
 	}
-	r.known = true
-	r.up.Store(up)
 	status := healthpb.HealthCheckResponse_NOT_SERVING
 	if up {
 		status = healthpb.HealthCheckResponse_SERVING
@@ -102,11 +100,11 @@ func (r *readiness) drain() {
 // /readyz?verbose does: [+] passing, [-] failing.
 func (r *readiness) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	code, msg := http.StatusOK, "ready"
-	switch {
+	switch why := *r.why.Load(); {
 	case r.draining.Load():
 		code, msg = http.StatusServiceUnavailable, "shutting down"
-	case !r.up.Load():
-		code, msg = http.StatusServiceUnavailable, "not ready: "+*r.why.Load()
+	case why != "":
+		code, msg = http.StatusServiceUnavailable, "not ready: "+why
 	}
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 	w.Header().Set("X-Content-Type-Options", "nosniff")
