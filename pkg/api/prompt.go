@@ -22,6 +22,7 @@ type Prompt struct {
 	render func() (text string, tokens int)
 	text   string
 	tokens int
+	head   int // bytes of text through the first user message; set by render
 }
 
 func newPrompt(n int, render func() (string, int)) *Prompt {
@@ -49,6 +50,18 @@ func (p *Prompt) Tokens() int {
 	return p.tokens
 }
 
+// Head is the start of Text that every later turn of the same conversation
+// repeats: everything through the first user message (tools, system or
+// developer messages, instructions, and that message). It is empty when the
+// prompt has no messages, or none from the user.
+func (p *Prompt) Head() string {
+	if p == nil {
+		return ""
+	}
+	p.once.Do(p.do)
+	return p.text[:p.head]
+}
+
 func (p *Prompt) do() { p.text, p.tokens = p.render() }
 
 // samples reads an integer n (absent or not an integer: 1).
@@ -64,16 +77,20 @@ func samples(o *body.Object) int {
 
 // chatPrompt: messages, after the tools chat templates put first.
 func chatPrompt(o *body.Object) *Prompt {
-	return newPrompt(samples(o), func() (string, int) {
-		var b strings.Builder
-		if raw, ok := o.Raw("tools"); ok && !body.IsNull(raw) {
-			b.Write(raw)
-			b.WriteByte('\n')
-		}
-		raw, _ := o.Raw("messages")
-		writeMessages(&b, raw)
-		return withTokenIDs(o, func() (string, int) { return b.String(), -1 })
-	})
+	p := newPrompt(samples(o), nil)
+	p.render = func() (string, int) {
+		return withTokenIDs(o, func() (string, int) {
+			var b strings.Builder
+			if raw, ok := o.Raw("tools"); ok && !body.IsNull(raw) {
+				b.Write(raw)
+				b.WriteByte('\n')
+			}
+			raw, _ := o.Raw("messages")
+			p.head = writeMessages(&b, raw)
+			return b.String(), -1
+		})
+	}
+	return p
 }
 
 // completionsPrompt: a string, token ids, or a batch of either. An array is
@@ -116,9 +133,11 @@ func withTokenIDs(o *body.Object, render func() (string, int)) (string, int) {
 	return render()
 }
 
-// responsesPrompt: instructions, then the input, a string or items.
+// responsesPrompt: instructions, then the input, a string (the user's
+// message) or items.
 func responsesPrompt(o *body.Object) *Prompt {
-	return newPrompt(1, func() (string, int) {
+	p := newPrompt(1, nil)
+	p.render = func() (string, int) {
 		var b strings.Builder
 		if s, ok := o.String("instructions"); ok {
 			b.WriteString(s)
@@ -127,25 +146,29 @@ func responsesPrompt(o *body.Object) *Prompt {
 		raw, _ := o.Raw("input")
 		if len(raw) > 0 && raw[0] == '"' {
 			writeContent(&b, raw)
+			p.head = b.Len()
 		} else {
-			writeMessages(&b, raw)
+			p.head = writeMessages(&b, raw)
 		}
 		return b.String(), -1
-	})
+	}
+	return p
 }
 
 // messagesPrompt: Anthropic's system, then its messages.
 func messagesPrompt(o *body.Object) *Prompt {
-	return newPrompt(1, func() (string, int) {
+	p := newPrompt(1, nil)
+	p.render = func() (string, int) {
 		var b strings.Builder
 		if raw, ok := o.Raw("system"); ok && !body.IsNull(raw) {
 			writeContent(&b, raw)
 			b.WriteByte('\n')
 		}
 		raw, _ := o.Raw("messages")
-		writeMessages(&b, raw)
+		p.head = writeMessages(&b, raw)
 		return b.String(), -1
-	})
+	}
+	return p
 }
 
 // generatePrompt: vLLM's token-in API, whose length is exact.
@@ -180,11 +203,12 @@ type message struct {
 // writeMessages writes each message as role, newline, content, newline.
 // Text parts render as their text; other parts (images, audio, tool
 // calls, items without a role) as their JSON, so that two prompts
-// differing only in an image do not look alike.
-func writeMessages(b *strings.Builder, raw []byte) {
+// differing only in an image do not look alike. It returns the length of b
+// through the first user message, 0 when there is none (Prompt.Head).
+func writeMessages(b *strings.Builder, raw []byte) (head int) {
 	var items []json.RawMessage
 	if json.Unmarshal(raw, &items) != nil {
-		return
+		return 0
 	}
 	for _, item := range items {
 		var m message
@@ -200,7 +224,11 @@ func writeMessages(b *strings.Builder, raw []byte) {
 			b.Write(m.ToolCalls)
 		}
 		b.WriteByte('\n')
+		if head == 0 && m.Role == "user" {
+			head = b.Len()
+		}
 	}
+	return head
 }
 
 type contentPart struct {

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
@@ -88,7 +89,60 @@ func TestPromptReaders(t *testing.T) {
 
 func TestNilPromptHasNothingToGoBy(t *testing.T) {
 	var p *Prompt
-	if p.Text() != "" || p.Tokens() != -1 {
+	if p.Text() != "" || p.Tokens() != -1 || p.Head() != "" {
 		t.Fatal("a nil prompt has a text")
+	}
+}
+
+// The head is what every turn of a conversation repeats, so a conversation's
+// turns must share it however long the history grows.
+func TestPromptHead(t *testing.T) {
+	tests := []struct {
+		name     string
+		api      *API
+		turns    []string // bodies of successive turns
+		wantHead string
+	}{
+		{name: "chat: system and the first user message", api: Chat, turns: []string{
+			`{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]}`,
+			`{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":"More"}]}`,
+		}, wantHead: "system\nBe brief.\nuser\nHi\n"},
+		{name: "chat: tools are part of it", api: Chat, turns: []string{
+			`{"tools":[{"type":"function"}],"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"}]}`,
+		}, wantHead: "[{\"type\":\"function\"}]\nuser\nHi\n"},
+		{name: "chat: no user message, no head", api: Chat, turns: []string{
+			`{"messages":[{"role":"system","content":"Be brief."}]}`,
+		}},
+		{name: "chat: token ids, no head", api: Chat, turns: []string{
+			`{"messages":[{"role":"user","content":"Hi"}],"prompt_token_ids":[1,2]}`,
+		}},
+		{name: "completions: no messages, no head", api: Completions, turns: []string{`{"prompt":"Once upon a time"}`}},
+		{name: "responses: instructions and a string input", api: Responses, turns: []string{
+			`{"instructions":"Be brief.","input":"Hi"}`,
+		}, wantHead: "Be brief.\nHi"},
+		{name: "responses: items through the first user item", api: Responses, turns: []string{
+			`{"input":[{"role":"developer","content":"Be brief."},{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"}]}`,
+		}, wantHead: "developer\nBe brief.\nuser\nHi\n"},
+		{name: "messages: system and the first user message", api: Messages, turns: []string{
+			`{"system":"Be brief.","messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":"More"}]}`,
+		}, wantHead: "Be brief.\nuser\nHi\n"},
+		{name: "generate: token ids, no head", api: Generate, turns: []string{`{"token_ids":[1,2,3]}`}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			for i, turn := range tt.turns {
+				obj, err := body.Parse([]byte(turn))
+				if err != nil {
+					t.Fatal(err)
+				}
+				p := tt.api.Prompt(obj)
+				if got := p.Head(); got != tt.wantHead {
+					t.Errorf("turn %d: Head() = %q, want %q", i+1, got, tt.wantHead)
+				}
+				if !strings.HasPrefix(p.Text(), p.Head()) {
+					t.Errorf("turn %d: Head() %q does not start Text() %q", i+1, p.Head(), p.Text())
+				}
+			}
+		})
 	}
 }
