@@ -31,7 +31,7 @@ const (
 // Scheduling defaults.
 const (
 	DefaultBlockChars          = 256
-	DefaultKeyBlocks           = 16
+	DefaultKeyBlocks           = 64
 	DefaultMaxBlocks           = 1 << 16
 	DefaultLoadFactor          = 2
 	DefaultLoadSlack           = 8

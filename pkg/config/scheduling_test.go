@@ -58,7 +58,7 @@ func TestSchedulingDefaults(t *testing.T) {
 	d := f.Pools.Decode.PoolScheduling
 	want := PoolScheduling{
 		Policy: PolicyLeastLoad,
-		Prefix: PrefixAffinity{BlockChars: 256, KeyBlocks: 16, MaxBlocks: 65536, LoadFactor: 2, LoadSlack: 8},
+		Prefix: PrefixAffinity{BlockChars: 256, KeyBlocks: 64, MaxBlocks: 65536, LoadFactor: 2, LoadSlack: 8},
 		Health: EngineHealth{ConsecutiveFailures: 3, BaseEjection: Duration(time.Second), MaxEjection: Duration(30 * time.Second),
 			CheckPath: "/health", CheckTimeout: Duration(time.Second)},
 		Metrics: EngineMetrics{Path: "/metrics"},

@@ -2,11 +2,14 @@ package scheduling
 
 import (
 	"cmp"
+	"fmt"
 	"maps"
 	"slices"
 	"strings"
 	"testing"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
@@ -237,4 +240,80 @@ func TestHotPrefixSpillsOver(t *testing.T) {
 	if len(counts) < 3 {
 		t.Errorf("requests went to %d endpoints, want at least 3: %v", len(counts), counts)
 	}
+}
+
+// A conversation is ranked by its head (through the first user message),
+// which every turn repeats: its turns go to one endpoint on every replica
+// however long the history grows past the key. Only a head longer than the
+// key is cut to key_blocks blocks, so that conversations sharing a long
+// system prompt meet the engine that caches it.
+func TestConversationsKeepTheirEndpoint(t *testing.T) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Prefix: config.PrefixAffinity{BlockChars: 16, KeyBlocks: 4}}
+	long := strings.Repeat("a long shared system prompt. ", 4) // over 4 blocks of 16
+	chat := func(system string, msgs ...string) *Request {
+		var ms []string
+		if system != "" {
+			ms = append(ms, fmt.Sprintf(`{"role":"system","content":%q}`, system))
+		}
+		for i, m := range msgs {
+			ms = append(ms, fmt.Sprintf(`{"role":%q,"content":%q}`, []string{"user", "assistant"}[i%2], m))
+		}
+		return read(t, api.Chat, `{"model":"m","messages":[`+strings.Join(ms, ",")+`]}`)
+	}
+	tests := []struct {
+		name  string
+		turns []*Request
+	}{
+		{"chat, one short turn, then longer", []*Request{
+			chat("Be brief.", "Hi"),
+			chat("Be brief.", "Hi", "Hello! How can I help?", "Tell me about prefix caches, at length."),
+			chat("Be brief.", "Hi", "Hello! How can I help?", "Tell me about prefix caches, at length.", "They keep KV blocks.", "And then?"),
+		}},
+		{"chat without a system prompt", []*Request{
+			chat("", "What is rendezvous hashing?"),
+			chat("", "What is rendezvous hashing?", "Highest random weight hashing.", "Who came up with it, and when?"),
+		}},
+		{"chat, a system prompt longer than the key, whatever the user says", []*Request{
+			chat(long, "Hi"),
+			chat(long, "Something else entirely, and longer"),
+			chat(long, "Hi", "Hello", "More"),
+		}},
+		{"responses", []*Request{
+			read(t, api.Responses, `{"instructions":"Be brief.","input":"Hi"}`),
+			read(t, api.Responses, `{"instructions":"Be brief.","input":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello! How can I help?"},{"role":"user","content":"Tell me more, at length."}]}`),
+		}},
+		{"messages", []*Request{
+			read(t, api.Messages, `{"system":"Be brief.","messages":[{"role":"user","content":"Hi"}]}`),
+			read(t, api.Messages, `{"system":"Be brief.","messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello! How can I help?"},{"role":"user","content":"Tell me more, at length."}]}`),
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			// Each turn on a replica of its own, which saw none of the others.
+			var first string
+			for i, req := range tt.turns {
+				p, _ := testPool(t, sched, addrs...)
+				e, err := p.Select(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if i == 0 {
+					first = e.Addr
+				} else if e.Addr != first {
+					t.Errorf("turn %d went to %s, turn 1 to %s", i+1, e.Addr, first)
+				}
+			}
+		})
+	}
+}
+
+// read reads a client's body as its API does.
+func read(t *testing.T, a *api.API, b string) *Request {
+	t.Helper()
+	obj, err := body.Parse([]byte(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return NewRequest(a.Prompt(obj))
 }

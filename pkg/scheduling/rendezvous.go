@@ -9,24 +9,38 @@ import (
 
 // rendezvousScorer weights each endpoint for a request by rendezvous
 // (highest-random-weight) hashing: a hash of the request's key and the
-// endpoint's address. The key is the prompt's first keyBlocks full blocks, so
-// requests that share them rank the endpoints alike, and every replica ranks
-// them alike: the hash is fixed (xxhash), not seeded per process. Removing an
-// endpoint moves only the keys it ranked first.
+// endpoint's address. Requests that share a key rank the endpoints alike, and
+// every replica ranks them alike: the hash is fixed (xxhash), not seeded per
+// process. Removing an endpoint moves only the keys it ranked first.
 type rendezvousScorer struct{ blockChars, keyBlocks int }
 
-// Score returns nil when the prompt has no full block: there is no key.
-func (s rendezvousScorer) Score(req *Request, eps []*Endpoint) []float64 {
+// key is what ranks a request, at most keyBlocks blocks of its prompt: the
+// conversation's head when it has one (through the first user message, which
+// every later turn repeats, so a conversation ranks alike however long it
+// grows), else the prompt's full blocks. "" when there is neither.
+func (s rendezvousScorer) key(req *Request) string {
 	prompt := req.Prompt()
-	n := min(len(prompt)/s.blockChars, s.keyBlocks)
-	if n == 0 {
+	end := len(prompt) / s.blockChars * s.blockChars
+	if head := req.Head(); head != "" {
+		end = len(head)
+	}
+	return prompt[:min(end, s.keyBlocks*s.blockChars)]
+}
+
+// Score returns nil when the request has no key.
+func (s rendezvousScorer) Score(req *Request, eps []*Endpoint) []float64 {
+	return s.weights(s.key(req), eps)
+}
+
+func (s rendezvousScorer) weights(key string, eps []*Endpoint) []float64 {
+	if key == "" {
 		return nil
 	}
-	key := xxhash.Sum64String(prompt[:n*s.blockChars])
+	h := xxhash.Sum64String(key)
 	out := make([]float64, len(eps))
 	for i, e := range eps {
 		// 53 bits, exact in a float64: no two weights tie by rounding.
-		out[i] = float64(mix64(key^xxhash.Sum64String(e.Addr)) >> 11)
+		out[i] = float64(mix64(h^xxhash.Sum64String(e.Addr)) >> 11)
 	}
 	return out
 }
@@ -67,7 +81,8 @@ type prefixAffinity struct {
 }
 
 func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
-	weights := p.scorer.Score(req, eps)
+	key := p.scorer.key(req)
+	weights := p.scorer.weights(key, eps)
 	if weights == nil || len(eps) == 1 {
 		return p.fallback.Pick(req, eps)
 	}
@@ -91,11 +106,10 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 		}
 	}
 	hs := p.index.hashes(req.Prompt())
-	keyLen := min(len(hs), p.scorer.keyBlocks)
 	if served := p.index.matched(hs); len(served) > 0 {
 		best := 0
 		for _, r := range rs {
-			if n := served[r.e.Addr]; n > keyLen && n > best && r.busy <= bound {
+			if n := served[r.e.Addr]; n*p.scorer.blockChars > len(key) && n > best && r.busy <= bound {
 				chosen, best = r.e, n
 			}
 		}

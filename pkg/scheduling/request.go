@@ -32,6 +32,15 @@ func (r *Request) Prompt() string {
 	return r.prompt.Text()
 }
 
+// Head is the start of the prompt that later turns of the same conversation
+// repeat (api.Prompt.Head), empty when the request has none.
+func (r *Request) Head() string {
+	if r == nil {
+		return ""
+	}
+	return r.prompt.Head()
+}
+
 // PromptTokens is the prompt's length in tokens: exact when the body carries
 // token ids, else the characters divided by charsPerToken, rounded up.
 func (r *Request) PromptTokens(charsPerToken float64) int {

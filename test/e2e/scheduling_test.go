@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"os"
@@ -45,8 +46,10 @@ func TestFailingPrefillEndpointIsEjected(t *testing.T) {
 	}
 }
 
+// One-shot requests that share a prefix longer than the key (4 blocks of 64
+// bytes here) go to one prefill endpoint; unrelated prompts spread.
 func TestSharedPrefixesStickToOnePrefillEndpoint(t *testing.T) {
-	r := startRig(t, rigOptions{prefillPool: "policy: prefix-affinity, prefix: {block_chars: 64}"})
+	r := startRig(t, rigOptions{prefillPool: "policy: prefix-affinity, prefix: {block_chars: 64, key_blocks: 4}"})
 	system := strings.Repeat("You are a careful assistant who answers in French. ", 8)
 	const turns = 20
 	for i := range turns {
@@ -171,26 +174,47 @@ func TestBusySGLangDecodeEndpointIsPassedOver(t *testing.T) {
 // TestReplicasAgreeOnPrefixAffinity: three extproc replicas behind one Envoy,
 // which hands them the streams in turn, share nothing; yet each repeated
 // prefix keeps its prefill legs on one endpoint, because every replica ranks
-// the endpoints alike for it.
+// the endpoints alike for it. Two kinds of repeat: the turns of a
+// conversation, whose history grows past the key (they share their head, the
+// system and first user message), and one-shot questions after a system
+// prompt longer than the key (they share its first key_blocks blocks).
 func TestReplicasAgreeOnPrefixAffinity(t *testing.T) {
 	const replicas, prefixes, repeats = 3, 5, 12
-	r := startRig(t, rigOptions{prefills: 3, replicas: replicas, prefillPool: "policy: prefix-affinity, prefix: {block_chars: 64}"})
+	r := startRig(t, rigOptions{prefills: 3, replicas: replicas, prefillPool: "policy: prefix-affinity, prefix: {block_chars: 64, key_blocks: 4}"})
+	type message struct{ Role, Content string }
+	chat := func(msgs ...message) string {
+		b, err := json.Marshal(map[string]any{"model": "pdsim", "max_tokens": 4, "messages": msgs})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(b)
+	}
+	histories := make([][]message, prefixes)
 	for i := range prefixes * repeats {
 		p, turn := i%prefixes, i/prefixes // interleaved, so each replica sees every prefix
-		system := strings.Repeat(fmt.Sprintf("Conversation %d: answer as assistant number %d would. ", p, p), 8)
-		path, body := request("chat", false, fmt.Sprintf("%s[prefix %d] turn %d", system, p, turn))
-		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK {
-			t.Fatalf("status %d: %s", resp.StatusCode, got)
+		if turn == 0 {
+			histories[p] = []message{{"system", "Be brief."}, {"user", fmt.Sprintf("[conversation %d] Hello.", p)}}
+		} else {
+			histories[p] = append(histories[p], message{"assistant", "Noted: the answer is long enough to cross a block."},
+				message{"user", fmt.Sprintf("Question %d, with some more words.", turn)})
+		}
+		system := strings.Repeat(fmt.Sprintf("Shared %d: answer as assistant number %d would. ", p, p), 8)
+		for _, body := range []string{chat(histories[p]...), chat(message{"system", system}, message{"user", fmt.Sprintf("[shared %d] question %d", p, turn)})} {
+			if resp, got := r.must(t, "/v1/chat/completions", body, nil); resp.StatusCode != http.StatusOK {
+				t.Fatalf("status %d: %s", resp.StatusCode, got)
+			}
 		}
 	}
 	for p := range prefixes {
-		counts := legsOn(r.prefill, fmt.Sprintf("[prefix %d] turn", p))
-		top, total := 0, 0
-		for _, n := range counts {
-			top, total = max(top, n), total+n
-		}
-		if total != repeats || top*10 < total*9 {
-			t.Errorf("prefix %d: prefill legs per endpoint %v; want all %d and >= 90%% on one", p, counts, repeats)
+		for _, marker := range []string{fmt.Sprintf("[conversation %d]", p), fmt.Sprintf("[shared %d] question", p)} {
+			counts := legsOn(r.prefill, marker)
+			top, total := 0, 0
+			for _, n := range counts {
+				top, total = max(top, n), total+n
+			}
+			if total != repeats || top*10 < total*9 {
+				t.Errorf("%s: prefill legs per endpoint %v; want all %d and >= 90%% on one", marker, counts, repeats)
+			}
 		}
 	}
 	for i, x := range r.replicas {
