@@ -133,8 +133,9 @@ func withTokenIDs(o *body.Object, render func() (string, int)) (string, int) {
 	return render()
 }
 
-// responsesPrompt: instructions, then the input, a string (the user's
-// message) or items.
+// responsesPrompt: instructions, then the input: items, or a string, which
+// is one user message and renders as one, so that a conversation that starts
+// with a string and goes on with items keeps its head.
 func responsesPrompt(o *body.Object) *Prompt {
 	p := newPrompt(1, nil)
 	p.render = func() (string, int) {
@@ -145,7 +146,9 @@ func responsesPrompt(o *body.Object) *Prompt {
 		}
 		raw, _ := o.Raw("input")
 		if len(raw) > 0 && raw[0] == '"' {
+			b.WriteString("user\n")
 			writeContent(&b, raw)
+			b.WriteByte('\n')
 			p.head = b.Len()
 		} else {
 			p.head = writeMessages(&b, raw)

@@ -42,7 +42,7 @@ func TestPromptReaders(t *testing.T) {
 		{name: "completions: no prompt at all", api: Completions, body: `{"model":"m"}`, wantTokens: -1, wantN: 1, wantPrompts: 1},
 		{name: "responses: instructions, then a string input", api: Responses,
 			body:     `{"model":"m","instructions":"Be brief.","input":"Hi there"}`,
-			wantText: "Be brief.\nHi there", wantTokens: -1, wantN: 1, wantPrompts: 1},
+			wantText: "Be brief.\nuser\nHi there\n", wantTokens: -1, wantN: 1, wantPrompts: 1},
 		{name: "responses: items, input_text parts as text, other items as JSON", api: Responses,
 			body: `{"input":[{"type":"message","role":"user","content":[{"type":"input_text","text":"Hi"},{"type":"input_image","image_url":"u"}]},` +
 				`{"type":"function_call_output","call_id":"c","output":"42"},{"role":"assistant","content":"ok"}]}`,
@@ -117,9 +117,10 @@ func TestPromptHead(t *testing.T) {
 			`{"messages":[{"role":"user","content":"Hi"}],"prompt_token_ids":[1,2]}`,
 		}},
 		{name: "completions: no messages, no head", api: Completions, turns: []string{`{"prompt":"Once upon a time"}`}},
-		{name: "responses: instructions and a string input", api: Responses, turns: []string{
+		{name: "responses: a string input, then items", api: Responses, turns: []string{
 			`{"instructions":"Be brief.","input":"Hi"}`,
-		}, wantHead: "Be brief.\nHi"},
+			`{"instructions":"Be brief.","input":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":"More"}]}`,
+		}, wantHead: "Be brief.\nuser\nHi\n"},
 		{name: "responses: items through the first user item", api: Responses, turns: []string{
 			`{"input":[{"role":"developer","content":"Be brief."},{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"}]}`,
 		}, wantHead: "developer\nBe brief.\nuser\nHi\n"},
