@@ -19,17 +19,26 @@ type Prompt struct {
 	Prompts int // prompts in the request: a batch has several
 
 	once   sync.Once
-	render func() (text string, tokens int)
-	text   string
-	tokens int
-	head   int // bytes of text through the first user message; set by render
+	render func() rendering
+	r      rendering
 }
 
-func newPrompt(n int, render func() (string, int)) *Prompt {
+// rendering is a prompt as text, with what rendering it tells: its exact
+// length when the body carries token ids (else -1), and the length of its
+// head (0: none, see Head).
+type rendering struct {
+	text         string
+	tokens, head int
+}
+
+// plain is a rendering of text alone: no token ids, no head.
+func plain(text string) rendering { return rendering{text: text, tokens: -1} }
+
+func newPrompt(n int, render func() rendering) *Prompt {
 	return &Prompt{N: n, Prompts: 1, render: render}
 }
 
-func noPrompt() *Prompt { return newPrompt(1, func() (string, int) { return "", -1 }) }
+func noPrompt() *Prompt { return newPrompt(1, func() rendering { return plain("") }) }
 
 // Text is the prompt as the prefix index sees it: chat messages rendered in
 // order as role and content, a completions prompt as is, token ids in decimal.
@@ -38,7 +47,7 @@ func (p *Prompt) Text() string {
 		return ""
 	}
 	p.once.Do(p.do)
-	return p.text
+	return p.r.text
 }
 
 // Tokens is the prompt's exact length when the body carries token ids, else -1.
@@ -47,7 +56,7 @@ func (p *Prompt) Tokens() int {
 		return -1
 	}
 	p.once.Do(p.do)
-	return p.tokens
+	return p.r.tokens
 }
 
 // Head is the start of Text that every later turn of the same conversation
@@ -59,10 +68,10 @@ func (p *Prompt) Head() string {
 		return ""
 	}
 	p.once.Do(p.do)
-	return p.text[:p.head]
+	return p.r.text[:p.r.head]
 }
 
-func (p *Prompt) do() { p.text, p.tokens = p.render() }
+func (p *Prompt) do() { p.r = p.render() }
 
 // samples reads an integer n (absent or not an integer: 1).
 func samples(o *body.Object) int {
@@ -77,20 +86,17 @@ func samples(o *body.Object) int {
 
 // chatPrompt: messages, after the tools chat templates put first.
 func chatPrompt(o *body.Object) *Prompt {
-	p := newPrompt(samples(o), nil)
-	p.render = func() (string, int) {
-		return withTokenIDs(o, func() (string, int) {
+	return newPrompt(samples(o), func() rendering {
+		return withTokenIDs(o, func() rendering {
 			var b strings.Builder
 			if raw, ok := o.Raw("tools"); ok && !body.IsNull(raw) {
 				b.Write(raw)
 				b.WriteByte('\n')
 			}
 			raw, _ := o.Raw("messages")
-			p.head = writeMessages(&b, raw)
-			return b.String(), -1
+			return withMessages(&b, raw)
 		})
-	}
-	return p
+	})
 }
 
 // completionsPrompt: a string, token ids, or a batch of either. An array is
@@ -99,7 +105,7 @@ func completionsPrompt(o *body.Object) *Prompt {
 	raw, _ := o.Raw("prompt")
 	p := promptOf(samples(o), raw)
 	render := p.render
-	p.render = func() (string, int) { return withTokenIDs(o, render) }
+	p.render = func() rendering { return withTokenIDs(o, render) }
 	return p
 }
 
@@ -107,27 +113,27 @@ func completionsPrompt(o *body.Object) *Prompt {
 // batch of either. An array is read at once, as the decider needs to know
 // whether it is a batch; a string only when asked for.
 func promptOf(n int, raw []byte) *Prompt {
-	p := newPrompt(n, func() (string, int) {
+	p := newPrompt(n, func() rendering {
 		if len(raw) == 0 {
-			return "", -1
+			return plain("")
 		}
-		text, tokens, _ := renderPrompt(raw)
-		return text, tokens
+		r, _ := renderPrompt(raw)
+		return r
 	})
 	if len(raw) > 0 && raw[0] == '[' {
-		text, tokens, prompts := renderPrompt(raw)
+		r, prompts := renderPrompt(raw)
 		p.Prompts = prompts
-		p.render = func() (string, int) { return text, tokens }
+		p.render = func() rendering { return r }
 	}
 	return p
 }
 
 // withTokenIDs prefers prompt_token_ids, vLLM's older spelling of a token
 // prompt, when the body has them.
-func withTokenIDs(o *body.Object, render func() (string, int)) (string, int) {
+func withTokenIDs(o *body.Object, render func() rendering) rendering {
 	if raw, ok := o.Raw("prompt_token_ids"); ok {
-		if ids, ok := tokenIDs(raw); ok {
-			return ids, countIDs(ids)
+		if r, ok := tokenIDs(raw); ok {
+			return r
 		}
 	}
 	return render()
@@ -137,8 +143,7 @@ func withTokenIDs(o *body.Object, render func() (string, int)) (string, int) {
 // is one user message and renders as one, so that a conversation that starts
 // with a string and goes on with items keeps its head.
 func responsesPrompt(o *body.Object) *Prompt {
-	p := newPrompt(1, nil)
-	p.render = func() (string, int) {
+	return newPrompt(1, func() rendering {
 		var b strings.Builder
 		if s, ok := o.String("instructions"); ok {
 			b.WriteString(s)
@@ -149,40 +154,34 @@ func responsesPrompt(o *body.Object) *Prompt {
 			b.WriteString("user\n")
 			writeContent(&b, raw)
 			b.WriteByte('\n')
-			p.head = b.Len()
-		} else {
-			p.head = writeMessages(&b, raw)
+			return rendering{text: b.String(), tokens: -1, head: b.Len()}
 		}
-		return b.String(), -1
-	}
-	return p
+		return withMessages(&b, raw)
+	})
 }
 
 // messagesPrompt: Anthropic's system, then its messages.
 func messagesPrompt(o *body.Object) *Prompt {
-	p := newPrompt(1, nil)
-	p.render = func() (string, int) {
+	return newPrompt(1, func() rendering {
 		var b strings.Builder
 		if raw, ok := o.Raw("system"); ok && !body.IsNull(raw) {
 			writeContent(&b, raw)
 			b.WriteByte('\n')
 		}
 		raw, _ := o.Raw("messages")
-		p.head = writeMessages(&b, raw)
-		return b.String(), -1
-	}
-	return p
+		return withMessages(&b, raw)
+	})
 }
 
 // generatePrompt: vLLM's token-in API, whose length is exact.
 func generatePrompt(o *body.Object) *Prompt {
 	sp, _ := o.Object("sampling_params")
-	return newPrompt(samples(sp), func() (string, int) {
+	return newPrompt(samples(sp), func() rendering {
 		raw, _ := o.Raw("token_ids")
-		if ids, ok := tokenIDs(raw); ok {
-			return ids, countIDs(ids)
+		if r, ok := tokenIDs(raw); ok {
+			return r
 		}
-		return "", -1
+		return plain("")
 	})
 }
 
@@ -203,16 +202,15 @@ type message struct {
 	ToolCalls json.RawMessage `json:"tool_calls"`
 }
 
-// writeMessages writes each message as role, newline, content, newline.
-// Text parts render as their text; other parts (images, audio, tool
-// calls, items without a role) as their JSON, so that two prompts
-// differing only in an image do not look alike. It returns the length of b
-// through the first user message, 0 when there is none (Prompt.Head).
-func writeMessages(b *strings.Builder, raw []byte) (head int) {
+// withMessages renders the messages in raw after what b holds: each message
+// as role, newline, content, newline. Text parts render as their text; other
+// parts (images, audio, tool calls, items without a role) as their JSON, so
+// that two prompts differing only in an image do not look alike. The head
+// ends after the first user message.
+func withMessages(b *strings.Builder, raw []byte) rendering {
+	head := 0
 	var items []json.RawMessage
-	if json.Unmarshal(raw, &items) != nil {
-		return 0
-	}
+	_ = json.Unmarshal(raw, &items) // not a list: no messages, items stays nil
 	for _, item := range items {
 		var m message
 		if json.Unmarshal(item, &m) != nil || m.Role == "" {
@@ -231,7 +229,7 @@ func writeMessages(b *strings.Builder, raw []byte) (head int) {
 			head = b.Len()
 		}
 	}
-	return head
+	return rendering{text: b.String(), tokens: -1, head: head}
 }
 
 type contentPart struct {
@@ -268,31 +266,32 @@ func writeContent(b *strings.Builder, raw json.RawMessage) {
 
 // renderPrompt reads a prompt: a string, token ids, or a batch of either
 // (the first is rendered, all are counted).
-func renderPrompt(raw []byte) (prompt string, tokens, prompts int) {
+func renderPrompt(raw []byte) (r rendering, prompts int) {
 	switch raw[0] {
 	case '"':
 		var s string
 		_ = json.Unmarshal(raw, &s)
-		return s, -1, 1
+		return plain(s), 1
 	case '[':
-		if ids, ok := tokenIDs(raw); ok {
-			return ids, countIDs(ids), 1
+		if r, ok := tokenIDs(raw); ok {
+			return r, 1
 		}
 		var batch []json.RawMessage
 		if json.Unmarshal(raw, &batch) != nil || len(batch) == 0 {
-			return "", -1, 1
+			return plain(""), 1
 		}
-		prompt, tokens, _ = renderPrompt(batch[0])
-		return prompt, tokens, len(batch)
+		r, _ = renderPrompt(batch[0])
+		return r, len(batch)
 	}
-	return "", -1, 1
+	return plain(""), 1
 }
 
-// tokenIDs renders a JSON array of integers as decimal ids joined by commas.
-func tokenIDs(raw []byte) (string, bool) {
+// tokenIDs renders a JSON array of integers as decimal ids joined by
+// commas, and counts them.
+func tokenIDs(raw []byte) (rendering, bool) {
 	var ids []int64
 	if len(raw) == 0 || raw[0] != '[' || json.Unmarshal(raw, &ids) != nil {
-		return "", false
+		return rendering{}, false
 	}
 	b := make([]byte, 0, len(ids)*6)
 	for i, id := range ids {
@@ -301,12 +300,5 @@ func tokenIDs(raw []byte) (string, bool) {
 		}
 		b = strconv.AppendInt(b, id, 10)
 	}
-	return string(b), true
-}
-
-func countIDs(ids string) int {
-	if ids == "" {
-		return 0
-	}
-	return strings.Count(ids, ",") + 1
+	return rendering{text: string(b), tokens: len(ids)}, true
 }
