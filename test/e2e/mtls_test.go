@@ -59,7 +59,7 @@ func TestExtProcOverMTLS(t *testing.T) {
 			if tc.logged != "" {
 				r.extproc.waitLog(t, tc.logged)
 			}
-			if v := r.metric(t, `pd_extproc_requests_total{api="chat"`); v > 0 {
+			if v := r.metric(t, `pd_extproc_requests_total{api="chat",connector="kv-nixl",mode="pd",outcome="routed"}`); v > 0 {
 				t.Errorf("extproc counted %v chat requests through a refused link", v)
 			}
 		})
