@@ -60,8 +60,8 @@ $(TOOLS_BIN)/egctl:
 
 # test/k8s runs a real Kubernetes API server and etcd, built from the Go module proxy
 # (hack/k8s-tools.sh: 3-4 minutes once on 2 cores, then cached in TOOLS_BIN).
-# The script builds whichever of the two is missing.
-$(K8S_TOOLS):
+# The script builds whichever of the two is missing, once for both (a grouped target).
+$(K8S_TOOLS) &:
 	GO=$(GO) TOOLS_BIN=$(TOOLS_BIN) KUBE_VERSION=$(KUBE_VERSION) ETCD_VERSION=$(ETCD_VERSION) bash hack/k8s-tools.sh
 
 # test/deploy runs `docker-compose config` on config/envoy/docker-compose.yaml; that needs no

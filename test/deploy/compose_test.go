@@ -313,7 +313,7 @@ func extProcTLSFiles(t *testing.T, path string) []string {
 	t.Helper()
 	cfg, err := envoyemu.LoadConfig(path)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("the emulator refuses the bootstrap: %v", err)
 	}
 	tls := cfg.Clusters[cfg.ExtProcCluster].TLS
 	if tls == nil {

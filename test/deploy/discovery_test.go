@@ -65,11 +65,12 @@ func TestDiscoveryFindsTheEngineExamples(t *testing.T) {
 					t.Fatalf("the ConfigMap's %s pool is not discovered from Kubernetes", role)
 				}
 				tmpl := dig(find(t, ms, "Deployment", engine+"-"+role), "spec", "template")
-				podLabels := labels.Set{}
-				for k, v := range dig(tmpl, "metadata", "labels").(map[string]any) {
-					podLabels[k] = fmt.Sprint(v)
+				podLabels, _ := dig(tmpl, "metadata", "labels").(map[string]any)
+				set := labels.Set{}
+				for name, v := range podLabels {
+					set[name] = fmt.Sprint(v)
 				}
-				if !k.ParsedSelector().Matches(podLabels) {
+				if !k.ParsedSelector().Matches(set) {
 					t.Errorf("selector %q does not match the pod labels %v", k.Selector, podLabels)
 				}
 				ports := map[string]float64{}
@@ -83,7 +84,7 @@ func TestDiscoveryFindsTheEngineExamples(t *testing.T) {
 				}
 
 				ip := find(t, ms, "InferencePool", engine+"-"+role)
-				if sel := dig(ip, "spec", "selector", "matchLabels"); !selects(sel, podLabelsAny(podLabels)) {
+				if sel := dig(ip, "spec", "selector", "matchLabels"); !selects(sel, podLabels) {
 					t.Errorf("InferencePool %s-%s selects %v, not the pod labels %v", engine, role, sel, podLabels)
 				}
 				var target []float64
@@ -96,14 +97,6 @@ func TestDiscoveryFindsTheEngineExamples(t *testing.T) {
 			})
 		}
 	}
-}
-
-func podLabelsAny(s labels.Set) map[string]any {
-	out := map[string]any{}
-	for k, v := range s {
-		out[k] = v
-	}
-	return out
 }
 
 // envoyTag is the Envoy release the shipped setups run: the one Envoy Gateway v1.9.1 runs.

@@ -8,7 +8,6 @@ import (
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
-	upstreamhttpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
@@ -77,14 +76,7 @@ func checkBreakers(c *clusterv3.Cluster, role string, limits serviceLimits, r *r
 
 // http2MaxStreams is the HTTP/2 max_concurrent_streams a cluster sets, or Envoy's default.
 func http2MaxStreams(c *clusterv3.Cluster) uint64 {
-	h2 := c.GetHttp2ProtocolOptions() //nolint:staticcheck // the deprecated form still works in Envoy
-	if opts, ok := c.GetTypedExtensionProtocolOptions()[httpProtocolOptionsKey]; ok {
-		var hpo upstreamhttpv3.HttpProtocolOptions
-		if opts.UnmarshalTo(&hpo) == nil {
-			h2 = hpo.GetExplicitHttpConfig().GetHttp2ProtocolOptions()
-		}
-	}
-	if v := h2.GetMaxConcurrentStreams(); v != nil {
+	if v := http2Options(c).GetMaxConcurrentStreams(); v != nil {
 		return uint64(v.GetValue())
 	}
 	return envoyDefaultH2Streams

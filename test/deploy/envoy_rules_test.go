@@ -10,6 +10,7 @@ import (
 	"github.com/envoyproxy/go-control-plane/envoy/annotations"
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
@@ -522,19 +523,19 @@ func extProcDisabledFor(ep extProcUse, vh *routev3.VirtualHost, rt *routev3.Rout
 // clusterSpeaksHTTP2 accepts the current typed protocol options and the deprecated
 // http2_protocol_options field. auto_config is not accepted: it negotiates HTTP/2 with ALPN,
 // which needs TLS, and the ext_proc connection is cleartext.
-func clusterSpeaksHTTP2(c *clusterv3.Cluster) bool {
-	if c.GetHttp2ProtocolOptions() != nil { //nolint:staticcheck // the deprecated form still works in Envoy
-		return true
-	}
-	opts, ok := c.GetTypedExtensionProtocolOptions()[httpProtocolOptionsKey]
-	if !ok {
-		return false
+func clusterSpeaksHTTP2(c *clusterv3.Cluster) bool { return http2Options(c) != nil }
+
+// http2Options is a cluster's HTTP/2 options, in the deprecated http2_protocol_options field
+// or the typed protocol options' explicit HTTP/2; nil when it sets neither.
+func http2Options(c *clusterv3.Cluster) *corev3.Http2ProtocolOptions {
+	if h2 := c.GetHttp2ProtocolOptions(); h2 != nil { //nolint:staticcheck // the deprecated form still works in Envoy
+		return h2
 	}
 	var hpo upstreamhttpv3.HttpProtocolOptions
-	if err := opts.UnmarshalTo(&hpo); err != nil {
-		return false
+	if opts, ok := c.GetTypedExtensionProtocolOptions()[httpProtocolOptionsKey]; !ok || opts.UnmarshalTo(&hpo) != nil {
+		return nil
 	}
-	return hpo.GetExplicitHttpConfig().GetHttp2ProtocolOptions() != nil
+	return hpo.GetExplicitHttpConfig().GetHttp2ProtocolOptions()
 }
 
 // isInferencePath: the OpenAI-compatible API lives under /v1/.

@@ -654,23 +654,11 @@ func forEachHCM(fn func(hcm map[string]any) bool) breakage {
 
 // http1ExtProcCluster strips HTTP/2 from the cluster ext_proc talks to, the way a config
 // written for a plain HTTP upstream would look.
-func http1ExtProcCluster(doc map[string]any) bool {
-	names := map[string]bool{}
-	for _, ep := range extProcsIn(doc) {
-		if n := digString(ep, "grpc_service", "envoy_grpc", "cluster_name"); n != "" {
-			names[n] = true
-		}
-	}
-	changed := false
-	for _, c := range staticClusters(doc) {
-		if name, _ := c["name"].(string); names[name] {
-			delete(c, "http2_protocol_options")
-			delete(c, "typed_extension_protocol_options")
-			changed = true
-		}
-	}
-	return changed
-}
+var http1ExtProcCluster = forEachExtProcCluster(func(c map[string]any) bool {
+	delete(c, "http2_protocol_options")
+	delete(c, "typed_extension_protocol_options")
+	return true
+})
 
 // extProcFilterNames lists the HTTP filter names under which ext_proc filters are installed;
 // per-route config refers to a filter by that name.

@@ -438,11 +438,11 @@ func clientTLSSecret(t *testing.T) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f, err := ca.Issue(t.TempDir(), testpki.Leaf{Name: "envoy", SANs: []string{testbed.ClientSAN}, Client: true})
+	cert, key, err := ca.IssuePEM(testpki.Leaf{Name: "envoy", SANs: []string{testbed.ClientSAN}, Client: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	enc := func(path string) string { return base64.StdEncoding.EncodeToString(mustRead(t, path)) }
+	enc := base64.StdEncoding.EncodeToString
 	return fmt.Appendf(nil, "---\napiVersion: v1\nkind: Secret\nmetadata: {name: pd-extproc-client-tls, namespace: %s}\ntype: kubernetes.io/tls\ndata:\n  tls.crt: %s\n  tls.key: %s\n  ca.crt: %s\n",
-		manifestNamespace, enc(f.Cert), enc(f.Key), enc(f.CA))
+		manifestNamespace, enc(cert), enc(key), enc(ca.PEM))
 }

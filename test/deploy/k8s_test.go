@@ -218,12 +218,7 @@ func TestExtprocDeployment(t *testing.T) {
 
 	// The --config flag must point into the mounted ConfigMap.
 	args := toStrings(dig(c, "args"))
-	cfgPath := ""
-	for _, a := range args {
-		if v, ok := strings.CutPrefix(a, "--config="); ok {
-			cfgPath = v
-		}
-	}
+	cfgPath := flagValue(args, "--config")
 	if vol := mountedVolume(pod, c, cfgPath); digString(vol, "configMap", "name") != "pd-extproc" || !strings.HasSuffix(cfgPath, "/extproc.yaml") {
 		t.Errorf("--config=%q is not the extproc.yaml key of the mounted ConfigMap", cfgPath)
 	}

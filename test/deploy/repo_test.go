@@ -114,5 +114,3 @@ func runTool(t testing.TB, dir string, name string, args ...string) ([]byte, err
 	}
 	return stdout.Bytes(), nil
 }
-
-func writeFile(path, data string) error { return os.WriteFile(path, []byte(data), 0o600) }

@@ -119,14 +119,7 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 		{"POST", "/v1//embeddings", `{}`, 404, "extproc"},
 	}
 	for _, tt := range tests {
-		var body *strings.Reader
-		if tt.body != "" {
-			body = strings.NewReader(tt.body)
-		}
-		req, err := http.NewRequest(tt.method, r.proxy.URL()+tt.path, nil)
-		if body != nil {
-			req, err = http.NewRequest(tt.method, r.proxy.URL()+tt.path, body)
-		}
+		req, err := http.NewRequest(tt.method, r.proxy.URL()+tt.path, strings.NewReader(tt.body)) // "": no body
 		if err != nil {
 			t.Fatal(err)
 		}

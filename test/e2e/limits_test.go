@@ -131,17 +131,14 @@ func TestCircuitBreakersHoldManyGenerations(t *testing.T) {
 			for i := range load {
 				wg.Go(func() {
 					path, body := request("completions", true, fmt.Sprintf("generation %d", i))
-					req, _ := http.NewRequestWithContext(ctx, http.MethodPost, p.URL()+path, strings.NewReader(body))
-					resp, err := testbed.Client.Do(req)
-					if err != nil {
+					resp, got, err := testbed.Post(ctx, p.URL()+path, body, nil)
+					if resp == nil {
 						t.Errorf("request %d: %v", i, err)
 						failed.Add(1)
 						return
 					}
-					got, err := io.ReadAll(resp.Body)
-					resp.Body.Close()
 					switch {
-					case err == nil && resp.StatusCode == http.StatusOK && strings.HasSuffix(string(got), "data: [DONE]\n\n"):
+					case err == nil && resp.StatusCode == http.StatusOK && strings.HasSuffix(got, "data: [DONE]\n\n"):
 						ok.Add(1)
 					case resp.StatusCode == http.StatusInternalServerError &&
 						resp.Header.Get(envoyemu.DetailsHeader) == "ext_proc_error_gRPC_error_14{upstream_connect_error_or_disconnect/reset_before_headers._reset_reason:_overflow}":

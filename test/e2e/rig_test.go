@@ -155,6 +155,7 @@ func (r *rig) restartDecode(t *testing.T, i int, addr string) {
 func (r *rig) restartExtproc(t *testing.T) {
 	t.Helper()
 	r.extproc = r.startExtproc(t, r.extproc.GRPCAddr)
+	r.replicas[0] = r.extproc
 }
 
 // startExtproc runs one extproc of the rig, on grpcAddr when it is given.

@@ -34,7 +34,7 @@ func TestInferencePool(t *testing.T) {
 			TargetPorts: []giev1.Port{{Number: enginePort}, {Number: enginePort + 1}},
 		},
 	}
-	if ip, err = pools.Create(context.Background(), ip, metav1.CreateOptions{}); err != nil {
+	if _, err = pools.Create(context.Background(), ip, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	s := startStack(t, "", extprocToken, fmt.Sprintf(`connector: kv-nixl
