@@ -51,10 +51,7 @@ func (s *Server) answerGenerate(ctx context.Context, w http.ResponseWriter, req 
 	if out != nil {
 		return out.raw([]byte("[DONE]"))
 	}
-	a := generateAnswer{RequestID: req.internalID, Choices: []generateChoice{{FinishReason: &finish, TokenIDs: ids}}, KVTransferParams: res.params}
-	if a.KVTransferParams == nil {
-		a.KVTransferParams = json.RawMessage("null")
-	}
+	a := generateAnswer{RequestID: req.internalID, Choices: []generateChoice{{FinishReason: &finish, TokenIDs: ids}}, KVTransferParams: orNull(res.params)}
 	writeJSON(w, http.StatusOK, a)
 	return nil
 }

@@ -143,8 +143,8 @@ func (s *Server) tokens(ctx context.Context, n int, each func(i int) error) erro
 // answerOpenAI answers chat and completions.
 func (s *Server) answerOpenAI(ctx context.Context, w http.ResponseWriter, req *request, res kvResult, n int, finish string) error {
 	u := &usage{PromptTokens: req.promptTokens, CompletionTokens: n, TotalTokens: req.promptTokens + n}
-	if cached := s.metrics.cachedTokens(req, res.outcome == kvHit); s.cfg.PromptTokensDetails {
-		u.PromptTokensDetails = &tokensDetails{CachedTokens: cached}
+	if s.cfg.PromptTokensDetails {
+		u.PromptTokensDetails = &tokensDetails{CachedTokens: s.metrics.cachedTokens(req, res.outcome == kvHit)}
 	}
 	if !req.stream {
 		text := ""

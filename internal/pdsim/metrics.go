@@ -100,12 +100,14 @@ func (m *metrics) serve(model, protocol, role string) http.HandlerFunc {
 	return func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
 		usage := min(1, float64(m.blocks.Load())/kvCapacityBlocks)
-		gauges := []gauge{
-			{"vllm:num_requests_running", "Number of requests in model execution batches.", float64(m.running.Load())},
-			{"vllm:num_requests_waiting", "Number of requests waiting to be processed.", float64(m.waiting.Load())},
-			{"vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage},
-		}
-		if protocol == ProtocolSGLang {
+		var gauges []gauge
+		if protocol != ProtocolSGLang {
+			gauges = []gauge{
+				{"vllm:num_requests_running", "Number of requests in model execution batches.", float64(m.running.Load())},
+				{"vllm:num_requests_waiting", "Number of requests waiting to be processed.", float64(m.waiting.Load())},
+				{"vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage},
+			}
+		} else {
 			var q PDQueues
 			if p := m.pdQueues.Load(); p != nil {
 				q = *p

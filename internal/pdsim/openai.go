@@ -195,7 +195,7 @@ func (r *request) outputTokens(naturalLen int) (int, string) {
 // present returns a top-level field unless it is absent or null (pydantic's None).
 func present(fields map[string]json.RawMessage, key string) (json.RawMessage, bool) {
 	raw, ok := fields[key]
-	if !ok || string(bytes.TrimSpace(raw)) == "null" {
+	if !ok || isNull(raw) {
 		return nil, false
 	}
 	return raw, true

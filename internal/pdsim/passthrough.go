@@ -10,31 +10,32 @@ import (
 // must never let through. All are recorded, so a test can tell which body
 // reached which engine, and that no admin request reached any.
 func (s *Server) otherRoutes(mux *http.ServeMux) {
-	mux.HandleFunc("POST /v1/embeddings", s.recorded(func(w http.ResponseWriter, _ []byte) {
+	mux.HandleFunc("POST /v1/embeddings", s.recorded(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]any{"object": "list", "model": s.cfg.Model,
 			"data":  []map[string]any{{"object": "embedding", "index": 0, "embedding": []float64{0.25, -0.5, 1}}},
 			"usage": map[string]int{"prompt_tokens": 1, "total_tokens": 1}})
 	}))
-	tokenize := s.recorded(func(w http.ResponseWriter, _ []byte) {
+	tokenize := s.recorded(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]any{"tokens": []int{1, 2}, "count": 2, "max_model_len": 4096})
 	})
-	detokenize := s.recorded(func(w http.ResponseWriter, _ []byte) {
+	detokenize := s.recorded(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]string{"prompt": "tok0"})
 	})
 	mux.HandleFunc("POST /tokenize", tokenize)
 	mux.HandleFunc("POST /v1/tokenize", tokenize) // SGLang's spelling
 	mux.HandleFunc("POST /detokenize", detokenize)
 	mux.HandleFunc("POST /v1/detokenize", detokenize)
-	mux.HandleFunc("GET /v1/responses/{id}", s.storedResponse)
-	mux.HandleFunc("DELETE /v1/responses/{id}", s.storedResponse)
-	mux.HandleFunc("POST /v1/responses/{id}/cancel", s.storedResponse)
+	stored := s.recorded(s.storedResponse)
+	mux.HandleFunc("GET /v1/responses/{id}", stored)
+	mux.HandleFunc("DELETE /v1/responses/{id}", stored)
+	mux.HandleFunc("POST /v1/responses/{id}/cancel", stored)
 	for _, admin := range []string{"/flush_cache", "/reset_prefix_cache", "/start_profile", "/stop_profile", "/sleep", "/wake_up", "/collective_rpc"} {
-		mux.HandleFunc(admin, s.recorded(func(w http.ResponseWriter, _ []byte) { writeJSON(w, http.StatusOK, map[string]string{}) }))
+		mux.HandleFunc(admin, s.recorded(func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, map[string]string{}) }))
 	}
 }
 
 // recorded serves a request with answer after recording it with its body.
-func (s *Server) recorded(answer func(w http.ResponseWriter, body []byte)) http.HandlerFunc {
+func (s *Server) recorded(answer http.HandlerFunc) http.HandlerFunc {
 	return func(rw http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
 		ex := s.begin(r, body)
@@ -43,6 +44,6 @@ func (s *Server) recorded(answer func(w http.ResponseWriter, body []byte)) http.
 			ex.rec.Status = w.status
 			s.finish(ex)
 		}()
-		answer(w, body)
+		answer(w, r)
 	}
 }

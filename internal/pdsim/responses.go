@@ -89,15 +89,12 @@ func (s *Server) checkStored(req *request) *apiError {
 func (s *Server) answerResponses(ctx context.Context, w http.ResponseWriter, req *request, res kvResult, n int, finish string) error {
 	msgID := "msg_" + randomHex(8)
 	resp := &responseObject{ID: req.internalID, Object: "response", CreatedAt: time.Now().Unix(), Model: s.cfg.Model,
-		Output: []responseOutput{}, MaxOutputTokens: req.maxTokens, Status: "in_progress", KVTransferParams: res.params}
+		Output: []responseOutput{}, MaxOutputTokens: req.maxTokens, Status: "in_progress", KVTransferParams: orNull(res.params)}
 	resp.Background, _ = boolField(req.fields, "background")
 	if raw, ok := present(req.fields, "previous_response_id"); ok {
 		var id string
 		json.Unmarshal(raw, &id)
 		resp.PreviousResponseID = &id
-	}
-	if resp.KVTransferParams == nil {
-		resp.KVTransferParams = json.RawMessage("null")
 	}
 	var out *sse
 	seq := 0
@@ -154,21 +151,19 @@ func stores(fields map[string]json.RawMessage) bool {
 // storedResponse answers GET and DELETE of /v1/responses/{id} and POST of
 // its cancel, from the store.
 func (s *Server) storedResponse(w http.ResponseWriter, r *http.Request) {
-	s.recorded(func(w http.ResponseWriter, _ []byte) {
-		id := r.PathValue("id")
-		s.mu.Lock()
-		stored, ok := s.responses[id]
-		if ok && r.Method == http.MethodDelete {
-			delete(s.responses, id)
-		}
-		s.mu.Unlock()
-		switch {
-		case !ok:
-			s.writeError(w, &apiError{http.StatusNotFound, fmt.Sprintf("Response with id '%s' not found.", id)})
-		case r.Method == http.MethodDelete:
-			writeJSON(w, http.StatusOK, map[string]any{"id": id, "object": "response", "deleted": true})
-		default:
-			writeJSON(w, http.StatusOK, stored)
-		}
-	})(w, r)
+	id := r.PathValue("id")
+	s.mu.Lock()
+	stored, ok := s.responses[id]
+	if ok && r.Method == http.MethodDelete {
+		delete(s.responses, id)
+	}
+	s.mu.Unlock()
+	switch {
+	case !ok:
+		s.writeError(w, &apiError{http.StatusNotFound, fmt.Sprintf("Response with id '%s' not found.", id)})
+	case r.Method == http.MethodDelete:
+		writeJSON(w, http.StatusOK, map[string]any{"id": id, "object": "response", "deleted": true})
+	default:
+		writeJSON(w, http.StatusOK, stored)
+	}
 }
