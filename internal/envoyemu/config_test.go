@@ -106,11 +106,7 @@ func TestLoadConfigShippedFiles(t *testing.T) {
 // defaults of the others, and HTTP/2 without max_concurrent_streams carries
 // 2^31 - 1 streams per connection.
 func TestLoadConfigBreakerDefaults(t *testing.T) {
-	raw, err := os.ReadFile(filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := string(raw)
+	s := readFile(t, filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
 	for _, cut := range []struct{ old, new string }{
 		// the decode cluster's thresholds entry keeps max_requests only
 		{"      - max_connections: 16384\n        max_pending_requests: 16384\n        max_requests: 16384\n        max_retries: 3\n", "      - max_requests: 4096\n"},
@@ -125,11 +121,7 @@ func TestLoadConfigBreakerDefaults(t *testing.T) {
 	i := strings.LastIndex(s, "    circuit_breakers:")
 	j := strings.Index(s[i:], "    typed_extension_protocol_options:")
 	s = s[:i] + s[i+j:]
-	p := filepath.Join(t.TempDir(), "envoy.yaml")
-	if err := os.WriteFile(p, []byte(s), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := LoadConfig(p)
+	cfg, err := LoadConfig(writeFile(t, s))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,7 +2,6 @@ package envoyemu
 
 import (
 	"crypto/tls"
-	"crypto/x509"
 	"net"
 	"net/http"
 	"os"
@@ -174,9 +173,7 @@ func startTLSExtProc(t *testing.T, w mtlsWorld, handle func(s *procStream) error
 	if err != nil {
 		t.Fatal(err)
 	}
-	pool := x509.NewCertPool()
-	pool.AppendCertsFromPEM(w.ca.PEM)
-	creds := credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, ClientCAs: pool, ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS12})
+	creds := credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, ClientCAs: w.ca.Roots(), ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS12})
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

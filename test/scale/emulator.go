@@ -12,8 +12,6 @@ import (
 	"syscall"
 	"time"
 
-	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
-
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
@@ -21,14 +19,6 @@ import (
 // childEmulator is the first argument that makes this program an Envoy
 // emulator child instead of the driver.
 const childEmulator = "-child-emulator"
-
-// responsePathOff skips the response path: no message goes to the ext_proc
-// server after the request, so Envoy closes the stream once it is routed.
-var responsePathOff = envoyemu.DirectionModes{
-	Headers:  extprocfilterv3.ProcessingMode_SKIP,
-	Body:     extprocfilterv3.ProcessingMode_NONE,
-	Trailers: extprocfilterv3.ProcessingMode_SKIP,
-}
 
 // runEmulator serves the emulator on -listen, in front of the -extproc
 // endpoints, until SIGTERM; -stats serves its clusters' circuit-breaker
@@ -39,7 +29,6 @@ func runEmulator(args []string) error {
 	listen := fs.String("listen", "", "listen address")
 	stats := fs.String("stats", "", "address of the /stats listener")
 	extproc := fs.String("extproc", "", "ext_proc endpoints, comma-separated")
-	response := fs.String("response", "on", "on: the bootstrap's response path; off: skipped")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -50,9 +39,6 @@ func runEmulator(args []string) error {
 		// plaintext link: TLS costs a handshake per connection (a few per replica), not per
 		// held stream, which is what this run measures.
 		testbed.Plaintext(cfg)
-		if *response == "off" {
-			cfg.Modes.Response = responsePathOff
-		}
 		cfg.ListenAddr = *listen
 	})
 	if err != nil {

@@ -21,7 +21,6 @@ const model = "pdsim"
 // streams is the load of one run: every request a streamed chat completion
 // that stays open for the whole generation.
 type streams struct {
-	started   atomic.Int64 // sent
 	streaming atomic.Int64 // answered 200 and not over yet
 	completed atomic.Int64 // whole: 200 and the final data: [DONE]
 	failed    atomic.Int64 // an error status, or a stream cut short
@@ -39,6 +38,13 @@ func (l *streams) fail(kind *atomic.Int64, format string, args ...any) {
 		l.firstFailure = fmt.Sprintf(format, args...)
 	}
 	l.mu.Unlock()
+}
+
+// first is the first failure, "" while there is none.
+func (l *streams) first() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.firstFailure
 }
 
 // over is how many streams have ended, one way or another.
@@ -65,7 +71,6 @@ func openStreams(ctx context.Context, urls []string, n int, ramp time.Duration, 
 			if wait := time.Until(start.Add(time.Duration(i) * every)); wait > 0 {
 				time.Sleep(wait) // pacing the ramp
 			}
-			l.started.Add(1)
 			go l.one(ctx, client, urls[i%len(urls)], body)
 		}
 		l.wg.Wait()
@@ -140,23 +145,20 @@ func (l *streams) wait() { l.wg.Wait() }
 // and a user turn, which the prefill leg and the engines read as any other.
 func chatBody(size int) []byte {
 	const sentence = "Summarize the quarterly figures and flag anything unusual in the regional breakdown. "
-	text := strings.Repeat(sentence, size/len(sentence)+1)
-	b, _ := json.Marshal(map[string]any{
-		"model": model, "stream": true, "max_tokens": 1024,
-		"messages": []map[string]string{
-			{"role": "system", "content": "You are a careful analyst."},
-			{"role": "user", "content": text},
-		},
-	})
-	if over := len(b) - size; over > 0 && over < len(text) {
-		text = text[:len(text)-over]
-		b, _ = json.Marshal(map[string]any{
+	body := func(text string) []byte {
+		b, _ := json.Marshal(map[string]any{
 			"model": model, "stream": true, "max_tokens": 1024,
 			"messages": []map[string]string{
 				{"role": "system", "content": "You are a careful analyst."},
 				{"role": "user", "content": text},
 			},
 		})
+		return b
+	}
+	text := strings.Repeat(sentence, size/len(sentence)+1)
+	b := body(text)
+	if over := len(b) - size; over > 0 && over < len(text) {
+		b = body(text[:len(text)-over])
 	}
 	return b
 }

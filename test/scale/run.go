@@ -58,7 +58,7 @@ func runOne(ctx context.Context, o options, target, response string) (res result
 	defer func() {
 		l.wait()
 		res.Completed, res.Failed, res.Lost = l.completed.Load(), l.failed.Load(), l.lost.Load()
-		res.FirstFailure = l.firstFailure
+		res.FirstFailure = l.first()
 		if n, oerr := s.overflows(context.Background()); oerr == nil {
 			res.Overflows = n
 		} else if err == nil {
@@ -68,7 +68,7 @@ func runOne(ctx context.Context, o options, target, response string) (res result
 
 	all := int64(o.streams)
 	if !poll(ctx, o.ramp+time.Minute, func() bool { return l.streaming.Load() == all || l.over() > 0 }) || l.streaming.Load() != all {
-		return res, fmt.Errorf("only %d of %d streams were streaming at once (%d over: %s)", l.streaming.Load(), all, l.over(), l.firstFailure)
+		return res, fmt.Errorf("only %d of %d streams were streaming at once (%d over: %s)", l.streaming.Load(), all, l.over(), l.first())
 	}
 	heldSince := time.Now()
 	cpu0, err := cpuSeconds(s.replicas)

@@ -139,21 +139,26 @@ func (s *stack) startEcho(ctx context.Context, o options, i int, destination str
 	})
 }
 
-// startEmulator runs this program as an Envoy emulator child on the shipped
-// FULL_DUPLEX bootstrap.
+// startEmulator runs this program as an Envoy emulator child on a shipped
+// bootstrap: envoy.yaml with the response path on, envoy-no-response.yaml
+// with it off (Envoy closes the ext_proc stream once the request is routed).
 func (s *stack) startEmulator(ctx context.Context, o options, i int, response string, extproc []string) (server, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return server{}, err
 	}
-	config, err := testbed.RepoPath(testbed.EnvoyConfigs["full_duplex"])
+	bootstrap := testbed.EnvoyConfigs["full_duplex"]
+	if response == "off" {
+		bootstrap = testbed.EnvoyConfigs["no_response"]
+	}
+	config, err := testbed.RepoPath(bootstrap)
 	if err != nil {
 		return server{}, err
 	}
 	return s.start(ctx, o, fmt.Sprintf("emulator-%d", i), func(sv *server) testbed.ProcessConfig {
 		sv.addr, sv.admin = freeAddr(), freeAddr()
 		return testbed.ProcessConfig{Bin: self, Args: []string{childEmulator, "-config", config, "-listen", sv.addr,
-			"-stats", sv.admin, "-extproc", strings.Join(extproc, ","), "-response", response},
+			"-stats", sv.admin, "-extproc", strings.Join(extproc, ",")},
 			Ready: testbed.HTTPOK("http://" + sv.admin + "/stats")}
 	})
 }
