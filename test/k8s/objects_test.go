@@ -126,15 +126,32 @@ var crdSources = []struct {
 
 // installCRDs installs the CRDs that define kinds (those of the sources
 // above; the Gateway API ones of the Envoy Gateway chart are left to
-// sigs.k8s.io/gateway-api) and waits until each is served.
+// sigs.k8s.io/gateway-api) and waits until each is served. Kinds the API
+// server already serves are left as they are.
 func (c *cluster) installCRDs(t testing.TB, kinds ...string) {
 	t.Helper()
 	want := map[string]bool{}
 	for _, k := range kinds {
 		want[k] = true
 	}
+	crds := c.dyn.Resource(crdResource)
+	served, err := crds.List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, crd := range served.Items {
+		if kind, _, _ := unstructured.NestedString(crd.Object, "spec", "names", "kind"); established(&crd) {
+			delete(want, kind)
+		}
+	}
+	if len(want) == 0 {
+		return
+	}
 	var names []string
 	for _, src := range crdSources {
+		if len(want) == 0 {
+			break
+		}
 		dir := moduleDir(t, src.module)
 		files, _ := filepath.Glob(filepath.Join(dir, src.dir, "*.yaml"))
 		for _, f := range files {
@@ -166,27 +183,28 @@ func (c *cluster) installCRDs(t testing.TB, kinds ...string) {
 	if len(want) > 0 {
 		t.Fatalf("no CRD found for %v", want)
 	}
-	crds := c.dyn.Resource(crdResource)
 	for _, name := range names {
 		err := wait.PollUntilContextTimeout(context.Background(), 50*time.Millisecond, time.Minute, true, func(ctx context.Context) (bool, error) {
 			crd, err := crds.Get(ctx, name, metav1.GetOptions{})
-			if err != nil {
-				return false, err
-			}
-			conds, _, _ := unstructured.NestedSlice(crd.Object, "status", "conditions")
-			for _, cond := range conds {
-				m, _ := cond.(map[string]any)
-				if m["type"] == "Established" && m["status"] == "True" {
-					return true, nil
-				}
-			}
-			return false, nil
+			return err == nil && established(crd), err
 		})
 		if err != nil {
 			t.Fatalf("CRD %s not established: %v", name, err)
 		}
 	}
 	c.mapper.Reset()
+}
+
+// established is whether the API server serves a CRD's kind.
+func established(crd *unstructured.Unstructured) bool {
+	conds, _, _ := unstructured.NestedSlice(crd.Object, "status", "conditions")
+	for _, cond := range conds {
+		m, _ := cond.(map[string]any)
+		if m["type"] == "Established" && m["status"] == "True" {
+			return true
+		}
+	}
+	return false
 }
 
 // moduleDir is a module's directory in the module cache, downloaded if need be.
