@@ -95,7 +95,7 @@ func appendQuote(dst []byte, s string) []byte {
 // including the separators and whitespace around the members that stay. The
 // Object itself is not changed.
 func (o *Object) Splice(edits ...Edit) Spliced {
-	if nested(edits) {
+	if o.reachesIn(edits) {
 		edits = o.flatten(edits)
 	}
 	// The last edit of each key, in first-mention order (for deterministic
@@ -104,6 +104,9 @@ func (o *Object) Splice(edits ...Edit) Spliced {
 	var few [16]finalEdit
 	final := few[:0]
 	for _, e := range edits {
+		if len(e.Path) > 0 {
+			continue // reaches into nothing there: changes nothing (reachesIn)
+		}
 		if k := find(final, e.Key); k >= 0 {
 			final[k].Edit = e
 		} else {

@@ -28,10 +28,23 @@ func (e Edit) In(path ...string) Edit {
 	return e
 }
 
-// nested reports whether any edit reaches inside an object.
-func nested(edits []Edit) bool {
+// reachesIn reports whether an edit inside an object may change the body: a
+// set creates its path, but a delete or a set-if-present changes nothing
+// unless the path's first member is there, in the body or set beside it. The
+// scrub of vLLM's vllm_xargs.kv_transfer_params, on every leg, rarely is.
+func (o *Object) reachesIn(edits []Edit) bool {
 	for _, e := range edits {
-		if len(e.Path) > 0 {
+		if len(e.Path) > 0 && (len(e.Value) > 0 && !e.IfPresent || o.Has(e.Path[0]) || names(edits, e.Path[0])) {
+			return true
+		}
+	}
+	return false
+}
+
+// names reports whether a top-level edit names key.
+func names(edits []Edit, key string) bool {
+	for _, e := range edits {
+		if len(e.Path) == 0 && e.Key == key {
 			return true
 		}
 	}
