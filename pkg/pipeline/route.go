@@ -89,6 +89,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	}
 	sreq := scheduling.NewRequest(a.Prompt(obj))
 	sreq.Subset = scheduling.ParseSubset(r.Subset)
+	sreq.Alone = alone
 	rooms, err := p.rooms(sreq)
 	if err != nil {
 		return nil, err
@@ -99,7 +100,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	}
 	r.Report.Decode = d.Endpoint
 	h := &kv.Handoff{Body: obj, Shape: &a.Shape, Rooms: rooms}
-	d.Body, err = p.legs(ctx, r, h, sreq, d, alone)
+	d.Body, err = p.legs(ctx, r, h, sreq, d)
 	if err != nil {
 		d.Release()
 		return nil, err
@@ -122,18 +123,14 @@ func checkModel(a *api.API, obj *body.Object) error {
 }
 
 // legs decides P/D or decode-only, runs or launches the prefill leg, and returns
-// the decode leg's body. alone, when set, is why the request must go to the
-// decode endpoint alone. It records the decision in r.Report.
-func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *scheduling.Request, d *Decision, alone string) (body.Spliced, error) {
+// the decode leg's body. It records the decision in r.Report.
+func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *scheduling.Request, d *Decision) (body.Spliced, error) {
 	rep := &r.Report
-	decision := scheduling.Decision{Reason: alone}
-	if alone == "" {
-		decision = p.pools.Decide(sreq)
-	}
+	decision := p.pools.Decide(sreq)
 	rep.Reason = decision.Reason
 	switch {
 	case decision.PD:
-	case p.connector.Paired() && alone == "": // no prefill endpoint, and the decode engines serve only pairs
+	case p.connector.Paired() && decision.Reason == scheduling.ReasonNoPrefill: // the decode engines serve only pairs
 		return nil, noPrefillEndpoint()
 	default:
 		rep.Mode = ModeDecodeOnly

@@ -38,10 +38,13 @@ func newDecider(spec Spec) *Decider {
 
 // Decide returns the decision for req given the prefill pool. Requests the
 // engines cannot disaggregate go decode-only whatever the mode. For paired
-// engines the only decode-only reason left is no_prefill (config refuses
-// never and min_prompt_tokens for them); the caller must then refuse.
+// engines the only decode-only reasons left are the request's own Alone and
+// no_prefill (config refuses never and min_prompt_tokens for them), which the
+// caller must then refuse.
 func (d *Decider) Decide(req *Request, prefill *Pool) Decision {
 	switch {
+	case req != nil && req.Alone != "":
+		return Decision{Reason: req.Alone}
 	case d.cfg.Mode == config.PDNever:
 		return Decision{Reason: ReasonNever}
 	case req != nil && req.N > 1 && !d.paired:

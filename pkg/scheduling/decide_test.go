@@ -6,6 +6,7 @@ import (
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
 func TestDecide(t *testing.T) {
@@ -15,6 +16,7 @@ func TestDecide(t *testing.T) {
 		pd          config.PD
 		paired      bool // SGLang engines
 		body        string
+		alone       string // the API's reason to go decode-only
 		prefillDown bool
 		want        Decision
 	}{
@@ -34,6 +36,7 @@ func TestDecide(t *testing.T) {
 		{name: "paired engines hand off n > 1 themselves", paired: true, body: `{"model":"m","n":2,"prompt":"hi"}`, want: Decision{PD: true, Reason: ReasonLongPrompt}},
 		{name: "paired engines hand off a batch", paired: true, body: `{"model":"m","prompt":["a","b"]}`, want: Decision{PD: true, Reason: ReasonLongPrompt}},
 		{name: "paired engines without a prefill", paired: true, body: long, prefillDown: true, want: Decision{Reason: ReasonNoPrefill}},
+		{name: "the API's reason comes first", pd: config.PD{Mode: config.PDAlways}, alone: metrics.ReasonPassthrough, body: long, prefillDown: true, want: Decision{Reason: metrics.ReasonPassthrough}},
 		{name: "a short prompt says so even with prefill down", pd: config.PD{MinPromptTokens: 1000}, body: long, prefillDown: true, want: Decision{Reason: ReasonShortPrompt}},
 	}
 	for _, tt := range tests {
@@ -48,7 +51,9 @@ func TestDecide(t *testing.T) {
 					prefill.Endpoints()[0].ReportFailure()
 				}
 			}
-			if got := newDecider(Spec{PD: tt.pd, Paired: tt.paired}).Decide(NewRequest(completions(obj)), prefill); got != tt.want {
+			req := NewRequest(completions(obj))
+			req.Alone = tt.alone
+			if got := newDecider(Spec{PD: tt.pd, Paired: tt.paired}).Decide(req, prefill); got != tt.want {
 				t.Fatalf("Decide() = %+v, want %+v", got, tt.want)
 			}
 		})

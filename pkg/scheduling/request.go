@@ -15,6 +15,9 @@ type Request struct {
 	Prompts int
 	// Subset restricts picking to an endpoint-picker subset hint.
 	Subset Subset
+	// Alone, when set, is why the request's API sends it to a decode
+	// endpoint alone (a decision reason); the decider returns it first.
+	Alone string
 
 	prompt *api.Prompt // read as the request's API reads it; nil for none
 }
