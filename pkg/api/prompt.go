@@ -196,12 +196,6 @@ func sglangGeneratePrompt(o *body.Object) *Prompt {
 	return promptOf(samples(sp), raw)
 }
 
-type message struct {
-	Role      string          `json:"role"`
-	Content   json.RawMessage `json:"content"`
-	ToolCalls json.RawMessage `json:"tool_calls"`
-}
-
 // withMessages renders the messages in raw after what b holds: each message
 // as role, newline, content, newline. Text parts render as their text; other
 // parts (images, audio, tool calls, items without a role) as their JSON, so
@@ -212,20 +206,25 @@ func withMessages(b *strings.Builder, raw []byte) rendering {
 	var items []json.RawMessage
 	_ = json.Unmarshal(raw, &items) // not a list: no messages, items stays nil
 	for _, item := range items {
-		var m message
-		if json.Unmarshal(item, &m) != nil || m.Role == "" {
+		m, err := body.Parse(item) // read as the engines read it: keys as spelt, the last duplicate
+		role := ""
+		if err == nil {
+			role, _ = m.String("role")
+		}
+		if role == "" {
 			b.Write(item)
 			b.WriteByte('\n')
 			continue
 		}
-		b.WriteString(m.Role)
+		b.WriteString(role)
 		b.WriteByte('\n')
-		writeContent(b, m.Content)
-		if len(m.ToolCalls) > 0 && !body.IsNull(m.ToolCalls) {
-			b.Write(m.ToolCalls)
+		content, _ := m.Raw("content")
+		writeContent(b, content)
+		if calls, ok := m.Raw("tool_calls"); ok && !body.IsNull(calls) {
+			b.Write(calls)
 		}
 		b.WriteByte('\n')
-		if head == 0 && m.Role == "user" {
+		if head == 0 && role == "user" {
 			head = b.Len()
 		}
 	}

@@ -181,7 +181,10 @@ func TestBusySGLangDecodeEndpointIsPassedOver(t *testing.T) {
 func TestReplicasAgreeOnPrefixAffinity(t *testing.T) {
 	const replicas, prefixes, repeats = 3, 5, 12
 	r := startRig(t, rigOptions{prefills: 3, replicas: replicas, prefillPool: "policy: prefix-affinity, prefix: {block_chars: 64, key_blocks: 4}"})
-	type message struct{ Role, Content string }
+	type message struct {
+		Role    string `json:"role"`
+		Content string `json:"content"`
+	}
 	chat := func(msgs ...message) string {
 		b, err := json.Marshal(map[string]any{"model": "pdsim", "max_tokens": 4, "messages": msgs})
 		if err != nil {
