@@ -102,15 +102,16 @@ func subsetHint(md *corev3.Metadata) any {
 // connection), and its status and content headers tell a rewrite whether the
 // body can be rewritten, which needs the body in FULL_DUPLEX.
 func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap) {
-	status := 0
+	status, rewriting := 0, x.rewriting()
 	var contentType, contentEncoding string
 	for _, h := range hm.GetHeaders() {
-		switch h.GetKey() {
-		case ":status":
+		switch key := h.GetKey(); {
+		case key == ":status":
 			status, _ = strconv.Atoi(headerValue(h))
-		case "content-type":
+		case !rewriting: // only a rewrite reads the content headers
+		case key == "content-type":
 			contentType = headerValue(h)
-		case "content-encoding":
+		case key == "content-encoding":
 			contentEncoding = headerValue(h)
 		}
 	}
@@ -118,7 +119,7 @@ func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap) {
 		x.decision.Observe(status)
 	}
 	switch {
-	case !x.rewriting():
+	case !rewriting:
 	case x.responseMode() != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
 		x.decision.Rewrite.Skip(metrics.UsageNotFullDuplex)
 		x.obs.notDuplex.Do(func() {
