@@ -29,10 +29,7 @@ func (s rendezvousScorer) key(req *Request) string {
 
 // Score returns nil when the request has no key.
 func (s rendezvousScorer) Score(req *Request, eps []*Endpoint) []float64 {
-	return s.weights(s.key(req), eps)
-}
-
-func (s rendezvousScorer) weights(key string, eps []*Endpoint) []float64 {
+	key := s.key(req)
 	if key == "" {
 		return nil
 	}
@@ -81,8 +78,7 @@ type prefixAffinity struct {
 }
 
 func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
-	key := p.scorer.key(req)
-	weights := p.scorer.weights(key, eps)
+	weights := p.scorer.Score(req, eps)
 	if weights == nil || len(eps) == 1 {
 		return p.fallback.Pick(req, eps)
 	}
@@ -105,7 +101,7 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 			break
 		}
 	}
-	hs := p.index.hashes(req.Prompt())
+	hs, key := p.index.hashes(req.Prompt()), p.scorer.key(req)
 	if served := p.index.matched(hs); len(served) > 0 {
 		best := 0
 		for _, r := range rs {
