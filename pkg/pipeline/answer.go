@@ -2,7 +2,6 @@ package pipeline
 
 import (
 	"bytes"
-	"net"
 	"net/netip"
 	"strings"
 
@@ -119,13 +118,11 @@ func unreachableFromElsewhere(host string) bool {
 // sameHost reports whether two ip:port endpoints may be one machine: the same
 // IP, or both loopback. When either cannot be read, it cannot tell, and says so.
 func sameHost(a, b string) bool {
-	ha, _, errA := net.SplitHostPort(a)
-	hb, _, errB := net.SplitHostPort(b)
-	ipA, errA2 := netip.ParseAddr(ha)
-	ipB, errB2 := netip.ParseAddr(hb)
-	if errA != nil || errB != nil || errA2 != nil || errB2 != nil {
+	apA, errA := netip.ParseAddrPort(a)
+	apB, errB := netip.ParseAddrPort(b)
+	if errA != nil || errB != nil {
 		return true
 	}
-	ipA, ipB = ipA.Unmap(), ipB.Unmap()
+	ipA, ipB := apA.Addr().Unmap(), apB.Addr().Unmap()
 	return ipA == ipB || ipA.IsLoopback() && ipB.IsLoopback()
 }

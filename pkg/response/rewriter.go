@@ -35,7 +35,7 @@ type Rewriter struct {
 // New returns a rewriter that writes value (raw JSON) at path in an answer,
 // holding at most limit bytes of it back.
 func New(path []string, value []byte, limit int) *Rewriter {
-	return &Rewriter{path: path, value: value, key: []byte(`"` + path[len(path)-1] + `"`), limit: limit}
+	return &Rewriter{path: path, value: value, key: body.Quote(path[len(path)-1]), limit: limit}
 }
 
 // Start reads what the answer's headers say of its body. An error status, an
