@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -140,4 +141,33 @@ func FreeAddr() (string, error) {
 		return "", err
 	}
 	return fmt.Sprintf("127.0.0.1:%d", port), nil
+}
+
+// ToolDirs are where `make tools` installs test tools: TOOLS_BIN when set,
+// and its default, ~/.cache/pd-extproc/bin. Tests look there as well as on
+// PATH, so that a plain `go test ./...` finds what the Makefile installed.
+func ToolDirs() []string {
+	var dirs []string
+	if dir := os.Getenv("TOOLS_BIN"); dir != "" {
+		dirs = append(dirs, dir)
+	}
+	if home, err := os.UserHomeDir(); err == nil {
+		dirs = append(dirs, filepath.Join(home, ".cache", "pd-extproc", "bin"))
+	}
+	return dirs
+}
+
+// FindTool is the path of the executable name on PATH or in ToolDirs, or ""
+// when it is in neither.
+func FindTool(name string) string {
+	if p, err := exec.LookPath(name); err == nil {
+		return p
+	}
+	for _, dir := range ToolDirs() {
+		p := filepath.Join(dir, name)
+		if st, err := os.Stat(p); err == nil && !st.IsDir() && st.Mode()&0o111 != 0 {
+			return p
+		}
+	}
+	return ""
 }

@@ -18,7 +18,7 @@ import (
 // configs say (the server's SAN as Envoy's matcher names it, the client's CA), and the SANs are
 // the ones the manifests and envoy.yaml name.
 func TestMakeCertsWritesWhatTheConfigsAccept(t *testing.T) {
-	if findTool("openssl") == "" {
+	if testbed.FindTool("openssl") == "" {
 		t.Skip("openssl not found; hack/certs.sh needs it")
 	}
 	dir := t.TempDir()

@@ -25,12 +25,12 @@ const composeFile = "config/envoy/docker-compose.yaml"
 // the Compose v2 plugin (`docker compose`) or the standalone docker-compose.
 func composeCommand(t *testing.T) []string {
 	t.Helper()
-	if docker := findTool("docker"); docker != "" {
+	if docker := testbed.FindTool("docker"); docker != "" {
 		if _, err := runTool(t, "", docker, "compose", "version"); err == nil {
 			return []string{docker, "compose"}
 		}
 	}
-	if dc := findTool("docker-compose"); dc != "" {
+	if dc := testbed.FindTool("docker-compose"); dc != "" {
 		return []string{dc}
 	}
 	return nil

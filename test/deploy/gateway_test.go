@@ -103,9 +103,9 @@ func translateGateway(t *testing.T, egctl string, manifests []byte) (map[string]
 }
 
 func TestEnvoyGatewayTranslation(t *testing.T) {
-	egctl := findTool("egctl")
+	egctl := testbed.FindTool("egctl")
 	if egctl == "" {
-		t.Skip("egctl not found on PATH or in " + toolsBin() + "; run `make tools` " +
+		t.Skip("egctl not found on PATH or in " + strings.Join(testbed.ToolDirs(), ", ") + "; run `make tools` " +
 			"(go install github.com/envoyproxy/gateway/cmd/egctl@v1.9.1) to check the Envoy Gateway manifests")
 	}
 	limits, paths := defaultServiceLimits(t), gatewayPaths(t)

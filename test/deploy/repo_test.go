@@ -6,7 +6,6 @@ import (
 	"errors"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -66,33 +65,6 @@ func dig(v any, keys ...string) any {
 func digString(v any, keys ...string) string {
 	s, _ := dig(v, keys...).(string)
 	return s
-}
-
-// toolsBin is where `make tools` installs test tools; tests look there as well as on PATH so a
-// plain `go test ./...` finds what the Makefile installed.
-func toolsBin() string {
-	if dir := os.Getenv("TOOLS_BIN"); dir != "" {
-		return dir
-	}
-	home, err := os.UserHomeDir()
-	if err != nil {
-		return ""
-	}
-	return filepath.Join(home, ".cache", "pd-extproc", "bin")
-}
-
-// findTool returns the path of an executable on PATH or in toolsBin, or "" when absent.
-func findTool(name string) string {
-	if p, err := exec.LookPath(name); err == nil {
-		return p
-	}
-	if dir := toolsBin(); dir != "" {
-		p := filepath.Join(dir, name)
-		if st, err := os.Stat(p); err == nil && !st.IsDir() && st.Mode()&0o111 != 0 {
-			return p
-		}
-	}
-	return ""
 }
 
 // toolTimeout bounds one tool run; egctl and docker-compose answer in seconds, so a run that

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -65,33 +64,13 @@ var (
 )
 
 // binaries finds kube-apiserver and etcd on PATH (make puts TOOLS_BIN there)
-// or in the default TOOLS_BIN.
+// or in testbed.ToolDirs.
 func binaries() (apiserver, etcd string, err error) {
-	dirs := []string{os.Getenv("TOOLS_BIN")}
-	if home, err := os.UserHomeDir(); err == nil {
-		dirs = append(dirs, filepath.Join(home, ".cache", "pd-extproc", "bin"))
-	}
-	find := func(name string) string {
-		if p, err := exec.LookPath(name); err == nil {
-			return p
-		}
-		for _, d := range dirs {
-			if p := filepath.Join(d, name); d != "" && isExec(p) {
-				return p
-			}
-		}
-		return ""
-	}
-	apiserver, etcd = find("kube-apiserver"), find("etcd")
+	apiserver, etcd = testbed.FindTool("kube-apiserver"), testbed.FindTool("etcd")
 	if apiserver == "" || etcd == "" {
 		return "", "", errors.New("kube-apiserver or etcd not found on PATH or in TOOLS_BIN: `make tools` builds them")
 	}
 	return apiserver, etcd, nil
-}
-
-func isExec(p string) bool {
-	st, err := os.Stat(p)
-	return err == nil && st.Mode()&0o111 != 0
 }
 
 // mustCluster returns the package's control plane, started on first use,
