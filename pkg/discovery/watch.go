@@ -32,14 +32,14 @@ type informer struct {
 }
 
 // newInformer builds the informer over lw and registers h and its watch-error log.
-func newInformer(src *source, lw *cache.ListWatch, example runtime.Object, h cache.ResourceEventHandler, log func(*source) cache.WatchErrorHandlerWithContext) (informer, error) {
+func (w *poolWatch) newInformer(src *source, lw *cache.ListWatch, example runtime.Object, h cache.ResourceEventHandler) (informer, error) {
 	inf := informer{SharedIndexInformer: cache.NewSharedIndexInformer(lw, example, 0, cache.Indexers{}), src: src}
 	reg, err := inf.AddEventHandler(h)
 	if err != nil {
 		return inf, err
 	}
 	inf.synced = reg.HasSynced
-	return inf, inf.SetWatchErrorHandlerWithContext(log(src))
+	return inf, inf.SetWatchErrorHandlerWithContext(w.watchError(src))
 }
 
 // poolWatch keeps one pool's discovered endpoints: an informer on the pods of
@@ -59,7 +59,6 @@ type poolWatch struct {
 	sel      selection
 	byPod    map[string][]scheduling.Discovered // the endpoints of each pod, by namespace/name
 	why      map[string]string                  // why a pod is not (fully) an endpoint, to log changes once
-	nEps     int
 	ipFound  bool
 	ipSynced bool // the InferencePool informer has delivered its first list
 }
@@ -77,7 +76,7 @@ func newPoolWatch(pool string, spec config.Kubernetes, sink Sink, kube kubernete
 		return o
 	}
 	var err error
-	w.pods, err = newInformer(src, src.listWatch(
+	w.pods, err = w.newInformer(src, src.listWatch(
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			return pods.List(ctx, withSelector(o))
 		},
@@ -88,7 +87,7 @@ func newPoolWatch(pool string, spec config.Kubernetes, sink Sink, kube kubernete
 		AddFunc:    w.podChanged,
 		UpdateFunc: func(_, obj any) { w.podChanged(obj) },
 		DeleteFunc: w.podDeleted,
-	}, w.watchError)
+	})
 	if err != nil || spec.InferencePool == "" {
 		return w, err
 	}
@@ -99,7 +98,7 @@ func newPoolWatch(pool string, spec config.Kubernetes, sink Sink, kube kubernete
 		o.FieldSelector = fields.OneTermEqualSelector("metadata.name", spec.InferencePool).String()
 		return o
 	}
-	ipool, err := newInformer(src, src.listWatch(
+	ipool, err := w.newInformer(src, src.listWatch(
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			return ips.List(ctx, byName(o))
 		},
@@ -110,7 +109,7 @@ func newPoolWatch(pool string, spec config.Kubernetes, sink Sink, kube kubernete
 		AddFunc:    func(obj any) { w.inferencePoolChanged(obj.(*giev1.InferencePool)) },
 		UpdateFunc: func(_, obj any) { w.inferencePoolChanged(obj.(*giev1.InferencePool)) },
 		DeleteFunc: func(any) { w.inferencePoolChanged(nil) },
-	}, w.watchError)
+	})
 	w.ipool = &ipool
 	return w, err
 }
@@ -249,7 +248,6 @@ func (w *poolWatch) publish() {
 	for _, eps := range w.byPod {
 		all = append(all, eps...)
 	}
-	w.nEps = len(all)
 	w.sink.SetDiscovered(all)
 }
 
@@ -273,7 +271,9 @@ func (w *poolWatch) status() PoolStatus {
 		}
 	}
 	w.mu.Lock()
-	st.Endpoints = w.nEps
+	for _, eps := range w.byPod {
+		st.Endpoints += len(eps)
+	}
 	st.PoolFound = w.ipFound || w.ipool == nil
 	w.mu.Unlock()
 	return st
