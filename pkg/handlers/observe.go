@@ -74,9 +74,6 @@ type observation struct {
 	// span is the request's from begin until the observation concludes, and
 	// nil outside that time.
 	span trace.Span
-	// detail is what the log gets of a refusal beyond its message
-	// (pipeline.Error.Detail).
-	detail string
 }
 
 // begin starts the observation of r, whose headers hm arrived at start: its
@@ -103,7 +100,7 @@ func (o *observation) begin(ctx context.Context, r *pipeline.Request, hm *corev3
 
 // routed ends the observation of a request Envoy has been told to send to d.
 func (o *observation) routed(d *pipeline.Decision, body []byte) {
-	o.conclude(metrics.OutcomeRouted, 0, "", d, body)
+	o.conclude(metrics.OutcomeRouted, nil, d, body)
 }
 
 // rejected ends the observation of a request answered with a local reply;
@@ -117,20 +114,19 @@ func (o *observation) rejected(e *pipeline.Error, cancelled bool, body []byte) {
 	case e.Status >= 500:
 		outcome = metrics.Outcome5xx
 	}
-	o.detail = e.Detail
-	o.conclude(outcome, e.Status, e.Message, nil, body)
+	o.conclude(outcome, e, nil, body)
 }
 
 // abandon ends the observation of a stream that closed before its request was
 // routed or rejected.
 func (o *observation) abandon(d *pipeline.Decision, body []byte) {
-	o.conclude(metrics.OutcomeCancelled, 0, "the stream ended before the request was complete", d, body)
+	o.conclude(metrics.OutcomeCancelled, nil, d, body)
 }
 
 // conclude counts the request, ends its span and writes its one info line:
-// decision, endpoints, timings, outcome. It acts once, and only on a request
-// begun.
-func (o *observation) conclude(outcome string, status int, reason string, d *pipeline.Decision, body []byte) {
+// decision, endpoints, timings, outcome, and the local reply e when there is
+// one. It acts once, and only on a request begun.
+func (o *observation) conclude(outcome string, e *pipeline.Error, d *pipeline.Decision, body []byte) {
 	if o.span == nil {
 		return
 	}
@@ -146,11 +142,11 @@ func (o *observation) conclude(outcome string, status int, reason string, d *pip
 	if d != nil {
 		kv = append(kv, "decode", d.Endpoint)
 	}
-	if status != 0 {
-		kv = append(kv, "status", status, "error", reason)
-	}
-	if o.detail != "" {
-		kv = append(kv, "detail", o.detail)
+	if e != nil {
+		kv = append(kv, "status", e.Status, "error", e.Message)
+		if e.Detail != "" {
+			kv = append(kv, "detail", e.Detail)
+		}
 	}
 	if body != nil {
 		kv = append(kv, "bodyBytes", len(body))
@@ -158,14 +154,14 @@ func (o *observation) conclude(outcome string, status int, reason string, d *pip
 			kv = append(kv, "body", truncate(body, maxLoggedBody))
 		}
 	}
-	o.endSpan(api, outcome, status, reason, d)
+	o.endSpan(api, outcome, e, d)
 	o.span = nil
 	o.log.Info("request", kv...)
 }
 
 // endSpan ends the request's span with the decision and outcome; with tracing
 // off the span records nothing and the attributes are not built.
-func (o *observation) endSpan(api, outcome string, status int, reason string, d *pipeline.Decision) {
+func (o *observation) endSpan(api, outcome string, e *pipeline.Error, d *pipeline.Decision) {
 	defer o.span.End()
 	if !o.span.IsRecording() {
 		return
@@ -181,12 +177,12 @@ func (o *observation) endSpan(api, outcome string, status int, reason string, d 
 	if d != nil {
 		attrs = append(attrs, attribute.String("pd.decode_endpoint", d.Endpoint))
 	}
-	if status != 0 {
-		attrs = append(attrs, semconv.HTTPResponseStatusCode(status))
+	if e != nil {
+		attrs = append(attrs, semconv.HTTPResponseStatusCode(e.Status))
 	}
 	o.span.SetAttributes(attrs...)
-	if status >= 500 {
-		o.span.SetStatus(codes.Error, reason)
+	if e != nil && e.Status >= 500 {
+		o.span.SetStatus(codes.Error, e.Message)
 	}
 }
 
