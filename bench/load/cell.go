@@ -195,7 +195,7 @@ func verify(ctx context.Context, c *Client, cell Cell, p *Payload, a *Answer) er
 	}
 	if a != nil {
 		want := decodeCachedTokens
-		if cell.Target == TargetPDUsage {
+		if targetSpecs[cell.Target].rewritingUsage {
 			want = fakePrefillCached
 		}
 		if err := checkAnswer(a, r.Answer, want); err != nil {

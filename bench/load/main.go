@@ -292,19 +292,16 @@ func header(o options, payloads map[int]*Payload, sizes []int) []string {
 	}
 }
 
-func checkBinaries(o options, targets []string) error {
+func checkBinaries(o options, names []string) error {
 	need := map[string]bool{}
-	for _, t := range targets {
-		switch t {
-		case TargetEcho:
-			need["echo"] = true
-		case TargetDecode, TargetPD, TargetPDFake, TargetPDUsage:
-			need["extproc"] = true
-			if t == TargetPD && o.prefill == SimPdsim {
-				need["pdsim"] = true
-			}
-		default:
-			return fmt.Errorf("unknown target %q (want %s, %s, %s, %s or %s)", t, TargetPD, TargetPDFake, TargetPDUsage, TargetDecode, TargetEcho)
+	for _, name := range names {
+		t, err := targetOf(name)
+		if err != nil {
+			return err
+		}
+		need[t.binary] = true
+		if t.pd && !t.fakePrefill && o.prefill == SimPdsim {
+			need["pdsim"] = true
 		}
 	}
 	for b := range need {

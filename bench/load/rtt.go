@@ -9,6 +9,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 )
@@ -37,7 +38,7 @@ func prefillLeg(client []byte) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	return kv.PrefillBody(c, &kv.Handoff{Body: o}).Bytes(), nil
+	return kv.PrefillBody(c, &kv.Handoff{Body: o, Shape: &api.Chat.Shape}).Bytes(), nil
 }
 
 // measureRTT posts leg to the prefill simulator n times, one at a time over a

@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"time"
 
 	"google.golang.org/grpc"
@@ -33,14 +35,35 @@ const (
 	SimFake  = "fake"  // children.go: a canned vLLM answer, the body read and dropped
 )
 
-// isPD reports whether target runs the P/D flow.
-func isPD(target string) bool {
-	return target == TargetPD || target == TargetPDFake || target == TargetPDUsage
+// targetSpec is what a target runs: its binary and, for the P/D flow, which
+// prefill simulator and whether extproc rewrites the answers' usage.
+type targetSpec struct {
+	binary                          string // in -bin
+	pd, fakePrefill, rewritingUsage bool   // fakePrefill false: the -prefill simulator
 }
+
+var targetSpecs = map[string]targetSpec{
+	TargetPD:      {binary: "extproc", pd: true},
+	TargetPDFake:  {binary: "extproc", pd: true, fakePrefill: true},
+	TargetPDUsage: {binary: "extproc", pd: true, fakePrefill: true, rewritingUsage: true},
+	TargetDecode:  {binary: "extproc"},
+	TargetEcho:    {binary: "echo"},
+}
+
+// targetOf is the spec of the target named on the command line.
+func targetOf(name string) (targetSpec, error) {
+	if t, ok := targetSpecs[name]; ok {
+		return t, nil
+	}
+	return targetSpec{}, fmt.Errorf("unknown target %q (want one of %s)", name, strings.Join(slices.Sorted(maps.Keys(targetSpecs)), ", "))
+}
+
+// isPD reports whether target runs the P/D flow.
+func isPD(target string) bool { return targetSpecs[target].pd }
 
 // prefillSim is the simulator target uses.
 func (l *Launcher) prefillSim(target string) string {
-	if target == TargetPDFake || target == TargetPDUsage {
+	if targetSpecs[target].fakePrefill {
 		return SimFake
 	}
 	return l.Prefill
@@ -94,20 +117,21 @@ type Launcher struct {
 
 // Start brings up target name, ready to serve.
 func (l *Launcher) Start(ctx context.Context, name string) (*Target, error) {
+	spec, err := targetOf(name)
+	if err != nil {
+		return nil, err
+	}
 	t := &Target{Name: name}
-	var err error
-	switch name {
-	case TargetEcho:
+	switch {
+	case spec.binary == "echo":
 		t.Server, err = l.startEcho(ctx, &t.group)
-	case TargetDecode:
+	case !spec.pd:
 		t.Server, err = l.startExtproc(ctx, &t.group, extprocConfig(nil, false))
-	case TargetPD, TargetPDFake, TargetPDUsage:
+	default:
 		if t.Prefill, err = l.StartPrefill(ctx, &t.group, l.prefillSim(name)); err != nil {
 			break
 		}
-		t.Server, err = l.startExtproc(ctx, &t.group, extprocConfig([]string{t.Prefill.HTTPAddr}, name == TargetPDUsage))
-	default:
-		err = fmt.Errorf("unknown target %q (want %s, %s, %s, %s or %s)", name, TargetPD, TargetPDFake, TargetPDUsage, TargetDecode, TargetEcho)
+		t.Server, err = l.startExtproc(ctx, &t.group, extprocConfig([]string{t.Prefill.HTTPAddr}, spec.rewritingUsage))
 	}
 	if err != nil {
 		t.Stop(true)
