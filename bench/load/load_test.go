@@ -124,3 +124,21 @@ func TestPayloadIsCutAsEnvoyForwardsIt(t *testing.T) {
 		t.Errorf("headers message %v: want protocol_config and the 14 headers Envoy sends", h)
 	}
 }
+
+// The loopback baseline posts the prefill leg extproc would send for each
+// benchmark body: the client's body with vLLM's prefill fields in, and
+// what the client may not set out.
+func TestPrefillLegIsWhatExtprocSends(t *testing.T) {
+	leg, err := prefillLeg([]byte(`{"model":"m","messages":[{"role":"user","content":"Hello!"}],"stream":true,"kv_transfer_params":{"x":1}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got map[string]any
+	if err := json.Unmarshal(leg, &got); err != nil {
+		t.Fatalf("%s: %v", leg, err)
+	}
+	kv, _ := got["kv_transfer_params"].(map[string]any)
+	if kv["do_remote_decode"] != true || kv["x"] != nil || got["stream"] != false || got["max_tokens"] != 1.0 {
+		t.Errorf("prefill leg %s: want the client's kv_transfer_params replaced by vLLM's, stream false and max_tokens 1", leg)
+	}
+}
