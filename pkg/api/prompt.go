@@ -24,11 +24,11 @@ type Prompt struct {
 }
 
 // rendering is a prompt as text, with what rendering it tells: its exact
-// length when the body carries token ids (else -1), and the length of its
-// head (0: none, see Head).
+// length when the body carries token ids (else -1), and the lengths of its
+// head and of its previous request (0: none, see Head and Previous).
 type rendering struct {
-	text         string
-	tokens, head int
+	text                   string
+	tokens, head, previous int
 }
 
 // plain is a rendering of text alone: no token ids, no head.
@@ -69,6 +69,17 @@ func (p *Prompt) Head() string {
 	}
 	p.once.Do(p.do)
 	return p.r.text[:p.r.head]
+}
+
+// Previous is the start of Text that the conversation's previous request
+// sent: everything before the last assistant message that follows the head
+// (the reply to that request). It is empty on a conversation's first request.
+func (p *Prompt) Previous() string {
+	if p == nil {
+		return ""
+	}
+	p.once.Do(p.do)
+	return p.r.text[:p.r.previous]
 }
 
 func (p *Prompt) do() { p.r = p.render() }
@@ -200,9 +211,10 @@ func sglangGeneratePrompt(o *body.Object) *Prompt {
 // as role, newline, content, newline. Text parts render as their text; other
 // parts (images, audio, tool calls, items without a role) as their JSON, so
 // that two prompts differing only in an image do not look alike. The head
-// ends after the first user message.
+// ends after the first user message; the previous request, before the last
+// assistant message after it.
 func withMessages(b *strings.Builder, raw []byte) rendering {
-	head := 0
+	head, previous := 0, 0
 	var items []json.RawMessage
 	_ = json.Unmarshal(raw, &items) // not a list: no messages, items stays nil
 	for _, item := range items {
@@ -216,6 +228,9 @@ func withMessages(b *strings.Builder, raw []byte) rendering {
 			b.WriteByte('\n')
 			continue
 		}
+		if head > 0 && role == "assistant" {
+			previous = b.Len()
+		}
 		b.WriteString(role)
 		b.WriteByte('\n')
 		content, _ := m.Raw("content")
@@ -228,7 +243,7 @@ func withMessages(b *strings.Builder, raw []byte) rendering {
 			head = b.Len()
 		}
 	}
-	return rendering{text: b.String(), tokens: -1, head: head}
+	return rendering{text: b.String(), tokens: -1, head: head, previous: previous}
 }
 
 type contentPart struct {

@@ -89,19 +89,23 @@ func TestPromptReaders(t *testing.T) {
 
 func TestNilPromptHasNothingToGoBy(t *testing.T) {
 	var p *Prompt
-	if p.Text() != "" || p.Tokens() != -1 || p.Head() != "" {
+	if p.Text() != "" || p.Tokens() != -1 || p.Head() != "" || p.Previous() != "" {
 		t.Fatal("a nil prompt has a text")
 	}
 }
 
 // The head is what every turn of a conversation repeats, so a conversation's
-// turns must share it however long the history grows.
-func TestPromptHead(t *testing.T) {
+// turns must share it however long the history grows; the previous request
+// of a turn is the turn before it, as the client sent it.
+func TestPromptHeadAndPrevious(t *testing.T) {
 	tests := []struct {
 		name     string
 		api      *API
-		turns    []string // bodies of successive turns
+		turns    []string // bodies of successive turns, each continuing the one before
 		wantHead string
+		// wantPrevious is the first turn's previous request; a later turn's
+		// is the turn before it.
+		wantPrevious string
 	}{
 		{name: "chat: system and the first user message", api: Chat, turns: []string{
 			`{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]}`,
@@ -109,7 +113,15 @@ func TestPromptHead(t *testing.T) {
 		}, wantHead: "system\nBe brief.\nuser\nHi\n"},
 		{name: "chat: tools are part of it", api: Chat, turns: []string{
 			`{"tools":[{"type":"function"}],"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"}]}`,
-		}, wantHead: "[{\"type\":\"function\"}]\nuser\nHi\n"},
+		}, wantHead: "[{\"type\":\"function\"}]\nuser\nHi\n", wantPrevious: "[{\"type\":\"function\"}]\nuser\nHi\n"},
+		{name: "chat: a tool call and its result", api: Chat, turns: []string{
+			`{"messages":[{"role":"user","content":"Hi"}]}`,
+			`{"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":null,"tool_calls":[{"id":"a"}]},{"role":"tool","content":"42"}]}`,
+			`{"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":null,"tool_calls":[{"id":"a"}]},{"role":"tool","content":"42"},{"role":"assistant","content":"It is 42."},{"role":"user","content":"Thanks"}]}`,
+		}, wantHead: "user\nHi\n"},
+		{name: "chat: an example reply before the first user message answers nothing", api: Chat, turns: []string{
+			`{"messages":[{"role":"system","content":"Echo."},{"role":"assistant","content":"Echo."},{"role":"user","content":"Hi"}]}`,
+		}, wantHead: "system\nEcho.\nassistant\nEcho.\nuser\nHi\n"},
 		{name: "chat: no user message, no head", api: Chat, turns: []string{
 			`{"messages":[{"role":"system","content":"Be brief."}]}`,
 		}},
@@ -123,14 +135,16 @@ func TestPromptHead(t *testing.T) {
 		}, wantHead: "Be brief.\nuser\nHi\n"},
 		{name: "responses: items through the first user item", api: Responses, turns: []string{
 			`{"input":[{"role":"developer","content":"Be brief."},{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"}]}`,
-		}, wantHead: "developer\nBe brief.\nuser\nHi\n"},
+		}, wantHead: "developer\nBe brief.\nuser\nHi\n", wantPrevious: "developer\nBe brief.\nuser\nHi\n"},
 		{name: "messages: system and the first user message", api: Messages, turns: []string{
+			`{"system":"Be brief.","messages":[{"role":"user","content":"Hi"}]}`,
 			`{"system":"Be brief.","messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":"More"}]}`,
 		}, wantHead: "Be brief.\nuser\nHi\n"},
 		{name: "generate: token ids, no head", api: Generate, turns: []string{`{"token_ids":[1,2,3]}`}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			var texts []string
 			for i, turn := range tt.turns {
 				obj, err := body.Parse([]byte(turn))
 				if err != nil {
@@ -143,6 +157,14 @@ func TestPromptHead(t *testing.T) {
 				if !strings.HasPrefix(p.Text(), p.Head()) {
 					t.Errorf("turn %d: Head() %q does not start Text() %q", i+1, p.Head(), p.Text())
 				}
+				want := tt.wantPrevious
+				if i > 0 {
+					want = texts[i-1]
+				}
+				if got := p.Previous(); got != want {
+					t.Errorf("turn %d: Previous() = %q, want %q", i+1, got, want)
+				}
+				texts = append(texts, p.Text())
 			}
 		})
 	}
