@@ -110,3 +110,37 @@ func withFirst(s [serversPerBlock]string, addr string) [serversPerBlock]string {
 	}
 	return out
 }
+
+// coverage is how often the index held the previous request of a
+// conversation's later turn: near all when this replica sees its
+// conversations whole, about 1/N when N replicas take turns. The counts decay
+// by 1 % a turn, so that it follows the replicas coming and going: a second
+// replica taking turns ends the trust within some twenty turns, and trust
+// comes back some 160 whole turns after the other left.
+type coverage struct {
+	mu         sync.Mutex
+	held, seen float64 // decayed counts of turns
+}
+
+const (
+	coverageDecay   = 0.99
+	coverageMinSeen = 8   // decayed turns seen before any trust: nine turns
+	coverageWhole   = 0.9 // the share held that counts as whole
+)
+
+func (c *coverage) add(held bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.seen = coverageDecay*c.seen + 1
+	c.held *= coverageDecay
+	if held {
+		c.held++
+	}
+}
+
+// whole says whether this replica sees its conversations whole.
+func (c *coverage) whole() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.seen >= coverageMinSeen && c.held >= coverageWhole*c.seen
+}

@@ -80,10 +80,13 @@ func TestPrefixIndexMatch(t *testing.T) {
 
 // ranking is the order prefix affinity tries the pool's endpoints in for
 // prompt, by address; nil when the prompt has no key.
-func ranking(p *Pool, prompt string) []string {
+func ranking(p *Pool, prompt string) []string { return rankingOf(p, promptRequest(prompt)) }
+
+// rankingOf is the order prefix affinity tries the pool's endpoints in for req.
+func rankingOf(p *Pool, req *Request) []string {
 	aff := p.state.Load().picker.(*prefixAffinity)
 	eps := slices.Clone(p.Endpoints())
-	w := aff.scorer.Score(promptRequest(prompt), eps)
+	w := aff.scorer.Score(req, eps)
 	if w == nil {
 		return nil
 	}
@@ -316,4 +319,108 @@ func read(t *testing.T, a *api.API, b string) *Request {
 		t.Fatal(err)
 	}
 	return NewRequest(a.Prompt(obj))
+}
+
+// A replica that sees its conversations whole (alone, or behind an Envoy that
+// hashes sessions to replicas) sends a new conversation where its system
+// prompt is cached; one whose conversations other replicas continue leaves
+// it to the ranking, which they would all follow.
+func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.T) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Prefix: config.PrefixAffinity{BlockChars: 16}}
+	const system = "Answer in French, and cite the page you read it on."
+	chat := func(system string, msgs ...string) *Request {
+		ms := []string{fmt.Sprintf(`{"role":"system","content":%q}`, system)}
+		for i, m := range msgs {
+			ms = append(ms, fmt.Sprintf(`{"role":%q,"content":%q}`, []string{"user", "assistant"}[i%2], m))
+		}
+		return read(t, api.Chat, `{"model":"m","messages":[`+strings.Join(ms, ",")+`]}`)
+	}
+	pick := func(p *Pool, req *Request) string {
+		t.Helper()
+		e, err := p.Select(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return e.Addr
+	}
+	tests := []struct {
+		name string
+		// seen is how many of each earlier conversation's three turns
+		// this replica routed: 3, or the first and last (another replica
+		// took the second).
+		seen          int
+		conversations int
+		wantMemory    bool
+	}{
+		{name: "whole conversations: where the system prompt is", seen: 3, conversations: 8, wantMemory: true},
+		{name: "conversations continued elsewhere: the ranking", seen: 2, conversations: 8},
+		{name: "too few conversations to tell: the ranking", seen: 3, conversations: 3},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, _ := testPool(t, sched, addrs...)
+			other, _ := testPool(t, sched, addrs...)
+			for i := range tt.conversations {
+				q := fmt.Sprintf("Question %d, which is long enough to fill a block.", i)
+				pick(p, chat("Be brief.", q))
+				second := chat("Be brief.", q, "Réponse.", "And the next one?")
+				if tt.seen == 3 {
+					pick(p, second)
+				} else {
+					pick(other, second)
+				}
+				pick(p, chat("Be brief.", q, "Réponse.", "And the next one?", "Réponse.", "Thanks."))
+			}
+			cached := pick(p, chat(system, "Where is the Louvre?"))
+			// A new conversation with that system prompt whose own
+			// ranking puts another endpoint first.
+			var q, ranked string
+			for i := 0; q == ""; i++ {
+				question := fmt.Sprintf("Where is museum number %d?", i)
+				if first := rankingOf(p, chat(system, question))[0]; first != cached {
+					q, ranked = question, first
+				}
+			}
+			want := ranked
+			if tt.wantMemory {
+				want = cached
+			}
+			if got := pick(p, chat(system, q)); got != want {
+				t.Errorf("the new conversation went to %s, want %s (its system prompt is on %s, its ranking starts at %s)", got, want, cached, ranked)
+			}
+			// Its next turn follows it, on this replica.
+			if got := pick(p, chat(system, q, "Near the river.", "Which one?")); got != want {
+				t.Errorf("its second turn went to %s, the first to %s", got, want)
+			}
+		})
+	}
+}
+
+func TestCoverageSaysWhetherConversationsAreWhole(t *testing.T) {
+	tests := []struct {
+		name string
+		held string // of each later turn in order: h held, m missed
+		want bool
+	}{
+		{name: "nothing seen", want: false},
+		{name: "every turn held, but too few", held: "hhhhhhhh", want: false}, // 7.7 decayed
+		{name: "every turn held", held: "hhhhhhhhh", want: true},
+		{name: "one of two held (two replicas)", held: strings.Repeat("hm", 50), want: false},
+		{name: "nearly all held", held: strings.Repeat("hhhhhhhhhhhhhhhhhhhm", 10), want: true},
+		{name: "whole, until a second replica came", held: strings.Repeat("h", 200) + strings.Repeat("hm", 10), want: false},
+		{name: "shared, and the other replica just went", held: strings.Repeat("hm", 100) + strings.Repeat("h", 100), want: false},
+		{name: "shared, until the other replica went", held: strings.Repeat("hm", 100) + strings.Repeat("h", 160), want: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var c coverage
+			for _, h := range tt.held {
+				c.add(h == 'h')
+			}
+			if got := c.whole(); got != tt.want {
+				t.Errorf("whole() = %v, want %v (held %.1f of %.1f)", got, tt.want, c.held, c.seen)
+			}
+		})
+	}
 }

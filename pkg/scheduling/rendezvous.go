@@ -64,15 +64,25 @@ func mix64(x uint64) uint64 {
 // talking, whenever the first-ranked endpoint is within the bound, and part
 // only by the local share of the in-flight counts.
 //
-// The index is a local hint on top: when this replica remembers an endpoint,
-// within the bound, that served more of the prompt than the key covers (an
-// earlier turn of the conversation, spilled there), the request follows it
-// rather than going back to a cold cache (the higher-ranked of equals).
-// Agreement never depends on it: a
-// replica that never saw the conversation takes the ranking.
+// The index is a local hint on top:
+//   - A request follows the endpoint, within the bound, that this replica
+//     remembers serving more of the prompt than the key covers (an earlier
+//     turn, spilled there), rather than going back to a cold cache (the
+//     higher-ranked of equals). A replica that never saw the conversation
+//     takes the ranking.
+//   - While this replica sees its conversations whole (coverage: the index
+//     held the previous request of nearly every later turn it was asked for,
+//     as when it is the only replica, or Envoy hashes sessions to replicas),
+//     it is trusted further. A later turn follows the endpoint that served
+//     its previous request, and a conversation's first request goes where
+//     the most of its prompt (its system prompt) is remembered, the less busy
+//     of equals; both within the bound. Behind N replicas taking turns, the
+//     next turn would come to a replica that knows only the ranking, so there
+//     every turn takes it: agreement never depends on memory.
 type prefixAffinity struct {
 	scorer        rendezvousScorer
 	index         *prefixIndex
+	coverage      coverage
 	factor, slack float64
 	fallback      Picker // for prompts without a full block
 }
@@ -94,22 +104,42 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 	}
 	bound := p.factor*total/float64(len(eps)) + p.slack
 	slices.SortFunc(rs, func(a, b ranked) int { return cmp.Compare(b.weight, a.weight) })
-	chosen := rs[0].e // unless one is within the bound, and the least busy always is
+	chosen := rs[0] // unless one is within the bound, and the least busy always is
 	for _, r := range rs {
 		if r.busy <= bound {
-			chosen = r.e
+			chosen = r
 			break
 		}
 	}
-	hs, key := p.index.hashes(req.Prompt()), p.scorer.key(req)
-	if served := p.index.matched(hs); len(served) > 0 {
-		best := 0
+
+	hs := p.index.hashes(req.Prompt())
+	served := p.index.matched(hs)
+	previous := len(req.Previous()) / p.scorer.blockChars // in full blocks
+	if previous > 0 {
+		held := false
+		for _, n := range served {
+			held = held || n >= previous
+		}
+		p.coverage.add(held)
+	}
+	whole := p.coverage.whole()
+	if whole && req.Head() != "" && req.Previous() == "" { // a conversation's first request
+		best := served[chosen.e.Addr]
 		for _, r := range rs {
-			if n := served[r.e.Addr]; n*p.scorer.blockChars > len(key) && n > best && r.busy <= bound {
-				chosen, best = r.e, n
+			if n := served[r.e.Addr]; r.busy <= bound && n > 0 && (n > best || n == best && r.busy < chosen.busy) {
+				chosen, best = r, n
+			}
+		}
+	} else {
+		best, keyBlocks := 0, len(p.scorer.key(req))/p.scorer.blockChars
+		for _, r := range rs {
+			n := served[r.e.Addr]
+			follows := n > keyBlocks || whole && previous > 0 && n >= previous
+			if follows && n > best && r.busy <= bound {
+				chosen, best = r, n
 			}
 		}
 	}
-	p.index.record(hs, chosen.Addr)
-	return chosen
+	p.index.record(hs, chosen.e.Addr)
+	return chosen.e
 }

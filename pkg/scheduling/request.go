@@ -44,6 +44,15 @@ func (r *Request) Head() string {
 	return r.prompt.Head()
 }
 
+// Previous is the start of the prompt that the conversation's previous
+// request sent (api.Prompt.Previous), empty on a first request.
+func (r *Request) Previous() string {
+	if r == nil {
+		return ""
+	}
+	return r.prompt.Previous()
+}
+
 // PromptTokens is the prompt's length in tokens: exact when the body carries
 // token ids, else the characters divided by charsPerToken, rounded up.
 func (r *Request) PromptTokens(charsPerToken float64) int {
