@@ -82,14 +82,30 @@ func BenchmarkSelect(b *testing.B) {
 	for i := range addrs {
 		addrs[i] = fmt.Sprintf("10.0.0.%d:8000", i+1)
 	}
+	text := func(chars int) string { return strings.Repeat("You are a helpful assistant. ", chars/29+1)[:chars] }
+	// A conversation's fifth turn: 32,000 characters of content.
+	messages := []simMessage{{"system", text(8_000)}}
+	for i := range 5 {
+		messages = append(messages, simMessage{"user", fmt.Sprintf("question %d ", i) + text(2_000-11)})
+		if i < 4 {
+			messages = append(messages, simMessage{"assistant", text(3_500)})
+		}
+	}
+	requests := []struct {
+		name string
+		req  *Request
+	}{
+		{"1000chars", promptRequest(text(1_000))},
+		{"32000chars", promptRequest(text(32_000))},
+		{"chat-32000chars", chatRequest(messages)},
+	}
 	for _, policy := range []string{config.PolicyRoundRobin, config.PolicyLeastLoad, config.PolicyPrefixAffinity} {
-		for _, chars := range []int{1_000, 32_000} {
-			b.Run(fmt.Sprintf("%s/%dchars", policy, chars), func(b *testing.B) {
+		for _, r := range requests {
+			b.Run(policy+"/"+r.name, func(b *testing.B) {
 				p := NewPools(Spec{Decode: PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{Policy: policy}}}, Deps{}).Decode
-				req := promptRequest(strings.Repeat("You are a helpful assistant. ", chars/29+1)[:chars])
 				b.ReportAllocs()
 				for b.Loop() {
-					if _, err := p.Select(req); err != nil {
+					if _, err := p.Select(r.req); err != nil {
 						b.Fatal(err)
 					}
 				}
