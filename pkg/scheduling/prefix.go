@@ -116,7 +116,7 @@ func withFirst(s [serversPerBlock]string, addr string) [serversPerBlock]string {
 // conversations whole, about 1/N when N replicas take turns. The counts decay
 // by 1 % a turn, so that it follows the replicas coming and going: a second
 // replica taking turns ends the trust within some twenty turns, and trust
-// comes back some 160 whole turns after the other left.
+// comes back some 150 whole turns after the other left.
 type coverage struct {
 	mu         sync.Mutex
 	held, seen float64 // decayed counts of turns

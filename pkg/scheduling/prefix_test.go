@@ -321,8 +321,8 @@ func read(t *testing.T, a *api.API, b string) *Request {
 	return NewRequest(a.Prompt(obj))
 }
 
-// A replica that sees its conversations whole (alone, or behind an Envoy that
-// hashes sessions to replicas) sends a new conversation where its system
+// A replica that sees its conversations whole (alone, or each conversation
+// reaching only it) sends a new conversation where its system
 // prompt is cached; one whose conversations other replicas continue leaves
 // it to the ranking, which they would all follow.
 func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.T) {

@@ -72,7 +72,7 @@ func mix64(x uint64) uint64 {
 //     takes the ranking.
 //   - While this replica sees its conversations whole (coverage: the index
 //     held the previous request of nearly every later turn it was asked for,
-//     as when it is the only replica, or Envoy hashes sessions to replicas),
+//     as when it is the only replica, or each conversation reaches only it),
 //     it is trusted further. A later turn follows the endpoint that served
 //     its previous request, and a conversation's first request goes where
 //     the most of its prompt (its system prompt) is remembered, the less busy
