@@ -72,8 +72,11 @@ func (p *Prompt) Head() string {
 }
 
 // Previous is the start of Text that the conversation's previous request
-// sent: everything before the last assistant message that follows the head
-// (the reply to that request). It is empty on a conversation's first request.
+// sent: everything before the model's last reply after the head that the
+// client has answered since (a reply is a run of assistant messages, or of
+// the Responses API's reasoning and tool-call items; a run that ends the
+// prompt is an assistant prefill, not a reply). It is empty when no reply
+// follows the head, as on a conversation's first request.
 func (p *Prompt) Previous() string {
 	if p == nil {
 		return ""
@@ -212,24 +215,30 @@ func sglangGeneratePrompt(o *body.Object) *Prompt {
 // parts (images, audio, tool calls, items without a role) as their JSON, so
 // that two prompts differing only in an image do not look alike. The head
 // ends after the first user message; the previous request, before the last
-// assistant message after it.
+// reply after it that an input follows (see Prompt.Previous).
 func withMessages(b *strings.Builder, raw []byte) rendering {
 	head, previous := 0, 0
+	reply := -1 // where the run of model output being read began, -1 outside one
 	var items []json.RawMessage
 	_ = json.Unmarshal(raw, &items) // not a list: no messages, items stays nil
 	for _, item := range items {
 		m, err := body.Parse(item) // read as the engines read it: keys as spelt, the last duplicate
-		role := ""
+		role, kind := "", ""
 		if err == nil {
 			role, _ = m.String("role")
+			kind, _ = m.String("type")
+		}
+		switch output := role == "assistant" || role == "" && (kind == "reasoning" || strings.HasSuffix(kind, "_call")); {
+		case head == 0:
+		case output && reply < 0:
+			reply = b.Len()
+		case !output && reply >= 0:
+			previous, reply = reply, -1
 		}
 		if role == "" {
 			b.Write(item)
 			b.WriteByte('\n')
 			continue
-		}
-		if head > 0 && role == "assistant" {
-			previous = b.Len()
 		}
 		b.WriteString(role)
 		b.WriteByte('\n')

@@ -113,7 +113,7 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 		}, wantHead: "system\nBe brief.\nuser\nHi\n"},
 		{name: "chat: tools are part of it", api: Chat, turns: []string{
 			`{"tools":[{"type":"function"}],"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"}]}`,
-		}, wantHead: "[{\"type\":\"function\"}]\nuser\nHi\n", wantPrevious: "[{\"type\":\"function\"}]\nuser\nHi\n"},
+		}, wantHead: "[{\"type\":\"function\"}]\nuser\nHi\n"}, // a last assistant message is a prefill, not a reply
 		{name: "chat: a tool call and its result", api: Chat, turns: []string{
 			`{"messages":[{"role":"user","content":"Hi"}]}`,
 			`{"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":null,"tool_calls":[{"id":"a"}]},{"role":"tool","content":"42"}]}`,
@@ -135,7 +135,22 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 		}, wantHead: "Be brief.\nuser\nHi\n"},
 		{name: "responses: items through the first user item", api: Responses, turns: []string{
 			`{"input":[{"role":"developer","content":"Be brief."},{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"}]}`,
-		}, wantHead: "developer\nBe brief.\nuser\nHi\n", wantPrevious: "developer\nBe brief.\nuser\nHi\n"},
+		}, wantHead: "developer\nBe brief.\nuser\nHi\n"},
+		{name: "responses: reasoning and parallel tool calls are one reply", api: Responses, turns: []string{
+			`{"input":[{"role":"user","content":"Weather in Paris and Rome?"}]}`,
+			`{"input":[{"role":"user","content":"Weather in Paris and Rome?"},{"type":"reasoning","summary":[]},{"type":"function_call","call_id":"p","name":"weather","arguments":"{\"city\":\"Paris\"}"},{"type":"function_call","call_id":"r","name":"weather","arguments":"{\"city\":\"Rome\"}"},{"type":"function_call_output","call_id":"p","output":"sunny"},{"type":"function_call_output","call_id":"r","output":"rain"}]}`,
+			`{"input":[{"role":"user","content":"Weather in Paris and Rome?"},{"type":"reasoning","summary":[]},{"type":"function_call","call_id":"p","name":"weather","arguments":"{\"city\":\"Paris\"}"},{"type":"function_call","call_id":"r","name":"weather","arguments":"{\"city\":\"Rome\"}"},{"type":"function_call_output","call_id":"p","output":"sunny"},{"type":"function_call_output","call_id":"r","output":"rain"},{"role":"assistant","content":"Sunny, and rain."},{"role":"user","content":"Thanks"}]}`,
+		}, wantHead: "user\nWeather in Paris and Rome?\n"},
+		{name: "messages: an assistant prefill is not a reply", api: Messages, turns: []string{
+			`{"messages":[{"role":"user","content":"Hi"}]}`,
+			`{"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":"JSON, please"},{"role":"assistant","content":"{"}]}`,
+		}, wantHead: "user\nHi\n"},
+		// Examples after the first user message read as earlier turns: the
+		// prompt cannot tell them apart (scheduling asks whether that
+		// request was ever sent).
+		{name: "chat: a few-shot example reads as a turn", api: Chat, turns: []string{
+			`{"messages":[{"role":"user","content":"2+2"},{"role":"assistant","content":"4"},{"role":"user","content":"3+3"}]}`,
+		}, wantHead: "user\n2+2\n", wantPrevious: "user\n2+2\n"},
 		{name: "messages: system and the first user message", api: Messages, turns: []string{
 			`{"system":"Be brief.","messages":[{"role":"user","content":"Hi"}]}`,
 			`{"system":"Be brief.","messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":"More"}]}`,
