@@ -30,6 +30,10 @@ type prefixIndex struct {
 type prefixEntry struct {
 	hash    uint64
 	servers [serversPerBlock]string // most recent first
+	// The last request recorded to end in this block: a hash of its text
+	// after the block (a partial block, often empty); ends says there is one.
+	tail uint64
+	ends bool
 }
 
 func newPrefixIndex(blockChars, capacity int) *prefixIndex {
@@ -77,6 +81,37 @@ func (x *prefixIndex) matched(hs []uint64) map[string]int {
 	return m
 }
 
+// recordEnd notes that a request, whose prompt's chain hs is and has been
+// recorded, ended there.
+func (x *prefixIndex) recordEnd(prompt string, hs []uint64) {
+	if len(hs) == 0 {
+		return
+	}
+	tail := maphash.String(blockSeed, prompt[len(hs)*x.blockChars:])
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if el, ok := x.entries[hs[len(hs)-1]]; ok {
+		e := el.Value.(*prefixEntry)
+		e.tail, e.ends = tail, true
+	}
+}
+
+// ended says whether the last request recorded to end where text ends was
+// text itself, text being a start of the prompt whose chain hs is: whether
+// this replica routed that very request, rather than longer ones that share
+// it (a few-shot template, a system prompt).
+func (x *prefixIndex) ended(text string, hs []uint64) bool {
+	n := len(text) / x.blockChars
+	if n == 0 || n > len(hs) {
+		return false
+	}
+	tail := maphash.String(blockSeed, text[n*x.blockChars:])
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	el, ok := x.entries[hs[n-1]]
+	return ok && el.Value.(*prefixEntry).ends && el.Value.(*prefixEntry).tail == tail
+}
+
 // record notes that addr now holds the chain.
 func (x *prefixIndex) record(hs []uint64, addr string) {
 	x.mu.Lock()
@@ -111,8 +146,8 @@ func withFirst(s [serversPerBlock]string, addr string) [serversPerBlock]string {
 	return out
 }
 
-// coverage is how often the index held the previous request of a
-// conversation's later turn: near all when this replica sees its
+// coverage is how often this replica routed the previous request of a
+// conversation's later turn (prefixIndex.ended): near all when it sees its
 // conversations whole, about 1/N when N replicas take turns. The counts decay
 // by 1 % a turn, so that it follows the replicas coming and going: a second
 // replica taking turns ends the trust within some twenty turns, and trust
@@ -128,19 +163,17 @@ const (
 	coverageWhole   = 0.9 // the share held that counts as whole
 )
 
-func (c *coverage) add(held bool) {
+// note counts a later turn, if this is one, as held or not, and says whether
+// this replica sees its conversations whole.
+func (c *coverage) note(turn, held bool) (whole bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.seen = coverageDecay*c.seen + 1
-	c.held *= coverageDecay
-	if held {
-		c.held++
+	if turn {
+		c.seen = coverageDecay*c.seen + 1
+		c.held *= coverageDecay
+		if held {
+			c.held++
+		}
 	}
-}
-
-// whole says whether this replica sees its conversations whole.
-func (c *coverage) whole() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
 	return c.seen >= coverageMinSeen && c.held >= coverageWhole*c.seen
 }

@@ -78,6 +78,38 @@ func TestPrefixIndexMatch(t *testing.T) {
 	}
 }
 
+// A later turn's previous request counts as routed here only if a request
+// with exactly its text was: sharing its blocks is not enough.
+func TestPrefixIndexKnowsWhichRequestsItRouted(t *testing.T) {
+	tests := []struct {
+		name     string
+		routed   []string
+		previous string
+		want     bool
+	}{
+		{name: "that very request", routed: []string{blocks("ab") + "partial"}, previous: blocks("ab") + "partial", want: true},
+		{name: "that request, whole blocks", routed: []string{blocks("ab")}, previous: blocks("ab"), want: true},
+		{name: "a longer request that starts with it", routed: []string{blocks("abc")}, previous: blocks("ab")},
+		{name: "a request with its blocks, another tail", routed: []string{blocks("ab") + "other"}, previous: blocks("ab") + "partial"},
+		{name: "a later request ending in the same block", routed: []string{blocks("ab") + "partial", blocks("ab") + "other"}, previous: blocks("ab") + "partial"},
+		{name: "no full block", routed: []string{"partial"}, previous: "partial"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			x := newPrefixIndex(16, 100)
+			for _, r := range tt.routed {
+				hs := x.hashes(r)
+				x.record(hs, "e1")
+				x.recordEnd(r, hs)
+			}
+			prompt := tt.previous + blocks("zz") // the turn that follows it
+			if got := x.ended(tt.previous, x.hashes(prompt)); got != tt.want {
+				t.Errorf("ended() = %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
+
 // ranking is the order prefix affinity tries the pool's endpoints in for
 // prompt, by address; nil when the prompt has no key.
 func ranking(p *Pool, prompt string) []string { return rankingOf(p, promptRequest(prompt)) }
@@ -351,11 +383,20 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 		// took the second).
 		seen          int
 		conversations int
-		wantMemory    bool
+		// fewShot one-shot requests follow, each with the same example
+		// exchange after its first user message, which reads as an
+		// earlier turn that every replica has seen.
+		fewShot int
+		// busy requests are in flight on the endpoint that holds the
+		// system prompt when the new conversation comes.
+		busy       int
+		wantMemory bool
 	}{
 		{name: "whole conversations: where the system prompt is", seen: 3, conversations: 8, wantMemory: true},
 		{name: "conversations continued elsewhere: the ranking", seen: 2, conversations: 8},
 		{name: "too few conversations to tell: the ranking", seen: 3, conversations: 3},
+		{name: "continued elsewhere, and few-shot requests: the ranking", seen: 2, conversations: 8, fewShot: 100},
+		{name: "whole, but the system prompt's endpoint over the load bound: the ranking", seen: 3, conversations: 8, busy: 20},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -372,7 +413,13 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 				}
 				pick(p, chat("Be brief.", q, "Réponse.", "And the next one?", "Réponse.", "Thanks."))
 			}
+			for i := range tt.fewShot {
+				pick(p, chat("Translate to French.", "cat", "chat", fmt.Sprintf("dog number %d", i)))
+			}
 			cached := pick(p, chat(system, "Where is the Louvre?"))
+			for range tt.busy {
+				byAddr(p, cached).Acquire()
+			}
 			// A new conversation with that system prompt whose own
 			// ranking puts another endpoint first.
 			var q, ranked string
@@ -416,9 +463,9 @@ func TestCoverageSaysWhetherConversationsAreWhole(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			var c coverage
 			for _, h := range tt.held {
-				c.add(h == 'h')
+				c.note(true, h == 'h')
 			}
-			if got := c.whole(); got != tt.want {
+			if got := c.note(false, false); got != tt.want {
 				t.Errorf("whole() = %v, want %v (held %.1f of %.1f)", got, tt.want, c.held, c.seen)
 			}
 		})

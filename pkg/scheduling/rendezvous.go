@@ -70,9 +70,9 @@ func mix64(x uint64) uint64 {
 //     turn, spilled there), rather than going back to a cold cache (the
 //     higher-ranked of equals). A replica that never saw the conversation
 //     takes the ranking.
-//   - While this replica sees its conversations whole (coverage: the index
-//     held the previous request of nearly every later turn it was asked for,
-//     as when it is the only replica, or each conversation reaches only it),
+//   - While this replica sees its conversations whole (coverage: it routed
+//     the previous request of nearly every later turn it was asked for, as
+//     when it is the only replica, or each conversation reaches only it),
 //     it is trusted further. A later turn follows the endpoint that served
 //     its previous request, and a conversation's first request goes where
 //     the most of its prompt (its system prompt) is remembered, the less busy
@@ -89,7 +89,7 @@ type prefixAffinity struct {
 
 func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 	weights := p.scorer.Score(req, eps)
-	if weights == nil || len(eps) == 1 {
+	if weights == nil {
 		return p.fallback.Pick(req, eps)
 	}
 	type ranked struct {
@@ -112,18 +112,15 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 		}
 	}
 
-	hs := p.index.hashes(req.Prompt())
+	prompt, previous := req.Prompt(), req.Previous()
+	hs := p.index.hashes(prompt)
 	served := p.index.matched(hs)
-	previous := len(req.Previous()) / p.scorer.blockChars // in full blocks
-	if previous > 0 {
-		held := false
-		for _, n := range served {
-			held = held || n >= previous
-		}
-		p.coverage.add(held)
-	}
-	whole := p.coverage.whole()
-	if whole && req.Head() != "" && req.Previous() == "" { // a conversation's first request
+	// A later turn tells whether this replica routed the request before it.
+	prevBlocks := len(previous) / p.scorer.blockChars
+	whole := p.coverage.note(prevBlocks > 0, p.index.ended(previous, hs))
+	if whole && req.Head() != "" && previous == "" {
+		// A conversation's first request: where the most of it (its system
+		// prompt) is remembered, the less busy of equals.
 		best := served[chosen.e.Addr]
 		for _, r := range rs {
 			if n := served[r.e.Addr]; r.busy <= bound && n > 0 && (n > best || n == best && r.busy < chosen.busy) {
@@ -131,15 +128,18 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 			}
 		}
 	} else {
-		best, keyBlocks := 0, len(p.scorer.key(req))/p.scorer.blockChars
+		// Where more than the key is remembered, or, while conversations
+		// are whole, the previous request.
+		best, keyLen := 0, len(p.scorer.key(req))/p.scorer.blockChars
 		for _, r := range rs {
 			n := served[r.e.Addr]
-			follows := n > keyBlocks || whole && previous > 0 && n >= previous
+			follows := n > keyLen || whole && prevBlocks > 0 && n >= prevBlocks
 			if follows && n > best && r.busy <= bound {
 				chosen, best = r, n
 			}
 		}
 	}
 	p.index.record(hs, chosen.e.Addr)
+	p.index.recordEnd(prompt, hs)
 	return chosen.e
 }

@@ -45,7 +45,7 @@ func (r *Request) Head() string {
 }
 
 // Previous is the start of the prompt that the conversation's previous
-// request sent (api.Prompt.Previous), empty on a first request.
+// request sent (api.Prompt.Previous), empty when no reply follows the head.
 func (r *Request) Previous() string {
 	if r == nil {
 		return ""
