@@ -486,7 +486,7 @@ var replicaPolicies = []simPolicy{
 // Three minutes, not fewer: a lone replica sees its conversations whole and
 // sends new ones where their system prompt is cached, which replicas taking
 // turns do not, and in the first minutes, before every engine has computed
-// every system prompt, that is worth more (3.3 points at 75 seconds, 1.1 at
+// every system prompt, that is worth more (3.0 points at 75 seconds, 1.2 at
 // three minutes, 0.2 at ten).
 func TestSimulatedReplicasAgree(t *testing.T) {
 	if testing.Short() {
