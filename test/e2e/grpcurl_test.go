@@ -14,9 +14,9 @@ import (
 // grpcurl runs the reference gRPC client (installed by `make tools`) with stdin.
 func grpcurl(t *testing.T, stdin string, args ...string) string {
 	t.Helper()
-	bin, err := exec.LookPath("grpcurl")
-	if err != nil {
-		t.Skip("grpcurl not on PATH: run `make tools` (make test does) to install it")
+	bin := testbed.FindTool("grpcurl")
+	if bin == "" {
+		t.Skip("grpcurl not on PATH or in " + strings.Join(testbed.ToolDirs(), ", ") + ": run `make tools` (make test does) to install it")
 	}
 	cmd := exec.Command(bin, args...)
 	cmd.Stdin = strings.NewReader(stdin)
