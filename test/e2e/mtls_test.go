@@ -15,6 +15,9 @@ import (
 // --tls-client-allowed-sans. A link either side refuses fails closed: Envoy
 // answers 500 and no engine sees the request. The shipped names are served.
 func TestExtProcOverMTLS(t *testing.T) {
+	// The series a routed request counts in: read as 1 when served, so that a
+	// refused link's 0 (absent: -1) is of a series that exists.
+	const routedChat = `pd_extproc_requests_total{api="chat",connector="kv-nixl",mode="pd",outcome="routed"}`
 	tests := []struct {
 		name   string
 		mtls   func(t *testing.T) *testbed.MTLS
@@ -45,6 +48,9 @@ func TestExtProcOverMTLS(t *testing.T) {
 					t.Fatalf("status %d (%s): %.300s", resp.StatusCode, resp.Header.Get(envoyemu.DetailsHeader), got)
 				}
 				checkCompletion(t, true, got)
+				if v := r.metric(t, routedChat); v != 1 {
+					t.Errorf("%s = %v, want 1", routedChat, v)
+				}
 				return
 			}
 			if details := resp.Header.Get(envoyemu.DetailsHeader); resp.StatusCode != http.StatusInternalServerError ||
@@ -59,7 +65,7 @@ func TestExtProcOverMTLS(t *testing.T) {
 			if tc.logged != "" {
 				r.extproc.waitLog(t, tc.logged)
 			}
-			if v := r.metric(t, `pd_extproc_requests_total{api="chat",connector="kv-nixl",mode="pd",outcome="routed"}`); v > 0 {
+			if v := r.metric(t, routedChat); v > 0 {
 				t.Errorf("extproc counted %v chat requests through a refused link", v)
 			}
 		})
