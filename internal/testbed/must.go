@@ -2,8 +2,6 @@ package testbed
 
 import (
 	"context"
-	"crypto/tls"
-	"crypto/x509"
 
 	"google.golang.org/grpc/credentials"
 
@@ -80,29 +78,4 @@ func MustNewMTLS(t TB, cfg MTLSConfig) *MTLS {
 func MustCredentials(t TB, m *MTLS) credentials.TransportCredentials {
 	t.Helper()
 	return failOn(m.Credentials())(t)
-}
-
-func MustNewCA(t TB) *CA {
-	t.Helper()
-	return failOn(NewCA())(t)
-}
-
-// MustIssue is Issue, failing t on an error.
-func (ca *CA) MustIssue(t TB, serial int64, usage x509.ExtKeyUsage, sans ...string) (certPEM, keyPEM []byte) {
-	t.Helper()
-	certPEM, keyPEM, err := ca.Issue(serial, usage, sans...)
-	if err != nil {
-		t.Fatalf("%v", err)
-	}
-	return certPEM, keyPEM
-}
-
-// MustIssuePair is IssuePair, failing t on an error.
-func (ca *CA) MustIssuePair(t TB, serial int64, usage x509.ExtKeyUsage, sans ...string) tls.Certificate {
-	t.Helper()
-	pair, err := ca.IssuePair(serial, usage, sans...)
-	if err != nil {
-		t.Fatalf("%v", err)
-	}
-	return pair
 }

@@ -3,7 +3,6 @@ package server
 import (
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"net"
 	"os"
 	"path/filepath"
@@ -18,9 +17,42 @@ import (
 	"google.golang.org/grpc/credentials"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
-	"github.com/pd-extproc/pd-extproc/internal/testbed"
+	"github.com/pd-extproc/pd-extproc/internal/testpki"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
+
+func newCA(t *testing.T) *testpki.CA {
+	t.Helper()
+	ca, err := testpki.NewCA("test CA")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ca
+}
+
+// issue signs a certificate for 127.0.0.1, or for the SANs given, and
+// returns it and its key in PEM.
+func issue(t *testing.T, ca *testpki.CA, leaf testpki.Leaf) (certPEM, keyPEM []byte) {
+	t.Helper()
+	if leaf.SANs == nil {
+		leaf.SANs = []string{"127.0.0.1"}
+	}
+	certPEM, keyPEM, err := ca.IssuePEM(leaf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return certPEM, keyPEM
+}
+
+// clientPair is a client certificate for the SANs, for a client to present.
+func clientPair(t *testing.T, ca *testpki.CA, serial int64, sans ...string) tls.Certificate {
+	t.Helper()
+	pair, err := tls.X509KeyPair(issue(t, ca, testpki.Leaf{SANs: sans, Serial: serial, Client: true}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pair
+}
 
 func writeFile(t *testing.T, path string, b []byte) {
 	t.Helper()
@@ -35,10 +67,10 @@ func writeFile(t *testing.T, path string, b []byte) {
 }
 
 func TestGRPCListenerServesMTLSAndReloadsRotatedCertificates(t *testing.T) {
-	ca := testbed.MustNewCA(t)
+	ca := newCA(t)
 	dir := t.TempDir()
 	files := TLSFiles{Cert: filepath.Join(dir, "tls.crt"), Key: filepath.Join(dir, "tls.key"), ClientCA: filepath.Join(dir, "ca.crt")}
-	certPEM, keyPEM := ca.MustIssue(t, 100, x509.ExtKeyUsageServerAuth, "127.0.0.1")
+	certPEM, keyPEM := issue(t, ca, testpki.Leaf{Serial: 100, Server: true})
 	writeFile(t, files.Cert, certPEM)
 	writeFile(t, files.Key, keyPEM)
 	writeFile(t, files.ClientCA, ca.PEM)
@@ -59,7 +91,7 @@ func TestGRPCListenerServesMTLSAndReloadsRotatedCertificates(t *testing.T) {
 	t.Cleanup(func() { stop(); <-served })
 
 	roots := ca.Roots()
-	pair := ca.MustIssuePair(t, 200, x509.ExtKeyUsageClientAuth, "127.0.0.1")
+	pair := clientPair(t, ca, 200, "127.0.0.1")
 	// check dials with cfg, runs a health check, and returns the serial of the
 	// server certificate it saw.
 	check := func(cfg *tls.Config) (int64, error) {
@@ -93,7 +125,7 @@ func TestGRPCListenerServesMTLSAndReloadsRotatedCertificates(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			if tt.rotate {
-				certPEM, keyPEM := ca.MustIssue(t, 101, x509.ExtKeyUsageServerAuth, "127.0.0.1")
+				certPEM, keyPEM := issue(t, ca, testpki.Leaf{Serial: 101, Server: true})
 				writeFile(t, files.Key, keyPEM)
 				writeFile(t, files.Cert, certPEM)
 			}
@@ -143,8 +175,8 @@ func TestClientCertificateSANsAreChecked(t *testing.T) {
 		gateway = "envoy.gateway.svc.cluster.local"
 		spiffe  = "spiffe://cluster.local/ns/envoy-gateway-system/sa/envoy"
 	)
-	ca, other := testbed.MustNewCA(t), testbed.MustNewCA(t)
-	cert, key, clientCA, err := ca.ServerFiles(t.TempDir())
+	ca, other := newCA(t), newCA(t)
+	f, err := ca.Issue(t.TempDir(), testpki.Leaf{SANs: []string{"127.0.0.1"}, Server: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -158,10 +190,10 @@ func TestClientCertificateSANsAreChecked(t *testing.T) {
 		}
 	}, funcr.Options{})
 	r := start(t, `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`,
-		Options{TLS: TLSFiles{Cert: cert, Key: key, ClientCA: clientCA, AllowedSANs: []string{gateway, spiffe}}}, log)
+		Options{TLS: TLSFiles{Cert: f.Cert, Key: f.Key, ClientCA: f.CA, AllowedSANs: []string{gateway, spiffe}}}, log)
 	tests := []struct {
 		name   string
-		signer *testbed.CA // nil: no client certificate
+		signer *testpki.CA // nil: no client certificate
 		sans   []string
 		ok     bool
 	}{
@@ -180,7 +212,7 @@ func TestClientCertificateSANsAreChecked(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			cfg := &tls.Config{RootCAs: ca.Roots(), ServerName: "127.0.0.1"}
 			if tt.signer != nil {
-				cfg.Certificates = []tls.Certificate{tt.signer.MustIssuePair(t, int64(300+i), x509.ExtKeyUsageClientAuth, tt.sans...)}
+				cfg.Certificates = []tls.Certificate{clientPair(t, tt.signer, int64(300+i), tt.sans...)}
 			}
 			err := checkHealth(r.grpcAddr, cfg)
 			if (err == nil) != tt.ok {

@@ -26,6 +26,10 @@ func TestExtProcOverMTLS(t *testing.T) {
 		logged string // what extproc logs of the refusal
 	}{
 		{name: "the shipped names", mtls: func(t *testing.T) *testbed.MTLS { return testbed.MustNewMTLS(t, testbed.MTLSConfig{}) }, served: true},
+		{name: "Envoy's SPIFFE id, one of two allowed SANs", mtls: func(t *testing.T) *testbed.MTLS {
+			const envoyID = "spiffe://cluster.local/ns/envoy-gateway-system/sa/envoy"
+			return testbed.MustNewMTLS(t, testbed.MTLSConfig{ClientSANs: []string{envoyID}, AllowedSANs: []string{"envoy.envoy-gateway-system.svc", envoyID}})
+		}, served: true},
 		{name: "extproc's certificate names another service", mtls: func(t *testing.T) *testbed.MTLS {
 			return testbed.MustNewMTLS(t, testbed.MTLSConfig{ServerSANs: []string{"vllm-decode.pd-extproc.svc"}})
 		}, detail: "SAN_matcher,_certificate_SANs_are_[vllm-decode.pd-extproc.svc]"},
