@@ -81,21 +81,6 @@ func (x *prefixIndex) matched(hs []uint64) map[string]int {
 	return m
 }
 
-// recordEnd notes that a request, whose prompt's chain hs is and has been
-// recorded, ended there.
-func (x *prefixIndex) recordEnd(prompt string, hs []uint64) {
-	if len(hs) == 0 {
-		return
-	}
-	tail := maphash.String(blockSeed, prompt[len(hs)*x.blockChars:])
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	if el, ok := x.entries[hs[len(hs)-1]]; ok {
-		e := el.Value.(*prefixEntry)
-		e.tail, e.ends = tail, true
-	}
-}
-
 // ended says whether the last request recorded to end where text ends was
 // text itself, text being a start of the prompt whose chain hs is: whether
 // this replica routed that very request, rather than longer ones that share
@@ -112,8 +97,13 @@ func (x *prefixIndex) ended(text string, hs []uint64) bool {
 	return ok && el.Value.(*prefixEntry).ends && el.Value.(*prefixEntry).tail == tail
 }
 
-// record notes that addr now holds the chain.
-func (x *prefixIndex) record(hs []uint64, addr string) {
+// record notes that addr now holds the chain hs of prompt, and that a
+// request ended with prompt.
+func (x *prefixIndex) record(prompt string, hs []uint64, addr string) {
+	if len(hs) == 0 {
+		return
+	}
+	tail := maphash.String(blockSeed, prompt[len(hs)*x.blockChars:])
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	for i := len(hs) - 1; i >= 0; i-- {
@@ -131,6 +121,9 @@ func (x *prefixIndex) record(hs []uint64, addr string) {
 			x.entries[hs[i]] = x.lru.PushFront(e)
 		}
 		e.servers = withFirst(e.servers, addr)
+		if i == len(hs)-1 {
+			e.tail, e.ends = tail, true
+		}
 	}
 }
 

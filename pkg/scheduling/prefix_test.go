@@ -61,6 +61,9 @@ func TestPrefixIndexMatch(t *testing.T) {
 		{name: "an evicted head ends the match", capacity: 2,
 			served: []struct{ prompt, addr string }{{blocks("ab"), "e1"}, {blocks("xy"), "e2"}},
 			prompt: blocks("ab"), want: map[string]int{}},
+		{name: "a chain longer than the index", capacity: 2,
+			served: []struct{ prompt, addr string }{{blocks("abcde"), "e1"}},
+			prompt: blocks("abcde"), want: map[string]int{"e1": 2}},
 		{name: "a chain's head outlives its tail", capacity: 3,
 			served: []struct{ prompt, addr string }{{blocks("xyz"), "e2"}, {blocks("a"), "e1"}},
 			prompt: blocks("xyz"), want: map[string]int{"e2": 2}},
@@ -69,7 +72,7 @@ func TestPrefixIndexMatch(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			x := newPrefixIndex(16, tt.capacity)
 			for _, s := range tt.served {
-				x.record(x.hashes(s.prompt), s.addr)
+				x.record(s.prompt, x.hashes(s.prompt), s.addr)
 			}
 			if got := x.matched(x.hashes(tt.prompt)); !maps.Equal(got, tt.want) {
 				t.Fatalf("matched() = %v, want %v", got, tt.want)
@@ -98,9 +101,7 @@ func TestPrefixIndexKnowsWhichRequestsItRouted(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			x := newPrefixIndex(16, 100)
 			for _, r := range tt.routed {
-				hs := x.hashes(r)
-				x.record(hs, "e1")
-				x.recordEnd(r, hs)
+				x.record(r, x.hashes(r), "e1")
 			}
 			prompt := tt.previous + blocks("zz") // the turn that follows it
 			if got := x.ended(tt.previous, x.hashes(prompt)); got != tt.want {
@@ -166,7 +167,7 @@ func TestPrefixAffinityPick(t *testing.T) {
 			aff := p.state.Load().picker.(*prefixAffinity)
 			rank := ranking(p, tt.prompt)
 			for _, s := range tt.served {
-				aff.index.record(aff.index.hashes(s.prompt), rank[s.rank])
+				aff.index.record(s.prompt, aff.index.hashes(s.prompt), rank[s.rank])
 			}
 			for i, n := range tt.inflight {
 				for range n {

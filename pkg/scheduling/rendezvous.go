@@ -139,7 +139,6 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 			}
 		}
 	}
-	p.index.record(hs, chosen.e.Addr)
-	p.index.recordEnd(prompt, hs)
+	p.index.record(prompt, hs, chosen.e.Addr)
 	return chosen.e
 }
