@@ -287,33 +287,23 @@ func TestConversationsKeepTheirEndpoint(t *testing.T) {
 	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
 	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Prefix: config.PrefixAffinity{BlockChars: 16, KeyBlocks: 4}}
 	long := strings.Repeat("a long shared system prompt. ", 4) // over 4 blocks of 16
-	chat := func(system string, msgs ...string) *Request {
-		var ms []string
-		if system != "" {
-			ms = append(ms, fmt.Sprintf(`{"role":"system","content":%q}`, system))
-		}
-		for i, m := range msgs {
-			ms = append(ms, fmt.Sprintf(`{"role":%q,"content":%q}`, []string{"user", "assistant"}[i%2], m))
-		}
-		return read(t, api.Chat, `{"model":"m","messages":[`+strings.Join(ms, ",")+`]}`)
-	}
 	tests := []struct {
 		name  string
 		turns []*Request
 	}{
 		{"chat, one short turn, then longer", []*Request{
-			chat("Be brief.", "Hi"),
-			chat("Be brief.", "Hi", "Hello! How can I help?", "Tell me about prefix caches, at length."),
-			chat("Be brief.", "Hi", "Hello! How can I help?", "Tell me about prefix caches, at length.", "They keep KV blocks.", "And then?"),
+			conversation("Be brief.", "Hi"),
+			conversation("Be brief.", "Hi", "Hello! How can I help?", "Tell me about prefix caches, at length."),
+			conversation("Be brief.", "Hi", "Hello! How can I help?", "Tell me about prefix caches, at length.", "They keep KV blocks.", "And then?"),
 		}},
 		{"chat without a system prompt", []*Request{
-			chat("", "What is rendezvous hashing?"),
-			chat("", "What is rendezvous hashing?", "Highest random weight hashing.", "Who came up with it, and when?"),
+			conversation("", "What is rendezvous hashing?"),
+			conversation("", "What is rendezvous hashing?", "Highest random weight hashing.", "Who came up with it, and when?"),
 		}},
 		{"chat, a system prompt longer than the key, whatever the user says", []*Request{
-			chat(long, "Hi"),
-			chat(long, "Something else entirely, and longer"),
-			chat(long, "Hi", "Hello", "More"),
+			conversation(long, "Hi"),
+			conversation(long, "Something else entirely, and longer"),
+			conversation(long, "Hi", "Hello", "More"),
 		}},
 		{"responses", []*Request{
 			read(t, api.Responses, `{"instructions":"Be brief.","input":"Hi"}`),
@@ -344,6 +334,19 @@ func TestConversationsKeepTheirEndpoint(t *testing.T) {
 	}
 }
 
+// conversation is a chat request: the system prompt (none when empty), then
+// messages alternately from the user and the assistant.
+func conversation(system string, msgs ...string) *Request {
+	var ms []simMessage
+	if system != "" {
+		ms = append(ms, simMessage{"system", system})
+	}
+	for i, m := range msgs {
+		ms = append(ms, simMessage{[]string{"user", "assistant"}[i%2], m})
+	}
+	return chatRequest(ms)
+}
+
 // read reads a client's body as its API does.
 func read(t *testing.T, a *api.API, b string) *Request {
 	t.Helper()
@@ -362,13 +365,6 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
 	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Prefix: config.PrefixAffinity{BlockChars: 16}}
 	const system = "Answer in French, and cite the page you read it on."
-	chat := func(system string, msgs ...string) *Request {
-		ms := []string{fmt.Sprintf(`{"role":"system","content":%q}`, system)}
-		for i, m := range msgs {
-			ms = append(ms, fmt.Sprintf(`{"role":%q,"content":%q}`, []string{"user", "assistant"}[i%2], m))
-		}
-		return read(t, api.Chat, `{"model":"m","messages":[`+strings.Join(ms, ",")+`]}`)
-	}
 	pick := func(p *Pool, req *Request) string {
 		t.Helper()
 		e, err := p.Select(req)
@@ -405,19 +401,19 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 			other, _ := testPool(t, sched, addrs...)
 			for i := range tt.conversations {
 				q := fmt.Sprintf("Question %d, which is long enough to fill a block.", i)
-				pick(p, chat("Be brief.", q))
-				second := chat("Be brief.", q, "Réponse.", "And the next one?")
+				pick(p, conversation("Be brief.", q))
+				second := conversation("Be brief.", q, "Réponse.", "And the next one?")
 				if tt.seen == 3 {
 					pick(p, second)
 				} else {
 					pick(other, second)
 				}
-				pick(p, chat("Be brief.", q, "Réponse.", "And the next one?", "Réponse.", "Thanks."))
+				pick(p, conversation("Be brief.", q, "Réponse.", "And the next one?", "Réponse.", "Thanks."))
 			}
 			for i := range tt.fewShot {
-				pick(p, chat("Translate to French.", "cat", "chat", fmt.Sprintf("dog number %d", i)))
+				pick(p, conversation("Translate to French.", "cat", "chat", fmt.Sprintf("dog number %d", i)))
 			}
-			cached := pick(p, chat(system, "Where is the Louvre?"))
+			cached := pick(p, conversation(system, "Where is the Louvre?"))
 			for range tt.busy {
 				byAddr(p, cached).Acquire()
 			}
@@ -426,7 +422,7 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 			var q, ranked string
 			for i := 0; q == ""; i++ {
 				question := fmt.Sprintf("Where is museum number %d?", i)
-				if first := rankingOf(p, chat(system, question))[0]; first != cached {
+				if first := rankingOf(p, conversation(system, question))[0]; first != cached {
 					q, ranked = question, first
 				}
 			}
@@ -434,11 +430,11 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 			if tt.wantMemory {
 				want = cached
 			}
-			if got := pick(p, chat(system, q)); got != want {
+			if got := pick(p, conversation(system, q)); got != want {
 				t.Errorf("the new conversation went to %s, want %s (its system prompt is on %s, its ranking starts at %s)", got, want, cached, ranked)
 			}
 			// Its next turn follows it, on this replica.
-			if got := pick(p, chat(system, q, "Near the river.", "Which one?")); got != want {
+			if got := pick(p, conversation(system, q, "Near the river.", "Which one?")); got != want {
 				t.Errorf("its second turn went to %s, the first to %s", got, want)
 			}
 		})
