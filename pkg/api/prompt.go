@@ -218,10 +218,9 @@ func sglangGeneratePrompt(o *body.Object) *Prompt {
 // reply after it that an input follows (see Prompt.Previous).
 func withMessages(b *strings.Builder, raw []byte) rendering {
 	head, previous := 0, 0
-	reply := -1 // where the run of model output being read began, -1 outside one
-	var items []json.RawMessage
-	_ = json.Unmarshal(raw, &items) // not a list: no messages, items stays nil
-	for _, item := range items {
+	// reply is where the run of model output being read began, -1 outside one.
+	reply := -1
+	for _, item := range body.Elements(raw) { // none when raw is not a list
 		m, err := body.Parse(item) // read as the engines read it: keys as spelt, the last duplicate
 		role, kind := "", ""
 		if err == nil {
@@ -273,11 +272,7 @@ func writeContent(b *strings.Builder, raw json.RawMessage) {
 		}
 		return
 	}
-	var parts []json.RawMessage
-	if json.Unmarshal(raw, &parts) != nil {
-		return
-	}
-	for _, p := range parts {
+	for _, p := range body.Elements(raw) {
 		var cp contentPart
 		if json.Unmarshal(p, &cp) == nil && (cp.Type == "text" || cp.Type == "input_text" || cp.Type == "output_text") {
 			b.WriteString(cp.Text)
@@ -299,8 +294,8 @@ func renderPrompt(raw []byte) (r rendering, prompts int) {
 		if r, ok := tokenIDs(raw); ok {
 			return r, 1
 		}
-		var batch []json.RawMessage
-		if json.Unmarshal(raw, &batch) != nil || len(batch) == 0 {
+		batch := body.Elements(raw)
+		if len(batch) == 0 {
 			return plain(""), 1
 		}
 		r, _ = renderPrompt(batch[0])

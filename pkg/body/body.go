@@ -172,6 +172,64 @@ func (o *Object) Bool(key string) (value, ok bool) {
 	return false, false
 }
 
+// Elements returns the elements of raw, a JSON array as an Object's Raw
+// returns it (so already validated), without decoding them; nil when raw is
+// not an array.
+func Elements(raw []byte) [][]byte {
+	i := skipSpace(raw, 0)
+	if i == len(raw) || raw[i] != '[' {
+		return nil
+	}
+	out := [][]byte{}
+	for i = skipSpace(raw, i+1); i < len(raw) && raw[i] != ']'; {
+		end := valueEnd(raw, i)
+		out = append(out, raw[i:end])
+		if i = skipSpace(raw, end); i < len(raw) && raw[i] == ',' {
+			i = skipSpace(raw, i+1)
+		}
+	}
+	return out
+}
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// valueEnd returns the end of the valid JSON value that starts at i.
+func valueEnd(b []byte, i int) int {
+	depth := 0
+	for ; i < len(b); i++ {
+		switch b[i] {
+		case '"':
+			for i++; i < len(b) && b[i] != '"'; i++ {
+				if b[i] == '\\' {
+					i++
+				}
+			}
+			if depth == 0 {
+				return min(i+1, len(b))
+			}
+		case '[', '{':
+			depth++
+		case ']', '}':
+			if depth == 0 {
+				return i // a number or literal ended with its array
+			}
+			if depth--; depth == 0 {
+				return i + 1
+			}
+		case ',', ' ', '\t', '\n', '\r':
+			if depth == 0 {
+				return i
+			}
+		}
+	}
+	return i
+}
+
 // IsNull reports whether raw is the JSON literal null.
 func IsNull(raw []byte) bool { return string(raw) == "null" }
 

@@ -1,6 +1,8 @@
 package body
 
 import (
+	"bytes"
+	"encoding/json"
 	"errors"
 	"strings"
 	"testing"
@@ -162,4 +164,56 @@ func mustParse(t testing.TB, s string) *Object {
 		t.Fatalf("Parse(%q): %v", s, err)
 	}
 	return o
+}
+
+func TestElements(t *testing.T) {
+	tests := []struct {
+		raw  string
+		want []string // nil: not an array
+	}{
+		{raw: `[]`, want: []string{}},
+		{raw: ` [ ] `, want: []string{}},
+		{raw: `[1]`, want: []string{`1`}},
+		{raw: `[1, -2.5e3 ,true,null]`, want: []string{`1`, `-2.5e3`, `true`, `null`}},
+		{raw: `["a,]", "\"]", "\\"]`, want: []string{`"a,]"`, `"\"]"`, `"\\"`}},
+		{raw: `[{"role":"user","content":["x",{"y":[1,"]"]}]},[[]],{}]`, want: []string{`{"role":"user","content":["x",{"y":[1,"]"]}]}`, `[[]]`, `{}`}},
+		{raw: "[\n\t{\"a\": 1} ,\r\n 2\n]", want: []string{`{"a": 1}`, `2`}},
+		{raw: `{"a":[1]}`},
+		{raw: `"[1]"`},
+		{raw: ``},
+	}
+	for _, tt := range tests {
+		got := Elements([]byte(tt.raw))
+		if (got == nil) != (tt.want == nil) || len(got) != len(tt.want) {
+			t.Errorf("Elements(%q) = %q, want %q", tt.raw, got, tt.want)
+			continue
+		}
+		for i := range got {
+			if string(got[i]) != tt.want[i] {
+				t.Errorf("Elements(%q)[%d] = %q, want %q", tt.raw, i, got[i], tt.want[i])
+			}
+		}
+	}
+}
+
+// FuzzElements: on any valid JSON array, Elements splits as encoding/json does.
+func FuzzElements(f *testing.F) {
+	for _, seed := range []string{`[]`, `[1,"a]",{"b":[2,"\\"]}]`, ` [ null , true ] `, `[[[]],{}]`} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		var want []json.RawMessage
+		if !json.Valid(raw) || json.Unmarshal(raw, &want) != nil {
+			return
+		}
+		got := Elements(raw)
+		if len(got) != len(want) {
+			t.Fatalf("Elements(%q) = %q, want %q", raw, got, want)
+		}
+		for i := range got {
+			if !bytes.Equal(got[i], want[i]) {
+				t.Fatalf("Elements(%q)[%d] = %q, want %q", raw, i, got[i], want[i])
+			}
+		}
+	})
 }
