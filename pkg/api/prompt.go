@@ -165,9 +165,7 @@ func responsesPrompt(o *body.Object) *Prompt {
 		}
 		raw, _ := o.Raw("input")
 		if len(raw) > 0 && raw[0] == '"' {
-			b.WriteString("user\n")
-			writeContent(&b, raw)
-			b.WriteByte('\n')
+			writeMessage(&b, "user", raw, nil)
 			return rendering{text: b.String(), tokens: -1, head: b.Len()}
 		}
 		return withMessages(&b, raw)
@@ -239,19 +237,26 @@ func withMessages(b *strings.Builder, raw []byte) rendering {
 			b.WriteByte('\n')
 			continue
 		}
-		b.WriteString(role)
-		b.WriteByte('\n')
 		content, _ := m.Raw("content")
-		writeContent(b, content)
-		if calls, ok := m.Raw("tool_calls"); ok && !body.IsNull(calls) {
-			b.Write(calls)
-		}
-		b.WriteByte('\n')
+		calls, _ := m.Raw("tool_calls")
+		writeMessage(b, role, content, calls)
 		if head == 0 && role == "user" {
 			head = b.Len()
 		}
 	}
 	return rendering{text: b.String(), tokens: -1, head: head, previous: previous}
+}
+
+// writeMessage writes a message as its role, a newline, its content and its
+// tool calls (JSON), and a newline.
+func writeMessage(b *strings.Builder, role string, content, calls []byte) {
+	b.WriteString(role)
+	b.WriteByte('\n')
+	writeContent(b, content)
+	if len(calls) > 0 && !body.IsNull(calls) {
+		b.Write(calls)
+	}
+	b.WriteByte('\n')
 }
 
 type contentPart struct {
