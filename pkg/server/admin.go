@@ -2,7 +2,6 @@ package server
 
 import (
 	"fmt"
-	"net"
 	"net/http"
 	"net/http/pprof"
 	"net/netip"
@@ -33,8 +32,7 @@ func (s *Server) adminMux() *http.ServeMux {
 // arrives on the pod's loopback, so it still reaches it.
 func loopbackOnly(h http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		host, _, err := net.SplitHostPort(r.RemoteAddr)
-		if ip, perr := netip.ParseAddr(host); err != nil || perr != nil || !ip.Unmap().IsLoopback() {
+		if client, err := netip.ParseAddrPort(r.RemoteAddr); err != nil || !client.Addr().Unmap().IsLoopback() {
 			http.Error(w, "the profiler answers only on loopback (kubectl port-forward, or a shell in the pod)", http.StatusForbidden)
 			return
 		}

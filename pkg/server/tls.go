@@ -75,7 +75,9 @@ func (f TLSFiles) allowedClient(log logr.Logger) func(tls.ConnectionState) error
 	dns, uris := map[string]bool{}, map[string]bool{}
 	for _, san := range f.AllowedSANs {
 		if strings.Contains(san, "://") {
-			uris[san] = true
+			if u, err := url.Parse(san); err == nil {
+				uris[u.String()] = true // as a certificate's URI reads: the scheme in lower case
+			}
 		} else {
 			dns[strings.ToLower(san)] = true
 		}

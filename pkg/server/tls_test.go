@@ -190,7 +190,7 @@ func TestClientCertificateSANsAreChecked(t *testing.T) {
 		}
 	}, funcr.Options{})
 	r := start(t, `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`,
-		Options{TLS: TLSFiles{Cert: f.Cert, Key: f.Key, ClientCA: f.CA, AllowedSANs: []string{gateway, spiffe}}}, log)
+		Options{TLS: TLSFiles{Cert: f.Cert, Key: f.Key, ClientCA: f.CA, AllowedSANs: []string{gateway, spiffe, "SPIFFE://cluster.local/ns/debug/sa/envoy"}}}, log)
 	tests := []struct {
 		name   string
 		signer *testpki.CA // nil: no client certificate
@@ -200,6 +200,7 @@ func TestClientCertificateSANsAreChecked(t *testing.T) {
 		{"the allowed DNS name", ca, []string{gateway}, true},
 		{"the allowed DNS name in capitals", ca, []string{strings.ToUpper(gateway)}, true},
 		{"the allowed SPIFFE id among others", ca, []string{"other.svc", spiffe}, true},
+		{"a SPIFFE id the flag spells with its scheme in capitals", ca, []string{"spiffe://cluster.local/ns/debug/sa/envoy"}, true},
 		{"another DNS name", ca, []string{"attacker.svc.cluster.local"}, false},
 		{"another SPIFFE id", ca, []string{"spiffe://cluster.local/ns/default/sa/default"}, false},
 		{"a SPIFFE id that only starts like the allowed one", ca, []string{spiffe + "-debug"}, false},
