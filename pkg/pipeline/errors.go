@@ -91,8 +91,14 @@ func AsError(err error, requestID string) *Error {
 	if e := (*Error)(nil); errors.As(err, &e) {
 		return e
 	}
-	return &Error{Status: http.StatusInternalServerError, Type: "server_error", Detail: err.Error(),
-		Message: "internal error; request id " + requestID + " (the service's log has the cause)"}
+	return hiding(http.StatusInternalServerError, "server_error", "internal error", requestID, err)
+}
+
+// hiding is an error whose message names the request, not the cause, which
+// goes to the log (Detail).
+func hiding(status int, typ, what, requestID string, cause error) *Error {
+	return &Error{Status: status, Type: typ, Detail: cause.Error(),
+		Message: what + "; request id " + requestID + " (the service's log has the cause)"}
 }
 
 func badRequest(format string, args ...any) *Error {
@@ -173,18 +179,16 @@ func noPrefillEndpoint() *Error {
 // its query. The cause goes to the log (Detail).
 func prefillFailed(cause error, requestID string) *Error {
 	last := lastAttempt(cause)
-	e := &Error{Status: http.StatusBadGateway, Type: "upstream_error", Detail: cause.Error(),
-		Message: "prefill leg failed: the prefill engine answered with an error; request id " + requestID + " (the service's log has the cause)"}
 	switch {
 	case last != nil && last.unsendable():
-		e = badRequest("the request cannot be forwarded: a header value or its query is not valid HTTP")
+		e := badRequest("the request cannot be forwarded: a header value or its query is not valid HTTP")
 		e.Detail = cause.Error()
+		return e
 	case last == nil || last.answer == nil && last.reason != metrics.FailureTooLarge:
-		e.Status = http.StatusServiceUnavailable
-		e.Message = "prefill leg failed: no prefill engine answered; request id " + requestID + " (the service's log has the cause)"
+		return hiding(http.StatusServiceUnavailable, "upstream_error", "prefill leg failed: no prefill engine answered", requestID, cause)
 	case last.aboutRequest():
 		return &Error{Status: last.answer.status, Type: "invalid_request_error", Message: "prefill engine rejected the request",
 			Raw: last.answer.body, ContentType: last.answer.contentType}
 	}
-	return e
+	return hiding(http.StatusBadGateway, "upstream_error", "prefill leg failed: the prefill engine answered with an error", requestID, cause)
 }
