@@ -10,6 +10,7 @@ import (
 	"testing"
 	"weak"
 
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
@@ -46,7 +47,7 @@ func TestHeldStreamsLetGoOfTheRequest(t *testing.T) {
 	tests := []struct {
 		name    string
 		pd      bool
-		mode    any
+		mode    filterv3.ProcessingMode_BodySendMode
 		chunked bool // FULL_DUPLEX in 16 KiB chunks, collected in a pooled buffer
 	}{
 		{"decode-only FULL_DUPLEX", false, fullDuplex, false},
@@ -106,16 +107,12 @@ pools: {prefill: {endpoints: %s}, decode: {endpoints: ["10.1.1.1:8000"]}}`, pdMo
 // before the answer's first token: the exchange is left as a held stream is.
 // It returns a weak pointer to the client's body as gRPC would have decoded
 // it (the first chunk's, when chunked). The messages are not kept.
-func openRouted(t *testing.T, s *handlers.Server, mode any, chunked bool) (*handlers.Exchange, weak.Pointer[byte]) {
+func openRouted(t *testing.T, s *handlers.Server, mode filterv3.ProcessingMode_BodySendMode, chunked bool) (*handlers.Exchange, weak.Pointer[byte]) {
 	t.Helper()
-	m := fullDuplex
-	if mode == buffered {
-		m = buffered
-	}
 	client := []byte(heldChat())
 	wp := weak.Make(&client[0])
 	var msgs []*extprocv3.ProcessingRequest
-	msgs = append(msgs, envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(client))...), m, fullDuplex))
+	msgs = append(msgs, envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(client))...), mode, fullDuplex))
 	if chunked {
 		for i := 0; i < len(client); i += 16 << 10 {
 			end := min(i+16<<10, len(client))

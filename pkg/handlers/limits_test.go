@@ -9,6 +9,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
 
@@ -26,12 +27,8 @@ import (
 func TestSlowBodyGets408AndGivesItsSlotBack(t *testing.T) {
 	const timeout = 60 * time.Second
 	chat := []byte(clientChat)
-	headers := func(mode any) *extprocv3.ProcessingRequest {
-		m := fullDuplex
-		if mode == buffered {
-			m = buffered
-		}
-		return envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(chat))...), m, fullDuplex)
+	headers := func(mode filterv3.ProcessingMode_BodySendMode) *extprocv3.ProcessingRequest {
+		return envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(chat))...), mode, fullDuplex)
 	}
 	tests := []struct {
 		name   string
@@ -109,12 +106,8 @@ func TestSlowBodyGets408AndGivesItsSlotBack(t *testing.T) {
 // background prefill legs still reading them.
 func TestBufferedBodiesStayWithinTheirBudget(t *testing.T) {
 	const mib = 1 << 20
-	post := func(mode any, n int) *extprocv3.ProcessingRequest {
-		m := fullDuplex
-		if mode == buffered {
-			m = buffered
-		}
-		return envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, n)...), m, fullDuplex)
+	post := func(mode filterv3.ProcessingMode_BodySendMode, n int) *extprocv3.ProcessingRequest {
+		return envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, n)...), mode, fullDuplex)
 	}
 	// A chunked body announcing 1 MiB takes a 1 MiB buffer at its first chunk.
 	chunked := func() []*extprocv3.ProcessingRequest {
