@@ -242,15 +242,15 @@ func (p *Pipeline) takeBackground() bool {
 // decode endpoint the blame for the 5xx that follows (Decision.Observe), and
 // an answer spares its own (attemptError.blames).
 func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Request, leg body.Spliced, d *Decision) {
-	release := ep.Acquire()
+	release, unhold := ep.Acquire(), func() {}
 	if r.Keep != nil { // the leg reads the client's body after Route returns
-		slot, body := release, r.Keep.Hold()
-		release = func() { slot(); body() }
+		unhold = r.Keep.Hold()
 	}
 	ctx = context.WithoutCancel(ctx)
 	p.background.Go(func() {
 		defer func() {
 			release()
+			unhold()
 			p.inBackground.Add(-1)
 			p.metrics.BackgroundLeg(-1)
 		}()
