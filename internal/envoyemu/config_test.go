@@ -1,7 +1,6 @@
 package envoyemu
 
 import (
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -141,10 +140,7 @@ func TestLoadConfigBreakerDefaults(t *testing.T) {
 // TestLoadConfigRejects breaks envoy.yaml one way at a time: what Envoy
 // refuses to load, LoadConfig refuses too.
 func TestLoadConfigRejects(t *testing.T) {
-	raw, err := os.ReadFile(filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	raw := readFile(t, filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
 	tests := []struct {
 		name, old, new, want string
 	}{
@@ -158,14 +154,10 @@ func TestLoadConfigRejects(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			if !strings.Contains(string(raw), tc.old) {
+			if !strings.Contains(raw, tc.old) {
 				t.Fatalf("envoy.yaml has no %q to break", tc.old)
 			}
-			p := filepath.Join(t.TempDir(), "envoy.yaml")
-			if err := os.WriteFile(p, []byte(strings.Replace(string(raw), tc.old, tc.new, 1)), 0o600); err != nil {
-				t.Fatal(err)
-			}
-			_, err := LoadConfig(p)
+			_, err := LoadConfig(writeFile(t, strings.Replace(raw, tc.old, tc.new, 1)))
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("LoadConfig error = %v, want one mentioning %q", err, tc.want)
 			}

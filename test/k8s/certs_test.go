@@ -16,7 +16,7 @@ import (
 // a CA, a serving certificate for 127.0.0.1 signed by it, and a key pair
 // for service-account tokens.
 type pki struct {
-	caPEM               []byte
+	ca                  *testpki.CA
 	certFile, keyFile   string
 	saPublic, saPrivate string
 }
@@ -37,7 +37,7 @@ func newPKI(dir string) (*pki, error) {
 		return nil, err
 	}
 	p := &pki{
-		caPEM: ca.PEM, certFile: srv.Cert, keyFile: srv.Key,
+		ca: ca, certFile: srv.Cert, keyFile: srv.Key,
 		saPublic: filepath.Join(dir, "sa.pub"), saPrivate: filepath.Join(dir, "sa.key"),
 	}
 	saKeyDER, err := x509.MarshalECPrivateKey(saKey)

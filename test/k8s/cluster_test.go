@@ -3,7 +3,6 @@ package k8s
 import (
 	"context"
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"net/http"
@@ -166,7 +165,7 @@ func startCluster() (*cluster, error) {
 		return nil, c.fail(err)
 	}
 	c.rest = &rest.Config{
-		Host: c.url, BearerToken: adminToken, TLSClientConfig: rest.TLSClientConfig{CAData: c.pki.caPEM},
+		Host: c.url, BearerToken: adminToken, TLSClientConfig: rest.TLSClientConfig{CAData: c.pki.ca.PEM},
 		QPS: 500, Burst: 1000, UserAgent: "pd-extproc-test",
 	}
 	if c.kube, err = kubernetes.NewForConfig(c.rest); err != nil {
@@ -200,9 +199,7 @@ func (c *cluster) startAPI() error {
 	if err != nil {
 		return err
 	}
-	pool := x509.NewCertPool()
-	pool.AppendCertsFromPEM(c.pki.caPEM)
-	probe := &http.Client{Transport: &http.Transport{Proxy: nil, TLSClientConfig: &tls.Config{RootCAs: pool}, DisableKeepAlives: true}}
+	probe := &http.Client{Transport: &http.Transport{Proxy: nil, TLSClientConfig: &tls.Config{RootCAs: c.pki.ca.Roots()}, DisableKeepAlives: true}}
 	c.api, err = testbed.StartProcess(context.Background(), c.cleanup, testbed.ProcessConfig{
 		Name: "kube-apiserver", Bin: apiserver, Args: append(c.apiArgs, fmt.Sprintf("--secure-port=%d", c.port)), Log: c.log, Timeout: 2 * time.Minute,
 		Ready: func(ctx context.Context) error {
@@ -230,7 +227,7 @@ func (c *cluster) kubeconfig(t testing.TB, server, token string) string {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "kubeconfig")
 	ca := filepath.Join(filepath.Dir(path), "ca.crt")
-	if err := os.WriteFile(ca, c.pki.caPEM, 0o600); err != nil {
+	if err := os.WriteFile(ca, c.pki.ca.PEM, 0o600); err != nil {
 		t.Fatal(err)
 	}
 	cfg := fmt.Sprintf(`apiVersion: v1
