@@ -25,10 +25,11 @@ type Prompt struct {
 
 // rendering is a prompt as text, with what rendering it tells: its exact
 // length when the body carries token ids (else -1), and the lengths of its
-// head and of its previous request (0: none, see Head and Previous).
+// preamble, its head and its previous request (0: none, see Preamble, Head
+// and Previous).
 type rendering struct {
-	text                   string
-	tokens, head, previous int
+	text                             string
+	tokens, preamble, head, previous int
 }
 
 // plain is a rendering of text alone: no token ids, no head.
@@ -69,6 +70,18 @@ func (p *Prompt) Head() string {
 	}
 	p.once.Do(p.do)
 	return p.r.text[:p.r.head]
+}
+
+// Preamble is the start of Head before the first user message: the tools,
+// system or developer messages and instructions that every conversation
+// and one-shot request of one agent or template shares. It is empty when
+// the head is, or when the first message is the user's.
+func (p *Prompt) Preamble() string {
+	if p == nil {
+		return ""
+	}
+	p.once.Do(p.do)
+	return p.r.text[:p.r.preamble]
 }
 
 // Previous is the start of Text that the conversation's previous request
@@ -165,8 +178,9 @@ func responsesPrompt(o *body.Object) *Prompt {
 		}
 		raw, _ := o.Raw("input")
 		if len(raw) > 0 && raw[0] == '"' {
+			preamble := b.Len()
 			writeMessage(&b, "user", raw, nil)
-			return rendering{text: b.String(), tokens: -1, head: b.Len()}
+			return rendering{text: b.String(), tokens: -1, preamble: preamble, head: b.Len()}
 		}
 		return withMessages(&b, raw)
 	})
@@ -212,10 +226,11 @@ func sglangGeneratePrompt(o *body.Object) *Prompt {
 // as role, newline, content, newline. Text parts render as their text; other
 // parts (images, audio, tool calls, items without a role) as their JSON, so
 // that two prompts differing only in an image do not look alike. The head
-// ends after the first user message; the previous request, before the last
-// reply after it that an input follows (see Prompt.Previous).
+// ends after the first user message, the preamble before it; the previous
+// request, before the last reply after it that an input follows (see
+// Prompt.Previous).
 func withMessages(b *strings.Builder, raw []byte) rendering {
-	head, previous := 0, 0
+	preamble, head, previous := 0, 0, 0
 	// reply is where the run of model output being read began, -1 outside one.
 	reply := -1
 	for _, item := range body.Elements(raw) { // none when raw is not a list
@@ -239,12 +254,16 @@ func withMessages(b *strings.Builder, raw []byte) rendering {
 		}
 		content, _ := m.Raw("content")
 		calls, _ := m.Raw("tool_calls")
+		first := head == 0 && role == "user"
+		if first {
+			preamble = b.Len()
+		}
 		writeMessage(b, role, content, calls)
-		if head == 0 && role == "user" {
+		if first {
 			head = b.Len()
 		}
 	}
-	return rendering{text: b.String(), tokens: -1, head: head, previous: previous}
+	return rendering{text: b.String(), tokens: -1, preamble: preamble, head: head, previous: previous}
 }
 
 // writeMessage writes a message as its role, a newline, its content and its

@@ -89,7 +89,7 @@ func TestPromptReaders(t *testing.T) {
 
 func TestNilPromptHasNothingToGoBy(t *testing.T) {
 	var p *Prompt
-	if p.Text() != "" || p.Tokens() != -1 || p.Head() != "" || p.Previous() != "" {
+	if p.Text() != "" || p.Tokens() != -1 || p.Preamble() != "" || p.Head() != "" || p.Previous() != "" {
 		t.Fatal("a nil prompt has a text")
 	}
 }
@@ -103,6 +103,8 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 		api      *API
 		turns    []string // bodies of successive turns, each continuing the one before
 		wantHead string
+		// wantPreamble, when set, is every turn's preamble.
+		wantPreamble string
 		// wantPrevious is the first turn's previous request; a later turn's
 		// is the turn before it.
 		wantPrevious string
@@ -110,10 +112,10 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 		{name: "chat: system and the first user message", api: Chat, turns: []string{
 			`{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]}`,
 			`{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":"More"}]}`,
-		}, wantHead: "system\nBe brief.\nuser\nHi\n"},
+		}, wantHead: "system\nBe brief.\nuser\nHi\n", wantPreamble: "system\nBe brief.\n"},
 		{name: "chat: tools are part of it", api: Chat, turns: []string{
 			`{"tools":[{"type":"function"}],"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"}]}`,
-		}, wantHead: "[{\"type\":\"function\"}]\nuser\nHi\n"}, // a last assistant message is a prefill, not a reply
+		}, wantHead: "[{\"type\":\"function\"}]\nuser\nHi\n", wantPreamble: "[{\"type\":\"function\"}]\n"}, // a last assistant message is a prefill, not a reply
 		{name: "chat: a tool call and its result", api: Chat, turns: []string{
 			`{"messages":[{"role":"user","content":"Hi"}]}`,
 			`{"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":null,"tool_calls":[{"id":"a"}]},{"role":"tool","content":"42"}]}`,
@@ -121,7 +123,7 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 		}, wantHead: "user\nHi\n"},
 		{name: "chat: an example reply before the first user message answers nothing", api: Chat, turns: []string{
 			`{"messages":[{"role":"system","content":"Echo."},{"role":"assistant","content":"Echo."},{"role":"user","content":"Hi"}]}`,
-		}, wantHead: "system\nEcho.\nassistant\nEcho.\nuser\nHi\n"},
+		}, wantHead: "system\nEcho.\nassistant\nEcho.\nuser\nHi\n", wantPreamble: "system\nEcho.\nassistant\nEcho.\n"},
 		{name: "chat: no user message, no head", api: Chat, turns: []string{
 			`{"messages":[{"role":"system","content":"Be brief."}]}`,
 		}},
@@ -132,10 +134,10 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 		{name: "responses: a string input, then items", api: Responses, turns: []string{
 			`{"instructions":"Be brief.","input":"Hi"}`,
 			`{"instructions":"Be brief.","input":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":"More"}]}`,
-		}, wantHead: "Be brief.\nuser\nHi\n"},
+		}, wantHead: "Be brief.\nuser\nHi\n", wantPreamble: "Be brief.\n"},
 		{name: "responses: items through the first user item", api: Responses, turns: []string{
 			`{"input":[{"role":"developer","content":"Be brief."},{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"}]}`,
-		}, wantHead: "developer\nBe brief.\nuser\nHi\n"},
+		}, wantHead: "developer\nBe brief.\nuser\nHi\n", wantPreamble: "developer\nBe brief.\n"},
 		{name: "responses: reasoning and parallel tool calls are one reply", api: Responses, turns: []string{
 			`{"input":[{"role":"user","content":"Weather in Paris and Rome?"}]}`,
 			`{"input":[{"role":"user","content":"Weather in Paris and Rome?"},{"type":"reasoning","summary":[]},{"type":"function_call","call_id":"p","name":"weather","arguments":"{\"city\":\"Paris\"}"},{"type":"function_call","call_id":"r","name":"weather","arguments":"{\"city\":\"Rome\"}"},{"type":"function_call_output","call_id":"p","output":"sunny"},{"type":"function_call_output","call_id":"r","output":"rain"}]}`,
@@ -171,6 +173,13 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 				}
 				if !strings.HasPrefix(p.Text(), p.Head()) {
 					t.Errorf("turn %d: Head() %q does not start Text() %q", i+1, p.Head(), p.Text())
+				}
+				// The preamble is the head before its first user message.
+				if rest, ok := strings.CutPrefix(p.Head(), p.Preamble()); !ok || p.Head() != "" && !strings.HasPrefix(rest, "user\n") {
+					t.Errorf("turn %d: Preamble() %q is not Head() %q before its user message", i+1, p.Preamble(), p.Head())
+				}
+				if tt.wantPreamble != "" && p.Preamble() != tt.wantPreamble {
+					t.Errorf("turn %d: Preamble() = %q, want %q", i+1, p.Preamble(), tt.wantPreamble)
 				}
 				want := tt.wantPrevious
 				if i > 0 {

@@ -44,6 +44,15 @@ func (r *Request) Head() string {
 	return r.prompt.Head()
 }
 
+// Preamble is the start of the head before the first user message
+// (api.Prompt.Preamble), empty when the request has none.
+func (r *Request) Preamble() string {
+	if r == nil {
+		return ""
+	}
+	return r.prompt.Preamble()
+}
+
 // Previous is the start of the prompt that the conversation's previous
 // request sent (api.Prompt.Previous), empty when no reply follows the head.
 func (r *Request) Previous() string {
