@@ -14,9 +14,9 @@ type learnedAffinity struct {
 	fallback      Picker
 }
 
-// todaysPrefixAffinity is learnedAffinity with the defaults it shipped with
+// memoryPolicy is learnedAffinity with the defaults it shipped with
 // (load_factor 1.5, load_slack 4).
-var todaysPrefixAffinity = simPolicy{name: "prefix-memory", picker: func(s config.PoolScheduling, intn func(int) int) Picker {
+var memoryPolicy = simPolicy{name: "prefix-memory", picker: func(s config.PoolScheduling, intn func(int) int) Picker {
 	s.Prefix.SetDefaults()
 	return &learnedAffinity{index: newPrefixIndex(s.Prefix.BlockChars, s.Prefix.MaxBlocks), factor: 1.5, slack: 4,
 		fallback: &twoChoices{scorer: loadScorer{}, intn: intn}}

@@ -1,0 +1,316 @@
+package scheduling
+
+import (
+	"fmt"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+// The tables of docs/scheduling.md: every workload, cache size, load and
+// replica count, each policy against the same requests, as means over seeds.
+
+// simPolicies are the policies the tables compare: the baselines first, then
+// prefix affinity.
+var simPolicies = []simPolicy{
+	configured(config.PolicyRoundRobin), configured(config.PolicyLeastLoad),
+	memoryPolicy, llmdModel, configured(config.PolicyPrefixAffinity),
+}
+
+var simSeeds = []uint64{42, 7, 99}
+
+// simCell is one row of a table: a policy on a workload at a cache size,
+// load and replica count.
+type simCell struct {
+	workload simWorkload
+	cache    int
+	load     float64
+	replicas int
+	policy   simPolicy
+}
+
+func (c simCell) String() string {
+	return fmt.Sprintf("%s/cache=%dk/load=%.1fx/replicas=%d/%s", c.workload.name, c.cache/1000, c.load, c.replicas, c.policy.name)
+}
+
+// simRow is a cell's results, averaged over the seeds.
+type simRow struct {
+	simCell
+	HitRate, Failed   float64
+	Moves             float64
+	Ceiling           float64
+	Offered           float64 // prompt characters per second over the engines' prefill capacity
+	MeanTTFT, P99TTFT time.Duration
+}
+
+func (r simRow) String() string {
+	return fmt.Sprintf("%-60s offered %3.0f%%  hit rate %5.1f%%  TTFT mean %7.1f ms  p99 %8.1f ms  failed %5.1f  moves %5.0f",
+		r.simCell, 100*r.Offered, 100*r.HitRate, ms(r.MeanTTFT), ms(r.P99TTFT), r.Failed, r.Moves)
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// runTable simulates every cell for every seed, on all CPUs.
+func runTable(cells []simCell, duration time.Duration, seeds []uint64) []simRow {
+	type job struct{ cell, seed int }
+	jobs := make(chan job)
+	results := make([][]simResult, len(cells))
+	for i := range results {
+		results[i] = make([]simResult, len(seeds))
+	}
+	// Workloads are generated once per workload, load and seed.
+	var mu sync.Mutex
+	workloads := map[string]*workload{}
+	workloadOf := func(p simParams) *workload {
+		key := fmt.Sprint(p.Workload.name, p.Load, p.Seed, p.Duration)
+		mu.Lock()
+		defer mu.Unlock()
+		if w, ok := workloads[key]; ok {
+			return w
+		}
+		w := newWorkload(p)
+		workloads[key] = w
+		return w
+	}
+	var wg sync.WaitGroup
+	for range runtime.GOMAXPROCS(0) {
+		wg.Go(func() {
+			for j := range jobs {
+				c := cells[j.cell]
+				p := defaultSimParams()
+				p.Workload, p.Seed, p.Duration, p.Load, p.CacheChars = c.workload, seeds[j.seed], duration, c.load, c.cache
+				results[j.cell][j.seed] = simulate(p, workloadOf(p), c.policy, c.replicas)
+			}
+		})
+	}
+	for i := range cells {
+		for s := range seeds {
+			jobs <- job{i, s}
+		}
+	}
+	close(jobs)
+	wg.Wait()
+
+	rows := make([]simRow, len(cells))
+	for i, rs := range results {
+		row := simRow{simCell: cells[i]}
+		for _, r := range rs {
+			row.HitRate += r.HitRate / float64(len(rs))
+			row.Failed += float64(r.Failed) / float64(len(rs))
+			row.Offered += r.Offered / float64(len(rs))
+			row.Moves += float64(r.Moves) / float64(len(rs))
+			row.Ceiling += r.Ceiling / float64(len(rs))
+			row.MeanTTFT += r.MeanTTFT / time.Duration(len(rs))
+			row.P99TTFT += r.P99TTFT / time.Duration(len(rs))
+		}
+		rows[i] = row
+	}
+	return rows
+}
+
+// table lists the cells of workloads × caches × loads × replicas × policies.
+func table(workloads []simWorkload, caches []int, loads []float64, replicas []int, policies []simPolicy) []simCell {
+	var cells []simCell
+	for _, w := range workloads {
+		for _, c := range caches {
+			for _, l := range loads {
+				for _, n := range replicas {
+					for _, p := range policies {
+						cells = append(cells, simCell{w, c, l, n, p})
+					}
+				}
+			}
+		}
+	}
+	return cells
+}
+
+// A target of docs/scheduling.md that a row of prefix affinity's misses.
+type miss struct {
+	cell   simCell
+	target string // bestBaseline, aboveRoundRobin, likeLeastLoad or tailAtLoad
+	detail string
+}
+
+const (
+	bestBaseline    = "best baseline"     // hit rate at least the best baseline's at one replica, minus 2 points
+	aboveRoundRobin = "above round robin" // where prefixes are shared: 10 points above round robin's hit rate
+	likeLeastLoad   = "like least load"   // where nothing is shared: within 1 point and 5 % of least load
+	tailAtLoad      = "p99 at 1.5x"       // at 1.5x load: p99 TTFT within 5 % of least load's
+	unreachable     = " (unreachable)"    // appended when the ceiling is under round robin's + 10 points
+)
+
+func (m miss) String() string { return fmt.Sprintf("%s: %s: %s", m.cell, m.target, m.detail) }
+
+// missedTargets checks prefix affinity's rows against the targets and
+// returns the misses:
+//   - bestBaseline: its hit rate is at least the best baseline's at one
+//     replica, on the same workload, cache and load, minus 2 points;
+//   - aboveRoundRobin: where prefixes are shared (a-d), at least 10 points
+//     above round robin's at the same replica count; marked unreachable
+//     where round robin is within 10 points of the ceiling;
+//   - likeLeastLoad: where nothing is shared (e), within 1 point of least
+//     load's hit rate and 5 % of its mean and p99 TTFT;
+//   - tailAtLoad: at 1.5× load, its p99 TTFT within 5 % of least load's or
+//     better.
+//
+// The baselines it compares with must be among rows.
+func missedTargets(rows []simRow) []miss {
+	type at struct {
+		workload string
+		cache    int
+		load     float64
+		replicas int
+		policy   string
+	}
+	index := map[at]simRow{}
+	for _, r := range rows {
+		index[at{r.workload.name, r.cache, r.load, r.replicas, r.policy.name}] = r
+	}
+	var missed []miss
+	for _, r := range rows {
+		if r.policy.name != config.PolicyPrefixAffinity {
+			continue
+		}
+		base := func(policy string, replicas int) (simRow, bool) {
+			b, ok := index[at{r.workload.name, r.cache, r.load, replicas, policy}]
+			return b, ok
+		}
+		add := func(target, format string, args ...any) {
+			missed = append(missed, miss{r.simCell, target, fmt.Sprintf(format, args...)})
+		}
+		var best simRow
+		for _, p := range simPolicies {
+			if b, ok := base(p.name, 1); ok && p.name != r.policy.name && b.HitRate > best.HitRate {
+				best = b
+			}
+		}
+		if best.policy.name != "" && r.HitRate < best.HitRate-0.02 {
+			add(bestBaseline, "hit rate %.1f%%, %s's at one replica %.1f%%", 100*r.HitRate, best.policy.name, 100*best.HitRate)
+		}
+		rr, okRR := base(config.PolicyRoundRobin, r.replicas)
+		ll, okLL := base(config.PolicyLeastLoad, r.replicas)
+		switch {
+		case r.workload.name == random.name && okLL:
+			if r.HitRate < ll.HitRate-0.01 || r.MeanTTFT > ll.MeanTTFT*105/100 || r.P99TTFT > ll.P99TTFT*105/100 {
+				add(likeLeastLoad, "TTFT mean %.0f ms, p99 %.0f ms; least load's %.0f ms, %.0f ms", ms(r.MeanTTFT), ms(r.P99TTFT), ms(ll.MeanTTFT), ms(ll.P99TTFT))
+			}
+		case r.workload.name != random.name && okRR && r.HitRate < rr.HitRate+0.10:
+			target := aboveRoundRobin
+			if r.Ceiling < rr.HitRate+0.10 {
+				target += unreachable
+			}
+			add(target, "hit rate %.1f%%, round robin's %.1f%%, ceiling %.1f%%", 100*r.HitRate, 100*rr.HitRate, 100*r.Ceiling)
+		}
+		if r.load == 1.5 && okLL && r.P99TTFT > ll.P99TTFT*105/100 {
+			add(tailAtLoad, "p99 TTFT %.0f ms, least load's %.0f ms", ms(r.P99TTFT), ms(ll.P99TTFT))
+		}
+	}
+	return missed
+}
+
+// markdown renders rows as docs/scheduling.md's tables: one per workload and
+// cache, a line per policy and load, the replica counts side by side, and
+// for prefix affinity the targets its line misses.
+func markdown(rows []simRow) string {
+	type line struct {
+		workload string
+		cache    int
+		policy   string
+		load     float64
+	}
+	type group struct {
+		workload string
+		cache    int
+	}
+	var order []line
+	cells := map[line][]simRow{}
+	for _, r := range rows {
+		l := line{r.workload.name, r.cache, r.policy.name, r.load}
+		if cells[l] == nil {
+			order = append(order, l)
+		}
+		cells[l] = append(cells[l], r)
+	}
+	missed := map[line][]string{}
+	for _, m := range missedTargets(rows) {
+		l := line{m.cell.workload.name, m.cell.cache, m.cell.policy.name, m.cell.load}
+		missed[l] = append(missed[l], fmt.Sprintf("%s at %d", m.target, m.cell.replicas))
+	}
+	var b strings.Builder
+	var last group
+	for _, l := range order {
+		rs := cells[l]
+		if g := (group{l.workload, l.cache}); g != last {
+			last = g
+			fmt.Fprintf(&b, "\n**(%s), cache %s characters** (ceiling %.1f%%)\n\n", l.workload, thousands(l.cache), 100*rs[0].Ceiling)
+			b.WriteString("| policy | load | hit rate, replicas 1 / 2 / 4 / 8 | mean TTFT, ms | p99 TTFT, ms | failed | targets missed |\n|---|---|---|---|---|---|---|\n")
+		}
+		col := func(f func(simRow) string) string {
+			out := make([]string, len(rs))
+			for i, r := range rs {
+				out[i] = f(r)
+			}
+			return strings.Join(out, " / ")
+		}
+		targets := ""
+		if l.policy == config.PolicyPrefixAffinity {
+			targets = "none"
+			if m := missed[l]; m != nil {
+				targets = strings.Join(m, "; ")
+			}
+		}
+		name := l.policy
+		if name == config.PolicyPrefixAffinity {
+			name = "**" + name + "**"
+		}
+		fmt.Fprintf(&b, "| %s | %.1f× | %s | %s | %s | %s | %s |\n", name, l.load,
+			col(func(r simRow) string { return fmt.Sprintf("%.1f", 100*r.HitRate) }),
+			col(func(r simRow) string { return fmt.Sprintf("%.0f", ms(r.MeanTTFT)) }),
+			col(func(r simRow) string { return fmt.Sprintf("%.0f", ms(r.P99TTFT)) }),
+			col(func(r simRow) string { return fmt.Sprintf("%.0f", r.Failed) }),
+			targets)
+	}
+	return b.String()
+}
+
+func thousands(n int) string {
+	s := fmt.Sprint(n)
+	for i := len(s) - 3; i > 0; i -= 3 {
+		s = s[:i] + "," + s[i:]
+	}
+	return s
+}
+
+// BenchmarkPolicies is the tables of docs/scheduling.md. Run it with
+//
+//	go test -run '^$' -bench Policies -benchtime 1x ./pkg/scheduling/
+//
+// Every row is simulated for each seed first, on all CPUs; each sub-benchmark
+// then reports its row, and the last, "tables", logs the tables as
+// docs/scheduling.md has them and the targets missed.
+func BenchmarkPolicies(b *testing.B) {
+	cells := table(simWorkloads, []int{largeCache, smallCache}, []float64{1, 1.5}, []int{1, 2, 4, 8}, simPolicies)
+	rows := runTable(cells, 10*time.Minute, simSeeds)
+	for _, r := range rows {
+		b.Run(r.simCell.String(), func(b *testing.B) {
+			b.ReportMetric(100*r.HitRate, "hit%")
+			b.ReportMetric(ms(r.MeanTTFT), "mean-ttft-ms")
+			b.ReportMetric(ms(r.P99TTFT), "p99-ttft-ms")
+			b.ReportMetric(r.Failed, "failed")
+			b.ReportMetric(r.Moves, "moves")
+			b.ReportMetric(100*r.Ceiling, "ceiling%")
+			b.ReportMetric(100*r.Offered, "offered%")
+		})
+	}
+	b.Run("tables", func(b *testing.B) {
+		b.Log(markdown(rows))
+		for _, m := range missedTargets(rows) {
+			b.Log("missed: ", m)
+		}
+	})
+}
