@@ -44,10 +44,13 @@ $(CERTS_DIR)/envoy/tls.crt:
 # grpcurl alone, for trying the gRPC service by hand (README).
 grpcurl: $(TOOLS_BIN)/grpcurl
 
+# The scheduling simulation's targets (pkg/scheduling, TestSimulated*) run once more
+# without the race detector, which makes them some eight times slower and skips them.
 test: tools
 	$(GO) vet ./...
 	$(GO) test -race -count=1 ./...
 	GOEXPERIMENT= $(GO) test -count=1 ./pkg/body/
+	$(GO) test -count=1 -run '^TestSimulated' ./pkg/scheduling/
 
 tools: $(TOOLS_BIN)/grpcurl $(TOOLS_BIN)/egctl $(K8S_TOOLS) docker-compose
 

@@ -35,6 +35,8 @@ const (
 	DefaultMaxBlocks           = 1 << 16
 	DefaultLoadFactor          = 2
 	DefaultLoadSlack           = 8
+	DefaultQueueSlack          = 1
+	DefaultSpread              = 4
 	DefaultConsecutiveFailures = 3
 	DefaultBaseEjection        = time.Second
 	DefaultMaxEjection         = 30 * time.Second
@@ -70,9 +72,10 @@ type PoolScheduling struct {
 type PrefixAffinity struct {
 	// BlockChars is the size of a prompt block, in bytes of rendered prompt.
 	BlockChars int `json:"block_chars,omitempty"`
-	// KeyBlocks is how many leading full blocks of the prompt rank the
-	// endpoints: requests that share them go to the same endpoint on every
-	// replica, while the load bound allows.
+	// KeyBlocks bounds the key that ranks the endpoints, in blocks: the
+	// prompt's preamble (tools, system prompt) or else its head or its first
+	// blocks. Requests that share the key go to the same few endpoints on
+	// every replica, while the load bounds allow.
 	KeyBlocks int `json:"key_blocks,omitempty"`
 	// MaxBlocks bounds the remembered block chains (LRU), the local hint that
 	// keeps a conversation where a load spill sent it.
@@ -81,6 +84,12 @@ type PrefixAffinity struct {
 	// passed over even when it holds the longest prefix.
 	LoadFactor float64 `json:"load_factor,omitempty"`
 	LoadSlack  float64 `json:"load_slack,omitempty"`
+	// An endpoint whose engine queue (scraped) exceeds the mean queue +
+	// QueueSlack is passed over too.
+	QueueSlack float64 `json:"queue_slack,omitempty"`
+	// Spread sizes a key's home set: its share of the pool's requests ×
+	// the endpoints × Spread, rounded up to a power of two.
+	Spread float64 `json:"spread,omitempty"`
 }
 
 // EngineHealth configures passive ejection and optional active checks.
@@ -183,6 +192,12 @@ func (p *PrefixAffinity) SetDefaults() {
 	if p.LoadSlack == 0 {
 		p.LoadSlack = DefaultLoadSlack
 	}
+	if p.QueueSlack == 0 {
+		p.QueueSlack = DefaultQueueSlack
+	}
+	if p.Spread == 0 {
+		p.Spread = DefaultSpread
+	}
 }
 
 // Validate checks the prefix-affinity keys under key.
@@ -202,6 +217,12 @@ func (p PrefixAffinity) Validate(key string) error {
 	}
 	if p.LoadSlack < 0 {
 		errs = append(errs, fmt.Errorf("%s.load_slack: must not be negative", key))
+	}
+	if p.QueueSlack < 0 {
+		errs = append(errs, fmt.Errorf("%s.queue_slack: must not be negative", key))
+	}
+	if p.Spread < 0 {
+		errs = append(errs, fmt.Errorf("%s.spread: must not be negative", key))
 	}
 	return errors.Join(errs...)
 }

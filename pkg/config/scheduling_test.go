@@ -58,7 +58,7 @@ func TestSchedulingDefaults(t *testing.T) {
 	d := f.Pools.Decode.PoolScheduling
 	want := PoolScheduling{
 		Policy: PolicyLeastLoad,
-		Prefix: PrefixAffinity{BlockChars: 256, KeyBlocks: 64, MaxBlocks: 65536, LoadFactor: 2, LoadSlack: 8},
+		Prefix: PrefixAffinity{BlockChars: 256, KeyBlocks: 64, MaxBlocks: 65536, LoadFactor: 2, LoadSlack: 8, QueueSlack: 1, Spread: 4},
 		Health: EngineHealth{ConsecutiveFailures: 3, BaseEjection: Duration(time.Second), MaxEjection: Duration(30 * time.Second),
 			CheckPath: "/health", CheckTimeout: Duration(time.Second)},
 		Metrics: EngineMetrics{Path: "/metrics"},
@@ -103,6 +103,8 @@ func TestSchedulingValidationNamesTheKey(t *testing.T) {
 		{"key over 4096 blocks", `pools: {prefill: {prefix: {key_blocks: 5000}}}`, "pools.prefill.prefix.key_blocks"},
 		{"load factor below 1", `pools: {decode: {prefix: {load_factor: 0.5}}}`, "pools.decode.prefix.load_factor"},
 		{"negative slack", `pools: {decode: {prefix: {load_slack: -1}}}`, "pools.decode.prefix.load_slack"},
+		{"negative queue slack", `pools: {decode: {prefix: {queue_slack: -1}}}`, "pools.decode.prefix.queue_slack"},
+		{"negative spread", `pools: {decode: {prefix: {spread: -2}}}`, "pools.decode.prefix.spread"},
 		{"negative failures", `pools: {decode: {health: {consecutive_failures: -1}}}`, "pools.decode.health.consecutive_failures"},
 		{"max below base", `pools: {decode: {health: {base_ejection: 10s, max_ejection: 5s}}}`, "pools.decode.health.max_ejection"},
 		{"negative check interval", `pools: {decode: {health: {check_interval: -1s}}}`, "pools.decode.health.check_interval"},

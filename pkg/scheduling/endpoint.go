@@ -4,6 +4,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/cespare/xxhash/v2"
 )
 
 // Endpoint is one engine server, addressed as ip:port. It carries what pickers
@@ -12,6 +14,7 @@ import (
 // so its counts are never reset under running requests.
 type Endpoint struct {
 	Addr     string
+	addrHash uint64 // xxhash of Addr, for rendezvous weights (0 on a bare Endpoint: computed then)
 	inflight atomic.Int64
 	load     atomic.Pointer[Load]
 	settings *atomic.Pointer[settings] // the pool's; nil for a bare Endpoint
@@ -35,7 +38,7 @@ type settings struct {
 var defaultSettings = settings{now: time.Now, failures: 3, ejection: time.Second, maxEjection: 30 * time.Second}
 
 func newEndpoint(addr string, s *atomic.Pointer[settings]) *Endpoint {
-	return &Endpoint{Addr: addr, settings: s}
+	return &Endpoint{Addr: addr, addrHash: xxhash.Sum64String(addr), settings: s}
 }
 
 func (e *Endpoint) cfg() *settings {
@@ -95,9 +98,16 @@ func (e *Endpoint) observe(l Load) { e.load.Store(&l) }
 // queue counts on top of in-flight on purpose: waiting requests are the sign of
 // a saturated engine, and they include other routers' traffic.
 func (e *Endpoint) Busyness() float64 {
-	b := float64(e.InFlight())
-	if l, ok := e.Load(); ok {
-		b += l.Waiting + l.KVUsage
-	}
+	b, _ := e.busyness()
 	return b
+}
+
+// busyness is Busyness and the engine's scraped queue (0 without a fresh scrape).
+func (e *Endpoint) busyness() (busy, queued float64) {
+	busy = float64(e.InFlight())
+	if l, ok := e.Load(); ok {
+		busy += l.Waiting + l.KVUsage
+		queued = l.Waiting
+	}
+	return busy, queued
 }

@@ -4,6 +4,7 @@ import (
 	"container/list"
 	"encoding/binary"
 	"hash/maphash"
+	"math"
 	"sync"
 )
 
@@ -169,4 +170,49 @@ func (c *coverage) note(turn, held bool) (whole bool) {
 		}
 	}
 	return c.seen >= coverageMinSeen && c.held >= coverageWhole*c.seen
+}
+
+// shares estimates, for each prefix key, its share of the requests this
+// replica picks for: counts that decay by sharesDecay a request, over the
+// count of a full window (1 / (1 - sharesDecay) requests, about a minute of
+// a busy pool's traffic), so that a replica that has seen few requests yet
+// underestimates, and keeps prefixes on fewer endpoints. Behind a round
+// robin every replica sees the same mix, so their estimates differ only by
+// sampling.
+type shares struct {
+	mu     sync.Mutex
+	n      float64 // requests noted
+	counts map[uint64]shareCount
+}
+
+type shareCount struct{ count, at float64 } // decayed count as of request at
+
+const (
+	sharesDecay = 0.999
+	// sharesMax bounds the keys kept; past it, the keys whose decayed count
+	// is below sharesForget are dropped.
+	sharesMax    = 1 << 14
+	sharesForget = 0.05
+)
+
+func newShares() *shares { return &shares{counts: map[uint64]shareCount{}} }
+
+// note counts a request with the key whose hash is h and returns the key's
+// share.
+func (s *shares) note(h uint64) float64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.n++
+	c := s.counts[h]
+	c.count = c.count*math.Pow(sharesDecay, s.n-c.at) + 1
+	c.at = s.n
+	if _, ok := s.counts[h]; !ok && len(s.counts) >= sharesMax {
+		for k, v := range s.counts {
+			if v.count*math.Pow(sharesDecay, s.n-v.at) < sharesForget {
+				delete(s.counts, k)
+			}
+		}
+	}
+	s.counts[h] = c
+	return c.count * (1 - sharesDecay)
 }

@@ -1,12 +1,15 @@
 package scheduling
 
 import (
-	"cmp"
 	"fmt"
 	"maps"
+	"math"
 	"slices"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
@@ -113,46 +116,50 @@ func TestPrefixIndexKnowsWhichRequestsItRouted(t *testing.T) {
 
 // ranking is the order prefix affinity tries the pool's endpoints in for
 // prompt, by address; nil when the prompt has no key.
-func ranking(p *Pool, prompt string) []string { return rankingOf(p, promptRequest(prompt)) }
+func ranking(p *Pool, prompt string) []string { return rankingOf(p, promptRequest(prompt), 1) }
 
-// rankingOf is the order prefix affinity tries the pool's endpoints in for req.
-func rankingOf(p *Pool, req *Request) []string {
+// rankingOf is the order prefix affinity tries the pool's endpoints in for
+// req, when nothing is in flight or queued and its prefix's home set has home
+// endpoints.
+func rankingOf(p *Pool, req *Request, home int) []string {
 	aff := p.state.Load().picker.(*prefixAffinity)
-	eps := slices.Clone(p.Endpoints())
-	w := aff.scorer.Score(req, eps)
-	if w == nil {
+	prefix, conversation := aff.keys.keys(req)
+	if prefix == "" {
 		return nil
 	}
-	idx := make([]int, len(eps))
-	for i := range idx {
-		idx[i] = i
-	}
-	slices.SortFunc(idx, func(a, b int) int { return cmp.Compare(w[b], w[a]) })
-	out := make([]string, len(eps))
-	for i, j := range idx {
-		out[i] = eps[j].Addr
+	var out []string
+	for _, r := range rank(xxhash.Sum64String(prefix), conversation, home, p.Endpoints()) {
+		out = append(out, r.e.Addr)
 	}
 	return out
 }
 
 func TestPrefixAffinityPick(t *testing.T) {
-	// Four endpoints; bound = 1.5 × mean busyness + 2; keys of two 16-char
-	// blocks. Positions name the endpoints in the prompt's ranking; least load
-	// is two-choices over the first two candidates (testPool's draws).
+	// Four endpoints; bounds: busyness at most 1.5 × the mean + 2, engine
+	// queue at most the mean + 1; keys of two 16-char blocks. Positions name
+	// the endpoints in the prompt's ranking; least load is two-choices over
+	// the first two candidates (testPool's draws). Unless a case says
+	// otherwise, this replica has routed the prompt's key before (to the
+	// first-ranked), as a prompt without messages needs to be ranked.
 	type served struct {
 		prompt string
 		rank   int
 	}
 	tests := []struct {
 		name     string
+		unrouted bool
 		served   []served
 		prompt   string
 		inflight []int // by rank
+		queued   []int // by rank, scraped
 		want     int   // rank, or -1: least load (the less busy of a and b)
 	}{
 		{name: "no full block: least load", prompt: "short", inflight: []int{0, 0, 0, 0}, want: -1},
+		{name: "a prompt without messages never routed here: least load", unrouted: true, prompt: blocks("abc"), inflight: []int{0, 1, 0, 0}, want: -1},
 		{name: "the first-ranked, though busier", prompt: blocks("abc"), inflight: []int{4, 0, 1, 1}, want: 0},
-		{name: "first over the bound: the second", prompt: blocks("abc"), inflight: []int{9, 1, 1, 1}, want: 1}, // bound 6.5
+		{name: "first over the bound: the second", prompt: blocks("abc"), inflight: []int{9, 1, 1, 1}, want: 1},                                              // bound 6.5
+		{name: "first's engine queue over the mean + 1: the second", prompt: blocks("abc"), inflight: []int{0, 0, 0, 0}, queued: []int{3, 0, 1, 0}, want: 1}, // bound 2
+		{name: "a queue within the bound", prompt: blocks("abc"), inflight: []int{0, 0, 0, 0}, queued: []int{1, 0, 0, 0}, want: 0},                           // bound 1.25
 		{name: "a hint that knows more than the key wins",
 			served: []served{{blocks("abcd"), 2}}, prompt: blocks("abcde"), inflight: []int{0, 0, 3, 0}, want: 2},
 		{name: "a hint over the bound is ignored",
@@ -162,10 +169,14 @@ func TestPrefixAffinityPick(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			p, _ := testPool(t, config.PoolScheduling{Policy: config.PolicyPrefixAffinity,
-				Prefix: config.PrefixAffinity{BlockChars: 16, KeyBlocks: 2, LoadFactor: 1.5, LoadSlack: 2}}, "a", "b", "c", "d")
+			p, clock := testPool(t, config.PoolScheduling{Policy: config.PolicyPrefixAffinity,
+				Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)},
+				Prefix:  config.PrefixAffinity{BlockChars: 16, KeyBlocks: 2, LoadFactor: 1.5, LoadSlack: 2, QueueSlack: 1}}, "a", "b", "c", "d")
 			aff := p.state.Load().picker.(*prefixAffinity)
 			rank := ranking(p, tt.prompt)
+			if key := tt.prompt[:min(len(tt.prompt), 32)]; !tt.unrouted && len(key) == 32 {
+				aff.index.record(key, aff.index.hashes(key), rank[0])
+			}
 			for _, s := range tt.served {
 				aff.index.record(s.prompt, aff.index.hashes(s.prompt), rank[s.rank])
 			}
@@ -173,6 +184,9 @@ func TestPrefixAffinityPick(t *testing.T) {
 				for range n {
 					byAddr(p, rank[i]).Acquire()
 				}
+			}
+			for i, n := range tt.queued {
+				byAddr(p, rank[i]).observe(Load{Waiting: float64(n), At: clock.Now()})
 			}
 			got, err := p.Select(promptRequest(tt.prompt))
 			if err != nil {
@@ -360,10 +374,13 @@ func read(t *testing.T, a *api.API, b string) *Request {
 // A replica that sees its conversations whole (alone, or each conversation
 // reaching only it) sends a new conversation where its system
 // prompt is cached; one whose conversations other replicas continue leaves
-// it to the ranking, which they would all follow.
+// it to the ranking, which they would all follow. A spread of a million
+// makes a home set of every endpoint, whatever the system prompt's share,
+// so that the ranking of a new conversation can differ from the memory's
+// choice.
 func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.T) {
 	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
-	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Prefix: config.PrefixAffinity{BlockChars: 16}}
+	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Prefix: config.PrefixAffinity{BlockChars: 16, Spread: 1e6}}
 	const system = "Answer in French, and cite the page you read it on."
 	pick := func(p *Pool, req *Request) string {
 		t.Helper()
@@ -422,7 +439,7 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 			var q, ranked string
 			for i := 0; q == ""; i++ {
 				question := fmt.Sprintf("Where is museum number %d?", i)
-				if first := rankingOf(p, conversation(system, question))[0]; first != cached {
+				if first := rankingOf(p, conversation(system, question), len(addrs))[0]; first != cached {
 					q, ranked = question, first
 				}
 			}
@@ -466,5 +483,167 @@ func TestCoverageSaysWhetherConversationsAreWhole(t *testing.T) {
 				t.Errorf("whole() = %v, want %v (held %.1f of %.1f)", got, tt.want, c.held, c.seen)
 			}
 		})
+	}
+}
+
+// The prefix key is what a request shares with others, the conversation key
+// what every turn of its conversation repeats.
+func TestRendezvousKeys(t *testing.T) {
+	long := strings.Repeat("s", 40) // over two blocks of 16
+	k := rendezvousKeys{blockChars: 16, keyBlocks: 4}
+	tests := []struct {
+		name                    string
+		req                     *Request
+		wantPrefix, wantConvKey string
+	}{
+		{"a system prompt of a block or more: it, and the head",
+			conversation(long, "Hi"), "system\n" + long + "\n", "system\n" + long + "\nuser\nHi\n"},
+		{"a later turn keys as its first",
+			conversation(long, "Hi", "Hello", "More"), "system\n" + long + "\n", "system\n" + long + "\nuser\nHi\n"},
+		{"a system prompt shorter than a block: the head for both",
+			conversation("Brief.", "Hi"), "system\nBrief.\nuser\nHi\n", "system\nBrief.\nuser\nHi\n"},
+		{"no system prompt: the head",
+			conversation("", "What is rendezvous hashing?"), "user\nWhat is rendezvous hashing?\n", "user\nWhat is rendezvous hashing?\n"},
+		{"a head over the key is cut",
+			conversation("", strings.Repeat("q", 100)), ("user\n" + strings.Repeat("q", 100))[:64], ("user\n" + strings.Repeat("q", 100))[:64]},
+		{"no messages: the full blocks, at most the key",
+			promptRequest(blocks("abcdef") + "partial"), blocks("abcd"), blocks("abcd")},
+		{"no messages and no full block: none", promptRequest("short"), "", ""},
+		{"tools are part of the preamble",
+			read(t, api.Chat, `{"tools":[{"type":"function","function":{"name":"lookup"}}],"messages":[{"role":"user","content":"Hi"}]}`),
+			`[{"type":"function","function":{"name":"lookup"}}]` + "\n", `[{"type":"function","function":{"name":"lookup"}}]` + "\nuser\nHi\n"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			prefix, conv := k.keys(tt.req)
+			if prefix != tt.wantPrefix || conv != tt.wantConvKey {
+				t.Errorf("keys() = %q, %q; want %q, %q", prefix, conv, tt.wantPrefix, tt.wantConvKey)
+			}
+		})
+	}
+}
+
+func TestHomeSize(t *testing.T) {
+	tests := []struct {
+		share  float64
+		n      int
+		spread float64
+		want   int
+	}{
+		{0, 8, 2, 1},
+		{0.05, 8, 2, 1},  // 0.8
+		{0.07, 8, 2, 2},  // 1.1
+		{0.125, 8, 2, 2}, // 2
+		{0.13, 8, 2, 4},  // 2.1
+		{0.3, 8, 2, 8},   // 4.8
+		{1, 8, 2, 8},
+		{1, 3, 2, 3}, // at most n
+		{0.5, 3, 2, 3},
+		{0.2, 3, 2, 2}, // 1.2
+	}
+	for _, tt := range tests {
+		if got := homeSize(tt.share, tt.n, tt.spread); got != tt.want {
+			t.Errorf("homeSize(%g, %d, %g) = %d, want %d", tt.share, tt.n, tt.spread, got, tt.want)
+		}
+	}
+}
+
+func TestSharesFollowTheMix(t *testing.T) {
+	s := newShares()
+	var hot, cold float64
+	for i := range 5000 {
+		switch {
+		case i%4 == 0:
+			hot = s.note(xxhash.Sum64String("hot")) // a quarter of the requests
+		case i%100 == 1:
+			cold = s.note(xxhash.Sum64String("cold")) // one in a hundred
+		default:
+			s.note(xxhash.Sum64String(fmt.Sprint("one-shot ", i)))
+		}
+	}
+	if math.Abs(hot-0.25) > 0.02 || math.Abs(cold-0.01) > 0.005 {
+		t.Errorf("shares: hot %.3f (want 0.25), cold %.3f (want 0.01)", hot, cold)
+	}
+	// The mix changes: the hot key stops, and within some thousands of
+	// requests its share is forgotten.
+	for i := range 3000 {
+		s.note(xxhash.Sum64String(fmt.Sprint("later ", i)))
+	}
+	if got := s.note(xxhash.Sum64String("hot")); got > 0.02 {
+		t.Errorf("a key gone for 3000 requests still has a share of %.3f", got)
+	}
+	// Memory stays bounded however many distinct keys come.
+	for i := range 2 * sharesMax {
+		s.note(xxhash.Sum64String(fmt.Sprint("many ", i)))
+	}
+	if len(s.counts) > sharesMax {
+		t.Errorf("%d keys kept, more than %d", len(s.counts), sharesMax)
+	}
+}
+
+// One-shot questions under a system prompt shorter than the key (an agent,
+// a RAG template) go to one endpoint on every replica, whatever the
+// question; the system prompts spread over the endpoints. A prefix with a
+// large share of the traffic gets a home set of several endpoints, and each
+// conversation under it keeps one of them.
+func TestRequestsSharingASystemPromptMeet(t *testing.T) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity}
+	replicas := make([]*Pool, 3)
+	for i := range replicas {
+		replicas[i], _ = testPool(t, sched, addrs...)
+	}
+	sent := 0
+	pick := func(req *Request) string {
+		t.Helper()
+		e, err := replicas[sent%len(replicas)].Select(req)
+		sent++
+		if err != nil {
+			t.Fatal(err)
+		}
+		return e.Addr
+	}
+	system := func(i int) string {
+		return fmt.Sprintf("You are agent %d. ", i) + strings.Repeat("Follow the house rules. ", 40)
+	}
+	where := map[int]map[string]int{} // system prompt → endpoint → requests
+	// 11 of them: a number prime to the replicas', so that each replica
+	// sees every system prompt, as behind a round robin.
+	for q := range 20 {
+		for s := range 11 {
+			question := fmt.Sprintf("Question %d for agent %d: what changed since yesterday?", q, s)
+			if where[s] == nil {
+				where[s] = map[string]int{}
+			}
+			where[s][pick(conversation(system(s), question))]++
+		}
+	}
+	homes := map[string]bool{}
+	for s, eps := range where {
+		if len(eps) != 1 {
+			t.Errorf("agent %d's questions went to %v, want one endpoint", s, eps)
+		}
+		for e := range eps {
+			homes[e] = true
+		}
+	}
+	if len(homes) < 2 {
+		t.Errorf("11 system prompts all went to %v", homes)
+	}
+
+	// A hot system prompt, now the most of the traffic: its new
+	// conversations spread, and a later turn follows its first on whichever
+	// replica it reaches.
+	hot := map[string]int{}
+	for c := range 300 {
+		q := fmt.Sprintf("Conversation %d starts here.", c)
+		first := pick(conversation(system(99), q))
+		hot[first]++
+		if got := pick(conversation(system(99), q, "An answer.", "And a follow-up?")); got != first {
+			t.Errorf("conversation %d: turn 2 went to %s, turn 1 to %s", c, got, first)
+		}
+	}
+	if len(hot) < 2 {
+		t.Errorf("300 conversations of the hot system prompt all went to %v", hot)
 	}
 }

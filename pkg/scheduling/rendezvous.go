@@ -2,44 +2,50 @@ package scheduling
 
 import (
 	"cmp"
+	"math/bits"
 	"slices"
 
 	"github.com/cespare/xxhash/v2"
 )
 
-// rendezvousScorer weights each endpoint for a request by rendezvous
-// (highest-random-weight) hashing: a hash of the request's key and the
-// endpoint's address. Requests that share a key rank the endpoints alike, and
-// every replica ranks them alike: the hash is fixed (xxhash), not seeded per
-// process. Removing an endpoint moves only the keys it ranked first.
-type rendezvousScorer struct{ blockChars, keyBlocks int }
+// rendezvousKeys are the two keys that rank a request's endpoints by
+// rendezvous (highest-random-weight) hashing: a hash of the key and the
+// endpoint's address. Requests that share a key rank the endpoints alike,
+// and every replica ranks them alike: the hash is fixed (xxhash), not seeded
+// per process. Removing an endpoint moves only the keys it ranked first.
+type rendezvousKeys struct{ blockChars, keyBlocks int }
 
-// key is what ranks a request, at most keyBlocks blocks of its prompt: the
-// conversation's head when it has one (through the first user message, which
-// every later turn repeats, so a conversation ranks alike however long it
-// grows), else the prompt's full blocks. "" when there is neither.
-func (s rendezvousScorer) key(req *Request) string {
-	prompt := req.Prompt()
-	end := len(prompt) / s.blockChars * s.blockChars
-	if head := req.Head(); head != "" {
-		end = len(head)
+// keys returns, each at most keyBlocks blocks:
+//   - prefix, what the request shares with others: its preamble (tools,
+//     system prompt, instructions: an agent's or a template's) when that
+//     fills a block, else its head (through the first user message), else
+//     its full blocks (a completions prompt, token ids);
+//   - conversation, what every turn of its conversation repeats: its head,
+//     or its prefix when it has none.
+//
+// Both are "" when the request has neither a head nor a full block.
+func (k rendezvousKeys) keys(req *Request) (prefix, conversation string) {
+	prompt, limit := req.Prompt(), k.keyBlocks*k.blockChars
+	head := req.Head()
+	if head == "" {
+		prefix = prompt[:min(len(prompt)/k.blockChars*k.blockChars, limit)]
+		return prefix, prefix
 	}
-	return prompt[:min(end, s.keyBlocks*s.blockChars)]
+	conversation = head[:min(len(head), limit)]
+	if pre := req.Preamble(); len(pre) >= k.blockChars {
+		return pre[:min(len(pre), limit)], conversation
+	}
+	return conversation, conversation
 }
 
-// Score returns nil when the request has no key.
-func (s rendezvousScorer) Score(req *Request, eps []*Endpoint) []float64 {
-	key := s.key(req)
-	if key == "" {
-		return nil
+// weight is an endpoint's rendezvous weight for a key's hash: 53 bits, exact
+// in a float64, so no two weights tie by rounding.
+func weight(key uint64, e *Endpoint) float64 {
+	h := e.addrHash
+	if h == 0 { // a bare Endpoint
+		h = xxhash.Sum64String(e.Addr)
 	}
-	h := xxhash.Sum64String(key)
-	out := make([]float64, len(eps))
-	for i, e := range eps {
-		// 53 bits, exact in a float64: no two weights tie by rounding.
-		out[i] = float64(mix64(h^xxhash.Sum64String(e.Addr)) >> 11)
-	}
-	return out
+	return float64(mix64(key^h) >> 11)
 }
 
 // mix64 is splitmix64's finalizer, so that an endpoint's weight for one key
@@ -52,93 +58,163 @@ func mix64(x uint64) uint64 {
 	return x ^ x>>31
 }
 
-// prefixAffinity ranks the candidates by rendezvousScorer and takes the first
-// whose busyness is within the bound, factor × the mean busyness + slack
-// (consistent hashing with bounded loads; the slack because an engine batches
-// a few extra requests nearly for free). A hot key spills over to the next
-// endpoints in its own order.
+// followQueue × queueSlack is the queue over the mean at which a request
+// stops following the endpoint that holds its history (the local hint).
+const followQueue = 3
+
+// homeSize is how many endpoints a prefix with this share of the pool's
+// requests keeps its cache on: share × n × spread, at least 1, rounded up
+// to a power of two so that replicas, whose estimates of the share differ
+// a little, mostly agree, and at most n.
+func homeSize(share float64, n int, spread float64) int {
+	k := int(share*float64(n)*spread + 0.999)
+	if k <= 1 {
+		return 1
+	}
+	return min(n, 1<<bits.Len(uint(k-1)))
+}
+
+// ranked is a candidate endpoint as prefixAffinity orders them.
+type ranked struct {
+	e            *Endpoint
+	busy, queued float64 // busyness
+	weight       float64 // what it is ordered by
+}
+
+// rank orders the candidates for a request: by the weights of its prefix
+// (whose hash is prefix), with the first home of them (the prefix's home set)
+// reordered by the conversation's. Requests that share a prefix share its
+// first home endpoints, so that a system prompt is cached on as few engines
+// as its traffic needs; within them each conversation has an order of its
+// own, which its turns keep.
+func rank(prefix uint64, conversation string, home int, eps []*Endpoint) []ranked {
+	rs := make([]ranked, len(eps))
+	for i, e := range eps {
+		rs[i].e, rs[i].weight = e, weight(prefix, e)
+		rs[i].busy, rs[i].queued = e.busyness()
+	}
+	byWeight := func(a, b ranked) int { return cmp.Compare(b.weight, a.weight) }
+	slices.SortFunc(rs, byWeight)
+	if home > 1 {
+		c := xxhash.Sum64String(conversation)
+		for i := range rs[:home] {
+			rs[i].weight = weight(c, rs[i].e)
+		}
+		slices.SortFunc(rs[:home], byWeight)
+	}
+	return rs
+}
+
+// prefixAffinity ranks the candidates (rank) and takes the first within the
+// load bounds (consistent hashing with bounded loads): its busyness at most
+// factor × the mean busyness + slack, and its engine's scraped queue at most
+// the mean queue + queueSlack, since a queue is what delays a first token.
+// A hot prefix spills over to the next endpoints in its own order.
 //
 // Its choice depends on the request, the candidates and their busyness,
 // which is the engines' scraped queue and KV use (alike on every replica)
-// plus this replica's own requests in flight. So replicas agree, without
-// talking, whenever the first-ranked endpoint is within the bound, and part
-// only by the local share of the in-flight counts.
+// plus this replica's own requests in flight, and on the prefix's share of
+// the requests, which every replica behind a round robin sees alike. So
+// replicas agree, without talking, but near a bound.
 //
-// The index is a local hint on top:
-//   - A request follows the endpoint, within the bound, that this replica
-//     remembers serving more of the prompt than the key covers (an earlier
-//     turn, spilled there), rather than going back to a cold cache (the
-//     higher-ranked of equals). A replica that never saw the conversation
-//     takes the ranking.
+// Two exceptions keep it from costing load where nothing is shared:
+//   - a request with no key goes by least load (fallback);
+//   - so does a request without messages (a completions prompt, token ids)
+//     whose prefix this replica never routed: such a prompt is most often
+//     unrelated to any other, and hashing it would ignore load for nothing.
+//
+// The index is a local hint on top, which a request follows within the
+// busyness bound and a queue of up to the mean + 3 × queueSlack: moving
+// would recompute its history elsewhere.
+//   - A request follows the endpoint that this replica
+//     remembers serving more of the prompt than the conversation key covers
+//     (an earlier turn, spilled there), rather than going back to a cold
+//     cache (the higher-ranked of equals).
 //   - While this replica sees its conversations whole (coverage: it routed
 //     the previous request of nearly every later turn it was asked for, as
-//     when it is the only replica, or each conversation reaches only it),
-//     it is trusted further. A later turn follows the endpoint that served
-//     its previous request, and a conversation's first request goes where
-//     the most of its prompt (its system prompt) is remembered, the less busy
-//     of equals; both within the bound. Behind N replicas taking turns, the
-//     next turn would come to a replica that knows only the ranking, so there
-//     every turn takes it: agreement never depends on memory.
+//     when it is the only replica), it is trusted further. A later turn
+//     follows the endpoint that served its previous request, and a
+//     conversation's first request goes where the most of its prompt (its
+//     system prompt) is remembered, the less busy of equals. Behind N
+//     replicas taking turns, the next turn would come to a
+//     replica that knows only the ranking, so there every turn takes it.
 type prefixAffinity struct {
-	scorer        rendezvousScorer
-	index         *prefixIndex
-	coverage      coverage
-	factor, slack float64
-	fallback      Picker // for prompts without a full block
+	keys                      rendezvousKeys
+	index                     *prefixIndex
+	coverage                  coverage
+	shares                    *shares
+	factor, slack, queueSlack float64
+	spread                    float64
+	fallback                  Picker // for requests with no key, or unrelated prompts
 }
 
 func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
-	weights := p.scorer.Score(req, eps)
-	if weights == nil {
-		return p.fallback.Pick(req, eps)
+	prefix, conversation := p.keys.keys(req)
+	prompt, previous := req.Prompt(), req.Previous()
+	hs := p.index.hashes(prompt)
+	served := p.index.matched(hs)
+	if prefix == "" || req.Head() == "" && !routed(served, len(prefix)/p.keys.blockChars) {
+		e := p.fallback.Pick(req, eps)
+		p.index.record(prompt, hs, e.Addr)
+		return e
 	}
-	type ranked struct {
-		e            *Endpoint
-		weight, busy float64
-	}
-	rs := make([]ranked, len(eps))
-	var total float64
-	for i, e := range eps {
-		rs[i] = ranked{e: e, weight: weights[i], busy: e.Busyness()}
-		total += rs[i].busy
-	}
-	bound := p.factor*total/float64(len(eps)) + p.slack
-	slices.SortFunc(rs, func(a, b ranked) int { return cmp.Compare(b.weight, a.weight) })
-	chosen := rs[0] // unless one is within the bound, and the least busy always is
+	h := xxhash.Sum64String(prefix)
+	rs := rank(h, conversation, homeSize(p.shares.note(h), len(eps), p.spread), eps)
+	var busy, queued float64
 	for _, r := range rs {
-		if r.busy <= bound {
+		busy += r.busy
+		queued += r.queued
+	}
+	n := float64(len(rs))
+	busyBound, queueBound := p.factor*busy/n+p.slack, queued/n+p.queueSlack
+	within := func(r ranked) bool { return r.busy <= busyBound && r.queued <= queueBound }
+	// Following a request's history spares recomputing it elsewhere, which
+	// is worth a longer queue.
+	followBound := queued/n + followQueue*p.queueSlack
+	follow := func(r ranked) bool { return r.busy <= busyBound && r.queued <= followBound }
+	chosen := rs[0] // unless one is within the bounds, and the least busy nearly always is
+	for _, r := range rs {
+		if within(r) {
 			chosen = r
 			break
 		}
 	}
 
-	prompt, previous := req.Prompt(), req.Previous()
-	hs := p.index.hashes(prompt)
-	served := p.index.matched(hs)
 	// A later turn tells whether this replica routed the request before it.
-	prevBlocks := len(previous) / p.scorer.blockChars
+	prevBlocks := len(previous) / p.keys.blockChars
 	whole := p.coverage.note(prevBlocks > 0, p.index.ended(previous, hs))
 	if whole && req.Head() != "" && previous == "" {
 		// A conversation's first request: where the most of it (its system
 		// prompt) is remembered, the less busy of equals.
 		best := served[chosen.e.Addr]
 		for _, r := range rs {
-			if n := served[r.e.Addr]; r.busy <= bound && n > 0 && (n > best || n == best && r.busy < chosen.busy) {
+			if n := served[r.e.Addr]; follow(r) && n > 0 && (n > best || n == best && r.busy < chosen.busy) {
 				chosen, best = r, n
 			}
 		}
 	} else {
-		// Where more than the key is remembered, or, while conversations
-		// are whole, the previous request.
-		best, keyLen := 0, len(p.scorer.key(req))/p.scorer.blockChars
+		// Where more than the conversation key is remembered, or, while
+		// conversations are whole, the previous request.
+		best, keyLen := 0, len(conversation)/p.keys.blockChars
 		for _, r := range rs {
 			n := served[r.e.Addr]
 			follows := n > keyLen || whole && prevBlocks > 0 && n >= prevBlocks
-			if follows && n > best && r.busy <= bound {
+			if follows && n > best && follow(r) {
 				chosen, best = r, n
 			}
 		}
 	}
 	p.index.record(prompt, hs, chosen.e.Addr)
 	return chosen.e
+}
+
+// routed says whether this replica sent a request with these blocks
+// somewhere: whether some endpoint is remembered serving all of them.
+func routed(served map[string]int, blocks int) bool {
+	for _, n := range served {
+		if n >= blocks {
+			return true
+		}
+	}
+	return false
 }

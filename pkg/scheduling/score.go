@@ -26,11 +26,14 @@ func newPicker(s config.PoolScheduling, intn func(int) int) Picker {
 		return &roundRobin{}
 	case config.PolicyPrefixAffinity:
 		return &prefixAffinity{
-			scorer:   rendezvousScorer{blockChars: s.Prefix.BlockChars, keyBlocks: s.Prefix.KeyBlocks},
-			index:    newPrefixIndex(s.Prefix.BlockChars, s.Prefix.MaxBlocks),
-			factor:   s.Prefix.LoadFactor,
-			slack:    s.Prefix.LoadSlack,
-			fallback: leastLoad,
+			keys:       rendezvousKeys{blockChars: s.Prefix.BlockChars, keyBlocks: s.Prefix.KeyBlocks},
+			index:      newPrefixIndex(s.Prefix.BlockChars, s.Prefix.MaxBlocks),
+			shares:     newShares(),
+			factor:     s.Prefix.LoadFactor,
+			slack:      s.Prefix.LoadSlack,
+			queueSlack: s.Prefix.QueueSlack,
+			spread:     s.Prefix.Spread,
+			fallback:   leastLoad,
 		}
 	}
 	return leastLoad

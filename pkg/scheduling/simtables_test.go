@@ -23,6 +23,8 @@ var simPolicies = []simPolicy{
 
 var simSeeds = []uint64{42, 7, 99}
 
+var raceDetector bool // see race_test.go
+
 // simCell is one row of a table: a policy on a workload at a cache size,
 // load and replica count.
 type simCell struct {
@@ -313,4 +315,49 @@ func BenchmarkPolicies(b *testing.B) {
 			b.Log("missed: ", m)
 		}
 	})
+}
+
+// The targets, on a short run that make test affords: three simulated
+// minutes of (a), (c) and (e) on the small cache, at 1 and 4 replicas, one
+// seed. It fails on any target missed but those knownMisses names, which
+// docs/scheduling.md explains; a known miss that is met is logged, so that
+// the list can shrink.
+func TestSimulatedTargets(t *testing.T) {
+	if testing.Short() || raceDetector {
+		t.Skip("simulation: make test runs it without -race")
+	}
+	rows := runTable(table([]simWorkload{oneShot, mixed, random}, []int{smallCache}, []float64{1, 1.5}, []int{1, 4}, simPolicies),
+		3*time.Minute, simSeeds[:1])
+	for _, r := range rows {
+		t.Log(r)
+	}
+	missed := map[string]bool{}
+	for _, m := range missedTargets(rows) {
+		key := fmt.Sprintf("%s/%.1fx/%d/%s", m.cell.workload.name, m.cell.load, m.cell.replicas, m.target)
+		missed[key] = true
+		if !knownMisses[key] {
+			t.Errorf("target missed: %v", m)
+		}
+	}
+	for key := range knownMisses {
+		if !missed[key] {
+			t.Logf("known miss %s is met on this run", key)
+		}
+	}
+}
+
+// knownMisses are the targets the short run misses, by workload, load,
+// replicas and target (docs/scheduling.md, "Where it loses"):
+//   - (c) on the small cache: its conversations lose their cached history
+//     when a load spill moves a turn that no other replica remembers, and
+//     at one replica and three minutes llm-d's model has not yet overloaded
+//     the engines it piles a system prompt on;
+//   - (e) at one replica: one seed's p99 over three minutes, 6.5 % above
+//     least load's where the picks differ only from a client's retries on
+//     (the ten-minute means over three seeds meet it).
+var knownMisses = map[string]bool{
+	"c mixed/1.0x/1/" + bestBaseline:   true,
+	"c mixed/1.0x/4/" + bestBaseline:   true,
+	"c mixed/1.5x/4/" + bestBaseline:   true,
+	"e random/1.0x/1/" + likeLeastLoad: true,
 }
