@@ -174,13 +174,15 @@ func TestBusySGLangDecodeEndpointIsPassedOver(t *testing.T) {
 // TestReplicasAgreeOnPrefixAffinity: three extproc replicas behind one Envoy,
 // which hands them the streams in turn, share nothing; yet each repeated
 // prefix keeps its prefill legs on one endpoint, because every replica ranks
-// the endpoints alike for it. Two kinds of repeat: the turns of a
-// conversation, whose history grows past the key (they share their head, the
-// system and first user message), and one-shot questions after a system
-// prompt longer than the key (they share its first key_blocks blocks).
+// the endpoints alike for it, with the default prefix.* settings. Two kinds
+// of repeat: one-shot questions under a system prompt shorter than the key
+// (they share the system prompt, the key), and the turns of a conversation
+// (they share their head, the system and first user message). The system
+// prompts spread over the endpoints: eight of them all ranking one of three
+// endpoints first would happen once in 2,187 runs.
 func TestReplicasAgreeOnPrefixAffinity(t *testing.T) {
-	const replicas, prefixes, repeats = 3, 5, 12
-	r := startRig(t, rigOptions{prefills: 3, replicas: replicas, prefillPool: "policy: prefix-affinity, prefix: {block_chars: 64, key_blocks: 4}"})
+	const replicas, prefixes, repeats = 3, 8, 12
+	r := startRig(t, rigOptions{prefills: 3, replicas: replicas, prefillPool: "policy: prefix-affinity"})
 	type message struct {
 		Role    string `json:"role"`
 		Content string `json:"content"`
@@ -201,24 +203,35 @@ func TestReplicasAgreeOnPrefixAffinity(t *testing.T) {
 			histories[p] = append(histories[p], message{"assistant", "Noted: the answer is long enough to cross a block."},
 				message{"user", fmt.Sprintf("Question %d, with some more words.", turn)})
 		}
-		system := strings.Repeat(fmt.Sprintf("Shared %d: answer as assistant number %d would. ", p, p), 8)
-		for _, body := range []string{chat(histories[p]...), chat(message{"system", system}, message{"user", fmt.Sprintf("[shared %d] question %d", p, turn)})} {
+		// About 1,000 characters: four blocks, well under the 64 of the key.
+		system := strings.Repeat(fmt.Sprintf("Agent %d: answer as assistant number %d would. ", p, p), 20)
+		for _, body := range []string{chat(histories[p]...), chat(message{"system", system}, message{"user", fmt.Sprintf("[shared %d] question %d: what changed?", p, turn)})} {
 			if resp, got := r.must(t, "/v1/chat/completions", body, nil); resp.StatusCode != http.StatusOK {
 				t.Fatalf("status %d: %s", resp.StatusCode, got)
 			}
 		}
 	}
+	homes := map[int]bool{}
 	for p := range prefixes {
 		for _, marker := range []string{fmt.Sprintf("[conversation %d]", p), fmt.Sprintf("[shared %d] question", p)} {
 			counts := legsOn(r.prefill, marker)
-			top, total := 0, 0
-			for _, n := range counts {
-				top, total = max(top, n), total+n
+			top, total, home := 0, 0, 0
+			for e, n := range counts {
+				if n > top {
+					top, home = n, e
+				}
+				total += n
 			}
 			if total != repeats || top*10 < total*9 {
 				t.Errorf("%s: prefill legs per endpoint %v; want all %d and >= 90%% on one", marker, counts, repeats)
 			}
+			if strings.HasPrefix(marker, "[shared") {
+				homes[home] = true
+			}
 		}
+	}
+	if len(homes) < 2 {
+		t.Errorf("the %d system prompts all went to prefill endpoint %v: they do not spread", prefixes, homes)
 	}
 	for i, x := range r.replicas {
 		if n, err := x.Metric(t.Context(), `pd_extproc_requests_total{api="chat",connector="kv-nixl",mode="pd",outcome="routed"}`); err != nil || n == 0 {
