@@ -238,10 +238,17 @@ func markdown(rows []simRow) string {
 		}
 		cells[l] = append(cells[l], r)
 	}
-	missed := map[line][]string{}
+	missed := map[line][]string{}        // targets, in order
+	at := map[line]map[string][]string{} // target → replica counts
 	for _, m := range missedTargets(rows) {
 		l := line{m.cell.workload.name, m.cell.cache, m.cell.policy.name, m.cell.load}
-		missed[l] = append(missed[l], fmt.Sprintf("%s at %d", m.target, m.cell.replicas))
+		if at[l] == nil {
+			at[l] = map[string][]string{}
+		}
+		if at[l][m.target] == nil {
+			missed[l] = append(missed[l], m.target)
+		}
+		at[l][m.target] = append(at[l][m.target], fmt.Sprint(m.cell.replicas))
 	}
 	var b strings.Builder
 	var last group
@@ -263,6 +270,9 @@ func markdown(rows []simRow) string {
 		if l.policy == config.PolicyPrefixAffinity {
 			targets = "none"
 			if m := missed[l]; m != nil {
+				for i, target := range m {
+					m[i] = target + " at " + strings.Join(at[l][target], ", ")
+				}
 				targets = strings.Join(m, "; ")
 			}
 		}
@@ -290,7 +300,9 @@ func thousands(n int) string {
 
 // BenchmarkPolicies is the tables of docs/scheduling.md. Run it with
 //
-//	go test -run '^$' -bench Policies -benchtime 1x ./pkg/scheduling/
+//	go test -run '^$' -bench Policies -benchtime 1x -v -timeout 1h ./pkg/scheduling/
+//
+// (-v, or go test cuts the tables' log to ten lines).
 //
 // Every row is simulated for each seed first, on all CPUs; each sub-benchmark
 // then reports its row, and the last, "tables", logs the tables as
