@@ -26,6 +26,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+	"github.com/pd-extproc/pd-extproc/pkg/server"
 )
 
 // fuzzRecorder wraps the server side of the stream and logs, in the order the
@@ -169,7 +170,7 @@ func runFuzzCase(t *testing.T, c *fuzzCase) {
 		m = metrics.New(c.connector)
 		popts = append(popts, pipeline.WithMetrics(m))
 	}
-	p, err := pipeline.New(cfg, log, popts...)
+	p, err := server.NewPipeline(cfg, log, popts...)
 	if err != nil {
 		t.Fatal(err)
 	}

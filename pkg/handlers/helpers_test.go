@@ -28,6 +28,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 	"github.com/pd-extproc/pd-extproc/pkg/response"
+	"github.com/pd-extproc/pd-extproc/pkg/server"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -66,7 +67,7 @@ func testConfig(t *testing.T, yaml string) *config.Config {
 // newPipeline is the real pipeline for yaml, waited for when the test ends.
 func newPipeline(t *testing.T, yaml string) *pipeline.Pipeline {
 	t.Helper()
-	p, err := pipeline.New(testConfig(t, yaml), logr.Discard())
+	p, err := server.NewPipeline(testConfig(t, yaml), logr.Discard())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package pipeline
+package pipeline_test
 
 import (
 	"cmp"
@@ -7,6 +7,9 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+	"github.com/pd-extproc/pd-extproc/pkg/server"
 
 	"github.com/go-logr/logr/funcr"
 
@@ -17,7 +20,7 @@ import (
 
 // newPipeline builds a pipeline from yaml with its own metrics and a logger
 // that keeps its lines; its idle connections close with the test.
-func newPipeline(t *testing.T, yaml string) (*Pipeline, *metrics.Metrics, *logLines) {
+func newPipeline(t *testing.T, yaml string) (*pipeline.Pipeline, *metrics.Metrics, *logLines) {
 	t.Helper()
 	cfg, err := config.Parse([]byte(yaml))
 	if err != nil {
@@ -25,11 +28,11 @@ func newPipeline(t *testing.T, yaml string) (*Pipeline, *metrics.Metrics, *logLi
 	}
 	m := metrics.New(cfg.Connector)
 	lines := &logLines{}
-	p, err := New(cfg, funcr.New(lines.add, funcr.Options{}), WithMetrics(m))
+	p, err := server.NewPipeline(cfg, funcr.New(lines.add, funcr.Options{}), pipeline.WithMetrics(m))
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(p.client.CloseIdleConnections)
+	t.Cleanup(func() { pipeline.CloseIdle(p) })
 	return p, m, lines
 }
 
@@ -119,7 +122,7 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 			settings := cmp.Or(tt.settings, "response: {rewrite_usage: true}")
 			p, m, _ := newPipeline(t, fmt.Sprintf("connector: %s\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\nprefill: {attempts: 1}\n%s\n",
 				tt.connector, engine.Addr(), settings))
-			d, err := p.Route(context.Background(), &Request{Method: "POST", Path: tt.path, RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi","messages":[]}`)})
+			d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: tt.path, RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi","messages":[]}`)})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -169,7 +172,7 @@ func TestUnreachableRemoteHostIsCountedAndLoggedOncePerEndpoint(t *testing.T) {
 			p, m, lines := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}\n",
 				engine.Addr(), tt.decode))
 			for i := range 3 {
-				d, err := p.Route(context.Background(), &Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)})
+				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)})
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -1,4 +1,4 @@
-package pipeline
+package pipeline_test
 
 import (
 	"context"
@@ -7,6 +7,10 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
+	"github.com/pd-extproc/pd-extproc/pkg/server"
 
 	"github.com/go-logr/logr"
 
@@ -20,20 +24,20 @@ const prefillKV = `{"do_remote_prefill":true,"remote_block_ids":[[1]],"remote_en
 
 // newPipelineFor is a pipeline of connector whose one prefill endpoint is
 // prefill, with more config keys; background legs end with the test.
-func newPipelineFor(t *testing.T, connector, prefill, more string) *Pipeline {
+func newPipelineFor(t *testing.T, connector, prefill, more string) *pipeline.Pipeline {
 	t.Helper()
 	cfg, err := config.Parse([]byte(fmt.Sprintf("connector: %s\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\n%s",
 		connector, prefill, more)))
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := New(cfg, logr.Discard())
+	p, err := server.NewPipeline(cfg, logr.Discard())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
 		p.Wait()
-		p.client.CloseIdleConnections()
+		pipeline.CloseIdle(p)
 	})
 	return p
 }
@@ -139,8 +143,8 @@ func TestAPITable(t *testing.T) {
 			if method == "" {
 				method = http.MethodPost
 			}
-			r := &Request{Method: method, Path: tt.path, RequestID: "r1"}
-			var d *Decision
+			r := &pipeline.Request{Method: method, Path: tt.path, RequestID: "r1"}
+			var d *pipeline.Decision
 			var err error
 			if tt.body == "" {
 				d, err = p.RouteHeaders(r)
@@ -152,7 +156,7 @@ func TestAPITable(t *testing.T) {
 				if err == nil {
 					t.Fatalf("routed, want status %d with %q", tt.wantStatus, tt.wantMessage)
 				}
-				if e := AsError(err, "r"); e.Status != tt.wantStatus || !strings.Contains(e.Message, tt.wantMessage) {
+				if e := pipeline.AsError(err, "r"); e.Status != tt.wantStatus || !strings.Contains(e.Message, tt.wantMessage) {
 					t.Fatalf("error %v, want status %d with %q", err, tt.wantStatus, tt.wantMessage)
 				}
 				if r.Report.Prefill != "" || len(engine.Requests()) != 0 {
@@ -167,7 +171,7 @@ func TestAPITable(t *testing.T) {
 			if r.Report.Reason != tt.wantReason {
 				t.Errorf("reason %q, want %q", r.Report.Reason, tt.wantReason)
 			}
-			pd := r.Report.Mode == ModePD
+			pd := r.Report.Mode == pipeline.ModePD
 			if pd != (tt.wantReason == metrics.ReasonLongPrompt) || pd != (r.Report.Prefill != "") {
 				t.Errorf("mode %q with prefill %q for reason %q", r.Report.Mode, r.Report.Prefill, r.Report.Reason)
 			}
@@ -187,7 +191,7 @@ func TestAPITable(t *testing.T) {
 func TestSGLangRoomsPerSample(t *testing.T) {
 	engine := enginetest.Start(t, enginetest.JSON(200, `{}`))
 	p := newPipelineFor(t, "kv-sglang", engine.Addr(), "pd: {sglang_parallel_sampling: rooms}")
-	r := &Request{Method: http.MethodPost, Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":["a","b"],"n":3}`)}
+	r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":["a","b"],"n":3}`)}
 	d, err := p.Route(context.Background(), r)
 	if err != nil {
 		t.Fatal(err)
@@ -220,13 +224,12 @@ func TestSGLangRoomsPerSample(t *testing.T) {
 	}
 
 	t.Run("off again after a reload", func(t *testing.T) {
-		cfg, err := config.Parse([]byte(fmt.Sprintf("connector: kv-sglang\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}", engine.Addr())))
-		if err != nil {
-			t.Fatal(err)
-		}
-		p.Reload(cfg)
-		r := &Request{Method: http.MethodPost, Path: "/v1/completions", RequestID: "r2", Body: []byte(`{"model":"m","prompt":"a","n":3}`)}
-		if _, err := p.Route(context.Background(), r); AsError(err, "r").Status != 400 {
+		p.Reload(scheduling.Spec{
+			Prefill: scheduling.PoolSpec{Endpoints: []string{engine.Addr()}},
+			Decode:  scheduling.PoolSpec{Endpoints: []string{"10.1.1.1:8000"}},
+		}, false)
+		r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/completions", RequestID: "r2", Body: []byte(`{"model":"m","prompt":"a","n":3}`)}
+		if _, err := p.Route(context.Background(), r); pipeline.AsError(err, "r").Status != 400 {
 			t.Fatalf("after the reload: %v, want 400", err)
 		}
 	})

@@ -1,4 +1,4 @@
-package pipeline
+package pipeline_test
 
 import (
 	"context"
@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -68,7 +70,7 @@ limits: {retry_after: 4s}`, engine.addr()))
 	t.Cleanup(p.Wait)
 	var holds keeper
 	route := func() error {
-		r := &Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+		r := &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 			Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`), Keep: &holds}
 		d, err := p.Route(context.Background(), r)
 		d.Release() // the stream ends at once, as Envoy closes it
@@ -82,7 +84,7 @@ limits: {retry_after: 4s}`, engine.addr()))
 	engine.await(t)
 	engine.await(t)
 	err := route()
-	if e := AsError(err, "r"); err == nil || e.Status != 503 || e.RetryAfter != 4*time.Second || !strings.Contains(e.Message, "prefill.max_background") {
+	if e := pipeline.AsError(err, "r"); err == nil || e.Status != 503 || e.RetryAfter != 4*time.Second || !strings.Contains(e.Message, "prefill.max_background") {
 		t.Fatalf("the third request: %v, want 503 with Retry-After 4s naming prefill.max_background", err)
 	}
 	if got := counter(t, m, "pd_extproc_limit_refusals_total", "limit", metrics.LimitBackground); got != 1 {
@@ -130,7 +132,7 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {max_conns_per_endpoint: 1}`, engine.addr()))
 	t.Cleanup(p.Wait)
 	for range 2 {
-		d, err := p.Route(context.Background(), &Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+		d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 			Body: []byte(`{"model":"m","messages":[]}`)})
 		if err != nil {
 			t.Fatal(err)
@@ -161,9 +163,9 @@ func TestPrefillAnswerOverTheReadCapFailsTheAttempt(t *testing.T) {
 		wantErr   int // the client's status; 0 when routed
 		wantKV    bool
 	}{
-		{"exactly 8 MiB: read whole", maxPrefillResponseBytes, config.OnFailureDecodeOnly, 0, true},
-		{"one byte over, decode-only: recomputed", maxPrefillResponseBytes + 1, config.OnFailureDecodeOnly, 0, false},
-		{"one byte over, fail: 502", maxPrefillResponseBytes + 1, config.OnFailureFail, 502, false},
+		{"exactly 8 MiB: read whole", pipeline.MaxPrefillResponseBytes, config.OnFailureDecodeOnly, 0, true},
+		{"one byte over, decode-only: recomputed", pipeline.MaxPrefillResponseBytes + 1, config.OnFailureDecodeOnly, 0, false},
+		{"one byte over, fail: 502", pipeline.MaxPrefillResponseBytes + 1, config.OnFailureFail, 502, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -172,10 +174,10 @@ func TestPrefillAnswerOverTheReadCapFailsTheAttempt(t *testing.T) {
 pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {on_failure: %s, attempts: 2}`, engines[0].Addr(), engines[1].Addr(), tt.onFailure))
 			for range 3 {
-				r := &Request{Method: "POST", Path: "/v1/completions", RequestID: "r", Body: []byte(`{"model":"m","prompt":"hi"}`)}
+				r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r", Body: []byte(`{"model":"m","prompt":"hi"}`)}
 				d, err := p.Route(context.Background(), r)
 				if tt.wantErr != 0 {
-					if e := AsError(err, "r"); err == nil || e.Status != tt.wantErr {
+					if e := pipeline.AsError(err, "r"); err == nil || e.Status != tt.wantErr {
 						t.Fatalf("Route: %v, want %d", err, tt.wantErr)
 					}
 					continue

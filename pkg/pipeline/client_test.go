@@ -1,4 +1,4 @@
-package pipeline
+package pipeline_test
 
 import (
 	"context"
@@ -9,6 +9,8 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 )
 
 // The prefill leg goes out whole with its Content-Length (not chunked), joined
@@ -34,8 +36,8 @@ func TestPrefillLegSpeaksHTTP2CleartextWhenAsked(t *testing.T) {
 	}{{false, 1}, {true, 2}} {
 		t.Run(fmt.Sprintf("http2=%v", tt.http2), func(t *testing.T) {
 			p := newNIXL(t, strings.TrimPrefix(engine.URL, "http://"), fmt.Sprintf("{on_failure: fail, http2: %v}", tt.http2))
-			for _, prompt := range []string{"hi", strings.Repeat("x", maxJoinedLeg)} {
-				d, err := p.Route(context.Background(), &Request{Method: "POST", Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"` + prompt + `"}`)})
+			for _, prompt := range []string{"hi", strings.Repeat("x", pipeline.MaxJoinedLeg)} {
+				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"` + prompt + `"}`)})
 				if err != nil {
 					t.Fatal(err)
 				}

@@ -17,21 +17,32 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
-	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
-// Options are the pipeline's settings, taken from the config file.
+// Parts are what a pipeline routes with, ready made (pkg/server assembles
+// them from the config file).
+type Parts struct {
+	Connector kv.Connector
+	Table     *api.Table // what is routed: the built-in APIs and routes.passthrough
+	Pools     *scheduling.Pools
+	Client    *http.Client // of prefill legs
+	Scheme    string       // of prefill legs: http, or https
+}
+
+// Options are the pipeline's settings.
 type Options struct {
 	PrefillTimeout time.Duration // the whole prefill phase of a request, retries included
 	AttemptTimeout time.Duration // one prefill attempt
 	Attempts       int           // prefill endpoints one request may try
-	OnFailure      string        // config.OnFailureDecodeOnly or config.OnFailureFail
-	BootstrapPort  int
-	MaxBodyBytes   int64
-	Connector      string // its name, for the errors that name it
+	// FailClosed answers a failed prefill phase with its error
+	// (prefill.on_failure: fail) instead of sending the request to decode alone.
+	FailClosed    bool
+	BootstrapPort int
+	MaxBodyBytes  int64
+	Connector     string // its name, for the errors that name it
 	// RewriteUsage gives P/D answers the prefill engine's cached tokens,
 	// holding at most MaxResponseBytes of an answer for it.
 	RewriteUsage     bool
@@ -40,6 +51,9 @@ type Options struct {
 	// once; past it a request gets 503 with RetryAfter.
 	MaxBackground int
 	RetryAfter    time.Duration
+	// ParallelRooms pairs a kv-sglang request with n > 1 with a bootstrap
+	// room per sample (pd.sglang_parallel_sampling: rooms); Reload changes it.
+	ParallelRooms bool
 }
 
 // Pipeline routes requests. It is safe for concurrent use.
@@ -78,73 +92,28 @@ func WithTracing(tp trace.TracerProvider, prop propagation.TextMapPropagator) Op
 	}
 }
 
-// New builds a pipeline from a validated config.
-func New(cfg *config.Config, log logr.Logger, options ...Option) (*Pipeline, error) {
-	c, err := kv.Build(cfg.Connector)
-	if err != nil {
-		return nil, err
-	}
-	client, scheme, err := newEngineClient(cfg.Prefill)
-	if err != nil {
-		return nil, err
-	}
-	routes, err := api.ParseRoutes("routes.passthrough", cfg.Routes.Passthrough)
-	if err != nil {
-		return nil, err
-	}
-	// Each pool's health checks and scrapes speak as its engines serve: the
-	// prefill pool as the prefill legs, the decode pool as pools.decode.tls says.
-	deps := scheduling.Deps{Log: log.WithName("scheduling")}
-	if deps.PrefillTLS, err = engineTLS("prefill.tls", cfg.Prefill.TLS); err != nil {
-		return nil, err
-	}
-	if deps.DecodeTLS, err = engineTLS("pools.decode.tls", cfg.Pools.Decode.TLS); err != nil {
-		return nil, err
-	}
+// New returns a pipeline that routes with parts.
+func New(parts Parts, opts Options, log logr.Logger, options ...Option) *Pipeline {
 	p := &Pipeline{
-		connector: c,
-		table:     api.NewTable(routes),
-		pools:     scheduling.NewPools(schedulingSpec(cfg, c), deps),
-		opts: Options{
-			PrefillTimeout:   cfg.Prefill.Timeout.D(),
-			AttemptTimeout:   cfg.Prefill.AttemptTimeout.D(),
-			Attempts:         cfg.Prefill.Attempts,
-			OnFailure:        cfg.Prefill.OnFailure,
-			BootstrapPort:    cfg.Pools.Prefill.BootstrapPort,
-			MaxBodyBytes:     cfg.Limits.MaxBodyBytes,
-			Connector:        cfg.Connector,
-			RewriteUsage:     cfg.Response.RewriteUsage,
-			MaxResponseBytes: cfg.Response.MaxBodyBytes,
-			MaxBackground:    cfg.Prefill.MaxBackground,
-			RetryAfter:       cfg.Limits.RetryAfter.D(),
-		},
-		client:     client,
-		scheme:     scheme,
+		connector:  parts.Connector,
+		table:      parts.Table,
+		pools:      parts.Pools,
+		opts:       opts,
+		client:     parts.Client,
+		scheme:     parts.Scheme,
 		log:        log,
 		tracer:     noop.NewTracerProvider().Tracer(""),
 		propagator: propagation.TraceContext{},
 	}
-	p.parallelRooms.Store(cfg.PD.SGLangParallelSampling == config.ParallelSamplingRooms)
+	p.parallelRooms.Store(opts.ParallelRooms)
 	for _, o := range options {
 		o(p)
 	}
-	return p, nil
+	return p
 }
 
 // MaxBodyBytes is the largest request body accepted.
 func (p *Pipeline) MaxBodyBytes() int64 { return p.opts.MaxBodyBytes }
-
-// schedulingSpec is the part of cfg that scheduling follows, and that a config
-// reload can change without a restart. Whether legs are paired is the running
-// connector's: a new connector takes effect on restart only.
-func schedulingSpec(cfg *config.Config, c kv.Connector) scheduling.Spec {
-	return scheduling.Spec{
-		Prefill: scheduling.PoolSpec{Endpoints: cfg.Pools.Prefill.Endpoints, PoolScheduling: cfg.Pools.Prefill.PoolScheduling},
-		Decode:  scheduling.PoolSpec{Endpoints: cfg.Pools.Decode.Endpoints, PoolScheduling: cfg.Pools.Decode.PoolScheduling},
-		PD:      cfg.PD,
-		Paired:  c.Paired(),
-	}
-}
 
 // Pools returns the endpoint pools, for health and metrics to read.
 func (p *Pipeline) Pools() (prefill, decode *scheduling.Pool) { return p.pools.Prefill, p.pools.Decode }
@@ -153,11 +122,14 @@ func (p *Pipeline) Pools() (prefill, decode *scheduling.Pool) { return p.pools.P
 // ctx is done.
 func (p *Pipeline) Run(ctx context.Context) { p.pools.Run(ctx) }
 
-// Reload applies a new configuration's pools, policies and pd.* keys.
-// Requests in flight keep their endpoints; other keys take effect on restart.
-func (p *Pipeline) Reload(cfg *config.Config) {
-	p.pools.Update(schedulingSpec(cfg, p.connector))
-	p.parallelRooms.Store(cfg.PD.SGLangParallelSampling == config.ParallelSamplingRooms)
+// Reload applies new pools, policies and P/D thresholds, and the parallel
+// sampling switch. Requests in flight keep their endpoints. Whether legs are
+// paired stays the running connector's: a new connector takes effect on
+// restart only.
+func (p *Pipeline) Reload(spec scheduling.Spec, parallelRooms bool) {
+	spec.Paired = p.connector.Paired()
+	p.pools.Update(spec)
+	p.parallelRooms.Store(parallelRooms)
 }
 
 // Wait blocks until every background prefill leg has ended.

@@ -3,14 +3,11 @@ package pipeline
 import (
 	"bytes"
 	"context"
-	"crypto/tls"
-	"crypto/x509"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptrace"
-	"os"
 	"slices"
 	"strconv"
 	"sync/atomic"
@@ -23,7 +20,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
-	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
 // maxPrefillResponseBytes bounds what we read of a prefill answer: it is one
@@ -34,62 +30,6 @@ const maxPrefillResponseBytes = 8 << 20
 
 // errAnswerTooLarge is a 2xx prefill answer over maxPrefillResponseBytes.
 var errAnswerTooLarge = fmt.Errorf("the prefill answer is longer than %d bytes", maxPrefillResponseBytes)
-
-// newEngineClient returns the HTTP client for prefill legs and the URL scheme
-// it speaks: a keep-alive pool per endpoint (prefill.max_idle_conns_per_endpoint),
-// at most prefill.max_conns_per_endpoint connections to each, no environment proxy (engines are addressed directly by ip:port), no
-// transparent compression that would hide the response size, HTTPS when
-// prefill.tls says so and HTTP/2 when prefill.http2 does.
-func newEngineClient(cfg config.Prefill) (*http.Client, string, error) {
-	t := &http.Transport{
-		Proxy:               nil,
-		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		MaxIdleConns:        4 * cfg.MaxIdleConnsPerEndpoint,
-		MaxIdleConnsPerHost: cfg.MaxIdleConnsPerEndpoint,
-		MaxConnsPerHost:     cfg.MaxConnsPerEndpoint,
-		IdleConnTimeout:     90 * time.Second,
-		DisableCompression:  true,
-		Protocols:           new(http.Protocols),
-	}
-	client := &http.Client{Transport: t, CheckRedirect: noRedirects}
-	if !cfg.TLS.Enabled {
-		t.Protocols.SetHTTP1(!cfg.HTTP2)
-		t.Protocols.SetUnencryptedHTTP2(cfg.HTTP2)
-		return client, "http", nil
-	}
-	t.Protocols.SetHTTP1(true)
-	t.Protocols.SetHTTP2(cfg.HTTP2)
-	var err error
-	if t.TLSClientConfig, err = engineTLS("prefill.tls", cfg.TLS); err != nil {
-		return nil, "", err
-	}
-	return client, "https", nil
-}
-
-// engineTLS is the client TLS of requests to engines under the keys at key;
-// nil when they speak plain HTTP.
-func engineTLS(key string, cfg config.EngineTLS) (*tls.Config, error) {
-	if !cfg.Enabled {
-		return nil, nil
-	}
-	c := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: cfg.ServerName}
-	if cfg.CAFile != "" {
-		pem, err := os.ReadFile(cfg.CAFile)
-		if err != nil {
-			return nil, fmt.Errorf("%s.ca_file: %w", key, err)
-		}
-		c.RootCAs = x509.NewCertPool()
-		if !c.RootCAs.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("%s.ca_file: no PEM certificate in %s", key, cfg.CAFile)
-		}
-	}
-	return c, nil
-}
-
-// noRedirects keeps the prefill leg on the configured endpoint (docs/architecture.md, Security rules): a
-// redirect would send the prompt and the client's Authorization elsewhere, and
-// let that host's kv_transfer_params steer the decode engine.
-func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 
 // attempt sends one prefill leg to endpoint inside its own span, and records
 // its duration and any failure, classified.

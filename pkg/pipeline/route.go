@@ -10,7 +10,6 @@ import (
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
-	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
@@ -173,7 +172,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Spliced, error) {
 	r.Report.Reason = metrics.ReasonPrefillFailed
 	last := lastAttempt(err) // nil when no endpoint could be tried
-	if p.opts.OnFailure == config.OnFailureFail || last != nil && (last.aboutRequest() || last.unsendable() || last.clientLeft()) {
+	if p.opts.FailClosed || last != nil && (last.aboutRequest() || last.unsendable() || last.clientLeft()) {
 		return nil, prefillFailed(err, r.RequestID)
 	}
 	r.Report.Mode = ModeDecodeOnly

@@ -1,4 +1,4 @@
-package pipeline
+package pipeline_test
 
 import (
 	"context"
@@ -12,6 +12,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+	"github.com/pd-extproc/pd-extproc/pkg/server"
 
 	"github.com/go-logr/logr"
 
@@ -40,9 +43,9 @@ func TestPrefillLegOverTLSWithACAFile(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p := newNIXL(t, addr, fmt.Sprintf("{on_failure: fail, attempts: 1, tls: %s}", tt.tls))
-			d, err := p.Route(context.Background(), &Request{Method: "POST", Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi"}`)})
+			d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi"}`)})
 			if tt.wantStatus != 0 {
-				if e, ok := err.(*Error); !ok || e.Status != tt.wantStatus {
+				if e, ok := err.(*pipeline.Error); !ok || e.Status != tt.wantStatus {
 					t.Fatalf("Route error = %v, want status %d", err, tt.wantStatus)
 				}
 				return
@@ -87,7 +90,7 @@ prefill: {tls: {enabled: true, ca_file: %q}}`,
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := New(cfg, logr.Discard())
+	p, err := server.NewPipeline(cfg, logr.Discard())
 	if err != nil {
 		t.Fatal(err)
 	}

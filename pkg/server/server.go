@@ -96,7 +96,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	}
 	prop := propagation.TraceContext{}
 
-	p, err := pipeline.New(cfg, log.WithName("pipeline"), pipeline.WithMetrics(s.metrics), pipeline.WithTracing(tp, prop))
+	p, err := NewPipeline(cfg, log.WithName("pipeline"), pipeline.WithMetrics(s.metrics), pipeline.WithTracing(tp, prop))
 	if err != nil {
 		s.shutdownTracing(context.Background())
 		return nil, err
@@ -119,18 +119,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 		grpcOpts = append(grpcOpts, grpc.Creds(creds))
 	}
 	s.grpc = grpc.NewServer(grpcOpts...)
-	extprocv3.RegisterExternalProcessorServer(s.grpc, handlers.NewServer(p, handlers.Options{
-		OverrideAfter:    cfg.Envoy.OverrideAfter.D(),
-		OverrideTimeout:  cfg.Envoy.OverrideMessageTimeout.D(),
-		Metrics:          s.metrics,
-		TracerProvider:   tp,
-		Propagator:       prop,
-		LogPrompts:       opts.LogPrompts,
-		MaxStreams:       cfg.Limits.MaxConcurrentStreams,
-		RetryAfter:       cfg.Limits.RetryAfter.D(),
-		BodyTimeout:      cfg.Limits.BodyTimeout.D(),
-		MaxBufferedBytes: cfg.Limits.MaxBufferedBytes,
-	}, log.WithName("extproc")))
+	extprocv3.RegisterExternalProcessorServer(s.grpc, handlers.NewServer(p, handlersOptions(cfg, s.metrics, tp, prop, opts.LogPrompts), log.WithName("extproc")))
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(s.grpc, hs)
 	reflection.Register(s.grpc)
@@ -188,7 +177,7 @@ func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) erro
 func (s *Server) watchConfig(ctx context.Context) func() {
 	return func() {
 		err := config.Watch(ctx, s.opts.ConfigPath, s.cfg, func(c *config.Config) {
-			s.pipeline.Reload(c)
+			reload(s.pipeline, c)
 			logConfigReloaded(s.log, s.opts.ConfigPath, s.cfg, c)
 		}, func(err error) {
 			s.log.Error(err, "config change rejected; the previous config stays", "path", s.opts.ConfigPath)

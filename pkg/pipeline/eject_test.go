@@ -1,0 +1,76 @@
+package pipeline_test
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"testing"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+)
+
+// A client can eject no prefill endpoint with requests no engine could
+// serve: a leg net/http refuses to send (a control byte in a header) and an
+// engine's redirect say nothing of its health. A 5xx still does.
+func TestOnlyTheEndpointsOwnFailuresEjectIt(t *testing.T) {
+	tests := []struct {
+		name       string
+		answer     http.HandlerFunc
+		requestID  string
+		auth       string
+		wantReason string
+		wantStatus int  // the client's under on_failure=fail; 0: decode-only under decode-only too
+		ejected    bool // after three requests
+	}{
+		{name: "a control byte in the request id", answer: enginetest.JSON(200, `{}`), requestID: "r\x01", wantReason: metrics.FailureNotSent, wantStatus: 400},
+		{name: "a newline in Authorization", answer: enginetest.JSON(200, `{}`), requestID: "r1", auth: "Bearer a\nb",
+			wantReason: metrics.FailureNotSent, wantStatus: 400},
+		{name: "a redirect", answer: func(w http.ResponseWriter, r *http.Request) {
+			http.Redirect(w, r, "http://203.0.113.9/", http.StatusTemporaryRedirect)
+		},
+			requestID: "r1", wantReason: metrics.FailureRedirect},
+		{name: "a 5xx", answer: enginetest.JSON(503, `{}`), requestID: "r1", wantReason: metrics.FailureStatus5xx, ejected: true},
+	}
+	for _, tt := range tests {
+		for _, onFailure := range []string{config.OnFailureDecodeOnly, config.OnFailureFail} {
+			t.Run(tt.name+"/"+onFailure, func(t *testing.T) {
+				engine := enginetest.Start(t, tt.answer)
+				p, m, _ := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {on_failure: %s, attempts: 1}`, engine.Addr(), onFailure))
+				for range 3 {
+					r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: tt.requestID,
+						Body: []byte(`{"model":"m","prompt":"hi"}`), Forward: http.Header{}}
+					if tt.auth != "" {
+						r.Forward.Set("Authorization", tt.auth)
+					}
+					d, err := p.Route(context.Background(), r)
+					want := tt.wantStatus
+					if want == 0 && onFailure == config.OnFailureFail {
+						want = 502
+					}
+					switch {
+					case want == 0 && err != nil:
+						t.Fatalf("Route: %v, want decode-only", err)
+					case want != 0 && (err == nil || pipeline.AsError(err, "r").Status != want):
+						t.Fatalf("Route: %v, want %d", err, want)
+					}
+					d.Release()
+				}
+				if got := counter(t, m, "pd_extproc_prefill_failures_total", "reason", tt.wantReason); got != 3 {
+					t.Errorf("prefill_failures_total{reason=%q} = %v, want 3", tt.wantReason, got)
+				}
+				prefill, _ := p.Pools()
+				if healthy := prefill.Endpoints()[0].Healthy(); healthy == tt.ejected {
+					t.Errorf("prefill endpoint healthy = %v after three such requests, want %v", healthy, !tt.ejected)
+				}
+				if tt.wantReason == metrics.FailureNotSent && len(engine.Requests()) != 0 {
+					t.Errorf("the engine received %d legs net/http was to refuse", len(engine.Requests()))
+				}
+			})
+		}
+	}
+}

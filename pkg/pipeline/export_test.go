@@ -1,0 +1,12 @@
+package pipeline
+
+// What the external tests (package pipeline_test, which assemble pipelines
+// as pkg/server does) read of the package's insides.
+
+const (
+	MaxPrefillResponseBytes = maxPrefillResponseBytes
+	MaxJoinedLeg            = maxJoinedLeg
+)
+
+// CloseIdle closes p's idle connections to the prefill engines.
+func CloseIdle(p *Pipeline) { p.client.CloseIdleConnections() }

@@ -1,0 +1,102 @@
+package server
+
+import (
+	"github.com/go-logr/logr"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/enginehttp"
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
+)
+
+// The assembly: what the config file makes of the pipeline and of the
+// ext_proc handlers. Nothing else reads the config schema.
+
+// NewPipeline builds the pipeline of a validated config: its connector, API
+// table, pools (whose health checks and scrapes speak as each pool's engines
+// serve: the prefill pool as the prefill legs, the decode pool as
+// pools.decode.tls says) and the engine client.
+func NewPipeline(cfg *config.Config, log logr.Logger, options ...pipeline.Option) (*pipeline.Pipeline, error) {
+	c, err := kv.Build(cfg.Connector)
+	if err != nil {
+		return nil, err
+	}
+	client, scheme, err := enginehttp.Client(cfg.Prefill)
+	if err != nil {
+		return nil, err
+	}
+	routes, err := api.ParseRoutes("routes.passthrough", cfg.Routes.Passthrough)
+	if err != nil {
+		return nil, err
+	}
+	deps := scheduling.Deps{Log: log.WithName("scheduling")}
+	if deps.PrefillTLS, err = enginehttp.TLS("prefill.tls", cfg.Prefill.TLS); err != nil {
+		return nil, err
+	}
+	if deps.DecodeTLS, err = enginehttp.TLS("pools.decode.tls", cfg.Pools.Decode.TLS); err != nil {
+		return nil, err
+	}
+	spec := schedulingSpec(cfg)
+	spec.Paired = c.Paired()
+	parts := pipeline.Parts{Connector: c, Table: api.NewTable(routes), Pools: scheduling.NewPools(spec, deps), Client: client, Scheme: scheme}
+	return pipeline.New(parts, pipelineOptions(cfg), log, options...), nil
+}
+
+func pipelineOptions(cfg *config.Config) pipeline.Options {
+	return pipeline.Options{
+		PrefillTimeout:   cfg.Prefill.Timeout.D(),
+		AttemptTimeout:   cfg.Prefill.AttemptTimeout.D(),
+		Attempts:         cfg.Prefill.Attempts,
+		FailClosed:       cfg.Prefill.OnFailure == config.OnFailureFail,
+		BootstrapPort:    cfg.Pools.Prefill.BootstrapPort,
+		MaxBodyBytes:     cfg.Limits.MaxBodyBytes,
+		Connector:        cfg.Connector,
+		RewriteUsage:     cfg.Response.RewriteUsage,
+		MaxResponseBytes: cfg.Response.MaxBodyBytes,
+		MaxBackground:    cfg.Prefill.MaxBackground,
+		RetryAfter:       cfg.Limits.RetryAfter.D(),
+		ParallelRooms:    parallelRooms(cfg),
+	}
+}
+
+// schedulingSpec is the part of cfg that scheduling follows, and that a
+// config reload can change without a restart (liveKeys).
+func schedulingSpec(cfg *config.Config) scheduling.Spec {
+	return scheduling.Spec{
+		Prefill: scheduling.PoolSpec{Endpoints: cfg.Pools.Prefill.Endpoints, PoolScheduling: cfg.Pools.Prefill.PoolScheduling},
+		Decode:  scheduling.PoolSpec{Endpoints: cfg.Pools.Decode.Endpoints, PoolScheduling: cfg.Pools.Decode.PoolScheduling},
+		PD:      cfg.PD,
+	}
+}
+
+func parallelRooms(cfg *config.Config) bool {
+	return cfg.PD.SGLangParallelSampling == config.ParallelSamplingRooms
+}
+
+// reload applies what a reloaded config changes in place (liveKeys).
+func reload(p *pipeline.Pipeline, cfg *config.Config) {
+	p.Reload(schedulingSpec(cfg), parallelRooms(cfg))
+}
+
+// handlersOptions are the ext_proc handlers' settings in cfg, with the
+// collaborators they record to.
+func handlersOptions(cfg *config.Config, m *metrics.Metrics, tp trace.TracerProvider, prop propagation.TextMapPropagator, logPrompts bool) handlers.Options {
+	return handlers.Options{
+		OverrideAfter:    cfg.Envoy.OverrideAfter.D(),
+		OverrideTimeout:  cfg.Envoy.OverrideMessageTimeout.D(),
+		Metrics:          m,
+		TracerProvider:   tp,
+		Propagator:       prop,
+		LogPrompts:       logPrompts,
+		MaxStreams:       cfg.Limits.MaxConcurrentStreams,
+		RetryAfter:       cfg.Limits.RetryAfter.D(),
+		BodyTimeout:      cfg.Limits.BodyTimeout.D(),
+		MaxBufferedBytes: cfg.Limits.MaxBufferedBytes,
+	}
+}
