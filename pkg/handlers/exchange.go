@@ -3,6 +3,7 @@ package handlers
 import (
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -20,11 +21,22 @@ const (
 )
 
 // sink takes a stream's replies, in order: the gRPC stream in production.
-// Only the stream's goroutine sends, except for the BUFFERED timer in route,
-// which sends while that goroutine waits for it.
+// Only exchange.send calls it.
 type sink interface {
 	Send(*extprocv3.ProcessingResponse) error
 }
+
+// reply is what a phase answers a message with: the messages to send, in
+// order (a body's chunks are the body's own bytes, not copies), what to run
+// once they are all sent, and whether the stream is finished for us.
+type reply struct {
+	msgs  []*extprocv3.ProcessingResponse
+	after func()
+	done  bool
+}
+
+// answer is a reply of these messages.
+func answer(msgs ...*extprocv3.ProcessingResponse) reply { return reply{msgs: msgs} }
 
 // exchange is the protocol state of one Process stream: one HTTP request and
 // its response.
@@ -33,6 +45,12 @@ type exchange struct {
 	opts   *Options
 	out    sink
 	ctx    context.Context // the stream's, carrying the request span once headers are in
+
+	// mu serialises the exchange: the stream's goroutine holds it while it
+	// handles a message, but for the time the pipeline routes; the two timers
+	// (the BUFFERED override, which sends while the pipeline routes, and the
+	// body deadline) take it to act. Every send is under it.
+	mu sync.Mutex
 
 	protocol *extprocv3.ProtocolConfiguration // the last one Envoy sent: the body modes
 
@@ -58,14 +76,34 @@ func (x *exchange) responseMode() filterv3.ProcessingMode_BodySendMode {
 
 // handle answers one message. done means the stream is finished for us.
 func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err error) {
-	if !x.lim.over { // the request's deadline may fire meanwhile
-		x.lim.mu.Lock()
-		defer x.unlock()
-	}
-	switch {
-	case x.lim.expired:
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.lim.expired {
 		return true, nil // answered 408 already
-	case !x.lim.started:
+	}
+	r := x.phase(req)
+	if x.requestDone {
+		x.lim.stop() // the request is complete, or answered: its deadline goes
+	}
+	return x.send(r)
+}
+
+// send sends r's messages in order, then runs its after. Under mu.
+func (x *exchange) send(r reply) (done bool, err error) {
+	for _, m := range r.msgs {
+		if err := x.out.Send(m); err != nil {
+			return false, err
+		}
+	}
+	if r.after != nil {
+		r.after()
+	}
+	return r.done, nil
+}
+
+// phase is the reply to one message.
+func (x *exchange) phase(req *extprocv3.ProcessingRequest) reply {
+	if !x.lim.started {
 		x.start()
 	}
 	if pc := req.GetProtocolConfig(); pc != nil {
@@ -81,19 +119,19 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err erro
 		return x.onRequestTrailers()
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
 		x.onResponseHeaders(m.ResponseHeaders.GetHeaders())
-		return false, x.out.Send(continueReply("response_headers"))
+		return answer(continueResponseHeaders())
 	case *extprocv3.ProcessingRequest_ResponseBody:
-		return false, x.onResponseBody(m.ResponseBody)
+		return x.onResponseBody(m.ResponseBody)
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
-		return false, x.onResponseTrailers()
+		return x.onResponseTrailers()
 	}
-	return false, nil
+	return reply{}
 }
 
-func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
+func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) reply {
 	if x.headersSeen {
 		x.obs.log.V(1).Info("ignoring repeated request headers", "requestID", x.req.RequestID)
-		return false, nil
+		return reply{}
 	}
 	x.headersSeen = true
 	start := time.Now()
@@ -118,32 +156,28 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) (bool, error) {
 			return x.fail(err)
 		}
 		x.decision = d
-		if err := x.out.Send(headersReply(d, x.req.RequestID)); err != nil {
-			return false, err
-		}
-		x.routed()
-		return false, nil
+		return reply{msgs: []*extprocv3.ProcessingResponse{headersReply(d, x.req.RequestID)}, after: x.routed}
 	}
 	if limit := x.router.MaxBodyBytes(); x.contentLength > limit {
 		return x.fail(pipeline.TooLarge(limit))
 	}
 	switch x.requestMode() {
 	case filterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
-		return false, nil // the headers reply carries the routing: hold it until the body is in
+		return reply{} // the headers reply carries the routing: hold it until the body is in
 	case filterv3.ProcessingMode_BUFFERED, filterv3.ProcessingMode_BUFFERED_PARTIAL:
 		// Envoy holds the body until the headers are answered, then sends it whole;
 		// the body reply can still set headers, so routing waits for it.
-		return false, x.out.Send(headersReply(nil, ""))
+		return answer(headersReply(nil, ""))
 	default:
 		return x.fail(pipeline.Misconfigured(fmt.Sprintf(
 			"ext_proc request_body_mode %s is not supported: routing depends on the body; configure %s", x.requestMode(), supportedModes)))
 	}
 }
 
-func (x *exchange) onRequestBody(b *extprocv3.HttpBody) (bool, error) {
+func (x *exchange) onRequestBody(b *extprocv3.HttpBody) reply {
 	if x.requestDone || !x.headersSeen {
 		x.obs.log.V(1).Info("dropping request body after its end", "requestID", x.req.RequestID, "bytes", len(b.GetBody()))
-		return false, nil
+		return reply{}
 	}
 	// Only FULL_DUPLEX cuts a body into several messages, and a first one with
 	// end_of_stream is the whole body there too.
@@ -159,7 +193,7 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) (bool, error) {
 	case filterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
 		if !b.GetEndOfStream() {
 			x.req.Arrived(x.body.bytes()) // validate while the rest is on its way
-			return false, nil
+			return reply{}
 		}
 		return x.finishDuplex(false)
 	case filterv3.ProcessingMode_BUFFERED_PARTIAL:
@@ -173,42 +207,38 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) (bool, error) {
 	return x.finishBuffered()
 }
 
-func (x *exchange) onRequestTrailers() (bool, error) {
+func (x *exchange) onRequestTrailers() reply {
 	if x.requestMode() == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED && x.headersSeen && !x.requestDone {
 		// Trailers end a FULL_DUPLEX body whose last chunk had no end_of_stream.
 		return x.finishDuplex(true)
 	}
-	return false, x.out.Send(continueReply("request_trailers"))
+	return answer(continueRequestTrailers())
 }
 
 // finishDuplex routes a complete FULL_DUPLEX request: the held headers reply with
 // the routing, then the new body as streamed chunks, then (with trailers) the
 // trailers reply.
-func (x *exchange) finishDuplex(trailers bool) (bool, error) {
+func (x *exchange) finishDuplex(trailers bool) reply {
 	x.requestDone = true
 	d, err := x.route(false)
 	if err != nil {
 		return x.fail(err)
 	}
 	x.decision = d
-	if err := x.out.Send(headersReply(d, x.req.RequestID)); err != nil {
-		return false, err
-	}
 	cut := d.Body.Chunks(maxStreamedChunk)
+	msgs := make([]*extprocv3.ProcessingResponse, 0, len(cut)+2)
+	msgs = append(msgs, headersReply(d, x.req.RequestID))
 	for i, c := range cut {
-		if err := x.out.Send(streamedChunk(true, c, !trailers && i == len(cut)-1)); err != nil {
-			return false, err
-		}
+		msgs = append(msgs, streamedChunk(true, c, !trailers && i == len(cut)-1))
 	}
-	x.routed()
 	if trailers {
-		return false, x.out.Send(continueReply("request_trailers"))
+		msgs = append(msgs, continueRequestTrailers())
 	}
-	return false, nil
+	return reply{msgs: msgs, after: x.routed}
 }
 
 // finishBuffered routes a complete BUFFERED request in the body reply.
-func (x *exchange) finishBuffered() (bool, error) {
+func (x *exchange) finishBuffered() reply {
 	x.requestDone = true
 	d, err := x.route(true)
 	if err != nil {
@@ -221,11 +251,7 @@ func (x *exchange) finishBuffered() (bool, error) {
 	if b := d.Body.Bytes(); !untouched(b, x.body.bytes()) {
 		rewritten = b
 	}
-	if err := x.out.Send(bufferedBodyReply(d, x.req.RequestID, rewritten, x.contentLength >= 0)); err != nil {
-		return false, err
-	}
-	x.routed()
-	return false, nil
+	return reply{msgs: []*extprocv3.ProcessingResponse{bufferedBodyReply(d, x.req.RequestID, rewritten, x.contentLength >= 0)}, after: x.routed}
 }
 
 // routed concludes a request whose routing reply, and every chunk of its new
@@ -248,80 +274,82 @@ func untouched(out, in []byte) bool {
 	return len(out) == len(in) && (len(in) == 0 || &out[0] == &in[0])
 }
 
-// route runs the pipeline on the whole body. With keepAlive, Envoy's message
-// timer is running, and a slow route (a prefill leg) extends it once.
+// route runs the pipeline on the whole body, without mu: the pipeline may
+// take as long as a prefill leg. With keepAlive, Envoy's message timer is
+// running, and a slow route extends it once: the override is sent from its
+// timer, under mu, while the pipeline routes.
 func (x *exchange) route(keepAlive bool) (*pipeline.Decision, error) {
 	x.req.Body, x.req.Keep = x.body.bytes(), &x.body
 	x.opts.Metrics.RequestBody(len(x.req.Body))
+	x.mu.Unlock()
+	defer x.mu.Lock()
 	if keepAlive && x.opts.OverrideAfter > 0 {
 		sent := make(chan struct{})
 		timer := time.AfterFunc(x.opts.OverrideAfter, func() {
 			defer close(sent)
-			if err := x.out.Send(overrideReply(x.opts.OverrideTimeout)); err != nil {
+			x.mu.Lock()
+			defer x.mu.Unlock()
+			if _, err := x.send(answer(overrideReply(x.opts.OverrideTimeout))); err != nil {
 				x.obs.log.V(1).Info("sending override_message_timeout failed", "requestID", x.req.RequestID, "error", err.Error())
 			}
 		})
 		defer func() {
 			if !timer.Stop() {
-				<-sent // the override is being sent: the stream is ours again after it
+				<-sent // the override goes before the reply that routes
 			}
 		}()
 	}
 	return x.router.Route(x.ctx, &x.req)
 }
 
-func (x *exchange) onResponseBody(b *extprocv3.HttpBody) error {
+func (x *exchange) onResponseBody(b *extprocv3.HttpBody) reply {
 	if x.responseDone {
-		return nil
+		return reply{}
 	}
 	x.responseDone = b.GetEndOfStream()
 	if x.responseMode() != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
-		return x.out.Send(continueReply("response_body"))
+		return answer(continueResponseBody())
 	}
 	if x.rewriting() {
-		return x.passResponse(b.GetBody(), b.GetEndOfStream(), b.GetEndOfStream())
+		return answer(x.passResponse(b.GetBody(), b.GetEndOfStream(), b.GetEndOfStream())...)
 	}
 	// Echo at once: SSE tokens must keep streaming to the client.
-	return x.out.Send(streamedChunk(false, b.GetBody(), b.GetEndOfStream()))
+	return answer(streamedChunk(false, b.GetBody(), b.GetEndOfStream()))
 }
 
 // onResponseTrailers answers the response's trailers. In FULL_DUPLEX they end
 // the body, so what a rewrite still holds goes before their reply.
-func (x *exchange) onResponseTrailers() error {
+func (x *exchange) onResponseTrailers() reply {
+	var msgs []*extprocv3.ProcessingResponse
 	if x.rewriting() && !x.responseDone && x.responseMode() == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		x.responseDone = true
-		if err := x.passResponse(nil, true, false); err != nil {
-			return err
-		}
+		msgs = x.passResponse(nil, true, false)
 	}
-	return x.out.Send(continueReply("response_trailers"))
+	return answer(append(msgs, continueResponseTrailers())...)
 }
 
 // passResponse gives the rewrite a response chunk (last: the body ends with
-// it, or with the trailers that came) and sends what it lets through as
+// it, or with the trailers that came) and returns what it lets through as
 // FULL_DUPLEX replies, the last with end_of_stream when eos. While it holds a
 // partial event there is nothing to send, and Envoy needs no reply per chunk
-// (docs/envoy.md §2.6); the reply that ends the body is always sent, empty or
-// not.
-func (x *exchange) passResponse(chunk []byte, last, eos bool) error {
+// (docs/envoy.md §2.6); the reply that ends the body is always there, empty
+// or not.
+func (x *exchange) passResponse(chunk []byte, last, eos bool) []*extprocv3.ProcessingResponse {
 	out := x.decision.Rewrite.Body(chunk, last)
 	chunks := [][]byte(out) // almost always the chunk itself, one piece
 	if len(out) > 1 || out.Len() > maxStreamedChunk {
 		chunks = out.Chunks(maxStreamedChunk) // a fixed event or answer, joined; a long answer, cut
 	}
-	sent := false
+	var msgs []*extprocv3.ProcessingResponse
 	for i, c := range chunks {
 		if end := eos && i == len(chunks)-1; len(c) > 0 || end {
-			if err := x.out.Send(streamedChunk(false, c, end)); err != nil {
-				return err
-			}
-			sent = true
+			msgs = append(msgs, streamedChunk(false, c, end))
 		}
 	}
-	if eos && !sent {
-		return x.out.Send(streamedChunk(false, nil, true))
+	if eos && len(msgs) == 0 {
+		msgs = append(msgs, streamedChunk(false, nil, true))
 	}
-	return nil
+	return msgs
 }
 
 // rewriting reports whether the decision rewrites the response (the
@@ -329,19 +357,20 @@ func (x *exchange) passResponse(chunk []byte, last, eos bool) error {
 func (x *exchange) rewriting() bool { return x.decision != nil && x.decision.Rewrite != nil }
 
 // fail ends the exchange with a local reply from Envoy to the client.
-func (x *exchange) fail(err error) (bool, error) {
+func (x *exchange) fail(err error) reply {
 	x.requestDone = true
 	e := pipeline.AsError(err, x.req.RequestID)
 	x.obs.rejected(e, x.ctx.Err() != nil, x.body.bytes())
-	return true, x.out.Send(immediate(e))
+	return reply{msgs: []*extprocv3.ProcessingResponse{immediate(e)}, done: true}
 }
 
 // end closes the exchange when its stream ends, however it ends: the
 // observation first (it may log the body), then what the request held goes
 // back.
 func (x *exchange) end() {
-	x.lim.mu.Lock() // the request's deadline must not fire now
-	defer x.lim.mu.Unlock()
+	x.mu.Lock() // the request's deadline must not fire now, nor after (requestDone)
+	defer x.mu.Unlock()
+	x.requestDone = true
 	x.lim.stop()
 	x.lim.letGo()
 	x.obs.abandon(x.decision, x.body.bytes())

@@ -28,3 +28,13 @@ func (e *Exchange) Handle(m *extprocv3.ProcessingRequest) (done bool, err error)
 
 // Close ends the exchange as the end of its stream does.
 func (e *Exchange) Close() { e.s.close(e.x) }
+
+// Phase is the reply the exchange answers m with, unsent: its messages in
+// order, whether something runs once they are sent, and whether the stream
+// is done. The exchange's state moves on as Handle's would.
+func (e *Exchange) Phase(m *extprocv3.ProcessingRequest) (msgs []*extprocv3.ProcessingResponse, after, done bool) {
+	e.x.mu.Lock()
+	defer e.x.mu.Unlock()
+	r := e.x.phase(m)
+	return r.msgs, r.after != nil, r.done
+}

@@ -1,7 +1,6 @@
 package handlers
 
 import (
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -47,16 +46,11 @@ func (b *budget) give(n int64) {
 // holding is what one exchange holds of the server's limits, and the
 // deadline of its request: from the first message until the request is
 // complete, a timer may refuse it (408) and take back what it holds, from
-// another goroutine than the stream's. While the request is incomplete the
-// stream's goroutine handles each message under mu, so that the two never
-// act on the exchange at once.
+// another goroutine than the stream's, under the exchange's mu.
 type holding struct {
 	streams *atomic.Int64 // the Server's streams holding a slot
 	started bool          // the first message came: a slot was asked for
 	slot    bool          // holds one of the streams
-	// over: the request phase is over for the timer (stream goroutine only).
-	over    bool
-	mu      sync.Mutex
 	timer   *time.Timer
 	expired bool // the timer refused the request
 }
@@ -82,22 +76,12 @@ func (h *holding) letGo() {
 }
 
 // stop ends the request's deadline: its body is complete, or it was
-// answered. Under mu.
+// answered.
 func (h *holding) stop() {
-	h.over = true
 	if h.timer != nil {
 		h.timer.Stop()
 		h.timer = nil // a stream held for a generation need not keep it
 	}
-}
-
-// unlock ends the hold of mu that handle takes while the request phase
-// lasts; once the request is done, the deadline goes with it.
-func (x *exchange) unlock() {
-	if x.requestDone {
-		x.lim.stop()
-	}
-	x.lim.mu.Unlock()
 }
 
 // start admits the stream at its first message and starts the request's
@@ -115,14 +99,14 @@ func (x *exchange) start() {
 // and gives back at once what it holds: a client may keep the stream open
 // after the 408 (Envoy closes it).
 func (x *exchange) expire() {
-	x.lim.mu.Lock()
-	defer x.lim.mu.Unlock()
-	if x.lim.over || x.requestDone {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.requestDone {
 		return
 	}
 	x.lim.expired = true
 	x.opts.Metrics.LimitRefused(metrics.LimitBodyTime)
-	x.fail(pipeline.BodyTimeout(x.opts.BodyTimeout)) // a stream gone meanwhile has nobody to tell
+	x.send(x.fail(pipeline.BodyTimeout(x.opts.BodyTimeout))) // a stream gone meanwhile has nobody to tell
 	x.lim.letGo()
 	x.body.release(false) // no leg was sent: the body never reached routing
 }
