@@ -137,7 +137,7 @@ func (o *observation) conclude(outcome string, e *pipeline.Error, d *pipeline.De
 	processing := max(time.Since(o.start)-rep.PrefillTime, 0)
 	o.metrics.ObserveRequest(metrics.Request{API: api, Mode: rep.Mode, Outcome: outcome, Processing: processing})
 
-	kv := []any{"requestID", o.req.RequestID, "api", api, "mode", modeOrNone(rep.Mode), "reason", rep.Reason, "outcome", outcome,
+	kv := []any{"requestID", o.req.RequestID, "api", api, "mode", modeOrNone(rep.Mode), "reason", rep.Reason.String(), "outcome", outcome,
 		"processing", processing, "prefill", rep.Prefill, "prefillTime", rep.PrefillTime}
 	if d != nil {
 		kv = append(kv, "decode", d.Endpoint)
@@ -169,7 +169,7 @@ func (o *observation) endSpan(api, outcome string, e *pipeline.Error, d *pipelin
 	rep := o.req.Report
 	attrs := []attribute.KeyValue{
 		attribute.String("pd.api", api), attribute.String("pd.mode", modeOrNone(rep.Mode)),
-		attribute.String("pd.reason", rep.Reason), attribute.String("pd.outcome", outcome),
+		attribute.String("pd.reason", rep.Reason.String()), attribute.String("pd.outcome", outcome),
 	}
 	if rep.Prefill != "" {
 		attrs = append(attrs, attribute.String("pd.prefill_endpoint", rep.Prefill))

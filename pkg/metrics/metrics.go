@@ -37,23 +37,38 @@ const (
 	OutcomeCancelled = "cancelled" // the stream ended before the request was routed or rejected (client or Envoy gave up)
 )
 
-// Values of pd_decisions_total{reason}: why a routed request got its mode. The
-// first seven are the P/D decider's (scheduling names them too).
+// Reason is why a routed request got its mode: String is its
+// pd_decisions_total{reason} label, which nothing else reads. The first seven
+// are the P/D decider's; the zero value is no decision yet.
+type Reason uint8
+
 const (
-	ReasonAlways         = "always"          // P/D: pd.mode always
-	ReasonLongPrompt     = "long_prompt"     // P/D: auto, prompt at or above pd.min_prompt_tokens
-	ReasonNever          = "never"           // decode-only: pd.mode never
-	ReasonShortPrompt    = "short_prompt"    // decode-only: auto, prompt below pd.min_prompt_tokens
-	ReasonNGT1           = "n_gt_1"          // decode-only: n > 1 cannot be handed off
-	ReasonBatch          = "batch"           // decode-only: several prompts in one completions request
-	ReasonNoPrefill      = "no_prefill"      // decode-only: no healthy prefill endpoint
-	ReasonPrefillFailed  = "prefill_failed"  // the prefill leg failed (decode-only under on_failure decode-only)
-	ReasonNoBody         = "no_body"         // decode-only: a request without a body (GET /v1/models, body mode NONE)
-	ReasonPassthrough    = "passthrough"     // decode-only: a request of the pass-through list (routes.passthrough)
-	ReasonUnpairedAPI    = "unpaired_api"    // decode-only: an API the connector's engines cannot disaggregate (/v1/messages)
-	ReasonPromptLogprobs = "prompt_logprobs" // decode-only: the request asks for the prompt's logprobs
-	ReasonStoredResponse = "stored_response" // decode-only: a Responses request that continues a stored response or runs in the background
+	ReasonAlways         Reason = iota + 1 // P/D: pd.mode always
+	ReasonLongPrompt                       // P/D: auto, prompt at or above pd.min_prompt_tokens
+	ReasonNever                            // decode-only: pd.mode never
+	ReasonShortPrompt                      // decode-only: auto, prompt below pd.min_prompt_tokens
+	ReasonNGT1                             // decode-only: n > 1 cannot be handed off
+	ReasonBatch                            // decode-only: several prompts in one completions request
+	ReasonNoPrefill                        // decode-only: no healthy prefill endpoint
+	ReasonPrefillFailed                    // the prefill leg failed (decode-only under on_failure decode-only)
+	ReasonNoBody                           // decode-only: a request without a body (GET /v1/models, body mode NONE)
+	ReasonPassthrough                      // decode-only: a request of the pass-through list (routes.passthrough)
+	ReasonUnpairedAPI                      // decode-only: an API the connector's engines cannot disaggregate (/v1/messages)
+	ReasonPromptLogprobs                   // decode-only: the request asks for the prompt's logprobs
+	ReasonStoredResponse                   // decode-only: a Responses request that continues a stored response or runs in the background
 )
+
+var reasonLabels = [...]string{
+	ReasonAlways: "always", ReasonLongPrompt: "long_prompt", ReasonNever: "never", ReasonShortPrompt: "short_prompt",
+	ReasonNGT1: "n_gt_1", ReasonBatch: "batch", ReasonNoPrefill: "no_prefill", ReasonPrefillFailed: "prefill_failed",
+	ReasonNoBody: "no_body", ReasonPassthrough: "passthrough", ReasonUnpairedAPI: "unpaired_api",
+	ReasonPromptLogprobs: "prompt_logprobs", ReasonStoredResponse: "stored_response",
+}
+
+func (r Reason) String() string { return label(reasonLabels[:], r) }
+
+// Reasons are the labels of every Reason, in order.
+func Reasons() []string { return reasonLabels[1:] }
 
 // Values of prefill_duration_seconds{outcome}.
 const (
@@ -62,27 +77,43 @@ const (
 	PrefillCancelled = "cancelled"
 )
 
-// Values of prefill_failures_total{reason}: why one prefill attempt failed.
+// Failure is why one prefill attempt failed: String is its
+// prefill_failures_total{reason} label, which nothing else reads. The zero
+// value is an attempt that did not fail.
+type Failure uint8
+
 const (
-	FailureConnect   = "connect"          // the engine could not be dialled
-	FailureTimeout   = "timeout"          // prefill.attempt_timeout or prefill.timeout expired
-	FailureStatus4xx = "status_4xx"       // the engine rejected the request
-	FailureStatus5xx = "status_5xx"       // the engine answered with its own failure
-	FailureRedirect  = "redirect"         // the engine answered with a redirect, which is not followed
-	FailureTransport = "transport"        // the connection broke while sending or reading
-	FailureCancelled = "cancelled"        // the client left (the ext_proc stream ended) while the leg ran
-	FailureNotSent   = "not_sent"         // net/http refused the leg before connecting (a header value or query of the client's that is not valid HTTP)
-	FailureTooLarge  = "answer_too_large" // a 2xx answer longer than the 8 MiB read: its kv_transfer_params would be lost
+	FailureConnect   Failure = iota + 1 // the engine could not be dialled
+	FailureTimeout                      // prefill.attempt_timeout or prefill.timeout expired
+	FailureStatus4xx                    // the engine rejected the request
+	FailureStatus5xx                    // the engine answered with its own failure
+	FailureRedirect                     // the engine answered with a redirect, which is not followed
+	FailureTransport                    // the connection broke while sending or reading
+	FailureCancelled                    // the client left (the ext_proc stream ended) while the leg ran
+	FailureNotSent                      // net/http refused the leg before connecting (a header value or query of the client's that is not valid HTTP)
+	FailureTooLarge                     // a 2xx answer longer than the 8 MiB read: its kv_transfer_params would be lost
 )
 
+var failureLabels = [...]string{
+	FailureConnect: "connect", FailureTimeout: "timeout", FailureStatus4xx: "status_4xx", FailureStatus5xx: "status_5xx",
+	FailureRedirect: "redirect", FailureTransport: "transport", FailureCancelled: "cancelled", FailureNotSent: "not_sent",
+	FailureTooLarge: "answer_too_large",
+}
+
+func (f Failure) String() string { return label(failureLabels[:], f) }
+
+// label is value's label in labels, "" for the zero value or one past them.
+func label[V ~uint8](labels []string, value V) string {
+	if int(value) < len(labels) {
+		return labels[value]
+	}
+	return ""
+}
+
 var (
-	apis     = api.Labels()
-	modes    = []string{ModePD, ModeDecodeOnly, ModeNone}
-	outcomes = []string{OutcomeRouted, Outcome4xx, Outcome5xx, OutcomeCancelled}
-	// Reasons lists every pd_decisions_total{reason} value.
-	Reasons = []string{ReasonAlways, ReasonLongPrompt, ReasonNever, ReasonShortPrompt, ReasonNGT1, ReasonBatch, ReasonNoPrefill,
-		ReasonPrefillFailed, ReasonNoBody, ReasonPassthrough, ReasonUnpairedAPI, ReasonPromptLogprobs, ReasonStoredResponse}
-	failures      = []string{FailureConnect, FailureTimeout, FailureStatus4xx, FailureStatus5xx, FailureRedirect, FailureTransport, FailureCancelled, FailureNotSent, FailureTooLarge}
+	apis          = api.Labels()
+	modes         = []string{ModePD, ModeDecodeOnly, ModeNone}
+	outcomes      = []string{OutcomeRouted, Outcome4xx, Outcome5xx, OutcomeCancelled}
 	prefillStates = []string{PrefillOK, PrefillFailed, PrefillCancelled}
 )
 
@@ -174,11 +205,11 @@ func (m *Metrics) initSeries() {
 			}
 		}
 	}
-	for _, r := range Reasons {
+	for _, r := range Reasons() {
 		m.decisions.WithLabelValues(r)
 	}
-	for _, r := range failures {
-		m.prefillFailures.WithLabelValues(r)
+	for _, f := range failureLabels[1:] {
+		m.prefillFailures.WithLabelValues(f)
 	}
 	m.processing.WithLabelValues(ModePD)
 	m.processing.WithLabelValues(ModeDecodeOnly)
@@ -242,29 +273,28 @@ func (m *Metrics) RequestBody(n int) {
 	}
 }
 
-// Decision counts a routed request's mode decision; reason is a Reason* value.
-func (m *Metrics) Decision(reason string) {
+// Decision counts a routed request's mode decision.
+func (m *Metrics) Decision(reason Reason) {
 	if m != nil {
-		m.decisions.WithLabelValues(reason).Inc()
+		m.decisions.WithLabelValues(reason.String()).Inc()
 	}
 }
 
-// PrefillAttempt records one prefill leg: failure is "" when it succeeded, else
-// a Failure* value.
-func (m *Metrics) PrefillAttempt(d time.Duration, failure string) {
+// PrefillAttempt records one prefill leg: failure is 0 when it succeeded.
+func (m *Metrics) PrefillAttempt(d time.Duration, failure Failure) {
 	if m == nil {
 		return
 	}
 	outcome := PrefillOK
 	switch failure {
-	case "":
+	case 0:
 	case FailureCancelled:
 		outcome = PrefillCancelled
 	default:
 		outcome = PrefillFailed
 	}
-	if failure != "" {
-		m.prefillFailures.WithLabelValues(failure).Inc()
+	if failure != 0 {
+		m.prefillFailures.WithLabelValues(failure.String()).Inc()
 	}
 	m.prefillDuration.WithLabelValues(outcome).Observe(d.Seconds())
 }

@@ -29,16 +29,16 @@ func TestNilMetricsRecordNothing(t *testing.T) {
 
 func TestPrefillAttemptOutcomes(t *testing.T) {
 	tests := []struct {
-		failure     string
+		failure     Failure
 		wantOutcome string
 	}{
-		{"", PrefillOK},
+		{0, PrefillOK},
 		{FailureStatus5xx, PrefillFailed},
 		{FailureConnect, PrefillFailed},
 		{FailureCancelled, PrefillCancelled},
 	}
 	for _, tt := range tests {
-		t.Run(tt.wantOutcome+"/"+tt.failure, func(t *testing.T) {
+		t.Run(tt.wantOutcome+"/"+tt.failure.String(), func(t *testing.T) {
 			m := New("kv-nixl")
 			m.PrefillAttempt(time.Second, tt.failure)
 			for _, outcome := range prefillStates {
@@ -50,9 +50,9 @@ func TestPrefillAttemptOutcomes(t *testing.T) {
 					t.Errorf("prefill_duration_seconds{outcome=%q} count = %v, want %v", outcome, got, want)
 				}
 			}
-			for _, reason := range failures {
+			for _, reason := range failureLabels[1:] {
 				want := 0.0
-				if reason == tt.failure {
+				if reason == tt.failure.String() {
 					want = 1
 				}
 				if got, _ := sample(t, m, "pd_extproc_prefill_failures_total", map[string]string{"reason": reason}); got != want {
@@ -71,8 +71,8 @@ func TestSeriesExistBeforeTheFirstEvent(t *testing.T) {
 	}{
 		{"pd_extproc_requests_total", map[string]string{"api": api.NameChat, "mode": ModePD, "connector": "kv-sglang", "outcome": OutcomeRouted}},
 		{"pd_extproc_requests_total", map[string]string{"api": api.Other, "mode": ModeNone, "connector": "kv-sglang", "outcome": Outcome4xx}},
-		{"pd_extproc_pd_decisions_total", map[string]string{"reason": ReasonPrefillFailed}},
-		{"pd_extproc_prefill_failures_total", map[string]string{"reason": FailureTimeout}},
+		{"pd_extproc_pd_decisions_total", map[string]string{"reason": ReasonPrefillFailed.String()}},
+		{"pd_extproc_prefill_failures_total", map[string]string{"reason": FailureTimeout.String()}},
 		{"pd_extproc_request_processing_seconds", map[string]string{"mode": ModeDecodeOnly}},
 		{"pd_extproc_kv_params_missing_total", nil},
 		{"pd_extproc_streams_in_flight", nil},
@@ -109,5 +109,25 @@ func TestEndpointGaugesReadTheSourceAtEachScrape(t *testing.T) {
 		if got, _ := sample(t, m, "pd_extproc_endpoint_healthy", labels); got != s.wantUp {
 			t.Errorf("endpoint_healthy = %v, want %v", got, s.wantUp)
 		}
+	}
+}
+
+// The labels are the metrics' contract with dashboards and alerts: every
+// value has one, none is empty or shared, and the zero values have none.
+func TestReasonAndFailureLabels(t *testing.T) {
+	for name, labels := range map[string][]string{"reasons": reasonLabels[:], "failures": failureLabels[:]} {
+		seen := map[string]bool{}
+		for i, l := range labels[1:] {
+			if l == "" || seen[l] {
+				t.Errorf("%s[%d] = %q: empty or repeated", name, i+1, l)
+			}
+			seen[l] = true
+		}
+	}
+	if Reason(0).String() != "" || Failure(0).String() != "" || Reason(200).String() != "" {
+		t.Error("the zero value, or one past the last, has a label")
+	}
+	if ReasonNGT1.String() != "n_gt_1" || FailureTooLarge.String() != "answer_too_large" || len(Reasons()) != 13 {
+		t.Errorf("labels moved: %q, %q, %d reasons", ReasonNGT1, FailureTooLarge, len(Reasons()))
 	}
 }

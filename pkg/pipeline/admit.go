@@ -15,34 +15,34 @@ import (
 const maxPairedSamples = 128
 
 // admit says what the API table makes of a request before scheduling: why it
-// must go to a decode endpoint alone (a metrics reason), "" when it may be
+// must go to a decode endpoint alone (a metrics reason), 0 when it may be
 // disaggregated, or the client's error when the connector's engines cannot
 // serve it as asked. Under a paired connector (kv-sglang), which cannot send
 // anything to a decode engine alone, every such request but a pass-through
 // one is refused.
-func (p *Pipeline) admit(a *api.API, obj *body.Object) (alone string, err error) {
+func (p *Pipeline) admit(a *api.API, obj *body.Object) (alone metrics.Reason, err error) {
 	family := p.connector.Family()
 	switch {
 	case a.IsPassthrough():
 		return metrics.ReasonPassthrough, nil
 	case !a.Serves.Has(family):
-		return "", notServed(a, p.opts.Connector, family)
+		return 0, notServed(a, p.opts.Connector, family)
 	case !a.Pairs.Has(family) && p.connector.Paired():
-		return "", cannotPair(a, p.opts.Connector, a.Unpaired)
+		return 0, cannotPair(a, p.opts.Connector, a.Unpaired)
 	case !a.Pairs.Has(family):
 		return metrics.ReasonUnpairedAPI, nil
 	}
 	switch a.Alone(obj) {
 	case api.PromptLogprobs:
 		if p.connector.Paired() {
-			return "", cannotPair(a, p.opts.Connector, "the request asks for prompt logprobs, which only the prefill engine "+
+			return 0, cannotPair(a, p.opts.Connector, "the request asks for prompt logprobs, which only the prefill engine "+
 				"computes, and this connector cannot send it to a decode engine alone")
 		}
 		return metrics.ReasonPromptLogprobs, nil
 	case api.StoredResponse:
 		return metrics.ReasonStoredResponse, nil // never paired: no paired family disaggregates the Responses API
 	}
-	return "", nil
+	return 0, nil
 }
 
 // rooms are the bootstrap rooms of a kv-sglang request with several samples,

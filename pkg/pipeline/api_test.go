@@ -49,10 +49,10 @@ func TestAPITable(t *testing.T) {
 	const chat = `{"model":"m","messages":[{"role":"user","content":"hi"}]`
 	tests := []struct {
 		name, connector, more string
-		method, path, body    string // body "" routes the headers alone
-		wantStatus            int    // 0: routed
-		wantMessage           string // in the error, or in the decode body when routed
-		wantReason            string // routed: the decision's reason
+		method, path, body    string         // body "" routes the headers alone
+		wantStatus            int            // 0: routed
+		wantMessage           string         // in the error, or in the decode body when routed
+		wantReason            metrics.Reason // routed: the decision's reason
 	}{
 		// vLLM connectors.
 		{name: "chat", connector: "kv-nixl", path: "/v1/chat/completions", body: chat + `}`, wantReason: metrics.ReasonLongPrompt,

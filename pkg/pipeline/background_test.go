@@ -191,7 +191,7 @@ prefill: {on_failure: %s, attempts: 2}`, engines[0].Addr(), engines[1].Addr(), t
 				d.Release()
 			}
 			want := map[bool]float64{true: 0, false: 3}[tt.wantKV]
-			if got := counter(t, m, "pd_extproc_prefill_failures_total", "reason", metrics.FailureTooLarge); got != want {
+			if got := counter(t, m, "pd_extproc_prefill_failures_total", "reason", metrics.FailureTooLarge.String()); got != want {
 				t.Errorf("prefill_failures_total{reason=answer_too_large} = %v, want %v", got, want)
 			}
 			if legs := len(engines[0].Requests()) + len(engines[1].Requests()); legs != 3 {

@@ -21,7 +21,7 @@ func TestOnlyTheEndpointsOwnFailuresEjectIt(t *testing.T) {
 		answer     http.HandlerFunc
 		requestID  string
 		auth       string
-		wantReason string
+		wantReason metrics.Failure
 		wantStatus int  // the client's under on_failure=fail; 0: decode-only under decode-only too
 		ejected    bool // after three requests
 	}{
@@ -60,7 +60,7 @@ prefill: {on_failure: %s, attempts: 1}`, engine.Addr(), onFailure))
 					}
 					d.Release()
 				}
-				if got := counter(t, m, "pd_extproc_prefill_failures_total", "reason", tt.wantReason); got != 3 {
+				if got := counter(t, m, "pd_extproc_prefill_failures_total", "reason", tt.wantReason.String()); got != 3 {
 					t.Errorf("prefill_failures_total{reason=%q} = %v, want 3", tt.wantReason, got)
 				}
 				prefill, _ := p.Pools()

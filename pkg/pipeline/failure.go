@@ -24,7 +24,7 @@ func (e *statusError) Error() string { return fmt.Sprintf("engine answered %d", 
 // client is told are all read from it, so they cannot disagree.
 type attemptError struct {
 	err    error
-	reason string       // a metrics.Failure* value
+	reason metrics.Failure
 	answer *statusError // the engine's own non-2xx answer; nil when none came
 	ended  bool         // the attempt's parent context ended: the client left or prefill.timeout passed
 }

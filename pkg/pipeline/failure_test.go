@@ -34,7 +34,7 @@ func TestClassifyPrefillErrors(t *testing.T) {
 		ctx                             context.Context
 		err                             error
 		unreached                       bool // the transport never began to connect
-		reason                          string
+		reason                          metrics.Failure
 		retry, blamed, blamedConcurrent bool
 		status                          int
 	}{

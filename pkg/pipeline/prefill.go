@@ -54,11 +54,11 @@ func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg
 		if failed.answer != nil {
 			span.SetAttributes(semconv.HTTPResponseStatusCode(failed.answer.status))
 		}
-		span.SetAttributes(attribute.String("error.type", failed.reason))
+		span.SetAttributes(attribute.String("error.type", failed.reason.String()))
 		span.SetStatus(codes.Error, err.Error())
 		return prefillAnswer{}, failed
 	}
-	p.metrics.PrefillAttempt(time.Since(start), "")
+	p.metrics.PrefillAttempt(time.Since(start), 0)
 	span.SetAttributes(semconv.HTTPResponseStatusCode(http.StatusOK), attribute.Bool("pd.kv_transfer_params", answer.params != nil))
 	return answer, nil
 }

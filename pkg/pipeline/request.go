@@ -66,11 +66,11 @@ func (r *Request) BodyHeld() bool { return r.Report.Prefill != "" }
 // Report is what routing one request did. On a failure it holds what was
 // reached: a prefill failure under on_failure=fail keeps Mode pd.
 type Report struct {
-	Mode        string        // ModePD or ModeDecodeOnly; "" when no mode was chosen
-	Reason      string        // why that mode: a metrics.Reason* value
-	Decode      string        // decode endpoint
-	Prefill     string        // prefill endpoint of the last attempt; "" when no prefill leg was sent
-	PrefillTime time.Duration // time spent waiting on sequential prefill legs, retries included
+	Mode        string         // ModePD or ModeDecodeOnly; "" when no mode was chosen
+	Reason      metrics.Reason // why that mode
+	Decode      string         // decode endpoint
+	Prefill     string         // prefill endpoint of the last attempt; "" when no prefill leg was sent
+	PrefillTime time.Duration  // time spent waiting on sequential prefill legs, retries included
 }
 
 // Modes of a routed request.

@@ -129,7 +129,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	rep.Reason = decision.Reason
 	switch {
 	case decision.PD:
-	case p.connector.Paired() && decision.Reason == scheduling.ReasonNoPrefill: // the decode engines serve only pairs
+	case p.connector.Paired() && decision.Reason == metrics.ReasonNoPrefill: // the decode engines serve only pairs
 		return nil, noPrefillEndpoint()
 	default:
 		rep.Mode = ModeDecodeOnly

@@ -5,22 +5,11 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
-// Why a request went P/D or decode-only: the pd_decisions_total{reason}
-// labels metrics declares, so the set stays closed.
-const (
-	ReasonAlways      = metrics.ReasonAlways      // pd.mode: always
-	ReasonLongPrompt  = metrics.ReasonLongPrompt  // auto, prompt at or above pd.min_prompt_tokens
-	ReasonNever       = metrics.ReasonNever       // pd.mode: never
-	ReasonShortPrompt = metrics.ReasonShortPrompt // auto, prompt below pd.min_prompt_tokens
-	ReasonMultipleN   = metrics.ReasonNGT1        // several choices: engines cannot hand off n > 1
-	ReasonBatch       = metrics.ReasonBatch       // several prompts in one completions request
-	ReasonNoPrefill   = metrics.ReasonNoPrefill   // no healthy prefill endpoint
-)
-
-// Decision says whether a request is disaggregated, and why.
-type Decision struct {
+// Split says whether a request is disaggregated, and why (the reasons are
+// metrics', so that the pd_decisions_total{reason} set stays closed).
+type Split struct {
 	PD     bool
-	Reason string
+	Reason metrics.Reason
 }
 
 // Decider chooses P/D or decode-only per request. It is separate from the
@@ -41,22 +30,22 @@ func newDecider(spec Spec) *Decider {
 // engines the only decode-only reasons left are the request's own Alone and
 // no_prefill (config refuses never and min_prompt_tokens for them), which the
 // caller must then refuse.
-func (d *Decider) Decide(req *Request, prefill *Pool) Decision {
+func (d *Decider) Decide(req *Request, prefill *Pool) Split {
 	switch {
-	case req != nil && req.Alone != "":
-		return Decision{Reason: req.Alone}
+	case req != nil && req.Alone != 0:
+		return Split{Reason: req.Alone}
 	case d.cfg.Mode == config.PDNever:
-		return Decision{Reason: ReasonNever}
+		return Split{Reason: metrics.ReasonNever}
 	case req != nil && req.N > 1 && !d.paired:
-		return Decision{Reason: ReasonMultipleN}
+		return Split{Reason: metrics.ReasonNGT1}
 	case req != nil && req.Prompts > 1 && !d.paired:
-		return Decision{Reason: ReasonBatch}
+		return Split{Reason: metrics.ReasonBatch}
 	case d.cfg.Mode == config.PDAuto && d.cfg.MinPromptTokens > 0 && req.PromptTokens(d.cfg.CharsPerToken) < d.cfg.MinPromptTokens:
-		return Decision{Reason: ReasonShortPrompt}
+		return Split{Reason: metrics.ReasonShortPrompt}
 	case !prefill.Ready():
-		return Decision{Reason: ReasonNoPrefill}
+		return Split{Reason: metrics.ReasonNoPrefill}
 	case d.cfg.Mode == config.PDAlways:
-		return Decision{PD: true, Reason: ReasonAlways}
+		return Split{PD: true, Reason: metrics.ReasonAlways}
 	}
-	return Decision{PD: true, Reason: ReasonLongPrompt}
+	return Split{PD: true, Reason: metrics.ReasonLongPrompt}
 }

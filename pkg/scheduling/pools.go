@@ -90,7 +90,7 @@ func (ps *Pools) Update(spec Spec) {
 }
 
 // Decide chooses P/D or decode-only for req.
-func (ps *Pools) Decide(req *Request) Decision {
+func (ps *Pools) Decide(req *Request) Split {
 	return ps.decider.Load().Decide(req, ps.Prefill)
 }
 

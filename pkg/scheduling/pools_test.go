@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
 // engine is a test engine serving /health and /metrics.
@@ -75,7 +76,7 @@ func TestPoolsUpdateAppliesPDThresholds(t *testing.T) {
 		t.Fatalf("Decide() = %+v with defaults, want P/D", d)
 	}
 	ps.Update(Spec{Prefill: PoolSpec{Endpoints: []string{"a"}}, Decode: PoolSpec{Endpoints: []string{"b"}}, PD: config.PD{MinPromptTokens: 11}})
-	if d := ps.Decide(req); d.PD || d.Reason != ReasonShortPrompt {
+	if d := ps.Decide(req); d.PD || d.Reason != metrics.ReasonShortPrompt {
 		t.Fatalf("Decide() = %+v after raising the threshold, want decode-only", d)
 	}
 }

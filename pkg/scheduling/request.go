@@ -4,6 +4,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
 // Request is what scheduling reads of one client request. The zero value (or
@@ -16,8 +17,8 @@ type Request struct {
 	// Subset restricts picking to an endpoint-picker subset hint.
 	Subset Subset
 	// Alone, when set, is why the request's API sends it to a decode
-	// endpoint alone (a decision reason); the decider returns it first.
-	Alone string
+	// endpoint alone; the decider returns it first.
+	Alone metrics.Reason
 
 	prompt *api.Prompt // read as the request's API reads it; nil for none
 }

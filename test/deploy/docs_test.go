@@ -121,8 +121,8 @@ func TestDocsNameDecisionReasonsThatExist(t *testing.T) {
 				values = strings.Split(m[2], "|")
 			}
 			for _, v := range values {
-				if !slices.Contains(metrics.Reasons, v) {
-					t.Errorf("%s selects pd_extproc_pd_decisions_total{reason=%q}, which is no reason of the metric (%v)", rel, v, metrics.Reasons)
+				if !slices.Contains(metrics.Reasons(), v) {
+					t.Errorf("%s selects pd_extproc_pd_decisions_total{reason=%q}, which is no reason of the metric (%v)", rel, v, metrics.Reasons())
 				}
 			}
 		}
