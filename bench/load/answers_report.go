@@ -26,15 +26,15 @@ func (r *Report) writeAnswers(w io.Writer, targets []string, concs []int) {
 	if len(r.Answers) == 0 {
 		return
 	}
-	fmt.Fprint(w, "### Response path: streamed answers\n\n")
-	fmt.Fprintln(w, "After each request (FULL_DUPLEX_STREAMED, 4 KiB, the fake prefill), the driver plays a streamed answer")
-	fmt.Fprintln(w, "with FULL_DUPLEX_STREAMED response bodies: a role event, the token events, the usage event and [DONE],")
-	fmt.Fprintln(w, "one event per chunk, each sent when the previous one's reply is back. `pd-fake` passes the answer")
-	fmt.Fprintln(w, "through; `pd-usage` (response.rewrite_usage) reads every chunk and rewrites the usage event.")
-	fmt.Fprintln(w, "Latencies are per chunk, from its send to its reply; `CPU µs/chunk` is the server's CPU over the")
-	fmt.Fprint(w, "chunks, each answer's request path included.\n\n")
-	fmt.Fprintln(w, "| c | round | target | answers | chunks | chunks/s | chunk p50 ms | chunk p99 ms | CPU s | CPU µs/chunk | driver s | others s | goroutines before→after | errors |")
-	fmt.Fprintln(w, "|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+	section(w, "Response path: streamed answers",
+		"After each request (FULL_DUPLEX_STREAMED, 4 KiB, the fake prefill), the driver plays a streamed answer",
+		"with FULL_DUPLEX_STREAMED response bodies: a role event, the token events, the usage event and [DONE],",
+		"one event per chunk, each sent when the previous one's reply is back. `pd-fake` passes the answer",
+		"through; `pd-usage` (response.rewrite_usage) reads every chunk and rewrites the usage event.",
+		"Latencies are per chunk, from its send to its reply; `CPU µs/chunk` is the server's CPU over the",
+		"chunks, each answer's request path included.")
+	tableHead(w, "c", "round", "<target", "answers", "chunks", "chunks/s", "chunk p50 ms", "chunk p99 ms", "CPU s", "CPU µs/chunk",
+		"driver s", "others s", "goroutines before→after", "errors")
 	for _, conc := range concs {
 		for round := range answerRounds {
 			for _, t := range targets {
@@ -49,11 +49,10 @@ func (r *Report) writeAnswers(w io.Writer, targets []string, concs []int) {
 		}
 	}
 	fmt.Fprintln(w)
-	fmt.Fprintln(w, "Usage rewriting against pass-through, the same run (`pd-usage` ÷ `pd-fake`). CPU: over both rounds")
-	fmt.Fprintln(w, "(`+µs/chunk`: the CPU it adds per chunk); latency: the mean of the two rounds' ratios. The second")
-	fmt.Fprint(w, "round runs the two in the reverse order, so the machine's drift between cells cancels out.\n\n")
-	fmt.Fprintln(w, "| c | CPU/chunk | +µs/chunk | chunk p50 | chunk p99 |")
-	fmt.Fprintln(w, "|--:|--:|--:|--:|--:|")
+	prose(w, "Usage rewriting against pass-through, the same run (`pd-usage` ÷ `pd-fake`). CPU: over both rounds",
+		"(`+µs/chunk`: the CPU it adds per chunk); latency: the mean of the two rounds' ratios. The second",
+		"round runs the two in the reverse order, so the machine's drift between cells cancels out.")
+	tableHead(w, "c", "CPU/chunk", "+µs/chunk", "chunk p50", "chunk p99")
 	for _, conc := range concs {
 		var cpu [2]float64 // pass-through, rewriting: CPU seconds
 		var chunks [2]int

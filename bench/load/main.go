@@ -8,17 +8,16 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
-	"os/signal"
 	"runtime"
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
@@ -63,30 +62,16 @@ func main() {
 		"response cells' targets: pd-fake passes the answer through, pd-usage rewrites its usage (echo: the floor)")
 	flag.StringVar(&o.answerConcs, "answer-conc", "1,64", "response cells' concurrent streams")
 	flag.Parse()
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, o); err != nil {
-		fmt.Fprintln(os.Stderr, "load:", err)
-		os.Exit(1)
-	}
+	testbed.Main("load", func(ctx context.Context) error { return run(ctx, o) })
 }
 
 func run(ctx context.Context, o options) error {
 	targets := splitList(o.targets)
-	modes, err := parseList(o.modes, parseMode)
-	if err != nil {
-		return err
-	}
-	sizes, err := parseList(o.sizes, parseSize)
-	if err != nil {
-		return err
-	}
-	concs, err := parseList(o.concs, parseConc)
-	if err != nil {
-		return err
-	}
-	answerConcs, err := parseList(o.answerConcs, parseConc)
-	if err != nil {
+	modes, errModes := parseList(o.modes, parseMode)
+	sizes, errSizes := parseList(o.sizes, parseSize)
+	concs, errConcs := parseList(o.concs, parseConc)
+	answerConcs, errAnswers := parseList(o.answerConcs, parseConc)
+	if err := errors.Join(errModes, errSizes, errConcs, errAnswers); err != nil {
 		return err
 	}
 	answerTargets := splitList(o.answerTargets)
@@ -97,6 +82,7 @@ func run(ctx context.Context, o options) error {
 		return err
 	}
 	if o.logDir == "" {
+		var err error
 		if o.logDir, err = os.MkdirTemp("", "pd-bench-"); err != nil {
 			return err
 		}

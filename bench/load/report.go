@@ -74,7 +74,7 @@ func (r *Report) Write(w io.Writer, l *Launcher, modes []Mode, sizes, concs []in
 		r.writeTargets(w, l, modes, sizes, concs, targets)
 	}
 	if len(r.Failed) > 0 {
-		fmt.Fprint(w, "### Cells that did not run\n\n")
+		section(w, "Cells that did not run")
 		for _, f := range r.Failed {
 			fmt.Fprintf(w, "- %s\n", f)
 		}
@@ -86,11 +86,10 @@ func (r *Report) writeRTT(w io.Writer) {
 	if len(r.RTT) == 0 {
 		return
 	}
-	fmt.Fprint(w, "### Loopback HTTP round trip to the prefill simulator\n\n")
-	fmt.Fprintln(w, "One request at a time on a kept-alive connection. `small` is a one-line chat's prefill leg;")
-	fmt.Fprint(w, "the others are the prefill legs extproc sends for the benchmark bodies.\n\n")
-	fmt.Fprintln(w, "| simulator | prefill leg | bytes | requests | p50 ms | p99 ms |")
-	fmt.Fprintln(w, "|---|---|--:|--:|--:|--:|")
+	section(w, "Loopback HTTP round trip to the prefill simulator",
+		"One request at a time on a kept-alive connection. `small` is a one-line chat's prefill leg;",
+		"the others are the prefill legs extproc sends for the benchmark bodies.")
+	tableHead(w, "<simulator", "<prefill leg", "bytes", "requests", "p50 ms", "p99 ms")
 	for _, x := range r.RTT {
 		fmt.Fprintf(w, "| %s | %s | %d | %d | %s | %s |\n", x.Sim, x.Name, x.BodyBytes, x.Requests, ms(x.P50), ms(x.P99))
 	}
@@ -98,13 +97,13 @@ func (r *Report) writeRTT(w io.Writer) {
 }
 
 func (r *Report) writeMode(w io.Writer, mode Mode, sizes, concs []int, targets []string) {
-	fmt.Fprintf(w, "### %s\n\n", mode)
-	fmt.Fprintln(w, "CPU, RSS and goroutines are of the ext_proc server process. `CPU ms/req`: its CPU per request;")
-	fmt.Fprintln(w, "`prefill`, `driver`: CPU seconds of the prefill simulator and of the load driver; `others`: CPU")
-	fmt.Fprintln(w, "seconds used by the rest of the machine meanwhile (noise). `mem/in-flight`: (peak RSS − idle RSS) /")
-	fmt.Fprint(w, "concurrency / body size.\n\n")
-	fmt.Fprintln(w, "| body | c | target | requests | req/s | p50 ms | p99 ms | CPU s | CPU ms/req | prefill s | driver s | others s | idle RSS MiB | peak RSS MiB | mem/in-flight (× body) | goroutines before→after | errors |")
-	fmt.Fprintln(w, "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+	section(w, mode.String(),
+		"CPU, RSS and goroutines are of the ext_proc server process. `CPU ms/req`: its CPU per request;",
+		"`prefill`, `driver`: CPU seconds of the prefill simulator and of the load driver; `others`: CPU",
+		"seconds used by the rest of the machine meanwhile (noise). `mem/in-flight`: (peak RSS − idle RSS) /",
+		"concurrency / body size.")
+	tableHead(w, "<body", "c", "<target", "requests", "req/s", "p50 ms", "p99 ms", "CPU s", "CPU ms/req", "prefill s", "driver s",
+		"others s", "idle RSS MiB", "peak RSS MiB", "mem/in-flight (× body)", "goroutines before→after", "errors")
 	for _, size := range sizes {
 		for _, conc := range concs {
 			for _, target := range targets {
@@ -132,11 +131,11 @@ func pdBudget(echoP99, rttP99 time.Duration) time.Duration {
 }
 
 func (r *Report) writeRatios(w io.Writer, l *Launcher, modes []Mode, sizes, concs []int, targets []string) {
-	fmt.Fprint(w, "### Ratios to the floor (echo)\n\n")
-	fmt.Fprintf(w, "`÷ budget` is the target's p99 over %.1f × echo p99 + the small-POST loopback RTT p99 of its prefill\n", latencyFactor)
-	fmt.Fprintln(w, "simulator (≤ 1 meets the P/D target); `÷ leg budget` uses the RTT of the same-size prefill leg")
-	fmt.Fprintln(w, "instead, which includes the simulator's own work on the prompt. `CPU` is server CPU per request, the")
-	fmt.Fprint(w, "steadiest figure on a shared machine: at c ≥ 64 the CPUs are saturated and latency follows it.\n\n")
+	section(w, "Ratios to the floor (echo)",
+		fmt.Sprintf("`÷ budget` is the target's p99 over %.1f × echo p99 + the small-POST loopback RTT p99 of its prefill", latencyFactor),
+		"simulator (≤ 1 meets the P/D target); `÷ leg budget` uses the RTT of the same-size prefill leg",
+		"instead, which includes the simulator's own work on the prompt. `CPU` is server CPU per request, the",
+		"steadiest figure on a shared machine: at c ≥ 64 the CPUs are saturated and latency follows it.")
 	cols := []string{"mode", "body", "c"}
 	for _, t := range targets {
 		switch {
@@ -146,7 +145,7 @@ func (r *Report) writeRatios(w io.Writer, l *Launcher, modes []Mode, sizes, conc
 			cols = append(cols, t+"/echo p50", t+"/echo p99", t+" p99 ÷ budget", t+" p99 ÷ leg budget")
 		}
 	}
-	fmt.Fprintf(w, "| %s |\n|---|---|--:%s|\n", strings.Join(cols, " | "), strings.Repeat("|--:", len(cols)-3))
+	tableHead(w, append([]string{"<" + cols[0], "<" + cols[1]}, cols[2:]...)...)
 	for _, mode := range modes {
 		for _, size := range sizes {
 			for _, conc := range concs {
@@ -272,9 +271,8 @@ func (r *Report) writeTargets(w io.Writer, l *Launcher, modes []Mode, sizes, con
 			}
 		}
 	}
-	fmt.Fprint(w, "### Targets\n\n")
-	fmt.Fprintln(w, "| target | cells met | worst value (cell) | verdict |")
-	fmt.Fprintln(w, "|---|--:|---|---|")
+	section(w, "Targets")
+	tableHead(w, "<target", "cells met", "<worst value (cell)", "<verdict")
 	decP50.row(w, fmt.Sprintf("decode-only p50 ≤ %.1f× echo p50 (ratio)", latencyFactor))
 	decP99.row(w, fmt.Sprintf("decode-only p99 ≤ %.1f× echo p99 (ratio)", latencyFactor))
 	for _, t := range targets {
@@ -343,3 +341,36 @@ func ms(d time.Duration) string {
 }
 
 func mib(b uint64) float64 { return float64(b) / (1 << 20) }
+
+// section starts a section of the report: its title, then its prose, a line
+// each.
+func section(w io.Writer, title string, lines ...string) {
+	fmt.Fprintf(w, "### %s\n\n", title)
+	prose(w, lines...)
+}
+
+// prose writes lines, then a blank line when there were any.
+func prose(w io.Writer, lines ...string) {
+	for _, l := range lines {
+		fmt.Fprintln(w, l)
+	}
+	if len(lines) > 0 {
+		fmt.Fprintln(w)
+	}
+}
+
+// tableHead writes a table's header: its columns, right-aligned (figures)
+// but those named with a leading "<" (words).
+func tableHead(w io.Writer, cols ...string) {
+	var names, align strings.Builder
+	for _, c := range cols {
+		name, left := strings.CutPrefix(c, "<")
+		names.WriteString("| " + name + " ")
+		if left {
+			align.WriteString("|---")
+		} else {
+			align.WriteString("|--:")
+		}
+	}
+	fmt.Fprintf(w, "%s|\n%s|\n", names.String(), align.String())
+}

@@ -175,7 +175,7 @@ func (l *Launcher) startExtproc(ctx context.Context, g *group, config string) (*
 // startEcho starts the echo server, ready once its gRPC health service answers.
 func (l *Launcher) startEcho(ctx context.Context, g *group) (*Process, error) {
 	return l.start(ctx, g, "echo", func(p *Process) testbed.ProcessConfig {
-		p.GRPCAddr, p.AdminAddr = freeAddr(), freeAddr()
+		p.GRPCAddr, p.AdminAddr = testbed.FreeAddrNow(), testbed.FreeAddrNow()
 		return testbed.ProcessConfig{
 			Bin: filepath.Join(l.BinDir, "echo"), Args: []string{"--grpc-addr", p.GRPCAddr, "--admin-addr", p.AdminAddr},
 			Ready: func(ctx context.Context) error { return grpcHealthy(ctx, p.GRPCAddr) },
@@ -203,7 +203,7 @@ func (l *Launcher) StartPrefill(ctx context.Context, g *group, sim string) (*Pro
 		return nil, fmt.Errorf("prefill simulator %q: want %s or %s", sim, SimPdsim, SimFake)
 	}
 	return l.start(ctx, g, sim+"-prefill", func(p *Process) testbed.ProcessConfig {
-		p.HTTPAddr = freeAddr()
+		p.HTTPAddr = testbed.FreeAddrNow()
 		return testbed.ProcessConfig{
 			Bin: bin, Args: append(slices.Clip(args), "--addr", p.HTTPAddr),
 			Ready: testbed.HTTPOK("http://" + p.HTTPAddr + "/health"),
@@ -240,16 +240,6 @@ func (l *Launcher) logFile(g *group, name string) (*os.File, error) {
 	}
 	g.logs = append(g.logs, f)
 	return f, nil
-}
-
-// freeAddr returns a loopback address with a port free at the time of the
-// call; start picks another when the child loses the race for it.
-func freeAddr() string {
-	addr, err := testbed.FreeAddr()
-	if err != nil {
-		panic(err)
-	}
-	return addr
 }
 
 func grpcHealthy(ctx context.Context, addr string) error {

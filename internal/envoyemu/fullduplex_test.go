@@ -203,14 +203,8 @@ func TestFullDuplexStrictReplies(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			up := startUpstream(t)
-			p := startProxy(t, loadShipped(t, "envoy.yaml"), func(s *procStream) error {
-				s.next()
-				body, _, ok := readRequestBody(s)
-				if !ok {
-					return nil
-				}
-				tc.script(s, up.addr, body)
+			p, up := startOnBody(t, func(s *procStream, upstream string, body []byte) error {
+				tc.script(s, upstream, body)
 				if strings.HasPrefix(tc.name, "server ends") {
 					return status.Error(codes.Internal, "boom")
 				}

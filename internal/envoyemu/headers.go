@@ -143,6 +143,16 @@ func isTokenChar(c byte) bool {
 	return strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0
 }
 
+// isToken reports whether s is a non-empty RFC 9110 token.
+func isToken(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if !isTokenChar(s[i]) {
+			return false
+		}
+	}
+	return s != ""
+}
+
 // headerNameIsValid mirrors Envoy's HeaderUtility::headerNameIsValid:
 // pseudo-headers use HTTP/2 rules (lower-case only), other names HTTP/1 token
 // rules.
@@ -150,24 +160,10 @@ func headerNameIsValid(name string) bool {
 	if name == "" {
 		return false
 	}
-	if name[0] == ':' {
-		if len(name) == 1 {
-			return false
-		}
-		for i := 1; i < len(name); i++ {
-			c := name[i]
-			if !isTokenChar(c) || (c >= 'A' && c <= 'Z') {
-				return false
-			}
-		}
-		return true
+	if pseudo, ok := strings.CutPrefix(name, ":"); ok {
+		return pseudo != "" && isToken(pseudo) && strings.ToLower(pseudo) == pseudo
 	}
-	for i := 0; i < len(name); i++ {
-		if !isTokenChar(name[i]) {
-			return false
-		}
-	}
-	return true
+	return isToken(name)
 }
 
 // headerValueIsValid follows nghttp2's check: HTAB, SP, VCHAR and obs-text.

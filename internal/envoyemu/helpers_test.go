@@ -247,6 +247,23 @@ type upstream struct {
 
 // startUpstream is an engine stand-in that records each request and answers
 // "upstream:" + body.
+// startOnBody starts an upstream, and the shipped envoy.yaml in front of it
+// with an ext_proc server that reads the request headers and the whole body
+// and hands the body to script, with the upstream's address; a stream whose
+// body does not come whole ends quietly.
+func startOnBody(t testing.TB, script func(s *procStream, upstream string, body []byte) error) (*Proxy, *upstream) {
+	t.Helper()
+	up := startUpstream(t)
+	return startProxy(t, loadShipped(t, "envoy.yaml"), func(s *procStream) error {
+		s.next()
+		body, _, ok := readRequestBody(s)
+		if !ok {
+			return nil
+		}
+		return script(s, up.addr, body)
+	}), up
+}
+
 func startUpstream(t testing.TB) *upstream {
 	t.Helper()
 	return startUpstreamWith(t, nil)

@@ -119,14 +119,7 @@ func isValidValue(name, value string) bool {
 		n, err := strconv.Atoi(value)
 		return err == nil && n >= 200 && n <= 999
 	case ":method":
-		if value == "" {
-			return false
-		}
-		for i := 0; i < len(value); i++ {
-			if !isTokenChar(value[i]) {
-				return false
-			}
-		}
+		return isToken(value)
 	}
 	return true
 }

@@ -136,16 +136,10 @@ func TestRouteTimeout(t *testing.T) {
 // headers reply set; metadata arriving with a later body reply is too late,
 // even when the headers were still held.
 func TestFullDuplexRoutingPoint(t *testing.T) {
-	up := startUpstream(t)
-	p := startProxy(t, loadShipped(t, "envoy.yaml"), func(s *procStream) error {
-		s.next()
-		body, _, ok := readRequestBody(s)
-		if !ok {
-			return nil
-		}
+	p, _ := startOnBody(t, func(s *procStream, upstream string, body []byte) error {
 		s.reply(requestHeadersReply(&extprocv3.CommonResponse{}, nil))
 		r := requestBodyReply(streamedMutation(body, true))
-		r.DynamicMetadata = lbMetadata("envoy.lb", up.addr)
+		r.DynamicMetadata = lbMetadata("envoy.lb", upstream)
 		s.reply(r)
 		passResponse(s)
 		return nil

@@ -10,13 +10,16 @@ package testbed
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"net"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"slices"
 	"sync"
+	"syscall"
 
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 )
@@ -170,4 +173,27 @@ func FindTool(name string) string {
 		}
 	}
 	return ""
+}
+
+// FreeAddrNow is FreeAddr for the benchmark programs, which have no test to
+// fail: it panics on the error, which only a machine out of ports gives.
+func FreeAddrNow() string {
+	addr, err := FreeAddr()
+	if err != nil {
+		panic(err)
+	}
+	return addr
+}
+
+// Main runs one of the repository's programs (a benchmark driver, the scale
+// run): run gets a context that ends at SIGTERM or an interrupt, and its
+// error exits 1, printed after name.
+func Main(name string, run func(context.Context) error) {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, name+":", err)
+		stop()
+		os.Exit(1)
+	}
 }

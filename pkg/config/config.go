@@ -136,7 +136,7 @@ const (
 	// DefaultMaxConcurrentStreams keeps a replica's memory bounded: each stream
 	// may hold a body up to limits.max_body_bytes (and its rewritten copy).
 	DefaultMaxConcurrentStreams = 1024
-	DefaultPrefillTimout        = 30 * time.Second
+	DefaultPrefillTimeout       = 30 * time.Second
 	DefaultBodyTimeout          = 60 * time.Second
 	// DefaultMaxConnsPerEndpoint: twice the keep-alive pool, so that a burst
 	// still opens connections, but a flood of kv-sglang legs (each holds its
@@ -167,50 +167,32 @@ func Load(path string) (*Config, error) {
 	return Parse(data)
 }
 
+// orDefault sets *v to def when it is the zero value: a key left out.
+func orDefault[T comparable](v *T, def T) {
+	var zero T
+	if *v == zero {
+		*v = def
+	}
+}
+
 func (c *Config) setDefaults() {
-	if c.Connector == "" {
-		c.Connector = kv.DefaultKVConnectorName
-	}
-	if c.Pools.Prefill.BootstrapPort == 0 {
-		c.Pools.Prefill.BootstrapPort = DefaultBootstrapPort
-	}
-	if c.Prefill.Timeout == 0 {
-		c.Prefill.Timeout = Duration(DefaultPrefillTimout)
-	}
-	if c.Prefill.MaxIdleConnsPerEndpoint == 0 {
-		c.Prefill.MaxIdleConnsPerEndpoint = 256
-	}
-	if c.Prefill.MaxConnsPerEndpoint == 0 {
-		c.Prefill.MaxConnsPerEndpoint = DefaultMaxConnsPerEndpoint
-	}
-	if c.Prefill.OnFailure == "" {
-		c.Prefill.OnFailure = OnFailureDecodeOnly
-	}
-	if c.Limits.MaxBodyBytes == 0 {
-		c.Limits.MaxBodyBytes = DefaultMaxBodyBytes
-	}
-	if c.Limits.MaxConcurrentStreams == 0 {
-		c.Limits.MaxConcurrentStreams = DefaultMaxConcurrentStreams
-	}
-	if c.Prefill.MaxBackground == 0 {
-		c.Prefill.MaxBackground = c.Limits.MaxConcurrentStreams
-	}
-	if c.Limits.RetryAfter == 0 {
-		c.Limits.RetryAfter = Duration(time.Second)
-	}
-	if c.Limits.BodyTimeout == 0 {
-		c.Limits.BodyTimeout = Duration(DefaultBodyTimeout)
-	}
+	orDefault(&c.Connector, kv.DefaultKVConnectorName)
+	orDefault(&c.Pools.Prefill.BootstrapPort, DefaultBootstrapPort)
+	orDefault(&c.Prefill.Timeout, Duration(DefaultPrefillTimeout))
+	orDefault(&c.Prefill.MaxIdleConnsPerEndpoint, 256)
+	orDefault(&c.Prefill.MaxConnsPerEndpoint, DefaultMaxConnsPerEndpoint)
+	orDefault(&c.Prefill.OnFailure, OnFailureDecodeOnly)
+	orDefault(&c.Limits.MaxBodyBytes, DefaultMaxBodyBytes)
+	orDefault(&c.Limits.MaxConcurrentStreams, DefaultMaxConcurrentStreams)
+	orDefault(&c.Prefill.MaxBackground, c.Limits.MaxConcurrentStreams)
+	orDefault(&c.Limits.RetryAfter, Duration(time.Second))
+	orDefault(&c.Limits.BodyTimeout, Duration(DefaultBodyTimeout))
 	if c.Limits.MaxBufferedBytes == 0 {
 		// One body of the largest size must always fit.
 		c.Limits.MaxBufferedBytes = max(DefaultMaxBufferedBytes(cgroupFS), c.Limits.MaxBodyBytes)
 	}
-	if c.Envoy.OverrideAfter == 0 {
-		c.Envoy.OverrideAfter = Duration(150 * time.Millisecond)
-	}
-	if c.Envoy.OverrideMessageTimeout == 0 {
-		c.Envoy.OverrideMessageTimeout = c.Prefill.Timeout + Duration(30*time.Second)
-	}
+	orDefault(&c.Envoy.OverrideAfter, Duration(150*time.Millisecond))
+	orDefault(&c.Envoy.OverrideMessageTimeout, c.Prefill.Timeout+Duration(30*time.Second))
 	c.Tracing.SetDefaults()
 	c.Response.SetDefaults()
 	c.Pools.Prefill.PoolScheduling.SetDefaults()
@@ -237,17 +219,21 @@ func (c *Config) validate() error {
 	if c.Pools.Prefill.Fallbacks > 0 {
 		errs = append(errs, errors.New("pools.prefill.fallbacks: only the decode pool has fallbacks (prefill.attempts is the prefill retry budget)"))
 	}
-	if c.Prefill.Timeout < 0 {
-		errs = append(errs, errors.New("prefill.timeout: must be positive"))
-	}
-	if c.Prefill.MaxIdleConnsPerEndpoint < 0 {
-		errs = append(errs, errors.New("prefill.max_idle_conns_per_endpoint: must be positive"))
-	}
-	if c.Prefill.MaxConnsPerEndpoint < 0 {
-		errs = append(errs, errors.New("prefill.max_conns_per_endpoint: must be positive"))
-	}
-	if c.Prefill.MaxBackground < 0 {
-		errs = append(errs, errors.New("prefill.max_background: must be positive"))
+	for _, n := range []struct {
+		key   string
+		value int64
+	}{
+		{"prefill.timeout", int64(c.Prefill.Timeout)},
+		{"prefill.max_idle_conns_per_endpoint", int64(c.Prefill.MaxIdleConnsPerEndpoint)},
+		{"prefill.max_conns_per_endpoint", int64(c.Prefill.MaxConnsPerEndpoint)},
+		{"prefill.max_background", int64(c.Prefill.MaxBackground)},
+		{"limits.max_body_bytes", c.Limits.MaxBodyBytes},
+		{"limits.max_concurrent_streams", int64(c.Limits.MaxConcurrentStreams)},
+		{"limits.body_timeout", int64(c.Limits.BodyTimeout)},
+	} {
+		if n.value < 0 {
+			errs = append(errs, fmt.Errorf("%s: must be positive", n.key))
+		}
 	}
 	if connector != nil && connector.Paired() && (c.PD.Mode == PDNever || c.PD.MinPromptTokens > 0) {
 		errs = append(errs, fmt.Errorf("pd.mode, pd.min_prompt_tokens: %s cannot send a request decode-only "+
@@ -263,15 +249,6 @@ func (c *Config) validate() error {
 	errs = append(errs, c.Prefill.TLS.Validate("prefill.tls"), c.Pools.Decode.TLS.Validate("pools.decode.tls"), c.Response.Validate("response"))
 	if c.Prefill.OnFailure != OnFailureDecodeOnly && c.Prefill.OnFailure != OnFailureFail {
 		errs = append(errs, fmt.Errorf("prefill.on_failure: %q is not %q or %q", c.Prefill.OnFailure, OnFailureDecodeOnly, OnFailureFail))
-	}
-	if c.Limits.MaxBodyBytes < 0 {
-		errs = append(errs, errors.New("limits.max_body_bytes: must be positive"))
-	}
-	if c.Limits.MaxConcurrentStreams < 0 {
-		errs = append(errs, errors.New("limits.max_concurrent_streams: must be positive"))
-	}
-	if c.Limits.BodyTimeout < 0 {
-		errs = append(errs, errors.New("limits.body_timeout: must be positive"))
 	}
 	if c.Limits.MaxBufferedBytes < c.Limits.MaxBodyBytes {
 		errs = append(errs, fmt.Errorf("limits.max_buffered_bytes: %d is below limits.max_body_bytes (%d): no body of that size could be held",

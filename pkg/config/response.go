@@ -22,9 +22,7 @@ const DefaultMaxResponseBytes = 4 << 20
 
 // SetDefaults fills the keys left out.
 func (r *Response) SetDefaults() {
-	if r.MaxBodyBytes == 0 {
-		r.MaxBodyBytes = DefaultMaxResponseBytes
-	}
+	orDefault(&r.MaxBodyBytes, DefaultMaxResponseBytes)
 }
 
 // Validate checks the keys under key ("response").

@@ -140,9 +140,7 @@ type PrefillAttempts struct {
 
 // SetDefaults fills the keys left out.
 func (s *PoolScheduling) SetDefaults() {
-	if s.Policy == "" {
-		s.Policy = PolicyLeastLoad
-	}
+	orDefault(&s.Policy, PolicyLeastLoad)
 	s.Prefix.SetDefaults()
 	s.Health.SetDefaults()
 	s.Metrics.SetDefaults()
@@ -177,27 +175,13 @@ func (s PoolScheduling) Validate(key string) error {
 
 // SetDefaults fills the keys left out.
 func (p *PrefixAffinity) SetDefaults() {
-	if p.BlockChars == 0 {
-		p.BlockChars = DefaultBlockChars
-	}
-	if p.KeyBlocks == 0 {
-		p.KeyBlocks = DefaultKeyBlocks
-	}
-	if p.MaxBlocks == 0 {
-		p.MaxBlocks = DefaultMaxBlocks
-	}
-	if p.LoadFactor == 0 {
-		p.LoadFactor = DefaultLoadFactor
-	}
-	if p.LoadSlack == 0 {
-		p.LoadSlack = DefaultLoadSlack
-	}
-	if p.QueueSlack == 0 {
-		p.QueueSlack = DefaultQueueSlack
-	}
-	if p.Spread == 0 {
-		p.Spread = DefaultSpread
-	}
+	orDefault(&p.BlockChars, DefaultBlockChars)
+	orDefault(&p.KeyBlocks, DefaultKeyBlocks)
+	orDefault(&p.MaxBlocks, DefaultMaxBlocks)
+	orDefault(&p.LoadFactor, DefaultLoadFactor)
+	orDefault(&p.LoadSlack, DefaultLoadSlack)
+	orDefault(&p.QueueSlack, DefaultQueueSlack)
+	orDefault(&p.Spread, DefaultSpread)
 }
 
 // Validate checks the prefix-affinity keys under key.
@@ -229,18 +213,10 @@ func (p PrefixAffinity) Validate(key string) error {
 
 // SetDefaults fills the keys left out.
 func (h *EngineHealth) SetDefaults() {
-	if h.ConsecutiveFailures == 0 {
-		h.ConsecutiveFailures = DefaultConsecutiveFailures
-	}
-	if h.BaseEjection == 0 {
-		h.BaseEjection = Duration(DefaultBaseEjection)
-	}
-	if h.MaxEjection == 0 {
-		h.MaxEjection = max(Duration(DefaultMaxEjection), h.BaseEjection)
-	}
-	if h.CheckPath == "" {
-		h.CheckPath = DefaultCheckPath
-	}
+	orDefault(&h.ConsecutiveFailures, DefaultConsecutiveFailures)
+	orDefault(&h.BaseEjection, Duration(DefaultBaseEjection))
+	orDefault(&h.MaxEjection, max(Duration(DefaultMaxEjection), h.BaseEjection))
+	orDefault(&h.CheckPath, DefaultCheckPath)
 	if h.CheckTimeout == 0 {
 		h.CheckTimeout = Duration(DefaultCheckTimeout)
 		if h.CheckInterval > 0 {
@@ -275,9 +251,7 @@ func (h EngineHealth) Validate(key string) error {
 
 // SetDefaults fills the keys left out.
 func (m *EngineMetrics) SetDefaults() {
-	if m.Path == "" {
-		m.Path = DefaultMetricsPath
-	}
+	orDefault(&m.Path, DefaultMetricsPath)
 	if m.Interval > 0 && m.Timeout == 0 {
 		m.Timeout = min(m.Interval, Duration(time.Second))
 	}
@@ -306,15 +280,9 @@ func (m EngineMetrics) Validate(key string) error {
 
 // SetDefaults fills the keys left out.
 func (p *PD) SetDefaults() {
-	if p.Mode == "" {
-		p.Mode = PDAuto
-	}
-	if p.CharsPerToken == 0 {
-		p.CharsPerToken = DefaultCharsPerToken
-	}
-	if p.SGLangParallelSampling == "" {
-		p.SGLangParallelSampling = ParallelSamplingRefuse
-	}
+	orDefault(&p.Mode, PDAuto)
+	orDefault(&p.CharsPerToken, DefaultCharsPerToken)
+	orDefault(&p.SGLangParallelSampling, ParallelSamplingRefuse)
 }
 
 // Validate checks the P/D keys under key ("pd").
@@ -340,12 +308,8 @@ func (p PD) Validate(key string) error {
 
 // SetDefaults fills the keys left out; timeout is prefill.timeout.
 func (a *PrefillAttempts) SetDefaults(timeout Duration) {
-	if a.Attempts == 0 {
-		a.Attempts = DefaultPrefillAttempts
-	}
-	if a.AttemptTimeout == 0 {
-		a.AttemptTimeout = timeout
-	}
+	orDefault(&a.Attempts, DefaultPrefillAttempts)
+	orDefault(&a.AttemptTimeout, timeout)
 }
 
 // Validate checks the retry keys under key ("prefill"); timeout is prefill.timeout.

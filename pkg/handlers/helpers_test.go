@@ -3,9 +3,6 @@ package handlers_test
 import (
 	"context"
 	"encoding/json"
-	"errors"
-	"fmt"
-	"io"
 	"net"
 	"slices"
 	"strings"
@@ -23,6 +20,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
@@ -247,31 +245,11 @@ func exchange(t *testing.T, c extprocv3.ExternalProcessorClient, msgs ...*extpro
 // tryExchange is exchange for any goroutine: it returns the error. Without
 // halfClose the server must end the stream itself.
 func tryExchange(c extprocv3.ExternalProcessorClient, halfClose bool, msgs ...*extprocv3.ProcessingRequest) ([]*extprocv3.ProcessingResponse, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	s, err := c.Process(ctx)
+	out, err := envoymsg.Exchange(c, halfClose, msgs...)
 	if err != nil {
 		return nil, err
 	}
-	for _, m := range msgs {
-		if err := s.Send(m); err != nil {
-			return nil, err
-		}
-	}
-	if halfClose {
-		s.CloseSend()
-	}
-	var out []*extprocv3.ProcessingResponse
-	for {
-		r, err := s.Recv()
-		if errors.Is(err, io.EOF) {
-			return out, nil
-		}
-		if err != nil {
-			return nil, fmt.Errorf("Recv: %w", err)
-		}
-		out = append(out, r)
-	}
+	return out, nil
 }
 
 // --- reading replies ---

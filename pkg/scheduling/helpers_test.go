@@ -79,3 +79,12 @@ func byAddr(p *Pool, addr string) *Endpoint {
 	}
 	return nil
 }
+
+// eject fails each of addrs as many times in a row as eject it by default.
+func eject(p *Pool, addrs ...string) {
+	for _, a := range addrs {
+		for range config.DefaultConsecutiveFailures {
+			byAddr(p, a).ReportFailure()
+		}
+	}
+}

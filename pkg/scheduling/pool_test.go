@@ -73,11 +73,7 @@ func TestSelectSaysWhyThereIsNoEndpoint(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p, _ := testPool(t, policy(""), tt.addrs...)
-			for _, a := range tt.ejected {
-				for range 3 {
-					byAddr(p, a).ReportFailure()
-				}
-			}
+			eject(p, tt.ejected...)
 			e, err := p.Select(nil, tt.exclude...)
 			if !errors.Is(err, tt.wantErr) {
 				t.Fatalf("Select() error = %v, want %v", err, tt.wantErr)
@@ -119,11 +115,7 @@ func TestSelectN(t *testing.T) {
 					byAddr(p, a).Acquire()
 				}
 			}
-			for _, a := range tt.ejected {
-				for range 3 {
-					byAddr(p, a).ReportFailure()
-				}
-			}
+			eject(p, tt.ejected...)
 			got, err := p.SelectN(nil, tt.n)
 			if err != nil {
 				t.Fatal(err)
@@ -199,11 +191,7 @@ func TestAttempts(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p, _ := testPool(t, policy(""), tt.addrs...)
-			for _, a := range tt.ejected {
-				for range 3 {
-					byAddr(p, a).ReportFailure()
-				}
-			}
+			eject(p, tt.ejected...)
 			att := p.Attempts(nil, tt.budget)
 			var got []string
 			for {

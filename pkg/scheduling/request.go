@@ -29,38 +29,26 @@ func NewRequest(p *api.Prompt) *Request {
 }
 
 // Prompt is the prompt as the prefix index sees it (api.Prompt.Text).
-func (r *Request) Prompt() string {
-	if r == nil {
-		return ""
-	}
-	return r.prompt.Text()
-}
-
-// Head is the start of the prompt that later turns of the same conversation
-// repeat (api.Prompt.Head), empty when the request has none.
-func (r *Request) Head() string {
-	if r == nil {
-		return ""
-	}
-	return r.prompt.Head()
-}
+func (r *Request) Prompt() string { return r.read((*api.Prompt).Text) }
 
 // Preamble is the start of the head before the first user message
 // (api.Prompt.Preamble), empty when the request has none.
-func (r *Request) Preamble() string {
-	if r == nil {
-		return ""
-	}
-	return r.prompt.Preamble()
-}
+func (r *Request) Preamble() string { return r.read((*api.Prompt).Preamble) }
+
+// Head is the start of the prompt that later turns of the same conversation
+// repeat (api.Prompt.Head), empty when the request has none.
+func (r *Request) Head() string { return r.read((*api.Prompt).Head) }
 
 // Previous is the start of the prompt that the conversation's previous
 // request sent (api.Prompt.Previous), empty when no reply follows the head.
-func (r *Request) Previous() string {
+func (r *Request) Previous() string { return r.read((*api.Prompt).Previous) }
+
+// read is what part says of the request's prompt, "" for a nil request.
+func (r *Request) read(part func(*api.Prompt) string) string {
 	if r == nil {
 		return ""
 	}
-	return r.prompt.Previous()
+	return part(r.prompt)
 }
 
 // PromptTokens is the prompt's length in tokens: exact when the body carries

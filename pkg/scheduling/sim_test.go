@@ -3,10 +3,8 @@ package scheduling
 import (
 	"container/heap"
 	"container/list"
-	"encoding/binary"
 	"encoding/json"
 	"fmt"
-	"hash/maphash"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -163,22 +161,9 @@ func (c *simLRU) add(h uint64) (evicted uint64, ok bool) {
 	return evicted, ok
 }
 
-var simSeed = maphash.MakeSeed()
-
-func simHashes(prompt string) []uint64 {
-	hs := make([]uint64, len(prompt)/simBlock)
-	var h maphash.Hash
-	h.SetSeed(simSeed)
-	var prev [8]byte
-	for i := range hs {
-		h.Reset()
-		h.Write(prev[:])
-		h.WriteString(prompt[i*simBlock : (i+1)*simBlock])
-		hs[i] = h.Sum64()
-		binary.LittleEndian.PutUint64(prev[:], hs[i])
-	}
-	return hs
-}
+// simHashes are an engine's block hashes of prompt: the prefix index's own
+// chain hashing, on the engines' 64-character blocks.
+var simHashes = newPrefixIndex(simBlock, 1).hashes
 
 // serve returns the cached prefix length in characters and caches the
 // prompt, its tail first so that the head is the most recent.

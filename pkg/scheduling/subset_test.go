@@ -60,11 +60,7 @@ func TestSelectHonoursTheSubsetHint(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p, _ := testPool(t, policy(""), addrs...)
-			for _, a := range tt.ejected {
-				for range 3 {
-					byAddr(p, a).ReportFailure()
-				}
-			}
+			eject(p, tt.ejected...)
 			req := promptRequest("hello")
 			req.Subset = ParseSubset(tt.hint)
 			for range 20 {

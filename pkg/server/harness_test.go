@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -25,6 +24,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
@@ -222,29 +222,7 @@ func (r *running) exchange(t *testing.T, msgs ...*extprocv3.ProcessingRequest) [
 
 // tryExchange is exchange for goroutines other than the test's.
 func (r *running) tryExchange(msgs ...*extprocv3.ProcessingRequest) ([]*extprocv3.ProcessingResponse, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	s, err := r.ext.Process(ctx)
-	if err != nil {
-		return nil, err
-	}
-	for _, m := range msgs {
-		if err := s.Send(m); err != nil {
-			return nil, err
-		}
-	}
-	s.CloseSend()
-	var out []*extprocv3.ProcessingResponse
-	for {
-		resp, err := s.Recv()
-		if errors.Is(err, io.EOF) {
-			return out, nil
-		}
-		if err != nil {
-			return out, fmt.Errorf("Recv: %w", err)
-		}
-		out = append(out, resp)
-	}
+	return envoymsg.Exchange(r.ext, true, msgs...)
 }
 
 func destination(resp *extprocv3.ProcessingResponse) string {

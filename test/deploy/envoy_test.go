@@ -304,16 +304,16 @@ func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
 				}) {
 					return false
 				}
-				changed := false
-				eachObject(doc, func(m map[string]any) {
+				return forEachObject(func(m map[string]any) bool {
+					changed := false
 					for _, k := range []string{"per_connection_buffer_limit_bytes", "per_request_buffer_limit_bytes", "request_body_buffer_limit"} {
 						if _, ok := m[k]; ok {
 							delete(m, k)
 							changed = true
 						}
 					}
-				})
-				return changed
+					return changed
+				})(doc)
 			},
 			wants: []string{"1048576-byte Envoy buffer limit", "413"},
 		},
@@ -336,47 +336,34 @@ func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
 		},
 		{
 			name: "router filter before ext_proc",
-			brk: func(doc map[string]any) bool {
-				changed := false
-				eachObject(doc, func(m map[string]any) {
-					fs, ok := m["http_filters"].([]any)
-					if ok && len(fs) > 1 {
-						slices.Reverse(fs)
-						changed = true
-					}
-				})
-				return changed
-			},
+			brk: forEachObject(func(m map[string]any) bool {
+				fs, ok := m["http_filters"].([]any)
+				if ok && len(fs) > 1 {
+					slices.Reverse(fs)
+				}
+				return ok && len(fs) > 1
+			}),
 			wants: []string{"comes after the router, so it never runs"},
 		},
 		{
 			// Proves Any contents are validated: stat_prefix is required by the HCM's own
 			// proto rules, and the HCM only exists packed in the listener's typed_config.
 			name: "proto rule broken inside a packed Any",
-			brk: func(doc map[string]any) bool {
-				changed := false
-				eachObject(doc, func(m map[string]any) {
-					if hasType(m, "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager") {
-						m["stat_prefix"] = ""
-						changed = true
-					}
-				})
-				return changed
-			},
+			brk: forEachHCM(func(hcm map[string]any) bool {
+				hcm["stat_prefix"] = ""
+				return true
+			}),
 			wants: []string{"HttpConnectionManager.StatPrefix"},
 		},
 		{
 			name: "unknown typed_config type",
-			brk: func(doc map[string]any) bool {
-				changed := false
-				eachObject(doc, func(m map[string]any) {
-					if hasType(m, "envoy.extensions.filters.http.router.v3.Router") {
-						m["@type"] = "type.googleapis.com/envoy.extensions.filters.http.no_such.v3.NoSuchFilter"
-						changed = true
-					}
-				})
-				return changed
-			},
+			brk: forEachObject(func(m map[string]any) bool {
+				if !hasType(m, "envoy.extensions.filters.http.router.v3.Router") {
+					return false
+				}
+				m["@type"] = "type.googleapis.com/envoy.extensions.filters.http.no_such.v3.NoSuchFilter"
+				return true
+			}),
 			wants: []string{"NoSuchFilter"},
 		},
 		{
@@ -573,16 +560,18 @@ func forEachExtProc(fn func(ep map[string]any) bool) breakage {
 
 // forEachRoute visits every route that forwards upstream (has a "route" action).
 func forEachRoute(fn func(rt map[string]any) bool) breakage {
+	return forEachObject(func(m map[string]any) bool {
+		_, isRoute := m["match"]
+		_, forwards := m["route"].(map[string]any)
+		return isRoute && forwards && fn(m)
+	})
+}
+
+// forEachObject visits every object of the document, however deep.
+func forEachObject(fn func(m map[string]any) bool) breakage {
 	return func(doc map[string]any) bool {
 		changed := false
-		eachObject(doc, func(m map[string]any) {
-			if _, isRoute := m["match"]; !isRoute {
-				return
-			}
-			if _, ok := m["route"].(map[string]any); ok {
-				changed = fn(m) || changed
-			}
-		})
+		eachObject(doc, func(m map[string]any) { changed = fn(m) || changed })
 		return changed
 	}
 }
@@ -641,15 +630,9 @@ func forEachExtProcTLS(fn func(ctc map[string]any) bool) breakage {
 
 // forEachHCM visits every HTTP connection manager config.
 func forEachHCM(fn func(hcm map[string]any) bool) breakage {
-	return func(doc map[string]any) bool {
-		changed := false
-		eachObject(doc, func(m map[string]any) {
-			if hasType(m, "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager") {
-				changed = fn(m) || changed
-			}
-		})
-		return changed
-	}
+	return forEachObject(func(m map[string]any) bool {
+		return hasType(m, "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager") && fn(m)
+	})
 }
 
 // http1ExtProcCluster strips HTTP/2 from the cluster ext_proc talks to, the way a config

@@ -34,9 +34,10 @@ import (
 	"flag"
 	"fmt"
 	"os"
-	"os/signal"
 	"syscall"
 	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 type options struct {
@@ -68,12 +69,7 @@ func main() {
 	flag.StringVar(&o.pprofDir, "pprof-dir", "", "save a heap profile of each ext_proc server while holding, and summarize it")
 	flag.StringVar(&o.logDir, "logs", "", "directory for the children's logs (default: a new temporary directory)")
 	flag.Parse()
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	if err := run(ctx, o); err != nil {
-		fmt.Fprintln(os.Stderr, "scale:", err)
-		os.Exit(1)
-	}
+	testbed.Main("scale", func(ctx context.Context) error { return run(ctx, o) })
 }
 
 func run(ctx context.Context, o options) error {

@@ -104,7 +104,7 @@ func (s *stack) startEngine(ctx context.Context, o options, role string, i int) 
 		args = append(args, "--tpot", "0s", "--output-tokens", "1")
 	}
 	return s.start(ctx, o, fmt.Sprintf("pdsim-%s-%d", role, i), func(sv *server) testbed.ProcessConfig {
-		sv.addr = freeAddr()
+		sv.addr = testbed.FreeAddrNow()
 		return testbed.ProcessConfig{Bin: filepath.Join(o.bin, "pdsim"), Args: append(args, "--addr", sv.addr),
 			Ready: testbed.HTTPOK("http://" + sv.addr + "/health")}
 	})
@@ -132,7 +132,7 @@ func (s *stack) startExtproc(ctx context.Context, o options, i int, prefills, de
 
 func (s *stack) startEcho(ctx context.Context, o options, i int, destination string) (server, error) {
 	return s.start(ctx, o, fmt.Sprintf("echo-%d", i), func(sv *server) testbed.ProcessConfig {
-		sv.addr, sv.admin = freeAddr(), freeAddr()
+		sv.addr, sv.admin = testbed.FreeAddrNow(), testbed.FreeAddrNow()
 		return testbed.ProcessConfig{Bin: filepath.Join(o.bin, "echo"),
 			Args:  []string{"--grpc-addr", sv.addr, "--admin-addr", sv.admin, "--destination", destination},
 			Ready: testbed.HTTPOK("http://" + sv.admin + "/healthz")}
@@ -156,7 +156,7 @@ func (s *stack) startEmulator(ctx context.Context, o options, i int, response st
 		return server{}, err
 	}
 	return s.start(ctx, o, fmt.Sprintf("emulator-%d", i), func(sv *server) testbed.ProcessConfig {
-		sv.addr, sv.admin = freeAddr(), freeAddr()
+		sv.addr, sv.admin = testbed.FreeAddrNow(), testbed.FreeAddrNow()
 		return testbed.ProcessConfig{Bin: self, Args: []string{childEmulator, "-config", config, "-listen", sv.addr,
 			"-stats", sv.admin, "-extproc", strings.Join(extproc, ",")},
 			Ready: testbed.HTTPOK("http://" + sv.admin + "/stats")}
@@ -216,14 +216,6 @@ func (s *stack) overflows(ctx context.Context) (uint64, error) {
 		}
 	}
 	return total, nil
-}
-
-func freeAddr() string {
-	a, err := testbed.FreeAddr()
-	if err != nil {
-		panic(err)
-	}
-	return a
 }
 
 // splitList reads a comma-separated flag.

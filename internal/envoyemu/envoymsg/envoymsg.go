@@ -1,11 +1,17 @@
 // Package envoymsg builds ext_proc messages as Envoy sends them: one builder
 // for the emulator, the handlers' tests and fuzzing, and the benchmarks, so
 // that every one of them speaks the same shapes (values in raw_value, the
-// protocol_config on the first message only, a chunked body as data frames).
+// protocol_config on the first message only, a chunked body as data frames);
+// Exchange plays them on a stream of a server under test.
 package envoymsg
 
 import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
 	"strconv"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -101,4 +107,36 @@ func WithModes(m *extprocv3.ProcessingRequest, request, response filterv3.Proces
 func Post(path string, n int, extra ...Header) []Header {
 	return append([]Header{{":method", "POST"}, {":path", path}, {":authority", "gw"}, {":scheme", "http"},
 		{"content-type", "application/json"}, {"content-length", strconv.Itoa(n)}}, extra...)
+}
+
+// Exchange plays msgs on a new stream of c, as Envoy would send them, and
+// returns every reply until the server ends the stream, within ten seconds.
+// With halfClose the client half-closes after the last message, as Envoy's
+// graceful close does; without, the server must end the stream itself.
+func Exchange(c extprocv3.ExternalProcessorClient, halfClose bool, msgs ...*extprocv3.ProcessingRequest) ([]*extprocv3.ProcessingResponse, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s, err := c.Process(ctx)
+	if err != nil {
+		return nil, err
+	}
+	for _, m := range msgs {
+		if err := s.Send(m); err != nil {
+			return nil, err
+		}
+	}
+	if halfClose {
+		s.CloseSend()
+	}
+	var out []*extprocv3.ProcessingResponse
+	for {
+		r, err := s.Recv()
+		if errors.Is(err, io.EOF) {
+			return out, nil
+		}
+		if err != nil {
+			return out, fmt.Errorf("Recv: %w", err)
+		}
+		out = append(out, r)
+	}
 }
