@@ -26,17 +26,23 @@ type sink interface {
 	Send(*extprocv3.ProcessingResponse) error
 }
 
-// reply is what a phase answers a message with: the messages to send, in
-// order (a body's chunks are the body's own bytes, not copies), what to run
-// once they are all sent, and whether the stream is finished for us.
+// reply is what a phase answers a message with, sent in this order: a
+// message; a FULL_DUPLEX body reply for each chunk (the body's own bytes, not
+// copies), the last with end_of_stream when eos; a last message. Then, when
+// routed, the request is concluded as routed (exchange.routed); done says
+// the stream is finished for us.
 type reply struct {
-	msgs  []*extprocv3.ProcessingResponse
-	after func()
-	done  bool
+	msg     *extprocv3.ProcessingResponse
+	chunks  [][]byte
+	request bool // the chunks are of the request's body, else of the response's
+	eos     bool
+	last    *extprocv3.ProcessingResponse
+	routed  bool
+	done    bool
 }
 
-// answer is a reply of these messages.
-func answer(msgs ...*extprocv3.ProcessingResponse) reply { return reply{msgs: msgs} }
+// answer is a reply of one message.
+func answer(m *extprocv3.ProcessingResponse) reply { return reply{msg: m} }
 
 // exchange is the protocol state of one Process stream: one HTTP request and
 // its response.
@@ -88,15 +94,25 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err erro
 	return x.send(r)
 }
 
-// send sends r's messages in order, then runs its after. Under mu.
+// send sends r in order, then concludes a routed request. Under mu.
 func (x *exchange) send(r reply) (done bool, err error) {
-	for _, m := range r.msgs {
-		if err := x.out.Send(m); err != nil {
+	if r.msg != nil {
+		if err := x.out.Send(r.msg); err != nil {
 			return false, err
 		}
 	}
-	if r.after != nil {
-		r.after()
+	for i, c := range r.chunks {
+		if err := x.out.Send(streamedChunk(r.request, c, r.eos && i == len(r.chunks)-1)); err != nil {
+			return false, err
+		}
+	}
+	if r.last != nil {
+		if err := x.out.Send(r.last); err != nil {
+			return false, err
+		}
+	}
+	if r.routed {
+		x.routed()
 	}
 	return r.done, nil
 }
@@ -156,7 +172,7 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) reply {
 			return x.fail(err)
 		}
 		x.decision = d
-		return reply{msgs: []*extprocv3.ProcessingResponse{headersReply(d, x.req.RequestID)}, after: x.routed}
+		return reply{msg: headersReply(d, x.req.RequestID), routed: true}
 	}
 	if limit := x.router.MaxBodyBytes(); x.contentLength > limit {
 		return x.fail(pipeline.TooLarge(limit))
@@ -225,16 +241,11 @@ func (x *exchange) finishDuplex(trailers bool) reply {
 		return x.fail(err)
 	}
 	x.decision = d
-	cut := d.Body.Chunks(maxStreamedChunk)
-	msgs := make([]*extprocv3.ProcessingResponse, 0, len(cut)+2)
-	msgs = append(msgs, headersReply(d, x.req.RequestID))
-	for i, c := range cut {
-		msgs = append(msgs, streamedChunk(true, c, !trailers && i == len(cut)-1))
-	}
+	r := reply{msg: headersReply(d, x.req.RequestID), chunks: d.Body.Chunks(maxStreamedChunk), request: true, eos: !trailers, routed: true}
 	if trailers {
-		msgs = append(msgs, continueRequestTrailers())
+		r.last = continueRequestTrailers()
 	}
-	return reply{msgs: msgs, after: x.routed}
+	return r
 }
 
 // finishBuffered routes a complete BUFFERED request in the body reply.
@@ -251,7 +262,7 @@ func (x *exchange) finishBuffered() reply {
 	if b := d.Body.Bytes(); !untouched(b, x.body.bytes()) {
 		rewritten = b
 	}
-	return reply{msgs: []*extprocv3.ProcessingResponse{bufferedBodyReply(d, x.req.RequestID, rewritten, x.contentLength >= 0)}, after: x.routed}
+	return reply{msg: bufferedBodyReply(d, x.req.RequestID, rewritten, x.contentLength >= 0), routed: true}
 }
 
 // routed concludes a request whose routing reply, and every chunk of its new
@@ -311,7 +322,7 @@ func (x *exchange) onResponseBody(b *extprocv3.HttpBody) reply {
 		return answer(continueResponseBody())
 	}
 	if x.rewriting() {
-		return answer(x.passResponse(b.GetBody(), b.GetEndOfStream(), b.GetEndOfStream())...)
+		return reply{chunks: x.passResponse(b.GetBody(), b.GetEndOfStream(), b.GetEndOfStream()), eos: b.GetEndOfStream()}
 	}
 	// Echo at once: SSE tokens must keep streaming to the client.
 	return answer(streamedChunk(false, b.GetBody(), b.GetEndOfStream()))
@@ -320,36 +331,35 @@ func (x *exchange) onResponseBody(b *extprocv3.HttpBody) reply {
 // onResponseTrailers answers the response's trailers. In FULL_DUPLEX they end
 // the body, so what a rewrite still holds goes before their reply.
 func (x *exchange) onResponseTrailers() reply {
-	var msgs []*extprocv3.ProcessingResponse
+	r := reply{last: continueResponseTrailers()}
 	if x.rewriting() && !x.responseDone && x.responseMode() == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		x.responseDone = true
-		msgs = x.passResponse(nil, true, false)
+		r.chunks = x.passResponse(nil, true, false)
 	}
-	return answer(append(msgs, continueResponseTrailers())...)
+	return r
 }
 
 // passResponse gives the rewrite a response chunk (last: the body ends with
-// it, or with the trailers that came) and returns what it lets through as
-// FULL_DUPLEX replies, the last with end_of_stream when eos. While it holds a
-// partial event there is nothing to send, and Envoy needs no reply per chunk
-// (docs/envoy.md §2.6); the reply that ends the body is always there, empty
-// or not.
-func (x *exchange) passResponse(chunk []byte, last, eos bool) []*extprocv3.ProcessingResponse {
+// it, or with the trailers that came) and returns the chunks it lets through,
+// for FULL_DUPLEX replies. While it holds a partial event there is nothing to
+// send, and Envoy needs no reply per chunk (docs/envoy.md §2.6); when the
+// reply ends the body (eos), there is always a chunk for it, empty or not.
+func (x *exchange) passResponse(chunk []byte, last, eos bool) [][]byte {
 	out := x.decision.Rewrite.Body(chunk, last)
 	chunks := [][]byte(out) // almost always the chunk itself, one piece
 	if len(out) > 1 || out.Len() > maxStreamedChunk {
 		chunks = out.Chunks(maxStreamedChunk) // a fixed event or answer, joined; a long answer, cut
 	}
-	var msgs []*extprocv3.ProcessingResponse
+	kept := chunks[:0:0]
 	for i, c := range chunks {
-		if end := eos && i == len(chunks)-1; len(c) > 0 || end {
-			msgs = append(msgs, streamedChunk(false, c, end))
+		if len(c) > 0 || eos && i == len(chunks)-1 {
+			kept = append(kept, c)
 		}
 	}
-	if eos && len(msgs) == 0 {
-		msgs = append(msgs, streamedChunk(false, nil, true))
+	if eos && len(kept) == 0 {
+		kept = append(kept, nil)
 	}
-	return msgs
+	return kept
 }
 
 // rewriting reports whether the decision rewrites the response (the
@@ -361,7 +371,7 @@ func (x *exchange) fail(err error) reply {
 	x.requestDone = true
 	e := pipeline.AsError(err, x.req.RequestID)
 	x.obs.rejected(e, x.ctx.Err() != nil, x.body.bytes())
-	return reply{msgs: []*extprocv3.ProcessingResponse{immediate(e)}, done: true}
+	return reply{msg: immediate(e), done: true}
 }
 
 // end closes the exchange when its stream ends, however it ends: the

@@ -30,11 +30,20 @@ func (e *Exchange) Handle(m *extprocv3.ProcessingRequest) (done bool, err error)
 func (e *Exchange) Close() { e.s.close(e.x) }
 
 // Phase is the reply the exchange answers m with, unsent: its messages in
-// order, whether something runs once they are sent, and whether the stream
-// is done. The exchange's state moves on as Handle's would.
-func (e *Exchange) Phase(m *extprocv3.ProcessingRequest) (msgs []*extprocv3.ProcessingResponse, after, done bool) {
+// order, whether the request is concluded as routed once they are sent, and
+// whether the stream is done. The exchange's state moves on as Handle's would.
+func (e *Exchange) Phase(m *extprocv3.ProcessingRequest) (msgs []*extprocv3.ProcessingResponse, routed, done bool) {
 	e.x.mu.Lock()
 	defer e.x.mu.Unlock()
 	r := e.x.phase(m)
-	return r.msgs, r.after != nil, r.done
+	if r.msg != nil {
+		msgs = append(msgs, r.msg)
+	}
+	for i, c := range r.chunks {
+		msgs = append(msgs, streamedChunk(r.request, c, r.eos && i == len(r.chunks)-1))
+	}
+	if r.last != nil {
+		msgs = append(msgs, r.last)
+	}
+	return msgs, r.routed, r.done
 }

@@ -34,7 +34,7 @@ func TestPhasesReturnTheirReplies(t *testing.T) {
 		before    []*extprocv3.ProcessingRequest // handled and sent first
 		msg       *extprocv3.ProcessingRequest
 		wantKinds []string
-		wantAfter bool // something runs once the reply is sent (the routed request's release)
+		wantAfter bool // the request is concluded as routed once the reply is sent
 		wantDone  bool
 	}{
 		{name: "FULL_DUPLEX headers: the reply waits for the body", mode: duplex,
