@@ -20,7 +20,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/response"
-	"github.com/pd-extproc/pd-extproc/pkg/server"
+	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
 )
 
 // benchFrame is the size of the data frames Envoy forwards a FULL_DUPLEX body
@@ -64,7 +64,7 @@ pools: {prefill: {endpoints: %s}, decode: {endpoints: ["10.1.1.1:8000"]}}`, pdMo
 	if err != nil {
 		b.Fatal(err)
 	}
-	p, err := server.NewPipeline(cfg, logr.Discard())
+	p, err := assemble.Pipeline(cfg, logr.Discard())
 	if err != nil {
 		b.Fatal(err)
 	}

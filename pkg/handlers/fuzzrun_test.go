@@ -26,7 +26,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
-	"github.com/pd-extproc/pd-extproc/pkg/server"
+	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
 )
 
 // fuzzRecorder wraps the server side of the stream and logs, in the order the
@@ -170,7 +170,7 @@ func runFuzzCase(t *testing.T, c *fuzzCase) {
 		m = metrics.New(c.connector)
 		popts = append(popts, pipeline.WithMetrics(m))
 	}
-	p, err := server.NewPipeline(cfg, log, popts...)
+	p, err := assemble.Pipeline(cfg, log, popts...)
 	if err != nil {
 		t.Fatal(err)
 	}

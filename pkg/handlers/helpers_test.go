@@ -26,7 +26,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 	"github.com/pd-extproc/pd-extproc/pkg/response"
-	"github.com/pd-extproc/pd-extproc/pkg/server"
+	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -65,7 +65,7 @@ func testConfig(t *testing.T, yaml string) *config.Config {
 // newPipeline is the real pipeline for yaml, waited for when the test ends.
 func newPipeline(t *testing.T, yaml string) *pipeline.Pipeline {
 	t.Helper()
-	p, err := server.NewPipeline(testConfig(t, yaml), logr.Discard())
+	p, err := assemble.Pipeline(testConfig(t, yaml), logr.Discard())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
-	"github.com/pd-extproc/pd-extproc/pkg/server"
+	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
 
 	"github.com/go-logr/logr/funcr"
 
@@ -28,7 +28,7 @@ func newPipeline(t *testing.T, yaml string) (*pipeline.Pipeline, *metrics.Metric
 	}
 	m := metrics.New(cfg.Connector)
 	lines := &logLines{}
-	p, err := server.NewPipeline(cfg, funcr.New(lines.add, funcr.Options{}), pipeline.WithMetrics(m))
+	p, err := assemble.Pipeline(cfg, funcr.New(lines.add, funcr.Options{}), pipeline.WithMetrics(m))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,7 +10,7 @@ import (
 
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
-	"github.com/pd-extproc/pd-extproc/pkg/server"
+	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
 
 	"github.com/go-logr/logr"
 
@@ -31,7 +31,7 @@ func newPipelineFor(t *testing.T, connector, prefill, more string) *pipeline.Pip
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := server.NewPipeline(cfg, logr.Discard())
+	p, err := assemble.Pipeline(cfg, logr.Discard())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,7 +14,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
-	"github.com/pd-extproc/pd-extproc/pkg/server"
+	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
 
 	"github.com/go-logr/logr"
 
@@ -90,7 +90,7 @@ prefill: {tls: {enabled: true, ca_file: %q}}`,
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := server.NewPipeline(cfg, logr.Discard())
+	p, err := assemble.Pipeline(cfg, logr.Discard())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,7 +14,7 @@ import (
 )
 
 // liveKeys are the config keys a reload applies in place, and the keys below
-// them: what reload hands to the pipeline for scheduling.Pools.Update (each pool's
+// them: what assemble.Reload hands to the pipeline for scheduling.Pools.Update (each pool's
 // endpoints and scheduling keys, the P/D decider) and the parallel-sampling
 // switch it keeps itself. Every other key takes effect on restart only. A key
 // added to the config is restart-only until it is listed here, so a new key

@@ -26,6 +26,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
 )
 
 // grpcHeadroom is added to the body limit for the rest of an ext_proc message.
@@ -96,7 +97,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	}
 	prop := propagation.TraceContext{}
 
-	p, err := NewPipeline(cfg, log.WithName("pipeline"), pipeline.WithMetrics(s.metrics), pipeline.WithTracing(tp, prop))
+	p, err := assemble.Pipeline(cfg, log.WithName("pipeline"), pipeline.WithMetrics(s.metrics), pipeline.WithTracing(tp, prop))
 	if err != nil {
 		s.shutdownTracing(context.Background())
 		return nil, err
@@ -177,7 +178,7 @@ func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) erro
 func (s *Server) watchConfig(ctx context.Context) func() {
 	return func() {
 		err := config.Watch(ctx, s.opts.ConfigPath, s.cfg, func(c *config.Config) {
-			reload(s.pipeline, c)
+			assemble.Reload(s.pipeline, c)
 			logConfigReloaded(s.log, s.opts.ConfigPath, s.cfg, c)
 		}, func(err error) {
 			s.log.Error(err, "config change rejected; the previous config stays", "path", s.opts.ConfigPath)

@@ -1,28 +1,25 @@
-package server
+// Package assemble builds the pipeline from the config file: its
+// connector, API table, pools and engine client, its options, and what a
+// reload applies. pkg/server uses it, and so do the tests that need a
+// configured pipeline, without the server's Kubernetes and gRPC parts.
+package assemble
 
 import (
 	"github.com/go-logr/logr"
-	"go.opentelemetry.io/otel/propagation"
-	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/enginehttp"
-	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
-	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
-// The assembly: what the config file makes of the pipeline and of the
-// ext_proc handlers. Nothing else reads the config schema.
-
-// NewPipeline builds the pipeline of a validated config: its connector, API
+// Pipeline builds the pipeline of a validated config: its connector, API
 // table, pools (whose health checks and scrapes speak as each pool's engines
 // serve: the prefill pool as the prefill legs, the decode pool as
 // pools.decode.tls says) and the engine client.
-func NewPipeline(cfg *config.Config, log logr.Logger, options ...pipeline.Option) (*pipeline.Pipeline, error) {
+func Pipeline(cfg *config.Config, log logr.Logger, options ...pipeline.Option) (*pipeline.Pipeline, error) {
 	c, err := kv.Build(cfg.Connector)
 	if err != nil {
 		return nil, err
@@ -66,7 +63,7 @@ func pipelineOptions(cfg *config.Config) pipeline.Options {
 }
 
 // schedulingSpec is the part of cfg that scheduling follows, and that a
-// config reload can change without a restart (liveKeys).
+// config reload can change without a restart.
 func schedulingSpec(cfg *config.Config) scheduling.Spec {
 	return scheduling.Spec{
 		Prefill: scheduling.PoolSpec{Endpoints: cfg.Pools.Prefill.Endpoints, PoolScheduling: cfg.Pools.Prefill.PoolScheduling},
@@ -79,24 +76,8 @@ func parallelRooms(cfg *config.Config) bool {
 	return cfg.PD.SGLangParallelSampling == config.ParallelSamplingRooms
 }
 
-// reload applies what a reloaded config changes in place (liveKeys).
-func reload(p *pipeline.Pipeline, cfg *config.Config) {
+// Reload applies what a reloaded config changes in place: the pools, their
+// scheduling keys, the pd.* keys (pkg/server's liveKeys).
+func Reload(p *pipeline.Pipeline, cfg *config.Config) {
 	p.Reload(schedulingSpec(cfg), parallelRooms(cfg))
-}
-
-// handlersOptions are the ext_proc handlers' settings in cfg, with the
-// collaborators they record to.
-func handlersOptions(cfg *config.Config, m *metrics.Metrics, tp trace.TracerProvider, prop propagation.TextMapPropagator, logPrompts bool) handlers.Options {
-	return handlers.Options{
-		OverrideAfter:    cfg.Envoy.OverrideAfter.D(),
-		OverrideTimeout:  cfg.Envoy.OverrideMessageTimeout.D(),
-		Metrics:          m,
-		TracerProvider:   tp,
-		Propagator:       prop,
-		LogPrompts:       logPrompts,
-		MaxStreams:       cfg.Limits.MaxConcurrentStreams,
-		RetryAfter:       cfg.Limits.RetryAfter.D(),
-		BodyTimeout:      cfg.Limits.BodyTimeout.D(),
-		MaxBufferedBytes: cfg.Limits.MaxBufferedBytes,
-	}
 }
