@@ -3,6 +3,7 @@ package handlers
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -26,24 +27,6 @@ type sink interface {
 	Send(*extprocv3.ProcessingResponse) error
 }
 
-// reply is what a phase answers a message with, sent in this order: a
-// message; a FULL_DUPLEX body reply for each chunk (the body's own bytes, not
-// copies), the last with end_of_stream when eos; a last message. Then, when
-// routed, the request is concluded as routed (exchange.routed); done says
-// the stream is finished for us.
-type reply struct {
-	msg     *extprocv3.ProcessingResponse
-	chunks  [][]byte
-	request bool // the chunks are of the request's body, else of the response's
-	eos     bool
-	last    *extprocv3.ProcessingResponse
-	routed  bool
-	done    bool
-}
-
-// answer is a reply of one message.
-func answer(m *extprocv3.ProcessingResponse) reply { return reply{msg: m} }
-
 // exchange is the protocol state of one Process stream: one HTTP request and
 // its response.
 type exchange struct {
@@ -52,10 +35,13 @@ type exchange struct {
 	out    sink
 	ctx    context.Context // the stream's, carrying the request span once headers are in
 
-	// mu serialises the exchange: the stream's goroutine holds it while it
-	// handles a message, but for the time the pipeline routes; the two timers
-	// (the BUFFERED override, which sends while the pipeline routes, and the
-	// body deadline) take it to act. Every send is under it.
+	// mu serialises the exchange while its request is incomplete: the
+	// stream's goroutine holds it while it handles a message, but for the
+	// time the pipeline routes; the two timers (the BUFFERED override, which
+	// sends while the pipeline routes, and the body deadline) take it to act.
+	// Every send then is under it. Once the request is done (requestDone,
+	// set under it), no timer is left, and the stream's goroutine alone
+	// handles and sends.
 	mu sync.Mutex
 
 	protocol *extprocv3.ProtocolConfiguration // the last one Envoy sent: the body modes
@@ -82,8 +68,10 @@ func (x *exchange) responseMode() filterv3.ProcessingMode_BodySendMode {
 
 // handle answers one message. done means the stream is finished for us.
 func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err error) {
-	x.mu.Lock()
-	defer x.mu.Unlock()
+	if !x.requestDone { // the timers live only while the request is incomplete
+		x.mu.Lock()
+		defer x.mu.Unlock()
+	}
 	if x.lim.expired {
 		return true, nil // answered 408 already
 	}
@@ -350,9 +338,13 @@ func (x *exchange) passResponse(chunk []byte, last, eos bool) [][]byte {
 	if len(out) > 1 || out.Len() > maxStreamedChunk {
 		chunks = out.Chunks(maxStreamedChunk) // a fixed event or answer, joined; a long answer, cut
 	}
-	kept := chunks[:0:0]
+	empty := func(c []byte) bool { return len(c) == 0 }
+	if n := len(chunks); n > 0 && !slices.ContainsFunc(chunks[:n-1], empty) && (eos || !empty(chunks[n-1])) {
+		return chunks // nothing to drop: the usual case, allocation-free
+	}
+	var kept [][]byte
 	for i, c := range chunks {
-		if len(c) > 0 || eos && i == len(chunks)-1 {
+		if !empty(c) || eos && i == len(chunks)-1 {
 			kept = append(kept, c)
 		}
 	}

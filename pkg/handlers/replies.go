@@ -25,6 +25,24 @@ const (
 	SubsetHintKey       = "x-gateway-destination-endpoint-subset"
 )
 
+// reply is what a phase answers a message with, sent in this order: a
+// message; a FULL_DUPLEX body reply for each chunk (the body's own bytes, not
+// copies), the last with end_of_stream when eos; a last message. Then, when
+// routed, the request is concluded as routed (exchange.routed); done says
+// the stream is finished for us.
+type reply struct {
+	msg     *extprocv3.ProcessingResponse
+	chunks  [][]byte
+	request bool // the chunks are of the request's body, else of the response's
+	eos     bool
+	last    *extprocv3.ProcessingResponse
+	routed  bool
+	done    bool
+}
+
+// answer is a reply of one message.
+func answer(m *extprocv3.ProcessingResponse) reply { return reply{msg: m} }
+
 // maxStreamedChunk bounds each FULL_DUPLEX body reply, below Envoy's recommended
 // 64 KiB per message.
 const maxStreamedChunk = 62000

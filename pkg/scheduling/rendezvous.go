@@ -165,12 +165,12 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 		busy += r.busy
 		queued += r.queued
 	}
-	n := float64(len(rs))
-	busyBound, queueBound := p.factor*busy/n+p.slack, queued/n+p.queueSlack
+	meanBusy, meanQueued := busy/float64(len(rs)), queued/float64(len(rs))
+	busyBound, queueBound := p.factor*meanBusy+p.slack, meanQueued+p.queueSlack
 	within := func(r ranked) bool { return r.busy <= busyBound && r.queued <= queueBound }
 	// Following a request's history spares recomputing it elsewhere, which
 	// is worth a longer queue.
-	followBound := queued/n + followQueue*p.queueSlack
+	followBound := meanQueued + followQueue*p.queueSlack
 	follow := func(r ranked) bool { return r.busy <= busyBound && r.queued <= followBound }
 	chosen := rs[0] // unless one is within the bounds, and the least busy nearly always is
 	for _, r := range rs {

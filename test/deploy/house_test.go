@@ -132,10 +132,10 @@ func TestStrayCitationsAreFound(t *testing.T) {
 		"docs/ok.md": "See [the modes](envoy.md#2-bodies), docs/envoy.md §2.6 and §12, ../README.md,\n" +
 			"https://github.com/llm-d/llm-d/blob/main/docs/operations.md and /usr/share/doc/pd/README.md.\n",
 		"README.md": "make bench writes bin/bench.md; [docs](docs/ok.md).\n",
-		"docs/bad.md": "From ../shared/DESIGN.md and [the audit](../../shared/reference/wire-audit.md),\n" +
-			"reference/peers.md, §99 and docs/missing.md.\n",
+		"docs/bad.md": "From ../notes/PLAN.md and [the review](../../team/refs/review.md),\n" +
+			"refs/others.md, §99 and docs/missing.md.\n",
 		// The comment marks spelt in pieces, so that this file does not cite them.
-		"pkg/x.go": "package x\n\n/" + "/ The rule is in docs/envoy.md §2.6 and in peers-2026.md.\nvar y = x.md /" + "/ not a document\n",
+		"pkg/x.go": "package x\n\n/" + "/ The rule is in docs/envoy.md §2.6 and in others-2026.md.\nvar y = x.md /" + "/ not a document\n",
 	}
 	for name, body := range files {
 		p := filepath.Join(root, name)
@@ -148,12 +148,12 @@ func TestStrayCitationsAreFound(t *testing.T) {
 	}
 	got := strayCitations(t, root)
 	want := []string{
-		"docs/bad.md:1 names ../shared/DESIGN.md",
-		"docs/bad.md:1 names ../../shared/reference/wire-audit.md",
-		"docs/bad.md:2 names reference/peers.md",
+		"docs/bad.md:1 names ../notes/PLAN.md",
+		"docs/bad.md:1 names ../../team/refs/review.md",
+		"docs/bad.md:2 names refs/others.md",
 		"docs/bad.md:2 names docs/missing.md",
 		"docs/bad.md:2 cites §99",
-		"pkg/x.go:3 names peers-2026.md",
+		"pkg/x.go:3 names others-2026.md",
 	}
 	for _, w := range want {
 		if !slices.ContainsFunc(got, func(g string) bool { return strings.HasPrefix(g, w) }) {
