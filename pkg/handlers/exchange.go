@@ -82,20 +82,11 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err erro
 	return x.send(r)
 }
 
-// send sends r in order, then concludes a routed request. Under mu.
+// send sends r in order, then concludes a routed request. Under mu while
+// the request is incomplete.
 func (x *exchange) send(r reply) (done bool, err error) {
-	if r.msg != nil {
-		if err := x.out.Send(r.msg); err != nil {
-			return false, err
-		}
-	}
-	for i, c := range r.chunks {
-		if err := x.out.Send(streamedChunk(r.request, c, r.eos && i == len(r.chunks)-1)); err != nil {
-			return false, err
-		}
-	}
-	if r.last != nil {
-		if err := x.out.Send(r.last); err != nil {
+	for m := range r.messages {
+		if err := x.out.Send(m); err != nil {
 			return false, err
 		}
 	}

@@ -2,6 +2,7 @@ package handlers
 
 import (
 	"context"
+	"slices"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 )
@@ -36,14 +37,5 @@ func (e *Exchange) Phase(m *extprocv3.ProcessingRequest) (msgs []*extprocv3.Proc
 	e.x.mu.Lock()
 	defer e.x.mu.Unlock()
 	r := e.x.phase(m)
-	if r.msg != nil {
-		msgs = append(msgs, r.msg)
-	}
-	for i, c := range r.chunks {
-		msgs = append(msgs, streamedChunk(r.request, c, r.eos && i == len(r.chunks)-1))
-	}
-	if r.last != nil {
-		msgs = append(msgs, r.last)
-	}
-	return msgs, r.routed, r.done
+	return slices.Collect(r.messages), r.routed, r.done
 }

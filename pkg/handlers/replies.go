@@ -40,6 +40,21 @@ type reply struct {
 	done    bool
 }
 
+// messages yields r's messages in the order they are sent.
+func (r reply) messages(yield func(*extprocv3.ProcessingResponse) bool) {
+	if r.msg != nil && !yield(r.msg) {
+		return
+	}
+	for i, c := range r.chunks {
+		if !yield(streamedChunk(r.request, c, r.eos && i == len(r.chunks)-1)) {
+			return
+		}
+	}
+	if r.last != nil {
+		yield(r.last)
+	}
+}
+
 // answer is a reply of one message.
 func answer(m *extprocv3.ProcessingResponse) reply { return reply{msg: m} }
 
