@@ -235,10 +235,11 @@ func (c *Config) validate() error {
 			errs = append(errs, fmt.Errorf("%s: must be positive", n.key))
 		}
 	}
-	if connector != nil && connector.Paired() && (c.PD.Mode == PDNever || c.PD.MinPromptTokens > 0) {
-		errs = append(errs, fmt.Errorf("pd.mode, pd.min_prompt_tokens: %s cannot send a request decode-only "+
-			"(its decode engines serve only prefill/decode pairs)", c.Connector))
+	if connector != nil && connector.Paired() && (c.PD.Mode == PDNever || c.PD.MinPromptTokens > 0 || len(c.PD.cacheKeys("pd")) > 0) {
+		errs = append(errs, fmt.Errorf("pd.mode, pd.min_prompt_tokens, pd.min_uncached_tokens, pd.max_uncached_ratio, pd.load: "+
+			"%s cannot send a request decode-only (its decode engines serve only prefill/decode pairs)", c.Connector))
 	}
+	errs = append(errs, c.validateCacheRules())
 	if connector != nil && !connector.Family().Has(api.SGLang) && c.PD.SGLangParallelSampling == ParallelSamplingRooms {
 		errs = append(errs, fmt.Errorf("pd.sglang_parallel_sampling: %s sends a request with several samples decode-only; "+
 			"only kv-sglang pairs them", c.Connector))

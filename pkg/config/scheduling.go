@@ -9,8 +9,8 @@ import (
 	"time"
 )
 
-// This file holds the scheduling keys: how each pool picks endpoints, when a
-// request is disaggregated, and the prefill retry budget. Each type fills its
+// This file holds the scheduling keys: how each pool picks endpoints, and
+// the prefill retry budget (pd.go holds when a request is disaggregated). Each type fills its
 // own defaults (SetDefaults, idempotent) and validates itself with errors that
 // name the key as the user wrote it.
 
@@ -19,13 +19,6 @@ const (
 	PolicyLeastLoad      = "least-load"
 	PolicyPrefixAffinity = "prefix-affinity"
 	PolicyRoundRobin     = "round-robin"
-)
-
-// P/D modes (pd.mode).
-const (
-	PDAuto   = "auto"
-	PDAlways = "always"
-	PDNever  = "never"
 )
 
 // Scheduling defaults.
@@ -44,7 +37,6 @@ const (
 	DefaultCheckTimeout        = time.Second
 	DefaultMetricsPath         = "/metrics"
 	DefaultDNSInterval         = 10 * time.Second
-	DefaultCharsPerToken       = 4
 	DefaultPrefillAttempts     = 2
 	maxFallbacks               = 8
 )
@@ -114,19 +106,6 @@ type EngineMetrics struct {
 	Timeout Duration `json:"timeout,omitempty"`
 	// StaleAfter: older figures are ignored; default 3 × Interval.
 	StaleAfter Duration `json:"stale_after,omitempty"`
-}
-
-// PD decides per request between P/D and decode-only.
-type PD struct {
-	// Mode is auto (default: by prompt size), always or never.
-	Mode string `json:"mode,omitempty"`
-	// MinPromptTokens: in auto mode, shorter prompts are decode-only.
-	MinPromptTokens int `json:"min_prompt_tokens,omitempty"`
-	// CharsPerToken estimates tokens from characters when the body has no token ids.
-	CharsPerToken float64 `json:"chars_per_token,omitempty"`
-	// SGLangParallelSampling is how kv-sglang pairs a request with n > 1:
-	// refuse (default, 400) or rooms (a bootstrap room per sample).
-	SGLangParallelSampling string `json:"sglang_parallel_sampling,omitempty"`
 }
 
 // PrefillAttempts is the prefill leg's retry budget. Embed it in Prefill so
@@ -274,34 +253,6 @@ func (m EngineMetrics) Validate(key string) error {
 	}
 	if m.Interval > 0 && m.StaleAfter < m.Interval {
 		errs = append(errs, fmt.Errorf("%s.stale_after: %s is below interval %s: every figure would be stale", key, m.StaleAfter.D(), m.Interval.D()))
-	}
-	return errors.Join(errs...)
-}
-
-// SetDefaults fills the keys left out.
-func (p *PD) SetDefaults() {
-	orDefault(&p.Mode, PDAuto)
-	orDefault(&p.CharsPerToken, DefaultCharsPerToken)
-	orDefault(&p.SGLangParallelSampling, ParallelSamplingRefuse)
-}
-
-// Validate checks the P/D keys under key ("pd").
-func (p PD) Validate(key string) error {
-	var errs []error
-	switch p.Mode {
-	case PDAuto, PDAlways, PDNever:
-	default:
-		errs = append(errs, fmt.Errorf("%s.mode: %q is not %s, %s or %s", key, p.Mode, PDAuto, PDAlways, PDNever))
-	}
-	if p.MinPromptTokens < 0 {
-		errs = append(errs, fmt.Errorf("%s.min_prompt_tokens: must not be negative", key))
-	}
-	if p.CharsPerToken <= 0 || p.CharsPerToken > 100 {
-		errs = append(errs, fmt.Errorf("%s.chars_per_token: %g is not in (0, 100]", key, p.CharsPerToken))
-	}
-	if p.SGLangParallelSampling != ParallelSamplingRefuse && p.SGLangParallelSampling != ParallelSamplingRooms {
-		errs = append(errs, fmt.Errorf("%s.sglang_parallel_sampling: %q is not %s or %s", key, p.SGLangParallelSampling,
-			ParallelSamplingRefuse, ParallelSamplingRooms))
 	}
 	return errors.Join(errs...)
 }

@@ -66,7 +66,7 @@ func TestSchedulingDefaults(t *testing.T) {
 	if d != want {
 		t.Errorf("pool defaults = %+v\nwant %+v", d, want)
 	}
-	if f.PD != (PD{Mode: PDAuto, CharsPerToken: 4, SGLangParallelSampling: ParallelSamplingRefuse}) {
+	if f.PD != (PD{Mode: PDAuto, CharsPerToken: 4, SGLangParallelSampling: ParallelSamplingRefuse, MaxUncachedRatio: 1}) {
 		t.Errorf("pd defaults = %+v", f.PD)
 	}
 	if f.Prefill.Attempts != 2 || f.Prefill.AttemptTimeout != f.Prefill.Timeout {
@@ -117,6 +117,10 @@ func TestSchedulingValidationNamesTheKey(t *testing.T) {
 		{"too many fallbacks", `pools: {decode: {fallbacks: 9}}`, "pools.decode.fallbacks"},
 		{"unknown mode", `pd: {mode: sometimes}`, "pd.mode"},
 		{"negative threshold", `pd: {min_prompt_tokens: -5}`, "pd.min_prompt_tokens"},
+		{"negative uncached bound", `pd: {min_uncached_tokens: -1}`, "pd.min_uncached_tokens"},
+		{"ratio above one", `pd: {max_uncached_ratio: 1.5}`, "pd.max_uncached_ratio"},
+		{"negative busy line", `pd: {load: {prefill_queue: -1}}`, "pd.load"},
+		{"decode_queue alone", `pd: {load: {decode_queue: 2}}`, "pd.load.decode_queue"},
 		{"negative ratio", `pd: {chars_per_token: -4}`, "pd.chars_per_token"},
 		{"negative attempts", `prefill: {attempts: -1}`, "prefill.attempts"},
 		{"attempt longer than the whole", `prefill: {timeout: 10s, attempt_timeout: 20s}`, "prefill.attempt_timeout"},

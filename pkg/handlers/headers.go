@@ -99,8 +99,8 @@ func subsetHint(md *corev3.Metadata) any {
 
 // onResponseHeaders reads the decode engine's answer: its status tells
 // scheduling how the endpoint is doing (a 5xx ejects it like a refused
-// connection), and its status and content headers tell a rewrite whether the
-// body can be rewritten, which needs the body in FULL_DUPLEX.
+// connection), and its status and content headers tell a rewrite (or a
+// reader) whether the body can be read, which needs the body in FULL_DUPLEX.
 func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap) {
 	status, rewriting := 0, x.rewriting()
 	var contentType, contentEncoding string
@@ -122,6 +122,9 @@ func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap) {
 	case !rewriting:
 	case x.responseMode() != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
 		x.decision.Rewrite.Skip(metrics.UsageNotFullDuplex)
+		if !x.decision.Rewrite.Writes() {
+			break // a reader of the answer: nothing the user asked for is lost
+		}
 		x.obs.notDuplex.Do(func() {
 			x.obs.log.Info("response.rewrite_usage is on, but Envoy does not send response bodies in FULL_DUPLEX_STREAMED: "+
 				"answers are passed on unchanged; set the ext_proc filter's response_body_mode (with response_trailer_mode: SEND)",

@@ -39,7 +39,7 @@ const (
 
 // Reason is why a routed request got its mode: String is its
 // pd_decisions_total{reason} label, which nothing else reads. The first seven
-// are the P/D decider's; the zero value is no decision yet.
+// and the last three are the P/D decider's; the zero value is no decision yet.
 type Reason uint8
 
 const (
@@ -56,6 +56,9 @@ const (
 	ReasonUnpairedAPI                      // decode-only: an API the connector's engines cannot disaggregate (/v1/messages)
 	ReasonPromptLogprobs                   // decode-only: the request asks for the prompt's logprobs
 	ReasonStoredResponse                   // decode-only: a Responses request that continues a stored response or runs in the background
+	ReasonCachedPrefix                     // decode-only: the decode endpoint is estimated to hold all but a few of the prompt's tokens
+	ReasonPrefillBusy                      // decode-only: the prefill pool is busy and the decode endpoint is not (pd.load)
+	ReasonDecodeBusy                       // P/D: decode-only was vetoed, the decode endpoint being busy (pd.load)
 )
 
 var reasonLabels = [...]string{
@@ -63,6 +66,7 @@ var reasonLabels = [...]string{
 	ReasonNGT1: "n_gt_1", ReasonBatch: "batch", ReasonNoPrefill: "no_prefill", ReasonPrefillFailed: "prefill_failed",
 	ReasonNoBody: "no_body", ReasonPassthrough: "passthrough", ReasonUnpairedAPI: "unpaired_api",
 	ReasonPromptLogprobs: "prompt_logprobs", ReasonStoredResponse: "stored_response",
+	ReasonCachedPrefix: "cached_prefix", ReasonPrefillBusy: "prefill_busy", ReasonDecodeBusy: "decode_busy",
 }
 
 func (r Reason) String() string { return label(reasonLabels[:], r) }
@@ -166,7 +170,7 @@ func New(connector string) *Metrics {
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "pd_decisions_total",
 			Help: "Routed requests by why they got their mode (always, long_prompt, never, short_prompt, n_gt_1, batch, no_prefill, prefill_failed, no_body, " +
-				"passthrough, unpaired_api, prompt_logprobs, stored_response).",
+				"passthrough, unpaired_api, prompt_logprobs, stored_response, cached_prefix, prefill_busy, decode_busy).",
 		}, []string{"reason"}),
 		bodyBytes: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Namespace: namespace, Name: "request_body_bytes",

@@ -3,12 +3,14 @@ package pipeline
 import (
 	"bytes"
 	"net/netip"
+	"strconv"
 	"strings"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/response"
+	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
 // prefillAnswer is what the decode leg and the client's answer take from a
@@ -72,6 +74,24 @@ func (p *Pipeline) usageRewriter(r *Request, a prefillAnswer) *response.Rewriter
 	// A copy: a.cached points into the whole prefill answer, and the rewriter
 	// lives as long as the stream.
 	return response.New(path, bytes.Clone(a.cached), int(p.opts.MaxResponseBytes))
+}
+
+// heldReader reads the answer of a decode engine that got r decode-only,
+// being estimated to hold held of its prompt's tokens (cached_prefix), and
+// tells scheduling how many it says it held: an endpoint whose answers keep
+// belying the estimate stops being trusted with it for a while. nil when the
+// API reports no cached tokens. Without Envoy's response path it reads
+// nothing, and the estimate stands.
+func (p *Pipeline) heldReader(r *Request, decode *scheduling.Endpoint, held int) *response.Rewriter {
+	path := r.api.Shape.CachedTokens
+	if path == nil {
+		return nil
+	}
+	return response.NewReader(path, int(p.opts.MaxResponseBytes), func(raw []byte) {
+		if n, err := strconv.Atoi(string(raw)); err == nil && isCount(raw) {
+			decode.ReportCached(held, n)
+		}
+	})
 }
 
 // checkRemoteHost warns when the prefill engine at prefill tells a decode

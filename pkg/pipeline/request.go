@@ -99,7 +99,8 @@ type Decision struct {
 	// reserved headers): Envoy must not forward them. Shared: do not modify.
 	RemoveHeaders []string
 	// Rewrite fixes the decode engine's answer on its way back (the usage
-	// under response.rewrite_usage); nil when it is passed on as it is.
+	// under response.rewrite_usage), or reads it (what a cached_prefix
+	// decision's engine held: heldReader); nil when it is passed on unread.
 	Rewrite *response.Rewriter
 	decode  *scheduling.Endpoint
 	release func()

@@ -125,7 +125,7 @@ func checkModel(a *api.API, obj *body.Object) error {
 // the decode leg's body. It records the decision in r.Report.
 func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *scheduling.Request, d *Decision) (body.Spliced, error) {
 	rep := &r.Report
-	decision := p.pools.Decide(sreq)
+	decision := p.pools.Decide(sreq, d.decode)
 	rep.Reason = decision.Reason
 	switch {
 	case decision.PD:
@@ -133,6 +133,9 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		return nil, noPrefillEndpoint()
 	default:
 		rep.Mode = ModeDecodeOnly
+		if decision.Reason == metrics.ReasonCachedPrefix {
+			d.Rewrite = p.heldReader(r, d.decode, decision.Held)
+		}
 		return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
 	}
 	rep.Mode = ModePD

@@ -30,6 +30,7 @@ type Rewriter struct {
 	one   [1][]byte // the list of what passes as it came (see only)
 	// outcome is how the answer fared (a metrics.Usage* value), "" until known.
 	outcome string
+	seen    func(raw []byte) // a reader's (NewReader), nil for a rewriter
 }
 
 // New returns a rewriter that writes value (raw JSON) at path in an answer,
@@ -37,6 +38,18 @@ type Rewriter struct {
 func New(path []string, value []byte, limit int) *Rewriter {
 	return &Rewriter{path: path, value: value, key: body.Quote(path[len(path)-1]), limit: limit}
 }
+
+// NewReader returns a Rewriter that changes nothing: it gives seen the raw
+// number at path in the answer wherever it finds it, holding at most limit
+// bytes of a JSON answer back to look. Its Outcome is always "".
+func NewReader(path []string, limit int, seen func(raw []byte)) *Rewriter {
+	r := New(path, nil, limit)
+	r.seen = seen
+	return r
+}
+
+// Writes reports whether r rewrites the answer, rather than reads it.
+func (r *Rewriter) Writes() bool { return r.seen == nil }
 
 // Start reads what the answer's headers say of its body. An error status, an
 // encoded body (gzip: the number cannot be found in it) and any body that is
@@ -64,7 +77,12 @@ func (r *Rewriter) Skip(why string) {
 
 // Outcome is how the answer fared, a metrics.Usage* value; "" while its end
 // has not been seen.
-func (r *Rewriter) Outcome() string { return r.outcome }
+func (r *Rewriter) Outcome() string {
+	if !r.Writes() {
+		return ""
+	}
+	return r.outcome
+}
 
 // Body takes the next chunk of the answer, last when it is the end (the final
 // chunk, or the trailers after it), and returns what to pass on now, in order:
@@ -104,6 +122,10 @@ func (r *Rewriter) fix(doc []byte) body.Spliced {
 	r.outcome = metrics.UsageAbsent
 	start, end, ok := body.Locate(doc, r.path...)
 	if !ok {
+		return r.only(doc)
+	}
+	if !r.Writes() {
+		r.seen(doc[start:end])
 		return r.only(doc)
 	}
 	r.outcome = metrics.UsageRewritten

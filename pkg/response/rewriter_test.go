@@ -193,3 +193,41 @@ func FuzzRewriterIgnoresChunking(f *testing.F) {
 		}
 	})
 }
+
+// TestReaderSeesTheNumberAndChangesNothing: a reader passes every byte on
+// as it came (a JSON answer held to its end) and sees the number wherever a
+// rewriter would write it.
+func TestReaderSeesTheNumberAndChangesNothing(t *testing.T) {
+	half := len(usageEv) / 2
+	tests := []struct {
+		name    string
+		headers headers
+		chunks  []string
+		want    []string // what each chunk lets through
+		seen    []string
+		limit   int // 0: 1 MiB
+	}{
+		{name: "JSON", headers: jsonOK, chunks: []string{chatJSON[:40], chatJSON[40:]}, want: []string{"", chatJSON}, seen: []string{"12"}},
+		{name: "events", headers: sseOK, chunks: []string{role + tok0, tok1 + usageEv[:half], usageEv[half:] + done},
+			want: []string{role + tok0, tok1, usageEv + done}, seen: []string{"12"}},
+		{name: "no usage", headers: sseOK, chunks: []string{role + tok0 + tok1 + done}, want: []string{role + tok0 + tok1 + done}},
+		{name: "an error status is not read", headers: headers{500, "application/json", ""}, chunks: []string{chatJSON}, want: []string{chatJSON}},
+		{name: "past the limit it passes unread", headers: jsonOK, limit: 40, chunks: []string{chatJSON[:30], chatJSON[30:]},
+			want: []string{"", chatJSON}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var seen []string
+			r := NewReader(chatPath, cmp.Or(tt.limit, 1<<20), func(raw []byte) { seen = append(seen, string(raw)) })
+			r.Start(tt.headers.status, tt.headers.contentType, tt.headers.encode)
+			for i, c := range tt.chunks {
+				if got := string(bytes.Join(r.Body([]byte(c), i == len(tt.chunks)-1), nil)); got != tt.want[i] {
+					t.Errorf("chunk %d lets through %q, want %q", i, got, tt.want[i])
+				}
+			}
+			if strings.Join(seen, ",") != strings.Join(tt.seen, ",") || r.Outcome() != "" || r.Writes() {
+				t.Errorf("seen %q, outcome %q, writes %v; want %q, no outcome, a reader", seen, r.Outcome(), r.Writes(), tt.seen)
+			}
+		})
+	}
+}

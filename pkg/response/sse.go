@@ -74,7 +74,9 @@ func (r *Rewriter) events(b []byte) body.Spliced {
 		} else {
 			lineEnd = len(b)
 		}
-		if start, end, ok := r.locateInData(b[lineStart:lineEnd]); ok {
+		if start, end, ok := r.locateInData(b[lineStart:lineEnd]); ok && !r.Writes() {
+			r.seen(b[lineStart+start : lineStart+end])
+		} else if ok {
 			out = append(out, b[kept:lineStart+start], r.value)
 			kept = lineStart + end
 			r.fixed = true

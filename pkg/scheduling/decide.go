@@ -10,27 +10,38 @@ import (
 type Split struct {
 	PD     bool
 	Reason metrics.Reason
+	// Held is, for cached_prefix, how many of the prompt's tokens the
+	// decode endpoint is estimated to hold: what its answer is checked
+	// against (Endpoint.ReportCached).
+	Held int
 }
 
-// Decider chooses P/D or decode-only per request. It is separate from the
-// pickers: it never looks at which endpoint a request would get.
+// Decider chooses P/D or decode-only per request, once its decode endpoint
+// is picked: by the request, by what that endpoint is estimated to hold of
+// the prompt, and by the pools' load.
 type Decider struct {
-	cfg    config.PD
-	paired bool // Spec.Paired
+	cfg         config.PD
+	paired      bool // Spec.Paired
+	minUncached int  // the cache rule's bound (pd.min_uncached_tokens), 0: off
 }
 
 // newDecider returns the decider of spec (pd defaults filled in).
 func newDecider(spec Spec) *Decider {
 	spec.PD.SetDefaults()
-	return &Decider{cfg: spec.PD, paired: spec.Paired}
+	d := &Decider{cfg: spec.PD, paired: spec.Paired}
+	if !spec.Paired {
+		d.minUncached = spec.PD.UncachedTokens(spec.Decode.Policy)
+	}
+	return d
 }
 
-// Decide returns the decision for req given the prefill pool. Requests the
-// engines cannot disaggregate go decode-only whatever the mode. For paired
-// engines the only decode-only reasons left are the request's own Alone and
-// no_prefill (config refuses never and min_prompt_tokens for them), which the
-// caller must then refuse.
-func (d *Decider) Decide(req *Request, prefill *Pool) Split {
+// Decide returns the decision for req, whose decode endpoint is decode,
+// given the prefill pool. Requests the engines cannot disaggregate go
+// decode-only whatever the mode. For paired engines the only decode-only
+// reasons left are the request's own Alone and no_prefill (config refuses
+// never, min_prompt_tokens, the cache rule and the load arm for them), which
+// the caller must then refuse.
+func (d *Decider) Decide(req *Request, prefill *Pool, decode *Endpoint) Split {
 	switch {
 	case req != nil && req.Alone != 0:
 		return Split{Reason: req.Alone}
@@ -47,5 +58,62 @@ func (d *Decider) Decide(req *Request, prefill *Pool) Split {
 	case d.cfg.Mode == config.PDAlways:
 		return Split{PD: true, Reason: metrics.ReasonAlways}
 	}
-	return Split{PD: true, Reason: metrics.ReasonLongPrompt}
+	s := Split{PD: true, Reason: metrics.ReasonLongPrompt}
+	if held, ok := d.cached(req, decode); ok {
+		s = Split{Reason: metrics.ReasonCachedPrefix, Held: held}
+	}
+	if l := d.cfg.Load; l.On() {
+		switch {
+		case queue(decode) >= l.DecodeQueue:
+			if !s.PD {
+				s = Split{PD: true, Reason: metrics.ReasonDecodeBusy}
+			}
+		case s.PD && meanQueue(prefill) >= l.PrefillQueue:
+			s = Split{Reason: metrics.ReasonPrefillBusy}
+		}
+	}
+	return s
+}
+
+// cached is the cache rule (llm-d's and Dynamo's): decode is estimated to
+// hold part of the prompt, and the part it lacks is below
+// pd.min_uncached_tokens and pd.max_uncached_ratio of the prompt, so that
+// computing it there costs less than a prefill leg's round trip and queue;
+// and decode's answers have not belied its estimates lately (trust.go).
+// It returns the tokens decode is estimated to hold.
+func (d *Decider) cached(req *Request, decode *Endpoint) (held int, ok bool) {
+	if d.minUncached <= 0 || req.Held(decode) == 0 || !decode.trusted() {
+		return 0, false
+	}
+	uncached, tokens := req.UncachedTokens(decode, d.cfg.CharsPerToken)
+	return tokens - uncached, uncached < d.minUncached && float64(uncached) < d.cfg.MaxUncachedRatio*float64(tokens)
+}
+
+// queue is e's scraped queue (waiting requests), 0 when it has no fresh
+// figures.
+func queue(e *Endpoint) float64 {
+	if e == nil {
+		return 0
+	}
+	l, ok := e.Load()
+	if !ok {
+		return 0
+	}
+	return l.Waiting
+}
+
+// meanQueue is the mean scraped queue of p's healthy endpoints.
+func meanQueue(p *Pool) float64 {
+	var sum float64
+	n := 0
+	for _, e := range p.Endpoints() {
+		if e.Healthy() {
+			sum += queue(e)
+			n++
+		}
+	}
+	if n == 0 {
+		return 0
+	}
+	return sum / float64(n)
 }

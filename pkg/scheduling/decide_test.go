@@ -1,8 +1,11 @@
 package scheduling
 
 import (
+	"cmp"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -53,7 +56,7 @@ func TestDecide(t *testing.T) {
 			}
 			req := NewRequest(completions(obj))
 			req.Alone = tt.alone
-			if got := newDecider(Spec{PD: tt.pd, Paired: tt.paired}).Decide(req, prefill); got != tt.want {
+			if got := newDecider(Spec{PD: tt.pd, Paired: tt.paired}).Decide(req, prefill, nil); got != tt.want {
 				t.Fatalf("Decide() = %+v, want %+v", got, tt.want)
 			}
 		})
@@ -61,11 +64,107 @@ func TestDecide(t *testing.T) {
 }
 
 func TestDecideWithoutPrefillPool(t *testing.T) {
-	if got := newDecider(Spec{}).Decide(nil, nil); got.PD || got.Reason != metrics.ReasonNoPrefill {
-		t.Fatalf("Decide(nil, nil) = %+v, want decode-only for lack of prefill", got)
+	if got := newDecider(Spec{}).Decide(nil, nil, nil); got.PD || got.Reason != metrics.ReasonNoPrefill {
+		t.Fatalf("Decide(nil, nil, nil) = %+v, want decode-only for lack of prefill", got)
 	}
 	empty := NewPools(Spec{}, Deps{}).Prefill
-	if got := newDecider(Spec{}).Decide(promptRequest("hi"), empty); got.Reason != metrics.ReasonNoPrefill {
+	if got := newDecider(Spec{}).Decide(promptRequest("hi"), empty, nil); got.Reason != metrics.ReasonNoPrefill {
 		t.Fatalf("Decide() with an empty prefill pool = %+v", got)
+	}
+}
+
+// TestDecideOnWhatTheDecodeEndpointHolds: a conversation's later turn whose
+// decode endpoint holds its history goes decode-only, on the replica that
+// routed the turn before and on one that never saw it; the load arm sends
+// a request decode-only while prefill is busy, and a busy decode endpoint
+// vetoes both.
+func TestDecideOnWhatTheDecodeEndpointHolds(t *testing.T) {
+	const system = 2000 // characters: 500 tokens
+	ints := func(n int) *int { return &n }
+	turn1 := []simMessage{{"system", strings.Repeat("s", system)}, {"user", strings.Repeat("a", 400)}}
+	turn2 := func(user int) []simMessage {
+		return append(slices.Clip(turn1), simMessage{"assistant", strings.Repeat("b", 400)}, simMessage{"user", strings.Repeat("c", user)})
+	}
+	tests := []struct {
+		name     string
+		pd       config.PD
+		policy   string // the decode pool's; default prefix-affinity
+		paired   bool
+		seen     bool // this replica routed turn 1
+		turn     []simMessage
+		prefillQ float64 // every prefill engine's scraped queue
+		decodeQ  float64 // the decode endpoint's
+		belied   bool    // its answers belied the estimate three times
+		want     Split
+	}{
+		{name: "a first turn holds nothing", turn: turn1, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "a later turn, on the replica that routed the turn before", seen: true, turn: turn2(200), want: Split{Reason: metrics.ReasonCachedPrefix}},
+		{name: "a later turn, on a replica that never saw the conversation", turn: turn2(200), want: Split{Reason: metrics.ReasonCachedPrefix}},
+		{name: "an endpoint whose answers belied the estimate", seen: true, turn: turn2(200), belied: true, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "a new part of min_uncached_tokens or more", seen: true, turn: turn2(4 * config.DefaultMinUncachedTokens), want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "min_uncached_tokens below the new part", pd: config.PD{MinUncachedTokens: ints(40)}, seen: true, turn: turn2(200), want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "min_uncached_tokens 0 turns the rule off", pd: config.PD{MinUncachedTokens: ints(0)}, seen: true, turn: turn2(200), want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "max_uncached_ratio bounds the uncached share", pd: config.PD{MaxUncachedRatio: 0.01}, seen: true, turn: turn2(200), want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "off by default under another decode policy", policy: config.PolicyLeastLoad, seen: true, turn: turn2(200), want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "always stays P/D", pd: config.PD{Mode: config.PDAlways}, seen: true, turn: turn2(200), want: Split{PD: true, Reason: metrics.ReasonAlways}},
+		{name: "paired engines never go decode-only", paired: true, seen: true, turn: turn2(200), want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "prefill busy, decode idle", pd: config.PD{Load: config.PDLoad{PrefillQueue: 4}}, turn: turn1, prefillQ: 4, want: Split{Reason: metrics.ReasonPrefillBusy}},
+		{name: "prefill below its busy line", pd: config.PD{Load: config.PDLoad{PrefillQueue: 4}}, turn: turn1, prefillQ: 3, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "prefill busy, decode busy too", pd: config.PD{Load: config.PDLoad{PrefillQueue: 4}}, turn: turn1, prefillQ: 4, decodeQ: 1, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "a busy decode endpoint vetoes the cache rule", pd: config.PD{Load: config.PDLoad{PrefillQueue: 4, DecodeQueue: 2}}, seen: true, turn: turn2(200), decodeQ: 2, want: Split{PD: true, Reason: metrics.ReasonDecodeBusy}},
+		{name: "below decode_queue the cache rule stands", pd: config.PD{Load: config.PDLoad{PrefillQueue: 4, DecodeQueue: 2}}, seen: true, turn: turn2(200), decodeQ: 1, want: Split{Reason: metrics.ReasonCachedPrefix}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			policy := cmp.Or(tt.policy, config.PolicyPrefixAffinity)
+			scrape := config.EngineMetrics{Interval: config.Duration(time.Second)}
+			spec := Spec{
+				Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000", "10.0.1.2:8000"}, PoolScheduling: config.PoolScheduling{Metrics: scrape}},
+				Decode: PoolSpec{Endpoints: []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"},
+					PoolScheduling: config.PoolScheduling{Policy: policy, Metrics: scrape}},
+				PD: tt.pd, Paired: tt.paired,
+			}
+			ps := NewPools(spec, Deps{})
+			for _, e := range ps.Prefill.Endpoints() {
+				e.observe(Load{Waiting: tt.prefillQ, At: time.Now()})
+			}
+			if tt.seen {
+				if _, err := ps.Decode.Select(chatRequest(turn1)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			req := chatRequest(tt.turn)
+			e, err := ps.Decode.Select(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			e.observe(Load{Waiting: tt.decodeQ, At: time.Now()})
+			for range trustMisses {
+				if tt.belied {
+					e.ReportCached(500, 0)
+				}
+			}
+			if got := ps.Decide(req, e); got.PD != tt.want.PD || got.Reason != tt.want.Reason {
+				t.Fatalf("Decide() = %+v, want %+v", got, tt.want)
+			}
+		})
+	}
+}
+
+// TestHeldIsOfTheEndpointPicked: the estimate is of the endpoint the policy
+// picked, not of another the caller passes.
+func TestHeldIsOfTheEndpointPicked(t *testing.T) {
+	p, _ := testPool(t, policy(config.PolicyPrefixAffinity), "10.0.0.1:8000", "10.0.0.2:8000")
+	turn1 := []simMessage{{"system", strings.Repeat("s", 2000)}, {"user", "hi"}}
+	first, _ := p.Select(chatRequest(turn1))
+	req := chatRequest(append(turn1, simMessage{"assistant", "hello"}, simMessage{"user", "and?"}))
+	e, _ := p.Select(req)
+	other := p.Endpoints()[0]
+	if other == e {
+		other = p.Endpoints()[1]
+	}
+	if e != first || req.Held(e) < len(req.Previous()) || req.Previous() == "" || req.Held(other) != 0 || req.Held(nil) != 0 {
+		t.Fatalf("Held = %d on the endpoint picked (%v, first %v), %d on another; want at least %d, and 0",
+			req.Held(e), e.Addr, first.Addr, req.Held(other), len(req.Previous()))
 	}
 }

@@ -24,6 +24,7 @@ type Endpoint struct {
 	troubled atomic.Bool // fast path: false means healthy without taking mu
 	mu       sync.Mutex
 	health   healthState
+	trust    cacheTrust
 }
 
 // settings are the pool-wide knobs an endpoint consults, swapped on reload.

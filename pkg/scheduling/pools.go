@@ -89,9 +89,10 @@ func (ps *Pools) Update(spec Spec) {
 	ps.decider.Store(newDecider(spec))
 }
 
-// Decide chooses P/D or decode-only for req.
-func (ps *Pools) Decide(req *Request) Split {
-	return ps.decider.Load().Decide(req, ps.Prefill)
+// Decide chooses P/D or decode-only for req, whose decode endpoint the
+// decode pool picked: decode.
+func (ps *Pools) Decide(req *Request, decode *Endpoint) Split {
+	return ps.decider.Load().Decide(req, ps.Prefill, decode)
 }
 
 // Run does the pools' background work until ctx is done: active health

@@ -72,11 +72,11 @@ func TestRunFollowsReloads(t *testing.T) {
 func TestPoolsUpdateAppliesPDThresholds(t *testing.T) {
 	ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"a"}}, Decode: PoolSpec{Endpoints: []string{"b"}}}, Deps{})
 	req := promptRequest(strings.Repeat("x", 40)) // 10 tokens
-	if d := ps.Decide(req); !d.PD {
+	if d := ps.Decide(req, nil); !d.PD {
 		t.Fatalf("Decide() = %+v with defaults, want P/D", d)
 	}
 	ps.Update(Spec{Prefill: PoolSpec{Endpoints: []string{"a"}}, Decode: PoolSpec{Endpoints: []string{"b"}}, PD: config.PD{MinPromptTokens: 11}})
-	if d := ps.Decide(req); d.PD || d.Reason != metrics.ReasonShortPrompt {
+	if d := ps.Decide(req, nil); d.PD || d.Reason != metrics.ReasonShortPrompt {
 		t.Fatalf("Decide() = %+v after raising the threshold, want decode-only", d)
 	}
 }

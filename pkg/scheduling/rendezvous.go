@@ -155,6 +155,7 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 	served := p.index.matched(hs)
 	if prefix == "" || req.Head() == "" && !routed(served, len(prefix)/p.keys.blockChars) {
 		e := p.fallback.Pick(req, eps)
+		p.estimate(req, e, served, false)
 		p.index.record(prompt, hs, e.Addr)
 		return e
 	}
@@ -204,8 +205,27 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 			}
 		}
 	}
+	p.estimate(req, chosen.e, served, chosen.e == rs[0].e)
 	p.index.record(prompt, hs, chosen.e.Addr)
 	return chosen.e
+}
+
+// estimate notes on req what e is estimated to hold of its prompt, before
+// the request is recorded as sent there: what this replica remembers
+// sending e, or, when e is the endpoint the request ranks first (its
+// conversation's, with no load in the way), at least the conversation's
+// previous request, which every replica sent there unless a load bound
+// spilled it. The second holds whatever replica routed that request, so
+// replicas mostly estimate alike.
+func (p *prefixAffinity) estimate(req *Request, e *Endpoint, served map[string]int, first bool) {
+	if req == nil {
+		return
+	}
+	held := served[e.Addr] * p.keys.blockChars
+	if first {
+		held = max(held, len(req.Previous()))
+	}
+	req.held = estimate{addr: e.Addr, chars: held}
 }
 
 // routed says whether this replica sent a request with these blocks

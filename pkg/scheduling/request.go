@@ -21,6 +21,26 @@ type Request struct {
 	Alone metrics.Reason
 
 	prompt *api.Prompt // read as the request's API reads it; nil for none
+	// held is what the policy that picked for it last estimates that
+	// endpoint holds of its prompt: prefix-affinity sets it as it picks, for
+	// the decider to read of the decode endpoint.
+	held estimate
+}
+
+// estimate is how many leading characters of a prompt (Request.Prompt) an
+// endpoint is estimated to hold in its prefix cache.
+type estimate struct {
+	addr  string
+	chars int
+}
+
+// Held is the estimated cached start of the prompt on e, in characters: 0
+// unless e's pool's policy (prefix-affinity) picked e for r and estimated it.
+func (r *Request) Held(e *Endpoint) int {
+	if r == nil || e == nil || r.held.addr != e.Addr {
+		return 0
+	}
+	return r.held.chars
 }
 
 // NewRequest is the request whose prompt p is.
@@ -49,6 +69,18 @@ func (r *Request) read(part func(*api.Prompt) string) string {
 		return ""
 	}
 	return part(r.prompt)
+}
+
+// UncachedTokens is how many of the prompt's tokens e lacks, by Held, and
+// the prompt's tokens.
+func (r *Request) UncachedTokens(e *Endpoint, charsPerToken float64) (uncached, tokens int) {
+	tokens = r.PromptTokens(charsPerToken)
+	chars := len(r.Prompt())
+	if chars == 0 {
+		return tokens, tokens
+	}
+	held := min(r.Held(e), chars)
+	return tokens - int(int64(tokens)*int64(held)/int64(chars)), tokens
 }
 
 // PromptTokens is the prompt's length in tokens: exact when the body carries

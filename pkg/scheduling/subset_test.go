@@ -90,7 +90,7 @@ func TestThePrefillPoolIgnoresTheSubsetHint(t *testing.T) {
 	if _, err := ps.Decode.Select(req); !errors.Is(err, ErrSubset) {
 		t.Fatalf("decode Select() error = %v, want ErrSubset", err)
 	}
-	if d := ps.Decide(req); !d.PD {
+	if d := ps.Decide(req, nil); !d.PD {
 		t.Fatalf("Decide() = %+v: the decode hint must not make prefill look unavailable", d)
 	}
 }

@@ -1,0 +1,49 @@
+package scheduling
+
+import "time"
+
+// cacheTrust is what a decode engine's own answers said of the estimates
+// that sent it requests decode-only (cached_prefix): the engine reports the
+// prompt tokens its prefix cache held (usage.prompt_tokens_details), which
+// for a decode-only answer is its cache alone. An estimate fails when the
+// engine held less than half of what it assumed, as after an eviction or a
+// restart; trustMisses failures in a row stop the cache rule for that
+// endpoint for distrustFor, after which it is trusted again. P/D answers
+// cannot tell: vLLM counts the KV it pulled as cached. Guarded by
+// Endpoint.mu.
+type cacheTrust struct {
+	misses int       // estimates in a row that failed
+	until  time.Time // zero: trusted
+}
+
+const (
+	trustMisses = 3
+	distrustFor = time.Minute
+)
+
+// ReportCached records a decode-only answer of the endpoint: the prompt
+// tokens the decision assumed it held, and those it says it held.
+func (e *Endpoint) ReportCached(assumed, held int) {
+	if assumed <= 0 {
+		return
+	}
+	now := e.cfg().now()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	t := &e.trust
+	if 2*held >= assumed {
+		t.misses = 0
+		return
+	}
+	if t.misses++; t.misses >= trustMisses {
+		t.misses, t.until = 0, now.Add(distrustFor)
+	}
+}
+
+// trusted reports whether the cache rule may go by the endpoint's estimates.
+func (e *Endpoint) trusted() bool {
+	now := e.cfg().now()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return !now.Before(e.trust.until)
+}
