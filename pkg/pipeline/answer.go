@@ -39,9 +39,35 @@ func (p *Pipeline) readAnswer(answer []byte, r *Request) prefillAnswer {
 	if path := r.api.Shape.CachedTokens; p.opts.RewriteUsage && path != nil {
 		if start, end, ok := o.Locate(path...); ok && isCount(answer[start:end]) {
 			a.cached = answer[start:end]
+		} else if noneCached(o, path) {
+			a.cached = zero
 		}
 	}
 	return a
+}
+
+var zero = []byte("0")
+
+// noneCached reports whether an answer without the number at path says that
+// nothing was cached: its usage (path[0]) is there, and the details object
+// that holds the number is absent or null. Most vLLM releases write
+// prompt_tokens_details only when the count is not zero (`if
+// self.enable_prompt_tokens_details and final_res.num_cached_tokens:` in
+// vLLM's serving_chat.py and serving_completion.py, now
+// vllm/entrypoints/openai/chat_completion/serving.py and
+// completion/serving.py), so a
+// cold prompt, a P/D pair's usual case, comes back without it; llm-d reads
+// it as 0 too. A details object with no count, or a placeholder, tells
+// nothing.
+func noneCached(o *body.Object, path []string) bool {
+	if len(path) < 3 {
+		return false
+	}
+	if s, e, ok := o.Locate(path[0]); !ok || body.IsNull(o.Bytes()[s:e]) {
+		return false
+	}
+	s, e, ok := o.Locate(path[:len(path)-1]...)
+	return !ok || body.IsNull(o.Bytes()[s:e])
 }
 
 // isCount reports whether raw is a JSON integer that is a plausible token
@@ -60,8 +86,9 @@ func isCount(raw []byte) bool {
 
 // usageRewriter is the rewriter of the decode engine's answer to r, or nil
 // when it is passed on as it is: response.rewrite_usage is off, or the API
-// reports no cached tokens, or the prefill engine reported none (counted: the
-// decode engine's number then stands).
+// reports no cached tokens, or the prefill engine's answer said nothing of
+// them (no usage, or a placeholder; counted: the decode engine's number then
+// stands).
 func (p *Pipeline) usageRewriter(r *Request, a prefillAnswer) *response.Rewriter {
 	path := r.api.Shape.CachedTokens
 	if !p.opts.RewriteUsage || path == nil {
