@@ -69,6 +69,7 @@ type sglangMeta struct {
 	FinishReason     map[string]any `json:"finish_reason"`
 	PromptTokens     int            `json:"prompt_tokens"`
 	CompletionTokens int            `json:"completion_tokens"`
+	CachedTokens     int            `json:"cached_tokens"` // SGLang reports it whatever its flags
 }
 
 // answerSGLang answers SGLang's /generate.
@@ -78,7 +79,7 @@ func (s *Server) answerSGLang(ctx context.Context, w http.ResponseWriter, req *r
 		stream := newSSE(w)
 		out = &stream
 	}
-	a := sglangAnswer{OutputIDs: []int{}, MetaInfo: sglangMeta{ID: req.id, PromptTokens: req.promptTokens}}
+	a := sglangAnswer{OutputIDs: []int{}, MetaInfo: sglangMeta{ID: req.id, PromptTokens: req.promptTokens, CachedTokens: req.cached}}
 	err := s.tokens(ctx, n, func(i int) error {
 		a.Text += token(i)
 		a.OutputIDs = append(a.OutputIDs, outputID(i))

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 )
 
 // connector is the engine side of one P/D protocol in one role.
@@ -39,10 +40,17 @@ type kvResult struct {
 	oneToken  bool            // a disaggregated prefill stops after its first token
 }
 
-// compute simulates the prefill forward pass on this engine.
+// compute simulates the prefill forward pass on this engine: the prompt's
+// blocks found in the prefix cache are looked up first, as vLLM's scheduler
+// does, and once computed all its full blocks are in the cache.
 func (s *Server) compute(ctx context.Context, req *request) error {
+	req.cached = s.metrics.lookup(req)
 	req.phase.run()
-	return wait(ctx, s.cfg.TTFT)
+	if err := wait(ctx, s.cfg.TTFT); err != nil {
+		return err
+	}
+	s.metrics.cache.insert(req.blocks)
+	return nil
 }
 
 func (s *Server) inference(api apiKind) http.HandlerFunc {
@@ -87,8 +95,16 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 			res.outcome = kvLoadFailed
 			ex.err = err
 		}
+		if err == nil && res.outcome == kvHit {
+			// vLLM counts KV from another engine as cached, all of the prompt,
+			// and keeps the blocks it received for the prompts that follow.
+			req.cached = req.promptTokens
+			s.metrics.cache.insert(req.blocks)
+		}
 		ex.rec.KV, ex.rec.KVSource, ex.rec.KVRequestID = res.outcome, res.source, res.requestID
+		ex.rec.CachedTokens = req.cached
 		w.Header().Set("x-pdsim-kv", res.outcome)
+		w.Header().Set("x-pdsim-cached-tokens", strconv.Itoa(req.cached))
 		if res.outcome == kvHit {
 			w.Header().Set("x-pdsim-kv-source", res.source)
 			w.Header().Set("x-pdsim-kv-request-id", res.requestID)
@@ -144,7 +160,7 @@ func (s *Server) tokens(ctx context.Context, n int, each func(i int) error) erro
 func (s *Server) answerOpenAI(ctx context.Context, w http.ResponseWriter, req *request, res kvResult, n int, finish string) error {
 	u := &usage{PromptTokens: req.promptTokens, CompletionTokens: n, TotalTokens: req.promptTokens + n}
 	if s.cfg.PromptTokensDetails {
-		u.PromptTokensDetails = &tokensDetails{CachedTokens: s.metrics.cachedTokens(req, res.outcome == kvHit)}
+		u.PromptTokensDetails = &tokensDetails{CachedTokens: req.cached}
 	}
 	if !req.stream {
 		text := ""

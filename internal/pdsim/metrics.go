@@ -4,13 +4,15 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
-	"sync"
 	"sync/atomic"
 )
 
 const (
-	blockSize        = 16   // tokens per KV block, vLLM's default
-	kvCapacityBlocks = 8192 // the simulated GPU's KV cache
+	blockSize = 16 // tokens per KV block, vLLM's default
+	// kvCapacityBlocks is the simulated GPU's KV cache, and so by default what
+	// its prefix cache keeps (Config.PrefixCacheBlocks): vLLM caches prefixes
+	// in the blocks no running request holds.
+	kvCapacityBlocks = 8192
 )
 
 func blocksFor(tokens int) int64 { return int64((tokens + blockSize - 1) / blockSize) }
@@ -21,9 +23,12 @@ type metrics struct {
 	waiting, running atomic.Int64
 	blocks           atomic.Int64 // held by running requests and by issued NIXL blocks
 	pdQueues         atomic.Pointer[PDQueues]
-	// computed holds the prompt hashes computed here: the prefix cache behind
-	// usage.prompt_tokens_details.cached_tokens.
-	computed sync.Map
+	// cache holds the blocks computed here or received from another engine:
+	// the prefix cache behind usage.prompt_tokens_details.cached_tokens.
+	cache *prefixCache
+	// prefixQueries and prefixHits are the prompt tokens looked up in cache
+	// and found there, vLLM's prefix_cache_queries and prefix_cache_hits.
+	prefixQueries, prefixHits atomic.Int64
 }
 
 // PDQueues are the queues an SGLang engine in P/D mode reports beside its
@@ -31,22 +36,6 @@ type metrics struct {
 type PDQueues struct {
 	PrefillBootstrap, PrefillInflight int // a prefill's
 	DecodePrealloc, DecodeTransfer    int // a decode's
-}
-
-// cachedTokens is what vLLM reports as prompt_tokens_details.cached_tokens
-// for a prompt: the whole prompt when its KV came from another engine (vLLM
-// counts external KV as cached), else the full blocks of a prompt this engine
-// computed before, less the last token, which is always computed again.
-// Either way the prompt is in this engine's cache afterwards.
-func (m *metrics) cachedTokens(req *request, remote bool) int {
-	_, seen := m.computed.LoadOrStore(req.promptHash, true)
-	switch {
-	case remote:
-		return req.promptTokens
-	case seen:
-		return (req.promptTokens - 1) / blockSize * blockSize
-	}
-	return 0
 }
 
 // phase tracks one request: waiting (fault delay, remote KV, bootstrap
@@ -83,7 +72,7 @@ func (p *phase) exit() {
 
 var labelEscaper = strings.NewReplacer(`\`, `\\`, `"`, `\"`, "\n", `\n`)
 
-// gauge is one line of the exposition.
+// gauge is one series of the exposition (a counter's too).
 type gauge struct {
 	name, help string
 	value      float64
@@ -122,8 +111,18 @@ func (m *metrics) serve(model, protocol, role string) http.HandlerFunc {
 				{"sglang:num_decode_transfer_queue_reqs", "The number of requests in the decode transfer queue.", float64(q.DecodeTransfer)},
 			}
 		}
-		for _, g := range gauges {
-			fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s gauge\n%s%s %g\n", g.name, g.help, g.name, g.name, labels, g.value)
+		write := func(kind string, series []gauge) {
+			for _, g := range series {
+				fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s %s\n%s%s %g\n", g.name, g.help, g.name, kind, g.name, labels, g.value)
+			}
+		}
+		write("gauge", gauges)
+		if protocol != ProtocolSGLang {
+			// Named as prometheus_client prints a Counter, with its _total.
+			write("counter", []gauge{
+				{"vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.", float64(m.prefixQueries.Load())},
+				{"vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", float64(m.prefixHits.Load())},
+			})
 		}
 	}
 }

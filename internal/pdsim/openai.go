@@ -29,8 +29,10 @@ type request struct {
 	minTokens    int64
 	kv           json.RawMessage // kv_transfer_params where the API reads it; nil when absent
 	promptTokens int
-	promptHash   string // model + prompt, so KV computed for one prompt is never served to another
-	phase        *phase // for the engine's load metrics
+	promptHash   string      // model + prompt, so KV computed for one prompt is never served to another
+	blocks       []blockHash // the prompt's full blocks, as the prefix cache names them
+	cached       int         // prompt tokens found in the KV cache (prompt_tokens_details.cached_tokens)
+	phase        *phase      // for the engine's load metrics
 }
 
 // apiError is an answer the engine gives instead of a completion.
@@ -122,7 +124,9 @@ func (r *request) readPrompt(raw json.RawMessage) error {
 	canonical, _ := json.Marshal(v) // sorted keys, so a router may re-encode the body freely
 	sum := sha256.Sum256(append([]byte(r.model+"\x00"), canonical...))
 	r.promptHash = hex.EncodeToString(sum[:16])
-	r.promptTokens = max(1, countTokens(v))
+	tokens := tokenize(v)
+	r.promptTokens = max(1, len(tokens))
+	r.blocks = blockHashes(r.model, tokens)
 	return nil
 }
 
@@ -135,29 +139,6 @@ func tokenList(v any) bool {
 		}
 	}
 	return ok && len(list) > 0
-}
-
-// countTokens stands in for a tokenizer: one token per word, or per token id.
-func countTokens(v any) int {
-	switch v := v.(type) {
-	case string:
-		return len(strings.Fields(v))
-	case json.Number:
-		return 1
-	case []any:
-		n := 0
-		for _, e := range v {
-			n += countTokens(e)
-		}
-		return n
-	case map[string]any:
-		n := 0
-		for _, e := range v {
-			n += countTokens(e)
-		}
-		return n
-	}
-	return 0
 }
 
 func (r *request) readTokenLimits() *apiError {

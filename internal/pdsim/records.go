@@ -17,7 +17,11 @@ type Record struct {
 	KV          string `json:"kv"` // "" | issued | hit | miss | recompute | load-failed | none
 	KVSource    string `json:"kv_source,omitempty"`
 	KVRequestID string `json:"kv_request_id,omitempty"` // X-Request-Id the prefill issued the KV for
-	Canceled    bool   `json:"canceled"`                // the client (or Close) ended it before the answer was complete
+	// CachedTokens are the prompt tokens the engine found in its KV cache, as
+	// vLLM reports them (x-pdsim-cached-tokens): all of them when the KV came
+	// from another engine, else the prefix cache's leading full blocks.
+	CachedTokens int  `json:"cached_tokens"`
+	Canceled     bool `json:"canceled"` // the client (or Close) ended it before the answer was complete
 }
 
 // MarshalJSON prints Body as text rather than base64, for people reading /pdsim/requests.
@@ -69,7 +73,8 @@ func (s *Server) finish(ex *exchange) {
 	s.update(ex)
 	r := ex.rec
 	attrs := []any{"path", r.Path, "request_id", r.RequestID, "status", r.Status, "stream", r.Stream,
-		"kv", r.KV, "kv_source", r.KVSource, "kv_request_id", r.KVRequestID, "canceled", r.Canceled,
+		"kv", r.KV, "kv_source", r.KVSource, "kv_request_id", r.KVRequestID,
+		"cached_tokens", r.CachedTokens, "canceled", r.Canceled,
 		"duration", time.Since(ex.start).Round(time.Microsecond)}
 	if ex.err != nil {
 		attrs = append(attrs, "err", ex.err)

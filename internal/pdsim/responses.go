@@ -128,7 +128,7 @@ func (s *Server) answerResponses(ctx context.Context, w http.ResponseWriter, req
 	resp.Output = []responseOutput{{Type: "message", ID: msgID, Role: "assistant", Status: "completed",
 		Content: []outputText{{Type: "output_text", Text: text, Annotations: []any{}}}}}
 	resp.Usage = &responsesUsage{InputTokens: req.promptTokens, OutputTokens: n, TotalTokens: req.promptTokens + n,
-		InputTokensDetails: map[string]int{"cached_tokens": 0}, OutputTokensDetails: map[string]int{"reasoning_tokens": 0}}
+		InputTokensDetails: map[string]int{"cached_tokens": req.cached}, OutputTokensDetails: map[string]int{"reasoning_tokens": 0}}
 	stored, _ := json.Marshal(resp)
 	if stores(req.fields) {
 		s.mu.Lock()

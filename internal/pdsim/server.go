@@ -57,6 +57,10 @@ type Config struct {
 	// PromptTokensDetails adds usage.prompt_tokens_details.cached_tokens to
 	// the answers, as vLLM does with --enable-prompt-tokens-details.
 	PromptTokensDetails bool
+	// PrefixCacheBlocks is how many blocks of blockSize tokens the engine's
+	// prefix cache keeps, the least recently used evicted first; default
+	// kvCapacityBlocks.
+	PrefixCacheBlocks int
 
 	FailStatus      int           // answer this status to faulty requests
 	FailEvery       int           // every FailEvery-th inference request is faulty (<=1: all)
@@ -119,7 +123,7 @@ func Start(cfg Config) (*Server, error) {
 	s := &Server{
 		cfg:      cfg,
 		engineID: newUUID(),
-		metrics:  &metrics{},
+		metrics:  &metrics{cache: newPrefixCache(cfg.PrefixCacheBlocks)},
 		client:   &http.Client{Transport: &http.Transport{}}, // no HTTP_PROXY: peers are engines next door
 		log:      slog.New(slog.NewTextHandler(logOut, nil)).With("role", cfg.Role, "protocol", cfg.Protocol),
 		ctx:      ctx,
@@ -322,6 +326,9 @@ func withDefaults(c Config) (Config, error) {
 	def(&c.SharedDir, filepath.Join(os.TempDir(), "pdsim-shared"))
 	if c.OutputTokens <= 0 {
 		c.OutputTokens = 16
+	}
+	if c.PrefixCacheBlocks <= 0 {
+		c.PrefixCacheBlocks = kvCapacityBlocks
 	}
 	if c.HandshakeTimeout <= 0 {
 		c.HandshakeTimeout = 30 * time.Second

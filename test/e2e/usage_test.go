@@ -26,7 +26,9 @@ func TestUsageRewrite(t *testing.T) {
 	}
 	prompt := strings.TrimSpace(strings.Repeat("word ", 40))
 	// The 40 words, the two of the case's marker and the role, as the simulator
-	// counts tokens; the prefill engine's full blocks of them are 32.
+	// counts tokens; the prefill engine's full blocks of them are 32. The
+	// marker comes first: the simulator caches block prefixes, as vLLM does,
+	// so each case's prompt must differ from its first block on.
 	const promptTokens = 43
 	tests := []struct {
 		mode, connector string
@@ -51,7 +53,7 @@ func TestUsageRewrite(t *testing.T) {
 				marker := fmt.Sprintf("%s stream=%v", name, stream)
 				for i, want := range tt.want {
 					body := fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":%q}],"stream":%v,"max_tokens":4%s}`,
-						prompt+" "+marker, stream, map[bool]string{true: `,"stream_options":{"include_usage":true}`}[stream])
+						marker+" "+prompt, stream, map[bool]string{true: `,"stream_options":{"include_usage":true}`}[stream])
 					resp, got := r.must(t, "/v1/chat/completions", body, nil)
 					sent++
 					if resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
