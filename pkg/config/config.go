@@ -13,7 +13,6 @@ import (
 
 	"sigs.k8s.io/yaml"
 
-	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 )
 
@@ -240,10 +239,6 @@ func (c *Config) validate() error {
 			"%s cannot send a request decode-only (its decode engines serve only prefill/decode pairs)", c.Connector))
 	}
 	errs = append(errs, c.validateCacheRules())
-	if connector != nil && !connector.Family().Has(api.SGLang) && c.PD.SGLangParallelSampling == ParallelSamplingRooms {
-		errs = append(errs, fmt.Errorf("pd.sglang_parallel_sampling: %s sends a request with several samples decode-only; "+
-			"only kv-sglang pairs them", c.Connector))
-	}
 	if c.Pools.Prefill.TLS != (EngineTLS{}) {
 		errs = append(errs, errors.New("pools.prefill.tls: the prefill pool's checks and scrapes follow prefill.tls"))
 	}

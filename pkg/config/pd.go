@@ -31,8 +31,8 @@ type PD struct {
 	MinPromptTokens int `json:"min_prompt_tokens,omitempty"`
 	// CharsPerToken estimates tokens from characters when the body has no token ids.
 	CharsPerToken float64 `json:"chars_per_token,omitempty"`
-	// SGLangParallelSampling is how kv-sglang pairs a request with n > 1:
-	// refuse (default, 400) or rooms (a bootstrap room per sample).
+	// SGLangParallelSampling is what kv-sglang does with a request with
+	// n > 1: refuse (400), the only value; rooms was removed.
 	SGLangParallelSampling string `json:"sglang_parallel_sampling,omitempty"`
 	// MinUncachedTokens: in auto mode, a request whose decode endpoint is
 	// estimated to lack fewer of its prompt's tokens than this, and at most
@@ -129,9 +129,14 @@ func (p PD) Validate(key string) error {
 	if p.CharsPerToken <= 0 || p.CharsPerToken > 100 {
 		errs = append(errs, fmt.Errorf("%s.chars_per_token: %g is not in (0, 100]", key, p.CharsPerToken))
 	}
-	if p.SGLangParallelSampling != ParallelSamplingRefuse && p.SGLangParallelSampling != ParallelSamplingRooms {
-		errs = append(errs, fmt.Errorf("%s.sglang_parallel_sampling: %q is not %s or %s", key, p.SGLangParallelSampling,
-			ParallelSamplingRefuse, ParallelSamplingRooms))
+	switch p.SGLangParallelSampling {
+	case ParallelSamplingRefuse:
+	case "rooms":
+		errs = append(errs, fmt.Errorf("%s.sglang_parallel_sampling: rooms was removed: SGLang's tokenizer manager gives every "+
+			"sample of a prompt the prompt's first bootstrap room, so a room per sample is never read and the samples meet "+
+			"the hang the 400 prevents; drop the key (requests with n > 1 get 400)", key))
+	default:
+		errs = append(errs, fmt.Errorf("%s.sglang_parallel_sampling: %q is not %s", key, p.SGLangParallelSampling, ParallelSamplingRefuse))
 	}
 	return errors.Join(errs...)
 }

@@ -24,8 +24,6 @@ func (r Routes) Validate(key string) error {
 	return err
 }
 
-// Ways of pairing a kv-sglang request with several samples (pd.sglang_parallel_sampling).
-const (
-	ParallelSamplingRefuse = "refuse" // 400: SGLang is reported to hang on one room shared by the samples
-	ParallelSamplingRooms  = "rooms"  // a room per sample, in lists, as SGLang's gateway sends them
-)
+// ParallelSamplingRefuse is what kv-sglang does with a request with several
+// samples (pd.sglang_parallel_sampling), and the only value left: a 400.
+const ParallelSamplingRefuse = "refuse"

@@ -216,3 +216,23 @@ func TestWatchChecksAReloadAgainstTheRunningConnector(t *testing.T) {
 	}
 	nothingApplied(t, applied)
 }
+
+// A reload that sets the removed pd.sglang_parallel_sampling: rooms is
+// refused, saying why, and the running config stays.
+func TestWatchRefusesTheRemovedRooms(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "extproc.yaml")
+	const cfg = "connector: kv-sglang\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 8998}, decode: {endpoints: [\"10.0.0.2:8000\"]}}\n"
+	write(t, path, cfg)
+	applied, rejected := watching(t, path)
+
+	write(t, path, cfg+"pd: {sglang_parallel_sampling: rooms}\n")
+	select {
+	case err := <-rejected:
+		if !strings.Contains(err.Error(), "rooms was removed") || !strings.Contains(err.Error(), "never read") {
+			t.Errorf("rejection = %v; want it to say rooms was removed and why", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("pd.sglang_parallel_sampling: rooms was not rejected within 5s")
+	}
+	nothingApplied(t, applied)
+}

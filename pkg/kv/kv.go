@@ -43,10 +43,7 @@ type Handoff struct {
 	PrefillHost   string       // host of the chosen prefill endpoint (IPv6 in brackets)
 	BootstrapPort int          // the chosen prefill endpoint's SGLang bootstrap port (its own, else the pool's)
 	Room          uint64       // random per request, 0..2^63-1: pairs concurrent legs
-	// Rooms, when set, pairs each of a request's samples on its own
-	// (pd.sglang_parallel_sampling: rooms): one distinct room per sample.
-	Rooms     []uint64
-	PrefillKV []byte // Sequential only: raw kv_transfer_params of the prefill response, nil when it gave none
+	PrefillKV     []byte       // Sequential only: raw kv_transfer_params of the prefill response, nil when it gave none
 }
 
 // Connector controls the wire shape of the prefill and decode requests, and

@@ -312,20 +312,6 @@ func TestSGLangBootstrapFields(t *testing.T) {
 	}
 }
 
-func TestSGLangRoomsPerSample(t *testing.T) {
-	o, err := body.Parse([]byte(`{"model":"m","n":3,"bootstrap_room":[1,1,1],"messages":[]}`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, _ := Build(SGLang)
-	h := &Handoff{Body: o, Shape: &api.Chat.Shape, PrefillHost: "[fd00::1]", BootstrapPort: 8998, Room: 5, Rooms: []uint64{11, 1<<63 - 1, 0}}
-	const want = `{"model":"m","n":3,"bootstrap_room":[11,9223372036854775807,0],"messages":[],` +
-		`"bootstrap_host":["[fd00::1]","[fd00::1]","[fd00::1]"],"bootstrap_port":[8998,8998,8998]}`
-	if prefill, decode := PrefillBody(c, h).Bytes(), DecodeBody(c, h).Bytes(); string(prefill) != want || string(decode) != want {
-		t.Fatalf("legs =\n%s\n%s\nwant both\n%s", prefill, decode, want)
-	}
-}
-
 func TestScrubbed(t *testing.T) {
 	tests := []struct {
 		name string

@@ -19,37 +19,15 @@ func (sglangKV) HandsBackParams() bool { return false }
 func (sglangKV) PrefillEdits(h *Handoff) []body.Edit { return bootstrapFields(h) }
 func (sglangKV) DecodeEdits(h *Handoff) []body.Edit  { return bootstrapFields(h) }
 
-// bootstrapFields are one host, port and room for the whole request, or, with
-// Rooms, lists of them with one entry per sample, as SGLang's own gateway
-// sends parallel samples (the engine reads list entry i for sample i).
+// bootstrapFields are one host, port and room for the whole request (in a
+// batch the engine adds each prompt's index to the room). Several samples of
+// one prompt cannot be paired: SGLang's tokenizer manager gives every sample
+// and its prefix-cache request the prompt's first room, so lists of rooms per
+// sample, as SGLang's gateway sends them, are never read (docs/engines.md).
 func bootstrapFields(h *Handoff) []body.Edit {
-	host, port := body.Quote(h.PrefillHost), body.Uint(uint64(h.BootstrapPort))
-	if h.Rooms == nil {
-		return []body.Edit{
-			body.Set("bootstrap_host", host),
-			body.Set("bootstrap_port", port),
-			body.Set("bootstrap_room", body.Uint(h.Room)),
-		}
-	}
-	rooms := make([][]byte, len(h.Rooms))
-	for i, r := range h.Rooms {
-		rooms[i] = body.Uint(r)
-	}
 	return []body.Edit{
-		body.Set("bootstrap_host", list(len(h.Rooms), func(int) []byte { return host })),
-		body.Set("bootstrap_port", list(len(h.Rooms), func(int) []byte { return port })),
-		body.Set("bootstrap_room", list(len(h.Rooms), func(i int) []byte { return rooms[i] })),
+		body.Set("bootstrap_host", body.Quote(h.PrefillHost)),
+		body.Set("bootstrap_port", body.Uint(uint64(h.BootstrapPort))),
+		body.Set("bootstrap_room", body.Uint(h.Room)),
 	}
-}
-
-// list is the JSON array of n values.
-func list(n int, value func(i int) []byte) []byte {
-	b := []byte{'['}
-	for i := range n {
-		if i > 0 {
-			b = append(b, ',')
-		}
-		b = append(b, value(i)...)
-	}
-	return append(b, ']')
 }

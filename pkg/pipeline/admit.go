@@ -1,18 +1,11 @@
 package pipeline
 
 import (
-	"math/rand/v2"
-
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
-
-// maxPairedSamples bounds the bootstrap lists of one kv-sglang request
-// (pd.sglang_parallel_sampling: rooms): a room per sample, each leg's body
-// grows with them.
-const maxPairedSamples = 128
 
 // admit says what the API table makes of a request before scheduling: why it
 // must go to a decode endpoint alone (a metrics reason), 0 when it may be
@@ -45,29 +38,12 @@ func (p *Pipeline) admit(a *api.API, obj *body.Object) (alone metrics.Reason, er
 	return 0, nil
 }
 
-// rooms are the bootstrap rooms of a kv-sglang request with several samples,
-// one per sample, when pd.sglang_parallel_sampling is rooms; nil for any other
-// request (one room, to which the engine adds the prompt's index in a batch).
-// Without the option such a request is refused: SGLang is reported to hang
-// or fail on samples sharing a room.
-func (p *Pipeline) rooms(sreq *scheduling.Request) ([]uint64, error) {
-	if !p.connector.Paired() || sreq.N <= 1 {
-		return nil, nil
+// parallelSamples refuses a kv-sglang request with several samples: its
+// samples would share one bootstrap room, on which SGLang is reported to
+// hang or fail, and the engine reads no room per sample (docs/engines.md).
+func (p *Pipeline) parallelSamples(sreq *scheduling.Request) error {
+	if p.connector.Paired() && sreq.N > 1 {
+		return parallelSamplesRefused(sreq.N)
 	}
-	if !p.parallelRooms.Load() {
-		return nil, parallelSamplesRefused(sreq.N)
-	}
-	n := sreq.N * max(sreq.Prompts, 1)
-	if n > maxPairedSamples {
-		return nil, tooManySamples(n, maxPairedSamples)
-	}
-	rooms := make([]uint64, 0, n)
-	seen := make(map[uint64]bool, n)
-	for len(rooms) < n {
-		if r := rand.Uint64() >> 1; !seen[r] { // 0..2^63-1, distinct
-			seen[r] = true
-			rooms = append(rooms, r)
-		}
-	}
-	return rooms, nil
+	return nil
 }

@@ -2,14 +2,12 @@ package pipeline_test
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"net/http"
 	"strings"
 	"testing"
 
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
-	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
 
 	"github.com/go-logr/logr"
@@ -127,11 +125,9 @@ func TestAPITable(t *testing.T) {
 		{name: "sglang: generate's output logprobs", connector: "kv-sglang", path: "/generate", body: `{"text":"hi","return_logprob":true,"logprob_start_len":-1}`,
 			wantReason: metrics.ReasonLongPrompt},
 		{name: "sglang: n > 1 is refused", connector: "kv-sglang", path: "/v1/chat/completions", body: chat + `,"n":2}`, wantStatus: 400,
-			wantMessage: "pd.sglang_parallel_sampling: rooms"},
+			wantMessage: "kv-sglang cannot pair several samples"},
 		{name: "sglang: generate's n > 1 is refused", connector: "kv-sglang", path: "/generate", body: `{"text":"hi","sampling_params":{"n":3}}`,
 			wantStatus: 400, wantMessage: "n is 3"},
-		{name: "sglang: too many samples", connector: "kv-sglang", more: "pd: {sglang_parallel_sampling: rooms}", path: "/v1/completions",
-			body: `{"model":"m","prompt":["a","b","c"],"n":50}`, wantStatus: 400, wantMessage: "150 samples"},
 		{name: "sglang: pass-through", connector: "kv-sglang", path: "/v1/tokenize", body: `{"model":"m","prompt":"hi","bootstrap_room":1}`,
 			wantReason: metrics.ReasonPassthrough, wantMessage: `{"model":"m","prompt":"hi"}`},
 	}
@@ -183,54 +179,4 @@ func TestAPITable(t *testing.T) {
 			}
 		})
 	}
-}
-
-// Under pd.sglang_parallel_sampling: rooms, a kv-sglang request with several
-// samples carries a bootstrap room per sample, distinct, the same on both
-// legs, with the host and port repeated as SGLang's gateway sends them.
-func TestSGLangRoomsPerSample(t *testing.T) {
-	engine := enginetest.Start(t, enginetest.JSON(200, `{}`))
-	p := newPipelineFor(t, "kv-sglang", engine.Addr(), "pd: {sglang_parallel_sampling: rooms}")
-	r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":["a","b"],"n":3}`)}
-	d, err := p.Route(context.Background(), r)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Release()
-	engine.Await(t)
-	var legs [2]struct {
-		Host []string `json:"bootstrap_host"`
-		Port []int    `json:"bootstrap_port"`
-		Room []uint64 `json:"bootstrap_room"`
-	}
-	for i, b := range []string{engine.Requests()[0].Body, string(d.Body.Bytes())} {
-		if err := json.Unmarshal([]byte(b), &legs[i]); err != nil {
-			t.Fatalf("leg %d: %v: %s", i, err, b)
-		}
-	}
-	got := legs[1]
-	seen := map[uint64]bool{}
-	for _, room := range got.Room {
-		if seen[room] || room >= 1<<63 {
-			t.Errorf("room %d repeated or out of range in %v", room, got.Room)
-		}
-		seen[room] = true
-	}
-	if len(got.Room) != 6 || len(got.Host) != 6 || len(got.Port) != 6 || got.Host[5] != "127.0.0.1" || got.Port[5] != 8998 {
-		t.Errorf("decode leg bootstrap lists %+v, want 6 samples (2 prompts × n 3)", got)
-	}
-	if fmt.Sprint(legs[0]) != fmt.Sprint(got) {
-		t.Errorf("prefill leg %+v, decode leg %+v: want the same lists", legs[0], got)
-	}
-
-	t.Run("off again after a reload", func(t *testing.T) {
-		p.Reload(scheduling.Spec{
-			Prefill: scheduling.PoolSpec{Endpoints: []string{engine.Addr()}},
-			Decode:  scheduling.PoolSpec{Endpoints: []string{"10.1.1.1:8000"}},
-		}, false)
-		r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/completions", RequestID: "r2", Body: []byte(`{"model":"m","prompt":"a","n":3}`)}
-		if _, err := p.Route(context.Background(), r); pipeline.AsError(err, "r").Status != 400 {
-			t.Fatalf("after the reload: %v, want 400", err)
-		}
-	})
 }

@@ -133,17 +133,11 @@ func noBody(a *api.API) *Error {
 		Message: fmt.Sprintf("%s %s needs a JSON body", a.Method, a.Path)}
 }
 
-// parallelSamplesRefused refuses kv-sglang's n > 1 unless rooms per sample are on.
+// parallelSamplesRefused refuses kv-sglang's n > 1.
 func parallelSamplesRefused(n int) *Error {
 	return &Error{Status: http.StatusBadRequest, Type: "invalid_request_error",
-		Message: fmt.Sprintf("n is %d: kv-sglang pairs several samples only with pd.sglang_parallel_sampling: rooms "+
-			"(SGLang is reported to hang or fail when the samples share one bootstrap room); ask for one sample per request", n)}
-}
-
-// tooManySamples bounds the bootstrap lists of one kv-sglang request.
-func tooManySamples(n, limit int) *Error {
-	return &Error{Status: http.StatusBadRequest, Type: "invalid_request_error",
-		Message: fmt.Sprintf("the request asks for %d samples (n × prompts); kv-sglang pairs at most %d in one request", n, limit)}
+		Message: fmt.Sprintf("n is %d: kv-sglang cannot pair several samples of one prompt (SGLang gives them all the prompt's "+
+			"bootstrap room, and is reported to hang or fail on it); ask for one sample per request", n)}
 }
 
 // TooLarge is the error for a body over the configured limit.

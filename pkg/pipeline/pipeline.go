@@ -51,9 +51,6 @@ type Options struct {
 	// once; past it a request gets 503 with RetryAfter.
 	MaxBackground int
 	RetryAfter    time.Duration
-	// ParallelRooms pairs a kv-sglang request with n > 1 with a bootstrap
-	// room per sample (pd.sglang_parallel_sampling: rooms); Reload changes it.
-	ParallelRooms bool
 }
 
 // Pipeline routes requests. It is safe for concurrent use.
@@ -67,9 +64,7 @@ type Pipeline struct {
 	log          logr.Logger
 	background   sync.WaitGroup // concurrent (SGLang) prefill legs still running
 	inBackground atomic.Int64   // how many, against Options.MaxBackground
-	// parallelRooms: pd.sglang_parallel_sampling is rooms (it follows reloads).
-	parallelRooms atomic.Bool
-	suspects      sync.Map // prefill endpoints already logged for an unreachable remote_host
+	suspects     sync.Map       // prefill endpoints already logged for an unreachable remote_host
 
 	metrics    *metrics.Metrics // nil records nothing
 	tracer     trace.Tracer
@@ -105,7 +100,6 @@ func New(parts Parts, opts Options, log logr.Logger, options ...Option) *Pipelin
 		tracer:     noop.NewTracerProvider().Tracer(""),
 		propagator: propagation.TraceContext{},
 	}
-	p.parallelRooms.Store(opts.ParallelRooms)
 	for _, o := range options {
 		o(p)
 	}
@@ -126,10 +120,9 @@ func (p *Pipeline) Run(ctx context.Context) { p.pools.Run(ctx) }
 // sampling switch. Requests in flight keep their endpoints. Whether legs are
 // paired stays the running connector's: a new connector takes effect on
 // restart only.
-func (p *Pipeline) Reload(spec scheduling.Spec, parallelRooms bool) {
+func (p *Pipeline) Reload(spec scheduling.Spec) {
 	spec.Paired = p.connector.Paired()
 	p.pools.Update(spec)
-	p.parallelRooms.Store(parallelRooms)
 }
 
 // Wait blocks until every background prefill leg has ended.

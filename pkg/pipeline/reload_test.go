@@ -20,7 +20,7 @@ func TestReloadKeepsTheRunningConnectorsPairing(t *testing.T) {
 		Prefill: scheduling.PoolSpec{Endpoints: []string{"127.0.0.1:1"}},
 		Decode:  scheduling.PoolSpec{Endpoints: []string{"10.1.1.1:8000"}},
 		Paired:  true,
-	}, false)
+	})
 
 	r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi","n":2}`)}
 	d, err := p.Route(context.Background(), r)

@@ -89,8 +89,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	sreq := scheduling.NewRequest(a.Prompt(obj))
 	sreq.Subset = scheduling.ParseSubset(r.Subset)
 	sreq.Alone = alone
-	rooms, err := p.rooms(sreq)
-	if err != nil {
+	if err := p.parallelSamples(sreq); err != nil {
 		return nil, err
 	}
 	d, err := p.pickDecode(sreq)
@@ -98,7 +97,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 		return nil, err
 	}
 	r.Report.Decode = d.Endpoint
-	h := &kv.Handoff{Body: obj, Shape: &a.Shape, Rooms: rooms}
+	h := &kv.Handoff{Body: obj, Shape: &a.Shape}
 	d.Body, err = p.legs(ctx, r, h, sreq, d)
 	if err != nil {
 		d.Release()

@@ -58,7 +58,6 @@ func pipelineOptions(cfg *config.Config) pipeline.Options {
 		MaxResponseBytes: cfg.Response.MaxBodyBytes,
 		MaxBackground:    cfg.Prefill.MaxBackground,
 		RetryAfter:       cfg.Limits.RetryAfter.D(),
-		ParallelRooms:    parallelRooms(cfg),
 	}
 }
 
@@ -72,12 +71,8 @@ func schedulingSpec(cfg *config.Config) scheduling.Spec {
 	}
 }
 
-func parallelRooms(cfg *config.Config) bool {
-	return cfg.PD.SGLangParallelSampling == config.ParallelSamplingRooms
-}
-
 // Reload applies what a reloaded config changes in place: the pools, their
 // scheduling keys, the pd.* keys (pkg/server's liveKeys).
 func Reload(p *pipeline.Pipeline, cfg *config.Config) {
-	p.Reload(schedulingSpec(cfg), parallelRooms(cfg))
+	p.Reload(schedulingSpec(cfg))
 }
