@@ -214,12 +214,31 @@ func generatePrompt(o *body.Object) *Prompt {
 // sglangGeneratePrompt: SGLang's native API, text or input_ids, either one
 // prompt or a batch; n is in sampling_params.
 func sglangGeneratePrompt(o *body.Object) *Prompt {
-	sp, _ := o.Object("sampling_params")
 	raw, ok := o.Raw("input_ids")
 	if !ok {
 		raw, _ = o.Raw("text")
 	}
-	return promptOf(samples(sp), raw)
+	return promptOf(sglangSamples(o), raw)
+}
+
+// sglangSamples is n of SGLang's sampling_params: an object, or a list of
+// them, one per prompt of a batch. SGLang reads a list's n from its first
+// entry (_handle_parallel_sampling in python/sglang/srt/managers/io_struct.py);
+// we take the largest, so that a list whose entries differ is refused like
+// any n > 1 under kv-sglang rather than paired by its first.
+func sglangSamples(o *body.Object) int {
+	raw, _ := o.Raw("sampling_params")
+	if len(raw) == 0 || raw[0] != '[' {
+		sp, _ := o.Object("sampling_params")
+		return samples(sp)
+	}
+	n := 1
+	for _, item := range body.Elements(raw) {
+		if sp, err := body.Parse(item); err == nil {
+			n = max(n, samples(sp))
+		}
+	}
+	return n
 }
 
 // withMessages renders the messages in raw after what b holds: each message

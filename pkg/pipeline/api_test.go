@@ -128,6 +128,8 @@ func TestAPITable(t *testing.T) {
 			wantMessage: "kv-sglang cannot pair several samples"},
 		{name: "sglang: generate's n > 1 is refused", connector: "kv-sglang", path: "/generate", body: `{"text":"hi","sampling_params":{"n":3}}`,
 			wantStatus: 400, wantMessage: "n is 3"},
+		{name: "sglang: n > 1 in a list of sampling_params is refused", connector: "kv-sglang", path: "/generate",
+			body: `{"text":["hi","ho"],"sampling_params":[{"n":1},{"n":2}]}`, wantStatus: 400, wantMessage: "n is 2"},
 		{name: "sglang: pass-through", connector: "kv-sglang", path: "/v1/tokenize", body: `{"model":"m","prompt":"hi","bootstrap_room":1}`,
 			wantReason: metrics.ReasonPassthrough, wantMessage: `{"model":"m","prompt":"hi"}`},
 	}

@@ -140,6 +140,10 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "cannot pair several samples") {
 			t.Errorf("kv-sglang n=2: status %d (%.200s), want 400 saying it cannot pair them", resp.StatusCode, got)
 		}
+		list := `{"text":["` + marker + ` a","b"],"sampling_params":[{"n":1,"max_new_tokens":2},{"n":2,"max_new_tokens":2}]}`
+		if resp, got := r.must(t, "/generate", list, nil); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "n is 2") {
+			t.Errorf("kv-sglang /generate with n 2 in a list of sampling_params: status %d (%.200s), want 400", resp.StatusCode, got)
+		}
 	}
 	for _, sims := range [][]*pdsim.Server{r.prefill, r.decode} {
 		for _, s := range sims {
