@@ -16,6 +16,7 @@ type generateAnswer struct {
 	Choices          []generateChoice `json:"choices"`
 	PromptLogprobs   any              `json:"prompt_logprobs"`
 	KVTransferParams json.RawMessage  `json:"kv_transfer_params,omitempty"`
+	Usage            *usage           `json:"usage,omitempty"`
 }
 
 type generateChoice struct {
@@ -51,7 +52,8 @@ func (s *Server) answerGenerate(ctx context.Context, w http.ResponseWriter, req 
 	if out != nil {
 		return out.raw([]byte("[DONE]"))
 	}
-	a := generateAnswer{RequestID: req.internalID, Choices: []generateChoice{{FinishReason: &finish, TokenIDs: ids}}, KVTransferParams: orNull(res.params)}
+	a := generateAnswer{RequestID: req.internalID, Choices: []generateChoice{{FinishReason: &finish, TokenIDs: ids}}, KVTransferParams: orNull(res.params),
+		Usage: s.usage(req, n)}
 	writeJSON(w, http.StatusOK, a)
 	return nil
 }

@@ -158,10 +158,7 @@ func (s *Server) tokens(ctx context.Context, n int, each func(i int) error) erro
 
 // answerOpenAI answers chat and completions.
 func (s *Server) answerOpenAI(ctx context.Context, w http.ResponseWriter, req *request, res kvResult, n int, finish string) error {
-	u := &usage{PromptTokens: req.promptTokens, CompletionTokens: n, TotalTokens: req.promptTokens + n}
-	if s.cfg.PromptTokensDetails {
-		u.PromptTokensDetails = &tokensDetails{CachedTokens: req.cached}
-	}
+	u := s.usage(req, n)
 	if !req.stream {
 		text := ""
 		if err := s.tokens(ctx, n, func(i int) error { text += token(i); return nil }); err != nil {

@@ -249,6 +249,18 @@ type tokensDetails struct {
 	CachedTokens int `json:"cached_tokens"`
 }
 
+// usage is vLLM's UsageInfo of an answer with n tokens to req. Like most vLLM
+// releases (`if self.enable_prompt_tokens_details and
+// final_res.num_cached_tokens:`), it has prompt_tokens_details only when the
+// flag is on and something was cached.
+func (s *Server) usage(req *request, n int) *usage {
+	u := &usage{PromptTokens: req.promptTokens, CompletionTokens: n, TotalTokens: req.promptTokens + n}
+	if s.cfg.PromptTokensDetails && req.cached > 0 {
+		u.PromptTokensDetails = &tokensDetails{CachedTokens: req.cached}
+	}
+	return u
+}
+
 // token is the deterministic text of output token i, so tests can assert content.
 func token(i int) string {
 	if i == 0 {

@@ -55,7 +55,8 @@ type Config struct {
 	// HandshakeTimeout bounds the sglang bootstrap handshake on both legs; default 30s.
 	HandshakeTimeout time.Duration
 	// PromptTokensDetails adds usage.prompt_tokens_details.cached_tokens to
-	// the answers, as vLLM does with --enable-prompt-tokens-details.
+	// the answers, as vLLM does with --enable-prompt-tokens-details: only
+	// when it is not 0, as most releases do.
 	PromptTokensDetails bool
 	// PrefixCacheBlocks is how many blocks of blockSize tokens the engine's
 	// prefix cache keeps, the least recently used evicted first; default

@@ -23,12 +23,11 @@ type Shape struct {
 	// CachedTokens is where the API's answer reports the prompt tokens found
 	// in the engine's cache, the number response.rewrite_usage corrects (a
 	// decode engine counts the KV it pulled as cached: vllm-project/router
-	// issue #193); the prefill answer, being of the same API, carries the
-	// true one there. Nil: the usage is not rewritten. The Responses API
-	// would need two places (usage.input_tokens_details.cached_tokens in its
-	// answer, and inside "response" of its final response.completed event);
-	// vLLM's token-in generate has no usage object.
-	CachedTokens []string
+	// issue #193); the prefill answer, being of the same API and not
+	// streamed, carries the true one there. Nil: the usage is not
+	// rewritten. CachedTokensInEvents is where a streamed answer's events
+	// carry it, when elsewhere (the Responses API's response.completed).
+	CachedTokens, CachedTokensInEvents []string
 }
 
 // vllmXargs: vLLM's OpenAI requests copy vllm_xargs into the engine's
@@ -66,7 +65,9 @@ var (
 			body.Set("store", body.False),
 			body.Set("background", body.False),
 		},
-		ExtraArgs: vllmXargs,
+		ExtraArgs:            vllmXargs,
+		CachedTokens:         []string{"usage", "input_tokens_details", "cached_tokens"},
+		CachedTokensInEvents: []string{"response", "usage", "input_tokens_details", "cached_tokens"},
 	}
 	// generateShape: vLLM's token-in API has the limits in sampling_params.
 	generateShape = Shape{
@@ -76,8 +77,9 @@ var (
 			body.Set("max_tokens", body.One).In("sampling_params"),
 			body.Delete("min_tokens").In("sampling_params"),
 		},
-		ParamsIn:  extraArgs,
-		ExtraArgs: extraArgs,
+		ParamsIn:     extraArgs,
+		ExtraArgs:    extraArgs,
+		CachedTokens: []string{"usage", "prompt_tokens_details", "cached_tokens"}, // GenerateResponse's UsageInfo
 	}
 	// topLevelShape: SGLang's native generate and the pass-through list.
 	topLevelShape = Shape{}

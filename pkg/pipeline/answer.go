@@ -90,8 +90,7 @@ func isCount(raw []byte) bool {
 // them (no usage, or a placeholder; counted: the decode engine's number then
 // stands).
 func (p *Pipeline) usageRewriter(r *Request, a prefillAnswer) *response.Rewriter {
-	path := r.api.Shape.CachedTokens
-	if !p.opts.RewriteUsage || path == nil {
+	if !p.opts.RewriteUsage || r.api.Shape.CachedTokens == nil {
 		return nil
 	}
 	if a.cached == nil {
@@ -100,7 +99,12 @@ func (p *Pipeline) usageRewriter(r *Request, a prefillAnswer) *response.Rewriter
 	}
 	// A copy: a.cached points into the whole prefill answer, and the rewriter
 	// lives as long as the stream.
-	return response.New(path, bytes.Clone(a.cached), int(p.opts.MaxResponseBytes))
+	return response.New(cachedTokens(r), bytes.Clone(a.cached), int(p.opts.MaxResponseBytes))
+}
+
+// cachedTokens is where r's API answers with its cached tokens.
+func cachedTokens(r *Request) response.Paths {
+	return response.Paths{JSON: r.api.Shape.CachedTokens, Event: r.api.Shape.CachedTokensInEvents}
 }
 
 // heldReader reads the answer of a decode engine that got r decode-only,
@@ -110,11 +114,10 @@ func (p *Pipeline) usageRewriter(r *Request, a prefillAnswer) *response.Rewriter
 // API reports no cached tokens. Without Envoy's response path it reads
 // nothing, and the estimate stands.
 func (p *Pipeline) heldReader(r *Request, decode *scheduling.Endpoint, held int) *response.Rewriter {
-	path := r.api.Shape.CachedTokens
-	if path == nil {
+	if r.api.Shape.CachedTokens == nil {
 		return nil
 	}
-	return response.NewReader(path, int(p.opts.MaxResponseBytes), func(raw []byte) {
+	return response.NewReader(cachedTokens(r), int(p.opts.MaxResponseBytes), func(raw []byte) {
 		if n, err := strconv.Atoi(string(raw)); err == nil && isCount(raw) {
 			decode.ReportCached(held, n)
 		}

@@ -21,6 +21,7 @@ const (
 // It is not safe for concurrent use: one stream's goroutine drives it.
 type Rewriter struct {
 	path  []string // where the number sits in the answer's JSON
+	event []string // where it sits in a streamed answer's events
 	value []byte   // what to write there: the prefill engine's raw number
 	key   []byte   // the path's last name, quoted: an event without it is not read
 	limit int      // bytes held at most: a JSON answer, or one event
@@ -33,17 +34,25 @@ type Rewriter struct {
 	seen    func(raw []byte) // a reader's (NewReader), nil for a rewriter
 }
 
-// New returns a rewriter that writes value (raw JSON) at path in an answer,
-// holding at most limit bytes of it back.
-func New(path []string, value []byte, limit int) *Rewriter {
-	return &Rewriter{path: path, value: value, key: body.Quote(path[len(path)-1]), limit: limit}
+// Paths are where an API's answer carries the number: in a JSON answer, and
+// in the events of a streamed one (nil: the same).
+type Paths struct{ JSON, Event []string }
+
+// New returns a rewriter that writes value (raw JSON) where p says in an
+// answer, holding at most limit bytes of it back. The two paths end in the
+// same name.
+func New(p Paths, value []byte, limit int) *Rewriter {
+	if p.Event == nil {
+		p.Event = p.JSON
+	}
+	return &Rewriter{path: p.JSON, event: p.Event, value: value, key: body.Quote(p.JSON[len(p.JSON)-1]), limit: limit}
 }
 
 // NewReader returns a Rewriter that changes nothing: it gives seen the raw
 // number at path in the answer wherever it finds it, holding at most limit
 // bytes of a JSON answer back to look. Its Outcome is always "".
-func NewReader(path []string, limit int, seen func(raw []byte)) *Rewriter {
-	r := New(path, nil, limit)
+func NewReader(p Paths, limit int, seen func(raw []byte)) *Rewriter {
+	r := New(p, nil, limit)
 	r.seen = seen
 	return r
 }

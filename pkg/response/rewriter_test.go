@@ -32,7 +32,7 @@ const (
 	done = "data: [DONE]\n\n"
 )
 
-var chatPath = api.Chat.Shape.CachedTokens
+var chatPath = Paths{JSON: api.Chat.Shape.CachedTokens}
 
 type headers struct {
 	status              int
@@ -227,6 +227,42 @@ func TestReaderSeesTheNumberAndChangesNothing(t *testing.T) {
 			}
 			if strings.Join(seen, ",") != strings.Join(tt.seen, ",") || r.Outcome() != "" || r.Writes() {
 				t.Errorf("seen %q, outcome %q, writes %v; want %q, no outcome, a reader", seen, r.Outcome(), r.Writes(), tt.seen)
+			}
+		})
+	}
+}
+
+// TestRewriterFindsTheResponsesAPIsNumber: the Responses API answers with
+// usage.input_tokens_details.cached_tokens, and streams it inside
+// "response" of its response.completed event; both get the prefill
+// engine's number, and the events without it pass as they came.
+func TestRewriterFindsTheResponsesAPIsNumber(t *testing.T) {
+	paths := Paths{JSON: api.Responses.Shape.CachedTokens, Event: api.Responses.Shape.CachedTokensInEvents}
+	const (
+		usage   = `"usage":{"input_tokens":12,"input_tokens_details":{"cached_tokens":12},"output_tokens":2}`
+		fixed   = `"usage":{"input_tokens":12,"input_tokens_details":{"cached_tokens":8},"output_tokens":2}`
+		created = "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null}}\n\n"
+		delta   = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"cached_tokens\"}\n\n"
+	)
+	completed := func(u string) string {
+		return "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"r\"," + u + "}}\n\n"
+	}
+	tests := []struct {
+		name    string
+		headers headers
+		in      string
+		want    string
+	}{
+		{name: "JSON", headers: jsonOK, in: `{"id":"r","object":"response",` + usage + `}`, want: `{"id":"r","object":"response",` + fixed + `}`},
+		{name: "events", headers: sseOK, in: created + delta + completed(usage), want: created + delta + completed(fixed)},
+		{name: "a top-level usage in an event is not the Responses API's", headers: sseOK, in: "data: {" + usage + "}\n\n", want: "data: {" + usage + "}\n\n"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := New(paths, []byte("8"), 1<<20)
+			r.Start(tt.headers.status, tt.headers.contentType, tt.headers.encode)
+			if got := string(r.Body([]byte(tt.in), true).Bytes()); got != tt.want {
+				t.Errorf("got\n%s\nwant\n%s", got, tt.want)
 			}
 		})
 	}

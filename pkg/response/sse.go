@@ -100,6 +100,6 @@ func (r *Rewriter) locateInData(line []byte) (start, end int, ok bool) {
 	if off < len(line) && line[off] == ' ' { // one space after the colon is not part of the value
 		off++
 	}
-	start, end, ok = body.Locate(line[off:], r.path...)
+	start, end, ok = body.Locate(line[off:], r.event...)
 	return off + start, off + end, ok
 }

@@ -106,3 +106,90 @@ func usageOf(t *testing.T, stream bool, body string) usage {
 	}
 	return usage{PromptTokens: c.Usage.PromptTokens, CachedTokens: c.Usage.PromptTokensDetails.CachedTokens}
 }
+
+// TestUsageRewriteOnGenerateAndResponses: vLLM's token-in generate (JSON)
+// and the Responses API (JSON, and the response.completed event of a
+// stream) get the prefill engine's cached tokens too: 0 for a cold prompt
+// (whose prefill answer has no details), then its full blocks, where the
+// decode engine would say the whole prompt.
+func TestUsageRewriteOnGenerateAndResponses(t *testing.T) {
+	r := startRig(t, rigOptions{prefills: 1, decodes: 1, promptTokensDetails: true, extra: "response: {rewrite_usage: true}"})
+	ids := make([]string, 40)
+	for i := range ids {
+		ids[i] = fmt.Sprint(100 + i)
+	}
+	words := strings.TrimSpace(strings.Repeat("word ", 40))
+	tests := []struct {
+		name, path string
+		body       func(marker string) string
+		read       func(t *testing.T, body string) (prompt, cached int)
+	}{
+		{name: "generate", path: "/inference/v1/generate",
+			body: func(m string) string {
+				return `{"model":"pdsim","token_ids":[` + m + `,` + strings.Join(ids, ",") + `],"sampling_params":{"max_tokens":4}}`
+			},
+			read: func(t *testing.T, b string) (int, int) {
+				u := usageOf(t, false, b)
+				return u.PromptTokens, u.CachedTokens
+			}},
+		{name: "responses", path: "/v1/responses",
+			body: func(m string) string {
+				return fmt.Sprintf(`{"model":"pdsim","input":"%s %s","max_output_tokens":4}`, m, words)
+			},
+			read: func(t *testing.T, b string) (int, int) { return responsesUsage(t, b) }},
+		{name: "responses, streamed", path: "/v1/responses",
+			body: func(m string) string {
+				return fmt.Sprintf(`{"model":"pdsim","input":"%s %s","max_output_tokens":4,"stream":true}`, m, words)
+			},
+			read: func(t *testing.T, b string) (int, int) {
+				for line := range strings.SplitSeq(b, "\n") {
+					if d, ok := strings.CutPrefix(line, "data: "); ok && strings.Contains(d, `"response.completed"`) {
+						var e struct {
+							Response json.RawMessage `json:"response"`
+						}
+						if err := json.Unmarshal([]byte(d), &e); err != nil {
+							t.Fatal(err)
+						}
+						return responsesUsage(t, string(e.Response))
+					}
+				}
+				t.Fatalf("no response.completed event in %.500s", b)
+				return 0, 0
+			}},
+	}
+	for i, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			for turn := range 2 {
+				resp, got := r.must(t, tt.path, tt.body(fmt.Sprint(7000+i)), nil)
+				if resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
+					t.Fatalf("status %d, KV %q: %.300s", resp.StatusCode, resp.Header.Get("x-pdsim-kv"), got)
+				}
+				prompt, cached := tt.read(t, got)
+				want := 0
+				if turn == 1 {
+					want = (prompt - 1) / 16 * 16 // the prefill engine's full blocks
+				}
+				if cached != want || prompt < 40 {
+					t.Errorf("request %d: cached_tokens %d of %d, want %d (the decode engine says %d)", turn, cached, prompt, want, prompt)
+				}
+			}
+		})
+	}
+}
+
+// responsesUsage reads a Responses API answer's input tokens and cached ones.
+func responsesUsage(t *testing.T, body string) (prompt, cached int) {
+	t.Helper()
+	var a struct {
+		Usage struct {
+			InputTokens        int `json:"input_tokens"`
+			InputTokensDetails struct {
+				CachedTokens int `json:"cached_tokens"`
+			} `json:"input_tokens_details"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal([]byte(body), &a); err != nil {
+		t.Fatalf("usage of %.300s: %v", body, err)
+	}
+	return a.Usage.InputTokens, a.Usage.InputTokensDetails.CachedTokens
+}
