@@ -49,6 +49,12 @@ const (
 	// stores (a background run, a previous_response_id); the prefill engine
 	// never stores one.
 	StoredResponse
+	// BuiltinTools: a Responses request with a tool other than a function
+	// (web search, code interpreter, MCP): vLLM may run several generations
+	// for it inside one request, and whether the later ones reuse the prefill
+	// leg's transfer parameters, whose blocks are freed by then, is not
+	// known.
+	BuiltinTools
 )
 
 // API is one engine API pd-extproc routes.
@@ -107,7 +113,7 @@ var (
 	Responses = &API{
 		Name: NameResponses, Method: "POST", Path: "/v1/responses",
 		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap,
-		Shape: responsesShape, Prompt: responsesPrompt, Alone: storedResponse,
+		Shape: responsesShape, Prompt: responsesPrompt, Alone: responsesAlone,
 	}
 	Generate = &API{
 		Name: NameGenerate, Method: "POST", Path: "/inference/v1/generate",

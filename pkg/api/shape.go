@@ -123,14 +123,23 @@ func sglangPromptLogprobs(o *body.Object) Reason {
 	return PromptLogprobs
 }
 
-// storedResponse: a Responses request that continues a stored response or
-// runs in the background needs the engine that stores it.
-func storedResponse(o *body.Object) Reason {
+// responsesAlone: a Responses request that continues a stored response or
+// runs in the background needs the engine that stores it; one with a
+// built-in tool may run several generations in one request
+// (_generate_with_builtin_tools in vLLM's Responses server).
+func responsesAlone(o *body.Object) Reason {
 	if present(o, "previous_response_id") {
 		return StoredResponse
 	}
 	if bg, _ := o.Bool("background"); bg {
 		return StoredResponse
+	}
+	raw, _ := o.Raw("tools")
+	for _, item := range body.Elements(raw) {
+		t, err := body.Parse(item)
+		if kind, _ := t.String("type"); err != nil || kind != "function" {
+			return BuiltinTools
+		}
 	}
 	return NoReason
 }

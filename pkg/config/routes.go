@@ -9,6 +9,10 @@ type Routes struct {
 	// the paths below it) routed to a decode engine alone after the usual
 	// scrub. Left out: api.DefaultPassthrough; a list replaces it whole.
 	Passthrough []string `json:"passthrough"`
+	// PairBuiltinTools disaggregates Responses requests whose tools include
+	// one other than a function, which go decode-only by default
+	// (builtin_tools): vLLM may run several generations in such a request.
+	PairBuiltinTools bool `json:"pair_builtin_tools,omitempty"`
 }
 
 // SetDefaults fills the keys left out.

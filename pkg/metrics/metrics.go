@@ -56,6 +56,7 @@ const (
 	ReasonUnpairedAPI                      // decode-only: an API the connector's engines cannot disaggregate (/v1/messages)
 	ReasonPromptLogprobs                   // decode-only: the request asks for the prompt's logprobs
 	ReasonStoredResponse                   // decode-only: a Responses request that continues a stored response or runs in the background
+	ReasonBuiltinTools                     // decode-only: a Responses request with a built-in tool (routes.pair_builtin_tools pairs it)
 	ReasonCachedPrefix                     // decode-only: the decode endpoint is estimated to hold all but a few of the prompt's tokens
 	ReasonPrefillBusy                      // decode-only: the prefill pool is busy and the decode endpoint is not (pd.load)
 	ReasonDecodeBusy                       // P/D: decode-only was vetoed, the decode endpoint being busy (pd.load)
@@ -65,7 +66,7 @@ var reasonLabels = [...]string{
 	ReasonAlways: "always", ReasonLongPrompt: "long_prompt", ReasonNever: "never", ReasonShortPrompt: "short_prompt",
 	ReasonNGT1: "n_gt_1", ReasonBatch: "batch", ReasonNoPrefill: "no_prefill", ReasonPrefillFailed: "prefill_failed",
 	ReasonNoBody: "no_body", ReasonPassthrough: "passthrough", ReasonUnpairedAPI: "unpaired_api",
-	ReasonPromptLogprobs: "prompt_logprobs", ReasonStoredResponse: "stored_response",
+	ReasonPromptLogprobs: "prompt_logprobs", ReasonStoredResponse: "stored_response", ReasonBuiltinTools: "builtin_tools",
 	ReasonCachedPrefix: "cached_prefix", ReasonPrefillBusy: "prefill_busy", ReasonDecodeBusy: "decode_busy",
 }
 
@@ -170,7 +171,7 @@ func New(connector string) *Metrics {
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "pd_decisions_total",
 			Help: "Routed requests by why they got their mode (always, long_prompt, never, short_prompt, n_gt_1, batch, no_prefill, prefill_failed, no_body, " +
-				"passthrough, unpaired_api, prompt_logprobs, stored_response, cached_prefix, prefill_busy, decode_busy).",
+				"passthrough, unpaired_api, prompt_logprobs, stored_response, builtin_tools, cached_prefix, prefill_busy, decode_busy).",
 		}, []string{"reason"}),
 		bodyBytes: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Namespace: namespace, Name: "request_body_bytes",

@@ -34,6 +34,10 @@ func (p *Pipeline) admit(a *api.API, obj *body.Object) (alone metrics.Reason, er
 		return metrics.ReasonPromptLogprobs, nil
 	case api.StoredResponse:
 		return metrics.ReasonStoredResponse, nil // never paired: no paired family disaggregates the Responses API
+	case api.BuiltinTools:
+		if !p.opts.PairBuiltinTools {
+			return metrics.ReasonBuiltinTools, nil // as StoredResponse: never under a paired connector
+		}
 	}
 	return 0, nil
 }

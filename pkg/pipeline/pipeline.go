@@ -51,6 +51,9 @@ type Options struct {
 	// once; past it a request gets 503 with RetryAfter.
 	MaxBackground int
 	RetryAfter    time.Duration
+	// PairBuiltinTools disaggregates Responses requests with built-in tools
+	// too (routes.pair_builtin_tools).
+	PairBuiltinTools bool
 }
 
 // Pipeline routes requests. It is safe for concurrent use.

@@ -155,3 +155,38 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 		}
 	}
 }
+
+// TestResponsesWithBuiltinToolsGoDecodeOnly: a Responses request with a tool
+// other than a function goes to the decode engine alone (builtin_tools),
+// with function tools it is P/D, and routes.pair_builtin_tools pairs both.
+func TestResponsesWithBuiltinToolsGoDecodeOnly(t *testing.T) {
+	tests := []struct {
+		name, extra, tools string
+		wantPrefill        int
+	}{
+		{"a built-in tool", "", `[{"type":"function","name":"f","parameters":{}},{"type":"web_search_preview"}]`, 0},
+		{"function tools", "", `[{"type":"function","name":"f","parameters":{}}]`, 1},
+		{"a built-in tool, paired by config", "routes: {pair_builtin_tools: true}", `[{"type":"code_interpreter","container":{"type":"auto"}}]`, 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := startRig(t, rigOptions{extra: tt.extra})
+			marker := "[tools " + tt.name + "]"
+			body := fmt.Sprintf(`{"model":"pdsim","input":%q,"max_output_tokens":4,"tools":%s}`, marker+" what is new?", tt.tools)
+			if resp, got := r.must(t, "/v1/responses", body, nil); resp.StatusCode != http.StatusOK {
+				t.Fatalf("status %d: %.300s", resp.StatusCode, got)
+			}
+			if n := sum(legsOn(r.prefill, marker)); n != tt.wantPrefill {
+				t.Errorf("%d prefill legs, want %d", n, tt.wantPrefill)
+			}
+			if n := sum(legsOn(r.decode, marker)); n != 1 {
+				t.Errorf("%d decode legs, want 1", n)
+			}
+			if tt.wantPrefill == 0 {
+				if n := r.metric(t, `pd_extproc_pd_decisions_total{reason="builtin_tools"}`); n != 1 {
+					t.Errorf("pd_decisions_total{reason=builtin_tools} = %v, want 1", n)
+				}
+			}
+		})
+	}
+}

@@ -58,6 +58,7 @@ func pipelineOptions(cfg *config.Config) pipeline.Options {
 		MaxResponseBytes: cfg.Response.MaxBodyBytes,
 		MaxBackground:    cfg.Prefill.MaxBackground,
 		RetryAfter:       cfg.Limits.RetryAfter.D(),
+		PairBuiltinTools: cfg.Routes.PairBuiltinTools,
 	}
 }
 
