@@ -25,6 +25,10 @@ func (s *Server) otherRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("POST /v1/tokenize", tokenize) // SGLang's spelling
 	mux.HandleFunc("POST /detokenize", detokenize)
 	mux.HandleFunc("POST /v1/detokenize", detokenize)
+	// vLLM's Anthropic API counts a Messages request's input tokens.
+	mux.HandleFunc("POST /v1/messages/count_tokens", s.recorded(func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, http.StatusOK, map[string]int{"input_tokens": 2})
+	}))
 	stored := s.recorded(s.storedResponse)
 	mux.HandleFunc("GET /v1/responses/{id}", stored)
 	mux.HandleFunc("DELETE /v1/responses/{id}", stored)

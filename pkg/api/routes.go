@@ -43,6 +43,7 @@ var DefaultPassthrough = []string{
 	"POST /detokenize",
 	"POST /v1/tokenize",
 	"POST /v1/detokenize",
+	"POST /v1/messages/count_tokens", // vLLM's Anthropic API; Claude clients call it at start
 	"GET /v1/models",
 	"GET /v1/models/*",
 	"GET /health",

@@ -190,3 +190,21 @@ func TestResponsesWithBuiltinToolsGoDecodeOnly(t *testing.T) {
 		})
 	}
 }
+
+// TestCountTokensPassesAndMultipartIsRefused: Claude clients' count_tokens
+// reaches a decode engine as it came; a body that is not JSON gets a 400
+// even on a listed path, as the README says.
+func TestCountTokensPassesAndMultipartIsRefused(t *testing.T) {
+	r := startRig(t, rigOptions{extra: `routes: {passthrough: ["POST /v1/messages/count_tokens", "POST /v1/audio/transcriptions"]}`})
+	body := `{"model":"pdsim","messages":[{"role":"user","content":"[count] how many?"}]}`
+	resp, got := r.must(t, "/v1/messages/count_tokens", body, nil)
+	if resp.StatusCode != http.StatusOK || sum(legsOn(r.decode, "[count]")) != 1 || sum(legsOn(r.prefill, "[count]")) != 0 {
+		t.Errorf("count_tokens: status %d (%.200s), decode legs %v, prefill legs %v; want 200 from one decode engine alone",
+			resp.StatusCode, got, legsOn(r.decode, "[count]"), legsOn(r.prefill, "[count]"))
+	}
+	multipart := "--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\npdsim\r\n--b--\r\n"
+	h := http.Header{"Content-Type": {"multipart/form-data; boundary=b"}}
+	if resp, got := r.must(t, "/v1/audio/transcriptions", multipart, h); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "not valid JSON") {
+		t.Errorf("multipart: status %d (%.200s), want 400 saying the body is not JSON", resp.StatusCode, got)
+	}
+}
