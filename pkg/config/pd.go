@@ -18,7 +18,7 @@ const (
 // P/D defaults.
 const (
 	DefaultCharsPerToken     = 4
-	DefaultMinUncachedTokens = 256
+	DefaultMinUncachedTokens = 1024
 	DefaultMaxUncachedRatio  = 1
 	DefaultDecodeBusyQueue   = 1
 )

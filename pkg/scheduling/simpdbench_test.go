@@ -1,0 +1,78 @@
+package scheduling
+
+import (
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+)
+
+// pdSeeds are the seeds of BenchmarkPD's rows, every policy on the same:
+// one, so that the run fits in go test's default timeout of ten minutes on
+// two CPUs.
+var pdSeeds = simSeeds[:1]
+
+// BenchmarkPD is the P/D simulation's tables. Run it with
+//
+//	GOEXPERIMENT=simd go test -run '^$' -bench '^BenchmarkPD$' -benchtime 1x ./pkg/scheduling/
+//
+// It simulates ten minutes of (b), (e) and (a) at nominal and 1.5× load, at
+// one and three replicas, for each policy of pdPolicies, then the sweep of
+// the cache rule's bounds and the load arm's line on (b) and (e) at one
+// replica; each sub-benchmark reports its row, and the last, "tables", prints
+// them as markdown with the ratios to always-P/D and the targets met (to
+// standard output: go test would cut a benchmark's log to ten lines).
+func BenchmarkPD(b *testing.B) {
+	main := pdTable([]simWorkload{multiTurn, random, oneShot}, []float64{1, 1.5}, []int{1, 3}, pdPolicies)
+	sweep := pdTable([]simWorkload{multiTurn, random}, []float64{1, 1.5}, []int{1}, pdSweep())
+	rows := runPD(slices.Concat(main, sweep), 10*time.Minute, pdSeeds)
+	for _, r := range rows {
+		b.Run(r.pdCell.String(), func(b *testing.B) {
+			b.ReportMetric(100*r.DecodeOnly, "decode-only%")
+			b.ReportMetric(ms(r.MeanTTFT), "mean-ttft-ms")
+			b.ReportMetric(ms(r.P99TTFT), "p99-ttft-ms")
+			b.ReportMetric(ms(r.P99ITL), "p99-itl-ms")
+			b.ReportMetric(r.PrefillWork.Seconds(), "prefill-s")
+		})
+	}
+	b.Run("tables", func(b *testing.B) {
+		fmt.Print(pdMarkdown("P/D", rows[:len(main)], rows), pdMarkdown("Sweep, one replica", rows[len(main):], rows))
+	})
+}
+
+// pdKnownMisses are the targets the policy misses today, reported in
+// docs/scheduling.md, with the floor below which the test fails: at 1.5×
+// load, spills move turns that other replicas do not see move, and their
+// estimates part (the KV-events issue makes every replica see the same).
+var pdKnownMisses = map[string]float64{
+	"b multi-turn/load=1.5x/replicas=3/cache-aware/same decision": 0.8,
+}
+
+// TestSimulatedPDTargets checks the targets of pdTargets on a short run that
+// make test affords: three simulated minutes of (b) and (e), one seed,
+// always-P/D against cache-aware with pkg/config's defaults, at one replica
+// and (for the decisions) three.
+func TestSimulatedPDTargets(t *testing.T) {
+	if testing.Short() || raceDetector {
+		t.Skip("simulation: make test runs it without -race")
+	}
+	cells := slices.Concat(
+		pdTable([]simWorkload{multiTurn, random}, []float64{1, 1.5}, []int{1}, []pdPolicy{pdAlways, pdCache}),
+		pdTable([]simWorkload{multiTurn}, []float64{1, 1.5}, []int{3}, []pdPolicy{pdCache}))
+	rows := runPD(cells, 3*time.Minute, simSeeds[:1])
+	always := alwaysOf(rows)
+	for _, r := range rows {
+		t.Logf("%-50v decode-only %5.1f%%  TTFT mean %6.1f ms  p99 %7.1f ms  p99 ITL %5.1f ms  prefill %4.0f s  same %.3f",
+			r.pdCell, 100*r.DecodeOnly, ms(r.MeanTTFT), ms(r.P99TTFT), ms(r.P99ITL), r.PrefillWork.Seconds(), r.Same)
+		for _, target := range pdTargets(r, always(r)) {
+			floor, known := pdKnownMisses[fmt.Sprint(r.pdCell, "/", target.name)]
+			switch {
+			case target.met():
+			case known && target.got >= floor:
+				t.Logf("%v: target missed, as reported in docs/scheduling.md: %v (floor %g)", r.pdCell, target, floor)
+			default:
+				t.Errorf("%v: target missed: %v", r.pdCell, target)
+			}
+		}
+	}
+}
