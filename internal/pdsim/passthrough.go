@@ -34,9 +34,18 @@ func (s *Server) otherRoutes(mux *http.ServeMux) {
 	mux.HandleFunc("DELETE /v1/responses/{id}", stored)
 	mux.HandleFunc("POST /v1/responses/{id}/cancel", stored)
 	for _, admin := range []string{"/flush_cache", "/reset_prefix_cache", "/start_profile", "/stop_profile", "/sleep", "/wake_up", "/collective_rpc"} {
-		mux.HandleFunc(admin, s.recorded(func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, http.StatusOK, map[string]string{}) }))
+		mux.HandleFunc(admin, s.recorded(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/flush_cache" || r.URL.Path == "/reset_prefix_cache" { // SGLang's and vLLM's (dev mode)
+				s.ResetPrefixCache()
+			}
+			writeJSON(w, http.StatusOK, map[string]string{})
+		}))
 	}
 }
+
+// ResetPrefixCache forgets every cached block, as an eviction of all of them
+// or an engine restart would.
+func (s *Server) ResetPrefixCache() { s.metrics.cache.reset() }
 
 // recorded serves a request with answer after recording it with its body.
 func (s *Server) recorded(answer http.HandlerFunc) http.HandlerFunc {

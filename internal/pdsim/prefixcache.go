@@ -146,6 +146,14 @@ func (c *prefixCache) insert(hashes []blockHash) {
 	}
 }
 
+// reset forgets every block, as vLLM's POST /reset_prefix_cache does.
+func (c *prefixCache) reset() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.order.Init()
+	clear(c.blocks)
+}
+
 // touch makes hashes the most recently used, the first block most recent of
 // all: vLLM frees a request's blocks tail first, so eviction eats a prefix
 // from its end and never orphans the blocks after a lost one.

@@ -272,3 +272,24 @@ func TestSGLangCachedTokens(t *testing.T) {
 		}
 	}
 }
+
+// POST /reset_prefix_cache, as vLLM serves it in its dev mode, forgets every
+// block: the prompt computed before it is not found after it.
+func TestResetPrefixCache(t *testing.T) {
+	d := start(t, Config{Role: RoleDecode, Protocol: ProtocolNIXL, PromptTokensDetails: true, PrefixCacheBlocks: 64})
+	post(t, d, "/v1/chat/completions", chatOf("", turn1...), "")
+	for _, tt := range []struct {
+		reset bool
+		want  string
+	}{{false, "32"}, {true, "0"}} {
+		if tt.reset {
+			if r := post(t, d, "/reset_prefix_cache", "", ""); r.status != 200 {
+				t.Fatalf("POST /reset_prefix_cache: %d %s", r.status, r.body)
+			}
+		}
+		if r := post(t, d, "/v1/chat/completions", chatOf("", turn1...), ""); r.header.Get("x-pdsim-cached-tokens") != tt.want {
+			t.Errorf("after reset %v: x-pdsim-cached-tokens %q, want %s", tt.reset, r.header.Get("x-pdsim-cached-tokens"), tt.want)
+		}
+		post(t, d, "/v1/chat/completions", chatOf("", turn1...), "") // cached again
+	}
+}

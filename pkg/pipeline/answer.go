@@ -39,35 +39,11 @@ func (p *Pipeline) readAnswer(answer []byte, r *Request) prefillAnswer {
 	if path := r.api.Shape.CachedTokens; p.opts.RewriteUsage && path != nil {
 		if start, end, ok := o.Locate(path...); ok && isCount(answer[start:end]) {
 			a.cached = answer[start:end]
-		} else if noneCached(o, path) {
-			a.cached = zero
+		} else if response.NoneCached(answer, path) {
+			a.cached = []byte("0")
 		}
 	}
 	return a
-}
-
-var zero = []byte("0")
-
-// noneCached reports whether an answer without the number at path says that
-// nothing was cached: its usage (path[0]) is there, and the details object
-// that holds the number is absent or null. Most vLLM releases write
-// prompt_tokens_details only when the count is not zero (`if
-// self.enable_prompt_tokens_details and final_res.num_cached_tokens:` in
-// vLLM's serving_chat.py and serving_completion.py, now
-// vllm/entrypoints/openai/chat_completion/serving.py and
-// completion/serving.py), so a
-// cold prompt, a P/D pair's usual case, comes back without it; llm-d reads
-// it as 0 too. A details object with no count, or a placeholder, tells
-// nothing.
-func noneCached(o *body.Object, path []string) bool {
-	if len(path) < 3 {
-		return false
-	}
-	if s, e, ok := o.Locate(path[0]); !ok || body.IsNull(o.Bytes()[s:e]) {
-		return false
-	}
-	s, e, ok := o.Locate(path[:len(path)-1]...)
-	return !ok || body.IsNull(o.Bytes()[s:e])
 }
 
 // isCount reports whether raw is a JSON integer that is a plausible token
@@ -119,7 +95,11 @@ func (p *Pipeline) heldReader(r *Request, decode *scheduling.Endpoint, held int)
 	}
 	return response.NewReader(cachedTokens(r), int(p.opts.MaxResponseBytes), func(raw []byte) {
 		if n, err := strconv.Atoi(string(raw)); err == nil && isCount(raw) {
-			decode.ReportCached(held, n)
+			if decode.ReportCached(held, n) {
+				p.log.Info("the decode endpoint's answers belie what the router estimated it caches (evicted, or restarted): "+
+					"later turns sent to it go through a prefill leg for a while", "decode", decode.Addr, "estimated", held, "held", n,
+					"requestID", r.RequestID)
+			}
 		}
 	})
 }

@@ -32,6 +32,7 @@ type Rewriter struct {
 	// outcome is how the answer fared (a metrics.Usage* value), "" until known.
 	outcome string
 	seen    func(raw []byte) // a reader's (NewReader), nil for a rewriter
+	read    []byte           // a reader's: the last number a streamed answer carried, told at its end
 }
 
 // Paths are where an API's answer carries the number: in a JSON answer, and
@@ -48,14 +49,40 @@ func New(p Paths, value []byte, limit int) *Rewriter {
 	return &Rewriter{path: p.JSON, event: p.Event, value: value, key: body.Quote(p.JSON[len(p.JSON)-1]), limit: limit}
 }
 
-// NewReader returns a Rewriter that changes nothing: it gives seen the raw
-// number at path in the answer wherever it finds it, holding at most limit
-// bytes of a JSON answer back to look. Its Outcome is always "".
+// NewReader returns a Rewriter that changes nothing: at the answer's end it
+// gives seen the raw number at path, the last one a stream carried, holding
+// at most limit bytes of a JSON answer back to look. An answer whose usage
+// is there without the details object that would hold the number counts as
+// "0" (NoneCached). Its Outcome is always "".
 func NewReader(p Paths, limit int, seen func(raw []byte)) *Rewriter {
 	r := New(p, nil, limit)
 	r.seen = seen
+	r.key = body.Quote(r.event[max(len(r.event)-3, 0)]) // the usage: an event without it says nothing
 	return r
 }
+
+// NoneCached reports whether an answer without the number at path says that
+// nothing was cached: the usage (the object two levels up from the number)
+// is there, and the details object that would hold the number is absent or
+// null. Most vLLM releases write prompt_tokens_details only when the count
+// is not zero (`if self.enable_prompt_tokens_details and
+// final_res.num_cached_tokens:` in vLLM's serving_chat.py and
+// serving_completion.py, now vllm/entrypoints/openai/chat_completion/serving.py
+// and completion/serving.py), so a cold prompt comes back without it; llm-d
+// reads it as 0 too. A details object with no count, or a placeholder, tells
+// nothing.
+func NoneCached(doc []byte, path []string) bool {
+	if len(path) < 3 {
+		return false
+	}
+	if s, e, ok := body.Locate(doc, path[:len(path)-2]...); !ok || body.IsNull(doc[s:e]) {
+		return false
+	}
+	s, e, ok := body.Locate(doc, path[:len(path)-1]...)
+	return !ok || body.IsNull(doc[s:e])
+}
+
+var zero = []byte("0")
 
 // Writes reports whether r rewrites the answer, rather than reads it.
 func (r *Rewriter) Writes() bool { return r.seen == nil }
@@ -126,15 +153,21 @@ func (r *Rewriter) document(chunk []byte, last bool) body.Spliced {
 	return r.fix(doc)
 }
 
-// fix writes the value into a whole JSON answer.
+// fix writes the value into a whole JSON answer, or tells a reader what it
+// says.
 func (r *Rewriter) fix(doc []byte) body.Spliced {
 	r.outcome = metrics.UsageAbsent
 	start, end, ok := body.Locate(doc, r.path...)
-	if !ok {
+	if !r.Writes() {
+		switch {
+		case ok:
+			r.seen(doc[start:end])
+		case NoneCached(doc, r.path):
+			r.seen(zero)
+		}
 		return r.only(doc)
 	}
-	if !r.Writes() {
-		r.seen(doc[start:end])
+	if !ok {
 		return r.only(doc)
 	}
 	r.outcome = metrics.UsageRewritten

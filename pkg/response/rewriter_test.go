@@ -32,6 +32,14 @@ const (
 	done = "data: [DONE]\n\n"
 )
 
+// A decode engine's answers with nothing cached: vLLM leaves the details out.
+var (
+	coldJSON        = strings.Replace(chatJSON, `,"prompt_tokens_details":{"cached_tokens":12}`, "", 1)
+	nullDetailsJSON = strings.Replace(chatJSON, `{"cached_tokens":12}`, "null", 1)
+	nullUsageJSON   = chatJSON[:strings.Index(chatJSON, `"usage":`)] + `"usage":null,"prompt_logprobs":null,"kv_transfer_params":null}`
+	coldEv          = strings.Replace(usageEv, `,"prompt_tokens_details":{"cached_tokens":12}`, "", 1)
+)
+
 var chatPath = Paths{JSON: api.Chat.Shape.CachedTokens}
 
 type headers struct {
@@ -211,6 +219,12 @@ func TestReaderSeesTheNumberAndChangesNothing(t *testing.T) {
 		{name: "events", headers: sseOK, chunks: []string{role + tok0, tok1 + usageEv[:half], usageEv[half:] + done},
 			want: []string{role + tok0, tok1, usageEv + done}, seen: []string{"12"}},
 		{name: "no usage", headers: sseOK, chunks: []string{role + tok0 + tok1 + done}, want: []string{role + tok0 + tok1 + done}},
+		{name: "a cold JSON answer, without the details, reads as 0", headers: jsonOK, chunks: []string{coldJSON}, want: []string{coldJSON}, seen: []string{"0"}},
+		{name: "null details read as 0", headers: jsonOK, chunks: []string{nullDetailsJSON}, want: []string{nullDetailsJSON}, seen: []string{"0"}},
+		{name: "a null usage says nothing", headers: jsonOK, chunks: []string{nullUsageJSON}, want: []string{nullUsageJSON}},
+		{name: "a cold stream reads as 0", headers: sseOK, chunks: []string{role + tok0, tok1 + coldEv + done}, want: []string{role + tok0, tok1 + coldEv + done}, seen: []string{"0"}},
+		{name: "a stream's usage in every event: the last one, once", headers: sseOK, chunks: []string{role + coldEv, usageEv + done},
+			want: []string{role + coldEv, usageEv + done}, seen: []string{"12"}},
 		{name: "an error status is not read", headers: headers{500, "application/json", ""}, chunks: []string{chatJSON}, want: []string{chatJSON}},
 		{name: "past the limit it passes unread", headers: jsonOK, limit: 40, chunks: []string{chatJSON[:30], chatJSON[30:]},
 			want: []string{"", chatJSON}},

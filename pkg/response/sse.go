@@ -33,6 +33,9 @@ func (r *Rewriter) stream(chunk []byte, last bool) body.Spliced {
 		if r.fixed {
 			r.outcome = metrics.UsageRewritten
 		}
+		if r.read != nil {
+			r.seen(r.read)
+		}
 	}
 	return out
 }
@@ -55,7 +58,8 @@ func eventsEnd(data []byte, from int) int {
 
 // events fixes the number in the complete events of b. Only a line holding
 // the quoted name is read: a "data:" line whose JSON has the path gets the
-// value; every other byte is passed on as it is.
+// value; every other byte is passed on as it is. A reader reads the lines
+// that hold the usage, and keeps what the last of them said.
 func (r *Rewriter) events(b []byte) body.Spliced {
 	if !bytes.Contains(b, r.key) {
 		return r.only(b)
@@ -74,9 +78,9 @@ func (r *Rewriter) events(b []byte) body.Spliced {
 		} else {
 			lineEnd = len(b)
 		}
-		if start, end, ok := r.locateInData(b[lineStart:lineEnd]); ok && !r.Writes() {
-			r.seen(b[lineStart+start : lineStart+end])
-		} else if ok {
+		if !r.Writes() {
+			r.readData(b[lineStart:lineEnd])
+		} else if start, end, ok := r.locateInData(b[lineStart:lineEnd]); ok {
 			out = append(out, b[kept:lineStart+start], r.value)
 			kept = lineStart + end
 			r.fixed = true
@@ -92,14 +96,37 @@ func (r *Rewriter) events(b []byte) body.Spliced {
 // locateInData finds the number in an event line "data: {json}"; the offsets
 // are into the line.
 func (r *Rewriter) locateInData(line []byte) (start, end int, ok bool) {
+	off, ok := dataStart(line)
+	if !ok {
+		return 0, 0, false
+	}
+	start, end, ok = body.Locate(line[off:], r.event...)
+	return off + start, off + end, ok
+}
+
+// readData keeps what an event line says of the number, for a reader: the
+// number, "0" for a usage without its details (NoneCached), or nothing.
+func (r *Rewriter) readData(line []byte) {
+	off, ok := dataStart(line)
+	if !ok {
+		return
+	}
+	if start, end, ok := body.Locate(line[off:], r.event...); ok {
+		r.read = append(r.read[:0], line[off+start:off+end]...) // the chunk is Envoy's message's
+	} else if NoneCached(line[off:], r.event) {
+		r.read = append(r.read[:0], zero...)
+	}
+}
+
+// dataStart is where the value of a "data:" line begins.
+func dataStart(line []byte) (int, bool) {
 	const field = "data:"
 	if !bytes.HasPrefix(line, []byte(field)) {
-		return 0, 0, false
+		return 0, false
 	}
 	off := len(field)
 	if off < len(line) && line[off] == ' ' { // one space after the colon is not part of the value
 		off++
 	}
-	start, end, ok = body.Locate(line[off:], r.event...)
-	return off + start, off + end, ok
+	return off, true
 }

@@ -82,7 +82,7 @@ func (d *Decider) Decide(req *Request, prefill *Pool, decode *Endpoint) Split {
 // and decode's answers have not belied its estimates lately (trust.go).
 // It returns the tokens decode is estimated to hold.
 func (d *Decider) cached(req *Request, decode *Endpoint) (held int, ok bool) {
-	if d.minUncached <= 0 || req.Held(decode) == 0 || !decode.trusted() {
+	if d.minUncached <= 0 || req.Held(decode) == 0 || !decode.CacheTrusted() {
 		return 0, false
 	}
 	uncached, tokens := req.UncachedTokens(decode, d.cfg.CharsPerToken)

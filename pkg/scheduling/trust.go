@@ -22,10 +22,11 @@ const (
 )
 
 // ReportCached records a decode-only answer of the endpoint: the prompt
-// tokens the decision assumed it held, and those it says it held.
-func (e *Endpoint) ReportCached(assumed, held int) {
+// tokens the decision assumed it held, and those it says it held. It reports
+// whether this answer ended the endpoint's trust.
+func (e *Endpoint) ReportCached(assumed, held int) (distrusted bool) {
 	if assumed <= 0 {
-		return
+		return false
 	}
 	now := e.cfg().now()
 	e.mu.Lock()
@@ -33,15 +34,18 @@ func (e *Endpoint) ReportCached(assumed, held int) {
 	t := &e.trust
 	if 2*held >= assumed {
 		t.misses = 0
-		return
+		return false
 	}
 	if t.misses++; t.misses >= trustMisses {
 		t.misses, t.until = 0, now.Add(distrustFor)
+		return true
 	}
+	return false
 }
 
-// trusted reports whether the cache rule may go by the endpoint's estimates.
-func (e *Endpoint) trusted() bool {
+// CacheTrusted reports whether the cache rule may go by the endpoint's
+// estimates: false for distrustFor after its answers belied them.
+func (e *Endpoint) CacheTrusted() bool {
 	now := e.cfg().now()
 	e.mu.Lock()
 	defer e.mu.Unlock()

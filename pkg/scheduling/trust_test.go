@@ -38,8 +38,8 @@ func TestDecodeAnswersThatBelieTheEstimateEndTheTrust(t *testing.T) {
 				e.ReportCached(r.assumed, r.held)
 			}
 			clock.Advance(tt.after)
-			if got := e.trusted(); got != tt.want {
-				t.Fatalf("trusted() = %v, want %v", got, tt.want)
+			if got := e.CacheTrusted(); got != tt.want {
+				t.Fatalf("CacheTrusted() = %v, want %v", got, tt.want)
 			}
 		})
 	}

@@ -11,7 +11,8 @@ func poolStates(pools ...*scheduling.Pool) func() []metrics.EndpointState {
 		var out []metrics.EndpointState
 		for _, p := range pools {
 			for _, e := range p.Endpoints() {
-				out = append(out, metrics.EndpointState{Pool: p.Name, Endpoint: e.Addr, InFlight: e.InFlight(), Healthy: e.Healthy()})
+				out = append(out, metrics.EndpointState{Pool: p.Name, Endpoint: e.Addr, InFlight: e.InFlight(), Healthy: e.Healthy(),
+					CacheTrusted: e.CacheTrusted()})
 			}
 		}
 		return out

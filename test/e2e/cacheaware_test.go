@@ -16,15 +16,6 @@ import (
 // three, with Envoy's response path and without. kv-sglang's decode engines
 // cannot prefill, and a bound below the new part keeps P/D.
 func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
-	type message struct {
-		Role    string `json:"role"`
-		Content string `json:"content"`
-	}
-	// About 1,500 characters of history before the turns (375 tokens to the
-	// router, at 4 characters each; 262 to the simulator, a token a word),
-	// and each turn's new part (the reply, then the question) some 18
-	// tokens to the router.
-	system := strings.Repeat("You answer as a careful assistant would. ", 36)
 	const turns = 3
 	tests := []struct {
 		name, mode, connector string
@@ -44,23 +35,11 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 			r := startRig(t, rigOptions{mode: tt.mode, connector: tt.connector, replicas: tt.replicas, decodes: 3,
 				promptTokensDetails: true, decodePool: "policy: prefix-affinity", prefillPool: "policy: prefix-affinity",
 				extra: "pd: " + tt.pd})
-			marker := "[conversation " + tt.name + "]"
-			history := []message{{"system", system}, {"user", marker + " What is a prefix cache?"}}
+			c := conversation{marker: "[conversation " + tt.name + "]"}
 			home := -1
 			for turn := 1; turn <= turns; turn++ {
-				if turn > 1 {
-					history = append(history, message{"assistant", "It keeps the KV of prompts seen."},
-						message{"user", fmt.Sprintf("Question %d: and then?", turn)})
-				}
-				b, err := json.Marshal(map[string]any{"model": "pdsim", "max_tokens": 4, "messages": history})
-				if err != nil {
-					t.Fatal(err)
-				}
-				resp, got := r.must(t, "/v1/chat/completions", string(b), nil)
-				if resp.StatusCode != http.StatusOK {
-					t.Fatalf("turn %d: status %d: %s", turn, resp.StatusCode, got)
-				}
-				decode := legsOn(r.decode, marker)
+				resp := c.next(t, r)
+				decode := legsOn(r.decode, c.marker)
 				if turn == 1 {
 					for i, n := range decode {
 						if n == 1 {
@@ -75,7 +54,7 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 				if tt.decodeOnly {
 					wantPrefill = 1
 				}
-				if n := sum(legsOn(r.prefill, marker)); n != wantPrefill {
+				if n := sum(legsOn(r.prefill, c.marker)); n != wantPrefill {
 					t.Errorf("turn %d: %d prefill legs in all, want %d", turn, n, wantPrefill)
 				}
 				cached, _ := strconv.Atoi(resp.Header.Get("x-pdsim-cached-tokens"))
@@ -101,6 +80,87 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestAnEvictedDecodeEngineLosesTheCacheRule: a decode engine whose answers
+// to cached_prefix requests keep reporting less than the router estimated it
+// holds (here its prefix cache is reset before each of turns 3 to 5, as an
+// eviction or a restart would leave it) is distrusted after three such
+// answers, including the ones whose usage carries no details (nothing
+// cached, as vLLM writes it): turn 6 goes P/D again although the engine
+// holds turn 5, and pd_extproc_endpoint_cache_trusted says so. It needs
+// Envoy's response path, which carries the answers.
+func TestAnEvictedDecodeEngineLosesTheCacheRule(t *testing.T) {
+	r := startRig(t, rigOptions{decodes: 1, promptTokensDetails: true,
+		decodePool: "policy: prefix-affinity", prefillPool: "policy: prefix-affinity", extra: "pd: {min_uncached_tokens: 100}"})
+	c := conversation{marker: "[an evicted engine]"}
+	for turn, want := range []struct {
+		evict    bool
+		prefills int     // prefill legs so far
+		cached   bool    // the decode engine reports cached tokens (on a P/D turn, the KV it pulled)
+		trusted  float64 // after the turn
+	}{
+		1: {prefills: 1, cached: true, trusted: 1},
+		2: {prefills: 1, cached: true, trusted: 1},
+		3: {evict: true, prefills: 1, trusted: 1},
+		4: {evict: true, prefills: 1, trusted: 1},
+		5: {evict: true, prefills: 1, trusted: 0},
+		6: {prefills: 2, cached: true, trusted: 0},
+	} {
+		if turn == 0 {
+			continue
+		}
+		if want.evict {
+			r.decode[0].ResetPrefixCache()
+		}
+		resp := c.next(t, r)
+		if n := sum(legsOn(r.prefill, c.marker)); n != want.prefills {
+			t.Errorf("turn %d: %d prefill legs so far, want %d", turn, n, want.prefills)
+		}
+		if cached := resp.Header.Get("x-pdsim-cached-tokens"); (cached != "0") != want.cached {
+			t.Errorf("turn %d: the decode engine reports %s cached tokens; want some: %v", turn, cached, want.cached)
+		}
+		series := fmt.Sprintf(`pd_extproc_endpoint_cache_trusted{endpoint=%q,pool="decode"}`, r.decodeAddrs[0])
+		if got := r.extproc.MustMetric(t, series); got != want.trusted {
+			t.Errorf("turn %d: pd_extproc_endpoint_cache_trusted = %v, want %v", turn, got, want.trusted)
+		}
+	}
+}
+
+// conversation is a chat conversation sent a turn at a time: about 1,500
+// characters of system prompt (375 tokens to the router, at 4 characters
+// each; 262 to the simulator, a token a word), then a question with marker,
+// and each later turn adding a reply and a question (some 18 tokens to the
+// router).
+type conversation struct {
+	marker  string
+	history []message
+}
+
+type message struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}
+
+// next sends the conversation's next turn, and fails the test unless it is
+// answered 200.
+func (c *conversation) next(t *testing.T, r *rig) *http.Response {
+	t.Helper()
+	if c.history == nil {
+		c.history = []message{{"system", strings.Repeat("You answer as a careful assistant would. ", 36)}, {"user", c.marker + " What is a prefix cache?"}}
+	} else {
+		c.history = append(c.history, message{"assistant", "It keeps the KV of prompts seen."},
+			message{"user", fmt.Sprintf("Question %d: and then?", len(c.history)/2+1)})
+	}
+	b, err := json.Marshal(map[string]any{"model": "pdsim", "max_tokens": 4, "messages": c.history})
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, got := r.must(t, "/v1/chat/completions", string(b), nil)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("turn %d: status %d: %s", len(c.history)/2, resp.StatusCode, got)
+	}
+	return resp
 }
 
 func sum(counts []int) int {
