@@ -73,6 +73,9 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
+				if tt.replicas > 1 && n > 1 {
+					t.Errorf("one replica decided %v of the later turns: they are not spread over the replicas", n)
+				}
 				decided += max(n, 0)
 			}
 			if decided != wantCached {
