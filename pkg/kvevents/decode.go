@@ -1,0 +1,365 @@
+package kvevents
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+
+	"github.com/cespare/xxhash/v2"
+	"github.com/vmihailenco/msgpack/v5"
+	"github.com/vmihailenco/msgpack/v5/msgpcode"
+)
+
+// Kind is what an event says of a publisher's blocks.
+type Kind uint8
+
+const (
+	Stored  Kind = iota + 1 // BlockStored: blocks computed or received
+	Removed                 // BlockRemoved: blocks evicted
+	Cleared                 // AllBlocksCleared: the cache was reset
+)
+
+// Event is one KV cache event.
+type Event struct {
+	Kind Kind
+	// Hashes are the engine's block hashes: a bytes hash (vLLM's default,
+	// sha256) folded to 64 bits, an integer one as it is.
+	Hashes []uint64
+	// Parent is the hash of the block before the first of Hashes; HasParent
+	// is false for blocks that start a prompt.
+	Parent    uint64
+	HasParent bool
+	Tokens    []int64 // the stored blocks' token ids, BlockSize per block
+	BlockSize int
+	// Extra holds, per stored block, the raw msgpack of the extra keys its
+	// hash covers (LoRA name, multimodal hashes, cache_salt), nil for none.
+	Extra [][]byte
+	// Medium is where the blocks live: "GPU" (or "" when unset) is the
+	// engine's prefix cache; other media (an offloaded tier) are not indexed.
+	Medium string
+	// Group is the KV cache group of hybrid models; only group 0 is indexed.
+	Group int
+}
+
+// Batch is one published message's events.
+type Batch struct {
+	TS     float64
+	Events []Event
+	Rank   int // the publishing data-parallel rank
+}
+
+var errFormat = errors.New("kvevents: not a KV event batch")
+
+// DecodeBatch reads a batch in either of vLLM's encodings: named fields
+// (maps, events tagged by "type": vLLM since the map schema) or positional
+// ones (msgspec array_like: each event an array whose first element is its
+// tag, the older releases). Fields it does not know are skipped.
+func DecodeBatch(payload []byte) (Batch, error) {
+	d := msgpack.NewDecoder(bytes.NewReader(payload))
+	var b Batch
+	err := readStruct(d, func(field string, i int) error {
+		if field == "" {
+			field = positional(batchFields, i)
+		}
+		var err error
+		switch field {
+		case "ts":
+			b.TS, err = d.DecodeFloat64()
+		case "events":
+			b.Events, err = readEvents(d)
+		case "data_parallel_rank":
+			var r int64
+			r, err = d.DecodeInt64()
+			b.Rank = int(r)
+		default:
+			err = d.Skip()
+		}
+		return err
+	})
+	if err != nil {
+		return Batch{}, fmt.Errorf("%w: %v", errFormat, err)
+	}
+	return b, nil
+}
+
+var batchFields = []string{"ts", "events", "data_parallel_rank"}
+
+// readStruct reads a msgspec struct written either as a map of its fields or
+// as an array of them in order, calling field for each: with its name from a
+// map, or with "" and its position from an array.
+func readStruct(d *msgpack.Decoder, field func(name string, i int) error) error {
+	c, err := d.PeekCode()
+	if err != nil {
+		return err
+	}
+	if isMap(c) {
+		n, err := d.DecodeMapLen()
+		if err != nil {
+			return err
+		}
+		for range n {
+			name, err := d.DecodeString()
+			if err != nil {
+				return err
+			}
+			if err := field(name, -1); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	n, err := d.DecodeArrayLen()
+	if err != nil {
+		return err
+	}
+	for i := range n {
+		if err := field("", i); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// The fields of each event, in vLLM's order (vllm/distributed/kv_events.py).
+var (
+	storedFields  = []string{"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx"}
+	removedFields = []string{"type", "block_hashes", "medium", "group_idx"}
+)
+
+func readEvents(d *msgpack.Decoder) ([]Event, error) {
+	n, err := d.DecodeArrayLen()
+	if err != nil || n < 0 {
+		return nil, err
+	}
+	events := make([]Event, 0, n)
+	for range n {
+		e, err := readEvent(d)
+		if err != nil {
+			return nil, err
+		}
+		events = append(events, e)
+	}
+	return events, nil
+}
+
+// readEvent reads one event: a map of its fields, tagged by "type" (which
+// msgspec writes first, though any order is read), or an array whose first
+// element is its tag and the rest its fields in vLLM's order.
+func readEvent(d *msgpack.Decoder) (Event, error) {
+	c, err := d.PeekCode()
+	if err != nil {
+		return Event{}, err
+	}
+	if isMap(c) {
+		return readNamedEvent(d)
+	}
+	var e Event
+	var fields []string // the kind's, once the tag is read
+	err = readStruct(d, func(_ string, i int) error {
+		if i == 0 {
+			var err error
+			fields, err = e.readTag(d)
+			return err
+		}
+		return e.read(d, positional(fields, i))
+	})
+	return e, err
+}
+
+func readNamedEvent(d *msgpack.Decoder) (Event, error) {
+	n, err := d.DecodeMapLen()
+	if err != nil {
+		return Event{}, err
+	}
+	type field struct {
+		name string
+		raw  msgpack.RawMessage
+	}
+	fs := make([]field, 0, n)
+	var e Event
+	for range n {
+		name, err := d.DecodeString()
+		if err != nil {
+			return e, err
+		}
+		if name == "type" {
+			if _, err := e.readTag(d); err != nil {
+				return e, err
+			}
+			continue
+		}
+		raw, err := d.DecodeRaw()
+		if err != nil {
+			return e, err
+		}
+		fs = append(fs, field{name, raw})
+	}
+	if e.Kind == 0 {
+		return e, errors.New("an event without a type")
+	}
+	for _, f := range fs {
+		if err := e.read(msgpack.NewDecoder(bytes.NewReader(f.raw)), f.name); err != nil {
+			return e, err
+		}
+	}
+	return e, nil
+}
+
+// readTag reads an event's tag and returns its fields in vLLM's order.
+func (e *Event) readTag(d *msgpack.Decoder) ([]string, error) {
+	tag, err := d.DecodeString()
+	if err != nil {
+		return nil, err
+	}
+	switch tag {
+	case "BlockStored":
+		e.Kind = Stored
+		return storedFields, nil
+	case "BlockRemoved":
+		e.Kind = Removed
+		return removedFields, nil
+	case "AllBlocksCleared":
+		e.Kind = Cleared
+		return nil, nil
+	}
+	return nil, fmt.Errorf("unknown event %q", tag)
+}
+
+// read reads the field called name.
+func (e *Event) read(d *msgpack.Decoder, name string) error {
+	var err error
+	switch name {
+	case "block_hashes":
+		e.Hashes, err = readHashes(d)
+	case "parent_block_hash":
+		var ok bool
+		e.Parent, ok, err = readHash(d)
+		e.HasParent = ok
+	case "token_ids":
+		e.Tokens, err = readInts(d)
+	case "block_size":
+		var n int64
+		n, err = d.DecodeInt64()
+		e.BlockSize = int(n)
+	case "medium":
+		e.Medium, err = readOptionalString(d)
+	case "extra_keys":
+		e.Extra, err = readExtra(d)
+	case "group_idx":
+		var n int64
+		n, err = d.DecodeInt64() // nil reads as 0
+		e.Group = int(n)
+	default:
+		err = d.Skip()
+	}
+	return err
+}
+
+// positional maps an array element's index to its field name for kind.
+func positional(fields []string, i int) string {
+	if i < len(fields) {
+		return fields[i]
+	}
+	return ""
+}
+
+func isMap(c byte) bool {
+	return msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32
+}
+
+func isNil(d *msgpack.Decoder) (bool, error) {
+	c, err := d.PeekCode()
+	if err != nil {
+		return false, err
+	}
+	if c == msgpcode.Nil {
+		return true, d.DecodeNil()
+	}
+	return false, nil
+}
+
+// readHash reads a block hash: bytes (folded to 64 bits with xxhash), an
+// integer, or nil (ok false).
+func readHash(d *msgpack.Decoder) (h uint64, ok bool, err error) {
+	c, err := d.PeekCode()
+	if err != nil {
+		return 0, false, err
+	}
+	switch {
+	case c == msgpcode.Nil:
+		return 0, false, d.DecodeNil()
+	case msgpcode.IsBin(c) || msgpcode.IsString(c):
+		b, err := d.DecodeBytes()
+		return xxhash.Sum64(b), true, err
+	case c == msgpcode.Uint64:
+		u, err := d.DecodeUint64()
+		return u, true, err
+	default:
+		i, err := d.DecodeInt64()
+		return uint64(i), true, err
+	}
+}
+
+func readHashes(d *msgpack.Decoder) ([]uint64, error) {
+	n, err := d.DecodeArrayLen()
+	if err != nil || n < 0 {
+		return nil, err
+	}
+	out := make([]uint64, n)
+	for i := range out {
+		h, ok, err := readHash(d)
+		if err != nil {
+			return nil, err
+		}
+		if !ok {
+			return nil, errors.New("a nil block hash")
+		}
+		out[i] = h
+	}
+	return out, nil
+}
+
+func readInts(d *msgpack.Decoder) ([]int64, error) {
+	n, err := d.DecodeArrayLen()
+	if err != nil || n < 0 {
+		return nil, err
+	}
+	out := make([]int64, n)
+	for i := range out {
+		if out[i], err = d.DecodeInt64(); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+func readOptionalString(d *msgpack.Decoder) (string, error) {
+	if null, err := isNil(d); null || err != nil {
+		return "", err
+	}
+	return d.DecodeString()
+}
+
+// readExtra reads extra_keys: nil, or a list with an entry per block, each
+// nil or a tuple kept as its raw msgpack.
+func readExtra(d *msgpack.Decoder) ([][]byte, error) {
+	n, err := d.DecodeArrayLen()
+	if err != nil || n < 0 {
+		return nil, err
+	}
+	out := make([][]byte, n)
+	for i := range out {
+		null, err := isNil(d)
+		if err != nil {
+			return nil, err
+		}
+		if !null {
+			raw, err := d.DecodeRaw()
+			if err != nil {
+				return nil, err
+			}
+			out[i] = raw
+		}
+	}
+	return out, nil
+}

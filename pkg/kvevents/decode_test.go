@@ -1,0 +1,153 @@
+package kvevents
+
+import (
+	"bytes"
+	"slices"
+	"testing"
+
+	"github.com/cespare/xxhash/v2"
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// vllmBatch writes a batch as vLLM does (vllm/distributed/kv_events.py):
+// named fields, each event tagged by "type" first (mapped), or positional
+// ones with the tag first (the older array_like releases). Its events are a
+// BlockStored of two blocks of 2 tokens after a parent, a BlockRemoved and an
+// AllBlocksCleared; hash gives each hash its encoding.
+func vllmBatch(t *testing.T, mapped bool, hash func(e *msgpack.Encoder, h uint64) error) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	e := msgpack.NewEncoder(&buf)
+	must := func(err error) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	field := func(name string) {
+		if mapped {
+			must(e.EncodeString(name))
+		}
+	}
+	start := func(n int) {
+		if mapped {
+			must(e.EncodeMapLen(n))
+		} else {
+			must(e.EncodeArrayLen(n))
+		}
+	}
+	hashes := func(hs ...uint64) {
+		must(e.EncodeArrayLen(len(hs)))
+		for _, h := range hs {
+			must(hash(e, h))
+		}
+	}
+	start(3)
+	field("ts")
+	must(e.EncodeFloat64(1764633600.5))
+	field("events")
+	must(e.EncodeArrayLen(3))
+	// BlockStored: the optional trailing fields are there in the named form
+	// only, as msgspec omits defaults.
+	if mapped {
+		start(10)
+	} else {
+		start(7)
+	}
+	field("type")
+	must(e.EncodeString("BlockStored"))
+	field("block_hashes")
+	hashes(11, 12)
+	field("parent_block_hash")
+	must(hash(e, 10))
+	field("token_ids")
+	must(e.Encode([]int64{1, 2, 3, 4}))
+	field("block_size")
+	must(e.EncodeInt(2))
+	field("lora_id")
+	must(e.EncodeNil())
+	field("medium")
+	must(e.EncodeString("GPU"))
+	if mapped {
+		field("lora_name")
+		must(e.EncodeNil())
+		field("extra_keys")
+		must(e.EncodeArrayLen(2))
+		must(e.EncodeNil())
+		must(e.Encode([]any{"salt"}))
+		field("kv_cache_spec_kind") // a field this package does not read
+		must(e.EncodeString("full_attention"))
+	}
+	start(3)
+	field("type")
+	must(e.EncodeString("BlockRemoved"))
+	field("block_hashes")
+	hashes(12)
+	field("medium")
+	must(e.EncodeString("GPU"))
+	start(1)
+	field("type")
+	must(e.EncodeString("AllBlocksCleared"))
+	field("data_parallel_rank")
+	must(e.EncodeInt(1))
+	return buf.Bytes()
+}
+
+func TestDecodeBatchReadsBothEncodings(t *testing.T) {
+	intHash := func(e *msgpack.Encoder, h uint64) error { return e.EncodeUint(h) }
+	bytesHash := func(e *msgpack.Encoder, h uint64) error { return e.EncodeBytes(bytes.Repeat([]byte{byte(h)}, 32)) }
+	folded := func(h uint64) uint64 { return xxhash.Sum64(bytes.Repeat([]byte{byte(h)}, 32)) }
+	same := func(h uint64) uint64 { return h }
+	for _, tt := range []struct {
+		name   string
+		mapped bool
+		hash   func(*msgpack.Encoder, uint64) error
+		want   func(uint64) uint64
+	}{
+		{"named fields, bytes hashes", true, bytesHash, folded},
+		{"named fields, integer hashes", true, intHash, same},
+		{"positional fields, bytes hashes", false, bytesHash, folded},
+		{"positional fields, integer hashes", false, intHash, same},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			b, err := DecodeBatch(vllmBatch(t, tt.mapped, tt.hash))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if b.TS != 1764633600.5 || b.Rank != 1 || len(b.Events) != 3 {
+				t.Fatalf("batch %+v", b)
+			}
+			stored, removed, cleared := b.Events[0], b.Events[1], b.Events[2]
+			if stored.Kind != Stored || !slices.Equal(stored.Hashes, []uint64{tt.want(11), tt.want(12)}) ||
+				!stored.HasParent || stored.Parent != tt.want(10) || !slices.Equal(stored.Tokens, []int64{1, 2, 3, 4}) ||
+				stored.BlockSize != 2 || stored.Medium != "GPU" {
+				t.Errorf("BlockStored read as %+v", stored)
+			}
+			if tt.mapped && (len(stored.Extra) != 2 || stored.Extra[0] != nil || stored.Extra[1] == nil) {
+				t.Errorf("extra_keys read as %q", stored.Extra)
+			}
+			if removed.Kind != Removed || !slices.Equal(removed.Hashes, []uint64{tt.want(12)}) || removed.Medium != "GPU" {
+				t.Errorf("BlockRemoved read as %+v", removed)
+			}
+			if cleared.Kind != Cleared {
+				t.Errorf("AllBlocksCleared read as %+v", cleared)
+			}
+		})
+	}
+}
+
+func TestDecodeBatchRefusesWhatIsNotABatch(t *testing.T) {
+	whole := vllmBatch(t, true, func(e *msgpack.Encoder, h uint64) error { return e.EncodeUint(h) })
+	unknown, _ := msgpack.Marshal(map[string]any{"ts": 1.0, "events": []any{map[string]any{"type": "BlockMoved"}}})
+	typeless, _ := msgpack.Marshal(map[string]any{"ts": 1.0, "events": []any{map[string]any{"block_hashes": []int{1}}}})
+	for name, payload := range map[string][]byte{
+		"empty":                 nil,
+		"cut short":             whole[:len(whole)/2],
+		"not msgpack":           []byte(`{"ts":1}`),
+		"an unknown event":      unknown,
+		"an event without type": typeless,
+	} {
+		if _, err := DecodeBatch(payload); err == nil {
+			t.Errorf("%s: DecodeBatch succeeded", name)
+		}
+	}
+}

@@ -1,0 +1,338 @@
+package kvevents
+
+import (
+	"encoding/binary"
+	"sync"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// Publisher is one event stream: an engine endpoint (ip:port, as the pool
+// names it) and, with data parallelism, the rank that publishes.
+type Publisher struct {
+	Endpoint string
+	Rank     int
+}
+
+// Index is what every publisher's cache holds, block by block. A block's key
+// is a hash chained over the token ids of it and of every block before it
+// (and its extra keys), so one key stands for a whole prefix, alike for
+// every engine and every replica of the router. Its memory is bounded: a
+// publisher keeps at most maxPerPub blocks and all of them together at most
+// maxBlocks; past that, a publisher forgets its oldest blocks first, which
+// can only make Lookup find less than is cached. It is safe for concurrent
+// use.
+type Index struct {
+	maxPerPub, maxBlocks int
+	staleAfter           time.Duration
+	now                  func() time.Time
+
+	mu     sync.RWMutex
+	blocks map[uint64][]*pubView // our key → the publishers holding it
+	pubs   map[Publisher]*pubView
+	total  int
+}
+
+// pubView is one publisher's blocks.
+type pubView struct {
+	Publisher
+	blockSize int
+	engine    map[uint64]uint64 // the engine's hash → our key
+	order     []uint64          // the engine's hashes, oldest first (may name removed ones)
+	// fresh is false while a gap is being replayed (Subscriber).
+	fresh bool
+	// staleUntil: a view rebuilt after a gap it could not replay is not
+	// trusted before then.
+	staleUntil time.Time
+	// expected is when the engine was first sent work it had to store since
+	// the view's last event (Expect); zero when none is awaited.
+	expected time.Time
+}
+
+// Bounds bound an index's memory, in blocks: per publisher and in all (0:
+// unbounded).
+type Bounds struct{ PerPublisher, Total int }
+
+// NewIndex returns an empty index. staleAfter is Config.StaleAfter; now is
+// the clock (nil: time.Now).
+func NewIndex(b Bounds, staleAfter time.Duration, now func() time.Time) *Index {
+	if now == nil {
+		now = time.Now
+	}
+	return &Index{maxPerPub: b.PerPublisher, maxBlocks: b.Total, staleAfter: staleAfter, now: now,
+		blocks: map[uint64][]*pubView{}, pubs: map[Publisher]*pubView{}}
+}
+
+// usable reports whether routing may go by v now.
+func (x *Index) usable(v *pubView, now time.Time) bool {
+	return v.fresh && !now.Before(v.staleUntil) && (v.expected.IsZero() || now.Sub(v.expected) <= x.staleAfter)
+}
+
+// Stats is the index's size.
+type Stats struct{ Publishers, Blocks int }
+
+// Stats reads the index's size.
+func (x *Index) Stats() Stats {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	return Stats{Publishers: len(x.pubs), Blocks: x.total}
+}
+
+// Skipped counts what Apply could not index.
+type Skipped struct {
+	Orphans int // stored blocks whose parent the view does not hold: their keys cannot be chained
+	Other   int // events of another medium or KV cache group, or malformed
+}
+
+// Apply applies a batch's events to p's view, creating it (fresh) if needed.
+func (x *Index) Apply(p Publisher, events []Event) Skipped {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	v := x.view(p)
+	v.expected = time.Time{}
+	var s Skipped
+	for _, e := range events {
+		if e.Kind != Cleared && (e.Medium != "" && e.Medium != "GPU" || e.Group != 0) {
+			s.Other++
+			continue
+		}
+		switch e.Kind {
+		case Stored:
+			x.store(v, e, &s)
+		case Removed:
+			for _, h := range e.Hashes {
+				x.remove(v, h)
+			}
+		case Cleared:
+			x.clear(v)
+		}
+	}
+	return s
+}
+
+func (x *Index) view(p Publisher) *pubView {
+	v := x.pubs[p]
+	if v == nil {
+		v = &pubView{Publisher: p, engine: map[uint64]uint64{}, fresh: true}
+		x.pubs[p] = v
+	}
+	return v
+}
+
+// store indexes a BlockStored: each block's key chained from its parent's.
+func (x *Index) store(v *pubView, e Event, s *Skipped) {
+	if e.BlockSize <= 0 || len(e.Tokens) != e.BlockSize*len(e.Hashes) || e.Extra != nil && len(e.Extra) != len(e.Hashes) {
+		s.Other++
+		return
+	}
+	key := uint64(0)
+	if e.HasParent {
+		k, ok := v.engine[e.Parent]
+		if !ok {
+			s.Orphans += len(e.Hashes)
+			return
+		}
+		key = k
+	}
+	v.blockSize = e.BlockSize
+	for i, h := range e.Hashes {
+		var extra []byte
+		if e.Extra != nil {
+			extra = e.Extra[i]
+		}
+		key = chain(key, e.Tokens[i*e.BlockSize:(i+1)*e.BlockSize], extra)
+		if old, ok := v.engine[h]; ok {
+			if old == key {
+				continue // stored again
+			}
+			x.remove(v, h)
+		}
+		v.engine[h] = key
+		v.order = append(v.order, h)
+		x.blocks[key] = append(x.blocks[key], v)
+		x.total++
+		x.bound(v)
+	}
+}
+
+// bound makes v forget its oldest blocks past the bounds.
+func (x *Index) bound(v *pubView) {
+	for len(v.engine) > 0 && (x.maxPerPub > 0 && len(v.engine) > x.maxPerPub || x.maxBlocks > 0 && x.total > x.maxBlocks) {
+		h := v.order[0]
+		v.order = v.order[1:]
+		x.remove(v, h)
+	}
+	if len(v.order) > 2*len(v.engine)+64 { // removed hashes pile up in order: compact it
+		live := v.order[:0]
+		for _, h := range v.order {
+			if _, ok := v.engine[h]; ok {
+				live = append(live, h)
+			}
+		}
+		v.order = live
+	}
+}
+
+func (x *Index) remove(v *pubView, h uint64) {
+	key, ok := v.engine[h]
+	if !ok {
+		return
+	}
+	delete(v.engine, h)
+	x.total--
+	holders := x.blocks[key]
+	for i, w := range holders {
+		if w == v {
+			holders = append(holders[:i], holders[i+1:]...)
+			break
+		}
+	}
+	if len(holders) == 0 {
+		delete(x.blocks, key)
+	} else {
+		x.blocks[key] = holders
+	}
+}
+
+func (x *Index) clear(v *pubView) {
+	for h := range v.engine {
+		x.remove(v, h)
+	}
+	v.order = nil
+}
+
+// Reset forgets p's blocks, and marks its view fresh or not.
+func (x *Index) Reset(p Publisher, fresh bool) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	v := x.view(p)
+	x.clear(v)
+	v.fresh = fresh
+}
+
+// Rebuild forgets p's blocks after a gap that could not be replayed: the view
+// starts anew from the next event, and is not trusted for staleAfter.
+func (x *Index) Rebuild(p Publisher) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	v := x.view(p)
+	x.clear(v)
+	v.fresh, v.staleUntil = true, x.now().Add(x.staleAfter)
+}
+
+// Expect notes that endpoint was sent work that should make it store blocks
+// (a prompt it did not hold in full): a publisher that stays silent for
+// staleAfter from then on is not trusted until it publishes again.
+func (x *Index) Expect(endpoint string) {
+	now := x.now()
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	for _, v := range x.pubs {
+		if v.Endpoint == endpoint && v.expected.IsZero() {
+			v.expected = now
+		}
+	}
+}
+
+// SetFresh marks p's view as one routing may trust, or not.
+func (x *Index) SetFresh(p Publisher, fresh bool) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.view(p).fresh = fresh
+}
+
+// Forget drops p's view, as when its endpoint leaves the pool.
+func (x *Index) Forget(p Publisher) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if v := x.pubs[p]; v != nil {
+		x.clear(v)
+		delete(x.pubs, p)
+	}
+}
+
+// chain is a block's key: a hash of its parent's key, its token ids and its
+// extra keys.
+func chain(parent uint64, tokens []int64, extra []byte) uint64 {
+	var buf [8]byte
+	h := xxhash.New()
+	binary.LittleEndian.PutUint64(buf[:], parent)
+	h.Write(buf[:])
+	for _, t := range tokens {
+		binary.LittleEndian.PutUint64(buf[:], uint64(t))
+		h.Write(buf[:])
+	}
+	h.Write(extra)
+	return h.Sum64()
+}
+
+// Keys are the chained keys of a prompt's full blocks of blockSize tokens,
+// without extra keys.
+func Keys(tokens []int64, blockSize int) []uint64 {
+	if blockSize <= 0 {
+		return nil
+	}
+	out := make([]uint64, len(tokens)/blockSize)
+	key := uint64(0)
+	for i := range out {
+		key = chain(key, tokens[i*blockSize:(i+1)*blockSize], nil)
+		out[i] = key
+	}
+	return out
+}
+
+// Lookup returns, for each of endpoints, how many leading tokens of the
+// prompt its engine holds in its prefix cache (over all its publishers).
+// ok is false when some endpoint's view cannot be trusted: none of its
+// publishers has been followed, or one has lost events it could not replay;
+// the caller then goes by other means for the whole request.
+func (x *Index) Lookup(endpoints []string, tokens []int64) (held map[string]int, ok bool) {
+	now := x.now()
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	want := make(map[string]bool, len(endpoints))
+	for _, e := range endpoints {
+		want[e] = false
+	}
+	blockSize := 0
+	for _, v := range x.pubs {
+		if _, listed := want[v.Endpoint]; !listed {
+			continue
+		}
+		if !x.usable(v, now) {
+			return nil, false
+		}
+		want[v.Endpoint] = true
+		if v.blockSize > 0 {
+			blockSize = v.blockSize
+		}
+	}
+	for _, followed := range want {
+		if !followed {
+			return nil, false
+		}
+	}
+	held = make(map[string]int, len(endpoints))
+	if blockSize == 0 {
+		return held, true // nothing stored anywhere yet
+	}
+	key := uint64(0)
+	for i := range len(tokens) / blockSize {
+		key = chain(key, tokens[i*blockSize:(i+1)*blockSize], nil)
+		extended := false
+		for _, v := range x.blocks[key] {
+			if _, listed := want[v.Endpoint]; !listed || v.blockSize != blockSize {
+				continue
+			}
+			if held[v.Endpoint] == i*blockSize {
+				held[v.Endpoint] = (i + 1) * blockSize
+				extended = true
+			}
+		}
+		if !extended {
+			break
+		}
+	}
+	return held, true
+}

@@ -1,0 +1,147 @@
+package kvevents
+
+import (
+	"maps"
+	"testing"
+	"time"
+)
+
+// stored is a BlockStored of blocks of 4 tokens: hashes name them, tokens
+// are theirs, parent is the block before them (0: none).
+func stored(parent uint64, hashes []uint64, tokens []int64) Event {
+	return Event{Kind: Stored, Hashes: hashes, Parent: parent, HasParent: parent != 0, Tokens: tokens, BlockSize: 4}
+}
+
+func removed(hashes ...uint64) Event { return Event{Kind: Removed, Hashes: hashes} }
+
+func seq(from, n int) []int64 {
+	out := make([]int64, n)
+	for i := range out {
+		out[i] = int64(from + i)
+	}
+	return out
+}
+
+var (
+	a = Publisher{Endpoint: "10.0.0.1:8000"}
+	b = Publisher{Endpoint: "10.0.0.2:8000"}
+)
+
+// TestLookupFindsTheLongestCachedPrefix: blocks chain by their tokens and
+// parents, alike whatever the engines call them, and a prompt finds on each
+// endpoint the run of its leading blocks that endpoint holds.
+func TestLookupFindsTheLongestCachedPrefix(t *testing.T) {
+	prompt := seq(0, 14) // three full blocks and a partial one
+	tests := []struct {
+		name   string
+		events map[Publisher][]Event
+		want   map[string]int
+	}{
+		{"nothing stored", nil, map[string]int{}},
+		{"a prompt stored in one event", map[Publisher][]Event{a: {stored(0, []uint64{1, 2, 3}, seq(0, 12))}},
+			map[string]int{a.Endpoint: 12}},
+		{"a conversation stored turn by turn, chained by parent", map[Publisher][]Event{a: {
+			stored(0, []uint64{1}, seq(0, 4)), stored(1, []uint64{2, 3}, seq(4, 8))}},
+			map[string]int{a.Endpoint: 12}},
+		{"the engines' hashes differ; the tokens decide", map[Publisher][]Event{
+			a: {stored(0, []uint64{1, 2}, seq(0, 8))}, b: {stored(0, []uint64{71, 72, 73}, seq(0, 12))}},
+			map[string]int{a.Endpoint: 8, b.Endpoint: 12}},
+		{"other tokens after the first block", map[Publisher][]Event{a: {stored(0, []uint64{1, 2}, append(seq(0, 4), seq(100, 4)...))}},
+			map[string]int{a.Endpoint: 4}},
+		{"a removed block ends the prefix there", map[Publisher][]Event{a: {stored(0, []uint64{1, 2, 3}, seq(0, 12)), removed(2)}},
+			map[string]int{a.Endpoint: 4}},
+		{"all cleared", map[Publisher][]Event{a: {stored(0, []uint64{1, 2, 3}, seq(0, 12)), {Kind: Cleared}}}, map[string]int{}},
+		{"a parent the view never saw: not indexed", map[Publisher][]Event{a: {stored(9, []uint64{2, 3}, seq(4, 8))}}, map[string]int{}},
+		{"another medium is not the prefix cache", map[Publisher][]Event{a: {{Kind: Stored, Hashes: []uint64{1}, Tokens: seq(0, 4), BlockSize: 4, Medium: "CPU"}}},
+			map[string]int{}},
+		{"a block with extra keys (LoRA, cache_salt) is not a plain prompt's", map[Publisher][]Event{a: {
+			{Kind: Stored, Hashes: []uint64{1, 2}, Tokens: seq(0, 8), BlockSize: 4, Extra: [][]byte{nil, []byte{0x91, 0xa4, 's', 'a', 'l', 't'}}}}},
+			map[string]int{a.Endpoint: 4}},
+		{"two ranks of one engine", map[Publisher][]Event{a: {stored(0, []uint64{1}, seq(0, 4))},
+			{Endpoint: a.Endpoint, Rank: 1}: {stored(0, []uint64{1, 2}, seq(0, 8))}},
+			map[string]int{a.Endpoint: 8}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			x := NewIndex(Bounds{}, time.Minute, nil)
+			for _, p := range []Publisher{a, b} {
+				x.Reset(p, true)
+			}
+			for p, events := range tt.events {
+				x.Apply(p, events)
+			}
+			held, ok := x.Lookup([]string{a.Endpoint, b.Endpoint}, prompt)
+			if !ok || !maps.Equal(held, tt.want) {
+				t.Errorf("Lookup = %v, %v; want %v", held, ok, tt.want)
+			}
+		})
+	}
+}
+
+// TestIndexBoundsItsMemory: past its bound a publisher forgets its oldest
+// blocks, so the index finds less, never more, than is cached.
+func TestIndexBoundsItsMemory(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		bounds Bounds
+		want   int // blocks kept of a's 10, b holding 2
+	}{
+		{"per publisher", Bounds{PerPublisher: 4}, 4},
+		{"in all", Bounds{Total: 6}, 4},
+		{"unbounded", Bounds{}, 10},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			x := NewIndex(tt.bounds, time.Minute, nil)
+			x.Apply(b, []Event{stored(0, []uint64{1, 2}, seq(0, 8))})
+			for i := range 10 {
+				x.Apply(a, []Event{stored(0, []uint64{uint64(100 + i)}, seq(1000*i, 4))})
+			}
+			if got := x.Stats().Blocks; got != tt.want+2 {
+				t.Errorf("%d blocks kept, want %d", got, tt.want+2)
+			}
+			held, _ := x.Lookup([]string{a.Endpoint}, seq(9000, 4)) // the newest
+			if held[a.Endpoint] != 4 {
+				t.Errorf("the newest block is forgotten: %v", held)
+			}
+		})
+	}
+}
+
+// TestLookupTrustsOnlyViewsItMay: an endpoint not followed yet, a view
+// whose gap is being replayed, one rebuilt after a gap it could not replay
+// (for staleAfter) and one whose engine stays silent after it was sent work
+// (past staleAfter) make Lookup decline the whole request.
+func TestLookupTrustsOnlyViewsItMay(t *testing.T) {
+	now := time.Date(2026, 12, 2, 0, 0, 0, 0, time.UTC)
+	clock := func() time.Time { return now }
+	tests := []struct {
+		name string
+		do   func(x *Index)
+		ok   bool
+	}{
+		{"followed", func(x *Index) {}, true},
+		{"an endpoint not followed", func(x *Index) { x.Forget(b) }, false},
+		{"a gap being replayed", func(x *Index) { x.SetFresh(a, false) }, false},
+		{"rebuilt, staleAfter not over", func(x *Index) { x.Rebuild(a); now = now.Add(59 * time.Second) }, false},
+		{"rebuilt, staleAfter over", func(x *Index) { x.Rebuild(a); now = now.Add(time.Minute) }, true},
+		{"silent since sent work, within staleAfter", func(x *Index) { x.Expect(a.Endpoint); now = now.Add(time.Minute) }, true},
+		{"silent since sent work, past staleAfter", func(x *Index) { x.Expect(a.Endpoint); now = now.Add(61 * time.Second) }, false},
+		{"sent work, then published", func(x *Index) {
+			x.Expect(a.Endpoint)
+			now = now.Add(30 * time.Second)
+			x.Apply(a, []Event{stored(0, []uint64{5}, seq(50, 4))})
+			now = now.Add(time.Hour)
+		}, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			x := NewIndex(Bounds{}, time.Minute, clock)
+			x.Reset(a, true)
+			x.Reset(b, true)
+			tt.do(x)
+			if _, ok := x.Lookup([]string{a.Endpoint, b.Endpoint}, seq(0, 8)); ok != tt.ok {
+				t.Errorf("Lookup ok = %v, want %v", ok, tt.ok)
+			}
+		})
+	}
+}

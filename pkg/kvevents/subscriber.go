@@ -1,0 +1,386 @@
+package kvevents
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/go-zeromq/zmq4"
+)
+
+// Config is how a pool's engines publish their events.
+type Config struct {
+	// ConnectPort, when set, is the port each endpoint's host publishes on
+	// (vLLM's tcp://*:5557): the subscriber dials every endpoint of the pool,
+	// following it as endpoints come and go. Rank r of a data-parallel
+	// engine publishes on ConnectPort+r.
+	ConnectPort int
+	// Bind, when set instead, is an address the subscriber listens on, that
+	// the engines connect and publish to; each message's topic must name its
+	// endpoint, kv@<ip>:<port>@<model>.
+	Bind string
+	// ReplayPort is the port of the engines' replay socket (vLLM's
+	// replay_endpoint), asked for the batches a gap lost; 0: none.
+	ReplayPort int
+	// Ranks is the engines' data-parallel size (ConnectPort mode).
+	Ranks int
+	// StaleAfter bounds how long a view may go unconfirmed: one rebuilt after
+	// a gap that could not be replayed is not used until it has followed its
+	// stream this long, and one whose engine was sent work it had to store
+	// but published nothing for this long is not used until it does.
+	StaleAfter time.Duration
+	// Resync is how often a connection is made anew, whatever its state
+	// (the ZeroMQ library can miss that a peer restarted); 0: never.
+	Resync time.Duration
+	// ReplayTimeout bounds one replay.
+	ReplayTimeout time.Duration
+}
+
+// Subscriber follows the engines' event streams into an Index.
+type Subscriber struct {
+	cfg   Config
+	index *Index
+	log   logr.Logger
+
+	counts Counts
+	// handled, when set (by tests), is told of every message handled.
+	handled func(p Publisher, seq int64)
+}
+
+// Counts are the subscriber's running totals, read by metrics.
+type Counts struct {
+	Batches, Gaps, Replayed, ReplayFailed, Restarts, UnknownTopics, Undecodable, Orphans, Skipped atomic.Int64
+}
+
+// NewSubscriber returns a subscriber that feeds index.
+func NewSubscriber(cfg Config, index *Index, log logr.Logger) *Subscriber {
+	if cfg.Ranks < 1 {
+		cfg.Ranks = 1
+	}
+	if cfg.ReplayTimeout <= 0 {
+		cfg.ReplayTimeout = 2 * time.Second
+	}
+	return &Subscriber{cfg: cfg, index: index, log: log}
+}
+
+// Counts are the subscriber's totals so far.
+func (s *Subscriber) Counts() *Counts { return &s.counts }
+
+// Run follows the streams until ctx is done. endpoints returns the pool's
+// endpoints now and a channel closed when they change.
+func (s *Subscriber) Run(ctx context.Context, endpoints func() ([]string, <-chan struct{})) {
+	if s.cfg.Bind != "" {
+		s.runBound(ctx, endpoints)
+		return
+	}
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	following := map[Publisher]context.CancelFunc{}
+	for {
+		addrs, changed := endpoints()
+		want := map[Publisher]bool{}
+		for _, a := range addrs {
+			for r := range s.cfg.Ranks {
+				want[Publisher{a, r}] = true
+			}
+		}
+		for p, stop := range following {
+			if !want[p] {
+				stop()
+				delete(following, p)
+				s.index.Forget(p)
+			}
+		}
+		for p := range want {
+			if following[p] == nil {
+				pctx, stop := context.WithCancel(ctx)
+				following[p] = stop
+				s.index.Reset(p, true) // an empty view: it can only find less than is cached
+				wg.Go(func() { s.follow(pctx, p) })
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-changed:
+		}
+	}
+}
+
+// follow dials one publisher and reads its stream, dialing again after a
+// failure and every Resync.
+func (s *Subscriber) follow(ctx context.Context, p Publisher) {
+	host, _, err := net.SplitHostPort(p.Endpoint)
+	if err != nil {
+		s.log.Info("kv events: an endpoint without a host", "endpoint", p.Endpoint)
+		return
+	}
+	addr := "tcp://" + net.JoinHostPort(host, strconv.Itoa(s.cfg.ConnectPort+p.Rank))
+	st := &stream{pub: p, next: -1}
+	backoff := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		if err := s.read(ctx, addr, st); err != nil && ctx.Err() == nil {
+			s.log.V(1).Info("kv events: reading a publisher", "publisher", addr, "error", err.Error())
+			if !sleep(ctx, backoff) {
+				return
+			}
+			backoff = min(2*backoff, 5*time.Second)
+			continue
+		}
+		backoff = 100 * time.Millisecond
+	}
+}
+
+// read reads one connection to a publisher until it fails, ctx is done or
+// Resync is due (nil then).
+func (s *Subscriber) read(ctx context.Context, addr string, st *stream) error {
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	sub := zmq4.NewSub(cctx, zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(time.Second))
+	defer sub.Close()
+	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
+		return err
+	}
+	if err := sub.Dial(addr); err != nil {
+		return err
+	}
+	if s.cfg.Resync > 0 {
+		t := time.AfterFunc(s.cfg.Resync, cancel)
+		defer t.Stop()
+	}
+	for {
+		msg, err := sub.Recv()
+		if err != nil {
+			if cctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		s.handle(ctx, st, msg.Frames)
+	}
+}
+
+// runBound listens for publishers that connect, each naming its endpoint in
+// its topic.
+func (s *Subscriber) runBound(ctx context.Context, endpoints func() ([]string, <-chan struct{})) {
+	var mu sync.Mutex
+	known := map[string]bool{}
+	streams := map[Publisher]*stream{}
+	go func() {
+		for {
+			addrs, changed := endpoints()
+			mu.Lock()
+			known = map[string]bool{}
+			for _, a := range addrs {
+				known[a] = true
+			}
+			for p := range streams {
+				if !known[p.Endpoint] {
+					delete(streams, p)
+					s.index.Forget(p)
+				}
+			}
+			mu.Unlock()
+			select {
+			case <-ctx.Done():
+				return
+			case <-changed:
+			}
+		}
+	}()
+	for ctx.Err() == nil {
+		if err := s.listen(ctx, func(frames [][]byte) {
+			endpoint, ok := topicEndpoint(frames)
+			mu.Lock()
+			ok = ok && known[endpoint]
+			var st *stream
+			if ok {
+				st = streams[Publisher{Endpoint: endpoint}]
+				if st == nil {
+					st = &stream{pub: Publisher{Endpoint: endpoint}, next: -1}
+					streams[st.pub] = st
+					s.index.Reset(st.pub, true)
+				}
+			}
+			mu.Unlock()
+			if !ok {
+				s.counts.UnknownTopics.Add(1)
+				return
+			}
+			s.handle(ctx, st, frames)
+		}); err != nil && ctx.Err() == nil {
+			s.log.Info("kv events: listening", "address", s.cfg.Bind, "error", err.Error())
+			if !sleep(ctx, time.Second) {
+				return
+			}
+		}
+	}
+}
+
+func (s *Subscriber) listen(ctx context.Context, handle func([][]byte)) error {
+	sub := zmq4.NewSub(ctx)
+	defer sub.Close()
+	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
+		return err
+	}
+	if err := sub.Listen(s.cfg.Bind); err != nil {
+		return err
+	}
+	for {
+		msg, err := sub.Recv()
+		if err != nil {
+			return err
+		}
+		handle(msg.Frames)
+	}
+}
+
+// topicEndpoint reads the endpoint of a topic kv@<ip>:<port>@<model>.
+func topicEndpoint(frames [][]byte) (string, bool) {
+	if len(frames) != 3 {
+		return "", false
+	}
+	rest, ok := strings.CutPrefix(string(frames[0]), "kv@")
+	if !ok {
+		return "", false
+	}
+	endpoint, _, _ := strings.Cut(rest, "@")
+	_, _, err := net.SplitHostPort(endpoint)
+	return endpoint, err == nil
+}
+
+// stream is what the subscriber knows of one publisher's sequence.
+type stream struct {
+	pub  Publisher
+	next int64 // the sequence number expected next; -1 before the first
+}
+
+// frames splits a message into its sequence number and payload: vLLM sends
+// [topic, seq, payload], and some releases [seq, payload].
+func frames(msg [][]byte) (seq int64, payload []byte, err error) {
+	switch len(msg) {
+	case 2, 3:
+		raw := msg[len(msg)-2]
+		if len(raw) != 8 {
+			return 0, nil, fmt.Errorf("a sequence number of %d bytes", len(raw))
+		}
+		return int64(binary.BigEndian.Uint64(raw)), msg[len(msg)-1], nil
+	}
+	return 0, nil, fmt.Errorf("a message of %d frames", len(msg))
+}
+
+// handle applies one message in order: a gap is filled from the replay
+// socket, or the view starts anew; a sequence starting over is a restarted
+// engine, whose cache starts empty.
+func (s *Subscriber) handle(ctx context.Context, st *stream, msg [][]byte) {
+	seq, payload, err := frames(msg)
+	if err != nil {
+		s.counts.Undecodable.Add(1)
+		return
+	}
+	switch {
+	case st.next < 0 || seq == st.next:
+	case seq == 0:
+		s.counts.Restarts.Add(1)
+		s.index.Reset(st.pub, true)
+	case seq < st.next:
+		return // a batch seen already
+	default:
+		s.counts.Gaps.Add(1)
+		s.index.SetFresh(st.pub, false)
+		if s.replay(ctx, st, seq) {
+			s.index.SetFresh(st.pub, true)
+		} else {
+			s.counts.ReplayFailed.Add(1)
+			s.index.Rebuild(st.pub)
+		}
+	}
+	st.next = seq + 1
+	s.apply(st.pub, payload)
+	if s.handled != nil {
+		s.handled(st.pub, seq)
+	}
+}
+
+func (s *Subscriber) apply(p Publisher, payload []byte) {
+	b, err := DecodeBatch(payload)
+	if err != nil {
+		s.counts.Undecodable.Add(1)
+		return
+	}
+	s.counts.Batches.Add(1)
+	skipped := s.index.Apply(p, b.Events)
+	s.counts.Orphans.Add(int64(skipped.Orphans))
+	s.counts.Skipped.Add(int64(skipped.Other))
+}
+
+// endSeq ends a replay.
+const endSeq = -1
+
+// replay asks st's publisher for the batches from st.next up to before seq
+// and applies them; it reports whether it got them all.
+func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
+	if s.cfg.ReplayPort == 0 {
+		return false
+	}
+	host, _, err := net.SplitHostPort(st.pub.Endpoint)
+	if err != nil {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReplayTimeout)
+	defer cancel()
+	d := zmq4.NewDealer(ctx, zmq4.WithDialerMaxRetries(0), zmq4.WithTimeout(s.cfg.ReplayTimeout))
+	defer d.Close()
+	addr := "tcp://" + net.JoinHostPort(host, strconv.Itoa(s.cfg.ReplayPort+st.pub.Rank))
+	start := make([]byte, 8)
+	binary.BigEndian.PutUint64(start, uint64(st.next))
+	if err := d.Dial(addr); err != nil {
+		s.log.V(1).Info("kv events: dialing the replay socket", "address", addr, "error", err.Error())
+		return false
+	}
+	if err := d.Send(zmq4.NewMsgFrom([]byte{}, start)); err != nil {
+		return false
+	}
+	for st.next < seq {
+		msg, err := d.Recv()
+		if err != nil {
+			return false
+		}
+		got, payload, err := frames(trimDelimiter(msg.Frames))
+		if err != nil || got == endSeq {
+			return false
+		}
+		if got == st.next {
+			st.next++
+			s.apply(st.pub, payload)
+		}
+	}
+	s.counts.Replayed.Add(1)
+	return true
+}
+
+// trimDelimiter drops the empty frame a ROUTER's reply starts with.
+func trimDelimiter(msg [][]byte) [][]byte {
+	if len(msg) > 0 && len(msg[0]) == 0 {
+		return msg[1:]
+	}
+	return msg
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}

@@ -1,0 +1,250 @@
+package kvevents
+
+import (
+	"context"
+	"encoding/binary"
+	"net"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	"github.com/go-zeromq/zmq4"
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// testPublisher publishes as vLLM's ZmqEventPublisher does: [topic, seq,
+// payload] on a PUB socket, every batch kept for a ROUTER replay socket that
+// answers [start] with each kept batch from start, then seq -1.
+type testPublisher struct {
+	t      *testing.T
+	pub    zmq4.Socket
+	topic  string
+	mu     sync.Mutex
+	kept   [][]byte // payloads by seq
+	replay int      // the replay socket's port; 0: none
+}
+
+func newTestPublisher(t *testing.T, ctx context.Context, connect string, replay bool) *testPublisher {
+	t.Helper()
+	p := &testPublisher{t: t, pub: zmq4.NewPub(ctx)}
+	t.Cleanup(func() { p.pub.Close() })
+	if connect != "" {
+		if err := p.pub.Dial(connect); err != nil {
+			t.Fatal(err)
+		}
+	} else if err := p.pub.Listen("tcp://127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	if replay {
+		r := zmq4.NewRouter(ctx)
+		t.Cleanup(func() { r.Close() })
+		if err := r.Listen("tcp://127.0.0.1:0"); err != nil {
+			t.Fatal(err)
+		}
+		p.replay = r.Addr().(*net.TCPAddr).Port
+		go p.serveReplay(r)
+	}
+	return p
+}
+
+func (p *testPublisher) port() int { return p.pub.Addr().(*net.TCPAddr).Port }
+
+func (p *testPublisher) serveReplay(r zmq4.Socket) {
+	for {
+		msg, err := r.Recv()
+		if err != nil || len(msg.Frames) != 3 {
+			return
+		}
+		id, start := msg.Frames[0], int(binary.BigEndian.Uint64(msg.Frames[2]))
+		p.mu.Lock()
+		kept := p.kept[min(start, len(p.kept)):]
+		p.mu.Unlock()
+		for i, payload := range kept {
+			_ = r.Send(zmq4.NewMsgFrom(id, nil, seqBytes(int64(start+i)), payload))
+		}
+		_ = r.Send(zmq4.NewMsgFrom(id, nil, seqBytes(-1), nil))
+	}
+}
+
+func seqBytes(n int64) []byte { return binary.BigEndian.AppendUint64(nil, uint64(n)) }
+
+// publish sends a batch of events as the next message, unless drop: then it
+// only keeps it for replay, as if the network lost it. It returns the
+// batch's sequence number.
+func (p *testPublisher) publish(drop bool, events ...map[string]any) int64 {
+	p.t.Helper()
+	payload, err := msgpack.Marshal(map[string]any{"ts": 1.0, "events": events})
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	p.mu.Lock()
+	seq := int64(len(p.kept))
+	p.kept = append(p.kept, payload)
+	p.mu.Unlock()
+	if !drop {
+		if err := p.pub.Send(zmq4.NewMsgFrom([]byte(p.topic), seqBytes(seq), payload)); err != nil {
+			p.t.Fatal(err)
+		}
+	}
+	return seq
+}
+
+// restart starts the sequence over, as a restarted engine does.
+func (p *testPublisher) restart() {
+	p.mu.Lock()
+	p.kept = nil
+	p.mu.Unlock()
+}
+
+func storedEvent(hash uint64, parent any, tokens []int64) map[string]any {
+	return map[string]any{"type": "BlockStored", "block_hashes": []uint64{hash}, "parent_block_hash": parent,
+		"token_ids": tokens, "block_size": 4, "lora_id": nil, "medium": "GPU"}
+}
+
+// warm publishes empty batches until the subscriber has one (a SUB misses
+// what was published before it joined), then one more, and returns once that
+// one is handled: whatever handled says next is newer.
+func warm(t *testing.T, p *testPublisher, handled <-chan int64) {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for joined := false; !joined; {
+		p.publish(false)
+		select {
+		case <-handled:
+			joined = true
+		case <-time.After(50 * time.Millisecond):
+		case <-deadline:
+			t.Fatal("the subscriber did not join")
+		}
+	}
+	waitFor(t, handled, p.publish(false))
+}
+
+// waitFor waits until handled tells of seq.
+func waitFor(t *testing.T, handled <-chan int64, seq int64) {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for {
+		select {
+		case got := <-handled:
+			if got == seq {
+				return
+			}
+		case <-deadline:
+			t.Fatalf("batch %d was not handled", seq)
+		}
+	}
+}
+
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func held(x *Index, endpoint string, tokens []int64) (int, bool) {
+	h, ok := x.Lookup([]string{endpoint}, tokens)
+	return h[endpoint], ok
+}
+
+// TestSubscriberFollowsAStream: dialled as vLLM's default publisher expects,
+// the subscriber indexes what the engine stores; a lost batch is asked of
+// the replay socket, or without one the view starts over and is not trusted
+// for StaleAfter; a sequence starting over is a restarted, empty engine.
+func TestSubscriberFollowsAStream(t *testing.T) {
+	for _, tt := range []struct {
+		name        string
+		replay      bool
+		lose        bool // the second batch
+		restart     bool // after the second batch
+		wantHeld    int
+		wantOK      bool
+		wantReplays int64
+	}{
+		{name: "in order", wantHeld: 8, wantOK: true},
+		{name: "a lost batch replayed", replay: true, lose: true, wantHeld: 8, wantOK: true, wantReplays: 1},
+		{name: "a lost batch without replay", lose: true, wantHeld: 0, wantOK: false},
+		{name: "a restarted engine", restart: true, wantHeld: 0, wantOK: true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(t.Context())
+			defer cancel()
+			p := newTestPublisher(t, ctx, "", tt.replay)
+			const endpoint = "127.0.0.1:8000"
+			x := NewIndex(Bounds{}, time.Minute, nil)
+			s := NewSubscriber(Config{ConnectPort: p.port(), ReplayPort: p.replay, StaleAfter: time.Minute}, x, logr.Discard())
+			handled := make(chan int64, 1000)
+			s.handled = func(_ Publisher, seq int64) { handled <- seq }
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				s.Run(ctx, func() ([]string, <-chan struct{}) { return []string{endpoint}, ctx.Done() })
+			}()
+			warm(t, p, handled)
+			p.publish(false, storedEvent(1, nil, seq(0, 4)))
+			p.publish(tt.lose, storedEvent(2, uint64(1), seq(4, 4)))
+			if tt.restart {
+				p.restart()
+			}
+			waitFor(t, handled, p.publish(false, storedEvent(3, nil, seq(1000, 4)))) // another prompt
+			if n, ok := held(x, endpoint, seq(0, 8)); n != tt.wantHeld || ok != tt.wantOK {
+				t.Errorf("held %d, ok %v; want %d, %v", n, ok, tt.wantHeld, tt.wantOK)
+			}
+			if got := s.Counts().Replayed.Load(); got != tt.wantReplays {
+				t.Errorf("%d replays, want %d", got, tt.wantReplays)
+			}
+			cancel()
+			<-done
+		})
+	}
+}
+
+// TestBoundSubscriberReadsTheEndpointFromTheTopic: engines that connect to
+// the subscriber name their endpoint in their topic; a topic naming no
+// endpoint of the pool is dropped and counted.
+func TestBoundSubscriberReadsTheEndpointFromTheTopic(t *testing.T) {
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	port := freePort(t)
+	x := NewIndex(Bounds{}, time.Minute, nil)
+	s := NewSubscriber(Config{Bind: "tcp://127.0.0.1:" + strconv.Itoa(port)}, x, logr.Discard())
+	handled := make(chan int64, 1000)
+	s.handled = func(_ Publisher, seq int64) { handled <- seq }
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		s.Run(ctx, func() ([]string, <-chan struct{}) { return []string{"10.0.0.1:8000"}, ctx.Done() })
+	}()
+	known := newTestPublisher(t, ctx, "tcp://127.0.0.1:"+strconv.Itoa(port), false)
+	known.topic = "kv@10.0.0.1:8000@pdsim"
+	stranger := newTestPublisher(t, ctx, "tcp://127.0.0.1:"+strconv.Itoa(port), false)
+	stranger.topic = "kv@10.9.9.9:8000@pdsim"
+	warm(t, known, handled)
+	waitFor(t, handled, known.publish(false, storedEvent(1, nil, seq(0, 4))))
+	if n, ok := held(x, "10.0.0.1:8000", seq(0, 4)); n != 4 || !ok {
+		t.Errorf("held %d, ok %v; want 4, true", n, ok)
+	}
+	eventually(t, "the stranger's batch dropped", func() bool {
+		stranger.publish(false, storedEvent(1, nil, seq(0, 4)))
+		return s.Counts().UnknownTopics.Load() > 0
+	})
+	cancel()
+	<-done
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
