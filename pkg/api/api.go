@@ -74,6 +74,8 @@ type API struct {
 	Prompt func(*body.Object) *Prompt
 	// Alone says when one request must go to a decode engine alone.
 	Alone func(*body.Object) Reason
+	// Tokenize says how to get the request's token ids (nil: no way).
+	Tokenize func(*body.Object) Tokens
 }
 
 // The metrics labels of requests outside the built-in APIs.
@@ -103,12 +105,12 @@ var (
 	Chat = &API{
 		Name: NameChat, Method: "POST", Path: "/v1/chat/completions",
 		Serves: VLLM | SGLang, Pairs: VLLM | SGLang, Model: true,
-		Shape: openAIShape, Prompt: chatPrompt, Alone: promptLogprobs,
+		Shape: openAIShape, Prompt: chatPrompt, Alone: promptLogprobs, Tokenize: chatTokens,
 	}
 	Completions = &API{
 		Name: NameCompletions, Method: "POST", Path: "/v1/completions",
 		Serves: VLLM | SGLang, Pairs: VLLM | SGLang, Model: true,
-		Shape: openAIShape, Prompt: completionsPrompt, Alone: promptLogprobs,
+		Shape: openAIShape, Prompt: completionsPrompt, Alone: promptLogprobs, Tokenize: completionsTokens,
 	}
 	Responses = &API{
 		Name: NameResponses, Method: "POST", Path: "/v1/responses",
@@ -118,7 +120,7 @@ var (
 	Generate = &API{
 		Name: NameGenerate, Method: "POST", Path: "/inference/v1/generate",
 		Serves: VLLM, Pairs: VLLM,
-		Shape: generateShape, Prompt: generatePrompt, Alone: generatePromptLogprobs,
+		Shape: generateShape, Prompt: generatePrompt, Alone: generatePromptLogprobs, Tokenize: generateTokens,
 	}
 	SGLangGenerate = &API{
 		Name: NameSGLangGenerate, Method: "POST", Path: "/generate",

@@ -121,6 +121,18 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 		{"the prefill pool's TLS is prefill.tls", `pools: {prefill: {tls: {enabled: true}}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "pools.prefill.tls"},
 		{"negative response bound", `{response: {max_body_bytes: -1}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "response.max_body_bytes"},
 		{"misspelt response key", `{response: {rewrite_usages: true}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, `unknown field "rewrite_usages"`},
+		{"KV events without prefix-affinity", `pools: {decode: {endpoints: ["10.0.0.2:8000"], kv_events: {connect_port: 5557}}}`,
+			"pools.decode.kv_events: needs policy prefix-affinity"},
+		{"KV events in two modes", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557, bind: "tcp://0.0.0.0:5557"}}}`,
+			"pools.decode.kv_events: connect_port and bind are two modes"},
+		{"KV events bound to no address", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {bind: "0.0.0.0:5557"}}}`,
+			"pools.decode.kv_events.bind"},
+		{"a replay port alone", `pools: {prefill: {kv_events: {replay_port: 5558}}, decode: {endpoints: ["10.0.0.2:8000"]}}`,
+			"pools.prefill.kv_events.replay_port: set without connect_port or bind"},
+		{"KV events on a port out of range", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 70000}}}`,
+			"pools.decode.kv_events.connect_port"},
+		{"a KV event index smaller in all than per endpoint", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557, max_blocks: 10, max_blocks_per_endpoint: 20}}}`,
+			"pools.decode.kv_events.max_blocks"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

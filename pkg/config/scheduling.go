@@ -58,6 +58,8 @@ type PoolScheduling struct {
 	// Fallbacks is how many extra decode endpoints to offer Envoy for retries
 	// (decode pool only; 0, the default, sends exactly one).
 	Fallbacks int `json:"fallbacks,omitempty"`
+	// KVEvents follows the engines' KV cache events (prefix-affinity only).
+	KVEvents KVEvents `json:"kv_events"`
 }
 
 // PrefixAffinity tunes the prefix-affinity policy.
@@ -123,6 +125,7 @@ func (s *PoolScheduling) SetDefaults() {
 	s.Prefix.SetDefaults()
 	s.Health.SetDefaults()
 	s.Metrics.SetDefaults()
+	s.KVEvents.SetDefaults()
 	if s.DNS != "" && s.DNSInterval == 0 {
 		s.DNSInterval = Duration(DefaultDNSInterval)
 	}
@@ -137,7 +140,8 @@ func (s PoolScheduling) Validate(key string) error {
 	default:
 		errs = append(errs, fmt.Errorf("%s.policy: %q is not %s, %s or %s", key, s.Policy, PolicyLeastLoad, PolicyPrefixAffinity, PolicyRoundRobin))
 	}
-	errs = append(errs, s.Prefix.Validate(key+".prefix"), s.Health.Validate(key+".health"), s.Metrics.Validate(key+".metrics"))
+	errs = append(errs, s.Prefix.Validate(key+".prefix"), s.Health.Validate(key+".health"), s.Metrics.Validate(key+".metrics"),
+		s.KVEvents.Validate(key+".kv_events", s.Policy))
 	if s.DNS != "" {
 		if err := validateHostPort(s.DNS); err != nil {
 			errs = append(errs, fmt.Errorf("%s.dns: %w", key, err))

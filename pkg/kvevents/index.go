@@ -221,15 +221,16 @@ func (x *Index) Rebuild(p Publisher) {
 	v.fresh, v.staleUntil = true, x.now().Add(x.staleAfter)
 }
 
-// Expect notes that endpoint was sent work that should make it store blocks
-// (a prompt it did not hold in full): a publisher that stays silent for
+// Expect notes that endpoint was sent a prompt of tokens tokens of which its
+// views held held: when that leaves a full block to compute, the engine
+// will store it and publish, and a publisher that stays silent for
 // staleAfter from then on is not trusted until it publishes again.
-func (x *Index) Expect(endpoint string) {
+func (x *Index) Expect(endpoint string, held, tokens int) {
 	now := x.now()
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	for _, v := range x.pubs {
-		if v.Endpoint == endpoint && v.expected.IsZero() {
+		if v.Endpoint == endpoint && v.expected.IsZero() && v.blockSize > 0 && tokens/v.blockSize*v.blockSize > held {
 			v.expected = now
 		}
 	}

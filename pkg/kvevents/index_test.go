@@ -124,10 +124,11 @@ func TestLookupTrustsOnlyViewsItMay(t *testing.T) {
 		{"a gap being replayed", func(x *Index) { x.SetFresh(a, false) }, false},
 		{"rebuilt, staleAfter not over", func(x *Index) { x.Rebuild(a); now = now.Add(59 * time.Second) }, false},
 		{"rebuilt, staleAfter over", func(x *Index) { x.Rebuild(a); now = now.Add(time.Minute) }, true},
-		{"silent since sent work, within staleAfter", func(x *Index) { x.Expect(a.Endpoint); now = now.Add(time.Minute) }, true},
-		{"silent since sent work, past staleAfter", func(x *Index) { x.Expect(a.Endpoint); now = now.Add(61 * time.Second) }, false},
+		{"silent since sent work, within staleAfter", func(x *Index) { x.Expect(a.Endpoint, 4, 8); now = now.Add(time.Minute) }, true},
+		{"silent since sent work, past staleAfter", func(x *Index) { x.Expect(a.Endpoint, 4, 8); now = now.Add(61 * time.Second) }, false},
+		{"sent only what it holds, past staleAfter", func(x *Index) { x.Expect(a.Endpoint, 4, 7); now = now.Add(61 * time.Second) }, true},
 		{"sent work, then published", func(x *Index) {
-			x.Expect(a.Endpoint)
+			x.Expect(a.Endpoint, 4, 8)
 			now = now.Add(30 * time.Second)
 			x.Apply(a, []Event{stored(0, []uint64{5}, seq(50, 4))})
 			now = now.Add(time.Hour)
@@ -138,6 +139,7 @@ func TestLookupTrustsOnlyViewsItMay(t *testing.T) {
 			x := NewIndex(Bounds{}, time.Minute, clock)
 			x.Reset(a, true)
 			x.Reset(b, true)
+			x.Apply(a, []Event{stored(0, []uint64{1}, seq(0, 4))})
 			tt.do(x)
 			if _, ok := x.Lookup([]string{a.Endpoint, b.Endpoint}, seq(0, 8)); ok != tt.ok {
 				t.Errorf("Lookup ok = %v, want %v", ok, tt.ok)

@@ -49,6 +49,7 @@ type Pool struct {
 	discovered []Discovered
 	settings   atomic.Pointer[settings]
 	state      atomic.Pointer[poolState]
+	events     atomic.Pointer[poolEvents] // nil unless the pool follows its engines' KV events
 }
 
 // poolState is one immutable generation of a pool.
@@ -199,7 +200,7 @@ func (p *Pool) rebuild() {
 		}
 	}
 	if picker == nil {
-		picker = newPicker(s.PoolScheduling, p.deps.intn)
+		picker = newPicker(s.PoolScheduling, p.deps.intn, p.cache)
 	}
 	var eps []*Endpoint
 	seen := map[string]bool{}

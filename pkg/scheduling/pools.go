@@ -119,6 +119,7 @@ func (p *Pool) Run(ctx context.Context) {
 			scrapeAll(ctx, p.probe, st.endpoints, st.spec.Metrics.Path, st.spec.Metrics.Timeout.D(), p.deps.Now)
 		})
 	})
+	wg.Go(func() { p.followEvents(ctx) })
 	wg.Go(func() {
 		p.every(ctx, func(s PoolSpec) time.Duration {
 			if s.DNS == "" {

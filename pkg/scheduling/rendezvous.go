@@ -6,6 +6,8 @@ import (
 	"slices"
 
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
 // rendezvousKeys are the two keys that rank a request's endpoints by
@@ -88,10 +90,9 @@ type ranked struct {
 // as its traffic needs; within them each conversation has an order of its
 // own, which its turns keep.
 func rank(prefix uint64, conversation string, home int, eps []*Endpoint) []ranked {
-	rs := make([]ranked, len(eps))
-	for i, e := range eps {
-		rs[i].e, rs[i].weight = e, weight(prefix, e)
-		rs[i].busy, rs[i].queued = e.busyness()
+	rs := busyness(eps)
+	for i := range rs {
+		rs[i].weight = weight(prefix, rs[i].e)
 	}
 	byWeight := func(a, b ranked) int { return cmp.Compare(b.weight, a.weight) }
 	slices.SortFunc(rs, byWeight)
@@ -146,9 +147,33 @@ type prefixAffinity struct {
 	factor, slack, queueSlack float64
 	spread                    float64
 	fallback                  Picker // for requests with no key, or unrelated prompts
+	// cache is the pool's view of its engines' caches from their KV events,
+	// nil when it follows none (events.go).
+	cache func() *kvevents.Index
 }
 
+// Pick goes by what the engines hold when the pool follows their KV events
+// and the view can be trusted (cached.go), else by the ranking and the
+// local hint.
 func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
+	idx, held := p.lookup(req, eps)
+	if idx == nil {
+		return p.byRanking(req, eps)
+	}
+	chosen := p.holding(req, eps, held)
+	if chosen == nil {
+		chosen = p.byRanking(req, eps)
+	} else {
+		prompt := req.Prompt()
+		p.index.record(prompt, p.index.hashes(prompt), chosen.Addr)
+	}
+	req.held = estimate{addr: chosen.Addr, tokens: held[chosen.Addr], exact: true}
+	idx.Expect(chosen.Addr, held[chosen.Addr], len(req.Tokens()))
+	return chosen
+}
+
+// byRanking picks by the ranking, within the load bounds, and the local hint.
+func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint) *Endpoint {
 	prefix, conversation := p.keys.keys(req)
 	prompt, previous := req.Prompt(), req.Previous()
 	hs := p.index.hashes(prompt)
@@ -161,18 +186,9 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 	}
 	h := xxhash.Sum64String(prefix)
 	rs := rank(h, conversation, homeSize(p.shares.note(h), len(eps), p.spread), eps)
-	var busy, queued float64
-	for _, r := range rs {
-		busy += r.busy
-		queued += r.queued
-	}
-	meanBusy, meanQueued := busy/float64(len(rs)), queued/float64(len(rs))
-	busyBound, queueBound := p.factor*meanBusy+p.slack, meanQueued+p.queueSlack
-	within := func(r ranked) bool { return r.busy <= busyBound && r.queued <= queueBound }
-	// Following a request's history spares recomputing it elsewhere, which
-	// is worth a longer queue.
-	followBound := meanQueued + followQueue*p.queueSlack
-	follow := func(r ranked) bool { return r.busy <= busyBound && r.queued <= followBound }
+	b := p.bounds(rs)
+	within := func(r ranked) bool { return b.within(r.busy, r.queued) }
+	follow := func(r ranked) bool { return b.follows(r.busy, r.queued) }
 	chosen := rs[0] // unless one is within the bounds, and the least busy nearly always is
 	for _, r := range rs {
 		if within(r) {

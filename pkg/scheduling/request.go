@@ -21,6 +21,9 @@ type Request struct {
 	Alone metrics.Reason
 
 	prompt *api.Prompt // read as the request's API reads it; nil for none
+	// tokens are the prompt's token ids as its engine computes them, when
+	// known (SetTokens): what a pool following KV events looks up.
+	tokens []int64
 	// held is what the policy that picked for it last estimates that
 	// endpoint holds of its prompt: prefix-affinity sets it as it picks, for
 	// the decider to read of the decode endpoint.
@@ -28,17 +31,39 @@ type Request struct {
 }
 
 // estimate is how many leading characters of a prompt (Request.Prompt) an
-// endpoint is estimated to hold in its prefix cache.
+// endpoint is estimated to hold in its prefix cache, or, when exact (read
+// from the engines' KV events), how many of its tokens it holds.
 type estimate struct {
-	addr  string
-	chars int
+	addr   string
+	chars  int
+	tokens int
+	exact  bool
+}
+
+// SetTokens gives r its prompt's token ids (the engine's /tokenize, or the
+// body's own ids).
+func (r *Request) SetTokens(ids []int64) { r.tokens = ids }
+
+// Tokens are the prompt's token ids, nil when not known.
+func (r *Request) Tokens() []int64 {
+	if r == nil {
+		return nil
+	}
+	return r.tokens
 }
 
 // Held is the estimated cached start of the prompt on e, in characters: 0
 // unless e's pool's policy (prefix-affinity) picked e for r and estimated it.
+// An exact count of tokens is given as its share of the characters.
 func (r *Request) Held(e *Endpoint) int {
 	if r == nil || e == nil || r.held.addr != e.Addr {
 		return 0
+	}
+	if r.held.exact {
+		if len(r.tokens) == 0 {
+			return 0
+		}
+		return int(int64(len(r.Prompt())) * int64(r.held.tokens) / int64(len(r.tokens)))
 	}
 	return r.held.chars
 }
@@ -75,6 +100,9 @@ func (r *Request) read(part func(*api.Prompt) string) string {
 // the prompt's tokens.
 func (r *Request) UncachedTokens(e *Endpoint, charsPerToken float64) (uncached, tokens int) {
 	tokens = r.PromptTokens(charsPerToken)
+	if e != nil && r.held.exact && r.held.addr == e.Addr {
+		return tokens - min(r.held.tokens, tokens), tokens
+	}
 	chars := len(r.Prompt())
 	if chars == 0 {
 		return tokens, tokens
@@ -88,6 +116,9 @@ func (r *Request) UncachedTokens(e *Endpoint, charsPerToken float64) (uncached, 
 func (r *Request) PromptTokens(charsPerToken float64) int {
 	if r == nil {
 		return 0
+	}
+	if r.tokens != nil {
+		return len(r.tokens)
 	}
 	if n := r.prompt.Tokens(); n >= 0 {
 		return n

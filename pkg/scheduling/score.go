@@ -4,6 +4,7 @@ import (
 	"sync/atomic"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
 // Scorer rates the candidate endpoints of a request: one score per endpoint,
@@ -18,8 +19,9 @@ type Picker interface {
 	Pick(req *Request, eps []*Endpoint) *Endpoint
 }
 
-// newPicker builds a pool's policy. intn draws random numbers in [0, n).
-func newPicker(s config.PoolScheduling, intn func(int) int) Picker {
+// newPicker builds a pool's policy. intn draws random numbers in [0, n);
+// cache is the pool's view of its engines' caches (nil without KV events).
+func newPicker(s config.PoolScheduling, intn func(int) int, cache func() *kvevents.Index) Picker {
 	leastLoad := &twoChoices{scorer: loadScorer{}, intn: intn}
 	switch s.Policy {
 	case config.PolicyRoundRobin:
@@ -34,6 +36,7 @@ func newPicker(s config.PoolScheduling, intn func(int) int) Picker {
 			queueSlack: s.Prefix.QueueSlack,
 			spread:     s.Prefix.Spread,
 			fallback:   leastLoad,
+			cache:      cache,
 		}
 	}
 	return leastLoad

@@ -13,6 +13,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
 // A discrete-event simulation of one pool of aggregated engines on a
@@ -114,6 +115,9 @@ type simPolicy struct {
 	name, config string
 	prefix       config.PrefixAffinity
 	picker       func(s config.PoolScheduling, intn func(int) int) Picker
+	// events: the pools follow the engines' KV events, and every request's
+	// tokens are known (its prompt's bytes, as the engines cache them).
+	events bool
 }
 
 func configured(name string) simPolicy { return simPolicy{name: name, config: name} }
@@ -123,8 +127,12 @@ func configured(name string) simPolicy { return simPolicy{name: name, config: na
 const simBlock = 64
 
 type simEngine struct {
+	addr    string
 	speed   float64
 	cache   *simLRU // of block hashes
+	// events, when set, is told of every change to cache, as an engine
+	// publishes its KV events.
+	events func(...kvevents.Event)
 	queue   []*simReq
 	busy    bool
 	down    bool
@@ -167,15 +175,35 @@ var simHashes = newPrefixIndex(simBlock, 1).hashes
 
 // serve returns the cached prefix length in characters and caches the
 // prompt, its tail first so that the head is the most recent.
-func (e *simEngine) serve(hs []uint64) int {
+func (e *simEngine) serve(prompt string, hs []uint64) int {
 	hit := 0
 	for hit < len(hs) && e.cache.has(hs[hit]) {
 		hit++
 	}
+	var removed []uint64
 	for i := len(hs) - 1; i >= 0; i-- {
-		e.cache.add(hs[i])
+		if h, evicted := e.cache.add(hs[i]); evicted {
+			removed = append(removed, h)
+		}
+	}
+	if e.events != nil && hit < len(hs) {
+		stored := kvevents.Event{Kind: kvevents.Stored, Hashes: hs[hit:], Tokens: simTokens(prompt[hit*simBlock : len(hs)*simBlock]), BlockSize: simBlock}
+		if hit > 0 {
+			stored.Parent, stored.HasParent = hs[hit-1], true
+		}
+		e.events(stored, kvevents.Event{Kind: kvevents.Removed, Hashes: removed})
 	}
 	return hit * simBlock
+}
+
+// simTokens are a prompt's tokens as the simulated engines cache them: a
+// token a byte.
+func simTokens(s string) []int64 {
+	out := make([]int64, len(s))
+	for i := range len(s) {
+		out[i] = int64(s[i])
+	}
+	return out
 }
 
 // ---- the event loop ----
@@ -220,6 +248,7 @@ type sim struct {
 	engines map[string]*simEngine
 	pools   []*Pool // one per replica
 	sent    int     // requests sent, for the replicas' turns
+	tokens  bool    // requests carry their tokens (the policy follows KV events)
 
 	ttfts          []time.Duration
 	prompt, cached float64
@@ -238,11 +267,22 @@ var simEpoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResult {
 	s := &sim{p: p, engines: map[string]*simEngine{}, seen: map[uint64]bool{}}
 	var addrs []string
+	var index *kvevents.Index
+	if policy.events {
+		index = kvevents.NewIndex(kvevents.Bounds{}, time.Minute, func() time.Time { return simEpoch.Add(s.now) })
+	}
 	for i, speed := range p.Speeds {
 		a := fmt.Sprintf("10.0.0.%d:8000", i+1)
 		addrs = append(addrs, a)
-		s.engines[a] = &simEngine{speed: speed, cache: newSimLRU(p.CacheChars / simBlock)}
+		e := &simEngine{addr: a, speed: speed, cache: newSimLRU(p.CacheChars / simBlock)}
+		if index != nil {
+			pub := kvevents.Publisher{Endpoint: a}
+			index.Reset(pub, true)
+			e.events = func(events ...kvevents.Event) { index.Apply(pub, events) }
+		}
+		s.engines[a] = e
 	}
+	s.tokens = index != nil
 	spec := PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{
 		Policy:  policy.config,
 		Prefix:  policy.prefix,
@@ -256,6 +296,9 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 			st.picker = policy.picker(spec.PoolScheduling, r.IntN)
 			pool.state.Store(&st)
 		}
+		if index != nil {
+			pool.events.Store(&poolEvents{index: index})
+		}
 		s.pools = append(s.pools, pool)
 	}
 
@@ -264,6 +307,9 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 	s.at(time.Duration(p.FailTo*float64(p.Duration)), func() {
 		failing.down = false
 		failing.cache = newSimLRU(p.CacheChars / simBlock) // a restarted engine has a cold cache
+		if failing.events != nil {
+			failing.events(kvevents.Event{Kind: kvevents.Cleared})
+		}
 	})
 	var scrape func()
 	scrape = func() {
@@ -355,6 +401,9 @@ func (s *sim) converse(sess simSession) {
 func (s *sim) send(r *simReq) {
 	pool := s.pools[s.sent%len(s.pools)]
 	s.sent++
+	if s.tokens && r.req.Tokens() == nil {
+		r.req.SetTokens(simTokens(r.prompt))
+	}
 	ep, err := pool.Select(r.req)
 	if err != nil {
 		s.failed++
@@ -381,7 +430,7 @@ func (s *sim) startPrefill(e *simEngine) {
 	e.queue = e.queue[1:]
 	e.busy = true
 	hs := simHashes(r.prompt)
-	hit := e.serve(hs)
+	hit := e.serve(r.prompt, hs)
 	n := float64(len(r.prompt))
 	for i, h := range hs {
 		if !s.seen[h] {

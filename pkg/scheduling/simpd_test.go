@@ -307,7 +307,7 @@ func heldBlocks(cache *simLRU, hs []uint64) int {
 
 // serveLRU is simEngine.serve on cache: the cached prefix in characters,
 // after which cache holds the prompt.
-func serveLRU(cache *simLRU, hs []uint64) int { return (&simEngine{cache: cache}).serve(hs) }
+func serveLRU(cache *simLRU, hs []uint64) int { return (&simEngine{cache: cache}).serve("", hs) }
 
 // kick starts a step unless one is under way or there is nothing to do.
 func (s *pdSim) kick(e *pdEngine) {

@@ -1,0 +1,138 @@
+package config
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// KV events defaults.
+const (
+	DefaultKVEventsStaleAfter    = 30 * time.Second
+	DefaultKVEventsResync        = 5 * time.Minute
+	DefaultKVEventsMaxPerEngine  = 1 << 17 // blocks: 2M tokens of 16
+	DefaultKVEventsMaxBlocks     = 1 << 20
+	DefaultKVEventsTokenizePath  = "/tokenize"
+	DefaultKVEventsTokenizeLimit = 250 * time.Millisecond
+)
+
+// KVEvents has a pool follow its engines' KV cache events (vLLM's
+// --kv-events-config), so that prefix-affinity knows what each engine
+// caches instead of estimating it. Off unless ConnectPort or Bind is set.
+type KVEvents struct {
+	// ConnectPort: every endpoint's host publishes on this port (vLLM's
+	// default endpoint tcp://*:5557), and every replica dials it. The mode
+	// for several replicas: each sees every engine's stream.
+	ConnectPort int `json:"connect_port,omitempty"`
+	// Bind: listen here (tcp://host:port) for engines that connect and
+	// publish (a non-wildcard vLLM endpoint); each must set its topic to
+	// kv@<ip>:<port>@<model>, its endpoint as the pool lists it. One
+	// replica only: the engines publish to one address.
+	Bind string `json:"bind,omitempty"`
+	// ReplayPort is the engines' replay socket (vLLM's replay_endpoint),
+	// asked for the events a gap lost; 0: none, a gap rebuilds the view.
+	ReplayPort int `json:"replay_port,omitempty"`
+	// DataParallelSize is the ranks of one engine; rank r publishes on
+	// ConnectPort+r (and replays on ReplayPort+r).
+	DataParallelSize int `json:"data_parallel_size,omitempty"`
+	// StaleAfter bounds how long a view may go unconfirmed (default 30s):
+	// one rebuilt after an unreplayed gap, or whose engine was sent new work
+	// and published nothing since, is not used for that long; requests then
+	// go by the estimate prefix-affinity makes without events.
+	StaleAfter Duration `json:"stale_after,omitempty"`
+	// Resync: every connection is made anew this often (default 5m; the
+	// ZeroMQ library can miss a restarted peer).
+	Resync Duration `json:"resync,omitempty"`
+	// MaxBlocksPerEndpoint and MaxBlocks bound the index's memory, in
+	// blocks, per publishing engine and in all.
+	MaxBlocksPerEndpoint int `json:"max_blocks_per_endpoint,omitempty"`
+	MaxBlocks            int `json:"max_blocks,omitempty"`
+	// Tokenize is how a request's token ids are asked of an engine.
+	Tokenize Tokenize `json:"tokenize"`
+}
+
+// Tokenize is the engines' tokenizer endpoint.
+type Tokenize struct {
+	Path    string   `json:"path,omitempty"`    // default /tokenize, vLLM's
+	Timeout Duration `json:"timeout,omitempty"` // default 250ms; past it the request goes without events
+}
+
+// On reports whether the pool follows its engines' events.
+func (k KVEvents) On() bool { return k.ConnectPort != 0 || k.Bind != "" }
+
+// SetDefaults fills the keys left out.
+func (k *KVEvents) SetDefaults() {
+	if !k.On() {
+		return
+	}
+	orDefault(&k.DataParallelSize, 1)
+	orDefault(&k.StaleAfter, Duration(DefaultKVEventsStaleAfter))
+	orDefault(&k.Resync, Duration(DefaultKVEventsResync))
+	orDefault(&k.MaxBlocksPerEndpoint, DefaultKVEventsMaxPerEngine)
+	orDefault(&k.MaxBlocks, DefaultKVEventsMaxBlocks)
+	orDefault(&k.Tokenize.Path, DefaultKVEventsTokenizePath)
+	orDefault(&k.Tokenize.Timeout, Duration(DefaultKVEventsTokenizeLimit))
+}
+
+// Validate checks the keys under key ("pools.decode.kv_events"); policy is
+// the pool's.
+func (k KVEvents) Validate(key, policy string) error {
+	if !k.On() {
+		if k.ReplayPort != 0 {
+			return fmt.Errorf("%s.replay_port: set without connect_port or bind", key)
+		}
+		return nil
+	}
+	var errs []error
+	if policy != PolicyPrefixAffinity {
+		errs = append(errs, fmt.Errorf("%s: needs policy %s (the pool's is %s): only it routes by what the engines cache", key, PolicyPrefixAffinity, policy))
+	}
+	switch {
+	case k.ConnectPort != 0 && k.Bind != "":
+		errs = append(errs, fmt.Errorf("%s: connect_port and bind are two modes: set one", key))
+	case k.Bind != "":
+		if err := validateZMQAddr(k.Bind); err != nil {
+			errs = append(errs, fmt.Errorf("%s.bind: %w", key, err))
+		}
+	}
+	for name, port := range map[string]int{"connect_port": k.ConnectPort, "replay_port": k.ReplayPort} {
+		if port < 0 || port > 65535-k.DataParallelSize {
+			errs = append(errs, fmt.Errorf("%s.%s: %d is not a port", key, name, port))
+		}
+	}
+	if k.DataParallelSize < 1 || k.DataParallelSize > 256 {
+		errs = append(errs, fmt.Errorf("%s.data_parallel_size: %d is not between 1 and 256", key, k.DataParallelSize))
+	}
+	if k.StaleAfter <= 0 {
+		errs = append(errs, fmt.Errorf("%s.stale_after: must be positive", key))
+	}
+	if k.Resync < 0 {
+		errs = append(errs, fmt.Errorf("%s.resync: must not be negative (0: never)", key))
+	}
+	if k.MaxBlocksPerEndpoint < 1 || k.MaxBlocks < k.MaxBlocksPerEndpoint {
+		errs = append(errs, fmt.Errorf("%s.max_blocks: %d, per endpoint %d: both positive, the total at least the per endpoint", key, k.MaxBlocks, k.MaxBlocksPerEndpoint))
+	}
+	if !strings.HasPrefix(k.Tokenize.Path, "/") {
+		errs = append(errs, fmt.Errorf("%s.tokenize.path: %q does not start with /", key, k.Tokenize.Path))
+	}
+	if k.Tokenize.Timeout <= 0 {
+		errs = append(errs, fmt.Errorf("%s.tokenize.timeout: must be positive", key))
+	}
+	return errors.Join(errs...)
+}
+
+// validateZMQAddr accepts tcp://host:port.
+func validateZMQAddr(s string) error {
+	hostPort, ok := strings.CutPrefix(s, "tcp://")
+	if !ok {
+		return fmt.Errorf("%q is not tcp://host:port", s)
+	}
+	_, port, err := net.SplitHostPort(hostPort)
+	if n, perr := strconv.Atoi(port); err != nil || perr != nil || n < 0 || n > 65535 {
+		return fmt.Errorf("%q is not tcp://host:port", s)
+	}
+	return nil
+}

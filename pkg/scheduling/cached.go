@@ -1,0 +1,86 @@
+package scheduling
+
+import "github.com/pd-extproc/pd-extproc/pkg/kvevents"
+
+// lookup reads, from the pool's view of its engines' caches (KV events),
+// how many leading tokens of req's prompt each candidate holds. idx is nil
+// when the pool follows no events, req's tokens are not known, or some
+// candidate's view cannot be trusted now; the policy then goes as without
+// events.
+func (p *prefixAffinity) lookup(req *Request, eps []*Endpoint) (idx *kvevents.Index, held map[string]int) {
+	if p.cache == nil || len(req.Tokens()) == 0 {
+		return nil, nil
+	}
+	if idx = p.cache(); idx == nil {
+		return nil, nil
+	}
+	addrs := make([]string, len(eps))
+	for i, e := range eps {
+		addrs[i] = e.Addr
+	}
+	held, ok := idx.Lookup(addrs, req.Tokens())
+	if !ok {
+		return nil, nil
+	}
+	return idx, held
+}
+
+// holding is the candidate that holds the longest start of the prompt,
+// within the load bounds, those for following a history when it holds more
+// than half the prompt (a conversation's: going elsewhere recomputes it),
+// else the ranking's; of equals (a system prompt cached on several), the
+// least busy: whichever replica routes the next turn finds where this one
+// went in its view, so placement need not follow a ranking. nil when no
+// candidate within its bound holds a block of it.
+func (p *prefixAffinity) holding(req *Request, eps []*Endpoint, held map[string]int) *Endpoint {
+	b := p.bounds(busyness(eps))
+	tokens := len(req.Tokens())
+	var best *Endpoint
+	bestHeld, bestBusy := 0, 0.0
+	for _, e := range eps {
+		n := held[e.Addr]
+		if n == 0 || n < bestHeld {
+			continue
+		}
+		busy, queued := e.busyness()
+		if !b.within(busy, queued) && !(2*n > tokens && b.follows(busy, queued)) {
+			continue
+		}
+		if n > bestHeld || busy < bestBusy {
+			best, bestHeld, bestBusy = e, n, busy
+		}
+	}
+	return best
+}
+
+// loadBounds are prefix-affinity's load bounds over a set of candidates.
+type loadBounds struct{ busy, queue, follow float64 }
+
+// bounds are the bounds over rs: busyness at most factor × the mean + slack,
+// and a queue at most the mean + queueSlack, or, to follow a history, the
+// mean + followQueue × queueSlack.
+func (p *prefixAffinity) bounds(rs []ranked) loadBounds {
+	var busy, queued float64
+	for _, r := range rs {
+		busy += r.busy
+		queued += r.queued
+	}
+	n := float64(len(rs))
+	return loadBounds{busy: p.factor*busy/n + p.slack, queue: queued/n + p.queueSlack, follow: queued/n + followQueue*p.queueSlack}
+}
+
+func (b loadBounds) within(busy, queued float64) bool { return busy <= b.busy && queued <= b.queue }
+
+// follows: following a request's history spares recomputing it elsewhere,
+// which is worth a longer queue.
+func (b loadBounds) follows(busy, queued float64) bool { return busy <= b.busy && queued <= b.follow }
+
+// busyness is the candidates with their busyness, unranked.
+func busyness(eps []*Endpoint) []ranked {
+	rs := make([]ranked, len(eps))
+	for i, e := range eps {
+		rs[i].e = e
+		rs[i].busy, rs[i].queued = e.busyness()
+	}
+	return rs
+}

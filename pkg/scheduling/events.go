@@ -1,0 +1,112 @@
+package scheduling
+
+import (
+	"context"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
+)
+
+// poolEvents is a pool's view of its engines' caches, from their KV events
+// (pools.<pool>.kv_events): the index prefix-affinity looks requests up in,
+// and the subscriber that feeds it.
+type poolEvents struct {
+	index *kvevents.Index
+	sub   *kvevents.Subscriber
+	spec  config.KVEvents
+}
+
+// cache is the pool's index of its engines' caches, nil unless it follows
+// their events.
+func (p *Pool) cache() *kvevents.Index {
+	if ev := p.events.Load(); ev != nil {
+		return ev.index
+	}
+	return nil
+}
+
+// followEvents runs the pool's KV event subscriber while its spec asks for
+// one, started anew (with an empty index) when pools.<pool>.kv_events
+// changes.
+func (p *Pool) followEvents(ctx context.Context) {
+	var running config.KVEvents
+	stop := func() {}
+	defer func() { stop() }()
+	for {
+		st := p.state.Load()
+		if k := st.spec.KVEvents; k != running {
+			stop()
+			stop, running = func() {}, k
+			p.events.Store(nil)
+			if k.On() {
+				ev := &poolEvents{spec: k, index: kvevents.NewIndex(kvevents.Bounds{PerPublisher: k.MaxBlocksPerEndpoint, Total: k.MaxBlocks},
+					k.StaleAfter.D(), p.deps.Now)}
+				ev.sub = kvevents.NewSubscriber(kvevents.Config{ConnectPort: k.ConnectPort, Bind: k.Bind, ReplayPort: k.ReplayPort,
+					Ranks: k.DataParallelSize, StaleAfter: k.StaleAfter.D(), Resync: k.Resync.D()}, ev.index, p.deps.Log.WithValues("pool", p.Name))
+				p.events.Store(ev)
+				sctx, cancel := context.WithCancel(ctx)
+				done := make(chan struct{})
+				go func() {
+					defer close(done)
+					ev.sub.Run(sctx, p.addrs)
+				}()
+				stop = func() { cancel(); <-done }
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-st.changed:
+		}
+	}
+}
+
+// addrs are the pool's endpoints now, and a channel closed when they change.
+func (p *Pool) addrs() ([]string, <-chan struct{}) {
+	st := p.state.Load()
+	out := make([]string, len(st.endpoints))
+	for i, e := range st.endpoints {
+		out[i] = e.Addr
+	}
+	return out, st.changed
+}
+
+// EventsState is a pool's KV event view, for metrics: nil when it follows
+// no events.
+type EventsState struct {
+	Counts *kvevents.Counts
+	Index  kvevents.Stats
+}
+
+// Events reads the pool's KV event view; ok is false when it follows none.
+func (p *Pool) Events() (s EventsState, ok bool) {
+	ev := p.events.Load()
+	if ev == nil {
+		return EventsState{}, false
+	}
+	return EventsState{Counts: ev.sub.Counts(), Index: ev.index.Stats()}, true
+}
+
+// Tokenizer is where a request's token ids are asked for, when a pool
+// follows its engines' KV events: the least busy healthy endpoint of the
+// first pool that does (the prefill pool's first, as a P/D request's prompt
+// is computed there), the path and the time allowed. ok is false when no
+// pool follows events, or none of its endpoints is healthy.
+func (ps *Pools) Tokenizer() (e *Endpoint, path string, timeout time.Duration, ok bool) {
+	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
+		ev := p.events.Load()
+		if ev == nil {
+			continue
+		}
+		for _, c := range p.Endpoints() {
+			if c.Healthy() && (e == nil || c.Busyness() < e.Busyness()) {
+				e = c
+			}
+		}
+		if e != nil {
+			return e, ev.spec.Tokenize.Path, ev.spec.Tokenize.Timeout.D(), true
+		}
+	}
+	return nil, "", 0, false
+}
