@@ -135,7 +135,10 @@ func TestAPITable(t *testing.T) {
 		{name: "sglang: generate's n > 1 is refused", connector: "kv-sglang", path: "/generate", body: `{"text":"hi","sampling_params":{"n":3}}`,
 			wantStatus: 400, wantMessage: "n is 3"},
 		{name: "sglang: n > 1 in a list of sampling_params is refused", connector: "kv-sglang", path: "/generate",
-			body: `{"text":["hi","ho"],"sampling_params":[{"n":1},{"n":2}]}`, wantStatus: 400, wantMessage: "n is 2"},
+			body: `{"text":["hi","ho"],"sampling_params":[{"n":2},{"n":2}]}`, wantStatus: 400, wantMessage: "n is 2"},
+		{name: "sglang: a list of sampling_params whose n differ is refused, saying so", connector: "kv-sglang", path: "/generate",
+			body: `{"text":["hi","ho","hu"],"sampling_params":[{"n":1},{},{"n":2}]}`, wantStatus: 400,
+			wantMessage: "sampling_params[2] has n 2 and sampling_params[0] has n 1: SGLang takes n from the first entry and refuses a list whose n values differ"},
 		{name: "sglang: pass-through", connector: "kv-sglang", path: "/v1/tokenize", body: `{"model":"m","prompt":"hi","bootstrap_room":1}`,
 			wantReason: metrics.ReasonPassthrough, wantMessage: `{"model":"m","prompt":"hi"}`},
 	}

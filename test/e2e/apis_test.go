@@ -140,9 +140,15 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "cannot pair several samples") {
 			t.Errorf("kv-sglang n=2: status %d (%.200s), want 400 saying it cannot pair them", resp.StatusCode, got)
 		}
-		list := `{"text":["` + marker + ` a","b"],"sampling_params":[{"n":1,"max_new_tokens":2},{"n":2,"max_new_tokens":2}]}`
-		if resp, got := r.must(t, "/generate", list, nil); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "n is 2") {
-			t.Errorf("kv-sglang /generate with n 2 in a list of sampling_params: status %d (%.200s), want 400", resp.StatusCode, got)
+		lists := []struct{ sampling, want string }{
+			{`[{"n":2,"max_new_tokens":2},{"n":2}]`, "n is 2: kv-sglang cannot pair several samples"},
+			{`[{"max_new_tokens":2},{"n":2}]`, "sampling_params[1] has n 2 and sampling_params[0] has n 1"},
+		}
+		for _, l := range lists {
+			list := `{"text":["` + marker + ` a","b"],"sampling_params":` + l.sampling + `}`
+			if resp, got := r.must(t, "/generate", list, nil); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, l.want) {
+				t.Errorf("kv-sglang /generate with sampling_params %s: status %d (%.200s), want 400 with %q", l.sampling, resp.StatusCode, got, l.want)
+			}
 		}
 	}
 	for _, sims := range [][]*pdsim.Server{r.prefill, r.decode} {
