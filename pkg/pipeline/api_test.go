@@ -125,7 +125,8 @@ func TestAPITable(t *testing.T) {
 		{name: "sglang: vLLM's generate", connector: "kv-sglang", path: "/inference/v1/generate", body: `{"token_ids":[1]}`, wantStatus: 404,
 			wantMessage: "is an API of vLLM engines"},
 		{name: "sglang: prompt logprobs", connector: "kv-sglang", path: "/v1/completions", body: `{"model":"m","prompt":"hi","echo":true,"logprobs":1}`,
-			wantStatus: 400, wantMessage: "asks for prompt logprobs"},
+			wantStatus: 400, wantMessage: "asks for prompt logprobs, which only the prefill engine computes; SGLang's own gateway merges " +
+				"the prefill answer's input_token_logprobs into the decode answer, pd-extproc does not"},
 		{name: "sglang: generate's prompt logprobs", connector: "kv-sglang", path: "/generate", body: `{"text":"hi","return_logprob":true,"logprob_start_len":0}`,
 			wantStatus: 400, wantMessage: "asks for prompt logprobs"},
 		{name: "sglang: generate's output logprobs", connector: "kv-sglang", path: "/generate", body: `{"text":"hi","return_logprob":true,"logprob_start_len":-1}`,

@@ -140,6 +140,11 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "cannot pair several samples") {
 			t.Errorf("kv-sglang n=2: status %d (%.200s), want 400 saying it cannot pair them", resp.StatusCode, got)
 		}
+		logprobs := `{"text":"` + marker + ` logprobs","return_logprob":true,"logprob_start_len":0}`
+		if resp, got := r.must(t, "/generate", logprobs, nil); resp.StatusCode != http.StatusBadRequest ||
+			!strings.Contains(got, "only the prefill engine computes; SGLang's own gateway merges the prefill answer's input_token_logprobs") {
+			t.Errorf("kv-sglang prompt logprobs: status %d (%.300s), want 400 saying why", resp.StatusCode, got)
+		}
 		lists := []struct{ sampling, want string }{
 			{`[{"n":2,"max_new_tokens":2},{"n":2}]`, "n is 2: kv-sglang cannot pair several samples"},
 			{`[{"max_new_tokens":2},{"n":2}]`, "sampling_params[1] has n 2 and sampling_params[0] has n 1"},
