@@ -13,6 +13,7 @@ const (
 	apiResponses              // vLLM's POST /v1/responses
 	apiGenerate               // vLLM's token-in POST /inference/v1/generate
 	apiSGLangGenerate         // SGLang's native POST /generate
+	apiMessages               // vLLM's Anthropic POST /v1/messages
 )
 
 // idPrefix starts the engine's request ids, as vLLM names them.
@@ -49,6 +50,14 @@ func (a apiKind) prompt(fields map[string]json.RawMessage) (json.RawMessage, str
 		instructions, _ := present(fields, "instructions")
 		both, _ := json.Marshal([]json.RawMessage{orNull(instructions), input})
 		return both, "input"
+	case apiMessages: // the system prompt, then the messages
+		messages, ok := present(fields, "messages")
+		if !ok {
+			return nil, "messages"
+		}
+		system, _ := present(fields, "system")
+		both, _ := json.Marshal([]json.RawMessage{orNull(system), messages})
+		return both, "messages"
 	case apiGenerate:
 		raw, _ := present(fields, "token_ids")
 		return raw, "token_ids"
@@ -69,6 +78,8 @@ func (r *request) limitKeys() (in map[string]json.RawMessage, maxKey, minKey str
 	switch r.api {
 	case apiResponses:
 		return r.fields, "max_output_tokens", ""
+	case apiMessages:
+		return r.fields, "max_tokens", ""
 	case apiGenerate:
 		return object(r.fields, "sampling_params"), "max_tokens", "min_tokens"
 	case apiSGLangGenerate:

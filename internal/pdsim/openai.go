@@ -84,7 +84,7 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 	if aerr := req.readTokenLimits(); aerr != nil {
 		return nil, aerr
 	}
-	if raw, ok := present(fields, "stream_options"); ok {
+	if raw, ok := present(fields, "stream_options"); ok && api != apiMessages { // Anthropic's request has none: ignored
 		var opts struct {
 			IncludeUsage *bool `json:"include_usage"`
 		}
@@ -143,6 +143,9 @@ func tokenList(v any) bool {
 
 func (r *request) readTokenLimits() *apiError {
 	fields, limit, least := r.limitKeys()
+	if _, ok := present(fields, limit); !ok && r.api == apiMessages {
+		return badRequest("%s: Field required", limit) // Anthropic's max_tokens is not optional
+	}
 	var aerr *apiError
 	if r.maxTokens, aerr = intField(fields, limit); aerr != nil {
 		return aerr
@@ -343,6 +346,11 @@ type errorBody struct {
 }
 
 func (s *Server) writeError(w http.ResponseWriter, e *apiError) {
+	s.writeErrorFor(apiChat, w, e)
+}
+
+// writeErrorFor prints e as the engine's handler for api does.
+func (s *Server) writeErrorFor(api apiKind, w http.ResponseWriter, e *apiError) {
 	kind := strings.ReplaceAll(http.StatusText(e.status), " ", "")
 	switch e.status {
 	case http.StatusBadRequest:
@@ -351,6 +359,12 @@ func (s *Server) writeError(w http.ResponseWriter, e *apiError) {
 		kind = "InternalServer"
 	}
 	body := errorBody{Message: e.message, Type: kind + "Error", Code: e.status}
+	if api == apiMessages {
+		a := anthropicError{Type: "error"}
+		a.Error.Type, a.Error.Message = body.Type, body.Message
+		writeJSON(w, e.status, a)
+		return
+	}
 	if s.cfg.Protocol == ProtocolSGLang {
 		body.Object = "error"
 		writeJSON(w, e.status, body)
