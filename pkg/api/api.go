@@ -125,13 +125,14 @@ var (
 		Serves: SGLang, Pairs: SGLang,
 		Shape: topLevelShape, Prompt: sglangGeneratePrompt, Alone: sglangPromptLogprobs,
 	}
-	// Messages: vLLM declares kv_transfer_params on its Anthropic request
-	// but neither passes it to the engine nor returns it, so a prefill leg
-	// could hand nothing back (README, API table).
+	// Messages: vLLM passes a Messages request's kv_transfer_params to the
+	// chat path it runs and returns them in a non-streamed answer since
+	// 0.19.0 (vllm-project/vllm#37535); routes.messages_decode_only sends it
+	// to a decode engine alone for older engines (docs/engines.md).
 	Messages = &API{
 		Name: NameMessages, Method: "POST", Path: "/v1/messages",
-		Serves: VLLM | SGLang, Unpaired: sglangDropsBootstrap, Model: true,
-		Shape: openAIShape, Prompt: messagesPrompt, Alone: func(*body.Object) Reason { return NoReason },
+		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap, Model: true,
+		Shape: messagesShape, Prompt: messagesPrompt, Alone: func(*body.Object) Reason { return NoReason },
 	}
 )
 

@@ -51,6 +51,7 @@ func TestAPITable(t *testing.T) {
 		wantStatus            int            // 0: routed
 		wantMessage           string         // in the error, or in the decode body when routed
 		wantReason            metrics.Reason // routed: the decision's reason
+		wantPrefill           string         // routed P/D: the prefill leg's body, when it matters
 	}{
 		// vLLM connectors.
 		{name: "chat", connector: "kv-nixl", path: "/v1/chat/completions", body: chat + `}`, wantReason: metrics.ReasonLongPrompt,
@@ -85,8 +86,15 @@ func TestAPITable(t *testing.T) {
 			wantReason: metrics.ReasonLongPrompt},
 		{name: "chat echo with logprobs off", connector: "kv-nixl", path: "/v1/chat/completions", body: chat + `,"echo":true,"logprobs":false}`,
 			wantReason: metrics.ReasonLongPrompt},
-		{name: "messages", connector: "kv-nixl", path: "/v1/messages", body: `{"model":"m","max_tokens":8,"messages":[],"kv_transfer_params":{}}`,
-			wantReason: metrics.ReasonUnpairedAPI, wantMessage: `{"model":"m","max_tokens":8,"messages":[]}`},
+		{name: "messages", connector: "kv-nixl", path: "/v1/messages", body: `{"model":"m","max_tokens":8,"messages":[],"stream":true,"kv_transfer_params":{}}`,
+			wantReason: metrics.ReasonLongPrompt, wantMessage: `{"model":"m","max_tokens":8,"messages":[],"stream":true,"kv_transfer_params":` + prefillKV + `}`,
+			wantPrefill: `{"model":"m","max_tokens":1,"messages":[],"stream":false,"kv_transfer_params":{"do_remote_decode":true,` +
+				`"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}`},
+		{name: "messages, decode-only by config", connector: "kv-nixl", more: "routes: {messages_decode_only: true}", path: "/v1/messages",
+			body: `{"model":"m","max_tokens":8,"messages":[],"kv_transfer_params":{}}`, wantReason: metrics.ReasonUnpairedAPI,
+			wantMessage: `{"model":"m","max_tokens":8,"messages":[]}`},
+		{name: "messages under shared storage", connector: "kv-shared-storage", path: "/v1/messages", body: `{"model":"m","max_tokens":8,"messages":[]}`,
+			wantReason: metrics.ReasonLongPrompt, wantPrefill: `{"model":"m","max_tokens":1,"messages":[],"stream":false}`},
 		{name: "SGLang's generate", connector: "kv-nixl", path: "/generate", body: `{"text":"hi"}`, wantStatus: 404,
 			wantMessage: "POST /generate is an API of SGLang engines; connector kv-nixl drives vLLM engines"},
 		// The pass-through list and its boundary.
@@ -185,6 +193,9 @@ func TestAPITable(t *testing.T) {
 			}
 			if tt.connector != "kv-sglang" && !pd && len(engine.Requests()) != 0 {
 				t.Errorf("a decode-only request reached the prefill engine: %s", engine.Requests()[0].Body)
+			}
+			if reqs := engine.Requests(); tt.wantPrefill != "" && (len(reqs) != 1 || string(reqs[0].Body) != tt.wantPrefill) {
+				t.Errorf("prefill legs %+v, want one with\n%s", reqs, tt.wantPrefill)
 			}
 			if got := string(d.Body.Bytes()); !strings.Contains(got, tt.wantMessage) {
 				t.Errorf("decode body %s, want it to contain %s", got, tt.wantMessage)
