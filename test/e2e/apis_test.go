@@ -115,6 +115,7 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 		by                 string // extproc or engine
 	}{
 		{"GET", "/v1/models", "", 200, "engine"},
+		{"POST", "/v1/messages/count_tokens", `{"model":"pdsim","messages":[{"role":"user","content":"` + marker + ` count"}]}`, 200, "engine"},
 		{"POST", "/tokenize", `{"model":"pdsim","prompt":"hi"}`, 200, "engine"},
 		{"GET", "/v1/responses/resp_nowhere", "", 404, "engine"}, // passed through: the engine's own 404
 		{"POST", "/flush_cache", `{}`, 404, "extproc"},
@@ -141,6 +142,9 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 		if resp.StatusCode != tt.want || fromExtproc != (tt.by == "extproc") {
 			t.Errorf("%s %s (body %q): status %d, from extproc %v; want %d from %s", tt.method, tt.path, tt.body, resp.StatusCode, fromExtproc, tt.want, tt.by)
 		}
+	}
+	if n, m := sum(legsOn(r.decode, marker+" count")), sum(legsOn(r.prefill, marker+" count")); n != 1 || m != 0 {
+		t.Errorf("count_tokens on the default list: %d decode and %d prefill requests, want it on one decode engine alone", n, m)
 	}
 	if r.connector == "kv-sglang" {
 		path, body := request("chat", false, marker+" n=2")
@@ -221,20 +225,22 @@ func TestDecodeOnlyByRequestOrConfig(t *testing.T) {
 	}
 }
 
-// TestCountTokensPassesAndMultipartIsRefused: Claude clients' count_tokens
-// reaches a decode engine as it came; a body that is not JSON gets a 400
-// even on a listed path, as the README says.
-func TestCountTokensPassesAndMultipartIsRefused(t *testing.T) {
-	r := startRig(t, rigOptions{extra: `routes: {passthrough: ["POST /v1/messages/count_tokens", "POST /v1/audio/transcriptions"]}`})
-	body := `{"model":"pdsim","messages":[{"role":"user","content":"[count] how many?"}]}`
-	resp, got := r.must(t, "/v1/messages/count_tokens", body, nil)
-	if resp.StatusCode != http.StatusOK || sum(legsOn(r.decode, "[count]")) != 1 || sum(legsOn(r.prefill, "[count]")) != 0 {
-		t.Errorf("count_tokens: status %d (%.200s), decode legs %v, prefill legs %v; want 200 from one decode engine alone",
-			resp.StatusCode, got, legsOn(r.decode, "[count]"), legsOn(r.prefill, "[count]"))
-	}
-	multipart := "--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\npdsim\r\n--b--\r\n"
-	h := http.Header{"Content-Type": {"multipart/form-data; boundary=b"}}
-	if resp, got := r.must(t, "/v1/audio/transcriptions", multipart, h); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "not valid JSON") {
-		t.Errorf("multipart: status %d (%.200s), want 400 saying the body is not JSON", resp.StatusCode, got)
+// TestMultipartIsRefusedOnAListedPath: a body that is not JSON gets a 400
+// even on a path routes.passthrough lists, in both body modes, as the README
+// says. (POST /v1/messages/count_tokens, on the default list, is in
+// checkRoutes.)
+func TestMultipartIsRefusedOnAListedPath(t *testing.T) {
+	for _, mode := range []string{"full_duplex", "buffered"} {
+		t.Run(mode, func(t *testing.T) {
+			r := startRig(t, rigOptions{mode: mode, extra: `routes: {passthrough: ["POST /v1/audio/transcriptions"]}`})
+			multipart := "--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\npdsim\r\n--b--\r\n"
+			h := http.Header{"Content-Type": {"multipart/form-data; boundary=b"}}
+			if resp, got := r.must(t, "/v1/audio/transcriptions", multipart, h); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "not valid JSON") {
+				t.Errorf("multipart: status %d (%.200s), want 400 saying the body is not JSON", resp.StatusCode, got)
+			}
+			if n := sum(legsOn(r.decode, "pdsim")) + sum(legsOn(r.prefill, "pdsim")); n != 0 {
+				t.Errorf("the refused body reached %d engines", n)
+			}
+		})
 	}
 }
