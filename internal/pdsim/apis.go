@@ -82,14 +82,88 @@ func (r *request) limitKeys() (in map[string]json.RawMessage, maxKey, minKey str
 		return r.fields, "max_tokens", ""
 	case apiGenerate:
 		return object(r.fields, "sampling_params"), "max_tokens", "min_tokens"
-	case apiSGLangGenerate:
-		return object(r.fields, "sampling_params"), "max_new_tokens", "min_new_tokens"
+	case apiSGLangGenerate: // pdsim answers a batch once: as its first prompt
+		return sglangSampling(r.fields), "max_new_tokens", "min_new_tokens"
 	case apiChat:
 		if _, ok := present(r.fields, "max_completion_tokens"); ok {
 			return r.fields, "max_completion_tokens", "min_tokens" // chat prefers it over max_tokens
 		}
 	}
 	return r.fields, "max_tokens", "min_tokens"
+}
+
+// readSamples reads n, the samples asked for of each prompt: at the top
+// level of chat and completions, in vLLM's generate's sampling_params, and
+// in SGLang's, an object or a list of them, whose first entry counts and
+// whose entries must agree (_handle_parallel_sampling in SGLang's
+// io_struct.py).
+func (r *request) readSamples() (aerr *apiError) {
+	switch r.api {
+	case apiResponses, apiMessages:
+		r.samples = 1
+	case apiGenerate:
+		r.samples, aerr = samplesIn(object(r.fields, "sampling_params"))
+	case apiSGLangGenerate: // a list's first entry's n, the others' equal to it
+		var list []map[string]json.RawMessage
+		raw, _ := present(r.fields, "sampling_params")
+		if json.Unmarshal(raw, &list) != nil || len(list) == 0 {
+			list = []map[string]json.RawMessage{object(r.fields, "sampling_params")}
+		}
+		for i, sp := range list {
+			n, aerr := samplesIn(sp)
+			switch {
+			case aerr != nil:
+				return aerr
+			case i == 0:
+				r.samples = n
+			case n != r.samples:
+				return badRequest("The parallel_sample_num should be the same for all samples in sample params.")
+			}
+		}
+	default:
+		r.samples, aerr = samplesIn(r.fields)
+	}
+	return aerr
+}
+
+// sglangSampling is SGLang's sampling_params, or the first of a list of them.
+func sglangSampling(fields map[string]json.RawMessage) map[string]json.RawMessage {
+	raw, _ := present(fields, "sampling_params")
+	var list []map[string]json.RawMessage
+	if json.Unmarshal(raw, &list) == nil && len(list) > 0 {
+		return list[0]
+	}
+	return object(fields, "sampling_params")
+}
+
+// samplesIn is the n of fields, 1 when absent.
+func samplesIn(fields map[string]json.RawMessage) (int, *apiError) {
+	if _, ok := present(fields, "n"); !ok {
+		return 1, nil
+	}
+	n, aerr := intField(fields, "n")
+	return int(n), aerr
+}
+
+// batch is how many prompts the request has, and whether it is a batch
+// (a list of them, even of one): a completions prompt or SGLang's text or
+// input_ids.
+func (r *request) batch() (prompts int, isBatch bool) {
+	var raw json.RawMessage
+	switch r.api {
+	case apiCompletion:
+		raw, _ = present(r.fields, "prompt")
+	case apiSGLangGenerate:
+		var ok bool
+		if raw, ok = present(r.fields, "input_ids"); !ok {
+			raw, _ = present(r.fields, "text")
+		}
+	}
+	var list []json.RawMessage
+	if json.Unmarshal(raw, &list) != nil || len(list) == 0 || !strings.HasPrefix(string(list[0]), "[") && !strings.HasPrefix(string(list[0]), `"`) {
+		return 1, false // one string, or one list of token ids
+	}
+	return len(list), true
 }
 
 // kvRaw is the request's kv_transfer_params where the engine reads it: vLLM's

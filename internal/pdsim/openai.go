@@ -25,6 +25,7 @@ type request struct {
 	model        string
 	stream       bool
 	includeUsage bool
+	samples      int   // n: the samples asked for of each prompt
 	maxTokens    int64 // 0: no cap
 	minTokens    int64
 	kv           json.RawMessage // kv_transfer_params where the API reads it; nil when absent
@@ -82,6 +83,9 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 		return nil, aerr
 	}
 	if aerr := req.readTokenLimits(); aerr != nil {
+		return nil, aerr
+	}
+	if aerr := req.readSamples(); aerr != nil {
 		return nil, aerr
 	}
 	if raw, ok := present(fields, "stream_options"); ok && api != apiMessages { // Anthropic's request has none: ignored

@@ -152,6 +152,10 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "cannot pair several samples") {
 			t.Errorf("kv-sglang n=2: status %d (%.200s), want 400 saying it cannot pair them", resp.StatusCode, got)
 		}
+		batch := `{"model":"pdsim","prompt":["` + marker + ` batch a","b"],"max_tokens":2}` // one room: room+i for prompt i, on both legs
+		if resp, got := r.must(t, "/v1/completions", batch, nil); resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
+			t.Errorf("kv-sglang completions batch: status %d, KV %q (%.200s), want 200 and a hit", resp.StatusCode, resp.Header.Get("x-pdsim-kv"), got)
+		}
 		logprobs := `{"text":"` + marker + ` logprobs","return_logprob":true,"logprob_start_len":0}`
 		if resp, got := r.must(t, "/generate", logprobs, nil); resp.StatusCode != http.StatusBadRequest ||
 			!strings.Contains(got, "only the prefill engine computes; SGLang's own gateway merges the prefill answer's input_token_logprobs") {
