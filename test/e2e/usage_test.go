@@ -110,8 +110,8 @@ func usageOf(t *testing.T, stream bool, body string) usage {
 	return usage{PromptTokens: c.Usage.PromptTokens, CachedTokens: c.Usage.PromptTokensDetails.CachedTokens}
 }
 
-// TestUsageRewriteOnGenerateAndResponses: vLLM's token-in generate (JSON)
-// and the Responses API (JSON, and the response.completed event of a
+// TestUsageRewriteOnGenerateAndResponses: vLLM's token-in generate (JSON,
+// and the last event of a stream) and the Responses API (JSON, and the response.completed event of a
 // stream) get the prefill engine's cached tokens too: 0 for a cold prompt
 // (whose prefill answer has no details), then its full blocks, where the
 // decode engine says the whole prompt, whatever the request body mode; under
@@ -143,6 +143,15 @@ func TestUsageRewriteOnGenerateAndResponses(t *testing.T) {
 			},
 			read: func(t *testing.T, b string) (int, int) {
 				u := usageOf(t, false, b)
+				return u.PromptTokens, u.CachedTokens
+			}},
+		{name: "generate, streamed", path: "/inference/v1/generate", // newer vLLM streams it, its usage last
+			body: func(m string) string {
+				return `{"model":"pdsim","token_ids":[` + m + `,` + strings.Join(ids, ",") + `],"sampling_params":{"max_tokens":4},` +
+					`"stream":true,"stream_options":{"include_usage":true}}`
+			},
+			read: func(t *testing.T, b string) (int, int) {
+				u := usageOf(t, true, b)
 				return u.PromptTokens, u.CachedTokens
 			}},
 		{name: "responses", path: "/v1/responses",
