@@ -51,9 +51,9 @@ const (
 	StoredResponse
 	// BuiltinTools: a Responses request with a tool other than a function
 	// (web search, code interpreter, MCP): vLLM may run several generations
-	// for it inside one request, and whether the later ones reuse the prefill
-	// leg's transfer parameters, whose blocks are freed by then, is not
-	// known.
+	// for it inside one request, each with the request's sampling parameters,
+	// so the later ones ask again for the KV blocks the prefill leg handed
+	// over for the first, freed by then (docs/engines.md).
 	BuiltinTools
 )
 
