@@ -35,7 +35,8 @@ func (a apiKind) idPrefix() string {
 func (a apiKind) checksModel() bool { return a != apiSGLangGenerate }
 
 // prompt is the request's prompt as hashed for the KV, and the field that
-// names it in an error: vLLM's Responses API prepends instructions to input;
+// names it in an error: vLLM's Responses API prepends instructions to input,
+// Anthropic's Messages API its system prompt to the messages;
 // SGLang's generate takes text or input_ids.
 func (a apiKind) prompt(fields map[string]json.RawMessage) (json.RawMessage, string) {
 	switch a {
@@ -43,21 +44,9 @@ func (a apiKind) prompt(fields map[string]json.RawMessage) (json.RawMessage, str
 		raw, _ := present(fields, "messages")
 		return raw, "messages"
 	case apiResponses:
-		input, ok := present(fields, "input")
-		if !ok {
-			return nil, "input"
-		}
-		instructions, _ := present(fields, "instructions")
-		both, _ := json.Marshal([]json.RawMessage{orNull(instructions), input})
-		return both, "input"
-	case apiMessages: // the system prompt, then the messages
-		messages, ok := present(fields, "messages")
-		if !ok {
-			return nil, "messages"
-		}
-		system, _ := present(fields, "system")
-		both, _ := json.Marshal([]json.RawMessage{orNull(system), messages})
-		return both, "messages"
+		return preambled(fields, "instructions", "input")
+	case apiMessages:
+		return preambled(fields, "system", "messages")
 	case apiGenerate:
 		raw, _ := present(fields, "token_ids")
 		return raw, "token_ids"
@@ -70,6 +59,18 @@ func (a apiKind) prompt(fields map[string]json.RawMessage) (json.RawMessage, str
 	}
 	raw, _ := present(fields, "prompt")
 	return raw, "prompt"
+}
+
+// preambled is key's value after what the API puts before it (the Responses
+// API's instructions, Anthropic's system prompt); nil without key.
+func preambled(fields map[string]json.RawMessage, preamble, key string) (json.RawMessage, string) {
+	raw, ok := present(fields, key)
+	if !ok {
+		return nil, key
+	}
+	pre, _ := present(fields, preamble)
+	both, _ := json.Marshal([]json.RawMessage{orNull(pre), raw})
+	return both, key
 }
 
 // limitKeys are the fields of the output limits and the object they are in
