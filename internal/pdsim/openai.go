@@ -25,15 +25,21 @@ type request struct {
 	model        string
 	stream       bool
 	includeUsage bool
-	samples      int   // n: the samples asked for of each prompt
-	maxTokens    int64 // 0: no cap
-	minTokens    int64
+	output
 	kv           json.RawMessage // kv_transfer_params where the API reads it; nil when absent
 	promptTokens int
 	promptHash   string      // model + prompt, so KV computed for one prompt is never served to another
 	blocks       []blockHash // the prompt's full blocks, as the prefix cache names them
 	cached       int         // prompt tokens found in the KV cache (prompt_tokens_details.cached_tokens)
 	phase        *phase      // for the engine's load metrics
+}
+
+// output is what a request asks of the output: samples of each prompt, and
+// the limits of each.
+type output struct {
+	samples   int   // n
+	maxTokens int64 // 0: no cap
+	minTokens int64
 }
 
 // apiError is an answer the engine gives instead of a completion.
