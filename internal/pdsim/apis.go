@@ -73,6 +73,50 @@ func preambled(fields map[string]json.RawMessage, preamble, key string) (json.Ra
 	return both, key
 }
 
+// output is what a request asks of the output: samples of each prompt, and
+// the limits of each.
+type output struct {
+	samples   int   // n
+	maxTokens int64 // 0: no cap
+	minTokens int64
+}
+
+func (r *request) readTokenLimits() *apiError {
+	fields, limit, least := r.limitKeys()
+	_, given := present(fields, limit)
+	if !given && r.api == apiMessages {
+		return badRequest("%s: Field required", limit) // Anthropic's max_tokens is not optional
+	}
+	var aerr *apiError
+	if r.maxTokens, aerr = intField(fields, limit); aerr != nil {
+		return aerr
+	}
+	if given && r.maxTokens < 1 {
+		return badRequest("%s must be at least 1, got %d.", limit, r.maxTokens)
+	}
+	if r.minTokens, aerr = intField(fields, least); aerr != nil {
+		return aerr
+	}
+	if r.minTokens < 0 {
+		return badRequest("min_tokens must be greater than or equal to 0, got %d.", r.minTokens)
+	}
+	if r.maxTokens > 0 && r.minTokens > r.maxTokens {
+		return badRequest("min_tokens must be less than or equal to max_tokens=%d, got %d.", r.maxTokens, r.minTokens)
+	}
+	return nil
+}
+
+// outputTokens is how many tokens the simulated model emits and why it stops:
+// it would say EOS after naturalLen tokens, min_tokens suppresses that, and
+// max_tokens cuts it short.
+func (r *request) outputTokens(naturalLen int) (int, string) {
+	n := max(int64(naturalLen), r.minTokens)
+	if r.maxTokens > 0 && n >= r.maxTokens {
+		return int(r.maxTokens), "length"
+	}
+	return int(n), "stop"
+}
+
 // limitKeys are the fields of the output limits and the object they are in
 // (nil: the top level).
 func (r *request) limitKeys() (in map[string]json.RawMessage, maxKey, minKey string) {

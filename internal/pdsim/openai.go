@@ -34,14 +34,6 @@ type request struct {
 	phase        *phase      // for the engine's load metrics
 }
 
-// output is what a request asks of the output: samples of each prompt, and
-// the limits of each.
-type output struct {
-	samples   int   // n
-	maxTokens int64 // 0: no cap
-	minTokens int64
-}
-
 // apiError is an answer the engine gives instead of a completion.
 type apiError struct {
 	status  int
@@ -149,41 +141,6 @@ func tokenList(v any) bool {
 		}
 	}
 	return ok && len(list) > 0
-}
-
-func (r *request) readTokenLimits() *apiError {
-	fields, limit, least := r.limitKeys()
-	if _, ok := present(fields, limit); !ok && r.api == apiMessages {
-		return badRequest("%s: Field required", limit) // Anthropic's max_tokens is not optional
-	}
-	var aerr *apiError
-	if r.maxTokens, aerr = intField(fields, limit); aerr != nil {
-		return aerr
-	}
-	if _, ok := present(fields, limit); ok && r.maxTokens < 1 {
-		return badRequest("%s must be at least 1, got %d.", limit, r.maxTokens)
-	}
-	if r.minTokens, aerr = intField(fields, least); aerr != nil {
-		return aerr
-	}
-	if r.minTokens < 0 {
-		return badRequest("min_tokens must be greater than or equal to 0, got %d.", r.minTokens)
-	}
-	if r.maxTokens > 0 && r.minTokens > r.maxTokens {
-		return badRequest("min_tokens must be less than or equal to max_tokens=%d, got %d.", r.maxTokens, r.minTokens)
-	}
-	return nil
-}
-
-// outputTokens is how many tokens the simulated model emits and why it stops:
-// it would say EOS after naturalLen tokens, min_tokens suppresses that, and
-// max_tokens cuts it short.
-func (r *request) outputTokens(naturalLen int) (int, string) {
-	n := max(int64(naturalLen), r.minTokens)
-	if r.maxTokens > 0 && n >= r.maxTokens {
-		return int(r.maxTokens), "length"
-	}
-	return int(n), "stop"
 }
 
 // present returns a top-level field unless it is absent or null (pydantic's None).
