@@ -13,6 +13,7 @@ const (
 	apiResponses              // vLLM's POST /v1/responses
 	apiGenerate               // vLLM's token-in POST /inference/v1/generate
 	apiSGLangGenerate         // SGLang's native POST /generate
+	apiMessages               // vLLM's Anthropic POST /v1/messages
 )
 
 // idPrefix starts the engine's request ids, as vLLM names them.
@@ -34,7 +35,8 @@ func (a apiKind) idPrefix() string {
 func (a apiKind) checksModel() bool { return a != apiSGLangGenerate }
 
 // prompt is the request's prompt as hashed for the KV, and the field that
-// names it in an error: vLLM's Responses API prepends instructions to input;
+// names it in an error: vLLM's Responses API prepends instructions to input,
+// Anthropic's Messages API its system prompt to the messages;
 // SGLang's generate takes text or input_ids.
 func (a apiKind) prompt(fields map[string]json.RawMessage) (json.RawMessage, string) {
 	switch a {
@@ -42,13 +44,9 @@ func (a apiKind) prompt(fields map[string]json.RawMessage) (json.RawMessage, str
 		raw, _ := present(fields, "messages")
 		return raw, "messages"
 	case apiResponses:
-		input, ok := present(fields, "input")
-		if !ok {
-			return nil, "input"
-		}
-		instructions, _ := present(fields, "instructions")
-		both, _ := json.Marshal([]json.RawMessage{orNull(instructions), input})
-		return both, "input"
+		return preambled(fields, "instructions", "input")
+	case apiMessages:
+		return preambled(fields, "system", "messages")
 	case apiGenerate:
 		raw, _ := present(fields, "token_ids")
 		return raw, "token_ids"
@@ -63,22 +61,154 @@ func (a apiKind) prompt(fields map[string]json.RawMessage) (json.RawMessage, str
 	return raw, "prompt"
 }
 
+// preambled is key's value after what the API puts before it (the Responses
+// API's instructions, Anthropic's system prompt); nil without key.
+func preambled(fields map[string]json.RawMessage, preamble, key string) (json.RawMessage, string) {
+	raw, ok := present(fields, key)
+	if !ok {
+		return nil, key
+	}
+	pre, _ := present(fields, preamble)
+	both, _ := json.Marshal([]json.RawMessage{orNull(pre), raw})
+	return both, key
+}
+
+// output is what a request asks of the output: samples of each prompt, and
+// the limits of each.
+type output struct {
+	samples   int   // n
+	maxTokens int64 // 0: no cap
+	minTokens int64
+}
+
+func (r *request) readTokenLimits() *apiError {
+	fields, limit, least := r.limitKeys()
+	_, given := present(fields, limit)
+	if !given && r.api == apiMessages {
+		return badRequest("%s: Field required", limit) // Anthropic's max_tokens is not optional
+	}
+	var aerr *apiError
+	if r.maxTokens, aerr = intField(fields, limit); aerr != nil {
+		return aerr
+	}
+	if given && r.maxTokens < 1 {
+		return badRequest("%s must be at least 1, got %d.", limit, r.maxTokens)
+	}
+	if r.minTokens, aerr = intField(fields, least); aerr != nil {
+		return aerr
+	}
+	if r.minTokens < 0 {
+		return badRequest("min_tokens must be greater than or equal to 0, got %d.", r.minTokens)
+	}
+	if r.maxTokens > 0 && r.minTokens > r.maxTokens {
+		return badRequest("min_tokens must be less than or equal to max_tokens=%d, got %d.", r.maxTokens, r.minTokens)
+	}
+	return nil
+}
+
+// outputTokens is how many tokens the simulated model emits and why it stops:
+// it would say EOS after naturalLen tokens, min_tokens suppresses that, and
+// max_tokens cuts it short.
+func (r *request) outputTokens(naturalLen int) (int, string) {
+	n := max(int64(naturalLen), r.minTokens)
+	if r.maxTokens > 0 && n >= r.maxTokens {
+		return int(r.maxTokens), "length"
+	}
+	return int(n), "stop"
+}
+
 // limitKeys are the fields of the output limits and the object they are in
 // (nil: the top level).
 func (r *request) limitKeys() (in map[string]json.RawMessage, maxKey, minKey string) {
 	switch r.api {
 	case apiResponses:
 		return r.fields, "max_output_tokens", ""
+	case apiMessages:
+		return r.fields, "max_tokens", ""
 	case apiGenerate:
 		return object(r.fields, "sampling_params"), "max_tokens", "min_tokens"
-	case apiSGLangGenerate:
-		return object(r.fields, "sampling_params"), "max_new_tokens", "min_new_tokens"
+	case apiSGLangGenerate: // pdsim answers a batch once: as its first prompt
+		return sglangSampling(r.fields), "max_new_tokens", "min_new_tokens"
 	case apiChat:
 		if _, ok := present(r.fields, "max_completion_tokens"); ok {
 			return r.fields, "max_completion_tokens", "min_tokens" // chat prefers it over max_tokens
 		}
 	}
 	return r.fields, "max_tokens", "min_tokens"
+}
+
+// readSamples reads n, the samples asked for of each prompt: at the top
+// level of chat and completions, in vLLM's generate's sampling_params, and
+// in SGLang's, an object or a list of them, whose first entry counts and
+// whose entries must agree (_handle_parallel_sampling in SGLang's
+// io_struct.py).
+func (r *request) readSamples() (aerr *apiError) {
+	switch r.api {
+	case apiResponses, apiMessages:
+		r.samples = 1
+	case apiGenerate:
+		r.samples, aerr = samplesIn(object(r.fields, "sampling_params"))
+	case apiSGLangGenerate: // a list's first entry's n, the others' equal to it
+		var list []map[string]json.RawMessage
+		raw, _ := present(r.fields, "sampling_params")
+		if json.Unmarshal(raw, &list) != nil || len(list) == 0 {
+			list = []map[string]json.RawMessage{object(r.fields, "sampling_params")}
+		}
+		for i, sp := range list {
+			n, aerr := samplesIn(sp)
+			switch {
+			case aerr != nil:
+				return aerr
+			case i == 0:
+				r.samples = n
+			case n != r.samples:
+				return badRequest("The parallel_sample_num should be the same for all samples in sample params.")
+			}
+		}
+	default:
+		r.samples, aerr = samplesIn(r.fields)
+	}
+	return aerr
+}
+
+// sglangSampling is SGLang's sampling_params, or the first of a list of them.
+func sglangSampling(fields map[string]json.RawMessage) map[string]json.RawMessage {
+	raw, _ := present(fields, "sampling_params")
+	var list []map[string]json.RawMessage
+	if json.Unmarshal(raw, &list) == nil && len(list) > 0 {
+		return list[0]
+	}
+	return object(fields, "sampling_params")
+}
+
+// samplesIn is the n of fields, 1 when absent.
+func samplesIn(fields map[string]json.RawMessage) (int, *apiError) {
+	if _, ok := present(fields, "n"); !ok {
+		return 1, nil
+	}
+	n, aerr := intField(fields, "n")
+	return int(n), aerr
+}
+
+// batch is how many prompts the request has, and whether it is a batch
+// (a list of them, even of one): a completions prompt or SGLang's text or
+// input_ids.
+func (r *request) batch() (prompts int, isBatch bool) {
+	var raw json.RawMessage
+	switch r.api {
+	case apiCompletion:
+		raw, _ = present(r.fields, "prompt")
+	case apiSGLangGenerate:
+		var ok bool
+		if raw, ok = present(r.fields, "input_ids"); !ok {
+			raw, _ = present(r.fields, "text")
+		}
+	}
+	var list []json.RawMessage
+	if json.Unmarshal(raw, &list) != nil || len(list) == 0 || !strings.HasPrefix(string(list[0]), "[") && !strings.HasPrefix(string(list[0]), `"`) {
+		return 1, false // one string, or one list of token ids
+	}
+	return len(list), true
 }
 
 // kvRaw is the request's kv_transfer_params where the engine reads it: vLLM's

@@ -140,22 +140,33 @@ func kvlessID(t *testing.T, r reply) string {
 	return resp.ID
 }
 
-// SGLang's native generate pairs like chat; a room per sample pairs each.
+// SGLang's native generate pairs like chat, with the rooms SGLang's
+// tokenizer manager gives each request it makes: a batch's prompts room+i of
+// a scalar room or their list entries; the samples of a prompt, and its
+// prefix-cache request, all the prompt's room, which fails on both legs
+// whatever rooms the router sends. A list of sampling_params whose n differ
+// is SGLang's 400.
 func TestSGLangGenerate(t *testing.T) {
 	tests := []struct {
-		name, fields string
-		fails        bool
+		name, text, sampling, fields string
+		want                         int // the status of both legs
+		message                      string
 	}{
-		{"one room", `"bootstrap_room":42`, false},
-		{"a room per sample", `"bootstrap_host":["H","H","H"],"bootstrap_port":["P","P","P"],"bootstrap_room":[1,2,3]`, false},
-		{"rooms with a scalar host and port", `"bootstrap_room":[4,5]`, false},
-		{"one room twice", `"bootstrap_room":[6,6]`, true},
-		{"lists of unequal length", `"bootstrap_host":["H","H"],"bootstrap_room":[7,8,9]`, true},
+		{"one room", `"once upon a time"`, `{"max_new_tokens":2}`, `"bootstrap_room":42`, 200, ""},
+		{"a batch: room+i for prompt i", `["once","upon"]`, `{"max_new_tokens":2}`, `"bootstrap_room":4`, 200, ""},
+		{"a batch: a room per prompt", `["once","upon"]`, `[{"max_new_tokens":2},{"max_new_tokens":2}]`,
+			`"bootstrap_host":["H","H"],"bootstrap_port":["P","P"],"bootstrap_room":[1,9]`, 200, ""},
+		{"a batch: one room for two prompts", `["once","upon"]`, `{"max_new_tokens":2}`, `"bootstrap_room":[6,6]`, 500, ""},
+		{"a batch: fewer rooms than prompts", `["once","upon"]`, `{"max_new_tokens":2}`, `"bootstrap_room":[7]`, 400, "1 entries for a batch of 2"},
+		{"n 2: the samples share the room", `"once upon a time"`, `{"max_new_tokens":2,"n":2}`, `"bootstrap_room":42`, 500, ""},
+		{"n 3: a room per sample is never read", `"once upon a time"`, `{"max_new_tokens":2,"n":3}`, `"bootstrap_room":[1,2,3]`, 500, ""},
+		{"a list of sampling_params whose n differ", `["once","upon"]`, `[{"max_new_tokens":2},{"n":2}]`, `"bootstrap_room":5`, 400,
+			"The parallel_sample_num should be the same for all samples in sample params."},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			handshake := 5 * time.Second
-			if tt.fails {
+			if tt.want != 200 {
 				handshake = 100 * time.Millisecond // the decode's wait for a prefill that refused
 			}
 			p := start(t, Config{Role: RolePrefill, Protocol: ProtocolSGLang, HandshakeTimeout: handshake})
@@ -165,18 +176,18 @@ func TestSGLangGenerate(t *testing.T) {
 			if !strings.Contains(fields, "bootstrap_host") {
 				fields += `,"bootstrap_host":"` + host + `","bootstrap_port":` + port
 			}
-			body := `{"text":"once upon a time","sampling_params":{"max_new_tokens":2},"stream":true,` + fields + `}`
+			body := `{"text":` + tt.text + `,"sampling_params":` + tt.sampling + `,"stream":true,` + fields + `}`
 			prefilled := goPost(p, "/generate", body, "req-G")
 			dr := post(t, d, "/generate", body, "req-G")
 			pr := <-prefilled
-			if tt.fails {
-				if pr.status < 400 || dr.status < 400 {
-					t.Fatalf("prefill %d %s, decode %d %s; want both to fail", pr.status, pr.body, dr.status, dr.body)
-				}
+			if pr.status != tt.want || dr.status != tt.want || !strings.Contains(string(pr.body), tt.message) || !strings.Contains(string(dr.body), tt.message) {
+				t.Fatalf("prefill %d %s, decode %d %s; want both %d with %q", pr.status, pr.body, dr.status, dr.body, tt.want, tt.message)
+			}
+			if tt.want != 200 {
 				return
 			}
-			if dr.status != 200 || dr.header.Get("x-pdsim-kv") != kvHit || pr.status != 200 {
-				t.Fatalf("decode %d %v %s; prefill %d %s", dr.status, dr.header, dr.body, pr.status, pr.body)
+			if dr.header.Get("x-pdsim-kv") != kvHit {
+				t.Errorf("decode KV %q, want a hit", dr.header.Get("x-pdsim-kv"))
 			}
 			if data := events(t, dr.body); len(data) != 3 || !strings.Contains(data[1], `"text":"tok0 tok1"`) || data[2] != "[DONE]" {
 				t.Errorf("decode stream %q", data)

@@ -19,6 +19,14 @@ type generateAnswer struct {
 	Usage            *usage           `json:"usage,omitempty"`
 }
 
+// generateUsage is a stream's last event with stream_options.include_usage,
+// printed without its null fields.
+type generateUsage struct {
+	RequestID string           `json:"request_id"`
+	Choices   []generateChoice `json:"choices"`
+	Usage     *usage           `json:"usage"`
+}
+
 type generateChoice struct {
 	Index        int     `json:"index"`
 	Logprobs     any     `json:"logprobs"`
@@ -48,6 +56,11 @@ func (s *Server) answerGenerate(ctx context.Context, w http.ResponseWriter, req 
 	})
 	if err != nil {
 		return err
+	}
+	if out != nil && req.includeUsage { // newer vLLM streams generate, its usage last, as chat
+		if err := out.send(generateUsage{RequestID: req.internalID, Choices: []generateChoice{}, Usage: s.usage(req, n)}); err != nil {
+			return err
+		}
 	}
 	if out != nil {
 		return out.raw([]byte("[DONE]"))

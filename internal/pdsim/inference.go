@@ -75,7 +75,7 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 		}
 		req, aerr := s.parseRequest(api, ex.rec.RequestID, body)
 		if aerr != nil {
-			s.writeError(w, aerr)
+			s.writeErrorFor(api, w, aerr)
 			return
 		}
 		ex.rec.Stream = req.stream
@@ -85,7 +85,7 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 
 		res, err := s.kv.firstToken(ctx, req)
 		if errors.As(err, &aerr) {
-			s.writeError(w, aerr)
+			s.writeErrorFor(api, w, aerr)
 			return
 		}
 		if ctx.Err() != nil {
@@ -113,7 +113,7 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 			// Real vLLM has already answered 200 to a streamed request by now and
 			// reports this as an SSE error event; pdsim holds its headers until the
 			// first token so they can carry the KV outcome, and answers 500.
-			s.writeError(w, &apiError{http.StatusInternalServerError, err.Error()})
+			s.writeErrorFor(api, w, &apiError{http.StatusInternalServerError, err.Error()})
 			return
 		}
 		ph.run()
@@ -137,6 +137,8 @@ func (s *Server) answer(ctx context.Context, w http.ResponseWriter, req *request
 		return s.answerGenerate(ctx, w, req, res, n, finish)
 	case apiSGLangGenerate:
 		return s.answerSGLang(ctx, w, req, n, finish)
+	case apiMessages:
+		return s.answerMessages(ctx, w, req, res, n, finish)
 	}
 	return s.answerOpenAI(ctx, w, req, res, n, finish)
 }

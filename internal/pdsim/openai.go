@@ -25,8 +25,7 @@ type request struct {
 	model        string
 	stream       bool
 	includeUsage bool
-	maxTokens    int64 // 0: no cap
-	minTokens    int64
+	output
 	kv           json.RawMessage // kv_transfer_params where the API reads it; nil when absent
 	promptTokens int
 	promptHash   string      // model + prompt, so KV computed for one prompt is never served to another
@@ -84,7 +83,10 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 	if aerr := req.readTokenLimits(); aerr != nil {
 		return nil, aerr
 	}
-	if raw, ok := present(fields, "stream_options"); ok {
+	if aerr := req.readSamples(); aerr != nil {
+		return nil, aerr
+	}
+	if raw, ok := present(fields, "stream_options"); ok && api != apiMessages { // Anthropic's request has none: ignored
 		var opts struct {
 			IncludeUsage *bool `json:"include_usage"`
 		}
@@ -139,38 +141,6 @@ func tokenList(v any) bool {
 		}
 	}
 	return ok && len(list) > 0
-}
-
-func (r *request) readTokenLimits() *apiError {
-	fields, limit, least := r.limitKeys()
-	var aerr *apiError
-	if r.maxTokens, aerr = intField(fields, limit); aerr != nil {
-		return aerr
-	}
-	if _, ok := present(fields, limit); ok && r.maxTokens < 1 {
-		return badRequest("%s must be at least 1, got %d.", limit, r.maxTokens)
-	}
-	if r.minTokens, aerr = intField(fields, least); aerr != nil {
-		return aerr
-	}
-	if r.minTokens < 0 {
-		return badRequest("min_tokens must be greater than or equal to 0, got %d.", r.minTokens)
-	}
-	if r.maxTokens > 0 && r.minTokens > r.maxTokens {
-		return badRequest("min_tokens must be less than or equal to max_tokens=%d, got %d.", r.maxTokens, r.minTokens)
-	}
-	return nil
-}
-
-// outputTokens is how many tokens the simulated model emits and why it stops:
-// it would say EOS after naturalLen tokens, min_tokens suppresses that, and
-// max_tokens cuts it short.
-func (r *request) outputTokens(naturalLen int) (int, string) {
-	n := max(int64(naturalLen), r.minTokens)
-	if r.maxTokens > 0 && n >= r.maxTokens {
-		return int(r.maxTokens), "length"
-	}
-	return int(n), "stop"
 }
 
 // present returns a top-level field unless it is absent or null (pydantic's None).
@@ -343,6 +313,11 @@ type errorBody struct {
 }
 
 func (s *Server) writeError(w http.ResponseWriter, e *apiError) {
+	s.writeErrorFor(apiChat, w, e)
+}
+
+// writeErrorFor prints e as the engine's handler for api does.
+func (s *Server) writeErrorFor(api apiKind, w http.ResponseWriter, e *apiError) {
 	kind := strings.ReplaceAll(http.StatusText(e.status), " ", "")
 	switch e.status {
 	case http.StatusBadRequest:
@@ -351,6 +326,12 @@ func (s *Server) writeError(w http.ResponseWriter, e *apiError) {
 		kind = "InternalServer"
 	}
 	body := errorBody{Message: e.message, Type: kind + "Error", Code: e.status}
+	if api == apiMessages {
+		a := anthropicError{Type: "error"}
+		a.Error.Type, a.Error.Message = body.Type, body.Message
+		writeJSON(w, e.status, a)
+		return
+	}
 	if s.cfg.Protocol == ProtocolSGLang {
 		body.Object = "error"
 		writeJSON(w, e.status, body)

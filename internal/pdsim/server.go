@@ -1,7 +1,7 @@
 // Package pdsim simulates a vLLM or SGLang engine taking part in prefill/decode
 // disaggregation, without a GPU. It speaks the engines' real wire formats (OpenAI
-// chat and completions, vLLM's Responses and token-in generate APIs, SGLang's
-// native generate; vLLM NIXL kv_transfer_params, SGLang bootstrap fields, a
+// chat and completions, vLLM's Responses, Anthropic Messages and token-in
+// generate APIs, SGLang's native generate; vLLM NIXL kv_transfer_params, SGLang bootstrap fields, a
 // shared KV directory) and really moves a small KV record between prefill and
 // decode, so a router that pairs the wrong legs fails here the way it would
 // fail against real engines. It also serves and records the endpoints a gateway
@@ -244,6 +244,7 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("POST /v1/responses", s.inference(apiResponses))
 	mux.HandleFunc("POST /inference/v1/generate", s.inference(apiGenerate))
 	mux.HandleFunc("POST /generate", s.inference(apiSGLangGenerate))
+	mux.HandleFunc("POST /v1/messages", s.inference(apiMessages))
 	s.otherRoutes(mux)
 	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
 	mux.HandleFunc("GET /v1/models", s.models)

@@ -24,48 +24,86 @@ type bootstrapFields struct {
 	room int64
 }
 
-// bootstrapOf reads a request's pairings: one, or, when the fields are lists
-// (a room per sample, as SGLang's gateway sends parallel samples), one per
-// entry, a scalar host or port standing for every entry.
+// bootstrapOf reads a request's pairings as SGLang's tokenizer manager hands
+// them to its scheduler, one per request it makes of the HTTP request
+// (_handle_parallel_sampling and _normalize_bootstrap_params in
+// python/sglang/srt/managers/io_struct.py, _handle_batch_request in
+// tokenizer_manager.py): a single prompt's fields as they are; prompt i of a
+// batch gets room+i of a scalar room, or entry i of a list (the entries past
+// the batch are never read), and a scalar host or port stands for every
+// prompt. With n > 1, prompt i makes n+1 requests, its prefix-cache request
+// and its n samples, all copies of prompt i's fields: they share one room,
+// which a prefill takes only once, so such a request fails on both legs (the
+// decode's after HandshakeTimeout), as SGLang is reported to hang or fail.
 func bootstrapOf(req *request, needHost bool) ([]bootstrapFields, error) {
 	raw, ok := present(req.fields, "bootstrap_room")
 	if !ok {
 		return nil, badRequest("bootstrap_room is required for disaggregated serving")
 	}
-	rooms, isList := entries(raw)
-	hosts, _ := entries(orNull(req.fields["bootstrap_host"]))
-	ports, _ := entries(orNull(req.fields["bootstrap_port"]))
-	if len(rooms) == 0 || len(hosts) == 0 || len(ports) == 0 || isList && (len(hosts) > 1 && len(hosts) != len(rooms) || len(ports) > 1 && len(ports) != len(rooms)) {
-		return nil, badRequest("bootstrap_host, bootstrap_port and bootstrap_room lists must have one entry per sample")
+	prompts, batch := req.batch()
+	if req.samples > 1 {
+		batch = true // a single prompt with n > 1 becomes a batch of one
 	}
-	out := make([]bootstrapFields, len(rooms))
-	for i, roomRaw := range rooms {
-		f, err := bootstrapEntry(at(hosts, i), at(ports, i), roomRaw, needHost)
+	if !batch {
+		f, err := bootstrapEntry(orNull(req.fields["bootstrap_host"]), orNull(req.fields["bootstrap_port"]), raw, needHost)
+		return []bootstrapFields{f}, err
+	}
+	var fields [3]prompted
+	for k, name := range []string{"bootstrap_host", "bootstrap_port", "bootstrap_room"} {
+		fields[k] = promptedOf(req.fields[name])
+		if fields[k].list && len(fields[k].values) < prompts {
+			return nil, badRequest("%s has %d entries for a batch of %d prompts", name, len(fields[k].values), prompts)
+		}
+	}
+	base, err := strconv.ParseInt(string(bytes.TrimSpace(raw)), 10, 64)
+	if err != nil && !fields[2].list {
+		return nil, badRequest("bootstrap_room: Input should be a valid integer in [0, 2^63-1], got %s", raw)
+	}
+	copies := 1
+	if req.samples > 1 {
+		copies = 1 + req.samples // the prompt's prefix-cache request and its samples
+	}
+	var out []bootstrapFields
+	for i := range prompts {
+		room := fields[2].at(i)
+		if !fields[2].list {
+			room = json.RawMessage(strconv.FormatInt(base+int64(i), 10))
+		}
+		f, err := bootstrapEntry(fields[0].at(i), fields[1].at(i), room, needHost)
 		if err != nil {
 			return nil, err
 		}
-		out[i] = f
+		for range copies {
+			out = append(out, f)
+		}
 	}
 	return out, nil
 }
 
-func isNull(raw json.RawMessage) bool { return string(bytes.TrimSpace(raw)) == "null" }
+// prompted is a bootstrap field of a batch: a list with an entry per
+// prompt, or one value for all.
+type prompted struct {
+	values []json.RawMessage
+	list   bool
+}
 
-// entries are a list's elements, or the one value that is not a list.
-func entries(raw json.RawMessage) (values []json.RawMessage, isList bool) {
+func promptedOf(raw json.RawMessage) prompted {
+	var values []json.RawMessage
 	if bytes.HasPrefix(bytes.TrimSpace(raw), []byte("[")) && json.Unmarshal(raw, &values) == nil {
-		return values, true
+		return prompted{values, true}
 	}
-	return []json.RawMessage{raw}, false
+	return prompted{[]json.RawMessage{orNull(raw)}, false}
 }
 
-// at is values[i], or the one value standing for all.
-func at(values []json.RawMessage, i int) json.RawMessage {
-	if len(values) == 1 {
-		return values[0]
+// at is prompt i's value.
+func (p prompted) at(i int) json.RawMessage {
+	if p.list {
+		return p.values[i]
 	}
-	return values[i]
+	return p.values[0]
 }
+
+func isNull(raw json.RawMessage) bool { return string(bytes.TrimSpace(raw)) == "null" }
 
 func bootstrapEntry(hostRaw, portRaw, roomRaw json.RawMessage, needHost bool) (bootstrapFields, error) {
 	f := bootstrapFields{port: sglangDefaultBootstrapPort}

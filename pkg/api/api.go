@@ -51,9 +51,9 @@ const (
 	StoredResponse
 	// BuiltinTools: a Responses request with a tool other than a function
 	// (web search, code interpreter, MCP): vLLM may run several generations
-	// for it inside one request, and whether the later ones reuse the prefill
-	// leg's transfer parameters, whose blocks are freed by then, is not
-	// known.
+	// for it inside one request, each with the request's sampling parameters,
+	// so the later ones ask again for the KV blocks the prefill leg handed
+	// over for the first, freed by then (docs/engines.md).
 	BuiltinTools
 )
 
@@ -127,13 +127,14 @@ var (
 		Serves: SGLang, Pairs: SGLang,
 		Shape: topLevelShape, Prompt: sglangGeneratePrompt, Alone: sglangPromptLogprobs,
 	}
-	// Messages: vLLM declares kv_transfer_params on its Anthropic request
-	// but neither passes it to the engine nor returns it, so a prefill leg
-	// could hand nothing back (README, API table).
+	// Messages: vLLM passes a Messages request's kv_transfer_params to the
+	// chat path it runs and returns them in a non-streamed answer since
+	// 0.19.0 (vllm-project/vllm#37535); routes.messages_decode_only sends it
+	// to a decode engine alone for older engines (docs/engines.md).
 	Messages = &API{
 		Name: NameMessages, Method: "POST", Path: "/v1/messages",
-		Serves: VLLM | SGLang, Unpaired: sglangDropsBootstrap, Model: true,
-		Shape: openAIShape, Prompt: messagesPrompt, Alone: func(*body.Object) Reason { return NoReason },
+		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap, Model: true,
+		Shape: messagesShape, Prompt: messagesPrompt, Alone: func(*body.Object) Reason { return NoReason },
 	}
 )
 

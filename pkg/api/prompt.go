@@ -17,6 +17,9 @@ import (
 type Prompt struct {
 	N       int // samples asked for ("n"), 1 when absent
 	Prompts int // prompts in the request: a batch has several
+	// MixedN is each entry's n of SGLang's list of sampling_params when they
+	// differ, which SGLang refuses; nil when they agree.
+	MixedN []int
 
 	once   sync.Once
 	render func() rendering
@@ -218,27 +221,36 @@ func sglangGeneratePrompt(o *body.Object) *Prompt {
 	if !ok {
 		raw, _ = o.Raw("text")
 	}
-	return promptOf(sglangSamples(o), raw)
+	n, mixed := sglangSamples(o)
+	p := promptOf(n, raw)
+	p.MixedN = mixed
+	return p
 }
 
-// sglangSamples is n of SGLang's sampling_params: an object, or a list of
-// them, one per prompt of a batch. SGLang reads a list's n from its first
-// entry (_handle_parallel_sampling in python/sglang/srt/managers/io_struct.py);
-// we take the largest, so that a list whose entries differ is refused like
-// any n > 1 under kv-sglang rather than paired by its first.
-func sglangSamples(o *body.Object) int {
+// sglangSamples is n of SGLang's sampling_params, an object or a list of
+// them (one per prompt of a batch), as SGLang reads it: a list's from its
+// first entry, every entry's n when they differ, which SGLang refuses
+// (_handle_parallel_sampling in python/sglang/srt/managers/io_struct.py).
+func sglangSamples(o *body.Object) (n int, mixed []int) {
 	raw, _ := o.Raw("sampling_params")
 	if len(raw) == 0 || raw[0] != '[' {
 		sp, _ := o.Object("sampling_params")
-		return samples(sp)
+		return samples(sp), nil
 	}
-	n := 1
+	var each []int
 	for _, item := range body.Elements(raw) {
-		if sp, err := body.Parse(item); err == nil {
-			n = max(n, samples(sp))
+		sp, _ := body.Parse(item)
+		each = append(each, samples(sp))
+	}
+	if len(each) == 0 {
+		return 1, nil
+	}
+	for _, m := range each {
+		if m != each[0] {
+			return each[0], each
 		}
 	}
-	return n
+	return each[0], nil
 }
 
 // withMessages renders the messages in raw after what b holds: each message

@@ -1,6 +1,7 @@
 package api
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
@@ -16,6 +17,7 @@ func TestPromptReaders(t *testing.T) {
 		wantTokens  int // exact, -1 when the body has no token ids
 		wantN       int
 		wantPrompts int
+		wantMixedN  []int // SGLang's list of sampling_params whose n differ
 	}{
 		{name: "chat: role and content in order", api: Chat,
 			body:     `{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]}`,
@@ -61,8 +63,8 @@ func TestPromptReaders(t *testing.T) {
 			wantText: "a b", wantTokens: -1, wantN: 3, wantPrompts: 2},
 		{name: "SGLang generate: a list of sampling_params, n in each", api: SGLangGenerate, body: `{"text":["a b","c"],"sampling_params":[{"n":3},{"n":3}]}`,
 			wantText: "a b", wantTokens: -1, wantN: 3, wantPrompts: 2},
-		{name: "SGLang generate: a list whose n differ counts the largest", api: SGLangGenerate, body: `{"text":["a b","c"],"sampling_params":[{"n":1},{"n":4}]}`,
-			wantText: "a b", wantTokens: -1, wantN: 4, wantPrompts: 2},
+		{name: "SGLang generate: a list whose n differ reads the first, and tells each", api: SGLangGenerate,
+			body: `{"text":["a b","c"],"sampling_params":[{"n":1},{"n":4}]}`, wantText: "a b", wantTokens: -1, wantN: 1, wantPrompts: 2, wantMixedN: []int{1, 4}},
 		{name: "SGLang generate: a list without n", api: SGLangGenerate, body: `{"text":["a b","c"],"sampling_params":[{},{"max_new_tokens":2}]}`,
 			wantText: "a b", wantTokens: -1, wantN: 1, wantPrompts: 2},
 		{name: "SGLang generate: input_ids count exactly", api: SGLangGenerate, body: `{"input_ids":[4,5,6]}`,
@@ -80,8 +82,8 @@ func TestPromptReaders(t *testing.T) {
 				t.Fatal(err)
 			}
 			p := tt.api.Prompt(obj)
-			if p.N != tt.wantN || p.Prompts != tt.wantPrompts {
-				t.Errorf("N, Prompts = %d, %d; want %d, %d", p.N, p.Prompts, tt.wantN, tt.wantPrompts)
+			if p.N != tt.wantN || p.Prompts != tt.wantPrompts || !slices.Equal(p.MixedN, tt.wantMixedN) {
+				t.Errorf("N, Prompts, MixedN = %d, %d, %v; want %d, %d, %v", p.N, p.Prompts, p.MixedN, tt.wantN, tt.wantPrompts, tt.wantMixedN)
 			}
 			if p.Text() != tt.wantText {
 				t.Errorf("Text() = %q, want %q", p.Text(), tt.wantText)

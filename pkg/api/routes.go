@@ -103,11 +103,22 @@ func Safe(path string) bool {
 // Table is what a deployment routes: the built-in APIs and its pass-through
 // list. It is read-only once built.
 type Table struct {
-	pass []Route
+	pass  []Route
+	alone map[*API]*API // built-in APIs sent to a decode engine alone, and their unpaired copies
 }
 
-// NewTable builds the table with the pass-through list pass.
-func NewTable(pass []Route) *Table { return &Table{pass: slices.Clone(pass)} }
+// NewTable builds the table with the pass-through list pass. The built-in
+// APIs in decodeOnly are routed as APIs no engine family can disaggregate
+// (routes.messages_decode_only: an engine too old to hand the KV back).
+func NewTable(pass []Route, decodeOnly ...*API) *Table {
+	t := &Table{pass: slices.Clone(pass), alone: map[*API]*API{}}
+	for _, a := range decodeOnly {
+		unpaired := *a
+		unpaired.Pairs = 0
+		t.alone[a] = &unpaired
+	}
+	return t
+}
 
 // ParseRoutes reads a pass-through list; errors name each entry as key[i].
 func ParseRoutes(key string, entries []string) ([]Route, error) {
@@ -156,6 +167,9 @@ func (t *Table) Match(method, path string) (*API, error) {
 	var allowed []string
 	if a := builtinAt(path); a != nil {
 		if a.Method == method {
+			if unpaired, ok := t.alone[a]; ok {
+				return unpaired, nil
+			}
 			return a, nil
 		}
 		allowed = append(allowed, a.Method)

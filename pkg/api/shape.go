@@ -69,6 +69,17 @@ var (
 		CachedTokens:         []string{"usage", "input_tokens_details", "cached_tokens"},
 		CachedTokensInEvents: []string{"response", "usage", "input_tokens_details", "cached_tokens"},
 	}
+	// messagesShape: Anthropic's Messages API, whose max_tokens vLLM also
+	// makes the chat request's max_completion_tokens. Its request has no
+	// vllm_xargs, and its usage no cached tokens (input_tokens and
+	// output_tokens only: messages_full_converter in
+	// vllm/entrypoints/anthropic/serving.py).
+	messagesShape = Shape{
+		Caps: []body.Edit{
+			body.Set("stream", body.False),
+			body.Set("max_tokens", body.One),
+		},
+	}
 	// generateShape: vLLM's token-in API has the limits in sampling_params.
 	generateShape = Shape{
 		Caps: []body.Edit{

@@ -13,6 +13,11 @@ type Routes struct {
 	// one other than a function, which go decode-only by default
 	// (builtin_tools): vLLM may run several generations in such a request.
 	PairBuiltinTools bool `json:"pair_builtin_tools,omitempty"`
+	// MessagesDecodeOnly sends Anthropic Messages requests to a decode
+	// engine alone, for vLLM before 0.19.0, whose prefill answer carries no
+	// kv_transfer_params (so the decode engine would recompute the prompt
+	// after a prefill leg spent for nothing).
+	MessagesDecodeOnly bool `json:"messages_decode_only,omitempty"`
 }
 
 // SetDefaults fills the keys left out.

@@ -29,7 +29,9 @@ func (p *Pipeline) admit(a *api.API, obj *body.Object) (alone metrics.Reason, er
 	case api.PromptLogprobs:
 		if p.connector.Paired() {
 			return 0, cannotPair(a, p.opts.Connector, "the request asks for prompt logprobs, which only the prefill engine "+
-				"computes, and this connector cannot send it to a decode engine alone")
+				"computes; SGLang's own gateway merges the prefill answer's input_token_logprobs into the decode answer, "+
+				"pd-extproc does not: its prefill leg runs beside the decode leg and that answer never reaches the client, "+
+				"and a decode engine in PD mode serves nothing alone")
 		}
 		return metrics.ReasonPromptLogprobs, nil
 	case api.StoredResponse:

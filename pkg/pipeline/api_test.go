@@ -51,6 +51,7 @@ func TestAPITable(t *testing.T) {
 		wantStatus            int            // 0: routed
 		wantMessage           string         // in the error, or in the decode body when routed
 		wantReason            metrics.Reason // routed: the decision's reason
+		wantPrefill           string         // routed P/D: the prefill leg's body, when it matters
 	}{
 		// vLLM connectors.
 		{name: "chat", connector: "kv-nixl", path: "/v1/chat/completions", body: chat + `}`, wantReason: metrics.ReasonLongPrompt,
@@ -85,8 +86,15 @@ func TestAPITable(t *testing.T) {
 			wantReason: metrics.ReasonLongPrompt},
 		{name: "chat echo with logprobs off", connector: "kv-nixl", path: "/v1/chat/completions", body: chat + `,"echo":true,"logprobs":false}`,
 			wantReason: metrics.ReasonLongPrompt},
-		{name: "messages", connector: "kv-nixl", path: "/v1/messages", body: `{"model":"m","max_tokens":8,"messages":[],"kv_transfer_params":{}}`,
-			wantReason: metrics.ReasonUnpairedAPI, wantMessage: `{"model":"m","max_tokens":8,"messages":[]}`},
+		{name: "messages", connector: "kv-nixl", path: "/v1/messages", body: `{"model":"m","max_tokens":8,"messages":[],"stream":true,"kv_transfer_params":{}}`,
+			wantReason: metrics.ReasonLongPrompt, wantMessage: `{"model":"m","max_tokens":8,"messages":[],"stream":true,"kv_transfer_params":` + prefillKV + `}`,
+			wantPrefill: `{"model":"m","max_tokens":1,"messages":[],"stream":false,"kv_transfer_params":{"do_remote_decode":true,` +
+				`"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}`},
+		{name: "messages, decode-only by config", connector: "kv-nixl", more: "routes: {messages_decode_only: true}", path: "/v1/messages",
+			body: `{"model":"m","max_tokens":8,"messages":[],"kv_transfer_params":{}}`, wantReason: metrics.ReasonUnpairedAPI,
+			wantMessage: `{"model":"m","max_tokens":8,"messages":[]}`},
+		{name: "messages under shared storage", connector: "kv-shared-storage", path: "/v1/messages", body: `{"model":"m","max_tokens":8,"messages":[]}`,
+			wantReason: metrics.ReasonLongPrompt, wantPrefill: `{"model":"m","max_tokens":1,"messages":[],"stream":false}`},
 		{name: "SGLang's generate", connector: "kv-nixl", path: "/generate", body: `{"text":"hi"}`, wantStatus: 404,
 			wantMessage: "POST /generate is an API of SGLang engines; connector kv-nixl drives vLLM engines"},
 		// The pass-through list and its boundary.
@@ -125,7 +133,8 @@ func TestAPITable(t *testing.T) {
 		{name: "sglang: vLLM's generate", connector: "kv-sglang", path: "/inference/v1/generate", body: `{"token_ids":[1]}`, wantStatus: 404,
 			wantMessage: "is an API of vLLM engines"},
 		{name: "sglang: prompt logprobs", connector: "kv-sglang", path: "/v1/completions", body: `{"model":"m","prompt":"hi","echo":true,"logprobs":1}`,
-			wantStatus: 400, wantMessage: "asks for prompt logprobs"},
+			wantStatus: 400, wantMessage: "asks for prompt logprobs, which only the prefill engine computes; SGLang's own gateway merges " +
+				"the prefill answer's input_token_logprobs into the decode answer, pd-extproc does not"},
 		{name: "sglang: generate's prompt logprobs", connector: "kv-sglang", path: "/generate", body: `{"text":"hi","return_logprob":true,"logprob_start_len":0}`,
 			wantStatus: 400, wantMessage: "asks for prompt logprobs"},
 		{name: "sglang: generate's output logprobs", connector: "kv-sglang", path: "/generate", body: `{"text":"hi","return_logprob":true,"logprob_start_len":-1}`,
@@ -135,7 +144,10 @@ func TestAPITable(t *testing.T) {
 		{name: "sglang: generate's n > 1 is refused", connector: "kv-sglang", path: "/generate", body: `{"text":"hi","sampling_params":{"n":3}}`,
 			wantStatus: 400, wantMessage: "n is 3"},
 		{name: "sglang: n > 1 in a list of sampling_params is refused", connector: "kv-sglang", path: "/generate",
-			body: `{"text":["hi","ho"],"sampling_params":[{"n":1},{"n":2}]}`, wantStatus: 400, wantMessage: "n is 2"},
+			body: `{"text":["hi","ho"],"sampling_params":[{"n":2},{"n":2}]}`, wantStatus: 400, wantMessage: "n is 2"},
+		{name: "sglang: a list of sampling_params whose n differ is refused, saying so", connector: "kv-sglang", path: "/generate",
+			body: `{"text":["hi","ho","hu"],"sampling_params":[{"n":1},{},{"n":2}]}`, wantStatus: 400,
+			wantMessage: "sampling_params[2] has n 2 and sampling_params[0] has n 1: SGLang takes n from the first entry and refuses a list whose n values differ"},
 		{name: "sglang: pass-through", connector: "kv-sglang", path: "/v1/tokenize", body: `{"model":"m","prompt":"hi","bootstrap_room":1}`,
 			wantReason: metrics.ReasonPassthrough, wantMessage: `{"model":"m","prompt":"hi"}`},
 	}
@@ -181,6 +193,9 @@ func TestAPITable(t *testing.T) {
 			}
 			if tt.connector != "kv-sglang" && !pd && len(engine.Requests()) != 0 {
 				t.Errorf("a decode-only request reached the prefill engine: %s", engine.Requests()[0].Body)
+			}
+			if reqs := engine.Requests(); tt.wantPrefill != "" && (len(reqs) != 1 || string(reqs[0].Body) != tt.wantPrefill) {
+				t.Errorf("prefill legs %+v, want one with\n%s", reqs, tt.wantPrefill)
 			}
 			if got := string(d.Body.Bytes()); !strings.Contains(got, tt.wantMessage) {
 				t.Errorf("decode body %s, want it to contain %s", got, tt.wantMessage)

@@ -140,6 +140,18 @@ func parallelSamplesRefused(n int) *Error {
 			"bootstrap room, and is reported to hang or fail on it); ask for one sample per request", n)}
 }
 
+// mixedSamples refuses SGLang's list of sampling_params whose n values
+// differ (each is every entry's n), as SGLang does.
+func mixedSamples(each []int) *Error {
+	i := 1
+	for each[i] == each[0] {
+		i++
+	}
+	return badRequest("sampling_params[%d] has n %d and sampling_params[0] has n %d: SGLang takes n from the first entry "+
+		"and refuses a list whose n values differ (\"The parallel_sample_num should be the same for all samples in sample params\"); "+
+		"give every entry the same n", i, each[i], each[0])
+}
+
 // TooLarge is the error for a body over the configured limit.
 func TooLarge(limit int64) *Error {
 	return &Error{Status: http.StatusRequestEntityTooLarge, Type: "invalid_request_error",

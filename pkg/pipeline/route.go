@@ -86,7 +86,11 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if err != nil {
 		return nil, err
 	}
-	sreq := scheduling.NewRequest(a.Prompt(obj))
+	prompt := a.Prompt(obj)
+	if prompt.MixedN != nil {
+		return nil, mixedSamples(prompt.MixedN)
+	}
+	sreq := scheduling.NewRequest(prompt)
 	sreq.Subset = scheduling.ParseSubset(r.Subset)
 	sreq.Alone = alone
 	if err := p.parallelSamples(sreq); err != nil {

@@ -60,6 +60,8 @@ func TestRestartOnlyNamesTheKeysAReloadDoesNotApply(t *testing.T) {
 		{name: "envoy", more: `envoy: {override_after: 1s}`, want: []string{"envoy.override_after"}},
 		{name: "tracing", more: `tracing: {otlp_endpoint: "http://collector:4317", sample_ratio: 0.5}`, want: []string{"tracing.otlp_endpoint", "tracing.sample_ratio"}},
 		{name: "the pass-through list", more: `routes: {passthrough: ["GET /v1/models"]}`, want: []string{"routes.passthrough"}},
+		{name: "the APIs paired", more: `routes: {pair_builtin_tools: true, messages_decode_only: true}`,
+			want: []string{"routes.messages_decode_only", "routes.pair_builtin_tools"}},
 		{name: "the response path", more: `response: {rewrite_usage: true, max_body_bytes: 1024}`, want: []string{"response.max_body_bytes", "response.rewrite_usage"}},
 	}
 	file := func(connector, pools, more string) string {
@@ -202,7 +204,8 @@ func TestREADMENamesTheReloadableKeys(t *testing.T) {
 			}
 		}
 	}
-	for _, top := range []string{"connector", "prefill.*", "limits.*", "envoy.*", "tracing.*", "routes.passthrough", "response.*"} {
+	for _, top := range []string{"connector", "prefill.*", "limits.*", "envoy.*", "tracing.*", "routes.passthrough",
+		"routes.pair_builtin_tools", "routes.messages_decode_only", "response.*"} {
 		if !slices.Contains(restart, top) {
 			t.Errorf("README's restart-only list lacks %s", top)
 		}

@@ -12,9 +12,9 @@ import (
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
-// request builds a request of api (chat, completions, responses, generate or
-// sglang/generate) whose prompt names the case, so that each case's legs can
-// be found in the simulators' records (markerOf).
+// request builds a request of api (chat, completions, responses, generate,
+// sglang/generate or messages) whose prompt names the case, so that each
+// case's legs can be found in the simulators' records (markerOf).
 func request(api string, stream bool, prompt string) (path, body string) {
 	switch api {
 	case "chat":
@@ -25,6 +25,8 @@ func request(api string, stream bool, prompt string) (path, body string) {
 		return "/inference/v1/generate", fmt.Sprintf(`{"token_ids":%s,"stream":%v,"sampling_params":{"max_tokens":4}}`, markerOf(api, prompt), stream)
 	case "sglang/generate":
 		return "/generate", fmt.Sprintf(`{"text":%q,"stream":%v,"sampling_params":{"max_new_tokens":4}}`, prompt, stream)
+	case "messages":
+		return "/v1/messages", fmt.Sprintf(`{"model":"pdsim","system":"Be brief.","messages":[{"role":"user","content":%q}],"stream":%v,"max_tokens":4}`, prompt, stream)
 	}
 	return "/v1/completions", fmt.Sprintf(`{"model":"pdsim","prompt":%q,"stream":%v,"max_tokens":4}`, prompt, stream)
 }
@@ -64,6 +66,10 @@ func checkAnswer(t *testing.T, api string, stream bool, body string) {
 		if !strings.HasPrefix(body, "event: response.created\ndata: ") || !strings.Contains(body, "event: response.completed\ndata: ") {
 			t.Errorf("not a streamed response: %.300s", body)
 		}
+	case stream && api == "messages":
+		if !strings.HasPrefix(body, "event: message_start\ndata: ") || !strings.HasSuffix(body, "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n") {
+			t.Errorf("not a streamed Anthropic message: %.300s", body)
+		}
 	case stream:
 		if !strings.HasPrefix(body, "data: ") || !strings.HasSuffix(body, "data: [DONE]\n\n") {
 			t.Errorf("not an SSE stream ending in [DONE]: %.300s", body)
@@ -73,9 +79,11 @@ func checkAnswer(t *testing.T, api string, stream bool, body string) {
 			Choices []json.RawMessage `json:"choices"`
 			Output  []json.RawMessage `json:"output"`
 			Text    *string           `json:"text"`
+			Type    string            `json:"type"`    // an Anthropic message's
+			Content []json.RawMessage `json:"content"` // an Anthropic message's
 		}
 		err := json.Unmarshal([]byte(body), &a)
-		if whole := len(a.Choices) == 1 || len(a.Output) == 1 || a.Text != nil; err != nil || !whole {
+		if whole := len(a.Choices) == 1 || len(a.Output) == 1 || a.Text != nil || a.Type == "message" && len(a.Content) == 1; err != nil || !whole {
 			t.Errorf("not a whole %s answer: %.300s", api, body)
 		}
 	}
@@ -107,6 +115,7 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 		by                 string // extproc or engine
 	}{
 		{"GET", "/v1/models", "", 200, "engine"},
+		{"POST", "/v1/messages/count_tokens", `{"model":"pdsim","messages":[{"role":"user","content":"` + marker + ` count"}]}`, 200, "engine"},
 		{"POST", "/tokenize", `{"model":"pdsim","prompt":"hi"}`, 200, "engine"},
 		{"GET", "/v1/responses/resp_nowhere", "", 404, "engine"}, // passed through: the engine's own 404
 		{"POST", "/flush_cache", `{}`, 404, "extproc"},
@@ -134,15 +143,33 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 			t.Errorf("%s %s (body %q): status %d, from extproc %v; want %d from %s", tt.method, tt.path, tt.body, resp.StatusCode, fromExtproc, tt.want, tt.by)
 		}
 	}
+	if n, m := sum(legsOn(r.decode, marker+" count")), sum(legsOn(r.prefill, marker+" count")); n != 1 || m != 0 {
+		t.Errorf("count_tokens on the default list: %d decode and %d prefill requests, want it on one decode engine alone", n, m)
+	}
 	if r.connector == "kv-sglang" {
 		path, body := request("chat", false, marker+" n=2")
 		body = strings.Replace(body, `"max_tokens":4`, `"max_tokens":4,"n":2`, 1)
 		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "cannot pair several samples") {
 			t.Errorf("kv-sglang n=2: status %d (%.200s), want 400 saying it cannot pair them", resp.StatusCode, got)
 		}
-		list := `{"text":["` + marker + ` a","b"],"sampling_params":[{"n":1,"max_new_tokens":2},{"n":2,"max_new_tokens":2}]}`
-		if resp, got := r.must(t, "/generate", list, nil); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "n is 2") {
-			t.Errorf("kv-sglang /generate with n 2 in a list of sampling_params: status %d (%.200s), want 400", resp.StatusCode, got)
+		batch := `{"model":"pdsim","prompt":["` + marker + ` batch a","b"],"max_tokens":2}` // one room: room+i for prompt i, on both legs
+		if resp, got := r.must(t, "/v1/completions", batch, nil); resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
+			t.Errorf("kv-sglang completions batch: status %d, KV %q (%.200s), want 200 and a hit", resp.StatusCode, resp.Header.Get("x-pdsim-kv"), got)
+		}
+		logprobs := `{"text":"` + marker + ` logprobs","return_logprob":true,"logprob_start_len":0}`
+		if resp, got := r.must(t, "/generate", logprobs, nil); resp.StatusCode != http.StatusBadRequest ||
+			!strings.Contains(got, "only the prefill engine computes; SGLang's own gateway merges the prefill answer's input_token_logprobs") {
+			t.Errorf("kv-sglang prompt logprobs: status %d (%.300s), want 400 saying why", resp.StatusCode, got)
+		}
+		lists := []struct{ sampling, want string }{
+			{`[{"n":2,"max_new_tokens":2},{"n":2}]`, "n is 2: kv-sglang cannot pair several samples"},
+			{`[{"max_new_tokens":2},{"n":2}]`, "sampling_params[1] has n 2 and sampling_params[0] has n 1"},
+		}
+		for _, l := range lists {
+			list := `{"text":["` + marker + ` a","b"],"sampling_params":` + l.sampling + `}`
+			if resp, got := r.must(t, "/generate", list, nil); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, l.want) {
+				t.Errorf("kv-sglang /generate with sampling_params %s: status %d (%.200s), want 400 with %q", l.sampling, resp.StatusCode, got, l.want)
+			}
 		}
 	}
 	for _, sims := range [][]*pdsim.Server{r.prefill, r.decode} {
@@ -156,24 +183,34 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 	}
 }
 
-// TestResponsesWithBuiltinToolsGoDecodeOnly: a Responses request with a tool
-// other than a function goes to the decode engine alone (builtin_tools),
-// with function tools it is P/D, and routes.pair_builtin_tools pairs both.
-func TestResponsesWithBuiltinToolsGoDecodeOnly(t *testing.T) {
+// TestDecodeOnlyByRequestOrConfig: a Responses request with a tool other
+// than a function goes to the decode engine alone (builtin_tools), in both
+// body modes; with function tools it is P/D, and routes.pair_builtin_tools
+// pairs both. routes.messages_decode_only sends Anthropic Messages requests,
+// P/D by default, to the decode engine alone (unpaired_api).
+func TestDecodeOnlyByRequestOrConfig(t *testing.T) {
+	responses := func(tools string) string {
+		return `{"model":"pdsim","input":"{marker} what is new?","max_output_tokens":4,"tools":` + tools + `}`
+	}
 	tests := []struct {
-		name, extra, tools string
-		wantPrefill        int
+		name, mode, extra, path, body string // body: {marker} marks the case's legs
+		wantPrefill                   int
+		reason                        string // of a decode-only request
 	}{
-		{"a built-in tool", "", `[{"type":"function","name":"f","parameters":{}},{"type":"web_search_preview"}]`, 0},
-		{"function tools", "", `[{"type":"function","name":"f","parameters":{}}]`, 1},
-		{"a built-in tool, paired by config", "routes: {pair_builtin_tools: true}", `[{"type":"code_interpreter","container":{"type":"auto"}}]`, 1},
+		{name: "a built-in tool", path: "/v1/responses",
+			body: responses(`[{"type":"function","name":"f","parameters":{}},{"type":"web_search_preview"}]`), reason: "builtin_tools"},
+		{name: "a built-in tool, buffered", mode: "buffered", path: "/v1/responses", body: responses(`[{"type":"mcp","server_label":"x"}]`), reason: "builtin_tools"},
+		{name: "function tools", path: "/v1/responses", body: responses(`[{"type":"function","name":"f","parameters":{}}]`), wantPrefill: 1},
+		{name: "a built-in tool, paired by config", extra: "routes: {pair_builtin_tools: true}", path: "/v1/responses",
+			body: responses(`[{"type":"code_interpreter","container":{"type":"auto"}}]`), wantPrefill: 1},
+		{name: "messages, decode-only by config", extra: "routes: {messages_decode_only: true}", path: "/v1/messages",
+			body: `{"model":"pdsim","messages":[{"role":"user","content":"{marker} what is new?"}],"max_tokens":4}`, reason: "unpaired_api"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r := startRig(t, rigOptions{extra: tt.extra})
-			marker := "[tools " + tt.name + "]"
-			body := fmt.Sprintf(`{"model":"pdsim","input":%q,"max_output_tokens":4,"tools":%s}`, marker+" what is new?", tt.tools)
-			if resp, got := r.must(t, "/v1/responses", body, nil); resp.StatusCode != http.StatusOK {
+			r := startRig(t, rigOptions{mode: tt.mode, extra: tt.extra})
+			marker := "[decode-only? " + tt.name + "]"
+			if resp, got := r.must(t, tt.path, strings.ReplaceAll(tt.body, "{marker}", marker), nil); resp.StatusCode != http.StatusOK {
 				t.Fatalf("status %d: %.300s", resp.StatusCode, got)
 			}
 			if n := sum(legsOn(r.prefill, marker)); n != tt.wantPrefill {
@@ -182,29 +219,32 @@ func TestResponsesWithBuiltinToolsGoDecodeOnly(t *testing.T) {
 			if n := sum(legsOn(r.decode, marker)); n != 1 {
 				t.Errorf("%d decode legs, want 1", n)
 			}
-			if tt.wantPrefill == 0 {
-				if n := r.metric(t, `pd_extproc_pd_decisions_total{reason="builtin_tools"}`); n != 1 {
-					t.Errorf("pd_decisions_total{reason=builtin_tools} = %v, want 1", n)
+			if tt.reason != "" {
+				series := fmt.Sprintf(`pd_extproc_pd_decisions_total{reason="%s"}`, tt.reason)
+				if n := r.metric(t, series); n != 1 {
+					t.Errorf("%s = %v, want 1", series, n)
 				}
 			}
 		})
 	}
 }
 
-// TestCountTokensPassesAndMultipartIsRefused: Claude clients' count_tokens
-// reaches a decode engine as it came; a body that is not JSON gets a 400
-// even on a listed path, as the README says.
-func TestCountTokensPassesAndMultipartIsRefused(t *testing.T) {
-	r := startRig(t, rigOptions{extra: `routes: {passthrough: ["POST /v1/messages/count_tokens", "POST /v1/audio/transcriptions"]}`})
-	body := `{"model":"pdsim","messages":[{"role":"user","content":"[count] how many?"}]}`
-	resp, got := r.must(t, "/v1/messages/count_tokens", body, nil)
-	if resp.StatusCode != http.StatusOK || sum(legsOn(r.decode, "[count]")) != 1 || sum(legsOn(r.prefill, "[count]")) != 0 {
-		t.Errorf("count_tokens: status %d (%.200s), decode legs %v, prefill legs %v; want 200 from one decode engine alone",
-			resp.StatusCode, got, legsOn(r.decode, "[count]"), legsOn(r.prefill, "[count]"))
-	}
-	multipart := "--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\npdsim\r\n--b--\r\n"
-	h := http.Header{"Content-Type": {"multipart/form-data; boundary=b"}}
-	if resp, got := r.must(t, "/v1/audio/transcriptions", multipart, h); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "not valid JSON") {
-		t.Errorf("multipart: status %d (%.200s), want 400 saying the body is not JSON", resp.StatusCode, got)
+// TestMultipartIsRefusedOnAListedPath: a body that is not JSON gets a 400
+// even on a path routes.passthrough lists, in both body modes, as the README
+// says. (POST /v1/messages/count_tokens, on the default list, is in
+// checkRoutes.)
+func TestMultipartIsRefusedOnAListedPath(t *testing.T) {
+	for _, mode := range []string{"full_duplex", "buffered"} {
+		t.Run(mode, func(t *testing.T) {
+			r := startRig(t, rigOptions{mode: mode, extra: `routes: {passthrough: ["POST /v1/audio/transcriptions"]}`})
+			multipart := "--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\npdsim\r\n--b--\r\n"
+			h := http.Header{"Content-Type": {"multipart/form-data; boundary=b"}}
+			if resp, got := r.must(t, "/v1/audio/transcriptions", multipart, h); resp.StatusCode != http.StatusBadRequest || !strings.Contains(got, "not valid JSON") {
+				t.Errorf("multipart: status %d (%.200s), want 400 saying the body is not JSON", resp.StatusCode, got)
+			}
+			if n := sum(legsOn(r.decode, "pdsim")) + sum(legsOn(r.prefill, "pdsim")); n != 0 {
+				t.Errorf("the refused body reached %d engines", n)
+			}
+		})
 	}
 }

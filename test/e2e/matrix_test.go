@@ -19,8 +19,8 @@ import (
 // else, the engines' admin endpoints first, gets extproc's 404.
 func TestMatrix(t *testing.T) {
 	apis := map[string][]string{
-		"kv-nixl":           {"chat", "completions", "responses", "generate"},
-		"kv-shared-storage": {"chat", "completions", "responses", "generate"},
+		"kv-nixl":           {"chat", "completions", "responses", "generate", "messages"},
+		"kv-shared-storage": {"chat", "completions", "responses", "generate", "messages"},
 		"kv-sglang":         {"chat", "completions", "sglang/generate"},
 	}
 	for _, mode := range []string{"full_duplex", "buffered"} {

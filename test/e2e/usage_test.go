@@ -20,10 +20,6 @@ import (
 // The simulators report like vLLM: the first request's prefill finds nothing
 // cached, the second, of the same prompt, its full blocks.
 func TestUsageRewrite(t *testing.T) {
-	fullDuplexResponses := func(c *envoyemu.Config) {
-		c.Modes.Response.Body = filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
-		c.Modes.Response.Trailers = filterv3.ProcessingMode_SEND
-	}
 	prompt := strings.TrimSpace(strings.Repeat("word ", 40))
 	// The 40 words, the two of the case's marker and the role, as the simulator
 	// counts tokens; the prefill engine's full blocks of them are 32. The
@@ -73,6 +69,13 @@ func TestUsageRewrite(t *testing.T) {
 	}
 }
 
+// fullDuplexResponses makes Envoy send response bodies in FULL_DUPLEX, as a
+// BUFFERED deployment that rewrites usage must.
+func fullDuplexResponses(c *envoyemu.Config) {
+	c.Modes.Response.Body = filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
+	c.Modes.Response.Trailers = filterv3.ProcessingMode_SEND
+}
+
 type usage struct {
 	PromptTokens int `json:"prompt_tokens"`
 	CachedTokens int
@@ -107,13 +110,23 @@ func usageOf(t *testing.T, stream bool, body string) usage {
 	return usage{PromptTokens: c.Usage.PromptTokens, CachedTokens: c.Usage.PromptTokensDetails.CachedTokens}
 }
 
-// TestUsageRewriteOnGenerateAndResponses: vLLM's token-in generate (JSON)
-// and the Responses API (JSON, and the response.completed event of a
+// TestUsageRewriteOnGenerateAndResponses: vLLM's token-in generate (JSON,
+// and the last event of a stream) and the Responses API (JSON, and the response.completed event of a
 // stream) get the prefill engine's cached tokens too: 0 for a cold prompt
 // (whose prefill answer has no details), then its full blocks, where the
-// decode engine would say the whole prompt.
+// decode engine says the whole prompt, whatever the request body mode; under
+// the shipped BUFFERED config, which sends Envoy no response body, the
+// decode engine's figure reaches the client.
 func TestUsageRewriteOnGenerateAndResponses(t *testing.T) {
-	r := startRig(t, rigOptions{prefills: 1, decodes: 1, promptTokensDetails: true, extra: "response: {rewrite_usage: true}"})
+	rigs := []struct {
+		mode      string
+		envoy     func(*envoyemu.Config)
+		rewritten bool
+	}{
+		{"full_duplex", nil, true},
+		{"buffered", fullDuplexResponses, true},
+		{"buffered", nil, false},
+	}
 	ids := make([]string, 40)
 	for i := range ids {
 		ids[i] = fmt.Sprint(100 + i)
@@ -130,6 +143,15 @@ func TestUsageRewriteOnGenerateAndResponses(t *testing.T) {
 			},
 			read: func(t *testing.T, b string) (int, int) {
 				u := usageOf(t, false, b)
+				return u.PromptTokens, u.CachedTokens
+			}},
+		{name: "generate, streamed", path: "/inference/v1/generate", // newer vLLM streams it, its usage last
+			body: func(m string) string {
+				return `{"model":"pdsim","token_ids":[` + m + `,` + strings.Join(ids, ",") + `],"sampling_params":{"max_tokens":4},` +
+					`"stream":true,"stream_options":{"include_usage":true}}`
+			},
+			read: func(t *testing.T, b string) (int, int) {
+				u := usageOf(t, true, b)
 				return u.PromptTokens, u.CachedTokens
 			}},
 		{name: "responses", path: "/v1/responses",
@@ -157,21 +179,30 @@ func TestUsageRewriteOnGenerateAndResponses(t *testing.T) {
 				return 0, 0
 			}},
 	}
-	for i, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			for turn := range 2 {
-				resp, got := r.must(t, tt.path, tt.body(fmt.Sprint(7000+i)), nil)
-				if resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
-					t.Fatalf("status %d, KV %q: %.300s", resp.StatusCode, resp.Header.Get("x-pdsim-kv"), got)
-				}
-				prompt, cached := tt.read(t, got)
-				want := 0
-				if turn == 1 {
-					want = (prompt - 1) / 16 * 16 // the prefill engine's full blocks
-				}
-				if cached != want || prompt < 40 {
-					t.Errorf("request %d: cached_tokens %d of %d, want %d (the decode engine says %d)", turn, cached, prompt, want, prompt)
-				}
+	for _, rg := range rigs {
+		t.Run(fmt.Sprintf("%s/rewritten=%v", rg.mode, rg.rewritten), func(t *testing.T) {
+			r := startRig(t, rigOptions{mode: rg.mode, envoy: rg.envoy, prefills: 1, decodes: 1, promptTokensDetails: true,
+				extra: "response: {rewrite_usage: true}"})
+			for i, tt := range tests {
+				t.Run(tt.name, func(t *testing.T) {
+					for turn := range 2 {
+						resp, got := r.must(t, tt.path, tt.body(fmt.Sprint(7000+i)), nil)
+						if resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
+							t.Fatalf("status %d, KV %q: %.300s", resp.StatusCode, resp.Header.Get("x-pdsim-kv"), got)
+						}
+						prompt, cached := tt.read(t, got)
+						want := prompt // the decode engine's figure: the KV it pulled
+						switch {
+						case rg.rewritten && turn == 0:
+							want = 0
+						case rg.rewritten:
+							want = (prompt - 1) / 16 * 16 // the prefill engine's full blocks
+						}
+						if cached != want || prompt < 40 {
+							t.Errorf("request %d: cached_tokens %d of %d, want %d (the decode engine says %d)", turn, cached, prompt, want, prompt)
+						}
+					}
+				})
 			}
 		})
 	}

@@ -41,8 +41,16 @@ func Pipeline(cfg *config.Config, log logr.Logger, options ...pipeline.Option) (
 	}
 	spec := schedulingSpec(cfg)
 	spec.Paired = c.Paired()
-	parts := pipeline.Parts{Connector: c, Table: api.NewTable(routes), Pools: scheduling.NewPools(spec, deps), Client: client, Scheme: scheme}
+	parts := pipeline.Parts{Connector: c, Table: api.NewTable(routes, decodeOnly(cfg)...), Pools: scheduling.NewPools(spec, deps), Client: client, Scheme: scheme}
 	return pipeline.New(parts, pipelineOptions(cfg), log, options...), nil
+}
+
+// decodeOnly lists the built-in APIs the config sends to a decode engine alone.
+func decodeOnly(cfg *config.Config) []*api.API {
+	if cfg.Routes.MessagesDecodeOnly {
+		return []*api.API{api.Messages}
+	}
+	return nil
 }
 
 func pipelineOptions(cfg *config.Config) pipeline.Options {
