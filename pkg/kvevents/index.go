@@ -69,14 +69,22 @@ func (x *Index) usable(v *pubView, now time.Time) bool {
 	return v.fresh && !now.Before(v.staleUntil) && (v.expected.IsZero() || now.Sub(v.expected) <= x.staleAfter)
 }
 
-// Stats is the index's size.
-type Stats struct{ Publishers, Blocks int }
+// Stats is the index's size, and how many of its views routing may not
+// trust now.
+type Stats struct{ Publishers, Stale, Blocks int }
 
 // Stats reads the index's size.
 func (x *Index) Stats() Stats {
+	now := x.now()
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	return Stats{Publishers: len(x.pubs), Blocks: x.total}
+	s := Stats{Publishers: len(x.pubs), Blocks: x.total}
+	for _, v := range x.pubs {
+		if !x.usable(v, now) {
+			s.Stale++
+		}
+	}
+	return s
 }
 
 // Skipped counts what Apply could not index.

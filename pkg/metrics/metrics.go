@@ -135,6 +135,7 @@ type Metrics struct {
 	decisions       *prometheus.CounterVec
 	bodyBytes       prometheus.Histogram
 	streams         prometheus.Gauge
+	tokenize        *prometheus.HistogramVec
 	answers         answers
 	limits          limits
 }
@@ -182,6 +183,11 @@ func New(connector string) *Metrics {
 			Namespace: namespace, Name: "streams_in_flight",
 			Help: "ext_proc Process streams currently open.",
 		}),
+		tokenize: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: namespace, Name: "tokenize_seconds",
+			Help:    "Round trips to an engine's /tokenize for a request's token ids (pools following KV events), by outcome: ok, or failed (the request went by estimates).",
+			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1},
+		}, []string{"outcome"}),
 		answers: newAnswers(),
 		limits:  newLimits(),
 	}
@@ -189,7 +195,7 @@ func New(connector string) *Metrics {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.requests, m.processing, m.prefillDuration, m.prefillFailures, m.kvParamsMissing,
-		m.decisions, m.bodyBytes, m.streams,
+		m.decisions, m.bodyBytes, m.streams, m.tokenize,
 	)
 	m.registry.MustRegister(m.answers.collectors()...)
 	m.registry.MustRegister(m.limits.collectors()...)

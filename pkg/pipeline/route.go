@@ -96,6 +96,9 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if err := p.parallelSamples(sreq); err != nil {
 		return nil, err
 	}
+	if a.Tokenize != nil {
+		p.tokenize(ctx, r, sreq, a.Tokenize(obj))
+	}
 	d, err := p.pickDecode(sreq)
 	if err != nil {
 		return nil, err

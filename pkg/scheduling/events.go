@@ -89,23 +89,28 @@ func (p *Pool) Events() (s EventsState, ok bool) {
 }
 
 // Tokenizer is where a request's token ids are asked for, when a pool
-// follows its engines' KV events: the least busy healthy endpoint of the
-// first pool that does (the prefill pool's first, as a P/D request's prompt
-// is computed there), the path and the time allowed. ok is false when no
-// pool follows events, or none of its endpoints is healthy.
+// follows its engines' KV events: the least busy healthy prefill endpoint
+// (the prefill leg's client reaches it), else decode endpoint, with the
+// path and the time allowed of the first pool that follows events. ok is
+// false when no pool does, or no endpoint is healthy.
 func (ps *Pools) Tokenizer() (e *Endpoint, path string, timeout time.Duration, ok bool) {
+	var spec *config.KVEvents
 	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
-		ev := p.events.Load()
-		if ev == nil {
-			continue
+		if ev := p.events.Load(); ev != nil && spec == nil {
+			spec = &ev.spec
 		}
+	}
+	if spec == nil {
+		return nil, "", 0, false
+	}
+	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
 		for _, c := range p.Endpoints() {
 			if c.Healthy() && (e == nil || c.Busyness() < e.Busyness()) {
 				e = c
 			}
 		}
 		if e != nil {
-			return e, ev.spec.Tokenize.Path, ev.spec.Tokenize.Timeout.D(), true
+			return e, spec.Tokenize.Path, spec.Tokenize.Timeout.D(), true
 		}
 	}
 	return nil, "", 0, false

@@ -18,3 +18,24 @@ func poolStates(pools ...*scheduling.Pool) func() []metrics.EndpointState {
 		return out
 	}
 }
+
+// kvEventStates reads the KV event views of the pools that follow their
+// engines' events, as they are at each call.
+func kvEventStates(pools ...*scheduling.Pool) func() []metrics.KVEventsState {
+	return func() []metrics.KVEventsState {
+		var out []metrics.KVEventsState
+		for _, p := range pools {
+			ev, ok := p.Events()
+			if !ok {
+				continue
+			}
+			c := ev.Counts
+			out = append(out, metrics.KVEventsState{Pool: p.Name,
+				Batches: c.Batches.Load(), Gaps: c.Gaps.Load(), Replayed: c.Replayed.Load(), ReplayFailed: c.ReplayFailed.Load(),
+				Restarts: c.Restarts.Load(), UnknownTopics: c.UnknownTopics.Load(), Undecodable: c.Undecodable.Load(),
+				Orphans: c.Orphans.Load(), Skipped: c.Skipped.Load(),
+				Publishers: ev.Index.Publishers, Stale: ev.Index.Stale, Blocks: ev.Index.Blocks})
+		}
+		return out
+	}
+}

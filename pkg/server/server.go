@@ -109,6 +109,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 		endpoints = poolStates(prefill, decode)
 	}
 	s.metrics.WatchEndpoints(endpoints)
+	s.metrics.WatchKVEvents(kvEventStates(prefill, decode))
 
 	grpcOpts := []grpc.ServerOption{grpc.MaxRecvMsgSize(int(cfg.Limits.MaxBodyBytes) + grpcHeadroom)}
 	creds, err := opts.TLS.credentials(log.WithName("tls"))
