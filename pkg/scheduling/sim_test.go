@@ -127,12 +127,12 @@ func configured(name string) simPolicy { return simPolicy{name: name, config: na
 const simBlock = 64
 
 type simEngine struct {
-	addr    string
-	speed   float64
-	cache   *simLRU // of block hashes
+	addr  string
+	speed float64
+	cache *simLRU // of block hashes
 	// events, when set, is told of every change to cache, as an engine
 	// publishes its KV events.
-	events func(...kvevents.Event)
+	events  func(...kvevents.Event)
 	queue   []*simReq
 	busy    bool
 	down    bool
