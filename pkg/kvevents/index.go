@@ -291,47 +291,47 @@ func Keys(tokens []int64, blockSize int) []uint64 {
 	return out
 }
 
-// Lookup returns, for each of endpoints, how many leading tokens of the
-// prompt its engine holds in its prefix cache (over all its publishers).
-// ok is false when some endpoint's view cannot be trusted: none of its
-// publishers has been followed, or one has lost events it could not replay;
-// the caller then goes by other means for the whole request.
-func (x *Index) Lookup(endpoints []string, tokens []int64) (held map[string]int, ok bool) {
+// Lookup returns, for each of endpoints whose view routing may trust now
+// (known), how many leading tokens of the prompt its engine holds in its
+// prefix cache, over all its publishers. A view is not known before any of
+// the endpoint's publishers has been followed, while a gap is replayed, for
+// staleAfter after a gap it could not replay, or while its engine stays
+// silent past staleAfter after work it had to store; the caller goes by
+// other means there.
+func (x *Index) Lookup(endpoints []string, tokens []int64) (held map[string]int, known map[string]bool) {
 	now := x.now()
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	want := make(map[string]bool, len(endpoints))
-	for _, e := range endpoints {
-		want[e] = false
-	}
+	known = make(map[string]bool, len(endpoints))
+	usable := map[string]bool{} // false: some publisher of it is not
 	blockSize := 0
+	for _, e := range endpoints {
+		usable[e] = true
+	}
 	for _, v := range x.pubs {
-		if _, listed := want[v.Endpoint]; !listed {
+		if ok, listed := usable[v.Endpoint]; !listed || !ok {
 			continue
 		}
 		if !x.usable(v, now) {
-			return nil, false
+			usable[v.Endpoint] = false
+			delete(known, v.Endpoint)
+			continue
 		}
-		want[v.Endpoint] = true
+		known[v.Endpoint] = true
 		if v.blockSize > 0 {
 			blockSize = v.blockSize
 		}
 	}
-	for _, followed := range want {
-		if !followed {
-			return nil, false
-		}
-	}
-	held = make(map[string]int, len(endpoints))
+	held = make(map[string]int, len(known))
 	if blockSize == 0 {
-		return held, true // nothing stored anywhere yet
+		return held, known // nothing stored anywhere yet
 	}
 	key := uint64(0)
 	for i := range len(tokens) / blockSize {
 		key = chain(key, tokens[i*blockSize:(i+1)*blockSize], nil)
 		extended := false
 		for _, v := range x.blocks[key] {
-			if _, listed := want[v.Endpoint]; !listed || v.blockSize != blockSize {
+			if !known[v.Endpoint] || v.blockSize != blockSize {
 				continue
 			}
 			if held[v.Endpoint] == i*blockSize {
@@ -343,5 +343,5 @@ func (x *Index) Lookup(endpoints []string, tokens []int64) (held map[string]int,
 			break
 		}
 	}
-	return held, true
+	return held, known
 }

@@ -70,9 +70,9 @@ func TestLookupFindsTheLongestCachedPrefix(t *testing.T) {
 			for p, events := range tt.events {
 				x.Apply(p, events)
 			}
-			held, ok := x.Lookup([]string{a.Endpoint, b.Endpoint}, prompt)
-			if !ok || !maps.Equal(held, tt.want) {
-				t.Errorf("Lookup = %v, %v; want %v", held, ok, tt.want)
+			held, known := x.Lookup([]string{a.Endpoint, b.Endpoint}, prompt)
+			if !known[a.Endpoint] || !known[b.Endpoint] || !maps.Equal(held, tt.want) {
+				t.Errorf("Lookup = %v, %v; want %v, both known", held, known, tt.want)
 			}
 		})
 	}
@@ -110,17 +110,17 @@ func TestIndexBoundsItsMemory(t *testing.T) {
 // TestLookupTrustsOnlyViewsItMay: an endpoint not followed yet, a view
 // whose gap is being replayed, one rebuilt after a gap it could not replay
 // (for staleAfter) and one whose engine stays silent after it was sent work
-// (past staleAfter) make Lookup decline the whole request.
+// (past staleAfter) are not known; the others are.
 func TestLookupTrustsOnlyViewsItMay(t *testing.T) {
 	now := time.Date(2026, 12, 2, 0, 0, 0, 0, time.UTC)
 	clock := func() time.Time { return now }
 	tests := []struct {
 		name string
 		do   func(x *Index)
-		ok   bool
+		ok   bool // a is known
 	}{
 		{"followed", func(x *Index) {}, true},
-		{"an endpoint not followed", func(x *Index) { x.Forget(b) }, false},
+		{"an endpoint not followed", func(x *Index) { x.Forget(a) }, false},
 		{"a gap being replayed", func(x *Index) { x.SetFresh(a, false) }, false},
 		{"rebuilt, staleAfter not over", func(x *Index) { x.Rebuild(a); now = now.Add(59 * time.Second) }, false},
 		{"rebuilt, staleAfter over", func(x *Index) { x.Rebuild(a); now = now.Add(time.Minute) }, true},
@@ -141,8 +141,12 @@ func TestLookupTrustsOnlyViewsItMay(t *testing.T) {
 			x.Reset(b, true)
 			x.Apply(a, []Event{stored(0, []uint64{1}, seq(0, 4))})
 			tt.do(x)
-			if _, ok := x.Lookup([]string{a.Endpoint, b.Endpoint}, seq(0, 8)); ok != tt.ok {
-				t.Errorf("Lookup ok = %v, want %v", ok, tt.ok)
+			held, known := x.Lookup([]string{a.Endpoint, b.Endpoint}, seq(0, 8))
+			if known[a.Endpoint] != tt.ok || !known[b.Endpoint] {
+				t.Errorf("Lookup known = %v, want a %v and b", known, tt.ok)
+			}
+			if _, found := held[a.Endpoint]; found && !tt.ok {
+				t.Errorf("Lookup held = %v for an endpoint not known", held)
 			}
 		})
 	}

@@ -150,8 +150,8 @@ func eventually(t *testing.T, what string, cond func() bool) {
 }
 
 func held(x *Index, endpoint string, tokens []int64) (int, bool) {
-	h, ok := x.Lookup([]string{endpoint}, tokens)
-	return h[endpoint], ok
+	h, known := x.Lookup([]string{endpoint}, tokens)
+	return h[endpoint], known[endpoint]
 }
 
 // TestSubscriberFollowsAStream: dialled as vLLM's default publisher expects,

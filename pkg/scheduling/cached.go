@@ -3,38 +3,41 @@ package scheduling
 import "github.com/pd-extproc/pd-extproc/pkg/kvevents"
 
 // lookup reads, from the pool's view of its engines' caches (KV events),
-// how many leading tokens of req's prompt each candidate holds. idx is nil
-// when the pool follows no events, req's tokens are not known, or some
-// candidate's view cannot be trusted now; the policy then goes as without
-// events.
-func (p *prefixAffinity) lookup(req *Request, eps []*Endpoint) (idx *kvevents.Index, held map[string]int) {
+// how many leading tokens of req's prompt each candidate whose view can be
+// trusted now holds (known). idx is nil when the pool follows no events or
+// req's tokens are not known; the policy then goes as without events.
+func (p *prefixAffinity) lookup(req *Request, eps []*Endpoint) (idx *kvevents.Index, held map[string]int, known map[string]bool) {
 	if p.cache == nil || len(req.Tokens()) == 0 {
-		return nil, nil
+		return nil, nil, nil
 	}
 	if idx = p.cache(); idx == nil {
-		return nil, nil
+		return nil, nil, nil
 	}
 	addrs := make([]string, len(eps))
 	for i, e := range eps {
 		addrs[i] = e.Addr
 	}
-	held, ok := idx.Lookup(addrs, req.Tokens())
-	if !ok {
-		return nil, nil
-	}
-	return idx, held
+	held, known = idx.Lookup(addrs, req.Tokens())
+	return idx, held, known
 }
 
 // holding is the candidate that holds the longest start of the prompt,
-// within the load bounds, those for following a history when it holds more
-// than half the prompt (a conversation's: going elsewhere recomputes it),
-// else the ranking's; of equals (a system prompt cached on several), the
-// least busy: whichever replica routes the next turn finds where this one
-// went in its view, so placement need not follow a ranking. nil when no
+// within the load bounds: those for following a history when it alone holds
+// that much (a conversation's earlier turns: going elsewhere recomputes
+// them), else the ranking's; of equals (a system prompt cached on several),
+// the least busy: whichever replica routes the next turn finds where this
+// one went in its view, so placement need not follow a ranking. nil when no
 // candidate within its bound holds a block of it.
-func (p *prefixAffinity) holding(req *Request, eps []*Endpoint, held map[string]int) *Endpoint {
+func (p *prefixAffinity) holding(eps []*Endpoint, held map[string]int) *Endpoint {
+	first, second := 0, 0 // the two largest holdings of different endpoints
+	for _, n := range held {
+		if n > first {
+			first, second = n, first
+		} else if n > second {
+			second = n
+		}
+	}
 	b := p.bounds(busyness(eps))
-	tokens := len(req.Tokens())
 	var best *Endpoint
 	bestHeld, bestBusy := 0, 0.0
 	for _, e := range eps {
@@ -43,7 +46,7 @@ func (p *prefixAffinity) holding(req *Request, eps []*Endpoint, held map[string]
 			continue
 		}
 		busy, queued := e.busyness()
-		if !b.within(busy, queued) && !(2*n > tokens && b.follows(busy, queued)) {
+		if !b.within(busy, queued) && !(n == first && n > second && b.follows(busy, queued)) {
 			continue
 		}
 		if n > bestHeld || busy < bestBusy {

@@ -156,19 +156,21 @@ type prefixAffinity struct {
 // and the view can be trusted (cached.go), else by the ranking and the
 // local hint.
 func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
-	idx, held := p.lookup(req, eps)
+	idx, held, known := p.lookup(req, eps)
 	if idx == nil {
 		return p.byRanking(req, eps)
 	}
-	chosen := p.holding(req, eps, held)
+	chosen := p.holding(eps, held)
 	if chosen == nil {
 		chosen = p.byRanking(req, eps)
 	} else {
 		prompt := req.Prompt()
 		p.index.record(prompt, p.index.hashes(prompt), chosen.Addr)
 	}
-	req.held = estimate{addr: chosen.Addr, tokens: held[chosen.Addr], exact: true}
-	idx.Expect(chosen.Addr, held[chosen.Addr], len(req.Tokens()))
+	if known[chosen.Addr] { // else byRanking's estimate stands
+		req.held = estimate{addr: chosen.Addr, tokens: held[chosen.Addr], exact: true}
+		idx.Expect(chosen.Addr, held[chosen.Addr], len(req.Tokens()))
+	}
 	return chosen
 }
 
