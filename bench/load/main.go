@@ -34,10 +34,7 @@ type options struct {
 func main() {
 	// The driver re-executes itself as its helper processes (children.go).
 	if len(os.Args) > 2 && os.Args[1] == "-child" {
-		if err := runChild(os.Args[2], os.Args[3:]); err != nil {
-			fmt.Fprintf(os.Stderr, "%s: %v\n", os.Args[2], err)
-			os.Exit(1)
-		}
+		testbed.Main(os.Args[2], func(ctx context.Context) error { return runChild(ctx, os.Args[2], os.Args[3:]) })
 		return
 	}
 	var o options
