@@ -49,10 +49,20 @@ func (e *Engine) Addr() string { return strings.TrimPrefix(e.URL, "http://") }
 // Await waits for the next request, bounded so that a missing one fails the test.
 func (e *Engine) Await(t testing.TB) {
 	t.Helper()
+	Receive(t, e.arrived, "the engine never received the request")
+}
+
+// Receive returns the next value from ch, what an engine fake reports; if
+// none comes within 10 s, the test fails saying missing.
+func Receive[T any](t testing.TB, ch <-chan T, missing string) T {
+	t.Helper()
 	select {
-	case <-e.arrived:
+	case v := <-ch:
+		return v
 	case <-time.After(10 * time.Second):
-		t.Fatal("the engine never received the request")
+		t.Fatal(missing)
+		var zero T
+		return zero
 	}
 }
 

@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"strings"
 	"testing"
-	"time"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -154,13 +153,7 @@ func newBlockingEngine(t *testing.T, answer func(http.ResponseWriter, *http.Requ
 
 func (b *blockingEngine) outcome(t *testing.T) error {
 	t.Helper()
-	select {
-	case err := <-b.ended:
-		return err
-	case <-time.After(10 * time.Second):
-		t.Fatal("the prefill request neither completed nor was cancelled")
-		return nil
-	}
+	return enginetest.Receive(t, b.ended, "the prefill request neither completed nor was cancelled")
 }
 
 func TestStreamEndCancelsSequentialButNotConcurrentPrefill(t *testing.T) {
