@@ -1,9 +1,12 @@
 // Package enginetest is a fake engine for unit tests: an HTTP server that
-// records what it receives and answers as a test tells it to. The end-to-end
-// tests use the real simulator (internal/pdsim) instead.
+// records what it receives and answers as a test tells it to, and a reader
+// of JSON bodies as the engines read them. The end-to-end tests use the real
+// simulator (internal/pdsim) instead.
 package enginetest
 
 import (
+	"bytes"
+	"encoding/json"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -71,6 +74,20 @@ func (e *Engine) Requests() []Request {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return slices.Clone(e.requests)
+}
+
+// Decode reads b as vLLM and SGLang read a JSON body: numbers exact, the
+// last of duplicate keys wins (as encoding/json into a map). Anything but
+// one JSON value fails the test.
+func Decode(t testing.TB, b []byte) any {
+	t.Helper()
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.UseNumber()
+	var v any
+	if err := d.Decode(&v); err != nil || d.More() {
+		t.Fatalf("not one JSON value (%v): %q", err, b)
+	}
+	return v
 }
 
 // JSON answers status with a JSON body.
