@@ -2,7 +2,6 @@ package scheduling
 
 import (
 	"cmp"
-	"container/heap"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -120,10 +119,8 @@ type pdStep struct {
 }
 
 type pdSim struct {
+	simClock
 	p        pdParams
-	now      time.Duration
-	seq      int
-	events   simQueue
 	engines  map[string]*pdEngine
 	replicas []*Pools
 	sent     int
@@ -153,11 +150,6 @@ type pdResult struct {
 	Decisions                 map[[2]int]bool
 }
 
-func (s *pdSim) at(t time.Duration, fn func()) {
-	s.seq++
-	heap.Push(&s.events, simEvent{at: t, seq: s.seq, fn: fn})
-}
-
 func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult {
 	s := &pdSim{p: p, engines: map[string]*pdEngine{}, decisions: map[[2]int]bool{}, reasons: map[metrics.Reason]int{}}
 	addrs := func(subnet, n, chunk int) []string {
@@ -183,27 +175,18 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 		r := rand.New(rand.NewPCG(p.Seed, 2+uint64(i)))
 		s.replicas = append(s.replicas, NewPools(spec, Deps{Now: func() time.Time { return simEpoch.Add(s.now) }, intn: r.IntN}))
 	}
-	var scrape func()
-	scrape = func() {
+	s.every(p.ScrapeEvery, p.Duration, func() {
 		for _, ps := range s.replicas {
 			for _, e := range slices.Concat(ps.Prefill.Endpoints(), ps.Decode.Endpoints()) {
 				eng := s.engines[e.Addr]
 				e.observe(Load{Waiting: eng.waiting(), KVUsage: min(1, float64(len(eng.running))/128), At: simEpoch.Add(s.now)})
 			}
 		}
-		if s.now < p.Duration {
-			s.at(s.now+p.ScrapeEvery, scrape)
-		}
-	}
-	s.at(0, scrape)
+	})
 	for i, sess := range w.sessions {
 		s.at(sess.started, func() { s.converse(i, sess) })
 	}
-	for s.events.Len() > 0 {
-		e := heap.Pop(&s.events).(simEvent)
-		s.now = e.at
-		e.fn()
-	}
+	s.run()
 	return s.result()
 }
 
@@ -215,24 +198,15 @@ func (s *pdSim) converse(i int, sess simSession) {
 		s.send(&pdReq{session: i, prompt: prompt, req: promptRequest(prompt), output: sess.turns[0].output, done: func() {}})
 		return
 	}
-	history := sess.system
-	messages := []simMessage{{"system", sess.system}}
+	c := newChat(&s.simClock, sess, s.p.Duration)
 	var turn func(j int)
 	turn = func(j int) {
-		t := sess.turns[j]
-		prompt := history + "\nuser\n" + t.user
-		asked := append(slices.Clip(messages), simMessage{"user", t.user})
+		t, prompt, asked := c.ask(j)
 		r := &pdReq{session: i, turn: j, prompt: prompt, req: chatRequest(asked), output: t.output}
 		if s.p.CacheReplies {
 			r.after = prompt + "\nassistant\n" + t.reply
 		}
-		r.done = func() {
-			history = prompt + "\nassistant\n" + t.reply
-			messages = append(asked, simMessage{"assistant", t.reply})
-			if j+1 < len(sess.turns) && s.now < s.p.Duration {
-				s.at(s.now+t.think, func() { turn(j + 1) })
-			}
-		}
+		r.done = func() { c.answered(j, prompt, asked, turn) }
 		s.send(r)
 	}
 	turn(0)
