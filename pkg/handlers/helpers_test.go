@@ -60,6 +60,12 @@ func newPipeline(t *testing.T, yaml string) *pipeline.Pipeline {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return assembled(t, cfg)
+}
+
+// assembled is the real pipeline for cfg, waited for when the test ends.
+func assembled(t testing.TB, cfg *config.Config) *pipeline.Pipeline {
+	t.Helper()
 	p, err := assemble.Pipeline(cfg, logr.Discard())
 	if err != nil {
 		t.Fatal(err)
