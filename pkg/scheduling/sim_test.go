@@ -123,12 +123,39 @@ func configured(name string) simPolicy { return simPolicy{name: name, config: na
 const simBlock = 64
 
 type simEngine struct {
+	prefiller[*simReq]
 	speed   float64
 	cache   *simLRU // of block hashes
-	queue   []*simReq
-	busy    bool
 	down    bool
 	running int
+}
+
+// prefiller is an engine's prefill: one request at a time, the others
+// queued in order of arrival. start begins a request's prefill, whose end
+// calls done.
+type prefiller[R any] struct {
+	queue []R
+	busy  bool
+	start func(R)
+}
+
+func (p *prefiller[R]) add(r R) {
+	p.queue = append(p.queue, r)
+	p.next()
+}
+
+func (p *prefiller[R]) done() {
+	p.busy = false
+	p.next()
+}
+
+func (p *prefiller[R]) next() {
+	if p.busy || len(p.queue) == 0 {
+		return
+	}
+	r := p.queue[0]
+	p.queue, p.busy = p.queue[1:], true
+	p.start(r)
 }
 
 // simLRU is a set of at most capacity hashes that forgets the least recently
@@ -299,7 +326,9 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 	for i, speed := range p.Speeds {
 		a := fmt.Sprintf("10.0.0.%d:8000", i+1)
 		addrs = append(addrs, a)
-		s.engines[a] = &simEngine{speed: speed, cache: newSimLRU(p.CacheChars / simBlock)}
+		e := &simEngine{speed: speed, cache: newSimLRU(p.CacheChars / simBlock)}
+		e.start = func(r *simReq) { s.prefill(e, r) }
+		s.engines[a] = e
 	}
 	spec := PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{
 		Policy:  policy.config,
@@ -410,17 +439,11 @@ func (s *sim) send(r *simReq) {
 		r.done(false)
 		return
 	}
-	r.engine.queue = append(r.engine.queue, r)
-	s.startPrefill(r.engine)
+	r.engine.add(r)
 }
 
-func (s *sim) startPrefill(e *simEngine) {
-	if e.busy || len(e.queue) == 0 {
-		return
-	}
-	r := e.queue[0]
-	e.queue = e.queue[1:]
-	e.busy = true
+// prefill computes r's prompt on e, then decodes it.
+func (s *sim) prefill(e *simEngine, r *simReq) {
 	hs := simHashes(r.prompt)
 	hit := e.serve(hs)
 	n := float64(len(r.prompt))
@@ -440,7 +463,6 @@ func (s *sim) startPrefill(e *simEngine) {
 	s.cached += float64(hit)
 	d := s.p.PrefillFixed + secs((n-float64(hit))/(s.p.PrefillCPS*e.speed))
 	s.at(s.now+d, func() {
-		e.busy = false
 		s.ttfts = append(s.ttfts, s.now-r.arrived)
 		e.running++
 		// Decoding slows as the batch grows; it does not hold up prefill.
@@ -451,6 +473,6 @@ func (s *sim) startPrefill(e *simEngine) {
 			r.release()
 			r.done(true)
 		})
-		s.startPrefill(e)
+		e.done()
 	})
 }

@@ -72,9 +72,7 @@ type pdPolicy struct {
 type pdEngine struct {
 	cache      *simLRU
 	chunkChars int // its step's token budget, in characters
-	// prefill
-	queue []*pdReq
-	busy  bool
+	prefiller[*pdReq]
 	// decode
 	stepping bool
 	pending  []*pdReq // decode-only, their prompt still to compute locally
@@ -156,7 +154,9 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 		out := make([]string, n)
 		for i := range out {
 			out[i] = fmt.Sprintf("10.0.%d.%d:8000", subnet, i+1)
-			s.engines[out[i]] = &pdEngine{cache: newSimLRU(p.CacheChars / simBlock), chunkChars: chunk}
+			e := &pdEngine{cache: newSimLRU(p.CacheChars / simBlock), chunkChars: chunk}
+			e.start = func(r *pdReq) { s.prefill(e, r) }
+			s.engines[out[i]] = e
 		}
 		return out
 	}
@@ -241,22 +241,16 @@ func (s *pdSim) send(r *pdReq) {
 	}
 	release := pe.Acquire()
 	r.pEng, r.answered = s.engines[pe.Addr], func() { pe.ReportSuccess(); release() }
-	r.pEng.queue = append(r.pEng.queue, r)
-	s.startPrefill(r.pEng)
+	r.pEng.add(r)
 }
 
-func (s *pdSim) startPrefill(e *pdEngine) {
-	if e.busy || len(e.queue) == 0 {
-		return
-	}
-	r := e.queue[0]
-	e.queue = e.queue[1:]
-	e.busy = true
+// prefill computes r's prompt on the prefill engine e, which answers, then
+// the decode engine pulls the KV.
+func (s *pdSim) prefill(e *pdEngine, r *pdReq) {
 	hit := serveLRU(e.cache, r.hs)
 	d := s.p.PrefillFixed + secs(float64(len(r.prompt)-hit)/s.p.PrefillCPS)
 	s.prefillWork += d
 	s.at(s.now+d, func() {
-		e.busy = false
 		r.answered()
 		// The decode engine pulls the blocks it lacks.
 		r.dEng.inbound++
@@ -266,7 +260,7 @@ func (s *pdSim) startPrefill(e *pdEngine) {
 			r.dEng.joining = append(r.dEng.joining, r)
 			s.kick(r.dEng)
 		})
-		s.startPrefill(e)
+		e.done()
 	})
 }
 
