@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 )
 
 // Cell is one measurement: a target, a body mode, a body size, a
@@ -203,7 +204,7 @@ func verify(ctx context.Context, c *Client, cell Cell, p *Payload, a *Answer) er
 		}
 	}
 	if r.Destination != "127.0.0.1:8201" {
-		return fmt.Errorf("%s = %q, want 127.0.0.1:8201", DestinationHeader, r.Destination)
+		return fmt.Errorf("%s = %q, want 127.0.0.1:8201", handlers.DestinationHeader, r.Destination)
 	}
 	switch {
 	case isPD(cell.Target):

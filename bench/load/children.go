@@ -1,13 +1,12 @@
 package main
 
 import (
+	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"net/http"
-	"os"
-	"os/signal"
-	"syscall"
 	"time"
 )
 
@@ -20,7 +19,7 @@ const (
 	childPrefill = "fake-prefill"
 )
 
-func runChild(name string, args []string) error {
+func runChild(ctx context.Context, name string, args []string) error {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	addr := fs.String("addr", "127.0.0.1:0", "HTTP listen address")
 	if err := fs.Parse(args); err != nil {
@@ -29,7 +28,7 @@ func runChild(name string, args []string) error {
 	if name != childPrefill {
 		return fmt.Errorf("unknown -child %q", name)
 	}
-	return serveFakePrefill(*addr)
+	return serveFakePrefill(ctx, *addr)
 }
 
 // fakePrefillCached is the prompt tokens the fake prefill found cached.
@@ -44,7 +43,8 @@ const fakePrefillAnswer = `{"id":"chatcmpl-bench","object":"chat.completion","cr
 	`"remote_engine_id":"bench-engine","remote_request_id":"chatcmpl-bench","remote_host":"127.0.0.1","remote_port":5600,` +
 	`"tp_size":1,"dcp_size":1,"pp_size":1,"remote_num_tokens":1000,"remote_blocks_expiry_time":null,"transfer_mode":"pull"}}`
 
-func serveFakePrefill(addr string) error {
+// serveFakePrefill serves until ctx ends (SIGTERM or an interrupt).
+func serveFakePrefill(ctx context.Context, addr string) error {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
 	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) {
@@ -52,20 +52,10 @@ func serveFakePrefill(addr string) error {
 		w.Header().Set("Content-Type", "application/json")
 		io.WriteString(w, fakePrefillAnswer)
 	})
-	return serveUntilSignal(&http.Server{Addr: addr, Handler: mux})
-}
-
-// serveUntilSignal serves s until SIGTERM or interrupt.
-func serveUntilSignal(s *http.Server) error {
-	s.ReadHeaderTimeout = 10 * time.Second
-	errc := make(chan error, 1)
-	go func() { errc <- s.ListenAndServe() }()
-	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGTERM, os.Interrupt)
-	select {
-	case err := <-errc:
+	s := &http.Server{Addr: addr, Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	context.AfterFunc(ctx, func() { s.Close() })
+	if err := s.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {
 		return err
-	case <-sig:
 	}
-	return s.Close()
+	return nil
 }

@@ -11,6 +11,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 )
 
 // Mode is the request body mode Envoy is configured with.
@@ -48,9 +49,6 @@ func (m Mode) proto() filterv3.ProcessingMode_BodySendMode {
 // envoyChunk is the size of the data chunks Envoy forwards in FULL_DUPLEX:
 // its default HTTP/2 and HTTP/1 read buffers hand the filter 64 KiB at most.
 const envoyChunk = 64 << 10
-
-// DestinationHeader is where every target puts the chosen endpoint.
-const DestinationHeader = "x-gateway-destination-endpoint"
 
 // Payload is one request body, with its Envoy messages prepared once and shared
 // by every stream (protobuf messages are safe for concurrent marshalling).
@@ -149,7 +147,7 @@ func recvReply(s extprocv3.ExternalProcessor_ProcessClient) (*extprocv3.Processi
 func requestPath(s extprocv3.ExternalProcessor_ProcessClient, mode Mode, p *Payload, r *Reply, keepBody bool) error {
 	readDestination := func(cr *extprocv3.CommonResponse) {
 		for _, h := range cr.GetHeaderMutation().GetSetHeaders() {
-			if h.GetHeader().GetKey() == DestinationHeader {
+			if h.GetHeader().GetKey() == handlers.DestinationHeader {
 				r.Destination = string(h.GetHeader().GetRawValue())
 			}
 		}

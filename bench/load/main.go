@@ -34,10 +34,7 @@ type options struct {
 func main() {
 	// The driver re-executes itself as its helper processes (children.go).
 	if len(os.Args) > 2 && os.Args[1] == "-child" {
-		if err := runChild(os.Args[2], os.Args[3:]); err != nil {
-			fmt.Fprintf(os.Stderr, "%s: %v\n", os.Args[2], err)
-			os.Exit(1)
-		}
+		testbed.Main(os.Args[2], func(ctx context.Context) error { return runChild(ctx, os.Args[2], os.Args[3:]) })
 		return
 	}
 	var o options
@@ -117,25 +114,21 @@ func run(ctx context.Context, o options) error {
 	n := 0
 	// Targets are interleaved cell by cell, so slow drift of the machine hits
 	// all of them alike.
-	for _, mode := range modes {
-		for _, size := range sizes {
-			for _, conc := range concs {
-				for _, target := range targets {
-					if ctx.Err() != nil {
-						return ctx.Err()
-					}
-					n++
-					cell := Cell{Target: target, Mode: mode, Size: size, Concurrency: conc}
-					res, ok := tryCell(ctx, copts, rep, cell, payloads[size], fmt.Sprintf("[%d/%d]", n, total))
-					if !ok {
-						continue
-					}
-					rep.Cells = append(rep.Cells, res)
-					fmt.Fprintf(os.Stderr, "[%d/%d] %s: %d req, %.0f req/s, p50 %s ms, p99 %s ms, cpu %.2fs, peak %.0f MiB, errors %d (%s elapsed)\n",
-						n, total, cell, res.Requests, res.Throughput(), ms(res.P50), ms(res.P99), res.ServerCPU, mib(res.PeakRSS), res.Errors,
-						time.Since(start).Round(time.Second))
-				}
+	for row := range rows(modes, sizes, concs) {
+		for _, target := range targets {
+			if ctx.Err() != nil {
+				return ctx.Err()
 			}
+			n++
+			cell := row.of(target)
+			res, ok := tryCell(ctx, copts, rep, cell, payloads[cell.Size], fmt.Sprintf("[%d/%d]", n, total))
+			if !ok {
+				continue
+			}
+			rep.Cells = append(rep.Cells, res)
+			fmt.Fprintf(os.Stderr, "[%d/%d] %s: %d req, %.0f req/s, p50 %s ms, p99 %s ms, cpu %.2fs, peak %.0f MiB, errors %d (%s elapsed)\n",
+				n, total, cell, res.Requests, res.Throughput(), ms(res.P50), ms(res.P99), res.ServerCPU, mib(res.PeakRSS), res.Errors,
+				time.Since(start).Round(time.Second))
 		}
 	}
 	if len(answerTargets) > 0 {

@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"io"
+	"iter"
 	"strings"
 	"time"
 )
@@ -31,21 +32,42 @@ type Report struct {
 }
 
 // find returns the cell's result if any request of it completed.
-func (r *Report) find(target string, mode Mode, size, conc int) *CellResult {
-	if c := r.findAny(target, mode, size, conc); c != nil && c.Requests > 0 {
+func (r *Report) find(cell Cell) *CellResult {
+	if c := r.findAny(cell); c != nil && c.Requests > 0 {
 		return c
 	}
 	return nil
 }
 
-func (r *Report) findAny(target string, mode Mode, size, conc int) *CellResult {
+func (r *Report) findAny(cell Cell) *CellResult {
 	for i := range r.Cells {
-		c := &r.Cells[i]
-		if c.Target == target && c.Mode == mode && c.Size == size && c.Concurrency == conc {
+		if c := &r.Cells[i]; c.Cell == cell {
 			return c
 		}
 	}
 	return nil
+}
+
+// rows yields the cell of every mode, body size and concurrency, without its
+// target, in the order of the run and of the report's rows.
+func rows(modes []Mode, sizes, concs []int) iter.Seq[Cell] {
+	return func(yield func(Cell) bool) {
+		for _, mode := range modes {
+			for _, size := range sizes {
+				for _, conc := range concs {
+					if !yield(Cell{Mode: mode, Size: size, Concurrency: conc}) {
+						return
+					}
+				}
+			}
+		}
+	}
+}
+
+// of is the cell of target in row.
+func (row Cell) of(target string) Cell {
+	row.Target = target
+	return row
 }
 
 // rtt is the loopback round trip to simulator sim for leg ("small", or a body size name).
@@ -104,22 +126,20 @@ func (r *Report) writeMode(w io.Writer, mode Mode, sizes, concs []int, targets [
 		"concurrency / body size.")
 	tableHead(w, "<body", "c", "<target", "requests", "req/s", "p50 ms", "p99 ms", "CPU s", "CPU ms/req", "prefill s", "driver s",
 		"others s", "idle RSS MiB", "peak RSS MiB", "mem/in-flight (× body)", "goroutines before→after", "errors")
-	for _, size := range sizes {
-		for _, conc := range concs {
-			for _, target := range targets {
-				c := r.findAny(target, mode, size, conc)
-				if c == nil {
-					continue
-				}
-				prefill := "–"
-				if isPD(c.Target) {
-					prefill = fmt.Sprintf("%.2f", c.PrefillCPU)
-				}
-				fmt.Fprintf(w, "| %s | %d | %s | %d | %.0f | %s | %s | %.2f | %.3f | %s | %.2f | %.2f | %.1f | %.1f | %.2f | %s | %s |\n",
-					sizeName(size), conc, c.Target, c.Requests, c.Throughput(), ms(c.P50), ms(c.P99),
-					c.ServerCPU, c.cpuPerRequest(), prefill, c.DriverCPU, c.OtherCPU,
-					mib(c.IdleRSS), mib(c.PeakRSS), c.PerInFlight(), goroutineDelta(c), errorsCell(c))
+	for row := range rows([]Mode{mode}, sizes, concs) {
+		for _, target := range targets {
+			c := r.findAny(row.of(target))
+			if c == nil {
+				continue
 			}
+			prefill := "–"
+			if isPD(c.Target) {
+				prefill = fmt.Sprintf("%.2f", c.PrefillCPU)
+			}
+			fmt.Fprintf(w, "| %s | %d | %s | %d | %.0f | %s | %s | %.2f | %.3f | %s | %.2f | %.2f | %.1f | %.1f | %.2f | %s | %s |\n",
+				sizeName(c.Size), c.Concurrency, c.Target, c.Requests, c.Throughput(), ms(c.P50), ms(c.P99),
+				c.ServerCPU, c.cpuPerRequest(), prefill, c.DriverCPU, c.OtherCPU,
+				mib(c.IdleRSS), mib(c.PeakRSS), c.PerInFlight(), goroutineDelta(c), errorsCell(c))
 		}
 	}
 	fmt.Fprintln(w)
@@ -146,33 +166,29 @@ func (r *Report) writeRatios(w io.Writer, l *Launcher, modes []Mode, sizes, conc
 		}
 	}
 	tableHead(w, append([]string{"<" + cols[0], "<" + cols[1]}, cols[2:]...)...)
-	for _, mode := range modes {
-		for _, size := range sizes {
-			for _, conc := range concs {
-				echo := r.find(TargetEcho, mode, size, conc)
-				if echo == nil {
-					continue
-				}
-				row := []string{modeShort(mode), sizeName(size), fmt.Sprint(conc)}
-				for _, t := range targets {
-					if t != TargetDecode && !isPD(t) {
-						continue
-					}
-					c := r.find(t, mode, size, conc)
-					row = append(row, ratio(c, echo.P50, (*CellResult).p50), ratio(c, echo.P99, (*CellResult).p99))
-					if t == TargetDecode {
-						row = append(row, cpuRatio(c, echo))
-					}
-					if isPD(t) {
-						sim := l.prefillSim(t)
-						small, ok1 := r.rtt(sim, "small")
-						leg, ok2 := r.rtt(sim, sizeName(size))
-						row = append(row, budgetRatio(c, echo, small, ok1), budgetRatio(c, echo, leg, ok2))
-					}
-				}
-				fmt.Fprintf(w, "| %s |\n", strings.Join(row, " | "))
+	for row := range rows(modes, sizes, concs) {
+		echo := r.find(row.of(TargetEcho))
+		if echo == nil {
+			continue
+		}
+		line := []string{modeShort(row.Mode), sizeName(row.Size), fmt.Sprint(row.Concurrency)}
+		for _, t := range targets {
+			if t != TargetDecode && !isPD(t) {
+				continue
+			}
+			c := r.find(row.of(t))
+			line = append(line, ratio(c, echo.P50, (*CellResult).p50), ratio(c, echo.P99, (*CellResult).p99))
+			if t == TargetDecode {
+				line = append(line, cpuRatio(c, echo))
+			}
+			if isPD(t) {
+				sim := l.prefillSim(t)
+				small, ok1 := r.rtt(sim, "small")
+				leg, ok2 := r.rtt(sim, sizeName(row.Size))
+				line = append(line, budgetRatio(c, echo, small, ok1), budgetRatio(c, echo, leg, ok2))
 			}
 		}
+		fmt.Fprintf(w, "| %s |\n", strings.Join(line, " | "))
 	}
 	fmt.Fprintln(w)
 }
@@ -241,33 +257,29 @@ func (r *Report) writeTargets(w io.Writer, l *Launcher, modes []Mode, sizes, con
 	for _, t := range targets {
 		pd[t], mem[t], growth[t] = &verdict{}, &verdict{}, &verdict{}
 	}
-	for _, mode := range modes {
-		for _, size := range sizes {
-			for _, conc := range concs {
-				name := fmt.Sprintf("%s %s c=%d", modeShort(mode), sizeName(size), conc)
-				echo := r.find(TargetEcho, mode, size, conc)
-				for _, t := range targets {
-					c := r.find(t, mode, size, conc)
-					if c == nil {
-						continue
-					}
-					switch {
-					case echo == nil:
-					case t == TargetDecode:
-						decP50.add(float64(c.P50)/float64(echo.P50), latencyFactor, name)
-						decP99.add(float64(c.P99)/float64(echo.P99), latencyFactor, name)
-					case isPD(t):
-						if small, ok := r.rtt(l.prefillSim(t), "small"); ok {
-							pd[t].add(float64(c.P99)/float64(pdBudget(echo.P99, small.P99)), 1, name)
-						}
-					}
-					if size >= memoryMinBody && conc >= memoryMinConc {
-						mem[t].add(c.PerInFlight(), memoryPerBody, name)
-					}
-					if c.GBefore >= 0 && c.GAfter >= 0 {
-						growth[t].add(float64(c.GAfter-c.GBefore), float64(allowedGrowth(t)), name)
-					}
+	for row := range rows(modes, sizes, concs) {
+		name := fmt.Sprintf("%s %s c=%d", modeShort(row.Mode), sizeName(row.Size), row.Concurrency)
+		echo := r.find(row.of(TargetEcho))
+		for _, t := range targets {
+			c := r.find(row.of(t))
+			if c == nil {
+				continue
+			}
+			switch {
+			case echo == nil:
+			case t == TargetDecode:
+				decP50.add(float64(c.P50)/float64(echo.P50), latencyFactor, name)
+				decP99.add(float64(c.P99)/float64(echo.P99), latencyFactor, name)
+			case isPD(t):
+				if small, ok := r.rtt(l.prefillSim(t), "small"); ok {
+					pd[t].add(float64(c.P99)/float64(pdBudget(echo.P99, small.P99)), 1, name)
 				}
+			}
+			if row.Size >= memoryMinBody && row.Concurrency >= memoryMinConc {
+				mem[t].add(c.PerInFlight(), memoryPerBody, name)
+			}
+			if c.GBefore >= 0 && c.GAfter >= 0 {
+				growth[t].add(float64(c.GAfter-c.GBefore), float64(allowedGrowth(t)), name)
 			}
 		}
 	}

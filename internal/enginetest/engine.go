@@ -1,9 +1,12 @@
 // Package enginetest is a fake engine for unit tests: an HTTP server that
-// records what it receives and answers as a test tells it to. The end-to-end
-// tests use the real simulator (internal/pdsim) instead.
+// records what it receives and answers as a test tells it to, and a reader
+// of JSON bodies as the engines read them. The end-to-end tests use the real
+// simulator (internal/pdsim) instead.
 package enginetest
 
 import (
+	"bytes"
+	"encoding/json"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -49,10 +52,20 @@ func (e *Engine) Addr() string { return strings.TrimPrefix(e.URL, "http://") }
 // Await waits for the next request, bounded so that a missing one fails the test.
 func (e *Engine) Await(t testing.TB) {
 	t.Helper()
+	Receive(t, e.arrived, "the engine never received the request")
+}
+
+// Receive returns the next value from ch, what an engine fake reports; if
+// none comes within 10 s, the test fails saying missing.
+func Receive[T any](t testing.TB, ch <-chan T, missing string) T {
+	t.Helper()
 	select {
-	case <-e.arrived:
+	case v := <-ch:
+		return v
 	case <-time.After(10 * time.Second):
-		t.Fatal("the engine never received the request")
+		t.Fatal(missing)
+		var zero T
+		return zero
 	}
 }
 
@@ -61,6 +74,20 @@ func (e *Engine) Requests() []Request {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return slices.Clone(e.requests)
+}
+
+// Decode reads b as vLLM and SGLang read a JSON body: numbers exact, the
+// last of duplicate keys wins (as encoding/json into a map). Anything but
+// one JSON value fails the test.
+func Decode(t testing.TB, b []byte) any {
+	t.Helper()
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.UseNumber()
+	var v any
+	if err := d.Decode(&v); err != nil || d.More() {
+		t.Fatalf("not one JSON value (%v): %q", err, b)
+	}
+	return v
 }
 
 // JSON answers status with a JSON body.

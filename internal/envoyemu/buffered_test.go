@@ -16,10 +16,6 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 )
 
-func continueHeaders() *extprocv3.ProcessingResponse {
-	return requestHeadersReply(&extprocv3.CommonResponse{}, nil)
-}
-
 func overrideTimeout(d time.Duration) *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{OverrideMessageTimeout: durationpb.New(d)}
 }

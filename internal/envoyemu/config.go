@@ -4,8 +4,8 @@
 // Envoy refuses. It is driven by a real Envoy bootstrap
 // (config/envoy/envoy.yaml). Section numbers (§) in this
 // package and its subpackages refer to docs/envoy.md. What the filter makes of the server's
-// replies is the rules subpackage's model, which the handlers' fuzz checker
-// shares.
+// replies, and of their header mutations, is the rules subpackage's model,
+// which the handlers' fuzz checker shares.
 //
 //	cfg, err := envoyemu.LoadConfig(".../config/envoy/envoy.yaml")
 //	p, err := envoyemu.Start(cfg, extProcAddr) // or several: the cluster's endpoints

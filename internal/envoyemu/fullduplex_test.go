@@ -7,12 +7,10 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
 
-	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc/codes"
@@ -165,9 +163,9 @@ func TestFullDuplexStrictReplies(t *testing.T) {
 		{
 			name: "value and raw_value both set",
 			script: func(s *procStream, addr string, body []byte) {
-				s.reply(requestHeadersReply(setHeaders(&corev3.HeaderValueOption{Header: &corev3.HeaderValue{
-					Key: "x-gateway-destination-endpoint", Value: addr, RawValue: []byte(addr),
-				}}), nil))
+				both := rawHeader("x-gateway-destination-endpoint", addr)
+				both.Header.Value = addr
+				s.reply(requestHeadersReply(setHeaders(both), nil))
 			},
 			details: "Only one of value or raw_value",
 		},
@@ -175,7 +173,7 @@ func TestFullDuplexStrictReplies(t *testing.T) {
 			name: "trailers reply when no trailers were sent",
 			script: func(s *procStream, addr string, body []byte) {
 				s.reply(requestHeadersReply(route(addr), nil))
-				s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}}})
+				s.reply(requestTrailersReply())
 			},
 			details: "trailers response received while not waiting",
 		},
@@ -290,9 +288,7 @@ func TestFullDuplexTrailersAndBodiless(t *testing.T) {
 			}
 			s.reply(requestHeadersReply(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil))
 			s.reply(requestBodyReply(streamedMutation(body, false)))
-			s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{
-				HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{rawHeader("x-checksum", "rewritten")}},
-			}}})
+			s.reply(requestTrailersReply(rawHeader("x-checksum", "rewritten")))
 			passResponse(s)
 			return nil
 		})
@@ -312,9 +308,17 @@ func TestFullDuplexTrailersAndBodiless(t *testing.T) {
 // the engine is still generating (no buffering anywhere on the path).
 func TestFullDuplexStreamsResponse(t *testing.T) {
 	release := make(chan struct{})
-	up := &upstream{}
-	up.Server = newSSEServer(t, release)
-	up.addr = strings.TrimPrefix(up.URL, "http://")
+	up := startUpstreamWith(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "data: one\n\n")
+		w.(http.Flusher).Flush()
+		select {
+		case <-release:
+		case <-r.Context().Done():
+			return
+		}
+		_, _ = io.WriteString(w, "data: two\n\ndata: [DONE]\n\n")
+	})
 	p := startProxy(t, loadShipped(t, "envoy.yaml"), fullDuplexRouter(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil, nil))
 
 	resp, err := http.Post(p.URL()+"/v1/chat/completions", "application/json", strings.NewReader(`{"stream":true}`))
@@ -336,24 +340,6 @@ func TestFullDuplexStreamsResponse(t *testing.T) {
 	if !strings.Contains(string(rest), "data: two") {
 		t.Fatalf("rest = %q", rest)
 	}
-}
-
-func newSSEServer(t *testing.T, release chan struct{}) *httptest.Server {
-	t.Helper()
-	s := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		_, _ = io.ReadAll(r.Body)
-		w.Header().Set("Content-Type", "text/event-stream")
-		_, _ = io.WriteString(w, "data: one\n\n")
-		w.(http.Flusher).Flush()
-		select {
-		case <-release:
-		case <-r.Context().Done():
-			return
-		}
-		_, _ = io.WriteString(w, "data: two\n\ndata: [DONE]\n\n")
-	}))
-	t.Cleanup(s.Close)
-	return s
 }
 
 // TestClientDisconnectCancelsStream: a client that goes away cancels the
@@ -432,9 +418,7 @@ func TestFullDuplexResponseTrailersAndNoTimer(t *testing.T) {
 				for _, h := range r.ResponseTrailers.GetTrailers().GetHeaders() {
 					sawTrailers <- h.GetKey() + "=" + string(h.GetRawValue())
 				}
-				s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{
-					HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{rawHeader("x-usage", "6")}},
-				}}})
+				s.reply(responseTrailersReply(rawHeader("x-usage", "6")))
 			}
 		}
 	})

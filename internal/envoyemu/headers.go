@@ -134,53 +134,6 @@ func (h *headerMap) toHTTPHeader(dst http.Header) {
 	}
 }
 
-// isTokenChar reports RFC 9110 tchar.
-func isTokenChar(c byte) bool {
-	switch {
-	case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9':
-		return true
-	}
-	return strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0
-}
-
-// isToken reports whether s is a non-empty RFC 9110 token.
-func isToken(s string) bool {
-	for i := 0; i < len(s); i++ {
-		if !isTokenChar(s[i]) {
-			return false
-		}
-	}
-	return s != ""
-}
-
-// headerNameIsValid mirrors Envoy's HeaderUtility::headerNameIsValid:
-// pseudo-headers use HTTP/2 rules (lower-case only), other names HTTP/1 token
-// rules.
-func headerNameIsValid(name string) bool {
-	if name == "" {
-		return false
-	}
-	if pseudo, ok := strings.CutPrefix(name, ":"); ok {
-		return pseudo != "" && isToken(pseudo) && strings.ToLower(pseudo) == pseudo
-	}
-	return isToken(name)
-}
-
-// headerValueIsValid follows nghttp2's check: HTAB, SP, VCHAR and obs-text.
-// NUL, CR, LF and other controls are refused.
-func headerValueIsValid(v string) bool {
-	for i := 0; i < len(v); i++ {
-		c := v[i]
-		if c == '\t' {
-			continue
-		}
-		if c < 0x20 || c == 0x7f {
-			return false
-		}
-	}
-	return true
-}
-
 // appendXFF is Envoy's Utility::appendXff, run with use_remote_address: the
 // peer's IP joins x-forwarded-for after a "," (Envoy holds the header as one
 // inline entry, the client's values joined by ",").

@@ -127,8 +127,29 @@ func requestHeadersReply(cr *extprocv3.CommonResponse, md *structpb.Struct) *ext
 	}
 }
 
+func continueHeaders() *extprocv3.ProcessingResponse {
+	return requestHeadersReply(&extprocv3.CommonResponse{}, nil)
+}
+
 func requestBodyReply(cr *extprocv3.CommonResponse) *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: cr}}}
+}
+
+// requestTrailersReply and responseTrailersReply answer trailers, setting hs.
+func requestTrailersReply(hs ...*corev3.HeaderValueOption) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: trailersResponse(hs)}}
+}
+
+func responseTrailersReply(hs ...*corev3.HeaderValueOption) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: trailersResponse(hs)}}
+}
+
+func trailersResponse(hs []*corev3.HeaderValueOption) *extprocv3.TrailersResponse {
+	tr := &extprocv3.TrailersResponse{}
+	if len(hs) > 0 {
+		tr.HeaderMutation = &extprocv3.HeaderMutation{SetHeaders: hs}
+	}
+	return tr
 }
 
 func streamedMutation(b []byte, eos bool) *extprocv3.CommonResponse {
@@ -196,7 +217,7 @@ func passResponse(s *procStream) {
 				Response: streamedMutation(r.ResponseBody.GetBody(), r.ResponseBody.GetEndOfStream()),
 			}}})
 		case *extprocv3.ProcessingRequest_ResponseTrailers:
-			s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}})
+			s.reply(responseTrailersReply())
 		default:
 			s.t.Errorf("unexpected message on the response path: %T", m.Request)
 			return

@@ -24,7 +24,7 @@ func (x *exchange) immediateResponse(ir *extprocv3.ImmediateResponse) {
 	if len(ir.GetBody()) > 0 {
 		h.set("content-type", "text/plain")
 	}
-	if _, err := applyHeaderMutation(ir.GetHeaders(), h, x.p.rules, x.limits(), mutationOptions{}); err != nil {
+	if _, err := applyHeaderMutation(ir.GetHeaders(), h, x.p.headers, x.limits(), mutationOptions{}); err != nil {
 		x.logf("immediate response header mutation failed: %v", err)
 	}
 	h.remove("content-length")

@@ -10,6 +10,8 @@ import (
 	"net/http"
 	"sync"
 	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/rules"
 )
 
 // Proxy is a running emulated Envoy: an HTTP/1.1 listener on 127.0.0.1 with
@@ -17,7 +19,7 @@ import (
 // router, both clusters behind their circuit breakers (§12).
 type Proxy struct {
 	cfg       Config
-	rules     *mutationRules
+	headers   *rules.HeaderRules // the filter's mutation_rules
 	ln        net.Listener
 	srv       *http.Server
 	extProc   *extProcCluster
@@ -51,7 +53,7 @@ func Start(cfg *Config, extProcAddrs ...string) (*Proxy, error) {
 	if err := c.Validate(); err != nil {
 		return nil, fmt.Errorf("envoy: config rejected: %w", err)
 	}
-	rules, err := compileRules(c.Mutations.Rules, c.Mutations.HeaderPrefix)
+	headerRules, err := rules.NewHeaderRules(c.Mutations.Rules, c.Mutations.HeaderPrefix)
 	if err != nil {
 		return nil, fmt.Errorf("envoy: config rejected: %w", err)
 	}
@@ -71,7 +73,7 @@ func Start(cfg *Config, extProcAddrs ...string) (*Proxy, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Proxy{
 		cfg:     c,
-		rules:   rules,
+		headers: headerRules,
 		ln:      ln,
 		extProc: ep,
 		transport: &http.Transport{

@@ -16,7 +16,7 @@ func (d *direction) applyHeaders(m *extprocv3.HeaderMutation, replacing bool) er
 	if m == nil {
 		return nil
 	}
-	rejected, err := applyHeaderMutation(m, d.src.headers, d.x.p.rules, d.x.limits(), mutationOptions{
+	rejected, err := applyHeaderMutation(m, d.src.headers, d.x.p.headers, d.x.limits(), mutationOptions{
 		dropContentLength: d.shouldRemoveContentLength(),
 		replacing:         replacing,
 	})
@@ -201,7 +201,7 @@ func (d *direction) onBufferedBody(cr *extprocv3.CommonResponse, buffered bool) 
 
 func (d *direction) onTrailersResponse(tr *extprocv3.TrailersResponse) error {
 	d.timer.stop()
-	rejected, err := applyHeaderMutation(tr.GetHeaderMutation(), d.src.trailers, d.x.p.rules, d.x.limits(), mutationOptions{})
+	rejected, err := applyHeaderMutation(tr.GetHeaderMutation(), d.src.trailers, d.x.p.headers, d.x.limits(), mutationOptions{})
 	if err != nil {
 		return err
 	}

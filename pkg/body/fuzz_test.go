@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"unicode/utf8"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 )
 
 // The seed corpora in testdata/fuzz hold realistic chat and completions bodies;
@@ -174,9 +176,9 @@ func FuzzApply(f *testing.F) {
 			t.Fatalf("Parse(Splice output %q): %v", out, err)
 		}
 
-		want := decodeLastWins(t, b).(map[string]any)
+		want := enginetest.Decode(t, b).(map[string]any)
 		changes := applyModel(t, want, edits)
-		if got := decodeLastWins(t, out); !reflect.DeepEqual(got, want) {
+		if got := enginetest.Decode(t, out); !reflect.DeepEqual(got, want) {
 			t.Fatalf("Splice(%s) on %q\n = %q\ndecodes to %v\nwant %v", describe(edits), b, out, got, want)
 		}
 		if !changes && (len(out) != len(b) || &out[0] != &b[0]) {
@@ -258,7 +260,7 @@ func applyModel(t *testing.T, m map[string]any, edits []Edit) (changes bool) {
 		case e.IfPresent && !present:
 		default:
 			changes = true
-			cur[e.Key] = decodeLastWins(t, e.Value)
+			cur[e.Key] = enginetest.Decode(t, e.Value)
 		}
 	}
 	return changes
@@ -316,19 +318,6 @@ func parseScript(script string) []Edit {
 		edits = append(edits, e)
 	}
 	return edits
-}
-
-// decodeLastWins decodes JSON as vLLM and SGLang do: numbers exact, the last
-// duplicate key wins (encoding/json into a map does the same).
-func decodeLastWins(t *testing.T, b []byte) any {
-	t.Helper()
-	d := json.NewDecoder(bytes.NewReader(b))
-	d.UseNumber()
-	var v any
-	if err := d.Decode(&v); err != nil {
-		t.Fatalf("decode %q: %v", b, err)
-	}
-	return v
 }
 
 // describe renders edits the way a test failure should show them.

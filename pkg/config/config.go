@@ -231,7 +231,7 @@ func (c *Config) validate() error {
 		{"limits.body_timeout", int64(c.Limits.BodyTimeout)},
 	} {
 		if n.value < 0 {
-			errs = append(errs, fmt.Errorf("%s: must be positive", n.key))
+			errs = append(errs, fmt.Errorf("%s: must not be negative", n.key)) // 0: the default, or no bound
 		}
 	}
 	if connector != nil && connector.Paired() && (c.PD.Mode == PDNever || c.PD.MinPromptTokens > 0 || len(c.PD.cacheKeys("pd")) > 0) {
@@ -254,7 +254,7 @@ func (c *Config) validate() error {
 		errs = append(errs, errors.New("limits.retry_after: must be at least 1s (Retry-After is in whole seconds)"))
 	}
 	if c.Envoy.OverrideAfter < 0 || c.Envoy.OverrideMessageTimeout < 0 {
-		errs = append(errs, errors.New("envoy.override_after, envoy.override_message_timeout: must be positive"))
+		errs = append(errs, errors.New("envoy.override_after, envoy.override_message_timeout: must not be negative"))
 	}
 	errs = append(errs, c.Tracing.Validate("tracing"),
 		c.Pools.Prefill.Kubernetes.Validate("pools.prefill.kubernetes"),

@@ -74,6 +74,23 @@ func nothingApplied(t *testing.T, applied chan *Config) {
 	}
 }
 
+// rejectedSaying waits for a rejection that says each of wants, and then
+// checks that nothing was applied.
+func rejectedSaying(t *testing.T, rejected chan error, applied chan *Config, wants ...string) {
+	t.Helper()
+	select {
+	case err := <-rejected:
+		for _, w := range wants {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("rejection = %v; want it to say %q", err, w)
+			}
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatalf("no rejection within 5s; want one saying %q", wants)
+	}
+	nothingApplied(t, applied)
+}
+
 func write(t *testing.T, path, data string) {
 	t.Helper()
 	if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
@@ -97,15 +114,7 @@ func TestWatchInPlaceWrites(t *testing.T) {
 	}
 
 	write(t, path, broken)
-	select {
-	case err := <-rejected:
-		if !strings.Contains(err.Error(), "pools.decode.endpoints[0]") || !strings.Contains(err.Error(), "keeping the running config") {
-			t.Errorf("rejection = %v; want the key named and the old config kept", err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("an invalid file was not rejected within 5s")
-	}
-	nothingApplied(t, applied)
+	rejectedSaying(t, rejected, applied, "pools.decode.endpoints[0]", "keeping the running config")
 
 	write(t, path, validA) // fixed: applied again
 	if got := decodeEndpoint(t, applied); got != "10.0.0.2:8000" {
@@ -196,43 +205,28 @@ func TestWatchAppliesAChangeMadeBeforeTheWatchStarted(t *testing.T) {
 	}
 }
 
-// The connector takes effect on restart, so a reloaded file is checked against
-// the running one: a running kv-sglang must not take pd.mode never because the
-// file now names kv-nixl.
-func TestWatchChecksAReloadAgainstTheRunningConnector(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "extproc.yaml")
-	const pools = "pools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 8998}, decode: {endpoints: [\"10.0.0.2:8000\"]}}\n"
-	write(t, path, "connector: kv-sglang\n"+pools)
-	applied, rejected := watching(t, path)
-
-	write(t, path, "connector: kv-nixl\n"+pools+"pd: {mode: never}\n")
-	select {
-	case err := <-rejected:
-		if !strings.Contains(err.Error(), "running connector kv-sglang") || !strings.Contains(err.Error(), "pd.mode") {
-			t.Errorf("rejection = %v; want the running connector and pd.mode named", err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("pd.mode never under a running kv-sglang was not rejected within 5s")
+// A reload is checked against the running config, and a refused one leaves
+// it running: the connector takes effect on restart, so a running kv-sglang
+// must not take pd.mode never because the file now names kv-nixl; the removed
+// pd.sglang_parallel_sampling: rooms is refused, saying why.
+func TestWatchRefusesAReload(t *testing.T) {
+	const sglang = "connector: kv-sglang\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 8998}, decode: {endpoints: [\"10.0.0.2:8000\"]}}\n"
+	tests := []struct {
+		name   string
+		reload string
+		wants  []string
+	}{
+		{"pd.mode never under a running kv-sglang", strings.Replace(sglang, "kv-sglang", "kv-nixl", 1) + "pd: {mode: never}\n",
+			[]string{"running connector kv-sglang", "pd.mode"}},
+		{"the removed rooms", sglang + "pd: {sglang_parallel_sampling: rooms}\n", []string{"rooms was removed", "never read"}},
 	}
-	nothingApplied(t, applied)
-}
-
-// A reload that sets the removed pd.sglang_parallel_sampling: rooms is
-// refused, saying why, and the running config stays.
-func TestWatchRefusesTheRemovedRooms(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "extproc.yaml")
-	const cfg = "connector: kv-sglang\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 8998}, decode: {endpoints: [\"10.0.0.2:8000\"]}}\n"
-	write(t, path, cfg)
-	applied, rejected := watching(t, path)
-
-	write(t, path, cfg+"pd: {sglang_parallel_sampling: rooms}\n")
-	select {
-	case err := <-rejected:
-		if !strings.Contains(err.Error(), "rooms was removed") || !strings.Contains(err.Error(), "never read") {
-			t.Errorf("rejection = %v; want it to say rooms was removed and why", err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("pd.sglang_parallel_sampling: rooms was not rejected within 5s")
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "extproc.yaml")
+			write(t, path, sglang)
+			applied, rejected := watching(t, path)
+			write(t, path, tt.reload)
+			rejectedSaying(t, rejected, applied, tt.wants...)
+		})
 	}
-	nothingApplied(t, applied)
 }

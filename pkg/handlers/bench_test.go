@@ -20,7 +20,6 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/response"
-	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
 )
 
 // benchFrame is the size of the data frames Envoy forwards a FULL_DUPLEX body
@@ -64,12 +63,7 @@ pools: {prefill: {endpoints: %s}, decode: {endpoints: ["10.1.1.1:8000"]}}`, pdMo
 	if err != nil {
 		b.Fatal(err)
 	}
-	p, err := assemble.Pipeline(cfg, logr.Discard())
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(p.Wait)
-	s := handlers.NewServer(p, handlers.Options{
+	s := handlers.NewServer(assembled(b, cfg), handlers.Options{
 		OverrideAfter:    cfg.Envoy.OverrideAfter.D(),
 		OverrideTimeout:  cfg.Envoy.OverrideMessageTimeout.D(),
 		MaxStreams:       cfg.Limits.MaxConcurrentStreams,

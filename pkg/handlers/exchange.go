@@ -39,9 +39,9 @@ type exchange struct {
 	// stream's goroutine holds it while it handles a message, but for the
 	// time the pipeline routes; the two timers (the BUFFERED override, which
 	// sends while the pipeline routes, and the body deadline) take it to act.
-	// Every send then is under it. Once the request is done (requestDone,
-	// set under it), no timer is left, and the stream's goroutine alone
-	// handles and sends.
+	// Every send then is under it. Once the request is done, its deadline
+	// is stopped (lim.stopped) and the stream's goroutine goes on without
+	// it.
 	mu sync.Mutex
 
 	protocol *extprocv3.ProtocolConfiguration // the last one Envoy sent: the body modes
@@ -68,10 +68,11 @@ func (x *exchange) responseMode() filterv3.ProcessingMode_BodySendMode {
 
 // handle answers one message. done means the stream is finished for us.
 func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err error) {
-	if !x.requestDone { // the timers live only while the request is incomplete
-		x.mu.Lock()
-		defer x.mu.Unlock()
+	if x.lim.stopped { // no timer is left: the response path takes no lock
+		return x.send(x.phase(req))
 	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
 	if x.lim.expired {
 		return true, nil // answered 408 already
 	}

@@ -301,25 +301,30 @@ func (k *fuzzChecker) checkDynamicMetadata(r *extprocv3.ProcessingResponse) {
 	}
 }
 
-// checkMutation applies the always-rules of §3.2–§3.3 to a header mutation.
+// fuzzHeaderRules are Envoy's default mutation_rules, which the shipped
+// configurations keep.
+var fuzzHeaderRules, _ = rules.NewHeaderRules(nil, "")
+
+// checkMutation applies Envoy's rules of §3.2–§3.3 to a header mutation, and
+// ours: raw_value only, lower-case names, no empty value, no append.
 func (k *fuzzChecker) checkMutation(where string, m *extprocv3.HeaderMutation) {
 	for _, h := range m.GetSetHeaders() {
 		hv := h.GetHeader()
-		key := hv.GetKey()
+		key, value := hv.GetKey(), string(hv.GetRawValue())
 		switch {
 		case hv == nil:
 			k.fail("%s: a set_headers entry without a header", where)
 			continue
 		case hv.GetValue() != "":
 			k.fail("%s: %s set in value (%q): Envoy reads raw_value only, and both set is a 500 (§3.2)", where, key, hv.GetValue())
-		case len(hv.GetRawValue()) == 0:
+		case value == "":
 			k.fail("%s: %s set to an empty value", where, key)
-		case !fuzzValidHeaderName(key):
+		case !rules.HeaderNameIsValid(key) || key != strings.ToLower(key):
 			k.fail("%s: invalid header name %q", where, key)
-		case bytes.ContainsAny(hv.GetRawValue(), "\r\n\x00"):
-			k.fail("%s: %s value %q has characters Envoy rejects (500)", where, key, hv.GetRawValue())
-		case key == ":authority" || key == ":method" || key == ":scheme" || key == "host" || strings.HasPrefix(key, "x-envoy-"):
-			k.fail("%s: %s may not be mutated under the default rules (§3.3)", where, key)
+		case !rules.HeaderValueIsValid(value):
+			k.fail("%s: %s value %q has characters Envoy rejects (500)", where, key, value)
+		case fuzzHeaderRules.Check(rules.OpSet, key, value) != rules.CheckOK:
+			k.fail("%s: %s may not be set to %q under the default rules (§3.3)", where, key, value)
 		}
 		if h.GetAppend().GetValue() {
 			k.fail("%s: %s appended: a client's own value would stay next to ours", where, key)
@@ -329,8 +334,8 @@ func (k *fuzzChecker) checkMutation(where string, m *extprocv3.HeaderMutation) {
 		}
 	}
 	for _, name := range m.GetRemoveHeaders() {
-		if strings.HasPrefix(name, ":") || name == "host" {
-			k.fail("%s: removing %s, which Envoy never allows", where, name)
+		if !rules.HeaderNameIsValid(name) || fuzzHeaderRules.Remove(strings.ToLower(name)) != rules.CheckOK {
+			k.fail("%s: removing %s, which Envoy does not allow (§3.3)", where, name)
 		}
 	}
 }
@@ -520,19 +525,6 @@ func fuzzIsDecodeEndpoint(addr string) bool {
 	return false
 }
 
-func fuzzValidHeaderName(key string) bool {
-	if key == "" || key != strings.ToLower(key) {
-		return false
-	}
-	name := strings.TrimPrefix(key, ":")
-	for _, c := range name {
-		if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || strings.ContainsRune("!#$%&'*+-.^_`|~", c)) {
-			return false
-		}
-	}
-	return name != ""
-}
-
 func fuzzJSONEqual(a, b []byte) bool {
 	var x, y any
 	da, db := json.NewDecoder(bytes.NewReader(a)), json.NewDecoder(bytes.NewReader(b))
@@ -581,6 +573,19 @@ func TestFuzzCheckerCatchesWhatEnvoyRefuses(t *testing.T) {
 	headersReplyKeeping := &extprocv3.ProcessingResponse{DynamicMetadata: md,
 		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{Response: keeping}}}
 	continueHeaders := &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{}}}
+	// mutated is the routing headers reply setting one more header, or removing more.
+	mutated := func(set *corev3.HeaderValueOption, remove ...string) []fuzzEvent {
+		r := proto.Clone(headersReply).(*extprocv3.ProcessingResponse)
+		m := r.GetRequestHeaders().GetResponse().GetHeaderMutation()
+		if set != nil {
+			m.SetHeaders = append(m.SetHeaders, set)
+		}
+		m.RemoveHeaders = append(m.RemoveHeaders, remove...)
+		return []fuzzEvent{{recv: headers(fd)}, {recv: envoymsg.Body(envoymsg.Request, body, true)}, {sent: r}, {sent: streamed}}
+	}
+	raw := func(k, v string) *corev3.HeaderValueOption {
+		return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: k, RawValue: []byte(v)}}
+	}
 
 	recv := func(m *extprocv3.ProcessingRequest) fuzzEvent { return fuzzEvent{recv: m} }
 	sent := func(r *extprocv3.ProcessingResponse) fuzzEvent { return fuzzEvent{sent: r} }
@@ -620,6 +625,11 @@ func TestFuzzCheckerCatchesWhatEnvoyRefuses(t *testing.T) {
 		{"a client's data-parallel rank left on the request", []fuzzEvent{
 			recv(headers(fd)), recv(envoymsg.Body(envoymsg.Request, body, true)), sent(headersReplyKeeping), sent(streamed),
 		}, "does not remove x-data-parallel-rank"},
+		{"a routing header set", mutated(raw(":authority", "evil.example")), ":authority may not be set"},
+		{"an x-envoy header set", mutated(raw("x-envoy-debug", "1")), "x-envoy-debug may not be set"},
+		{"a value Envoy refuses", mutated(raw("x-note", "a\r\nb")), "characters Envoy rejects"},
+		{"a mixed-case name", mutated(raw("X-Note", "a")), "invalid header name"},
+		{"host removed", mutated(nil, "host"), "removing host"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

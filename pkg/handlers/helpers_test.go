@@ -53,19 +53,20 @@ const clientChat = `{"model":"m","messages":[{"role":"user","content":"hi"}],"st
 
 // --- servers ---
 
-func testConfig(t *testing.T, yaml string) *config.Config {
+// newPipeline is the real pipeline for yaml, waited for when the test ends.
+func newPipeline(t *testing.T, yaml string) *pipeline.Pipeline {
 	t.Helper()
 	cfg, err := config.Parse([]byte(yaml))
 	if err != nil {
 		t.Fatal(err)
 	}
-	return cfg
+	return assembled(t, cfg)
 }
 
-// newPipeline is the real pipeline for yaml, waited for when the test ends.
-func newPipeline(t *testing.T, yaml string) *pipeline.Pipeline {
+// assembled is the real pipeline for cfg, waited for when the test ends.
+func assembled(t testing.TB, cfg *config.Config) *pipeline.Pipeline {
 	t.Helper()
-	p, err := assemble.Pipeline(testConfig(t, yaml), logr.Discard())
+	p, err := assemble.Pipeline(cfg, logr.Discard())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -53,6 +53,10 @@ type holding struct {
 	slot    bool          // holds one of the streams
 	timer   *time.Timer
 	expired bool // the timer refused the request
+	// stopped: the deadline is over for good. Only the stream's goroutine
+	// touches it, so it may read it without mu, unlike requestDone and
+	// expired, which the timer writes.
+	stopped bool
 }
 
 // admit takes a slot for the stream's first message; it reports false when
@@ -76,12 +80,15 @@ func (h *holding) letGo() {
 }
 
 // stop ends the request's deadline: its body is complete, or it was
-// answered.
+// answered. Under mu, with requestDone set, so a timer that fired meanwhile
+// finds it and leaves: from here nothing but the stream's goroutine touches
+// the exchange.
 func (h *holding) stop() {
 	if h.timer != nil {
 		h.timer.Stop()
 		h.timer = nil // a stream held for a generation need not keep it
 	}
+	h.stopped = true
 }
 
 // start admits the stream at its first message and starts the request's

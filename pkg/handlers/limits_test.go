@@ -219,3 +219,41 @@ func TestSilentStreamsHoldNoSlot(t *testing.T) {
 		t.Errorf("with three silent streams open: %v, want the request routed", replies)
 	}
 }
+
+// A message that comes after the body deadline answered 408 ends the stream
+// unanswered. The bubble's clock passes 2*timeout only once the deadline's
+// goroutine is over, and nothing else orders that goroutine before the message
+// (no synctest.Wait, the replies read after it), so under -race this fails
+// wherever the stream reads what the deadline writes without the lock.
+func TestMessageAfterTheDeadlineEndsTheStream(t *testing.T) {
+	const timeout = time.Minute
+	chat := []byte(clientChat)
+	tests := []struct {
+		name string
+		next *extprocv3.ProcessingRequest
+	}{
+		{"a body chunk", envoymsg.Body(envoymsg.Request, chat[:10], false)},
+		{"the body's end", envoymsg.Body(envoymsg.Request, chat, true)},
+		{"trailers", envoymsg.Trailers(envoymsg.Request)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				s := handlers.NewServer(&fakeRouter{}, handlers.Options{BodyTimeout: timeout}, logr.Discard())
+				rec := newRecorder()
+				x := s.Open(t.Context(), rec)
+				defer x.Close()
+				x.Handle(envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(chat))...), fullDuplex, fullDuplex))
+				time.Sleep(2 * timeout) // the deadline fires while the stream is idle
+				if done, err := x.Handle(tt.next); !done || err != nil {
+					t.Errorf("after the 408: done %v, %v; want the stream ended", done, err)
+				}
+				replies := rec.all()
+				checkOpenAIError(t, replies, 408, "limits.body_timeout")
+				if len(replies) != 1 {
+					t.Errorf("replies %v, want the 408 alone", replies)
+				}
+			})
+		})
+	}
+}

@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"strings"
 	"testing"
-	"time"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -73,25 +72,18 @@ func TestStreamLoop(t *testing.T) {
 	}
 }
 
-// kindOf names a reply by what it answers.
+// kindOf names a reply by what it answers: its response field's name, and
+// a local reply's status.
 func kindOf(r *extprocv3.ProcessingResponse) string {
-	switch r.Response.(type) {
-	case *extprocv3.ProcessingResponse_RequestHeaders:
-		return "request_headers"
-	case *extprocv3.ProcessingResponse_RequestBody:
-		return "request_body"
-	case *extprocv3.ProcessingResponse_RequestTrailers:
-		return "request_trailers"
-	case *extprocv3.ProcessingResponse_ResponseHeaders:
-		return "response_headers"
-	case *extprocv3.ProcessingResponse_ResponseBody:
-		return "response_body"
-	case *extprocv3.ProcessingResponse_ResponseTrailers:
-		return "response_trailers"
-	case *extprocv3.ProcessingResponse_ImmediateResponse:
+	m := r.ProtoReflect()
+	f := m.WhichOneof(m.Descriptor().Oneofs().ByName("response"))
+	switch {
+	case f == nil:
+		return fmt.Sprint(r)
+	case r.GetImmediateResponse() != nil:
 		return fmt.Sprint("immediate_response ", int(r.GetImmediateResponse().GetStatus().GetCode()))
 	}
-	return fmt.Sprint(r)
+	return string(f.Name())
 }
 
 // Chunked FULL_DUPLEX bodies are collected in buffers that later streams reuse
@@ -154,13 +146,7 @@ func newBlockingEngine(t *testing.T, answer func(http.ResponseWriter, *http.Requ
 
 func (b *blockingEngine) outcome(t *testing.T) error {
 	t.Helper()
-	select {
-	case err := <-b.ended:
-		return err
-	case <-time.After(10 * time.Second):
-		t.Fatal("the prefill request neither completed nor was cancelled")
-		return nil
-	}
+	return enginetest.Receive(t, b.ended, "the prefill request neither completed nor was cancelled")
 }
 
 func TestStreamEndCancelsSequentialButNotConcurrentPrefill(t *testing.T) {

@@ -1,13 +1,13 @@
 package kv
 
 import (
-	"bytes"
 	"encoding/json"
 	"maps"
 	"reflect"
 	"testing"
 	"unicode/utf8"
 
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
@@ -75,7 +75,7 @@ func FuzzLegs(f *testing.F) {
 			return m
 		}
 		params := func(v []byte) func(map[string]any) {
-			return func(m map[string]any) { setIn(m, paramsIn, "kv_transfer_params", decodeValue(t, v)) }
+			return func(m map[string]any) { setIn(m, paramsIn, "kv_transfer_params", enginetest.Decode(t, v)) }
 		}
 		one := json.Number("1")
 		var capsFields map[string]any
@@ -104,9 +104,9 @@ func FuzzLegs(f *testing.F) {
 		vllmClient := client
 		client = clientFor(api.SGLang) // the base of with from here on
 		bootstrap := with(map[string]any{
-			"bootstrap_host": decodeValue(t, body.Quote(host)),
-			"bootstrap_port": decodeValue(t, body.Uint(uint64(h.BootstrapPort))),
-			"bootstrap_room": decodeValue(t, body.Uint(h.Room)),
+			"bootstrap_host": enginetest.Decode(t, body.Quote(host)),
+			"bootstrap_port": enginetest.Decode(t, body.Uint(uint64(h.BootstrapPort))),
+			"bootstrap_room": enginetest.Decode(t, body.Uint(h.Room)),
 		})
 
 		type legs struct {
@@ -186,20 +186,9 @@ func decode(t *testing.T, b []byte) map[string]any {
 	if !utf8.Valid(b) {
 		t.Fatalf("leg is not UTF-8: %q", b)
 	}
-	m, ok := decodeValue(t, b).(map[string]any)
+	m, ok := enginetest.Decode(t, b).(map[string]any)
 	if !ok {
 		t.Fatalf("leg is not a JSON object: %q", b)
 	}
 	return m
-}
-
-func decodeValue(t *testing.T, b []byte) any {
-	t.Helper()
-	d := json.NewDecoder(bytes.NewReader(b))
-	d.UseNumber()
-	var v any
-	if err := d.Decode(&v); err != nil || d.More() {
-		t.Fatalf("not one JSON value (%v): %q", err, b)
-	}
-	return v
 }

@@ -46,13 +46,7 @@ func (g *gate) addr() string { return strings.TrimPrefix(g.URL, "http://") }
 // await returns the connection of the next leg to arrive.
 func (g *gate) await(t *testing.T) string {
 	t.Helper()
-	select {
-	case conn := <-g.arrived:
-		return conn
-	case <-time.After(10 * time.Second):
-		t.Fatal("a prefill leg never reached the engine")
-		return ""
-	}
+	return enginetest.Receive(t, g.arrived, "a prefill leg never reached the engine")
 }
 
 // release lets every leg through, now and later.

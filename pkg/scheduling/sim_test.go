@@ -127,16 +127,43 @@ func configured(name string) simPolicy { return simPolicy{name: name, config: na
 const simBlock = 64
 
 type simEngine struct {
+	prefiller[*simReq]
 	addr  string
 	speed float64
 	cache *simLRU // of block hashes
 	// events, when set, is told of every change to cache, as an engine
 	// publishes its KV events.
 	events  func(...kvevents.Event)
-	queue   []*simReq
-	busy    bool
 	down    bool
 	running int
+}
+
+// prefiller is an engine's prefill: one request at a time, the others
+// queued in order of arrival. start begins a request's prefill, whose end
+// calls done.
+type prefiller[R any] struct {
+	queue []R
+	busy  bool
+	start func(R)
+}
+
+func (p *prefiller[R]) add(r R) {
+	p.queue = append(p.queue, r)
+	p.next()
+}
+
+func (p *prefiller[R]) done() {
+	p.busy = false
+	p.next()
+}
+
+func (p *prefiller[R]) next() {
+	if p.busy || len(p.queue) == 0 {
+		return
+	}
+	r := p.queue[0]
+	p.queue, p.busy = p.queue[1:], true
+	p.start(r)
 }
 
 // simLRU is a set of at most capacity hashes that forgets the least recently
@@ -229,6 +256,71 @@ func (q *simQueue) Pop() any {
 	return e
 }
 
+// simClock is a simulation's time: its events run in time order, those at
+// the same time in the order they were set.
+type simClock struct {
+	now    time.Duration
+	seq    int
+	events simQueue
+}
+
+func (c *simClock) at(t time.Duration, fn func()) {
+	c.seq++
+	heap.Push(&c.events, simEvent{at: t, seq: c.seq, fn: fn})
+}
+
+// every runs fn at 0, then every d until it has run at or past until.
+func (c *simClock) every(d, until time.Duration, fn func()) {
+	var tick func()
+	tick = func() {
+		fn()
+		if c.now < until {
+			c.at(c.now+d, tick)
+		}
+	}
+	c.at(0, tick)
+}
+
+// run runs the events, and those they set, until none is left.
+func (c *simClock) run() {
+	for c.events.Len() > 0 {
+		e := heap.Pop(&c.events).(simEvent)
+		c.now = e.at
+		e.fn()
+	}
+}
+
+// chat plays a chat session's turns as its client sends them: each with the
+// whole history so far, the next after the answer and the turn's think time.
+type chat struct {
+	clock    *simClock
+	sess     simSession
+	until    time.Duration // no turn starts after it
+	history  string        // as the engine caches it
+	messages []simMessage  // as the client sends it
+}
+
+func newChat(clock *simClock, sess simSession, until time.Duration) *chat {
+	return &chat{clock: clock, sess: sess, until: until, history: sess.system, messages: []simMessage{{"system", sess.system}}}
+}
+
+// ask is turn i, its prompt and its messages.
+func (c *chat) ask(i int) (t simTurn, prompt string, asked []simMessage) {
+	t = c.sess.turns[i]
+	return t, c.history + "\nuser\n" + t.user, append(slices.Clip(c.messages), simMessage{"user", t.user})
+}
+
+// answered makes turn i, asked with prompt and asked, and its reply the
+// history, and sends the next turn with send after the turn's think time.
+func (c *chat) answered(i int, prompt string, asked []simMessage, send func(i int)) {
+	t := c.sess.turns[i]
+	c.history = prompt + "\nassistant\n" + t.reply
+	c.messages = append(asked, simMessage{"assistant", t.reply})
+	if i+1 < len(c.sess.turns) && c.clock.now < c.until {
+		c.clock.at(c.clock.now+t.think, func() { send(i + 1) })
+	}
+}
+
 type simReq struct {
 	prompt  string   // as the engine caches it
 	req     *Request // as the router reads the client's body
@@ -241,10 +333,8 @@ type simReq struct {
 }
 
 type sim struct {
+	simClock
 	p       simParams
-	now     time.Duration
-	seq     int
-	events  simQueue
 	engines map[string]*simEngine
 	pools   []*Pool // one per replica
 	sent    int     // requests sent, for the replicas' turns
@@ -255,11 +345,6 @@ type sim struct {
 	failed, moves  int
 	seen           map[uint64]bool // every block any engine computed, for the ceiling
 	ceiling        float64
-}
-
-func (s *sim) at(t time.Duration, fn func()) {
-	s.seq++
-	heap.Push(&s.events, simEvent{at: t, seq: s.seq, fn: fn})
 }
 
 var simEpoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
@@ -275,6 +360,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 		a := fmt.Sprintf("10.0.0.%d:8000", i+1)
 		addrs = append(addrs, a)
 		e := &simEngine{addr: a, speed: speed, cache: newSimLRU(p.CacheChars / simBlock)}
+		e.start = func(r *simReq) { s.prefill(e, r) }
 		if index != nil {
 			pub := kvevents.Publisher{Endpoint: a}
 			index.Reset(pub, true)
@@ -311,8 +397,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 			failing.events(kvevents.Event{Kind: kvevents.Cleared})
 		}
 	})
-	var scrape func()
-	scrape = func() {
+	s.every(p.ScrapeEvery, p.Duration, func() {
 		for _, pool := range s.pools {
 			for _, e := range pool.Endpoints() {
 				eng := s.engines[e.Addr]
@@ -321,20 +406,11 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 				}
 			}
 		}
-		if s.now < p.Duration {
-			s.at(s.now+p.ScrapeEvery, scrape)
-		}
-	}
-	s.at(0, scrape)
+	})
 	for _, sess := range w.sessions {
 		s.at(sess.started, func() { s.converse(sess) })
 	}
-
-	for s.events.Len() > 0 {
-		e := heap.Pop(&s.events).(simEvent)
-		s.now = e.at
-		e.fn()
-	}
+	s.run()
 
 	var speed float64
 	for _, v := range p.Speeds {
@@ -370,13 +446,10 @@ func (s *sim) converse(sess simSession) {
 		send()
 		return
 	}
-	history, served := sess.system, ""
-	messages := []simMessage{{"system", sess.system}}
+	c, served := newChat(&s.simClock, sess, s.p.Duration), ""
 	var turn func(i int)
 	turn = func(i int) {
-		t := sess.turns[i]
-		prompt := history + "\nuser\n" + t.user
-		asked := append(slices.Clip(messages), simMessage{"user", t.user})
+		t, prompt, asked := c.ask(i)
 		r := &simReq{prompt: prompt, req: chatRequest(asked), output: t.output, arrived: s.now}
 		r.done = func(ok bool) {
 			if !ok {
@@ -387,11 +460,7 @@ func (s *sim) converse(sess simSession) {
 				s.moves++
 			}
 			served = r.ep.Addr
-			history = prompt + "\nassistant\n" + t.reply
-			messages = append(asked, simMessage{"assistant", t.reply})
-			if i+1 < len(sess.turns) && s.now < s.p.Duration {
-				s.at(s.now+t.think, func() { turn(i + 1) })
-			}
+			c.answered(i, prompt, asked, turn)
 		}
 		s.send(r)
 	}
@@ -418,17 +487,11 @@ func (s *sim) send(r *simReq) {
 		r.done(false)
 		return
 	}
-	r.engine.queue = append(r.engine.queue, r)
-	s.startPrefill(r.engine)
+	r.engine.add(r)
 }
 
-func (s *sim) startPrefill(e *simEngine) {
-	if e.busy || len(e.queue) == 0 {
-		return
-	}
-	r := e.queue[0]
-	e.queue = e.queue[1:]
-	e.busy = true
+// prefill computes r's prompt on e, then decodes it.
+func (s *sim) prefill(e *simEngine, r *simReq) {
 	hs := simHashes(r.prompt)
 	hit := e.serve(r.prompt, hs)
 	n := float64(len(r.prompt))
@@ -448,7 +511,6 @@ func (s *sim) startPrefill(e *simEngine) {
 	s.cached += float64(hit)
 	d := s.p.PrefillFixed + secs((n-float64(hit))/(s.p.PrefillCPS*e.speed))
 	s.at(s.now+d, func() {
-		e.busy = false
 		s.ttfts = append(s.ttfts, s.now-r.arrived)
 		e.running++
 		// Decoding slows as the batch grows; it does not hold up prefill.
@@ -459,6 +521,6 @@ func (s *sim) startPrefill(e *simEngine) {
 			r.release()
 			r.done(true)
 		})
-		s.startPrefill(e)
+		e.done()
 	})
 }

@@ -2,7 +2,6 @@ package scheduling
 
 import (
 	"cmp"
-	"container/heap"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -73,9 +72,7 @@ type pdPolicy struct {
 type pdEngine struct {
 	cache      *simLRU
 	chunkChars int // its step's token budget, in characters
-	// prefill
-	queue []*pdReq
-	busy  bool
+	prefiller[*pdReq]
 	// decode
 	stepping bool
 	pending  []*pdReq // decode-only, their prompt still to compute locally
@@ -120,10 +117,8 @@ type pdStep struct {
 }
 
 type pdSim struct {
+	simClock
 	p        pdParams
-	now      time.Duration
-	seq      int
-	events   simQueue
 	engines  map[string]*pdEngine
 	replicas []*Pools
 	sent     int
@@ -153,18 +148,15 @@ type pdResult struct {
 	Decisions                 map[[2]int]bool
 }
 
-func (s *pdSim) at(t time.Duration, fn func()) {
-	s.seq++
-	heap.Push(&s.events, simEvent{at: t, seq: s.seq, fn: fn})
-}
-
 func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult {
 	s := &pdSim{p: p, engines: map[string]*pdEngine{}, decisions: map[[2]int]bool{}, reasons: map[metrics.Reason]int{}}
 	addrs := func(subnet, n, chunk int) []string {
 		out := make([]string, n)
 		for i := range out {
 			out[i] = fmt.Sprintf("10.0.%d.%d:8000", subnet, i+1)
-			s.engines[out[i]] = &pdEngine{cache: newSimLRU(p.CacheChars / simBlock), chunkChars: chunk}
+			e := &pdEngine{cache: newSimLRU(p.CacheChars / simBlock), chunkChars: chunk}
+			e.start = func(r *pdReq) { s.prefill(e, r) }
+			s.engines[out[i]] = e
 		}
 		return out
 	}
@@ -183,27 +175,18 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 		r := rand.New(rand.NewPCG(p.Seed, 2+uint64(i)))
 		s.replicas = append(s.replicas, NewPools(spec, Deps{Now: func() time.Time { return simEpoch.Add(s.now) }, intn: r.IntN}))
 	}
-	var scrape func()
-	scrape = func() {
+	s.every(p.ScrapeEvery, p.Duration, func() {
 		for _, ps := range s.replicas {
 			for _, e := range slices.Concat(ps.Prefill.Endpoints(), ps.Decode.Endpoints()) {
 				eng := s.engines[e.Addr]
 				e.observe(Load{Waiting: eng.waiting(), KVUsage: min(1, float64(len(eng.running))/128), At: simEpoch.Add(s.now)})
 			}
 		}
-		if s.now < p.Duration {
-			s.at(s.now+p.ScrapeEvery, scrape)
-		}
-	}
-	s.at(0, scrape)
+	})
 	for i, sess := range w.sessions {
 		s.at(sess.started, func() { s.converse(i, sess) })
 	}
-	for s.events.Len() > 0 {
-		e := heap.Pop(&s.events).(simEvent)
-		s.now = e.at
-		e.fn()
-	}
+	s.run()
 	return s.result()
 }
 
@@ -215,24 +198,15 @@ func (s *pdSim) converse(i int, sess simSession) {
 		s.send(&pdReq{session: i, prompt: prompt, req: promptRequest(prompt), output: sess.turns[0].output, done: func() {}})
 		return
 	}
-	history := sess.system
-	messages := []simMessage{{"system", sess.system}}
+	c := newChat(&s.simClock, sess, s.p.Duration)
 	var turn func(j int)
 	turn = func(j int) {
-		t := sess.turns[j]
-		prompt := history + "\nuser\n" + t.user
-		asked := append(slices.Clip(messages), simMessage{"user", t.user})
+		t, prompt, asked := c.ask(j)
 		r := &pdReq{session: i, turn: j, prompt: prompt, req: chatRequest(asked), output: t.output}
 		if s.p.CacheReplies {
 			r.after = prompt + "\nassistant\n" + t.reply
 		}
-		r.done = func() {
-			history = prompt + "\nassistant\n" + t.reply
-			messages = append(asked, simMessage{"assistant", t.reply})
-			if j+1 < len(sess.turns) && s.now < s.p.Duration {
-				s.at(s.now+t.think, func() { turn(j + 1) })
-			}
-		}
+		r.done = func() { c.answered(j, prompt, asked, turn) }
 		s.send(r)
 	}
 	turn(0)
@@ -267,22 +241,16 @@ func (s *pdSim) send(r *pdReq) {
 	}
 	release := pe.Acquire()
 	r.pEng, r.answered = s.engines[pe.Addr], func() { pe.ReportSuccess(); release() }
-	r.pEng.queue = append(r.pEng.queue, r)
-	s.startPrefill(r.pEng)
+	r.pEng.add(r)
 }
 
-func (s *pdSim) startPrefill(e *pdEngine) {
-	if e.busy || len(e.queue) == 0 {
-		return
-	}
-	r := e.queue[0]
-	e.queue = e.queue[1:]
-	e.busy = true
+// prefill computes r's prompt on the prefill engine e, which answers, then
+// the decode engine pulls the KV.
+func (s *pdSim) prefill(e *pdEngine, r *pdReq) {
 	hit := serveLRU(e.cache, r.hs)
 	d := s.p.PrefillFixed + secs(float64(len(r.prompt)-hit)/s.p.PrefillCPS)
 	s.prefillWork += d
 	s.at(s.now+d, func() {
-		e.busy = false
 		r.answered()
 		// The decode engine pulls the blocks it lacks.
 		r.dEng.inbound++
@@ -292,7 +260,7 @@ func (s *pdSim) startPrefill(e *pdEngine) {
 			r.dEng.joining = append(r.dEng.joining, r)
 			s.kick(r.dEng)
 		})
-		s.startPrefill(e)
+		e.done()
 	})
 }
 

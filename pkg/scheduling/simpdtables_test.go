@@ -4,10 +4,8 @@ import (
 	"cmp"
 	"fmt"
 	"math"
-	"runtime"
 	"slices"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -91,44 +89,12 @@ func pdTable(workloads []simWorkload, loads []float64, replicas []int, policies 
 
 // runPD simulates every cell for every seed, on all CPUs.
 func runPD(cells []pdCell, duration time.Duration, seeds []uint64) []pdRow {
-	type job struct{ cell, seed int }
-	results := make([][]pdResult, len(cells))
-	for i := range results {
-		results[i] = make([]pdResult, len(seeds))
-	}
-	var mu sync.Mutex
-	workloads := map[string]*workload{}
-	workloadOf := func(p simParams) *workload {
-		key := fmt.Sprint(p.Workload.name, p.Load, p.Seed, p.Duration)
-		mu.Lock()
-		defer mu.Unlock()
-		if w, ok := workloads[key]; ok {
-			return w
-		}
-		w := newWorkload(p)
-		workloads[key] = w
-		return w
-	}
-	jobs := make(chan job)
-	var wg sync.WaitGroup
-	for range runtime.GOMAXPROCS(0) {
-		wg.Go(func() {
-			for j := range jobs {
-				c := cells[j.cell]
-				p := defaultPDParams()
-				p.Workload, p.Seed, p.Duration, p.Load = c.workload, seeds[j.seed], duration, c.load*pdRates[c.workload.name]
-				p.CacheChars = largeCache
-				results[j.cell][j.seed] = simulatePD(p, workloadOf(p.simParams), c.policy, c.replicas)
-			}
-		})
-	}
-	for i := range cells {
-		for s := range seeds {
-			jobs <- job{i, s}
-		}
-	}
-	close(jobs)
-	wg.Wait()
+	results := simulateCells(cells, seeds, func(c pdCell, seed uint64, ws *workloads) pdResult {
+		p := defaultPDParams()
+		p.Workload, p.Seed, p.Duration, p.Load = c.workload, seed, duration, c.load*pdRates[c.workload.name]
+		p.CacheChars = largeCache
+		return simulatePD(p, ws.of(p.simParams), c.policy, c.replicas)
+	})
 
 	one := map[string]int{} // the cell at one replica of each workload, load and policy
 	for i, c := range cells {

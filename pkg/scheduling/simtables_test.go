@@ -58,45 +58,11 @@ func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 // runTable simulates every cell for every seed, on all CPUs.
 func runTable(cells []simCell, duration time.Duration, seeds []uint64) []simRow {
-	type job struct{ cell, seed int }
-	jobs := make(chan job)
-	results := make([][]simResult, len(cells))
-	for i := range results {
-		results[i] = make([]simResult, len(seeds))
-	}
-	// Workloads are generated once per workload, load and seed.
-	var mu sync.Mutex
-	workloads := map[string]*workload{}
-	workloadOf := func(p simParams) *workload {
-		key := fmt.Sprint(p.Workload.name, p.Load, p.Seed, p.Duration)
-		mu.Lock()
-		defer mu.Unlock()
-		if w, ok := workloads[key]; ok {
-			return w
-		}
-		w := newWorkload(p)
-		workloads[key] = w
-		return w
-	}
-	var wg sync.WaitGroup
-	for range runtime.GOMAXPROCS(0) {
-		wg.Go(func() {
-			for j := range jobs {
-				c := cells[j.cell]
-				p := defaultSimParams()
-				p.Workload, p.Seed, p.Duration, p.Load, p.CacheChars = c.workload, seeds[j.seed], duration, c.load, c.cache
-				results[j.cell][j.seed] = simulate(p, workloadOf(p), c.policy, c.replicas)
-			}
-		})
-	}
-	for i := range cells {
-		for s := range seeds {
-			jobs <- job{i, s}
-		}
-	}
-	close(jobs)
-	wg.Wait()
-
+	results := simulateCells(cells, seeds, func(c simCell, seed uint64, ws *workloads) simResult {
+		p := defaultSimParams()
+		p.Workload, p.Seed, p.Duration, p.Load, p.CacheChars = c.workload, seed, duration, c.load, c.cache
+		return simulate(p, ws.of(p), c.policy, c.replicas)
+	})
 	rows := make([]simRow, len(cells))
 	for i, rs := range results {
 		row := simRow{simCell: cells[i]}
@@ -112,6 +78,53 @@ func runTable(cells []simCell, duration time.Duration, seeds []uint64) []simRow 
 		rows[i] = row
 	}
 	return rows
+}
+
+// simulateCells runs sim for every cell and seed, on all CPUs: the results
+// by cell, then by seed.
+func simulateCells[C, R any](cells []C, seeds []uint64, sim func(c C, seed uint64, ws *workloads) R) [][]R {
+	results := make([][]R, len(cells))
+	for i := range results {
+		results[i] = make([]R, len(seeds))
+	}
+	ws := &workloads{m: map[string]*workload{}}
+	type job struct{ cell, seed int }
+	jobs := make(chan job)
+	var wg sync.WaitGroup
+	for range runtime.GOMAXPROCS(0) {
+		wg.Go(func() {
+			for j := range jobs {
+				results[j.cell][j.seed] = sim(cells[j.cell], seeds[j.seed], ws)
+			}
+		})
+	}
+	for i := range cells {
+		for s := range seeds {
+			jobs <- job{i, s}
+		}
+	}
+	close(jobs)
+	wg.Wait()
+	return results
+}
+
+// workloads generates each workload once per workload, load, seed and
+// duration, for every cell that runs it.
+type workloads struct {
+	mu sync.Mutex
+	m  map[string]*workload
+}
+
+func (ws *workloads) of(p simParams) *workload {
+	key := fmt.Sprint(p.Workload.name, p.Load, p.Seed, p.Duration)
+	ws.mu.Lock()
+	defer ws.mu.Unlock()
+	if w, ok := ws.m[key]; ok {
+		return w
+	}
+	w := newWorkload(p)
+	ws.m[key] = w
+	return w
 }
 
 // table lists the cells of workloads × caches × loads × replicas × policies.

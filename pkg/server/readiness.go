@@ -47,13 +47,11 @@ func newReadiness(hs *health.Server, pool string, endpoints func() []metrics.End
 // a change feed keeps pkg/scheduling free of listeners; a second of lag is far
 // below what Envoy's and Kubernetes' own probes add.
 func (r *readiness) run(ctx context.Context, interval time.Duration) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
+	for tick := time.Tick(interval); ; { // collected once unreferenced, since Go 1.23
 		select {
 		case <-ctx.Done():
 			return
-		case <-t.C:
+		case <-tick:
 			r.update()
 		}
 	}

@@ -165,10 +165,8 @@ func run(o options) error {
 
 // sleep waits d unless ctx ends first; false when it ended.
 func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
 	select {
-	case <-t.C:
+	case <-time.After(d): // collected unfired since Go 1.23: nothing to stop
 		return true
 	case <-ctx.Done():
 		return false

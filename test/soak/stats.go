@@ -102,14 +102,7 @@ func (s *stack) baseline() {
 
 // sample records extproc's goroutines and RSS every interval until ctx ends.
 func (s *stack) sample(ctx context.Context, interval time.Duration) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
+	for sleep(ctx, interval) {
 		f := figures{s.working(), s.rss()}
 		s.usage.mu.Lock()
 		s.usage.peak = figures{max(s.usage.peak.goroutines, f.goroutines), max(s.usage.peak.rss, f.rss)}

@@ -14,16 +14,16 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 )
 
 // MaxStreamedChunk bounds each FULL_DUPLEX body reply, as extproc does.
 const MaxStreamedChunk = 62000
 
-// Header is the one header each routed request gets, with Value.
-const (
-	Header = "x-gateway-destination-endpoint"
-	Value  = "127.0.0.1:8201"
-)
+// Value is where every request is routed by default: the value of the one
+// header each routed request gets, handlers.DestinationHeader.
+const Value = "127.0.0.1:8201"
 
 // maxPresize caps the Content-Length pre-allocation so a lying header costs little.
 const maxPresize = 64 << 20
@@ -31,15 +31,15 @@ const maxPresize = 64 << 20
 // Server implements envoy.service.ext_proc.v3.ExternalProcessor as an echo.
 type Server struct {
 	extprocv3.UnimplementedExternalProcessorServer
-	// Destination is the value of Header; Value when empty.
+	// Destination is the value of the destination header; Value when empty.
 	Destination string
 }
 
 // Process answers one HTTP request:
 //   - FULL_DUPLEX_STREAMED: hold the headers reply until the body's end_of_stream,
-//     then one headers reply setting Header, then the body back as streamed_response
+//     then one headers reply setting the destination header, then the body back as streamed_response
 //     chunks of at most MaxStreamedChunk bytes, the last with end_of_stream.
-//   - BUFFERED: headers CONTINUE at once; the body reply sets Header and carries the
+//   - BUFFERED: headers CONTINUE at once; the body reply sets the destination header and carries the
 //     body unchanged (the same bytes extproc would send back).
 //   - anything else: CONTINUE.
 func (s Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
@@ -128,11 +128,11 @@ func presize(hm *corev3.HeaderMap) int {
 
 func setHeader(dest string) *extprocv3.HeaderMutation {
 	return &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-		{Header: &corev3.HeaderValue{Key: Header, RawValue: []byte(dest)}},
+		{Header: &corev3.HeaderValue{Key: handlers.DestinationHeader, RawValue: []byte(dest)}},
 	}}
 }
 
-// headersReply is CONTINUE; routed says it carries Header.
+// headersReply is CONTINUE; routed says it carries the destination header.
 func headersReply(dest string, routed bool) *extprocv3.ProcessingResponse {
 	common := &extprocv3.CommonResponse{}
 	if routed {

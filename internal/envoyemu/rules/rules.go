@@ -29,6 +29,8 @@
 //     §3.4, §5) are listed in Verdict.Dropped.
 //   - Envoy checks a held Content-Length against the body a BUFFERED reply puts
 //     in its place (§3.5): CheckContentLength, for whoever holds the headers.
+//   - Which header mutations Envoy takes (§3.2–§3.3): HeaderRules, and the
+//     names and values it refuses outright.
 //
 // Replies are matched in order against the messages sent so far, so a caller
 // that sends without waiting for replies (a fuzzer) is judged as if Envoy had
