@@ -23,7 +23,9 @@ import (
 // message's role first and then its other fields by name), so a prompt that
 // extends another, or chat messages that start with another request's
 // messages, give tokens that start with the other's. A word's token depends on
-// the field it is in, as a chat template marks a role apart from the content.
+// the field it is in, as a chat template marks a role apart from the content,
+// and is a hash below 2^31, so it fits where a real vocabulary's ids do; an
+// id the client wrote stays itself.
 func tokenize(v any) []uint64 { return appendTokens(nil, v, "") }
 
 func appendTokens(out []uint64, v any, field string) []uint64 {
@@ -72,8 +74,12 @@ func wordToken(field, word string) uint64 {
 	h.Write([]byte(field))
 	h.Write([]byte{0})
 	h.Write([]byte(word))
-	return h.Sum64()
+	return h.Sum64() % vocabulary
 }
+
+// vocabulary bounds the ids of words: a consumer of /tokenize or of the KV
+// events may keep token ids in an int32, as real vocabularies allow.
+const vocabulary = 1 << 31
 
 // idToken is a token id as written; a number that is not one (a float in a
 // chat message, say) is hashed like a word.
