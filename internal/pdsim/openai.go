@@ -111,15 +111,9 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 }
 
 func (r *request) readPrompt(raw json.RawMessage) error {
-	var v any
-	if err := decodeNumbers(raw, &v); err != nil {
+	v, err := r.api.decodePrompt(raw)
+	if err != nil {
 		return err
-	}
-	if list, ok := v.([]any); r.api == apiChat && (!ok || len(list) == 0) {
-		return fmt.Errorf("Input should be a non-empty list")
-	}
-	if r.api == apiGenerate && !tokenList(v) {
-		return fmt.Errorf("Input should be a list of integers")
 	}
 	canonical, _ := json.Marshal(v) // sorted keys, so a router may re-encode the body freely
 	sum := sha256.Sum256(append([]byte(r.model+"\x00"), canonical...))
@@ -128,6 +122,22 @@ func (r *request) readPrompt(raw json.RawMessage) error {
 	r.promptTokens = max(1, len(tokens))
 	r.blocks = blockHashes(r.model, tokens)
 	return nil
+}
+
+// decodePrompt reads a prompt (api.prompt) as the API validates it, numbers
+// as written, ready to tokenize.
+func (a apiKind) decodePrompt(raw json.RawMessage) (any, error) {
+	var v any
+	if err := decodeNumbers(raw, &v); err != nil {
+		return nil, err
+	}
+	if list, ok := v.([]any); a == apiChat && (!ok || len(list) == 0) {
+		return nil, fmt.Errorf("Input should be a non-empty list")
+	}
+	if a == apiGenerate && !tokenList(v) {
+		return nil, fmt.Errorf("Input should be a list of integers")
+	}
+	return v, nil
 }
 
 // tokenList reports whether v is a non-empty list of integers.
