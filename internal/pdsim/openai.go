@@ -30,6 +30,7 @@ type request struct {
 	kv           json.RawMessage // kv_transfer_params where the API reads it; nil when absent
 	promptTokens int
 	promptHash   string      // model + prompt, so KV computed for one prompt is never served to another
+	tokens       []uint64    // the prompt as the simulated tokenizer cuts it
 	blocks       []blockHash // the prompt's full blocks, as the prefix cache names them
 	cached       int         // prompt tokens found in the KV cache (prompt_tokens_details.cached_tokens)
 	phase        *phase      // for the engine's load metrics
@@ -118,9 +119,9 @@ func (r *request) readPrompt(raw json.RawMessage) error {
 	canonical, _ := json.Marshal(v) // sorted keys, so a router may re-encode the body freely
 	sum := sha256.Sum256(append([]byte(r.model+"\x00"), canonical...))
 	r.promptHash = hex.EncodeToString(sum[:16])
-	tokens := tokenize(v)
-	r.promptTokens = max(1, len(tokens))
-	r.blocks = blockHashes(r.model, tokens)
+	r.tokens = tokenize(v)
+	r.promptTokens = max(1, len(r.tokens))
+	r.blocks = blockHashes(r.model, r.tokens)
 	return nil
 }
 

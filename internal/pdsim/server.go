@@ -124,7 +124,7 @@ func Start(cfg Config) (*Server, error) {
 	s := &Server{
 		cfg:      cfg,
 		engineID: newUUID(),
-		metrics:  &metrics{cache: newPrefixCache(cfg.PrefixCacheBlocks)},
+		metrics:  &metrics{cache: newPrefixCache(cfg.PrefixCacheBlocks, nil)},
 		client:   &http.Client{Transport: &http.Transport{}}, // no HTTP_PROXY: peers are engines next door
 		log:      slog.New(slog.NewTextHandler(logOut, nil)).With("role", cfg.Role, "protocol", cfg.Protocol),
 		ctx:      ctx,
