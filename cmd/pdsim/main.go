@@ -68,6 +68,14 @@ func parseFlags(args []string, stderr io.Writer) (pdsim.Config, error) {
 	fs.IntVar(&c.FailEvery, "fail-every", 1, "every N-th inference request is faulty")
 	fs.DurationVar(&c.Delay, "delay", 0, "extra delay before answering each inference request")
 	fs.BoolVar(&c.DropConnections, "drop-connections", false, "close faulty requests' TCP connections without answering")
+	fs.StringVar(&c.KVEvents.Endpoint, "kv-events-endpoint", "", "publish the prefix cache's changes as vLLM's KV events on this ZeroMQ PUB endpoint "+
+		"(vLLM's --kv-events-config endpoint): tcp://*:5557 binds, tcp://host:5557 connects to a subscriber that binds; empty: none")
+	fs.StringVar(&c.KVEvents.ReplayEndpoint, "kv-events-replay-endpoint", "", "bind a ZeroMQ ROUTER here that replays buffered KV event batches from a sequence number (replay_endpoint), e.g. tcp://*:5558")
+	fs.StringVar(&c.KVEvents.Topic, "kv-events-topic", "", "topic of the KV event messages; default kv@<advertised host>:<http port>@<model>")
+	fs.StringVar(&c.KVEvents.Encoding, "kv-events-encoding", pdsim.KVEncodingMap, "KV event msgpack layout: map (current vLLM) | map-events (map events in an array batch, vLLM 0.26) | array (older vLLM's array_like)")
+	fs.BoolVar(&c.KVEvents.IntHashes, "kv-events-int-hashes", false, "send block hashes as 64-bit ints, as vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, not as 32 sha256 bytes")
+	fs.IntVar(&c.KVEvents.BufferSteps, "kv-events-buffer-steps", 10_000, "KV event batches kept for replay (buffer_steps)")
+	fs.IntVar(&c.DropKVEventsEvery, "kv-events-drop-every", 0, "leave every N-th KV event batch unsent (its sequence number still passes; replay has it); 0: none")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
