@@ -63,6 +63,7 @@ func parseFlags(args []string, stderr io.Writer) (pdsim.Config, error) {
 	fs.DurationVar(&c.KVTransfer, "kv-transfer", 20*time.Millisecond, "KV transfer time, replacing --ttft on a decode that loads remote KV")
 	fs.IntVar(&c.OutputTokens, "output-tokens", 16, "tokens the model emits before EOS; max_tokens caps it, min_tokens extends it")
 	fs.DurationVar(&c.HandshakeTimeout, "handshake-timeout", 30*time.Second, "sglang: how long each leg waits for the other")
+	fs.IntVar(&c.PrefixCacheBlocks, "prefix-cache-blocks", 8192, "blocks of 16 tokens the prefix cache keeps, the least recently used evicted first")
 	fs.BoolVar(&c.PromptTokensDetails, "enable-prompt-tokens-details", false, "report usage.prompt_tokens_details.cached_tokens, as vLLM's flag of that name does")
 	fs.IntVar(&c.FailStatus, "fail-status", 0, "answer this HTTP status to faulty requests (0: none)")
 	fs.IntVar(&c.FailEvery, "fail-every", 1, "every N-th inference request is faulty")
