@@ -30,9 +30,9 @@ const (
 	// name under "type", fields at their default None left out (msgspec's
 	// omit_defaults).
 	KVEncodingMap = "map"
-	// KVEncodingMapEvents is vLLM's after vllm-project/vllm#42892 made the
-	// events maps and before the batch was one: [ts, events,
-	// data_parallel_rank] of map events (vLLM 0.26, say).
+	// KVEncodingMapEvents is what vLLM 0.26 sends, after
+	// vllm-project/vllm#42892 made the events maps: the same events in a
+	// positional batch [ts, events, data_parallel_rank].
 	KVEncodingMapEvents = "map-events"
 	// KVEncodingArray is older vLLM's msgspec array_like=True: the batch
 	// [ts, events, data_parallel_rank] and each event an array of its tag
