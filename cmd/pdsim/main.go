@@ -63,11 +63,20 @@ func parseFlags(args []string, stderr io.Writer) (pdsim.Config, error) {
 	fs.DurationVar(&c.KVTransfer, "kv-transfer", 20*time.Millisecond, "KV transfer time, replacing --ttft on a decode that loads remote KV")
 	fs.IntVar(&c.OutputTokens, "output-tokens", 16, "tokens the model emits before EOS; max_tokens caps it, min_tokens extends it")
 	fs.DurationVar(&c.HandshakeTimeout, "handshake-timeout", 30*time.Second, "sglang: how long each leg waits for the other")
+	fs.IntVar(&c.PrefixCacheBlocks, "prefix-cache-blocks", 8192, "blocks of 16 tokens the prefix cache keeps, the least recently used evicted first")
 	fs.BoolVar(&c.PromptTokensDetails, "enable-prompt-tokens-details", false, "report usage.prompt_tokens_details.cached_tokens, as vLLM's flag of that name does")
 	fs.IntVar(&c.FailStatus, "fail-status", 0, "answer this HTTP status to faulty requests (0: none)")
 	fs.IntVar(&c.FailEvery, "fail-every", 1, "every N-th inference request is faulty")
 	fs.DurationVar(&c.Delay, "delay", 0, "extra delay before answering each inference request")
 	fs.BoolVar(&c.DropConnections, "drop-connections", false, "close faulty requests' TCP connections without answering")
+	fs.StringVar(&c.KVEvents.Endpoint, "kv-events-endpoint", "", "publish the prefix cache's changes as vLLM's KV events on this ZeroMQ PUB endpoint "+
+		"(vLLM's --kv-events-config endpoint): tcp://*:5557 binds, tcp://host:5557 connects to a subscriber that binds; empty: none")
+	fs.StringVar(&c.KVEvents.ReplayEndpoint, "kv-events-replay-endpoint", "", "bind a ZeroMQ ROUTER here that replays buffered KV event batches from a sequence number (replay_endpoint), e.g. tcp://*:5558")
+	fs.StringVar(&c.KVEvents.Topic, "kv-events-topic", "", "topic of the KV event messages; default kv@<advertised host>:<http port>@<model>")
+	fs.StringVar(&c.KVEvents.Encoding, "kv-events-encoding", pdsim.KVEncodingMap, "KV event msgpack layout: map (current vLLM) | map-events (map events in an array batch, vLLM 0.26) | array (older vLLM's array_like)")
+	fs.BoolVar(&c.KVEvents.IntHashes, "kv-events-int-hashes", false, "send block hashes as 64-bit ints, as vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, not as 32 sha256 bytes")
+	fs.IntVar(&c.KVEvents.BufferSteps, "kv-events-buffer-steps", 10_000, "KV event batches kept for replay (buffer_steps)")
+	fs.IntVar(&c.DropKVEventsEvery, "kv-events-drop-every", 0, "leave every N-th KV event batch unsent (its sequence number still passes; replay has it); 0: none")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}

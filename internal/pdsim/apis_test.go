@@ -199,12 +199,12 @@ func TestSGLangGenerate(t *testing.T) {
 func TestOtherEndpointsAreRecorded(t *testing.T) {
 	d := start(t, Config{})
 	for _, path := range []string{"/v1/embeddings", "/tokenize", "/v1/tokenize", "/detokenize", "/flush_cache", "/reset_prefix_cache"} {
-		if r := post(t, d, path, `{"model":"pdsim","input":"x `+path+`"}`, ""); r.status != 200 {
+		if r := post(t, d, path, `{"model":"pdsim","input":"x `+path+`","prompt":"x"}`, ""); r.status != 200 {
 			t.Errorf("POST %s: %d %s", path, r.status, r.body)
 		}
 	}
 	recs := d.Requests()
-	if len(recs) != 6 || recs[0].Path != "/v1/embeddings" || string(recs[4].Body) != `{"model":"pdsim","input":"x /flush_cache"}` || recs[4].Status != 200 {
+	if len(recs) != 6 || recs[0].Path != "/v1/embeddings" || string(recs[4].Body) != `{"model":"pdsim","input":"x /flush_cache","prompt":"x"}` || recs[4].Status != 200 {
 		t.Errorf("records %+v: want each request with its body", recs)
 	}
 }

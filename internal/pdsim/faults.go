@@ -13,18 +13,26 @@ type Faults struct {
 	FailEvery       int           // every FailEvery-th inference request is faulty; <=1: all of them
 	Delay           time.Duration // wait this long before handling any inference request
 	DropConnections bool          // close the TCP connection of faulty requests without answering
+	// DropKVEventsEvery leaves every DropKVEventsEvery-th batch of KV events
+	// unsent (0: none): its sequence number still passes, so subscribers
+	// see a gap, and the replay socket still has it.
+	DropKVEventsEvery int
 }
 
 func (c Config) faults() Faults {
-	return Faults{FailStatus: c.FailStatus, FailEvery: c.FailEvery, Delay: c.Delay, DropConnections: c.DropConnections}
+	return Faults{FailStatus: c.FailStatus, FailEvery: c.FailEvery, Delay: c.Delay, DropConnections: c.DropConnections,
+		DropKVEventsEvery: c.DropKVEventsEvery}
 }
 
 // SetFaults changes fault injection for requests that arrive from now on;
-// FailEvery counts from the change.
+// FailEvery and DropKVEventsEvery count from the change.
 func (s *Server) SetFaults(f Faults) {
 	s.faults.mu.Lock()
 	s.faults.current, s.faults.counted = f, 0
 	s.faults.mu.Unlock()
+	if s.kvpub != nil {
+		s.kvpub.setDropEvery(f.DropKVEventsEvery)
+	}
 }
 
 // faultState is the fault injection in force and the requests it has seen.

@@ -49,7 +49,7 @@ func (s *Server) compute(ctx context.Context, req *request) error {
 	if err := wait(ctx, s.cfg.TTFT); err != nil {
 		return err
 	}
-	s.metrics.cache.insert(req.blocks)
+	s.metrics.cache.insert(req.blocks, req.tokens)
 	return nil
 }
 
@@ -99,7 +99,7 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 			// vLLM counts KV from another engine as cached, all of the prompt,
 			// and keeps the blocks it received for the prompts that follow.
 			req.cached = req.promptTokens
-			s.metrics.cache.insert(req.blocks)
+			s.metrics.cache.insert(req.blocks, req.tokens)
 		}
 		ex.rec.KV, ex.rec.KVSource, ex.rec.KVRequestID = res.outcome, res.source, res.requestID
 		ex.rec.CachedTokens = req.cached

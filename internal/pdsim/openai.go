@@ -29,6 +29,7 @@ type request struct {
 	kv           json.RawMessage // kv_transfer_params where the API reads it; nil when absent
 	promptTokens int
 	promptHash   string      // model + prompt, so KV computed for one prompt is never served to another
+	tokens       []uint64    // the prompt as the simulated tokenizer cuts it
 	blocks       []blockHash // the prompt's full blocks, as the prefix cache names them
 	cached       int         // prompt tokens found in the KV cache (prompt_tokens_details.cached_tokens)
 	phase        *phase      // for the engine's load metrics
@@ -113,23 +114,33 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 }
 
 func (r *request) readPrompt(raw json.RawMessage) error {
-	var v any
-	if err := decodeNumbers(raw, &v); err != nil {
+	v, err := r.api.decodePrompt(raw)
+	if err != nil {
 		return err
-	}
-	if list, ok := v.([]any); r.api == apiChat && (!ok || len(list) == 0) {
-		return fmt.Errorf("Input should be a non-empty list")
-	}
-	if r.api == apiGenerate && !tokenList(v) {
-		return fmt.Errorf("Input should be a list of integers")
 	}
 	canonical, _ := json.Marshal(v) // sorted keys, so a router may re-encode the body freely
 	sum := sha256.Sum256(append([]byte(r.model+"\x00"), canonical...))
 	r.promptHash = hex.EncodeToString(sum[:16])
-	tokens := tokenize(v)
-	r.promptTokens = max(1, len(tokens))
-	r.blocks = blockHashes(r.model, tokens)
+	r.tokens = tokenize(v)
+	r.promptTokens = max(1, len(r.tokens))
+	r.blocks = blockHashes(r.model, r.tokens)
 	return nil
+}
+
+// decodePrompt reads a prompt (api.prompt) as the API validates it, numbers
+// as written, ready to tokenize.
+func (a apiKind) decodePrompt(raw json.RawMessage) (any, error) {
+	var v any
+	if err := decodeNumbers(raw, &v); err != nil {
+		return nil, err
+	}
+	if list, ok := v.([]any); a == apiChat && (!ok || len(list) == 0) {
+		return nil, fmt.Errorf("Input should be a non-empty list")
+	}
+	if a == apiGenerate && !tokenList(v) {
+		return nil, fmt.Errorf("Input should be a list of integers")
+	}
+	return v, nil
 }
 
 // tokenList reports whether v is a non-empty list of integers.

@@ -1,6 +1,7 @@
 package pdsim
 
 import (
+	"bytes"
 	"io"
 	"net/http"
 )
@@ -15,9 +16,7 @@ func (s *Server) otherRoutes(mux *http.ServeMux) {
 			"data":  []map[string]any{{"object": "embedding", "index": 0, "embedding": []float64{0.25, -0.5, 1}}},
 			"usage": map[string]int{"prompt_tokens": 1, "total_tokens": 1}})
 	}))
-	tokenize := s.recorded(func(w http.ResponseWriter, _ *http.Request) {
-		writeJSON(w, http.StatusOK, map[string]any{"tokens": []int{1, 2}, "count": 2, "max_model_len": 4096})
-	})
+	tokenize := s.recorded(s.tokenize)
 	detokenize := s.recorded(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]string{"prompt": "tok0"})
 	})
@@ -51,6 +50,7 @@ func (s *Server) ResetPrefixCache() { s.metrics.cache.reset() }
 func (s *Server) recorded(answer http.HandlerFunc) http.HandlerFunc {
 	return func(rw http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
+		r.Body = io.NopCloser(bytes.NewReader(body))
 		ex := s.begin(r, body)
 		w := &statusWriter{ResponseWriter: rw}
 		defer func() {

@@ -23,7 +23,9 @@ import (
 // message's role first and then its other fields by name), so a prompt that
 // extends another, or chat messages that start with another request's
 // messages, give tokens that start with the other's. A word's token depends on
-// the field it is in, as a chat template marks a role apart from the content.
+// the field it is in, as a chat template marks a role apart from the content,
+// and is a hash below 2^31, so it fits where a real vocabulary's ids do; an
+// id the client wrote stays itself.
 func tokenize(v any) []uint64 { return appendTokens(nil, v, "") }
 
 func appendTokens(out []uint64, v any, field string) []uint64 {
@@ -72,8 +74,12 @@ func wordToken(field, word string) uint64 {
 	h.Write([]byte(field))
 	h.Write([]byte{0})
 	h.Write([]byte(word))
-	return h.Sum64()
+	return h.Sum64() % vocabulary
 }
+
+// vocabulary bounds the ids of words: a consumer of /tokenize or of the KV
+// events may keep token ids in an int32, as real vocabularies allow.
+const vocabulary = 1 << 31
 
 // idToken is a token id as written; a number that is not one (a float in a
 // chat message, say) is hashed like a word.
@@ -87,8 +93,9 @@ func idToken(n json.Number) uint64 {
 	return wordToken("", string(n))
 }
 
-// blockHash names one full block of a prompt.
-type blockHash [16]byte
+// blockHash names one full block of a prompt: a sha256 digest, as vLLM's
+// default prefix-caching hash is, which the KV events carry.
+type blockHash [sha256.Size]byte
 
 // blockHashes names each full block of tokens by a hash of its parent's hash
 // and its own tokens, as vLLM's hash_block_tokens chains them: a block is
@@ -104,7 +111,7 @@ func blockHashes(model string, tokens []uint64) []blockHash {
 			buf = binary.LittleEndian.AppendUint64(buf, t)
 		}
 		parent = sha256.Sum256(buf)
-		copy(out[i][:], parent[:])
+		out[i] = parent
 	}
 	return out
 }
@@ -116,10 +123,31 @@ type prefixCache struct {
 	capacity int
 	order    *list.List // of blockHash, the most recently used at the front
 	blocks   map[blockHash]*list.Element
+	events   kvSink // hears every change; nil when no one listens
 }
 
-func newPrefixCache(capacity int) *prefixCache {
-	return &prefixCache{capacity: capacity, order: list.New(), blocks: map[blockHash]*list.Element{}}
+// kvEvent is one change to a prefix cache.
+type kvEvent struct {
+	kind   kvEventKind
+	hashes []blockHash
+	parent *blockHash // BlockStored: the block before the first; nil at a prompt's start
+	tokens []uint64   // BlockStored: the blocks' tokens, blockSize each
+}
+
+type kvEventKind int
+
+const (
+	blockStored kvEventKind = iota
+	blockRemoved
+	allBlocksCleared
+)
+
+// kvSink hears a cache's changes in the order they happen, under the cache's
+// lock: it must not block.
+type kvSink interface{ add(events []kvEvent) }
+
+func newPrefixCache(capacity int, events kvSink) *prefixCache {
+	return &prefixCache{capacity: capacity, order: list.New(), blocks: map[blockHash]*list.Element{}, events: events}
 }
 
 // match counts the leading blocks of hashes the cache holds, stopping at the
@@ -136,14 +164,47 @@ func (c *prefixCache) match(hashes []blockHash) int {
 	return n
 }
 
-// insert caches a prompt's full blocks (or marks them used again).
-func (c *prefixCache) insert(hashes []blockHash) {
+// insert caches a prompt's full blocks (or marks them used again); tokens
+// are the prompt's.
+func (c *prefixCache) insert(hashes []blockHash, tokens []uint64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	events := c.stored(hashes, tokens)
 	c.touch(hashes)
 	for c.order.Len() > c.capacity {
-		delete(c.blocks, c.order.Remove(c.order.Back()).(blockHash))
+		h := c.order.Remove(c.order.Back()).(blockHash)
+		delete(c.blocks, h)
+		if c.events != nil { // one event a block, as vLLM evicts them
+			events = append(events, kvEvent{kind: blockRemoved, hashes: []blockHash{h}})
+		}
 	}
+	if len(events) > 0 {
+		c.events.add(events)
+	}
+}
+
+// stored is what vLLM reports of the blocks of hashes the cache does not
+// hold yet: a BlockStored for each run of them, its parent the block before.
+func (c *prefixCache) stored(hashes []blockHash, tokens []uint64) []kvEvent {
+	if c.events == nil {
+		return nil
+	}
+	var out []kvEvent
+	for i := 0; i < len(hashes); {
+		j := i
+		for j < len(hashes) && c.blocks[hashes[j]] == nil {
+			j++
+		}
+		if j > i {
+			ev := kvEvent{kind: blockStored, hashes: hashes[i:j], tokens: tokens[i*blockSize : j*blockSize]}
+			if i > 0 {
+				ev.parent = &hashes[i-1]
+			}
+			out = append(out, ev)
+		}
+		i = j + 1
+	}
+	return out
 }
 
 // reset forgets every block, as vLLM's POST /reset_prefix_cache does.
@@ -152,6 +213,9 @@ func (c *prefixCache) reset() {
 	defer c.mu.Unlock()
 	c.order.Init()
 	clear(c.blocks)
+	if c.events != nil {
+		c.events.add([]kvEvent{{kind: allBlocksCleared}})
+	}
 }
 
 // touch makes hashes the most recently used, the first block most recent of

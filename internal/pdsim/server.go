@@ -62,11 +62,15 @@ type Config struct {
 	// prefix cache keeps, the least recently used evicted first; default
 	// kvCapacityBlocks.
 	PrefixCacheBlocks int
+	// KVEvents publishes the prefix cache's changes as vLLM's KV events;
+	// off unless KVEvents.Endpoint is set.
+	KVEvents KVEvents
 
-	FailStatus      int           // answer this status to faulty requests
-	FailEvery       int           // every FailEvery-th inference request is faulty (<=1: all)
-	Delay           time.Duration // extra delay before answering any inference request
-	DropConnections bool          // faulty requests get their TCP connection closed instead
+	FailStatus        int           // answer this status to faulty requests
+	FailEvery         int           // every FailEvery-th inference request is faulty (<=1: all)
+	Delay             time.Duration // extra delay before answering any inference request
+	DropConnections   bool          // faulty requests get their TCP connection closed instead
+	DropKVEventsEvery int           // every DropKVEventsEvery-th batch of KV events is not sent (0: none)
 
 	Log io.Writer // one line per request; default os.Stderr
 }
@@ -77,6 +81,7 @@ type Server struct {
 	engineID string
 	kv       connector
 	metrics  *metrics
+	kvpub    *publisher   // nil without KV events
 	client   *http.Client // decode → prefill side channel / bootstrap server
 	log      *slog.Logger
 
@@ -120,13 +125,23 @@ func Start(cfg Config) (*Server, error) {
 	if logOut == nil {
 		logOut = os.Stderr
 	}
+	log := slog.New(slog.NewTextHandler(logOut, nil)).With("role", cfg.Role, "protocol", cfg.Protocol)
+	var kvpub *publisher
+	var events kvSink // not a nil *publisher: the cache tests for nil
+	if cfg.KVEvents.Endpoint != "" {
+		if kvpub, err = newPublisher(cfg.KVEvents, log); err != nil {
+			return nil, err
+		}
+		events = kvpub
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &Server{
 		cfg:      cfg,
 		engineID: newUUID(),
-		metrics:  &metrics{cache: newPrefixCache(cfg.PrefixCacheBlocks)},
+		metrics:  &metrics{cache: newPrefixCache(cfg.PrefixCacheBlocks, events)},
+		kvpub:    kvpub,
 		client:   &http.Client{Transport: &http.Transport{}}, // no HTTP_PROXY: peers are engines next door
-		log:      slog.New(slog.NewTextHandler(logOut, nil)).With("role", cfg.Role, "protocol", cfg.Protocol),
+		log:      log,
 		ctx:      ctx,
 		cancel:   cancel,
 		served:   map[string]served{},
@@ -159,6 +174,10 @@ func Start(cfg Config) (*Server, error) {
 			s.Close()
 			return nil, err
 		}
+	}
+	if err := s.startKVEvents(); err != nil {
+		s.Close()
+		return nil, err
 	}
 	s.log.Info("pdsim listening", "model", cfg.Model, "addr", s.Addr(), "kv_addr", s.KVAddr(),
 		"bootstrap_addr", s.BootstrapAddr(), "engine_id", s.engineID)
@@ -232,6 +251,9 @@ func (s *Server) Close() error {
 			err = errors.Join(err, l.srv.Close())
 		}
 		s.wg.Wait()
+		if s.kvpub != nil {
+			s.kvpub.close()
+		}
 		s.client.CloseIdleConnections()
 	})
 	return err
@@ -335,5 +357,7 @@ func withDefaults(c Config) (Config, error) {
 	if c.HandshakeTimeout <= 0 {
 		c.HandshakeTimeout = 30 * time.Second
 	}
-	return c, nil
+	var err error
+	c.KVEvents, err = c.KVEvents.withDefaults()
+	return c, err
 }

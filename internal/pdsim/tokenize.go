@@ -1,0 +1,61 @@
+package pdsim
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+)
+
+// maxModelLen is the context window /tokenize reports; pdsim enforces none.
+const maxModelLen = 32768
+
+// tokenizeResponse is vLLM's TokenizeResponse, its fields in order.
+type tokenizeResponse struct {
+	Count       int      `json:"count"`
+	MaxModelLen int      `json:"max_model_len"`
+	Tokens      []uint64 `json:"tokens"`
+	TokenStrs   []string `json:"token_strs"`
+}
+
+// tokenize serves vLLM's POST /tokenize: {"prompt"} as /v1/completions reads
+// it (a string, or token ids, which stay themselves), or {"messages"} as
+// /v1/chat/completions does, tokenized exactly as the engine caches that
+// prompt, so the ids cut into blocks are the token_ids of the KV events the
+// request causes. A chat's tokens are its messages' only, as the cache's
+// are: tools, add_generation_prompt and add_special_tokens change nothing.
+func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(body, &fields); err != nil || fields == nil {
+		s.writeError(w, badRequest("JSON decode error: the body must be a JSON object"))
+		return
+	}
+	if raw, ok := present(fields, "model"); ok {
+		var model string
+		if json.Unmarshal(raw, &model) != nil {
+			s.writeError(w, badRequest("model: Input should be a valid string"))
+			return
+		}
+		if model != s.cfg.Model {
+			s.writeError(w, &apiError{http.StatusNotFound, fmt.Sprintf("The model `%s` does not exist.", model)})
+			return
+		}
+	}
+	api := apiCompletion
+	if _, ok := present(fields, "messages"); ok {
+		api = apiChat
+	}
+	raw, key := api.prompt(fields)
+	if raw == nil {
+		s.writeError(w, badRequest("%s: Field required", key))
+		return
+	}
+	prompt, err := api.decodePrompt(raw)
+	if err != nil {
+		s.writeError(w, badRequest("%s: %v", key, err))
+		return
+	}
+	tokens := append([]uint64{}, tokenize(prompt)...) // [] for an empty prompt, not null
+	writeJSON(w, http.StatusOK, tokenizeResponse{Count: len(tokens), MaxModelLen: maxModelLen, Tokens: tokens})
+}

@@ -1,0 +1,92 @@
+package pdsim
+
+import (
+	"encoding/json"
+	"reflect"
+	"strings"
+	"testing"
+)
+
+// tokenIDs is what /tokenize answers for body.
+func tokenIDs(t *testing.T, s *Server, body string) []uint64 {
+	t.Helper()
+	r := post(t, s, "/tokenize", body, "")
+	var a tokenizeResponse
+	if err := json.Unmarshal(r.body, &a); err != nil || r.status != 200 || a.Count != len(a.Tokens) {
+		t.Fatalf("/tokenize %s: %d %s", body, r.status, r.body)
+	}
+	return a.Tokens
+}
+
+// /tokenize answers the ids the engine caches the same prompt under when it
+// serves it: all of its full blocks are in the cache afterwards.
+func TestTokenizeAsTheCacheDoes(t *testing.T) {
+	msgs, _ := json.Marshal(turn2)
+	tests := []struct {
+		name, tokenize string
+		serve          string // the inference request, path and body
+		body           string
+	}{
+		{"a completion's prompt", `{"model":"pdsim","prompt":"` + words("w", 40) + `"}`,
+			"/v1/completions", `{"model":"pdsim","prompt":"` + words("w", 40) + `"}`},
+		{"token ids stay themselves", `{"prompt":` + ids(1, 40) + `}`,
+			"/v1/completions", `{"prompt":` + ids(1, 40) + `}`},
+		{"chat messages", `{"model":"pdsim","messages":` + string(msgs) + `}`,
+			"/v1/chat/completions", chatOf("", turn2...)},
+		{"chat messages with tools and no generation prompt",
+			`{"messages":` + string(msgs) + `,"add_generation_prompt":false,"tools":[{"type":"function","function":{"name":"f"}}]}`,
+			"/v1/chat/completions", chatOf(`,"tools":[{"type":"function","function":{"name":"f"}}]`, turn2...)},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := start(t, Config{})
+			got := tokenIDs(t, d, tt.tokenize)
+			if r := post(t, d, tt.serve, tt.body, ""); r.status != 200 {
+				t.Fatalf("%s: %d %s", tt.serve, r.status, r.body)
+			}
+			hs := blockHashes("pdsim", got)
+			if len(hs) < 2 || d.metrics.cache.match(hs) != len(hs) {
+				t.Errorf("the cache lacks the blocks of /tokenize's ids %v", got)
+			}
+			if tt.name == "token ids stay themselves" && (got[0] != 1 || got[39] != 40) {
+				t.Errorf("ids %v", got)
+			}
+			for _, id := range got {
+				if id >= vocabulary {
+					t.Errorf("id %d is not below 2^31", id)
+				}
+			}
+		})
+	}
+}
+
+func TestTokenizeAnswers(t *testing.T) {
+	d := start(t, Config{})
+	tests := []struct {
+		path, body string
+		status     int
+		want       string // in the body
+	}{
+		{"/tokenize", `{"prompt":"a b c"}`, 200, `{"count":3,"max_model_len":32768,"tokens":[`},
+		{"/tokenize", `{"prompt":"a b c"}`, 200, `],"token_strs":null}`},
+		{"/v1/tokenize", `{"prompt":"a b c"}`, 200, `{"count":3,`}, // SGLang's spelling
+		{"/tokenize", `{"prompt":""}`, 200, `"tokens":[]`},
+		{"/tokenize", `{"model":"other","prompt":"a"}`, 404, "The model `other` does not exist."},
+		{"/tokenize", `{"model":"pdsim"}`, 400, "prompt: Field required"},
+		{"/tokenize", `{"messages":[]}`, 400, "messages: Input should be a non-empty list"},
+		{"/tokenize", `[1,2]`, 400, "JSON decode error"},
+	}
+	for _, tt := range tests {
+		r := post(t, d, tt.path, tt.body, "")
+		if r.status != tt.status || !strings.Contains(string(r.body), tt.want) {
+			t.Errorf("POST %s %s: %d %s; want %d with %q", tt.path, tt.body, r.status, r.body, tt.status, tt.want)
+		}
+	}
+	recs := d.Requests()
+	if len(recs) != len(tests) || recs[0].Path != "/tokenize" || recs[0].Status != 200 || string(recs[0].Body) != tests[0].body {
+		t.Errorf("records %+v: want every request recorded", recs)
+	}
+	if a, b := tokenIDs(t, d, `{"prompt":"a b c"}`), tokenIDs(t, d, `{"prompt":"a b c d"}`); !reflect.DeepEqual(a, b[:3]) {
+		t.Errorf("a prompt's ids %v do not start its extension's %v", a, b)
+	}
+}
