@@ -31,6 +31,10 @@ type KVEvents struct {
 	// BufferSteps is how many batches the replay socket keeps; default
 	// 10,000, vLLM's.
 	BufferSteps int
+	// Bind binds Endpoint even when it names a host: simulators on one
+	// machine, each on a loopback IP of its own, then publish on one port
+	// as engines on their own hosts do on tcp://*:5557.
+	Bind bool
 }
 
 func (k KVEvents) withDefaults() (KVEvents, error) {

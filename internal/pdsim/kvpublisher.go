@@ -50,6 +50,7 @@ func newPublisher(cfg KVEvents, log *slog.Logger) (*publisher, error) {
 	if err != nil {
 		return nil, fmt.Errorf("pdsim: kv events endpoint %w", err)
 	}
+	ep.bind = ep.bind || cfg.Bind
 	p := &publisher{
 		wire:     newKVWire(cfg.Encoding, cfg.IntHashes),
 		endpoint: ep,

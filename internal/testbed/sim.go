@@ -35,6 +35,13 @@ type SimConfig struct {
 	// PromptTokensDetails reports cached tokens in the usage (vLLM's
 	// --enable-prompt-tokens-details).
 	PromptTokensDetails bool
+	// KVEventsPort, when set, has the simulator publish its KV cache events
+	// on IP:KVEventsPort (bound, as vLLM's tcp://*:5557), with a replay
+	// socket on IP:KVReplayPort when that is set, in KVEncoding (default
+	// vLLM's current one).
+	KVEventsPort, KVReplayPort int
+	KVEncoding                 string
+	PrefixCacheBlocks          int // the prefix cache's size; 0: pdsim's default
 	Timings
 	Log io.Writer // a line per request; nil discards them
 }
@@ -42,7 +49,15 @@ type SimConfig struct {
 // StartSim starts an engine simulator in this process and hands its Close to c.
 func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
 	ip := cmp.Or(cfg.IP, "127.0.0.1")
+	var events pdsim.KVEvents
+	if cfg.KVEventsPort > 0 {
+		events = pdsim.KVEvents{Endpoint: fmt.Sprintf("tcp://%s:%d", ip, cfg.KVEventsPort), Encoding: cfg.KVEncoding, Bind: true}
+		if cfg.KVReplayPort > 0 {
+			events.ReplayEndpoint = fmt.Sprintf("tcp://%s:%d", ip, cfg.KVReplayPort)
+		}
+	}
 	s, err := pdsim.Start(pdsim.Config{
+		KVEvents: events, PrefixCacheBlocks: cfg.PrefixCacheBlocks,
 		Role: cfg.Role, Protocol: cfg.Protocol, SharedDir: cfg.SharedDir,
 		Addr:          cmp.Or(cfg.Addr, ip+":0"),
 		KVAddr:        fmt.Sprintf("%s:%d", ip, cfg.KVPort),

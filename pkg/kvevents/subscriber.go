@@ -286,7 +286,15 @@ func (s *Subscriber) handle(ctx context.Context, st *stream, msg [][]byte) {
 		return
 	}
 	switch {
-	case st.next < 0 || seq == st.next:
+	case st.next < 0:
+		// The first batch seen: with a replay socket, what the engine
+		// published before (as far as its buffer goes) is asked for too, so
+		// that a router that starts late still knows what was cached.
+		if seq > 0 && s.cfg.ReplayPort != 0 {
+			st.next = 0
+			s.replay(ctx, st, seq)
+		}
+	case seq == st.next:
 	case seq == 0:
 		s.counts.Restarts.Add(1)
 		s.index.Reset(st.pub, true)
@@ -325,7 +333,8 @@ func (s *Subscriber) apply(p Publisher, payload []byte) {
 const endSeq = -1
 
 // replay asks st's publisher for the batches from st.next up to before seq
-// and applies them; it reports whether it got them all.
+// and applies them; it reports whether it got them all. At the start of the
+// stream (st.next 0) it takes what the publisher's buffer still holds.
 func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
 	if s.cfg.ReplayPort == 0 {
 		return false
@@ -339,28 +348,31 @@ func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
 	d := zmq4.NewDealer(ctx, zmq4.WithDialerMaxRetries(0), zmq4.WithTimeout(s.cfg.ReplayTimeout))
 	defer d.Close()
 	addr := "tcp://" + net.JoinHostPort(host, strconv.Itoa(s.cfg.ReplayPort+st.pub.Rank))
-	start := make([]byte, 8)
-	binary.BigEndian.PutUint64(start, uint64(st.next))
 	if err := d.Dial(addr); err != nil {
 		s.log.V(1).Info("kv events: dialing the replay socket", "address", addr, "error", err.Error())
 		return false
 	}
+	start := binary.BigEndian.AppendUint64(nil, uint64(st.next))
 	if err := d.Send(zmq4.NewMsgFrom([]byte{}, start)); err != nil {
 		return false
 	}
+	initial := st.next == 0
 	for st.next < seq {
 		msg, err := d.Recv()
 		if err != nil {
 			return false
 		}
 		got, payload, err := frames(trimDelimiter(msg.Frames))
-		if err != nil || got == endSeq {
+		switch {
+		case err != nil || got == endSeq:
 			return false
+		case got < st.next:
+			continue
+		case got > st.next && !initial:
+			return false // the buffer no longer holds what was lost
 		}
-		if got == st.next {
-			st.next++
-			s.apply(st.pub, payload)
-		}
+		st.next = got + 1
+		s.apply(st.pub, payload)
 	}
 	s.counts.Replayed.Add(1)
 	return true

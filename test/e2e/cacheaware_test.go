@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -22,6 +23,7 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 		replicas              int
 		pd                    string // extproc's pd keys
 		decodeOnly            bool   // turns 2 and 3
+		kvEvents              bool   // the pools follow the engines' KV events: the decision reads the decode engine's exact hit
 	}{
 		{name: "one replica", mode: "full_duplex", replicas: 1, pd: "{min_uncached_tokens: 100}", decodeOnly: true},
 		{name: "three replicas", mode: "full_duplex", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true},
@@ -29,12 +31,21 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 		{name: "three replicas without the response path", mode: "no_response", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true},
 		{name: "a bound below the new part", mode: "full_duplex", replicas: 1, pd: "{min_uncached_tokens: 10}"},
 		{name: "kv-sglang", mode: "full_duplex", connector: "kv-sglang", replicas: 1, pd: "{}"},
+		{name: "the engines' KV events", mode: "full_duplex", replicas: 1, pd: "{min_uncached_tokens: 100}", decodeOnly: true, kvEvents: true},
+		{name: "three replicas with the engines' KV events", mode: "no_response", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, kvEvents: true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r := startRig(t, rigOptions{mode: tt.mode, connector: tt.connector, replicas: tt.replicas, decodes: 3,
+			o := rigOptions{mode: tt.mode, connector: tt.connector, replicas: tt.replicas, decodes: 3,
 				promptTokensDetails: true, decodePool: "policy: prefix-affinity", prefillPool: "policy: prefix-affinity",
-				extra: "pd: " + tt.pd})
+				extra: "pd: " + tt.pd}
+			if tt.kvEvents {
+				o.kvEvents = []string{}
+			}
+			r := startRig(t, o)
+			if tt.kvEvents {
+				subscribed(t, slices.Concat(r.prefill, r.decode), tt.replicas)
+			}
 			c := conversation{marker: "[conversation " + tt.name + "]"}
 			home := -1
 			for turn := 1; turn <= turns; turn++ {

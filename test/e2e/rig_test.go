@@ -5,6 +5,8 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -54,6 +56,14 @@ type rigOptions struct {
 	// the shipped names: extproc pd-extproc.pd-extproc.svc, Envoy
 	// envoy.pd-extproc, the one extproc admits).
 	mtls *testbed.MTLS
+	// kvEvents, when set, has every simulator publish its KV events (and
+	// serve replays) on ports of its own IP, and both pools follow them
+	// with these kv_events keys besides the ports (e.g. "stale_after: 2s"):
+	// their policy must be prefix-affinity (the prefill pool's only when it
+	// has simulators).
+	kvEvents []string
+	// prefixCacheBlocks sizes the simulators' prefix caches (0: pdsim's).
+	prefixCacheBlocks int
 }
 
 // simIP is the loopback IP of the rig's i-th simulator of a role: each has
@@ -84,8 +94,21 @@ func startRig(t *testing.T, o rigOptions) *rig {
 			OutputTokens: cmp.Or(o.outputTokens, 5), HandshakeTimeout: cmp.Or(o.handshake, 10*time.Second),
 		},
 		PromptTokensDetails: o.promptTokensDetails,
+		PrefixCacheBlocks:   o.prefixCacheBlocks,
 		Log:                 logTo(t),
 	}}
+	if o.kvEvents != nil {
+		r.sim.KVEventsPort, r.sim.KVReplayPort = testbed.MustFreePort(t), testbed.MustFreePort(t)
+		keys := append([]string{fmt.Sprint("connect_port: ", r.sim.KVEventsPort), fmt.Sprint("replay_port: ", r.sim.KVReplayPort)}, o.kvEvents...)
+		events := "kv_events: {" + strings.Join(keys, ", ") + "}"
+		with := func(keys string) string {
+			return strings.Join(slices.DeleteFunc([]string{keys, events}, func(s string) bool { return s == "" }), ", ")
+		}
+		if o.prefills > 0 {
+			o.prefillPool = with(o.prefillPool)
+		}
+		o.decodePool = with(o.decodePool)
+	}
 	for i := range max(o.prefills, 0) {
 		r.prefill = append(r.prefill, r.startSim(t, o.prefillRole, simIP(pdsim.RolePrefill, i), ""))
 	}

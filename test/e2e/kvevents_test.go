@@ -1,0 +1,172 @@
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+)
+
+// kvChat is a chat request under a system prompt of some 60 tokens to the
+// simulators (a token a word: four of their 16-token blocks), named by
+// tenant so that each tenant's prompt is its own.
+func kvChat(t *testing.T, tenant, question string) string {
+	t.Helper()
+	system := strings.Repeat("You answer for "+tenant+" as its careful assistant would. ", 8)
+	b, err := json.Marshal(map[string]any{"model": "pdsim", "max_tokens": 2,
+		"messages": []map[string]string{{"role": "system", "content": system}, {"role": "user", "content": question}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// warm sends body to sim directly, as a client that bypasses the router.
+func warm(t *testing.T, sim *pdsim.Server, body string) {
+	t.Helper()
+	resp, err := http.Post("http://"+sim.Addr()+"/v1/chat/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("warming %s: status %d", sim.Addr(), resp.StatusCode)
+	}
+}
+
+// subscribed waits until every simulator has n subscribers to its events: a
+// subscriber misses what was published before it joined.
+func subscribed(t *testing.T, sims []*pdsim.Server, n int) {
+	t.Helper()
+	waitFor(t, 20*time.Second, "every replica to subscribe to every engine", func() bool {
+		for _, s := range sims {
+			if s.KVEventsStats().Subscribers < n {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// everyReplica waits until series on every replica satisfies ok.
+func everyReplica(t *testing.T, r *rig, series string, ok func(float64) bool) {
+	t.Helper()
+	waitFor(t, 20*time.Second, series, func() bool {
+		for _, x := range r.replicas {
+			v, err := x.Metric(t.Context(), series)
+			if err != nil || !ok(v) {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// routed sends body through the router and returns the decode endpoint
+// index that served it (not the one asked for its tokens).
+func routed(t *testing.T, r *rig, body, marker string) int {
+	t.Helper()
+	resp, got := r.must(t, "/v1/chat/completions", body, nil)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("status %d: %s", resp.StatusCode, got)
+	}
+	for i, s := range r.decode {
+		for _, rec := range s.Requests() {
+			if rec.Path == "/v1/chat/completions" && strings.Contains(string(rec.Body), marker) {
+				return i
+			}
+		}
+	}
+	t.Fatalf("no decode engine got %q", marker)
+	return -1
+}
+
+// TestWarmedEnginesAreFoundByTheirEvents: a system prompt that a client sent
+// straight to one engine, bypassing the router, is found there by every
+// replica, from the engines' KV events: each of three tenants' questions
+// goes to the engine its prompt was warmed on. Without events the ranking
+// would have to guess all three (one chance in 27).
+func TestWarmedEnginesAreFoundByTheirEvents(t *testing.T) {
+	for _, replicas := range []int{1, 3} {
+		t.Run(fmt.Sprint(replicas, " replicas"), func(t *testing.T) {
+			r := startRig(t, rigOptions{prefills: -1, decodes: 3, replicas: replicas,
+				decodePool: "policy: prefix-affinity", kvEvents: []string{}})
+			subscribed(t, r.decode, replicas)
+			tenants := []string{"Acme", "Globex", "Initech"}
+			for i, tenant := range tenants {
+				warm(t, r.decode[i], kvChat(t, tenant, "warming up"))
+			}
+			everyReplica(t, r, `pd_extproc_kv_events_batches_total{pool="decode"}`, func(v float64) bool { return v >= 3 })
+			for i, tenant := range tenants {
+				for q := range replicas {
+					marker := fmt.Sprintf("[%s question %d]", tenant, q)
+					if got := routed(t, r, kvChat(t, tenant, marker), marker); got != i {
+						t.Errorf("%s's question %d went to decode %d; its prompt is cached on decode %d", tenant, q, got, i)
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestKVEventGapsAreReplayed: batches an engine's subscribers lost are asked
+// of its replay socket when the next one shows the gap, so what they said is
+// in the view: a prompt whose events were all lost is still found.
+func TestKVEventGapsAreReplayed(t *testing.T) {
+	r := startRig(t, rigOptions{prefills: -1, decodes: 3, decodePool: "policy: prefix-affinity", kvEvents: []string{}})
+	subscribed(t, r.decode, 1)
+	tenants := []string{"Umbrella", "Hooli", "Vandelay"}
+	for i := range tenants {
+		warm(t, r.decode[i], kvChat(t, "nobody", "a first batch"))
+	}
+	everyReplica(t, r, `pd_extproc_kv_events_batches_total{pool="decode"}`, func(v float64) bool { return v >= 3 })
+	for i, tenant := range tenants {
+		r.decode[i].SetFaults(pdsim.Faults{DropKVEventsEvery: 1}) // every batch lost, kept for replay
+		warm(t, r.decode[i], kvChat(t, tenant, "warming up"))
+		r.decode[i].SetFaults(pdsim.Faults{})
+		warm(t, r.decode[i], kvChat(t, "nobody", "a batch that shows the gap"))
+	}
+	everyReplica(t, r, `pd_extproc_kv_events_gaps_total{pool="decode"}`, func(v float64) bool { return v >= 3 })
+	everyReplica(t, r, `pd_extproc_kv_events_replays_total{outcome="replayed",pool="decode"}`, func(v float64) bool { return v >= 3 })
+	for i, tenant := range tenants {
+		marker := "[" + tenant + " after the gap]"
+		if got := routed(t, r, kvChat(t, tenant, marker), marker); got != i {
+			t.Errorf("%s's question went to decode %d; its prompt, whose events were replayed, is cached on decode %d", tenant, got, i)
+		}
+	}
+	if n := r.extproc.MustMetric(t, `pd_extproc_kv_events_replays_total{outcome="failed",pool="decode"}`); n != 0 {
+		t.Errorf("%v replays failed", n)
+	}
+}
+
+// TestSilentEnginesFallBackToEstimates: an engine that stops publishing
+// while it is sent work it must store is not trusted once stale_after has
+// passed (pd_extproc_kv_events_stale_publishers), and requests still route;
+// when it publishes again, the batches it numbered meanwhile are replayed
+// and its view is trusted again.
+func TestSilentEnginesFallBackToEstimates(t *testing.T) {
+	r := startRig(t, rigOptions{prefills: -1, decodes: 2, decodePool: "policy: prefix-affinity", kvEvents: []string{"stale_after: 1s"}})
+	subscribed(t, r.decode, 1)
+	warm(t, r.decode[0], kvChat(t, "Soylent", "warming up"))
+	everyReplica(t, r, `pd_extproc_kv_events_batches_total{pool="decode"}`, func(v float64) bool { return v >= 1 })
+	r.decode[0].StopKVEvents()
+	// A question of more than a block: the engine will store it, and does
+	// not publish.
+	if got := routed(t, r, kvChat(t, "Soylent", "[new work] "+strings.Repeat("and then what? ", 8)), "[new work]"); got != 0 {
+		t.Fatalf("went to decode %d, not to the engine holding the prompt", got)
+	}
+	everyReplica(t, r, `pd_extproc_kv_events_stale_publishers{pool="decode"}`, func(v float64) bool { return v == 1 })
+	routed(t, r, kvChat(t, "Soylent", "[while it is silent]"), "[while it is silent]")
+
+	if err := r.decode[0].StartKVEvents(); err != nil {
+		t.Fatal(err)
+	}
+	subscribed(t, r.decode[:1], 1)
+	warm(t, r.decode[0], kvChat(t, "Soylent", "a batch that shows the gap"))
+	everyReplica(t, r, `pd_extproc_kv_events_stale_publishers{pool="decode"}`, func(v float64) bool { return v == 0 })
+	everyReplica(t, r, `pd_extproc_kv_events_replays_total{outcome="replayed",pool="decode"}`, func(v float64) bool { return v >= 1 })
+}
