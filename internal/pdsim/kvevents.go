@@ -80,7 +80,7 @@ func (s *Server) KVEventsAddr() string {
 	}
 	s.kvpub.mu.Lock()
 	defer s.kvpub.mu.Unlock()
-	return s.advertised(s.kvpub.pubAddr)
+	return s.advertised(s.kvpub.addrs.pub)
 }
 
 // KVReplayAddr is the ip:port of the replay socket ("" without one).
@@ -90,7 +90,7 @@ func (s *Server) KVReplayAddr() string {
 	}
 	s.kvpub.mu.Lock()
 	defer s.kvpub.mu.Unlock()
-	return s.advertised(s.kvpub.replayAddr)
+	return s.advertised(s.kvpub.addrs.replay)
 }
 
 func (s *Server) advertised(addr string) string {
@@ -137,7 +137,7 @@ func (s *Server) KVEventsStats() KVEventsStats {
 	if p == nil {
 		return KVEventsStats{}
 	}
-	st := KVEventsStats{Sent: p.sent.Load(), Dropped: p.dropped.Load(), Unsent: p.unsent.Load(), Overflowed: p.overflowed.Load()}
+	st := KVEventsStats{Sent: p.counts.sent.Load(), Dropped: p.counts.dropped.Load(), Unsent: p.counts.unsent.Load(), Overflowed: p.counts.overflowed.Load()}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.pub != nil {

@@ -26,19 +26,33 @@ type publisher struct {
 	log      *slog.Logger
 	topic    []byte // set before run starts
 
-	mu         sync.Mutex
-	next       uint64     // the next batch's sequence number
-	pub        *pubSocket // nil while stopped
-	replay     *zmtpPeers
-	pubAddr    string // where the PUB socket binds (its first port, kept on a restart) or dials
-	replayAddr string // where the ROUTER binds; "" for none
-	dropEvery  int    // Faults.DropKVEventsEvery
-	counted    int    // batches since dropEvery was set
-
-	sent, dropped, unsent, overflowed atomic.Uint64
+	mu     sync.Mutex
+	next   uint64     // the next batch's sequence number
+	pub    *pubSocket // nil while stopped
+	replay *zmtpPeers
+	addrs  publisherAddrs
+	drop   dropping
+	counts publisherCounts
 
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
+}
+
+// publisherAddrs are where a publisher's sockets are.
+type publisherAddrs struct {
+	pub    string // where the PUB socket binds (its first port, kept on a restart) or dials
+	replay string // where the ROUTER binds; "" for none
+}
+
+// dropping is Faults.DropKVEventsEvery as it stands.
+type dropping struct {
+	every   int
+	counted int // batches since every was set
+}
+
+// publisherCounts are what KVEventsStats reports.
+type publisherCounts struct {
+	sent, dropped, unsent, overflowed atomic.Uint64
 }
 
 // queueSize bounds the batches waiting to be sent; more are lost, their
@@ -57,14 +71,14 @@ func newPublisher(cfg KVEvents, log *slog.Logger) (*publisher, error) {
 		queue:    make(chan kvBatch, queueSize),
 		buffer:   replayBuffer{size: cfg.BufferSteps},
 		log:      log,
-		pubAddr:  ep.addr,
+		addrs:    publisherAddrs{pub: ep.addr},
 	}
 	if cfg.ReplayEndpoint != "" {
 		rep, err := parseEndpoint(cfg.ReplayEndpoint)
 		if err != nil {
 			return nil, fmt.Errorf("pdsim: kv events replay endpoint %w", err)
 		}
-		p.replayAddr = rep.addr // a ROUTER always binds
+		p.addrs.replay = rep.addr // a ROUTER always binds
 	}
 	return p, nil
 }
@@ -77,20 +91,20 @@ func (p *publisher) add(events []kvEvent) {
 	defer p.mu.Unlock()
 	b := kvBatch{seq: p.next, ts: time.Now(), events: events}
 	p.next++
-	p.counted++
-	dropped := p.dropEvery > 0 && p.counted%p.dropEvery == 0
+	p.drop.counted++
+	dropped := p.drop.every > 0 && p.drop.counted%p.drop.every == 0
 	b.send = !dropped && p.pub != nil
 	select {
 	case p.queue <- b:
 	default:
-		p.overflowed.Add(1)
+		p.counts.overflowed.Add(1)
 		return
 	}
 	switch {
 	case dropped:
-		p.dropped.Add(1)
+		p.counts.dropped.Add(1)
 	case !b.send:
-		p.unsent.Add(1)
+		p.counts.unsent.Add(1)
 	}
 }
 
@@ -124,19 +138,19 @@ func (p *publisher) open() error {
 	}
 	pub := newPubSocket()
 	if !p.endpoint.bind {
-		pub.dial(p.pubAddr)
-	} else if err := pub.listen(p.pubAddr); err != nil {
+		pub.dial(p.addrs.pub)
+	} else if err := pub.listen(p.addrs.pub); err != nil {
 		return fmt.Errorf("pdsim: kv events endpoint: %w", err)
 	} else {
-		p.pubAddr = pub.addr.String()
+		p.addrs.pub = pub.addr.String()
 	}
-	if p.replayAddr != "" {
+	if p.addrs.replay != "" {
 		replay := newPeers(zmq4.Router, p.serveReplay)
-		if err := replay.listen(p.replayAddr); err != nil {
+		if err := replay.listen(p.addrs.replay); err != nil {
 			pub.close()
 			return fmt.Errorf("pdsim: kv events replay endpoint: %w", err)
 		}
-		p.replay, p.replayAddr = replay, replay.addr.String()
+		p.replay, p.addrs.replay = replay, replay.addr.String()
 	}
 	p.pub = pub
 	return nil
@@ -179,16 +193,16 @@ func (p *publisher) publish(b kvBatch) {
 	pub := p.pub
 	p.mu.Unlock()
 	if pub == nil { // stopped since
-		p.unsent.Add(1)
+		p.counts.unsent.Add(1)
 		return
 	}
-	p.sent.Add(1)
+	p.counts.sent.Add(1)
 	pub.send(zmq4.NewMsgFrom(p.topic, binary.BigEndian.AppendUint64(nil, b.seq), payload))
 }
 
 func (p *publisher) setDropEvery(n int) {
 	p.mu.Lock()
-	p.dropEvery, p.counted = n, 0
+	p.drop.every, p.drop.counted = n, 0
 	p.mu.Unlock()
 }
 
