@@ -18,8 +18,15 @@ import (
 // prefix affinity.
 var simPolicies = []simPolicy{
 	configured(config.PolicyRoundRobin), configured(config.PolicyLeastLoad),
-	memoryPolicy, llmdModel, configured(config.PolicyPrefixAffinity),
+	memoryPolicy, llmdModel, configured(config.PolicyPrefixAffinity), eventsPolicy,
 }
+
+// eventsPolicy is prefix-affinity with pools.<pool>.kv_events: every replica
+// sees the engines' caches as they report them (sim_test.go's event model).
+var eventsPolicy = simPolicy{name: "prefix-affinity + events", config: config.PolicyPrefixAffinity, events: true}
+
+// ours reports whether the policy is pd-extproc's, not a baseline.
+func ours(p simPolicy) bool { return p.config == config.PolicyPrefixAffinity }
 
 var simSeeds = []uint64{42, 7, 99}
 
@@ -152,11 +159,12 @@ type miss struct {
 }
 
 const (
-	bestBaseline    = "best baseline"     // hit rate at least the best baseline's at one replica, minus 2 points
-	aboveRoundRobin = "above round robin" // where prefixes are shared: 10 points above round robin's hit rate
-	likeLeastLoad   = "like least load"   // where nothing is shared: within 1 point and 5 % of least load
-	tailAtLoad      = "p99 at 1.5x"       // at 1.5x load: p99 TTFT within 5 % of least load's
-	unreachable     = " (unreachable)"    // appended when the ceiling is under round robin's + 10 points
+	bestBaseline      = "best baseline"             // hit rate at least the best baseline's at one replica, minus 2 points
+	aboveRoundRobin   = "above round robin"         // where prefixes are shared: 10 points above round robin's hit rate
+	likeLeastLoad     = "like least load"           // where nothing is shared: within 1 point and 5 % of least load
+	tailAtLoad        = "p99 at 1.5x"               // at 1.5x load: p99 TTFT within 5 % of least load's
+	unreachable       = " (unreachable)"            // appended when the ceiling is under round robin's + 10 points
+	notBelowEstimates = "not below prefix-affinity" // with events: a hit rate at least prefix-affinity's without them
 )
 
 func (m miss) String() string { return fmt.Sprintf("%s: %s: %s", m.cell, m.target, m.detail) }
@@ -171,7 +179,9 @@ func (m miss) String() string { return fmt.Sprintf("%s: %s: %s", m.cell, m.targe
 //   - likeLeastLoad: where nothing is shared (e), within 1 point of least
 //     load's hit rate and 5 % of its mean and p99 TTFT;
 //   - tailAtLoad: at 1.5× load, its p99 TTFT within 5 % of least load's or
-//     better.
+//     better;
+//   - notBelowEstimates: with the engines' KV events, a hit rate at least
+//     prefix-affinity's without them, at the same replica count.
 //
 // The baselines it compares with must be among rows.
 func missedTargets(rows []simRow) []miss {
@@ -188,7 +198,7 @@ func missedTargets(rows []simRow) []miss {
 	}
 	var missed []miss
 	for _, r := range rows {
-		if r.policy.name != config.PolicyPrefixAffinity {
+		if !ours(r.policy) {
 			continue
 		}
 		base := func(policy string, replicas int) (simRow, bool) {
@@ -200,7 +210,7 @@ func missedTargets(rows []simRow) []miss {
 		}
 		var best simRow
 		for _, p := range simPolicies {
-			if b, ok := base(p.name, 1); ok && p.name != r.policy.name && b.HitRate > best.HitRate {
+			if b, ok := base(p.name, 1); ok && !ours(p) && b.HitRate > best.HitRate {
 				best = b
 			}
 		}
@@ -223,6 +233,9 @@ func missedTargets(rows []simRow) []miss {
 		}
 		if r.load == 1.5 && okLL && r.P99TTFT > ll.P99TTFT*105/100 {
 			add(tailAtLoad, "p99 TTFT %.0f ms, least load's %.0f ms", ms(r.P99TTFT), ms(ll.P99TTFT))
+		}
+		if pa, ok := base(config.PolicyPrefixAffinity, r.replicas); ok && r.policy.events && r.HitRate < pa.HitRate {
+			add(notBelowEstimates, "hit rate %.1f%%, prefix-affinity's %.1f%%", 100*r.HitRate, 100*pa.HitRate)
 		}
 	}
 	return missed
@@ -280,7 +293,7 @@ func markdown(rows []simRow) string {
 			return strings.Join(out, " / ")
 		}
 		targets := ""
-		if l.policy == config.PolicyPrefixAffinity {
+		if strings.HasPrefix(l.policy, config.PolicyPrefixAffinity) {
 			targets = "none"
 			if m := missed[l]; m != nil {
 				for i, target := range m {
@@ -290,7 +303,7 @@ func markdown(rows []simRow) string {
 			}
 		}
 		name := l.policy
-		if name == config.PolicyPrefixAffinity {
+		if strings.HasPrefix(name, config.PolicyPrefixAffinity) {
 			name = "**" + name + "**"
 		}
 		fmt.Fprintf(&b, "| %s | %.1f× | %s | %s | %s | %s | %s |\n", name, l.load,
@@ -380,9 +393,13 @@ func TestSimulatedTargets(t *testing.T) {
 //   - (e) at one replica: one seed's p99 over three minutes, 6.5 % above
 //     least load's where the picks differ only from a client's retries on
 //     (the ten-minute means over three seeds meet it).
+//   - with events at one replica, on (c): prefix-affinity, which there
+//     trusts its memory of every turn, caches as much; one seed of three
+//     minutes put it 0.1 points above.
 var knownMisses = map[string]bool{
-	"c mixed/1.0x/1/" + bestBaseline:   true,
-	"c mixed/1.0x/4/" + bestBaseline:   true,
-	"c mixed/1.5x/4/" + bestBaseline:   true,
-	"e random/1.0x/1/" + likeLeastLoad: true,
+	"c mixed/1.0x/1/" + notBelowEstimates: true,
+	"c mixed/1.0x/1/" + bestBaseline:      true,
+	"c mixed/1.0x/4/" + bestBaseline:      true,
+	"c mixed/1.5x/4/" + bestBaseline:      true,
+	"e random/1.0x/1/" + likeLeastLoad:    true,
 }
