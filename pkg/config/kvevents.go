@@ -14,7 +14,7 @@ const (
 	DefaultKVEventsStaleAfter    = 30 * time.Second
 	DefaultKVEventsResync        = 5 * time.Minute
 	DefaultKVEventsMaxPerEngine  = 1 << 17 // blocks: 2M tokens of 16
-	DefaultKVEventsMaxBlocks     = 1 << 20
+	DefaultKVEventsMaxBlocks     = 1 << 19 // about 70 MB of index at most (docs/scheduling.md)
 	DefaultKVEventsTokenizePath  = "/tokenize"
 	DefaultKVEventsTokenizeLimit = 250 * time.Millisecond
 )

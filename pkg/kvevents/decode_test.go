@@ -151,3 +151,24 @@ func TestDecodeBatchRefusesWhatIsNotABatch(t *testing.T) {
 		}
 	}
 }
+
+// TestDecodeBatchReadsSGLangs: SGLang's publisher (python/sglang/srt/
+// disaggregation/kv_events.py) writes vLLM's older positional layout
+// without the medium, and integer hashes.
+func TestDecodeBatchReadsSGLangs(t *testing.T) {
+	payload, err := msgpack.Marshal([]any{1.5, []any{
+		[]any{"BlockStored", []int{1, 2}, nil, []int{1, 2, 3, 4}, 2, nil},
+		[]any{"BlockRemoved", []int{2}},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := DecodeBatch(payload)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(b.Events) != 2 || b.Events[0].Kind != Stored || b.Events[0].HasParent || !slices.Equal(b.Events[0].Hashes, []uint64{1, 2}) ||
+		b.Events[0].BlockSize != 2 || b.Events[0].Medium != "" || b.Events[1].Kind != Removed || !slices.Equal(b.Events[1].Hashes, []uint64{2}) {
+		t.Errorf("read as %+v", b)
+	}
+}

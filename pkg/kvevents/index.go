@@ -32,11 +32,13 @@ type Index struct {
 	blocks map[uint64][]*pubView // our key → the publishers holding it
 	pubs   map[Publisher]*pubView
 	total  int
+	ids    []int // pubView ids free for reuse, so that they stay below len(pubs)+len(ids)
 }
 
 // pubView is one publisher's blocks.
 type pubView struct {
 	Publisher
+	id        int // small and unique among the index's views, for Lookup
 	blockSize int
 	engine    map[uint64]uint64 // the engine's hash → our key
 	order     []uint64          // the engine's hashes, oldest first (may name removed ones)
@@ -122,7 +124,11 @@ func (x *Index) Apply(p Publisher, events []Event) Skipped {
 func (x *Index) view(p Publisher) *pubView {
 	v := x.pubs[p]
 	if v == nil {
-		v = &pubView{Publisher: p, engine: map[uint64]uint64{}, fresh: true}
+		id := len(x.pubs)
+		if n := len(x.ids); n > 0 {
+			id, x.ids = x.ids[n-1], x.ids[:n-1]
+		}
+		v = &pubView{Publisher: p, id: id, engine: map[uint64]uint64{}, fresh: true}
 		x.pubs[p] = v
 	}
 	return v
@@ -134,7 +140,8 @@ func (x *Index) store(v *pubView, e Event, s *Skipped) {
 		s.Other++
 		return
 	}
-	key := uint64(0)
+	var key uint64
+	var buf []byte
 	if e.HasParent {
 		k, ok := v.engine[e.Parent]
 		if !ok {
@@ -149,7 +156,7 @@ func (x *Index) store(v *pubView, e Event, s *Skipped) {
 		if e.Extra != nil {
 			extra = e.Extra[i]
 		}
-		key = chain(key, e.Tokens[i*e.BlockSize:(i+1)*e.BlockSize], extra)
+		key, buf = chain(buf, key, e.Tokens[i*e.BlockSize:(i+1)*e.BlockSize], extra)
 		if old, ok := v.engine[h]; ok {
 			if old == key {
 				continue // stored again
@@ -258,37 +265,20 @@ func (x *Index) Forget(p Publisher) {
 	if v := x.pubs[p]; v != nil {
 		x.clear(v)
 		delete(x.pubs, p)
+		x.ids = append(x.ids, v.id)
 	}
 }
 
 // chain is a block's key: a hash of its parent's key, its token ids and its
-// extra keys.
-func chain(parent uint64, tokens []int64, extra []byte) uint64 {
-	var buf [8]byte
-	h := xxhash.New()
-	binary.LittleEndian.PutUint64(buf[:], parent)
-	h.Write(buf[:])
+// extra keys, read as one run of bytes laid out in buf (grown as needed and
+// returned for the next block).
+func chain(buf []byte, parent uint64, tokens []int64, extra []byte) (uint64, []byte) {
+	buf = binary.LittleEndian.AppendUint64(buf[:0], parent)
 	for _, t := range tokens {
-		binary.LittleEndian.PutUint64(buf[:], uint64(t))
-		h.Write(buf[:])
+		buf = binary.LittleEndian.AppendUint32(buf, uint32(t)) // token ids fit: vocabularies are far below 2^32
 	}
-	h.Write(extra)
-	return h.Sum64()
-}
-
-// Keys are the chained keys of a prompt's full blocks of blockSize tokens,
-// without extra keys.
-func Keys(tokens []int64, blockSize int) []uint64 {
-	if blockSize <= 0 {
-		return nil
-	}
-	out := make([]uint64, len(tokens)/blockSize)
-	key := uint64(0)
-	for i := range out {
-		key = chain(key, tokens[i*blockSize:(i+1)*blockSize], nil)
-		out[i] = key
-	}
-	return out
+	buf = append(buf, extra...)
+	return xxhash.Sum64(buf), buf
 }
 
 // Lookup returns, for each of endpoints whose view routing may trust now
@@ -300,47 +290,61 @@ func Keys(tokens []int64, blockSize int) []uint64 {
 // other means there.
 func (x *Index) Lookup(endpoints []string, tokens []int64) (held map[string]int, known map[string]bool) {
 	now := x.now()
+	slot := make(map[string]int, len(endpoints))
+	for i, e := range endpoints {
+		slot[e] = i
+	}
+	usable := make([]int8, len(endpoints)) // 0: no publisher seen, 1: all usable, -1: one is not
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	known = make(map[string]bool, len(endpoints))
-	usable := map[string]bool{} // false: some publisher of it is not
+	views := make([]int, len(x.pubs)+len(x.ids)) // by view id: 1 + the endpoint's position, 0 for none
+
 	blockSize := 0
-	for _, e := range endpoints {
-		usable[e] = true
-	}
 	for _, v := range x.pubs {
-		if ok, listed := usable[v.Endpoint]; !listed || !ok {
+		i, listed := slot[v.Endpoint]
+		if !listed || usable[i] < 0 {
 			continue
 		}
 		if !x.usable(v, now) {
-			usable[v.Endpoint] = false
-			delete(known, v.Endpoint)
+			usable[i] = -1
 			continue
 		}
-		known[v.Endpoint] = true
+		usable[i] = 1
+		views[v.id] = i + 1
 		if v.blockSize > 0 {
 			blockSize = v.blockSize
+		}
+	}
+	known = make(map[string]bool, len(endpoints))
+	for i, e := range endpoints {
+		if usable[i] > 0 {
+			known[e] = true
 		}
 	}
 	held = make(map[string]int, len(known))
 	if blockSize == 0 {
 		return held, known // nothing stored anywhere yet
 	}
-	key := uint64(0)
-	for i := range len(tokens) / blockSize {
-		key = chain(key, tokens[i*blockSize:(i+1)*blockSize], nil)
+	matched := make([]int, len(endpoints)) // leading blocks each endpoint holds
+	var key uint64
+	var scratch [8 + 4*64]byte // a block of up to 64 tokens without allocating
+	buf := scratch[:0]
+	for b := range len(tokens) / blockSize {
+		key, buf = chain(buf, key, tokens[b*blockSize:(b+1)*blockSize], nil)
 		extended := false
 		for _, v := range x.blocks[key] {
-			if !known[v.Endpoint] || v.blockSize != blockSize {
-				continue
-			}
-			if held[v.Endpoint] == i*blockSize {
-				held[v.Endpoint] = (i + 1) * blockSize
+			if i := views[v.id] - 1; i >= 0 && usable[i] > 0 && v.blockSize == blockSize && matched[i] == b {
+				matched[i] = b + 1
 				extended = true
 			}
 		}
 		if !extended {
 			break
+		}
+	}
+	for i, e := range endpoints {
+		if matched[i] > 0 && usable[i] > 0 {
+			held[e] = matched[i] * blockSize
 		}
 	}
 	return held, known

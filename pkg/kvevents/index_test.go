@@ -1,7 +1,9 @@
 package kvevents
 
 import (
+	"fmt"
 	"maps"
+	"runtime"
 	"testing"
 	"time"
 )
@@ -147,6 +149,45 @@ func TestLookupTrustsOnlyViewsItMay(t *testing.T) {
 			}
 			if _, found := held[a.Endpoint]; found && !tt.ok {
 				t.Errorf("Lookup held = %v for an endpoint not known", held)
+			}
+		})
+	}
+}
+
+// BenchmarkIndexMemory reports the heap one indexed block takes: 8 engines
+// storing prompts of 64 blocks of 16 tokens, a million blocks in all, each
+// engine's its own, or the same prompts on all eight.
+//
+//	go test -run '^$' -bench IndexMemory -benchtime 1x ./pkg/kvevents/
+func BenchmarkIndexMemory(b *testing.B) {
+	const engines, prompts, blocks = 8, 1 << 11, 64
+	for _, shared := range []bool{false, true} {
+		b.Run(fmt.Sprint("shared=", shared), func(b *testing.B) {
+			for b.Loop() {
+				var before, after runtime.MemStats
+				runtime.GC()
+				runtime.ReadMemStats(&before)
+				x := NewIndex(Bounds{}, time.Minute, nil)
+				for e := range engines {
+					p := Publisher{Endpoint: fmt.Sprintf("10.0.0.%d:8000", e+1)}
+					for q := range prompts {
+						hashes := make([]uint64, blocks)
+						for i := range hashes {
+							hashes[i] = uint64(e)<<48 | uint64(q)<<16 | uint64(i)
+						}
+						first := (e*prompts + q) * blocks * 16
+						if shared {
+							first = q * blocks * 16
+						}
+						x.Apply(p, []Event{{Kind: Stored, Hashes: hashes, Tokens: seq(first, blocks*16), BlockSize: 16}})
+					}
+				}
+				runtime.GC()
+				runtime.ReadMemStats(&after)
+				n := x.Stats().Blocks
+				b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/float64(n), "bytes/block")
+				b.ReportMetric(float64(n), "blocks")
+				runtime.KeepAlive(x)
 			}
 		})
 	}

@@ -160,12 +160,9 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 	if idx == nil {
 		return p.byRanking(req, eps)
 	}
-	chosen := p.holding(eps, held)
+	chosen := p.holding(eps, held) // the local hint is not told: the view knows better while it can be trusted
 	if chosen == nil {
 		chosen = p.byRanking(req, eps)
-	} else {
-		prompt := req.Prompt()
-		p.index.record(prompt, p.index.hashes(prompt), chosen.Addr)
 	}
 	if known[chosen.Addr] { // else byRanking's estimate stands
 		req.held = estimate{addr: chosen.Addr, tokens: held[chosen.Addr], exact: true}

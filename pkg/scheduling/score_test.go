@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
 // loaded returns endpoints with the given requests in flight.
@@ -112,4 +113,40 @@ func BenchmarkSelect(b *testing.B) {
 			})
 		}
 	}
+	// With the engines' KV events: the conversation's 8,000 tokens, of which
+	// one endpoint holds the first 6,000 (its earlier turns) and four the
+	// first 2,000 (the system prompt), as their events said; its tokens
+	// known (the /tokenize round trip is measured apart:
+	// pd_extproc_tokenize_seconds).
+	b.Run(config.PolicyPrefixAffinity+"+events/chat-32000chars", func(b *testing.B) {
+		p := NewPools(Spec{Decode: PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity}}}, Deps{}).Decode
+		index := kvevents.NewIndex(kvevents.Bounds{}, time.Minute, nil)
+		tokens := make([]int64, 8_000)
+		for i := range tokens {
+			tokens[i] = int64(i*7919) % 150_000
+		}
+		for i, a := range addrs {
+			held := 0
+			switch {
+			case i == 0:
+				held = 6_000
+			case i < 4:
+				held = 2_000
+			}
+			hashes := make([]uint64, held/16)
+			for j := range hashes {
+				hashes[j] = uint64(i<<32 | j)
+			}
+			index.Apply(kvevents.Publisher{Endpoint: a}, []kvevents.Event{{Kind: kvevents.Stored, Hashes: hashes, Tokens: tokens[:held/16*16], BlockSize: 16}})
+		}
+		p.events.Store(&poolEvents{index: index})
+		req := chatRequest(messages)
+		req.SetTokens(tokens)
+		b.ReportAllocs()
+		for b.Loop() {
+			if e, err := p.Select(req); err != nil || e.Addr != addrs[0] {
+				b.Fatal(e, err)
+			}
+		}
+	})
 }

@@ -27,6 +27,7 @@ var liveKeys = []string{
 	"pools.prefill.metrics", "pools.decode.metrics",
 	"pools.prefill.dns", "pools.decode.dns",
 	"pools.prefill.dns_interval", "pools.decode.dns_interval",
+	"pools.prefill.kv_events", "pools.decode.kv_events",
 	"pools.decode.fallbacks",
 	"pd",
 }
