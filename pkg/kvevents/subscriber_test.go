@@ -264,7 +264,10 @@ func TestALateSubscriberReadsTheReplayBuffer(t *testing.T) {
 	handled := make(chan int64, 1000)
 	s.handled = func(_ Publisher, seq int64) { handled <- seq }
 	done := make(chan struct{})
-	go func() { defer close(done); s.Run(ctx, func() ([]string, <-chan struct{}) { return []string{endpoint}, ctx.Done() }) }()
+	go func() {
+		defer close(done)
+		s.Run(ctx, func() ([]string, <-chan struct{}) { return []string{endpoint}, ctx.Done() })
+	}()
 	warm(t, p, handled)
 	if n, ok := held(x, endpoint, seq(0, 8)); n != 8 || !ok {
 		t.Errorf("held %d, ok %v; want the 8 tokens published before the subscriber joined", n, ok)
