@@ -3,6 +3,7 @@ package kvevents
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"net"
 	"strconv"
@@ -233,14 +234,24 @@ func (s *Subscriber) listen(ctx context.Context, handle func([][]byte)) error {
 	if err := sub.Listen(s.cfg.Bind); err != nil {
 		return err
 	}
-	for {
+	failed := 0 // Recv fails each time one of the publishers' connections drops: the others go on
+	for failed < maxRecvFailures {
 		msg, err := sub.Recv()
 		if err != nil {
-			return err
+			if ctx.Err() != nil {
+				return err
+			}
+			failed++
+			continue
 		}
+		failed = 0
 		handle(msg.Frames)
 	}
+	return errors.New("the socket keeps failing")
 }
+
+// maxRecvFailures in a row make a listening socket start anew.
+const maxRecvFailures = 100
 
 // topicEndpoint reads the endpoint of a topic kv@<ip>:<port>@<model>.
 func topicEndpoint(frames [][]byte) (string, bool) {
