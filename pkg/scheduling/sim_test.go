@@ -128,14 +128,18 @@ const simBlock = 64
 
 type simEngine struct {
 	prefiller[*simReq]
-	addr  string
-	speed float64
+	simCache
+	speed   float64
+	down    bool
+	running int
+}
+
+// simCache is an engine's prefix cache.
+type simCache struct {
 	cache *simLRU // of block hashes
 	// events, when set, is told of every change to cache, as an engine
 	// publishes its KV events.
-	events  func(...kvevents.Event)
-	down    bool
-	running int
+	events func(...kvevents.Event)
 }
 
 // prefiller is an engine's prefill: one request at a time, the others
@@ -202,7 +206,7 @@ var simHashes = newPrefixIndex(simBlock, 1).hashes
 
 // serve returns the cached prefix length in characters and caches the
 // prompt, its tail first so that the head is the most recent.
-func (e *simEngine) serve(prompt string, hs []uint64) int {
+func (e *simCache) serve(prompt string, hs []uint64) int {
 	hit := 0
 	for hit < len(hs) && e.cache.has(hs[hit]) {
 		hit++
@@ -214,7 +218,7 @@ func (e *simEngine) serve(prompt string, hs []uint64) int {
 		}
 	}
 	if e.events != nil && hit < len(hs) {
-		stored := kvevents.Event{Kind: kvevents.Stored, Hashes: hs[hit:], Tokens: simTokens(prompt[hit*simBlock : len(hs)*simBlock]), BlockSize: simBlock}
+		stored := kvevents.Event{Kind: kvevents.Stored, Hashes: hs[hit:], Tokens: simTokens(prompt[hit*simBlock : len(hs)*simBlock]), BlockSize: simBlock / simCharsPerToken}
 		if hit > 0 {
 			stored.Parent, stored.HasParent = hs[hit-1], true
 		}
@@ -223,15 +227,20 @@ func (e *simEngine) serve(prompt string, hs []uint64) int {
 	return hit * simBlock
 }
 
-// simTokens are a prompt's tokens as the simulated engines cache them: a
-// token a byte.
+// simTokens are a prompt's tokens as the simulated engines cache them: one
+// per simCharsPerToken characters, so that a 64-character block is vLLM's
+// 16 tokens.
 func simTokens(s string) []int64 {
-	out := make([]int64, len(s))
-	for i := range len(s) {
-		out[i] = int64(s[i])
+	out := make([]int64, (len(s)+simCharsPerToken-1)/simCharsPerToken)
+	for i := range out {
+		for _, c := range []byte(s[i*simCharsPerToken : min(len(s), (i+1)*simCharsPerToken)]) {
+			out[i] = out[i]<<8 | int64(c)
+		}
 	}
 	return out
 }
+
+const simCharsPerToken = 4
 
 // ---- the event loop ----
 
@@ -359,7 +368,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 	for i, speed := range p.Speeds {
 		a := fmt.Sprintf("10.0.0.%d:8000", i+1)
 		addrs = append(addrs, a)
-		e := &simEngine{addr: a, speed: speed, cache: newSimLRU(p.CacheChars / simBlock)}
+		e := &simEngine{speed: speed, simCache: simCache{cache: newSimLRU(p.CacheChars / simBlock)}}
 		e.start = func(r *simReq) { s.prefill(e, r) }
 		if index != nil {
 			pub := kvevents.Publisher{Endpoint: a}

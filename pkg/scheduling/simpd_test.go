@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
@@ -66,11 +67,12 @@ type pdPolicy struct {
 	name             string
 	aggregated       bool
 	pd               config.PD
-	decodeChunkChars int // the decode engines' step budget; 0: pdParams'
+	decodeChunkChars int  // the decode engines' step budget; 0: pdParams'
+	events           bool // both pools follow the engines' KV events (sim_test.go's model)
 }
 
 type pdEngine struct {
-	cache      *simLRU
+	simCache       // and its events when the pools follow them
 	chunkChars int // its step's token budget, in characters
 	prefiller[*pdReq]
 	// decode
@@ -150,12 +152,21 @@ type pdResult struct {
 
 func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult {
 	s := &pdSim{p: p, engines: map[string]*pdEngine{}, decisions: map[[2]int]bool{}, reasons: map[metrics.Reason]int{}}
+	var index *kvevents.Index
+	if policy.events {
+		index = kvevents.NewIndex(kvevents.Bounds{}, time.Minute, func() time.Time { return simEpoch.Add(s.now) })
+	}
 	addrs := func(subnet, n, chunk int) []string {
 		out := make([]string, n)
 		for i := range out {
 			out[i] = fmt.Sprintf("10.0.%d.%d:8000", subnet, i+1)
-			e := &pdEngine{cache: newSimLRU(p.CacheChars / simBlock), chunkChars: chunk}
+			e := &pdEngine{simCache: simCache{cache: newSimLRU(p.CacheChars / simBlock)}, chunkChars: chunk}
 			e.start = func(r *pdReq) { s.prefill(e, r) }
+			if index != nil {
+				pub := kvevents.Publisher{Endpoint: out[i]}
+				index.Reset(pub, true)
+				e.events = func(events ...kvevents.Event) { index.Apply(pub, events) }
+			}
 			s.engines[out[i]] = e
 		}
 		return out
@@ -173,7 +184,12 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 	}
 	for i := range replicas {
 		r := rand.New(rand.NewPCG(p.Seed, 2+uint64(i)))
-		s.replicas = append(s.replicas, NewPools(spec, Deps{Now: func() time.Time { return simEpoch.Add(s.now) }, intn: r.IntN}))
+		ps := NewPools(spec, Deps{Now: func() time.Time { return simEpoch.Add(s.now) }, intn: r.IntN})
+		if index != nil {
+			ps.Prefill.events.Store(&poolEvents{index: index})
+			ps.Decode.events.Store(&poolEvents{index: index})
+		}
+		s.replicas = append(s.replicas, ps)
 	}
 	s.every(p.ScrapeEvery, p.Duration, func() {
 		for _, ps := range s.replicas {
@@ -218,6 +234,9 @@ func (s *pdSim) send(r *pdReq) {
 	ps := s.replicas[s.sent%len(s.replicas)]
 	s.sent++
 	r.arrived, r.hs = s.now, simHashes(r.prompt)
+	if ps.Decode.cache() != nil {
+		r.req.SetTokens(simTokens(r.prompt))
+	}
 	eps, err := ps.Decode.SelectN(r.req, 1)
 	if err != nil {
 		panic(err)
@@ -247,7 +266,7 @@ func (s *pdSim) send(r *pdReq) {
 // prefill computes r's prompt on the prefill engine e, which answers, then
 // the decode engine pulls the KV.
 func (s *pdSim) prefill(e *pdEngine, r *pdReq) {
-	hit := serveLRU(e.cache, r.hs)
+	hit := e.serve(r.prompt, r.hs)
 	d := s.p.PrefillFixed + secs(float64(len(r.prompt)-hit)/s.p.PrefillCPS)
 	s.prefillWork += d
 	s.at(s.now+d, func() {
@@ -256,7 +275,7 @@ func (s *pdSim) prefill(e *pdEngine, r *pdReq) {
 		r.dEng.inbound++
 		s.at(s.now+secs(float64(len(r.prompt)-heldBlocks(r.dEng.cache, r.hs)*simBlock)/s.p.TransferCPS), func() {
 			r.dEng.inbound--
-			serveLRU(r.dEng.cache, r.hs)
+			r.dEng.serve(r.prompt, r.hs)
 			r.dEng.joining = append(r.dEng.joining, r)
 			s.kick(r.dEng)
 		})
@@ -272,10 +291,6 @@ func heldBlocks(cache *simLRU, hs []uint64) int {
 	}
 	return n
 }
-
-// serveLRU is simEngine.serve on cache: the cached prefix in characters,
-// after which cache holds the prompt.
-func serveLRU(cache *simLRU, hs []uint64) int { return (&simEngine{cache: cache}).serve("", hs) }
 
 // kick starts a step unless one is under way or there is nothing to do.
 func (s *pdSim) kick(e *pdEngine) {
@@ -297,7 +312,7 @@ func (s *pdSim) step(e *pdEngine) {
 		}
 		if !r.started {
 			r.started = true
-			hit := serveLRU(e.cache, r.hs)
+			hit := e.serve(r.prompt, r.hs)
 			r.left = max(len(r.prompt)-hit, pdCharsPerToken) // the last token is always computed
 			if r.split.Reason == metrics.ReasonCachedPrefix {
 				s.heldEst += float64(r.split.Held)
@@ -343,7 +358,7 @@ func (s *pdSim) emit(e *pdEngine, r *pdReq) {
 		return
 	}
 	if r.after != "" {
-		serveLRU(e.cache, simHashes(r.after))
+		e.serve(r.after, simHashes(r.after))
 	}
 	r.decode.ReportSuccess()
 	r.release()

@@ -50,15 +50,16 @@ var pdKnownMisses = map[string]float64{
 
 // TestSimulatedPDTargets checks the targets of pdTargets on a short run that
 // make test affords: three simulated minutes of (b) and (e), one seed,
-// always-P/D against cache-aware with pkg/config's defaults, at one replica
-// and (for the decisions) three.
+// always-P/D against cache-aware with pkg/config's defaults, without and
+// with the engines' KV events, at one replica and (for the decisions)
+// three.
 func TestSimulatedPDTargets(t *testing.T) {
 	if testing.Short() || raceDetector {
 		t.Skip("simulation: make test runs it without -race")
 	}
 	cells := slices.Concat(
-		pdTable([]simWorkload{multiTurn, random}, []float64{1, 1.5}, []int{1}, []pdPolicy{pdAlways, pdCache}),
-		pdTable([]simWorkload{multiTurn}, []float64{1, 1.5}, []int{3}, []pdPolicy{pdCache}))
+		pdTable([]simWorkload{multiTurn, random}, []float64{1, 1.5}, []int{1}, []pdPolicy{pdAlways, pdCache, pdCacheEvents}),
+		pdTable([]simWorkload{multiTurn}, []float64{1, 1.5}, []int{3}, []pdPolicy{pdCache, pdCacheEvents}))
 	rows := runPD(cells, 3*time.Minute, simSeeds[:1])
 	always := alwaysOf(rows)
 	for _, r := range rows {

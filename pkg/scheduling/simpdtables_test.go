@@ -33,7 +33,10 @@ var (
 	// The same on decode engines left at vLLM's 2,048-token step budget.
 	pdCacheWide = pdPolicy{name: "cache-aware, 2048-token steps", pd: config.PD{Mode: config.PDAuto}, decodeChunkChars: pdChunkChars}
 	pdLoadArm   = pdLoaded(2)
-	pdPolicies  = []pdPolicy{pdAggregated, pdAlways, pdLength, pdCache, pdCacheWide, pdLoadArm}
+	// With both pools following the engines' KV events: the decider reads
+	// the decode engine's exact hit.
+	pdCacheEvents = pdPolicy{name: "cache-aware + events", pd: config.PD{Mode: config.PDAuto}, events: true}
+	pdPolicies    = []pdPolicy{pdAggregated, pdAlways, pdLength, pdCache, pdCacheWide, pdLoadArm, pdCacheEvents}
 )
 
 func pdLoaded(queue float64) pdPolicy {
