@@ -301,32 +301,26 @@ func readHash(d *msgpack.Decoder) (h uint64, ok bool, err error) {
 }
 
 func readHashes(d *msgpack.Decoder) ([]uint64, error) {
-	n, err := d.DecodeArrayLen()
-	if err != nil || n < 0 {
-		return nil, err
-	}
-	out := make([]uint64, n)
-	for i := range out {
+	return readList(d, func() (uint64, error) {
 		h, ok, err := readHash(d)
-		if err != nil {
-			return nil, err
+		if err == nil && !ok {
+			err = errors.New("a nil block hash")
 		}
-		if !ok {
-			return nil, errors.New("a nil block hash")
-		}
-		out[i] = h
-	}
-	return out, nil
+		return h, err
+	})
 }
 
-func readInts(d *msgpack.Decoder) ([]int64, error) {
+func readInts(d *msgpack.Decoder) ([]int64, error) { return readList(d, d.DecodeInt64) }
+
+// readList reads an array (nil: none) whose elements read reads.
+func readList[T any](d *msgpack.Decoder, read func() (T, error)) ([]T, error) {
 	n, err := d.DecodeArrayLen()
 	if err != nil || n < 0 {
 		return nil, err
 	}
-	out := make([]int64, n)
+	out := make([]T, n)
 	for i := range out {
-		if out[i], err = d.DecodeInt64(); err != nil {
+		if out[i], err = read(); err != nil {
 			return nil, err
 		}
 	}
@@ -343,23 +337,10 @@ func readOptionalString(d *msgpack.Decoder) (string, error) {
 // readExtra reads extra_keys: nil, or a list with an entry per block, each
 // nil or a tuple kept as its raw msgpack.
 func readExtra(d *msgpack.Decoder) ([][]byte, error) {
-	n, err := d.DecodeArrayLen()
-	if err != nil || n < 0 {
-		return nil, err
-	}
-	out := make([][]byte, n)
-	for i := range out {
-		null, err := isNil(d)
-		if err != nil {
+	return readList(d, func() ([]byte, error) {
+		if null, err := isNil(d); null || err != nil {
 			return nil, err
 		}
-		if !null {
-			raw, err := d.DecodeRaw()
-			if err != nil {
-				return nil, err
-			}
-			out[i] = raw
-		}
-	}
-	return out, nil
+		return d.DecodeRaw()
+	})
 }

@@ -154,6 +154,27 @@ func held(x *Index, endpoint string, tokens []int64) (int, bool) {
 	return h[endpoint], known[endpoint]
 }
 
+// endpoint is the engine the tests' subscribers dial: its host, and the
+// publisher's port.
+const endpoint = "127.0.0.1:8000"
+
+// follow starts a subscriber of p's engine, which it stops when the test
+// ends, and returns its index, itself and what it handles.
+func follow(t *testing.T, p *testPublisher) (*Index, *Subscriber, <-chan int64) {
+	ctx, cancel := context.WithCancel(t.Context())
+	x := NewIndex(Bounds{}, time.Minute, nil)
+	s := NewSubscriber(Config{ConnectPort: p.port(), ReplayPort: p.replay, StaleAfter: time.Minute}, x, logr.Discard())
+	handled := make(chan int64, 1000)
+	s.handled = func(_ Publisher, seq int64) { handled <- seq }
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		s.Run(ctx, func() ([]string, <-chan struct{}) { return []string{endpoint}, ctx.Done() })
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	return x, s, handled
+}
+
 // TestSubscriberFollowsAStream: dialled as vLLM's default publisher expects,
 // the subscriber indexes what the engine stores; a lost batch is asked of
 // the replay socket, or without one the view starts over and is not trusted
@@ -174,19 +195,8 @@ func TestSubscriberFollowsAStream(t *testing.T) {
 		{name: "a restarted engine", restart: true, wantHeld: 0, wantOK: true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			ctx, cancel := context.WithCancel(t.Context())
-			defer cancel()
-			p := newTestPublisher(t, ctx, "", tt.replay)
-			const endpoint = "127.0.0.1:8000"
-			x := NewIndex(Bounds{}, time.Minute, nil)
-			s := NewSubscriber(Config{ConnectPort: p.port(), ReplayPort: p.replay, StaleAfter: time.Minute}, x, logr.Discard())
-			handled := make(chan int64, 1000)
-			s.handled = func(_ Publisher, seq int64) { handled <- seq }
-			done := make(chan struct{})
-			go func() {
-				defer close(done)
-				s.Run(ctx, func() ([]string, <-chan struct{}) { return []string{endpoint}, ctx.Done() })
-			}()
+			p := newTestPublisher(t, t.Context(), "", tt.replay)
+			x, s, handled := follow(t, p)
 			warm(t, p, handled)
 			replays := s.Counts().Replayed.Load() // the start's, asking for what was published before
 			p.publish(false, storedEvent(1, nil, seq(0, 4)))
@@ -201,8 +211,6 @@ func TestSubscriberFollowsAStream(t *testing.T) {
 			if got := s.Counts().Replayed.Load() - replays; got != tt.wantReplays {
 				t.Errorf("%d replays, want %d", got, tt.wantReplays)
 			}
-			cancel()
-			<-done
 		})
 	}
 }
@@ -254,24 +262,11 @@ func freePort(t *testing.T) int {
 // engine has cached a prompt learns it from the replay socket, which keeps
 // what was published before anyone subscribed.
 func TestALateSubscriberReadsTheReplayBuffer(t *testing.T) {
-	ctx, cancel := context.WithCancel(t.Context())
-	defer cancel()
-	p := newTestPublisher(t, ctx, "", true)
+	p := newTestPublisher(t, t.Context(), "", true)
 	p.publish(false, storedEvent(1, nil, seq(0, 4)), storedEvent(2, uint64(1), seq(4, 4))) // nobody listens yet
-	const endpoint = "127.0.0.1:8000"
-	x := NewIndex(Bounds{}, time.Minute, nil)
-	s := NewSubscriber(Config{ConnectPort: p.port(), ReplayPort: p.replay, StaleAfter: time.Minute}, x, logr.Discard())
-	handled := make(chan int64, 1000)
-	s.handled = func(_ Publisher, seq int64) { handled <- seq }
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		s.Run(ctx, func() ([]string, <-chan struct{}) { return []string{endpoint}, ctx.Done() })
-	}()
+	x, _, handled := follow(t, p)
 	warm(t, p, handled)
 	if n, ok := held(x, endpoint, seq(0, 8)); n != 8 || !ok {
 		t.Errorf("held %d, ok %v; want the 8 tokens published before the subscriber joined", n, ok)
 	}
-	cancel()
-	<-done
 }
