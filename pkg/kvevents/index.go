@@ -270,15 +270,30 @@ func (x *Index) Forget(p Publisher) {
 }
 
 // chain is a block's key: a hash of its parent's key, its token ids and its
-// extra keys, read as one run of bytes laid out in buf (grown as needed and
-// returned for the next block).
+// extra keys. Token ids are folded in as 32-bit words (vocabularies are far
+// below 2^32), FNV-1a style, then mixed: a few nanoseconds a block, as the
+// lookup of a long prompt hashes hundreds of them per request. buf is
+// scratch space for the extra keys, returned for the next block.
 func chain(buf []byte, parent uint64, tokens []int64, extra []byte) (uint64, []byte) {
-	buf = binary.LittleEndian.AppendUint64(buf[:0], parent)
+	h := mix64(parent ^ 0x9e3779b97f4a7c15)
 	for _, t := range tokens {
-		buf = binary.LittleEndian.AppendUint32(buf, uint32(t)) // token ids fit: vocabularies are far below 2^32
+		h = (h ^ uint64(uint32(t))) * 0x100000001b3
 	}
-	buf = append(buf, extra...)
-	return xxhash.Sum64(buf), buf
+	if len(extra) > 0 {
+		buf = binary.LittleEndian.AppendUint64(buf[:0], h)
+		buf = append(buf, extra...)
+		h = xxhash.Sum64(buf)
+	}
+	return mix64(h ^ uint64(len(tokens))), buf
+}
+
+// mix64 is splitmix64's finalizer: every bit of x moves every bit of the key.
+func mix64(x uint64) uint64 {
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	return x ^ x>>31
 }
 
 // Lookup returns, for each of endpoints whose view routing may trust now
@@ -327,10 +342,8 @@ func (x *Index) Lookup(endpoints []string, tokens []int64) (held map[string]int,
 	}
 	matched := make([]int, len(endpoints)) // leading blocks each endpoint holds
 	var key uint64
-	var scratch [8 + 4*64]byte // a block of up to 64 tokens without allocating
-	buf := scratch[:0]
 	for b := range len(tokens) / blockSize {
-		key, buf = chain(buf, key, tokens[b*blockSize:(b+1)*blockSize], nil)
+		key, _ = chain(nil, key, tokens[b*blockSize:(b+1)*blockSize], nil)
 		extended := false
 		for _, v := range x.blocks[key] {
 			if i := views[v.id] - 1; i >= 0 && usable[i] > 0 && v.blockSize == blockSize && matched[i] == b {
