@@ -46,6 +46,9 @@ func (s *Server) otherRoutes(mux *http.ServeMux) {
 // or an engine restart would.
 func (s *Server) ResetPrefixCache() { s.metrics.cache.reset() }
 
+// CachedBlocks is how many blocks the prefix cache holds now.
+func (s *Server) CachedBlocks() int { return s.metrics.cache.len() }
+
 // recorded serves a request with answer after recording it with its body.
 func (s *Server) recorded(answer http.HandlerFunc) http.HandlerFunc {
 	return func(rw http.ResponseWriter, r *http.Request) {

@@ -207,6 +207,13 @@ func (c *prefixCache) stored(hashes []blockHash, tokens []uint64) []kvEvent {
 	return out
 }
 
+// len is how many blocks the cache holds.
+func (c *prefixCache) len() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.order.Len()
+}
+
 // reset forgets every block, as vLLM's POST /reset_prefix_cache does.
 func (c *prefixCache) reset() {
 	c.mu.Lock()

@@ -170,3 +170,31 @@ func TestSilentEnginesFallBackToEstimates(t *testing.T) {
 	everyReplica(t, r, `pd_extproc_kv_events_stale_publishers{pool="decode"}`, func(v float64) bool { return v == 0 })
 	everyReplica(t, r, `pd_extproc_kv_events_replays_total{outcome="replayed",pool="decode"}`, func(v float64) bool { return v >= 1 })
 }
+
+// TestTheViewEqualsTheEnginesCache: with one batch in a hundred lost on the
+// way and a cache small enough to evict, every lost batch is replayed when
+// the next shows the gap, and the router's view ends with as many blocks as
+// the engine's prefix cache holds.
+func TestTheViewEqualsTheEnginesCache(t *testing.T) {
+	r := startRig(t, rigOptions{prefills: -1, decodes: 1, prefixCacheBlocks: 200, decodePool: "policy: prefix-affinity", kvEvents: []string{}})
+	subscribed(t, r.decode, 1)
+	sim := r.decode[0]
+	warm(t, sim, kvChat(t, "nobody", "a first batch"))
+	sim.SetFaults(pdsim.Faults{DropKVEventsEvery: 100})
+	for i := range 300 { // some 7 blocks each: the cache turns over some ten times
+		warm(t, sim, kvChat(t, fmt.Sprint("tenant ", i), "a question"))
+	}
+	sim.SetFaults(pdsim.Faults{})
+	warm(t, sim, kvChat(t, "nobody", "a last batch, after the last lost one"))
+	if st := sim.KVEventsStats(); st.Dropped < 2 {
+		t.Fatalf("%d batches lost: the test loses too few", st.Dropped)
+	}
+	everyReplica(t, r, `pd_extproc_kv_events_replays_total{outcome="replayed",pool="decode"}`, func(v float64) bool {
+		return v >= float64(sim.KVEventsStats().Dropped)
+	})
+	want := float64(sim.CachedBlocks())
+	everyReplica(t, r, `pd_extproc_kv_events_index_blocks{pool="decode"}`, func(v float64) bool { return v == want })
+	if n := r.extproc.MustMetric(t, `pd_extproc_kv_events_dropped_total{pool="decode",reason="orphan"}`); n != 0 {
+		t.Errorf("%v blocks dropped as orphans", n)
+	}
+}
