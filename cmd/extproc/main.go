@@ -112,7 +112,7 @@ func run(f flags, log logr.Logger, flush func()) error {
 
 func loadConfig(path string) (*config.Config, error) {
 	if path == "" {
-		return config.Parse(defaults.DefaultYAML)
+		return config.Unconfigured(defaults.DefaultYAML)
 	}
 	return config.Load(path)
 }

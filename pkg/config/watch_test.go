@@ -217,22 +217,35 @@ func TestWatchChecksAReloadAgainstTheRunningConnector(t *testing.T) {
 	nothingApplied(t, applied)
 }
 
-// A reload that sets the removed pd.sglang_parallel_sampling: rooms is
-// refused, saying why, and the running config stays.
-func TestWatchRefusesTheRemovedRooms(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "extproc.yaml")
-	const cfg = "connector: kv-sglang\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 8998}, decode: {endpoints: [\"10.0.0.2:8000\"]}}\n"
-	write(t, path, cfg)
-	applied, rejected := watching(t, path)
-
-	write(t, path, cfg+"pd: {sglang_parallel_sampling: rooms}\n")
-	select {
-	case err := <-rejected:
-		if !strings.Contains(err.Error(), "rooms was removed") || !strings.Contains(err.Error(), "never read") {
-			t.Errorf("rejection = %v; want it to say rooms was removed and why", err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("pd.sglang_parallel_sampling: rooms was not rejected within 5s")
+// A reload that sets the removed pd.sglang_parallel_sampling: rooms, or that
+// drops the connector, is refused, saying why, and the running config stays.
+func TestWatchRefusesAndKeepsTheRunningConfig(t *testing.T) {
+	const pools = "pools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 8998}, decode: {endpoints: [\"10.0.0.2:8000\"]}}\n"
+	tests := []struct {
+		name, next string
+		want       []string
+	}{
+		{"the removed rooms", "connector: kv-sglang\n" + pools + "pd: {sglang_parallel_sampling: rooms}\n", []string{"rooms was removed", "never read"}},
+		{"no connector", pools, []string{"connector: not set", "kv-nixl", "kv-shared-storage", "kv-sglang"}},
 	}
-	nothingApplied(t, applied)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "extproc.yaml")
+			write(t, path, "connector: kv-sglang\n"+pools)
+			applied, rejected := watching(t, path)
+
+			write(t, path, tt.next)
+			select {
+			case err := <-rejected:
+				for _, w := range tt.want {
+					if !strings.Contains(err.Error(), w) {
+						t.Errorf("rejection = %v; want it to name %q", err, w)
+					}
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatal("the reload was not rejected within 5s")
+			}
+			nothingApplied(t, applied)
+		})
+	}
 }

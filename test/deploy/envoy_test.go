@@ -67,7 +67,7 @@ func envoyConfigs(t *testing.T) []envoyConfig {
 // them there without adjusting Envoy fails here.
 func defaultServiceLimits(t *testing.T) serviceLimits {
 	t.Helper()
-	c, err := extprocconfig.Parse(defaultconfig.DefaultYAML)
+	c, err := extprocconfig.Unconfigured(defaultconfig.DefaultYAML)
 	if err != nil {
 		t.Fatalf("embedded config/extproc.yaml: %v", err)
 	}

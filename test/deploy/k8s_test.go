@@ -99,7 +99,6 @@ func TestExtprocConfigsLoad(t *testing.T) {
 		name string
 		data func(t *testing.T) []byte
 	}{
-		{"embedded default config/extproc.yaml", func(*testing.T) []byte { return defaultconfig.DefaultYAML }},
 		{"docker compose config/envoy/extproc-compose.yaml", func(t *testing.T) []byte {
 			return yamlFileBytes(t, "config/envoy/extproc-compose.yaml")
 		}},
@@ -275,7 +274,7 @@ func TestExtprocDeployment(t *testing.T) {
 // starts the engine in its P/D role.
 func TestEngineExamples(t *testing.T) {
 	k8s := loadManifests(t, "config/k8s")
-	defaults, err := extprocconfig.Parse(defaultconfig.DefaultYAML)
+	defaults, err := extprocconfig.Unconfigured(defaultconfig.DefaultYAML)
 	if err != nil {
 		t.Fatal(err)
 	}
