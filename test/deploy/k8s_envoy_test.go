@@ -2,11 +2,19 @@ package deploy
 
 import (
 	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"reflect"
+	"strconv"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"sigs.k8s.io/yaml"
 
@@ -49,11 +57,32 @@ func TestKubernetesEnvoy(t *testing.T) {
 	if vol := mountedVolume(pod, c, cfg); digString(vol, "configMap", "name") != "envoy" || !strings.HasSuffix(cfg, "/envoy.yaml") {
 		t.Errorf("-c %q is not the envoy.yaml key of the mounted ConfigMap envoy", cfg)
 	}
-	path := filepath.Join(t.TempDir(), "envoy.yaml")
+	dir := t.TempDir()
+	path := filepath.Join(dir, "envoy.yaml")
 	if err := os.WriteFile(path, []byte(boot), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	for _, f := range extProcTLSFiles(t, path) { // the emulator must load the bootstrap
+	// The SDS files are config/envoy/sds's, in the ConfigMap envoy-sds.
+	sdsData, _ := dig(find(t, ms, "ConfigMap", "envoy-sds"), "data").(map[string]any)
+	shippedSDS, _ := filepath.Glob(testbed.MustRepoPath(t, "config/envoy/sds/*.yaml"))
+	if len(sdsData) != len(shippedSDS) {
+		t.Errorf("ConfigMap envoy-sds has %d files, config/envoy/sds %d", len(sdsData), len(shippedSDS))
+	}
+	for _, f := range shippedSDS {
+		if got, _ := sdsData[filepath.Base(f)].(string); !sameYAML(t, got, string(mustRead(t, f))) {
+			t.Errorf("ConfigMap envoy-sds's %s is not config/envoy/sds/%s", filepath.Base(f), filepath.Base(f))
+		}
+		if err := os.WriteFile(filepath.Join(dir, filepath.Base(f)), mustRead(t, f), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sds, certs := extProcTLSFiles(t, path, map[string]string{"/etc/envoy/sds": dir}) // the emulator must load the bootstrap
+	for _, f := range sds {
+		if vol := mountedVolume(pod, c, f); digString(vol, "configMap", "name") != "envoy-sds" {
+			t.Errorf("the bootstrap reads the SDS file %s, which is not in the mounted ConfigMap envoy-sds", f)
+		}
+	}
+	for _, f := range certs {
 		if vol := mountedVolume(pod, c, f); digString(vol, "secret", "secretName") != "pd-extproc-client-tls" {
 			t.Errorf("the bootstrap reads %s, which is not in the mounted Secret pd-extproc-client-tls", f)
 		}
@@ -91,4 +120,98 @@ func sameYAML(t *testing.T, a, b string) bool {
 		}
 	}
 	return reflect.DeepEqual(x, y)
+}
+
+// The standalone Envoy drains before it stops: on SIGTERM Envoy exits at once and cuts every
+// generation in flight, so its preStop hook asks the admin interface for a graceful drain and
+// waits until no request is active, inside the grace period; a disruption budget lets a node
+// drain take one Envoy at a time. The hook is run here, with bash, against a fake admin
+// interface, as the kubelet runs it in the container.
+func TestEnvoyDrainsBeforeItStops(t *testing.T) {
+	ms := loadManifests(t, "config/k8s")
+	dep := find(t, ms, "Deployment", "envoy")
+	pod := dig(dep, "spec", "template")
+	c := dig(pod, "spec", "containers").([]any)[0]
+	hook := toStrings(dig(c, "lifecycle", "preStop", "exec", "command"))
+	if len(hook) != 3 || hook[0] != "/bin/bash" || hook[1] != "-c" {
+		t.Fatalf("envoy preStop = %q, want /bin/bash -c <script>", hook)
+	}
+	env := map[string]string{}
+	for _, e := range dig(c, "env").([]any) {
+		env[digString(e, "name")] = digString(e, "value")
+	}
+	minWait, _ := strconv.Atoi(env["DRAIN_MIN_SECONDS"])
+	maxWait, _ := strconv.Atoi(env["DRAIN_MAX_SECONDS"])
+	grace, _ := dig(pod, "spec", "terminationGracePeriodSeconds").(float64)
+	if maxWait < 60 || minWait+maxWait >= int(grace) {
+		t.Errorf("DRAIN_MIN_SECONDS %d + DRAIN_MAX_SECONDS %d against terminationGracePeriodSeconds %v: want a wait of minutes, inside the grace", minWait, maxWait, grace)
+	}
+	args := strings.Join(toStrings(dig(c, "args")), " ")
+	if !strings.Contains(args, "--drain-strategy immediate") || !strings.Contains(args, "--drain-time-s") {
+		t.Errorf("envoy args %q: want --drain-time-s and --drain-strategy immediate (every connection told to close at the drain's start)", args)
+	}
+	pdb := find(t, ms, "PodDisruptionBudget", "envoy")
+	labels, _ := dig(pod, "metadata", "labels").(map[string]any)
+	if !selects(dig(pdb, "spec", "selector", "matchLabels"), labels) || dig(pdb, "spec", "minAvailable") != 1.0 {
+		t.Errorf("PodDisruptionBudget envoy = %v; want minAvailable 1 over the Envoy pods", dig(pdb, "spec"))
+	}
+
+	tests := []struct {
+		name      string
+		active    []int // what each stats poll answers; the last repeats
+		down      bool  // no admin interface: Envoy is gone already
+		maxWait   string
+		wantPolls int // at least
+	}{
+		{name: "waits for the generations in flight", active: []int{2, 1, 0}, maxWait: "60", wantPolls: 3},
+		{name: "nothing in flight", active: []int{0}, maxWait: "60", wantPolls: 1},
+		{name: "stops waiting at DRAIN_MAX_SECONDS", active: []int{5}, maxWait: "2", wantPolls: 1},
+		{name: "Envoy gone", down: true, maxWait: "60"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var mu sync.Mutex
+			var calls []string
+			polls := 0
+			admin := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				mu.Lock()
+				defer mu.Unlock()
+				calls = append(calls, r.Method+" "+r.URL.RequestURI())
+				if r.URL.Path == "/stats" {
+					fmt.Fprintf(w, "http.inference.downstream_rq_active: %d\n", tc.active[min(polls, len(tc.active)-1)])
+					polls++
+				}
+			}))
+			port := admin.Listener.Addr().(*net.TCPAddr).Port
+			if tc.down {
+				admin.Close()
+			} else {
+				defer admin.Close()
+			}
+			cmd := exec.Command(hook[0], hook[1], hook[2])
+			cmd.Env = append(os.Environ(), fmt.Sprintf("ENVOY_ADMIN_PORT=%d", port), "DRAIN_MIN_SECONDS=0", "DRAIN_MAX_SECONDS="+tc.maxWait)
+			start := time.Now()
+			if out, err := cmd.CombinedOutput(); err != nil {
+				t.Fatalf("preStop: %v\n%s", err, out)
+			}
+			if took := time.Since(start); took > 30*time.Second {
+				t.Errorf("preStop took %v", took)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if tc.down {
+				if len(calls) != 0 {
+					t.Errorf("calls %q to a closed admin interface", calls)
+				}
+				return
+			}
+			if len(calls) == 0 || calls[0] != "POST /drain_listeners?graceful" || polls < tc.wantPolls {
+				t.Errorf("admin calls %q (%d polls); want POST /drain_listeners?graceful first, then at least %d polls of downstream_rq_active", calls, polls, tc.wantPolls)
+			}
+			if last := tc.active[len(tc.active)-1]; last == 0 && polls != len(tc.active) {
+				t.Errorf("%d polls for %v: the hook must stop at the first 0", polls, tc.active)
+			}
+		})
+	}
 }
