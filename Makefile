@@ -75,10 +75,12 @@ grpcurl: $(TOOLS_BIN)/grpcurl
 
 # The scheduling simulation's targets (pkg/scheduling, TestSimulated*) run once more
 # without the race detector, which makes them some eight times slower and skips them.
+# test/envoyapi is a module of its own (the shipped Envoy configs against Envoy v1.39's API).
 test: tools
 	$(GO) vet ./...
 	$(GO) test -race -count=1 ./...
 	GOEXPERIMENT= $(GO) test -count=1 ./pkg/body/
+	cd test/envoyapi && $(GO) vet ./... && $(GO) test -count=1 ./...
 	$(GO) test -count=1 -run '^TestSimulated' ./pkg/scheduling/
 
 tools: $(TOOLS_BIN)/grpcurl $(TOOLS_BIN)/egctl $(K8S_TOOLS) docker-compose
