@@ -48,8 +48,9 @@ image:
 	DOCKER_BUILDKIT=1 docker build --build-arg GOEXPERIMENT=$(GOEXPERIMENT) --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) -t $(IMAGE) .
 
 # What a release would publish, built here and published nowhere: extproc and pdsim for
-# linux/amd64 and linux/arm64 in bin/release/, then the commands that would build and push
-# the multi-arch image (printed, not run: no Docker needed).
+# linux/amd64 and linux/arm64 in bin/release/, the chart packaged with VERSION as its
+# appVersion and REGISTRY as its image (hack/release, Helm's Go library: no helm binary), then
+# the commands that would build and push the multi-arch image and the chart (printed, not run).
 REGISTRY    ?= registry.example.com/pd-extproc
 RELEASE_DIR := $(BIN)/release
 release-dry-run:
@@ -59,9 +60,12 @@ release-dry-run:
 		CGO_ENABLED=0 GOOS=linux GOARCH=$$arch $(GO) build -trimpath -ldflags "-s -w $(LDFLAGS)" \
 			-o $(RELEASE_DIR)/linux-$$arch/ ./cmd/extproc ./cmd/pdsim || exit 1; \
 	done
-	@echo "== the image (not run):"
+	@echo "== the chart"
+	@$(GO) run ./hack/release -version $(VERSION) -image $(REGISTRY) -out $(RELEASE_DIR)
+	@echo "== the image and the chart (not run):"
 	@echo "  docker buildx build --platform linux/amd64,linux/arm64 --build-arg GOEXPERIMENT=$(GOEXPERIMENT) \\"
 	@echo "    --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) -t $(REGISTRY):$(VERSION) --push ."
+	@echo "  helm push $(RELEASE_DIR)/pd-extproc-*.tgz oci://$(dir $(REGISTRY))charts"
 
 # Development certificates for the mTLS between Envoy and pd-extproc, for the compose demo
 # (config/envoy/docker-compose.yaml): hack/certs.sh, with OpenSSL. Kept until removed.
@@ -93,7 +97,8 @@ $(TOOLS_BIN)/egctl:
 	GOBIN=$(TOOLS_BIN) $(GO) install github.com/envoyproxy/gateway/cmd/egctl@$(EGCTL_VERSION)
 
 # test/k8s runs a real Kubernetes API server and etcd, built from the Go module proxy
-# (hack/k8s-tools.sh: 3-4 minutes once on 2 cores, then cached in TOOLS_BIN).
+# (hack/k8s-tools.sh: about 7 minutes once on 2 cores with an empty build cache, 4½ with a warm
+# one, then cached in TOOLS_BIN; with egctl's 5, a first `make test` spends about 12 on tools).
 # The script builds whichever of the two is missing, once for both (a grouped target).
 $(K8S_TOOLS) &:
 	GO=$(GO) TOOLS_BIN=$(TOOLS_BIN) KUBE_VERSION=$(KUBE_VERSION) ETCD_VERSION=$(ETCD_VERSION) bash hack/k8s-tools.sh

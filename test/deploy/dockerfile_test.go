@@ -180,7 +180,7 @@ func makefileVar(t *testing.T, name string) string {
 }
 
 // make image builds the Dockerfile with the Makefile's GOEXPERIMENT, under the name the compose
-// demo and the Kubernetes manifests run.
+// demo and the chart (installed from a checkout) run.
 func TestMakeImage(t *testing.T) {
 	mk := string(mustRead(t, testbed.MustRepoPath(t, "Makefile")))
 	recipe := regexp.MustCompile(`(?m)^image:.*\n\t(.*)$`).FindStringSubmatch(mk)
@@ -193,12 +193,9 @@ func TestMakeImage(t *testing.T) {
 		}
 	}
 	image := makefileVar(t, "IMAGE")
-	for _, m := range loadManifests(t, "config/k8s") {
-		if m.kind() == "Deployment" && m.name() == "pd-extproc" {
-			if got := digString(dig(m.doc, "spec", "template", "spec", "containers").([]any)[0], "image"); got != image {
-				t.Errorf("the pd-extproc Deployment runs %q, not %q, the image make image builds (kind load docker-image %s)", got, image, image)
-			}
-		}
+	dep := find(t, chartManifests(t, "defaults"), "Deployment", "pd-extproc")
+	if got := digString(dig(dep, "spec", "template", "spec", "containers").([]any)[0], "image"); got != image {
+		t.Errorf("the chart's pd-extproc Deployment runs %q by default, not %q, the image make image builds (kind load docker-image %s)", got, image, image)
 	}
 }
 
@@ -223,6 +220,8 @@ func TestMakefileStampsTheVersion(t *testing.T) {
 		{"make release-dry-run builds linux/amd64 and linux/arm64 with LDFLAGS", strings.Contains(recipe("release-dry-run"), "for arch in amd64 arm64") &&
 			strings.Contains(recipe("release-dry-run"), "GOOS=linux GOARCH=$$arch") && strings.Contains(recipe("release-dry-run"), "$(LDFLAGS)")},
 		{"make release-dry-run prints the image tagged with VERSION", strings.Contains(recipe("release-dry-run"), "-t $(REGISTRY):$(VERSION)")},
+		{"make release-dry-run packages the chart with VERSION", strings.Contains(recipe("release-dry-run"), "go run ./hack/release -version $(VERSION) -image $(REGISTRY)") ||
+			strings.Contains(recipe("release-dry-run"), "$(GO) run ./hack/release -version $(VERSION) -image $(REGISTRY)")},
 	}
 	for _, c := range checks {
 		if !c.ok {

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pd-extproc/pd-extproc/internal/chart"
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
@@ -18,7 +19,7 @@ const metricPrefix = "pd_extproc_"
 func docFiles(t *testing.T) []string {
 	t.Helper()
 	root := testbed.MustRepoRoot(t)
-	files := []string{filepath.Join(root, "README.md"), filepath.Join(root, gatewayDir, "README.md")}
+	files := []string{filepath.Join(root, "README.md"), filepath.Join(root, "charts", "pd-extproc", "README.md")}
 	more, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
 	if err != nil {
 		t.Fatal(err)
@@ -131,7 +132,7 @@ func extprocFlags(t *testing.T) []string {
 	return out
 }
 
-// The flags the shipped Deployment and compose file pass, and the README's list, are the
+// The flags the chart's Deployment and the compose file pass, and the README's list, are the
 // binary's own (an unknown flag makes extproc exit at start), and the README names every flag.
 func TestFlagsAreTheBinarys(t *testing.T) {
 	flags := extprocFlags(t)
@@ -143,9 +144,9 @@ func TestFlagsAreTheBinarys(t *testing.T) {
 			}
 		}
 	}
-	for _, dir := range manifestDirs {
-		dep := find(t, loadManifests(t, dir), "Deployment", "pd-extproc")
-		check(dir+" Deployment", toStrings(dig(dig(dep, "spec", "template", "spec", "containers").([]any)[0], "args")))
+	for _, ex := range chart.Examples {
+		dep := find(t, chartManifests(t, ex.Name), "Deployment", fullname(ex))
+		check("the chart's Deployment ("+ex.Name+")", toStrings(dig(dig(dep, "spec", "template", "spec", "containers").([]any)[0], "args")))
 	}
 	compose := yamlDocuments(t, testbed.MustRepoPath(t, composeFile))[0]
 	check(composeFile, toStrings(dig(compose, "services", "extproc", "command")))
