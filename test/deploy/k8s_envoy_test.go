@@ -233,3 +233,30 @@ func TestEnvoyDrainsBeforeItStops(t *testing.T) {
 		})
 	}
 }
+
+// Kubernetes sets no file limit and container runtimes often leave Envoy a soft 1,024, which two
+// connections per generation exhaust; the chart's Envoy starts with its soft limit raised to the
+// hard one, and its arguments passed on. Run here with bash, a fake envoy on PATH, and a soft
+// limit lowered first.
+func TestEnvoyStartsWithItsHardFileLimit(t *testing.T) {
+	c := dig(find(t, chartManifests(t, "defaults"), "Deployment", "pd-extproc-envoy"), "spec", "template", "spec", "containers").([]any)[0]
+	command, args := toStrings(dig(c, "command")), toStrings(dig(c, "args"))
+	dir := t.TempDir()
+	fake := "#!/bin/bash\necho \"soft=$(ulimit -Sn) hard=$(ulimit -Hn) args=$*\"\n"
+	if err := os.WriteFile(filepath.Join(dir, "envoy"), []byte(fake), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("/bin/bash", append([]string{"-c", `ulimit -Sn 256 && exec "$@"`, "lower"}, append(command, args...)...)...)
+	cmd.Env = append(os.Environ(), "PATH="+dir+":"+os.Getenv("PATH"))
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v: %v\n%s", command, err, out)
+	}
+	var soft, hard, rest string
+	if _, err := fmt.Sscanf(string(out), "soft=%s hard=%s args=%s", &soft, &hard, &rest); err != nil || soft != hard {
+		t.Errorf("envoy started with %q; want its soft file limit raised to the hard one", out)
+	}
+	if !strings.Contains(string(out), "args="+strings.Join(args, " ")) {
+		t.Errorf("envoy started with %q; want the arguments %q", out, args)
+	}
+}

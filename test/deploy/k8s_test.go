@@ -237,10 +237,11 @@ func TestEngineExamples(t *testing.T) {
 	}{
 		{"config/k8s/vllm-pd.yaml", "vllm-prefill", "vllm-prefill", nil, checkNixl},
 		{"config/k8s/vllm-pd.yaml", "vllm-decode", "vllm-decode", nil, checkNixl},
+		// Without RDMA: the nixl backend with UCX over TCP runs on any pod network.
 		{"config/k8s/sglang-pd.yaml", "sglang-prefill", "sglang-prefill",
-			[]string{"--disaggregation-mode=prefill", "--disaggregation-bootstrap-port=" + bootstrapPort, "--disaggregation-transfer-backend=mooncake"}, nil},
+			[]string{"--disaggregation-mode=prefill", "--disaggregation-bootstrap-port=" + bootstrapPort, "--disaggregation-transfer-backend=nixl"}, checkUCXOverTCP},
 		{"config/k8s/sglang-pd.yaml", "sglang-decode", "sglang-decode",
-			[]string{"--disaggregation-mode=decode", "--disaggregation-transfer-backend=mooncake"}, nil},
+			[]string{"--disaggregation-mode=decode", "--disaggregation-transfer-backend=nixl"}, checkUCXOverTCP},
 	}
 	for _, tc := range tests {
 		t.Run(tc.deployment, func(t *testing.T) {
@@ -301,6 +302,24 @@ func checkNixl(t *testing.T, c any) {
 	}
 	if digString(env["VLLM_NIXL_SIDE_CHANNEL_PORT"], "value") == "" {
 		t.Error("VLLM_NIXL_SIDE_CHANNEL_PORT is not set")
+	}
+}
+
+// checkUCXOverTCP: UCX restricted to TCP (and CUDA copies), which needs no RDMA device, and no
+// RDMA resource asked for.
+func checkUCXOverTCP(t *testing.T, c any) {
+	t.Helper()
+	ucx := ""
+	for _, e := range dig(c, "env").([]any) {
+		if digString(e, "name") == "UCX_TLS" {
+			ucx = digString(e, "value")
+		}
+	}
+	if ucx != "tcp,cuda_copy" {
+		t.Errorf("UCX_TLS = %q, want tcp,cuda_copy", ucx)
+	}
+	if limits, _ := dig(c, "resources", "limits").(map[string]any); len(limits) != 1 || limits["nvidia.com/gpu"] == nil {
+		t.Errorf("resources.limits = %v, want one GPU and no RDMA device", limits)
 	}
 }
 
