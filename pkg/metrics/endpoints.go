@@ -23,23 +23,21 @@ func (m *Metrics) WatchEndpoints(src func() []EndpointState) {
 }
 
 var (
-	endpointLabels = []string{"pool", "endpoint"}
-	inflightDesc   = prometheus.NewDesc(prometheus.BuildFQName(namespace, "", "endpoint_inflight"),
-		"Requests currently holding an endpoint: prefill legs in progress, or routed decode legs whose ext_proc stream is open.",
-		endpointLabels, nil)
-	healthyDesc = prometheus.NewDesc(prometheus.BuildFQName(namespace, "", "endpoint_healthy"),
-		"1 when the endpoint is eligible for new requests, 0 when it is not.",
-		endpointLabels, nil)
-	ejectionsDesc = prometheus.NewDesc(prometheus.BuildFQName(namespace, "", "endpoint_ejections_total"),
-		"Times the endpoint was taken out of rotation: ejected after consecutive failures, or failing an active check while up.",
-		endpointLabels, nil)
-	waitingDesc = prometheus.NewDesc(prometheus.BuildFQName(namespace, "", "endpoint_engine_waiting"),
-		"Requests queued in the engine, as its /metrics said at the last scrape (only while that scrape is fresh).",
-		endpointLabels, nil)
-	kvUsageDesc = prometheus.NewDesc(prometheus.BuildFQName(namespace, "", "endpoint_engine_kv_usage"),
-		"The engine's KV cache in use, 0 to 1, as its /metrics said at the last scrape (only while that scrape is fresh).",
-		endpointLabels, nil)
+	inflightDesc = endpointDesc("endpoint_inflight",
+		"Requests currently holding an endpoint: prefill legs in progress, or routed decode legs whose ext_proc stream is open.")
+	healthyDesc   = endpointDesc("endpoint_healthy", "1 when the endpoint is eligible for new requests, 0 when it is not.")
+	ejectionsDesc = endpointDesc("endpoint_ejections_total",
+		"Times the endpoint was taken out of rotation: ejected after consecutive failures, or failing an active check while up.")
+	waitingDesc = endpointDesc("endpoint_engine_waiting",
+		"Requests queued in the engine, as its /metrics said at the last scrape (only while that scrape is fresh).")
+	kvUsageDesc = endpointDesc("endpoint_engine_kv_usage",
+		"The engine's KV cache in use, 0 to 1, as its /metrics said at the last scrape (only while that scrape is fresh).")
 )
+
+// endpointDesc describes a series per pool and endpoint.
+func endpointDesc(name, help string) *prometheus.Desc {
+	return prometheus.NewDesc(prometheus.BuildFQName(namespace, "", name), help, []string{"pool", "endpoint"}, nil)
+}
 
 type endpointCollector struct{ src func() []EndpointState }
 
