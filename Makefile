@@ -19,20 +19,53 @@ KUBE_VERSION    := v1.37.2
 ETCD_VERSION    := v3.7.3
 K8S_TOOLS       := $(TOOLS_BIN)/kube-apiserver $(TOOLS_BIN)/etcd
 
-.PHONY: all build test tools run bench clean image certs grpcurl
+.PHONY: all build test tools run bench clean image certs grpcurl version release-dry-run
 
 all: build
 
+# The version every artifact carries: the binaries (extproc --version, pd_extproc_build_info),
+# the image's tag and labels, the packaged chart's version and appVersion. A release tag
+# (v0.1.0), or the commit past the last one (v0.1.0-3-gabc1234, -dirty with local changes);
+# the short commit while no tag exists. Override for a release: make release-dry-run VERSION=v0.1.0
+VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+REVISION ?= $(shell git rev-parse HEAD 2>/dev/null)
+LDFLAGS  := -X github.com/pd-extproc/pd-extproc/pkg/version.Version=$(VERSION) \
+            -X github.com/pd-extproc/pd-extproc/pkg/version.Revision=$(REVISION)
+
+version:
+	@echo $(VERSION)
+
 build:
-	$(GO) build -o $(BIN)/ ./cmd/...
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/...
 
 # The container image of the Dockerfile (extproc, with pdsim beside it), built with this
-# Makefile's GOEXPERIMENT. Needs Docker with BuildKit; push it where your cluster pulls from:
-#   make image IMAGE=registry.example.com/pd-extproc:0.1.0 && docker push registry.example.com/pd-extproc:0.1.0
+# Makefile's GOEXPERIMENT and VERSION. Needs Docker with BuildKit. pd-extproc:dev is the tag the
+# chart in charts/pd-extproc runs from a checkout (its appVersion); for your registry:
+#   make image IMAGE=registry.example.com/pd-extproc:$(make -s version)
 # (kind: `kind load docker-image pd-extproc:dev`). Not run by `make test`.
 IMAGE ?= pd-extproc:dev
 image:
-	DOCKER_BUILDKIT=1 docker build --build-arg GOEXPERIMENT=$(GOEXPERIMENT) -t $(IMAGE) .
+	DOCKER_BUILDKIT=1 docker build --build-arg GOEXPERIMENT=$(GOEXPERIMENT) --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) -t $(IMAGE) .
+
+# What a release would publish, built here and published nowhere: extproc and pdsim for
+# linux/amd64 and linux/arm64 in bin/release/, the chart packaged with VERSION as its
+# appVersion and REGISTRY as its image (hack/release, Helm's Go library: no helm binary), then
+# the commands that would build and push the multi-arch image and the chart (printed, not run).
+REGISTRY    ?= registry.example.com/pd-extproc
+RELEASE_DIR := $(BIN)/release
+release-dry-run:
+	@rm -rf $(RELEASE_DIR)
+	@for arch in amd64 arm64; do \
+		echo "== linux/$$arch"; \
+		CGO_ENABLED=0 GOOS=linux GOARCH=$$arch $(GO) build -trimpath -ldflags "-s -w $(LDFLAGS)" \
+			-o $(RELEASE_DIR)/linux-$$arch/ ./cmd/extproc ./cmd/pdsim || exit 1; \
+	done
+	@echo "== the chart"
+	@$(GO) run ./hack/release -version $(VERSION) -image $(REGISTRY) -out $(RELEASE_DIR)
+	@echo "== the image and the chart (not run):"
+	@echo "  docker buildx build --platform linux/amd64,linux/arm64 --build-arg GOEXPERIMENT=$(GOEXPERIMENT) \\"
+	@echo "    --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) -t $(REGISTRY):$(VERSION) --push ."
+	@echo "  helm push $(RELEASE_DIR)/pd-extproc-*.tgz oci://$(dir $(REGISTRY))charts"
 
 # Development certificates for the mTLS between Envoy and pd-extproc, for the compose demo
 # (config/envoy/docker-compose.yaml): hack/certs.sh, with OpenSSL. Kept until removed.
@@ -46,10 +79,12 @@ grpcurl: $(TOOLS_BIN)/grpcurl
 
 # The scheduling simulation's targets (pkg/scheduling, TestSimulated*) run once more
 # without the race detector, which makes them some eight times slower and skips them.
+# test/envoyapi is a module of its own (the shipped Envoy configs against Envoy v1.39's API).
 test: tools
 	$(GO) vet ./...
 	$(GO) test -race -count=1 ./...
 	GOEXPERIMENT= $(GO) test -count=1 ./pkg/body/
+	cd test/envoyapi && $(GO) vet ./... && $(GO) test -count=1 ./...
 	$(GO) test -count=1 -run '^TestSimulated' ./pkg/scheduling/
 
 tools: $(TOOLS_BIN)/grpcurl $(TOOLS_BIN)/egctl $(K8S_TOOLS) docker-compose
@@ -62,7 +97,8 @@ $(TOOLS_BIN)/egctl:
 	GOBIN=$(TOOLS_BIN) $(GO) install github.com/envoyproxy/gateway/cmd/egctl@$(EGCTL_VERSION)
 
 # test/k8s runs a real Kubernetes API server and etcd, built from the Go module proxy
-# (hack/k8s-tools.sh: 3-4 minutes once on 2 cores, then cached in TOOLS_BIN).
+# (hack/k8s-tools.sh: about 7 minutes once on 2 cores with an empty build cache, 4½ with a warm
+# one, then cached in TOOLS_BIN; with egctl's 5, a first `make test` spends about 12 on tools).
 # The script builds whichever of the two is missing, once for both (a grouped target).
 $(K8S_TOOLS) &:
 	GO=$(GO) TOOLS_BIN=$(TOOLS_BIN) KUBE_VERSION=$(KUBE_VERSION) ETCD_VERSION=$(ETCD_VERSION) bash hack/k8s-tools.sh

@@ -10,8 +10,8 @@
 #                   published release (v0.X.Y for kubernetes v1.X.Y).
 #   etcd            go.etcd.io/etcd/server/v3 $ETCD_VERSION, etcdmain.
 #
-# About 3-4 minutes for kube-apiserver and under 1 for etcd on 2 cores with a
-# warm module cache; a cold one adds the downloads.
+# About 7 minutes for both on 2 cores with an empty build cache, 4½ with a
+# warm one (docs/kubernetes.md); a cold module cache adds the downloads.
 set -euo pipefail
 
 GO=${GO:-go}

@@ -24,6 +24,7 @@ import (
 	defaults "github.com/pd-extproc/pd-extproc/config"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/server"
+	"github.com/pd-extproc/pd-extproc/pkg/version"
 )
 
 type flags struct {
@@ -31,7 +32,7 @@ type flags struct {
 	kubeconfig                             string
 	verbosity                              int
 	grace, logFlush                        time.Duration
-	pprof, logPrompts                      bool
+	pprof, logPrompts, version             bool
 	tls                                    server.TLSFiles
 }
 
@@ -57,7 +58,12 @@ func main() {
 	flag.Func("tls-client-allowed-sans", "with --tls-client-ca-file, accept only client certificates with one of these SANs "+
 		"(comma-separated DNS names and URIs such as spiffe://cluster.local/ns/envoy-gateway-system/sa/envoy; exact, no wildcards)",
 		func(v string) error { f.tls.AllowedSANs = server.ParseSANs(v); return nil })
+	flag.BoolVar(&f.version, "version", false, "print the version, revision and Go release, then exit")
 	flag.Parse()
+	if f.version {
+		fmt.Println(version.Get())
+		return
+	}
 
 	log, flush, err := newLogger(f.logFormat, f.verbosity, f.logFlush)
 	if err != nil {
@@ -99,7 +105,7 @@ func run(f flags, log logr.Logger, flush func()) error {
 	if err != nil {
 		return err
 	}
-	log.Info("extproc serving", "grpc", grpcLis.Addr().String(), "admin", adminLis.Addr().String(),
+	log.Info("extproc serving", "version", version.Version, "revision", version.Get().Revision, "grpc", grpcLis.Addr().String(), "admin", adminLis.Addr().String(),
 		"connector", cfg.Connector, "prefill", cfg.Pools.Prefill.Endpoints, "decode", cfg.Pools.Decode.Endpoints,
 		"tracing", server.TracingEnabled(cfg.Tracing), "pprof", f.pprof, "logPrompts", f.logPrompts,
 		"tls", f.tls.Cert != "", "mtls", f.tls.ClientCA != "", "allowedSANs", f.tls.AllowedSANs, "maxBufferedBytes", cfg.Limits.MaxBufferedBytes)
@@ -112,7 +118,7 @@ func run(f flags, log logr.Logger, flush func()) error {
 
 func loadConfig(path string) (*config.Config, error) {
 	if path == "" {
-		return config.Parse(defaults.DefaultYAML)
+		return config.Unconfigured(defaults.DefaultYAML)
 	}
 	return config.Load(path)
 }

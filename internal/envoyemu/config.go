@@ -19,14 +19,15 @@
 //
 // Both clusters, ext_proc and ORIGINAL_DST, enforce their circuit breakers
 // (§12); ClusterStats reads Envoy's overflow counters. The ext_proc cluster
-// speaks TLS, mTLS included, from its transport_socket (§13): the bootstrap's
-// certificate paths are in Config, for a test to point at its own files.
+// speaks TLS, mTLS included, from its transport_socket (§13), its
+// certificates from files or by file-based SDS, which it follows as they
+// rotate; Config.Mounts points the bootstrap's paths at a test's own files.
 //
 // Refused rather than guessed (LoadConfig errors): observability mode,
 // CEL attributes, mode_override, http_service, GRPC body mode, other HTTP
 // filters, non-ORIGINAL_DST route clusters, per-host circuit breakers and
 // retry budgets, TLS on a route cluster, TLS settings other than files,
-// versions, SNI, ALPN and typed SAN matchers, use_remote_address without
+// file-based SDS, versions, SNI, ALPN and typed SAN matchers, use_remote_address without
 // preserve_external_request_id.
 package envoyemu
 
@@ -82,8 +83,21 @@ type Config struct {
 	// forwarding headers and request id.
 	ClientHeaders ClientHeaders
 
+	// Mounts maps the directories the bootstrap names to the host's, as a
+	// container's bind mounts do (/etc/envoy/certs to a test's directory):
+	// every file the emulator reads, and every directory it watches, goes
+	// through them. A path under none is read as it is.
+	Mounts map[string]string
+
 	// Logf, when set, receives debug lines (e.g. t.Logf).
 	Logf func(format string, args ...any)
+}
+
+// logf writes a debug line when Logf is set.
+func (cfg *Config) logf(format string, args ...any) {
+	if cfg.Logf != nil {
+		cfg.Logf("envoy-emulator: "+format, args...)
+	}
 }
 
 // Modes is the filter's processing_mode (§2).

@@ -37,11 +37,14 @@ func TestLoadConfigShippedFiles(t *testing.T) {
 			if cfg.Modes.Request.Headers != send || cfg.Modes.Response.Headers != tc.respHeaders {
 				t.Errorf("header modes = %v/%v, want SEND/%v", cfg.Modes.Request.Headers, cfg.Modes.Response.Headers, tc.respHeaders)
 			}
-			// mTLS to pd-extproc, as the README's "Secure by default" says, and Envoy as the edge.
+			// mTLS to pd-extproc, as the README's "Secure by default" says, its certificate and CA
+			// by file-based SDS (followed as they rotate), and Envoy as the edge.
 			tls := cfg.Clusters[cfg.ExtProcCluster].TLS
-			if tls == nil || tls.CertFile != "/etc/envoy/certs/tls.crt" || tls.KeyFile != "/etc/envoy/certs/tls.key" || tls.CAFile != "/etc/envoy/certs/ca.crt" ||
+			wantCert := SDSSecret{Name: "extproc_client_cert", Path: "/etc/envoy/sds/client-cert.yaml", WatchedDir: "/etc/envoy/sds"}
+			wantCA := SDSSecret{Name: "extproc_trusted_ca", Path: "/etc/envoy/sds/trusted-ca.yaml", WatchedDir: "/etc/envoy/sds"}
+			if tls == nil || tls.CertFile != "" || tls.CAFile != "" || tls.CertSDS == nil || *tls.CertSDS != wantCert || tls.CASDS == nil || *tls.CASDS != wantCA ||
 				!slices.Equal(tls.SubjectAltNames, []SANMatcher{{Type: "DNS", Op: "exact", Value: "pd-extproc.pd-extproc.svc"}}) {
-				t.Errorf("ext_proc cluster TLS = %+v, want the client certificate, the CA and pd-extproc's SAN from /etc/envoy/certs", tls)
+				t.Errorf("ext_proc cluster TLS = %+v, want the client certificate and the CA by SDS (%+v, %+v) and pd-extproc's SAN", tls, wantCert, wantCA)
 			}
 			if ch := cfg.ClientHeaders; !ch.UseRemoteAddress || !ch.PreserveExternalRequestID {
 				t.Errorf("client headers = %+v, want use_remote_address and preserve_external_request_id", ch)

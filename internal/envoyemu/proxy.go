@@ -57,7 +57,7 @@ func Start(cfg *Config, extProcAddrs ...string) (*Proxy, error) {
 	if err != nil {
 		return nil, fmt.Errorf("envoy: config rejected: %w", err)
 	}
-	ep, err := newExtProcCluster(extProcAddrs, c.Clusters[c.ExtProcCluster])
+	ep, err := newExtProcCluster(extProcAddrs, c.Clusters[c.ExtProcCluster], c.Mounts, c.logf)
 	if err != nil {
 		return nil, fmt.Errorf("envoy: ext_proc client: %w", err)
 	}

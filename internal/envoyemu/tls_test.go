@@ -112,9 +112,17 @@ func TestLoadConfigReadsTheExtProcClusterTLS(t *testing.T) {
 		{"a CA given inline", upstreamTLS + `        common_tls_context:
           validation_context: {trusted_ca: {inline_string: "PEM"}}
 `, "only a filename data source is emulated"},
-		{"certificates by SDS", upstreamTLS + `        common_tls_context:
-          tls_certificate_sds_secret_configs: [{name: client}]
-`, "tls_certificate_sds_secret_configs"},
+		{"certificates by SDS from a server", upstreamTLS + `        common_tls_context:
+          tls_certificate_sds_secret_configs: [{name: client, sds_config: {ads: {}}}]
+`, "only sds_config.path_config_source (file-based SDS) is emulated"},
+		{"certificates by SDS and from a file", upstreamTLS + certs + `          tls_certificate_sds_secret_configs:
+          - {name: client, sds_config: {path_config_source: {path: /etc/envoy/sds/client-cert.yaml}}}
+`, "Multiple TLS certificates are not supported for client contexts"},
+		{"a CA in the default context and by SDS", upstreamTLS + `        common_tls_context:
+          combined_validation_context:
+            default_validation_context: {trusted_ca: {filename: /ca.crt}}
+            validation_context_sds_secret_config: {name: ca, sds_config: {path_config_source: {path: /etc/envoy/sds/trusted-ca.yaml}}}
+`, "a trusted_ca in both"},
 		{"a SAN regex", upstreamTLS + `        common_tls_context:
           validation_context:
             trusted_ca: {filename: /ca.crt}
@@ -169,24 +177,33 @@ func newMTLSWorld(t *testing.T, serverSANs ...string) mtlsWorld {
 // streams that reached the handler.
 func startTLSExtProc(t *testing.T, w mtlsWorld, handle func(s *procStream) error) (string, *atomic.Int32) {
 	t.Helper()
+	var streams atomic.Int32
+	addr, _ := serveTLS(t, w, "127.0.0.1:0", func(s *procStream) error {
+		streams.Add(1)
+		return handle(s)
+	})
+	return addr, &streams
+}
+
+// serveTLS serves ext_proc on addr over TLS with the world's server
+// certificate, requiring a client certificate its CA signed, until stop or
+// the end of the test.
+func serveTLS(t *testing.T, w mtlsWorld, addr string, handle func(s *procStream) error) (string, func()) {
+	t.Helper()
 	cert, err := tls.LoadX509KeyPair(w.server.Cert, w.server.Key)
 	if err != nil {
 		t.Fatal(err)
 	}
 	creds := credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, ClientCAs: w.ca.Roots(), ClientAuth: tls.RequireAndVerifyClientCert, MinVersion: tls.VersionTLS12})
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var streams atomic.Int32
 	srv := grpc.NewServer(grpc.Creds(creds), grpc.WaitForHandlers(true))
-	extprocv3.RegisterExternalProcessorServer(srv, &scriptedServer{t: t, handle: func(s *procStream) error {
-		streams.Add(1)
-		return handle(s)
-	}})
+	extprocv3.RegisterExternalProcessorServer(srv, &scriptedServer{t: t, handle: handle})
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(srv.Stop)
-	return ln.Addr().String(), &streams
+	return ln.Addr().String(), srv.Stop
 }
 
 // The emulator speaks TLS to the ext_proc cluster from the cluster's

@@ -39,6 +39,11 @@ type UpstreamTLS struct {
 	// MinVersion and MaxVersion are tls_params' versions; 0: TLS 1.2, the
 	// default of both for an upstream (ClientContextConfigImpl).
 	MinVersion, MaxVersion uint16
+	// CertSDS and CASDS, when set, give the client certificate and the
+	// trusted CA by file-based SDS in place of CertFile/KeyFile and CAFile
+	// (tls_certificate_sds_secret_configs, combined_validation_context): read
+	// at Start, and again whenever a file is moved into a watched directory.
+	CertSDS, CASDS *SDSSecret
 }
 
 // SANMatcher is one entry of match_typed_subject_alt_names.
@@ -56,7 +61,9 @@ func (t *UpstreamTLS) validate() error {
 		return nil
 	case (t.CertFile == "") != (t.KeyFile == ""):
 		return errors.New("incomplete client certificate: certificate_chain and private_key go together")
-	case len(t.SubjectAltNames) > 0 && t.CAFile == "":
+	case t.CertSDS != nil && t.CertFile != "", t.CASDS != nil && t.CAFile != "":
+		return errors.New("a certificate both from a file and by SDS")
+	case len(t.SubjectAltNames) > 0 && t.CAFile == "" && t.CASDS == nil:
 		// CertificateValidationContextConfigImpl.
 		return errors.New("SAN-based verification of peer certificates without trusted CA is insecure and not allowed")
 	case t.MinVersion != 0 && t.MaxVersion != 0 && t.MinVersion > t.MaxVersion:
@@ -100,21 +107,24 @@ func tlsFromCluster(c *clusterv3.Cluster) (*UpstreamTLS, error) {
 		return nil, err
 	}
 	ctc := utc.GetCommonTlsContext()
+	t := &UpstreamTLS{SNI: utc.GetSni(), ALPN: ctc.GetAlpnProtocols()}
+	vc, err := t.sdsContext(ctc)
+	if err != nil {
+		return nil, fmt.Errorf("transport_socket: %w", err)
+	}
 	for _, part := range []struct {
 		m       proto.Message
 		handled []string
 	}{
 		{utc, []string{"common_tls_context", "sni"}},
-		{ctc, []string{"tls_params", "tls_certificates", "validation_context", "alpn_protocols"}},
+		{ctc, []string{"tls_params", "tls_certificates", "validation_context", "alpn_protocols", "tls_certificate_sds_secret_configs", "combined_validation_context"}},
 		{ctc.GetTlsParams(), []string{"tls_minimum_protocol_version", "tls_maximum_protocol_version"}},
-		{ctc.GetValidationContext(), []string{"trusted_ca", "match_typed_subject_alt_names"}},
+		{vc, []string{"trusted_ca", "match_typed_subject_alt_names"}},
 	} {
 		if extra := setFields(part.m, part.handled...); len(extra) > 0 {
 			return nil, fmt.Errorf("transport_socket: %s %v not emulated", part.m.ProtoReflect().Descriptor().Name(), extra)
 		}
 	}
-	t := &UpstreamTLS{SNI: utc.GetSni(), ALPN: ctc.GetAlpnProtocols()}
-	var err error
 	if t.MinVersion, err = tlsVersion(ctc.GetTlsParams().GetTlsMinimumProtocolVersion()); err != nil {
 		return nil, err
 	}
@@ -124,7 +134,6 @@ func tlsFromCluster(c *clusterv3.Cluster) (*UpstreamTLS, error) {
 	if err := t.certificate(ctc.GetTlsCertificates()); err != nil {
 		return nil, err
 	}
-	vc := ctc.GetValidationContext()
 	if t.CAFile, err = fileOf("trusted_ca", vc.GetTrustedCa()); err != nil {
 		return nil, err
 	}

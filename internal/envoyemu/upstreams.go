@@ -1,6 +1,7 @@
 package envoyemu
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -19,11 +20,13 @@ type extProcCluster struct {
 	clients   []extprocv3.ExternalProcessorClient
 	next      atomic.Uint64
 	resources *resources
+	stop      context.CancelFunc // ends the watch of its TLS files
 }
 
 // newExtProcCluster dials one gRPC connection per endpoint: over TLS when
-// the cluster has a TLS transport socket (§13), else plaintext.
-func newExtProcCluster(addrs []string, cl *Cluster) (*extProcCluster, error) {
+// the cluster has a TLS transport socket (§13), with its files read through
+// mounts and followed when they come by SDS, else plaintext.
+func newExtProcCluster(addrs []string, cl *Cluster, mounts map[string]string, logf func(string, ...any)) (*extProcCluster, error) {
 	if len(addrs) == 0 {
 		return nil, errors.New("no ext_proc endpoint")
 	}
@@ -32,14 +35,19 @@ func newExtProcCluster(addrs []string, cl *Cluster) (*extProcCluster, error) {
 		t, perConn = cl.Breakers, cl.StreamsPerConnection
 	}
 	creds := insecure.NewCredentials()
+	ctx, stop := context.WithCancel(context.Background())
+	c := &extProcCluster{resources: newResources(t, perConn), stop: stop}
 	if cl != nil && cl.TLS != nil {
-		tc, err := cl.TLS.clientConfig()
+		tc, s, err := cl.TLS.clientConfig(func(p string) string { return mounted(mounts, p) })
+		if err == nil {
+			err = s.follow(ctx, logf)
+		}
 		if err != nil {
+			stop()
 			return nil, fmt.Errorf("cluster %q transport_socket: %w", cl.Name, err)
 		}
 		creds = credentials.NewTLS(tc)
 	}
-	c := &extProcCluster{resources: newResources(t, perConn)}
 	for _, a := range addrs {
 		conn, err := grpc.NewClient(a, grpc.WithTransportCredentials(creds))
 		if err != nil {
@@ -60,6 +68,7 @@ func (c *extProcCluster) pick() extprocv3.ExternalProcessorClient {
 }
 
 func (c *extProcCluster) close() error {
+	c.stop()
 	var errs []error
 	for _, conn := range c.conns {
 		errs = append(errs, conn.Close())

@@ -32,6 +32,7 @@ type MTLS struct {
 	Server, Client testpki.Files
 	serverName     string   // the server certificate's first SAN
 	allowed        []string // the client SANs extproc admits
+	dir            string   // where Envoy's Secret volumes are written
 }
 
 // MTLSConfig names the SANs of each certificate, and those extproc admits
@@ -62,7 +63,7 @@ func NewMTLS(c Cleaner, cfg MTLSConfig) (*MTLS, error) {
 	if err != nil {
 		return nil, err
 	}
-	m := &MTLS{CA: ca, serverName: cfg.ServerSANs[0], allowed: cfg.AllowedSANs}
+	m := &MTLS{CA: ca, serverName: cfg.ServerSANs[0], allowed: cfg.AllowedSANs, dir: dir}
 	if m.Server, err = ca.Issue(filepath.Join(dir, "extproc"), testpki.Leaf{Name: "pd-extproc", SANs: cfg.ServerSANs, Server: true}); err != nil {
 		return nil, err
 	}
@@ -80,17 +81,25 @@ func (m *MTLS) ExtprocArgs() []string {
 		"--tls-client-allowed-sans", strings.Join(m.allowed, ",")}
 }
 
-// Envoy points the ext_proc cluster's certificate files of cfg at the client
-// certificate and the CA, keeping the bootstrap's SAN checks, SNI and
-// versions. A config whose ext_proc cluster is plaintext is left so.
+// Envoy mounts what the ext_proc cluster of cfg reads, as the compose file
+// and the chart mount it: at /etc/envoy/certs a Secret volume (written as the
+// kubelet writes one) with the client certificate and the CA of extproc's,
+// at /etc/envoy/sds the shipped SDS files of config/envoy/sds. The
+// bootstrap's SAN checks, SNI and versions stay. A config whose ext_proc
+// cluster is plaintext is left so. A volume that cannot be written leaves
+// the mount empty: Start then fails, naming the file it misses.
 func (m *MTLS) Envoy(cfg *envoyemu.Config) {
-	cl := cfg.Clusters[cfg.ExtProcCluster]
-	if cl == nil || cl.TLS == nil {
+	if cl := cfg.Clusters[cfg.ExtProcCluster]; cl == nil || cl.TLS == nil {
 		return
 	}
-	t := *cl.TLS
-	t.CertFile, t.KeyFile, t.CAFile = m.Client.Cert, m.Client.Key, m.Server.CA
-	cl.TLS = &t
+	sds, _ := RepoPath("config/envoy/sds")
+	certs, _ := os.MkdirTemp(m.dir, "envoy-certs-")
+	cfg.Mounts = map[string]string{"/etc/envoy/certs": certs, "/etc/envoy/sds": sds}
+	files := map[string][]byte{}
+	for name, path := range map[string]string{"tls.crt": m.Client.Cert, "tls.key": m.Client.Key, "ca.crt": m.Server.CA} {
+		files[name], _ = os.ReadFile(path)
+	}
+	_ = (&testpki.Volume{Dir: certs}).Write(files)
 }
 
 // Plaintext drops the TLS of cfg's ext_proc cluster, for a server that

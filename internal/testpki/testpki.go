@@ -133,3 +133,44 @@ func (ca *CA) IssuePEM(leaf Leaf) (certPEM, keyPEM []byte, err error) {
 	}
 	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: keyDER}), nil
 }
+
+// Volume writes files into Dir as the kubelet updates a Secret or ConfigMap
+// volume (its atomic writer): each version in a directory of its own, ..data
+// a symlink to it swapped by a rename (a move into Dir), and each file a
+// symlink through ..data. A reader sees the old set or the new one, never a
+// mix, and a watcher of Dir sees ..data moved in.
+type Volume struct {
+	Dir      string
+	versions int
+}
+
+// Write makes files (name to content) the volume's new version.
+func (v *Volume) Write(files map[string][]byte) error {
+	v.versions++
+	version := fmt.Sprintf("..v%d", v.versions)
+	if err := os.MkdirAll(filepath.Join(v.Dir, version), 0o700); err != nil {
+		return err
+	}
+	for name, data := range files {
+		if err := os.WriteFile(filepath.Join(v.Dir, version, name), data, 0o600); err != nil {
+			return err
+		}
+	}
+	tmp := filepath.Join(v.Dir, "..data_tmp")
+	if err := os.Symlink(version, tmp); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, filepath.Join(v.Dir, "..data")); err != nil {
+		return err
+	}
+	for name := range files {
+		link := filepath.Join(v.Dir, name)
+		if _, err := os.Lstat(link); err == nil {
+			continue
+		}
+		if err := os.Symlink(filepath.Join("..data", name), link); err != nil {
+			return err
+		}
+	}
+	return nil
+}

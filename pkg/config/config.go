@@ -144,11 +144,40 @@ const (
 )
 
 // Parse reads a YAML configuration, fills defaults and validates it.
-// Unknown keys are errors: a misspelt key must not silently fall back to a default.
-func Parse(data []byte) (*Config, error) {
+// Unknown keys are errors: a misspelt key must not silently fall back to a
+// default. So is a file without `connector`: no default can match the engines.
+func Parse(data []byte) (*Config, error) { return parse(data, nil) }
+
+// errNoConnector names what a file without `connector` must choose from.
+var errNoConnector = fmt.Errorf("connector: not set; name the engines' KV transfer: %s (vLLM NixlConnector), "+
+	"%s (vLLM ExampleConnector or LMCache on a shared store) or %s (SGLang PD)", kv.NIXL, kv.SharedStorage, kv.SGLang)
+
+// Unconfigured parses the embedded default config, run without --config. It
+// names no connector and no engine: the server starts, routes nothing and
+// stays not ready. The pipeline still needs a connector: it gets
+// kv-shared-storage, which puts nothing on the wire, and with no decode
+// engine no request reaches it.
+func Unconfigured(data []byte) (*Config, error) {
+	return parse(data, func(c *Config) error {
+		if c.Connector != "" || c.Pools.Prefill.Configured() || c.Pools.Decode.Configured() {
+			return errors.New("the default config names a connector or engines: give such a file with --config")
+		}
+		c.Connector = kv.SharedStorage
+		return nil
+	})
+}
+
+// parse decodes data strictly, lets prepare see the keys as written, then
+// fills defaults and validates.
+func parse(data []byte, prepare func(*Config) error) (*Config, error) {
 	var c Config
 	if err := yaml.UnmarshalStrict(data, &c); err != nil {
 		return nil, fmt.Errorf("config: %w", err)
+	}
+	if prepare != nil {
+		if err := prepare(&c); err != nil {
+			return nil, fmt.Errorf("config: %w", err)
+		}
 	}
 	c.setDefaults()
 	if err := c.validate(); err != nil {
@@ -175,7 +204,6 @@ func orDefault[T comparable](v *T, def T) {
 }
 
 func (c *Config) setDefaults() {
-	orDefault(&c.Connector, kv.DefaultKVConnectorName)
 	orDefault(&c.Pools.Prefill.BootstrapPort, DefaultBootstrapPort)
 	orDefault(&c.Prefill.Timeout, Duration(DefaultPrefillTimeout))
 	orDefault(&c.Prefill.MaxIdleConnsPerEndpoint, 256)
@@ -204,7 +232,10 @@ func (c *Config) setDefaults() {
 func (c *Config) validate() error {
 	var errs []error
 	connector, err := kv.Build(c.Connector)
-	if err != nil {
+	switch {
+	case c.Connector == "":
+		errs = append(errs, errNoConnector)
+	case err != nil:
 		errs = append(errs, fmt.Errorf("connector: %w", err))
 	}
 	errs = append(errs, validateEndpoints("pools.prefill.endpoints", c.Pools.Prefill.Endpoints)...)

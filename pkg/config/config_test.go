@@ -12,11 +12,11 @@ import (
 )
 
 func TestEmbeddedDefaultIsValid(t *testing.T) {
-	c, err := Parse(defaults.DefaultYAML)
+	c, err := Unconfigured(defaults.DefaultYAML)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Connector != "kv-shared-storage" || c.Limits.MaxBodyBytes != 32<<20 || c.Prefill.Timeout.D() != 30*time.Second {
+	if c.Limits.MaxBodyBytes != 32<<20 || c.Prefill.Timeout.D() != 30*time.Second {
 		t.Errorf("unexpected default config: %+v", c)
 	}
 	// It names no engine: a binary run without --config must not route to
@@ -25,7 +25,7 @@ func TestEmbeddedDefaultIsValid(t *testing.T) {
 		t.Errorf("the embedded default names engines: prefill %+v, decode %+v", c.Pools.Prefill, c.Pools.Decode)
 	}
 	// Every value it writes is the default a file gets without the key.
-	bare, err := Parse(nil)
+	bare, err := Parse([]byte("connector: " + c.Connector))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,13 +39,47 @@ func TestEmbeddedDefaultIsValid(t *testing.T) {
 	}
 }
 
+// A file must name its connector: a wrong one fails quietly (kv-shared-storage in front of NIXL
+// engines recomputes every prompt on both), so none is assumed. The embedded default is the one
+// config without it, and it routes nothing.
+func TestConnectorIsRequired(t *testing.T) {
+	tests := []struct {
+		name, yaml string
+		parse      func([]byte) (*Config, error)
+		want       []string // in the error; none: accepted
+	}{
+		{"a file without it", `pools: {decode: {endpoints: ["10.0.0.2:8000"]}}`, Parse, []string{"connector: not set", "kv-nixl", "kv-shared-storage", "kv-sglang"}},
+		{"an empty file", ``, Parse, []string{"connector: not set"}},
+		{"an empty value", `connector: ""`, Parse, []string{"connector: not set"}},
+		{"a file with it", `connector: kv-nixl`, Parse, nil},
+		{"the embedded default", string(defaults.DefaultYAML), Unconfigured, nil},
+		{"a default that names a connector", `connector: kv-nixl`, Unconfigured, []string{"names a connector or engines"}},
+		{"a default that names engines", `pools: {decode: {endpoints: ["10.0.0.2:8000"]}}`, Unconfigured, []string{"names a connector or engines"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := tt.parse([]byte(tt.yaml))
+			if len(tt.want) == 0 {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			for _, w := range tt.want {
+				if err == nil || !strings.Contains(err.Error(), w) {
+					t.Errorf("error %v; want one naming %q", err, w)
+				}
+			}
+		})
+	}
+}
+
 func TestDefaultsFillMissingKeys(t *testing.T) {
-	c, err := Parse([]byte(`pools: {decode: {endpoints: ["10.0.0.2:8000"]}}`))
+	c, err := Parse([]byte(`{connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`))
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := Config{Connector: "kv-shared-storage"}
-	if c.Connector != want.Connector || c.Pools.Prefill.BootstrapPort != 8998 || c.Prefill.OnFailure != "decode-only" ||
+	if c.Pools.Prefill.BootstrapPort != 8998 || c.Prefill.OnFailure != "decode-only" ||
 		c.Limits.MaxBodyBytes != 32<<20 || c.Envoy.OverrideMessageTimeout.D() != 60*time.Second ||
 		c.Response.RewriteUsage || c.Response.MaxBodyBytes != 4<<20 || c.Pools.Decode.TLS.Enabled {
 		t.Errorf("defaults not applied: %+v", c)
@@ -63,7 +97,7 @@ func TestPassthroughDefaultsAndReplacement(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			c, err := Parse([]byte(tt.yaml + "\npools: {decode: {endpoints: [\"10.0.0.2:8000\"]}}"))
+			c, err := Parse([]byte(tt.yaml + "\nconnector: kv-nixl\npools: {decode: {endpoints: [\"10.0.0.2:8000\"]}}"))
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -7,6 +7,7 @@ import (
 
 func TestKubernetesPools(t *testing.T) {
 	c, err := Parse([]byte(`
+connector: kv-nixl
 pools:
   prefill:
     kubernetes: {namespace: llm, selector: "app=vllm,llm-d.ai/role=prefill", port: 8000}
@@ -23,7 +24,7 @@ pools:
 	if got := d.ParsedSelector().String(); got != "llm-d.ai/role in (decode)" {
 		t.Errorf("decode selector = %q", got)
 	}
-	named, err := Parse([]byte(`pools: {decode: {kubernetes: {selector: app=sglang, port: http}}}`))
+	named, err := Parse([]byte(`{connector: kv-sglang, pools: {decode: {kubernetes: {selector: app=sglang, port: http}}}}`))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -51,7 +52,7 @@ func TestKubernetesValidationNamesTheKey(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := Parse([]byte(`pools: {decode: {kubernetes: ` + tc.pool + `}}`))
+			_, err := Parse([]byte(`{connector: kv-nixl, pools: {decode: {kubernetes: ` + tc.pool + `}}}`))
 			switch {
 			case tc.wantKey == "" && err != nil:
 				t.Errorf("Parse() = %v, want it valid", err)

@@ -49,7 +49,7 @@ func TestBodyLimitsDefaults(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			c, err := Parse([]byte(`{limits: ` + tt.limits + `, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`))
+			c, err := Parse([]byte(`{connector: kv-nixl, limits: ` + tt.limits + `, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -63,7 +63,7 @@ func TestBodyLimitsDefaults(t *testing.T) {
 // Background legs are capped by default at the stream cap; each prefill engine
 // gets at most DefaultMaxConnsPerEndpoint connections.
 func TestPrefillCapsDefaults(t *testing.T) {
-	const decode = `pools: {decode: {endpoints: ["10.0.0.2:8000"]}}`
+	const decode = `connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}`
 	tests := []struct {
 		keys                  string
 		wantBackground, conns int

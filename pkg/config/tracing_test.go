@@ -6,7 +6,7 @@ import (
 )
 
 func TestTracingKeys(t *testing.T) {
-	const pools = `pools: {decode: {endpoints: ["10.0.0.2:8000"]}}` + "\n"
+	const pools = "connector: kv-nixl\n" + `pools: {decode: {endpoints: ["10.0.0.2:8000"]}}` + "\n"
 	tests := []struct {
 		name, yaml   string
 		wantErr      string // "" when valid

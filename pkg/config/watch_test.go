@@ -208,7 +208,8 @@ func TestWatchAppliesAChangeMadeBeforeTheWatchStarted(t *testing.T) {
 // A reload is checked against the running config, and a refused one leaves
 // it running: the connector takes effect on restart, so a running kv-sglang
 // must not take pd.mode never because the file now names kv-nixl; the removed
-// pd.sglang_parallel_sampling: rooms is refused, saying why.
+// pd.sglang_parallel_sampling: rooms is refused, saying why; so is a file
+// without a connector.
 func TestWatchRefusesAReload(t *testing.T) {
 	const sglang = "connector: kv-sglang\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 8998}, decode: {endpoints: [\"10.0.0.2:8000\"]}}\n"
 	tests := []struct {
@@ -219,6 +220,7 @@ func TestWatchRefusesAReload(t *testing.T) {
 		{"pd.mode never under a running kv-sglang", strings.Replace(sglang, "kv-sglang", "kv-nixl", 1) + "pd: {mode: never}\n",
 			[]string{"running connector kv-sglang", "pd.mode"}},
 		{"the removed rooms", sglang + "pd: {sglang_parallel_sampling: rooms}\n", []string{"rooms was removed", "never read"}},
+		{"no connector", strings.TrimPrefix(sglang, "connector: kv-sglang\n"), []string{"connector: not set", "kv-nixl", "kv-shared-storage", "kv-sglang"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

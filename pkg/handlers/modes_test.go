@@ -209,7 +209,7 @@ func TestSubsetHintRestrictsTheDecodeEndpoint(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			s := newServer(t, `pools: {decode: {endpoints: ["10.1.1.1:8000", "10.1.1.2:8000"]}}`, handlers.Options{})
+			s := newServer(t, `{connector: kv-nixl, pools: {decode: {endpoints: ["10.1.1.1:8000", "10.1.1.2:8000"]}}}`, handlers.Options{})
 			msg := envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, true, envoymsg.Header{":method", "GET"}, envoymsg.Header{":path", "/v1/models"}),
 				fullDuplex, fullDuplex)
 			if tt.hint != nil {

@@ -54,7 +54,7 @@ func TestStreamLoop(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			c := startServer(t, newServer(t, `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`, handlers.Options{MaxStreams: 1}))
+			c := startServer(t, newServer(t, `{connector: kv-nixl, pools: {decode: {endpoints: ["10.1.1.1:8000"]}}}`, handlers.Options{MaxStreams: 1}))
 			for i := range tt.streams {
 				replies, err := tryExchange(c, tt.halfClose, tt.msgs...)
 				if err != nil {
@@ -91,7 +91,7 @@ func kindOf(r *extprocv3.ProcessingResponse) string {
 // back exactly their own body. Over gRPC, since a buffer may be reused once
 // gRPC has copied the replies sent from it.
 func TestEachStreamGetsBackItsOwnCollectedBody(t *testing.T) {
-	c := startServer(t, newServer(t, `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`, handlers.Options{}))
+	c := startServer(t, newServer(t, `{connector: kv-nixl, pools: {decode: {endpoints: ["10.1.1.1:8000"]}}}`, handlers.Options{}))
 	const streams, rounds = 8, 10
 	errs := make(chan error, streams)
 	for w := range streams {

@@ -22,10 +22,6 @@ const (
 	SGLang        = "kv-sglang"
 )
 
-// DefaultKVConnectorName is the connector selected when an empty name is passed to
-// Build. kv-shared-storage puts nothing on the wire, so it is the safe default.
-const DefaultKVConnectorName = SharedStorage
-
 // Dispatch is the order in which the two legs are sent.
 type Dispatch int
 
@@ -78,11 +74,9 @@ type Connector interface {
 	DecodeEdits(h *Handoff) []body.Edit
 }
 
-// Build returns the connector for name. An empty name selects DefaultKVConnectorName.
+// Build returns the connector for name. There is no default: the connector
+// must match the engines' KV transfer, which only the operator knows.
 func Build(name string) (Connector, error) {
-	if name == "" {
-		name = DefaultKVConnectorName
-	}
 	switch name {
 	case NIXL:
 		return nixlKV{}, nil

@@ -408,7 +408,6 @@ func TestBuild(t *testing.T) {
 		name string
 		want properties
 	}{
-		{name: "", want: properties{family: api.VLLM, dispatch: Sequential}}, // kv-shared-storage
 		{name: "kv-nixl", want: properties{family: api.VLLM, dispatch: Sequential, handsBackParams: true}},
 		{name: "kv-shared-storage", want: properties{family: api.VLLM, dispatch: Sequential}},
 		{name: "kv-sglang", want: properties{family: api.SGLang, dispatch: Concurrent, paired: true}},
@@ -425,7 +424,7 @@ func TestBuild(t *testing.T) {
 		})
 	}
 
-	for _, name := range []string{"bogus", "KV-NIXL", "nixl", " kv-nixl"} {
+	for _, name := range []string{"", "bogus", "KV-NIXL", "nixl", " kv-nixl"} {
 		t.Run("unknown "+name, func(t *testing.T) {
 			c, err := Build(name)
 			if err == nil {

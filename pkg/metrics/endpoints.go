@@ -4,47 +4,64 @@ import "github.com/prometheus/client_golang/prometheus"
 
 // EndpointState is one engine endpoint as seen at one moment.
 type EndpointState struct {
-	Pool     string // pool name: prefill or decode
-	Endpoint string // ip:port, from the configuration, so the label set stays bounded
-	InFlight int64
-	Healthy  bool
+	Pool      string // pool name: prefill or decode
+	Endpoint  string // ip:port, from the configuration, so the label set stays bounded
+	InFlight  int64
+	Healthy   bool
+	Ejections uint64 // times taken out of rotation since the endpoint was added
+	// Scraped says the engine's own load below is fresh (pools.<pool>.metrics).
+	Scraped bool
+	Waiting float64 // requests queued in the engine
+	KVUsage float64 // KV cache in use, 0..1
 	// CacheTrusted is false while a decode endpoint's answers have lately
 	// belied what the router estimated it caches (pd.min_uncached_tokens).
 	CacheTrusted bool
 }
 
-// WatchEndpoints exports endpoint_inflight and endpoint_healthy, read from src
-// at every scrape rather than pushed, so they are never stale and cost nothing
+// WatchEndpoints exports the endpoint_* metrics, read from src at every
+// scrape rather than pushed, so they are never stale and cost nothing
 // between scrapes. Call it once.
 func (m *Metrics) WatchEndpoints(src func() []EndpointState) {
 	m.registry.MustRegister(&endpointCollector{src: src})
 }
 
 var (
-	inflightDesc = prometheus.NewDesc(prometheus.BuildFQName(namespace, "", "endpoint_inflight"),
-		"Requests currently holding an endpoint: prefill legs in progress, or routed decode legs whose ext_proc stream is open.",
-		[]string{"pool", "endpoint"}, nil)
-	healthyDesc = prometheus.NewDesc(prometheus.BuildFQName(namespace, "", "endpoint_healthy"),
-		"1 when the endpoint is eligible for new requests, 0 when it is not.",
-		[]string{"pool", "endpoint"}, nil)
-	cacheTrustedDesc = prometheus.NewDesc(prometheus.BuildFQName(namespace, "", "endpoint_cache_trusted"),
+	inflightDesc = endpointDesc("endpoint_inflight",
+		"Requests currently holding an endpoint: prefill legs in progress, or routed decode legs whose ext_proc stream is open.")
+	healthyDesc   = endpointDesc("endpoint_healthy", "1 when the endpoint is eligible for new requests, 0 when it is not.")
+	ejectionsDesc = endpointDesc("endpoint_ejections_total",
+		"Times the endpoint was taken out of rotation: ejected after consecutive failures, or failing an active check while up.")
+	waitingDesc = endpointDesc("endpoint_engine_waiting",
+		"Requests queued in the engine, as its /metrics said at the last scrape (only while that scrape is fresh).")
+	kvUsageDesc = endpointDesc("endpoint_engine_kv_usage",
+		"The engine's KV cache in use, 0 to 1, as its /metrics said at the last scrape (only while that scrape is fresh).")
+	cacheTrustedDesc = endpointDesc("endpoint_cache_trusted",
 		"0 while a decode endpoint's answers have lately belied the prefix it was estimated to cache (evicted, restarted): "+
-			"the cache rule (cached_prefix) is off for it; else 1.",
-		[]string{"pool", "endpoint"}, nil)
+			"the cache rule (cached_prefix) is off for it; else 1.")
 )
+
+// endpointDesc describes a series per pool and endpoint.
+func endpointDesc(name, help string) *prometheus.Desc {
+	return prometheus.NewDesc(prometheus.BuildFQName(namespace, "", name), help, []string{"pool", "endpoint"}, nil)
+}
 
 type endpointCollector struct{ src func() []EndpointState }
 
 func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
-	ch <- inflightDesc
-	ch <- healthyDesc
-	ch <- cacheTrustedDesc
+	for _, d := range []*prometheus.Desc{inflightDesc, healthyDesc, ejectionsDesc, waitingDesc, kvUsageDesc, cacheTrustedDesc} {
+		ch <- d
+	}
 }
 
 func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, e := range c.src() {
 		ch <- prometheus.MustNewConstMetric(inflightDesc, prometheus.GaugeValue, float64(e.InFlight), e.Pool, e.Endpoint)
 		ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, one(e.Healthy), e.Pool, e.Endpoint)
+		ch <- prometheus.MustNewConstMetric(ejectionsDesc, prometheus.CounterValue, float64(e.Ejections), e.Pool, e.Endpoint)
 		ch <- prometheus.MustNewConstMetric(cacheTrustedDesc, prometheus.GaugeValue, one(e.CacheTrusted), e.Pool, e.Endpoint)
+		if e.Scraped {
+			ch <- prometheus.MustNewConstMetric(waitingDesc, prometheus.GaugeValue, e.Waiting, e.Pool, e.Endpoint)
+			ch <- prometheus.MustNewConstMetric(kvUsageDesc, prometheus.GaugeValue, e.KVUsage, e.Pool, e.Endpoint)
+		}
 	}
 }

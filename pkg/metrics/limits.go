@@ -17,6 +17,7 @@ type limits struct {
 	refusals   *prometheus.CounterVec
 	bodyBytes  prometheus.Gauge
 	background prometheus.Gauge
+	inForce    *prometheus.GaugeVec
 }
 
 func newLimits() limits {
@@ -33,11 +34,15 @@ func newLimits() limits {
 			Namespace: namespace, Name: "prefill_background_legs",
 			Help: "kv-sglang prefill legs running in the background now, as counted against prefill.max_background.",
 		}),
+		inForce: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "limit_configured",
+			Help: "The limits in force, by limit (max_concurrent_streams, max_buffered_bytes, max_background), for alerts on what is held against them.",
+		}, []string{"limit"}),
 	}
 }
 
 func (l limits) collectors() []prometheus.Collector {
-	return []prometheus.Collector{l.refusals, l.bodyBytes, l.background}
+	return []prometheus.Collector{l.refusals, l.bodyBytes, l.background, l.inForce}
 }
 
 func (l limits) initSeries() {
@@ -64,5 +69,15 @@ func (m *Metrics) BodyBytesHeld(delta int64) {
 func (m *Metrics) BackgroundLeg(delta int) {
 	if m != nil {
 		m.limits.background.Add(float64(delta))
+	}
+}
+
+// Limits records the limits in force: limits.max_concurrent_streams,
+// limits.max_buffered_bytes and prefill.max_background (all restart-only).
+func (m *Metrics) Limits(streams int, bufferedBytes int64, background int) {
+	if m != nil {
+		m.limits.inForce.WithLabelValues(LimitStreams).Set(float64(streams))
+		m.limits.inForce.WithLabelValues(LimitBuffered).Set(float64(bufferedBytes))
+		m.limits.inForce.WithLabelValues(LimitBackground).Set(float64(background))
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/version"
 )
 
 const namespace = "pd_extproc"
@@ -191,7 +192,14 @@ func New(connector string) *Metrics {
 		answers: newAnswers(),
 		limits:  newLimits(),
 	}
+	build := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: namespace, Name: "build_info",
+		Help: "1, labelled with the build that runs: its version (git describe), revision (commit) and Go release.",
+	}, []string{"version", "revision", "goversion"})
+	b := version.Get()
+	build.WithLabelValues(b.Version, b.Revision, b.GoVersion).Set(1)
 	m.registry.MustRegister(
+		build,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.requests, m.processing, m.prefillDuration, m.prefillFailures, m.kvParamsMissing,
@@ -227,6 +235,8 @@ func (m *Metrics) initSeries() {
 	for _, s := range prefillStates {
 		m.prefillDuration.WithLabelValues(s)
 	}
+	m.tokenize.WithLabelValues("ok")
+	m.tokenize.WithLabelValues("failed")
 	m.answers.initSeries()
 	m.limits.initSeries()
 }

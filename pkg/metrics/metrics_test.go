@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/version"
 )
 
 // sample returns the value of one series (a histogram's sample count), and
@@ -129,5 +130,15 @@ func TestReasonAndFailureLabels(t *testing.T) {
 	}
 	if ReasonNGT1.String() != "n_gt_1" || FailureTooLarge.String() != "answer_too_large" || len(Reasons()) != 17 {
 		t.Errorf("labels moved: %q, %q, %d reasons", ReasonNGT1, FailureTooLarge, len(Reasons()))
+	}
+}
+
+// The build a replica runs is one series, whatever else is recorded.
+func TestBuildInfo(t *testing.T) {
+	b := version.Get()
+	m := New("kv-nixl")
+	got, ok := sample(t, m, "pd_extproc_build_info", map[string]string{"version": b.Version, "revision": b.Revision, "goversion": b.GoVersion})
+	if !ok || got != 1 {
+		t.Errorf("pd_extproc_build_info{version=%q, revision=%q, goversion=%q} = %v (%v), want 1", b.Version, b.Revision, b.GoVersion, got, ok)
 	}
 }

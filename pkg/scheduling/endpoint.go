@@ -21,10 +21,11 @@ type Endpoint struct {
 	// bootstrapPort is the endpoint's own SGLang bootstrap port (Discovered); 0: the pool's.
 	bootstrapPort atomic.Int32
 
-	troubled atomic.Bool // fast path: false means healthy without taking mu
-	mu       sync.Mutex
-	health   healthState
-	trust    cacheTrust
+	troubled  atomic.Bool   // fast path: false means healthy without taking mu
+	ejections atomic.Uint64 // times taken out of rotation: passive ejections and failed active checks
+	mu        sync.Mutex
+	health    healthState
+	trust     cacheTrust
 }
 
 // settings are the pool-wide knobs an endpoint consults, swapped on reload.
@@ -50,6 +51,11 @@ func (e *Endpoint) cfg() *settings {
 	}
 	return &defaultSettings
 }
+
+// Ejections counts the times the endpoint was taken out of rotation since it
+// was added: by consecutive failures, or by an active check that failed while
+// it was up.
+func (e *Endpoint) Ejections() uint64 { return e.ejections.Load() }
 
 // InFlight returns the number of requests currently holding the endpoint.
 func (e *Endpoint) InFlight() int64 { return e.inflight.Load() }

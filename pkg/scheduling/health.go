@@ -45,6 +45,7 @@ func (e *Endpoint) ReportFailure() {
 	h.until = now.Add(backoff)
 	h.ejections++
 	h.probing = false
+	e.ejections.Add(1)
 }
 
 // ReportSuccess records a request the endpoint served (an engine 4xx counts:
@@ -109,6 +110,9 @@ func (e *Endpoint) setActive(up bool) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	h := &e.health
+	if !up && !h.activeDown {
+		e.ejections.Add(1)
+	}
 	h.activeDown = !up
 	e.troubled.Store(h.activeDown || h.failures > 0)
 }

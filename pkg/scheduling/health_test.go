@@ -23,41 +23,42 @@ type step struct {
 
 func TestEjectionAndRecovery(t *testing.T) {
 	tests := []struct {
-		name  string
-		steps []step
+		name      string
+		steps     []step
+		ejections uint64 // pd_extproc_endpoint_ejections_total at the end
 	}{
-		{"two failures do not eject", []step{{"fail", true}, {"fail", true}}},
-		{"a success resets the count", []step{{"fail", true}, {"fail", true}, {"ok", true}, {"fail", true}, {"fail", true}}},
+		{"two failures do not eject", []step{{"fail", true}, {"fail", true}}, 0},
+		{"a success resets the count", []step{{"fail", true}, {"fail", true}, {"ok", true}, {"fail", true}, {"fail", true}}, 0},
 		{"three consecutive failures eject for 1s", []step{
 			{"fail", true}, {"fail", true}, {"fail", false},
-			{"wait:999ms", false}, {"wait:1ms", true}}},
+			{"wait:999ms", false}, {"wait:1ms", true}}, 1},
 		{"a failed probe doubles the ejection", []step{
 			{"fail", true}, {"fail", true}, {"fail", false},
 			{"wait:1s", true}, {"fail", false},
 			{"wait:1999ms", false}, {"wait:1ms", true}, {"fail", false},
-			{"wait:3999ms", false}, {"wait:1ms", true}}},
+			{"wait:3999ms", false}, {"wait:1ms", true}}, 3},
 		{"the ejection is capped at max_ejection", []step{
 			{"fail", true}, {"fail", true}, {"fail", false}, // 1s
 			{"wait:1s", true}, {"fail", false}, // 2s
 			{"wait:2s", true}, {"fail", false}, // 4s
 			{"wait:4s", true}, {"fail", false}, // capped at 5s
-			{"wait:4999ms", false}, {"wait:1ms", true}}},
+			{"wait:4999ms", false}, {"wait:1ms", true}}, 4},
 		{"a successful probe restores the endpoint and resets the backoff", []step{
 			{"fail", true}, {"fail", true}, {"fail", false},
 			{"wait:1s", true}, {"fail", false},
 			{"wait:2s", true}, {"ok", true},
-			{"fail", true}, {"fail", true}, {"fail", false}, {"wait:1s", true}}},
+			{"fail", true}, {"fail", true}, {"fail", false}, {"wait:1s", true}}, 3},
 		{"failures of requests already running do not lengthen the ejection", []step{
 			{"fail", true}, {"fail", true}, {"fail", false}, {"fail", false}, {"fail", false},
-			{"wait:1s", true}}},
+			{"wait:1s", true}}, 1},
 		{"a success from before the ejection does not end it", []step{
-			{"fail", true}, {"fail", true}, {"fail", false}, {"ok", false}, {"wait:1s", true}}},
+			{"fail", true}, {"fail", true}, {"fail", false}, {"ok", false}, {"wait:1s", true}}, 1},
 		{"half-open takes a single probe", []step{
 			{"fail", true}, {"fail", true}, {"fail", false},
-			{"wait:1s", true}, {"acquire", false}, {"release", true}}},
+			{"wait:1s", true}, {"acquire", false}, {"release", true}}, 1},
 		{"the probe's success restores it for everyone", []step{
 			{"fail", true}, {"fail", true}, {"fail", false},
-			{"wait:1s", true}, {"acquire", false}, {"ok", true}}},
+			{"wait:1s", true}, {"acquire", false}, {"ok", true}}, 1},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -84,6 +85,9 @@ func TestEjectionAndRecovery(t *testing.T) {
 				if got := e.Healthy(); got != s.wantHealthy {
 					t.Fatalf("step %d (%s): Healthy() = %v, want %v", i, s.do, got, s.wantHealthy)
 				}
+			}
+			if got := e.Ejections(); got != tt.ejections {
+				t.Errorf("Ejections() = %d, want %d", got, tt.ejections)
 			}
 		})
 	}
@@ -129,6 +133,10 @@ func TestActiveChecks(t *testing.T) {
 	check()
 	if !byAddr(p, addr).Healthy() {
 		t.Fatal("an endpoint passing its check again stayed down")
+	}
+	check() // the dead one stays down: no new ejection
+	if a, d := byAddr(p, addr).Ejections(), byAddr(p, dead).Ejections(); a != 1 || d != 1 {
+		t.Errorf("ejections %d and %d; want 1 each: one failed check while up, however long it stays down", a, d)
 	}
 
 	spec.Health.CheckInterval = 0

@@ -11,8 +11,12 @@ func poolStates(pools ...*scheduling.Pool) func() []metrics.EndpointState {
 		var out []metrics.EndpointState
 		for _, p := range pools {
 			for _, e := range p.Endpoints() {
-				out = append(out, metrics.EndpointState{Pool: p.Name, Endpoint: e.Addr, InFlight: e.InFlight(), Healthy: e.Healthy(),
-					CacheTrusted: e.CacheTrusted()})
+				st := metrics.EndpointState{Pool: p.Name, Endpoint: e.Addr, InFlight: e.InFlight(), Healthy: e.Healthy(), Ejections: e.Ejections(),
+					CacheTrusted: e.CacheTrusted()}
+				if l, ok := e.Load(); ok {
+					st.Scraped, st.Waiting, st.KVUsage = true, l.Waiting, l.KVUsage
+				}
+				out = append(out, st)
 			}
 		}
 		return out

@@ -54,7 +54,7 @@ func awaitHealth(t *testing.T, c healthpb.HealthClient, service string, want hea
 func TestReadinessFollowsTheDecodePool(t *testing.T) {
 	pools := &fakePools{}
 	pools.decodeHealthy.Store(true)
-	r := start(t, fmt.Sprintf("pools: {decode: {endpoints: [%q]}}", decodeEP),
+	r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {decode: {endpoints: [%q]}}", decodeEP),
 		Options{Endpoints: pools.endpoints, HealthInterval: time.Millisecond}, logr.Discard())
 
 	tests := []struct {
@@ -168,7 +168,7 @@ func TestAdminEndpoints(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(fmt.Sprintf("%s pprof=%v", tt.path, tt.pprof), func(t *testing.T) {
-			r := start(t, fmt.Sprintf("pools: {decode: {endpoints: [%q]}}", decodeEP), Options{Pprof: tt.pprof}, logr.Discard())
+			r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {decode: {endpoints: [%q]}}", decodeEP), Options{Pprof: tt.pprof}, logr.Discard())
 			if code, body := r.get(t, tt.path); code != tt.want {
 				t.Errorf("GET %s = %d %.100q, want %d", tt.path, code, body, tt.want)
 			}
@@ -180,7 +180,7 @@ func TestAdminEndpoints(t *testing.T) {
 // client on another address, such as Prometheus reaching the admin port,
 // gets 403, while /metrics still answers it.
 func TestProfilerAnswersOnLoopbackOnly(t *testing.T) {
-	cfg, err := config.Parse([]byte(fmt.Sprintf("pools: {decode: {endpoints: [%q]}}", decodeEP)))
+	cfg, err := config.Parse([]byte(fmt.Sprintf("connector: kv-nixl\npools: {decode: {endpoints: [%q]}}", decodeEP)))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -231,3 +231,50 @@ func TestEndpointGaugesAreReadAtScrapeTime(t *testing.T) {
 		}
 	}
 }
+
+// What the dashboard and the alerts read beside the request counters: each engine's own queue
+// and KV use as last scraped, how often an endpoint was taken out of rotation, and the limits
+// in force.
+func TestEngineLoadEjectionsAndLimitsAreExported(t *testing.T) {
+	metricsText := "vllm:num_requests_waiting 3\nvllm:kv_cache_usage_perc 0.25\n"
+	engine := enginetest.Start(t, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/metrics" {
+			fmt.Fprint(w, metricsText)
+			return
+		}
+		w.WriteHeader(http.StatusServiceUnavailable)
+	})
+	r := start(t, fmt.Sprintf(`connector: kv-nixl
+pools:
+  decode: {endpoints: [%q], metrics: {interval: 20ms}, health: {check_interval: 20ms, check_timeout: 1s}}
+limits: {max_concurrent_streams: 77, max_buffered_bytes: 123456789}
+prefill: {max_background: 9}
+`, engine.Addr()), Options{}, logr.Discard())
+	ep := func(name string) string { return series(name, "endpoint", engine.Addr(), "pool", "decode") }
+	want := map[string]float64{
+		ep("pd_extproc_endpoint_engine_waiting"):                                 3,
+		ep("pd_extproc_endpoint_engine_kv_usage"):                                0.25,
+		ep("pd_extproc_endpoint_ejections_total"):                                1, // /health answers 503: out once, however long
+		ep("pd_extproc_endpoint_healthy"):                                        0,
+		series("pd_extproc_limit_configured", "limit", "max_concurrent_streams"): 77,
+		series("pd_extproc_limit_configured", "limit", "max_buffered_bytes"):     123456789,
+		series("pd_extproc_limit_configured", "limit", "max_background"):         9,
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		got := r.scrape(t)
+		var off []string
+		for k, v := range want {
+			if g, ok := got[k]; !ok || g != v {
+				off = append(off, fmt.Sprintf("%s = %v (%v), want %v", k, g, ok, v))
+			}
+		}
+		if len(off) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after 10 s:\n%s", strings.Join(off, "\n"))
+		}
+		time.Sleep(20 * time.Millisecond) // the scrapes and checks run on their own clock: poll, bounded
+	}
+}

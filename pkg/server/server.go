@@ -87,6 +87,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 		opts.HealthInterval = DefaultHealthInterval
 	}
 	s := &Server{opts: opts, log: log, cfg: cfg, metrics: metrics.New(cfg.Connector), draining: make(chan struct{})}
+	s.metrics.Limits(cfg.Limits.MaxConcurrentStreams, cfg.Limits.MaxBufferedBytes, cfg.Prefill.MaxBackground)
 	tp := opts.TracerProvider
 	s.shutdownTracing = func(context.Context) error { return nil }
 	if tp == nil {

@@ -75,7 +75,7 @@ func TestGRPCListenerServesMTLSAndReloadsRotatedCertificates(t *testing.T) {
 	writeFile(t, files.Key, keyPEM)
 	writeFile(t, files.ClientCA, ca.PEM)
 
-	cfg, err := config.Parse([]byte(`pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`))
+	cfg, err := config.Parse([]byte(`{connector: kv-nixl, pools: {decode: {endpoints: ["10.1.1.1:8000"]}}}`))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -189,7 +189,7 @@ func TestClientCertificateSANsAreChecked(t *testing.T) {
 			refusals.WriteString(args + "\n")
 		}
 	}, funcr.Options{})
-	r := start(t, `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`,
+	r := start(t, `{connector: kv-nixl, pools: {decode: {endpoints: ["10.1.1.1:8000"]}}}`,
 		Options{TLS: TLSFiles{Cert: f.Cert, Key: f.Key, ClientCA: f.CA, AllowedSANs: []string{gateway, spiffe, "SPIFFE://cluster.local/ns/debug/sa/envoy"}}}, log)
 	tests := []struct {
 		name   string

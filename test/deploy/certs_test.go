@@ -91,15 +91,15 @@ func pool(t *testing.T, file string) *x509.CertPool {
 	return p
 }
 
-// The cert-manager example issues the Secrets the manifests read, for the names they check:
+// The chart's cert-manager objects issue the Secrets its pods read, for the names they check:
 // pd-extproc's certificate for the SAN Envoy's matcher and the BackendTLSPolicy name, Envoy's
 // for the SAN --tls-client-allowed-sans admits, both from one CA (whose ca.crt each side trusts).
 func TestCertManagerExampleIssuesWhatTheManifestsRead(t *testing.T) {
-	k8s := loadManifests(t, "config/k8s")
-	gw := loadManifests(t, gatewayDir)
+	k8s := chartManifests(t, "defaults")
+	gw := chartManifests(t, "envoy-gateway")
 	server := find(t, k8s, "Certificate", tlsSecret)
 	client := find(t, k8s, "Certificate", "pd-extproc-client-tls")
-	envoyPod := dig(find(t, k8s, "Deployment", "envoy"), "spec", "template")
+	envoyPod := dig(find(t, k8s, "Deployment", "pd-extproc-envoy"), "spec", "template")
 	var envoySecret string
 	for _, v := range dig(envoyPod, "spec", "volumes").([]any) {
 		if s := digString(v, "secret", "secretName"); s != "" {
@@ -115,7 +115,7 @@ func TestCertManagerExampleIssuesWhatTheManifestsRead(t *testing.T) {
 		{"pd-extproc's SANs include Envoy's check", slices.Contains(toStrings(dig(server, "spec", "dnsNames")), testbed.ServerSAN), true},
 		{"pd-extproc's usages", fmt.Sprint(dig(server, "spec", "usages")), "[server auth digital signature]"},
 		{"Envoy's Secret (Kubernetes Envoy)", digString(client, "spec", "secretName"), envoySecret},
-		{"Envoy's Secret (the EnvoyProxy)", digString(client, "spec", "secretName"), digString(find(t, gw, "EnvoyProxy", "pd-proxy"), "spec", "backendTLS", "clientCertificateRef", "name")},
+		{"Envoy's Secret (the EnvoyProxy)", digString(client, "spec", "secretName"), digString(find(t, gw, "EnvoyProxy", "pd-gateway-proxy"), "spec", "backendTLS", "clientCertificateRef", "name")},
 		{"the CA the BackendTLSPolicy trusts", digString(client, "spec", "secretName"), digString(dig(btp, "spec", "validation", "caCertificateRefs").([]any)[0], "name")},
 		{"the BackendTLSPolicy's hostname", digString(btp, "spec", "validation", "hostname"), testbed.ServerSAN},
 		{"Envoy's SANs", fmt.Sprint(dig(client, "spec", "dnsNames")), "[" + testbed.ClientSAN + "]"},

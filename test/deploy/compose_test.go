@@ -132,13 +132,20 @@ func TestDockerCompose(t *testing.T) {
 	})
 
 	t.Run("mTLS certificates from make certs on both sides", func(t *testing.T) {
-		// Every file Envoy's transport socket and pd-extproc's --tls-* flags name lies in a
-		// mount of the directory hack/certs.sh writes.
+		// Every certificate file Envoy's transport socket and pd-extproc's --tls-* flags name
+		// lies in a mount of the directory hack/certs.sh writes; the SDS files that name
+		// Envoy's are the shipped ones.
 		certs := filepath.Join(root, "config", "envoy", "certs")
 		envoyMounts := bindMounts(svc("envoy"))
-		for _, f := range extProcTLSFiles(t, filepath.Join(root, "config", "envoy", "envoy.yaml")) {
+		sdsFiles, certFiles := extProcTLSFiles(t, filepath.Join(root, "config", "envoy", "envoy.yaml"), envoyMounts)
+		for _, f := range certFiles {
 			if src := hostPath(envoyMounts, f); !strings.HasPrefix(src, filepath.Join(certs, "envoy")+"/") {
 				t.Errorf("envoy reads %s from %q on the host, want a file of %s/envoy", f, src, certs)
+			}
+		}
+		for _, f := range sdsFiles {
+			if src := hostPath(envoyMounts, f); filepath.Dir(src) != filepath.Join(root, "config", "envoy", "sds") {
+				t.Errorf("envoy reads the SDS file %s from %q on the host, want one of config/envoy/sds", f, src)
 			}
 		}
 		cmd := toStrings(dig(svc("extproc"), "command"))
@@ -308,8 +315,9 @@ func hostPath(mounts map[string]string, containerPath string) string {
 }
 
 // extProcTLSFiles lists the files the ext_proc cluster's TLS transport socket of a bootstrap
-// reads, as the emulator reads them.
-func extProcTLSFiles(t *testing.T, path string) []string {
+// reads, as the emulator reads them: the SDS files, and the certificate files (those the SDS
+// files name are read through mounts, container path to host path).
+func extProcTLSFiles(t *testing.T, path string, mounts map[string]string) (sds, certs []string) {
 	t.Helper()
 	cfg, err := envoyemu.LoadConfig(path)
 	if err != nil {
@@ -319,5 +327,9 @@ func extProcTLSFiles(t *testing.T, path string) []string {
 	if tls == nil {
 		t.Fatalf("%s: the ext_proc cluster has no TLS", path)
 	}
-	return []string{tls.CertFile, tls.KeyFile, tls.CAFile}
+	sds, certs, err = tls.Files(mounts)
+	if err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	return sds, certs
 }

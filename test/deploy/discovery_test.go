@@ -12,48 +12,66 @@ import (
 	extprocconfig "github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
-// The ServiceAccount the Deployment runs as is the one the Roles are bound to, and the Roles
-// grant exactly what discovery uses: get, list and watch on pods, and on InferencePools.
+// The ServiceAccount the chart's Deployment runs as is the one its Roles are bound to, in each
+// namespace discovery reads, and the Roles grant exactly what discovery uses: get, list and
+// watch on pods, and on InferencePools when asked.
 func TestDiscoveryRBAC(t *testing.T) {
-	ms := loadManifests(t, "config/k8s")
-	pod := dig(find(t, ms, "Deployment", "pd-extproc"), "spec", "template", "spec")
-	sa := digString(pod, "serviceAccountName")
-	if sa == "" || dig(pod, "automountServiceAccountToken") != true {
-		t.Fatalf("the Deployment runs as %q with automountServiceAccountToken %v; discovery needs a token", sa, dig(pod, "automountServiceAccountToken"))
-	}
-	find(t, ms, "ServiceAccount", sa)
+	pods := map[string]any{"apiGroups": []any{""}, "resources": []any{"pods"}, "verbs": []any{"get", "list", "watch"}}
+	pools := map[string]any{"apiGroups": []any{"inference.networking.k8s.io"}, "resources": []any{"inferencepools"}, "verbs": []any{"get", "list", "watch"}}
 	tests := []struct {
-		role      string
-		apiGroup  string
-		resources []any
+		example    string
+		namespaces []string
+		rules      []any
 	}{
-		{"pd-extproc", "", []any{"pods"}},
-		{"pd-extproc-inferencepools", "inference.networking.k8s.io", []any{"inferencepools"}},
+		{"defaults", []string{"pd-extproc"}, []any{pods}},
+		{"everything", []string{"llm", "engines"}, []any{pods, pools}},
 	}
 	for _, tc := range tests {
-		t.Run(tc.role, func(t *testing.T) {
-			want := []any{map[string]any{"apiGroups": []any{tc.apiGroup}, "resources": tc.resources, "verbs": []any{"get", "list", "watch"}}}
-			if rules := dig(find(t, ms, "Role", tc.role), "rules"); !reflect.DeepEqual(rules, want) {
-				t.Errorf("rules = %v, want exactly %v", rules, want)
+		t.Run(tc.example, func(t *testing.T) {
+			ex := example(t, tc.example)
+			ms := chartManifests(t, tc.example)
+			pod := dig(find(t, ms, "Deployment", fullname(ex)), "spec", "template", "spec")
+			sa := digString(pod, "serviceAccountName")
+			if sa == "" || dig(pod, "automountServiceAccountToken") != true {
+				t.Fatalf("the Deployment runs as %q with automountServiceAccountToken %v; discovery needs a token", sa, dig(pod, "automountServiceAccountToken"))
 			}
-			rb := find(t, ms, "RoleBinding", tc.role)
-			if digString(rb, "roleRef", "kind") != "Role" || digString(rb, "roleRef", "name") != tc.role {
-				t.Errorf("RoleBinding %s refers to %v", tc.role, dig(rb, "roleRef"))
+			find(t, ms, "ServiceAccount", sa)
+			byNS := func(kind string) map[string]map[string]any {
+				out := map[string]map[string]any{}
+				for _, m := range ms {
+					if m.kind() == kind {
+						out[digString(m.doc, "metadata", "namespace")] = m.doc
+					}
+				}
+				return out
 			}
-			want = []any{map[string]any{"kind": "ServiceAccount", "name": sa, "namespace": manifestNamespace}}
-			if subjects := dig(rb, "subjects"); !reflect.DeepEqual(subjects, want) {
-				t.Errorf("RoleBinding %s binds %v, want the Deployment's ServiceAccount", tc.role, subjects)
+			roles, bindings := byNS("Role"), byNS("RoleBinding")
+			if len(roles) != len(tc.namespaces) || len(bindings) != len(tc.namespaces) {
+				t.Errorf("%d Roles and %d RoleBindings, want one of each in %v", len(roles), len(bindings), tc.namespaces)
+			}
+			for _, ns := range tc.namespaces {
+				if rules := dig(roles[ns], "rules"); !reflect.DeepEqual(rules, tc.rules) {
+					t.Errorf("Role in %s: rules = %v, want exactly %v", ns, rules, tc.rules)
+				}
+				rb := bindings[ns]
+				if digString(rb, "roleRef", "kind") != "Role" || digString(rb, "roleRef", "name") != digString(roles[ns], "metadata", "name") {
+					t.Errorf("RoleBinding in %s refers to %v", ns, dig(rb, "roleRef"))
+				}
+				want := []any{map[string]any{"kind": "ServiceAccount", "name": sa, "namespace": ex.Release.Namespace}}
+				if subjects := dig(rb, "subjects"); !reflect.DeepEqual(subjects, want) {
+					t.Errorf("RoleBinding in %s binds %v, want the Deployment's ServiceAccount", ns, subjects)
+				}
 			}
 		})
 	}
 }
 
-// The shipped ConfigMap discovers the pods of both engine examples: its selectors match their
-// pod labels and its named port is a container port of theirs; the InferencePool examples
+// The chart's default config discovers the pods of both engine examples: its selectors match
+// their pod labels and its named port is a container port of theirs; the InferencePool examples
 // select the same pods on the same port.
 func TestDiscoveryFindsTheEngineExamples(t *testing.T) {
 	ms := loadManifests(t, "config/k8s")
-	cfg, err := extprocconfig.Parse([]byte(digString(find(t, ms, "ConfigMap", "pd-extproc"), "data", "extproc.yaml")))
+	cfg, err := extprocconfig.Parse([]byte(digString(find(t, chartManifests(t, "defaults"), "ConfigMap", "pd-extproc"), "data", "extproc.yaml")))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -105,7 +123,7 @@ const envoyTag = "v1.39.1"
 // The engine and Envoy images are pinned to a release, not a moving tag.
 func TestEngineImagesArePinned(t *testing.T) {
 	want := map[string]string{"vllm/vllm-openai": "v0.33.0", "lmsysorg/sglang": "v0.5.23", "envoyproxy/envoy": envoyTag}
-	for _, m := range loadManifests(t, "config/k8s") {
+	for _, m := range append(loadManifests(t, "config/k8s"), chartManifests(t, "defaults")...) {
 		if m.kind() != "Deployment" || m.name() == "pd-extproc" {
 			continue
 		}

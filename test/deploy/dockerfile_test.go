@@ -90,7 +90,14 @@ func TestDockerfile(t *testing.T) {
 		{"ARG GOEXPERIMENT=simd, as the Makefile builds (AVX2 body scanner)", slices.Contains(build.instructions, "ARG GOEXPERIMENT="+makefileVar(t, "GOEXPERIMENT"))},
 		{"the build runs with the GOEXPERIMENT argument", strings.Contains(buildRun, "GOEXPERIMENT=$GOEXPERIMENT go build")},
 		{"-trimpath", strings.Contains(buildRun, "-trimpath")},
-		{`-ldflags "-s -w"`, strings.Contains(buildRun, `-ldflags "-s -w"`)},
+		{`-ldflags "-s -w`, strings.Contains(buildRun, `-ldflags "-s -w`)},
+		// The version make image passes reaches the binary (--version, pd_extproc_build_info).
+		{"ARG VERSION and REVISION", slices.Contains(build.instructions, "ARG VERSION=dev") && slices.Contains(build.instructions, "ARG REVISION=")},
+		{"the version stamped with -X", strings.Contains(buildRun, "-X "+versionPkg+".Version=$VERSION") && strings.Contains(buildRun, "-X "+versionPkg+".Revision=$REVISION")},
+		{"OCI version and revision labels", slices.ContainsFunc(final.instructions, func(i string) bool {
+			return strings.HasPrefix(i, "LABEL ") && strings.Contains(i, `org.opencontainers.image.version="$VERSION"`) &&
+				strings.Contains(i, `org.opencontainers.image.revision="$REVISION"`) && strings.Contains(i, `org.opencontainers.image.licenses="Apache-2.0"`)
+		})},
 		{"final stage is distroless static nonroot", final.from == "gcr.io/distroless/static-debian12:nonroot"},
 		{"numeric non-root USER (lets Kubernetes verify runAsNonRoot)", slices.Contains(final.instructions, "USER 65532:65532")},
 		{"EXPOSE 9002 9090", slices.Contains(final.instructions, "EXPOSE 9002 9090")},
@@ -159,6 +166,9 @@ func mustRead(t *testing.T, path string) []byte {
 	return data
 }
 
+// versionPkg is where the version is stamped at link time.
+const versionPkg = "github.com/pd-extproc/pd-extproc/pkg/version"
+
 // makefileVar is the default a Makefile variable is given (VAR ?= value, or VAR := value).
 func makefileVar(t *testing.T, name string) string {
 	t.Helper()
@@ -170,24 +180,52 @@ func makefileVar(t *testing.T, name string) string {
 }
 
 // make image builds the Dockerfile with the Makefile's GOEXPERIMENT, under the name the compose
-// demo and the Kubernetes manifests run.
+// demo and the chart (installed from a checkout) run.
 func TestMakeImage(t *testing.T) {
 	mk := string(mustRead(t, testbed.MustRepoPath(t, "Makefile")))
 	recipe := regexp.MustCompile(`(?m)^image:.*\n\t(.*)$`).FindStringSubmatch(mk)
 	if recipe == nil {
 		t.Fatal("the Makefile has no image target")
 	}
-	for _, want := range []string{"docker build", "--build-arg GOEXPERIMENT=$(GOEXPERIMENT)", "-t $(IMAGE)"} {
+	for _, want := range []string{"docker build", "--build-arg GOEXPERIMENT=$(GOEXPERIMENT)", "--build-arg VERSION=$(VERSION)", "--build-arg REVISION=$(REVISION)", "-t $(IMAGE)"} {
 		if !strings.Contains(recipe[1], want) {
 			t.Errorf("make image runs %q, which lacks %q", recipe[1], want)
 		}
 	}
 	image := makefileVar(t, "IMAGE")
-	for _, m := range loadManifests(t, "config/k8s") {
-		if m.kind() == "Deployment" && m.name() == "pd-extproc" {
-			if got := digString(dig(m.doc, "spec", "template", "spec", "containers").([]any)[0], "image"); got != image {
-				t.Errorf("the pd-extproc Deployment runs %q, not %q, the image make image builds (kind load docker-image %s)", got, image, image)
-			}
+	dep := find(t, chartManifests(t, "defaults"), "Deployment", "pd-extproc")
+	if got := digString(dig(dep, "spec", "template", "spec", "containers").([]any)[0], "image"); got != image {
+		t.Errorf("the chart's pd-extproc Deployment runs %q by default, not %q, the image make image builds (kind load docker-image %s)", got, image, image)
+	}
+}
+
+// The Makefile stamps every binary it builds with the version of the checkout (git describe),
+// the one make image and make release-dry-run pass on.
+func TestMakefileStampsTheVersion(t *testing.T) {
+	mk := string(mustRead(t, testbed.MustRepoPath(t, "Makefile")))
+	recipe := func(target string) string {
+		m := regexp.MustCompile(`(?m)^` + target + `:.*\n((?:\t.*\n)+)`).FindStringSubmatch(mk)
+		if m == nil {
+			t.Fatalf("the Makefile has no %s target", target)
+		}
+		return m[1]
+	}
+	checks := []struct {
+		what string
+		ok   bool
+	}{
+		{"VERSION from git describe", strings.Contains(mk, "VERSION  ?= $(shell git describe --tags --always --dirty")},
+		{"LDFLAGS stamp the version and revision", strings.Contains(mk, "-X "+versionPkg+".Version=$(VERSION)") && strings.Contains(mk, "-X "+versionPkg+".Revision=$(REVISION)")},
+		{"make build links with LDFLAGS", strings.Contains(recipe("build"), `-ldflags "$(LDFLAGS)"`)},
+		{"make release-dry-run builds linux/amd64 and linux/arm64 with LDFLAGS", strings.Contains(recipe("release-dry-run"), "for arch in amd64 arm64") &&
+			strings.Contains(recipe("release-dry-run"), "GOOS=linux GOARCH=$$arch") && strings.Contains(recipe("release-dry-run"), "$(LDFLAGS)")},
+		{"make release-dry-run prints the image tagged with VERSION", strings.Contains(recipe("release-dry-run"), "-t $(REGISTRY):$(VERSION)")},
+		{"make release-dry-run packages the chart with VERSION", strings.Contains(recipe("release-dry-run"), "go run ./hack/release -version $(VERSION) -image $(REGISTRY)") ||
+			strings.Contains(recipe("release-dry-run"), "$(GO) run ./hack/release -version $(VERSION) -image $(REGISTRY)")},
+	}
+	for _, c := range checks {
+		if !c.ok {
+			t.Errorf("Makefile: %s", c.what)
 		}
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pd-extproc/pd-extproc/internal/chart"
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
@@ -18,7 +19,7 @@ const metricPrefix = "pd_extproc_"
 func docFiles(t *testing.T) []string {
 	t.Helper()
 	root := testbed.MustRepoRoot(t)
-	files := []string{filepath.Join(root, "README.md"), filepath.Join(root, gatewayDir, "README.md")}
+	files := []string{filepath.Join(root, "README.md"), filepath.Join(root, "charts", "pd-extproc", "README.md")}
 	more, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
 	if err != nil {
 		t.Fatal(err)
@@ -29,23 +30,11 @@ func docFiles(t *testing.T) []string {
 // exportedMetrics names every metric pd-extproc exports, without the prefix.
 func exportedMetrics(t *testing.T) []string {
 	t.Helper()
-	m := metrics.New("kv-nixl")
-	m.WatchEndpoints(func() []metrics.EndpointState {
-		return []metrics.EndpointState{{Pool: "decode", Endpoint: "10.0.0.1:8000"}}
-	})
-	m.WatchDiscovery([]string{"decode"}, func() []metrics.DiscoveryState { return []metrics.DiscoveryState{{Pool: "decode"}} })
-	families, err := m.Registry().Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
 	var out []string
-	for _, f := range families {
-		if name, ok := strings.CutPrefix(f.GetName(), metricPrefix); ok {
-			out = append(out, name)
+	for name := range exportedSeries(t) {
+		if bare, ok := strings.CutPrefix(name, metricPrefix); ok {
+			out = append(out, bare)
 		}
-	}
-	if len(out) < 10 {
-		t.Fatalf("only %d pd_extproc_ metrics gathered: %v", len(out), out)
 	}
 	return out
 }
@@ -143,7 +132,7 @@ func extprocFlags(t *testing.T) []string {
 	return out
 }
 
-// The flags the shipped Deployment and compose file pass, and the README's list, are the
+// The flags the chart's Deployment and the compose file pass, and the README's list, are the
 // binary's own (an unknown flag makes extproc exit at start), and the README names every flag.
 func TestFlagsAreTheBinarys(t *testing.T) {
 	flags := extprocFlags(t)
@@ -155,9 +144,9 @@ func TestFlagsAreTheBinarys(t *testing.T) {
 			}
 		}
 	}
-	for _, dir := range manifestDirs {
-		dep := find(t, loadManifests(t, dir), "Deployment", "pd-extproc")
-		check(dir+" Deployment", toStrings(dig(dig(dep, "spec", "template", "spec", "containers").([]any)[0], "args")))
+	for _, ex := range chart.Examples {
+		dep := find(t, chartManifests(t, ex.Name), "Deployment", fullname(ex))
+		check("the chart's Deployment ("+ex.Name+")", toStrings(dig(dig(dep, "spec", "template", "spec", "containers").([]any)[0], "args")))
 	}
 	compose := yamlDocuments(t, testbed.MustRepoPath(t, composeFile))[0]
 	check(composeFile, toStrings(dig(compose, "services", "extproc", "command")))

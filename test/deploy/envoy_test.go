@@ -67,7 +67,7 @@ func envoyConfigs(t *testing.T) []envoyConfig {
 // them there without adjusting Envoy fails here.
 func defaultServiceLimits(t *testing.T) serviceLimits {
 	t.Helper()
-	c, err := extprocconfig.Parse(defaultconfig.DefaultYAML)
+	c, err := extprocconfig.Unconfigured(defaultconfig.DefaultYAML)
 	if err != nil {
 		t.Fatalf("embedded config/extproc.yaml: %v", err)
 	}
@@ -439,6 +439,7 @@ func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
 			name: "ext_proc TLS that verifies nothing",
 			brk: forEachExtProcTLS(func(ctc map[string]any) bool {
 				delete(ctc, "validation_context")
+				delete(ctc, "combined_validation_context")
 				return true
 			}),
 			wants: []string{"does not verify pd-extproc's certificate", "does not require the SAN pd-extproc.pd-extproc.svc"},
@@ -446,7 +447,7 @@ func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
 		{
 			name: "ext_proc TLS accepting another service's certificate",
 			brk: forEachExtProcTLS(func(ctc map[string]any) bool {
-				sans, _ := dig(ctc, "validation_context", "match_typed_subject_alt_names").([]any)
+				sans, _ := dig(ctc, "combined_validation_context", "default_validation_context", "match_typed_subject_alt_names").([]any)
 				if len(sans) == 0 {
 					return false
 				}
@@ -458,10 +459,25 @@ func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
 		{
 			name: "ext_proc TLS without a client certificate",
 			brk: forEachExtProcTLS(func(ctc map[string]any) bool {
+				delete(ctc, "tls_certificate_sds_secret_configs")
 				delete(ctc, "tls_certificates")
 				return true
 			}),
 			wants: []string{"sends no client certificate"},
+		},
+		{
+			// Envoy reads certificate files named in the bootstrap once: a renewed Secret then
+			// needs a restart, and without one every request fails once the old one expires.
+			name: "ext_proc client certificate from plain files",
+			brk: forEachExtProcTLS(func(ctc map[string]any) bool {
+				delete(ctc, "tls_certificate_sds_secret_configs")
+				ctc["tls_certificates"] = []any{map[string]any{
+					"certificate_chain": map[string]any{"filename": "/etc/envoy/certs/tls.crt"},
+					"private_key":       map[string]any{"filename": "/etc/envoy/certs/tls.key"},
+				}}
+				return true
+			}),
+			wants: []string{"names its client certificate's files in the bootstrap"},
 		},
 		{
 			name: "ext_proc TLS offering HTTP/1.1 only",

@@ -14,7 +14,8 @@ import (
 // checkExtProcTLS: the ext_proc port lets its caller hold stream slots, send prefill legs with
 // any Authorization and eject endpoints, so Envoy reaches it over mTLS only: a client
 // certificate, and pd-extproc's certificate checked against a CA and its SAN (docs/envoy.md §13).
-// Files (a static bootstrap) and SDS secrets (Envoy Gateway) both count. Each endpoint is
+// The client certificate comes by SDS (file-based for a static bootstrap, from Envoy Gateway for
+// its proxies), so that a renewal reaches Envoy without a restart. Each endpoint is
 // checked with the transport socket Envoy picks for it: the first transport_socket_matches entry
 // its envoy.transport_socket_match metadata matches (how Envoy Gateway attaches a
 // BackendTLSPolicy), else the cluster's transport_socket.
@@ -70,6 +71,11 @@ func checkSocket(name string, ts *corev3.TransportSocket, r *report) {
 	ctc := utc.GetCommonTlsContext()
 	if len(ctc.GetTlsCertificates()) == 0 && len(ctc.GetTlsCertificateSdsSecretConfigs()) == 0 {
 		r.errorf("ext_proc cluster %q sends no client certificate: pd-extproc (--tls-client-ca-file) refuses the handshake", name)
+	}
+	if len(ctc.GetTlsCertificates()) > 0 {
+		r.errorf("ext_proc cluster %q names its client certificate's files in the bootstrap: Envoy reads them once, so a renewed "+
+			"certificate needs a restart, and without one every request fails when the old one expires; take it by SDS "+
+			"(tls_certificate_sds_secret_configs with a path_config_source whose secret has a watched_directory)", name)
 	}
 	vc := ctc.GetValidationContext()
 	if cvc := ctc.GetCombinedValidationContext(); cvc != nil {

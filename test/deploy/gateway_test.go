@@ -1,12 +1,12 @@
 package deploy
 
 import (
-	"bytes"
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -21,18 +21,19 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 
+	"github.com/pd-extproc/pd-extproc/internal/chart"
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 	"github.com/pd-extproc/pd-extproc/internal/testpki"
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 )
 
-// What the manifests in config/envoy/gateway promise; the names come from those files.
+// What the chart's Envoy Gateway objects promise (its envoy-gateway example: release pd-extproc,
+// namespace pd-extproc, gateway.name pd-gateway).
 const (
-	gatewayDir           = "config/envoy/gateway"
 	gatewayXDSKey        = "pd-extproc/pd-gateway"      // egctl output key: <namespace>/<gateway>
 	gatewayRouteConfig   = "pd-extproc/pd-gateway/http" // <namespace>/<gateway>/<listener>
 	gatewayListenerPort  = 8080
-	inferenceRoutePrefix = "httproute/pd-extproc/pd-inference/"
+	inferenceRoutePrefix = "httproute/pd-extproc/pd-gateway-inference/"
 	extprocServicePort   = 9002
 )
 
@@ -59,25 +60,28 @@ func gatewayPaths(t *testing.T) []string {
 	return paths
 }
 
-// gatewayManifests concatenates the manifests of config/envoy/gateway into one stream, the
-// form `egctl x translate --file` takes; `kubectl apply -f` on the directory reads the same.
+// gatewayManifests is the chart's rendering with Envoy Gateway in front (its envoy-gateway
+// example), after the namespace helm install --create-namespace makes, without the cert-manager
+// objects: one stream, the form `egctl x translate --file` takes.
 func gatewayManifests(t *testing.T) []byte {
 	t.Helper()
-	paths, err := filepath.Glob(filepath.Join(testbed.MustRepoPath(t, gatewayDir), "*.yaml"))
-	if err != nil || len(paths) == 0 {
-		t.Fatalf("no manifests in %s: %v", gatewayDir, err)
+	ex := example(t, "envoy-gateway")
+	values, err := ex.ValuesMap()
+	if err != nil {
+		t.Fatal(err)
 	}
-	var buf bytes.Buffer
-	for _, p := range paths {
-		data, err := os.ReadFile(p)
-		if err != nil {
-			t.Fatal(err)
+	out, err := chart.Render(testbed.MustRepoPath(t, chart.Dir), ex.Release, values)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stream := fmt.Appendf(nil, "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: %s}\n", ex.Release.Namespace)
+	for _, doc := range splitYAML(out) {
+		// egctl knows no cert-manager kinds; the test adds the Secret they would issue.
+		if !regexp.MustCompile(`(?m)^apiVersion: cert-manager\.io/`).Match(doc) {
+			stream = append(append(stream, "---\n"...), doc...)
 		}
-		buf.WriteString("---\n")
-		buf.Write(data)
-		buf.WriteString("\n")
 	}
-	return buf.Bytes()
+	return stream
 }
 
 // translateGateway runs Envoy Gateway's own translator on the manifests. --to gateway-api,xds
@@ -167,7 +171,7 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 		{
 			name:  "no BackendTLSPolicy on the pd-extproc Service",
 			old:   "      name: pd-extproc\n      sectionName: grpc\n",
-			new:   "      name: pd-decode\n      sectionName: http\n",
+			new:   "      name: pd-gateway-decode\n      sectionName: http\n",
 			wants: []string{"is plaintext"},
 		},
 		{

@@ -3,7 +3,6 @@ package deploy
 import (
 	"encoding/json"
 	"fmt"
-	"maps"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -16,11 +15,12 @@ import (
 	extprocconfig "github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
-// The manifest directories; everything in them is applied with `kubectl apply -f <dir>`.
-var manifestDirs = []string{"config/k8s", gatewayDir}
+// The manifest directories; everything in them is applied with `kubectl apply -f <dir>`: the
+// engine examples (pd-extproc itself is the chart's).
+var manifestDirs = []string{"config/k8s"}
 
-// manifestNamespace: all objects share one namespace so the directories combine (the Gateway
-// manifests route to the engines of config/k8s).
+// manifestNamespace: the examples share the namespace of the chart's default install, whose
+// pd-extproc discovers their pods.
 const manifestNamespace = "pd-extproc"
 
 // clusterScoped kinds carry no namespace.
@@ -85,37 +85,11 @@ func TestManifestsAreWellFormed(t *testing.T) {
 	}
 }
 
-// Every extproc config users run must load with the service's own strict parser: a misspelt
-// key would otherwise surface only when the pod crash-loops.
-func TestExtprocConfigsLoad(t *testing.T) {
-	k8s := loadManifests(t, "config/k8s")
-	gw := loadManifests(t, gatewayDir)
-	configMapData := func(ms []manifest) func(t *testing.T) []byte {
-		return func(t *testing.T) []byte {
-			return []byte(digString(find(t, ms, "ConfigMap", "pd-extproc"), "data", "extproc.yaml"))
-		}
-	}
-	tests := []struct {
-		name string
-		data func(t *testing.T) []byte
-	}{
-		{"embedded default config/extproc.yaml", func(*testing.T) []byte { return defaultconfig.DefaultYAML }},
-		{"docker compose config/envoy/extproc-compose.yaml", func(t *testing.T) []byte {
-			return yamlFileBytes(t, "config/envoy/extproc-compose.yaml")
-		}},
-		{"config/k8s ConfigMap", configMapData(k8s)},
-		{"config/envoy/gateway ConfigMap", configMapData(gw)},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			data := tc.data(t)
-			if len(data) == 0 {
-				t.Fatal("empty config")
-			}
-			if _, err := extprocconfig.Parse(data); err != nil {
-				t.Error(err)
-			}
-		})
+// The compose demo's extproc config loads with the service's own strict parser: a misspelt key
+// would otherwise surface only when the container exits (the chart's configs: chart_test.go).
+func TestComposeExtprocConfigLoads(t *testing.T) {
+	if _, err := extprocconfig.Parse(yamlFileBytes(t, "config/envoy/extproc-compose.yaml")); err != nil {
+		t.Error(err)
 	}
 }
 
@@ -149,35 +123,9 @@ func mountedVolume(pod any, c any, path string) any {
 	return nil
 }
 
-// sharedManifests are the files config/k8s and the Gateway directory both carry.
-var sharedManifests = []string{"extproc.yaml", "rbac.yaml"}
-
-// The Gateway directory carries its own copy of the extproc objects (and their RBAC) so it
-// applies on its own; the copies must not drift apart.
-func TestGatewayExtprocMatchesKubernetes(t *testing.T) {
-	byID := func(ms []manifest) map[string]map[string]any {
-		out := map[string]map[string]any{}
-		for _, m := range ms {
-			if slices.Contains(sharedManifests, filepath.Base(m.file)) {
-				out[m.kind()+"/"+m.name()] = m.doc
-			}
-		}
-		return out
-	}
-	k8s := byID(loadManifests(t, "config/k8s"))
-	gw := byID(loadManifests(t, gatewayDir))
-	if !slices.Equal(slices.Sorted(maps.Keys(k8s)), slices.Sorted(maps.Keys(gw))) {
-		t.Fatalf("objects differ: config/k8s has %v, %s has %v", slices.Sorted(maps.Keys(k8s)), gatewayDir, slices.Sorted(maps.Keys(gw)))
-	}
-	for id, doc := range k8s {
-		if !reflect.DeepEqual(doc, gw[id]) {
-			t.Errorf("%s differs between config/k8s and %s", id, gatewayDir)
-		}
-	}
-}
-
+// The chart's pd-extproc as it installs by default.
 func TestExtprocDeployment(t *testing.T) {
-	ms := loadManifests(t, "config/k8s")
+	ms := chartManifests(t, "defaults")
 	dep := find(t, ms, "Deployment", "pd-extproc")
 	pod := dig(dep, "spec", "template").(map[string]any)
 	containers, _ := dig(pod, "spec", "containers").([]any)
@@ -275,7 +223,7 @@ func TestExtprocDeployment(t *testing.T) {
 // starts the engine in its P/D role.
 func TestEngineExamples(t *testing.T) {
 	k8s := loadManifests(t, "config/k8s")
-	defaults, err := extprocconfig.Parse(defaultconfig.DefaultYAML)
+	defaults, err := extprocconfig.Unconfigured(defaultconfig.DefaultYAML)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -289,10 +237,11 @@ func TestEngineExamples(t *testing.T) {
 	}{
 		{"config/k8s/vllm-pd.yaml", "vllm-prefill", "vllm-prefill", nil, checkNixl},
 		{"config/k8s/vllm-pd.yaml", "vllm-decode", "vllm-decode", nil, checkNixl},
+		// Without RDMA: the nixl backend with UCX over TCP runs on any pod network.
 		{"config/k8s/sglang-pd.yaml", "sglang-prefill", "sglang-prefill",
-			[]string{"--disaggregation-mode=prefill", "--disaggregation-bootstrap-port=" + bootstrapPort, "--disaggregation-transfer-backend=mooncake"}, nil},
+			[]string{"--disaggregation-mode=prefill", "--disaggregation-bootstrap-port=" + bootstrapPort, "--disaggregation-transfer-backend=nixl"}, checkUCXOverTCP},
 		{"config/k8s/sglang-pd.yaml", "sglang-decode", "sglang-decode",
-			[]string{"--disaggregation-mode=decode", "--disaggregation-transfer-backend=mooncake"}, nil},
+			[]string{"--disaggregation-mode=decode", "--disaggregation-transfer-backend=nixl"}, checkUCXOverTCP},
 	}
 	for _, tc := range tests {
 		t.Run(tc.deployment, func(t *testing.T) {
@@ -319,7 +268,7 @@ func TestEngineExamples(t *testing.T) {
 	}
 
 	// The Gateway route's backend Service must find the decode pods of either example.
-	gwSvc := find(t, loadManifests(t, gatewayDir), "Service", "pd-decode")
+	gwSvc := find(t, chartManifests(t, "envoy-gateway"), "Service", "pd-gateway-decode")
 	for _, name := range []string{"vllm-decode", "sglang-decode"} {
 		labels, _ := dig(find(t, k8s, "Deployment", name), "spec", "template", "metadata", "labels").(map[string]any)
 		if !selects(dig(gwSvc, "spec", "selector"), labels) {
@@ -356,6 +305,24 @@ func checkNixl(t *testing.T, c any) {
 	}
 }
 
+// checkUCXOverTCP: UCX restricted to TCP (and CUDA copies), which needs no RDMA device, and no
+// RDMA resource asked for.
+func checkUCXOverTCP(t *testing.T, c any) {
+	t.Helper()
+	ucx := ""
+	for _, e := range dig(c, "env").([]any) {
+		if digString(e, "name") == "UCX_TLS" {
+			ucx = digString(e, "value")
+		}
+	}
+	if ucx != "tcp,cuda_copy" {
+		t.Errorf("UCX_TLS = %q, want tcp,cuda_copy", ucx)
+	}
+	if limits, _ := dig(c, "resources", "limits").(map[string]any); len(limits) != 1 || limits["nvidia.com/gpu"] == nil {
+		t.Errorf("resources.limits = %v, want one GPU and no RDMA device", limits)
+	}
+}
+
 // selects reports whether a label selector (a plain map) matches a label set.
 func selects(selector any, labels map[string]any) bool {
 	sel, ok := selector.(map[string]any)
@@ -368,23 +335,4 @@ func selects(selector any, labels map[string]any) bool {
 		}
 	}
 	return true
-}
-
-// `kubectl apply -f config/envoy/gateway/` applies the files in lexical order, so the file with
-// the Namespace must come before every file with objects in it, or a fresh cluster refuses them;
-// and it is the same Namespace as config/k8s/namespace.yaml.
-func TestGatewayDirectoryAppliesOnAFreshCluster(t *testing.T) {
-	ms := loadManifests(t, gatewayDir) // in lexical file order, as kubectl reads them
-	nsAt := slices.IndexFunc(ms, func(m manifest) bool { return m.kind() == "Namespace" && m.name() == manifestNamespace })
-	if nsAt < 0 {
-		t.Fatalf("%s creates no Namespace %s", gatewayDir, manifestNamespace)
-	}
-	for _, m := range ms[:nsAt] {
-		if !clusterScoped[m.kind()] {
-			t.Errorf("%s (%s %s) is applied before %s creates the namespace", m.file, m.kind(), m.name(), ms[nsAt].file)
-		}
-	}
-	if k8s := find(t, loadManifests(t, "config/k8s"), "Namespace", manifestNamespace); !reflect.DeepEqual(k8s, ms[nsAt].doc) {
-		t.Errorf("the Namespace of %s differs from config/k8s/namespace.yaml's", ms[nsAt].file)
-	}
 }

@@ -28,7 +28,7 @@ func grpcurl(t *testing.T, stdin string, args ...string) string {
 }
 
 func TestGrpcurlSeesTheServiceAsEnvoyWould(t *testing.T) {
-	x := startExtproc(t, testbed.ExtprocConfig{Config: `pools: {decode: {endpoints: ["10.1.1.1:8000"]}}`})
+	x := startExtproc(t, testbed.ExtprocConfig{Config: `{connector: kv-nixl, pools: {decode: {endpoints: ["10.1.1.1:8000"]}}}`})
 
 	t.Run("list shows ext_proc, health and reflection", func(t *testing.T) {
 		out := grpcurl(t, "", "-plaintext", x.GRPCAddr, "list")

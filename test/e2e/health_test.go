@@ -22,7 +22,7 @@ func TestReadinessFollowsTheDecodePool(t *testing.T) {
 	addr := decode.Addr()
 	// Started, not ready: what readiness does is the test.
 	x := startExtproc(t, testbed.ExtprocConfig{Wait: testbed.WaitStarted,
-		Config: fmt.Sprintf(`pools: {decode: {endpoints: [%q], health: {check_interval: 50ms, check_timeout: 1s}}}`, addr)})
+		Config: fmt.Sprintf(`{connector: kv-nixl, pools: {decode: {endpoints: [%q], health: {check_interval: 50ms, check_timeout: 1s}}}}`, addr)})
 
 	readyz := func() int {
 		resp, err := http.Get("http://" + x.AdminAddr + "/readyz")

@@ -22,6 +22,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/restmapper"
 
+	"github.com/pd-extproc/pd-extproc/internal/chart"
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
@@ -245,8 +246,8 @@ current-context: test
 
 // namespace creates a namespace of its own for a test, with the default
 // ServiceAccount a controller-manager would have made (pods need it), and
-// binds the shipped Roles of config/k8s/rbac.yaml there to extproc's
-// service account.
+// binds the chart's Role (with rbac.inferencePools) there to extproc's
+// service account, as rbac.extraNamespaces would.
 func (c *cluster) namespace(t testing.TB, prefix string) string {
 	t.Helper()
 	ctx := context.Background()
@@ -257,7 +258,7 @@ func (c *cluster) namespace(t testing.TB, prefix string) string {
 	if _, err := c.kube.CoreV1().ServiceAccounts(ns.Name).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatal(err)
 	}
-	for _, m := range loadManifests(t, "config/k8s/rbac.yaml") {
+	for _, m := range chartObjects(t, chart.Release{Name: "pd-extproc", Namespace: "pd-extproc"}, map[string]any{"rbac": map[string]any{"inferencePools": true}}) {
 		if k := m.GetKind(); k != "Role" && k != "RoleBinding" {
 			continue
 		}

@@ -9,36 +9,45 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+
+	"github.com/pd-extproc/pd-extproc/internal/chart"
 )
 
-// The directories whose manifests users apply as they are.
-var manifestDirs = []string{"config/k8s", "config/envoy/gateway"}
-
-// shippedManifests reads every object of the shipped manifests.
+// shippedManifests reads every object users apply: the engine examples of config/k8s, and the
+// chart rendered with each value set of internal/chart.Examples.
 func shippedManifests(t *testing.T) []*unstructured.Unstructured {
 	t.Helper()
-	var out []*unstructured.Unstructured
-	for _, dir := range manifestDirs {
-		out = append(out, loadManifests(t, dir+"/*.yaml")...)
+	out := loadManifests(t, "config/k8s/*.yaml")
+	for _, ex := range chart.Examples {
+		values, err := ex.ValuesMap()
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, chartObjects(t, ex.Release, values)...)
 	}
 	return out
 }
 
 // prepareForManifests installs the CRDs the manifests use and creates their
-// namespace, which namespaced objects need even in a dry run.
+// namespaces (helm install --create-namespace's, and the one the everything
+// example discovers engines in), which namespaced objects need even in a dry run.
 func prepareForManifests(t *testing.T, c *cluster) {
 	t.Helper()
 	c.installCRDs(t, "InferencePool", "GatewayClass", "Gateway", "HTTPRoute", "BackendTLSPolicy",
-		"EnvoyExtensionPolicy", "EnvoyPatchPolicy", "ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyProxy", "Issuer", "Certificate")
-	_, err := c.kube.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "pd-extproc"}}, metav1.CreateOptions{})
-	if err != nil && !apierrors.IsAlreadyExists(err) {
-		t.Fatal(err)
+		"EnvoyExtensionPolicy", "EnvoyPatchPolicy", "ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyProxy", "Issuer", "Certificate",
+		"ServiceMonitor", "PrometheusRule")
+	for _, ns := range []string{"pd-extproc", "llm", "engines"} {
+		_, err := c.kube.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
+		if err != nil && !apierrors.IsAlreadyExists(err) {
+			t.Fatal(err)
+		}
 	}
 }
 
-// Every shipped manifest is accepted by a real API server: server-side
-// apply in dry-run mode runs admission, the OpenAPI schema, the CRDs'
-// validation (CEL rules included) and defaulting, and stores nothing.
+// Every shipped manifest, and every object the chart renders for each value
+// set, is accepted by a real API server: server-side apply in dry-run mode
+// runs admission, the OpenAPI schema, the CRDs' validation (CEL rules
+// included) and defaulting, and stores nothing.
 func TestManifestsPassServerSideDryRun(t *testing.T) {
 	c := mustCluster(t)
 	prepareForManifests(t, c)
@@ -51,7 +60,7 @@ func TestManifestsPassServerSideDryRun(t *testing.T) {
 		}
 	}
 	for _, k := range []string{"Deployment", "Role", "RoleBinding", "ServiceAccount", "InferencePool", "EnvoyExtensionPolicy", "HTTPRoute",
-		"NetworkPolicy", "BackendTLSPolicy", "EnvoyProxy", "Certificate"} {
+		"NetworkPolicy", "BackendTLSPolicy", "EnvoyProxy", "Certificate", "Issuer", "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule", "ConfigMap"} {
 		if !kinds[k] {
 			t.Errorf("no %s among the %d objects checked", k, len(objs))
 		}
@@ -118,7 +127,7 @@ func TestBrokenManifestsAreRefused(t *testing.T) {
 		{"BackendTLSPolicy trusting the system CAs beside its own (a CEL rule)", "BackendTLSPolicy", "pd-extproc", func(o *unstructured.Unstructured) {
 			set(o, "System", "spec", "validation", "wellKnownCACertificates")
 		}, "must not contain both CACertificateRefs and WellKnownCACertificates"},
-		{"EnvoyProxy with a misspelt backendTLS", "EnvoyProxy", "pd-proxy", func(o *unstructured.Unstructured) {
+		{"EnvoyProxy with a misspelt backendTLS", "EnvoyProxy", "pd-gateway-proxy", func(o *unstructured.Unstructured) {
 			v, _, _ := unstructured.NestedMap(o.Object, "spec", "backendTLS")
 			unstructured.RemoveNestedField(o.Object, "spec", "backendTLS")
 			set(o, v, "spec", "backendTls")
@@ -128,10 +137,19 @@ func TestBrokenManifestsAreRefused(t *testing.T) {
 			cs[0].(map[string]any)["lifecycle"] = map[string]any{"preStop": map[string]any{"sleep": map[string]any{"seconds": int64(700)}}}
 			set(o, cs, "spec", "template", "spec", "containers")
 		}, "less than terminationGracePeriodSeconds (600)"},
+		{"PodDisruptionBudget with an eviction policy Kubernetes does not know", "PodDisruptionBudget", "pd-extproc", func(o *unstructured.Unstructured) {
+			set(o, "WhenUnhealthy", "spec", "unhealthyPodEvictionPolicy")
+		}, "WhenUnhealthy"},
+		{"ServiceMonitor with a misspelt honorLabels", "ServiceMonitor", "router-pd-extproc", func(o *unstructured.Unstructured) {
+			eps, _, _ := unstructured.NestedSlice(o.Object, "spec", "endpoints")
+			delete(eps[0].(map[string]any), "honorLabels")
+			eps[0].(map[string]any)["honourLabels"] = true
+			set(o, eps, "spec", "endpoints")
+		}, "honourLabels"},
 		{"Certificate with a usage cert-manager does not know", "Certificate", "pd-extproc-tls", func(o *unstructured.Unstructured) {
 			set(o, []any{"server authentication"}, "spec", "usages")
 		}, "server authentication"},
-		{"HTTPRoute path of an unknown type", "HTTPRoute", "pd-inference", func(o *unstructured.Unstructured) {
+		{"HTTPRoute path of an unknown type", "HTTPRoute", "pd-gateway-inference", func(o *unstructured.Unstructured) {
 			rules, _, _ := unstructured.NestedSlice(o.Object, "spec", "rules")
 			m := rules[0].(map[string]any)["matches"].([]any)[0].(map[string]any)
 			m["path"].(map[string]any)["type"] = "Glob"

@@ -23,6 +23,7 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/dynamic"
 
+	"github.com/pd-extproc/pd-extproc/internal/chart"
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
@@ -51,6 +52,21 @@ func loadManifests(t testing.TB, pattern string) []*unstructured.Unstructured {
 		out = append(out, objs...)
 	}
 	return out
+}
+
+// chartObjects renders the chart for an install of rel with values over values.yaml, as
+// `helm template` does, into objects.
+func chartObjects(t testing.TB, rel chart.Release, values map[string]any) []*unstructured.Unstructured {
+	t.Helper()
+	out, err := chart.Render(testbed.MustRepoPath(t, chart.Dir), rel, values)
+	if err != nil {
+		t.Fatalf("rendering the chart: %v", err)
+	}
+	objs, err := decodeObjects(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return objs
 }
 
 // decodeObjects splits a YAML stream into objects; empty documents are skipped.
@@ -111,9 +127,10 @@ func (c *cluster) dryRunApply(obj *unstructured.Unstructured) error {
 	return err
 }
 
-// The CRDs the shipped manifests use, from the modules that publish them
-// (egctl's dependencies for Gateway API and Envoy Gateway, ours for
-// InferencePool), never copies in this repository.
+// The CRDs the shipped manifests and the chart use, from the modules that
+// publish them (egctl's dependencies for Gateway API and Envoy Gateway, ours
+// for InferencePool, cert-manager's and the Prometheus Operator's own
+// modules), never copies in this repository.
 var crdSources = []struct {
 	module, dir string
 	stripHelm   bool // Envoy Gateway's chart templates open and close with Helm lines
@@ -122,6 +139,7 @@ var crdSources = []struct {
 	{"sigs.k8s.io/gateway-api@v1.6.1", "config/crd/standard", false},
 	{"github.com/envoyproxy/gateway@v1.9.1", "charts/gateway-crds-helm/templates/generated", true},
 	{"github.com/cert-manager/cert-manager@v1.21.2", "deploy/crds", false},
+	{"github.com/prometheus-operator/prometheus-operator@v0.94.1", "example/prometheus-operator-crd", false},
 }
 
 // installCRDs installs the CRDs that define kinds (those of the sources

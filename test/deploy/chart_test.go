@@ -1,0 +1,240 @@
+package deploy
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/pd-extproc/pd-extproc/internal/chart"
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
+	extprocconfig "github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+var renderings sync.Map // example name -> []manifest
+
+// chartManifests renders the chart for the example of that name (internal/chart.Examples), as
+// `helm template` would, once per test binary.
+func chartManifests(t *testing.T, name string) []manifest {
+	t.Helper()
+	if ms, ok := renderings.Load(name); ok {
+		return ms.([]manifest)
+	}
+	ex := example(t, name)
+	values, err := ex.ValuesMap()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := chart.Render(testbed.MustRepoPath(t, chart.Dir), ex.Release, values)
+	if err != nil {
+		t.Fatalf("rendering the chart with the %s values: %v", name, err)
+	}
+	var ms []manifest
+	source := ""
+	for i, part := range splitYAML(out) {
+		if src := regexp.MustCompile(`(?m)^# Source: (\S+)`).FindSubmatch(part); src != nil {
+			source = string(src[1]) // the template's first document; the others follow it
+		}
+		var doc map[string]any
+		if err := yaml.Unmarshal(part, &doc); err != nil {
+			t.Fatalf("%s rendering, document %d: %v\n%s", name, i, err, part)
+		}
+		if doc != nil {
+			ms = append(ms, manifest{file: fmt.Sprintf("%s (%s)", source, name), doc: doc})
+		}
+	}
+	renderings.Store(name, ms)
+	return ms
+}
+
+func example(t *testing.T, name string) chart.Example {
+	t.Helper()
+	for _, ex := range chart.Examples {
+		if ex.Name == name {
+			return ex
+		}
+	}
+	t.Fatalf("no chart example %q", name)
+	return chart.Example{}
+}
+
+// Every value set renders objects that name themselves, live in the release's namespace (the
+// GatewayClass aside) and appear once; the config it renders loads with pd-extproc's own parser
+// (an unknown key would otherwise surface only when the pod crash-loops); and helm lint's checks
+// find nothing to warn about.
+func TestChartRendersEachValueSet(t *testing.T) {
+	for _, ex := range chart.Examples {
+		t.Run(ex.Name, func(t *testing.T) {
+			ms := chartManifests(t, ex.Name)
+			seen := map[string]string{}
+			for _, m := range ms {
+				id := fmt.Sprintf("%s %s/%s", digString(m.doc, "apiVersion"), m.kind(), m.name())
+				if digString(m.doc, "apiVersion") == "" || m.kind() == "" || m.name() == "" {
+					t.Errorf("%s: object without apiVersion, kind or metadata.name: %v", m.file, m.doc)
+				}
+				ns := digString(m.doc, "metadata", "namespace")
+				if wantNS := ex.Release.Namespace; clusterScoped[m.kind()] != (ns == "") || (ns != "" && ns != wantNS && m.kind() != "Role" && m.kind() != "RoleBinding") {
+					t.Errorf("%s: %s has namespace %q; want %q (or none for cluster-scoped kinds)", m.file, id, ns, wantNS)
+				}
+				if prev, dup := seen[id+ns]; dup {
+					t.Errorf("%s: %s is also rendered by %s", m.file, id, prev)
+				}
+				seen[id+ns] = m.file
+			}
+			cfg := digString(find(t, ms, "ConfigMap", fullname(ex)), "data", "extproc.yaml")
+			if _, err := extprocconfig.Parse([]byte(cfg)); err != nil {
+				t.Errorf("the rendered config: %v\n%s", err, cfg)
+			}
+			values, err := ex.ValuesMap()
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, m := range chart.Lint(testbed.MustRepoPath(t, chart.Dir), values) {
+				t.Errorf("helm lint: %s", m)
+			}
+		})
+	}
+}
+
+// fullname is the release's full name the chart gives its objects.
+func fullname(ex chart.Example) string {
+	if strings.Contains(ex.Release.Name, "pd-extproc") {
+		return ex.Release.Name
+	}
+	return ex.Release.Name + "-pd-extproc"
+}
+
+// The chart's copies of the Envoy bootstrap and its SDS files are the shipped ones, which e2e
+// runs through the emulator and compose mounts: a Helm chart reads nothing outside its directory.
+func TestChartFilesAreTheShippedOnes(t *testing.T) {
+	for copied, shipped := range map[string]string{
+		"files/envoy.yaml":           "config/envoy/envoy.yaml",
+		"files/sds/client-cert.yaml": "config/envoy/sds/client-cert.yaml",
+		"files/sds/trusted-ca.yaml":  "config/envoy/sds/trusted-ca.yaml",
+	} {
+		got := mustRead(t, testbed.MustRepoPath(t, filepath.Join(chart.Dir, copied)))
+		if want := mustRead(t, testbed.MustRepoPath(t, shipped)); string(got) != string(want) {
+			t.Errorf("%s/%s differs from %s: copy it again", chart.Dir, copied, shipped)
+		}
+	}
+	sds, _ := filepath.Glob(testbed.MustRepoPath(t, "config/envoy/sds/*.yaml"))
+	copies, _ := filepath.Glob(testbed.MustRepoPath(t, filepath.Join(chart.Dir, "files/sds/*.yaml")))
+	if len(sds) != len(copies) {
+		t.Errorf("config/envoy/sds has %d files, the chart's files/sds %d", len(sds), len(copies))
+	}
+}
+
+// The chart's README documents every value of values.yaml, with its default, and no other: a
+// value is a row, or lies under one (a map documented whole, such as config).
+func TestChartValuesAreDocumented(t *testing.T) {
+	var values map[string]any
+	if err := yaml.Unmarshal(mustRead(t, testbed.MustRepoPath(t, filepath.Join(chart.Dir, "values.yaml"))), &values); err != nil {
+		t.Fatal(err)
+	}
+	readme := string(mustRead(t, testbed.MustRepoPath(t, filepath.Join(chart.Dir, "README.md"))))
+	rows := map[string]string{} // key -> default cell
+	for _, m := range regexp.MustCompile("(?m)^\\| `([a-zA-Z0-9_.]+)` \\| ([^|]*) \\|").FindAllStringSubmatch(readme, -1) {
+		rows[m[1]] = strings.TrimSpace(m[2])
+	}
+	if len(rows) < 30 {
+		t.Fatalf("the chart's README documents %d values", len(rows))
+	}
+	for key, cell := range rows {
+		v, ok := lookup(values, key)
+		if !ok {
+			t.Errorf("README documents %s, which values.yaml lacks", key)
+			continue
+		}
+		js, err := yaml.Marshal(v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := "`" + strings.TrimSpace(string(flowYAML(t, js))) + "`"
+		if strings.HasPrefix(cell, "`") && cell != want {
+			t.Errorf("README gives %s the default %s; values.yaml says %s", key, cell, want)
+		}
+	}
+	for _, leaf := range leaves(values, "") {
+		if !slices.ContainsFunc(slices.Collect(func(yield func(string) bool) {
+			for k := range rows {
+				yield(k)
+			}
+		}), func(k string) bool { return leaf == k || strings.HasPrefix(leaf, k+".") }) {
+			t.Errorf("values.yaml has %s, which the README's table does not document", leaf)
+		}
+	}
+}
+
+// lookup walks a dotted key through nested maps.
+func lookup(v any, key string) (any, bool) {
+	for _, k := range strings.Split(key, ".") {
+		m, ok := v.(map[string]any)
+		if !ok {
+			return nil, false
+		}
+		if v, ok = m[k]; !ok {
+			return nil, false
+		}
+	}
+	return v, true
+}
+
+// leaves are the dotted keys of every value that is not a non-empty map.
+func leaves(v any, prefix string) []string {
+	m, ok := v.(map[string]any)
+	if !ok || len(m) == 0 {
+		return []string{prefix}
+	}
+	var out []string
+	for k, sub := range m {
+		p := k
+		if prefix != "" {
+			p = prefix + "." + k
+		}
+		out = append(out, leaves(sub, p)...)
+	}
+	return out
+}
+
+// flowYAML writes a value as the README's default column does: JSON, which is YAML in flow style.
+func flowYAML(t *testing.T, y []byte) []byte {
+	t.Helper()
+	js, err := yaml.YAMLToJSON(y)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return js
+}
+
+// make release-dry-run packages the chart with the repository's version and the release's image.
+func TestChartPackagesWithTheVersion(t *testing.T) {
+	dir := t.TempDir()
+	path, err := chart.Package(testbed.MustRepoPath(t, chart.Dir), "v1.2.3-4-gabcdef0", "registry.example.com/pd-extproc", dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if filepath.Base(path) != "pd-extproc-1.2.3-4-gabcdef0.tgz" {
+		t.Errorf("package %s, want pd-extproc-1.2.3-4-gabcdef0.tgz", path)
+	}
+	out, err := chart.Render(path, chart.Release{Name: "pd-extproc", Namespace: "pd-extproc"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(out), "image: registry.example.com/pd-extproc:v1.2.3-4-gabcdef0\n") {
+		t.Error("the packaged chart does not run registry.example.com/pd-extproc:v1.2.3-4-gabcdef0 by default")
+	}
+	if _, err := os.Stat(path); err != nil {
+		t.Fatal(err)
+	}
+	for version, want := range map[string]string{"v0.1.0": "0.1.0", "v0.1.0-dirty": "0.1.0-dirty", "fb1a0fb": "0.0.0-fb1a0fb", "dev": "0.0.0-dev"} {
+		if got := chart.ChartVersion(version); got != want {
+			t.Errorf("ChartVersion(%q) = %q, want %q", version, got, want)
+		}
+	}
+}
