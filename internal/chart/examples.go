@@ -34,8 +34,9 @@ config:
   pools:
     # Helm merges these keys into the defaults': null drops a default key (an InferencePool
     # gives the ports, and its own selector narrowed by the label).
-    prefill: {kubernetes: {namespace: engines, inference_pool: vllm-prefill, port: null}}
-    decode: {kubernetes: {namespace: engines, inference_pool: vllm-decode, port: null}, metrics: {interval: 1s}}
+    prefill: {kubernetes: {namespace: engines, inference_pool: vllm-prefill, port: null}, kv_events: {connect_port: 5557, replay_port: 5558}}
+    decode: {kubernetes: {namespace: engines, inference_pool: vllm-decode, port: null}, metrics: {interval: 1s},
+      policy: prefix-affinity, kv_events: {connect_port: 5557, replay_port: 5558}}
   limits: {max_concurrent_streams: 4096}
   response: {rewrite_usage: true}
 rbac: {inferencePools: true, extraNamespaces: [engines]}
