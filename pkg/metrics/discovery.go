@@ -22,19 +22,16 @@ type DiscoveryState struct {
 }
 
 var (
-	discoverySyncedDesc = prometheus.NewDesc(prometheus.BuildFQName(namespace, "", "discovery_synced"),
-		"1 once every Kubernetes informer of the pool has delivered its first list; readiness waits for it.",
-		[]string{"pool"}, nil)
-	discoveryRefusedDesc = prometheus.NewDesc(prometheus.BuildFQName(namespace, "", "discovery_refused"),
-		"1 while the API server refuses a list or watch the pool needs (RBAC, a CRD not installed): not ready.",
-		[]string{"pool"}, nil)
-	discoveryReachableDesc = prometheus.NewDesc(prometheus.BuildFQName(namespace, "", "discovery_api_reachable"),
-		"1 when the Kubernetes API server answered the pool's last list or watch; 0 while the last endpoints are served without it.",
-		[]string{"pool"}, nil)
-	discoveryEndpointsDesc = prometheus.NewDesc(prometheus.BuildFQName(namespace, "", "discovery_endpoints"),
-		"Endpoints the pool's Kubernetes discovery currently gives it.",
-		[]string{"pool"}, nil)
+	discoverySyncedDesc    = poolDesc("discovery_synced", "1 once every Kubernetes informer of the pool has delivered its first list; readiness waits for it.")
+	discoveryRefusedDesc   = poolDesc("discovery_refused", "1 while the API server refuses a list or watch the pool needs (RBAC, a CRD not installed): not ready.")
+	discoveryReachableDesc = poolDesc("discovery_api_reachable", "1 when the Kubernetes API server answered the pool's last list or watch; 0 while the last endpoints are served without it.")
+	discoveryEndpointsDesc = poolDesc("discovery_endpoints", "Endpoints the pool's Kubernetes discovery currently gives it.")
 )
+
+// poolDesc describes a series per pool.
+func poolDesc(name, help string) *prometheus.Desc {
+	return prometheus.NewDesc(prometheus.BuildFQName(namespace, "", name), help, []string{"pool"}, nil)
+}
 
 // WatchDiscovery exports the discovery gauges of pools, read from src at
 // every scrape, and returns the function that counts
