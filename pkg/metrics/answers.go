@@ -23,14 +23,11 @@ type answers struct {
 
 func newAnswers() answers {
 	return answers{
-		usageRewrites: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: namespace, Name: "usage_rewrites_total",
-			Help: "P/D answers whose usage.prompt_tokens_details.cached_tokens was to be replaced by the prefill engine's, by outcome.",
-		}, []string{"outcome"}),
-		kvParamsSuspect: prometheus.NewCounter(prometheus.CounterOpts{
-			Namespace: namespace, Name: "kv_params_suspect_total",
-			Help: "Prefill answers whose kv_transfer_params.remote_host is a loopback or unspecified address while the decode endpoint is on another host.",
-		}),
+		usageRewrites: counterVec("usage_rewrites_total",
+			"P/D answers whose usage.prompt_tokens_details.cached_tokens was to be replaced by the prefill engine's, by outcome.",
+			"outcome"),
+		kvParamsSuspect: counter("kv_params_suspect_total",
+			"Prefill answers whose kv_transfer_params.remote_host is a loopback or unspecified address while the decode endpoint is on another host."),
 	}
 }
 

@@ -38,10 +38,9 @@ func poolDesc(name, help string) *prometheus.Desc {
 // discovery_errors_total{pool, reason} (every pool and Discovery* reason at
 // zero from the start). Call it once, only when some pool is discovered.
 func (m *Metrics) WatchDiscovery(pools []string, src func() []DiscoveryState) (countError func(pool, reason string)) {
-	errs := prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: namespace, Name: "discovery_errors_total",
-		Help: "Failed lists and watches of the Kubernetes API by pool and reason (unreachable, denied, missing).",
-	}, []string{"pool", "reason"})
+	errs := counterVec("discovery_errors_total",
+		"Failed lists and watches of the Kubernetes API by pool and reason (unreachable, denied, missing).",
+		"pool", "reason")
 	for _, p := range pools {
 		for _, r := range discoveryReasons {
 			errs.WithLabelValues(p, r)

@@ -22,22 +22,16 @@ type limits struct {
 
 func newLimits() limits {
 	return limits{
-		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: namespace, Name: "limit_refusals_total",
-			Help: "Requests refused by a resource limit, by limit (max_concurrent_streams, body_timeout, max_buffered_bytes, max_background).",
-		}, []string{"limit"}),
-		bodyBytes: prometheus.NewGauge(prometheus.GaugeOpts{
-			Namespace: namespace, Name: "request_body_buffered_bytes",
-			Help: "Bytes of request bodies held now, all streams together, as counted against limits.max_buffered_bytes.",
-		}),
-		background: prometheus.NewGauge(prometheus.GaugeOpts{
-			Namespace: namespace, Name: "prefill_background_legs",
-			Help: "kv-sglang prefill legs running in the background now, as counted against prefill.max_background.",
-		}),
-		inForce: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Namespace: namespace, Name: "limit_configured",
-			Help: "The limits in force, by limit (max_concurrent_streams, max_buffered_bytes, max_background), for alerts on what is held against them.",
-		}, []string{"limit"}),
+		refusals: counterVec("limit_refusals_total",
+			"Requests refused by a resource limit, by limit (max_concurrent_streams, body_timeout, max_buffered_bytes, max_background).",
+			"limit"),
+		bodyBytes: gauge("request_body_buffered_bytes",
+			"Bytes of request bodies held now, all streams together, as counted against limits.max_buffered_bytes."),
+		background: gauge("prefill_background_legs",
+			"kv-sglang prefill legs running in the background now, as counted against prefill.max_background."),
+		inForce: gaugeVec("limit_configured",
+			"The limits in force, by limit (max_concurrent_streams, max_buffered_bytes, max_background), for alerts on what is held against them.",
+			"limit"),
 	}
 }
 

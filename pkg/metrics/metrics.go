@@ -116,6 +116,32 @@ func label[V ~uint8](labels []string, value V) string {
 	return ""
 }
 
+// counter, counterVec, gauge, gaugeVec, histogram and histogramVec make the
+// service's collectors, each named name under namespace.
+func counter(name, help string) prometheus.Counter {
+	return prometheus.NewCounter(prometheus.CounterOpts{Namespace: namespace, Name: name, Help: help})
+}
+
+func counterVec(name, help string, labels ...string) *prometheus.CounterVec {
+	return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: namespace, Name: name, Help: help}, labels)
+}
+
+func gauge(name, help string) prometheus.Gauge {
+	return prometheus.NewGauge(prometheus.GaugeOpts{Namespace: namespace, Name: name, Help: help})
+}
+
+func gaugeVec(name, help string, labels ...string) *prometheus.GaugeVec {
+	return prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: namespace, Name: name, Help: help}, labels)
+}
+
+func histogram(name, help string, buckets []float64) prometheus.Histogram {
+	return prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: namespace, Name: name, Help: help, Buckets: buckets})
+}
+
+func histogramVec(name, help string, buckets []float64, labels ...string) *prometheus.HistogramVec {
+	return prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: namespace, Name: name, Help: help, Buckets: buckets}, labels)
+}
+
 var (
 	apis          = api.Labels()
 	modes         = []string{ModePD, ModeDecodeOnly, ModeNone}
@@ -147,55 +173,37 @@ func New(connector string) *Metrics {
 	m := &Metrics{
 		registry:  prometheus.NewRegistry(),
 		connector: connector,
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: namespace, Name: "requests_total",
-			Help: "Requests by engine API, P/D mode, KV connector and how their routing ended (routed, 4xx, 5xx, cancelled).",
-		}, []string{"api", "mode", "connector", "outcome"}),
-		processing: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Namespace: namespace, Name: "request_processing_seconds",
-			Help: "Time the service adds to a routed request, from its first ext_proc message to the routing reply, excluding the prefill leg.",
+		requests: counterVec("requests_total",
+			"Requests by engine API, P/D mode, KV connector and how their routing ended (routed, 4xx, 5xx, cancelled).",
+			"api", "mode", "connector", "outcome"),
+		processing: histogramVec("request_processing_seconds",
+			"Time the service adds to a routed request, from its first ext_proc message to the routing reply, excluding the prefill leg.",
 			// Sub-millisecond for small bodies; FULL_DUPLEX includes Envoy streaming the body to us.
-			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5},
-		}, []string{"mode"}),
-		prefillDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Namespace: namespace, Name: "prefill_duration_seconds",
-			Help:    "Duration of each prefill leg attempt the service sent, by outcome (ok, failed, cancelled).",
-			Buckets: []float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 30, 60},
-		}, []string{"outcome"}),
-		prefillFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: namespace, Name: "prefill_failures_total",
-			Help: "Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled, not_sent, answer_too_large).",
-		}, []string{"reason"}),
-		kvParamsMissing: prometheus.NewCounter(prometheus.CounterOpts{
-			Namespace: namespace, Name: "kv_params_missing_total",
-			Help: "Successful kv-nixl prefill legs that returned no kv_transfer_params, so the decode engine recomputed the prompt.",
-		}),
-		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: namespace, Name: "pd_decisions_total",
-			Help: "Routed requests by why they got their mode (always, long_prompt, never, short_prompt, n_gt_1, batch, no_prefill, prefill_failed, no_body, " +
+			[]float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5}, "mode"),
+		prefillDuration: histogramVec("prefill_duration_seconds",
+			"Duration of each prefill leg attempt the service sent, by outcome (ok, failed, cancelled).",
+			[]float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 30, 60}, "outcome"),
+		prefillFailures: counterVec("prefill_failures_total",
+			"Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled, not_sent, answer_too_large).",
+			"reason"),
+		kvParamsMissing: counter("kv_params_missing_total",
+			"Successful kv-nixl prefill legs that returned no kv_transfer_params, so the decode engine recomputed the prompt."),
+		decisions: counterVec("pd_decisions_total",
+			"Routed requests by why they got their mode (always, long_prompt, never, short_prompt, n_gt_1, batch, no_prefill, prefill_failed, no_body, "+
 				"passthrough, unpaired_api, prompt_logprobs, stored_response, builtin_tools, cached_prefix, prefill_busy, decode_busy).",
-		}, []string{"reason"}),
-		bodyBytes: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Namespace: namespace, Name: "request_body_bytes",
-			Help:    "Size of complete client request bodies received.",
-			Buckets: prometheus.ExponentialBuckets(256, 4, 10), // 256 B .. 64 MiB
-		}),
-		streams: prometheus.NewGauge(prometheus.GaugeOpts{
-			Namespace: namespace, Name: "streams_in_flight",
-			Help: "ext_proc Process streams currently open.",
-		}),
-		tokenize: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Namespace: namespace, Name: "tokenize_seconds",
-			Help:    "Round trips to an engine's /tokenize for a request's token ids (pools following KV events), by outcome: ok, or failed (the request went by estimates).",
-			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1},
-		}, []string{"outcome"}),
+			"reason"),
+		bodyBytes: histogram("request_body_bytes", "Size of complete client request bodies received.",
+			prometheus.ExponentialBuckets(256, 4, 10)), // 256 B .. 64 MiB
+		streams: gauge("streams_in_flight", "ext_proc Process streams currently open."),
+		tokenize: histogramVec("tokenize_seconds",
+			"Round trips to an engine's /tokenize for a request's token ids (pools following KV events), by outcome: ok, or failed (the request went by estimates).",
+			[]float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1}, "outcome"),
 		answers: newAnswers(),
 		limits:  newLimits(),
 	}
-	build := prometheus.NewGaugeVec(prometheus.GaugeOpts{
-		Namespace: namespace, Name: "build_info",
-		Help: "1, labelled with the build that runs: its version (git describe), revision (commit) and Go release.",
-	}, []string{"version", "revision", "goversion"})
+	build := gaugeVec("build_info",
+		"1, labelled with the build that runs: its version (git describe), revision (commit) and Go release.",
+		"version", "revision", "goversion")
 	b := version.Get()
 	build.WithLabelValues(b.Version, b.Revision, b.GoVersion).Set(1)
 	m.registry.MustRegister(
