@@ -87,14 +87,17 @@ func TestBrokenManifestsAreRefused(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// setTo breaks an object by setting v at path.
+	setTo := func(v any, path ...string) func(*unstructured.Unstructured) {
+		return func(o *unstructured.Unstructured) { set(o, v, path...) }
+	}
 	tests := []struct {
 		name, kind, obj string
 		breakIt         func(*unstructured.Unstructured)
 		want            string // in the API server's answer
 	}{
-		{"InferencePool target port twice (a CEL rule)", "InferencePool", "vllm-decode", func(o *unstructured.Unstructured) {
-			set(o, []any{map[string]any{"number": int64(8000)}, map[string]any{"number": int64(8000)}}, "spec", "targetPorts")
-		}, "port number must be unique"},
+		{"InferencePool target port twice (a CEL rule)", "InferencePool", "vllm-decode",
+			setTo([]any{map[string]any{"number": int64(8000)}, map[string]any{"number": int64(8000)}}, "spec", "targetPorts"), "port number must be unique"},
 		{"InferencePool with nine target ports", "InferencePool", "vllm-decode", func(o *unstructured.Unstructured) {
 			var ports []any
 			for i := range 9 {
@@ -107,26 +110,19 @@ func TestBrokenManifestsAreRefused(t *testing.T) {
 			procs[0].(map[string]any)["failOpen"] = true
 			set(o, procs, "spec", "extProc")
 		}, "FailOpen must be false"},
-		{"Deployment with replicas as a string", "Deployment", "pd-extproc", func(o *unstructured.Unstructured) {
-			set(o, "two", "spec", "replicas")
-		}, "replicas"},
-		{"Role with an unknown field", "Role", "pd-extproc", func(o *unstructured.Unstructured) {
-			set(o, []any{"pods"}, "rules0")
-		}, "rules0"},
+		{"Deployment with replicas as a string", "Deployment", "pd-extproc", setTo("two", "spec", "replicas"), "replicas"},
+		{"Role with an unknown field", "Role", "pd-extproc", setTo([]any{"pods"}, "rules0"), "rules0"},
 		{"NetworkPolicy naming a port no Service port could be called", "NetworkPolicy", "pd-extproc", func(o *unstructured.Unstructured) {
 			ingress, _, _ := unstructured.NestedSlice(o.Object, "spec", "ingress")
 			ingress[0].(map[string]any)["ports"] = []any{map[string]any{"port": "grpc_9002", "protocol": "TCP"}}
 			set(o, ingress, "spec", "ingress")
 		}, "grpc_9002"},
-		{"NetworkPolicy of an unknown policy type", "NetworkPolicy", "pd-extproc", func(o *unstructured.Unstructured) {
-			set(o, []any{"Inbound"}, "spec", "policyTypes")
-		}, "Inbound"},
+		{"NetworkPolicy of an unknown policy type", "NetworkPolicy", "pd-extproc", setTo([]any{"Inbound"}, "spec", "policyTypes"), "Inbound"},
 		{"BackendTLSPolicy without the hostname it checks", "BackendTLSPolicy", "pd-extproc", func(o *unstructured.Unstructured) {
 			unstructured.RemoveNestedField(o.Object, "spec", "validation", "hostname")
 		}, "hostname"},
-		{"BackendTLSPolicy trusting the system CAs beside its own (a CEL rule)", "BackendTLSPolicy", "pd-extproc", func(o *unstructured.Unstructured) {
-			set(o, "System", "spec", "validation", "wellKnownCACertificates")
-		}, "must not contain both CACertificateRefs and WellKnownCACertificates"},
+		{"BackendTLSPolicy trusting the system CAs beside its own (a CEL rule)", "BackendTLSPolicy", "pd-extproc",
+			setTo("System", "spec", "validation", "wellKnownCACertificates"), "must not contain both CACertificateRefs and WellKnownCACertificates"},
 		{"EnvoyProxy with a misspelt backendTLS", "EnvoyProxy", "pd-gateway-proxy", func(o *unstructured.Unstructured) {
 			v, _, _ := unstructured.NestedMap(o.Object, "spec", "backendTLS")
 			unstructured.RemoveNestedField(o.Object, "spec", "backendTLS")
@@ -137,18 +133,16 @@ func TestBrokenManifestsAreRefused(t *testing.T) {
 			cs[0].(map[string]any)["lifecycle"] = map[string]any{"preStop": map[string]any{"sleep": map[string]any{"seconds": int64(700)}}}
 			set(o, cs, "spec", "template", "spec", "containers")
 		}, "less than terminationGracePeriodSeconds (600)"},
-		{"PodDisruptionBudget with an eviction policy Kubernetes does not know", "PodDisruptionBudget", "pd-extproc", func(o *unstructured.Unstructured) {
-			set(o, "WhenUnhealthy", "spec", "unhealthyPodEvictionPolicy")
-		}, "WhenUnhealthy"},
+		{"PodDisruptionBudget with an eviction policy Kubernetes does not know", "PodDisruptionBudget", "pd-extproc",
+			setTo("WhenUnhealthy", "spec", "unhealthyPodEvictionPolicy"), "WhenUnhealthy"},
 		{"ServiceMonitor with a misspelt honorLabels", "ServiceMonitor", "router-pd-extproc", func(o *unstructured.Unstructured) {
 			eps, _, _ := unstructured.NestedSlice(o.Object, "spec", "endpoints")
 			delete(eps[0].(map[string]any), "honorLabels")
 			eps[0].(map[string]any)["honourLabels"] = true
 			set(o, eps, "spec", "endpoints")
 		}, "honourLabels"},
-		{"Certificate with a usage cert-manager does not know", "Certificate", "pd-extproc-tls", func(o *unstructured.Unstructured) {
-			set(o, []any{"server authentication"}, "spec", "usages")
-		}, "server authentication"},
+		{"Certificate with a usage cert-manager does not know", "Certificate", "pd-extproc-tls",
+			setTo([]any{"server authentication"}, "spec", "usages"), "server authentication"},
 		{"HTTPRoute path of an unknown type", "HTTPRoute", "pd-gateway-inference", func(o *unstructured.Unstructured) {
 			rules, _, _ := unstructured.NestedSlice(o.Object, "spec", "rules")
 			m := rules[0].(map[string]any)["matches"].([]any)[0].(map[string]any)
