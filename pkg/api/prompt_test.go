@@ -4,8 +4,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-
-	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
 func TestPromptReaders(t *testing.T) {
@@ -77,11 +75,7 @@ func TestPromptReaders(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			obj, err := body.Parse([]byte(tt.body))
-			if err != nil {
-				t.Fatal(err)
-			}
-			p := tt.api.Prompt(obj)
+			p := tt.api.Prompt(parsed(t, tt.body))
 			if p.N != tt.wantN || p.Prompts != tt.wantPrompts || !slices.Equal(p.MixedN, tt.wantMixedN) {
 				t.Errorf("N, Prompts, MixedN = %d, %d, %v; want %d, %d, %v", p.N, p.Prompts, p.MixedN, tt.wantN, tt.wantPrompts, tt.wantMixedN)
 			}
@@ -171,11 +165,7 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			var texts []string
 			for i, turn := range tt.turns {
-				obj, err := body.Parse([]byte(turn))
-				if err != nil {
-					t.Fatal(err)
-				}
-				p := tt.api.Prompt(obj)
+				p := tt.api.Prompt(parsed(t, turn))
 				if got := p.Head(); got != tt.wantHead {
 					t.Errorf("turn %d: Head() = %q, want %q", i+1, got, tt.wantHead)
 				}

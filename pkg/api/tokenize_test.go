@@ -3,8 +3,6 @@ package api
 import (
 	"slices"
 	"testing"
-
-	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
 // TestTokenizeAsksForWhatTheEngineComputes: a chat request's /tokenize body
@@ -28,11 +26,7 @@ func TestTokenizeAsksForWhatTheEngineComputes(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			o, err := body.Parse([]byte(tt.body))
-			if err != nil {
-				t.Fatal(err)
-			}
-			got := tt.api.Tokenize(o)
+			got := tt.api.Tokenize(parsed(t, tt.body))
 			if !slices.Equal(got.IDs, tt.ids) || string(got.Ask) != tt.ask {
 				t.Errorf("Tokenize = %v, %s; want %v, %s", got.IDs, got.Ask, tt.ids, tt.ask)
 			}
