@@ -83,39 +83,30 @@ func TestPrefixCacheAsVLLMReportsIt(t *testing.T) {
 		pullKV bool
 		cached int // in the header, the usage and the record
 	}
+	// decode is the commonest step: a conversation sent to the decode engine alone.
+	decode := func(conversation []turn, cached int) step {
+		return step{body: chatOf("", conversation...), cached: cached}
+	}
 	tests := []struct {
 		name     string
 		capacity int // Config.PrefixCacheBlocks; 0: the default
 		steps    []step
 	}{
-		{name: "the same prompt twice: its full blocks, never the last token", steps: []step{
-			{body: chatOf("", turn1...), cached: 0},
-			{body: chatOf("", turn1...), cached: 32},
-		}},
-		{name: "a later turn finds the blocks its earlier turns left", steps: []step{
-			{body: chatOf("", turn1...), cached: 0},
-			{body: chatOf("", turn2...), cached: 32},
-			{body: chatOf("", turn3...), cached: 48},
-		}},
+		{name: "the same prompt twice: its full blocks, never the last token", steps: []step{decode(turn1, 0), decode(turn1, 32)}},
+		{name: "a later turn finds the blocks its earlier turns left", steps: []step{decode(turn1, 0), decode(turn2, 32), decode(turn3, 48)}},
 		{name: "KV pulled from the prefill counts whole, and serves the next turn", steps: []step{
 			{prefill: true, body: chatOf(prefillAsk, turn1...), cached: 0},
 			{pullKV: true, body: chatOf("", turn1...), cached: 41},
-			{body: chatOf("", turn2...), cached: 32},
+			decode(turn2, 32),
 		}},
 		{name: "a turn pulled from the prefill after a decode-only one", steps: []step{
-			{body: chatOf("", turn1...), cached: 0},
+			decode(turn1, 0),
 			{prefill: true, body: chatOf(prefillAsk, turn2...), cached: 0},
 			{pullKV: true, body: chatOf("", turn2...), cached: 48},
-			{body: chatOf("", turn3...), cached: 48},
+			decode(turn3, 48),
 		}},
-		{name: "an unrelated prompt", steps: []step{
-			{body: chatOf("", turn1...), cached: 0},
-			{body: chatOf("", unrelated...), cached: 0},
-		}},
-		{name: "a conversation that parts in the second block", steps: []step{
-			{body: chatOf("", turn1...), cached: 0},
-			{body: chatOf("", forked...), cached: 16},
-		}},
+		{name: "an unrelated prompt", steps: []step{decode(turn1, 0), decode(unrelated, 0)}},
+		{name: "a conversation that parts in the second block", steps: []step{decode(turn1, 0), decode(forked, 16)}},
 		{name: "completions: a prompt that extends another", steps: []step{
 			{path: "/v1/completions", body: `{"prompt":"` + words("w", 40) + `"}`, cached: 0},
 			{path: "/v1/completions", body: `{"prompt":"` + words("w", 40) + " " + words("y", 10) + `"}`, cached: 32},
@@ -129,21 +120,9 @@ func TestPrefixCacheAsVLLMReportsIt(t *testing.T) {
 			{path: "/v1/responses", body: `{"input":"` + words("w", 40) + `","store":false}`, cached: 0},
 			{path: "/v1/responses", body: `{"input":"` + words("w", 40) + `","store":false}`, cached: 32},
 		}},
-		{name: "a cache of 2 blocks forgets turn 1 for the unrelated prompt", capacity: 2, steps: []step{
-			{body: chatOf("", turn1...), cached: 0},
-			{body: chatOf("", unrelated...), cached: 0},
-			{body: chatOf("", turn1...), cached: 0},
-		}},
-		{name: "a cache of 3 blocks forgets the tail of turn 1 first", capacity: 3, steps: []step{
-			{body: chatOf("", turn1...), cached: 0},
-			{body: chatOf("", unrelated...), cached: 0},
-			{body: chatOf("", turn1...), cached: 16},
-		}},
-		{name: "a cache of 4 blocks holds both", capacity: 4, steps: []step{
-			{body: chatOf("", turn1...), cached: 0},
-			{body: chatOf("", unrelated...), cached: 0},
-			{body: chatOf("", turn1...), cached: 32},
-		}},
+		{name: "a cache of 2 blocks forgets turn 1 for the unrelated prompt", capacity: 2, steps: []step{decode(turn1, 0), decode(unrelated, 0), decode(turn1, 0)}},
+		{name: "a cache of 3 blocks forgets the tail of turn 1 first", capacity: 3, steps: []step{decode(turn1, 0), decode(unrelated, 0), decode(turn1, 16)}},
+		{name: "a cache of 4 blocks holds both", capacity: 4, steps: []step{decode(turn1, 0), decode(unrelated, 0), decode(turn1, 32)}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
