@@ -15,16 +15,28 @@ import (
 
 const metricPrefix = "pd_extproc_"
 
-// docFiles are the documents users read: the READMEs and docs/.
-func docFiles(t *testing.T) []string {
+// document is one of the documents users read: the READMEs and docs/.
+type document struct {
+	path string // absolute
+	rel  string // from the repository's root, as errors name it
+	text string
+}
+
+// documents reads the documents users read.
+func documents(t *testing.T) []document {
 	t.Helper()
 	root := testbed.MustRepoRoot(t)
-	files := []string{filepath.Join(root, "README.md"), filepath.Join(root, "charts", "pd-extproc", "README.md")}
+	paths := []string{filepath.Join(root, "README.md"), filepath.Join(root, "charts", "pd-extproc", "README.md")}
 	more, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	return append(files, more...)
+	var docs []document
+	for _, path := range append(paths, more...) {
+		rel, _ := filepath.Rel(root, path)
+		docs = append(docs, document{path: path, rel: rel, text: string(mustRead(t, path))})
+	}
+	return docs
 }
 
 // exportedMetrics names every metric pd-extproc exports, without the prefix.
@@ -44,13 +56,12 @@ func exportedMetrics(t *testing.T) []string {
 func TestDocsNameMetricsInFull(t *testing.T) {
 	names := exportedMetrics(t)
 	word := regexp.MustCompile(`[A-Za-z0-9_:…]+`)
-	for _, path := range docFiles(t) {
-		rel, _ := filepath.Rel(testbed.MustRepoRoot(t), path)
-		for i, line := range strings.Split(string(mustRead(t, path)), "\n") {
+	for _, doc := range documents(t) {
+		for i, line := range strings.Split(doc.text, "\n") {
 			for _, w := range word.FindAllString(line, -1) {
 				bare := strings.TrimSuffix(strings.TrimSuffix(strings.TrimSuffix(w, "_bucket"), "_count"), "_sum")
 				if slices.Contains(names, bare) && !strings.HasPrefix(w, metricPrefix) {
-					t.Errorf("%s:%d names the metric %s without its prefix: write %s%s", rel, i+1, w, metricPrefix, w)
+					t.Errorf("%s:%d names the metric %s without its prefix: write %s%s", doc.rel, i+1, w, metricPrefix, w)
 				}
 			}
 		}
@@ -59,21 +70,19 @@ func TestDocsNameMetricsInFull(t *testing.T) {
 
 // The documents link to files of the repository that exist, and to headings that exist.
 func TestDocsLinkToFilesThatExist(t *testing.T) {
-	root := testbed.MustRepoRoot(t)
 	link := regexp.MustCompile(`\]\(([^)#:\s]*)(#[^)\s]*)?\)`)
-	for _, path := range docFiles(t) {
-		rel, _ := filepath.Rel(root, path)
-		for _, m := range link.FindAllStringSubmatch(string(mustRead(t, path)), -1) {
-			target := path
+	for _, doc := range documents(t) {
+		for _, m := range link.FindAllStringSubmatch(doc.text, -1) {
+			target := doc.path
 			if m[1] != "" {
-				target = filepath.Join(filepath.Dir(path), m[1])
+				target = filepath.Join(filepath.Dir(doc.path), m[1])
 			}
 			if _, err := os.Stat(target); err != nil {
-				t.Errorf("%s links to %s, which does not exist", rel, m[1])
+				t.Errorf("%s links to %s, which does not exist", doc.rel, m[1])
 				continue
 			}
 			if anchor := strings.TrimPrefix(m[2], "#"); anchor != "" && strings.HasSuffix(target, ".md") && !slices.Contains(anchors(t, target), anchor) {
-				t.Errorf("%s links to %s#%s, which has no such heading", rel, m[1], anchor)
+				t.Errorf("%s links to %s#%s, which has no such heading", doc.rel, m[1], anchor)
 			}
 		}
 	}
@@ -102,16 +111,15 @@ func anchors(t *testing.T, path string) []string {
 // The reasons the docs select pd_decisions_total by are the metric's own.
 func TestDocsNameDecisionReasonsThatExist(t *testing.T) {
 	sel := regexp.MustCompile(`pd_extproc_pd_decisions_total\{reason(=~?)"([^"]+)"`)
-	for _, path := range docFiles(t) {
-		rel, _ := filepath.Rel(testbed.MustRepoRoot(t), path)
-		for _, m := range sel.FindAllStringSubmatch(string(mustRead(t, path)), -1) {
+	for _, doc := range documents(t) {
+		for _, m := range sel.FindAllStringSubmatch(doc.text, -1) {
 			values := []string{m[2]}
 			if m[1] == "=~" {
 				values = strings.Split(m[2], "|")
 			}
 			for _, v := range values {
 				if !slices.Contains(metrics.Reasons(), v) {
-					t.Errorf("%s selects pd_extproc_pd_decisions_total{reason=%q}, which is no reason of the metric (%v)", rel, v, metrics.Reasons())
+					t.Errorf("%s selects pd_extproc_pd_decisions_total{reason=%q}, which is no reason of the metric (%v)", doc.rel, v, metrics.Reasons())
 				}
 			}
 		}
