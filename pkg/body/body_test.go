@@ -65,11 +65,8 @@ func TestParseAcceptsOnlyValidJSONObjects(t *testing.T) {
 
 func TestRawReadsTheValueAnEngineReads(t *testing.T) {
 	tests := []struct {
-		name   string
-		in     string
-		key    string
-		want   string
-		absent bool
+		name, in, key, want string
+		absent              bool
 	}{
 		{name: "plain", in: `{"model":"m","n":1}`, key: "n", want: `1`},
 		{name: "escaped key matches", in: `{"kv\u005ftransfer_params":{"x":1}}`, key: "kv_transfer_params", want: `{"x":1}`},
