@@ -8,10 +8,9 @@ import (
 
 func TestSpliceWritesExactBytes(t *testing.T) {
 	tests := []struct {
-		name  string
-		in    string
-		edits []Edit
-		want  string
+		name, in string
+		edits    []Edit
+		want     string
 	}{
 		// Set.
 		{

@@ -267,11 +267,10 @@ func TestNIXLDecodeCarriesPrefillParams(t *testing.T) {
 
 func TestSGLangBootstrapFields(t *testing.T) {
 	tests := []struct {
-		name string
-		host string
-		port int
-		room uint64
-		want string
+		name, host string
+		port       int
+		room       uint64
+		want       string
 	}{
 		{
 			name: "IPv4", host: "10.0.4.21", port: 8998, room: 4611686018427388111,

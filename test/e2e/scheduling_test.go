@@ -76,9 +76,8 @@ func TestSharedPrefixesStickToOnePrefillEndpoint(t *testing.T) {
 
 func TestShortPromptSkipsThePrefillLeg(t *testing.T) {
 	tests := []struct {
-		name        string
-		prompt      string
-		wantPrefill int
+		name, prompt string
+		wantPrefill  int
 	}{
 		{"short prompt goes decode-only", "short one", 0},
 		{"long prompt is disaggregated", "long one " + strings.Repeat("word ", 200), 1},
