@@ -2,6 +2,7 @@ package kvevents
 
 import (
 	"encoding/binary"
+	"slices"
 	"sync"
 	"time"
 
@@ -142,6 +143,7 @@ func (x *Index) store(v *pubView, e Event, s *Skipped) {
 	}
 	var key uint64
 	var buf []byte
+	var stored []uint64 // the engine's hashes of the blocks new to the view
 	if e.HasParent {
 		k, ok := v.engine[e.Parent]
 		if !ok {
@@ -164,11 +166,14 @@ func (x *Index) store(v *pubView, e Event, s *Skipped) {
 			x.remove(v, h)
 		}
 		v.engine[h] = key
-		v.order = append(v.order, h)
+		stored = append(stored, h)
 		x.blocks[key] = append(x.blocks[key], v)
 		x.total++
-		x.bound(v)
 	}
+	for _, h := range slices.Backward(stored) { // forgotten tail first, as engines free them
+		v.order = append(v.order, h)
+	}
+	x.bound(v)
 }
 
 // bound makes v forget its oldest blocks past the bounds.
@@ -270,21 +275,29 @@ func (x *Index) Forget(p Publisher) {
 }
 
 // chain is a block's key: a hash of its parent's key, its token ids and its
-// extra keys. Token ids are folded in as 32-bit words (vocabularies are far
-// below 2^32), FNV-1a style, then mixed: a few nanoseconds a block, as the
-// lookup of a long prompt hashes hundreds of them per request. buf is
-// scratch space for the extra keys, returned for the next block.
+// extra keys. Token ids are folded in two at a time as 64-bit words (ids are
+// far below 2^32), over two independent lanes, FNV-1a style, then mixed: a
+// few nanoseconds a block, as the lookup of a long prompt hashes hundreds of
+// them per request. buf is scratch space for the extra keys, returned for
+// the next block.
 func chain(buf []byte, parent uint64, tokens []int64, extra []byte) (uint64, []byte) {
-	h := mix64(parent ^ 0x9e3779b97f4a7c15)
-	for _, t := range tokens {
-		h = (h ^ uint64(uint32(t))) * 0x100000001b3
+	const prime = 0x100000001b3
+	a, b := mix64(parent^0x9e3779b97f4a7c15), parent
+	i := 0
+	for ; i+3 < len(tokens); i += 4 {
+		a = (a ^ (uint64(uint32(tokens[i])) | uint64(uint32(tokens[i+1]))<<32)) * prime
+		b = (b ^ (uint64(uint32(tokens[i+2])) | uint64(uint32(tokens[i+3]))<<32)) * prime
 	}
+	for ; i < len(tokens); i++ {
+		a = (a ^ uint64(uint32(tokens[i]))) * prime
+	}
+	h := a ^ mix64(b^uint64(len(tokens)))
 	if len(extra) > 0 {
 		buf = binary.LittleEndian.AppendUint64(buf[:0], h)
 		buf = append(buf, extra...)
 		h = xxhash.Sum64(buf)
 	}
-	return mix64(h ^ uint64(len(tokens))), buf
+	return mix64(h), buf
 }
 
 // mix64 is splitmix64's finalizer: every bit of x moves every bit of the key.
@@ -341,17 +354,58 @@ func (x *Index) Lookup(endpoints []string, tokens []int64) (held map[string]int,
 		return held, known // nothing stored anywhere yet
 	}
 	matched := make([]int, len(endpoints)) // leading blocks each endpoint holds
-	var key uint64
-	for b := range len(tokens) / blockSize {
-		key, _ = chain(nil, key, tokens[b*blockSize:(b+1)*blockSize], nil)
-		extended := false
-		for _, v := range x.blocks[key] {
-			if i := views[v.id] - 1; i >= 0 && usable[i] > 0 && v.blockSize == blockSize && matched[i] == b {
-				matched[i] = b + 1
-				extended = true
+	// The blocks' keys, each chained from the one before, as far as the
+	// lookup needs them.
+	keys := make([]uint64, 0, len(tokens)/blockSize)
+	keyAt := func(b int) uint64 {
+		for len(keys) <= b {
+			n := len(keys)
+			var parent uint64
+			if n > 0 {
+				parent = keys[n-1]
+			}
+			key, _ := chain(nil, parent, tokens[n*blockSize:(n+1)*blockSize], nil)
+			keys = append(keys, key)
+		}
+		return keys[b]
+	}
+	blocks := len(tokens) / blockSize
+	holds := func(i, b int) bool {
+		for _, v := range x.blocks[keyAt(b)] {
+			if views[v.id]-1 == i && v.blockSize == blockSize {
+				return true
 			}
 		}
-		if !extended {
+		return false
+	}
+	for b := 0; b < blocks; b++ {
+		extended, last := 0, -1
+		for _, v := range x.blocks[keyAt(b)] {
+			if i := views[v.id] - 1; i >= 0 && usable[i] > 0 && v.blockSize == blockSize && matched[i] == b {
+				matched[i] = b + 1
+				extended, last = extended+1, i
+			}
+		}
+		if extended == 1 {
+			// One engine goes on alone (a conversation's history): find its
+			// last block by galloping, as an engine that holds a block holds
+			// the ones before it (vLLM frees a sequence's blocks tail first;
+			// the index forgets an event's blocks tail first).
+			lo, step := b, 1 // it holds block lo
+			for lo+step < blocks && holds(last, lo+step) {
+				lo, step = lo+step, 2*step
+			}
+			for hi := min(lo+step, blocks); hi-lo > 1; {
+				if mid := (lo + hi) / 2; holds(last, mid) {
+					lo = mid
+				} else {
+					hi = mid
+				}
+			}
+			matched[last] = lo + 1
+			break
+		}
+		if extended == 0 {
 			break
 		}
 	}

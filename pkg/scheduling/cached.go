@@ -21,14 +21,13 @@ func (p *prefixAffinity) lookup(req *Request, eps []*Endpoint) (idx *kvevents.In
 	return idx, held, known
 }
 
-// holding is the candidate that holds the longest start of the prompt,
-// within the load bounds: those for following a history when it alone holds
-// that much (a conversation's earlier turns: going elsewhere recomputes
-// them), else the ranking's; of equals (a system prompt cached on several),
-// the least busy: whichever replica routes the next turn finds where this
-// one went in its view, so placement need not follow a ranking. nil when no
-// candidate within its bound holds a block of it.
-func (p *prefixAffinity) holding(eps []*Endpoint, held map[string]int) *Endpoint {
+// holding is the candidate, of rs in their order, that holds the longest
+// start of the prompt within the load bounds b: those for following a
+// history when it alone holds that much (a conversation's earlier turns:
+// going elsewhere recomputes them), else the ranking's; the first of equals
+// (a system prompt cached on several). nil when no candidate within its
+// bound holds a block of it.
+func (p *prefixAffinity) holding(rs []ranked, held map[string]int, b loadBounds) *Endpoint {
 	first, second := 0, 0 // the two largest holdings of different endpoints
 	for _, n := range held {
 		if n > first {
@@ -37,21 +36,14 @@ func (p *prefixAffinity) holding(eps []*Endpoint, held map[string]int) *Endpoint
 			second = n
 		}
 	}
-	b := p.bounds(busyness(eps))
 	var best *Endpoint
-	bestHeld, bestBusy := 0, 0.0
-	for _, e := range eps {
-		n := held[e.Addr]
-		if n == 0 || n < bestHeld {
+	bestHeld := 0
+	for _, r := range rs {
+		n := held[r.e.Addr]
+		if n <= bestHeld || !b.within(r.busy, r.queued) && !(n == first && n > second && b.follows(r.busy, r.queued)) {
 			continue
 		}
-		busy, queued := e.busyness()
-		if !b.within(busy, queued) && !(n == first && n > second && b.follows(busy, queued)) {
-			continue
-		}
-		if n > bestHeld || busy < bestBusy {
-			best, bestHeld, bestBusy = e, n, busy
-		}
+		best, bestHeld = r.e, n
 	}
 	return best
 }

@@ -153,39 +153,62 @@ type prefixAffinity struct {
 }
 
 // Pick goes by what the engines hold when the pool follows their KV events
-// and the view can be trusted (cached.go), else by the ranking and the
-// local hint.
+// and the request's tokens are known (cached.go), else by the ranking and
+// the local hint.
 func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 	idx, held, known := p.lookup(req, eps)
-	if idx == nil {
-		return p.byRanking(req, eps)
-	}
-	chosen := p.holding(eps, held) // the local hint is not told: the view knows better while it can be trusted
-	if chosen == nil {
-		chosen = p.byRanking(req, eps)
-	}
-	if known[chosen.Addr] { // else byRanking's estimate stands
+	chosen := p.byRanking(req, eps, held)
+	if idx != nil && known[chosen.Addr] { // else byRanking's estimate stands
 		req.held = estimate{addr: chosen.Addr, tokens: held[chosen.Addr], exact: true}
 		idx.Expect(chosen.Addr, held[chosen.Addr], len(req.Tokens()))
 	}
 	return chosen
 }
 
-// byRanking picks by the ranking, within the load bounds, and the local hint.
-func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint) *Endpoint {
+// byRanking picks by the ranking, within the load bounds: with the engines'
+// view (held, nil without), the candidate holding the longest start of the
+// prompt, of equals the first in the ranking (a later turn) or the less busy
+// (a first request); else, or when none within its bound holds a block, the
+// first in the ranking within the bounds, and the local hint.
+func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[string]int) *Endpoint {
 	prefix, conversation := p.keys.keys(req)
+	if held != nil && (prefix == "" || req.Head() == "") {
+		// No ranking that requests share (a completions prompt): the least
+		// busy of those holding the most.
+		rs := busyness(eps)
+		slices.SortStableFunc(rs, func(a, b ranked) int { return cmp.Compare(a.busy, b.busy) })
+		if e := p.holding(rs, held, p.bounds(rs)); e != nil {
+			return e
+		}
+	}
 	prompt, previous := req.Prompt(), req.Previous()
-	hs := p.index.hashes(prompt)
-	served := p.index.matched(hs)
-	if prefix == "" || req.Head() == "" && !routed(served, len(prefix)/p.keys.blockChars) {
-		e := p.fallback.Pick(req, eps)
-		p.estimate(req, e, served, false)
-		p.index.record(prompt, hs, e.Addr)
-		return e
+	var hs []uint64 // the local hint's: hashed only when it is read
+	var served map[string]int
+	if prefix == "" || req.Head() == "" {
+		hs = p.index.hashes(prompt)
+		served = p.index.matched(hs)
+		if !routed(served, len(prefix)/p.keys.blockChars) || prefix == "" {
+			e := p.fallback.Pick(req, eps)
+			p.estimate(req, e, served, false)
+			p.index.record(prompt, hs, e.Addr)
+			return e
+		}
 	}
 	h := xxhash.Sum64String(prefix)
 	rs := rank(h, conversation, homeSize(p.shares.note(h), len(eps), p.spread), eps)
 	b := p.bounds(rs)
+	if held != nil {
+		order := rs
+		if previous == "" {
+			// A conversation's first request (or a one-shot one): the less
+			// busy of equals, as later turns find it wherever it went.
+			order = slices.Clone(rs)
+			slices.SortStableFunc(order, func(a, b ranked) int { return cmp.Compare(a.busy, b.busy) })
+		}
+		if e := p.holding(order, held, b); e != nil {
+			return e // the local hint is not told: the view knows better while it can be trusted
+		}
+	}
 	within := func(r ranked) bool { return b.within(r.busy, r.queued) }
 	follow := func(r ranked) bool { return b.follows(r.busy, r.queued) }
 	chosen := rs[0] // unless one is within the bounds, and the least busy nearly always is
@@ -196,6 +219,10 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint) *Endpoint {
 		}
 	}
 
+	if hs == nil {
+		hs = p.index.hashes(prompt)
+		served = p.index.matched(hs)
+	}
 	// A later turn tells whether this replica routed the request before it.
 	prevBlocks := len(previous) / p.keys.blockChars
 	whole := p.coverage.note(prevBlocks > 0, p.index.ended(previous, hs))
