@@ -16,9 +16,13 @@ import (
 // endSeq ends a replay.
 const endSeq = -1
 
+// untilEnd asks replay for every batch the publisher still buffers.
+const untilEnd = int64(^uint64(0) >> 1)
+
 // replay asks st's publisher for the batches from st.next up to before seq
 // and applies them; it reports whether it got them all. At the start of the
-// stream (st.next 0) it takes what the publisher's buffer still holds.
+// stream (st.next 0) it takes what the publisher's buffer still holds, all
+// of it when seq is untilEnd.
 func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
 	if s.cfg.ReplayPort == 0 {
 		return false
@@ -48,6 +52,9 @@ func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
 		}
 		got, payload, err := frames(trimDelimiter(msg.Frames))
 		switch {
+		case err == nil && got == endSeq && seq == untilEnd:
+			s.counts.Replayed.Add(1)
+			return true
 		case err != nil || got == endSeq:
 			return false
 		case got < st.next:

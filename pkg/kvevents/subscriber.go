@@ -152,6 +152,12 @@ func (s *Subscriber) read(ctx context.Context, addr string, st *stream) error {
 	if err := sub.Dial(addr); err != nil {
 		return err
 	}
+	if st.next < 0 && s.cfg.ReplayPort != 0 {
+		// Subscribed: what the engine cached before is in its replay buffer,
+		// as far as it goes; what it publishes from now on is numbered after.
+		st.next = 0
+		s.replay(ctx, st, untilEnd)
+	}
 	if s.cfg.Resync > 0 {
 		t := time.AfterFunc(s.cfg.Resync, cancel)
 		defer t.Stop()
