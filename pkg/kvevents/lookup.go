@@ -2,6 +2,7 @@ package kvevents
 
 import (
 	"encoding/binary"
+	"sync"
 
 	"github.com/cespare/xxhash/v2"
 )
@@ -31,6 +32,9 @@ func chain(buf []byte, parent uint64, tokens []int64, extra []byte) (uint64, []b
 	}
 	return mix64(h), buf
 }
+
+// keysPool keeps the lookups' block keys, a few kilobytes per long prompt.
+var keysPool = sync.Pool{New: func() any { return new([]uint64) }}
 
 // mix64 is splitmix64's finalizer: every bit of x moves every bit of the key.
 func mix64(x uint64) uint64 {
@@ -88,7 +92,10 @@ func (x *Index) Lookup(endpoints []string, tokens []int64) (held map[string]int,
 	matched := make([]int, len(endpoints)) // leading blocks each endpoint holds
 	// The blocks' keys, each chained from the one before, as far as the
 	// lookup needs them.
-	keys := make([]uint64, 0, len(tokens)/blockSize)
+	kp := keysPool.Get().(*[]uint64)
+	defer keysPool.Put(kp)
+	keys := (*kp)[:0]
+	defer func() { *kp = keys[:0] }()
 	keyAt := func(b int) uint64 {
 		for len(keys) <= b {
 			n := len(keys)
