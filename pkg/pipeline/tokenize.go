@@ -22,11 +22,15 @@ const maxTokenizeAnswer = 16 << 20
 // an engine's /tokenize answers for it. Without them (no pool follows
 // events, the API has no /tokenize form, the engine did not answer in time)
 // the pools go by their estimates; the request is never refused for it.
-func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Request, t api.Tokens) {
+// The tokens are read of the body (tokens) only then: a chat request's
+// /tokenize body copies its messages.
+func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Request, tokens func() api.Tokens) {
 	e, path, timeout, ok := p.pools.Tokenizer()
-	switch {
-	case !ok:
+	if !ok {
 		return
+	}
+	t := tokens()
+	switch {
 	case t.IDs != nil:
 		sreq.SetTokens(t.IDs)
 		return
