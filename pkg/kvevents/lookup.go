@@ -93,9 +93,8 @@ func (x *Index) Lookup(endpoints []string, tokens []int64) (held map[string]int,
 	// The blocks' keys, each chained from the one before, as far as the
 	// lookup needs them.
 	kp := keysPool.Get().(*[]uint64)
-	defer keysPool.Put(kp)
 	keys := (*kp)[:0]
-	defer func() { *kp = keys[:0] }()
+	defer func() { *kp = keys[:0]; keysPool.Put(kp) }()
 	keyAt := func(b int) uint64 {
 		for len(keys) <= b {
 			n := len(keys)

@@ -96,9 +96,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if err := p.parallelSamples(sreq); err != nil {
 		return nil, err
 	}
-	if a.Tokenize != nil {
-		p.tokenize(ctx, r, sreq, func() api.Tokens { return a.Tokenize(obj) })
-	}
+	p.tokenize(ctx, r, sreq, a.Tokenize, obj)
 	d, err := p.pickDecode(sreq)
 	if err != nil {
 		return nil, err

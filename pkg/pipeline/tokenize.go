@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
@@ -22,14 +23,14 @@ const maxTokenizeAnswer = 16 << 20
 // an engine's /tokenize answers for it. Without them (no pool follows
 // events, the API has no /tokenize form, the engine did not answer in time)
 // the pools go by their estimates; the request is never refused for it.
-// The tokens are read of the body (tokens) only then: a chat request's
-// /tokenize body copies its messages.
-func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Request, tokens func() api.Tokens) {
+// read (the API's Tokenize) runs only when a pool follows events: a chat
+// request's /tokenize body copies its messages.
+func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Request, read func(*body.Object) api.Tokens, obj *body.Object) {
 	e, path, timeout, ok := p.pools.Tokenizer()
-	if !ok {
+	if !ok || read == nil {
 		return
 	}
-	t := tokens()
+	t := read(obj)
 	switch {
 	case t.IDs != nil:
 		sreq.SetTokens(t.IDs)
