@@ -55,13 +55,28 @@ type loadBounds struct{ busy, queue, follow float64 }
 // and a queue at most the mean + queueSlack, or, to follow a history, the
 // mean + followQueue × queueSlack.
 func (p *prefixAffinity) bounds(rs []ranked) loadBounds {
-	var busy, queued float64
+	busy, queued := means(rs)
+	return loadBounds{busy: p.factor*busy + p.slack, queue: queued + p.queueSlack, follow: queued + followQueue*p.queueSlack}
+}
+
+// starting are the bounds over rs for a request that starts a conversation
+// (or a one-shot one) to go where its system prompt is cached: no busier
+// than the mean, and no longer a queue. Recomputing a system prompt elsewhere
+// costs once; piling new conversations onto its few holders evicts their
+// older conversations' histories and lengthens their queues.
+func starting(rs []ranked) loadBounds {
+	busy, queued := means(rs)
+	return loadBounds{busy: busy, queue: queued, follow: queued}
+}
+
+// means are the mean busyness and queue of rs.
+func means(rs []ranked) (busy, queued float64) {
 	for _, r := range rs {
 		busy += r.busy
 		queued += r.queued
 	}
 	n := float64(len(rs))
-	return loadBounds{busy: p.factor*busy/n + p.slack, queue: queued/n + p.queueSlack, follow: queued/n + followQueue*p.queueSlack}
+	return busy / n, queued / n
 }
 
 func (b loadBounds) within(busy, queued float64) bool { return busy <= b.busy && queued <= b.queue }

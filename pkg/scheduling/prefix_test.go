@@ -14,6 +14,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
 // blocks builds a prompt of 16-character blocks from letters: "ab" is two
@@ -645,5 +646,79 @@ func TestRequestsSharingASystemPromptMeet(t *testing.T) {
 	}
 	if len(hot) < 2 {
 		t.Errorf("300 conversations of the hot system prompt all went to %v", hot)
+	}
+}
+
+// TestEventsPlaceFirstRequestsOnHoldersNoBusierThanTheMean: with the
+// engines' KV events, a request that starts a conversation goes to the
+// engine holding its system prompt only while that engine is no busier than
+// the mean; else it is placed as without events. A later turn follows the
+// engine holding its history, busy or not, within the usual bounds.
+func TestEventsPlaceFirstRequestsOnHoldersNoBusierThanTheMean(t *testing.T) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity}
+	system := strings.Repeat("Answer in French, and cite the page you read it on. ", 40)
+	first := []simMessage{{"system", system}, {"user", "Who wrote Candide?"}}
+	later := append(slices.Clip(first), simMessage{"assistant", "Voltaire."}, simMessage{"user", "When?"})
+	tokens := make([]int64, 1_024)
+	for i := range tokens {
+		tokens[i] = int64(i*7919) % 150_000
+	}
+	request := func(msgs []simMessage) *Request {
+		req := chatRequest(msgs)
+		req.SetTokens(tokens)
+		return req
+	}
+	pick := func(p *Pool, req *Request, busy string, inflight int) string {
+		t.Helper()
+		for _, e := range p.Endpoints() {
+			if e.Addr == busy {
+				for range inflight {
+					defer e.Acquire()()
+				}
+			}
+		}
+		e, err := p.Select(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return e.Addr
+	}
+	// The holder is an endpoint the ranking does not pick, so that going
+	// there is the events' doing.
+	withoutEvents, _ := testPool(t, sched, addrs...)
+	ranked := pick(withoutEvents, request(first), "", 0)
+	holder := addrs[(slices.Index(addrs, ranked)+1)%len(addrs)]
+
+	tests := []struct {
+		name     string
+		msgs     []simMessage
+		inflight int // the holder's requests in flight; the others have none
+		want     string
+	}{
+		{"a first request, the holder idle", first, 0, holder},
+		{"a first request, the holder busier than the mean", first, 3, ranked},
+		{"a later turn, its history's holder idle", later, 0, holder},
+		{"a later turn, its history's holder busier than the mean", later, 3, holder},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, _ := testPool(t, sched, addrs...)
+			index := kvevents.NewIndex(kvevents.Bounds{}, time.Minute, nil)
+			hashes := make([]uint64, 512/16)
+			for j := range hashes {
+				hashes[j] = uint64(j + 1)
+			}
+			index.Apply(kvevents.Publisher{Endpoint: holder}, []kvevents.Event{{Kind: kvevents.Stored, Hashes: hashes, Tokens: tokens[:512], BlockSize: 16}})
+			for _, a := range addrs {
+				if a != holder {
+					index.Reset(kvevents.Publisher{Endpoint: a}, true)
+				}
+			}
+			p.events.Store(&poolEvents{index: index})
+			if got := pick(p, request(tt.msgs), holder, tt.inflight); got != tt.want {
+				t.Errorf("picked %s, want %s (holder %s, ranking's %s)", got, tt.want, holder, ranked)
+			}
+		})
 	}
 }
