@@ -48,35 +48,32 @@ func (p *prefixAffinity) holding(rs []ranked, held map[string]int, b loadBounds)
 	return best
 }
 
-// loadBounds are prefix-affinity's load bounds over a set of candidates.
-type loadBounds struct{ busy, queue, follow float64 }
+// loadBounds are prefix-affinity's load bounds over a set of candidates,
+// with the candidates' mean busyness and queue they are set from.
+type loadBounds struct{ busy, queue, follow, meanBusy, meanQueue float64 }
 
 // bounds are the bounds over rs: busyness at most factor × the mean + slack,
 // and a queue at most the mean + queueSlack, or, to follow a history, the
 // mean + followQueue × queueSlack.
 func (p *prefixAffinity) bounds(rs []ranked) loadBounds {
-	busy, queued := means(rs)
-	return loadBounds{busy: p.factor*busy + p.slack, queue: queued + p.queueSlack, follow: queued + followQueue*p.queueSlack}
-}
-
-// starting are the bounds over rs for a request that starts a conversation
-// (or a one-shot one) to go where its system prompt is cached: no busier
-// than the mean, and no longer a queue. Recomputing a system prompt elsewhere
-// costs once; piling new conversations onto its few holders evicts their
-// older conversations' histories and lengthens their queues.
-func starting(rs []ranked) loadBounds {
-	busy, queued := means(rs)
-	return loadBounds{busy: busy, queue: queued, follow: queued}
-}
-
-// means are the mean busyness and queue of rs.
-func means(rs []ranked) (busy, queued float64) {
+	var busy, queued float64
 	for _, r := range rs {
 		busy += r.busy
 		queued += r.queued
 	}
 	n := float64(len(rs))
-	return busy / n, queued / n
+	busy, queued = busy/n, queued/n
+	return loadBounds{busy: p.factor*busy + p.slack, queue: queued + p.queueSlack, follow: queued + followQueue*p.queueSlack,
+		meanBusy: busy, meanQueue: queued}
+}
+
+// starting are the bounds for a request that starts a conversation (or a
+// one-shot one) to go where its system prompt is cached: no busier than the
+// mean, and no longer a queue. Recomputing a system prompt elsewhere costs
+// once; piling new conversations onto its few holders evicts their older
+// conversations' histories and lengthens their queues.
+func (b loadBounds) starting() loadBounds {
+	return loadBounds{busy: b.meanBusy, queue: b.meanQueue, follow: b.meanQueue, meanBusy: b.meanBusy, meanQueue: b.meanQueue}
 }
 
 func (b loadBounds) within(busy, queued float64) bool { return busy <= b.busy && queued <= b.queue }

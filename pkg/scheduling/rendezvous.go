@@ -168,8 +168,9 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 // byRanking picks by the ranking, within the load bounds: with the engines'
 // view (held, nil without), the candidate holding the longest start of the
 // prompt, of equals the first in the ranking (a later turn) or the less busy
-// (a first request, only where no busier than the mean: starting); else, or when none within its bound holds a block, the
-// first in the ranking within the bounds, and the local hint.
+// (a first request, within loadBounds.starting); else, or when none within
+// its bound holds a block, the first in the ranking within the bounds, and
+// the local hint.
 func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[string]int) *Endpoint {
 	prefix, conversation := p.keys.keys(req)
 	if held != nil && (prefix == "" || req.Head() == "") {
@@ -203,7 +204,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 			// A conversation's first request (or a one-shot one): the less
 			// busy of equals, as later turns find it wherever it went, and
 			// none busier than the mean.
-			order, hb = slices.Clone(rs), starting(rs)
+			order, hb = slices.Clone(rs), b.starting()
 			slices.SortStableFunc(order, func(a, b ranked) int { return cmp.Compare(a.busy, b.busy) })
 		}
 		if e := p.holding(order, held, hb); e != nil {
