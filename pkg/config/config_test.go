@@ -86,6 +86,36 @@ func TestDefaultsFillMissingKeys(t *testing.T) {
 	}
 }
 
+// A P/D deployment's decode pool without KV events tolerates a longer engine
+// queue before it passes an endpoint over; with events, an aggregated one
+// (pd.mode never) and the prefill pool keep the usual bound, and a value set
+// is kept.
+func TestDecodeQueueSlackDefault(t *testing.T) {
+	tests := []struct {
+		name, yaml              string
+		wantDecode, wantPrefill float64
+	}{
+		{"P/D", `{connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, DefaultDecodeQueueSlack, DefaultQueueSlack},
+		{"aggregated", `{connector: kv-nixl, pd: {mode: never}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, DefaultQueueSlack, DefaultQueueSlack},
+		{"P/D with KV events", `{connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557}}}}`, DefaultQueueSlack, DefaultQueueSlack},
+		{"set", `{connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"], prefix: {queue_slack: 2}}}}`, 2, DefaultQueueSlack},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := Parse([]byte(tt.yaml))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := c.Pools.Decode.Prefix.QueueSlack; got != tt.wantDecode {
+				t.Errorf("pools.decode.prefix.queue_slack = %g, want %g", got, tt.wantDecode)
+			}
+			if got := c.Pools.Prefill.Prefix.QueueSlack; got != tt.wantPrefill {
+				t.Errorf("pools.prefill.prefix.queue_slack = %g, want %g", got, tt.wantPrefill)
+			}
+		})
+	}
+}
+
 func TestPassthroughDefaultsAndReplacement(t *testing.T) {
 	tests := []struct {
 		name, yaml string

@@ -41,6 +41,17 @@ const (
 	maxFallbacks               = 8
 )
 
+// DefaultDecodeQueueSlack is queue_slack's default for the decode pool of a
+// P/D deployment (pd.mode other than never) that does not follow its engines'
+// KV events. A P/D decode engine's queue holds the requests whose KV is on its
+// way (vLLM's num_requests_waiting counts them) and its local prefills, which
+// come and go with every hand-off. A conversation spilled off the engine that
+// holds it pays its history again there, and replicas that did not see the
+// spill estimate what it holds apart; with the engines' events every replica
+// sees where it went, and the usual bound does better (docs/scheduling.md,
+// the P/D simulation).
+const DefaultDecodeQueueSlack = 4
+
 // PoolScheduling is how one pool picks its endpoints. Embed it in Pool so that
 // its keys sit next to endpoints, under pools.<pool>.
 type PoolScheduling struct {

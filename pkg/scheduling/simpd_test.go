@@ -181,6 +181,9 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 	} else {
 		decodeChunk := cmp.Or(policy.decodeChunkChars, p.DecodeChunkChars)
 		spec.Prefill, spec.Decode = pool(addrs(1, p.Prefill, p.ChunkChars)), pool(addrs(0, p.Decode, decodeChunk))
+		if !policy.events { // pkg/config's default for a P/D decode pool without KV events
+			spec.Decode.Prefix.QueueSlack = config.DefaultDecodeQueueSlack
+		}
 	}
 	for i := range replicas {
 		r := rand.New(rand.NewPCG(p.Seed, 2+uint64(i)))
