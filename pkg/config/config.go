@@ -223,10 +223,7 @@ func (c *Config) setDefaults() {
 	c.Tracing.SetDefaults()
 	c.Response.SetDefaults()
 	c.Pools.Prefill.PoolScheduling.SetDefaults()
-	if c.PD.Mode != PDNever && !c.Pools.Decode.KVEvents.On() {
-		orDefault(&c.Pools.Decode.Prefix.QueueSlack, DefaultDecodeQueueSlack)
-	}
-	c.Pools.Decode.PoolScheduling.SetDefaults()
+	c.Pools.Decode.PoolScheduling.SetDecodeDefaults(c.PD.Mode)
 	c.PD.SetDefaults()
 	c.Routes.SetDefaults()
 	c.Prefill.PrefillAttempts.SetDefaults(c.Prefill.Timeout)

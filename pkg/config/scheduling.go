@@ -142,6 +142,17 @@ func (s *PoolScheduling) SetDefaults() {
 	}
 }
 
+// SetDecodeDefaults fills the keys left out of the decode pool of a
+// deployment whose pd.mode is mode: as SetDefaults, but a P/D decode pool
+// (mode other than never) that follows no KV events gets
+// DefaultDecodeQueueSlack.
+func (s *PoolScheduling) SetDecodeDefaults(mode string) {
+	if mode != PDNever && !s.KVEvents.On() {
+		orDefault(&s.Prefix.QueueSlack, DefaultDecodeQueueSlack)
+	}
+	s.SetDefaults()
+}
+
 // Validate checks the pool's scheduling keys; key is the pool's own key,
 // e.g. "pools.decode".
 func (s PoolScheduling) Validate(key string) error {

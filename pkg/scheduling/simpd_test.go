@@ -172,8 +172,14 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 		return out
 	}
 	pool := func(eps []string) PoolSpec {
-		return PoolSpec{Endpoints: eps, PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity,
+		ps := PoolSpec{Endpoints: eps, PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity,
 			Metrics: config.EngineMetrics{Interval: config.Duration(p.ScrapeEvery)}}}
+		if index != nil {
+			// Configured as following events, for the defaults; the index is
+			// fed above, as no subscriber runs (Pools.Run is not called).
+			ps.KVEvents.ConnectPort = 5557
+		}
+		return ps
 	}
 	spec := Spec{PD: policy.pd}
 	if policy.aggregated {
@@ -181,10 +187,8 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 	} else {
 		decodeChunk := cmp.Or(policy.decodeChunkChars, p.DecodeChunkChars)
 		spec.Prefill, spec.Decode = pool(addrs(1, p.Prefill, p.ChunkChars)), pool(addrs(0, p.Decode, decodeChunk))
-		if !policy.events { // pkg/config's default for a P/D decode pool without KV events
-			spec.Decode.Prefix.QueueSlack = config.DefaultDecodeQueueSlack
-		}
 	}
+	spec.Decode.SetDecodeDefaults(spec.PD.Mode) // as pkg/config sets them
 	for i := range replicas {
 		r := rand.New(rand.NewPCG(p.Seed, 2+uint64(i)))
 		ps := NewPools(spec, Deps{Now: func() time.Time { return simEpoch.Add(s.now) }, intn: r.IntN})
