@@ -50,7 +50,8 @@ const (
 	// 250,000 tokens/s, 4 characters each.
 	pdTransferCPS = 1_000_000
 	// vLLM's max_num_batched_tokens of 2,048 tokens, and a decode engine's
-	// of 256 (beside its batch's own tokens).
+	// of 256; the batch's decode tokens count against it, as vLLM's scheduler
+	// spends the budget on its running requests first.
 	pdChunkChars       = 8_192
 	pdDecodeChunkChars = 1_024
 	pdCharsPerToken    = 4
