@@ -1,6 +1,7 @@
 package kvevents
 
 import (
+	"cmp"
 	"slices"
 	"sync"
 	"time"
@@ -241,16 +242,38 @@ func (x *Index) Rebuild(p Publisher) {
 // Expect notes that endpoint was sent a prompt of tokens tokens of which its
 // views held held: when that leaves a full block to compute, the engine
 // will store it and publish, and a publisher that stays silent for
-// staleAfter from then on is not trusted until it publishes again.
+// staleAfter from then on is not trusted until it publishes again. So is
+// one that never published (an engine started without KV events): its
+// block size unknown, it is taken as unpublishedBlock.
 func (x *Index) Expect(endpoint string, held, tokens int) {
 	now := x.now()
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	for _, v := range x.pubs {
-		if v.Endpoint == endpoint && v.expected.IsZero() && v.blockSize > 0 && tokens/v.blockSize*v.blockSize > held {
+		block := cmp.Or(v.blockSize, unpublishedBlock)
+		if v.Endpoint == endpoint && v.expected.IsZero() && tokens/block*block > held {
 			v.expected = now
 		}
 	}
+}
+
+// unpublishedBlock is the block size, in tokens, assumed of an engine that
+// has not published yet: larger than vLLM's (16 by default), so that a
+// prompt leaving it this many tokens to compute leaves a full block to
+// store, whatever its engine's block size.
+const unpublishedBlock = 256
+
+// Usable reports whether routing may go by any of the index's views now.
+func (x *Index) Usable() bool {
+	now := x.now()
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	for _, v := range x.pubs {
+		if x.usable(v, now) {
+			return true
+		}
+	}
+	return false
 }
 
 // SetFresh marks p's view as one routing may trust, or not.

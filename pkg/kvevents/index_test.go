@@ -129,6 +129,20 @@ func TestLookupTrustsOnlyViewsItMay(t *testing.T) {
 		{"silent since sent work, within staleAfter", func(x *Index) { x.Expect(a.Endpoint, 4, 8); now = now.Add(time.Minute) }, true},
 		{"silent since sent work, past staleAfter", func(x *Index) { x.Expect(a.Endpoint, 4, 8); now = now.Add(61 * time.Second) }, false},
 		{"sent only what it holds, past staleAfter", func(x *Index) { x.Expect(a.Endpoint, 4, 7); now = now.Add(61 * time.Second) }, true},
+		// An engine started without KV events: its block size unknown, 256 tokens to compute
+		// must leave it one to store.
+		{"never published, sent 256 tokens, past staleAfter", func(x *Index) {
+			x.Forget(a)
+			x.Reset(a, true)
+			x.Expect(a.Endpoint, 0, 256)
+			now = now.Add(61 * time.Second)
+		}, false},
+		{"never published, sent 255 tokens, past staleAfter", func(x *Index) {
+			x.Forget(a)
+			x.Reset(a, true)
+			x.Expect(a.Endpoint, 0, 255)
+			now = now.Add(61 * time.Second)
+		}, true},
 		{"sent work, then published", func(x *Index) {
 			x.Expect(a.Endpoint, 4, 8)
 			now = now.Add(30 * time.Second)

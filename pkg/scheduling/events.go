@@ -92,11 +92,13 @@ func (p *Pool) Events() (s EventsState, ok bool) {
 // follows its engines' KV events: the least busy healthy prefill endpoint
 // (the prefill leg's client reaches it), else decode endpoint, with the
 // path and the time allowed of the first pool that follows events. ok is
-// false when no pool does, or no endpoint is healthy.
+// false when no pool does, when none of their views may be routed by now
+// (engines that publish nothing: no round trip for every request then), or
+// when no endpoint is healthy.
 func (ps *Pools) Tokenizer() (e *Endpoint, path string, timeout time.Duration, ok bool) {
 	var spec *config.KVEvents
 	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
-		if ev := p.events.Load(); ev != nil && spec == nil {
+		if ev := p.events.Load(); ev != nil && spec == nil && ev.index.Usable() {
 			spec = &ev.spec
 		}
 	}

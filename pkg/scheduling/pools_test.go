@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
@@ -78,5 +79,56 @@ func TestPoolsUpdateAppliesPDThresholds(t *testing.T) {
 	ps.Update(Spec{Prefill: PoolSpec{Endpoints: []string{"a"}}, Decode: PoolSpec{Endpoints: []string{"b"}}, PD: config.PD{MinPromptTokens: 11}})
 	if d := ps.Decide(req, nil); d.PD || d.Reason != metrics.ReasonShortPrompt {
 		t.Fatalf("Decide() = %+v after raising the threshold, want decode-only", d)
+	}
+}
+
+// TestTokenizerAsksWhileAViewCanBeTrusted: a request's token ids are asked
+// of an engine only while a pool's view of its engines' caches may be
+// routed by: not for pools that follow no events, nor once every engine
+// stayed silent past stale_after after it was sent work (an engine started
+// without KV events), which would cost every request a round trip for
+// nothing.
+func TestTokenizerAsksWhileAViewCanBeTrusted(t *testing.T) {
+	now := time.Date(2026, 12, 3, 0, 0, 0, 0, time.UTC)
+	clock := func() time.Time { return now }
+	b, c := kvevents.Publisher{Endpoint: "b"}, kvevents.Publisher{Endpoint: "c"}
+	tests := []struct {
+		name   string
+		events bool
+		do     func(x *kvevents.Index)
+		ok     bool
+	}{
+		{"no pool follows events", false, func(*kvevents.Index) {}, false},
+		{"engines followed, none published yet", true, func(*kvevents.Index) {}, true},
+		{"every engine silent past stale_after after work", true, func(x *kvevents.Index) {
+			x.Expect("b", 0, 256)
+			x.Expect("c", 0, 256)
+			now = now.Add(61 * time.Second)
+		}, false},
+		{"one engine silent, the other publishing", true, func(x *kvevents.Index) {
+			x.Expect("b", 0, 256)
+			x.Expect("c", 0, 256)
+			x.Apply(c, []kvevents.Event{{Kind: kvevents.Stored, Hashes: []uint64{1}, Tokens: make([]int64, 16), BlockSize: 16}})
+			now = now.Add(61 * time.Second)
+		}, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"a"}}, Decode: PoolSpec{Endpoints: []string{"b", "c"}}}, Deps{Now: clock})
+			x := kvevents.NewIndex(kvevents.Bounds{}, time.Minute, clock)
+			x.Reset(b, true)
+			x.Reset(c, true)
+			if tt.events {
+				ps.Decode.events.Store(&poolEvents{index: x, spec: config.KVEvents{ConnectPort: 5557, Tokenize: config.Tokenize{Path: "/tokenize"}}})
+			}
+			tt.do(x)
+			e, path, _, ok := ps.Tokenizer()
+			if ok != tt.ok {
+				t.Fatalf("Tokenizer() ok = %v, want %v", ok, tt.ok)
+			}
+			if ok && (e.Addr != "a" || path != "/tokenize") {
+				t.Errorf("Tokenizer() = %s %s, want the prefill endpoint a and /tokenize", e.Addr, path)
+			}
+		})
 	}
 }

@@ -171,6 +171,50 @@ func TestSilentEnginesFallBackToEstimates(t *testing.T) {
 	everyReplica(t, r, `pd_extproc_kv_events_replays_total{outcome="replayed",pool="decode"}`, func(v float64) bool { return v >= 1 })
 }
 
+// TestEnginesThatNeverPublishCostNoTokenize: pools that follow KV events an
+// engine never publishes (started without --kv-events-config): once it was
+// sent a prompt long enough to leave it a block to store, whatever its block
+// size, and stale_after has passed, every replica counts it stale and asks
+// no /tokenize for the requests after, which still route.
+func TestEnginesThatNeverPublishCostNoTokenize(t *testing.T) {
+	r := startRig(t, rigOptions{prefills: -1, decodes: 1, replicas: 2, decodePool: "policy: prefix-affinity", kvEvents: []string{"stale_after: 1s"}})
+	subscribed(t, r.decode, 2)
+	sim := r.decode[0]
+	sim.StopKVEvents()
+	tokenized := func() int {
+		n := 0
+		for _, rec := range sim.Requests() {
+			if rec.Path == "/tokenize" {
+				n++
+			}
+		}
+		return n
+	}
+	long := strings.Repeat("and then what happened next? ", 60) // 300 tokens to compute, a token a word
+	waitFor(t, 20*time.Second, "every replica to count the silent engine stale", func() bool {
+		if resp, got := r.must(t, "/v1/chat/completions", kvChat(t, "Initrode", long), nil); resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d: %s", resp.StatusCode, got)
+		}
+		for _, x := range r.replicas {
+			if v, err := x.Metric(t.Context(), `pd_extproc_kv_events_stale_publishers{pool="decode"}`); err != nil || v != 1 {
+				return false
+			}
+		}
+		return true
+	})
+	if tokenized() == 0 {
+		t.Fatal("no /tokenize while the engine's view was trusted: the test shows nothing")
+	}
+	before := tokenized()
+	for i := range 4 {
+		marker := fmt.Sprintf("[after %d]", i)
+		routed(t, r, kvChat(t, "Initrode", marker), marker)
+	}
+	if n := tokenized() - before; n != 0 {
+		t.Errorf("%d requests to /tokenize after every view went stale, want none", n)
+	}
+}
+
 // TestTheViewEqualsTheEnginesCache: with one batch in a hundred lost on the
 // way and a cache small enough to evict, every lost batch is replayed when
 // the next shows the gap, and the router's view ends with as many blocks as
