@@ -94,11 +94,13 @@ func TestDecodeQueueSlackDefault(t *testing.T) {
 	tests := []struct {
 		name, yaml              string
 		wantDecode, wantPrefill float64
+		wantEstimate            float64 // the decode pool's without a trusted view of KV events (0: wantDecode)
 	}{
-		{"P/D", `{connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, DefaultDecodeQueueSlack, DefaultQueueSlack},
-		{"aggregated", `{connector: kv-nixl, pd: {mode: never}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, DefaultQueueSlack, DefaultQueueSlack},
-		{"P/D with KV events", `{connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557}}}}`, DefaultQueueSlack, DefaultQueueSlack},
-		{"set", `{connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"], prefix: {queue_slack: 2}}}}`, 2, DefaultQueueSlack},
+		{"P/D", `{connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, DefaultDecodeQueueSlack, DefaultQueueSlack, DefaultDecodeQueueSlack},
+		{"aggregated", `{connector: kv-nixl, pd: {mode: never}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, DefaultQueueSlack, DefaultQueueSlack, 0},
+		{"P/D with KV events", `{connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557}}}}`, DefaultQueueSlack, DefaultQueueSlack, DefaultDecodeQueueSlack},
+		{"set", `{connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"], prefix: {queue_slack: 2}}}}`, 2, DefaultQueueSlack, 0},
+		{"set, with KV events", `{connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, prefix: {queue_slack: 2}, kv_events: {connect_port: 5557}}}}`, 2, DefaultQueueSlack, 0},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -111,6 +113,9 @@ func TestDecodeQueueSlackDefault(t *testing.T) {
 			}
 			if got := c.Pools.Prefill.Prefix.QueueSlack; got != tt.wantPrefill {
 				t.Errorf("pools.prefill.prefix.queue_slack = %g, want %g", got, tt.wantPrefill)
+			}
+			if got := c.Pools.Decode.Prefix.EstimateQueueSlack; got != tt.wantEstimate {
+				t.Errorf("the decode pool's queue slack without a trusted view = %g, want %g", got, tt.wantEstimate)
 			}
 		})
 	}

@@ -92,6 +92,11 @@ type PrefixAffinity struct {
 	// An endpoint whose engine queue (scraped) exceeds the mean queue +
 	// QueueSlack is passed over too.
 	QueueSlack float64 `json:"queue_slack,omitempty"`
+	// EstimateQueueSlack is QueueSlack for a request placed without a view
+	// of the engines' caches from their KV events (the pool follows none,
+	// or none it may trust now); 0: QueueSlack. Not a key of its own:
+	// SetDecodeDefaults sets it where QueueSlack is left out.
+	EstimateQueueSlack float64 `json:"-"`
 	// Spread sizes a key's home set: its share of the pool's requests ×
 	// the endpoints × Spread, rounded up to a power of two.
 	Spread float64 `json:"spread,omitempty"`
@@ -144,11 +149,16 @@ func (s *PoolScheduling) SetDefaults() {
 
 // SetDecodeDefaults fills the keys left out of the decode pool of a
 // deployment whose pd.mode is mode: as SetDefaults, but a P/D decode pool
-// (mode other than never) that follows no KV events gets
-// DefaultDecodeQueueSlack.
+// (mode other than never) places the requests it places without KV events
+// with DefaultDecodeQueueSlack: all of them when it follows none, else
+// those it cannot look up in a view it may trust (engines that publish
+// nothing, or fell silent).
 func (s *PoolScheduling) SetDecodeDefaults(mode string) {
-	if mode != PDNever && !s.KVEvents.On() {
-		orDefault(&s.Prefix.QueueSlack, DefaultDecodeQueueSlack)
+	if mode != PDNever && s.Prefix.QueueSlack == 0 {
+		s.Prefix.EstimateQueueSlack = DefaultDecodeQueueSlack
+		if !s.KVEvents.On() {
+			s.Prefix.QueueSlack = DefaultDecodeQueueSlack
+		}
 	}
 	s.SetDefaults()
 }

@@ -4,8 +4,9 @@ import "github.com/pd-extproc/pd-extproc/pkg/kvevents"
 
 // lookup reads, from the pool's view of its engines' caches (KV events),
 // how many leading tokens of req's prompt each candidate whose view can be
-// trusted now holds (known). idx is nil when the pool follows no events or
-// req's tokens are not known; the policy then goes as without events.
+// trusted now holds (known). idx is nil when the pool follows no events,
+// req's tokens are not known or no candidate's view can be trusted; the
+// policy then goes as without events.
 func (p *prefixAffinity) lookup(req *Request, eps []*Endpoint) (idx *kvevents.Index, held map[string]int, known map[string]bool) {
 	if p.cache == nil || len(req.Tokens()) == 0 {
 		return nil, nil, nil
@@ -17,7 +18,9 @@ func (p *prefixAffinity) lookup(req *Request, eps []*Endpoint) (idx *kvevents.In
 	for i, e := range eps {
 		addrs[i] = e.Addr
 	}
-	held, known = idx.Lookup(addrs, req.Tokens())
+	if held, known = idx.Lookup(addrs, req.Tokens()); len(known) == 0 {
+		return nil, nil, nil
+	}
 	return idx, held, known
 }
 
@@ -55,7 +58,7 @@ type loadBounds struct{ busy, queue, follow, meanBusy, meanQueue float64 }
 // bounds are the bounds over rs: busyness at most factor × the mean + slack,
 // and a queue at most the mean + queueSlack, or, to follow a history, the
 // mean + followQueue × queueSlack.
-func (p *prefixAffinity) bounds(rs []ranked) loadBounds {
+func (p *prefixAffinity) bounds(rs []ranked, queueSlack float64) loadBounds {
 	var busy, queued float64
 	for _, r := range rs {
 		busy += r.busy
@@ -63,7 +66,7 @@ func (p *prefixAffinity) bounds(rs []ranked) loadBounds {
 	}
 	n := float64(len(rs))
 	busy, queued = busy/n, queued/n
-	return loadBounds{busy: p.factor*busy + p.slack, queue: queued + p.queueSlack, follow: queued + followQueue*p.queueSlack,
+	return loadBounds{busy: p.factor*busy + p.slack, queue: queued + queueSlack, follow: queued + followQueue*queueSlack,
 		meanBusy: busy, meanQueue: queued}
 }
 

@@ -722,3 +722,67 @@ func TestEventsPlaceFirstRequestsOnHoldersNoBusierThanTheMean(t *testing.T) {
 		})
 	}
 }
+
+// TestDecodeQueueBoundWithoutATrustedView: a P/D decode pool left at the
+// default queue_slack passes over an engine queued 2 above the mean when it
+// follows KV events it trusts (1), and keeps it when it places the request
+// by its estimates (4): following no events, or events its engines never
+// published (started without them) or stopped publishing.
+func TestDecodeQueueBoundWithoutATrustedView(t *testing.T) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000"}
+	msgs := []simMessage{{"system", strings.Repeat("Answer in French. ", 40)}, {"user", "Who wrote Candide?"}}
+	request := func() *Request {
+		req := chatRequest(msgs)
+		req.SetTokens(simTokens(req.Prompt()))
+		return req
+	}
+	tests := []struct {
+		name   string
+		events bool
+		silent bool // every engine silent past stale_after since it was sent work
+		spills bool
+	}{
+		{"no KV events", false, false, false},
+		{"KV events, trusted", true, false, true},
+		{"KV events, every engine silent", true, true, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}
+			if tt.events {
+				sched.KVEvents.ConnectPort = 5557
+			}
+			sched.SetDecodeDefaults(config.PDAuto)
+			p, clock := testPool(t, sched, addrs...)
+			if tt.events {
+				index := kvevents.NewIndex(kvevents.Bounds{}, time.Minute, clock.Now)
+				for _, a := range addrs {
+					index.Reset(kvevents.Publisher{Endpoint: a}, true)
+					if tt.silent {
+						index.Expect(a, 0, 256)
+					}
+				}
+				p.events.Store(&poolEvents{index: index})
+				clock.Advance(61 * time.Second)
+			}
+			first, err := p.Select(request())
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, e := range p.Endpoints() {
+				waiting := 0.0
+				if e == first {
+					waiting = 3 // the mean is 1.5
+				}
+				e.observe(Load{Waiting: waiting, At: clock.Now()})
+			}
+			got, err := p.Select(request())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if spilled := got != first; spilled != tt.spills {
+				t.Errorf("picked %s (first %s): spilled %v, want %v", got.Addr, first.Addr, spilled, tt.spills)
+			}
+		})
+	}
+}

@@ -145,8 +145,11 @@ type prefixAffinity struct {
 	coverage                  coverage
 	shares                    *shares
 	factor, slack, queueSlack float64
-	spread                    float64
-	fallback                  Picker // for requests with no key, or unrelated prompts
+	// estimateQueueSlack is queueSlack for a request placed without a view
+	// of the engines' caches it may trust (config.PrefixAffinity).
+	estimateQueueSlack float64
+	spread             float64
+	fallback           Picker // for requests with no key, or unrelated prompts
 	// cache is the pool's view of its engines' caches from their KV events,
 	// nil when it follows none (events.go).
 	cache func() *kvevents.Index
@@ -178,7 +181,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 		// busy of those holding the most.
 		rs := busyness(eps)
 		slices.SortStableFunc(rs, func(a, b ranked) int { return cmp.Compare(a.busy, b.busy) })
-		if e := p.holding(rs, held, p.bounds(rs)); e != nil {
+		if e := p.holding(rs, held, p.bounds(rs, p.queueSlack)); e != nil {
 			return e
 		}
 	}
@@ -197,7 +200,11 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	}
 	h := xxhash.Sum64String(prefix)
 	rs := rank(h, conversation, homeSize(p.shares.note(h), len(eps), p.spread), eps)
-	b := p.bounds(rs)
+	queueSlack := p.queueSlack
+	if held == nil {
+		queueSlack = p.estimateQueueSlack
+	}
+	b := p.bounds(rs, queueSlack)
 	if held != nil {
 		order, hb := rs, b
 		if previous == "" {

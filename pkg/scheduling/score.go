@@ -1,6 +1,7 @@
 package scheduling
 
 import (
+	"cmp"
 	"sync/atomic"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -28,15 +29,16 @@ func newPicker(s config.PoolScheduling, intn func(int) int, cache func() *kveven
 		return &roundRobin{}
 	case config.PolicyPrefixAffinity:
 		return &prefixAffinity{
-			keys:       rendezvousKeys{blockChars: s.Prefix.BlockChars, keyBlocks: s.Prefix.KeyBlocks},
-			index:      newPrefixIndex(s.Prefix.BlockChars, s.Prefix.MaxBlocks),
-			shares:     newShares(),
-			factor:     s.Prefix.LoadFactor,
-			slack:      s.Prefix.LoadSlack,
-			queueSlack: s.Prefix.QueueSlack,
-			spread:     s.Prefix.Spread,
-			fallback:   leastLoad,
-			cache:      cache,
+			keys:               rendezvousKeys{blockChars: s.Prefix.BlockChars, keyBlocks: s.Prefix.KeyBlocks},
+			index:              newPrefixIndex(s.Prefix.BlockChars, s.Prefix.MaxBlocks),
+			shares:             newShares(),
+			factor:             s.Prefix.LoadFactor,
+			slack:              s.Prefix.LoadSlack,
+			queueSlack:         s.Prefix.QueueSlack,
+			estimateQueueSlack: cmp.Or(s.Prefix.EstimateQueueSlack, s.Prefix.QueueSlack),
+			spread:             s.Prefix.Spread,
+			fallback:           leastLoad,
+			cache:              cache,
 		}
 	}
 	return leastLoad
