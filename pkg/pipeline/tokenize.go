@@ -21,8 +21,9 @@ const maxTokenizeAnswer = 16 << 20
 // tokenize gives sreq its prompt's token ids when a pool follows its
 // engines' KV events (pools.<pool>.kv_events): the body's own ids, or those
 // an engine's /tokenize answers for it. Without them (no pool follows
-// events, the API has no /tokenize form, the engine did not answer in time)
-// the pools go by their estimates; the request is never refused for it.
+// events, the API has no /tokenize form, the engine did not answer in time,
+// the round trips are paused after three failures in a row) the pools go by
+// their estimates; the request is never refused for it.
 // read (the API's Tokenize) runs only when a pool follows events: a chat
 // request's /tokenize body copies its messages.
 func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Request, read func(*body.Object) api.Tokens, obj *body.Object) {
@@ -41,6 +42,9 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	start := time.Now()
 	ids, err := p.askTokens(ctx, p.scheme+"://"+e.Addr+path, timeout, t.Ask)
 	p.metrics.Tokenize(time.Since(start), err == nil)
+	if ctx.Err() == nil { // a client gone says nothing of the tokenizer
+		p.pools.Tokenized(err == nil)
+	}
 	if err != nil {
 		p.log.V(1).Info("tokenize failed: the request goes by the pools' estimates", "requestID", r.RequestID, "engine", e.Addr, "error", err.Error())
 		return

@@ -1,7 +1,9 @@
 package scheduling
 
 import (
+	"cmp"
 	"context"
+	"sync"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -88,13 +90,55 @@ func (p *Pool) Events() (s EventsState, ok bool) {
 	return EventsState{Counts: ev.sub.Counts(), Index: ev.index.Stats()}, true
 }
 
+// tokenizeFailures /tokenize round trips failed in a row (an engine whose
+// API has no such form, a path that is wrong, a tokenizer past its time)
+// pause them for the pools' stale_after: the requests meanwhile go by the
+// estimates, without a round trip each that cannot help them.
+const tokenizeFailures = 3
+
+// tokenizeHealth is the /tokenize round trips' record (Pools.Tokenized).
+type tokenizeHealth struct {
+	mu    sync.Mutex
+	fails int       // in a row
+	until time.Time // paused before then
+}
+
+func (h *tokenizeHealth) paused(now time.Time) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return now.Before(h.until)
+}
+
+// Tokenized records a /tokenize round trip that Tokenizer's answer led to,
+// and whether it gave the request's ids.
+func (ps *Pools) Tokenized(ok bool) {
+	pause := config.DefaultKVEventsStaleAfter
+	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
+		if ev := p.events.Load(); ev != nil {
+			pause = cmp.Or(ev.spec.StaleAfter.D(), pause)
+			break
+		}
+	}
+	h := &ps.tokenize
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if ok {
+		h.fails = 0
+		return
+	}
+	if h.fails++; h.fails >= tokenizeFailures {
+		h.fails, h.until = 0, ps.deps.Now().Add(pause)
+	}
+}
+
 // Tokenizer is where a request's token ids are asked for, when a pool
 // follows its engines' KV events: the least busy healthy prefill endpoint
 // (the prefill leg's client reaches it), else decode endpoint, with the
 // path and the time allowed of the first pool that follows events. ok is
 // false when no pool does, when none of their views may be routed by now
-// (engines that publish nothing: no round trip for every request then), or
-// when no endpoint is healthy.
+// (engines that publish nothing: no round trip for every request then),
+// while the round trips are paused after failing (Tokenized), or when no
+// endpoint is healthy.
 func (ps *Pools) Tokenizer() (e *Endpoint, path string, timeout time.Duration, ok bool) {
 	var spec *config.KVEvents
 	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
@@ -102,7 +146,7 @@ func (ps *Pools) Tokenizer() (e *Endpoint, path string, timeout time.Duration, o
 			spec = &ev.spec
 		}
 	}
-	if spec == nil {
+	if spec == nil || ps.tokenize.paused(ps.deps.Now()) {
 		return nil, "", 0, false
 	}
 	for _, p := range []*Pool{ps.Prefill, ps.Decode} {

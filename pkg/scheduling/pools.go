@@ -62,6 +62,7 @@ type Pools struct {
 	Prefill, Decode *Pool
 	decider         atomic.Pointer[Decider]
 	deps            Deps
+	tokenize        tokenizeHealth
 }
 
 // NewPools builds the pools. Call Run to start their background work.

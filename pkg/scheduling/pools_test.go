@@ -132,3 +132,36 @@ func TestTokenizerAsksWhileAViewCanBeTrusted(t *testing.T) {
 		})
 	}
 }
+
+// TestTokenizerPausesAfterFailures: three /tokenize round trips failed in a
+// row pause them for the pool's stale_after; a success in between starts
+// the count again.
+func TestTokenizerPausesAfterFailures(t *testing.T) {
+	tests := []struct {
+		name    string
+		results []bool // the round trips' outcomes, in order
+		after   time.Duration
+		ok      bool
+	}{
+		{"two failures", []bool{false, false}, 0, true},
+		{"three failures in a row", []bool{false, false, false}, 0, false},
+		{"three failures, stale_after later", []bool{false, false, false}, 30 * time.Second, true},
+		{"a success between failures", []bool{false, false, true, false, false}, 0, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			clock := newFakeClock()
+			ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"a"}}, Decode: PoolSpec{Endpoints: []string{"b"}}}, Deps{Now: clock.Now})
+			x := kvevents.NewIndex(kvevents.Bounds{}, time.Minute, clock.Now)
+			x.Reset(kvevents.Publisher{Endpoint: "b"}, true)
+			ps.Decode.events.Store(&poolEvents{index: x, spec: config.KVEvents{ConnectPort: 5557, StaleAfter: config.Duration(30 * time.Second)}})
+			for _, ok := range tt.results {
+				ps.Tokenized(ok)
+			}
+			clock.Advance(tt.after)
+			if _, _, _, ok := ps.Tokenizer(); ok != tt.ok {
+				t.Errorf("Tokenizer() ok = %v, want %v", ok, tt.ok)
+			}
+		})
+	}
+}

@@ -215,6 +215,29 @@ func TestEnginesThatNeverPublishCostNoTokenize(t *testing.T) {
 	}
 }
 
+// TestFailingTokenizeIsPaused: an engine whose tokenizer answers without ids
+// (here the path is its /detokenize) is asked for three requests in a row,
+// then no more for stale_after; every request still routes, by the
+// estimates.
+func TestFailingTokenizeIsPaused(t *testing.T) {
+	r := startRig(t, rigOptions{prefills: -1, decodes: 1, decodePool: "policy: prefix-affinity",
+		kvEvents: []string{"stale_after: 1m", "tokenize: {path: /detokenize}"}})
+	subscribed(t, r.decode, 1)
+	for i := range 6 {
+		marker := fmt.Sprintf("[question %d]", i)
+		routed(t, r, kvChat(t, "Vehement", marker), marker)
+	}
+	asked := 0
+	for _, rec := range r.decode[0].Requests() {
+		if rec.Path == "/detokenize" {
+			asked++
+		}
+	}
+	if asked != 3 {
+		t.Errorf("the failing tokenizer was asked for %d of 6 requests, want 3", asked)
+	}
+}
+
 // TestTheViewEqualsTheEnginesCache: with one batch in a hundred lost on the
 // way and a cache small enough to evict, every lost batch is replayed when
 // the next shows the gap, and the router's view ends with as many blocks as
