@@ -250,8 +250,10 @@ func (x *Index) Expect(endpoint string, held, tokens int) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	for _, v := range x.pubs {
-		block := cmp.Or(v.blockSize, unpublishedBlock)
-		if v.Endpoint == endpoint && v.expected.IsZero() && tokens/block*block > held {
+		if v.Endpoint != endpoint || !v.expected.IsZero() {
+			continue
+		}
+		if block := cmp.Or(v.blockSize, unpublishedBlock); tokens/block*block > held {
 			v.expected = now
 		}
 	}

@@ -116,6 +116,16 @@ func TestIndexBoundsItsMemory(t *testing.T) {
 func TestLookupTrustsOnlyViewsItMay(t *testing.T) {
 	now := time.Date(2026, 12, 2, 0, 0, 0, 0, time.UTC)
 	clock := func() time.Time { return now }
+	// neverPublished: a's view, as one whose engine never published, is
+	// sent a prompt of tokens to compute, then staleAfter passes.
+	neverPublished := func(tokens int) func(x *Index) {
+		return func(x *Index) {
+			x.Forget(a)
+			x.Reset(a, true)
+			x.Expect(a.Endpoint, 0, tokens)
+			now = now.Add(61 * time.Second)
+		}
+	}
 	tests := []struct {
 		name string
 		do   func(x *Index)
@@ -131,18 +141,8 @@ func TestLookupTrustsOnlyViewsItMay(t *testing.T) {
 		{"sent only what it holds, past staleAfter", func(x *Index) { x.Expect(a.Endpoint, 4, 7); now = now.Add(61 * time.Second) }, true},
 		// An engine started without KV events: its block size unknown, 256 tokens to compute
 		// must leave it one to store.
-		{"never published, sent 256 tokens, past staleAfter", func(x *Index) {
-			x.Forget(a)
-			x.Reset(a, true)
-			x.Expect(a.Endpoint, 0, 256)
-			now = now.Add(61 * time.Second)
-		}, false},
-		{"never published, sent 255 tokens, past staleAfter", func(x *Index) {
-			x.Forget(a)
-			x.Reset(a, true)
-			x.Expect(a.Endpoint, 0, 255)
-			now = now.Add(61 * time.Second)
-		}, true},
+		{"never published, sent 256 tokens, past staleAfter", neverPublished(256), false},
+		{"never published, sent 255 tokens, past staleAfter", neverPublished(255), true},
 		{"sent work, then published", func(x *Index) {
 			x.Expect(a.Endpoint, 4, 8)
 			now = now.Add(30 * time.Second)

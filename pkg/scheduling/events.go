@@ -1,7 +1,6 @@
 package scheduling
 
 import (
-	"cmp"
 	"context"
 	"sync"
 	"time"
@@ -112,12 +111,9 @@ func (h *tokenizeHealth) paused(now time.Time) bool {
 // Tokenized records a /tokenize round trip that Tokenizer's answer led to,
 // and whether it gave the request's ids.
 func (ps *Pools) Tokenized(ok bool) {
-	pause := config.DefaultKVEventsStaleAfter
-	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
-		if ev := p.events.Load(); ev != nil {
-			pause = cmp.Or(ev.spec.StaleAfter.D(), pause)
-			break
-		}
+	ev := ps.followed(false)
+	if ev == nil { // no pool follows events since: nothing to pause
+		return
 	}
 	h := &ps.tokenize
 	h.mu.Lock()
@@ -127,8 +123,20 @@ func (ps *Pools) Tokenized(ok bool) {
 		return
 	}
 	if h.fails++; h.fails >= tokenizeFailures {
-		h.fails, h.until = 0, ps.deps.Now().Add(pause)
+		h.fails, h.until = 0, ps.deps.Now().Add(ev.spec.StaleAfter.D())
 	}
+}
+
+// followed is the events of the first pool (prefill, then decode) that
+// follows its engines' KV events, with a view routing may trust now if
+// usable; nil when none.
+func (ps *Pools) followed(usable bool) *poolEvents {
+	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
+		if ev := p.events.Load(); ev != nil && (!usable || ev.index.Usable()) {
+			return ev
+		}
+	}
+	return nil
 }
 
 // Tokenizer is where a request's token ids are asked for, when a pool
@@ -140,13 +148,8 @@ func (ps *Pools) Tokenized(ok bool) {
 // while the round trips are paused after failing (Tokenized), or when no
 // endpoint is healthy.
 func (ps *Pools) Tokenizer() (e *Endpoint, path string, timeout time.Duration, ok bool) {
-	var spec *config.KVEvents
-	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
-		if ev := p.events.Load(); ev != nil && spec == nil && ev.index.Usable() {
-			spec = &ev.spec
-		}
-	}
-	if spec == nil || ps.tokenize.paused(ps.deps.Now()) {
+	ev := ps.followed(true)
+	if ev == nil || ps.tokenize.paused(ps.deps.Now()) {
 		return nil, "", 0, false
 	}
 	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
@@ -156,7 +159,7 @@ func (ps *Pools) Tokenizer() (e *Endpoint, path string, timeout time.Duration, o
 			}
 		}
 		if e != nil {
-			return e, spec.Tokenize.Path, spec.Tokenize.Timeout.D(), true
+			return e, ev.spec.Tokenize.Path, ev.spec.Tokenize.Timeout.D(), true
 		}
 	}
 	return nil, "", 0, false

@@ -181,15 +181,6 @@ func TestEnginesThatNeverPublishCostNoTokenize(t *testing.T) {
 	subscribed(t, r.decode, 2)
 	sim := r.decode[0]
 	sim.StopKVEvents()
-	tokenized := func() int {
-		n := 0
-		for _, rec := range sim.Requests() {
-			if rec.Path == "/tokenize" {
-				n++
-			}
-		}
-		return n
-	}
 	long := strings.Repeat("and then what happened next? ", 60) // 300 tokens to compute, a token a word
 	waitFor(t, 20*time.Second, "every replica to count the silent engine stale", func() bool {
 		if resp, got := r.must(t, "/v1/chat/completions", kvChat(t, "Initrode", long), nil); resp.StatusCode != http.StatusOK {
@@ -202,15 +193,15 @@ func TestEnginesThatNeverPublishCostNoTokenize(t *testing.T) {
 		}
 		return true
 	})
-	if tokenized() == 0 {
+	if asked(sim, "/tokenize") == 0 {
 		t.Fatal("no /tokenize while the engine's view was trusted: the test shows nothing")
 	}
-	before := tokenized()
+	before := asked(sim, "/tokenize")
 	for i := range 4 {
 		marker := fmt.Sprintf("[after %d]", i)
 		routed(t, r, kvChat(t, "Initrode", marker), marker)
 	}
-	if n := tokenized() - before; n != 0 {
+	if n := asked(sim, "/tokenize") - before; n != 0 {
 		t.Errorf("%d requests to /tokenize after every view went stale, want none", n)
 	}
 }
@@ -227,15 +218,20 @@ func TestFailingTokenizeIsPaused(t *testing.T) {
 		marker := fmt.Sprintf("[question %d]", i)
 		routed(t, r, kvChat(t, "Vehement", marker), marker)
 	}
-	asked := 0
-	for _, rec := range r.decode[0].Requests() {
-		if rec.Path == "/detokenize" {
-			asked++
+	if n := asked(r.decode[0], "/detokenize"); n != 3 {
+		t.Errorf("the failing tokenizer was asked for %d of 6 requests, want 3", n)
+	}
+}
+
+// asked is how many requests sim got on path.
+func asked(sim *pdsim.Server, path string) int {
+	n := 0
+	for _, rec := range sim.Requests() {
+		if rec.Path == path {
+			n++
 		}
 	}
-	if asked != 3 {
-		t.Errorf("the failing tokenizer was asked for %d of 6 requests, want 3", asked)
-	}
+	return n
 }
 
 // TestTheViewEqualsTheEnginesCache: with one batch in a hundred lost on the
