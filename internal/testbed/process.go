@@ -200,14 +200,15 @@ func copyLines(r io.Reader, dst io.Writer, head *startupOutput) {
 	}
 }
 
-// WithFreshPorts calls start, which gives a child process free ports
-// (FreeAddr), again while the child lost the race for one of them, up to 5
-// times: other sockets, this process's own connections included, draw from
-// the same range.
+// WithFreshPorts calls start, which gives a child process or in-process
+// servers free ports (FreeAddr), again while one lost the race for one of
+// them (ErrAddrInUse, or a listener's EADDRINUSE), up to 5 times: other
+// sockets, this process's own connections included, draw from the same
+// range.
 func WithFreshPorts[T any](start func() (T, error)) (T, error) {
 	for attempt := 1; ; attempt++ {
 		v, err := start()
-		if err == nil || attempt == 5 || !errors.Is(err, ErrAddrInUse) {
+		if err == nil || attempt == 5 || !errors.Is(err, ErrAddrInUse) && !errors.Is(err, syscall.EADDRINUSE) {
 			return v, err
 		}
 	}

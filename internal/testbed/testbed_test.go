@@ -3,6 +3,8 @@ package testbed
 import (
 	"context"
 	"errors"
+	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -93,5 +95,36 @@ func TestStartProcessReportsAnEarlyExit(t *testing.T) {
 				t.Errorf("%d attempts, want %d", attempts, want)
 			}
 		})
+	}
+}
+
+// TestWithFreshPortsDrawsAgainForATakenListener: an in-process listener that
+// lost its port (another socket took it between FreePort and Listen) is
+// started again on a fresh one.
+func TestWithFreshPortsDrawsAgainForATakenListener(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	attempts := 0
+	ln, err := WithFreshPorts(func() (net.Listener, error) {
+		attempts++
+		addr := taken.Addr().String()
+		if attempts > 1 {
+			addr = "127.0.0.1:0"
+		}
+		l, err := net.Listen("tcp", addr)
+		if err != nil {
+			return nil, fmt.Errorf("a server: %w", err)
+		}
+		return l, nil
+	})
+	if err != nil {
+		t.Fatalf("WithFreshPorts: %v, want a listener on a fresh port", err)
+	}
+	ln.Close()
+	if attempts != 2 {
+		t.Errorf("%d attempts, want 2", attempts)
 	}
 }

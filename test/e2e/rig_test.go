@@ -88,7 +88,7 @@ func startRig(t *testing.T, o rigOptions) *rig {
 		o.decodes = 2
 	}
 	r := &rig{mode: o.mode, connector: o.connector, sim: testbed.SimConfig{
-		Protocol: testbed.Protocols[o.connector], SharedDir: t.TempDir(), BootstrapPort: testbed.MustFreePort(t),
+		Protocol: testbed.Protocols[o.connector], SharedDir: t.TempDir(),
 		Timings: testbed.Timings{
 			TTFT: time.Millisecond, TPOT: time.Millisecond, KVTransfer: time.Millisecond,
 			OutputTokens: cmp.Or(o.outputTokens, 5), HandshakeTimeout: cmp.Or(o.handshake, 10*time.Second),
@@ -97,8 +97,10 @@ func startRig(t *testing.T, o rigOptions) *rig {
 		PrefixCacheBlocks:   o.prefixCacheBlocks,
 		Log:                 logTo(t),
 	}}
+	if _, err := testbed.WithFreshPorts(func() (struct{}, error) { return struct{}{}, r.startSims(t, o) }); err != nil {
+		t.Fatal(err)
+	}
 	if o.kvEvents != nil {
-		r.sim.KVEventsPort, r.sim.KVReplayPort = testbed.MustFreePort(t), testbed.MustFreePort(t)
 		keys := append([]string{fmt.Sprint("connect_port: ", r.sim.KVEventsPort), fmt.Sprint("replay_port: ", r.sim.KVReplayPort)}, o.kvEvents...)
 		events := "kv_events: {" + strings.Join(keys, ", ") + "}"
 		with := func(keys string) string {
@@ -108,12 +110,6 @@ func startRig(t *testing.T, o rigOptions) *rig {
 			o.prefillPool = with(o.prefillPool)
 		}
 		o.decodePool = with(o.decodePool)
-	}
-	for i := range max(o.prefills, 0) {
-		r.prefill = append(r.prefill, r.startSim(t, o.prefillRole, simIP(pdsim.RolePrefill, i), ""))
-	}
-	for i := range o.decodes {
-		r.decode = append(r.decode, r.startSim(t, pdsim.RoleDecode, simIP(pdsim.RoleDecode, i), ""))
 	}
 	prefillAddrs, decodeAddrs := testbed.Addrs(r.prefill), testbed.Addrs(r.decode)
 	if o.prefillAddrs != nil {
@@ -154,6 +150,46 @@ func startRig(t *testing.T, o rigOptions) *rig {
 		}
 	})
 	return r
+}
+
+// startSims runs the rig's simulators on ports they share (the SGLang
+// bootstrap port, the KV events ports), each on its own IP. Those ports are
+// free on 127.0.0.1 when they are drawn; another rig's simulator on the same
+// IPs may hold one. Then every simulator started is closed again and the
+// error wraps EADDRINUSE, for the caller to draw again.
+func (r *rig) startSims(t *testing.T, o rigOptions) error {
+	t.Helper()
+	var started testbed.Cleanups
+	r.prefill, r.decode = nil, nil
+	r.sim.BootstrapPort = testbed.MustFreePort(t)
+	if o.kvEvents != nil {
+		r.sim.KVEventsPort, r.sim.KVReplayPort = testbed.MustFreePort(t), testbed.MustFreePort(t)
+	}
+	start := func(role, ip string) (*pdsim.Server, error) {
+		cfg := r.sim
+		cfg.Role, cfg.IP = role, ip
+		s, err := testbed.StartSim(&started, cfg)
+		if err != nil {
+			started.Close()
+		}
+		return s, err
+	}
+	for i := range max(o.prefills, 0) {
+		s, err := start(o.prefillRole, simIP(pdsim.RolePrefill, i))
+		if err != nil {
+			return err
+		}
+		r.prefill = append(r.prefill, s)
+	}
+	for i := range o.decodes {
+		s, err := start(pdsim.RoleDecode, simIP(pdsim.RoleDecode, i))
+		if err != nil {
+			return err
+		}
+		r.decode = append(r.decode, s)
+	}
+	t.Cleanup(started.Close)
+	return nil
 }
 
 // startSim runs one engine simulator of the rig's protocol on ip (addr
