@@ -7,6 +7,11 @@ import "github.com/pd-extproc/pd-extproc/pkg/kvevents"
 // trusted now holds (known). idx is nil when the pool follows no events,
 // req's tokens are not known or no candidate's view can be trusted; the
 // policy then goes as without events.
+//
+// A candidate whose requests have failed since it last served one (health:
+// troubled) is not looked up: it may be down, its view still showing what
+// it held, and a holder that looks idle would draw the requests that probe
+// it, each a failure. It is placed as without events until it serves again.
 func (p *prefixAffinity) lookup(req *Request, eps []*Endpoint) (idx *kvevents.Index, held map[string]int, known map[string]bool) {
 	if p.cache == nil || len(req.Tokens()) == 0 {
 		return nil, nil, nil
@@ -14,9 +19,11 @@ func (p *prefixAffinity) lookup(req *Request, eps []*Endpoint) (idx *kvevents.In
 	if idx = p.cache(); idx == nil {
 		return nil, nil, nil
 	}
-	addrs := make([]string, len(eps))
-	for i, e := range eps {
-		addrs[i] = e.Addr
+	addrs := make([]string, 0, len(eps))
+	for _, e := range eps {
+		if !e.troubled.Load() {
+			addrs = append(addrs, e.Addr)
+		}
 	}
 	if held, known = idx.Lookup(addrs, req.Tokens()); len(known) == 0 {
 		return nil, nil, nil

@@ -649,12 +649,14 @@ func TestRequestsSharingASystemPromptMeet(t *testing.T) {
 	}
 }
 
-// TestEventsPlaceFirstRequestsOnHoldersNoBusierThanTheMean: with the
-// engines' KV events, a request that starts a conversation goes to the
-// engine holding its system prompt only while that engine is no busier than
-// the mean; else it is placed as without events. A later turn follows the
-// engine holding its history, busy or not, within the usual bounds.
-func TestEventsPlaceFirstRequestsOnHoldersNoBusierThanTheMean(t *testing.T) {
+// TestEventsPlaceRequestsOnHolders: with the engines' KV events, a request
+// that starts a conversation goes to the engine holding its system prompt
+// only while that engine is no busier than the mean; else it is placed as
+// without events. A later turn follows the engine holding its history, busy
+// or not, within the usual bounds. Neither goes by the view of an engine
+// whose requests failed since it last served one (down, perhaps, its view
+// still showing what it held).
+func TestEventsPlaceRequestsOnHolders(t *testing.T) {
 	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
 	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity}
 	system := strings.Repeat("Answer in French, and cite the page you read it on. ", 40)
@@ -690,16 +692,26 @@ func TestEventsPlaceFirstRequestsOnHoldersNoBusierThanTheMean(t *testing.T) {
 	ranked := pick(withoutEvents, request(first), "", 0)
 	holder := addrs[(slices.Index(addrs, ranked)+1)%len(addrs)]
 
+	type health int // the holder's record
+	const (
+		serving   health = iota
+		failed           // a request failed, none served since
+		recovered        // a request failed, then one was served
+	)
 	tests := []struct {
 		name     string
 		msgs     []simMessage
 		inflight int // the holder's requests in flight; the others have none
+		health   health
 		want     string
 	}{
-		{"a first request, the holder idle", first, 0, holder},
-		{"a first request, the holder busier than the mean", first, 3, ranked},
-		{"a later turn, its history's holder idle", later, 0, holder},
-		{"a later turn, its history's holder busier than the mean", later, 3, holder},
+		{"a first request, the holder idle", first, 0, serving, holder},
+		{"a first request, the holder busier than the mean", first, 3, serving, ranked},
+		{"a later turn, its history's holder idle", later, 0, serving, holder},
+		{"a later turn, its history's holder busier than the mean", later, 3, serving, holder},
+		{"a first request, the holder failing", first, 0, failed, ranked},
+		{"a later turn, its history's holder failing", later, 0, failed, ranked},
+		{"a later turn, its history's holder serving again", later, 0, recovered, holder},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -716,6 +728,12 @@ func TestEventsPlaceFirstRequestsOnHoldersNoBusierThanTheMean(t *testing.T) {
 				}
 			}
 			p.events.Store(&poolEvents{index: index})
+			if tt.health != serving {
+				byAddr(p, holder).ReportFailure()
+			}
+			if tt.health == recovered {
+				byAddr(p, holder).ReportSuccess()
+			}
 			if got := pick(p, request(tt.msgs), holder, tt.inflight); got != tt.want {
 				t.Errorf("picked %s, want %s (holder %s, ranking's %s)", got, tt.want, holder, ranked)
 			}
