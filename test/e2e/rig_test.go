@@ -155,50 +155,42 @@ func startRig(t *testing.T, o rigOptions) *rig {
 // startSims runs the rig's simulators on ports they share (the SGLang
 // bootstrap port, the KV events ports), each on its own IP. Those ports are
 // free on 127.0.0.1 when they are drawn; another rig's simulator on the same
-// IPs may hold one. Then every simulator started is closed again and the
-// error wraps EADDRINUSE, for the caller to draw again.
+// IPs may hold one. On an error every simulator started is closed again; a
+// port taken wraps EADDRINUSE, for the caller to draw again.
 func (r *rig) startSims(t *testing.T, o rigOptions) error {
 	t.Helper()
-	var started testbed.Cleanups
 	r.prefill, r.decode = nil, nil
 	r.sim.BootstrapPort = testbed.MustFreePort(t)
 	if o.kvEvents != nil {
 		r.sim.KVEventsPort, r.sim.KVReplayPort = testbed.MustFreePort(t), testbed.MustFreePort(t)
 	}
-	start := func(role, ip string) (*pdsim.Server, error) {
-		cfg := r.sim
-		cfg.Role, cfg.IP = role, ip
-		s, err := testbed.StartSim(&started, cfg)
-		if err != nil {
-			started.Close()
-		}
-		return s, err
+	var started testbed.Cleanups
+	start := func(sims *[]*pdsim.Server, role, ip string) error {
+		s, err := testbed.StartSim(&started, r.simConfig(role, ip, ""))
+		*sims = append(*sims, s)
+		return err
 	}
-	for i := range max(o.prefills, 0) {
-		s, err := start(o.prefillRole, simIP(pdsim.RolePrefill, i))
-		if err != nil {
-			return err
-		}
-		r.prefill = append(r.prefill, s)
+	var err error
+	for i := 0; i < max(o.prefills, 0) && err == nil; i++ {
+		err = start(&r.prefill, o.prefillRole, simIP(pdsim.RolePrefill, i))
 	}
-	for i := range o.decodes {
-		s, err := start(pdsim.RoleDecode, simIP(pdsim.RoleDecode, i))
-		if err != nil {
-			return err
-		}
-		r.decode = append(r.decode, s)
+	for i := 0; i < o.decodes && err == nil; i++ {
+		err = start(&r.decode, pdsim.RoleDecode, simIP(pdsim.RoleDecode, i))
+	}
+	if err != nil {
+		started.Close()
+		return err
 	}
 	t.Cleanup(started.Close)
 	return nil
 }
 
-// startSim runs one engine simulator of the rig's protocol on ip (addr
-// overrides the HTTP address, to start one again in place).
-func (r *rig) startSim(t *testing.T, role, ip, addr string) *pdsim.Server {
-	t.Helper()
+// simConfig is one of the rig's simulators on ip (addr overrides the HTTP
+// address, to start one again in place).
+func (r *rig) simConfig(role, ip, addr string) testbed.SimConfig {
 	cfg := r.sim
 	cfg.Role, cfg.IP, cfg.Addr = role, ip, addr
-	return testbed.MustStartSim(t, cfg)
+	return cfg
 }
 
 // restartDecode starts decode simulator i again on the address it had, after
@@ -206,7 +198,7 @@ func (r *rig) startSim(t *testing.T, role, ip, addr string) *pdsim.Server {
 func (r *rig) restartDecode(t *testing.T, i int, addr string) {
 	t.Helper()
 	ip, _ := hostPort(t, addr)
-	r.decode[i] = r.startSim(t, pdsim.RoleDecode, ip, addr)
+	r.decode[i] = testbed.MustStartSim(t, r.simConfig(pdsim.RoleDecode, ip, addr))
 }
 
 // restartExtproc starts extproc again, after it was killed, with the same
