@@ -55,10 +55,10 @@ var errFormat = errors.New("kvevents: not a KV event batch")
 // ones (msgspec array_like: each event an array whose first element is its
 // tag, the older releases). Fields it does not know are skipped.
 func DecodeBatch(payload []byte) (Batch, error) {
-	d := msgpack.NewDecoder(bytes.NewReader(payload))
+	d := newDecoder(payload)
 	var b Batch
 	err := readStruct(d, func(field string, i int) error {
-		if field == "" {
+		if i >= 0 {
 			field = positional(batchFields, i)
 		}
 		var err error
@@ -72,7 +72,7 @@ func DecodeBatch(payload []byte) (Batch, error) {
 			r, err = d.DecodeInt64()
 			b.Rank = int(r)
 		default:
-			err = d.Skip()
+			err = d.skip()
 		}
 		return err
 	})
@@ -84,16 +84,101 @@ func DecodeBatch(payload []byte) (Batch, error) {
 
 var batchFields = []string{"ts", "events", "data_parallel_rank"}
 
+// decoder reads one payload. Every length the payload claims is checked
+// against the bytes left in it before anything is made for it, and a value
+// that is not read is skipped without recursion: a payload costs about its
+// own size, never what it claims, however it is cut or nested.
+type decoder struct {
+	*msgpack.Decoder
+	r       *bytes.Reader // the Decoder reads it unbuffered: r.Len() is what is left
+	payload []byte
+}
+
+func newDecoder(payload []byte) *decoder {
+	r := bytes.NewReader(payload)
+	return &decoder{Decoder: msgpack.NewDecoder(r), r: r, payload: payload}
+}
+
+// arrayLen reads an array's length (-1 for nil): at most a byte left per
+// element.
+func (d *decoder) arrayLen() (int, error) {
+	n, err := d.DecodeArrayLen()
+	if err == nil && n > d.r.Len() {
+		err = fmt.Errorf("an array of %d in %d bytes", n, d.r.Len())
+	}
+	return n, err
+}
+
+// mapLen reads a map's length (-1 for nil): at most two bytes left per entry.
+func (d *decoder) mapLen() (int, error) {
+	n, err := d.DecodeMapLen()
+	if err == nil && n > d.r.Len()/2 {
+		err = fmt.Errorf("a map of %d in %d bytes", n, d.r.Len())
+	}
+	return n, err
+}
+
+// skip skips the next value, containers by counting what is left of them.
+func (d *decoder) skip() error {
+	for pending := 1; pending > 0; pending-- {
+		c, err := d.PeekCode()
+		if err != nil {
+			return err
+		}
+		var n int
+		switch {
+		case isArray(c):
+			n, err = d.arrayLen()
+		case isMap(c):
+			n, err = d.mapLen()
+			n *= 2
+		default: // a scalar, string, binary or extension
+			err = d.Skip()
+		}
+		if err != nil {
+			return err
+		}
+		pending += max(n, 0)
+	}
+	return nil
+}
+
+// raw skips the next value and returns its msgpack.
+func (d *decoder) raw() ([]byte, error) {
+	start := len(d.payload) - d.r.Len()
+	if err := d.skip(); err != nil {
+		return nil, err
+	}
+	return d.payload[start : len(d.payload)-d.r.Len()], nil
+}
+
+// bytes reads a binary or string value, at most what is left.
+func (d *decoder) bytes() ([]byte, error) {
+	n, err := d.DecodeBytesLen()
+	if err != nil || n < 0 {
+		return nil, err
+	}
+	if n > d.r.Len() {
+		return nil, fmt.Errorf("%d bytes in %d", n, d.r.Len())
+	}
+	b := make([]byte, n)
+	return b, d.ReadFull(b)
+}
+
+// preallocated caps what is made ahead for n elements claimed: the rest
+// grows as they are read.
+const preallocated = 1024
+
 // readStruct reads a msgspec struct written either as a map of its fields or
-// as an array of them in order, calling field for each: with its name from a
-// map, or with "" and its position from an array.
-func readStruct(d *msgpack.Decoder, field func(name string, i int) error) error {
+// as an array of them in order, calling field for each: with its name and -1
+// from a map, or with "" and its position from an array.
+func readStruct(d *decoder, field func(name string, i int) error) error {
 	c, err := d.PeekCode()
 	if err != nil {
 		return err
 	}
 	if isMap(c) {
-		n, err := d.DecodeMapLen()
+		n, err := d.mapLen()
 		if err != nil {
 			return err
 		}
@@ -108,7 +193,7 @@ func readStruct(d *msgpack.Decoder, field func(name string, i int) error) error 
 		}
 		return nil
 	}
-	n, err := d.DecodeArrayLen()
+	n, err := d.arrayLen()
 	if err != nil {
 		return err
 	}
@@ -126,12 +211,12 @@ var (
 	removedFields = []string{"type", "block_hashes", "medium", "group_idx"}
 )
 
-func readEvents(d *msgpack.Decoder) ([]Event, error) {
-	n, err := d.DecodeArrayLen()
+func readEvents(d *decoder) ([]Event, error) {
+	n, err := d.arrayLen()
 	if err != nil || n < 0 {
 		return nil, err
 	}
-	events := make([]Event, 0, n)
+	events := make([]Event, 0, min(n, preallocated))
 	for range n {
 		e, err := readEvent(d)
 		if err != nil {
@@ -145,7 +230,7 @@ func readEvents(d *msgpack.Decoder) ([]Event, error) {
 // readEvent reads one event: a map of its fields, tagged by "type" (which
 // msgspec writes first, though any order is read), or an array whose first
 // element is its tag and the rest its fields in vLLM's order.
-func readEvent(d *msgpack.Decoder) (Event, error) {
+func readEvent(d *decoder) (Event, error) {
 	c, err := d.PeekCode()
 	if err != nil {
 		return Event{}, err
@@ -166,16 +251,16 @@ func readEvent(d *msgpack.Decoder) (Event, error) {
 	return e, err
 }
 
-func readNamedEvent(d *msgpack.Decoder) (Event, error) {
-	n, err := d.DecodeMapLen()
+func readNamedEvent(d *decoder) (Event, error) {
+	n, err := d.mapLen()
 	if err != nil {
 		return Event{}, err
 	}
 	type field struct {
 		name string
-		raw  msgpack.RawMessage
+		raw  []byte
 	}
-	fs := make([]field, 0, n)
+	fs := make([]field, 0, min(n, len(storedFields)))
 	var e Event
 	for range n {
 		name, err := d.DecodeString()
@@ -188,7 +273,7 @@ func readNamedEvent(d *msgpack.Decoder) (Event, error) {
 			}
 			continue
 		}
-		raw, err := d.DecodeRaw()
+		raw, err := d.raw()
 		if err != nil {
 			return e, err
 		}
@@ -198,7 +283,7 @@ func readNamedEvent(d *msgpack.Decoder) (Event, error) {
 		return e, errors.New("an event without a type")
 	}
 	for _, f := range fs {
-		if err := e.read(msgpack.NewDecoder(bytes.NewReader(f.raw)), f.name); err != nil {
+		if err := e.read(newDecoder(f.raw), f.name); err != nil {
 			return e, err
 		}
 	}
@@ -206,7 +291,7 @@ func readNamedEvent(d *msgpack.Decoder) (Event, error) {
 }
 
 // readTag reads an event's tag and returns its fields in vLLM's order.
-func (e *Event) readTag(d *msgpack.Decoder) ([]string, error) {
+func (e *Event) readTag(d *decoder) ([]string, error) {
 	tag, err := d.DecodeString()
 	if err != nil {
 		return nil, err
@@ -226,7 +311,7 @@ func (e *Event) readTag(d *msgpack.Decoder) ([]string, error) {
 }
 
 // read reads the field called name.
-func (e *Event) read(d *msgpack.Decoder, name string) error {
+func (e *Event) read(d *decoder, name string) error {
 	var err error
 	switch name {
 	case "block_hashes":
@@ -250,7 +335,7 @@ func (e *Event) read(d *msgpack.Decoder, name string) error {
 		n, err = d.DecodeInt64() // nil reads as 0
 		e.Group = int(n)
 	default:
-		err = d.Skip()
+		err = d.skip()
 	}
 	return err
 }
@@ -267,7 +352,11 @@ func isMap(c byte) bool {
 	return msgpcode.IsFixedMap(c) || c == msgpcode.Map16 || c == msgpcode.Map32
 }
 
-func isNil(d *msgpack.Decoder) (bool, error) {
+func isArray(c byte) bool {
+	return msgpcode.IsFixedArray(c) || c == msgpcode.Array16 || c == msgpcode.Array32
+}
+
+func isNil(d *decoder) (bool, error) {
 	c, err := d.PeekCode()
 	if err != nil {
 		return false, err
@@ -280,7 +369,7 @@ func isNil(d *msgpack.Decoder) (bool, error) {
 
 // readHash reads a block hash: bytes (folded to 64 bits with xxhash), an
 // integer, or nil (ok false).
-func readHash(d *msgpack.Decoder) (h uint64, ok bool, err error) {
+func readHash(d *decoder) (h uint64, ok bool, err error) {
 	c, err := d.PeekCode()
 	if err != nil {
 		return 0, false, err
@@ -289,7 +378,7 @@ func readHash(d *msgpack.Decoder) (h uint64, ok bool, err error) {
 	case c == msgpcode.Nil:
 		return 0, false, d.DecodeNil()
 	case msgpcode.IsBin(c) || msgpcode.IsString(c):
-		b, err := d.DecodeBytes()
+		b, err := d.bytes()
 		return xxhash.Sum64(b), true, err
 	case c == msgpcode.Uint64:
 		u, err := d.DecodeUint64()
@@ -300,7 +389,7 @@ func readHash(d *msgpack.Decoder) (h uint64, ok bool, err error) {
 	}
 }
 
-func readHashes(d *msgpack.Decoder) ([]uint64, error) {
+func readHashes(d *decoder) ([]uint64, error) {
 	return readList(d, func() (uint64, error) {
 		h, ok, err := readHash(d)
 		if err == nil && !ok {
@@ -310,24 +399,26 @@ func readHashes(d *msgpack.Decoder) ([]uint64, error) {
 	})
 }
 
-func readInts(d *msgpack.Decoder) ([]int64, error) { return readList(d, d.DecodeInt64) }
+func readInts(d *decoder) ([]int64, error) { return readList(d, d.DecodeInt64) }
 
 // readList reads an array (nil: none) whose elements read reads.
-func readList[T any](d *msgpack.Decoder, read func() (T, error)) ([]T, error) {
-	n, err := d.DecodeArrayLen()
+func readList[T any](d *decoder, read func() (T, error)) ([]T, error) {
+	n, err := d.arrayLen()
 	if err != nil || n < 0 {
 		return nil, err
 	}
-	out := make([]T, n)
-	for i := range out {
-		if out[i], err = read(); err != nil {
+	out := make([]T, 0, min(n, preallocated))
+	for range n {
+		v, err := read()
+		if err != nil {
 			return nil, err
 		}
+		out = append(out, v)
 	}
 	return out, nil
 }
 
-func readOptionalString(d *msgpack.Decoder) (string, error) {
+func readOptionalString(d *decoder) (string, error) {
 	if null, err := isNil(d); null || err != nil {
 		return "", err
 	}
@@ -336,11 +427,11 @@ func readOptionalString(d *msgpack.Decoder) (string, error) {
 
 // readExtra reads extra_keys: nil, or a list with an entry per block, each
 // nil or a tuple kept as its raw msgpack.
-func readExtra(d *msgpack.Decoder) ([][]byte, error) {
+func readExtra(d *decoder) ([][]byte, error) {
 	return readList(d, func() ([]byte, error) {
 		if null, err := isNil(d); null || err != nil {
 			return nil, err
 		}
-		return d.DecodeRaw()
+		return d.raw()
 	})
 }

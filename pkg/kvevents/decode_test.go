@@ -2,6 +2,7 @@ package kvevents
 
 import (
 	"bytes"
+	"runtime"
 	"slices"
 	"testing"
 
@@ -14,7 +15,7 @@ import (
 // ones with the tag first (the older array_like releases). Its events are a
 // BlockStored of two blocks of 2 tokens after a parent, a BlockRemoved and an
 // AllBlocksCleared; hash gives each hash its encoding.
-func vllmBatch(t *testing.T, mapped bool, hash func(e *msgpack.Encoder, h uint64) error) []byte {
+func vllmBatch(t testing.TB, mapped bool, hash func(e *msgpack.Encoder, h uint64) error) []byte {
 	t.Helper()
 	var buf bytes.Buffer
 	e := msgpack.NewEncoder(&buf)
@@ -148,6 +149,42 @@ func TestDecodeBatchRefusesWhatIsNotABatch(t *testing.T) {
 	} {
 		if _, err := DecodeBatch(payload); err == nil {
 			t.Errorf("%s: DecodeBatch succeeded", name)
+		}
+	}
+}
+
+// TestDecodeBatchCostsWhatItReads: a payload of a few bytes that claims
+// billions of events, hashes or tokens, a hash of 4 GiB, or a value nested
+// ten million deep in a field it does not read is refused, and costs about
+// its own size: never what it claims (an engine's bug, or a hostile
+// publisher, would otherwise take the router down with it).
+func TestDecodeBatchCostsWhatItReads(t *testing.T) {
+	ts := []byte{0xcb, 0, 0, 0, 0, 0, 0, 0, 0}   // float64 0
+	huge := []byte{0xdd, 0xff, 0xff, 0xff, 0xff} // an array of 2³²-1
+	batch := func(parts ...[]byte) []byte {      // [ts, events]
+		return slices.Concat(append([][]byte{{0x92}, ts}, parts...)...)
+	}
+	stored := []byte{0xab, 'B', 'l', 'o', 'c', 'k', 'S', 't', 'o', 'r', 'e', 'd'}
+	deep := append(bytes.Repeat([]byte{0x91}, 10_000_000), 0xc0) // [[[…nil…]]]
+	for name, payload := range map[string][]byte{
+		"billions of events":        batch(huge),
+		"billions of hashes":        batch([]byte{0x91, 0x92}, stored, huge),
+		"billions of tokens":        batch([]byte{0x91, 0x94}, stored, []byte{0x90, 0xc0}, huge),
+		"billions of event fields":  batch([]byte{0x91, 0xdf, 0xff, 0xff, 0xff, 0xff}),
+		"a hash of 4 GiB":           batch([]byte{0x91, 0x92}, stored, []byte{0x91, 0xc6, 0xff, 0xff, 0xff, 0xff}),
+		"a map of billions":         batch([]byte{0x91, 0x96}, stored, []byte{0x90, 0xc0, 0x90, 0x01, 0xdf, 0xff, 0xff, 0xff, 0xff}),
+		"ten million deep, unread":  slices.Concat([]byte{0x83, 0xa2, 't', 's'}, ts, []byte{0xa6, 'e', 'v', 'e', 'n', 't', 's', 0x90, 0xa1, 'x'}, deep[:len(deep)-1]),
+		"ten million deep, a tuple": batch([]byte{0x91, 0x89}, stored, []byte{0x90, 0xc0, 0x90, 0x01, 0xc0, 0xc0, 0xc0, 0x91}, deep[:len(deep)-1]),
+	} {
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		_, err := DecodeBatch(payload)
+		runtime.ReadMemStats(&after)
+		if err == nil {
+			t.Errorf("%s: DecodeBatch succeeded", name)
+		}
+		if got, limit := after.TotalAlloc-before.TotalAlloc, uint64(2*len(payload)+1<<20); got > limit {
+			t.Errorf("%s: %d bytes allocated for a payload of %d", name, got, len(payload))
 		}
 	}
 }
