@@ -17,6 +17,7 @@ const (
 	DefaultKVEventsMaxBlocks     = 1 << 19 // about 70 MB of index at most (docs/scheduling.md)
 	DefaultKVEventsTokenizePath  = "/tokenize"
 	DefaultKVEventsTokenizeLimit = 250 * time.Millisecond
+	DefaultKVEventsMaxMessage    = 64 << 20 // bytes: a batch of vLLM's is some kilobytes, a long prompt's a few megabytes
 )
 
 // KVEvents has a pool follow its engines' KV cache events (vLLM's
@@ -50,6 +51,9 @@ type KVEvents struct {
 	// blocks, per publishing engine and in all.
 	MaxBlocksPerEndpoint int `json:"max_blocks_per_endpoint,omitempty"`
 	MaxBlocks            int `json:"max_blocks,omitempty"`
+	// MaxMessageBytes bounds each frame read from an engine's publisher or
+	// replay socket (default 64 MiB); a longer one drops the connection.
+	MaxMessageBytes int `json:"max_message_bytes,omitempty"`
 	// Tokenize is how a request's token ids are asked of an engine.
 	Tokenize Tokenize `json:"tokenize"`
 }
@@ -73,6 +77,7 @@ func (k *KVEvents) SetDefaults() {
 	orDefault(&k.Resync, Duration(DefaultKVEventsResync))
 	orDefault(&k.MaxBlocksPerEndpoint, DefaultKVEventsMaxPerEngine)
 	orDefault(&k.MaxBlocks, DefaultKVEventsMaxBlocks)
+	orDefault(&k.MaxMessageBytes, DefaultKVEventsMaxMessage)
 	orDefault(&k.Tokenize.Path, DefaultKVEventsTokenizePath)
 	orDefault(&k.Tokenize.Timeout, Duration(DefaultKVEventsTokenizeLimit))
 }
@@ -114,6 +119,9 @@ func (k KVEvents) Validate(key, policy string) error {
 	}
 	if k.MaxBlocksPerEndpoint < 1 || k.MaxBlocks < k.MaxBlocksPerEndpoint {
 		errs = append(errs, fmt.Errorf("%s.max_blocks: %d, per endpoint %d: both positive, the total at least the per endpoint", key, k.MaxBlocks, k.MaxBlocksPerEndpoint))
+	}
+	if k.MaxMessageBytes < 1<<10 {
+		errs = append(errs, fmt.Errorf("%s.max_message_bytes: %d is below 1 KiB, less than a batch of events", key, k.MaxMessageBytes))
 	}
 	if !strings.HasPrefix(k.Tokenize.Path, "/") {
 		errs = append(errs, fmt.Errorf("%s.tokenize.path: %q does not start with /", key, k.Tokenize.Path))

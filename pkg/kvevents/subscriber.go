@@ -42,6 +42,9 @@ type Config struct {
 	Resync time.Duration
 	// ReplayTimeout bounds one replay.
 	ReplayTimeout time.Duration
+	// MaxMessageBytes bounds each frame read from a publisher or a replay
+	// socket (transport.go); a longer one drops the connection.
+	MaxMessageBytes int
 }
 
 // Subscriber follows the engines' event streams into an Index.
@@ -123,7 +126,7 @@ func (s *Subscriber) follow(ctx context.Context, p Publisher) {
 		s.log.Info("kv events: an endpoint without a host", "endpoint", p.Endpoint)
 		return
 	}
-	addr := "tcp://" + net.JoinHostPort(host, strconv.Itoa(s.cfg.ConnectPort+p.Rank))
+	addr := bounded(net.JoinHostPort(host, strconv.Itoa(s.cfg.ConnectPort+p.Rank)))
 	st := &stream{pub: p, next: -1}
 	backoff := 100 * time.Millisecond
 	for ctx.Err() == nil {
@@ -144,7 +147,7 @@ func (s *Subscriber) follow(ctx context.Context, p Publisher) {
 func (s *Subscriber) read(ctx context.Context, addr string, st *stream) error {
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	sub := zmq4.NewSub(cctx, zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(time.Second))
+	sub := zmq4.NewSub(withMaxFrame(cctx, s.cfg.MaxMessageBytes), zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(time.Second))
 	defer sub.Close()
 	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		return err
@@ -232,12 +235,12 @@ func (s *Subscriber) runBound(ctx context.Context, endpoints func() ([]string, <
 }
 
 func (s *Subscriber) listen(ctx context.Context, handle func([][]byte)) error {
-	sub := zmq4.NewSub(ctx)
+	sub := zmq4.NewSub(withMaxFrame(ctx, s.cfg.MaxMessageBytes))
 	defer sub.Close()
 	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		return err
 	}
-	if err := sub.Listen(s.cfg.Bind); err != nil {
+	if err := sub.Listen(bounded(s.cfg.Bind)); err != nil {
 		return err
 	}
 	failed := 0 // Recv fails each time one of the publishers' connections drops: the others go on

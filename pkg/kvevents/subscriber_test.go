@@ -161,9 +161,14 @@ const endpoint = "127.0.0.1:8000"
 // follow starts a subscriber of p's engine, which it stops when the test
 // ends, and returns its index, itself and what it handles.
 func follow(t *testing.T, p *testPublisher) (*Index, *Subscriber, <-chan int64) {
+	return followWith(t, Config{ConnectPort: p.port(), ReplayPort: p.replay, StaleAfter: time.Minute})
+}
+
+// followWith is follow with a config of the test's.
+func followWith(t *testing.T, cfg Config) (*Index, *Subscriber, <-chan int64) {
 	ctx, cancel := context.WithCancel(t.Context())
 	x := NewIndex(Bounds{}, time.Minute, nil)
-	s := NewSubscriber(Config{ConnectPort: p.port(), ReplayPort: p.replay, StaleAfter: time.Minute}, x, logr.Discard())
+	s := NewSubscriber(cfg, x, logr.Discard())
 	handled := make(chan int64, 1000)
 	s.handled = func(_ Publisher, seq int64) { handled <- seq }
 	done := make(chan struct{})

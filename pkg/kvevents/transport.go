@@ -1,0 +1,137 @@
+package kvevents
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"net"
+	"strings"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/go-zeromq/zmq4/transport"
+)
+
+// The ZeroMQ library makes each frame's buffer as long as the frame's header
+// says, up to 2⁶³-1 bytes, before it reads the frame (zmq4's Conn.read): one
+// header from whatever answers on an event or replay port would exhaust the
+// process's memory. So every socket here speaks "bounded+tcp", TCP whose
+// connections read the ZMTP framing as it passes and fail the read that
+// would hand the library a frame longer than the socket's context allows
+// (withMaxFrame), before the library has seen its size.
+const boundedTCP = "bounded+tcp"
+
+func init() {
+	if err := zmq4.RegisterTransport(boundedTCP, boundedTransport{transport.New("tcp")}); err != nil {
+		panic(err)
+	}
+}
+
+// DefaultMaxFrame bounds a frame when the socket's context sets no bound
+// (config.DefaultKVEventsMaxMessage).
+const DefaultMaxFrame = 64 << 20
+
+// bounded is addr ("tcp://host:port", or "host:port") on the bounded transport.
+func bounded(addr string) string { return boundedTCP + "://" + strings.TrimPrefix(addr, "tcp://") }
+
+type maxFrameKey struct{}
+
+// withMaxFrame bounds the frames of the sockets made with ctx, in bytes.
+func withMaxFrame(ctx context.Context, n int) context.Context {
+	return context.WithValue(ctx, maxFrameKey{}, n)
+}
+
+func maxFrame(ctx context.Context) uint64 {
+	if n, ok := ctx.Value(maxFrameKey{}).(int); ok && n > 0 {
+		return uint64(n)
+	}
+	return DefaultMaxFrame
+}
+
+type boundedTransport struct{ transport.Transport }
+
+func (t boundedTransport) Dial(ctx context.Context, d transport.Dialer, addr string) (net.Conn, error) {
+	c, err := t.Transport.Dial(ctx, d, addr)
+	if err != nil {
+		return nil, err
+	}
+	return &frameGuard{Conn: c, max: maxFrame(ctx), body: greetingLen}, nil
+}
+
+func (t boundedTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
+	l, err := t.Transport.Listen(ctx, addr)
+	if err != nil {
+		return nil, err
+	}
+	return guardedListener{l, maxFrame(ctx)}, nil
+}
+
+type guardedListener struct {
+	net.Listener
+	max uint64
+}
+
+func (l guardedListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return &frameGuard{Conn: c, max: l.max, body: greetingLen}, nil
+}
+
+// greetingLen is the ZMTP 3 greeting's length, which precedes the frames.
+const greetingLen = 64
+
+// frameGuard passes a ZMTP 3 stream through, following its framing: the
+// greeting, then frames of a flags byte, a size (one byte, or eight big
+// endian when the flags say long) and a body of that size.
+type frameGuard struct {
+	net.Conn
+	max  uint64
+	body uint64  // bytes of the greeting or of a frame's body still to come
+	head [9]byte // the current frame's flags and size, as far as read
+	n    int     // bytes of head read
+	err  error
+}
+
+func (g *frameGuard) Read(p []byte) (int, error) {
+	if g.err != nil {
+		return 0, g.err
+	}
+	n, err := g.Conn.Read(p)
+	for b := p[:n]; len(b) > 0; {
+		if g.body > 0 {
+			k := min(g.body, uint64(len(b)))
+			g.body -= k
+			b = b[k:]
+			continue
+		}
+		g.head[g.n] = b[0]
+		g.n++
+		b = b[1:]
+		size, whole := g.size()
+		if !whole {
+			continue
+		}
+		if size > g.max {
+			g.err = fmt.Errorf("kvevents: a frame of %d bytes from %s, over the bound of %d", size, g.RemoteAddr(), g.max)
+			g.Conn.Close()
+			return 0, g.err
+		}
+		g.body, g.n = size, 0
+	}
+	return n, err
+}
+
+// size is the current frame's size, once its header is read whole.
+func (g *frameGuard) size() (uint64, bool) {
+	const long = 0x02 // ZMTP's LONG flag
+	switch {
+	case g.n < 2:
+		return 0, false
+	case g.head[0]&long == 0:
+		return uint64(g.head[1]), true
+	case g.n < 9:
+		return 0, false
+	}
+	return binary.BigEndian.Uint64(g.head[1:]), true
+}

@@ -1,0 +1,142 @@
+package kvevents
+
+import (
+	"bytes"
+	"encoding/binary"
+	"io"
+	"net"
+	"testing"
+	"time"
+)
+
+// TestSubscriberDropsAFrameOverItsBound: a frame longer than
+// max_message_bytes drops the connection before the ZeroMQ library makes a
+// buffer for it. A peer whose header claims 2⁶² bytes (which the library
+// would try to allocate) is hung up on, and a publisher's batch over the
+// bound is not indexed; the stream goes on after it.
+func TestSubscriberDropsAFrameOverItsBound(t *testing.T) {
+	t.Run("a header claiming 2⁶² bytes", func(t *testing.T) {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { l.Close() })
+		followWith(t, Config{ConnectPort: l.Addr().(*net.TCPAddr).Port, StaleAfter: time.Minute})
+		c, err := l.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		handshake(t, c)
+		if _, err := c.Write([]byte{0x02, 0x40, 0, 0, 0, 0, 0, 0, 0}); err != nil { // a long frame of 2⁶²
+			t.Fatal(err)
+		}
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.Copy(io.Discard, c); err != nil { // the subscription, then EOF
+			t.Errorf("the subscriber did not hang up: %v", err)
+		}
+	})
+	t.Run("a batch over the bound", func(t *testing.T) {
+		p := newTestPublisher(t, t.Context(), "", false)
+		x, _, handled := followWith(t, Config{ConnectPort: p.port(), StaleAfter: time.Minute, MaxMessageBytes: 4096})
+		warm(t, p, handled)
+		big := make([]int64, 1024) // 5 bytes each in msgpack: a batch of 5 KiB
+		for i := range big {
+			big[i] = 100_000 + int64(i)
+		}
+		over := p.publish(false, map[string]any{"type": "BlockStored", "block_hashes": []uint64{7}, "parent_block_hash": nil,
+			"token_ids": big, "block_size": 1024, "medium": "GPU"})
+		deadline := time.After(10 * time.Second)
+		for after := false; !after; { // the subscriber dials again: batches published since reach it
+			seq := p.publish(false)
+			select {
+			case got := <-handled:
+				if got == over {
+					t.Fatalf("batch %d, over the bound, was handled", over)
+				}
+				after = got > over
+			case <-time.After(50 * time.Millisecond):
+			case <-deadline:
+				t.Fatalf("no batch after %d was handled (last sent %d)", over, seq)
+			}
+		}
+		if n, _ := held(x, endpoint, big); n != 0 {
+			t.Errorf("%d tokens of the batch over the bound are held", n)
+		}
+	})
+}
+
+// handshake answers a ZeroMQ SUB's connection as a PUB would (ZMTP 3.0,
+// NULL mechanism): greeting, then READY, reading the peer's.
+func handshake(t *testing.T, c net.Conn) {
+	t.Helper()
+	greeting := make([]byte, greetingLen)
+	greeting[0], greeting[9], greeting[10] = 0xff, 0x7f, 3
+	copy(greeting[12:], "NULL")
+	if _, err := c.Write(greeting); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, greetingLen)); err != nil {
+		t.Fatal(err)
+	}
+	var ready bytes.Buffer
+	ready.WriteString("\x05READY\x0bSocket-Type")
+	ready.Write(binary.BigEndian.AppendUint32(nil, 3))
+	ready.WriteString("PUB")
+	if _, err := c.Write(append([]byte{0x04, byte(ready.Len())}, ready.Bytes()...)); err != nil { // a short command
+		t.Fatal(err)
+	}
+	head := make([]byte, 2)
+	if _, err := io.ReadFull(c, head); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, head[1])); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestFrameGuardFollowsTheFraming: read a byte at a time, so that every
+// header is split across reads, a stream passes whole while its frames are
+// within the bound, and fails at the last byte of the first header over it:
+// the size is never passed on whole.
+func TestFrameGuardFollowsTheFraming(t *testing.T) {
+	greeting := bytes.Repeat([]byte{0x02}, greetingLen) // the LONG flag's bit: to be passed as greeting
+	long := func(n uint64) []byte {
+		return append(binary.BigEndian.AppendUint64([]byte{0x02}, n), bytes.Repeat([]byte{0x02}, int(min(n, 1000)))...)
+	}
+	tests := []struct {
+		name   string
+		frames [][]byte
+		passed int // bytes passed before the error; -1: the whole stream, no error
+	}{
+		{"short frames", [][]byte{{0x04, 3, 'a', 'b', 'c'}, {0x01, 0}, {0x00, 1, 0x02}}, -1},
+		{"a long frame at the bound", [][]byte{{0x01, 1, 'x'}, long(1000)}, -1},
+		{"a long frame over the bound", [][]byte{{0x01, 1, 'x'}, long(1001), {0x00, 0}}, greetingLen + 3 + 8},
+		{"a long frame of 2⁶²", [][]byte{long(1 << 62)}, greetingLen + 8},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			stream := bytes.Join(append([][]byte{greeting}, tt.frames...), nil)
+			g := &frameGuard{Conn: oneByteConn{bytes.NewReader(stream)}, max: 1000, body: greetingLen}
+			got, err := io.ReadAll(g)
+			if tt.passed < 0 && (err != nil || !bytes.Equal(got, stream)) {
+				t.Errorf("read %d of %d bytes, error %v", len(got), len(stream), err)
+			}
+			if tt.passed >= 0 && (err == nil || len(got) != tt.passed) {
+				t.Errorf("read %d bytes, error %v; want an error after %d", len(got), err, tt.passed)
+			}
+		})
+	}
+}
+
+// oneByteConn reads a byte at a time.
+type oneByteConn struct{ r *bytes.Reader }
+
+func (c oneByteConn) Read(p []byte) (int, error)     { return c.r.Read(p[:min(len(p), 1)]) }
+func (oneByteConn) Write(p []byte) (int, error)      { return len(p), nil }
+func (oneByteConn) Close() error                     { return nil }
+func (oneByteConn) LocalAddr() net.Addr              { return &net.TCPAddr{} }
+func (oneByteConn) RemoteAddr() net.Addr             { return &net.TCPAddr{} }
+func (oneByteConn) SetDeadline(time.Time) error      { return nil }
+func (oneByteConn) SetReadDeadline(time.Time) error  { return nil }
+func (oneByteConn) SetWriteDeadline(time.Time) error { return nil }
