@@ -203,6 +203,8 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 			"pools.decode.kv_events.connect_port"},
 		{"a KV event index smaller in all than per endpoint", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557, max_blocks: 10, max_blocks_per_endpoint: 20}}}`,
 			"pools.decode.kv_events.max_blocks"},
+		{"a KV event frame bound below a batch", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557, max_message_bytes: 100}}}`,
+			"pools.decode.kv_events.max_message_bytes"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
