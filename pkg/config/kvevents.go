@@ -51,8 +51,9 @@ type KVEvents struct {
 	// blocks, per publishing engine and in all.
 	MaxBlocksPerEndpoint int `json:"max_blocks_per_endpoint,omitempty"`
 	MaxBlocks            int `json:"max_blocks,omitempty"`
-	// MaxMessageBytes bounds each frame read from an engine's publisher or
-	// replay socket (default 64 MiB); a longer one drops the connection.
+	// MaxMessageBytes bounds each message (its frames) read from an
+	// engine's publisher or replay socket (default 64 MiB); a longer one
+	// drops the connection.
 	MaxMessageBytes int `json:"max_message_bytes,omitempty"`
 	// Tokenize is how a request's token ids are asked of an engine.
 	Tokenize Tokenize `json:"tokenize"`

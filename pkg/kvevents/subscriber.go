@@ -42,8 +42,9 @@ type Config struct {
 	Resync time.Duration
 	// ReplayTimeout bounds one replay.
 	ReplayTimeout time.Duration
-	// MaxMessageBytes bounds each frame read from a publisher or a replay
-	// socket (transport.go); a longer one drops the connection.
+	// MaxMessageBytes bounds each message (its frames) read from a
+	// publisher or a replay socket (transport.go); a longer one drops the
+	// connection.
 	MaxMessageBytes int
 }
 
@@ -147,7 +148,7 @@ func (s *Subscriber) follow(ctx context.Context, p Publisher) {
 func (s *Subscriber) read(ctx context.Context, addr string, st *stream) error {
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	sub := zmq4.NewSub(withMaxFrame(cctx, s.cfg.MaxMessageBytes), zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(time.Second))
+	sub := zmq4.NewSub(withMaxMessage(cctx, s.cfg.MaxMessageBytes), zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(time.Second))
 	defer sub.Close()
 	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		return err
@@ -235,7 +236,7 @@ func (s *Subscriber) runBound(ctx context.Context, endpoints func() ([]string, <
 }
 
 func (s *Subscriber) listen(ctx context.Context, handle func([][]byte)) error {
-	sub := zmq4.NewSub(withMaxFrame(ctx, s.cfg.MaxMessageBytes))
+	sub := zmq4.NewSub(withMaxMessage(ctx, s.cfg.MaxMessageBytes))
 	defer sub.Close()
 	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		return err

@@ -16,8 +16,8 @@ import (
 // header from whatever answers on an event or replay port would exhaust the
 // process's memory. So every socket here speaks "bounded+tcp", TCP whose
 // connections read the ZMTP framing as it passes and fail the read that
-// would hand the library a frame longer than the socket's context allows
-// (withMaxFrame), before the library has seen its size.
+// would hand the library a message longer than the socket's context allows
+// (withMaxMessage), before the library has seen the size that passes it.
 const boundedTCP = "bounded+tcp"
 
 func init() {
@@ -26,25 +26,25 @@ func init() {
 	}
 }
 
-// DefaultMaxFrame bounds a frame when the socket's context sets no bound
+// DefaultMaxMessage bounds a message when the socket's context sets no bound
 // (config.DefaultKVEventsMaxMessage).
-const DefaultMaxFrame = 64 << 20
+const DefaultMaxMessage = 64 << 20
 
 // bounded is addr ("tcp://host:port", or "host:port") on the bounded transport.
 func bounded(addr string) string { return boundedTCP + "://" + strings.TrimPrefix(addr, "tcp://") }
 
-type maxFrameKey struct{}
+type maxMessageKey struct{}
 
-// withMaxFrame bounds the frames of the sockets made with ctx, in bytes.
-func withMaxFrame(ctx context.Context, n int) context.Context {
-	return context.WithValue(ctx, maxFrameKey{}, n)
+// withMaxMessage bounds the messages of the sockets made with ctx, in bytes.
+func withMaxMessage(ctx context.Context, n int) context.Context {
+	return context.WithValue(ctx, maxMessageKey{}, n)
 }
 
-func maxFrame(ctx context.Context) uint64 {
-	if n, ok := ctx.Value(maxFrameKey{}).(int); ok && n > 0 {
+func maxMessage(ctx context.Context) uint64 {
+	if n, ok := ctx.Value(maxMessageKey{}).(int); ok && n > 0 {
 		return uint64(n)
 	}
-	return DefaultMaxFrame
+	return DefaultMaxMessage
 }
 
 type boundedTransport struct{ transport.Transport }
@@ -54,7 +54,7 @@ func (t boundedTransport) Dial(ctx context.Context, d transport.Dialer, addr str
 	if err != nil {
 		return nil, err
 	}
-	return &frameGuard{Conn: c, max: maxFrame(ctx), body: greetingLen}, nil
+	return &frameGuard{Conn: c, max: maxMessage(ctx), body: greetingLen}, nil
 }
 
 func (t boundedTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
@@ -62,7 +62,7 @@ func (t boundedTransport) Listen(ctx context.Context, addr string) (net.Listener
 	if err != nil {
 		return nil, err
 	}
-	return guardedListener{l, maxFrame(ctx)}, nil
+	return guardedListener{l, maxMessage(ctx)}, nil
 }
 
 type guardedListener struct {
@@ -83,15 +83,21 @@ const greetingLen = 64
 
 // frameGuard passes a ZMTP 3 stream through, following its framing: the
 // greeting, then frames of a flags byte, a size (one byte, or eight big
-// endian when the flags say long) and a body of that size.
+// endian when the flags say long) and a body of that size. A message is its
+// frames up to one without the MORE flag; the library holds them all, so
+// the bound is on a message: its frames' sizes, and frameCost for each.
 type frameGuard struct {
 	net.Conn
 	max  uint64
 	body uint64  // bytes of the greeting or of a frame's body still to come
 	head [9]byte // the current frame's flags and size, as far as read
 	n    int     // bytes of head read
+	msg  uint64  // the message's frames so far
 	err  error
 }
+
+// frameCost is what the library keeps for a frame besides its body.
+const frameCost = 32
 
 func (g *frameGuard) Read(p []byte) (int, error) {
 	if g.err != nil {
@@ -112,19 +118,28 @@ func (g *frameGuard) Read(p []byte) (int, error) {
 		if !whole {
 			continue
 		}
-		if size > g.max {
-			g.err = fmt.Errorf("kvevents: a frame of %d bytes from %s, over the bound of %d", size, g.RemoteAddr(), g.max)
+		if size > g.max || g.msg+size+frameCost > g.max {
+			g.err = fmt.Errorf("kvevents: %s sent a message over the bound of %d bytes", g.RemoteAddr(), g.max)
 			g.Conn.Close()
 			return 0, g.err
+		}
+		g.msg += size + frameCost
+		if g.head[0]&more == 0 {
+			g.msg = 0
 		}
 		g.body, g.n = size, 0
 	}
 	return n, err
 }
 
+// ZMTP's frame flags.
+const (
+	more = 0x01
+	long = 0x02
+)
+
 // size is the current frame's size, once its header is read whole.
 func (g *frameGuard) size() (uint64, bool) {
-	const long = 0x02 // ZMTP's LONG flag
 	switch {
 	case g.n < 2:
 		return 0, false

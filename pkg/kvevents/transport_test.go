@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
+	"slices"
 	"testing"
 	"time"
 )
@@ -110,9 +111,11 @@ func TestFrameGuardFollowsTheFraming(t *testing.T) {
 		passed int // bytes passed before the error; -1: the whole stream, no error
 	}{
 		{"short frames", [][]byte{{0x04, 3, 'a', 'b', 'c'}, {0x01, 0}, {0x00, 1, 0x02}}, -1},
-		{"a long frame at the bound", [][]byte{{0x01, 1, 'x'}, long(1000)}, -1},
-		{"a long frame over the bound", [][]byte{{0x01, 1, 'x'}, long(1001), {0x00, 0}}, greetingLen + 3 + 8},
+		{"a long frame at the bound", [][]byte{{0x00, 1, 'x'}, long(1000 - frameCost)}, -1},
+		{"a long frame over the bound", [][]byte{{0x00, 1, 'x'}, long(1001 - frameCost), {0x00, 0}}, greetingLen + 3 + 8},
 		{"a long frame of 2⁶²", [][]byte{long(1 << 62)}, greetingLen + 8},
+		{"many messages within the bound", slices.Repeat([][]byte{{0x01, 0}, {0x01, 0}, append([]byte{0x00, 200}, make([]byte, 200)...)}, 100), -1},
+		{"a message of many empty frames", slices.Repeat([][]byte{{0x01, 0}}, 100), greetingLen + 2*31 + 1},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
