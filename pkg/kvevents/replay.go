@@ -33,7 +33,7 @@ func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReplayTimeout)
 	defer cancel()
-	d := zmq4.NewDealer(withMaxMessage(ctx, s.cfg.MaxMessageBytes), zmq4.WithDialerMaxRetries(0), zmq4.WithTimeout(s.cfg.ReplayTimeout))
+	d := zmq4.NewDealer(s.bounded(ctx), zmq4.WithDialerMaxRetries(0), zmq4.WithTimeout(s.cfg.ReplayTimeout))
 	defer d.Close()
 	addr := bounded(net.JoinHostPort(host, strconv.Itoa(s.cfg.ReplayPort+st.pub.Rank)))
 	if err := d.Dial(addr); err != nil {

@@ -61,7 +61,7 @@ type Subscriber struct {
 
 // Counts are the subscriber's running totals, read by metrics.
 type Counts struct {
-	Batches, Gaps, Replayed, ReplayFailed, Restarts, UnknownTopics, Undecodable, Orphans, Skipped atomic.Int64
+	Batches, Gaps, Replayed, ReplayFailed, Restarts, UnknownTopics, Undecodable, TooLarge, Orphans, Skipped atomic.Int64
 }
 
 // NewSubscriber returns a subscriber that feeds index.
@@ -77,6 +77,12 @@ func NewSubscriber(cfg Config, index *Index, log logr.Logger) *Subscriber {
 
 // Counts are the subscriber's totals so far.
 func (s *Subscriber) Counts() *Counts { return &s.counts }
+
+// bounded is ctx for a socket whose connections hang up on a message over
+// MaxMessageBytes, counting each in TooLarge.
+func (s *Subscriber) bounded(ctx context.Context) context.Context {
+	return withMessageBound(ctx, messageBound{max: s.cfg.MaxMessageBytes, refused: func() { s.counts.TooLarge.Add(1) }})
+}
 
 // Run follows the streams until ctx is done. endpoints returns the pool's
 // endpoints now and a channel closed when they change.
@@ -148,7 +154,7 @@ func (s *Subscriber) follow(ctx context.Context, p Publisher) {
 func (s *Subscriber) read(ctx context.Context, addr string, st *stream) error {
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	sub := zmq4.NewSub(withMaxMessage(cctx, s.cfg.MaxMessageBytes), zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(time.Second))
+	sub := zmq4.NewSub(s.bounded(cctx), zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(time.Second))
 	defer sub.Close()
 	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		return err
@@ -236,7 +242,7 @@ func (s *Subscriber) runBound(ctx context.Context, endpoints func() ([]string, <
 }
 
 func (s *Subscriber) listen(ctx context.Context, handle func([][]byte)) error {
-	sub := zmq4.NewSub(withMaxMessage(ctx, s.cfg.MaxMessageBytes))
+	sub := zmq4.NewSub(s.bounded(ctx))
 	defer sub.Close()
 	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		return err

@@ -33,18 +33,28 @@ const DefaultMaxMessage = 64 << 20
 // bounded is addr ("tcp://host:port", or "host:port") on the bounded transport.
 func bounded(addr string) string { return boundedTCP + "://" + strings.TrimPrefix(addr, "tcp://") }
 
-type maxMessageKey struct{}
-
-// withMaxMessage bounds the messages of the sockets made with ctx, in bytes.
-func withMaxMessage(ctx context.Context, n int) context.Context {
-	return context.WithValue(ctx, maxMessageKey{}, n)
+// messageBound is what the sockets made with a context allow: max bytes a
+// message (DefaultMaxMessage when 0), and refused, told of each connection
+// hung up on.
+type messageBound struct {
+	max     int
+	refused func()
 }
 
-func maxMessage(ctx context.Context) uint64 {
-	if n, ok := ctx.Value(maxMessageKey{}).(int); ok && n > 0 {
-		return uint64(n)
+type messageBoundKey struct{}
+
+// withMessageBound gives the sockets made with ctx the bound b.
+func withMessageBound(ctx context.Context, b messageBound) context.Context {
+	return context.WithValue(ctx, messageBoundKey{}, b)
+}
+
+// guard wraps c in the bound of the sockets made with ctx.
+func guard(ctx context.Context, c net.Conn) *frameGuard {
+	b, _ := ctx.Value(messageBoundKey{}).(messageBound)
+	if b.max <= 0 {
+		b.max = DefaultMaxMessage
 	}
-	return DefaultMaxMessage
+	return &frameGuard{Conn: c, max: uint64(b.max), refused: b.refused, body: greetingLen}
 }
 
 type boundedTransport struct{ transport.Transport }
@@ -54,7 +64,7 @@ func (t boundedTransport) Dial(ctx context.Context, d transport.Dialer, addr str
 	if err != nil {
 		return nil, err
 	}
-	return &frameGuard{Conn: c, max: maxMessage(ctx), body: greetingLen}, nil
+	return guard(ctx, c), nil
 }
 
 func (t boundedTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
@@ -62,12 +72,12 @@ func (t boundedTransport) Listen(ctx context.Context, addr string) (net.Listener
 	if err != nil {
 		return nil, err
 	}
-	return guardedListener{l, maxMessage(ctx)}, nil
+	return guardedListener{l, ctx}, nil
 }
 
 type guardedListener struct {
 	net.Listener
-	max uint64
+	ctx context.Context // the socket's, which carries its bound
 }
 
 func (l guardedListener) Accept() (net.Conn, error) {
@@ -75,7 +85,7 @@ func (l guardedListener) Accept() (net.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &frameGuard{Conn: c, max: l.max, body: greetingLen}, nil
+	return guard(l.ctx, c), nil
 }
 
 // greetingLen is the ZMTP 3 greeting's length, which precedes the frames.
@@ -94,6 +104,8 @@ type frameGuard struct {
 	n    int     // bytes of head read
 	msg  uint64  // the message's frames so far
 	err  error
+
+	refused func() // nil: none to tell
 }
 
 // frameCost is what the library keeps for a frame besides its body.
@@ -121,6 +133,9 @@ func (g *frameGuard) Read(p []byte) (int, error) {
 		if size > g.max || g.msg+size+frameCost > g.max {
 			g.err = fmt.Errorf("kvevents: %s sent a message over the bound of %d bytes", g.RemoteAddr(), g.max)
 			g.Conn.Close()
+			if g.refused != nil {
+				g.refused()
+			}
 			return 0, g.err
 		}
 		g.msg += size + frameCost

@@ -10,19 +10,19 @@ import (
 	"time"
 )
 
-// TestSubscriberDropsAFrameOverItsBound: a frame longer than
+// TestSubscriberDropsAMessageOverItsBound: a message longer than
 // max_message_bytes drops the connection before the ZeroMQ library makes a
 // buffer for it. A peer whose header claims 2⁶² bytes (which the library
 // would try to allocate) is hung up on, and a publisher's batch over the
-// bound is not indexed; the stream goes on after it.
-func TestSubscriberDropsAFrameOverItsBound(t *testing.T) {
+// bound is not indexed; the stream goes on after it. Each is counted.
+func TestSubscriberDropsAMessageOverItsBound(t *testing.T) {
 	t.Run("a header claiming 2⁶² bytes", func(t *testing.T) {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { l.Close() })
-		followWith(t, Config{ConnectPort: l.Addr().(*net.TCPAddr).Port, StaleAfter: time.Minute})
+		_, s, _ := followWith(t, Config{ConnectPort: l.Addr().(*net.TCPAddr).Port, StaleAfter: time.Minute})
 		c, err := l.Accept()
 		if err != nil {
 			t.Fatal(err)
@@ -36,10 +36,13 @@ func TestSubscriberDropsAFrameOverItsBound(t *testing.T) {
 		if _, err := io.Copy(io.Discard, c); err != nil { // the subscription, then EOF
 			t.Errorf("the subscriber did not hang up: %v", err)
 		}
+		if got := s.Counts().TooLarge.Load(); got != 1 {
+			t.Errorf("%d messages counted too large, want 1", got)
+		}
 	})
 	t.Run("a batch over the bound", func(t *testing.T) {
 		p := newTestPublisher(t, t.Context(), "", false)
-		x, _, handled := followWith(t, Config{ConnectPort: p.port(), StaleAfter: time.Minute, MaxMessageBytes: 4096})
+		x, s, handled := followWith(t, Config{ConnectPort: p.port(), StaleAfter: time.Minute, MaxMessageBytes: 4096})
 		warm(t, p, handled)
 		big := make([]int64, 1024) // 5 bytes each in msgpack: a batch of 5 KiB
 		for i := range big {
@@ -63,6 +66,9 @@ func TestSubscriberDropsAFrameOverItsBound(t *testing.T) {
 		}
 		if n, _ := held(x, endpoint, big); n != 0 {
 			t.Errorf("%d tokens of the batch over the bound are held", n)
+		}
+		if got := s.Counts().TooLarge.Load(); got != 1 {
+			t.Errorf("%d messages counted too large, want 1", got)
 		}
 	})
 }

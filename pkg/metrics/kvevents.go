@@ -15,10 +15,11 @@ type KVEventsState struct {
 	// publisher's sequence (an engine restarted).
 	Batches, Gaps, Replayed, ReplayFailed, Restarts int64
 	// Dropped messages and blocks, by why: a topic naming no endpoint of the
-	// pool, a payload that is not a KV event batch, stored blocks whose
+	// pool, a payload that is not a KV event batch, a message over
+	// max_message_bytes (its connection hung up on), stored blocks whose
 	// parent the view lacks, events of another medium or cache group.
-	UnknownTopics, Undecodable, Orphans, Skipped int64
-	Publishers, Stale, Blocks                    int
+	UnknownTopics, Undecodable, TooLarge, Orphans, Skipped int64
+	Publishers, Stale, Blocks                              int
 }
 
 // WatchKVEvents exports the kv_events_* series of the pools that follow
@@ -36,7 +37,7 @@ var (
 	kvGapsDesc       = kvDesc("gaps_total", "Gaps found in an engine's sequence of KV event batches.")
 	kvReplaysDesc    = kvDesc("replays_total", "Gaps asked of the engine's replay socket, by outcome: replayed, or failed (the view was rebuilt).", "outcome")
 	kvRestartsDesc   = kvDesc("restarts_total", "Engines whose sequence of KV event batches started over (a restart): their view starts empty.")
-	kvDroppedDesc    = kvDesc("dropped_total", "KV event messages or blocks not indexed, by reason: unknown_topic, undecodable, orphan (a parent the view lacks), other_medium.", "reason")
+	kvDroppedDesc    = kvDesc("dropped_total", "KV event messages or blocks not indexed, by reason: unknown_topic, undecodable, too_large (over max_message_bytes: the connection is hung up on), orphan (a parent the view lacks), other_medium.", "reason")
 	kvPublishersDesc = kvDesc("publishers", "Engines (and data-parallel ranks) whose KV events the pool follows.")
 	kvStaleDesc      = kvDesc("stale_publishers", "Publishers whose view routing may not trust now: requests that could reach them go by estimates.")
 	kvBlocksDesc     = kvDesc("index_blocks", "KV blocks in the pool's view, over all its engines.")
@@ -65,6 +66,7 @@ func (c *kvEventsCollector) Collect(ch chan<- prometheus.Metric) {
 		counter(kvRestartsDesc, s.Restarts, s.Pool)
 		counter(kvDroppedDesc, s.UnknownTopics, s.Pool, "unknown_topic")
 		counter(kvDroppedDesc, s.Undecodable, s.Pool, "undecodable")
+		counter(kvDroppedDesc, s.TooLarge, s.Pool, "too_large")
 		counter(kvDroppedDesc, s.Orphans, s.Pool, "orphan")
 		counter(kvDroppedDesc, s.Skipped, s.Pool, "other_medium")
 		gauge(kvPublishersDesc, s.Publishers, s.Pool)
