@@ -35,7 +35,7 @@ func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
 	defer cancel()
 	d := zmq4.NewDealer(s.bounded(ctx), zmq4.WithDialerMaxRetries(0), zmq4.WithTimeout(s.cfg.ReplayTimeout))
 	defer d.Close()
-	addr := bounded(net.JoinHostPort(host, strconv.Itoa(s.cfg.ReplayPort+st.pub.Rank)))
+	addr := boundedAddr(net.JoinHostPort(host, strconv.Itoa(s.cfg.ReplayPort+st.pub.Rank)))
 	if err := d.Dial(addr); err != nil {
 		s.log.V(1).Info("kv events: dialing the replay socket", "address", addr, "error", err.Error())
 		return false

@@ -133,7 +133,7 @@ func (s *Subscriber) follow(ctx context.Context, p Publisher) {
 		s.log.Info("kv events: an endpoint without a host", "endpoint", p.Endpoint)
 		return
 	}
-	addr := bounded(net.JoinHostPort(host, strconv.Itoa(s.cfg.ConnectPort+p.Rank)))
+	addr := boundedAddr(net.JoinHostPort(host, strconv.Itoa(s.cfg.ConnectPort+p.Rank)))
 	st := &stream{pub: p, next: -1}
 	backoff := 100 * time.Millisecond
 	for ctx.Err() == nil {
@@ -247,7 +247,7 @@ func (s *Subscriber) listen(ctx context.Context, handle func([][]byte)) error {
 	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		return err
 	}
-	if err := sub.Listen(bounded(s.cfg.Bind)); err != nil {
+	if err := sub.Listen(boundedAddr(s.cfg.Bind)); err != nil {
 		return err
 	}
 	failed := 0 // Recv fails each time one of the publishers' connections drops: the others go on

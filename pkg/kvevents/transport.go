@@ -17,7 +17,7 @@ import (
 // process's memory. So every socket here speaks "bounded+tcp", TCP whose
 // connections read the ZMTP framing as it passes and fail the read that
 // would hand the library a message longer than the socket's context allows
-// (withMaxMessage), before the library has seen the size that passes it.
+// (withMessageBound), before the library has seen the size that passes it.
 const boundedTCP = "bounded+tcp"
 
 func init() {
@@ -26,15 +26,15 @@ func init() {
 	}
 }
 
-// DefaultMaxMessage bounds a message when the socket's context sets no bound
+// defaultMaxMessage bounds a message when the socket's context sets no bound
 // (config.DefaultKVEventsMaxMessage).
-const DefaultMaxMessage = 64 << 20
+const defaultMaxMessage = 64 << 20
 
-// bounded is addr ("tcp://host:port", or "host:port") on the bounded transport.
-func bounded(addr string) string { return boundedTCP + "://" + strings.TrimPrefix(addr, "tcp://") }
+// boundedAddr is addr ("tcp://host:port", or "host:port") on the bounded transport.
+func boundedAddr(addr string) string { return boundedTCP + "://" + strings.TrimPrefix(addr, "tcp://") }
 
 // messageBound is what the sockets made with a context allow: max bytes a
-// message (DefaultMaxMessage when 0), and refused, told of each connection
+// message (defaultMaxMessage when 0), and refused, told of each connection
 // hung up on.
 type messageBound struct {
 	max     int
@@ -52,7 +52,7 @@ func withMessageBound(ctx context.Context, b messageBound) context.Context {
 func guard(ctx context.Context, c net.Conn) *frameGuard {
 	b, _ := ctx.Value(messageBoundKey{}).(messageBound)
 	if b.max <= 0 {
-		b.max = DefaultMaxMessage
+		b.max = defaultMaxMessage
 	}
 	return &frameGuard{Conn: c, max: uint64(b.max), refused: b.refused, body: greetingLen}
 }
