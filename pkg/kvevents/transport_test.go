@@ -149,3 +149,65 @@ func (oneByteConn) RemoteAddr() net.Addr             { return &net.TCPAddr{} }
 func (oneByteConn) SetDeadline(time.Time) error      { return nil }
 func (oneByteConn) SetReadDeadline(time.Time) error  { return nil }
 func (oneByteConn) SetWriteDeadline(time.Time) error { return nil }
+
+// FuzzFrameGuard: however the stream is cut into reads, the guard passes
+// what a parse of the whole stream says: all of it when every message is
+// within the bound; else an error, and never the byte that completes the
+// first header over it (the read that brings it is refused whole).
+func FuzzFrameGuard(f *testing.F) {
+	f.Add([]byte{0x01, 0, 0x00, 3, 'a', 'b', 'c', 0x02, 0, 0, 0, 0, 0, 0, 1, 0}, []byte{1, 2, 3})
+	f.Add([]byte{0x02, 0x40, 0, 0, 0, 0, 0, 0, 0}, []byte{9})
+	f.Fuzz(func(t *testing.T, frames, cuts []byte) {
+		const max = 300
+		stream := append(bytes.Repeat([]byte{0x02}, greetingLen), frames...)
+		want, ok := len(stream), true
+		for i, msg := greetingLen, uint64(0); i < len(stream); {
+			head := 2
+			if stream[i]&long != 0 {
+				head = 9
+			}
+			if i+head > len(stream) {
+				break
+			}
+			size := uint64(stream[i+1])
+			if head == 9 {
+				size = binary.BigEndian.Uint64(stream[i+1 : i+9])
+			}
+			if size > max || msg+size+frameCost > max {
+				want, ok = i+head-1, false
+				break
+			}
+			msg += size + frameCost
+			if stream[i]&more == 0 {
+				msg = 0
+			}
+			i += head + int(min(size, uint64(len(stream))))
+		}
+		g := &frameGuard{Conn: cutConn{bytes.NewReader(stream), cuts}, max: max, body: greetingLen}
+		got, err := io.ReadAll(g)
+		if (err == nil) != ok || ok && len(got) != want || len(got) > want || !bytes.Equal(got, stream[:len(got)]) {
+			t.Errorf("passed %d bytes, error %v; want %d (at most, with an error: %v)", len(got), err, want, !ok)
+		}
+	})
+}
+
+// cutConn reads in the lengths cuts gives in turn (0 as 1).
+type cutConn struct {
+	r    *bytes.Reader
+	cuts []byte
+}
+
+func (c cutConn) Read(p []byte) (int, error) {
+	n := 1
+	if len(c.cuts) > 0 {
+		n = max(1, int(c.cuts[c.r.Len()%len(c.cuts)]))
+	}
+	return c.r.Read(p[:min(len(p), n)])
+}
+func (cutConn) Write(p []byte) (int, error)      { return len(p), nil }
+func (cutConn) Close() error                     { return nil }
+func (cutConn) LocalAddr() net.Addr              { return &net.TCPAddr{} }
+func (cutConn) RemoteAddr() net.Addr             { return &net.TCPAddr{} }
+func (cutConn) SetDeadline(time.Time) error      { return nil }
+func (cutConn) SetReadDeadline(time.Time) error  { return nil }
+func (cutConn) SetWriteDeadline(time.Time) error { return nil }
