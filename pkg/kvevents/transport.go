@@ -132,10 +132,10 @@ func (g *frameGuard) Read(p []byte) (int, error) {
 		}
 		if size > g.max || g.msg+size+frameCost > g.max {
 			g.err = fmt.Errorf("kvevents: %s sent a message over the bound of %d bytes", g.RemoteAddr(), g.max)
-			g.Conn.Close()
 			if g.refused != nil {
-				g.refused()
+				g.refused() // before the peer can see the hang-up
 			}
+			g.Conn.Close()
 			return 0, g.err
 		}
 		g.msg += size + frameCost
