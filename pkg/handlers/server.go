@@ -8,7 +8,9 @@ package handlers
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"runtime/debug"
 	"sync/atomic"
 	"time"
 
@@ -101,9 +103,21 @@ func NewServer(r Router, opts Options, log logr.Logger) *Server {
 
 // Process handles the messages of one HTTP request until Envoy closes the
 // stream. It alone reads the stream; the exchange answers each message.
-func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
+//
+// A panic in its handling is a bug: it ends this stream with INTERNAL (Envoy
+// answers its request 500) and is logged with its stack and counted, and the
+// replica's other streams go on, as net/http does for a handler. gRPC does
+// not, and every generation this replica holds would end with it.
+func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err error) {
 	x := s.open(stream.Context(), stream)
 	defer s.close(x)
+	defer func() {
+		if p := recover(); p != nil {
+			s.obs.log.Error(nil, "a bug: handling a stream panicked; the stream ends with INTERNAL", "requestID", x.req.RequestID, "panic", fmt.Sprint(p), "stack", string(debug.Stack()))
+			s.opts.Metrics.Panicked()
+			err = status.Error(codes.Internal, "pd-extproc: internal error")
+		}
+	}()
 	for {
 		req, err := stream.Recv()
 		switch {

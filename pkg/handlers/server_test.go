@@ -4,6 +4,7 @@ package handlers_test
 // stream itself shows (its loop, its end, streams at once, cancellation).
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"net/http"
@@ -12,10 +13,16 @@ import (
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/go-logr/logr"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
+	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 )
 
 // The loop reads each message, has it answered, and ends the stream when Envoy
@@ -190,4 +197,62 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, tt
 			}
 		})
 	}
+}
+
+// A panic while handling one stream (a bug) ends that stream with INTERNAL,
+// which Envoy answers with a 500, and is counted; the stream held open beside
+// it goes on, and later streams are served.
+func TestAPanicEndsOnlyItsStream(t *testing.T) {
+	m := metrics.New("kv-nixl")
+	c := startServer(t, handlers.NewServer(panickyRouter{}, handlers.Options{Metrics: m}, logr.Discard()))
+	request := func(content string) []*extprocv3.ProcessingRequest {
+		b := []byte(`{"model":"m","messages":[{"role":"user","content":"` + content + `"}]}`)
+		return []*extprocv3.ProcessingRequest{
+			envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(b))...), fullDuplex, fullDuplex),
+			envoymsg.Body(envoymsg.Request, b, true),
+		}
+	}
+	held, err := c.Process(t.Context()) // a stream open beside the panic, as a generation would be
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := held.Send(request("hello")[0]); err != nil { // its headers: the reply waits for the body
+		t.Fatal(err)
+	}
+	if _, err := tryExchange(c, true, request("boom")...); status.Code(err) != codes.Internal {
+		t.Fatalf("the panicking stream ended with %v, want INTERNAL", err)
+	}
+	if err := held.Send(request("hello")[1]); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		r, err := held.Recv()
+		if err != nil {
+			t.Fatalf("the stream held beside it: %v", err)
+		}
+		if r.GetRequestBody() != nil {
+			break
+		}
+	}
+	if _, err := tryExchange(c, true, request("hello again")...); err != nil {
+		t.Errorf("a later stream: %v", err)
+	}
+	if got, _ := m.Sample("pd_extproc_panics_total", nil); got != 1 {
+		t.Errorf("%v panics counted, want 1", got)
+	}
+}
+
+// panickyRouter panics on a body that says boom, as a bug would, and
+// passes any other to fakeEndpoint.
+type panickyRouter struct{}
+
+func (panickyRouter) MaxBodyBytes() int64 { return 1 << 20 }
+func (panickyRouter) RouteHeaders(*pipeline.Request) (*pipeline.Decision, error) {
+	return &pipeline.Decision{Endpoint: fakeEndpoint}, nil
+}
+func (panickyRouter) Route(_ context.Context, r *pipeline.Request) (*pipeline.Decision, error) {
+	if bytes.Contains(r.Body, []byte("boom")) {
+		panic("boom")
+	}
+	return &pipeline.Decision{Endpoint: fakeEndpoint, Body: body.Spliced{r.Body}}, nil
 }

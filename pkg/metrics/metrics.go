@@ -162,6 +162,7 @@ type Metrics struct {
 	decisions       *prometheus.CounterVec
 	bodyBytes       prometheus.Histogram
 	streams         prometheus.Gauge
+	panics          prometheus.Counter
 	tokenize        *prometheus.HistogramVec
 	answers         answers
 	limits          limits
@@ -195,6 +196,8 @@ func New(connector string) *Metrics {
 		bodyBytes: histogram("request_body_bytes", "Size of complete client request bodies received.",
 			prometheus.ExponentialBuckets(256, 4, 10)), // 256 B .. 64 MiB
 		streams: gauge("streams_in_flight", "ext_proc Process streams currently open."),
+		panics: counter("panics_total",
+			"ext_proc streams whose handling panicked (a bug, logged with its stack): each ended with INTERNAL, the others went on."),
 		tokenize: histogramVec("tokenize_seconds",
 			"Round trips to an engine's /tokenize for a request's token ids (pools following KV events), by outcome: ok, or failed (the request went by estimates).",
 			[]float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1}, "outcome"),
@@ -211,7 +214,7 @@ func New(connector string) *Metrics {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.requests, m.processing, m.prefillDuration, m.prefillFailures, m.kvParamsMissing,
-		m.decisions, m.bodyBytes, m.streams, m.tokenize,
+		m.decisions, m.bodyBytes, m.streams, m.panics, m.tokenize,
 	)
 	m.registry.MustRegister(m.answers.collectors()...)
 	m.registry.MustRegister(m.limits.collectors()...)
@@ -268,6 +271,13 @@ func (m *Metrics) StreamOpened() {
 func (m *Metrics) StreamClosed() {
 	if m != nil {
 		m.streams.Dec()
+	}
+}
+
+// Panicked counts a stream whose handling panicked.
+func (m *Metrics) Panicked() {
+	if m != nil {
+		m.panics.Inc()
 	}
 }
 
