@@ -46,6 +46,9 @@ type Config struct {
 	// publisher or a replay socket (transport.go); a longer one drops the
 	// connection.
 	MaxMessageBytes int
+	// Handshake bounds the time a peer has to greet and say READY once
+	// connected (transport.go; 0: 5 s).
+	Handshake time.Duration
 }
 
 // Subscriber follows the engines' event streams into an Index.
@@ -81,7 +84,7 @@ func (s *Subscriber) Counts() *Counts { return &s.counts }
 // bounded is ctx for a socket whose connections hang up on a message over
 // MaxMessageBytes, counting each in TooLarge.
 func (s *Subscriber) bounded(ctx context.Context) context.Context {
-	return withMessageBound(ctx, messageBound{max: s.cfg.MaxMessageBytes, refused: func() { s.counts.TooLarge.Add(1) }})
+	return withMessageBound(ctx, messageBound{max: s.cfg.MaxMessageBytes, refused: func() { s.counts.TooLarge.Add(1) }, handshake: s.cfg.Handshake})
 }
 
 // Run follows the streams until ctx is done. endpoints returns the pool's

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"strings"
+	"time"
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/transport"
@@ -34,12 +35,20 @@ const defaultMaxMessage = 64 << 20
 func boundedAddr(addr string) string { return boundedTCP + "://" + strings.TrimPrefix(addr, "tcp://") }
 
 // messageBound is what the sockets made with a context allow: max bytes a
-// message (defaultMaxMessage when 0), and refused, told of each connection
-// hung up on.
+// message (defaultMaxMessage when 0), refused, told of each connection hung
+// up on, and handshake, the time a peer has to greet and say READY
+// (defaultHandshake when 0).
 type messageBound struct {
-	max     int
-	refused func()
+	max       int
+	refused   func()
+	handshake time.Duration
 }
+
+// defaultHandshake bounds a peer's handshake when the context sets no bound.
+// zmq4 reads it with no deadline, in Dial and in its accept loop: a peer that
+// connects and says nothing (a frozen container, a port scanner) would hold
+// a subscriber's dial, or every later publisher's accept, for good.
+const defaultHandshake = 5 * time.Second
 
 type messageBoundKey struct{}
 
@@ -54,7 +63,11 @@ func guard(ctx context.Context, c net.Conn) *frameGuard {
 	if b.max <= 0 {
 		b.max = defaultMaxMessage
 	}
-	return &frameGuard{Conn: c, max: uint64(b.max), refused: b.refused, body: greetingLen}
+	if b.handshake <= 0 {
+		b.handshake = defaultHandshake
+	}
+	c.SetDeadline(time.Now().Add(b.handshake))
+	return &frameGuard{Conn: c, max: uint64(b.max), refused: b.refused, body: greetingLen, greeting: true}
 }
 
 type boundedTransport struct{ transport.Transport }
@@ -106,6 +119,10 @@ type frameGuard struct {
 	err  error
 
 	refused func() // nil: none to tell
+	// greeting: the handshake's deadline stands until the greeting and the
+	// peer's first frame (its READY) have passed whole.
+	greeting bool
+	frames   int // headers read whole, while greeting
 }
 
 // frameCost is what the library keeps for a frame besides its body.
@@ -143,6 +160,13 @@ func (g *frameGuard) Read(p []byte) (int, error) {
 			g.msg = 0
 		}
 		g.body, g.n = size, 0
+		if g.greeting {
+			g.frames++
+		}
+	}
+	if g.greeting && (g.frames > 1 || g.frames == 1 && g.body == 0) {
+		g.greeting = false
+		g.Conn.SetDeadline(time.Time{}) // greeted: from now on a peer may be quiet
 	}
 	return n, err
 }

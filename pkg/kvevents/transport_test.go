@@ -2,12 +2,16 @@ package kvevents
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"io"
 	"net"
 	"slices"
+	"strconv"
 	"testing"
 	"time"
+
+	"github.com/go-logr/logr"
 )
 
 // TestSubscriberDropsAMessageOverItsBound: a message longer than
@@ -211,3 +215,103 @@ func (cutConn) RemoteAddr() net.Addr             { return &net.TCPAddr{} }
 func (cutConn) SetDeadline(time.Time) error      { return nil }
 func (cutConn) SetReadDeadline(time.Time) error  { return nil }
 func (cutConn) SetWriteDeadline(time.Time) error { return nil }
+
+// TestASilentPeerHoldsNothing: a peer that connects and never greets (a
+// frozen container, a port scanner) is given up after the handshake bound.
+// Dialed, it neither holds the subscriber's dial, which tries again and
+// stops when asked; bound, it does not keep the publishers that connect
+// after it from being heard.
+func TestASilentPeerHoldsNothing(t *testing.T) {
+	const handshake = 100 * time.Millisecond
+	t.Run("dialed", func(t *testing.T) {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { l.Close() })
+		accepted := make(chan net.Conn, 10)
+		go func() {
+			for {
+				c, err := l.Accept()
+				if err != nil {
+					return
+				}
+				accepted <- c // and never a byte
+			}
+		}()
+		ctx, cancel := context.WithCancel(t.Context())
+		s := NewSubscriber(Config{ConnectPort: l.Addr().(*net.TCPAddr).Port, StaleAfter: time.Minute, Handshake: handshake},
+			NewIndex(Bounds{}, time.Minute, nil), logr.Discard())
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			s.Run(ctx, func() ([]string, <-chan struct{}) { return []string{endpoint}, ctx.Done() })
+		}()
+		for i := range 2 { // the second: the first dial gave up
+			select {
+			case c := <-accepted:
+				defer c.Close()
+			case <-time.After(10 * time.Second):
+				t.Fatalf("connection %d did not come", i+1)
+			}
+		}
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the subscriber did not stop")
+		}
+	})
+	t.Run("bound", func(t *testing.T) {
+		ctx, cancel := context.WithCancel(t.Context())
+		defer cancel()
+		port := freePort(t)
+		x := NewIndex(Bounds{}, time.Minute, nil)
+		s := NewSubscriber(Config{Bind: "tcp://127.0.0.1:" + strconv.Itoa(port), Handshake: handshake}, x, logr.Discard())
+		handled := make(chan int64, 1000)
+		s.handled = func(_ Publisher, seq int64) { handled <- seq }
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			s.Run(ctx, func() ([]string, <-chan struct{}) { return []string{"10.0.0.1:8000"}, ctx.Done() })
+		}()
+		var silent net.Conn
+		eventually(t, "the subscriber listening", func() bool {
+			c, err := net.Dial("tcp", "127.0.0.1:"+strconv.Itoa(port))
+			silent = c
+			return err == nil
+		})
+		defer silent.Close()
+		p := newTestPublisher(t, ctx, "tcp://127.0.0.1:"+strconv.Itoa(port), false)
+		p.topic = "kv@10.0.0.1:8000@pdsim"
+		warm(t, p, handled)
+		cancel()
+		<-done
+	})
+}
+
+// TestTheHandshakeDeadlineEndsWithTheFirstFrame: the deadline guard sets on
+// a connection stands until the greeting and the peer's READY have passed,
+// and is then lifted: a publisher may be quiet for as long as it likes.
+func TestTheHandshakeDeadlineEndsWithTheFirstFrame(t *testing.T) {
+	ready := append([]byte{0x04, 6}, "\x05READY"...)
+	stream := slices.Concat(bytes.Repeat([]byte{0x02}, greetingLen), ready, []byte{0x00, 1, 'x'})
+	c := &deadlineConn{oneByteConn: oneByteConn{bytes.NewReader(stream)}}
+	g := guard(withMessageBound(t.Context(), messageBound{handshake: time.Minute}), c)
+	for read := 0; read < len(stream); read++ {
+		if set := !c.deadline.IsZero(); set != (read < greetingLen+len(ready)) {
+			t.Fatalf("after %d bytes the deadline is set: %v", read, set)
+		}
+		if _, err := g.Read(make([]byte, 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// deadlineConn keeps the deadline last set.
+type deadlineConn struct {
+	oneByteConn
+	deadline time.Time
+}
+
+func (c *deadlineConn) SetDeadline(d time.Time) error { c.deadline = d; return nil }
