@@ -164,8 +164,12 @@ func follow(t *testing.T, p *testPublisher) (*Index, *Subscriber, <-chan int64) 
 	return followWith(t, Config{ConnectPort: p.port(), ReplayPort: p.replay, StaleAfter: time.Minute})
 }
 
-// followWith is follow with a config of the test's.
-func followWith(t *testing.T, cfg Config) (*Index, *Subscriber, <-chan int64) {
+// followWith is follow with a config of the test's, for a pool of the
+// endpoints given (endpoint when none).
+func followWith(t *testing.T, cfg Config, endpoints ...string) (*Index, *Subscriber, <-chan int64) {
+	if len(endpoints) == 0 {
+		endpoints = []string{endpoint}
+	}
 	ctx, cancel := context.WithCancel(t.Context())
 	x := NewIndex(Bounds{}, time.Minute, nil)
 	s := NewSubscriber(cfg, x, logr.Discard())
@@ -174,7 +178,7 @@ func followWith(t *testing.T, cfg Config) (*Index, *Subscriber, <-chan int64) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		s.Run(ctx, func() ([]string, <-chan struct{}) { return []string{endpoint}, ctx.Done() })
+		s.Run(ctx, func() ([]string, <-chan struct{}) { return endpoints, ctx.Done() })
 	}()
 	t.Cleanup(func() { cancel(); <-done })
 	return x, s, handled
@@ -224,18 +228,9 @@ func TestSubscriberFollowsAStream(t *testing.T) {
 // the subscriber name their endpoint in their topic; a topic naming no
 // endpoint of the pool is dropped and counted.
 func TestBoundSubscriberReadsTheEndpointFromTheTopic(t *testing.T) {
-	ctx, cancel := context.WithCancel(t.Context())
-	defer cancel()
+	ctx := t.Context()
 	port := freePort(t)
-	x := NewIndex(Bounds{}, time.Minute, nil)
-	s := NewSubscriber(Config{Bind: "tcp://127.0.0.1:" + strconv.Itoa(port)}, x, logr.Discard())
-	handled := make(chan int64, 1000)
-	s.handled = func(_ Publisher, seq int64) { handled <- seq }
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		s.Run(ctx, func() ([]string, <-chan struct{}) { return []string{"10.0.0.1:8000"}, ctx.Done() })
-	}()
+	x, s, handled := followWith(t, Config{Bind: "tcp://127.0.0.1:" + strconv.Itoa(port)}, "10.0.0.1:8000")
 	known := newTestPublisher(t, ctx, "tcp://127.0.0.1:"+strconv.Itoa(port), false)
 	known.topic = "kv@10.0.0.1:8000@pdsim"
 	stranger := newTestPublisher(t, ctx, "tcp://127.0.0.1:"+strconv.Itoa(port), false)
@@ -249,8 +244,6 @@ func TestBoundSubscriberReadsTheEndpointFromTheTopic(t *testing.T) {
 		stranger.publish(false, storedEvent(1, nil, seq(0, 4)))
 		return s.Counts().UnknownTopics.Load() > 0
 	})
-	cancel()
-	<-done
 }
 
 func freePort(t *testing.T) int {

@@ -130,7 +130,7 @@ func TestFrameGuardFollowsTheFraming(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			stream := bytes.Join(append([][]byte{greeting}, tt.frames...), nil)
-			g := &frameGuard{Conn: oneByteConn{bytes.NewReader(stream)}, max: 1000, body: greetingLen}
+			g := &frameGuard{Conn: cutConn{r: bytes.NewReader(stream)}, max: 1000, body: greetingLen}
 			got, err := io.ReadAll(g)
 			if tt.passed < 0 && (err != nil || !bytes.Equal(got, stream)) {
 				t.Errorf("read %d of %d bytes, error %v", len(got), len(stream), err)
@@ -141,18 +141,6 @@ func TestFrameGuardFollowsTheFraming(t *testing.T) {
 		})
 	}
 }
-
-// oneByteConn reads a byte at a time.
-type oneByteConn struct{ r *bytes.Reader }
-
-func (c oneByteConn) Read(p []byte) (int, error)     { return c.r.Read(p[:min(len(p), 1)]) }
-func (oneByteConn) Write(p []byte) (int, error)      { return len(p), nil }
-func (oneByteConn) Close() error                     { return nil }
-func (oneByteConn) LocalAddr() net.Addr              { return &net.TCPAddr{} }
-func (oneByteConn) RemoteAddr() net.Addr             { return &net.TCPAddr{} }
-func (oneByteConn) SetDeadline(time.Time) error      { return nil }
-func (oneByteConn) SetReadDeadline(time.Time) error  { return nil }
-func (oneByteConn) SetWriteDeadline(time.Time) error { return nil }
 
 // FuzzFrameGuard: however the stream is cut into reads, the guard passes
 // what a parse of the whole stream says: all of it when every message is
@@ -195,7 +183,8 @@ func FuzzFrameGuard(f *testing.F) {
 	})
 }
 
-// cutConn reads in the lengths cuts gives in turn (0 as 1).
+// cutConn reads in the lengths cuts gives in turn (0 as 1), a byte at a
+// time without cuts.
 type cutConn struct {
 	r    *bytes.Reader
 	cuts []byte
@@ -263,18 +252,8 @@ func TestASilentPeerHoldsNothing(t *testing.T) {
 		}
 	})
 	t.Run("bound", func(t *testing.T) {
-		ctx, cancel := context.WithCancel(t.Context())
-		defer cancel()
 		port := freePort(t)
-		x := NewIndex(Bounds{}, time.Minute, nil)
-		s := NewSubscriber(Config{Bind: "tcp://127.0.0.1:" + strconv.Itoa(port), Handshake: handshake}, x, logr.Discard())
-		handled := make(chan int64, 1000)
-		s.handled = func(_ Publisher, seq int64) { handled <- seq }
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			s.Run(ctx, func() ([]string, <-chan struct{}) { return []string{"10.0.0.1:8000"}, ctx.Done() })
-		}()
+		_, _, handled := followWith(t, Config{Bind: "tcp://127.0.0.1:" + strconv.Itoa(port), Handshake: handshake}, "10.0.0.1:8000")
 		var silent net.Conn
 		eventually(t, "the subscriber listening", func() bool {
 			c, err := net.Dial("tcp", "127.0.0.1:"+strconv.Itoa(port))
@@ -282,11 +261,9 @@ func TestASilentPeerHoldsNothing(t *testing.T) {
 			return err == nil
 		})
 		defer silent.Close()
-		p := newTestPublisher(t, ctx, "tcp://127.0.0.1:"+strconv.Itoa(port), false)
+		p := newTestPublisher(t, t.Context(), "tcp://127.0.0.1:"+strconv.Itoa(port), false)
 		p.topic = "kv@10.0.0.1:8000@pdsim"
 		warm(t, p, handled)
-		cancel()
-		<-done
 	})
 }
 
@@ -296,7 +273,7 @@ func TestASilentPeerHoldsNothing(t *testing.T) {
 func TestTheHandshakeDeadlineEndsWithTheFirstFrame(t *testing.T) {
 	ready := append([]byte{0x04, 6}, "\x05READY"...)
 	stream := slices.Concat(bytes.Repeat([]byte{0x02}, greetingLen), ready, []byte{0x00, 1, 'x'})
-	c := &deadlineConn{oneByteConn: oneByteConn{bytes.NewReader(stream)}}
+	c := &deadlineConn{cutConn: cutConn{r: bytes.NewReader(stream)}}
 	g := guard(withMessageBound(t.Context(), messageBound{handshake: time.Minute}), c)
 	for read := 0; read < len(stream); read++ {
 		if set := !c.deadline.IsZero(); set != (read < greetingLen+len(ready)) {
@@ -310,7 +287,7 @@ func TestTheHandshakeDeadlineEndsWithTheFirstFrame(t *testing.T) {
 
 // deadlineConn keeps the deadline last set.
 type deadlineConn struct {
-	oneByteConn
+	cutConn
 	deadline time.Time
 }
 

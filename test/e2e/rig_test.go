@@ -167,7 +167,9 @@ func (r *rig) startSims(t *testing.T, o rigOptions) error {
 	var started testbed.Cleanups
 	start := func(sims *[]*pdsim.Server, role, ip string) error {
 		s, err := testbed.StartSim(&started, r.simConfig(role, ip, ""))
-		*sims = append(*sims, s)
+		if err == nil {
+			*sims = append(*sims, s)
+		}
 		return err
 	}
 	var err error
