@@ -108,19 +108,21 @@ func (p *Pipeline) heldReader(r *Request, decode *scheduling.Endpoint, held int)
 // engine at decode, on another host, to pull the KV from a loopback or
 // unspecified address: vLLM's NIXL connector advertises
 // VLLM_NIXL_SIDE_CHANNEL_HOST, which defaults to localhost, so the decode
-// engine will fail to pull and recompute the prompt. Each such answer is
-// counted; each prefill endpoint is logged once.
-func (p *Pipeline) checkRemoteHost(params []byte, prefill, decode, requestID string) {
+// engine will fail to pull: under vLLM's kv_load_failure_policy "fail" (its
+// default) it fails the request, under "recompute" it recomputes the prompt.
+// Each such answer is counted; each prefill endpoint is logged once. It
+// reports whether the answer is suspect.
+func (p *Pipeline) checkRemoteHost(params []byte, prefill, decode, requestID string) (suspect bool) {
 	if params == nil {
-		return
+		return false
 	}
 	o, err := body.Parse(params)
 	if err != nil {
-		return
+		return false
 	}
 	host, ok := o.String("remote_host")
 	if !ok || !unreachableFromElsewhere(host) || sameHost(prefill, decode) {
-		return
+		return false
 	}
 	p.metrics.KVParamsSuspect()
 	if _, logged := p.suspects.LoadOrStore(prefill, true); !logged {
@@ -128,6 +130,7 @@ func (p *Pipeline) checkRemoteHost(params []byte, prefill, decode, requestID str
 			"its KV will be recomputed; set VLLM_NIXL_SIDE_CHANNEL_HOST on the prefill engine to an address the decode engines reach (logged once per prefill endpoint)",
 			"prefill", prefill, "remote_host", host, "decode", decode, "requestID", requestID)
 	}
+	return true
 }
 
 // unreachableFromElsewhere reports whether host names the machine it is

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"net/http"
 	"strings"
 	"sync"
 	"testing"
@@ -152,7 +153,10 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 }
 
 // A prefill engine left with VLLM_NIXL_SIDE_CHANNEL_HOST at its default hands
-// out remote_host localhost: a decode engine on another host cannot pull.
+// out remote_host localhost: a decode engine on another host cannot pull, and
+// under vLLM's default kv_load_failure_policy fails the request with a 500.
+// That 500 is the prefill engine's doing: it must not eject the decode
+// endpoint, which serves every other request.
 func TestUnreachableRemoteHostIsCountedAndLoggedOncePerEndpoint(t *testing.T) {
 	tests := []struct {
 		remoteHost string
@@ -177,14 +181,19 @@ func TestUnreachableRemoteHostIsCountedAndLoggedOncePerEndpoint(t *testing.T) {
 		t.Run(tt.remoteHost+" to "+tt.decode, func(t *testing.T) {
 			engine := enginetest.Start(t, enginetest.JSON(200, `{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[[1]],`+
 				`"remote_engine_id":"e","remote_request_id":"r","remote_host":"`+tt.remoteHost+`","remote_port":5600}}`))
-			p, m, lines := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}\n",
+			p, m, lines := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q], health: {consecutive_failures: 3}}}\n",
 				engine.Addr(), tt.decode))
 			for i := range 3 {
 				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)})
 				if err != nil {
 					t.Fatal(err)
 				}
+				d.Observe(http.StatusInternalServerError) // the decode engine's failed pull
 				d.Release()
+			}
+			_, decode := p.Pools()
+			if healthy := decode.Endpoints()[0].Healthy(); healthy != tt.suspect {
+				t.Errorf("decode endpoint healthy = %v after three 500s, want %v (ejected only for its own failures)", healthy, tt.suspect)
 			}
 			wantCount, wantLogs := 0.0, 0
 			if tt.suspect {

@@ -104,8 +104,10 @@ type Decision struct {
 	Rewrite *response.Rewriter
 	decode  *scheduling.Endpoint
 	release func()
-	// partnerFailed is set when a concurrent prefill leg failed: the decode
-	// engine's 5xx is then the pair's failure, not the decode endpoint's.
+	// partnerFailed is set when a concurrent prefill leg failed, or a
+	// prefill engine handed out KV the decode engine cannot reach
+	// (checkRemoteHost): the decode engine's 5xx is then the pair's failure,
+	// not the decode endpoint's.
 	partnerFailed atomic.Bool
 }
 

@@ -166,7 +166,9 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		p.log.Info("prefill returned no kv_transfer_params; decode will recompute the prompt",
 			"requestID", r.RequestID, "prefill", rep.Prefill)
 	}
-	p.checkRemoteHost(answer.params, rep.Prefill, d.decode.Addr, r.RequestID)
+	if p.checkRemoteHost(answer.params, rep.Prefill, d.decode.Addr, r.RequestID) {
+		d.partnerFailed.Store(true) // the decode engine's failed pull is the prefill engine's fault
+	}
 	d.Rewrite = p.usageRewriter(r, answer)
 	h.PrefillKV = answer.params
 	return kv.DecodeBody(p.connector, h), nil

@@ -185,7 +185,7 @@ func TestEnvoyDrainsBeforeItStops(t *testing.T) {
 		{name: "waits for the generations in flight", active: []int{2, 1, 0}, maxWait: "60", wantPolls: 3},
 		{name: "nothing in flight", active: []int{0}, maxWait: "60", wantPolls: 1},
 		{name: "stops waiting at DRAIN_MAX_SECONDS", active: []int{5}, maxWait: "2", wantPolls: 1},
-		{name: "an answer without the gauge is not a 0", active: []int{0}, noGauge: true, maxWait: "2", wantPolls: 2},
+		{name: "an answer without the gauge is not a 0", active: []int{0}, noGauge: true, maxWait: "3", wantPolls: 2},
 		{name: "Envoy gone", down: true, maxWait: "60"},
 	}
 	for _, tc := range tests {
