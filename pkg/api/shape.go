@@ -48,7 +48,10 @@ var (
 			body.Delete("stream_options"), // vLLM refuses stream_options without stream
 			body.Set("max_tokens", body.One),
 			body.SetIfPresent("max_completion_tokens", body.One), // chat prefers it over max_tokens
-			body.Delete("min_tokens"),                            // vLLM refuses min_tokens > max_tokens
+			// The one token is never a stop token: an older NixlConnector hands
+			// out the KV only for an answer cut by its length (llm-d and vLLM's
+			// router set it too), and vLLM refuses min_tokens > max_tokens.
+			body.Set("min_tokens", body.One),
 			body.Delete("min_completion_tokens"),
 		},
 		ExtraArgs:    vllmXargs,
@@ -86,7 +89,7 @@ var (
 			body.Set("stream", body.False),
 			body.Delete("stream_options"),
 			body.Set("max_tokens", body.One).In("sampling_params"),
-			body.Delete("min_tokens").In("sampling_params"),
+			body.Set("min_tokens", body.One).In("sampling_params"),
 		},
 		ParamsIn:     extraArgs,
 		ExtraArgs:    extraArgs,

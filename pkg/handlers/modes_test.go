@@ -37,13 +37,13 @@ func TestFullDuplexRoutesWithHeldHeadersAndStreamedBody(t *testing.T) {
 		{
 			connector: "kv-nixl", body: clientChat, chunks: 3,
 			wantPrefill: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false,"max_tokens":1,"seed":12345678901234567890,` +
-				`"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}`,
+				`"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null},"min_tokens":1}`,
 			wantDecode: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},` +
 				`"max_tokens":50,"seed":12345678901234567890,"kv_transfer_params":` + nixlParams + `}`,
 		},
 		{
 			connector: "kv-shared-storage", body: clientChat, chunks: 2,
-			wantPrefill: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false,"max_tokens":1,"seed":12345678901234567890}`,
+			wantPrefill: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false,"max_tokens":1,"seed":12345678901234567890,"min_tokens":1}`,
 			wantDecode: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},` +
 				`"max_tokens":50,"seed":12345678901234567890}`,
 		},

@@ -82,7 +82,7 @@ func FuzzLegs(f *testing.F) {
 		var capsInner []func(map[string]any)
 		switch a {
 		case api.Chat:
-			capsFields = map[string]any{"stream": false, "stream_options": nil, "max_tokens": one, "min_tokens": nil, "min_completion_tokens": nil}
+			capsFields = map[string]any{"stream": false, "stream_options": nil, "max_tokens": one, "min_tokens": one, "min_completion_tokens": nil}
 			if _, ok := client["max_completion_tokens"]; ok {
 				capsFields["max_completion_tokens"] = one
 			}
@@ -92,7 +92,7 @@ func FuzzLegs(f *testing.F) {
 			capsFields = map[string]any{"stream": false, "stream_options": nil}
 			capsInner = append(capsInner, func(m map[string]any) {
 				setIn(m, []string{"sampling_params"}, "max_tokens", one)
-				deleteIn(m, []string{"sampling_params"}, "min_tokens")
+				setIn(m, []string{"sampling_params"}, "min_tokens", one)
 			})
 		}
 		sharedPrefill := with(capsFields, capsInner...)

@@ -78,7 +78,7 @@ func TestLegBodies(t *testing.T) {
 		// client's body plus the prefill's answer.
 		{
 			name: "nixl/chat/stream", connector: NIXL, in: chatStream,
-			prefill: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":false,"max_completion_tokens":1,` +
+			prefill: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":false,"max_completion_tokens":1,"min_tokens":1,` +
 				`"seed":98765432109876543210,"kv_transfer_params":` + nixlAsk + `,"temperature":0.7,"max_tokens":1}`,
 			decode: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":true,"stream_options":{"include_usage":true},` +
 				`"max_completion_tokens":256,"min_tokens":8,"seed":98765432109876543210,"kv_transfer_params":` + prefillAnswer +
@@ -86,21 +86,21 @@ func TestLegBodies(t *testing.T) {
 		},
 		{
 			name: "nixl/chat/no-stream", connector: NIXL, in: chatNoStream,
-			prefill: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":false,"max_tokens":1,` +
+			prefill: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":false,"max_tokens":1,"min_tokens":1,` +
 				`"seed":98765432109876543210,"kv_transfer_params":` + nixlAsk + `}`,
 			decode: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":false,"max_tokens":256,"min_tokens":8,` +
 				`"seed":98765432109876543210,"kv_transfer_params":` + prefillAnswer + `}`,
 		},
 		{
 			name: "nixl/completions/stream", connector: NIXL, in: completionsStream,
-			prefill: `{"model":"m","prompt":"Once upon","stream":false,"max_tokens":1,"seed":98765432109876543210,` +
+			prefill: `{"model":"m","prompt":"Once upon","stream":false,"max_tokens":1,"min_tokens":1,"seed":98765432109876543210,` +
 				`"kv_transfer_params":` + nixlAsk + `}`,
 			decode: `{"model":"m","prompt":"Once upon","stream":true,"stream_options":{"include_usage":true},"max_tokens":64,` +
 				`"min_tokens":2,"seed":98765432109876543210,"kv_transfer_params":` + prefillAnswer + `}`,
 		},
 		{
 			name: "nixl/completions/no-stream", connector: NIXL, in: completionsNoStream,
-			prefill: `{"model":"m","prompt":[1,2,3],"stream":false,"seed":98765432109876543210,` +
+			prefill: `{"model":"m","prompt":[1,2,3],"stream":false,"min_tokens":1,"seed":98765432109876543210,` +
 				`"kv\u005ftransfer_params":` + nixlAsk + `,"max_tokens":1}`,
 			decode: `{"model":"m","prompt":[1,2,3],"stream":false,"min_tokens":1,"seed":98765432109876543210,` +
 				`"kv\u005ftransfer_params":` + prefillAnswer + `}`,
@@ -108,27 +108,27 @@ func TestLegBodies(t *testing.T) {
 		// kv-shared-storage: prefill capped, nothing about the handoff in either body.
 		{
 			name: "shared-storage/chat/stream", connector: SharedStorage, in: chatStream,
-			prefill: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":false,"max_completion_tokens":1,` +
+			prefill: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":false,"max_completion_tokens":1,"min_tokens":1,` +
 				`"seed":98765432109876543210,"temperature":0.7,"max_tokens":1}`,
 			decode: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":true,"stream_options":{"include_usage":true},` +
 				`"max_completion_tokens":256,"min_tokens":8,"seed":98765432109876543210,"temperature":0.7}`,
 		},
 		{
 			name: "shared-storage/chat/no-stream", connector: SharedStorage, in: chatNoStream,
-			prefill: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":false,"max_tokens":1,` +
+			prefill: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":false,"max_tokens":1,"min_tokens":1,` +
 				`"seed":98765432109876543210}`,
 			decode: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":false,"max_tokens":256,"min_tokens":8,` +
 				`"seed":98765432109876543210}`,
 		},
 		{
 			name: "shared-storage/completions/stream", connector: SharedStorage, in: completionsStream,
-			prefill: `{"model":"m","prompt":"Once upon","stream":false,"max_tokens":1,"seed":98765432109876543210}`,
+			prefill: `{"model":"m","prompt":"Once upon","stream":false,"max_tokens":1,"min_tokens":1,"seed":98765432109876543210}`,
 			decode: `{"model":"m","prompt":"Once upon","stream":true,"stream_options":{"include_usage":true},"max_tokens":64,` +
 				`"min_tokens":2,"seed":98765432109876543210}`,
 		},
 		{
 			name: "shared-storage/completions/no-stream", connector: SharedStorage, in: completionsNoStream,
-			prefill: `{"model":"m","prompt":[1,2,3],"stream":false,"seed":98765432109876543210,"max_tokens":1}`,
+			prefill: `{"model":"m","prompt":[1,2,3],"stream":false,"min_tokens":1,"seed":98765432109876543210,"max_tokens":1}`,
 			decode:  `{"model":"m","prompt":[1,2,3],"stream":false,"min_tokens":1,"seed":98765432109876543210}`,
 		},
 		// kv-sglang: the same body on both legs, prefill not capped, our bootstrap
@@ -184,14 +184,14 @@ func TestLegBodies(t *testing.T) {
 		// the client's in both places gone.
 		{
 			name: "nixl/generate/no-stream", connector: NIXL, api: api.Generate, in: generateNoStream,
-			prefill: `{"token_ids":[1,2,3],"sampling_params":{"max_tokens":1,"seed":98765432109876543210,"extra_args":{"kv_transfer_params":` +
+			prefill: `{"token_ids":[1,2,3],"sampling_params":{"max_tokens":1,"min_tokens":1,"seed":98765432109876543210,"extra_args":{"kv_transfer_params":` +
 				nixlAsk + `,"other":1}},"stream":false}`,
 			decode: `{"token_ids":[1,2,3],"sampling_params":{"max_tokens":64,"min_tokens":8,"seed":98765432109876543210,"extra_args":{"kv_transfer_params":` +
 				prefillAnswer + `,"other":1}},"stream":false}`,
 		},
 		{
 			name: "shared-storage/generate/no-stream", connector: SharedStorage, api: api.Generate, in: generateNoStream,
-			prefill: `{"token_ids":[1,2,3],"sampling_params":{"max_tokens":1,"seed":98765432109876543210,"extra_args":{"other":1}},"stream":false}`,
+			prefill: `{"token_ids":[1,2,3],"sampling_params":{"max_tokens":1,"min_tokens":1,"seed":98765432109876543210,"extra_args":{"other":1}},"stream":false}`,
 			decode:  `{"token_ids":[1,2,3],"sampling_params":{"max_tokens":64,"min_tokens":8,"seed":98765432109876543210,"extra_args":{"other":1}},"stream":false}`,
 		},
 		// SGLang's native generate: the bootstrap fields at the top level, as on chat.

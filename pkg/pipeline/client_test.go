@@ -46,7 +46,7 @@ func TestPrefillLegSpeaksHTTP2CleartextWhenAsked(t *testing.T) {
 					t.Errorf("the engine saw HTTP/%d, want HTTP/%d", got, tt.wantProto)
 				}
 				leg := `{"model":"m","prompt":"` + prompt + `","kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,` +
-					`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null},"stream":false,"max_tokens":1}`
+					`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null},"stream":false,"max_tokens":1,"min_tokens":1}`
 				if got, want := got.Load(), fmt.Sprintf("%d %s", len(leg), leg); got != want {
 					t.Errorf("the engine read Content-Length and body\n%.200s\nwant\n%.200s", got, want)
 				}
