@@ -107,6 +107,11 @@ func (p *Proxy) Upstreams() []string {
 	return append([]string(nil), p.upstreams...)
 }
 
+// RemoveExtProcEndpoint takes an ext_proc endpoint out of the rotation, as
+// Envoy drops a host its cluster's DNS or EDS no longer lists: the next
+// streams go to the others, the ones on it run on.
+func (p *Proxy) RemoveExtProcEndpoint(addr string) error { return p.extProc.remove(addr) }
+
 // ClusterStats returns the circuit-breaker counters of every cluster that saw
 // a request, the ext_proc cluster under its name in the config.
 func (p *Proxy) ClusterStats() map[string]ClusterStats {

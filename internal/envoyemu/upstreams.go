@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -18,6 +19,8 @@ import (
 type extProcCluster struct {
 	conns     []*grpc.ClientConn
 	clients   []extprocv3.ExternalProcessorClient
+	addrs     []string
+	rotation  atomic.Pointer[[]extprocv3.ExternalProcessorClient] // the clients of the endpoints listed
 	next      atomic.Uint64
 	resources *resources
 	stop      context.CancelFunc // ends the watch of its TLS files
@@ -56,15 +59,39 @@ func newExtProcCluster(addrs []string, cl *Cluster, mounts map[string]string, lo
 		}
 		c.conns = append(c.conns, conn)
 		c.clients = append(c.clients, extprocv3.NewExternalProcessorClient(conn))
+		c.addrs = append(c.addrs, a)
 	}
+	rotation := slices.Clone(c.clients)
+	c.rotation.Store(&rotation)
 	return c, nil
 }
 
 // pick is Envoy's default ROUND_ROBIN load balancer over the endpoints. Envoy
 // keeps one rotation per worker thread; the emulator has one in all. Health
-// checks are not modelled: every endpoint stays in the rotation.
+// checks are not modelled: an endpoint leaves the rotation only when removed.
 func (c *extProcCluster) pick() extprocv3.ExternalProcessorClient {
-	return c.clients[(c.next.Add(1)-1)%uint64(len(c.clients))]
+	rotation := *c.rotation.Load()
+	return rotation[(c.next.Add(1)-1)%uint64(len(rotation))]
+}
+
+// remove takes the endpoint at addr out of the rotation, as Envoy drops a
+// host that DNS or EDS stops listing (a pod being deleted): no new stream
+// goes to it, and the streams on it run on over its connection.
+func (c *extProcCluster) remove(addr string) error {
+	i := slices.Index(c.addrs, addr)
+	for {
+		old := c.rotation.Load()
+		if i < 0 || !slices.Contains(*old, c.clients[i]) {
+			return fmt.Errorf("ext_proc endpoint %s is not in the rotation", addr)
+		}
+		if len(*old) == 1 {
+			return fmt.Errorf("ext_proc endpoint %s is the last one", addr)
+		}
+		rotation := slices.DeleteFunc(slices.Clone(*old), func(x extprocv3.ExternalProcessorClient) bool { return x == c.clients[i] })
+		if c.rotation.CompareAndSwap(old, &rotation) {
+			return nil
+		}
+	}
 }
 
 func (c *extProcCluster) close() error {
