@@ -4,11 +4,14 @@ import "github.com/prometheus/client_golang/prometheus"
 
 // EndpointState is one engine endpoint as seen at one moment.
 type EndpointState struct {
-	Pool      string // pool name: prefill or decode
-	Endpoint  string // ip:port, from the configuration, so the label set stays bounded
-	InFlight  int64
-	Healthy   bool
-	Ejections uint64 // times taken out of rotation since the endpoint was added
+	Pool     string // pool name: prefill or decode
+	Endpoint string // ip:port, from the configuration, so the label set stays bounded
+	InFlight int64
+	Healthy  bool
+	// CheckedDown says the active checks find it down; an endpoint that only
+	// failed requests is not Healthy but not CheckedDown.
+	CheckedDown bool
+	Ejections   uint64 // times taken out of rotation since the endpoint was added
 	// Scraped says the engine's own load below is fresh (pools.<pool>.metrics).
 	Scraped bool
 	Waiting float64 // requests queued in the engine

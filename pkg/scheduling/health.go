@@ -85,6 +85,16 @@ func (e *Endpoint) Healthy() bool {
 	return !h.probing
 }
 
+// CheckedDown reports whether the active checks find the endpoint down.
+func (e *Endpoint) CheckedDown() bool {
+	if !e.troubled.Load() {
+		return false
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.health.activeDown
+}
+
 // claimProbe makes the caller the probe of a half-open endpoint.
 func (e *Endpoint) claimProbe() bool {
 	now := e.cfg().now()

@@ -42,9 +42,15 @@ func (c *fakeClock) Advance(d time.Duration) {
 // candidates.
 func testPool(t *testing.T, s config.PoolScheduling, addrs ...string) (*Pool, *fakeClock) {
 	t.Helper()
+	return testPoolNamed(t, "decode", s, addrs...)
+}
+
+// testPoolNamed is testPool for the pool of that name, prefill or decode.
+func testPoolNamed(t *testing.T, name string, s config.PoolScheduling, addrs ...string) (*Pool, *fakeClock) {
+	t.Helper()
 	clock := newFakeClock()
 	spec := PoolSpec{Endpoints: addrs, PoolScheduling: s}
-	return newPool("decode", true, spec, Deps{Now: clock.Now, intn: func(int) int { return 0 }}), clock
+	return newPool(name, name == "decode", spec, Deps{Now: clock.Now, intn: func(int) int { return 0 }}), clock
 }
 
 // promptRequest is a completions request for prompt, read as the pipeline
@@ -86,5 +92,12 @@ func eject(p *Pool, addrs ...string) {
 		for range config.DefaultConsecutiveFailures {
 			byAddr(p, a).ReportFailure()
 		}
+	}
+}
+
+// checkDown marks addrs down, as a failed active health check does.
+func checkDown(p *Pool, addrs ...string) {
+	for _, a := range addrs {
+		byAddr(p, a).setActive(false)
 	}
 }

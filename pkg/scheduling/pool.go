@@ -38,8 +38,10 @@ type PoolSpec struct {
 type Pool struct {
 	Name string
 	deps Deps
-	// hinted: the endpoint-picker subset hint applies (see NewPools).
-	hinted bool
+	// decode: the decode pool, which follows the endpoint-picker subset
+	// hint (see NewPools), and which, when passive health has ejected every
+	// candidate, still routes among them rather than fail (candidates).
+	decode bool
 	probe  probe // how checks and scrapes reach the engines (see NewPools)
 
 	mu       sync.Mutex // serialises changes
@@ -60,8 +62,8 @@ type poolState struct {
 	changed   chan struct{} // closed when the next generation replaces this one
 }
 
-func newPool(name string, hinted bool, spec PoolSpec, deps Deps) *Pool {
-	p := &Pool{Name: name, deps: deps.withDefaults(), hinted: hinted}
+func newPool(name string, decode bool, spec PoolSpec, deps Deps) *Pool {
+	p := &Pool{Name: name, deps: deps.withDefaults(), decode: decode}
 	p.probe = p.deps.probe(roleUnknown, nil, true)
 	p.Update(spec)
 	return p
@@ -104,13 +106,14 @@ func (p *Pool) SelectN(req *Request, n int, exclude ...string) ([]*Endpoint, err
 	return append([]*Endpoint{first}, rest[:min(len(rest), n-1)]...), nil
 }
 
-// Ready reports whether some endpoint could take a request now.
+// Ready reports whether some endpoint could take a request now: a healthy
+// one, or in the decode pool one that only passive health keeps out.
 func (p *Pool) Ready() bool {
 	if p == nil {
 		return false
 	}
 	for _, e := range p.state.Load().endpoints {
-		if e.Healthy() {
+		if e.Healthy() || p.decode && !e.CheckedDown() {
 			return true
 		}
 	}
@@ -122,10 +125,11 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 		return nil, fmt.Errorf("%s: %w", p.Name, ErrEmpty)
 	}
 	var subset Subset
-	if req != nil && p.hinted {
+	if req != nil && p.decode {
 		subset = req.Subset
 	}
 	out := make([]*Endpoint, 0, len(st.endpoints))
+	var ejected []*Endpoint // kept out by passive health alone
 	allowed, untried := 0, 0
 	for _, e := range st.endpoints {
 		if !subset.Allows(e.Addr) {
@@ -136,8 +140,11 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 			continue
 		}
 		untried++
-		if e.Healthy() {
+		switch {
+		case e.Healthy():
 			out = append(out, e)
+		case !e.CheckedDown():
+			ejected = append(ejected, e)
 		}
 	}
 	switch {
@@ -145,6 +152,12 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 		return nil, fmt.Errorf("%s: %w", p.Name, ErrSubset)
 	case untried == 0:
 		return nil, fmt.Errorf("%s: %w", p.Name, ErrTried)
+	case len(out) == 0 && p.decode && len(ejected) > 0:
+		// Envoy's panic routing: failed requests alone never leave the decode
+		// pool empty (a client whose requests make every engine answer 5xx,
+		// engines overloaded for a moment), for it has no other way to serve;
+		// the prefill pool has, decode-only.
+		return ejected, nil
 	case len(out) == 0:
 		return nil, fmt.Errorf("%s: %w", p.Name, ErrUnhealthy)
 	}

@@ -56,38 +56,54 @@ func TestAcquireReleaseIsIdempotent(t *testing.T) {
 	}
 }
 
+// Failed requests (passive health) never empty the decode pool: with every
+// candidate ejected it still routes among them, as Envoy's panic routing
+// does, where the prefill pool says none is healthy (the request then goes
+// decode-only). Only the active checks take the last decode endpoint out.
 func TestSelectSaysWhyThereIsNoEndpoint(t *testing.T) {
 	tests := []struct {
-		name    string
-		addrs   []string
-		ejected []string
-		exclude []string
-		wantErr error
+		name      string
+		addrs     []string
+		ejected   []string // by failed requests
+		down      []string // by failed active checks
+		exclude   []string
+		wantErr   error // in both pools, unless wantPanic
+		wantPanic bool  // the decode pool picks b, ejected; the prefill pool says ErrUnhealthy
 	}{
 		{name: "empty pool", wantErr: ErrEmpty},
 		{name: "all tried", addrs: []string{"a", "b"}, exclude: []string{"a", "b"}, wantErr: ErrTried},
-		{name: "all ejected", addrs: []string{"a", "b"}, ejected: []string{"a", "b"}, wantErr: ErrUnhealthy},
-		{name: "the untried one is ejected", addrs: []string{"a", "b"}, ejected: []string{"b"}, exclude: []string{"a"}, wantErr: ErrUnhealthy},
+		{name: "all ejected", addrs: []string{"b"}, ejected: []string{"b"}, wantPanic: true},
+		{name: "the untried one is ejected", addrs: []string{"a", "b"}, ejected: []string{"b"}, exclude: []string{"a"}, wantPanic: true},
+		{name: "the ejected one left, the other checked down", addrs: []string{"a", "b"}, ejected: []string{"b"}, down: []string{"a"}, wantPanic: true},
+		{name: "all checked down", addrs: []string{"a", "b"}, down: []string{"a", "b"}, wantErr: ErrUnhealthy},
 		{name: "one healthy left", addrs: []string{"a", "b"}, ejected: []string{"a"}},
 	}
 	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			p, _ := testPool(t, policy(""), tt.addrs...)
-			eject(p, tt.ejected...)
-			e, err := p.Select(nil, tt.exclude...)
-			if !errors.Is(err, tt.wantErr) {
-				t.Fatalf("Select() error = %v, want %v", err, tt.wantErr)
-			}
-			if err == nil && e.Addr != "b" {
-				t.Fatalf("Select() = %s, want the healthy b", e.Addr)
-			}
-			if err != nil && e != nil {
-				t.Fatal("Select() returned an endpoint with an error")
-			}
-			if p.Ready() != (len(tt.addrs) > len(tt.ejected)) {
-				t.Errorf("Ready() = %v with %d of %d ejected", p.Ready(), len(tt.ejected), len(tt.addrs))
-			}
-		})
+		for _, pool := range []string{"prefill", "decode"} {
+			t.Run(tt.name+"/"+pool, func(t *testing.T) {
+				p, _ := testPoolNamed(t, pool, policy(""), tt.addrs...)
+				eject(p, tt.ejected...)
+				checkDown(p, tt.down...)
+				wantErr := tt.wantErr
+				if tt.wantPanic && pool == "prefill" {
+					wantErr = ErrUnhealthy
+				}
+				e, err := p.Select(nil, tt.exclude...)
+				if !errors.Is(err, wantErr) {
+					t.Fatalf("Select() error = %v, want %v", err, wantErr)
+				}
+				if err == nil && e.Addr != "b" {
+					t.Fatalf("Select() = %s, want b", e.Addr)
+				}
+				if err != nil && e != nil {
+					t.Fatal("Select() returned an endpoint with an error")
+				}
+				wantReady := len(tt.addrs) > len(tt.ejected)+len(tt.down) || pool == "decode" && len(tt.ejected) > 0
+				if p.Ready() != wantReady {
+					t.Errorf("Ready() = %v with %d of %d ejected and %d checked down, want %v", p.Ready(), len(tt.ejected), len(tt.addrs), len(tt.down), wantReady)
+				}
+			})
+		}
 	}
 }
 
@@ -190,7 +206,7 @@ func TestAttempts(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			p, _ := testPool(t, policy(""), tt.addrs...)
+			p, _ := testPoolNamed(t, "prefill", policy(""), tt.addrs...) // the prefill leg's attempts
 			eject(p, tt.ejected...)
 			att := p.Attempts(nil, tt.budget)
 			var got []string

@@ -46,7 +46,8 @@ func TestSelectHonoursTheSubsetHint(t *testing.T) {
 	tests := []struct {
 		name    string
 		hint    any
-		ejected []string
+		ejected []string // by failed requests: still routed to when nothing else is
+		down    []string // by failed active checks
 		want    []string // acceptable picks; nil means an error
 		wantErr error
 	}{
@@ -55,12 +56,14 @@ func TestSelectHonoursTheSubsetHint(t *testing.T) {
 		{name: "unknown endpoints in the hint are ignored", hint: []any{"10.9.9.9:8000", "10.0.0.2:8000"}, want: []string{"10.0.0.2:8000"}},
 		{name: "empty hint", hint: []any{}, wantErr: ErrSubset},
 		{name: "none of ours", hint: "10.9.9.9:8000", wantErr: ErrSubset},
-		{name: "the allowed one is ejected", hint: "10.0.0.1:8000", ejected: []string{"10.0.0.1:8000"}, wantErr: ErrUnhealthy},
+		{name: "the allowed one is ejected", hint: "10.0.0.1:8000", ejected: []string{"10.0.0.1:8000"}, want: []string{"10.0.0.1:8000"}},
+		{name: "the allowed one is checked down", hint: "10.0.0.1:8000", down: []string{"10.0.0.1:8000"}, wantErr: ErrUnhealthy},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p, _ := testPool(t, policy(""), addrs...)
 			eject(p, tt.ejected...)
+			checkDown(p, tt.down...)
 			req := promptRequest("hello")
 			req.Subset = ParseSubset(tt.hint)
 			for range 20 {

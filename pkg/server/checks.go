@@ -18,18 +18,29 @@ type check struct {
 // each discovered pool's sync state and API server reachability. An
 // unreachable API server is reported but passes: the pool serves on with the
 // endpoints it last had.
+//
+// The decode pool passes with a healthy endpoint, or one that only failed
+// requests keep out: the pool still routes among those (Envoy's panic
+// routing), and every replica sees the same engines, so turning them all
+// unready would only take the service away, and bring it back late.
 func (r *readiness) checks() []check {
-	healthy, total := 0, 0
+	healthy, ejected, total := 0, 0, 0
 	for _, e := range r.endpoints() {
 		if e.Pool == r.pool {
 			total++
-			if e.Healthy {
+			switch {
+			case e.Healthy:
 				healthy++
+			case !e.CheckedDown:
+				ejected++
 			}
 		}
 	}
-	out := []check{{name: r.pool + " pool", ok: healthy > 0, detail: fmt.Sprintf("%d of %d endpoints healthy", healthy, total)}}
-	if healthy == 0 {
+	out := []check{{name: r.pool + " pool", ok: healthy+ejected > 0, detail: fmt.Sprintf("%d of %d endpoints healthy", healthy, total)}}
+	switch {
+	case healthy == 0 && ejected > 0:
+		out[0].detail = fmt.Sprintf("every endpoint failed requests; routing among the %d no active check finds down (%s)", ejected, out[0].detail)
+	case healthy == 0:
 		out[0].detail = "no healthy decode endpoint (" + out[0].detail + ")"
 	}
 	if r.discovery == nil {

@@ -11,7 +11,7 @@ func poolStates(pools ...*scheduling.Pool) func() []metrics.EndpointState {
 		var out []metrics.EndpointState
 		for _, p := range pools {
 			for _, e := range p.Endpoints() {
-				st := metrics.EndpointState{Pool: p.Name, Endpoint: e.Addr, InFlight: e.InFlight(), Healthy: e.Healthy(), Ejections: e.Ejections(),
+				st := metrics.EndpointState{Pool: p.Name, Endpoint: e.Addr, InFlight: e.InFlight(), Healthy: e.Healthy(), CheckedDown: e.CheckedDown(), Ejections: e.Ejections(),
 					CacheTrusted: e.CacheTrusted()}
 				if l, ok := e.Load(); ok {
 					st.Scraped, st.Waiting, st.KVUsage = true, l.Waiting, l.KVUsage

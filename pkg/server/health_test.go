@@ -21,12 +21,12 @@ const extProcService = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 // fakePools stands in for pkg/scheduling's endpoint state: one prefill and one
 // decode endpoint whose health the test sets.
-type fakePools struct{ decodeHealthy atomic.Bool }
+type fakePools struct{ decodeHealthy, decodeCheckedDown atomic.Bool }
 
 func (f *fakePools) endpoints() []metrics.EndpointState {
 	return []metrics.EndpointState{
 		{Pool: "prefill", Endpoint: "10.0.0.1:8000", Healthy: true},
-		{Pool: "decode", Endpoint: decodeEP, Healthy: f.decodeHealthy.Load()},
+		{Pool: "decode", Endpoint: decodeEP, Healthy: f.decodeHealthy.Load(), CheckedDown: f.decodeCheckedDown.Load()},
 	}
 }
 
@@ -57,20 +57,24 @@ func TestReadinessFollowsTheDecodePool(t *testing.T) {
 	r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {decode: {endpoints: [%q]}}", decodeEP),
 		Options{Endpoints: pools.endpoints, HealthInterval: time.Millisecond}, logr.Discard())
 
+	// In turn, each a change the poller must notice.
 	tests := []struct {
-		name          string
-		decodeHealthy bool
-		wantGRPC      healthpb.HealthCheckResponse_ServingStatus
-		wantReadyz    int
-		wantGauge     float64
+		name                 string
+		healthy, checkedDown bool
+		wantGRPC             healthpb.HealthCheckResponse_ServingStatus
+		wantReadyz           int
+		wantGauge            float64
 	}{
-		{"healthy decode endpoint", true, healthpb.HealthCheckResponse_SERVING, http.StatusOK, 1},
-		{"no healthy decode endpoint", false, healthpb.HealthCheckResponse_NOT_SERVING, http.StatusServiceUnavailable, 0},
-		{"decode endpoint recovered", true, healthpb.HealthCheckResponse_SERVING, http.StatusOK, 1},
+		{"healthy decode endpoint", true, false, healthpb.HealthCheckResponse_SERVING, http.StatusOK, 1},
+		{"the decode endpoint checked down", false, true, healthpb.HealthCheckResponse_NOT_SERVING, http.StatusServiceUnavailable, 0},
+		// Ejected by failed requests alone: the decode pool still routes to it.
+		{"the decode endpoint ejected", false, false, healthpb.HealthCheckResponse_SERVING, http.StatusOK, 0},
+		{"decode endpoint recovered", true, false, healthpb.HealthCheckResponse_SERVING, http.StatusOK, 1},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			pools.decodeHealthy.Store(tt.decodeHealthy)
+			pools.decodeHealthy.Store(tt.healthy)
+			pools.decodeCheckedDown.Store(tt.checkedDown)
 			for _, svc := range []string{"", extProcService} {
 				awaitHealth(t, r.health, svc, tt.wantGRPC)
 				resp, err := r.health.Check(context.Background(), &healthpb.HealthCheckRequest{Service: svc})

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -56,4 +57,37 @@ func TestReadinessFollowsTheDecodePool(t *testing.T) {
 	eventually("NOT_SERVING", http.StatusServiceUnavailable)
 	startDecode(addr) // the engine comes back on the same address
 	eventually("SERVING", http.StatusOK)
+}
+
+// TestFailedRequestsDoNotEmptyTheDecodePool: requests that make every decode
+// engine answer 500 (a client's input, engines overloaded for a moment) eject
+// every decode endpoint, yet the decode pool still routes among them, as
+// Envoy's panic routing does, and extproc stays ready: the next request is
+// served, rather than refused until the ejections end with every replica,
+// which sees the same engines, unready and out of its Service meanwhile.
+func TestFailedRequestsDoNotEmptyTheDecodePool(t *testing.T) {
+	r := startRig(t, rigOptions{decodePool: "health: {consecutive_failures: 1, base_ejection: 1m}"})
+	for _, d := range r.decode {
+		d.SetFaults(pdsim.Faults{FailStatus: http.StatusInternalServerError})
+	}
+	for i := range 2 * len(r.decode) {
+		path, body := request("chat", false, fmt.Sprintf("fails %d", i))
+		r.must(t, path, body, nil)
+	}
+	for _, d := range r.decode {
+		if v := r.metric(t, fmt.Sprintf(`pd_extproc_endpoint_healthy{endpoint=%q,pool="decode"}`, d.Addr())); v != 0 {
+			t.Fatalf("decode endpoint %s healthy = %v after answering 500, want ejected", d.Addr(), v)
+		}
+		d.SetFaults(pdsim.Faults{})
+	}
+	resp, err := http.Get("http://" + r.extproc.AdminAddr + "/readyz?verbose") // its checks as they are now
+	if err != nil {
+		t.Fatal(err)
+	}
+	text, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(text), "[+]decode pool") {
+		t.Errorf("/readyz?verbose with every decode endpoint ejected = %d %q, want ready: the pool routes among them", resp.StatusCode, text)
+	}
+	r.healthy(t, "with every decode endpoint ejected")
 }
