@@ -74,6 +74,15 @@ func checkBreakers(c *clusterv3.Cluster, role string, limits serviceLimits, r *r
 	}
 }
 
+// checkHostRemoval: a replica that DNS stops listing must leave at once. With active health
+// checks Envoy keeps a removed host while it passes them, unless ignore_health_on_host_removal
+// is set, and a stopping pod passes them through its preStop sleep (README "Upgrading").
+func checkHostRemoval(c *clusterv3.Cluster, r *report) {
+	if len(c.GetHealthChecks()) > 0 && !c.GetIgnoreHealthOnHostRemoval() {
+		r.errorf("ext_proc cluster %q has health_checks without ignore_health_on_host_removal: a pod being deleted keeps its new streams until it stops listening, and they fail", c.GetName())
+	}
+}
+
 // http2MaxStreams is the HTTP/2 max_concurrent_streams a cluster sets, or Envoy's default.
 func http2MaxStreams(c *clusterv3.Cluster) uint64 {
 	if v := http2Options(c).GetMaxConcurrentStreams(); v != nil {

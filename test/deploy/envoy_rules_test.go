@@ -350,6 +350,7 @@ func (m *envoyModel) checkExtProc(where string, ep extProcUse, limits serviceLim
 			r.errorf("%s: cluster %q is not HTTP/2, but gRPC needs HTTP/2 (set typed_extension_protocol_options %s explicit_http_config.http2_protocol_options)", where, g.GetClusterName(), httpProtocolOptionsKey)
 		default:
 			checkBreakers(c, "ext_proc", limits, r)
+			checkHostRemoval(c, r)
 		}
 	} else if cfg.GetGrpcService().GetGoogleGrpc() == nil {
 		r.errorf("%s: no grpc_service; pd-extproc speaks gRPC", where)

@@ -383,6 +383,14 @@ func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
 			wants: []string{"max_requests 1024 is below 10000", "max_connections 1024 is below 10000", "not above limits.max_concurrent_streams 1024"},
 		},
 		{
+			name: "ext_proc replicas kept after DNS drops them",
+			brk: forEachExtProcCluster(func(c map[string]any) bool {
+				delete(c, "ignore_health_on_host_removal")
+				return c["health_checks"] != nil
+			}),
+			wants: []string{"health_checks without ignore_health_on_host_removal"},
+		},
+		{
 			name: "ext_proc HTTP/2 connections that cannot carry the streams",
 			brk: forEachExtProcCluster(func(c map[string]any) bool {
 				h2, _ := dig(c, "typed_extension_protocol_options", httpProtocolOptionsKey, "explicit_http_config", "http2_protocol_options").(map[string]any)
