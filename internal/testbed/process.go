@@ -140,6 +140,13 @@ func (p *Process) Stop() {
 	}
 }
 
+// Signal sends the child sig, without waiting for it.
+func (p *Process) Signal(sig os.Signal) error { return p.cmd.Process.Signal(sig) }
+
+// ExitCode is the child's exit status once Exited is closed, -1 when a
+// signal ended it.
+func (p *Process) ExitCode() int { return p.cmd.ProcessState.ExitCode() }
+
 // Kill ends the child at once (SIGKILL: no graceful drain) and waits for it.
 func (p *Process) Kill() {
 	p.cmd.Process.Kill()

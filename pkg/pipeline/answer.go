@@ -127,7 +127,7 @@ func (p *Pipeline) checkRemoteHost(params []byte, prefill, decode, requestID str
 	p.metrics.KVParamsSuspect()
 	if _, logged := p.suspects.LoadOrStore(prefill, true); !logged {
 		p.log.Info("the prefill engine hands out a kv_transfer_params.remote_host that the decode engine, on another host, cannot reach: "+
-			"its KV will be recomputed; set VLLM_NIXL_SIDE_CHANNEL_HOST on the prefill engine to an address the decode engines reach (logged once per prefill endpoint)",
+			"its pull fails, and the request with it (or the prompt is recomputed, under kv_load_failure_policy recompute); set VLLM_NIXL_SIDE_CHANNEL_HOST on the prefill engine to an address the decode engines reach (logged once per prefill endpoint)",
 			"prefill", prefill, "remote_host", host, "decode", decode, "requestID", requestID)
 	}
 	return true

@@ -15,6 +15,40 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
+// The decode pool's check passes while the pool has an endpoint to route to:
+// a healthy one, or one that only failed requests keep out (the pool routes
+// among those); only endpoints the active checks find down, or none at all,
+// fail it.
+func TestReadinessNamesTheDecodePoolState(t *testing.T) {
+	ep := func(healthy, checkedDown bool) metrics.EndpointState {
+		return metrics.EndpointState{Pool: "decode", Endpoint: "10.0.0.2:8000", Healthy: healthy, CheckedDown: checkedDown}
+	}
+	tests := []struct {
+		name      string
+		endpoints []metrics.EndpointState
+		wantCode  int
+		wantLine  string
+	}{
+		{"healthy", []metrics.EndpointState{ep(true, false)}, http.StatusOK, "[+]decode pool: 1 of 1 endpoints healthy"},
+		{"ejected by failed requests", []metrics.EndpointState{ep(false, false)}, http.StatusOK,
+			"[+]decode pool: every endpoint failed requests; routing among the 1 no active check finds down (0 of 1 endpoints healthy)"},
+		{"checked down", []metrics.EndpointState{ep(false, true)}, http.StatusServiceUnavailable,
+			"[-]decode pool: no healthy decode endpoint (0 of 1 endpoints healthy)"},
+		{"none", nil, http.StatusServiceUnavailable, "[-]decode pool: no healthy decode endpoint (0 of 0 endpoints healthy)"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newReadiness(health.NewServer(), "decode", func() []metrics.EndpointState { return tc.endpoints }, logr.Discard())
+			r.update()
+			rec := httptest.NewRecorder()
+			r.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/readyz?verbose", nil))
+			if rec.Code != tc.wantCode || !strings.Contains(rec.Body.String(), tc.wantLine) {
+				t.Errorf("/readyz?verbose = %d\n%s\nwant %d with %q", rec.Code, rec.Body, tc.wantCode, tc.wantLine)
+			}
+		})
+	}
+}
+
 func TestReadinessFollowsDiscovery(t *testing.T) {
 	healthy := func() []metrics.EndpointState {
 		return []metrics.EndpointState{{Pool: "decode", Endpoint: "10.0.0.2:8000", Healthy: true}}

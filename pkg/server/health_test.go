@@ -57,7 +57,7 @@ func TestReadinessFollowsTheDecodePool(t *testing.T) {
 	r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {decode: {endpoints: [%q]}}", decodeEP),
 		Options{Endpoints: pools.endpoints, HealthInterval: time.Millisecond}, logr.Discard())
 
-	// In turn, each a change the poller must notice.
+	// In turn: the first three each a change the poller must notice.
 	tests := []struct {
 		name                 string
 		healthy, checkedDown bool

@@ -81,7 +81,7 @@ func (r *readiness) update() {
 		r.health.SetServingStatus(svc, status) // ignored once draining: Shutdown is final
 	}
 	if up {
-		r.log.Info("ready: the decode pool has a healthy endpoint and every discovered pool has synced")
+		r.log.Info("ready: the decode pool has an endpoint to route to and every discovered pool has synced")
 	} else {
 		r.log.Info("not ready", "why", why)
 	}

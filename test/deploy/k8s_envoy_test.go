@@ -178,6 +178,7 @@ func TestEnvoyDrainsBeforeItStops(t *testing.T) {
 		name      string
 		active    []int // what each stats poll answers; the last repeats
 		noGauge   bool  // the stats answer lacks the gauge
+		status    int   // the stats answer's status, when not 200
 		down      bool  // no admin interface: Envoy is gone already
 		maxWait   string
 		wantPolls int // at least
@@ -186,6 +187,7 @@ func TestEnvoyDrainsBeforeItStops(t *testing.T) {
 		{name: "nothing in flight", active: []int{0}, maxWait: "60", wantPolls: 1},
 		{name: "stops waiting at DRAIN_MAX_SECONDS", active: []int{5}, maxWait: "2", wantPolls: 1},
 		{name: "an answer without the gauge is not a 0", active: []int{0}, noGauge: true, maxWait: "3", wantPolls: 2},
+		{name: "an answer that is not a 200 is not a 0", active: []int{0}, status: http.StatusServiceUnavailable, maxWait: "3", wantPolls: 2},
 		{name: "Envoy gone", down: true, maxWait: "60"},
 	}
 	for _, tc := range tests {
@@ -206,6 +208,9 @@ func TestEnvoyDrainsBeforeItStops(t *testing.T) {
 				defer mu.Unlock()
 				calls = append(calls, r.Method+" "+r.URL.RequestURI())
 				if r.URL.Path == "/stats" {
+					if tc.status != 0 {
+						w.WriteHeader(tc.status)
+					}
 					fmt.Fprintln(w, "http.inference.downstream_cx_active: 1")
 					w.(http.Flusher).Flush()
 					if !tc.noGauge {
@@ -240,7 +245,7 @@ func TestEnvoyDrainsBeforeItStops(t *testing.T) {
 			if len(calls) == 0 || calls[0] != "POST /drain_listeners?graceful" || polls < tc.wantPolls {
 				t.Errorf("admin calls %q (%d polls); want POST /drain_listeners?graceful first, then at least %d polls of downstream_rq_active", calls, polls, tc.wantPolls)
 			}
-			if last := tc.active[len(tc.active)-1]; last == 0 && !tc.noGauge && polls != len(tc.active) {
+			if last := tc.active[len(tc.active)-1]; last == 0 && !tc.noGauge && tc.status == 0 && polls != len(tc.active) {
 				t.Errorf("%d polls for %v: the hook must stop at the first 0", polls, tc.active)
 			}
 		})
