@@ -16,6 +16,11 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
+// idleConnTimeout closes a connection to an engine before the engine does:
+// vLLM and SGLang close one idle for 5 s (uvicorn's timeout_keep_alive), and
+// a leg sent on one as it closes fails, a POST not being retried.
+const idleConnTimeout = 4 * time.Second
+
 // Client returns the HTTP client for prefill legs and the URL scheme it
 // speaks: a keep-alive pool per endpoint (prefill.max_idle_conns_per_endpoint),
 // at most prefill.max_conns_per_endpoint connections to each, no environment
@@ -29,7 +34,7 @@ func Client(cfg config.Prefill) (*http.Client, string, error) {
 		MaxIdleConns:        4 * cfg.MaxIdleConnsPerEndpoint,
 		MaxIdleConnsPerHost: cfg.MaxIdleConnsPerEndpoint,
 		MaxConnsPerHost:     cfg.MaxConnsPerEndpoint,
-		IdleConnTimeout:     90 * time.Second,
+		IdleConnTimeout:     idleConnTimeout,
 		DisableCompression:  true,
 		Protocols:           new(http.Protocols),
 	}

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
@@ -28,6 +29,9 @@ func TestClient(t *testing.T) {
 			c, scheme, err := Client(tt.cfg)
 			if err != nil {
 				t.Fatal(err)
+			}
+			if idle := c.Transport.(*http.Transport).IdleConnTimeout; idle <= 0 || idle >= 5*time.Second {
+				t.Errorf("idle connections kept %v: the engines close them at 5 s, and a leg sent as they do fails", idle)
 			}
 			p := c.Transport.(*http.Transport).Protocols
 			if scheme != tt.scheme || p.HTTP1() != tt.http1 || p.HTTP2() != tt.http2 || p.UnencryptedHTTP2() != tt.cleartext {

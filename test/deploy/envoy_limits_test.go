@@ -3,11 +3,13 @@ package deploy
 import (
 	"net/http"
 	"net/netip"
+	"time"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	upstreamhttpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
@@ -80,6 +82,25 @@ func checkBreakers(c *clusterv3.Cluster, role string, limits serviceLimits, r *r
 func checkHostRemoval(c *clusterv3.Cluster, r *report) {
 	if len(c.GetHealthChecks()) > 0 && !c.GetIgnoreHealthOnHostRemoval() {
 		r.errorf("ext_proc cluster %q has health_checks without ignore_health_on_host_removal: a pod being deleted keeps its new streams until it stops listening, and they fail", c.GetName())
+	}
+}
+
+// engineKeepAlive is how long the engines keep an idle keep-alive connection: uvicorn's
+// timeout_keep_alive, which vLLM sets from VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default 5) and SGLang
+// to 5.
+const engineKeepAlive = 5 * time.Second
+
+// checkIdleTimeout: Envoy closes an idle connection to an engine before the engine does. Its
+// default keeps one for an hour, and a request sent on one as the engine closes it fails.
+func checkIdleTimeout(c *clusterv3.Cluster, r *report) {
+	var hpo upstreamhttpv3.HttpProtocolOptions
+	if opts, ok := c.GetTypedExtensionProtocolOptions()[httpProtocolOptionsKey]; ok && opts.UnmarshalTo(&hpo) != nil {
+		return // refused elsewhere
+	}
+	idle := hpo.GetCommonHttpProtocolOptions().GetIdleTimeout()
+	if idle == nil || idle.AsDuration() <= 0 || idle.AsDuration() >= engineKeepAlive {
+		r.errorf("%s cluster %q: idle connections kept %v, not closed before the engines close them (%v): a request sent on one as it closes fails",
+			c.GetType(), c.GetName(), idle.AsDuration(), engineKeepAlive)
 	}
 }
 

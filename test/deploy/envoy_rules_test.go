@@ -260,6 +260,7 @@ func (m *envoyModel) check(limits serviceLimits, r *report) {
 		if c := m.clusters[name]; c.GetType() == clusterv3.Cluster_ORIGINAL_DST {
 			checkOriginalDstCluster(c, r)
 			checkBreakers(c, "ORIGINAL_DST", limits, r)
+			checkIdleTimeout(c, r)
 		}
 	}
 	for _, u := range m.hcms {

@@ -383,6 +383,14 @@ func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
 			wants: []string{"max_requests 1024 is below 10000", "max_connections 1024 is below 10000", "not above limits.max_concurrent_streams 1024"},
 		},
 		{
+			name: "decode-leg connections kept idle longer than the engines keep them",
+			brk: forEachOriginalDstCluster(func(c map[string]any) bool {
+				delete(c, "typed_extension_protocol_options")
+				return true
+			}),
+			wants: []string{`ORIGINAL_DST cluster "pd_original_dst": idle connections kept 0s, not closed before the engines close them`},
+		},
+		{
 			name: "ext_proc replicas kept after DNS drops them",
 			brk: forEachExtProcCluster(func(c map[string]any) bool {
 				delete(c, "ignore_health_on_host_removal")
