@@ -187,7 +187,7 @@ func TestExtprocDeployment(t *testing.T) {
 	}
 	preStop, _ := dig(c, "lifecycle", "preStop", "sleep", "seconds").(float64)
 	period, _ := dig(pod, "spec", "terminationGracePeriodSeconds").(float64)
-	if preStop < 35 || period != 600 || time.Duration(preStop)*time.Second+grace != time.Duration(period-5)*time.Second {
+	if preStop < 40 || period != 600 || time.Duration(preStop)*time.Second+grace != time.Duration(period-5)*time.Second {
 		t.Errorf("preStop %vs + --shutdown-grace %v against terminationGracePeriodSeconds %v: want a sleep that outlasts cluster DNS's 30 s cache and Envoy's 5 s refresh, then the rest of 600 s but 5 s to flush", preStop, grace, period)
 	}
 
