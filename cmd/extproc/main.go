@@ -34,6 +34,7 @@ type flags struct {
 	grace, logFlush                        time.Duration
 	pprof, logPrompts, version             bool
 	tls                                    server.TLSFiles
+	keepalive                              server.Keepalive
 }
 
 func init() { server.UseChunkSizedBuffers() }
@@ -48,6 +49,12 @@ func main() {
 	flag.DurationVar(&f.logFlush, "log-flush-interval", time.Second,
 		"how long log lines may wait in a buffer before they are written, as Envoy's access logs do; 0 writes each line at once")
 	flag.DurationVar(&f.grace, "shutdown-grace", 30*time.Second, "on SIGTERM, how long in-flight streams may finish")
+	flag.DurationVar(&f.keepalive.Ping, "keepalive-ping", server.DefaultKeepalive.Ping,
+		"ping Envoy over a connection silent this long, to find a peer gone without closing")
+	flag.DurationVar(&f.keepalive.Timeout, "keepalive-timeout", server.DefaultKeepalive.Timeout,
+		"close a connection whose ping goes unanswered this long, ending its streams")
+	flag.DurationVar(&f.keepalive.MinPeerPing, "keepalive-min-peer-ping", server.DefaultKeepalive.MinPeerPing,
+		"the shortest interval at which Envoy may ping (its connection_keepalive); faster pings get the connection closed")
 	flag.BoolVar(&f.pprof, "pprof", false, "serve the Go profiler under /debug/pprof/ on the admin address")
 	flag.BoolVar(&f.logPrompts, "log-prompts", false, "add request bodies (prompts: user data) to the per-request log lines")
 	flag.StringVar(&f.tls.Cert, "tls-cert-file", "", "serve ext_proc over TLS with this certificate (PEM); reloaded when it changes")
@@ -101,7 +108,8 @@ func run(f flags, log logr.Logger, flush func()) error {
 		return err
 	}
 	defer adminLis.Close()
-	s, err := server.New(cfg, server.Options{Grace: f.grace, Pprof: f.pprof, LogPrompts: f.logPrompts, ConfigPath: f.config, TLS: f.tls, Kubeconfig: f.kubeconfig}, log)
+	s, err := server.New(cfg, server.Options{Grace: f.grace, Pprof: f.pprof, LogPrompts: f.logPrompts, ConfigPath: f.config, TLS: f.tls, Kubeconfig: f.kubeconfig,
+		Keepalive: f.keepalive}, log)
 	if err != nil {
 		return err
 	}

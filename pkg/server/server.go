@@ -64,6 +64,9 @@ type Options struct {
 	// Kubeconfig is the credentials file of pools discovered from Kubernetes
 	// (pools.<pool>.kubernetes); empty: in-cluster, else KUBECONFIG.
 	Kubeconfig string
+	// Keepalive watches the connections from Envoy; zero fields are
+	// DefaultKeepalive's.
+	Keepalive Keepalive
 }
 
 // Server is a configured pd-extproc, ready to Serve.
@@ -112,7 +115,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	s.metrics.WatchEndpoints(endpoints)
 	s.metrics.WatchKVEvents(kvEventStates(prefill, decode))
 
-	grpcOpts := []grpc.ServerOption{grpc.MaxRecvMsgSize(int(cfg.Limits.MaxBodyBytes) + grpcHeadroom)}
+	grpcOpts := append([]grpc.ServerOption{grpc.MaxRecvMsgSize(int(cfg.Limits.MaxBodyBytes) + grpcHeadroom)}, opts.Keepalive.serverOptions()...)
 	creds, err := opts.TLS.credentials(log.WithName("tls"))
 	if err != nil {
 		s.shutdownTracing(context.Background())
