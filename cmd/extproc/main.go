@@ -50,9 +50,9 @@ func main() {
 		"how long log lines may wait in a buffer before they are written, as Envoy's access logs do; 0 writes each line at once")
 	flag.DurationVar(&f.grace, "shutdown-grace", 30*time.Second, "on SIGTERM, how long in-flight streams may finish")
 	flag.DurationVar(&f.keepalive.Ping, "keepalive-ping", server.DefaultKeepalive.Ping,
-		"ping Envoy over a connection silent this long, to find a peer gone without closing")
+		"ping Envoy over a connection silent this long, to find a peer that answers nothing")
 	flag.DurationVar(&f.keepalive.Timeout, "keepalive-timeout", server.DefaultKeepalive.Timeout,
-		"close a connection whose ping goes unanswered this long, ending its streams")
+		"close a connection whose ping goes unanswered this long, ending its streams (also its TCP_USER_TIMEOUT)")
 	flag.DurationVar(&f.keepalive.MinPeerPing, "keepalive-min-peer-ping", server.DefaultKeepalive.MinPeerPing,
 		"the shortest interval at which Envoy may ping (its connection_keepalive); faster pings get the connection closed")
 	flag.BoolVar(&f.pprof, "pprof", false, "serve the Go profiler under /debug/pprof/ on the admin address")

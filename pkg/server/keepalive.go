@@ -8,9 +8,11 @@ import (
 )
 
 // Keepalive is how the gRPC server watches its connections from Envoy, each of
-// which carries the streams of many generations for as long as they run. A
-// peer that vanished without closing (its node lost) is found by HTTP/2 pings,
-// not by TCP's retransmissions, which give up only after some 15 minutes.
+// which carries the streams of many generations for as long as they run. An
+// Envoy whose kernel still acknowledges but which answers nothing (a hung or
+// frozen process) is found by HTTP/2 pings; a lost node, by TCP keepalive and
+// TCP_USER_TIMEOUT, which grpc-go sets to Timeout. And Envoy's own pings are
+// let through.
 type Keepalive struct {
 	// Ping is how long a connection may stay silent before the server pings
 	// Envoy, and Timeout how long it then waits for the answer before it
@@ -23,9 +25,10 @@ type Keepalive struct {
 	MinPeerPing time.Duration
 }
 
-// DefaultKeepalive pings a silent Envoy every 30 s, waits 10 s for the answer,
-// and takes Envoy's own pings every 10 s or more.
-var DefaultKeepalive = Keepalive{Ping: 30 * time.Second, Timeout: 10 * time.Second, MinPeerPing: 10 * time.Second}
+// DefaultKeepalive pings a silent Envoy every 30 s, waits 20 s for the answer
+// (grpc-go's own default, and its TCP_USER_TIMEOUT), and takes Envoy's own
+// pings every 10 s or more.
+var DefaultKeepalive = Keepalive{Ping: 30 * time.Second, Timeout: 20 * time.Second, MinPeerPing: 10 * time.Second}
 
 // serverOptions are k as gRPC server options, its zero fields the defaults.
 func (k Keepalive) serverOptions() []grpc.ServerOption {

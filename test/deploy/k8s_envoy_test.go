@@ -278,3 +278,18 @@ func TestEnvoyStartsWithItsHardFileLimit(t *testing.T) {
 		t.Errorf("envoy started with %q; want the arguments %q", out, args)
 	}
 }
+
+// Envoy Gateway's proxies drain as long as the standalone Envoy before they stop (Envoy Gateway's
+// own default, 60 s, cuts every longer generation at each proxy restart), and two of them run
+// with a disruption budget (its default is one, with none).
+func TestEnvoyGatewayProxiesDrainAndStayTwo(t *testing.T) {
+	ep := find(t, chartManifests(t, "envoy-gateway"), "EnvoyProxy", "pd-gateway-proxy")
+	drain, err := time.ParseDuration(digString(ep, "spec", "shutdown", "drainTimeout"))
+	if err != nil || drain < 585*time.Second {
+		t.Errorf("EnvoyProxy shutdown.drainTimeout = %v (%v), want the standalone Envoy's 585 s", drain, err)
+	}
+	k := dig(ep, "spec", "provider", "kubernetes")
+	if replicas, _ := dig(k, "envoyDeployment", "replicas").(float64); replicas < 2 || dig(k, "envoyPDB", "minAvailable") != 1.0 {
+		t.Errorf("EnvoyProxy provider.kubernetes = %v, want two proxies or more and a disruption budget of one", k)
+	}
+}
