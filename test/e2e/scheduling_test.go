@@ -154,14 +154,10 @@ func TestBusySGLangDecodeEndpointIsPassedOver(t *testing.T) {
 		up := r.proxy.Upstreams()
 		return up[len(up)-1] == r.decode[1].Addr()
 	}
-	// Until a scrape has seen the queues the two are even; after it, never.
-	waitFor(t, 20*time.Second, "five requests in a row on the idle decode endpoint", func() bool {
-		for range 5 {
-			if !onIdle() {
-				return false
-			}
-		}
-		return true
+	// Until a scrape has seen the queues the two are even; after it, never. (Five requests in a
+	// row on the idle one said nothing: before the first scrape, one run in 32 has them.)
+	waitFor(t, 20*time.Second, "a scrape to see the busy decode engine's queues", func() bool {
+		return r.metric(t, fmt.Sprintf(`pd_extproc_endpoint_engine_waiting{endpoint=%q,pool="decode"}`, r.decode[0].Addr())) >= 30
 	})
 	for i := range 20 {
 		if !onIdle() {
