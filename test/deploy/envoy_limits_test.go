@@ -9,7 +9,6 @@ import (
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
-	upstreamhttpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
@@ -93,11 +92,7 @@ const engineKeepAlive = 5 * time.Second
 // checkIdleTimeout: Envoy closes an idle connection to an engine before the engine does. Its
 // default keeps one for an hour, and a request sent on one as the engine closes it fails.
 func checkIdleTimeout(c *clusterv3.Cluster, r *report) {
-	var hpo upstreamhttpv3.HttpProtocolOptions
-	if opts, ok := c.GetTypedExtensionProtocolOptions()[httpProtocolOptionsKey]; ok && opts.UnmarshalTo(&hpo) != nil {
-		return // refused elsewhere
-	}
-	idle := hpo.GetCommonHttpProtocolOptions().GetIdleTimeout()
+	idle := httpProtocolOptions(c).GetCommonHttpProtocolOptions().GetIdleTimeout()
 	if idle == nil || idle.AsDuration() <= 0 || idle.AsDuration() >= engineKeepAlive {
 		r.errorf("%s cluster %q: idle connections kept %v, not closed before the engines close them (%v): a request sent on one as it closes fails",
 			c.GetType(), c.GetName(), idle.AsDuration(), engineKeepAlive)

@@ -533,11 +533,17 @@ func http2Options(c *clusterv3.Cluster) *corev3.Http2ProtocolOptions {
 	if h2 := c.GetHttp2ProtocolOptions(); h2 != nil { //nolint:staticcheck // the deprecated form still works in Envoy
 		return h2
 	}
+	return httpProtocolOptions(c).GetExplicitHttpConfig().GetHttp2ProtocolOptions()
+}
+
+// httpProtocolOptions is a cluster's typed HttpProtocolOptions; nil when it sets none (or
+// options that do not unmarshal, which Envoy refuses).
+func httpProtocolOptions(c *clusterv3.Cluster) *upstreamhttpv3.HttpProtocolOptions {
 	var hpo upstreamhttpv3.HttpProtocolOptions
 	if opts, ok := c.GetTypedExtensionProtocolOptions()[httpProtocolOptionsKey]; !ok || opts.UnmarshalTo(&hpo) != nil {
 		return nil
 	}
-	return hpo.GetExplicitHttpConfig().GetHttp2ProtocolOptions()
+	return &hpo
 }
 
 // isInferencePath: the OpenAI-compatible API lives under /v1/.

@@ -266,19 +266,7 @@ func TestFaultDecodeDiesMidStream(t *testing.T) {
 			body = strings.Replace(body, `"max_tokens":4`, `"max_tokens":1000000`, 1)
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 			defer cancel()
-			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.proxy.URL()+path, strings.NewReader(body))
-			resp, err := testbed.Client.Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer resp.Body.Close()
-			if resp.StatusCode != http.StatusOK {
-				t.Fatalf("status %d", resp.StatusCode)
-			}
-			first := make([]byte, 1)
-			if _, err := io.ReadFull(resp.Body, first); err != nil {
-				t.Fatalf("no token before the kill: %v", err)
-			}
+			resp := r.stream(t, ctx, path, body) // a token before the kill
 			addr := r.decode[0].Addr()
 			r.decode[0].Close()
 			rest, err := io.ReadAll(resp.Body)

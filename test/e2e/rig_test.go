@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"slices"
 	"strings"
@@ -220,6 +221,26 @@ func (r *rig) startExtproc(t *testing.T, grpcAddr string) *extproc {
 // send posts body to path through the emulator; the context bounds it.
 func (r *rig) send(ctx context.Context, path, body string, header http.Header) (*http.Response, string, error) {
 	return testbed.Post(ctx, r.proxy.URL()+path, body, header)
+}
+
+// stream sends a streamed request that has to answer 200 and send its first
+// bytes before ctx ends; the caller reads the rest, and the body is closed
+// when the test ends.
+func (r *rig) stream(t *testing.T, ctx context.Context, path, body string) *http.Response {
+	t.Helper()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.proxy.URL()+path, strings.NewReader(body))
+	resp, err := testbed.Client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { resp.Body.Close() })
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("stream %s: status %d", path, resp.StatusCode)
+	}
+	if _, err := io.ReadFull(resp.Body, make([]byte, 1)); err != nil {
+		t.Fatalf("stream %s: no first byte: %v", path, err)
+	}
+	return resp
 }
 
 // must sends a request that has to come back whole.

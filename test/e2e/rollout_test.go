@@ -9,8 +9,6 @@ import (
 	"syscall"
 	"testing"
 	"time"
-
-	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // TestRolloutDropsNoRequest stops one of two extproc replicas as Kubernetes
@@ -44,19 +42,7 @@ func TestRolloutDropsNoRequest(t *testing.T) {
 			for i := range 4 {
 				path, body := request("chat", true, fmt.Sprintf("rollout stream %d", i))
 				body = strings.Replace(body, `"max_tokens":4`, fmt.Sprintf(`"max_tokens":%d`, tokens), 1)
-				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.proxy.URL()+path, strings.NewReader(body))
-				resp, err := testbed.Client.Do(req)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer resp.Body.Close()
-				if resp.StatusCode != http.StatusOK {
-					t.Fatalf("stream %d: status %d", i, resp.StatusCode)
-				}
-				if _, err := io.ReadFull(resp.Body, make([]byte, 1)); err != nil {
-					t.Fatalf("stream %d: no first byte: %v", i, err)
-				}
-				streams = append(streams, resp)
+				streams = append(streams, r.stream(t, ctx, path, body))
 			}
 			if n := leaving.MustMetric(t, "pd_extproc_streams_in_flight"); n != 2 {
 				t.Fatalf("the replica to stop holds %v streams, want 2", n)
