@@ -17,6 +17,11 @@ type Faults struct {
 	// unsent (0: none): its sequence number still passes, so subscribers
 	// see a gap, and the replay socket still has it.
 	DropKVEventsEvery int
+	// LoseKV has a NIXL prefill engine free the blocks it hands out at once,
+	// as one whose lease ran out before the decode engine pulled, or whose
+	// side channel the decode engines cannot reach: its answer is a 200
+	// with kv_transfer_params, and the pull fails.
+	LoseKV bool
 }
 
 func (c Config) faults() Faults {
@@ -67,4 +72,11 @@ func (s *Server) injectFaults(ctx context.Context, w http.ResponseWriter) bool {
 		s.writeError(w, &apiError{f.FailStatus, "pdsim: injected failure"})
 	}
 	return true
+}
+
+// losesKV reports whether the prefill engine frees the blocks it hands out.
+func (s *Server) losesKV() bool {
+	s.faults.mu.Lock()
+	defer s.faults.mu.Unlock()
+	return s.faults.current.LoseKV
 }

@@ -110,10 +110,7 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 			w.Header().Set("x-pdsim-kv-request-id", res.requestID)
 		}
 		if err != nil {
-			// Real vLLM has already answered 200 to a streamed request by now and
-			// reports this as an SSE error event; pdsim holds its headers until the
-			// first token so they can carry the KV outcome, and answers 500.
-			s.writeErrorFor(api, w, &apiError{http.StatusInternalServerError, err.Error()})
+			s.failLoad(w, req, err)
 			return
 		}
 		ph.run()
@@ -242,4 +239,37 @@ func randomHex(n int) string {
 	b := make([]byte, n)
 	rand.Read(b)
 	return hex.EncodeToString(b)
+}
+
+// failLoad answers a request whose KV could not be loaded as the engine
+// does under vLLM's kv_load_failure_policy "fail": a 500, or, on a chat or
+// completions stream, which has answered 200 already, an error event and
+// [DONE]. vLLM sends its chat stream's role chunk first and its message
+// says nothing of the KV ("Internal server error",
+// vllm/entrypoints/generate/base/serving.py _raise_if_error); SGLang's
+// servers send the event first, with their own message
+// (disaggregation/decode.py, "Decode transfer failed ...", and prefill.py;
+// entrypoints/openai/serving_chat.py). pdsim holds its headers until this
+// point, so that they carry the KV outcome; a real engine sends them first.
+func (s *Server) failLoad(w http.ResponseWriter, req *request, err error) {
+	if !req.stream || req.api != apiChat && req.api != apiCompletion {
+		s.writeErrorFor(req.api, w, &apiError{http.StatusInternalServerError, err.Error()})
+		return
+	}
+	ev := newSSE(w)
+	e := errorBody{Message: "Internal server error", Type: "InternalServerError", Code: http.StatusInternalServerError}
+	if s.cfg.Protocol == ProtocolSGLang {
+		what := "Decode transfer failed"
+		if s.cfg.Role == RolePrefill {
+			what = "Prefill bootstrap failed"
+		}
+		e = errorBody{Object: "error", Message: what + " for request " + req.internalID + ": " + err.Error(),
+			Type: "INTERNAL_SERVER_ERROR", Code: http.StatusInternalServerError}
+	} else if req.api == apiChat {
+		c := req.envelope(s.cfg.Model, true)
+		c.Choices = append(c.Choices, req.choice("", nil, true))
+		ev.send(c)
+	}
+	ev.send(map[string]errorBody{"error": e})
+	ev.raw([]byte("[DONE]"))
 }

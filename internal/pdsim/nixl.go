@@ -148,6 +148,9 @@ func (p *nixlPrefill) firstToken(ctx context.Context, req *request) (kvResult, e
 	host, portText, _ := net.SplitHostPort(p.s.KVAddr())
 	port, _ := strconv.Atoi(portText)
 	blk := p.store.issue(req.internalID, p.s.engineID, req)
+	if p.s.losesKV() {
+		p.store.release(req.internalID)
+	}
 	params, err := json.Marshal(nixlParams{
 		DoRemotePrefill: true, RemoteBlockIDs: blk.BlockIDs, RemoteEngineID: p.s.engineID,
 		RemoteRequestID: req.internalID, RemoteHost: host, RemotePort: port,

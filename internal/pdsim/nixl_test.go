@@ -113,6 +113,10 @@ func TestNIXLDecode(t *testing.T) {
 			other := prefillLeg(t, p, "a different prompt", "req-other")
 			return chat(prompt, `,"kv_transfer_params":`+string(other))
 		}, 500, kvLoadFailed},
+		{"params of another request, streamed: 200, then vLLM's error event", func(t *testing.T, p, d *Server, _ json.RawMessage) string {
+			other := prefillLeg(t, p, "a different prompt", "req-other")
+			return chat(prompt, `,"stream":true,"kv_transfer_params":`+string(other))
+		}, 200, kvLoadFailed},
 		{"right params, wrong prompt", func(t *testing.T, p, d *Server, params json.RawMessage) string {
 			return chat("the quick brown cat", `,"kv_transfer_params":`+string(params))
 		}, 500, kvLoadFailed},
@@ -167,6 +171,13 @@ func TestNIXLDecode(t *testing.T) {
 			}
 			if tt.status == 500 && r.json(t)["error"].(map[string]any)["type"] != "InternalServerError" {
 				t.Errorf("error body %s", r.body)
+			}
+			if tt.status == 200 && tt.kv == kvLoadFailed {
+				data := events(t, r.body)
+				if len(data) != 3 || !strings.Contains(data[0], `"delta":{"role":"assistant","content":""}`) || data[2] != "[DONE]" ||
+					data[1] != `{"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}` {
+					t.Errorf("stream %q", data)
+				}
 			}
 			if tt.kv != kvHit {
 				return

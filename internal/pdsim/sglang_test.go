@@ -74,8 +74,13 @@ func TestSGLangHandshakeFailures(t *testing.T) {
 			d := start(t, Config{Role: RoleDecode, Protocol: ProtocolSGLang, HandshakeTimeout: timeout})
 			began := time.Now()
 			pr, dr := tt.run(t, p, d)
+			// Both streams have answered 200 already: SGLang ends them with an
+			// error event, then [DONE].
 			for leg, r := range map[string]reply{"prefill": pr, "decode": dr} {
-				if r.status != 500 || r.header.Get("x-pdsim-kv") != kvLoadFailed || r.json(t)["object"] != "error" {
+				data := events(t, r.body)
+				if r.status != 200 || r.header.Get("x-pdsim-kv") != kvLoadFailed || len(data) != 2 || data[1] != "[DONE]" ||
+					!strings.HasPrefix(data[0], `{"error":{"object":"error","message":"`+map[string]string{"prefill": "Prefill bootstrap", "decode": "Decode transfer"}[leg]+` failed for request`) ||
+					!strings.HasSuffix(data[0], `"type":"INTERNAL_SERVER_ERROR","param":null,"code":500}}`) {
 					t.Errorf("%s: %d %v %s", leg, r.status, r.header, r.body)
 				}
 			}
