@@ -298,6 +298,7 @@ func (x *exchange) onResponseBody(b *extprocv3.HttpBody) reply {
 		return reply{}
 	}
 	x.responseDone = b.GetEndOfStream()
+	x.decision.Watch(b.GetBody(), b.GetEndOfStream())
 	if x.responseMode() != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		return answer(continueResponseBody())
 	}
@@ -312,6 +313,9 @@ func (x *exchange) onResponseBody(b *extprocv3.HttpBody) reply {
 // the body, so what a rewrite still holds goes before their reply.
 func (x *exchange) onResponseTrailers() reply {
 	r := reply{last: continueResponseTrailers()}
+	if !x.responseDone {
+		x.decision.Watch(nil, true)
+	}
 	if x.rewriting() && !x.responseDone && x.responseMode() == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		x.responseDone = true
 		r.chunks = x.passResponse(nil, true, false)
@@ -370,6 +374,9 @@ func (x *exchange) end() {
 	x.obs.abandon(x.decision, x.body.bytes())
 	if x.rewriting() {
 		x.opts.Metrics.UsageRewrite(x.decision.Rewrite.Outcome())
+	}
+	if x.decision.StreamFailed() {
+		x.opts.Metrics.StreamError(x.req.Report.Mode)
 	}
 	x.body.release(x.req.BodyHeld())
 	x.decision.Release()

@@ -3,6 +3,7 @@ package handlers
 import (
 	"net/http"
 	"strconv"
+	"strings"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -99,24 +100,24 @@ func subsetHint(md *corev3.Metadata) any {
 
 // onResponseHeaders reads the decode engine's answer: its status tells
 // scheduling how the endpoint is doing (a 5xx ejects it like a refused
-// connection), and its status and content headers tell a rewrite (or a
-// reader) whether the body can be read, which needs the body in FULL_DUPLEX.
+// connection; a 2xx event stream whose body Envoy sends is judged when it
+// ends), and its status and content headers tell a rewrite (or a reader)
+// whether the body can be read, which needs the body in FULL_DUPLEX.
 func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap) {
 	status, rewriting := 0, x.rewriting()
 	var contentType, contentEncoding string
 	for _, h := range hm.GetHeaders() {
-		switch key := h.GetKey(); {
-		case key == ":status":
+		switch key := h.GetKey(); key {
+		case ":status":
 			status, _ = strconv.Atoi(headerValue(h))
-		case !rewriting: // only a rewrite reads the content headers
-		case key == "content-type":
+		case "content-type":
 			contentType = headerValue(h)
-		case key == "content-encoding":
+		case "content-encoding":
 			contentEncoding = headerValue(h)
 		}
 	}
 	if status != 0 {
-		x.decision.Observe(status)
+		x.decision.Observe(status, x.responseMode() != filterv3.ProcessingMode_NONE && isEventStream(contentType, contentEncoding))
 	}
 	switch {
 	case !rewriting:
@@ -133,4 +134,12 @@ func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap) {
 	default:
 		x.decision.Rewrite.Start(status, contentType, contentEncoding)
 	}
+}
+
+// isEventStream reports whether an answer is a server-sent event stream that
+// can be read as it comes: not compressed.
+func isEventStream(contentType, contentEncoding string) bool {
+	mediaType, _, _ := strings.Cut(contentType, ";")
+	return strings.EqualFold(strings.TrimSpace(mediaType), "text/event-stream") &&
+		(contentEncoding == "" || strings.EqualFold(contentEncoding, "identity"))
 }

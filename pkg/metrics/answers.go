@@ -19,6 +19,7 @@ var usageOutcomes = []string{UsageRewritten, UsageAbsent, UsagePrefillMissing, U
 type answers struct {
 	usageRewrites   *prometheus.CounterVec
 	kvParamsSuspect prometheus.Counter
+	streamErrors    *prometheus.CounterVec
 }
 
 func newAnswers() answers {
@@ -28,16 +29,22 @@ func newAnswers() answers {
 			"outcome"),
 		kvParamsSuspect: counter("kv_params_suspect_total",
 			"Prefill answers whose kv_transfer_params.remote_host is a loopback or unspecified address while the decode endpoint is on another host."),
+		streamErrors: counterVec("stream_errors_total",
+			"Decode answers that began as a 2xx event stream and ended in an error event with a 5xx code, by mode.",
+			"mode"),
 	}
 }
 
 func (a answers) collectors() []prometheus.Collector {
-	return []prometheus.Collector{a.usageRewrites, a.kvParamsSuspect}
+	return []prometheus.Collector{a.usageRewrites, a.kvParamsSuspect, a.streamErrors}
 }
 
 func (a answers) initSeries() {
 	for _, o := range usageOutcomes {
 		a.usageRewrites.WithLabelValues(o)
+	}
+	for _, m := range []string{ModePD, ModeDecodeOnly} {
+		a.streamErrors.WithLabelValues(m)
 	}
 }
 
@@ -54,5 +61,13 @@ func (m *Metrics) UsageRewrite(outcome string) {
 func (m *Metrics) KVParamsSuspect() {
 	if m != nil {
 		m.answers.kvParamsSuspect.Inc()
+	}
+}
+
+// StreamError counts a decode answer that failed after its 2xx: an error
+// event in its stream. mode is the request's (ModePD, ModeDecodeOnly).
+func (m *Metrics) StreamError(mode string) {
+	if m != nil && mode != "" {
+		m.answers.streamErrors.WithLabelValues(mode).Inc()
 	}
 }

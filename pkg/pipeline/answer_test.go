@@ -188,12 +188,15 @@ func TestUnreachableRemoteHostIsCountedAndLoggedOncePerEndpoint(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				d.Observe(http.StatusInternalServerError) // the decode engine's failed pull
+				d.Observe(http.StatusInternalServerError, false) // the decode engine's failed pull
 				d.Release()
 			}
-			_, decode := p.Pools()
+			prefill, decode := p.Pools()
 			if healthy := decode.Endpoints()[0].Healthy(); healthy != tt.suspect {
 				t.Errorf("decode endpoint healthy = %v after three 500s, want %v (ejected only for its own failures)", healthy, tt.suspect)
+			}
+			if prefill.Endpoints()[0].Healthy() {
+				t.Error("the prefill endpoint whose KV failed three pulls in a row is still healthy")
 			}
 			wantCount, wantLogs := 0.0, 0
 			if tt.suspect {
@@ -204,6 +207,63 @@ func TestUnreachableRemoteHostIsCountedAndLoggedOncePerEndpoint(t *testing.T) {
 			}
 			if got := lines.count("VLLM_NIXL_SIDE_CHANNEL_HOST"); got != wantLogs {
 				t.Errorf("%d warnings logged, want %d: %v", got, wantLogs, lines.lines)
+			}
+		})
+	}
+}
+
+// A prefill engine answers 200 with kv_transfer_params, and the request
+// fails only when the decode engine pulls them: a 5xx, or, on a stream that
+// answered 200 already, an error event (vLLM's kv_load_failure_policy
+// "fail"). The prefill endpoint's health goes by that outcome, so an engine
+// whose KV cannot be pulled is ejected instead of serving every third
+// request to its death.
+func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
+	const (
+		role  = "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n"
+		tok   = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"tok0\"}}]}\n\n"
+		fail  = "data: {\"error\": {\"message\": \"Internal server error\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
+		done  = "data: [DONE]\n\n"
+		never = -1 // Envoy's response path is off: no status comes
+	)
+	tests := []struct {
+		name        string
+		status      int
+		stream      []string // the answer's chunks, when it is an event stream Envoy sends
+		wantHealthy bool     // both endpoints, after three such requests
+	}{
+		{"the decode engine answers 200", 200, nil, true},
+		{"it answers 500", 500, nil, false},
+		{"a stream that ends whole", 200, []string{role, tok, done}, true},
+		{"a stream that ends in an error event, cut across chunks", 200, []string{role + fail[:20], fail[20:] + done}, false},
+		{"a stream whose client left before its end", 200, []string{role, tok}, true},
+		{"a 4xx: the request's fault", 400, nil, true},
+		{"no response path", never, nil, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			engine := enginetest.Start(t, enginetest.JSON(200, `{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[[1]],`+
+				`"remote_engine_id":"e","remote_request_id":"r","remote_host":"10.0.0.9","remote_port":5600}}`))
+			p, _, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\n", engine.Addr()))
+			for i := range 3 {
+				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if tt.status != never {
+					d.Observe(tt.status, tt.stream != nil)
+				}
+				for j, chunk := range tt.stream {
+					d.Watch([]byte(chunk), j == len(tt.stream)-1 && strings.HasSuffix(chunk, done))
+				}
+				d.Release()
+			}
+			prefill, decode := p.Pools()
+			if got := prefill.Endpoints()[0].Healthy(); got != tt.wantHealthy {
+				t.Errorf("prefill endpoint healthy = %v, want %v", got, tt.wantHealthy)
+			}
+			if got := decode.Endpoints()[0].Healthy(); got != tt.wantHealthy {
+				t.Errorf("decode endpoint healthy = %v, want %v", got, tt.wantHealthy)
 			}
 		})
 	}

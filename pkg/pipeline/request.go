@@ -103,17 +103,40 @@ type Decision struct {
 	// decision's engine held: heldReader); nil when it is passed on unread.
 	Rewrite *response.Rewriter
 	decode  *scheduling.Endpoint
+	// prefill is the engine whose KV the decode engine pulls (a sequential
+	// leg that handed out kv_transfer_params), nil otherwise. Its answer
+	// was a 200, but whether it served the request is the decode engine's
+	// answer: a pull that fails (an engine that cannot be reached at the
+	// address it hands out, blocks it freed) fails the request there. So
+	// its health is reported with the pair's outcome (settle).
+	prefill *scheduling.Endpoint
 	release func()
 	// partnerFailed is set when a concurrent prefill leg failed, or a
 	// prefill engine handed out KV the decode engine cannot reach
 	// (checkRemoteHost): the decode engine's 5xx is then the pair's failure,
 	// not the decode endpoint's.
 	partnerFailed atomic.Bool
+	// settled: the outcome has been reported to the endpoints' health.
+	settled atomic.Bool
+	// watch reads a streamed answer that began with a 2xx for the error
+	// event of a request that failed after it (Observe); nil otherwise.
+	watch *response.Failure
 }
 
 // Release frees the decode endpoint's slot; call it when the exchange ends.
+// An outcome not reported by then is a success: the answer was a 2xx and
+// showed no error, or Envoy's response path is off, and the prefill engine
+// answered.
 func (d *Decision) Release() {
-	if d != nil && d.release != nil {
+	if d == nil {
+		return
+	}
+	if d.watch != nil {
+		d.settle(true)
+	} else if d.prefill != nil && d.settled.CompareAndSwap(false, true) {
+		d.prefill.ReportSuccess()
+	}
+	if d.release != nil {
 		d.release()
 	}
 }
@@ -130,14 +153,59 @@ func (d *Decision) Sent() {
 }
 
 // Observe reports the decode engine's response status, so that an endpoint
-// answering 5xx is ejected like one that refuses connections.
-func (d *Decision) Observe(status int) {
+// answering 5xx is ejected like one that refuses connections. A 2xx event
+// stream (streamed, its chunks given to Watch) is judged when it ends
+// instead: an engine that fails a request after its headers went out says
+// so in an error event.
+func (d *Decision) Observe(status int, streamed bool) {
 	switch {
 	case d == nil || d.decode == nil:
-	case status >= 500 && d.partnerFailed.Load():
-	case status >= 500:
-		d.decode.ReportFailure()
+	case streamed && status >= 200 && status <= 299:
+		d.watch = &response.Failure{}
 	default:
-		d.decode.ReportSuccess()
+		d.settle(status < 500)
 	}
+}
+
+// Watch reads the next chunk of a streamed answer that Observe is judging,
+// last when the body ends with it.
+func (d *Decision) Watch(chunk []byte, last bool) {
+	if d == nil || d.watch == nil {
+		return
+	}
+	if d.watch.Scan(chunk); d.watch.Failed() {
+		d.settle(false)
+	} else if last {
+		d.settle(true)
+	}
+}
+
+// StreamFailed reports whether the answer's stream, begun with a 2xx, has
+// carried an error event with a 5xx code (Watch).
+func (d *Decision) StreamFailed() bool { return d != nil && d.watch != nil && d.watch.Failed() }
+
+// settle reports the request's outcome, once, to the decode endpoint and,
+// in P/D, the prefill endpoint whose KV it pulled. A failure is the pair's:
+// each endpoint's consecutive failures then single out the one that fails
+// with every partner, as a healthy one's run of failures is broken by its
+// requests through other partners. A decode failure that a failed or
+// misconfigured prefill engine caused (partnerFailed) spares the decode
+// endpoint.
+func (d *Decision) settle(ok bool) {
+	if !d.settled.CompareAndSwap(false, true) {
+		return
+	}
+	report := func(e *scheduling.Endpoint) {
+		switch {
+		case e == nil:
+		case ok:
+			e.ReportSuccess()
+		default:
+			e.ReportFailure()
+		}
+	}
+	if ok || !d.partnerFailed.Load() {
+		report(d.decode)
+	}
+	report(d.prefill)
 }

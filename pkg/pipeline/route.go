@@ -157,9 +157,14 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		p.launch(ctx, prefill, r, kv.PrefillBody(p.connector, h), d)
 		return kv.DecodeBody(p.connector, h), nil
 	}
-	answer, err := p.runPrefill(ctx, sreq, r, h)
+	answer, prefill, err := p.runPrefill(ctx, sreq, r, h)
 	if err != nil {
 		return p.withoutPrefill(r, h, err)
+	}
+	if answer.params != nil {
+		d.prefill = prefill // served, if the decode engine can pull what it handed out (Decision.settle)
+	} else {
+		prefill.ReportSuccess()
 	}
 	if answer.params == nil && p.connector.HandsBackParams() {
 		p.metrics.KVParamsMissing()
@@ -192,7 +197,7 @@ func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Sp
 // runPrefill sends the sequential prefill leg to one endpoint after another
 // until one answers, within prefill.attempts and prefill.timeout. An engine 4xx
 // ends it at once: another endpoint would refuse the same request.
-func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *Request, h *kv.Handoff) (prefillAnswer, error) {
+func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *Request, h *kv.Handoff) (prefillAnswer, *scheduling.Endpoint, error) {
 	start := time.Now()
 	defer func() { r.Report.PrefillTime = time.Since(start) }()
 	ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
@@ -202,7 +207,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 	for {
 		ep, err := attempts.Next()
 		if err != nil {
-			return prefillAnswer{}, errors.Join(last, err)
+			return prefillAnswer{}, nil, errors.Join(last, err)
 		}
 		r.Report.Prefill = ep.Addr
 		p.pairWith(h, ep)
@@ -210,8 +215,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 		answer, failed := p.attempt(ctx, ep.Addr, r, kv.PrefillBody(p.connector, h))
 		release()
 		if failed == nil {
-			ep.ReportSuccess()
-			return answer, nil
+			return answer, ep, nil // its health is the caller's to report
 		}
 		switch {
 		case failed.blames(kv.Sequential):
@@ -220,7 +224,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 			ep.ReportSuccess() // the engine is fine; the request is not
 		}
 		if !failed.retryable() {
-			return prefillAnswer{}, failed
+			return prefillAnswer{}, nil, failed
 		}
 		last = failed
 		p.log.V(1).Info("prefill attempt failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())

@@ -169,6 +169,53 @@ func TestFaultPrefillReturnsNoTransferParams(t *testing.T) {
 	}
 }
 
+// A prefill engine answers 200 with kv_transfer_params for KV the decode
+// engine cannot pull (its lease ran out, its side channel unreachable): under
+// vLLM's default kv_load_failure_policy the decode engine fails the request,
+// with a 500, or on a stream that answered 200 already with an error event.
+// That engine must leave the pool after its consecutive failures, as one
+// answering 500 itself does, and not fail its share of requests for good.
+func TestAPrefillEngineWhoseKVCannotBePulledIsEjected(t *testing.T) {
+	for _, stream := range []bool{true, false} {
+		t.Run(fmt.Sprint("stream ", stream), func(t *testing.T) {
+			r := startRig(t, rigOptions{prefillPool: "policy: round-robin, health: {consecutive_failures: 2, base_ejection: 1m}"})
+			r.prefill[0].SetFaults(pdsim.Faults{LoseKV: true})
+			const requests = 20
+			var failed []int
+			for i := range requests {
+				path, body := request("chat", stream, fmt.Sprintf("lost KV %d", i))
+				resp, got := r.must(t, path, body, nil)
+				switch {
+				case !stream && resp.StatusCode == http.StatusInternalServerError,
+					stream && resp.StatusCode == http.StatusOK && strings.Contains(got, `data: {"error"`):
+					failed = append(failed, i)
+				case resp.StatusCode != http.StatusOK:
+					t.Fatalf("request %d: status %d: %s", i, resp.StatusCode, got)
+				}
+			}
+			// Round robin sends every other request to the engine that loses
+			// its KV, until two in a row have failed.
+			lost, served := legsOn(r.prefill, "lost KV")[0], legsOn(r.prefill, "lost KV")[1]
+			if len(failed) != 2 || lost != 2 || served != requests-2 {
+				t.Errorf("failed requests %v; prefill legs %d on the engine losing its KV, %d on the other; want 2 failed, 2 and %d legs",
+					failed, lost, served, requests-2)
+			}
+			wantStreamErrors := 0.0
+			if stream {
+				wantStreamErrors = 2
+			}
+			if n := r.metric(t, `pd_extproc_stream_errors_total{mode="pd"}`); n != wantStreamErrors {
+				t.Errorf(`pd_extproc_stream_errors_total{mode="pd"} = %v, want %v`, n, wantStreamErrors)
+			}
+			for i, d := range r.decode {
+				if n := len(recordsWith([]*pdsim.Server{d}, "lost KV")); n == 0 {
+					t.Errorf("decode engine %d got no request: ejected for the prefill engine's failures", i)
+				}
+			}
+		})
+	}
+}
+
 // TestPrefillRedirectIsNotFollowed: the prefill leg goes only to
 // configured endpoints (docs/architecture.md, Security rules). An engine (or whatever answers on its
 // port) that redirects must not send the prompt, the client's Authorization
@@ -519,6 +566,14 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 			r.prefill[0].SetFaults(pdsim.Faults{FailStatus: http.StatusServiceUnavailable})
 			path, body := request("chat", false, "prefill fails")
 			r.must(t, path, body, nil) // the decode waits for the handshake, then answers 500
+			r.prefill[0].SetFaults(pdsim.Faults{})
+		}},
+		{"a failing prefill, streamed, ejects the decode", func(t *testing.T, r *rig) {
+			r.prefill[0].SetFaults(pdsim.Faults{FailStatus: http.StatusServiceUnavailable})
+			path, body := request("chat", true, "prefill fails")
+			if _, got := r.must(t, path, body, nil); !strings.Contains(got, `data: {"error"`) { // 200, then SGLang's error event
+				t.Errorf("the decode stream %q has no error event", got)
+			}
 			r.prefill[0].SetFaults(pdsim.Faults{})
 		}},
 		{"a dead decode ejects the prefill", func(t *testing.T, r *rig) {
