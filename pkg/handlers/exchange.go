@@ -298,7 +298,7 @@ func (x *exchange) onResponseBody(b *extprocv3.HttpBody) reply {
 		return reply{}
 	}
 	x.responseDone = b.GetEndOfStream()
-	x.decision.Watch(b.GetBody(), b.GetEndOfStream())
+	x.decision.Watch(b.GetBody())
 	if x.responseMode() != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		return answer(continueResponseBody())
 	}
@@ -313,9 +313,6 @@ func (x *exchange) onResponseBody(b *extprocv3.HttpBody) reply {
 // the body, so what a rewrite still holds goes before their reply.
 func (x *exchange) onResponseTrailers() reply {
 	r := reply{last: continueResponseTrailers()}
-	if !x.responseDone {
-		x.decision.Watch(nil, true)
-	}
 	if x.rewriting() && !x.responseDone && x.responseMode() == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		x.responseDone = true
 		r.chunks = x.passResponse(nil, true, false)

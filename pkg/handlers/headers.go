@@ -10,6 +10,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/response"
 )
 
 // readHeaders takes what routing needs (begin reads what the observation does). Envoy sends values in raw_value; value is
@@ -139,7 +140,5 @@ func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap) {
 // isEventStream reports whether an answer is a server-sent event stream that
 // can be read as it comes: not compressed.
 func isEventStream(contentType, contentEncoding string) bool {
-	mediaType, _, _ := strings.Cut(contentType, ";")
-	return strings.EqualFold(strings.TrimSpace(mediaType), "text/event-stream") &&
-		(contentEncoding == "" || strings.EqualFold(contentEncoding, "identity"))
+	return response.IsEventStream(contentType) && (contentEncoding == "" || strings.EqualFold(contentEncoding, "identity"))
 }

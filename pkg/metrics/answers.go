@@ -30,7 +30,7 @@ func newAnswers() answers {
 		kvParamsSuspect: counter("kv_params_suspect_total",
 			"Prefill answers whose kv_transfer_params.remote_host is a loopback or unspecified address while the decode endpoint is on another host."),
 		streamErrors: counterVec("stream_errors_total",
-			"Decode answers that began as a 2xx event stream and ended in an error event with a 5xx code, by mode.",
+			"Decode answers that began as a 2xx event stream and sent an error event with a 5xx code before their first token, by mode.",
 			"mode"),
 	}
 }
@@ -65,7 +65,7 @@ func (m *Metrics) KVParamsSuspect() {
 }
 
 // StreamError counts a decode answer that failed after its 2xx: an error
-// event in its stream. mode is the request's (ModePD, ModeDecodeOnly).
+// event before its first token. mode is the request's (ModePD, ModeDecodeOnly).
 func (m *Metrics) StreamError(mode string) {
 	if m != nil && mode != "" {
 		m.answers.streamErrors.WithLabelValues(mode).Inc()

@@ -5,9 +5,11 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
@@ -17,6 +19,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
 // newPipeline builds a pipeline from yaml with its own metrics and a logger
@@ -227,24 +230,32 @@ func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
 		never = -1 // Envoy's response path is off: no status comes
 	)
 	tests := []struct {
-		name        string
-		status      int
-		stream      []string // the answer's chunks, when it is an event stream Envoy sends
-		wantHealthy bool     // both endpoints, after three such requests
+		name   string
+		status int
+		stream []string // the answer's chunks, when it is an event stream Envoy sends
+		// What the three requests told each endpoint's health: served (a
+		// success), failed, or nothing.
+		prefill, decode string
 	}{
-		{"the decode engine answers 200", 200, nil, true},
-		{"it answers 500", 500, nil, false},
-		{"a stream that ends whole", 200, []string{role, tok, done}, true},
-		{"a stream that ends in an error event, cut across chunks", 200, []string{role + fail[:20], fail[20:] + done}, false},
-		{"a stream whose client left before its end", 200, []string{role, tok}, true},
-		{"a 4xx: the request's fault", 400, nil, true},
-		{"no response path", never, nil, true},
+		{"the decode engine answers 200", 200, nil, "served", "served"},
+		{"it answers 500", 500, nil, "failed", "failed"},
+		{"a stream that ends whole", 200, []string{role, tok, done}, "served", "served"},
+		{"a stream that ends in an error event, cut across chunks", 200, []string{role + fail[:20], fail[20:] + done}, "failed", "failed"},
+		{"a stream whose client left after its first token", 200, []string{role, tok}, "served", "served"},
+		{"a stream whose client left before", 200, []string{role}, "served", "served"},
+		{"a 4xx: the request's fault", 400, nil, "served", "served"},
+		{"no response path: the prefill engine answered", never, nil, "served", "nothing"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			engine := enginetest.Start(t, enginetest.JSON(200, `{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[[1]],`+
 				`"remote_engine_id":"e","remote_request_id":"r","remote_host":"10.0.0.9","remote_port":5600}}`))
 			p, _, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\n", engine.Addr()))
+			prefill, decode := p.Pools()
+			pe, de := prefill.Endpoints()[0], decode.Endpoints()[0]
+			for _, e := range []*scheduling.Endpoint{pe, de, pe, de} { // two of the three failures that eject
+				e.ReportFailure()
+			}
 			for i := range 3 {
 				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)})
 				if err != nil {
@@ -253,18 +264,73 @@ func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
 				if tt.status != never {
 					d.Observe(tt.status, tt.stream != nil)
 				}
-				for j, chunk := range tt.stream {
-					d.Watch([]byte(chunk), j == len(tt.stream)-1 && strings.HasSuffix(chunk, done))
+				for _, chunk := range tt.stream {
+					d.Watch([]byte(chunk))
 				}
 				d.Release()
 			}
-			prefill, decode := p.Pools()
-			if got := prefill.Endpoints()[0].Healthy(); got != tt.wantHealthy {
-				t.Errorf("prefill endpoint healthy = %v, want %v", got, tt.wantHealthy)
+			told := func(e *scheduling.Endpoint) string {
+				if !e.Healthy() {
+					return "failed"
+				}
+				if e.ReportFailure(); !e.Healthy() { // the third failure in a row
+					return "nothing"
+				}
+				return "served"
 			}
-			if got := decode.Endpoints()[0].Healthy(); got != tt.wantHealthy {
-				t.Errorf("decode endpoint healthy = %v, want %v", got, tt.wantHealthy)
+			if got := told(pe); got != tt.prefill {
+				t.Errorf("the prefill endpoint was told %s, want %s", got, tt.prefill)
+			}
+			if got := told(de); got != tt.decode {
+				t.Errorf("the decode endpoint was told %s, want %s", got, tt.decode)
 			}
 		})
+	}
+}
+
+// A prefill endpoint back from an ejection takes one probe. Its leg ends at
+// its 200, but its verdict comes with the decode engine's answer: until then
+// the endpoint takes no other request, which would otherwise all go to an
+// engine whose KV cannot be pulled before the probe's failure is known.
+func TestAProbeHoldsThePrefillEndpointUntilThePairsVerdict(t *testing.T) {
+	engine := enginetest.Start(t, enginetest.JSON(200, `{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[[1]],`+
+		`"remote_engine_id":"e","remote_request_id":"r","remote_host":"10.0.0.9","remote_port":5600}}`))
+	p, _, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q], health: {consecutive_failures: 1, base_ejection: 1ms}}, "+
+		"decode: {endpoints: [\"10.1.1.1:8000\", \"10.1.1.2:8000\"]}}\n", engine.Addr()))
+	prefill, _ := p.Pools()
+	route := func(id string) (*pipeline.Decision, *pipeline.Request) {
+		r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: id, Body: []byte(`{"model":"m","prompt":"hi"}`)}
+		d, err := p.Route(context.Background(), r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d, r
+	}
+	d, _ := route("r0")
+	d.Observe(http.StatusInternalServerError, false) // the pull failed: ejected for 1ms
+	d.Release()
+	deadline := time.Now().Add(10 * time.Second)
+	for !prefill.Endpoints()[0].Healthy() { // the ejection runs out: half-open
+		if time.Now().After(deadline) {
+			t.Fatal("the prefill endpoint never came back from its ejection")
+		}
+		runtime.Gosched()
+	}
+	probe, r := route("r1")
+	if r.Report.Mode != pipeline.ModePD {
+		t.Fatalf("the probe went %s, want P/D", r.Report.Mode)
+	}
+	if prefill.Endpoints()[0].Healthy() {
+		t.Error("the prefill endpoint takes requests while its probe's verdict is pending")
+	}
+	d, r = route("r2")
+	if r.Report.Mode != pipeline.ModeDecodeOnly || r.Report.Reason != metrics.ReasonNoPrefill {
+		t.Errorf("a request during the probe went %s (%s), want decode-only for want of a prefill endpoint", r.Report.Mode, r.Report.Reason)
+	}
+	d.Release()
+	probe.Observe(http.StatusOK, false)
+	probe.Release()
+	if !prefill.Endpoints()[0].Healthy() {
+		t.Error("the prefill endpoint is not back after its probe's pair was served")
 	}
 }

@@ -20,6 +20,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
+	"github.com/pd-extproc/pd-extproc/pkg/response"
 )
 
 // maxPrefillResponseBytes bounds what we read of a prefill answer: it is one
@@ -95,6 +96,11 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 	}
 	if len(answer) > maxPrefillResponseBytes {
 		return prefillAnswer{}, errAnswerTooLarge
+	}
+	if ct := resp.Header.Get("Content-Type"); response.IsEventStream(ct) && response.StreamFailed(answer) {
+		// A streamed leg (kv-sglang keeps the client's stream) that failed
+		// after its 200: the engine's 500, told in an error event.
+		return prefillAnswer{}, &statusError{status: http.StatusInternalServerError, body: answer, contentType: ct}
 	}
 	return p.readAnswer(answer, r), nil
 }

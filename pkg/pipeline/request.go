@@ -3,6 +3,7 @@ package pipeline
 import (
 	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -108,19 +109,17 @@ type Decision struct {
 	// was a 200, but whether it served the request is the decode engine's
 	// answer: a pull that fails (an engine that cannot be reached at the
 	// address it hands out, blocks it freed) fails the request there. So
-	// its health is reported with the pair's outcome (settle).
-	prefill *scheduling.Endpoint
+	// its health is reported with the pair's outcome (settle), and until
+	// then it takes no other request if this one is its probe.
+	prefill *scheduling.Slot
 	release func()
-	// partnerFailed is set when a concurrent prefill leg failed, or a
-	// prefill engine handed out KV the decode engine cannot reach
-	// (checkRemoteHost): the decode engine's 5xx is then the pair's failure,
-	// not the decode endpoint's.
-	partnerFailed atomic.Bool
+	// partner is what a failure at the decode engine is weighed against.
+	partner partner
 	// settled: the outcome has been reported to the endpoints' health.
 	settled atomic.Bool
-	// watch reads a streamed answer that began with a 2xx for the error
-	// event of a request that failed after it (Observe); nil otherwise.
-	watch *response.Failure
+	// watch reads the opening of a streamed answer that began with a 2xx
+	// for its verdict (Observe); nil otherwise.
+	watch *response.Opening
 }
 
 // Release frees the decode endpoint's slot; call it when the exchange ends.
@@ -134,7 +133,8 @@ func (d *Decision) Release() {
 	if d.watch != nil {
 		d.settle(true)
 	} else if d.prefill != nil && d.settled.CompareAndSwap(false, true) {
-		d.prefill.ReportSuccess()
+		d.prefill.Endpoint().ReportSuccess()
+		d.prefill.Judged()
 	}
 	if d.release != nil {
 		d.release()
@@ -154,43 +154,46 @@ func (d *Decision) Sent() {
 
 // Observe reports the decode engine's response status, so that an endpoint
 // answering 5xx is ejected like one that refuses connections. A 2xx event
-// stream (streamed, its chunks given to Watch) is judged when it ends
+// stream (streamed, its chunks given to Watch) is judged by its opening
 // instead: an engine that fails a request after its headers went out says
-// so in an error event.
+// so in an error event before the first token (response.Opening).
 func (d *Decision) Observe(status int, streamed bool) {
 	switch {
 	case d == nil || d.decode == nil:
 	case streamed && status >= 200 && status <= 299:
-		d.watch = &response.Failure{}
+		d.watch = &response.Opening{}
 	default:
 		d.settle(status < 500)
 	}
 }
 
-// Watch reads the next chunk of a streamed answer that Observe is judging,
-// last when the body ends with it.
-func (d *Decision) Watch(chunk []byte, last bool) {
-	if d == nil || d.watch == nil {
+// Watch reads the next chunk of a streamed answer that Observe is judging.
+// A stream that ends without a verdict served its request (Release).
+func (d *Decision) Watch(chunk []byte) {
+	if d == nil || d.watch == nil || d.settled.Load() {
 		return
 	}
-	if d.watch.Scan(chunk); d.watch.Failed() {
+	switch d.watch.Scan(chunk) {
+	case response.Failed:
 		d.settle(false)
-	} else if last {
+	case response.Served:
 		d.settle(true)
 	}
 }
 
-// StreamFailed reports whether the answer's stream, begun with a 2xx, has
-// carried an error event with a 5xx code (Watch).
-func (d *Decision) StreamFailed() bool { return d != nil && d.watch != nil && d.watch.Failed() }
+// StreamFailed reports whether the answer's stream, begun with a 2xx,
+// carried an error event with a 5xx code before its first token (Watch).
+func (d *Decision) StreamFailed() bool {
+	return d != nil && d.watch != nil && d.watch.Verdict() == response.Failed
+}
 
 // settle reports the request's outcome, once, to the decode endpoint and,
 // in P/D, the prefill endpoint whose KV it pulled. A failure is the pair's:
 // each endpoint's consecutive failures then single out the one that fails
 // with every partner, as a healthy one's run of failures is broken by its
 // requests through other partners. A decode failure that a failed or
-// misconfigured prefill engine caused (partnerFailed) spares the decode
-// endpoint.
+// misconfigured prefill engine caused spares the decode endpoint
+// (partner).
 func (d *Decision) settle(ok bool) {
 	if !d.settled.CompareAndSwap(false, true) {
 		return
@@ -204,8 +207,73 @@ func (d *Decision) settle(ok bool) {
 			e.ReportFailure()
 		}
 	}
-	if ok || !d.partnerFailed.Load() {
+	if ok {
 		report(d.decode)
+	} else {
+		d.partner.decodeFailed(d.decode)
 	}
-	report(d.prefill)
+	if d.prefill != nil {
+		report(d.prefill.Endpoint())
+		d.prefill.Judged()
+	}
+}
+
+// partner weighs a failure at the decode engine against its prefill
+// partner: a prefill engine that handed out KV no other host can reach
+// (checkRemoteHost), or a concurrent leg that failed (kv-sglang: a decode
+// engine whose prefill never bootstraps fails too), spares the decode
+// endpoint. A concurrent leg may end after the decode engine's failure (a
+// prefill engine too slow for the bootstrap handshake fails after the decode
+// engine gave up on it), so while it runs the decode's failure waits for it.
+type partner struct {
+	mu      sync.Mutex
+	failed  bool                 // the prefill partner failed, or will fail the pull
+	running bool                 // a concurrent leg is under way
+	waiting *scheduling.Endpoint // a decode endpoint whose failure waits for the leg
+}
+
+// fails marks the prefill partner as the failure's cause.
+func (p *partner) fails() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.failed = true
+}
+
+// legStarted notes a concurrent leg under way.
+func (p *partner) legStarted() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.running = true
+}
+
+// legEnded notes the concurrent leg's end, and blames a decode failure that
+// waited for it unless the leg failed.
+func (p *partner) legEnded(failed bool) {
+	p.mu.Lock()
+	p.running, p.failed = false, p.failed || failed
+	e := p.waiting
+	if p.failed {
+		e = nil
+	}
+	p.waiting = nil
+	p.mu.Unlock()
+	if e != nil {
+		e.ReportFailure()
+	}
+}
+
+// decodeFailed blames the decode endpoint e for a failure, now, later (a
+// concurrent leg under way) or not at all (the partner's fault).
+func (p *partner) decodeFailed(e *scheduling.Endpoint) {
+	p.mu.Lock()
+	switch {
+	case p.failed:
+		e = nil
+	case p.running:
+		p.waiting, e = e, nil
+	}
+	p.mu.Unlock()
+	if e != nil {
+		e.ReportFailure()
+	}
 }

@@ -154,6 +154,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		}
 		rep.Prefill = prefill.Addr
 		p.pairWith(h, prefill)
+		d.partner.legStarted()
 		p.launch(ctx, prefill, r, kv.PrefillBody(p.connector, h), d)
 		return kv.DecodeBody(p.connector, h), nil
 	}
@@ -164,7 +165,8 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	if answer.params != nil {
 		d.prefill = prefill // served, if the decode engine can pull what it handed out (Decision.settle)
 	} else {
-		prefill.ReportSuccess()
+		prefill.Endpoint().ReportSuccess()
+		prefill.Judged()
 	}
 	if answer.params == nil && p.connector.HandsBackParams() {
 		p.metrics.KVParamsMissing()
@@ -172,7 +174,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 			"requestID", r.RequestID, "prefill", rep.Prefill)
 	}
 	if p.checkRemoteHost(answer.params, rep.Prefill, d.decode.Addr, r.RequestID) {
-		d.partnerFailed.Store(true) // the decode engine's failed pull is the prefill engine's fault
+		d.partner.fails() // the decode engine's failed pull is the prefill engine's fault
 	}
 	d.Rewrite = p.usageRewriter(r, answer)
 	h.PrefillKV = answer.params
@@ -196,8 +198,10 @@ func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Sp
 
 // runPrefill sends the sequential prefill leg to one endpoint after another
 // until one answers, within prefill.attempts and prefill.timeout. An engine 4xx
-// ends it at once: another endpoint would refuse the same request.
-func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *Request, h *kv.Handoff) (prefillAnswer, *scheduling.Endpoint, error) {
+// ends it at once: another endpoint would refuse the same request. It
+// returns the slot of the endpoint that answered, whose health is the
+// caller's to report, and then to judge.
+func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *Request, h *kv.Handoff) (prefillAnswer, *scheduling.Slot, error) {
 	start := time.Now()
 	defer func() { r.Report.PrefillTime = time.Since(start) }()
 	ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
@@ -211,11 +215,11 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 		}
 		r.Report.Prefill = ep.Addr
 		p.pairWith(h, ep)
-		release := ep.Acquire()
+		slot := ep.Claim()
 		answer, failed := p.attempt(ctx, ep.Addr, r, kv.PrefillBody(p.connector, h))
-		release()
+		slot.Leave()
 		if failed == nil {
-			return answer, ep, nil // its health is the caller's to report
+			return answer, slot, nil
 		}
 		switch {
 		case failed.blames(kv.Sequential):
@@ -223,6 +227,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 		case failed.aboutRequest():
 			ep.ReportSuccess() // the engine is fine; the request is not
 		}
+		slot.Judged()
 		if !failed.retryable() {
 			return prefillAnswer{}, nil, failed
 		}
@@ -251,7 +256,7 @@ func (p *Pipeline) takeBackground() bool {
 //
 // The legs fail together: a prefill whose decode never connects answers 5xx,
 // and a decode whose prefill failed does too. So a failed leg spares its
-// decode endpoint the blame for the 5xx that follows (Decision.Observe), and
+// decode endpoint the blame for the 5xx, before or after it (partner), and
 // an answer spares its own (attemptError.blames).
 func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Request, leg body.Spliced, d *Decision) {
 	release, unhold := ep.Acquire(), func() {}
@@ -268,8 +273,9 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 		}()
 		ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
 		defer cancel()
-		if _, failed := p.attempt(ctx, ep.Addr, r, leg); failed != nil {
-			d.partnerFailed.Store(true)
+		_, failed := p.attempt(ctx, ep.Addr, r, leg)
+		d.partner.legEnded(failed != nil)
+		if failed != nil {
 			if failed.blames(kv.Concurrent) {
 				ep.ReportFailure()
 			}

@@ -7,38 +7,65 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
-// maxErrorEvent is as much of an error event as Failure holds to read its
+// maxErrorEvent is as much of an error event as Opening holds to read its
 // code; vLLM's and SGLang's are a few hundred bytes.
 const maxErrorEvent = 4 << 10
 
-// Failure watches a streamed answer for the error event an engine sends
-// when a request fails after its 200 went out. vLLM ends a chat or
-// completions stream that way when the request finishes with an error (a
-// KV load that failed, under kv_load_failure_policy "fail"):
+// Verdict is what the opening of a streamed answer says of its request.
+type Verdict uint8
+
+const (
+	Pending Verdict = iota // nothing yet
+	Served                 // its first token came (or an error that is the request's own)
+	Failed                 // an error event with a 5xx code came first
+)
+
+// Opening reads the start of a streamed answer until it tells whether the
+// engine served the request: its status says nothing of it, as vLLM and
+// SGLang send a stream's 200 before the request has a token. A request that
+// fails after it ends the stream with an error event, then data: [DONE].
+// vLLM does so when the request finishes with an error (a KV load that
+// failed, under kv_load_failure_policy "fail"), after a chat stream's first
+// event, which only names the role:
 //
 //	data: {"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}}
 //
-// then data: [DONE] (vllm/entrypoints/generate/base/serving.py,
-// _raise_if_error; chat_completion/serving.py). SGLang does the same with
-// its own message, "Decode transfer failed for request ..." on a decode
-// server (disaggregation/decode.py, entrypoints/openai/serving_chat.py).
-// Such an answer failed as a 500 would, though its status said 200.
+// (vllm/entrypoints/generate/base/serving.py, _raise_if_error;
+// chat_completion/serving.py). SGLang sends it first, with its own message,
+// "Decode transfer failed for request ..." on a decode server
+// (disaggregation/decode.py, entrypoints/openai/serving_chat.py). So the
+// request was served once two data events that are not errors have come
+// (the role, then a token; or two tokens), and failed when an error event
+// with a 5xx code comes before.
 //
 // A data line is JSON on one line, so a line that starts {"error" is such an
-// event and nothing else: inside a JSON string the quotes are escaped. The
-// zero Failure is ready; give it every chunk in order.
-type Failure struct {
-	line   []byte // the start of the current line, while it may be an error event
-	inLine bool   // past the start of a line that is not one
-	failed bool
+// event and nothing else: inside a JSON string the quotes are escaped. Only
+// such a line is held; the others are read where they lie. The zero Opening
+// is ready; give it every chunk in order until it has a verdict.
+type Opening struct {
+	kind    lineKind
+	held    []byte // the line so far, while it is unknown or an error event
+	events  int    // complete data lines that are not error events
+	verdict Verdict
 }
 
-// errorData is how an error event's line starts, after "data:" and any spaces.
-var errorData = []byte(`{"error"`)
+type lineKind uint8
 
-// Scan reads the next chunk of the answer.
-func (f *Failure) Scan(chunk []byte) {
-	for len(chunk) > 0 && !f.failed {
+const (
+	unknown lineKind = iota // too little of the line yet
+	other                   // not a data line: a comment, event:, id:, a blank line
+	data                    // a data line that is not an error event
+	errorEvent
+)
+
+var (
+	dataField = []byte("data:")
+	errorData = []byte(`{"error"`)
+)
+
+// Scan reads the next chunk of the answer and returns the verdict so far.
+func (o *Opening) Scan(chunk []byte) Verdict {
+	for len(chunk) > 0 && o.verdict == Pending {
 		end := bytes.IndexByte(chunk, '\n')
 		part := chunk
 		if end >= 0 {
@@ -46,50 +73,104 @@ func (f *Failure) Scan(chunk []byte) {
 		} else {
 			chunk = nil
 		}
-		if !f.inLine && len(f.line)+len(part) <= maxErrorEvent {
-			f.line = append(f.line, part...)
-			f.inLine = !f.maybe()
-		} else {
-			f.line, f.inLine = f.line[:0], true
-		}
+		o.read(part)
 		if end >= 0 {
-			if !f.inLine {
-				f.failed = f.serverError()
-			}
-			f.line, f.inLine = f.line[:0], false
+			o.endLine()
 		}
 	}
+	return o.verdict
 }
 
-// maybe reports whether the line so far may still be an error event.
-func (f *Failure) maybe() bool {
-	l := bytes.TrimSuffix(f.line, []byte("\r"))
-	const data = "data:"
-	if len(l) < len(data) {
-		return bytes.HasPrefix([]byte(data), l)
+// Verdict is the verdict so far.
+func (o *Opening) Verdict() Verdict { return o.verdict }
+
+// read takes the next part of the current line.
+func (o *Opening) read(part []byte) {
+	if o.kind == unknown && len(o.held) == 0 {
+		if o.kind = classify(part); o.kind != unknown && o.kind != errorEvent {
+			return // decided in place, nothing held
+		}
 	}
-	if !bytes.HasPrefix(l, []byte(data)) {
-		return false
+	if o.kind != unknown && o.kind != errorEvent {
+		return
 	}
-	l = bytes.TrimLeft(l[len(data):], " ")
-	n := min(len(l), len(errorData))
-	return bytes.Equal(l[:n], errorData[:n])
+	if len(o.held)+len(part) > maxErrorEvent {
+		o.kind, o.held = other, o.held[:0] // an error event too long to read tells nothing
+		return
+	}
+	o.held = append(o.held, part...)
+	o.kind = classify(o.held)
 }
 
-// serverError reports whether the whole line read is an error event with a
-// 5xx code: the engine's failure, not the request's.
-func (f *Failure) serverError() bool {
-	l, ok := bytes.CutPrefix(bytes.TrimSuffix(f.line, []byte("\r")), []byte("data:"))
-	if l = bytes.TrimLeft(l, " "); !ok || !bytes.HasPrefix(l, errorData) {
-		return false
+// endLine judges the line that just ended.
+func (o *Opening) endLine() {
+	line := bytes.TrimSuffix(o.held, []byte("\r"))
+	kind := o.kind
+	if kind == unknown {
+		if kind = classify(line); kind == unknown && bytes.HasPrefix(line, dataField) {
+			kind = data // "data:" and a few bytes that cannot be an error
+		}
 	}
-	s, e, ok := body.Locate(l, "error", "code")
+	switch kind {
+	case data:
+		if o.events++; o.events >= 2 {
+			o.verdict = Served
+		}
+	case errorEvent:
+		o.verdict = errorVerdict(line)
+	}
+	o.kind, o.held = unknown, o.held[:0]
+}
+
+// classify tells what a line is from its start, b.
+func classify(b []byte) lineKind {
+	if len(b) < len(dataField) {
+		if bytes.HasPrefix(dataField, b) {
+			return unknown
+		}
+		return other
+	}
+	if !bytes.HasPrefix(b, dataField) {
+		return other
+	}
+	v := b[len(dataField):]
+	if len(v) > 0 && v[0] == ' ' { // the one space SSE allows after the colon
+		v = v[1:]
+	} else if len(v) == 0 {
+		return unknown
+	}
+	n := min(len(v), len(errorData))
+	switch {
+	case !bytes.Equal(v[:n], errorData[:n]):
+		return data
+	case n < len(errorData):
+		return unknown
+	}
+	return errorEvent
+}
+
+// errorVerdict judges a whole error event: a 5xx code is the engine's
+// failure; a 4xx is the request's own, which the engine served; an event
+// whose code cannot be read tells nothing.
+func errorVerdict(line []byte) Verdict {
+	v := bytes.TrimPrefix(bytes.TrimPrefix(line, dataField), []byte(" "))
+	s, e, ok := body.Locate(v, "error", "code")
 	if !ok {
-		return false
+		return Pending
 	}
-	code, err := strconv.Atoi(string(l[s:e]))
-	return err == nil && code >= 500
+	code, err := strconv.Atoi(string(v[s:e]))
+	switch {
+	case err != nil:
+		return Pending
+	case code >= 500:
+		return Failed
+	}
+	return Served
 }
 
-// Failed reports whether an error event with a 5xx code has been read.
-func (f *Failure) Failed() bool { return f.failed }
+// StreamFailed reports whether a whole streamed answer failed before its
+// first token (Opening).
+func StreamFailed(answer []byte) bool {
+	var o Opening
+	return o.Scan(answer) == Failed
+}

@@ -5,7 +5,7 @@ import (
 	"testing"
 )
 
-func TestFailureFindsTheErrorEventAfterA200(t *testing.T) {
+func TestOpeningTellsServedFromFailed(t *testing.T) {
 	const (
 		vllmError   = "data: {\"error\": {\"message\": \"Internal server error\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
 		sglangError = "data: {\"error\": {\"object\": \"error\", \"message\": \"Decode transfer failed for request rank=0 req.rid='a'\", \"type\": \"INTERNAL_SERVER_ERROR\", \"param\": null, \"code\": 500}}\n\n"
@@ -14,30 +14,39 @@ func TestFailureFindsTheErrorEventAfterA200(t *testing.T) {
 	tests := []struct {
 		name   string
 		stream string
-		want   bool
+		want   Verdict
 	}{
-		{"a whole answer", role + tok0 + tok1 + usageEv + done, false},
-		{"vLLM: the role chunk, then the error (a KV load that failed)", role + vllmError + done, true},
-		{"SGLang: the error first", sglangError + done, true},
-		{"no space after data:, CRLF lines", strings.ReplaceAll("data:{\"error\":{\"message\":\"x\",\"code\":503}}\n\n", "\n", "\r\n"), true},
-		{"a 4xx error event is the request's fault", "data: {\"error\": {\"message\": \"bad\", \"type\": \"BadRequestError\", \"code\": 400}}\n\n" + done, false},
-		{"an error event without a code", "data: {\"error\": {\"message\": \"x\"}}\n\n" + done, false},
-		{"a token that says {\"error\" inside its text", "data: {\"choices\":[{\"delta\":{\"content\":\"data: {\\\"error\\\": {\\\"code\\\": 500}}\"}}]}\n\n" + done, false},
-		{"an error line cut short", "data: {\"error\": {\"code\": 50", false},
-		{"a comment line", ": {\"error\": {\"code\": 500}}\n\n" + done, false},
-		{"an error event longer than is read", "data: {\"error\": {\"message\": \"" + strings.Repeat("x", maxErrorEvent) + "\", \"code\": 500}}\n\n", false},
+		{"a whole answer", role + tok0 + tok1 + usageEv + done, Served},
+		{"vLLM: the role, then the error (a KV load that failed)", role + vllmError + done, Failed},
+		{"SGLang: the error first", sglangError + done, Failed},
+		{"no space after data:, CRLF lines", strings.ReplaceAll("data:{\"error\":{\"message\":\"x\",\"code\":503}}\n\n", "\n", "\r\n"), Failed},
+		{"an event: line before the error's data", "event: error\ndata: {\"error\": {\"code\": 500}}\n\n", Failed},
+		{"the role alone: nothing yet", role, Pending},
+		{"a token after the role: served, and what follows is not read", role + tok0 + vllmError, Served},
+		{"a completions stream's first two tokens", strings.ReplaceAll(tok0+tok1, "chat.completion.chunk", "text_completion"), Served},
+		{"a data line longer than an error event is held", "data: {\"choices\":[{\"text\":\"" + strings.Repeat("x", 2*maxErrorEvent) + "\"}]}\n\n" + done, Served},
+		{"a 4xx error event is the request's own", "data: {\"error\": {\"message\": \"bad\", \"type\": \"BadRequestError\", \"code\": 400}}\n\n" + done, Served},
+		{"an error event without a code tells nothing", "data: {\"error\": {\"message\": \"x\"}}\n\n" + done, Pending},
+		{"a token that says {\"error\" in its text", "data: {\"choices\":[{\"delta\":{\"content\":\"data: {\\\"error\\\": {\\\"code\\\": 500}}\"}}]}\n\n" + done, Served},
+		{"an error line cut short", "data: {\"error\": {\"code\": 50", Pending},
+		{"a comment line", ": {\"error\": {\"code\": 500}}\n\n" + done, Pending},
+		{"an error event longer than is read tells nothing", "data: {\"error\": {\"message\": \"" + strings.Repeat("x", maxErrorEvent) + "\", \"code\": 500}}\n\n", Pending},
 	}
 	for _, tt := range tests {
 		for _, size := range []int{len(tt.stream) + 1, 7, 1} { // whole, and cut across every boundary
-			var f Failure
+			var o Opening
+			var got Verdict
 			for s := tt.stream; s != ""; {
 				n := min(size, len(s))
-				f.Scan([]byte(s[:n]))
+				got = o.Scan([]byte(s[:n]))
 				s = s[n:]
 			}
-			if f.Failed() != tt.want {
-				t.Errorf("%s, in chunks of %d: Failed() = %v, want %v", tt.name, size, f.Failed(), tt.want)
+			if got != tt.want || o.Verdict() != tt.want {
+				t.Errorf("%s, in chunks of %d: %v, want %v", tt.name, size, got, tt.want)
 			}
+		}
+		if StreamFailed([]byte(tt.stream)) != (tt.want == Failed) {
+			t.Errorf("%s: StreamFailed = %v", tt.name, !(tt.want == Failed))
 		}
 	}
 }

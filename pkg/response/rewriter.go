@@ -87,12 +87,20 @@ var zero = []byte("0")
 // Writes reports whether r rewrites the answer, rather than reads it.
 func (r *Rewriter) Writes() bool { return r.seen == nil }
 
+// IsEventStream reports whether a Content-Type is that of server-sent events.
+func IsEventStream(contentType string) bool { return mediaType(contentType) == "text/event-stream" }
+
+// mediaType is a Content-Type's media type, lowercase.
+func mediaType(contentType string) string {
+	t, _, _ := strings.Cut(contentType, ";")
+	return strings.ToLower(strings.TrimSpace(t))
+}
+
 // Start reads what the answer's headers say of its body. An error status, an
 // encoded body (gzip: the number cannot be found in it) and any body that is
 // neither JSON nor an event stream pass on untouched.
 func (r *Rewriter) Start(status int, contentType, contentEncoding string) {
-	mediaType, _, _ := strings.Cut(contentType, ";")
-	switch mediaType = strings.ToLower(strings.TrimSpace(mediaType)); {
+	switch mediaType := mediaType(contentType); {
 	case status < 200 || status > 299:
 		r.Skip(metrics.UsageNotRewritable)
 	case contentEncoding != "" && !strings.EqualFold(contentEncoding, "identity"):

@@ -65,16 +65,46 @@ func (e *Endpoint) InFlight() int64 { return e.inflight.Load() }
 // ejection has run out is its probe: until the probe releases or reports, the
 // endpoint takes no other request.
 func (e *Endpoint) Acquire() (release func()) {
-	e.inflight.Add(1)
-	probe := e.troubled.Load() && e.claimProbe()
-	var done atomic.Bool
+	s := e.Claim()
 	return func() {
-		if done.CompareAndSwap(false, true) {
-			e.inflight.Add(-1)
-			if probe {
-				e.endProbe()
-			}
-		}
+		s.Leave()
+		s.Judged()
+	}
+}
+
+// Claim is Acquire for a request whose outcome is known only after it has
+// left the endpoint: a prefill leg, whose request fails at the decode engine
+// if its KV cannot be pulled. Its Slot's Leave ends the request's load on
+// the endpoint; Judged, called once the outcome is reported (or will not
+// be), frees the probe slot, so that a half-open endpoint takes no other
+// request before its probe's verdict.
+func (e *Endpoint) Claim() *Slot {
+	e.inflight.Add(1)
+	return &Slot{e: e, probe: e.troubled.Load() && e.claimProbe()}
+}
+
+// Slot is one request's hold on an endpoint (Claim). Its methods are safe to
+// call more than once.
+type Slot struct {
+	e            *Endpoint
+	probe        bool
+	left, judged atomic.Bool
+}
+
+// Endpoint is the endpoint held.
+func (s *Slot) Endpoint() *Endpoint { return s.e }
+
+// Leave ends the request's load on the endpoint.
+func (s *Slot) Leave() {
+	if s.left.CompareAndSwap(false, true) {
+		s.e.inflight.Add(-1)
+	}
+}
+
+// Judged frees the probe slot, if the request was the endpoint's probe.
+func (s *Slot) Judged() {
+	if s.probe && s.judged.CompareAndSwap(false, true) {
+		s.e.endProbe()
 	}
 }
 

@@ -17,7 +17,7 @@ import (
 
 // step is one thing that happens to an endpoint, and what a picker then sees.
 type step struct {
-	do          string // "fail", "ok", "wait:<duration>", "acquire", "release"
+	do          string // "fail", "ok", "wait:<duration>", "acquire", "release", "claim", "leave", "judged"
 	wantHealthy bool
 }
 
@@ -56,6 +56,12 @@ func TestEjectionAndRecovery(t *testing.T) {
 		{"half-open takes a single probe", []step{
 			{"fail", true}, {"fail", true}, {"fail", false},
 			{"wait:1s", true}, {"acquire", false}, {"release", true}}, 1},
+		{"a probe claimed for a later verdict holds the endpoint past its leaving", []step{
+			{"fail", true}, {"fail", true}, {"fail", false},
+			{"wait:1s", true}, {"claim", false}, {"leave", false}, {"judged", true}}, 1},
+		{"a claimed probe's failure reported before its verdict ejects again", []step{
+			{"fail", true}, {"fail", true}, {"fail", false},
+			{"wait:1s", true}, {"claim", false}, {"leave", false}, {"fail", false}, {"judged", false}, {"wait:2s", true}}, 2},
 		{"the probe's success restores it for everyone", []step{
 			{"fail", true}, {"fail", true}, {"fail", false},
 			{"wait:1s", true}, {"acquire", false}, {"ok", true}}, 1},
@@ -65,6 +71,7 @@ func TestEjectionAndRecovery(t *testing.T) {
 			p, clock := testPool(t, config.PoolScheduling{Health: config.EngineHealth{MaxEjection: config.Duration(5 * time.Second)}}, "10.0.0.1:8000")
 			e := p.Endpoints()[0]
 			var release func()
+			var slot *Slot
 			for i, s := range tt.steps {
 				switch {
 				case s.do == "fail":
@@ -75,6 +82,12 @@ func TestEjectionAndRecovery(t *testing.T) {
 					release = e.Acquire()
 				case s.do == "release":
 					release()
+				case s.do == "claim":
+					slot = e.Claim()
+				case s.do == "leave":
+					slot.Leave()
+				case s.do == "judged":
+					slot.Judged()
 				case strings.HasPrefix(s.do, "wait:"):
 					d, err := time.ParseDuration(strings.TrimPrefix(s.do, "wait:"))
 					if err != nil {

@@ -207,10 +207,8 @@ func TestAPrefillEngineWhoseKVCannotBePulledIsEjected(t *testing.T) {
 			if n := r.metric(t, `pd_extproc_stream_errors_total{mode="pd"}`); n != wantStreamErrors {
 				t.Errorf(`pd_extproc_stream_errors_total{mode="pd"} = %v, want %v`, n, wantStreamErrors)
 			}
-			for i, d := range r.decode {
-				if n := len(recordsWith([]*pdsim.Server{d}, "lost KV")); n == 0 {
-					t.Errorf("decode engine %d got no request: ejected for the prefill engine's failures", i)
-				}
+			if n := r.metric(t, fmt.Sprintf(`pd_extproc_endpoint_ejections_total{endpoint=%q,pool="prefill"}`, r.prefill[0].Addr())); n != 1 {
+				t.Errorf("the engine losing its KV was ejected %v times, want 1", n)
 			}
 		})
 	}
@@ -559,16 +557,16 @@ func TestSGLangNeverGoesDecodeOnly(t *testing.T) {
 func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 	const health = "health: {consecutive_failures: 1, base_ejection: 1m}"
 	for _, tt := range []struct {
-		name  string
-		fault func(t *testing.T, r *rig) // break one side for one request, then heal it
+		name, spared string                     // the pool of the endpoint that must not be blamed
+		fault        func(t *testing.T, r *rig) // break one side for one request, then heal it
 	}{
-		{"a failing prefill ejects the decode", func(t *testing.T, r *rig) {
+		{"a failing prefill ejects the decode", "decode", func(t *testing.T, r *rig) {
 			r.prefill[0].SetFaults(pdsim.Faults{FailStatus: http.StatusServiceUnavailable})
 			path, body := request("chat", false, "prefill fails")
 			r.must(t, path, body, nil) // the decode waits for the handshake, then answers 500
 			r.prefill[0].SetFaults(pdsim.Faults{})
 		}},
-		{"a failing prefill, streamed, ejects the decode", func(t *testing.T, r *rig) {
+		{"a failing prefill's stream error ejects the decode", "decode", func(t *testing.T, r *rig) {
 			r.prefill[0].SetFaults(pdsim.Faults{FailStatus: http.StatusServiceUnavailable})
 			path, body := request("chat", true, "prefill fails")
 			if _, got := r.must(t, path, body, nil); !strings.Contains(got, `data: {"error"`) { // 200, then SGLang's error event
@@ -576,7 +574,19 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 			}
 			r.prefill[0].SetFaults(pdsim.Faults{})
 		}},
-		{"a dead decode ejects the prefill", func(t *testing.T, r *rig) {
+		{"a prefill too slow for the handshake, streamed, ejects the decode", "decode", func(t *testing.T, r *rig) {
+			r.prefill[0].SetFaults(pdsim.Faults{Delay: time.Second}) // the decode gives up first, at 300 ms
+			path, body := request("chat", true, "prefill slow")
+			if _, got := r.must(t, path, body, nil); !strings.Contains(got, `data: {"error"`) {
+				t.Errorf("the decode stream %q has no error event", got)
+			}
+			r.prefill[0].SetFaults(pdsim.Faults{})
+			waitFor(t, 10*time.Second, "the prefill leg to fail in its turn", func() bool {
+				recs := recordsWith(r.prefill, "prefill slow")
+				return len(recs) == 1 && recs[0].Status != 0
+			})
+		}},
+		{"a dead decode ejects the prefill", "prefill", func(t *testing.T, r *rig) {
 			r.decode[0].SetFaults(pdsim.Faults{DropConnections: true})
 			path, body := request("chat", false, "decode dies")
 			r.must(t, path, body, nil) // Envoy's 503; the prefill leg waits for a handshake, then fails
@@ -591,7 +601,12 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 			r := startRig(t, rigOptions{connector: "kv-sglang", prefills: 1, decodes: 1, handshake: 300 * time.Millisecond,
 				prefillPool: health, decodePool: health})
 			tt.fault(t, r)
-			r.healthy(t, "after "+tt.name)
+			r.healthy(t, "after "+tt.name) // the decode pool routes among ejected endpoints, so also:
+			sim := map[string]*pdsim.Server{"prefill": r.prefill[0], "decode": r.decode[0]}[tt.spared]
+			series := fmt.Sprintf(`pd_extproc_endpoint_ejections_total{endpoint=%q,pool=%q}`, sim.Addr(), tt.spared)
+			if n := r.metric(t, series); n != 0 {
+				t.Errorf("%s = %v, want 0", series, n)
+			}
 		})
 	}
 }

@@ -1,0 +1,88 @@
+package handlers_test
+
+import (
+	"fmt"
+	"testing"
+
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/go-logr/logr"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+)
+
+// A decode engine that cannot pull the KV answers a stream's 200 first, then
+// an error event (vLLM's kv_load_failure_policy "fail"). When Envoy sends the
+// response body, in any mode, and whether the body ends with its last chunk
+// or with trailers, that answer is a failure of both endpoints of the pair,
+// and is counted; without the body, the 200 is all there is.
+func TestAStreamThatFailsAfterIts200IsAFailure(t *testing.T) {
+	const (
+		role = "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n"
+		fail = "data: {\"error\": {\"message\": \"Internal server error\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
+		done = "data: [DONE]\n\n"
+	)
+	for _, mode := range []filterv3.ProcessingMode_BodySendMode{fullDuplex, filterv3.ProcessingMode_STREAMED, buffered, filterv3.ProcessingMode_NONE} {
+		for _, trailers := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s, trailers %v", mode, trailers), func(t *testing.T) {
+				prefill := enginetest.Start(t, prefillOK)
+				p := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+pools: {prefill: {endpoints: [%q], health: {consecutive_failures: 1}}, decode: {endpoints: ["10.1.1.1:8000"], health: {consecutive_failures: 1}}}`, prefill.Addr()))
+				m := metrics.New("kv-nixl")
+				msgs := []*extprocv3.ProcessingRequest{
+					envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), fullDuplex, mode),
+					envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
+					envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, envoymsg.Header{"content-type", "text/event-stream"}),
+				}
+				if mode != filterv3.ProcessingMode_NONE {
+					msgs = append(msgs, envoymsg.Body(envoymsg.Response, []byte(role), false), envoymsg.Body(envoymsg.Response, []byte(fail+done), !trailers))
+				}
+				if trailers {
+					msgs = append(msgs, envoymsg.Trailers(envoymsg.Response))
+				}
+				drive(t, handlers.NewServer(p, handlers.Options{Metrics: m}, logr.Discard()), msgs...)
+
+				wantFailed := mode != filterv3.ProcessingMode_NONE
+				prefillPool, decodePool := p.Pools()
+				for _, e := range append(prefillPool.Endpoints(), decodePool.Endpoints()...) {
+					if e.Healthy() == wantFailed {
+						t.Errorf("endpoint %s healthy = %v, want %v", e.Addr, e.Healthy(), !wantFailed)
+					}
+				}
+				want := 0.0
+				if wantFailed {
+					want = 1
+				}
+				if got := streamErrors(t, m, "pd"); got != want {
+					t.Errorf(`pd_extproc_stream_errors_total{mode="pd"} = %v, want %v`, got, want)
+				}
+			})
+		}
+	}
+}
+
+// streamErrors reads pd_extproc_stream_errors_total for a mode.
+func streamErrors(t *testing.T, m *metrics.Metrics, mode string) float64 {
+	t.Helper()
+	families, err := m.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != "pd_extproc_stream_errors_total" {
+			continue
+		}
+		for _, s := range f.GetMetric() {
+			for _, l := range s.GetLabel() {
+				if l.GetName() == "mode" && l.GetValue() == mode {
+					return s.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	t.Fatalf("no pd_extproc_stream_errors_total{mode=%q}", mode)
+	return 0
+}
