@@ -44,3 +44,26 @@ func BenchmarkRewriter(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkOpening is the cost of judging a stream by its opening, once per
+// streamed answer (Opening reads no further): a chat stream's role and first
+// token, served; the role and vLLM's error event, failed.
+func BenchmarkOpening(b *testing.B) {
+	const fail = "data: {\"error\": {\"message\": \"Internal server error\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
+	for _, c := range []struct {
+		name, stream string
+		want         Verdict
+	}{{"served", role + tok0, Served}, {"failed", role + fail, Failed}} {
+		b.Run(c.name, func(b *testing.B) {
+			stream := []byte(c.stream)
+			b.SetBytes(int64(len(stream)))
+			b.ReportAllocs()
+			for b.Loop() {
+				var o Opening
+				if o.Scan(stream) != c.want {
+					b.Fatal("wrong verdict")
+				}
+			}
+		})
+	}
+}

@@ -50,3 +50,24 @@ func TestOpeningTellsServedFromFailed(t *testing.T) {
 		}
 	}
 }
+
+// However an answer is cut into chunks, its opening's verdict is the same.
+func FuzzOpeningIgnoresChunking(f *testing.F) {
+	f.Add([]byte(role+tok0), uint8(6))
+	f.Add([]byte("data: {\"error\": {\"code\": 500}}\r\n\r\ndata: [DONE]\n\n"), uint8(0))
+	f.Add([]byte(": c\nevent: e\ndata:{\"error\":{\"code\":400}}\n"), uint8(2))
+	f.Fuzz(func(t *testing.T, stream []byte, cut uint8) {
+		var whole, chunked Opening
+		want := whole.Scan(stream)
+		size := int(cut) + 1
+		var got Verdict
+		for s := stream; len(s) > 0; {
+			n := min(size, len(s))
+			got = chunked.Scan(s[:n])
+			s = s[n:]
+		}
+		if got != want && len(stream) > 0 {
+			t.Errorf("in chunks of %d: %v, whole: %v", size, got, want)
+		}
+	})
+}
