@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -314,8 +313,9 @@ func TestAProbeHoldsThePrefillEndpointUntilThePairsVerdict(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatal("the prefill endpoint never came back from its ejection")
 		}
-		runtime.Gosched()
+		time.Sleep(5 * time.Millisecond) // polling the condition, not waiting it out
 	}
+	defer pipeline.SetProbeVerdictWait(time.Second)()
 	probe, r := route("r1")
 	if r.Report.Mode != pipeline.ModePD {
 		t.Fatalf("the probe went %s, want P/D", r.Report.Mode)
@@ -328,9 +328,17 @@ func TestAProbeHoldsThePrefillEndpointUntilThePairsVerdict(t *testing.T) {
 		t.Errorf("a request during the probe went %s (%s), want decode-only for want of a prefill endpoint", r.Report.Mode, r.Report.Reason)
 	}
 	d.Release()
+	// A long answer that is not streamed tells its verdict at its end: past
+	// the wait, the endpoint takes requests again meanwhile.
+	for !prefill.Endpoints()[0].Healthy() {
+		if time.Now().After(deadline) {
+			t.Fatal("the prefill endpoint still waits for its probe's verdict past the wait")
+		}
+		time.Sleep(5 * time.Millisecond) // polling the condition, not waiting it out
+	}
 	probe.Observe(http.StatusOK, false)
 	probe.Release()
-	if !prefill.Endpoints()[0].Healthy() {
-		t.Error("the prefill endpoint is not back after its probe's pair was served")
+	if _, r = route("r3"); r.Report.Mode != pipeline.ModePD {
+		t.Errorf("after its probe's pair was served, a request went %s, want P/D", r.Report.Mode)
 	}
 }

@@ -1,5 +1,7 @@
 package pipeline
 
+import "time"
+
 // What the external tests (package pipeline_test, which assemble pipelines
 // as pkg/server does) read of the package's insides.
 
@@ -10,3 +12,11 @@ const (
 
 // CloseIdle closes p's idle connections to the prefill engines.
 func CloseIdle(p *Pipeline) { p.client.CloseIdleConnections() }
+
+// SetProbeVerdictWait sets how long a prefill probe waits for its verdict,
+// until the returned func restores it.
+func SetProbeVerdictWait(d time.Duration) (restore func()) {
+	old := probeVerdictWait
+	probeVerdictWait = d
+	return func() { probeVerdictWait = old }
+}

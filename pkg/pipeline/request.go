@@ -112,15 +112,28 @@ type Decision struct {
 	// its health is reported with the pair's outcome (settle), and until
 	// then it takes no other request if this one is its probe.
 	prefill *scheduling.Slot
-	release func()
+	// probeWait frees the prefill endpoint's probe slot after
+	// probeVerdictWait without a verdict.
+	probeWait *time.Timer
+	release   func()
 	// partner is what a failure at the decode engine is weighed against.
 	partner partner
 	// settled: the outcome has been reported to the endpoints' health.
 	settled atomic.Bool
 	// watch reads the opening of a streamed answer that began with a 2xx
-	// for its verdict (Observe); nil otherwise.
-	watch *response.Opening
+	// for its verdict (Observe); nil otherwise. choices is the request's n.
+	watch   *response.Opening
+	choices int
 }
+
+// probeVerdictWait is how long a prefill endpoint's probe holds it waiting
+// for the decode engine's verdict. A pull that fails does so when the decode
+// engine schedules the request, seconds at most, and its error comes at
+// once; a pull that worked is told only when the answer's status or first
+// token comes, which a long answer that is not streamed brings at its end.
+// Past this the endpoint takes requests again, its health still waiting for
+// the verdict.
+var probeVerdictWait = 10 * time.Second
 
 // Release frees the decode endpoint's slot; call it when the exchange ends.
 // An outcome not reported by then is a success: the answer was a 2xx and
@@ -134,7 +147,7 @@ func (d *Decision) Release() {
 		d.settle(true)
 	} else if d.prefill != nil && d.settled.CompareAndSwap(false, true) {
 		d.prefill.Endpoint().ReportSuccess()
-		d.prefill.Judged()
+		d.judged()
 	}
 	if d.release != nil {
 		d.release()
@@ -161,7 +174,7 @@ func (d *Decision) Observe(status int, streamed bool) {
 	switch {
 	case d == nil || d.decode == nil:
 	case streamed && status >= 200 && status <= 299:
-		d.watch = &response.Opening{}
+		d.watch = response.NewOpening(d.choices)
 	default:
 		d.settle(status < 500)
 	}
@@ -214,17 +227,28 @@ func (d *Decision) settle(ok bool) {
 	}
 	if d.prefill != nil {
 		report(d.prefill.Endpoint())
-		d.prefill.Judged()
+		d.judged()
 	}
+}
+
+// judged frees the prefill endpoint's probe slot once its verdict is in.
+func (d *Decision) judged() {
+	if d.probeWait != nil {
+		d.probeWait.Stop()
+	}
+	d.prefill.Judged()
 }
 
 // partner weighs a failure at the decode engine against its prefill
 // partner: a prefill engine that handed out KV no other host can reach
-// (checkRemoteHost), or a concurrent leg that failed (kv-sglang: a decode
-// engine whose prefill never bootstraps fails too), spares the decode
-// endpoint. A concurrent leg may end after the decode engine's failure (a
-// prefill engine too slow for the bootstrap handshake fails after the decode
-// engine gave up on it), so while it runs the decode's failure waits for it.
+// (checkRemoteHost), or a concurrent leg that failed first (kv-sglang: a
+// decode engine whose prefill never bootstraps fails too), spares the
+// decode endpoint. A concurrent leg that fails after the decode engine did
+// spares it only when the leg got no answer (the prefill engine unreachable,
+// or past prefill.timeout): a leg that answers 5xx after its decode engine
+// failed is that failure's consequence, as when the decode engine fails at
+// once and its prefill engine then waits for it in vain. So while a leg
+// runs, the decode's failure waits for it.
 type partner struct {
 	mu      sync.Mutex
 	failed  bool                 // the prefill partner failed, or will fail the pull
@@ -246,16 +270,20 @@ func (p *partner) legStarted() {
 	p.running = true
 }
 
-// legEnded notes the concurrent leg's end, and blames a decode failure that
-// waited for it unless the leg failed.
-func (p *partner) legEnded(failed bool) {
+// legEnded notes the concurrent leg's end: failed, and whether unanswered
+// (the prefill engine's own fault). It blames a decode failure that waited
+// for it unless the leg spares it.
+func (p *partner) legEnded(failed, unanswered bool) {
 	p.mu.Lock()
-	p.running, p.failed = false, p.failed || failed
 	e := p.waiting
-	if p.failed {
-		e = nil
+	p.running, p.waiting = false, nil
+	switch {
+	case !failed: // the leg served: the decode's failure is its own
+	case e == nil: // failed first: a decode failure after it is the consequence
+		p.failed = true
+	case unanswered:
+		p.failed, e = true, nil
 	}
-	p.waiting = nil
 	p.mu.Unlock()
 	if e != nil {
 		e.ReportFailure()

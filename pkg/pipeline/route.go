@@ -101,7 +101,13 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if err != nil {
 		return nil, err
 	}
-	r.Report.Decode = d.Endpoint
+	r.Report.Decode, d.choices = d.Endpoint, sreq.N
+	defer func() {
+		if v := recover(); v != nil { // a bug: free what the request holds, or a probe's endpoint stays out for good
+			d.Release()
+			panic(v)
+		}
+	}()
 	h := &kv.Handoff{Body: obj, Shape: &a.Shape}
 	d.Body, err = p.legs(ctx, r, h, sreq, d)
 	if err != nil {
@@ -164,6 +170,9 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	}
 	if answer.params != nil {
 		d.prefill = prefill // served, if the decode engine can pull what it handed out (Decision.settle)
+		if prefill.Probe() {
+			d.probeWait = time.AfterFunc(probeVerdictWait, prefill.Judged)
+		}
 	} else {
 		prefill.Endpoint().ReportSuccess()
 		prefill.Judged()
@@ -255,9 +264,9 @@ func (p *Pipeline) takeBackground() bool {
 // decode engine is waiting to pair with.
 //
 // The legs fail together: a prefill whose decode never connects answers 5xx,
-// and a decode whose prefill failed does too. So a failed leg spares its
-// decode endpoint the blame for the 5xx, before or after it (partner), and
-// an answer spares its own (attemptError.blames).
+// and a decode whose prefill failed does too. So a leg that failed first,
+// or got no answer, spares its decode endpoint the blame for its 5xx
+// (partner), and an answer spares its own (attemptError.blames).
 func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Request, leg body.Spliced, d *Decision) {
 	release, unhold := ep.Acquire(), func() {}
 	if r.Keep != nil { // the leg reads the client's body after Route returns
@@ -274,7 +283,7 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 		ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
 		defer cancel()
 		_, failed := p.attempt(ctx, ep.Addr, r, leg)
-		d.partner.legEnded(failed != nil)
+		d.partner.legEnded(failed != nil, failed != nil && failed.blames(kv.Concurrent))
 		if failed != nil {
 			if failed.blames(kv.Concurrent) {
 				ep.ReportFailure()

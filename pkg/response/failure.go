@@ -34,20 +34,26 @@ const (
 // chat_completion/serving.py). SGLang sends it first, with its own message,
 // "Decode transfer failed for request ..." on a decode server
 // (disaggregation/decode.py, entrypoints/openai/serving_chat.py). So the
-// request was served once two data events that are not errors have come
-// (the role, then a token; or two tokens), and failed when an error event
-// with a 5xx code comes before.
+// request was served once a data event that is not an error has come for
+// each choice, and one more (vLLM's chat sends each choice's role first,
+// then tokens), and failed when an error event with a 5xx code comes
+// before.
 //
 // A data line is JSON on one line, so a line that starts {"error" is such an
 // event and nothing else: inside a JSON string the quotes are escaped. Only
-// such a line is held; the others are read where they lie. The zero Opening
-// is ready; give it every chunk in order until it has a verdict.
+// such a line is held; the others are read where they lie. Give it every
+// chunk in order until it has a verdict.
 type Opening struct {
 	kind    lineKind
 	held    []byte // the line so far, while it is unknown or an error event
 	events  int    // complete data lines that are not error events
+	served  int    // the events that tell the request was served
 	verdict Verdict
 }
+
+// NewOpening reads the opening of a stream of the given number of choices
+// (a request's n).
+func NewOpening(choices int) *Opening { return &Opening{served: max(choices, 1) + 1} }
 
 type lineKind uint8
 
@@ -113,7 +119,7 @@ func (o *Opening) endLine() {
 	}
 	switch kind {
 	case data:
-		if o.events++; o.events >= 2 {
+		if o.events++; o.events >= o.served {
 			o.verdict = Served
 		}
 	case errorEvent:
@@ -171,6 +177,5 @@ func errorVerdict(line []byte) Verdict {
 // StreamFailed reports whether a whole streamed answer failed before its
 // first token (Opening).
 func StreamFailed(answer []byte) bool {
-	var o Opening
-	return o.Scan(answer) == Failed
+	return NewOpening(1).Scan(answer) == Failed
 }

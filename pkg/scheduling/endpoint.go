@@ -94,6 +94,9 @@ type Slot struct {
 // Endpoint is the endpoint held.
 func (s *Slot) Endpoint() *Endpoint { return s.e }
 
+// Probe reports whether the request is the probe of a half-open endpoint.
+func (s *Slot) Probe() bool { return s.probe }
+
 // Leave ends the request's load on the endpoint.
 func (s *Slot) Leave() {
 	if s.left.CompareAndSwap(false, true) {

@@ -558,15 +558,17 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 	const health = "health: {consecutive_failures: 1, base_ejection: 1m}"
 	for _, tt := range []struct {
 		name, spared string                     // the pool of the endpoint that must not be blamed
+		blamed       string                     // the pool of the one that must, if any
+		extra        string                     // more config
 		fault        func(t *testing.T, r *rig) // break one side for one request, then heal it
 	}{
-		{"a failing prefill ejects the decode", "decode", func(t *testing.T, r *rig) {
+		{"a failing prefill ejects the decode", "decode", "", "", func(t *testing.T, r *rig) {
 			r.prefill[0].SetFaults(pdsim.Faults{FailStatus: http.StatusServiceUnavailable})
 			path, body := request("chat", false, "prefill fails")
 			r.must(t, path, body, nil) // the decode waits for the handshake, then answers 500
 			r.prefill[0].SetFaults(pdsim.Faults{})
 		}},
-		{"a failing prefill's stream error ejects the decode", "decode", func(t *testing.T, r *rig) {
+		{"a failing prefill's stream error ejects the decode", "decode", "", "", func(t *testing.T, r *rig) {
 			r.prefill[0].SetFaults(pdsim.Faults{FailStatus: http.StatusServiceUnavailable})
 			path, body := request("chat", true, "prefill fails")
 			if _, got := r.must(t, path, body, nil); !strings.Contains(got, `data: {"error"`) { // 200, then SGLang's error event
@@ -574,19 +576,28 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 			}
 			r.prefill[0].SetFaults(pdsim.Faults{})
 		}},
-		{"a prefill too slow for the handshake, streamed, ejects the decode", "decode", func(t *testing.T, r *rig) {
-			r.prefill[0].SetFaults(pdsim.Faults{Delay: time.Second}) // the decode gives up first, at 300 ms
-			path, body := request("chat", true, "prefill slow")
+		{"a prefill that never answers, streamed, ejects the decode", "decode", "prefill", "prefill: {timeout: 1s}", func(t *testing.T, r *rig) {
+			r.prefill[0].SetFaults(pdsim.Faults{Delay: 3 * time.Second}) // the decode gives up first, at 300 ms; the leg at 1 s
+			path, body := request("chat", true, "prefill hangs")
 			if _, got := r.must(t, path, body, nil); !strings.Contains(got, `data: {"error"`) {
 				t.Errorf("the decode stream %q has no error event", got)
 			}
 			r.prefill[0].SetFaults(pdsim.Faults{})
-			waitFor(t, 10*time.Second, "the prefill leg to fail in its turn", func() bool {
-				recs := recordsWith(r.prefill, "prefill slow")
+			waitFor(t, 10*time.Second, "the prefill leg to be given up", func() bool {
+				return r.metric(t, `pd_extproc_prefill_failures_total{reason="timeout"}`) == 1
+			})
+		}},
+		{"a decode that fails at once is blamed, not its waiting prefill", "prefill", "decode", "", func(t *testing.T, r *rig) {
+			r.decode[0].SetFaults(pdsim.Faults{FailStatus: http.StatusInternalServerError})
+			path, body := request("chat", true, "decode fails")
+			r.must(t, path, body, nil) // the prefill leg waits for the handshake, then answers 500
+			r.decode[0].SetFaults(pdsim.Faults{})
+			waitFor(t, 10*time.Second, "the prefill leg to give up", func() bool {
+				recs := recordsWith(r.prefill, "decode fails")
 				return len(recs) == 1 && recs[0].Status != 0
 			})
 		}},
-		{"a dead decode ejects the prefill", "prefill", func(t *testing.T, r *rig) {
+		{"a dead decode ejects the prefill", "prefill", "", "", func(t *testing.T, r *rig) {
 			r.decode[0].SetFaults(pdsim.Faults{DropConnections: true})
 			path, body := request("chat", false, "decode dies")
 			r.must(t, path, body, nil) // Envoy's 503; the prefill leg waits for a handshake, then fails
@@ -599,13 +610,20 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			r := startRig(t, rigOptions{connector: "kv-sglang", prefills: 1, decodes: 1, handshake: 300 * time.Millisecond,
-				prefillPool: health, decodePool: health})
+				prefillPool: health, decodePool: health, extra: tt.extra})
 			tt.fault(t, r)
-			r.healthy(t, "after "+tt.name) // the decode pool routes among ejected endpoints, so also:
-			sim := map[string]*pdsim.Server{"prefill": r.prefill[0], "decode": r.decode[0]}[tt.spared]
-			series := fmt.Sprintf(`pd_extproc_endpoint_ejections_total{endpoint=%q,pool=%q}`, sim.Addr(), tt.spared)
-			if n := r.metric(t, series); n != 0 {
-				t.Errorf("%s = %v, want 0", series, n)
+			if tt.blamed != "prefill" { // the only prefill endpoint is out: kv-sglang answers 503 for a while
+				r.healthy(t, "after "+tt.name) // the decode pool routes among ejected endpoints, so also:
+			}
+			sims := map[string]*pdsim.Server{"prefill": r.prefill[0], "decode": r.decode[0]}
+			for pool, want := range map[string]float64{tt.spared: 0, tt.blamed: 1} {
+				if pool == "" {
+					continue
+				}
+				series := fmt.Sprintf(`pd_extproc_endpoint_ejections_total{endpoint=%q,pool=%q}`, sims[pool].Addr(), pool)
+				if n := r.metric(t, series); n != want {
+					t.Errorf("%s = %v, want %v", series, n, want)
+				}
 			}
 		})
 	}
