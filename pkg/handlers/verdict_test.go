@@ -2,11 +2,12 @@ package handlers_test
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
-	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
@@ -43,7 +44,8 @@ pools: {prefill: {endpoints: [%q], health: {consecutive_failures: 1}}, decode: {
 				if trailers {
 					msgs = append(msgs, envoymsg.Trailers(envoymsg.Response))
 				}
-				drive(t, handlers.NewServer(p, handlers.Options{Metrics: m}, logr.Discard()), msgs...)
+				var logged []string
+				drive(t, handlers.NewServer(p, handlers.Options{Metrics: m}, funcr.New(func(_, args string) { logged = append(logged, args) }, funcr.Options{})), msgs...)
 
 				wantFailed := mode != filterv3.ProcessingMode_NONE
 				prefillPool, decodePool := p.Pools()
@@ -58,6 +60,16 @@ pools: {prefill: {endpoints: [%q], health: {consecutive_failures: 1}}, decode: {
 				}
 				if got := streamErrors(t, m, "pd"); got != want {
 					t.Errorf(`pd_extproc_stream_errors_total{mode="pd"} = %v, want %v`, got, want)
+				}
+				// One line names the pair, for the operator to find the engine.
+				lines := 0
+				for _, l := range logged {
+					if strings.Contains(l, "after its 200") && strings.Contains(l, `"decode"="10.1.1.1:8000"`) && strings.Contains(l, `"prefill"="`+prefill.Addr()+`"`) {
+						lines++
+					}
+				}
+				if lines != int(want) {
+					t.Errorf("%d log lines name the failed pair, want %v: %q", lines, want, logged)
 				}
 			})
 		}
