@@ -98,3 +98,9 @@ func JSON(status int, body string) http.HandlerFunc {
 		io.WriteString(w, body)
 	}
 }
+
+// StreamError is the event with which vLLM ends a chat or completions stream
+// whose request fails after its 200 (finish reason "error": a KV load that
+// failed, under kv_load_failure_policy "fail"), as its json.dumps prints it
+// (vllm/entrypoints/generate/base/serving.py, _raise_if_error).
+const StreamError = "data: {\"error\": {\"message\": \"Internal server error\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"

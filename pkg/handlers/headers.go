@@ -3,7 +3,6 @@ package handlers
 import (
 	"net/http"
 	"strconv"
-	"strings"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -118,7 +117,7 @@ func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap) {
 		}
 	}
 	if status != 0 {
-		x.decision.Observe(status, x.responseMode() != filterv3.ProcessingMode_NONE && isEventStream(contentType, contentEncoding))
+		x.decision.Observe(status, x.responseMode() != filterv3.ProcessingMode_NONE && response.IsEventStream(contentType, contentEncoding))
 	}
 	switch {
 	case !rewriting:
@@ -135,10 +134,4 @@ func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap) {
 	default:
 		x.decision.Rewrite.Start(status, contentType, contentEncoding)
 	}
-}
-
-// isEventStream reports whether an answer is a server-sent event stream that
-// can be read as it comes: not compressed.
-func isEventStream(contentType, contentEncoding string) bool {
-	return response.IsEventStream(contentType) && (contentEncoding == "" || strings.EqualFold(contentEncoding, "identity"))
 }

@@ -23,7 +23,7 @@ import (
 func TestAStreamThatFailsAfterIts200IsAFailure(t *testing.T) {
 	const (
 		role = "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n"
-		fail = "data: {\"error\": {\"message\": \"Internal server error\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
+		fail = enginetest.StreamError
 		done = "data: [DONE]\n\n"
 	)
 	for _, mode := range []filterv3.ProcessingMode_BodySendMode{fullDuplex, filterv3.ProcessingMode_STREAMED, buffered, filterv3.ProcessingMode_NONE} {

@@ -224,7 +224,7 @@ func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
 	const (
 		role  = "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n"
 		tok   = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"tok0\"}}]}\n\n"
-		fail  = "data: {\"error\": {\"message\": \"Internal server error\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
+		fail  = enginetest.StreamError
 		done  = "data: [DONE]\n\n"
 		never = -1 // Envoy's response path is off: no status comes
 	)

@@ -97,7 +97,7 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 	if len(answer) > maxPrefillResponseBytes {
 		return prefillAnswer{}, errAnswerTooLarge
 	}
-	if ct := resp.Header.Get("Content-Type"); response.IsEventStream(ct) && response.StreamFailed(answer) {
+	if ct := resp.Header.Get("Content-Type"); response.IsEventStream(ct, resp.Header.Get("Content-Encoding")) && response.StreamFailed(answer) {
 		// A streamed leg (kv-sglang keeps the client's stream) that failed
 		// after its 200: the engine's 500, told in an error event.
 		return prefillAnswer{}, &statusError{status: http.StatusInternalServerError, body: answer, contentType: ct}

@@ -112,10 +112,7 @@ type Decision struct {
 	// its health is reported with the pair's outcome (settle), and until
 	// then it takes no other request if this one is its probe.
 	prefill *scheduling.Slot
-	// probeWait frees the prefill endpoint's probe slot after
-	// probeVerdictWait without a verdict.
-	probeWait *time.Timer
-	release   func()
+	release func()
 	// partner is what a failure at the decode engine is weighed against.
 	partner partner
 	// settled: the outcome has been reported to the endpoints' health.
@@ -143,12 +140,7 @@ func (d *Decision) Release() {
 	if d == nil {
 		return
 	}
-	if d.watch != nil {
-		d.settle(true)
-	} else if d.prefill != nil && d.settled.CompareAndSwap(false, true) {
-		d.prefill.Endpoint().ReportSuccess()
-		d.judged()
-	}
+	d.settle(true, d.watch != nil)
 	if d.release != nil {
 		d.release()
 	}
@@ -176,7 +168,7 @@ func (d *Decision) Observe(status int, streamed bool) {
 	case streamed && status >= 200 && status <= 299:
 		d.watch = response.NewOpening(d.choices)
 	default:
-		d.settle(status < 500)
+		d.settle(status < 500, true)
 	}
 }
 
@@ -188,9 +180,9 @@ func (d *Decision) Watch(chunk []byte) {
 	}
 	switch d.watch.Scan(chunk) {
 	case response.Failed:
-		d.settle(false)
+		d.settle(false, true)
 	case response.Served:
-		d.settle(true)
+		d.settle(true, true)
 	}
 }
 
@@ -206,37 +198,22 @@ func (d *Decision) StreamFailed() bool {
 // with every partner, as a healthy one's run of failures is broken by its
 // requests through other partners. A decode failure that a failed or
 // misconfigured prefill engine caused spares the decode endpoint
-// (partner).
-func (d *Decision) settle(ok bool) {
+// (partner). seen says whether the decode engine's answer was: without it
+// (no response path) only the prefill engine, which answered, is told.
+func (d *Decision) settle(ok, seen bool) {
 	if !d.settled.CompareAndSwap(false, true) {
 		return
 	}
-	report := func(e *scheduling.Endpoint) {
-		switch {
-		case e == nil:
-		case ok:
-			e.ReportSuccess()
-		default:
-			e.ReportFailure()
-		}
-	}
-	if ok {
-		report(d.decode)
-	} else {
+	switch {
+	case !seen:
+	case ok:
+		d.decode.ReportSuccess()
+	default:
 		d.partner.decodeFailed(d.decode)
 	}
 	if d.prefill != nil {
-		report(d.prefill.Endpoint())
-		d.judged()
+		d.prefill.Report(ok)
 	}
-}
-
-// judged frees the prefill endpoint's probe slot once its verdict is in.
-func (d *Decision) judged() {
-	if d.probeWait != nil {
-		d.probeWait.Stop()
-	}
-	d.prefill.Judged()
 }
 
 // partner weighs a failure at the decode engine against its prefill

@@ -170,12 +170,9 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	}
 	if answer.params != nil {
 		d.prefill = prefill // served, if the decode engine can pull what it handed out (Decision.settle)
-		if prefill.Probe() {
-			d.probeWait = time.AfterFunc(probeVerdictWait, prefill.Judged)
-		}
+		prefill.JudgedWithin(probeVerdictWait)
 	} else {
-		prefill.Endpoint().ReportSuccess()
-		prefill.Judged()
+		prefill.Report(true)
 	}
 	if answer.params == nil && p.connector.HandsBackParams() {
 		p.metrics.KVParamsMissing()

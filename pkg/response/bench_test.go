@@ -3,6 +3,8 @@ package response
 import (
 	"strings"
 	"testing"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 )
 
 // BenchmarkRewriter is the rewriter's own cost per piece of an answer: a
@@ -49,7 +51,7 @@ func BenchmarkRewriter(b *testing.B) {
 // streamed answer (Opening reads no further): a chat stream's role and first
 // token, served; the role and vLLM's error event, failed.
 func BenchmarkOpening(b *testing.B) {
-	const fail = "data: {\"error\": {\"message\": \"Internal server error\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
+	const fail = enginetest.StreamError
 	for _, c := range []struct {
 		name, stream string
 		want         Verdict

@@ -130,21 +130,16 @@ func (o *Opening) endLine() {
 
 // classify tells what a line is from its start, b.
 func classify(b []byte) lineKind {
-	if len(b) < len(dataField) {
-		if bytes.HasPrefix(dataField, b) {
-			return unknown
-		}
+	off, ok := dataStart(b)
+	switch {
+	case !ok && bytes.HasPrefix(dataField, b): // "dat", so far
+		return unknown
+	case !ok:
 		return other
-	}
-	if !bytes.HasPrefix(b, dataField) {
-		return other
-	}
-	v := b[len(dataField):]
-	if len(v) > 0 && v[0] == ' ' { // the one space SSE allows after the colon
-		v = v[1:]
-	} else if len(v) == 0 {
+	case off == len(b): // "data:" or "data: ", so far
 		return unknown
 	}
+	v := b[off:]
 	n := min(len(v), len(errorData))
 	switch {
 	case !bytes.Equal(v[:n], errorData[:n]):
@@ -159,7 +154,8 @@ func classify(b []byte) lineKind {
 // failure; a 4xx is the request's own, which the engine served; an event
 // whose code cannot be read tells nothing.
 func errorVerdict(line []byte) Verdict {
-	v := bytes.TrimPrefix(bytes.TrimPrefix(line, dataField), []byte(" "))
+	off, _ := dataStart(line)
+	v := line[off:]
 	s, e, ok := body.Locate(v, "error", "code")
 	if !ok {
 		return Pending

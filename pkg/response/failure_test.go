@@ -3,11 +3,13 @@ package response
 import (
 	"strings"
 	"testing"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 )
 
 func TestOpeningTellsServedFromFailed(t *testing.T) {
 	const (
-		vllmError   = "data: {\"error\": {\"message\": \"Internal server error\", \"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
+		vllmError   = enginetest.StreamError
 		sglangError = "data: {\"error\": {\"object\": \"error\", \"message\": \"Decode transfer failed for request rank=0 req.rid='a'\", \"type\": \"INTERNAL_SERVER_ERROR\", \"param\": null, \"code\": 500}}\n\n"
 		done        = "data: [DONE]\n\n"
 	)

@@ -87,8 +87,16 @@ var zero = []byte("0")
 // Writes reports whether r rewrites the answer, rather than reads it.
 func (r *Rewriter) Writes() bool { return r.seen == nil }
 
-// IsEventStream reports whether a Content-Type is that of server-sent events.
-func IsEventStream(contentType string) bool { return mediaType(contentType) == "text/event-stream" }
+// IsEventStream reports whether an answer with these headers is a stream of
+// server-sent events that can be read as it comes: not compressed.
+func IsEventStream(contentType, contentEncoding string) bool {
+	return mediaType(contentType) == "text/event-stream" && !encoded(contentEncoding)
+}
+
+// encoded reports whether a Content-Encoding leaves the body unreadable.
+func encoded(contentEncoding string) bool {
+	return contentEncoding != "" && !strings.EqualFold(contentEncoding, "identity")
+}
 
 // mediaType is a Content-Type's media type, lowercase.
 func mediaType(contentType string) string {
@@ -103,7 +111,7 @@ func (r *Rewriter) Start(status int, contentType, contentEncoding string) {
 	switch mediaType := mediaType(contentType); {
 	case status < 200 || status > 299:
 		r.Skip(metrics.UsageNotRewritable)
-	case contentEncoding != "" && !strings.EqualFold(contentEncoding, "identity"):
+	case encoded(contentEncoding):
 		r.Skip(metrics.UsageNotRewritable)
 	case mediaType == "application/json":
 		r.kind = whole

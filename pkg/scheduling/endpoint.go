@@ -84,18 +84,16 @@ func (e *Endpoint) Claim() *Slot {
 }
 
 // Slot is one request's hold on an endpoint (Claim). Its methods are safe to
-// call more than once.
+// call more than once, and from any goroutine.
 type Slot struct {
 	e            *Endpoint
 	probe        bool
 	left, judged atomic.Bool
+	wait         atomic.Pointer[time.Timer] // JudgedWithin's
 }
 
 // Endpoint is the endpoint held.
 func (s *Slot) Endpoint() *Endpoint { return s.e }
-
-// Probe reports whether the request is the probe of a half-open endpoint.
-func (s *Slot) Probe() bool { return s.probe }
 
 // Leave ends the request's load on the endpoint.
 func (s *Slot) Leave() {
@@ -107,7 +105,30 @@ func (s *Slot) Leave() {
 // Judged frees the probe slot, if the request was the endpoint's probe.
 func (s *Slot) Judged() {
 	if s.probe && s.judged.CompareAndSwap(false, true) {
+		if t := s.wait.Load(); t != nil {
+			t.Stop()
+		}
 		s.e.endProbe()
+	}
+}
+
+// Report reports the request's outcome to the endpoint's health, then frees
+// its probe slot.
+func (s *Slot) Report(ok bool) {
+	if ok {
+		s.e.ReportSuccess()
+	} else {
+		s.e.ReportFailure()
+	}
+	s.Judged()
+}
+
+// JudgedWithin frees the probe slot after d if no verdict has come by then:
+// the endpoint then takes requests again, its health still waiting for the
+// report.
+func (s *Slot) JudgedWithin(d time.Duration) {
+	if s.probe {
+		s.wait.Store(time.AfterFunc(d, s.Judged))
 	}
 }
 
