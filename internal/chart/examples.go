@@ -23,8 +23,9 @@ gateway: {enabled: true}
 config:
   connector: kv-sglang
   pools:
-    prefill: {kubernetes: {selector: pd-extproc.io/pool=prefill, port: http}, bootstrap_port: 8998}
-    decode: {kubernetes: {selector: pd-extproc.io/pool=decode, port: http}}
+    # config/k8s/sglang-pd.yaml's engines publish no KV events.
+    prefill: {kubernetes: {selector: pd-extproc.io/pool=prefill, port: http}, bootstrap_port: 8998, kv_events: null}
+    decode: {kubernetes: {selector: pd-extproc.io/pool=decode, port: http}, kv_events: null}
 `},
 	{Name: "everything", Release: Release{Name: "router", Namespace: "llm"}, Values: `
 image: {repository: registry.example.com/pd-extproc, tag: v0.1.0}
@@ -34,9 +35,9 @@ config:
   pools:
     # Helm merges these keys into the defaults': null drops a default key (an InferencePool
     # gives the ports, and its own selector narrowed by the label).
-    prefill: {kubernetes: {namespace: engines, inference_pool: vllm-prefill, port: null}, kv_events: {connect_port: 5557, replay_port: 5558}}
+    prefill: {kubernetes: {namespace: engines, inference_pool: vllm-prefill, port: null}}
     decode: {kubernetes: {namespace: engines, inference_pool: vllm-decode, port: null}, metrics: {interval: 1s},
-      policy: prefix-affinity, kv_events: {connect_port: 5557, replay_port: 5558}}
+      policy: prefix-affinity}
   limits: {max_concurrent_streams: 4096}
   response: {rewrite_usage: true}
 rbac: {inferencePools: true, extraNamespaces: [engines]}
