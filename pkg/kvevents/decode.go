@@ -15,13 +15,17 @@ const (
 	Stored  Kind = iota + 1 // BlockStored: blocks computed or received
 	Removed                 // BlockRemoved: blocks evicted
 	Cleared                 // AllBlocksCleared: the cache was reset
+	// Unknown is an event of a type the decoder does not know (a newer
+	// engine's, a fork's): read past, and counted, but not indexed.
+	Unknown
 )
 
 // Event is one KV cache event.
 type Event struct {
 	Kind Kind
-	// Hashes are the engine's block hashes: a bytes hash (vLLM's default,
-	// sha256) folded to 64 bits, an integer one as it is.
+	// Hashes are the engine's block hashes: an integer one (vLLM's default,
+	// the digest's low 64 bits) as it is, a bytes one (the whole digest,
+	// VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0) folded to 64 bits.
 	Hashes []uint64
 	// Parent is the hash of the block before the first of Hashes; HasParent
 	// is false for blocks that start a prompt.
@@ -31,12 +35,21 @@ type Event struct {
 	BlockSize int
 	// Extra holds, per stored block, the raw msgpack of the extra keys its
 	// hash covers (LoRA name, multimodal hashes, cache_salt), nil for none.
+	// An event without extra_keys that names a LoRA adapter (lora_id,
+	// lora_name) or carries SGLang's metadata (its cache_salt) gets those
+	// for every block, so that its blocks never match a plain request's.
 	Extra [][]byte
 	// Medium is where the blocks live: "GPU" (or "" when unset) is the
 	// engine's prefix cache; other media (an offloaded tier) are not indexed.
 	Medium string
-	// Group is the KV cache group of hybrid models; only group 0 is indexed.
-	Group int
+	// Group is the KV cache group of hybrid models, and SpecKind the kind
+	// of its layers (vLLM's kv_cache_spec_kind: "full_attention",
+	// "sliding_window", "mamba", ...), "" from engines that do not say.
+	Group    int
+	SpecKind string
+	// keyed is the raw msgpack of a LoRA adapter or metadata named without
+	// extra_keys (Extra).
+	keyed []byte
 }
 
 // Batch is one published message's events.
@@ -120,7 +133,7 @@ func readStruct(d *decoder, field func(name string, i int) error) error {
 
 // The fields of each event, in vLLM's order (vllm/distributed/kv_events.py).
 var (
-	storedFields  = []string{"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx"}
+	storedFields  = []string{"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"}
 	removedFields = []string{"type", "block_hashes", "medium", "group_idx"}
 )
 
@@ -161,6 +174,7 @@ func readEvent(d *decoder) (Event, error) {
 		}
 		return e.read(d, positional(fields, i))
 	})
+	e.finish()
 	return e, err
 }
 
@@ -200,7 +214,20 @@ func readNamedEvent(d *decoder) (Event, error) {
 			return e, err
 		}
 	}
+	e.finish()
 	return e, nil
+}
+
+// finish keys a stored event's blocks by the adapter or metadata it named
+// without extra_keys (Extra).
+func (e *Event) finish() {
+	if e.Kind == Stored && e.Extra == nil && e.keyed != nil {
+		e.Extra = make([][]byte, len(e.Hashes))
+		for i := range e.Extra {
+			e.Extra[i] = e.keyed
+		}
+	}
+	e.keyed = nil
 }
 
 // readTag reads an event's tag and returns its fields in vLLM's order.
@@ -220,7 +247,8 @@ func (e *Event) readTag(d *decoder) ([]string, error) {
 		e.Kind = Cleared
 		return nil, nil
 	}
-	return nil, fmt.Errorf("unknown event %q", tag)
+	e.Kind = Unknown // its fields are skipped
+	return nil, nil
 }
 
 // read reads the field called name.
@@ -247,6 +275,14 @@ func (e *Event) read(d *decoder, name string) error {
 		var n int64
 		n, err = d.DecodeInt64() // nil reads as 0
 		e.Group = int(n)
+	case "kv_cache_spec_kind":
+		e.SpecKind, err = readOptionalString(d)
+	case "lora_id", "lora_name", "metadata":
+		// Position 7 is SGLang's metadata map where vLLM has lora_name.
+		var raw []byte
+		if raw, err = d.raw(); err == nil && raw[0] != msgpcode.Nil {
+			e.keyed = append(e.keyed, raw...)
+		}
 	default:
 		err = d.skip()
 	}

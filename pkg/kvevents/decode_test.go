@@ -75,7 +75,7 @@ func vllmBatch(t testing.TB, mapped bool, hash func(e *msgpack.Encoder, h uint64
 		must(e.EncodeArrayLen(2))
 		must(e.EncodeNil())
 		must(e.Encode([]any{"salt"}))
-		field("kv_cache_spec_kind") // a field this package does not read
+		field("kv_cache_spec_kind")
 		must(e.EncodeString("full_attention"))
 	}
 	start(3)
@@ -120,7 +120,7 @@ func TestDecodeBatchReadsBothEncodings(t *testing.T) {
 			stored, removed, cleared := b.Events[0], b.Events[1], b.Events[2]
 			if stored.Kind != Stored || !slices.Equal(stored.Hashes, []uint64{tt.want(11), tt.want(12)}) ||
 				!stored.HasParent || stored.Parent != tt.want(10) || !slices.Equal(stored.Tokens, []int64{1, 2, 3, 4}) ||
-				stored.BlockSize != 2 || stored.Medium != "GPU" {
+				stored.BlockSize != 2 || stored.Medium != "GPU" || tt.mapped && stored.SpecKind != "full_attention" {
 				t.Errorf("BlockStored read as %+v", stored)
 			}
 			if tt.mapped && (len(stored.Extra) != 2 || stored.Extra[0] != nil || stored.Extra[1] == nil) {
@@ -138,13 +138,11 @@ func TestDecodeBatchReadsBothEncodings(t *testing.T) {
 
 func TestDecodeBatchRefusesWhatIsNotABatch(t *testing.T) {
 	whole := vllmBatch(t, true, func(e *msgpack.Encoder, h uint64) error { return e.EncodeUint(h) })
-	unknown, _ := msgpack.Marshal(map[string]any{"ts": 1.0, "events": []any{map[string]any{"type": "BlockMoved"}}})
 	typeless, _ := msgpack.Marshal(map[string]any{"ts": 1.0, "events": []any{map[string]any{"block_hashes": []int{1}}}})
 	for name, payload := range map[string][]byte{
 		"empty":                 nil,
 		"cut short":             whole[:len(whole)/2],
 		"not msgpack":           []byte(`{"ts":1}`),
-		"an unknown event":      unknown,
 		"an event without type": typeless,
 	} {
 		if _, err := DecodeBatch(payload); err == nil {
@@ -207,5 +205,61 @@ func TestDecodeBatchReadsSGLangs(t *testing.T) {
 	if len(b.Events) != 2 || b.Events[0].Kind != Stored || b.Events[0].HasParent || !slices.Equal(b.Events[0].Hashes, []uint64{1, 2}) ||
 		b.Events[0].BlockSize != 2 || b.Events[0].Medium != "" || b.Events[1].Kind != Removed || !slices.Equal(b.Events[1].Hashes, []uint64{2}) {
 		t.Errorf("read as %+v", b)
+	}
+}
+
+// TestDecodeBatchReadsPastUnknownEvents: an event of a type this release does
+// not know (a newer vLLM's, a fork's), in either encoding and whatever its
+// fields, is read past as Unknown, and the batch's other events stand.
+func TestDecodeBatchReadsPastUnknownEvents(t *testing.T) {
+	for name, events := range map[string][]any{
+		"named fields": {map[string]any{"type": "BlockMigrated", "block_hashes": []int{7}, "to": map[string]any{"medium": "CPU"}},
+			map[string]any{"type": "BlockRemoved", "block_hashes": []int{2}, "medium": "GPU"}},
+		"positional fields": {[]any{"BlockMigrated", []int{7}, []any{"CPU", nil}},
+			[]any{"BlockRemoved", []int{2}, "GPU"}},
+	} {
+		payload, err := msgpack.Marshal([]any{1.0, events})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := DecodeBatch(payload)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if len(b.Events) != 2 || b.Events[0].Kind != Unknown || b.Events[1].Kind != Removed || !slices.Equal(b.Events[1].Hashes, []uint64{2}) {
+			t.Errorf("%s: read as %+v", name, b.Events)
+		}
+	}
+}
+
+// TestDecodeBatchKeysAdaptersWithoutExtraKeys: blocks of a LoRA adapter or
+// with SGLang's metadata (its cache_salt, where vLLM has lora_name), from a
+// publisher that writes no extra_keys, are keyed by them, so that they never
+// match a plain request's blocks; nil fields key nothing.
+func TestDecodeBatchKeysAdaptersWithoutExtraKeys(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		event []any
+		keyed bool
+	}{
+		{"a plain block", []any{"BlockStored", []int{1, 2}, nil, seq(0, 4), 2, nil, "GPU", nil}, false},
+		{"vLLM before extra_keys, a LoRA name", []any{"BlockStored", []int{1, 2}, nil, seq(0, 4), 2, nil, "GPU", "sql-lora"}, true},
+		{"vLLM before lora_name, a LoRA id", []any{"BlockStored", []int{1, 2}, nil, seq(0, 4), 2, 3, "GPU"}, true},
+		{"SGLang, a cache_salt", []any{"BlockStored", []int{1, 2}, nil, seq(0, 4), 2, nil, nil, map[string]any{"cache_salt": "t1"}}, true},
+		{"extra_keys given: theirs", []any{"BlockStored", []int{1, 2}, nil, seq(0, 4), 2, nil, "GPU", "sql-lora", []any{nil, nil}}, false},
+	} {
+		payload, err := msgpack.Marshal([]any{1.0, []any{tt.event}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := DecodeBatch(payload)
+		if err != nil {
+			t.Fatalf("%s: %v", tt.name, err)
+		}
+		e := b.Events[0]
+		keyed := len(e.Extra) == 2 && e.Extra[0] != nil && e.Extra[1] != nil
+		if keyed != tt.keyed || !tt.keyed && slices.ContainsFunc(e.Extra, func(x []byte) bool { return x != nil }) {
+			t.Errorf("%s: extra %q, want keyed %v", tt.name, e.Extra, tt.keyed)
+		}
 	}
 }

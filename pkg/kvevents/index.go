@@ -39,6 +39,7 @@ type pubView struct {
 	Publisher
 	id        int // small and unique among the index's views, for Lookup
 	blockSize int
+	group     int               // the KV cache group indexed, -1 before an event names its kind (indexed)
 	engine    map[uint64]uint64 // the engine's hash → our key
 	order     []uint64          // the engine's hashes, oldest first (may name removed ones)
 	// fresh is false while a gap is being replayed (Subscriber).
@@ -91,7 +92,33 @@ func (x *Index) Stats() Stats {
 // Skipped counts what Apply could not index.
 type Skipped struct {
 	Orphans int // stored blocks whose parent the view does not hold: their keys cannot be chained
-	Other   int // events of another medium or KV cache group, or malformed
+	Other   int // events of another medium, KV cache group or block size, or malformed
+	Unknown int // events of a type the decoder does not know
+}
+
+// indexed says whether a stored or removed event is of the blocks a view
+// indexes: the engine's prefix cache on the GPU, and of a hybrid model's KV
+// cache groups the first of full attention that a stored event names (vLLM
+// names the kind in BlockStored only: removals go by the group). Engines
+// that name no kind (older vLLM, SGLang) are read by group 0. A hybrid
+// model's sliding-window and mamba groups may hold less than its
+// full-attention group (the engine reuses a prefix only as far as every
+// group holds it), so the view of such a model may find more than the
+// engine can reuse.
+func (v *pubView) indexed(e Event) bool {
+	if e.Medium != "" && e.Medium != "GPU" {
+		return false
+	}
+	switch e.SpecKind {
+	case "":
+	case "full_attention", "mla_attention", "sink_full_attention":
+		if v.group < 0 {
+			v.group = e.Group
+		}
+	default:
+		return false
+	}
+	return e.Group == max(v.group, 0)
 }
 
 // Apply applies a batch's events to p's view, creating it (fresh) if needed.
@@ -102,7 +129,11 @@ func (x *Index) Apply(p Publisher, events []Event) Skipped {
 	v.expected = time.Time{}
 	var s Skipped
 	for _, e := range events {
-		if e.Kind != Cleared && (e.Medium != "" && e.Medium != "GPU" || e.Group != 0) {
+		switch {
+		case e.Kind == Unknown:
+			s.Unknown++
+			continue
+		case e.Kind != Cleared && !v.indexed(e):
 			s.Other++
 			continue
 		}
@@ -127,7 +158,7 @@ func (x *Index) view(p Publisher) *pubView {
 		if n := len(x.ids); n > 0 {
 			id, x.ids = x.ids[n-1], x.ids[:n-1]
 		}
-		v = &pubView{Publisher: p, id: id, engine: map[uint64]uint64{}, fresh: true}
+		v = &pubView{Publisher: p, id: id, engine: map[uint64]uint64{}, fresh: true, group: -1}
 		x.pubs[p] = v
 	}
 	return v
@@ -135,8 +166,9 @@ func (x *Index) view(p Publisher) *pubView {
 
 // store indexes a BlockStored: each block's key chained from its parent's.
 func (x *Index) store(v *pubView, e Event, s *Skipped) {
-	if e.BlockSize <= 0 || len(e.Tokens) != e.BlockSize*len(e.Hashes) || e.Extra != nil && len(e.Extra) != len(e.Hashes) {
-		s.Other++
+	if e.BlockSize <= 0 || len(e.Tokens) != e.BlockSize*len(e.Hashes) || e.Extra != nil && len(e.Extra) != len(e.Hashes) ||
+		v.blockSize != 0 && e.BlockSize != v.blockSize && len(v.engine) > 0 {
+		s.Other++ // a block size other than the view's, its blocks cannot be looked up with its others
 		return
 	}
 	var key uint64

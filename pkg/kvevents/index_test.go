@@ -59,6 +59,21 @@ func TestLookupFindsTheLongestCachedPrefix(t *testing.T) {
 		{"a block with extra keys (LoRA, cache_salt) is not a plain prompt's", map[Publisher][]Event{a: {
 			{Kind: Stored, Hashes: []uint64{1, 2}, Tokens: seq(0, 8), BlockSize: 4, Extra: [][]byte{nil, []byte{0x91, 0xa4, 's', 'a', 'l', 't'}}}}},
 			map[string]int{a.Endpoint: 4}},
+		{"a hybrid model: its full-attention group, not its sliding-window one", map[Publisher][]Event{a: {
+			{Kind: Stored, Hashes: []uint64{1, 2, 3}, Tokens: seq(0, 12), BlockSize: 4, Group: 0, SpecKind: "sliding_window"},
+			{Kind: Stored, Hashes: []uint64{1, 2}, Tokens: seq(0, 8), BlockSize: 4, Group: 1, SpecKind: "full_attention"},
+			{Kind: Removed, Hashes: []uint64{2}, Group: 0}}},
+			map[string]int{a.Endpoint: 8}},
+		{"a hybrid model's other group evicts nothing of it", map[Publisher][]Event{a: {
+			{Kind: Stored, Hashes: []uint64{1, 2}, Tokens: seq(0, 8), BlockSize: 4, Group: 1, SpecKind: "mla_attention"},
+			{Kind: Removed, Hashes: []uint64{1}, Group: 2}}},
+			map[string]int{a.Endpoint: 8}},
+		{"a block size other than the view's is not indexed", map[Publisher][]Event{a: {
+			stored(0, []uint64{1}, seq(0, 4)),
+			{Kind: Stored, Hashes: []uint64{2}, Parent: 1, HasParent: true, Tokens: seq(4, 2), BlockSize: 2}}},
+			map[string]int{a.Endpoint: 4}},
+		{"an event of an unknown type changes nothing", map[Publisher][]Event{a: {stored(0, []uint64{1}, seq(0, 4)), {Kind: Unknown}}},
+			map[string]int{a.Endpoint: 4}},
 		{"two ranks of one engine", map[Publisher][]Event{a: {stored(0, []uint64{1}, seq(0, 4))},
 			{Endpoint: a.Endpoint, Rank: 1}: {stored(0, []uint64{1, 2}, seq(0, 8))}},
 			map[string]int{a.Endpoint: 8}},

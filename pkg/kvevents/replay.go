@@ -23,6 +23,14 @@ const untilEnd = int64(^uint64(0) >> 1)
 // and applies them; it reports whether it got them all. At the start of the
 // stream (st.next 0) it takes what the publisher's buffer still holds, all
 // of it when seq is untilEnd.
+//
+// From the start of the stream, a batch left out past the first one given
+// (vLLM's replay socket sends its whole buffer, 10,000 batches by default,
+// at once, and a ZeroMQ ROUTER drops what passes its high-water mark of
+// 1,000) may be a removal lost: the view starts over from the batch after
+// it, the rest of the buffer, which can only find less than is cached. For
+// the whole buffer, an end that does not come is the end of what came: the
+// stream's own numbers then show what is missing (a gap).
 func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
 	if s.cfg.ReplayPort == 0 {
 		return false
@@ -44,10 +52,14 @@ func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
 	if err := d.Send(zmq4.NewMsgFrom([]byte{}, start)); err != nil {
 		return false
 	}
-	initial := st.next == 0
+	initial, applied := st.next == 0, false
 	for st.next < seq {
 		msg, err := d.Recv()
 		if err != nil {
+			if seq == untilEnd && applied {
+				s.counts.Replayed.Add(1)
+				return true
+			}
 			return false
 		}
 		got, payload, err := frames(trimDelimiter(msg.Frames))
@@ -61,12 +73,27 @@ func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
 			continue
 		case got > st.next && !initial:
 			return false // the buffer no longer holds what was lost
+		case got > st.next && applied:
+			s.index.Reset(st.pub, true)
 		}
+		applied = true
 		st.next = got + 1
 		s.apply(st.pub, payload)
 	}
 	s.counts.Replayed.Add(1)
 	return true
+}
+
+// replayOrRebuild replays st's publisher from the start of its stream (st.next
+// 0) up to before seq. One that fails before giving a batch leaves the view
+// without what came before, which finds less than is cached; one that fails
+// part way may have lost removals, and the view starts anew (Index.Rebuild).
+func (s *Subscriber) replayOrRebuild(ctx context.Context, st *stream, seq int64) {
+	from := st.next
+	if s.cfg.ReplayPort != 0 && !s.replay(ctx, st, seq) && st.next > from {
+		s.counts.ReplayFailed.Add(1)
+		s.index.Rebuild(st.pub)
+	}
 }
 
 // trimDelimiter drops the empty frame a ROUTER's reply starts with.

@@ -64,7 +64,7 @@ type Subscriber struct {
 
 // Counts are the subscriber's running totals, read by metrics.
 type Counts struct {
-	Batches, Gaps, Replayed, ReplayFailed, Restarts, UnknownTopics, Undecodable, TooLarge, Orphans, Skipped atomic.Int64
+	Batches, Gaps, Replayed, ReplayFailed, Restarts, UnknownTopics, Undecodable, TooLarge, Orphans, Skipped, UnknownEvents atomic.Int64
 }
 
 // NewSubscriber returns a subscriber that feeds index.
@@ -165,11 +165,16 @@ func (s *Subscriber) read(ctx context.Context, addr string, st *stream) error {
 	if err := sub.Dial(addr); err != nil {
 		return err
 	}
+	// What this connection has delivered: a batch numbered at or below the
+	// last one (or below what was read before, on a connection made anew)
+	// is from an engine that started over.
+	st.live, st.ahead = -1, false
 	if st.next < 0 && s.cfg.ReplayPort != 0 {
 		// Subscribed: what the engine cached before is in its replay buffer,
-		// as far as it goes; what it publishes from now on is numbered after.
-		st.next = 0
-		s.replay(ctx, st, untilEnd)
+		// as far as it goes; what it publishes from now on is numbered after,
+		// and its first batches here may be some the replay gave already.
+		st.next, st.ahead = 0, true
+		s.replayOrRebuild(ctx, st, untilEnd)
 	}
 	if s.cfg.Resync > 0 {
 		t := time.AfterFunc(s.cfg.Resync, cancel)
@@ -290,6 +295,23 @@ func topicEndpoint(frames [][]byte) (string, bool) {
 type stream struct {
 	pub  Publisher
 	next int64 // the sequence number expected next; -1 before the first
+	// live is the last sequence number the connection delivered, -1 before
+	// its first; ahead says a replay at its start may have read past it.
+	live  int64
+	ahead bool
+}
+
+// restarted says whether seq, delivered now, is from a publisher that
+// started over since st.next was set: numbered 0 after others, at or below
+// the last batch of this connection (a stream delivers in order), or below
+// what was read before on a connection made anew, which cannot deliver
+// batches published before it. vLLM numbers its batches from 0 in each
+// process, with no epoch to tell.
+func (st *stream) restarted(seq int64) bool {
+	if st.next <= 0 || seq >= st.next {
+		return false
+	}
+	return seq == 0 || st.live >= 0 && seq <= st.live || st.live < 0 && !st.ahead
 }
 
 // frames splits a message into its sequence number and payload: vLLM sends
@@ -315,6 +337,8 @@ func (s *Subscriber) handle(ctx context.Context, st *stream, msg [][]byte) {
 		s.counts.Undecodable.Add(1)
 		return
 	}
+	restarted := st.restarted(seq)
+	st.live = seq
 	switch {
 	case st.next < 0:
 		// The first batch seen: with a replay socket, what the engine
@@ -322,12 +346,17 @@ func (s *Subscriber) handle(ctx context.Context, st *stream, msg [][]byte) {
 		// that a router that starts late still knows what was cached.
 		if seq > 0 && s.cfg.ReplayPort != 0 {
 			st.next = 0
-			s.replay(ctx, st, seq)
+			s.replayOrRebuild(ctx, st, seq)
 		}
 	case seq == st.next:
-	case seq == 0:
+	case restarted:
+		// Its cache starts empty; what it published before seq, as far as
+		// its buffer goes.
 		s.counts.Restarts.Add(1)
 		s.index.Reset(st.pub, true)
+		if st.next = 0; seq > 0 {
+			s.replayOrRebuild(ctx, st, seq)
+		}
 	case seq < st.next:
 		return // a batch seen already
 	default:
@@ -347,16 +376,21 @@ func (s *Subscriber) handle(ctx context.Context, st *stream, msg [][]byte) {
 	}
 }
 
+// apply applies a batch to p's view. One that cannot be read is a batch
+// lost, which a replay would give as it is: the view starts anew
+// (Index.Rebuild).
 func (s *Subscriber) apply(p Publisher, payload []byte) {
 	b, err := DecodeBatch(payload)
 	if err != nil {
 		s.counts.Undecodable.Add(1)
+		s.index.Rebuild(p)
 		return
 	}
 	s.counts.Batches.Add(1)
 	skipped := s.index.Apply(p, b.Events)
 	s.counts.Orphans.Add(int64(skipped.Orphans))
 	s.counts.Skipped.Add(int64(skipped.Other))
+	s.counts.UnknownEvents.Add(int64(skipped.Unknown))
 }
 
 func sleep(ctx context.Context, d time.Duration) bool {

@@ -24,6 +24,9 @@ type testPublisher struct {
 	mu     sync.Mutex
 	kept   [][]byte // payloads by seq
 	replay int      // the replay socket's port; 0: none
+	// hole is a batch the replay socket leaves out, as a ROUTER past its
+	// high-water mark drops one; 0: none.
+	hole int64
 }
 
 func newTestPublisher(t *testing.T, ctx context.Context, connect string, replay bool) *testPublisher {
@@ -62,7 +65,9 @@ func (p *testPublisher) serveReplay(r zmq4.Socket) {
 		kept := p.kept[min(start, len(p.kept)):]
 		p.mu.Unlock()
 		for i, payload := range kept {
-			_ = r.Send(zmq4.NewMsgFrom(id, nil, seqBytes(int64(start+i)), payload))
+			if n := int64(start + i); n != p.hole || n == 0 {
+				_ = r.Send(zmq4.NewMsgFrom(id, nil, seqBytes(n), payload))
+			}
 		}
 		_ = r.Send(zmq4.NewMsgFrom(id, nil, seqBytes(-1), nil))
 	}
@@ -258,13 +263,92 @@ func freePort(t *testing.T) int {
 
 // TestALateSubscriberReadsTheReplayBuffer: a router that starts after the
 // engine has cached a prompt learns it from the replay socket, which keeps
-// what was published before anyone subscribed.
+// what was published before anyone subscribed. A replay that leaves out a
+// batch past its first (vLLM's ROUTER drops what passes its high-water mark)
+// may have lost a removal: the view holds nothing from before it (it starts
+// over from the rest of the buffer, or, when nothing followed the hole, the
+// live stream's gap finds it and the view is rebuilt).
 func TestALateSubscriberReadsTheReplayBuffer(t *testing.T) {
-	p := newTestPublisher(t, t.Context(), "", true)
-	p.publish(false, storedEvent(1, nil, seq(0, 4)), storedEvent(2, uint64(1), seq(4, 4))) // nobody listens yet
-	x, _, handled := follow(t, p)
-	warm(t, p, handled)
-	if n, ok := held(x, endpoint, seq(0, 8)); n != 8 || !ok {
-		t.Errorf("held %d, ok %v; want the 8 tokens published before the subscriber joined", n, ok)
+	for _, tt := range []struct {
+		name     string
+		hole     int64
+		wantHeld int
+	}{
+		{"whole", 0, 8},
+		{"a batch left out", 2, 0},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			p := newTestPublisher(t, t.Context(), "", true)
+			p.hole = tt.hole
+			// Nobody listens yet: the prompt, then a block stored and removed.
+			p.publish(false, storedEvent(1, nil, seq(0, 4)), storedEvent(2, uint64(1), seq(4, 4)))
+			p.publish(false, storedEvent(3, uint64(2), seq(8, 4)))
+			p.publish(false, removed3())
+			x, _, handled := follow(t, p)
+			warm(t, p, handled)
+			if n, ok := held(x, endpoint, seq(0, 12)); n != tt.wantHeld || tt.hole == 0 && !ok {
+				t.Errorf("held %d, ok %v; want %d", n, ok, tt.wantHeld)
+			}
+		})
+	}
+}
+
+func removed3() map[string]any {
+	return map[string]any{"type": "BlockRemoved", "block_hashes": []uint64{3}, "medium": "GPU"}
+}
+
+// TestHandleTellsARestartFromALateBatch: batches arrive in order on one
+// connection, and a connection made anew cannot deliver batches published
+// before it, so a number below what was read before is a restarted engine
+// (vLLM numbers each process's batches from 0, and a reconnection can miss
+// the first ones), except right after a replay that read ahead of the
+// stream. A batch that cannot be read is lost, and so is the view; an event
+// of an unknown type is counted and its neighbours applied.
+func TestHandleTellsARestartFromALateBatch(t *testing.T) {
+	batch := func(events ...map[string]any) []byte {
+		payload, err := msgpack.Marshal(map[string]any{"ts": 1.0, "events": events})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return payload
+	}
+	old, fresh := storedEvent(1, nil, seq(0, 4)), storedEvent(2, nil, seq(100, 4))
+	for _, tt := range []struct {
+		name      string
+		st        stream // after batches up to 9, the first of which stored old
+		seq       int64
+		payload   []byte
+		wantOld   int // of old's tokens held after
+		wantFresh int
+		wantOK    bool
+		restarts  int64
+	}{
+		{"the next batch", stream{next: 10, live: 9}, 10, batch(fresh), 4, 4, true, 0},
+		{"a connection made anew, a batch missed: a gap", stream{next: 10, live: -1}, 12, batch(fresh), 0, 0, false, 0},
+		{"a connection made anew to a restarted engine", stream{next: 10, live: -1}, 3, batch(fresh), 0, 4, true, 1},
+		{"a restarted engine's first batch", stream{next: 10, live: 9}, 0, batch(fresh), 0, 4, true, 1},
+		{"a number going down on one connection", stream{next: 10, live: 9}, 5, batch(fresh), 0, 4, true, 1},
+		{"a batch a replay at the start read already", stream{next: 10, live: -1, ahead: true}, 7, batch(fresh), 4, 0, true, 0},
+		{"a batch that cannot be read", stream{next: 10, live: 9}, 10, []byte{0xc1}, 0, 0, false, 0},
+		{"an event of an unknown type", stream{next: 10, live: 9}, 10,
+			batch(map[string]any{"type": "BlockMigrated", "block_hashes": []int{1}}, fresh), 4, 4, true, 0},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			x := NewIndex(Bounds{}, time.Minute, nil)
+			s := NewSubscriber(Config{}, x, logr.Discard())
+			st := tt.st
+			st.pub = Publisher{Endpoint: endpoint}
+			x.Reset(st.pub, true)
+			s.apply(st.pub, batch(old))
+			s.handle(t.Context(), &st, [][]byte{nil, seqBytes(tt.seq), tt.payload})
+			n, ok := held(x, endpoint, seq(0, 4))
+			m, _ := held(x, endpoint, seq(100, 4))
+			if n != tt.wantOld || m != tt.wantFresh || ok != tt.wantOK {
+				t.Errorf("held %d and %d, ok %v; want %d and %d, %v", n, m, ok, tt.wantOld, tt.wantFresh, tt.wantOK)
+			}
+			if got := s.Counts().Restarts.Load(); got != tt.restarts {
+				t.Errorf("%d restarts, want %d", got, tt.restarts)
+			}
+		})
 	}
 }

@@ -17,9 +17,10 @@ type KVEventsState struct {
 	// Dropped messages and blocks, by why: a topic naming no endpoint of the
 	// pool, a payload that is not a KV event batch, a message over
 	// max_message_bytes (its connection hung up on), stored blocks whose
-	// parent the view lacks, events of another medium or cache group.
-	UnknownTopics, Undecodable, TooLarge, Orphans, Skipped int64
-	Publishers, Stale, Blocks                              int
+	// parent the view lacks, events of another medium, cache group or block
+	// size, events of a type not known.
+	UnknownTopics, Undecodable, TooLarge, Orphans, Skipped, UnknownEvents int64
+	Publishers, Stale, Blocks                                             int
 }
 
 // WatchKVEvents exports the kv_events_* series of the pools that follow
@@ -37,7 +38,7 @@ var (
 	kvGapsDesc       = kvDesc("gaps_total", "Gaps found in an engine's sequence of KV event batches.")
 	kvReplaysDesc    = kvDesc("replays_total", "Gaps asked of the engine's replay socket, by outcome: replayed, or failed (the view was rebuilt).", "outcome")
 	kvRestartsDesc   = kvDesc("restarts_total", "Engines whose sequence of KV event batches started over (a restart): their view starts empty.")
-	kvDroppedDesc    = kvDesc("dropped_total", "KV event messages or blocks not indexed, by reason: unknown_topic, undecodable, too_large (over max_message_bytes: the connection is hung up on), orphan (a parent the view lacks), other_medium.", "reason")
+	kvDroppedDesc    = kvDesc("dropped_total", "KV event messages or blocks not indexed, by reason: unknown_topic, undecodable, too_large (over max_message_bytes: the connection is hung up on), orphan (a parent the view lacks), other_medium (another medium, KV cache group or block size), unknown_event (a type this release does not know).", "reason")
 	kvPublishersDesc = kvDesc("publishers", "Engines (and data-parallel ranks) whose KV events the pool follows.")
 	kvStaleDesc      = kvDesc("stale_publishers", "Publishers whose view routing may not trust now: requests that could reach them go by estimates.")
 	kvBlocksDesc     = kvDesc("index_blocks", "KV blocks in the pool's view, over all its engines.")
@@ -69,6 +70,7 @@ func (c *kvEventsCollector) Collect(ch chan<- prometheus.Metric) {
 		counter(kvDroppedDesc, s.TooLarge, s.Pool, "too_large")
 		counter(kvDroppedDesc, s.Orphans, s.Pool, "orphan")
 		counter(kvDroppedDesc, s.Skipped, s.Pool, "other_medium")
+		counter(kvDroppedDesc, s.UnknownEvents, s.Pool, "unknown_event")
 		gauge(kvPublishersDesc, s.Publishers, s.Pool)
 		gauge(kvStaleDesc, s.Stale, s.Pool)
 		gauge(kvBlocksDesc, s.Blocks, s.Pool)

@@ -37,7 +37,7 @@ func kvEventStates(pools ...*scheduling.Pool) func() []metrics.KVEventsState {
 			out = append(out, metrics.KVEventsState{Pool: p.Name,
 				Batches: c.Batches.Load(), Gaps: c.Gaps.Load(), Replayed: c.Replayed.Load(), ReplayFailed: c.ReplayFailed.Load(),
 				Restarts: c.Restarts.Load(), UnknownTopics: c.UnknownTopics.Load(), Undecodable: c.Undecodable.Load(),
-				TooLarge: c.TooLarge.Load(), Orphans: c.Orphans.Load(), Skipped: c.Skipped.Load(),
+				TooLarge: c.TooLarge.Load(), Orphans: c.Orphans.Load(), Skipped: c.Skipped.Load(), UnknownEvents: c.UnknownEvents.Load(),
 				Publishers: ev.Index.Publishers, Stale: ev.Index.Stale, Blocks: ev.Index.Blocks})
 		}
 		return out
