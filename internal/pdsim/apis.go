@@ -1,7 +1,10 @@
 package pdsim
 
 import (
+	"bytes"
 	"encoding/json"
+	"fmt"
+	"slices"
 	"strings"
 )
 
@@ -41,8 +44,7 @@ func (a apiKind) checksModel() bool { return a != apiSGLangGenerate }
 func (a apiKind) prompt(fields map[string]json.RawMessage) (json.RawMessage, string) {
 	switch a {
 	case apiChat:
-		raw, _ := present(fields, "messages")
-		return raw, "messages"
+		return chatPrompt(fields), "messages"
 	case apiResponses:
 		return preambled(fields, "instructions", "input")
 	case apiMessages:
@@ -235,4 +237,29 @@ func orNull(raw json.RawMessage) json.RawMessage {
 		return json.RawMessage("null")
 	}
 	return raw
+}
+
+// chatPrompt is a chat request's messages, after what vLLM's chat endpoint
+// also renders through the template before them (ChatCompletionRequest.
+// build_chat_params): documents, and reasoning_effort (which sets
+// enable_thinking). vLLM's /tokenize takes neither (TokenizeChatRequest),
+// so its ids for such a request start otherwise than the ones cached; its
+// render endpoint renders them as the chat endpoint does. nil without
+// messages.
+func chatPrompt(fields map[string]json.RawMessage) json.RawMessage {
+	messages, ok := present(fields, "messages")
+	if !ok {
+		return nil
+	}
+	var before []byte
+	for _, key := range []string{"documents", "reasoning_effort"} {
+		if raw, ok := present(fields, key); ok {
+			before = fmt.Appendf(before, "{%q:%s},", key, raw)
+		}
+	}
+	list := bytes.TrimSpace(messages)
+	if before == nil || len(list) < 2 || list[0] != '[' || len(bytes.TrimSpace(list[1:len(list)-1])) == 0 {
+		return messages // no more to render, or not a list of messages: refused as it is
+	}
+	return slices.Concat([]byte{'['}, before, list[1:])
 }

@@ -20,6 +20,10 @@ func (s *Server) otherRoutes(mux *http.ServeMux) {
 	detokenize := s.recorded(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]string{"prompt": "tok0"})
 	})
+	if !s.cfg.NoRender && s.cfg.Protocol != ProtocolSGLang {
+		mux.HandleFunc("POST /v1/chat/completions/render", s.recorded(s.render(apiChat)))
+		mux.HandleFunc("POST /v1/completions/render", s.recorded(s.render(apiCompletion)))
+	}
 	mux.HandleFunc("POST /tokenize", tokenize)
 	mux.HandleFunc("POST /v1/tokenize", tokenize) // SGLang's spelling
 	mux.HandleFunc("POST /detokenize", detokenize)

@@ -65,6 +65,9 @@ type Config struct {
 	// KVEvents publishes the prefix cache's changes as vLLM's KV events;
 	// off unless KVEvents.Endpoint is set.
 	KVEvents KVEvents
+	// NoRender leaves out vLLM's render endpoints, as older vLLM releases
+	// do (SGLang has none either).
+	NoRender bool
 
 	FailStatus        int           // answer this status to faulty requests
 	FailEvery         int           // every FailEvery-th inference request is faulty (<=1: all)

@@ -22,8 +22,10 @@ type tokenizeResponse struct {
 // it (a string, or token ids, which stay themselves), or {"messages"} as
 // /v1/chat/completions does, tokenized exactly as the engine caches that
 // prompt, so the ids cut into blocks are the token_ids of the KV events the
-// request causes. A chat's tokens are its messages' only, as the cache's
-// are: tools, add_generation_prompt and add_special_tokens change nothing.
+// request causes. A chat's tokens are its messages' only: tools,
+// add_generation_prompt and add_special_tokens change nothing in the
+// simulated template, and documents and reasoning_effort, which its chat
+// endpoint renders (chatPrompt), are not fields of vLLM's /tokenize.
 func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
 	body, _ := io.ReadAll(r.Body)
 	var fields map[string]json.RawMessage
@@ -43,10 +45,10 @@ func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	api := apiCompletion
-	if _, ok := present(fields, "messages"); ok {
-		api = apiChat
-	}
 	raw, key := api.prompt(fields)
+	if messages, ok := present(fields, "messages"); ok {
+		api, raw, key = apiChat, messages, "messages" // what the chat endpoint renders beside them is not given here
+	}
 	if raw == nil {
 		s.writeError(w, badRequest("%s: Field required", key))
 		return
@@ -58,4 +60,26 @@ func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
 	}
 	tokens := append([]uint64{}, tokenize(prompt)...) // [] for an empty prompt, not null
 	writeJSON(w, http.StatusOK, tokenizeResponse{Count: len(tokens), MaxModelLen: maxModelLen, Tokens: tokens})
+}
+
+// render serves vLLM's render endpoints (POST /v1/chat/completions/render,
+// /v1/completions/render): the request validated as its endpoint does, and
+// its ids as the endpoint computes them, {"token_ids": [...]} in vLLM's
+// GenerateRequest (a list of them for completions). Older vLLM releases
+// and SGLang have none (Config.NoRender).
+func (s *Server) render(api apiKind) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		req, aerr := s.parseRequest(api, r.Header.Get("X-Request-Id"), body)
+		if aerr != nil {
+			s.writeErrorFor(api, w, aerr)
+			return
+		}
+		rendered := map[string]any{"request_id": req.id, "token_ids": append([]uint64{}, req.tokens...), "model": req.model}
+		if api == apiCompletion {
+			writeJSON(w, http.StatusOK, []any{rendered})
+			return
+		}
+		writeJSON(w, http.StatusOK, rendered)
+	}
 }

@@ -90,3 +90,62 @@ func TestTokenizeAnswers(t *testing.T) {
 		t.Errorf("a prompt's ids %v do not start its extension's %v", a, b)
 	}
 }
+
+// TestRenderAsTheEndpointDoes: the render endpoints answer the ids their
+// endpoint caches the request under, the fields its template renders beside
+// the messages (documents, reasoning_effort) included; /tokenize, which
+// vLLM does not give them, answers other ids for such a request. A request
+// the endpoint refuses is refused alike; without render endpoints (older
+// vLLM, SGLang) the paths are not found.
+func TestRenderAsTheEndpointDoes(t *testing.T) {
+	msgs, _ := json.Marshal(turn2)
+	tests := []struct {
+		name, path, body string
+		serve            string // the inference request's path
+		list             bool   // completions render a list, one per prompt
+		likeTokenize     bool   // /tokenize answers the same ids
+	}{
+		{"a completion's prompt", "/v1/completions/render", `{"model":"pdsim","prompt":"` + words("w", 40) + `"}`, "/v1/completions", true, true},
+		{"chat messages", "/v1/chat/completions/render", `{"model":"pdsim","messages":` + string(msgs) + `}`, "/v1/chat/completions", false, true},
+		{"chat with reasoning_effort and documents", "/v1/chat/completions/render",
+			`{"model":"pdsim","messages":` + string(msgs) + `,"reasoning_effort":"low","documents":[{"text":"d"}]}`, "/v1/chat/completions", false, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := start(t, Config{})
+			r := post(t, d, tt.path, tt.body, "")
+			raw := r.body
+			if tt.list {
+				var list []json.RawMessage
+				if err := json.Unmarshal(raw, &list); err != nil || len(list) != 1 {
+					t.Fatalf("%s: %d %s, want a list of one", tt.path, r.status, r.body)
+				}
+				raw = list[0]
+			}
+			var rendered struct {
+				TokenIDs []uint64 `json:"token_ids"`
+			}
+			if err := json.Unmarshal(raw, &rendered); err != nil || r.status != 200 {
+				t.Fatalf("%s: %d %s", tt.path, r.status, r.body)
+			}
+			if s := post(t, d, tt.serve, tt.body, ""); s.status != 200 {
+				t.Fatalf("%s: %d %s", tt.serve, s.status, s.body)
+			}
+			if hs := blockHashes("pdsim", rendered.TokenIDs); len(hs) < 2 || d.metrics.cache.match(hs) != len(hs) {
+				t.Errorf("the cache lacks the blocks of the rendered ids")
+			}
+			if same := reflect.DeepEqual(tokenIDs(t, d, tt.body), rendered.TokenIDs); same != tt.likeTokenize {
+				t.Errorf("/tokenize answers the rendered ids: %v, want %v", same, tt.likeTokenize)
+			}
+		})
+	}
+	d := start(t, Config{})
+	if r := post(t, d, "/v1/chat/completions/render", `{"model":"pdsim","messages":[]}`, ""); r.status != 400 {
+		t.Errorf("empty messages rendered: %d %s", r.status, r.body)
+	}
+	for _, cfg := range []Config{{NoRender: true}, {Protocol: ProtocolSGLang}} {
+		if r := post(t, start(t, cfg), "/v1/chat/completions/render", `{"model":"pdsim","messages":[{"role":"user","content":"hi"}]}`, ""); r.status != 404 {
+			t.Errorf("%+v: render answered %d, want 404", cfg, r.status)
+		}
+	}
+}

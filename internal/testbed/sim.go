@@ -41,7 +41,8 @@ type SimConfig struct {
 	// vLLM's current one).
 	KVEventsPort, KVReplayPort int
 	KVEncoding                 string
-	PrefixCacheBlocks          int // the prefix cache's size; 0: pdsim's default
+	PrefixCacheBlocks          int  // the prefix cache's size; 0: pdsim's default
+	NoRender                   bool // no render endpoints, as older vLLM releases
 	Timings
 	Log io.Writer // a line per request; nil discards them
 }
@@ -57,7 +58,7 @@ func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
 		}
 	}
 	s, err := pdsim.Start(pdsim.Config{
-		KVEvents: events, PrefixCacheBlocks: cfg.PrefixCacheBlocks,
+		KVEvents: events, PrefixCacheBlocks: cfg.PrefixCacheBlocks, NoRender: cfg.NoRender,
 		Role: cfg.Role, Protocol: cfg.Protocol, SharedDir: cfg.SharedDir,
 		Addr:          cmp.Or(cfg.Addr, ip+":0"),
 		KVAddr:        fmt.Sprintf("%s:%d", ip, cfg.KVPort),

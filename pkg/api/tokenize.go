@@ -8,45 +8,69 @@ import (
 
 // Tokens is how a request's prompt becomes the token ids its engine
 // computes, for routing by the engines' KV cache events: the ids themselves
-// when the body carries them, else the body of a request to vLLM's
-// /tokenize that answers them ({"tokens": [...]}). Neither when the API has
-// no such form (Responses, Anthropic Messages) or the body is a batch.
+// when the body carries them, else requests to the engine that answer them.
+// None when the API has no such request (Responses, Anthropic Messages),
+// the body is a batch, or it carries a cache_salt: vLLM keys a salted
+// prompt's blocks with the salt (its first block's extra keys), so the
+// prompt's plain ids would find blocks the engine will not reuse for it.
 type Tokens struct {
 	IDs []int64
+	// RenderPath is vLLM's render endpoint for the request's API, which
+	// renders the request (the same body) as its endpoint does and answers
+	// the ids generation computes: {"token_ids": [...]}, or a list of them
+	// for completions. "" when the API has none.
+	RenderPath string
+	// Ask is the body of a request to vLLM's /tokenize, for engines without
+	// the render endpoint (older vLLM releases, SGLang): {"tokens": [...]}.
+	// /tokenize is given fewer of the request's fields than the endpoint
+	// renders (not documents or reasoning_effort, nor the endpoint's
+	// truncation or its tools dropped for tool_choice "none"), so its ids
+	// can differ where a template uses them.
 	Ask []byte
 }
 
+// The render endpoints (vllm/entrypoints/serve/render/api_router.py).
+const (
+	ChatRenderPath        = "/v1/chat/completions/render"
+	CompletionsRenderPath = "/v1/completions/render"
+)
+
 // The fields of a chat request that vLLM's /tokenize (TokenizeChatRequest,
-// vllm/entrypoints/openai/protocol.py) reads to render it as the chat
-// endpoint does: the same template, tools and generation prompt. Their
+// vllm/entrypoints/serve/tokenize/protocol.py) reads to render it as the
+// chat endpoint does: the same template, tools and generation prompt. Their
 // defaults there are the chat endpoint's (add_generation_prompt true,
 // add_special_tokens false).
 var chatTokenizeFields = []string{"model", "messages", "tools", "add_generation_prompt", "continue_final_message",
 	"add_special_tokens", "chat_template", "chat_template_kwargs", "mm_processor_kwargs"}
 
 func chatTokens(o *body.Object) Tokens {
-	if ids, ok := idsOf(o, "prompt_token_ids"); ok {
-		return Tokens{IDs: ids}
+	if o.Has("cache_salt") {
+		return Tokens{}
 	}
-	return Tokens{Ask: fieldsOf(o, chatTokenizeFields)}
+	return Tokens{RenderPath: ChatRenderPath, Ask: fieldsOf(o, chatTokenizeFields)}
 }
 
-// completionsTokens: a string prompt is asked for (TokenizeCompletionRequest:
-// model, prompt, add_special_tokens), token ids are taken as they are.
+// completionsTokens: token ids are taken as they are (vLLM adds no special
+// tokens to them), a string prompt is asked for (TokenizeCompletionRequest:
+// model, prompt, add_special_tokens).
 func completionsTokens(o *body.Object) Tokens {
-	for _, name := range []string{"prompt_token_ids", "prompt"} {
-		if ids, ok := idsOf(o, name); ok {
+	switch raw, _ := o.Raw("prompt"); {
+	case o.Has("cache_salt"):
+	case len(raw) > 0 && raw[0] == '"':
+		return Tokens{RenderPath: CompletionsRenderPath, Ask: fieldsOf(o, []string{"model", "prompt", "add_special_tokens"})}
+	default:
+		if ids, ok := idsOf(o, "prompt"); ok {
 			return Tokens{IDs: ids}
 		}
 	}
-	if raw, ok := o.Raw("prompt"); ok && len(raw) > 0 && raw[0] == '"' {
-		return Tokens{Ask: fieldsOf(o, []string{"model", "prompt", "add_special_tokens"})}
-	}
-	return Tokens{} // a batch
+	return Tokens{} // a batch, or salted
 }
 
 // generateTokens: vLLM's token-in generate carries its ids.
 func generateTokens(o *body.Object) Tokens {
+	if o.Has("cache_salt") {
+		return Tokens{}
+	}
 	ids, _ := idsOf(o, "token_ids")
 	return Tokens{IDs: ids}
 }

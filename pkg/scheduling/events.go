@@ -95,17 +95,32 @@ func (p *Pool) Events() (s EventsState, ok bool) {
 // estimates, without a round trip each that cannot help them.
 const tokenizeFailures = 3
 
-// tokenizeHealth is the /tokenize round trips' record (Pools.Tokenized).
+// tokenizeHealth is the /tokenize round trips' record (Pools.Tokenized), and
+// whether the engines have vLLM's render endpoints (Pools.Unrendered).
 type tokenizeHealth struct {
-	mu    sync.Mutex
-	fails int       // in a row
-	until time.Time // paused before then
+	mu       sync.Mutex
+	fails    int       // in a row
+	until    time.Time // paused before then
+	unrender time.Time // the render endpoints not asked before then
 }
 
-func (h *tokenizeHealth) paused(now time.Time) bool {
+func (h *tokenizeHealth) paused(now time.Time) (paused, render bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return now.Before(h.until)
+	return now.Before(h.until), !now.Before(h.unrender)
+}
+
+// Unrendered records an engine that has no render endpoint (an older vLLM,
+// SGLang): /tokenize is asked instead, and the render endpoints again only
+// after the pools' stale_after.
+func (ps *Pools) Unrendered() {
+	ev := ps.followed(false)
+	if ev == nil {
+		return
+	}
+	ps.tokenize.mu.Lock()
+	defer ps.tokenize.mu.Unlock()
+	ps.tokenize.unrender = ps.deps.Now().Add(ev.spec.StaleAfter.D())
 }
 
 // Tokenized records a /tokenize round trip that Tokenizer's answer led to,
@@ -142,15 +157,20 @@ func (ps *Pools) followed(usable bool) *poolEvents {
 // Tokenizer is where a request's token ids are asked for, when a pool
 // follows its engines' KV events: the least busy healthy prefill endpoint
 // (the prefill leg's client reaches it), else decode endpoint, with the
-// path and the time allowed of the first pool that follows events. ok is
+// /tokenize path and the time allowed of the first pool that follows
+// events, and whether to ask the render endpoints first (Unrendered). ok is
 // false when no pool does, when none of their views may be routed by now
 // (engines that publish nothing: no round trip for every request then),
 // while the round trips are paused after failing (Tokenized), or when no
 // endpoint is healthy.
-func (ps *Pools) Tokenizer() (e *Endpoint, path string, timeout time.Duration, ok bool) {
+func (ps *Pools) Tokenizer() (e *Endpoint, t Tokenizer, ok bool) {
 	ev := ps.followed(true)
-	if ev == nil || ps.tokenize.paused(ps.deps.Now()) {
-		return nil, "", 0, false
+	if ev == nil {
+		return nil, Tokenizer{}, false
+	}
+	paused, render := ps.tokenize.paused(ps.deps.Now())
+	if paused {
+		return nil, Tokenizer{}, false
 	}
 	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
 		for _, c := range p.Endpoints() {
@@ -159,8 +179,15 @@ func (ps *Pools) Tokenizer() (e *Endpoint, path string, timeout time.Duration, o
 			}
 		}
 		if e != nil {
-			return e, ev.spec.Tokenize.Path, ev.spec.Tokenize.Timeout.D(), true
+			return e, Tokenizer{Path: ev.spec.Tokenize.Path, Timeout: ev.spec.Tokenize.Timeout.D(), Render: render}, true
 		}
 	}
-	return nil, "", 0, false
+	return nil, Tokenizer{}, false
+}
+
+// Tokenizer is how to ask an engine for a request's token ids.
+type Tokenizer struct {
+	Path    string // /tokenize
+	Timeout time.Duration
+	Render  bool // ask the API's render endpoint first
 }

@@ -122,12 +122,12 @@ func TestTokenizerAsksWhileAViewCanBeTrusted(t *testing.T) {
 				ps.Decode.events.Store(&poolEvents{index: x, spec: config.KVEvents{ConnectPort: 5557, Tokenize: config.Tokenize{Path: "/tokenize"}}})
 			}
 			tt.do(x)
-			e, path, _, ok := ps.Tokenizer()
+			e, tk, ok := ps.Tokenizer()
 			if ok != tt.ok {
 				t.Fatalf("Tokenizer() ok = %v, want %v", ok, tt.ok)
 			}
-			if ok && (e.Addr != "a" || path != "/tokenize") {
-				t.Errorf("Tokenizer() = %s %s, want the prefill endpoint a and /tokenize", e.Addr, path)
+			if ok && (e.Addr != "a" || tk.Path != "/tokenize" || !tk.Render) {
+				t.Errorf("Tokenizer() = %s %+v, want the prefill endpoint a, its render endpoint, then /tokenize", e.Addr, tk)
 			}
 		})
 	}
@@ -135,18 +135,22 @@ func TestTokenizerAsksWhileAViewCanBeTrusted(t *testing.T) {
 
 // TestTokenizerPausesAfterFailures: three /tokenize round trips failed in a
 // row pause them for the pool's stale_after; a success in between starts
-// the count again.
+// the count again. An engine without the render endpoints is asked
+// /tokenize alone for stale_after.
 func TestTokenizerPausesAfterFailures(t *testing.T) {
 	tests := []struct {
-		name    string
-		results []bool // the round trips' outcomes, in order
-		after   time.Duration
-		ok      bool
+		name       string
+		results    []bool // the round trips' outcomes, in order
+		unrendered bool
+		after      time.Duration
+		ok, render bool
 	}{
-		{"two failures", []bool{false, false}, 0, true},
-		{"three failures in a row", []bool{false, false, false}, 0, false},
-		{"three failures, stale_after later", []bool{false, false, false}, 30 * time.Second, true},
-		{"a success between failures", []bool{false, false, true, false, false}, 0, true},
+		{"two failures", []bool{false, false}, false, 0, true, true},
+		{"three failures in a row", []bool{false, false, false}, false, 0, false, false},
+		{"three failures, stale_after later", []bool{false, false, false}, false, 30 * time.Second, true, true},
+		{"a success between failures", []bool{false, false, true, false, false}, false, 0, true, true},
+		{"no render endpoint", nil, true, 0, true, false},
+		{"no render endpoint, stale_after later", nil, true, 30 * time.Second, true, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -158,9 +162,12 @@ func TestTokenizerPausesAfterFailures(t *testing.T) {
 			for _, ok := range tt.results {
 				ps.Tokenized(ok)
 			}
+			if tt.unrendered {
+				ps.Unrendered()
+			}
 			clock.Advance(tt.after)
-			if _, _, _, ok := ps.Tokenizer(); ok != tt.ok {
-				t.Errorf("Tokenizer() ok = %v, want %v", ok, tt.ok)
+			if _, tk, ok := ps.Tokenizer(); ok != tt.ok || tk.Render != tt.render {
+				t.Errorf("Tokenizer() ok = %v, render %v; want %v, %v", ok, tk.Render, tt.ok, tt.render)
 			}
 		})
 	}

@@ -13,17 +13,26 @@ import (
 
 // kvChat is a chat request under a system prompt of some 60 tokens to the
 // simulators (a token a word: four of their 16-token blocks), named by
-// tenant so that each tenant's prompt is its own.
-func kvChat(t *testing.T, tenant, question string) string {
+// tenant so that each tenant's prompt is its own; extra fields, in pairs of
+// name and value, go with it.
+func kvChat(t *testing.T, tenant, question string, extra ...any) string {
 	t.Helper()
 	system := strings.Repeat("You answer for "+tenant+" as its careful assistant would. ", 8)
-	b, err := json.Marshal(map[string]any{"model": "pdsim", "max_tokens": 2,
-		"messages": []map[string]string{{"role": "system", "content": system}, {"role": "user", "content": question}}})
+	fields := map[string]any{"model": "pdsim", "max_tokens": 2,
+		"messages": []map[string]string{{"role": "system", "content": system}, {"role": "user", "content": question}}}
+	for i := 0; i+1 < len(extra); i += 2 {
+		fields[extra[i].(string)] = extra[i+1]
+	}
+	b, err := json.Marshal(fields)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return string(b)
 }
+
+// askedTokens says whether path is one the router asks an engine for a
+// request's tokens on: /tokenize, or the render endpoints.
+func askedTokens(path string) bool { return path == "/tokenize" || strings.HasSuffix(path, "/render") }
 
 // warm sends body to sim directly, as a client that bypasses the router.
 func warm(t *testing.T, sim *pdsim.Server, body string) {
@@ -89,27 +98,39 @@ func routed(t *testing.T, r *rig, body, marker string) int {
 // straight to one engine, bypassing the router, is found there by every
 // replica, from the engines' KV events: each of three tenants' questions
 // goes to the engine its prompt was warmed on. Without events the ranking
-// would have to guess all three (one chance in 27).
+// would have to guess all three (one chance in 27). Requests whose template
+// also renders fields /tokenize is not given (reasoning_effort, documents)
+// are found too: their ids come from the engine's render endpoint, which
+// renders them as the chat endpoint does.
 func TestWarmedEnginesAreFoundByTheirEvents(t *testing.T) {
-	for _, replicas := range []int{1, 3} {
-		t.Run(fmt.Sprint(replicas, " replicas"), func(t *testing.T) {
-			r := startRig(t, rigOptions{prefills: -1, decodes: 3, replicas: replicas,
-				decodePool: "policy: prefix-affinity", kvEvents: []string{}})
-			subscribed(t, r.decode, replicas)
-			tenants := []string{"Acme", "Globex", "Initech"}
-			for i, tenant := range tenants {
-				warm(t, r.decode[i], kvChat(t, tenant, "warming up"))
-			}
-			everyReplica(t, r, `pd_extproc_kv_events_batches_total{pool="decode"}`, func(v float64) bool { return v >= 3 })
-			for i, tenant := range tenants {
-				for q := range replicas {
-					marker := fmt.Sprintf("[%s question %d]", tenant, q)
-					if got := routed(t, r, kvChat(t, tenant, marker), marker); got != i {
-						t.Errorf("%s's question %d went to decode %d; its prompt is cached on decode %d", tenant, q, got, i)
+	for _, tt := range []struct {
+		name  string
+		extra []any
+	}{
+		{"messages", nil},
+		{"rendered with reasoning_effort and documents", []any{"reasoning_effort", "high",
+			"documents", []map[string]string{{"title": "handbook", "text": "the handbook"}}}},
+	} {
+		for _, replicas := range []int{1, 3} {
+			t.Run(fmt.Sprint(tt.name, ", ", replicas, " replicas"), func(t *testing.T) {
+				r := startRig(t, rigOptions{prefills: -1, decodes: 3, replicas: replicas,
+					decodePool: "policy: prefix-affinity", kvEvents: []string{}})
+				subscribed(t, r.decode, replicas)
+				tenants := []string{"Acme", "Globex", "Initech"}
+				for i, tenant := range tenants {
+					warm(t, r.decode[i], kvChat(t, tenant, "warming up", tt.extra...))
+				}
+				everyReplica(t, r, `pd_extproc_kv_events_batches_total{pool="decode"}`, func(v float64) bool { return v >= 3 })
+				for i, tenant := range tenants {
+					for q := range replicas {
+						marker := fmt.Sprintf("[%s question %d]", tenant, q)
+						if got := routed(t, r, kvChat(t, tenant, marker, tt.extra...), marker); got != i {
+							t.Errorf("%s's question %d went to decode %d; its prompt is cached on decode %d", tenant, q, got, i)
+						}
 					}
 				}
-			}
-		})
+			})
+		}
 	}
 }
 
@@ -193,25 +214,26 @@ func TestEnginesThatNeverPublishCostNoTokenize(t *testing.T) {
 		}
 		return true
 	})
-	if asked(sim, "/tokenize") == 0 {
-		t.Fatal("no /tokenize while the engine's view was trusted: the test shows nothing")
+	render := "/v1/chat/completions/render"
+	if asked(sim, render) == 0 {
+		t.Fatal("no tokens asked while the engine's view was trusted: the test shows nothing")
 	}
-	before := asked(sim, "/tokenize")
+	before := asked(sim, render) + asked(sim, "/tokenize")
 	for i := range 4 {
 		marker := fmt.Sprintf("[after %d]", i)
 		routed(t, r, kvChat(t, "Initrode", marker), marker)
 	}
-	if n := asked(sim, "/tokenize") - before; n != 0 {
-		t.Errorf("%d requests to /tokenize after every view went stale, want none", n)
+	if n := asked(sim, render) + asked(sim, "/tokenize") - before; n != 0 {
+		t.Errorf("tokens asked for %d requests after every view went stale, want none", n)
 	}
 }
 
-// TestFailingTokenizeIsPaused: an engine whose tokenizer answers without ids
-// (here the path is its /detokenize) is asked for three requests in a row,
-// then no more for stale_after; every request still routes, by the
-// estimates.
+// TestFailingTokenizeIsPaused: an engine without the render endpoints
+// (older vLLM) whose tokenizer answers without ids (here the path is its
+// /detokenize) is asked for three requests in a row, then no more for
+// stale_after; every request still routes, by the estimates.
 func TestFailingTokenizeIsPaused(t *testing.T) {
-	r := startRig(t, rigOptions{prefills: -1, decodes: 1, decodePool: "policy: prefix-affinity",
+	r := startRig(t, rigOptions{prefills: -1, decodes: 1, decodePool: "policy: prefix-affinity", noRender: true,
 		kvEvents: []string{"stale_after: 1m", "tokenize: {path: /detokenize}"}})
 	subscribed(t, r.decode, 1)
 	for i := range 6 {
@@ -220,6 +242,30 @@ func TestFailingTokenizeIsPaused(t *testing.T) {
 	}
 	if n := asked(r.decode[0], "/detokenize"); n != 3 {
 		t.Errorf("the failing tokenizer was asked for %d of 6 requests, want 3", n)
+	}
+}
+
+// TestRefusedRequestsDoNotPauseTokenize: requests the engine's render
+// endpoint refuses (400), as their own endpoint refuses them, are the
+// client's doing, not the tokenizer's: three in a row do not pause the
+// round trips, and the next request is still looked up.
+func TestRefusedRequestsDoNotPauseTokenize(t *testing.T) {
+	r := startRig(t, rigOptions{prefills: -1, decodes: 1, decodePool: "policy: prefix-affinity", kvEvents: []string{"stale_after: 1m"}})
+	subscribed(t, r.decode, 1)
+	render := "/v1/chat/completions/render"
+	for i := range 3 {
+		// vLLM refuses stream_options without stream.
+		body := kvChat(t, "Hooli", fmt.Sprintf("[refused %d]", i), "stream_options", map[string]bool{"include_usage": true})
+		if resp, got := r.must(t, "/v1/chat/completions", body, nil); resp.StatusCode != http.StatusBadRequest {
+			t.Fatalf("status %d, want the engine's 400: %s", resp.StatusCode, got)
+		}
+	}
+	if n := asked(r.decode[0], render); n != 3 {
+		t.Fatalf("the render endpoint was asked for %d of the 3 refused requests: the test shows nothing", n)
+	}
+	routed(t, r, kvChat(t, "Hooli", "[valid]"), "[valid]")
+	if n := asked(r.decode[0], render); n != 4 {
+		t.Errorf("the render endpoint was asked for %d of 4 requests, want 4: the refusals paused it", n)
 	}
 }
 

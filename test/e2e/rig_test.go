@@ -65,6 +65,8 @@ type rigOptions struct {
 	kvEvents []string
 	// prefixCacheBlocks sizes the simulators' prefix caches (0: pdsim's).
 	prefixCacheBlocks int
+	// noRender: the simulators have no render endpoints (older vLLM).
+	noRender bool
 }
 
 // simIP is the loopback IP of the rig's i-th simulator of a role: each has
@@ -96,6 +98,7 @@ func startRig(t *testing.T, o rigOptions) *rig {
 		},
 		PromptTokensDetails: o.promptTokensDetails,
 		PrefixCacheBlocks:   o.prefixCacheBlocks,
+		NoRender:            o.noRender,
 		Log:                 logTo(t),
 	}}
 	if _, err := testbed.WithFreshPorts(func() (struct{}, error) { return struct{}{}, r.startSims(t, o) }); err != nil {

@@ -17,7 +17,7 @@ func legsOn(sims []*pdsim.Server, marker string) []int {
 	counts := make([]int, len(sims))
 	for i, s := range sims {
 		for _, r := range s.Requests() {
-			if r.Path != "/tokenize" && strings.Contains(string(r.Body), marker) { // not the router asking for tokens
+			if !askedTokens(r.Path) && strings.Contains(string(r.Body), marker) {
 				counts[i]++
 			}
 		}
