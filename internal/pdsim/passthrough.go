@@ -23,6 +23,7 @@ func (s *Server) otherRoutes(mux *http.ServeMux) {
 	if !s.cfg.NoRender && s.cfg.Protocol != ProtocolSGLang {
 		mux.HandleFunc("POST /v1/chat/completions/render", s.recorded(s.render(apiChat)))
 		mux.HandleFunc("POST /v1/completions/render", s.recorded(s.render(apiCompletion)))
+		mux.HandleFunc("POST /v1/responses/render", s.recorded(s.render(apiResponses)))
 	}
 	mux.HandleFunc("POST /tokenize", tokenize)
 	mux.HandleFunc("POST /v1/tokenize", tokenize) // SGLang's spelling

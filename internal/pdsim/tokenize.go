@@ -63,7 +63,8 @@ func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
 }
 
 // render serves vLLM's render endpoints (POST /v1/chat/completions/render,
-// /v1/completions/render): the request validated as its endpoint does, and
+// /v1/completions/render, /v1/responses/render): the request validated as
+// its endpoint does (a previous_response_id it does not store is a 404), and
 // its ids as the endpoint computes them, {"token_ids": [...]} in vLLM's
 // GenerateRequest (a list of them for completions). Older vLLM releases
 // and SGLang have none (Config.NoRender).

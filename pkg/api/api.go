@@ -115,7 +115,7 @@ var (
 	Responses = &API{
 		Name: NameResponses, Method: "POST", Path: "/v1/responses",
 		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap,
-		Shape: responsesShape, Prompt: responsesPrompt, Alone: responsesAlone,
+		Shape: responsesShape, Prompt: responsesPrompt, Alone: responsesAlone, Tokenize: responsesTokens,
 	}
 	Generate = &API{
 		Name: NameGenerate, Method: "POST", Path: "/inference/v1/generate",

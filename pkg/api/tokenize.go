@@ -29,10 +29,12 @@ type Tokens struct {
 	Ask []byte
 }
 
-// The render endpoints (vllm/entrypoints/serve/render/api_router.py).
+// The render endpoints (vllm/entrypoints/serve/render/api_router.py; the
+// Responses API's in newer releases than the others).
 const (
 	ChatRenderPath        = "/v1/chat/completions/render"
 	CompletionsRenderPath = "/v1/completions/render"
+	ResponsesRenderPath   = "/v1/responses/render"
 )
 
 // The fields of a chat request that vLLM's /tokenize (TokenizeChatRequest,
@@ -64,6 +66,16 @@ func completionsTokens(o *body.Object) Tokens {
 		}
 	}
 	return Tokens{} // a batch, or salted
+}
+
+// responsesTokens: the Responses API has no /tokenize form, only its render
+// endpoint. A request that continues a stored response (previous_response_id)
+// is rendered only by the engine that stores it; another refuses it.
+func responsesTokens(o *body.Object) Tokens {
+	if o.Has("cache_salt") {
+		return Tokens{}
+	}
+	return Tokens{RenderPath: ResponsesRenderPath}
 }
 
 // generateTokens: vLLM's token-in generate carries its ids.

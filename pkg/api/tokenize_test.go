@@ -30,6 +30,7 @@ func TestTokenizeAsksForWhatTheEngineComputes(t *testing.T) {
 		{"a completions batch", `{"model":"m","prompt":["a","b"]}`, Completions, nil, "", ""},
 		{"token-in generate", `{"token_ids":[7,8,9],"sampling_params":{}}`, Generate, []int64{7, 8, 9}, "", ""},
 		{"salted token-in generate", `{"token_ids":[7,8,9],"sampling_params":{},"cache_salt":"s"}`, Generate, nil, "", ""},
+		{"responses: rendered only", `{"model":"m","input":"hi"}`, Responses, nil, ResponsesRenderPath, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -39,9 +40,9 @@ func TestTokenizeAsksForWhatTheEngineComputes(t *testing.T) {
 			}
 		})
 	}
-	for _, a := range []*API{Responses, Messages, SGLangGenerate} {
+	for _, a := range []*API{Messages, SGLangGenerate} {
 		if a.Tokenize != nil {
-			t.Errorf("%s has a Tokenize, but no /tokenize form of vLLM's", a.Name)
+			t.Errorf("%s has a Tokenize, but no /tokenize or render form of vLLM's", a.Name)
 		}
 	}
 }

@@ -206,8 +206,11 @@ func readNamedEvent(d *decoder) (Event, error) {
 		}
 		fs = append(fs, field{name, raw})
 	}
-	if e.Kind == 0 {
+	switch e.Kind {
+	case 0:
 		return e, errors.New("an event without a type")
+	case Unknown:
+		return e, nil // its fields, whatever their shapes, are not this package's to read
 	}
 	for _, f := range fs {
 		if err := e.read(newDecoder(f.raw), f.name); err != nil {

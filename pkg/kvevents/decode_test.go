@@ -213,7 +213,8 @@ func TestDecodeBatchReadsSGLangs(t *testing.T) {
 // fields, is read past as Unknown, and the batch's other events stand.
 func TestDecodeBatchReadsPastUnknownEvents(t *testing.T) {
 	for name, events := range map[string][]any{
-		"named fields": {map[string]any{"type": "BlockMigrated", "block_hashes": []int{7}, "to": map[string]any{"medium": "CPU"}},
+		"named fields, some of known names in other shapes": {map[string]any{"type": "BlockMigrated", "block_hashes": []int{7},
+			"token_ids": map[string]any{"from": 1}, "to": map[string]any{"medium": "CPU"}},
 			map[string]any{"type": "BlockRemoved", "block_hashes": []int{2}, "medium": "GPU"}},
 		"positional fields": {[]any{"BlockMigrated", []int{7}, []any{"CPU", nil}},
 			[]any{"BlockRemoved", []int{2}, "GPU"}},

@@ -249,7 +249,7 @@ func (x *Index) clear(v *pubView) {
 	for h := range v.engine {
 		x.remove(v, h)
 	}
-	v.order = nil
+	v.order, v.group, v.blockSize = nil, -1, 0 // a restarted engine may lay its cache out anew
 }
 
 // Reset forgets p's blocks, and marks its view fresh or not.

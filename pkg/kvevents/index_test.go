@@ -74,6 +74,11 @@ func TestLookupFindsTheLongestCachedPrefix(t *testing.T) {
 			map[string]int{a.Endpoint: 4}},
 		{"an event of an unknown type changes nothing", map[Publisher][]Event{a: {stored(0, []uint64{1}, seq(0, 4)), {Kind: Unknown}}},
 			map[string]int{a.Endpoint: 4}},
+		{"a cache cleared may be laid out anew", map[Publisher][]Event{a: {
+			{Kind: Stored, Hashes: []uint64{1}, Tokens: seq(0, 4), BlockSize: 4, Group: 1, SpecKind: "full_attention"},
+			{Kind: Cleared},
+			{Kind: Stored, Hashes: []uint64{1, 2}, Tokens: seq(0, 4), BlockSize: 2, Group: 0, SpecKind: "full_attention"}}},
+			map[string]int{a.Endpoint: 4}},
 		{"two ranks of one engine", map[Publisher][]Event{a: {stored(0, []uint64{1}, seq(0, 4))},
 			{Endpoint: a.Endpoint, Rank: 1}: {stored(0, []uint64{1, 2}, seq(0, 8))}},
 			map[string]int{a.Endpoint: 8}},

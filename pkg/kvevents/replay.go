@@ -71,6 +71,8 @@ func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
 			return false
 		case got < st.next:
 			continue
+		case got >= seq:
+			return false // the batches before seq left out: they would come after later ones
 		case got > st.next && !initial:
 			return false // the buffer no longer holds what was lost
 		case got > st.next && applied:

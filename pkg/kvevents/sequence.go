@@ -21,16 +21,19 @@ type stream struct {
 }
 
 // restarted says whether seq, delivered now, is from a publisher that
-// started over since st.next was set: numbered 0 after others, at or below
-// the last batch of this connection (a stream delivers in order), or below
-// what was read before on a connection made anew, which cannot deliver
-// batches published before it. vLLM numbers its batches from 0 in each
-// process, with no epoch to tell.
+// started over since st.next was set: numbered at or below the last batch
+// of this connection (a stream delivers in order), or below what was read
+// before on a connection made anew, which cannot deliver batches published
+// before it, unless a replay at its start read ahead of it. vLLM numbers
+// its batches from 0 in each process, with no epoch to tell.
 func (st *stream) restarted(seq int64) bool {
-	if st.next <= 0 || seq >= st.next {
+	switch {
+	case st.next <= 0 || seq >= st.next:
 		return false
+	case st.live < 0:
+		return !st.ahead
 	}
-	return seq == 0 || st.live >= 0 && seq <= st.live || st.live < 0 && !st.ahead
+	return seq <= st.live
 }
 
 // frames splits a message into its sequence number and payload: vLLM sends

@@ -329,6 +329,7 @@ func TestHandleTellsARestartFromALateBatch(t *testing.T) {
 		{"a restarted engine's first batch", stream{next: 10, live: 9}, 0, batch(fresh), 0, 4, true, 1},
 		{"a number going down on one connection", stream{next: 10, live: 9}, 5, batch(fresh), 0, 4, true, 1},
 		{"a batch a replay at the start read already", stream{next: 10, live: -1, ahead: true}, 7, batch(fresh), 4, 0, true, 0},
+		{"the first batch, which a replay at the start read already", stream{next: 10, live: -1, ahead: true}, 0, batch(fresh), 4, 0, true, 0},
 		{"a batch that cannot be read", stream{next: 10, live: 9}, 10, []byte{0xc1}, 0, 0, false, 0},
 		{"an event of an unknown type", stream{next: 10, live: 9}, 10,
 			batch(map[string]any{"type": "BlockMigrated", "block_hashes": []int{1}}, fresh), 4, 4, true, 0},

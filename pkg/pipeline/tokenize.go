@@ -22,46 +22,50 @@ const maxTokenizeAnswer = 16 << 20
 // tokenize gives sreq its prompt's token ids when a pool follows its
 // engines' KV events (pools.<pool>.kv_events): the body's own ids, or those
 // an engine answers for it. Its API's render endpoint is asked first, as it
-// renders the request as generation does; an engine without one (404) is
-// asked /tokenize, and the render endpoints again after stale_after.
-// Without ids (no pool follows events, the API has no way to ask, the
-// engine did not answer in time, the round trips are paused after three
-// failures in a row) the pools go by their estimates; the request is never
-// refused for it. read (the API's Tokenize) runs only when a pool follows
-// events: a chat request's /tokenize body copies its messages.
+// renders the request as generation does; an engine without one is asked
+// /tokenize, and that render endpoint again after stale_after. Without ids
+// (no pool follows events, the API has no way to ask, the engine did not
+// answer in time, the round trips are paused after three failures in a row)
+// the pools go by their estimates; the request is never refused for it.
+// read (the API's Tokenize) runs only when a pool follows events: a chat
+// request's /tokenize body copies its messages.
 func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Request, read func(*body.Object) api.Tokens, obj *body.Object) {
 	e, tk, ok := p.pools.Tokenizer()
 	if !ok || read == nil {
 		return
 	}
 	t := read(obj)
-	switch {
-	case t.IDs != nil:
+	if t.IDs != nil {
 		sreq.SetTokens(t.IDs)
 		return
-	case t.RenderPath == "" && t.Ask == nil:
+	}
+	render := t.RenderPath != "" && p.pools.Renders(t.RenderPath)
+	if !render && t.Ask == nil {
 		return
 	}
 	base := p.scheme + "://" + e.Addr
 	start := time.Now()
 	var ids []int64
-	err := errUnrendered
-	rendered := tk.Render && t.RenderPath != ""
-	if rendered {
-		ids, err = p.askTokens(ctx, base+t.RenderPath, tk.Timeout, obj.Bytes(), r.Forward)
+	var err error
+	if render {
+		ids, err = p.askTokens(ctx, base+t.RenderPath, tk.Timeout, obj.Bytes(), r.Forward, true)
 		if errors.Is(err, errUnrendered) {
-			p.pools.Unrendered()
+			p.pools.Unrendered(t.RenderPath)
+			if t.Ask == nil {
+				return // no way to ask this engine: no failure of its tokenizer
+			}
 		}
 	}
-	if errors.Is(err, errUnrendered) && t.Ask != nil {
-		rendered = false
-		ids, err = p.askTokens(ctx, base+tk.Path, tk.Timeout, t.Ask, r.Forward)
+	if !render || errors.Is(err, errUnrendered) {
+		render = false
+		ids, err = p.askTokens(ctx, base+tk.Path, tk.Timeout, t.Ask, r.Forward, false)
 	}
 	p.metrics.Tokenize(time.Since(start), err == nil)
 	// A client gone says nothing of the tokenizer, nor does a request the
-	// render endpoint refuses, as the request's own endpoint would refuse
-	// it. /tokenize refusing one (SGLang's takes no chat messages) does.
-	if ctx.Err() == nil && !(rendered && errors.Is(err, errRefused)) {
+	// render endpoint refuses, as the request's own endpoint will (a body
+	// it does not take, a model it does not serve). /tokenize refusing one
+	// (SGLang's takes no chat messages) does.
+	if ctx.Err() == nil && !(render && errors.Is(err, errRefused)) {
 		p.pools.Tokenized(err == nil)
 	}
 	if err != nil {
@@ -74,16 +78,26 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 var (
 	// errUnrendered: the engine has no such render endpoint.
 	errUnrendered = errors.New("no render endpoint")
-	// errRefused: the engine refused the request (400, 422).
+	// errRefused: the engine refused the request (400, 422, or a 404 with
+	// an OpenAI error: a model or stored response it does not have).
 	errRefused = errors.New("refused")
 )
+
+// maxErrorAnswer bounds what is read of an engine's 404 to tell a route it
+// lacks from an error of the request's.
+const maxErrorAnswer = 4 << 10
 
 // askTokens posts ask to an engine and reads the ids it answers: vLLM's
 // render endpoints' {"token_ids": [...]} (a list of one for completions),
 // or /tokenize's {"count", "max_model_len", "tokens": [...]}. The client's
 // forwarded headers go along (vLLM's --api-key guards /v1 paths, the render
 // endpoints among them).
-func (p *Pipeline) askTokens(ctx context.Context, url string, timeout time.Duration, ask []byte, forward http.Header) ([]int64, error) {
+//
+// A render endpoint's 404 is the engine lacking it only when the answer is
+// not an OpenAI error (FastAPI's {"detail": "Not Found"} for a path it has
+// no route for); vLLM answers a model it does not serve, or a stored
+// response it does not have, with 404 and {"error": ...}.
+func (p *Pipeline) askTokens(ctx context.Context, url string, timeout time.Duration, ask []byte, forward http.Header, render bool) ([]int64, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(ask))
@@ -99,14 +113,16 @@ func (p *Pipeline) askTokens(ctx context.Context, url string, timeout time.Durat
 		return nil, err
 	}
 	defer resp.Body.Close()
-	switch resp.StatusCode {
-	case http.StatusOK:
-	case http.StatusNotFound, http.StatusMethodNotAllowed, http.StatusNotImplemented:
-		return nil, fmt.Errorf("%w: status %d", errUnrendered, resp.StatusCode)
-	case http.StatusBadRequest, http.StatusUnprocessableEntity:
-		return nil, fmt.Errorf("%w: status %d", errRefused, resp.StatusCode)
+	switch code := resp.StatusCode; {
+	case code == http.StatusOK:
+	case code == http.StatusBadRequest || code == http.StatusUnprocessableEntity:
+		return nil, fmt.Errorf("%w: status %d", errRefused, code)
+	case render && code == http.StatusNotFound && openAIError(resp.Body):
+		return nil, fmt.Errorf("%w: status %d", errRefused, code)
+	case render && (code == http.StatusNotFound || code == http.StatusMethodNotAllowed || code == http.StatusNotImplemented):
+		return nil, fmt.Errorf("%w: status %d", errUnrendered, code)
 	default:
-		return nil, fmt.Errorf("status %d", resp.StatusCode)
+		return nil, fmt.Errorf("status %d", code)
 	}
 	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxTokenizeAnswer))
 	if err != nil {
@@ -134,4 +150,12 @@ func (p *Pipeline) askTokens(ctx context.Context, url string, timeout time.Durat
 		return nil, fmt.Errorf("no tokens")
 	}
 	return ids, nil
+}
+
+// openAIError says whether an answer's body is an OpenAI error object.
+func openAIError(r io.Reader) bool {
+	var answer struct {
+		Error json.RawMessage `json:"error"`
+	}
+	return json.NewDecoder(io.LimitReader(r, maxErrorAnswer)).Decode(&answer) == nil && len(answer.Error) > 0
 }

@@ -96,31 +96,44 @@ func (p *Pool) Events() (s EventsState, ok bool) {
 const tokenizeFailures = 3
 
 // tokenizeHealth is the /tokenize round trips' record (Pools.Tokenized), and
-// whether the engines have vLLM's render endpoints (Pools.Unrendered).
+// which of vLLM's render endpoints the engines lack (Pools.Unrendered).
 type tokenizeHealth struct {
-	mu       sync.Mutex
-	fails    int       // in a row
-	until    time.Time // paused before then
-	unrender time.Time // the render endpoints not asked before then
+	mu         sync.Mutex
+	fails      int                  // in a row
+	until      time.Time            // paused before then
+	unrendered map[string]time.Time // a render path not asked before then
 }
 
-func (h *tokenizeHealth) paused(now time.Time) (paused, render bool) {
+func (h *tokenizeHealth) paused(now time.Time) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return now.Before(h.until), !now.Before(h.unrender)
+	return now.Before(h.until)
 }
 
-// Unrendered records an engine that has no render endpoint (an older vLLM,
-// SGLang): /tokenize is asked instead, and the render endpoints again only
+// Renders says whether to ask the render endpoint at path for a request's
+// token ids: not for the pools' stale_after after an engine lacked it.
+func (ps *Pools) Renders(path string) bool {
+	h := &ps.tokenize
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return !ps.deps.Now().Before(h.unrendered[path])
+}
+
+// Unrendered records an engine without the render endpoint at path (an
+// older vLLM, SGLang): /tokenize is asked instead, and the endpoint again
 // after the pools' stale_after.
-func (ps *Pools) Unrendered() {
+func (ps *Pools) Unrendered(path string) {
 	ev := ps.followed(false)
 	if ev == nil {
 		return
 	}
-	ps.tokenize.mu.Lock()
-	defer ps.tokenize.mu.Unlock()
-	ps.tokenize.unrender = ps.deps.Now().Add(ev.spec.StaleAfter.D())
+	h := &ps.tokenize
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.unrendered == nil {
+		h.unrendered = map[string]time.Time{}
+	}
+	h.unrendered[path] = ps.deps.Now().Add(ev.spec.StaleAfter.D())
 }
 
 // Tokenized records a /tokenize round trip that Tokenizer's answer led to,
@@ -158,7 +171,7 @@ func (ps *Pools) followed(usable bool) *poolEvents {
 // follows its engines' KV events: the least busy healthy prefill endpoint
 // (the prefill leg's client reaches it), else decode endpoint, with the
 // /tokenize path and the time allowed of the first pool that follows
-// events, and whether to ask the render endpoints first (Unrendered). ok is
+// events. ok is
 // false when no pool does, when none of their views may be routed by now
 // (engines that publish nothing: no round trip for every request then),
 // while the round trips are paused after failing (Tokenized), or when no
@@ -168,8 +181,7 @@ func (ps *Pools) Tokenizer() (e *Endpoint, t Tokenizer, ok bool) {
 	if ev == nil {
 		return nil, Tokenizer{}, false
 	}
-	paused, render := ps.tokenize.paused(ps.deps.Now())
-	if paused {
+	if ps.tokenize.paused(ps.deps.Now()) {
 		return nil, Tokenizer{}, false
 	}
 	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
@@ -179,15 +191,15 @@ func (ps *Pools) Tokenizer() (e *Endpoint, t Tokenizer, ok bool) {
 			}
 		}
 		if e != nil {
-			return e, Tokenizer{Path: ev.spec.Tokenize.Path, Timeout: ev.spec.Tokenize.Timeout.D(), Render: render}, true
+			return e, Tokenizer{Path: ev.spec.Tokenize.Path, Timeout: ev.spec.Tokenize.Timeout.D()}, true
 		}
 	}
 	return nil, Tokenizer{}, false
 }
 
-// Tokenizer is how to ask an engine for a request's token ids.
+// Tokenizer is how to ask an engine for a request's token ids: its render
+// endpoints (Renders), else /tokenize at Path.
 type Tokenizer struct {
-	Path    string // /tokenize
+	Path    string
 	Timeout time.Duration
-	Render  bool // ask the API's render endpoint first
 }

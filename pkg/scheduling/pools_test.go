@@ -126,8 +126,8 @@ func TestTokenizerAsksWhileAViewCanBeTrusted(t *testing.T) {
 			if ok != tt.ok {
 				t.Fatalf("Tokenizer() ok = %v, want %v", ok, tt.ok)
 			}
-			if ok && (e.Addr != "a" || tk.Path != "/tokenize" || !tk.Render) {
-				t.Errorf("Tokenizer() = %s %+v, want the prefill endpoint a, its render endpoint, then /tokenize", e.Addr, tk)
+			if ok && (e.Addr != "a" || tk.Path != "/tokenize") {
+				t.Errorf("Tokenizer() = %s %+v, want the prefill endpoint a and /tokenize", e.Addr, tk)
 			}
 		})
 	}
@@ -135,8 +135,8 @@ func TestTokenizerAsksWhileAViewCanBeTrusted(t *testing.T) {
 
 // TestTokenizerPausesAfterFailures: three /tokenize round trips failed in a
 // row pause them for the pool's stale_after; a success in between starts
-// the count again. An engine without the render endpoints is asked
-// /tokenize alone for stale_after.
+// the count again. A render endpoint an engine lacks is not asked for
+// stale_after; the others are.
 func TestTokenizerPausesAfterFailures(t *testing.T) {
 	tests := []struct {
 		name       string
@@ -146,7 +146,7 @@ func TestTokenizerPausesAfterFailures(t *testing.T) {
 		ok, render bool
 	}{
 		{"two failures", []bool{false, false}, false, 0, true, true},
-		{"three failures in a row", []bool{false, false, false}, false, 0, false, false},
+		{"three failures in a row", []bool{false, false, false}, false, 0, false, true},
 		{"three failures, stale_after later", []bool{false, false, false}, false, 30 * time.Second, true, true},
 		{"a success between failures", []bool{false, false, true, false, false}, false, 0, true, true},
 		{"no render endpoint", nil, true, 0, true, false},
@@ -163,11 +163,14 @@ func TestTokenizerPausesAfterFailures(t *testing.T) {
 				ps.Tokenized(ok)
 			}
 			if tt.unrendered {
-				ps.Unrendered()
+				ps.Unrendered("/v1/responses/render")
 			}
 			clock.Advance(tt.after)
-			if _, tk, ok := ps.Tokenizer(); ok != tt.ok || tk.Render != tt.render {
-				t.Errorf("Tokenizer() ok = %v, render %v; want %v, %v", ok, tk.Render, tt.ok, tt.render)
+			if _, _, ok := ps.Tokenizer(); ok != tt.ok {
+				t.Errorf("Tokenizer() ok = %v, want %v", ok, tt.ok)
+			}
+			if r := ps.Renders("/v1/responses/render"); r != tt.render || !ps.Renders("/v1/chat/completions/render") {
+				t.Errorf("Renders = %v (and the chat one %v), want %v (and true)", r, ps.Renders("/v1/chat/completions/render"), tt.render)
 			}
 		})
 	}

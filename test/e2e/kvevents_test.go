@@ -246,9 +246,11 @@ func TestFailingTokenizeIsPaused(t *testing.T) {
 }
 
 // TestRefusedRequestsDoNotPauseTokenize: requests the engine's render
-// endpoint refuses (400), as their own endpoint refuses them, are the
-// client's doing, not the tokenizer's: three in a row do not pause the
-// round trips, and the next request is still looked up.
+// endpoint refuses (400; 404 for a model it does not serve, an OpenAI error
+// and not a path it lacks), as their own endpoint refuses them, are the
+// client's doing, not the tokenizer's: they do not pause the round trips,
+// nor turn the render endpoint off, and the next request is still looked
+// up by it.
 func TestRefusedRequestsDoNotPauseTokenize(t *testing.T) {
 	r := startRig(t, rigOptions{prefills: -1, decodes: 1, decodePool: "policy: prefix-affinity", kvEvents: []string{"stale_after: 1m"}})
 	subscribed(t, r.decode, 1)
@@ -260,12 +262,19 @@ func TestRefusedRequestsDoNotPauseTokenize(t *testing.T) {
 			t.Fatalf("status %d, want the engine's 400: %s", resp.StatusCode, got)
 		}
 	}
-	if n := asked(r.decode[0], render); n != 3 {
-		t.Fatalf("the render endpoint was asked for %d of the 3 refused requests: the test shows nothing", n)
+	unserved := strings.Replace(kvChat(t, "Hooli", "[unserved]"), `"model":"pdsim"`, `"model":"other"`, 1)
+	if resp, got := r.must(t, "/v1/chat/completions", unserved, nil); resp.StatusCode != http.StatusNotFound {
+		t.Fatalf("status %d, want the engine's 404: %s", resp.StatusCode, got)
+	}
+	if n := asked(r.decode[0], render); n != 4 {
+		t.Fatalf("the render endpoint was asked for %d of the 4 refused requests: the test shows nothing", n)
 	}
 	routed(t, r, kvChat(t, "Hooli", "[valid]"), "[valid]")
-	if n := asked(r.decode[0], render); n != 4 {
-		t.Errorf("the render endpoint was asked for %d of 4 requests, want 4: the refusals paused it", n)
+	if n := asked(r.decode[0], render); n != 5 {
+		t.Errorf("the render endpoint was asked for %d of 5 requests, want 5: the refusals paused it", n)
+	}
+	if n := asked(r.decode[0], "/tokenize"); n != 0 {
+		t.Errorf("/tokenize asked %d times: a refusal was taken for a missing render endpoint", n)
 	}
 }
 
