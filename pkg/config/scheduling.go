@@ -35,10 +35,13 @@ const (
 	DefaultMaxEjection         = 30 * time.Second
 	DefaultCheckPath           = "/health"
 	DefaultCheckTimeout        = time.Second
-	DefaultMetricsPath         = "/metrics"
-	DefaultDNSInterval         = 10 * time.Second
-	DefaultPrefillAttempts     = 2
-	maxFallbacks               = 8
+	// Envoy Gateway's defaults for an active check (its ActiveHealthCheck).
+	DefaultUnhealthyThreshold = 3
+	DefaultHealthyThreshold   = 1
+	DefaultMetricsPath        = "/metrics"
+	DefaultDNSInterval        = 10 * time.Second
+	DefaultPrefillAttempts    = 2
+	maxFallbacks              = 8
 )
 
 // DefaultDecodeQueueSlack is queue_slack's default for the decode pool of a
@@ -113,6 +116,13 @@ type EngineHealth struct {
 	CheckInterval Duration `json:"check_interval,omitempty"`
 	CheckPath     string   `json:"check_path,omitempty"`
 	CheckTimeout  Duration `json:"check_timeout,omitempty"`
+	// UnhealthyThreshold checks in a row that time out or cannot connect
+	// mark an endpoint down (an answer that is not 2xx does at once, and so
+	// does a first check); HealthyThreshold checks in a row that pass mark
+	// it up again. Envoy's meanings of unhealthy_threshold and
+	// healthy_threshold.
+	UnhealthyThreshold int `json:"unhealthy_threshold,omitempty"`
+	HealthyThreshold   int `json:"healthy_threshold,omitempty"`
 }
 
 // EngineMetrics configures scraping the engines' /metrics for their queue and KV use.
@@ -232,6 +242,8 @@ func (h *EngineHealth) SetDefaults() {
 	orDefault(&h.BaseEjection, Duration(DefaultBaseEjection))
 	orDefault(&h.MaxEjection, max(Duration(DefaultMaxEjection), h.BaseEjection))
 	orDefault(&h.CheckPath, DefaultCheckPath)
+	orDefault(&h.UnhealthyThreshold, DefaultUnhealthyThreshold)
+	orDefault(&h.HealthyThreshold, DefaultHealthyThreshold)
 	if h.CheckTimeout == 0 {
 		h.CheckTimeout = Duration(DefaultCheckTimeout)
 		if h.CheckInterval > 0 {
@@ -260,6 +272,12 @@ func (h EngineHealth) Validate(key string) error {
 	}
 	if h.CheckTimeout <= 0 {
 		errs = append(errs, fmt.Errorf("%s.check_timeout: must be positive", key))
+	}
+	if h.UnhealthyThreshold < 1 {
+		errs = append(errs, fmt.Errorf("%s.unhealthy_threshold: must be at least 1", key))
+	}
+	if h.HealthyThreshold < 1 {
+		errs = append(errs, fmt.Errorf("%s.healthy_threshold: must be at least 1", key))
 	}
 	return errors.Join(errs...)
 }

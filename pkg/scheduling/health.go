@@ -16,14 +16,21 @@ import (
 // it again for twice as long. Failures reported while ejected (requests that
 // were already running) do not lengthen the ejection.
 //
-// Active (optional): a failed check marks the endpoint down until a check
-// passes. The two signals are independent: an endpoint must pass both.
+// Active (optional), as Envoy's HTTP checker: checks that time out or
+// cannot connect mark the endpoint down after unhealthy_threshold of them in
+// a row, an answer that is not 2xx (an engine that says it is not well, as
+// vLLM's /health does with 503 once its engine is dead) and an endpoint's
+// first check at once; healthy_threshold checks in a row that pass mark it
+// up again. The two signals are independent: an endpoint must pass both.
 type healthState struct {
 	failures   int       // consecutive
 	ejections  int       // consecutive, sizes the next backoff
 	until      time.Time // zero: not ejected
 	probing    bool      // a probe request is in flight
 	activeDown bool
+	checked    bool // a check has given a verdict since checks were on
+	checkRun   int  // checks in a row with the same verdict as the last
+	lastPassed bool
 }
 
 // ReportFailure records a connection error, timeout or 5xx from the endpoint.
@@ -116,24 +123,55 @@ func (e *Endpoint) endProbe() {
 	e.health.probing = false
 }
 
-func (e *Endpoint) setActive(up bool) {
+// verdict is what one active check found.
+type verdict int
+
+const (
+	passed     verdict = iota // 2xx
+	unanswered                // a timeout, a connection refused or broken
+	refused                   // an answer that is not 2xx
+)
+
+// checkThresholds are a pool's unhealthy_threshold and healthy_threshold.
+type checkThresholds struct{ unhealthy, healthy int }
+
+// setActive records a check's verdict.
+func (e *Endpoint) setActive(v verdict, th checkThresholds) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	h := &e.health
-	if !up && !h.activeDown {
+	if (v == passed) == h.lastPassed {
+		h.checkRun++
+	} else {
+		h.checkRun, h.lastPassed = 1, v == passed
+	}
+	switch {
+	case v == passed:
+		h.activeDown = h.activeDown && h.checkRun < th.healthy
+	case !h.activeDown && (v == refused || !h.checked || h.checkRun >= th.unhealthy):
+		h.activeDown = true
 		e.ejections.Add(1)
 	}
-	h.activeDown = !up
+	h.checked = true
 	e.troubled.Store(h.activeDown || h.failures > 0)
 }
 
+// unchecked clears the active checks' verdicts: checks are off.
+func (e *Endpoint) unchecked() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	h := &e.health
+	h.activeDown, h.checked, h.checkRun, h.lastPassed = false, false, 0, false
+	e.troubled.Store(h.failures > 0)
+}
+
 // checkAll runs one active health check on every endpoint, concurrently.
-func checkAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration) {
+func checkAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration, th checkThresholds) {
 	var wg sync.WaitGroup
 	for _, e := range eps {
 		wg.Go(func() {
-			if up, ok := check(ctx, pr.client, pr.url(e.Addr, path), timeout); ok {
-				e.setActive(up)
+			if v, ok := check(ctx, pr.client, pr.url(e.Addr, path), timeout); ok {
+				e.setActive(v, th)
 			}
 		})
 	}
@@ -142,18 +180,21 @@ func checkAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeo
 
 // check GETs url; ok is false when there is no verdict because we are
 // shutting down.
-func check(parent context.Context, client *http.Client, url string, timeout time.Duration) (up, ok bool) {
+func check(parent context.Context, client *http.Client, url string, timeout time.Duration) (v verdict, ok bool) {
 	ctx, cancel := context.WithTimeout(parent, timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
-		return false, true
+		return refused, true
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		return false, parent.Err() == nil
+		return unanswered, parent.Err() == nil
 	}
 	io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // so the connection is reused
 	resp.Body.Close()
-	return resp.StatusCode >= 200 && resp.StatusCode < 300, true
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return refused, true
+	}
+	return passed, true
 }

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -128,7 +129,7 @@ func TestActiveChecks(t *testing.T) {
 	spec := PoolSpec{Endpoints: []string{addr, dead}, PoolScheduling: config.PoolScheduling{Health: config.EngineHealth{CheckInterval: config.Duration(time.Second)}}}
 	p, _ := testPool(t, spec.PoolScheduling, spec.Endpoints...)
 	ctx := context.Background()
-	check := func() { checkAll(ctx, p.probe, p.Endpoints(), "/health", time.Second) }
+	check := func() { checkAll(ctx, p.probe, p.Endpoints(), "/health", time.Second, envoyGatewayThresholds) }
 
 	check()
 	if !byAddr(p, addr).Healthy() || byAddr(p, dead).Healthy() {
@@ -165,7 +166,7 @@ func TestCheckDuringShutdownGivesNoVerdict(t *testing.T) {
 	e := &Endpoint{Addr: strings.TrimPrefix(srv.URL, "http://")}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	checkAll(ctx, probe{client: srv.Client(), scheme: "http"}, []*Endpoint{e}, "/health", time.Second)
+	checkAll(ctx, probe{client: srv.Client(), scheme: "http"}, []*Endpoint{e}, "/health", time.Second, envoyGatewayThresholds)
 	if !e.Healthy() {
 		t.Fatal("a check cut short by shutdown marked the endpoint down")
 	}
@@ -205,7 +206,7 @@ func TestChecksAndScrapesSpeakThePoolsTLS(t *testing.T) {
 			for _, p := range []*Pool{ps.Prefill, ps.Decode} {
 				defer p.probe.client.CloseIdleConnections()
 				e := p.Endpoints()[0]
-				checkAll(context.Background(), p.probe, p.Endpoints(), "/health", time.Second)
+				checkAll(context.Background(), p.probe, p.Endpoints(), "/health", time.Second, envoyGatewayThresholds)
 				scrapeAll(context.Background(), p.probe, p.Endpoints(), "/metrics", time.Second, time.Now)
 				l, scrapedOK := e.Load()
 				if e.Healthy() != tt.wantUp || scrapedOK != tt.wantUp || scrapedOK && l.Waiting != 4 {
@@ -213,5 +214,68 @@ func TestChecksAndScrapesSpeakThePoolsTLS(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestActiveCheckThresholds: as Envoy's HTTP checker, checks that go
+// unanswered (a timeout, a connection refused) mark an established endpoint
+// down only after unhealthy_threshold of them in a row; an answer that is
+// not 2xx, or a first check that fails, marks it down at once; and
+// healthy_threshold passes in a row bring it back.
+func TestActiveCheckThresholds(t *testing.T) {
+	tests := []struct {
+		name      string
+		th        checkThresholds
+		verdicts  []verdict
+		wantDown  bool
+		ejections uint64
+	}{
+		{"two unanswered after a pass", envoyGatewayThresholds, []verdict{passed, unanswered, unanswered}, false, 0},
+		{"three unanswered after a pass", envoyGatewayThresholds, []verdict{passed, unanswered, unanswered, unanswered}, true, 1},
+		{"a pass starts the count over", envoyGatewayThresholds, []verdict{passed, unanswered, unanswered, passed, unanswered, unanswered}, false, 0},
+		{"a 503 after a pass", envoyGatewayThresholds, []verdict{passed, refused}, true, 1},
+		{"a first check unanswered", envoyGatewayThresholds, []verdict{unanswered}, true, 1},
+		{"down, then one pass", envoyGatewayThresholds, []verdict{refused, passed}, false, 1},
+		{"down, then one pass of two needed", checkThresholds{unhealthy: 3, healthy: 2}, []verdict{refused, passed}, true, 1},
+		{"down, then two passes of two needed", checkThresholds{unhealthy: 3, healthy: 2}, []verdict{refused, passed, passed}, false, 1},
+		{"down for long: one ejection", envoyGatewayThresholds, []verdict{passed, refused, unanswered, unanswered, unanswered, refused}, true, 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e := &Endpoint{Addr: "a"}
+			for _, v := range tt.verdicts {
+				e.setActive(v, tt.th)
+			}
+			if e.CheckedDown() != tt.wantDown || e.Healthy() == tt.wantDown || e.Ejections() != tt.ejections {
+				t.Errorf("down %v, healthy %v, %d ejections; want down %v, %d ejections", e.CheckedDown(), e.Healthy(), e.Ejections(), tt.wantDown, tt.ejections)
+			}
+		})
+	}
+}
+
+// TestAHungCheckGoesUnanswered: a /health that does not answer within
+// check_timeout counts as unanswered, not as a refusal: an established
+// endpoint stays up through fewer than unhealthy_threshold of them.
+func TestAHungCheckGoesUnanswered(t *testing.T) {
+	var hang atomic.Bool
+	srv := httptest.NewServer(http.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) {
+		if hang.Load() {
+			<-r.Context().Done()
+		}
+	}))
+	defer srv.Close()
+	e := &Endpoint{Addr: strings.TrimPrefix(srv.URL, "http://")}
+	pr := probe{client: srv.Client(), scheme: "http"}
+	checkAll(context.Background(), pr, []*Endpoint{e}, "/health", time.Second, envoyGatewayThresholds)
+	hang.Store(true)
+	for range 2 {
+		checkAll(context.Background(), pr, []*Endpoint{e}, "/health", 20*time.Millisecond, envoyGatewayThresholds)
+	}
+	if !e.Healthy() {
+		t.Fatal("two hung checks marked an established endpoint down")
+	}
+	checkAll(context.Background(), pr, []*Endpoint{e}, "/health", 20*time.Millisecond, envoyGatewayThresholds)
+	if e.Healthy() {
+		t.Fatal("three hung checks left the endpoint up")
 	}
 }

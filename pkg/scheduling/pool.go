@@ -228,7 +228,7 @@ func (p *Pool) rebuild() {
 		}
 		e.bootstrapPort.Store(int32(bootstrapPort))
 		if s.Health.CheckInterval <= 0 {
-			e.setActive(true) // checks are off: a down verdict no longer holds
+			e.unchecked() // checks are off: a down verdict no longer holds
 		}
 		eps = append(eps, e)
 	}

@@ -112,7 +112,8 @@ func (p *Pool) Run(ctx context.Context) {
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		p.every(ctx, func(s PoolSpec) time.Duration { return s.Health.CheckInterval.D() }, func(st *poolState) {
-			checkAll(ctx, p.probe, st.endpoints, st.spec.Health.CheckPath, st.spec.Health.CheckTimeout.D())
+			h := st.spec.Health
+			checkAll(ctx, p.probe, st.endpoints, h.CheckPath, h.CheckTimeout.D(), checkThresholds{h.UnhealthyThreshold, h.HealthyThreshold})
 		})
 	})
 	wg.Go(func() {
