@@ -2,6 +2,9 @@ package pdsim
 
 import (
 	"bytes"
+	"fmt"
+	"math/rand/v2"
+	"net"
 	"reflect"
 	"testing"
 )
@@ -85,7 +88,7 @@ func TestKVEventsGapAndReplay(t *testing.T) {
 func TestKVEventsConnectStopAndStart(t *testing.T) {
 	sub, endpoint := bindKVSub(t)
 	d := start(t, Config{Role: RoleDecode,
-		KVEvents: KVEvents{Endpoint: endpoint, ReplayEndpoint: "tcp://127.0.0.1:0", Topic: "kv@engine-a:8000@pdsim"}})
+		KVEvents: KVEvents{Endpoint: endpoint, ReplayEndpoint: "tcp://" + reboundAddr(t), Topic: "kv@engine-a:8000@pdsim"}})
 	if d.KVEventsAddr() != "" || d.KVReplayAddr() == "" {
 		t.Errorf("KVEventsAddr %q, KVReplayAddr %q: want none bound, a replay socket", d.KVEventsAddr(), d.KVReplayAddr())
 	}
@@ -133,4 +136,22 @@ func TestKVEventsConfig(t *testing.T) {
 		t.Error("an engine without KV events has no addresses, stats, nor publisher to start")
 	}
 	d.StopKVEvents() // no-op
+}
+
+// reboundAddr is a loopback address free now on a port below Linux's
+// ephemeral range (32768-60999), for a socket the test closes and binds
+// again: the connections that other tests (and other packages' tests, run
+// at once) open draw their local ports from that range, and took such a
+// port between the close and the bind.
+func reboundAddr(t *testing.T) string {
+	t.Helper()
+	for range 100 {
+		addr := fmt.Sprintf("127.0.0.1:%d", 20000+rand.IntN(12000))
+		if l, err := net.Listen("tcp", addr); err == nil {
+			l.Close()
+			return addr
+		}
+	}
+	t.Fatal("no free port below the ephemeral range")
+	return ""
 }
