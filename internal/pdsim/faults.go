@@ -22,6 +22,9 @@ type Faults struct {
 	// side channel the decode engines cannot reach: its answer is a 200
 	// with kv_transfer_params, and the pull fails.
 	LoseKV bool
+	// RenderStatus, when set, is what the render endpoints answer (vLLM's
+	// error JSON), as a vLLM whose renderer fails does.
+	RenderStatus int
 }
 
 func (c Config) faults() Faults {
@@ -72,6 +75,13 @@ func (s *Server) injectFaults(ctx context.Context, w http.ResponseWriter) bool {
 		s.writeError(w, &apiError{f.FailStatus, "pdsim: injected failure"})
 	}
 	return true
+}
+
+// renderFails is the status the render endpoints answer instead, 0 for none.
+func (s *Server) renderFails() int {
+	s.faults.mu.Lock()
+	defer s.faults.mu.Unlock()
+	return s.faults.current.RenderStatus
 }
 
 // losesKV reports whether the prefill engine frees the blocks it hands out.

@@ -70,6 +70,10 @@ func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
 // and SGLang have none (Config.NoRender).
 func (s *Server) render(api apiKind) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
+		if status := s.renderFails(); status != 0 {
+			s.writeErrorFor(api, w, &apiError{status, "pdsim: injected render failure"})
+			return
+		}
 		body, _ := io.ReadAll(r.Body)
 		req, aerr := s.parseRequest(api, r.Header.Get("X-Request-Id"), body)
 		if aerr != nil {

@@ -56,7 +56,10 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 			}
 		}
 	}
-	if !render || errors.Is(err, errUnrendered) {
+	// An engine without the render endpoint, or whose render failed (a
+	// 500: a template it could not apply, a model it cannot render for),
+	// may still tokenize.
+	if t.Ask != nil && (!render || errors.Is(err, errUnrendered) || errors.Is(err, errRenderFailed)) {
 		render = false
 		ids, err = p.askTokens(ctx, base+tk.Path, tk.Timeout, t.Ask, r.Forward, false)
 	}
@@ -81,6 +84,8 @@ var (
 	// errRefused: the engine refused the request (400, 422, or a 404 with
 	// an OpenAI error: a model or stored response it does not have).
 	errRefused = errors.New("refused")
+	// errRenderFailed: the render endpoint failed (500).
+	errRenderFailed = errors.New("render failed")
 )
 
 // maxErrorAnswer bounds what is read of an engine's 404 to tell a route it
@@ -119,6 +124,8 @@ func (p *Pipeline) askTokens(ctx context.Context, url string, timeout time.Durat
 		return nil, fmt.Errorf("%w: status %d", errRefused, code)
 	case render && code == http.StatusNotFound && openAIError(resp.Body):
 		return nil, fmt.Errorf("%w: status %d", errRefused, code)
+	case render && code == http.StatusInternalServerError:
+		return nil, fmt.Errorf("%w: status %d", errRenderFailed, code)
 	case render && (code == http.StatusNotFound || code == http.StatusMethodNotAllowed || code == http.StatusNotImplemented):
 		return nil, fmt.Errorf("%w: status %d", errUnrendered, code)
 	default:

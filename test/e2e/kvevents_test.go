@@ -278,6 +278,33 @@ func TestRefusedRequestsDoNotPauseTokenize(t *testing.T) {
 	}
 }
 
+// TestAFailingRenderFallsBackToTokenize: a render endpoint that fails (500:
+// a template the engine could not apply, a model it cannot render for) is
+// no reason to go without ids: the request is asked of /tokenize, found
+// where its prompt is cached, and the round trips are not paused.
+func TestAFailingRenderFallsBackToTokenize(t *testing.T) {
+	r := startRig(t, rigOptions{prefills: -1, decodes: 2, decodePool: "policy: prefix-affinity", kvEvents: []string{"stale_after: 1m"}})
+	subscribed(t, r.decode, 1)
+	for i, tenant := range []string{"Stark", "Wayne"} {
+		warm(t, r.decode[i], kvChat(t, tenant, "warming up"))
+	}
+	everyReplica(t, r, `pd_extproc_kv_events_batches_total{pool="decode"}`, func(v float64) bool { return v >= 2 })
+	for _, d := range r.decode {
+		d.SetFaults(pdsim.Faults{RenderStatus: http.StatusInternalServerError})
+	}
+	for q := range 4 {
+		for i, tenant := range []string{"Stark", "Wayne"} {
+			marker := fmt.Sprintf("[%s question %d]", tenant, q)
+			if got := routed(t, r, kvChat(t, tenant, marker), marker); got != i {
+				t.Errorf("%s's question %d went to decode %d; its prompt is cached on decode %d", tenant, q, got, i)
+			}
+		}
+	}
+	if n := asked(r.decode[0], "/tokenize") + asked(r.decode[1], "/tokenize"); n != 8 {
+		t.Errorf("/tokenize asked for %d of 8 requests whose render failed, want 8", n)
+	}
+}
+
 // asked is how many requests sim got on path.
 func asked(sim *pdsim.Server, path string) int {
 	n := 0
