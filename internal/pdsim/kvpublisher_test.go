@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"os"
 	"reflect"
+	"strconv"
+	"strings"
 	"testing"
 )
 
@@ -138,15 +141,24 @@ func TestKVEventsConfig(t *testing.T) {
 	d.StopKVEvents() // no-op
 }
 
-// reboundAddr is a loopback address free now on a port below Linux's
-// ephemeral range (32768-60999), for a socket the test closes and binds
-// again: the connections that other tests (and other packages' tests, run
-// at once) open draw their local ports from that range, and took such a
-// port between the close and the bind.
+// reboundAddr is a loopback address free now on a port below the range
+// Linux gives connections their local ports from (ip_local_port_range,
+// 32768-60999 by default), for a socket the test closes and binds again:
+// the connections that other tests (and other packages' tests, run at once)
+// open took such a port between the close and the bind.
 func reboundAddr(t *testing.T) string {
 	t.Helper()
+	low := 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			low, _ = strconv.Atoi(f[0])
+		}
+	}
+	if low < 2048 {
+		t.Skipf("ip_local_port_range starts at %d: no port is safe from other connections", low)
+	}
 	for range 100 {
-		addr := fmt.Sprintf("127.0.0.1:%d", 20000+rand.IntN(12000))
+		addr := fmt.Sprintf("127.0.0.1:%d", low/2+rand.IntN(low/2))
 		if l, err := net.Listen("tcp", addr); err == nil {
 			l.Close()
 			return addr

@@ -60,15 +60,19 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	// 500: a template it could not apply, a model it cannot render for),
 	// may still tokenize.
 	if t.Ask != nil && (!render || errors.Is(err, errUnrendered) || errors.Is(err, errRenderFailed)) {
+		if errors.Is(err, errRenderFailed) {
+			p.log.V(1).Info("render failed: asking /tokenize", "requestID", r.RequestID, "engine", e.Addr, "error", err.Error())
+		}
 		render = false
 		ids, err = p.askTokens(ctx, base+tk.Path, tk.Timeout, t.Ask, r.Forward, false)
 	}
 	p.metrics.Tokenize(time.Since(start), err == nil)
 	// A client gone says nothing of the tokenizer, nor does a request the
 	// render endpoint refuses, as the request's own endpoint will (a body
-	// it does not take, a model it does not serve). /tokenize refusing one
-	// (SGLang's takes no chat messages) does.
-	if ctx.Err() == nil && !(render && errors.Is(err, errRefused)) {
+	// it does not take, a model it does not serve), or fails to render
+	// with no /tokenize form to try. /tokenize refusing one (SGLang's
+	// takes no chat messages) does.
+	if ctx.Err() == nil && !(render && (errors.Is(err, errRefused) || errors.Is(err, errRenderFailed))) {
 		p.pools.Tokenized(err == nil)
 	}
 	if err != nil {

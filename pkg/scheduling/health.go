@@ -65,11 +65,12 @@ func (e *Endpoint) ReportSuccess() {
 	now := e.cfg().now()
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if now.Before(e.health.until) {
+	h := &e.health
+	if now.Before(h.until) {
 		return
 	}
-	e.health = healthState{activeDown: e.health.activeDown}
-	e.troubled.Store(e.health.activeDown)
+	h.failures, h.ejections, h.until, h.probing = 0, 0, time.Time{}, false // the active checks' record stands
+	e.troubled.Store(h.activeDown)
 }
 
 // Healthy reports whether the endpoint may take a request now.
@@ -166,11 +167,14 @@ func (e *Endpoint) unchecked() {
 }
 
 // checkAll runs one active health check on every endpoint, concurrently.
-func checkAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration, th checkThresholds) {
+// current says whether the pool is still as it was when the round began: a
+// verdict that comes after checks were turned off (or the pool changed, and
+// a new round began) is dropped, or it would stand with no check to clear it.
+func checkAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration, th checkThresholds, current func() bool) {
 	var wg sync.WaitGroup
 	for _, e := range eps {
 		wg.Go(func() {
-			if v, ok := check(ctx, pr.client, pr.url(e.Addr, path), timeout); ok {
+			if v, ok := check(ctx, pr.client, pr.url(e.Addr, path), timeout); ok && current() {
 				e.setActive(v, th)
 			}
 		})

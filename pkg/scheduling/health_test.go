@@ -129,7 +129,7 @@ func TestActiveChecks(t *testing.T) {
 	spec := PoolSpec{Endpoints: []string{addr, dead}, PoolScheduling: config.PoolScheduling{Health: config.EngineHealth{CheckInterval: config.Duration(time.Second)}}}
 	p, _ := testPool(t, spec.PoolScheduling, spec.Endpoints...)
 	ctx := context.Background()
-	check := func() { checkAll(ctx, p.probe, p.Endpoints(), "/health", time.Second, envoyGatewayThresholds) }
+	check := func() { checkAll(ctx, p.probe, p.Endpoints(), "/health", time.Second, envoyGatewayThresholds, always) }
 
 	check()
 	if !byAddr(p, addr).Healthy() || byAddr(p, dead).Healthy() {
@@ -166,7 +166,7 @@ func TestCheckDuringShutdownGivesNoVerdict(t *testing.T) {
 	e := &Endpoint{Addr: strings.TrimPrefix(srv.URL, "http://")}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	checkAll(ctx, probe{client: srv.Client(), scheme: "http"}, []*Endpoint{e}, "/health", time.Second, envoyGatewayThresholds)
+	checkAll(ctx, probe{client: srv.Client(), scheme: "http"}, []*Endpoint{e}, "/health", time.Second, envoyGatewayThresholds, always)
 	if !e.Healthy() {
 		t.Fatal("a check cut short by shutdown marked the endpoint down")
 	}
@@ -206,7 +206,7 @@ func TestChecksAndScrapesSpeakThePoolsTLS(t *testing.T) {
 			for _, p := range []*Pool{ps.Prefill, ps.Decode} {
 				defer p.probe.client.CloseIdleConnections()
 				e := p.Endpoints()[0]
-				checkAll(context.Background(), p.probe, p.Endpoints(), "/health", time.Second, envoyGatewayThresholds)
+				checkAll(context.Background(), p.probe, p.Endpoints(), "/health", time.Second, envoyGatewayThresholds, always)
 				scrapeAll(context.Background(), p.probe, p.Endpoints(), "/metrics", time.Second, time.Now)
 				l, scrapedOK := e.Load()
 				if e.Healthy() != tt.wantUp || scrapedOK != tt.wantUp || scrapedOK && l.Waiting != 4 {
@@ -221,7 +221,8 @@ func TestChecksAndScrapesSpeakThePoolsTLS(t *testing.T) {
 // unanswered (a timeout, a connection refused) mark an established endpoint
 // down only after unhealthy_threshold of them in a row; an answer that is
 // not 2xx, or a first check that fails, marks it down at once; and
-// healthy_threshold passes in a row bring it back.
+// healthy_threshold passes in a row bring it back. Requests served or
+// failed between checks (passive health) change none of it.
 func TestActiveCheckThresholds(t *testing.T) {
 	tests := []struct {
 		name      string
@@ -239,12 +240,21 @@ func TestActiveCheckThresholds(t *testing.T) {
 		{"down, then one pass of two needed", checkThresholds{unhealthy: 3, healthy: 2}, []verdict{refused, passed}, true, 1},
 		{"down, then two passes of two needed", checkThresholds{unhealthy: 3, healthy: 2}, []verdict{refused, passed, passed}, false, 1},
 		{"down for long: one ejection", envoyGatewayThresholds, []verdict{passed, refused, unanswered, unanswered, unanswered, refused}, true, 1},
+		{"a request failed and one served, then one unanswered", envoyGatewayThresholds, []verdict{passed, requestFailed, requestServed, unanswered}, false, 0},
+		{"a request served between two passes of two needed", checkThresholds{unhealthy: 3, healthy: 2}, []verdict{refused, passed, requestServed, passed}, false, 1},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			e := &Endpoint{Addr: "a"}
 			for _, v := range tt.verdicts {
-				e.setActive(v, tt.th)
+				switch v {
+				case requestFailed:
+					e.ReportFailure()
+				case requestServed:
+					e.ReportSuccess()
+				default:
+					e.setActive(v, tt.th)
+				}
 			}
 			if e.CheckedDown() != tt.wantDown || e.Healthy() == tt.wantDown || e.Ejections() != tt.ejections {
 				t.Errorf("down %v, healthy %v, %d ejections; want down %v, %d ejections", e.CheckedDown(), e.Healthy(), e.Ejections(), tt.wantDown, tt.ejections)
@@ -266,16 +276,36 @@ func TestAHungCheckGoesUnanswered(t *testing.T) {
 	defer srv.Close()
 	e := &Endpoint{Addr: strings.TrimPrefix(srv.URL, "http://")}
 	pr := probe{client: srv.Client(), scheme: "http"}
-	checkAll(context.Background(), pr, []*Endpoint{e}, "/health", time.Second, envoyGatewayThresholds)
+	checkAll(context.Background(), pr, []*Endpoint{e}, "/health", time.Second, envoyGatewayThresholds, always)
 	hang.Store(true)
 	for range 2 {
-		checkAll(context.Background(), pr, []*Endpoint{e}, "/health", 20*time.Millisecond, envoyGatewayThresholds)
+		checkAll(context.Background(), pr, []*Endpoint{e}, "/health", 20*time.Millisecond, envoyGatewayThresholds, always)
 	}
 	if !e.Healthy() {
 		t.Fatal("two hung checks marked an established endpoint down")
 	}
-	checkAll(context.Background(), pr, []*Endpoint{e}, "/health", 20*time.Millisecond, envoyGatewayThresholds)
+	checkAll(context.Background(), pr, []*Endpoint{e}, "/health", 20*time.Millisecond, envoyGatewayThresholds, always)
 	if e.Healthy() {
 		t.Fatal("three hung checks left the endpoint up")
+	}
+}
+
+// Passive health's reports, among TestActiveCheckThresholds' verdicts.
+const (
+	requestFailed verdict = iota + 100
+	requestServed
+)
+
+func always() bool { return true }
+
+// TestAVerdictAfterChecksStopIsDropped: a check still running when checks
+// are turned off (or the pool changes) gives no verdict, which would stand
+// with no check left to clear it.
+func TestAVerdictAfterChecksStopIsDropped(t *testing.T) {
+	e := &Endpoint{Addr: "127.0.0.1:1"} // nothing listens on port 1
+	checkAll(context.Background(), probe{client: http.DefaultClient, scheme: "http"}, []*Endpoint{e}, "/health", time.Second, envoyGatewayThresholds,
+		func() bool { return false })
+	if !e.Healthy() {
+		t.Fatal("a verdict from a round the pool has moved past marked the endpoint down")
 	}
 }
