@@ -25,7 +25,8 @@ const maxTokenizeAnswer = 16 << 20
 // renders the request as generation does; an engine without one is asked
 // /tokenize, and that render endpoint again after stale_after. Without ids
 // (no pool follows events, the API has no way to ask, the engine did not
-// answer in time, the round trips are paused after three failures in a row)
+// answer in time, the API's round trips are paused after three failures in
+// a row)
 // the pools go by their estimates; the request is never refused for it.
 // read (the API's Tokenize) runs only when a pool follows events: a chat
 // request's /tokenize body copies its messages.
@@ -39,8 +40,10 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 		sreq.SetTokens(t.IDs)
 		return
 	}
-	render := t.RenderPath != "" && p.pools.Renders(t.RenderPath)
-	if !render && t.Ask == nil {
+	api := t.RenderPath
+	ask, render := p.pools.Asks(api)
+	render = render && t.RenderPath != ""
+	if !ask || !render && t.Ask == nil {
 		return
 	}
 	base := p.scheme + "://" + e.Addr
@@ -50,7 +53,7 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	if render {
 		ids, err = p.askTokens(ctx, base+t.RenderPath, tk.Timeout, obj.Bytes(), r.Forward, true)
 		if errors.Is(err, errUnrendered) {
-			p.pools.Unrendered(t.RenderPath)
+			p.pools.Unrendered(api)
 			if t.Ask == nil {
 				return // no way to ask this engine: no failure of its tokenizer
 			}
@@ -73,7 +76,7 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	// with no /tokenize form to try. /tokenize refusing one (SGLang's
 	// takes no chat messages) does.
 	if ctx.Err() == nil && !(render && (errors.Is(err, errRefused) || errors.Is(err, errRenderFailed))) {
-		p.pools.Tokenized(err == nil)
+		p.pools.Tokenized(api, err == nil)
 	}
 	if err != nil {
 		p.log.V(1).Info("tokenize failed: the request goes by the pools' estimates", "requestID", r.RequestID, "engine", e.Addr, "error", err.Error())

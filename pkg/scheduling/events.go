@@ -89,40 +89,58 @@ func (p *Pool) Events() (s EventsState, ok bool) {
 	return EventsState{Counts: ev.sub.Counts(), Index: ev.index.Stats()}, true
 }
 
-// tokenizeFailures /tokenize round trips failed in a row (an engine whose
-// API has no such form, a path that is wrong, a tokenizer past its time)
-// pause them for the pools' stale_after: the requests meanwhile go by the
-// estimates, without a round trip each that cannot help them.
+// tokenizeFailures round trips for an API's requests' token ids failed in
+// a row (an engine whose /tokenize has no form of them, as SGLang's has none
+// of chat messages, a path that is wrong, a tokenizer past its time) pause
+// them for that API for the pools' stale_after: its requests meanwhile go by
+// the estimates, without a round trip each that cannot help them, and the
+// other APIs' go on.
 const tokenizeFailures = 3
 
-// tokenizeHealth is the /tokenize round trips' record (Pools.Tokenized), and
-// which of vLLM's render endpoints the engines lack (Pools.Unrendered).
+// tokenizeHealth is, per API (named by its render path), the round trips'
+// record (Pools.Tokenized) and whether the engines lack its render endpoint
+// (Pools.Unrendered).
 type tokenizeHealth struct {
-	mu         sync.Mutex
-	fails      int                  // in a row
-	until      time.Time            // paused before then
-	unrendered map[string]time.Time // a render path not asked before then
+	mu    sync.Mutex
+	byAPI map[string]*apiTokenize
 }
 
-func (h *tokenizeHealth) paused(now time.Time) bool {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return now.Before(h.until)
+type apiTokenize struct {
+	fails      int       // in a row
+	until      time.Time // paused before then
+	unrendered time.Time // the render endpoint not asked before then
 }
 
-// Renders says whether to ask the render endpoint at path for a request's
-// token ids: not for the pools' stale_after after an engine lacked it.
-func (ps *Pools) Renders(path string) bool {
+// of is api's record, made when first needed; h.mu is held.
+func (h *tokenizeHealth) of(api string) *apiTokenize {
+	if h.byAPI == nil {
+		h.byAPI = map[string]*apiTokenize{}
+	}
+	a := h.byAPI[api]
+	if a == nil {
+		a = &apiTokenize{}
+		h.byAPI[api] = a
+	}
+	return a
+}
+
+// Asks says whether to ask an engine for the token ids of a request of api
+// (its render path): not while its round trips are paused (Tokenized); and
+// whether to ask its render endpoint first: not for the pools' stale_after
+// after an engine lacked it (Unrendered).
+func (ps *Pools) Asks(api string) (ask, render bool) {
+	now := ps.deps.Now()
 	h := &ps.tokenize
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return !ps.deps.Now().Before(h.unrendered[path])
+	a := h.of(api)
+	return !now.Before(a.until), !now.Before(a.unrendered)
 }
 
-// Unrendered records an engine without the render endpoint at path (an
-// older vLLM, SGLang): /tokenize is asked instead, and the endpoint again
-// after the pools' stale_after.
-func (ps *Pools) Unrendered(path string) {
+// Unrendered records an engine without api's render endpoint (an older vLLM,
+// SGLang): /tokenize is asked instead, and the endpoint again after the
+// pools' stale_after.
+func (ps *Pools) Unrendered(api string) {
 	ev := ps.followed(false)
 	if ev == nil {
 		return
@@ -130,15 +148,12 @@ func (ps *Pools) Unrendered(path string) {
 	h := &ps.tokenize
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.unrendered == nil {
-		h.unrendered = map[string]time.Time{}
-	}
-	h.unrendered[path] = ps.deps.Now().Add(ev.spec.StaleAfter.D())
+	h.of(api).unrendered = ps.deps.Now().Add(ev.spec.StaleAfter.D())
 }
 
-// Tokenized records a /tokenize round trip that Tokenizer's answer led to,
-// and whether it gave the request's ids.
-func (ps *Pools) Tokenized(ok bool) {
+// Tokenized records a round trip for the token ids of a request of api, and
+// whether it gave them.
+func (ps *Pools) Tokenized(api string, ok bool) {
 	ev := ps.followed(false)
 	if ev == nil { // no pool follows events since: nothing to pause
 		return
@@ -146,12 +161,13 @@ func (ps *Pools) Tokenized(ok bool) {
 	h := &ps.tokenize
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	a := h.of(api)
 	if ok {
-		h.fails = 0
+		a.fails = 0
 		return
 	}
-	if h.fails++; h.fails >= tokenizeFailures {
-		h.fails, h.until = 0, ps.deps.Now().Add(ev.spec.StaleAfter.D())
+	if a.fails++; a.fails >= tokenizeFailures {
+		a.fails, a.until = 0, ps.deps.Now().Add(ev.spec.StaleAfter.D())
 	}
 }
 
@@ -171,17 +187,13 @@ func (ps *Pools) followed(usable bool) *poolEvents {
 // follows its engines' KV events: the least busy healthy prefill endpoint
 // (the prefill leg's client reaches it), else decode endpoint, with the
 // /tokenize path and the time allowed of the first pool that follows
-// events. ok is
-// false when no pool does, when none of their views may be routed by now
-// (engines that publish nothing: no round trip for every request then),
-// while the round trips are paused after failing (Tokenized), or when no
-// endpoint is healthy.
+// events. ok is false when no pool does, when none of their views may be
+// routed by now (engines that publish nothing: no round trip for every
+// request then), or when no endpoint is healthy. Whether to ask for a
+// request of an API is Asks'.
 func (ps *Pools) Tokenizer() (e *Endpoint, t Tokenizer, ok bool) {
 	ev := ps.followed(true)
 	if ev == nil {
-		return nil, Tokenizer{}, false
-	}
-	if ps.tokenize.paused(ps.deps.Now()) {
 		return nil, Tokenizer{}, false
 	}
 	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
@@ -198,7 +210,7 @@ func (ps *Pools) Tokenizer() (e *Endpoint, t Tokenizer, ok bool) {
 }
 
 // Tokenizer is how to ask an engine for a request's token ids: its render
-// endpoints (Renders), else /tokenize at Path.
+// endpoints (Asks), else /tokenize at Path.
 type Tokenizer struct {
 	Path    string
 	Timeout time.Duration

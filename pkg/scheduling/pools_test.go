@@ -133,24 +133,28 @@ func TestTokenizerAsksWhileAViewCanBeTrusted(t *testing.T) {
 	}
 }
 
-// TestTokenizerPausesAfterFailures: three /tokenize round trips failed in a
-// row pause them for the pool's stale_after; a success in between starts
-// the count again. A render endpoint an engine lacks is not asked for
-// stale_after; the others are.
+// TestTokenizerPausesAfterFailures: three round trips for an API's token ids
+// failed in a row pause them for that API for the pool's stale_after, and
+// not for the others (SGLang's /tokenize takes no chat messages, and does
+// take prompts); a success in between starts the count again. A render
+// endpoint an engine lacks is not asked for stale_after; the others are.
 func TestTokenizerPausesAfterFailures(t *testing.T) {
+	const chat, completions = "/v1/chat/completions/render", "/v1/completions/render"
 	tests := []struct {
-		name       string
-		results    []bool // the round trips' outcomes, in order
-		unrendered bool
-		after      time.Duration
-		ok, render bool
+		name          string
+		results       []bool // the chat round trips' outcomes, in order
+		unrendered    bool   // the engines lack chat's render endpoint
+		after         time.Duration
+		ask, render   bool // for chat
+		otherAsk      bool // for completions
+		otherRendered bool
 	}{
-		{"two failures", []bool{false, false}, false, 0, true, true},
-		{"three failures in a row", []bool{false, false, false}, false, 0, false, true},
-		{"three failures, stale_after later", []bool{false, false, false}, false, 30 * time.Second, true, true},
-		{"a success between failures", []bool{false, false, true, false, false}, false, 0, true, true},
-		{"no render endpoint", nil, true, 0, true, false},
-		{"no render endpoint, stale_after later", nil, true, 30 * time.Second, true, true},
+		{"two failures", []bool{false, false}, false, 0, true, true, true, true},
+		{"three failures in a row", []bool{false, false, false}, false, 0, false, true, true, true},
+		{"three failures, stale_after later", []bool{false, false, false}, false, 30 * time.Second, true, true, true, true},
+		{"a success between failures", []bool{false, false, true, false, false}, false, 0, true, true, true, true},
+		{"no render endpoint", nil, true, 0, true, false, true, true},
+		{"no render endpoint, stale_after later", nil, true, 30 * time.Second, true, true, true, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -160,17 +164,20 @@ func TestTokenizerPausesAfterFailures(t *testing.T) {
 			x.Reset(kvevents.Publisher{Endpoint: "b"}, true)
 			ps.Decode.events.Store(&poolEvents{index: x, spec: config.KVEvents{ConnectPort: 5557, StaleAfter: config.Duration(30 * time.Second)}})
 			for _, ok := range tt.results {
-				ps.Tokenized(ok)
+				ps.Tokenized(chat, ok)
 			}
 			if tt.unrendered {
-				ps.Unrendered("/v1/responses/render")
+				ps.Unrendered(chat)
 			}
 			clock.Advance(tt.after)
-			if _, _, ok := ps.Tokenizer(); ok != tt.ok {
-				t.Errorf("Tokenizer() ok = %v, want %v", ok, tt.ok)
+			if _, _, ok := ps.Tokenizer(); !ok {
+				t.Error("Tokenizer() ok = false, want an endpoint to ask")
 			}
-			if r := ps.Renders("/v1/responses/render"); r != tt.render || !ps.Renders("/v1/chat/completions/render") {
-				t.Errorf("Renders = %v (and the chat one %v), want %v (and true)", r, ps.Renders("/v1/chat/completions/render"), tt.render)
+			ask, render := ps.Asks(chat)
+			otherAsk, otherRendered := ps.Asks(completions)
+			if ask != tt.ask || render != tt.render || otherAsk != tt.otherAsk || otherRendered != tt.otherRendered {
+				t.Errorf("Asks(chat) = %v, %v; Asks(completions) = %v, %v; want %v, %v and %v, %v",
+					ask, render, otherAsk, otherRendered, tt.ask, tt.render, tt.otherAsk, tt.otherRendered)
 			}
 		})
 	}
