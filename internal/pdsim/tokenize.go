@@ -26,6 +26,8 @@ type tokenizeResponse struct {
 // add_generation_prompt and add_special_tokens change nothing in the
 // simulated template, and documents and reasoning_effort, which its chat
 // endpoint renders (chatPrompt), are not fields of vLLM's /tokenize.
+// SGLang's takes a prompt only (TokenizeRequest, python/sglang/srt/
+// entrypoints/openai/serving_tokenize.py), and refuses messages alone.
 func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
 	body, _ := io.ReadAll(r.Body)
 	var fields map[string]json.RawMessage
@@ -46,7 +48,7 @@ func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
 	}
 	api := apiCompletion
 	raw, key := api.prompt(fields)
-	if messages, ok := present(fields, "messages"); ok {
+	if messages, ok := present(fields, "messages"); ok && s.cfg.Protocol != ProtocolSGLang {
 		api, raw, key = apiChat, messages, "messages" // what the chat endpoint renders beside them is not given here
 	}
 	if raw == nil {

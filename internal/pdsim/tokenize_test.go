@@ -154,3 +154,14 @@ func TestRenderAsTheEndpointDoes(t *testing.T) {
 		}
 	}
 }
+
+// SGLang's /tokenize takes a prompt, not chat messages (TokenizeRequest).
+func TestSGLangTokenizeTakesPromptsOnly(t *testing.T) {
+	d := start(t, Config{Protocol: ProtocolSGLang})
+	if r := post(t, d, "/v1/tokenize", `{"messages":[{"role":"user","content":"hi"}]}`, ""); r.status != 400 {
+		t.Errorf("messages: %d %s, want 400", r.status, r.body)
+	}
+	if r := post(t, d, "/v1/tokenize", `{"prompt":"a b c"}`, ""); r.status != 200 {
+		t.Errorf("a prompt: %d %s, want 200", r.status, r.body)
+	}
+}

@@ -305,6 +305,33 @@ func TestAFailingRenderFallsBackToTokenize(t *testing.T) {
 	}
 }
 
+// TestSGLangChatDoesNotPauseCompletions: SGLang has no render endpoint, and
+// its /tokenize takes prompts, not chat messages: three chat requests in a
+// row pause the round trips for chat, and completions prompts are still
+// asked for.
+func TestSGLangChatDoesNotPauseCompletions(t *testing.T) {
+	r := startRig(t, rigOptions{connector: "kv-sglang", prefills: 1, decodes: 1, prefillPool: "policy: prefix-affinity",
+		decodePool: "policy: prefix-affinity", kvEvents: []string{"stale_after: 1m"}})
+	subscribed(t, r.prefill, 1)
+	tokenizer := r.prefill[0] // the least busy prefill engine is asked
+	for i := range 4 {
+		marker := fmt.Sprintf("[chat %d]", i)
+		routed(t, r, kvChat(t, "Oscorp", marker), marker)
+	}
+	if n := asked(tokenizer, "/tokenize"); n != 3 {
+		t.Fatalf("/tokenize asked for %d of 4 chat requests, want 3, then paused", n)
+	}
+	for i := range 3 {
+		b, _ := json.Marshal(map[string]any{"model": "pdsim", "max_tokens": 2, "prompt": fmt.Sprintf("a question of its own, number %d", i)})
+		if resp, got := r.must(t, "/v1/completions", string(b), nil); resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d: %s", resp.StatusCode, got)
+		}
+	}
+	if n := asked(tokenizer, "/tokenize") - 3; n != 3 {
+		t.Errorf("/tokenize asked for %d of 3 completions prompts while chat was paused, want 3", n)
+	}
+}
+
 // asked is how many requests sim got on path.
 func asked(sim *pdsim.Server, path string) int {
 	n := 0
