@@ -44,7 +44,7 @@ func (a apiKind) checksModel() bool { return a != apiSGLangGenerate }
 func (a apiKind) prompt(fields map[string]json.RawMessage) (json.RawMessage, string) {
 	switch a {
 	case apiChat:
-		return chatPrompt(fields), "messages"
+		return chatPrompt(fields, true), "messages"
 	case apiResponses:
 		return preambled(fields, "instructions", "input")
 	case apiMessages:
@@ -239,21 +239,30 @@ func orNull(raw json.RawMessage) json.RawMessage {
 	return raw
 }
 
-// chatPrompt is a chat request's messages, after what vLLM's chat endpoint
-// also renders through the template before them (ChatCompletionRequest.
-// build_chat_params): documents, and reasoning_effort (which sets
-// enable_thinking). vLLM's /tokenize takes neither (TokenizeChatRequest),
-// so its ids for such a request start otherwise than the ones cached; its
-// render endpoint renders them as the chat endpoint does. nil without
-// messages.
-func chatPrompt(fields map[string]json.RawMessage) json.RawMessage {
+// chatPrompt is a chat request's messages, after what vLLM's template also
+// renders before them: documents and reasoning_effort, template variables
+// from chat_template_kwargs. The chat endpoint (endpoint true) also takes
+// them as fields of its own, which win (ChatCompletionRequest.
+// build_chat_params merges them over the kwargs); vLLM's /tokenize has no
+// such fields (TokenizeChatRequest), only the kwargs, so its ids for a
+// request that sets them as fields start otherwise than the ones cached.
+// nil without messages.
+func chatPrompt(fields map[string]json.RawMessage, endpoint bool) json.RawMessage {
 	messages, ok := present(fields, "messages")
 	if !ok {
 		return nil
 	}
+	var kwargs map[string]json.RawMessage
+	if raw, ok := present(fields, "chat_template_kwargs"); ok {
+		_ = json.Unmarshal(raw, &kwargs) // not an object: no template variables
+	}
 	var before []byte
 	for _, key := range []string{"documents", "reasoning_effort"} {
-		if raw, ok := present(fields, key); ok {
+		raw, ok := present(kwargs, key)
+		if field, isField := present(fields, key); endpoint && isField {
+			raw, ok = field, true
+		}
+		if ok {
 			before = fmt.Appendf(before, "{%q:%s},", key, raw)
 		}
 	}

@@ -22,10 +22,11 @@ type tokenizeResponse struct {
 // it (a string, or token ids, which stay themselves), or {"messages"} as
 // /v1/chat/completions does, tokenized exactly as the engine caches that
 // prompt, so the ids cut into blocks are the token_ids of the KV events the
-// request causes. A chat's tokens are its messages' only: tools,
+// request causes. A chat's tokens are its messages': tools,
 // add_generation_prompt and add_special_tokens change nothing in the
-// simulated template, and documents and reasoning_effort, which its chat
-// endpoint renders (chatPrompt), are not fields of vLLM's /tokenize.
+// simulated template, and documents and reasoning_effort, which the
+// template renders before them (chatPrompt), are not fields of vLLM's
+// /tokenize: given as chat_template_kwargs, they are rendered alike.
 // SGLang's takes a prompt only (TokenizeRequest, python/sglang/srt/
 // entrypoints/openai/serving_tokenize.py), and refuses messages alone.
 func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
@@ -48,8 +49,8 @@ func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
 	}
 	api := apiCompletion
 	raw, key := api.prompt(fields)
-	if messages, ok := present(fields, "messages"); ok && s.cfg.Protocol != ProtocolSGLang {
-		api, raw, key = apiChat, messages, "messages" // what the chat endpoint renders beside them is not given here
+	if _, ok := present(fields, "messages"); ok && s.cfg.Protocol != ProtocolSGLang {
+		api, raw, key = apiChat, chatPrompt(fields, false), "messages"
 	}
 	if raw == nil {
 		s.writeError(w, badRequest("%s: Field required", key))

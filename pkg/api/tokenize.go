@@ -2,6 +2,7 @@ package api
 
 import (
 	"encoding/json"
+	"strconv"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
@@ -22,10 +23,11 @@ type Tokens struct {
 	RenderPath string
 	// Ask is the body of a request to vLLM's /tokenize, for engines without
 	// the render endpoint (older vLLM releases, SGLang): {"tokens": [...]}.
-	// /tokenize is given fewer of the request's fields than the endpoint
-	// renders (not documents or reasoning_effort, nor the endpoint's
-	// truncation or its tools dropped for tool_choice "none"), so its ids
-	// can differ where a template uses them.
+	// /tokenize takes fewer fields than the endpoint renders: documents and
+	// reasoning_effort go in its chat_template_kwargs, as the endpoint
+	// merges them there, but its truncation, its tools dropped for
+	// tool_choice "none" and gpt-oss's Harmony format cannot be asked for,
+	// so its ids can differ where those apply.
 	Ask []byte
 }
 
@@ -49,7 +51,40 @@ func chatTokens(o *body.Object) Tokens {
 	if o.Has("cache_salt") {
 		return Tokens{}
 	}
-	return Tokens{RenderPath: ChatRenderPath, Ask: fieldsOf(o, chatTokenizeFields)}
+	ask := fieldsOf(o, chatTokenizeFields, map[string][]byte{"chat_template_kwargs": templateKwargs(o)})
+	return Tokens{RenderPath: ChatRenderPath, Ask: ask}
+}
+
+// templateKwargs is a chat request's chat_template_kwargs as vLLM's chat
+// endpoint renders with them (ChatCompletionRequest.build_chat_params):
+// its documents and reasoning_effort fields merged over them, and, with a
+// reasoning_effort, enable_thinking unless the kwargs set it. nil when the
+// request sets none of them.
+func templateKwargs(o *body.Object) []byte {
+	raw, _ := o.Raw("chat_template_kwargs")
+	var kwargs map[string]json.RawMessage
+	if len(raw) > 0 && !body.IsNull(raw) && json.Unmarshal(raw, &kwargs) != nil {
+		return raw // not an object: the engine refuses it as it is
+	}
+	merged := false
+	for _, key := range []string{"documents", "reasoning_effort"} {
+		if v, ok := o.Raw(key); ok && !body.IsNull(v) {
+			if kwargs == nil {
+				kwargs = map[string]json.RawMessage{}
+			}
+			kwargs[key], merged = v, true
+		}
+	}
+	if effort, ok := o.String("reasoning_effort"); ok {
+		if _, set := kwargs["enable_thinking"]; !set {
+			kwargs["enable_thinking"] = json.RawMessage(strconv.FormatBool(effort != "none"))
+		}
+	}
+	if !merged {
+		return nil
+	}
+	out, _ := json.Marshal(kwargs)
+	return out
 }
 
 // completionsTokens: token ids are taken as they are (vLLM adds no special
@@ -59,7 +94,7 @@ func completionsTokens(o *body.Object) Tokens {
 	switch raw, _ := o.Raw("prompt"); {
 	case o.Has("cache_salt"):
 	case len(raw) > 0 && raw[0] == '"':
-		return Tokens{RenderPath: CompletionsRenderPath, Ask: fieldsOf(o, []string{"model", "prompt", "add_special_tokens"})}
+		return Tokens{RenderPath: CompletionsRenderPath, Ask: fieldsOf(o, []string{"model", "prompt", "add_special_tokens"}, nil)}
 	default:
 		if ids, ok := idsOf(o, "prompt"); ok {
 			return Tokens{IDs: ids}
@@ -99,11 +134,15 @@ func idsOf(o *body.Object, name string) ([]int64, bool) {
 	return ids, true
 }
 
-// fieldsOf is a JSON object of o's fields of these names, as they are.
-func fieldsOf(o *body.Object, names []string) []byte {
+// fieldsOf is a JSON object of o's fields of these names, as they are, or
+// as given in instead when it has one of them (nil: as it is).
+func fieldsOf(o *body.Object, names []string, instead map[string][]byte) []byte {
 	out := []byte{'{'}
 	for _, name := range names {
 		raw, ok := o.Raw(name)
+		if v := instead[name]; v != nil {
+			raw, ok = v, true
+		}
 		if !ok {
 			continue
 		}

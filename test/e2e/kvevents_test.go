@@ -99,21 +99,24 @@ func routed(t *testing.T, r *rig, body, marker string) int {
 // replica, from the engines' KV events: each of three tenants' questions
 // goes to the engine its prompt was warmed on. Without events the ranking
 // would have to guess all three (one chance in 27). Requests whose template
-// also renders fields /tokenize is not given (reasoning_effort, documents)
+// also renders fields /tokenize has none of (reasoning_effort, documents)
 // are found too: their ids come from the engine's render endpoint, which
-// renders them as the chat endpoint does.
+// renders them as the chat endpoint does, or, from an engine without one,
+// from /tokenize given them as chat_template_kwargs.
 func TestWarmedEnginesAreFoundByTheirEvents(t *testing.T) {
+	rendered := []any{"reasoning_effort", "high", "documents", []map[string]string{{"title": "handbook", "text": "the handbook"}}}
 	for _, tt := range []struct {
-		name  string
-		extra []any
+		name     string
+		extra    []any
+		noRender bool
 	}{
-		{"messages", nil},
-		{"rendered with reasoning_effort and documents", []any{"reasoning_effort", "high",
-			"documents", []map[string]string{{"title": "handbook", "text": "the handbook"}}}},
+		{"messages", nil, false},
+		{"rendered with reasoning_effort and documents", rendered, false},
+		{"the same by /tokenize, without render endpoints", rendered, true},
 	} {
 		for _, replicas := range []int{1, 3} {
 			t.Run(fmt.Sprint(tt.name, ", ", replicas, " replicas"), func(t *testing.T) {
-				r := startRig(t, rigOptions{prefills: -1, decodes: 3, replicas: replicas,
+				r := startRig(t, rigOptions{prefills: -1, decodes: 3, replicas: replicas, noRender: tt.noRender,
 					decodePool: "policy: prefix-affinity", kvEvents: []string{}})
 				subscribed(t, r.decode, replicas)
 				tenants := []string{"Acme", "Globex", "Initech"}
