@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
 // Endpoint is one engine server, addressed as ip:port. It carries what pickers
@@ -35,9 +36,13 @@ type settings struct {
 	ejection    time.Duration // first ejection
 	maxEjection time.Duration
 	staleAfter  time.Duration // scraped load older than this is ignored; 0: never scraped
+	// unhealthy and healthy are the active checks' thresholds: unanswered
+	// checks in a row that mark an endpoint down, passes that mark it up.
+	unhealthy, healthy int
 }
 
-var defaultSettings = settings{now: time.Now, failures: 3, ejection: time.Second, maxEjection: 30 * time.Second}
+var defaultSettings = settings{now: time.Now, failures: 3, ejection: time.Second, maxEjection: 30 * time.Second,
+	unhealthy: config.DefaultUnhealthyThreshold, healthy: config.DefaultHealthyThreshold}
 
 func newEndpoint(addr string, s *atomic.Pointer[settings]) *Endpoint {
 	return &Endpoint{Addr: addr, addrHash: xxhash.Sum64String(addr), settings: s}

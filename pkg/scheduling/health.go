@@ -28,8 +28,7 @@ type healthState struct {
 	until      time.Time // zero: not ejected
 	probing    bool      // a probe request is in flight
 	activeDown bool
-	checked    bool // a check has given a verdict since checks were on
-	checkRun   int  // checks in a row with the same verdict as the last
+	checkRun   int // checks in a row with the last one's verdict; 0: none since checks were on
 	lastPassed bool
 }
 
@@ -133,27 +132,25 @@ const (
 	refused                   // an answer that is not 2xx
 )
 
-// checkThresholds are a pool's unhealthy_threshold and healthy_threshold.
-type checkThresholds struct{ unhealthy, healthy int }
-
-// setActive records a check's verdict.
-func (e *Endpoint) setActive(v verdict, th checkThresholds) {
+// setActive records a check's verdict, against the pool's thresholds.
+func (e *Endpoint) setActive(v verdict) {
+	s := e.cfg()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	h := &e.health
-	if (v == passed) == h.lastPassed {
+	first := h.checkRun == 0
+	if !first && (v == passed) == h.lastPassed {
 		h.checkRun++
 	} else {
 		h.checkRun, h.lastPassed = 1, v == passed
 	}
 	switch {
 	case v == passed:
-		h.activeDown = h.activeDown && h.checkRun < th.healthy
-	case !h.activeDown && (v == refused || !h.checked || h.checkRun >= th.unhealthy):
+		h.activeDown = h.activeDown && h.checkRun < s.healthy
+	case !h.activeDown && (v == refused || first || h.checkRun >= s.unhealthy):
 		h.activeDown = true
 		e.ejections.Add(1)
 	}
-	h.checked = true
 	e.troubled.Store(h.activeDown || h.failures > 0)
 }
 
@@ -162,7 +159,7 @@ func (e *Endpoint) unchecked() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	h := &e.health
-	h.activeDown, h.checked, h.checkRun, h.lastPassed = false, false, 0, false
+	h.activeDown, h.checkRun, h.lastPassed = false, 0, false
 	e.troubled.Store(h.failures > 0)
 }
 
@@ -170,12 +167,12 @@ func (e *Endpoint) unchecked() {
 // current says whether the pool is still as it was when the round began: a
 // verdict that comes after checks were turned off (or the pool changed, and
 // a new round began) is dropped, or it would stand with no check to clear it.
-func checkAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration, th checkThresholds, current func() bool) {
+func checkAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration, current func() bool) {
 	var wg sync.WaitGroup
 	for _, e := range eps {
 		wg.Go(func() {
 			if v, ok := check(ctx, pr.client, pr.url(e.Addr, path), timeout); ok && current() {
-				e.setActive(v, th)
+				e.setActive(v)
 			}
 		})
 	}

@@ -129,7 +129,7 @@ func TestActiveChecks(t *testing.T) {
 	spec := PoolSpec{Endpoints: []string{addr, dead}, PoolScheduling: config.PoolScheduling{Health: config.EngineHealth{CheckInterval: config.Duration(time.Second)}}}
 	p, _ := testPool(t, spec.PoolScheduling, spec.Endpoints...)
 	ctx := context.Background()
-	check := func() { checkAll(ctx, p.probe, p.Endpoints(), "/health", time.Second, envoyGatewayThresholds, always) }
+	check := func() { checkAll(ctx, p.probe, p.Endpoints(), "/health", time.Second, always) }
 
 	check()
 	if !byAddr(p, addr).Healthy() || byAddr(p, dead).Healthy() {
@@ -166,7 +166,7 @@ func TestCheckDuringShutdownGivesNoVerdict(t *testing.T) {
 	e := &Endpoint{Addr: strings.TrimPrefix(srv.URL, "http://")}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	checkAll(ctx, probe{client: srv.Client(), scheme: "http"}, []*Endpoint{e}, "/health", time.Second, envoyGatewayThresholds, always)
+	checkAll(ctx, probe{client: srv.Client(), scheme: "http"}, []*Endpoint{e}, "/health", time.Second, always)
 	if !e.Healthy() {
 		t.Fatal("a check cut short by shutdown marked the endpoint down")
 	}
@@ -206,7 +206,7 @@ func TestChecksAndScrapesSpeakThePoolsTLS(t *testing.T) {
 			for _, p := range []*Pool{ps.Prefill, ps.Decode} {
 				defer p.probe.client.CloseIdleConnections()
 				e := p.Endpoints()[0]
-				checkAll(context.Background(), p.probe, p.Endpoints(), "/health", time.Second, envoyGatewayThresholds, always)
+				checkAll(context.Background(), p.probe, p.Endpoints(), "/health", time.Second, always)
 				scrapeAll(context.Background(), p.probe, p.Endpoints(), "/metrics", time.Second, time.Now)
 				l, scrapedOK := e.Load()
 				if e.Healthy() != tt.wantUp || scrapedOK != tt.wantUp || scrapedOK && l.Waiting != 4 {
@@ -245,7 +245,11 @@ func TestActiveCheckThresholds(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			e := &Endpoint{Addr: "a"}
+			var s atomic.Pointer[settings]
+			st := defaultSettings
+			st.unhealthy, st.healthy = tt.th.unhealthy, tt.th.healthy
+			s.Store(&st)
+			e := newEndpoint("a", &s)
 			for _, v := range tt.verdicts {
 				switch v {
 				case requestFailed:
@@ -253,7 +257,7 @@ func TestActiveCheckThresholds(t *testing.T) {
 				case requestServed:
 					e.ReportSuccess()
 				default:
-					e.setActive(v, tt.th)
+					e.setActive(v)
 				}
 			}
 			if e.CheckedDown() != tt.wantDown || e.Healthy() == tt.wantDown || e.Ejections() != tt.ejections {
@@ -276,19 +280,26 @@ func TestAHungCheckGoesUnanswered(t *testing.T) {
 	defer srv.Close()
 	e := &Endpoint{Addr: strings.TrimPrefix(srv.URL, "http://")}
 	pr := probe{client: srv.Client(), scheme: "http"}
-	checkAll(context.Background(), pr, []*Endpoint{e}, "/health", time.Second, envoyGatewayThresholds, always)
+	checkAll(context.Background(), pr, []*Endpoint{e}, "/health", time.Second, always)
 	hang.Store(true)
 	for range 2 {
-		checkAll(context.Background(), pr, []*Endpoint{e}, "/health", 20*time.Millisecond, envoyGatewayThresholds, always)
+		checkAll(context.Background(), pr, []*Endpoint{e}, "/health", 20*time.Millisecond, always)
 	}
 	if !e.Healthy() {
 		t.Fatal("two hung checks marked an established endpoint down")
 	}
-	checkAll(context.Background(), pr, []*Endpoint{e}, "/health", 20*time.Millisecond, envoyGatewayThresholds, always)
+	checkAll(context.Background(), pr, []*Endpoint{e}, "/health", 20*time.Millisecond, always)
 	if e.Healthy() {
 		t.Fatal("three hung checks left the endpoint up")
 	}
 }
+
+// checkThresholds are a pool's unhealthy_threshold and healthy_threshold,
+// for TestActiveCheckThresholds; envoyGatewayThresholds are config's
+// defaults: 3 unanswered checks mark an endpoint down, 1 that passes up.
+type checkThresholds struct{ unhealthy, healthy int }
+
+var envoyGatewayThresholds = checkThresholds{unhealthy: config.DefaultUnhealthyThreshold, healthy: config.DefaultHealthyThreshold}
 
 // Passive health's reports, among TestActiveCheckThresholds' verdicts.
 const (
@@ -303,7 +314,7 @@ func always() bool { return true }
 // with no check left to clear it.
 func TestAVerdictAfterChecksStopIsDropped(t *testing.T) {
 	e := &Endpoint{Addr: "127.0.0.1:1"} // nothing listens on port 1
-	checkAll(context.Background(), probe{client: http.DefaultClient, scheme: "http"}, []*Endpoint{e}, "/health", time.Second, envoyGatewayThresholds,
+	checkAll(context.Background(), probe{client: http.DefaultClient, scheme: "http"}, []*Endpoint{e}, "/health", time.Second,
 		func() bool { return false })
 	if !e.Healthy() {
 		t.Fatal("a verdict from a round the pool has moved past marked the endpoint down")

@@ -98,10 +98,6 @@ func eject(p *Pool, addrs ...string) {
 // checkDown marks addrs down, as a failed active health check does.
 func checkDown(p *Pool, addrs ...string) {
 	for _, a := range addrs {
-		byAddr(p, a).setActive(refused, envoyGatewayThresholds)
+		byAddr(p, a).setActive(refused)
 	}
 }
-
-// envoyGatewayThresholds are config's defaults: 3 unanswered checks mark an
-// endpoint down, 1 that passes up.
-var envoyGatewayThresholds = checkThresholds{unhealthy: config.DefaultUnhealthyThreshold, healthy: config.DefaultHealthyThreshold}

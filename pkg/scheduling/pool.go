@@ -200,6 +200,8 @@ func (p *Pool) rebuild() {
 		ejection:    s.Health.BaseEjection.D(),
 		maxEjection: s.Health.MaxEjection.D(),
 		staleAfter:  s.Metrics.StaleAfter.D(),
+		unhealthy:   s.Health.UnhealthyThreshold,
+		healthy:     s.Health.HealthyThreshold,
 	})
 
 	keep := map[string]*Endpoint{}

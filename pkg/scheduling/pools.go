@@ -113,8 +113,7 @@ func (p *Pool) Run(ctx context.Context) {
 	wg.Go(func() {
 		p.every(ctx, func(s PoolSpec) time.Duration { return s.Health.CheckInterval.D() }, func(st *poolState) {
 			h := st.spec.Health
-			checkAll(ctx, p.probe, st.endpoints, h.CheckPath, h.CheckTimeout.D(), checkThresholds{h.UnhealthyThreshold, h.HealthyThreshold},
-				func() bool { return p.state.Load() == st })
+			checkAll(ctx, p.probe, st.endpoints, h.CheckPath, h.CheckTimeout.D(), func() bool { return p.state.Load() == st })
 		})
 	})
 	wg.Go(func() {
