@@ -26,8 +26,8 @@ const maxTokenizeAnswer = 16 << 20
 // /tokenize, and that render endpoint again after stale_after. Without ids
 // (no pool follows events, the API has no way to ask, the engine did not
 // answer in time, the API's round trips are paused after three failures in
-// a row)
-// the pools go by their estimates; the request is never refused for it.
+// a row) the pools go by their estimates; the request is never refused for
+// it.
 // read (the API's Tokenize) runs only when a pool follows events: a chat
 // request's /tokenize body copies its messages.
 func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Request, read func(*body.Object) api.Tokens, obj *body.Object) {
@@ -42,32 +42,29 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	}
 	api := t.RenderPath
 	ask, render := p.pools.Asks(api)
-	render = render && t.RenderPath != ""
+	render = render && api != ""
 	if !ask || !render && t.Ask == nil {
 		return
 	}
 	base := p.scheme + "://" + e.Addr
 	start := time.Now()
 	var ids []int64
-	var err error
+	err := errUnrendered // nothing rendered yet
 	if render {
-		ids, err = p.askTokens(ctx, base+t.RenderPath, tk.Timeout, obj.Bytes(), r.Forward, true)
-		if errors.Is(err, errUnrendered) {
+		if ids, err = p.askTokens(ctx, base+api, tk.Timeout, obj.Bytes(), r.Forward, true); errors.Is(err, errUnrendered) {
 			p.pools.Unrendered(api)
-			if t.Ask == nil {
-				return // no way to ask this engine: no failure of its tokenizer
-			}
 		}
 	}
 	// An engine without the render endpoint, or whose render failed (a
-	// 500: a template it could not apply, a model it cannot render for),
-	// may still tokenize.
-	if t.Ask != nil && (!render || errors.Is(err, errUnrendered) || errors.Is(err, errRenderFailed)) {
+	// 500: a template it could not apply), may still tokenize.
+	fellBack := t.Ask != nil && (errors.Is(err, errUnrendered) || errors.Is(err, errRenderFailed))
+	if fellBack {
 		if errors.Is(err, errRenderFailed) {
 			p.log.V(1).Info("render failed: asking /tokenize", "requestID", r.RequestID, "engine", e.Addr, "error", err.Error())
 		}
-		render = false
 		ids, err = p.askTokens(ctx, base+tk.Path, tk.Timeout, t.Ask, r.Forward, false)
+	} else if errors.Is(err, errUnrendered) {
+		return // no way to ask this engine: no failure of its tokenizer
 	}
 	p.metrics.Tokenize(time.Since(start), err == nil)
 	// A client gone says nothing of the tokenizer, nor does a request the
@@ -75,7 +72,7 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	// it does not take, a model it does not serve), or fails to render
 	// with no /tokenize form to try. /tokenize refusing one (SGLang's
 	// takes no chat messages) does.
-	if ctx.Err() == nil && !(render && (errors.Is(err, errRefused) || errors.Is(err, errRenderFailed))) {
+	if ctx.Err() == nil && (fellBack || !errors.Is(err, errRefused) && !errors.Is(err, errRenderFailed)) {
 		p.pools.Tokenized(api, err == nil)
 	}
 	if err != nil {
