@@ -74,7 +74,8 @@ type API struct {
 	Prompt func(*body.Object) *Prompt
 	// Alone says when one request must go to a decode engine alone.
 	Alone func(*body.Object) Reason
-	// Tokenize says how to get the request's token ids (nil: no way).
+	// Tokenize says how to get the request's token ids (nil: no way);
+	// callers use TokensOf.
 	Tokenize func(*body.Object) Tokens
 }
 

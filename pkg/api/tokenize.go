@@ -9,11 +9,8 @@ import (
 
 // Tokens is how a request's prompt becomes the token ids its engine
 // computes, for routing by the engines' KV cache events: the ids themselves
-// when the body carries them, else requests to the engine that answer them.
-// None when the API has no such request (Responses, Anthropic Messages),
-// the body is a batch, or it carries a cache_salt: vLLM keys a salted
-// prompt's blocks with the salt (its first block's extra keys), so the
-// prompt's plain ids would find blocks the engine will not reuse for it.
+// when the body carries them, else requests to the engine that answer them
+// (API.TokensOf).
 type Tokens struct {
 	IDs []int64
 	// RenderPath is vLLM's render endpoint for the request's API, which
@@ -47,10 +44,19 @@ const (
 var chatTokenizeFields = []string{"model", "messages", "tools", "add_generation_prompt", "continue_final_message",
 	"add_special_tokens", "chat_template", "chat_template_kwargs", "mm_processor_kwargs"}
 
-func chatTokens(o *body.Object) Tokens {
-	if o.Has("cache_salt") {
+// TokensOf says how to get a request's token ids: none when the API has no
+// way to ask (Anthropic Messages, SGLang's generate), the body is a batch,
+// or it carries a cache_salt: vLLM keys a salted prompt's blocks with the
+// salt (its first block's extra keys), so the prompt's plain ids would find
+// blocks the engine will not reuse for it.
+func (a *API) TokensOf(o *body.Object) Tokens {
+	if a.Tokenize == nil || o.Has("cache_salt") {
 		return Tokens{}
 	}
+	return a.Tokenize(o)
+}
+
+func chatTokens(o *body.Object) Tokens {
 	ask := fieldsOf(o, chatTokenizeFields, map[string][]byte{"chat_template_kwargs": templateKwargs(o)})
 	return Tokens{RenderPath: ChatRenderPath, Ask: ask}
 }
@@ -91,33 +97,20 @@ func templateKwargs(o *body.Object) []byte {
 // tokens to them), a string prompt is asked for (TokenizeCompletionRequest:
 // model, prompt, add_special_tokens).
 func completionsTokens(o *body.Object) Tokens {
-	switch raw, _ := o.Raw("prompt"); {
-	case o.Has("cache_salt"):
-	case len(raw) > 0 && raw[0] == '"':
+	if raw, _ := o.Raw("prompt"); len(raw) > 0 && raw[0] == '"' {
 		return Tokens{RenderPath: CompletionsRenderPath, Ask: fieldsOf(o, []string{"model", "prompt", "add_special_tokens"}, nil)}
-	default:
-		if ids, ok := idsOf(o, "prompt"); ok {
-			return Tokens{IDs: ids}
-		}
 	}
-	return Tokens{} // a batch, or salted
+	ids, _ := idsOf(o, "prompt")
+	return Tokens{IDs: ids} // none for a batch
 }
 
 // responsesTokens: the Responses API has no /tokenize form, only its render
 // endpoint. A request that continues a stored response (previous_response_id)
 // is rendered only by the engine that stores it; another refuses it.
-func responsesTokens(o *body.Object) Tokens {
-	if o.Has("cache_salt") {
-		return Tokens{}
-	}
-	return Tokens{RenderPath: ResponsesRenderPath}
-}
+func responsesTokens(*body.Object) Tokens { return Tokens{RenderPath: ResponsesRenderPath} }
 
 // generateTokens: vLLM's token-in generate carries its ids.
 func generateTokens(o *body.Object) Tokens {
-	if o.Has("cache_salt") {
-		return Tokens{}
-	}
 	ids, _ := idsOf(o, "token_ids")
 	return Tokens{IDs: ids}
 }

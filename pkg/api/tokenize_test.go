@@ -42,7 +42,7 @@ func TestTokenizeAsksForWhatTheEngineComputes(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got := tt.api.Tokenize(parsed(t, tt.body))
+			got := tt.api.TokensOf(parsed(t, tt.body))
 			if !slices.Equal(got.IDs, tt.ids) || got.RenderPath != tt.render || string(got.Ask) != tt.ask {
 				t.Errorf("Tokenize = %v, %q, %s; want %v, %q, %s", got.IDs, got.RenderPath, got.Ask, tt.ids, tt.render, tt.ask)
 			}

@@ -96,7 +96,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if err := p.parallelSamples(sreq); err != nil {
 		return nil, err
 	}
-	p.tokenize(ctx, r, sreq, a.Tokenize, obj)
+	p.tokenize(ctx, r, sreq, a, obj)
 	d, err := p.pickDecode(sreq)
 	if err != nil {
 		return nil, err

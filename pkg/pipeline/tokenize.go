@@ -28,14 +28,14 @@ const maxTokenizeAnswer = 16 << 20
 // answer in time, the API's round trips are paused after three failures in
 // a row) the pools go by their estimates; the request is never refused for
 // it.
-// read (the API's Tokenize) runs only when a pool follows events: a chat
+// The API's TokensOf runs only when a pool follows events: a chat
 // request's /tokenize body copies its messages.
-func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Request, read func(*body.Object) api.Tokens, obj *body.Object) {
+func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Request, a *api.API, obj *body.Object) {
 	e, tk, ok := p.pools.Tokenizer()
-	if !ok || read == nil {
+	if !ok {
 		return
 	}
-	t := read(obj)
+	t := a.TokensOf(obj)
 	if t.IDs != nil {
 		sreq.SetTokens(t.IDs)
 		return
