@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -53,6 +54,10 @@ func parseFlags(args []string, stderr io.Writer) (pdsim.Config, error) {
 	fs.StringVar(&c.Role, "role", pdsim.RoleDecode, "prefill | decode")
 	fs.StringVar(&c.Protocol, "protocol", pdsim.ProtocolNIXL, "vllm-nixl | sglang | shared-storage")
 	fs.StringVar(&c.Model, "model", "pdsim", "served model name")
+	fs.Func("lora-modules", "comma-separated LoRA adapter names served besides --model (vLLM's --lora-modules names); their blocks are keyed by their names", func(v string) error {
+		c.LoRA = append(c.LoRA, strings.Split(v, ",")...)
+		return nil
+	})
 	fs.StringVar(&c.Addr, "addr", ":8000", "HTTP (OpenAI API) listen address")
 	fs.StringVar(&c.KVAddr, "kv-addr", ":5600", "vllm-nixl prefill: NIXL side-channel listen address (VLLM_NIXL_SIDE_CHANNEL_PORT)")
 	fs.StringVar(&c.BootstrapAddr, "bootstrap-addr", ":8998", "sglang prefill: bootstrap server listen address")

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"io"
+	"reflect"
 	"testing"
 	"time"
 
@@ -25,13 +26,14 @@ func TestParseFlags(t *testing.T) {
 			"--ttft", "1s", "--tpot", "2ms", "--kv-transfer", "3ms", "--output-tokens", "4", "--handshake-timeout", "5s",
 			"--fail-status", "503", "--fail-every", "2", "--delay", "6ms", "--drop-connections",
 			"--prefix-cache-blocks", "9", "--kv-events-endpoint", "tcp://*:5557", "--kv-events-replay-endpoint", "tcp://*:5558", "--kv-events-topic", "t",
-			"--kv-events-encoding", "array", "--kv-events-int-hashes", "--kv-events-buffer-steps", "7", "--kv-events-drop-every", "8"}, func(c pdsim.Config) bool {
-			return c == pdsim.Config{Role: "prefill", Protocol: "sglang", Model: "m", Addr: "127.0.0.1:1", KVAddr: "127.0.0.1:2",
+			"--kv-events-encoding", "array", "--kv-events-int-hashes", "--kv-events-buffer-steps", "7", "--kv-events-drop-every", "8",
+			"--lora-modules", "a,b", "--lora-modules", "c"}, func(c pdsim.Config) bool {
+			return reflect.DeepEqual(c, pdsim.Config{Role: "prefill", Protocol: "sglang", Model: "m", Addr: "127.0.0.1:1", KVAddr: "127.0.0.1:2",
 				BootstrapAddr: "127.0.0.1:3", AdvertiseHost: "10.0.0.1", SharedDir: "/x", TTFT: time.Second, TPOT: 2 * time.Millisecond,
 				KVTransfer: 3 * time.Millisecond, OutputTokens: 4, HandshakeTimeout: 5 * time.Second, FailStatus: 503, FailEvery: 2,
 				Delay: 6 * time.Millisecond, DropConnections: true, PrefixCacheBlocks: 9, DropKVEventsEvery: 8,
 				KVEvents: pdsim.KVEvents{Endpoint: "tcp://*:5557", ReplayEndpoint: "tcp://*:5558", Topic: "t", Encoding: "array",
-					IntHashes: true, BufferSteps: 7}}
+					IntHashes: true, BufferSteps: 7}, LoRA: []string{"a", "b", "c"}})
 		}},
 	}
 	for _, tt := range tests {

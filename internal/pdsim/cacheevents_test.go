@@ -15,7 +15,7 @@ func prompt(p, n int) ([]blockHash, []uint64) {
 	for i := range tokens {
 		tokens[i] = uint64(p*10_000 + i)
 	}
-	return blockHashes("m", tokens), tokens
+	return blockHashes("m", blockKeys{}, tokens), tokens
 }
 
 // What the cache reports of each change, one batch a change: the new blocks
@@ -32,34 +32,34 @@ func TestPrefixCacheEvents(t *testing.T) {
 		want     [][]kvEvent
 	}{
 		{"a prompt's blocks, the first with no parent; then the rest, chained to the last cached", 8, func(c *prefixCache) {
-			c.insert(a[:2], aTok)
-			c.insert(a, aTok)
-		}, [][]kvEvent{first, {{kind: blockStored, hashes: a[2:], parent: &a[1], tokens: aTok[32:]}}}},
+			c.insert(a[:2], aTok, blockKeys{})
+			c.insert(a, aTok, blockKeys{})
+		}, [][]kvEvent{first, {{kind: blockStored, hashes: a[2:], parent: &a[1], tokens: aTok[32:], first: 2}}}},
 		{"nothing new, nothing reported", 8, func(c *prefixCache) {
-			c.insert(a[:2], aTok)
-			c.insert(a[:2], aTok)
+			c.insert(a[:2], aTok, blockKeys{})
+			c.insert(a[:2], aTok, blockKeys{})
 		}, [][]kvEvent{first}},
 		{"a run on each side of a block cached", 8, func(c *prefixCache) {
-			c.insert(a[:2], aTok)
+			c.insert(a[:2], aTok, blockKeys{})
 			c.reset()
 			c.mu.Lock()
 			c.touch(a[1:2]) // no prompt leaves such a hole, but runs are what is reported
 			c.mu.Unlock()
-			c.insert(a[:3], aTok)
+			c.insert(a[:3], aTok, blockKeys{})
 		}, [][]kvEvent{first, {{kind: allBlocksCleared}}, {
 			{kind: blockStored, hashes: a[:1], tokens: aTok[:16]},
-			{kind: blockStored, hashes: a[2:3], parent: &a[1], tokens: aTok[32:48]},
+			{kind: blockStored, hashes: a[2:3], parent: &a[1], tokens: aTok[32:48], first: 2},
 		}}},
 		{"evictions, the least recently used first, an event each", 4, func(c *prefixCache) {
-			c.insert(a, aTok)
-			c.insert(b, bTok)
+			c.insert(a, aTok, blockKeys{})
+			c.insert(b, bTok, blockKeys{})
 		}, [][]kvEvent{{{kind: blockStored, hashes: a, tokens: aTok}}, {
 			{kind: blockStored, hashes: b, tokens: bTok},
 			{kind: blockRemoved, hashes: a[3:4]},
 			{kind: blockRemoved, hashes: a[2:3]},
 		}}},
 		{"a prompt longer than the cache: stored, then its own tail evicted", 1, func(c *prefixCache) {
-			c.insert(b, bTok)
+			c.insert(b, bTok, blockKeys{})
 		}, [][]kvEvent{{{kind: blockStored, hashes: b, tokens: bTok}, {kind: blockRemoved, hashes: b[1:2]}}}},
 	}
 	for _, tt := range tests {

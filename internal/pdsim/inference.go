@@ -49,7 +49,7 @@ func (s *Server) compute(ctx context.Context, req *request) error {
 	if err := wait(ctx, s.cfg.TTFT); err != nil {
 		return err
 	}
-	s.metrics.cache.insert(req.blocks, req.tokens)
+	s.metrics.cache.insert(req.blocks, req.tokens, req.keys)
 	return nil
 }
 
@@ -99,7 +99,7 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 			// vLLM counts KV from another engine as cached, all of the prompt,
 			// and keeps the blocks it received for the prompts that follow.
 			req.cached = req.promptTokens
-			s.metrics.cache.insert(req.blocks, req.tokens)
+			s.metrics.cache.insert(req.blocks, req.tokens, req.keys)
 		}
 		ex.rec.KV, ex.rec.KVSource, ex.rec.KVRequestID = res.outcome, res.source, res.requestID
 		ex.rec.CachedTokens = req.cached
@@ -163,7 +163,7 @@ func (s *Server) answerOpenAI(ctx context.Context, w http.ResponseWriter, req *r
 		if err := s.tokens(ctx, n, func(i int) error { text += token(i); return nil }); err != nil {
 			return err
 		}
-		c := req.envelope(s.cfg.Model, false)
+		c := req.envelope(req.model, false)
 		ch := choice{FinishReason: &finish, Text: &text}
 		if req.api == apiChat {
 			ch.Text, ch.Message = nil, &message{Role: "assistant", Content: text}
@@ -178,14 +178,14 @@ func (s *Server) answerOpenAI(ctx context.Context, w http.ResponseWriter, req *r
 
 	out := newSSE(w)
 	if req.api == apiChat {
-		c := req.envelope(s.cfg.Model, true)
+		c := req.envelope(req.model, true)
 		c.Choices = []choice{req.choice("", nil, true)}
 		if err := out.send(c); err != nil {
 			return err
 		}
 	}
 	err := s.tokens(ctx, n, func(i int) error {
-		c := req.envelope(s.cfg.Model, true)
+		c := req.envelope(req.model, true)
 		var fr *string
 		if i == n-1 {
 			fr = &finish
@@ -197,7 +197,7 @@ func (s *Server) answerOpenAI(ctx context.Context, w http.ResponseWriter, req *r
 		return err
 	}
 	if req.includeUsage {
-		c := req.envelope(s.cfg.Model, true)
+		c := req.envelope(req.model, true)
 		c.Usage = u
 		if err := out.send(c); err != nil {
 			return err
@@ -266,7 +266,7 @@ func (s *Server) failLoad(w http.ResponseWriter, req *request, err error) {
 		e = errorBody{Object: "error", Message: what + " for request " + req.internalID + ": " + err.Error(),
 			Type: "INTERNAL_SERVER_ERROR", Code: http.StatusInternalServerError}
 	} else if req.api == apiChat {
-		c := req.envelope(s.cfg.Model, true)
+		c := req.envelope(req.model, true)
 		c.Choices = append(c.Choices, req.choice("", nil, true))
 		ev.send(c)
 	}

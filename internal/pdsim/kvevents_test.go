@@ -11,7 +11,7 @@ import (
 // stored is the BlockStored pdsim should publish for blocks from..to of
 // the prompt of tokens (its full blocks only), as the events carry hashes.
 func stored(tokens []uint64, from, to int, intHashes bool) wireEvent {
-	hs := blockHashes("pdsim", tokens)
+	hs := blockHashes("pdsim", blockKeys{}, tokens)
 	ev := wireEvent{Type: "BlockStored", Tokens: tokens[from*blockSize : to*blockSize]}
 	for _, h := range hs[from:to] {
 		ev.Hashes = append(ev.Hashes, wantHash(h, intHashes))
@@ -23,7 +23,7 @@ func stored(tokens []uint64, from, to int, intHashes bool) wireEvent {
 }
 
 func removed(tokens []uint64, block int, intHashes bool) wireEvent {
-	return wireEvent{Type: "BlockRemoved", Hashes: []string{wantHash(blockHashes("pdsim", tokens)[block], intHashes)}}
+	return wireEvent{Type: "BlockRemoved", Hashes: []string{wantHash(blockHashes("pdsim", blockKeys{}, tokens)[block], intHashes)}}
 }
 
 // A conversation on an engine whose cache holds 3 blocks, in each encoding

@@ -86,17 +86,24 @@ func (w kvWire) event(ev kvEvent) record {
 			{"parent_block_hash", w.parent(ev.parent)},
 			{"token_ids", ev.tokens},
 			{"block_size", blockSize},
-			{"lora_id", nil},
+			{"lora_id", orNil(ev.keys.adapterID, 0)},
 			{"medium", "GPU"},
 		}
 		if !w.arrayEvents {
-			// What vLLM's block pool (vllm/v1/core/block_pool.py) fills in
-			// for a model without LoRA, multimodal input or cache_salt: no
-			// extra keys for any block, the one KV cache group, full
-			// attention.
+			// What vLLM's block pool (vllm/v1/core/block_pool.py) fills in:
+			// the adapter's name, each block's extra keys (its
+			// generate_block_hash_extra_keys tuple: the adapter's name, then
+			// on a prompt's first block the cache_salt; nil for none), the
+			// one KV cache group, full attention.
+			extra := make([]any, len(ev.hashes))
+			for i := range extra {
+				if keys := ev.keys.extra(ev.first + i); keys != nil {
+					extra[i] = keys
+				}
+			}
 			fields = append(fields,
-				field{"lora_name", nil},
-				field{"extra_keys", make([]any, len(ev.hashes))},
+				field{"lora_name", orNil(ev.keys.adapter, "")},
+				field{"extra_keys", extra},
 				field{"group_idx", 0},
 				field{"kv_cache_spec_kind", "full_attention"})
 		}
@@ -176,4 +183,12 @@ func encodeValue(e *msgpack.Encoder, v any) error {
 		return err
 	}
 	return e.Encode(v)
+}
+
+// orNil is v, or nil (msgpack's nil) when it is none.
+func orNil[T comparable](v, none T) any {
+	if v == none {
+		return nil
+	}
+	return v
 }

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -30,6 +31,7 @@ type request struct {
 	promptTokens int
 	promptHash   string      // model + prompt, so KV computed for one prompt is never served to another
 	tokens       []uint64    // the prompt as the simulated tokenizer cuts it
+	keys         blockKeys   // what else keys its blocks: its adapter, its cache_salt
 	blocks       []blockHash // the prompt's full blocks, as the prefix cache names them
 	cached       int         // prompt tokens found in the KV cache (prompt_tokens_details.cached_tokens)
 	phase        *phase      // for the engine's load metrics
@@ -64,8 +66,17 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 		if err := json.Unmarshal(raw, &req.model); err != nil {
 			return nil, badRequest("model: Input should be a valid string")
 		}
-		if req.model != s.cfg.Model {
+		if !s.serves(req.model) {
 			return nil, &apiError{http.StatusNotFound, fmt.Sprintf("The model `%s` does not exist.", req.model)}
+		}
+	}
+	if i := slices.Index(s.cfg.LoRA, req.model); i >= 0 {
+		req.keys.adapter, req.keys.adapterID = req.model, i+1
+	}
+	if raw, ok := present(fields, "cache_salt"); ok && !isNull(raw) {
+		// vLLM's check (protocol.py, check_cache_salt_support).
+		if json.Unmarshal(raw, &req.keys.salt) != nil || req.keys.salt == "" {
+			return nil, badRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
 		}
 	}
 
@@ -123,7 +134,7 @@ func (r *request) readPrompt(raw json.RawMessage) error {
 	r.promptHash = hex.EncodeToString(sum[:16])
 	r.tokens = tokenize(v)
 	r.promptTokens = max(1, len(r.tokens))
-	r.blocks = blockHashes(r.model, r.tokens)
+	r.blocks = blockHashes(r.model, r.keys, r.tokens)
 	return nil
 }
 
@@ -361,9 +372,18 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	w.Write(b)
 }
 
+// serves says whether model is one the engine serves: its own or an
+// adapter's (Config.LoRA).
+func (s *Server) serves(model string) bool {
+	return model == s.cfg.Model || slices.Contains(s.cfg.LoRA, model)
+}
+
 func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
-	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []map[string]any{{
-		"id": s.cfg.Model, "object": "model", "created": time.Now().Unix(), "owned_by": "pdsim",
-		"root": s.cfg.Model, "parent": nil,
-	}}})
+	data := []map[string]any{{"id": s.cfg.Model, "object": "model", "created": time.Now().Unix(), "owned_by": "pdsim",
+		"root": s.cfg.Model, "parent": nil}}
+	for _, name := range s.cfg.LoRA { // as vLLM lists an adapter: its path as root, the base model as parent
+		data = append(data, map[string]any{"id": name, "object": "model", "created": time.Now().Unix(), "owned_by": "pdsim",
+			"root": "/adapters/" + name, "parent": s.cfg.Model})
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
 }

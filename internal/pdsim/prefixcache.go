@@ -97,11 +97,34 @@ func idToken(n json.Number) uint64 {
 // default prefix-caching hash is, which the KV events carry.
 type blockHash [sha256.Size]byte
 
-// blockHashes names each full block of tokens by a hash of its parent's hash
-// and its own tokens, as vLLM's hash_block_tokens chains them: a block is
-// the same only after the same model and the same tokens before it. The
-// partial block at the end is never cached, so it has no name.
-func blockHashes(model string, tokens []uint64) []blockHash {
+// blockKeys are what keys a prompt's blocks besides their tokens, as
+// vLLM's generate_block_hash_extra_keys (vllm/v1/core/kv_cache_utils.py)
+// lists them: the LoRA adapter's name on every block, then the cache_salt
+// on the first.
+type blockKeys struct {
+	adapter   string
+	adapterID int // vLLM's lora_id: 1 + its place among the adapters served
+	salt      string
+}
+
+// extra are the extra keys of the prompt's block i, nil for none.
+func (k blockKeys) extra(i int) []string {
+	var out []string
+	if k.adapter != "" {
+		out = append(out, k.adapter)
+	}
+	if i == 0 && k.salt != "" {
+		out = append(out, k.salt)
+	}
+	return out
+}
+
+// blockHashes names each full block of tokens by a hash of its parent's hash,
+// its own tokens and its extra keys, as vLLM's hash_block_tokens chains
+// them: a block is the same only after the same model and the same tokens
+// before it, for the same adapter and cache_salt. The partial block at the
+// end is never cached, so it has no name.
+func blockHashes(model string, keys blockKeys, tokens []uint64) []blockHash {
 	out := make([]blockHash, len(tokens)/blockSize)
 	parent := sha256.Sum256([]byte(model))
 	buf := make([]byte, 0, len(parent)+8*blockSize)
@@ -109,6 +132,9 @@ func blockHashes(model string, tokens []uint64) []blockHash {
 		buf = append(buf[:0], parent[:]...)
 		for _, t := range tokens[i*blockSize : (i+1)*blockSize] {
 			buf = binary.LittleEndian.AppendUint64(buf, t)
+		}
+		for _, k := range keys.extra(i) {
+			buf = append(append(buf, 0), k...)
 		}
 		parent = sha256.Sum256(buf)
 		out[i] = parent
@@ -132,6 +158,8 @@ type kvEvent struct {
 	hashes []blockHash
 	parent *blockHash // BlockStored: the block before the first; nil at a prompt's start
 	tokens []uint64   // BlockStored: the blocks' tokens, blockSize each
+	keys   blockKeys  // BlockStored: what else keys the prompt's blocks
+	first  int        // BlockStored: the place of the first block in its prompt
 }
 
 type kvEventKind int
@@ -165,11 +193,11 @@ func (c *prefixCache) match(hashes []blockHash) int {
 }
 
 // insert caches a prompt's full blocks (or marks them used again); tokens
-// are the prompt's.
-func (c *prefixCache) insert(hashes []blockHash, tokens []uint64) {
+// and keys are the prompt's.
+func (c *prefixCache) insert(hashes []blockHash, tokens []uint64, keys blockKeys) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	events := c.stored(hashes, tokens)
+	events := c.stored(hashes, tokens, keys)
 	c.touch(hashes)
 	for c.order.Len() > c.capacity {
 		h := c.order.Remove(c.order.Back()).(blockHash)
@@ -185,7 +213,7 @@ func (c *prefixCache) insert(hashes []blockHash, tokens []uint64) {
 
 // stored is what vLLM reports of the blocks of hashes the cache does not
 // hold yet: a BlockStored for each run of them, its parent the block before.
-func (c *prefixCache) stored(hashes []blockHash, tokens []uint64) []kvEvent {
+func (c *prefixCache) stored(hashes []blockHash, tokens []uint64, keys blockKeys) []kvEvent {
 	if c.events == nil {
 		return nil
 	}
@@ -196,7 +224,7 @@ func (c *prefixCache) stored(hashes []blockHash, tokens []uint64) []kvEvent {
 			j++
 		}
 		if j > i {
-			ev := kvEvent{kind: blockStored, hashes: hashes[i:j], tokens: tokens[i*blockSize : j*blockSize]}
+			ev := kvEvent{kind: blockStored, hashes: hashes[i:j], tokens: tokens[i*blockSize : j*blockSize], keys: keys, first: i}
 			if i > 0 {
 				ev.parent = &hashes[i-1]
 			}

@@ -120,13 +120,26 @@ func TestPrefixCacheAsVLLMReportsIt(t *testing.T) {
 			{path: "/v1/responses", body: `{"input":"` + words("w", 40) + `","store":false}`, cached: 0},
 			{path: "/v1/responses", body: `{"input":"` + words("w", 40) + `","store":false}`, cached: 32},
 		}},
+		{name: "a cache_salt keys the first block, so the rest cannot be reached", steps: []step{
+			{body: chatOf(`,"cache_salt":"s1"`, turn1...), cached: 0},
+			{body: chatOf(`,"cache_salt":"s1"`, turn2...), cached: 32},
+			{body: chatOf(`,"cache_salt":"s2"`, turn2...), cached: 0},
+			decode(turn2, 0),
+			{body: chatOf(`,"cache_salt":null`, turn2...), cached: 32},
+		}},
+		{name: "an adapter's blocks are its own", steps: []step{
+			decode(turn1, 0),
+			{body: forAdapter(chatOf("", turn1...)), cached: 0},
+			{body: forAdapter(chatOf("", turn2...)), cached: 32},
+			decode(turn2, 32),
+		}},
 		{name: "a cache of 2 blocks forgets turn 1 for the unrelated prompt", capacity: 2, steps: []step{decode(turn1, 0), decode(unrelated, 0), decode(turn1, 0)}},
 		{name: "a cache of 3 blocks forgets the tail of turn 1 first", capacity: 3, steps: []step{decode(turn1, 0), decode(unrelated, 0), decode(turn1, 16)}},
 		{name: "a cache of 4 blocks holds both", capacity: 4, steps: []step{decode(turn1, 0), decode(unrelated, 0), decode(turn1, 32)}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			cfg := Config{Protocol: ProtocolNIXL, PromptTokensDetails: true, PrefixCacheBlocks: tt.capacity}
+			cfg := Config{Protocol: ProtocolNIXL, PromptTokensDetails: true, PrefixCacheBlocks: tt.capacity, LoRA: []string{"sql-lora"}}
 			cfg.Role = RolePrefill
 			p := start(t, cfg)
 			cfg.Role = RoleDecode
@@ -165,6 +178,11 @@ func TestPrefixCacheAsVLLMReportsIt(t *testing.T) {
 			}
 		})
 	}
+}
+
+// forAdapter is body (for pdsim) for the LoRA adapter sql-lora.
+func forAdapter(body string) string {
+	return strings.Replace(body, `"model":"pdsim"`, `"model":"sql-lora"`, 1)
 }
 
 // ids is the token ids from..to as a JSON list.

@@ -68,6 +68,10 @@ type Config struct {
 	// NoRender leaves out vLLM's render endpoints, as older vLLM releases
 	// do (SGLang has none either).
 	NoRender bool
+	// LoRA names the LoRA adapters served besides Model (vLLM's
+	// --lora-modules): a request that names one is served, and its blocks
+	// are keyed by the adapter's name as vLLM keys them.
+	LoRA []string
 
 	FailStatus        int           // answer this status to faulty requests
 	FailEvery         int           // every FailEvery-th inference request is faulty (<=1: all)

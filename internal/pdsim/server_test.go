@@ -156,6 +156,8 @@ func TestRequestValidation(t *testing.T) {
 		{"max_tokens zero", "", "/v1/completions", `{"prompt":"x","max_tokens":0}`, 400, "max_tokens must be at least 1"},
 		{"max_tokens not an integer", "", "/v1/completions", `{"prompt":"x","max_tokens":1.5}`, 400, "valid integer"},
 		{"kv_transfer_params a string", "", "/v1/chat/completions", chatBody + `,"kv_transfer_params":"do_remote_decode"}`, 400, "kv_transfer_params: Input should be a valid dictionary"},
+		{"an empty cache_salt", "", "/v1/chat/completions", chatBody + `,"cache_salt":""}`, 400, "Parameter 'cache_salt' must be a non-empty string if provided."},
+		{"a cache_salt not a string", "", "/v1/completions", `{"prompt":"x","cache_salt":7}`, 400, "cache_salt"},
 		{"sglang: unknown model, flat error shape", ProtocolSGLang, "/v1/chat/completions", `{"model":"gpt-9","messages":[{"role":"user","content":"x"}]}`, 404, "does not exist"},
 	}
 	for _, tt := range tests {

@@ -42,7 +42,7 @@ func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
 			s.writeError(w, badRequest("model: Input should be a valid string"))
 			return
 		}
-		if model != s.cfg.Model {
+		if !s.serves(model) {
 			s.writeError(w, &apiError{http.StatusNotFound, fmt.Sprintf("The model `%s` does not exist.", model)})
 			return
 		}

@@ -44,7 +44,7 @@ func TestTokenizeAsTheCacheDoes(t *testing.T) {
 			if r := post(t, d, tt.serve, tt.body, ""); r.status != 200 {
 				t.Fatalf("%s: %d %s", tt.serve, r.status, r.body)
 			}
-			hs := blockHashes("pdsim", got)
+			hs := blockHashes("pdsim", blockKeys{}, got)
 			if len(hs) < 2 || d.metrics.cache.match(hs) != len(hs) {
 				t.Errorf("the cache lacks the blocks of /tokenize's ids %v", got)
 			}
@@ -133,7 +133,7 @@ func TestRenderAsTheEndpointDoes(t *testing.T) {
 			if s := post(t, d, tt.serve, tt.body, ""); s.status != 200 {
 				t.Fatalf("%s: %d %s", tt.serve, s.status, s.body)
 			}
-			if hs := blockHashes("pdsim", rendered.TokenIDs); len(hs) < 2 || d.metrics.cache.match(hs) != len(hs) {
+			if hs := blockHashes("pdsim", blockKeys{}, rendered.TokenIDs); len(hs) < 2 || d.metrics.cache.match(hs) != len(hs) {
 				t.Errorf("the cache lacks the blocks of the rendered ids")
 			}
 			if tt.noTokenize {

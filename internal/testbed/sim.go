@@ -41,8 +41,9 @@ type SimConfig struct {
 	// vLLM's current one).
 	KVEventsPort, KVReplayPort int
 	KVEncoding                 string
-	PrefixCacheBlocks          int  // the prefix cache's size; 0: pdsim's default
-	NoRender                   bool // no render endpoints, as older vLLM releases
+	PrefixCacheBlocks          int      // the prefix cache's size; 0: pdsim's default
+	NoRender                   bool     // no render endpoints, as older vLLM releases
+	LoRA                       []string // LoRA adapters served besides the model
 	Timings
 	Log io.Writer // a line per request; nil discards them
 }
@@ -58,7 +59,7 @@ func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
 		}
 	}
 	s, err := pdsim.Start(pdsim.Config{
-		KVEvents: events, PrefixCacheBlocks: cfg.PrefixCacheBlocks, NoRender: cfg.NoRender,
+		KVEvents: events, PrefixCacheBlocks: cfg.PrefixCacheBlocks, NoRender: cfg.NoRender, LoRA: cfg.LoRA,
 		Role: cfg.Role, Protocol: cfg.Protocol, SharedDir: cfg.SharedDir,
 		Addr:          cmp.Or(cfg.Addr, ip+":0"),
 		KVAddr:        fmt.Sprintf("%s:%d", ip, cfg.KVPort),

@@ -5,6 +5,7 @@ import (
 	"strconv"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
 // Tokens is how a request's prompt becomes the token ids its engine
@@ -26,6 +27,10 @@ type Tokens struct {
 	// tool_choice "none" and gpt-oss's Harmony format cannot be asked for,
 	// so its ids can differ where those apply.
 	Ask []byte
+	// Keys are what keys the request's blocks in the engine's prefix cache
+	// besides their ids: its model (a LoRA adapter's name keys them) and
+	// its cache_salt.
+	Keys kvevents.Keys
 }
 
 // The render endpoints (vllm/entrypoints/serve/render/api_router.py; the
@@ -44,16 +49,19 @@ const (
 var chatTokenizeFields = []string{"model", "messages", "tools", "add_generation_prompt", "continue_final_message",
 	"add_special_tokens", "chat_template", "chat_template_kwargs", "mm_processor_kwargs"}
 
-// TokensOf says how to get a request's token ids: none when the API has no
-// way to ask (Anthropic Messages, SGLang's generate), the body is a batch,
-// or it carries a cache_salt: vLLM keys a salted prompt's blocks with the
-// salt (its first block's extra keys), so the prompt's plain ids would find
-// blocks the engine will not reuse for it.
+// TokensOf says how to get a request's token ids, and what else keys its
+// blocks: none when the API has no way to ask (Anthropic Messages, SGLang's
+// generate), the body is a batch, or its cache_salt is not one the engine
+// takes (a string, not empty).
 func (a *API) TokensOf(o *body.Object) Tokens {
-	if a.Tokenize == nil || o.Has("cache_salt") {
+	salt, ok := o.String("cache_salt")
+	if raw, set := o.Raw("cache_salt"); a.Tokenize == nil || set && !body.IsNull(raw) && (!ok || salt == "") {
 		return Tokens{}
 	}
-	return a.Tokenize(o)
+	t := a.Tokenize(o)
+	t.Keys.Model, _ = o.String("model")
+	t.Keys.Salt = salt
+	return t
 }
 
 func chatTokens(o *body.Object) Tokens {

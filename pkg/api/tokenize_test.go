@@ -3,13 +3,15 @@ package api
 import (
 	"slices"
 	"testing"
+
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
 // TestTokenizeAsksForWhatTheEngineComputes: a chat or completions request is
 // rendered by its API's render endpoint, and its /tokenize body keeps the
 // fields that change its rendering and nothing else; token ids in the body
-// are taken as they are; a batch has no one prompt, and a salted one is not
-// looked up.
+// are taken as they are; a batch has no one prompt, and one with a
+// cache_salt the engine refuses is not looked up.
 func TestTokenizeAsksForWhatTheEngineComputes(t *testing.T) {
 	tests := []struct {
 		name, body string
@@ -22,7 +24,9 @@ func TestTokenizeAsksForWhatTheEngineComputes(t *testing.T) {
 			Chat, nil, ChatRenderPath, `{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[],"chat_template_kwargs":{"enable_thinking":false}}`},
 		{"chat with prompt_token_ids, which vLLM ignores", `{"model":"m","messages":[{"role":"user","content":"hi"}],"prompt_token_ids":[1,2,3]}`,
 			Chat, nil, ChatRenderPath, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`},
-		{"salted chat", `{"model":"m","messages":[{"role":"user","content":"hi"}],"cache_salt":"tenant-1"}`, Chat, nil, "", ""},
+		{"salted chat", `{"model":"m","messages":[{"role":"user","content":"hi"}],"cache_salt":"tenant-1"}`, Chat, nil, ChatRenderPath,
+			`{"model":"m","messages":[{"role":"user","content":"hi"}]}`},
+		{"chat with a cache_salt the engine refuses", `{"model":"m","messages":[{"role":"user","content":"hi"}],"cache_salt":""}`, Chat, nil, "", ""},
 		{"chat with documents and reasoning_effort: template kwargs, as the endpoint merges them",
 			`{"model":"m","messages":[],"documents":[{"text":"d"}],"reasoning_effort":"high","chat_template_kwargs":{"x":1,"documents":[]}}`, Chat, nil, ChatRenderPath,
 			`{"model":"m","messages":[],"chat_template_kwargs":{"documents":[{"text":"d"}],"enable_thinking":true,"reasoning_effort":"high","x":1}}`},
@@ -34,10 +38,11 @@ func TestTokenizeAsksForWhatTheEngineComputes(t *testing.T) {
 		{"a completions string", `{"model":"m","prompt":"hello","max_tokens":1,"add_special_tokens":false}`, Completions, nil,
 			CompletionsRenderPath, `{"model":"m","prompt":"hello","add_special_tokens":false}`},
 		{"completions token ids", `{"model":"m","prompt":[5,6]}`, Completions, []int64{5, 6}, "", ""},
-		{"salted completions token ids", `{"model":"m","prompt":[5,6],"cache_salt":"s"}`, Completions, nil, "", ""},
+		{"salted completions token ids", `{"model":"m","prompt":[5,6],"cache_salt":"s"}`, Completions, []int64{5, 6}, "", ""},
+		{"completions with a cache_salt the engine refuses", `{"model":"m","prompt":[5,6],"cache_salt":7}`, Completions, nil, "", ""},
 		{"a completions batch", `{"model":"m","prompt":["a","b"]}`, Completions, nil, "", ""},
 		{"token-in generate", `{"token_ids":[7,8,9],"sampling_params":{}}`, Generate, []int64{7, 8, 9}, "", ""},
-		{"salted token-in generate", `{"token_ids":[7,8,9],"sampling_params":{},"cache_salt":"s"}`, Generate, nil, "", ""},
+		{"salted token-in generate", `{"token_ids":[7,8,9],"sampling_params":{},"cache_salt":"s"}`, Generate, []int64{7, 8, 9}, "", ""},
 		{"responses: rendered only", `{"model":"m","input":"hi"}`, Responses, nil, ResponsesRenderPath, ""},
 	}
 	for _, tt := range tests {
@@ -51,6 +56,26 @@ func TestTokenizeAsksForWhatTheEngineComputes(t *testing.T) {
 	for _, a := range []*API{Messages, SGLangGenerate} {
 		if a.Tokenize != nil {
 			t.Errorf("%s has a Tokenize, but no /tokenize or render form of vLLM's", a.Name)
+		}
+	}
+}
+
+// TestTokensCarryWhatKeysTheBlocks: the model a request names and its
+// cache_salt go with its token ids, as vLLM keys a LoRA adapter's and a
+// salted prompt's blocks with them.
+func TestTokensCarryWhatKeysTheBlocks(t *testing.T) {
+	for _, tt := range []struct {
+		name, body string
+		api        *API
+		want       kvevents.Keys
+	}{
+		{"a chat request", `{"model":"m","messages":[]}`, Chat, kvevents.Keys{Model: "m"}},
+		{"an adapter's, salted", `{"model":"sql-lora","messages":[],"cache_salt":"t1"}`, Chat, kvevents.Keys{Model: "sql-lora", Salt: "t1"}},
+		{"a null cache_salt is none", `{"model":"m","prompt":"hi","cache_salt":null}`, Completions, kvevents.Keys{Model: "m"}},
+		{"token-in generate, salted", `{"token_ids":[7],"cache_salt":"s"}`, Generate, kvevents.Keys{Salt: "s"}},
+	} {
+		if got := tt.api.TokensOf(parsed(t, tt.body)).Keys; got != tt.want {
+			t.Errorf("%s: keys %+v, want %+v", tt.name, got, tt.want)
 		}
 	}
 }

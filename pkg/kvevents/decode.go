@@ -33,12 +33,16 @@ type Event struct {
 	HasParent bool
 	Tokens    []int64 // the stored blocks' token ids, BlockSize per block
 	BlockSize int
-	// Extra holds, per stored block, the raw msgpack of the extra keys its
-	// hash covers (LoRA name, multimodal hashes, cache_salt), nil for none.
-	// An event without extra_keys that names a LoRA adapter (lora_id,
-	// lora_name) or carries SGLang's metadata (its cache_salt) gets those
-	// for every block, so that its blocks never match a plain request's.
+	// Extra holds, per stored block, the extra keys its hash covers (LoRA
+	// name, multimodal inputs, cache_salt), nil for none, in this package's
+	// form (keys.go). An event without extra_keys that names a LoRA adapter
+	// (lora_name, else lora_id) or carries SGLang's metadata (its
+	// cache_salt) gets those for every block, so that its blocks never match
+	// a plain request's.
 	Extra [][]byte
+	// Adapter is the LoRA adapter the blocks were computed for (lora_name,
+	// or a typed LoRA extra key), "" for the base model.
+	Adapter string
 	// Medium is where the blocks live: "GPU" (or "" when unset) is the
 	// engine's prefix cache; other media (an offloaded tier) are not indexed.
 	Medium string
@@ -47,8 +51,8 @@ type Event struct {
 	// "sliding_window", "mamba", ...), "" from engines that do not say.
 	Group    int
 	SpecKind string
-	// keyed is the raw msgpack of a LoRA adapter or metadata named without
-	// extra_keys (Extra).
+	// keyed is the raw msgpack of a LoRA id or metadata named without
+	// extra_keys or a lora_name (Extra).
 	keyed []byte
 }
 
@@ -222,12 +226,20 @@ func readNamedEvent(d *decoder) (Event, error) {
 }
 
 // finish keys a stored event's blocks by the adapter or metadata it named
-// without extra_keys (Extra).
+// without extra_keys (Extra): by the adapter's name as a request for it is
+// keyed, else by what it named as it is, which no request's keys match.
 func (e *Event) finish() {
-	if e.Kind == Stored && e.Extra == nil && e.keyed != nil {
+	var k []byte
+	switch {
+	case e.Adapter != "":
+		k = appendName(nil, e.Adapter)
+	case e.keyed != nil:
+		k = appendOpaque(nil, e.keyed)
+	}
+	if e.Kind == Stored && e.Extra == nil && k != nil {
 		e.Extra = make([][]byte, len(e.Hashes))
 		for i := range e.Extra {
-			e.Extra[i] = e.keyed
+			e.Extra[i] = k
 		}
 	}
 	e.keyed = nil
@@ -273,7 +285,10 @@ func (e *Event) read(d *decoder, name string) error {
 	case "medium":
 		e.Medium, err = readOptionalString(d)
 	case "extra_keys":
-		e.Extra, err = readExtra(d)
+		var adapter string
+		if e.Extra, adapter, err = readExtra(d); adapter != "" {
+			e.Adapter = adapter
+		}
 	case "group_idx":
 		var n int64
 		n, err = d.DecodeInt64() // nil reads as 0
@@ -283,7 +298,12 @@ func (e *Event) read(d *decoder, name string) error {
 	case "lora_id", "lora_name", "metadata":
 		// Position 7 is SGLang's metadata map where vLLM has lora_name.
 		var raw []byte
-		if raw, err = d.raw(); err == nil && raw[0] != msgpcode.Nil {
+		if raw, err = d.raw(); err != nil || raw[0] == msgpcode.Nil {
+			break
+		}
+		if name == "lora_name" && msgpcode.IsString(raw[0]) {
+			e.Adapter, err = newDecoder(raw).DecodeString()
+		} else {
 			e.keyed = append(e.keyed, raw...)
 		}
 	default:
@@ -356,15 +376,4 @@ func readOptionalString(d *decoder) (string, error) {
 		return "", err
 	}
 	return d.DecodeString()
-}
-
-// readExtra reads extra_keys: nil, or a list with an entry per block, each
-// nil or a tuple kept as its raw msgpack.
-func readExtra(d *decoder) ([][]byte, error) {
-	return readList(d, func() ([]byte, error) {
-		if null, err := isNil(d); null || err != nil {
-			return nil, err
-		}
-		return d.raw()
-	})
 }

@@ -5,6 +5,7 @@ import (
 	"runtime"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/cespare/xxhash/v2"
 	"github.com/vmihailenco/msgpack/v5"
@@ -262,5 +263,64 @@ func TestDecodeBatchKeysAdaptersWithoutExtraKeys(t *testing.T) {
 		if keyed != tt.keyed || !tt.keyed && slices.ContainsFunc(e.Extra, func(x []byte) bool { return x != nil }) {
 			t.Errorf("%s: extra %q, want keyed %v", tt.name, e.Extra, tt.keyed)
 		}
+	}
+}
+
+// TestLookupKeysRequestsAsTheEngineKeysBlocks: blocks an engine stored for
+// a LoRA adapter, or under a cache_salt, are found by requests for that
+// adapter, or with that salt, and by no others, whichever of vLLM's forms
+// of extra keys the events carry (bare, typed, or none but a lora_name);
+// a block with a multimodal input ends a plain request's match there.
+func TestLookupKeysRequestsAsTheEngineKeysBlocks(t *testing.T) {
+	lora := map[string]any{"type": "lora", "name": "sql"}
+	salt := map[string]any{"type": "cache_salt", "salt": "s1"}
+	keyed := func(first []any, rest ...any) []any { return []any{first, rest, rest} }
+	event := func(adapter any, extra any) map[string]any {
+		return map[string]any{"type": "BlockStored", "block_hashes": []int{1, 2, 3}, "parent_block_hash": nil,
+			"token_ids": seq(0, 12), "block_size": 4, "lora_id": nil, "medium": "GPU", "lora_name": adapter, "extra_keys": extra}
+	}
+	plain := event(nil, []any{nil, nil, nil})
+	for _, tt := range []struct {
+		name   string
+		stored any
+		keys   Keys
+		want   int
+	}{
+		{"plain blocks, a plain request", plain, Keys{Model: "base"}, 12},
+		{"plain blocks, a salted request", plain, Keys{Model: "base", Salt: "s1"}, 0},
+		{"salted blocks, the same salt", event(nil, []any{[]any{"s1"}, nil, nil}), Keys{Salt: "s1"}, 12},
+		{"salted blocks, another salt", event(nil, []any{[]any{"s1"}, nil, nil}), Keys{Salt: "s2"}, 0},
+		{"salted blocks, no salt", event(nil, []any{[]any{"s1"}, nil, nil}), Keys{}, 0},
+		{"an adapter's blocks, a request for it", event("sql", keyed([]any{"sql"}, "sql")), Keys{Model: "sql"}, 12},
+		{"an adapter's blocks, a request for the base model", event("sql", keyed([]any{"sql"}, "sql")), Keys{Model: "base"}, 0},
+		{"the base model's blocks, a request for a known adapter", plain, Keys{Model: "known"}, 0},
+		{"an adapter's salted blocks", event("sql", keyed([]any{"sql", "s1"}, "sql")), Keys{Model: "sql", Salt: "s1"}, 12},
+		{"typed extra keys", event("sql", keyed([]any{lora, salt}, lora)), Keys{Model: "sql", Salt: "s1"}, 12},
+		{"typed extra keys name the adapter", event(nil, keyed([]any{lora}, lora)), Keys{Model: "sql"}, 12},
+		{"no extra_keys, a lora_name (older vLLM)", event("sql", nil), Keys{Model: "sql"}, 12},
+		{"no extra_keys, a lora_name, a plain request", event("sql", nil), Keys{}, 0},
+		{"an image in the second block", event(nil, []any{nil, []any{[]any{"img", 3}}, nil}), Keys{Model: "base"}, 4},
+		{"a typed image in the second block", event(nil, []any{nil, []any{map[string]any{"type": "mm", "modality": "image", "hash": "img", "block_offset": 0}}, nil}), Keys{}, 4},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			x := NewIndex(Bounds{}, time.Minute, nil)
+			x.Reset(a, true)
+			x.Reset(b, true)
+			for p, ev := range map[Publisher]any{a: tt.stored, b: event("known", keyed([]any{"known"}, "known"))} {
+				payload, err := msgpack.Marshal([]any{1.0, []any{ev}})
+				if err != nil {
+					t.Fatal(err)
+				}
+				batch, err := DecodeBatch(payload)
+				if err != nil {
+					t.Fatal(err)
+				}
+				x.Apply(p, batch.Events)
+			}
+			held, _ := x.Lookup([]string{a.Endpoint}, seq(0, 12), tt.keys)
+			if held[a.Endpoint] != tt.want {
+				t.Errorf("holds %d tokens for %+v, want %d", held[a.Endpoint], tt.keys, tt.want)
+			}
+		})
 	}
 }

@@ -32,6 +32,9 @@ type Index struct {
 	pubs   map[Publisher]*pubView
 	total  int
 	ids    []int // pubView ids free for reuse, so that they stay below len(pubs)+len(ids)
+	// adapters are the LoRA adapters engines have stored blocks for (at
+	// most maxAdapters): a request naming one is keyed by its name (Keys).
+	adapters map[string]struct{}
 }
 
 // pubView is one publisher's blocks.
@@ -63,7 +66,7 @@ func NewIndex(b Bounds, staleAfter time.Duration, now func() time.Time) *Index {
 		now = time.Now
 	}
 	return &Index{maxPerPub: b.PerPublisher, maxBlocks: b.Total, staleAfter: staleAfter, now: now,
-		blocks: map[uint64][]*pubView{}, pubs: map[Publisher]*pubView{}}
+		blocks: map[uint64][]*pubView{}, pubs: map[Publisher]*pubView{}, adapters: map[string]struct{}{}}
 }
 
 // usable reports whether routing may go by v now.
@@ -183,6 +186,9 @@ func (x *Index) store(v *pubView, e Event, s *Skipped) {
 		key = k
 	}
 	v.blockSize = e.BlockSize
+	if _, known := x.adapters[e.Adapter]; e.Adapter != "" && !known && len(x.adapters) < maxAdapters {
+		x.adapters[e.Adapter] = struct{}{}
+	}
 	for i, h := range e.Hashes {
 		var extra []byte
 		if e.Extra != nil {

@@ -92,7 +92,7 @@ func TestLookupFindsTheLongestCachedPrefix(t *testing.T) {
 			for p, events := range tt.events {
 				x.Apply(p, events)
 			}
-			held, known := x.Lookup([]string{a.Endpoint, b.Endpoint}, prompt)
+			held, known := x.Lookup([]string{a.Endpoint, b.Endpoint}, prompt, Keys{})
 			if !known[a.Endpoint] || !known[b.Endpoint] || !maps.Equal(held, tt.want) {
 				t.Errorf("Lookup = %v, %v; want %v, both known", held, known, tt.want)
 			}
@@ -121,7 +121,7 @@ func TestIndexBoundsItsMemory(t *testing.T) {
 			if got := x.Stats().Blocks; got != tt.want+2 {
 				t.Errorf("%d blocks kept, want %d", got, tt.want+2)
 			}
-			held, _ := x.Lookup([]string{a.Endpoint}, seq(9000, 4)) // the newest
+			held, _ := x.Lookup([]string{a.Endpoint}, seq(9000, 4), Keys{}) // the newest
 			if held[a.Endpoint] != 4 {
 				t.Errorf("the newest block is forgotten: %v", held)
 			}
@@ -177,7 +177,7 @@ func TestLookupTrustsOnlyViewsItMay(t *testing.T) {
 			x.Reset(b, true)
 			x.Apply(a, []Event{stored(0, []uint64{1}, seq(0, 4))})
 			tt.do(x)
-			held, known := x.Lookup([]string{a.Endpoint, b.Endpoint}, seq(0, 8))
+			held, known := x.Lookup([]string{a.Endpoint, b.Endpoint}, seq(0, 8), Keys{})
 			if known[a.Endpoint] != tt.ok || !known[b.Endpoint] {
 				t.Errorf("Lookup known = %v, want a %v and b", known, tt.ok)
 			}

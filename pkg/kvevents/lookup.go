@@ -47,12 +47,13 @@ func mix64(x uint64) uint64 {
 
 // Lookup returns, for each of endpoints whose view routing may trust now
 // (known), how many leading tokens of the prompt its engine holds in its
-// prefix cache, over all its publishers. A view is not known before any of
+// prefix cache, over all its publishers, of the blocks keyed as a request
+// with keys k is (an adapter's, a salted prompt's). A view is not known before any of
 // the endpoint's publishers has been followed, while a gap is replayed, for
 // staleAfter after a gap it could not replay, or while its engine stays
 // silent past staleAfter after work it had to store; the caller goes by
 // other means there.
-func (x *Index) Lookup(endpoints []string, tokens []int64) (held map[string]int, known map[string]bool) {
+func (x *Index) Lookup(endpoints []string, tokens []int64, k Keys) (held map[string]int, known map[string]bool) {
 	now := x.now()
 	slot := make(map[string]int, len(endpoints))
 	for i, e := range endpoints {
@@ -95,14 +96,19 @@ func (x *Index) Lookup(endpoints []string, tokens []int64) (held map[string]int,
 	kp := keysPool.Get().(*[]uint64)
 	keys := (*kp)[:0]
 	defer func() { *kp = keys[:0]; keysPool.Put(kp) }()
+	_, adapter := x.adapters[k.Model]
+	first, rest := k.extra(adapter && k.Model != "")
+	var buf []byte
 	keyAt := func(b int) uint64 {
 		for len(keys) <= b {
 			n := len(keys)
 			var parent uint64
+			extra := first
 			if n > 0 {
-				parent = keys[n-1]
+				parent, extra = keys[n-1], rest
 			}
-			key, _ := chain(nil, parent, tokens[n*blockSize:(n+1)*blockSize], nil)
+			var key uint64
+			key, buf = chain(buf, parent, tokens[n*blockSize:(n+1)*blockSize], extra)
 			keys = append(keys, key)
 		}
 		return keys[b]

@@ -155,7 +155,7 @@ func eventually(t *testing.T, what string, cond func() bool) {
 }
 
 func held(x *Index, endpoint string, tokens []int64) (int, bool) {
-	h, known := x.Lookup([]string{endpoint}, tokens)
+	h, known := x.Lookup([]string{endpoint}, tokens, Keys{})
 	return h[endpoint], known[endpoint]
 }
 

@@ -668,7 +668,7 @@ func TestEventsPlaceRequestsOnHolders(t *testing.T) {
 	}
 	request := func(msgs []simMessage) *Request {
 		req := chatRequest(msgs)
-		req.SetTokens(tokens)
+		req.SetTokens(tokens, kvevents.Keys{})
 		return req
 	}
 	pick := func(p *Pool, req *Request, busy string, inflight int) string {
@@ -751,7 +751,7 @@ func TestDecodeQueueBoundWithoutATrustedView(t *testing.T) {
 	msgs := []simMessage{{"system", strings.Repeat("Answer in French. ", 40)}, {"user", "Who wrote Candide?"}}
 	request := func() *Request {
 		req := chatRequest(msgs)
-		req.SetTokens(simTokens(req.Prompt()))
+		req.SetTokens(simTokens(req.Prompt()), kvevents.Keys{})
 		return req
 	}
 	tests := []struct {

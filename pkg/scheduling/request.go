@@ -4,6 +4,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
@@ -22,8 +23,10 @@ type Request struct {
 
 	prompt *api.Prompt // read as the request's API reads it; nil for none
 	// tokens are the prompt's token ids as its engine computes them, when
-	// known (SetTokens): what a pool following KV events looks up.
+	// known (SetTokens): what a pool following KV events looks up, with
+	// keys.
 	tokens []int64
+	keys   kvevents.Keys
 	// held is what the policy that picked for it last estimates that
 	// endpoint holds of its prompt: prefix-affinity sets it as it picks, for
 	// the decider to read of the decode endpoint.
@@ -40,9 +43,10 @@ type estimate struct {
 	exact  bool
 }
 
-// SetTokens gives r its prompt's token ids (the engine's /tokenize, or the
-// body's own ids).
-func (r *Request) SetTokens(ids []int64) { r.tokens = ids }
+// SetTokens gives r its prompt's token ids (the engine's render endpoint or
+// /tokenize, or the body's own ids), and what else keys its blocks in the
+// engine's prefix cache.
+func (r *Request) SetTokens(ids []int64, keys kvevents.Keys) { r.tokens, r.keys = ids, keys }
 
 // Tokens are the prompt's token ids, nil when not known.
 func (r *Request) Tokens() []int64 {

@@ -480,7 +480,7 @@ func (s *sim) send(r *simReq) {
 	pool := s.pools[s.sent%len(s.pools)]
 	s.sent++
 	if s.tokens && r.req.Tokens() == nil {
-		r.req.SetTokens(simTokens(r.prompt))
+		r.req.SetTokens(simTokens(r.prompt), kvevents.Keys{})
 	}
 	ep, err := pool.Select(r.req)
 	if err != nil {

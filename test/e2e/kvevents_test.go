@@ -102,7 +102,9 @@ func routed(t *testing.T, r *rig, body, marker string) int {
 // also renders fields /tokenize has none of (reasoning_effort, documents)
 // are found too: their ids come from the engine's render endpoint, which
 // renders them as the chat endpoint does, or, from an engine without one,
-// from /tokenize given them as chat_template_kwargs.
+// from /tokenize given them as chat_template_kwargs. So are prompts under a
+// cache_salt, or for a LoRA adapter, whose blocks the engine keys with the
+// salt or the adapter's name, as the events say and the lookups key them.
 func TestWarmedEnginesAreFoundByTheirEvents(t *testing.T) {
 	rendered := []any{"reasoning_effort", "high", "documents", []map[string]string{{"title": "handbook", "text": "the handbook"}}}
 	for _, tt := range []struct {
@@ -113,10 +115,12 @@ func TestWarmedEnginesAreFoundByTheirEvents(t *testing.T) {
 		{"messages", nil, false},
 		{"rendered with reasoning_effort and documents", rendered, false},
 		{"the same by /tokenize, without render endpoints", rendered, true},
+		{"under a cache_salt", []any{"cache_salt", "tenant-7"}, false},
+		{"for a LoRA adapter, under a cache_salt", []any{"model", "sql-lora", "cache_salt", "tenant-7"}, false},
 	} {
 		for _, replicas := range []int{1, 3} {
 			t.Run(fmt.Sprint(tt.name, ", ", replicas, " replicas"), func(t *testing.T) {
-				r := startRig(t, rigOptions{prefills: -1, decodes: 3, replicas: replicas, noRender: tt.noRender,
+				r := startRig(t, rigOptions{prefills: -1, decodes: 3, replicas: replicas, noRender: tt.noRender, lora: []string{"sql-lora"},
 					decodePool: "policy: prefix-affinity", kvEvents: []string{}})
 				subscribed(t, r.decode, replicas)
 				tenants := []string{"Acme", "Globex", "Initech"}

@@ -67,6 +67,7 @@ type rigOptions struct {
 	prefixCacheBlocks int
 	// noRender: the simulators have no render endpoints (older vLLM).
 	noRender bool
+	lora     []string // LoRA adapters the simulators serve besides pdsim
 }
 
 // simIP is the loopback IP of the rig's i-th simulator of a role: each has
@@ -99,6 +100,7 @@ func startRig(t *testing.T, o rigOptions) *rig {
 		PromptTokensDetails: o.promptTokensDetails,
 		PrefixCacheBlocks:   o.prefixCacheBlocks,
 		NoRender:            o.noRender,
+		LoRA:                o.lora,
 		Log:                 logTo(t),
 	}}
 	if _, err := testbed.WithFreshPorts(func() (struct{}, error) { return struct{}{}, r.startSims(t, o) }); err != nil {
