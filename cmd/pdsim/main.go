@@ -54,8 +54,11 @@ func parseFlags(args []string, stderr io.Writer) (pdsim.Config, error) {
 	fs.StringVar(&c.Role, "role", pdsim.RoleDecode, "prefill | decode")
 	fs.StringVar(&c.Protocol, "protocol", pdsim.ProtocolNIXL, "vllm-nixl | sglang | shared-storage")
 	fs.StringVar(&c.Model, "model", "pdsim", "served model name")
-	fs.Func("lora-modules", "comma-separated LoRA adapter names served besides --model (vLLM's --lora-modules names); their blocks are keyed by their names", func(v string) error {
-		c.LoRA = append(c.LoRA, strings.Split(v, ",")...)
+	fs.Func("lora-modules", "LoRA adapters served besides --model, as vLLM's --lora-modules names them (name or name=path, comma-separated; no weights are read); their blocks are keyed by their names", func(v string) error {
+		for _, m := range strings.Split(v, ",") {
+			name, _, _ := strings.Cut(m, "=")
+			c.LoRA = append(c.LoRA, name)
+		}
 		return nil
 	})
 	fs.StringVar(&c.Addr, "addr", ":8000", "HTTP (OpenAI API) listen address")

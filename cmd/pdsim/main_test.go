@@ -27,7 +27,7 @@ func TestParseFlags(t *testing.T) {
 			"--fail-status", "503", "--fail-every", "2", "--delay", "6ms", "--drop-connections",
 			"--prefix-cache-blocks", "9", "--kv-events-endpoint", "tcp://*:5557", "--kv-events-replay-endpoint", "tcp://*:5558", "--kv-events-topic", "t",
 			"--kv-events-encoding", "array", "--kv-events-int-hashes", "--kv-events-buffer-steps", "7", "--kv-events-drop-every", "8",
-			"--lora-modules", "a,b", "--lora-modules", "c"}, func(c pdsim.Config) bool {
+			"--lora-modules", "a,b=/adapters/b", "--lora-modules", "c"}, func(c pdsim.Config) bool {
 			return reflect.DeepEqual(c, pdsim.Config{Role: "prefill", Protocol: "sglang", Model: "m", Addr: "127.0.0.1:1", KVAddr: "127.0.0.1:2",
 				BootstrapAddr: "127.0.0.1:3", AdvertiseHost: "10.0.0.1", SharedDir: "/x", TTFT: time.Second, TPOT: 2 * time.Millisecond,
 				KVTransfer: 3 * time.Millisecond, OutputTokens: 4, HandshakeTimeout: 5 * time.Second, FailStatus: 503, FailEvery: 2,

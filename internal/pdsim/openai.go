@@ -62,6 +62,13 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 	}
 	req.internalID = api.idPrefix() + req.id + "-" + randomHex(4) // vLLM >= 0.14 randomizes the suffix
 
+	if raw, ok := present(fields, "cache_salt"); ok && !isNull(raw) {
+		// vLLM's check (protocol.py, check_cache_salt_support), made as it
+		// reads the body, before it looks the model up.
+		if json.Unmarshal(raw, &req.keys.salt) != nil || req.keys.salt == "" {
+			return nil, badRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
+		}
+	}
 	if raw, ok := present(fields, "model"); ok && api.checksModel() {
 		if err := json.Unmarshal(raw, &req.model); err != nil {
 			return nil, badRequest("model: Input should be a valid string")
@@ -72,12 +79,6 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 	}
 	if i := slices.Index(s.cfg.LoRA, req.model); i >= 0 {
 		req.keys.adapter, req.keys.adapterID = req.model, i+1
-	}
-	if raw, ok := present(fields, "cache_salt"); ok && !isNull(raw) {
-		// vLLM's check (protocol.py, check_cache_salt_support).
-		if json.Unmarshal(raw, &req.keys.salt) != nil || req.keys.salt == "" {
-			return nil, badRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
-		}
 	}
 
 	prompt, promptKey := api.prompt(fields)

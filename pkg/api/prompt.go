@@ -20,6 +20,11 @@ type Prompt struct {
 	// MixedN is each entry's n of SGLang's list of sampling_params when they
 	// differ, which SGLang refuses; nil when they agree.
 	MixedN []int
+	// Namespace is what the engine keys the prompt's cached blocks with
+	// besides their text (API.PromptOf): the model named, as a LoRA
+	// adapter's blocks are its own, and the cache_salt. Prompts alike in
+	// text and not in namespace share no cache. "" for neither.
+	Namespace string
 
 	once   sync.Once
 	render func() rendering
@@ -102,6 +107,17 @@ func (p *Prompt) Previous() string {
 }
 
 func (p *Prompt) do() { p.r = p.render() }
+
+// PromptOf reads a request for scheduling (Prompt), with its Namespace.
+func (a *API) PromptOf(o *body.Object) *Prompt {
+	p := a.Prompt(o)
+	model, _ := o.String("model")
+	salt, _ := o.String("cache_salt")
+	if model != "" || salt != "" {
+		p.Namespace = model + "\x00" + salt
+	}
+	return p
+}
 
 // samples reads an integer n (absent or not an integer: 1).
 func samples(o *body.Object) int {

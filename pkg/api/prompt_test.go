@@ -191,3 +191,22 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 		})
 	}
 }
+
+// TestPromptNamespace: the model a request names and its cache_salt, what
+// the engine keys its cached blocks with besides their text.
+func TestPromptNamespace(t *testing.T) {
+	for _, tt := range []struct {
+		name, body string
+		api        *API
+		want       string
+	}{
+		{"a model", `{"model":"m","messages":[]}`, Chat, "m\x00"},
+		{"a model and a salt", `{"model":"sql-lora","prompt":"x","cache_salt":"t1"}`, Completions, "sql-lora\x00t1"},
+		{"a salt alone", `{"token_ids":[1],"cache_salt":"t1"}`, Generate, "\x00t1"},
+		{"neither", `{"text":"x"}`, SGLangGenerate, ""},
+	} {
+		if got := tt.api.PromptOf(parsed(t, tt.body)).Namespace; got != tt.want {
+			t.Errorf("%s: namespace %q, want %q", tt.name, got, tt.want)
+		}
+	}
+}

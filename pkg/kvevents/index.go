@@ -186,7 +186,7 @@ func (x *Index) store(v *pubView, e Event, s *Skipped) {
 		key = k
 	}
 	v.blockSize = e.BlockSize
-	if _, known := x.adapters[e.Adapter]; e.Adapter != "" && !known && len(x.adapters) < maxAdapters {
+	if _, known := x.adapters[e.Adapter]; e.Adapter != "" && len(e.Adapter) <= maxAdapterName && !known && len(x.adapters) < maxAdapters {
 		x.adapters[e.Adapter] = struct{}{}
 	}
 	for i, h := range e.Hashes {

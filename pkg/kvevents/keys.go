@@ -19,9 +19,13 @@ type Keys struct {
 	Salt  string // the request's cache_salt, "" for none
 }
 
-// maxAdapters bounds the adapter names an index remembers; names past it
-// are looked up as base models (they find no blocks of theirs).
-const maxAdapters = 4096
+// maxAdapters and maxAdapterName bound the adapter names an index
+// remembers (about a megabyte); a name past them is looked up as a base
+// model's would be.
+const (
+	maxAdapters    = 4096
+	maxAdapterName = 256
+)
 
 // extra is what keys the blocks of a request with keys k, besides their
 // tokens: first for its first block, rest for the others. lora says whether

@@ -86,7 +86,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if err != nil {
 		return nil, err
 	}
-	prompt := a.Prompt(obj)
+	prompt := a.PromptOf(obj)
 	if prompt.MixedN != nil {
 		return nil, mixedSamples(prompt.MixedN)
 	}

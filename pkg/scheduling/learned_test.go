@@ -23,7 +23,7 @@ var memoryPolicy = simPolicy{name: "prefix-memory", picker: func(s config.PoolSc
 }}
 
 func (p *learnedAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
-	hs := p.index.hashes(req.Prompt())
+	hs := p.index.hashes(0, req.Prompt())
 	if len(hs) == 0 {
 		return p.fallback.Pick(req, eps)
 	}

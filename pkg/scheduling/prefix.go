@@ -41,9 +41,10 @@ func newPrefixIndex(blockChars, capacity int) *prefixIndex {
 	return &prefixIndex{blockChars: blockChars, capacity: capacity, entries: map[uint64]*list.Element{}}
 }
 
-// hashes returns the chain hashes of the prompt's full blocks; a trailing
+// hashes returns the chain hashes of the prompt's full blocks, the chain
+// started from the hash of its namespace (Request.namespace); a trailing
 // partial block is left out, as engines cache only full blocks.
-func (x *prefixIndex) hashes(prompt string) []uint64 {
+func (x *prefixIndex) hashes(namespace uint64, prompt string) []uint64 {
 	n := len(prompt) / x.blockChars
 	if n == 0 {
 		return nil
@@ -52,6 +53,7 @@ func (x *prefixIndex) hashes(prompt string) []uint64 {
 	var h maphash.Hash
 	h.SetSeed(blockSeed)
 	var prev [8]byte
+	binary.LittleEndian.PutUint64(prev[:], namespace)
 	for i := range n {
 		h.Reset()
 		h.Write(prev[:])

@@ -1,6 +1,7 @@
 package scheduling
 
 import (
+	"encoding/json"
 	"fmt"
 	"maps"
 	"math"
@@ -29,8 +30,8 @@ func blocks(letters string) string {
 
 func TestPrefixHashes(t *testing.T) {
 	x := newPrefixIndex(16, 100)
-	ab, abc, xbc := x.hashes(blocks("ab")), x.hashes(blocks("abc")), x.hashes(blocks("xbc"))
-	if len(ab) != 2 || len(abc) != 3 || len(x.hashes(blocks("ab")+"partial")) != 2 || x.hashes("short") != nil {
+	ab, abc, xbc := x.hashes(0, blocks("ab")), x.hashes(0, blocks("abc")), x.hashes(0, blocks("xbc"))
+	if len(ab) != 2 || len(abc) != 3 || len(x.hashes(0, blocks("ab")+"partial")) != 2 || x.hashes(0, "short") != nil {
 		t.Fatal("one hash per full block, a trailing partial block left out")
 	}
 	if ab[0] != abc[0] || ab[1] != abc[1] {
@@ -76,9 +77,9 @@ func TestPrefixIndexMatch(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			x := newPrefixIndex(16, tt.capacity)
 			for _, s := range tt.served {
-				x.record(s.prompt, x.hashes(s.prompt), s.addr)
+				x.record(s.prompt, x.hashes(0, s.prompt), s.addr)
 			}
-			if got := x.matched(x.hashes(tt.prompt)); !maps.Equal(got, tt.want) {
+			if got := x.matched(x.hashes(0, tt.prompt)); !maps.Equal(got, tt.want) {
 				t.Fatalf("matched() = %v, want %v", got, tt.want)
 			}
 		})
@@ -105,10 +106,10 @@ func TestPrefixIndexKnowsWhichRequestsItRouted(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			x := newPrefixIndex(16, 100)
 			for _, r := range tt.routed {
-				x.record(r, x.hashes(r), "e1")
+				x.record(r, x.hashes(0, r), "e1")
 			}
 			prompt := tt.previous + blocks("zz") // the turn that follows it
-			if got := x.ended(tt.previous, x.hashes(prompt)); got != tt.want {
+			if got := x.ended(tt.previous, x.hashes(0, prompt)); got != tt.want {
 				t.Errorf("ended() = %v, want %v", got, tt.want)
 			}
 		})
@@ -129,7 +130,7 @@ func rankingOf(p *Pool, req *Request, home int) []string {
 		return nil
 	}
 	var out []string
-	for _, r := range rank(xxhash.Sum64String(prefix), conversation, home, p.Endpoints()) {
+	for _, r := range rank(xxhash.Sum64String(prefix), xxhash.Sum64String(conversation), home, p.Endpoints()) {
 		out = append(out, r.e.Addr)
 	}
 	return out
@@ -176,10 +177,10 @@ func TestPrefixAffinityPick(t *testing.T) {
 			aff := p.state.Load().picker.(*prefixAffinity)
 			rank := ranking(p, tt.prompt)
 			if key := tt.prompt[:min(len(tt.prompt), 32)]; !tt.unrouted && len(key) == 32 {
-				aff.index.record(key, aff.index.hashes(key), rank[0])
+				aff.index.record(key, aff.index.hashes(0, key), rank[0])
 			}
 			for _, s := range tt.served {
-				aff.index.record(s.prompt, aff.index.hashes(s.prompt), rank[s.rank])
+				aff.index.record(s.prompt, aff.index.hashes(0, s.prompt), rank[s.rank])
 			}
 			for i, n := range tt.inflight {
 				for range n {
@@ -201,7 +202,7 @@ func TestPrefixAffinityPick(t *testing.T) {
 				t.Fatalf("Select() = %s, want %s (ranking %v)", got.Addr, want, rank)
 			}
 			if n := len(tt.prompt) / 16; n > 0 {
-				if m := aff.index.matched(aff.index.hashes(tt.prompt)); m[got.Addr] != n {
+				if m := aff.index.matched(aff.index.hashes(0, tt.prompt)); m[got.Addr] != n {
 					t.Errorf("the pick was not remembered: matched = %v", m)
 				}
 			}
@@ -646,6 +647,70 @@ func TestRequestsSharingASystemPromptMeet(t *testing.T) {
 	}
 	if len(hot) < 2 {
 		t.Errorf("300 conversations of the hot system prompt all went to %v", hot)
+	}
+}
+
+// TestNamespacesRankApart: requests alike in text but for another LoRA
+// adapter or under another cache_salt share no cache on the engine, so
+// they rank as different prompts: one system prompt's questions for 12
+// tenants (salts) meet per tenant, on every replica, and spread over the
+// pool; and a replica's memory of where one tenant's prompt went says
+// nothing of another's.
+func TestNamespacesRankApart(t *testing.T) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity}
+	replicas := make([]*Pool, 3)
+	for i := range replicas {
+		replicas[i], _ = testPool(t, sched, addrs...)
+	}
+	system := strings.Repeat("Follow the house rules. ", 40)
+	request := func(model, salt, question string) *Request {
+		t.Helper()
+		b, _ := json.Marshal(map[string]any{"model": model, "cache_salt": salt,
+			"messages": []map[string]string{{"role": "system", "content": system}, {"role": "user", "content": question}}})
+		obj, err := body.Parse(b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return NewRequest(api.Chat.PromptOf(obj))
+	}
+	ask := func(replica int, model, salt, question string) string {
+		t.Helper()
+		e, err := replicas[replica].Select(request(model, salt, question))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return e.Addr
+	}
+	homes := map[string]bool{}
+	for tenant := range 12 {
+		salt := fmt.Sprintf("tenant-%d", tenant)
+		where := map[string]bool{}
+		for q := range 3 {
+			where[ask(q, "base", salt, fmt.Sprintf("Question %d?", q))] = true
+		}
+		if len(where) != 1 {
+			t.Errorf("%s's questions went to %v, want one endpoint", salt, where)
+		}
+		for e := range where {
+			homes[e] = true
+		}
+	}
+	if len(homes) < 3 {
+		t.Errorf("12 tenants' prompts went to %v, want them spread over at least 3 endpoints", homes)
+	}
+	adapters := map[string]bool{}
+	for _, model := range []string{"base", "sql-lora", "chat-lora", "code-lora", "math-lora", "law-lora"} {
+		adapters[ask(0, model, "", "Which adapter am I?")] = true
+	}
+	if len(adapters) < 2 {
+		t.Errorf("six adapters' prompts all went to %v", adapters)
+	}
+
+	first := func(r *Request) uint64 { return replicas[0].state.Load().picker.(*prefixAffinity).index.hashes(r.namespace(), r.Prompt())[0] }
+	if first(request("base", "tenant-0", "?")) != first(request("base", "tenant-0", "!")) ||
+		first(request("base", "tenant-0", "?")) == first(request("base", "tenant-1", "?")) {
+		t.Error("the memory's first block of a tenant's prompt should be its own, alike for its requests")
 	}
 }
 

@@ -85,11 +85,11 @@ type ranked struct {
 
 // rank orders the candidates for a request: by the weights of its prefix
 // (whose hash is prefix), with the first home of them (the prefix's home set)
-// reordered by the conversation's. Requests that share a prefix share its
+// reordered by the conversation's (whose hash is conversation). Requests that share a prefix share its
 // first home endpoints, so that a system prompt is cached on as few engines
 // as its traffic needs; within them each conversation has an order of its
 // own, which its turns keep.
-func rank(prefix uint64, conversation string, home int, eps []*Endpoint) []ranked {
+func rank(prefix, conversation uint64, home int, eps []*Endpoint) []ranked {
 	rs := busyness(eps)
 	for i := range rs {
 		rs[i].weight = weight(prefix, rs[i].e)
@@ -97,9 +97,8 @@ func rank(prefix uint64, conversation string, home int, eps []*Endpoint) []ranke
 	byWeight := func(a, b ranked) int { return cmp.Compare(b.weight, a.weight) }
 	slices.SortFunc(rs, byWeight)
 	if home > 1 {
-		c := xxhash.Sum64String(conversation)
 		for i := range rs[:home] {
-			rs[i].weight = weight(c, rs[i].e)
+			rs[i].weight = weight(conversation, rs[i].e)
 		}
 		slices.SortFunc(rs[:home], byWeight)
 	}
@@ -185,11 +184,11 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 			return e
 		}
 	}
-	prompt, previous := req.Prompt(), req.Previous()
+	prompt, previous, ns := req.Prompt(), req.Previous(), req.namespace()
 	var hs []uint64 // the local hint's: hashed only when it is read
 	var served map[string]int
 	if prefix == "" || req.Head() == "" {
-		hs = p.index.hashes(prompt)
+		hs = p.index.hashes(ns, prompt)
 		served = p.index.matched(hs)
 		if !routed(served, len(prefix)/p.keys.blockChars) || prefix == "" {
 			e := p.fallback.Pick(req, eps)
@@ -198,8 +197,8 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 			return e
 		}
 	}
-	h := xxhash.Sum64String(prefix)
-	rs := rank(h, conversation, homeSize(p.shares.note(h), len(eps), p.spread), eps)
+	h := xxhash.Sum64String(prefix) ^ ns
+	rs := rank(h, xxhash.Sum64String(conversation)^ns, homeSize(p.shares.note(h), len(eps), p.spread), eps)
 	queueSlack := p.queueSlack
 	if held == nil {
 		queueSlack = p.estimateQueueSlack
@@ -229,7 +228,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	}
 
 	if hs == nil {
-		hs = p.index.hashes(prompt)
+		hs = p.index.hashes(ns, prompt)
 		served = p.index.matched(hs)
 	}
 	// A later turn tells whether this replica routed the request before it.

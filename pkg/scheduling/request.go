@@ -3,6 +3,7 @@ package scheduling
 import (
 	"unicode/utf8"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -91,6 +92,16 @@ func (r *Request) Head() string { return r.read((*api.Prompt).Head) }
 // Previous is the start of the prompt that the conversation's previous
 // request sent (api.Prompt.Previous), empty when no reply follows the head.
 func (r *Request) Previous() string { return r.read((*api.Prompt).Previous) }
+
+// namespace is a hash of the prompt's Namespace (its model and
+// cache_salt), 0 for none: it keys its rendezvous ranking and the local
+// hint's blocks, as the engine keys its cached blocks.
+func (r *Request) namespace() uint64 {
+	if r == nil || r.prompt == nil || r.prompt.Namespace == "" {
+		return 0
+	}
+	return xxhash.Sum64String(r.prompt.Namespace)
+}
 
 // read is what part says of the request's prompt, "" for a nil request.
 func (r *Request) read(part func(*api.Prompt) string) string {

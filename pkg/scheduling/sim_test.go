@@ -202,7 +202,9 @@ func (c *simLRU) add(h uint64) (evicted uint64, ok bool) {
 
 // simHashes are an engine's block hashes of prompt: the prefix index's own
 // chain hashing, on the engines' 64-character blocks.
-var simHashes = newPrefixIndex(simBlock, 1).hashes
+func simHashes(prompt string) []uint64 { return simIndex.hashes(0, prompt) }
+
+var simIndex = newPrefixIndex(simBlock, 1)
 
 // serve returns the cached prefix length in characters and caches the
 // prompt, its tail first so that the head is the most recent.
