@@ -707,7 +707,9 @@ func TestNamespacesRankApart(t *testing.T) {
 		t.Errorf("six adapters' prompts all went to %v", adapters)
 	}
 
-	first := func(r *Request) uint64 { return replicas[0].state.Load().picker.(*prefixAffinity).index.hashes(r.namespace(), r.Prompt())[0] }
+	first := func(r *Request) uint64 {
+		return replicas[0].state.Load().picker.(*prefixAffinity).index.hashes(r.namespace(), r.Prompt())[0]
+	}
 	if first(request("base", "tenant-0", "?")) != first(request("base", "tenant-0", "!")) ||
 		first(request("base", "tenant-0", "?")) == first(request("base", "tenant-1", "?")) {
 		t.Error("the memory's first block of a tenant's prompt should be its own, alike for its requests")
