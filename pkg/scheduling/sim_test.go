@@ -10,6 +10,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -116,8 +117,12 @@ type simPolicy struct {
 	prefix       config.PrefixAffinity
 	picker       func(s config.PoolScheduling, intn func(int) int) Picker
 	// events: the pools follow the engines' KV events, and every request's
-	// tokens are known (its prompt's bytes, as the engines cache them).
+	// tokens are known (its prompt's bytes, as the engines cache them). The
+	// event model keys no salts: not for salted workloads.
 	events bool
+	// blind: requests are read without their namespace (api.Prompt's), as
+	// prefix-affinity read them before it ranked by model and cache_salt.
+	blind bool
 }
 
 func configured(name string) simPolicy { return simPolicy{name: name, config: name} }
@@ -334,6 +339,7 @@ func (c *chat) answered(i int, prompt string, asked []simMessage, send func(i in
 
 type simReq struct {
 	prompt  string   // as the engine caches it
+	ns      uint64   // what else the engine keys its blocks with (its cache_salt), 0 for nothing
 	req     *Request // as the router reads the client's body
 	output  int
 	arrived time.Duration
@@ -350,6 +356,7 @@ type sim struct {
 	pools   []*Pool // one per replica
 	sent    int     // requests sent, for the replicas' turns
 	tokens  bool    // requests carry their tokens (the policy follows KV events)
+	blind   bool    // requests are read without their namespace (simPolicy.blind)
 
 	ttfts          []time.Duration
 	prompt, cached float64
@@ -379,7 +386,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 		}
 		s.engines[a] = e
 	}
-	s.tokens = index != nil
+	s.tokens, s.blind = index != nil, policy.blind
 	spec := PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{
 		Policy:  policy.config,
 		Prefix:  policy.prefix,
@@ -462,6 +469,12 @@ func (s *sim) converse(sess simSession) {
 	turn = func(i int) {
 		t, prompt, asked := c.ask(i)
 		r := &simReq{prompt: prompt, req: chatRequest(asked), output: t.output, arrived: s.now}
+		if sess.salt != "" { // the model's name and the salt, as API.PromptOf reads them
+			ns := "m\x00" + sess.salt
+			if r.ns = xxhash.Sum64String(ns); !s.blind {
+				r.req.prompt.Namespace = ns
+			}
+		}
 		r.done = func(ok bool) {
 			if !ok {
 				s.at(s.now+time.Second, func() { turn(i) })
@@ -503,7 +516,7 @@ func (s *sim) send(r *simReq) {
 
 // prefill computes r's prompt on e, then decodes it.
 func (s *sim) prefill(e *simEngine, r *simReq) {
-	hs := simHashes(r.prompt)
+	hs := simIndex.hashes(r.ns, r.prompt)
 	hit := e.serve(r.prompt, hs)
 	n := float64(len(r.prompt))
 	for i, h := range hs {

@@ -1,6 +1,7 @@
 package scheduling
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -52,6 +53,19 @@ var (
 		w.randoms(r, end, 20*load)
 	}}
 	simWorkloads = []simWorkload{oneShot, multiTurn, mixed, document, random}
+
+	// (f) One-shot questions under 8 agents' system prompts (2,000-16,000
+	// characters), each from one of 24 tenants that isolate their caches
+	// with a cache_salt (agents and tenants Zipf-popular): the same system
+	// prompt under another tenant's salt shares no cache. Not in the
+	// tables' workloads: docs/scheduling.md's namespaces table.
+	salted = simWorkload{"f salted", func(r *rand.Rand, w *workload, end, load float64) {
+		agents := w.tenants(r, 8, 2_000, 16_000)
+		for t := range arrivals(r, end, 11*load) {
+			w.sessions = append(w.sessions, simSession{started: t, system: agents[zipf(r, len(agents))],
+				salt: fmt.Sprint("tenant-", zipf(r, 24)), turns: []simTurn{question(r)}})
+		}
+	}}
 )
 
 const simTenants = 48
@@ -65,6 +79,7 @@ type simSession struct {
 	started     time.Duration
 	system      string // the system prompt, or a completions prompt's shared start
 	completions bool   // sent as one completions prompt: system, then the turn's user text
+	salt        string // the cache_salt its chat requests carry, "" for none
 	turns       []simTurn
 }
 
