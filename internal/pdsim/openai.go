@@ -29,12 +29,17 @@ type request struct {
 	output
 	kv           json.RawMessage // kv_transfer_params where the API reads it; nil when absent
 	promptTokens int
-	promptHash   string      // model + prompt, so KV computed for one prompt is never served to another
-	tokens       []uint64    // the prompt as the simulated tokenizer cuts it
-	keys         blockKeys   // what else keys its blocks: its adapter, its cache_salt
-	blocks       []blockHash // the prompt's full blocks, as the prefix cache names them
-	cached       int         // prompt tokens found in the KV cache (prompt_tokens_details.cached_tokens)
-	phase        *phase      // for the engine's load metrics
+	promptHash   string // model + prompt, so KV computed for one prompt is never served to another
+	cachedPrompt
+	cached int    // prompt tokens found in the KV cache (prompt_tokens_details.cached_tokens)
+	phase  *phase // for the engine's load metrics
+}
+
+// cachedPrompt is a request's prompt as the prefix cache sees it.
+type cachedPrompt struct {
+	tokens []uint64    // as the simulated tokenizer cuts it
+	keys   blockKeys   // what else keys its blocks: its adapter, its cache_salt
+	blocks []blockHash // its full blocks, as the prefix cache names them
 }
 
 // apiError is an answer the engine gives instead of a completion.
