@@ -8,7 +8,8 @@ import (
 )
 
 // FuzzDecodeBatch: whatever a publisher sends, DecodeBatch returns without
-// a panic, and the index applies what it accepts without one.
+// a panic, and the index applies what it accepts, and looks requests up
+// after it (plain, for an adapter it named, salted), without one.
 // testdata/fuzz keeps what once crashed it: field-named-nil, a map whose key
 // is nil, which was taken for a position of -1.
 func FuzzDecodeBatch(f *testing.F) {
@@ -19,6 +20,9 @@ func FuzzDecodeBatch(f *testing.F) {
 			f.Add(vllmBatch(f, mapped, hash))
 		}
 	}
+	adapter, _ := msgpack.Marshal([]any{1.0, []any{map[string]any{"type": "BlockStored", "block_hashes": []int{1, 2},
+		"token_ids": seq(0, 8), "block_size": 4, "lora_name": "sql", "extra_keys": []any{[]any{map[string]any{"type": "lora", "name": "sql"}, "s1"}, []any{"sql"}}}}})
+	f.Add(adapter)
 	f.Fuzz(func(t *testing.T, payload []byte) {
 		b, err := DecodeBatch(payload)
 		if err != nil {
@@ -26,5 +30,13 @@ func FuzzDecodeBatch(f *testing.F) {
 		}
 		x := NewIndex(Bounds{}, time.Minute, nil)
 		x.Apply(Publisher{Endpoint: "10.0.0.1:8000"}, b.Events)
+		for _, k := range []Keys{{}, {Model: "sql"}, {Model: "sql", Salt: "s1"}} {
+			x.Lookup([]string{"10.0.0.1:8000"}, seq(0, 64), k)
+		}
+		for _, e := range b.Events {
+			if e.Adapter != "" {
+				x.Lookup([]string{"10.0.0.1:8000"}, e.Tokens, Keys{Model: e.Adapter})
+			}
+		}
 	})
 }
