@@ -18,7 +18,8 @@ import (
 //     blocks are 16 tokens by default but never fewer than 64
 //     (approximateprefix/plugin.go, minBlockSizeTokens): 256 bytes. A trailing
 //     partial block is hashed too (prefixhash/hashing.go), each block's hash
-//     chained to the one before.
+//     chained to the one before, the first to a hash of the target model and
+//     the cache_salt (here, the request's namespace).
 //   - The index is this replica's own: per endpoint, an LRU of the block
 //     hashes it sent there, 31,250 entries when the engines' cache size is not
 //     scraped (approximateprefix/types.go, defaultLRUCapacityPerServer), and
@@ -51,11 +52,12 @@ var llmdModel = simPolicy{name: "llm-d approx", picker: func(_ config.PoolSchedu
 
 var llmdSeed = maphash.MakeSeed()
 
-func llmdHashes(prompt string) []uint64 {
+func llmdHashes(namespace uint64, prompt string) []uint64 {
 	var out []uint64
 	var h maphash.Hash
 	h.SetSeed(llmdSeed)
 	var prev [8]byte
+	binary.LittleEndian.PutUint64(prev[:], namespace)
 	for i := 0; i < len(prompt); i += llmdBlockBytes {
 		h.Reset()
 		h.Write(prev[:])
@@ -67,7 +69,7 @@ func llmdHashes(prompt string) []uint64 {
 }
 
 func (p *llmdApprox) Pick(req *Request, eps []*Endpoint) *Endpoint {
-	hs := llmdHashes(req.Prompt())
+	hs := llmdHashes(req.namespace(), req.Prompt())
 	matched := map[string]int{}
 	for _, h := range hs {
 		if len(p.pods[h]) == 0 {
