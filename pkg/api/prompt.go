@@ -22,8 +22,9 @@ type Prompt struct {
 	MixedN []int
 	// Namespace is what the engine keys the prompt's cached blocks with
 	// besides their text (API.PromptOf): the model named, as a LoRA
-	// adapter's blocks are its own, and the cache_salt. Prompts alike in
-	// text and not in namespace share no cache. "" for neither.
+	// adapter's blocks are its own, the cache_salt, and SGLang's lora_path
+	// (its native API names an adapter there). Prompts alike in text and
+	// not in namespace share no cache. "" for none of them.
 	Namespace string
 
 	once   sync.Once
@@ -113,8 +114,9 @@ func (a *API) PromptOf(o *body.Object) *Prompt {
 	p := a.Prompt(o)
 	model, _ := o.String("model")
 	salt, _ := o.String("cache_salt")
-	if model != "" || salt != "" {
-		p.Namespace = model + "\x00" + salt
+	lora, _ := o.String("lora_path")
+	if model != "" || salt != "" || lora != "" {
+		p.Namespace = model + "\x00" + salt + "\x00" + lora
 	}
 	return p
 }

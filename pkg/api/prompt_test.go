@@ -200,10 +200,11 @@ func TestPromptNamespace(t *testing.T) {
 		api        *API
 		want       string
 	}{
-		{"a model", `{"model":"m","messages":[]}`, Chat, "m\x00"},
-		{"a model and a salt", `{"model":"sql-lora","prompt":"x","cache_salt":"t1"}`, Completions, "sql-lora\x00t1"},
-		{"a salt alone", `{"token_ids":[1],"cache_salt":"t1"}`, Generate, "\x00t1"},
-		{"neither", `{"text":"x"}`, SGLangGenerate, ""},
+		{"a model", `{"model":"m","messages":[]}`, Chat, "m\x00\x00"},
+		{"a model and a salt", `{"model":"sql-lora","prompt":"x","cache_salt":"t1"}`, Completions, "sql-lora\x00t1\x00"},
+		{"a salt alone", `{"token_ids":[1],"cache_salt":"t1"}`, Generate, "\x00t1\x00"},
+		{"SGLang's adapter", `{"text":"x","lora_path":"sql-lora"}`, SGLangGenerate, "\x00\x00sql-lora"},
+		{"none", `{"text":"x"}`, SGLangGenerate, ""},
 	} {
 		if got := tt.api.PromptOf(parsed(t, tt.body)).Namespace; got != tt.want {
 			t.Errorf("%s: namespace %q, want %q", tt.name, got, tt.want)

@@ -470,7 +470,7 @@ func (s *sim) converse(sess simSession) {
 		t, prompt, asked := c.ask(i)
 		r := &simReq{prompt: prompt, req: chatRequest(asked), output: t.output, arrived: s.now}
 		if sess.salt != "" { // the model's name and the salt, as API.PromptOf reads them
-			ns := "m\x00" + sess.salt
+			ns := "m\x00" + sess.salt + "\x00"
 			if r.ns = xxhash.Sum64String(ns); !s.blind {
 				r.req.prompt.Namespace = ns
 			}
