@@ -8,6 +8,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -15,6 +16,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
+	"github.com/vmihailenco/msgpack/v5"
 )
 
 // A discrete-event simulation of one pool of aggregated engines on a
@@ -117,8 +119,7 @@ type simPolicy struct {
 	prefix       config.PrefixAffinity
 	picker       func(s config.PoolScheduling, intn func(int) int) Picker
 	// events: the pools follow the engines' KV events, and every request's
-	// tokens are known (its prompt's bytes, as the engines cache them). The
-	// event model keys no salts: not for salted workloads.
+	// tokens are known (its prompt's bytes, as the engines cache them).
 	events bool
 	// blind: requests are read without their namespace (api.Prompt's), as
 	// prefix-affinity read them before it ranked by model and cache_salt.
@@ -211,9 +212,38 @@ func simHashes(prompt string) []uint64 { return simIndex.hashes(0, prompt) }
 
 var simIndex = newPrefixIndex(simBlock, 1)
 
+// saltKeys are saltKey's, by salt.
+var saltKeys sync.Map
+
+// saltKey is the extra key of a prompt's first block under salt, as an
+// engine's BlockStored gives it (its extra_keys) and the decoder reads it;
+// nil for no salt.
+func saltKey(salt string) []byte {
+	if salt == "" {
+		return nil
+	}
+	if k, ok := saltKeys.Load(salt); ok {
+		return k.([]byte)
+	}
+	payload, err := msgpack.Marshal([]any{0.0, []any{map[string]any{"type": "BlockStored", "block_hashes": []int{1},
+		"token_ids": []int{0}, "block_size": 1, "extra_keys": []any{[]any{salt}}}}})
+	if err != nil {
+		panic(err)
+	}
+	b, err := kvevents.DecodeBatch(payload)
+	if err != nil {
+		panic(err)
+	}
+	k := b.Events[0].Extra[0]
+	saltKeys.Store(salt, k)
+	return k
+}
+
 // serve returns the cached prefix length in characters and caches the
-// prompt, its tail first so that the head is the most recent.
-func (e *simCache) serve(prompt string, hs []uint64) int {
+// prompt, its tail first so that the head is the most recent. salted is the
+// extra key of a salted prompt's first block (saltKey), nil for none: hs
+// are hashed with the salt, and the events say it.
+func (e *simCache) serve(prompt string, hs []uint64, salted []byte) int {
 	hit := 0
 	for hit < len(hs) && e.cache.has(hs[hit]) {
 		hit++
@@ -228,6 +258,9 @@ func (e *simCache) serve(prompt string, hs []uint64) int {
 		stored := kvevents.Event{Kind: kvevents.Stored, Hashes: hs[hit:], Tokens: simTokens(prompt[hit*simBlock : len(hs)*simBlock]), BlockSize: simBlock / simCharsPerToken}
 		if hit > 0 {
 			stored.Parent, stored.HasParent = hs[hit-1], true
+		} else if salted != nil {
+			stored.Extra = make([][]byte, len(stored.Hashes))
+			stored.Extra[0] = salted
 		}
 		e.events(stored, kvevents.Event{Kind: kvevents.Removed, Hashes: removed})
 	}
@@ -339,6 +372,7 @@ func (c *chat) answered(i int, prompt string, asked []simMessage, send func(i in
 
 type simReq struct {
 	prompt  string   // as the engine caches it
+	salt    string   // its cache_salt, "" for none
 	ns      uint64   // what else the engine keys its blocks with (its cache_salt), 0 for nothing
 	req     *Request // as the router reads the client's body
 	output  int
@@ -469,7 +503,7 @@ func (s *sim) converse(sess simSession) {
 	turn = func(i int) {
 		t, prompt, asked := c.ask(i)
 		r := &simReq{prompt: prompt, req: chatRequest(asked), output: t.output, arrived: s.now}
-		if sess.salt != "" { // the model's name and the salt, as API.PromptOf reads them
+		if r.salt = sess.salt; r.salt != "" { // the model's name and the salt, as API.PromptOf reads them
 			ns := "m\x00" + sess.salt + "\x00"
 			if r.ns = xxhash.Sum64String(ns); !s.blind {
 				r.req.prompt.Namespace = ns
@@ -495,7 +529,7 @@ func (s *sim) send(r *simReq) {
 	pool := s.pools[s.sent%len(s.pools)]
 	s.sent++
 	if s.tokens && r.req.Tokens() == nil {
-		r.req.SetTokens(simTokens(r.prompt), kvevents.Keys{})
+		r.req.SetTokens(simTokens(r.prompt), kvevents.Keys{Model: "m", Salt: r.salt})
 	}
 	ep, err := pool.Select(r.req)
 	if err != nil {
@@ -517,7 +551,7 @@ func (s *sim) send(r *simReq) {
 // prefill computes r's prompt on e, then decodes it.
 func (s *sim) prefill(e *simEngine, r *simReq) {
 	hs := simIndex.hashes(r.ns, r.prompt)
-	hit := e.serve(r.prompt, hs)
+	hit := e.serve(r.prompt, hs, saltKey(r.salt))
 	n := float64(len(r.prompt))
 	for i, h := range hs {
 		if !s.seen[h] {

@@ -274,7 +274,7 @@ func (s *pdSim) send(r *pdReq) {
 // prefill computes r's prompt on the prefill engine e, which answers, then
 // the decode engine pulls the KV.
 func (s *pdSim) prefill(e *pdEngine, r *pdReq) {
-	hit := e.serve(r.prompt, r.hs)
+	hit := e.serve(r.prompt, r.hs, nil)
 	d := s.p.PrefillFixed + secs(float64(len(r.prompt)-hit)/s.p.PrefillCPS)
 	s.prefillWork += d
 	s.at(s.now+d, func() {
@@ -283,7 +283,7 @@ func (s *pdSim) prefill(e *pdEngine, r *pdReq) {
 		r.dEng.inbound++
 		s.at(s.now+secs(float64(len(r.prompt)-heldBlocks(r.dEng.cache, r.hs)*simBlock)/s.p.TransferCPS), func() {
 			r.dEng.inbound--
-			r.dEng.serve(r.prompt, r.hs)
+			r.dEng.serve(r.prompt, r.hs, nil)
 			r.dEng.joining = append(r.dEng.joining, r)
 			s.kick(r.dEng)
 		})
@@ -320,7 +320,7 @@ func (s *pdSim) step(e *pdEngine) {
 		}
 		if !r.started {
 			r.started = true
-			hit := e.serve(r.prompt, r.hs)
+			hit := e.serve(r.prompt, r.hs, nil)
 			r.left = max(len(r.prompt)-hit, pdCharsPerToken) // the last token is always computed
 			if r.split.Reason == metrics.ReasonCachedPrefix {
 				s.heldEst += float64(r.split.Held)
@@ -366,7 +366,7 @@ func (s *pdSim) emit(e *pdEngine, r *pdReq) {
 		return
 	}
 	if r.after != "" {
-		e.serve(r.after, simHashes(r.after))
+		e.serve(r.after, simHashes(r.after), nil)
 	}
 	r.decode.ReportSuccess()
 	r.release()

@@ -412,7 +412,7 @@ var knownMisses = map[string]bool{
 var namespacePolicies = []simPolicy{
 	configured(config.PolicyRoundRobin), configured(config.PolicyLeastLoad), memoryPolicy, llmdModel,
 	{name: "prefix-affinity, blind", config: config.PolicyPrefixAffinity, blind: true},
-	configured(config.PolicyPrefixAffinity),
+	configured(config.PolicyPrefixAffinity), eventsPolicy,
 }
 
 // BenchmarkNamespaces is docs/scheduling.md's namespaces table: workload
@@ -428,35 +428,37 @@ func BenchmarkNamespaces(b *testing.B) {
 }
 
 // TestSimulatedNamespaces: on a short run of workload (f), small cache, at
-// 1 and 4 replicas, prefix affinity that ranks requests by their namespace
-// caches 10 points more than the same policy blind to it, and no less than
-// the best baseline minus 2 points (the tables' target).
+// 1 and 4 replicas, prefix affinity that ranks requests by their namespace,
+// with or without events, caches 10 points more than the same policy blind
+// to it, and no less than the best baseline minus 2 points (the tables'
+// target).
 func TestSimulatedNamespaces(t *testing.T) {
 	if testing.Short() || raceDetector {
 		t.Skip("simulation: make test runs it without -race")
 	}
 	rows := runTable(table([]simWorkload{salted}, []int{smallCache}, []float64{1}, []int{1, 4}, namespacePolicies), 3*time.Minute, simSeeds[:1])
-	ours, blind, best := map[int]simRow{}, map[int]simRow{}, map[int]simRow{} // by replicas
+	var ourRows []simRow
+	blind, best := map[int]simRow{}, map[int]simRow{} // by replicas
 	for _, r := range rows {
 		t.Log(r)
 		switch {
-		case r.policy.name == config.PolicyPrefixAffinity:
-			ours[r.replicas] = r
 		case r.policy.blind:
 			blind[r.replicas] = r
+		case ours(r.policy):
+			ourRows = append(ourRows, r)
 		case r.HitRate > best[r.replicas].HitRate:
 			best[r.replicas] = r
 		}
 	}
-	if len(ours) != 2 || len(blind) != 2 || len(best) != 2 {
-		t.Fatalf("rows of prefix-affinity %d, blind %d, baselines %d; want 2 each", len(ours), len(blind), len(best))
+	if len(ourRows) != 4 || len(blind) != 2 || len(best) != 2 {
+		t.Fatalf("rows of prefix-affinity %d, blind %d, baselines %d; want 4, 2, 2", len(ourRows), len(blind), len(best))
 	}
-	for n, r := range ours {
-		if r.HitRate < blind[n].HitRate+0.1 {
-			t.Errorf("%d replicas: hit rate %.1f %%, blind %.1f %%", n, 100*r.HitRate, 100*blind[n].HitRate)
+	for _, r := range ourRows {
+		if b := blind[r.replicas]; r.HitRate < b.HitRate+0.1 {
+			t.Errorf("%v: hit rate %.1f %%, blind %.1f %%", r.simCell, 100*r.HitRate, 100*b.HitRate)
 		}
-		if b := best[n]; r.HitRate < b.HitRate-0.02 {
-			t.Errorf("%d replicas: hit rate %.1f %%, %s's %.1f %%", n, 100*r.HitRate, b.policy.name, 100*b.HitRate)
+		if b := best[r.replicas]; r.HitRate < b.HitRate-0.02 {
+			t.Errorf("%v: hit rate %.1f %%, %s's %.1f %%", r.simCell, 100*r.HitRate, b.policy.name, 100*b.HitRate)
 		}
 	}
 }
