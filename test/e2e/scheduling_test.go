@@ -234,3 +234,55 @@ func TestReplicasAgreeOnPrefixAffinity(t *testing.T) {
 		}
 	}
 }
+
+// TestTenantsOfOneSystemPromptRankApart: one system prompt asked under ten
+// tenants' namespaces, five with a cache_salt of their own and five for a
+// LoRA adapter of their own, which the engines cache apart: every replica
+// keeps each tenant's prefill legs on one endpoint, and the tenants spread
+// over the endpoints, as ten different prompts would. Ranked by the prompt
+// alone they would all share its one home; ten tenants all ranking one of
+// three endpoints first would happen once in 19,683 runs.
+func TestTenantsOfOneSystemPromptRankApart(t *testing.T) {
+	const replicas, tenants, questions = 3, 10, 6
+	adapters := make([]string, tenants/2)
+	for i := range adapters {
+		adapters[i] = fmt.Sprintf("lora-%d", i)
+	}
+	r := startRig(t, rigOptions{prefills: 3, replicas: replicas, prefillPool: "policy: prefix-affinity", lora: adapters})
+	system := strings.Repeat("Answer as the house's careful assistant would. ", 20)
+	for q := range questions {
+		for i := range tenants {
+			fields := map[string]any{"model": "pdsim", "max_tokens": 4, "messages": []map[string]string{
+				{"role": "system", "content": system}, {"role": "user", "content": fmt.Sprintf("[tenant %d] question %d: what changed?", i, q)}}}
+			if i%2 == 0 {
+				fields["cache_salt"] = fmt.Sprintf("tenant-%d", i)
+			} else {
+				fields["model"] = adapters[i/2]
+			}
+			b, err := json.Marshal(fields)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if resp, got := r.must(t, "/v1/chat/completions", string(b), nil); resp.StatusCode != http.StatusOK {
+				t.Fatalf("status %d: %s", resp.StatusCode, got)
+			}
+		}
+	}
+	homes := map[int]bool{}
+	for i := range tenants {
+		counts := legsOn(r.prefill, fmt.Sprintf("[tenant %d]", i))
+		top, home := 0, 0
+		for e, n := range counts {
+			if n > top {
+				top, home = n, e
+			}
+		}
+		if top != questions {
+			t.Errorf("tenant %d: prefill legs per endpoint %v; want all %d on one", i, counts, questions)
+		}
+		homes[home] = true
+	}
+	if len(homes) < 2 {
+		t.Errorf("the %d tenants all went to prefill endpoint %v: ranked by the prompt alone", tenants, homes)
+	}
+}
