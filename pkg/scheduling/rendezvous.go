@@ -85,10 +85,10 @@ type ranked struct {
 
 // rank orders the candidates for a request: by the weights of its prefix
 // (whose hash is prefix), with the first home of them (the prefix's home set)
-// reordered by the conversation's (whose hash is conversation). Requests that share a prefix share its
-// first home endpoints, so that a system prompt is cached on as few engines
-// as its traffic needs; within them each conversation has an order of its
-// own, which its turns keep.
+// reordered by the conversation's (whose hash is conversation). Requests that
+// share a prefix share its first home endpoints, so that a system prompt is
+// cached on as few engines as its traffic needs; within them each
+// conversation has an order of its own, which its turns keep.
 func rank(prefix, conversation uint64, home int, eps []*Endpoint) []ranked {
 	rs := busyness(eps)
 	for i := range rs {

@@ -4,6 +4,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/cespare/xxhash/v2"
+
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"

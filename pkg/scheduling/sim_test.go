@@ -12,11 +12,12 @@ import (
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"github.com/vmihailenco/msgpack/v5"
+
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
-	"github.com/vmihailenco/msgpack/v5"
 )
 
 // A discrete-event simulation of one pool of aggregated engines on a
