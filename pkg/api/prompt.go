@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
 // Prompt is one request's prompt as scheduling reads it: how many samples
@@ -20,12 +21,12 @@ type Prompt struct {
 	// MixedN is each entry's n of SGLang's list of sampling_params when they
 	// differ, which SGLang refuses; nil when they agree.
 	MixedN []int
-	// Namespace is what the engine keys the prompt's cached blocks with
-	// besides their text (API.PromptOf): the model named, as a LoRA
-	// adapter's blocks are its own, the cache_salt, and SGLang's lora_path
-	// (its native API names an adapter there). Prompts alike in text and
-	// not in namespace share no cache. "" for none of them.
-	Namespace string
+	// Cache is what the engine keys the prompt's cached blocks with besides
+	// their text (API.PromptOf): the model named (SGLang's native API names
+	// an adapter in lora_path instead), as a LoRA adapter's blocks are its
+	// own, and the cache_salt. Prompts alike in text and not in Cache share
+	// no cache.
+	Cache kvevents.Keys
 
 	once   sync.Once
 	render func() rendering
@@ -109,15 +110,15 @@ func (p *Prompt) Previous() string {
 
 func (p *Prompt) do() { p.r = p.render() }
 
-// PromptOf reads a request for scheduling (Prompt), with its Namespace.
+// PromptOf reads a request for scheduling (Prompt), with its Cache.
 func (a *API) PromptOf(o *body.Object) *Prompt {
 	p := a.Prompt(o)
-	model, _ := o.String("model")
-	salt, _ := o.String("cache_salt")
-	lora, _ := o.String("lora_path")
-	if model != "" || salt != "" || lora != "" {
-		p.Namespace = model + "\x00" + salt + "\x00" + lora
+	model, ok := o.String("model")
+	if !ok {
+		model, _ = o.String("lora_path")
 	}
+	salt, _ := o.String("cache_salt")
+	p.Cache = kvevents.Keys{Model: model, Salt: salt}
 	return p
 }
 

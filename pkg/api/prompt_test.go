@@ -4,6 +4,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
 func TestPromptReaders(t *testing.T) {
@@ -192,22 +194,25 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 	}
 }
 
-// TestPromptNamespace: the model a request names and its cache_salt, what
-// the engine keys its cached blocks with besides their text.
-func TestPromptNamespace(t *testing.T) {
+// TestPromptCache: the model a request names (SGLang's native API, its
+// lora_path) and its cache_salt, what the engine keys its cached blocks with
+// besides their text: a LoRA adapter's and a salted prompt's blocks are
+// their own.
+func TestPromptCache(t *testing.T) {
 	for _, tt := range []struct {
 		name, body string
 		api        *API
-		want       string
+		want       kvevents.Keys
 	}{
-		{"a model", `{"model":"m","messages":[]}`, Chat, "m\x00\x00"},
-		{"a model and a salt", `{"model":"sql-lora","prompt":"x","cache_salt":"t1"}`, Completions, "sql-lora\x00t1\x00"},
-		{"a salt alone", `{"token_ids":[1],"cache_salt":"t1"}`, Generate, "\x00t1\x00"},
-		{"SGLang's adapter", `{"text":"x","lora_path":"sql-lora"}`, SGLangGenerate, "\x00\x00sql-lora"},
-		{"none", `{"text":"x"}`, SGLangGenerate, ""},
+		{"a chat request", `{"model":"m","messages":[]}`, Chat, kvevents.Keys{Model: "m"}},
+		{"an adapter's, salted", `{"model":"sql-lora","messages":[],"cache_salt":"t1"}`, Chat, kvevents.Keys{Model: "sql-lora", Salt: "t1"}},
+		{"a null cache_salt is none", `{"model":"m","prompt":"hi","cache_salt":null}`, Completions, kvevents.Keys{Model: "m"}},
+		{"token-in generate, salted", `{"token_ids":[7],"cache_salt":"s"}`, Generate, kvevents.Keys{Salt: "s"}},
+		{"SGLang's adapter", `{"text":"x","lora_path":"sql-lora"}`, SGLangGenerate, kvevents.Keys{Model: "sql-lora"}},
+		{"none", `{"text":"x"}`, SGLangGenerate, kvevents.Keys{}},
 	} {
-		if got := tt.api.PromptOf(parsed(t, tt.body)).Namespace; got != tt.want {
-			t.Errorf("%s: namespace %q, want %q", tt.name, got, tt.want)
+		if got := tt.api.PromptOf(parsed(t, tt.body)).Cache; got != tt.want {
+			t.Errorf("%s: cache %+v, want %+v", tt.name, got, tt.want)
 		}
 	}
 }

@@ -5,7 +5,6 @@ import (
 	"strconv"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
-	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
 // Tokens is how a request's prompt becomes the token ids its engine
@@ -27,10 +26,6 @@ type Tokens struct {
 	// tool_choice "none" and gpt-oss's Harmony format cannot be asked for,
 	// so its ids can differ where those apply.
 	Ask []byte
-	// Keys are what keys the request's blocks in the engine's prefix cache
-	// besides their ids: its model (a LoRA adapter's name keys them) and
-	// its cache_salt.
-	Keys kvevents.Keys
 }
 
 // The render endpoints (vllm/entrypoints/serve/render/api_router.py; the
@@ -49,19 +44,16 @@ const (
 var chatTokenizeFields = []string{"model", "messages", "tools", "add_generation_prompt", "continue_final_message",
 	"add_special_tokens", "chat_template", "chat_template_kwargs", "mm_processor_kwargs"}
 
-// TokensOf says how to get a request's token ids, and what else keys its
-// blocks: none when the API has no way to ask (Anthropic Messages, SGLang's
-// generate), the body is a batch, or its cache_salt is not one the engine
-// takes (a string, not empty).
+// TokensOf says how to get a request's token ids (what else keys its blocks
+// is its Prompt's Cache): none when the API has no way to ask (Anthropic
+// Messages, SGLang's generate), the body is a batch, or its cache_salt is
+// not one the engine takes (a string, not empty).
 func (a *API) TokensOf(o *body.Object) Tokens {
 	salt, ok := o.String("cache_salt")
 	if raw, set := o.Raw("cache_salt"); a.Tokenize == nil || set && !body.IsNull(raw) && (!ok || salt == "") {
 		return Tokens{}
 	}
-	t := a.Tokenize(o)
-	t.Keys.Model, _ = o.String("model")
-	t.Keys.Salt = salt
-	return t
+	return a.Tokenize(o)
 }
 
 func chatTokens(o *body.Object) Tokens {

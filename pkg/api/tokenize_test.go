@@ -3,8 +3,6 @@ package api
 import (
 	"slices"
 	"testing"
-
-	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
 // TestTokenizeAsksForWhatTheEngineComputes: a chat or completions request is
@@ -56,26 +54,6 @@ func TestTokenizeAsksForWhatTheEngineComputes(t *testing.T) {
 	for _, a := range []*API{Messages, SGLangGenerate} {
 		if a.Tokenize != nil {
 			t.Errorf("%s has a Tokenize, but no /tokenize or render form of vLLM's", a.Name)
-		}
-	}
-}
-
-// TestTokensCarryWhatKeysTheBlocks: the model a request names and its
-// cache_salt go with its token ids, as vLLM keys a LoRA adapter's and a
-// salted prompt's blocks with them.
-func TestTokensCarryWhatKeysTheBlocks(t *testing.T) {
-	for _, tt := range []struct {
-		name, body string
-		api        *API
-		want       kvevents.Keys
-	}{
-		{"a chat request", `{"model":"m","messages":[]}`, Chat, kvevents.Keys{Model: "m"}},
-		{"an adapter's, salted", `{"model":"sql-lora","messages":[],"cache_salt":"t1"}`, Chat, kvevents.Keys{Model: "sql-lora", Salt: "t1"}},
-		{"a null cache_salt is none", `{"model":"m","prompt":"hi","cache_salt":null}`, Completions, kvevents.Keys{Model: "m"}},
-		{"token-in generate, salted", `{"token_ids":[7],"cache_salt":"s"}`, Generate, kvevents.Keys{Salt: "s"}},
-	} {
-		if got := tt.api.TokensOf(parsed(t, tt.body)).Keys; got != tt.want {
-			t.Errorf("%s: keys %+v, want %+v", tt.name, got, tt.want)
 		}
 	}
 }

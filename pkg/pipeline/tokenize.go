@@ -37,7 +37,7 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	}
 	t := a.TokensOf(obj)
 	if t.IDs != nil {
-		sreq.SetTokens(t.IDs, t.Keys)
+		sreq.SetTokens(t.IDs)
 		return
 	}
 	api := t.RenderPath
@@ -79,7 +79,7 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 		p.log.V(1).Info("tokenize failed: the request goes by the pools' estimates", "requestID", r.RequestID, "engine", e.Addr, "error", err.Error())
 		return
 	}
-	sreq.SetTokens(ids, t.Keys)
+	sreq.SetTokens(ids)
 }
 
 var (

@@ -25,7 +25,7 @@ func (p *prefixAffinity) lookup(req *Request, eps []*Endpoint) (idx *kvevents.In
 			addrs = append(addrs, e.Addr)
 		}
 	}
-	if held, known = idx.Lookup(addrs, req.Tokens(), req.keys); len(known) == 0 {
+	if held, known = idx.Lookup(addrs, req.Tokens(), req.cache()); len(known) == 0 {
 		return nil, nil, nil
 	}
 	return idx, held, known

@@ -735,7 +735,7 @@ func TestEventsPlaceRequestsOnHolders(t *testing.T) {
 	}
 	request := func(msgs []simMessage) *Request {
 		req := chatRequest(msgs)
-		req.SetTokens(tokens, kvevents.Keys{})
+		req.SetTokens(tokens)
 		return req
 	}
 	pick := func(p *Pool, req *Request, busy string, inflight int) string {
@@ -818,7 +818,7 @@ func TestDecodeQueueBoundWithoutATrustedView(t *testing.T) {
 	msgs := []simMessage{{"system", strings.Repeat("Answer in French. ", 40)}, {"user", "Who wrote Candide?"}}
 	request := func() *Request {
 		req := chatRequest(msgs)
-		req.SetTokens(simTokens(req.Prompt()), kvevents.Keys{})
+		req.SetTokens(simTokens(req.Prompt()))
 		return req
 	}
 	tests := []struct {

@@ -25,10 +25,9 @@ type Request struct {
 
 	prompt *api.Prompt // read as the request's API reads it; nil for none
 	// tokens are the prompt's token ids as its engine computes them, when
-	// known (SetTokens): what a pool following KV events looks up, with
-	// keys.
+	// known (SetTokens): what a pool following KV events looks up, keyed
+	// as the prompt's Cache says.
 	tokens []int64
-	keys   kvevents.Keys
 	// held is what the policy that picked for it last estimates that
 	// endpoint holds of its prompt: prefix-affinity sets it as it picks, for
 	// the decider to read of the decode endpoint.
@@ -46,9 +45,8 @@ type estimate struct {
 }
 
 // SetTokens gives r its prompt's token ids (the engine's render endpoint or
-// /tokenize, or the body's own ids), and what else keys its blocks in the
-// engine's prefix cache.
-func (r *Request) SetTokens(ids []int64, keys kvevents.Keys) { r.tokens, r.keys = ids, keys }
+// /tokenize, or the body's own ids).
+func (r *Request) SetTokens(ids []int64) { r.tokens = ids }
 
 // Tokens are the prompt's token ids, nil when not known.
 func (r *Request) Tokens() []int64 {
@@ -94,14 +92,24 @@ func (r *Request) Head() string { return r.read((*api.Prompt).Head) }
 // request sent (api.Prompt.Previous), empty when no reply follows the head.
 func (r *Request) Previous() string { return r.read((*api.Prompt).Previous) }
 
-// namespace is a hash of the prompt's Namespace (its model and
-// cache_salt), 0 for none: it keys its rendezvous ranking and the local
-// hint's blocks, as the engine keys its cached blocks.
+// cache is what the engine keys the prompt's cached blocks with besides
+// their text (api.Prompt.Cache).
+func (r *Request) cache() kvevents.Keys {
+	if r == nil || r.prompt == nil {
+		return kvevents.Keys{}
+	}
+	return r.prompt.Cache
+}
+
+// namespace is a hash of cache, 0 for none: it keys the request's
+// rendezvous ranking and the local hint's blocks, as the engine keys its
+// cached blocks.
 func (r *Request) namespace() uint64 {
-	if r == nil || r.prompt == nil || r.prompt.Namespace == "" {
+	k := r.cache()
+	if k == (kvevents.Keys{}) {
 		return 0
 	}
-	return xxhash.Sum64String(r.prompt.Namespace)
+	return xxhash.Sum64String(k.Model + "\x00" + k.Salt)
 }
 
 // read is what part says of the request's prompt, "" for a nil request.

@@ -141,7 +141,7 @@ func BenchmarkSelect(b *testing.B) {
 		}
 		p.events.Store(&poolEvents{index: index})
 		req := chatRequest(messages)
-		req.SetTokens(tokens, kvevents.Keys{})
+		req.SetTokens(tokens)
 		b.ReportAllocs()
 		for b.Loop() {
 			if e, err := p.Select(req); err != nil || e.Addr != addrs[0] {

@@ -373,8 +373,7 @@ func (c *chat) answered(i int, prompt string, asked []simMessage, send func(i in
 
 type simReq struct {
 	prompt  string   // as the engine caches it
-	salt    string   // its cache_salt, "" for none
-	ns      uint64   // what else the engine keys its blocks with (its cache_salt), 0 for nothing
+	salt    string   // its cache_salt, which the engine keys its blocks with; "" for none
 	req     *Request // as the router reads the client's body
 	output  int
 	arrived time.Duration
@@ -504,11 +503,8 @@ func (s *sim) converse(sess simSession) {
 	turn = func(i int) {
 		t, prompt, asked := c.ask(i)
 		r := &simReq{prompt: prompt, req: chatRequest(asked), output: t.output, arrived: s.now}
-		if r.salt = sess.salt; r.salt != "" { // the model's name and the salt, as API.PromptOf reads them
-			ns := "m\x00" + sess.salt + "\x00"
-			if r.ns = xxhash.Sum64String(ns); !s.blind {
-				r.req.prompt.Namespace = ns
-			}
+		if r.salt = sess.salt; r.salt != "" && !s.blind { // as API.PromptOf reads them
+			r.req.prompt.Cache = kvevents.Keys{Model: "m", Salt: sess.salt}
 		}
 		r.done = func(ok bool) {
 			if !ok {
@@ -530,7 +526,7 @@ func (s *sim) send(r *simReq) {
 	pool := s.pools[s.sent%len(s.pools)]
 	s.sent++
 	if s.tokens && r.req.Tokens() == nil {
-		r.req.SetTokens(simTokens(r.prompt), kvevents.Keys{Model: "m", Salt: r.salt})
+		r.req.SetTokens(simTokens(r.prompt))
 	}
 	ep, err := pool.Select(r.req)
 	if err != nil {
@@ -551,7 +547,11 @@ func (s *sim) send(r *simReq) {
 
 // prefill computes r's prompt on e, then decodes it.
 func (s *sim) prefill(e *simEngine, r *simReq) {
-	hs := simIndex.hashes(r.ns, r.prompt)
+	var salted uint64 // the engine's chain starts from the salt
+	if r.salt != "" {
+		salted = xxhash.Sum64String(r.salt)
+	}
+	hs := simIndex.hashes(salted, r.prompt)
 	hit := e.serve(r.prompt, hs, saltKey(r.salt))
 	n := float64(len(r.prompt))
 	for i, h := range hs {

@@ -243,7 +243,7 @@ func (s *pdSim) send(r *pdReq) {
 	s.sent++
 	r.arrived, r.hs = s.now, simHashes(r.prompt)
 	if ps.Decode.cache() != nil {
-		r.req.SetTokens(simTokens(r.prompt), kvevents.Keys{})
+		r.req.SetTokens(simTokens(r.prompt))
 	}
 	eps, err := ps.Decode.SelectN(r.req, 1)
 	if err != nil {
