@@ -297,13 +297,18 @@ func (e *Event) read(d *decoder, name string) error {
 		e.SpecKind, err = readOptionalString(d)
 	case "lora_id", "lora_name", "metadata":
 		// Position 7 is SGLang's metadata map where vLLM has lora_name.
-		var raw []byte
-		if raw, err = d.raw(); err != nil || raw[0] == msgpcode.Nil {
+		var c byte
+		if c, err = d.PeekCode(); err != nil {
 			break
 		}
-		if name == "lora_name" && msgpcode.IsString(raw[0]) {
-			e.Adapter, err = newDecoder(raw).DecodeString()
-		} else {
+		switch {
+		case c == msgpcode.Nil:
+			err = d.DecodeNil()
+		case name == "lora_name" && msgpcode.IsString(c):
+			e.Adapter, err = d.DecodeString()
+		default:
+			var raw []byte
+			raw, err = d.raw()
 			e.keyed = append(e.keyed, raw...)
 		}
 	default:

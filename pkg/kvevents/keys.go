@@ -71,6 +71,7 @@ func appendOpaque(buf, raw []byte) []byte {
 // block hash takes them) or typed (vLLM's ExtraKey structs, tagged "lora",
 // "cache_salt", "mm", ...). adapter is the name of a typed LoRA key, if any.
 func readExtra(d *decoder) (blocks [][]byte, adapter string, err error) {
+	var key *decoder // each key is read again by it, made at the first
 	blocks, err = readList(d, func() ([]byte, error) {
 		var out []byte
 		n, err := d.arrayLen()
@@ -79,7 +80,12 @@ func readExtra(d *decoder) (blocks [][]byte, adapter string, err error) {
 			if raw, err = d.raw(); err != nil {
 				break
 			}
-			name, lora, ok := readName(raw)
+			if key == nil {
+				key = newDecoder(raw)
+			} else {
+				key.reset(raw)
+			}
+			name, lora, ok := readName(key)
 			switch {
 			case ok:
 				out = appendName(out, name)
@@ -95,14 +101,14 @@ func readExtra(d *decoder) (blocks [][]byte, adapter string, err error) {
 	return blocks, adapter, err
 }
 
-// readName reads one extra key as a name: a bare string, or a typed LoRA
-// ({"type": "lora", "name": ...}) or cache_salt ({"type": "cache_salt",
-// "salt": ...}) key; lora says it is an adapter's.
-func readName(raw []byte) (name string, lora, ok bool) {
+// readName reads one extra key, alone in d, as a name: a bare string, or a
+// typed LoRA ({"type": "lora", "name": ...}) or cache_salt ({"type":
+// "cache_salt", "salt": ...}) key; lora says it is an adapter's.
+func readName(d *decoder) (name string, lora, ok bool) {
+	raw := d.payload
 	if len(raw) == 0 {
 		return "", false, false
 	}
-	d := newDecoder(raw)
 	if msgpcode.IsString(raw[0]) {
 		s, err := d.DecodeString()
 		return s, false, err == nil

@@ -96,8 +96,8 @@ func (x *Index) Lookup(endpoints []string, tokens []int64, k Keys) (held map[str
 	kp := keysPool.Get().(*[]uint64)
 	keys := (*kp)[:0]
 	defer func() { *kp = keys[:0]; keysPool.Put(kp) }()
-	_, adapter := x.adapters[k.Model]
-	first, rest := k.extra(adapter && k.Model != "")
+	_, adapter := x.adapters[k.Model] // never "": store keeps no empty name
+	first, rest := k.extra(adapter)
 	var buf []byte
 	keyAt := func(b int) uint64 {
 		for len(keys) <= b {

@@ -23,6 +23,13 @@ func newDecoder(payload []byte) *decoder {
 	return &decoder{Decoder: msgpack.NewDecoder(r), r: r, payload: payload}
 }
 
+// reset makes d read payload, reusing what it holds.
+func (d *decoder) reset(payload []byte) {
+	d.r.Reset(payload)
+	d.Decoder.Reset(d.r)
+	d.payload = payload
+}
+
 // arrayLen reads an array's length (-1 for nil): at most a byte left per
 // element.
 func (d *decoder) arrayLen() (int, error) {
