@@ -589,47 +589,20 @@ func TestSharesFollowTheMix(t *testing.T) {
 // large share of the traffic gets a home set of several endpoints, and each
 // conversation under it keeps one of them.
 func TestRequestsSharingASystemPromptMeet(t *testing.T) {
-	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
-	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity}
-	replicas := make([]*Pool, 3)
-	for i := range replicas {
-		replicas[i], _ = testPool(t, sched, addrs...)
-	}
-	sent := 0
-	pick := func(req *Request) string {
-		t.Helper()
-		e, err := replicas[sent%len(replicas)].Select(req)
-		sent++
-		if err != nil {
-			t.Fatal(err)
-		}
-		return e.Addr
-	}
+	_, pick := replicasInTurn(t)
 	system := func(i int) string {
 		return fmt.Sprintf("You are agent %d. ", i) + strings.Repeat("Follow the house rules. ", 40)
 	}
-	where := map[int]map[string]int{} // system prompt → endpoint → requests
+	where := map[string]map[string]int{} // system prompt → endpoint → requests
 	// 11 of them: a number prime to the replicas', so that each replica
 	// sees every system prompt, as behind a round robin.
 	for q := range 20 {
 		for s := range 11 {
 			question := fmt.Sprintf("Question %d for agent %d: what changed since yesterday?", q, s)
-			if where[s] == nil {
-				where[s] = map[string]int{}
-			}
-			where[s][pick(conversation(system(s), question))]++
+			sent(where, fmt.Sprint("agent ", s), pick(conversation(system(s), question)))
 		}
 	}
-	homes := map[string]bool{}
-	for s, eps := range where {
-		if len(eps) != 1 {
-			t.Errorf("agent %d's questions went to %v, want one endpoint", s, eps)
-		}
-		for e := range eps {
-			homes[e] = true
-		}
-	}
-	if len(homes) < 2 {
+	if homes := homesOf(t, where); len(homes) < 2 {
 		t.Errorf("11 system prompts all went to %v", homes)
 	}
 
@@ -650,6 +623,53 @@ func TestRequestsSharingASystemPromptMeet(t *testing.T) {
 	}
 }
 
+// replicasInTurn are three replicas of a prefix-affinity pool of four
+// endpoints, and pick, which sends each request to the next of them, as
+// Envoy's round robin hands them the streams, and returns where it went.
+func replicasInTurn(t *testing.T) (replicas []*Pool, pick func(*Request) string) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity}
+	replicas = make([]*Pool, 3)
+	for i := range replicas {
+		replicas[i], _ = testPool(t, sched, addrs...)
+	}
+	picked := 0
+	return replicas, func(req *Request) string {
+		t.Helper()
+		e, err := replicas[picked%len(replicas)].Select(req)
+		picked++
+		if err != nil {
+			t.Fatal(err)
+		}
+		return e.Addr
+	}
+}
+
+// sent counts a request of group that went to endpoint in where (group →
+// endpoint → requests).
+func sent(where map[string]map[string]int, group, endpoint string) {
+	if where[group] == nil {
+		where[group] = map[string]int{}
+	}
+	where[group][endpoint]++
+}
+
+// homesOf says each group's questions in where should have gone to one
+// endpoint, and returns those endpoints.
+func homesOf(t *testing.T, where map[string]map[string]int) map[string]bool {
+	t.Helper()
+	homes := map[string]bool{}
+	for g, eps := range where {
+		if len(eps) != 1 {
+			t.Errorf("%s's questions went to %v, want one endpoint", g, eps)
+		}
+		for e := range eps {
+			homes[e] = true
+		}
+	}
+	return homes
+}
+
 // TestNamespacesRankApart: requests alike in text but for another LoRA
 // adapter or under another cache_salt share no cache on the engine, so
 // they rank as different prompts: one system prompt's questions for 12
@@ -657,12 +677,7 @@ func TestRequestsSharingASystemPromptMeet(t *testing.T) {
 // pool; and a replica's memory of where one tenant's prompt went says
 // nothing of another's.
 func TestNamespacesRankApart(t *testing.T) {
-	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
-	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity}
-	replicas := make([]*Pool, 3)
-	for i := range replicas {
-		replicas[i], _ = testPool(t, sched, addrs...)
-	}
+	replicas, pick := replicasInTurn(t)
 	system := strings.Repeat("Follow the house rules. ", 40)
 	request := func(model, salt, question string) *Request {
 		t.Helper()
@@ -674,34 +689,19 @@ func TestNamespacesRankApart(t *testing.T) {
 		}
 		return NewRequest(api.Chat.PromptOf(obj))
 	}
-	ask := func(replica int, model, salt, question string) string {
-		t.Helper()
-		e, err := replicas[replica].Select(request(model, salt, question))
-		if err != nil {
-			t.Fatal(err)
-		}
-		return e.Addr
-	}
-	homes := map[string]bool{}
+	where := map[string]map[string]int{} // tenant → endpoint → requests
 	for tenant := range 12 {
 		salt := fmt.Sprintf("tenant-%d", tenant)
-		where := map[string]bool{}
 		for q := range 3 {
-			where[ask(q, "base", salt, fmt.Sprintf("Question %d?", q))] = true
-		}
-		if len(where) != 1 {
-			t.Errorf("%s's questions went to %v, want one endpoint", salt, where)
-		}
-		for e := range where {
-			homes[e] = true
+			sent(where, salt, pick(request("base", salt, fmt.Sprintf("Question %d?", q))))
 		}
 	}
-	if len(homes) < 3 {
+	if homes := homesOf(t, where); len(homes) < 3 {
 		t.Errorf("12 tenants' prompts went to %v, want them spread over at least 3 endpoints", homes)
 	}
 	adapters := map[string]bool{}
 	for _, model := range []string{"base", "sql-lora", "chat-lora", "code-lora", "math-lora", "law-lora"} {
-		adapters[ask(0, model, "", "Which adapter am I?")] = true
+		adapters[pick(request(model, "", "Which adapter am I?"))] = true
 	}
 	if len(adapters) < 2 {
 		t.Errorf("six adapters' prompts all went to %v", adapters)
