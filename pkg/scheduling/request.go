@@ -109,7 +109,12 @@ func (r *Request) namespace() uint64 {
 	if k == (kvevents.Keys{}) {
 		return 0
 	}
-	return xxhash.Sum64String(k.Model + "\x00" + k.Salt)
+	var h xxhash.Digest // of model, NUL, salt, without building the string
+	h.Reset()
+	h.WriteString(k.Model)
+	h.WriteString("\x00")
+	h.WriteString(k.Salt)
+	return h.Sum64()
 }
 
 // read is what part says of the request's prompt, "" for a nil request.
