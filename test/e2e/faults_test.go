@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -31,6 +32,10 @@ func TestFaultPrefillLegFails(t *testing.T) {
 		attempt func(t *testing.T, recs []pdsim.Record) // what each prefill attempt looked like
 		tries   int                                     // prefill attempts: prefill.attempts (2) unless the timeout ends the phase
 		failed  int                                     // status with on_failure: fail
+		// cancelled: the router cancels its attempts, which the engine
+		// records once its handler sees the cancellation, after the client
+		// may have its answer.
+		cancelled bool
 	}
 	slow := func(r *rig) {
 		for _, p := range r.prefill {
@@ -40,7 +45,7 @@ func TestFaultPrefillLegFails(t *testing.T) {
 	faults := []fault{
 		{
 			// prefill.timeout bounds the whole prefill phase, retries included: one attempt.
-			name: "times out", opts: rigOptions{extra: "prefill: {timeout: 250ms, on_failure: %s}"}, break_: slow, tries: 1, failed: 503,
+			name: "times out", opts: rigOptions{extra: "prefill: {timeout: 250ms, on_failure: %s}"}, break_: slow, tries: 1, failed: 503, cancelled: true,
 			attempt: func(t *testing.T, recs []pdsim.Record) {
 				for _, rec := range recs {
 					if !rec.Canceled {
@@ -101,6 +106,12 @@ func TestFaultPrefillLegFails(t *testing.T) {
 					resp, got := r.must(t, path, body, nil)
 
 					attempts := recordsWith(r.prefill, marker)
+					if f.cancelled {
+						waitFor(t, 5*time.Second, "the engines to see the prefill attempts cancelled", func() bool {
+							attempts = recordsWith(r.prefill, marker)
+							return !slices.ContainsFunc(attempts, func(rec pdsim.Record) bool { return !rec.Canceled })
+						})
+					}
 					if r.prefill != nil && len(attempts) != f.tries {
 						t.Errorf("%d prefill attempts, want %d", len(attempts), f.tries)
 					}
