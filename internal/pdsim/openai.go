@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 type apiKind int
@@ -67,11 +68,14 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 	}
 	req.internalID = api.idPrefix() + req.id + "-" + randomHex(4) // vLLM >= 0.14 randomizes the suffix
 
-	if raw, ok := present(fields, "cache_salt"); ok && !isNull(raw) {
-		// vLLM's check (protocol.py, check_cache_salt_support), made as it
-		// reads the body, before it looks the model up.
+	if raw, ok := present(fields, "cache_salt"); ok && !isNull(raw) && api != apiMessages { // Anthropic's request has none: ignored
+		// vLLM's check (validate_cache_salt, vllm/entrypoints/generate/base/protocol.py
+		// @ 022e555d), made as it reads the body, before it looks the model up.
 		if json.Unmarshal(raw, &req.keys.salt) != nil || req.keys.salt == "" {
 			return nil, badRequest("Parameter 'cache_salt' must be a non-empty string if provided.")
+		}
+		if utf8.RuneCountInString(req.keys.salt) > 128 || strings.ContainsAny(req.keys.salt, "@/\\\x00") {
+			return nil, badRequest("Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL.")
 		}
 	}
 	if raw, ok := present(fields, "model"); ok && api.checksModel() {

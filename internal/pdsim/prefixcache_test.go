@@ -127,6 +127,14 @@ func TestPrefixCacheAsVLLMReportsIt(t *testing.T) {
 			decode(turn2, 0),
 			{body: chatOf(`,"cache_salt":null`, turn2...), cached: 32},
 		}},
+		{name: "a cache_salt of 128 characters keys the first block", steps: []step{
+			{body: chatOf(`,"cache_salt":"`+strings.Repeat("é", 128)+`"`, turn1...), cached: 0},
+			decode(turn1, 0),
+		}},
+		{name: "Anthropic's Messages: vLLM drops its cache_salt", steps: []step{
+			{path: "/v1/messages", body: `{"model":"pdsim","max_tokens":5,"cache_salt":"s1","messages":[{"role":"user","content":"` + words("w", 40) + `"}]}`, cached: 0},
+			{body: `{"model":"pdsim","messages":[{"role":"user","content":"` + words("w", 40) + `"}]}`, cached: 32}, // its answer tells
+		}},
 		{name: "an adapter's blocks are its own", steps: []step{
 			decode(turn1, 0),
 			{body: forAdapter(chatOf("", turn1...)), cached: 0},

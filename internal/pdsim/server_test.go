@@ -158,6 +158,9 @@ func TestRequestValidation(t *testing.T) {
 		{"kv_transfer_params a string", "", "/v1/chat/completions", chatBody + `,"kv_transfer_params":"do_remote_decode"}`, 400, "kv_transfer_params: Input should be a valid dictionary"},
 		{"an empty cache_salt", "", "/v1/chat/completions", chatBody + `,"cache_salt":""}`, 400, "Parameter 'cache_salt' must be a non-empty string if provided."},
 		{"a cache_salt not a string", "", "/v1/completions", `{"prompt":"x","cache_salt":7}`, 400, "cache_salt"},
+		{"a cache_salt with a slash", "", "/v1/chat/completions", chatBody + `,"cache_salt":"tenant/acme"}`, 400,
+			`Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\', or NUL.`},
+		{"a cache_salt of 129 characters", "", "/v1/completions", `{"prompt":"x","cache_salt":"` + strings.Repeat("é", 129) + `"}`, 400, "at most 128 characters"},
 		{"sglang: unknown model, flat error shape", ProtocolSGLang, "/v1/chat/completions", `{"model":"gpt-9","messages":[{"role":"user","content":"x"}]}`, 404, "does not exist"},
 	}
 	for _, tt := range tests {

@@ -77,6 +77,10 @@ type API struct {
 	// Tokenize says how to get the request's token ids (nil: no way);
 	// callers use TokensOf.
 	Tokenize func(*body.Object) Tokens
+	// Unsalted: the engine does not key the request's blocks by its
+	// cache_salt (vLLM's Messages handler leaves it out of the chat request
+	// it runs), so neither does its Prompt's Cache.
+	Unsalted bool
 }
 
 // The metrics labels of requests outside the built-in APIs.
@@ -136,6 +140,7 @@ var (
 		Name: NameMessages, Method: "POST", Path: "/v1/messages",
 		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap, Model: true,
 		Shape: messagesShape, Prompt: messagesPrompt, Alone: func(*body.Object) Reason { return NoReason },
+		Unsalted: true, // _convert_anthropic_to_openai_request, vllm/entrypoints/anthropic/serving.py @ 82df3f49
 	}
 )
 

@@ -117,7 +117,10 @@ func (a *API) PromptOf(o *body.Object) *Prompt {
 	if !ok {
 		model, _ = o.String("lora_path")
 	}
-	salt, _ := o.String("cache_salt")
+	var salt string
+	if !a.Unsalted {
+		salt, _ = o.String("cache_salt")
+	}
 	p.Cache = kvevents.Keys{Model: model, Salt: salt}
 	return p
 }

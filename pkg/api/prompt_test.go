@@ -208,6 +208,7 @@ func TestPromptCache(t *testing.T) {
 		{"an adapter's, salted", `{"model":"sql-lora","messages":[],"cache_salt":"t1"}`, Chat, kvevents.Keys{Model: "sql-lora", Salt: "t1"}},
 		{"a null cache_salt is none", `{"model":"m","prompt":"hi","cache_salt":null}`, Completions, kvevents.Keys{Model: "m"}},
 		{"token-in generate, salted", `{"token_ids":[7],"cache_salt":"s"}`, Generate, kvevents.Keys{Salt: "s"}},
+		{"Anthropic's Messages: vLLM drops its cache_salt", `{"model":"m","messages":[],"cache_salt":"t1"}`, Messages, kvevents.Keys{Model: "m"}},
 		{"SGLang's adapter", `{"text":"x","lora_path":"sql-lora"}`, SGLangGenerate, kvevents.Keys{Model: "sql-lora"}},
 		{"none", `{"text":"x"}`, SGLangGenerate, kvevents.Keys{}},
 	} {

@@ -121,6 +121,26 @@ func TestDecodeQueueSlackDefault(t *testing.T) {
 	}
 }
 
+// A data-parallel engine publishes rank r's events on connect_port + r and
+// replays them on replay_port + r: the two ranges may touch, not overlap
+// (TestInvalidConfigNamesTheKey has the overlaps).
+func TestKVEventPortsApartForTheRanks(t *testing.T) {
+	for _, kv := range []string{
+		`{connect_port: 5557, replay_port: 5558}`,
+		`{connect_port: 5557, replay_port: 5559, data_parallel_size: 2}`,
+		`{connect_port: 5557, replay_port: 5657, data_parallel_size: 8}`,
+		`{connect_port: 5561, replay_port: 5557, data_parallel_size: 4}`,
+		`{bind: "tcp://0.0.0.0:5557", replay_port: 5558, data_parallel_size: 2}`, // the engines' own ports are theirs to set
+	} {
+		t.Run(kv, func(t *testing.T) {
+			yaml := `{connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: ` + kv + `}}}`
+			if _, err := Parse([]byte(yaml)); err != nil {
+				t.Errorf("Parse() = %v, want the ports accepted", err)
+			}
+		})
+	}
+}
+
 func TestPassthroughDefaultsAndReplacement(t *testing.T) {
 	tests := []struct {
 		name, yaml string
@@ -199,6 +219,10 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 			"pools.decode.kv_events.bind"},
 		{"a replay port alone", `pools: {prefill: {kv_events: {replay_port: 5558}}, decode: {endpoints: ["10.0.0.2:8000"]}}`,
 			"pools.prefill.kv_events.replay_port: set without connect_port or bind"},
+		{"KV event and replay ports the ranks share", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557, replay_port: 5558, data_parallel_size: 2}}}`,
+			"pools.decode.kv_events.replay_port: 5558 to 5559, the ranks' replay ports, overlap their event ports 5557 to 5558"},
+		{"a replay port below the ranks' event ports", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5560, replay_port: 5557, data_parallel_size: 4}}}`,
+			"pools.decode.kv_events.replay_port"},
 		{"KV events on a port out of range", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 70000}}}`,
 			"pools.decode.kv_events.connect_port"},
 		{"a KV event index smaller in all than per endpoint", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557, max_blocks: 10, max_blocks_per_endpoint: 20}}}`,

@@ -37,7 +37,8 @@ type KVEvents struct {
 	// asked for the events a gap lost; 0: none, a gap rebuilds the view.
 	ReplayPort int `json:"replay_port,omitempty"`
 	// DataParallelSize is the ranks of one engine; rank r publishes on
-	// ConnectPort+r (and replays on ReplayPort+r).
+	// ConnectPort+r (and replays on ReplayPort+r), so the two ports must be
+	// at least this far apart.
 	DataParallelSize int `json:"data_parallel_size,omitempty"`
 	// StaleAfter bounds how long a view may go unconfirmed (default 30s):
 	// one rebuilt after an unreplayed gap, or whose engine was sent new work
@@ -111,6 +112,13 @@ func (k KVEvents) Validate(key, policy string) error {
 	}
 	if k.DataParallelSize < 1 || k.DataParallelSize > 256 {
 		errs = append(errs, fmt.Errorf("%s.data_parallel_size: %d is not between 1 and 256", key, k.DataParallelSize))
+	}
+	if n := k.DataParallelSize; k.ConnectPort != 0 && k.ReplayPort != 0 && k.ReplayPort < k.ConnectPort+n && k.ConnectPort < k.ReplayPort+n {
+		// vLLM and SGLang add the rank to both ports: one rank's publisher
+		// and another's replay socket would bind the same port.
+		errs = append(errs, fmt.Errorf("%s.replay_port: %d to %d, the ranks' replay ports, overlap their event ports %d to %d: "+
+			"the engines add the rank to both, so they could not start; keep the two %d or more apart", key,
+			k.ReplayPort, k.ReplayPort+n-1, k.ConnectPort, k.ConnectPort+n-1, n))
 	}
 	if k.StaleAfter <= 0 {
 		errs = append(errs, fmt.Errorf("%s.stale_after: must be positive", key))
