@@ -93,9 +93,9 @@ func (p *Pipeline) heldReader(r *Request, decode *scheduling.Endpoint, held int)
 	if r.api.Shape.CachedTokens == nil {
 		return nil
 	}
-	return response.NewReader(cachedTokens(r), int(p.opts.MaxResponseBytes), func(raw []byte) {
+	return response.NewReader(cachedTokens(r), int(p.opts.MaxResponseBytes), func(raw []byte, stated bool) {
 		if n, err := strconv.Atoi(string(raw)); err == nil && isCount(raw) {
-			if decode.ReportCached(held, n) {
+			if decode.ReportCached(held, n, stated) {
 				p.log.Info("the decode endpoint's answers belie what the router estimated it caches (evicted, or restarted): "+
 					"later turns sent to it go through a prefill leg for a while", "decode", decode.Addr, "estimated", held, "held", n,
 					"requestID", r.RequestID)

@@ -31,8 +31,9 @@ type Rewriter struct {
 	one   [1][]byte // the list of what passes as it came (see only)
 	// outcome is how the answer fared (a metrics.Usage* value), "" until known.
 	outcome string
-	seen    func(raw []byte) // a reader's (NewReader), nil for a rewriter
-	read    []byte           // a reader's: the last number a streamed answer carried, told at its end
+	seen    func(raw []byte, stated bool) // a reader's (NewReader), nil for a rewriter
+	read    []byte                        // a reader's: the last number a streamed answer carried, told at its end
+	stated  bool                          // read was in the answer, not its absence (NoneCached)
 }
 
 // Paths are where an API's answer carries the number: in a JSON answer, and
@@ -51,10 +52,12 @@ func New(p Paths, value []byte, limit int) *Rewriter {
 
 // NewReader returns a Rewriter that changes nothing: at the answer's end it
 // gives seen the raw number at path, the last one a stream carried, holding
-// at most limit bytes of a JSON answer back to look. An answer whose usage
-// is there without the details object that would hold the number counts as
-// "0" (NoneCached). Its Outcome is always "".
-func NewReader(p Paths, limit int, seen func(raw []byte)) *Rewriter {
+// at most limit bytes of a JSON answer back to look, and stated true. An
+// answer whose usage is there without the details object that would hold
+// the number counts as "0" (NoneCached), with stated false: an engine that
+// never writes the details (vLLM without --enable-prompt-tokens-details)
+// answers so too. Its Outcome is always "".
+func NewReader(p Paths, limit int, seen func(raw []byte, stated bool)) *Rewriter {
 	r := New(p, nil, limit)
 	r.seen = seen
 	r.key = body.Quote(r.event[max(len(r.event)-3, 0)]) // the usage: an event without it says nothing
@@ -64,12 +67,12 @@ func NewReader(p Paths, limit int, seen func(raw []byte)) *Rewriter {
 // NoneCached reports whether an answer without the number at path says that
 // nothing was cached: the usage (the object two levels up from the number)
 // is there, and the details object that would hold the number is absent or
-// null. Most vLLM releases write prompt_tokens_details only when the count
+// null. Many vLLM releases write prompt_tokens_details only when the count
 // is not zero (`if self.enable_prompt_tokens_details and
 // final_res.num_cached_tokens:` in vLLM's serving_chat.py and
-// serving_completion.py, now vllm/entrypoints/openai/chat_completion/serving.py
-// and completion/serving.py), so a cold prompt comes back without it; llm-d
-// reads it as 0 too. A details object with no count, or a placeholder, tells
+// serving_completion.py), so a cold prompt comes back without it; llm-d
+// reads it as 0 too. Later ones write it whenever the count is known
+// (_make_prompt_tokens_details, vllm/entrypoints/openai/chat_completion/serving.py). A details object with no count, or a placeholder, tells
 // nothing.
 func NoneCached(doc []byte, path []string) bool {
 	if len(path) < 3 {
@@ -177,9 +180,9 @@ func (r *Rewriter) fix(doc []byte) body.Spliced {
 	if !r.Writes() {
 		switch {
 		case ok:
-			r.seen(doc[start:end])
+			r.seen(doc[start:end], true)
 		case NoneCached(doc, r.path):
-			r.seen(zero)
+			r.seen(zero, false)
 		}
 		return r.only(doc)
 	}

@@ -219,10 +219,10 @@ func TestReaderSeesTheNumberAndChangesNothing(t *testing.T) {
 		{name: "events", headers: sseOK, chunks: []string{role + tok0, tok1 + usageEv[:half], usageEv[half:] + done},
 			want: []string{role + tok0, tok1, usageEv + done}, seen: []string{"12"}},
 		{name: "no usage", headers: sseOK, chunks: []string{role + tok0 + tok1 + done}, want: []string{role + tok0 + tok1 + done}},
-		{name: "a cold JSON answer, without the details, reads as 0", headers: jsonOK, chunks: []string{coldJSON}, want: []string{coldJSON}, seen: []string{"0"}},
-		{name: "null details read as 0", headers: jsonOK, chunks: []string{nullDetailsJSON}, want: []string{nullDetailsJSON}, seen: []string{"0"}},
+		{name: "a cold JSON answer, without the details, reads as 0", headers: jsonOK, chunks: []string{coldJSON}, want: []string{coldJSON}, seen: []string{"0 (absent)"}},
+		{name: "null details read as 0", headers: jsonOK, chunks: []string{nullDetailsJSON}, want: []string{nullDetailsJSON}, seen: []string{"0 (absent)"}},
 		{name: "a null usage says nothing", headers: jsonOK, chunks: []string{nullUsageJSON}, want: []string{nullUsageJSON}},
-		{name: "a cold stream reads as 0", headers: sseOK, chunks: []string{role + tok0, tok1 + coldEv + done}, want: []string{role + tok0, tok1 + coldEv + done}, seen: []string{"0"}},
+		{name: "a cold stream reads as 0", headers: sseOK, chunks: []string{role + tok0, tok1 + coldEv + done}, want: []string{role + tok0, tok1 + coldEv + done}, seen: []string{"0 (absent)"}},
 		{name: "a stream's usage in every event: the last one, once", headers: sseOK, chunks: []string{role + coldEv, usageEv + done},
 			want: []string{role + coldEv, usageEv + done}, seen: []string{"12"}},
 		{name: "an error status is not read", headers: headers{500, "application/json", ""}, chunks: []string{chatJSON}, want: []string{chatJSON}},
@@ -232,7 +232,12 @@ func TestReaderSeesTheNumberAndChangesNothing(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			var seen []string
-			r := NewReader(chatPath, cmp.Or(tt.limit, 1<<20), func(raw []byte) { seen = append(seen, string(raw)) })
+			r := NewReader(chatPath, cmp.Or(tt.limit, 1<<20), func(raw []byte, stated bool) {
+				if !stated {
+					raw = append(raw, " (absent)"...)
+				}
+				seen = append(seen, string(raw))
+			})
 			r.Start(tt.headers.status, tt.headers.contentType, tt.headers.encode)
 			for i, c := range tt.chunks {
 				if got := string(bytes.Join(r.Body([]byte(c), i == len(tt.chunks)-1), nil)); got != tt.want[i] {

@@ -34,7 +34,7 @@ func (r *Rewriter) stream(chunk []byte, last bool) body.Spliced {
 			r.outcome = metrics.UsageRewritten
 		}
 		if r.read != nil {
-			r.seen(r.read)
+			r.seen(r.read, r.stated)
 		}
 	}
 	return out
@@ -112,9 +112,9 @@ func (r *Rewriter) readData(line []byte) {
 		return
 	}
 	if start, end, ok := body.Locate(line[off:], r.event...); ok {
-		r.read = append(r.read[:0], line[off+start:off+end]...) // the chunk is Envoy's message's
+		r.read, r.stated = append(r.read[:0], line[off+start:off+end]...), true // the chunk is Envoy's message's
 	} else if NoneCached(line[off:], r.event) {
-		r.read = append(r.read[:0], zero...)
+		r.read, r.stated = append(r.read[:0], zero...), false
 	}
 }
 

@@ -141,7 +141,7 @@ func TestDecideOnWhatTheDecodeEndpointHolds(t *testing.T) {
 			e.observe(Load{Waiting: tt.decodeQ, At: time.Now()})
 			for range trustMisses {
 				if tt.belied {
-					e.ReportCached(500, 0)
+					e.ReportCached(500, 0, true)
 				}
 			}
 			if got := ps.Decide(req, e); got.PD != tt.want.PD || got.Reason != tt.want.Reason {

@@ -325,7 +325,7 @@ func (s *pdSim) step(e *pdEngine) {
 			if r.split.Reason == metrics.ReasonCachedPrefix {
 				s.heldEst += float64(r.split.Held)
 				s.heldReal += float64(hit / pdCharsPerToken)
-				r.decode.ReportCached(r.split.Held, hit/pdCharsPerToken)
+				r.decode.ReportCached(r.split.Held, hit/pdCharsPerToken, true)
 			}
 		}
 		take := min(r.left, budget)

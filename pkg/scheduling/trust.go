@@ -14,6 +14,10 @@ import "time"
 type cacheTrust struct {
 	misses int       // estimates in a row that failed
 	until  time.Time // zero: trusted
+	// stated: an answer of the endpoint has stated its cached tokens, so
+	// one without them says none were cached (many vLLM releases write
+	// them only when some were), not that the engine never writes them.
+	stated bool
 }
 
 const (
@@ -22,9 +26,13 @@ const (
 )
 
 // ReportCached records a decode-only answer of the endpoint: the prompt
-// tokens the decision assumed it held, and those it says it held. It reports
-// whether this answer ended the endpoint's trust.
-func (e *Endpoint) ReportCached(assumed, held int) (distrusted bool) {
+// tokens the decision assumed it held, and those it says it held, stated or
+// read from the answer's lack of them (held 0). Until one of its answers
+// has stated them, their lack tells nothing: an engine run without vLLM's
+// --enable-prompt-tokens-details never states them, and would otherwise
+// lose the cache rule every minute. It reports whether this answer ended
+// the endpoint's trust.
+func (e *Endpoint) ReportCached(assumed, held int, stated bool) (distrusted bool) {
 	if assumed <= 0 {
 		return false
 	}
@@ -32,6 +40,9 @@ func (e *Endpoint) ReportCached(assumed, held int) (distrusted bool) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	t := &e.trust
+	if t.stated = t.stated || stated; !t.stated {
+		return false
+	}
 	if 2*held >= assumed {
 		t.misses = 0
 		return false

@@ -141,6 +141,28 @@ func TestAnEvictedDecodeEngineLosesTheCacheRule(t *testing.T) {
 	}
 }
 
+// TestAnEngineThatNeverStatesItsCachedTokensKeepsTheCacheRule: a decode
+// engine run without --enable-prompt-tokens-details answers every turn
+// without the details, which says nothing of its cache: its later turns stay
+// decode-only (one prefill leg in five turns) and it stays trusted. Read as
+// "nothing cached", three such answers would end its trust and send the
+// turns after them P/D.
+func TestAnEngineThatNeverStatesItsCachedTokensKeepsTheCacheRule(t *testing.T) {
+	r := startRig(t, rigOptions{decodes: 1,
+		decodePool: "policy: prefix-affinity", prefillPool: "policy: prefix-affinity", extra: "pd: {min_uncached_tokens: 100}"})
+	c := conversation{marker: "[an engine without the details]"}
+	for turn := 1; turn <= 5; turn++ {
+		c.next(t, r)
+	}
+	if n := sum(legsOn(r.prefill, c.marker)); n != 1 {
+		t.Errorf("%d prefill legs in five turns, want 1 (turns 2 to 5 decode-only)", n)
+	}
+	series := fmt.Sprintf(`pd_extproc_endpoint_cache_trusted{endpoint=%q,pool="decode"}`, r.decodeAddrs[0])
+	if got := r.extproc.MustMetric(t, series); got != 1 {
+		t.Errorf("pd_extproc_endpoint_cache_trusted = %v, want 1", got)
+	}
+}
+
 // conversation is a chat conversation sent a turn at a time: about 1,500
 // characters of system prompt (375 tokens to the router, at 4 characters
 // each; 262 to the simulator, a token a word), then a question with marker,
