@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"encoding/json"
 	"fmt"
 	"reflect"
 	"slices"
@@ -135,4 +136,87 @@ func TestEngineImagesArePinned(t *testing.T) {
 			}
 		}
 	}
+}
+
+// The chart's pools dial the example engines' KV event and replay ports: each engine publishes
+// there (--kv-events-config, with the zmq publisher named: SGLang's older releases default to
+// none), names them as container ports, and the engines' NetworkPolicy lets pd-extproc reach
+// them. An engine that publishes elsewhere leaves its pool stale for good.
+func TestTheChartsPoolsDialTheEnginesKVEvents(t *testing.T) {
+	ms := loadManifests(t, "config/k8s")
+	cfg, err := extprocconfig.Parse([]byte(digString(find(t, chartManifests(t, "defaults"), "ConfigMap", "pd-extproc"), "data", "extproc.yaml")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pools := map[string]extprocconfig.KVEvents{"prefill": cfg.Pools.Prefill.KVEvents, "decode": cfg.Pools.Decode.KVEvents}
+	for _, engine := range []string{"vllm", "sglang"} {
+		for role, kv := range pools {
+			t.Run(engine+"-"+role, func(t *testing.T) {
+				if kv.ConnectPort == 0 || kv.ReplayPort == 0 {
+					t.Fatalf("the chart's %s pool follows no events on a port: %+v", role, kv)
+				}
+				tmpl := dig(find(t, ms, "Deployment", engine+"-"+role), "spec", "template")
+				c := dig(tmpl, "spec", "containers").([]any)[0]
+				var spec struct {
+					Enable         bool   `json:"enable_kv_cache_events"`
+					Publisher      string `json:"publisher"`
+					Endpoint       string `json:"endpoint"`
+					ReplayEndpoint string `json:"replay_endpoint"`
+				}
+				cmd := append(toStrings(dig(c, "command")), toStrings(dig(c, "args"))...)
+				for i, a := range cmd {
+					if v, ok := strings.CutPrefix(a, "--kv-events-config="); ok {
+						err = json.Unmarshal([]byte(v), &spec)
+					} else if a == "--kv-events-config" && i+1 < len(cmd) {
+						err = json.Unmarshal([]byte(cmd[i+1]), &spec)
+					}
+				}
+				if err != nil || !spec.Enable || spec.Publisher != "zmq" {
+					t.Errorf("--kv-events-config %+v (%v): want events on, published with zmq", spec, err)
+				}
+				if want := fmt.Sprintf("tcp://*:%d", kv.ConnectPort); spec.Endpoint != want {
+					t.Errorf("the engine publishes on %q, the pool dials %s", spec.Endpoint, want)
+				}
+				if want := fmt.Sprintf("tcp://*:%d", kv.ReplayPort); spec.ReplayEndpoint != want {
+					t.Errorf("the engine replays on %q, the pool asks %s", spec.ReplayEndpoint, want)
+				}
+				ports := map[string]float64{}
+				for _, p := range dig(c, "ports").([]any) {
+					ports[digString(p, "name")], _ = dig(p, "containerPort").(float64)
+				}
+				if ports["kv-events"] != float64(kv.ConnectPort) || ports["kv-replay"] != float64(kv.ReplayPort) {
+					t.Errorf("container ports %v: want kv-events %d and kv-replay %d", ports, kv.ConnectPort, kv.ReplayPort)
+				}
+				podLabels, _ := dig(tmpl, "metadata", "labels").(map[string]any)
+				if admitted := extprocPorts(t, ms, podLabels); !admitted["kv-events"] || !admitted["kv-replay"] {
+					t.Errorf("the engines' NetworkPolicy admits pd-extproc on %v, not on kv-events and kv-replay", admitted)
+				}
+			})
+		}
+	}
+}
+
+// extprocPorts are the ports on which the NetworkPolicies selecting pods with these labels admit
+// pd-extproc's pods.
+func extprocPorts(t *testing.T, ms []manifest, podLabels map[string]any) map[string]bool {
+	t.Helper()
+	out := map[string]bool{}
+	for _, m := range ms {
+		if m.kind() != "NetworkPolicy" || !selects(dig(m.doc, "spec", "podSelector", "matchLabels"), podLabels) {
+			continue
+		}
+		for _, rule := range dig(m.doc, "spec", "ingress").([]any) {
+			fromExtproc := false
+			for _, from := range dig(rule, "from").([]any) {
+				fromExtproc = fromExtproc || digString(from, "podSelector", "matchLabels", "app.kubernetes.io/name") == "pd-extproc"
+			}
+			ports, _ := dig(rule, "ports").([]any)
+			for _, p := range ports {
+				if fromExtproc {
+					out[fmt.Sprint(dig(p, "port"))] = true
+				}
+			}
+		}
+	}
+	return out
 }

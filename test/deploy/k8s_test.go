@@ -218,6 +218,10 @@ func TestExtprocDeployment(t *testing.T) {
 	}
 }
 
+// sglangBlock: SGLang's KV events cut a prompt into its pages, one token each by default; the
+// router looks requests up in blocks of 16 tokens, as vLLM's.
+const sglangBlock = "--page-size=16"
+
 // Each example engine pool is reachable through a headless Service (pools.<pool>.dns, the
 // alternative to Kubernetes discovery, needs one name per pool that resolves to pod IPs) and
 // starts the engine in its P/D role.
@@ -235,14 +239,15 @@ func TestEngineExamples(t *testing.T) {
 		wantArgs   []string                  // each must appear in command+args
 		check      func(t *testing.T, c any) // engine-specific settings
 	}{
-		{"config/k8s/vllm-pd.yaml", "vllm-prefill", "vllm-prefill", nil, checkNixl},
+		// The cached tokens in the answers, which response.rewrite_usage and the cache rule's check read.
+		{"config/k8s/vllm-pd.yaml", "vllm-prefill", "vllm-prefill", []string{"--enable-prompt-tokens-details"}, checkNixl},
 		// The cache rule computes later turns' new tokens in the decode steps: a small step budget.
-		{"config/k8s/vllm-pd.yaml", "vllm-decode", "vllm-decode", []string{"--max-num-seqs=128", "--max-num-batched-tokens=256"}, checkNixl},
+		{"config/k8s/vllm-pd.yaml", "vllm-decode", "vllm-decode", []string{"--max-num-seqs=128", "--max-num-batched-tokens=256", "--enable-prompt-tokens-details"}, checkNixl},
 		// Without RDMA: the nixl backend with UCX over TCP runs on any pod network.
 		{"config/k8s/sglang-pd.yaml", "sglang-prefill", "sglang-prefill",
-			[]string{"--disaggregation-mode=prefill", "--disaggregation-bootstrap-port=" + bootstrapPort, "--disaggregation-transfer-backend=nixl"}, checkUCXOverTCP},
+			[]string{"--disaggregation-mode=prefill", "--disaggregation-bootstrap-port=" + bootstrapPort, "--disaggregation-transfer-backend=nixl", sglangBlock}, checkUCXOverTCP},
 		{"config/k8s/sglang-pd.yaml", "sglang-decode", "sglang-decode",
-			[]string{"--disaggregation-mode=decode", "--disaggregation-transfer-backend=nixl"}, checkUCXOverTCP},
+			[]string{"--disaggregation-mode=decode", "--disaggregation-transfer-backend=nixl", sglangBlock}, checkUCXOverTCP},
 	}
 	for _, tc := range tests {
 		t.Run(tc.deployment, func(t *testing.T) {
