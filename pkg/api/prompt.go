@@ -360,25 +360,34 @@ func writeContent(b *strings.Builder, raw json.RawMessage) {
 }
 
 // renderPrompt reads a prompt: a string, token ids, or a batch of either
-// (the first is rendered, all are counted).
+// (the first is rendered, all are counted). Nothing nested deeper is read:
+// the engines refuse it, and reading each level anew would cost a nested
+// body's size times its depth.
 func renderPrompt(raw []byte) (r rendering, prompts int) {
-	switch raw[0] {
-	case '"':
+	if len(raw) == 0 || raw[0] != '[' {
+		return renderOne(raw), 1
+	}
+	if r, ok := tokenIDs(raw); ok {
+		return r, 1
+	}
+	batch := body.Elements(raw)
+	if len(batch) == 0 {
+		return plain(""), 1
+	}
+	return renderOne(batch[0]), len(batch)
+}
+
+// renderOne reads one prompt: a string or token ids.
+func renderOne(raw []byte) rendering {
+	if len(raw) > 0 && raw[0] == '"' {
 		var s string
 		_ = json.Unmarshal(raw, &s)
-		return plain(s), 1
-	case '[':
-		if r, ok := tokenIDs(raw); ok {
-			return r, 1
-		}
-		batch := body.Elements(raw)
-		if len(batch) == 0 {
-			return plain(""), 1
-		}
-		r, _ = renderPrompt(batch[0])
-		return r, len(batch)
+		return plain(s)
 	}
-	return plain(""), 1
+	if r, ok := tokenIDs(raw); ok {
+		return r
+	}
+	return plain("")
 }
 
 // tokenIDs renders a JSON array of integers as decimal ids joined by
