@@ -125,12 +125,13 @@ func (a *API) PromptOf(o *body.Object) *Prompt {
 	return p
 }
 
-// samples reads an integer n (absent or not an integer: 1).
+// samples reads n as the engine does ("2" and 2.0 are 2; absent or not a
+// number: 1).
 func samples(o *body.Object) int {
 	if o == nil {
 		return 1
 	}
-	if n, ok := o.Int("n"); ok {
+	if n, ok := o.LaxInt("n"); ok {
 		return int(n)
 	}
 	return 1

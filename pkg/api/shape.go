@@ -105,7 +105,7 @@ func promptLogprobs(o *body.Object) Reason {
 	if present(o, "prompt_logprobs") {
 		return PromptLogprobs
 	}
-	if echo, _ := o.Bool("echo"); echo && present(o, "logprobs") {
+	if echo, _ := o.LaxBool("echo"); echo && present(o, "logprobs") {
 		if v, ok := o.Bool("logprobs"); !ok || v {
 			return PromptLogprobs
 		}
@@ -145,7 +145,7 @@ func responsesAlone(o *body.Object) Reason {
 	if present(o, "previous_response_id") {
 		return StoredResponse
 	}
-	if bg, _ := o.Bool("background"); bg {
+	if bg, _ := o.LaxBool("background"); bg {
 		return StoredResponse
 	}
 	raw, _ := o.Raw("tools")

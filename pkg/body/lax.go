@@ -1,0 +1,74 @@
+package body
+
+import (
+	"math"
+	"strconv"
+	"strings"
+)
+
+// The engines' request models (vLLM's and SGLang's OpenAI-compatible APIs)
+// are pydantic models, which in their default, lax mode coerce a value of
+// another JSON type: "n": "2" and "n": 2.0 are 2, "echo": "yes" is true.
+// Routing decisions that depend on such a field read it as the engine will,
+// or a client could slip past them with a value the engine takes.
+
+// LaxInt returns key's value as pydantic reads an int: a JSON integer, a
+// number with no fraction (2.0, 2e0), or a string holding either ("2",
+// " 2 "). ok is false for anything else, which the engine refuses.
+func (o *Object) LaxInt(key string) (int64, bool) {
+	raw, ok := o.Raw(key)
+	if !ok {
+		return 0, false
+	}
+	s := string(raw)
+	if raw[0] == '"' {
+		if s, ok = o.String(key); !ok {
+			return 0, false
+		}
+		s = strings.TrimSpace(s)
+	}
+	if n, err := strconv.ParseInt(s, 10, 64); err == nil {
+		return n, true
+	}
+	f, err := strconv.ParseFloat(s, 64)
+	if err != nil || f != math.Trunc(f) || math.Abs(f) >= 1<<63 {
+		return 0, false
+	}
+	return int64(f), true
+}
+
+// LaxBool returns key's value as pydantic reads a bool: true and false, the
+// numbers 0 and 1, and the strings 0, 1, f, t, n, y, no, yes, off, on,
+// false and true in any case. ok is false for anything else.
+func (o *Object) LaxBool(key string) (value, ok bool) {
+	raw, ok := o.Raw(key)
+	if !ok {
+		return false, false
+	}
+	s := string(raw)
+	if raw[0] == '"' {
+		if s, ok = o.String(key); !ok {
+			return false, false
+		}
+		switch strings.ToLower(s) {
+		case "1", "t", "y", "yes", "on", "true":
+			return true, true
+		case "0", "f", "n", "no", "off", "false":
+			return false, true
+		}
+		return false, false
+	}
+	switch s {
+	case "true":
+		return true, true
+	case "false":
+		return false, true
+	}
+	switch f, err := strconv.ParseFloat(s, 64); {
+	case err == nil && f == 1:
+		return true, true
+	case err == nil && f == 0:
+		return false, true
+	}
+	return false, false
+}

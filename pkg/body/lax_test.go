@@ -1,0 +1,41 @@
+package body
+
+import "testing"
+
+// TestLaxReadsAsPydantic: the values vLLM's and SGLang's request models
+// coerce in their lax mode are read as the engine reads them; the ones they
+// refuse are not read at all.
+func TestLaxReadsAsPydantic(t *testing.T) {
+	o, err := Parse([]byte(`{"int":2,"float":2.0,"exp":2e0,"str":"2","spaced":" 3 ","half":2.5,"strhalf":"2.5","word":"two",` +
+		`"t":true,"f":false,"one":1,"zero":0,"onef":1.0,"yes":"YES","off":"off","maybe":"maybe","two":2,"null":null,"obj":{}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ints := []struct {
+		key  string
+		want int64
+		ok   bool
+	}{
+		{"int", 2, true}, {"float", 2, true}, {"exp", 2, true}, {"str", 2, true}, {"spaced", 3, true},
+		{"half", 0, false}, {"strhalf", 0, false}, {"word", 0, false}, {"t", 0, false}, {"null", 0, false}, {"obj", 0, false},
+		{"absent", 0, false},
+	}
+	for _, tt := range ints {
+		if got, ok := o.LaxInt(tt.key); got != tt.want || ok != tt.ok {
+			t.Errorf("LaxInt(%q) = %d, %v; want %d, %v", tt.key, got, ok, tt.want, tt.ok)
+		}
+	}
+	bools := []struct {
+		key      string
+		want, ok bool
+	}{
+		{"t", true, true}, {"f", false, true}, {"one", true, true}, {"zero", false, true}, {"onef", true, true},
+		{"yes", true, true}, {"off", false, true}, {"str", false, false}, {"maybe", false, false}, {"two", false, false},
+		{"null", false, false}, {"obj", false, false}, {"absent", false, false},
+	}
+	for _, tt := range bools {
+		if got, ok := o.LaxBool(tt.key); got != tt.want || ok != tt.ok {
+			t.Errorf("LaxBool(%q) = %v, %v; want %v, %v", tt.key, got, ok, tt.want, tt.ok)
+		}
+	}
+}
