@@ -110,21 +110,6 @@ func (p *Prompt) Previous() string {
 
 func (p *Prompt) do() { p.r = p.render() }
 
-// PromptOf reads a request for scheduling (Prompt), with its Cache.
-func (a *API) PromptOf(o *body.Object) *Prompt {
-	p := a.Prompt(o)
-	model, ok := o.String("model")
-	if !ok {
-		model, _ = o.String("lora_path")
-	}
-	var salt string
-	if !a.Unsalted {
-		salt, _ = o.String("cache_salt")
-	}
-	p.Cache = kvevents.Keys{Model: model, Salt: salt}
-	return p
-}
-
 // samples reads n as the engine does ("2" and 2.0 are 2; absent or not a
 // number: 1).
 func samples(o *body.Object) int {

@@ -4,8 +4,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-
-	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
 func TestPromptReaders(t *testing.T) {
@@ -197,29 +195,5 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 				texts = append(texts, p.Text())
 			}
 		})
-	}
-}
-
-// TestPromptCache: the model a request names (SGLang's native API, its
-// lora_path) and its cache_salt, what the engine keys its cached blocks with
-// besides their text: a LoRA adapter's and a salted prompt's blocks are
-// their own.
-func TestPromptCache(t *testing.T) {
-	for _, tt := range []struct {
-		name, body string
-		api        *API
-		want       kvevents.Keys
-	}{
-		{"a chat request", `{"model":"m","messages":[]}`, Chat, kvevents.Keys{Model: "m"}},
-		{"an adapter's, salted", `{"model":"sql-lora","messages":[],"cache_salt":"t1"}`, Chat, kvevents.Keys{Model: "sql-lora", Salt: "t1"}},
-		{"a null cache_salt is none", `{"model":"m","prompt":"hi","cache_salt":null}`, Completions, kvevents.Keys{Model: "m"}},
-		{"token-in generate, salted", `{"token_ids":[7],"cache_salt":"s"}`, Generate, kvevents.Keys{Salt: "s"}},
-		{"Anthropic's Messages: vLLM drops its cache_salt", `{"model":"m","messages":[],"cache_salt":"t1"}`, Messages, kvevents.Keys{Model: "m"}},
-		{"SGLang's adapter", `{"text":"x","lora_path":"sql-lora"}`, SGLangGenerate, kvevents.Keys{Model: "sql-lora"}},
-		{"none", `{"text":"x"}`, SGLangGenerate, kvevents.Keys{}},
-	} {
-		if got := tt.api.PromptOf(parsed(t, tt.body)).Cache; got != tt.want {
-			t.Errorf("%s: cache %+v, want %+v", tt.name, got, tt.want)
-		}
 	}
 }
