@@ -74,9 +74,10 @@ var (
 	}
 	// messagesShape: Anthropic's Messages API, whose max_tokens vLLM also
 	// makes the chat request's max_completion_tokens. Its request has no
-	// vllm_xargs, and its usage no cached tokens (input_tokens and
-	// output_tokens only: messages_full_converter in
-	// vllm/entrypoints/anthropic/serving.py).
+	// vllm_xargs. Its usage states the cached tokens in three numbers that
+	// go together (input_tokens, cache_read_input_tokens,
+	// cache_creation_input_tokens: vllm-project/vllm#40912), which no one
+	// number's rewrite can keep consistent: none is rewritten or read.
 	messagesShape = Shape{
 		Caps: []body.Edit{
 			body.Set("stream", body.False),

@@ -204,8 +204,9 @@ func (r *Rewriter) giveUp(chunk []byte) body.Spliced {
 	}
 	r.held = nil
 	r.kind = passing
-	if !r.fixed {
-		r.outcome = metrics.UsageTooLarge
+	r.outcome = metrics.UsageTooLarge
+	if r.fixed {
+		r.outcome = metrics.UsageRewritten
 	}
 	return out
 }

@@ -109,6 +109,9 @@ func TestRewriterChangesOnlyTheNumber(t *testing.T) {
 		{name: "SSE: an event over the limit gives the stream up", headers: sseOK, limit: 100,
 			chunks: []string{tok0, usageEv[:90], usageEv[90:150], usageEv[150:], done},
 			want:   []string{tok0, "", usageEv[:150], usageEv[150:], done}, outcome: metrics.UsageTooLarge},
+		{name: "SSE: the events before one over the limit, in its chunk, are fixed", headers: sseOK, limit: 100,
+			chunks: []string{tok0, usageEv + "data: " + strings.Repeat("x", 200), "\n\n" + done},
+			want:   []string{tok0, fixedEv + "data: " + strings.Repeat("x", 200), "\n\n" + done}, outcome: metrics.UsageRewritten},
 
 		{name: "an error status is passed on", headers: headers{500, "application/json", ""}, chunks: []string{chatJSON},
 			want: []string{chatJSON}, outcome: metrics.UsageNotRewritable},

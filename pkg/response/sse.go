@@ -21,8 +21,8 @@ func (r *Rewriter) stream(chunk []byte, last bool) body.Spliced {
 	if !last {
 		cut = eventsEnd(data, fresh)
 	}
-	if len(data)-cut > r.limit {
-		return r.giveUp(data)
+	if len(data)-cut > r.limit { // the events before the one that outgrows it are fixed still
+		return append(r.events(data[:cut]), r.giveUp(data[cut:])...)
 	}
 	out := r.events(data[:cut])
 	if cut < len(data) {
