@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
@@ -321,8 +322,11 @@ func (d *sglangDecode) firstToken(ctx context.Context, req *request) (kvResult, 
 	return res, nil
 }
 
+// source is the prefill engine's bootstrap address, as SGLang's decode
+// builds it: host, a colon and the port, an IPv6 host already bracketed
+// (bootstrap_host comes as the router writes it, "[fd00::1]").
 func (f bootstrapFields) source() string {
-	return net.JoinHostPort(f.host, strconv.FormatInt(f.port, 10))
+	return net.JoinHostPort(strings.TrimSuffix(strings.TrimPrefix(f.host, "["), "]"), strconv.FormatInt(f.port, 10))
 }
 
 func peerURL(f bootstrapFields, step string) string {
