@@ -1,6 +1,8 @@
 package api
 
 import (
+	"strconv"
+
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
@@ -124,18 +126,32 @@ func generatePromptLogprobs(o *body.Object) Reason {
 
 // sglangPromptLogprobs: SGLang's generate returns the prompt's logprobs with
 // return_logprob from logprob_start_len on; a negative start means the
-// output only.
+// output only. A batch may give either per prompt, as a list
+// (GenerateReqInput, io_struct.py): it asks when any prompt does.
 func sglangPromptLogprobs(o *body.Object) Reason {
 	if !present(o, "return_logprob") || !present(o, "logprob_start_len") {
 		return NoReason
 	}
-	if v, ok := o.Bool("return_logprob"); ok && !v {
-		return NoReason
+	ret, _ := o.Raw("return_logprob")
+	start, _ := o.Raw("logprob_start_len")
+	rets, starts := perPrompt(ret), perPrompt(start)
+	for i := range max(len(rets), len(starts)) {
+		r, s := rets[min(i, len(rets)-1)], starts[min(i, len(starts)-1)]
+		n, isInt := strconv.ParseInt(string(s), 10, 64)
+		if string(r) != "false" && (isInt != nil || n >= 0) {
+			return PromptLogprobs
+		}
 	}
-	if n, ok := o.Int("logprob_start_len"); ok && n < 0 {
-		return NoReason
+	return NoReason
+}
+
+// perPrompt is a field's value for each prompt of a batch: a list's
+// elements, or the one value for all.
+func perPrompt(raw []byte) [][]byte {
+	if es := body.Elements(raw); len(es) > 0 {
+		return es
 	}
-	return PromptLogprobs
+	return [][]byte{raw}
 }
 
 // responsesAlone: a Responses request that continues a stored response or
