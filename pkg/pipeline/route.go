@@ -149,7 +149,9 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
 	}
 	rep.Mode = ModePD
-	h.Room = rand.Uint64() >> 1 // 0..2^63-1, as SGLang's routers draw it
+	// 0..2^62-1: SGLang's routers draw up to 2^63-1, but a batch's prompts
+	// take room + i (_normalize_bootstrap_params), which must stay an int64.
+	h.Room = rand.Uint64() >> 2
 	if p.connector.Dispatch() == kv.Concurrent {
 		prefill, err := p.pools.Prefill.Select(sreq)
 		if err != nil {
