@@ -1,8 +1,11 @@
 package scheduling
 
 import (
+	"context"
+	"fmt"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
@@ -62,5 +65,53 @@ func TestSetDiscoveredUnchangedKeepsTheGeneration(t *testing.T) {
 	p.SetDiscovered([]Discovered{{Addr: "10.0.0.1:8000"}})
 	if p.state.Load() != st {
 		t.Error("an unchanged set rebuilt the pool (restarting its health checks and scrapes)")
+	}
+}
+
+// TestEndpointChangesDoNotRestartTheCycle: a pool whose endpoints change
+// often (a rollout, a DNS name answering varied subsets) gives the periodic
+// work (checks, scrapes) only to the endpoints that join, and none to a DNS
+// lookup whose answer changed them; a new spec restarts the whole round.
+// Each case's calls come in the order asserted, so a call the change should
+// not have made shows as the wrong next one.
+func TestEndpointChangesDoNotRestartTheCycle(t *testing.T) {
+	for _, joined := range []bool{true, false} {
+		t.Run(fmt.Sprintf("joined=%v", joined), func(t *testing.T) {
+			spec := PoolSpec{Endpoints: []string{"10.0.0.9:8000"}}
+			spec.Health.CheckInterval = config.Duration(time.Hour)
+			p := newPool("decode", true, spec, Deps{})
+			calls := make(chan []string)
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				p.every(ctx, func(s PoolSpec) time.Duration { return s.Health.CheckInterval.D() }, joined, func(_ *poolState, eps []*Endpoint) {
+					select {
+					case calls <- addrsOf(eps):
+					case <-ctx.Done():
+					}
+				})
+			}()
+			defer func() { cancel(); <-done }()
+			next := func(want ...string) {
+				t.Helper()
+				if got := <-calls; !slices.Equal(got, want) {
+					t.Fatalf("work on %v, want %v", got, want)
+				}
+			}
+
+			next("10.0.0.9:8000")
+			p.SetDiscovered([]Discovered{{Addr: "10.0.0.1:8000"}})
+			if joined {
+				next("10.0.0.1:8000")
+			}
+			p.SetDiscovered([]Discovered{{Addr: "10.0.0.1:8000"}, {Addr: "10.0.0.2:8000"}})
+			if joined {
+				next("10.0.0.2:8000")
+			}
+			p.SetDiscovered([]Discovered{{Addr: "10.0.0.2:8000"}}) // one leaves, none joins
+			p.Update(spec)                                         // the same settings, anew
+			next("10.0.0.9:8000", "10.0.0.2:8000")
+		})
 	}
 }

@@ -167,11 +167,11 @@ func (e *Endpoint) unchecked() {
 // current says whether the pool is still as it was when the round began: a
 // verdict that comes after checks were turned off (or the pool changed, and
 // a new round began) is dropped, or it would stand with no check to clear it.
-func checkAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration, current func() bool) {
+func checkAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration, current func(*Endpoint) bool) {
 	var wg sync.WaitGroup
 	for _, e := range eps {
 		wg.Go(func() {
-			if v, ok := check(ctx, pr.client, pr.url(e.Addr, path), timeout); ok && current() {
+			if v, ok := check(ctx, pr.client, pr.url(e.Addr, path), timeout); ok && current(e) {
 				e.setActive(v)
 			}
 		})

@@ -307,7 +307,7 @@ const (
 	requestServed
 )
 
-func always() bool { return true }
+func always(*Endpoint) bool { return true }
 
 // TestAVerdictAfterChecksStopIsDropped: a check still running when checks
 // are turned off (or the pool changes) gives no verdict, which would stand
@@ -315,8 +315,33 @@ func always() bool { return true }
 func TestAVerdictAfterChecksStopIsDropped(t *testing.T) {
 	e := &Endpoint{Addr: "127.0.0.1:1"} // nothing listens on port 1
 	checkAll(context.Background(), probe{client: http.DefaultClient, scheme: "http"}, []*Endpoint{e}, "/health", time.Second,
-		func() bool { return false })
+		func(*Endpoint) bool { return false })
 	if !e.Healthy() {
 		t.Fatal("a verdict from a round the pool has moved past marked the endpoint down")
+	}
+}
+
+// TestAVerdictHoldsWhileItsEndpointStays: a check's verdict applies to an
+// endpoint still in the pool, however the pool changed while it ran (a
+// pool that keeps changing would otherwise never mark a hung engine down);
+// not to one that left, nor after checks were turned off.
+func TestAVerdictHoldsWhileItsEndpointStays(t *testing.T) {
+	spec := PoolSpec{Endpoints: []string{"10.0.0.1:8000"}}
+	spec.Health.CheckInterval = config.Duration(time.Hour)
+	p := newPool("decode", true, spec, Deps{})
+	e := byAddr(p, "10.0.0.1:8000")
+	p.SetDiscovered([]Discovered{{Addr: "10.0.0.2:8000"}})
+	if !p.checked(e) {
+		t.Error("a verdict on an endpoint that stayed, the pool having changed, was dropped")
+	}
+	left := byAddr(p, "10.0.0.2:8000")
+	p.SetDiscovered(nil)
+	if p.checked(left) {
+		t.Error("a verdict on an endpoint that left applies")
+	}
+	spec.Health.CheckInterval = 0
+	p.Update(spec)
+	if p.checked(e) {
+		t.Error("a verdict given after checks were turned off applies")
 	}
 }

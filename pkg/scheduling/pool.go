@@ -46,6 +46,7 @@ type Pool struct {
 
 	mu       sync.Mutex // serialises changes
 	spec     PoolSpec
+	specGen  uint64   // Updates so far
 	resolved []string // from DNS
 	// discovered come from a discovery source (SetDiscovered), sorted by address.
 	discovered []Discovered
@@ -59,6 +60,7 @@ type poolState struct {
 	endpoints []*Endpoint
 	picker    Picker
 	spec      PoolSpec
+	specGen   uint64        // the Update whose spec it has
 	changed   chan struct{} // closed when the next generation replaces this one
 }
 
@@ -176,6 +178,7 @@ func (p *Pool) Update(spec PoolSpec) {
 		p.resolved = nil
 	}
 	p.spec = spec
+	p.specGen++
 	p.rebuild()
 }
 
@@ -240,7 +243,7 @@ func (p *Pool) rebuild() {
 	for _, d := range p.discovered {
 		add(d.Addr, d.BootstrapPort)
 	}
-	p.state.Store(&poolState{endpoints: eps, picker: picker, spec: s, changed: make(chan struct{})})
+	p.state.Store(&poolState{endpoints: eps, picker: picker, spec: s, specGen: p.specGen, changed: make(chan struct{})})
 	if old != nil {
 		close(old.changed)
 	}

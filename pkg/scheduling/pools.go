@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -111,14 +112,14 @@ func (ps *Pools) Run(ctx context.Context) {
 func (p *Pool) Run(ctx context.Context) {
 	var wg sync.WaitGroup
 	wg.Go(func() {
-		p.every(ctx, func(s PoolSpec) time.Duration { return s.Health.CheckInterval.D() }, func(st *poolState) {
+		p.every(ctx, func(s PoolSpec) time.Duration { return s.Health.CheckInterval.D() }, true, func(st *poolState, eps []*Endpoint) {
 			h := st.spec.Health
-			checkAll(ctx, p.probe, st.endpoints, h.CheckPath, h.CheckTimeout.D(), func() bool { return p.state.Load() == st })
+			checkAll(ctx, p.probe, eps, h.CheckPath, h.CheckTimeout.D(), p.checked)
 		})
 	})
 	wg.Go(func() {
-		p.every(ctx, func(s PoolSpec) time.Duration { return s.Metrics.Interval.D() }, func(st *poolState) {
-			scrapeAll(ctx, p.probe, st.endpoints, st.spec.Metrics.Path, st.spec.Metrics.Timeout.D(), p.deps.Now)
+		p.every(ctx, func(s PoolSpec) time.Duration { return s.Metrics.Interval.D() }, true, func(st *poolState, eps []*Endpoint) {
+			scrapeAll(ctx, p.probe, eps, st.spec.Metrics.Path, st.spec.Metrics.Timeout.D(), p.deps.Now)
 		})
 	})
 	wg.Go(func() { p.followEvents(ctx) })
@@ -128,24 +129,34 @@ func (p *Pool) Run(ctx context.Context) {
 				return 0
 			}
 			return s.DNSInterval.D()
-		}, func(st *poolState) { p.resolve(ctx, st.spec.DNS) })
+		}, false, func(st *poolState, _ []*Endpoint) { p.resolve(ctx, st.spec.DNS) })
 	})
 	wg.Wait()
 	p.probe.client.CloseIdleConnections() // leave no keep-alive goroutines behind
 }
 
-// every runs work now and then every period of the pool's current spec; a zero
-// period pauses until the spec changes. A change restarts the cycle, so new
-// endpoints and settings take effect at once.
-func (p *Pool) every(ctx context.Context, period func(PoolSpec) time.Duration, work func(*poolState)) {
+// every runs work on the pool's endpoints now and then every period of its
+// current spec; a zero period pauses until the spec changes. A new spec
+// (Update) restarts the cycle, so that settings take effect at once. A
+// change of the endpoints alone does not: with joined, the endpoints that
+// joined get their work at once and the others wait for the cycle, so that
+// a pool whose endpoints change often (a rollout, a DNS name answering
+// varied subsets, discovery flapping) does not multiply the work, nor a
+// DNS lookup that changes the endpoints call for another at once.
+func (p *Pool) every(ctx context.Context, period func(PoolSpec) time.Duration, joined bool, work func(*poolState, []*Endpoint)) {
 	timer := time.NewTimer(0)
 	defer timer.Stop()
+	var st *poolState
+	var d time.Duration
+	restart := true
 	for {
-		st := p.state.Load()
-		d := period(st.spec)
-		if d > 0 {
-			work(st)
-			timer.Reset(d)
+		if restart {
+			st, d = p.state.Load(), 0
+			timer.Stop()
+			if d = period(st.spec); d > 0 {
+				work(st, st.endpoints)
+				timer.Reset(d)
+			}
 		}
 		var tick <-chan time.Time
 		if d > 0 {
@@ -154,9 +165,37 @@ func (p *Pool) every(ctx context.Context, period func(PoolSpec) time.Duration, w
 		select {
 		case <-ctx.Done():
 			return
-		case <-st.changed:
-			timer.Stop()
 		case <-tick:
+			restart = true
+		case <-st.changed:
+			next := p.state.Load()
+			if restart = next.specGen != st.specGen; restart {
+				continue
+			}
+			if fresh := newcomers(st, next); joined && d > 0 && len(fresh) > 0 {
+				work(next, fresh)
+			}
+			st = next
 		}
 	}
+}
+
+// newcomers are the endpoints of next that were not in st.
+func newcomers(st, next *poolState) []*Endpoint {
+	var out []*Endpoint
+	for _, e := range next.endpoints {
+		if !slices.Contains(st.endpoints, e) {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// checked says whether an active check's verdict on e still applies: e is
+// one of the pool's endpoints and checks are on. A verdict on an endpoint
+// that left, or given after checks were turned off, would stand with no
+// check left to clear it.
+func (p *Pool) checked(e *Endpoint) bool {
+	st := p.state.Load()
+	return st.spec.Health.CheckInterval > 0 && slices.Contains(st.endpoints, e)
 }
