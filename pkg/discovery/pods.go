@@ -3,6 +3,7 @@ package discovery
 import (
 	"fmt"
 	"net"
+	"slices"
 	"strconv"
 
 	corev1 "k8s.io/api/core/v1"
@@ -75,9 +76,17 @@ func podReady(pod *corev1.Pod) bool {
 }
 
 // namedPort is the number of the pod's container port called name, 0 when
-// no container has one.
+// no container has one: its containers first, then its native sidecars
+// (init containers that keep running, restartPolicy Always), as Kubernetes
+// finds a Service's named target port (FindPort, k8s.io/endpointslice).
 func namedPort(pod *corev1.Pod, name string) int {
-	for _, c := range pod.Spec.Containers {
+	containers := slices.Clone(pod.Spec.Containers)
+	for _, c := range pod.Spec.InitContainers {
+		if c.RestartPolicy != nil && *c.RestartPolicy == corev1.ContainerRestartPolicyAlways {
+			containers = append(containers, c)
+		}
+	}
+	for _, c := range containers {
 		for _, p := range c.Ports {
 			if p.Name == name {
 				return int(p.ContainerPort)

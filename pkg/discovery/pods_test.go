@@ -17,6 +17,7 @@ import (
 )
 
 func TestPodEndpoints(t *testing.T) {
+	restartAlways := corev1.ContainerRestartPolicyAlways
 	ready := func(mut ...func(*corev1.Pod)) *corev1.Pod {
 		p := &corev1.Pod{
 			ObjectMeta: metav1.ObjectMeta{Name: "p", Labels: map[string]string{"app": "vllm", "role": "decode"}},
@@ -50,6 +51,13 @@ func TestPodEndpoints(t *testing.T) {
 		{"named port", selection{selector: byLabels, port: config.PodPort{Name: "http"}}, ready(),
 			[]scheduling.Discovered{ep("10.1.2.3:8000", 0)}, ""},
 		{"no such named port", selection{selector: byLabels, port: config.PodPort{Name: "grpc"}}, ready(), nil, `no container port named "grpc"`},
+		{"named port on a native sidecar", selection{selector: byLabels, port: config.PodPort{Name: "proxy"}}, ready(func(p *corev1.Pod) {
+			p.Spec.InitContainers = []corev1.Container{{Name: "routing-proxy", RestartPolicy: &restartAlways,
+				Ports: []corev1.ContainerPort{{Name: "proxy", ContainerPort: 8200}}}}
+		}), []scheduling.Discovered{ep("10.1.2.3:8200", 0)}, ""},
+		{"named port on an init container that ends", selection{selector: byLabels, port: config.PodPort{Name: "proxy"}}, ready(func(p *corev1.Pod) {
+			p.Spec.InitContainers = []corev1.Container{{Name: "setup", Ports: []corev1.ContainerPort{{Name: "proxy", ContainerPort: 8200}}}}
+		}), nil, `no container port named "proxy"`},
 		{"not selected", selection{selector: labels.SelectorFromSet(labels.Set{"app": "sglang"}), port: config.PodPort{Number: 8000}}, ready(), nil, "not selected"},
 		{"no selection yet (InferencePool not found)", selection{}, ready(), nil, "not selected"},
 		{"not ready", port8000, ready(func(p *corev1.Pod) { p.Status.Conditions[1].Status = corev1.ConditionFalse }), nil, "not Ready"},
