@@ -8,10 +8,12 @@ import (
 
 // firstBuffer bounds the first buffer of a body that comes in chunks,
 // whatever its Content-Length announces: a client announcing 32 MiB and
-// sending one byte holds 1 MiB, not 32. A larger buffer is taken only as the
-// bytes arrive, each at least twice the last (so the body is copied about
-// once more in all) and never past what Content-Length announced.
-const firstBuffer = 1 << 20
+// sending one byte holds 64 KiB, not 32 MiB, and so would 4,096 of them to
+// pin a 256 MiB budget, past limits.max_concurrent_streams' default. A
+// larger buffer is taken only as the bytes arrive, each at least twice the
+// last (so the body is copied about once more in all) and never past what
+// Content-Length announced.
+const firstBuffer = 64 << 10
 
 // bodyCollector gathers a request body from its chunks without copying it more
 // than it must: a body that comes whole (BUFFERED, or a small FULL_DUPLEX body)

@@ -68,14 +68,14 @@ func TestBodyBufferIsReusedOnlyWhenNoLegHoldsIt(t *testing.T) {
 }
 
 // A client announcing a large Content-Length and sending a byte holds a
-// first buffer of at most 1 MiB, however much it announced: measured
+// first buffer of at most 64 KiB, however much it announced: measured
 // with the runtime's own count of what was allocated, over streams held open
 // together as slow clients hold them.
 func TestContentLengthLieAllocatesLittle(t *testing.T) {
 	const (
 		streams   = 10
 		announced = 32 << 20
-		first     = 1 << 20 // the promise: at most 1 MiB whatever Content-Length says
+		first     = 64 << 10 // the promise: at most 64 KiB whatever Content-Length says
 	)
 	s := NewServer(lyingRouter{}, Options{}, logr.Discard())
 	headers := envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false,

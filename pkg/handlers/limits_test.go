@@ -109,9 +109,9 @@ func TestBufferedBodiesStayWithinTheirBudget(t *testing.T) {
 	post := func(mode filterv3.ProcessingMode_BodySendMode, n int) *extprocv3.ProcessingRequest {
 		return envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, n)...), mode, fullDuplex)
 	}
-	// A chunked body announcing 1 MiB takes a 1 MiB buffer at its first chunk.
+	// A chunked body whose first chunk is 1 MiB takes a 1 MiB buffer.
 	chunked := func() []*extprocv3.ProcessingRequest {
-		return []*extprocv3.ProcessingRequest{post(fullDuplex, mib), envoymsg.Body(envoymsg.Request, make([]byte, 100), false)}
+		return []*extprocv3.ProcessingRequest{post(fullDuplex, 2*mib), envoymsg.Body(envoymsg.Request, make([]byte, mib), false)}
 	}
 	whole := func(n int) []*extprocv3.ProcessingRequest {
 		return []*extprocv3.ProcessingRequest{post(buffered, n), envoymsg.Body(envoymsg.Request, []byte(prompt(n)), true)}
