@@ -8,6 +8,7 @@ import (
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/watch"
 )
 
 func TestSourceExplainsRefusals(t *testing.T) {
@@ -63,5 +64,33 @@ func TestSourceRefusedWatchOutlivesList(t *testing.T) {
 	s.observe(context.Background(), "list", nil)
 	if refused, _, _, _ := s.state(); refused == nil {
 		t.Error("a successful list cleared the refused watch")
+	}
+}
+
+// TestStoppedStreamsAreCountedGone: a watch stream the informer stops (as
+// after an expired watch) counts as gone like one that ended on its own, so
+// that when the last one ends on its own the loss can be noticed; before,
+// one stopped stream kept the count above zero for good.
+func TestStoppedStreamsAreCountedGone(t *testing.T) {
+	s := newSource("pods", "llm", nil)
+	open := func() (*watch.FakeWatcher, watch.Interface) {
+		s.observe(context.Background(), "watch", nil)
+		inner := watch.NewFake()
+		return inner, s.observeStream(inner)
+	}
+	ended := func(w watch.Interface) {
+		for range w.ResultChan() { // closed once the stream is counted gone
+		}
+	}
+	_, stopped := open()
+	inner, dropped := open()
+	stopped.Stop()
+	ended(stopped)
+	inner.Stop() // the server ends it
+	ended(dropped)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.streams != 0 {
+		t.Fatalf("%d watch streams counted open after both ended", s.streams)
 	}
 }

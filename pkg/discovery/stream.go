@@ -25,24 +25,31 @@ func (s *source) observeStream(w watch.Interface) watch.Interface {
 			select {
 			case o.ch <- ev:
 			case <-o.stopped:
+				s.streamEnded(false)
 				return
 			}
 		}
 		select {
 		case <-o.stopped:
+			s.streamEnded(false)
 		default:
-			s.streamEnded()
+			s.streamEnded(true)
 		}
 	}()
 	return o
 }
 
-// streamEnded: the server may be gone. Unless some call succeeds within
+// streamEnded counts a watch stream gone, stopped by its informer (a
+// relist after an expired watch, shutdown) or not. One that ended on its
+// own may mean the server is gone: unless some call succeeds within
 // lossGrace, the loss is recorded and counted.
-func (s *source) streamEnded() {
+func (s *source) streamEnded(unexpected bool) {
 	s.mu.Lock()
 	s.streams--
 	s.mu.Unlock()
+	if !unexpected {
+		return
+	}
 	ended := time.Now()
 	time.AfterFunc(lossGrace, func() {
 		s.mu.Lock()
