@@ -60,6 +60,10 @@ type PoolStatus struct {
 	// Refused is why the API server refuses what discovery needs (RBAC, a
 	// missing CRD); nil when nothing is refused.
 	Refused error
+	// Served: every informer of the pool had a list and a watch before
+	// anything was refused, so its endpoints were followed once and are
+	// routed on, stale, as when the API server is lost.
+	Served bool
 	// Reachable: the API server answered the last call.
 	Reachable   bool
 	LastError   error
@@ -68,9 +72,14 @@ type PoolStatus struct {
 	PoolFound   bool // the InferencePool exists (true without one)
 }
 
-// Ready reports whether the pool's discovered set can be trusted: synced and
-// nothing refused. An unreachable API server alone does not make it false.
-func (st PoolStatus) Ready() bool { return st.Synced && st.Refused == nil }
+// Ready reports whether the pool's discovered set can be routed: synced, and
+// nothing refused unless the set was followed before the refusal (Served).
+// A refusal from the start (a Role without watch lists, and syncs, but
+// never hears of a change) is a setup to fix before any traffic; one that
+// comes later is kept from turning a control-plane change into a
+// data-plane outage, like an unreachable API server, which alone does not
+// make it false.
+func (st PoolStatus) Ready() bool { return st.Synced && (st.Refused == nil || st.Served) }
 
 // Discovery is the informers of every pool with a kubernetes key.
 type Discovery struct {

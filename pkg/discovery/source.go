@@ -35,6 +35,7 @@ type source struct {
 
 	mu        sync.Mutex
 	streams   int       // watch streams open, each counted until it ends
+	watched   bool      // a watch was opened: the informer heard of changes once
 	lastOK    time.Time // the last successful list or watch
 	reachable bool
 	lastErr   error
@@ -81,6 +82,7 @@ func (s *source) observe(ctx context.Context, verb string, err error) {
 		delete(s.refused, verb)
 		if verb == "watch" {
 			s.streams++
+			s.watched = true
 		}
 		return
 	}
@@ -139,4 +141,13 @@ func (s *source) state() (refused error, reachable bool, lastErr error, lastErrA
 		}
 	}
 	return refused, s.reachable, s.lastErr, s.lastErrAt
+}
+
+// served reports whether a watch was ever opened, so that what the informer
+// holds was once followed: a refusal since (a Role removed, credentials
+// that stopped working) leaves it stale, not wrong.
+func (s *source) served() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.watched
 }

@@ -94,3 +94,34 @@ func TestStoppedStreamsAreCountedGone(t *testing.T) {
 		t.Fatalf("%d watch streams counted open after both ended", s.streams)
 	}
 }
+
+// TestARefusalAfterTheWatchKeepsThePool: a pool whose list and watch worked
+// before the API server began refusing (a Role removed, credentials that
+// stop working) stays routable on its last endpoints, as when the server
+// is lost; one refused from the start (a Role without watch lists and
+// syncs, but never hears of a change) does not.
+func TestARefusalAfterTheWatchKeepsThePool(t *testing.T) {
+	forbidden := apierrors.NewForbidden(schema.GroupResource{Resource: "pods"}, "", errors.New("RBAC: no"))
+	for _, tt := range []struct {
+		name  string
+		calls []error // list, then watch, ...
+		want  bool
+	}{
+		{"listed and watched", []error{nil, nil}, true},
+		{"refused after the watch", []error{nil, nil, forbidden, forbidden}, true},
+		{"the watch refused from the start", []error{nil, forbidden}, false},
+		{"the list refused from the start", []error{forbidden}, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			s := newSource("pods", "llm", nil)
+			for i, err := range tt.calls {
+				s.observe(context.Background(), []string{"list", "watch"}[i%2], err)
+			}
+			refused, _, _, _ := s.state()
+			st := PoolStatus{Synced: true, Refused: refused, Served: s.served()}
+			if st.Ready() != tt.want {
+				t.Errorf("Ready() = %v (refused %v, served %v), want %v", st.Ready(), refused, st.Served, tt.want)
+			}
+		})
+	}
+}

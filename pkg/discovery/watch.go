@@ -258,9 +258,10 @@ func (w *poolWatch) status() PoolStatus {
 	if w.ipool != nil {
 		infs = append(infs, *w.ipool)
 	}
-	st.Synced = true
+	st.Synced, st.Served = true, true
 	for _, inf := range infs {
 		st.Synced = st.Synced && inf.synced()
+		st.Served = st.Served && inf.src.served()
 		refused, reachable, lastErr, at := inf.src.state()
 		if refused != nil && st.Refused == nil {
 			st.Refused = refused

@@ -23,7 +23,7 @@ type DiscoveryState struct {
 
 var (
 	discoverySyncedDesc    = poolDesc("discovery_synced", "1 once every Kubernetes informer of the pool has delivered its first list; readiness waits for it.")
-	discoveryRefusedDesc   = poolDesc("discovery_refused", "1 while the API server refuses a list or watch the pool needs (RBAC, a CRD not installed): not ready.")
+	discoveryRefusedDesc   = poolDesc("discovery_refused", "1 while the API server refuses a list or watch the pool needs (RBAC, a CRD not installed): not ready, unless the pool was followed before, which then serves its last endpoints.")
 	discoveryReachableDesc = poolDesc("discovery_api_reachable", "1 when the Kubernetes API server answered the pool's last list or watch; 0 while the last endpoints are served without it.")
 	discoveryEndpointsDesc = poolDesc("discovery_endpoints", "Endpoints the pool's Kubernetes discovery currently gives it.")
 )

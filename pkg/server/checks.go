@@ -59,6 +59,9 @@ func discoveryCheck(st discovery.PoolStatus) check {
 		what = fmt.Sprintf("InferencePool %s/%s", st.Namespace, st.InferencePool)
 	}
 	switch {
+	case st.Refused != nil && st.Served:
+		c.detail = fmt.Sprintf("%s: refused since it was followed, serving the last %d endpoints known: %v", what, st.Endpoints, st.Refused)
+		return c
 	case st.Refused != nil:
 		c.detail = fmt.Sprintf("%s: refused: %v", what, st.Refused)
 		return c
