@@ -19,14 +19,15 @@ var watchReady = func() {}
 // editors and Kubernetes write a new file in several steps.
 const settle = 100 * time.Millisecond
 
-// reloadable checks c as it would run in place of running: the connector is
-// read at start only, so the reloadable keys must suit the running one (a
-// running kv-sglang cannot take pd.mode never, whatever the file now names).
-func (c *Config) reloadable(running *Config) error {
+// reloadable checks c as it would run under connector, the one the process
+// started with: the connector is read at start only, so the reloadable keys
+// must suit it (a running kv-sglang cannot take pd.mode never, whatever the
+// file now names, or named at an earlier reload).
+func (c *Config) reloadable(connector string) error {
 	asRun := *c
-	asRun.Connector = running.Connector
+	asRun.Connector = connector
 	if err := asRun.validate(); err != nil {
-		return fmt.Errorf("config: with the running connector %s (a new one takes a restart): %w", running.Connector, err)
+		return fmt.Errorf("config: with the running connector %s (a new one takes a restart): %w", connector, err)
 	}
 	return nil
 }
@@ -55,7 +56,8 @@ func Watch(ctx context.Context, path string, running *Config, apply func(*Config
 	watchReady()
 
 	var last []byte
-	timer := time.NewTimer(0) // the first read, now that the watch is in place
+	connector := running.Connector // read at start only, whatever later files name
+	timer := time.NewTimer(0)      // the first read, now that the watch is in place
 	defer timer.Stop()
 	for {
 		select {
@@ -83,7 +85,7 @@ func Watch(ctx context.Context, path string, running *Config, apply func(*Config
 			last = data
 			c, err := Parse(data)
 			if err == nil {
-				err = c.reloadable(running)
+				err = c.reloadable(connector)
 			}
 			if err != nil {
 				reject(fmt.Errorf("%w; keeping the running config", err))

@@ -224,6 +224,28 @@ func TestWatchAppliesAChangeMadeBeforeTheWatchStarted(t *testing.T) {
 // must not take pd.mode never because the file now names kv-nixl; the removed
 // pd.sglang_parallel_sampling: rooms is refused, saying why; so is a file
 // without a connector.
+// A reload is checked against the connector the process runs, not the one
+// an earlier reload named (which waits for a restart): a kv-sglang process
+// whose file turned to kv-nixl still refuses pd.mode never.
+func TestWatchChecksReloadsAgainstTheConnectorRunning(t *testing.T) {
+	const sglang = "connector: kv-sglang\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 8998}, decode: {endpoints: [\"10.0.0.2:8000\"]}}\n"
+	path := filepath.Join(t.TempDir(), "extproc.yaml")
+	write(t, path, sglang)
+	applied, rejected := watching(t, path)
+	nixl := strings.Replace(sglang, "kv-sglang", "kv-nixl", 1)
+	write(t, path, nixl)
+	select {
+	case c := <-applied:
+		if c.Connector != "kv-nixl" {
+			t.Fatalf("applied connector %s, want the file's kv-nixl (for a restart)", c.Connector)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the file naming another connector was not applied (for a restart) within 5s")
+	}
+	write(t, path, nixl+"pd: {mode: never}\n")
+	rejectedSaying(t, rejected, applied, "running connector kv-sglang", "pd.mode")
+}
+
 func TestWatchRefusesAReload(t *testing.T) {
 	const sglang = "connector: kv-sglang\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 8998}, decode: {endpoints: [\"10.0.0.2:8000\"]}}\n"
 	tests := []struct {
