@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"regexp"
 	"slices"
 	"strings"
@@ -236,5 +237,38 @@ func TestChartPackagesWithTheVersion(t *testing.T) {
 		if got := chart.ChartVersion(version); got != want {
 			t.Errorf("ChartVersion(%q) = %q, want %q", version, got, want)
 		}
+	}
+}
+
+// Envoy reads its bootstrap once, at start: a values change that changes it (the ext_proc
+// port, here) must change the Envoy pod template too, so that helm upgrade rolls the pods onto
+// it instead of leaving them dialling the old port.
+func TestABootstrapChangeRollsEnvoy(t *testing.T) {
+	ex := example(t, "defaults")
+	podTemplate := func(values map[string]any) any {
+		out, err := chart.Render(testbed.MustRepoPath(t, chart.Dir), ex.Release, values)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, part := range splitYAML(out) {
+			var doc map[string]any
+			if err := yaml.Unmarshal(part, &doc); err != nil {
+				t.Fatal(err)
+			}
+			if digString(doc, "kind") == "Deployment" && strings.HasSuffix(digString(doc, "metadata", "name"), "-envoy") {
+				return dig(doc, "spec", "template")
+			}
+		}
+		t.Fatal("no Envoy Deployment rendered")
+		return nil
+	}
+	values, err := ex.ValuesMap()
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := podTemplate(values)
+	values["ports"] = map[string]any{"grpc": 9443, "metrics": 9090}
+	if after := podTemplate(values); reflect.DeepEqual(before, after) {
+		t.Error("ports.grpc changed the Envoy bootstrap but not its pod template: the pods keep the old port")
 	}
 }
