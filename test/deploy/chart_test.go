@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"cmp"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -270,5 +271,39 @@ func TestABootstrapChangeRollsEnvoy(t *testing.T) {
 	values["ports"] = map[string]any{"grpc": 9443, "metrics": 9090}
 	if after := podTemplate(values); reflect.DeepEqual(before, after) {
 		t.Error("ports.grpc changed the Envoy bootstrap but not its pod template: the pods keep the old port")
+	}
+}
+
+// A PodDisruptionBudget that keeps as many pods as the Deployment runs blocks every node drain
+// (kubectl drain waits for ever on a healthy pod): the chart refuses such values, saying what
+// to change, and renders one replica without a budget.
+func TestChartRefusesABudgetThatBlocksDrains(t *testing.T) {
+	ex := example(t, "defaults")
+	for _, tt := range []struct {
+		name string
+		set  func(v map[string]any)
+		want string // "" renders
+	}{
+		{"one pd-extproc replica", func(v map[string]any) { v["replicas"] = 1 }, "podDisruptionBudget.enabled=false"},
+		{"one replica, no budget", func(v map[string]any) {
+			v["replicas"] = 1
+			v["podDisruptionBudget"] = map[string]any{"enabled": false, "minAvailable": 1}
+		}, ""},
+		{"one Envoy", func(v map[string]any) { v["envoy"].(map[string]any)["replicas"] = 1 }, "envoy.podDisruptionBudget.enabled=false"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			values, err := ex.ValuesMap()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if values["envoy"] == nil {
+				values["envoy"] = map[string]any{}
+			}
+			tt.set(values)
+			_, err = chart.Render(testbed.MustRepoPath(t, chart.Dir), ex.Release, values)
+			if tt.want == "" && err != nil || tt.want != "" && (err == nil || !strings.Contains(err.Error(), tt.want)) {
+				t.Errorf("render: %v, want %q", err, cmp.Or(tt.want, "no error"))
+			}
+		})
 	}
 }
