@@ -166,6 +166,7 @@ type Metrics struct {
 	tokenize        *prometheus.HistogramVec
 	answers         answers
 	limits          limits
+	reloads         reloads
 }
 
 // New returns the metrics of a server using connector, on a new registry that
@@ -203,6 +204,7 @@ func New(connector string) *Metrics {
 			[]float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1}, "outcome"),
 		answers: newAnswers(),
 		limits:  newLimits(),
+		reloads: newReloads(),
 	}
 	build := gaugeVec("build_info",
 		"1, labelled with the build that runs: its version (git describe), revision (commit) and Go release.",
@@ -218,6 +220,7 @@ func New(connector string) *Metrics {
 	)
 	m.registry.MustRegister(m.answers.collectors()...)
 	m.registry.MustRegister(m.limits.collectors()...)
+	m.registry.MustRegister(m.reloads.collectors()...)
 	m.initSeries()
 	return m
 }
@@ -250,6 +253,7 @@ func (m *Metrics) initSeries() {
 	m.tokenize.WithLabelValues("failed")
 	m.answers.initSeries()
 	m.limits.initSeries()
+	m.reloads.initSeries()
 }
 
 // Registry is the registry every collector is on.

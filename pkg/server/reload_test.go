@@ -109,6 +109,20 @@ func TestReloadLogNamesRestartOnlyKeys(t *testing.T) {
 	if msg := line["msg"].(string); !strings.Contains(msg, "only on restart") {
 		t.Errorf("the reload line does not say keys wait for a restart: %q", msg)
 	}
+	metrics := r.scrape(t)
+	if got := metrics[`pd_extproc_config_reloads_total{outcome="applied"}`]; got != 1 {
+		t.Errorf("config_reloads_total{applied} = %v, want 1", got)
+	}
+	if got := metrics["pd_extproc_config_restart_pending"]; got != 2 {
+		t.Errorf("config_restart_pending = %v, want 2 (the keys waiting for a restart)", got)
+	}
+	if err := os.WriteFile(path, []byte("connector: kv-nixl\npools: {decode: {endpoints: 7}}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	waitLogLine(t, logs, "config change rejected")
+	if got := r.scrape(t)[`pd_extproc_config_reloads_total{outcome="rejected"}`]; got != 1 {
+		t.Errorf("config_reloads_total{rejected} = %v after a file that does not parse, want 1", got)
+	}
 	// The pool itself is live: the new decode endpoint is the one reported.
 	deadline := time.Now().Add(10 * time.Second)
 	for r.scrape(t)[series("pd_extproc_endpoint_healthy", "endpoint", "10.1.1.2:8000", "pool", "decode")] != 1 {

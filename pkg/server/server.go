@@ -184,8 +184,10 @@ func (s *Server) watchConfig(ctx context.Context) func() {
 	return func() {
 		err := config.Watch(ctx, s.opts.ConfigPath, s.cfg, func(c *config.Config) {
 			assemble.Reload(s.pipeline, c)
+			s.metrics.ConfigReloaded(len(restartOnly(s.cfg, c)))
 			logConfigReloaded(s.log, s.opts.ConfigPath, s.cfg, c)
 		}, func(err error) {
+			s.metrics.ConfigRejected()
 			s.log.Error(err, "config change rejected; the previous config stays", "path", s.opts.ConfigPath)
 		})
 		if err != nil {
