@@ -1,6 +1,7 @@
 package pipeline_test
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"net/http"
@@ -14,7 +15,9 @@ import (
 
 // A client can eject no prefill endpoint with requests no engine could
 // serve: a leg net/http refuses to send (a control byte in a header) and an
-// engine's redirect say nothing of its health. A 5xx still does.
+// engine's redirect say nothing of its health. A 5xx still does, and so does
+// an engine that never answers within prefill.timeout (its attempt having
+// the whole phase, attempt_timeout left at its default).
 func TestOnlyTheEndpointsOwnFailuresEjectIt(t *testing.T) {
 	tests := []struct {
 		name       string
@@ -23,6 +26,7 @@ func TestOnlyTheEndpointsOwnFailuresEjectIt(t *testing.T) {
 		auth       string
 		wantReason metrics.Failure
 		wantStatus int  // the client's under on_failure=fail; 0: decode-only under decode-only too
+		failStatus int  // the client's under on_failure=fail when wantStatus is 0 (0: 502)
 		ejected    bool // after three requests
 	}{
 		{name: "a control byte in the request id", answer: enginetest.JSON(200, `{}`), requestID: "r\x01", wantReason: metrics.FailureNotSent, wantStatus: 400},
@@ -33,6 +37,8 @@ func TestOnlyTheEndpointsOwnFailuresEjectIt(t *testing.T) {
 		},
 			requestID: "r1", wantReason: metrics.FailureRedirect},
 		{name: "a 5xx", answer: enginetest.JSON(503, `{}`), requestID: "r1", wantReason: metrics.FailureStatus5xx, ejected: true},
+		{name: "no answer within prefill.timeout", answer: func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() },
+			requestID: "r1", wantReason: metrics.FailureTimeout, failStatus: 503, ejected: true},
 	}
 	for _, tt := range tests {
 		for _, onFailure := range []string{config.OnFailureDecodeOnly, config.OnFailureFail} {
@@ -40,7 +46,7 @@ func TestOnlyTheEndpointsOwnFailuresEjectIt(t *testing.T) {
 				engine := enginetest.Start(t, tt.answer)
 				p, m, _ := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
 pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
-prefill: {on_failure: %s, attempts: 1}`, engine.Addr(), onFailure))
+prefill: {on_failure: %s, attempts: 1, timeout: 100ms}`, engine.Addr(), onFailure))
 				for range 3 {
 					r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: tt.requestID,
 						Body: []byte(`{"model":"m","prompt":"hi"}`), Forward: http.Header{}}
@@ -50,7 +56,7 @@ prefill: {on_failure: %s, attempts: 1}`, engine.Addr(), onFailure))
 					d, err := p.Route(context.Background(), r)
 					want := tt.wantStatus
 					if want == 0 && onFailure == config.OnFailureFail {
-						want = 502
+						want = cmp.Or(tt.failStatus, 502)
 					}
 					switch {
 					case want == 0 && err != nil:

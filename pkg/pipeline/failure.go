@@ -98,16 +98,20 @@ func (e *attemptError) counts() bool {
 
 // blames reports whether the failure of a leg sent as d counts against the
 // endpoint's health. A sequential leg's does when another endpoint is worth a
-// try. A concurrent leg fails with its partner, so any answer, even a 5xx, may
-// be the partner's doing: only no answer at all counts.
-func (e *attemptError) blames(d kv.Dispatch) bool {
+// try, and when it timed out having had the whole prefill phase (whole: the
+// first attempt): an engine that never answers must not keep every request
+// sent to it for prefill.timeout, with the attempt's timeout left at the
+// phase's. One cut short by an earlier attempt's time is not blamed. A
+// concurrent leg fails with its partner, so any answer, even a 5xx, may be
+// the partner's doing: only no answer at all counts.
+func (e *attemptError) blames(d kv.Dispatch, whole bool) bool {
 	switch {
 	case !e.counts():
 		return false
 	case d == kv.Concurrent:
 		return e.answer == nil
 	}
-	return e.retryable()
+	return e.retryable() || whole && e.reason == metrics.FailureTimeout
 }
 
 // lastAttempt is the failed attempt that ended a prefill phase in err; nil

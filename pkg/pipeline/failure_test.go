@@ -61,9 +61,14 @@ func TestClassifyPrefillErrors(t *testing.T) {
 			if f.reason != tt.reason {
 				t.Errorf("reason = %q, want %q", f.reason, tt.reason)
 			}
-			if f.retryable() != tt.retry || f.blames(kv.Sequential) != tt.blamed || f.blames(kv.Concurrent) != tt.blamedConcurrent {
+			// Attempts after the first, cut short by the phase's deadline.
+			if f.retryable() != tt.retry || f.blames(kv.Sequential, false) != tt.blamed || f.blames(kv.Concurrent, false) != tt.blamedConcurrent {
 				t.Errorf("retry %v, blamed %v, blamed when concurrent %v; want %v, %v, %v",
-					f.retryable(), f.blames(kv.Sequential), f.blames(kv.Concurrent), tt.retry, tt.blamed, tt.blamedConcurrent)
+					f.retryable(), f.blames(kv.Sequential, false), f.blames(kv.Concurrent, false), tt.retry, tt.blamed, tt.blamedConcurrent)
+			}
+			// The first attempt, which had the whole phase: its timeout is the engine's.
+			if wantWhole := tt.blamed || tt.reason == metrics.FailureTimeout; f.blames(kv.Sequential, true) != wantWhole {
+				t.Errorf("blamed as the phase's first attempt %v, want %v", f.blames(kv.Sequential, true), wantWhole)
 			}
 			if got := prefillFailed(errors.Join(f, errors.New("no endpoint left")), "r").Status; got != tt.status {
 				t.Errorf("client status = %d, want %d", got, tt.status)

@@ -216,7 +216,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 	defer cancel()
 	attempts := p.pools.Prefill.Attempts(sreq, p.opts.Attempts)
 	var last error
-	for {
+	for whole := true; ; whole = false {
 		ep, err := attempts.Next()
 		if err != nil {
 			return prefillAnswer{}, nil, errors.Join(last, err)
@@ -230,7 +230,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 			return answer, slot, nil
 		}
 		switch {
-		case failed.blames(kv.Sequential):
+		case failed.blames(kv.Sequential, whole):
 			ep.ReportFailure()
 		case failed.aboutRequest():
 			ep.ReportSuccess() // the engine is fine; the request is not
@@ -282,9 +282,9 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 		ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
 		defer cancel()
 		_, failed := p.attempt(ctx, ep.Addr, r, leg)
-		d.partner.legEnded(failed != nil, failed != nil && failed.blames(kv.Concurrent))
+		d.partner.legEnded(failed != nil, failed != nil && failed.blames(kv.Concurrent, false))
 		if failed != nil {
-			if failed.blames(kv.Concurrent) {
+			if failed.blames(kv.Concurrent, false) {
 				ep.ReportFailure()
 			}
 			p.log.Info("concurrent prefill leg failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())
