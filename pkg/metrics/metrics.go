@@ -98,12 +98,13 @@ const (
 	FailureCancelled                    // the client left (the ext_proc stream ended) while the leg ran
 	FailureNotSent                      // net/http refused the leg before connecting (a header value or query of the client's that is not valid HTTP)
 	FailureTooLarge                     // a 2xx answer longer than the 8 MiB read: its kv_transfer_params would be lost
+	FailureMalformed                    // a 2xx answer that is not a JSON object (nor an event stream): a broken engine or proxy
 )
 
 var failureLabels = [...]string{
 	FailureConnect: "connect", FailureTimeout: "timeout", FailureStatus4xx: "status_4xx", FailureStatus5xx: "status_5xx",
 	FailureRedirect: "redirect", FailureTransport: "transport", FailureCancelled: "cancelled", FailureNotSent: "not_sent",
-	FailureTooLarge: "answer_too_large",
+	FailureTooLarge: "answer_too_large", FailureMalformed: "malformed",
 }
 
 func (f Failure) String() string { return label(failureLabels[:], f) }
@@ -186,7 +187,7 @@ func New(connector string) *Metrics {
 			"Duration of each prefill leg attempt the service sent, by outcome (ok, failed, cancelled).",
 			[]float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 30, 60}, "outcome"),
 		prefillFailures: counterVec("prefill_failures_total",
-			"Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled, not_sent, answer_too_large).",
+			"Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled, not_sent, answer_too_large, malformed).",
 			"reason"),
 		kvParamsMissing: counter("kv_params_missing_total",
 			"Successful kv-nixl prefill legs that returned no kv_transfer_params, so the decode engine recomputed the prompt."),

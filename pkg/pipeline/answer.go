@@ -2,6 +2,7 @@ package pipeline
 
 import (
 	"bytes"
+	"fmt"
 	"net/netip"
 	"strconv"
 	"strings"
@@ -26,11 +27,12 @@ type prefillAnswer struct {
 	cached []byte
 }
 
-// readAnswer reads a prefill engine's answer to r without decoding it.
-func (p *Pipeline) readAnswer(answer []byte, r *Request) prefillAnswer {
+// readAnswer reads a prefill engine's answer to r without decoding it; one
+// that is not a JSON object is errMalformed.
+func (p *Pipeline) readAnswer(answer []byte, r *Request) (prefillAnswer, error) {
 	o, err := body.Parse(answer)
 	if err != nil {
-		return prefillAnswer{}
+		return prefillAnswer{}, fmt.Errorf("%w: %v", errMalformed, err)
 	}
 	var a prefillAnswer
 	if raw, ok := o.Raw("kv_transfer_params"); ok && raw[0] == '{' && kv.HasParams(raw) {
@@ -43,7 +45,7 @@ func (p *Pipeline) readAnswer(answer []byte, r *Request) prefillAnswer {
 			a.cached = []byte("0")
 		}
 	}
-	return a
+	return a, nil
 }
 
 // isCount reports whether raw is a JSON integer that is a plausible token

@@ -37,6 +37,8 @@ func TestOnlyTheEndpointsOwnFailuresEjectIt(t *testing.T) {
 		},
 			requestID: "r1", wantReason: metrics.FailureRedirect},
 		{name: "a 5xx", answer: enginetest.JSON(503, `{}`), requestID: "r1", wantReason: metrics.FailureStatus5xx, ejected: true},
+		{name: "a 200 that is not JSON (a proxy's page)", answer: enginetest.JSON(200, `<html>upstream connect error</html>`),
+			requestID: "r1", wantReason: metrics.FailureMalformed, ejected: true},
 		{name: "no answer within prefill.timeout", answer: func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() },
 			requestID: "r1", wantReason: metrics.FailureTimeout, failStatus: 503, ejected: true},
 	}

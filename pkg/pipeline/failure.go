@@ -50,6 +50,8 @@ func classify(ctx context.Context, err error, reached bool) *attemptError {
 		e.reason = metrics.FailureRedirect
 	case errors.Is(err, errAnswerTooLarge):
 		e.reason = metrics.FailureTooLarge
+	case errors.Is(err, errMalformed):
+		e.reason = metrics.FailureMalformed
 	case errors.Is(ctx.Err(), context.Canceled):
 		e.reason = metrics.FailureCancelled
 	case errors.As(err, &op) && op.Op == "dial":
@@ -90,7 +92,7 @@ func (e *attemptError) retryable() bool {
 // engine could serve.
 func (e *attemptError) counts() bool {
 	switch e.reason {
-	case metrics.FailureConnect, metrics.FailureTimeout, metrics.FailureTransport, metrics.FailureStatus5xx:
+	case metrics.FailureConnect, metrics.FailureTimeout, metrics.FailureTransport, metrics.FailureStatus5xx, metrics.FailureMalformed:
 		return true
 	}
 	return false

@@ -3,6 +3,7 @@ package pipeline
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -97,13 +98,22 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 	if len(answer) > maxPrefillResponseBytes {
 		return prefillAnswer{}, errAnswerTooLarge
 	}
-	if ct := resp.Header.Get("Content-Type"); response.IsEventStream(ct, resp.Header.Get("Content-Encoding")) && response.StreamFailed(answer) {
-		// A streamed leg (kv-sglang keeps the client's stream) that failed
-		// after its 200: the engine's 500, told in an error event.
-		return prefillAnswer{}, &statusError{status: http.StatusInternalServerError, body: answer, contentType: ct}
+	if ct := resp.Header.Get("Content-Type"); response.IsEventStream(ct, resp.Header.Get("Content-Encoding")) {
+		if response.StreamFailed(answer) {
+			// A streamed leg (kv-sglang keeps the client's stream) that
+			// failed after its 200: the engine's 500, told in an error event.
+			return prefillAnswer{}, &statusError{status: http.StatusInternalServerError, body: answer, contentType: ct}
+		}
+		return prefillAnswer{}, nil // nothing to take from it: SGLang's legs hand nothing on
 	}
-	return p.readAnswer(answer, r), nil
+	return p.readAnswer(answer, r)
 }
+
+// errMalformed is a 2xx prefill answer that is not a JSON object, nor an
+// event stream (a kv-sglang leg keeps the client's stream): a broken engine,
+// or a proxy in front of it answering for it. Its kv_transfer_params, if
+// any, cannot be read, so it is a failed attempt, retried and blamed.
+var errMalformed = errors.New("the prefill answer is not a JSON object")
 
 // maxJoinedLeg is the largest prefill leg joined into one buffer before it is
 // sent. net/http writes a bytes.Reader's first bytes in the headers' packet
