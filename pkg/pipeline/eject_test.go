@@ -39,6 +39,8 @@ func TestOnlyTheEndpointsOwnFailuresEjectIt(t *testing.T) {
 		{name: "a 5xx", answer: enginetest.JSON(503, `{}`), requestID: "r1", wantReason: metrics.FailureStatus5xx, ejected: true},
 		{name: "a 200 that is not JSON (a proxy's page)", answer: enginetest.JSON(200, `<html>upstream connect error</html>`),
 			requestID: "r1", wantReason: metrics.FailureMalformed, ejected: true},
+		{name: "a 429: busy, not broken", answer: enginetest.JSON(429, `{"error":"too many requests"}`),
+			requestID: "r1", wantReason: metrics.FailureOverloaded, failStatus: 503},
 		{name: "no answer within prefill.timeout", answer: func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() },
 			requestID: "r1", wantReason: metrics.FailureTimeout, failStatus: 503, ejected: true},
 	}

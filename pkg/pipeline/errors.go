@@ -178,7 +178,7 @@ func noPrefillEndpoint() *Error {
 // fix. A leg net/http refused to send is the client's 400: its header values or
 // query are not valid HTTP. Another answer of the engine's own (a 5xx, a
 // redirect, one too long to read, one that is not JSON) is a 502; no answer at all (unreachable, timed out, no endpoint
-// left) a 503.
+// left), or engines too busy to take it (429), a 503.
 //
 // The message names the request, not the cause: that would tell the client
 // the engines' addresses, and Go's transport errors quote the leg's URL with
@@ -190,7 +190,8 @@ func prefillFailed(cause error, requestID string) *Error {
 		e := badRequest("the request cannot be forwarded: a header value or its query is not valid HTTP")
 		e.Detail = cause.Error()
 		return e
-	case last == nil || last.answer == nil && last.reason != metrics.FailureTooLarge && last.reason != metrics.FailureMalformed:
+	case last == nil || last.answer == nil && last.reason != metrics.FailureTooLarge && last.reason != metrics.FailureMalformed ||
+		last.reason == metrics.FailureOverloaded:
 		return hiding(http.StatusServiceUnavailable, "upstream_error", "prefill leg failed: no prefill engine answered", requestID, cause)
 	case last.aboutRequest():
 		return &Error{Status: last.answer.status, Type: "invalid_request_error", Message: "prefill engine rejected the request",

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
 
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -42,7 +43,9 @@ func classify(ctx context.Context, err error, reached bool) *attemptError {
 	var op *net.OpError
 	var ne net.Error
 	switch {
-	case errors.As(err, &e.answer) && e.answer.status >= 400 && e.answer.status < 500:
+	case errors.As(err, &e.answer) && e.answer.status == http.StatusTooManyRequests:
+		e.reason = metrics.FailureOverloaded // busy, not about the request: another endpoint may take it
+	case e.answer != nil && e.answer.status >= 400 && e.answer.status < 500:
 		e.reason = metrics.FailureStatus4xx
 	case e.answer != nil && e.answer.status >= 500:
 		e.reason = metrics.FailureStatus5xx
