@@ -89,17 +89,17 @@ const (
 type Failure uint8
 
 const (
-	FailureConnect   Failure = iota + 1 // the engine could not be dialled
-	FailureTimeout                      // prefill.attempt_timeout or prefill.timeout expired
-	FailureStatus4xx                    // the engine rejected the request
-	FailureStatus5xx                    // the engine answered with its own failure
-	FailureRedirect                     // the engine answered with a redirect, which is not followed
-	FailureTransport                    // the connection broke while sending or reading
-	FailureCancelled                    // the client left (the ext_proc stream ended) while the leg ran
-	FailureNotSent                      // net/http refused the leg before connecting (a header value or query of the client's that is not valid HTTP)
-	FailureTooLarge                     // a 2xx answer longer than the 8 MiB read: its kv_transfer_params would be lost
-	FailureMalformed                    // a 2xx answer that is not a JSON object (nor an event stream): a broken engine or proxy
-	FailureOverloaded                   // the engine answered 429: busy, not wrong; another may take the leg
+	FailureConnect    Failure = iota + 1 // the engine could not be dialled
+	FailureTimeout                       // prefill.attempt_timeout or prefill.timeout expired
+	FailureStatus4xx                     // the engine rejected the request
+	FailureStatus5xx                     // the engine answered with its own failure
+	FailureRedirect                      // the engine answered with a redirect, which is not followed
+	FailureTransport                     // the connection broke while sending or reading
+	FailureCancelled                     // the client left (the ext_proc stream ended) while the leg ran
+	FailureNotSent                       // net/http refused the leg before connecting (a header value or query of the client's that is not valid HTTP)
+	FailureTooLarge                      // a 2xx answer longer than the 8 MiB read: its kv_transfer_params would be lost
+	FailureMalformed                     // a 2xx answer that is not a JSON object (nor an event stream): a broken engine or proxy
+	FailureOverloaded                    // the engine answered 429: busy, not wrong; another may take the leg
 )
 
 var failureLabels = [...]string{
