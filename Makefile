@@ -81,6 +81,7 @@ grpcurl: $(TOOLS_BIN)/grpcurl
 # without the race detector, which makes them some eight times slower and skips them.
 # test/envoyapi is a module of its own (the shipped Envoy configs against Envoy v1.39's API).
 test: tools
+	@unformatted=$$("$$($(GO) env GOROOT)/bin/gofmt" -l .); if [ -n "$$unformatted" ]; then echo "gofmt -w these files:"; echo "$$unformatted"; exit 1; fi
 	$(GO) vet ./...
 	$(GO) test -race -count=1 ./...
 	GOEXPERIMENT= $(GO) test -count=1 ./pkg/body/
