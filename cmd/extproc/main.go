@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"syscall"
 	"time"
 
@@ -95,6 +96,15 @@ func run(f flags, log logr.Logger, flush func()) error {
 	if err != nil {
 		return err
 	}
+	goMemLimit := "GOMEMLIMIT"
+	if os.Getenv("GOMEMLIMIT") == "" {
+		if n := config.GoMemoryLimit(); n > 0 {
+			debug.SetMemoryLimit(n)
+			goMemLimit = fmt.Sprintf("%d MiB, 90%% of the container's memory limit", n>>20)
+		} else {
+			goMemLimit = "none: no container memory limit"
+		}
+	}
 	otel.SetLogger(log.WithName("otel"))
 	klog.SetLogger(log.WithName("client-go")) // Kubernetes discovery's client library logs through ours
 	otel.SetErrorHandler(otel.ErrorHandlerFunc(func(err error) { log.Error(err, "opentelemetry") }))
@@ -116,7 +126,8 @@ func run(f flags, log logr.Logger, flush func()) error {
 	log.Info("extproc serving", "version", version.Version, "revision", version.Get().Revision, "grpc", grpcLis.Addr().String(), "admin", adminLis.Addr().String(),
 		"connector", cfg.Connector, "prefill", cfg.Pools.Prefill.Endpoints, "decode", cfg.Pools.Decode.Endpoints,
 		"tracing", server.TracingEnabled(cfg.Tracing), "pprof", f.pprof, "logPrompts", f.logPrompts,
-		"tls", f.tls.Cert != "", "mtls", f.tls.ClientCA != "", "allowedSANs", f.tls.AllowedSANs, "maxBufferedBytes", cfg.Limits.MaxBufferedBytes)
+		"tls", f.tls.Cert != "", "mtls", f.tls.ClientCA != "", "allowedSANs", f.tls.AllowedSANs, "maxBufferedBytes", cfg.Limits.MaxBufferedBytes,
+		"goMemoryLimit", goMemLimit)
 	flush() // whoever waits for this line gets it now
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)

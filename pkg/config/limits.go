@@ -34,6 +34,14 @@ func DefaultMaxBufferedBytes(cgroup fs.FS) int64 {
 	return limit / MemoryPerBodyByte
 }
 
+// GoMemoryLimit is the soft memory limit for Go's collector when GOMEMLIMIT
+// is not set: 90 % of the container's memory limit, so that the collector
+// works harder before the kernel kills the process, whatever the limit the
+// pod was given; 0 (leave the runtime's) when the container has none.
+func GoMemoryLimit() int64 {
+	return memoryLimit(cgroupFS) / 10 * 9
+}
+
 // memoryLimit reads the cgroup's memory limit in bytes; 0 when there is none
 // (no file, "max", or v1's "unlimited", a number near 2^63).
 func memoryLimit(cgroup fs.FS) int64 {

@@ -83,3 +83,24 @@ func TestPrefillCapsDefaults(t *testing.T) {
 		}
 	}
 }
+
+// Without GOMEMLIMIT, Go's collector is given 90 % of the container's memory
+// limit, whatever limit the pod has; none without a limit.
+func TestGoMemoryLimitFollowsTheContainer(t *testing.T) {
+	saved := cgroupFS
+	t.Cleanup(func() { cgroupFS = saved })
+	for _, tt := range []struct {
+		files fstest.MapFS
+		want  int64
+	}{
+		{fstest.MapFS{"memory.max": {Data: []byte("1073741824\n")}}, 1073741824 / 10 * 9},
+		{fstest.MapFS{"memory/memory.limit_in_bytes": {Data: []byte("536870912\n")}}, 536870912 / 10 * 9},
+		{fstest.MapFS{"memory.max": {Data: []byte("max\n")}}, 0},
+		{fstest.MapFS{}, 0},
+	} {
+		cgroupFS = tt.files
+		if got := GoMemoryLimit(); got != tt.want {
+			t.Errorf("GoMemoryLimit() with %v = %d, want %d", tt.files, got, tt.want)
+		}
+	}
+}
