@@ -307,3 +307,51 @@ func TestChartRefusesABudgetThatBlocksDrains(t *testing.T) {
 		})
 	}
 }
+
+// With neither the chart's Envoy nor Envoy Gateway in front, networkPolicy.envoyFrom admits the
+// operator's own Envoy to the gRPC port, and nothing else does.
+func TestNetworkPolicyAdmitsYourOwnEnvoy(t *testing.T) {
+	ex := example(t, "defaults")
+	own := map[string]any{"podSelector": map[string]any{"matchLabels": map[string]any{"app": "edge-envoy"}}}
+	for _, tt := range []struct {
+		name  string
+		from  []any
+		peers int // admitted to the gRPC port
+	}{
+		{"no Envoy in front", nil, 0},
+		{"your own Envoy", []any{own}, 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			values, err := ex.ValuesMap()
+			if err != nil {
+				t.Fatal(err)
+			}
+			values["envoy"] = map[string]any{"enabled": false}
+			values["gateway"] = map[string]any{"enabled": false}
+			values["networkPolicy"] = map[string]any{"envoyFrom": tt.from}
+			out, err := chart.Render(testbed.MustRepoPath(t, chart.Dir), ex.Release, values)
+			if err != nil {
+				t.Fatal(err)
+			}
+			peers := 0
+			for _, part := range splitYAML(out) {
+				var doc map[string]any
+				if err := yaml.Unmarshal(part, &doc); err != nil {
+					t.Fatal(err)
+				}
+				if digString(doc, "kind") != "NetworkPolicy" {
+					continue
+				}
+				for _, rule := range dig(doc, "spec", "ingress").([]any) {
+					ports, _ := dig(rule, "ports").([]any)
+					if len(ports) > 0 && fmt.Sprint(dig(ports[0], "port")) == "grpc" {
+						peers += len(dig(rule, "from").([]any))
+					}
+				}
+			}
+			if peers != tt.peers {
+				t.Errorf("%d peers admitted to the gRPC port, want %d", peers, tt.peers)
+			}
+		})
+	}
+}
