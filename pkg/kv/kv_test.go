@@ -245,6 +245,11 @@ func TestNIXLDecodeCarriesPrefillParams(t *testing.T) {
 			prefillKV: []byte("{\n  \"remote_block_ids\": [ [1, 2] ],\n  \"remote_port\": 5600\n}"),
 			want:      "{\"model\":\"m\",\"kv_transfer_params\":{\n  \"remote_block_ids\": [ [1, 2] ],\n  \"remote_port\": 5600\n},\"stream\":true}",
 		},
+		{
+			name:      "a do_remote_decode handed back is made false",
+			prefillKV: []byte(`{"do_remote_prefill":true,"do_remote_decode":true,"remote_port":5600}`),
+			want:      `{"model":"m","kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_port":5600},"stream":true}`,
+		},
 		// No params from the prefill: the decode engine recomputes, and the
 		// client's do_remote_prefill:true must not reach it either.
 		{name: "nil params", prefillKV: nil, want: without},

@@ -27,12 +27,21 @@ func (nixlKV) PrefillEdits(h *Handoff) []body.Edit {
 
 // DecodeEdits never sends do_remote_prefill without the prefill's remote_* fields:
 // when the prefill returned no params (absent, null or {}, as vLLM's proxies
-// read it) the decode engine simply recomputes.
+// read it) the decode engine simply recomputes. A do_remote_decode the
+// prefill engine handed back is made false: true would have the decode
+// engine keep the request's blocks after it finishes, for a remote decode
+// that never comes, until vLLM's abort timeout.
 func (nixlKV) DecodeEdits(h *Handoff) []body.Edit {
 	if !HasParams(h.PrefillKV) {
 		return nil
 	}
-	return []body.Edit{transferParams(h.Shape, h.PrefillKV)}
+	params := h.PrefillKV
+	if o, err := body.Parse(params); err == nil {
+		if v, ok := o.Raw("do_remote_decode"); ok && !bytes.Equal(v, body.False) {
+			params = o.Splice(body.Set("do_remote_decode", body.False)).Bytes()
+		}
+	}
+	return []body.Edit{transferParams(h.Shape, params)}
 }
 
 // HasParams reports whether raw, a prefill answer's kv_transfer_params, hands
