@@ -246,6 +246,16 @@ func TestNIXLDecodeCarriesPrefillParams(t *testing.T) {
 			want:      "{\"model\":\"m\",\"kv_transfer_params\":{\n  \"remote_block_ids\": [ [1, 2] ],\n  \"remote_port\": 5600\n},\"stream\":true}",
 		},
 		{
+			name:      "vLLM's do_remote_decode, false, left as it came",
+			prefillKV: []byte(`{"do_remote_prefill": true, "do_remote_decode" : false, "remote_port": 5600}`),
+			want:      `{"model":"m","kv_transfer_params":{"do_remote_prefill": true, "do_remote_decode" : false, "remote_port": 5600},"stream":true}`,
+		},
+		{
+			name:      "a do_remote_decode given twice, true last (which vLLM reads), is made one false",
+			prefillKV: []byte(`{"do_remote_decode":false,"do_remote_prefill":true,"do_remote_decode":true}`),
+			want:      `{"model":"m","kv_transfer_params":{"do_remote_decode":false,"do_remote_prefill":true},"stream":true}`,
+		},
+		{
 			name:      "a do_remote_decode handed back is made false",
 			prefillKV: []byte(`{"do_remote_prefill":true,"do_remote_decode":true,"remote_port":5600}`),
 			want:      `{"model":"m","kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_port":5600},"stream":true}`,

@@ -36,12 +36,31 @@ func (nixlKV) DecodeEdits(h *Handoff) []body.Edit {
 		return nil
 	}
 	params := h.PrefillKV
-	if o, err := body.Parse(params); err == nil {
-		if v, ok := o.Raw("do_remote_decode"); ok && !bytes.Equal(v, body.False) {
-			params = o.Splice(body.Set("do_remote_decode", body.False)).Bytes()
+	if !remoteDecodeOff(params) {
+		if o, err := body.Parse(params); err == nil {
+			if v, ok := o.Raw("do_remote_decode"); ok && !bytes.Equal(v, body.False) {
+				params = o.Splice(body.Set("do_remote_decode", body.False)).Bytes()
+			}
 		}
 	}
 	return []body.Edit{transferParams(h.Shape, params)}
+}
+
+var doRemoteDecode = []byte(`"do_remote_decode"`)
+
+// remoteDecodeOff says, without parsing params (a block list may run to
+// tens of kilobytes), that they hold no do_remote_decode but false: the key
+// at most once, and then false, as vLLM's own answers have it. Otherwise
+// DecodeEdits looks closer.
+func remoteDecodeOff(params []byte) bool {
+	switch bytes.Count(params, doRemoteDecode) {
+	case 0:
+		return true
+	case 1:
+		rest := bytes.TrimLeft(params[bytes.Index(params, doRemoteDecode)+len(doRemoteDecode):], " \t\r\n")
+		return len(rest) > 0 && rest[0] == ':' && bytes.HasPrefix(bytes.TrimLeft(rest[1:], " \t\r\n"), body.False)
+	}
+	return false
 }
 
 // HasParams reports whether raw, a prefill answer's kv_transfer_params, hands
