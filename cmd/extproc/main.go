@@ -96,7 +96,7 @@ func run(f flags, log logr.Logger, flush func()) error {
 	if err != nil {
 		return err
 	}
-	goMemLimit := "GOMEMLIMIT"
+	goMemLimit := os.Getenv("GOMEMLIMIT") + " (GOMEMLIMIT)"
 	if os.Getenv("GOMEMLIMIT") == "" {
 		if n := config.GoMemoryLimit(); n > 0 {
 			debug.SetMemoryLimit(n)

@@ -137,8 +137,8 @@ func sglangPromptLogprobs(o *body.Object) Reason {
 	rets, starts := perPrompt(ret), perPrompt(start)
 	for i := range max(len(rets), len(starts)) {
 		r, s := rets[min(i, len(rets)-1)], starts[min(i, len(starts)-1)]
-		n, isInt := strconv.ParseInt(string(s), 10, 64)
-		if string(r) != "false" && (isInt != nil || n >= 0) {
+		from, err := strconv.ParseInt(string(s), 10, 64)
+		if string(r) != "false" && (err != nil || from >= 0) {
 			return PromptLogprobs
 		}
 	}

@@ -49,9 +49,13 @@ var chatTokenizeFields = []string{"model", "messages", "tools", "add_generation_
 // Messages, SGLang's generate), the body is a batch, or its cache_salt is
 // not one the engine takes (a string, not empty).
 func (a *API) TokensOf(o *body.Object) Tokens {
-	salt, ok := o.String("cache_salt")
-	if raw, set := o.Raw("cache_salt"); a.Tokenize == nil || set && !body.IsNull(raw) && (!ok || salt == "") {
+	if a.Tokenize == nil {
 		return Tokens{}
+	}
+	if raw, set := o.Raw("cache_salt"); set && !body.IsNull(raw) {
+		if salt, ok := o.String("cache_salt"); !ok || salt == "" {
+			return Tokens{}
+		}
 	}
 	return a.Tokenize(o)
 }

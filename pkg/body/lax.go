@@ -16,15 +16,11 @@ import (
 // number with no fraction (2.0, 2e0), or a string holding either ("2",
 // " 2 "). ok is false for anything else, which the engine refuses.
 func (o *Object) LaxInt(key string) (int64, bool) {
-	raw, ok := o.Raw(key)
+	s, quoted, ok := o.scalar(key)
 	if !ok {
 		return 0, false
 	}
-	s := string(raw)
-	if raw[0] == '"' {
-		if s, ok = o.String(key); !ok {
-			return 0, false
-		}
+	if quoted {
 		s = strings.TrimSpace(s)
 	}
 	if n, err := strconv.ParseInt(s, 10, 64); err == nil {
@@ -41,15 +37,11 @@ func (o *Object) LaxInt(key string) (int64, bool) {
 // numbers 0 and 1, and the strings 0, 1, f, t, n, y, no, yes, off, on,
 // false and true in any case. ok is false for anything else.
 func (o *Object) LaxBool(key string) (value, ok bool) {
-	raw, ok := o.Raw(key)
+	s, quoted, ok := o.scalar(key)
 	if !ok {
 		return false, false
 	}
-	s := string(raw)
-	if raw[0] == '"' {
-		if s, ok = o.String(key); !ok {
-			return false, false
-		}
+	if quoted {
 		switch strings.ToLower(s) {
 		case "1", "t", "y", "yes", "on", "true":
 			return true, true
@@ -71,4 +63,18 @@ func (o *Object) LaxBool(key string) (value, ok bool) {
 		return false, true
 	}
 	return false, false
+}
+
+// scalar is key's value as text: a string's decoded contents (quoted), or
+// the raw JSON of anything else.
+func (o *Object) scalar(key string) (s string, quoted, ok bool) {
+	raw, ok := o.Raw(key)
+	if !ok {
+		return "", false, false
+	}
+	if raw[0] == '"' {
+		s, ok = o.String(key)
+		return s, true, ok
+	}
+	return string(raw), false, true
 }
