@@ -84,13 +84,23 @@ func TestResolve(t *testing.T) {
 	}
 
 	p.Update(PoolSpec{Endpoints: []string{"10.0.0.9:8000"}, PoolScheduling: config.PoolScheduling{DNS: "other.svc:9000"}})
-	if got := addrsOf(p.Endpoints()); !slices.Equal(got, []string{"10.0.0.9:8000"}) {
-		t.Fatalf("a new DNS name kept the old name's endpoints: %v", got)
+	if got := addrsOf(p.Endpoints()); !slices.Equal(got, []string{"10.0.0.9:8000", "10.0.0.2:8000", "10.0.0.3:8000"}) {
+		t.Fatalf("a new DNS name emptied the pool before its first answer: %v", got)
+	}
+	r.set("other.svc", nil, errors.New("NXDOMAIN"))
+	p.resolve(ctx, "other.svc:9000")
+	if got := len(p.Endpoints()); got != 3 {
+		t.Fatalf("a new DNS name that does not resolve changed the pool to %d endpoints; want the old name's kept", got)
 	}
 	r.set("decode.svc", []string{"10.0.0.7"}, nil)
 	p.resolve(ctx, "decode.svc:8000") // a lookup of the old name that finishes late
-	if got := len(p.Endpoints()); got != 1 {
+	if got := len(p.Endpoints()); got != 3 {
 		t.Fatal("a late answer for the old DNS name was applied")
+	}
+	r.set("other.svc", []string{"10.0.0.5"}, nil)
+	p.resolve(ctx, "other.svc:9000")
+	if got := addrsOf(p.Endpoints()); !slices.Equal(got, []string{"10.0.0.9:8000", "10.0.0.5:9000"}) {
+		t.Fatalf("the new DNS name's first answer gave %v, want it in place of the old name's", got)
 	}
 }
 

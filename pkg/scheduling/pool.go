@@ -174,7 +174,10 @@ func (p *Pool) Update(spec PoolSpec) {
 	spec.Endpoints = slices.Clone(spec.Endpoints)
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if spec.DNS != p.spec.DNS {
+	// A new DNS name's first answer replaces the old name's addresses, which
+	// serve until then, as Envoy keeps a changed cluster's old hosts until
+	// the new one has warmed: a reload must not empty a pool.
+	if spec.DNS == "" {
 		p.resolved = nil
 	}
 	p.spec = spec
