@@ -157,7 +157,8 @@ func perPrompt(raw []byte) [][]byte {
 // responsesAlone: a Responses request that continues a stored response or
 // runs in the background needs the engine that stores it; one with a
 // built-in tool may run several generations in one request
-// (_generate_with_builtin_tools in vLLM's Responses server).
+// (_generate_with_builtin_tools in vLLM's Responses server). A tool that is
+// not an object, which the engine refuses, goes to it alone too.
 func responsesAlone(o *body.Object) Reason {
 	if present(o, "previous_response_id") {
 		return StoredResponse
@@ -168,7 +169,10 @@ func responsesAlone(o *body.Object) Reason {
 	raw, _ := o.Raw("tools")
 	for _, item := range body.Elements(raw) {
 		t, err := body.Parse(item)
-		if kind, _ := t.String("type"); err != nil || kind != "function" {
+		if err != nil {
+			return BuiltinTools
+		}
+		if kind, _ := t.String("type"); kind != "function" {
 			return BuiltinTools
 		}
 	}

@@ -19,6 +19,7 @@ import (
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -239,6 +240,10 @@ func TestAPanicEndsOnlyItsStream(t *testing.T) {
 	}
 	if got, _ := m.Sample("pd_extproc_panics_total", nil); got != 1 {
 		t.Errorf("%v panics counted, want 1", got)
+	}
+	served := map[string]string{"api": api.NameChat, "mode": metrics.ModeNone, "connector": "kv-nixl", "outcome": metrics.Outcome5xx}
+	if got, _ := m.Sample("pd_extproc_requests_total", served); got != 1 {
+		t.Errorf("%v requests counted %v, want the panicking one, which Envoy answers 500", got, served)
 	}
 }
 
