@@ -55,6 +55,12 @@ const (
 	// so the later ones ask again for the KV blocks the prefill leg handed
 	// over for the first, freed by then (docs/engines.md).
 	BuiltinTools
+	// InvalidLimits: the engine refuses the request for a field the prefill
+	// leg's caps overwrite (its output limit, stream_options without
+	// stream). Paired, the prefill engine would compute the prompt and keep
+	// its blocks for a pull that never comes, as the decode engine refuses
+	// the request.
+	InvalidLimits
 )
 
 // API is one engine API pd-extproc routes.
@@ -110,12 +116,12 @@ var (
 	Chat = &API{
 		Name: NameChat, Method: "POST", Path: "/v1/chat/completions",
 		Serves: VLLM | SGLang, Pairs: VLLM | SGLang, Model: true,
-		Shape: openAIShape, Prompt: chatPrompt, Alone: promptLogprobs, Tokenize: chatTokens,
+		Shape: openAIShape, Prompt: chatPrompt, Alone: chatAlone, Tokenize: chatTokens,
 	}
 	Completions = &API{
 		Name: NameCompletions, Method: "POST", Path: "/v1/completions",
 		Serves: VLLM | SGLang, Pairs: VLLM | SGLang, Model: true,
-		Shape: openAIShape, Prompt: completionsPrompt, Alone: promptLogprobs, Tokenize: completionsTokens,
+		Shape: openAIShape, Prompt: completionsPrompt, Alone: completionsAlone, Tokenize: completionsTokens,
 	}
 	Responses = &API{
 		Name: NameResponses, Method: "POST", Path: "/v1/responses",
@@ -139,7 +145,7 @@ var (
 	Messages = &API{
 		Name: NameMessages, Method: "POST", Path: "/v1/messages",
 		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap, Model: true,
-		Shape: messagesShape, Prompt: messagesPrompt, Alone: func(*body.Object) Reason { return NoReason },
+		Shape: messagesShape, Prompt: messagesPrompt, Alone: messagesAlone,
 		Unsalted: true, // _convert_anthropic_to_openai_request, vllm/entrypoints/anthropic/serving.py @ 82df3f49
 	}
 )

@@ -58,6 +58,7 @@ const (
 	ReasonPromptLogprobs                   // decode-only: the request asks for the prompt's logprobs
 	ReasonStoredResponse                   // decode-only: a Responses request that continues a stored response or runs in the background
 	ReasonBuiltinTools                     // decode-only: a Responses request with a built-in tool (routes.pair_builtin_tools pairs it)
+	ReasonInvalidLimits                    // decode-only: the engine refuses the output limit or stream_options the prefill leg would overwrite
 	ReasonCachedPrefix                     // decode-only: the decode endpoint is estimated to hold all but a few of the prompt's tokens
 	ReasonPrefillBusy                      // decode-only: the prefill pool is busy and the decode endpoint is not (pd.load)
 	ReasonDecodeBusy                       // P/D: decode-only was vetoed, the decode endpoint being busy (pd.load)
@@ -68,7 +69,8 @@ var reasonLabels = [...]string{
 	ReasonNGT1: "n_gt_1", ReasonBatch: "batch", ReasonNoPrefill: "no_prefill", ReasonPrefillFailed: "prefill_failed",
 	ReasonNoBody: "no_body", ReasonPassthrough: "passthrough", ReasonUnpairedAPI: "unpaired_api",
 	ReasonPromptLogprobs: "prompt_logprobs", ReasonStoredResponse: "stored_response", ReasonBuiltinTools: "builtin_tools",
-	ReasonCachedPrefix: "cached_prefix", ReasonPrefillBusy: "prefill_busy", ReasonDecodeBusy: "decode_busy",
+	ReasonInvalidLimits: "invalid_limits", ReasonCachedPrefix: "cached_prefix", ReasonPrefillBusy: "prefill_busy",
+	ReasonDecodeBusy: "decode_busy",
 }
 
 func (r Reason) String() string { return label(reasonLabels[:], r) }
@@ -194,7 +196,7 @@ func New(connector string) *Metrics {
 			"Successful kv-nixl prefill legs that returned no kv_transfer_params, so the decode engine recomputed the prompt."),
 		decisions: counterVec("pd_decisions_total",
 			"Routed requests by why they got their mode (always, long_prompt, never, short_prompt, n_gt_1, batch, no_prefill, prefill_failed, no_body, "+
-				"passthrough, unpaired_api, prompt_logprobs, stored_response, builtin_tools, cached_prefix, prefill_busy, decode_busy).",
+				"passthrough, unpaired_api, prompt_logprobs, stored_response, builtin_tools, invalid_limits, cached_prefix, prefill_busy, decode_busy).",
 			"reason"),
 		bodyBytes: histogram("request_body_bytes", "Size of complete client request bodies received.",
 			prometheus.ExponentialBuckets(256, 4, 10)), // 256 B .. 64 MiB

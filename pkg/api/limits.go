@@ -1,0 +1,88 @@
+package api
+
+import (
+	"bytes"
+	"strconv"
+
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+)
+
+// A vLLM prefill leg overwrites the request's output limit and its stream
+// options (the Shape's Caps), so the prefill engine accepts a request whose
+// limit or stream options the decode engine then refuses: it computes the
+// prompt and keeps the blocks for a pull that never comes, until its lease
+// ends. A client could pin the prefill engines' caches with a few long
+// prompts so. Such a request goes to the decode engine alone, which answers
+// it with its own 400. The checks read the fields as vLLM does; where they
+// are stricter than vLLM, a request the engine takes only loses its
+// prefill leg.
+
+// chatAlone: vLLM's chat takes max_completion_tokens or max_tokens
+// (`self.max_completion_tokens or self.max_tokens`, to_sampling_params in
+// vllm/entrypoints/openai/chat_completion/protocol.py).
+func chatAlone(o *body.Object) Reason {
+	if refusedLimit(o, "max_completion_tokens", "max_tokens") || refusedStreamOptions(o) {
+		return InvalidLimits
+	}
+	return promptLogprobs(o)
+}
+
+// completionsAlone: vLLM's completions take max_tokens.
+func completionsAlone(o *body.Object) Reason {
+	if refusedLimit(o, "max_tokens") || refusedStreamOptions(o) {
+		return InvalidLimits
+	}
+	return promptLogprobs(o)
+}
+
+// messagesAlone: the Messages API requires max_tokens (vLLM's
+// AnthropicMessagesRequest, as Anthropic's API).
+func messagesAlone(o *body.Object) Reason {
+	if !present(o, "max_tokens") || refusedLimit(o, "max_tokens") {
+		return InvalidLimits
+	}
+	return NoReason
+}
+
+// refusedLimit reports whether vLLM refuses the output limit that keys give:
+// a value present that is not an integer (pydantic), or a limit below 1
+// (SamplingParams: "max_tokens must be at least 1"), the limit being the
+// first of keys set and not 0, else the last (Python's `or`).
+func refusedLimit(o *body.Object, keys ...string) bool {
+	for _, k := range keys {
+		if _, ok := o.LaxInt(k); present(o, k) && !ok {
+			return true
+		}
+	}
+	for i, k := range keys {
+		n, ok := o.LaxInt(k)
+		if ok && n != 0 || i == len(keys)-1 {
+			return ok && n < 1
+		}
+	}
+	return false
+}
+
+// refusedStreamOptions reports whether vLLM refuses the request's
+// stream_options: `if data.get("stream_options") and not data.get("stream")`
+// (validate_stream_options, on the raw JSON: Python's truth of each value).
+func refusedStreamOptions(o *body.Object) bool {
+	options, _ := o.Raw("stream_options")
+	stream, _ := o.Raw("stream")
+	return truthy(options) && !truthy(stream)
+}
+
+// truthy is Python's truth of a JSON value (absent: None): false for null,
+// false, a number equal to 0, "", [] and {}.
+func truthy(raw []byte) bool {
+	switch {
+	case len(raw) == 0, body.IsNull(raw), string(raw) == "false", string(raw) == `""`:
+		return false
+	case raw[0] == '[' || raw[0] == '{':
+		return len(bytes.TrimSpace(raw[1:len(raw)-1])) > 0
+	case raw[0] == '-' || raw[0] >= '0' && raw[0] <= '9':
+		f, err := strconv.ParseFloat(string(raw), 64)
+		return err != nil || f != 0
+	}
+	return true
+}
