@@ -185,3 +185,34 @@ func TestErrorsHideInternalAddressesAndNameTheRequest(t *testing.T) {
 		})
 	}
 }
+
+// A Messages API client gets the router's own errors in Anthropic's shape,
+// as vLLM's Messages server answers its own: {"type":"error","error":{"type",
+// "message"}}, the type Anthropic's API gives the status.
+func TestMessagesErrorsAreAnthropicStyle(t *testing.T) {
+	const messagesPath = "/v1/messages"
+	tests := []struct {
+		name, config, body    string
+		wantStatus            int
+		wantType, wantMessage string
+	}{
+		{name: "missing model", body: `{"max_tokens":8,"messages":[]}`, wantStatus: 400, wantType: "invalid_request_error", wantMessage: `no "model"`},
+		{name: "over the body limit", config: "limits: {max_body_bytes: 100}\n", body: `{"model":"m","max_tokens":8,"messages":[],"x":"` + strings.Repeat("x", 100) + `"}`,
+			wantStatus: 413, wantType: "request_too_large", wantMessage: "limits.max_body_bytes"},
+		{name: "prefill unreachable with on_failure fail", config: "prefill: {on_failure: fail}\n", body: `{"model":"m","max_tokens":8,"messages":[]}`,
+			wantStatus: 503, wantType: "overloaded_error", wantMessage: "prefill leg failed"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := newServer(t, tt.config+`connector: kv-nixl
+pools: {prefill: {endpoints: ["127.0.0.1:1"]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, handlers.Options{})
+			replies := drive(t, s, envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(messagesPath, len(tt.body))...), fullDuplex, fullDuplex),
+				envoymsg.Body(envoymsg.Request, []byte(tt.body), true))
+			got, body := immediateOf(t, replies)
+			e, _ := body["error"].(map[string]any)
+			if msg, _ := e["message"].(string); got != tt.wantStatus || body["type"] != "error" || e["type"] != tt.wantType || !strings.Contains(msg, tt.wantMessage) || len(body) != 2 || len(e) != 2 {
+				t.Errorf("local reply %d %v, want %d {\"type\":\"error\",\"error\":{\"type\":%q,\"message\": ...%s...}}", got, body, tt.wantStatus, tt.wantType, tt.wantMessage)
+			}
+		})
+	}
+}

@@ -356,7 +356,7 @@ func (x *exchange) fail(err error) reply {
 	x.requestDone = true
 	e := pipeline.AsError(err, x.req.RequestID)
 	x.obs.rejected(e, x.ctx.Err() != nil, x.body.bytes())
-	return reply{msg: immediate(e), done: true}
+	return reply{msg: immediate(e, pipeline.APIOf(&x.req)), done: true}
 }
 
 // end closes the exchange when its stream ends, however it ends: the

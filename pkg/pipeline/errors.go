@@ -30,11 +30,26 @@ type Error struct {
 
 func (e *Error) Error() string { return fmt.Sprintf("%d %s: %s", e.Status, e.Type, e.Message) }
 
-// Body returns the response body: the engine's own, or OpenAI-style JSON
-// {"error":{"message","type","code"}} with the status as the code, as vLLM does.
-func (e *Error) Body() (body []byte, contentType string) {
+// Body returns the response body for a request of the API named apiName:
+// the engine's own, or JSON in the API's words for errors. The Messages API
+// has Anthropic's {"type":"error","error":{"type","message"}}, with
+// Anthropic's type for the status, as vLLM's Messages server answers; every
+// other API OpenAI's {"error":{"message","type","code"}} with the status as
+// the code, as vLLM does.
+func (e *Error) Body(apiName string) (body []byte, contentType string) {
 	if e.Raw != nil {
 		return e.Raw, e.ContentType
+	}
+	if apiName == api.NameMessages {
+		type detail struct {
+			Type    string `json:"type"`
+			Message string `json:"message"`
+		}
+		b, _ := json.Marshal(struct {
+			Type  string `json:"type"`
+			Error detail `json:"error"`
+		}{"error", detail{anthropicType(e.Status), e.Message}})
+		return b, "application/json"
 	}
 	type detail struct {
 		Message string `json:"message"`
@@ -45,6 +60,31 @@ func (e *Error) Body() (body []byte, contentType string) {
 		Error detail `json:"error"`
 	}{detail{e.Message, e.Type, e.Status}})
 	return b, "application/json"
+}
+
+// anthropicType is the error type Anthropic's API gives a status
+// (docs.anthropic.com, "Errors"); a 503 is its overloaded_error.
+func anthropicType(status int) string {
+	switch status {
+	case http.StatusUnauthorized:
+		return "authentication_error"
+	case http.StatusForbidden:
+		return "permission_error"
+	case http.StatusNotFound:
+		return "not_found_error"
+	case http.StatusRequestTimeout, http.StatusGatewayTimeout:
+		return "timeout_error"
+	case http.StatusRequestEntityTooLarge:
+		return "request_too_large"
+	case http.StatusTooManyRequests:
+		return "rate_limit_error"
+	case http.StatusServiceUnavailable, 529:
+		return "overloaded_error"
+	}
+	if status < 500 {
+		return "invalid_request_error"
+	}
+	return "api_error"
 }
 
 // Overloaded refuses a request over limits.max_concurrent_streams: shed at once
