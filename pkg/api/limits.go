@@ -17,9 +17,12 @@ import (
 // are stricter than vLLM, a request the engine takes only loses its
 // prefill leg.
 
-// chatAlone: vLLM's chat takes max_completion_tokens or max_tokens
-// (`self.max_completion_tokens or self.max_tokens`, to_sampling_params in
-// vllm/entrypoints/openai/chat_completion/protocol.py).
+// chatAlone: vLLM's chat takes max_completion_tokens when it is set, else
+// max_tokens (`request.max_completion_tokens if request.max_completion_tokens
+// is not None else request.max_tokens`,
+// vllm/entrypoints/openai/chat_completion/serving.py). Releases before took
+// the first not 0: there a request with max_completion_tokens 0 and a valid
+// max_tokens is served, and loses only its prefill leg here.
 func chatAlone(o *body.Object) Reason {
 	if refusedLimit(o, "max_completion_tokens", "max_tokens") || refusedStreamOptions(o) {
 		return InvalidLimits
@@ -27,12 +30,22 @@ func chatAlone(o *body.Object) Reason {
 	return promptLogprobs(o)
 }
 
-// completionsAlone: vLLM's completions take max_tokens.
+// completionsAlone: vLLM's completions take max_tokens, which may be 0 with
+// echo: the prompt alone (echo_without_generation,
+// vllm/entrypoints/openai/completion/protocol.py).
 func completionsAlone(o *body.Object) Reason {
-	if refusedLimit(o, "max_tokens") || refusedStreamOptions(o) {
+	if refusedStreamOptions(o) || refusedLimit(o, "max_tokens") && !echoesAlone(o) {
 		return InvalidLimits
 	}
 	return promptLogprobs(o)
+}
+
+// echoesAlone: a completions request for its prompt alone, max_tokens 0
+// with echo.
+func echoesAlone(o *body.Object) bool {
+	echo, _ := o.LaxBool("echo")
+	n, ok := o.LaxInt("max_tokens")
+	return echo && ok && n == 0
 }
 
 // messagesAlone: the Messages API requires max_tokens (vLLM's
@@ -47,17 +60,17 @@ func messagesAlone(o *body.Object) Reason {
 // refusedLimit reports whether vLLM refuses the output limit that keys give:
 // a value present that is not an integer (pydantic), or a limit below 1
 // (SamplingParams: "max_tokens must be at least 1"), the limit being the
-// first of keys set and not 0, else the last (Python's `or`).
+// first of keys present (not null).
 func refusedLimit(o *body.Object, keys ...string) bool {
 	for _, k := range keys {
 		if _, ok := o.LaxInt(k); present(o, k) && !ok {
 			return true
 		}
 	}
-	for i, k := range keys {
-		n, ok := o.LaxInt(k)
-		if ok && n != 0 || i == len(keys)-1 {
-			return ok && n < 1
+	for _, k := range keys {
+		if present(o, k) {
+			n, _ := o.LaxInt(k)
+			return n < 1
 		}
 	}
 	return false
