@@ -87,6 +87,9 @@ type API struct {
 	// cache_salt (vLLM's Messages handler leaves it out of the chat request
 	// it runs), so neither does its Prompt's Cache.
 	Unsalted bool
+	// AnthropicErrors: the engine words its errors as Anthropic's API does
+	// ({"type":"error","error":{...}}), and so do the router's own.
+	AnthropicErrors bool
 }
 
 // The metrics labels of requests outside the built-in APIs.
@@ -146,7 +149,8 @@ var (
 		Name: NameMessages, Method: "POST", Path: "/v1/messages",
 		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap, Model: true,
 		Shape: messagesShape, Prompt: messagesPrompt, Alone: messagesAlone,
-		Unsalted: true, // _convert_anthropic_to_openai_request, vllm/entrypoints/anthropic/serving.py @ 82df3f49
+		Unsalted:        true, // _convert_anthropic_to_openai_request, vllm/entrypoints/anthropic/serving.py @ 82df3f49
+		AnthropicErrors: true, // vLLM's Messages handler raises AnthropicErrorResponse
 	}
 )
 
@@ -177,6 +181,13 @@ func LabelOf(path string) string {
 		return a.Name
 	}
 	return Other
+}
+
+// AnthropicErrorsAt reports whether errors to a request to path (query
+// included) are worded as Anthropic's API words them (API.AnthropicErrors).
+func AnthropicErrorsAt(path string) bool {
+	a := builtinAt(stripQuery(path))
+	return a != nil && a.AnthropicErrors
 }
 
 func builtinAt(path string) *API {

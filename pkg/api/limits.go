@@ -24,7 +24,7 @@ import (
 // the first not 0: there a request with max_completion_tokens 0 and a valid
 // max_tokens is served, and loses only its prefill leg here.
 func chatAlone(o *body.Object) Reason {
-	if refusedLimit(o, "max_completion_tokens", "max_tokens") || refusedStreamOptions(o) {
+	if n, given, valid := limit(o, "max_completion_tokens", "max_tokens"); !valid || given && n < 1 || refusedStreamOptions(o) {
 		return InvalidLimits
 	}
 	return promptLogprobs(o)
@@ -34,46 +34,41 @@ func chatAlone(o *body.Object) Reason {
 // echo: the prompt alone (echo_without_generation,
 // vllm/entrypoints/openai/completion/protocol.py).
 func completionsAlone(o *body.Object) Reason {
-	if refusedStreamOptions(o) || refusedLimit(o, "max_tokens") && !echoesAlone(o) {
+	n, given, valid := limit(o, "max_tokens")
+	echo, _ := o.LaxBool("echo")
+	if !valid || given && n < 1 && !(echo && n == 0) || refusedStreamOptions(o) {
 		return InvalidLimits
 	}
 	return promptLogprobs(o)
 }
 
-// echoesAlone: a completions request for its prompt alone, max_tokens 0
-// with echo.
-func echoesAlone(o *body.Object) bool {
-	echo, _ := o.LaxBool("echo")
-	n, ok := o.LaxInt("max_tokens")
-	return echo && ok && n == 0
-}
-
 // messagesAlone: the Messages API requires max_tokens (vLLM's
 // AnthropicMessagesRequest, as Anthropic's API).
 func messagesAlone(o *body.Object) Reason {
-	if !present(o, "max_tokens") || refusedLimit(o, "max_tokens") {
+	if n, given, valid := limit(o, "max_tokens"); !valid || !given || n < 1 {
 		return InvalidLimits
 	}
 	return NoReason
 }
 
-// refusedLimit reports whether vLLM refuses the output limit that keys give:
-// a value present that is not an integer (pydantic), or a limit below 1
-// (SamplingParams: "max_tokens must be at least 1"), the limit being the
-// first of keys present (not null).
-func refusedLimit(o *body.Object, keys ...string) bool {
+// limit is the output limit keys give, as vLLM reads them: n is the first
+// of keys present (not null), given false when none is; valid is false when
+// a key present is not an integer (pydantic refuses it). vLLM refuses a
+// limit below 1 (SamplingParams: "max_tokens must be at least 1").
+func limit(o *body.Object, keys ...string) (n int64, given, valid bool) {
 	for _, k := range keys {
-		if _, ok := o.LaxInt(k); present(o, k) && !ok {
-			return true
+		if !present(o, k) {
+			continue
+		}
+		v, ok := o.LaxInt(k)
+		if !ok {
+			return 0, false, false
+		}
+		if !given {
+			n, given = v, true
 		}
 	}
-	for _, k := range keys {
-		if present(o, k) {
-			n, _ := o.LaxInt(k)
-			return n < 1
-		}
-	}
-	return false
+	return n, given, true
 }
 
 // refusedStreamOptions reports whether vLLM refuses the request's

@@ -187,7 +187,7 @@ func TestErrorsHideInternalAddressesAndNameTheRequest(t *testing.T) {
 }
 
 // A Messages API client gets the router's own errors in Anthropic's shape,
-// as vLLM's Messages server answers its own: {"type":"error","error":{"type",
+// as vLLM's Messages handler words those it raises: {"type":"error","error":{"type",
 // "message"}}, the type Anthropic's API gives the status.
 func TestMessagesErrorsAreAnthropicStyle(t *testing.T) {
 	const messagesPath = "/v1/messages"

@@ -10,6 +10,7 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 )
@@ -356,7 +357,7 @@ func (x *exchange) fail(err error) reply {
 	x.requestDone = true
 	e := pipeline.AsError(err, x.req.RequestID)
 	x.obs.rejected(e, x.ctx.Err() != nil, x.body.bytes())
-	return reply{msg: immediate(e, pipeline.APIOf(&x.req)), done: true}
+	return reply{msg: immediate(e, api.AnthropicErrorsAt(x.req.Path)), done: true}
 }
 
 // end closes the exchange when its stream ends, however it ends: the

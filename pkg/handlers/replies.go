@@ -146,10 +146,10 @@ func continueResponseTrailers() *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}}
 }
 
-// immediate turns an error into Envoy's local reply to the client of the
-// API named apiName.
-func immediate(e *pipeline.Error, apiName string) *extprocv3.ProcessingResponse {
-	b, contentType := e.Body(apiName)
+// immediate turns an error into Envoy's local reply to the client, in
+// Anthropic's words with anthropic (pipeline.Error.Body).
+func immediate(e *pipeline.Error, anthropic bool) *extprocv3.ProcessingResponse {
+	b, contentType := e.Body(anthropic)
 	var headers []*corev3.HeaderValueOption
 	if contentType != "" { // else Envoy's local reply keeps its own text/plain
 		headers = append(headers, setHeader("content-type", contentType))

@@ -30,17 +30,18 @@ type Error struct {
 
 func (e *Error) Error() string { return fmt.Sprintf("%d %s: %s", e.Status, e.Type, e.Message) }
 
-// Body returns the response body for a request of the API named apiName:
-// the engine's own, or JSON in the API's words for errors. The Messages API
-// has Anthropic's {"type":"error","error":{"type","message"}}, with
-// Anthropic's type for the status, as vLLM's Messages server answers; every
-// other API OpenAI's {"error":{"message","type","code"}} with the status as
-// the code, as vLLM does.
-func (e *Error) Body(apiName string) (body []byte, contentType string) {
+// Body returns the response body: the engine's own, or JSON in the API's
+// words for errors: with anthropic (api.AnthropicErrorsAt), Anthropic's
+// {"type":"error","error":{"type","message"}} with Anthropic's type for the
+// status, as vLLM's Messages handler words the errors it raises
+// (AnthropicErrorResponse); else OpenAI's
+// {"error":{"message","type","code"}} with the status as the code, as vLLM
+// does.
+func (e *Error) Body(anthropic bool) (body []byte, contentType string) {
 	if e.Raw != nil {
 		return e.Raw, e.ContentType
 	}
-	if apiName == api.NameMessages {
+	if anthropic {
 		type detail struct {
 			Type    string `json:"type"`
 			Message string `json:"message"`
