@@ -76,6 +76,10 @@ type Config struct {
 	// endpoints are the addresses given to Start, its circuit breakers and
 	// HTTP/2 stream limit are the bootstrap's (Envoy's defaults without one).
 	ExtProcCluster string
+	// InitialMetadata is grpc_service.initial_metadata: headers sent on
+	// every ext_proc stream, each value evaluated against the client's
+	// request (session affinity, docs/envoy.md §14).
+	InitialMetadata []MetadataValue
 	// SuppressEnvoyHeaders is the router's suppress_envoy_headers: no
 	// x-envoy-overloaded on an overflow reply (§12).
 	SuppressEnvoyHeaders bool
@@ -188,6 +192,10 @@ type Cluster struct {
 	// TLS is its transport_socket, nil for plaintext (§13). Only the ext_proc
 	// cluster may have one.
 	TLS *UpstreamTLS
+	// HashHeaders are the headers its HttpProtocolOptions.hash_policy
+	// hashes when its lb_policy is RING_HASH or MAGLEV, nil otherwise. A
+	// stream carrying none of them is balanced as without a hash (§14).
+	HashHeaders []string
 }
 
 // OriginalDst is original_dst_lb_config (§8.1).

@@ -20,7 +20,11 @@ func clusterFromProto(c *clusterv3.Cluster) (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	perConn, err := streamsPerConnection(c)
+	hpo, err := httpProtocolOptions(c)
+	if err != nil {
+		return nil, err
+	}
+	hash, err := hashHeadersFromProto(c, hpo.GetHashPolicy())
 	if err != nil {
 		return nil, err
 	}
@@ -28,7 +32,7 @@ func clusterFromProto(c *clusterv3.Cluster) (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	cl := &Cluster{Name: c.GetName(), Breakers: breakers, StreamsPerConnection: perConn, TLS: tls}
+	cl := &Cluster{Name: c.GetName(), Breakers: breakers, StreamsPerConnection: streamsPerConnection(c, hpo), TLS: tls, HashHeaders: hash}
 	odc := c.GetOriginalDstLbConfig()
 	if c.GetType() != clusterv3.Cluster_ORIGINAL_DST {
 		if odc != nil {
@@ -94,19 +98,29 @@ func intOr(v *wrapperspb.UInt32Value, def int) int {
 	return int(v.GetValue())
 }
 
+// httpProtocolOptions is the cluster's typed HttpProtocolOptions, nil
+// without them.
+func httpProtocolOptions(c *clusterv3.Cluster) (*upstreamhttpv3.HttpProtocolOptions, error) {
+	opts, ok := c.GetTypedExtensionProtocolOptions()[httpProtocolOptionsKey]
+	if !ok {
+		return nil, nil
+	}
+	var hpo upstreamhttpv3.HttpProtocolOptions
+	if err := unpack(opts, &hpo); err != nil {
+		return nil, err
+	}
+	return &hpo, nil
+}
+
 // streamsPerConnection is 1 for an HTTP/1 upstream and the HTTP/2
 // max_concurrent_streams (2^31 - 1 unless set) for an HTTP/2 one.
-func streamsPerConnection(c *clusterv3.Cluster) (int, error) {
+func streamsPerConnection(c *clusterv3.Cluster, hpo *upstreamhttpv3.HttpProtocolOptions) int {
 	h2 := c.GetHttp2ProtocolOptions() //nolint:staticcheck // the deprecated form still works in Envoy
-	if opts, ok := c.GetTypedExtensionProtocolOptions()[httpProtocolOptionsKey]; ok {
-		var hpo upstreamhttpv3.HttpProtocolOptions
-		if err := unpack(opts, &hpo); err != nil {
-			return 0, err
-		}
+	if hpo != nil {
 		h2 = hpo.GetExplicitHttpConfig().GetHttp2ProtocolOptions()
 	}
 	if h2 == nil {
-		return 1, nil
+		return 1
 	}
-	return intOr(h2.GetMaxConcurrentStreams(), defaultHTTP2Streams), nil
+	return intOr(h2.GetMaxConcurrentStreams(), defaultHTTP2Streams)
 }

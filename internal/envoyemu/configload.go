@@ -282,5 +282,7 @@ func (cfg *Config) fromExtProc(ep *extprocfilterv3.ExternalProcessor) error {
 	cfg.ForwardRules = ep.GetForwardRules()
 	cfg.Limits.MaxReceiveMessageLength = int(ep.GetGrpcService().GetEnvoyGrpc().GetMaxReceiveMessageLength().GetValue())
 	cfg.ExtProcCluster = ep.GetGrpcService().GetEnvoyGrpc().GetClusterName()
-	return nil
+	var err error
+	cfg.InitialMetadata, err = metadataFromProto(ep.GetGrpcService().GetInitialMetadata())
+	return err
 }

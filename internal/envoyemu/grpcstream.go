@@ -9,6 +9,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 )
 
@@ -68,7 +69,14 @@ func (s *grpcStream) run(ctx context.Context, maxRecv int) {
 		x.post(func() { x.onStreamEnd(err) })
 		return
 	}
-	stream, err := cluster.pick().Process(ctx, grpc.MaxCallRecvMsgSize(maxRecv), grpc.MaxCallSendMsgSize(math.MaxInt32))
+	md := metadata.MD{}
+	for _, m := range x.cfg.InitialMetadata {
+		if v := m.evaluate(x.down.r.Header); v != "" {
+			md.Append(m.Key, v)
+		}
+	}
+	ctx = metadata.NewOutgoingContext(ctx, md)
+	stream, err := cluster.pick(md).Process(ctx, grpc.MaxCallRecvMsgSize(maxRecv), grpc.MaxCallSendMsgSize(math.MaxInt32))
 	if err != nil {
 		release()
 		x.post(func() { x.onStreamEnd(err) })

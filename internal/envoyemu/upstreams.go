@@ -5,13 +5,16 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 
+	"github.com/cespare/xxhash/v2"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 )
 
 // extProcCluster is the cluster the ext_proc filter's gRPC client streams to:
@@ -22,6 +25,7 @@ type extProcCluster struct {
 	addrs     []string
 	rotation  atomic.Pointer[[]extprocv3.ExternalProcessorClient] // the clients of the endpoints listed
 	next      atomic.Uint64
+	hash      []string // the headers its hash_policy names, nil: round robin
 	resources *resources
 	stop      context.CancelFunc // ends the watch of its TLS files
 }
@@ -40,6 +44,9 @@ func newExtProcCluster(addrs []string, cl *Cluster, mounts map[string]string, lo
 	creds := insecure.NewCredentials()
 	ctx, stop := context.WithCancel(context.Background())
 	c := &extProcCluster{resources: newResources(t, perConn), stop: stop}
+	if cl != nil {
+		c.hash = cl.HashHeaders
+	}
 	if cl != nil && cl.TLS != nil {
 		tc, s, err := cl.TLS.clientConfig(func(p string) string { return mounted(mounts, p) })
 		if err == nil {
@@ -66,12 +73,41 @@ func newExtProcCluster(addrs []string, cl *Cluster, mounts map[string]string, lo
 	return c, nil
 }
 
-// pick is Envoy's default ROUND_ROBIN load balancer over the endpoints. Envoy
-// keeps one rotation per worker thread; the emulator has one in all. Health
-// checks are not modelled: an endpoint leaves the rotation only when removed.
-func (c *extProcCluster) pick() extprocv3.ExternalProcessorClient {
+// pick is the endpoint for a stream with this metadata. A cluster with a
+// hash policy takes, for a stream carrying one of its headers, the endpoint
+// its value hashes to (rendezvous hashing over the addresses: the same value
+// always meets the same endpoint while it is listed, as on Envoy's ring).
+// Otherwise, and for a stream with none of them (where Envoy's ring picks at
+// random), it is Envoy's default ROUND_ROBIN load balancer. Envoy keeps one
+// rotation per worker thread; the emulator has one in all. Health checks are
+// not modelled: an endpoint leaves the rotation only when removed.
+func (c *extProcCluster) pick(md metadata.MD) extprocv3.ExternalProcessorClient {
 	rotation := *c.rotation.Load()
-	return rotation[(c.next.Add(1)-1)%uint64(len(rotation))]
+	var key []string
+	for _, h := range c.hash {
+		key = append(key, md.Get(h)...)
+	}
+	if len(key) == 0 {
+		return rotation[(c.next.Add(1)-1)%uint64(len(rotation))]
+	}
+	k := xxhash.Sum64String(strings.Join(key, "\x00"))
+	var best extprocv3.ExternalProcessorClient
+	var top uint64
+	for _, client := range rotation {
+		if w := xxhash.Sum64String(c.addrs[slices.Index(c.clients, client)]) ^ k; best == nil || mix(w) > top {
+			best, top = client, mix(w)
+		}
+	}
+	return best
+}
+
+// mix is splitmix64's finalizer: a weight that says nothing of another's.
+func mix(x uint64) uint64 {
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	return x ^ x>>31
 }
 
 // remove takes the endpoint at addr out of the rotation, as Envoy drops a

@@ -352,6 +352,7 @@ func (m *envoyModel) checkExtProc(where string, ep extProcUse, limits serviceLim
 		default:
 			checkBreakers(c, "ext_proc", limits, r)
 			checkHostRemoval(c, r)
+			checkSessionAffinity(where, cfg, c, r)
 		}
 	} else if cfg.GetGrpcService().GetGoogleGrpc() == nil {
 		r.errorf("%s: no grpc_service; pd-extproc speaks gRPC", where)
@@ -409,6 +410,37 @@ func (m *envoyModel) checkExtProc(where string, ep extProcUse, limits serviceLim
 			r.errorf("%s: max_message_timeout %v is below the %v pd-extproc asks for (envoy.override_message_timeout); Envoy ignores the override and answers 504", where, maxT, limits.overrideMessageTimeout)
 		}
 	}
+}
+
+// checkSessionAffinity: the ext_proc cluster's hash policy sees the stream's own headers,
+// which are the gRPC client's and grpc_service.initial_metadata, never the client's request
+// (docs/envoy.md §14). A header it hashes that initial_metadata does not carry gives no
+// hash, and every stream goes to a random replica; a hash policy under a load balancer that
+// is not a hash's is ignored.
+func checkSessionAffinity(where string, ep *extprocv3.ExternalProcessor, c *clusterv3.Cluster, r *report) {
+	carried := map[string]bool{}
+	for _, hv := range ep.GetGrpcService().GetInitialMetadata() {
+		carried[strings.ToLower(hv.GetKey())] = true
+	}
+	hps := httpProtocolOptions(c).GetHashPolicy()
+	if len(hps) > 0 && !hashBalanced(c) {
+		r.errorf("%s: cluster %q has a hash_policy but no RING_HASH or MAGLEV load balancer, which ignores it", where, c.GetName())
+	}
+	for _, hp := range hps {
+		if h := strings.ToLower(hp.GetHeader().GetHeaderName()); h != "" && !carried[h] {
+			r.errorf("%s: cluster %q hashes header %q, which grpc_service.initial_metadata does not put on the stream: no stream has it", where, c.GetName(), h)
+		}
+	}
+}
+
+// hashBalanced: the cluster's load balancer picks hosts by a hash (lb_policy, or the typed
+// load_balancing_policy that overrides it).
+func hashBalanced(c *clusterv3.Cluster) bool {
+	if ps := c.GetLoadBalancingPolicy().GetPolicies(); len(ps) > 0 {
+		name := ps[0].GetTypedExtensionConfig().GetName()
+		return name == "envoy.load_balancing_policies.ring_hash" || name == "envoy.load_balancing_policies.maglev"
+	}
+	return c.GetLbPolicy() == clusterv3.Cluster_RING_HASH || c.GetLbPolicy() == clusterv3.Cluster_MAGLEV
 }
 
 // checkBufferLimit: in BUFFERED mode Envoy holds the whole body before pd-extproc sees

@@ -132,6 +132,14 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 			wants: []string{"is not an ORIGINAL_DST cluster"},
 		},
 		{
+			// The same silence for the stream's session header: the cluster hashes a header
+			// no stream carries, and every stream goes to a random replica.
+			name:  "session patch names another ext_proc filter",
+			old:   "/extproc/0')].typed_config.grpc_service",
+			new:   "/extproc/1')].typed_config.grpc_service",
+			wants: []string{"the session-affinity EnvoyPatchPolicy did not apply", "which grpc_service.initial_metadata does not put on the stream"},
+		},
+		{
 			// A path of the API table that no route matches gets Envoy's own 404:
 			// the pass-through list is only as good as the HTTPRoute's matches.
 			name:  "a pass-through path without a route match",
@@ -358,6 +366,14 @@ func checkGatewayPromises(m *envoyModel, limits serviceLimits, paths []string, r
 	}
 	if !claHasPort(m.endpoints[grpcCluster], extprocServicePort) {
 		r.errorf("ext_proc cluster %q has no endpoint on the extproc Service port %d", grpcCluster, extprocServicePort)
+	}
+	// A client's x-session-id keeps its requests on one replica (docs/envoy.md §14):
+	// checkSessionAffinity says the cluster hashes only headers the stream carries.
+	if md := extProc.GetGrpcService().GetInitialMetadata(); len(md) != 1 || md[0].GetKey() != "x-session-id" || md[0].GetValue() != "%REQ(x-session-id)%" {
+		r.errorf("ext_proc initial_metadata = %v, want x-session-id: %%REQ(x-session-id)%% (the session-affinity EnvoyPatchPolicy did not apply)", md)
+	}
+	if c := m.clusters[grpcCluster]; !hashBalanced(c) || len(httpProtocolOptions(c).GetHashPolicy()) == 0 {
+		r.errorf("ext_proc cluster %q is not hash-balanced on a hash policy (the EnvoyExtensionPolicy's backendSettings.loadBalancer)", grpcCluster)
 	}
 
 	rc := m.routeConfigs[gatewayRouteConfig]
