@@ -90,24 +90,15 @@ func (c *extProcCluster) pick(md metadata.MD) extprocv3.ExternalProcessorClient 
 	if len(key) == 0 {
 		return rotation[(c.next.Add(1)-1)%uint64(len(rotation))]
 	}
-	k := xxhash.Sum64String(strings.Join(key, "\x00"))
+	k := strings.Join(key, "\x00") + "\x00"
 	var best extprocv3.ExternalProcessorClient
 	var top uint64
 	for _, client := range rotation {
-		if w := xxhash.Sum64String(c.addrs[slices.Index(c.clients, client)]) ^ k; best == nil || mix(w) > top {
-			best, top = client, mix(w)
+		if w := xxhash.Sum64String(k + c.addrs[slices.Index(c.clients, client)]); best == nil || w > top {
+			best, top = client, w
 		}
 	}
 	return best
-}
-
-// mix is splitmix64's finalizer: a weight that says nothing of another's.
-func mix(x uint64) uint64 {
-	x ^= x >> 30
-	x *= 0xbf58476d1ce4e5b9
-	x ^= x >> 27
-	x *= 0x94d049bb133111eb
-	return x ^ x>>31
 }
 
 // remove takes the endpoint at addr out of the rotation, as Envoy drops a
