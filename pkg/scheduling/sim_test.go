@@ -125,6 +125,10 @@ type simPolicy struct {
 	// blind: requests are read without their namespace (api.Prompt's), as
 	// prefix-affinity read them before it ranked by model and cache_salt.
 	blind bool
+	// pinned: a conversation's requests all go to one replica, as Envoy's
+	// ring hash on the client's session header sends them (docs/envoy.md,
+	// "Sessions on one replica"); other requests go to the replicas in turn.
+	pinned bool
 }
 
 func configured(name string) simPolicy { return simPolicy{name: name, config: name} }
@@ -381,6 +385,7 @@ type simReq struct {
 	engine  *simEngine
 	release func()
 	done    func(ok bool)
+	session int // its conversation's number, for pinned replicas; 0 for none
 }
 
 type sim struct {
@@ -389,8 +394,10 @@ type sim struct {
 	engines map[string]*simEngine
 	pools   []*Pool // one per replica
 	sent    int     // requests sent, for the replicas' turns
+	chats   int     // conversations started, which numbers them
 	tokens  bool    // requests carry their tokens (the policy follows KV events)
 	blind   bool    // requests are read without their namespace (simPolicy.blind)
+	pinned  bool    // a conversation's requests go to one replica (simPolicy.pinned)
 
 	ttfts          []time.Duration
 	prompt, cached float64
@@ -420,7 +427,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 		}
 		s.engines[a] = e
 	}
-	s.tokens, s.blind = index != nil, policy.blind
+	s.tokens, s.blind, s.pinned = index != nil, policy.blind, policy.pinned
 	spec := PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{
 		Policy:  policy.config,
 		Prefix:  policy.prefix,
@@ -499,10 +506,12 @@ func (s *sim) converse(sess simSession) {
 		return
 	}
 	c, served := newChat(&s.simClock, sess, s.p.Duration), ""
+	s.chats++
+	id := s.chats
 	var turn func(i int)
 	turn = func(i int) {
 		t, prompt, asked := c.ask(i)
-		r := &simReq{prompt: prompt, req: chatRequest(asked), output: t.output, arrived: s.now}
+		r := &simReq{prompt: prompt, req: chatRequest(asked), output: t.output, arrived: s.now, session: id}
 		if r.salt = sess.salt; r.salt != "" && !s.blind { // as API.PromptOf reads them
 			r.req.prompt.Cache = kvevents.Keys{Model: "m", Salt: sess.salt}
 		}
@@ -525,6 +534,9 @@ func (s *sim) converse(sess simSession) {
 func (s *sim) send(r *simReq) {
 	pool := s.pools[s.sent%len(s.pools)]
 	s.sent++
+	if s.pinned && r.session != 0 {
+		pool = s.pools[mix64(uint64(r.session))%uint64(len(s.pools))]
+	}
 	if s.tokens && r.req.Tokens() == nil {
 		r.req.SetTokens(simTokens(r.prompt))
 	}

@@ -70,6 +70,7 @@ type pdPolicy struct {
 	pd               config.PD
 	decodeChunkChars int  // the decode engines' step budget; 0: pdParams'
 	events           bool // both pools follow the engines' KV events (sim_test.go's model)
+	pinned           bool // a conversation's requests go to one replica (simPolicy.pinned)
 }
 
 type pdEngine struct {
@@ -125,6 +126,7 @@ type pdSim struct {
 	engines  map[string]*pdEngine
 	replicas []*Pools
 	sent     int
+	pinned   bool // pdPolicy.pinned
 
 	ttfts              []time.Duration
 	steps              []pdStep
@@ -152,7 +154,7 @@ type pdResult struct {
 }
 
 func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult {
-	s := &pdSim{p: p, engines: map[string]*pdEngine{}, decisions: map[[2]int]bool{}, reasons: map[metrics.Reason]int{}}
+	s := &pdSim{p: p, engines: map[string]*pdEngine{}, decisions: map[[2]int]bool{}, reasons: map[metrics.Reason]int{}, pinned: policy.pinned}
 	var index *kvevents.Index
 	if policy.events {
 		index = kvevents.NewIndex(kvevents.Bounds{}, time.Minute, func() time.Time { return simEpoch.Add(s.now) })
@@ -241,6 +243,9 @@ func (s *pdSim) converse(i int, sess simSession) {
 func (s *pdSim) send(r *pdReq) {
 	ps := s.replicas[s.sent%len(s.replicas)]
 	s.sent++
+	if s.pinned && r.req.Head() != "" { // a chat request: its conversation's replica
+		ps = s.replicas[mix64(uint64(r.session)+1)%uint64(len(s.replicas))]
+	}
 	r.arrived, r.hs = s.now, simHashes(r.prompt)
 	if ps.Decode.cache() != nil {
 		r.req.SetTokens(simTokens(r.prompt))

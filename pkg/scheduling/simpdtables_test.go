@@ -36,7 +36,9 @@ var (
 	// With both pools following the engines' KV events: the decider reads
 	// the decode engine's exact hit.
 	pdCacheEvents = pdPolicy{name: "cache-aware + events", pd: config.PD{Mode: config.PDAuto}, events: true}
-	pdPolicies    = []pdPolicy{pdAggregated, pdAlways, pdLength, pdCache, pdCacheWide, pdLoadArm, pdCacheEvents}
+	// Behind an Envoy that keeps each conversation on one replica.
+	pdCachePinned = pdPolicy{name: "cache-aware, sessions pinned", pd: config.PD{Mode: config.PDAuto}, pinned: true}
+	pdPolicies    = []pdPolicy{pdAggregated, pdAlways, pdLength, pdCache, pdCacheWide, pdLoadArm, pdCacheEvents, pdCachePinned}
 )
 
 func pdLoaded(queue float64) pdPolicy {

@@ -3,6 +3,7 @@ package scheduling
 import (
 	"fmt"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -18,8 +19,13 @@ import (
 // prefix affinity.
 var simPolicies = []simPolicy{
 	configured(config.PolicyRoundRobin), configured(config.PolicyLeastLoad),
-	memoryPolicy, llmdModel, configured(config.PolicyPrefixAffinity), eventsPolicy,
+	memoryPolicy, llmdModel, configured(config.PolicyPrefixAffinity), pinnedPolicy, eventsPolicy,
 }
+
+// pinnedPolicy is prefix-affinity behind an Envoy that keeps each
+// conversation on one replica (its session header hashed): a replica then
+// sees its conversations whole, and trusts its own memory of them.
+var pinnedPolicy = simPolicy{name: "prefix-affinity, sessions pinned", config: config.PolicyPrefixAffinity, pinned: true}
 
 // eventsPolicy is prefix-affinity with pools.<pool>.kv_events: every replica
 // sees the engines' caches as they report them (sim_test.go's event model).
@@ -364,7 +370,10 @@ func TestSimulatedTargets(t *testing.T) {
 	if testing.Short() || raceDetector {
 		t.Skip("simulation: make test runs it without -race")
 	}
-	rows := runTable(table([]simWorkload{oneShot, mixed, random}, []int{smallCache}, []float64{1, 1.5}, []int{1, 4}, simPolicies),
+	// Without sessions pinned: that row tells how requests reach the replicas, not what the
+	// policy does, and only the tables (BenchmarkPolicies) show it.
+	policies := slices.DeleteFunc(slices.Clone(simPolicies), func(p simPolicy) bool { return p.pinned })
+	rows := runTable(table([]simWorkload{oneShot, mixed, random}, []int{smallCache}, []float64{1, 1.5}, []int{1, 4}, policies),
 		3*time.Minute, simSeeds[:1])
 	for _, r := range rows {
 		t.Log(r)
