@@ -24,9 +24,41 @@ import (
 // Envoy's header parser skips empty values.
 type MetadataValue struct{ Key, Value string }
 
-// command is a substitution command of Envoy's formatter: %NAME% or
-// %NAME(arg)%, possibly with a :length suffix.
-var command = regexp.MustCompile(`%([A-Z_]+)(\(([^)]*)\))?(:[0-9]+)?%`)
+// command is a substitution command of Envoy's formatter at the start of a
+// string: %NAME%, or %NAME(arg)% with an optional :length.
+var command = regexp.MustCompile(`^%([A-Z0-9_]+)(?:\(([^)]*)\))?(:[0-9]+)?%`)
+
+// part is a piece of a value: literal text, or the header a %REQ()% names.
+type part struct{ text, header string }
+
+// parts cuts a value into its pieces, left to right as Envoy's formatter
+// reads it (%% is a literal %), and refuses what the emulator does not
+// evaluate: every command but %REQ(header)%, its alternative header
+// (REQ(a?b)) and its length, and a % that starts no command.
+func parts(value string) ([]part, error) {
+	var out []part
+	for rest := value; rest != ""; {
+		i := strings.IndexByte(rest, '%')
+		switch {
+		case i < 0:
+			return append(out, part{text: rest}), nil
+		case strings.HasPrefix(rest[i:], "%%"):
+			out, rest = append(out, part{text: rest[:i+1]}), rest[i+2:]
+			continue
+		}
+		m := command.FindStringSubmatch(rest[i:])
+		if m == nil || m[1] != "REQ" || m[2] == "" || m[3] != "" || strings.Contains(m[2], "?") {
+			bad := rest[i:]
+			if m != nil {
+				bad = m[0]
+			}
+			return nil, fmt.Errorf("only %%REQ(header)%% is emulated, not %q", bad)
+		}
+		out = append(out, part{text: rest[:i]}, part{header: m[2]})
+		rest = rest[i+len(m[0]):]
+	}
+	return out, nil
+}
 
 func metadataFromProto(hvs []*corev3.HeaderValue) ([]MetadataValue, error) {
 	var out []MetadataValue
@@ -34,41 +66,53 @@ func metadataFromProto(hvs []*corev3.HeaderValue) ([]MetadataValue, error) {
 		if hv.GetRawValue() != nil {
 			return nil, errors.New("grpc_service.initial_metadata raw_value is not emulated")
 		}
-		for _, m := range command.FindAllStringSubmatch(strings.ReplaceAll(hv.GetValue(), "%%", ""), -1) {
-			if m[1] != "REQ" || m[3] == "" || m[4] != "" || strings.Contains(m[3], "?") {
-				return nil, fmt.Errorf("grpc_service.initial_metadata %q: only %%REQ(header)%% is emulated, not %s", hv.GetKey(), m[0])
-			}
+		if _, err := parts(hv.GetValue()); err != nil {
+			return nil, fmt.Errorf("grpc_service.initial_metadata %q: %w", hv.GetKey(), err)
 		}
 		out = append(out, MetadataValue{Key: strings.ToLower(hv.GetKey()), Value: hv.GetValue()})
 	}
 	return out, nil
 }
 
-// evaluate is the entry's value for the client's request headers h.
-func (m MetadataValue) evaluate(h http.Header) string {
+// evaluate is the entry's value for the client's request r: each %REQ()%
+// its header's first value, with :authority (or host), :path and :method
+// read where Go's request keeps them.
+func (m MetadataValue) evaluate(r *http.Request) string {
+	ps, _ := parts(m.Value) // checked when the config was read
 	var b strings.Builder
-	for i := 0; i < len(m.Value); {
-		if strings.HasPrefix(m.Value[i:], "%%") {
-			b.WriteByte('%')
-			i += 2
-			continue
+	for _, p := range ps {
+		switch strings.ToLower(p.header) {
+		case "":
+			b.WriteString(p.text)
+		case ":authority", "host":
+			b.WriteString(r.Host)
+		case ":path":
+			b.WriteString(r.URL.RequestURI())
+		case ":method":
+			b.WriteString(r.Method)
+		default:
+			b.WriteString(r.Header.Get(p.header))
 		}
-		if loc := command.FindStringSubmatchIndex(m.Value[i:]); loc != nil && loc[0] == 0 {
-			b.WriteString(h.Get(m.Value[i+loc[6] : i+loc[7]])) // the first value, as %REQ% reads it
-			i += loc[1]
-			continue
-		}
-		b.WriteByte(m.Value[i])
-		i++
 	}
 	return b.String()
 }
 
+// HashBalanced reports whether a cluster picks its hosts by a hash: its
+// lb_policy, or the typed load_balancing_policy that overrides it (as Envoy
+// Gateway writes it).
+func HashBalanced(c *clusterv3.Cluster) bool {
+	if ps := c.GetLoadBalancingPolicy().GetPolicies(); len(ps) > 0 {
+		name := ps[0].GetTypedExtensionConfig().GetName()
+		return name == "envoy.load_balancing_policies.ring_hash" || name == "envoy.load_balancing_policies.maglev"
+	}
+	return c.GetLbPolicy() == clusterv3.Cluster_RING_HASH || c.GetLbPolicy() == clusterv3.Cluster_MAGLEV
+}
+
 // hashHeadersFromProto is the headers a cluster hashes: those its
-// HttpProtocolOptions.hash_policy names, when its load balancer is a hash's.
-// Envoy ignores a hash policy under another load balancer.
+// HttpProtocolOptions.hash_policy names, when it is hash-balanced. Envoy
+// ignores a hash policy under another load balancer.
 func hashHeadersFromProto(c *clusterv3.Cluster, hps []*routev3.RouteAction_HashPolicy) ([]string, error) {
-	if lb := c.GetLbPolicy(); lb != clusterv3.Cluster_RING_HASH && lb != clusterv3.Cluster_MAGLEV {
+	if !HashBalanced(c) {
 		return nil, nil
 	}
 	var out []string

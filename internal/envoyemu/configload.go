@@ -19,8 +19,11 @@ import (
 	"sigs.k8s.io/yaml"
 
 	// Types that appear inside Any fields of our bootstraps: protojson
-	// resolves them through the global registry.
+	// resolves them through the global registry. The hash load balancers may
+	// be named as a typed load_balancing_policy instead of lb_policy (§14).
 	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/access_loggers/stream/v3"
+	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/load_balancing_policies/maglev/v3"
+	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/load_balancing_policies/ring_hash/v3"
 	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
 )
 

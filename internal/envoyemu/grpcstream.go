@@ -69,13 +69,19 @@ func (s *grpcStream) run(ctx context.Context, maxRecv int) {
 		x.post(func() { x.onStreamEnd(err) })
 		return
 	}
-	md := metadata.MD{}
+	// grpc_service.initial_metadata picks the endpoint of a hash-balanced
+	// cluster (§14). A value grpc-go cannot send (bytes outside printable
+	// ASCII, which Envoy's codec passes on) still picks it, but is left off.
+	md, sent := metadata.MD{}, metadata.MD{}
 	for _, m := range x.cfg.InitialMetadata {
-		if v := m.evaluate(x.down.r.Header); v != "" {
+		if v := m.evaluate(x.down.r); v != "" {
 			md.Append(m.Key, v)
+			if printableASCII(v) {
+				sent.Append(m.Key, v)
+			}
 		}
 	}
-	ctx = metadata.NewOutgoingContext(ctx, md)
+	ctx = metadata.NewOutgoingContext(ctx, sent)
 	stream, err := cluster.pick(md).Process(ctx, grpc.MaxCallRecvMsgSize(maxRecv), grpc.MaxCallSendMsgSize(math.MaxInt32))
 	if err != nil {
 		release()
@@ -114,4 +120,13 @@ func (s *grpcStream) run(ctx context.Context, maxRecv int) {
 			}
 		}
 	}
+}
+
+func printableASCII(v string) bool {
+	for i := range len(v) {
+		if v[i] < 0x20 || v[i] > 0x7e {
+			return false
+		}
+	}
+	return true
 }

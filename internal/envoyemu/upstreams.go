@@ -23,7 +23,7 @@ type extProcCluster struct {
 	conns     []*grpc.ClientConn
 	clients   []extprocv3.ExternalProcessorClient
 	addrs     []string
-	rotation  atomic.Pointer[[]extprocv3.ExternalProcessorClient] // the clients of the endpoints listed
+	rotation  atomic.Pointer[[]int] // the endpoints listed, as indexes of clients and addrs
 	next      atomic.Uint64
 	hash      []string // the headers its hash_policy names, nil: round robin
 	resources *resources
@@ -68,7 +68,10 @@ func newExtProcCluster(addrs []string, cl *Cluster, mounts map[string]string, lo
 		c.clients = append(c.clients, extprocv3.NewExternalProcessorClient(conn))
 		c.addrs = append(c.addrs, a)
 	}
-	rotation := slices.Clone(c.clients)
+	rotation := make([]int, len(c.clients))
+	for i := range rotation {
+		rotation[i] = i
+	}
 	c.rotation.Store(&rotation)
 	return c, nil
 }
@@ -88,17 +91,16 @@ func (c *extProcCluster) pick(md metadata.MD) extprocv3.ExternalProcessorClient 
 		key = append(key, md.Get(h)...)
 	}
 	if len(key) == 0 {
-		return rotation[(c.next.Add(1)-1)%uint64(len(rotation))]
+		return c.clients[rotation[(c.next.Add(1)-1)%uint64(len(rotation))]]
 	}
 	k := strings.Join(key, "\x00") + "\x00"
-	var best extprocv3.ExternalProcessorClient
-	var top uint64
-	for _, client := range rotation {
-		if w := xxhash.Sum64String(k + c.addrs[slices.Index(c.clients, client)]); best == nil || w > top {
-			best, top = client, w
+	best, top := rotation[0], xxhash.Sum64String(k+c.addrs[rotation[0]])
+	for _, i := range rotation[1:] {
+		if w := xxhash.Sum64String(k + c.addrs[i]); w > top {
+			best, top = i, w
 		}
 	}
-	return best
+	return c.clients[best]
 }
 
 // remove takes the endpoint at addr out of the rotation, as Envoy drops a
@@ -108,13 +110,13 @@ func (c *extProcCluster) remove(addr string) error {
 	i := slices.Index(c.addrs, addr)
 	for {
 		old := c.rotation.Load()
-		if i < 0 || !slices.Contains(*old, c.clients[i]) {
+		if i < 0 || !slices.Contains(*old, i) {
 			return fmt.Errorf("ext_proc endpoint %s is not in the rotation", addr)
 		}
 		if len(*old) == 1 {
 			return fmt.Errorf("ext_proc endpoint %s is the last one", addr)
 		}
-		rotation := slices.DeleteFunc(slices.Clone(*old), func(x extprocv3.ExternalProcessorClient) bool { return x == c.clients[i] })
+		rotation := slices.DeleteFunc(slices.Clone(*old), func(x int) bool { return x == i })
 		if c.rotation.CompareAndSwap(old, &rotation) {
 			return nil
 		}

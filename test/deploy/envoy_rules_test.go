@@ -18,6 +18,7 @@ import (
 	routerv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/router/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	upstreamhttpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -423,7 +424,7 @@ func checkSessionAffinity(where string, ep *extprocv3.ExternalProcessor, c *clus
 		carried[strings.ToLower(hv.GetKey())] = true
 	}
 	hps := httpProtocolOptions(c).GetHashPolicy()
-	if len(hps) > 0 && !hashBalanced(c) {
+	if len(hps) > 0 && !envoyemu.HashBalanced(c) {
 		r.errorf("%s: cluster %q has a hash_policy but no RING_HASH or MAGLEV load balancer, which ignores it", where, c.GetName())
 	}
 	for _, hp := range hps {
@@ -431,16 +432,6 @@ func checkSessionAffinity(where string, ep *extprocv3.ExternalProcessor, c *clus
 			r.errorf("%s: cluster %q hashes header %q, which grpc_service.initial_metadata does not put on the stream: no stream has it", where, c.GetName(), h)
 		}
 	}
-}
-
-// hashBalanced: the cluster's load balancer picks hosts by a hash (lb_policy, or the typed
-// load_balancing_policy that overrides it).
-func hashBalanced(c *clusterv3.Cluster) bool {
-	if ps := c.GetLoadBalancingPolicy().GetPolicies(); len(ps) > 0 {
-		name := ps[0].GetTypedExtensionConfig().GetName()
-		return name == "envoy.load_balancing_policies.ring_hash" || name == "envoy.load_balancing_policies.maglev"
-	}
-	return c.GetLbPolicy() == clusterv3.Cluster_RING_HASH || c.GetLbPolicy() == clusterv3.Cluster_MAGLEV
 }
 
 // checkBufferLimit: in BUFFERED mode Envoy holds the whole body before pd-extproc sees

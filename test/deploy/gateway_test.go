@@ -22,6 +22,7 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/pd-extproc/pd-extproc/internal/chart"
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 	"github.com/pd-extproc/pd-extproc/internal/testpki"
 	"github.com/pd-extproc/pd-extproc/pkg/api"
@@ -372,7 +373,7 @@ func checkGatewayPromises(m *envoyModel, limits serviceLimits, paths []string, r
 	if md := extProc.GetGrpcService().GetInitialMetadata(); len(md) != 1 || md[0].GetKey() != "x-session-id" || md[0].GetValue() != "%REQ(x-session-id)%" {
 		r.errorf("ext_proc initial_metadata = %v, want x-session-id: %%REQ(x-session-id)%% (the session-affinity EnvoyPatchPolicy did not apply)", md)
 	}
-	if c := m.clusters[grpcCluster]; !hashBalanced(c) || len(httpProtocolOptions(c).GetHashPolicy()) == 0 {
+	if c := m.clusters[grpcCluster]; !envoyemu.HashBalanced(c) || len(httpProtocolOptions(c).GetHashPolicy()) == 0 {
 		r.errorf("ext_proc cluster %q is not hash-balanced on a hash policy (the EnvoyExtensionPolicy's backendSettings.loadBalancer)", grpcCluster)
 	}
 
