@@ -37,26 +37,17 @@ func TestExtProcSessionAffinity(t *testing.T) {
 				session  []string // the stream's x-session-id metadata
 			}
 			seen := make(chan stream, sessions*perSession)
-			var addrs []string
-			for i := range endpoints {
-				addrs = append(addrs, startExtProc(t, func(s *procStream) error {
-					md, _ := metadata.FromIncomingContext(s.Context())
-					seen <- stream{i, md.Get("x-session-id")}
-					return fullDuplexRouter(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil, nil)(s)
-				}))
-			}
+			addrs := startReplicas(t, endpoints, up.addr, func(i int, s *procStream) {
+				md, _ := metadata.FromIncomingContext(s.Context())
+				seen <- stream{i, md.Get("x-session-id")}
+			})
 			raw := readFile(t, filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
 			cfg, err := LoadConfig(writeFile(t, strings.Replace(raw, "lb_policy: RING_HASH", "lb_policy: "+tt.lbPolicy, 1)))
 			if err != nil {
 				t.Fatal(err)
 			}
 			cfg.Clusters[cfg.ExtProcCluster].TLS = nil
-			cfg.Logf = t.Logf
-			p, err := Start(cfg, addrs...)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = p.Close() })
+			p := startProxyOn(t, cfg, addrs...)
 			for range perSession {
 				for s := range sessions {
 					var hdr map[string]string
@@ -112,21 +103,10 @@ func TestSessionHeaderNotSendable(t *testing.T) {
 	const endpoints, streams = 3, 6
 	up := startUpstream(t)
 	seen := make(chan [2]string, streams) // endpoint, the stream's x-session-id
-	var addrs []string
-	for i := range endpoints {
-		addrs = append(addrs, startExtProc(t, func(s *procStream) error {
-			md, _ := metadata.FromIncomingContext(s.Context())
-			seen <- [2]string{fmt.Sprint(i), strings.Join(md.Get("x-session-id"), ",")}
-			return fullDuplexRouter(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil, nil)(s)
-		}))
-	}
-	cfg := loadShipped(t, "envoy.yaml")
-	cfg.Logf = t.Logf
-	p, err := Start(cfg, addrs...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = p.Close() })
+	p := startProxyOn(t, loadShipped(t, "envoy.yaml"), startReplicas(t, endpoints, up.addr, func(i int, s *procStream) {
+		md, _ := metadata.FromIncomingContext(s.Context())
+		seen <- [2]string{fmt.Sprint(i), strings.Join(md.Get("x-session-id"), ",")}
+	})...)
 	for range streams {
 		if res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, map[string]string{"x-session-id": "séance"}); res.status != http.StatusOK {
 			t.Fatalf("status %d %q", res.status, res.body)

@@ -257,21 +257,10 @@ func TestExtProcEndpointsInTurn(t *testing.T) {
 	up := startUpstream(t)
 	const endpoints, perEndpoint = 3, 4
 	counts := make([]chan struct{}, endpoints)
-	var addrs []string
-	for i := range endpoints {
+	for i := range counts {
 		counts[i] = make(chan struct{}, endpoints*perEndpoint)
-		addrs = append(addrs, startExtProc(t, func(s *procStream) error {
-			counts[i] <- struct{}{}
-			return fullDuplexRouter(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil, nil)(s)
-		}))
 	}
-	cfg := loadShipped(t, "envoy.yaml")
-	cfg.Logf = t.Logf
-	p, err := Start(cfg, addrs...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = p.Close() })
+	p := startProxyOn(t, loadShipped(t, "envoy.yaml"), startReplicas(t, endpoints, up.addr, func(i int, _ *procStream) { counts[i] <- struct{}{} })...)
 	for range endpoints * perEndpoint {
 		if res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil); res.status != http.StatusOK {
 			t.Fatalf("status %d %q", res.status, res.body)

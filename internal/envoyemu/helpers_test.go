@@ -99,14 +99,34 @@ func startExtProc(t testing.TB, handle func(s *procStream) error) string {
 // cleanup (before the server stops: cleanups run last-in first-out).
 func startProxy(t testing.TB, cfg *Config, handle func(s *procStream) error) *Proxy {
 	t.Helper()
-	addr := startExtProc(t, handle)
+	return startProxyOn(t, cfg, startExtProc(t, handle))
+}
+
+// startProxyOn runs the emulator against the ext_proc servers at addrs and
+// closes it at cleanup.
+func startProxyOn(t testing.TB, cfg *Config, addrs ...string) *Proxy {
+	t.Helper()
 	cfg.Logf = t.Logf
-	p, err := Start(cfg, addr)
+	p, err := Start(cfg, addrs...)
 	if err != nil {
 		t.Fatalf("Start: %v", err)
 	}
 	t.Cleanup(func() { _ = p.Close() })
 	return p
+}
+
+// startReplicas runs n ext_proc servers that route every request to the
+// upstream at up, each first telling seen its index and the stream.
+func startReplicas(t testing.TB, n int, up string, seen func(i int, s *procStream)) []string {
+	t.Helper()
+	var addrs []string
+	for i := range n {
+		addrs = append(addrs, startExtProc(t, func(s *procStream) error {
+			seen(i, s)
+			return fullDuplexRouter(setHeaders(rawHeader("x-gateway-destination-endpoint", up)), nil, nil)(s)
+		}))
+	}
+	return addrs
 }
 
 // ---- reply builders ----
