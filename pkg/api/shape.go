@@ -166,6 +166,11 @@ func responsesAlone(o *body.Object) Reason {
 	if bg, _ := o.LaxBool("background"); bg {
 		return StoredResponse
 	}
+	// vLLM's ResponsesRequest.to_sampling_params takes min(max_output_tokens,
+	// the default), and SamplingParams refuses a limit below 1 (limits.go).
+	if n, given, valid := limit(o, "max_output_tokens"); !valid || given && n < 1 {
+		return InvalidLimits
+	}
 	raw, _ := o.Raw("tools")
 	for _, item := range body.Elements(raw) {
 		t, err := body.Parse(item)
