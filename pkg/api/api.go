@@ -134,7 +134,7 @@ var (
 	Generate = &API{
 		Name: NameGenerate, Method: "POST", Path: "/inference/v1/generate",
 		Serves: VLLM, Pairs: VLLM,
-		Shape: generateShape, Prompt: generatePrompt, Alone: generatePromptLogprobs, Tokenize: generateTokens,
+		Shape: generateShape, Prompt: generatePrompt, Alone: generateAlone, Tokenize: generateTokens,
 	}
 	SGLangGenerate = &API{
 		Name: NameSGLangGenerate, Method: "POST", Path: "/generate",

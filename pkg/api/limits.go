@@ -51,6 +51,17 @@ func messagesAlone(o *body.Object) Reason {
 	return NoReason
 }
 
+// generateAlone: vLLM's token-in API reads its limit from sampling_params,
+// its SamplingParams, which refuse max_tokens below 1.
+func generateAlone(o *body.Object) Reason {
+	if sp, ok := o.Object("sampling_params"); ok {
+		if n, given, valid := limit(sp, "max_tokens"); !valid || given && n < 1 {
+			return InvalidLimits
+		}
+	}
+	return generatePromptLogprobs(o)
+}
+
 // limit is the output limit keys give, as vLLM reads them: n is the first
 // of keys present (not null), given false when none is; valid is false when
 // a key present is not an integer (pydantic refuses it). vLLM refuses a
