@@ -24,7 +24,8 @@ import (
 // the first not 0: there a request with max_completion_tokens 0 and a valid
 // max_tokens is served, and loses only its prefill leg here.
 func chatAlone(o *body.Object) Reason {
-	if n, given, valid := limit(o, "max_completion_tokens", "max_tokens"); !valid || given && n < 1 || refusedStreamOptions(o) {
+	n, given, valid := limit(o, "max_completion_tokens", "max_tokens")
+	if !valid || given && n < 1 || refusedMinTokens(o, n, given) || refusedStreamOptions(o) {
 		return InvalidLimits
 	}
 	return promptLogprobs(o)
@@ -36,7 +37,7 @@ func chatAlone(o *body.Object) Reason {
 func completionsAlone(o *body.Object) Reason {
 	n, given, valid := limit(o, "max_tokens")
 	echo, _ := o.LaxBool("echo")
-	if !valid || given && n < 1 && !(echo && n == 0) || refusedStreamOptions(o) {
+	if !valid || given && n < 1 && !(echo && n == 0) || refusedMinTokens(o, n, given) || refusedStreamOptions(o) {
 		return InvalidLimits
 	}
 	return promptLogprobs(o)
@@ -55,7 +56,7 @@ func messagesAlone(o *body.Object) Reason {
 // its SamplingParams, which refuse max_tokens below 1.
 func generateAlone(o *body.Object) Reason {
 	if sp, ok := o.Object("sampling_params"); ok {
-		if n, given, valid := limit(sp, "max_tokens"); !valid || given && n < 1 {
+		if n, given, valid := limit(sp, "max_tokens"); !valid || given && n < 1 || refusedMinTokens(sp, n, given) {
 			return InvalidLimits
 		}
 	}
@@ -80,6 +81,19 @@ func limit(o *body.Object, keys ...string) (n int64, given, valid bool) {
 		}
 	}
 	return n, given, true
+}
+
+// refusedMinTokens reports whether vLLM refuses the request's min_tokens,
+// which the prefill leg's caps overwrite with 1: SamplingParams refuse one
+// below 0, or above the output limit when one is given ("min_tokens must be
+// less than or equal to max_tokens"). Above the default limit (what the
+// context leaves) the engine refuses it too, which is not checked here.
+func refusedMinTokens(o *body.Object, limit int64, given bool) bool {
+	if !present(o, "min_tokens") {
+		return false
+	}
+	m, ok := o.LaxInt("min_tokens")
+	return !ok || m < 0 || given && m > limit
 }
 
 // refusedStreamOptions reports whether vLLM refuses the request's
