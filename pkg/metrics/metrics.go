@@ -10,6 +10,7 @@ package metrics
 
 import (
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -195,8 +196,7 @@ func New(connector string) *Metrics {
 		kvParamsMissing: counter("kv_params_missing_total",
 			"Successful kv-nixl prefill legs that returned no kv_transfer_params, so the decode engine recomputed the prompt."),
 		decisions: counterVec("pd_decisions_total",
-			"Routed requests by why they got their mode (always, long_prompt, never, short_prompt, n_gt_1, batch, no_prefill, prefill_failed, no_body, "+
-				"passthrough, unpaired_api, prompt_logprobs, stored_response, builtin_tools, invalid_limits, cached_prefix, prefill_busy, decode_busy).",
+			"Routed requests by why they got their mode ("+strings.Join(Reasons(), ", ")+").",
 			"reason"),
 		bodyBytes: histogram("request_body_bytes", "Size of complete client request bodies received.",
 			prometheus.ExponentialBuckets(256, 4, 10)), // 256 B .. 64 MiB
