@@ -13,15 +13,20 @@ import (
 // or a client could slip past them with a value the engine takes.
 
 // LaxInt returns key's value as pydantic reads an int: a JSON integer, a
-// number with no fraction (2.0, 2e0), or a string holding either ("2",
-// " 2 "). ok is false for anything else, which the engine refuses.
+// number with no fraction (2.0, 2e0), true and false (1 and 0), or a string
+// holding an integer (laxIntString). ok is false for anything else, which
+// the engine refuses.
 func (o *Object) LaxInt(key string) (int64, bool) {
 	s, quoted, ok := o.scalar(key)
-	if !ok {
+	switch {
+	case !ok:
 		return 0, false
-	}
-	if quoted {
-		s = strings.TrimSpace(s)
+	case quoted:
+		return laxIntString(s)
+	case s == "true":
+		return 1, true
+	case s == "false":
+		return 0, true
 	}
 	if n, err := strconv.ParseInt(s, 10, 64); err == nil {
 		return n, true
@@ -31,6 +36,26 @@ func (o *Object) LaxInt(key string) (int64, bool) {
 		return 0, false
 	}
 	return int64(f), true
+}
+
+// laxIntString reads a string as pydantic's lax int does: spaces around it,
+// a sign, decimal digits with single underscores between them (as Python's
+// int()), and a fraction only of zeros ("2.0", but not "2.", ".0", "2e0" or
+// "2.0000000000000001", which a float would round to 2).
+func laxIntString(s string) (int64, bool) {
+	s = strings.TrimSpace(s)
+	if whole, fraction, dot := strings.Cut(s, "."); dot {
+		if fraction == "" || strings.Trim(fraction, "0") != "" {
+			return 0, false
+		}
+		s = whole
+	}
+	digits := strings.TrimPrefix(strings.TrimPrefix(s, "+"), "-")
+	if len(digits) == len(s)-2 || digits == "" || digits[0] == '_' || digits[len(digits)-1] == '_' || strings.Contains(digits, "__") {
+		return 0, false
+	}
+	n, err := strconv.ParseInt(s[:len(s)-len(digits)]+strings.ReplaceAll(digits, "_", ""), 10, 64)
+	return n, err == nil
 }
 
 // LaxBool returns key's value as pydantic reads a bool: true and false, the
