@@ -31,13 +31,15 @@ func chatAlone(o *body.Object) Reason {
 	return promptLogprobs(o)
 }
 
-// completionsAlone: vLLM's completions take max_tokens, which may be 0 with
-// echo: the prompt alone (echo_without_generation,
-// vllm/entrypoints/openai/completion/protocol.py).
+// completionsAlone: vLLM's completions take max_tokens, 16 when the key is
+// left out (CompletionRequest's default; null leaves what the context
+// does), which may be 0 with echo: the prompt alone, sampled with a limit
+// of 1 (echo_without_generation, vllm/entrypoints/openai/completion/protocol.py).
 func completionsAlone(o *body.Object) Reason {
-	n, given, valid := limit(o, "max_tokens")
+	n, given, valid := limitOr16(o)
 	echo, _ := o.LaxBool("echo")
-	if !valid || given && n < 1 && !(echo && n == 0) || refusedMinTokens(o, n, given) || refusedStreamOptions(o) {
+	echoOnly := echo && given && n == 0
+	if !valid || given && n < 1 && !echoOnly || refusedMinTokens(o, max(n, 1), given) || refusedStreamOptions(o) {
 		return InvalidLimits
 	}
 	return promptLogprobs(o)
@@ -52,15 +54,28 @@ func messagesAlone(o *body.Object) Reason {
 	return NoReason
 }
 
-// generateAlone: vLLM's token-in API reads its limit from sampling_params,
-// its SamplingParams, which refuse max_tokens below 1.
+// generateAlone: vLLM's token-in API requires sampling_params, its
+// SamplingParams, whose max_tokens is 16 when left out and must be at least 1
+// (GenerateRequest, vllm/entrypoints/serve/disagg/protocol.py).
 func generateAlone(o *body.Object) Reason {
-	if sp, ok := o.Object("sampling_params"); ok {
-		if n, given, valid := limit(sp, "max_tokens"); !valid || given && n < 1 || refusedMinTokens(sp, n, given) {
-			return InvalidLimits
-		}
+	sp, ok := o.Object("sampling_params")
+	if !ok {
+		return InvalidLimits
+	}
+	if n, given, valid := limitOr16(sp); !valid || given && n < 1 || refusedMinTokens(sp, n, given) {
+		return InvalidLimits
 	}
 	return generatePromptLogprobs(o)
+}
+
+// limitOr16 is limit's reading of max_tokens where the engine's model
+// defaults it to 16: a key left out gives 16, and only null leaves the
+// limit to what the context holds.
+func limitOr16(o *body.Object) (n int64, given, valid bool) {
+	if _, ok := o.Raw("max_tokens"); !ok {
+		return 16, true, true
+	}
+	return limit(o, "max_tokens")
 }
 
 // limit is the output limit keys give, as vLLM reads them: n is the first
@@ -84,12 +99,13 @@ func limit(o *body.Object, keys ...string) (n int64, given, valid bool) {
 }
 
 // refusedMinTokens reports whether vLLM refuses the request's min_tokens,
-// which the prefill leg's caps overwrite with 1: SamplingParams refuse one
-// below 0, or above the output limit when one is given ("min_tokens must be
-// less than or equal to max_tokens"). Above the default limit (what the
-// context leaves) the engine refuses it too, which is not checked here.
+// which the prefill leg's caps overwrite with 1: an int that may be left out
+// but not null, and SamplingParams refuse one below 0, or above the output
+// limit when one is given ("min_tokens must be less than or equal to
+// max_tokens"). Above a limit left to the context the engine refuses it
+// too, which is not checked here: the context is the engine's to know.
 func refusedMinTokens(o *body.Object, limit int64, given bool) bool {
-	if !present(o, "min_tokens") {
+	if _, ok := o.Raw("min_tokens"); !ok {
 		return false
 	}
 	m, ok := o.LaxInt("min_tokens")
