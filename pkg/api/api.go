@@ -80,6 +80,9 @@ type API struct {
 	Prompt func(*body.Object) *Prompt
 	// Alone says when one request must go to a decode engine alone.
 	Alone func(*body.Object) Reason
+	// PairedAlone is Alone under SGLang, the paired family, where its
+	// engine reads the request otherwise (nil: as Alone).
+	PairedAlone func(*body.Object) Reason
 	// Tokenize says how to get the request's token ids (nil: no way);
 	// callers use TokensOf.
 	Tokenize func(*body.Object) Tokens
@@ -119,12 +122,12 @@ var (
 	Chat = &API{
 		Name: NameChat, Method: "POST", Path: "/v1/chat/completions",
 		Serves: VLLM | SGLang, Pairs: VLLM | SGLang, Model: true,
-		Shape: openAIShape, Prompt: chatPrompt, Alone: chatAlone, Tokenize: chatTokens,
+		Shape: openAIShape, Prompt: chatPrompt, Alone: chatAlone, PairedAlone: sglangChatAlone, Tokenize: chatTokens,
 	}
 	Completions = &API{
 		Name: NameCompletions, Method: "POST", Path: "/v1/completions",
 		Serves: VLLM | SGLang, Pairs: VLLM | SGLang, Model: true,
-		Shape: openAIShape, Prompt: completionsPrompt, Alone: completionsAlone, Tokenize: completionsTokens,
+		Shape: openAIShape, Prompt: completionsPrompt, Alone: completionsAlone, PairedAlone: sglangCompletionsAlone, Tokenize: completionsTokens,
 	}
 	Responses = &API{
 		Name: NameResponses, Method: "POST", Path: "/v1/responses",

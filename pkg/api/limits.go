@@ -28,21 +28,23 @@ func chatAlone(o *body.Object) Reason {
 	if !valid || given && n < 1 || refusedMinTokens(o, n, given) || refusedStreamOptions(o) {
 		return InvalidLimits
 	}
-	return promptLogprobs(o)
+	return promptLogprobs(o, "top_logprobs", true)
 }
 
-// completionsAlone: vLLM's completions take max_tokens, 16 when the key is
-// left out (CompletionRequest's default; null leaves what the context
-// does), which may be 0 with echo: the prompt alone, sampled with a limit
-// of 1 (echo_without_generation, vllm/entrypoints/openai/completion/protocol.py).
+// completionsAlone: vLLM's completions take max_tokens, 16 when it is left
+// out or null (CompletionRequest's default, to which normalize_null_max_tokens
+// turns a null; releases before it left a null to the context, where such a
+// request only loses its prefill leg here), which may be 0 with echo: the
+// prompt alone, sampled with a limit of 1 (echo_without_generation,
+// vllm/entrypoints/openai/completion/protocol.py).
 func completionsAlone(o *body.Object) Reason {
-	n, given, valid := limitOr16(o)
+	n, given, valid := limitOr16(o, true)
 	echo, _ := o.LaxBool("echo")
 	echoOnly := echo && given && n == 0
 	if !valid || given && n < 1 && !echoOnly || refusedMinTokens(o, max(n, 1), given) || refusedStreamOptions(o) {
 		return InvalidLimits
 	}
-	return promptLogprobs(o)
+	return promptLogprobs(o, "logprobs", false)
 }
 
 // messagesAlone: the Messages API requires max_tokens (vLLM's
@@ -62,17 +64,17 @@ func generateAlone(o *body.Object) Reason {
 	if !ok {
 		return InvalidLimits
 	}
-	if n, given, valid := limitOr16(sp); !valid || given && n < 1 || refusedMinTokens(sp, n, given) {
+	if n, given, valid := limitOr16(sp, false); !valid || given && n < 1 || refusedMinTokens(sp, n, given) {
 		return InvalidLimits
 	}
 	return generatePromptLogprobs(o)
 }
 
 // limitOr16 is limit's reading of max_tokens where the engine's model
-// defaults it to 16: a key left out gives 16, and only null leaves the
-// limit to what the context holds.
-func limitOr16(o *body.Object) (n int64, given, valid bool) {
-	if _, ok := o.Raw("max_tokens"); !ok {
+// defaults it to 16: a key left out gives 16, and so does null where
+// nullToo (else null leaves the limit to what the context holds).
+func limitOr16(o *body.Object, nullToo bool) (n int64, given, valid bool) {
+	if raw, ok := o.Raw("max_tokens"); !ok || nullToo && body.IsNull(raw) {
 		return 16, true, true
 	}
 	return limit(o, "max_tokens")

@@ -102,16 +102,37 @@ var (
 	topLevelShape = Shape{}
 )
 
-// promptLogprobs: chat and completions ask for the prompt's logprobs with
-// prompt_logprobs, or with echo and logprobs.
-func promptLogprobs(o *body.Object) Reason {
+// promptLogprobs: vLLM's chat and completions ask for the prompt's
+// logprobs with prompt_logprobs or, with echo, with what stands in for it
+// (`if prompt_logprobs is None and self.echo: prompt_logprobs = ...`,
+// to_sampling_params): chat's top_logprobs, which is 0 when left out, and
+// completions' logprobs, none when left out (false is 0, still asking).
+func promptLogprobs(o *body.Object, echoKey string, byDefault bool) Reason {
 	if present(o, "prompt_logprobs") {
 		return PromptLogprobs
 	}
-	if echo, _ := o.LaxBool("echo"); echo && present(o, "logprobs") {
-		if v, ok := o.Bool("logprobs"); !ok || v {
+	if echo, _ := o.LaxBool("echo"); echo {
+		if raw, ok := o.Raw(echoKey); ok && !body.IsNull(raw) || !ok && byDefault {
 			return PromptLogprobs
 		}
+	}
+	return NoReason
+}
+
+// sglangChatAlone: SGLang's chat has neither echo nor prompt_logprobs, and
+// asks for the output's logprobs only (logprob_start_len -1,
+// serving_chat.py): nothing keeps it from its pair.
+func sglangChatAlone(*body.Object) Reason { return NoReason }
+
+// sglangCompletionsAlone: SGLang's completions ask for the prompt's logprobs
+// with echo and a logprobs count not 0 (`if request.echo and
+// request.logprobs`: logprob_start_len 0); its later releases only warn
+// that they are not computed, and lose nothing by the refusal but the
+// request. prompt_logprobs is not a field of theirs.
+func sglangCompletionsAlone(o *body.Object) Reason {
+	echo, _ := o.LaxBool("echo")
+	if n, ok := o.LaxInt("logprobs"); echo && ok && n != 0 {
+		return PromptLogprobs
 	}
 	return NoReason
 }
@@ -165,6 +186,16 @@ func responsesAlone(o *body.Object) Reason {
 	}
 	if bg, _ := o.LaxBool("background"); bg {
 		return StoredResponse
+	}
+	// vLLM's validate_background tests the raw values, before pydantic
+	// reads them: "background": "false" with store false is refused
+	// ("background can only be used when `store` is true"), though the
+	// prefill leg's caps would make it valid. A null store was refused too
+	// until vLLM read it as its default.
+	if background, _ := o.Raw("background"); truthy(background) {
+		if store, ok := o.Raw("store"); ok && !truthy(store) {
+			return InvalidLimits
+		}
 	}
 	// vLLM's ResponsesRequest.to_sampling_params takes min(max_output_tokens,
 	// the default), and SamplingParams refuses a limit below 1 (limits.go).

@@ -25,7 +25,11 @@ func (p *Pipeline) admit(a *api.API, obj *body.Object) (alone metrics.Reason, er
 	case !a.Pairs.Has(family):
 		return metrics.ReasonUnpairedAPI, nil
 	}
-	switch a.Alone(obj) {
+	reads := a.Alone
+	if p.connector.Paired() && a.PairedAlone != nil {
+		reads = a.PairedAlone
+	}
+	switch reads(obj) {
 	case api.PromptLogprobs:
 		if p.connector.Paired() {
 			return 0, cannotPair(a, p.opts.Connector, "the request asks for prompt logprobs, which only the prefill engine "+
