@@ -1,8 +1,6 @@
 package api
 
 import (
-	"strconv"
-
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
@@ -157,9 +155,11 @@ func sglangPromptLogprobs(o *body.Object) Reason {
 	start, _ := o.Raw("logprob_start_len")
 	rets, starts := perPrompt(ret), perPrompt(start)
 	for i := range max(len(rets), len(starts)) {
-		r, s := rets[min(i, len(rets)-1)], starts[min(i, len(starts)-1)]
-		from, err := strconv.ParseInt(string(s), 10, 64)
-		if string(r) != "false" && (err != nil || from >= 0) {
+		// Read as the dataclass's fields are when FastAPI validates it with
+		// pydantic: "return_logprob": 0 is false, "logprob_start_len": "-1" is -1.
+		ask, askOK := body.LaxBool(rets[min(i, len(rets)-1)])
+		from, fromOK := body.LaxInt(starts[min(i, len(starts)-1)])
+		if (ask || !askOK) && (from >= 0 || !fromOK) {
 			return PromptLogprobs
 		}
 	}

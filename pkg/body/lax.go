@@ -17,7 +17,13 @@ import (
 // holding an integer (laxIntString). ok is false for anything else, which
 // the engine refuses.
 func (o *Object) LaxInt(key string) (int64, bool) {
-	s, quoted, ok := o.scalar(key)
+	raw, _ := o.Raw(key)
+	return LaxInt(raw)
+}
+
+// LaxInt is Object.LaxInt of a raw JSON value (a list's element).
+func LaxInt(raw []byte) (int64, bool) {
+	s, quoted, ok := scalar(raw)
 	switch {
 	case !ok:
 		return 0, false
@@ -62,7 +68,13 @@ func laxIntString(s string) (int64, bool) {
 // numbers 0 and 1, and the strings 0, 1, f, t, n, y, no, yes, off, on,
 // false and true in any case. ok is false for anything else.
 func (o *Object) LaxBool(key string) (value, ok bool) {
-	s, quoted, ok := o.scalar(key)
+	raw, _ := o.Raw(key)
+	return LaxBool(raw)
+}
+
+// LaxBool is Object.LaxBool of a raw JSON value (a list's element).
+func LaxBool(raw []byte) (value, ok bool) {
+	s, quoted, ok := scalar(raw)
 	if !ok {
 		return false, false
 	}
@@ -90,16 +102,15 @@ func (o *Object) LaxBool(key string) (value, ok bool) {
 	return false, false
 }
 
-// scalar is key's value as text: a string's decoded contents (quoted), or
-// the raw JSON of anything else.
-func (o *Object) scalar(key string) (s string, quoted, ok bool) {
-	raw, ok := o.Raw(key)
-	if !ok {
+// scalar is a raw JSON value as text: a string's decoded contents (quoted),
+// or the JSON of anything else; ok is false for no value.
+func scalar(raw []byte) (s string, quoted, ok bool) {
+	if len(raw) == 0 {
 		return "", false, false
 	}
 	if raw[0] == '"' {
-		s, ok = o.String(key)
-		return s, true, ok
+		s, err := decodeString(raw)
+		return s, true, err == nil
 	}
 	return string(raw), false, true
 }
