@@ -61,6 +61,10 @@ const (
 	// its blocks for a pull that never comes, as the decode engine refuses
 	// the request.
 	InvalidLimits
+	// BeamSearch: vLLM's beam search runs its own requests, one step at a
+	// time, with sampling parameters of its own that carry no
+	// kv_transfer_params: the prefill leg's KV would never be pulled.
+	BeamSearch
 )
 
 // API is one engine API pd-extproc routes.

@@ -28,7 +28,7 @@ func chatAlone(o *body.Object) Reason {
 	if !valid || given && n < 1 || refusedMinTokens(o, n, given) || refusedStreamOptions(o) {
 		return InvalidLimits
 	}
-	return promptLogprobs(o, "top_logprobs", true)
+	return alongside(o, promptLogprobs(o, "top_logprobs", true))
 }
 
 // completionsAlone: vLLM's completions take max_tokens, 16 when it is left
@@ -44,7 +44,21 @@ func completionsAlone(o *body.Object) Reason {
 	if !valid || given && n < 1 && !echoOnly || refusedMinTokens(o, max(n, 1), given) || refusedStreamOptions(o) {
 		return InvalidLimits
 	}
-	return promptLogprobs(o, "logprobs", false)
+	return alongside(o, promptLogprobs(o, "logprobs", false))
+}
+
+// alongside is why a chat or completions request that vLLM serves goes to a
+// decode engine alone: its prompt logprobs (why), else its beam search
+// (use_beam_search: to_beam_search_params and the beam search loop,
+// vllm/entrypoints/openai/chat_completion/protocol.py and
+// vllm/entrypoints/openai/engine/serving.py, build sampling parameters
+// without the request's kv_transfer_params, so the decode engine computes
+// the prompt itself and the prefill engine's blocks wait out their lease).
+func alongside(o *body.Object, why Reason) Reason {
+	if beam, _ := o.LaxBool("use_beam_search"); why == NoReason && beam {
+		return BeamSearch
+	}
+	return why
 }
 
 // messagesAlone: the Messages API requires max_tokens (vLLM's

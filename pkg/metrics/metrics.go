@@ -60,6 +60,7 @@ const (
 	ReasonStoredResponse                   // decode-only: a Responses request that continues a stored response or runs in the background
 	ReasonBuiltinTools                     // decode-only: a Responses request with a built-in tool (routes.pair_builtin_tools pairs it)
 	ReasonInvalidLimits                    // decode-only: the engine refuses the output limit or stream_options the prefill leg would overwrite
+	ReasonBeamSearch                       // decode-only: vLLM's beam search, which hands no KV over
 	ReasonCachedPrefix                     // decode-only: the decode endpoint is estimated to hold all but a few of the prompt's tokens
 	ReasonPrefillBusy                      // decode-only: the prefill pool is busy and the decode endpoint is not (pd.load)
 	ReasonDecodeBusy                       // P/D: decode-only was vetoed, the decode endpoint being busy (pd.load)
@@ -70,7 +71,7 @@ var reasonLabels = [...]string{
 	ReasonNGT1: "n_gt_1", ReasonBatch: "batch", ReasonNoPrefill: "no_prefill", ReasonPrefillFailed: "prefill_failed",
 	ReasonNoBody: "no_body", ReasonPassthrough: "passthrough", ReasonUnpairedAPI: "unpaired_api",
 	ReasonPromptLogprobs: "prompt_logprobs", ReasonStoredResponse: "stored_response", ReasonBuiltinTools: "builtin_tools",
-	ReasonInvalidLimits: "invalid_limits", ReasonCachedPrefix: "cached_prefix", ReasonPrefillBusy: "prefill_busy",
+	ReasonInvalidLimits: "invalid_limits", ReasonBeamSearch: "beam_search", ReasonCachedPrefix: "cached_prefix", ReasonPrefillBusy: "prefill_busy",
 	ReasonDecodeBusy: "decode_busy",
 }
 

@@ -44,6 +44,8 @@ func (p *Pipeline) admit(a *api.API, obj *body.Object) (alone metrics.Reason, er
 		if !p.opts.PairBuiltinTools {
 			return metrics.ReasonBuiltinTools, nil // as StoredResponse: never under a paired connector
 		}
+	case api.BeamSearch:
+		return metrics.ReasonBeamSearch, nil // vLLM's only: SGLang reads its chat and completions with PairedAlone
 	case api.InvalidLimits:
 		if !p.connector.Paired() { // a paired prefill leg is the client's body, which its engine refuses too
 			return metrics.ReasonInvalidLimits, nil
