@@ -49,11 +49,11 @@ func completionsAlone(o *body.Object) Reason {
 
 // alongside is why a chat or completions request that vLLM serves goes to a
 // decode engine alone: its prompt logprobs (why), else its beam search
-// (use_beam_search: to_beam_search_params and the beam search loop,
-// vllm/entrypoints/openai/chat_completion/protocol.py and
-// vllm/entrypoints/openai/engine/serving.py, build sampling parameters
-// without the request's kv_transfer_params, so the decode engine computes
-// the prompt itself and the prefill engine's blocks wait out their lease).
+// (use_beam_search: to_beam_search_params, in the protocol files, and the
+// beam search loop of vLLM's OpenAI serving, whose steps each run
+// `SamplingParams(logprobs=2 * beam_width, max_tokens=1, ...)`, leave the
+// request's kv_transfer_params out, so the decode engine computes the prompt
+// itself and the prefill engine's blocks wait out their lease).
 func alongside(o *body.Object, why Reason) Reason {
 	if beam, _ := o.LaxBool("use_beam_search"); why == NoReason && beam {
 		return BeamSearch
