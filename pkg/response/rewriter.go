@@ -34,6 +34,7 @@ type Rewriter struct {
 	seen    func(raw []byte, stated bool) // a reader's (NewReader), nil for a rewriter
 	read    []byte                        // a reader's: the last number a streamed answer carried, told at its end
 	stated  bool                          // read was in the answer, not its absence (NoneCached)
+	broken  bool                          // a reader's: the stream carried an error event (failed)
 }
 
 // Paths are where an API's answer carries the number: in a JSON answer, and

@@ -30,6 +30,9 @@ const (
 	fixedEv = "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"choices\":[]," +
 		"\"usage\":{\"prompt_tokens\":12,\"total_tokens\":14,\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\n"
 	done = "data: [DONE]\n\n"
+	// vLLM's error event in a stream that fails after its 200, and older releases' one.
+	errorEv      = "data: {\"error\":{\"message\":\"boom\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}\n\n"
+	olderErrorEv = "data: {\"object\":\"error\",\"message\":\"boom\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}\n\n"
 )
 
 // A decode engine's answers with nothing cached: vLLM leaves the details out.
@@ -228,6 +231,10 @@ func TestReaderSeesTheNumberAndChangesNothing(t *testing.T) {
 		{name: "a cold stream reads as 0", headers: sseOK, chunks: []string{role + tok0, tok1 + coldEv + done}, want: []string{role + tok0, tok1 + coldEv + done}, seen: []string{"0 (absent)"}},
 		{name: "a stream's usage in every event: the last one, once", headers: sseOK, chunks: []string{role + coldEv, usageEv + done},
 			want: []string{role + coldEv, usageEv + done}, seen: []string{"12"}},
+		{name: "a stream that fails after continuous usage says nothing", headers: sseOK,
+			chunks: []string{role + coldEv, tok0 + errorEv + done}, want: []string{role + coldEv, tok0 + errorEv + done}},
+		{name: "a stream that fails the older way says nothing", headers: sseOK,
+			chunks: []string{role + coldEv + olderErrorEv + done}, want: []string{role + coldEv + olderErrorEv + done}},
 		{name: "an error status is not read", headers: headers{500, "application/json", ""}, chunks: []string{chatJSON}, want: []string{chatJSON}},
 		{name: "past the limit it passes unread", headers: jsonOK, limit: 40, chunks: []string{chatJSON[:30], chatJSON[30:]},
 			want: []string{"", chatJSON}},

@@ -2,6 +2,7 @@ package response
 
 import (
 	"bytes"
+	"slices"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -33,7 +34,7 @@ func (r *Rewriter) stream(chunk []byte, last bool) body.Spliced {
 		if r.fixed {
 			r.outcome = metrics.UsageRewritten
 		}
-		if r.read != nil {
+		if r.read != nil && !r.broken {
 			r.seen(r.read, r.stated)
 		}
 	}
@@ -61,6 +62,9 @@ func eventsEnd(data []byte, from int) int {
 // value; every other byte is passed on as it is. A reader reads the lines
 // that hold the usage, and keeps what the last of them said.
 func (r *Rewriter) events(b []byte) body.Spliced {
+	if !r.Writes() && !r.broken && bytes.Contains(b, errorKey) {
+		r.broken = slices.ContainsFunc(bytes.FieldsFunc(b, isLineEnd), failed)
+	}
 	if !bytes.Contains(b, r.key) {
 		return r.only(b)
 	}
@@ -116,6 +120,28 @@ func (r *Rewriter) readData(line []byte) {
 	} else if NoneCached(line[off:], r.event) {
 		r.read, r.stated = append(r.read[:0], zero...), false
 	}
+}
+
+var errorKey = []byte(`"error"`)
+
+func isLineEnd(c rune) bool { return c == '\n' || c == '\r' }
+
+// failed says whether an event line is an engine's error event. vLLM ends a
+// stream that fails after its 200 with `data: {"error": {...}}` (older
+// releases: {"object": "error", ...}) and [DONE], without the final usage
+// event: what its continuous usage said before (no details, read as 0)
+// says nothing of the cache.
+func failed(line []byte) bool {
+	off, ok := dataStart(line)
+	if !ok {
+		return false
+	}
+	o, err := body.Parse(line[off:])
+	if err != nil {
+		return false
+	}
+	kind, _ := o.String("object")
+	return o.Has("error") || kind == "error"
 }
 
 // dataStart is where the value of a "data:" line begins.
