@@ -38,7 +38,7 @@ type Handoff struct {
 	Shape         *api.Shape   // where the request's API puts the fields
 	PrefillHost   string       // host of the chosen prefill endpoint (IPv6 in brackets)
 	BootstrapPort int          // the chosen prefill endpoint's SGLang bootstrap port (its own, else the pool's)
-	Room          uint64       // random per request, 0..2^63-1: pairs concurrent legs
+	Room          uint64       // random per request, 0..2^62-1 (a batch adds its prompts' indexes): pairs concurrent legs
 	PrefillKV     []byte       // Sequential only: raw kv_transfer_params of the prefill response, nil when it gave none
 }
 
