@@ -25,7 +25,7 @@ import (
 // max_tokens is served, and loses only its prefill leg here.
 func chatAlone(o *body.Object) Reason {
 	n, given, valid := limit(o, "max_completion_tokens", "max_tokens")
-	if !valid || given && n < 1 || refusedMinTokens(o, n, given) || refusedStreamOptions(o) {
+	if !valid || given && n < 1 || refusedMinTokens(o, n, given) || refusedStream(o) {
 		return InvalidLimits
 	}
 	return alongside(o, promptLogprobs(o, "top_logprobs", true))
@@ -41,7 +41,7 @@ func completionsAlone(o *body.Object) Reason {
 	n, given, valid := limitOr16(o, true)
 	echo, _ := o.LaxBool("echo")
 	echoOnly := echo && given && n == 0
-	if !valid || given && n < 1 && !echoOnly || refusedMinTokens(o, max(n, 1), given) || refusedStreamOptions(o) {
+	if !valid || given && n < 1 && !echoOnly || refusedMinTokens(o, max(n, 1), given) || refusedStream(o) {
 		return InvalidLimits
 	}
 	return alongside(o, promptLogprobs(o, "logprobs", false))
@@ -64,7 +64,7 @@ func alongside(o *body.Object, why Reason) Reason {
 // messagesAlone: the Messages API requires max_tokens (vLLM's
 // AnthropicMessagesRequest, as Anthropic's API).
 func messagesAlone(o *body.Object) Reason {
-	if n, given, valid := limit(o, "max_tokens"); !valid || !given || n < 1 {
+	if n, given, valid := limit(o, "max_tokens"); !valid || !given || n < 1 || refusedStream(o) {
 		return InvalidLimits
 	}
 	return NoReason
@@ -78,7 +78,7 @@ func generateAlone(o *body.Object) Reason {
 	if !ok {
 		return InvalidLimits
 	}
-	if n, given, valid := limitOr16(sp, false); !valid || given && n < 1 || refusedMinTokens(sp, n, given) {
+	if n, given, valid := limitOr16(sp, false); !valid || given && n < 1 || refusedMinTokens(sp, n, given) || refusedStream(o) {
 		return InvalidLimits
 	}
 	return generatePromptLogprobs(o)
@@ -126,6 +126,18 @@ func refusedMinTokens(o *body.Object, limit int64, given bool) bool {
 	}
 	m, ok := o.LaxInt("min_tokens")
 	return !ok || m < 0 || given && m > limit
+}
+
+// refusedStream reports whether vLLM refuses the request's stream (a
+// bool, or null: "stream": "maybe", 2 or {} are refused) or its
+// stream_options; the prefill leg's caps overwrite both.
+func refusedStream(o *body.Object) bool {
+	if raw, ok := o.Raw("stream"); ok && !body.IsNull(raw) {
+		if _, valid := body.LaxBool(raw); !valid {
+			return true
+		}
+	}
+	return refusedStreamOptions(o)
 }
 
 // refusedStreamOptions reports whether vLLM refuses the request's

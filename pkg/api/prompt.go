@@ -1,6 +1,7 @@
 package api
 
 import (
+	"bytes"
 	"encoding/json"
 	"strconv"
 	"strings"
@@ -132,7 +133,7 @@ func chatPrompt(o *body.Object) *Prompt {
 				b.WriteByte('\n')
 			}
 			raw, _ := o.Raw("messages")
-			return withMessages(&b, raw)
+			return withMessages(&b, raw, false)
 		})
 	})
 }
@@ -193,21 +194,62 @@ func responsesPrompt(o *body.Object) *Prompt {
 			writeMessage(&b, "user", raw, nil)
 			return rendering{text: b.String(), tokens: -1, preamble: preamble, head: b.Len()}
 		}
-		return withMessages(&b, raw)
+		return withMessages(&b, raw, false)
 	})
 }
 
-// messagesPrompt: Anthropic's system, then its messages.
+// messagesPrompt: Anthropic's tools, system and messages, as vLLM's handler
+// turns them into a chat request (_convert_anthropic_to_openai_request,
+// vllm/entrypoints/anthropic/serving.py): tools first, as chat templates
+// put them, and what it drops left out (anthropicSystem), so that requests
+// the engine caches alike rank alike.
 func messagesPrompt(o *body.Object) *Prompt {
 	return newPrompt(1, func() rendering {
 		var b strings.Builder
+		if raw, ok := o.Raw("tools"); ok && !body.IsNull(raw) {
+			b.Write(raw)
+			b.WriteByte('\n')
+		}
 		if raw, ok := o.Raw("system"); ok && !body.IsNull(raw) {
-			writeContent(&b, raw)
+			writeContent(&b, anthropicSystem(raw))
 			b.WriteByte('\n')
 		}
 		raw, _ := o.Raw("messages")
-		return withMessages(&b, raw)
+		return withMessages(&b, raw, true)
 	})
+}
+
+// billingHeader starts the system block Claude Code sends with a hash that
+// changes per request; vLLM drops such blocks from a system list, whether
+// the top-level one or a system message's, as they defeat prefix caching.
+const billingHeader = "x-anthropic-billing-header"
+
+// anthropicSystem is a system content list without its billing-header text
+// blocks (a string stays whole, as vLLM keeps it).
+func anthropicSystem(raw []byte) []byte {
+	parts := body.Elements(raw)
+	kept := make([][]byte, 0, len(parts))
+	for _, p := range parts {
+		var cp contentPart
+		if json.Unmarshal(p, &cp) == nil && cp.Type == "text" && strings.HasPrefix(cp.Text, billingHeader) {
+			continue
+		}
+		kept = append(kept, p)
+	}
+	if len(kept) == len(parts) {
+		return raw
+	}
+	return append(append([]byte{'['}, bytes.Join(kept, []byte{','})...), ']')
+}
+
+// anthropicRole is a Messages role as vLLM reads it: Claude Code's "ctx"
+// and "msg" are the user's (AnthropicMessage.normalize_role,
+// vllm/entrypoints/anthropic/protocol.py).
+func anthropicRole(role string) string {
+	if role == "ctx" || role == "msg" {
+		return "user"
+	}
+	return role
 }
 
 // generatePrompt: vLLM's token-in API, whose length is exact.
@@ -267,8 +309,9 @@ func sglangSamples(o *body.Object) (n int, mixed []int) {
 // that two prompts differing only in an image do not look alike. The head
 // ends after the first user message, the preamble before it; the previous
 // request, before the last reply after it that an input follows (see
-// Prompt.Previous).
-func withMessages(b *strings.Builder, raw []byte) rendering {
+// Prompt.Previous). anthropic reads the messages as vLLM's Messages handler
+// does (anthropicRole, anthropicSystem).
+func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 	preamble, head, previous := 0, 0, 0
 	// reply is where the run of model output being read began, -1 outside one.
 	reply := -1
@@ -292,6 +335,11 @@ func withMessages(b *strings.Builder, raw []byte) rendering {
 			continue
 		}
 		content, _ := m.Raw("content")
+		if anthropic {
+			if role = anthropicRole(role); role == "system" {
+				content = anthropicSystem(content)
+			}
+		}
 		calls, _ := m.Raw("tool_calls")
 		first := head == 0 && role == "user"
 		if first {

@@ -55,6 +55,13 @@ func TestPromptReaders(t *testing.T) {
 		{name: "messages: system, then messages", api: Messages,
 			body:     `{"model":"m","system":"Be brief.","messages":[{"role":"user","content":[{"type":"text","text":"Hi"}]}]}`,
 			wantText: "Be brief.\nuser\nHi\n", wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "messages: tools first, Claude Code's billing-header blocks and roles as vLLM reads them", api: Messages,
+			body: `{"model":"m","tools":[{"name":"t"}],"system":[{"type":"text","text":"x-anthropic-billing-header: cch=1;"},{"type":"text","text":"You are Claude Code."}],` +
+				`"messages":[{"role":"system","content":[{"type":"text","text":"x-anthropic-billing-header: cch=2;"},{"type":"text","text":"Inline."}]},{"role":"msg","content":"Hi"}]}`,
+			wantText: "[{\"name\":\"t\"}]\nYou are Claude Code.\nsystem\nInline.\nuser\nHi\n", wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "messages: a system string keeps a billing header, as vLLM does", api: Messages,
+			body:     `{"model":"m","system":"x-anthropic-billing-header: cch=1;","messages":[{"role":"user","content":"Hi"}]}`,
+			wantText: "x-anthropic-billing-header: cch=1;\nuser\nHi\n", wantTokens: -1, wantN: 1, wantPrompts: 1},
 		{name: "generate: token ids, n in sampling_params", api: Generate,
 			body:     `{"token_ids":[9,8,7,6],"sampling_params":{"n":2,"max_tokens":5}}`,
 			wantText: "9,8,7,6", wantTokens: 4, wantN: 2, wantPrompts: 1},
@@ -165,6 +172,14 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 			`{"system":"Be brief.","messages":[{"role":"user","content":"Hi"}]}`,
 			`{"system":"Be brief.","messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":"More"}]}`,
 		}, wantHead: "Be brief.\nuser\nHi\n"},
+		{name: "messages: a billing header that changes per request changes no key", api: Messages, turns: []string{
+			`{"system":[{"type":"text","text":"x-anthropic-billing-header: cch=1;"},{"type":"text","text":"Be brief."}],"messages":[{"role":"user","content":"Hi"}]}`,
+			`{"system":[{"type":"text","text":"x-anthropic-billing-header: cch=2;"},{"type":"text","text":"Be brief."}],"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":"More"}]}`,
+		}, wantHead: "Be brief.\nuser\nHi\n", wantPreamble: "Be brief.\n"},
+		{name: "messages: Claude Code's ctx and msg roles are the user's", api: Messages, turns: []string{
+			`{"messages":[{"role":"msg","content":"Hi"}]}`,
+			`{"messages":[{"role":"msg","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"ctx","content":"More"}]}`,
+		}, wantHead: "user\nHi\n"},
 		{name: "generate: token ids, no head", api: Generate, turns: []string{`{"token_ids":[1,2,3]}`}},
 	}
 	for _, tt := range tests {
