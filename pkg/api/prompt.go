@@ -128,10 +128,7 @@ func chatPrompt(o *body.Object) *Prompt {
 	return newPrompt(samples(o), func() rendering {
 		return withTokenIDs(o, func() rendering {
 			var b strings.Builder
-			if raw, ok := o.Raw("tools"); ok && !body.IsNull(raw) {
-				b.Write(raw)
-				b.WriteByte('\n')
-			}
+			writeTools(&b, o)
 			raw, _ := o.Raw("messages")
 			return withMessages(&b, raw, false)
 		})
@@ -178,12 +175,14 @@ func withTokenIDs(o *body.Object, render func() rendering) rendering {
 	return render()
 }
 
-// responsesPrompt: instructions, then the input: items, or a string, which
-// is one user message and renders as one, so that a conversation that starts
-// with a string and goes on with items keeps its head.
+// responsesPrompt: tools, as chat templates put them first, and
+// instructions, then the input: items, or a string, which is one user
+// message and renders as one, so that a conversation that starts with a
+// string and goes on with items keeps its head.
 func responsesPrompt(o *body.Object) *Prompt {
 	return newPrompt(1, func() rendering {
 		var b strings.Builder
+		writeTools(&b, o)
 		if s, ok := o.String("instructions"); ok {
 			b.WriteString(s)
 			b.WriteByte('\n')
@@ -201,17 +200,14 @@ func responsesPrompt(o *body.Object) *Prompt {
 // messagesPrompt: Anthropic's tools, system and messages, as vLLM's handler
 // turns them into a chat request (_convert_anthropic_to_openai_request,
 // vllm/entrypoints/anthropic/serving.py): tools first, as chat templates
-// put them, and what it drops left out (anthropicSystem), so that requests
-// the engine caches alike rank alike.
+// put them, and the roles as it reads them, so that requests the engine
+// caches alike rank alike.
 func messagesPrompt(o *body.Object) *Prompt {
 	return newPrompt(1, func() rendering {
 		var b strings.Builder
-		if raw, ok := o.Raw("tools"); ok && !body.IsNull(raw) {
-			b.Write(raw)
-			b.WriteByte('\n')
-		}
+		writeTools(&b, o)
 		if raw, ok := o.Raw("system"); ok && !body.IsNull(raw) {
-			writeContent(&b, anthropicSystem(raw))
+			writeContent(&b, unbilled(raw))
 			b.WriteByte('\n')
 		}
 		raw, _ := o.Raw("messages")
@@ -219,27 +215,66 @@ func messagesPrompt(o *body.Object) *Prompt {
 	})
 }
 
-// billingHeader starts the system block Claude Code sends with a hash that
-// changes per request; vLLM drops such blocks from a system list, whether
-// the top-level one or a system message's, as they defeat prefix caching.
+// writeTools writes the request's tools, when it has any, as their JSON.
+func writeTools(b *strings.Builder, o *body.Object) {
+	if raw, ok := o.Raw("tools"); ok && !body.IsNull(raw) {
+		b.Write(raw)
+		b.WriteByte('\n')
+	}
+}
+
+// billingHeader starts the line Claude Code puts first in its system prompt,
+// with a hash that changes per request. vLLM drops that line from every
+// system message (_strip_claude_code_billing_header,
+// vllm/renderers/chat_utils/parse_chat_message_content.py; its Messages
+// handler drops the whole block), so that the prefix cache holds across
+// requests: the keys leave it out too.
 const billingHeader = "x-anthropic-billing-header"
 
-// anthropicSystem is a system content list without its billing-header text
-// blocks (a string stays whole, as vLLM keeps it).
-func anthropicSystem(raw []byte) []byte {
-	parts := body.Elements(raw)
-	kept := make([][]byte, 0, len(parts))
-	for _, p := range parts {
-		var cp contentPart
-		if json.Unmarshal(p, &cp) == nil && cp.Type == "text" && strings.HasPrefix(cp.Text, billingHeader) {
-			continue
+// unbilled is system content (a string or a list of parts) without a
+// billing-header line at the start of its text parts, and without a part
+// that held nothing else.
+func unbilled(raw []byte) []byte {
+	if bytes.Contains(raw, []byte(billingHeader)) {
+		if raw[0] == '"' {
+			var text string
+			if json.Unmarshal(raw, &text) == nil {
+				if rest, ok := afterBilling(text); ok {
+					raw, _ = json.Marshal(rest)
+				}
+			}
+			return raw
 		}
-		kept = append(kept, p)
+		if raw[0] != '[' {
+			return raw
+		}
+		parts := body.Elements(raw)
+		kept := make([][]byte, 0, len(parts))
+		for _, p := range parts {
+			var cp contentPart
+			if json.Unmarshal(p, &cp) == nil && cp.Type == "text" {
+				if rest, ok := afterBilling(cp.Text); ok {
+					if rest == "" {
+						continue
+					}
+					p, _ = json.Marshal(contentPart{Type: "text", Text: rest})
+				}
+			}
+			kept = append(kept, p)
+		}
+		return append(append([]byte{'['}, bytes.Join(kept, []byte{','})...), ']')
 	}
-	if len(kept) == len(parts) {
-		return raw
+	return raw
+}
+
+// afterBilling is text after its first line when that line is a billing
+// header; ok is false when it is not.
+func afterBilling(text string) (rest string, ok bool) {
+	if !strings.HasPrefix(text, billingHeader) {
+		return "", false
 	}
-	return append(append([]byte{'['}, bytes.Join(kept, []byte{','})...), ']')
+	_, rest, _ = strings.Cut(text, "\n")
+	return rest, true
 }
 
 // anthropicRole is a Messages role as vLLM reads it: Claude Code's "ctx"
@@ -309,8 +344,9 @@ func sglangSamples(o *body.Object) (n int, mixed []int) {
 // that two prompts differing only in an image do not look alike. The head
 // ends after the first user message, the preamble before it; the previous
 // request, before the last reply after it that an input follows (see
-// Prompt.Previous). anthropic reads the messages as vLLM's Messages handler
-// does (anthropicRole, anthropicSystem).
+// Prompt.Previous). A system message is read without Claude Code's billing
+// header (unbilled); anthropic reads the roles as vLLM's Messages handler
+// does (anthropicRole).
 func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 	preamble, head, previous := 0, 0, 0
 	// reply is where the run of model output being read began, -1 outside one.
@@ -336,9 +372,10 @@ func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 		}
 		content, _ := m.Raw("content")
 		if anthropic {
-			if role = anthropicRole(role); role == "system" {
-				content = anthropicSystem(content)
-			}
+			role = anthropicRole(role)
+		}
+		if role == "system" {
+			content = unbilled(content)
 		}
 		calls, _ := m.Raw("tool_calls")
 		first := head == 0 && role == "user"
