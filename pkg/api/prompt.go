@@ -1,7 +1,6 @@
 package api
 
 import (
-	"bytes"
 	"encoding/json"
 	"strconv"
 	"strings"
@@ -215,78 +214,6 @@ func messagesPrompt(o *body.Object) *Prompt {
 	})
 }
 
-// writeTools writes the request's tools, when it has any, as their JSON.
-func writeTools(b *strings.Builder, o *body.Object) {
-	if raw, ok := o.Raw("tools"); ok && !body.IsNull(raw) {
-		b.Write(raw)
-		b.WriteByte('\n')
-	}
-}
-
-// billingHeader starts the line Claude Code puts first in its system prompt,
-// with a hash that changes per request. vLLM drops that line from every
-// system message (_strip_claude_code_billing_header,
-// vllm/renderers/chat_utils/parse_chat_message_content.py; its Messages
-// handler drops the whole block), so that the prefix cache holds across
-// requests: the keys leave it out too.
-const billingHeader = "x-anthropic-billing-header"
-
-// unbilled is system content (a string or a list of parts) without a
-// billing-header line at the start of its text parts, and without a part
-// that held nothing else.
-func unbilled(raw []byte) []byte {
-	if bytes.Contains(raw, []byte(billingHeader)) {
-		if raw[0] == '"' {
-			var text string
-			if json.Unmarshal(raw, &text) == nil {
-				if rest, ok := afterBilling(text); ok {
-					raw, _ = json.Marshal(rest)
-				}
-			}
-			return raw
-		}
-		if raw[0] != '[' {
-			return raw
-		}
-		parts := body.Elements(raw)
-		kept := make([][]byte, 0, len(parts))
-		for _, p := range parts {
-			var cp contentPart
-			if json.Unmarshal(p, &cp) == nil && cp.Type == "text" {
-				if rest, ok := afterBilling(cp.Text); ok {
-					if rest == "" {
-						continue
-					}
-					p, _ = json.Marshal(contentPart{Type: "text", Text: rest})
-				}
-			}
-			kept = append(kept, p)
-		}
-		return append(append([]byte{'['}, bytes.Join(kept, []byte{','})...), ']')
-	}
-	return raw
-}
-
-// afterBilling is text after its first line when that line is a billing
-// header; ok is false when it is not.
-func afterBilling(text string) (rest string, ok bool) {
-	if !strings.HasPrefix(text, billingHeader) {
-		return "", false
-	}
-	_, rest, _ = strings.Cut(text, "\n")
-	return rest, true
-}
-
-// anthropicRole is a Messages role as vLLM reads it: Claude Code's "ctx"
-// and "msg" are the user's (AnthropicMessage.normalize_role,
-// vllm/entrypoints/anthropic/protocol.py).
-func anthropicRole(role string) string {
-	if role == "ctx" || role == "msg" {
-		return "user"
-	}
-	return role
-}
-
 // generatePrompt: vLLM's token-in API, whose length is exact.
 func generatePrompt(o *body.Object) *Prompt {
 	sp, _ := o.Object("sampling_params")
@@ -336,98 +263,6 @@ func sglangSamples(o *body.Object) (n int, mixed []int) {
 		}
 	}
 	return each[0], nil
-}
-
-// withMessages renders the messages in raw after what b holds: each message
-// as role, newline, content, newline. Text parts render as their text; other
-// parts (images, audio, tool calls, items without a role) as their JSON, so
-// that two prompts differing only in an image do not look alike. The head
-// ends after the first user message, the preamble before it; the previous
-// request, before the last reply after it that an input follows (see
-// Prompt.Previous). A system message is read without Claude Code's billing
-// header (unbilled); anthropic reads the roles as vLLM's Messages handler
-// does (anthropicRole).
-func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
-	preamble, head, previous := 0, 0, 0
-	// reply is where the run of model output being read began, -1 outside one.
-	reply := -1
-	for _, item := range body.Elements(raw) { // none when raw is not a list
-		m, err := body.Parse(item) // read as the engines read it: keys as spelt, the last duplicate
-		role, kind := "", ""
-		if err == nil {
-			role, _ = m.String("role")
-			kind, _ = m.String("type")
-		}
-		switch output := role == "assistant" || role == "" && (kind == "reasoning" || strings.HasSuffix(kind, "_call")); {
-		case head == 0:
-		case output && reply < 0:
-			reply = b.Len()
-		case !output && reply >= 0:
-			previous, reply = reply, -1
-		}
-		if role == "" {
-			b.Write(item)
-			b.WriteByte('\n')
-			continue
-		}
-		content, _ := m.Raw("content")
-		if anthropic {
-			role = anthropicRole(role)
-		}
-		if role == "system" {
-			content = unbilled(content)
-		}
-		calls, _ := m.Raw("tool_calls")
-		first := head == 0 && role == "user"
-		if first {
-			preamble = b.Len()
-		}
-		writeMessage(b, role, content, calls)
-		if first {
-			head = b.Len()
-		}
-	}
-	return rendering{text: b.String(), tokens: -1, preamble: preamble, head: head, previous: previous}
-}
-
-// writeMessage writes a message as its role, a newline, its content and its
-// tool calls (JSON), and a newline.
-func writeMessage(b *strings.Builder, role string, content, calls []byte) {
-	b.WriteString(role)
-	b.WriteByte('\n')
-	writeContent(b, content)
-	if len(calls) > 0 && !body.IsNull(calls) {
-		b.Write(calls)
-	}
-	b.WriteByte('\n')
-}
-
-type contentPart struct {
-	Type string `json:"type"`
-	Text string `json:"text"`
-}
-
-// writeContent writes a string, or the parts of a list: text parts (chat's
-// "text", the Responses API's "input_text" and "output_text") as their text.
-func writeContent(b *strings.Builder, raw json.RawMessage) {
-	if len(raw) == 0 || body.IsNull(raw) {
-		return
-	}
-	if raw[0] == '"' {
-		var s string
-		if json.Unmarshal(raw, &s) == nil {
-			b.WriteString(s)
-		}
-		return
-	}
-	for _, p := range body.Elements(raw) {
-		var cp contentPart
-		if json.Unmarshal(p, &cp) == nil && (cp.Type == "text" || cp.Type == "input_text" || cp.Type == "output_text") {
-			b.WriteString(cp.Text)
-		} else {
-			b.Write(p)
-		}
-	}
 }
 
 // renderPrompt reads a prompt: a string, token ids, or a batch of either
