@@ -109,9 +109,16 @@ func completionsTokens(o *body.Object) Tokens {
 }
 
 // responsesTokens: the Responses API has no /tokenize form, only its render
-// endpoint. A request that continues a stored response (previous_response_id)
-// is rendered only by the engine that stores it; another refuses it.
-func responsesTokens(*body.Object) Tokens { return Tokens{RenderPath: ResponsesRenderPath} }
+// endpoint, which renders no request that continues a stored response
+// (previous_response_id): vLLM's stateless render server refuses it ("not
+// supported by the stateless render endpoint"; releases before dropped the
+// stored history), so it is not asked.
+func responsesTokens(o *body.Object) Tokens {
+	if present(o, "previous_response_id") {
+		return Tokens{}
+	}
+	return Tokens{RenderPath: ResponsesRenderPath}
+}
 
 // generateTokens: vLLM's token-in generate carries its ids.
 func generateTokens(o *body.Object) Tokens {

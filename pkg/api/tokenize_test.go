@@ -42,6 +42,8 @@ func TestTokenizeAsksForWhatTheEngineComputes(t *testing.T) {
 		{"token-in generate", `{"token_ids":[7,8,9],"sampling_params":{}}`, Generate, []int64{7, 8, 9}, "", ""},
 		{"salted token-in generate", `{"token_ids":[7,8,9],"sampling_params":{},"cache_salt":"s"}`, Generate, []int64{7, 8, 9}, "", ""},
 		{"responses: rendered only", `{"model":"m","input":"hi"}`, Responses, nil, ResponsesRenderPath, ""},
+		{"responses continuing a stored response, which no render endpoint renders", `{"model":"m","input":"hi","previous_response_id":"resp_1"}`,
+			Responses, nil, "", ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

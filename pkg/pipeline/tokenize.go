@@ -72,7 +72,7 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	// it does not take, a model it does not serve), or fails to render
 	// with no /tokenize form to try. /tokenize refusing one (SGLang's
 	// takes no chat messages) does.
-	if ctx.Err() == nil && (fellBack || !errors.Is(err, errRefused) && !errors.Is(err, errRenderFailed)) {
+	if ctx.Err() == nil && !errors.Is(err, errDenied) && (fellBack || !errors.Is(err, errRefused) && !errors.Is(err, errRenderFailed)) {
 		p.pools.Tokenized(api, err == nil)
 	}
 	if err != nil {
@@ -88,8 +88,13 @@ var (
 	// errRefused: the engine refused the request (400, 422, or a 404 with
 	// an OpenAI error: a model or stored response it does not have).
 	errRefused = errors.New("refused")
-	// errRenderFailed: the render endpoint failed (500).
+	// errRenderFailed: the render endpoint failed (500), or could not
+	// render this request (501 with an OpenAI error: a NotImplementedError,
+	// as gpt-oss's Responses with a tool_choice other than auto).
 	errRenderFailed = errors.New("render failed")
+	// errDenied: the engine refused the client's credentials (401, 403:
+	// vLLM's --api-key), which say nothing of its tokenizer.
+	errDenied = errors.New("denied")
 )
 
 // maxErrorAnswer bounds what is read of an engine's 404 to tell a route it
@@ -126,9 +131,11 @@ func (p *Pipeline) askTokens(ctx context.Context, url string, timeout time.Durat
 	case code == http.StatusOK:
 	case code == http.StatusBadRequest || code == http.StatusUnprocessableEntity:
 		return nil, fmt.Errorf("%w: status %d", errRefused, code)
+	case code == http.StatusUnauthorized || code == http.StatusForbidden:
+		return nil, fmt.Errorf("%w: status %d", errDenied, code)
 	case render && code == http.StatusNotFound && openAIError(resp.Body):
 		return nil, fmt.Errorf("%w: status %d", errRefused, code)
-	case render && code == http.StatusInternalServerError:
+	case render && (code == http.StatusInternalServerError || code == http.StatusNotImplemented && openAIError(resp.Body)):
 		return nil, fmt.Errorf("%w: status %d", errRenderFailed, code)
 	case render && (code == http.StatusNotFound || code == http.StatusMethodNotAllowed || code == http.StatusNotImplemented):
 		return nil, fmt.Errorf("%w: status %d", errUnrendered, code)

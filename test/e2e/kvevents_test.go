@@ -286,29 +286,58 @@ func TestRefusedRequestsDoNotPauseTokenize(t *testing.T) {
 }
 
 // TestAFailingRenderFallsBackToTokenize: a render endpoint that fails (500:
-// a template the engine could not apply, a model it cannot render for) is
-// no reason to go without ids: the request is asked of /tokenize, found
-// where its prompt is cached, and the round trips are not paused.
+// a template the engine could not apply, a model it cannot render for; 501
+// with vLLM's error: a request it cannot render, as gpt-oss's Responses with
+// a tool_choice other than auto) is no reason to go without ids: the request
+// is asked of /tokenize, found where its prompt is cached, and the round
+// trips are not paused, nor the render endpoint taken for missing.
 func TestAFailingRenderFallsBackToTokenize(t *testing.T) {
-	r := startRig(t, rigOptions{prefills: -1, decodes: 2, decodePool: "policy: prefix-affinity", kvEvents: []string{"stale_after: 1m"}})
-	subscribed(t, r.decode, 1)
-	for i, tenant := range []string{"Stark", "Wayne"} {
-		warm(t, r.decode[i], kvChat(t, tenant, "warming up"))
-	}
-	everyReplica(t, r, `pd_extproc_kv_events_batches_total{pool="decode"}`, func(v float64) bool { return v >= 2 })
-	for _, d := range r.decode {
-		d.SetFaults(pdsim.Faults{RenderStatus: http.StatusInternalServerError})
-	}
-	for q := range 4 {
-		for i, tenant := range []string{"Stark", "Wayne"} {
-			marker := fmt.Sprintf("[%s question %d]", tenant, q)
-			if got := routed(t, r, kvChat(t, tenant, marker), marker); got != i {
-				t.Errorf("%s's question %d went to decode %d; its prompt is cached on decode %d", tenant, q, got, i)
+	for _, status := range []int{http.StatusInternalServerError, http.StatusNotImplemented} {
+		t.Run(http.StatusText(status), func(t *testing.T) {
+			r := startRig(t, rigOptions{prefills: -1, decodes: 2, decodePool: "policy: prefix-affinity", kvEvents: []string{"stale_after: 1m"}})
+			subscribed(t, r.decode, 1)
+			for i, tenant := range []string{"Stark", "Wayne"} {
+				warm(t, r.decode[i], kvChat(t, tenant, "warming up"))
 			}
-		}
+			everyReplica(t, r, `pd_extproc_kv_events_batches_total{pool="decode"}`, func(v float64) bool { return v >= 2 })
+			for _, d := range r.decode {
+				d.SetFaults(pdsim.Faults{RenderStatus: status})
+			}
+			for q := range 4 {
+				for i, tenant := range []string{"Stark", "Wayne"} {
+					marker := fmt.Sprintf("[%s question %d]", tenant, q)
+					if got := routed(t, r, kvChat(t, tenant, marker), marker); got != i {
+						t.Errorf("%s's question %d went to decode %d; its prompt is cached on decode %d", tenant, q, got, i)
+					}
+				}
+			}
+			render := "/v1/chat/completions/render"
+			if n, m := asked(r.decode[0], "/tokenize")+asked(r.decode[1], "/tokenize"), asked(r.decode[0], render)+asked(r.decode[1], render); n != 8 || m != 8 {
+				t.Errorf("/tokenize asked for %d and the render endpoint for %d of 8 requests whose render failed, want 8 and 8", n, m)
+			}
+		})
 	}
-	if n := asked(r.decode[0], "/tokenize") + asked(r.decode[1], "/tokenize"); n != 8 {
-		t.Errorf("/tokenize asked for %d of 8 requests whose render failed, want 8", n)
+}
+
+// TestDeniedRequestsDoNotPauseTokenize: a client whose credentials the
+// engine refuses (401: vLLM's --api-key) says nothing of its tokenizer:
+// three in a row do not pause the round trips for the next client.
+func TestDeniedRequestsDoNotPauseTokenize(t *testing.T) {
+	r := startRig(t, rigOptions{prefills: -1, decodes: 1, decodePool: "policy: prefix-affinity", kvEvents: []string{"stale_after: 1m"}})
+	subscribed(t, r.decode, 1)
+	render := "/v1/chat/completions/render"
+	r.decode[0].SetFaults(pdsim.Faults{RenderStatus: http.StatusUnauthorized})
+	for i := range 4 {
+		marker := fmt.Sprintf("[denied %d]", i)
+		routed(t, r, kvChat(t, "Hooli", marker), marker)
+	}
+	if n := asked(r.decode[0], render); n != 4 {
+		t.Fatalf("the render endpoint was asked for %d of the 4 denied requests, want 4: the denials paused it", n)
+	}
+	r.decode[0].SetFaults(pdsim.Faults{})
+	routed(t, r, kvChat(t, "Hooli", "[valid]"), "[valid]")
+	if n := asked(r.decode[0], render); n != 5 {
+		t.Errorf("the render endpoint was asked for %d of 5 requests, want 5: the denials paused it", n)
 	}
 }
 
