@@ -28,7 +28,7 @@ func chatAlone(o *body.Object) Reason {
 	if !valid || given && n < 1 || refusedMinTokens(o, n, given) || refusedStream(o) {
 		return InvalidLimits
 	}
-	return alongside(o, promptLogprobs(o, "top_logprobs", true))
+	return orBeamSearch(o, promptLogprobs(o, "top_logprobs", true))
 }
 
 // completionsAlone: vLLM's completions take max_tokens, 16 when it is left
@@ -44,17 +44,17 @@ func completionsAlone(o *body.Object) Reason {
 	if !valid || given && n < 1 && !echoOnly || refusedMinTokens(o, max(n, 1), given) || refusedStream(o) {
 		return InvalidLimits
 	}
-	return alongside(o, promptLogprobs(o, "logprobs", false))
+	return orBeamSearch(o, promptLogprobs(o, "logprobs", false))
 }
 
-// alongside is why a chat or completions request that vLLM serves goes to a
-// decode engine alone: its prompt logprobs (why), else its beam search
+// orBeamSearch is why a chat or completions request that vLLM serves goes to
+// a decode engine alone: its prompt logprobs (why), else its beam search
 // (use_beam_search: to_beam_search_params, in the protocol files, and the
 // beam search loop of vLLM's OpenAI serving, whose steps each run
 // `SamplingParams(logprobs=2 * beam_width, max_tokens=1, ...)`, leave the
 // request's kv_transfer_params out, so the decode engine computes the prompt
 // itself and the prefill engine's blocks wait out their lease).
-func alongside(o *body.Object, why Reason) Reason {
+func orBeamSearch(o *body.Object, why Reason) Reason {
 	if beam, _ := o.LaxBool("use_beam_search"); why == NoReason && beam {
 		return BeamSearch
 	}
@@ -128,24 +128,17 @@ func refusedMinTokens(o *body.Object, limit int64, given bool) bool {
 	return !ok || m < 0 || given && m > limit
 }
 
-// refusedStream reports whether vLLM refuses the request's stream (a
-// bool, or null: "stream": "maybe", 2 or {} are refused) or its
-// stream_options; the prefill leg's caps overwrite both.
+// refusedStream reports whether vLLM refuses the request's stream, which
+// the prefill leg's caps overwrite with stream_options: a stream that is
+// neither a bool nor null ("maybe", 2, {}), or stream_options without
+// stream (`if data.get("stream_options") and not data.get("stream")`,
+// validate_stream_options, on the raw JSON: Python's truth of each value).
 func refusedStream(o *body.Object) bool {
-	if raw, ok := o.Raw("stream"); ok && !body.IsNull(raw) {
-		if _, valid := body.LaxBool(raw); !valid {
-			return true
-		}
-	}
-	return refusedStreamOptions(o)
-}
-
-// refusedStreamOptions reports whether vLLM refuses the request's
-// stream_options: `if data.get("stream_options") and not data.get("stream")`
-// (validate_stream_options, on the raw JSON: Python's truth of each value).
-func refusedStreamOptions(o *body.Object) bool {
-	options, _ := o.Raw("stream_options")
 	stream, _ := o.Raw("stream")
+	if _, valid := body.LaxBool(stream); !valid && len(stream) > 0 && !body.IsNull(stream) {
+		return true
+	}
+	options, _ := o.Raw("stream_options")
 	return truthy(options) && !truthy(stream)
 }
 

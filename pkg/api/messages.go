@@ -1,7 +1,6 @@
 package api
 
 import (
-	"bytes"
 	"encoding/json"
 	"strings"
 
@@ -47,9 +46,6 @@ func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 		if anthropic {
 			role = anthropicRole(role)
 		}
-		if role == "system" {
-			content = unbilled(content)
-		}
 		calls, _ := m.Raw("tool_calls")
 		first := head == 0 && role == "user"
 		if first {
@@ -68,7 +64,7 @@ func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 func writeMessage(b *strings.Builder, role string, content, calls []byte) {
 	b.WriteString(role)
 	b.WriteByte('\n')
-	writeContent(b, content)
+	writeContent(b, content, role == "system")
 	if len(calls) > 0 && !body.IsNull(calls) {
 		b.Write(calls)
 	}
@@ -82,21 +78,23 @@ type contentPart struct {
 
 // writeContent writes a string, or the parts of a list: text parts (chat's
 // "text", the Responses API's "input_text" and "output_text") as their text.
-func writeContent(b *strings.Builder, raw json.RawMessage) {
+// A system message's string or "text" parts are written without Claude
+// Code's billing-header line (unbilled), as vLLM reads them.
+func writeContent(b *strings.Builder, raw json.RawMessage, system bool) {
 	if len(raw) == 0 || body.IsNull(raw) {
 		return
 	}
 	if raw[0] == '"' {
 		var s string
 		if json.Unmarshal(raw, &s) == nil {
-			b.WriteString(s)
+			b.WriteString(unbilled(s, system))
 		}
 		return
 	}
 	for _, p := range body.Elements(raw) {
 		var cp contentPart
 		if json.Unmarshal(p, &cp) == nil && (cp.Type == "text" || cp.Type == "input_text" || cp.Type == "output_text") {
-			b.WriteString(cp.Text)
+			b.WriteString(unbilled(cp.Text, system && cp.Type == "text"))
 		} else {
 			b.Write(p)
 		}
@@ -119,50 +117,15 @@ func writeTools(b *strings.Builder, o *body.Object) {
 // requests: the keys leave it out too.
 const billingHeader = "x-anthropic-billing-header"
 
-// unbilled is system content (a string or a list of parts) without a
-// billing-header line at the start of its text parts, and without a part
-// that held nothing else.
-func unbilled(raw []byte) []byte {
-	if bytes.Contains(raw, []byte(billingHeader)) {
-		if raw[0] == '"' {
-			var text string
-			if json.Unmarshal(raw, &text) == nil {
-				if rest, ok := afterBilling(text); ok {
-					raw, _ = json.Marshal(rest)
-				}
-			}
-			return raw
-		}
-		if raw[0] != '[' {
-			return raw
-		}
-		parts := body.Elements(raw)
-		kept := make([][]byte, 0, len(parts))
-		for _, p := range parts {
-			var cp contentPart
-			if json.Unmarshal(p, &cp) == nil && cp.Type == "text" {
-				if rest, ok := afterBilling(cp.Text); ok {
-					if rest == "" {
-						continue
-					}
-					p, _ = json.Marshal(contentPart{Type: "text", Text: rest})
-				}
-			}
-			kept = append(kept, p)
-		}
-		return append(append([]byte{'['}, bytes.Join(kept, []byte{','})...), ']')
+// unbilled is text without its first line when that line is a billing
+// header and system says to look (a part that held only the line writes
+// nothing, as vLLM drops it).
+func unbilled(text string, system bool) string {
+	if !system || !strings.HasPrefix(text, billingHeader) {
+		return text
 	}
-	return raw
-}
-
-// afterBilling is text after its first line when that line is a billing
-// header; ok is false when it is not.
-func afterBilling(text string) (rest string, ok bool) {
-	if !strings.HasPrefix(text, billingHeader) {
-		return "", false
-	}
-	_, rest, _ = strings.Cut(text, "\n")
-	return rest, true
+	_, rest, _ := strings.Cut(text, "\n")
+	return rest
 }
 
 // anthropicRole is a Messages role as vLLM reads it: Claude Code's "ctx"

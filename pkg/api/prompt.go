@@ -206,7 +206,7 @@ func messagesPrompt(o *body.Object) *Prompt {
 		var b strings.Builder
 		writeTools(&b, o)
 		if raw, ok := o.Raw("system"); ok && !body.IsNull(raw) {
-			writeContent(&b, unbilled(raw))
+			writeContent(&b, raw, true)
 			b.WriteByte('\n')
 		}
 		raw, _ := o.Raw("messages")
