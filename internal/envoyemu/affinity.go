@@ -3,13 +3,13 @@ package envoyemu
 import (
 	"errors"
 	"fmt"
-	"net/http"
 	"regexp"
 	"strings"
 
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	"google.golang.org/grpc/metadata"
 )
 
 // Session affinity to ext_proc replicas (docs/envoy.md §14): the filter's
@@ -74,27 +74,41 @@ func metadataFromProto(hvs []*corev3.HeaderValue) ([]MetadataValue, error) {
 	return out, nil
 }
 
-// evaluate is the entry's value for the client's request r: each %REQ()%
-// its header's first value, with :authority (or host), :path and :method
-// read where Go's request keeps them.
-func (m MetadataValue) evaluate(r *http.Request) string {
+// evaluate is the entry's value for the request headers h, as the HCM hands
+// them to the filter chain (exchange.requestHeaders): each %REQ()% its
+// header's first value, host read as :authority.
+func (m MetadataValue) evaluate(h *headerMap) string {
 	ps, _ := parts(m.Value) // checked when the config was read
 	var b strings.Builder
 	for _, p := range ps {
-		switch strings.ToLower(p.header) {
-		case "":
+		if p.header == "" {
 			b.WriteString(p.text)
-		case ":authority", "host":
-			b.WriteString(r.Host)
-		case ":path":
-			b.WriteString(r.URL.RequestURI())
-		case ":method":
-			b.WriteString(r.Method)
-		default:
-			b.WriteString(r.Header.Get(p.header))
+			continue
 		}
+		name := strings.ToLower(p.header)
+		if name == "host" {
+			name = ":authority"
+		}
+		v, _ := h.get(name)
+		b.WriteString(v)
 	}
 	return b.String()
+}
+
+// initialMetadata is what a stream for request headers h carries: md, to
+// pick the endpoint of a hash-balanced cluster (§14), and sent, the entries
+// grpc-go can send (printable ASCII; Envoy's codec passes other bytes on).
+func initialMetadata(ms []MetadataValue, h *headerMap) (md, sent metadata.MD) {
+	md, sent = metadata.MD{}, metadata.MD{}
+	for _, m := range ms {
+		if v := m.evaluate(h); v != "" {
+			md.Append(m.Key, v)
+			if printableASCII(v) {
+				sent.Append(m.Key, v)
+			}
+		}
+	}
+	return md, sent
 }
 
 // HashBalanced reports whether a cluster picks its hosts by a hash: its

@@ -33,7 +33,10 @@ func openStream(x *exchange) *grpcStream {
 	if x.cfg.Limits.MaxReceiveMessageLength > 0 {
 		maxRecv = x.cfg.Limits.MaxReceiveMessageLength
 	}
-	go s.run(ctx, maxRecv)
+	// grpc_service.initial_metadata is evaluated as the stream opens, on the
+	// request headers the filter chain has then.
+	md, sent := initialMetadata(x.cfg.InitialMetadata, x.dec.src.headers)
+	go s.run(ctx, maxRecv, md, sent)
 	return s
 }
 
@@ -55,7 +58,7 @@ func (s *grpcStream) close() {
 	}
 }
 
-func (s *grpcStream) run(ctx context.Context, maxRecv int) {
+func (s *grpcStream) run(ctx context.Context, maxRecv int, md, sent metadata.MD) {
 	x := s.x
 	cluster := x.p.extProc
 	// The stream is one request on the ext_proc cluster for its whole life
@@ -68,18 +71,6 @@ func (s *grpcStream) run(ctx context.Context, maxRecv int) {
 		}
 		x.post(func() { x.onStreamEnd(err) })
 		return
-	}
-	// grpc_service.initial_metadata picks the endpoint of a hash-balanced
-	// cluster (§14). A value grpc-go cannot send (bytes outside printable
-	// ASCII, which Envoy's codec passes on) still picks it, but is left off.
-	md, sent := metadata.MD{}, metadata.MD{}
-	for _, m := range x.cfg.InitialMetadata {
-		if v := m.evaluate(x.down.r); v != "" {
-			md.Append(m.Key, v)
-			if printableASCII(v) {
-				sent.Append(m.Key, v)
-			}
-		}
 	}
 	ctx = metadata.NewOutgoingContext(ctx, sent)
 	stream, err := cluster.pick(md).Process(ctx, grpc.MaxCallRecvMsgSize(maxRecv), grpc.MaxCallSendMsgSize(math.MaxInt32))
