@@ -164,16 +164,17 @@ func TestInitialMetadataValues(t *testing.T) {
 func TestHashHeadersFollowTheLoadBalancer(t *testing.T) {
 	const typed = `load_balancing_policy: {policies: [{typed_extension_config: {name: envoy.load_balancing_policies.%s, typed_config: {"@type": type.googleapis.com/envoy.extensions.load_balancing_policies.%s.v3.%s}}}]}`
 	raw := readFile(t, filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
+	shipped := []string{"x-session-id", "x-claude-code-session-id", "session-id"}
 	tests := []struct {
 		lb   string
 		want []string
 	}{
-		{"lb_policy: RING_HASH", []string{"x-session-id"}},
-		{"lb_policy: MAGLEV", []string{"x-session-id"}},
+		{"lb_policy: RING_HASH", shipped},
+		{"lb_policy: MAGLEV", shipped},
 		{"lb_policy: ROUND_ROBIN", nil},
 		{"lb_policy: LEAST_REQUEST", nil},
-		{fmt.Sprintf(typed, "maglev", "maglev", "Maglev"), []string{"x-session-id"}},
-		{fmt.Sprintf(typed, "ring_hash", "ring_hash", "RingHash"), []string{"x-session-id"}},
+		{fmt.Sprintf(typed, "maglev", "maglev", "Maglev"), shipped},
+		{fmt.Sprintf(typed, "ring_hash", "ring_hash", "RingHash"), shipped},
 	}
 	for _, tt := range tests {
 		cfg, err := LoadConfig(writeFile(t, strings.Replace(raw, "lb_policy: RING_HASH", tt.lb, 1)))

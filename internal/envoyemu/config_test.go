@@ -70,12 +70,18 @@ func TestLoadConfigShippedFiles(t *testing.T) {
 			if cfg.Limits.MaxReceiveMessageLength != 64<<20 {
 				t.Errorf("max_receive_message_length = %d, want 64 MiB", cfg.Limits.MaxReceiveMessageLength)
 			}
-			// Sessions on one replica (§14): the client's x-session-id on every stream, hashed.
-			if want := []MetadataValue{{"x-session-id", "%REQ(x-session-id)%"}}; !slices.Equal(cfg.InitialMetadata, want) {
+			// Sessions on one replica (§14): the client's session headers (ours, Claude
+			// Code's, Codex's) on every stream, hashed.
+			sessions := []string{"x-session-id", "x-claude-code-session-id", "session-id"}
+			var want []MetadataValue
+			for _, h := range sessions {
+				want = append(want, MetadataValue{h, "%REQ(" + h + ")%"})
+			}
+			if !slices.Equal(cfg.InitialMetadata, want) {
 				t.Errorf("initial_metadata = %v, want %v", cfg.InitialMetadata, want)
 			}
-			if got := cfg.Clusters[cfg.ExtProcCluster].HashHeaders; !slices.Equal(got, []string{"x-session-id"}) {
-				t.Errorf("ext_proc cluster hashes %v, want [x-session-id] under a ring hash", got)
+			if got := cfg.Clusters[cfg.ExtProcCluster].HashHeaders; !slices.Equal(got, sessions) {
+				t.Errorf("ext_proc cluster hashes %v, want %v under a ring hash", got, sessions)
 			}
 			if len(cfg.Routes) == 0 {
 				t.Fatal("no routes")

@@ -13,6 +13,7 @@ import (
 
 	adminv3 "github.com/envoyproxy/go-control-plane/envoy/admin/v3"
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	endpointv3 "github.com/envoyproxy/go-control-plane/envoy/config/endpoint/v3"
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
@@ -273,6 +274,10 @@ func checkGatewayStatus(res map[string]any, r *report) {
 	}
 }
 
+// sessionHeaders are the clients' session headers the chart's policies put on the ext_proc
+// stream and hash to pick a replica (docs/envoy.md §14): ours, Claude Code's, and Codex's.
+var sessionHeaders = []string{"x-session-id", "x-claude-code-session-id", "session-id"}
+
 // checkGatewayXDS parses the xDS egctl produced into Envoy's types, runs the same proto and
 // semantic rules as the standalone configs, and then checks what the manifests promise.
 func checkGatewayXDS(res map[string]any, limits serviceLimits, paths []string, r *report) {
@@ -368,13 +373,28 @@ func checkGatewayPromises(m *envoyModel, limits serviceLimits, paths []string, r
 	if !claHasPort(m.endpoints[grpcCluster], extprocServicePort) {
 		r.errorf("ext_proc cluster %q has no endpoint on the extproc Service port %d", grpcCluster, extprocServicePort)
 	}
-	// A client's x-session-id keeps its requests on one replica (docs/envoy.md §14):
+	// A client's session header keeps its requests on one replica (docs/envoy.md §14):
 	// checkSessionAffinity says the cluster hashes only headers the stream carries.
-	if md := extProc.GetGrpcService().GetInitialMetadata(); len(md) != 1 || md[0].GetKey() != "x-session-id" || md[0].GetValue() != "%REQ(x-session-id)%" {
-		r.errorf("ext_proc initial_metadata = %v, want x-session-id: %%REQ(x-session-id)%% (the session-affinity EnvoyPatchPolicy did not apply)", md)
+	var carried, hashed []string
+	for _, hv := range extProc.GetGrpcService().GetInitialMetadata() {
+		if hv.GetValue() == "%REQ("+hv.GetKey()+")%" {
+			carried = append(carried, hv.GetKey())
+		}
 	}
-	if c := m.clusters[grpcCluster]; !envoyemu.HashBalanced(c) || len(httpProtocolOptions(c).GetHashPolicy()) == 0 {
-		r.errorf("ext_proc cluster %q is not hash-balanced on a hash policy (the EnvoyExtensionPolicy's backendSettings.loadBalancer)", grpcCluster)
+	if !slices.Equal(carried, sessionHeaders) {
+		r.errorf("ext_proc initial_metadata carries %v, want %v (the session-affinity EnvoyPatchPolicy did not apply)", carried, sessionHeaders)
+	}
+	c := m.clusters[grpcCluster]
+	for _, hp := range httpProtocolOptions(c).GetHashPolicy() {
+		hashed = append(hashed, hp.GetHeader().GetHeaderName())
+	}
+	if !envoyemu.HashBalanced(c) || !slices.Equal(hashed, sessionHeaders) {
+		r.errorf("ext_proc cluster %q hashes %v, want a hash load balancer on %v (the EnvoyExtensionPolicy's backendSettings.loadBalancer)", grpcCluster, hashed, sessionHeaders)
+	}
+	// Envoy Gateway's default refuses a request with an underscore in a header name; Codex
+	// before May 2026 sends session_id with every request.
+	if a := hcm.hcm.GetCommonHttpProtocolOptions().GetHeadersWithUnderscoresAction(); a != corev3.HttpProtocolOptions_DROP_HEADER {
+		r.errorf("inference listener headers_with_underscores_action = %s, want DROP_HEADER (ClientTrafficPolicy headers.withUnderscoresAction): clients sending session_id get 400", a)
 	}
 
 	rc := m.routeConfigs[gatewayRouteConfig]

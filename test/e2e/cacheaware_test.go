@@ -24,13 +24,15 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 		pd                    string // extproc's pd keys
 		decodeOnly            bool   // turns 2 and 3
 		kvEvents              bool   // the pools follow the engines' KV events: the decision reads the decode engine's exact hit
-		session               bool   // the client names its session (x-session-id): Envoy keeps its turns on one replica
+		session               string // the header that names the client's session, which Envoy hashes to keep its turns on one replica
 	}{
 		{name: "one replica", mode: "full_duplex", replicas: 1, pd: "{min_uncached_tokens: 100}", decodeOnly: true},
 		{name: "three replicas", mode: "full_duplex", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true},
 		{name: "without the response path", mode: "no_response", replicas: 1, pd: "{min_uncached_tokens: 100}", decodeOnly: true},
 		{name: "three replicas without the response path", mode: "no_response", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true},
-		{name: "three replicas, one session", mode: "full_duplex", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, session: true},
+		{name: "three replicas, one session", mode: "full_duplex", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, session: "X-Session-Id"},
+		{name: "three replicas, Claude Code's session", mode: "full_duplex", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, session: "X-Claude-Code-Session-Id"},
+		{name: "three replicas, Codex's session", mode: "no_response", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, session: "Session-Id"},
 		{name: "a bound below the new part", mode: "full_duplex", replicas: 1, pd: "{min_uncached_tokens: 10}"},
 		{name: "kv-sglang", mode: "full_duplex", connector: "kv-sglang", replicas: 1, pd: "{}"},
 		{name: "the engines' KV events", mode: "full_duplex", replicas: 1, pd: "{min_uncached_tokens: 100}", decodeOnly: true, kvEvents: true},
@@ -49,8 +51,8 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 				subscribed(t, slices.Concat(r.prefill, r.decode), tt.replicas)
 			}
 			c := conversation{marker: "[conversation " + tt.name + "]"}
-			if tt.session {
-				c.header = http.Header{"X-Session-Id": {"session " + tt.name}}
+			if tt.session != "" {
+				c.header = http.Header{tt.session: {"session " + tt.name}}
 			}
 			home := -1
 			for turn := 1; turn <= turns; turn++ {
@@ -89,10 +91,10 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if tt.replicas > 1 && !tt.session && n > 1 {
+				if tt.replicas > 1 && tt.session == "" && n > 1 {
 					t.Errorf("one replica decided %v of the later turns: they are not spread over the replicas", n)
 				}
-				if tt.session && n > 0 && n != wantCached {
+				if tt.session != "" && n > 0 && n != wantCached {
 					t.Errorf("one replica decided %v of the %v later turns of one session: want them all on one", n, wantCached)
 				}
 				decided += max(n, 0)
