@@ -71,8 +71,8 @@ func TestLoadConfigShippedFiles(t *testing.T) {
 				t.Errorf("max_receive_message_length = %d, want 64 MiB", cfg.Limits.MaxReceiveMessageLength)
 			}
 			// Sessions on one replica (§14): the client's session headers (ours, Claude
-			// Code's, Codex's) on every stream, hashed.
-			sessions := []string{"x-session-id", "x-claude-code-session-id", "session-id"}
+			// Code's, Codex's, Open WebUI's) on every stream, hashed.
+			sessions := []string{"x-session-id", "x-claude-code-session-id", "session-id", "x-openwebui-chat-id"}
 			var want []MetadataValue
 			for _, h := range sessions {
 				want = append(want, MetadataValue{h, "%REQ(" + h + ")%"})

@@ -275,8 +275,9 @@ func checkGatewayStatus(res map[string]any, r *report) {
 }
 
 // sessionHeaders are the clients' session headers the chart's policies put on the ext_proc
-// stream and hash to pick a replica (docs/envoy.md §14): ours, Claude Code's, and Codex's.
-var sessionHeaders = []string{"x-session-id", "x-claude-code-session-id", "session-id"}
+// stream and hash to pick a replica (docs/envoy.md §14): ours, Claude Code's, Codex's and
+// Open WebUI's.
+var sessionHeaders = []string{"x-session-id", "x-claude-code-session-id", "session-id", "x-openwebui-chat-id"}
 
 // checkGatewayXDS parses the xDS egctl produced into Envoy's types, runs the same proto and
 // semantic rules as the standalone configs, and then checks what the manifests promise.

@@ -33,6 +33,7 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 		{name: "three replicas, one session", mode: "full_duplex", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, session: "X-Session-Id"},
 		{name: "three replicas, Claude Code's session", mode: "full_duplex", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, session: "X-Claude-Code-Session-Id"},
 		{name: "three replicas, Codex's session", mode: "no_response", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, session: "Session-Id"},
+		{name: "three replicas, Open WebUI's chat", mode: "full_duplex", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, session: "X-Openwebui-Chat-Id"},
 		{name: "a bound below the new part", mode: "full_duplex", replicas: 1, pd: "{min_uncached_tokens: 10}"},
 		{name: "kv-sglang", mode: "full_duplex", connector: "kv-sglang", replicas: 1, pd: "{}"},
 		{name: "the engines' KV events", mode: "full_duplex", replicas: 1, pd: "{min_uncached_tokens: 100}", decodeOnly: true, kvEvents: true},
