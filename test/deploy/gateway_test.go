@@ -241,7 +241,8 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 }
 
 // checkGatewayStatus fails on any False condition Envoy Gateway set on a resource, such as a
-// policy whose target is missing or a route whose backend cannot be resolved.
+// policy whose target is missing or a route whose backend cannot be resolved, and on any
+// Warning it set, such as a policy using a deprecated field.
 func checkGatewayStatus(res map[string]any, r *report) {
 	for kind, v := range res {
 		if kind == "xds" {
@@ -266,8 +267,8 @@ func checkGatewayStatus(res map[string]any, r *report) {
 				}
 			}
 			for _, c := range conds {
-				if digString(c, "status") == "False" {
-					r.errorf("%s %s: condition %s is False (%s): %s", kind, name, digString(c, "type"), digString(c, "reason"), digString(c, "message"))
+				if digString(c, "status") == "False" || digString(c, "type") == "Warning" && digString(c, "status") == "True" {
+					r.errorf("%s %s: condition %s is %s (%s): %s", kind, name, digString(c, "type"), digString(c, "status"), digString(c, "reason"), digString(c, "message"))
 				}
 			}
 		}
