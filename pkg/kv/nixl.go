@@ -30,7 +30,7 @@ func (nixlKV) PrefillEdits(h *Handoff) []body.Edit {
 // read it) the decode engine simply recomputes. A do_remote_decode the
 // prefill engine handed back is made false: true would have the decode
 // engine keep the request's blocks after it finishes, for a remote decode
-// that never comes, until vLLM's abort timeout.
+// that never comes, until its decoder_kv_blocks_ttl (480 s) runs out.
 func (nixlKV) DecodeEdits(h *Handoff) []body.Edit {
 	if !HasParams(h.PrefillKV) {
 		return nil
