@@ -77,9 +77,10 @@ type contentPart struct {
 }
 
 // writeContent writes a string, or the parts of a list: text parts (chat's
-// "text", the Responses API's "input_text" and "output_text") as their text.
-// A system message's string or "text" parts are written without Claude
-// Code's billing-header line (unbilled), as vLLM reads them.
+// "text", the Responses API's "input_text" and "output_text") as their text,
+// others as their JSON without a "cache_control" (uncached). A system
+// message's string or "text" parts are written without Claude Code's
+// billing-header line (unbilled), as vLLM reads them.
 func writeContent(b *strings.Builder, raw json.RawMessage, system bool) {
 	if len(raw) == 0 || body.IsNull(raw) {
 		return
@@ -96,9 +97,23 @@ func writeContent(b *strings.Builder, raw json.RawMessage, system bool) {
 		if json.Unmarshal(p, &cp) == nil && (cp.Type == "text" || cp.Type == "input_text" || cp.Type == "output_text") {
 			b.WriteString(unbilled(cp.Text, system && cp.Type == "text"))
 		} else {
-			b.Write(p)
+			b.Write(uncached(p))
 		}
 	}
+}
+
+// uncached is a content part without its "cache_control". Anthropic's
+// clients mark the last part of a request with one (Claude Code its last
+// message's last block, a tool_result as often as not) and send the same
+// part unmarked on the next turn; vLLM's Messages handler drops the field
+// (AnthropicContentBlock has none, vllm/entrypoints/anthropic/protocol.py),
+// so the engine's prompt for the next turn extends this one, and so must
+// the rendering, or the next turn's previous request is never found.
+func uncached(part []byte) []byte {
+	if o, err := body.Parse(part); err == nil && o.Has("cache_control") {
+		return o.Splice(body.Delete("cache_control")).Bytes()
+	}
+	return part
 }
 
 // writeTools writes the request's tools, when it has any, as their JSON.

@@ -187,6 +187,12 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 			`{"messages":[{"role":"msg","content":"Hi"}]}`,
 			`{"messages":[{"role":"msg","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"ctx","content":"More"}]}`,
 		}, wantHead: "user\nHi\n"},
+		// Claude Code marks the last block of a request's last message, and
+		// sends it unmarked on the next turn; vLLM drops the field.
+		{name: "messages: a cache_control that moves to the next turn's last block", api: Messages, turns: []string{
+			`{"messages":[{"role":"user","content":"Fix the test"},{"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"Bash","input":{"command":"go test"}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"--- FAIL","cache_control":{"type":"ephemeral"}}]}]}`,
+			`{"messages":[{"role":"user","content":"Fix the test"},{"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"Bash","input":{"command":"go test"}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"--- FAIL"}]},{"role":"assistant","content":[{"type":"tool_use","id":"t2","name":"Edit","input":{}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t2","content":"ok","cache_control":{"type":"ephemeral"}}]}]}`,
+		}, wantHead: "user\nFix the test\n", wantPrevious: "user\nFix the test\n"},
 		{name: "generate: token ids, no head", api: Generate, turns: []string{`{"token_ids":[1,2,3]}`}},
 	}
 	for _, tt := range tests {
