@@ -436,6 +436,24 @@ func BenchmarkNamespaces(b *testing.B) {
 	}
 }
 
+// agentPolicies are what the agents table compares on workload (g).
+var agentPolicies = []simPolicy{
+	configured(config.PolicyLeastLoad), memoryPolicy, llmdModel,
+	configured(config.PolicyPrefixAffinity), pinnedPolicy, eventsPolicy,
+}
+
+// BenchmarkAgents is docs/scheduling.md's agents table: workload (g),
+// conversations under preambles longer than the key, on both caches, at
+// nominal and 1.5x load, 1 and 4 replicas. Run it as BenchmarkPolicies
+// (-benchtime 1x -v).
+func BenchmarkAgents(b *testing.B) {
+	rows := runTable(table([]simWorkload{agents}, []int{largeCache, smallCache}, []float64{1, 1.5}, []int{1, 4}, agentPolicies),
+		10*time.Minute, simSeeds)
+	for _, r := range rows {
+		b.Log(r)
+	}
+}
+
 // TestSimulatedNamespaces: on a short run of workload (f), small cache, at
 // 1 and 4 replicas, prefix affinity that ranks requests by their namespace,
 // with or without events, caches 10 points more than the same policy blind

@@ -54,6 +54,14 @@ var (
 	}}
 	simWorkloads = []simWorkload{oneShot, multiTurn, mixed, document, random}
 
+	// (g) Agent sessions: conversations under 4 agents' preambles (tools
+	// and system prompt) of 24,000-40,000 characters, longer than the
+	// default 16 KiB key, beside unrelated completions prompts. Not in the
+	// tables' workloads: docs/scheduling.md's agents table.
+	agents = simWorkload{"g agents", func(r *rand.Rand, w *workload, end, load float64) {
+		w.conversations(r, end, load, w.tenants(r, 4, 24_000, 40_000))
+		w.randoms(r, end, load)
+	}}
 	// (f) One-shot questions under 8 agents' system prompts (2,000-16,000
 	// characters), each from one of 24 tenants that isolate their caches
 	// with a cache_salt (agents and tenants Zipf-popular): the same system
