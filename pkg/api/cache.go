@@ -15,7 +15,7 @@ import (
 
 // PromptOf reads a request for scheduling (Prompt), with its Cache: the
 // adapter SGLang's lora_path names (a string, or a batch's list naming one),
-// else the model.
+// else the model; and with the client's name for its Conversation.
 func (a *API) PromptOf(o *body.Object) *Prompt {
 	p := a.Prompt(o)
 	model, ok := loraPath(o)
@@ -27,6 +27,7 @@ func (a *API) PromptOf(o *body.Object) *Prompt {
 		salt, _ = o.String("cache_salt")
 	}
 	p.Cache = kvevents.Keys{Model: model, Salt: salt}
+	p.Conversation, _ = o.String("prompt_cache_key")
 	return p
 }
 

@@ -27,6 +27,11 @@ type Prompt struct {
 	// own, and the cache_salt. Prompts alike in text and not in Cache share
 	// no cache.
 	Cache kvevents.Keys
+	// Conversation is the client's own name for the conversation, OpenAI's
+	// prompt_cache_key ("" when it sends none): Codex sends its conversation's
+	// id there, which its requests' text does not tell apart (the first user
+	// item is the working directory's context).
+	Conversation string
 
 	once   sync.Once
 	render func() rendering

@@ -296,9 +296,10 @@ func TestHotPrefixSpillsOver(t *testing.T) {
 
 // A conversation is ranked by its head (through the first user message),
 // which every turn repeats: its turns go to one endpoint on every replica
-// however long the history grows past the key. Only a head longer than the
-// key is cut to key_blocks blocks, so that conversations sharing a long
-// system prompt meet the engine that caches it.
+// however long the history grows past the key. A first request's head
+// longer than the key is cut to key_blocks blocks, so that requests sharing
+// a long system prompt meet the engine that caches it (here the home set is
+// one endpoint, so later turns meet there too).
 func TestConversationsKeepTheirEndpoint(t *testing.T) {
 	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
 	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Prefix: config.PrefixAffinity{BlockChars: 16, KeyBlocks: 4}}
@@ -345,6 +346,83 @@ func TestConversationsKeepTheirEndpoint(t *testing.T) {
 				} else if e.Addr != first {
 					t.Errorf("turn %d went to %s, turn 1 to %s", i+1, e.Addr, first)
 				}
+			}
+		})
+	}
+}
+
+// Later turns rank by their whole conversation: under an agent's preamble
+// longer than the key (its tools and system prompt), by the first user
+// message after it, and by the client's own name for the conversation
+// (prompt_cache_key: Codex's conversation id, whose sessions in one
+// directory share their first user item). So conversations spread over the
+// prefix's home set, and each keeps to its endpoint whichever replica routes
+// its turns, while first requests (one-shot ones, for all anyone knows)
+// still meet on one. A replica does not assume that the endpoint a second
+// turn ranks first holds the first, which was ranked otherwise; from the
+// third turn on it does.
+func TestLaterTurnsRankByTheWholeConversation(t *testing.T) {
+	var addrs []string
+	for i := range 8 {
+		addrs = append(addrs, fmt.Sprintf("10.0.0.%d:8000", i+1))
+	}
+	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Prefix: config.PrefixAffinity{BlockChars: 16, KeyBlocks: 4, Spread: 1e6}}
+	long := strings.Repeat("an agent's tools and system prompt. ", 4) // over the key's 4 blocks of 16
+	tests := []struct {
+		name string
+		turn func(i, n int) *Request // conversation i's nth request
+	}{
+		{"chat under a preamble longer than the key", func(i, n int) *Request {
+			msgs := []string{fmt.Sprint("task ", i)}
+			for k := 1; k < n; k++ {
+				msgs = append(msgs, fmt.Sprint("reply ", k), fmt.Sprint("next ", k))
+			}
+			return conversation(long, msgs...)
+		}},
+		{"Responses named by prompt_cache_key, one first item for all", func(i, n int) *Request {
+			input := []map[string]string{{"role": "user", "content": "<environment_context><cwd>/src</cwd></environment_context>"}}
+			for k := 1; k < n; k++ {
+				input = append(input, map[string]string{"role": "assistant", "content": fmt.Sprint("reply ", k)},
+					map[string]string{"role": "user", "content": fmt.Sprint("next ", k)})
+			}
+			b, _ := json.Marshal(map[string]any{"instructions": "Be brief.", "input": input, "prompt_cache_key": fmt.Sprint("conversation-", i)})
+			obj, err := body.Parse(b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return NewRequest(api.Responses.PromptOf(obj))
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			// Each request on a replica of its own, which saw none of the others.
+			selectAlone := func(req *Request) *Endpoint {
+				p, _ := testPool(t, sched, addrs...)
+				e, err := p.Select(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return e
+			}
+			firsts, laters := map[string]bool{}, map[string]bool{}
+			for i := range 16 {
+				firsts[selectAlone(tt.turn(i, 1)).Addr] = true
+				second, third := tt.turn(i, 2), tt.turn(i, 3)
+				e2, e3 := selectAlone(second), selectAlone(third)
+				if e3.Addr != e2.Addr {
+					t.Errorf("conversation %d: turn 2 went to %s, turn 3 to %s", i, e2.Addr, e3.Addr)
+				}
+				if second.Held(e2) != 0 || third.Held(e3) < len(third.Previous()) {
+					t.Errorf("conversation %d: estimated %d characters held for turn 2, whose first turn was ranked otherwise, and %d for turn 3 (previous %d)",
+						i, second.Held(e2), third.Held(e3), len(third.Previous()))
+				}
+				laters[e2.Addr] = true
+			}
+			if len(firsts) != 1 {
+				t.Errorf("first requests went to %d endpoints, want them on one: %v", len(firsts), firsts)
+			}
+			if len(laters) < 3 {
+				t.Errorf("the later turns of 16 conversations went to %d endpoints, want them spread over the home set of 8: %v", len(laters), laters)
 			}
 		})
 	}
@@ -491,7 +569,8 @@ func TestCoverageSaysWhetherConversationsAreWhole(t *testing.T) {
 // The prefix key is what a request shares with others, the conversation key
 // what every turn of its conversation repeats.
 func TestRendezvousKeys(t *testing.T) {
-	long := strings.Repeat("s", 40) // over two blocks of 16
+	long := strings.Repeat("s", 40)    // over two blocks of 16
+	longer := strings.Repeat("s", 100) // over the key's four
 	k := rendezvousKeys{blockChars: 16, keyBlocks: 4}
 	tests := []struct {
 		name                    string
@@ -502,6 +581,10 @@ func TestRendezvousKeys(t *testing.T) {
 			conversation(long, "Hi"), "system\n" + long + "\n", "system\n" + long + "\nuser\nHi\n"},
 		{"a later turn keys as its first",
 			conversation(long, "Hi", "Hello", "More"), "system\n" + long + "\n", "system\n" + long + "\nuser\nHi\n"},
+		{"a first request under a preamble over the key: its head cut to the key",
+			conversation(longer, "Hi"), ("system\n" + longer)[:64], ("system\n" + longer)[:64]},
+		{"a later turn under a preamble over the key: the key's length after it",
+			conversation(longer, "Hi", "Hello", "More"), ("system\n" + longer)[:64], "system\n" + longer + "\nuser\nHi\n"},
 		{"a system prompt shorter than a block: the head for both",
 			conversation("Brief.", "Hi"), "system\nBrief.\nuser\nHi\n", "system\nBrief.\nuser\nHi\n"},
 		{"no system prompt: the head",

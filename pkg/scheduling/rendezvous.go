@@ -25,7 +25,15 @@ type rendezvousKeys struct{ blockChars, keyBlocks int }
 //   - conversation, what every turn of its conversation repeats: its head,
 //     or its prefix when it has none.
 //
-// Both are "" when the request has neither a head nor a full block.
+// A later turn's conversation key is its head with the preamble kept whole
+// and keyBlocks blocks after it, so that an agent's tools and system
+// prompt, tens of kilobytes, leave room for the first user message that
+// tells its conversations apart: each then keeps to an endpoint of the
+// prefix's home set of its own. A first request (a one-shot one, as far as
+// anyone knows) keeps the head cut to the key, so that questions under one
+// long system prompt meet on the first of its home set, which then caches
+// the prompt for all of them. Both are "" when the request has neither a
+// head nor a full block.
 func (k rendezvousKeys) keys(req *Request) (prefix, conversation string) {
 	prompt, limit := req.Prompt(), k.keyBlocks*k.blockChars
 	head := req.Head()
@@ -35,9 +43,36 @@ func (k rendezvousKeys) keys(req *Request) (prefix, conversation string) {
 	}
 	conversation = head[:min(len(head), limit)]
 	if pre := req.Preamble(); len(pre) >= k.blockChars {
+		if req.Previous() != "" {
+			conversation = head[:min(len(head), len(pre)+limit)]
+		}
 		return pre[:min(len(pre), limit)], conversation
 	}
 	return conversation, conversation
+}
+
+// conversationHash is the hash of a request's conversation key, with the
+// client's own name for the conversation on a later turn (OpenAI's
+// prompt_cache_key: Codex's conversation id, where the first user item is
+// the same for every session in a directory).
+func conversationHash(req *Request, conversation string, namespace uint64) uint64 {
+	h := xxhash.Sum64String(conversation) ^ namespace
+	if name := req.conversationName(); name != "" && req.Previous() != "" {
+		h ^= mix64(xxhash.Sum64String(name))
+	}
+	return h
+}
+
+// keyedAlike says whether a later turn's previous request was ranked by the
+// same conversation key (keys, conversationHash): always when that was a
+// later turn too; when it was the conversation's first, only if neither the
+// preamble's cut nor a name set the two apart.
+func (k rendezvousKeys) keyedAlike(req *Request) bool {
+	head, previous := req.Head(), req.Previous()
+	if len(previous) > len(head) {
+		return true
+	}
+	return req.conversationName() == "" && (len(req.Preamble()) < k.blockChars || len(head) <= k.keyBlocks*k.blockChars)
 }
 
 // weight is an endpoint's rendezvous weight for a key's hash: 53 bits, exact
@@ -198,7 +233,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 		}
 	}
 	h := xxhash.Sum64String(prefix) ^ ns
-	rs := rank(h, xxhash.Sum64String(conversation)^ns, homeSize(p.shares.note(h), len(eps), p.spread), eps)
+	rs := rank(h, conversationHash(req, conversation, ns), homeSize(p.shares.note(h), len(eps), p.spread), eps)
 	queueSlack := p.queueSlack
 	if held == nil {
 		queueSlack = p.estimateQueueSlack
@@ -255,7 +290,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 			}
 		}
 	}
-	p.estimate(req, chosen.e, served, chosen.e == rs[0].e)
+	p.estimate(req, chosen.e, served, chosen.e == rs[0].e && p.keys.keyedAlike(req))
 	p.index.record(prompt, hs, chosen.e.Addr)
 	return chosen.e
 }
@@ -263,10 +298,10 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 // estimate notes on req what e is estimated to hold of its prompt, before
 // the request is recorded as sent there: what this replica remembers
 // sending e, or, when e is the endpoint the request ranks first (its
-// conversation's, with no load in the way), at least the conversation's
-// previous request, which every replica sent there unless a load bound
-// spilled it. The second holds whatever replica routed that request, so
-// replicas mostly estimate alike.
+// conversation's, with no load in the way) and the previous request ranked
+// alike, at least the conversation's previous request, which every replica
+// sent there unless a load bound spilled it. The second holds whatever
+// replica routed that request, so replicas mostly estimate alike.
 func (p *prefixAffinity) estimate(req *Request, e *Endpoint, served map[string]int, first bool) {
 	if req == nil {
 		return

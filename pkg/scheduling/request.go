@@ -92,6 +92,15 @@ func (r *Request) Head() string { return r.read((*api.Prompt).Head) }
 // request sent (api.Prompt.Previous), empty when no reply follows the head.
 func (r *Request) Previous() string { return r.read((*api.Prompt).Previous) }
 
+// conversationName is the client's own name for the conversation
+// (api.Prompt.Conversation), "" for none.
+func (r *Request) conversationName() string {
+	if r == nil || r.prompt == nil {
+		return ""
+	}
+	return r.prompt.Conversation
+}
+
 // cache is what the engine keys the prompt's cached blocks with besides
 // their text (api.Prompt.Cache).
 func (r *Request) cache() kvevents.Keys {
