@@ -585,6 +585,8 @@ func TestRendezvousKeys(t *testing.T) {
 			conversation(longer, "Hi"), ("system\n" + longer)[:64], ("system\n" + longer)[:64]},
 		{"a later turn under a preamble over the key: the key's length after it",
 			conversation(longer, "Hi", "Hello", "More"), ("system\n" + longer)[:64], "system\n" + longer + "\nuser\nHi\n"},
+		{"a later turn under a preamble that leaves a block of the key: cut as its first request",
+			conversation(long, strings.Repeat("q", 100), "Hello", "More"), "system\n" + long + "\n", ("system\n" + long + "\nuser\n" + strings.Repeat("q", 100))[:64]},
 		{"a system prompt shorter than a block: the head for both",
 			conversation("Brief.", "Hi"), "system\nBrief.\nuser\nHi\n", "system\nBrief.\nuser\nHi\n"},
 		{"no system prompt: the head",

@@ -25,15 +25,16 @@ type rendezvousKeys struct{ blockChars, keyBlocks int }
 //   - conversation, what every turn of its conversation repeats: its head,
 //     or its prefix when it has none.
 //
-// A later turn's conversation key is its head with the preamble kept whole
-// and keyBlocks blocks after it, so that an agent's tools and system
-// prompt, tens of kilobytes, leave room for the first user message that
-// tells its conversations apart: each then keeps to an endpoint of the
-// prefix's home set of its own. A first request (a one-shot one, as far as
-// anyone knows) keeps the head cut to the key, so that questions under one
-// long system prompt meet on the first of its home set, which then caches
-// the prompt for all of them. Both are "" when the request has neither a
-// head nor a full block.
+// A later turn whose preamble leaves less than a block of the key to the
+// first user message keys its conversation by its head with the preamble
+// kept whole and keyBlocks blocks after it (wholeHead), so that an agent's
+// tools and system prompt, tens of kilobytes, leave room for what tells its
+// conversations apart: each then keeps to an endpoint of the prefix's home
+// set of its own. A first request (a one-shot one, as far as anyone knows)
+// keeps the head cut to the key, so that questions under one long system
+// prompt meet on the first of its home set, which then caches the prompt for
+// all of them. Both are "" when the request has neither a head nor a full
+// block.
 func (k rendezvousKeys) keys(req *Request) (prefix, conversation string) {
 	prompt, limit := req.Prompt(), k.keyBlocks*k.blockChars
 	head := req.Head()
@@ -42,13 +43,21 @@ func (k rendezvousKeys) keys(req *Request) (prefix, conversation string) {
 		return prefix, prefix
 	}
 	conversation = head[:min(len(head), limit)]
+	if k.wholeHead(req) && req.Previous() != "" {
+		conversation = head[:min(len(head), len(req.Preamble())+limit)]
+	}
 	if pre := req.Preamble(); len(pre) >= k.blockChars {
-		if req.Previous() != "" {
-			conversation = head[:min(len(head), len(pre)+limit)]
-		}
 		return pre[:min(len(pre), limit)], conversation
 	}
 	return conversation, conversation
+}
+
+// wholeHead says whether the key cut to keyBlocks blocks leaves less than a
+// block of the request's first user message, so that a later turn keys by
+// more of its head than the conversation's first request did.
+func (k rendezvousKeys) wholeHead(req *Request) bool {
+	limit := k.keyBlocks * k.blockChars
+	return len(req.Preamble()) > limit-k.blockChars && len(req.Head()) > limit
 }
 
 // conversationHash is the hash of a request's conversation key, with the
@@ -66,13 +75,9 @@ func conversationHash(req *Request, conversation string, namespace uint64) uint6
 // keyedAlike says whether a later turn's previous request was ranked by the
 // same conversation key (keys, conversationHash): always when that was a
 // later turn too; when it was the conversation's first, only if neither the
-// preamble's cut nor a name set the two apart.
+// head kept whole nor a name set the two apart.
 func (k rendezvousKeys) keyedAlike(req *Request) bool {
-	head, previous := req.Head(), req.Previous()
-	if len(previous) > len(head) {
-		return true
-	}
-	return req.conversationName() == "" && (len(req.Preamble()) < k.blockChars || len(head) <= k.keyBlocks*k.blockChars)
+	return len(req.Previous()) > len(req.Head()) || req.conversationName() == "" && !k.wholeHead(req)
 }
 
 // weight is an endpoint's rendezvous weight for a key's hash: 53 bits, exact
