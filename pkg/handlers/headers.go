@@ -2,6 +2,7 @@ package handlers
 
 import (
 	"net/http"
+	"slices"
 	"strconv"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -11,6 +12,12 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/response"
 )
+
+// SessionHeaders are the headers in which clients name their session, which
+// the shipped Envoy configs copy onto the ext_proc stream and hash to pick a
+// replica (docs/envoy.md §14): ours, Claude Code's, Codex's and Open
+// WebUI's. A request carrying one is counted apart (pipeline.Request.Session).
+var SessionHeaders = []string{"x-session-id", "x-claude-code-session-id", "session-id", "x-openwebui-chat-id"}
 
 // readHeaders takes what routing needs (begin reads what the observation does). Envoy sends values in raw_value; value is
 // read only as a fallback for Envoys with the raw_value guard off.
@@ -38,6 +45,10 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 			}
 		case "authorization":
 			x.req.Forward = http.Header{"Authorization": {headerValue(h)}}
+		default:
+			if slices.Contains(SessionHeaders, key) && headerValue(h) != "" {
+				x.req.Session = true
+			}
 		}
 	}
 	if id := x.req.RequestID; !validRequestID(id) {

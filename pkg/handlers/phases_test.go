@@ -694,3 +694,43 @@ func TestUsageRewriteWithoutFullDuplexResponsesIsLoggedOnce(t *testing.T) {
 		t.Errorf("usage_rewrites_total{outcome=not_full_duplex} = %v, want 3", got)
 	}
 }
+
+// TestSessionHeadersMarkTheRequest: a request naming its session in one of
+// the headers Envoy's session hash reads is routed as such
+// (pipeline.Request.Session), so that prefix affinity counts its
+// conversations apart; an empty value names none.
+func TestSessionHeadersMarkTheRequest(t *testing.T) {
+	tests := []struct {
+		name    string
+		headers []envoymsg.Header
+		want    bool
+	}{
+		{"none", nil, false},
+		{"ours", []envoymsg.Header{{"x-session-id", "s1"}}, true},
+		{"Claude Code's", []envoymsg.Header{{"x-claude-code-session-id", "5f0c"}}, true},
+		{"Codex's", []envoymsg.Header{{"session-id", "019a"}}, true},
+		{"Open WebUI's", []envoymsg.Header{{"x-openwebui-chat-id", "c1"}}, true},
+		{"an empty value", []envoymsg.Header{{"x-session-id", ""}}, false},
+		{"another header", []envoymsg.Header{{"x-conversation-id", "c1"}}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := &fakeRouter{}
+			s := handlers.NewServer(r, handlers.Options{}, logr.Discard())
+			x := s.Open(t.Context(), newRecorder())
+			defer x.Close()
+			hs := append([]envoymsg.Header{{"x-request-id", "req-1"}}, tt.headers...)
+			msgs := append([]*extprocv3.ProcessingRequest{envoymsg.WithModes(
+				envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat), hs...)...), fullDuplex, fullDuplex)},
+				envoymsg.Chunks(envoymsg.Request, []byte(clientChat), 1, true)...)
+			for i, m := range msgs {
+				if done, err := x.Handle(m); done || err != nil {
+					t.Fatalf("message %d ended the stream: %v", i, err)
+				}
+			}
+			if len(r.seen) != 1 || r.seen[0].Session != tt.want {
+				t.Fatalf("routed %d requests, Session %v; want one, Session %v", len(r.seen), len(r.seen) > 0 && r.seen[0].Session, tt.want)
+			}
+		})
+	}
+}

@@ -30,6 +30,9 @@ type Request struct {
 	// (envoy.lb.subset_hint): nil when absent, else a list of ip:port or a
 	// comma-separated string. Decode endpoints outside it are never picked.
 	Subset any
+	// Session says the client named its session in a header Envoy's session
+	// hash reads (handlers.SessionHeaders): scheduling.Request.Session.
+	Session bool
 
 	// Report is filled in by Route and RouteHeaders, whether they succeed or
 	// fail, with what the caller logs and counts.

@@ -483,29 +483,43 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 		fewShot int
 		// busy requests are in flight on the endpoint that holds the
 		// system prompt when the new conversation comes.
-		busy       int
-		wantMemory bool
+		busy int
+		// named: the earlier conversations, and the new one unless
+		// newUnnamed, name their sessions (Request.Session); unnamed more
+		// conversations that do not are continued elsewhere beside them.
+		named, newUnnamed bool
+		unnamed           int
+		wantMemory        bool
 	}{
 		{name: "whole conversations: where the system prompt is", seen: 3, conversations: 8, wantMemory: true},
 		{name: "conversations continued elsewhere: the ranking", seen: 2, conversations: 8},
 		{name: "too few conversations to tell: the ranking", seen: 3, conversations: 3},
 		{name: "continued elsewhere, and few-shot requests: the ranking", seen: 2, conversations: 8, fewShot: 100},
 		{name: "whole, but the system prompt's endpoint over the load bound: the ranking", seen: 3, conversations: 8, busy: 20},
+		{name: "named sessions whole beside unnamed ones continued elsewhere: where the system prompt is", seen: 3, conversations: 8,
+			named: true, unnamed: 8, wantMemory: true},
+		{name: "an unnamed conversation beside whole named ones: the ranking", seen: 3, conversations: 8,
+			named: true, unnamed: 8, newUnnamed: true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p, _ := testPool(t, sched, addrs...)
 			other, _ := testPool(t, sched, addrs...)
-			for i := range tt.conversations {
+			session := func(req *Request, named bool) *Request { req.Session = named; return req }
+			for i := range tt.conversations + tt.unnamed {
+				named, seen := tt.named && i < tt.conversations, tt.seen
+				if i >= tt.conversations {
+					seen = 2
+				}
 				q := fmt.Sprintf("Question %d, which is long enough to fill a block.", i)
-				pick(p, conversation("Be brief.", q))
-				second := conversation("Be brief.", q, "Réponse.", "And the next one?")
-				if tt.seen == 3 {
+				pick(p, session(conversation("Be brief.", q), named))
+				second := session(conversation("Be brief.", q, "Réponse.", "And the next one?"), named)
+				if seen == 3 {
 					pick(p, second)
 				} else {
 					pick(other, second)
 				}
-				pick(p, conversation("Be brief.", q, "Réponse.", "And the next one?", "Réponse.", "Thanks."))
+				pick(p, session(conversation("Be brief.", q, "Réponse.", "And the next one?", "Réponse.", "Thanks."), named))
 			}
 			for i := range tt.fewShot {
 				pick(p, conversation("Translate to French.", "cat", "chat", fmt.Sprintf("dog number %d", i)))
@@ -527,11 +541,12 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 			if tt.wantMemory {
 				want = cached
 			}
-			if got := pick(p, conversation(system, q)); got != want {
+			named := tt.named && !tt.newUnnamed
+			if got := pick(p, session(conversation(system, q), named)); got != want {
 				t.Errorf("the new conversation went to %s, want %s (its system prompt is on %s, its ranking starts at %s)", got, want, cached, ranked)
 			}
 			// Its next turn follows it, on this replica.
-			if got := pick(p, conversation(system, q, "Near the river.", "Which one?")); got != want {
+			if got := pick(p, session(conversation(system, q, "Near the river.", "Which one?"), named)); got != want {
 				t.Errorf("its second turn went to %s, the first to %s", got, want)
 			}
 		})

@@ -179,9 +179,11 @@ func rank(prefix, conversation uint64, home int, eps []*Endpoint) []ranked {
 //     replicas taking turns, the next turn would come to a
 //     replica that knows only the ranking, so there every turn takes it.
 type prefixAffinity struct {
-	keys                      rendezvousKeys
-	index                     *prefixIndex
-	coverage                  coverage
+	keys  rendezvousKeys
+	index *prefixIndex
+	// coverage counts, for requests with a named session and without apart
+	// (Request.Session), whether this replica sees their conversations whole.
+	coverage                  [2]coverage
 	shares                    *shares
 	factor, slack, queueSlack float64
 	// estimateQueueSlack is queueSlack for a request placed without a view
@@ -273,7 +275,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	}
 	// A later turn tells whether this replica routed the request before it.
 	prevBlocks := len(previous) / p.keys.blockChars
-	whole := p.coverage.note(prevBlocks > 0, p.index.ended(previous, hs))
+	whole := p.coverage[kind(req.Session)].note(prevBlocks > 0, p.index.ended(previous, hs))
 	if whole && req.Head() != "" && previous == "" {
 		// A conversation's first request: where the most of it (its system
 		// prompt) is remembered, the less busy of equals.
@@ -316,6 +318,14 @@ func (p *prefixAffinity) estimate(req *Request, e *Endpoint, served map[string]i
 		held = max(held, len(req.Previous()))
 	}
 	req.held = estimate{addr: e.Addr, chars: held}
+}
+
+// kind is 1 for a request with a named session, 0 for one without.
+func kind(session bool) int {
+	if session {
+		return 1
+	}
+	return 0
 }
 
 // routed says whether this replica sent a request with these blocks

@@ -22,6 +22,11 @@ type Request struct {
 	// Alone, when set, is why the request's API sends it to a decode
 	// endpoint alone; the decider returns it first.
 	Alone metrics.Reason
+	// Session says the client named its session in a header that Envoy's
+	// session hash reads, so that its turns may all reach this replica:
+	// prefix-affinity counts whether it sees such conversations whole apart
+	// from the others.
+	Session bool
 
 	prompt *api.Prompt // read as the request's API reads it; nil for none
 	// tokens are the prompt's token ids as its engine computes them, when

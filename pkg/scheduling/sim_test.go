@@ -127,8 +127,12 @@ type simPolicy struct {
 	blind bool
 	// pinned: a conversation's requests all go to one replica, as Envoy's
 	// ring hash on the client's session header sends them (docs/envoy.md,
-	// "Sessions on one replica"); other requests go to the replicas in turn.
+	// "Sessions on one replica"), and say so (Request.Session); other
+	// requests go to the replicas in turn.
 	pinned bool
+	// pinShare, with pinned, is the share of conversations whose client
+	// names its session; the others go in turn. 0 pins them all.
+	pinShare float64
 }
 
 func configured(name string) simPolicy { return simPolicy{name: name, config: name} }
@@ -390,14 +394,15 @@ type simReq struct {
 
 type sim struct {
 	simClock
-	p       simParams
-	engines map[string]*simEngine
-	pools   []*Pool // one per replica
-	sent    int     // requests sent, for the replicas' turns
-	chats   int     // conversations started, which numbers them
-	tokens  bool    // requests carry their tokens (the policy follows KV events)
-	blind   bool    // requests are read without their namespace (simPolicy.blind)
-	pinned  bool    // a conversation's requests go to one replica (simPolicy.pinned)
+	p        simParams
+	engines  map[string]*simEngine
+	pools    []*Pool // one per replica
+	sent     int     // requests sent, for the replicas' turns
+	chats    int     // conversations started, which numbers them
+	tokens   bool    // requests carry their tokens (the policy follows KV events)
+	blind    bool    // requests are read without their namespace (simPolicy.blind)
+	pinned   bool    // a conversation's requests go to one replica (simPolicy.pinned)
+	pinShare float64 // of the conversations pinned (simPolicy.pinShare), 0 for all
 
 	ttfts          []time.Duration
 	prompt, cached float64
@@ -427,7 +432,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 		}
 		s.engines[a] = e
 	}
-	s.tokens, s.blind, s.pinned = index != nil, policy.blind, policy.pinned
+	s.tokens, s.blind, s.pinned, s.pinShare = index != nil, policy.blind, policy.pinned, policy.pinShare
 	spec := PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{
 		Policy:  policy.config,
 		Prefix:  policy.prefix,
@@ -508,10 +513,14 @@ func (s *sim) converse(sess simSession) {
 	c, served := newChat(&s.simClock, sess, s.p.Duration), ""
 	s.chats++
 	id := s.chats
+	if s.pinShare > 0 && float64(mix64(uint64(id)^0x5e55)>>11)/(1<<53) >= s.pinShare {
+		id = 0 // its client names no session
+	}
 	var turn func(i int)
 	turn = func(i int) {
 		t, prompt, asked := c.ask(i)
 		r := &simReq{prompt: prompt, req: chatRequest(asked), output: t.output, arrived: s.now, session: id}
+		r.req.Session = s.pinned && id != 0
 		if r.salt = sess.salt; r.salt != "" && !s.blind { // as API.PromptOf reads them
 			r.req.prompt.Cache = kvevents.Keys{Model: "m", Salt: sess.salt}
 		}

@@ -454,6 +454,20 @@ func BenchmarkAgents(b *testing.B) {
 	}
 }
 
+// BenchmarkNamedSessions is docs/scheduling.md's named-sessions table: multi-turn
+// chat (b) and mixed traffic (c) on the small cache, where half or nine in
+// ten of the conversations name their session (pinned to a replica) and the
+// rest go in turn, beside all and none. Run it as BenchmarkPolicies.
+func BenchmarkNamedSessions(b *testing.B) {
+	half := simPolicy{name: "sessions pinned, half named", config: config.PolicyPrefixAffinity, pinned: true, pinShare: 0.5}
+	most := simPolicy{name: "sessions pinned, 9 in 10 named", config: config.PolicyPrefixAffinity, pinned: true, pinShare: 0.9}
+	rows := runTable(table([]simWorkload{multiTurn, mixed}, []int{smallCache}, []float64{1, 1.5}, []int{2, 4, 8},
+		[]simPolicy{configured(config.PolicyPrefixAffinity), half, most, pinnedPolicy}), 10*time.Minute, simSeeds)
+	for _, r := range rows {
+		b.Log(r)
+	}
+}
+
 // TestSimulatedNamespaces: on a short run of workload (f), small cache, at
 // 1 and 4 replicas, prefix affinity that ranks requests by their namespace,
 // with or without events, caches 10 points more than the same policy blind

@@ -27,6 +27,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 	"github.com/pd-extproc/pd-extproc/internal/testpki"
 	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 )
 
 // What the chart's Envoy Gateway objects promise (its envoy-gateway example: release pd-extproc,
@@ -276,9 +277,8 @@ func checkGatewayStatus(res map[string]any, r *report) {
 }
 
 // sessionHeaders are the clients' session headers the chart's policies put on the ext_proc
-// stream and hash to pick a replica (docs/envoy.md §14): ours, Claude Code's, Codex's and
-// Open WebUI's.
-var sessionHeaders = []string{"x-session-id", "x-claude-code-session-id", "session-id", "x-openwebui-chat-id"}
+// stream and hash to pick a replica (docs/envoy.md §14): the ones pd-extproc reads too.
+var sessionHeaders = handlers.SessionHeaders
 
 // checkGatewayXDS parses the xDS egctl produced into Envoy's types, runs the same proto and
 // semantic rules as the standalone configs, and then checks what the manifests promise.
