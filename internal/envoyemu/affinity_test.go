@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"google.golang.org/grpc/metadata"
 )
 
@@ -164,7 +165,7 @@ func TestInitialMetadataValues(t *testing.T) {
 func TestHashHeadersFollowTheLoadBalancer(t *testing.T) {
 	const typed = `load_balancing_policy: {policies: [{typed_extension_config: {name: envoy.load_balancing_policies.%s, typed_config: {"@type": type.googleapis.com/envoy.extensions.load_balancing_policies.%s.v3.%s}}}]}`
 	raw := readFile(t, filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
-	shipped := []string{"x-session-id", "x-claude-code-session-id", "session-id", "x-openwebui-chat-id"}
+	shipped := handlers.SessionHeaders
 	tests := []struct {
 		lb   string
 		want []string

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 )
 
 func TestLoadConfigShippedFiles(t *testing.T) {
@@ -72,7 +73,7 @@ func TestLoadConfigShippedFiles(t *testing.T) {
 			}
 			// Sessions on one replica (§14): the client's session headers (ours, Claude
 			// Code's, Codex's, Open WebUI's) on every stream, hashed.
-			sessions := []string{"x-session-id", "x-claude-code-session-id", "session-id", "x-openwebui-chat-id"}
+			sessions := handlers.SessionHeaders
 			var want []MetadataValue
 			for _, h := range sessions {
 				want = append(want, MetadataValue{h, "%REQ(" + h + ")%"})

@@ -623,6 +623,13 @@ func TestRendezvousKeys(t *testing.T) {
 			}
 		})
 	}
+	// A key of one block, under a preamble shorter than a block: the head is
+	// the prefix key of every turn, cut to the key.
+	one := rendezvousKeys{blockChars: 16, keyBlocks: 1}
+	head := "system\nBrief.\nuser\n" + strings.Repeat("q", 100) + "\n"
+	if prefix, conv := one.keys(conversation("Brief.", strings.Repeat("q", 100), "Hello", "More")); prefix != head[:16] || conv != head[:16] {
+		t.Errorf("one-block keys of a later turn = %q, %q; want %q for both", prefix, conv, head[:16])
+	}
 }
 
 func TestHomeSize(t *testing.T) {

@@ -43,21 +43,23 @@ func (k rendezvousKeys) keys(req *Request) (prefix, conversation string) {
 		return prefix, prefix
 	}
 	conversation = head[:min(len(head), limit)]
-	if k.wholeHead(req) && req.Previous() != "" {
-		conversation = head[:min(len(head), len(req.Preamble())+limit)]
+	pre := req.Preamble()
+	if len(pre) < k.blockChars {
+		return conversation, conversation
 	}
-	if pre := req.Preamble(); len(pre) >= k.blockChars {
-		return pre[:min(len(pre), limit)], conversation
+	if req.Previous() != "" && k.wholeHead(req) {
+		conversation = head[:min(len(head), len(pre)+limit)]
 	}
-	return conversation, conversation
+	return pre[:min(len(pre), limit)], conversation
 }
 
 // wholeHead says whether the key cut to keyBlocks blocks leaves less than a
-// block of the request's first user message, so that a later turn keys by
-// more of its head than the conversation's first request did.
+// block of the request's first user message to a preamble that is its
+// prefix key, so that a later turn keys by more of its head than the
+// conversation's first request did.
 func (k rendezvousKeys) wholeHead(req *Request) bool {
-	limit := k.keyBlocks * k.blockChars
-	return len(req.Preamble()) > limit-k.blockChars && len(req.Head()) > limit
+	limit, pre := k.keyBlocks*k.blockChars, len(req.Preamble())
+	return pre >= k.blockChars && pre > limit-k.blockChars && len(req.Head()) > limit
 }
 
 // conversationHash is the hash of a request's conversation key, with the
