@@ -1,6 +1,7 @@
 package api
 
 import (
+	"bytes"
 	"encoding/json"
 	"strings"
 
@@ -102,6 +103,8 @@ func writeContent(b *strings.Builder, raw json.RawMessage, system bool) {
 	}
 }
 
+var cacheControl = []byte(`"cache_control"`)
+
 // uncached is a content part without its "cache_control". Anthropic's
 // clients mark the last part of a request with one (Claude Code its last
 // message's last block, a tool_result as often as not) and send the same
@@ -110,6 +113,9 @@ func writeContent(b *strings.Builder, raw json.RawMessage, system bool) {
 // so the engine's prompt for the next turn extends this one, and so must
 // the rendering, or the next turn's previous request is never found.
 func uncached(part []byte) []byte {
+	if !bytes.Contains(part, cacheControl) {
+		return part // most parts: no parse
+	}
 	if o, err := body.Parse(part); err == nil && o.Has("cache_control") {
 		return o.Splice(body.Delete("cache_control")).Bytes()
 	}
