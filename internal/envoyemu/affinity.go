@@ -3,6 +3,7 @@ package envoyemu
 import (
 	"errors"
 	"fmt"
+	"net"
 	"regexp"
 	"strings"
 
@@ -20,7 +21,8 @@ import (
 
 // MetadataValue is one entry of grpc_service.initial_metadata. Value is a
 // literal with %REQ(header)% commands, each replaced by the client's header
-// (empty when absent); an entry whose value comes out empty is not sent, as
+// (empty when absent), and %DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%, the
+// client's address; an entry whose value comes out empty is not sent, as
 // Envoy's header parser skips empty values.
 type MetadataValue struct{ Key, Value string }
 
@@ -28,13 +30,23 @@ type MetadataValue struct{ Key, Value string }
 // string: %NAME%, or %NAME(arg)% with an optional :length.
 var command = regexp.MustCompile(`^%([A-Z0-9_]+)(?:\(([^)]*)\))?(:[0-9]+)?%`)
 
-// part is a piece of a value: literal text, or the header a %REQ()% names.
-type part struct{ text, header string }
+// part is a piece of a value: literal text, the header a %REQ()% names, or
+// the client's address.
+type part struct {
+	text, header string
+	remote       bool
+}
+
+// remoteAddress is the command for the client's address without its port:
+// the connection's peer, as the emulator's HCM trusts no x-forwarded-for hop
+// (configload.go refuses xff_num_trusted_hops).
+const remoteAddress = "DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT"
 
 // parts cuts a value into its pieces, left to right as Envoy's formatter
 // reads it (%% is a literal %), and refuses what the emulator does not
-// evaluate: every command but %REQ(header)%, its alternative header
-// (REQ(a?b)) and its length, and a % that starts no command.
+// evaluate: every command but %REQ(header)% and the client's address,
+// %REQ%'s alternative header (REQ(a?b)) and its length, and a % that starts
+// no command.
 func parts(value string) ([]part, error) {
 	var out []part
 	for rest := value; rest != ""; {
@@ -47,12 +59,16 @@ func parts(value string) ([]part, error) {
 			continue
 		}
 		m := command.FindStringSubmatch(rest[i:])
+		if m != nil && m[0] == "%"+remoteAddress+"%" {
+			out, rest = append(out, part{text: rest[:i]}, part{remote: true}), rest[i+len(m[0]):]
+			continue
+		}
 		if m == nil || m[1] != "REQ" || m[2] == "" || m[3] != "" || strings.Contains(m[2], "?") {
 			bad := rest[i:]
 			if m != nil {
 				bad = m[0]
 			}
-			return nil, fmt.Errorf("only %%REQ(header)%% is emulated, not %q", bad)
+			return nil, fmt.Errorf("only %%REQ(header)%% and %%%s%% are emulated, not %q", remoteAddress, bad)
 		}
 		out = append(out, part{text: rest[:i]}, part{header: m[2]})
 		rest = rest[i+len(m[0]):]
@@ -75,12 +91,21 @@ func metadataFromProto(hvs []*corev3.HeaderValue) ([]MetadataValue, error) {
 }
 
 // evaluate is the entry's value for the request headers h, as the HCM hands
-// them to the filter chain (exchange.requestHeaders): each %REQ()% its
-// header's first value, host read as :authority.
-func (m MetadataValue) evaluate(h *headerMap) string {
+// them to the filter chain (exchange.requestHeaders), from the client at
+// remote (host:port): each %REQ()% its header's first value, host read as
+// :authority.
+func (m MetadataValue) evaluate(h *headerMap, remote string) string {
 	ps, _ := parts(m.Value) // checked when the config was read
 	var b strings.Builder
 	for _, p := range ps {
+		if p.remote {
+			host, _, err := net.SplitHostPort(remote)
+			if err != nil {
+				host = remote
+			}
+			b.WriteString(host)
+			continue
+		}
 		if p.header == "" {
 			b.WriteString(p.text)
 			continue
@@ -98,10 +123,10 @@ func (m MetadataValue) evaluate(h *headerMap) string {
 // initialMetadata is what a stream for request headers h carries: md, to
 // pick the endpoint of a hash-balanced cluster (§14), and sent, the entries
 // grpc-go can send (printable ASCII; Envoy's codec passes other bytes on).
-func initialMetadata(ms []MetadataValue, h *headerMap) (md, sent metadata.MD) {
+func initialMetadata(ms []MetadataValue, h *headerMap, remote string) (md, sent metadata.MD) {
 	md, sent = metadata.MD{}, metadata.MD{}
 	for _, m := range ms {
-		if v := m.evaluate(h); v != "" {
+		if v := m.evaluate(h, remote); v != "" {
 			md.Append(m.Key, v)
 			if printableASCII(v) {
 				sent.Append(m.Key, v)
@@ -122,19 +147,36 @@ func HashBalanced(c *clusterv3.Cluster) bool {
 	return c.GetLbPolicy() == clusterv3.Cluster_RING_HASH || c.GetLbPolicy() == clusterv3.Cluster_MAGLEV
 }
 
+// HashHeader is a header hash policy of a cluster: the header, and whether
+// the policy is terminal (when the header is present, the policies after it
+// are not evaluated).
+type HashHeader struct {
+	Name     string
+	Terminal bool
+}
+
 // hashHeadersFromProto is the headers a cluster hashes: those its
 // HttpProtocolOptions.hash_policy names, when it is hash-balanced. Envoy
 // ignores a hash policy under another load balancer.
-func hashHeadersFromProto(c *clusterv3.Cluster, hps []*routev3.RouteAction_HashPolicy) ([]string, error) {
+func hashHeadersFromProto(c *clusterv3.Cluster, hps []*routev3.RouteAction_HashPolicy) ([]HashHeader, error) {
 	if !HashBalanced(c) {
 		return nil, nil
 	}
-	var out []string
+	var out []HashHeader
 	for _, hp := range hps {
 		if hp.GetHeader() == nil || hp.GetHeader().GetRegexRewrite() != nil {
 			return nil, errors.New("hash_policy: only plain header policies are emulated")
 		}
-		out = append(out, strings.ToLower(hp.GetHeader().GetHeaderName()))
+		out = append(out, HashHeader{Name: strings.ToLower(hp.GetHeader().GetHeaderName()), Terminal: hp.GetTerminal()})
 	}
 	return out, nil
+}
+
+// HashedNames is the names of hs, in order.
+func HashedNames(hs []HashHeader) []string {
+	out := make([]string, len(hs))
+	for i, h := range hs {
+		out[i] = h.Name
+	}
+	return out
 }

@@ -13,34 +13,43 @@ import (
 )
 
 // TestExtProcSessionAffinity: with the shipped envoy.yaml, a stream carries
-// the client's x-session-id as gRPC metadata, and the extproc cluster's ring
-// hash sends every stream of one session to one replica; streams without the
-// header, or a cluster without a hash load balancer, go in turn (§14).
+// the client's x-session-id, else its address, as gRPC metadata, and the
+// extproc cluster's ring hash sends every stream of one session, or of one
+// client naming none, to one replica: the session header is terminal, so a
+// session that moves between addresses stays; a cluster without a hash load
+// balancer balances them in turn (§14).
 func TestExtProcSessionAffinity(t *testing.T) {
 	// Sessions prime to endpoints, so that in turn a session moves; and many,
 	// so that hashed they all meet on one replica with a chance of 3^-15.
 	const endpoints, sessions, perSession = 3, 16, 3
+	ownAddress := func(s, _ int) string { return fmt.Sprint("127.0.0.", 2+s) }
 	tests := []struct {
 		name     string
 		lbPolicy string // the extproc cluster's
 		session  func(s int) string
-		pinned   bool // want each session's streams on one replica
+		client   func(s, i int) string // the address of session s's ith request
+		pinned   bool                  // want each session's streams on one replica
+		spread   bool                  // want the sessions spread over the replicas
 	}{
-		{"sessions, ring hash", "RING_HASH", func(s int) string { return fmt.Sprint("session-", s) }, true},
-		{"sessions, round robin", "ROUND_ROBIN", func(s int) string { return fmt.Sprint("session-", s) }, false},
-		{"no session header", "RING_HASH", nil, false},
+		{"sessions, ring hash", "RING_HASH", func(s int) string { return fmt.Sprint("session-", s) }, nil, true, true},
+		{"sessions moving between addresses", "RING_HASH", func(s int) string { return fmt.Sprint("session-", s) },
+			func(s, i int) string { return fmt.Sprint("127.0.0.", 2+s*perSession+i) }, true, true},
+		{"sessions, round robin", "ROUND_ROBIN", func(s int) string { return fmt.Sprint("session-", s) }, nil, false, true},
+		{"clients without sessions, ring hash", "RING_HASH", nil, ownAddress, true, true},
+		{"clients without sessions, round robin", "ROUND_ROBIN", nil, ownAddress, false, true},
+		{"one client without sessions", "RING_HASH", nil, nil, true, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			up := startUpstream(t)
 			type stream struct {
-				endpoint int
-				session  []string // the stream's x-session-id metadata
+				endpoint        int
+				session, client []string // the stream's x-session-id and x-pd-client-address metadata
 			}
 			seen := make(chan stream, sessions*perSession)
 			addrs := startReplicas(t, endpoints, up.addr, func(i int, s *procStream) {
 				md, _ := metadata.FromIncomingContext(s.Context())
-				seen <- stream{i, md.Get("x-session-id")}
+				seen <- stream{i, md.Get("x-session-id"), md.Get(handlers.ClientAddressHeader)}
 			})
 			raw := readFile(t, filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
 			cfg, err := LoadConfig(writeFile(t, strings.Replace(raw, "lb_policy: RING_HASH", "lb_policy: "+tt.lbPolicy, 1)))
@@ -49,48 +58,50 @@ func TestExtProcSessionAffinity(t *testing.T) {
 			}
 			cfg.Clusters[cfg.ExtProcCluster].TLS = nil
 			p := startProxyOn(t, cfg, addrs...)
-			for range perSession {
+			for i := range perSession {
 				for s := range sessions {
 					var hdr map[string]string
 					if tt.session != nil {
 						hdr = map[string]string{"x-session-id": tt.session(s)}
 					}
-					if res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, hdr); res.status != http.StatusOK {
+					client := "127.0.0.1"
+					if tt.client != nil {
+						client = tt.client(s, i)
+					}
+					if res := doFrom(t, p, client, http.MethodPost, "/v1/completions", `{"model":"m"}`, hdr); res.status != http.StatusOK {
 						t.Fatalf("status %d %q", res.status, res.body)
 					}
 				}
 			}
 			close(seen)
-			on := map[int][]int{} // session → endpoints of its streams
+			on := map[string][]int{} // session, or client address → endpoints of its streams
 			perEndpoint := map[int]int{}
 			n := 0
 			for st := range seen {
-				session := -1
-				if len(st.session) > 0 {
-					if _, err := fmt.Sscanf(st.session[0], "session-%d", &session); err != nil {
-						t.Fatalf("stream with x-session-id %q", st.session)
-					}
-				}
 				if tt.session == nil && len(st.session) > 0 {
 					t.Errorf("a stream without a session header carries x-session-id %q", st.session)
 				}
-				on[session] = append(on[session], st.endpoint)
+				if len(st.client) != 1 || !strings.HasPrefix(st.client[0], "127.0.0.") {
+					t.Errorf("stream carries %s %q, want the client's address", handlers.ClientAddressHeader, st.client)
+				}
+				key := strings.Join(st.session, ",")
+				if key == "" {
+					key = strings.Join(st.client, ",")
+				}
+				on[key] = append(on[key], st.endpoint)
 				perEndpoint[st.endpoint]++
 				n++
 			}
 			if n != sessions*perSession {
 				t.Fatalf("%d streams, want %d", n, sessions*perSession)
 			}
-			for session, eps := range on {
-				if session < 0 && tt.session != nil {
-					t.Errorf("streams without x-session-id metadata: %v", eps)
-				}
-				if pinned := len(slices.Compact(slices.Sorted(slices.Values(eps)))) == 1; session >= 0 && pinned != tt.pinned {
-					t.Errorf("session %d: streams on endpoints %v, want pinned %v", session, eps, tt.pinned)
+			for key, eps := range on {
+				if pinned := len(slices.Compact(slices.Sorted(slices.Values(eps)))) == 1; pinned != tt.pinned {
+					t.Errorf("%s: streams on endpoints %v, want pinned %v", key, eps, tt.pinned)
 				}
 			}
-			if len(perEndpoint) < 2 {
-				t.Errorf("streams per endpoint %v: want them spread over the replicas", perEndpoint)
+			if spread := len(perEndpoint) > 1; spread != tt.spread {
+				t.Errorf("streams per endpoint %v: want spread over the replicas %v", perEndpoint, tt.spread)
 			}
 		})
 	}
@@ -136,6 +147,8 @@ func TestInitialMetadataValues(t *testing.T) {
 	}
 	tests := []struct{ value, want string }{
 		{"%REQ(x-session-id)%", "abc"},
+		{"%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%", "192.0.2.7"},
+		{"%REQ(x-tenant)%@%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%", "t1@192.0.2.7"},
 		{"%REQ(X-Session-Id)%", "abc"},
 		{"%REQ(x-missing)%", ""},
 		{"static", "static"},
@@ -145,15 +158,16 @@ func TestInitialMetadataValues(t *testing.T) {
 		{"%REQ(:authority)% %REQ(host)% %REQ(:method)% %REQ(:path)%", "gw.example gw.example POST /v1/chat/completions?x=1"},
 	}
 	for _, tt := range tests {
-		if got := (MetadataValue{Key: "k", Value: tt.value}).evaluate(h); got != tt.want {
+		if got := (MetadataValue{Key: "k", Value: tt.value}).evaluate(h, "192.0.2.7:51234"); got != tt.want {
 			t.Errorf("%q evaluates to %q, want %q", tt.value, got, tt.want)
 		}
 	}
 	raw := readFile(t, filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
 	for _, value := range []string{"%START_TIME%", "%REQ(x-a?x-b)%", "%REQ(x-session-id):8%", "%DOWNSTREAM_PEER_FINGERPRINT_256%",
-		"%REQ(x-a)%%START_TIME%", "%REQ(x-a)%%", "100%", "%REQ()%", "%REQ(x-a)"} {
+		"%REQ(x-a)%%START_TIME%", "%REQ(x-a)%%", "100%", "%REQ()%", "%REQ(x-a)", "%DOWNSTREAM_REMOTE_ADDRESS%",
+		"%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT(x)%", "%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT:4%"} {
 		_, err := LoadConfig(writeFile(t, strings.Replace(raw, `"%REQ(x-session-id)%"`, `"`+value+`"`, 1)))
-		if err == nil || !strings.Contains(err.Error(), "only %REQ(header)% is emulated") {
+		if err == nil || !strings.Contains(err.Error(), "only %REQ(header)% and %DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT% are emulated") {
 			t.Errorf("initial_metadata %s: LoadConfig error = %v, want a refusal", value, err)
 		}
 	}
@@ -165,7 +179,7 @@ func TestInitialMetadataValues(t *testing.T) {
 func TestHashHeadersFollowTheLoadBalancer(t *testing.T) {
 	const typed = `load_balancing_policy: {policies: [{typed_extension_config: {name: envoy.load_balancing_policies.%s, typed_config: {"@type": type.googleapis.com/envoy.extensions.load_balancing_policies.%s.v3.%s}}}]}`
 	raw := readFile(t, filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
-	shipped := handlers.SessionHeaders
+	shipped := append(slices.Clone(handlers.SessionHeaders), handlers.ClientAddressHeader)
 	tests := []struct {
 		lb   string
 		want []string
@@ -182,7 +196,7 @@ func TestHashHeadersFollowTheLoadBalancer(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: %v", tt.lb, err)
 		}
-		if got := cfg.Clusters[cfg.ExtProcCluster].HashHeaders; !slices.Equal(got, tt.want) {
+		if got := HashedNames(cfg.Clusters[cfg.ExtProcCluster].HashHeaders); !slices.Equal(got, tt.want) {
 			t.Errorf("%s: hash headers %v, want %v", tt.lb, got, tt.want)
 		}
 	}

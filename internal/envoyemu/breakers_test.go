@@ -251,8 +251,9 @@ func TestDecodeClusterOverflow(t *testing.T) {
 	}
 }
 
-// TestExtProcEndpointsInTurn: the ext_proc cluster's endpoints take the
-// streams in turn, as Envoy's ROUND_ROBIN load balancer gives them.
+// TestExtProcEndpointsInTurn: the endpoints of an ext_proc cluster without
+// a hash policy take the streams in turn, as Envoy's ROUND_ROBIN load
+// balancer gives them.
 func TestExtProcEndpointsInTurn(t *testing.T) {
 	up := startUpstream(t)
 	const endpoints, perEndpoint = 3, 4
@@ -260,7 +261,9 @@ func TestExtProcEndpointsInTurn(t *testing.T) {
 	for i := range counts {
 		counts[i] = make(chan struct{}, endpoints*perEndpoint)
 	}
-	p := startProxyOn(t, loadShipped(t, "envoy.yaml"), startReplicas(t, endpoints, up.addr, func(i int, _ *procStream) { counts[i] <- struct{}{} })...)
+	cfg := loadShipped(t, "envoy.yaml")
+	cfg.Clusters[cfg.ExtProcCluster].HashHeaders = nil
+	p := startProxyOn(t, cfg, startReplicas(t, endpoints, up.addr, func(i int, _ *procStream) { counts[i] <- struct{}{} })...)
 	for range endpoints * perEndpoint {
 		if res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil); res.status != http.StatusOK {
 			t.Fatalf("status %d %q", res.status, res.body)

@@ -195,7 +195,7 @@ type Cluster struct {
 	// HashHeaders are the headers its HttpProtocolOptions.hash_policy
 	// hashes when its lb_policy is RING_HASH or MAGLEV, nil otherwise. A
 	// stream carrying none of them is balanced as without a hash (§14).
-	HashHeaders []string
+	HashHeaders []HashHeader
 }
 
 // OriginalDst is original_dst_lb_config (§8.1).

@@ -72,17 +72,21 @@ func TestLoadConfigShippedFiles(t *testing.T) {
 				t.Errorf("max_receive_message_length = %d, want 64 MiB", cfg.Limits.MaxReceiveMessageLength)
 			}
 			// Sessions on one replica (§14): the client's session headers (ours, Claude
-			// Code's, Codex's, Open WebUI's) on every stream, hashed.
-			sessions := handlers.SessionHeaders
+			// Code's, Codex's, Open WebUI's) on every stream, each hashed and terminal,
+			// then the client's address.
 			var want []MetadataValue
-			for _, h := range sessions {
+			var hashes []HashHeader
+			for _, h := range handlers.SessionHeaders {
 				want = append(want, MetadataValue{h, "%REQ(" + h + ")%"})
+				hashes = append(hashes, HashHeader{h, true})
 			}
+			want = append(want, MetadataValue{handlers.ClientAddressHeader, "%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%"})
+			hashes = append(hashes, HashHeader{handlers.ClientAddressHeader, false})
 			if !slices.Equal(cfg.InitialMetadata, want) {
 				t.Errorf("initial_metadata = %v, want %v", cfg.InitialMetadata, want)
 			}
-			if got := cfg.Clusters[cfg.ExtProcCluster].HashHeaders; !slices.Equal(got, sessions) {
-				t.Errorf("ext_proc cluster hashes %v, want %v under a ring hash", got, sessions)
+			if got := cfg.Clusters[cfg.ExtProcCluster].HashHeaders; !slices.Equal(got, hashes) {
+				t.Errorf("ext_proc cluster hashes %v, want %v under a ring hash", got, hashes)
 			}
 			if len(cfg.Routes) == 0 {
 				t.Fatal("no routes")

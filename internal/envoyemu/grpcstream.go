@@ -34,8 +34,8 @@ func openStream(x *exchange) *grpcStream {
 		maxRecv = x.cfg.Limits.MaxReceiveMessageLength
 	}
 	// grpc_service.initial_metadata is evaluated as the stream opens, on the
-	// request headers the filter chain has then.
-	md, sent := initialMetadata(x.cfg.InitialMetadata, x.dec.src.headers)
+	// request headers the filter chain has then, and the client's address.
+	md, sent := initialMetadata(x.cfg.InitialMetadata, x.dec.src.headers, x.down.r.RemoteAddr)
 	go s.run(ctx, maxRecv, md, sent)
 	return s
 }

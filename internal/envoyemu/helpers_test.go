@@ -353,6 +353,13 @@ type result struct {
 
 func do(t testing.TB, p *Proxy, method, path, body string, hdr map[string]string) result {
 	t.Helper()
+	return doFrom(t, p, "", method, path, body, hdr)
+}
+
+// doFrom is do from the client address ip (a loopback one, 127.0.0.1 when
+// empty), as a client at another address would send it.
+func doFrom(t testing.TB, p *Proxy, ip, method, path, body string, hdr map[string]string) result {
+	t.Helper()
 	var rd io.Reader
 	if body != "" {
 		rd = strings.NewReader(body)
@@ -364,7 +371,14 @@ func do(t testing.TB, p *Proxy, method, path, body string, hdr map[string]string
 	for k, v := range hdr {
 		req.Header.Set(k, v)
 	}
-	return doReq(t, req)
+	if ip == "" {
+		return doReq(t, req)
+	}
+	res := sendFrom(req, ip)
+	if res.err != nil {
+		t.Fatal(res.err)
+	}
+	return res
 }
 
 func doReq(t testing.TB, req *http.Request) result {
@@ -378,8 +392,15 @@ func doReq(t testing.TB, req *http.Request) result {
 
 // send makes one request on a fresh connection; a failure is in result.err,
 // so it may run on any goroutine.
-func send(req *http.Request) result {
-	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+func send(req *http.Request) result { return sendFrom(req, "") }
+
+// sendFrom is send from the local address ip, any when empty.
+func sendFrom(req *http.Request, ip string) result {
+	tr := &http.Transport{DisableKeepAlives: true}
+	if ip != "" {
+		tr.DialContext = (&net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}}).DialContext
+	}
+	client := &http.Client{Transport: tr}
 	resp, err := client.Do(req)
 	if err != nil {
 		return result{err: fmt.Errorf("%s %s: %w", req.Method, req.URL, err)}

@@ -25,7 +25,7 @@ type extProcCluster struct {
 	addrs     []string
 	rotation  atomic.Pointer[[]int] // the endpoints listed, as indexes of clients and addrs
 	next      atomic.Uint64
-	hash      []string // the headers its hash_policy names, nil: round robin
+	hash      []HashHeader // the headers its hash_policy names, nil: round robin
 	resources *resources
 	stop      context.CancelFunc // ends the watch of its TLS files
 }
@@ -79,8 +79,9 @@ func newExtProcCluster(addrs []string, cl *Cluster, mounts map[string]string, lo
 // pick is the endpoint for a stream with this metadata. A cluster with a
 // hash policy takes, for a stream carrying one of its headers, the endpoint
 // its value hashes to (rendezvous hashing over the addresses: the same value
-// always meets the same endpoint while it is listed, as on Envoy's ring).
-// Otherwise, and for a stream with none of them (where Envoy's ring picks at
+// always meets the same endpoint while it is listed, as on Envoy's ring),
+// the policies read in order up to the first terminal one whose header the
+// stream carries (HashPolicyImpl::generateHash). Otherwise, and for a stream with none of them (where Envoy's ring picks at
 // random), it is Envoy's default ROUND_ROBIN load balancer. Envoy keeps one
 // rotation per worker thread; the emulator has one in all. Health checks are
 // not modelled: an endpoint leaves the rotation only when removed.
@@ -88,7 +89,11 @@ func (c *extProcCluster) pick(md metadata.MD) extprocv3.ExternalProcessorClient 
 	rotation := *c.rotation.Load()
 	var key []string
 	for _, h := range c.hash {
-		key = append(key, md.Get(h)...)
+		vs := md.Get(h.Name)
+		key = append(key, vs...)
+		if h.Terminal && len(vs) > 0 {
+			break
+		}
 	}
 	if len(key) == 0 {
 		return c.clients[rotation[(c.next.Add(1)-1)%uint64(len(rotation))]]

@@ -1,7 +1,10 @@
 package testbed
 
 import (
+	"slices"
+
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 )
 
 // StartEnvoy starts the Envoy emulator on a bootstrap file of the repo
@@ -32,4 +35,16 @@ func StartEnvoyOn(c Cleaner, file string, extprocAddrs []string, tweak func(*env
 	}
 	c.Cleanup(func() { p.Close() })
 	return p, nil
+}
+
+// ManyClients drops the client's address from cfg's ext_proc streams, which
+// the shipped configs hash to pick a replica for a client that names no
+// session (docs/envoy.md §14): a test's requests, all from one loopback
+// address, then come as from clients whose requests leave from many
+// addresses (an application's pods), whose streams the emulator gives to the
+// replicas in turn.
+func ManyClients(cfg *envoyemu.Config) {
+	cfg.InitialMetadata = slices.DeleteFunc(cfg.InitialMetadata, func(m envoyemu.MetadataValue) bool {
+		return m.Key == handlers.ClientAddressHeader
+	})
 }

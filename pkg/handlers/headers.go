@@ -19,6 +19,11 @@ import (
 // WebUI's. A request carrying one is counted apart (pipeline.Request.Session).
 var SessionHeaders = []string{"x-session-id", "x-claude-code-session-id", "session-id", "x-openwebui-chat-id"}
 
+// ClientAddressHeader is what the shipped Envoy configs put on the ext_proc
+// stream for a client that names no session: its address, which they hash to
+// pick a replica instead. The server does not read it.
+const ClientAddressHeader = "x-pd-client-address"
+
 // readHeaders takes what routing needs (begin reads what the observation does). Envoy sends values in raw_value; value is
 // read only as a fallback for Envoys with the raw_value guard off.
 func (x *exchange) readHeaders(hm *corev3.HeaderMap) {

@@ -4,6 +4,7 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -277,8 +278,19 @@ func checkGatewayStatus(res map[string]any, r *report) {
 }
 
 // sessionHeaders are the clients' session headers the chart's policies put on the ext_proc
-// stream and hash to pick a replica (docs/envoy.md §14): the ones pd-extproc reads too.
+// stream and hash to pick a replica (docs/envoy.md §14): the ones pd-extproc reads too. Then
+// the client's address, for a client that names no session.
 var sessionHeaders = handlers.SessionHeaders
+
+// affinityMetadata is the initial_metadata those policies put on the stream: each session
+// header's value, and the client's address.
+func affinityMetadata() map[string]string {
+	m := map[string]string{handlers.ClientAddressHeader: "%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%"}
+	for _, h := range sessionHeaders {
+		m[h] = "%REQ(" + h + ")%"
+	}
+	return m
+}
 
 // checkGatewayXDS parses the xDS egctl produced into Envoy's types, runs the same proto and
 // semantic rules as the standalone configs, and then checks what the manifests promise.
@@ -375,23 +387,23 @@ func checkGatewayPromises(m *envoyModel, limits serviceLimits, paths []string, r
 	if !claHasPort(m.endpoints[grpcCluster], extprocServicePort) {
 		r.errorf("ext_proc cluster %q has no endpoint on the extproc Service port %d", grpcCluster, extprocServicePort)
 	}
-	// A client's session header keeps its requests on one replica (docs/envoy.md §14):
-	// checkSessionAffinity says the cluster hashes only headers the stream carries.
-	var carried, hashed []string
+	// A client's session header, else its address, keeps its requests on one replica
+	// (docs/envoy.md §14): checkSessionAffinity says the cluster hashes only headers the
+	// stream carries.
+	carried := map[string]string{}
 	for _, hv := range extProc.GetGrpcService().GetInitialMetadata() {
-		if hv.GetValue() == "%REQ("+hv.GetKey()+")%" {
-			carried = append(carried, hv.GetKey())
-		}
+		carried[hv.GetKey()] = hv.GetValue()
 	}
-	if !slices.Equal(carried, sessionHeaders) {
-		r.errorf("ext_proc initial_metadata carries %v, want %v (the session-affinity EnvoyPatchPolicy did not apply)", carried, sessionHeaders)
+	if want := affinityMetadata(); !maps.Equal(carried, want) {
+		r.errorf("ext_proc initial_metadata carries %v, want %v (the session-affinity EnvoyPatchPolicy did not apply)", carried, want)
 	}
 	c := m.clusters[grpcCluster]
+	var hashed []string
 	for _, hp := range httpProtocolOptions(c).GetHashPolicy() {
 		hashed = append(hashed, hp.GetHeader().GetHeaderName())
 	}
-	if !envoyemu.HashBalanced(c) || !slices.Equal(hashed, sessionHeaders) {
-		r.errorf("ext_proc cluster %q hashes %v, want a hash load balancer on %v (the EnvoyExtensionPolicy's backendSettings.loadBalancer)", grpcCluster, hashed, sessionHeaders)
+	if want := append(slices.Clone(sessionHeaders), handlers.ClientAddressHeader); !envoyemu.HashBalanced(c) || !slices.Equal(hashed, want) {
+		r.errorf("ext_proc cluster %q hashes %v, want a hash load balancer on %v (the EnvoyExtensionPolicy's backendSettings.loadBalancer)", grpcCluster, hashed, want)
 	}
 	// Envoy Gateway's default refuses a request with an underscore in a header name; Codex
 	// before May 2026 sends session_id with every request.

@@ -25,6 +25,7 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 		decodeOnly            bool   // turns 2 and 3
 		kvEvents              bool   // the pools follow the engines' KV events: the decision reads the decode engine's exact hit
 		session               string // the header that names the client's session, which Envoy hashes to keep its turns on one replica
+		oneClient             bool   // every turn from one client address, which Envoy hashes without a session header
 	}{
 		{name: "one replica", mode: "full_duplex", replicas: 1, pd: "{min_uncached_tokens: 100}", decodeOnly: true},
 		{name: "three replicas", mode: "full_duplex", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true},
@@ -34,6 +35,7 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 		{name: "three replicas, Claude Code's session", mode: "full_duplex", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, session: "X-Claude-Code-Session-Id"},
 		{name: "three replicas, Codex's session", mode: "no_response", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, session: "Session-Id"},
 		{name: "three replicas, Open WebUI's chat", mode: "full_duplex", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, session: "X-Openwebui-Chat-Id"},
+		{name: "three replicas, one client", mode: "full_duplex", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, oneClient: true},
 		{name: "a bound below the new part", mode: "full_duplex", replicas: 1, pd: "{min_uncached_tokens: 10}"},
 		{name: "kv-sglang", mode: "full_duplex", connector: "kv-sglang", replicas: 1, pd: "{}"},
 		{name: "the engines' KV events", mode: "full_duplex", replicas: 1, pd: "{min_uncached_tokens: 100}", decodeOnly: true, kvEvents: true},
@@ -41,7 +43,7 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			o := rigOptions{mode: tt.mode, connector: tt.connector, replicas: tt.replicas, decodes: 3,
+			o := rigOptions{mode: tt.mode, connector: tt.connector, replicas: tt.replicas, decodes: 3, oneClient: tt.oneClient,
 				promptTokensDetails: true, decodePool: "policy: prefix-affinity", prefillPool: "policy: prefix-affinity",
 				extra: "pd: " + tt.pd}
 			if tt.kvEvents {
@@ -92,10 +94,11 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if tt.replicas > 1 && tt.session == "" && n > 1 {
+				pinned := tt.session != "" || tt.oneClient
+				if tt.replicas > 1 && !pinned && n > 1 {
 					t.Errorf("one replica decided %v of the later turns: they are not spread over the replicas", n)
 				}
-				if tt.session != "" && n > 0 && n != wantCached {
+				if pinned && n > 0 && n != wantCached {
 					t.Errorf("one replica decided %v of the %v later turns of one session: want them all on one", n, wantCached)
 				}
 				decided += max(n, 0)

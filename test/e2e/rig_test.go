@@ -68,6 +68,10 @@ type rigOptions struct {
 	// noRender: the simulators have no render endpoints (older vLLM).
 	noRender bool
 	lora     []string // LoRA adapters the simulators serve besides pdsim
+	// oneClient keeps the shipped configs' hash on the client's address
+	// (docs/envoy.md §14): the rig's requests, all from 127.0.0.1, then all
+	// meet one replica. Without it, testbed.ManyClients.
+	oneClient bool
 }
 
 // simIP is the loopback IP of the rig's i-th simulator of a role: each has
@@ -151,6 +155,9 @@ func startRig(t *testing.T, o rigOptions) *rig {
 	r.proxy = testbed.MustStartEnvoyOn(t, testbed.EnvoyConfigs[o.mode], addrs, func(cfg *envoyemu.Config) {
 		cfg.Logf = t.Logf
 		r.mtls.Envoy(cfg)
+		if !o.oneClient {
+			testbed.ManyClients(cfg)
+		}
 		if o.envoy != nil {
 			o.envoy(cfg)
 		}

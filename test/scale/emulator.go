@@ -39,6 +39,7 @@ func runEmulator(args []string) error {
 		// plaintext link: TLS costs a handshake per connection (a few per replica), not per
 		// held stream, which is what this run measures.
 		testbed.Plaintext(cfg)
+		testbed.ManyClients(cfg) // the load comes from one address, standing for many clients
 		cfg.ListenAddr = *listen
 	})
 	if err != nil {
