@@ -8,6 +8,7 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"github.com/google/uuid"
+	"google.golang.org/grpc/metadata"
 
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/response"
@@ -19,9 +20,10 @@ import (
 // WebUI's. A request carrying one is counted apart (pipeline.Request.Session).
 var SessionHeaders = []string{"x-session-id", "x-claude-code-session-id", "session-id", "x-openwebui-chat-id"}
 
-// ClientAddressHeader is what the shipped Envoy configs put on the ext_proc
-// stream for a client that names no session: its address, which they hash to
-// pick a replica instead. The server does not read it.
+// ClientAddressHeader is the ext_proc stream's metadata in which the shipped
+// Envoy configs put the client's address, which they hash to pick a replica
+// for a request that names no session (docs/envoy.md §14). Such requests
+// are counted per address (pipeline.Request.Client).
 const ClientAddressHeader = "x-pd-client-address"
 
 // readHeaders takes what routing needs (begin reads what the observation does). Envoy sends values in raw_value; value is
@@ -55,6 +57,9 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 				x.req.Session = true
 			}
 		}
+	}
+	if a := metadata.ValueFromIncomingContext(x.ctx, ClientAddressHeader); len(a) > 0 {
+		x.req.Client = a[0]
 	}
 	if id := x.req.RequestID; !validRequestID(id) {
 		x.req.RequestID = uuid.NewString()

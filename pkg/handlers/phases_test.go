@@ -17,6 +17,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
 	"github.com/go-logr/logr/funcr"
+	"google.golang.org/grpc/metadata"
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
 	"github.com/pd-extproc/pd-extproc/pkg/api"
@@ -698,26 +699,36 @@ func TestUsageRewriteWithoutFullDuplexResponsesIsLoggedOnce(t *testing.T) {
 // TestSessionHeadersMarkTheRequest: a request naming its session in one of
 // the headers Envoy's session hash reads is routed as such
 // (pipeline.Request.Session), so that prefix affinity counts its
-// conversations apart; an empty value names none.
+// conversations apart; an empty value names none. The client's address that
+// the shipped configs put on the stream is routed with it
+// (pipeline.Request.Client), for the counts per address.
 func TestSessionHeadersMarkTheRequest(t *testing.T) {
 	tests := []struct {
 		name    string
 		headers []envoymsg.Header
+		client  string // the stream's x-pd-client-address metadata
 		want    bool
 	}{
-		{"none", nil, false},
-		{"ours", []envoymsg.Header{{"x-session-id", "s1"}}, true},
-		{"Claude Code's", []envoymsg.Header{{"x-claude-code-session-id", "5f0c"}}, true},
-		{"Codex's", []envoymsg.Header{{"session-id", "019a"}}, true},
-		{"Open WebUI's", []envoymsg.Header{{"x-openwebui-chat-id", "c1"}}, true},
-		{"an empty value", []envoymsg.Header{{"x-session-id", ""}}, false},
-		{"another header", []envoymsg.Header{{"x-conversation-id", "c1"}}, false},
+		{"none", nil, "", false},
+		{"ours", []envoymsg.Header{{"x-session-id", "s1"}}, "", true},
+		{"Claude Code's", []envoymsg.Header{{"x-claude-code-session-id", "5f0c"}}, "", true},
+		{"Codex's", []envoymsg.Header{{"session-id", "019a"}}, "", true},
+		{"Open WebUI's", []envoymsg.Header{{"x-openwebui-chat-id", "c1"}}, "", true},
+		{"an empty value", []envoymsg.Header{{"x-session-id", ""}}, "", false},
+		{"another header", []envoymsg.Header{{"x-conversation-id", "c1"}}, "", false},
+		{"the client's address", nil, "192.0.2.7", false},
+		{"a session and the client's address", []envoymsg.Header{{"x-session-id", "s1"}}, "2001:db8::7", true},
+		{"the address as a request header", []envoymsg.Header{{handlers.ClientAddressHeader, "192.0.2.8"}}, "", false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			r := &fakeRouter{}
 			s := handlers.NewServer(r, handlers.Options{}, logr.Discard())
-			x := s.Open(t.Context(), newRecorder())
+			ctx := t.Context()
+			if tt.client != "" {
+				ctx = metadata.NewIncomingContext(ctx, metadata.Pairs(handlers.ClientAddressHeader, tt.client))
+			}
+			x := s.Open(ctx, newRecorder())
 			defer x.Close()
 			hs := append([]envoymsg.Header{{"x-request-id", "req-1"}}, tt.headers...)
 			msgs := append([]*extprocv3.ProcessingRequest{envoymsg.WithModes(
@@ -728,8 +739,8 @@ func TestSessionHeadersMarkTheRequest(t *testing.T) {
 					t.Fatalf("message %d ended the stream: %v", i, err)
 				}
 			}
-			if len(r.seen) != 1 || r.seen[0].Session != tt.want {
-				t.Fatalf("routed %d requests, Session %v; want one, Session %v", len(r.seen), len(r.seen) > 0 && r.seen[0].Session, tt.want)
+			if len(r.seen) != 1 || r.seen[0].Session != tt.want || r.seen[0].Client != tt.client {
+				t.Fatalf("routed %d requests, %+v; want one, Session %v, Client %q", len(r.seen), r.seen, tt.want, tt.client)
 			}
 		})
 	}

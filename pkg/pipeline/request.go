@@ -33,6 +33,10 @@ type Request struct {
 	// Session says the client named its session in a header Envoy's session
 	// hash reads (handlers.SessionHeaders): scheduling.Request.Session.
 	Session bool
+	// Client is the client's address as Envoy put it on the ext_proc stream
+	// (handlers.ClientAddressHeader), "" when absent:
+	// scheduling.Request.Client.
+	Client string
 
 	// Report is filled in by Route and RouteHeaders, whether they succeed or
 	// fail, with what the caller logs and counts.

@@ -92,7 +92,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	}
 	sreq := scheduling.NewRequest(prompt)
 	sreq.Subset = scheduling.ParseSubset(r.Subset)
-	sreq.Alone, sreq.Session = alone, r.Session
+	sreq.Alone, sreq.Session, sreq.Client = alone, r.Session, r.Client
 	if err := p.parallelSamples(sreq); err != nil {
 		return nil, err
 	}

@@ -174,6 +174,49 @@ func (c *coverage) note(turn, held bool) (whole bool) {
 	return c.seen >= coverageMinSeen && c.held >= coverageWhole*c.seen
 }
 
+// clientCoverages are the coverage counts of the requests that name no
+// session, one per client address (Request.Client): the shipped Envoy configs
+// hash such a request to a replica by its address, so a client that keeps one
+// address has its conversations seen whole by one replica, while one whose
+// turns leave from several addresses (an application's pods taking turns)
+// has them spread. Counted apart, each is trusted as far as it holds. At most
+// maxClients addresses are counted, the least recently seen forgotten first.
+type clientCoverages struct {
+	mu      sync.Mutex
+	clients map[string]*list.Element
+	lru     list.List // of *clientCoverage, most recent first
+}
+
+type clientCoverage struct {
+	client string
+	coverage
+}
+
+// maxClients bounds the client addresses counted: a forgotten one starts
+// again untrusted, at a few hundred bytes each.
+const maxClients = 4096
+
+// of is client's coverage, counted from now if it is new.
+func (c *clientCoverages) of(client string) *coverage {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if el, ok := c.clients[client]; ok {
+		c.lru.MoveToFront(el)
+		return &el.Value.(*clientCoverage).coverage
+	}
+	if c.clients == nil {
+		c.clients = map[string]*list.Element{}
+	}
+	if c.lru.Len() >= maxClients {
+		old := c.lru.Back()
+		delete(c.clients, old.Value.(*clientCoverage).client)
+		c.lru.Remove(old)
+	}
+	cc := &clientCoverage{client: client}
+	c.clients[client] = c.lru.PushFront(cc)
+	return &cc.coverage
+}
+
 // shares estimates, for each prefix key, its share of the requests this
 // replica picks for: counts that decay by sharesDecay a request, over the
 // count of a full window (1 / (1 - sharesDecay) requests, about a minute of

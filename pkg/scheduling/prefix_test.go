@@ -489,7 +489,11 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 		// conversations that do not are continued elsewhere beside them.
 		named, newUnnamed bool
 		unnamed           int
-		wantMemory        bool
+		// clients: instead of naming sessions, the earlier conversations
+		// come from one client address and the unnamed ones from another
+		// (Request.Client); the new one from the first unless newUnnamed.
+		clients    bool
+		wantMemory bool
 	}{
 		{name: "whole conversations: where the system prompt is", seen: 3, conversations: 8, wantMemory: true},
 		{name: "conversations continued elsewhere: the ranking", seen: 2, conversations: 8},
@@ -500,14 +504,24 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 			named: true, unnamed: 8, wantMemory: true},
 		{name: "an unnamed conversation beside whole named ones: the ranking", seen: 3, conversations: 8,
 			named: true, unnamed: 8, newUnnamed: true},
+		{name: "a client's conversations whole beside another's continued elsewhere: where the system prompt is", seen: 3, conversations: 8,
+			clients: true, unnamed: 8, wantMemory: true},
+		{name: "a conversation of the client whose others were continued elsewhere: the ranking", seen: 3, conversations: 8,
+			clients: true, unnamed: 8, newUnnamed: true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p, _ := testPool(t, sched, addrs...)
 			other, _ := testPool(t, sched, addrs...)
-			session := func(req *Request, named bool) *Request { req.Session = named; return req }
+			session := func(req *Request, first bool) *Request {
+				req.Session = tt.named && first
+				if tt.clients {
+					req.Client = map[bool]string{true: "192.0.2.1", false: "192.0.2.2"}[first]
+				}
+				return req
+			}
 			for i := range tt.conversations + tt.unnamed {
-				named, seen := tt.named && i < tt.conversations, tt.seen
+				named, seen := i < tt.conversations, tt.seen
 				if i >= tt.conversations {
 					seen = 2
 				}
@@ -541,7 +555,7 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 			if tt.wantMemory {
 				want = cached
 			}
-			named := tt.named && !tt.newUnnamed
+			named := !tt.newUnnamed
 			if got := pick(p, session(conversation(system, q), named)); got != want {
 				t.Errorf("the new conversation went to %s, want %s (its system prompt is on %s, its ranking starts at %s)", got, want, cached, ranked)
 			}
@@ -976,5 +990,35 @@ func TestDecodeQueueBoundWithoutATrustedView(t *testing.T) {
 				t.Errorf("picked %s (first %s): spilled %v, want %v", got.Addr, first.Addr, spilled, tt.spills)
 			}
 		})
+	}
+}
+
+// TestClientCoveragesAreBounded: the counts per client address keep at most
+// maxClients addresses, forgetting the least recently seen, which then
+// starts again untrusted; the others keep their counts.
+func TestClientCoveragesAreBounded(t *testing.T) {
+	var c clientCoverages
+	for range 10 { // whole: every later turn's previous request was routed here
+		c.of("kept").note(true, true)
+		c.of("forgotten").note(true, true)
+	}
+	c.of("kept") // seen more recently than "forgotten"
+	for i := range maxClients - 1 {
+		c.of(fmt.Sprint("client-", i))
+	}
+	tests := []struct {
+		client string
+		whole  bool
+	}{
+		{"kept", true},
+		{"forgotten", false},
+	}
+	for _, tt := range tests {
+		if whole := c.of(tt.client).note(false, false); whole != tt.whole {
+			t.Errorf("%s: whole %v, want %v", tt.client, whole, tt.whole)
+		}
+	}
+	if n := c.lru.Len(); n != maxClients {
+		t.Errorf("%d addresses counted, want at most %d", n, maxClients)
 	}
 }

@@ -183,9 +183,11 @@ func rank(prefix, conversation uint64, home int, eps []*Endpoint) []ranked {
 type prefixAffinity struct {
 	keys  rendezvousKeys
 	index *prefixIndex
-	// coverage counts, for requests with a named session and without apart
-	// (Request.Session), whether this replica sees their conversations whole.
-	coverage                  [2]coverage
+	// named counts whether this replica sees whole the conversations of
+	// requests that name their session (Request.Session), and clients those
+	// of the others, per client address (Request.Client).
+	named                     coverage
+	clients                   clientCoverages
 	shares                    *shares
 	factor, slack, queueSlack float64
 	// estimateQueueSlack is queueSlack for a request placed without a view
@@ -277,7 +279,11 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	}
 	// A later turn tells whether this replica routed the request before it.
 	prevBlocks := len(previous) / p.keys.blockChars
-	whole := p.coverage[kind(req.Session)].note(prevBlocks > 0, p.index.ended(previous, hs))
+	cov := &p.named
+	if !req.Session {
+		cov = p.clients.of(req.Client)
+	}
+	whole := cov.note(prevBlocks > 0, p.index.ended(previous, hs))
 	if whole && req.Head() != "" && previous == "" {
 		// A conversation's first request: where the most of it (its system
 		// prompt) is remembered, the less busy of equals.
@@ -320,14 +326,6 @@ func (p *prefixAffinity) estimate(req *Request, e *Endpoint, served map[string]i
 		held = max(held, len(req.Previous()))
 	}
 	req.held = estimate{addr: e.Addr, chars: held}
-}
-
-// kind is 1 for a request with a named session, 0 for one without.
-func kind(session bool) int {
-	if session {
-		return 1
-	}
-	return 0
 }
 
 // routed says whether this replica sent a request with these blocks

@@ -27,6 +27,12 @@ type Request struct {
 	// prefix-affinity counts whether it sees such conversations whole apart
 	// from the others.
 	Session bool
+	// Client is the client's address as Envoy's session hash reads it for a
+	// request that names no session (handlers.ClientAddressHeader): the
+	// requests of one address may all reach this replica, so prefix-affinity
+	// counts whether it sees their conversations whole per address. "" when
+	// unknown: those requests share one count.
+	Client string
 
 	prompt *api.Prompt // read as the request's API reads it; nil for none
 	// tokens are the prompt's token ids as its engine computes them, when

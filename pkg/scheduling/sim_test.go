@@ -133,7 +133,20 @@ type simPolicy struct {
 	// pinShare, with pinned, is the share of conversations whose client
 	// names its session; the others go in turn. 0 pins them all.
 	pinShare float64
+	// byAddress, with pinned, pins the pinShare of conversations (0: all)
+	// by their client's address instead of a session header (Request.Client), as
+	// the shipped Envoy configs do for a client that names no session; the
+	// others come from one of simPods addresses a turn (an application's
+	// pods taking turns), and go to the replica that address hashes to.
+	// oneCount reads every such request without its address, so that one
+	// count stands for all of them, as before the counts per address.
+	byAddress, oneCount bool
 }
+
+// simPods is how many addresses an application's requests leave from, and
+// simClients how many clients keep one address each, their conversations
+// numbered in turn.
+const simPods, simClients = 16, 64
 
 func configured(name string) simPolicy { return simPolicy{name: name, config: name} }
 
@@ -389,20 +402,22 @@ type simReq struct {
 	engine  *simEngine
 	release func()
 	done    func(ok bool)
-	session int // its conversation's number, for pinned replicas; 0 for none
+	session int    // its conversation's number, for pinned replicas; 0 for none
+	client  string // its client's address (simPolicy.byAddress), "" for none
 }
 
 type sim struct {
 	simClock
-	p        simParams
-	engines  map[string]*simEngine
-	pools    []*Pool // one per replica
-	sent     int     // requests sent, for the replicas' turns
-	chats    int     // conversations started, which numbers them
-	tokens   bool    // requests carry their tokens (the policy follows KV events)
-	blind    bool    // requests are read without their namespace (simPolicy.blind)
-	pinned   bool    // a conversation's requests go to one replica (simPolicy.pinned)
-	pinShare float64 // of the conversations pinned (simPolicy.pinShare), 0 for all
+	p                   simParams
+	engines             map[string]*simEngine
+	pools               []*Pool // one per replica
+	sent                int     // requests sent, for the replicas' turns
+	chats               int     // conversations started, which numbers them
+	tokens              bool    // requests carry their tokens (the policy follows KV events)
+	blind               bool    // requests are read without their namespace (simPolicy.blind)
+	pinned              bool    // a conversation's requests go to one replica (simPolicy.pinned)
+	pinShare            float64 // of the conversations pinned (simPolicy.pinShare), 0 for all
+	byAddress, oneCount bool    // simPolicy's
 
 	ttfts          []time.Duration
 	prompt, cached float64
@@ -433,6 +448,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 		s.engines[a] = e
 	}
 	s.tokens, s.blind, s.pinned, s.pinShare = index != nil, policy.blind, policy.pinned, policy.pinShare
+	s.byAddress, s.oneCount = policy.byAddress, policy.oneCount
 	spec := PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{
 		Policy:  policy.config,
 		Prefix:  policy.prefix,
@@ -521,6 +537,12 @@ func (s *sim) converse(sess simSession) {
 		t, prompt, asked := c.ask(i)
 		r := &simReq{prompt: prompt, req: chatRequest(asked), output: t.output, arrived: s.now, session: id}
 		r.req.Session = s.pinned && id != 0
+		if s.byAddress {
+			r.session, r.req.Session, r.client = 0, false, fmt.Sprint("client-", id%simClients)
+			if id == 0 {
+				r.client = fmt.Sprint("pod-", s.sent%simPods)
+			}
+		}
 		if r.salt = sess.salt; r.salt != "" && !s.blind { // as API.PromptOf reads them
 			r.req.prompt.Cache = kvevents.Keys{Model: "m", Salt: sess.salt}
 		}
@@ -545,6 +567,12 @@ func (s *sim) send(r *simReq) {
 	s.sent++
 	if s.pinned && r.session != 0 {
 		pool = s.pools[mix64(uint64(r.session))%uint64(len(s.pools))]
+	}
+	if r.client != "" {
+		pool = s.pools[mix64(xxhash.Sum64String(r.client))%uint64(len(s.pools))]
+		if !s.oneCount {
+			r.req.Client = r.client
+		}
 	}
 	if s.tokens && r.req.Tokens() == nil {
 		r.req.SetTokens(simTokens(r.prompt))

@@ -468,6 +468,24 @@ func BenchmarkNamedSessions(b *testing.B) {
 	}
 }
 
+// BenchmarkClientAddresses is docs/scheduling.md's client-addresses table:
+// multi-turn chat (b) and mixed traffic (c) on the small cache, where every
+// conversation, or half of them, keeps one client address (64 clients),
+// which the shipped Envoy configs hash to a replica, and the rest leave from
+// an application's 16 pods in turn; each counted per address, or with one
+// count for all, as before. Run it as BenchmarkPolicies.
+func BenchmarkClientAddresses(b *testing.B) {
+	byAddress := func(name string, share float64, oneCount bool) simPolicy {
+		return simPolicy{name: name, config: config.PolicyPrefixAffinity, pinned: true, pinShare: share, byAddress: true, oneCount: oneCount}
+	}
+	rows := runTable(table([]simWorkload{multiTurn, mixed}, []int{smallCache}, []float64{1, 1.5}, []int{2, 4, 8},
+		[]simPolicy{byAddress("half by address, one count", 0.5, true), byAddress("half by address", 0.5, false),
+			byAddress("all by address, one count", 0, true), byAddress("all by address", 0, false)}), 10*time.Minute, simSeeds)
+	for _, r := range rows {
+		b.Log(r)
+	}
+}
+
 // TestSimulatedNamespaces: on a short run of workload (f), small cache, at
 // 1 and 4 replicas, prefix affinity that ranks requests by their namespace,
 // with or without events, caches 10 points more than the same policy blind
