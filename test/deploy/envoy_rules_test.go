@@ -19,6 +19,7 @@ import (
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	upstreamhttpv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/upstreams/http/v3"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -427,9 +428,24 @@ func checkSessionAffinity(where string, ep *extprocv3.ExternalProcessor, c *clus
 	if len(hps) > 0 && !envoyemu.HashBalanced(c) {
 		r.errorf("%s: cluster %q has a hash_policy but no RING_HASH or MAGLEV load balancer, which ignores it", where, c.GetName())
 	}
-	for _, hp := range hps {
-		if h := strings.ToLower(hp.GetHeader().GetHeaderName()); h != "" && !carried[h] {
+	for i, hp := range hps {
+		h := strings.ToLower(hp.GetHeader().GetHeaderName())
+		if h != "" && !carried[h] {
 			r.errorf("%s: cluster %q hashes header %q, which grpc_service.initial_metadata does not put on the stream: no stream has it", where, c.GetName(), h)
+		}
+		// The client's address picks the replica only for a request that names no session:
+		// every policy before it must end the list when it yields a hash, or a session would
+		// be hashed with its address and move whenever its address does.
+		if h != handlers.ClientAddressHeader {
+			continue
+		}
+		if i != len(hps)-1 {
+			r.errorf("%s: cluster %q hashes %s before other headers: it must come last", where, c.GetName(), h)
+		}
+		for _, before := range hps[:i] {
+			if !before.GetTerminal() {
+				r.errorf("%s: cluster %q hashes %q without terminal before %s: a session would be hashed with its client's address", where, c.GetName(), before.GetHeader().GetHeaderName(), h)
+			}
 		}
 	}
 }
