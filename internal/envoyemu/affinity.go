@@ -76,6 +76,19 @@ func parts(value string) ([]part, error) {
 	return out, nil
 }
 
+// usesRemoteAddress says whether an entry of ms carries the client's address.
+func usesRemoteAddress(ms []MetadataValue) bool {
+	for _, m := range ms {
+		ps, _ := parts(m.Value) // checked when the config was read
+		for _, p := range ps {
+			if p.remote {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 func metadataFromProto(hvs []*corev3.HeaderValue) ([]MetadataValue, error) {
 	var out []MetadataValue
 	for _, hv := range hvs {

@@ -173,6 +173,34 @@ func TestInitialMetadataValues(t *testing.T) {
 	}
 }
 
+// TestClientAddressNeedsUseRemoteAddress: without use_remote_address Envoy
+// takes the client's address from x-forwarded-for, which the client sets;
+// the emulator refuses to guess.
+func TestClientAddressNeedsUseRemoteAddress(t *testing.T) {
+	raw := readFile(t, filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
+	withoutRemote := func(s string) string {
+		return strings.Replace(s, "use_remote_address: true", "use_remote_address: false", 1)
+	}
+	withoutAddress := func(s string) string {
+		return strings.Replace(s, `"%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%"`, `"%REQ(x-client)%"`, 1)
+	}
+	tests := []struct {
+		name    string
+		yaml    string
+		wantErr bool
+	}{
+		{"as shipped", raw, false},
+		{"without use_remote_address", withoutRemote(raw), true},
+		{"without it and without the address", withoutRemote(withoutAddress(raw)), false},
+	}
+	for _, tt := range tests {
+		_, err := LoadConfig(writeFile(t, tt.yaml))
+		if refused := err != nil && strings.Contains(err.Error(), "without use_remote_address is not emulated"); refused != tt.wantErr || err != nil && !refused {
+			t.Errorf("%s: LoadConfig error = %v, want the refusal %v", tt.name, err, tt.wantErr)
+		}
+	}
+}
+
 // TestHashHeadersFollowTheLoadBalancer: the extproc cluster's hash policy
 // counts under a hash load balancer, named by lb_policy or by a typed
 // load_balancing_policy, and is ignored under another, as in Envoy.

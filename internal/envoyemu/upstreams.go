@@ -80,8 +80,8 @@ func newExtProcCluster(addrs []string, cl *Cluster, mounts map[string]string, lo
 // hash policy takes, for a stream carrying one of its headers, the endpoint
 // its value hashes to (rendezvous hashing over the addresses: the same value
 // always meets the same endpoint while it is listed, as on Envoy's ring),
-// the policies read in order up to the first terminal one whose header the
-// stream carries (HashPolicyImpl::generateHash). Otherwise, and for a stream with none of them (where Envoy's ring picks at
+// the policies read in order until a terminal one with a hash so far
+// (HashPolicyImpl::generateHash). Otherwise, and for a stream with none of them (where Envoy's ring picks at
 // random), it is Envoy's default ROUND_ROBIN load balancer. Envoy keeps one
 // rotation per worker thread; the emulator has one in all. Health checks are
 // not modelled: an endpoint leaves the rotation only when removed.
@@ -89,9 +89,8 @@ func (c *extProcCluster) pick(md metadata.MD) extprocv3.ExternalProcessorClient 
 	rotation := *c.rotation.Load()
 	var key []string
 	for _, h := range c.hash {
-		vs := md.Get(h.Name)
-		key = append(key, vs...)
-		if h.Terminal && len(vs) > 0 {
+		key = append(key, md.Get(h.Name)...)
+		if h.Terminal && len(key) > 0 {
 			break
 		}
 	}
