@@ -47,7 +47,7 @@ tls:
   clientSecret: router-client
   clientSAN: spiffe://cluster.local/ns/llm/sa/envoy
 envoy: {replicas: 3, service: {type: LoadBalancer}}
-gateway: {enabled: true, name: llm-gateway, className: llm}
+gateway: {enabled: true, name: llm-gateway, className: llm, xffTrustedHops: 1}
 monitoring:
   serviceMonitor: {enabled: true, labels: {release: prometheus}}
   prometheusRule: {enabled: true}
