@@ -38,8 +38,9 @@ type part struct {
 }
 
 // remoteAddress is the command for the client's address without its port:
-// the connection's peer, as the emulator's HCM trusts no x-forwarded-for hop
-// (configload.go refuses xff_num_trusted_hops).
+// the connection's peer, as with use_remote_address and no trusted
+// x-forwarded-for hop (configload.go refuses the command without the one and
+// xff_num_trusted_hops).
 const remoteAddress = "DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT"
 
 // parts cuts a value into its pieces, left to right as Envoy's formatter
@@ -161,7 +162,7 @@ func HashBalanced(c *clusterv3.Cluster) bool {
 }
 
 // HashHeader is a header hash policy of a cluster: the header, and whether
-// the policy is terminal (when the header is present, the policies after it
+// the policy is terminal (when there is a hash so far, the policies after it
 // are not evaluated).
 type HashHeader struct {
 	Name     string
@@ -183,13 +184,4 @@ func hashHeadersFromProto(c *clusterv3.Cluster, hps []*routev3.RouteAction_HashP
 		out = append(out, HashHeader{Name: strings.ToLower(hp.GetHeader().GetHeaderName()), Terminal: hp.GetTerminal()})
 	}
 	return out, nil
-}
-
-// HashedNames is the names of hs, in order.
-func HashedNames(hs []HashHeader) []string {
-	out := make([]string, len(hs))
-	for i, h := range hs {
-		out[i] = h.Name
-	}
-	return out
 }

@@ -224,8 +224,17 @@ func TestHashHeadersFollowTheLoadBalancer(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: %v", tt.lb, err)
 		}
-		if got := HashedNames(cfg.Clusters[cfg.ExtProcCluster].HashHeaders); !slices.Equal(got, tt.want) {
+		if got := hashedNames(cfg.Clusters[cfg.ExtProcCluster].HashHeaders); !slices.Equal(got, tt.want) {
 			t.Errorf("%s: hash headers %v, want %v", tt.lb, got, tt.want)
 		}
 	}
+}
+
+// hashedNames is the names of hs, in order.
+func hashedNames(hs []HashHeader) []string {
+	out := make([]string, len(hs))
+	for i, h := range hs {
+		out[i] = h.Name
+	}
+	return out
 }

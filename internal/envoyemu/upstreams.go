@@ -81,8 +81,9 @@ func newExtProcCluster(addrs []string, cl *Cluster, mounts map[string]string, lo
 // its value hashes to (rendezvous hashing over the addresses: the same value
 // always meets the same endpoint while it is listed, as on Envoy's ring),
 // the policies read in order until a terminal one with a hash so far
-// (HashPolicyImpl::generateHash). Otherwise, and for a stream with none of them (where Envoy's ring picks at
-// random), it is Envoy's default ROUND_ROBIN load balancer. Envoy keeps one
+// (HashPolicyImpl::generateHash). Otherwise, and for a stream with none of
+// them (where Envoy's ring picks at random), it is Envoy's default
+// ROUND_ROBIN load balancer. Envoy keeps one
 // rotation per worker thread; the emulator has one in all. Health checks are
 // not modelled: an endpoint leaves the rotation only when removed.
 func (c *extProcCluster) pick(md metadata.MD) extprocv3.ExternalProcessorClient {
