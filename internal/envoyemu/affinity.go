@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"regexp"
+	"slices"
 	"strings"
 
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
@@ -77,17 +78,15 @@ func parts(value string) ([]part, error) {
 	return out, nil
 }
 
+// CarriesAddress says whether the entry's value has the client's address.
+func (m MetadataValue) CarriesAddress() bool {
+	ps, _ := parts(m.Value) // checked when the config was read
+	return slices.ContainsFunc(ps, func(p part) bool { return p.remote })
+}
+
 // usesRemoteAddress says whether an entry of ms carries the client's address.
 func usesRemoteAddress(ms []MetadataValue) bool {
-	for _, m := range ms {
-		ps, _ := parts(m.Value) // checked when the config was read
-		for _, p := range ps {
-			if p.remote {
-				return true
-			}
-		}
-	}
-	return false
+	return slices.ContainsFunc(ms, MetadataValue.CarriesAddress)
 }
 
 func metadataFromProto(hvs []*corev3.HeaderValue) ([]MetadataValue, error) {

@@ -4,7 +4,6 @@ import (
 	"slices"
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
-	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 )
 
 // StartEnvoy starts the Envoy emulator on a bootstrap file of the repo
@@ -44,7 +43,5 @@ func StartEnvoyOn(c Cleaner, file string, extprocAddrs []string, tweak func(*env
 // addresses (an application's pods), whose streams the emulator gives to the
 // replicas in turn.
 func ManyClients(cfg *envoyemu.Config) {
-	cfg.InitialMetadata = slices.DeleteFunc(cfg.InitialMetadata, func(m envoyemu.MetadataValue) bool {
-		return m.Key == handlers.ClientAddressHeader
-	})
+	cfg.InitialMetadata = slices.DeleteFunc(cfg.InitialMetadata, envoyemu.MetadataValue.CarriesAddress)
 }
