@@ -84,11 +84,6 @@ func (m MetadataValue) CarriesAddress() bool {
 	return slices.ContainsFunc(ps, func(p part) bool { return p.remote })
 }
 
-// usesRemoteAddress says whether an entry of ms carries the client's address.
-func usesRemoteAddress(ms []MetadataValue) bool {
-	return slices.ContainsFunc(ms, MetadataValue.CarriesAddress)
-}
-
 func metadataFromProto(hvs []*corev3.HeaderValue) ([]MetadataValue, error) {
 	var out []MetadataValue
 	for _, hv := range hvs {

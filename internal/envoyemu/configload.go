@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"time"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
@@ -191,7 +192,7 @@ func (cfg *Config) fromHCM(hcm *hcmv3.HttpConnectionManager) (bool, error) {
 		return false, errors.New("use_remote_address without preserve_external_request_id is not emulated")
 	case hcm.GetXffNumTrustedHops() > 0 || hcm.GetInternalAddressConfig() != nil || len(hcm.GetOriginalIpDetectionExtensions()) > 0:
 		return false, errors.New("xff_num_trusted_hops, internal_address_config and original_ip_detection_extensions are not emulated")
-	case !ch.UseRemoteAddress && usesRemoteAddress(cfg.InitialMetadata):
+	case !ch.UseRemoteAddress && slices.ContainsFunc(cfg.InitialMetadata, MetadataValue.CarriesAddress):
 		// Envoy then takes the client's address from x-forwarded-for, which
 		// the client may set.
 		return false, fmt.Errorf("%%%s%% without use_remote_address is not emulated", remoteAddress)

@@ -277,16 +277,12 @@ func checkGatewayStatus(res map[string]any, r *report) {
 	}
 }
 
-// sessionHeaders are the clients' session headers the chart's policies put on the ext_proc
-// stream and hash to pick a replica (docs/envoy.md §14): the ones pd-extproc reads too. Then
-// the client's address, for a client that names no session.
-var sessionHeaders = handlers.SessionHeaders
-
-// affinityMetadata is the initial_metadata those policies put on the stream: each session
-// header's value, and the client's address.
+// affinityMetadata is the initial_metadata the chart's policies put on the ext_proc stream
+// (docs/envoy.md §14): each client session header's value (handlers.SessionHeaders, which
+// pd-extproc reads too), and the client's address.
 func affinityMetadata() map[string]string {
 	m := map[string]string{handlers.ClientAddressHeader: "%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%"}
-	for _, h := range sessionHeaders {
+	for _, h := range handlers.SessionHeaders {
 		m[h] = "%REQ(" + h + ")%"
 	}
 	return m
@@ -402,7 +398,7 @@ func checkGatewayPromises(m *envoyModel, limits serviceLimits, paths []string, r
 	for _, hp := range httpProtocolOptions(c).GetHashPolicy() {
 		hashed = append(hashed, hp.GetHeader().GetHeaderName())
 	}
-	if want := append(slices.Clone(sessionHeaders), handlers.ClientAddressHeader); !envoyemu.HashBalanced(c) || !slices.Equal(hashed, want) {
+	if want := append(slices.Clone(handlers.SessionHeaders), handlers.ClientAddressHeader); !envoyemu.HashBalanced(c) || !slices.Equal(hashed, want) {
 		r.errorf("ext_proc cluster %q hashes %v, want a hash load balancer on %v (the EnvoyExtensionPolicy's backendSettings.loadBalancer)", grpcCluster, hashed, want)
 	}
 	// Envoy Gateway's default refuses a request with an underscore in a header name; Codex
