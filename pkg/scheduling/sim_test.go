@@ -535,13 +535,14 @@ func (s *sim) converse(sess simSession) {
 	var turn func(i int)
 	turn = func(i int) {
 		t, prompt, asked := c.ask(i)
-		r := &simReq{prompt: prompt, req: chatRequest(asked), output: t.output, arrived: s.now, session: id}
-		r.req.Session = s.pinned && id != 0
-		if s.byAddress {
-			r.session, r.req.Session, r.client = 0, false, fmt.Sprint("client-", id%simClients)
-			if id == 0 {
-				r.client = fmt.Sprint("pod-", s.sent%simPods)
-			}
+		r := &simReq{prompt: prompt, req: chatRequest(asked), output: t.output, arrived: s.now}
+		switch {
+		case s.byAddress && id != 0:
+			r.client = fmt.Sprint("client-", id%simClients)
+		case s.byAddress:
+			r.client = fmt.Sprint("pod-", s.sent%simPods)
+		default:
+			r.session, r.req.Session = id, s.pinned && id != 0
 		}
 		if r.salt = sess.salt; r.salt != "" && !s.blind { // as API.PromptOf reads them
 			r.req.prompt.Cache = kvevents.Keys{Model: "m", Salt: sess.salt}
