@@ -473,14 +473,20 @@ func BenchmarkNamedSessions(b *testing.B) {
 // conversation, or half of them, keeps one client address (64 clients),
 // which the shipped Envoy configs hash to a replica, and the rest leave from
 // an application's 16 pods in turn; each counted per address, or with one
-// count for all, as before. Run it as BenchmarkPolicies.
+// count for all, as before; and the memory policy and llm-d's model behind
+// the same Envoy. Run it as BenchmarkPolicies.
 func BenchmarkClientAddresses(b *testing.B) {
-	byAddress := func(name string, share float64, oneCount bool) simPolicy {
-		return simPolicy{name: name, config: config.PolicyPrefixAffinity, pinned: true, pinShare: share, byAddress: true, oneCount: oneCount}
+	byAddress := func(p simPolicy, name string, share float64, oneCount bool) simPolicy {
+		p.name, p.pinned, p.pinShare, p.byAddress, p.oneCount = name, true, share, true, oneCount
+		return p
 	}
+	ours := configured(config.PolicyPrefixAffinity)
 	rows := runTable(table([]simWorkload{multiTurn, mixed}, []int{smallCache}, []float64{1, 1.5}, []int{2, 4, 8},
-		[]simPolicy{byAddress("half by address, one count", 0.5, true), byAddress("half by address", 0.5, false),
-			byAddress("all by address, one count", 0, true), byAddress("all by address", 0, false)}), 10*time.Minute, simSeeds)
+		[]simPolicy{byAddress(ours, "half by address, one count", 0.5, true), byAddress(ours, "half by address", 0.5, false),
+			byAddress(ours, "all by address, one count", 0, true), byAddress(ours, "all by address", 0, false),
+			byAddress(memoryPolicy, "prefix-memory, half by address", 0.5, false), byAddress(memoryPolicy, "prefix-memory, all by address", 0, false),
+			byAddress(llmdModel, "llm-d approx, half by address", 0.5, false), byAddress(llmdModel, "llm-d approx, all by address", 0, false)}),
+		10*time.Minute, simSeeds)
 	for _, r := range rows {
 		b.Log(r)
 	}
