@@ -217,6 +217,7 @@ func TestReplicasAgreeOnPrefixAffinity(t *testing.T) {
 				}
 				total += n
 			}
+			t.Logf("%s: prefill legs per endpoint %v", marker, counts)
 			if total != repeats || top*10 < total*9 {
 				t.Errorf("%s: prefill legs per endpoint %v; want all %d and >= 90%% on one", marker, counts, repeats)
 			}
