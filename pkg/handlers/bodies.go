@@ -35,8 +35,9 @@ type bodyCollector struct {
 
 // add appends chunk, unless the budget refuses the memory it needs. whole
 // says the first chunk is the whole body; announced is the Content-Length,
-// -1 when the client sent none.
-func (c *bodyCollector) add(chunk []byte, whole bool, announced int64) bool {
+// -1 when the client sent none; limit is limits.max_body_bytes, which the
+// body with chunk must not pass (the caller refuses it first).
+func (c *bodyCollector) add(chunk []byte, whole bool, announced, limit int64) bool {
 	switch need := len(c.buf) + len(chunk); {
 	case c.buf == nil && whole:
 		if !c.budget.take(int64(len(chunk))) {
@@ -45,7 +46,7 @@ func (c *bodyCollector) add(chunk []byte, whole bool, announced int64) bool {
 		c.buf, c.taken = chunk, int64(len(chunk))
 		return true
 	case need > cap(c.buf):
-		if !c.grow(need, announced) {
+		if !c.grow(need, announced, int(limit)) {
 			return false
 		}
 	}
@@ -53,8 +54,12 @@ func (c *bodyCollector) add(chunk []byte, whole bool, announced int64) bool {
 	return true
 }
 
-// grow moves the body into a pooled buffer that holds need bytes.
-func (c *bodyCollector) grow(need int, announced int64) bool {
+// grow moves the body into a buffer that holds need bytes, need being at
+// most limit: a pooled one of its size class, or, where that class would
+// pass limit, one of limit bytes exactly, so that a body of
+// limits.max_body_bytes fits a budget of as much. The budget counts the new
+// buffer in place of the old: both are held only while the body is copied.
+func (c *bodyCollector) grow(need int, announced int64, limit int) bool {
 	size := max(need, 2*cap(c.buf))
 	switch {
 	case c.buf == nil:
@@ -62,16 +67,26 @@ func (c *bodyCollector) grow(need int, announced int64) bool {
 	case announced >= int64(need):
 		size = min(size, int(announced)) // an honest Content-Length is never passed
 	}
-	_, class := sizeClass(size)
-	if !c.budget.take(int64(class)) { // both buffers are held while the body is copied
+	size = min(size, max(need, limit))
+	_, held := sizeClass(size)
+	exact := held > limit
+	if exact {
+		held = size
+	}
+	if !c.budget.take(int64(held) - c.taken) {
 		return false
 	}
-	next := append(takeBuffer(size), c.buf...)
+	var next []byte
+	if exact {
+		next = make([]byte, 0, size) // not a size class: giveBack will not pool it
+	} else {
+		next = takeBuffer(size)
+	}
+	next = append(next, c.buf...)
 	if c.pooled {
 		giveBack(c.buf)
 	}
-	c.budget.give(c.taken)
-	c.buf, c.pooled, c.taken = next, true, int64(class)
+	c.buf, c.pooled, c.taken = next, true, int64(held)
 	return true
 }
 

@@ -128,32 +128,41 @@ type discard struct{}
 func (discard) Send(*extprocv3.ProcessingResponse) error { return nil }
 
 // A chunked body's buffer grows with what arrives, to no more than an honest
-// Content-Length; every byte is kept, and what the buffer holds is counted
-// against the budget until the stream releases it.
+// Content-Length or limits.max_body_bytes; every byte is kept, and what the
+// buffer holds is counted against the budget until the stream releases it.
+// A body of up to max_body_bytes fits a budget of as much, alone.
 func TestBodyBufferGrowsWithWhatArrives(t *testing.T) {
 	const mib = 1 << 20
 	tests := []struct {
 		name      string
 		announced int64
-		size      int // bytes sent, in 64 KiB chunks
+		size      int   // bytes sent, in 64 KiB chunks
+		limit     int64 // max_body_bytes, and the budget; 0: 64 MiB and none
 		wantCap   int
 	}{
-		{"small, announced: its size class", 1000, 1000, 1024},
-		{"3 MiB, announced: 1 MiB, then 2, then 3", 3 * mib, 3 * mib, 3 * mib},
-		{"3 MiB, none announced: doubling", -1, 3 * mib, 4 * mib},
-		{"more than announced", 100, 200 << 10, 256 << 10},
+		{"small, announced: its size class", 1000, 1000, 0, 1024},
+		{"3 MiB, announced: 1 MiB, then 2, then 3", 3 * mib, 3 * mib, 0, 3 * mib},
+		{"3 MiB, none announced: doubling", -1, 3 * mib, 0, 4 * mib},
+		{"more than announced", 100, 200 << 10, 0, 256 << 10},
+		{"17 MiB announced, budget of the 32 MiB limit", 17 * mib, 17 * mib, 32 * mib, 20 * mib},
+		{"17 MiB, none announced, budget of the 32 MiB limit", -1, 17 * mib, 32 * mib, 32 * mib},
+		{"the limit, 17 MiB, none announced: a buffer of the limit exactly", -1, 17 * mib, 17 * mib, 17 * mib},
+		{"33 MiB, none announced, the limit a byte more: not its 40 MiB size class", -1, 33 * mib, 33*mib + 1, 33*mib + 1},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			b := &budget{}
+			b, limit := &budget{limit: tt.limit}, tt.limit
+			if limit == 0 {
+				limit = 64 * mib
+			}
 			c := bodyCollector{budget: b}
 			sent := make([]byte, tt.size)
 			for i := range sent {
 				sent[i] = byte(i * 7)
 			}
 			for off := 0; off < len(sent); off += 64 << 10 {
-				if !c.add(sent[off:min(off+64<<10, len(sent))], false, tt.announced) {
-					t.Fatal("refused without a limit")
+				if !c.add(sent[off:min(off+64<<10, len(sent))], false, tt.announced, limit) {
+					t.Fatalf("refused at %d bytes", off)
 				}
 			}
 			if string(c.bytes()) != string(sent) {

@@ -179,12 +179,15 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) reply {
 	// Only FULL_DUPLEX cuts a body into several messages, and a first one with
 	// end_of_stream is the whole body there too.
 	whole := b.GetEndOfStream() || x.requestMode() != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
-	if !x.body.add(b.GetBody(), whole, x.contentLength) {
+	// A body over the limit is refused as such (413) before it asks the
+	// budget for memory: a 503 would have the client retry it in vain.
+	limit := x.router.MaxBodyBytes()
+	if int64(len(x.body.bytes()))+int64(len(b.GetBody())) > limit {
+		return x.fail(pipeline.TooLarge(limit))
+	}
+	if !x.body.add(b.GetBody(), whole, x.contentLength, limit) {
 		x.opts.Metrics.LimitRefused(metrics.LimitBuffered)
 		return x.fail(pipeline.BuffersFull(x.opts.MaxBufferedBytes, x.opts.RetryAfter))
-	}
-	if limit := x.router.MaxBodyBytes(); int64(len(x.body.bytes())) > limit {
-		return x.fail(pipeline.TooLarge(limit))
 	}
 	switch x.requestMode() {
 	case filterv3.ProcessingMode_FULL_DUPLEX_STREAMED:

@@ -5,6 +5,7 @@ package handlers_test
 
 import (
 	"context"
+	"slices"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -254,6 +255,62 @@ func TestMessageAfterTheDeadlineEndsTheStream(t *testing.T) {
 					t.Errorf("replies %v, want the 408 alone", replies)
 				}
 			})
+		})
+	}
+}
+
+// Within the budget, what decides is the body: one of up to
+// limits.max_body_bytes is taken by a budget of as much, however it comes in
+// chunks, and one over it gets 413 whatever the budget holds, never a 503
+// that would have the client retry it in vain.
+func TestTheBodyLimitComesBeforeTheBudget(t *testing.T) {
+	const mib = 1 << 20
+	// post is the headers of a body of n bytes in mode, announced or not.
+	post := func(mode filterv3.ProcessingMode_BodySendMode, n int, announced bool) *extprocv3.ProcessingRequest {
+		hs := envoymsg.Post(chatPath, n)
+		if !announced {
+			hs = slices.DeleteFunc(hs, func(h envoymsg.Header) bool { return h[0] == "content-length" })
+		}
+		return envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, hs...), mode, fullDuplex)
+	}
+	chunked := func(n int, announced bool) []*extprocv3.ProcessingRequest {
+		return append([]*extprocv3.ProcessingRequest{post(fullDuplex, n, announced)},
+			envoymsg.Chunks(envoymsg.Request, []byte(prompt(n)), (n+mib/4-1)/(mib/4), true)...)
+	}
+	tests := []struct {
+		name       string
+		budget     int64 // limits.max_buffered_bytes; max_body_bytes is 3 MiB
+		held       bool  // another stream holds a 1 MiB buffer meanwhile
+		msgs       []*extprocv3.ProcessingRequest
+		wantStatus int // 0: taken and routed
+	}{
+		{"2.5 MiB in chunks, announced, budget 3 MiB", 3 * mib, false, chunked(5*mib/2, true), 0},
+		{"2.5 MiB in chunks, none announced, budget 3 MiB", 3 * mib, false, chunked(5*mib/2, false), 0},
+		{"3 MiB in chunks, none announced, budget 3 MiB", 3 * mib, false, chunked(3*mib, false), 0},
+		{"4 MiB in chunks, none announced, a buffer held", 12 * mib, true, chunked(4*mib, false), 413},
+		{"4 MiB in chunks, none announced, budget nearly full", 4 * mib, true, chunked(4*mib, false), 413},
+		{"4 MiB BUFFERED, none announced, budget nearly full", 4 * mib, true,
+			[]*extprocv3.ProcessingRequest{post(buffered, 4*mib, false), envoymsg.Body(envoymsg.Request, []byte(prompt(4*mib)), true)}, 413},
+		{"2 MiB in chunks, none announced, budget nearly full", 2 * mib, true, chunked(2*mib, false), 503},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := handlers.NewServer(&fakeRouter{limit: 3 * mib}, handlers.Options{MaxBufferedBytes: tt.budget, RetryAfter: time.Second, Metrics: metrics.New("kv-nixl")}, logr.Discard())
+			if tt.held {
+				other := s.Open(t.Context(), newRecorder())
+				defer other.Close()
+				other.Handle(post(fullDuplex, 2*mib, true))
+				other.Handle(envoymsg.Body(envoymsg.Request, make([]byte, mib), false))
+			}
+			replies := drive(t, s, tt.msgs...)
+			switch {
+			case tt.wantStatus == 0 && refused(replies):
+				t.Errorf("refused: %v, want the body taken", replies[len(replies)-1].GetImmediateResponse())
+			case tt.wantStatus == 413:
+				checkOpenAIError(t, replies, 413, "limits.max_body_bytes")
+			case tt.wantStatus == 503:
+				checkOpenAIError(t, replies, 503, "limits.max_buffered_bytes")
+			}
 		})
 	}
 }
