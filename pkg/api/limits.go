@@ -64,7 +64,7 @@ func orBeamSearch(o *body.Object, why Reason) Reason {
 // messagesAlone: the Messages API requires max_tokens (vLLM's
 // AnthropicMessagesRequest, as Anthropic's API).
 func messagesAlone(o *body.Object) Reason {
-	if n, given, valid := limit(o, "max_tokens"); !valid || !given || n < 1 || refusedStream(o) {
+	if n, given, valid := limit(o, "max_tokens"); !valid || !given || n < 1 || refusedStreamFlag(o) {
 		return InvalidLimits
 	}
 	return NoReason
@@ -128,18 +128,31 @@ func refusedMinTokens(o *body.Object, limit int64, given bool) bool {
 	return !ok || m < 0 || given && m > limit
 }
 
-// refusedStream reports whether vLLM refuses the request's stream, which
-// the prefill leg's caps overwrite with stream_options: a stream that is
-// neither a bool nor null ("maybe", 2, {}), or stream_options without
-// stream (`if data.get("stream_options") and not data.get("stream")`,
+// refusedStream reports whether vLLM's chat, completions or generate refuse
+// the request's stream, which the prefill leg's caps overwrite with
+// stream_options: refusedStreamFlag, or stream_options without stream (`if
+// data.get("stream_options") and not data.get("stream")`,
 // validate_stream_options, on the raw JSON: Python's truth of each value).
+// Generate's GenerateRequest takes stream_options too; that it is checked
+// alike is our assumption, at the cost of a prefill leg where it is not.
 func refusedStream(o *body.Object) bool {
-	stream, _ := o.Raw("stream")
-	if _, valid := body.LaxBool(stream); !valid && len(stream) > 0 && !body.IsNull(stream) {
+	if refusedStreamFlag(o) {
 		return true
 	}
+	stream, _ := o.Raw("stream")
 	options, _ := o.Raw("stream_options")
 	return truthy(options) && !truthy(stream)
+}
+
+// refusedStreamFlag reports whether vLLM refuses the request's stream: one
+// that is neither a bool nor null ("maybe", 2, {}). This is all the Messages
+// and Responses APIs check: their requests have no stream_options, and
+// ignore one sent (AnthropicMessagesRequest; ResponsesRequest, whose
+// OpenAIBaseModel ignores unknown fields).
+func refusedStreamFlag(o *body.Object) bool {
+	stream, _ := o.Raw("stream")
+	_, valid := body.LaxBool(stream)
+	return !valid && len(stream) > 0 && !body.IsNull(stream)
 }
 
 // truthy is Python's truth of a JSON value (absent: None): false for null,

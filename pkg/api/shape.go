@@ -199,7 +199,7 @@ func responsesAlone(o *body.Object) Reason {
 	}
 	// vLLM's ResponsesRequest.to_sampling_params takes min(max_output_tokens,
 	// the default), and SamplingParams refuses a limit below 1 (limits.go).
-	if n, given, valid := limit(o, "max_output_tokens"); !valid || given && n < 1 || refusedStream(o) {
+	if n, given, valid := limit(o, "max_output_tokens"); !valid || given && n < 1 || refusedStreamFlag(o) {
 		return InvalidLimits
 	}
 	raw, _ := o.Raw("tools")
