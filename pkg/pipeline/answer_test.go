@@ -101,6 +101,7 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 		status    int    // its status; 0: 200
 		want      string // the decode answer as the client gets it; "" when it is not rewritten
 		missing   float64
+		noHandoff float64
 	}{
 		{name: "kv-nixl completions", connector: "kv-nixl", path: "/v1/completions", prefill: withCached,
 			want: strings.Replace(decodeAnswer, `"cached_tokens":12`, `"cached_tokens":8`, 1)},
@@ -123,6 +124,10 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 			prefill: prefillAnswerWith(`{"prompt_tokens":12,"prompt_tokens_details":{}}`), missing: 1},
 		{name: "a placeholder is not a count", connector: "kv-nixl", path: "/v1/completions",
 			prefill: prefillAnswerWith(`{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":-1}}`), missing: 1},
+		{name: "kv-nixl, no kv_transfer_params handed out: the decode engine computed the prompt", connector: "kv-nixl", path: "/v1/completions",
+			prefill: `{"usage":{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":8}},"kv_transfer_params":null}`, noHandoff: 1},
+		{name: "kv-nixl, no kv_transfer_params at all", connector: "kv-nixl", path: "/v1/chat/completions",
+			prefill: `{"usage":{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":8}}}`, noHandoff: 1},
 		{name: "rewrite_usage off", connector: "kv-nixl", path: "/v1/completions", settings: "response: {rewrite_usage: false}", prefill: withCached},
 		{name: "decode-only after a failed prefill", connector: "kv-nixl", path: "/v1/completions", prefill: withCached, status: 503},
 		{name: "decode-only by pd.mode", connector: "kv-nixl", path: "/v1/completions", settings: "pd: {mode: never}", prefill: withCached},
@@ -149,6 +154,9 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 			}
 			if got := counter(t, m, "pd_extproc_usage_rewrites_total", "outcome", metrics.UsagePrefillMissing); got != tt.missing {
 				t.Errorf("usage_rewrites_total{outcome=prefill_missing} = %v, want %v", got, tt.missing)
+			}
+			if got := counter(t, m, "pd_extproc_usage_rewrites_total", "outcome", metrics.UsageNoHandoff); got != tt.noHandoff {
+				t.Errorf("usage_rewrites_total{outcome=no_handoff} = %v, want %v", got, tt.noHandoff)
 			}
 		})
 	}
