@@ -45,6 +45,11 @@ type pubView struct {
 	group     int               // the KV cache group indexed, -1 before an event names its kind (indexed)
 	engine    map[uint64]uint64 // the engine's hash → our key
 	order     []uint64          // the engine's hashes, oldest first (may name removed ones)
+	// dups counts, of keys the view holds under several of the engine's
+	// hashes, the hashes past the first: the key's holders name the view
+	// once, so that a publisher storing one block under many hashes cannot
+	// make a holder list, and each removal from it, as long as its blocks.
+	dups map[uint64]int
 	// fresh is false while a gap is being replayed (Subscriber).
 	fresh bool
 	// staleUntil: a view rebuilt after a gap it could not replay is not
@@ -167,9 +172,15 @@ func (x *Index) view(p Publisher) *pubView {
 	return v
 }
 
+// maxBlockTokens bounds the block size an event may state, far above any
+// engine's (vLLM's default is 16 tokens): a larger one is malformed, and
+// would overflow the check of its tokens against its blocks.
+const maxBlockTokens = 1 << 20
+
 // store indexes a BlockStored: each block's key chained from its parent's.
 func (x *Index) store(v *pubView, e Event, s *Skipped) {
-	if e.BlockSize <= 0 || len(e.Tokens) != e.BlockSize*len(e.Hashes) || e.Extra != nil && len(e.Extra) != len(e.Hashes) ||
+	if e.BlockSize <= 0 || e.BlockSize > maxBlockTokens || len(e.Tokens) != e.BlockSize*len(e.Hashes) ||
+		e.Extra != nil && len(e.Extra) != len(e.Hashes) ||
 		v.blockSize != 0 && e.BlockSize != v.blockSize && len(v.engine) > 0 {
 		s.Other++ // a block size other than the view's, its blocks cannot be looked up with its others
 		return
@@ -203,8 +214,15 @@ func (x *Index) store(v *pubView, e Event, s *Skipped) {
 		}
 		v.engine[h] = key
 		stored = append(stored, h)
-		x.blocks[key] = append(x.blocks[key], v)
 		x.total++
+		if holders := x.blocks[key]; slices.Contains(holders, v) {
+			if v.dups == nil {
+				v.dups = map[uint64]int{}
+			}
+			v.dups[key]++
+		} else {
+			x.blocks[key] = append(holders, v)
+		}
 	}
 	for _, h := range slices.Backward(stored) { // forgotten tail first, as engines free them
 		v.order = append(v.order, h)
@@ -212,14 +230,38 @@ func (x *Index) store(v *pubView, e Event, s *Skipped) {
 	x.bound(v)
 }
 
-// bound makes v forget its oldest blocks past the bounds.
+// bound makes v forget its oldest blocks past its own bound, and, past the
+// bound of them all, the publisher holding the most its oldest: the
+// publisher storing is not always the one to give way, else a new engine's
+// first blocks would be forgotten as it stores them while the others fill
+// the total.
 func (x *Index) bound(v *pubView) {
-	for len(v.engine) > 0 && (x.maxPerPub > 0 && len(v.engine) > x.maxPerPub || x.maxBlocks > 0 && x.total > x.maxBlocks) {
+	for x.maxPerPub > 0 && len(v.engine) > x.maxPerPub {
+		x.forgetOldest(v)
+	}
+	for x.maxBlocks > 0 && x.total > x.maxBlocks {
+		largest := v
+		for _, w := range x.pubs {
+			if len(w.engine) > len(largest.engine) {
+				largest = w
+			}
+		}
+		x.forgetOldest(largest)
+	}
+}
+
+// forgetOldest removes v's oldest block, compacting v.order when removed
+// hashes pile up in it.
+func (x *Index) forgetOldest(v *pubView) {
+	for len(v.order) > 0 {
 		h := v.order[0]
 		v.order = v.order[1:]
-		x.remove(v, h)
+		if _, ok := v.engine[h]; ok {
+			x.remove(v, h)
+			break
+		}
 	}
-	if len(v.order) > 2*len(v.engine)+64 { // removed hashes pile up in order: compact it
+	if len(v.order) > 2*len(v.engine)+64 {
 		live := v.order[:0]
 		for _, h := range v.order {
 			if _, ok := v.engine[h]; ok {
@@ -237,6 +279,14 @@ func (x *Index) remove(v *pubView, h uint64) {
 	}
 	delete(v.engine, h)
 	x.total--
+	if n := v.dups[key]; n > 0 {
+		if n == 1 {
+			delete(v.dups, key)
+		} else {
+			v.dups[key] = n - 1
+		}
+		return
+	}
 	holders := x.blocks[key]
 	for i, w := range holders {
 		if w == v {
@@ -255,7 +305,7 @@ func (x *Index) clear(v *pubView) {
 	for h := range v.engine {
 		x.remove(v, h)
 	}
-	v.order, v.group, v.blockSize = nil, -1, 0 // a restarted engine may lay its cache out anew
+	v.order, v.dups, v.group, v.blockSize = nil, nil, -1, 0 // a restarted engine may lay its cache out anew
 }
 
 // Reset forgets p's blocks, and marks its view fresh or not.

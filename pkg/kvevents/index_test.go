@@ -226,3 +226,67 @@ func BenchmarkIndexMemory(b *testing.B) {
 		})
 	}
 }
+
+// TestIndexRefusesWhatWouldCostItDear: a publisher's malformed or hostile
+// events cost the index what they carry and no more: a block size that
+// would overflow the check of its tokens is refused, and one block stored
+// under many hashes is one holder of its key, so that removing them all
+// takes as long as they took to store.
+func TestIndexRefusesWhatWouldCostItDear(t *testing.T) {
+	t.Run("a block size past any engine's", func(t *testing.T) {
+		x := NewIndex(Bounds{}, time.Minute, nil)
+		x.Reset(a, true)
+		huge := Event{Kind: Stored, Hashes: []uint64{1, 2, 3, 4}, BlockSize: 1 << 62}
+		if s := x.Apply(a, []Event{huge}); s.Other != 1 {
+			t.Errorf("skipped %+v, want the event counted as malformed", s)
+		}
+		if got := x.Stats().Blocks; got != 0 {
+			t.Errorf("%d blocks indexed from a malformed event", got)
+		}
+	})
+	t.Run("one block under many hashes", func(t *testing.T) {
+		const n = 20000
+		x := NewIndex(Bounds{}, time.Minute, nil)
+		x.Reset(a, true)
+		events := make([]Event, n)
+		for i := range events {
+			events[i] = stored(0, []uint64{uint64(i + 1)}, seq(0, 4))
+		}
+		x.Apply(a, events)
+		key := x.pubs[a].engine[1]
+		if got := len(x.blocks[key]); got != 1 {
+			t.Errorf("the key names %d holders, want its one publisher once", got)
+		}
+		for i := range n - 1 {
+			x.Apply(a, []Event{removed(uint64(i + 1))})
+		}
+		if n, _ := held(x, a.Endpoint, seq(0, 4)); n != 4 {
+			t.Errorf("with one of its hashes left the block is held for %d tokens, want 4", n)
+		}
+		x.Apply(a, []Event{removed(n)})
+		if n, _ := held(x, a.Endpoint, seq(0, 4)); n != 0 || len(x.blocks) != 0 {
+			t.Errorf("with all its hashes removed the block is held for %d tokens (%d keys left)", n, len(x.blocks))
+		}
+	})
+}
+
+// TestTheTotalBoundTakesFromTheLargest: past the bound of all publishers'
+// blocks, the one holding the most forgets its oldest, so an engine that
+// joins while the others fill the total keeps what it stores.
+func TestTheTotalBoundTakesFromTheLargest(t *testing.T) {
+	c := Publisher{Endpoint: "10.0.0.3:8000"}
+	x := NewIndex(Bounds{PerPublisher: 4, Total: 8}, time.Minute, nil)
+	for _, p := range []Publisher{a, b, c} {
+		x.Reset(p, true)
+	}
+	x.Apply(a, []Event{stored(0, []uint64{1, 2, 3, 4}, seq(0, 16))})
+	x.Apply(b, []Event{stored(0, []uint64{1, 2, 3, 4}, seq(100, 16))})
+	x.Apply(c, []Event{stored(0, []uint64{9}, seq(500, 4))})
+	x.Apply(a, []Event{stored(0, []uint64{5}, seq(900, 4))})
+	if n, _ := held(x, c.Endpoint, seq(500, 4)); n != 4 {
+		t.Errorf("the new engine holds %d tokens of its one block, want 4", n)
+	}
+	if got := x.Stats().Blocks; got > 8 {
+		t.Errorf("%d blocks kept, past the bound of 8", got)
+	}
+}

@@ -94,7 +94,10 @@ func (s *Subscriber) Run(ctx context.Context, endpoints func() ([]string, <-chan
 	}
 	var wg sync.WaitGroup
 	defer wg.Wait()
-	following := map[Publisher]context.CancelFunc{}
+	// following: each publisher's follower, and how to stop it and wait for
+	// its end, so that a batch it is applying (or a replay it is asking for)
+	// cannot bring back a view forgotten with its endpoint.
+	following := map[Publisher]func(){}
 	for {
 		addrs, changed := endpoints()
 		want := map[Publisher]bool{}
@@ -113,9 +116,10 @@ func (s *Subscriber) Run(ctx context.Context, endpoints func() ([]string, <-chan
 		for p := range want {
 			if following[p] == nil {
 				pctx, stop := context.WithCancel(ctx)
-				following[p] = stop
+				done := make(chan struct{})
+				following[p] = func() { stop(); <-done }
 				s.index.Reset(p, true) // an empty view: it can only find less than is cached
-				wg.Go(func() { s.follow(pctx, p) })
+				wg.Go(func() { defer close(done); s.follow(pctx, p) })
 			}
 		}
 		select {
@@ -232,12 +236,15 @@ func (s *Subscriber) runBound(ctx context.Context, endpoints func() ([]string, <
 					s.index.Reset(st.pub, true)
 				}
 			}
+			if ok {
+				// Under mu, so that the endpoint's view is not forgotten
+				// (above) while its batch is applied, which would bring it back.
+				s.handle(ctx, st, frames)
+			}
 			mu.Unlock()
 			if !ok {
 				s.counts.UnknownTopics.Add(1)
-				return
 			}
-			s.handle(ctx, st, frames)
 		}); err != nil && ctx.Err() == nil {
 			s.log.Info("kv events: listening", "address", s.cfg.Bind, "error", err.Error())
 			if !sleep(ctx, time.Second) {

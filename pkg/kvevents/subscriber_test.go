@@ -27,6 +27,9 @@ type testPublisher struct {
 	// hole is a batch the replay socket leaves out, as a ROUTER past its
 	// high-water mark drops one; 0: none.
 	hole int64
+	// stalled, when set, is told of each replay request, which then gets
+	// no answer, as from an engine that hangs.
+	stalled chan struct{}
 }
 
 func newTestPublisher(t *testing.T, ctx context.Context, connect string, replay bool) *testPublisher {
@@ -62,8 +65,12 @@ func (p *testPublisher) serveReplay(r zmq4.Socket) {
 		}
 		id, start := msg.Frames[0], int(binary.BigEndian.Uint64(msg.Frames[2]))
 		p.mu.Lock()
-		kept := p.kept[min(start, len(p.kept)):]
+		kept, stalled := p.kept[min(start, len(p.kept)):], p.stalled
 		p.mu.Unlock()
+		if stalled != nil {
+			stalled <- struct{}{}
+			continue
+		}
 		for i, payload := range kept {
 			if n := int64(start + i); n != p.hole || n == 0 {
 				_ = r.Send(zmq4.NewMsgFrom(id, nil, seqBytes(n), payload))
@@ -352,4 +359,43 @@ func TestHandleTellsARestartFromALateBatch(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestALeavingEndpointTakesItsViewAlong: an endpoint that leaves the pool
+// while its follower waits on a replay leaves no view behind, though the
+// follower, stopped, rebuilds the view and applies its last batch: the view
+// is forgotten once the follower is done, not before.
+func TestALeavingEndpointTakesItsViewAlong(t *testing.T) {
+	p := newTestPublisher(t, t.Context(), "", true)
+	ctx, cancel := context.WithCancel(t.Context())
+	x := NewIndex(Bounds{}, time.Minute, nil)
+	s := NewSubscriber(Config{ConnectPort: p.port(), ReplayPort: p.replay, StaleAfter: time.Minute, ReplayTimeout: time.Minute}, x, logr.Discard())
+	handled := make(chan int64, 1000)
+	s.handled = func(_ Publisher, seq int64) { handled <- seq }
+	var mu sync.Mutex
+	endpoints, changed := []string{endpoint}, make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		s.Run(ctx, func() ([]string, <-chan struct{}) { mu.Lock(); defer mu.Unlock(); return endpoints, changed })
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	warm(t, p, handled)
+	waitFor(t, handled, p.publish(false, storedEvent(1, nil, seq(0, 4))))
+
+	stalled := make(chan struct{}, 10)
+	p.mu.Lock()
+	p.stalled = stalled
+	p.mu.Unlock()
+	p.publish(true, storedEvent(2, uint64(1), seq(4, 4))) // lost
+	last := p.publish(false, storedEvent(3, nil, seq(100, 4)))
+	<-stalled // the gap's replay is asked for, and hangs
+
+	mu.Lock()
+	left := changed
+	endpoints, changed = nil, make(chan struct{})
+	mu.Unlock()
+	close(left)
+	waitFor(t, handled, last) // applied by the stopped follower, after a rebuild
+	eventually(t, "the view to be forgotten", func() bool { return x.Stats() == Stats{} })
 }
