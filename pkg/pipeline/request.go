@@ -110,7 +110,7 @@ type Decision struct {
 	// under response.rewrite_usage), or reads it (what a cached_prefix
 	// decision's engine held: heldReader); nil when it is passed on unread.
 	Rewrite *response.Rewriter
-	decode  *scheduling.Endpoint
+	decode  scheduling.Taken
 	// prefill is the engine whose KV the decode engine pulls (a sequential
 	// leg that handed out kv_transfer_params), nil otherwise. Its answer
 	// was a 200, but whether it served the request is the decode engine's
@@ -171,7 +171,7 @@ func (d *Decision) Sent() {
 // so in an error event before the first token (response.Opening).
 func (d *Decision) Observe(status int, streamed bool) {
 	switch {
-	case d == nil || d.decode == nil:
+	case d == nil || d.decode.Endpoint == nil:
 	case streamed && status >= 200 && status <= 299:
 		d.watch = response.NewOpening(d.choices)
 	default:
@@ -214,9 +214,9 @@ func (d *Decision) settle(ok, seen bool) {
 	switch {
 	case !seen:
 	case ok:
-		d.decode.ReportSuccess()
+		d.decode.Served()
 	default:
-		d.partner.decodeFailed(d.decode)
+		d.partner.decodeFailed(&d.decode)
 	}
 	if d.prefill != nil {
 		d.prefill.Report(ok)
@@ -237,7 +237,7 @@ type partner struct {
 	mu      sync.Mutex
 	failed  bool                 // the prefill partner failed, or will fail the pull
 	running bool                 // a concurrent leg is under way
-	waiting *scheduling.Endpoint // a decode endpoint whose failure waits for the leg
+	waiting *scheduling.Taken // a decode endpoint whose failure waits for the leg
 }
 
 // fails marks the prefill partner as the failure's cause.
@@ -270,13 +270,13 @@ func (p *partner) legEnded(failed, unanswered bool) {
 	}
 	p.mu.Unlock()
 	if e != nil {
-		e.ReportFailure()
+		e.Failed()
 	}
 }
 
 // decodeFailed blames the decode endpoint e for a failure, now, later (a
 // concurrent leg under way) or not at all (the partner's fault).
-func (p *partner) decodeFailed(e *scheduling.Endpoint) {
+func (p *partner) decodeFailed(e *scheduling.Taken) {
 	p.mu.Lock()
 	switch {
 	case p.failed:
@@ -286,6 +286,6 @@ func (p *partner) decodeFailed(e *scheduling.Endpoint) {
 	}
 	p.mu.Unlock()
 	if e != nil {
-		e.ReportFailure()
+		e.Failed()
 	}
 }

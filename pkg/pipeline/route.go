@@ -30,7 +30,7 @@ func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
 		addrs[i] = e.Addr
 	}
 	return &Decision{Endpoint: strings.Join(addrs, ","), RemoveHeaders: p.connector.ReservedHeaders(),
-		decode: eps[0], release: eps[0].Acquire()}, nil
+		decode: eps[0].Take(), release: eps[0].Acquire()}, nil
 }
 
 // RouteHeaders routes a request that has no body: one the pass-through list
@@ -135,7 +135,7 @@ func checkModel(a *api.API, obj *body.Object) error {
 // the decode leg's body. It records the decision in r.Report.
 func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *scheduling.Request, d *Decision) (body.Spliced, error) {
 	rep := &r.Report
-	decision := p.pools.Decide(sreq, d.decode)
+	decision := p.pools.Decide(sreq, d.decode.Endpoint)
 	rep.Reason = decision.Reason
 	switch {
 	case decision.PD:
@@ -144,7 +144,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	default:
 		rep.Mode = ModeDecodeOnly
 		if decision.Reason == metrics.ReasonCachedPrefix {
-			d.Rewrite = p.heldReader(r, d.decode, decision.Held)
+			d.Rewrite = p.heldReader(r, d.decode.Endpoint, decision.Held)
 		}
 		return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
 	}
@@ -231,9 +231,9 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 		}
 		switch {
 		case failed.blames(kv.Sequential, whole):
-			ep.ReportFailure()
+			slot.Taken().Failed()
 		case failed.aboutRequest():
-			ep.ReportSuccess() // the engine is fine; the request is not
+			slot.Taken().Served() // the engine is fine; the request is not
 		}
 		slot.Judged()
 		if !failed.retryable() {
@@ -267,7 +267,7 @@ func (p *Pipeline) takeBackground() bool {
 // or got no answer, spares its decode endpoint the blame for its 5xx
 // (partner), and an answer spares its own (attemptError.blames).
 func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Request, leg body.Spliced, d *Decision) {
-	release, unhold := ep.Acquire(), func() {}
+	taken, release, unhold := ep.Take(), ep.Acquire(), func() {}
 	if r.Keep != nil { // the leg reads the client's body after Route returns
 		unhold = r.Keep.Hold()
 	}
@@ -285,12 +285,12 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 		d.partner.legEnded(failed != nil, failed != nil && failed.blames(kv.Concurrent, false))
 		if failed != nil {
 			if failed.blames(kv.Concurrent, false) {
-				ep.ReportFailure()
+				taken.Failed()
 			}
 			p.log.Info("concurrent prefill leg failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())
 			return
 		}
-		ep.ReportSuccess()
+		taken.Served()
 	})
 }
 

@@ -85,13 +85,14 @@ func (e *Endpoint) Acquire() (release func()) {
 // request before its probe's verdict.
 func (e *Endpoint) Claim() *Slot {
 	e.inflight.Add(1)
-	return &Slot{e: e, probe: e.troubled.Load() && e.claimProbe()}
+	return &Slot{e: e, taken: e.Take(), probe: e.troubled.Load() && e.claimProbe()}
 }
 
 // Slot is one request's hold on an endpoint (Claim). Its methods are safe to
 // call more than once, and from any goroutine.
 type Slot struct {
 	e            *Endpoint
+	taken        Taken
 	probe        bool
 	left, judged atomic.Bool
 	wait         atomic.Pointer[time.Timer] // JudgedWithin's
@@ -99,6 +100,9 @@ type Slot struct {
 
 // Endpoint is the endpoint held.
 func (s *Slot) Endpoint() *Endpoint { return s.e }
+
+// Taken is the endpoint as the request took it, for its health reports.
+func (s *Slot) Taken() Taken { return s.taken }
 
 // Leave ends the request's load on the endpoint.
 func (s *Slot) Leave() {
@@ -121,9 +125,9 @@ func (s *Slot) Judged() {
 // its probe slot.
 func (s *Slot) Report(ok bool) {
 	if ok {
-		s.e.ReportSuccess()
+		s.taken.Served()
 	} else {
-		s.e.ReportFailure()
+		s.taken.Failed()
 	}
 	s.Judged()
 }

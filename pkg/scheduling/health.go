@@ -13,8 +13,8 @@ import (
 // Passive: consecutive failures reported by the pipeline eject the endpoint
 // for a backoff (1s, 2s, 4s … capped). When the backoff runs out the endpoint
 // is half-open: it takes one probe request; success restores it, failure ejects
-// it again for twice as long. Failures reported while ejected (requests that
-// were already running) do not lengthen the ejection.
+// it again for twice as long. Reports of requests that were already running
+// when an ejection began are ignored, whenever they come (Taken).
 //
 // Active (optional), as Envoy's HTTP checker: checks that time out or
 // cannot connect mark the endpoint down after unhealthy_threshold of them in
@@ -33,11 +33,46 @@ type healthState struct {
 }
 
 // ReportFailure records a connection error, timeout or 5xx from the endpoint.
-func (e *Endpoint) ReportFailure() {
+func (e *Endpoint) ReportFailure() { e.reportFailure(anyEpoch) }
+
+// ReportSuccess records a request the endpoint served (an engine 4xx counts:
+// the endpoint is alive, the request was at fault).
+func (e *Endpoint) ReportSuccess() { e.reportSuccess(anyEpoch) }
+
+// Taken is an endpoint as a request took it. Its reports of that request
+// count only while no ejection has begun since: a request that was already
+// running when the endpoint was ejected says nothing of it after, however
+// late its verdict comes (a decode stream that ends minutes later), and
+// only the probe of a half-open endpoint decides it.
+type Taken struct {
+	*Endpoint
+	epoch uint64 // the endpoint's ejections when it was taken
+}
+
+// Take is e as a request takes it now.
+func (e *Endpoint) Take() Taken { return Taken{e, e.ejections.Load()} }
+
+// Failed reports the request's failure; Served, that the endpoint served it.
+func (t Taken) Failed() { t.reportFailure(t.epoch) }
+func (t Taken) Served() { t.reportSuccess(t.epoch) }
+
+// anyEpoch: a report of no particular request, which always counts.
+const anyEpoch = ^uint64(0)
+
+// stale says whether a report of a request taken at epoch comes from before
+// the endpoint's latest ejection; e.mu is held.
+func (e *Endpoint) stale(epoch uint64) bool {
+	return epoch != anyEpoch && epoch != e.ejections.Load()
+}
+
+func (e *Endpoint) reportFailure(epoch uint64) {
 	s := e.cfg()
 	now := s.now()
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if e.stale(epoch) {
+		return
+	}
 	h := &e.health
 	h.failures++
 	e.troubled.Store(true)
@@ -54,10 +89,9 @@ func (e *Endpoint) ReportFailure() {
 	e.ejections.Add(1)
 }
 
-// ReportSuccess records a request the endpoint served (an engine 4xx counts:
-// the endpoint is alive, the request was at fault). While an ejection runs, a
-// success is news from before it and is ignored; after it, it ends the ejection.
-func (e *Endpoint) ReportSuccess() {
+// reportSuccess: while an ejection runs, a success is news from before it
+// and is ignored; after it, it ends the ejection.
+func (e *Endpoint) reportSuccess(epoch uint64) {
 	if !e.troubled.Load() {
 		return
 	}
@@ -65,7 +99,7 @@ func (e *Endpoint) ReportSuccess() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	h := &e.health
-	if now.Before(h.until) {
+	if now.Before(h.until) || e.stale(epoch) {
 		return
 	}
 	h.failures, h.ejections, h.until, h.probing = 0, 0, time.Time{}, false // the active checks' record stands

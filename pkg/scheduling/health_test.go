@@ -18,7 +18,7 @@ import (
 
 // step is one thing that happens to an endpoint, and what a picker then sees.
 type step struct {
-	do          string // "fail", "ok", "wait:<duration>", "acquire", "release", "claim", "leave", "judged"
+	do          string // "fail", "ok", "wait:<duration>", "acquire", "release", "claim", "leave", "judged", "take", "taken fail", "taken ok"
 	wantHealthy bool
 }
 
@@ -66,6 +66,15 @@ func TestEjectionAndRecovery(t *testing.T) {
 		{"the probe's success restores it for everyone", []step{
 			{"fail", true}, {"fail", true}, {"fail", false},
 			{"wait:1s", true}, {"acquire", false}, {"ok", true}}, 1},
+		{"a request taken before the ejection, served after it, does not restore it: the probe decides", []step{
+			{"take", true}, {"fail", true}, {"fail", true}, {"fail", false},
+			{"wait:1s", true}, {"claim", false}, {"taken ok", false}, {"leave", false}, {"fail", false}, {"judged", false}}, 2},
+		{"a request taken before the ejection, failed after it, does not eject again", []step{
+			{"take", true}, {"fail", true}, {"fail", true}, {"fail", false},
+			{"wait:1s", true}, {"claim", false}, {"taken fail", false}, {"leave", false}, {"judged", true}}, 1},
+		{"a request taken after the ejection ended counts", []step{
+			{"fail", true}, {"fail", true}, {"fail", false},
+			{"wait:1s", true}, {"take", true}, {"taken ok", true}, {"fail", true}}, 1},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -73,6 +82,7 @@ func TestEjectionAndRecovery(t *testing.T) {
 			e := p.Endpoints()[0]
 			var release func()
 			var slot *Slot
+			var taken Taken
 			for i, s := range tt.steps {
 				switch {
 				case s.do == "fail":
@@ -89,6 +99,12 @@ func TestEjectionAndRecovery(t *testing.T) {
 					slot.Leave()
 				case s.do == "judged":
 					slot.Judged()
+				case s.do == "take":
+					taken = e.Take()
+				case s.do == "taken fail":
+					taken.Failed()
+				case s.do == "taken ok":
+					taken.Served()
 				case strings.HasPrefix(s.do, "wait:"):
 					d, err := time.ParseDuration(strings.TrimPrefix(s.do, "wait:"))
 					if err != nil {
