@@ -235,8 +235,8 @@ func (d *Decision) settle(ok, seen bool) {
 // runs, the decode's failure waits for it.
 type partner struct {
 	mu      sync.Mutex
-	failed  bool                 // the prefill partner failed, or will fail the pull
-	running bool                 // a concurrent leg is under way
+	failed  bool              // the prefill partner failed, or will fail the pull
+	running bool              // a concurrent leg is under way
 	waiting *scheduling.Taken // a decode endpoint whose failure waits for the leg
 }
 
