@@ -115,3 +115,51 @@ func TestEndpointChangesDoNotRestartTheCycle(t *testing.T) {
 		})
 	}
 }
+
+// An endpoint that leaves the pool and comes back (a pod failing readiness
+// for a moment, a DNS answer without it) is the same endpoint while it still
+// matters, with its requests in flight and its ejection; once it matters no
+// more, the pool forgets it.
+func TestAnEndpointThatComesBackKeepsItsState(t *testing.T) {
+	tests := []struct {
+		name     string
+		inflight int
+		fail     bool // three failures eject it
+		wait     time.Duration
+		wantSame bool
+	}{
+		{"requests in flight", 10, false, 0, true},
+		{"ejected", 0, true, 0, true},
+		{"ejected, the ejection over", 0, true, 2 * time.Second, false},
+		{"nothing to keep", 0, false, 0, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, clock := testPool(t, policy(config.PolicyLeastLoad))
+			a, b := Discovered{Addr: "10.0.0.1:8000"}, Discovered{Addr: "10.0.0.2:8000"}
+			p.SetDiscovered([]Discovered{a, b})
+			e := byAddr(p, a.Addr)
+			for range tt.inflight {
+				defer e.Acquire()()
+			}
+			if tt.fail {
+				for range 3 {
+					e.ReportFailure()
+				}
+			}
+			p.SetDiscovered([]Discovered{b})
+			clock.Advance(tt.wait)
+			p.SetDiscovered([]Discovered{a, b})
+			back := byAddr(p, a.Addr)
+			if same := back == e; same != tt.wantSame {
+				t.Fatalf("the endpoint that came back is the one that left: %v, want %v", same, tt.wantSame)
+			}
+			if tt.wantSame && (back.InFlight() != int64(tt.inflight) || back.Healthy() == tt.fail) {
+				t.Errorf("back with %d in flight, healthy %v; want %d, healthy %v", back.InFlight(), back.Healthy(), tt.inflight, !tt.fail)
+			}
+			if p.SetDiscovered([]Discovered{b}); !tt.wantSame && len(p.departed) != 0 {
+				t.Errorf("%d departed endpoints kept with nothing to keep", len(p.departed))
+			}
+		})
+	}
+}

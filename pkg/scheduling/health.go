@@ -106,6 +106,17 @@ func (e *Endpoint) reportSuccess(epoch uint64) {
 	e.troubled.Store(h.activeDown)
 }
 
+// departing says whether an endpoint that leaves its pool still matters,
+// should it come back: requests are in flight on it, or its ejection runs.
+func (e *Endpoint) departing(now time.Time) bool {
+	if e.inflight.Load() > 0 {
+		return true
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return now.Before(e.health.until)
+}
+
 // Healthy reports whether the endpoint may take a request now.
 func (e *Endpoint) Healthy() bool {
 	if !e.troubled.Load() {

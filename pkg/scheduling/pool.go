@@ -50,9 +50,14 @@ type Pool struct {
 	resolved []string // from DNS
 	// discovered come from a discovery source (SetDiscovered), sorted by address.
 	discovered []Discovered
-	settings   atomic.Pointer[settings]
-	state      atomic.Pointer[poolState]
-	events     atomic.Pointer[poolEvents] // nil unless the pool follows its engines' KV events
+	// departed are endpoints that left the pool while they still mattered
+	// (departing): one that comes back (a pod failing readiness for a
+	// moment, a DNS answer without it) is the same Endpoint again, with its
+	// requests in flight and its ejection.
+	departed map[string]*Endpoint
+	settings atomic.Pointer[settings]
+	state    atomic.Pointer[poolState]
+	events   atomic.Pointer[poolEvents] // nil unless the pool follows its engines' KV events
 }
 
 // poolState is one immutable generation of a pool.
@@ -210,7 +215,13 @@ func (p *Pool) rebuild() {
 		healthy:     s.Health.HealthyThreshold,
 	})
 
+	now := p.deps.Now()
 	keep := map[string]*Endpoint{}
+	for a, e := range p.departed {
+		if e.departing(now) {
+			keep[a] = e
+		}
+	}
 	var picker Picker
 	if old != nil {
 		for _, e := range old.endpoints {
@@ -245,6 +256,15 @@ func (p *Pool) rebuild() {
 	}
 	for _, d := range p.discovered {
 		add(d.Addr, d.BootstrapPort)
+	}
+	p.departed = nil
+	for a, e := range keep {
+		if !seen[a] && e.departing(now) {
+			if p.departed == nil {
+				p.departed = map[string]*Endpoint{}
+			}
+			p.departed[a] = e
+		}
 	}
 	p.state.Store(&poolState{endpoints: eps, picker: picker, spec: s, specGen: p.specGen, changed: make(chan struct{})})
 	if old != nil {
