@@ -6,6 +6,7 @@ import (
 	"net"
 	"strconv"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/go-zeromq/zmq4"
 )
 
@@ -32,26 +33,13 @@ const untilEnd = int64(^uint64(0) >> 1)
 // the whole buffer, an end that does not come is the end of what came: the
 // stream's own numbers then show what is missing (a gap).
 func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
-	if s.cfg.ReplayPort == 0 {
-		return false
-	}
-	host, _, err := net.SplitHostPort(st.pub.Endpoint)
-	if err != nil {
-		return false
-	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReplayTimeout)
 	defer cancel()
-	d := zmq4.NewDealer(s.bounded(ctx), zmq4.WithDialerMaxRetries(0), zmq4.WithTimeout(s.cfg.ReplayTimeout))
+	d := s.askReplay(ctx, st.pub, st.next)
+	if d == nil {
+		return false
+	}
 	defer d.Close()
-	addr := boundedAddr(net.JoinHostPort(host, strconv.Itoa(s.cfg.ReplayPort+st.pub.Rank)))
-	if err := d.Dial(addr); err != nil {
-		s.log.V(1).Info("kv events: dialing the replay socket", "address", addr, "error", err.Error())
-		return false
-	}
-	start := binary.BigEndian.AppendUint64(nil, uint64(st.next))
-	if err := d.Send(zmq4.NewMsgFrom([]byte{}, start)); err != nil {
-		return false
-	}
 	initial, applied := st.next == 0, false
 	for st.next < seq {
 		msg, err := d.Recv()
@@ -81,9 +69,57 @@ func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
 		applied = true
 		st.next = got + 1
 		s.apply(st.pub, payload)
+		st.last = xxhash.Sum64(payload)
 	}
 	s.counts.Replayed.Add(1)
 	return true
+}
+
+// askReplay asks p's replay socket for its batches from seq on; nil when
+// there is none, or it cannot be reached. The caller reads the answer and
+// closes the socket.
+func (s *Subscriber) askReplay(ctx context.Context, p Publisher, from int64) zmq4.Socket {
+	if s.cfg.ReplayPort == 0 {
+		return nil
+	}
+	host, _, err := net.SplitHostPort(p.Endpoint)
+	if err != nil {
+		return nil
+	}
+	d := zmq4.NewDealer(s.bounded(ctx), zmq4.WithDialerMaxRetries(0), zmq4.WithTimeout(s.cfg.ReplayTimeout))
+	addr := boundedAddr(net.JoinHostPort(host, strconv.Itoa(s.cfg.ReplayPort+p.Rank)))
+	if err := d.Dial(addr); err != nil {
+		s.log.V(1).Info("kv events: dialing the replay socket", "address", addr, "error", err.Error())
+		d.Close()
+		return nil
+	}
+	if err := d.Send(zmq4.NewMsgFrom([]byte{}, binary.BigEndian.AppendUint64(nil, uint64(from)))); err != nil {
+		d.Close()
+		return nil
+	}
+	return d
+}
+
+// startedOver says whether st's publisher, reached on a connection made
+// anew, holds another batch under the number of the one applied last: it
+// restarted unseen (vLLM numbers each process's batches from 0, with no
+// epoch) and has published as many since, so its numbers read as the old
+// ones'. Its replay buffer tells; without one, or without that batch in it,
+// it cannot be told, and false.
+func (s *Subscriber) startedOver(ctx context.Context, st *stream) bool {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReplayTimeout)
+	defer cancel()
+	d := s.askReplay(ctx, st.pub, st.next-1)
+	if d == nil {
+		return false
+	}
+	defer d.Close()
+	msg, err := d.Recv()
+	if err != nil {
+		return false
+	}
+	got, payload, err := frames(trimDelimiter(msg.Frames))
+	return err == nil && got == st.next-1 && xxhash.Sum64(payload) != st.last
 }
 
 // replayOrRebuild replays st's publisher from the start of its stream (st.next

@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+
+	"github.com/cespare/xxhash/v2"
 )
 
 // A publisher numbers its batches; this file is how the subscriber reads one
@@ -18,6 +20,10 @@ type stream struct {
 	// its first; ahead says a replay at its start may have read past it.
 	live  int64
 	ahead bool
+	// last is a hash of the batch applied last, numbered next-1: a
+	// connection made anew asks the replay socket whether it still holds
+	// that batch under that number (startedOver).
+	last uint64
 }
 
 // restarted says whether seq, delivered now, is from a publisher that
@@ -59,7 +65,7 @@ func (s *Subscriber) handle(ctx context.Context, st *stream, msg [][]byte) {
 		s.counts.Undecodable.Add(1)
 		return
 	}
-	restarted := st.restarted(seq)
+	restarted := st.restarted(seq) || st.live < 0 && st.next > 0 && seq >= st.next && s.startedOver(ctx, st)
 	st.live = seq
 	switch {
 	case st.next < 0:
@@ -70,7 +76,6 @@ func (s *Subscriber) handle(ctx context.Context, st *stream, msg [][]byte) {
 			st.next = 0
 			s.replayOrRebuild(ctx, st, seq)
 		}
-	case seq == st.next:
 	case restarted:
 		// Its cache starts empty; what it published before seq, as far as
 		// its buffer goes.
@@ -79,6 +84,7 @@ func (s *Subscriber) handle(ctx context.Context, st *stream, msg [][]byte) {
 		if st.next = 0; seq > 0 {
 			s.replayOrRebuild(ctx, st, seq)
 		}
+	case seq == st.next:
 	case seq < st.next:
 		return // a batch seen already
 	default:
@@ -93,6 +99,7 @@ func (s *Subscriber) handle(ctx context.Context, st *stream, msg [][]byte) {
 	}
 	st.next = seq + 1
 	s.apply(st.pub, payload)
+	st.last = xxhash.Sum64(payload)
 	if s.handled != nil {
 		s.handled(st.pub, seq)
 	}

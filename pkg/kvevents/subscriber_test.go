@@ -399,3 +399,58 @@ func TestALeavingEndpointTakesItsViewAlong(t *testing.T) {
 	waitFor(t, handled, last) // applied by the stopped follower, after a rebuild
 	eventually(t, "the view to be forgotten", func() bool { return x.Stats() == Stats{} })
 }
+
+// TestAConnectionMadeAnewTellsAnEngineThatStartedOver: an engine that
+// restarted while the connection to it was down numbers its batches from 0
+// again, and by the time a connection is made anew it may have published
+// as many as before, or more: its numbers then read as the old engine's.
+// The replay socket tells: it holds another batch under the number of the
+// one applied last.
+func TestAConnectionMadeAnewTellsAnEngineThatStartedOver(t *testing.T) {
+	for _, tt := range []struct {
+		name      string
+		restart   bool
+		published int // batches the engine has published when the connection is made anew
+		wantOld   int // of the old engine's first block's tokens held after
+		restarts  int64
+	}{
+		{"the same engine, nothing missed", false, 4, 4, 0},
+		{"the same engine, batches missed", false, 8, 4, 0},
+		{"an engine that started over, as many batches", true, 4, 0, 1},
+		{"an engine that started over, more batches", true, 9, 0, 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			p := newTestPublisher(t, t.Context(), "", true)
+			x := NewIndex(Bounds{}, time.Minute, nil)
+			s := NewSubscriber(Config{ReplayPort: p.replay, ReplayTimeout: 10 * time.Second}, x, logr.Discard())
+			st := &stream{pub: Publisher{Endpoint: endpoint}, next: -1, live: -1}
+			x.Reset(st.pub, true)
+			deliver := func(seq int64) {
+				p.mu.Lock()
+				payload := p.kept[seq]
+				p.mu.Unlock()
+				s.handle(t.Context(), st, [][]byte{nil, seqBytes(seq), payload})
+			}
+			for i := range 4 { // the old engine's
+				deliver(p.publish(true, storedEvent(uint64(i+1), nil, seq(4*i, 4))))
+			}
+			if tt.restart {
+				p.restart()
+			}
+			for i := len(p.kept); i < tt.published; i++ {
+				p.publish(true, storedEvent(uint64(100+i), nil, seq(1000+4*i, 4)))
+			}
+			st.live = -1 // the connection made anew
+			deliver(p.publish(true, storedEvent(999, nil, seq(9000, 4))))
+			if n, _ := held(x, endpoint, seq(0, 4)); n != tt.wantOld {
+				t.Errorf("the old engine's first block held for %d tokens, want %d", n, tt.wantOld)
+			}
+			if n, _ := held(x, endpoint, seq(9000, 4)); n != 4 {
+				t.Errorf("the batch delivered last is held for %d tokens, want 4", n)
+			}
+			if got := s.Counts().Restarts.Load(); got != tt.restarts {
+				t.Errorf("%d restarts, want %d", got, tt.restarts)
+			}
+		})
+	}
+}
