@@ -174,9 +174,16 @@ func (d *nixlDecode) firstToken(ctx context.Context, req *request) (kvResult, er
 		return kvResult{}, errors.New("do_remote_prefill without remote_block_ids: vLLM's scheduler asserts num_external_tokens == 0")
 	}
 	for _, key := range []string{"remote_engine_id", "remote_request_id", "remote_host", "remote_port"} {
-		if _, ok := present(kv, key); !ok {
+		raw, ok := kv[key]
+		switch {
+		case !ok:
 			d.s.log.Warn("Got invalid KVTransferParams, will not utilize KVTransfer", "request_id", req.id, "missing", key)
 			return kvResult{outcome: kvRecompute}, d.s.compute(ctx, req)
+		case isNull(raw):
+			// vLLM checks that the keys are there, not what they hold: it goes
+			// on to the handshake with None for an address, which fails, and
+			// under its default kv_load_failure_policy the request with it.
+			return kvResult{}, fmt.Errorf("kv_transfer_params.%s is null: the handshake with the prefill engine fails", key)
 		}
 	}
 	var want struct {
@@ -211,7 +218,15 @@ func (d *nixlDecode) firstToken(ctx context.Context, req *request) (kvResult, er
 	if err := d.s.callPeer(ctx, http.MethodDelete, blocksURL, nil, nil); err != nil {
 		d.s.log.Warn("releasing KV blocks", "remote_request_id", want.RequestID, "err", err) // the lease frees them
 	}
-	return kvResult{outcome: kvHit, source: source, requestID: held.RequestID}, nil
+	res := kvResult{outcome: kvHit, source: source, requestID: held.RequestID}
+	if flag(kv, "do_remote_decode") && !req.stream {
+		// vLLM's connector reads do_remote_decode on whatever engine finishes
+		// the request: a decode leg that kept it true holds its blocks for a
+		// lease, and its answer carries kv_transfer_params to the client.
+		res.params, _ = json.Marshal(nixlParams{DoRemotePrefill: true, RemoteEngineID: d.s.engineID,
+			RemoteRequestID: req.internalID, TPSize: 1, DCPSize: 1, PPSize: 1, RemoteNumTokens: req.promptTokens, TransferMode: "pull"})
+	}
+	return res, nil
 }
 
 // kvParams returns the request's kv_transfer_params object, nil when absent.

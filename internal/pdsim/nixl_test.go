@@ -146,6 +146,12 @@ func TestNIXLDecode(t *testing.T) {
 		{"do_remote_prefill alone (what a confused router sends when P gave null)", func(t *testing.T, p, d *Server, _ json.RawMessage) string {
 			return chat(prompt, `,"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false}`)
 		}, 500, kvLoadFailed},
+		{"remote_host null: the handshake fails", func(t *testing.T, p, d *Server, params json.RawMessage) string {
+			return chat(prompt, `,"kv_transfer_params":`+edit(t, params, "remote_host", json.RawMessage("null")))
+		}, 500, kvLoadFailed},
+		{"remote_port null: the handshake fails", func(t *testing.T, p, d *Server, params json.RawMessage) string {
+			return chat(prompt, `,"kv_transfer_params":`+edit(t, params, "remote_port", json.RawMessage("null")))
+		}, 500, kvLoadFailed},
 		{"remote_request_id missing: invalid params, recompute", func(t *testing.T, p, d *Server, params json.RawMessage) string {
 			return chat(prompt, `,"kv_transfer_params":`+edit(t, params, "remote_request_id", nil))
 		}, 200, kvRecompute},
@@ -246,5 +252,29 @@ func TestCachedTokensAsVLLMReportsThem(t *testing.T) {
 	plain := start(t, Config{Role: RolePrefill, Protocol: ProtocolNIXL})
 	if r := post(t, plain, "/v1/chat/completions", chat(prompt, leg), ""); strings.Contains(string(r.body), "prompt_tokens_details") {
 		t.Errorf("without the option the usage has details: %s", r.body)
+	}
+}
+
+// A decode leg that keeps do_remote_decode true (a router that forgot to
+// turn it off) is, to vLLM's connector, a prefill too: the engine holds its
+// blocks for a lease and its answer carries kv_transfer_params, which the
+// client then sees.
+func TestNIXLDecodeLegLeftAsAPrefill(t *testing.T) {
+	const prompt = "the quick brown fox"
+	for _, tt := range []struct {
+		flag       string
+		wantParams bool
+	}{{"false", false}, {"true", true}} {
+		t.Run("do_remote_decode "+tt.flag, func(t *testing.T) {
+			p, d := nixlPair(t)
+			params := edit(t, prefillLeg(t, p, prompt, "req-A"), "do_remote_decode", json.RawMessage(tt.flag))
+			r := post(t, d, "/v1/chat/completions", chat(prompt, `,"kv_transfer_params":`+params), "req-A")
+			if r.status != 200 || r.header.Get("x-pdsim-kv") != kvHit {
+				t.Fatalf("status %d kv %q: %s", r.status, r.header.Get("x-pdsim-kv"), r.body)
+			}
+			if got := r.json(t)["kv_transfer_params"] != nil; got != tt.wantParams {
+				t.Errorf("the answer carries kv_transfer_params: %v, want %v (%s)", got, tt.wantParams, r.body)
+			}
+		})
 	}
 }
