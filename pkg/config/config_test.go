@@ -131,6 +131,8 @@ func TestKVEventPortsApartForTheRanks(t *testing.T) {
 		`{connect_port: 5557, replay_port: 5657, data_parallel_size: 8}`,
 		`{connect_port: 5561, replay_port: 5557, data_parallel_size: 4}`,
 		`{bind: "tcp://0.0.0.0:5557", replay_port: 5558, data_parallel_size: 2}`, // the engines' own ports are theirs to set
+		`{connect_port: 65535, replay_port: 65533, data_parallel_size: 1}`,       // the last port there is
+		`{connect_port: 65534, replay_port: 65530, data_parallel_size: 2}`,
 	} {
 		t.Run(kv, func(t *testing.T) {
 			yaml := `{connector: kv-nixl, pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: ` + kv + `}}}`
@@ -218,7 +220,11 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 		{"KV events bound to no address", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {bind: "0.0.0.0:5557"}}}`,
 			"pools.decode.kv_events.bind"},
 		{"a replay port alone", `pools: {prefill: {kv_events: {replay_port: 5558}}, decode: {endpoints: ["10.0.0.2:8000"]}}`,
-			"pools.prefill.kv_events.replay_port: set without connect_port or bind"},
+			"pools.prefill.kv_events: set without connect_port or bind"},
+		{"event settings without a mode", `pools: {decode: {endpoints: ["10.0.0.2:8000"], kv_events: {data_parallel_size: 999, stale_after: -1s}}}`,
+			"pools.decode.kv_events: set without connect_port or bind"},
+		{"a port whose last rank passes 65535", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 65535, data_parallel_size: 2}}}`,
+			"pools.decode.kv_events.connect_port: 65535 is not a port"},
 		{"KV event and replay ports the ranks share", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557, replay_port: 5558, data_parallel_size: 2}}}`,
 			"pools.decode.kv_events.replay_port: 5558 to 5559, the ranks' replay ports, overlap their event ports 5557 to 5558"},
 		{"a replay port below the ranks' event ports", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5560, replay_port: 5557, data_parallel_size: 4}}}`,

@@ -88,8 +88,8 @@ func (k *KVEvents) SetDefaults() {
 // the pool's.
 func (k KVEvents) Validate(key, policy string) error {
 	if !k.On() {
-		if k.ReplayPort != 0 {
-			return fmt.Errorf("%s.replay_port: set without connect_port or bind", key)
+		if k != (KVEvents{}) {
+			return fmt.Errorf("%s: set without connect_port or bind, so the pool follows no events: set one, or drop the rest", key)
 		}
 		return nil
 	}
@@ -106,7 +106,7 @@ func (k KVEvents) Validate(key, policy string) error {
 		}
 	}
 	for name, port := range map[string]int{"connect_port": k.ConnectPort, "replay_port": k.ReplayPort} {
-		if port < 0 || port > 65535-k.DataParallelSize {
+		if port < 0 || port+max(k.DataParallelSize, 1)-1 > 65535 { // rank r uses port + r
 			errs = append(errs, fmt.Errorf("%s.%s: %d is not a port", key, name, port))
 		}
 	}
@@ -124,7 +124,7 @@ func (k KVEvents) Validate(key, policy string) error {
 		errs = append(errs, fmt.Errorf("%s.stale_after: must be positive", key))
 	}
 	if k.Resync < 0 {
-		errs = append(errs, fmt.Errorf("%s.resync: must not be negative (0: never)", key))
+		errs = append(errs, fmt.Errorf("%s.resync: must not be negative (0: the default, %s)", key, DefaultKVEventsResync))
 	}
 	if k.MaxBlocksPerEndpoint < 1 || k.MaxBlocks < k.MaxBlocksPerEndpoint {
 		errs = append(errs, fmt.Errorf("%s.max_blocks: %d, per endpoint %d: both positive, the total at least the per endpoint", key, k.MaxBlocks, k.MaxBlocksPerEndpoint))
