@@ -8,8 +8,11 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"reflect"
+	"slices"
 	"strings"
 	"time"
+	"unicode"
 
 	"sigs.k8s.io/yaml"
 
@@ -172,6 +175,9 @@ func Unconfigured(data []byte) (*Config, error) {
 func parse(data []byte, prepare func(*Config) error) (*Config, error) {
 	var c Config
 	if err := yaml.UnmarshalStrict(data, &c); err != nil {
+		if bad := (*json.UnmarshalTypeError)(nil); errors.As(err, &bad) && bad.Field != "" {
+			return nil, fmt.Errorf("config: %s: cannot take %s as %s", keyOf(bad.Field), bad.Value, bad.Type)
+		}
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	if prepare != nil {
@@ -328,14 +334,29 @@ func (d Duration) D() time.Duration { return time.Duration(d) }
 func (d *Duration) UnmarshalJSON(b []byte) error {
 	var s string
 	if err := json.Unmarshal(b, &s); err != nil {
-		return fmt.Errorf("want a duration such as \"30s\", got %s", strings.TrimSpace(string(b)))
+		return badValue[Duration](b, `a duration such as "30s"`)
 	}
 	v, err := time.ParseDuration(s)
 	if err != nil {
-		return err
+		return badValue[Duration](b, `a duration such as "30s": `+strings.TrimPrefix(err.Error(), "time: "))
 	}
 	*d = Duration(v)
 	return nil
+}
+
+// keyOf is the key a value sits under, from encoding/json's path to its
+// field, which names embedded structs too (pools.decode.PoolScheduling.
+// metrics): the config's keys are lower case, Go's field names are not.
+func keyOf(field string) string {
+	parts := strings.Split(field, ".")
+	return strings.Join(slices.DeleteFunc(parts, func(p string) bool { return p != "" && unicode.IsUpper(rune(p[0])) }), ".")
+}
+
+// badValue is raw refused by a type of ours, as encoding/json's own type
+// errors are, so that the error names the key the value sits under
+// (encoding/json adds it to such an error only): want says what would do.
+func badValue[T any](raw []byte, want string) error {
+	return &json.UnmarshalTypeError{Value: strings.TrimSpace(string(raw)) + " (want " + want + ")", Type: reflect.TypeFor[T]()}
 }
 
 // MarshalJSON writes the duration string.

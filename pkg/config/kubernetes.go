@@ -45,7 +45,7 @@ func (p *PodPort) UnmarshalJSON(b []byte) error {
 	}
 	n, err := strconv.Atoi(string(b))
 	if err != nil {
-		return fmt.Errorf("want a port number or a container port name, got %s", strings.TrimSpace(string(b)))
+		return badValue[PodPort](b, "a port number or a container port name")
 	}
 	*p = PodPort{Number: n}
 	return nil
