@@ -5,6 +5,7 @@ import (
 	"net"
 	"slices"
 	"strconv"
+	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -51,19 +52,42 @@ func (sel selection) endpoints(pod *corev1.Pod) (eps []scheduling.Discovered, wh
 		}
 		ports = []int{n}
 	}
-	bootstrap := 0
-	if v, ok := pod.Annotations[BootstrapPortAnnotation]; ok {
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 1 || n > 65535 {
-			why = fmt.Sprintf("annotation %s: %q is not a port; the pool's bootstrap port applies", BootstrapPortAnnotation, v)
-		} else {
-			bootstrap = n
-		}
-	}
-	for _, port := range ports {
-		eps = append(eps, scheduling.Discovered{Addr: net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(port)), BootstrapPort: bootstrap})
+	bootstrap, why := bootstrapPorts(pod, len(ports))
+	for i, port := range ports {
+		eps = append(eps, scheduling.Discovered{Addr: net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(port)), BootstrapPort: bootstrap[i]})
 	}
 	return eps, why
+}
+
+// bootstrapPorts reads the pod's bootstrap port annotation for its n
+// endpoints: one port, or with several target ports (several SGLang servers
+// in one pod, each with a bootstrap server of its own) one per target port,
+// comma-separated in their order. 0 where the pool's applies: no
+// annotation, or one that is not that; why says which, and for one port
+// named for several endpoints that it names it for each (no two servers in a
+// pod can listen on it).
+func bootstrapPorts(pod *corev1.Pod, n int) (ports []int, why string) {
+	ports = make([]int, n)
+	v, ok := pod.Annotations[BootstrapPortAnnotation]
+	if !ok {
+		return ports, ""
+	}
+	fields := strings.Split(v, ",")
+	if len(fields) != 1 && len(fields) != n {
+		return ports, fmt.Sprintf("annotation %s: %q names %d ports for %d target ports; the pool's bootstrap port applies", BootstrapPortAnnotation, v, len(fields), n)
+	}
+	for i := range ports {
+		f := strings.TrimSpace(fields[min(i, len(fields)-1)])
+		p, err := strconv.Atoi(f)
+		if err != nil || p < 1 || p > 65535 {
+			return make([]int, n), fmt.Sprintf("annotation %s: %q is not a port; the pool's bootstrap port applies", BootstrapPortAnnotation, v)
+		}
+		ports[i] = p
+	}
+	if n > 1 && len(fields) == 1 {
+		why = fmt.Sprintf("annotation %s: one port, %s, for %d target ports: each SGLang server needs its own; list one per target port", BootstrapPortAnnotation, v, n)
+	}
+	return ports, why
 }
 
 func podReady(pod *corev1.Pod) bool {

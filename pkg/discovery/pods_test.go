@@ -71,6 +71,17 @@ func TestPodEndpoints(t *testing.T) {
 			[]scheduling.Discovered{ep("10.1.2.3:8000", 9001)}, ""},
 		{"bad bootstrap port annotation", port8000, ready(func(p *corev1.Pod) { p.Annotations = map[string]string{BootstrapPortAnnotation: "90010"} }),
 			[]scheduling.Discovered{ep("10.1.2.3:8000", 0)}, `annotation sglang.ai/bootstrap-port: "90010" is not a port; the pool's bootstrap port applies`},
+		{"a bootstrap port per target port", selection{selector: byLabels, ports: []int{8000, 8001}},
+			ready(func(p *corev1.Pod) { p.Annotations = map[string]string{BootstrapPortAnnotation: "9001, 9002"} }),
+			[]scheduling.Discovered{ep("10.1.2.3:8000", 9001), ep("10.1.2.3:8001", 9002)}, ""},
+		{"one bootstrap port for two target ports", selection{selector: byLabels, ports: []int{8000, 8001}},
+			ready(func(p *corev1.Pod) { p.Annotations = map[string]string{BootstrapPortAnnotation: "9001"} }),
+			[]scheduling.Discovered{ep("10.1.2.3:8000", 9001), ep("10.1.2.3:8001", 9001)},
+			`annotation sglang.ai/bootstrap-port: one port, 9001, for 2 target ports: each SGLang server needs its own; list one per target port`},
+		{"bootstrap ports that do not match the target ports", selection{selector: byLabels, ports: []int{8000, 8001, 8002}},
+			ready(func(p *corev1.Pod) { p.Annotations = map[string]string{BootstrapPortAnnotation: "9001,9002"} }),
+			[]scheduling.Discovered{ep("10.1.2.3:8000", 0), ep("10.1.2.3:8001", 0), ep("10.1.2.3:8002", 0)},
+			`annotation sglang.ai/bootstrap-port: "9001,9002" names 2 ports for 3 target ports; the pool's bootstrap port applies`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
