@@ -190,7 +190,7 @@ func New(connector string) *Metrics {
 			[]float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5}, "mode"),
 		prefillDuration: histogramVec("prefill_duration_seconds",
 			"Duration of each prefill leg attempt the service sent, by outcome (ok, failed, cancelled).",
-			[]float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 30, 60}, "outcome"),
+			[]float64{.01, .025, .05, .1, .25, .5, 1, 2, 2.5, 5, 10, 20, 30, 60}, "outcome"), // 2: the slow-prefill alert's line
 		prefillFailures: counterVec("prefill_failures_total",
 			"Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled, not_sent, answer_too_large, malformed, overloaded).",
 			"reason"),
@@ -200,7 +200,7 @@ func New(connector string) *Metrics {
 			"Routed requests by why they got their mode ("+strings.Join(Reasons(), ", ")+").",
 			"reason"),
 		bodyBytes: histogram("request_body_bytes", "Size of complete client request bodies received.",
-			prometheus.ExponentialBuckets(256, 4, 10)), // 256 B .. 64 MiB
+			append(prometheus.ExponentialBuckets(256, 4, 9), 24<<20, 32<<20, 64<<20)), // 256 B .. 16 MiB, then the default limit's last quarter
 		streams: gauge("streams_in_flight", "ext_proc Process streams currently open."),
 		panics: counter("panics_total",
 			"ext_proc streams whose handling panicked (a bug, logged with its stack): each ended with INTERNAL, the others went on."),
