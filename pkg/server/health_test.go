@@ -10,7 +10,9 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
+	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -212,5 +214,47 @@ func TestProfilerAnswersOnLoopbackOnly(t *testing.T) {
 		if rec.Code != tt.want {
 			t.Errorf("GET %s from %s = %d, want %d", tt.path, tt.remote, rec.Code, tt.want)
 		}
+	}
+}
+
+// A client watching the health service (grpc-go's client-side health
+// checking, a monitor) is told NOT_SERVING when the server drains, and its
+// watch then ends: it is not a request in flight, and must not hold the
+// shutdown for the grace period.
+func TestAHealthWatchEndsWithTheDrain(t *testing.T) {
+	r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
+		"127.0.0.1:1", decodeEP), Options{Grace: time.Minute}, logr.Discard())
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second) // well within the grace
+	defer cancel()
+	watch, err := r.health.Watch(ctx, &healthpb.HealthCheckRequest{Service: ""})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		resp, err := watch.Recv()
+		if err != nil {
+			t.Fatalf("watch before the drain: %v", err)
+		}
+		if resp.GetStatus() == healthpb.HealthCheckResponse_SERVING {
+			break
+		}
+	}
+	r.stop() // SIGTERM
+	var told bool
+	for {
+		resp, err := watch.Recv()
+		if status.Code(err) == codes.DeadlineExceeded {
+			t.Fatal("the watch outlived the drain")
+		}
+		if err != nil {
+			break
+		}
+		told = told || resp.GetStatus() == healthpb.HealthCheckResponse_NOT_SERVING
+	}
+	if !told {
+		t.Error("the watch ended without NOT_SERVING")
+	}
+	if err := r.wait(t); err != nil { // within 10 s: before, the grace's minute
+		t.Errorf("Serve = %v, want a clean shutdown", err)
 	}
 }

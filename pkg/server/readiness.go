@@ -118,3 +118,55 @@ func (r *readiness) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	}
 	fmt.Fprintln(w, msg)
 }
+
+// drainedHealth is the gRPC health service, whose Watch streams end once the
+// server drains, after telling NOT_SERVING: GracefulStop waits for every
+// stream, and a client watching readiness is not a request in flight, which
+// would otherwise hold the shutdown for all of --shutdown-grace.
+type drainedHealth struct {
+	*health.Server
+	draining <-chan struct{}
+}
+
+func (h drainedHealth) Watch(req *healthpb.HealthCheckRequest, stream healthpb.Health_WatchServer) error {
+	ctx, cancel := context.WithCancel(stream.Context())
+	defer cancel()
+	w := &watchStream{Health_WatchServer: stream, ctx: ctx, cancel: cancel, draining: h.draining}
+	go func() {
+		select {
+		case <-h.draining:
+			w.endIfDrained()
+		case <-ctx.Done():
+		}
+	}()
+	return h.Server.Watch(req, w)
+}
+
+// watchStream is a Watch stream that ends once the server drains and the
+// client has been told the service is not serving (or was never told it is).
+type watchStream struct {
+	healthpb.Health_WatchServer
+	ctx      context.Context
+	cancel   context.CancelFunc
+	draining <-chan struct{}
+	last     atomic.Int32 // the status sent last
+}
+
+func (w *watchStream) Context() context.Context { return w.ctx }
+
+func (w *watchStream) Send(m *healthpb.HealthCheckResponse) error {
+	err := w.Health_WatchServer.Send(m)
+	w.last.Store(int32(m.GetStatus()))
+	w.endIfDrained()
+	return err
+}
+
+func (w *watchStream) endIfDrained() {
+	select {
+	case <-w.draining:
+		if healthpb.HealthCheckResponse_ServingStatus(w.last.Load()) != healthpb.HealthCheckResponse_SERVING {
+			w.cancel()
+		}
+	default:
+	}
+}

@@ -127,7 +127,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	s.grpc = grpc.NewServer(grpcOpts...)
 	extprocv3.RegisterExternalProcessorServer(s.grpc, handlers.NewServer(p, handlersOptions(cfg, s.metrics, tp, prop, opts.LogPrompts), log.WithName("extproc")))
 	hs := health.NewServer()
-	healthpb.RegisterHealthServer(s.grpc, hs)
+	healthpb.RegisterHealthServer(s.grpc, drainedHealth{Server: hs, draining: s.draining})
 	reflection.Register(s.grpc)
 
 	if s.discovery, err = s.newDiscovery(cfg, prefill, decode, opts.Kubeconfig, log.WithName("discovery")); err != nil {
