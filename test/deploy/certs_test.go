@@ -116,6 +116,10 @@ func TestCertManagerExampleIssuesWhatTheManifestsRead(t *testing.T) {
 		{"pd-extproc's usages", fmt.Sprint(dig(server, "spec", "usages")), "[server auth digital signature]"},
 		{"Envoy's Secret (Kubernetes Envoy)", digString(client, "spec", "secretName"), envoySecret},
 		{"Envoy's Secret (the EnvoyProxy)", digString(client, "spec", "secretName"), digString(find(t, gw, "EnvoyProxy", "pd-gateway-proxy"), "spec", "backendTLS", "clientCertificateRef", "name")},
+		// Named by the Gateway itself, whatever its class: a class the chart did not make
+		// (gateway.createClass false) names no EnvoyProxy of this release.
+		{"the EnvoyProxy the Gateway names", digString(find(t, gw, "Gateway", "pd-gateway"), "spec", "infrastructure", "parametersRef", "name"), "pd-gateway-proxy"},
+		{"the class names none", dig(find(t, gw, "GatewayClass", "pd-extproc"), "spec", "parametersRef"), nil},
 		{"the CA the BackendTLSPolicy trusts", digString(client, "spec", "secretName"), digString(dig(btp, "spec", "validation", "caCertificateRefs").([]any)[0], "name")},
 		{"the BackendTLSPolicy's hostname", digString(btp, "spec", "validation", "hostname"), testbed.ServerSAN},
 		{"Envoy's SANs", fmt.Sprint(dig(client, "spec", "dnsNames")), "[" + testbed.ClientSAN + "]"},
