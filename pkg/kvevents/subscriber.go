@@ -47,6 +47,10 @@ type Config struct {
 	// Handshake bounds the time a peer has to greet and say READY once
 	// connected (transport.go; 0: 5 s).
 	Handshake time.Duration
+	// Counts are the totals to add to: a pool's, which outlive the
+	// subscribers a reload replaces, so that its counters never go back;
+	// nil: the subscriber's own.
+	Counts *Counts
 }
 
 // Subscriber follows the engines' event streams into an Index.
@@ -55,7 +59,7 @@ type Subscriber struct {
 	index *Index
 	log   logr.Logger
 
-	counts Counts
+	counts *Counts
 	// handled, when set (by tests), is told of every message handled.
 	handled func(p Publisher, seq int64)
 }
@@ -73,11 +77,14 @@ func NewSubscriber(cfg Config, index *Index, log logr.Logger) *Subscriber {
 	if cfg.ReplayTimeout <= 0 {
 		cfg.ReplayTimeout = 2 * time.Second
 	}
-	return &Subscriber{cfg: cfg, index: index, log: log}
+	if cfg.Counts == nil {
+		cfg.Counts = new(Counts)
+	}
+	return &Subscriber{cfg: cfg, index: index, log: log, counts: cfg.Counts}
 }
 
 // Counts are the subscriber's totals so far.
-func (s *Subscriber) Counts() *Counts { return &s.counts }
+func (s *Subscriber) Counts() *Counts { return s.counts }
 
 // bounded is ctx for a socket whose connections hang up on a message over
 // MaxMessageBytes, counting each in TooLarge.

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
 // Why a pool had no endpoint for a request; test with errors.Is. The pipeline
@@ -58,6 +59,9 @@ type Pool struct {
 	settings atomic.Pointer[settings]
 	state    atomic.Pointer[poolState]
 	events   atomic.Pointer[poolEvents] // nil unless the pool follows its engines' KV events
+	// eventCounts are the KV event subscribers' totals, kept across the
+	// subscribers a reload of kv_events replaces.
+	eventCounts kvevents.Counts
 }
 
 // poolState is one immutable generation of a pool.
