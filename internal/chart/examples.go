@@ -30,6 +30,7 @@ config:
 	{Name: "everything", Release: Release{Name: "router", Namespace: "llm"}, Values: `
 image: {repository: registry.example.com/pd-extproc, tag: v0.1.0}
 replicas: 3
+clusterDomain: corp.internal
 config:
   connector: kv-nixl
   pools:

@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -38,7 +39,12 @@ func TestKubernetesEnvoy(t *testing.T) {
 		}
 		t.Run(ex.Name, func(t *testing.T) {
 			ns := ex.Release.Namespace
-			headless := fmt.Sprintf("%s-headless.%s.svc.cluster.local", name, ns)
+			values, err := ex.ValuesMap()
+			if err != nil {
+				t.Fatal(err)
+			}
+			domain, _ := values["clusterDomain"].(string) // a cluster whose domain is not cluster.local
+			headless := fmt.Sprintf("%s-headless.%s.svc.%s", name, ns, cmp.Or(domain, "cluster.local"))
 			serverName := fmt.Sprintf("%s.%s.svc", name, ns)
 			boot := digString(find(t, ms, "ConfigMap", name+"-envoy"), "data", "envoy.yaml")
 			want := strings.Replace(shipped, "{address: extproc, port_value: 9002}", "{address: "+headless+", port_value: 9002}", 1)
