@@ -77,13 +77,14 @@ func NewSubscriber(cfg Config, index *Index, log logr.Logger) *Subscriber {
 	if cfg.ReplayTimeout <= 0 {
 		cfg.ReplayTimeout = 2 * time.Second
 	}
-	if cfg.Counts == nil {
-		cfg.Counts = new(Counts)
+	s := &Subscriber{cfg: cfg, index: index, log: log, counts: cfg.Counts}
+	if s.counts == nil {
+		s.counts = new(Counts)
 	}
-	return &Subscriber{cfg: cfg, index: index, log: log, counts: cfg.Counts}
+	return s
 }
 
-// Counts are the subscriber's totals so far.
+// Counts are the totals the subscriber adds to (Config.Counts, or its own).
 func (s *Subscriber) Counts() *Counts { return s.counts }
 
 // bounded is ctx for a socket whose connections hang up on a message over

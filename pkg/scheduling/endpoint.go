@@ -85,21 +85,20 @@ func (e *Endpoint) Acquire() (release func()) {
 // request before its probe's verdict.
 func (e *Endpoint) Claim() *Slot {
 	e.inflight.Add(1)
-	return &Slot{e: e, taken: e.Take(), probe: e.troubled.Load() && e.claimProbe()}
+	return &Slot{taken: e.Take(), probe: e.troubled.Load() && e.claimProbe()}
 }
 
 // Slot is one request's hold on an endpoint (Claim). Its methods are safe to
 // call more than once, and from any goroutine.
 type Slot struct {
-	e            *Endpoint
-	taken        Taken
+	taken        Taken // the endpoint, as the request took it
 	probe        bool
 	left, judged atomic.Bool
 	wait         atomic.Pointer[time.Timer] // JudgedWithin's
 }
 
 // Endpoint is the endpoint held.
-func (s *Slot) Endpoint() *Endpoint { return s.e }
+func (s *Slot) Endpoint() *Endpoint { return s.taken.Endpoint }
 
 // Taken is the endpoint as the request took it, for its health reports.
 func (s *Slot) Taken() Taken { return s.taken }
@@ -107,7 +106,7 @@ func (s *Slot) Taken() Taken { return s.taken }
 // Leave ends the request's load on the endpoint.
 func (s *Slot) Leave() {
 	if s.left.CompareAndSwap(false, true) {
-		s.e.inflight.Add(-1)
+		s.taken.inflight.Add(-1)
 	}
 }
 
@@ -117,7 +116,7 @@ func (s *Slot) Judged() {
 		if t := s.wait.Load(); t != nil {
 			t.Stop()
 		}
-		s.e.endProbe()
+		s.taken.endProbe()
 	}
 }
 
