@@ -14,6 +14,7 @@ import (
 	"time"
 	"unicode"
 
+	kjson "sigs.k8s.io/json"
 	"sigs.k8s.io/yaml"
 
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
@@ -174,6 +175,9 @@ func Unconfigured(data []byte) (*Config, error) {
 // fills defaults and validates.
 func parse(data []byte, prepare func(*Config) error) (*Config, error) {
 	var c Config
+	if err := caseSensitive(data); err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
 	if err := yaml.UnmarshalStrict(data, &c); err != nil {
 		if bad := (*json.UnmarshalTypeError)(nil); errors.As(err, &bad) && bad.Field != "" {
 			return nil, fmt.Errorf("config: %s: cannot take %s as %s", keyOf(bad.Field), bad.Value, bad.Type)
@@ -190,6 +194,20 @@ func parse(data []byte, prepare func(*Config) error) (*Config, error) {
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	return &c, nil
+}
+
+// caseSensitive refuses a key that matches one of ours only when case is
+// ignored ("Policy" for "policy"), which encoding/json would take, and which
+// would silently override the key as written when both are given. Kubernetes
+// decodes its objects alike (sigs.k8s.io/json). Other faults are left to the
+// decoding that follows, whose errors name the key.
+func caseSensitive(data []byte) error {
+	j, err := yaml.YAMLToJSON(data)
+	if err != nil {
+		return nil
+	}
+	strict, _ := kjson.UnmarshalStrict(j, &Config{}, kjson.DisallowUnknownFields)
+	return errors.Join(strict...)
 }
 
 // Load reads and parses the file at path.

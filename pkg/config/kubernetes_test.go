@@ -47,7 +47,7 @@ func TestKubernetesValidationNamesTheKey(t *testing.T) {
 		{"port with inference_pool", `{inference_pool: vllm, port: 8000}`, "pools.decode.kubernetes.port: not with inference_pool"},
 		{"bad inference_pool", `{inference_pool: Vllm_Pool}`, "pools.decode.kubernetes.inference_pool"},
 		{"bad namespace", `{namespace: LLM, selector: app=vllm, port: 8000}`, "pools.decode.kubernetes.namespace"},
-		{"misspelt key", `{selectors: app=vllm, port: 8000}`, `unknown field "selectors"`},
+		{"misspelt key", `{selectors: app=vllm, port: 8000}`, `unknown field "pools.decode.kubernetes.selectors"`},
 		{"inference_pool alone", `{inference_pool: vllm-pool}`, ""},
 	}
 	for _, tc := range tests {

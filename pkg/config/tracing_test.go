@@ -21,7 +21,7 @@ func TestTracingKeys(t *testing.T) {
 		{name: "host:port without a scheme", yaml: pools + `tracing: {otlp_endpoint: "otel-collector:4317"}`, wantErr: "tracing.otlp_endpoint"},
 		{name: "ratio above 1", yaml: pools + `tracing: {sample_ratio: 1.5}`, wantErr: "tracing.sample_ratio"},
 		{name: "negative ratio", yaml: pools + `tracing: {sample_ratio: -0.1}`, wantErr: "tracing.sample_ratio"},
-		{name: "misspelt key", yaml: pools + `tracing: {endpoint: "http://c:4317"}`, wantErr: `unknown field "endpoint"`},
+		{name: "misspelt key", yaml: pools + `tracing: {endpoint: "http://c:4317"}`, wantErr: `unknown field "tracing.endpoint"`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
