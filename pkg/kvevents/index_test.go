@@ -290,3 +290,22 @@ func TestTheTotalBoundTakesFromTheLargest(t *testing.T) {
 		t.Errorf("%d blocks kept, past the bound of 8", got)
 	}
 }
+
+// TestLookupMatchesEachEngineByItsBlockSize: engines of one pool that
+// publish different block sizes (vLLM's --block-size, or an attention
+// backend that sets its own) are each matched in their own blocks, every
+// time: the lookup took one size, whichever view came last, and read 0 for
+// the others.
+func TestLookupMatchesEachEngineByItsBlockSize(t *testing.T) {
+	x := NewIndex(Bounds{}, time.Minute, nil)
+	x.Reset(a, true)
+	x.Reset(b, true)
+	x.Apply(a, []Event{{Kind: Stored, Hashes: []uint64{1, 2, 3}, Tokens: seq(0, 12), BlockSize: 4}})
+	x.Apply(b, []Event{{Kind: Stored, Hashes: []uint64{5, 6, 7, 8, 9}, Tokens: seq(0, 10), BlockSize: 2}})
+	want := map[string]int{a.Endpoint: 12, b.Endpoint: 10}
+	for range 100 { // the views are kept in a map: its order changes
+		if held, _ := x.Lookup([]string{a.Endpoint, b.Endpoint}, seq(0, 14), Keys{}); !maps.Equal(held, want) {
+			t.Fatalf("Lookup = %v, want %v", held, want)
+		}
+	}
+}

@@ -2,6 +2,7 @@ package kvevents
 
 import (
 	"encoding/binary"
+	"slices"
 	"sync"
 
 	"github.com/cespare/xxhash/v2"
@@ -52,7 +53,8 @@ func mix64(x uint64) uint64 {
 // the endpoint's publishers has been followed, while a gap is replayed, for
 // staleAfter after a gap it could not replay, or while its engine stays
 // silent past staleAfter after work it had to store; the caller goes by
-// other means there.
+// other means there. Engines that publish different block sizes (a pool of
+// mixed GPUs or attention backends) are each matched by their own.
 func (x *Index) Lookup(endpoints []string, tokens []int64, k Keys) (held map[string]int, known map[string]bool) {
 	now := x.now()
 	slot := make(map[string]int, len(endpoints))
@@ -64,7 +66,7 @@ func (x *Index) Lookup(endpoints []string, tokens []int64, k Keys) (held map[str
 	defer x.mu.RUnlock()
 	views := make([]int, len(x.pubs)+len(x.ids)) // by view id: 1 + the endpoint's position, 0 for none
 
-	blockSize := 0
+	var sizes []int // the usable views' block sizes, most often one
 	for _, v := range x.pubs {
 		i, listed := slot[v.Endpoint]
 		if !listed || usable[i] < 0 {
@@ -76,8 +78,8 @@ func (x *Index) Lookup(endpoints []string, tokens []int64, k Keys) (held map[str
 		}
 		usable[i] = 1
 		views[v.id] = i + 1
-		if v.blockSize > 0 {
-			blockSize = v.blockSize
+		if v.blockSize > 0 && !slices.Contains(sizes, v.blockSize) {
+			sizes = append(sizes, v.blockSize)
 		}
 	}
 	known = make(map[string]bool, len(endpoints))
@@ -87,10 +89,23 @@ func (x *Index) Lookup(endpoints []string, tokens []int64, k Keys) (held map[str
 		}
 	}
 	held = make(map[string]int, len(known))
-	if blockSize == 0 {
-		return held, known // nothing stored anywhere yet
+	matched := make([]int, len(endpoints)) // leading blocks each endpoint holds, at one size
+	for _, size := range sizes {
+		clear(matched)
+		x.match(tokens, size, k, views, usable, matched)
+		for i, e := range endpoints {
+			if matched[i] > 0 && usable[i] > 0 {
+				held[e] = max(held[e], matched[i]*size)
+			}
+		}
 	}
-	matched := make([]int, len(endpoints)) // leading blocks each endpoint holds
+	return held, known
+}
+
+// match counts into matched, per endpoint position, the leading blocks of
+// blockSize tokens that its views of that block size hold; views maps a view
+// id to 1 + its endpoint's position (0: not looked up). x.mu is held.
+func (x *Index) match(tokens []int64, blockSize int, k Keys, views []int, usable []int8, matched []int) {
 	// The blocks' keys, each chained from the one before, as far as the
 	// lookup needs them.
 	kp := keysPool.Get().(*[]uint64)
@@ -153,10 +168,4 @@ func (x *Index) Lookup(endpoints []string, tokens []int64, k Keys) (held map[str
 			break
 		}
 	}
-	for i, e := range endpoints {
-		if matched[i] > 0 && usable[i] > 0 {
-			held[e] = matched[i] * blockSize
-		}
-	}
-	return held, known
 }
