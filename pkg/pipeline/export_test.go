@@ -1,6 +1,9 @@
 package pipeline
 
-import "time"
+import (
+	"net/http"
+	"time"
+)
 
 // What the external tests (package pipeline_test, which assemble pipelines
 // as pkg/server does) read of the package's insides.
@@ -19,4 +22,10 @@ func SetProbeVerdictWait(d time.Duration) (restore func()) {
 	old := probeVerdictWait
 	probeVerdictWait = d
 	return func() { probeVerdictWait = old }
+}
+
+// WrapTransport wraps the transport of p's engine client (prefill legs,
+// token ids) in wrap.
+func WrapTransport(p *Pipeline, wrap func(http.RoundTripper) http.RoundTripper) {
+	p.client.Transport = wrap(p.client.Transport)
 }

@@ -48,10 +48,14 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	}
 	base := p.scheme + "://" + e.Addr
 	start := time.Now()
+	// One deadline for both round trips: a render that fails slowly leaves
+	// /tokenize only what remains of it.
+	asking, cancel := context.WithTimeout(ctx, tk.Timeout)
+	defer cancel()
 	var ids []int64
 	err := errUnrendered // nothing rendered yet
 	if render {
-		if ids, err = p.askTokens(ctx, base+api, tk.Timeout, obj.Bytes(), r.Forward, true); errors.Is(err, errUnrendered) {
+		if ids, err = p.askTokens(asking, base+api, obj.Bytes(), r.Forward, true); errors.Is(err, errUnrendered) {
 			p.pools.Unrendered(api)
 		}
 	}
@@ -62,7 +66,7 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 		if errors.Is(err, errRenderFailed) {
 			p.log.V(1).Info("render failed: asking /tokenize", "requestID", r.RequestID, "engine", e.Addr, "error", err.Error())
 		}
-		ids, err = p.askTokens(ctx, base+tk.Path, tk.Timeout, t.Ask, r.Forward, false)
+		ids, err = p.askTokens(asking, base+tk.Path, t.Ask, r.Forward, false)
 	} else if errors.Is(err, errUnrendered) {
 		return // no way to ask this engine: no failure of its tokenizer
 	}
@@ -111,9 +115,7 @@ const maxErrorAnswer = 4 << 10
 // not an OpenAI error (FastAPI's {"detail": "Not Found"} for a path it has
 // no route for); vLLM answers a model it does not serve, or a stored
 // response it does not have, with 404 and {"error": ...}.
-func (p *Pipeline) askTokens(ctx context.Context, url string, timeout time.Duration, ask []byte, forward http.Header, render bool) ([]int64, error) {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
+func (p *Pipeline) askTokens(ctx context.Context, url string, ask []byte, forward http.Header, render bool) ([]int64, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(ask))
 	if err != nil {
 		return nil, err

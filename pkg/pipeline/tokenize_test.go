@@ -1,0 +1,97 @@
+package pipeline_test
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
+)
+
+// deadlines is a transport that notes each request's path and deadline.
+type deadlines struct {
+	next http.RoundTripper
+	mu   sync.Mutex
+	at   map[string]time.Time
+}
+
+func (d *deadlines) RoundTrip(r *http.Request) (*http.Response, error) {
+	at, _ := r.Context().Deadline()
+	d.mu.Lock()
+	d.at[r.URL.Path] = at
+	d.mu.Unlock()
+	return d.next.RoundTrip(r)
+}
+
+// TestTokenIDsTakeOneTimeout: kv_events.tokenize.timeout bounds the whole
+// wait for a request's token ids. A render that fails leaves /tokenize what
+// remains of it, not a whole timeout of its own (a slow failing render held
+// the request up to twice the timeout).
+func TestTokenIDsTakeOneTimeout(t *testing.T) {
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		switch r.URL.Path {
+		case "/v1/chat/completions/render":
+			w.WriteHeader(http.StatusInternalServerError)
+			fmt.Fprint(w, `{"error":{"message":"template failed","type":"InternalServerError","code":500}}`)
+		case "/tokenize":
+			fmt.Fprint(w, `{"count":3,"max_model_len":100,"tokens":[1,2,3]}`)
+		}
+	}))
+	defer engine.Close()
+	cfg, err := config.Parse(fmt.Appendf(nil, `connector: kv-nixl
+pools: {decode: {endpoints: [%q], policy: prefix-affinity, kv_events: {connect_port: 1, tokenize: {timeout: 5s}}}}
+`, strings.TrimPrefix(engine.URL, "http://")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := assemble.Pipeline(cfg, logr.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := &deadlines{at: map[string]time.Time{}}
+	pipeline.WrapTransport(p, func(next http.RoundTripper) http.RoundTripper { seen.next = next; return seen })
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() { p.Run(ctx) })
+	defer func() {
+		cancel()
+		wg.Wait()
+		p.Wait()
+		pipeline.CloseIdle(p)
+	}()
+	// The pool follows its engine's events (an empty view) once Run has
+	// started its subscriber; until then requests go without token ids.
+	asked := func() bool {
+		seen.mu.Lock()
+		defer seen.mu.Unlock()
+		return len(seen.at) > 0
+	}
+	for deadline := time.Now().Add(5 * time.Second); !asked(); time.Sleep(2 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no request asked for its token ids")
+		}
+		d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+			Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		d.Release()
+	}
+	render, tokenize := seen.at["/v1/chat/completions/render"], seen.at["/tokenize"]
+	if render.IsZero() || tokenize.IsZero() {
+		t.Fatalf("asked with deadlines %v; want the render endpoint, then /tokenize", seen.at)
+	}
+	if !tokenize.Equal(render) {
+		t.Errorf("/tokenize was asked with a deadline %v after the render's: want the same one", tokenize.Sub(render))
+	}
+}
