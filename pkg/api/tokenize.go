@@ -48,6 +48,11 @@ var chatTokenizeFields = []string{"model", "messages", "tools", "add_generation_
 // is its Prompt's Cache): none when the API has no way to ask (Anthropic
 // Messages, SGLang's generate), the body is a batch, or its cache_salt is
 // not one the engine takes (a string, not empty).
+//
+// A request with truncate_prompt_tokens is computed from its last tokens
+// only (vLLM cuts token prompts too: TokenizeParams, vllm/renderers/params.py),
+// which only the render endpoint answers: neither the body's ids nor
+// /tokenize's are what the engine caches.
 func (a *API) TokensOf(o *body.Object) Tokens {
 	if a.Tokenize == nil {
 		return Tokens{}
@@ -57,7 +62,11 @@ func (a *API) TokensOf(o *body.Object) Tokens {
 			return Tokens{}
 		}
 	}
-	return a.Tokenize(o)
+	t := a.Tokenize(o)
+	if present(o, "truncate_prompt_tokens") {
+		return Tokens{RenderPath: t.RenderPath}
+	}
+	return t
 }
 
 func chatTokens(o *body.Object) Tokens {
@@ -120,8 +129,15 @@ func responsesTokens(o *body.Object) Tokens {
 	return Tokens{RenderPath: ResponsesRenderPath}
 }
 
-// generateTokens: vLLM's token-in generate carries its ids.
+// generateTokens: vLLM's token-in generate carries its ids, unless its
+// sampling_params cut them (truncate_prompt_tokens, a SamplingParams field).
 func generateTokens(o *body.Object) Tokens {
+	var params struct {
+		Truncate json.RawMessage `json:"truncate_prompt_tokens"`
+	}
+	if raw, ok := o.Raw("sampling_params"); ok && json.Unmarshal(raw, &params) == nil && len(params.Truncate) > 0 && !body.IsNull(params.Truncate) {
+		return Tokens{}
+	}
 	ids, _ := idsOf(o, "token_ids")
 	return Tokens{IDs: ids}
 }

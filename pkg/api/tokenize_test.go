@@ -8,8 +8,10 @@ import (
 // TestTokenizeAsksForWhatTheEngineComputes: a chat or completions request is
 // rendered by its API's render endpoint, and its /tokenize body keeps the
 // fields that change its rendering and nothing else; token ids in the body
-// are taken as they are; a batch has no one prompt, and one with a
-// cache_salt the engine refuses is not looked up.
+// are taken as they are unless the request cuts them to its last
+// (truncate_prompt_tokens), which only the render endpoint answers; a batch
+// has no one prompt, and one with a cache_salt the engine refuses is not
+// looked up.
 func TestTokenizeAsksForWhatTheEngineComputes(t *testing.T) {
 	tests := []struct {
 		name, body string
@@ -41,6 +43,12 @@ func TestTokenizeAsksForWhatTheEngineComputes(t *testing.T) {
 		{"a completions batch", `{"model":"m","prompt":["a","b"]}`, Completions, nil, "", ""},
 		{"token-in generate", `{"token_ids":[7,8,9],"sampling_params":{}}`, Generate, []int64{7, 8, 9}, "", ""},
 		{"salted token-in generate", `{"token_ids":[7,8,9],"sampling_params":{},"cache_salt":"s"}`, Generate, []int64{7, 8, 9}, "", ""},
+		{"chat cut to its last tokens: rendered only, as /tokenize cannot cut", `{"model":"m","messages":[{"role":"user","content":"hi"}],"truncate_prompt_tokens":8}`,
+			Chat, nil, ChatRenderPath, ""},
+		{"a completions string cut to its last tokens", `{"model":"m","prompt":"hello","truncate_prompt_tokens":8}`, Completions, nil, CompletionsRenderPath, ""},
+		{"completions token ids cut to their last: not the body's", `{"model":"m","prompt":[5,6,7],"truncate_prompt_tokens":2}`, Completions, nil, "", ""},
+		{"completions token ids, truncate_prompt_tokens null", `{"model":"m","prompt":[5,6,7],"truncate_prompt_tokens":null}`, Completions, []int64{5, 6, 7}, "", ""},
+		{"token-in generate cut by its sampling params", `{"token_ids":[7,8,9],"sampling_params":{"truncate_prompt_tokens":2}}`, Generate, nil, "", ""},
 		{"responses: rendered only", `{"model":"m","input":"hi"}`, Responses, nil, ResponsesRenderPath, ""},
 		{"responses continuing a stored response, which no render endpoint renders", `{"model":"m","input":"hi","previous_response_id":"resp_1"}`,
 			Responses, nil, "", ""},
