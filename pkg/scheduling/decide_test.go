@@ -2,6 +2,7 @@ package scheduling
 
 import (
 	"cmp"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -27,6 +28,8 @@ func TestDecide(t *testing.T) {
 		{name: "at the threshold", pd: config.PD{MinPromptTokens: 100}, body: long, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
 		{name: "below the threshold", pd: config.PD{MinPromptTokens: 101}, body: long, want: Split{Reason: metrics.ReasonShortPrompt}},
 		{name: "another characters-per-token ratio", pd: config.PD{MinPromptTokens: 101, CharsPerToken: 2}, body: long, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "a ratio that is no whole number rounds up", pd: config.PD{MinPromptTokens: 668, CharsPerToken: 1.5},
+			body: `{"model":"m","prompt":"` + strings.Repeat("字", 1001) + `"}`, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
 		{name: "token ids count exactly", pd: config.PD{MinPromptTokens: 3}, body: `{"model":"m","prompt":[1,2,3]}`, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
 		{name: "too few token ids", pd: config.PD{MinPromptTokens: 4}, body: `{"model":"m","prompt_token_ids":[1,2,3]}`, want: Split{Reason: metrics.ReasonShortPrompt}},
 		{name: "always ignores the threshold", pd: config.PD{Mode: config.PDAlways, MinPromptTokens: 1000}, body: long, want: Split{PD: true, Reason: metrics.ReasonAlways}},
@@ -166,5 +169,107 @@ func TestHeldIsOfTheEndpointPicked(t *testing.T) {
 	if e != first || req.Held(e) < len(req.Previous()) || req.Previous() == "" || req.Held(other) != 0 || req.Held(nil) != 0 {
 		t.Fatalf("Held = %d on the endpoint picked (%v, first %v), %d on another; want at least %d, and 0",
 			req.Held(e), e.Addr, first.Addr, req.Held(other), len(req.Previous()))
+	}
+}
+
+// TestALaterTurnIsNotAssumedWhereItsRankingMoved: a later turn's endpoint
+// is assumed to hold the previous request only while the ranking that sent
+// it there stands. When the endpoint that held the conversation is ejected,
+// taken down by its checks or removed, when one joins that now ranks first,
+// or when the endpoint has failed requests since it served (it may have
+// restarted), the endpoint the turn ranks first now never got its history:
+// decode-only there would recompute it all on a decode engine. So the turn
+// goes P/D, on the replica that routed the turn before and on another.
+func TestALaterTurnIsNotAssumedWhereItsRankingMoved(t *testing.T) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	spec := func(addrs []string) Spec {
+		return Spec{Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}},
+			Decode: PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity}}}
+	}
+	turn1 := []simMessage{{"system", strings.Repeat("s", 2000)}, {"user", strings.Repeat("a", 400)}}
+	turn2 := append(slices.Clip(turn1), simMessage{"assistant", strings.Repeat("b", 400)}, simMessage{"user", strings.Repeat("c", 200)})
+	// newcomer is an address that, joining the pool, ranks first for turn 2.
+	newcomer := func(t *testing.T) string {
+		for i := 5; i < 64; i++ {
+			a := fmt.Sprintf("10.0.0.%d:8000", i)
+			if e, _ := NewPools(spec(append(slices.Clone(addrs), a)), Deps{}).Decode.Select(chatRequest(turn2)); e.Addr == a {
+				return a
+			}
+		}
+		t.Fatal("no address takes turn 2 over")
+		return ""
+	}
+	tests := []struct {
+		name   string
+		change func(t *testing.T, ps *Pools, holder *Endpoint)
+		want   Split
+	}{
+		{"nothing changed", func(*testing.T, *Pools, *Endpoint) {}, Split{Reason: metrics.ReasonCachedPrefix}},
+		{"its holder ejected", func(_ *testing.T, _ *Pools, holder *Endpoint) {
+			for range 3 {
+				holder.ReportFailure()
+			}
+		}, Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{"its holder down by its checks", func(_ *testing.T, _ *Pools, holder *Endpoint) { holder.setActive(refused) },
+			Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{"its holder removed", func(_ *testing.T, ps *Pools, holder *Endpoint) {
+			ps.Update(spec(slices.DeleteFunc(slices.Clone(addrs), func(a string) bool { return a == holder.Addr })))
+		}, Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{"an endpoint joined that ranks first", func(t *testing.T, ps *Pools, _ *Endpoint) {
+			ps.Update(spec(append(slices.Clone(addrs), newcomer(t))))
+		}, Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{"its holder failed a request since", func(_ *testing.T, _ *Pools, holder *Endpoint) { holder.ReportFailure() },
+			Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+	}
+	for _, tt := range tests {
+		for _, seen := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%s, turn 1 routed here: %v", tt.name, seen), func(t *testing.T) {
+				ps := NewPools(spec(addrs), Deps{})
+				router := ps // the replica that routes turn 1
+				if !seen {
+					router = NewPools(spec(addrs), Deps{})
+				}
+				first, err := router.Decode.Select(chatRequest(turn1))
+				if err != nil {
+					t.Fatal(err)
+				}
+				holder := ps.Decode.Endpoints()[slices.IndexFunc(ps.Decode.Endpoints(), func(e *Endpoint) bool { return e.Addr == first.Addr })]
+				tt.change(t, ps, holder)
+				req := chatRequest(turn2)
+				e, err := ps.Decode.Select(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := ps.Decide(req, e); got.PD != tt.want.PD || got.Reason != tt.want.Reason {
+					t.Fatalf("turn 1 on %s, turn 2 on %s: Decide() = %+v, want %+v", first.Addr, e.Addr, got, tt.want)
+				}
+			})
+		}
+	}
+}
+
+// TestTheUncachedShareIsOfCharacters: the held share of the prompt is
+// counted in characters, as its tokens are: a history of three bytes a
+// character (CJK) held, and a new turn of 6,000 ASCII characters (1,500
+// tokens at 4 a token, above min_uncached_tokens) goes P/D. Counted in
+// bytes, it seemed to lack half that, and went decode-only.
+func TestTheUncachedShareIsOfCharacters(t *testing.T) {
+	turn1 := []simMessage{{"system", strings.Repeat("系统提示", 1500)}, {"user", "你好"}}
+	turn2 := append(slices.Clip(turn1), simMessage{"assistant", "好"}, simMessage{"user", strings.Repeat("x", 6000)})
+	ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}},
+		Decode: PoolSpec{Endpoints: []string{"10.0.0.1:8000", "10.0.0.2:8000"}, PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity}}}, Deps{})
+	if _, err := ps.Decode.Select(chatRequest(turn1)); err != nil {
+		t.Fatal(err)
+	}
+	req := chatRequest(turn2)
+	e, err := ps.Decode.Select(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if uncached, _ := req.UncachedTokens(e, config.DefaultCharsPerToken); uncached < 1500 {
+		t.Errorf("%d tokens uncached, want at least the new turn's 1,500", uncached)
+	}
+	if got := ps.Decide(req, e); !got.PD {
+		t.Errorf("Decide() = %+v, want P/D", got)
 	}
 }

@@ -24,9 +24,13 @@ type Endpoint struct {
 
 	troubled  atomic.Bool   // fast path: false means healthy without taking mu
 	ejections atomic.Uint64 // times taken out of rotation: passive ejections and failed active checks
-	mu        sync.Mutex
-	health    healthState
-	trust     cacheTrust
+	// moved is when (Unix nanoseconds) the endpoint last changed how
+	// conversations rank: it joined the pool after its first build, left it,
+	// or was taken out of rotation. 0: never.
+	moved  atomic.Int64
+	mu     sync.Mutex
+	health healthState
+	trust  cacheTrust
 }
 
 // settings are the pool-wide knobs an endpoint consults, swapped on reload.

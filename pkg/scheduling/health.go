@@ -87,6 +87,7 @@ func (e *Endpoint) reportFailure(epoch uint64) {
 	h.ejections++
 	h.probing = false
 	e.ejections.Add(1)
+	e.moved.Store(now.UnixNano())
 }
 
 // reportSuccess: while an ejection runs, a success is news from before it
@@ -195,6 +196,7 @@ func (e *Endpoint) setActive(v verdict) {
 	case !h.activeDown && (v == refused || first || h.checkRun >= s.unhealthy):
 		h.activeDown = true
 		e.ejections.Add(1)
+		e.moved.Store(s.now().UnixNano())
 	}
 	e.troubled.Store(h.activeDown || h.failures > 0)
 }

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
@@ -67,10 +68,13 @@ type Pool struct {
 // poolState is one immutable generation of a pool.
 type poolState struct {
 	endpoints []*Endpoint
-	picker    Picker
-	spec      PoolSpec
-	specGen   uint64        // the Update whose spec it has
-	changed   chan struct{} // closed when the next generation replaces this one
+	// gone are the endpoints that left the pool within rerankWindow
+	// (Endpoint.moved), as conversations they held are placed anew.
+	gone    []*Endpoint
+	picker  Picker
+	spec    PoolSpec
+	specGen uint64        // the Update whose spec it has
+	changed chan struct{} // closed when the next generation replaces this one
 }
 
 func newPool(name string, decode bool, spec PoolSpec, deps Deps) *Pool {
@@ -136,11 +140,14 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 		return nil, fmt.Errorf("%s: %w", p.Name, ErrEmpty)
 	}
 	var subset Subset
-	if req != nil && p.decode {
-		subset = req.Subset
+	if req != nil {
+		req.absent = nil
+		if p.decode {
+			subset = req.Subset
+		}
 	}
 	out := make([]*Endpoint, 0, len(st.endpoints))
-	var ejected []*Endpoint // kept out by passive health alone
+	var ejected, down []*Endpoint // kept out by passive health alone; by either
 	allowed, untried := 0, 0
 	for _, e := range st.endpoints {
 		if !subset.Allows(e.Addr) {
@@ -156,6 +163,9 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 			out = append(out, e)
 		case !e.CheckedDown():
 			ejected = append(ejected, e)
+			fallthrough
+		default:
+			down = append(down, e)
 		}
 	}
 	switch {
@@ -172,7 +182,28 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 	case len(out) == 0:
 		return nil, fmt.Errorf("%s: %w", p.Name, ErrUnhealthy)
 	}
+	if req != nil {
+		now := p.deps.Now()
+		for _, e := range slices.Concat(down, st.gone) {
+			if recentlyMoved(e, now) {
+				req.absent = append(req.absent, e)
+			}
+		}
+	}
 	return out, nil
+}
+
+// rerankWindow is how long an endpoint that joined, left or was taken out
+// of rotation is taken to have moved conversations: a later turn that ranks
+// its endpoint first is not assumed to find its previous request there
+// (prefixAffinity.estimate), as that request may have gone by another
+// ranking. Some minutes of a conversation's turns; past them, the engines'
+// answers tell (cacheTrust).
+const rerankWindow = 5 * time.Minute
+
+func recentlyMoved(e *Endpoint, now time.Time) bool {
+	at := e.moved.Load()
+	return at != 0 && now.Sub(time.Unix(0, at)) < rerankWindow
 }
 
 // Update replaces the pool's configuration. Endpoints whose address stays keep
@@ -248,6 +279,9 @@ func (p *Pool) rebuild() {
 		e := keep[a]
 		if e == nil {
 			e = newEndpoint(a, &p.settings)
+			if old != nil { // joins a pool already routing
+				e.moved.Store(now.UnixNano())
+			}
 		}
 		e.bootstrapPort.Store(int32(bootstrapPort))
 		if s.Health.CheckInterval <= 0 {
@@ -270,7 +304,21 @@ func (p *Pool) rebuild() {
 			p.departed[a] = e
 		}
 	}
-	p.state.Store(&poolState{endpoints: eps, picker: picker, spec: s, specGen: p.specGen, changed: make(chan struct{})})
+	var gone []*Endpoint
+	if old != nil {
+		for _, e := range slices.Concat(old.gone, old.endpoints) {
+			if seen[e.Addr] || slices.Contains(gone, e) {
+				continue
+			}
+			if slices.Contains(old.endpoints, e) {
+				e.moved.Store(now.UnixNano())
+			}
+			if recentlyMoved(e, now) {
+				gone = append(gone, e)
+			}
+		}
+	}
+	p.state.Store(&poolState{endpoints: eps, gone: gone, picker: picker, spec: s, specGen: p.specGen, changed: make(chan struct{})})
 	if old != nil {
 		close(old.changed)
 	}

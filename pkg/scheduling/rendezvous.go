@@ -244,7 +244,8 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 		}
 	}
 	h := xxhash.Sum64String(prefix) ^ ns
-	rs := rank(h, conversationHash(req, conversation, ns), homeSize(p.shares.note(h), len(eps), p.spread), eps)
+	conv, share := conversationHash(req, conversation, ns), p.shares.note(h)
+	rs := rank(h, conv, homeSize(share, len(eps), p.spread), eps)
 	queueSlack := p.queueSlack
 	if held == nil {
 		queueSlack = p.estimateQueueSlack
@@ -305,9 +306,34 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 			}
 		}
 	}
-	p.estimate(req, chosen.e, served, chosen.e == rs[0].e && p.keys.keyedAlike(req))
+	first := chosen.e == rs[0].e && p.keys.keyedAlike(req) && p.rankedAlike(req, chosen.e, h, conv, share, eps, served)
+	p.estimate(req, chosen.e, served, first)
 	p.index.record(prompt, hs, chosen.e.Addr)
 	return chosen.e
+}
+
+// rankedAlike says whether a later turn's previous request was ranked as it
+// is, and so sent to e, its first, unless a load bound spilled it: e has not
+// moved conversations lately (it joined the pool, or came back into
+// rotation), nor has an endpoint that would rank above it (out of rotation,
+// or gone, since), nor does this replica remember sending the previous
+// request elsewhere.
+func (p *prefixAffinity) rankedAlike(req *Request, e *Endpoint, prefix, conversation uint64, share float64, eps []*Endpoint, served map[string]int) bool {
+	if recentlyMoved(e, e.cfg().now()) {
+		return false
+	}
+	if prev := len(req.Previous()) / p.keys.blockChars; prev > 0 {
+		for addr, n := range served {
+			if n >= prev && addr != e.Addr && served[e.Addr] < prev {
+				return false
+			}
+		}
+	}
+	if len(req.absent) == 0 {
+		return true
+	}
+	all := slices.Concat(eps, req.absent)
+	return rank(prefix, conversation, homeSize(share, len(all), p.spread), all)[0].e == e
 }
 
 // estimate notes on req what e is estimated to hold of its prompt, before
@@ -316,7 +342,9 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 // conversation's, with no load in the way) and the previous request ranked
 // alike, at least the conversation's previous request, which every replica
 // sent there unless a load bound spilled it. The second holds whatever
-// replica routed that request, so replicas mostly estimate alike.
+// replica routed that request, so replicas mostly estimate alike. An
+// endpoint that has failed requests since it last served one (troubled) is
+// estimated to hold nothing: its engine may have restarted, its cache lost.
 func (p *prefixAffinity) estimate(req *Request, e *Endpoint, served map[string]int, first bool) {
 	if req == nil {
 		return
@@ -324,6 +352,9 @@ func (p *prefixAffinity) estimate(req *Request, e *Endpoint, served map[string]i
 	held := served[e.Addr] * p.keys.blockChars
 	if first {
 		held = max(held, len(req.Previous()))
+	}
+	if e.troubled.Load() {
+		held = 0
 	}
 	req.held = estimate{addr: e.Addr, chars: held}
 }

@@ -1,6 +1,7 @@
 package scheduling
 
 import (
+	"math"
 	"unicode/utf8"
 
 	"github.com/cespare/xxhash/v2"
@@ -43,6 +44,9 @@ type Request struct {
 	// endpoint holds of its prompt: prefix-affinity sets it as it picks, for
 	// the decider to read of the decode endpoint.
 	held estimate
+	// absent are the endpoints of the pool last picked for it that are out
+	// of rotation or gone, and moved conversations lately (recentlyMoved).
+	absent []*Endpoint
 }
 
 // estimate is how many leading characters of a prompt (Request.Prompt) an
@@ -152,12 +156,13 @@ func (r *Request) UncachedTokens(e *Endpoint, charsPerToken float64) (uncached, 
 	if e != nil && r.held.exact && r.held.addr == e.Addr {
 		return tokens - min(r.held.tokens, tokens), tokens
 	}
-	chars := len(r.Prompt())
-	if chars == 0 {
+	prompt := r.Prompt()
+	if prompt == "" {
 		return tokens, tokens
 	}
-	held := min(r.Held(e), chars)
-	return tokens - int(int64(tokens)*int64(held)/int64(chars)), tokens
+	// Held is in bytes (the cache's blocks are); tokens follow characters.
+	held := utf8.RuneCountInString(prompt[:min(r.Held(e), len(prompt))])
+	return tokens - int(int64(tokens)*int64(held)/int64(utf8.RuneCountInString(prompt))), tokens
 }
 
 // PromptTokens is the prompt's length in tokens: exact when the body carries
@@ -175,6 +180,5 @@ func (r *Request) PromptTokens(charsPerToken float64) int {
 	if charsPerToken <= 0 {
 		charsPerToken = 4
 	}
-	chars := float64(utf8.RuneCountInString(r.Prompt()))
-	return int((chars + charsPerToken - 1) / charsPerToken)
+	return int(math.Ceil(float64(utf8.RuneCountInString(r.Prompt())) / charsPerToken))
 }
