@@ -39,7 +39,7 @@ func loraPath(o *body.Object) (string, bool) {
 	}
 	raw, _ := o.Raw("lora_path")
 	name := ""
-	for _, e := range body.Elements(raw) {
+	for e := range body.Items(raw) {
 		var s string
 		if json.Unmarshal(e, &s) != nil || s == "" || name != "" && s != name {
 			return "", false

@@ -24,7 +24,7 @@ func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 	preamble, head, previous := 0, 0, 0
 	// reply is where the run of model output being read began, -1 outside one.
 	reply := -1
-	for _, item := range body.Elements(raw) { // none when raw is not a list
+	for item := range body.Items(raw) { // none when raw is not a list
 		m, err := body.Parse(item) // read as the engines read it: keys as spelt, the last duplicate
 		role, kind := "", ""
 		if err == nil {
@@ -93,7 +93,7 @@ func writeContent(b *strings.Builder, raw json.RawMessage, system bool) {
 		}
 		return
 	}
-	for _, p := range body.Elements(raw) {
+	for p := range body.Items(raw) {
 		var cp contentPart
 		if json.Unmarshal(p, &cp) == nil && (cp.Type == "text" || cp.Type == "input_text" || cp.Type == "output_text") {
 			b.WriteString(unbilled(cp.Text, system && cp.Type == "text"))

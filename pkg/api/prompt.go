@@ -1,6 +1,7 @@
 package api
 
 import (
+	"bytes"
 	"encoding/json"
 	"strconv"
 	"strings"
@@ -254,20 +255,31 @@ func sglangSamples(o *body.Object) (n int, mixed []int) {
 		sp, _ := o.Object("sampling_params")
 		return samples(sp), nil
 	}
-	var each []int
-	for _, item := range body.Elements(raw) {
-		sp, _ := body.Parse(item)
-		each = append(each, samples(sp))
-	}
-	if len(each) == 0 {
-		return 1, nil
-	}
-	for _, m := range each {
-		if m != each[0] {
-			return each[0], each
+	entries, first, alike := 0, 1, true
+	for item := range body.Items(raw) {
+		if entries++; entries == 1 {
+			first = entryN(item)
+		} else if alike = entryN(item) == first; !alike {
+			break
 		}
 	}
-	return each[0], nil
+	if alike {
+		return first, nil
+	}
+	for item := range body.Items(raw) {
+		mixed = append(mixed, entryN(item))
+	}
+	return first, mixed
+}
+
+// entryN is n of one entry of a list of sampling_params; one that names no
+// n is read without indexing it, as a batch may list millions.
+func entryN(item []byte) int {
+	if !bytes.Contains(item, []byte(`"n"`)) && bytes.IndexByte(item, '\\') < 0 {
+		return 1
+	}
+	sp, _ := body.Parse(item)
+	return samples(sp)
 }
 
 // renderPrompt reads a prompt: a string, token ids, or a batch of either
@@ -281,11 +293,16 @@ func renderPrompt(raw []byte) (r rendering, prompts int) {
 	if r, ok := tokenIDs(raw); ok {
 		return r, 1
 	}
-	batch := body.Elements(raw)
-	if len(batch) == 0 {
+	var first []byte
+	for item := range body.Items(raw) {
+		if prompts++; prompts == 1 {
+			first = item
+		}
+	}
+	if prompts == 0 {
 		return plain(""), 1
 	}
-	return renderOne(batch[0]), len(batch)
+	return renderOne(first), prompts
 }
 
 // renderOne reads one prompt: a string or token ids.
@@ -303,17 +320,54 @@ func renderOne(raw []byte) rendering {
 
 // tokenIDs renders a JSON array of integers as decimal ids joined by
 // commas, and counts them.
+// It reads the array twice rather than decode it: an array of something
+// else (a batch of millions of tiny strings) costs no allocation per
+// element.
 func tokenIDs(raw []byte) (rendering, bool) {
-	var ids []int64
-	if len(raw) == 0 || raw[0] != '[' || json.Unmarshal(raw, &ids) != nil {
+	if len(raw) == 0 || raw[0] != '[' {
 		return rendering{}, false
 	}
-	b := make([]byte, 0, len(ids)*6)
-	for i, id := range ids {
-		if i > 0 {
+	n := 0
+	for item := range body.Items(raw) {
+		if _, ok := int64Of(item); !ok {
+			return rendering{}, false
+		}
+		n++
+	}
+	b := make([]byte, 0, len(raw))
+	for item := range body.Items(raw) {
+		if len(b) > 0 {
 			b = append(b, ',')
 		}
+		id, _ := int64Of(item)
 		b = strconv.AppendInt(b, id, 10)
 	}
-	return rendering{text: string(b), tokens: len(ids)}, true
+	return rendering{text: string(b), tokens: n}, true
+}
+
+// int64Of reads a JSON integer literal that fits an int64, as
+// encoding/json decodes one into an int64.
+func int64Of(lit []byte) (int64, bool) {
+	neg := len(lit) > 0 && lit[0] == '-'
+	digits := lit
+	if neg {
+		digits = lit[1:]
+	}
+	if len(digits) == 0 || len(digits) > 19 {
+		return 0, false
+	}
+	var u uint64
+	for _, c := range digits {
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		u = u*10 + uint64(c-'0')
+	}
+	switch {
+	case neg && u <= 1<<63:
+		return -int64(u-1) - 1, true
+	case !neg && u < 1<<63:
+		return int64(u), true
+	}
+	return 0, false
 }

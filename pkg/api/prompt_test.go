@@ -1,7 +1,9 @@
 package api
 
 import (
+	"encoding/json"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -223,5 +225,32 @@ func TestPromptHeadAndPrevious(t *testing.T) {
 				texts = append(texts, p.Text())
 			}
 		})
+	}
+}
+
+// TestTokenIDsReadAsEncodingJSONDoes: an array is token ids exactly when
+// encoding/json decodes it into []int64, with the same ids, but for null,
+// which encoding/json reads as 0 and the engines refuse.
+func TestTokenIDsReadAsEncodingJSONDoes(t *testing.T) {
+	for _, raw := range []string{`[]`, `[0]`, `[-0]`, `[1, 2 ,3]`, `[9223372036854775807]`, `[-9223372036854775808]`,
+		`[9223372036854775808]`, `[-9223372036854775809]`, `[18446744073709551615]`, `[99999999999999999999]`,
+		`[1.0]`, `[1e3]`, `[-]`, `["1"]`, `[1,""]`, `[null]`, `[[1]]`, `[true]`, `"12"`} {
+		var ids []int64
+		wantOK := raw[0] == '[' && json.Unmarshal([]byte(raw), &ids) == nil && !strings.Contains(raw, "null")
+		r, ok := tokenIDs([]byte(raw))
+		if ok != wantOK {
+			t.Errorf("tokenIDs(%s) ok = %v, want %v", raw, ok, wantOK)
+			continue
+		}
+		if !ok {
+			continue
+		}
+		want := make([]string, len(ids))
+		for i, id := range ids {
+			want[i] = strconv.FormatInt(id, 10)
+		}
+		if r.text != strings.Join(want, ",") || r.tokens != len(ids) {
+			t.Errorf("tokenIDs(%s) = %q, %d tokens; want %q, %d", raw, r.text, r.tokens, strings.Join(want, ","), len(ids))
+		}
 	}
 }

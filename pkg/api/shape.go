@@ -1,6 +1,8 @@
 package api
 
 import (
+	"iter"
+
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 )
 
@@ -153,26 +155,47 @@ func sglangPromptLogprobs(o *body.Object) Reason {
 	}
 	ret, _ := o.Raw("return_logprob")
 	start, _ := o.Raw("logprob_start_len")
-	rets, starts := perPrompt(ret), perPrompt(start)
-	for i := range max(len(rets), len(starts)) {
+	nextRet, stopRet := iter.Pull(perPrompt(ret))
+	defer stopRet()
+	nextStart, stopStart := iter.Pull(perPrompt(start))
+	defer stopStart()
+	for {
+		// A shorter list's last value goes on for the prompts after it.
+		r, moreRets := nextRet()
+		s, moreStarts := nextStart()
+		if !moreRets && !moreStarts {
+			return NoReason
+		}
+		if moreRets {
+			ret = r
+		}
+		if moreStarts {
+			start = s
+		}
 		// Read as the dataclass's fields are when FastAPI validates it with
 		// pydantic: "return_logprob": 0 is false, "logprob_start_len": "-1" is -1.
-		ask, askOK := body.LaxBool(rets[min(i, len(rets)-1)])
-		from, fromOK := body.LaxInt(starts[min(i, len(starts)-1)])
+		ask, askOK := body.LaxBool(ret)
+		from, fromOK := body.LaxInt(start)
 		if (ask || !askOK) && (from >= 0 || !fromOK) {
 			return PromptLogprobs
 		}
 	}
-	return NoReason
 }
 
 // perPrompt is a field's value for each prompt of a batch: a list's
 // elements, or the one value for all.
-func perPrompt(raw []byte) [][]byte {
-	if es := body.Elements(raw); len(es) > 0 {
-		return es
+func perPrompt(raw []byte) iter.Seq[[]byte] {
+	return func(yield func([]byte) bool) {
+		none := true
+		for item := range body.Items(raw) {
+			if none = false; !yield(item) {
+				return
+			}
+		}
+		if none {
+			yield(raw)
+		}
 	}
-	return [][]byte{raw}
 }
 
 // responsesAlone: a Responses request that continues a stored response or
@@ -203,7 +226,7 @@ func responsesAlone(o *body.Object) Reason {
 		return InvalidLimits
 	}
 	raw, _ := o.Raw("tools")
-	for _, item := range body.Elements(raw) {
+	for item := range body.Items(raw) {
 		t, err := body.Parse(item)
 		if err != nil {
 			return BuiltinTools

@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"iter"
 	"strconv"
 )
 
@@ -34,6 +35,9 @@ var ErrNotObject = errors.New("request body must be a JSON object")
 
 // Parse validates b once (JSON syntax, UTF-8, nesting depth) and indexes its members.
 func Parse(b []byte) (*Object, error) {
+	if i := skipSpace(b, 0); i < len(b) && b[i] != '{' && json.Valid(b) {
+		return nil, ErrNotObject // read at once: a list's millions of numbers
+	}
 	var sc Scanner
 	return sc.Object(b)
 }
@@ -172,23 +176,25 @@ func (o *Object) Bool(key string) (value, ok bool) {
 	return false, false
 }
 
-// Elements returns the elements of raw, a JSON array as an Object's Raw
-// returns it (so already validated), without decoding them; nil when raw is
-// not an array.
-func Elements(raw []byte) [][]byte {
-	i := skipSpace(raw, 0)
-	if i == len(raw) || raw[i] != '[' {
-		return nil
-	}
-	out := [][]byte{}
-	for i = skipSpace(raw, i+1); i < len(raw) && raw[i] != ']'; {
-		end := valueEnd(raw, i)
-		out = append(out, raw[i:end])
-		if i = skipSpace(raw, end); i < len(raw) && raw[i] == ',' {
-			i = skipSpace(raw, i+1)
+// Items yields the elements of raw, a JSON array as an Object's Raw returns
+// it (so already validated), without decoding them or keeping them: nothing
+// when raw is not an array. A body's arrays may hold millions of elements.
+func Items(raw []byte) iter.Seq[[]byte] {
+	return func(yield func([]byte) bool) {
+		i := skipSpace(raw, 0)
+		if i == len(raw) || raw[i] != '[' {
+			return
+		}
+		for i = skipSpace(raw, i+1); i < len(raw) && raw[i] != ']'; {
+			end := valueEnd(raw, i)
+			if !yield(raw[i:end]) {
+				return
+			}
+			if i = skipSpace(raw, end); i < len(raw) && raw[i] == ',' {
+				i = skipSpace(raw, i+1)
+			}
 		}
 	}
-	return out
 }
 
 func skipSpace(b []byte, i int) int {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -163,10 +164,10 @@ func mustParse(t testing.TB, s string) *Object {
 	return o
 }
 
-func TestElements(t *testing.T) {
+func TestItems(t *testing.T) {
 	tests := []struct {
 		raw  string
-		want []string // nil: not an array
+		want []string // none: not an array, or an empty one
 	}{
 		{raw: `[]`, want: []string{}},
 		{raw: ` [ ] `, want: []string{}},
@@ -180,21 +181,21 @@ func TestElements(t *testing.T) {
 		{raw: ``},
 	}
 	for _, tt := range tests {
-		got := Elements([]byte(tt.raw))
-		if (got == nil) != (tt.want == nil) || len(got) != len(tt.want) {
-			t.Errorf("Elements(%q) = %q, want %q", tt.raw, got, tt.want)
+		got := slices.Collect(Items([]byte(tt.raw)))
+		if len(got) != len(tt.want) {
+			t.Errorf("Items(%q) = %q, want %q", tt.raw, got, tt.want)
 			continue
 		}
 		for i := range got {
 			if string(got[i]) != tt.want[i] {
-				t.Errorf("Elements(%q)[%d] = %q, want %q", tt.raw, i, got[i], tt.want[i])
+				t.Errorf("Items(%q)[%d] = %q, want %q", tt.raw, i, got[i], tt.want[i])
 			}
 		}
 	}
 }
 
-// FuzzElements: on any valid JSON array, Elements splits as encoding/json does.
-func FuzzElements(f *testing.F) {
+// FuzzItems: on any valid JSON array, Items splits as encoding/json does.
+func FuzzItems(f *testing.F) {
 	for _, seed := range []string{`[]`, `[1,"a]",{"b":[2,"\\"]}]`, ` [ null , true ] `, `[[[]],{}]`} {
 		f.Add([]byte(seed))
 	}
@@ -203,13 +204,13 @@ func FuzzElements(f *testing.F) {
 		if !json.Valid(raw) || json.Unmarshal(raw, &want) != nil {
 			return
 		}
-		got := Elements(raw)
+		got := slices.Collect(Items(raw))
 		if len(got) != len(want) {
-			t.Fatalf("Elements(%q) = %q, want %q", raw, got, want)
+			t.Fatalf("Items(%q) = %q, want %q", raw, got, want)
 		}
 		for i := range got {
 			if !bytes.Equal(got[i], want[i]) {
-				t.Fatalf("Elements(%q)[%d] = %q, want %q", raw, i, got[i], want[i])
+				t.Fatalf("Items(%q)[%d] = %q, want %q", raw, i, got[i], want[i])
 			}
 		}
 	})

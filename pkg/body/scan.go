@@ -84,7 +84,7 @@ func (s *scanner) space() bool {
 }
 
 func newScanner() scanner {
-	return scanner{members: make([]member, 0, 16), cur: member{start: -1}, open: -1}
+	return scanner{cur: member{start: -1}, open: -1}
 }
 
 // run scans s.b from where the last run stopped: nil when the document is
@@ -167,6 +167,9 @@ func (s *scanner) value() error {
 func (s *scanner) after() error {
 	if len(s.stack) == 1 && s.cur.start >= 0 {
 		s.cur.valEnd = s.i
+		if s.members == nil {
+			s.members = make([]member, 0, 16) // a request's top-level keys; none for {}
+		}
 		s.members = append(s.members, s.cur)
 		s.cur.start = -1
 	}
