@@ -77,7 +77,10 @@ type API struct {
 	// Unpaired says why a family that serves the API cannot disaggregate
 	// it, for the client's error when its connector cannot go decode-only.
 	Unpaired string
-	// Model: the engine refuses a request without a "model" string.
+	// Model: the engine refuses a request without a "model" string
+	// (Anthropic's Messages). Chat and completions take none: vLLM's
+	// ChatCompletionRequest and CompletionRequest have "model: str | None",
+	// served by the engine's first model name, and SGLang's default it.
 	Model bool
 	Shape Shape
 	// Prompt reads the request for scheduling.
@@ -125,12 +128,12 @@ const sglangDropsBootstrap = "SGLang's handler for it does not pass bootstrap_ho
 var (
 	Chat = &API{
 		Name: NameChat, Method: "POST", Path: "/v1/chat/completions",
-		Serves: VLLM | SGLang, Pairs: VLLM | SGLang, Model: true,
+		Serves: VLLM | SGLang, Pairs: VLLM | SGLang,
 		Shape: openAIShape, Prompt: chatPrompt, Alone: chatAlone, PairedAlone: sglangChatAlone, Tokenize: chatTokens,
 	}
 	Completions = &API{
 		Name: NameCompletions, Method: "POST", Path: "/v1/completions",
-		Serves: VLLM | SGLang, Pairs: VLLM | SGLang, Model: true,
+		Serves: VLLM | SGLang, Pairs: VLLM | SGLang,
 		Shape: openAIShape, Prompt: completionsPrompt, Alone: completionsAlone, PairedAlone: sglangCompletionsAlone, Tokenize: completionsTokens,
 	}
 	Responses = &API{

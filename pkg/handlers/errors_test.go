@@ -43,7 +43,8 @@ func TestErrorsReachTheClientAsOpenAIStyleLocalReplies(t *testing.T) {
 			name: "invalid UTF-8 early in a long chunked body", mode: fullDuplex, body: badLong, chunks: 5,
 			wantStatus: 400, wantMessage: "not valid UTF-8",
 		},
-		{name: "missing model", mode: buffered, body: `{"prompt":"x"}`, chunks: 1, wantStatus: 400, wantMessage: `no "model"`},
+		{name: "a model name too long", mode: buffered, body: `{"model":"` + strings.Repeat("m", 1025) + `","prompt":"x"}`, chunks: 1, wantStatus: 400,
+			wantMessage: "model names are at most 1024"},
 		{name: "unknown path", mode: fullDuplex, path: "/flush_cache", body: clientChat, chunks: 1, wantStatus: 404, wantMessage: "unknown path"},
 		{
 			name: "content-length over the limit is refused before the body", config: "limits: {max_body_bytes: 100}\n",

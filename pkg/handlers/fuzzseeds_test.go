@@ -54,7 +54,7 @@ func fuzzSeeds() [][]byte {
 		{ctlReqMode: modeDuplex, ctlPath: 2},                                                              // an admin path: 404
 		{ctlReqMode: modeDuplex, ctlPath: 5},                                                              // pass-through
 		{ctlReqMode: modeDuplex, ctlBody: 3},                                                              // raw data body: 400
-		{ctlReqMode: modeDuplex, ctlBody: 6},                                                              // no model: 400
+		{ctlReqMode: modeDuplex, ctlBody: 6},                                                              // no model: the engine serves its own
 		{ctlReqMode: modeDuplex, ctlBody: 5},                                                              // n=2: decode-only
 		{ctlReqMode: modeDuplex, ctlBody: 4, ctlLength: 1},                                                // empty chunked body
 		{ctlReqMode: modeDuplex, ctlOptions: 2, ctlBody: 7},                                               // over a 300-byte limit: 413 at the headers
