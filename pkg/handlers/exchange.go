@@ -276,6 +276,11 @@ func untouched(out, in []byte) bool {
 func (x *exchange) route(keepAlive bool) (*pipeline.Decision, error) {
 	x.req.Body, x.req.Keep = x.body.bytes(), &x.body
 	x.opts.Metrics.RequestBody(len(x.req.Body))
+	if len(x.req.Body) == 0 {
+		// A body of no bytes (a chunked request of its terminator alone, an
+		// empty last DATA frame) is no body.
+		return x.router.RouteHeaders(&x.req)
+	}
 	x.mu.Unlock()
 	defer x.mu.Lock()
 	if keepAlive && x.opts.OverrideAfter > 0 {

@@ -745,3 +745,43 @@ func TestSessionHeadersMarkTheRequest(t *testing.T) {
 		})
 	}
 }
+
+// TestAnEmptyBodyIsNoBody: a request whose headers did not end the stream
+// but whose body is no bytes (HTTP/1.1 chunked with its terminator alone, an
+// empty last HTTP/2 DATA frame) is routed as one without a body: a
+// pass-through GET reaches its decode engine, a chat request is told it
+// needs a body. Its zero bytes were scanned as JSON, a 400 either way.
+func TestAnEmptyBodyIsNoBody(t *testing.T) {
+	s := newServer(t, `connector: kv-nixl
+pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, handlers.Options{})
+	tests := []struct {
+		method, path string
+		wantStatus   int // 0: routed to the decode endpoint
+		wantMessage  string
+	}{
+		{"GET", "/v1/models", 0, ""},
+		{"POST", "/v1/chat/completions", 400, "needs a JSON body"},
+	}
+	for _, tt := range tests {
+		for name, mode := range map[string]filterv3.ProcessingMode_BodySendMode{"FULL_DUPLEX": fullDuplex, "BUFFERED": buffered} {
+			t.Run(tt.method+" "+tt.path+", "+name, func(t *testing.T) {
+				replies := drive(t, s,
+					envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Header{":method", tt.method},
+						envoymsg.Header{":path", tt.path}, envoymsg.Header{"transfer-encoding", "chunked"}), mode, fullDuplex),
+					envoymsg.Body(envoymsg.Request, nil, true))
+				last := replies[len(replies)-1]
+				if ir := last.GetImmediateResponse(); ir != nil || tt.wantStatus != 0 {
+					if got := int(ir.GetStatus().GetCode()); got != tt.wantStatus || !strings.Contains(string(ir.GetBody()), tt.wantMessage) {
+						t.Fatalf("status %d %s, want %d %q", got, ir.GetBody(), tt.wantStatus, tt.wantMessage)
+					}
+					return
+				}
+				routing := replies[0] // FULL_DUPLEX: the headers reply, held until the body ended
+				if mode == buffered {
+					routing = last
+				}
+				checkRouting(t, routing, "10.1.1.1:8000", "")
+			})
+		}
+	}
+}
