@@ -65,7 +65,7 @@ func main() {
 		"credentials for pools discovered from Kubernetes (pools.<pool>.kubernetes); default: in-cluster, else KUBECONFIG or ~/.kube/config")
 	flag.Func("tls-client-allowed-sans", "with --tls-client-ca-file, accept only client certificates with one of these SANs "+
 		"(comma-separated DNS names and URIs such as spiffe://cluster.local/ns/envoy-gateway-system/sa/envoy; exact, no wildcards)",
-		func(v string) error { f.tls.AllowedSANs = server.ParseSANs(v); return nil })
+		func(v string) (err error) { f.tls.AllowedSANs, err = server.ParseSANs(v); return err })
 	flag.BoolVar(&f.version, "version", false, "print the version, revision and Go release, then exit")
 	flag.Parse()
 	if f.version {

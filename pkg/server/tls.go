@@ -40,10 +40,7 @@ func (f TLSFiles) Validate() error {
 		return errors.New("--tls-client-allowed-sans needs --tls-client-ca-file: without a client CA no client certificate is asked for")
 	}
 	for _, san := range f.AllowedSANs {
-		switch {
-		case san == "":
-			return errors.New("--tls-client-allowed-sans: an empty entry")
-		case strings.Contains(san, "*"):
+		if strings.Contains(san, "*") {
 			return fmt.Errorf("--tls-client-allowed-sans: %q: wildcards are not supported; list each identity", san)
 		}
 		if strings.Contains(san, "://") {
@@ -56,14 +53,18 @@ func (f TLSFiles) Validate() error {
 }
 
 // ParseSANs reads the comma-separated value of --tls-client-allowed-sans.
-func ParseSANs(flag string) []string {
+// An empty entry, or an empty value, is an error: given as a flag (a chart
+// value left empty), it would otherwise turn the check off, and every
+// certificate the client CA signed would be accepted.
+func ParseSANs(flag string) ([]string, error) {
 	var sans []string
 	for s := range strings.SplitSeq(flag, ",") {
-		if s = strings.TrimSpace(s); s != "" {
-			sans = append(sans, s)
+		if s = strings.TrimSpace(s); s == "" {
+			return nil, fmt.Errorf("an empty entry in %q: list the client identities to accept, or leave the flag out to accept any certificate the client CA signed", flag)
 		}
+		sans = append(sans, s)
 	}
-	return sans
+	return sans, nil
 }
 
 // allowedClient returns the check of a verified client certificate's SANs

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -239,4 +240,28 @@ func checkHealth(addr string, cfg *tls.Config) error {
 	defer cancel()
 	_, err = healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
 	return err
+}
+
+// TestAllowedSANsRefuseAnEmptyEntry: an empty --tls-client-allowed-sans (a
+// chart value left empty) or an empty entry in it is refused: it read as no
+// list, which accepts every certificate the client CA signed.
+func TestAllowedSANsRefuseAnEmptyEntry(t *testing.T) {
+	tests := []struct {
+		flag    string
+		want    []string
+		wantErr bool
+	}{
+		{"gw.svc", []string{"gw.svc"}, false},
+		{" gw.svc , spiffe://td/ns/gw/sa/envoy", []string{"gw.svc", "spiffe://td/ns/gw/sa/envoy"}, false},
+		{"", nil, true},
+		{" ", nil, true},
+		{",", nil, true},
+		{"gw.svc,", nil, true},
+	}
+	for _, tt := range tests {
+		got, err := ParseSANs(tt.flag)
+		if (err != nil) != tt.wantErr || !slices.Equal(got, tt.want) {
+			t.Errorf("ParseSANs(%q) = %q, %v; want %q, error %v", tt.flag, got, err, tt.want, tt.wantErr)
+		}
+	}
 }
