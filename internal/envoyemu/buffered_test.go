@@ -364,3 +364,45 @@ func TestBufferedHeadersSkipped(t *testing.T) {
 		t.Errorf("upstream = %+v, want chunked", reqs)
 	}
 }
+
+// TestTheLastResponseHeadersReplyEndsTheStream is
+// closeGrpcStreamIfLastRespReceived (ext_proc.cc): with the response's body
+// and trailers not sent (envoy-buffered.yaml), the response-headers reply
+// is the stream's last, and Envoy ends the stream there, while the response
+// body still streams to the client.
+func TestTheLastResponseHeadersReplyEndsTheStream(t *testing.T) {
+	release := make(chan struct{})
+	up := startUpstreamWith(t, func(w http.ResponseWriter, _ *http.Request) {
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		<-release // the generation goes on
+		_, _ = io.WriteString(w, "done")
+	})
+	ended := make(chan struct{})
+	p := startProxy(t, loadShipped(t, "envoy-buffered.yaml"), func(s *procStream) error {
+		s.next()
+		s.reply(continueHeaders())
+		s.next()
+		s.reply(requestBodyReply(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr))))
+		if m := s.next(); m.GetResponseHeaders() == nil {
+			t.Errorf("message = %v, want response_headers", m)
+		}
+		s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}})
+		if m := s.next(); m != nil {
+			t.Errorf("message %v after the last reply", m)
+		}
+		close(ended)
+		return nil
+	})
+	done := make(chan result, 1)
+	go func() { done <- do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil) }()
+	select {
+	case <-ended:
+	case <-time.After(10 * time.Second):
+		t.Error("the stream is still open while the response streams")
+	}
+	close(release)
+	if res := <-done; res.status != http.StatusOK || res.body != "done" {
+		t.Errorf("response = %d %q", res.status, res.body)
+	}
+}

@@ -146,6 +146,12 @@ func (x *exchange) onMessage(resp *extprocv3.ProcessingResponse) {
 		x.onProcessingError(err)
 		return
 	}
+	if _, ok := resp.GetResponse().(*extprocv3.ProcessingResponse_ResponseHeaders); ok && x.enc.bodyMode == extprocfilterv3.ProcessingMode_NONE && !x.enc.sendTrailers {
+		// closeGrpcStreamIfLastRespReceived: nothing of the response is
+		// sent after its headers, so their reply is the last.
+		x.closeStream()
+		return
+	}
 	x.maybeCloseStream()
 }
 
