@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -243,24 +244,33 @@ func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
 		// What the three requests told each endpoint's health: served (a
 		// success), failed, or nothing.
 		prefill, decode string
+		// fallbacks: Envoy is offered a second decode endpoint
+		// (pools.decode.fallbacks), and may have answered from either.
+		fallbacks bool
 	}{
-		{"the decode engine answers 200", 200, nil, "served", "served"},
-		{"it answers 500", 500, nil, "failed", "failed"},
-		{"a stream that ends whole", 200, []string{role, tok, done}, "served", "served"},
-		{"a stream that ends in an error event, cut across chunks", 200, []string{role + fail[:20], fail[20:] + done}, "failed", "failed"},
-		{"a stream whose client left after its first token", 200, []string{role, tok}, "served", "served"},
-		{"a stream whose client left before", 200, []string{role}, "served", "served"},
-		{"a 4xx: the request's fault", 400, nil, "served", "served"},
-		{"no response path: the prefill engine answered", never, nil, "served", "nothing"},
+		{"the decode engine answers 200", 200, nil, "served", "served", false},
+		{"it answers 500", 500, nil, "failed", "failed", false},
+		{"a stream that ends whole", 200, []string{role, tok, done}, "served", "served", false},
+		{"a stream that ends in an error event, cut across chunks", 200, []string{role + fail[:20], fail[20:] + done}, "failed", "failed", false},
+		{"a stream whose client left after its first token", 200, []string{role, tok}, "served", "served", false},
+		{"a stream whose client left before", 200, []string{role}, "served", "served", false},
+		{"a 4xx: the request's fault", 400, nil, "served", "served", false},
+		{"no response path: the prefill engine answered", never, nil, "served", "nothing", false},
+		{"a 500 with a fallback offered: the decode endpoints are told nothing", 500, nil, "failed", "nothing", true},
+		{"a 200 with a fallback offered", 200, nil, "served", "nothing", true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			engine := enginetest.Start(t, enginetest.JSON(200, `{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[[1]],`+
 				`"remote_engine_id":"e","remote_request_id":"r","remote_host":"10.0.0.9","remote_port":5600}}`))
-			p, _, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\n", engine.Addr()))
+			decodePool := `{endpoints: ["10.1.1.1:8000"]}`
+			if tt.fallbacks {
+				decodePool = `{endpoints: ["10.1.1.1:8000", "10.1.1.2:8000"], fallbacks: 1}`
+			}
+			p, _, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: %s}\n", engine.Addr(), decodePool))
 			prefill, decode := p.Pools()
-			pe, de := prefill.Endpoints()[0], decode.Endpoints()[0]
-			for _, e := range []*scheduling.Endpoint{pe, de, pe, de} { // two of the three failures that eject
+			pe := prefill.Endpoints()[0]
+			for _, e := range append([]*scheduling.Endpoint{pe, pe}, slices.Concat(decode.Endpoints(), decode.Endpoints())...) { // two of the three failures that eject
 				e.ReportFailure()
 			}
 			for i := range 3 {
@@ -288,8 +298,10 @@ func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
 			if got := told(pe); got != tt.prefill {
 				t.Errorf("the prefill endpoint was told %s, want %s", got, tt.prefill)
 			}
-			if got := told(de); got != tt.decode {
-				t.Errorf("the decode endpoint was told %s, want %s", got, tt.decode)
+			for _, de := range decode.Endpoints() {
+				if got := told(de); got != tt.decode {
+					t.Errorf("decode endpoint %s was told %s, want %s", de.Addr, got, tt.decode)
+				}
 			}
 		})
 	}

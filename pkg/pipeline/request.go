@@ -120,6 +120,10 @@ type Decision struct {
 	// then it takes no other request if this one is its probe.
 	prefill *scheduling.Slot
 	release func()
+	// fallbacks: Envoy was offered more decode endpoints than the pick, and
+	// may have answered from any of them; which is not known, so the answer
+	// judges none of them (health, cached tokens).
+	fallbacks bool
 	// partner is what a failure at the decode engine is weighed against.
 	partner partner
 	// settled: the outcome has been reported to the endpoints' health.
@@ -212,7 +216,7 @@ func (d *Decision) settle(ok, seen bool) {
 		return
 	}
 	switch {
-	case !seen:
+	case !seen || d.fallbacks:
 	case ok:
 		d.decode.Served()
 	default:

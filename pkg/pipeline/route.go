@@ -30,7 +30,7 @@ func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
 		addrs[i] = e.Addr
 	}
 	return &Decision{Endpoint: strings.Join(addrs, ","), RemoveHeaders: p.connector.ReservedHeaders(),
-		decode: eps[0].Take(), release: eps[0].Acquire()}, nil
+		decode: eps[0].Take(), release: eps[0].Acquire(), fallbacks: len(eps) > 1}, nil
 }
 
 // RouteHeaders routes a request that has no body: one the pass-through list
@@ -143,7 +143,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		return nil, noPrefillEndpoint()
 	default:
 		rep.Mode = ModeDecodeOnly
-		if decision.Reason == metrics.ReasonCachedPrefix {
+		if decision.Reason == metrics.ReasonCachedPrefix && !d.fallbacks {
 			d.Rewrite = p.heldReader(r, d.decode.Endpoint, decision.Held)
 		}
 		return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
