@@ -226,7 +226,7 @@ func TestBufferedOverLimit(t *testing.T) {
 	}
 }
 
-// TestFailOpen: with failure_mode_allow (BUFFERED only), a broken or
+// TestFailOpen: with failure_mode_allow, a broken or
 // misbehaving server lets the request through unmodified (§5) — and the
 // client's own destination header then picks the upstream (§8.1).
 func TestFailOpen(t *testing.T) {
@@ -257,6 +257,33 @@ func TestFailOpen(t *testing.T) {
 			}
 		})
 	}
+	// FULL_DUPLEX_STREAMED fails open until the first body chunk went to the
+	// server (envoy#41276; the config check that refused failure_mode_allow
+	// with it, envoy#39740, was reverted by envoy#40503), and closed after.
+	t.Run("FULL_DUPLEX, no body sent", func(t *testing.T) {
+		up := startUpstream(t)
+		cfg := loadShipped(t, "envoy.yaml")
+		cfg.Failure.FailureModeAllow = true
+		p := startProxy(t, cfg, tests[0].script)
+		res := do(t, p, http.MethodGet, "/v1/models", "", map[string]string{"x-gateway-destination-endpoint": up.addr})
+		if res.status != http.StatusOK || len(up.requests()) != 1 {
+			t.Fatalf("response = %d %q, upstream saw %d requests; want 200 from it", res.status, res.body, len(up.requests()))
+		}
+	})
+	t.Run("FULL_DUPLEX, once a body chunk went", func(t *testing.T) {
+		up := startUpstream(t)
+		cfg := loadShipped(t, "envoy.yaml")
+		cfg.Failure.FailureModeAllow = true
+		p := startProxy(t, cfg, func(s *procStream) error {
+			for m := s.next(); m != nil && m.GetRequestBody() == nil; m = s.next() {
+			}
+			return status.Error(codes.Unavailable, "down")
+		})
+		res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, map[string]string{"x-gateway-destination-endpoint": up.addr})
+		if res.status != http.StatusInternalServerError || len(up.requests()) != 0 {
+			t.Fatalf("response = %d %q, upstream saw %d requests; want 500 and none", res.status, res.body, len(up.requests()))
+		}
+	})
 	t.Run("without failure_mode_allow", func(t *testing.T) {
 		p := startProxy(t, loadShipped(t, "envoy-buffered.yaml"), tests[0].script)
 		if res := do(t, p, http.MethodPost, "/v1/completions", `{}`, nil); res.status != http.StatusInternalServerError {

@@ -165,7 +165,6 @@ func TestLoadConfigRejects(t *testing.T) {
 	tests := []struct {
 		name, old, new, want string
 	}{
-		{"FULL_DUPLEX with failure_mode_allow", "failure_mode_allow: false", "failure_mode_allow: true", "failure_mode_allow must be false"},
 		{"FULL_DUPLEX without request trailers", "request_trailer_mode: SEND", "request_trailer_mode: SKIP", "request_trailer_mode SEND"},
 		{"FULL_DUPLEX without response trailers", "response_trailer_mode: SEND", "response_trailer_mode: SKIP", "response_trailer_mode SEND"},
 		{"ORIGINAL_DST with round robin", "lb_policy: CLUSTER_PROVIDED", "lb_policy: ROUND_ROBIN", "CLUSTER_PROVIDED"},
@@ -189,13 +188,7 @@ func TestLoadConfigRejects(t *testing.T) {
 // TestStartRejectsTweakedConfig: Start re-validates, so a test cannot run a
 // combination Envoy would refuse.
 func TestStartRejectsTweakedConfig(t *testing.T) {
-	cfg := loadShipped(t, "envoy.yaml")
-	cfg.Failure.FailureModeAllow = true
-	if p, err := Start(cfg, "127.0.0.1:1"); err == nil {
-		_ = p.Close()
-		t.Fatal("Start accepted FULL_DUPLEX_STREAMED with failure_mode_allow")
-	}
-	cfg = loadShipped(t, "envoy-buffered.yaml")
+	cfg := loadShipped(t, "envoy-buffered.yaml")
 	cfg.Modes.Request.Body = extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED
 	cfg.Modes.Request.Trailers = extprocfilterv3.ProcessingMode_SKIP
 	if p, err := Start(cfg, "127.0.0.1:1"); err == nil {

@@ -22,9 +22,6 @@ func (cfg *Config) Validate() error {
 	if isFullDuplex(resp.Body) && resp.Trailers != extprocfilterv3.ProcessingMode_SEND {
 		return errors.New("response_body_mode FULL_DUPLEX_STREAMED requires response_trailer_mode SEND")
 	}
-	if (isFullDuplex(req.Body) || isFullDuplex(resp.Body)) && cfg.Failure.FailureModeAllow {
-		return errors.New("failure_mode_allow must be false when a body mode is FULL_DUPLEX_STREAMED")
-	}
 	for _, m := range []extprocfilterv3.ProcessingMode_BodySendMode{req.Body, resp.Body} {
 		if m == extprocfilterv3.ProcessingMode_GRPC {
 			// §2.7: not-implemented-hide; refusing is safer than guessing.

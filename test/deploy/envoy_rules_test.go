@@ -361,7 +361,6 @@ func (m *envoyModel) checkExtProc(where string, ep extProcUse, limits serviceLim
 	}
 
 	pm := cfg.GetProcessingMode()
-	fullDuplex := false
 	for _, d := range []struct {
 		dir     string
 		body    extprocv3.ProcessingMode_BodySendMode
@@ -370,20 +369,12 @@ func (m *envoyModel) checkExtProc(where string, ep extProcUse, limits serviceLim
 		{"request", pm.GetRequestBodyMode(), pm.GetRequestTrailerMode()},
 		{"response", pm.GetResponseBodyMode(), pm.GetResponseTrailerMode()},
 	} {
-		if d.body != extprocv3.ProcessingMode_FULL_DUPLEX_STREAMED {
-			continue
-		}
-		fullDuplex = true
-		if d.trailer != extprocv3.ProcessingMode_SEND {
+		if d.body == extprocv3.ProcessingMode_FULL_DUPLEX_STREAMED && d.trailer != extprocv3.ProcessingMode_SEND {
 			r.errorf("%s: %s_trailer_mode is %s; FULL_DUPLEX_STREAMED requires SEND (Envoy rejects the listener)", where, d.dir, d.trailer)
 		}
 	}
 	if cfg.GetFailureModeAllow() {
-		if fullDuplex {
-			r.errorf("%s: failure_mode_allow must be false with FULL_DUPLEX_STREAMED (Envoy rejects the listener)", where)
-		} else {
-			r.errorf("%s: failure_mode_allow is true: when pd-extproc is unreachable the request goes on unrouted and the client's own %s header picks the upstream", where, destinationHeader)
-		}
+		r.errorf("%s: failure_mode_allow is true: when pd-extproc is unreachable (in FULL_DUPLEX_STREAMED, before the first body chunk reached it) the request goes on unrouted and the client's own %s header picks the upstream", where, destinationHeader)
 	}
 	if cfg.GetObservabilityMode() {
 		r.errorf("%s: observability_mode ignores every reply, so pd-extproc's routing and body rewrite are lost", where)

@@ -180,7 +180,7 @@ func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
 				ep["failure_mode_allow"] = true
 				return true
 			}),
-			wants: []string{"failure_mode_allow must be false with FULL_DUPLEX_STREAMED"},
+			wants: []string{"failure_mode_allow is true: when pd-extproc is unreachable (in FULL_DUPLEX_STREAMED"},
 		},
 		{
 			name: "FULL_DUPLEX with request trailers skipped",
