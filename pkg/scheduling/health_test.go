@@ -361,3 +361,21 @@ func TestAVerdictHoldsWhileItsEndpointStays(t *testing.T) {
 		t.Error("a verdict given after checks were turned off applies")
 	}
 }
+
+// TestAChecksRedirectIsItsAnswer: an engine that answers its check (or a
+// scrape) with a redirect is not followed: pd-extproc asks no host outside
+// its pools, and the redirect, not 2xx, is the engine's verdict.
+func TestAChecksRedirectIsItsAnswer(t *testing.T) {
+	var asked atomic.Int32
+	elsewhere := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) { asked.Add(1) }))
+	defer elsewhere.Close()
+	for _, code := range []int{http.StatusMovedPermanently, http.StatusFound, http.StatusTemporaryRedirect, http.StatusPermanentRedirect} {
+		engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			http.Redirect(w, r, elsewhere.URL+"/health", code)
+		}))
+		if v, ok := check(t.Context(), probeClient(nil), engine.URL+"/health", time.Second); v != refused || !ok || asked.Load() != 0 {
+			t.Errorf("%d: verdict %v (ok %v), the other host asked %d times; want refused and never asked", code, v, ok, asked.Load())
+		}
+		engine.Close()
+	}
+}

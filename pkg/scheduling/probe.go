@@ -42,6 +42,9 @@ func (d Deps) probe(r role, tlsCfg *tls.Config, clientGiven bool) probe {
 
 // probeClient is the client of checks and scrapes: engines are addressed
 // directly (no environment proxy), a couple of connections kept per engine.
+// A redirect is the engine's answer, not followed: an endpoint must not send
+// pd-extproc's requests to a host outside its pool, nor vouch with its
+// answer.
 func probeClient(tlsCfg *tls.Config) *http.Client {
 	return &http.Client{Transport: &http.Transport{
 		Proxy:               nil,
@@ -49,5 +52,5 @@ func probeClient(tlsCfg *tls.Config) *http.Client {
 		MaxIdleConnsPerHost: 2,
 		IdleConnTimeout:     time.Minute,
 		TLSClientConfig:     tlsCfg,
-	}}
+	}, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
 }
