@@ -9,8 +9,10 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptrace"
+	"net/url"
 	"slices"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -84,7 +86,7 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 	req.Header.Set("X-Request-Id", r.RequestID)
 	resp, err := p.client.Do(req)
 	if err != nil {
-		return prefillAnswer{}, err
+		return prefillAnswer{}, withoutQuery(err)
 	}
 	defer resp.Body.Close()
 	answer, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillResponseBytes+1))
@@ -137,4 +139,14 @@ func setBody(req *http.Request, leg body.Spliced) {
 	req.ContentLength = int64(n)
 	req.Body = io.NopCloser(reader())
 	req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(reader()), nil }
+}
+
+// withoutQuery drops the query from the URL an error of net/http quotes: the
+// client's path may carry a credential (?api_key=), which no log line or span
+// may (docs/architecture.md, Security rules).
+func withoutQuery(err error) error {
+	if ue := (*url.Error)(nil); errors.As(err, &ue) {
+		ue.URL, _, _ = strings.Cut(ue.URL, "?")
+	}
+	return err
 }
