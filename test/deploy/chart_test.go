@@ -355,3 +355,34 @@ func TestNetworkPolicyAdmitsYourOwnEnvoy(t *testing.T) {
 		})
 	}
 }
+
+// No NetworkPolicy, in the engine examples or any chart value set, admits a peer by its pod
+// labels in every namespace: anyone who can create a pod anywhere could label it so and reach
+// the engines' whole HTTP API, or pd-extproc's admin port. A peer with a podSelector names its
+// namespace.
+func TestNetworkPoliciesNameThePeersNamespace(t *testing.T) {
+	ms := loadManifests(t, "config/k8s")
+	for _, ex := range chart.Examples {
+		ms = append(ms, chartManifests(t, ex.Name)...)
+	}
+	policies := 0
+	for _, m := range ms {
+		if m.kind() != "NetworkPolicy" {
+			continue
+		}
+		policies++
+		rules, _ := dig(m.doc, "spec", "ingress").([]any)
+		for _, rule := range rules {
+			peers, _ := dig(rule, "from").([]any)
+			for _, peer := range peers {
+				ns, hasNS := dig(peer, "namespaceSelector").(map[string]any)
+				if dig(peer, "podSelector") != nil && hasNS && len(ns) == 0 {
+					t.Errorf("%s: NetworkPolicy %s admits pods labelled %v from every namespace", m.file, m.name(), dig(peer, "podSelector"))
+				}
+			}
+		}
+	}
+	if policies == 0 {
+		t.Fatal("no NetworkPolicy found: the test shows nothing")
+	}
+}
