@@ -386,3 +386,45 @@ func TestNetworkPoliciesNameThePeersNamespace(t *testing.T) {
 		t.Fatal("no NetworkPolicy found: the test shows nothing")
 	}
 }
+
+// With Envoy's Service published (type LoadBalancer or NodePort), it carries the client port
+// alone: the stats port, for Prometheus only, stays on a ClusterIP Service of its own, where
+// the ServiceMonitor finds it.
+func TestAPublishedEnvoyServiceCarriesTheClientPortAlone(t *testing.T) {
+	ex := example(t, "defaults")
+	for _, typ := range []string{"ClusterIP", "LoadBalancer", "NodePort"} {
+		t.Run(typ, func(t *testing.T) {
+			values, err := ex.ValuesMap()
+			if err != nil {
+				t.Fatal(err)
+			}
+			values["envoy"] = map[string]any{"service": map[string]any{"type": typ}}
+			out, err := chart.Render(testbed.MustRepoPath(t, chart.Dir), ex.Release, values)
+			if err != nil {
+				t.Fatal(err)
+			}
+			stats := 0
+			for _, part := range splitYAML(out) {
+				var doc map[string]any
+				if err := yaml.Unmarshal(part, &doc); err != nil {
+					t.Fatal(err)
+				}
+				if digString(doc, "kind") != "Service" || dig(doc, "metadata", "labels", "app.kubernetes.io/name") != "envoy" {
+					continue
+				}
+				for _, port := range dig(doc, "spec", "ports").([]any) {
+					name := digString(port, "name")
+					switch {
+					case name == "stats" && digString(doc, "spec", "type") != "ClusterIP":
+						t.Errorf("Service %s of type %s publishes the stats port", digString(doc, "metadata", "name"), digString(doc, "spec", "type"))
+					case name == "stats":
+						stats++
+					}
+				}
+			}
+			if stats != 1 {
+				t.Errorf("%d ClusterIP Services carry Envoy's stats port, want 1", stats)
+			}
+		})
+	}
+}
