@@ -108,14 +108,16 @@ func (e *Endpoint) reportSuccess(epoch uint64) {
 }
 
 // departing says whether an endpoint that leaves its pool still matters,
-// should it come back: requests are in flight on it, or its ejection runs.
+// should it come back: requests are in flight on it, its ejection runs, or
+// its checks found it down lately (a new Endpoint would be taken healthy
+// until its first check ended).
 func (e *Endpoint) departing(now time.Time) bool {
 	if e.inflight.Load() > 0 {
 		return true
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return now.Before(e.health.until)
+	return now.Before(e.health.until) || e.health.activeDown && recentlyMoved(e, now)
 }
 
 // Healthy reports whether the endpoint may take a request now.

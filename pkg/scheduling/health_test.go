@@ -379,3 +379,26 @@ func TestAChecksRedirectIsItsAnswer(t *testing.T) {
 		engine.Close()
 	}
 }
+
+// TestACheckedDownEndpointStaysDownThroughAnAbsence: an endpoint its
+// checks found down that leaves the pool for a moment (a discovery set or
+// a DNS answer without it) comes back as the same Endpoint, down until its
+// checks pass, as a passively ejected one does. It came back new and
+// healthy, and took requests until its first check ended.
+func TestACheckedDownEndpointStaysDownThroughAnAbsence(t *testing.T) {
+	spec := PoolSpec{Endpoints: []string{"10.0.0.1:8000"}}
+	spec.Health.CheckInterval = config.Duration(time.Minute) // on, but not run here
+	ps := NewPools(Spec{Decode: spec}, Deps{})
+	const addr = "10.0.0.2:8000"
+	ps.Decode.SetDiscovered([]Discovered{{Addr: addr}})
+	down := byAddr(ps.Decode, addr)
+	down.setActive(refused)
+	if !down.CheckedDown() {
+		t.Fatal("not checked down: the test shows nothing")
+	}
+	ps.Decode.SetDiscovered(nil)
+	ps.Decode.SetDiscovered([]Discovered{{Addr: addr}})
+	if back := byAddr(ps.Decode, addr); back != down || !back.CheckedDown() {
+		t.Errorf("back as the same Endpoint: %v, checked down: %v; want both", back == down, back.CheckedDown())
+	}
+}
