@@ -168,7 +168,7 @@ func (s *Subscriber) read(ctx context.Context, addr string, st *stream) error {
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	sub := zmq4.NewSub(s.bounded(cctx), zmq4.WithDialerMaxRetries(0), zmq4.WithDialerTimeout(time.Second))
-	defer sub.Close()
+	defer closeDrained(sub)
 	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		return err
 	}

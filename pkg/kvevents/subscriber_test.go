@@ -4,7 +4,9 @@ import (
 	"context"
 	"encoding/binary"
 	"net"
+	"runtime"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -453,4 +455,41 @@ func TestAConnectionMadeAnewTellsAnEngineThatStartedOver(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestAStoppedSubscriberLeavesNoReader: a subscriber stopped (a reload of
+// kv_events, a resync, the endpoint leaving, shutdown) while its engine's
+// batches wait unread in the socket's queue, here behind a replay that
+// gets no answer, leaves no ZeroMQ reader behind: one blocked on the full
+// queue stayed blocked for good, holding its connection's batch.
+func TestAStoppedSubscriberLeavesNoReader(t *testing.T) {
+	stuck := func() int {
+		buf := make([]byte, 8<<20)
+		n := 0
+		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+			if strings.Contains(g, "zmq4.(*qreader).listen") && strings.Contains(g, "chan send") {
+				n++
+			}
+		}
+		return n
+	}
+	before := stuck()
+	p := newTestPublisher(t, t.Context(), "", true)
+	stalled := make(chan struct{}, 16)
+	p.mu.Lock()
+	p.stalled = stalled
+	p.mu.Unlock()
+	ctx, stop := context.WithCancel(t.Context())
+	s := NewSubscriber(Config{ConnectPort: p.port(), ReplayPort: p.replay, ReplayTimeout: time.Minute, StaleAfter: time.Minute},
+		NewIndex(Bounds{}, time.Minute, nil), logr.Discard())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		s.Run(ctx, func() ([]string, <-chan struct{}) { return []string{endpoint}, ctx.Done() })
+	}()
+	<-stalled // subscribed, and waiting on its replay: nothing reads the queue
+	eventually(t, "a reader blocked on the full queue", func() bool { p.publish(false); return stuck() > before })
+	stop()
+	<-done
+	eventually(t, "the stopped subscriber's readers gone", func() bool { return stuck() <= before })
 }

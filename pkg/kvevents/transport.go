@@ -189,3 +189,19 @@ func (g *frameGuard) size() (uint64, bool) {
 	}
 	return binary.BigEndian.Uint64(g.head[1:]), true
 }
+
+// closeDrained closes sub and empties its queue. zmq4 (v0.17.0,
+// qreader.listen in msgio.go) hands each message to a queue of ten with a
+// send that nothing ends: a reader blocked on a full queue when the socket
+// closes is stuck for good, with its connection's message. Taken from the
+// queue after the close (which ends every connection, so nothing new comes),
+// the last ones let it finish. A receive on the closed socket answers at
+// once, with a queued message or the socket's end, whichever Go's select
+// picks; so it is asked again, more often than the queue and the stuck
+// readers' messages could take.
+func closeDrained(sub zmq4.Socket) {
+	sub.Close()
+	for range 256 {
+		sub.Recv()
+	}
+}
