@@ -72,7 +72,7 @@ func TestOneRequestLinePerRequestWithIDAndNoSecrets(t *testing.T) {
 			wantLines: []string{"prefill failed; decode will recompute the prompt"},
 		},
 		{
-			name: "rejected", prefill: prefillOK, body: `{"messages":"` + prompt + `"}`,
+			name: "rejected", prefill: prefillOK, body: `{"model":"` + strings.Repeat("m", 1025) + `","messages":"` + prompt + `"}`,
 			want: map[string]any{"mode": "none", "outcome": "4xx", "status": float64(400)},
 		},
 		{
