@@ -113,3 +113,31 @@ prefill: {on_failure: %s}`, onFailure))
 		})
 	}
 }
+
+type panicking struct{}
+
+func (panicking) RoundTrip(*http.Request) (*http.Response, error) { panic("a bug under the prefill leg") }
+
+// TestAPanicUnderThePrefillLegFreesItsSlots: a bug that panics while the
+// prefill leg runs (recovered by the handler, which fails the stream)
+// leaves no endpoint holding the request: a prefill slot stayed taken for
+// good, skewing least-load, and a half-open endpoint's probe with it.
+func TestAPanicUnderThePrefillLegFreesItsSlots(t *testing.T) {
+	p, _, _ := newPipeline(t, `connector: kv-nixl
+pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {endpoints: ["10.1.1.1:8000"]}}`)
+	pipeline.WrapTransport(p, func(http.RoundTripper) http.RoundTripper { return panicking{} })
+	func() {
+		defer func() {
+			if recover() == nil {
+				t.Error("no panic: the test shows nothing")
+			}
+		}()
+		_, _ = p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r", Body: []byte(`{"model":"m","prompt":"hi"}`)})
+	}()
+	prefill, decode := p.Pools()
+	for _, e := range append(prefill.Endpoints(), decode.Endpoints()...) {
+		if n := e.InFlight(); n != 0 {
+			t.Errorf("%s holds %d requests after the panic, want 0", e.Addr, n)
+		}
+	}
+}

@@ -215,6 +215,16 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 	ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
 	defer cancel()
 	attempts := p.pools.Prefill.Attempts(sreq, p.opts.Attempts)
+	var slot *scheduling.Slot // the attempt's
+	defer func() {
+		if v := recover(); v != nil { // a bug: free the slot, or a probe's endpoint stays out for good
+			if slot != nil {
+				slot.Leave()
+				slot.Judged()
+			}
+			panic(v)
+		}
+	}()
 	var last error
 	for whole := true; ; whole = false {
 		ep, err := attempts.Next()
@@ -223,7 +233,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 		}
 		r.Report.Prefill = ep.Addr
 		p.pairWith(h, ep)
-		slot := ep.Claim()
+		slot = ep.Claim()
 		answer, failed := p.attempt(ctx, ep.Addr, r, kv.PrefillBody(p.connector, h))
 		slot.Leave()
 		if failed == nil {
