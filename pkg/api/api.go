@@ -183,11 +183,12 @@ func Labels() []string {
 	return append(labels, Passthrough, Other)
 }
 
-// LabelOf is the label of a request to path (query included) known before
-// it is routed: a built-in API's name, else Other. A request the
-// pass-through list admits is labelled once routed.
-func LabelOf(path string) string {
-	if a := builtinAt(stripQuery(path)); a != nil {
+// LabelOf is the label of a request of method to path (query included)
+// known before it is routed: a built-in API's name, else Other (a method the
+// API does not take too). A request the pass-through list admits is
+// labelled once routed.
+func LabelOf(method, path string) string {
+	if a := builtinAt(stripQuery(path)); a != nil && a.Method == method {
 		return a.Name
 	}
 	return Other

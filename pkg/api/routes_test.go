@@ -122,11 +122,12 @@ func TestLabelsAreClosed(t *testing.T) {
 	if want := len(Builtin) + 2; len(labels) != want || len(slices.Compact(slices.Sorted(slices.Values(labels)))) != want {
 		t.Fatalf("Labels() = %q: want each built-in API, passthrough and other, once", labels)
 	}
-	for path, want := range map[string]string{
-		"/v1/responses?x=1": NameResponses, "/generate": NameSGLangGenerate, "/v1/embeddings": Other, "/anything/at/all": Other,
+	for req, want := range map[[2]string]string{
+		{"POST", "/v1/responses?x=1"}: NameResponses, {"POST", "/generate"}: NameSGLangGenerate, {"POST", "/v1/embeddings"}: Other,
+		{"GET", "/anything/at/all"}: Other, {"GET", "/v1/chat/completions"}: Other,
 	} {
-		if got := LabelOf(path); got != want {
-			t.Errorf("LabelOf(%q) = %q, want %q", path, got, want)
+		if got := LabelOf(req[0], req[1]); got != want {
+			t.Errorf("LabelOf(%q, %q) = %q, want %q", req[0], req[1], got, want)
 		}
 	}
 }

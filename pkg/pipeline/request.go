@@ -93,7 +93,7 @@ func APIOf(r *Request) string {
 	if r.api != nil {
 		return r.api.Name
 	}
-	return api.LabelOf(r.Path)
+	return api.LabelOf(r.Method, r.Path)
 }
 
 // Decision is where a request goes and with which body.
