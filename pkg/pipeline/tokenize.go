@@ -70,12 +70,14 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	} else if errors.Is(err, errUnrendered) {
 		return // no way to ask this engine: no failure of its tokenizer
 	}
-	p.metrics.Tokenize(time.Since(start), err == nil)
-	// A client gone says nothing of the tokenizer, nor does a request the
-	// render endpoint refuses, as the request's own endpoint will (a body
-	// it does not take, a model it does not serve), or fails to render
-	// with no /tokenize form to try. /tokenize refusing one (SGLang's
-	// takes no chat messages) does.
+	// A client gone says nothing of the tokenizer (neither its latency nor
+	// a failure), nor does a request the render endpoint refuses, as the
+	// request's own endpoint will (a body it does not take, a model it does
+	// not serve), or fails to render with no /tokenize form to try.
+	// /tokenize refusing one (SGLang's takes no chat messages) does.
+	if ctx.Err() == nil {
+		p.metrics.Tokenize(time.Since(start), err == nil)
+	}
 	if ctx.Err() == nil && !errors.Is(err, errDenied) && (fellBack || !errors.Is(err, errRefused) && !errors.Is(err, errRenderFailed)) {
 		p.pools.Tokenized(api, err == nil)
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/go-logr/logr"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
 )
@@ -93,5 +94,65 @@ pools: {decode: {endpoints: [%q], policy: prefix-affinity, kv_events: {connect_p
 	}
 	if !tokenize.Equal(render) {
 		t.Errorf("/tokenize was asked with a deadline %v after the render's: want the same one", tokenize.Sub(render))
+	}
+}
+
+// TestAClientGoneIsNoTokenizerFailure: a client that leaves while its
+// token ids are asked for is no failure of the tokenizer: it was counted
+// in tokenize_seconds{outcome="failed"}, read as a tokenizer that does not
+// answer.
+func TestAClientGoneIsNoTokenizerFailure(t *testing.T) {
+	arrived, release := make(chan struct{}, 10), make(chan struct{})
+	engine := httptest.NewServer(http.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) {
+		select {
+		case arrived <- struct{}{}:
+		default:
+		}
+		select { // answers nothing while the client waits
+		case <-r.Context().Done():
+		case <-release:
+		}
+	}))
+	defer engine.Close()
+	defer close(release)
+	cfg, err := config.Parse(fmt.Appendf(nil, `connector: kv-nixl
+pools: {decode: {endpoints: [%q], policy: prefix-affinity, kv_events: {connect_port: 1, tokenize: {timeout: 1m}}}}
+`, strings.TrimPrefix(engine.URL, "http://")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := metrics.New(cfg.Connector)
+	p, err := assemble.Pipeline(cfg, logr.Discard(), pipeline.WithMetrics(m))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runCtx, stop := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() { p.Run(runCtx) })
+	defer func() { stop(); wg.Wait(); p.Wait(); pipeline.CloseIdle(p) }()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			if d, err := p.Route(ctx, &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+				Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}); err == nil {
+				d.Release()
+			}
+		}()
+		select {
+		case <-arrived: // the client leaves while the engine tokenizes
+			cancel()
+			<-done
+			if failed, _ := m.Sample("pd_extproc_tokenize_seconds", map[string]string{"outcome": "failed"}); failed != 0 {
+				t.Errorf("tokenize_seconds{outcome=failed} = %v after a client left: the tokenizer did not fail", failed)
+			}
+			return
+		case <-done: // the pool did not follow its events yet: no round trip
+			cancel()
+			if time.Now().After(deadline) {
+				t.Fatal("the pool never asked for token ids")
+			}
+		}
 	}
 }
