@@ -107,14 +107,14 @@ func (o *observation) routed(d *pipeline.Decision, body []byte) {
 // cancelled says nobody will see it. No decision is held then: routing failed
 // or never ran.
 func (o *observation) rejected(e *pipeline.Error, cancelled bool, body []byte) {
-	outcome := metrics.Outcome4xx
 	switch {
-	case cancelled:
-		outcome = metrics.OutcomeCancelled
+	case cancelled: // nobody was answered: no status, in the log line or the span
+		o.conclude(metrics.OutcomeCancelled, nil, nil, body)
 	case e.Status >= 500:
-		outcome = metrics.Outcome5xx
+		o.conclude(metrics.Outcome5xx, e, nil, body)
+	default:
+		o.conclude(metrics.Outcome4xx, e, nil, body)
 	}
-	o.conclude(outcome, e, nil, body)
 }
 
 // abandon ends the observation of a stream that closed before its request was

@@ -194,9 +194,12 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 // An engine's own 4xx (about the request), a request no leg can carry and a
 // client that left always end here.
 func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Spliced, error) {
-	r.Report.Reason = metrics.ReasonPrefillFailed
 	last := lastAttempt(err) // nil when no endpoint could be tried
-	if p.opts.FailClosed || last != nil && (last.aboutRequest() || last.unsendable() || last.clientLeft()) {
+	if last != nil && last.clientLeft() { // no engine failed, and nobody waits for a decision
+		return nil, prefillFailed(err, r.RequestID)
+	}
+	r.Report.Reason = metrics.ReasonPrefillFailed
+	if p.opts.FailClosed || last != nil && (last.aboutRequest() || last.unsendable()) {
 		return nil, prefillFailed(err, r.RequestID)
 	}
 	r.Report.Mode = ModeDecodeOnly

@@ -4,8 +4,12 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"time"
+
+	otelcodes "go.opentelemetry.io/otel/codes"
 
 	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -162,5 +166,54 @@ func TestTracingIsOffUnlessConfigured(t *testing.T) {
 				t.Errorf("provider %T, TracingEnabled %v; want tracing on = %v", tp, TracingEnabled(tt.cfg), tt.want)
 			}
 		})
+	}
+}
+
+// TestAClientGoneDuringPrefillIsNoErrorAnswer: a request whose client
+// (Envoy) leaves while its prefill leg runs was answered nothing: its span
+// and its log line say cancelled, with no HTTP status and no error. They
+// said 503, and the reason prefill_failed, though no engine failed.
+func TestAClientGoneDuringPrefillIsNoErrorAnswer(t *testing.T) {
+	exporter := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exporter))
+	t.Cleanup(func() { tp.Shutdown(context.Background()) })
+	logs := &logLines{}
+	release := make(chan struct{})
+	defer close(release)
+	prefill := enginetest.Start(t, blocked(release, prefillOK))
+	r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
+		prefill.Addr(), decodeEP), Options{TracerProvider: tp}, funcr.NewJSON(logs.add, funcr.Options{}))
+	ctx, cancel := context.WithCancel(context.Background())
+	stream, err := r.ext.Process(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range post(chatPath, `{"model":"m","prompt":"hi"}`) {
+		if err := stream.Send(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	prefill.Await(t)
+	cancel() // the client gives up
+	var request *tracetest.SpanStub
+	for deadline := time.Now().Add(5 * time.Second); request == nil; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the request's span never ended")
+		}
+		for _, s := range exporter.GetSpans() {
+			if s.Name == "extproc.request" {
+				request = &s
+			}
+		}
+	}
+	if status := attr(request.Attributes, "http.response.status_code"); request.Status.Code == otelcodes.Error || status != "" ||
+		attr(request.Attributes, "pd.outcome") != "cancelled" || attr(request.Attributes, "pd.reason") == "prefill_failed" {
+		t.Errorf("span: outcome %s, reason %s, status %v, http.response.status_code %q; want cancelled, no failure, no status",
+			attr(request.Attributes, "pd.outcome"), attr(request.Attributes, "pd.reason"), request.Status.Code, status)
+	}
+	for _, l := range logs.all(t) {
+		if _, ok := l["status"]; l["msg"] == "request" && (ok || l["reason"] == "prefill_failed") {
+			t.Errorf("request line %v: the client was told nothing, and no engine failed", l)
+		}
 	}
 }
