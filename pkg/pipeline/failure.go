@@ -16,6 +16,9 @@ type statusError struct {
 	status      int
 	body        []byte
 	contentType string
+	// streamed: the status came in an error event of a stream whose HTTP
+	// status was 200.
+	streamed bool
 }
 
 func (e *statusError) Error() string { return fmt.Sprintf("engine answered %d", e.status) }

@@ -55,7 +55,10 @@ func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg
 	if err != nil {
 		failed := classify(ctx, err, reached.Load())
 		p.metrics.PrefillAttempt(time.Since(start), failed.reason)
-		if failed.answer != nil {
+		switch {
+		case failed.answer != nil && failed.answer.streamed: // the error came after a 200
+			span.SetAttributes(semconv.HTTPResponseStatusCode(http.StatusOK))
+		case failed.answer != nil:
 			span.SetAttributes(semconv.HTTPResponseStatusCode(failed.answer.status))
 		}
 		span.SetAttributes(attribute.String("error.type", failed.reason.String()))
@@ -104,7 +107,7 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 		if response.StreamFailed(answer) {
 			// A streamed leg (kv-sglang keeps the client's stream) that
 			// failed after its 200: the engine's 500, told in an error event.
-			return prefillAnswer{}, &statusError{status: http.StatusInternalServerError, body: answer, contentType: ct}
+			return prefillAnswer{}, &statusError{status: http.StatusInternalServerError, body: answer, contentType: ct, streamed: true}
 		}
 		return prefillAnswer{}, nil // nothing to take from it: SGLang's legs hand nothing on
 	}

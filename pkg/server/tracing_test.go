@@ -3,6 +3,8 @@ package server
 import (
 	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"testing"
 	"time"
 
@@ -215,5 +217,35 @@ func TestAClientGoneDuringPrefillIsNoErrorAnswer(t *testing.T) {
 		if _, ok := l["status"]; l["msg"] == "request" && (ok || l["reason"] == "prefill_failed") {
 			t.Errorf("request line %v: the client was told nothing, and no engine failed", l)
 		}
+	}
+}
+
+// TestAPrefillSpanCarriesTheEnginesStatus: a kv-sglang prefill engine that
+// answers 200 and then an error event failed, and its span says so, with
+// the HTTP status the engine sent, 200, not the 500 of the event.
+func TestAPrefillSpanCarriesTheEnginesStatus(t *testing.T) {
+	exporter := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exporter))
+	t.Cleanup(func() { tp.Shutdown(context.Background()) })
+	prefill := enginetest.Start(t, func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "data: {\"error\": {\"message\": \"x\", \"code\": 500}}\n\ndata: [DONE]\n\n")
+	})
+	r := start(t, fmt.Sprintf("connector: kv-sglang\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
+		prefill.Addr(), decodeEP), Options{TracerProvider: tp}, logr.Discard())
+	r.exchange(t, post(chatPath, `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`)...)
+	r.pipeline.Wait()
+	spans := 0
+	for _, s := range exporter.GetSpans() {
+		if s.Name != "prefill" {
+			continue
+		}
+		spans++
+		if code := attr(s.Attributes, "http.response.status_code"); code != "200" || s.Status.Code != otelcodes.Error {
+			t.Errorf("prefill span: status code %q, span status %v; want 200 and an error", code, s.Status.Code)
+		}
+	}
+	if spans != 1 {
+		t.Fatalf("%d prefill spans, want 1", spans)
 	}
 }
