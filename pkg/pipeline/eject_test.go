@@ -116,7 +116,9 @@ prefill: {on_failure: %s}`, onFailure))
 
 type panicking struct{}
 
-func (panicking) RoundTrip(*http.Request) (*http.Response, error) { panic("a bug under the prefill leg") }
+func (panicking) RoundTrip(*http.Request) (*http.Response, error) {
+	panic("a bug under the prefill leg")
+}
 
 // TestAPanicUnderThePrefillLegFreesItsSlots: a bug that panics while the
 // prefill leg runs (recovered by the handler, which fails the stream)

@@ -195,7 +195,8 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 // client that left always end here.
 func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Spliced, error) {
 	last := lastAttempt(err) // nil when no endpoint could be tried
-	if last != nil && last.clientLeft() { // no engine failed, and nobody waits for a decision
+	if last != nil && last.clientLeft() {
+		// No engine failed, and nobody waits for a decision.
 		return nil, prefillFailed(err, r.RequestID)
 	}
 	r.Report.Reason = metrics.ReasonPrefillFailed
