@@ -67,7 +67,11 @@ func guard(ctx context.Context, c net.Conn) *frameGuard {
 		b.handshake = defaultHandshake
 	}
 	c.SetDeadline(time.Now().Add(b.handshake))
-	return &frameGuard{Conn: c, max: uint64(b.max), refused: b.refused, body: greetingLen, greeting: true}
+	// The connection ends with its socket. zmq4 may finish a handshake after
+	// the socket closed, and keep the connection open on it, read by no one:
+	// a publisher connected to a bound socket would then never reconnect.
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	return &frameGuard{Conn: c, max: uint64(b.max), refused: b.refused, body: greetingLen, greeting: true, unhook: stop}
 }
 
 type boundedTransport struct{ transport.Transport }
@@ -123,6 +127,15 @@ type frameGuard struct {
 	// peer's first frame (its READY) have passed whole.
 	greeting bool
 	frames   int // headers read whole, while greeting
+	// unhook stops closing the connection with its socket's context.
+	unhook func() bool
+}
+
+func (g *frameGuard) Close() error {
+	if g.unhook != nil {
+		g.unhook()
+	}
+	return g.Conn.Close()
 }
 
 // frameCost is what the library keeps for a frame besides its body.

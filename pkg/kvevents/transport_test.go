@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"io"
 	"net"
 	"slices"
@@ -292,3 +293,20 @@ type deadlineConn struct {
 }
 
 func (c *deadlineConn) SetDeadline(d time.Time) error { c.deadline = d; return nil }
+
+// TestAConnectionEndsWithItsSocket: a connection ends when its socket's
+// context does. zmq4 may finish a handshake after the socket closed and
+// keep the connection on it, read by no one: an engine connected to a
+// bound subscriber that had just stopped stayed connected to nothing, and
+// never reconnected.
+func TestAConnectionEndsWithItsSocket(t *testing.T) {
+	ctx, closed := context.WithCancel(t.Context())
+	ours, peer := net.Pipe()
+	defer peer.Close()
+	guard(ctx, ours)
+	closed()
+	peer.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := peer.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
+		t.Fatalf("the peer reads %v; want EOF: the connection outlived its socket", err)
+	}
+}
