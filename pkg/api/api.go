@@ -77,6 +77,10 @@ type API struct {
 	// Unpaired says why a family that serves the API cannot disaggregate
 	// it, for the client's error when its connector cannot go decode-only.
 	Unpaired string
+	// TokensFirst: the API's streams carry a token in their first data
+	// event (completions, generate), where chat's name each choice's role
+	// first (response.NewOpening).
+	TokensFirst bool
 	// Model: the engine refuses a request without a "model" string
 	// (Anthropic's Messages). Chat and completions take none: vLLM's
 	// ChatCompletionRequest and CompletionRequest have "model: str | None",
@@ -133,7 +137,7 @@ var (
 	}
 	Completions = &API{
 		Name: NameCompletions, Method: "POST", Path: "/v1/completions",
-		Serves: VLLM | SGLang, Pairs: VLLM | SGLang,
+		Serves: VLLM | SGLang, Pairs: VLLM | SGLang, TokensFirst: true,
 		Shape: openAIShape, Prompt: completionsPrompt, Alone: completionsAlone, PairedAlone: sglangCompletionsAlone, Tokenize: completionsTokens,
 	}
 	Responses = &API{
@@ -143,12 +147,12 @@ var (
 	}
 	Generate = &API{
 		Name: NameGenerate, Method: "POST", Path: "/inference/v1/generate",
-		Serves: VLLM, Pairs: VLLM,
+		Serves: VLLM, Pairs: VLLM, TokensFirst: true,
 		Shape: generateShape, Prompt: generatePrompt, Alone: generateAlone, Tokenize: generateTokens,
 	}
 	SGLangGenerate = &API{
 		Name: NameSGLangGenerate, Method: "POST", Path: "/generate",
-		Serves: SGLang, Pairs: SGLang,
+		Serves: SGLang, Pairs: SGLang, TokensFirst: true,
 		Shape: topLevelShape, Prompt: sglangGeneratePrompt, Alone: sglangPromptLogprobs,
 	}
 	// Messages: vLLM passes a Messages request's kv_transfer_params to the

@@ -226,7 +226,7 @@ func TestUnreachableRemoteHostIsCountedAndLoggedOncePerEndpoint(t *testing.T) {
 // A prefill engine answers 200 with kv_transfer_params, and the request
 // fails only when the decode engine pulls them: a 5xx, or, on a stream that
 // answered 200 already, an error event (vLLM's kv_load_failure_policy
-// "fail"). The prefill endpoint's health goes by that outcome, so an engine
+// "fail"), here after a chat stream's role event. The prefill endpoint's health goes by that outcome, so an engine
 // whose KV cannot be pulled is ejected instead of serving every third
 // request to its death.
 func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
@@ -274,7 +274,7 @@ func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
 				e.ReportFailure()
 			}
 			for i := range 3 {
-				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)})
+				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
 				if err != nil {
 					t.Fatal(err)
 				}

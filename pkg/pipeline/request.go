@@ -129,9 +129,11 @@ type Decision struct {
 	// settled: the outcome has been reported to the endpoints' health.
 	settled atomic.Bool
 	// watch reads the opening of a streamed answer that began with a 2xx
-	// for its verdict (Observe); nil otherwise. choices is the request's n.
-	watch   *response.Opening
-	choices int
+	// for its verdict (Observe); nil otherwise. choices is the request's n,
+	// tokensFirst its API's (api.API.TokensFirst).
+	watch       *response.Opening
+	choices     int
+	tokensFirst bool
 }
 
 // probeVerdictWait is how long a prefill endpoint's probe holds it waiting
@@ -177,7 +179,11 @@ func (d *Decision) Observe(status int, streamed bool) {
 	switch {
 	case d == nil || d.decode.Endpoint == nil:
 	case streamed && status >= 200 && status <= 299:
-		d.watch = response.NewOpening(d.choices)
+		leading := 1 // a chat stream's role event
+		if d.tokensFirst {
+			leading = 0
+		}
+		d.watch = response.NewOpening(d.choices, leading)
 	default:
 		d.settle(status < 500, true)
 	}

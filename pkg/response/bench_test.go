@@ -61,7 +61,7 @@ func BenchmarkOpening(b *testing.B) {
 			b.SetBytes(int64(len(stream)))
 			b.ReportAllocs()
 			for b.Loop() {
-				if NewOpening(1).Scan(stream) != c.want {
+				if NewOpening(1, 1).Scan(stream) != c.want {
 					b.Fatal("wrong verdict")
 				}
 			}

@@ -35,9 +35,9 @@ const (
 // "Decode transfer failed for request ..." on a decode server
 // (disaggregation/decode.py, entrypoints/openai/serving_chat.py). So the
 // request was served once a data event that is not an error has come for
-// each choice, and one more (vLLM's chat sends each choice's role first,
-// then tokens), and failed when an error event with a 5xx code comes
-// before.
+// each choice, and, on a chat stream, one more (vLLM's chat sends each
+// choice's role first, then tokens), and failed when an error event with a
+// 5xx code comes before.
 //
 // A data line is JSON on one line, so a line that starts {"error" is such an
 // event and nothing else: inside a JSON string the quotes are escaped. Only
@@ -52,8 +52,10 @@ type Opening struct {
 }
 
 // NewOpening reads the opening of a stream of the given number of choices
-// (a request's n).
-func NewOpening(choices int) *Opening { return &Opening{served: max(choices, 1) + 1} }
+// (a request's n), whose data events before the tokens are leading: 1 for a
+// chat stream (its role event), none for completions and generate, whose
+// first event carries a token.
+func NewOpening(choices, leading int) *Opening { return &Opening{served: max(choices, 1) + leading} }
 
 type lineKind uint8
 
@@ -173,5 +175,5 @@ func errorVerdict(line []byte) Verdict {
 // StreamFailed reports whether a whole streamed answer failed before its
 // first token (Opening).
 func StreamFailed(answer []byte) bool {
-	return NewOpening(1).Scan(answer) == Failed
+	return NewOpening(1, 1).Scan(answer) == Failed
 }

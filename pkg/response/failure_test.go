@@ -18,28 +18,37 @@ func TestOpeningTellsServedFromFailed(t *testing.T) {
 		stream string
 		want   Verdict
 		n      int // the request's choices; 0: 1
+		// tokensFirst: a completions or generate stream, whose first event
+		// carries a token (no role event).
+		tokensFirst bool
 	}{
-		{"a whole answer", role + tok0 + tok1 + usageEv + done, Served, 0},
-		{"vLLM: the role, then the error (a KV load that failed)", role + vllmError + done, Failed, 0},
-		{"SGLang: the error first", sglangError + done, Failed, 0},
-		{"no space after data:, CRLF lines", strings.ReplaceAll("data:{\"error\":{\"message\":\"x\",\"code\":503}}\n\n", "\n", "\r\n"), Failed, 0},
-		{"an event: line before the error's data", "event: error\ndata: {\"error\": {\"code\": 500}}\n\n", Failed, 0},
-		{"the role alone: nothing yet", role, Pending, 0},
-		{"two choices' roles, then the error (n: 2)", role + strings.Replace(role, `"index":0`, `"index":1`, 1) + vllmError, Failed, 2},
-		{"two choices' roles, then a token (n: 2)", role + strings.Replace(role, `"index":0`, `"index":1`, 1) + tok0, Served, 2},
-		{"a token after the role: served, and what follows is not read", role + tok0 + vllmError, Served, 0},
-		{"a completions stream's first two tokens", strings.ReplaceAll(tok0+tok1, "chat.completion.chunk", "text_completion"), Served, 0},
-		{"a data line longer than an error event is held", "data: {\"choices\":[{\"text\":\"" + strings.Repeat("x", 2*maxErrorEvent) + "\"}]}\n\n" + done, Served, 0},
-		{"a 4xx error event is the request's own", "data: {\"error\": {\"message\": \"bad\", \"type\": \"BadRequestError\", \"code\": 400}}\n\n" + done, Served, 0},
-		{"an error event without a code tells nothing", "data: {\"error\": {\"message\": \"x\"}}\n\n" + done, Pending, 0},
-		{"a token that says {\"error\" in its text", "data: {\"choices\":[{\"delta\":{\"content\":\"data: {\\\"error\\\": {\\\"code\\\": 500}}\"}}]}\n\n" + done, Served, 0},
-		{"an error line cut short", "data: {\"error\": {\"code\": 50", Pending, 0},
-		{"a comment line", ": {\"error\": {\"code\": 500}}\n\n" + done, Pending, 0},
-		{"an error event longer than is read tells nothing", "data: {\"error\": {\"message\": \"" + strings.Repeat("x", maxErrorEvent) + "\", \"code\": 500}}\n\n", Pending, 0},
+		{"a whole answer", role + tok0 + tok1 + usageEv + done, Served, 0, false},
+		{"vLLM: the role, then the error (a KV load that failed)", role + vllmError + done, Failed, 0, false},
+		{"SGLang: the error first", sglangError + done, Failed, 0, false},
+		{"no space after data:, CRLF lines", strings.ReplaceAll("data:{\"error\":{\"message\":\"x\",\"code\":503}}\n\n", "\n", "\r\n"), Failed, 0, false},
+		{"an event: line before the error's data", "event: error\ndata: {\"error\": {\"code\": 500}}\n\n", Failed, 0, false},
+		{"the role alone: nothing yet", role, Pending, 0, false},
+		{"two choices' roles, then the error (n: 2)", role + strings.Replace(role, `"index":0`, `"index":1`, 1) + vllmError, Failed, 2, false},
+		{"two choices' roles, then a token (n: 2)", role + strings.Replace(role, `"index":0`, `"index":1`, 1) + tok0, Served, 2, false},
+		{"a token after the role: served, and what follows is not read", role + tok0 + vllmError, Served, 0, false},
+		{"a completions stream's first two tokens", strings.ReplaceAll(tok0+tok1, "chat.completion.chunk", "text_completion"), Served, 0, false},
+		{"a data line longer than an error event is held", "data: {\"choices\":[{\"text\":\"" + strings.Repeat("x", 2*maxErrorEvent) + "\"}]}\n\n" + done, Served, 0, false},
+		{"a 4xx error event is the request's own", "data: {\"error\": {\"message\": \"bad\", \"type\": \"BadRequestError\", \"code\": 400}}\n\n" + done, Served, 0, false},
+		{"an error event without a code tells nothing", "data: {\"error\": {\"message\": \"x\"}}\n\n" + done, Pending, 0, false},
+		{"a token that says {\"error\" in its text", "data: {\"choices\":[{\"delta\":{\"content\":\"data: {\\\"error\\\": {\\\"code\\\": 500}}\"}}]}\n\n" + done, Served, 0, false},
+		{"an error line cut short", "data: {\"error\": {\"code\": 50", Pending, 0, false},
+		{"a comment line", ": {\"error\": {\"code\": 500}}\n\n" + done, Pending, 0, false},
+		{"an error event longer than is read tells nothing", "data: {\"error\": {\"message\": \"" + strings.Repeat("x", maxErrorEvent) + "\", \"code\": 500}}\n\n", Pending, 0, false},
+		{"completions: a token, then the error: served", strings.ReplaceAll(tok0, "chat.completion.chunk", "text_completion") + vllmError + done, Served, 0, true},
+		{"completions: the error first", vllmError + done, Failed, 0, true},
 	}
 	for _, tt := range tests {
 		for _, size := range []int{len(tt.stream) + 1, 7, 1} { // whole, and cut across every boundary
-			o := NewOpening(tt.n)
+			leading := 1
+			if tt.tokensFirst {
+				leading = 0
+			}
+			o := NewOpening(tt.n, leading)
 			var got Verdict
 			for s := tt.stream; s != ""; {
 				n := min(size, len(s))
@@ -50,7 +59,7 @@ func TestOpeningTellsServedFromFailed(t *testing.T) {
 				t.Errorf("%s, in chunks of %d: %v, want %v", tt.name, size, got, tt.want)
 			}
 		}
-		if tt.n <= 1 && StreamFailed([]byte(tt.stream)) != (tt.want == Failed) {
+		if tt.n <= 1 && !tt.tokensFirst && StreamFailed([]byte(tt.stream)) != (tt.want == Failed) {
 			t.Errorf("%s: StreamFailed = %v", tt.name, !(tt.want == Failed))
 		}
 	}
@@ -62,7 +71,7 @@ func FuzzOpeningIgnoresChunking(f *testing.F) {
 	f.Add([]byte("data: {\"error\": {\"code\": 500}}\r\n\r\ndata: [DONE]\n\n"), uint8(0))
 	f.Add([]byte(": c\nevent: e\ndata:{\"error\":{\"code\":400}}\n"), uint8(2))
 	f.Fuzz(func(t *testing.T, stream []byte, cut uint8) {
-		whole, chunked := NewOpening(1), NewOpening(1)
+		whole, chunked := NewOpening(1, 1), NewOpening(1, 1)
 		want := whole.Scan(stream)
 		size := int(cut) + 1
 		var got Verdict
