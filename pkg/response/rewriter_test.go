@@ -3,6 +3,7 @@ package response
 import (
 	"bytes"
 	"cmp"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -294,5 +295,31 @@ func TestRewriterFindsTheResponsesAPIsNumber(t *testing.T) {
 				t.Errorf("got\n%s\nwant\n%s", got, tt.want)
 			}
 		})
+	}
+}
+
+// TestAnEventCutIntoManyChunksCostsItsSize: an event that comes in many
+// chunks is held in one buffer that grows, not copied again at each chunk:
+// a 1 MiB event in 4 KiB chunks allocated some 256 MiB.
+func TestAnEventCutIntoManyChunksCostsItsSize(t *testing.T) {
+	const chunk = 4 << 10
+	ev := "data: {\"choices\":[{\"text\":\"" + strings.Repeat("x", 1<<20) + "\"}]}\n\n"
+	r := New(chatPath, []byte("8"), 2<<20)
+	r.Start(200, "text/event-stream", "")
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	out := 0
+	for s := ev; s != ""; {
+		n := min(chunk, len(s))
+		out += r.Body([]byte(s[:n]), false).Len()
+		s = s[n:]
+	}
+	out += r.Body(nil, true).Len()
+	runtime.ReadMemStats(&after)
+	if out != len(ev) {
+		t.Fatalf("passed on %d bytes, want %d", out, len(ev))
+	}
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 8*uint64(len(ev)) {
+		t.Errorf("a %d KiB event in %d-byte chunks allocated %d KiB, more than 8 times its size", len(ev)>>10, chunk, alloc>>10)
 	}
 }

@@ -26,7 +26,13 @@ func (r *Rewriter) stream(chunk []byte, last bool) body.Spliced {
 		return append(r.events(data[:cut]), r.giveUp(data[cut:])...)
 	}
 	out := r.events(data[:cut])
-	if cut < len(data) {
+	switch {
+	case cut == len(data):
+	case cut == 0 && fresh > 0:
+		// Still one event, in our own buffer: it grows in place, so an
+		// event cut across many chunks costs its size, not its square.
+		r.held = data
+	default:
 		r.held = bytes.Clone(data[cut:]) // chunk's bytes are Envoy's message's, not ours to keep
 	}
 	if last {
