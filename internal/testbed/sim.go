@@ -53,7 +53,8 @@ func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
 	ip := cmp.Or(cfg.IP, "127.0.0.1")
 	var events pdsim.KVEvents
 	if cfg.KVEventsPort > 0 {
-		events = pdsim.KVEvents{Endpoint: fmt.Sprintf("tcp://%s:%d", ip, cfg.KVEventsPort), Encoding: cfg.KVEncoding, Bind: true}
+		// Block hashes as ints, vLLM's default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
+		events = pdsim.KVEvents{Endpoint: fmt.Sprintf("tcp://%s:%d", ip, cfg.KVEventsPort), Encoding: cfg.KVEncoding, Bind: true, IntHashes: true}
 		if cfg.KVReplayPort > 0 {
 			events.ReplayEndpoint = fmt.Sprintf("tcp://%s:%d", ip, cfg.KVReplayPort)
 		}
