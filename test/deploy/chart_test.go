@@ -274,10 +274,11 @@ func TestABootstrapChangeRollsEnvoy(t *testing.T) {
 	}
 }
 
-// A PodDisruptionBudget that keeps as many pods as the Deployment runs blocks every node drain
-// (kubectl drain waits for ever on a healthy pod): the chart refuses such values, saying what
-// to change, and renders one replica without a budget.
-func TestChartRefusesABudgetThatBlocksDrains(t *testing.T) {
+// The chart refuses values that render objects which cannot run, saying what to change: a
+// PodDisruptionBudget that keeps as many pods as the Deployment runs blocks every node drain
+// (kubectl drain waits for ever on a healthy pod), and a pool's default KV events under another
+// policy than prefix-affinity is a config the pods refuse. One replica without a budget renders.
+func TestChartRefusesValuesThatCannotRun(t *testing.T) {
 	ex := example(t, "defaults")
 	for _, tt := range []struct {
 		name string
@@ -290,6 +291,12 @@ func TestChartRefusesABudgetThatBlocksDrains(t *testing.T) {
 			v["podDisruptionBudget"] = map[string]any{"enabled": false, "minAvailable": 1}
 		}, ""},
 		{"one Envoy", func(v map[string]any) { v["envoy"].(map[string]any)["replicas"] = 1 }, "envoy.podDisruptionBudget.enabled=false"},
+		{"the decode pool by least load, its default KV events kept", func(v map[string]any) {
+			v["config"] = map[string]any{"pools": map[string]any{"decode": map[string]any{"policy": "least-load"}}}
+		}, "config.pools.decode.kv_events needs config.pools.decode.policy: prefix-affinity"},
+		{"the decode pool by least load, its KV events dropped", func(v map[string]any) {
+			v["config"] = map[string]any{"pools": map[string]any{"decode": map[string]any{"policy": "least-load", "kv_events": nil}}}
+		}, ""},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			values, err := ex.ValuesMap()
