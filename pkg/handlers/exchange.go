@@ -11,6 +11,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
 )
@@ -47,10 +48,13 @@ type exchange struct {
 
 	protocol *extprocv3.ProtocolConfiguration // the last one Envoy sent: the body modes
 
-	headersSeen   bool
-	lim           holding // the stream's slot and its request's deadline
-	requestDone   bool    // the request body has been handled: later chunks are dropped (envoy#46237)
-	responseDone  bool
+	headersSeen  bool
+	lim          holding // the stream's slot and its request's deadline
+	requestDone  bool    // the request body has been handled: later chunks are dropped (envoy#46237)
+	responseDone bool
+	// answerHeld is what the usage rewrite holds of the answer, counted
+	// against the body budget (limits.max_buffered_bytes).
+	answerHeld    int64
 	req           pipeline.Request
 	contentLength int64 // -1 when the client sent none
 	decision      *pipeline.Decision
@@ -335,7 +339,7 @@ func (x *exchange) onResponseTrailers() reply {
 // send, and Envoy needs no reply per chunk (docs/envoy.md §2.6); when the
 // reply ends the body (eos), there is always a chunk for it, empty or not.
 func (x *exchange) passResponse(chunk []byte, last, eos bool) [][]byte {
-	out := x.decision.Rewrite.Body(chunk, last)
+	out := x.holdAnswer(x.decision.Rewrite.Body(chunk, last))
 	chunks := [][]byte(out) // almost always the chunk itself, one piece
 	if len(out) > 1 || out.Len() > maxStreamedChunk {
 		chunks = out.Chunks(maxStreamedChunk) // a fixed event or answer, joined; a long answer, cut
@@ -354,6 +358,24 @@ func (x *exchange) passResponse(chunk []byte, last, eos bool) [][]byte {
 		kept = append(kept, nil)
 	}
 	return kept
+}
+
+// holdAnswer counts what the rewrite holds of the answer (a whole JSON
+// answer, or an event cut across chunks) against the body budget, which
+// request bodies share: when it has no room, the rewrite is given up and
+// what it held passes on at once, after out.
+func (x *exchange) holdAnswer(out body.Spliced) body.Spliced {
+	held := int64(x.decision.Rewrite.Held())
+	switch more := held - x.answerHeld; {
+	case more > 0 && !x.body.budget.take(more):
+		out = append(out, x.decision.Rewrite.Drop()...)
+		x.body.budget.give(x.answerHeld)
+		held = 0
+	case more < 0:
+		x.body.budget.give(-more)
+	}
+	x.answerHeld = held
+	return out
 }
 
 // rewriting reports whether the decision rewrites the response (the
@@ -381,6 +403,8 @@ func (x *exchange) end() {
 	if x.rewriting() {
 		x.opts.Metrics.UsageRewrite(x.decision.Rewrite.Outcome())
 	}
+	x.body.budget.give(x.answerHeld)
+	x.answerHeld = 0
 	if x.decision.StreamFailed() {
 		x.opts.Metrics.StreamError(x.req.Report.Mode)
 		x.obs.log.Info("the decode engine failed the request after its 200: an error event before the first token (in P/D, mostly a KV pull that failed)",

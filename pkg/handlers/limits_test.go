@@ -6,6 +6,7 @@ package handlers_test
 import (
 	"context"
 	"slices"
+	"strings"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -15,9 +16,11 @@ import (
 	"github.com/go-logr/logr"
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+	"github.com/pd-extproc/pd-extproc/pkg/response"
 )
 
 // A request whose body is not complete limits.body_timeout after its first
@@ -312,5 +315,58 @@ func TestTheBodyLimitComesBeforeTheBudget(t *testing.T) {
 				checkOpenAIError(t, replies, 503, "limits.max_buffered_bytes")
 			}
 		})
+	}
+}
+
+// TestAnAnswerHeldForTheRewriteCountsInTheBudget: with response.rewrite_usage,
+// the answer a rewrite holds back (a whole non-streamed answer, up to
+// response.max_body_bytes) counts against limits.max_buffered_bytes with the
+// request bodies. A body that does not fit beside it gets 503; an answer that
+// outgrows the budget is passed on unrewritten, whole; and the budget is
+// given back when the stream ends. The answers were counted nowhere.
+func TestAnAnswerHeldForTheRewriteCountsInTheBudget(t *testing.T) {
+	const mib = 1 << 20
+	r := &fakeRouter{limit: 8 * mib, rewrite: func() *response.Rewriter {
+		return response.New(response.Paths{JSON: api.Chat.Shape.CachedTokens}, []byte("8"), 4*mib)
+	}}
+	s := handlers.NewServer(r, handlers.Options{Metrics: metrics.New("kv-nixl"), MaxBufferedBytes: 2 * mib, RetryAfter: time.Second}, logr.Discard())
+	request := func(size int) []*extprocv3.ProcessingRequest {
+		b := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("y", size) + `"}]}`
+		return []*extprocv3.ProcessingRequest{
+			envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(b))...), fullDuplex, fullDuplex),
+			envoymsg.Body(envoymsg.Request, []byte(b), true),
+		}
+	}
+	status := func(replies []*extprocv3.ProcessingResponse) int {
+		return int(replies[len(replies)-1].GetImmediateResponse().GetStatus().GetCode()) // 0: routed
+	}
+
+	rec := newRecorder()
+	a := s.Open(t.Context(), rec)
+	send := func(m *extprocv3.ProcessingRequest) {
+		t.Helper()
+		if done, err := a.Handle(m); done || err != nil {
+			t.Fatalf("stream A ended: %v", err)
+		}
+	}
+	for _, m := range append(request(100), envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, envoymsg.Header{"content-type", "application/json"})) {
+		send(m)
+	}
+	answer := `{"choices":[{"logprobs":"` + strings.Repeat("x", 3*mib) + `"}],"usage":{"prompt_tokens":9}}`
+	send(envoymsg.Body(envoymsg.Response, []byte(answer[:mib]), false)) // held: the answer goes on
+	if got := status(drive(t, s, request(mib)...)); got != 503 {
+		t.Errorf("a 1 MiB body beside 1 MiB of answer held, budget 2 MiB: status %d, want 503", got)
+	}
+	send(envoymsg.Body(envoymsg.Response, []byte(answer[mib:]), true)) // past the budget: given up
+	passed := 0
+	for _, reply := range rec.all() {
+		passed += len(reply.GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse().GetBody())
+	}
+	if passed != len(answer) {
+		t.Errorf("%d bytes of a %d-byte answer passed on", passed, len(answer))
+	}
+	a.Close()
+	if got := status(drive(t, s, request(3*mib/2)...)); got != 0 {
+		t.Errorf("a 1.5 MiB body once the stream ended: status %d, want routed", got)
 	}
 }

@@ -194,6 +194,13 @@ func (r *Rewriter) fix(doc []byte) body.Spliced {
 	return body.Spliced{doc[:start], r.value, doc[end:]}
 }
 
+// Held is how many bytes of the answer the rewrite holds back now.
+func (r *Rewriter) Held() int { return len(r.held) }
+
+// Drop gives the rewrite up, as for an answer past its limit: what it holds
+// is to be passed on now, and the rest of the answer as it comes.
+func (r *Rewriter) Drop() body.Spliced { return r.giveUp(nil) }
+
 // giveUp passes on what is held and chunk, and the rest of the answer as it
 // comes: it is larger than the service holds for a rewrite.
 func (r *Rewriter) giveUp(chunk []byte) body.Spliced {
