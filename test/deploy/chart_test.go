@@ -435,3 +435,47 @@ func TestAPublishedEnvoyServiceCarriesTheClientPortAlone(t *testing.T) {
 		})
 	}
 }
+
+// On the Envoy Gateway path the chart's monitoring scrapes Envoy Gateway's proxies of its
+// Gateway, where the Envoy alerts (decode overflow, certificate expiry) read: a PodMonitor on
+// their metrics port in the proxies' namespace, selecting the pods Envoy Gateway labels with the
+// Gateway they serve.
+func TestTheGatewaysProxiesAreScraped(t *testing.T) {
+	ex := example(t, "envoy-gateway")
+	values, err := ex.ValuesMap()
+	if err != nil {
+		t.Fatal(err)
+	}
+	values["monitoring"] = map[string]any{"serviceMonitor": map[string]any{"enabled": true}}
+	out, err := chart.Render(testbed.MustRepoPath(t, chart.Dir), ex.Release, values)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gateway := digString(values, "gateway", "name")
+	if gateway == "" {
+		gateway = "pd-gateway" // the chart's default
+	}
+	found := 0
+	for _, part := range splitYAML(out) {
+		var doc map[string]any
+		if err := yaml.Unmarshal(part, &doc); err != nil {
+			t.Fatal(err)
+		}
+		if digString(doc, "kind") != "PodMonitor" {
+			continue
+		}
+		found++
+		if got := digString(doc, "spec", "selector", "matchLabels", "gateway.envoyproxy.io/owning-gateway-name"); got != gateway {
+			t.Errorf("PodMonitor selects the proxies of Gateway %q, want %q", got, gateway)
+		}
+		if got := fmt.Sprint(dig(doc, "spec", "namespaceSelector", "matchNames")); got != "[envoy-gateway-system]" {
+			t.Errorf("PodMonitor looks in namespaces %s, want [envoy-gateway-system]", got)
+		}
+		if got := digString(dig(doc, "spec", "podMetricsEndpoints").([]any)[0], "port"); got != "metrics" {
+			t.Errorf("PodMonitor scrapes port %q, want metrics (19001)", got)
+		}
+	}
+	if found != 1 {
+		t.Errorf("%d PodMonitors, want 1", found)
+	}
+}

@@ -35,7 +35,7 @@ func prepareForManifests(t *testing.T, c *cluster) {
 	t.Helper()
 	c.installCRDs(t, "InferencePool", "GatewayClass", "Gateway", "HTTPRoute", "BackendTLSPolicy",
 		"EnvoyExtensionPolicy", "EnvoyPatchPolicy", "ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyProxy", "Issuer", "Certificate",
-		"ServiceMonitor", "PrometheusRule")
+		"ServiceMonitor", "PodMonitor", "PrometheusRule")
 	for _, ns := range []string{"pd-extproc", "llm", "engines"} {
 		_, err := c.kube.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
 		if err != nil && !apierrors.IsAlreadyExists(err) {
@@ -60,7 +60,7 @@ func TestManifestsPassServerSideDryRun(t *testing.T) {
 		}
 	}
 	for _, k := range []string{"Deployment", "Role", "RoleBinding", "ServiceAccount", "InferencePool", "EnvoyExtensionPolicy", "HTTPRoute",
-		"NetworkPolicy", "BackendTLSPolicy", "EnvoyProxy", "Certificate", "Issuer", "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule", "ConfigMap"} {
+		"NetworkPolicy", "BackendTLSPolicy", "EnvoyProxy", "Certificate", "Issuer", "PodDisruptionBudget", "ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"} {
 		if !kinds[k] {
 			t.Errorf("no %s among the %d objects checked", k, len(objs))
 		}
