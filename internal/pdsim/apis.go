@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 )
@@ -240,13 +241,13 @@ func orNull(raw json.RawMessage) json.RawMessage {
 }
 
 // chatPrompt is a chat request's messages, after what vLLM's template also
-// renders before them: documents and reasoning_effort, template variables
-// from chat_template_kwargs. The chat endpoint (endpoint true) also takes
-// them as fields of its own, which win (ChatCompletionRequest.
-// build_chat_params merges them over the kwargs); vLLM's /tokenize has no
-// such fields (TokenizeChatRequest), only the kwargs, so its ids for a
-// request that sets them as fields start otherwise than the ones cached.
-// nil without messages.
+// renders before them: its tools, and its template variables
+// (chat_template_kwargs: enable_thinking, documents, reasoning_effort...). The
+// chat endpoint (endpoint true) also takes documents and reasoning_effort as
+// fields of its own, which win (ChatCompletionRequest.build_chat_params
+// merges them over the kwargs); vLLM's /tokenize has no such fields
+// (TokenizeChatRequest), only the kwargs, so its ids for a request that sets
+// them as fields start otherwise than the ones cached. nil without messages.
 func chatPrompt(fields map[string]json.RawMessage, endpoint bool) json.RawMessage {
 	messages, ok := present(fields, "messages")
 	if !ok {
@@ -257,6 +258,14 @@ func chatPrompt(fields map[string]json.RawMessage, endpoint bool) json.RawMessag
 		_ = json.Unmarshal(raw, &kwargs) // not an object: no template variables
 	}
 	var before []byte
+	if raw, ok := present(fields, "tools"); ok {
+		before = fmt.Appendf(before, "{%q:%s},", "tools", raw)
+	}
+	for _, key := range slices.Sorted(maps.Keys(kwargs)) {
+		if raw, ok := present(kwargs, key); ok && key != "documents" && key != "reasoning_effort" {
+			before = fmt.Appendf(before, "{%q:%s},", key, raw)
+		}
+	}
 	for _, key := range []string{"documents", "reasoning_effort"} {
 		raw, ok := present(kwargs, key)
 		if field, isField := present(fields, key); endpoint && isField {

@@ -120,6 +120,14 @@ func TestNIXLDecode(t *testing.T) {
 		{"right params, wrong prompt", func(t *testing.T, p, d *Server, params json.RawMessage) string {
 			return chat("the quick brown cat", `,"kv_transfer_params":`+string(params))
 		}, 500, kvLoadFailed},
+		// The template renders a request's tools and template variables into its prompt: a
+		// decode leg that has lost them (or gained them) is another prompt.
+		{"the decode leg with tools the prefill did not have", func(t *testing.T, p, d *Server, params json.RawMessage) string {
+			return chat(prompt, `,"tools":[{"type":"function","function":{"name":"f"}}],"kv_transfer_params":`+string(params))
+		}, 500, kvLoadFailed},
+		{"the decode leg with a template variable the prefill did not have", func(t *testing.T, p, d *Server, params json.RawMessage) string {
+			return chat(prompt, `,"chat_template_kwargs":{"enable_thinking":false},"kv_transfer_params":`+string(params))
+		}, 500, kvLoadFailed},
 		{"blocks already read", func(t *testing.T, p, d *Server, params json.RawMessage) string {
 			body := chat(prompt, `,"kv_transfer_params":`+string(params))
 			if r := post(t, d, "/v1/chat/completions", body, ""); r.status != 200 {
