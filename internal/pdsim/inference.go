@@ -28,7 +28,6 @@ const (
 	kvIssued     = "issued"
 	kvHit        = "hit"
 	kvMiss       = "miss"
-	kvRecompute  = "recompute"
 	kvLoadFailed = "load-failed"
 )
 

@@ -177,8 +177,12 @@ func (d *nixlDecode) firstToken(ctx context.Context, req *request) (kvResult, er
 		raw, ok := kv[key]
 		switch {
 		case !ok:
-			d.s.log.Warn("Got invalid KVTransferParams, will not utilize KVTransfer", "request_id", req.id, "missing", key)
-			return kvResult{outcome: kvRecompute}, d.s.compute(ctx, req)
+			// vLLM's scheduler has already put the request to wait for remote KV
+			// (get_num_new_matched_tokens goes by do_remote_prefill alone), and
+			// update_state_after_alloc then schedules no pull ("Got invalid
+			// KVTransferParams"): the request waits for ever. A hang would stall
+			// a test to its timeout; a 500 that says so fails it at once.
+			return kvResult{}, fmt.Errorf("kv_transfer_params without %s: vLLM's decode request would wait for this KV for ever (WAITING_FOR_REMOTE_KVS)", key)
 		case isNull(raw):
 			// vLLM checks that the keys are there, not what they hold: it goes
 			// on to the handshake with None for an address, which fails, and

@@ -160,9 +160,9 @@ func TestNIXLDecode(t *testing.T) {
 		{"remote_port null: the handshake fails", func(t *testing.T, p, d *Server, params json.RawMessage) string {
 			return chat(prompt, `,"kv_transfer_params":`+edit(t, params, "remote_port", json.RawMessage("null")))
 		}, 500, kvLoadFailed},
-		{"remote_request_id missing: invalid params, recompute", func(t *testing.T, p, d *Server, params json.RawMessage) string {
+		{"remote_request_id missing: vLLM would wait for ever, pdsim fails it", func(t *testing.T, p, d *Server, params json.RawMessage) string {
 			return chat(prompt, `,"kv_transfer_params":`+edit(t, params, "remote_request_id", nil))
-		}, 200, kvRecompute},
+		}, 500, kvLoadFailed},
 		{"no params", func(t *testing.T, p, d *Server, _ json.RawMessage) string {
 			return chat(prompt, "")
 		}, 200, kvNone},
