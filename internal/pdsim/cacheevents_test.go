@@ -50,13 +50,13 @@ func TestPrefixCacheEvents(t *testing.T) {
 			{kind: blockStored, hashes: a[:1], tokens: aTok[:16]},
 			{kind: blockStored, hashes: a[2:3], parent: &a[1], tokens: aTok[32:48], first: 2},
 		}}},
-		{"evictions, the least recently used first, an event each", 4, func(c *prefixCache) {
+		{"evictions, the least recently used first, an event each, before the blocks stored (as vLLM evicts while it allocates)", 4, func(c *prefixCache) {
 			c.insert(a, aTok, blockKeys{})
 			c.insert(b, bTok, blockKeys{})
 		}, [][]kvEvent{{{kind: blockStored, hashes: a, tokens: aTok}}, {
-			{kind: blockStored, hashes: b, tokens: bTok},
 			{kind: blockRemoved, hashes: a[3:4]},
 			{kind: blockRemoved, hashes: a[2:3]},
+			{kind: blockStored, hashes: b, tokens: bTok},
 		}}},
 		{"a prompt longer than the cache: stored, then its own tail evicted", 1, func(c *prefixCache) {
 			c.insert(b, bTok, blockKeys{})

@@ -45,10 +45,11 @@ func TestKVEventsAsVLLMPublishesThem(t *testing.T) {
 				}{
 					{"/v1/chat/completions", chatOf("", turn1...), []wireEvent{stored(one, 0, 2, intHashes)}},
 					{"/v1/chat/completions", chatOf("", turn2...), []wireEvent{stored(two, 2, 3, intHashes)}},
-					// The 2 new blocks evict the 2 least recently used:
-					// the conversation's, from its end.
+					// The 2 new blocks evict the 2 least recently used, the
+					// conversation's from its end, as they are allocated:
+					// before they are stored.
 					{"/v1/chat/completions", chatOf("", unrelated...), []wireEvent{
-						stored(other, 0, 2, intHashes), removed(two, 2, intHashes), removed(two, 1, intHashes)}},
+						removed(two, 2, intHashes), removed(two, 1, intHashes), stored(other, 0, 2, intHashes)}},
 					{"/reset_prefix_cache", "", []wireEvent{{Type: "AllBlocksCleared"}}},
 				}
 				for i, st := range steps {

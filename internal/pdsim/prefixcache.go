@@ -197,16 +197,27 @@ func (c *prefixCache) match(hashes []blockHash) int {
 func (c *prefixCache) insert(hashes []blockHash, tokens []uint64, keys blockKeys) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	events := c.stored(hashes, tokens, keys)
+	stored := c.stored(hashes, tokens, keys)
 	c.touch(hashes)
+	// vLLM evicts as it allocates a step's blocks and caches them after, so a
+	// batch names the blocks removed before those stored; a block of this very
+	// prompt that the cache cannot keep (a prompt longer than the cache) is
+	// removed after it was stored.
+	var removed, own []kvEvent
 	for c.order.Len() > c.capacity {
 		h := c.order.Remove(c.order.Back()).(blockHash)
 		delete(c.blocks, h)
-		if c.events != nil { // one event a block, as vLLM evicts them
-			events = append(events, kvEvent{kind: blockRemoved, hashes: []blockHash{h}})
+		if c.events == nil {
+			continue
+		}
+		ev := kvEvent{kind: blockRemoved, hashes: []blockHash{h}} // one event a block, as vLLM evicts them
+		if slices.Contains(hashes, h) {
+			own = append(own, ev)
+		} else {
+			removed = append(removed, ev)
 		}
 	}
-	if len(events) > 0 {
+	if events := slices.Concat(removed, stored, own); len(events) > 0 {
 		c.events.add(events)
 	}
 }
