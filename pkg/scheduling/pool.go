@@ -182,7 +182,7 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 	case len(out) == 0:
 		return nil, fmt.Errorf("%s: %w", p.Name, ErrUnhealthy)
 	}
-	if req != nil {
+	if req != nil && len(down)+len(st.gone) > 0 { // nothing to read the clock for, most often
 		now := p.deps.Now()
 		for _, e := range slices.Concat(down, st.gone) {
 			if recentlyMoved(e, now) {
@@ -306,14 +306,14 @@ func (p *Pool) rebuild() {
 	}
 	var gone []*Endpoint
 	if old != nil {
-		for _, e := range slices.Concat(old.gone, old.endpoints) {
-			if seen[e.Addr] || slices.Contains(gone, e) {
-				continue
-			}
-			if slices.Contains(old.endpoints, e) {
+		for _, e := range old.endpoints {
+			if !seen[e.Addr] { // it leaves: the conversations it held rank anew
 				e.moved.Store(now.UnixNano())
+				gone = append(gone, e)
 			}
-			if recentlyMoved(e, now) {
+		}
+		for _, e := range old.gone { // left before, and not back
+			if !seen[e.Addr] && recentlyMoved(e, now) {
 				gone = append(gone, e)
 			}
 		}
