@@ -33,9 +33,18 @@ func chartManifests(t *testing.T, name string) []manifest {
 	if err != nil {
 		t.Fatal(err)
 	}
+	ms := render(t, ex, values)
+	renderings.Store(name, ms)
+	return ms
+}
+
+// render renders the chart as `helm template` would, for ex's release with values, each
+// object named after its template and the example.
+func render(t *testing.T, ex chart.Example, values map[string]any) []manifest {
+	t.Helper()
 	out, err := chart.Render(testbed.MustRepoPath(t, chart.Dir), ex.Release, values)
 	if err != nil {
-		t.Fatalf("rendering the chart with the %s values: %v", name, err)
+		t.Fatalf("rendering the chart with the %s values: %v", ex.Name, err)
 	}
 	var ms []manifest
 	source := ""
@@ -45,13 +54,12 @@ func chartManifests(t *testing.T, name string) []manifest {
 		}
 		var doc map[string]any
 		if err := yaml.Unmarshal(part, &doc); err != nil {
-			t.Fatalf("%s rendering, document %d: %v\n%s", name, i, err, part)
+			t.Fatalf("%s rendering, document %d: %v\n%s", ex.Name, i, err, part)
 		}
 		if doc != nil {
-			ms = append(ms, manifest{file: fmt.Sprintf("%s (%s)", source, name), doc: doc})
+			ms = append(ms, manifest{file: fmt.Sprintf("%s (%s)", source, ex.Name), doc: doc})
 		}
 	}
-	renderings.Store(name, ms)
 	return ms
 }
 
@@ -336,20 +344,12 @@ func TestNetworkPolicyAdmitsYourOwnEnvoy(t *testing.T) {
 			values["envoy"] = map[string]any{"enabled": false}
 			values["gateway"] = map[string]any{"enabled": false}
 			values["networkPolicy"] = map[string]any{"envoyFrom": tt.from}
-			out, err := chart.Render(testbed.MustRepoPath(t, chart.Dir), ex.Release, values)
-			if err != nil {
-				t.Fatal(err)
-			}
 			peers := 0
-			for _, part := range splitYAML(out) {
-				var doc map[string]any
-				if err := yaml.Unmarshal(part, &doc); err != nil {
-					t.Fatal(err)
-				}
-				if digString(doc, "kind") != "NetworkPolicy" {
+			for _, m := range render(t, ex, values) {
+				if m.kind() != "NetworkPolicy" {
 					continue
 				}
-				for _, rule := range dig(doc, "spec", "ingress").([]any) {
+				for _, rule := range dig(m.doc, "spec", "ingress").([]any) {
 					ports, _ := dig(rule, "ports").([]any)
 					if len(ports) > 0 && fmt.Sprint(dig(ports[0], "port")) == "grpc" {
 						peers += len(dig(rule, "from").([]any))
@@ -406,17 +406,10 @@ func TestAPublishedEnvoyServiceCarriesTheClientPortAlone(t *testing.T) {
 				t.Fatal(err)
 			}
 			values["envoy"] = map[string]any{"service": map[string]any{"type": typ}}
-			out, err := chart.Render(testbed.MustRepoPath(t, chart.Dir), ex.Release, values)
-			if err != nil {
-				t.Fatal(err)
-			}
 			stats := 0
-			for _, part := range splitYAML(out) {
-				var doc map[string]any
-				if err := yaml.Unmarshal(part, &doc); err != nil {
-					t.Fatal(err)
-				}
-				if digString(doc, "kind") != "Service" || dig(doc, "metadata", "labels", "app.kubernetes.io/name") != "envoy" {
+			for _, m := range render(t, ex, values) {
+				doc := m.doc
+				if m.kind() != "Service" || dig(doc, "metadata", "labels", "app.kubernetes.io/name") != "envoy" {
 					continue
 				}
 				for _, port := range dig(doc, "spec", "ports").([]any) {
@@ -447,21 +440,14 @@ func TestTheGatewaysProxiesAreScraped(t *testing.T) {
 		t.Fatal(err)
 	}
 	values["monitoring"] = map[string]any{"serviceMonitor": map[string]any{"enabled": true}}
-	out, err := chart.Render(testbed.MustRepoPath(t, chart.Dir), ex.Release, values)
-	if err != nil {
-		t.Fatal(err)
-	}
 	gateway := digString(values, "gateway", "name")
 	if gateway == "" {
 		gateway = "pd-gateway" // the chart's default
 	}
 	found := 0
-	for _, part := range splitYAML(out) {
-		var doc map[string]any
-		if err := yaml.Unmarshal(part, &doc); err != nil {
-			t.Fatal(err)
-		}
-		if digString(doc, "kind") != "PodMonitor" {
+	for _, m := range render(t, ex, values) {
+		doc := m.doc
+		if m.kind() != "PodMonitor" {
 			continue
 		}
 		found++
