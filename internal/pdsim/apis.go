@@ -130,7 +130,7 @@ func (r *request) limitKeys() (in map[string]json.RawMessage, maxKey, minKey str
 		return r.fields, "max_tokens", ""
 	case apiGenerate:
 		return object(r.fields, "sampling_params"), "max_tokens", "min_tokens"
-	case apiSGLangGenerate: // pdsim answers a batch once: as its first prompt
+	case apiSGLangGenerate: // pdsim runs a batch once, as its first prompt
 		return sglangSampling(r.fields), "max_new_tokens", "min_new_tokens"
 	case apiChat:
 		if _, ok := present(r.fields, "max_completion_tokens"); ok {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
+	"slices"
 )
 
 // outputID is the token id of output token i, so tests can assert content.
@@ -112,6 +113,12 @@ func (s *Server) answerSGLang(ctx context.Context, w http.ResponseWriter, req *r
 		return err
 	case out != nil:
 		return out.raw([]byte("[DONE]"))
+	}
+	if prompts, isBatch := req.batch(); isBatch {
+		// A batch is answered with an array, an answer per prompt and
+		// sample (TokenizerManager._handle_batch_request); pdsim's are alike.
+		writeJSON(w, http.StatusOK, slices.Repeat([]sglangAnswer{a}, prompts*max(1, req.samples)))
+		return nil
 	}
 	writeJSON(w, http.StatusOK, a)
 	return nil

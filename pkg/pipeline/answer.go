@@ -2,6 +2,7 @@ package pipeline
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"net/netip"
 	"strconv"
@@ -28,10 +29,16 @@ type prefillAnswer struct {
 }
 
 // readAnswer reads a prefill engine's answer to r without decoding it; one
-// that is not a JSON object is errMalformed.
+// that is not a JSON object is errMalformed, but for a connector whose legs
+// hand nothing back (kv-sglang) any JSON will do: SGLang answers a batch
+// (text or input_ids a list) with an array, one answer per prompt
+// (TokenizerManager._handle_batch_request, python/sglang/srt/managers/tokenizer_manager.py).
 func (p *Pipeline) readAnswer(answer []byte, r *Request) (prefillAnswer, error) {
 	o, err := body.Parse(answer)
 	if err != nil {
+		if !p.connector.HandsBackParams() && json.Valid(answer) {
+			return prefillAnswer{}, nil
+		}
 		return prefillAnswer{}, fmt.Errorf("%w: %v", errMalformed, err)
 	}
 	var a prefillAnswer

@@ -143,3 +143,50 @@ pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {endpoints: ["10.1.1.1:
 		}
 	}
 }
+
+// TestSGLangBatchAnswersAreNoFailures: SGLang answers a batch /generate (text
+// or input_ids a list) with a JSON array, one answer per prompt. Under
+// kv-sglang, whose legs hand nothing back, that is a served leg, not a
+// malformed one: counting it would eject healthy prefill engines, and
+// kv-sglang has no decode-only to fall back on. What is not JSON stays a
+// failure; under kv-nixl, whose params must be read, so does an array.
+func TestSGLangBatchAnswersAreNoFailures(t *testing.T) {
+	const batch = `[{"text":"a","meta_info":{}},{"text":"b","meta_info":{}}]`
+	tests := []struct {
+		name, connector, path, body, answer string
+		failed                              bool
+	}{
+		{"a batch of texts", "kv-sglang", "/generate", `{"text":["hello","world"],"sampling_params":{"max_new_tokens":8}}`, batch, false},
+		{"a batch of token ids", "kv-sglang", "/generate", `{"input_ids":[[1,2],[3,4]]}`, batch, false},
+		{"a proxy's page", "kv-sglang", "/generate", `{"text":"hello"}`, `<html>upstream connect error</html>`, true},
+		{"an array to kv-nixl", "kv-nixl", "/v1/completions", `{"model":"m","prompt":"hi"}`, batch, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			engine := enginetest.Start(t, enginetest.JSON(200, tt.answer))
+			p, m, _ := newPipeline(t, fmt.Sprintf(`connector: %s
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {attempts: 1}`, tt.connector, engine.Addr()))
+			for range 3 {
+				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: tt.path, RequestID: "r",
+					Body: []byte(tt.body)})
+				if err != nil {
+					if !tt.failed {
+						t.Fatalf("Route: %v", err)
+					}
+					continue
+				}
+				d.Release()
+				p.Wait()
+			}
+			got := counter(t, m, "pd_extproc_prefill_failures_total", "reason", metrics.FailureMalformed.String())
+			if want := map[bool]float64{true: 3}[tt.failed]; got != want {
+				t.Errorf("prefill_failures_total{reason=malformed} = %v, want %v", got, want)
+			}
+			prefill, _ := p.Pools()
+			if healthy := prefill.Endpoints()[0].Healthy(); healthy == tt.failed {
+				t.Errorf("prefill endpoint healthy = %v after three such answers, want %v", healthy, !tt.failed)
+			}
+		})
+	}
+}

@@ -156,6 +156,17 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 		if resp, got := r.must(t, "/v1/completions", batch, nil); resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
 			t.Errorf("kv-sglang completions batch: status %d, KV %q (%.200s), want 200 and a hit", resp.StatusCode, resp.Header.Get("x-pdsim-kv"), got)
 		}
+		// SGLang answers a batch /generate with an array: more of them than
+		// it takes failures to eject an endpoint must all be served.
+		generate := `{"text":["` + marker + ` generate a","b"],"sampling_params":{"max_new_tokens":2}}`
+		for i := range 4 {
+			if resp, got := r.must(t, "/generate", generate, nil); resp.StatusCode != http.StatusOK || !strings.HasPrefix(got, "[") {
+				t.Errorf("kv-sglang /generate batch %d: status %d (%.200s), want 200 and an array", i, resp.StatusCode, got)
+			}
+		}
+		if n := r.metric(t, `pd_extproc_prefill_failures_total{reason="malformed"}`); n > 0 {
+			t.Errorf("prefill_failures_total{reason=malformed} = %v after batch /generate legs, want none", n)
+		}
 		logprobs := `{"text":"` + marker + ` logprobs","return_logprob":true,"logprob_start_len":0}`
 		if resp, got := r.must(t, "/generate", logprobs, nil); resp.StatusCode != http.StatusBadRequest ||
 			!strings.Contains(got, "only the prefill engine computes; SGLang's own gateway merges the prefill answer's input_token_logprobs") {
