@@ -22,6 +22,7 @@ const firstBuffer = 64 << 10
 // (limits.max_buffered_bytes) until no one reads the body any more: the
 // stream, and a background prefill leg that holds it (Hold).
 type bodyCollector struct {
+	seen   bool // a body message came, even an empty one: Envoy awaits a body reply
 	buf    []byte
 	pooled bool // buf is from takeBuffer
 	budget *budget

@@ -3,6 +3,7 @@ package handlers
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"sync"
 	"time"
 
@@ -163,7 +164,7 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) reply {
 	case filterv3.ProcessingMode_BUFFERED, filterv3.ProcessingMode_BUFFERED_PARTIAL:
 		// Envoy holds the body until the headers are answered, then sends it whole;
 		// the body reply can still set headers, so routing waits for it.
-		return answer(headersReply(nil, ""))
+		return answer(bufferedHeadersReply())
 	default:
 		return x.fail(pipeline.Misconfigured(fmt.Sprintf(
 			"ext_proc request_body_mode %s is not supported: routing depends on the body; configure %s", x.requestMode(), supportedModes)))
@@ -175,6 +176,7 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) reply {
 		x.obs.log.V(1).Info("dropping request body after its end", "requestID", x.req.RequestID, "bytes", len(b.GetBody()))
 		return reply{}
 	}
+	x.body.seen = true
 	// Only FULL_DUPLEX cuts a body into several messages, and a first one with
 	// end_of_stream is the whole body there too.
 	whole := b.GetEndOfStream() || x.requestMode() != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED
@@ -207,9 +209,21 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) reply {
 }
 
 func (x *exchange) onRequestTrailers() reply {
-	if x.requestMode() == filterv3.ProcessingMode_FULL_DUPLEX_STREAMED && x.headersSeen && !x.requestDone {
+	if !x.headersSeen || x.requestDone {
+		return answer(continueRequestTrailers())
+	}
+	switch x.requestMode() {
+	case filterv3.ProcessingMode_FULL_DUPLEX_STREAMED:
 		// Trailers end a FULL_DUPLEX body whose last chunk had no end_of_stream.
 		return x.finishDuplex(true)
+	case filterv3.ProcessingMode_BUFFERED, filterv3.ProcessingMode_BUFFERED_PARTIAL:
+		// Trailers before any body (HTTP/2 HEADERS, then trailers): Envoy sends
+		// no body message, and once the trailers are answered it passes on the
+		// headers, answered without the routing. Refuse rather than let them
+		// reach the router unrouted.
+		x.requestDone = true
+		return x.fail(&pipeline.Error{Status: http.StatusBadRequest, Type: "invalid_request_error",
+			Message: "the request has trailers and no body; send the body before any trailers"})
 	}
 	return answer(continueRequestTrailers())
 }
@@ -224,7 +238,10 @@ func (x *exchange) finishDuplex(trailers bool) reply {
 		return x.fail(err)
 	}
 	x.decision = d
-	r := reply{msg: headersReply(d, x.req.RequestID), chunks: d.Body.Chunks(maxStreamedChunk), request: true, eos: !trailers, routed: true}
+	r := reply{msg: headersReply(d, x.req.RequestID), request: true, eos: !trailers, routed: true}
+	if x.body.seen { // else Envoy awaits no body reply, and takes one for a spurious message
+		r.chunks = d.Body.Chunks(maxStreamedChunk)
+	}
 	if trailers {
 		r.last = continueRequestTrailers()
 	}

@@ -162,8 +162,9 @@ pools: {prefill: {endpoints: %s}, decode: {endpoints: ["10.1.1.1:8000"]}}`, pref
 			if len(replies) != 2 {
 				t.Fatalf("got %d replies, want headers then body: %v", len(replies), replies)
 			}
-			if m := replies[0].GetRequestHeaders().GetResponse().GetHeaderMutation(); m != nil {
-				t.Errorf("BUFFERED headers reply must be a plain CONTINUE, got mutation %v", m)
+			if m := replies[0].GetRequestHeaders().GetResponse().GetHeaderMutation(); len(m.GetSetHeaders()) != 0 ||
+				!slices.Equal(m.GetRemoveHeaders(), []string{handlers.DestinationHeader}) {
+				t.Errorf("BUFFERED headers reply must only remove %s, got mutation %v", handlers.DestinationHeader, m)
 			}
 			br := replies[1].GetRequestBody().GetResponse()
 			newBody := br.GetBodyMutation().GetBody()

@@ -98,6 +98,16 @@ func headersReply(d *pipeline.Decision, requestID string) *extprocv3.ProcessingR
 	}
 }
 
+// bufferedHeadersReply answers BUFFERED request headers, whose routing the
+// body reply carries. It removes the client's own destination header, so
+// that no path by which Envoy passes the headers on unrouted (trailers
+// before any body) lets the client pick the upstream.
+func bufferedHeadersReply() *extprocv3.ProcessingResponse {
+	m := headersReply(nil, "")
+	m.GetRequestHeaders().Response.HeaderMutation = &extprocv3.HeaderMutation{RemoveHeaders: []string{DestinationHeader}}
+	return m
+}
+
 // bufferedBodyReply carries the routing in one BUFFERED body reply (Envoy still
 // holds the headers) and the rewritten body, if any, with a matching
 // Content-Length when the client sent one: Envoy checks it against a new body,

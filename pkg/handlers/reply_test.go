@@ -55,6 +55,17 @@ func TestPhasesReturnTheirReplies(t *testing.T) {
 		{name: "a routing error: the local reply, and the stream is done", mode: duplex, routeErr: errors.New("no endpoint"),
 			before: []*extprocv3.ProcessingRequest{envoymsg.Headers(envoymsg.Request, false, post...)},
 			msg:    envoymsg.Body(envoymsg.Request, client, true), wantKinds: []string{"immediate"}, wantDone: true},
+		// Envoy sends no body message for a request that carries none before
+		// its trailers (HTTP/2 HEADERS, then trailers): in FULL_DUPLEX a body
+		// reply would be a spurious message (500), and in BUFFERED the
+		// trailers reply would let the headers, answered without routing,
+		// reach the router with whatever destination the client named.
+		{name: "FULL_DUPLEX trailers with no body: no body reply", mode: duplex,
+			before: []*extprocv3.ProcessingRequest{envoymsg.Headers(envoymsg.Request, false, envoymsg.Post("/v1/models", -1)...)},
+			msg:    envoymsg.Trailers(envoymsg.Request), wantKinds: []string{"headers routed", "continue request trailers"}, wantAfter: true},
+		{name: "BUFFERED trailers with no body: refused", mode: buffered,
+			before: []*extprocv3.ProcessingRequest{envoymsg.Headers(envoymsg.Request, false, envoymsg.Post("/v1/models", -1)...)},
+			msg:    envoymsg.Trailers(envoymsg.Request), wantKinds: []string{"immediate"}, wantDone: true},
 		{name: "request trailers after a whole body", mode: buffered,
 			before: []*extprocv3.ProcessingRequest{envoymsg.Headers(envoymsg.Request, false, post...), envoymsg.Body(envoymsg.Request, client, true)},
 			msg:    envoymsg.Trailers(envoymsg.Request), wantKinds: []string{"continue request trailers"}},
