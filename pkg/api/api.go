@@ -77,10 +77,11 @@ type API struct {
 	// Unpaired says why a family that serves the API cannot disaggregate
 	// it, for the client's error when its connector cannot go decode-only.
 	Unpaired string
-	// TokensFirst: the API's streams carry a token in their first data
-	// event (completions, generate), where chat's name each choice's role
-	// first (response.NewOpening).
-	TokensFirst bool
+	// Leading is how many data events the API's streams send before each
+	// choice's first token (response.NewOpening): 1 for chat, whose role
+	// event comes first; 2 for Messages (vLLM's message_start, then the first
+	// content_block_start); none for completions and generate.
+	Leading int
 	// Model: the engine refuses a request without a "model" string
 	// (Anthropic's Messages). Chat and completions take none: vLLM's
 	// ChatCompletionRequest and CompletionRequest have "model: str | None",
@@ -132,27 +133,27 @@ const sglangDropsBootstrap = "SGLang's handler for it does not pass bootstrap_ho
 var (
 	Chat = &API{
 		Name: NameChat, Method: "POST", Path: "/v1/chat/completions",
-		Serves: VLLM | SGLang, Pairs: VLLM | SGLang,
+		Serves: VLLM | SGLang, Pairs: VLLM | SGLang, Leading: 1,
 		Shape: openAIShape, Prompt: chatPrompt, Alone: chatAlone, PairedAlone: sglangChatAlone, Tokenize: chatTokens,
 	}
 	Completions = &API{
 		Name: NameCompletions, Method: "POST", Path: "/v1/completions",
-		Serves: VLLM | SGLang, Pairs: VLLM | SGLang, TokensFirst: true,
+		Serves: VLLM | SGLang, Pairs: VLLM | SGLang,
 		Shape: openAIShape, Prompt: completionsPrompt, Alone: completionsAlone, PairedAlone: sglangCompletionsAlone, Tokenize: completionsTokens,
 	}
 	Responses = &API{
 		Name: NameResponses, Method: "POST", Path: "/v1/responses",
-		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap,
+		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap, Leading: 1,
 		Shape: responsesShape, Prompt: responsesPrompt, Alone: responsesAlone, Tokenize: responsesTokens,
 	}
 	Generate = &API{
 		Name: NameGenerate, Method: "POST", Path: "/inference/v1/generate",
-		Serves: VLLM, Pairs: VLLM, TokensFirst: true,
+		Serves: VLLM, Pairs: VLLM,
 		Shape: generateShape, Prompt: generatePrompt, Alone: generateAlone, Tokenize: generateTokens,
 	}
 	SGLangGenerate = &API{
 		Name: NameSGLangGenerate, Method: "POST", Path: "/generate",
-		Serves: SGLang, Pairs: SGLang, TokensFirst: true,
+		Serves: SGLang, Pairs: SGLang,
 		Shape: topLevelShape, Prompt: sglangGeneratePrompt, Alone: sglangPromptLogprobs,
 	}
 	// Messages: vLLM passes a Messages request's kv_transfer_params to the
@@ -161,7 +162,7 @@ var (
 	// to a decode engine alone for older engines (docs/engines.md).
 	Messages = &API{
 		Name: NameMessages, Method: "POST", Path: "/v1/messages",
-		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap, Model: true,
+		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap, Model: true, Leading: 2,
 		Shape: messagesShape, Prompt: messagesPrompt, Alone: messagesAlone,
 		Unsalted:        true, // _convert_anthropic_to_openai_request, vllm/entrypoints/anthropic/serving.py @ 82df3f49
 		AnthropicErrors: true, // vLLM's Messages handler raises AnthropicErrorResponse
@@ -173,7 +174,7 @@ var Builtin = []*API{Chat, Completions, Responses, Generate, SGLangGenerate, Mes
 
 // passthrough is the API of every request the pass-through list admits.
 var passthrough = &API{
-	Name: Passthrough, Serves: VLLM | SGLang,
+	Name: Passthrough, Serves: VLLM | SGLang, Leading: 1,
 	Shape: topLevelShape, Prompt: func(*body.Object) *Prompt { return noPrompt() },
 	Alone: func(*body.Object) Reason { return NoReason },
 }

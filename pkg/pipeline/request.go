@@ -130,10 +130,9 @@ type Decision struct {
 	settled atomic.Bool
 	// watch reads the opening of a streamed answer that began with a 2xx
 	// for its verdict (Observe); nil otherwise. choices is the request's n,
-	// tokensFirst its API's (api.API.TokensFirst).
-	watch       *response.Opening
-	choices     int
-	tokensFirst bool
+	// leading its API's events before the tokens (api.API.Leading).
+	watch            *response.Opening
+	choices, leading int
 }
 
 // probeVerdictWait is how long a prefill endpoint's probe holds it waiting
@@ -179,11 +178,7 @@ func (d *Decision) Observe(status int, streamed bool) {
 	switch {
 	case d == nil || d.decode.Endpoint == nil:
 	case streamed && status >= 200 && status <= 299:
-		leading := 1 // a chat stream's role event
-		if d.tokensFirst {
-			leading = 0
-		}
-		d.watch = response.NewOpening(d.choices, leading)
+		d.watch = response.NewOpening(d.choices, d.leading)
 	default:
 		d.settle(status < 500, true)
 	}

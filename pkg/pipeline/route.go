@@ -101,7 +101,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if err != nil {
 		return nil, err
 	}
-	r.Report.Decode, d.choices, d.tokensFirst = d.Endpoint, sreq.N, a.TokensFirst
+	r.Report.Decode, d.choices, d.leading = d.Endpoint, sreq.N, a.Leading
 	defer func() {
 		if v := recover(); v != nil { // a bug: free what the request holds, or a probe's endpoint stays out for good
 			d.Release()

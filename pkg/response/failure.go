@@ -68,7 +68,13 @@ const (
 
 var (
 	dataField = []byte("data:")
-	errorData = []byte(`{"error"`)
+	// errorStarts are how an error event's data starts: the OpenAI API's
+	// (chat, completions), and the Anthropic API's that vLLM's Messages
+	// stream sends, {"type":"error","error":{"type":"internal_error",...}}
+	// (AnthropicServingMessages.message_stream_converter,
+	// vllm/entrypoints/anthropic/serving.py @82df3f49), pydantic's JSON
+	// without spaces.
+	errorStarts = [][]byte{[]byte(`{"error"`), []byte(`{"type":"error"`)}
 )
 
 // Scan reads the next chunk of the answer and returns the verdict so far.
@@ -142,25 +148,37 @@ func classify(b []byte) lineKind {
 		return unknown
 	}
 	v := b[off:]
-	n := min(len(v), len(errorData))
-	switch {
-	case !bytes.Equal(v[:n], errorData[:n]):
-		return data
-	case n < len(errorData):
-		return unknown
+	kind := data
+	for _, start := range errorStarts {
+		n := min(len(v), len(start))
+		switch {
+		case !bytes.Equal(v[:n], start[:n]):
+		case n == len(start):
+			return errorEvent
+		default:
+			kind = unknown
+		}
 	}
-	return errorEvent
+	return kind
 }
 
-// errorVerdict judges a whole error event: a 5xx code is the engine's
-// failure; a 4xx is the request's own, which the engine served; an event
-// whose code cannot be read tells nothing.
+// errorVerdict judges a whole error event: a 5xx code, or one of the
+// Anthropic API's server-side types, is the engine's failure; a 4xx (or
+// another type) is the request's own, which the engine served; an event
+// whose code or type cannot be read tells nothing.
 func errorVerdict(line []byte) Verdict {
 	off, _ := dataStart(line)
 	v := line[off:]
 	s, e, ok := body.Locate(v, "error", "code")
 	if !ok {
-		return Pending
+		if s, e, ok = body.Locate(v, "error", "type"); !ok || !bytes.HasPrefix(v, errorStarts[1]) {
+			return Pending
+		}
+		switch string(v[s:e]) {
+		case `"internal_error"`, `"api_error"`, `"overloaded_error"`, `"timeout_error"`:
+			return Failed
+		}
+		return Served
 	}
 	code, err := strconv.Atoi(string(v[s:e]))
 	switch {

@@ -7,6 +7,18 @@ import (
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 )
 
+// vLLM's Messages stream (AnthropicServingMessages.message_stream_converter):
+// message_start for the chat stream's role event, then a content block.
+const (
+	msgStart   = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"chatcmpl-1\",\"content\":[],\"model\":\"m\"}}\n\n"
+	blockStart = "event: content_block_start\ndata: {\"index\":0,\"type\":\"content_block_start\",\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n"
+	textDelta  = "event: content_block_delta\ndata: {\"index\":0,\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n"
+)
+
+func anthropicError(typ string) string {
+	return "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"" + typ + "\",\"message\":\"x\"}}\n\n"
+}
+
 func TestOpeningTellsServedFromFailed(t *testing.T) {
 	const (
 		vllmError   = enginetest.StreamError
@@ -18,37 +30,39 @@ func TestOpeningTellsServedFromFailed(t *testing.T) {
 		stream string
 		want   Verdict
 		n      int // the request's choices; 0: 1
-		// tokensFirst: a completions or generate stream, whose first event
-		// carries a token (no role event).
-		tokensFirst bool
+		// leading: the data events before the tokens (api.API.Leading): 1
+		// on chat, 0 on completions, 2 on Messages.
+		leading int
 	}{
-		{"a whole answer", role + tok0 + tok1 + usageEv + done, Served, 0, false},
-		{"vLLM: the role, then the error (a KV load that failed)", role + vllmError + done, Failed, 0, false},
-		{"SGLang: the error first", sglangError + done, Failed, 0, false},
-		{"no space after data:, CRLF lines", strings.ReplaceAll("data:{\"error\":{\"message\":\"x\",\"code\":503}}\n\n", "\n", "\r\n"), Failed, 0, false},
-		{"an event: line before the error's data", "event: error\ndata: {\"error\": {\"code\": 500}}\n\n", Failed, 0, false},
-		{"the role alone: nothing yet", role, Pending, 0, false},
-		{"two choices' roles, then the error (n: 2)", role + strings.Replace(role, `"index":0`, `"index":1`, 1) + vllmError, Failed, 2, false},
-		{"two choices' roles, then a token (n: 2)", role + strings.Replace(role, `"index":0`, `"index":1`, 1) + tok0, Served, 2, false},
-		{"a token after the role: served, and what follows is not read", role + tok0 + vllmError, Served, 0, false},
-		{"a completions stream's first two tokens", strings.ReplaceAll(tok0+tok1, "chat.completion.chunk", "text_completion"), Served, 0, false},
-		{"a data line longer than an error event is held", "data: {\"choices\":[{\"text\":\"" + strings.Repeat("x", 2*maxErrorEvent) + "\"}]}\n\n" + done, Served, 0, false},
-		{"a 4xx error event is the request's own", "data: {\"error\": {\"message\": \"bad\", \"type\": \"BadRequestError\", \"code\": 400}}\n\n" + done, Served, 0, false},
-		{"an error event without a code tells nothing", "data: {\"error\": {\"message\": \"x\"}}\n\n" + done, Pending, 0, false},
-		{"a token that says {\"error\" in its text", "data: {\"choices\":[{\"delta\":{\"content\":\"data: {\\\"error\\\": {\\\"code\\\": 500}}\"}}]}\n\n" + done, Served, 0, false},
-		{"an error line cut short", "data: {\"error\": {\"code\": 50", Pending, 0, false},
-		{"a comment line", ": {\"error\": {\"code\": 500}}\n\n" + done, Pending, 0, false},
-		{"an error event longer than is read tells nothing", "data: {\"error\": {\"message\": \"" + strings.Repeat("x", maxErrorEvent) + "\", \"code\": 500}}\n\n", Pending, 0, false},
-		{"completions: a token, then the error: served", strings.ReplaceAll(tok0, "chat.completion.chunk", "text_completion") + vllmError + done, Served, 0, true},
-		{"completions: the error first", vllmError + done, Failed, 0, true},
+		{"a whole answer", role + tok0 + tok1 + usageEv + done, Served, 0, 1},
+		{"vLLM: the role, then the error (a KV load that failed)", role + vllmError + done, Failed, 0, 1},
+		{"SGLang: the error first", sglangError + done, Failed, 0, 1},
+		{"no space after data:, CRLF lines", strings.ReplaceAll("data:{\"error\":{\"message\":\"x\",\"code\":503}}\n\n", "\n", "\r\n"), Failed, 0, 1},
+		{"an event: line before the error's data", "event: error\ndata: {\"error\": {\"code\": 500}}\n\n", Failed, 0, 1},
+		{"the role alone: nothing yet", role, Pending, 0, 1},
+		{"two choices' roles, then the error (n: 2)", role + strings.Replace(role, `"index":0`, `"index":1`, 1) + vllmError, Failed, 2, 1},
+		{"two choices' roles, then a token (n: 2)", role + strings.Replace(role, `"index":0`, `"index":1`, 1) + tok0, Served, 2, 1},
+		{"a token after the role: served, and what follows is not read", role + tok0 + vllmError, Served, 0, 1},
+		{"a completions stream's first two tokens", strings.ReplaceAll(tok0+tok1, "chat.completion.chunk", "text_completion"), Served, 0, 1},
+		{"a data line longer than an error event is held", "data: {\"choices\":[{\"text\":\"" + strings.Repeat("x", 2*maxErrorEvent) + "\"}]}\n\n" + done, Served, 0, 1},
+		{"a 4xx error event is the request's own", "data: {\"error\": {\"message\": \"bad\", \"type\": \"BadRequestError\", \"code\": 400}}\n\n" + done, Served, 0, 1},
+		{"an error event without a code tells nothing", "data: {\"error\": {\"message\": \"x\"}}\n\n" + done, Pending, 0, 1},
+		{"a token that says {\"error\" in its text", "data: {\"choices\":[{\"delta\":{\"content\":\"data: {\\\"error\\\": {\\\"code\\\": 500}}\"}}]}\n\n" + done, Served, 0, 1},
+		{"an error line cut short", "data: {\"error\": {\"code\": 50", Pending, 0, 1},
+		{"a comment line", ": {\"error\": {\"code\": 500}}\n\n" + done, Pending, 0, 1},
+		{"an error event longer than is read tells nothing", "data: {\"error\": {\"message\": \"" + strings.Repeat("x", maxErrorEvent) + "\", \"code\": 500}}\n\n", Pending, 0, 1},
+		{"completions: a token, then the error: served", strings.ReplaceAll(tok0, "chat.completion.chunk", "text_completion") + vllmError + done, Served, 0, 0},
+		{"completions: the error first", vllmError + done, Failed, 0, 0},
+		{"Messages: message_start, then vLLM's error (a KV load that failed)", msgStart + anthropicError("internal_error") + done, Failed, 0, 2},
+		{"Messages: message_start, a block, then its first token", msgStart + blockStart + textDelta + done, Served, 0, 2},
+		{"Messages: the request's own error", msgStart + anthropicError("invalid_request_error") + done, Served, 0, 2},
+		{"Messages: overloaded", anthropicError("overloaded_error"), Failed, 0, 2},
+		{"Messages: message_start alone: nothing yet", msgStart, Pending, 0, 2},
+		{"a text that starts {\"type\":\"error\" is not an event", "data: {\"type\":\"errors\"}\n\n" + tok0, Served, 0, 1},
 	}
 	for _, tt := range tests {
 		for _, size := range []int{len(tt.stream) + 1, 7, 1} { // whole, and cut across every boundary
-			leading := 1
-			if tt.tokensFirst {
-				leading = 0
-			}
-			o := NewOpening(tt.n, leading)
+			o := NewOpening(tt.n, tt.leading)
 			var got Verdict
 			for s := tt.stream; s != ""; {
 				n := min(size, len(s))
@@ -59,7 +73,7 @@ func TestOpeningTellsServedFromFailed(t *testing.T) {
 				t.Errorf("%s, in chunks of %d: %v, want %v", tt.name, size, got, tt.want)
 			}
 		}
-		if tt.n <= 1 && !tt.tokensFirst && StreamFailed([]byte(tt.stream)) != (tt.want == Failed) {
+		if tt.n <= 1 && tt.leading == 1 && StreamFailed([]byte(tt.stream)) != (tt.want == Failed) {
 			t.Errorf("%s: StreamFailed = %v", tt.name, !(tt.want == Failed))
 		}
 	}
