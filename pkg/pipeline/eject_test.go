@@ -190,3 +190,41 @@ prefill: {attempts: 1}`, tt.connector, engine.Addr()))
 		})
 	}
 }
+
+// TestFailClosedRefusesWhenNoPrefillEndpointIsReady: once its failures have
+// ejected the only prefill endpoint, prefill.on_failure fail answers 503
+// with Retry-After, as it answered the failures themselves, rather than
+// having the decode engine compute the prompt (no_prefill) until the
+// ejection ends; decode-only goes decode-only.
+func TestFailClosedRefusesWhenNoPrefillEndpointIsReady(t *testing.T) {
+	for _, onFailure := range []string{config.OnFailureFail, config.OnFailureDecodeOnly} {
+		t.Run(onFailure, func(t *testing.T) {
+			engine := enginetest.Start(t, enginetest.JSON(503, `{}`))
+			p, m, _ := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {on_failure: %s, attempts: 1}`, engine.Addr(), onFailure))
+			route := func() error {
+				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r",
+					Body: []byte(`{"model":"m","prompt":"hi"}`)})
+				if err == nil {
+					d.Release()
+				}
+				return err
+			}
+			for range 3 { // consecutive_failures: the endpoint is ejected
+				route()
+			}
+			err := route()
+			if onFailure == config.OnFailureDecodeOnly {
+				if err != nil || counter(t, m, "pd_extproc_pd_decisions_total", "reason", metrics.ReasonNoPrefill.String()) != 1 {
+					t.Fatalf("Route: %v; want decode-only, reason no_prefill", err)
+				}
+				return
+			}
+			e := pipeline.AsError(err, "r")
+			if err == nil || e.Status != http.StatusServiceUnavailable || e.RetryAfter == 0 || !strings.Contains(e.Message, "prefill.on_failure is fail") {
+				t.Fatalf("Route: %v (%+v); want 503 with Retry-After naming prefill.on_failure", err, e)
+			}
+		})
+	}
+}

@@ -206,11 +206,16 @@ func noDecodeEndpoint(cause error) *Error {
 		Message: "no healthy decode endpoint: " + cause.Error()}
 }
 
-// noPrefillEndpoint refuses a kv-sglang request when no prefill endpoint can
-// take it: SGLang's decode servers serve only paired requests.
-func noPrefillEndpoint() *Error {
-	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable",
-		Message: "no healthy prefill endpoint: kv-sglang decode engines serve only prefill/decode pairs"}
+// noPrefillEndpoint refuses a request that no prefill endpoint can take
+// when it may not go decode-only: under kv-sglang, whose decode servers
+// serve only paired requests, or under prefill.on_failure fail.
+func (p *Pipeline) noPrefillEndpoint() *Error {
+	why := "prefill.on_failure is fail"
+	if p.connector.Paired() {
+		why = "kv-sglang decode engines serve only prefill/decode pairs"
+	}
+	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", RetryAfter: p.opts.RetryAfter,
+		Message: "no healthy prefill endpoint: " + why}
 }
 
 // prefillFailed is the client's error when the prefill phase ended in cause

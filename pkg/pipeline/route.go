@@ -139,8 +139,10 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	rep.Reason = decision.Reason
 	switch {
 	case decision.PD:
-	case p.connector.Paired() && decision.Reason == metrics.ReasonNoPrefill: // the decode engines serve only pairs
-		return nil, noPrefillEndpoint()
+	case decision.Reason == metrics.ReasonNoPrefill && (p.connector.Paired() || p.opts.FailClosed):
+		// The decode engines serve only pairs, or the operator prefers errors
+		// to the decode engine computing the prompt.
+		return nil, p.noPrefillEndpoint()
 	default:
 		rep.Mode = ModeDecodeOnly
 		if decision.Reason == metrics.ReasonCachedPrefix && !d.fallbacks {
@@ -155,7 +157,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	if p.connector.Dispatch() == kv.Concurrent {
 		prefill, err := p.pools.Prefill.Select(sreq)
 		if err != nil {
-			return nil, noPrefillEndpoint()
+			return nil, p.noPrefillEndpoint()
 		}
 		if !p.takeBackground() {
 			return nil, backgroundFull(p.opts.MaxBackground, p.opts.RetryAfter)
