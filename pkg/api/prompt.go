@@ -141,12 +141,29 @@ func chatPrompt(o *body.Object) *Prompt {
 }
 
 // completionsPrompt: a string, token ids, or a batch of either. An array is
-// told apart now, as the decider needs to know whether it is a batch.
+// told apart now, as the decider needs to know whether it is a batch. vLLM
+// runs an engine request for each entry of prompt_embeds (one string, or a
+// list) besides those of prompt, and hands back the first one's KV params
+// alone (preprocess_completion, vllm/renderers/online_renderer.py;
+// OpenAIServingCompletion), so each counts as a prompt.
 func completionsPrompt(o *body.Object) *Prompt {
-	raw, _ := o.Raw("prompt")
+	raw, hasPrompt := o.Raw("prompt")
 	p := promptOf(samples(o), raw)
 	render := p.render
 	p.render = func() rendering { return withTokenIDs(o, render) }
+	if embeds, ok := o.Raw("prompt_embeds"); ok && len(embeds) > 0 && embeds[0] != 'n' { // not null
+		n := 1
+		if embeds[0] == '[' {
+			n = 0
+			for range body.Items(embeds) {
+				n++
+			}
+		}
+		if hasPrompt {
+			n += p.Prompts
+		}
+		p.Prompts = max(n, 1)
+	}
 	return p
 }
 

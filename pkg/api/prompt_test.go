@@ -43,6 +43,16 @@ func TestPromptReaders(t *testing.T) {
 			wantTokens: -1, wantN: 1, wantPrompts: 2},
 		{name: "completions: token ids nested deeper are not read", api: Completions, body: `{"model":"m","prompt":[[[[1,2]]]]}`,
 			wantTokens: -1, wantN: 1, wantPrompts: 1},
+		// vLLM runs an engine request per prompt_embeds entry, besides the
+		// prompt's, and hands back the first one's KV params alone.
+		{name: "completions: two prompt embeddings are a batch", api: Completions, body: `{"model":"m","prompt_embeds":["QUJD","REVG"]}`,
+			wantTokens: -1, wantN: 1, wantPrompts: 2},
+		{name: "completions: a prompt and its embedding are two", api: Completions, body: `{"model":"m","prompt":"hi","prompt_embeds":"QUJD"}`,
+			wantText: "hi", wantTokens: -1, wantN: 1, wantPrompts: 2},
+		{name: "completions: one embedding alone is one", api: Completions, body: `{"model":"m","prompt_embeds":"QUJD"}`,
+			wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "completions: null embeddings are none", api: Completions, body: `{"model":"m","prompt":"hi","prompt_embeds":null}`,
+			wantText: "hi", wantTokens: -1, wantN: 1, wantPrompts: 1},
 		{name: "completions: prompt_token_ids", api: Completions, body: `{"model":"m","prompt_token_ids":[5,6,7,8,9]}`,
 			wantText: "5,6,7,8,9", wantTokens: 5, wantN: 1, wantPrompts: 1},
 		{name: "completions: no prompt at all", api: Completions, body: `{"model":"m"}`, wantTokens: -1, wantN: 1, wantPrompts: 1},
