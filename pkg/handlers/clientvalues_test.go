@@ -32,7 +32,9 @@ var steeringHeaders = []envoymsg.Header{
 // The decode leg is the request Envoy forwards: the routing reply removes the
 // headers the connector's engines would be steered by, in every body mode and
 // without a body. The prefill leg is ours: it carries the client's
-// Authorization and none of them.
+// Authorization, and the headers vLLM reads for the request's scheduling
+// (X-Vllm-Priority, X-Session-ID: they reach the decode leg with Envoy's
+// request), and none of them.
 func TestHeadersThatSteerTheEnginesReachNeither(t *testing.T) {
 	tests := []struct {
 		connector   string
@@ -44,7 +46,8 @@ func TestHeadersThatSteerTheEnginesReachNeither(t *testing.T) {
 			"x-override-bootstrap-room", "x-override-routed-dp-rank", "x-override-disagg-prefill-dp-rank", "x-override-rid"}},
 	}
 	post := func(mode string) []*extprocv3.ProcessingRequest {
-		hs := envoymsg.Post(chatPath, len(clientChat), append(slices.Clone(steeringHeaders), envoymsg.Header{"authorization", "Bearer k"})...)
+		hs := envoymsg.Post(chatPath, len(clientChat), append(slices.Clone(steeringHeaders), envoymsg.Header{"authorization", "Bearer k"},
+			envoymsg.Header{"x-vllm-priority", "-5"}, envoymsg.Header{"x-session-id", "s1"}, envoymsg.Header{"x-team", "a"})...)
 		if mode == "bodiless" {
 			hs = append([]envoymsg.Header{{":method", "GET"}, {":path", "/v1/models"}}, steeringHeaders...)
 			return []*extprocv3.ProcessingRequest{envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, true, hs...), fullDuplex, fullDuplex)}
@@ -88,8 +91,10 @@ func TestHeadersThatSteerTheEnginesReachNeither(t *testing.T) {
 						t.Errorf("the prefill leg carries the client's %s: %q", h[0], v)
 					}
 				}
-				if got := leg.Get("Authorization"); got != "Bearer k" {
-					t.Errorf("the prefill leg's Authorization = %q, want the client's", got)
+				for h, want := range map[string]string{"Authorization": "Bearer k", "X-Vllm-Priority": "-5", "X-Session-Id": "s1", "X-Team": ""} {
+					if got := leg.Get(h); got != want {
+						t.Errorf("the prefill leg's %s = %q, want %q", h, got, want)
+					}
 				}
 			})
 		}

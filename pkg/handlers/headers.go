@@ -50,11 +50,14 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 			if n, err := strconv.ParseInt(headerValue(h), 10, 64); err == nil && n >= 0 {
 				x.contentLength = n
 			}
-		case "authorization":
-			x.req.Forward = http.Header{"Authorization": {headerValue(h)}}
+		case "authorization", "x-vllm-priority":
+			x.forward(key, headerValue(h))
 		default:
 			if slices.Contains(SessionHeaders, key) && headerValue(h) != "" {
 				x.req.Session = true
+			}
+			if key == "x-session-id" {
+				x.forward(key, headerValue(h))
 			}
 		}
 	}
@@ -71,6 +74,17 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 	if logged != nil {
 		x.obs.log.V(2).Info("request headers", "requestID", x.req.RequestID, "headers", logged)
 	}
+}
+
+// forward copies a client header onto the prefill leg: its Authorization,
+// and what vLLM reads for the request's scheduling, which the decode leg
+// carries as Envoy forwards it (X-Vllm-Priority, which overrides the body's
+// priority, and X-Session-ID: vllm/entrypoints/generate/base/serving.py).
+func (x *exchange) forward(key, value string) {
+	if x.req.Forward == nil {
+		x.req.Forward = http.Header{}
+	}
+	x.req.Forward.Set(key, value)
 }
 
 // maxRequestIDBytes bounds a client's request id: a UUID is 36 bytes, and
