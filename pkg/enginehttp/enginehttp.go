@@ -7,10 +7,12 @@ package enginehttp
 import (
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
+	"sync"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -54,23 +56,79 @@ func Client(cfg config.Prefill) (*http.Client, string, error) {
 }
 
 // TLS is the client TLS of requests to engines under the config keys at key;
-// nil when they speak plain HTTP.
+// nil when they speak plain HTTP. A ca_file is read again when it changes
+// (another file, size or modification time, through symlinks: a Secret's
+// volume swaps its ..data link), before the next handshake, so that rotating the engines'
+// CA (the bundle first gains the new CA, then the engines restart with
+// certificates from it) needs no restart. A file that cannot be read or
+// holds no certificate then keeps the CA read before; at start it is an
+// error.
 func TLS(key string, cfg config.EngineTLS) (*tls.Config, error) {
 	if !cfg.Enabled {
 		return nil, nil
 	}
 	c := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: cfg.ServerName}
 	if cfg.CAFile != "" {
-		pem, err := os.ReadFile(cfg.CAFile)
-		if err != nil {
-			return nil, fmt.Errorf("%s.ca_file: %w", key, err)
+		ca := &caFile{key: key, path: cfg.CAFile}
+		if _, err := ca.roots(); err != nil {
+			return nil, err
 		}
-		c.RootCAs = x509.NewCertPool()
-		if !c.RootCAs.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("%s.ca_file: no PEM certificate in %s", key, cfg.CAFile)
-		}
+		// The chain is verified against the CA as it is at each handshake,
+		// as crypto/tls would verify it against RootCAs.
+		c.InsecureSkipVerify = true
+		c.VerifyConnection = ca.verify
 	}
 	return c, nil
+}
+
+// caFile is a CA bundle as last read.
+type caFile struct {
+	key, path string
+	mu        sync.Mutex
+	read      os.FileInfo // the file as it was read
+	pool      *x509.CertPool
+}
+
+// roots is the bundle's pool, read again when the file changed.
+func (f *caFile) roots() (*x509.CertPool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	st, err := os.Stat(f.path)
+	if err == nil {
+		if f.read != nil && os.SameFile(f.read, st) && st.Size() == f.read.Size() && st.ModTime().Equal(f.read.ModTime()) {
+			return f.pool, nil
+		}
+		var pem []byte
+		if pem, err = os.ReadFile(f.path); err == nil {
+			if pool := x509.NewCertPool(); pool.AppendCertsFromPEM(pem) {
+				f.read, f.pool = st, pool
+				return pool, nil
+			}
+			err = fmt.Errorf("no PEM certificate in %s", f.path)
+		}
+	}
+	if f.pool != nil { // mid-rotation, or gone: the CA read before stands
+		return f.pool, nil
+	}
+	return nil, fmt.Errorf("%s.ca_file: %w", f.key, err)
+}
+
+// verify checks the engine's chain against the bundle, and its name (or IP
+// address) against the one dialled or tls.server_name.
+func (f *caFile) verify(cs tls.ConnectionState) error {
+	roots, err := f.roots()
+	if err != nil {
+		return err
+	}
+	if len(cs.PeerCertificates) == 0 {
+		return errors.New("the engine sent no certificate")
+	}
+	opts := x509.VerifyOptions{Roots: roots, DNSName: cs.ServerName, Intermediates: x509.NewCertPool()}
+	for _, cert := range cs.PeerCertificates[1:] {
+		opts.Intermediates.AddCert(cert)
+	}
+	_, err = cs.PeerCertificates[0].Verify(opts)
+	return err
 }
 
 // noRedirects keeps the prefill leg on the configured endpoint

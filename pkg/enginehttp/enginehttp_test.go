@@ -1,14 +1,18 @@
 package enginehttp
 
 import (
+	"crypto/tls"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/pd-extproc/pd-extproc/internal/testpki"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
@@ -79,7 +83,7 @@ func TestTLS(t *testing.T) {
 	}{
 		{name: "off: plain HTTP", cfg: config.EngineTLS{CAFile: notPEM}, wantNil: true},
 		{name: "on, system roots", cfg: config.EngineTLS{Enabled: true, ServerName: "engine"}},
-		{name: "a CA file that is missing", cfg: config.EngineTLS{Enabled: true, CAFile: filepath.Join(dir, "missing.pem")}, wantErr: "prefill.tls.ca_file: open"},
+		{name: "a CA file that is missing", cfg: config.EngineTLS{Enabled: true, CAFile: filepath.Join(dir, "missing.pem")}, wantErr: "prefill.tls.ca_file: stat"},
 		{name: "a CA file without a certificate", cfg: config.EngineTLS{Enabled: true, CAFile: notPEM}, wantErr: "prefill.tls.ca_file: no PEM certificate in " + notPEM},
 	}
 	for _, tt := range tests {
@@ -98,5 +102,73 @@ func TestTLS(t *testing.T) {
 				t.Errorf("TLS() = server name %q, min version %x, roots %v", c.ServerName, c.MinVersion, c.RootCAs)
 			}
 		})
+	}
+}
+
+// The engines' CA is rotated as cert-manager or an operator does it: the
+// bundle first gains the new CA, then the engines serve certificates from
+// it. New connections trust it without a restart; a bundle that cannot be
+// read mid-rotation keeps the one read before; a certificate from a CA the
+// bundle never held is still refused.
+func TestEngineCARotationNeedsNoRestart(t *testing.T) {
+	cas := map[string]*testpki.CA{}
+	certs := map[string]*tls.Certificate{}
+	for _, name := range []string{"old", "new", "stranger"} {
+		ca, err := testpki.NewCA(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		certPEM, keyPEM, err := ca.IssuePEM(testpki.Leaf{Name: "engine", SANs: []string{"127.0.0.1"}, Server: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cert, err := tls.X509KeyPair(certPEM, keyPEM)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cas[name], certs[name] = ca, &cert
+	}
+	var serving atomic.Pointer[tls.Certificate]
+	engine := httptest.NewUnstartedServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	engine.Listener = tls.NewListener(engine.Listener, &tls.Config{
+		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return serving.Load(), nil }})
+	engine.Start()
+	defer engine.Close()
+	url := strings.Replace(engine.URL, "http://", "https://", 1)
+
+	volume := &testpki.Volume{Dir: t.TempDir()}
+	if err := volume.Write(map[string][]byte{"ca.crt": cas["old"].PEM}); err != nil {
+		t.Fatal(err)
+	}
+	c, _, err := Client(config.Prefill{TLS: config.EngineTLS{Enabled: true, CAFile: filepath.Join(volume.Dir, "ca.crt")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	steps := []struct {
+		name   string
+		bundle []byte // written before the step; nil: left as it is
+		serves string
+		ok     bool
+	}{
+		{"the old CA", nil, "old", true},
+		{"the bundle gains the new CA, the engine serves from it", append(slices.Clone(cas["old"].PEM), cas["new"].PEM...), "new", true},
+		{"a bundle that is not PEM keeps the one before", []byte("half-written"), "new", true},
+		{"a CA the bundle never held", nil, "stranger", false},
+	}
+	for _, s := range steps {
+		if s.bundle != nil {
+			if err := volume.Write(map[string][]byte{"ca.crt": s.bundle}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		serving.Store(certs[s.serves])
+		c.CloseIdleConnections() // a new connection, a new handshake
+		resp, err := c.Get(url)
+		if err == nil {
+			resp.Body.Close()
+		}
+		if (err == nil) != s.ok {
+			t.Errorf("%s: error %v, want success %v", s.name, err, s.ok)
+		}
 	}
 }
