@@ -3,7 +3,9 @@ package config
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -44,15 +46,32 @@ func (c *Config) reloadable(connector string) error {
 // rather than written: editors rename a temporary file over it, and a
 // Kubernetes ConfigMap volume swaps its ..data symlink, so a watch on the file
 // itself would follow the old inode and go silent.
+//
+// When the directory exists but cannot be watched (inotify instances or
+// watches run out: fs.inotify.max_user_instances is shared by every process
+// of the user ID on a node, and containers of one image share one), the
+// file is read every pollEvery instead, and the watch tried again each
+// time; the failure goes to reject, so it is counted and logged.
 func Watch(ctx context.Context, path string, running *Config, apply func(*Config), reject func(error)) error {
-	w, err := fsnotify.NewWatcher()
-	if err != nil {
-		return fmt.Errorf("config: watching %s: %w", path, err)
+	w, err := watchDir(path)
+	var poll *time.Ticker
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return err
+	case err != nil:
+		reject(fmt.Errorf("%w; reading the file every %s until it can be watched", err, pollEvery))
+		poll = time.NewTicker(pollEvery)
+		defer func() {
+			if poll != nil {
+				poll.Stop()
+			}
+		}()
 	}
-	defer w.Close()
-	if err := w.Add(filepath.Dir(path)); err != nil {
-		return fmt.Errorf("config: watching %s: %w", path, err)
-	}
+	defer func() {
+		if w != nil {
+			w.Close()
+		}
+	}()
 	watchReady()
 
 	var last []byte
@@ -63,16 +82,22 @@ func Watch(ctx context.Context, path string, running *Config, apply func(*Config
 		select {
 		case <-ctx.Done():
 			return nil
-		case _, ok := <-w.Events:
+		case _, ok := <-events(w):
 			if !ok {
 				return nil
 			}
 			timer.Reset(settle)
-		case err, ok := <-w.Errors:
+		case err, ok := <-errs(w):
 			if !ok {
 				return nil
 			}
 			reject(fmt.Errorf("config: watching %s: %w", path, err))
+		case <-tickerC(poll):
+			if w, err = watchDir(path); err == nil {
+				poll.Stop()
+				poll = nil
+			}
+			timer.Reset(0)
 		case <-timer.C:
 			data, err := os.ReadFile(path)
 			if err != nil {
@@ -98,4 +123,46 @@ func Watch(ctx context.Context, path string, running *Config, apply func(*Config
 			apply(c)
 		}
 	}
+}
+
+// pollEvery is how often the file is read while its directory cannot be
+// watched.
+var pollEvery = 10 * time.Second
+
+// newWatcher is fsnotify's, or a test's.
+var newWatcher = fsnotify.NewWatcher
+
+// watchDir watches path's directory; nil on an error.
+func watchDir(path string) (*fsnotify.Watcher, error) {
+	w, err := newWatcher()
+	if err == nil {
+		if err = w.Add(filepath.Dir(path)); err == nil {
+			return w, nil
+		}
+		w.Close()
+	}
+	return nil, fmt.Errorf("config: watching %s: %w", path, err)
+}
+
+// events, errs and tickerC are the channels of w and t, nil (never ready)
+// for none.
+func events(w *fsnotify.Watcher) chan fsnotify.Event {
+	if w == nil {
+		return nil
+	}
+	return w.Events
+}
+
+func errs(w *fsnotify.Watcher) chan error {
+	if w == nil {
+		return nil
+	}
+	return w.Errors
+}
+
+func tickerC(t *time.Ticker) <-chan time.Time {
+	if t == nil {
+		return nil
+	}
+	return t.C
 }

@@ -5,9 +5,11 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/fsnotify/fsnotify"
 	"go.uber.org/goleak"
 )
 
@@ -265,6 +267,50 @@ func TestWatchRefusesAReload(t *testing.T) {
 			applied, rejected := watching(t, path)
 			write(t, path, tt.reload)
 			rejectedSaying(t, rejected, applied, tt.wants...)
+		})
+	}
+}
+
+// A directory that cannot be watched (inotify instances run out: they are
+// shared by every process of the user ID on a node) is no reason to stop
+// reloading: the failure is rejected, so it is counted and logged, the file
+// is read every pollEvery, and the watch is tried again each time.
+func TestWatchPollsWhileTheDirectoryCannotBeWatched(t *testing.T) {
+	for _, recovers := range []bool{false, true} {
+		t.Run(map[bool]string{false: "the watch never starts", true: "the watch starts later"}[recovers], func(t *testing.T) {
+			failures := 1 << 30
+			if recovers {
+				failures = 1
+			}
+			pollEvery, newWatcher = 20*time.Millisecond, func() (*fsnotify.Watcher, error) {
+				if failures > 0 {
+					failures--
+					return nil, syscall.EMFILE
+				}
+				return fsnotify.NewWatcher()
+			}
+			t.Cleanup(func() { pollEvery, newWatcher = 10*time.Second, fsnotify.NewWatcher })
+			path := filepath.Join(t.TempDir(), "extproc.yaml")
+			if err := os.WriteFile(path, []byte(validA), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			applied, rejected := watching(t, path)
+			select {
+			case err := <-rejected:
+				if !strings.Contains(err.Error(), "too many open files") || !strings.Contains(err.Error(), "until it can be watched") {
+					t.Errorf("rejected %v, want the watch's failure and the fallback", err)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatal("the watch's failure was not reported")
+			}
+			for _, want := range []string{"10.0.0.3:8000", "10.0.0.2:8000"} {
+				if err := os.WriteFile(path, []byte(strings.ReplaceAll(validA, "10.0.0.2:8000", want)), 0o600); err != nil {
+					t.Fatal(err)
+				}
+				if got := decodeEndpoint(t, applied); got != want {
+					t.Fatalf("applied %s, want %s", got, want)
+				}
+			}
 		})
 	}
 }
