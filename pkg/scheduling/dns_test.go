@@ -92,15 +92,23 @@ func TestResolve(t *testing.T) {
 	if got := len(p.Endpoints()); got != 3 {
 		t.Fatalf("a new DNS name that does not resolve changed the pool to %d endpoints; want the old name's kept", got)
 	}
+	if got := p.dnsNames(); !slices.Equal(got, []string{"other.svc:9000", "decode.svc:8000"}) {
+		t.Fatalf("looking up %v while the new name has not answered, want it and the old one", got)
+	}
 	r.set("decode.svc", []string{"10.0.0.7"}, nil)
-	p.resolve(ctx, "decode.svc:8000") // a lookup of the old name that finishes late
-	if got := len(p.Endpoints()); got != 3 {
-		t.Fatal("a late answer for the old DNS name was applied")
+	p.resolve(ctx, "decode.svc:8000") // the old name's pods roll meanwhile
+	if got := addrsOf(p.Endpoints()); !slices.Equal(got, []string{"10.0.0.9:8000", "10.0.0.7:8000"}) {
+		t.Fatalf("the old name's new answer gave %v; want it followed until the new name answers", got)
 	}
 	r.set("other.svc", []string{"10.0.0.5"}, nil)
 	p.resolve(ctx, "other.svc:9000")
 	if got := addrsOf(p.Endpoints()); !slices.Equal(got, []string{"10.0.0.9:8000", "10.0.0.5:9000"}) {
 		t.Fatalf("the new DNS name's first answer gave %v, want it in place of the old name's", got)
+	}
+	r.set("decode.svc", []string{"10.0.0.8"}, nil)
+	p.resolve(ctx, "decode.svc:8000") // a lookup of the old name that finishes late
+	if got := addrsOf(p.Endpoints()); !slices.Equal(got, []string{"10.0.0.9:8000", "10.0.0.5:9000"}) || len(p.dnsNames()) != 1 {
+		t.Fatalf("a late answer for the old DNS name was applied (%v), or it is still looked up", got)
 	}
 }
 

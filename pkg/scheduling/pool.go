@@ -49,7 +49,11 @@ type Pool struct {
 	mu       sync.Mutex // serialises changes
 	spec     PoolSpec
 	specGen  uint64   // Updates so far
-	resolved []string // from DNS
+	resolved []string // from DNS, under resolvedName
+	// resolvedName is the DNS name resolved holds the answer of: the spec's,
+	// or, until a name changed by a reload first answers, the old one,
+	// which is still looked up meanwhile.
+	resolvedName string
 	// discovered come from a discovery source (SetDiscovered), sorted by address.
 	discovered []Discovered
 	// departed are endpoints that left the pool while they still mattered
@@ -215,26 +219,41 @@ func (p *Pool) Update(spec PoolSpec) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	// A new DNS name's first answer replaces the old name's addresses, which
-	// serve until then, as Envoy keeps a changed cluster's old hosts until
-	// the new one has warmed: a reload must not empty a pool.
+	// serve until then (and follow the old name's answers), as Envoy keeps a
+	// changed cluster's old hosts until the new one has warmed: a reload
+	// must not empty a pool, nor freeze it on a name that is no longer asked.
 	if spec.DNS == "" {
-		p.resolved = nil
+		p.resolved, p.resolvedName = nil, ""
 	}
 	p.spec = spec
 	p.specGen++
 	p.rebuild()
 }
 
-// setResolved replaces the endpoints found through DNS under name, unless the
-// pool's name changed while it was looked up.
+// setResolved replaces the endpoints found through DNS under name: the
+// pool's name, or the old one while the pool's has not answered yet.
 func (p *Pool) setResolved(name string, addrs []string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if name != p.spec.DNS || slices.Equal(addrs, p.resolved) {
+	if name != p.spec.DNS && (name != p.resolvedName || p.resolvedName == "") {
 		return
 	}
-	p.resolved = addrs
+	if name == p.resolvedName && slices.Equal(addrs, p.resolved) {
+		return
+	}
+	p.resolved, p.resolvedName = addrs, name
 	p.rebuild()
+}
+
+// dnsNames are the names to look up: the spec's, and the one the pool's
+// resolved addresses came from while the spec's has not answered.
+func (p *Pool) dnsNames() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.resolvedName != "" && p.resolvedName != p.spec.DNS {
+		return []string{p.spec.DNS, p.resolvedName}
+	}
+	return []string{p.spec.DNS}
 }
 
 func (p *Pool) rebuild() {

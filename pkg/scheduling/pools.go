@@ -129,7 +129,11 @@ func (p *Pool) Run(ctx context.Context) {
 				return 0
 			}
 			return s.DNSInterval.D()
-		}, false, func(st *poolState, _ []*Endpoint) { p.resolve(ctx, st.spec.DNS) })
+		}, false, func(*poolState, []*Endpoint) {
+			for _, name := range p.dnsNames() {
+				p.resolve(ctx, name)
+			}
+		})
 	})
 	wg.Wait()
 	p.probe.client.CloseIdleConnections() // leave no keep-alive goroutines behind
