@@ -129,14 +129,35 @@ func bufferedBodyReply(d *pipeline.Decision, requestID string, rewritten []byte,
 
 // streamedChunk is one FULL_DUPLEX body reply; Envoy rejects any other body
 // mutation in that mode, an empty CommonResponse included.
+// Its seven messages and wrappers are one allocation (chunkReply): a
+// streamed answer sends one per token.
 func streamedChunk(request bool, chunk []byte, eos bool) *extprocv3.ProcessingResponse {
-	br := &extprocv3.BodyResponse{Response: &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{
-		Mutation: &extprocv3.BodyMutation_StreamedResponse{StreamedResponse: &extprocv3.StreamedBodyResponse{Body: chunk, EndOfStream: eos}},
-	}}}
+	c := new(chunkReply)
+	c.streamed = extprocv3.StreamedBodyResponse{Body: chunk, EndOfStream: eos}
+	c.mutation.StreamedResponse = &c.streamed
+	c.body.Mutation = &c.mutation
+	c.common.BodyMutation = &c.body
+	c.response.Response = &c.common
 	if request {
-		return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: br}}
+		c.request.RequestBody = &c.response
+		c.reply.Response = &c.request
+	} else {
+		c.responseBody.ResponseBody = &c.response
+		c.reply.Response = &c.responseBody
 	}
-	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: br}}
+	return &c.reply
+}
+
+// chunkReply holds what streamedChunk's reply points to.
+type chunkReply struct {
+	reply        extprocv3.ProcessingResponse
+	request      extprocv3.ProcessingResponse_RequestBody
+	responseBody extprocv3.ProcessingResponse_ResponseBody
+	response     extprocv3.BodyResponse
+	common       extprocv3.CommonResponse
+	body         extprocv3.BodyMutation
+	mutation     extprocv3.BodyMutation_StreamedResponse
+	streamed     extprocv3.StreamedBodyResponse
 }
 
 // The replies that answer a message without changing anything.
