@@ -21,6 +21,7 @@ import (
 // header (unbilled); anthropic reads the roles as vLLM's Messages handler
 // does (anthropicRole).
 func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
+	b.Grow(len(raw)) // the rendering is shorter than the messages' JSON: one buffer, not a chain of them
 	preamble, head, previous := 0, 0, 0
 	// reply is where the run of model output being read began, -1 outside one.
 	reply := -1
@@ -87,10 +88,7 @@ func writeContent(b *strings.Builder, raw json.RawMessage, system bool) {
 		return
 	}
 	if raw[0] == '"' {
-		var s string
-		if json.Unmarshal(raw, &s) == nil {
-			b.WriteString(unbilled(s, system))
-		}
+		b.WriteString(unbilled(body.DecodeString(raw), system))
 		return
 	}
 	for p := range body.Items(raw) {

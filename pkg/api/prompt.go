@@ -2,7 +2,6 @@ package api
 
 import (
 	"bytes"
-	"encoding/json"
 	"strconv"
 	"strings"
 	"sync"
@@ -325,9 +324,7 @@ func renderPrompt(raw []byte) (r rendering, prompts int) {
 // renderOne reads one prompt: a string or token ids.
 func renderOne(raw []byte) rendering {
 	if len(raw) > 0 && raw[0] == '"' {
-		var s string
-		_ = json.Unmarshal(raw, &s)
-		return plain(s)
+		return plain(body.DecodeString(raw))
 	}
 	if r, ok := tokenIDs(raw); ok {
 		return r

@@ -12,6 +12,9 @@ import (
 	"fmt"
 	"iter"
 	"strconv"
+	"strings"
+	"unicode"
+	"unicode/utf16"
 )
 
 // Object is a validated JSON object whose top-level members are located by offset.
@@ -247,4 +250,71 @@ func decodeString(raw []byte) (string, error) {
 	var s string
 	err := json.Unmarshal(raw, &s)
 	return s, err
+}
+
+// DecodeString decodes raw, a JSON string from a validated body (valid
+// UTF-8, valid escapes), as encoding/json does, without validating it again.
+func DecodeString(raw []byte) string {
+	s := raw[1 : len(raw)-1]
+	if bytes.IndexByte(s, '\\') < 0 {
+		return string(s)
+	}
+	var out strings.Builder
+	out.Grow(len(s))
+	for {
+		i := bytes.IndexByte(s, '\\')
+		if i < 0 {
+			out.Write(s)
+			return out.String()
+		}
+		out.Write(s[:i])
+		c := s[i+1]
+		s = s[i+2:]
+		switch c {
+		case 'b':
+			out.WriteByte('\b')
+		case 'f':
+			out.WriteByte('\f')
+		case 'n':
+			out.WriteByte('\n')
+		case 'r':
+			out.WriteByte('\r')
+		case 't':
+			out.WriteByte('\t')
+		case 'u':
+			r := hexRune(s)
+			s = s[4:]
+			if utf16.IsSurrogate(r) {
+				// A pair is one rune; a lone half is U+FFFD, and what follows it is read on its own.
+				if len(s) >= 6 && s[0] == '\\' && s[1] == 'u' {
+					if dec := utf16.DecodeRune(r, hexRune(s[2:])); dec != unicode.ReplacementChar {
+						out.WriteRune(dec)
+						s = s[6:]
+						continue
+					}
+				}
+				r = unicode.ReplacementChar
+			}
+			out.WriteRune(r)
+		default: // '"', '\\', '/'
+			out.WriteByte(c)
+		}
+	}
+}
+
+// hexRune reads the four hex digits that begin b.
+func hexRune(b []byte) rune {
+	var r rune
+	for _, c := range b[:4] {
+		switch {
+		case '0' <= c && c <= '9':
+			c -= '0'
+		case 'a' <= c && c <= 'f':
+			c -= 'a' - 10
+		default:
+			c -= 'A' - 10
+		}
+		r = r<<4 | rune(c)
+	}
+	return r
 }

@@ -338,3 +338,31 @@ func describe(edits []Edit) string {
 	}
 	return strings.Join(parts, ", ")
 }
+
+// DecodeString reads every string member of a body Parse accepts as
+// encoding/json does: escapes, surrogate pairs, lone surrogates (U+FFFD).
+func FuzzDecodeStringAsEncodingJSON(f *testing.F) {
+	for _, s := range []string{`"a"`, `"a\nb"`, `"\ud83d\ude00"`, `"\ud83d"`, `"\ud83dx"`, `"\ud83d\u0041"`, `"\udc00\ud800"`,
+		`"\u00e9\/\\\""`, `"é\t"`, `"\b\f\r\u0000\u001F"`, `"\uD83D\uDE00"`} {
+		f.Add([]byte(`{"k":` + s + `}`))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		o, err := Parse(b)
+		if err != nil {
+			return
+		}
+		for _, m := range o.members {
+			raw := o.raw[m.valStart:m.valEnd]
+			if raw[0] != '"' {
+				continue
+			}
+			var want string
+			if err := json.Unmarshal(raw, &want); err != nil {
+				t.Fatalf("encoding/json refuses %q, which Parse accepted: %v", raw, err)
+			}
+			if got := DecodeString(raw); got != want {
+				t.Fatalf("DecodeString(%q) = %q, want %q", raw, got, want)
+			}
+		}
+	})
+}
