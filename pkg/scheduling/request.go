@@ -47,6 +47,8 @@ type Request struct {
 	// absent are the endpoints of the pool last picked for it that are out
 	// of rotation or gone, and moved conversations lately (recentlyMoved).
 	absent []*Endpoint
+	// runes is 1 + the prompt's length in runes once counted (promptRunes), 0 before.
+	runes int
 }
 
 // estimate is how many leading characters of a prompt (Request.Prompt) an
@@ -161,8 +163,22 @@ func (r *Request) UncachedTokens(e *Endpoint, charsPerToken float64) (uncached, 
 		return tokens, tokens
 	}
 	// Held is in bytes (the cache's blocks are); tokens follow characters.
-	held := utf8.RuneCountInString(prompt[:min(r.Held(e), len(prompt))])
-	return tokens - int(int64(tokens)*int64(held)/int64(utf8.RuneCountInString(prompt))), tokens
+	// A cut at a rune's start splits the count: what is held is the whole
+	// less the rest, most often the shorter part.
+	h := min(r.Held(e), len(prompt))
+	held := r.promptRunes() - utf8.RuneCountInString(prompt[h:])
+	if h < len(prompt) && !utf8.RuneStart(prompt[h]) {
+		held = utf8.RuneCountInString(prompt[:h])
+	}
+	return tokens - int(int64(tokens)*int64(held)/int64(r.promptRunes())), tokens
+}
+
+// promptRunes is the prompt's length in runes, counted once.
+func (r *Request) promptRunes() int {
+	if r.runes == 0 {
+		r.runes = 1 + utf8.RuneCountInString(r.Prompt())
+	}
+	return r.runes - 1
 }
 
 // PromptTokens is the prompt's length in tokens: exact when the body carries
@@ -180,5 +196,5 @@ func (r *Request) PromptTokens(charsPerToken float64) int {
 	if charsPerToken <= 0 {
 		charsPerToken = 4
 	}
-	return int(math.Ceil(float64(utf8.RuneCountInString(r.Prompt())) / charsPerToken))
+	return int(math.Ceil(float64(r.promptRunes()) / charsPerToken))
 }
