@@ -8,6 +8,7 @@ import (
 	"testing"
 	"unicode/utf8"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 )
@@ -144,7 +145,7 @@ func BenchmarkEdit(b *testing.B) {
 						if err != nil {
 							b.Fatal(err)
 						}
-						h := &kv.Handoff{Body: o, PrefillHost: "10.0.4.21", BootstrapPort: 8998, Room: 4611686018427388111, PrefillKV: prefillAnswer}
+						h := &kv.Handoff{Body: o, Shape: &api.Chat.Shape, PrefillHost: "10.0.4.21", BootstrapPort: 8998, Room: 4611686018427388111, PrefillKV: prefillAnswer}
 						sink += variant.size(kv.PrefillBody(c, h)) + variant.size(kv.DecodeBody(c, h))
 					}
 				})
