@@ -287,6 +287,9 @@ func (p *Pool) rebuild() {
 	}
 	if picker == nil {
 		picker = newPicker(s.PoolScheduling, p.deps.intn, p.cache)
+		if pa, ok := picker.(*prefixAffinity); ok && old != nil {
+			picker = pa.remembering(old.picker)
+		}
 	}
 	var eps []*Endpoint
 	seen := map[string]bool{}

@@ -169,7 +169,7 @@ func TestUpdateKeepsTheStateOfEndpointsThatStay(t *testing.T) {
 	}
 }
 
-func TestUpdateKeepsThePolicyMemoryUnlessItsKeysChange(t *testing.T) {
+func TestUpdateKeepsThePolicyMemoryUnlessItsShapeChanges(t *testing.T) {
 	affinity := config.PoolScheduling{Policy: config.PolicyPrefixAffinity}
 	p, _ := testPool(t, affinity, "a", "b")
 	picker := p.state.Load().picker
@@ -179,9 +179,20 @@ func TestUpdateKeepsThePolicyMemoryUnlessItsKeysChange(t *testing.T) {
 	if p.state.Load().picker != picker {
 		t.Error("the prefix index was dropped by an Update that kept the policy")
 	}
+	// A new load bound (pd.mode derives the decode pool's queue_slack) takes
+	// effect, and the memory stays.
+	affinity.Prefix.QueueSlack, affinity.Prefix.LoadFactor = 4, 3
+	p.Update(PoolSpec{Endpoints: []string{"a", "b", "c"}, PoolScheduling: affinity})
+	bounded := p.state.Load().picker.(*prefixAffinity)
+	if bounded.queueSlack != 4 || bounded.factor != 3 {
+		t.Errorf("new load bounds not applied: queue_slack %v, load_factor %v", bounded.queueSlack, bounded.factor)
+	}
+	if was := picker.(*prefixAffinity); bounded.index != was.index || bounded.shares != was.shares || bounded.named != was.named || bounded.clients != was.clients {
+		t.Error("a new load bound dropped the prefix index, the shares or the coverage counts")
+	}
 	affinity.Prefix.BlockChars = 512
 	p.Update(PoolSpec{Endpoints: []string{"a", "b", "c"}, PoolScheduling: affinity})
-	if p.state.Load().picker == picker {
+	if p.state.Load().picker.(*prefixAffinity).index == bounded.index {
 		t.Error("a new block size kept the old index, whose blocks no longer line up")
 	}
 	p.Update(PoolSpec{Endpoints: []string{"a", "b", "c"}, PoolScheduling: policy(config.PolicyRoundRobin)})

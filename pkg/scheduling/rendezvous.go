@@ -186,8 +186,8 @@ type prefixAffinity struct {
 	// named counts whether this replica sees whole the conversations of
 	// requests that name their session (Request.Session), and clients those
 	// of the others, per client address (Request.Client).
-	named                     coverage
-	clients                   clientCoverages
+	named                     *coverage
+	clients                   *clientCoverages
 	shares                    *shares
 	factor, slack, queueSlack float64
 	// estimateQueueSlack is queueSlack for a request placed without a view
@@ -198,6 +198,19 @@ type prefixAffinity struct {
 	// cache is the pool's view of its engines' caches from their KV events,
 	// nil when it follows none (events.go).
 	cache func() *kvevents.Index
+}
+
+// remembering is p with old's memory (the local hint, the shares, the
+// coverage counts) when old is a prefixAffinity whose memory p's settings
+// would shape alike: a change of the load bounds alone (pd.mode derives the
+// decode pool's queue_slack) keeps what the pool has learnt.
+func (p *prefixAffinity) remembering(old Picker) Picker {
+	o, ok := old.(*prefixAffinity)
+	if !ok || o.keys != p.keys || o.index.capacity != p.index.capacity {
+		return p
+	}
+	p.index, p.shares, p.named, p.clients = o.index, o.shares, o.named, o.clients
+	return p
 }
 
 // Pick goes by what the engines hold when the pool follows their KV events
@@ -280,7 +293,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	}
 	// A later turn tells whether this replica routed the request before it.
 	prevBlocks := len(previous) / p.keys.blockChars
-	cov := &p.named
+	cov := p.named
 	if !req.Session {
 		cov = p.clients.of(req.Client)
 	}

@@ -32,6 +32,8 @@ func newPicker(s config.PoolScheduling, intn func(int) int, cache func() *kveven
 			keys:               rendezvousKeys{blockChars: s.Prefix.BlockChars, keyBlocks: s.Prefix.KeyBlocks},
 			index:              newPrefixIndex(s.Prefix.BlockChars, s.Prefix.MaxBlocks),
 			shares:             newShares(),
+			named:              &coverage{},
+			clients:            &clientCoverages{},
 			factor:             s.Prefix.LoadFactor,
 			slack:              s.Prefix.LoadSlack,
 			queueSlack:         s.Prefix.QueueSlack,
