@@ -3,6 +3,7 @@ package scheduling
 import (
 	"context"
 	"net"
+	"net/netip"
 	"slices"
 )
 
@@ -28,12 +29,27 @@ func (p *Pool) resolve(ctx context.Context, hostport string) {
 		return
 	}
 	addrs := make([]string, 0, len(ips))
-	for _, ip := range ips {
+	for _, ip := range v4Preferred(ips) {
 		addrs = append(addrs, net.JoinHostPort(ip, port))
 	}
 	slices.Sort(addrs)
 	addrs = slices.Compact(addrs)
 	p.setResolved(hostport, addrs)
+}
+
+// v4Preferred are the IPv4 addresses among ips, or all of them when there is
+// none, as Envoy's V4_PREFERRED lookup family (its default) takes them: a
+// dual-stack headless Service answers each pod's two addresses, which would
+// otherwise be two endpoints of one engine, its load split between them.
+func v4Preferred(ips []string) []string {
+	v4 := slices.DeleteFunc(slices.Clone(ips), func(ip string) bool {
+		a, err := netip.ParseAddr(ip)
+		return err != nil || !a.Unmap().Is4()
+	})
+	if len(v4) == 0 {
+		return ips
+	}
+	return v4
 }
 
 func errString(err error) string {

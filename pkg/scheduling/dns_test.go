@@ -53,11 +53,18 @@ func TestResolve(t *testing.T) {
 	p := dnsPool(t, r, []string{"10.0.0.9:8000"}, "decode.svc:8000")
 	ctx := context.Background()
 
-	r.set("decode.svc", []string{"10.0.0.2", "10.0.0.1", "10.0.0.2", "fd00::1"}, nil)
+	r.set("decode.svc", []string{"fd00::2", "fd00::1"}, nil)
 	p.resolve(ctx, "decode.svc:8000")
-	want := []string{"10.0.0.9:8000", "10.0.0.1:8000", "10.0.0.2:8000", "[fd00::1]:8000"}
+	if got, want := addrsOf(p.Endpoints()), []string{"10.0.0.9:8000", "[fd00::1]:8000", "[fd00::2]:8000"}; !slices.Equal(got, want) {
+		t.Fatalf("endpoints of an IPv6-only name = %v, want %v", got, want)
+	}
+	// A dual-stack headless Service answers each pod's two addresses: one
+	// engine each, by its IPv4 one (Envoy's V4_PREFERRED).
+	r.set("decode.svc", []string{"10.0.0.2", "fd00::2", "10.0.0.1", "10.0.0.2", "fd00::1"}, nil)
+	p.resolve(ctx, "decode.svc:8000")
+	want := []string{"10.0.0.9:8000", "10.0.0.1:8000", "10.0.0.2:8000"}
 	if got := addrsOf(p.Endpoints()); !slices.Equal(got, want) {
-		t.Fatalf("endpoints = %v, want static then resolved, sorted, deduplicated: %v", got, want)
+		t.Fatalf("endpoints = %v, want static then resolved, IPv4 preferred, sorted, deduplicated: %v", got, want)
 	}
 
 	kept := byAddr(p, "10.0.0.2:8000")
