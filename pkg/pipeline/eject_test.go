@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -224,6 +225,43 @@ prefill: {on_failure: %s, attempts: 1}`, engine.Addr(), onFailure))
 			e := pipeline.AsError(err, "r")
 			if err == nil || e.Status != http.StatusServiceUnavailable || e.RetryAfter == 0 || !strings.Contains(e.Message, "prefill.on_failure is fail") {
 				t.Fatalf("Route: %v (%+v); want 503 with Retry-After naming prefill.on_failure", err, e)
+			}
+		})
+	}
+}
+
+// TestBusyPrefillEnginesSayWhenToRetry: under prefill.on_failure fail, an
+// engine's 429 is a 503 that says the engines are busy (they answered), with
+// the engine's Retry-After, in seconds or as a date, when it gave one.
+func TestBusyPrefillEnginesSayWhenToRetry(t *testing.T) {
+	tests := []struct {
+		name, header string
+		want         time.Duration
+	}{
+		{"seconds", "7", 7 * time.Second},
+		{"a date", time.Now().Add(90 * time.Second).UTC().Format(http.TimeFormat), 90 * time.Second},
+		{"none", "", 0},
+		{"not a duration", "soon", 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			engine := enginetest.Start(t, func(w http.ResponseWriter, _ *http.Request) {
+				if tt.header != "" {
+					w.Header().Set("Retry-After", tt.header)
+				}
+				w.WriteHeader(http.StatusTooManyRequests)
+			})
+			p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {on_failure: fail, attempts: 1}`, engine.Addr()))
+			_, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r",
+				Body: []byte(`{"model":"m","prompt":"hi"}`)})
+			e := pipeline.AsError(err, "r")
+			if err == nil || e.Status != http.StatusServiceUnavailable || !strings.Contains(e.Message, "busy") {
+				t.Fatalf("Route: %v (%+v); want 503 saying the engines are busy", err, e)
+			}
+			if d := e.RetryAfter - tt.want; d < -2*time.Second || d > 2*time.Second || (tt.want == 0) != (e.RetryAfter == 0) {
+				t.Errorf("Retry-After %v, want %v", e.RetryAfter, tt.want)
 			}
 		})
 	}

@@ -236,8 +236,11 @@ func prefillFailed(cause error, requestID string) *Error {
 		e := badRequest("the request cannot be forwarded: a header value or its query is not valid HTTP")
 		e.Detail = cause.Error()
 		return e
-	case last == nil || last.answer == nil && last.reason != metrics.FailureTooLarge && last.reason != metrics.FailureMalformed ||
-		last.reason == metrics.FailureOverloaded:
+	case last != nil && last.reason == metrics.FailureOverloaded:
+		e := hiding(http.StatusServiceUnavailable, "upstream_error", "prefill leg failed: the prefill engines are busy", requestID, cause)
+		e.RetryAfter = last.answer.retryAfter // the engine's say, when it had one
+		return e
+	case last == nil || last.answer == nil && last.reason != metrics.FailureTooLarge && last.reason != metrics.FailureMalformed:
 		return hiding(http.StatusServiceUnavailable, "upstream_error", "prefill leg failed: no prefill engine answered", requestID, cause)
 	case last.aboutRequest():
 		return &Error{Status: last.answer.status, Type: "invalid_request_error", Message: "prefill engine rejected the request",

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"strconv"
+	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -19,6 +21,20 @@ type statusError struct {
 	// streamed: the status came in an error event of a stream whose HTTP
 	// status was 200.
 	streamed bool
+	// retryAfter is the engine's Retry-After (a 429's, a 503's), 0 for none.
+	retryAfter time.Duration
+}
+
+// retryAfter reads a Retry-After header: seconds, or an HTTP date; 0 for
+// none, or one past.
+func retryAfter(h string) time.Duration {
+	if s, err := strconv.Atoi(h); err == nil && s > 0 {
+		return time.Duration(s) * time.Second
+	}
+	if t, err := http.ParseTime(h); err == nil {
+		return max(time.Until(t).Round(time.Second), 0)
+	}
+	return 0
 }
 
 func (e *statusError) Error() string { return fmt.Sprintf("engine answered %d", e.status) }

@@ -98,7 +98,8 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		answer = answer[:min(len(answer), maxPrefillResponseBytes)]
-		return prefillAnswer{}, &statusError{status: resp.StatusCode, body: answer, contentType: resp.Header.Get("Content-Type")}
+		return prefillAnswer{}, &statusError{status: resp.StatusCode, body: answer, contentType: resp.Header.Get("Content-Type"),
+			retryAfter: retryAfter(resp.Header.Get("Retry-After"))}
 	}
 	if len(answer) > maxPrefillResponseBytes {
 		return prefillAnswer{}, errAnswerTooLarge
