@@ -250,7 +250,24 @@ func randomHex(n int) string {
 // (disaggregation/decode.py, "Decode transfer failed ...", and prefill.py;
 // entrypoints/openai/serving_chat.py). pdsim holds its headers until this
 // point, so that they carry the KV outcome; a real engine sends them first.
+//
+// vLLM's Messages stream turns the chat stream's role chunk into
+// message_start and its error event, which is not a chat chunk, into an
+// Anthropic error event (AnthropicServingMessages.message_stream_converter,
+// vllm/entrypoints/anthropic/serving.py).
 func (s *Server) failLoad(w http.ResponseWriter, req *request, err error) {
+	if req.stream && req.api == apiMessages && s.cfg.Protocol != ProtocolSGLang {
+		out := newSSE(w)
+		start := &messageStart{ID: req.internalID, Content: []contentBlock{}, Model: s.cfg.Model, Usage: messagesUsage{InputTokens: req.promptTokens}}
+		out.event("message_start", messagesEvent{Type: "message_start", Message: start})
+		type anthropicError struct {
+			Type  string            `json:"type"` // first, as pydantic writes it
+			Error map[string]string `json:"error"`
+		}
+		out.event("error", anthropicError{"error", map[string]string{"type": "internal_error", "message": err.Error()}})
+		out.raw([]byte("[DONE]"))
+		return
+	}
 	if !req.stream || req.api != apiChat && req.api != apiCompletion {
 		s.writeErrorFor(req.api, w, &apiError{http.StatusInternalServerError, err.Error()})
 		return

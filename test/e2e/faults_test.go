@@ -185,20 +185,26 @@ func TestFaultPrefillReturnsNoTransferParams(t *testing.T) {
 // vLLM's default kv_load_failure_policy the decode engine fails the request,
 // with a 500, or on a stream that answered 200 already with an error event.
 // That engine must leave the pool after its consecutive failures, as one
-// answering 500 itself does, and not fail its share of requests for good.
+// answering 500 itself does, and not fail its share of requests for good. On
+// a Messages stream vLLM's error event is the Anthropic API's, after its
+// message_start.
 func TestAPrefillEngineWhoseKVCannotBePulledIsEjected(t *testing.T) {
-	for _, stream := range []bool{true, false} {
-		t.Run(fmt.Sprint("stream ", stream), func(t *testing.T) {
+	for _, tc := range []struct {
+		api, streamError string
+		stream           bool
+	}{{"chat", `data: {"error"`, true}, {"chat", "", false}, {"messages", "event: error\ndata: {\"type\":\"error\"", true}, {"messages", "", false}} {
+		stream := tc.stream
+		t.Run(fmt.Sprintf("%s stream %v", tc.api, stream), func(t *testing.T) {
 			r := startRig(t, rigOptions{prefillPool: "policy: round-robin, health: {consecutive_failures: 2, base_ejection: 1m}"})
 			r.prefill[0].SetFaults(pdsim.Faults{LoseKV: true})
 			const requests = 20
 			var failed []int
 			for i := range requests {
-				path, body := request("chat", stream, fmt.Sprintf("lost KV %d", i))
+				path, body := request(tc.api, stream, fmt.Sprintf("lost KV %d", i))
 				resp, got := r.must(t, path, body, nil)
 				switch {
 				case !stream && resp.StatusCode == http.StatusInternalServerError,
-					stream && resp.StatusCode == http.StatusOK && strings.Contains(got, `data: {"error"`):
+					stream && resp.StatusCode == http.StatusOK && strings.Contains(got, tc.streamError):
 					failed = append(failed, i)
 				case resp.StatusCode != http.StatusOK:
 					t.Fatalf("request %d: status %d: %s", i, resp.StatusCode, got)
