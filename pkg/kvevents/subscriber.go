@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"net/netip"
 	"strconv"
 	"strings"
 	"sync"
@@ -109,10 +110,8 @@ func (s *Subscriber) Run(ctx context.Context, endpoints func() ([]string, <-chan
 	for {
 		addrs, changed := endpoints()
 		want := map[Publisher]bool{}
-		for _, a := range addrs {
-			for r := range s.cfg.Ranks {
-				want[Publisher{a, r}] = true
-			}
+		for _, p := range publishers(addrs, s.cfg.Ranks) {
+			want[p] = true
 		}
 		for p, stop := range following {
 			if !want[p] {
@@ -136,6 +135,39 @@ func (s *Subscriber) Run(ctx context.Context, endpoints func() ([]string, <-chan
 		case <-changed:
 		}
 	}
+}
+
+// publishers are the publishers of the endpoints' engines: every rank of an
+// endpoint alone on its host (one server of ranks data-parallel ranks), and
+// rank i alone of the endpoint on the i-th lowest port of its host (a server
+// per rank, each on its own port, as an InferencePool's targetPorts expose
+// them). Rank i publishes on ConnectPort + i (vLLM's offset_endpoint_port).
+func publishers(addrs []string, ranks int) []Publisher {
+	ports := map[string][]netip.AddrPort{} // by host, of the endpoints that parse
+	for _, a := range addrs {
+		if ap, err := netip.ParseAddrPort(a); err == nil {
+			ports[ap.Addr().String()] = append(ports[ap.Addr().String()], ap)
+		}
+	}
+	var out []Publisher
+	for _, a := range addrs {
+		ap, err := netip.ParseAddrPort(a)
+		same := ports[ap.Addr().String()]
+		if err != nil || len(same) == 1 {
+			for r := range ranks {
+				out = append(out, Publisher{a, r})
+			}
+			continue
+		}
+		rank := 0
+		for _, o := range same {
+			if o.Port() < ap.Port() {
+				rank++
+			}
+		}
+		out = append(out, Publisher{a, rank})
+	}
+	return out
 }
 
 // follow dials one publisher and reads its stream, dialing again after a

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"net"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -492,4 +493,34 @@ func TestAStoppedSubscriberLeavesNoReader(t *testing.T) {
 	stop()
 	<-done
 	eventually(t, "the stopped subscriber's readers gone", func() bool { return stuck() <= before })
+}
+
+// Each endpoint follows its own engine's publishers: every rank of an
+// endpoint alone on its host (one server of several data-parallel ranks),
+// and rank i alone of the endpoint on its host's i-th lowest port (a server
+// per rank, an InferencePool's targetPorts), which would otherwise be
+// credited with every rank's cache.
+func TestEachEndpointFollowsItsOwnRanks(t *testing.T) {
+	tests := []struct {
+		name  string
+		addrs []string
+		ranks int
+		want  []Publisher
+	}{
+		{"one endpoint per host", []string{"10.0.0.1:8000", "10.0.0.2:8000"}, 1,
+			[]Publisher{{"10.0.0.1:8000", 0}, {"10.0.0.2:8000", 0}}},
+		{"one server of two ranks", []string{"10.0.0.1:8000"}, 2,
+			[]Publisher{{"10.0.0.1:8000", 0}, {"10.0.0.1:8000", 1}}},
+		{"a server per rank, by port", []string{"10.0.0.1:8001", "10.0.0.1:8000", "10.0.0.2:8000"}, 2,
+			[]Publisher{{"10.0.0.1:8001", 1}, {"10.0.0.1:8000", 0}, {"10.0.0.2:8000", 0}, {"10.0.0.2:8000", 1}}},
+		{"IPv6", []string{"[fd00::1]:8000", "[fd00::1]:8001"}, 1,
+			[]Publisher{{"[fd00::1]:8000", 0}, {"[fd00::1]:8001", 1}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := publishers(tt.addrs, tt.ranks); !slices.Equal(got, tt.want) {
+				t.Errorf("publishers(%v, %d) = %v, want %v", tt.addrs, tt.ranks, got, tt.want)
+			}
+		})
+	}
 }
