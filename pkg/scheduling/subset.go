@@ -1,6 +1,7 @@
 package scheduling
 
 import (
+	"net/netip"
 	"slices"
 	"strings"
 )
@@ -15,10 +16,13 @@ type Subset struct {
 	set   bool
 }
 
-// ParseSubset reads a subset hint as it arrives: a list of "ip:port" strings
-// (from protobuf Struct metadata: []any), or one comma-separated string. A nil
-// hint is "no hint"; anything else that is not a list of strings is an empty
-// hint, which allows nothing: a hint we cannot read must not widen the choice.
+// ParseSubset reads a subset hint as it arrives: a list of strings (from
+// protobuf Struct metadata: []any), or one string, each an "ip:port" or a
+// bare "ip" or several of them comma-separated, as GIE's own pickers read it
+// (pkg/lwepp/handlers/request.go in kubernetes-sigs/gateway-api-inference-extension
+// splits list items on commas too). A nil hint is "no hint"; anything else
+// that is not a list of strings is an empty hint, which allows nothing: a
+// hint we cannot read must not widen the choice.
 func ParseSubset(hint any) Subset {
 	var parts []string
 	switch v := hint.(type) {
@@ -41,12 +45,34 @@ func ParseSubset(hint any) Subset {
 	}
 	s := Subset{set: true}
 	for _, p := range parts {
-		if p = strings.TrimSpace(p); p != "" {
-			s.addrs = append(s.addrs, p)
+		for a := range strings.SplitSeq(p, ",") {
+			if a = strings.TrimSpace(a); a != "" {
+				s.addrs = append(s.addrs, a)
+			}
 		}
 	}
 	return s
 }
 
-// Allows reports whether the hint lets the request go to addr.
-func (s Subset) Allows(addr string) bool { return !s.set || slices.Contains(s.addrs, addr) }
+// Allows reports whether the hint lets the request go to addr: named with
+// its port (which tells a data-parallel rank's port from another's), or by
+// its IP alone (any port of it, as GIE's endpoint picker matches hints,
+// pkg/epp/requestcontrol/locator.go), in any spelling of the address.
+func (s Subset) Allows(addr string) bool {
+	if !s.set || slices.Contains(s.addrs, addr) {
+		return true
+	}
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		return false
+	}
+	for _, a := range s.addrs {
+		if h, err := netip.ParseAddrPort(a); err == nil && h == ap {
+			return true
+		}
+		if ip, err := netip.ParseAddr(a); err == nil && ip.Unmap() == ap.Addr().Unmap() {
+			return true
+		}
+	}
+	return false
+}

@@ -19,6 +19,13 @@ func TestParseSubset(t *testing.T) {
 		{name: "string list", hint: []string{"10.0.0.2:8000"}, allowed: []string{"10.0.0.2:8000"}, denied: []string{"10.0.0.1:8000"}},
 		{name: "comma-separated header value with spaces", hint: "10.0.0.1:8000, 10.0.0.2:8000",
 			allowed: []string{"10.0.0.1:8000", "10.0.0.2:8000"}, denied: []string{"10.0.0.3:8000"}},
+		// As GIE's own pickers read a hint: list items comma-separated too,
+		// and a bare IP naming every port of it.
+		{name: "a list item of several", hint: []any{"10.0.0.2:8000,10.0.0.1:8000"},
+			allowed: []string{"10.0.0.1:8000", "10.0.0.2:8000"}, denied: []string{"10.0.0.3:8000"}},
+		{name: "a bare IP", hint: []any{"10.0.0.2"}, allowed: []string{"10.0.0.2:8000", "10.0.0.2:8001"}, denied: []string{"10.0.0.1:8000"}},
+		{name: "a port tells ranks apart", hint: "10.0.0.2:8001", allowed: []string{"10.0.0.2:8001"}, denied: []string{"10.0.0.2:8000"}},
+		{name: "IPv6 spelt otherwise", hint: "[fd00:0::1]:8000", allowed: []string{"[fd00::1]:8000"}, denied: []string{"[fd00::2]:8000"}},
 		{name: "empty list allows nothing", hint: []any{}, denied: []string{"10.0.0.1:8000"}},
 		{name: "empty string allows nothing", hint: "", denied: []string{"10.0.0.1:8000"}},
 		{name: "a list with a non-string allows nothing", hint: []any{"10.0.0.1:8000", 7.0}, denied: []string{"10.0.0.1:8000"}},
