@@ -47,6 +47,9 @@ type attemptError struct {
 	reason metrics.Failure
 	answer *statusError // the engine's own non-2xx answer; nil when none came
 	ended  bool         // the attempt's parent context ended: the client left or prefill.timeout passed
+	// reached: the transport began to connect to the endpoint, or took a
+	// pooled connection to it.
+	reached bool
 }
 
 func (e *attemptError) Error() string { return e.err.Error() }
@@ -58,7 +61,7 @@ func (e *attemptError) Unwrap() error { return e.err }
 // pooled connection to it: a failure before that (net/http refusing a header
 // value or the URL of the leg) is the request's, not the endpoint's.
 func classify(ctx context.Context, err error, reached bool) *attemptError {
-	e := &attemptError{err: err, ended: ctx.Err() != nil}
+	e := &attemptError{err: err, ended: ctx.Err() != nil, reached: reached}
 	var op *net.OpError
 	var ne net.Error
 	switch {
@@ -127,13 +130,18 @@ func (e *attemptError) counts() bool {
 // sent to it for prefill.timeout, with the attempt's timeout left at the
 // phase's. One cut short by an earlier attempt's time is not blamed. A
 // concurrent leg fails with its partner, so any answer, even a 5xx, may be
-// the partner's doing: only no answer at all counts.
+// the partner's doing: only no answer at all counts, and not a leg that
+// reached its engine and was still waiting when its time ran out, which
+// SGLang's prefill does for a decode that never bootstraps (one that died,
+// was refused, or is still queued) for up to
+// SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, 300 s by default. An engine that
+// hangs is for the active checks to find (docs/scheduling.md, Health).
 func (e *attemptError) blames(d kv.Dispatch, whole bool) bool {
 	switch {
 	case !e.counts():
 		return false
 	case d == kv.Concurrent:
-		return e.answer == nil
+		return e.answer == nil && (e.reason != metrics.FailureTimeout || !e.reached)
 	}
 	return e.retryable() || whole && e.reason == metrics.FailureTimeout
 }

@@ -49,8 +49,10 @@ func TestClassifyPrefillErrors(t *testing.T) {
 		{"attempt timed out waiting for a connection", context.Background(), &url.Error{Op: "Post", Err: context.DeadlineExceeded}, true,
 			metrics.FailureTimeout, true, true, true, 503},
 		{"connection refused", context.Background(), dial, false, metrics.FailureConnect, true, true, true, 503},
-		{"prefill.attempt_timeout expired", context.Background(), &url.Error{Op: "Post", Err: context.DeadlineExceeded}, false, metrics.FailureTimeout, true, true, true, 503},
-		{"prefill.timeout expired", expired, &url.Error{Op: "Post", Err: context.DeadlineExceeded}, false, metrics.FailureTimeout, false, false, true, 503},
+		// A concurrent leg that reached its engine and timed out may be
+		// waiting for its decode (SGLang's prefill does for up to 300 s).
+		{"prefill.attempt_timeout expired", context.Background(), &url.Error{Op: "Post", Err: context.DeadlineExceeded}, false, metrics.FailureTimeout, true, true, false, 503},
+		{"prefill.timeout expired", expired, &url.Error{Op: "Post", Err: context.DeadlineExceeded}, false, metrics.FailureTimeout, false, false, false, 503},
 		{"answer cut short", context.Background(), fmt.Errorf("reading prefill answer: %w", io.ErrUnexpectedEOF), false, metrics.FailureTransport, true, true, true, 503},
 		{"client left", cancelled, &url.Error{Op: "Post", Err: context.Canceled}, false, metrics.FailureCancelled, false, false, false, 503},
 		{"client left during dial", cancelled, dial, false, metrics.FailureCancelled, false, false, false, 503},

@@ -298,7 +298,9 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 		ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
 		defer cancel()
 		_, failed := p.attempt(ctx, ep.Addr, r, leg)
-		d.partner.legEnded(failed != nil, failed != nil && failed.blames(kv.Concurrent, false))
+		// A leg that got no answer spares its decode, whether or not it is
+		// held against the prefill endpoint.
+		d.partner.legEnded(failed != nil, failed != nil && failed.counts() && failed.answer == nil)
 		if failed != nil {
 			if failed.blames(kv.Concurrent, false) {
 				taken.Failed()

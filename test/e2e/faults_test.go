@@ -593,7 +593,9 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 			}
 			r.prefill[0].SetFaults(pdsim.Faults{})
 		}},
-		{"a prefill that never answers, streamed, ejects the decode", "decode", "prefill", "prefill: {timeout: 1s}", func(t *testing.T, r *rig) {
+		// A leg silent past prefill.timeout may be waiting for its decode (SGLang's
+		// prefill does for up to 300 s): held against neither endpoint.
+		{"a prefill that never answers, streamed, ejects neither", "decode", "", "prefill: {timeout: 1s}", func(t *testing.T, r *rig) {
 			r.prefill[0].SetFaults(pdsim.Faults{Delay: 3 * time.Second}) // the decode gives up first, at 300 ms; the leg at 1 s
 			path, body := request("chat", true, "prefill hangs")
 			if _, got := r.must(t, path, body, nil); !strings.Contains(got, `data: {"error"`) {
@@ -614,6 +616,15 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 				return len(recs) == 1 && recs[0].Status != 0
 			})
 		}},
+		{"a decode that refuses at once leaves its prefill waiting past prefill.timeout: neither is ejected", "prefill", "", "prefill: {timeout: 1s}", func(t *testing.T, r *rig) {
+			r.decode[0].SetFaults(pdsim.Faults{FailStatus: http.StatusBadRequest})
+			path, body := request("chat", false, "decode refuses")
+			r.must(t, path, body, nil) // the prefill leg waits for a handshake that never comes
+			r.decode[0].SetFaults(pdsim.Faults{})
+			waitFor(t, 10*time.Second, "the prefill leg to be given up", func() bool {
+				return r.metric(t, `pd_extproc_prefill_failures_total{reason="timeout"}`) == 1
+			})
+		}},
 		{"a dead decode ejects the prefill", "prefill", "", "", func(t *testing.T, r *rig) {
 			r.decode[0].SetFaults(pdsim.Faults{DropConnections: true})
 			path, body := request("chat", false, "decode dies")
@@ -626,7 +637,11 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 		}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			r := startRig(t, rigOptions{connector: "kv-sglang", prefills: 1, decodes: 1, handshake: 300 * time.Millisecond,
+			handshake := 300 * time.Millisecond
+			if strings.Contains(tt.name, "refuses") {
+				handshake = 3 * time.Second // SGLang's is 300 s: the leg outlasts prefill.timeout
+			}
+			r := startRig(t, rigOptions{connector: "kv-sglang", prefills: 1, decodes: 1, handshake: handshake,
 				prefillPool: health, decodePool: health, extra: tt.extra})
 			tt.fault(t, r)
 			if tt.blamed != "prefill" { // the only prefill endpoint is out: kv-sglang answers 503 for a while
