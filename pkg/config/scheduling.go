@@ -34,7 +34,10 @@ const (
 	DefaultBaseEjection        = time.Second
 	DefaultMaxEjection         = 30 * time.Second
 	DefaultCheckPath           = "/health"
-	DefaultCheckTimeout        = time.Second
+	// DefaultCheckTimeout leaves SGLang's /health, a one-token generation
+	// that answers after a second at least (health_generate in its
+	// http_server.py), time to answer under load.
+	DefaultCheckTimeout = 5 * time.Second
 	// Envoy Gateway's defaults for an active check (its ActiveHealthCheck).
 	DefaultUnhealthyThreshold = 3
 	DefaultHealthyThreshold   = 1

@@ -60,7 +60,7 @@ func TestSchedulingDefaults(t *testing.T) {
 		Policy: PolicyLeastLoad,
 		Prefix: PrefixAffinity{BlockChars: 256, KeyBlocks: 64, MaxBlocks: 65536, LoadFactor: 2, LoadSlack: 8, QueueSlack: 1, Spread: 4},
 		Health: EngineHealth{ConsecutiveFailures: 3, BaseEjection: Duration(time.Second), MaxEjection: Duration(30 * time.Second),
-			CheckPath: "/health", CheckTimeout: Duration(time.Second), UnhealthyThreshold: 3, HealthyThreshold: 1},
+			CheckPath: "/health", CheckTimeout: Duration(5 * time.Second), UnhealthyThreshold: 3, HealthyThreshold: 1},
 		Metrics: EngineMetrics{Path: "/metrics"},
 	}
 	if d != want {
