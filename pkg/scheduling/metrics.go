@@ -33,7 +33,7 @@ var (
 var pdQueues = map[role][][]string{
 	rolePrefill: {
 		{"sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_prealloc_queue_reqs"},
-		{"sglang:num_prefill_inflight_queue_reqs"},
+		{"sglang:num_prefill_inflight_queue_reqs", "sglang:num_prefill_infight_queue_reqs"}, // misspelt in older releases
 	},
 	roleDecode: {
 		{"sglang:num_decode_prealloc_queue_reqs"},

@@ -52,6 +52,8 @@ sglang:token_usage{model_name="m"} 0.25
 			text: sglangPD("num_prefill_bootstrap_queue_reqs", 2, 3, 50, 60), want: Load{Waiting: 4 + 2 + 3, KVUsage: 0.25}},
 		{name: "SGLang prefill, the bootstrap queue's older name", role: rolePrefill,
 			text: sglangPD("num_prefill_prealloc_queue_reqs", 2, 3, 50, 60), want: Load{Waiting: 4 + 2 + 3, KVUsage: 0.25}},
+		{name: "SGLang prefill, the in-flight queue's older, misspelt name", role: rolePrefill,
+			text: strings.Replace(sglangPD("num_prefill_prealloc_queue_reqs", 2, 3, 50, 60), "inflight", "infight", 1), want: Load{Waiting: 4 + 2 + 3, KVUsage: 0.25}},
 		{name: "SGLang prefill, both names: the newer counts once", role: rolePrefill,
 			text: sglangPD("num_prefill_bootstrap_queue_reqs", 2, 3, 50, 60) + "sglang:num_prefill_prealloc_queue_reqs 7\n", want: Load{Waiting: 4 + 2 + 3, KVUsage: 0.25}},
 		{name: "SGLang decode: its prealloc and transfer queues add up", role: roleDecode,
