@@ -77,7 +77,7 @@ func TestReadinessFollowsTheDecodePool(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			pools.decodeHealthy.Store(tt.healthy)
 			pools.decodeCheckedDown.Store(tt.checkedDown)
-			for _, svc := range []string{"", extProcService} {
+			for _, svc := range []string{"", extProcService, "readiness"} {
 				awaitHealth(t, r.health, svc, tt.wantGRPC)
 				resp, err := r.health.Check(context.Background(), &healthpb.HealthCheckRequest{Service: svc})
 				if err != nil || resp.GetStatus() != tt.wantGRPC {
@@ -89,6 +89,10 @@ func TestReadinessFollowsTheDecodePool(t *testing.T) {
 			}
 			if code, _ := r.get(t, "/healthz"); code != http.StatusOK {
 				t.Errorf("/healthz = %d: the process is alive whatever the pool", code)
+			}
+			if resp, err := r.health.Check(context.Background(), &healthpb.HealthCheckRequest{Service: "liveness"}); err != nil ||
+				resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+				t.Errorf(`Check("liveness") = %v, %v: the process is alive whatever the pool`, resp.GetStatus(), err)
 			}
 			key := series("pd_extproc_endpoint_healthy", "endpoint", decodeEP, "pool", "decode")
 			if got := r.scrape(t)[key]; got != tt.wantGauge {
@@ -135,7 +139,7 @@ func TestShutdownTurnsNotReadyThenDrains(t *testing.T) {
 			if code, body := r.get(t, "/readyz"); code != http.StatusServiceUnavailable {
 				t.Errorf("/readyz while draining = %d %q, want 503", code, body)
 			}
-			for _, svc := range []string{"", extProcService} {
+			for _, svc := range []string{"", extProcService, "readiness", "liveness"} {
 				resp, err := r.ready.health.Check(context.Background(), &healthpb.HealthCheckRequest{Service: svc})
 				if err != nil || resp.GetStatus() != healthpb.HealthCheckResponse_NOT_SERVING {
 					t.Errorf("health of %q while draining = %v, %v; want NOT_SERVING", svc, resp.GetStatus(), err)

@@ -18,8 +18,13 @@ import (
 )
 
 // healthServices are the gRPC health names that follow readiness: the whole
-// server, and the service Envoy's gRPC health check names.
-var healthServices = []string{"", extprocv3.ExternalProcessor_ServiceDesc.ServiceName}
+// server, the service Envoy's gRPC health check names, and "readiness" of
+// the endpoint-picker protocol's health checking (gateway-api-inference-extension,
+// docs/proposals/004-endpoint-picker-protocol), whose "liveness" is SERVING
+// until shutdown (livenessService).
+var healthServices = []string{"", extprocv3.ExternalProcessor_ServiceDesc.ServiceName, "readiness"}
+
+const livenessService = "liveness"
 
 // readiness tells Envoy (gRPC health) and Kubernetes (/readyz) whether to send
 // traffic: only while the decode pool has a healthy endpoint and every pool
@@ -40,6 +45,7 @@ type readiness struct {
 }
 
 func newReadiness(hs *health.Server, pool string, endpoints func() []metrics.EndpointState, log logr.Logger) *readiness {
+	hs.SetServingStatus(livenessService, healthpb.HealthCheckResponse_SERVING)
 	return &readiness{health: hs, pool: pool, endpoints: endpoints, log: log}
 }
 
