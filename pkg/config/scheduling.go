@@ -247,12 +247,9 @@ func (h *EngineHealth) SetDefaults() {
 	orDefault(&h.CheckPath, DefaultCheckPath)
 	orDefault(&h.UnhealthyThreshold, DefaultUnhealthyThreshold)
 	orDefault(&h.HealthyThreshold, DefaultHealthyThreshold)
-	if h.CheckTimeout == 0 {
-		h.CheckTimeout = Duration(DefaultCheckTimeout)
-		if h.CheckInterval > 0 {
-			h.CheckTimeout = min(h.CheckTimeout, h.CheckInterval)
-		}
-	}
+	// Not capped by check_interval: a round of checks ends before the next
+	// interval begins, so a check may take longer than the interval.
+	orDefault(&h.CheckTimeout, Duration(DefaultCheckTimeout))
 }
 
 // Validate checks the health keys under key.

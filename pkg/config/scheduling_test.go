@@ -79,14 +79,14 @@ func TestSchedulingDerivedDefaults(t *testing.T) {
 pools:
   decode:
     dns: decode.default.svc:8000
-    health: {check_interval: 500ms}
+    health: {check_interval: 500ms} # a check may outlast the interval: SGLang's /health takes a second
     metrics: {interval: 2s}
 prefill: {timeout: 10s}`)
 	if err != nil {
 		t.Fatal(err)
 	}
 	d := f.Pools.Decode
-	if d.DNSInterval.D() != 10*time.Second || d.Health.CheckTimeout.D() != 500*time.Millisecond ||
+	if d.DNSInterval.D() != 10*time.Second || d.Health.CheckTimeout.D() != 5*time.Second ||
 		d.Metrics.Timeout.D() != time.Second || d.Metrics.StaleAfter.D() != 6*time.Second || f.Prefill.AttemptTimeout.D() != 10*time.Second {
 		t.Errorf("derived defaults: dns_interval %s, check_timeout %s, metrics timeout %s, stale_after %s, attempt_timeout %s",
 			d.DNSInterval.D(), d.Health.CheckTimeout.D(), d.Metrics.Timeout.D(), d.Metrics.StaleAfter.D(), f.Prefill.AttemptTimeout.D())
