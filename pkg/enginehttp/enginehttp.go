@@ -33,7 +33,7 @@ func Client(cfg config.Prefill) (*http.Client, string, error) {
 	t := &http.Transport{
 		Proxy:               nil,
 		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		MaxIdleConns:        4 * cfg.MaxIdleConnsPerEndpoint,
+		MaxIdleConns:        0, // no bound across engines: MaxIdleConnsPerHost bounds each
 		MaxIdleConnsPerHost: cfg.MaxIdleConnsPerEndpoint,
 		MaxConnsPerHost:     cfg.MaxConnsPerEndpoint,
 		IdleConnTimeout:     idleConnTimeout,
