@@ -73,6 +73,11 @@ func main() {
 		return
 	}
 
+	err := f.validate()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "extproc:", err)
+		os.Exit(2)
+	}
 	log, flush, err := newLogger(f.logFormat, f.verbosity, f.logFlush)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "extproc:", err)
@@ -86,6 +91,27 @@ func main() {
 	if err != nil {
 		os.Exit(1)
 	}
+}
+
+// validate refuses flag values that would run, but not as asked: a negative
+// verbosity drops every per-request line, a negative grace cuts every
+// stream at SIGTERM, and a negative keepalive setting is taken for its
+// default.
+func (f flags) validate() error {
+	var errs []error
+	if f.verbosity < 0 {
+		errs = append(errs, fmt.Errorf("-v %d: verbosity is 0, 1 or 2", f.verbosity))
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"--shutdown-grace", f.grace}, {"--log-flush-interval", f.logFlush}, {"--keepalive-ping", f.keepalive.Ping},
+		{"--keepalive-timeout", f.keepalive.Timeout}, {"--keepalive-min-peer-ping", f.keepalive.MinPeerPing}} {
+		if d.v < 0 {
+			errs = append(errs, fmt.Errorf("%s %s: must not be negative", d.name, d.v))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 func run(f flags, log logr.Logger, flush func()) error {

@@ -136,6 +136,10 @@ type Envoy struct {
 const (
 	DefaultBootstrapPort = 8998
 	DefaultMaxBodyBytes  = 32 << 20
+	// MaxMaxBodyBytes is the largest limits.max_body_bytes: a BUFFERED body
+	// comes whole in one gRPC message, at most 2 GiB (math.MaxInt32), with
+	// room for the rest of the message.
+	MaxMaxBodyBytes = 2<<30 - 2<<20
 	// DefaultMaxConcurrentStreams keeps a replica's memory bounded: each stream
 	// may hold a body up to limits.max_body_bytes (and its rewritten copy).
 	DefaultMaxConcurrentStreams = 1024
@@ -300,6 +304,10 @@ func (c *Config) validate() error {
 	errs = append(errs, c.Prefill.TLS.Validate("prefill.tls"), c.Pools.Decode.TLS.Validate("pools.decode.tls"), c.Response.Validate("response"))
 	if c.Prefill.OnFailure != OnFailureDecodeOnly && c.Prefill.OnFailure != OnFailureFail {
 		errs = append(errs, fmt.Errorf("prefill.on_failure: %q is not %q or %q", c.Prefill.OnFailure, OnFailureDecodeOnly, OnFailureFail))
+	}
+	if c.Limits.MaxBodyBytes > MaxMaxBodyBytes {
+		errs = append(errs, fmt.Errorf("limits.max_body_bytes: %d is above %d: a gRPC message, which carries a BUFFERED body whole, "+
+			"holds at most 2 GiB", c.Limits.MaxBodyBytes, MaxMaxBodyBytes))
 	}
 	if c.Limits.MaxBufferedBytes < c.Limits.MaxBodyBytes {
 		errs = append(errs, fmt.Errorf("limits.max_buffered_bytes: %d is below limits.max_body_bytes (%d): no body of that size could be held",

@@ -250,3 +250,18 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 		})
 	}
 }
+
+// limits.max_body_bytes is at most what one gRPC message carries (a BUFFERED
+// body comes whole in one): above, every request would fail at the gRPC
+// layer, or the limit would overflow.
+func TestMaxBodyBytesFitsAGRPCMessage(t *testing.T) {
+	for _, tt := range []struct {
+		value string
+		ok    bool
+	}{{"33554432", true}, {"2145386496", true}, {"2145386497", false}, {"8589934592", false}, {"9223372036854775807", false}} {
+		_, err := Parse([]byte("connector: kv-nixl\nlimits: {max_body_bytes: " + tt.value + ", max_buffered_bytes: 9223372036854775807}\n"))
+		if (err == nil) != tt.ok || !tt.ok && !strings.Contains(err.Error(), "limits.max_body_bytes") {
+			t.Errorf("max_body_bytes %s: error %v, want ok %v", tt.value, err, tt.ok)
+		}
+	}
+}

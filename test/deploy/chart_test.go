@@ -305,6 +305,12 @@ func TestChartRefusesValuesThatCannotRun(t *testing.T) {
 		{"the decode pool by least load, its KV events dropped", func(v map[string]any) {
 			v["config"] = map[string]any{"pools": map[string]any{"decode": map[string]any{"policy": "least-load", "kv_events": nil}}}
 		}, ""},
+		{"bodies larger than the buffers that hold them", func(v map[string]any) {
+			v["config"] = map[string]any{"limits": map[string]any{"max_body_bytes": 134217728}}
+		}, "config.limits.max_buffered_bytes (100663296) is below config.limits.max_body_bytes (134217728)"},
+		{"larger bodies, larger buffers", func(v map[string]any) {
+			v["config"] = map[string]any{"limits": map[string]any{"max_body_bytes": 134217728, "max_buffered_bytes": 402653184}}
+		}, ""},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			values, err := ex.ValuesMap()
