@@ -105,8 +105,11 @@ func (s *Server) answerResponses(ctx context.Context, w http.ResponseWriter, req
 	if req.stream {
 		stream := newSSE(w)
 		out = &stream
-		if err := event(responseEvent{Type: "response.created", Response: resp}); err != nil {
-			return err
+		// vLLM sends both before the engine has anything (responses_stream_generator).
+		for _, t := range []string{"response.created", "response.in_progress"} {
+			if err := event(responseEvent{Type: t, Response: resp}); err != nil {
+				return err
+			}
 		}
 	}
 	zero := 0

@@ -65,6 +65,13 @@ const (
 	// time, with sampling parameters of its own that carry no
 	// kv_transfer_params: the prefill leg's KV would never be pulled.
 	BeamSearch
+	// Truncation: vLLM cuts the prompt to the context length less the
+	// request's output limit (truncate_prompt_tokens -1; the Responses API's
+	// truncation "auto"), and the prefill leg's limit of one token differs
+	// from the decode leg's: a long prompt is cut on one leg and not on the
+	// other, and the decode engine would pull blocks of another token
+	// sequence (TokenizeParams._token_truncation, vllm/renderers/params.py).
+	Truncation
 )
 
 // API is one engine API pd-extproc routes.
@@ -80,7 +87,9 @@ type API struct {
 	// Leading is how many data events the API's streams send before each
 	// choice's first token (response.NewOpening): 1 for chat, whose role
 	// event comes first; 2 for Messages (vLLM's message_start, then the first
-	// content_block_start); none for completions and generate.
+	// content_block_start) and Responses (response.created and
+	// response.in_progress, sent before the engine has anything:
+	// responses_stream_generator); none for completions and generate.
 	Leading int
 	// Model: the engine refuses a request without a "model" string
 	// (Anthropic's Messages). Chat and completions take none: vLLM's
@@ -143,7 +152,7 @@ var (
 	}
 	Responses = &API{
 		Name: NameResponses, Method: "POST", Path: "/v1/responses",
-		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap, Leading: 1,
+		Serves: VLLM | SGLang, Pairs: VLLM, Unpaired: sglangDropsBootstrap, Leading: 2,
 		Shape: responsesShape, Prompt: responsesPrompt, Alone: responsesAlone, Tokenize: responsesTokens,
 	}
 	Generate = &API{

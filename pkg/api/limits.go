@@ -28,7 +28,7 @@ func chatAlone(o *body.Object) Reason {
 	if !valid || given && n < 1 || refusedMinTokens(o, n, given) || refusedStream(o) {
 		return InvalidLimits
 	}
-	return orBeamSearch(o, promptLogprobs(o, "top_logprobs", true))
+	return orTruncation(o, orBeamSearch(o, promptLogprobs(o, "top_logprobs", true)))
 }
 
 // completionsAlone: vLLM's completions take max_tokens, 16 when it is left
@@ -44,7 +44,16 @@ func completionsAlone(o *body.Object) Reason {
 	if !valid || given && n < 1 && !echoOnly || refusedMinTokens(o, max(n, 1), given) || refusedStream(o) {
 		return InvalidLimits
 	}
-	return orBeamSearch(o, promptLogprobs(o, "logprobs", false))
+	return orTruncation(o, orBeamSearch(o, promptLogprobs(o, "logprobs", false)))
+}
+
+// orTruncation is why, else Truncation for a prompt cut to the context
+// length less the output limit: truncate_prompt_tokens -1 (or any negative).
+func orTruncation(o *body.Object, why Reason) Reason {
+	if n, ok := o.Int("truncate_prompt_tokens"); why == NoReason && ok && n < 0 {
+		return Truncation
+	}
+	return why
 }
 
 // orBeamSearch is why a chat or completions request that vLLM serves goes to

@@ -225,6 +225,9 @@ func responsesAlone(o *body.Object) Reason {
 	if n, given, valid := limit(o, "max_output_tokens"); !valid || given && n < 1 || refusedStreamFlag(o) {
 		return InvalidLimits
 	}
+	if t, _ := o.String("truncation"); t == "auto" {
+		return Truncation
+	}
 	raw, _ := o.Raw("tools")
 	for item := range body.Items(raw) {
 		t, err := body.Parse(item)

@@ -64,6 +64,7 @@ const (
 	ReasonCachedPrefix                     // decode-only: the decode endpoint is estimated to hold all but a few of the prompt's tokens
 	ReasonPrefillBusy                      // decode-only: the prefill pool is busy and the decode endpoint is not (pd.load)
 	ReasonDecodeBusy                       // P/D: decode-only was vetoed, the decode endpoint being busy (pd.load)
+	ReasonTruncation                       // decode-only: vLLM cuts the prompt by the output limit, which the prefill leg's differs from
 )
 
 var reasonLabels = [...]string{
@@ -72,7 +73,7 @@ var reasonLabels = [...]string{
 	ReasonNoBody: "no_body", ReasonPassthrough: "passthrough", ReasonUnpairedAPI: "unpaired_api",
 	ReasonPromptLogprobs: "prompt_logprobs", ReasonStoredResponse: "stored_response", ReasonBuiltinTools: "builtin_tools",
 	ReasonInvalidLimits: "invalid_limits", ReasonBeamSearch: "beam_search", ReasonCachedPrefix: "cached_prefix", ReasonPrefillBusy: "prefill_busy",
-	ReasonDecodeBusy: "decode_busy",
+	ReasonDecodeBusy: "decode_busy", ReasonTruncation: "truncation",
 }
 
 func (r Reason) String() string { return label(reasonLabels[:], r) }

@@ -46,6 +46,8 @@ func (p *Pipeline) admit(a *api.API, obj *body.Object) (alone metrics.Reason, er
 		}
 	case api.BeamSearch:
 		return metrics.ReasonBeamSearch, nil // vLLM's only: SGLang reads its chat and completions with PairedAlone
+	case api.Truncation:
+		return metrics.ReasonTruncation, nil // as BeamSearch
 	case api.InvalidLimits:
 		if !p.connector.Paired() { // a paired prefill leg is the client's body, which its engine refuses too
 			return metrics.ReasonInvalidLimits, nil

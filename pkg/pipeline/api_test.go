@@ -170,6 +170,18 @@ func TestAPITable(t *testing.T) {
 			body: chat + `,"use_beam_search":true}`, wantReason: metrics.ReasonBeamSearch},
 		{name: "completions with beam search \"on\"", connector: "kv-shared-storage", path: "/v1/completions",
 			body: `{"model":"m","prompt":"hi","use_beam_search":"on"}`, wantReason: metrics.ReasonBeamSearch},
+		// vLLM cuts such a prompt to the context length less the output
+		// limit, which differs between the legs.
+		{name: "chat cut by its output limit (truncate_prompt_tokens -1)", connector: "kv-nixl", path: "/v1/chat/completions",
+			body: chat + `,"truncate_prompt_tokens":-1}`, wantReason: metrics.ReasonTruncation},
+		{name: "completions cut by its output limit", connector: "kv-shared-storage", path: "/v1/completions",
+			body: `{"model":"m","prompt":"hi","truncate_prompt_tokens":-1}`, wantReason: metrics.ReasonTruncation},
+		{name: "chat cut to its last 8 tokens, alike on both legs", connector: "kv-nixl", path: "/v1/chat/completions",
+			body: chat + `,"truncate_prompt_tokens":8}`, wantReason: metrics.ReasonLongPrompt},
+		{name: "responses truncated auto", connector: "kv-nixl", path: "/v1/responses",
+			body: `{"input":"hi","truncation":"auto"}`, wantReason: metrics.ReasonTruncation},
+		{name: "responses truncation disabled", connector: "kv-nixl", path: "/v1/responses",
+			body: `{"input":"hi","truncation":"disabled"}`, wantReason: metrics.ReasonLongPrompt},
 		{name: "chat with beam search off", connector: "kv-nixl", path: "/v1/chat/completions",
 			body: chat + `,"use_beam_search":false}`, wantReason: metrics.ReasonLongPrompt},
 		{name: "sglang: chat with use_beam_search, which SGLang does not read", connector: "kv-sglang", path: "/v1/chat/completions",

@@ -15,6 +15,12 @@ const (
 	textDelta  = "event: content_block_delta\ndata: {\"index\":0,\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n"
 )
 
+// vLLM's Responses stream (OpenAIServingResponses.responses_stream_generator).
+const (
+	respCreated    = "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0}\n\n"
+	respInProgress = "event: response.in_progress\ndata: {\"type\":\"response.in_progress\",\"sequence_number\":1}\n\n"
+)
+
 func anthropicError(typ string) string {
 	return "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"" + typ + "\",\"message\":\"x\"}}\n\n"
 }
@@ -58,6 +64,11 @@ func TestOpeningTellsServedFromFailed(t *testing.T) {
 		{"Messages: the request's own error", msgStart + anthropicError("invalid_request_error") + done, Served, 0, 2},
 		{"Messages: overloaded", anthropicError("overloaded_error"), Failed, 0, 2},
 		{"Messages: message_start alone: nothing yet", msgStart, Pending, 0, 2},
+		// vLLM's Responses stream sends these two before the engine has
+		// anything; what comes next tells.
+		{"Responses: created and in_progress, then the error", respCreated + respInProgress + vllmError + done, Failed, 0, 2},
+		{"Responses: created and in_progress alone: nothing yet", respCreated + respInProgress, Pending, 0, 2},
+		{"Responses: the first output item", respCreated + respInProgress + "event: response.output_item.added\ndata: {\"type\":\"response.output_item.added\"}\n\n", Served, 0, 2},
 		{"a text that starts {\"type\":\"error\" is not an event", "data: {\"type\":\"errors\"}\n\n" + tok0, Served, 0, 1},
 	}
 	for _, tt := range tests {
