@@ -136,6 +136,10 @@ type Envoy struct {
 const (
 	DefaultBootstrapPort = 8998
 	DefaultMaxBodyBytes  = 32 << 20
+	// maxEnvoyMessageTimeout bounds Envoy's ext_proc message_timeout and
+	// max_message_timeout (the proto's lte: 3600s), so an override above it
+	// is never honoured.
+	maxEnvoyMessageTimeout = time.Hour
 	// MaxMaxBodyBytes is the largest limits.max_body_bytes: a BUFFERED body
 	// comes whole in one gRPC message, at most 2 GiB (math.MaxInt32), with
 	// room for the rest of the message.
@@ -247,7 +251,7 @@ func (c *Config) setDefaults() {
 		c.Limits.MaxBufferedBytes = max(DefaultMaxBufferedBytes(cgroupFS), c.Limits.MaxBodyBytes)
 	}
 	orDefault(&c.Envoy.OverrideAfter, Duration(150*time.Millisecond))
-	orDefault(&c.Envoy.OverrideMessageTimeout, c.Prefill.Timeout+Duration(30*time.Second))
+	orDefault(&c.Envoy.OverrideMessageTimeout, min(c.Prefill.Timeout+Duration(30*time.Second), Duration(maxEnvoyMessageTimeout)))
 	c.Tracing.SetDefaults()
 	c.Response.SetDefaults()
 	c.Pools.Prefill.PoolScheduling.SetDefaults()
@@ -318,6 +322,10 @@ func (c *Config) validate() error {
 	}
 	if c.Envoy.OverrideAfter < 0 || c.Envoy.OverrideMessageTimeout < 0 {
 		errs = append(errs, errors.New("envoy.override_after, envoy.override_message_timeout: must not be negative"))
+	}
+	if c.Envoy.OverrideMessageTimeout > Duration(maxEnvoyMessageTimeout) {
+		errs = append(errs, fmt.Errorf("envoy.override_message_timeout: %s is above Envoy's bound on max_message_timeout, 1h: Envoy would ignore it",
+			c.Envoy.OverrideMessageTimeout.D()))
 	}
 	errs = append(errs, c.Tracing.Validate("tracing"),
 		c.Pools.Prefill.Kubernetes.Validate("pools.prefill.kubernetes"),

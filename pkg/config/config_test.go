@@ -265,3 +265,26 @@ func TestMaxBodyBytesFitsAGRPCMessage(t *testing.T) {
 		}
 	}
 }
+
+// Envoy bounds max_message_timeout at one hour: an override above it would
+// be ignored, and the derived default stays within it.
+func TestOverrideMessageTimeoutWithinEnvoysBound(t *testing.T) {
+	for _, tt := range []struct {
+		yaml string
+		want time.Duration // 0: refused
+	}{
+		{"prefill: {timeout: 30s}", time.Minute},
+		{"prefill: {timeout: 3590s}", time.Hour},
+		{"prefill: {timeout: 2h}", time.Hour},
+		{"envoy: {override_message_timeout: 1h}", time.Hour},
+		{"envoy: {override_message_timeout: 61m}", 0},
+	} {
+		c, err := Parse([]byte("connector: kv-nixl\n" + tt.yaml + "\n"))
+		switch {
+		case tt.want == 0 && (err == nil || !strings.Contains(err.Error(), "envoy.override_message_timeout")):
+			t.Errorf("%s: error %v, want it refused", tt.yaml, err)
+		case tt.want != 0 && (err != nil || c.Envoy.OverrideMessageTimeout.D() != tt.want):
+			t.Errorf("%s: override %v, error %v; want %v", tt.yaml, c.Envoy.OverrideMessageTimeout, err, tt.want)
+		}
+	}
+}
