@@ -3,6 +3,7 @@ package kvevents
 import (
 	"errors"
 	"fmt"
+	"unsafe"
 
 	"github.com/cespare/xxhash/v2"
 	"github.com/vmihailenco/msgpack/v5/msgpcode"
@@ -59,8 +60,11 @@ type Event struct {
 // Batch is one published message's events.
 type Batch struct {
 	TS     float64
-	Events []Event
-	Rank   int // the publishing data-parallel rank
+	Events []Event // of the types this package knows
+	Rank   int     // the publishing data-parallel rank
+	// Unknown counts the events of a type this package does not know
+	// (a newer vLLM's), read past and not kept.
+	Unknown int
 }
 
 var errFormat = errors.New("kvevents: not a KV event batch")
@@ -81,7 +85,7 @@ func DecodeBatch(payload []byte) (Batch, error) {
 		case "ts":
 			b.TS, err = d.DecodeFloat64()
 		case "events":
-			b.Events, err = readEvents(d)
+			b.Events, b.Unknown, err = readEvents(d)
 		case "data_parallel_rank":
 			var r int64
 			r, err = d.DecodeInt64()
@@ -141,20 +145,30 @@ var (
 	removedFields = []string{"type", "block_hashes", "medium", "group_idx"}
 )
 
-func readEvents(d *decoder) ([]Event, error) {
+// readEvents reads a batch's events: those of a known type, and the count
+// of the others, which are not kept (one is two bytes of a payload, an Event
+// is some 200).
+func readEvents(d *decoder) (events []Event, unknown int, err error) {
 	n, err := d.arrayLen()
 	if err != nil || n < 0 {
-		return nil, err
+		return nil, 0, err
 	}
-	events := make([]Event, 0, min(n, preallocated))
+	events = make([]Event, 0, min(n, preallocated))
 	for range n {
 		e, err := readEvent(d)
+		if err == nil && e.Kind != Unknown {
+			err = d.charge(int(unsafe.Sizeof(e)))
+		}
 		if err != nil {
-			return nil, err
+			return nil, 0, err
+		}
+		if e.Kind == Unknown {
+			unknown++
+			continue
 		}
 		events = append(events, e)
 	}
-	return events, nil
+	return events, unknown, nil
 }
 
 // readEvent reads one event: a map of its fields, tagged by "type" (which
@@ -217,7 +231,7 @@ func readNamedEvent(d *decoder) (Event, error) {
 		return e, nil // its fields, whatever their shapes, are not this package's to read
 	}
 	for _, f := range fs {
-		if err := e.read(newDecoder(f.raw), f.name); err != nil {
+		if err := e.read(d.part(f.raw), f.name); err != nil {
 			return e, err
 		}
 	}
@@ -358,23 +372,6 @@ func readHashes(d *decoder) ([]uint64, error) {
 }
 
 func readInts(d *decoder) ([]int64, error) { return readList(d, d.DecodeInt64) }
-
-// readList reads an array (nil: none) whose elements read reads.
-func readList[T any](d *decoder, read func() (T, error)) ([]T, error) {
-	n, err := d.arrayLen()
-	if err != nil || n < 0 {
-		return nil, err
-	}
-	out := make([]T, 0, min(n, preallocated))
-	for range n {
-		v, err := read()
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, v)
-	}
-	return out, nil
-}
 
 func readOptionalString(d *decoder) (string, error) {
 	if null, err := isNil(d); null || err != nil {

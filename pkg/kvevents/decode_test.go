@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"runtime"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -211,7 +212,7 @@ func TestDecodeBatchReadsSGLangs(t *testing.T) {
 
 // TestDecodeBatchReadsPastUnknownEvents: an event of a type this release does
 // not know (a newer vLLM's, a fork's), in either encoding and whatever its
-// fields, is read past as Unknown, and the batch's other events stand.
+// fields, is read past and counted, and the batch's other events stand.
 func TestDecodeBatchReadsPastUnknownEvents(t *testing.T) {
 	for name, events := range map[string][]any{
 		"named fields, some of known names in other shapes": {map[string]any{"type": "BlockMigrated", "block_hashes": []int{7},
@@ -228,8 +229,8 @@ func TestDecodeBatchReadsPastUnknownEvents(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: %v", name, err)
 		}
-		if len(b.Events) != 2 || b.Events[0].Kind != Unknown || b.Events[1].Kind != Removed || !slices.Equal(b.Events[1].Hashes, []uint64{2}) {
-			t.Errorf("%s: read as %+v", name, b.Events)
+		if b.Unknown != 1 || len(b.Events) != 1 || b.Events[0].Kind != Removed || !slices.Equal(b.Events[0].Hashes, []uint64{2}) {
+			t.Errorf("%s: read as %+v, %d unknown", name, b.Events, b.Unknown)
 		}
 	}
 }
@@ -320,6 +321,45 @@ func TestLookupKeysRequestsAsTheEngineKeysBlocks(t *testing.T) {
 			held, _ := x.Lookup([]string{a.Endpoint}, seq(0, 12), tt.keys)
 			if held[a.Endpoint] != tt.want {
 				t.Errorf("holds %d tokens for %+v, want %d", held[a.Endpoint], tt.keys, tt.want)
+			}
+		})
+	}
+}
+
+// A payload of many tiny elements, within the message bound, takes a bounded
+// multiple of its size decoded: millions of two-byte unknown events, or of
+// one-byte empty extra-key tuples, once took some 300 times it (an Event,
+// or a slice header, each). Unknown events are now counted, not kept; a
+// list whose elements would take more than the payload's budget is refused
+// before anything is made for them.
+func TestTinyElementsCostABoundedMultiple(t *testing.T) {
+	n := 1 << 18                                         // a variable: byte() keeps the low bits of each shift
+	header := []byte{0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0} // [timestamp,
+	list := []byte{0xdd, byte(n >> 24), byte(n >> 16), byte(n >> 8), byte(n)}
+	tests := []struct {
+		name    string
+		payload []byte
+		refused bool
+	}{
+		{"unknown events [\"\"]", slices.Concat(header, list, bytes.Repeat([]byte{0x91, 0xa0}, n), []byte{}), false},
+		{"extra_keys of empty tuples", slices.Concat(header, []byte{0x91, 0x82, 0xa4}, []byte("type"), []byte{0xab}, []byte("BlockStored"),
+			[]byte{0xaa}, []byte("extra_keys"), list, bytes.Repeat([]byte{0x90}, n)), true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var before, after runtime.MemStats
+			runtime.GC()
+			runtime.ReadMemStats(&before)
+			b, err := DecodeBatch(tt.payload)
+			runtime.ReadMemStats(&after)
+			switch {
+			case tt.refused && (err == nil || !strings.Contains(err.Error(), errTooCostly.Error())):
+				t.Errorf("DecodeBatch: %v, want %v", err, errTooCostly)
+			case !tt.refused && (err != nil || b.Unknown != n || len(b.Events) != 0):
+				t.Errorf("DecodeBatch: %d events, %d unknown, %v; want %d unknown", len(b.Events), b.Unknown, err, n)
+			}
+			if got := after.TotalAlloc - before.TotalAlloc; got > uint64(2*len(tt.payload)) {
+				t.Errorf("a payload of %d bytes allocated %d (%.0f times)", len(tt.payload), got, float64(got)/float64(len(tt.payload)))
 			}
 		})
 	}

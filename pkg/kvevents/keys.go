@@ -81,7 +81,7 @@ func readExtra(d *decoder) (blocks [][]byte, adapter string, err error) {
 				break
 			}
 			if key == nil {
-				key = newDecoder(raw)
+				key = d.part(raw)
 			} else {
 				key.reset(raw)
 			}
@@ -95,6 +95,9 @@ func readExtra(d *decoder) (blocks [][]byte, adapter string, err error) {
 			default:
 				out = appendOpaque(out, raw)
 			}
+		}
+		if err == nil {
+			err = d.charge(len(out))
 		}
 		return out, err
 	})

@@ -3,6 +3,7 @@ package kvevents
 import (
 	"bytes"
 	"fmt"
+	"unsafe"
 
 	"github.com/vmihailenco/msgpack/v5"
 	"github.com/vmihailenco/msgpack/v5/msgpcode"
@@ -10,17 +11,45 @@ import (
 
 // decoder reads one payload. Every length the payload claims is checked
 // against the bytes left in it before anything is made for it, and a value
-// that is not read is skipped without recursion: a payload costs about its
-// own size, never what it claims, however it is cut or nested.
+// that is not read is skipped without recursion: a payload costs no more
+// than what it holds, never what it claims, however it is cut or nested.
+// What it holds is bounded too: the values read from it (events, hashes,
+// token ids, extra keys) may take at most maxDecodedPerByte times its size,
+// so that a payload of millions of tiny elements cannot take hundreds of
+// times its size in memory.
 type decoder struct {
 	*msgpack.Decoder
 	r       *bytes.Reader // the Decoder reads it unbuffered: r.Len() is what is left
 	payload []byte
+	left    *int // bytes its values may still take, shared with the decoders of its parts
 }
+
+// maxDecodedPerByte bounds what a payload's values take decoded, per byte of
+// it: vLLM's take less (a BlockRemoved of one small hash, some 16 bytes, is
+// an Event of 184; a token id of one byte, 8).
+const maxDecodedPerByte = 16
+
+var errTooCostly = fmt.Errorf("the payload's values take more than %d times its size", maxDecodedPerByte)
 
 func newDecoder(payload []byte) *decoder {
 	r := bytes.NewReader(payload)
-	return &decoder{Decoder: msgpack.NewDecoder(r), r: r, payload: payload}
+	left := maxDecodedPerByte*len(payload) + 4<<10
+	return &decoder{Decoder: msgpack.NewDecoder(r), r: r, payload: payload, left: &left}
+}
+
+// part is a decoder of raw, a part of d's payload, within d's budget.
+func (d *decoder) part(raw []byte) *decoder {
+	p := newDecoder(raw)
+	p.left = d.left
+	return p
+}
+
+// charge counts n bytes of decoded values against the payload's budget.
+func (d *decoder) charge(n int) error {
+	if *d.left -= n; *d.left < 0 {
+		return errTooCostly
+	}
+	return nil
 }
 
 // reset makes d read payload, reusing what it holds.
@@ -117,4 +146,25 @@ func isNil(d *decoder) (bool, error) {
 		return true, d.DecodeNil()
 	}
 	return false, nil
+}
+
+// readList reads an array (nil: none) whose elements read reads.
+func readList[T any](d *decoder, read func() (T, error)) ([]T, error) {
+	n, err := d.arrayLen()
+	if err != nil || n < 0 {
+		return nil, err
+	}
+	var zero T
+	if err := d.charge(n * int(unsafe.Sizeof(zero))); err != nil { // before anything is made for them
+		return nil, err
+	}
+	out := make([]T, 0, min(n, preallocated))
+	for range n {
+		v, err := read()
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, nil
 }

@@ -119,5 +119,5 @@ func (s *Subscriber) apply(p Publisher, payload []byte) {
 	skipped := s.index.Apply(p, b.Events)
 	s.counts.Orphans.Add(int64(skipped.Orphans))
 	s.counts.Skipped.Add(int64(skipped.Other))
-	s.counts.UnknownEvents.Add(int64(skipped.Unknown))
+	s.counts.UnknownEvents.Add(int64(skipped.Unknown + b.Unknown))
 }
