@@ -103,42 +103,6 @@ func DecodeBatch(payload []byte) (Batch, error) {
 
 var batchFields = []string{"ts", "events", "data_parallel_rank"}
 
-// readStruct reads a msgspec struct written either as a map of its fields or
-// as an array of them in order, calling field for each: with its name and -1
-// from a map, or with "" and its position from an array.
-func readStruct(d *decoder, field func(name string, i int) error) error {
-	c, err := d.PeekCode()
-	if err != nil {
-		return err
-	}
-	if isMap(c) {
-		n, err := d.mapLen()
-		if err != nil {
-			return err
-		}
-		for range n {
-			name, err := d.DecodeString()
-			if err != nil {
-				return err
-			}
-			if err := field(name, -1); err != nil {
-				return err
-			}
-		}
-		return nil
-	}
-	n, err := d.arrayLen()
-	if err != nil {
-		return err
-	}
-	for i := range n {
-		if err := field("", i); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
 // The fields of each event, in vLLM's order (vllm/distributed/kv_events.py).
 var (
 	storedFields  = []string{"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"}
@@ -291,7 +255,7 @@ func (e *Event) read(d *decoder, name string) error {
 		e.Parent, ok, err = readHash(d)
 		e.HasParent = ok
 	case "token_ids":
-		e.Tokens, err = readInts(d)
+		e.Tokens, err = readTokens(d)
 	case "block_size":
 		var n int64
 		n, err = d.DecodeInt64()
@@ -371,11 +335,26 @@ func readHashes(d *decoder) ([]uint64, error) {
 	})
 }
 
-func readInts(d *decoder) ([]int64, error) { return readList(d, d.DecodeInt64) }
-
-func readOptionalString(d *decoder) (string, error) {
-	if null, err := isNil(d); null || err != nil {
-		return "", err
-	}
-	return d.DecodeString()
+// readTokens reads token_ids: integers, or, from SGLang running EAGLE
+// speculative decoding, whose radix tree keys pairs of consecutive tokens,
+// a pair [t, t+1] for each token, of which the first is the token
+// (RadixCache._record_store_event, python/sglang/srt/mem_cache/radix_cache.py).
+func readTokens(d *decoder) ([]int64, error) {
+	return readList(d, func() (int64, error) {
+		if c, err := d.PeekCode(); err != nil || !isArray(c) {
+			return d.DecodeInt64()
+		}
+		n, err := d.arrayLen()
+		if err == nil && n < 1 {
+			err = errors.New("an empty token pair")
+		}
+		if err != nil {
+			return 0, err
+		}
+		t, err := d.DecodeInt64()
+		for i := 1; err == nil && i < n; i++ {
+			err = d.skip()
+		}
+		return t, err
+	})
 }

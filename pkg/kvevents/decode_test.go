@@ -364,3 +364,22 @@ func TestTinyElementsCostABoundedMultiple(t *testing.T) {
 		})
 	}
 }
+
+// SGLang running EAGLE speculative decoding keys its radix tree by pairs of
+// consecutive tokens and publishes a pair [t, t+1] for each token: the
+// first of each is the token, and the batch stands.
+func TestDecodeBatchReadsSGLangTokenPairs(t *testing.T) {
+	for name, tokens := range map[string]any{
+		"tokens": []int{5, 6, 7, 8},
+		"pairs":  [][]int{{5, 6}, {6, 7}, {7, 8}, {8, 9}},
+	} {
+		payload, err := msgpack.Marshal([]any{1.0, []any{[]any{"BlockStored", []int{11}, nil, tokens, 4, nil, "GPU"}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := DecodeBatch(payload)
+		if err != nil || len(b.Events) != 1 || !slices.Equal(b.Events[0].Tokens, []int64{5, 6, 7, 8}) {
+			t.Errorf("%s: %+v, %v; want the tokens 5, 6, 7, 8", name, b.Events, err)
+		}
+	}
+}

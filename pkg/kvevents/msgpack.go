@@ -168,3 +168,46 @@ func readList[T any](d *decoder, read func() (T, error)) ([]T, error) {
 	}
 	return out, nil
 }
+
+// readStruct reads a msgspec struct written either as a map of its fields or
+// as an array of them in order, calling field for each: with its name and -1
+// from a map, or with "" and its position from an array.
+func readStruct(d *decoder, field func(name string, i int) error) error {
+	c, err := d.PeekCode()
+	if err != nil {
+		return err
+	}
+	if isMap(c) {
+		n, err := d.mapLen()
+		if err != nil {
+			return err
+		}
+		for range n {
+			name, err := d.DecodeString()
+			if err != nil {
+				return err
+			}
+			if err := field(name, -1); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	n, err := d.arrayLen()
+	if err != nil {
+		return err
+	}
+	for i := range n {
+		if err := field("", i); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func readOptionalString(d *decoder) (string, error) {
+	if null, err := isNil(d); null || err != nil {
+		return "", err
+	}
+	return d.DecodeString()
+}
