@@ -18,6 +18,10 @@ type Routes struct {
 	// kv_transfer_params (so the decode engine would recompute the prompt
 	// after a prefill leg spent for nothing).
 	MessagesDecodeOnly bool `json:"messages_decode_only,omitempty"`
+	// ResponsesDecodeOnly does the same for the Responses API, for vLLM
+	// before 0.19.0, whose ResponsesRequest has no kv_transfer_params
+	// (vllm-project/vllm#37424 added them).
+	ResponsesDecodeOnly bool `json:"responses_decode_only,omitempty"`
 }
 
 // SetDefaults fills the keys left out.

@@ -55,7 +55,7 @@ const (
 	ReasonPrefillFailed                    // the prefill leg failed (decode-only under on_failure decode-only)
 	ReasonNoBody                           // decode-only: a request without a body (GET /v1/models, body mode NONE)
 	ReasonPassthrough                      // decode-only: a request of the pass-through list (routes.passthrough)
-	ReasonUnpairedAPI                      // decode-only: an API the deployment does not disaggregate (routes.messages_decode_only)
+	ReasonUnpairedAPI                      // decode-only: an API the deployment does not disaggregate (routes.messages_decode_only, routes.responses_decode_only)
 	ReasonPromptLogprobs                   // decode-only: the request asks for the prompt's logprobs
 	ReasonStoredResponse                   // decode-only: a Responses request that continues a stored response or runs in the background
 	ReasonBuiltinTools                     // decode-only: a Responses request with a built-in tool (routes.pair_builtin_tools pairs it)

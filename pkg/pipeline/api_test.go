@@ -241,6 +241,8 @@ func TestAPITable(t *testing.T) {
 		{name: "messages, decode-only by config", connector: "kv-nixl", more: "routes: {messages_decode_only: true}", path: "/v1/messages",
 			body: `{"model":"m","max_tokens":8,"messages":[],"kv_transfer_params":{}}`, wantReason: metrics.ReasonUnpairedAPI,
 			wantMessage: `{"model":"m","max_tokens":8,"messages":[]}`},
+		{name: "responses, decode-only by config", connector: "kv-nixl", more: "routes: {responses_decode_only: true}", path: "/v1/responses",
+			body: `{"input":"hi","kv_transfer_params":{}}`, wantReason: metrics.ReasonUnpairedAPI, wantMessage: `{"input":"hi"}`},
 		{name: "messages under shared storage", connector: "kv-shared-storage", path: "/v1/messages", body: `{"model":"m","max_tokens":8,"messages":[]}`,
 			wantReason: metrics.ReasonLongPrompt, wantPrefill: `{"model":"m","max_tokens":1,"messages":[],"stream":false}`},
 		{name: "SGLang's generate", connector: "kv-nixl", path: "/generate", body: `{"text":"hi"}`, wantStatus: 404,

@@ -219,7 +219,7 @@ func TestREADMENamesTheReloadableKeys(t *testing.T) {
 		}
 	}
 	for _, top := range []string{"connector", "prefill.*", "limits.*", "envoy.*", "tracing.*", "routes.passthrough",
-		"routes.pair_builtin_tools", "routes.messages_decode_only", "response.*"} {
+		"routes.pair_builtin_tools", "routes.messages_decode_only", "routes.responses_decode_only", "response.*"} {
 		if !slices.Contains(restart, top) {
 			t.Errorf("README's restart-only list lacks %s", top)
 		}

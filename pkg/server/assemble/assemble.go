@@ -47,10 +47,14 @@ func Pipeline(cfg *config.Config, log logr.Logger, options ...pipeline.Option) (
 
 // decodeOnly lists the built-in APIs the config sends to a decode engine alone.
 func decodeOnly(cfg *config.Config) []*api.API {
+	var apis []*api.API
 	if cfg.Routes.MessagesDecodeOnly {
-		return []*api.API{api.Messages}
+		apis = append(apis, api.Messages)
 	}
-	return nil
+	if cfg.Routes.ResponsesDecodeOnly {
+		apis = append(apis, api.Responses)
+	}
+	return apis
 }
 
 func pipelineOptions(cfg *config.Config) pipeline.Options {
