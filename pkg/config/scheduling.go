@@ -43,8 +43,11 @@ const (
 	DefaultHealthyThreshold   = 1
 	DefaultMetricsPath        = "/metrics"
 	DefaultDNSInterval        = 10 * time.Second
-	DefaultPrefillAttempts    = 2
-	maxFallbacks              = 8
+	// minInterval bounds the checks', scrapes' and lookups' intervals from
+	// below: at a microsecond they spin a CPU and never succeed.
+	minInterval            = 10 * time.Millisecond
+	DefaultPrefillAttempts = 2
+	maxFallbacks           = 8
 )
 
 // DefaultDecodeQueueSlack is queue_slack's default for the decode pool of a
@@ -191,8 +194,8 @@ func (s PoolScheduling) Validate(key string) error {
 		if err := validateHostPort(s.DNS); err != nil {
 			errs = append(errs, fmt.Errorf("%s.dns: %w", key, err))
 		}
-		if s.DNSInterval <= 0 {
-			errs = append(errs, fmt.Errorf("%s.dns_interval: must be positive", key))
+		if s.DNSInterval < Duration(minInterval) {
+			errs = append(errs, fmt.Errorf("%s.dns_interval: %s is below %s", key, s.DNSInterval.D(), minInterval))
 		}
 	}
 	if s.Fallbacks < 0 || s.Fallbacks > maxFallbacks {
@@ -264,8 +267,8 @@ func (h EngineHealth) Validate(key string) error {
 	if h.MaxEjection < h.BaseEjection {
 		errs = append(errs, fmt.Errorf("%s.max_ejection: %s is below base_ejection %s", key, h.MaxEjection.D(), h.BaseEjection.D()))
 	}
-	if h.CheckInterval < 0 {
-		errs = append(errs, fmt.Errorf("%s.check_interval: must not be negative (0 turns active checks off)", key))
+	if h.CheckInterval < 0 || h.CheckInterval > 0 && h.CheckInterval < Duration(minInterval) {
+		errs = append(errs, fmt.Errorf("%s.check_interval: %s is neither 0 (active checks off) nor at least %s", key, h.CheckInterval.D(), minInterval))
 	}
 	if !strings.HasPrefix(h.CheckPath, "/") {
 		errs = append(errs, fmt.Errorf("%s.check_path: %q does not start with /", key, h.CheckPath))
@@ -296,8 +299,8 @@ func (m *EngineMetrics) SetDefaults() {
 // Validate checks the metrics keys under key.
 func (m EngineMetrics) Validate(key string) error {
 	var errs []error
-	if m.Interval < 0 {
-		errs = append(errs, fmt.Errorf("%s.interval: must not be negative (0 turns scraping off)", key))
+	if m.Interval < 0 || m.Interval > 0 && m.Interval < Duration(minInterval) {
+		errs = append(errs, fmt.Errorf("%s.interval: %s is neither 0 (scraping off) nor at least %s", key, m.Interval.D(), minInterval))
 	}
 	if !strings.HasPrefix(m.Path, "/") {
 		errs = append(errs, fmt.Errorf("%s.path: %q does not start with /", key, m.Path))

@@ -152,3 +152,22 @@ func TestSetDefaultsIsIdempotent(t *testing.T) {
 		t.Fatalf("SetDefaults twice = %+v, once = %+v", again, s)
 	}
 }
+
+// An interval of checks, scrapes or lookups set below 10 ms is refused: at a
+// microsecond it spun a fifth of a CPU and never succeeded. 0 stays "off".
+func TestIntervalsHaveAFloor(t *testing.T) {
+	for _, tt := range []struct {
+		pool, want string // want "": accepted
+	}{
+		{"health: {check_interval: 10ms}", ""},
+		{"health: {check_interval: 0s}", ""},
+		{"health: {check_interval: 1us}", "pools.decode.health.check_interval: 1µs is neither 0"},
+		{"metrics: {interval: 5ms}", "pools.decode.metrics.interval: 5ms is neither 0"},
+		{"dns: decode.svc:8000, dns_interval: 1ms", "pools.decode.dns_interval: 1ms is below 10ms"},
+	} {
+		_, err := parseScheduling(t, "pools: {decode: {"+tt.pool+"}}")
+		if tt.want == "" && err != nil || tt.want != "" && (err == nil || !strings.Contains(err.Error(), tt.want)) {
+			t.Errorf("%s: %v, want %q", tt.pool, err, tt.want)
+		}
+	}
+}
