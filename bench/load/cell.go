@@ -161,12 +161,14 @@ func runCell(ctx context.Context, o CellOptions, cell Cell, p *Payload) (res Cel
 	if !peakReset {
 		res.PeakRSS = sampled
 	}
+	// The CPU profile's request, and its connection, end before the
+	// goroutines are counted: they are the harness's, not the server's.
+	if err := <-profiled; err != nil {
+		fmt.Fprintf(os.Stderr, "%s: profile: %v\n", cell, err)
+	}
 	// Streams end asynchronously after Envoy's reset: give them time to go.
 	if res.GBefore >= 0 {
 		res.GAfter, _ = settledGoroutines(ctx, t.Server.AdminAddr, res.GBefore+allowedGrowth(cell.Target), 3*time.Second)
-	}
-	if err := <-profiled; err != nil {
-		fmt.Fprintf(os.Stderr, "%s: profile: %v\n", cell, err)
 	}
 	if o.PprofDir != "" {
 		saveProfile(ctx, t.Server.AdminAddr, 0, filepath.Join(o.PprofDir, fileName(cell)+".allocs.pprof"))
@@ -247,13 +249,14 @@ func saveProfile(ctx context.Context, adminAddr string, d time.Duration, path st
 	if err != nil {
 		return err
 	}
+	req.Close = true // no kept-alive connection left on the server to count as its goroutines
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("%s: %s (the server may not serve /debug/pprof; see -pprof-extproc)", url, resp.Status)
+		return fmt.Errorf("%s: %s (the server may not serve /debug/pprof; see -pprof-dir)", url, resp.Status)
 	}
 	f, err := os.Create(path)
 	if err != nil {
