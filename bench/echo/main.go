@@ -23,7 +23,7 @@ import (
 	"google.golang.org/grpc/reflection"
 
 	"github.com/pd-extproc/pd-extproc/bench/internal/echo"
-	"github.com/pd-extproc/pd-extproc/pkg/server"
+	"github.com/pd-extproc/pd-extproc/pkg/server/grpcbuf"
 )
 
 // maxRecvMsgSize matches extproc with its default config: the 32 MiB body
@@ -32,7 +32,7 @@ const maxRecvMsgSize = 32<<20 + 1<<20
 
 // The same gRPC buffers as extproc: the floor must not pay for a setting
 // extproc does not.
-func init() { server.UseChunkSizedBuffers() }
+func init() { grpcbuf.UseChunkSized() }
 
 func main() {
 	grpcAddr := flag.String("grpc-addr", ":9003", "ext_proc gRPC listen address")

@@ -10,16 +10,15 @@ import (
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/pd-extproc/pd-extproc/pkg/server/grpcbuf"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-
-	"github.com/pd-extproc/pd-extproc/pkg/server"
 )
 
 // The driver stands in for Envoy, whose own cost is not under test: it uses
 // the same chunk-sized gRPC buffers as extproc and echo, to spend as little
 // CPU as it can on the two cores it shares with the servers.
-func init() { server.UseChunkSizedBuffers() }
+func init() { grpcbuf.UseChunkSized() }
 
 // envoyWindow is Envoy's default HTTP/2 initial stream and connection window
 // (256 MiB): Envoy never throttles what an ext_proc server sends back.

@@ -25,6 +25,7 @@ import (
 	defaults "github.com/pd-extproc/pd-extproc/config"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/server"
+	"github.com/pd-extproc/pd-extproc/pkg/server/grpcbuf"
 	"github.com/pd-extproc/pd-extproc/pkg/version"
 )
 
@@ -38,7 +39,7 @@ type flags struct {
 	keepalive                              server.Keepalive
 }
 
-func init() { server.UseChunkSizedBuffers() }
+func init() { grpcbuf.UseChunkSized() }
 
 func main() {
 	var f flags
