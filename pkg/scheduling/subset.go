@@ -12,7 +12,9 @@ import (
 // none of ours means no endpoint at all (the protocol's 503). The zero Subset
 // is "no hint": every endpoint is allowed.
 type Subset struct {
-	addrs []string
+	addrs []string         // as the hint spells them
+	ports []netip.AddrPort // those that are ip:port, parsed once
+	ips   []netip.Addr     // those that are a bare IP: any port of it
 	set   bool
 }
 
@@ -29,7 +31,7 @@ func ParseSubset(hint any) Subset {
 	case nil:
 		return Subset{}
 	case string:
-		parts = strings.Split(v, ",")
+		parts = []string{v}
 	case []string:
 		parts = v
 	case []any:
@@ -49,6 +51,11 @@ func ParseSubset(hint any) Subset {
 			if a = strings.TrimSpace(a); a != "" {
 				s.addrs = append(s.addrs, a)
 			}
+			if ap, err := netip.ParseAddrPort(a); err == nil {
+				s.ports = append(s.ports, ap)
+			} else if ip, err := netip.ParseAddr(a); err == nil {
+				s.ips = append(s.ips, ip.Unmap())
+			}
 		}
 	}
 	return s
@@ -63,16 +70,5 @@ func (s Subset) Allows(addr string) bool {
 		return true
 	}
 	ap, err := netip.ParseAddrPort(addr)
-	if err != nil {
-		return false
-	}
-	for _, a := range s.addrs {
-		if h, err := netip.ParseAddrPort(a); err == nil && h == ap {
-			return true
-		}
-		if ip, err := netip.ParseAddr(a); err == nil && ip.Unmap() == ap.Addr().Unmap() {
-			return true
-		}
-	}
-	return false
+	return err == nil && (slices.Contains(s.ports, ap) || slices.Contains(s.ips, ap.Addr().Unmap()))
 }
