@@ -68,6 +68,9 @@ type Config struct {
 	// NoRender leaves out vLLM's render endpoints, as older vLLM releases
 	// do (SGLang has none either).
 	NoRender bool
+	// RefuseServerInfo answers SGLang's server info with 401, as an SGLang
+	// server started with --api-key does to a caller without its key.
+	RefuseServerInfo bool
 	// LoRA names the LoRA adapters served besides Model (vLLM's
 	// --lora-modules): a request that names one is served, and its blocks
 	// are keyed by the adapter's name as vLLM keys them.
@@ -276,6 +279,10 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("POST /v1/messages", s.inference(apiMessages))
 	s.otherRoutes(mux)
 	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
+	if s.cfg.Protocol == ProtocolSGLang {
+		mux.HandleFunc("GET /server_info", s.serverInfo)
+		mux.HandleFunc("GET /get_server_info", s.serverInfo)
+	}
 	mux.HandleFunc("GET /v1/models", s.models)
 	mux.HandleFunc("GET /metrics", s.metrics.serve(s.cfg.Model, s.cfg.Protocol, s.cfg.Role))
 	mux.HandleFunc("GET /pdsim/requests", func(w http.ResponseWriter, _ *http.Request) {

@@ -365,3 +365,28 @@ func awaitOrTimeout(ctx context.Context, done <-chan struct{}, timeout time.Dura
 		return ctx.Err()
 	}
 }
+
+// serverInfo answers as SGLang's GET /server_info (and its older name,
+// /get_server_info) does: the server's arguments, the P/D ones among them
+// (python/sglang/srt/entrypoints/http_server.py). A decode server reports
+// the default bootstrap port, as SGLang's arguments carry one for every
+// server.
+func (s *Server) serverInfo(w http.ResponseWriter, _ *http.Request) {
+	if s.cfg.RefuseServerInfo {
+		writeJSON(w, http.StatusUnauthorized, map[string]string{"error": "Unauthorized"}) // SGLang's --api-key middleware
+		return
+	}
+	port := sglangDefaultBootstrapPort
+	if s.cfg.Role == RolePrefill {
+		_, p, _ := net.SplitHostPort(s.BootstrapAddr())
+		port, _ = strconv.Atoi(p)
+	}
+	writeJSON(w, http.StatusOK, map[string]any{
+		"model_path":                      s.cfg.Model,
+		"disaggregation_mode":             s.cfg.Role,
+		"disaggregation_transfer_backend": "mooncake",
+		"disaggregation_bootstrap_port":   port,
+		"internal_states":                 []any{map[string]any{}},
+		"version":                         "pdsim",
+	})
+}

@@ -151,3 +151,38 @@ func TestBootstrapSource(t *testing.T) {
 		}
 	}
 }
+
+// An SGLang server tells its disaggregation mode and its prefill's bootstrap
+// port in its server info, under both of the names SGLang serves it; a vLLM
+// server has none.
+func TestSGLangServerInfo(t *testing.T) {
+	p := start(t, Config{Role: RolePrefill, Protocol: ProtocolSGLang})
+	_, port, _ := net.SplitHostPort(p.BootstrapAddr())
+	tests := []struct {
+		name       string
+		s          *Server
+		path       string
+		wantStatus int
+		want       []string
+	}{
+		{"prefill", p, "/server_info", 200, []string{`"disaggregation_mode":"prefill"`, `"disaggregation_bootstrap_port":` + port + `,`}},
+		{"prefill, older name", p, "/get_server_info", 200, []string{`"disaggregation_bootstrap_port":` + port + `,`}},
+		{"decode", start(t, Config{Role: RoleDecode, Protocol: ProtocolSGLang}), "/server_info", 200,
+			[]string{`"disaggregation_mode":"decode"`, `"disaggregation_bootstrap_port":8998,`}},
+		{"--api-key", start(t, Config{Role: RolePrefill, Protocol: ProtocolSGLang, RefuseServerInfo: true}), "/server_info", 401, []string{`"error":"Unauthorized"`}},
+		{"vLLM", start(t, Config{Role: RolePrefill, Protocol: ProtocolNIXL}), "/server_info", 404, []string{`"detail":"Not Found"`}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			r := get(t, tc.s, tc.path)
+			if r.status != tc.wantStatus {
+				t.Fatalf("status %d, want %d: %s", r.status, tc.wantStatus, r.body)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(string(r.body), w) {
+					t.Errorf("%s lacks %s", r.body, w)
+				}
+			}
+		})
+	}
+}

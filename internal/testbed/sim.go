@@ -43,6 +43,7 @@ type SimConfig struct {
 	KVEncoding                 string
 	PrefixCacheBlocks          int      // the prefix cache's size; 0: pdsim's default
 	NoRender                   bool     // no render endpoints, as older vLLM releases
+	RefuseServerInfo           bool     // SGLang's server info refused (401), as with --api-key
 	LoRA                       []string // LoRA adapters served besides the model
 	Timings
 	Log io.Writer // a line per request; nil discards them
@@ -61,7 +62,8 @@ func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
 	}
 	s, err := pdsim.Start(pdsim.Config{
 		KVEvents: events, PrefixCacheBlocks: cfg.PrefixCacheBlocks, NoRender: cfg.NoRender, LoRA: cfg.LoRA,
-		Role: cfg.Role, Protocol: cfg.Protocol, SharedDir: cfg.SharedDir,
+		RefuseServerInfo: cfg.RefuseServerInfo,
+		Role:             cfg.Role, Protocol: cfg.Protocol, SharedDir: cfg.SharedDir,
 		Addr:          cmp.Or(cfg.Addr, ip+":0"),
 		KVAddr:        fmt.Sprintf("%s:%d", ip, cfg.KVPort),
 		BootstrapAddr: fmt.Sprintf("%s:%d", ip, cfg.BootstrapPort),

@@ -19,6 +19,9 @@ type EndpointState struct {
 	// CacheTrusted is false while a decode endpoint's answers have lately
 	// belied what the router estimated it caches (pd.min_uncached_tokens).
 	CacheTrusted bool
+	// BootstrapPort is the SGLang bootstrap port a kv-sglang prefill
+	// endpoint's requests name; 0 elsewhere.
+	BootstrapPort int
 }
 
 // WatchEndpoints exports the endpoint_* metrics, read from src at every
@@ -41,6 +44,9 @@ var (
 	cacheTrustedDesc = endpointDesc("endpoint_cache_trusted",
 		"0 while a decode endpoint's answers have lately belied the prefix it was estimated to cache (evicted, restarted): "+
 			"the cache rule (cached_prefix) is off for it; else 1.")
+	bootstrapPortDesc = endpointDesc("endpoint_bootstrap_port",
+		"kv-sglang prefill endpoints: the bootstrap port their requests name, as the engine reports it in its server info, "+
+			"else as its pod's sglang.ai/bootstrap-port annotation or pools.prefill.bootstrap_port says.")
 )
 
 // endpointDesc describes a series per pool and endpoint.
@@ -51,7 +57,7 @@ func endpointDesc(name, help string) *prometheus.Desc {
 type endpointCollector struct{ src func() []EndpointState }
 
 func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{inflightDesc, healthyDesc, ejectionsDesc, waitingDesc, kvUsageDesc, cacheTrustedDesc} {
+	for _, d := range []*prometheus.Desc{inflightDesc, healthyDesc, ejectionsDesc, waitingDesc, kvUsageDesc, cacheTrustedDesc, bootstrapPortDesc} {
 		ch <- d
 	}
 }
@@ -62,6 +68,9 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, one(e.Healthy), e.Pool, e.Endpoint)
 		ch <- prometheus.MustNewConstMetric(ejectionsDesc, prometheus.CounterValue, float64(e.Ejections), e.Pool, e.Endpoint)
 		ch <- prometheus.MustNewConstMetric(cacheTrustedDesc, prometheus.GaugeValue, one(e.CacheTrusted), e.Pool, e.Endpoint)
+		if e.BootstrapPort > 0 {
+			ch <- prometheus.MustNewConstMetric(bootstrapPortDesc, prometheus.GaugeValue, float64(e.BootstrapPort), e.Pool, e.Endpoint)
+		}
 		if e.Scraped {
 			ch <- prometheus.MustNewConstMetric(waitingDesc, prometheus.GaugeValue, e.Waiting, e.Pool, e.Endpoint)
 			ch <- prometheus.MustNewConstMetric(kvUsageDesc, prometheus.GaugeValue, e.KVUsage, e.Pool, e.Endpoint)

@@ -33,9 +33,12 @@ func (p *Pool) SetDiscovered(eps []Discovered) {
 	p.rebuild()
 }
 
-// BootstrapPort is the endpoint's SGLang bootstrap port: its own when
-// discovery gave it one, else poolPort.
+// BootstrapPort is the endpoint's SGLang bootstrap port: the one its engine
+// reports (serverinfo.go), else the one discovery gave it, else poolPort.
 func (e *Endpoint) BootstrapPort(poolPort int) int {
+	if i := e.info.Load(); i != nil && i.bootstrapPort > 0 {
+		return i.bootstrapPort
+	}
 	if n := e.bootstrapPort.Load(); n > 0 {
 		return int(n)
 	}

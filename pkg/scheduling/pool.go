@@ -186,6 +186,9 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 	case len(out) == 0:
 		return nil, fmt.Errorf("%s: %w", p.Name, ErrUnhealthy)
 	}
+	if p.probe.serverInfo {
+		out = askedFirst(out)
+	}
 	if req != nil && len(down)+len(st.gone) > 0 { // nothing to read the clock for, most often
 		now := p.deps.Now()
 		for _, e := range slices.Concat(down, st.gone) {

@@ -79,6 +79,7 @@ func NewPools(spec Spec, deps Deps) *Pools {
 	}
 	ps.Prefill.probe = deps.probe(rolePrefill, deps.PrefillTLS, clientGiven)
 	ps.Decode.probe = deps.probe(roleDecode, deps.DecodeTLS, clientGiven)
+	ps.Prefill.probe.serverInfo = spec.Paired
 	ps.decider.Store(newDecider(spec))
 	return ps
 }
@@ -98,8 +99,8 @@ func (ps *Pools) Decide(req *Request, decode *Endpoint) Split {
 }
 
 // Run does the pools' background work until ctx is done: active health
-// checks, /metrics scrapes and DNS resolution, each as configured (and
-// reconfigured) per pool. It returns once all of it has stopped.
+// checks, /metrics scrapes, DNS resolution and KV events, each as configured
+// (and reconfigured) per pool, and a kv-sglang prefill pool's server info. It returns once all of it has stopped.
 func (ps *Pools) Run(ctx context.Context) {
 	var wg sync.WaitGroup
 	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
@@ -123,6 +124,13 @@ func (p *Pool) Run(ctx context.Context) {
 		})
 	})
 	wg.Go(func() { p.followEvents(ctx) })
+	if p.probe.serverInfo {
+		wg.Go(func() {
+			p.every(ctx, func(PoolSpec) time.Duration { return serverInfoEvery }, true, func(st *poolState, eps []*Endpoint) {
+				p.readServerInfo(ctx, st, eps)
+			})
+		})
+	}
 	wg.Go(func() {
 		p.every(ctx, func(s PoolSpec) time.Duration {
 			if s.DNS == "" {

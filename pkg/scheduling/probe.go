@@ -17,11 +17,15 @@ const (
 	roleDecode
 )
 
-// probe is how a pool's health checks and /metrics scrapes reach its engines.
+// probe is how a pool's health checks and /metrics scrapes reach its
+// engines, and what else it asks them.
 type probe struct {
 	client *http.Client
 	scheme string // http, or https when the engines serve TLS
 	role   role
+	// serverInfo: the engines are asked their SGLang server info, for their
+	// bootstrap ports (a kv-sglang prefill pool; serverinfo.go).
+	serverInfo bool
 }
 
 func (p probe) url(addr, path string) string { return p.scheme + "://" + addr + path }

@@ -5,14 +5,18 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
-// poolStates reads the pools' endpoints as they are at each call.
-func poolStates(pools ...*scheduling.Pool) func() []metrics.EndpointState {
+// poolStates reads the pools' endpoints as they are at each call;
+// bootstrapPort is pools.prefill.bootstrap_port.
+func poolStates(bootstrapPort int, pools ...*scheduling.Pool) func() []metrics.EndpointState {
 	return func() []metrics.EndpointState {
 		var out []metrics.EndpointState
 		for _, p := range pools {
 			for _, e := range p.Endpoints() {
 				st := metrics.EndpointState{Pool: p.Name, Endpoint: e.Addr, InFlight: e.InFlight(), Healthy: e.Healthy(), CheckedDown: e.CheckedDown(), Ejections: e.Ejections(),
 					CacheTrusted: e.CacheTrusted()}
+				if p.ReadsBootstrapPorts() {
+					st.BootstrapPort = e.BootstrapPort(bootstrapPort)
+				}
 				if l, ok := e.Load(); ok {
 					st.Scraped, st.Waiting, st.KVUsage = true, l.Waiting, l.KVUsage
 				}

@@ -5,11 +5,13 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
 // legsOn counts, per simulator, the requests whose body contains marker.
@@ -163,6 +165,44 @@ func TestBusySGLangDecodeEndpointIsPassedOver(t *testing.T) {
 		if !onIdle() {
 			t.Fatalf("request %d after the scrape went to the busy decode endpoint %s", i, r.decode[0].Addr())
 		}
+	}
+}
+
+// SGLang prefill engines sharing a host each listen for their decodes'
+// bootstrap on a port of their own; the pool's config names one port. Each
+// engine's own is read from its server info, so every request's decode
+// reaches the bootstrap server of the prefill engine that took its leg. With
+// the pool's port for both, the second engine's decodes knocked on the first
+// one's bootstrap server and failed at their handshake bound.
+func TestSGLangPrefillsOnOneHostKeepTheirBootstrapPorts(t *testing.T) {
+	var second *pdsim.Server
+	r := startRig(t, rigOptions{connector: "kv-sglang", prefills: 1, handshake: 2 * time.Second, prefillPool: "policy: round-robin",
+		prefillAddrs: func(sims []*pdsim.Server) []string {
+			ip, _ := hostPort(t, sims[0].Addr())
+			second = testbed.MustStartSim(t, testbed.SimConfig{Role: pdsim.RolePrefill, Protocol: pdsim.ProtocolSGLang, IP: ip,
+				Timings: testbed.Timings{TTFT: time.Millisecond, TPOT: time.Millisecond, OutputTokens: 5, HandshakeTimeout: 2 * time.Second}})
+			return []string{sims[0].Addr(), second.Addr()}
+		}})
+	prefills := []*pdsim.Server{r.prefill[0], second}
+	for _, p := range prefills {
+		_, port := hostPort(t, p.BootstrapAddr())
+		series := fmt.Sprintf(`pd_extproc_endpoint_bootstrap_port{endpoint=%q,pool="prefill"}`, p.Addr())
+		waitFor(t, 10*time.Second, series+" "+port, func() bool { return fmt.Sprint(r.metric(t, series)) == port })
+	}
+	for i := range 6 {
+		marker := fmt.Sprintf("one host, two bootstrap ports %d", i)
+		path, body := request("chat", false, marker)
+		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
+			t.Fatalf("request %d: status %d, KV %q: %.200s", i, resp.StatusCode, resp.Header.Get("x-pdsim-kv"), got)
+		}
+		legs := legsOn(prefills, marker)
+		p := prefills[slices.Index(legs, 1)]
+		if d := recordsWith(r.decode, marker); len(d) != 1 || d[0].KVSource != p.BootstrapAddr() {
+			t.Errorf("request %d: prefill legs %v; decode records %+v, want one pulling from %s", i, legs, d, p.BootstrapAddr())
+		}
+	}
+	if legs := [2]int{len(prefills[0].Requests()), len(prefills[1].Requests())}; legs[0] == 0 || legs[1] == 0 {
+		t.Errorf("prefill legs per engine %v, want both engines used", legs)
 	}
 }
 

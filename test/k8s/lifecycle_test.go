@@ -140,8 +140,10 @@ func TestPodLifecycle(t *testing.T) {
 }
 
 // kv-sglang: a prefill pod's sglang.ai/bootstrap-port annotation overrides
-// the pool's bootstrap_port for that pod. Its simulator's bootstrap server
-// listens only there, so a handoff that used the pool's port would fail.
+// the pool's bootstrap_port for that pod where its engine cannot be asked
+// for its own (here, as behind SGLang's --api-key). Its simulator's
+// bootstrap server listens only there, so a handoff that used the pool's
+// port would fail.
 func TestSGLangBootstrapAnnotation(t *testing.T) {
 	c := mustCluster(t)
 	ns := c.namespace(t, "sglang")
@@ -150,7 +152,7 @@ func TestSGLangBootstrapAnnotation(t *testing.T) {
 	sg := pdsim.ProtocolSGLang
 	own := testbed.MustFreePort(t)
 	prefill := c.startEngine(t, ns, "prefill-0", pdsim.RolePrefill, sg, map[string]string{roleLabel: "prefill"},
-		map[string]string{"sglang.ai/bootstrap-port": fmt.Sprint(own)}, func(sc *testbed.SimConfig) { sc.BootstrapPort = own })
+		map[string]string{"sglang.ai/bootstrap-port": fmt.Sprint(own)}, func(sc *testbed.SimConfig) { sc.BootstrapPort, sc.RefuseServerInfo = own, true })
 	decode := c.startEngine(t, ns, "decode-0", pdsim.RoleDecode, sg, map[string]string{roleLabel: "decode"}, nil, nil)
 	c.setReady(t, prefill, true)
 	c.setReady(t, decode, true)
