@@ -23,7 +23,7 @@ type TLSFiles struct {
 	Cert, Key, ClientCA string
 	// AllowedSANs are the client identities accepted: DNS names, compared
 	// without regard to case, and URIs (SPIFFE ids, spiffe://trust-domain/…),
-	// compared byte for byte. A certificate passes when any of its DNS or URI
+	// compared exactly but for the scheme's case (url.Parse lowers it). A certificate passes when any of its DNS or URI
 	// SANs is on the list. No wildcards, on either side: a CA that signs for
 	// other workloads must not let them in by a pattern.
 	AllowedSANs []string
