@@ -5,6 +5,8 @@
 package enginehttp
 
 import (
+	"cmp"
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
@@ -30,9 +32,10 @@ const idleConnTimeout = 4 * time.Second
 // compression that would hide the response size, no redirects, HTTPS when
 // prefill.tls says so and HTTP/2 when prefill.http2 does.
 func Client(cfg config.Prefill) (*http.Client, string, error) {
+	dialer := &net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}
 	t := &http.Transport{
 		Proxy:               nil,
-		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		DialContext:         dialer.DialContext,
 		MaxIdleConns:        0, // no bound across engines: MaxIdleConnsPerHost bounds each
 		MaxIdleConnsPerHost: cfg.MaxIdleConnsPerEndpoint,
 		MaxConnsPerHost:     cfg.MaxConnsPerEndpoint,
@@ -48,15 +51,55 @@ func Client(cfg config.Prefill) (*http.Client, string, error) {
 	}
 	t.Protocols.SetHTTP1(true)
 	t.Protocols.SetHTTP2(cfg.HTTP2)
-	var err error
-	if t.TLSClientConfig, err = TLS("prefill.tls", cfg.TLS); err != nil {
+	t.ForceAttemptHTTP2 = cfg.HTTP2 // the TLS dialer below is ours
+	c, err := TLS("prefill.tls", cfg.TLS)
+	if err != nil {
 		return nil, "", err
 	}
+	if cfg.HTTP2 {
+		c.NextProtos = []string{"h2", "http/1.1"}
+	}
+	t.DialTLSContext = DialTLS(c, dialer.DialContext)
 	return client, "https", nil
 }
 
+// DialTLS dials engines over TLS c: each connection's handshake checks the
+// engine's certificate against c's CA (ca_file as it is at that handshake)
+// and against tls.server_name or, when that is not set, the IP address
+// dialled. A transport's own dialer cannot do the latter: crypto/tls hands
+// the certificate check no name for an IP address, which it leaves out of
+// the handshake (SNI).
+func DialTLS(c *tls.Config, dial func(ctx context.Context, network, addr string) (net.Conn, error)) func(ctx context.Context, network, addr string) (net.Conn, error) {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		host, _, err := net.SplitHostPort(addr)
+		if err != nil {
+			return nil, err
+		}
+		raw, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		conn := c.Clone()
+		name := cmp.Or(c.ServerName, host)
+		conn.ServerName = name
+		if verify := c.VerifyConnection; verify != nil {
+			conn.VerifyConnection = func(cs tls.ConnectionState) error {
+				cs.ServerName = name
+				return verify(cs)
+			}
+		}
+		tc := tls.Client(raw, conn)
+		if err := tc.HandshakeContext(ctx); err != nil {
+			raw.Close()
+			return nil, err
+		}
+		return tc, nil
+	}
+}
+
 // TLS is the client TLS of requests to engines under the config keys at key;
-// nil when they speak plain HTTP. A ca_file is read again when it changes
+// nil when they speak plain HTTP. Dial with DialTLS, which checks the
+// engine's name. A ca_file is read again when it changes
 // (another file, size or modification time, through symlinks: a Secret's
 // volume swaps its ..data link), before the next handshake, so that rotating the engines'
 // CA (the bundle first gains the new CA, then the engines restart with
@@ -114,7 +157,8 @@ func (f *caFile) roots() (*x509.CertPool, error) {
 }
 
 // verify checks the engine's chain against the bundle, and its name (or IP
-// address) against the one dialled or tls.server_name.
+// address) against cs.ServerName, which DialTLS sets to the one dialled or
+// tls.server_name.
 func (f *caFile) verify(cs tls.ConnectionState) error {
 	roots, err := f.roots()
 	if err != nil {
@@ -122,6 +166,9 @@ func (f *caFile) verify(cs tls.ConnectionState) error {
 	}
 	if len(cs.PeerCertificates) == 0 {
 		return errors.New("the engine sent no certificate")
+	}
+	if cs.ServerName == "" { // not dialled by DialTLS, and no name to check
+		return errors.New("no engine name to check the certificate against")
 	}
 	opts := x509.VerifyOptions{Roots: roots, DNSName: cs.ServerName, Intermediates: x509.NewCertPool()}
 	for _, cert := range cs.PeerCertificates[1:] {

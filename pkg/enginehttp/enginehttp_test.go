@@ -172,3 +172,66 @@ func TestEngineCARotationNeedsNoRestart(t *testing.T) {
 		}
 	}
 }
+
+// An engine's certificate must name the engine: the IP address dialled, or
+// tls.server_name when that is set. A certificate the CA signed for another
+// engine is refused, as Go's own verification would refuse it; over
+// HTTP/2 too, which the handshake still negotiates.
+func TestEngineCertificateNamesTheEngine(t *testing.T) {
+	ca, err := testpki.NewCA("engines")
+	if err != nil {
+		t.Fatal(err)
+	}
+	caPath := filepath.Join(t.TempDir(), "ca.crt")
+	if err := os.WriteFile(caPath, ca.PEM, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name       string
+		sans       []string // the engine's certificate; it listens on 127.0.0.1
+		serverName string
+		http2      bool
+		ok         bool
+	}{
+		{"its IP address", []string{"127.0.0.1"}, "", false, true},
+		{"another engine's IP address", []string{"127.0.0.2"}, "", false, false},
+		{"another engine's, over HTTP/2", []string{"127.0.0.2"}, "", true, false},
+		{"its IP address, over HTTP/2", []string{"127.0.0.1"}, "", true, true},
+		{"the name tls.server_name says", []string{"engine.pd"}, "engine.pd", false, true},
+		{"a name, not tls.server_name's", []string{"other.pd"}, "engine.pd", false, false},
+		{"tls.server_name rules, not the IP address", []string{"127.0.0.1"}, "engine.pd", false, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			certPEM, keyPEM, err := ca.IssuePEM(testpki.Leaf{Name: "engine", SANs: tt.sans, Server: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			cert, err := tls.X509KeyPair(certPEM, keyPEM)
+			if err != nil {
+				t.Fatal(err)
+			}
+			engine := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.Write([]byte(r.Proto)) }))
+			engine.EnableHTTP2 = true
+			engine.TLS = &tls.Config{Certificates: []tls.Certificate{cert}}
+			engine.StartTLS()
+			defer engine.Close()
+			c, _, err := Client(config.Prefill{HTTP2: tt.http2, TLS: config.EngineTLS{Enabled: true, CAFile: caPath, ServerName: tt.serverName}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.CloseIdleConnections()
+			resp, err := c.Get(engine.URL)
+			if (err == nil) != tt.ok {
+				t.Fatalf("error %v, want success %v", err, tt.ok)
+			}
+			if err != nil {
+				return
+			}
+			defer resp.Body.Close()
+			if want := map[bool]int{true: 2, false: 1}[tt.http2]; resp.ProtoMajor != want {
+				t.Errorf("spoke %s, want HTTP/%d", resp.Proto, want)
+			}
+		})
+	}
+}

@@ -5,6 +5,8 @@ import (
 	"net"
 	"net/http"
 	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/enginehttp"
 )
 
 // role is what a pool's engines do in a P/D pair. It decides which of an
@@ -50,11 +52,15 @@ func (d Deps) probe(r role, tlsCfg *tls.Config, clientGiven bool) probe {
 // pd-extproc's requests to a host outside its pool, nor vouch with its
 // answer.
 func probeClient(tlsCfg *tls.Config) *http.Client {
-	return &http.Client{Transport: &http.Transport{
+	dialer := &net.Dialer{Timeout: 2 * time.Second}
+	t := &http.Transport{
 		Proxy:               nil,
-		DialContext:         (&net.Dialer{Timeout: 2 * time.Second}).DialContext,
+		DialContext:         dialer.DialContext,
 		MaxIdleConnsPerHost: 2,
 		IdleConnTimeout:     time.Minute,
-		TLSClientConfig:     tlsCfg,
-	}, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	}
+	if tlsCfg != nil {
+		t.DialTLSContext = enginehttp.DialTLS(tlsCfg, dialer.DialContext)
+	}
+	return &http.Client{Transport: t, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
 }
