@@ -105,12 +105,13 @@ const (
 	FailureTooLarge                      // a 2xx answer longer than the 8 MiB read: its kv_transfer_params would be lost
 	FailureMalformed                     // a 2xx answer that is not a JSON object (nor an event stream): a broken engine or proxy
 	FailureOverloaded                    // the engine answered 429: busy, not wrong; another may take the leg
+	FailureNotFound                      // the engine answered 404 with an OpenAI error: it lacks the model, adapter or stored response the request names, which another may have
 )
 
 var failureLabels = [...]string{
 	FailureConnect: "connect", FailureTimeout: "timeout", FailureStatus4xx: "status_4xx", FailureStatus5xx: "status_5xx",
 	FailureRedirect: "redirect", FailureTransport: "transport", FailureCancelled: "cancelled", FailureNotSent: "not_sent",
-	FailureTooLarge: "answer_too_large", FailureMalformed: "malformed", FailureOverloaded: "overloaded",
+	FailureTooLarge: "answer_too_large", FailureMalformed: "malformed", FailureOverloaded: "overloaded", FailureNotFound: "not_found",
 }
 
 func (f Failure) String() string { return label(failureLabels[:], f) }
@@ -193,7 +194,7 @@ func New(connector string) *Metrics {
 			"Duration of each prefill leg attempt the service sent, by outcome (ok, failed, cancelled).",
 			[]float64{.01, .025, .05, .1, .25, .5, 1, 2, 2.5, 5, 10, 20, 30, 60}, "outcome"), // 2: the slow-prefill alert's line
 		prefillFailures: counterVec("prefill_failures_total",
-			"Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled, not_sent, answer_too_large, malformed, overloaded).",
+			"Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled, not_sent, answer_too_large, malformed, overloaded, not_found).",
 			"reason"),
 		kvParamsMissing: counter("kv_params_missing_total",
 			"Successful kv-nixl prefill legs that returned no kv_transfer_params, so the decode engine recomputed the prompt."),

@@ -43,6 +43,8 @@ func TestOnlyTheEndpointsOwnFailuresEjectIt(t *testing.T) {
 			requestID: "r1", wantReason: metrics.FailureMalformed, ejected: true},
 		{name: "a 429: busy, not broken", answer: enginetest.JSON(429, `{"error":"too many requests"}`),
 			requestID: "r1", wantReason: metrics.FailureOverloaded, failStatus: 503},
+		{name: "a 404 for a model (an adapter) it does not serve", answer: enginetest.JSON(404, unservedModel),
+			requestID: "r1", wantReason: metrics.FailureNotFound, failStatus: 404},
 		{name: "no answer within prefill.timeout", answer: func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() },
 			requestID: "r1", wantReason: metrics.FailureTimeout, failStatus: 503, ejected: true},
 	}
@@ -264,5 +266,45 @@ prefill: {on_failure: fail, attempts: 1}`, engine.Addr()))
 				t.Errorf("Retry-After %v, want %v", e.RetryAfter, tt.want)
 			}
 		})
+	}
+}
+
+// unservedModel is vLLM's answer for a model or LoRA adapter it does not
+// serve (OpenAIServing._check_model, vllm/entrypoints/openai/engine/serving.py).
+const unservedModel = `{"error":{"message":"The model ` + "`sql-lora`" + ` does not exist.","type":"NotFoundError","param":"model","code":404}}`
+
+// TestAnAdapterMissingOnOnePrefillEngineIsTakenElsewhere: a LoRA adapter
+// loaded at run time on some prefill engines, or lost by one in a restart.
+// The engine without it answers 404; another prefill endpoint takes the leg,
+// and none is ejected. Where no engine has it, the decode engine is asked
+// alone (it answers for itself) or, under on_failure fail, the client gets
+// the engine's 404.
+func TestAnAdapterMissingOnOnePrefillEngineIsTakenElsewhere(t *testing.T) {
+	lacking := enginetest.Start(t, enginetest.JSON(404, unservedModel))
+	serving := enginetest.Start(t, enginetest.JSON(200, `{"choices":[{"text":"x"}],"kv_transfer_params":{"do_remote_decode":false,"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[1],"remote_host":"10.0.0.9","remote_port":5600}}`))
+	p, m, _ := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+pools: {prefill: {endpoints: [%q, %q], policy: round-robin}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {attempts: 2}
+pd: {mode: always}`, lacking.Addr(), serving.Addr()))
+	for i := range 4 {
+		r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i),
+			Body: []byte(`{"model":"sql-lora","prompt":"hi"}`)}
+		d, err := p.Route(context.Background(), r)
+		if err != nil {
+			t.Fatalf("request %d: %v, want it prefilled on the engine that serves the adapter", i, err)
+		}
+		if r.Report.Mode != pipeline.ModePD || r.Report.Prefill != serving.Addr() {
+			t.Errorf("request %d: mode %v, prefill %s; want P/D on %s", i, r.Report.Mode, r.Report.Prefill, serving.Addr())
+		}
+		d.Release()
+	}
+	if got := counter(t, m, "pd_extproc_prefill_failures_total", "reason", "not_found"); got == 0 {
+		t.Error("no attempt failed not_found: the test showed nothing")
+	}
+	prefill, _ := p.Pools()
+	for _, e := range prefill.Endpoints() {
+		if !e.Healthy() {
+			t.Errorf("%s was ejected for an adapter it does not serve", e.Addr)
+		}
 	}
 }

@@ -242,7 +242,7 @@ func prefillFailed(cause error, requestID string) *Error {
 		return e
 	case last == nil || last.answer == nil && last.reason != metrics.FailureTooLarge && last.reason != metrics.FailureMalformed:
 		return hiding(http.StatusServiceUnavailable, "upstream_error", "prefill leg failed: no prefill engine answered", requestID, cause)
-	case last.aboutRequest():
+	case last.refused():
 		return &Error{Status: last.answer.status, Type: "invalid_request_error", Message: "prefill engine rejected the request",
 			Raw: last.answer.body, ContentType: last.answer.contentType}
 	}

@@ -1,6 +1,7 @@
 package pipeline
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -67,6 +68,11 @@ func classify(ctx context.Context, err error, reached bool) *attemptError {
 	switch {
 	case errors.As(err, &e.answer) && e.answer.status == http.StatusTooManyRequests:
 		e.reason = metrics.FailureOverloaded // busy, not about the request: another endpoint may take it
+	case e.answer != nil && e.answer.status == http.StatusNotFound && openAIError(bytes.NewReader(e.answer.body)):
+		// vLLM's answer for a model or LoRA adapter this engine does not
+		// serve (loaded at run time on some engines, lost in a restart), or a
+		// stored response it does not hold: another endpoint may have it.
+		e.reason = metrics.FailureNotFound
 	case e.answer != nil && e.answer.status >= 400 && e.answer.status < 500:
 		e.reason = metrics.FailureStatus4xx
 	case e.answer != nil && e.answer.status >= 500:
@@ -94,6 +100,12 @@ func classify(ctx context.Context, err error, reached bool) *attemptError {
 // aboutRequest reports whether the engine refused the request itself (4xx),
 // which any endpoint would refuse too and decode-only cannot mend.
 func (e *attemptError) aboutRequest() bool { return e.reason == metrics.FailureStatus4xx }
+
+// refused reports whether the engine answered for itself that it will not
+// take the request: it is fine, the request (or what it names) is not.
+func (e *attemptError) refused() bool {
+	return e.aboutRequest() || e.reason == metrics.FailureNotFound
+}
 
 // unsendable reports whether net/http refused to send the leg: a value of the
 // client's request it carries is not valid HTTP, for any endpoint.

@@ -41,6 +41,12 @@ func TestClassifyPrefillErrors(t *testing.T) {
 		{"engine 503", context.Background(), &statusError{status: 503}, false, metrics.FailureStatus5xx, true, true, false, 502},
 		{"engine 400", context.Background(), &statusError{status: 400}, false, metrics.FailureStatus4xx, false, false, false, 400},
 		{"engine 429", context.Background(), &statusError{status: 429}, false, metrics.FailureOverloaded, true, false, false, 503},
+		// vLLM's model (or LoRA adapter) not served here: another may serve it.
+		{"engine 404 for its model", context.Background(), &statusError{status: 404,
+			body: []byte(`{"error":{"message":"The model ` + "`sql-lora`" + ` does not exist.","type":"NotFoundError","param":"model","code":404}}`)},
+			false, metrics.FailureNotFound, true, false, false, 404},
+		{"a 404 that is no OpenAI error (a path the engine lacks)", context.Background(), &statusError{status: 404, body: []byte(`{"detail":"Not Found"}`)},
+			false, metrics.FailureStatus4xx, false, false, false, 404},
 		{"engine redirect", context.Background(), &statusError{status: 307}, false, metrics.FailureRedirect, true, false, false, 502},
 		{"a leg net/http refused to send", context.Background(), refused, true, metrics.FailureNotSent, false, false, false, 400},
 		{"an answer over the read cap", context.Background(), errAnswerTooLarge, false, metrics.FailureTooLarge, false, false, false, 502},

@@ -212,7 +212,8 @@ func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Sp
 
 // runPrefill sends the sequential prefill leg to one endpoint after another
 // until one answers, within prefill.attempts and prefill.timeout. An engine 4xx
-// ends it at once: another endpoint would refuse the same request. It
+// ends it at once: another endpoint would refuse the same request; but not a
+// 404 for a model another may serve. It
 // returns the slot of the endpoint that answered, whose health is the
 // caller's to report, and then to judge.
 func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *Request, h *kv.Handoff) (prefillAnswer, *scheduling.Slot, error) {
@@ -248,8 +249,8 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 		switch {
 		case failed.blames(kv.Sequential, whole):
 			slot.Taken().Failed()
-		case failed.aboutRequest():
-			slot.Taken().Served() // the engine is fine; the request is not
+		case failed.refused():
+			slot.Taken().Served() // the engine is fine; the request is not, here
 		}
 		slot.Judged()
 		if !failed.retryable() {

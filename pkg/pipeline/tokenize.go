@@ -72,13 +72,14 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	}
 	// A client gone says nothing of the tokenizer (neither its latency nor
 	// a failure), nor does a request the render endpoint refuses, as the
-	// request's own endpoint will (a body it does not take, a model it does
-	// not serve), or fails to render with no /tokenize form to try.
-	// /tokenize refusing one (SGLang's takes no chat messages) does.
+	// request's own endpoint will (a body it does not take), or fails to
+	// render with no /tokenize form to try, nor one for a model (an adapter)
+	// the engine does not serve, wherever it is asked. /tokenize refusing
+	// one (SGLang's takes no chat messages) does.
 	if ctx.Err() == nil {
 		p.metrics.Tokenize(time.Since(start), err == nil)
 	}
-	if ctx.Err() == nil && !errors.Is(err, errDenied) && (fellBack || !errors.Is(err, errRefused) && !errors.Is(err, errRenderFailed)) {
+	if ctx.Err() == nil && !errors.Is(err, errDenied) && !errors.Is(err, errNotServed) && (fellBack || !errors.Is(err, errRefused) && !errors.Is(err, errRenderFailed)) {
 		p.pools.Tokenized(api, err == nil)
 	}
 	if err != nil {
@@ -91,9 +92,13 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 var (
 	// errUnrendered: the engine has no such render endpoint.
 	errUnrendered = errors.New("no render endpoint")
-	// errRefused: the engine refused the request (400, 422, or a 404 with
-	// an OpenAI error: a model or stored response it does not have).
+	// errRefused: the engine refused the request (400, 422).
 	errRefused = errors.New("refused")
+	// errNotServed: the engine does not have what the request names (a 404
+	// with an OpenAI error: a model or LoRA adapter it does not serve, a
+	// stored response it does not hold), on its render endpoint or on
+	// /tokenize: the request's doing, or this engine's, not its tokenizer's.
+	errNotServed = errors.New("not served")
 	// errRenderFailed: the render endpoint failed (500), or could not
 	// render this request (501 with an OpenAI error: a NotImplementedError,
 	// as gpt-oss's Responses with a tool_choice other than auto).
@@ -137,8 +142,8 @@ func (p *Pipeline) askTokens(ctx context.Context, url string, ask []byte, forwar
 		return nil, fmt.Errorf("%w: status %d", errRefused, code)
 	case code == http.StatusUnauthorized || code == http.StatusForbidden:
 		return nil, fmt.Errorf("%w: status %d", errDenied, code)
-	case render && code == http.StatusNotFound && openAIError(resp.Body):
-		return nil, fmt.Errorf("%w: status %d", errRefused, code)
+	case code == http.StatusNotFound && openAIError(resp.Body):
+		return nil, fmt.Errorf("%w: status %d", errNotServed, code)
 	case render && (code == http.StatusInternalServerError || code == http.StatusNotImplemented && openAIError(resp.Body)):
 		return nil, fmt.Errorf("%w: status %d", errRenderFailed, code)
 	case render && (code == http.StatusNotFound || code == http.StatusMethodNotAllowed || code == http.StatusNotImplemented):

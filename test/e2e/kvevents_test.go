@@ -285,6 +285,29 @@ func TestRefusedRequestsDoNotPauseTokenize(t *testing.T) {
 	}
 }
 
+// TestUnservedModelsDoNotPauseTokenize: on engines without render
+// endpoints, /tokenize answers a model (a LoRA adapter) the engine does not
+// serve with vLLM's 404, as the request's own endpoint will. Three such
+// requests in a row, a client's typo or an adapter loaded on some engines
+// only, do not pause the round trips for every other client.
+func TestUnservedModelsDoNotPauseTokenize(t *testing.T) {
+	r := startRig(t, rigOptions{prefills: -1, decodes: 1, noRender: true, decodePool: "policy: prefix-affinity", kvEvents: []string{"stale_after: 1m"}})
+	subscribed(t, r.decode, 1)
+	for i := range 3 {
+		unserved := strings.Replace(kvChat(t, "Hooli", fmt.Sprintf("[unserved %d]", i)), `"model":"pdsim"`, `"model":"other"`, 1)
+		if resp, got := r.must(t, "/v1/chat/completions", unserved, nil); resp.StatusCode != http.StatusNotFound {
+			t.Fatalf("status %d, want the engine's 404: %s", resp.StatusCode, got)
+		}
+	}
+	if n := asked(r.decode[0], "/tokenize"); n != 3 {
+		t.Fatalf("/tokenize was asked for %d of the 3 unserved requests: the test shows nothing", n)
+	}
+	routed(t, r, kvChat(t, "Hooli", "[valid]"), "[valid]")
+	if n := asked(r.decode[0], "/tokenize"); n != 4 {
+		t.Errorf("/tokenize was asked for %d of 4 requests, want 4: the unserved model paused it", n)
+	}
+}
+
 // TestAFailingRenderFallsBackToTokenize: a render endpoint that fails (500:
 // a template the engine could not apply, a model it cannot render for; 501
 // with vLLM's error: a request it cannot render, as gpt-oss's Responses with
