@@ -342,18 +342,21 @@ func (c *Config) validate() error {
 // resolve host names, so a name here would only fail later, per request.
 func validateEndpoints(key string, addrs []string) []error {
 	var errs []error
-	seen := map[string]bool{}
+	seen := map[netip.AddrPort]bool{}
 	for i, a := range addrs {
 		ap, err := netip.ParseAddrPort(a)
+		ap = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()) // one engine, however spelt
 		switch {
 		case err != nil:
 			errs = append(errs, fmt.Errorf("%s[%d]: %q is not ip:port", key, i, a))
 		case ap.Port() == 0:
 			errs = append(errs, fmt.Errorf("%s[%d]: %q has no port", key, i, a))
-		case seen[a]:
+		case ap.Addr().Zone() != "":
+			errs = append(errs, fmt.Errorf("%s[%d]: %q names a zone: no URL nor Envoy's destination header can carry it", key, i, a))
+		case seen[ap]:
 			errs = append(errs, fmt.Errorf("%s[%d]: %q is listed twice", key, i, a))
 		}
-		seen[a] = true
+		seen[ap] = true
 	}
 	return errs
 }

@@ -322,7 +322,9 @@ func (s *Subscriber) listen(ctx context.Context, handle func([][]byte)) error {
 // maxRecvFailures in a row make a listening socket start anew.
 const maxRecvFailures = 100
 
-// topicEndpoint reads the endpoint of a topic kv@<ip>:<port>@<model>.
+// topicEndpoint reads the endpoint of a topic kv@<ip>:<port>@<model>, in the
+// one spelling of its IP that the pool's endpoints have. An IPv6 address may
+// come unbracketed: kv@$(POD_IP):8000@... is so on an IPv6 pod.
 func topicEndpoint(frames [][]byte) (string, bool) {
 	if len(frames) != 3 {
 		return "", false
@@ -332,8 +334,16 @@ func topicEndpoint(frames [][]byte) (string, bool) {
 		return "", false
 	}
 	endpoint, _, _ := strings.Cut(rest, "@")
-	_, _, err := net.SplitHostPort(endpoint)
-	return endpoint, err == nil
+	i := strings.LastIndexByte(endpoint, ':')
+	if i < 0 {
+		return "", false
+	}
+	ip, err := netip.ParseAddr(strings.TrimSuffix(strings.TrimPrefix(endpoint[:i], "["), "]"))
+	port, perr := strconv.ParseUint(endpoint[i+1:], 10, 16)
+	if err != nil || perr != nil || ip.Zone() != "" {
+		return "", false
+	}
+	return netip.AddrPortFrom(ip.Unmap(), uint16(port)).String(), true
 }
 
 func sleep(ctx context.Context, d time.Duration) bool {

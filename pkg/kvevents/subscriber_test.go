@@ -524,3 +524,31 @@ func TestEachEndpointFollowsItsOwnRanks(t *testing.T) {
 		})
 	}
 }
+
+// A topic names its endpoint as the engine's environment spells it: an IPv6
+// pod's $(POD_IP) unbracketed, an address in capitals or IPv4-mapped. Each
+// is read in the spelling of the pool's endpoints.
+func TestTopicEndpoint(t *testing.T) {
+	tests := []struct {
+		topic, want string
+		ok          bool
+	}{
+		{"kv@10.0.0.1:8000@pdsim", "10.0.0.1:8000", true},
+		{"kv@[fd00::1]:8000@pdsim", "[fd00::1]:8000", true},
+		{"kv@fd00::1:8000@pdsim", "[fd00::1]:8000", true},
+		{"kv@[FD00:0::1]:8000@pdsim", "[fd00::1]:8000", true},
+		{"kv@::ffff:10.0.0.1:8000@pdsim", "10.0.0.1:8000", true},
+		{"kv@10.0.0.1:8000", "10.0.0.1:8000", true},
+		{"kv@engine:8000@pdsim", "", false},
+		{"kv@10.0.0.1@pdsim", "", false},
+		{"kv@10.0.0.1:port@pdsim", "", false},
+		{"kv@[fe80::1%eth0]:8000@pdsim", "", false},
+		{"other@10.0.0.1:8000@pdsim", "", false},
+	}
+	for _, tt := range tests {
+		got, ok := topicEndpoint([][]byte{[]byte(tt.topic), nil, nil})
+		if got != tt.want || ok != tt.ok {
+			t.Errorf("%s: %q, %v; want %q, %v", tt.topic, got, ok, tt.want, tt.ok)
+		}
+	}
+}

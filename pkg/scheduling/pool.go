@@ -8,6 +8,7 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"net/netip"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -297,6 +298,7 @@ func (p *Pool) rebuild() {
 	var eps []*Endpoint
 	seen := map[string]bool{}
 	add := func(a string, bootstrapPort int) {
+		a = canonical(a)
 		if seen[a] {
 			return
 		}
@@ -347,4 +349,15 @@ func (p *Pool) rebuild() {
 	if old != nil {
 		close(old.changed)
 	}
+}
+
+// canonical is addr in the one spelling of its IP (lower case, zeros
+// compressed, IPv4 not mapped into IPv6): one engine is one endpoint
+// whichever source lists it and however, and ranks alike on every replica.
+func canonical(addr string) string {
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		return addr
+	}
+	return unmapped(ap).String()
 }

@@ -3,6 +3,7 @@ package scheduling
 import (
 	"net/netip"
 	"slices"
+	"strconv"
 	"strings"
 )
 
@@ -52,9 +53,20 @@ func ParseSubset(hint any) Subset {
 				s.addrs = append(s.addrs, a)
 			}
 			if ap, err := netip.ParseAddrPort(a); err == nil {
-				s.ports = append(s.ports, ap)
-			} else if ip, err := netip.ParseAddr(a); err == nil {
+				s.ports = append(s.ports, unmapped(ap))
+				continue
+			}
+			if ip, err := netip.ParseAddr(a); err == nil {
 				s.ips = append(s.ips, ip.Unmap())
+			}
+			// An IPv6 ip:port unbracketed, as GIE's locator reads one (split at
+			// the last colon): also read so, beside the bare IP it spells.
+			if i := strings.LastIndexByte(a, ':'); strings.Count(a, ":") > 1 {
+				if ip, err := netip.ParseAddr(a[:i]); err == nil && ip.Is6() {
+					if port, err := strconv.ParseUint(a[i+1:], 10, 16); err == nil {
+						s.ports = append(s.ports, unmapped(netip.AddrPortFrom(ip, uint16(port))))
+					}
+				}
 			}
 		}
 	}
@@ -70,5 +82,9 @@ func (s Subset) Allows(addr string) bool {
 		return true
 	}
 	ap, err := netip.ParseAddrPort(addr)
-	return err == nil && (slices.Contains(s.ports, ap) || slices.Contains(s.ips, ap.Addr().Unmap()))
+	return err == nil && (slices.Contains(s.ports, unmapped(ap)) || slices.Contains(s.ips, ap.Addr().Unmap()))
+}
+
+func unmapped(ap netip.AddrPort) netip.AddrPort {
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
 }

@@ -26,6 +26,10 @@ func TestParseSubset(t *testing.T) {
 		{name: "a bare IP", hint: []any{"10.0.0.2"}, allowed: []string{"10.0.0.2:8000", "10.0.0.2:8001"}, denied: []string{"10.0.0.1:8000"}},
 		{name: "a port tells ranks apart", hint: "10.0.0.2:8001", allowed: []string{"10.0.0.2:8001"}, denied: []string{"10.0.0.2:8000"}},
 		{name: "IPv6 spelt otherwise", hint: "[fd00:0::1]:8000", allowed: []string{"[fd00::1]:8000"}, denied: []string{"[fd00::2]:8000"}},
+		{name: "IPv4 mapped into IPv6, with its port", hint: "[::ffff:10.0.0.1]:8000", allowed: []string{"10.0.0.1:8000"}, denied: []string{"10.0.0.1:8001"}},
+		// GIE's locator splits a hint at its last colon, so an endpoint
+		// picker may send IPv6 unbracketed.
+		{name: "IPv6 ip:port unbracketed", hint: "fd00::1:8000", allowed: []string{"[fd00::1]:8000"}, denied: []string{"[fd00::1]:8001", "[fd00::2]:8000"}},
 		{name: "empty list allows nothing", hint: []any{}, denied: []string{"10.0.0.1:8000"}},
 		{name: "empty string allows nothing", hint: "", denied: []string{"10.0.0.1:8000"}},
 		{name: "a list with a non-string allows nothing", hint: []any{"10.0.0.1:8000", 7.0}, denied: []string{"10.0.0.1:8000"}},
@@ -45,6 +49,16 @@ func TestParseSubset(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// One engine is one endpoint however its address is spelt, by the config
+// or a discovery source: one set of counts, one rank on every replica.
+func TestAnEngineSpeltTwoWaysIsOneEndpoint(t *testing.T) {
+	p, _ := testPool(t, policy("least-load"), "[FD00:0::1]:8000", "[::ffff:10.0.0.1]:8000")
+	p.SetDiscovered([]Discovered{{Addr: "[fd00::1]:8000"}, {Addr: "10.0.0.1:8000"}})
+	if got, want := addrsOf(p.Endpoints()), []string{"[fd00::1]:8000", "10.0.0.1:8000"}; !slices.Equal(got, want) {
+		t.Errorf("endpoints %v, want %v", got, want)
 	}
 }
 
