@@ -321,10 +321,14 @@ func advertise(a *net.TCPAddr, host string) string {
 	if !a.IP.IsUnspecified() {
 		return net.JoinHostPort(a.IP.String(), port)
 	}
+	// An IPv4 address of the host's, else an IPv6 one (an IPv6-only pod),
+	// else loopback.
 	if addrs, err := net.InterfaceAddrs(); err == nil {
-		for _, ad := range addrs {
-			if n, ok := ad.(*net.IPNet); ok && !n.IP.IsLoopback() && n.IP.To4() != nil {
-				return net.JoinHostPort(n.IP.String(), port)
+		for _, v4 := range []bool{true, false} {
+			for _, ad := range addrs {
+				if n, ok := ad.(*net.IPNet); ok && n.IP.IsGlobalUnicast() && (n.IP.To4() != nil) == v4 {
+					return net.JoinHostPort(n.IP.String(), port)
+				}
 			}
 		}
 	}

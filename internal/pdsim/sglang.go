@@ -9,7 +9,6 @@ import (
 	"net"
 	"net/http"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 )
@@ -323,10 +322,13 @@ func (d *sglangDecode) firstToken(ctx context.Context, req *request) (kvResult, 
 }
 
 // source is the prefill engine's bootstrap address, as SGLang's decode
-// builds it: host, a colon and the port, an IPv6 host already bracketed
-// (bootstrap_host comes as the router writes it, "[fd00::1]").
+// builds it (f"{req.bootstrap_host}:{req.bootstrap_port}",
+// python/sglang/srt/disaggregation/decode.py): host, a colon and the port,
+// with no brackets added. An IPv6 host must come bracketed ("[fd00::1]", as
+// the router writes it); one that does not makes no address to dial, here
+// as in SGLang.
 func (f bootstrapFields) source() string {
-	return net.JoinHostPort(strings.TrimSuffix(strings.TrimPrefix(f.host, "["), "]"), strconv.FormatInt(f.port, 10))
+	return f.host + ":" + strconv.FormatInt(f.port, 10)
 }
 
 func peerURL(f bootstrapFields, step string) string {

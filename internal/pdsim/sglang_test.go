@@ -142,10 +142,11 @@ func TestSGLangMetricsUseSGLangNames(t *testing.T) {
 }
 
 // The decode side reaches the prefill engine's bootstrap server at
-// host:port, an IPv6 host bracketed once, whether the router sent it
-// bracketed (as SGLang's own gateway and pd-extproc do) or not.
+// host:port as SGLang joins them: an IPv6 host the router sent bracketed
+// (as SGLang's own gateway and pd-extproc do) makes an address, an
+// unbracketed one none.
 func TestBootstrapSource(t *testing.T) {
-	for host, want := range map[string]string{"10.0.0.1": "10.0.0.1:8998", "[fd00::1]": "[fd00::1]:8998", "fd00::1": "[fd00::1]:8998"} {
+	for host, want := range map[string]string{"10.0.0.1": "10.0.0.1:8998", "[fd00::1]": "[fd00::1]:8998", "fd00::1": "fd00::1:8998"} {
 		if got := (bootstrapFields{host: host, port: 8998}).source(); got != want {
 			t.Errorf("bootstrap_host %q: source %q, want %q", host, got, want)
 		}

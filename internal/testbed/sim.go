@@ -2,8 +2,8 @@ package testbed
 
 import (
 	"cmp"
-	"fmt"
 	"io"
+	"net"
 	"strconv"
 	"strings"
 	"time"
@@ -55,18 +55,18 @@ func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
 	var events pdsim.KVEvents
 	if cfg.KVEventsPort > 0 {
 		// Block hashes as ints, vLLM's default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
-		events = pdsim.KVEvents{Endpoint: fmt.Sprintf("tcp://%s:%d", ip, cfg.KVEventsPort), Encoding: cfg.KVEncoding, Bind: true, IntHashes: true}
+		events = pdsim.KVEvents{Endpoint: "tcp://" + hostPort(ip, cfg.KVEventsPort), Encoding: cfg.KVEncoding, Bind: true, IntHashes: true}
 		if cfg.KVReplayPort > 0 {
-			events.ReplayEndpoint = fmt.Sprintf("tcp://%s:%d", ip, cfg.KVReplayPort)
+			events.ReplayEndpoint = "tcp://" + hostPort(ip, cfg.KVReplayPort)
 		}
 	}
 	s, err := pdsim.Start(pdsim.Config{
 		KVEvents: events, PrefixCacheBlocks: cfg.PrefixCacheBlocks, NoRender: cfg.NoRender, LoRA: cfg.LoRA,
 		RefuseServerInfo: cfg.RefuseServerInfo,
 		Role:             cfg.Role, Protocol: cfg.Protocol, SharedDir: cfg.SharedDir,
-		Addr:          cmp.Or(cfg.Addr, ip+":0"),
-		KVAddr:        fmt.Sprintf("%s:%d", ip, cfg.KVPort),
-		BootstrapAddr: fmt.Sprintf("%s:%d", ip, cfg.BootstrapPort),
+		Addr:          cmp.Or(cfg.Addr, hostPort(ip, 0)),
+		KVAddr:        hostPort(ip, cfg.KVPort),
+		BootstrapAddr: hostPort(ip, cfg.BootstrapPort),
 		TTFT:          cfg.TTFT, TPOT: cfg.TPOT, KVTransfer: cfg.KVTransfer,
 		OutputTokens: cfg.OutputTokens, HandshakeTimeout: cfg.HandshakeTimeout, PromptTokensDetails: cfg.PromptTokensDetails,
 		Log: cmp.Or[io.Writer](cfg.Log, io.Discard),
@@ -77,6 +77,8 @@ func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
 	c.Cleanup(func() { s.Close() })
 	return s, nil
 }
+
+func hostPort(ip string, port int) string { return net.JoinHostPort(ip, strconv.Itoa(port)) }
 
 // QuoteAll writes addrs as the items of a YAML flow list: each quoted, joined
 // by ", ".

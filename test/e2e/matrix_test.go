@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"fmt"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -37,6 +38,27 @@ func TestMatrix(t *testing.T) {
 					}
 					t.Run("routes", func(t *testing.T) { r.checkRoutes(t, fmt.Sprintf("routes of %s %s", mode, connector)) })
 				})
+			}
+		})
+	}
+}
+
+// TestIPv6Engines: engines on IPv6 addresses, under each connector. The
+// decode engine must reach the prefill engine's side channel, bootstrap
+// server or file at the address the handoff names: an IPv6 bootstrap_host
+// bracketed (SGLang joins host and port as they come), a NIXL remote_host
+// that is no loopback the router would distrust.
+func TestIPv6Engines(t *testing.T) {
+	if l, err := net.Listen("tcp", "[::1]:0"); err != nil {
+		t.Skipf("no IPv6 loopback: %v", err)
+	} else {
+		l.Close()
+	}
+	for _, connector := range []string{"kv-nixl", "kv-shared-storage", "kv-sglang"} {
+		t.Run(connector, func(t *testing.T) {
+			r := startRig(t, rigOptions{connector: connector, ipv6: true, prefills: 1, decodes: 1})
+			for _, stream := range []bool{false, true} {
+				r.checkHandoff(t, stream, "chat", fmt.Sprintf("IPv6 %s %v", connector, stream))
 			}
 		})
 	}

@@ -68,6 +68,9 @@ type rigOptions struct {
 	// noRender: the simulators have no render endpoints (older vLLM).
 	noRender bool
 	lora     []string // LoRA adapters the simulators serve besides pdsim
+	// ipv6 puts every simulator on ::1 (one host, so at most one SGLang
+	// prefill: its bootstrap port is the pool's).
+	ipv6 bool
 	// oneClient keeps the shipped configs' hash on the client's address
 	// (docs/envoy.md §14): the rig's requests, all from 127.0.0.1, then all
 	// meet one replica. Without it, testbed.ManyClients.
@@ -186,11 +189,15 @@ func (r *rig) startSims(t *testing.T, o rigOptions) error {
 		return err
 	}
 	var err error
+	ip := simIP
+	if o.ipv6 {
+		ip = func(string, int) string { return "::1" }
+	}
 	for i := 0; i < max(o.prefills, 0) && err == nil; i++ {
-		err = start(&r.prefill, o.prefillRole, simIP(pdsim.RolePrefill, i))
+		err = start(&r.prefill, o.prefillRole, ip(pdsim.RolePrefill, i))
 	}
 	for i := 0; i < o.decodes && err == nil; i++ {
-		err = start(&r.decode, pdsim.RoleDecode, simIP(pdsim.RoleDecode, i))
+		err = start(&r.decode, pdsim.RoleDecode, ip(pdsim.RoleDecode, i))
 	}
 	if err != nil {
 		started.Close()
