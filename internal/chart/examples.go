@@ -47,7 +47,7 @@ tls:
   serverSecret: router-server
   clientSecret: router-client
   clientSAN: spiffe://cluster.local/ns/llm/sa/envoy
-envoy: {replicas: 3, service: {type: LoadBalancer}}
+envoy: {replicas: 3, service: {type: LoadBalancer}, listenAddress: "::"}
 gateway: {enabled: true, name: llm-gateway, className: llm, xffTrustedHops: 1}
 monitoring:
   serviceMonitor: {enabled: true, labels: {release: prometheus}}

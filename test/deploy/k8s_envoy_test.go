@@ -48,8 +48,11 @@ func TestKubernetesEnvoy(t *testing.T) {
 			serverName := fmt.Sprintf("%s.%s.svc", name, ns)
 			boot := digString(find(t, ms, "ConfigMap", name+"-envoy"), "data", "envoy.yaml")
 			want := strings.Replace(shipped, "{address: extproc, port_value: 9002}", "{address: "+headless+", port_value: 9002}", 1)
+			if listen := dig(values, "envoy", "listenAddress"); listen == "::" { // an IPv6 cluster's
+				want = strings.ReplaceAll(want, "socket_address: {address: 0.0.0.0,", `socket_address: {address: "::", ipv4_compat: true,`)
+			}
 			if want = strings.ReplaceAll(want, testbed.ServerSAN, serverName); !sameYAML(t, boot, want) {
-				t.Errorf("the ConfigMap's envoy.yaml is not config/envoy/envoy.yaml with the ext_proc address %s and the name %s", headless, serverName)
+				t.Errorf("the ConfigMap's envoy.yaml is not config/envoy/envoy.yaml with the ext_proc address %s, the name %s and the listeners' address", headless, serverName)
 			}
 			js, err := yaml.YAMLToJSON([]byte(boot))
 			if err != nil {
