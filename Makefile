@@ -119,7 +119,8 @@ docker-compose:
 # The 5-minute demo: extproc, a prefill and a decode simulator, and the Envoy
 # emulator on 127.0.0.1:8080. Ctrl-C stops everything.
 run: build
-	$(GO) run ./test/demo
+	$(GO) build -o $(BIN)/demo ./test/demo
+	$(BIN)/demo
 
 # Benchmarks, not part of test (docs/benchmarks.md): extproc P/D and decode-only
 # against an echo ext_proc server, the floor; 7-9 minutes on 2 cores. The

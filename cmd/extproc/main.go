@@ -151,7 +151,7 @@ func run(f flags, log logr.Logger, flush func()) error {
 		return err
 	}
 	log.Info("extproc serving", "version", version.Version, "revision", version.Get().Revision, "grpc", grpcLis.Addr().String(), "admin", adminLis.Addr().String(),
-		"connector", cfg.Connector, "prefill", cfg.Pools.Prefill.Endpoints, "decode", cfg.Pools.Decode.Endpoints,
+		"connector", connectorName(cfg, f.config), "prefill", cfg.Pools.Prefill.Endpoints, "decode", cfg.Pools.Decode.Endpoints,
 		"tracing", server.TracingEnabled(cfg.Tracing), "pprof", f.pprof, "logPrompts", f.logPrompts,
 		"tls", f.tls.Cert != "", "mtls", f.tls.ClientCA != "", "allowedSANs", f.tls.AllowedSANs, "maxBufferedBytes", cfg.Limits.MaxBufferedBytes,
 		"goMemoryLimit", goMemLimit)
@@ -200,4 +200,13 @@ func newLogger(format string, verbosity int, flushInterval time.Duration) (logr.
 		return logr.Logger{}, nil, err
 	}
 	return zapr.NewLogger(z), func() { _ = out.Sync() }, nil
+}
+
+// connectorName is the config's connector, or what runs without one: none
+// (the embedded default routes nothing, whatever the pipeline holds).
+func connectorName(cfg *config.Config, path string) string {
+	if path == "" {
+		return "none (no --config)"
+	}
+	return cfg.Connector
 }
