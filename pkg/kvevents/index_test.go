@@ -309,3 +309,39 @@ func TestLookupMatchesEachEngineByItsBlockSize(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkStoreAtTheBound is the cost of one stored block once the index
+// holds max_blocks, with 8 and 1,000 engines publishing: each new batch
+// makes the index forget as many blocks. The time is per block.
+//
+//	go test -run '^$' -bench StoreAtTheBound ./pkg/kvevents/
+func BenchmarkStoreAtTheBound(b *testing.B) {
+	const batch, total = 16, 1 << 16
+	for _, engines := range []int{8, 1000} {
+		b.Run(fmt.Sprint("engines=", engines), func(b *testing.B) {
+			x := NewIndex(Bounds{Total: total}, time.Minute, nil)
+			pubs := make([]Publisher, engines)
+			for e := range pubs {
+				pubs[e] = Publisher{Endpoint: fmt.Sprintf("10.%d.%d.1:8000", e/256, e%256)}
+			}
+			var n uint64
+			store := func(p Publisher) {
+				hashes := make([]uint64, batch)
+				for i := range hashes {
+					n++
+					hashes[i] = n
+				}
+				x.Apply(p, []Event{{Kind: Stored, Hashes: hashes, Tokens: seq(int(n)*16, batch*16), BlockSize: 16}})
+			}
+			for i := 0; x.Stats().Blocks < total; i++ {
+				store(pubs[i%engines])
+			}
+			i := 0
+			for b.Loop() {
+				store(pubs[i%engines])
+				i++
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*batch), "ns/block")
+		})
+	}
+}
