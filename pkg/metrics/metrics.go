@@ -41,7 +41,8 @@ const (
 
 // Reason is why a routed request got its mode: String is its
 // pd_decisions_total{reason} label, which nothing else reads. The first seven
-// and the last three are the P/D decider's; the zero value is no decision yet.
+// and CachedPrefix, PrefillBusy and DecodeBusy are the P/D decider's; the
+// zero value is no decision yet.
 type Reason uint8
 
 const (
@@ -65,6 +66,7 @@ const (
 	ReasonPrefillBusy                      // decode-only: the prefill pool is busy and the decode endpoint is not (pd.load)
 	ReasonDecodeBusy                       // P/D: decode-only was vetoed, the decode endpoint being busy (pd.load)
 	ReasonTruncation                       // decode-only: vLLM cuts the prompt by the output limit, which the prefill leg's differs from
+	ReasonUnservedModel                    // decode-only: the prefill engines asked answered that they do not serve the model or adapter named (404)
 )
 
 var reasonLabels = [...]string{
@@ -73,7 +75,7 @@ var reasonLabels = [...]string{
 	ReasonNoBody: "no_body", ReasonPassthrough: "passthrough", ReasonUnpairedAPI: "unpaired_api",
 	ReasonPromptLogprobs: "prompt_logprobs", ReasonStoredResponse: "stored_response", ReasonBuiltinTools: "builtin_tools",
 	ReasonInvalidLimits: "invalid_limits", ReasonBeamSearch: "beam_search", ReasonCachedPrefix: "cached_prefix", ReasonPrefillBusy: "prefill_busy",
-	ReasonDecodeBusy: "decode_busy", ReasonTruncation: "truncation",
+	ReasonDecodeBusy: "decode_busy", ReasonTruncation: "truncation", ReasonUnservedModel: "unserved_model",
 }
 
 func (r Reason) String() string { return label(reasonLabels[:], r) }

@@ -308,3 +308,32 @@ pd: {mode: always}`, lacking.Addr(), serving.Addr()))
 		}
 	}
 }
+
+// TestAModelNoEngineServesIsNoPrefillFailure: a name no prefill engine
+// serves (a client's typo) goes to the decode engine alone, which answers
+// for itself, as reason unserved_model: not a prefill failure that would
+// raise the fallback alert, nor a log line per request at the default
+// verbosity.
+func TestAModelNoEngineServesIsNoPrefillFailure(t *testing.T) {
+	a, b := enginetest.Start(t, enginetest.JSON(404, unservedModel)), enginetest.Start(t, enginetest.JSON(404, unservedModel))
+	p, m, lines := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+pd: {mode: always}`, a.Addr(), b.Addr()))
+	for i := range 4 {
+		r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"gpt-4","prompt":"hi"}`)}
+		d, err := p.Route(context.Background(), r)
+		if err != nil || r.Report.Mode != pipeline.ModeDecodeOnly {
+			t.Fatalf("request %d: %v, mode %v; want decode-only", i, err, r.Report.Mode)
+		}
+		d.Release()
+	}
+	if got := counter(t, m, "pd_extproc_pd_decisions_total", "reason", "unserved_model"); got != 4 {
+		t.Errorf("pd_decisions_total{reason=unserved_model} = %v, want 4", got)
+	}
+	if got := counter(t, m, "pd_extproc_pd_decisions_total", "reason", "prefill_failed"); got != 0 {
+		t.Errorf("pd_decisions_total{reason=prefill_failed} = %v, want 0", got)
+	}
+	if n := lines.count("prefill failed"); n != 0 {
+		t.Errorf("%d log lines say the prefill failed", n)
+	}
+}

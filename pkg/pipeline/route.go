@@ -206,7 +206,15 @@ func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Sp
 		return nil, prefillFailed(err, r.RequestID)
 	}
 	r.Report.Mode = ModeDecodeOnly
-	p.log.Info("prefill failed; decode will recompute the prompt", "requestID", r.RequestID, "error", err.Error())
+	if last != nil && last.reason == metrics.FailureNotFound {
+		// No prefill engine asked has the model or adapter: the client's
+		// doing as often as the engines' (a name no engine serves), which is
+		// no prefill failure to warn of. The decode engine answers for itself.
+		r.Report.Reason = metrics.ReasonUnservedModel
+		p.log.V(1).Info("no prefill engine serves the model; decode alone", "requestID", r.RequestID, "error", err.Error())
+	} else {
+		p.log.Info("prefill failed; decode will recompute the prompt", "requestID", r.RequestID, "error", err.Error())
+	}
 	return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
 }
 
