@@ -25,6 +25,12 @@ import (
 // a leg sent on one as it closes fails, a POST not being retried.
 const idleConnTimeout = 4 * time.Second
 
+// handshakeTimeout bounds a TLS handshake with an engine: net/http does not
+// cancel a dial with its request, and an engine that accepts connections but
+// is frozen would hold a connection slot (prefill.max_conns_per_endpoint)
+// for good.
+var handshakeTimeout = 10 * time.Second
+
 // Client returns the HTTP client for prefill legs and the URL scheme it
 // speaks: a keep-alive pool per endpoint (prefill.max_idle_conns_per_endpoint),
 // at most prefill.max_conns_per_endpoint connections to each, no environment
@@ -89,7 +95,9 @@ func DialTLS(c *tls.Config, dial func(ctx context.Context, network, addr string)
 			}
 		}
 		tc := tls.Client(raw, conn)
-		if err := tc.HandshakeContext(ctx); err != nil {
+		hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
+		defer cancel()
+		if err := tc.HandshakeContext(hctx); err != nil {
 			raw.Close()
 			return nil, err
 		}

@@ -1,7 +1,10 @@
 package enginehttp
 
 import (
+	"context"
 	"crypto/tls"
+	"errors"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -233,5 +236,42 @@ func TestEngineCertificateNamesTheEngine(t *testing.T) {
 				t.Errorf("spoke %s, want HTTP/%d", resp.Proto, want)
 			}
 		})
+	}
+}
+
+// An engine that accepts a connection and never answers the handshake (a
+// frozen process the kernel still accepts for) gives the dial up after the
+// handshake bound: net/http does not cancel a dial with its request, and the
+// connection slot would be held for good.
+func TestAHandshakeThatNeverEndsIsGivenUp(t *testing.T) {
+	defer func(d time.Duration) { handshakeTimeout = d }(handshakeTimeout)
+	handshakeTimeout = 50 * time.Millisecond
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close() // silent until the test ends
+		}
+	}()
+	dial := DialTLS(&tls.Config{MinVersion: tls.VersionTLS12}, (&net.Dialer{}).DialContext)
+	done := make(chan error, 1)
+	go func() {
+		_, err := dial(context.Background(), "tcp", l.Addr().String())
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("dial: %v, want the handshake's deadline", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the handshake still waits for an engine that never answers")
 	}
 }
