@@ -1,6 +1,7 @@
 package scheduling
 
 import (
+	"net/netip"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,7 +16,8 @@ import (
 // so its counts are never reset under running requests.
 type Endpoint struct {
 	Addr     string
-	addrHash uint64 // xxhash of Addr, for rendezvous weights (0 on a bare Endpoint: computed then)
+	ap       netip.AddrPort // Addr parsed (not valid when it is not ip:port)
+	addrHash uint64         // xxhash of Addr, for rendezvous weights (0 on a bare Endpoint: computed then)
 	inflight atomic.Int64
 	load     atomic.Pointer[Load]
 	settings *atomic.Pointer[settings] // the pool's; nil for a bare Endpoint
@@ -50,7 +52,8 @@ var defaultSettings = settings{now: time.Now, failures: 3, ejection: time.Second
 	unhealthy: config.DefaultUnhealthyThreshold, healthy: config.DefaultHealthyThreshold}
 
 func newEndpoint(addr string, s *atomic.Pointer[settings]) *Endpoint {
-	return &Endpoint{Addr: addr, addrHash: xxhash.Sum64String(addr), settings: s}
+	ap, _ := netip.ParseAddrPort(addr)
+	return &Endpoint{Addr: addr, ap: unmapped(ap), addrHash: xxhash.Sum64String(addr), settings: s}
 }
 
 func (e *Endpoint) cfg() *settings {

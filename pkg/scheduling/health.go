@@ -4,7 +4,6 @@ import (
 	"context"
 	"io"
 	"net/http"
-	"sync"
 	"time"
 )
 
@@ -88,6 +87,7 @@ func (e *Endpoint) reportFailure(epoch uint64) {
 	h.probing = false
 	e.ejections.Add(1)
 	e.moved.Store(now.UnixNano())
+	e.rereadInfo()
 }
 
 // reportSuccess: while an ejection runs, a success is news from before it
@@ -199,6 +199,7 @@ func (e *Endpoint) setActive(v verdict) {
 		h.activeDown = true
 		e.ejections.Add(1)
 		e.moved.Store(s.now().UnixNano())
+		e.rereadInfo()
 	}
 	e.troubled.Store(h.activeDown || h.failures > 0)
 }
@@ -212,20 +213,17 @@ func (e *Endpoint) unchecked() {
 	e.troubled.Store(h.failures > 0)
 }
 
-// checkAll runs one active health check on every endpoint, concurrently.
+// checkAll runs one active health check on every endpoint, concurrently
+// (probeEach).
 // current says whether the pool is still as it was when the round began: a
 // verdict that comes after checks were turned off (or the pool changed, and
 // a new round began) is dropped, or it would stand with no check to clear it.
 func checkAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration, current func(*Endpoint) bool) {
-	var wg sync.WaitGroup
-	for _, e := range eps {
-		wg.Go(func() {
-			if v, ok := check(ctx, pr.client, pr.url(e.Addr, path), timeout); ok && current(e) {
-				e.setActive(v)
-			}
-		})
-	}
-	wg.Wait()
+	probeEach(eps, func(e *Endpoint) {
+		if v, ok := check(ctx, pr.client, pr.url(e.Addr, path), timeout); ok && current(e) {
+			e.setActive(v)
+		}
+	})
 }
 
 // check GETs url; ok is false when there is no verdict because we are

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"sync"
 	"time"
 
 	dto "github.com/prometheus/client_model/go"
@@ -41,19 +40,15 @@ var pdQueues = map[role][][]string{
 	},
 }
 
-// scrapeAll reads every endpoint's /metrics concurrently. A failed scrape
-// leaves the old figures to go stale.
+// scrapeAll reads every endpoint's /metrics concurrently (probeEach). A
+// failed scrape leaves the old figures to go stale.
 func scrapeAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration, now func() time.Time) {
-	var wg sync.WaitGroup
-	for _, e := range eps {
-		wg.Go(func() {
-			if l, err := scrape(ctx, pr, pr.url(e.Addr, path), timeout); err == nil {
-				l.At = now()
-				e.observe(l)
-			}
-		})
-	}
-	wg.Wait()
+	probeEach(eps, func(e *Endpoint) {
+		if l, err := scrape(ctx, pr, pr.url(e.Addr, path), timeout); err == nil {
+			l.At = now()
+			e.observe(l)
+		}
+	})
 }
 
 func scrape(ctx context.Context, pr probe, url string, timeout time.Duration) (Load, error) {

@@ -5,7 +5,6 @@
 package scheduling
 
 import (
-	"cmp"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -73,6 +72,7 @@ type Pool struct {
 // poolState is one immutable generation of a pool.
 type poolState struct {
 	endpoints []*Endpoint
+	members   map[*Endpoint]bool // endpoints as a set: whether one is still in the pool
 	// gone are the endpoints that left the pool within rerankWindow
 	// (Endpoint.moved), as conversations they held are placed anew.
 	gone    []*Endpoint
@@ -121,9 +121,32 @@ func (p *Pool) SelectN(req *Request, n int, exclude ...string) ([]*Endpoint, err
 	if n <= 1 { // no fallbacks (the default): nothing to rank
 		return []*Endpoint{first}, nil
 	}
-	rest := slices.DeleteFunc(slices.Clone(cands), func(e *Endpoint) bool { return e == first })
-	slices.SortStableFunc(rest, func(a, b *Endpoint) int { return cmp.Compare(a.Busyness(), b.Busyness()) })
-	return append([]*Endpoint{first}, rest[:min(len(rest), n-1)]...), nil
+	// The n-1 least busy others, of equals the first listed: each read
+	// once, kept in order as they come, not the whole pool sorted.
+	best := make([]ranked, 0, n-1)
+	for _, e := range cands {
+		if e == first {
+			continue
+		}
+		r := ranked{e: e, busy: e.Busyness()}
+		i := len(best)
+		for i > 0 && best[i-1].busy > r.busy {
+			i--
+		}
+		if i == n-1 {
+			continue
+		}
+		if len(best) < n-1 {
+			best = append(best, ranked{})
+		}
+		copy(best[i+1:], best[i:len(best)-1])
+		best[i] = r
+	}
+	out := []*Endpoint{first}
+	for _, r := range best {
+		out = append(out, r.e)
+	}
+	return out, nil
 }
 
 // Ready reports whether some endpoint could take a request now: a healthy
@@ -155,7 +178,7 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 	var ejected, down []*Endpoint // kept out by passive health alone; by either
 	allowed, untried := 0, 0
 	for _, e := range st.endpoints {
-		if !subset.Allows(e.Addr) {
+		if !subset.admits(e.Addr, e.ap) {
 			continue
 		}
 		allowed++
@@ -345,11 +368,18 @@ func (p *Pool) rebuild() {
 			}
 		}
 	}
-	p.state.Store(&poolState{endpoints: eps, gone: gone, picker: picker, spec: s, specGen: p.specGen, changed: make(chan struct{})})
+	members := make(map[*Endpoint]bool, len(eps))
+	for _, e := range eps {
+		members[e] = true
+	}
+	p.state.Store(&poolState{endpoints: eps, members: members, gone: gone, picker: picker, spec: s, specGen: p.specGen, changed: make(chan struct{})})
 	if old != nil {
 		close(old.changed)
 	}
 }
+
+// has says whether e is one of the state's endpoints.
+func (st *poolState) has(e *Endpoint) bool { return st.members[e] }
 
 // canonical is addr in the one spelling of its IP (lower case, zeros
 // compressed, IPv4 not mapped into IPv6): one engine is one endpoint

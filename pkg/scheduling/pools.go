@@ -6,7 +6,6 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -184,8 +183,10 @@ func (p *Pool) every(ctx context.Context, period func(PoolSpec) time.Duration, j
 			if restart = next.specGen != st.specGen; restart {
 				continue
 			}
-			if fresh := newcomers(st, next); joined && d > 0 && len(fresh) > 0 {
-				work(next, fresh)
+			if joined && d > 0 {
+				if fresh := newcomers(st, next); len(fresh) > 0 {
+					work(next, fresh)
+				}
 			}
 			st = next
 		}
@@ -196,7 +197,7 @@ func (p *Pool) every(ctx context.Context, period func(PoolSpec) time.Duration, j
 func newcomers(st, next *poolState) []*Endpoint {
 	var out []*Endpoint
 	for _, e := range next.endpoints {
-		if !slices.Contains(st.endpoints, e) {
+		if !st.has(e) {
 			out = append(out, e)
 		}
 	}
@@ -209,5 +210,5 @@ func newcomers(st, next *poolState) []*Endpoint {
 // check left to clear it.
 func (p *Pool) checked(e *Endpoint) bool {
 	st := p.state.Load()
-	return st.spec.Health.CheckInterval > 0 && slices.Contains(st.endpoints, e)
+	return st.spec.Health.CheckInterval > 0 && st.has(e)
 }

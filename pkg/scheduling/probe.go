@@ -4,6 +4,7 @@ import (
 	"crypto/tls"
 	"net"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/enginehttp"
@@ -63,4 +64,25 @@ func probeClient(tlsCfg *tls.Config) *http.Client {
 		t.DialTLSContext = enginehttp.DialTLS(tlsCfg, dialer.DialContext)
 	}
 	return &http.Client{Transport: t, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+}
+
+// maxProbes bounds the checks, scrapes or server-info reads of one pool
+// under way at once: a pool of thousands of engines must not parse
+// thousands of /metrics answers (a megabyte of allocations each) or open as
+// many connections together.
+const maxProbes = 64
+
+// probeEach runs work on every endpoint, at most maxProbes at once, and
+// returns when all are done.
+func probeEach(eps []*Endpoint, work func(*Endpoint)) {
+	slots := make(chan struct{}, maxProbes)
+	var wg sync.WaitGroup
+	for _, e := range eps {
+		slots <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-slots }()
+			work(e)
+		})
+	}
+	wg.Wait()
 }

@@ -150,3 +150,41 @@ func BenchmarkSelect(b *testing.B) {
 		}
 	})
 }
+
+// BenchmarkSelectAtScale is one pick on a pool of 1,000 endpoints: a decode
+// pick with three fallbacks (pools.decode.fallbacks), and one under an
+// endpoint picker's subset hint naming every endpoint.
+//
+//	go test -run '^$' -bench SelectAtScale ./pkg/scheduling/
+func BenchmarkSelectAtScale(b *testing.B) {
+	addrs := make([]string, 1000)
+	hint := make([]any, len(addrs))
+	for i := range addrs {
+		addrs[i] = fmt.Sprintf("10.0.%d.%d:8000", i/250, i%250+1)
+		hint[i] = addrs[i]
+	}
+	spec := config.PoolScheduling{Policy: config.PolicyLeastLoad}
+	spec.Metrics.Interval, spec.Metrics.StaleAfter = config.Duration(time.Second), config.Duration(time.Hour)
+	p := NewPools(Spec{Decode: PoolSpec{Endpoints: addrs, PoolScheduling: spec}}, Deps{}).Decode
+	for i, e := range p.Endpoints() { // scraped, as the decode pool's engines are
+		e.observe(Load{Waiting: float64(i % 7), KVUsage: 0.5, At: time.Now()})
+	}
+	b.Run("fallbacks=3", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			if eps, err := p.SelectN(nil, 4); err != nil || len(eps) != 4 {
+				b.Fatal(eps, err)
+			}
+		}
+	})
+	b.Run("subset-hint", func(b *testing.B) {
+		req := promptRequest("hello")
+		req.Subset = ParseSubset(hint)
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, err := p.Select(req); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}

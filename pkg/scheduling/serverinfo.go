@@ -8,7 +8,6 @@ import (
 	"io"
 	"net/http"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -41,6 +40,15 @@ type serverInfo struct {
 // bootstrap ports: a kv-sglang prefill pool.
 func (p *Pool) ReadsBootstrapPorts() bool { return p.probe.serverInfo }
 
+// rereadInfo has the engine asked for its server info again at the next
+// round, what it said standing until then: an engine taken out of rotation
+// may come back restarted with another bootstrap port.
+func (e *Endpoint) rereadInfo() {
+	if i := e.info.Load(); i != nil {
+		e.info.Store(&serverInfo{bootstrapPort: i.bootstrapPort, mode: i.mode})
+	}
+}
+
 // askedFirst keeps, of a kv-sglang prefill pool's candidates, those whose
 // engines were asked for their bootstrap port (answered or not), if any
 // were: an engine that joined a moment ago is not sent with the pool's port
@@ -59,26 +67,23 @@ func askedFirst(eps []*Endpoint) []*Endpoint {
 func (p *Pool) readServerInfo(ctx context.Context, st *poolState, eps []*Endpoint) {
 	now := p.deps.Now()
 	timeout := cmp.Or(st.spec.Health.CheckTimeout.D(), config.DefaultCheckTimeout)
-	var wg sync.WaitGroup
-	for _, e := range eps {
+	due := slices.DeleteFunc(slices.Clone(eps), func(e *Endpoint) bool {
 		old := e.info.Load()
-		if old != nil && old.err == "" && now.Sub(old.at) < serverInfoRefresh {
-			continue
+		return old != nil && old.err == "" && now.Sub(old.at) < serverInfoRefresh
+	})
+	probeEach(due, func(e *Endpoint) {
+		old := e.info.Load()
+		info := fetchServerInfo(ctx, p.probe, e.Addr, timeout)
+		if ctx.Err() != nil {
+			return
 		}
-		wg.Go(func() {
-			info := fetchServerInfo(ctx, p.probe, e.Addr, timeout)
-			if ctx.Err() != nil {
-				return
-			}
-			info.at = now
-			if info.err != "" && old != nil && old.bootstrapPort > 0 {
-				info.bootstrapPort, info.mode = old.bootstrapPort, old.mode // a hiccup does not unlearn the port
-			}
-			e.info.Store(&info)
-			p.logServerInfo(e.Addr, old, &info)
-		})
-	}
-	wg.Wait()
+		info.at = now
+		if info.err != "" && old != nil && old.bootstrapPort > 0 {
+			info.bootstrapPort, info.mode = old.bootstrapPort, old.mode // a hiccup does not unlearn the port
+		}
+		e.info.Store(&info)
+		p.logServerInfo(e.Addr, old, &info)
+	})
 }
 
 // logServerInfo says what changed: a port learned or changed, a mode other

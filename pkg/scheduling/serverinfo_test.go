@@ -238,3 +238,34 @@ func TestEnginesNotYetAskedWait(t *testing.T) {
 		})
 	}
 }
+
+// An engine taken out of rotation (its requests failed, or its check) is
+// asked again at the next round, whatever the refresh: it may come back
+// restarted with another port. Until it answers, the port read before
+// stands.
+func TestAnEjectedEngineIsAskedAgain(t *testing.T) {
+	engine := newSGLangEngine(t, "/server_info", sglangInfo("prefill", 9001))
+	p, _ := testPoolNamed(t, "prefill", policy(config.PolicyRoundRobin), engine.addr)
+	e := p.Endpoints()[0]
+	read := func() {
+		st := p.state.Load()
+		p.readServerInfo(context.Background(), st, st.endpoints)
+	}
+	read()
+	engine.set("/server_info", "500") // restarting
+	for range 3 {
+		e.ReportFailure()
+	}
+	if e.Healthy() {
+		t.Fatal("three failures did not eject the endpoint: the test shows nothing")
+	}
+	read()
+	if got := e.BootstrapPort(8998); got != 9001 {
+		t.Errorf("while the engine restarts: port %d, want the one read before, 9001", got)
+	}
+	engine.set("/server_info", sglangInfo("prefill", 9002))
+	read()
+	if got, asked := e.BootstrapPort(8998), engine.asked.Load(); got != 9002 || asked != 3 {
+		t.Errorf("after the restart: port %d, asked %d times; want 9002, 3", got, asked)
+	}
+}

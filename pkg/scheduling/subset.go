@@ -2,7 +2,6 @@ package scheduling
 
 import (
 	"net/netip"
-	"slices"
 	"strconv"
 	"strings"
 )
@@ -13,9 +12,9 @@ import (
 // none of ours means no endpoint at all (the protocol's 503). The zero Subset
 // is "no hint": every endpoint is allowed.
 type Subset struct {
-	addrs []string         // as the hint spells them
-	ports []netip.AddrPort // those that are ip:port, parsed once
-	ips   []netip.Addr     // those that are a bare IP: any port of it
+	addrs map[string]bool         // as the hint spells them
+	ports map[netip.AddrPort]bool // those that are ip:port, parsed once
+	ips   map[netip.Addr]bool     // those that are a bare IP: any port of it
 	set   bool
 }
 
@@ -46,25 +45,27 @@ func ParseSubset(hint any) Subset {
 	default:
 		return Subset{set: true}
 	}
-	s := Subset{set: true}
+	// Sets, as a hint may name most of a large pool and each endpoint is
+	// looked up in it.
+	s := Subset{set: true, addrs: map[string]bool{}, ports: map[netip.AddrPort]bool{}, ips: map[netip.Addr]bool{}}
 	for _, p := range parts {
 		for a := range strings.SplitSeq(p, ",") {
 			if a = strings.TrimSpace(a); a != "" {
-				s.addrs = append(s.addrs, a)
+				s.addrs[a] = true
 			}
 			if ap, err := netip.ParseAddrPort(a); err == nil {
-				s.ports = append(s.ports, unmapped(ap))
+				s.ports[unmapped(ap)] = true
 				continue
 			}
 			if ip, err := netip.ParseAddr(a); err == nil {
-				s.ips = append(s.ips, ip.Unmap())
+				s.ips[ip.Unmap()] = true
 			}
 			// An IPv6 ip:port unbracketed, as GIE's locator reads one (split at
 			// the last colon): also read so, beside the bare IP it spells.
 			if i := strings.LastIndexByte(a, ':'); strings.Count(a, ":") > 1 {
 				if ip, err := netip.ParseAddr(a[:i]); err == nil && ip.Is6() {
 					if port, err := strconv.ParseUint(a[i+1:], 10, 16); err == nil {
-						s.ports = append(s.ports, unmapped(netip.AddrPortFrom(ip, uint16(port))))
+						s.ports[unmapped(netip.AddrPortFrom(ip, uint16(port)))] = true
 					}
 				}
 			}
@@ -78,11 +79,13 @@ func ParseSubset(hint any) Subset {
 // its IP alone (any port of it, as GIE's endpoint picker matches hints,
 // pkg/epp/requestcontrol/locator.go), in any spelling of the address.
 func (s Subset) Allows(addr string) bool {
-	if !s.set || slices.Contains(s.addrs, addr) {
-		return true
-	}
-	ap, err := netip.ParseAddrPort(addr)
-	return err == nil && (slices.Contains(s.ports, unmapped(ap)) || slices.Contains(s.ips, ap.Addr().Unmap()))
+	ap, _ := netip.ParseAddrPort(addr)
+	return s.admits(addr, unmapped(ap))
+}
+
+// admits is Allows for an address already parsed (invalid: not ip:port).
+func (s Subset) admits(addr string, ap netip.AddrPort) bool {
+	return !s.set || s.addrs[addr] || ap.IsValid() && (s.ports[ap] || s.ips[ap.Addr()])
 }
 
 func unmapped(ap netip.AddrPort) netip.AddrPort {
