@@ -145,3 +145,28 @@ func TestBusySGLangDecodeEndpointIsAvoided(t *testing.T) {
 			e.Addr, idle, byAddr(ps.Decode, idle).Busyness(), byAddr(ps.Decode, busy).Busyness())
 	}
 }
+
+// BenchmarkParseLoad reads the load out of an answer the size of vLLM's
+// /metrics (some 100 KiB, most of it histograms), as every scrape does.
+//
+//	go test -run '^$' -bench ParseLoad ./pkg/scheduling/
+func BenchmarkParseLoad(b *testing.B) {
+	var text strings.Builder
+	for f := range 24 {
+		fmt.Fprintf(&text, "# HELP vllm:histogram_%d A histogram.\n# TYPE vllm:histogram_%d histogram\n", f, f)
+		for bucket := range 40 {
+			fmt.Fprintf(&text, "vllm:histogram_%d_bucket{engine=\"0\",le=\"%d.0\",model_name=\"Qwen/Qwen3-8B\"} %d\n", f, bucket, bucket*17)
+		}
+		fmt.Fprintf(&text, "vllm:histogram_%d_sum{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 123.5\nvllm:histogram_%d_count{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 680\n", f, f)
+	}
+	text.WriteString("# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 7\n" +
+		"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine=\"0\",model_name=\"Qwen/Qwen3-8B\"} 0.42\n")
+	answer := text.String()
+	b.SetBytes(int64(len(answer)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if l, err := parseLoad(strings.NewReader(answer), roleDecode); err != nil || l.Waiting != 7 {
+			b.Fatal(l, err)
+		}
+	}
+}
