@@ -83,9 +83,9 @@ func newPoolWatch(pool string, spec config.Kubernetes, sink Sink, kube kubernete
 		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
 			return pods.Watch(ctx, withSelector(o))
 		},
-	), &corev1.Pod{}, cache.ResourceEventHandlerFuncs{
-		AddFunc:    w.podChanged,
-		UpdateFunc: func(_, obj any) { w.podChanged(obj) },
+	), &corev1.Pod{}, cache.ResourceEventHandlerDetailedFuncs{
+		AddFunc:    func(obj any, initial bool) { w.podAdded(obj, !initial) },
+		UpdateFunc: func(_, obj any) { w.podAdded(obj, true) },
 		DeleteFunc: w.podDeleted,
 	})
 	if err != nil || spec.InferencePool == "" {
@@ -118,6 +118,7 @@ func newPoolWatch(pool string, spec config.Kubernetes, sink Sink, kube kubernete
 func (w *poolWatch) run(ctx context.Context) {
 	var wg sync.WaitGroup
 	wg.Go(func() { w.pods.RunWithContext(ctx) })
+	wg.Go(func() { w.publishListed(ctx) })
 	if w.ipool != nil {
 		wg.Go(func() { w.ipool.RunWithContext(ctx) })
 		wg.Go(func() { w.reportMissingPool(ctx) })
@@ -151,16 +152,31 @@ func (w *poolWatch) watchError(src *source) cache.WatchErrorHandlerWithContext {
 	}
 }
 
-func (w *poolWatch) podChanged(obj any) {
+// podAdded takes a pod that was added or changed, and publishes the pool's
+// new set unless the pod is of the informer's first list: those are
+// published once, when the list is whole (publishListed), not one set per
+// pod, which for thousands of pods cost a rebuild of the pool each.
+func (w *poolWatch) podAdded(obj any, publish bool) {
 	pod, ok := obj.(*corev1.Pod)
 	if !ok {
 		return
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.setPod(pod.Namespace+"/"+pod.Name, pod) {
+	if w.setPod(pod.Namespace+"/"+pod.Name, pod) && publish {
 		w.publish()
 	}
+}
+
+// publishListed publishes the pool's set once the pod informer's first list
+// has been handled.
+func (w *poolWatch) publishListed(ctx context.Context) {
+	if !cache.WaitForCacheSync(ctx.Done(), w.pods.synced) {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.publish()
 }
 
 func (w *poolWatch) podDeleted(obj any) {
