@@ -45,8 +45,8 @@ type KVEvents struct {
 	// and published nothing since, is not used for that long; requests then
 	// go by the estimate prefix-affinity makes without events.
 	StaleAfter Duration `json:"stale_after,omitempty"`
-	// Resync: every connection is made anew this often (default 5m; the
-	// ZeroMQ library can miss a restarted peer).
+	// Resync: a connection silent this long is made anew (default 5m; the
+	// ZeroMQ library can miss a restarted peer, and then delivers nothing).
 	Resync Duration `json:"resync,omitempty"`
 	// MaxBlocksPerEndpoint and MaxBlocks bound the index's memory, in
 	// blocks, per publishing engine and in all.

@@ -36,8 +36,9 @@ type Config struct {
 	// stream this long, and one whose engine was sent work it had to store
 	// but published nothing for this long is not used until it does.
 	StaleAfter time.Duration
-	// Resync is how often a connection is made anew, whatever its state
-	// (the ZeroMQ library can miss that a peer restarted); 0: never.
+	// Resync is how long a connection may stay silent before it is made
+	// anew (the ZeroMQ library can miss that a peer restarted, and then
+	// delivers nothing); 0: never.
 	Resync time.Duration
 	// ReplayTimeout bounds one replay.
 	ReplayTimeout time.Duration
@@ -171,7 +172,7 @@ func publishers(addrs []string, ranks int) []Publisher {
 }
 
 // follow dials one publisher and reads its stream, dialing again after a
-// failure and every Resync.
+// failure and after Resync of silence.
 func (s *Subscriber) follow(ctx context.Context, p Publisher) {
 	host, _, err := net.SplitHostPort(p.Endpoint)
 	if err != nil {
@@ -195,7 +196,10 @@ func (s *Subscriber) follow(ctx context.Context, p Publisher) {
 }
 
 // read reads one connection to a publisher until it fails, ctx is done or
-// Resync is due (nil then).
+// it has been silent for Resync (nil then). A connection that delivers is
+// kept: one made anew loses what is published while it joins (a PUB socket
+// drops what no subscriber has joined for yet), which without a replay
+// socket starts a busy engine's view over.
 func (s *Subscriber) read(ctx context.Context, addr string, st *stream) error {
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -218,9 +222,10 @@ func (s *Subscriber) read(ctx context.Context, addr string, st *stream) error {
 		st.next, st.ahead = 0, true
 		s.replayOrRebuild(ctx, st, untilEnd)
 	}
+	var quiet *time.Timer // fires after Resync without a message
 	if s.cfg.Resync > 0 {
-		t := time.AfterFunc(s.cfg.Resync, cancel)
-		defer t.Stop()
+		quiet = time.AfterFunc(s.cfg.Resync, cancel)
+		defer quiet.Stop()
 	}
 	for {
 		msg, err := sub.Recv()
@@ -229,6 +234,9 @@ func (s *Subscriber) read(ctx context.Context, addr string, st *stream) error {
 				return nil
 			}
 			return err
+		}
+		if quiet != nil {
+			quiet.Reset(s.cfg.Resync)
 		}
 		s.handle(ctx, st, msg.Frames)
 	}

@@ -3,12 +3,14 @@ package kvevents
 import (
 	"context"
 	"encoding/binary"
+	"io"
 	"net"
 	"runtime"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -551,4 +553,58 @@ func TestTopicEndpoint(t *testing.T) {
 			t.Errorf("%s: %q, %v; want %q, %v", tt.topic, got, ok, tt.want, tt.ok)
 		}
 	}
+}
+
+// countedProxy forwards TCP connections to addr and counts them: the
+// connections a subscriber makes to a publisher.
+func countedProxy(t *testing.T, addr string) (port int, connections *atomic.Int64) {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	connections = new(atomic.Int64)
+	go func() {
+		for {
+			in, err := l.Accept()
+			if err != nil {
+				return
+			}
+			connections.Add(1)
+			out, err := net.Dial("tcp", addr)
+			if err != nil {
+				in.Close()
+				continue
+			}
+			go func() { io.Copy(out, in); out.Close() }()
+			go func() { io.Copy(in, out); in.Close() }()
+		}
+	}()
+	return l.Addr().(*net.TCPAddr).Port, connections
+}
+
+// TestABusyConnectionIsKept: a connection that delivers is not made anew
+// at resync, as a new one loses what is published while it joins, and
+// without a replay socket a busy engine's view then starts over. One
+// silent for resync is made anew (the ZeroMQ library can miss a restarted
+// peer, and then delivers nothing).
+func TestABusyConnectionIsKept(t *testing.T) {
+	const resync = 500 * time.Millisecond
+	p := newTestPublisher(t, t.Context(), "", false)
+	port, connections := countedProxy(t, p.pub.Addr().String())
+	_, s, handled := followWith(t, Config{ConnectPort: port, StaleAfter: time.Minute, Resync: resync})
+	warm(t, p, handled)
+	before := connections.Load()
+	for i := range 150 { // 3 resyncs' worth, a batch every 10 ms
+		waitFor(t, handled, p.publish(false, storedEvent(uint64(i+1), nil, seq(4*i, 4))))
+		time.Sleep(10 * time.Millisecond) // the engine's pace: what is measured is connections while it publishes
+	}
+	if n := connections.Load() - before; n != 0 {
+		t.Errorf("%d connections made anew while the engine published every 10 ms, want none", n)
+	}
+	if g := s.Counts().Gaps.Load(); g != 0 {
+		t.Errorf("%d gaps", g)
+	}
+	eventually(t, "a connection made anew after a silence", func() bool { return connections.Load() > before })
 }
