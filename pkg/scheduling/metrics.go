@@ -111,11 +111,13 @@ func loadLines(r io.Reader, ro role) ([]byte, error) {
 	s.Buffer(make([]byte, 0, 4<<10), maxMetricsBytes)
 	for s.Scan() {
 		line := s.Bytes()
-		name := line
-		if rest, ok := bytes.CutPrefix(line, []byte("# ")); ok { // # HELP name ..., # TYPE name ...
-			_, name, _ = bytes.Cut(rest, []byte(" "))
+		name := bytes.TrimLeft(line, " \t")                     // as the parser takes them: blanks before, tabs between
+		if rest, ok := bytes.CutPrefix(name, []byte("#")); ok { // # HELP name ..., # TYPE name ...
+			if f := bytes.Fields(rest); len(f) >= 2 {
+				name = f[1]
+			}
 		}
-		if i := bytes.IndexAny(name, "{ "); i >= 0 {
+		if i := bytes.IndexAny(name, "{ \t"); i >= 0 {
 			name = name[:i]
 		}
 		if loadGauge(string(name), ro) {

@@ -62,6 +62,8 @@ sglang:token_usage{model_name="m"} 0.25
 			text: sglangPD("num_prefill_bootstrap_queue_reqs", 2, 3, 5, 6), want: Load{Waiting: 4, KVUsage: 0.25}},
 		{name: "P/D queues alone are not an engine we know", role: roleDecode,
 			text: "sglang:num_decode_prealloc_queue_reqs 3\n", wantErr: true},
+		{name: "tabs and leading blanks, as the text format allows", text: "  vllm:num_requests_waiting\t7\n# TYPE\tvllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc\t{engine=\"0\"} 0.5\n",
+			want: Load{Waiting: 7, KVUsage: 0.5}},
 		{name: "KV use above 1 is clamped", text: "vllm:kv_cache_usage_perc 1.7\n", want: Load{KVUsage: 1}},
 		{name: "not an engine we know", text: "process_cpu_seconds_total 12\n", wantErr: true},
 		{name: "not the text format", text: "<html>", wantErr: true},
