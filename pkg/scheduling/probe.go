@@ -66,23 +66,15 @@ func probeClient(tlsCfg *tls.Config) *http.Client {
 	return &http.Client{Transport: t, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
 }
 
-// maxProbes bounds the checks, scrapes or server-info reads of one pool
-// under way at once: a pool of thousands of engines must not parse
-// thousands of /metrics answers (a megabyte of allocations each) or open as
-// many connections together.
-const maxProbes = 64
-
-// probeEach runs work on every endpoint, at most maxProbes at once, and
-// returns when all are done.
+// probeEach runs work on every endpoint at once, and returns when all are
+// done. Not in batches: engines that hang would each hold a batch's place
+// for a whole timeout, and a round would take as many timeouts as batches,
+// its figures going stale meanwhile. What a probe costs is small (a /metrics
+// answer is read for its few gauges: loadLines).
 func probeEach(eps []*Endpoint, work func(*Endpoint)) {
-	slots := make(chan struct{}, maxProbes)
 	var wg sync.WaitGroup
 	for _, e := range eps {
-		slots <- struct{}{}
-		wg.Go(func() {
-			defer func() { <-slots }()
-			work(e)
-		})
+		wg.Go(func() { work(e) })
 	}
 	wg.Wait()
 }
