@@ -61,6 +61,7 @@ type poolWatch struct {
 	why      map[string]string                  // why a pod is not (fully) an endpoint, to log changes once
 	ipFound  bool
 	ipSynced bool // the InferencePool informer has delivered its first list
+	listed   bool // the pods of the first list have been handed over (publishListed)
 }
 
 func newPoolWatch(pool string, spec config.Kubernetes, sink Sink, kube kubernetes.Interface, gie gieclient.Interface, log logr.Logger, onError func(string)) (*poolWatch, error) {
@@ -177,6 +178,7 @@ func (w *poolWatch) publishListed(ctx context.Context) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.publish()
+	w.listed = true
 }
 
 func (w *poolWatch) podDeleted(obj any) {
@@ -292,6 +294,7 @@ func (w *poolWatch) status() PoolStatus {
 		st.Endpoints += len(eps)
 	}
 	st.PoolFound = w.ipFound || w.ipool == nil
+	st.Synced = st.Synced && w.listed // synced means handed to the pool
 	w.mu.Unlock()
 	return st
 }
