@@ -590,13 +590,13 @@ func countedProxy(t *testing.T, addr string) (port int, connections *atomic.Int6
 // silent for resync is made anew (the ZeroMQ library can miss a restarted
 // peer, and then delivers nothing).
 func TestABusyConnectionIsKept(t *testing.T) {
-	const resync = 500 * time.Millisecond
+	const resync = time.Second
 	p := newTestPublisher(t, t.Context(), "", false)
 	port, connections := countedProxy(t, p.pub.Addr().String())
 	_, s, handled := followWith(t, Config{ConnectPort: port, StaleAfter: time.Minute, Resync: resync})
 	warm(t, p, handled)
 	before := connections.Load()
-	for i := range 150 { // 3 resyncs' worth, a batch every 10 ms
+	for i := range 200 { // 2 resyncs' worth, a batch every 10 ms
 		waitFor(t, handled, p.publish(false, storedEvent(uint64(i+1), nil, seq(4*i, 4))))
 		time.Sleep(10 * time.Millisecond) // the engine's pace: what is measured is connections while it publishes
 	}
