@@ -178,7 +178,7 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 	var ejected, down []*Endpoint // kept out by passive health alone; by either
 	allowed, untried := 0, 0
 	for _, e := range st.endpoints {
-		if !subset.admits(e.Addr, e.ap) {
+		if !subset.admits(e.ap) {
 			continue
 		}
 		allowed++

@@ -12,8 +12,7 @@ import (
 // none of ours means no endpoint at all (the protocol's 503). The zero Subset
 // is "no hint": every endpoint is allowed.
 type Subset struct {
-	addrs map[string]bool         // as the hint spells them
-	ports map[netip.AddrPort]bool // those that are ip:port, parsed once
+	ports map[netip.AddrPort]bool // the entries that are ip:port, parsed once
 	ips   map[netip.Addr]bool     // those that are a bare IP: any port of it
 	set   bool
 }
@@ -47,12 +46,10 @@ func ParseSubset(hint any) Subset {
 	}
 	// Sets, as a hint may name most of a large pool and each endpoint is
 	// looked up in it.
-	s := Subset{set: true, addrs: map[string]bool{}, ports: map[netip.AddrPort]bool{}, ips: map[netip.Addr]bool{}}
+	s := Subset{set: true, ports: map[netip.AddrPort]bool{}, ips: map[netip.Addr]bool{}}
 	for _, p := range parts {
 		for a := range strings.SplitSeq(p, ",") {
-			if a = strings.TrimSpace(a); a != "" {
-				s.addrs[a] = true
-			}
+			a = strings.TrimSpace(a)
 			if ap, err := netip.ParseAddrPort(a); err == nil {
 				s.ports[unmapped(ap)] = true
 				continue
@@ -74,18 +71,13 @@ func ParseSubset(hint any) Subset {
 	return s
 }
 
-// Allows reports whether the hint lets the request go to addr: named with
-// its port (which tells a data-parallel rank's port from another's), or by
-// its IP alone (any port of it, as GIE's endpoint picker matches hints,
-// pkg/epp/requestcontrol/locator.go), in any spelling of the address.
-func (s Subset) Allows(addr string) bool {
-	ap, _ := netip.ParseAddrPort(addr)
-	return s.admits(addr, unmapped(ap))
-}
-
-// admits is Allows for an address already parsed (invalid: not ip:port).
-func (s Subset) admits(addr string, ap netip.AddrPort) bool {
-	return !s.set || s.addrs[addr] || ap.IsValid() && (s.ports[ap] || s.ips[ap.Addr()])
+// admits reports whether the hint lets the request go to the endpoint at ap
+// (Endpoint.ap): named with its port (which tells a data-parallel rank's
+// port from another's), or by its IP alone (any port of it, as GIE's
+// endpoint picker matches hints, pkg/epp/requestcontrol/locator.go), in any
+// spelling of the address. Pool endpoints are ip:port: a name is in no hint.
+func (s Subset) admits(ap netip.AddrPort) bool {
+	return !s.set || ap.IsValid() && (s.ports[ap] || s.ips[ap.Addr()])
 }
 
 func unmapped(ap netip.AddrPort) netip.AddrPort {

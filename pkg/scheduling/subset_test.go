@@ -2,6 +2,7 @@ package scheduling
 
 import (
 	"errors"
+	"net/netip"
 	"slices"
 	"testing"
 )
@@ -39,13 +40,13 @@ func TestParseSubset(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			s := ParseSubset(tt.hint)
 			for _, a := range tt.allowed {
-				if !s.Allows(a) {
-					t.Errorf("Allows(%s) = false, want true", a)
+				if !s.admits(parsed(a)) {
+					t.Errorf("admits(%s) = false, want true", a)
 				}
 			}
 			for _, a := range tt.denied {
-				if s.Allows(a) {
-					t.Errorf("Allows(%s) = true, want false", a)
+				if s.admits(parsed(a)) {
+					t.Errorf("admits(%s) = true, want false", a)
 				}
 			}
 		})
@@ -118,3 +119,6 @@ func TestThePrefillPoolIgnoresTheSubsetHint(t *testing.T) {
 		t.Fatalf("Decide() = %+v: the decode hint must not make prefill look unavailable", d)
 	}
 }
+
+// parsed is addr as an Endpoint holds it.
+func parsed(addr string) netip.AddrPort { return newEndpoint(addr, nil).ap }
