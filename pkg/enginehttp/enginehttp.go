@@ -13,11 +13,10 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"os"
-	"sync"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/tlsfiles"
 )
 
 // idleConnTimeout closes a connection to an engine before the engine does:
@@ -107,69 +106,35 @@ func DialTLS(c *tls.Config, dial func(ctx context.Context, network, addr string)
 
 // TLS is the client TLS of requests to engines under the config keys at key;
 // nil when they speak plain HTTP. Dial with DialTLS, which checks the
-// engine's name. A ca_file is read again when it changes
-// (another file, size or modification time, through symlinks: a Secret's
-// volume swaps its ..data link), before the next handshake, so that rotating the engines'
-// CA (the bundle first gains the new CA, then the engines restart with
-// certificates from it) needs no restart. A file that cannot be read or
-// holds no certificate then keeps the CA read before; at start it is an
-// error.
+// engine's name. A ca_file is read again when it changes (tlsfiles), before
+// the next handshake, so that rotating the engines' CA (the bundle first
+// gains the new CA, then the engines restart with certificates from it)
+// needs no restart. A file that cannot be read or holds no certificate then
+// keeps the CA read before; at start it is an error.
 func TLS(key string, cfg config.EngineTLS) (*tls.Config, error) {
 	if !cfg.Enabled {
 		return nil, nil
 	}
 	c := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: cfg.ServerName}
 	if cfg.CAFile != "" {
-		ca := &caFile{key: key, path: cfg.CAFile}
-		if _, err := ca.roots(); err != nil {
-			return nil, err
+		ca := tlsfiles.New(func() (*x509.CertPool, error) { return tlsfiles.CAPool(cfg.CAFile) }, cfg.CAFile)
+		if _, _, err := ca.Current(); err != nil {
+			return nil, fmt.Errorf("%s.ca_file: %w", key, err)
 		}
 		// The chain is verified against the CA as it is at each handshake,
 		// as crypto/tls would verify it against RootCAs.
 		c.InsecureSkipVerify = true
-		c.VerifyConnection = ca.verify
+		c.VerifyConnection = func(cs tls.ConnectionState) error { return verify(ca, cs) }
 	}
 	return c, nil
 }
 
-// caFile is a CA bundle as last read.
-type caFile struct {
-	key, path string
-	mu        sync.Mutex
-	read      os.FileInfo // the file as it was read
-	pool      *x509.CertPool
-}
-
-// roots is the bundle's pool, read again when the file changed.
-func (f *caFile) roots() (*x509.CertPool, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	st, err := os.Stat(f.path)
-	if err == nil {
-		if f.read != nil && os.SameFile(f.read, st) && st.Size() == f.read.Size() && st.ModTime().Equal(f.read.ModTime()) {
-			return f.pool, nil
-		}
-		var pem []byte
-		if pem, err = os.ReadFile(f.path); err == nil {
-			if pool := x509.NewCertPool(); pool.AppendCertsFromPEM(pem) {
-				f.read, f.pool = st, pool
-				return pool, nil
-			}
-			err = fmt.Errorf("no PEM certificate in %s", f.path)
-		}
-	}
-	if f.pool != nil { // mid-rotation, or gone: the CA read before stands
-		return f.pool, nil
-	}
-	return nil, fmt.Errorf("%s.ca_file: %w", f.key, err)
-}
-
-// verify checks the engine's chain against the bundle, and its name (or IP
-// address) against cs.ServerName, which DialTLS sets to the one dialled or
-// tls.server_name.
-func (f *caFile) verify(cs tls.ConnectionState) error {
-	roots, err := f.roots()
-	if err != nil {
+// verify checks the engine's chain against the CA bundle as it is now (or,
+// mid-rotation, as read before), and its name (or IP address) against
+// cs.ServerName, which DialTLS sets to the one dialled or tls.server_name.
+func verify(ca *tlsfiles.Files[*x509.CertPool], cs tls.ConnectionState) error {
+	roots, _, err := ca.Current()
+	if roots == nil {
 		return err
 	}
 	if len(cs.PeerCertificates) == 0 {

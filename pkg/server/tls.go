@@ -2,15 +2,13 @@ package server
 
 import (
 	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"net/url"
-	"os"
 	"strings"
-	"sync"
 
 	"github.com/go-logr/logr"
+	"github.com/pd-extproc/pd-extproc/pkg/tlsfiles"
 	"google.golang.org/grpc/credentials"
 )
 
@@ -116,92 +114,43 @@ func (f TLSFiles) credentials(log logr.Logger) (credentials.TransportCredentials
 	if f.Cert == "" {
 		return nil, nil
 	}
-	r := &tlsReloader{files: f, log: log}
-	if _, err := r.current(); err != nil {
+	files := tlsfiles.New(func() (*tls.Config, error) { return f.config(log) }, f.Cert, f.Key, f.ClientCA)
+	current := func() (*tls.Config, error) {
+		cfg, fresh, err := files.Current()
+		switch {
+		case cfg == nil:
+			return nil, err
+		case err != nil: // a half-written rotation: keep serving the previous certificate
+			log.Error(err, "reloading TLS files failed; serving the previous certificate")
+		case fresh:
+			log.Info("TLS certificate loaded", "cert", f.Cert, "clientCA", f.ClientCA, "allowedSANs", f.AllowedSANs)
+		}
+		return cfg, nil
+	}
+	if _, err := current(); err != nil {
 		return nil, err
 	}
 	return credentials.NewTLS(&tls.Config{
-		MinVersion: tls.VersionTLS12,
-		GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) {
-			return r.current()
-		},
+		MinVersion:         tls.VersionTLS12,
+		GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) { return current() },
 	}), nil
 }
 
-// tlsReloader keeps the tls.Config of the files as they were last read; each
-// handshake stats them (cheap) and reads them again when they changed.
-type tlsReloader struct {
-	files TLSFiles
-	log   logr.Logger
-
-	mu    sync.Mutex
-	stamp string // the files' sizes and modification times when read
-	cfg   *tls.Config
-}
-
-func (r *tlsReloader) current() (*tls.Config, error) {
-	stamp, err := r.stampFiles()
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if err == nil && stamp == r.stamp {
-		return r.cfg, nil
-	}
-	cfg, loadErr := r.load()
-	switch {
-	case loadErr == nil:
-		r.stamp, r.cfg = stamp, cfg
-		r.log.Info("TLS certificate loaded", "cert", r.files.Cert, "clientCA", r.files.ClientCA, "allowedSANs", r.files.AllowedSANs)
-	case r.cfg == nil:
-		return nil, loadErr
-	default:
-		// A half-written rotation: keep serving the previous certificate.
-		r.log.Error(loadErr, "reloading TLS files failed; serving the previous certificate")
-	}
-	return r.cfg, nil
-}
-
-func (r *tlsReloader) stampFiles() (string, error) {
-	var stamp string
-	for _, name := range []string{r.files.Cert, r.files.Key, r.files.ClientCA} {
-		if name == "" {
-			continue
-		}
-		fi, err := os.Stat(name)
-		if err != nil {
-			return "", err
-		}
-		stamp += fmt.Sprintf("%s:%d:%d;", name, fi.Size(), fi.ModTime().UnixNano())
-	}
-	return stamp, nil
-}
-
-func (r *tlsReloader) load() (*tls.Config, error) {
-	cert, err := tls.LoadX509KeyPair(r.files.Cert, r.files.Key)
+// config is the listener's TLS as the files are now.
+func (f TLSFiles) config(log logr.Logger) (*tls.Config, error) {
+	cert, err := tls.LoadX509KeyPair(f.Cert, f.Key)
 	if err != nil {
 		return nil, fmt.Errorf("TLS certificate: %w", err)
 	}
 	cfg := &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2"}}
-	if r.files.ClientCA != "" {
-		pool, err := loadCAs(r.files.ClientCA)
+	if f.ClientCA != "" {
+		pool, err := tlsfiles.CAPool(f.ClientCA)
 		if err != nil {
-			return nil, err
+			return nil, fmt.Errorf("CA file: %w", err)
 		}
 		cfg.ClientCAs, cfg.ClientAuth = pool, tls.RequireAndVerifyClientCert
 		// Runs after the chain is verified against ClientCAs.
-		cfg.VerifyConnection = r.files.allowedClient(r.log)
+		cfg.VerifyConnection = f.allowedClient(log)
 	}
 	return cfg, nil
-}
-
-// loadCAs reads a PEM bundle of CA certificates.
-func loadCAs(path string) (*x509.CertPool, error) {
-	pem, err := os.ReadFile(path)
-	if err != nil {
-		return nil, fmt.Errorf("CA file: %w", err)
-	}
-	pool := x509.NewCertPool()
-	if !pool.AppendCertsFromPEM(pem) {
-		return nil, fmt.Errorf("CA file %s: no PEM certificate in it", path)
-	}
-	return pool, nil
 }
