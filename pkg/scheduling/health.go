@@ -87,7 +87,6 @@ func (e *Endpoint) reportFailure(epoch uint64) {
 	h.probing = false
 	e.ejections.Add(1)
 	e.moved.Store(now.UnixNano())
-	e.rereadInfo()
 }
 
 // reportSuccess: while an ejection runs, a success is news from before it
@@ -199,7 +198,6 @@ func (e *Endpoint) setActive(v verdict) {
 		h.activeDown = true
 		e.ejections.Add(1)
 		e.moved.Store(s.now().UnixNano())
-		e.rereadInfo()
 	}
 	e.troubled.Store(h.activeDown || h.failures > 0)
 }

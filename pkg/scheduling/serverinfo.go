@@ -34,20 +34,15 @@ type serverInfo struct {
 	mode          string // disaggregation_mode: prefill, decode or null
 	err           string // why the last read failed; "" when it did not
 	at            time.Time
+	// ejections is the endpoint's count when it was read: an engine taken
+	// out of rotation since may come back restarted with another port, and
+	// is asked again at the next round.
+	ejections uint64
 }
 
 // ReadsBootstrapPorts says whether the pool asks its engines for their
 // bootstrap ports: a kv-sglang prefill pool.
 func (p *Pool) ReadsBootstrapPorts() bool { return p.probe.serverInfo }
-
-// rereadInfo has the engine asked for its server info again at the next
-// round, what it said standing until then: an engine taken out of rotation
-// may come back restarted with another bootstrap port.
-func (e *Endpoint) rereadInfo() {
-	if i := e.info.Load(); i != nil {
-		e.info.Store(&serverInfo{bootstrapPort: i.bootstrapPort, mode: i.mode})
-	}
-}
 
 // askedFirst keeps, of a kv-sglang prefill pool's candidates, those whose
 // engines were asked for their bootstrap port (answered or not), if any
@@ -69,15 +64,16 @@ func (p *Pool) readServerInfo(ctx context.Context, st *poolState, eps []*Endpoin
 	timeout := cmp.Or(st.spec.Health.CheckTimeout.D(), config.DefaultCheckTimeout)
 	due := slices.DeleteFunc(slices.Clone(eps), func(e *Endpoint) bool {
 		old := e.info.Load()
-		return old != nil && old.err == "" && now.Sub(old.at) < serverInfoRefresh
+		return old != nil && old.err == "" && now.Sub(old.at) < serverInfoRefresh && old.ejections == e.ejections.Load()
 	})
 	probeEach(due, func(e *Endpoint) {
 		old := e.info.Load()
+		ejections := e.ejections.Load()
 		info := fetchServerInfo(ctx, p.probe, e.Addr, timeout)
 		if ctx.Err() != nil {
 			return
 		}
-		info.at = now
+		info.at, info.ejections = now, ejections
 		if info.err != "" && old != nil && old.bootstrapPort > 0 {
 			info.bootstrapPort, info.mode = old.bootstrapPort, old.mode // a hiccup does not unlearn the port
 		}
