@@ -218,12 +218,15 @@ func (c *clientCoverages) of(client string) *coverage {
 }
 
 // shares estimates, for each prefix key, its share of the requests this
-// replica picks for: counts that decay by sharesDecay a request, over the
-// count of a full window (1 / (1 - sharesDecay) requests, about a minute of
-// a busy pool's traffic), so that a replica that has seen few requests yet
-// underestimates, and keeps prefixes on fewer endpoints. Behind a round
-// robin every replica sees the same mix, so their estimates differ only by
-// sampling.
+// replica picks for: its count over the count of all requests, both decaying
+// by sharesDecay a request (a window of 1 / (1 - sharesDecay) requests,
+// about a minute of a busy pool's traffic), as if sharesPrior requests of
+// no key had come first. A replica that has seen few requests yet so
+// underestimates, and keeps prefixes on fewer endpoints, for its first few
+// hundred requests; a prior of a whole window would have it underestimate
+// for several windows, and behind eight replicas a window of one is eight
+// of the pool's. Behind a round robin every replica sees the same mix, so
+// their estimates differ only by sampling.
 type shares struct {
 	mu     sync.Mutex
 	n      float64 // requests noted
@@ -234,6 +237,7 @@ type shareCount struct{ count, at float64 } // decayed count as of request at
 
 const (
 	sharesDecay = 0.999
+	sharesPrior = 100
 	// sharesMax bounds the keys kept; past it, the keys whose decayed count
 	// is below sharesForget are dropped.
 	sharesMax    = 1 << 14
@@ -259,5 +263,6 @@ func (s *shares) note(h uint64) float64 {
 		}
 	}
 	s.counts[h] = c
-	return c.count * (1 - sharesDecay)
+	prior := math.Pow(sharesDecay, s.n)
+	return c.count / ((1-prior)/(1-sharesDecay) + prior*sharesPrior) // over the decayed count of every request
 }

@@ -395,21 +395,20 @@ func TestSimulatedTargets(t *testing.T) {
 
 // knownMisses are the targets the short run misses, by workload, load,
 // replicas and target (docs/scheduling.md, "Where it loses"):
-//   - (c) on the small cache: its conversations lose their cached history
-//     when a load spill moves a turn that no other replica remembers, and
-//     at one replica and three minutes llm-d's model has not yet overloaded
-//     the engines it piles a system prompt on;
+//   - (c) on the small cache at four replicas: its conversations lose their
+//     cached history when a load spill moves a turn that no other replica
+//     remembers;
 //   - (e) at one replica: one seed's p99 over three minutes, 6.5 % above
 //     least load's where the picks differ only from a client's retries on
 //     (the ten-minute means over three seeds meet it).
-//   - with events at four replicas, on (a) at nominal load: one seed of
-//     three minutes puts prefix-affinity 0.1 points above, as first
-//     requests go to a system prompt's holders only where no busier than
-//     the mean (the ten-minute means over three seeds are 0.1 points above
+//   - with events, on (a) at 1.5× load: one seed of three minutes puts
+//     prefix-affinity up to 0.1 points above, as first requests go to a
+//     system prompt's holders only where no busier than the mean (the
+//     ten-minute means over three seeds are 0 to 0.2 points above
 //     prefix-affinity's).
 var knownMisses = map[string]bool{
-	"a one-shot/1.0x/4/" + notBelowEstimates: true,
-	"c mixed/1.0x/1/" + bestBaseline:         true,
+	"a one-shot/1.5x/1/" + notBelowEstimates: true,
+	"a one-shot/1.5x/4/" + notBelowEstimates: true,
 	"c mixed/1.0x/4/" + bestBaseline:         true,
 	"c mixed/1.5x/4/" + bestBaseline:         true,
 	"e random/1.0x/1/" + likeLeastLoad:       true,
