@@ -61,8 +61,13 @@ func newRecorder(t *testing.T, next string) *recorder {
 					w.Write(buf[:n])
 					rc.Flush()
 				}
-				if err != nil {
+				if err == io.EOF {
 					return
+				}
+				if err != nil {
+					// Break the response, as a proxy would: ending it
+					// cleanly would hand a truncated stream on as whole.
+					panic(http.ErrAbortHandler)
 				}
 			}
 		})
