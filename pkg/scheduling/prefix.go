@@ -263,6 +263,8 @@ func (s *shares) note(h uint64) float64 {
 		}
 	}
 	s.counts[h] = c
-	prior := math.Pow(sharesDecay, s.n)
-	return c.count / ((1-prior)/(1-sharesDecay) + prior*sharesPrior) // over the decayed count of every request
+	// Over the decayed count of every request, the prior's included: what is
+	// left of a request noted before the first is faded.
+	faded := math.Pow(sharesDecay, s.n)
+	return c.count / ((1-faded)/(1-sharesDecay) + faded*sharesPrior)
 }
