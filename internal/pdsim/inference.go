@@ -114,7 +114,7 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 		}
 		ph.run()
 		if err := s.answer(ctx, w, req, res); err != nil {
-			ex.rec.Canceled = true
+			ex.rec.Canceled, ex.err = true, fmt.Errorf("answer cut short: %w", err)
 		}
 	}
 }

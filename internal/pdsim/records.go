@@ -51,7 +51,7 @@ type exchange struct {
 	index int
 	rec   Record
 	start time.Time
-	err   error // why the KV could not be loaded, for the log
+	err   error // why the KV could not be loaded, or the answer was cut short, for the log
 }
 
 func (s *Server) begin(r *http.Request, body []byte) *exchange {

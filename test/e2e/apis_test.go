@@ -61,18 +61,18 @@ func checkAnswer(t *testing.T, api string, stream bool, body string) {
 	}
 	switch {
 	case !strings.Contains(body, first):
-		t.Errorf("no first token %s in %.300s", first, body)
+		t.Errorf("no first token %s in %s", first, excerpt(body))
 	case stream && api == "responses":
 		if !strings.HasPrefix(body, "event: response.created\ndata: ") || !strings.Contains(body, "event: response.completed\ndata: ") {
-			t.Errorf("not a streamed response: %.300s", body)
+			t.Errorf("not a streamed response: %s", excerpt(body))
 		}
 	case stream && api == "messages":
 		if !strings.HasPrefix(body, "event: message_start\ndata: ") || !strings.HasSuffix(body, "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n") {
-			t.Errorf("not a streamed Anthropic message: %.300s", body)
+			t.Errorf("not a streamed Anthropic message: %s", excerpt(body))
 		}
 	case stream:
 		if !strings.HasPrefix(body, "data: ") || !strings.HasSuffix(body, "data: [DONE]\n\n") {
-			t.Errorf("not an SSE stream ending in [DONE]: %.300s", body)
+			t.Errorf("not an SSE stream ending in [DONE]: %s", excerpt(body))
 		}
 	default:
 		var a struct {
@@ -84,9 +84,18 @@ func checkAnswer(t *testing.T, api string, stream bool, body string) {
 		}
 		err := json.Unmarshal([]byte(body), &a)
 		if whole := len(a.Choices) == 1 || len(a.Output) == 1 || a.Text != nil || a.Type == "message" && len(a.Content) == 1; err != nil || !whole {
-			t.Errorf("not a whole %s answer: %.300s", api, body)
+			t.Errorf("not a whole %s answer: %s", api, excerpt(body))
 		}
 	}
+}
+
+// excerpt is an answer as a failure shows it: whole when short, else its
+// length, start and end, so that a truncated answer shows where it stopped.
+func excerpt(body string) string {
+	if len(body) <= 600 {
+		return body
+	}
+	return fmt.Sprintf("(%d bytes) %s … %s", len(body), body[:300], body[len(body)-300:])
 }
 
 // checkRoutes checks the rest of the API table on a rig: a pass-through
