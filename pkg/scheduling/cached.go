@@ -92,12 +92,16 @@ func (b loadBounds) within(busy, queued float64) bool { return busy <= b.busy &&
 // which is worth a longer queue.
 func (b loadBounds) follows(busy, queued float64) bool { return busy <= b.busy && queued <= b.follow }
 
-// busyness is the candidates with their busyness, unranked.
+// busyness is the candidates with their busyness, in their order.
 func busyness(eps []*Endpoint) []ranked {
 	rs := make([]ranked, len(eps))
+	if len(eps) == 0 {
+		return rs
+	}
+	now := readOnce(eps[0].cfg().now)
 	for i, e := range eps {
 		rs[i].e = e
-		rs[i].busy, rs[i].queued = e.busyness()
+		rs[i].busy, rs[i].queued = e.busynessAt(now)
 	}
 	return rs
 }

@@ -156,16 +156,30 @@ type Load struct {
 }
 
 // Load returns the last scraped load, and false when there is none or it is stale.
-func (e *Endpoint) Load() (Load, bool) {
+func (e *Endpoint) Load() (Load, bool) { return e.loadAt(e.cfg().now) }
+
+// loadAt is Load by the clock now, read only when there is a load to judge.
+func (e *Endpoint) loadAt(now func() time.Time) (Load, bool) {
 	l := e.load.Load()
 	if l == nil {
 		return Load{}, false
 	}
-	s := e.cfg()
-	if s.staleAfter <= 0 || s.now().Sub(l.At) > s.staleAfter {
+	if s := e.cfg(); s.staleAfter <= 0 || now().Sub(l.At) > s.staleAfter {
 		return Load{}, false
 	}
 	return *l, true
+}
+
+// readOnce is clock, read at most once: for the endpoints of a pool, which
+// share it, as reading the clock costs more than judging a load.
+func readOnce(clock func() time.Time) func() time.Time {
+	var t time.Time
+	return func() time.Time {
+		if t.IsZero() {
+			t = clock()
+		}
+		return t
+	}
 }
 
 func (e *Endpoint) observe(l Load) { e.load.Store(&l) }
@@ -175,14 +189,15 @@ func (e *Endpoint) observe(l Load) { e.load.Store(&l) }
 // queue counts on top of in-flight on purpose: waiting requests are the sign of
 // a saturated engine, and they include other routers' traffic.
 func (e *Endpoint) Busyness() float64 {
-	b, _ := e.busyness()
+	b, _ := e.busynessAt(e.cfg().now)
 	return b
 }
 
-// busyness is Busyness and the engine's scraped queue (0 without a fresh scrape).
-func (e *Endpoint) busyness() (busy, queued float64) {
+// busynessAt is Busyness by the clock now, and the engine's scraped queue (0
+// without a fresh scrape).
+func (e *Endpoint) busynessAt(now func() time.Time) (busy, queued float64) {
 	busy = float64(e.InFlight())
-	if l, ok := e.Load(); ok {
+	if l, ok := e.loadAt(now); ok {
 		busy += l.Waiting + l.KVUsage
 		queued = l.Waiting
 	}

@@ -124,11 +124,13 @@ func (p *Pool) SelectN(req *Request, n int, exclude ...string) ([]*Endpoint, err
 	// The n-1 least busy others, of equals the first listed: each read
 	// once, kept in order as they come, not the whole pool sorted.
 	best := make([]ranked, 0, n-1)
+	now := readOnce(first.cfg().now)
 	for _, e := range cands {
 		if e == first {
 			continue
 		}
-		r := ranked{e: e, busy: e.Busyness()}
+		r := ranked{e: e}
+		r.busy, _ = e.busynessAt(now)
 		i := len(best)
 		for i > 0 && best[i-1].busy > r.busy {
 			i--

@@ -82,14 +82,15 @@ func (k rendezvousKeys) keyedAlike(req *Request) bool {
 	return len(req.Previous()) > len(req.Head()) || req.conversationName() == "" && !k.wholeHead(req)
 }
 
-// weight is an endpoint's rendezvous weight for a key's hash: 53 bits, exact
-// in a float64, so no two weights tie by rounding.
-func weight(key uint64, e *Endpoint) float64 {
+// weighed is an endpoint's rendezvous weight for a key's hash, in the bits
+// above the posBits that hold pos, its position among the candidates: one
+// integer to sort by (pos parts only weights equal in every bit kept).
+func weighed(key uint64, e *Endpoint, pos, posBits int) uint64 {
 	h := e.addrHash
 	if h == 0 { // a bare Endpoint
 		h = xxhash.Sum64String(e.Addr)
 	}
-	return float64(mix64(key^h) >> 11)
+	return mix64(key^h)>>posBits<<posBits | uint64(pos)
 }
 
 // mix64 is splitmix64's finalizer, so that an endpoint's weight for one key
@@ -122,7 +123,6 @@ func homeSize(share float64, n int, spread float64) int {
 type ranked struct {
 	e            *Endpoint
 	busy, queued float64 // busyness
-	weight       float64 // what it is ordered by
 }
 
 // rank orders the candidates for a request: by the weights of its prefix
@@ -131,20 +131,34 @@ type ranked struct {
 // share a prefix share its first home endpoints, so that a system prompt is
 // cached on as few engines as its traffic needs; within them each
 // conversation has an order of its own, which its turns keep.
+//
+// It sorts integers (weighed), heaviest first, not the ranked structs: at a
+// thousand candidates the pick takes 0.4 of the time (BenchmarkSelectAtScale).
 func rank(prefix, conversation uint64, home int, eps []*Endpoint) []ranked {
-	rs := busyness(eps)
-	for i := range rs {
-		rs[i].weight = weight(prefix, rs[i].e)
+	posBits := max(1, bits.Len(uint(len(eps)-1)))
+	var small [64]uint64 // most pools': no allocation
+	keys := small[:0]
+	if len(eps) > len(small) {
+		keys = make([]uint64, 0, len(eps))
 	}
-	byWeight := func(a, b ranked) int { return cmp.Compare(b.weight, a.weight) }
-	slices.SortFunc(rs, byWeight)
+	for i, e := range eps {
+		keys = append(keys, weighed(prefix, e, i, posBits))
+	}
+	slices.Sort(keys)
+	slices.Reverse(keys)
+	pos := func(k uint64) int { return int(k & (1<<posBits - 1)) }
 	if home > 1 {
-		for i := range rs[:home] {
-			rs[i].weight = weight(conversation, rs[i].e)
+		for j, k := range keys[:home] {
+			keys[j] = weighed(conversation, eps[pos(k)], pos(k), posBits)
 		}
-		slices.SortFunc(rs[:home], byWeight)
+		slices.Sort(keys[:home])
+		slices.Reverse(keys[:home])
 	}
-	return rs
+	rs, ordered := busyness(eps), make([]ranked, len(eps))
+	for j, k := range keys {
+		ordered[j] = rs[pos(k)]
+	}
+	return ordered
 }
 
 // prefixAffinity ranks the candidates (rank) and takes the first within the

@@ -79,112 +79,140 @@ func TestRoundRobinTakesTurns(t *testing.T) {
 // BenchmarkSelect is the cost of one pick on a pool of 16 endpoints, for the
 // ext_proc's own latency budget.
 func BenchmarkSelect(b *testing.B) {
-	addrs := make([]string, 16)
-	for i := range addrs {
-		addrs[i] = fmt.Sprintf("10.0.0.%d:8000", i+1)
-	}
-	text := func(chars int) string { return strings.Repeat("You are a helpful assistant. ", chars/29+1)[:chars] }
-	// A conversation's fifth turn: 32,000 characters of content.
-	messages := []simMessage{{"system", text(8_000)}}
-	for i := range 5 {
-		messages = append(messages, simMessage{"user", fmt.Sprintf("question %d ", i) + text(2_000-11)})
-		if i < 4 {
-			messages = append(messages, simMessage{"assistant", text(3_500)})
-		}
-	}
+	addrs := benchAddrs(16)
 	requests := []struct {
 		name string
 		req  *Request
 	}{
-		{"1000chars", promptRequest(text(1_000))},
-		{"32000chars", promptRequest(text(32_000))},
-		{"chat-32000chars", chatRequest(messages)},
+		{"1000chars", promptRequest(benchText(1_000))},
+		{"32000chars", promptRequest(benchText(32_000))},
+		{"chat-32000chars", chatRequest(benchConversation())},
 	}
 	for _, policy := range []string{config.PolicyRoundRobin, config.PolicyLeastLoad, config.PolicyPrefixAffinity} {
 		for _, r := range requests {
 			b.Run(policy+"/"+r.name, func(b *testing.B) {
 				p := NewPools(Spec{Decode: PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{Policy: policy}}}, Deps{}).Decode
-				b.ReportAllocs()
-				for b.Loop() {
-					if _, err := p.Select(r.req); err != nil {
-						b.Fatal(err)
-					}
-				}
+				benchPick(b, p, r.req, "")
 			})
 		}
 	}
-	// With the engines' KV events: the conversation's 8,000 tokens, of which
-	// one endpoint holds the first 6,000 (its earlier turns) and four the
-	// first 2,000 (the system prompt), as their events said; its tokens
-	// known (the /tokenize round trip is measured apart:
-	// pd_extproc_tokenize_seconds).
 	b.Run(config.PolicyPrefixAffinity+"+events/chat-32000chars", func(b *testing.B) {
-		p := NewPools(Spec{Decode: PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity}}}, Deps{}).Decode
-		index := kvevents.NewIndex(kvevents.Bounds{}, time.Minute, nil)
-		tokens := make([]int64, 8_000)
-		for i := range tokens {
-			tokens[i] = int64(i*7919) % 150_000
-		}
-		for i, a := range addrs {
-			held := 0
-			switch {
-			case i == 0:
-				held = 6_000
-			case i < 4:
-				held = 2_000
-			}
-			hashes := make([]uint64, held/16)
-			for j := range hashes {
-				hashes[j] = uint64(i<<32 | j)
-			}
-			index.Apply(kvevents.Publisher{Endpoint: a}, []kvevents.Event{{Kind: kvevents.Stored, Hashes: hashes, Tokens: tokens[:held/16*16], BlockSize: 16}})
-		}
-		p.events.Store(&poolEvents{index: index})
-		req := chatRequest(messages)
-		req.SetTokens(tokens)
-		b.ReportAllocs()
-		for b.Loop() {
-			if e, err := p.Select(req); err != nil || e.Addr != addrs[0] {
-				b.Fatal(e, err)
-			}
-		}
+		p, req := eventsPool(addrs)
+		benchPick(b, p, req, addrs[0])
 	})
 }
 
-// BenchmarkSelectAtScale is one pick on a pool of 1,000 endpoints: a decode
-// pick with three fallbacks (pools.decode.fallbacks), and one under an
-// endpoint picker's subset hint naming every endpoint.
+func benchAddrs(n int) []string {
+	addrs := make([]string, n)
+	for i := range addrs {
+		addrs[i] = fmt.Sprintf("10.0.%d.%d:8000", i/250, i%250+1)
+	}
+	return addrs
+}
+
+func benchText(chars int) string {
+	return strings.Repeat("You are a helpful assistant. ", chars/29+1)[:chars]
+}
+
+// benchConversation is a conversation's fifth turn: 32,000 characters of
+// content.
+func benchConversation() []simMessage {
+	messages := []simMessage{{"system", benchText(8_000)}}
+	for i := range 5 {
+		messages = append(messages, simMessage{"user", fmt.Sprintf("question %d ", i) + benchText(2_000-11)})
+		if i < 4 {
+			messages = append(messages, simMessage{"assistant", benchText(3_500)})
+		}
+	}
+	return messages
+}
+
+// eventsPool is a prefix-affinity pool of addrs that follows the engines' KV
+// events, and benchConversation's request with its 8,000 tokens known (the
+// /tokenize round trip is measured apart: pd_extproc_tokenize_seconds): the
+// first endpoint holds the first 6,000 (its earlier turns), the next three the
+// first 2,000 (the system prompt), the others none, as their events said.
+func eventsPool(addrs []string) (*Pool, *Request) {
+	p := NewPools(Spec{Decode: PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity}}}, Deps{}).Decode
+	index := kvevents.NewIndex(kvevents.Bounds{}, time.Minute, nil)
+	tokens := make([]int64, 8_000)
+	for i := range tokens {
+		tokens[i] = int64(i*7919) % 150_000
+	}
+	for i, a := range addrs { // each endpoint's events followed, most holding nothing
+		held := 0
+		switch {
+		case i == 0:
+			held = 6_000
+		case i < 4:
+			held = 2_000
+		}
+		hashes := make([]uint64, held/16)
+		for j := range hashes {
+			hashes[j] = uint64(i<<32 | j)
+		}
+		index.Apply(kvevents.Publisher{Endpoint: a}, []kvevents.Event{{Kind: kvevents.Stored, Hashes: hashes, Tokens: tokens[:held/16*16], BlockSize: 16}})
+	}
+	p.events.Store(&poolEvents{index: index})
+	req := chatRequest(benchConversation())
+	req.SetTokens(tokens)
+	return p, req
+}
+
+// benchPick times p.Select(req), which must pick want when it is not "".
+func benchPick(b *testing.B, p *Pool, req *Request, want string) {
+	b.ReportAllocs()
+	for b.Loop() {
+		if e, err := p.Select(req); err != nil || want != "" && e.Addr != want {
+			b.Fatal(e, err)
+		}
+	}
+}
+
+// BenchmarkSelectAtScale is one pick on pools of 8, 1,000 and 2,000
+// endpoints whose loads are scraped (docs/kubernetes.md): least-load's, with
+// three fallbacks (pools.decode.fallbacks), under an endpoint picker's subset
+// hint naming every endpoint, and prefix-affinity's pick of BenchmarkSelect's
+// conversation, without and with KV events.
 //
 //	go test -run '^$' -bench SelectAtScale ./pkg/scheduling/
 func BenchmarkSelectAtScale(b *testing.B) {
-	addrs := make([]string, 1000)
-	hint := make([]any, len(addrs))
-	for i := range addrs {
-		addrs[i] = fmt.Sprintf("10.0.%d.%d:8000", i/250, i%250+1)
-		hint[i] = addrs[i]
-	}
-	spec := config.PoolScheduling{Policy: config.PolicyLeastLoad}
-	spec.Metrics.Interval, spec.Metrics.StaleAfter = config.Duration(time.Second), config.Duration(time.Hour)
-	p := NewPools(Spec{Decode: PoolSpec{Endpoints: addrs, PoolScheduling: spec}}, Deps{}).Decode
-	for i, e := range p.Endpoints() { // scraped, as the decode pool's engines are
-		e.observe(Load{Waiting: float64(i % 7), KVUsage: 0.5, At: time.Now()})
-	}
-	b.Run("fallbacks=3", func(b *testing.B) {
-		b.ReportAllocs()
-		for b.Loop() {
-			if eps, err := p.SelectN(nil, 4); err != nil || len(eps) != 4 {
-				b.Fatal(eps, err)
-			}
+	for _, n := range []int{8, 1000, 2000} {
+		addrs := benchAddrs(n)
+		hint := make([]any, len(addrs))
+		for i, a := range addrs {
+			hint[i] = a
 		}
-	})
-	b.Run("subset-hint", func(b *testing.B) {
-		req := promptRequest("hello")
-		req.Subset = ParseSubset(hint)
-		b.ReportAllocs()
-		for b.Loop() {
-			if _, err := p.Select(req); err != nil {
-				b.Fatal(err)
+		scraped := func(policy string) *Pool {
+			spec := config.PoolScheduling{Policy: policy}
+			spec.Metrics.Interval, spec.Metrics.StaleAfter = config.Duration(time.Second), config.Duration(time.Hour)
+			p := NewPools(Spec{Decode: PoolSpec{Endpoints: addrs, PoolScheduling: spec}}, Deps{}).Decode
+			for i, e := range p.Endpoints() {
+				e.observe(Load{Waiting: float64(i % 7), KVUsage: 0.5, At: time.Now()})
 			}
+			return p
 		}
-	})
+		p := scraped(config.PolicyLeastLoad)
+		b.Run(fmt.Sprint(n, "/least-load"), func(b *testing.B) { benchPick(b, p, promptRequest("hello"), "") })
+		b.Run(fmt.Sprint(n, "/fallbacks=3"), func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if eps, err := p.SelectN(nil, 4); err != nil || len(eps) != 4 {
+					b.Fatal(eps, err)
+				}
+			}
+		})
+		b.Run(fmt.Sprint(n, "/subset-hint"), func(b *testing.B) {
+			req := promptRequest("hello")
+			req.Subset = ParseSubset(hint)
+			benchPick(b, p, req, "")
+		})
+		b.Run(fmt.Sprint(n, "/prefix-affinity/chat-32000chars"), func(b *testing.B) {
+			benchPick(b, scraped(config.PolicyPrefixAffinity), chatRequest(benchConversation()), "")
+		})
+		b.Run(fmt.Sprint(n, "/prefix-affinity+events/chat-32000chars"), func(b *testing.B) {
+			p, req := eventsPool(addrs)
+			benchPick(b, p, req, addrs[0])
+		})
+	}
 }
