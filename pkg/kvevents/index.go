@@ -30,8 +30,10 @@ type Index struct {
 	mu     sync.RWMutex
 	blocks map[uint64][]*pubView // our key → the publishers holding it
 	pubs   map[Publisher]*pubView
-	total  int
-	ids    []int // pubView ids free for reuse, so that they stay below len(pubs)+len(ids)
+	// byEndpoint is pubs by endpoint: Lookup takes endpoints, not publishers.
+	byEndpoint map[string][]*pubView
+	total      int
+	ids        []int // pubView ids free for reuse, so that they stay below len(pubs)+len(ids)
 	// adapters are the LoRA adapters engines have stored blocks for (at
 	// most maxAdapters): a request naming one is keyed by its name (Keys).
 	adapters map[string]struct{}
@@ -71,7 +73,7 @@ func NewIndex(b Bounds, staleAfter time.Duration, now func() time.Time) *Index {
 		now = time.Now
 	}
 	return &Index{maxPerPub: b.PerPublisher, maxBlocks: b.Total, staleAfter: staleAfter, now: now,
-		blocks: map[uint64][]*pubView{}, pubs: map[Publisher]*pubView{}, adapters: map[string]struct{}{}}
+		blocks: map[uint64][]*pubView{}, pubs: map[Publisher]*pubView{}, byEndpoint: map[string][]*pubView{}, adapters: map[string]struct{}{}}
 }
 
 // usable reports whether routing may go by v now.
@@ -168,6 +170,7 @@ func (x *Index) view(p Publisher) *pubView {
 		}
 		v = &pubView{Publisher: p, id: id, engine: map[uint64]uint64{}, fresh: true, group: -1}
 		x.pubs[p] = v
+		x.byEndpoint[p.Endpoint] = append(x.byEndpoint[p.Endpoint], v)
 	}
 	return v
 }
@@ -384,6 +387,11 @@ func (x *Index) Forget(p Publisher) {
 	if v := x.pubs[p]; v != nil {
 		x.clear(v)
 		delete(x.pubs, p)
+		if others := slices.DeleteFunc(x.byEndpoint[p.Endpoint], func(w *pubView) bool { return w == v }); len(others) > 0 {
+			x.byEndpoint[p.Endpoint] = others
+		} else {
+			delete(x.byEndpoint, p.Endpoint)
+		}
 		x.ids = append(x.ids, v.id)
 	}
 }

@@ -57,38 +57,31 @@ func mix64(x uint64) uint64 {
 // mixed GPUs or attention backends) are each matched by their own.
 func (x *Index) Lookup(endpoints []string, tokens []int64, k Keys) (held map[string]int, known map[string]bool) {
 	now := x.now()
-	slot := make(map[string]int, len(endpoints))
-	for i, e := range endpoints {
-		slot[e] = i
-	}
 	usable := make([]int8, len(endpoints)) // 0: no publisher seen, 1: all usable, -1: one is not
 	x.mu.RLock()
 	defer x.mu.RUnlock()
 	views := make([]int, len(x.pubs)+len(x.ids)) // by view id: 1 + the endpoint's position, 0 for none
 
 	var sizes []int // the usable views' block sizes, most often one
-	for _, v := range x.pubs {
-		i, listed := slot[v.Endpoint]
-		if !listed || usable[i] < 0 {
-			continue
-		}
-		if !x.usable(v, now) {
-			usable[i] = -1
-			continue
-		}
-		usable[i] = 1
-		views[v.id] = i + 1
-		if v.blockSize > 0 && !slices.Contains(sizes, v.blockSize) {
-			sizes = append(sizes, v.blockSize)
-		}
-	}
 	known = make(map[string]bool, len(endpoints))
 	for i, e := range endpoints {
+		for _, v := range x.byEndpoint[e] {
+			if !x.usable(v, now) {
+				usable[i] = -1
+				break
+			}
+			usable[i] = 1
+			views[v.id] = i + 1
+			if v.blockSize > 0 && !slices.Contains(sizes, v.blockSize) {
+				sizes = append(sizes, v.blockSize)
+			}
+		}
 		if usable[i] > 0 {
 			known[e] = true
 		}
 	}
-	held = make(map[string]int, len(known))
+	// Not sized to the endpoints: few of them hold a block.
+	held = map[string]int{}
 	matched := make([]int, len(endpoints)) // leading blocks each endpoint holds, at one size
 	for _, size := range sizes {
 		clear(matched)
