@@ -47,15 +47,16 @@ func mix64(x uint64) uint64 {
 }
 
 // Lookup returns, for each of endpoints whose view routing may trust now
-// (known), how many leading tokens of the prompt its engine holds in its
-// prefix cache, over all its publishers, of the blocks keyed as a request
+// (known, by position in endpoints), how many leading tokens of the prompt
+// its engine holds in its prefix cache (held, by address, the endpoints that
+// hold a block), over all its publishers, of the blocks keyed as a request
 // with keys k is (an adapter's, a salted prompt's). A view is not known before any of
 // the endpoint's publishers has been followed, while a gap is replayed, for
 // staleAfter after a gap it could not replay, or while its engine stays
 // silent past staleAfter after work it had to store; the caller goes by
 // other means there. Engines that publish different block sizes (a pool of
 // mixed GPUs or attention backends) are each matched by their own.
-func (x *Index) Lookup(endpoints []string, tokens []int64, k Keys) (held map[string]int, known map[string]bool) {
+func (x *Index) Lookup(endpoints []string, tokens []int64, k Keys) (held map[string]int, known []bool) {
 	now := x.now()
 	usable := make([]int8, len(endpoints)) // 0: no publisher seen, 1: all usable, -1: one is not
 	x.mu.RLock()
@@ -63,7 +64,7 @@ func (x *Index) Lookup(endpoints []string, tokens []int64, k Keys) (held map[str
 	views := make([]int, len(x.pubs)+len(x.ids)) // by view id: 1 + the endpoint's position, 0 for none
 
 	var sizes []int // the usable views' block sizes, most often one
-	known = make(map[string]bool, len(endpoints))
+	known = make([]bool, len(endpoints))
 	for i, e := range endpoints {
 		for _, v := range x.byEndpoint[e] {
 			if !x.usable(v, now) {
@@ -76,9 +77,7 @@ func (x *Index) Lookup(endpoints []string, tokens []int64, k Keys) (held map[str
 				sizes = append(sizes, v.blockSize)
 			}
 		}
-		if usable[i] > 0 {
-			known[e] = true
-		}
+		known[i] = usable[i] > 0
 	}
 	// Not sized to the endpoints: few of them hold a block.
 	held = map[string]int{}

@@ -168,7 +168,7 @@ func eventually(t *testing.T, what string, cond func() bool) {
 
 func held(x *Index, endpoint string, tokens []int64) (int, bool) {
 	h, known := x.Lookup([]string{endpoint}, tokens, Keys{})
-	return h[endpoint], known[endpoint]
+	return h[endpoint], known[0]
 }
 
 // endpoint is the engine the tests' subscribers dial: its host, and the

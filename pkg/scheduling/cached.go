@@ -4,28 +4,36 @@ import "github.com/pd-extproc/pd-extproc/pkg/kvevents"
 
 // lookup reads, from the pool's view of its engines' caches (KV events),
 // how many leading tokens of req's prompt each candidate whose view can be
-// trusted now holds (known). idx is nil when the pool follows no events,
-// req's tokens are not known or no candidate's view can be trusted; the
-// policy then goes as without events.
+// trusted now (known, by position in eps) holds. idx is nil when the pool
+// follows no events, req's tokens are not known or no candidate's view can
+// be trusted; the policy then goes as without events.
 //
 // A candidate whose requests have failed since it last served one (health:
-// troubled) is not looked up: it may be down, its view still showing what
-// it held, and a holder that looks idle would draw the requests that probe
-// it, each a failure. It is placed as without events until it serves again.
-func (p *prefixAffinity) lookup(req *Request, eps []*Endpoint) (idx *kvevents.Index, held map[string]int, known map[string]bool) {
+// troubled) is taken as not known: it may be down, its view still showing
+// what it held, and a holder that looks idle would draw the requests that
+// probe it, each a failure. It is placed as without events until it serves
+// again.
+func (p *prefixAffinity) lookup(req *Request, eps []*Endpoint) (idx *kvevents.Index, held map[string]int, known []bool) {
 	if p.cache == nil || len(req.Tokens()) == 0 {
 		return nil, nil, nil
 	}
 	if idx = p.cache(); idx == nil {
 		return nil, nil, nil
 	}
-	addrs := make([]string, 0, len(eps))
-	for _, e := range eps {
-		if !e.troubled.Load() {
-			addrs = append(addrs, e.Addr)
-		}
+	addrs := make([]string, len(eps))
+	for i, e := range eps {
+		addrs[i] = e.Addr
 	}
-	if held, known = idx.Lookup(addrs, req.Tokens(), req.cache()); len(known) == 0 {
+	held, known = idx.Lookup(addrs, req.Tokens(), req.cache())
+	trusted := false
+	for i, e := range eps {
+		if e.troubled.Load() {
+			known[i] = false
+			delete(held, e.Addr)
+		}
+		trusted = trusted || known[i]
+	}
+	if !trusted {
 		return nil, nil, nil
 	}
 	return idx, held, known

@@ -233,7 +233,7 @@ func (p *prefixAffinity) remembering(old Picker) Picker {
 func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 	idx, held, known := p.lookup(req, eps)
 	chosen := p.byRanking(req, eps, held)
-	if idx != nil && known[chosen.Addr] { // else byRanking's estimate stands
+	if idx != nil && known[slices.Index(eps, chosen)] { // else byRanking's estimate stands
 		req.held = estimate{addr: chosen.Addr, tokens: held[chosen.Addr], exact: true}
 		idx.Expect(chosen.Addr, held[chosen.Addr], len(req.Tokens()))
 	}
