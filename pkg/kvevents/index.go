@@ -344,8 +344,8 @@ func (x *Index) Expect(endpoint string, held, tokens int) {
 	now := x.now()
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	for _, v := range x.pubs {
-		if v.Endpoint != endpoint || !v.expected.IsZero() {
+	for _, v := range x.byEndpoint[endpoint] {
+		if !v.expected.IsZero() {
 			continue
 		}
 		if block := cmp.Or(v.blockSize, unpublishedBlock); tokens/block*block > held {
