@@ -1,6 +1,10 @@
 package scheduling
 
-import "github.com/pd-extproc/pd-extproc/pkg/kvevents"
+import (
+	"sync"
+
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
+)
 
 // lookup reads, from the pool's view of its engines' caches (KV events),
 // how many leading tokens of req's prompt each candidate whose view can be
@@ -106,7 +110,7 @@ func busyness(eps []*Endpoint) []ranked {
 	if len(eps) == 0 {
 		return rs
 	}
-	now := readOnce(eps[0].cfg().now)
+	now := sync.OnceValue(eps[0].cfg().now) // the pool's clock, read once if at all: it costs more than judging a load
 	for i, e := range eps {
 		rs[i].e = e
 		rs[i].busy, rs[i].queued = e.busynessAt(now)

@@ -170,18 +170,6 @@ func (e *Endpoint) loadAt(now func() time.Time) (Load, bool) {
 	return *l, true
 }
 
-// readOnce is clock, read at most once: for the endpoints of a pool, which
-// share it, as reading the clock costs more than judging a load.
-func readOnce(clock func() time.Time) func() time.Time {
-	var t time.Time
-	return func() time.Time {
-		if t.IsZero() {
-			t = clock()
-		}
-		return t
-	}
-}
-
 func (e *Endpoint) observe(l Load) { e.load.Store(&l) }
 
 // Busyness is what load-aware pickers compare, lower is better: our requests in

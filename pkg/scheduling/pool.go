@@ -124,7 +124,7 @@ func (p *Pool) SelectN(req *Request, n int, exclude ...string) ([]*Endpoint, err
 	// The n-1 least busy others, of equals the first listed: each read
 	// once, kept in order as they come, not the whole pool sorted.
 	best := make([]ranked, 0, n-1)
-	now := readOnce(first.cfg().now)
+	now := sync.OnceValue(first.cfg().now) // as busyness reads it
 	for _, e := range cands {
 		if e == first {
 			continue

@@ -154,11 +154,11 @@ func rank(prefix, conversation uint64, home int, eps []*Endpoint) []ranked {
 		slices.Sort(keys[:home])
 		slices.Reverse(keys[:home])
 	}
-	rs, ordered := busyness(eps), make([]ranked, len(eps))
+	ordered := make([]*Endpoint, len(keys))
 	for j, k := range keys {
-		ordered[j] = rs[pos(k)]
+		ordered[j] = eps[pos(k)]
 	}
-	return ordered
+	return busyness(ordered)
 }
 
 // prefixAffinity ranks the candidates (rank) and takes the first within the
