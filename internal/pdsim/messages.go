@@ -42,9 +42,28 @@ type contentBlock struct {
 	Text string `json:"text"`
 }
 
+// messagesUsage is an AnthropicUsage. Since vllm-project/vllm#40912 (2026),
+// where the chat answer it is made from states the cached tokens
+// (prompt_tokens_details), input_tokens leaves them out,
+// cache_read_input_tokens gives them and cache_creation_input_tokens is 0,
+// as Anthropic's contract has it (input + read + creation = the prompt);
+// where it does not, both are left out and input_tokens is the whole prompt.
 type messagesUsage struct {
-	InputTokens  int `json:"input_tokens"`
-	OutputTokens int `json:"output_tokens"`
+	InputTokens  int  `json:"input_tokens"`
+	OutputTokens int  `json:"output_tokens"`
+	Creation     *int `json:"cache_creation_input_tokens,omitempty"`
+	Read         *int `json:"cache_read_input_tokens,omitempty"`
+}
+
+// messagesUsage is the usage of a Messages answer with n tokens to req,
+// converted from the chat answer's.
+func (s *Server) messagesUsage(req *request, n int) messagesUsage {
+	u := s.usage(req, n)
+	if u.PromptTokensDetails == nil {
+		return messagesUsage{InputTokens: u.PromptTokens, OutputTokens: n}
+	}
+	read, creation := u.PromptTokensDetails.CachedTokens, 0
+	return messagesUsage{InputTokens: u.PromptTokens - read, OutputTokens: n, Creation: &creation, Read: &read}
 }
 
 // messagesEvent is one AnthropicStreamEvent, fields in vLLM's order.
@@ -73,7 +92,7 @@ func stopReason(finish string) string {
 
 // answerMessages answers a Messages request with n tokens.
 func (s *Server) answerMessages(ctx context.Context, w http.ResponseWriter, req *request, res kvResult, n int, finish string) error {
-	used := messagesUsage{InputTokens: req.promptTokens, OutputTokens: n}
+	used := s.messagesUsage(req, n)
 	if !req.stream {
 		text := ""
 		if err := s.tokens(ctx, n, func(i int) error { text += token(i); return nil }); err != nil {
@@ -86,6 +105,7 @@ func (s *Server) answerMessages(ctx context.Context, w http.ResponseWriter, req 
 	}
 	out := newSSE(w)
 	zero := 0
+	// The stream's first chunk states no cached tokens yet: its usage has none.
 	start := &messageStart{ID: req.internalID, Content: []contentBlock{}, Model: s.cfg.Model, Usage: messagesUsage{InputTokens: req.promptTokens}}
 	if err := out.event("message_start", messagesEvent{Type: "message_start", Message: start}); err != nil {
 		return err

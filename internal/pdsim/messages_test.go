@@ -90,3 +90,49 @@ func TestMessagesErrors(t *testing.T) {
 		}
 	}
 }
+
+// Since vllm-project/vllm#40912 a Messages answer states the cached tokens as
+// Anthropic's API does, where the chat answer it is made from states them
+// (--enable-prompt-tokens-details, and something cached): input_tokens
+// without them, cache_read_input_tokens, cache_creation_input_tokens 0. A
+// stream states them in its message_delta only.
+func TestMessagesUsageAsVLLMStatesIt(t *testing.T) {
+	p := start(t, Config{Role: RolePrefill, Protocol: ProtocolNIXL, PromptTokensDetails: true})
+	d := start(t, Config{Role: RoleDecode, Protocol: ProtocolNIXL, PromptTokensDetails: true})
+	ask := `{"model":"pdsim","messages":[{"role":"user","content":"` + strings.TrimSpace(strings.Repeat("word ", 40)) + `"}],`
+	leg := ask + `"max_tokens":1,"kv_transfer_params":` + nixlAsk + `}`
+	usage := func(answer string) string { // the usage object as printed
+		_, u, _ := strings.Cut(answer, `"usage":`)
+		u, _, _ = strings.Cut(u, "}")
+		return u + "}"
+	}
+
+	first, second := post(t, p, "/v1/messages", leg, "req-1"), post(t, p, "/v1/messages", leg, "req-2")
+	if got := usage(string(first.body)); got != `{"input_tokens":41,"output_tokens":1}` {
+		t.Errorf("a new prompt's usage %s: want the whole prompt as input_tokens, no cache fields", got)
+	}
+	if got := usage(string(second.body)); got != `{"input_tokens":9,"output_tokens":1,"cache_creation_input_tokens":0,"cache_read_input_tokens":32}` {
+		t.Errorf("the same prompt again: usage %s, want its full blocks (32 of 41) read from the cache and the rest as input", got)
+	}
+	var whole struct {
+		KV json.RawMessage `json:"kv_transfer_params"`
+	}
+	if err := json.Unmarshal(second.body, &whole); err != nil {
+		t.Fatal(err)
+	}
+	pulled := post(t, d, "/v1/messages", ask+`"max_tokens":2,"stream":true,"kv_transfer_params":`+string(whole.KV)+`}`, "req-2")
+	var start, delta string
+	for line := range strings.SplitSeq(string(pulled.body), "\n") {
+		switch {
+		case strings.HasPrefix(line, `data: {"type":"message_start"`):
+			start = usage(line)
+		case strings.HasPrefix(line, `data: {"type":"message_delta"`):
+			delta = usage(line)
+		}
+	}
+	if start != `{"input_tokens":41,"output_tokens":0}` ||
+		delta != `{"input_tokens":0,"output_tokens":2,"cache_creation_input_tokens":0,"cache_read_input_tokens":41}` {
+		t.Errorf("decode with the prefill's KV: message_start usage %s, message_delta usage %s; "+
+			"want the whole prompt uncached at the start and read from the cache at the end", start, delta)
+	}
+}
