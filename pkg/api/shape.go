@@ -30,6 +30,11 @@ type Shape struct {
 	// rewritten. CachedTokensInEvents is where a streamed answer's events
 	// carry it, when elsewhere (the Responses API's response.completed).
 	CachedTokens, CachedTokensInEvents []string
+	// UncachedTokens is where the answer reports the prompt tokens not found
+	// cached, when that number leaves out CachedTokens' and so must be
+	// rewritten with it (Anthropic's input_tokens); in the answer and its
+	// events alike. Nil: the prompt tokens are reported whole.
+	UncachedTokens []string
 }
 
 // vllmXargs: vLLM's OpenAI requests copy vllm_xargs into the engine's
@@ -76,15 +81,17 @@ var (
 	}
 	// messagesShape: Anthropic's Messages API, whose max_tokens vLLM also
 	// makes the chat request's max_completion_tokens. Its request has no
-	// vllm_xargs. Its usage states the cached tokens in three numbers that
-	// go together (input_tokens, cache_read_input_tokens,
-	// cache_creation_input_tokens: vllm-project/vllm#40912), which no one
-	// number's rewrite can keep consistent: none is rewritten or read.
+	// vllm_xargs. Since vllm-project/vllm#40912 its usage states the cached
+	// tokens as cache_read_input_tokens, and input_tokens the rest of the
+	// prompt (cache_creation_input_tokens is always 0), where the engine
+	// states them: in a whole answer, and in a stream's message_delta event.
 	messagesShape = Shape{
 		Caps: []body.Edit{
 			body.Set("stream", body.False),
 			body.Set("max_tokens", body.One),
 		},
+		CachedTokens:   []string{"usage", "cache_read_input_tokens"},
+		UncachedTokens: []string{"usage", "input_tokens"},
 	}
 	// generateShape: vLLM's token-in API has the limits in sampling_params.
 	generateShape = Shape{

@@ -194,7 +194,7 @@ func BenchmarkResponseChunk(b *testing.B) {
 			r := &fakeRouter{}
 			if rewrite {
 				r.rewrite = func() *response.Rewriter {
-					return response.New(response.Paths{JSON: api.Chat.Shape.CachedTokens}, []byte("8"), 1<<20)
+					return response.New(response.Paths{JSON: api.Chat.Shape.CachedTokens}, []byte("8"), nil, 1<<20)
 				}
 			}
 			x := handlers.NewServer(r, handlers.Options{}, logr.Discard()).Open(b.Context(), discard{})

@@ -327,7 +327,7 @@ func TestTheBodyLimitComesBeforeTheBudget(t *testing.T) {
 func TestAnAnswerHeldForTheRewriteCountsInTheBudget(t *testing.T) {
 	const mib = 1 << 20
 	r := &fakeRouter{limit: 8 * mib, rewrite: func() *response.Rewriter {
-		return response.New(response.Paths{JSON: api.Chat.Shape.CachedTokens}, []byte("8"), 4*mib)
+		return response.New(response.Paths{JSON: api.Chat.Shape.CachedTokens}, []byte("8"), nil, 4*mib)
 	}}
 	s := handlers.NewServer(r, handlers.Options{Metrics: metrics.New("kv-nixl"), MaxBufferedBytes: 2 * mib, RetryAfter: time.Second}, logr.Discard())
 	request := func(size int) []*extprocv3.ProcessingRequest {

@@ -618,7 +618,7 @@ func TestUsageRewriteOnTheResponsePath(t *testing.T) {
 			t.Run(requestMode.String()+"/"+tt.name, func(t *testing.T) {
 				m := metrics.New("kv-nixl")
 				r := &fakeRouter{rewrite: func() *response.Rewriter {
-					return response.New(response.Paths{JSON: api.Chat.Shape.CachedTokens}, []byte("8"), 1<<20)
+					return response.New(response.Paths{JSON: api.Chat.Shape.CachedTokens}, []byte("8"), nil, 1<<20)
 				}}
 				s := handlers.NewServer(r, handlers.Options{Metrics: m}, logr.Discard())
 				msgs := []*extprocv3.ProcessingRequest{
@@ -685,7 +685,7 @@ func TestUsageRewriteWithoutFullDuplexResponsesIsLoggedOnce(t *testing.T) {
 	}, funcr.Options{})
 	m := metrics.New("kv-nixl")
 	r := &fakeRouter{rewrite: func() *response.Rewriter {
-		return response.New(response.Paths{JSON: api.Chat.Shape.CachedTokens}, []byte("8"), 1<<20)
+		return response.New(response.Paths{JSON: api.Chat.Shape.CachedTokens}, []byte("8"), nil, 1<<20)
 	}}
 	s := handlers.NewServer(r, handlers.Options{Metrics: m}, log)
 	for range 3 {

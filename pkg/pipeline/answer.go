@@ -25,7 +25,9 @@ type prefillAnswer struct {
 	// cached is the prompt tokens the engine found in its cache, a raw JSON
 	// integer; nil when it reports none (vLLM without
 	// --enable-prompt-tokens-details) or the usage is not rewritten.
-	cached []byte
+	// uncached is the rest of the prompt's, where the API reports them
+	// apart (api.Shape.UncachedTokens), else nil.
+	cached, uncached []byte
 }
 
 // readAnswer reads a prefill engine's answer to r without decoding it; one
@@ -45,14 +47,28 @@ func (p *Pipeline) readAnswer(answer []byte, r *Request) (prefillAnswer, error) 
 	if raw, ok := o.Raw("kv_transfer_params"); ok && raw[0] == '{' && kv.HasParams(raw) {
 		a.params = raw
 	}
-	if path := r.api.Shape.CachedTokens; p.opts.RewriteUsage && path != nil {
-		if start, end, ok := o.Locate(path...); ok && isCount(answer[start:end]) {
-			a.cached = answer[start:end]
-		} else if response.NoneCached(answer, path) {
-			a.cached = []byte("0")
+	paths := cachedTokens(r)
+	if !p.opts.RewriteUsage || paths.JSON == nil {
+		return a, nil
+	}
+	if a.cached = countAt(o, answer, paths.JSON); a.cached == nil && response.NoneCached(answer, paths) {
+		a.cached = []byte("0")
+	}
+	if paths.Uncached != nil {
+		if a.uncached = countAt(o, answer, paths.Uncached); a.uncached == nil {
+			a.cached = nil // the two are written together or not at all
 		}
 	}
 	return a, nil
+}
+
+// countAt is the token count at path in answer (parsed as o), nil when
+// there is none.
+func countAt(o *body.Object, answer []byte, path []string) []byte {
+	if start, end, ok := o.Locate(path...); ok && isCount(answer[start:end]) {
+		return answer[start:end]
+	}
+	return nil
 }
 
 // isCount reports whether raw is a JSON integer that is a plausible token
@@ -88,14 +104,15 @@ func (p *Pipeline) usageRewriter(r *Request, a prefillAnswer) *response.Rewriter
 		p.metrics.UsageRewrite(metrics.UsagePrefillMissing)
 		return nil
 	}
-	// A copy: a.cached points into the whole prefill answer, and the rewriter
-	// lives as long as the stream.
-	return response.New(cachedTokens(r), bytes.Clone(a.cached), int(p.opts.MaxResponseBytes))
+	// Copies: a.cached and a.uncached point into the whole prefill answer,
+	// and the rewriter lives as long as the stream.
+	return response.New(cachedTokens(r), bytes.Clone(a.cached), bytes.Clone(a.uncached), int(p.opts.MaxResponseBytes))
 }
 
 // cachedTokens is where r's API answers with its cached tokens.
 func cachedTokens(r *Request) response.Paths {
-	return response.Paths{JSON: r.api.Shape.CachedTokens, Event: r.api.Shape.CachedTokensInEvents}
+	s := r.api.Shape
+	return response.Paths{JSON: s.CachedTokens, Event: s.CachedTokensInEvents, Uncached: s.UncachedTokens}
 }
 
 // heldReader reads the answer of a decode engine that got r decode-only,

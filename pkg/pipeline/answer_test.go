@@ -91,6 +91,12 @@ func prefillAnswerWith(usage string) string {
 	return `{"id":"p","choices":[{"index":0,"text":" a"}],"usage":` + usage + `,` + prefillParams + `}`
 }
 
+// messagesAnswerWith is an Anthropic Messages answer with this usage, and
+// the prefill engine's params.
+func messagesAnswerWith(usage string) string {
+	return `{"id":"p","type":"message","content":[{"type":"text","text":"a"}],"usage":` + usage + `,` + prefillParams + `}`
+}
+
 func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 	withCached := prefillAnswerWith(`{"prompt_tokens":12,"total_tokens":13,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":8}}`)
 	tests := []struct {
@@ -100,6 +106,7 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 		settings  string // more top-level config
 		prefill   string // the prefill engine's answer
 		status    int    // its status; 0: 200
+		decode    string // the decode engine's answer; "": decodeAnswer
 		want      string // the decode answer as the client gets it; "" when it is not rewritten
 		missing   float64
 		noHandoff float64
@@ -129,6 +136,18 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 			prefill: `{"usage":{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":8}},"kv_transfer_params":null}`, noHandoff: 1},
 		{name: "kv-nixl, no kv_transfer_params at all", connector: "kv-nixl", path: "/v1/chat/completions",
 			prefill: `{"usage":{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":8}}}`, noHandoff: 1},
+		// Anthropic's usage leaves the cached tokens out of input_tokens: the
+		// two are rewritten together (vllm-project/vllm#40912).
+		{name: "messages", connector: "kv-nixl", path: "/v1/messages",
+			prefill: messagesAnswerWith(`{"input_tokens":4,"output_tokens":1,"cache_creation_input_tokens":0,"cache_read_input_tokens":8}`),
+			decode:  messagesAnswerWith(`{"input_tokens":0,"output_tokens":2,"cache_creation_input_tokens":0,"cache_read_input_tokens":12}`),
+			want:    messagesAnswerWith(`{"input_tokens":4,"output_tokens":2,"cache_creation_input_tokens":0,"cache_read_input_tokens":8}`)},
+		{name: "messages, none cached: no cache fields", connector: "kv-nixl", path: "/v1/messages",
+			prefill: messagesAnswerWith(`{"input_tokens":12,"output_tokens":1}`),
+			decode:  messagesAnswerWith(`{"input_tokens":0,"output_tokens":2,"cache_creation_input_tokens":0,"cache_read_input_tokens":12}`),
+			want:    messagesAnswerWith(`{"input_tokens":12,"output_tokens":2,"cache_creation_input_tokens":0,"cache_read_input_tokens":0}`)},
+		{name: "messages, the cached count alone", connector: "kv-nixl", path: "/v1/messages",
+			prefill: messagesAnswerWith(`{"output_tokens":1,"cache_read_input_tokens":8}`), missing: 1},
 		{name: "rewrite_usage off", connector: "kv-nixl", path: "/v1/completions", settings: "response: {rewrite_usage: false}", prefill: withCached},
 		{name: "decode-only after a failed prefill", connector: "kv-nixl", path: "/v1/completions", prefill: withCached, status: 503},
 		{name: "decode-only by pd.mode", connector: "kv-nixl", path: "/v1/completions", settings: "pd: {mode: never}", prefill: withCached},
@@ -139,7 +158,8 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 			settings := cmp.Or(tt.settings, "response: {rewrite_usage: true}")
 			p, m, _ := newPipeline(t, fmt.Sprintf("connector: %s\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\nprefill: {attempts: 1}\n%s\n",
 				tt.connector, engine.Addr(), settings))
-			d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: tt.path, RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi","messages":[]}`)})
+			d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: tt.path, RequestID: "r1",
+				Body: []byte(`{"model":"m","prompt":"hi","messages":[{"role":"user","content":"hi"}],"max_tokens":4}`)})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -149,7 +169,7 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 			}
 			if d.Rewrite != nil {
 				d.Rewrite.Start(200, "application/json", "")
-				if got := string(d.Rewrite.Body([]byte(decodeAnswer), true).Bytes()); got != tt.want {
+				if got := string(d.Rewrite.Body([]byte(cmp.Or(tt.decode, decodeAnswer)), true).Bytes()); got != tt.want {
 					t.Errorf("the client gets\n  %s\nwant\n  %s", got, tt.want)
 				}
 			}

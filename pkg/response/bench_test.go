@@ -33,7 +33,7 @@ func BenchmarkRewriter(b *testing.B) {
 		b.Run(c.name, func(b *testing.B) {
 			b.SetBytes(int64(n))
 			b.ReportAllocs()
-			r := New(chatPath, []byte("8"), 1<<20)
+			r := New(chatPath, []byte("8"), nil, 1<<20)
 			r.Start(c.headers.status, c.headers.contentType, "")
 			last := c.headers == jsonOK // a JSON answer ends with its chunk; a stream goes on
 			for b.Loop() {

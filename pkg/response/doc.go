@@ -6,10 +6,11 @@
 // router (src/routers/http/logprobs_merge.rs) and llm-d's sidecar
 // (pkg/sidecar/proxy/cached_tokens_usage_rewriter.go) replace it with the
 // prefill engine's value, and so does this package, at the place the API
-// table names (api.Shape.CachedTokens).
+// table names (api.Shape.CachedTokens), with the count of the tokens not
+// cached where the API gives it beside them (Anthropic's input_tokens).
 //
 // Everything else passes byte for byte: a JSON answer is held whole and one
-// number spliced into it; a stream of server-sent events is passed on event by
+// number (or two) spliced into it; a stream of server-sent events is passed on event by
 // event as it comes, holding back only an event cut across chunks. The package
 // knows nothing of Envoy: the handlers feed it the chunks Envoy sends.
 package response

@@ -23,8 +23,15 @@ type Rewriter struct {
 	path  []string // where the number sits in the answer's JSON
 	event []string // where it sits in a streamed answer's events
 	value []byte   // what to write there: the prefill engine's raw number
-	key   []byte   // the path's last name, quoted: an event without it is not read
-	limit int      // bytes held at most: a JSON answer, or one event
+	// uncached is the count written with the number (Paths.Uncached): where
+	// it sits, in the answer's JSON and its events alike (nil: none), and
+	// what to write there.
+	uncached struct {
+		path  []string
+		value []byte
+	}
+	key   []byte // the path's last name, quoted: an event without it is not read
+	limit int    // bytes held at most: a JSON answer, or one event
 	kind  kind
 	held  []byte    // a JSON answer so far, or the start of an event cut across chunks
 	fixed bool      // the number has been written at least once
@@ -38,17 +45,24 @@ type Rewriter struct {
 }
 
 // Paths are where an API's answer carries the number: in a JSON answer, and
-// in the events of a streamed one (nil: the same).
-type Paths struct{ JSON, Event []string }
+// in the events of a streamed one (nil: the same). Uncached, where the API
+// has one, is where the answer carries the prompt tokens not found cached,
+// which the number is read and written with, at the same place in a JSON
+// answer and in the events that carry the number: Anthropic's input_tokens,
+// which leaves out the cache_read_input_tokens beside it.
+type Paths struct{ JSON, Event, Uncached []string }
 
 // New returns a rewriter that writes value (raw JSON) where p says in an
-// answer, holding at most limit bytes of it back. The two paths end in the
-// same name.
-func New(p Paths, value []byte, limit int) *Rewriter {
+// answer, and uncached at p.Uncached (nil when p has none): both where both
+// are found, else neither. It holds at most limit bytes of the answer back.
+// The JSON and event paths end in the same name.
+func New(p Paths, value, uncached []byte, limit int) *Rewriter {
 	if p.Event == nil {
 		p.Event = p.JSON
 	}
-	return &Rewriter{path: p.JSON, event: p.Event, value: value, key: body.Quote(p.JSON[len(p.JSON)-1]), limit: limit}
+	r := &Rewriter{path: p.JSON, event: p.Event, value: value, key: body.Quote(p.JSON[len(p.JSON)-1]), limit: limit}
+	r.uncached.path, r.uncached.value = p.Uncached, uncached
+	return r
 }
 
 // NewReader returns a Rewriter that changes nothing: at the answer's end it
@@ -59,23 +73,34 @@ func New(p Paths, value []byte, limit int) *Rewriter {
 // never writes the details (vLLM without --enable-prompt-tokens-details)
 // answers so too. Its Outcome is always "".
 func NewReader(p Paths, limit int, seen func(raw []byte, stated bool)) *Rewriter {
-	r := New(p, nil, limit)
+	r := New(p, nil, nil, limit)
 	r.seen = seen
 	r.key = body.Quote(r.event[max(len(r.event)-3, 0)]) // the usage: an event without it says nothing
 	return r
 }
 
-// NoneCached reports whether an answer without the number at path says that
-// nothing was cached: the usage (the object two levels up from the number)
-// is there, and the details object that would hold the number is absent or
-// null. Many vLLM releases write prompt_tokens_details only when the count
-// is not zero (`if self.enable_prompt_tokens_details and
+// NoneCached reports whether an answer without the number p.JSON names says
+// that nothing was cached. Many vLLM releases write prompt_tokens_details
+// only when the count is not zero (`if self.enable_prompt_tokens_details and
 // final_res.num_cached_tokens:` in vLLM's serving_chat.py and
 // serving_completion.py), so a cold prompt comes back without it; llm-d
 // reads it as 0 too. Later ones write it whenever the count is known
-// (_make_prompt_tokens_details, vllm/entrypoints/openai/chat_completion/serving.py). A details object with no count, or a placeholder, tells
-// nothing.
-func NoneCached(doc []byte, path []string) bool {
+// (_make_prompt_tokens_details,
+// vllm/entrypoints/openai/chat_completion/serving.py). vLLM's Anthropic
+// handler converts such a chat answer, and writes cache_read_input_tokens
+// only where the details are there (vllm-project/vllm#40912).
+func NoneCached(doc []byte, p Paths) bool { return noneCached(doc, p.JSON, p.Uncached) }
+
+// noneCached is NoneCached of an answer, or of one event's JSON, whose number
+// would be at path: where the API has an uncached count beside it, that
+// count is there; else the usage (the object two levels up from the number)
+// is there, and the details object that would hold the number is absent or
+// null. A details object with no count, or a placeholder, tells nothing.
+func noneCached(doc []byte, path, uncached []string) bool {
+	if uncached != nil {
+		_, _, ok := body.Locate(doc, uncached...)
+		return ok
+	}
 	if len(path) < 3 {
 		return false
 	}
@@ -177,21 +202,40 @@ func (r *Rewriter) document(chunk []byte, last bool) body.Spliced {
 // says.
 func (r *Rewriter) fix(doc []byte) body.Spliced {
 	r.outcome = metrics.UsageAbsent
-	start, end, ok := body.Locate(doc, r.path...)
 	if !r.Writes() {
-		switch {
-		case ok:
+		if start, end, ok := body.Locate(doc, r.path...); ok {
 			r.seen(doc[start:end], true)
-		case NoneCached(doc, r.path):
+		} else if noneCached(doc, r.path, r.uncached.path) {
 			r.seen(zero, false)
 		}
 		return r.only(doc)
 	}
+	fixed, ok := r.write(doc, r.path)
 	if !ok {
 		return r.only(doc)
 	}
 	r.outcome = metrics.UsageRewritten
-	return body.Spliced{doc[:start], r.value, doc[end:]}
+	return fixed
+}
+
+// write is doc, a JSON answer or one event's JSON, with the value at path
+// and the uncached count at its place: false when one of them is not there.
+func (r *Rewriter) write(doc []byte, path []string) (body.Spliced, bool) {
+	start, end, ok := body.Locate(doc, path...)
+	if !ok {
+		return nil, false
+	}
+	if r.uncached.path == nil {
+		return body.Spliced{doc[:start], r.value, doc[end:]}, true
+	}
+	s, e, ok := body.Locate(doc, r.uncached.path...)
+	switch {
+	case !ok:
+		return nil, false
+	case s < start:
+		return body.Spliced{doc[:s], r.uncached.value, doc[e:start], r.value, doc[end:]}, true
+	}
+	return body.Spliced{doc[:start], r.value, doc[end:s], r.uncached.value, doc[e:]}, true
 }
 
 // Held is how many bytes of the answer the rewrite holds back now.

@@ -128,7 +128,7 @@ func TestRewriterChangesOnlyTheNumber(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r := New(chatPath, []byte("8"), cmp.Or(tt.limit, 1<<20))
+			r := New(chatPath, []byte("8"), nil, cmp.Or(tt.limit, 1<<20))
 			r.Start(tt.headers.status, tt.headers.contentType, tt.headers.encode)
 			var all strings.Builder
 			for i, c := range tt.chunks {
@@ -151,7 +151,7 @@ func TestRewriterChangesOnlyTheNumber(t *testing.T) {
 // Trailers end a body whose last chunk did not: the end then comes with no
 // chunk of its own, and what is held goes with it.
 func TestRewriterFlushesAtTrailers(t *testing.T) {
-	r := New(chatPath, []byte("8"), 1<<20)
+	r := New(chatPath, []byte("8"), nil, 1<<20)
 	r.Start(sseOK.status, sseOK.contentType, "")
 	if got := r.Body([]byte(tok0+usageEv[:20]), false).Bytes(); string(got) != tok0 {
 		t.Fatalf("first chunk let through %q, want the complete event", got)
@@ -162,7 +162,7 @@ func TestRewriterFlushesAtTrailers(t *testing.T) {
 }
 
 func TestRewriterSkipped(t *testing.T) {
-	r := New(chatPath, []byte("8"), 1<<20)
+	r := New(chatPath, []byte("8"), nil, 1<<20)
 	r.Skip(metrics.UsageNotFullDuplex)
 	if got := r.Body([]byte(chatJSON), true).Bytes(); string(got) != chatJSON || r.Outcome() != metrics.UsageNotFullDuplex {
 		t.Errorf("skipped rewriter let through %q, outcome %q", got, r.Outcome())
@@ -177,11 +177,11 @@ func FuzzRewriterIgnoresChunking(f *testing.F) {
 	f.Add([]byte(strings.ReplaceAll(tok0+usageEv+done, "\n", "\r\n")), []byte{1, 1, 1, 1, 90})
 	f.Add([]byte("data: x\r\rdata: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":1}}}\r\r"), []byte{9, 1})
 	f.Fuzz(func(t *testing.T, stream, cuts []byte) {
-		whole := New(chatPath, []byte("8"), 1<<20)
+		whole := New(chatPath, []byte("8"), nil, 1<<20)
 		whole.Start(200, "text/event-stream", "")
 		want := whole.Body(stream, true).Bytes()
 
-		r := New(chatPath, []byte("8"), 1<<20)
+		r := New(chatPath, []byte("8"), nil, 1<<20)
 		r.Start(200, "text/event-stream", "")
 		var got []byte
 		rest := stream
@@ -289,10 +289,66 @@ func TestRewriterFindsTheResponsesAPIsNumber(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r := New(paths, []byte("8"), 1<<20)
+			r := New(paths, []byte("8"), nil, 1<<20)
 			r.Start(tt.headers.status, tt.headers.contentType, tt.headers.encode)
 			if got := string(r.Body([]byte(tt.in), true).Bytes()); got != tt.want {
 				t.Errorf("got\n%s\nwant\n%s", got, tt.want)
+			}
+		})
+	}
+}
+
+// TestRewriterWritesTheMessagesAPIsTwoNumbers: Anthropic's usage leaves the
+// cached tokens out of input_tokens (vllm-project/vllm#40912), so both
+// numbers get the prefill engine's, in a whole answer and in a stream's
+// message_delta, in whichever order they come; where one of them is missing
+// neither is written. The message_start event, whose usage (inside its
+// message) states no cached tokens, passes as it came. A reader reads
+// cache_read_input_tokens, and an answer stating input_tokens without it
+// as nothing cached.
+func TestRewriterWritesTheMessagesAPIsTwoNumbers(t *testing.T) {
+	paths := Paths{JSON: api.Messages.Shape.CachedTokens, Uncached: api.Messages.Shape.UncachedTokens}
+	const (
+		pulled = `"usage":{"input_tokens":0,"output_tokens":2,"cache_creation_input_tokens":0,"cache_read_input_tokens":41}`
+		fixed  = `"usage":{"input_tokens":9,"output_tokens":2,"cache_creation_input_tokens":0,"cache_read_input_tokens":32}`
+		cold   = `"usage":{"input_tokens":41,"output_tokens":2}`
+		start  = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"content\":[],\"usage\":{\"input_tokens\":41,\"output_tokens\":0}}}\n\n"
+	)
+	whole := func(u string) string { return `{"id":"m","type":"message","role":"assistant",` + u + `}` }
+	delta := func(u string) string {
+		return "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"max_tokens\"}," + u + "}\n\n"
+	}
+	tests := []struct {
+		name     string
+		headers  headers
+		in, want string
+		seen     string
+	}{
+		{name: "JSON", headers: jsonOK, in: whole(pulled), want: whole(fixed), seen: "41"},
+		{name: "JSON, the cached count first", headers: jsonOK,
+			in:   whole(`"usage":{"cache_read_input_tokens":41,"input_tokens":0}`),
+			want: whole(`"usage":{"cache_read_input_tokens":32,"input_tokens":9}`), seen: "41"},
+		{name: "JSON without the cached count", headers: jsonOK, in: whole(cold), want: whole(cold), seen: "0 (absent)"},
+		{name: "JSON without input_tokens", headers: jsonOK, in: whole(`"usage":{"cache_read_input_tokens":41}`),
+			want: whole(`"usage":{"cache_read_input_tokens":41}`), seen: "41"},
+		{name: "events", headers: sseOK, in: start + delta(pulled), want: start + delta(fixed), seen: "41"},
+		{name: "events without the cached count", headers: sseOK, in: start + delta(cold), want: start + delta(cold), seen: "0 (absent)"},
+		{name: "message_start alone", headers: sseOK, in: start, want: start},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := New(paths, []byte("32"), []byte("9"), 1<<20)
+			r.Start(tt.headers.status, tt.headers.contentType, tt.headers.encode)
+			if got := string(r.Body([]byte(tt.in), true).Bytes()); got != tt.want {
+				t.Errorf("got\n%s\nwant\n%s", got, tt.want)
+			}
+			var seen string
+			reader := NewReader(paths, 1<<20, func(raw []byte, stated bool) {
+				seen = string(raw) + map[bool]string{false: " (absent)"}[stated]
+			})
+			reader.Start(tt.headers.status, tt.headers.contentType, tt.headers.encode)
+			if got := string(reader.Body([]byte(tt.in), true).Bytes()); got != tt.in || seen != tt.seen {
+				t.Errorf("a reader let through\n%s\nand saw %q; want the answer unchanged and %q", got, seen, tt.seen)
 			}
 		})
 	}
@@ -304,7 +360,7 @@ func TestRewriterFindsTheResponsesAPIsNumber(t *testing.T) {
 func TestAnEventCutIntoManyChunksCostsItsSize(t *testing.T) {
 	const chunk = 4 << 10
 	ev := "data: {\"choices\":[{\"text\":\"" + strings.Repeat("x", 1<<20) + "\"}]}\n\n"
-	r := New(chatPath, []byte("8"), 2<<20)
+	r := New(chatPath, []byte("8"), nil, 2<<20)
 	r.Start(200, "text/event-stream", "")
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)

@@ -90,10 +90,12 @@ func (r *Rewriter) events(b []byte) body.Spliced {
 		}
 		if !r.Writes() {
 			r.readData(b[lineStart:lineEnd])
-		} else if start, end, ok := r.locateInData(b[lineStart:lineEnd]); ok {
-			out = append(out, b[kept:lineStart+start], r.value)
-			kept = lineStart + end
-			r.fixed = true
+		} else if off, ok := dataStart(b[lineStart:lineEnd]); ok {
+			if fixed, ok := r.write(b[lineStart+off:lineEnd], r.event); ok {
+				out = append(append(out, b[kept:lineStart+off]), fixed...)
+				kept = lineEnd
+				r.fixed = true
+			}
 		}
 		at = lineEnd
 	}
@@ -101,17 +103,6 @@ func (r *Rewriter) events(b []byte) body.Spliced {
 		out = append(out, b[kept:])
 	}
 	return out
-}
-
-// locateInData finds the number in an event line "data: {json}"; the offsets
-// are into the line.
-func (r *Rewriter) locateInData(line []byte) (start, end int, ok bool) {
-	off, ok := dataStart(line)
-	if !ok {
-		return 0, 0, false
-	}
-	start, end, ok = body.Locate(line[off:], r.event...)
-	return off + start, off + end, ok
 }
 
 // readData keeps what an event line says of the number, for a reader: the
@@ -123,7 +114,7 @@ func (r *Rewriter) readData(line []byte) {
 	}
 	if start, end, ok := body.Locate(line[off:], r.event...); ok {
 		r.read, r.stated = append(r.read[:0], line[off+start:off+end]...), true // the chunk is Envoy's message's
-	} else if NoneCached(line[off:], r.event) {
+	} else if noneCached(line[off:], r.event, r.uncached.path) {
 		r.read, r.stated = append(r.read[:0], zero...), false
 	}
 }

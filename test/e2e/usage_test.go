@@ -111,8 +111,10 @@ func usageOf(t *testing.T, stream bool, body string) usage {
 }
 
 // TestUsageRewriteOnGenerateAndResponses: vLLM's token-in generate (JSON,
-// and the last event of a stream) and the Responses API (JSON, and the response.completed event of a
-// stream) get the prefill engine's cached tokens too: 0 for a cold prompt
+// and the last event of a stream), the Responses API (JSON, and the
+// response.completed event of a stream) and Anthropic's Messages API (JSON,
+// and the message_delta event of a stream: cache_read_input_tokens, and
+// input_tokens with it) get the prefill engine's cached tokens too: 0 for a cold prompt
 // (whose prefill answer has no details), then its full blocks, where the
 // decode engine says the whole prompt, whatever the request body mode; under
 // the shipped BUFFERED config, which sends Envoy no response body, the
@@ -153,6 +155,24 @@ func TestUsageRewriteOnGenerateAndResponses(t *testing.T) {
 			read: func(t *testing.T, b string) (int, int) {
 				u := usageOf(t, true, b)
 				return u.PromptTokens, u.CachedTokens
+			}},
+		{name: "messages", path: "/v1/messages",
+			body: func(m string) string {
+				return fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":"%s %s"}],"max_tokens":4}`, m, words)
+			},
+			read: func(t *testing.T, b string) (int, int) { return messagesUsage(t, b) }},
+		{name: "messages, streamed", path: "/v1/messages",
+			body: func(m string) string {
+				return fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":"%s %s"}],"max_tokens":4,"stream":true}`, m, words)
+			},
+			read: func(t *testing.T, b string) (int, int) {
+				for line := range strings.SplitSeq(b, "\n") {
+					if d, ok := strings.CutPrefix(line, "data: "); ok && strings.Contains(d, `"message_delta"`) {
+						return messagesUsage(t, d)
+					}
+				}
+				t.Fatalf("no message_delta event in %.500s", b)
+				return 0, 0
 			}},
 		{name: "responses", path: "/v1/responses",
 			body: func(m string) string {
@@ -206,6 +226,23 @@ func TestUsageRewriteOnGenerateAndResponses(t *testing.T) {
 			}
 		})
 	}
+}
+
+// messagesUsage reads the prompt's tokens and the cached ones from an
+// Anthropic Messages answer, or its message_delta event, whose input_tokens
+// leave out the cache_read_input_tokens.
+func messagesUsage(t *testing.T, body string) (prompt, cached int) {
+	t.Helper()
+	var a struct {
+		Usage struct {
+			InputTokens int `json:"input_tokens"`
+			CacheRead   int `json:"cache_read_input_tokens"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal([]byte(body), &a); err != nil {
+		t.Fatalf("usage of %.300s: %v", body, err)
+	}
+	return a.Usage.InputTokens + a.Usage.CacheRead, a.Usage.CacheRead
 }
 
 // responsesUsage reads a Responses API answer's input tokens and cached ones.
