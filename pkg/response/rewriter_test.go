@@ -176,37 +176,48 @@ func FuzzRewriterIgnoresChunking(f *testing.F) {
 	f.Add([]byte(role+tok0+tok1+usageEv+done), []byte{7, 200, 3})
 	f.Add([]byte(strings.ReplaceAll(tok0+usageEv+done, "\n", "\r\n")), []byte{1, 1, 1, 1, 90})
 	f.Add([]byte("data: x\r\rdata: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":1}}}\r\r"), []byte{9, 1})
+	f.Add([]byte("event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":0,\"cache_read_input_tokens\":41}}\n\n"), []byte{30, 40})
+	messages := Paths{JSON: api.Messages.Shape.CachedTokens, Uncached: api.Messages.Shape.UncachedTokens}
 	f.Fuzz(func(t *testing.T, stream, cuts []byte) {
-		whole := New(chatPath, []byte("8"), nil, 1<<20)
-		whole.Start(200, "text/event-stream", "")
-		want := whole.Body(stream, true).Bytes()
-
-		r := New(chatPath, []byte("8"), nil, 1<<20)
-		r.Start(200, "text/event-stream", "")
-		var got []byte
-		rest := stream
-		for _, c := range cuts {
-			n := min(int(c), len(rest))
-			out := r.Body(rest[:n], false).Bytes()
-			got = append(got, out...)
-			rest = rest[n:]
-			// Without the name nothing changes, so what went on is the stream so
-			// far but for a cut event: no more, and no less than the complete
-			// events (blank lines between events may wait).
-			sofar := stream[:len(stream)-len(rest)]
-			heldBack := bytes.TrimLeft(sofar[min(len(got), len(sofar)):], "\r\n")
-			if !bytes.Contains(stream, r.key) && (!bytes.HasPrefix(sofar, got) || eventsEnd(heldBack, 0) > 0) {
-				t.Fatalf("of %q, %q went on; want every complete event and no more", sofar, got)
-			}
-		}
-		got = append(got, r.Body(rest, true).Bytes()...)
-		if !bytes.Equal(got, want) {
-			t.Fatalf("cut at %v the client got\n  %q\nin one piece\n  %q", cuts, got, want)
-		}
-		if r.Outcome() != whole.Outcome() {
-			t.Fatalf("outcome %q cut, %q whole", r.Outcome(), whole.Outcome())
+		for _, paths := range []Paths{chatPath, messages} {
+			ignoresChunking(t, paths, stream, cuts)
 		}
 	})
+}
+
+// ignoresChunking checks that a rewriter of paths gives the client stream
+// cut at cuts as it gives it whole.
+func ignoresChunking(t *testing.T, paths Paths, stream, cuts []byte) {
+	t.Helper()
+	whole := New(paths, []byte("8"), []byte("9"), 1<<20)
+	whole.Start(200, "text/event-stream", "")
+	want := whole.Body(stream, true).Bytes()
+
+	r := New(paths, []byte("8"), []byte("9"), 1<<20)
+	r.Start(200, "text/event-stream", "")
+	var got []byte
+	rest := stream
+	for _, c := range cuts {
+		n := min(int(c), len(rest))
+		out := r.Body(rest[:n], false).Bytes()
+		got = append(got, out...)
+		rest = rest[n:]
+		// Without the name nothing changes, so what went on is the stream so
+		// far but for a cut event: no more, and no less than the complete
+		// events (blank lines between events may wait).
+		sofar := stream[:len(stream)-len(rest)]
+		heldBack := bytes.TrimLeft(sofar[min(len(got), len(sofar)):], "\r\n")
+		if !bytes.Contains(stream, r.key) && (!bytes.HasPrefix(sofar, got) || eventsEnd(heldBack, 0) > 0) {
+			t.Fatalf("of %q, %q went on; want every complete event and no more", sofar, got)
+		}
+	}
+	got = append(got, r.Body(rest, true).Bytes()...)
+	if !bytes.Equal(got, want) {
+		t.Fatalf("cut at %v the client got\n  %q\nin one piece\n  %q", cuts, got, want)
+	}
+	if r.Outcome() != whole.Outcome() {
+		t.Fatalf("outcome %q cut, %q whole", r.Outcome(), whole.Outcome())
+	}
 }
 
 // TestReaderSeesTheNumberAndChangesNothing: a reader passes every byte on
