@@ -55,9 +55,9 @@ type messagesUsage struct {
 	Read         *int `json:"cache_read_input_tokens,omitempty"`
 }
 
-// messagesUsage is the usage of a Messages answer with n tokens to req,
+// anthropicUsage is the usage of a Messages answer with n tokens to req,
 // converted from the chat answer's.
-func (s *Server) messagesUsage(req *request, n int) messagesUsage {
+func (s *Server) anthropicUsage(req *request, n int) messagesUsage {
 	u := s.usage(req, n)
 	if u.PromptTokensDetails == nil {
 		return messagesUsage{InputTokens: u.PromptTokens, OutputTokens: n}
@@ -92,7 +92,7 @@ func stopReason(finish string) string {
 
 // answerMessages answers a Messages request with n tokens.
 func (s *Server) answerMessages(ctx context.Context, w http.ResponseWriter, req *request, res kvResult, n int, finish string) error {
-	used := s.messagesUsage(req, n)
+	used := s.anthropicUsage(req, n)
 	if !req.stream {
 		text := ""
 		if err := s.tokens(ctx, n, func(i int) error { text += token(i); return nil }); err != nil {
