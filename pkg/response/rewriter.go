@@ -71,8 +71,12 @@ func New(p Paths, value, uncached []byte, limit int) *Rewriter {
 // answer whose usage is there without the details object that would hold
 // the number counts as "0" (NoneCached), with stated false: an engine that
 // never writes the details (vLLM without --enable-prompt-tokens-details)
-// answers so too. Its Outcome is always "".
+// answers so too. Not so where p has an uncached count: vLLM's Anthropic
+// handler wrote no cached count at all before vllm-project/vllm#40912,
+// while the same engine states chat's, so an answer without it tells
+// nothing of the engine's cache. Its Outcome is always "".
 func NewReader(p Paths, limit int, seen func(raw []byte, stated bool)) *Rewriter {
+	p.Uncached = nil
 	r := New(p, nil, nil, limit)
 	r.seen = seen
 	r.key = body.Quote(r.event[max(len(r.event)-3, 0)]) // the usage: an event without it says nothing
