@@ -51,13 +51,21 @@ func (p *Pipeline) readAnswer(answer []byte, r *Request) (prefillAnswer, error) 
 	if !p.opts.RewriteUsage || paths.JSON == nil {
 		return a, nil
 	}
-	if a.cached = countAt(o, answer, paths.JSON); a.cached == nil && response.NoneCached(answer, paths) {
-		a.cached = []byte("0")
-	}
-	if paths.Uncached != nil {
-		if a.uncached = countAt(o, answer, paths.Uncached); a.uncached == nil {
-			a.cached = nil // the two are written together or not at all
+	a.cached = countAt(o, answer, paths.JSON)
+	if paths.Uncached == nil {
+		if a.cached == nil && response.NoneCached(answer, paths.JSON) {
+			a.cached = []byte("0")
 		}
+		return a, nil
+	}
+	switch a.uncached = countAt(o, answer, paths.Uncached); {
+	case a.uncached == nil:
+		a.cached = nil // the two are written together or not at all
+	case a.cached == nil:
+		// vLLM's Anthropic handler writes cache_read_input_tokens only where
+		// the chat answer it converts had prompt_tokens_details
+		// (vllm-project/vllm#40912): for a cold prompt, on many releases.
+		a.cached = []byte("0")
 	}
 	return a, nil
 }

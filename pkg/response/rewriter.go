@@ -47,9 +47,9 @@ type Rewriter struct {
 // Paths are where an API's answer carries the number: in a JSON answer, and
 // in the events of a streamed one (nil: the same). Uncached, where the API
 // has one, is where the answer carries the prompt tokens not found cached,
-// which the number is read and written with, at the same place in a JSON
-// answer and in the events that carry the number: Anthropic's input_tokens,
-// which leaves out the cache_read_input_tokens beside it.
+// which the number is written with, at the same place in a JSON answer and
+// in the events that carry the number: Anthropic's input_tokens, which
+// leaves out the cache_read_input_tokens beside it.
 type Paths struct{ JSON, Event, Uncached []string }
 
 // New returns a rewriter that writes value (raw JSON) where p says in an
@@ -71,40 +71,29 @@ func New(p Paths, value, uncached []byte, limit int) *Rewriter {
 // answer whose usage is there without the details object that would hold
 // the number counts as "0" (NoneCached), with stated false: an engine that
 // never writes the details (vLLM without --enable-prompt-tokens-details)
-// answers so too. Not so where p has an uncached count: vLLM's Anthropic
-// handler wrote no cached count at all before vllm-project/vllm#40912,
-// while the same engine states chat's, so an answer without it tells
-// nothing of the engine's cache. Its Outcome is always "".
+// answers so too. A number that sits in the usage itself has no such
+// object, and its absence tells nothing: vLLM's Anthropic handler wrote no
+// cache_read_input_tokens at all before vllm-project/vllm#40912, while the
+// same engine states chat's. Its Outcome is always "".
 func NewReader(p Paths, limit int, seen func(raw []byte, stated bool)) *Rewriter {
-	p.Uncached = nil
 	r := New(p, nil, nil, limit)
 	r.seen = seen
 	r.key = body.Quote(r.event[max(len(r.event)-3, 0)]) // the usage: an event without it says nothing
 	return r
 }
 
-// NoneCached reports whether an answer without the number p.JSON names says
-// that nothing was cached. Many vLLM releases write prompt_tokens_details
-// only when the count is not zero (`if self.enable_prompt_tokens_details and
+// NoneCached reports whether an answer without the number at path says that
+// nothing was cached: the usage (the object two levels up from the number)
+// is there, and the details object that would hold the number is absent or
+// null. Many vLLM releases write prompt_tokens_details only when the count
+// is not zero (`if self.enable_prompt_tokens_details and
 // final_res.num_cached_tokens:` in vLLM's serving_chat.py and
 // serving_completion.py), so a cold prompt comes back without it; llm-d
 // reads it as 0 too. Later ones write it whenever the count is known
 // (_make_prompt_tokens_details,
-// vllm/entrypoints/openai/chat_completion/serving.py). vLLM's Anthropic
-// handler converts such a chat answer, and writes cache_read_input_tokens
-// only where the details are there (vllm-project/vllm#40912).
-func NoneCached(doc []byte, p Paths) bool { return noneCached(doc, p.JSON, p.Uncached) }
-
-// noneCached is NoneCached of an answer, or of one event's JSON, whose number
-// would be at path: where the API has an uncached count beside it, that
-// count is there; else the usage (the object two levels up from the number)
-// is there, and the details object that would hold the number is absent or
-// null. A details object with no count, or a placeholder, tells nothing.
-func noneCached(doc []byte, path, uncached []string) bool {
-	if uncached != nil {
-		_, _, ok := body.Locate(doc, uncached...)
-		return ok
-	}
+// vllm/entrypoints/openai/chat_completion/serving.py). A details object with
+// no count, or a placeholder, tells nothing.
+func NoneCached(doc []byte, path []string) bool {
 	if len(path) < 3 {
 		return false
 	}
@@ -209,7 +198,7 @@ func (r *Rewriter) fix(doc []byte) body.Spliced {
 	if !r.Writes() {
 		if start, end, ok := body.Locate(doc, r.path...); ok {
 			r.seen(doc[start:end], true)
-		} else if noneCached(doc, r.path, r.uncached.path) {
+		} else if NoneCached(doc, r.path) {
 			r.seen(zero, false)
 		}
 		return r.only(doc)
@@ -225,14 +214,18 @@ func (r *Rewriter) fix(doc []byte) body.Spliced {
 // write is doc, a JSON answer or one event's JSON, with the value at path
 // and the uncached count at its place: false when one of them is not there.
 func (r *Rewriter) write(doc []byte, path []string) (body.Spliced, bool) {
-	start, end, ok := body.Locate(doc, path...)
+	o, err := body.Parse(doc) // once for both numbers: a JSON answer may run to megabytes
+	if err != nil {
+		return nil, false
+	}
+	start, end, ok := o.Locate(path...)
 	if !ok {
 		return nil, false
 	}
 	if r.uncached.path == nil {
 		return body.Spliced{doc[:start], r.value, doc[end:]}, true
 	}
-	s, e, ok := body.Locate(doc, r.uncached.path...)
+	s, e, ok := o.Locate(r.uncached.path...)
 	switch {
 	case !ok:
 		return nil, false

@@ -114,7 +114,7 @@ func (r *Rewriter) readData(line []byte) {
 	}
 	if start, end, ok := body.Locate(line[off:], r.event...); ok {
 		r.read, r.stated = append(r.read[:0], line[off+start:off+end]...), true // the chunk is Envoy's message's
-	} else if noneCached(line[off:], r.event, r.uncached.path) {
+	} else if NoneCached(line[off:], r.event) {
 		r.read, r.stated = append(r.read[:0], zero...), false
 	}
 }
