@@ -2,6 +2,7 @@ package handlers
 
 import (
 	"slices"
+	"sync/atomic"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -16,6 +17,10 @@ type answerState struct {
 	// held is what the usage rewrite holds of the answer, counted against
 	// the body budget (limits.max_buffered_bytes).
 	held int64
+	// begun: the decode engine has answered, or begun to, as far as a
+	// call-back (watchLeg) is concerned: anything but a 2xx event stream
+	// whose body Envoy sends and has not sent yet.
+	begun atomic.Bool
 }
 
 func (x *exchange) onResponseBody(b *extprocv3.HttpBody) reply {
@@ -23,6 +28,7 @@ func (x *exchange) onResponseBody(b *extprocv3.HttpBody) reply {
 		return reply{}
 	}
 	x.answer.done = b.GetEndOfStream()
+	x.answer.begun.Store(true)
 	x.decision.Watch(b.GetBody())
 	if x.responseMode() != filterv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		return answer(continueResponseBody())

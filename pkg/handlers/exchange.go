@@ -33,7 +33,7 @@ type sink interface {
 type exchange struct {
 	router Router
 	opts   *Options
-	out    sink
+	out    *replies
 	ctx    context.Context // the stream's, carrying the request span once headers are in
 
 	// mu serialises the exchange while its request is incomplete: the
@@ -95,7 +95,7 @@ func (x *exchange) send(r reply) (done bool, err error) {
 	if r.routed {
 		x.routed()
 	}
-	return r.done, nil
+	return r.done || x.out.over(), nil
 }
 
 // phase is the reply to one message.
@@ -277,6 +277,9 @@ func (x *exchange) routed() {
 	x.decision.Sent()
 	x.req.Routed()
 	x.body.release(x.req.BodyHeld())
+	if x.decision.LegFailed != nil {
+		x.watchLeg(x.decision.LegFailed)
+	}
 }
 
 // untouched reports whether out is in itself (the same bytes, not a copy): the

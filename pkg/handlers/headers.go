@@ -151,8 +151,10 @@ func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap) {
 			contentEncoding = headerValue(h)
 		}
 	}
+	streamed := x.responseMode() != filterv3.ProcessingMode_NONE && response.IsEventStream(contentType, contentEncoding)
+	x.answer.begun.Store(!streamed || status < 200 || status > 299)
 	if status != 0 {
-		x.decision.Observe(status, x.responseMode() != filterv3.ProcessingMode_NONE && response.IsEventStream(contentType, contentEncoding))
+		x.decision.Observe(status, streamed)
 	}
 	switch {
 	case !rewriting:

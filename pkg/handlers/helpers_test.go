@@ -114,6 +114,8 @@ type fakeRouter struct {
 	block  chan struct{} // when set, Route waits for it to close
 	// rewrite, when set, gives each decision a rewrite of the response.
 	rewrite func() *response.Rewriter
+	// legFailed, when set, is each decision's concurrent prefill leg.
+	legFailed chan *pipeline.Error
 
 	calls []string           // "Route" or "RouteHeaders", in order
 	seen  []pipeline.Request // the request of each call, as it was then
@@ -152,6 +154,9 @@ func (f *fakeRouter) Route(ctx context.Context, r *pipeline.Request) (*pipeline.
 	}
 	if f.rewrite != nil {
 		d.Rewrite = f.rewrite()
+	}
+	if f.legFailed != nil {
+		d.LegFailed = f.legFailed
 	}
 	return d, nil
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -196,6 +197,48 @@ prefill: {on_failure: %s, attempts: 2}`, engines[0].Addr(), engines[1].Addr(), t
 				if !e.Healthy() {
 					t.Errorf("%s was ejected for its answer's length", e.Addr)
 				}
+			}
+		})
+	}
+}
+
+// A kv-sglang leg's outcome reaches the exchange through LegFailed: the
+// client's error when the leg fails (its decode request waits for KV that
+// will not come), nothing when it serves; closed either way, once it ends.
+func TestALegsFailureIsHandedToTheExchange(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		answer http.HandlerFunc
+		status int // of the error handed over; 0 for none
+	}{
+		{"served", enginetest.JSON(200, `{"choices":[]}`), 0},
+		{"a 5xx", enginetest.JSON(503, `{"error":{"message":"busy"}}`), http.StatusBadGateway},
+		{"a 4xx, passed on", enginetest.JSON(400, `{"error":{"message":"too long"}}`), http.StatusBadRequest},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			engine := enginetest.Start(t, tt.answer)
+			p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-sglang
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, engine.Addr()))
+			t.Cleanup(p.Wait)
+			d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+				Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Release()
+			if d.LegFailed == nil {
+				t.Fatal("a kv-sglang decision has no LegFailed")
+			}
+			var got []int
+			for e := range d.LegFailed {
+				got = append(got, e.Status)
+			}
+			var want []int
+			if tt.status != 0 {
+				want = []int{tt.status}
+			}
+			if !slices.Equal(got, want) {
+				t.Errorf("handed over %v, want %v", got, want)
 			}
 		})
 	}

@@ -110,7 +110,14 @@ type Decision struct {
 	// under response.rewrite_usage), or reads it (what a cached_prefix
 	// decision's engine held: heldReader); nil when it is passed on unread.
 	Rewrite *response.Rewriter
-	decode  scheduling.Taken
+	// LegFailed gives the client's error when the concurrent prefill leg
+	// (kv-sglang) fails, and is closed when the leg ends: a decode request
+	// whose leg failed waits for KV that never comes, so the caller answers
+	// the client with the error and has Envoy reset the decode request. nil
+	// when no leg runs beside the decode.
+	LegFailed <-chan *Error
+	legFailed chan<- *Error
+	decode    scheduling.Taken
 	// prefill is the engine whose KV the decode engine pulls (a sequential
 	// leg that handed out kv_transfer_params), nil otherwise. Its answer
 	// was a 200, but whether it served the request is the decode engine's

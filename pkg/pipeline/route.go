@@ -165,6 +165,8 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		rep.Prefill = prefill.Addr
 		p.pairWith(h, prefill)
 		d.partner.legStarted()
+		failed := make(chan *Error, 1)
+		d.LegFailed, d.legFailed = failed, failed
 		p.launch(ctx, prefill, r, kv.PrefillBody(p.connector, h), d)
 		return kv.DecodeBody(p.connector, h), nil
 	}
@@ -299,6 +301,7 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 	ctx = context.WithoutCancel(ctx)
 	p.background.Go(func() {
 		defer func() {
+			close(d.legFailed)
 			release()
 			unhold()
 			p.inBackground.Add(-1)
@@ -315,6 +318,7 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 				taken.Failed()
 			}
 			p.log.Info("concurrent prefill leg failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())
+			d.legFailed <- prefillFailed(failed, r.RequestID)
 			return
 		}
 		taken.Served()

@@ -565,8 +565,8 @@ func TestSGLangNeverGoesDecodeOnly(t *testing.T) {
 }
 
 // TestSGLangFailuresAreNotBlamedOnThePartner: kv-sglang legs pair up, so
-// one side's failure shows on the other: a prefill leg that fails leaves its
-// decode waiting for a handshake (500 after the bootstrap timeout), and a
+// one side's failure shows on the other: a prefill leg that fails ends its
+// decode request (TestSGLangFailedLegCallsBackItsDecode), and a
 // decode that dies leaves its prefill leg waiting (500). Counting each against
 // the endpoint that reported it would eject healthy engines of the other pool;
 // with one endpoint per pool the next requests would then fail although
@@ -579,18 +579,16 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 		extra        string                     // more config
 		fault        func(t *testing.T, r *rig) // break one side for one request, then heal it
 	}{
-		{"a failing prefill ejects the decode", "decode", "", "", func(t *testing.T, r *rig) {
+		{"a failing prefill's decode, reset for it, is not blamed", "decode", "", "", func(t *testing.T, r *rig) {
 			r.prefill[0].SetFaults(pdsim.Faults{FailStatus: http.StatusServiceUnavailable})
 			path, body := request("chat", false, "prefill fails")
-			r.must(t, path, body, nil) // the decode waits for the handshake, then answers 500
+			r.must(t, path, body, nil) // 502, and the decode request is reset
 			r.prefill[0].SetFaults(pdsim.Faults{})
 		}},
-		{"a failing prefill's stream error ejects the decode", "decode", "", "", func(t *testing.T, r *rig) {
+		{"a failing prefill's streamed decode, reset for it, is not blamed", "decode", "", "", func(t *testing.T, r *rig) {
 			r.prefill[0].SetFaults(pdsim.Faults{FailStatus: http.StatusServiceUnavailable})
 			path, body := request("chat", true, "prefill fails")
-			if _, got := r.must(t, path, body, nil); !strings.Contains(got, `data: {"error"`) { // 200, then SGLang's error event
-				t.Errorf("the decode stream %q has no error event", got)
-			}
+			r.must(t, path, body, nil) // 502, and the decode request is reset
 			r.prefill[0].SetFaults(pdsim.Faults{})
 		}},
 		// A leg silent past prefill.timeout may be waiting for its decode (SGLang's
@@ -657,6 +655,42 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 					t.Errorf("%s = %v, want %v", series, n, want)
 				}
 			}
+		})
+	}
+}
+
+// TestSGLangFailedLegCallsBackItsDecode: a kv-sglang prefill leg that fails
+// leaves its decode request waiting for KV that never comes, holding the
+// decode engine's slots until SGLang's waiting timeout (here the simulator's
+// handshake bound, 20 s, as long as the client waits). While the decode
+// engine has not answered, extproc answers the request with the leg's error
+// out of turn: Envoy sends it to the client and resets the decode request,
+// which the engine sees cancelled, if it got it at all.
+func TestSGLangFailedLegCallsBackItsDecode(t *testing.T) {
+	for _, tt := range []struct{ name, api string }{
+		{"chat", "chat"},
+		{"chat streamed", "chat"},
+		{"sglang generate streamed", "sglang/generate"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			r := startRig(t, rigOptions{connector: "kv-sglang", prefills: 1, decodes: 1, handshake: 20 * time.Second})
+			r.prefill[0].SetFaults(pdsim.Faults{FailStatus: http.StatusServiceUnavailable})
+			marker := "a failed leg, " + tt.name
+			path, body := request(tt.api, strings.HasSuffix(tt.name, "streamed"), marker)
+			resp, got := r.must(t, path, body, nil)
+			if resp.StatusCode != http.StatusBadGateway || !strings.Contains(got, "prefill leg failed") {
+				t.Errorf("status %d, body %.300s; want 502, prefill leg failed", resp.StatusCode, got)
+			}
+			waitFor(t, 10*time.Second, "the decode request to end", func() bool {
+				return !slices.ContainsFunc(recordsWith(r.decode, marker), func(rec pdsim.Record) bool { return !rec.Canceled && rec.Status == 0 })
+			})
+			for _, rec := range recordsWith(r.decode, marker) {
+				if !rec.Canceled {
+					t.Errorf("the decode engine answered its request %d, want it reset", rec.Status)
+				}
+			}
+			r.prefill[0].SetFaults(pdsim.Faults{})
+			r.healthy(t, "after "+tt.name)
 		})
 	}
 }

@@ -35,7 +35,7 @@ type engines struct {
 }
 
 // soakTimings: a short handshake bound, so a kv-sglang decode whose prefill
-// leg failed gives up after it (see sglangLegClass).
+// leg failed gives up after it (see sglangLegTimeoutClass).
 var soakTimings = testbed.Timings{
 	TTFT: 2 * time.Millisecond, TPOT: time.Millisecond, KVTransfer: time.Millisecond,
 	OutputTokens: 8, HandshakeTimeout: 2 * time.Second,

@@ -1,0 +1,75 @@
+package handlers_test
+
+import (
+	"net/http"
+	"testing"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/go-logr/logr"
+	"go.uber.org/goleak"
+
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
+	"github.com/pd-extproc/pd-extproc/pkg/handlers"
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+)
+
+// A request whose concurrent prefill leg fails is answered with the leg's
+// error out of turn, while the decode engine has not answered: before its
+// response headers, or after the 2xx headers of an event stream that has
+// sent no event (Envoy then resets the stream and the decode request).
+// Once the decode engine's answer has begun, it is left alone. After the
+// call-back nothing more is sent, and the stream is done at its next message.
+func TestAFailedLegCallsTheRequestBack(t *testing.T) {
+	sse := envoymsg.Header{"content-type", "text/event-stream"}
+	jsonType := envoymsg.Header{"content-type", "application/json"}
+	for _, tt := range []struct {
+		name       string
+		answer     []*extprocv3.ProcessingRequest // of the decode engine, before the leg fails
+		calledBack bool
+	}{
+		{"before the decode engine answers", nil, true},
+		{"after an event stream's 200, before its first event", []*extprocv3.ProcessingRequest{
+			envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, sse)}, true},
+		{"after an event stream's first event", []*extprocv3.ProcessingRequest{
+			envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, sse),
+			envoymsg.Body(envoymsg.Response, []byte("data: {}\n\n"), false)}, false},
+		{"after a whole answer's 200", []*extprocv3.ProcessingRequest{
+			envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, jsonType)}, false},
+		{"after an event stream's 500", []*extprocv3.ProcessingRequest{
+			envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "500"}, sse)}, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			before := goleak.IgnoreCurrent()
+			failed := make(chan *pipeline.Error, 1)
+			s := handlers.NewServer(&fakeRouter{legFailed: failed}, handlers.Options{}, logr.Discard())
+			rec := newRecorder()
+			x := s.Open(t.Context(), rec)
+			defer x.Close()
+			msgs := append([]*extprocv3.ProcessingRequest{
+				envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), fullDuplex, fullDuplex),
+				envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
+			}, tt.answer...)
+			for _, m := range msgs {
+				if done, err := x.Handle(m); done || err != nil {
+					t.Fatalf("Handle: done %v, err %v", done, err)
+				}
+			}
+			sent := len(rec.all())
+			failed <- &pipeline.Error{Status: http.StatusBadGateway, Type: "upstream_error", Message: "prefill leg failed"}
+			close(failed)
+			goleak.VerifyNone(t, before) // the leg's watcher has acted
+			replies := rec.all()
+			if got := len(replies) - sent; got != map[bool]int{true: 1, false: 0}[tt.calledBack] {
+				t.Fatalf("%d replies after the leg failed, want one only if called back: %v", got, replies[sent:])
+			}
+			if !tt.calledBack {
+				return
+			}
+			checkOpenAIError(t, replies, http.StatusBadGateway, "prefill leg failed")
+			done, err := x.Handle(envoymsg.Body(envoymsg.Response, []byte("data: {}\n\n"), false))
+			if !done || err != nil || len(rec.all()) != len(replies) {
+				t.Errorf("a message after the call-back: done %v, err %v, %d more replies; want done and none", done, err, len(rec.all())-len(replies))
+			}
+		})
+	}
+}
