@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
@@ -693,6 +694,56 @@ func TestSGLangFailedLegCallsBackItsDecode(t *testing.T) {
 			r.healthy(t, "after "+tt.name)
 		})
 	}
+}
+
+// TestSGLangFailedLegResetsAStreamThatBegan: SGLang's decode server sends a
+// stream's 200 before it has the KV (its HTTP server writes the headers as
+// the stream opens). A prefill leg that fails then still calls the request
+// back, and Envoy, whose response has started, resets it: the client's
+// stream is cut, and the decode engine sees its request cancelled at once.
+func TestSGLangFailedLegResetsAStreamThatBegan(t *testing.T) {
+	began, ended := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	decode := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			w.WriteHeader(http.StatusOK) // health checks and scrapes
+			return
+		}
+		w.Header().Set("content-type", "text/event-stream")
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		once.Do(func() { close(began) })
+		<-r.Context().Done() // no KV, no token: until the request is reset
+		close(ended)
+	}))
+	defer decode.Close()
+	prefill := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			http.NotFound(w, r)
+			return
+		}
+		<-began // the leg fails once the decode stream has begun
+		w.Header().Set("content-type", "application/json")
+		w.WriteHeader(http.StatusServiceUnavailable)
+		w.Write([]byte(`{"object":"error","message":"busy","type":"ServiceUnavailable","code":503}`))
+	}))
+	defer prefill.Close()
+	r := startRig(t, rigOptions{connector: "kv-sglang", prefills: -1, decodes: 1,
+		prefillAddrs: func([]*pdsim.Server) []string { return []string{prefill.Listener.Addr().String()} },
+		decodeAddrs:  func([]*pdsim.Server) []string { return []string{decode.Listener.Addr().String()} }})
+	path, body := request("chat", true, "a stream that began")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	resp, got, err := r.send(ctx, path, body, nil)
+	switch {
+	case err == nil && resp.StatusCode == http.StatusOK && got == "":
+		t.Error("the stream ended cleanly with no event; want it cut")
+	case err == nil:
+		t.Errorf("status %d, body %.300s; want the 200 stream cut", resp.StatusCode, got)
+	case ctx.Err() != nil:
+		t.Fatalf("the stream was not cut: %v", err)
+	}
+	enginetest.Receive(t, ended, "the decode request was not reset")
 }
 
 // TestFaultSlowBodyIs408: a client that sends part of its body and stalls
