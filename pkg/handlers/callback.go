@@ -16,26 +16,33 @@ import (
 type replies struct {
 	mu  sync.Mutex
 	out sink
-	// calledBack: the call-back answered the request. Envoy then consults
-	// the stream no more, and what the stream's goroutine still sends is
-	// dropped.
-	calledBack bool
+	// closed: nothing more goes out. The call-back answered the request,
+	// and Envoy consults the stream no more; or the stream ended, after
+	// which gRPC takes no send.
+	closed bool
 }
 
 func (r *replies) Send(m *extprocv3.ProcessingResponse) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.calledBack {
+	if r.closed {
 		return nil
 	}
 	return r.out.Send(m)
 }
 
-// over reports whether the call-back answered the request.
+// over reports whether nothing more goes out.
 func (r *replies) over() bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.calledBack
+	return r.closed
+}
+
+// close ends the sends, as the stream ends.
+func (r *replies) close() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.closed = true
 }
 
 // callBack sends m, an ImmediateResponse, unless the stream's goroutine has
@@ -45,10 +52,10 @@ func (r *replies) over() bool {
 func (r *replies) callBack(m *extprocv3.ProcessingResponse, begun func() bool) (bool, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.calledBack || begun() {
+	if r.closed || begun() {
 		return false, nil
 	}
-	r.calledBack = true
+	r.closed = true
 	return true, r.out.Send(m)
 }
 

@@ -2,6 +2,7 @@ package handlers_test
 
 import (
 	"net/http"
+	"sync"
 	"testing"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -25,18 +26,20 @@ func TestAFailedLegCallsTheRequestBack(t *testing.T) {
 	for _, tt := range []struct {
 		name       string
 		answer     []*extprocv3.ProcessingRequest // of the decode engine, before the leg fails
+		ended      bool                           // the stream ends before the leg fails
 		calledBack bool
 	}{
-		{"before the decode engine answers", nil, true},
+		{"before the decode engine answers", nil, false, true},
+		{"after the stream ended", nil, true, false},
 		{"after an event stream's 200, before its first event", []*extprocv3.ProcessingRequest{
-			envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, sse)}, true},
+			envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, sse)}, false, true},
 		{"after an event stream's first event", []*extprocv3.ProcessingRequest{
 			envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, sse),
-			envoymsg.Body(envoymsg.Response, []byte("data: {}\n\n"), false)}, false},
+			envoymsg.Body(envoymsg.Response, []byte("data: {}\n\n"), false)}, false, false},
 		{"after a whole answer's 200", []*extprocv3.ProcessingRequest{
-			envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, jsonType)}, false},
+			envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, jsonType)}, false, false},
 		{"after an event stream's 500", []*extprocv3.ProcessingRequest{
-			envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "500"}, sse)}, false},
+			envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "500"}, sse)}, false, false},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			before := goleak.IgnoreCurrent()
@@ -44,7 +47,8 @@ func TestAFailedLegCallsTheRequestBack(t *testing.T) {
 			s := handlers.NewServer(&fakeRouter{legFailed: failed}, handlers.Options{}, logr.Discard())
 			rec := newRecorder()
 			x := s.Open(t.Context(), rec)
-			defer x.Close()
+			end := sync.OnceFunc(x.Close) // as the stream ends
+			defer end()
 			msgs := append([]*extprocv3.ProcessingRequest{
 				envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), fullDuplex, fullDuplex),
 				envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
@@ -53,6 +57,9 @@ func TestAFailedLegCallsTheRequestBack(t *testing.T) {
 				if done, err := x.Handle(m); done || err != nil {
 					t.Fatalf("Handle: done %v, err %v", done, err)
 				}
+			}
+			if tt.ended {
+				end()
 			}
 			sent := len(rec.all())
 			failed <- &pipeline.Error{Status: http.StatusBadGateway, Type: "upstream_error", Message: "prefill leg failed"}

@@ -335,6 +335,7 @@ func (x *exchange) fail(err error) reply {
 func (x *exchange) end() {
 	x.mu.Lock() // the request's deadline must not fire now, nor after (requestDone)
 	defer x.mu.Unlock()
+	x.out.close() // nor a call-back (watchLeg)
 	x.requestDone = true
 	x.lim.stop()
 	x.lim.letGo()
