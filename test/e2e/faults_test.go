@@ -697,13 +697,13 @@ func TestSGLangFailedLegCallsBackItsDecode(t *testing.T) {
 }
 
 // TestSGLangFailedLegResetsAStreamThatBegan: SGLang's decode server sends a
-// stream's 200 before it has the KV (its HTTP server writes the headers as
-// the stream opens). A prefill leg that fails then still calls the request
-// back, and Envoy, whose response has started, resets it: the client's
-// stream is cut, and the decode engine sees its request cancelled at once.
+// stream's 200 before it has the KV (uvicorn writes the headers as the
+// response starts). A prefill leg that fails after the client has that 200
+// still calls the request back, and Envoy, whose response has started,
+// resets it: the client's stream is cut, and the decode engine sees its
+// request cancelled at once.
 func TestSGLangFailedLegResetsAStreamThatBegan(t *testing.T) {
-	began, ended := make(chan struct{}), make(chan struct{})
-	var once sync.Once
+	fail, ended := make(chan struct{}), make(chan struct{})
 	decode := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method != http.MethodPost {
 			w.WriteHeader(http.StatusOK) // health checks and scrapes
@@ -712,7 +712,6 @@ func TestSGLangFailedLegResetsAStreamThatBegan(t *testing.T) {
 		w.Header().Set("content-type", "text/event-stream")
 		w.WriteHeader(http.StatusOK)
 		w.(http.Flusher).Flush()
-		once.Do(func() { close(began) })
 		<-r.Context().Done() // no KV, no token: until the request is reset
 		close(ended)
 	}))
@@ -722,26 +721,32 @@ func TestSGLangFailedLegResetsAStreamThatBegan(t *testing.T) {
 			http.NotFound(w, r)
 			return
 		}
-		<-began // the leg fails once the decode stream has begun
+		<-fail
 		w.Header().Set("content-type", "application/json")
 		w.WriteHeader(http.StatusServiceUnavailable)
 		w.Write([]byte(`{"object":"error","message":"busy","type":"ServiceUnavailable","code":503}`))
 	}))
 	defer prefill.Close()
+	defer close(fail)
 	r := startRig(t, rigOptions{connector: "kv-sglang", prefills: -1, decodes: 1,
 		prefillAddrs: func([]*pdsim.Server) []string { return []string{prefill.Listener.Addr().String()} },
 		decodeAddrs:  func([]*pdsim.Server) []string { return []string{decode.Listener.Addr().String()} }})
 	path, body := request("chat", true, "a stream that began")
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	resp, got, err := r.send(ctx, path, body, nil)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.proxy.URL()+path, strings.NewReader(body))
+	resp, err := testbed.Client.Do(req)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("want the stream's 200 first: %v %v", resp, err)
+	}
+	defer resp.Body.Close()
+	fail <- struct{}{} // the client has its 200: the leg fails now
+	got, err := io.ReadAll(resp.Body)
 	switch {
-	case err == nil && resp.StatusCode == http.StatusOK && got == "":
-		t.Error("the stream ended cleanly with no event; want it cut")
-	case err == nil:
-		t.Errorf("status %d, body %.300s; want the 200 stream cut", resp.StatusCode, got)
 	case ctx.Err() != nil:
 		t.Fatalf("the stream was not cut: %v", err)
+	case err == nil:
+		t.Errorf("the stream ended cleanly (%.300s); want it cut", got)
 	}
 	enginetest.Receive(t, ended, "the decode request was not reset")
 }
