@@ -740,7 +740,11 @@ func TestSGLangFailedLegResetsAStreamThatBegan(t *testing.T) {
 		t.Fatalf("want the stream's 200 first: %v %v", resp, err)
 	}
 	defer resp.Body.Close()
-	fail <- struct{}{} // the client has its 200: the leg fails now
+	select { // the client has its 200: the leg fails now
+	case fail <- struct{}{}:
+	case <-ctx.Done():
+		t.Fatal("the prefill leg never reached its engine")
+	}
 	got, err := io.ReadAll(resp.Body)
 	switch {
 	case ctx.Err() != nil:
