@@ -21,7 +21,7 @@ const maxModelBytes = 1024
 
 // pickDecode chooses the decode endpoint (and fallbacks) and takes its slot.
 func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
-	eps, err := p.pools.Decode.SelectN(req, 1+p.pools.Decode.Fallbacks())
+	eps, slot, err := p.pools.Decode.Claim(req, 1+p.pools.Decode.Fallbacks())
 	if err != nil {
 		return nil, noDecodeEndpoint(err)
 	}
@@ -30,7 +30,7 @@ func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
 		addrs[i] = e.Addr
 	}
 	return &Decision{Endpoint: strings.Join(addrs, ","), RemoveHeaders: p.connector.ReservedHeaders(),
-		decode: eps[0].Take(), release: eps[0].Acquire(), fallbacks: len(eps) > 1}, nil
+		decode: slot.Taken(), release: slot.Release, fallbacks: len(eps) > 1}, nil
 }
 
 // RouteHeaders routes a request that has no body: one the pass-through list
@@ -155,19 +155,20 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	// take room + i (_normalize_bootstrap_params), which must stay an int64.
 	h.Room = rand.Uint64() >> 2
 	if p.connector.Dispatch() == kv.Concurrent {
-		prefill, err := p.pools.Prefill.Select(sreq)
+		eps, slot, err := p.pools.Prefill.Claim(sreq, 1)
 		if err != nil {
 			return nil, p.noPrefillEndpoint()
 		}
 		if !p.takeBackground() {
+			slot.Release()
 			return nil, backgroundFull(p.opts.MaxBackground, p.opts.RetryAfter)
 		}
-		rep.Prefill = prefill.Addr
-		p.pairWith(h, prefill)
+		rep.Prefill = eps[0].Addr
+		p.pairWith(h, eps[0])
 		d.partner.legStarted()
 		failed := make(chan *Error, 1)
 		d.LegFailed, d.legFailed = failed, failed
-		p.launch(ctx, prefill, r, kv.PrefillBody(p.connector, h), d)
+		p.launch(ctx, slot, r, kv.PrefillBody(p.connector, h), d)
 		return kv.DecodeBody(p.connector, h), nil
 	}
 	answer, prefill, err := p.runPrefill(ctx, sreq, r, h)
@@ -244,13 +245,13 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 	}()
 	var last error
 	for whole := true; ; whole = false {
-		ep, err := attempts.Next()
+		ep, claimed, err := attempts.Next()
 		if err != nil {
 			return prefillAnswer{}, nil, errors.Join(last, err)
 		}
+		slot = claimed
 		r.Report.Prefill = ep.Addr
 		p.pairWith(h, ep)
-		slot = ep.Claim()
 		answer, failed := p.attempt(ctx, ep.Addr, r, kv.PrefillBody(p.connector, h))
 		slot.Leave()
 		if failed == nil {
@@ -293,8 +294,8 @@ func (p *Pipeline) takeBackground() bool {
 // and a decode whose prefill failed does too. So a leg that failed first,
 // or got no answer, spares its decode endpoint the blame for its 5xx
 // (partner), and an answer spares its own (attemptError.blames).
-func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Request, leg body.Spliced, d *Decision) {
-	taken, release, unhold := ep.Take(), ep.Acquire(), func() {}
+func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request, leg body.Spliced, d *Decision) {
+	ep, taken, unhold := slot.Endpoint(), slot.Taken(), func() {}
 	if r.Keep != nil { // the leg reads the client's body after Route returns
 		unhold = r.Keep.Hold()
 	}
@@ -302,7 +303,7 @@ func (p *Pipeline) launch(ctx context.Context, ep *scheduling.Endpoint, r *Reque
 	p.background.Go(func() {
 		defer func() {
 			close(d.legFailed)
-			release()
+			slot.Release()
 			unhold()
 			p.inBackground.Add(-1)
 			p.metrics.BackgroundLeg(-1)

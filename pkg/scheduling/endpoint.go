@@ -78,11 +78,7 @@ func (e *Endpoint) InFlight() int64 { return e.inflight.Load() }
 // ejection has run out is its probe: until the probe releases or reports, the
 // endpoint takes no other request.
 func (e *Endpoint) Acquire() (release func()) {
-	s := e.Claim()
-	return func() {
-		s.Leave()
-		s.Judged()
-	}
+	return e.Claim().Release
 }
 
 // Claim is Acquire for a request whose outcome is known only after it has
@@ -91,9 +87,22 @@ func (e *Endpoint) Acquire() (release func()) {
 // the endpoint; Judged, called once the outcome is reported (or will not
 // be), frees the probe slot, so that a half-open endpoint takes no other
 // request before its probe's verdict.
-func (e *Endpoint) Claim() *Slot {
+func (e *Endpoint) Claim() *Slot { return e.claim(false) }
+
+// claim is Claim; with picked, for an endpoint a pick found healthy
+// (Pool.Claim), it is nil, and holds nothing, when the endpoint has turned
+// half-open since and another request holds its one probe.
+func (e *Endpoint) claim(picked bool) *Slot {
 	e.inflight.Add(1)
-	return &Slot{taken: e.Take(), probe: e.troubled.Load() && e.claimProbe()}
+	var probe, taken bool
+	if e.troubled.Load() {
+		probe, taken = e.claimProbe()
+	}
+	if picked && taken {
+		e.inflight.Add(-1)
+		return nil
+	}
+	return &Slot{taken: e.Take(), probe: probe}
 }
 
 // Slot is one request's hold on an endpoint (Claim). Its methods are safe to
@@ -126,6 +135,13 @@ func (s *Slot) Judged() {
 		}
 		s.taken.endProbe()
 	}
+}
+
+// Release is Leave, then Judged: the request has left and its outcome is
+// reported, or will not be.
+func (s *Slot) Release() {
+	s.Leave()
+	s.Judged()
 }
 
 // Report reports the request's outcome to the endpoint's health, then frees

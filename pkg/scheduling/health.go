@@ -149,17 +149,21 @@ func (e *Endpoint) CheckedDown() bool {
 	return e.health.activeDown
 }
 
-// claimProbe makes the caller the probe of a half-open endpoint.
-func (e *Endpoint) claimProbe() bool {
+// claimProbe makes the caller the probe of a half-open endpoint (probe);
+// taken says the endpoint is half-open and another request is its probe.
+func (e *Endpoint) claimProbe() (probe, taken bool) {
 	now := e.cfg().now()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	h := &e.health
-	if h.until.IsZero() || now.Before(h.until) || h.probing {
-		return false
+	switch {
+	case h.until.IsZero() || now.Before(h.until):
+		return false, false
+	case h.probing:
+		return false, true
 	}
 	h.probing = true
-	return true
+	return true, false
 }
 
 // endProbe frees the probe slot of a request that ended without a report, so

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -401,4 +402,64 @@ func TestACheckedDownEndpointStaysDownThroughAnAbsence(t *testing.T) {
 	if back := byAddr(ps.Decode, addr); back != down || !back.CheckedDown() {
 		t.Errorf("back as the same Endpoint: %v, checked down: %v; want both", back == down, back.CheckedDown())
 	}
+}
+
+// A pick finds an endpoint healthy before it takes the endpoint's slot, so
+// two picks may both find a half-open endpoint healthy: the first to claim
+// it is its probe, and the second holds nothing (Pool.Claim picks again).
+// Many picks at once from two pools' worth of contention: only the probe
+// reaches the half-open endpoint, whatever the interleaving.
+func TestAHalfOpenEndpointTakesOnlyItsProbe(t *testing.T) {
+	t.Run("two picks that found it healthy", func(t *testing.T) {
+		p, clock := testPool(t, config.PoolScheduling{}, "10.0.0.1:8000")
+		e := p.Endpoints()[0]
+		eject(p, e.Addr)
+		clock.Advance(time.Second)
+		if !e.Healthy() {
+			t.Fatal("not half-open after its ejection")
+		}
+		first, second := e.claim(true), e.claim(true)
+		if first == nil || !first.probe || second != nil {
+			t.Fatalf("claims: first %+v, second %+v; want the probe, then nothing", first, second)
+		}
+		if n := e.InFlight(); n != 1 {
+			t.Errorf("in flight %d, want the probe's 1", n)
+		}
+		first.Release()
+		if !e.Healthy() {
+			t.Error("the probe's release did not free it")
+		}
+	})
+	t.Run("many picks at once", func(t *testing.T) {
+		for _, pool := range []string{"prefill", "decode"} {
+			p, clock := testPoolNamed(t, pool, policy(config.PolicyRoundRobin), "10.0.0.1:8000", "10.0.0.2:8000")
+			eject(p, "10.0.0.1:8000")
+			clock.Advance(time.Second)
+			start := make(chan struct{})
+			slots := make([]*Slot, 64)
+			var wg sync.WaitGroup
+			for i := range slots {
+				wg.Go(func() {
+					<-start
+					_, slots[i], _ = p.Claim(nil, 1)
+				})
+			}
+			close(start)
+			wg.Wait()
+			var probes, others int
+			for _, s := range slots {
+				if s.Endpoint().Addr == "10.0.0.1:8000" {
+					if s.probe {
+						probes++
+					} else {
+						others++
+					}
+				}
+				s.Release()
+			}
+			if probes != 1 || others != 0 {
+				t.Errorf("%s pool: the half-open endpoint took %d probes and %d other requests; want its probe alone", pool, probes, others)
+			}
+		}
+	})
 }

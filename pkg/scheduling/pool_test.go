@@ -226,13 +226,17 @@ func TestAttempts(t *testing.T) {
 			att := p.Attempts(nil, tt.budget)
 			var got []string
 			for {
-				e, err := att.Next()
+				e, slot, err := att.Next()
 				if err != nil {
 					if !errors.Is(err, tt.wantErr) {
 						t.Fatalf("Next() error = %v, want %v", err, tt.wantErr)
 					}
 					break
 				}
+				if slot.Endpoint() != e {
+					t.Fatalf("Next() gave %s with the slot of %s", e.Addr, slot.Endpoint().Addr)
+				}
+				slot.Release()
 				got = append(got, e.Addr)
 			}
 			if !slices.Equal(got, tt.want) {
