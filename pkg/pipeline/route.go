@@ -237,8 +237,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 	defer func() {
 		if v := recover(); v != nil { // a bug: free the slot, or a probe's endpoint stays out for good
 			if slot != nil {
-				slot.Leave()
-				slot.Judged()
+				slot.Release()
 			}
 			panic(v)
 		}

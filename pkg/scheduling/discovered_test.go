@@ -18,7 +18,7 @@ func TestSetDiscovered(t *testing.T) {
 		t.Fatalf("endpoints = %v, want static then discovered, sorted, deduplicated: %v", got, want)
 	}
 	kept := byAddr(p, "10.0.0.2:8000")
-	release := kept.Acquire()
+	release := acquire(kept)
 	defer release()
 	kept.ReportFailure()
 
@@ -140,7 +140,7 @@ func TestAnEndpointThatComesBackKeepsItsState(t *testing.T) {
 			p.SetDiscovered([]Discovered{a, b})
 			e := byAddr(p, a.Addr)
 			for range tt.inflight {
-				defer e.Acquire()()
+				defer acquire(e)()
 			}
 			if tt.fail {
 				for range 3 {

@@ -68,7 +68,7 @@ func TestResolve(t *testing.T) {
 	}
 
 	kept := byAddr(p, "10.0.0.2:8000")
-	release := kept.Acquire()
+	release := acquire(kept)
 	r.set("decode.svc", []string{"10.0.0.2", "10.0.0.3"}, nil)
 	p.resolve(ctx, "decode.svc:8000")
 	if got := addrsOf(p.Endpoints()); !slices.Equal(got, []string{"10.0.0.9:8000", "10.0.0.2:8000", "10.0.0.3:8000"}) {

@@ -73,20 +73,13 @@ func (e *Endpoint) Ejections() uint64 { return e.ejections.Load() }
 // InFlight returns the number of requests currently holding the endpoint.
 func (e *Endpoint) InFlight() int64 { return e.inflight.Load() }
 
-// Acquire counts one more request on the endpoint; the returned func releases it
-// and is safe to call more than once. The first request to an endpoint whose
-// ejection has run out is its probe: until the probe releases or reports, the
-// endpoint takes no other request.
-func (e *Endpoint) Acquire() (release func()) {
-	return e.Claim().Release
-}
-
-// Claim is Acquire for a request whose outcome is known only after it has
-// left the endpoint: a prefill leg, whose request fails at the decode engine
-// if its KV cannot be pulled. Its Slot's Leave ends the request's load on
-// the endpoint; Judged, called once the outcome is reported (or will not
-// be), frees the probe slot, so that a half-open endpoint takes no other
-// request before its probe's verdict.
+// Claim counts one more request on the endpoint, held until its Slot is
+// released. The first request to an endpoint whose ejection has run out is
+// its probe: until the probe reports or is released, the endpoint takes no
+// other request. The Slot's Leave ends the request's load on the endpoint;
+// Judged, called once the outcome is reported (or will not be), frees the
+// probe slot: a prefill leg's outcome is known only after it has left the
+// endpoint, when the decode engine pulls its KV or fails to.
 func (e *Endpoint) Claim() *Slot { return e.claim(false) }
 
 // claim is Claim; with picked, for an endpoint a pick found healthy

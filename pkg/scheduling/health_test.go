@@ -91,7 +91,7 @@ func TestEjectionAndRecovery(t *testing.T) {
 				case s.do == "ok":
 					e.ReportSuccess()
 				case s.do == "acquire":
-					release = e.Acquire()
+					release = acquire(e)
 				case s.do == "release":
 					release()
 				case s.do == "claim":

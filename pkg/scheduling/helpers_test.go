@@ -101,3 +101,7 @@ func checkDown(p *Pool, addrs ...string) {
 		byAddr(p, a).setActive(refused)
 	}
 }
+
+// acquire takes a slot of e, as a request the pipeline sends there does
+// (Pool.Claim); the returned func releases it.
+func acquire(e *Endpoint) (release func()) { return e.Claim().Release }

@@ -89,7 +89,7 @@ func TestScrapedLoadCountsUntilStale(t *testing.T) {
 	addr := strings.TrimPrefix(srv.URL, "http://")
 	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, addr)
 	e := p.Endpoints()[0]
-	e.Acquire()
+	acquire(e)
 
 	if got := e.Busyness(); got != 1 {
 		t.Fatalf("Busyness() before any scrape = %g, want the 1 request in flight", got)

@@ -29,7 +29,7 @@ func TestPickPrefersLessLoadedAndHonoursExclude(t *testing.T) {
 			p := NewPools(Spec{Decode: PoolSpec{Endpoints: tt.addrs}}, Deps{}).Decode
 			for _, e := range p.Endpoints() {
 				for range tt.load[e.Addr] {
-					e.Acquire()
+					acquire(e)
 				}
 			}
 			for range max(tt.attempts, 1) {
@@ -45,10 +45,10 @@ func TestPickPrefersLessLoadedAndHonoursExclude(t *testing.T) {
 	}
 }
 
-func TestAcquireReleaseIsIdempotent(t *testing.T) {
+func TestASlotsReleaseIsIdempotent(t *testing.T) {
 	e := &Endpoint{Addr: "10.0.0.1:8000"}
-	release := e.Acquire()
-	e.Acquire()
+	release := acquire(e)
+	acquire(e)
 	release()
 	release()
 	if got := e.InFlight(); got != 1 {
@@ -132,7 +132,7 @@ func TestSelectN(t *testing.T) {
 			p, _ := testPool(t, policy(tt.policy), "a", "b", "c", "d")
 			for a, n := range tt.inflight {
 				for range n {
-					byAddr(p, a).Acquire()
+					acquire(byAddr(p, a))
 				}
 			}
 			eject(p, tt.ejected...)
@@ -150,7 +150,7 @@ func TestSelectN(t *testing.T) {
 func TestUpdateKeepsTheStateOfEndpointsThatStay(t *testing.T) {
 	p, _ := testPool(t, policy(""), "a", "b")
 	a, b := byAddr(p, "a"), byAddr(p, "b")
-	releaseA, releaseB := a.Acquire(), b.Acquire()
+	releaseA, releaseB := acquire(a), acquire(b)
 	a.ReportFailure()
 	a.ReportFailure()
 

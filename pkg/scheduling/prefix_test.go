@@ -184,7 +184,7 @@ func TestPrefixAffinityPick(t *testing.T) {
 			}
 			for i, n := range tt.inflight {
 				for range n {
-					byAddr(p, rank[i]).Acquire()
+					acquire(byAddr(p, rank[i]))
 				}
 			}
 			for i, n := range tt.queued {
@@ -280,7 +280,7 @@ func TestHotPrefixSpillsOver(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		e.Acquire() // none finish: load only grows
+		acquire(e) // none finish: load only grows
 		counts[e.Addr]++
 	}
 	for addr, n := range counts {
@@ -540,7 +540,7 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 			}
 			cached := pick(p, conversation(system, "Where is the Louvre?"))
 			for range tt.busy {
-				byAddr(p, cached).Acquire()
+				acquire(byAddr(p, cached))
 			}
 			// A new conversation with that system prompt whose own
 			// ranking puts another endpoint first.
@@ -870,7 +870,7 @@ func TestEventsPlaceRequestsOnHolders(t *testing.T) {
 		for _, e := range p.Endpoints() {
 			if e.Addr == busy {
 				for range inflight {
-					defer e.Acquire()()
+					defer acquire(e)()
 				}
 			}
 		}

@@ -17,7 +17,7 @@ func loaded(inflight ...int) []*Endpoint {
 	for i, n := range inflight {
 		eps[i] = &Endpoint{Addr: string(rune('a' + i))}
 		for range n {
-			eps[i].Acquire()
+			acquire(eps[i])
 		}
 	}
 	return eps
@@ -26,8 +26,8 @@ func loaded(inflight ...int) []*Endpoint {
 func TestLoadScorer(t *testing.T) {
 	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, "a", "b", "c")
 	eps := p.Endpoints()
-	eps[0].Acquire()
-	eps[0].Acquire()
+	acquire(eps[0])
+	acquire(eps[0])
 	eps[1].observe(Load{Waiting: 3, KVUsage: 0.5, At: clock.Now()})
 	eps[2].observe(Load{Waiting: 9, At: clock.Now().Add(-time.Hour)}) // stale: ignored
 

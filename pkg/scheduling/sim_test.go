@@ -584,7 +584,7 @@ func (s *sim) send(r *simReq) {
 		r.done(false)
 		return
 	}
-	r.ep, r.engine, r.release = ep, s.engines[ep.Addr], ep.Acquire()
+	r.ep, r.engine, r.release = ep, s.engines[ep.Addr], acquire(ep)
 	if r.engine.down { // connection refused
 		s.failed++
 		ep.ReportFailure()

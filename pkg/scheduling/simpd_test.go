@@ -254,7 +254,7 @@ func (s *pdSim) send(r *pdReq) {
 	if err != nil {
 		panic(err)
 	}
-	r.decode, r.dEng, r.release = eps[0], s.engines[eps[0].Addr], eps[0].Acquire()
+	r.decode, r.dEng, r.release = eps[0], s.engines[eps[0].Addr], acquire(eps[0])
 	r.split = ps.Decide(r.req, r.decode)
 	if held := heldBlocks(r.dEng.cache, r.hs); r.req.Held(r.decode) == 0 && 2*held*simBlock > len(r.prompt) {
 		s.unseen++
@@ -271,7 +271,7 @@ func (s *pdSim) send(r *pdReq) {
 	if err != nil {
 		panic(err)
 	}
-	release := pe.Acquire()
+	release := acquire(pe)
 	r.pEng, r.answered = s.engines[pe.Addr], func() { pe.ReportSuccess(); release() }
 	r.pEng.add(r)
 }
