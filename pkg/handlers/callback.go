@@ -59,12 +59,12 @@ func (r *replies) callBack(m *extprocv3.ProcessingResponse, begun func() bool) (
 	return true, r.out.Send(m)
 }
 
-// watchLeg watches a routed request's concurrent prefill leg (kv-sglang)
-// until the stream ends. A leg that fails leaves its decode request waiting
-// for KV that never comes, holding the decode engine's KV slots, until
-// SGLANG_DISAGGREGATION_WAITING_TIMEOUT (300 s by default) and then failing.
-// So, while the decode engine has not answered, the request is called back:
-// an ImmediateResponse with the leg's error, which Envoy takes at any time
+// watchLeg watches a routed request's concurrent prefill leg
+// (Decision.LegFailed) until the stream ends. A leg that fails leaves its
+// decode request waiting for KV that will not come, holding the decode
+// engine's slots until the engine's own timeout (docs/engines.md). So, while
+// the decode engine has not answered, the request is called back: an
+// ImmediateResponse with the leg's error, which Envoy takes at any time
 // before processing is complete. Envoy then answers the client with it (or
 // resets a stream whose 200 went out, none of whose tokens can come) and
 // resets the decode request, which the engine aborts. It needs the response
