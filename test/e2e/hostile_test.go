@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -36,13 +37,21 @@ func newRecorder(t *testing.T, next string) *recorder {
 	if next != "" {
 		target := "http://" + next
 		proxy = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			out, err := http.NewRequestWithContext(r.Context(), r.Method, target+r.URL.RequestURI(), r.Body)
+			// The body is read whole first: once the answer's headers are
+			// flushed, Go's HTTP/1 server may close the request body, and a
+			// transport still reading it (for the end of the body) then
+			// closes its connection under the answer it is streaming.
+			in, err := io.ReadAll(r.Body)
+			if err != nil {
+				http.Error(w, err.Error(), http.StatusBadRequest)
+				return
+			}
+			out, err := http.NewRequestWithContext(r.Context(), r.Method, target+r.URL.RequestURI(), bytes.NewReader(in))
 			if err != nil {
 				http.Error(w, err.Error(), http.StatusBadGateway)
 				return
 			}
 			out.Header = r.Header.Clone()
-			out.ContentLength = r.ContentLength
 			resp, err := http.DefaultTransport.RoundTrip(out)
 			if err != nil {
 				http.Error(w, err.Error(), http.StatusBadGateway)
@@ -67,6 +76,7 @@ func newRecorder(t *testing.T, next string) *recorder {
 				if err != nil {
 					// Break the response, as a proxy would: ending it
 					// cleanly would hand a truncated stream on as whole.
+					t.Logf("recorder %s: reading the answer of %s: %v (request context: %v)", r.Host, next, err, context.Cause(r.Context()))
 					panic(http.ErrAbortHandler)
 				}
 			}
