@@ -20,7 +20,10 @@ type replies struct {
 	// and Envoy consults the stream no more; or the stream ended, after
 	// which gRPC takes no send.
 	closed bool
+	ended  chan struct{} // closed as the stream ends
 }
+
+func newReplies(out sink) *replies { return &replies{out: out, ended: make(chan struct{})} }
 
 func (r *replies) Send(m *extprocv3.ProcessingResponse) error {
 	r.mu.Lock()
@@ -38,11 +41,12 @@ func (r *replies) over() bool {
 	return r.closed
 }
 
-// close ends the sends, as the stream ends.
+// close ends the sends as the stream ends, once.
 func (r *replies) close() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.closed = true
+	close(r.ended)
 }
 
 // callBack sends m, an ImmediateResponse, unless the stream's goroutine has
@@ -70,12 +74,12 @@ func (r *replies) callBack(m *extprocv3.ProcessingResponse, begun func() bool) (
 // resets the decode request, which the engine aborts. It needs the response
 // path: without it Envoy closes the stream once the request is routed.
 func (x *exchange) watchLeg(failed <-chan *pipeline.Error) {
-	ctx, id, anthropic := x.ctx, x.req.RequestID, api.AnthropicErrorsAt(x.req.Path)
+	id, anthropic := x.req.RequestID, api.AnthropicErrorsAt(x.req.Path)
 	go func() {
 		var e *pipeline.Error
 		select {
 		case e = <-failed:
-		case <-ctx.Done():
+		case <-x.out.ended:
 		}
 		if e == nil { // the leg served, or the stream ended first
 			return

@@ -144,7 +144,7 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err 
 // takes a slot of Options.MaxStreams only at the stream's first message.
 func (s *Server) open(ctx context.Context, out sink) *exchange {
 	s.opts.Metrics.StreamOpened()
-	x := &exchange{router: s.router, opts: &s.opts, out: &replies{out: out}, ctx: ctx, obs: observation{observer: &s.obs}}
+	x := &exchange{router: s.router, opts: &s.opts, out: newReplies(out), ctx: ctx, obs: observation{observer: &s.obs}}
 	x.lim.streams, x.body.budget = &s.streams, &s.bodies
 	return x
 }
