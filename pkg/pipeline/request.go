@@ -116,7 +116,6 @@ type Decision struct {
 	// the client with the error and has Envoy reset the decode request. nil
 	// when no leg runs beside the decode.
 	LegFailed <-chan *Error
-	legFailed chan<- *Error
 	decode    scheduling.Taken
 	// prefill is the engine whose KV the decode engine pulls (a sequential
 	// leg that handed out kv_transfer_params), nil otherwise. Its answer

@@ -166,8 +166,6 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		rep.Prefill = eps[0].Addr
 		p.pairWith(h, eps[0])
 		d.partner.legStarted()
-		failed := make(chan *Error, 1)
-		d.LegFailed, d.legFailed = failed, failed
 		p.launch(ctx, slot, r, kv.PrefillBody(p.connector, h), d)
 		return kv.DecodeBody(p.connector, h), nil
 	}
@@ -285,7 +283,8 @@ func (p *Pipeline) takeBackground() bool {
 }
 
 // launch sends a concurrent prefill leg in the background, counted by
-// takeBackground. It runs on its own deadline: Envoy closes the ext_proc
+// takeBackground, and hands its failure on through d.LegFailed. It runs on
+// its own deadline: Envoy closes the ext_proc
 // stream as soon as its last reply is in, which must not cancel a leg the
 // decode engine is waiting to pair with.
 //
@@ -298,10 +297,12 @@ func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request
 	if r.Keep != nil { // the leg reads the client's body after Route returns
 		unhold = r.Keep.Hold()
 	}
+	legFailed := make(chan *Error, 1)
+	d.LegFailed = legFailed
 	ctx = context.WithoutCancel(ctx)
 	p.background.Go(func() {
 		defer func() {
-			close(d.legFailed)
+			close(legFailed)
 			slot.Release()
 			unhold()
 			p.inBackground.Add(-1)
@@ -318,7 +319,7 @@ func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request
 				taken.Failed()
 			}
 			p.log.Info("concurrent prefill leg failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())
-			d.legFailed <- prefillFailed(failed, r.RequestID)
+			legFailed <- prefillFailed(failed, r.RequestID)
 			return
 		}
 		taken.Served()
