@@ -233,7 +233,7 @@ func TestDecodeClusterOverflow(t *testing.T) {
 
 			res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil)
 			if res.status != http.StatusServiceUnavailable || res.header.Get("X-Envoy-Overloaded") != tc.overloaded ||
-				!strings.HasSuffix(res.body, "reset reason: overflow") || res.header.Get(DetailsHeader) != "upstream_reset_before_response_started{overflow}" {
+				res.body != envoyError(503, errOverflow.Error(), "upstream_error") || res.header.Get(DetailsHeader) != "upstream_reset_before_response_started{overflow}" {
 				t.Errorf("third request = %d %q overloaded=%q (%s), want 503 overflow, overloaded=%q",
 					res.status, res.body, res.header.Get("X-Envoy-Overloaded"), res.header.Get(DetailsHeader), tc.overloaded)
 			}

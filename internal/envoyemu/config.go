@@ -86,6 +86,8 @@ type Config struct {
 	// ClientHeaders is what the connection manager does with the client's
 	// forwarding headers and request id.
 	ClientHeaders ClientHeaders
+	// LocalReplies is the connection manager's local_reply_config (§15).
+	LocalReplies LocalReplies
 
 	// Mounts maps the directories the bootstrap names to the host's, as a
 	// container's bind mounts do (/etc/envoy/certs to a test's directory):

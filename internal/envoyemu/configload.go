@@ -198,6 +198,11 @@ func (cfg *Config) fromHCM(hcm *hcmv3.HttpConnectionManager) (bool, error) {
 		return false, fmt.Errorf("%%%s%% without use_remote_address is not emulated", remoteAddress)
 	}
 
+	var err error
+	if cfg.LocalReplies, err = localRepliesFromProto(hcm.GetLocalReplyConfig()); err != nil {
+		return false, err
+	}
+
 	lim := &cfg.Limits
 	lim.StreamIdleTimeout = durationOr(hcm.GetStreamIdleTimeout(), defaultStreamIdleTimeout)
 	lim.MaxHeadersCount = defaultMaxHeadersCount

@@ -71,7 +71,7 @@ func (x *exchange) onStreamEnd(err error) {
 	}
 	// onGrpcError answers through sendImmediateResponse, which puts
 	// underscores for the whitespace of the details (§10.10).
-	x.localReply(x.cfg.Failure.StatusOnError, "", noSpaces(fmt.Sprintf("ext_proc_error_gRPC_error_%d{%s}", st.Code(), st.Message())))
+	x.localReply(x.cfg.Failure.StatusOnError, "", "", noSpaces(fmt.Sprintf("ext_proc_error_gRPC_error_%d{%s}", st.Code(), st.Message())))
 }
 
 // failureModeAllow is Filter::failureModeAllow: never once FULL_DUPLEX body
@@ -163,7 +163,7 @@ func (x *exchange) onProcessingError(err error) {
 		x.completeProcessing()
 		return
 	}
-	x.localReply(x.cfg.Failure.StatusOnError, "", err.Error())
+	x.localReply(x.cfg.Failure.StatusOnError, "", "", err.Error())
 }
 
 // onOverrideTimeout restarts the timers the rules say the override applies
@@ -195,7 +195,7 @@ func (x *exchange) onMessageTimeout(d *direction) {
 		return
 	}
 	// §5: 504, hard-coded (not status_on_error) since envoy#34856.
-	x.localReply(http.StatusGatewayTimeout, "", "ext_proc_error_per-message_timeout_exceeded")
+	x.localReply(http.StatusGatewayTimeout, "", "", "ext_proc_error_per-message_timeout_exceeded")
 }
 
 // maybeCloseStream mimics ext_proc_stream_close_optimization (§1): once the

@@ -3,6 +3,7 @@ package envoyemu
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -47,6 +48,13 @@ func loadShippedAsIs(t testing.TB, name string) *Config {
 		t.Fatalf("LoadConfig(%s): %v", name, err)
 	}
 	return cfg
+}
+
+// envoyError is the body the shipped configs' local_reply_config gives one
+// of Envoy's own replies (§15): OpenAI's error JSON, keys sorted, one line.
+func envoyError(code int, message, typ string) string {
+	b, _ := json.Marshal(map[string]any{"error": map[string]any{"code": code, "message": message, "type": typ}})
+	return string(b) + "\n"
 }
 
 // ---- scripted ext_proc server ----

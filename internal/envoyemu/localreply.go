@@ -1,6 +1,7 @@
 package envoyemu
 
 import (
+	"io"
 	"net/http"
 	"strconv"
 	"strings"
@@ -21,14 +22,11 @@ func (x *exchange) immediateResponse(ir *extprocv3.ImmediateResponse) {
 		code = 500
 	}
 	h := &headerMap{}
-	if len(ir.GetBody()) > 0 {
-		h.set("content-type", "text/plain")
-	}
 	if _, err := applyHeaderMutation(ir.GetHeaders(), h, x.p.headers, x.limits(), mutationOptions{}); err != nil {
 		x.logf("immediate response header mutation failed: %v", err)
 	}
 	h.remove("content-length")
-	x.sendLocalReply(code, ir.GetBody(), h, noSpaces(ir.GetDetails()))
+	x.sendLocalReply(code, "", ir.GetBody(), h, noSpaces(ir.GetDetails()))
 }
 
 // noSpaces replaces whitespace in response code details with '_', as Envoy
@@ -42,19 +40,19 @@ func noSpaces(details string) string {
 	}, details)
 }
 
-func (x *exchange) localReply(code int, body, details string) {
-	var h *headerMap
-	if body != "" {
-		h = &headerMap{}
-		h.set("content-type", "text/plain")
-	}
-	x.sendLocalReply(code, []byte(body), h, details)
+// localReply is one of Envoy's own replies; flag is the response flag it
+// sets (UH, UF, ...), "" for none.
+func (x *exchange) localReply(code int, flag, body, details string) {
+	x.sendLocalReply(code, flag, []byte(body), &headerMap{}, details)
 }
 
 // sendLocalReply ends the exchange with an Envoy-generated response, or a
 // reset when the response already started downstream (§4). Local replies do
-// not go through ext_proc (§9 skip_ext_proc_on_local_reply).
-func (x *exchange) sendLocalReply(code int, body []byte, h *headerMap, details string) {
+// not go through ext_proc (§9 skip_ext_proc_on_local_reply). The connection
+// manager's local_reply_config rewrites it first (§15); a body then gets
+// the format's content type unless the reply's headers name one and the
+// body is the reply's own (Utility::prepareLocalReply).
+func (x *exchange) sendLocalReply(code int, flag string, body []byte, h *headerMap, details string) {
 	if x.finished {
 		return
 	}
@@ -73,19 +71,23 @@ func (x *exchange) sendLocalReply(code int, body []byte, h *headerMap, details s
 	for k := range hdr {
 		delete(hdr, k)
 	}
-	if h != nil {
-		h.toHTTPHeader(hdr)
+	f := replyFacts{body: string(body), code: code, details: details, flag: flag}
+	if contentType := x.cfg.LocalReplies.rewrite(&f); f.body != "" {
+		if _, ok := h.get("content-type"); !ok || f.body != string(body) {
+			h.set("content-type", contentType)
+		}
 	}
+	h.toHTTPHeader(hdr)
 	if _, ok := hdr["Content-Type"]; !ok {
 		hdr["Content-Type"] = nil // no sniffing: Envoy sends none for an empty body
 	}
-	hdr.Set("Content-Length", strconv.Itoa(len(body)))
+	hdr.Set("Content-Length", strconv.Itoa(len(f.body)))
 	if details != "" {
 		hdr.Set(DetailsHeader, details)
 	}
 	x.down.started = true
-	x.down.w.WriteHeader(code)
-	_, _ = x.down.w.Write(body)
+	x.down.w.WriteHeader(f.code)
+	_, _ = io.WriteString(x.down.w, f.body)
 }
 
 // upstreamOverflow is the router's answer when the route cluster's circuit
@@ -94,19 +96,18 @@ func (x *exchange) sendLocalReply(code int, body []byte, h *headerMap, details s
 // suppresses Envoy's headers, response flag UO (§12).
 func (x *exchange) upstreamOverflow() {
 	h := &headerMap{}
-	h.set("content-type", "text/plain")
 	if !x.cfg.SuppressEnvoyHeaders {
 		h.set(x.cfg.Mutations.HeaderPrefix+"-overloaded", "true")
 	}
-	x.sendLocalReply(http.StatusServiceUnavailable, []byte(errOverflow.Error()), h, "upstream_reset_before_response_started{overflow}")
+	x.sendLocalReply(http.StatusServiceUnavailable, "UO", []byte(errOverflow.Error()), h, "upstream_reset_before_response_started{overflow}")
 }
 
 // bufferOverflow: a BUFFERED body over the buffer limit is a 413 on the
 // request path, a 500 (or reset) on the response path (§2.3).
 func (x *exchange) bufferOverflow(d *direction) {
 	if d.response {
-		x.localReply(http.StatusInternalServerError, "Internal Server Error", "response_payload_too_large")
+		x.localReply(http.StatusInternalServerError, "", "Internal Server Error", "response_payload_too_large")
 		return
 	}
-	x.localReply(http.StatusRequestEntityTooLarge, "Payload Too Large", "request_payload_too_large")
+	x.localReply(http.StatusRequestEntityTooLarge, "", "Payload Too Large", "request_payload_too_large")
 }

@@ -62,7 +62,7 @@ func (rt *router) headers(h *headerMap, end bool) {
 	}
 	route := rt.route
 	if route == nil {
-		x.localReply(http.StatusNotFound, "", "route_not_found")
+		x.localReply(http.StatusNotFound, "NR", "", "route_not_found")
 		return
 	}
 	md := x.md.routing
@@ -72,13 +72,13 @@ func (rt *router) headers(h *headerMap, end bool) {
 	cluster := x.cfg.Clusters[route.Cluster]
 	addr, ok := chooseHost(cluster.OriginalDst, h, md)
 	if !ok {
-		x.localReply(http.StatusServiceUnavailable, "no healthy upstream", "no_healthy_upstream")
+		x.localReply(http.StatusServiceUnavailable, "UH", "no healthy upstream", "no_healthy_upstream")
 		return
 	}
 	x.p.recordUpstream(addr)
 	req, err := rt.buildRequest(addr, h, end, route)
 	if err != nil {
-		x.localReply(http.StatusBadRequest, "", "invalid_upstream_request: "+err.Error())
+		x.localReply(http.StatusBadRequest, "", "", "invalid_upstream_request: "+err.Error())
 		return
 	}
 	x.startUpstream(req, x.p.routed.get(cluster))
@@ -249,7 +249,7 @@ func (x *exchange) onUpstreamError(err error, afterHeaders bool) {
 		x.finished, x.abort = true, true
 		return
 	}
-	x.localReply(http.StatusServiceUnavailable,
+	x.localReply(http.StatusServiceUnavailable, "UF",
 		"upstream connect error or disconnect/reset before headers. reset reason: connection failure",
 		"upstream_reset_before_response_started")
 }

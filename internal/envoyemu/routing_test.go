@@ -14,7 +14,7 @@ import (
 
 // TestOriginalDst is §8.1 as the shipped envoy.yaml configures it: envoy.lb
 // metadata first (only when received), then the header's first value;
-// strict IP:port, else 503 "no healthy upstream".
+// strict IP:port, else 503 "no healthy upstream" (in OpenAI's error JSON, §15).
 func TestOriginalDst(t *testing.T) {
 	a, b := startUpstream(t), startUpstream(t)
 	list := func(vs ...string) *structpb.Struct {
@@ -52,8 +52,8 @@ func TestOriginalDst(t *testing.T) {
 			before := len(a.requests()) + len(b.requests())
 			res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil)
 			if tc.want == nil {
-				if res.status != http.StatusServiceUnavailable || res.body != "no healthy upstream" {
-					t.Fatalf("response = %d %q, want 503 no healthy upstream", res.status, res.body)
+				if want := envoyError(503, "no healthy upstream", "upstream_error"); res.status != http.StatusServiceUnavailable || res.body != want {
+					t.Fatalf("response = %d %q, want 503 %q", res.status, res.body, want)
 				}
 				if len(p.Upstreams()) != 0 || len(a.requests())+len(b.requests()) != before {
 					t.Fatalf("a request was forwarded: %v", p.Upstreams())
@@ -127,8 +127,8 @@ func TestRouteTimeout(t *testing.T) {
 	}
 	p := startProxy(t, cfg, fullDuplexRouter(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil, nil))
 	res := do(t, p, http.MethodPost, "/v1/completions", `{}`, nil)
-	if res.status != http.StatusGatewayTimeout || res.body != "upstream request timeout" {
-		t.Fatalf("response = %d %q", res.status, res.body)
+	if want := envoyError(504, "upstream request timeout", "upstream_error"); res.status != http.StatusGatewayTimeout || res.body != want {
+		t.Fatalf("response = %d %q, want 504 %q", res.status, res.body, want)
 	}
 }
 

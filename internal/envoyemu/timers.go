@@ -73,7 +73,7 @@ func (x *exchange) resetIdle() {
 		if x.down.bodyDone {
 			code = http.StatusGatewayTimeout
 		}
-		x.localReply(code, "stream timeout", "stream_idle_timeout")
+		x.localReply(code, "SI", "stream timeout", "stream_idle_timeout")
 	})
 }
 
@@ -86,7 +86,7 @@ func (rt *router) startRouteTimer(d time.Duration) {
 	x := rt.x
 	rt.timer.start(x, d, func() {
 		if !x.finished {
-			x.localReply(http.StatusGatewayTimeout, "upstream request timeout", "upstream_response_timeout")
+			x.localReply(http.StatusGatewayTimeout, "UT", "upstream request timeout", "upstream_response_timeout")
 		}
 	})
 }

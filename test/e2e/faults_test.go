@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -319,7 +320,7 @@ func TestFaultSlowPrefillPastEnvoysMessageTimer(t *testing.T) {
 // TestFaultDecodeDiesMidStream: the decode engine goes away while tokens
 // stream. The client sees the stream cut (Envoy resets it: the response had
 // started), extproc stays healthy, a request while the engine is down gets
-// Envoy's 503, and once the engine is back requests complete again.
+// Envoy's 503 in OpenAI's error JSON, and once the engine is back requests complete again.
 func TestFaultDecodeDiesMidStream(t *testing.T) {
 	for _, mode := range []string{"full_duplex", "buffered"} {
 		t.Run(mode, func(t *testing.T) {
@@ -343,9 +344,19 @@ func TestFaultDecodeDiesMidStream(t *testing.T) {
 				t.Errorf("decode records %+v, want the one stream, cancelled", recs)
 			}
 
+			// Envoy's connect failure, in OpenAI's error JSON (local_reply_config).
 			down, got := r.must(t, path, strings.Replace(body, marker, marker+" while down", 1), nil)
-			if down.StatusCode != http.StatusServiceUnavailable {
-				t.Errorf("while the decode engine is down: status %d (%.200s), want Envoy's 503", down.StatusCode, got)
+			var e struct {
+				Error struct {
+					Message, Type string
+					Code          int
+				}
+			}
+			if down.StatusCode != http.StatusServiceUnavailable || down.Header.Get("Content-Type") != "application/json" ||
+				json.Unmarshal([]byte(got), &e) != nil || e.Error.Type != "upstream_error" || e.Error.Code != 503 ||
+				!strings.HasPrefix(e.Error.Message, "upstream connect error") {
+				t.Errorf("while the decode engine is down: %d %s %q, want Envoy's 503 upstream_error in OpenAI's JSON",
+					down.StatusCode, down.Header.Get("Content-Type"), got)
 			}
 			r.restartDecode(t, 0, addr)
 			r.healthy(t, marker+" after")

@@ -1,0 +1,165 @@
+package envoyemu
+
+import (
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// TestLocalReplyConfig is §15 as the shipped envoy.yaml configures it:
+// Envoy's own replies, each with a response flag, reach the client in
+// OpenAI's error JSON; the processor's immediate responses and its
+// failures set no flag and pass as they are.
+func TestLocalReplyConfig(t *testing.T) {
+	const refused = "upstream connect error or disconnect/reset before headers. reset reason: connection failure"
+	const procJSON = `{"error":{"message":"no capacity","type":"service_unavailable","code":503}}`
+	immediate := func(body string, hs ...*corev3.HeaderValueOption) func(*procStream) error {
+		return func(s *procStream) error {
+			s.next()
+			s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{ImmediateResponse: &extprocv3.ImmediateResponse{
+				Status: &typev3.HttpStatus{Code: typev3.StatusCode_ServiceUnavailable}, Body: []byte(body),
+				Headers: &extprocv3.HeaderMutation{SetHeaders: hs},
+			}}})
+			return nil
+		}
+	}
+	hanging := startUpstreamWith(t, func(w http.ResponseWriter, r *http.Request) { <-r.Context().Done() })
+	tests := []struct {
+		name    string
+		plain   bool // without local_reply_config: Envoy's defaults
+		idle    time.Duration
+		upAddr  string // where the processor routes; "" for the refusing address
+		script  func(*procStream) error
+		status  int
+		body    string
+		ctype   string
+		details string
+	}{
+		{name: "an engine that refuses the connection (UF)", status: 503,
+			body: envoyError(503, refused, "upstream_error"), ctype: "application/json"},
+		{name: "the same without local_reply_config", plain: true, status: 503, body: refused, ctype: "text/plain"},
+		{name: "a stream idle past its timeout (SI)", idle: 100 * time.Millisecond, upAddr: hanging.addr, status: 504,
+			body: envoyError(504, "stream timeout", "timeout_error"), ctype: "application/json"},
+		{name: "the processor's immediate response", script: immediate(procJSON, rawHeader("content-type", "application/json")),
+			status: 503, body: procJSON, ctype: "application/json"},
+		{name: "the processor's immediate response in text", script: immediate("busy"), status: 503, body: "busy", ctype: "text/plain"},
+		{name: "the processor failing", script: func(s *procStream) error {
+			s.next()
+			return status.Error(codes.Unavailable, "down")
+		}, status: 500, details: "ext_proc_error_gRPC_error_14{down}"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := loadShipped(t, "envoy.yaml")
+			if tc.plain {
+				cfg.LocalReplies = LocalReplies{}
+			}
+			if tc.idle > 0 {
+				cfg.Limits.StreamIdleTimeout = tc.idle
+			}
+			up := tc.upAddr
+			if up == "" {
+				up = refusingAddr(t)
+			}
+			script := tc.script
+			if script == nil {
+				script = fullDuplexRouter(setHeaders(rawHeader("x-gateway-destination-endpoint", up)), nil, nil)
+			}
+			p := startProxy(t, cfg, script)
+			res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil)
+			if res.status != tc.status || res.body != tc.body || res.header.Get("Content-Type") != tc.ctype {
+				t.Errorf("response = %d %q (%s), want %d %q (%s)", res.status, res.body, res.header.Get("Content-Type"), tc.status, tc.body, tc.ctype)
+			}
+			if tc.details != "" && res.header.Get(DetailsHeader) != tc.details {
+				t.Errorf("details = %q, want %q", res.header.Get(DetailsHeader), tc.details)
+			}
+		})
+	}
+}
+
+// refusingAddr is a loopback address where nothing listens.
+func refusingAddr(t *testing.T) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
+}
+
+// TestLocalReplyConfigLoad: the emulator takes the local_reply_config it
+// can evaluate and refuses the rest, with what Envoy itself refuses.
+func TestLocalReplyConfigLoad(t *testing.T) {
+	const anchor = "            mappers:\n"
+	tests := []struct {
+		name    string
+		mappers string // replaces the shipped mappers
+		wantErr string // "" for a config that loads
+	}{
+		{name: "text format with its content type", mappers: `
+            - filter: {response_flag_filter: {flags: [UF, UH]}}
+              status_code: 502
+              body_format_override:
+                text_format_source: {inline_string: "%RESPONSE_CODE% %LOCAL_REPLY_BODY% (%RESPONSE_FLAGS%)"}
+                content_type: text/html
+`},
+		{name: "a filter other than response flags", mappers: `
+            - filter: {status_code_filter: {comparison: {op: GE, value: {default_value: 500, runtime_key: k}}}}
+              body: {inline_string: x}
+`, wantErr: "only response_flag_filter is emulated"},
+		{name: "headers to add", mappers: `
+            - filter: {response_flag_filter: {}}
+              headers_to_add: [{header: {key: a, value: b}}]
+`, wantErr: "headers_to_add is not emulated"},
+		{name: "an operator it does not know", mappers: `
+            - filter: {response_flag_filter: {}}
+              body_format_override: {json_format: {at: "%START_TIME%"}}
+`, wantErr: "%START_TIME% is not emulated"},
+		{name: "a boolean in a JSON format, which Envoy refuses", mappers: `
+            - filter: {response_flag_filter: {}}
+              body_format_override: {json_format: {retry: true}}
+`, wantErr: "only string values"},
+	}
+	raw, err := os.ReadFile(filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	shipped := string(raw)
+	start := strings.Index(shipped, anchor) + len(anchor)
+	end := start + strings.Index(shipped[start:], "          route_config:\n")
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "envoy.yaml")
+			if err := os.WriteFile(path, []byte(shipped[:start]+strings.TrimPrefix(tc.mappers, "\n")+shipped[end:]), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			cfg, err := LoadConfig(path)
+			switch {
+			case tc.wantErr == "" && err != nil:
+				t.Fatalf("LoadConfig: %v", err)
+			case tc.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tc.wantErr)):
+				t.Fatalf("LoadConfig error = %v, want %q", err, tc.wantErr)
+			case err != nil:
+				return
+			}
+			f := replyFacts{body: "refused", code: 503, flag: "UF"}
+			if ct := cfg.LocalReplies.rewrite(&f); f.body != "502 refused (UF)" || f.code != 502 || ct != "text/html" {
+				t.Errorf("rewrite = %d %q (%s), want 502 %q (text/html)", f.code, f.body, ct, "502 refused (UF)")
+			}
+			if f := (replyFacts{body: "x", code: 503, flag: "UO"}); cfg.LocalReplies.rewrite(&f) != "text/plain" || f.body != "x" {
+				t.Errorf("a flag no mapper names: %q, want the body as it is", f.body)
+			}
+		})
+	}
+}
