@@ -127,7 +127,7 @@ func TestRouteTimeout(t *testing.T) {
 	}
 	p := startProxy(t, cfg, fullDuplexRouter(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil, nil))
 	res := do(t, p, http.MethodPost, "/v1/completions", `{}`, nil)
-	if want := envoyError(504, "upstream request timeout", "upstream_error"); res.status != http.StatusGatewayTimeout || res.body != want {
+	if want := envoyError(504, "upstream request timeout", "timeout_error"); res.status != http.StatusGatewayTimeout || res.body != want {
 		t.Fatalf("response = %d %q, want 504 %q", res.status, res.body, want)
 	}
 }

@@ -10,7 +10,11 @@ import (
 	"testing"
 	"time"
 
+	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 	"sigs.k8s.io/yaml"
 
 	defaultconfig "github.com/pd-extproc/pd-extproc/config"
@@ -62,6 +66,39 @@ func envoyConfigs(t *testing.T) []envoyConfig {
 	return out
 }
 
+// localReplyConfig is the local_reply_config of the connection manager that runs ext_proc in
+// the bootstrap js.
+func localReplyConfig(t *testing.T, js []byte) *hcmv3.LocalReplyConfig {
+	t.Helper()
+	var b bootstrapv3.Bootstrap
+	if err := protojson.Unmarshal(js, &b); err != nil {
+		t.Fatal(err)
+	}
+	var r report
+	for _, u := range modelFromBootstrap(&b, &r).hcms {
+		if len(extProcFilters(u.hcm)) > 0 {
+			return u.hcm.GetLocalReplyConfig()
+		}
+	}
+	t.Fatal("no connection manager runs ext_proc")
+	return nil
+}
+
+// shippedLocalReplies is config/envoy/envoy.yaml's local_reply_config, which every way of
+// running Envoy in front of pd-extproc shares.
+func shippedLocalReplies(t *testing.T) *hcmv3.LocalReplyConfig {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(testbed.MustRepoRoot(t), "config", "envoy", "envoy.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	js, err := yaml.YAMLToJSON(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return localReplyConfig(t, js)
+}
+
 // defaultServiceLimits takes the limits Envoy must accommodate from the config embedded in
 // the extproc binary, through the service's own parser (so its defaults apply too): raising
 // them there without adjusting Envoy fails here.
@@ -102,6 +139,13 @@ func TestEnvoyConfigsAreValid(t *testing.T) {
 			}
 			for _, e := range r.errs {
 				t.Error(e)
+			}
+			if _, ok := want[c.rel]; ok {
+				// Envoy's own errors in OpenAI's JSON (docs/envoy.md §15), alike in every
+				// shipped config.
+				if got := localReplyConfig(t, c.json); got == nil || !proto.Equal(got, shippedLocalReplies(t)) {
+					t.Errorf("local_reply_config = %v, want config/envoy/envoy.yaml's", got)
+				}
 			}
 			if mode, ok := want[c.rel]; ok {
 				got := requestBodyModes(t, c.json)

@@ -19,6 +19,7 @@ import (
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
@@ -116,7 +117,7 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 		t.Skip("egctl not found on PATH or in " + strings.Join(testbed.ToolDirs(), ", ") + "; run `make tools` " +
 			"(go install github.com/envoyproxy/gateway/cmd/egctl@v1.9.1) to check the Envoy Gateway manifests")
 	}
-	limits, paths := defaultServiceLimits(t), gatewayPaths(t)
+	limits, paths, replies := defaultServiceLimits(t), gatewayPaths(t), shippedLocalReplies(t)
 	// The Secret users create (README, "Secure by default"), here from a test CA: Envoy Gateway
 	// refuses the policies that name it until it exists.
 	shipped := append(gatewayManifests(t), clientTLSSecret(t)...)
@@ -142,6 +143,12 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 			old:   "/extproc/0')].typed_config.grpc_service",
 			new:   "/extproc/1')].typed_config.grpc_service",
 			wants: []string{"the session-affinity EnvoyPatchPolicy did not apply", "which grpc_service.initial_metadata does not put on the stream"},
+		},
+		{
+			name:  "local-replies patch names another listener",
+			old:   "name: pd-extproc/pd-gateway/http\n      operation:\n        op: add\n        jsonPath: \"..filters",
+			new:   "name: pd-extproc/pd-gateway/https\n      operation:\n        op: add\n        jsonPath: \"..filters",
+			wants: []string{"the local-replies EnvoyPatchPolicy did not apply"},
 		},
 		{
 			// A path of the API table that no route matches gets Envoy's own 404:
@@ -222,7 +229,7 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 			}
 			var r report
 			checkGatewayStatus(res, &r)
-			checkGatewayXDS(res, limits, paths, &r)
+			checkGatewayXDS(res, limits, paths, replies, &r)
 			for _, w := range r.warnings {
 				t.Logf("warning: %s", w)
 			}
@@ -290,7 +297,7 @@ func affinityMetadata() map[string]string {
 
 // checkGatewayXDS parses the xDS egctl produced into Envoy's types, runs the same proto and
 // semantic rules as the standalone configs, and then checks what the manifests promise.
-func checkGatewayXDS(res map[string]any, limits serviceLimits, paths []string, r *report) {
+func checkGatewayXDS(res map[string]any, limits serviceLimits, paths []string, replies *hcmv3.LocalReplyConfig, r *report) {
 	configs, _ := dig(res, "xds", gatewayXDSKey, "configs").([]any)
 	if len(configs) == 0 {
 		r.errorf("egctl produced no xDS for %s", gatewayXDSKey)
@@ -337,12 +344,13 @@ func checkGatewayXDS(res map[string]any, limits serviceLimits, paths []string, r
 	}
 	m.check(limits, r)
 	m.checkLink(r)
-	checkGatewayPromises(m, limits, paths, r)
+	checkGatewayPromises(m, limits, paths, replies, r)
 }
 
 // checkGatewayPromises: the inference listener runs pd-extproc in FULL_DUPLEX over HTTP/2 to
-// the extproc Service, and every path of the API table (paths) goes to the ORIGINAL_DST cluster.
-func checkGatewayPromises(m *envoyModel, limits serviceLimits, paths []string, r *report) {
+// the extproc Service, answers Envoy's own errors as the standalone Envoy does (replies), and
+// every path of the API table (paths) goes to the ORIGINAL_DST cluster.
+func checkGatewayPromises(m *envoyModel, limits serviceLimits, paths []string, replies *hcmv3.LocalReplyConfig, r *report) {
 	var hcm *hcmUse
 	for i, u := range m.hcms {
 		if u.hcm.GetRds().GetRouteConfigName() == gatewayRouteConfig {
@@ -400,6 +408,9 @@ func checkGatewayPromises(m *envoyModel, limits serviceLimits, paths []string, r
 	}
 	if want := append(slices.Clone(handlers.SessionHeaders), handlers.ClientAddressHeader); !envoyemu.HashBalanced(c) || !slices.Equal(hashed, want) {
 		r.errorf("ext_proc cluster %q hashes %v, want a hash load balancer on %v (the EnvoyExtensionPolicy's backendSettings.loadBalancer)", grpcCluster, hashed, want)
+	}
+	if got := hcm.hcm.GetLocalReplyConfig(); !proto.Equal(got, replies) {
+		r.errorf("inference listener local_reply_config = %v, not config/envoy/envoy.yaml's (the local-replies EnvoyPatchPolicy did not apply): Envoy's own errors reach clients as text", got)
 	}
 	// Envoy Gateway's default refuses a request with an underscore in a header name; Codex
 	// before May 2026 sends session_id with every request.
