@@ -103,9 +103,11 @@ func refusingAddr(t *testing.T) string {
 func TestLocalReplyConfigLoad(t *testing.T) {
 	const anchor = "            mappers:\n"
 	tests := []struct {
-		name    string
-		mappers string // replaces the shipped mappers
-		wantErr string // "" for a config that loads
+		name     string
+		mappers  string // replaces the shipped mappers
+		wantErr  string // "" for a config that loads
+		code     int    // then what a 503 "refused" with flag UF becomes
+		body, ct string
 	}{
 		{name: "text format with its content type", mappers: `
             - filter: {response_flag_filter: {flags: [UF, UH]}}
@@ -113,7 +115,13 @@ func TestLocalReplyConfigLoad(t *testing.T) {
               body_format_override:
                 text_format_source: {inline_string: "%RESPONSE_CODE% %LOCAL_REPLY_BODY% (%RESPONSE_FLAGS%)"}
                 content_type: text/html
-`},
+`, code: 502, body: "502 refused (UF)", ct: "text/html"},
+		{name: "JSON format: numbers, typed operators, text", mappers: `
+            - filter: {response_flag_filter: {flags: [UF]}}
+              body: {inline_string: refused at once}
+              body_format_override:
+                json_format: {retry: 1, code: "%RESPONSE_CODE%", details: "%RESPONSE_CODE_DETAILS%", what: "%RESPONSE_FLAGS%: %LOCAL_REPLY_BODY%"}
+`, code: 503, body: `{"code":503,"details":null,"retry":1,"what":"UF: refused at once"}` + "\n", ct: "application/json"},
 		{name: "a filter other than response flags", mappers: `
             - filter: {status_code_filter: {comparison: {op: GE, value: {default_value: 500, runtime_key: k}}}}
               body: {inline_string: x}
@@ -154,8 +162,8 @@ func TestLocalReplyConfigLoad(t *testing.T) {
 				return
 			}
 			f := replyFacts{body: "refused", code: 503, flag: "UF"}
-			if ct := cfg.LocalReplies.rewrite(&f); f.body != "502 refused (UF)" || f.code != 502 || ct != "text/html" {
-				t.Errorf("rewrite = %d %q (%s), want 502 %q (text/html)", f.code, f.body, ct, "502 refused (UF)")
+			if ct := cfg.LocalReplies.rewrite(&f); f.body != tc.body || f.code != tc.code || ct != tc.ct {
+				t.Errorf("rewrite = %d %q (%s), want %d %q (%s)", f.code, f.body, ct, tc.code, tc.body, tc.ct)
 			}
 			if f := (replyFacts{body: "x", code: 503, flag: "UO"}); cfg.LocalReplies.rewrite(&f) != "text/plain" || f.body != "x" {
 				t.Errorf("a flag no mapper names: %q, want the body as it is", f.body)

@@ -34,7 +34,7 @@ type ReplyMapper struct {
 // ReplyFormat is a SubstitutionFormatString: a text or JSON template over the
 // command operators the emulator knows (replyOperators).
 type ReplyFormat struct {
-	text        []string         // the text template, split at its operators
+	text        string           // the text template
 	json        *structpb.Struct // or the JSON one
 	contentType string
 }
@@ -88,11 +88,7 @@ func (lr LocalReplies) rewrite(f *replyFacts) (contentType string) {
 
 func (rf *ReplyFormat) format(f *replyFacts) string {
 	if rf.json == nil {
-		var b strings.Builder
-		for _, part := range rf.text {
-			b.WriteString(f.text(part))
-		}
-		return b.String()
+		return f.render(rf.text)
 	}
 	var b bytes.Buffer
 	enc := json.NewEncoder(&b) // one line, keys sorted, then "\n" as Envoy ends a JSON line
@@ -137,14 +133,16 @@ func (f *replyFacts) value(v *structpb.Value) any {
 	case *structpb.Value_NumberValue:
 		return k.NumberValue
 	}
-	parts := splitOperators(v.GetStringValue())
-	if len(parts) == 1 {
-		if op, ok := operator(parts[0]); ok {
-			return f.operand(op)
-		}
+	if op, ok := operator(v.GetStringValue()); ok && !strings.Contains(op, "%") {
+		return f.operand(op)
 	}
+	return f.render(v.GetStringValue())
+}
+
+// render fills a text template.
+func (f *replyFacts) render(template string) string {
 	var b strings.Builder
-	for _, part := range parts {
+	for _, part := range splitOperators(template) {
 		b.WriteString(f.text(part))
 	}
 	return b.String()
@@ -253,7 +251,7 @@ func replyFormatFromProto(s *corev3.SubstitutionFormatString) (*ReplyFormat, err
 		templates = []string{f.TextFormatSource.GetInlineString()}
 	}
 	if rf.json == nil {
-		rf.text = splitOperators(templates[0])
+		rf.text = templates[0]
 		if rf.contentType == "" {
 			rf.contentType = "text/plain"
 		}
