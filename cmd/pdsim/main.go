@@ -73,6 +73,7 @@ func parseFlags(args []string, stderr io.Writer) (pdsim.Config, error) {
 	fs.DurationVar(&c.HandshakeTimeout, "handshake-timeout", 30*time.Second, "sglang: how long each leg waits for the other")
 	fs.IntVar(&c.PrefixCacheBlocks, "prefix-cache-blocks", 8192, "blocks of 16 tokens the prefix cache keeps, the least recently used evicted first")
 	fs.BoolVar(&c.PromptTokensDetails, "enable-prompt-tokens-details", false, "report usage.prompt_tokens_details.cached_tokens, as vLLM's flag of that name does")
+	fs.IntVar(&c.MaxRecords, "max-records", pdsim.DefaultMaxRecords, "requests kept for GET /pdsim/requests, bodies included; past it the older half is forgotten")
 	fs.IntVar(&c.FailStatus, "fail-status", 0, "answer this HTTP status to faulty requests (0: none)")
 	fs.IntVar(&c.FailEvery, "fail-every", 1, "every N-th inference request is faulty")
 	fs.DurationVar(&c.Delay, "delay", 0, "extra delay before answering each inference request")

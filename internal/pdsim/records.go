@@ -3,6 +3,7 @@ package pdsim
 import (
 	"encoding/json"
 	"net/http"
+	"slices"
 	"time"
 )
 
@@ -57,15 +58,20 @@ type exchange struct {
 func (s *Server) begin(r *http.Request, body []byte) *exchange {
 	ex := &exchange{rec: Record{Path: r.URL.Path, RequestID: r.Header.Get("X-Request-Id"), Body: body}, start: time.Now()}
 	s.mu.Lock()
-	ex.index = len(s.records)
+	ex.index = s.forgotten + len(s.records)
 	s.records = append(s.records, ex.rec)
+	if n := len(s.records); n > s.cfg.MaxRecords {
+		s.records, s.forgotten = slices.Clone(s.records[n/2:]), s.forgotten+n/2
+	}
 	s.mu.Unlock()
 	return ex
 }
 
 func (s *Server) update(ex *exchange) {
 	s.mu.Lock()
-	s.records[ex.index] = ex.rec
+	if i := ex.index - s.forgotten; i >= 0 {
+		s.records[i] = ex.rec
+	}
 	s.mu.Unlock()
 }
 

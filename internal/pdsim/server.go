@@ -71,6 +71,11 @@ type Config struct {
 	// RefuseServerInfo answers SGLang's server info with 401, as an SGLang
 	// server started with --api-key does to a caller without its key.
 	RefuseServerInfo bool
+	// MaxRecords bounds the requests Requests (and /pdsim/requests) keep,
+	// bodies included: past it the older half is forgotten, so that a
+	// simulator left under load does not grow without end. Default
+	// DefaultMaxRecords.
+	MaxRecords int
 	// LoRA names the LoRA adapters served besides Model (vLLM's
 	// --lora-modules): a request that names one is served, and its blocks
 	// are keyed by the adapter's name as vLLM keys them.
@@ -105,10 +110,14 @@ type Server struct {
 	faults faultState
 }
 
+// DefaultMaxRecords is Config.MaxRecords's default.
+const DefaultMaxRecords = 10_000
+
 // ledger is what the server keeps of its requests, under one lock.
 type ledger struct {
 	mu        sync.Mutex
 	records   []Record
+	forgotten int                        // records dropped from the front of records (Config.MaxRecords)
 	closing   bool                       // no new handlers once set
 	responses map[string]json.RawMessage // the Responses API's store, by response id
 }
@@ -238,8 +247,9 @@ func (s *Server) KVAddr() string { return s.served[listenKV].addr }
 // BootstrapAddr is the sglang prefill's bootstrap server ("" otherwise).
 func (s *Server) BootstrapAddr() string { return s.served[listenBootstrap].addr }
 
-// Requests returns a copy of every request recorded so far (Record), in arrival order.
-// Requests still in flight show what is known so far.
+// Requests returns a copy of the requests recorded so far (Record), in arrival order:
+// the last Config.MaxRecords to MaxRecords/2 of them. Requests still in flight show what
+// is known so far.
 func (s *Server) Requests() []Record {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -374,6 +384,9 @@ func withDefaults(c Config) (Config, error) {
 	}
 	if c.HandshakeTimeout <= 0 {
 		c.HandshakeTimeout = 30 * time.Second
+	}
+	if c.MaxRecords <= 0 {
+		c.MaxRecords = DefaultMaxRecords
 	}
 	var err error
 	c.KVEvents, err = c.KVEvents.withDefaults()

@@ -5,8 +5,10 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -369,5 +371,38 @@ func TestClientCancelReachesEngine(t *testing.T) {
 	}
 	if r := s.Requests(); len(r) != 1 || !r[0].Canceled || !r[0].Stream {
 		t.Errorf("record %+v, want Canceled", r)
+	}
+}
+
+// TestRecordsAreBounded: a simulator keeps its last requests only, so that
+// one left under load (1 MiB prompts, for hours) does not grow without end;
+// a request it forgot while in flight finishes as any other.
+func TestRecordsAreBounded(t *testing.T) {
+	done := make(finished, 1)
+	s := start(t, Config{Role: RoleDecode, Protocol: ProtocolNIXL, TPOT: time.Hour, MaxRecords: 4, Log: done})
+	stop := streamUntilFirstToken(t, s, `{"prompt":"in flight","stream":true,"max_tokens":2}`)
+	var want []string
+	for i := range 10 {
+		id := fmt.Sprintf("r%d", i)
+		if r := post(t, s, "/v1/completions", `{"prompt":"hello","max_tokens":1}`, id); r.status != http.StatusOK {
+			t.Fatalf("request %s: %d %s", id, r.status, r.body)
+		}
+		done.wait(t)
+		want = append(want, id)
+	}
+	stop()
+	if line := done.wait(t); !strings.Contains(line, "canceled=true") {
+		t.Errorf("the forgotten request's log line %q, want it cancelled", line)
+	}
+	var got []string
+	for _, r := range s.Requests() {
+		if r.Status != http.StatusOK {
+			t.Errorf("record %s: status %d, want 200 (updated in its own place)", r.RequestID, r.Status)
+		}
+		got = append(got, r.RequestID)
+	}
+	// Past 4 records the older two go: "in flight", then r0..r9, leave r7..r9.
+	if !slices.Equal(got, want[7:]) {
+		t.Errorf("records %v, want %v", got, want[7:])
 	}
 }

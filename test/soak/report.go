@@ -26,6 +26,11 @@ func report(o options, stacks []*stack, st *stats, elapsed time.Duration) string
 		fmt.Fprintf(&b, "| %s | %d |\n", c, st.outcomes[c])
 	}
 	fmt.Fprintf(&b, "| **total** | **%d** (%.0f/s) |\n\n", st.requests, float64(st.requests)/elapsed.Seconds())
+	var perMinute []string
+	for _, m := range st.minutes {
+		perMinute = append(perMinute, fmt.Sprintf("%d (%d)", m.requests, m.unexpected))
+	}
+	fmt.Fprintf(&b, "Requests (unexpected) by minute: %s\n\n", strings.Join(perMinute, ", "))
 	fmt.Fprintf(&b, "| latency of completed requests | n | p50 | p99 | max |\n|---|---:|---:|---:|---:|\n")
 	for _, size := range []string{"small", "1MiB"} {
 		l := slices.Clone(st.latencies[size])

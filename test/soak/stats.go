@@ -19,10 +19,16 @@ type stats struct {
 	latencies map[string][]time.Duration // ok requests, by size
 	samples   []string                   // a few unexpected ones, for the report
 	requests  int
+	// minutes counts requests, and unexpected ones, by the minute they
+	// ended in: a soak that slows or fails more as it runs shows it here.
+	start   time.Time
+	minutes []minute
 }
 
+type minute struct{ requests, unexpected int }
+
 func newStats() *stats {
-	return &stats{outcomes: map[string]int{}, latencies: map[string][]time.Duration{}}
+	return &stats{outcomes: map[string]int{}, latencies: map[string][]time.Duration{}, start: time.Now()}
 }
 
 func (st *stats) add(class, size string, d time.Duration, detail string) {
@@ -30,11 +36,19 @@ func (st *stats) add(class, size string, d time.Duration, detail string) {
 	defer st.mu.Unlock()
 	st.requests++
 	st.outcomes[class]++
+	m := int(time.Since(st.start) / time.Minute)
+	for len(st.minutes) <= m {
+		st.minutes = append(st.minutes, minute{})
+	}
+	st.minutes[m].requests++
 	if class == okClass {
 		st.latencies[size] = append(st.latencies[size], d)
 	}
-	if strings.HasPrefix(class, unexpectedPrefix) && len(st.samples) < 10 {
-		st.samples = append(st.samples, detail)
+	if strings.HasPrefix(class, unexpectedPrefix) {
+		st.minutes[m].unexpected++
+		if len(st.samples) < 10 {
+			st.samples = append(st.samples, detail)
+		}
 	}
 }
 
