@@ -39,8 +39,14 @@ type ReplyFormat struct {
 	contentType string
 }
 
-// replyOperators are the command operators a reply's format may use.
-var replyOperators = []string{"LOCAL_REPLY_BODY", "RESPONSE_CODE", "RESPONSE_CODE_DETAILS", "RESPONSE_FLAGS"}
+// replyOperators are the command operators a reply's format may use, and
+// what each reads: nil for none ("-" in text).
+var replyOperators = map[string]func(f *replyFacts) any{
+	"LOCAL_REPLY_BODY":      func(f *replyFacts) any { return f.body },
+	"RESPONSE_CODE":         func(f *replyFacts) any { return f.code },
+	"RESPONSE_CODE_DETAILS": func(f *replyFacts) any { return orNil(f.details) },
+	"RESPONSE_FLAGS":        func(f *replyFacts) any { return orNil(f.flag) },
+}
 
 // replyFacts are what the operators read.
 type replyFacts struct {
@@ -104,7 +110,7 @@ func (f *replyFacts) text(part string) string {
 	if !ok {
 		return part
 	}
-	switch v := f.operand(op).(type) {
+	switch v := replyOperators[op](f).(type) {
 	case nil:
 		return "-"
 	case int:
@@ -134,7 +140,7 @@ func (f *replyFacts) value(v *structpb.Value) any {
 		return k.NumberValue
 	}
 	if op, ok := operator(v.GetStringValue()); ok && !strings.Contains(op, "%") {
-		return f.operand(op)
+		return replyOperators[op](f)
 	}
 	return f.render(v.GetStringValue())
 }
@@ -146,18 +152,6 @@ func (f *replyFacts) render(template string) string {
 		b.WriteString(f.text(part))
 	}
 	return b.String()
-}
-
-func (f *replyFacts) operand(op string) any {
-	switch op {
-	case "LOCAL_REPLY_BODY":
-		return f.body
-	case "RESPONSE_CODE":
-		return f.code
-	case "RESPONSE_CODE_DETAILS":
-		return orNil(f.details)
-	}
-	return orNil(f.flag)
 }
 
 func orNil(s string) any {
@@ -258,7 +252,7 @@ func replyFormatFromProto(s *corev3.SubstitutionFormatString) (*ReplyFormat, err
 	}
 	for _, t := range templates {
 		for _, part := range splitOperators(t) {
-			if op, ok := operator(part); ok && !slices.Contains(replyOperators, op) {
+			if op, ok := operator(part); ok && replyOperators[op] == nil {
 				return nil, fmt.Errorf("command operator %%%s%% is not emulated", op)
 			}
 		}

@@ -86,15 +86,14 @@ func (e *Endpoint) Claim() *Slot { return e.claim(false) }
 // (Pool.Claim), it is nil, and holds nothing, when the endpoint has turned
 // half-open since and another request holds its one probe.
 func (e *Endpoint) claim(picked bool) *Slot {
-	e.inflight.Add(1)
 	var probe, taken bool
 	if e.troubled.Load() {
 		probe, taken = e.claimProbe()
 	}
 	if picked && taken {
-		e.inflight.Add(-1)
 		return nil
 	}
+	e.inflight.Add(1)
 	return &Slot{taken: e.Take(), probe: probe}
 }
 

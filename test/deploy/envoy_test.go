@@ -84,19 +84,15 @@ func localReplyConfig(t *testing.T, js []byte) *hcmv3.LocalReplyConfig {
 	return nil
 }
 
-// shippedLocalReplies is config/envoy/envoy.yaml's local_reply_config, which every way of
-// running Envoy in front of pd-extproc shares.
-func shippedLocalReplies(t *testing.T) *hcmv3.LocalReplyConfig {
+// shippedLocalReplies is config/envoy/envoy.yaml's local_reply_config, of configs
+// (envoyConfigs), which every way of running Envoy in front of pd-extproc shares.
+func shippedLocalReplies(t *testing.T, configs []envoyConfig) *hcmv3.LocalReplyConfig {
 	t.Helper()
-	raw, err := os.ReadFile(filepath.Join(testbed.MustRepoRoot(t), "config", "envoy", "envoy.yaml"))
-	if err != nil {
-		t.Fatal(err)
+	i := slices.IndexFunc(configs, func(c envoyConfig) bool { return c.rel == "config/envoy/envoy.yaml" })
+	if i < 0 {
+		t.Fatal("config/envoy/envoy.yaml is missing")
 	}
-	js, err := yaml.YAMLToJSON(raw)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return localReplyConfig(t, js)
+	return localReplyConfig(t, configs[i].json)
 }
 
 // defaultServiceLimits takes the limits Envoy must accommodate from the config embedded in
@@ -118,6 +114,7 @@ func defaultServiceLimits(t *testing.T) serviceLimits {
 func TestEnvoyConfigsAreValid(t *testing.T) {
 	configs := envoyConfigs(t)
 	limits := defaultServiceLimits(t)
+	replies := shippedLocalReplies(t, configs)
 	// The shipped configs and the body mode each must keep; the e2e emulator and the docs
 	// depend on envoy.yaml being the FULL_DUPLEX one.
 	want := map[string]extprocv3.ProcessingMode_BodySendMode{
@@ -143,7 +140,7 @@ func TestEnvoyConfigsAreValid(t *testing.T) {
 			if _, ok := want[c.rel]; ok {
 				// Envoy's own errors in OpenAI's JSON (docs/envoy.md §15), alike in every
 				// shipped config.
-				if got := localReplyConfig(t, c.json); got == nil || !proto.Equal(got, shippedLocalReplies(t)) {
+				if got := localReplyConfig(t, c.json); got == nil || !proto.Equal(got, replies) {
 					t.Errorf("local_reply_config = %v, want config/envoy/envoy.yaml's", got)
 				}
 			}

@@ -117,7 +117,7 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 		t.Skip("egctl not found on PATH or in " + strings.Join(testbed.ToolDirs(), ", ") + "; run `make tools` " +
 			"(go install github.com/envoyproxy/gateway/cmd/egctl@v1.9.1) to check the Envoy Gateway manifests")
 	}
-	limits, paths, replies := defaultServiceLimits(t), gatewayPaths(t), shippedLocalReplies(t)
+	limits, paths, replies := defaultServiceLimits(t), gatewayPaths(t), shippedLocalReplies(t, envoyConfigs(t))
 	// The Secret users create (README, "Secure by default"), here from a test CA: Envoy Gateway
 	// refuses the policies that name it until it exists.
 	shipped := append(gatewayManifests(t), clientTLSSecret(t)...)
