@@ -38,7 +38,8 @@ func TestLocalReplyConfig(t *testing.T) {
 		name    string
 		plain   bool // without local_reply_config: Envoy's defaults
 		idle    time.Duration
-		upAddr  string // where the processor routes; "" for the refusing address
+		timeout time.Duration // the message timer, with envoy-buffered.yaml (FULL_DUPLEX has none)
+		upAddr  string        // where the processor routes; "" for the refusing address
 		script  func(*procStream) error
 		status  int
 		body    string
@@ -56,16 +57,34 @@ func TestLocalReplyConfig(t *testing.T) {
 		{name: "the processor failing", script: func(s *procStream) error {
 			s.next()
 			return status.Error(codes.Unavailable, "down")
+		}, status: 500, details: "ext_proc_error_gRPC_error_14{down}", ctype: "application/json",
+			body: envoyError(500, "request processing failed: ext_proc_error_gRPC_error_14{down}", "server_error")},
+		{name: "the processor too slow", timeout: 50 * time.Millisecond, script: func(s *procStream) error {
+			s.next()
+			<-s.Context().Done()
+			return nil
+		}, status: 504, details: "ext_proc_error_per-message_timeout_exceeded", ctype: "application/json",
+			body: envoyError(504, "request processing failed: ext_proc_error_per-message_timeout_exceeded", "server_error")},
+		{name: "the processor failing, without local_reply_config", plain: true, script: func(s *procStream) error {
+			s.next()
+			return status.Error(codes.Unavailable, "down")
 		}, status: 500, details: "ext_proc_error_gRPC_error_14{down}"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg := loadShipped(t, "envoy.yaml")
+			file := "envoy.yaml"
+			if tc.timeout > 0 {
+				file = "envoy-buffered.yaml"
+			}
+			cfg := loadShipped(t, file)
 			if tc.plain {
 				cfg.LocalReplies = LocalReplies{}
 			}
 			if tc.idle > 0 {
 				cfg.Limits.StreamIdleTimeout = tc.idle
+			}
+			if tc.timeout > 0 {
+				cfg.Failure.MessageTimeout = tc.timeout
 			}
 			up := tc.upAddr
 			if up == "" {
@@ -121,11 +140,53 @@ func TestLocalReplyConfigLoad(t *testing.T) {
               body: {inline_string: refused at once}
               body_format_override:
                 json_format: {retry: 1, code: "%RESPONSE_CODE%", details: "%RESPONSE_CODE_DETAILS%", what: "%RESPONSE_FLAGS%: %LOCAL_REPLY_BODY%"}
-`, code: 503, body: `{"code":503,"details":null,"retry":1,"what":"UF: refused at once"}` + "\n", ct: "application/json"},
+`, code: 503, body: `{"code":503,"details":"upstream_reset_before_response_started{connection_failure}","retry":1,"what":"UF: refused at once"}` + "\n", ct: "application/json"},
+		{name: "a CEL filter on the details and the status", mappers: `
+            - filter:
+                extension_filter:
+                  name: envoy.access_loggers.extension_filters.cel
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
+                    expression: response.code == 503 && response.code_details.startsWith('upstream_reset')
+              status_code: 502
+`, code: 502, body: "refused", ct: "text/plain"},
+		{name: "a CEL filter whose expression errs matches nothing", mappers: `
+            - filter:
+                extension_filter:
+                  name: envoy.access_loggers.extension_filters.cel
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
+                    expression: response.code / 0 == 1 || response.code_details
+              status_code: 502
+`, code: 503, body: "refused", ct: "text/plain"},
+		{name: "a CEL expression that does not parse", mappers: `
+            - filter:
+                extension_filter:
+                  name: envoy.access_loggers.extension_filters.cel
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
+                    expression: response.code ==
+`, wantErr: "Syntax error"},
+		{name: "a CEL attribute it does not give", mappers: `
+            - filter:
+                extension_filter:
+                  name: envoy.access_loggers.extension_filters.cel
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
+                    expression: response.headers['x'] == 'y'
+`, wantErr: "response.headers is not emulated"},
+		{name: "an attribute outside response", mappers: `
+            - filter:
+                extension_filter:
+                  name: envoy.access_loggers.extension_filters.cel
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
+                    expression: request.path == '/'
+`, wantErr: "undeclared reference to 'request'"},
 		{name: "a filter other than response flags", mappers: `
             - filter: {status_code_filter: {comparison: {op: GE, value: {default_value: 500, runtime_key: k}}}}
               body: {inline_string: x}
-`, wantErr: "only response_flag_filter is emulated"},
+`, wantErr: "only response_flag_filter and the CEL extension_filter are emulated"},
 		{name: "headers to add", mappers: `
             - filter: {response_flag_filter: {}}
               headers_to_add: [{header: {key: a, value: b}}]
@@ -161,7 +222,7 @@ func TestLocalReplyConfigLoad(t *testing.T) {
 			case err != nil:
 				return
 			}
-			f := replyFacts{body: "refused", code: 503, flag: "UF"}
+			f := replyFacts{body: "refused", code: 503, flag: "UF", details: "upstream_reset_before_response_started{connection_failure}"}
 			if ct := cfg.LocalReplies.rewrite(&f); f.body != tc.body || f.code != tc.code || ct != tc.ct {
 				t.Errorf("rewrite = %d %q (%s), want %d %q (%s)", f.code, f.body, ct, tc.code, tc.body, tc.ct)
 			}

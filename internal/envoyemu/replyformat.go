@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"strings"
 
@@ -22,12 +21,11 @@ type LocalReplies struct {
 	Format  *ReplyFormat // body_format; nil: the body as it is, text/plain
 }
 
-// ReplyMapper is one of local_reply_config's mappers, with the one filter
-// the emulator evaluates: response_flag_filter.
+// ReplyMapper is one of local_reply_config's mappers.
 type ReplyMapper struct {
-	Flags  []string // the response flags it matches; empty: any flag, but one must be set
-	Status int      // status_code; 0 keeps the reply's
-	Body   *string  // body (inline); nil keeps the reply's
+	filter replyFilter
+	Status int     // status_code; 0 keeps the reply's
+	Body   *string // body (inline); nil keeps the reply's
 	Format *ReplyFormat
 }
 
@@ -56,14 +54,6 @@ type replyFacts struct {
 	flag    string // the one response flag set, "" for none
 }
 
-// match says whether m applies to a reply with this response flag.
-func (m ReplyMapper) match(flag string) bool {
-	if flag == "" {
-		return false
-	}
-	return len(m.Flags) == 0 || slices.Contains(m.Flags, flag)
-}
-
 // rewrite is Envoy's LocalReply rewrite: the first mapper whose filter
 // matches sets the status, the body and the format; then the format (the
 // mapper's, else body_format, else the body itself as text/plain) makes the
@@ -71,7 +61,7 @@ func (m ReplyMapper) match(flag string) bool {
 func (lr LocalReplies) rewrite(f *replyFacts) (contentType string) {
 	format := lr.Format
 	for _, m := range lr.Mappers {
-		if !m.match(f.flag) {
+		if !m.filter.match(f) {
 			continue
 		}
 		if m.Body != nil {
@@ -195,16 +185,16 @@ func localRepliesFromProto(c *hcmv3.LocalReplyConfig) (LocalReplies, error) {
 		return lr, fmt.Errorf("local_reply_config.body_format: %w", err)
 	}
 	for i, m := range c.GetMappers() {
-		rf := m.GetFilter().GetResponseFlagFilter()
+		filter, err := replyFilterFromProto(m.GetFilter())
 		switch {
-		case rf == nil:
-			return lr, fmt.Errorf("local_reply_config.mappers[%d]: only response_flag_filter is emulated", i)
+		case err != nil:
+			return lr, fmt.Errorf("local_reply_config.mappers[%d].filter: %w", i, err)
 		case len(m.GetHeadersToAdd()) > 0:
 			return lr, fmt.Errorf("local_reply_config.mappers[%d]: headers_to_add is not emulated", i)
 		case m.GetBody() != nil && m.GetBody().GetInlineString() == "":
 			return lr, fmt.Errorf("local_reply_config.mappers[%d]: only an inline_string body is emulated", i)
 		}
-		mapper := ReplyMapper{Flags: rf.GetFlags(), Status: int(m.GetStatusCode().GetValue())}
+		mapper := ReplyMapper{filter: filter, Status: int(m.GetStatusCode().GetValue())}
 		if m.GetBody() != nil {
 			body := m.GetBody().GetInlineString()
 			mapper.Body = &body

@@ -301,6 +301,8 @@ func TestFaultSlowPrefillPastEnvoysMessageTimer(t *testing.T) {
 			if d := resp.Header.Get(envoyemu.DetailsHeader); d != "ext_proc_error_per-message_timeout_exceeded" {
 				t.Errorf("details %q, want Envoy's message timeout", d)
 			}
+			checkEnvoyError(t, resp, got, http.StatusGatewayTimeout, "server_error",
+				"request processing failed: ext_proc_error_per-message_timeout_exceeded")
 			if len(decoded) != 0 {
 				t.Errorf("the timed-out request still reached the decode engine")
 			}
@@ -346,18 +348,7 @@ func TestFaultDecodeDiesMidStream(t *testing.T) {
 
 			// Envoy's connect failure, in OpenAI's error JSON (local_reply_config).
 			down, got := r.must(t, path, strings.Replace(body, marker, marker+" while down", 1), nil)
-			var e struct {
-				Error struct {
-					Message, Type string
-					Code          int
-				}
-			}
-			if down.StatusCode != http.StatusServiceUnavailable || down.Header.Get("Content-Type") != "application/json" ||
-				json.Unmarshal([]byte(got), &e) != nil || e.Error.Type != "upstream_error" || e.Error.Code != 503 ||
-				!strings.HasPrefix(e.Error.Message, "upstream connect error") {
-				t.Errorf("while the decode engine is down: %d %s %q, want Envoy's 503 upstream_error in OpenAI's JSON",
-					down.StatusCode, down.Header.Get("Content-Type"), got)
-			}
+			checkEnvoyError(t, down, got, http.StatusServiceUnavailable, "upstream_error", "upstream connect error")
 			r.restartDecode(t, 0, addr)
 			r.healthy(t, marker+" after")
 			waitFor(t, 10*time.Second, "extproc to close every stream", func() bool {
@@ -800,5 +791,24 @@ func TestFaultSlowBodyIs408(t *testing.T) {
 			}
 			r.healthy(t, "after a slow client")
 		})
+	}
+}
+
+// checkEnvoyError checks one of Envoy's own replies as the shipped
+// local_reply_config words it: OpenAI's error JSON, this status and type, a
+// message that starts so.
+func checkEnvoyError(t *testing.T, resp *http.Response, got string, status int, typ, message string) {
+	t.Helper()
+	var e struct {
+		Error struct {
+			Message, Type string
+			Code          int
+		}
+	}
+	if resp.StatusCode != status || resp.Header.Get("Content-Type") != "application/json" ||
+		json.Unmarshal([]byte(got), &e) != nil || e.Error.Type != typ || e.Error.Code != status ||
+		!strings.HasPrefix(e.Error.Message, message) {
+		t.Errorf("%d %s %q, want Envoy's %d %s in OpenAI's JSON, message %q",
+			resp.StatusCode, resp.Header.Get("Content-Type"), got, status, typ, message)
 	}
 }

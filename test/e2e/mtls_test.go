@@ -61,6 +61,7 @@ func TestExtProcOverMTLS(t *testing.T) {
 				!strings.HasPrefix(details, "ext_proc_error_gRPC_error_14") || !strings.Contains(details, tc.detail) {
 				t.Errorf("status %d (%s), want Envoy's 500 for an ext_proc stream that could not open (UNAVAILABLE) %s", resp.StatusCode, details, tc.detail)
 			}
+			checkEnvoyError(t, resp, got, http.StatusInternalServerError, "server_error", "request processing failed: "+resp.Header.Get(envoyemu.DetailsHeader))
 			for _, s := range append(r.prefill, r.decode...) {
 				if n := len(s.Requests()); n != 0 {
 					t.Errorf("engine %s got %d requests through a refused link", s.Addr(), n)

@@ -18,6 +18,7 @@ import (
 
 	// The extensions the shipped configs name in typed_config: protojson resolves each "@type"
 	// through the types linked in, and reads the fields inside it strictly.
+	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/access_loggers/filters/cel/v3"
 	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/access_loggers/stream/v3"
 	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/router/v3"
