@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -106,6 +107,22 @@ func TestLocalReplyConfig(t *testing.T) {
 	}
 }
 
+// celMapper is a mapper whose filter is the CEL expression expr, setting
+// status (0: none).
+func celMapper(expr string, status int) string {
+	m := `
+            - filter:
+                extension_filter:
+                  name: envoy.access_loggers.extension_filters.cel
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
+                    expression: ` + expr + "\n"
+	if status != 0 {
+		m += "              status_code: " + strconv.Itoa(status) + "\n"
+	}
+	return m
+}
+
 // refusingAddr is a loopback address where nothing listens.
 func refusingAddr(t *testing.T) string {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -141,48 +158,12 @@ func TestLocalReplyConfigLoad(t *testing.T) {
               body_format_override:
                 json_format: {retry: 1, code: "%RESPONSE_CODE%", details: "%RESPONSE_CODE_DETAILS%", what: "%RESPONSE_FLAGS%: %LOCAL_REPLY_BODY%"}
 `, code: 503, body: `{"code":503,"details":"upstream_reset_before_response_started{connection_failure}","retry":1,"what":"UF: refused at once"}` + "\n", ct: "application/json"},
-		{name: "a CEL filter on the details and the status", mappers: `
-            - filter:
-                extension_filter:
-                  name: envoy.access_loggers.extension_filters.cel
-                  typed_config:
-                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
-                    expression: response.code == 503 && response.code_details.startsWith('upstream_reset')
-              status_code: 502
-`, code: 502, body: "refused", ct: "text/plain"},
-		{name: "a CEL filter whose expression errs matches nothing", mappers: `
-            - filter:
-                extension_filter:
-                  name: envoy.access_loggers.extension_filters.cel
-                  typed_config:
-                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
-                    expression: response.code / 0 == 1 || response.code_details
-              status_code: 502
-`, code: 503, body: "refused", ct: "text/plain"},
-		{name: "a CEL expression that does not parse", mappers: `
-            - filter:
-                extension_filter:
-                  name: envoy.access_loggers.extension_filters.cel
-                  typed_config:
-                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
-                    expression: response.code ==
-`, wantErr: "Syntax error"},
-		{name: "a CEL attribute it does not give", mappers: `
-            - filter:
-                extension_filter:
-                  name: envoy.access_loggers.extension_filters.cel
-                  typed_config:
-                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
-                    expression: response.headers['x'] == 'y'
-`, wantErr: "response.headers is not emulated"},
-		{name: "an attribute outside response", mappers: `
-            - filter:
-                extension_filter:
-                  name: envoy.access_loggers.extension_filters.cel
-                  typed_config:
-                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
-                    expression: request.path == '/'
-`, wantErr: "undeclared reference to 'request'"},
+		{name: "a CEL filter on the details and the status", mappers: celMapper(`response.code == 503 && response.code_details.startsWith('upstream_reset')`, 502), code: 502, body: "refused", ct: "text/plain"},
+		{name: "a CEL filter whose expression errs matches nothing", mappers: celMapper(`response.code / 0 == 1 || response.code_details`, 502), code: 503, body: "refused", ct: "text/plain"},
+		{name: "a CEL expression that does not parse", mappers: celMapper(`response.code ==`, 0), wantErr: "Syntax error"},
+		{name: "a CEL attribute it does not give", mappers: celMapper(`response.headers['x'] == 'y'`, 0), wantErr: "response.headers is not emulated"},
+		{name: "a CEL attribute read by index", mappers: celMapper(`response['code'] == 503`, 0), wantErr: "response[...] is not emulated"},
+		{name: "an attribute outside response", mappers: celMapper(`request.path == '/'`, 0), wantErr: "undeclared reference to 'request'"},
 		{name: "a filter other than response flags", mappers: `
             - filter: {status_code_filter: {comparison: {op: GE, value: {default_value: 500, runtime_key: k}}}}
               body: {inline_string: x}
