@@ -160,6 +160,7 @@ func TestLocalReplyConfigLoad(t *testing.T) {
 `, code: 503, body: `{"code":503,"details":"upstream_reset_before_response_started{connection_failure}","retry":1,"what":"UF: refused at once"}` + "\n", ct: "application/json"},
 		{name: "a CEL filter on the details and the status", mappers: celMapper(`response.code == 503 && response.code_details.startsWith('upstream_reset')`, 502), code: 502, body: "refused", ct: "text/plain"},
 		{name: "a CEL filter whose expression errs matches nothing", mappers: celMapper(`response.code / 0 == 1 || response.code_details`, 502), code: 503, body: "refused", ct: "text/plain"},
+		{name: "a CEL macro's own variable", mappers: celMapper(`response.code == 503 && [{'x':1}].exists(m, m.x == 1)`, 502), code: 502, body: "refused", ct: "text/plain"},
 		{name: "a CEL expression that does not parse", mappers: celMapper(`response.code ==`, 0), wantErr: "Syntax error"},
 		{name: "a CEL attribute it does not give", mappers: celMapper(`response.headers['x'] == 'y'`, 0), wantErr: "response.headers is not emulated"},
 		{name: "a CEL attribute read by index", mappers: celMapper(`response['code'] == 503`, 0), wantErr: "response[...] is not emulated"},

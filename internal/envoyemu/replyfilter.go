@@ -15,9 +15,9 @@ import (
 // celFilterName is the CEL access-log filter's extension name (§15).
 const celFilterName = "envoy.access_loggers.extension_filters.cel"
 
-// celAttributes are the response attributes a CEL filter may read here: the
-// emulator has no others to give, and refuses expressions that read them
-// rather than evaluate them unlike Envoy.
+// celAttributes are the response attributes a CEL filter may read here. The
+// emulator has no others to give: an expression that reads another is
+// refused, rather than evaluated unlike Envoy.
 var celAttributes = []string{"code", "code_details"}
 
 // replyFilter is a mapper's access-log filter: a response_flag_filter (flags;
@@ -74,14 +74,15 @@ func compileReplyExpression(src string) (cel.Program, error) {
 	if iss.Err() != nil {
 		return nil, iss.Err()
 	}
+	isResponse := func(e ast.Expr) bool { return e.Kind() == ast.IdentKind && e.AsIdent() == "response" }
 	var unknown error
 	ast.PreOrderVisit(checked.NativeRep().Expr(), ast.NewExprVisitor(func(e ast.Expr) {
 		switch {
-		case e.Kind() == ast.SelectKind && e.AsSelect().Operand().Kind() == ast.IdentKind:
+		case e.Kind() == ast.SelectKind && isResponse(e.AsSelect().Operand()):
 			if field := e.AsSelect().FieldName(); !slices.Contains(celAttributes, field) {
 				unknown = fmt.Errorf("response.%s is not emulated (only response.code and response.code_details)", field)
 			}
-		case e.Kind() == ast.CallKind && e.AsCall().FunctionName() == "_[_]" && e.AsCall().Args()[0].Kind() == ast.IdentKind:
+		case e.Kind() == ast.CallKind && e.AsCall().FunctionName() == "_[_]" && isResponse(e.AsCall().Args()[0]):
 			unknown = errors.New("response[...] is not emulated (only response.code and response.code_details)")
 		}
 	}))
