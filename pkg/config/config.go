@@ -42,7 +42,7 @@ type Pools struct {
 // Pool is one role's endpoints and how they are picked.
 type Pool struct {
 	Endpoints     []string `json:"endpoints"`
-	BootstrapPort int      `json:"bootstrap_port,omitempty"` // kv-sglang only
+	BootstrapPort int      `json:"bootstrap_port,omitempty"` // kv-sglang and kv-mooncake only
 	// TLS makes the decode pool's health checks and /metrics scrapes HTTPS
 	// (the decode leg itself is Envoy's). The prefill pool's follow prefill.tls.
 	TLS EngineTLS `json:"tls"`
@@ -161,8 +161,8 @@ const (
 func Parse(data []byte) (*Config, error) { return parse(data, nil) }
 
 // errNoConnector names what a file without `connector` must choose from.
-var errNoConnector = fmt.Errorf("connector: not set; name the engines' KV transfer: %s (vLLM NixlConnector), "+
-	"%s (vLLM ExampleConnector or LMCache on a shared store) or %s (SGLang PD)", kv.NIXL, kv.SharedStorage, kv.SGLang)
+var errNoConnector = fmt.Errorf("connector: not set; name the engines' KV transfer: %s (vLLM NixlConnector), %s (vLLM "+
+	"ExampleConnector or LMCache on a shared store), %s (SGLang PD) or %s (vLLM MooncakeConnector)", kv.NIXL, kv.SharedStorage, kv.SGLang, kv.Mooncake)
 
 // Unconfigured parses the embedded default config, run without --config. It
 // names no connector and no engine: the server starts, routes nothing and

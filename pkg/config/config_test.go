@@ -169,7 +169,7 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 	tests := []struct {
 		name, yaml, wantKey string
 	}{
-		{"unknown connector", `{connector: kv-mooncake, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "connector"},
+		{"unknown connector", `{connector: kv-lmcache, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "connector"},
 		{"host name endpoint", `pools: {decode: {endpoints: ["decode:8000"]}}`, "pools.decode.endpoints[0]"},
 		{"endpoint without port", `pools: {prefill: {endpoints: ["10.0.0.1"]}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "pools.prefill.endpoints[0]"},
 		{"duplicate endpoint", `pools: {decode: {endpoints: ["10.0.0.2:8000", "10.0.0.2:8000"]}}`, "pools.decode.endpoints[1]"},

@@ -20,6 +20,7 @@ const (
 	NIXL          = "kv-nixl"
 	SharedStorage = "kv-shared-storage"
 	SGLang        = "kv-sglang"
+	Mooncake      = "kv-mooncake"
 )
 
 // Dispatch is the order in which the two legs are sent.
@@ -32,13 +33,28 @@ const (
 	Concurrent
 )
 
+// Rendezvous is what the decode leg needs to know of a prefill engine
+// beyond its address, which the pools read from each prefill engine.
+type Rendezvous int
+
+const (
+	// NoRendezvous: the address is enough.
+	NoRendezvous Rendezvous = iota
+	// SGLangBootstrapPort: the engine's bootstrap port, from its server info.
+	SGLangBootstrapPort
+	// MooncakeEngineIDs: the engine ids of its data-parallel ranks, from its
+	// bootstrap server's GET /query.
+	MooncakeEngineIDs
+)
+
 // Handoff is what a connector may read to build the legs of one request.
 type Handoff struct {
 	Body          *body.Object // the client's request body
 	Shape         *api.Shape   // where the request's API puts the fields
 	PrefillHost   string       // host of the chosen prefill endpoint (IPv6 in brackets)
-	BootstrapPort int          // the chosen prefill endpoint's SGLang bootstrap port (its own, else the pool's)
+	BootstrapPort int          // the chosen prefill endpoint's bootstrap port, SGLang's or Mooncake's (its own, else the pool's)
 	Room          uint64       // random per request, 0..2^62-1 (a batch adds its prompts' indexes): pairs concurrent legs
+	EngineID      string       // kv-mooncake: the chosen prefill engine's id, of the data-parallel rank its leg names
 	PrefillKV     []byte       // Sequential only: raw kv_transfer_params of the prefill response, nil when it gave none
 }
 
@@ -64,6 +80,9 @@ type Connector interface {
 	// decode engine refuses a request without a prefill partner, so none may
 	// go decode-only, and the pair hands off batches by itself.
 	Paired() bool
+	// Rendezvous is what the pools must read from each prefill engine for
+	// the decode leg to find it.
+	Rendezvous() Rendezvous
 	// HandsBackParams reports whether the prefill answer carries the
 	// kv_transfer_params the decode leg needs (Handoff.PrefillKV): an answer
 	// without them means the decode engine recomputes the prompt.
@@ -84,8 +103,10 @@ func Build(name string) (Connector, error) {
 		return sharedStorageKV{}, nil
 	case SGLang:
 		return sglangKV{}, nil
+	case Mooncake:
+		return mooncakeKV{}, nil
 	default:
-		return nil, fmt.Errorf("unknown kv connector %q (want %s, %s or %s)", name, NIXL, SharedStorage, SGLang)
+		return nil, fmt.Errorf("unknown kv connector %q (want %s, %s, %s or %s)", name, NIXL, SharedStorage, SGLang, Mooncake)
 	}
 }
 

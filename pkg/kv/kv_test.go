@@ -48,6 +48,13 @@ const (
 		`"remote_blocks_expiry_time":null,"transfer_mode":"pull","future_key":{"x":[1.5e-3]}}`
 )
 
+const (
+	// kv-mooncake's legs: the same transfer id, "xfer-" and the room in hex.
+	mooncakeAsk  = `{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"xfer-7fffffffffffffff"}`
+	mooncakePull = `{"do_remote_prefill":true,"do_remote_decode":false,"remote_bootstrap_addr":"http://10.0.4.21:8998",` +
+		`"remote_engine_id":"5b0c7a9e-0000-4000-8000-00000000000a","transfer_id":"xfer-7fffffffffffffff"}`
+)
+
 // handoff is the handoff of the client body in, a request of api a.
 func handoff(t *testing.T, a *api.API, in string) *Handoff {
 	t.Helper()
@@ -61,6 +68,7 @@ func handoff(t *testing.T, a *api.API, in string) *Handoff {
 		PrefillHost:   "10.0.4.21",
 		BootstrapPort: 8998,
 		Room:          1<<63 - 1,
+		EngineID:      "5b0c7a9e-0000-4000-8000-00000000000a",
 		PrefillKV:     []byte(prefillAnswer),
 	}
 }
@@ -104,6 +112,23 @@ func TestLegBodies(t *testing.T) {
 				`"kv\u005ftransfer_params":` + nixlAsk + `,"max_tokens":1}`,
 			decode: `{"model":"m","prompt":[1,2,3],"stream":false,"min_tokens":1,"seed":98765432109876543210,` +
 				`"kv\u005ftransfer_params":` + prefillAnswer + `}`,
+		},
+		// kv-mooncake: prefill capped and asked to keep the blocks for the
+		// transfer id; decode names the id, the bootstrap server and the engine.
+		{
+			name: "mooncake/chat/stream", connector: Mooncake, in: chatStream,
+			prefill: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":false,"max_completion_tokens":1,"min_tokens":1,` +
+				`"seed":98765432109876543210,"kv_transfer_params":` + mooncakeAsk + `,"temperature":0.7,"max_tokens":1}`,
+			decode: `{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":true,"stream_options":{"include_usage":true},` +
+				`"max_completion_tokens":256,"min_tokens":8,"seed":98765432109876543210,"kv_transfer_params":` + mooncakePull +
+				`,"temperature":0.7}`,
+		},
+		{
+			name: "mooncake/generate", connector: Mooncake, api: api.Generate, in: generateNoStream,
+			prefill: `{"token_ids":[1,2,3],"sampling_params":{"max_tokens":1,"min_tokens":1,"seed":98765432109876543210,` +
+				`"extra_args":{"kv_transfer_params":` + mooncakeAsk + `,"other":1}},"stream":false}`,
+			decode: `{"token_ids":[1,2,3],"sampling_params":{"max_tokens":64,"min_tokens":8,"seed":98765432109876543210,` +
+				`"extra_args":{"kv_transfer_params":` + mooncakePull + `,"other":1}},"stream":false}`,
 		},
 		// kv-shared-storage: prefill capped, nothing about the handoff in either body.
 		{
@@ -417,6 +442,7 @@ func TestBuild(t *testing.T) {
 		family                  api.Family
 		dispatch                Dispatch
 		paired, handsBackParams bool
+		rendezvous              Rendezvous
 	}
 	tests := []struct {
 		name string
@@ -424,7 +450,8 @@ func TestBuild(t *testing.T) {
 	}{
 		{name: "kv-nixl", want: properties{family: api.VLLM, dispatch: Sequential, handsBackParams: true}},
 		{name: "kv-shared-storage", want: properties{family: api.VLLM, dispatch: Sequential}},
-		{name: "kv-sglang", want: properties{family: api.SGLang, dispatch: Concurrent, paired: true}},
+		{name: "kv-sglang", want: properties{family: api.SGLang, dispatch: Concurrent, paired: true, rendezvous: SGLangBootstrapPort}},
+		{name: "kv-mooncake", want: properties{family: api.VLLM, dispatch: Concurrent, rendezvous: MooncakeEngineIDs}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -432,7 +459,7 @@ func TestBuild(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Build(%q): %v", tt.name, err)
 			}
-			if got := (properties{c.Family(), c.Dispatch(), c.Paired(), c.HandsBackParams()}); got != tt.want {
+			if got := (properties{c.Family(), c.Dispatch(), c.Paired(), c.HandsBackParams(), c.Rendezvous()}); got != tt.want {
 				t.Fatalf("Build(%q) = %+v, want %+v", tt.name, got, tt.want)
 			}
 		})
@@ -444,7 +471,7 @@ func TestBuild(t *testing.T) {
 			if err == nil {
 				t.Fatalf("Build(%q) = %v, want an error", name, c)
 			}
-			for _, want := range []string{name, NIXL, SharedStorage, SGLang} {
+			for _, want := range []string{name, NIXL, SharedStorage, SGLang, Mooncake} {
 				if !strings.Contains(err.Error(), want) {
 					t.Errorf("Build(%q) error %q does not name %q", name, err, want)
 				}

@@ -17,9 +17,10 @@ type nixlKV struct{ vllmFamily }
 var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,` +
 	`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
 
-func (nixlKV) Dispatch() Dispatch    { return Sequential }
-func (nixlKV) Paired() bool          { return false }
-func (nixlKV) HandsBackParams() bool { return true }
+func (nixlKV) Dispatch() Dispatch     { return Sequential }
+func (nixlKV) Paired() bool           { return false }
+func (nixlKV) HandsBackParams() bool  { return true }
+func (nixlKV) Rendezvous() Rendezvous { return NoRendezvous }
 
 func (nixlKV) PrefillEdits(h *Handoff) []body.Edit {
 	return append(slices.Clip(h.Shape.Caps), transferParams(h.Shape, nixlPrefillParams))

@@ -10,9 +10,10 @@ import (
 // kv_transfer_params (it would silently drop it) and needs an integer room.
 type sglangKV struct{ sglangFamily }
 
-func (sglangKV) Dispatch() Dispatch    { return Concurrent }
-func (sglangKV) Paired() bool          { return true }
-func (sglangKV) HandsBackParams() bool { return false }
+func (sglangKV) Dispatch() Dispatch     { return Concurrent }
+func (sglangKV) Paired() bool           { return true }
+func (sglangKV) HandsBackParams() bool  { return false }
+func (sglangKV) Rendezvous() Rendezvous { return SGLangBootstrapPort }
 
 // The prefill leg is not capped: SGLang's prefill engine stops after the forward
 // pass by itself, and the reference routers send it the client's body unchanged.

@@ -12,5 +12,6 @@ type sharedStorageKV struct{ vllmFamily }
 func (sharedStorageKV) Dispatch() Dispatch                  { return Sequential }
 func (sharedStorageKV) Paired() bool                        { return false }
 func (sharedStorageKV) HandsBackParams() bool               { return false }
+func (sharedStorageKV) Rendezvous() Rendezvous              { return NoRendezvous }
 func (sharedStorageKV) PrefillEdits(h *Handoff) []body.Edit { return h.Shape.Caps }
 func (sharedStorageKV) DecodeEdits(*Handoff) []body.Edit    { return nil }

@@ -22,6 +22,10 @@ type EndpointState struct {
 	// BootstrapPort is the SGLang bootstrap port a kv-sglang prefill
 	// endpoint's requests name; 0 elsewhere.
 	BootstrapPort int
+	// EngineRanks is, for a kv-mooncake prefill endpoint, how many
+	// data-parallel ranks its bootstrap server listed with their engine ids
+	// (0: none read yet); -1 elsewhere.
+	EngineRanks int
 }
 
 // WatchEndpoints exports the endpoint_* metrics, read from src at every
@@ -47,6 +51,9 @@ var (
 	bootstrapPortDesc = endpointDesc("endpoint_bootstrap_port",
 		"kv-sglang prefill endpoints: the bootstrap port their requests name, as the engine reports it in its server info, "+
 			"else as its pod's sglang.ai/bootstrap-port annotation or pools.prefill.bootstrap_port says.")
+	engineRanksDesc = endpointDesc("endpoint_engine_ranks",
+		"kv-mooncake prefill endpoints: the data-parallel ranks whose engine ids the engine's Mooncake bootstrap server "+
+			"listed (GET /query); 0 until it answers, and until then the endpoint takes no P/D request.")
 )
 
 // endpointDesc describes a series per pool and endpoint.
@@ -57,7 +64,7 @@ func endpointDesc(name, help string) *prometheus.Desc {
 type endpointCollector struct{ src func() []EndpointState }
 
 func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{inflightDesc, healthyDesc, ejectionsDesc, waitingDesc, kvUsageDesc, cacheTrustedDesc, bootstrapPortDesc} {
+	for _, d := range []*prometheus.Desc{inflightDesc, healthyDesc, ejectionsDesc, waitingDesc, kvUsageDesc, cacheTrustedDesc, bootstrapPortDesc, engineRanksDesc} {
 		ch <- d
 	}
 }
@@ -70,6 +77,9 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(cacheTrustedDesc, prometheus.GaugeValue, one(e.CacheTrusted), e.Pool, e.Endpoint)
 		if e.BootstrapPort > 0 {
 			ch <- prometheus.MustNewConstMetric(bootstrapPortDesc, prometheus.GaugeValue, float64(e.BootstrapPort), e.Pool, e.Endpoint)
+		}
+		if e.EngineRanks >= 0 {
+			ch <- prometheus.MustNewConstMetric(engineRanksDesc, prometheus.GaugeValue, float64(e.EngineRanks), e.Pool, e.Endpoint)
 		}
 		if e.Scraped {
 			ch <- prometheus.MustNewConstMetric(waitingDesc, prometheus.GaugeValue, e.Waiting, e.Pool, e.Endpoint)

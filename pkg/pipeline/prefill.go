@@ -37,7 +37,7 @@ var errAnswerTooLarge = fmt.Errorf("the prefill answer is longer than %d bytes",
 
 // attempt sends one prefill leg to endpoint inside its own span, and records
 // its duration and any failure, classified.
-func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg body.Spliced) (prefillAnswer, *attemptError) {
+func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg prefillLeg) (prefillAnswer, *attemptError) {
 	attrs := []attribute.KeyValue{semconv.HTTPRequestMethodPost, semconv.URLPath(r.URLPath()), attribute.String("pd.request_id", r.RequestID)}
 	if host, port, err := net.SplitHostPort(endpoint); err == nil {
 		n, _ := strconv.Atoi(port)
@@ -72,14 +72,14 @@ func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg
 
 // postPrefill sends one prefill leg and reads what the decode leg and the
 // client's answer need of the engine's answer.
-func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request, leg body.Spliced) (prefillAnswer, error) {
+func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request, leg prefillLeg) (prefillAnswer, error) {
 	ctx, cancel := context.WithTimeout(ctx, p.opts.AttemptTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.scheme+"://"+endpoint+r.Path, nil)
 	if err != nil {
 		return prefillAnswer{}, err
 	}
-	setBody(req, leg)
+	setBody(req, leg.body)
 	for k, v := range r.Forward {
 		req.Header[k] = v
 	}
@@ -87,6 +87,9 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 	p.propagator.Inject(ctx, propagation.HeaderCarrier(req.Header))
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", r.RequestID)
+	if leg.rank != "" {
+		req.Header.Set("X-Data-Parallel-Rank", leg.rank) // vLLM's API server pins the request to it
+	}
 	resp, err := p.client.Do(req)
 	if err != nil {
 		return prefillAnswer{}, withoutQuery(err)

@@ -156,17 +156,24 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	h.Room = rand.Uint64() >> 2
 	if p.connector.Dispatch() == kv.Concurrent {
 		eps, slot, err := p.pools.Prefill.Claim(sreq, 1)
-		if err != nil {
+		switch {
+		case err == nil:
+		case p.connector.Paired() || p.opts.FailClosed:
 			return nil, p.noPrefillEndpoint()
+		default:
+			// No prefill engine can be paired with now (kv-mooncake's
+			// engines not read yet): the decode engine computes the prompt.
+			rep.Mode, rep.Reason = ModeDecodeOnly, metrics.ReasonNoPrefill
+			return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
 		}
 		if !p.takeBackground() {
 			slot.Release()
 			return nil, backgroundFull(p.opts.MaxBackground, p.opts.RetryAfter)
 		}
 		rep.Prefill = eps[0].Addr
-		p.pairWith(h, eps[0])
+		leg := p.pairWith(h, eps[0])
 		d.partner.legStarted()
-		p.launch(ctx, slot, r, kv.PrefillBody(p.connector, h), d)
+		p.launch(ctx, slot, r, leg, d)
 		return kv.DecodeBody(p.connector, h), nil
 	}
 	answer, prefill, err := p.runPrefill(ctx, sreq, r, h)
@@ -248,8 +255,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 		}
 		slot = claimed
 		r.Report.Prefill = ep.Addr
-		p.pairWith(h, ep)
-		answer, failed := p.attempt(ctx, ep.Addr, r, kv.PrefillBody(p.connector, h))
+		answer, failed := p.attempt(ctx, ep.Addr, r, p.pairWith(h, ep))
 		slot.Leave()
 		if failed == nil {
 			return answer, slot, nil
@@ -292,7 +298,7 @@ func (p *Pipeline) takeBackground() bool {
 // and a decode whose prefill failed does too. So a leg that failed first,
 // or got no answer, spares its decode endpoint the blame for its 5xx
 // (partner), and an answer spares its own (attemptError.blames).
-func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request, leg body.Spliced, d *Decision) {
+func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request, leg prefillLeg, d *Decision) {
 	ep, taken, unhold := slot.Endpoint(), slot.Taken(), func() {}
 	if r.Keep != nil { // the leg reads the client's body after Route returns
 		unhold = r.Keep.Hold()
@@ -326,10 +332,29 @@ func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request
 	})
 }
 
-// pairWith points h's legs at prefill: the host and bootstrap port SGLang's
-// decode leg names (vLLM's connectors read neither).
-func (p *Pipeline) pairWith(h *kv.Handoff, prefill *scheduling.Endpoint) {
+// prefillLeg is one prefill request: its body, and the data-parallel rank
+// of the engine it is pinned to ("" for none).
+type prefillLeg struct {
+	body body.Spliced
+	rank string
+}
+
+// pairWith points h's legs at prefill, and returns the prefill leg: the
+// host and bootstrap port the decode leg names (SGLang's and Mooncake's;
+// NIXL's read neither) and, under kv-mooncake, the engine id of the rank
+// the leg is pinned to. An engine with one rank is not told it: it has no
+// other to pick.
+func (p *Pipeline) pairWith(h *kv.Handoff, prefill *scheduling.Endpoint) prefillLeg {
 	h.PrefillHost, h.BootstrapPort = bootstrapHost(prefill.Addr), prefill.BootstrapPort(p.opts.BootstrapPort)
+	var rank string
+	if p.connector.Rendezvous() == kv.MooncakeEngineIDs {
+		// The pool picks only endpoints whose ids it read, and keeps them.
+		rank, h.EngineID, _ = prefill.EngineID(h.Room)
+		if prefill.Ranks() < 2 {
+			rank = ""
+		}
+	}
+	return prefillLeg{body: kv.PrefillBody(p.connector, h), rank: rank}
 }
 
 // bootstrapHost is the host part of ip:port, IPv6 in brackets as SGLang expects.

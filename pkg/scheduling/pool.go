@@ -212,8 +212,8 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 	case len(out) == 0:
 		return nil, fmt.Errorf("%s: %w", p.Name, ErrUnhealthy)
 	}
-	if p.probe.serverInfo {
-		out = askedFirst(out)
+	if out = p.paired(out); len(out) == 0 {
+		return nil, fmt.Errorf("%s: no engine's Mooncake bootstrap server has told its engine id yet", p.Name)
 	}
 	if req != nil && len(down)+len(st.gone) > 0 { // nothing to read the clock for, most often
 		now := p.deps.Now()

@@ -13,6 +13,7 @@ import (
 	"github.com/go-logr/logr"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
 )
 
 // Spec is the whole scheduling configuration, as the config file gives it.
@@ -22,6 +23,11 @@ type Spec struct {
 	// Paired engines serve only prefill/decode pairs (SGLang in PD mode): they
 	// hand off n > 1 and batches themselves, and nothing may go decode-only.
 	Paired bool
+	// Rendezvous is what the prefill pool reads of each engine for the
+	// connector (kv.Connector.Rendezvous), BootstrapPort where an engine
+	// tells nothing of its own.
+	Rendezvous    kv.Rendezvous
+	BootstrapPort int
 }
 
 // Deps are the pools' outside world. Zero fields get the real thing.
@@ -78,7 +84,7 @@ func NewPools(spec Spec, deps Deps) *Pools {
 	}
 	ps.Prefill.probe = deps.probe(rolePrefill, deps.PrefillTLS, clientGiven)
 	ps.Decode.probe = deps.probe(roleDecode, deps.DecodeTLS, clientGiven)
-	ps.Prefill.probe.serverInfo = spec.Paired
+	ps.Prefill.probe.rendezvous, ps.Prefill.probe.bootstrapPort = spec.Rendezvous, spec.BootstrapPort
 	ps.decider.Store(newDecider(spec))
 	return ps
 }
@@ -123,7 +129,7 @@ func (p *Pool) Run(ctx context.Context) {
 		})
 	})
 	wg.Go(func() { p.followEvents(ctx) })
-	if p.probe.serverInfo {
+	if p.probe.rendezvous != kv.NoRendezvous {
 		wg.Go(func() {
 			p.every(ctx, func(PoolSpec) time.Duration { return serverInfoEvery }, true, func(st *poolState, eps []*Endpoint) {
 				p.readServerInfo(ctx, st, eps)

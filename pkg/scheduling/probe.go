@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/enginehttp"
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
 )
 
 // role is what a pool's engines do in a P/D pair. It decides which of an
@@ -26,9 +27,11 @@ type probe struct {
 	client *http.Client
 	scheme string // http, or https when the engines serve TLS
 	role   role
-	// serverInfo: the engines are asked their SGLang server info, for their
-	// bootstrap ports (a kv-sglang prefill pool; serverinfo.go).
-	serverInfo bool
+	// rendezvous is what the engines are asked of themselves for the decode
+	// leg to find them (a kv-sglang or kv-mooncake prefill pool;
+	// serverinfo.go), and bootstrapPort the pool's bootstrap port.
+	rendezvous    kv.Rendezvous
+	bootstrapPort int
 }
 
 func (p probe) url(addr, path string) string { return p.scheme + "://" + addr + path }

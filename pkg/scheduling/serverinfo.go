@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
 )
 
 // An SGLang prefill engine listens for its decode engines' bootstrap on a
@@ -30,9 +31,10 @@ var serverInfoPaths = []string{"/server_info", "/get_server_info"}
 
 // serverInfo is what an engine last said of itself, or why it said nothing.
 type serverInfo struct {
-	bootstrapPort int    // 0: not said
-	mode          string // disaggregation_mode: prefill, decode or null
-	err           string // why the last read failed; "" when it did not
+	bootstrapPort int               // 0: not said
+	mode          string            // disaggregation_mode: prefill, decode or null
+	engineIDs     map[string]string // kv-mooncake: the engine id of each data-parallel rank
+	err           string            // why the last read failed; "" when it did not
 	at            time.Time
 	// ejections is the endpoint's count when it was read: an engine taken
 	// out of rotation since may come back restarted with another port, and
@@ -42,7 +44,20 @@ type serverInfo struct {
 
 // ReadsBootstrapPorts says whether the pool asks its engines for their
 // bootstrap ports: a kv-sglang prefill pool.
-func (p *Pool) ReadsBootstrapPorts() bool { return p.probe.serverInfo }
+func (p *Pool) ReadsBootstrapPorts() bool { return p.probe.rendezvous == kv.SGLangBootstrapPort }
+
+// paired keeps, of the candidates, those a leg can be paired with: under
+// kv-sglang the engines asked first; under kv-mooncake the engines whose
+// ids were read, if any.
+func (p *Pool) paired(eps []*Endpoint) []*Endpoint {
+	switch p.probe.rendezvous {
+	case kv.SGLangBootstrapPort:
+		return askedFirst(eps)
+	case kv.MooncakeEngineIDs:
+		return slices.DeleteFunc(eps, func(e *Endpoint) bool { return e.Ranks() == 0 })
+	}
+	return eps
+}
 
 // askedFirst keeps, of a kv-sglang prefill pool's candidates, those whose
 // engines were asked for their bootstrap port (answered or not), if any
@@ -69,13 +84,19 @@ func (p *Pool) readServerInfo(ctx context.Context, st *poolState, eps []*Endpoin
 	probeEach(due, func(e *Endpoint) {
 		old := e.info.Load()
 		ejections := e.ejections.Load()
-		info := fetchServerInfo(ctx, p.probe, e.Addr, timeout)
+		var info serverInfo
+		if p.probe.rendezvous == kv.MooncakeEngineIDs {
+			info = fetchEngineIDs(ctx, p.probe, e.bootstrapAddr(p.probe.bootstrapPort), timeout)
+		} else {
+			info = fetchServerInfo(ctx, p.probe, e.Addr, timeout)
+		}
 		if ctx.Err() != nil {
 			return
 		}
 		info.at, info.ejections = now, ejections
-		if info.err != "" && old != nil && old.bootstrapPort > 0 {
-			info.bootstrapPort, info.mode = old.bootstrapPort, old.mode // a hiccup does not unlearn the port
+		if info.err != "" && old != nil {
+			// A hiccup does not unlearn what was read.
+			info.bootstrapPort, info.mode, info.engineIDs = old.bootstrapPort, old.mode, old.engineIDs
 		}
 		e.info.Store(&info)
 		p.logServerInfo(e.Addr, old, &info)
@@ -89,6 +110,10 @@ func (p *Pool) logServerInfo(addr string, old, info *serverInfo) {
 		old = &serverInfo{}
 	}
 	log := p.deps.Log.WithValues("pool", p.Name, "endpoint", addr)
+	if p.probe.rendezvous == kv.MooncakeEngineIDs {
+		logEngineIDs(log, old, info)
+		return
+	}
 	if info.err != "" {
 		if info.err != old.err {
 			log.Info("cannot read the engine's server info: its bootstrap port is taken from the config", "error", info.err)

@@ -15,6 +15,7 @@ import (
 	"github.com/go-logr/logr/funcr"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
 )
 
 // sglangEngine is a test engine that answers GET path with answer (status
@@ -173,9 +174,9 @@ func TestPairedPrefillPoolReadsItsEngines(t *testing.T) {
 	d := newSGLangEngine(t, "/server_info", sglangInfo("decode", 8998))
 	for _, paired := range []bool{true, false} {
 		ps := NewPools(Spec{
-			Prefill: PoolSpec{Endpoints: []string{a.addr, b.addr}},
-			Decode:  PoolSpec{Endpoints: []string{d.addr}},
-			Paired:  paired,
+			Prefill:    PoolSpec{Endpoints: []string{a.addr, b.addr}},
+			Decode:     PoolSpec{Endpoints: []string{d.addr}},
+			Rendezvous: map[bool]kv.Rendezvous{true: kv.SGLangBootstrapPort}[paired],
 		}, Deps{})
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
@@ -215,7 +216,7 @@ func TestEnginesNotYetAskedWait(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			p, _ := testPoolNamed(t, "prefill", policy(config.PolicyRoundRobin), "10.0.0.1:8000", "10.0.0.2:8000")
-			p.probe.serverInfo = true
+			p.probe.rendezvous = kv.SGLangBootstrapPort
 			for i, e := range p.Endpoints() {
 				if tc.asked[i] {
 					e.info.Store(&serverInfo{bootstrapPort: 9000 + i, err: map[bool]string{true: "answered 401"}[i == 1]})

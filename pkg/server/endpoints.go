@@ -13,9 +13,12 @@ func poolStates(bootstrapPort int, pools ...*scheduling.Pool) func() []metrics.E
 		for _, p := range pools {
 			for _, e := range p.Endpoints() {
 				st := metrics.EndpointState{Pool: p.Name, Endpoint: e.Addr, InFlight: e.InFlight(), Healthy: e.Healthy(), CheckedDown: e.CheckedDown(), Ejections: e.Ejections(),
-					CacheTrusted: e.CacheTrusted()}
+					CacheTrusted: e.CacheTrusted(), EngineRanks: -1}
 				if p.ReadsBootstrapPorts() {
 					st.BootstrapPort = e.BootstrapPort(bootstrapPort)
+				}
+				if p.ReadsEngineIDs() {
+					st.EngineRanks = e.Ranks()
 				}
 				if l, ok := e.Load(); ok {
 					st.Scraped, st.Waiting, st.KVUsage = true, l.Waiting, l.KVUsage

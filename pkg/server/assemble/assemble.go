@@ -40,7 +40,7 @@ func Pipeline(cfg *config.Config, log logr.Logger, options ...pipeline.Option) (
 		return nil, err
 	}
 	spec := schedulingSpec(cfg)
-	spec.Paired = c.Paired()
+	spec.Paired, spec.Rendezvous, spec.BootstrapPort = c.Paired(), c.Rendezvous(), cfg.Pools.Prefill.BootstrapPort
 	parts := pipeline.Parts{Connector: c, Table: api.NewTable(routes, decodeOnly(cfg)...), Pools: scheduling.NewPools(spec, deps), Client: client, Scheme: scheme}
 	return pipeline.New(parts, pipelineOptions(cfg), log, options...), nil
 }

@@ -1,0 +1,129 @@
+package pipeline_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+)
+
+// mooncakeLeg is what a kv-mooncake prefill engine was sent.
+type mooncakeLeg struct {
+	rank   string // X-Data-Parallel-Rank
+	params struct {
+		DoRemoteDecode bool   `json:"do_remote_decode"`
+		TransferID     string `json:"transfer_id"`
+	}
+	maxTokens int
+}
+
+// TestMooncakeLegsMeet: under kv-mooncake both legs carry one transfer id;
+// the decode leg names the prefill engine's bootstrap server and the engine
+// id of the rank the prefill leg is pinned to, as the bootstrap server
+// listed them; an engine of one rank is not told one. Until the server
+// answers, requests go decode-only.
+func TestMooncakeLegsMeet(t *testing.T) {
+	tests := []struct {
+		name, query string
+		ranks       int
+	}{
+		{name: "one rank", query: `{"0":{"engine_id":"e-0","worker_addr":{"0":{"0":"tcp://10.0.0.1:17000"}}}}`, ranks: 1},
+		{name: "two ranks", query: `{"0":{"engine_id":"e-0"},"1":{"engine_id":"e-1"}}`, ranks: 2},
+		{name: "a bootstrap server not ready", query: "503"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			legs := make(chan mooncakeLeg, 10)
+			engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.Method != http.MethodPost {
+					return // health checks, scrapes
+				}
+				var leg mooncakeLeg
+				var b struct {
+					Params    json.RawMessage `json:"kv_transfer_params"`
+					MaxTokens int             `json:"max_tokens"`
+				}
+				raw, _ := io.ReadAll(r.Body)
+				json.Unmarshal(raw, &b)
+				json.Unmarshal(b.Params, &leg.params)
+				leg.rank, leg.maxTokens = r.Header.Get("X-Data-Parallel-Rank"), b.MaxTokens
+				legs <- leg
+				w.Write([]byte(`{"choices":[]}`))
+			}))
+			t.Cleanup(engine.Close)
+			queried := make(chan struct{}, 100)
+			bootstrap := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				queried <- struct{}{}
+				if tc.query == "503" {
+					w.WriteHeader(http.StatusServiceUnavailable)
+					return
+				}
+				w.Write([]byte(tc.query))
+			}))
+			t.Cleanup(bootstrap.Close)
+			decode := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+			t.Cleanup(decode.Close)
+			_, port, _ := net.SplitHostPort(bootstrap.Listener.Addr().String())
+			p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-mooncake
+pools: {prefill: {endpoints: [%q], bootstrap_port: %s}, decode: {endpoints: [%q]}}`,
+				engine.Listener.Addr().String(), port, decode.Listener.Addr().String()))
+			ctx, cancel := context.WithCancel(context.Background())
+			ran := make(chan struct{})
+			go func() { p.Run(ctx); close(ran) }()
+			t.Cleanup(func() { cancel(); <-ran; p.Wait() })
+			enginetest.Receive(t, queried, "the bootstrap server was never asked")
+
+			route := func() (*pipeline.Request, map[string]any) {
+				r := &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":64}`)}
+				d, err := p.Route(context.Background(), r)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer d.Release()
+				var b struct {
+					Params map[string]any `json:"kv_transfer_params"`
+				}
+				json.Unmarshal(d.Body.Bytes(), &b)
+				return r, b.Params
+			}
+			if tc.ranks == 0 {
+				if r, params := route(); r.Report.Mode != pipeline.ModeDecodeOnly || r.Report.Reason != metrics.ReasonNoPrefill || params != nil {
+					t.Errorf("%s %s with kv_transfer_params %v; want decode-only, no_prefill, none", r.Report.Mode, r.Report.Reason, params)
+				}
+				return
+			}
+			deadline := time.Now().Add(5 * time.Second) // the first answer is being read
+			r, params := route()
+			for r.Report.Mode != pipeline.ModePD && time.Now().Before(deadline) {
+				r, params = route()
+			}
+			leg := enginetest.Receive(t, legs, "the prefill leg never reached its engine")
+			wantRank := leg.rank
+			if tc.ranks == 1 {
+				if leg.rank != "" {
+					t.Errorf("X-Data-Parallel-Rank %q for an engine of one rank, want none", leg.rank)
+				}
+				wantRank = "0"
+			}
+			want := map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "transfer_id": leg.params.TransferID,
+				"remote_bootstrap_addr": "http://" + bootstrap.Listener.Addr().String(), "remote_engine_id": "e-" + wantRank}
+			if fmt.Sprint(params) != fmt.Sprint(want) || !strings.HasPrefix(leg.params.TransferID, "xfer-") {
+				t.Errorf("decode kv_transfer_params %v, want %v", params, want)
+			}
+			if !leg.params.DoRemoteDecode || leg.maxTokens != 1 || tc.ranks == 2 && leg.rank != "0" && leg.rank != "1" {
+				t.Errorf("prefill leg %+v, want do_remote_decode, max_tokens 1, a rank of the two", leg)
+			}
+		})
+	}
+}

@@ -1,0 +1,115 @@
+package scheduling
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"maps"
+	"net"
+	"net/http"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/go-logr/logr"
+
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
+)
+
+// vLLM's MooncakeConnector pairs the legs through the prefill engine's
+// bootstrap server (VLLM_MOONCAKE_BOOTSTRAP_PORT, 8998 by default), a plain
+// HTTP server beside the engine: GET /query lists the engine's
+// data-parallel ranks, each with the engine id the decode leg must name
+// (vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_utils.py).
+// An engine's id changes when it restarts, so a kv-mooncake prefill pool
+// reads them again as it reads SGLang's server info: every minute, and
+// after the endpoint was ejected.
+const maxEngineIDs = 1 << 20 // a rank's entry lists its workers' addresses
+
+// ReadsEngineIDs says whether the pool asks its engines' Mooncake bootstrap
+// servers for their engine ids: a kv-mooncake prefill pool.
+func (p *Pool) ReadsEngineIDs() bool { return p.probe.rendezvous == kv.MooncakeEngineIDs }
+
+// bootstrapAddr is the endpoint's bootstrap server, host:port.
+func (e *Endpoint) bootstrapAddr(poolPort int) string {
+	host, _, err := net.SplitHostPort(e.Addr)
+	if err != nil {
+		host = e.Addr
+	}
+	return net.JoinHostPort(host, strconv.Itoa(e.BootstrapPort(poolPort)))
+}
+
+// EngineID is, for a kv-mooncake prefill endpoint, one of its engine's
+// data-parallel ranks and that rank's engine id, chosen by seed (a random
+// number per request) among the ranks its bootstrap server listed; ok is
+// false when it listed none, or was never read.
+func (e *Endpoint) EngineID(seed uint64) (rank, id string, ok bool) {
+	info := e.info.Load()
+	if info == nil || len(info.engineIDs) == 0 {
+		return "", "", false
+	}
+	ranks := slices.Sorted(maps.Keys(info.engineIDs))
+	rank = ranks[seed%uint64(len(ranks))]
+	return rank, info.engineIDs[rank], true
+}
+
+// Ranks says how many data-parallel ranks the endpoint's bootstrap server
+// listed.
+func (e *Endpoint) Ranks() int {
+	if info := e.info.Load(); info != nil {
+		return len(info.engineIDs)
+	}
+	return 0
+}
+
+// fetchEngineIDs asks the bootstrap server at addr for its engine ids.
+func fetchEngineIDs(ctx context.Context, pr probe, addr string, timeout time.Duration) serverInfo {
+	url := "http://" + addr + "/query"
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return serverInfo{err: err.Error()}
+	}
+	resp, err := pr.client.Do(req)
+	if err != nil {
+		return serverInfo{err: err.Error()}
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // so the connection is reused
+		// Before every worker registered, newer servers answer 503.
+		return serverInfo{err: fmt.Sprintf("%s answered %d", url, resp.StatusCode)}
+	}
+	var ranks map[string]struct {
+		EngineID string `json:"engine_id"`
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, maxEngineIDs)).Decode(&ranks); err != nil {
+		return serverInfo{err: fmt.Sprintf("%s: %v", url, err)}
+	}
+	ids := map[string]string{}
+	for rank, entry := range ranks {
+		if n, err := strconv.Atoi(rank); err != nil || n < 0 || entry.EngineID == "" {
+			return serverInfo{err: fmt.Sprintf("%s: rank %q names no engine_id", url, rank)}
+		}
+		ids[rank] = entry.EngineID
+	}
+	if len(ids) == 0 {
+		return serverInfo{err: url + " lists no rank"}
+	}
+	return serverInfo{engineIDs: ids}
+}
+
+// logEngineIDs says what changed: the ids learned or changed, a read that
+// began to fail.
+func logEngineIDs(log logr.Logger, old, info *serverInfo) {
+	switch {
+	case info.err != "" && info.err != old.err && len(info.engineIDs) == 0:
+		log.Info("cannot read the engine's Mooncake bootstrap server: no P/D request goes to it until it answers", "error", info.err)
+	case info.err != "" && info.err != old.err:
+		log.Info("cannot read the engine's Mooncake bootstrap server: its engine ids are those read before", "error", info.err)
+	case info.err == "" && !maps.Equal(info.engineIDs, old.engineIDs):
+		log.Info("the engine's Mooncake engine ids, from its bootstrap server", "engine_ids", info.engineIDs)
+	}
+}
