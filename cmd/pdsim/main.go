@@ -52,7 +52,7 @@ func parseFlags(args []string, stderr io.Writer) (pdsim.Config, error) {
 	fs := flag.NewFlagSet("pdsim", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&c.Role, "role", pdsim.RoleDecode, "prefill | decode")
-	fs.StringVar(&c.Protocol, "protocol", pdsim.ProtocolNIXL, "vllm-nixl | sglang | shared-storage")
+	fs.StringVar(&c.Protocol, "protocol", pdsim.ProtocolNIXL, "vllm-nixl | sglang | shared-storage | vllm-mooncake")
 	fs.StringVar(&c.Model, "model", "pdsim", "served model name")
 	fs.Func("lora-modules", "LoRA adapters served besides --model, as vLLM's --lora-modules names them (name or name=path, comma-separated; no weights are read); their blocks are keyed by their names", func(v string) error {
 		for _, m := range strings.Split(v, ",") {
@@ -62,15 +62,15 @@ func parseFlags(args []string, stderr io.Writer) (pdsim.Config, error) {
 		return nil
 	})
 	fs.StringVar(&c.Addr, "addr", ":8000", "HTTP (OpenAI API) listen address")
-	fs.StringVar(&c.KVAddr, "kv-addr", ":5600", "vllm-nixl prefill: NIXL side-channel listen address (VLLM_NIXL_SIDE_CHANNEL_PORT)")
-	fs.StringVar(&c.BootstrapAddr, "bootstrap-addr", ":8998", "sglang prefill: bootstrap server listen address")
+	fs.StringVar(&c.KVAddr, "kv-addr", ":5600", "vllm-nixl prefill: NIXL side-channel listen address (VLLM_NIXL_SIDE_CHANNEL_PORT); vllm-mooncake prefill: the worker the decode pulls KV from")
+	fs.StringVar(&c.BootstrapAddr, "bootstrap-addr", ":8998", "sglang or vllm-mooncake prefill: bootstrap server listen address (VLLM_MOONCAKE_BOOTSTRAP_PORT)")
 	fs.StringVar(&c.AdvertiseHost, "advertise-host", "", "host to hand out as remote_host (VLLM_NIXL_SIDE_CHANNEL_HOST); default: the listen IP, or the first non-loopback IP")
 	fs.StringVar(&c.SharedDir, "shared-dir", filepath.Join(os.TempDir(), "pdsim-shared"), "shared-storage: directory shared by prefill and decode")
 	fs.DurationVar(&c.TTFT, "ttft", 100*time.Millisecond, "prefill compute time before the first token")
 	fs.DurationVar(&c.TPOT, "tpot", 10*time.Millisecond, "time per output token after the first")
 	fs.DurationVar(&c.KVTransfer, "kv-transfer", 20*time.Millisecond, "KV transfer time, replacing --ttft on a decode that loads remote KV")
 	fs.IntVar(&c.OutputTokens, "output-tokens", 16, "tokens the model emits before EOS; max_tokens caps it, min_tokens extends it")
-	fs.DurationVar(&c.HandshakeTimeout, "handshake-timeout", 30*time.Second, "sglang: how long each leg waits for the other")
+	fs.DurationVar(&c.HandshakeTimeout, "handshake-timeout", 30*time.Second, "sglang, vllm-mooncake: how long each leg waits for the other")
 	fs.IntVar(&c.PrefixCacheBlocks, "prefix-cache-blocks", 8192, "blocks of 16 tokens the prefix cache keeps, the least recently used evicted first")
 	fs.BoolVar(&c.PromptTokensDetails, "enable-prompt-tokens-details", false, "report usage.prompt_tokens_details.cached_tokens, as vLLM's flag of that name does")
 	fs.IntVar(&c.MaxRecords, "max-records", pdsim.DefaultMaxRecords, "requests kept for GET /pdsim/requests, bodies included; past it the older half is forgotten")

@@ -47,16 +47,17 @@ type kvBlocks struct {
 }
 
 // blockStore is the prefill's set of blocks waiting for a decode, keyed by
-// remote_request_id.
+// remote_request_id (NIXL) or transfer_id (Mooncake).
 type blockStore struct {
 	metrics *metrics
 	mu      sync.Mutex
 	held    map[string]*kvBlocks
 	nextID  int64
+	issued  chan struct{} // closed, and made anew, at each issue (await)
 }
 
 func newBlockStore(m *metrics) *blockStore {
-	return &blockStore{metrics: m, held: map[string]*kvBlocks{}}
+	return &blockStore{metrics: m, held: map[string]*kvBlocks{}, issued: make(chan struct{})}
 }
 
 func (b *blockStore) issue(key, engineID string, req *request) *kvBlocks {
@@ -73,6 +74,8 @@ func (b *blockStore) issue(key, engineID string, req *request) *kvBlocks {
 		NumTokens: req.promptTokens, expires: time.Now().Add(kvLease)}
 	b.held[key] = blk
 	b.metrics.blocks.Add(n)
+	close(b.issued)
+	b.issued = make(chan struct{})
 	return blk
 }
 
@@ -216,11 +219,8 @@ func (d *nixlDecode) firstToken(ctx context.Context, req *request) (kvResult, er
 	case held.PromptHash != req.promptHash:
 		return kvResult{}, fmt.Errorf("KV blocks of %s were computed for a different prompt", want.RequestID)
 	}
-	if err := wait(ctx, d.s.cfg.KVTransfer); err != nil {
+	if err := d.s.pulled(ctx, blocksURL); err != nil {
 		return kvResult{}, err
-	}
-	if err := d.s.callPeer(ctx, http.MethodDelete, blocksURL, nil, nil); err != nil {
-		d.s.log.Warn("releasing KV blocks", "remote_request_id", want.RequestID, "err", err) // the lease frees them
 	}
 	res := kvResult{outcome: kvHit, source: source, requestID: held.RequestID}
 	if flag(kv, "do_remote_decode") && !req.stream {
@@ -231,6 +231,19 @@ func (d *nixlDecode) firstToken(ctx context.Context, req *request) (kvResult, er
 			RemoteRequestID: req.internalID, TPSize: 1, DCPSize: 1, PPSize: 1, RemoteNumTokens: req.promptTokens, TransferMode: "pull"})
 	}
 	return res, nil
+}
+
+// pulled ends a decode's pull of the blocks at blocksURL: the transfer's
+// time, then the release that frees them on the prefill engine (else
+// their lease does).
+func (s *Server) pulled(ctx context.Context, blocksURL string) error {
+	if err := wait(ctx, s.cfg.KVTransfer); err != nil {
+		return err
+	}
+	if err := s.callPeer(ctx, http.MethodDelete, blocksURL, nil, nil); err != nil {
+		s.log.Warn("releasing KV blocks", "url", blocksURL, "err", err)
+	}
+	return nil
 }
 
 // kvParams returns the request's kv_transfer_params object, nil when absent.

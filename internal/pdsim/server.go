@@ -28,14 +28,16 @@ import (
 // Config describes one simulated engine. Zero durations mean "no latency".
 type Config struct {
 	Role     string // "prefill" | "decode" (default: a decode, which alone is an ordinary engine)
-	Protocol string // "vllm-nixl" (default) | "sglang" | "shared-storage"
+	Protocol string // "vllm-nixl" (default) | "sglang" | "shared-storage" | "vllm-mooncake"
 	Model    string // served model name; default "pdsim"
 	Addr     string // HTTP listen address; default "127.0.0.1:0"
 
 	// KVAddr is the NIXL side-channel listener of a vllm-nixl prefill
-	// (VLLM_NIXL_SIDE_CHANNEL_PORT); default "127.0.0.1:0".
+	// (VLLM_NIXL_SIDE_CHANNEL_PORT), or the worker a vllm-mooncake prefill's
+	// blocks are pulled from; default "127.0.0.1:0".
 	KVAddr string
-	// BootstrapAddr is the bootstrap server of an sglang prefill; default "127.0.0.1:0".
+	// BootstrapAddr is the bootstrap server of an sglang or vllm-mooncake
+	// prefill (VLLM_MOONCAKE_BOOTSTRAP_PORT); default "127.0.0.1:0".
 	BootstrapAddr string
 	// AdvertiseHost is the host put in remote_host (VLLM_NIXL_SIDE_CHANNEL_HOST).
 	// Default: the listener's IP, or this machine's first non-loopback IP when the
@@ -181,6 +183,12 @@ func Start(cfg Config) (*Server, error) {
 		ls = append(ls, listener{listenBootstrap, cfg.BootstrapAddr, rooms.routes()})
 	case cfg.Protocol == ProtocolSGLang:
 		s.kv = &sglangDecode{s: s}
+	case cfg.Protocol == ProtocolMooncake && cfg.Role == RolePrefill:
+		p := &mooncakePrefill{s: s, store: newBlockStore(s.metrics)}
+		s.kv = p
+		ls = append(ls, listener{listenKV, cfg.KVAddr, p.worker()}, listener{listenBootstrap, cfg.BootstrapAddr, p.bootstrap()})
+	case cfg.Protocol == ProtocolMooncake:
+		s.kv = &mooncakeDecode{s: s}
 	default:
 		if err := os.MkdirAll(cfg.SharedDir, 0o755); err != nil {
 			cancel()
@@ -241,10 +249,11 @@ func (s *Server) serve(l listener) error {
 // Addr is the HTTP (OpenAI API) address, ip:port.
 func (s *Server) Addr() string { return s.served[listenHTTP].addr }
 
-// KVAddr is the NIXL side channel a vllm-nixl prefill puts in remote_host/remote_port ("" otherwise).
+// KVAddr is the NIXL side channel a vllm-nixl prefill puts in remote_host/remote_port, or a
+// vllm-mooncake prefill's worker ("" otherwise).
 func (s *Server) KVAddr() string { return s.served[listenKV].addr }
 
-// BootstrapAddr is the sglang prefill's bootstrap server ("" otherwise).
+// BootstrapAddr is the sglang or vllm-mooncake prefill's bootstrap server ("" otherwise).
 func (s *Server) BootstrapAddr() string { return s.served[listenBootstrap].addr }
 
 // Requests returns a copy of the requests recorded so far (Record), in arrival order:
@@ -353,6 +362,7 @@ const (
 	ProtocolNIXL          = "vllm-nixl"
 	ProtocolSGLang        = "sglang"
 	ProtocolSharedStorage = "shared-storage"
+	ProtocolMooncake      = "vllm-mooncake"
 )
 
 func withDefaults(c Config) (Config, error) {
@@ -367,9 +377,9 @@ func withDefaults(c Config) (Config, error) {
 		return c, fmt.Errorf("pdsim: role %q: want %s or %s", c.Role, RolePrefill, RoleDecode)
 	}
 	switch c.Protocol {
-	case ProtocolNIXL, ProtocolSGLang, ProtocolSharedStorage:
+	case ProtocolNIXL, ProtocolSGLang, ProtocolSharedStorage, ProtocolMooncake:
 	default:
-		return c, fmt.Errorf("pdsim: protocol %q: want %s, %s or %s", c.Protocol, ProtocolNIXL, ProtocolSGLang, ProtocolSharedStorage)
+		return c, fmt.Errorf("pdsim: protocol %q: want %s, %s, %s or %s", c.Protocol, ProtocolNIXL, ProtocolSGLang, ProtocolSharedStorage, ProtocolMooncake)
 	}
 	def(&c.Model, "pdsim")
 	def(&c.Addr, "127.0.0.1:0")

@@ -105,11 +105,12 @@ func RepoPath(rel string) (string, error) {
 // Connectors are extproc's KV connectors, and Protocols the simulators'
 // protocol that goes with each.
 var (
-	Connectors = []string{"kv-nixl", "kv-sglang", "kv-shared-storage"}
+	Connectors = []string{"kv-nixl", "kv-sglang", "kv-shared-storage", "kv-mooncake"}
 	Protocols  = map[string]string{
 		"kv-nixl":           pdsim.ProtocolNIXL,
 		"kv-sglang":         pdsim.ProtocolSGLang,
 		"kv-shared-storage": pdsim.ProtocolSharedStorage,
+		"kv-mooncake":       pdsim.ProtocolMooncake,
 	}
 )
 

@@ -569,7 +569,7 @@ func TestSGLangNeverGoesDecodeOnly(t *testing.T) {
 
 // TestSGLangFailuresAreNotBlamedOnThePartner: kv-sglang legs pair up, so
 // one side's failure shows on the other: a prefill leg that fails ends its
-// decode request (TestSGLangFailedLegCallsBackItsDecode), and a
+// decode request (TestFailedConcurrentLegCallsBackItsDecode), and a
 // decode that dies leaves its prefill leg waiting (500). Counting each against
 // the endpoint that reported it would eject healthy engines of the other pool;
 // with one endpoint per pool the next requests would then fail although
@@ -662,21 +662,24 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 	}
 }
 
-// TestSGLangFailedLegCallsBackItsDecode: a kv-sglang prefill leg that fails
-// leaves its decode request waiting for KV that never comes, holding the
-// decode engine's slots until SGLang's waiting timeout (here the simulator's
-// handshake bound, 20 s, as long as the client waits). While the decode
-// engine has not answered, extproc answers the request with the leg's error
-// out of turn: Envoy sends it to the client and resets the decode request,
-// which the engine sees cancelled, if it got it at all.
-func TestSGLangFailedLegCallsBackItsDecode(t *testing.T) {
-	for _, tt := range []struct{ name, api string }{
-		{"chat", "chat"},
-		{"chat streamed", "chat"},
-		{"sglang generate streamed", "sglang/generate"},
+// TestFailedConcurrentLegCallsBackItsDecode: a kv-sglang or kv-mooncake
+// prefill leg that fails leaves its decode request waiting for KV that never
+// comes, holding the decode engine's slots until the engine's waiting
+// timeout (SGLang's; Mooncake's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, 480 s;
+// here the simulator's handshake bound, 20 s, as long as the client waits).
+// While the decode engine has not answered, extproc answers the request with
+// the leg's error out of turn: Envoy sends it to the client and resets the
+// decode request, which the engine sees cancelled, if it got it at all.
+func TestFailedConcurrentLegCallsBackItsDecode(t *testing.T) {
+	for _, tt := range []struct{ name, connector, api string }{
+		{"chat", "kv-sglang", "chat"},
+		{"chat streamed", "kv-sglang", "chat"},
+		{"sglang generate streamed", "kv-sglang", "sglang/generate"},
+		{"mooncake chat", "kv-mooncake", "chat"},
+		{"mooncake chat streamed", "kv-mooncake", "chat"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			r := startRig(t, rigOptions{connector: "kv-sglang", prefills: 1, decodes: 1, handshake: 20 * time.Second})
+			r := startRig(t, rigOptions{connector: tt.connector, prefills: 1, decodes: 1, handshake: 20 * time.Second})
 			r.prefill[0].SetFaults(pdsim.Faults{FailStatus: http.StatusServiceUnavailable})
 			marker := "a failed leg, " + tt.name
 			path, body := request(tt.api, strings.HasSuffix(tt.name, "streamed"), marker)

@@ -23,10 +23,11 @@ func TestMatrix(t *testing.T) {
 		"kv-nixl":           {"chat", "completions", "responses", "generate", "messages"},
 		"kv-shared-storage": {"chat", "completions", "responses", "generate", "messages"},
 		"kv-sglang":         {"chat", "completions", "sglang/generate"},
+		"kv-mooncake":       {"chat", "completions", "responses", "generate", "messages"},
 	}
 	for _, mode := range []string{"full_duplex", "buffered"} {
 		t.Run(mode, func(t *testing.T) {
-			for _, connector := range []string{"kv-nixl", "kv-shared-storage", "kv-sglang"} {
+			for _, connector := range []string{"kv-nixl", "kv-shared-storage", "kv-sglang", "kv-mooncake"} {
 				t.Run(connector, func(t *testing.T) {
 					r := startRig(t, rigOptions{mode: mode, connector: connector})
 					for _, stream := range []string{"stream", "non-stream"} {
@@ -84,7 +85,7 @@ func (r *rig) checkHandoff(t *testing.T, stream bool, api, prompt string) {
 	}
 	var wantSource string
 	switch r.connector {
-	case "kv-nixl":
+	case "kv-nixl", "kv-mooncake":
 		wantSource = prefill.KVAddr()
 	case "kv-sglang":
 		wantSource = prefill.BootstrapAddr()

@@ -153,6 +153,12 @@ func startRig(t *testing.T, o rigOptions) *rig {
 	var addrs []string
 	for _, x := range r.replicas {
 		addrs = append(addrs, x.GRPCAddr)
+		if o.connector == "kv-mooncake" { // a prefill engine whose id is not read yet takes no P/D request
+			for _, p := range prefillAddrs {
+				series := fmt.Sprintf(`pd_extproc_endpoint_engine_ranks{endpoint=%q,pool="prefill"}`, p)
+				waitFor(t, 10*time.Second, "the engine ids of "+p, func() bool { return x.MustMetric(t, series) >= 1 })
+			}
+		}
 	}
 
 	r.proxy = testbed.MustStartEnvoyOn(t, testbed.EnvoyConfigs[o.mode], addrs, func(cfg *envoyemu.Config) {

@@ -4,7 +4,7 @@
 //
 //	go run ./test/soak -duration 60s        # make soak, SOAK_DURATION=10m make soak
 //
-// One stack per KV connector (kv-nixl, kv-sglang, kv-shared-storage): a real
+// One stack per KV connector (kv-nixl, kv-sglang, kv-shared-storage, kv-mooncake): a real
 // extproc process, two prefill and two decode simulators, and two Envoy
 // emulators in front of it (config/envoy/envoy.yaml, FULL_DUPLEX, and
 // envoy-buffered.yaml, BUFFERED). Workers (bounded concurrency) send

@@ -22,15 +22,18 @@ const (
 	badInputClass   = "expected: 4xx for a bad input"
 	gaveUpClass     = "expected: client gave up"
 	decodeKillClass = "expected: decode engine killed (503 or cut stream)"
-	// A kv-sglang prefill leg runs beside its decode request and is not
-	// retried: when the injected 503 hits it, extproc answers the request
-	// with 502 and Envoy resets the decode request. A known product
+	// A kv-sglang or kv-mooncake prefill leg runs beside its decode request
+	// and is not retried: when the injected 503 hits it, extproc answers the
+	// request with 502 and Envoy resets the decode request. A known product
 	// limitation (docs/reliability.md), counted apart so it stays visible.
-	sglangLegClass = "known issue: kv-sglang prefill leg failed (502 at once, decode reset)"
+	sglangLegClass   = "known issue: kv-sglang prefill leg failed (502 at once, decode reset)"
+	mooncakeLegClass = "known issue: kv-mooncake prefill leg failed (502 at once, decode reset)"
 	// The same before extproc called the decode back: the decode engine
-	// waits for a bootstrap handshake that never comes and answers 500
-	// after its timeout. Still possible where the call-back loses a race.
-	sglangLegTimeoutClass = "known issue: kv-sglang prefill leg failed, decode timed out (500)"
+	// waits for a bootstrap handshake (SGLang) or the blocks (Mooncake)
+	// that never come and answers 500 after its timeout. Still possible
+	// where the call-back loses a race.
+	sglangLegTimeoutClass   = "known issue: kv-sglang prefill leg failed, decode timed out (500)"
+	mooncakeLegTimeoutClass = "known issue: kv-mooncake prefill leg failed, decode timed out (500)"
 	// A kv-sglang leg that fails because its decode partner died is blamed on
 	// the prefill endpoint; once both prefills are ejected extproc goes
 	// decode-only, which an SGLang decode server refuses (docs/reliability.md).
@@ -118,6 +121,10 @@ func one(s *stack, rng *rand.Rand, o options, st *stats, withBad bool) {
 		class = decodeKillClass
 	case s.connector == "kv-sglang" && err == nil && resp.StatusCode == http.StatusBadGateway && strings.Contains(string(got), "prefill leg failed"):
 		class = sglangLegClass
+	case s.connector == "kv-mooncake" && err == nil && resp.StatusCode == http.StatusBadGateway && strings.Contains(string(got), "prefill leg failed"):
+		class = mooncakeLegClass
+	case s.connector == "kv-mooncake" && err == nil && resp.StatusCode == http.StatusInternalServerError && strings.Contains(string(got), "Timeout waiting for P side ready"):
+		class = mooncakeLegTimeoutClass
 	case s.connector == "kv-sglang" && err == nil && resp.StatusCode == http.StatusInternalServerError && strings.Contains(string(got), "bootstrap handshake"):
 		class = sglangLegTimeoutClass
 	case s.connector == "kv-sglang" && err == nil && resp.StatusCode == http.StatusBadRequest && strings.Contains(string(got), "bootstrap_room is required"):
