@@ -2,9 +2,10 @@
 // knows what one engine family needs for a prefill/decode handoff: the body
 // edits of each leg, placed where the request's API wants them (api.Shape),
 // whether the decode leg must wait for the prefill response (vLLM NIXL, shared
-// storage) or both legs go out at once (SGLang), whether a request may skip the
-// prefill, and whether the prefill answer hands anything back. Connectors are
-// stateless and safe to share across requests.
+// storage) or both legs go out at once (SGLang, vLLM Mooncake), whether a
+// request may skip the prefill, whether the prefill answer hands anything
+// back, and what must be read of the prefill engines beforehand. Connectors
+// are stateless and safe to share across requests.
 package kv
 
 import (
