@@ -124,3 +124,38 @@ func TestMooncakePrefillPoolReadsEngineIDs(t *testing.T) {
 		t.Errorf("the bootstrap server was asked %d times, want once (by the prefill pool)", n)
 	}
 }
+
+// A failed read keeps the engine ids read before, unless the endpoint was
+// ejected since: a restarted engine has ids of its own, and until they are
+// read it takes no P/D request.
+func TestMooncakeEngineIDsAfterARestart(t *testing.T) {
+	bootstrap := newSGLangEngine(t, "/query", `{"0":{"engine_id":"before"}}`)
+	_, port, _ := net.SplitHostPort(bootstrap.addr)
+	n, _ := strconv.Atoi(port)
+	p, clock := testPoolNamed(t, "prefill", policy(config.PolicyRoundRobin))
+	p.probe.rendezvous = kv.MooncakeEngineIDs
+	p.SetDiscovered([]Discovered{{Addr: "127.0.0.1:9", BootstrapPort: n}})
+	e := p.Endpoints()[0]
+	steps := []struct {
+		name, answer string
+		eject        bool
+		want         string // rank 0's id; "" for none
+	}{
+		{"read", `{"0":{"engine_id":"before"}}`, false, "before"},
+		{"a failed read keeps them", "500", false, "before"},
+		{"a failed read after an ejection does not", "500", true, ""},
+		{"the restarted engine's", `{"0":{"engine_id":"after"}}`, false, "after"},
+	}
+	for _, s := range steps {
+		bootstrap.set("/query", s.answer)
+		if s.eject {
+			e.ejections.Add(1)
+		}
+		clock.Advance(serverInfoRefresh)
+		st := p.state.Load()
+		p.readServerInfo(context.Background(), st, st.endpoints)
+		if _, id, _ := e.EngineID(0); id != s.want {
+			t.Errorf("%s: engine id %q, want %q", s.name, id, s.want)
+		}
+	}
+}

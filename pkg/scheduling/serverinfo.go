@@ -95,8 +95,12 @@ func (p *Pool) readServerInfo(ctx context.Context, st *poolState, eps []*Endpoin
 		}
 		info.at, info.ejections = now, ejections
 		if info.err != "" && old != nil {
-			// A hiccup does not unlearn what was read.
-			info.bootstrapPort, info.mode, info.engineIDs = old.bootstrapPort, old.mode, old.engineIDs
+			// A hiccup does not unlearn what was read; but an engine ejected
+			// since may have restarted, with engine ids of its own.
+			info.bootstrapPort, info.mode = old.bootstrapPort, old.mode
+			if old.ejections == ejections {
+				info.engineIDs = old.engineIDs
+			}
 		}
 		e.info.Store(&info)
 		p.logServerInfo(e.Addr, old, &info)
