@@ -38,6 +38,7 @@ func TestLaterTurnsSkipThePrefillLeg(t *testing.T) {
 		{name: "three replicas, one client", mode: "full_duplex", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, oneClient: true},
 		{name: "a bound below the new part", mode: "full_duplex", replicas: 1, pd: "{min_uncached_tokens: 10}"},
 		{name: "kv-sglang", mode: "full_duplex", connector: "kv-sglang", replicas: 1, pd: "{}"},
+		{name: "kv-mooncake", mode: "full_duplex", connector: "kv-mooncake", replicas: 1, pd: "{min_uncached_tokens: 100}", decodeOnly: true},
 		{name: "the engines' KV events", mode: "full_duplex", replicas: 1, pd: "{min_uncached_tokens: 100}", decodeOnly: true, kvEvents: true},
 		{name: "three replicas with the engines' KV events", mode: "no_response", replicas: 3, pd: "{min_uncached_tokens: 100}", decodeOnly: true, kvEvents: true},
 	}
