@@ -111,7 +111,7 @@ type Decision struct {
 	// decision's engine held: heldReader); nil when it is passed on unread.
 	Rewrite *response.Rewriter
 	// LegFailed gives the client's error when the concurrent prefill leg
-	// (kv-sglang) fails, and is closed when the leg ends: a decode request
+	// (kv-sglang, kv-mooncake) fails, and is closed when the leg ends: a decode request
 	// whose leg failed waits for KV that never comes, so the caller answers
 	// the client with the error and has Envoy reset the decode request. nil
 	// when no leg runs beside the decode.
