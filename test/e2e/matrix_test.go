@@ -48,14 +48,15 @@ func TestMatrix(t *testing.T) {
 // decode engine must reach the prefill engine's side channel, bootstrap
 // server or file at the address the handoff names: an IPv6 bootstrap_host
 // bracketed (SGLang joins host and port as they come), a NIXL remote_host
-// that is no loopback the router would distrust.
+// that is no loopback the router would distrust, a Mooncake bootstrap
+// address bracketed in its URL.
 func TestIPv6Engines(t *testing.T) {
 	if l, err := net.Listen("tcp", "[::1]:0"); err != nil {
 		t.Skipf("no IPv6 loopback: %v", err)
 	} else {
 		l.Close()
 	}
-	for _, connector := range []string{"kv-nixl", "kv-shared-storage", "kv-sglang"} {
+	for _, connector := range testbed.Connectors {
 		t.Run(connector, func(t *testing.T) {
 			r := startRig(t, rigOptions{connector: connector, ipv6: true, prefills: 1, decodes: 1})
 			for _, stream := range []bool{false, true} {
