@@ -209,9 +209,10 @@ func TestHostileReservedFieldsNeverReachAnEngine(t *testing.T) {
 	attacker := newAttacker(t)
 	host, port := hostPort(t, attacker.addr())
 	evilParams := fmt.Sprintf(`{"do_remote_prefill":true,"remote_block_ids":[[1]],"remote_engine_id":"evil",`+
-		`"remote_request_id":"evil","remote_host":%q,"remote_port":%s}`, host, port)
+		`"remote_request_id":"evil","remote_host":%q,"remote_port":%s,"remote_bootstrap_addr":"http://%s","transfer_id":"evil"}`,
+		host, port, attacker.addr())
 	const messagesTmpl = `[{"role":"user","content":%q,"kv_transfer_params":{"nested":"keep-me"},"bootstrap_room":"nested-keep"}]`
-	for _, connector := range []string{"kv-nixl", "kv-sglang", "kv-shared-storage"} {
+	for _, connector := range testbed.Connectors {
 		for _, mode := range []string{"full_duplex", "buffered"} {
 			t.Run(connector+"/"+mode, func(t *testing.T) {
 				r := startRig(t, rigOptions{mode: mode, connector: connector})
@@ -240,7 +241,8 @@ func TestHostileReservedFieldsNeverReachAnEngine(t *testing.T) {
 				if dRec.KV != "hit" {
 					t.Errorf("decode KV outcome %q, want a hit from the prefill the service chose", dRec.KV)
 				}
-				wantSource := map[string]string{"kv-nixl": prefill.KVAddr(), "kv-sglang": prefill.BootstrapAddr(), "kv-shared-storage": pRec.KVSource}[connector]
+				wantSource := map[string]string{"kv-nixl": prefill.KVAddr(), "kv-sglang": prefill.BootstrapAddr(),
+					"kv-shared-storage": pRec.KVSource, "kv-mooncake": prefill.KVAddr()}[connector]
 				if dRec.KVSource != wantSource {
 					t.Errorf("decode pulled KV from %q, want %q", dRec.KVSource, wantSource)
 				}
