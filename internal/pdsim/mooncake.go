@@ -106,11 +106,13 @@ func (d *mooncakeDecode) firstToken(ctx context.Context, req *request) (kvResult
 		TransferID string `json:"transfer_id"`
 	}
 	json.Unmarshal(req.kv, &want)
-	for key, v := range map[string]string{"remote_engine_id": want.EngineID, "remote_bootstrap_addr": want.Bootstrap, "transfer_id": want.TransferID} {
-		if v == "" {
+	for _, f := range []struct{ key, value string }{
+		{"remote_engine_id", want.EngineID}, {"remote_bootstrap_addr", want.Bootstrap}, {"transfer_id", want.TransferID},
+	} {
+		if f.value == "" {
 			// vLLM has already put the request to wait for remote KV, then
 			// finds the params invalid and never pulls: it waits for ever.
-			return kvResult{}, fmt.Errorf("kv_transfer_params without %s: vLLM's decode request would wait for this KV for ever", key)
+			return kvResult{}, fmt.Errorf("kv_transfer_params without %s: vLLM's decode request would wait for this KV for ever", f.key)
 		}
 	}
 	var ranks map[string]mooncakeRank
