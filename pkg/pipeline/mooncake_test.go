@@ -27,6 +27,87 @@ type mooncakeLeg struct {
 	maxTokens int
 }
 
+// mooncake is a kv-mooncake pipeline, running, in front of a prefill engine
+// whose bootstrap server answers query ("503": not ready) and which, given
+// hold, answers each leg only when hold lets it; and a decode engine that
+// answers nothing itself: the tests report its outcome.
+type mooncake struct {
+	p         *pipeline.Pipeline
+	legs      chan mooncakeLeg // what the prefill engine was sent
+	bootstrap string           // its bootstrap server, host:port
+}
+
+func startMooncake(t *testing.T, query string, hold chan struct{}) *mooncake {
+	m := &mooncake{legs: make(chan mooncakeLeg, 10)}
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			return // health checks, scrapes
+		}
+		var leg mooncakeLeg
+		var b struct {
+			Params    json.RawMessage `json:"kv_transfer_params"`
+			MaxTokens int             `json:"max_tokens"`
+		}
+		raw, _ := io.ReadAll(r.Body)
+		json.Unmarshal(raw, &b)
+		json.Unmarshal(b.Params, &leg.params)
+		leg.rank, leg.maxTokens = r.Header.Get("X-Data-Parallel-Rank"), b.MaxTokens
+		m.legs <- leg
+		if hold != nil {
+			<-hold
+		}
+		w.Write([]byte(`{"choices":[]}`))
+	}))
+	t.Cleanup(engine.Close)
+	queried := make(chan struct{}, 100)
+	bootstrap := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		queried <- struct{}{}
+		if query == "503" {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			return
+		}
+		w.Write([]byte(query))
+	}))
+	t.Cleanup(bootstrap.Close)
+	m.bootstrap = bootstrap.Listener.Addr().String()
+	decode := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	t.Cleanup(decode.Close)
+	_, port, _ := net.SplitHostPort(m.bootstrap)
+	m.p, _, _ = newPipeline(t, fmt.Sprintf(`connector: kv-mooncake
+pools: {prefill: {endpoints: [%q], bootstrap_port: %s}, decode: {endpoints: [%q]}}`,
+		engine.Listener.Addr().String(), port, decode.Listener.Addr().String()))
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan struct{})
+	go func() { m.p.Run(ctx); close(ran) }()
+	t.Cleanup(func() { cancel(); <-ran; m.p.Wait() })
+	enginetest.Receive(t, queried, "the bootstrap server was never asked")
+	return m
+}
+
+// route routes a chat request, waiting up to 5 s for the first P/D one
+// while the engine ids are being read when pd is set, and returns it with
+// its decision and the decode leg's kv_transfer_params.
+func (m *mooncake) route(t *testing.T, pd bool) (*pipeline.Request, *pipeline.Decision, map[string]any) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		r := &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+			Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":64}`)}
+		d, err := m.p.Route(context.Background(), r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if pd && r.Report.Mode != pipeline.ModePD && time.Now().Before(deadline) {
+			d.Release()
+			continue
+		}
+		var b struct {
+			Params map[string]any `json:"kv_transfer_params"`
+		}
+		json.Unmarshal(d.Body.Bytes(), &b)
+		return r, d, b.Params
+	}
+}
+
 // TestMooncakeLegsMeet: under kv-mooncake both legs carry one transfer id;
 // the decode leg names the prefill engine's bootstrap server and the engine
 // id of the rank the prefill leg is pinned to, as the bootstrap server
@@ -43,72 +124,16 @@ func TestMooncakeLegsMeet(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			legs := make(chan mooncakeLeg, 10)
-			engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				if r.Method != http.MethodPost {
-					return // health checks, scrapes
-				}
-				var leg mooncakeLeg
-				var b struct {
-					Params    json.RawMessage `json:"kv_transfer_params"`
-					MaxTokens int             `json:"max_tokens"`
-				}
-				raw, _ := io.ReadAll(r.Body)
-				json.Unmarshal(raw, &b)
-				json.Unmarshal(b.Params, &leg.params)
-				leg.rank, leg.maxTokens = r.Header.Get("X-Data-Parallel-Rank"), b.MaxTokens
-				legs <- leg
-				w.Write([]byte(`{"choices":[]}`))
-			}))
-			t.Cleanup(engine.Close)
-			queried := make(chan struct{}, 100)
-			bootstrap := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				queried <- struct{}{}
-				if tc.query == "503" {
-					w.WriteHeader(http.StatusServiceUnavailable)
-					return
-				}
-				w.Write([]byte(tc.query))
-			}))
-			t.Cleanup(bootstrap.Close)
-			decode := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
-			t.Cleanup(decode.Close)
-			_, port, _ := net.SplitHostPort(bootstrap.Listener.Addr().String())
-			p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-mooncake
-pools: {prefill: {endpoints: [%q], bootstrap_port: %s}, decode: {endpoints: [%q]}}`,
-				engine.Listener.Addr().String(), port, decode.Listener.Addr().String()))
-			ctx, cancel := context.WithCancel(context.Background())
-			ran := make(chan struct{})
-			go func() { p.Run(ctx); close(ran) }()
-			t.Cleanup(func() { cancel(); <-ran; p.Wait() })
-			enginetest.Receive(t, queried, "the bootstrap server was never asked")
-
-			route := func() (*pipeline.Request, map[string]any) {
-				r := &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
-					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":64}`)}
-				d, err := p.Route(context.Background(), r)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer d.Release()
-				var b struct {
-					Params map[string]any `json:"kv_transfer_params"`
-				}
-				json.Unmarshal(d.Body.Bytes(), &b)
-				return r, b.Params
-			}
+			m := startMooncake(t, tc.query, nil)
+			r, d, params := m.route(t, tc.ranks > 0)
+			d.Release()
 			if tc.ranks == 0 {
-				if r, params := route(); r.Report.Mode != pipeline.ModeDecodeOnly || r.Report.Reason != metrics.ReasonNoPrefill || params != nil {
+				if r.Report.Mode != pipeline.ModeDecodeOnly || r.Report.Reason != metrics.ReasonNoPrefill || params != nil {
 					t.Errorf("%s %s with kv_transfer_params %v; want decode-only, no_prefill, none", r.Report.Mode, r.Report.Reason, params)
 				}
 				return
 			}
-			deadline := time.Now().Add(5 * time.Second) // the first answer is being read
-			r, params := route()
-			for r.Report.Mode != pipeline.ModePD && time.Now().Before(deadline) {
-				r, params = route()
-			}
-			leg := enginetest.Receive(t, legs, "the prefill leg never reached its engine")
+			leg := enginetest.Receive(t, m.legs, "the prefill leg never reached its engine")
 			wantRank := leg.rank
 			if tc.ranks == 1 {
 				if leg.rank != "" {
@@ -117,12 +142,54 @@ pools: {prefill: {endpoints: [%q], bootstrap_port: %s}, decode: {endpoints: [%q]
 				wantRank = "0"
 			}
 			want := map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "transfer_id": leg.params.TransferID,
-				"remote_bootstrap_addr": "http://" + bootstrap.Listener.Addr().String(), "remote_engine_id": "e-" + wantRank}
+				"remote_bootstrap_addr": "http://" + m.bootstrap, "remote_engine_id": "e-" + wantRank}
 			if fmt.Sprint(params) != fmt.Sprint(want) || !strings.HasPrefix(leg.params.TransferID, "xfer-") {
 				t.Errorf("decode kv_transfer_params %v, want %v", params, want)
 			}
 			if !leg.params.DoRemoteDecode || leg.maxTokens != 1 || tc.ranks == 2 && leg.rank != "0" && leg.rank != "1" {
 				t.Errorf("prefill leg %+v, want do_remote_decode, max_tokens 1, a rank of the two", leg)
+			}
+		})
+	}
+}
+
+// TestMooncakePrefillIsJudgedByItsDecode: a Mooncake prefill engine answers
+// 200 once it computed the prompt; whether it served is its decode engine's
+// pull. Three requests whose decode engine failed eject the prefill
+// endpoint whichever of the two outcomes came first; three that it served
+// do not.
+func TestMooncakePrefillIsJudgedByItsDecode(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		status      int  // the decode engine's
+		decodeFirst bool // its outcome reported before the prefill leg ends
+		ejected     bool
+	}{
+		{"the decode engine fails its pull", 500, false, true},
+		{"the decode engine fails before the prefill engine answered", 500, true, true},
+		{"the decode engine serves", 200, false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			hold := make(chan struct{})
+			m := startMooncake(t, `{"0":{"engine_id":"e-0"}}`, hold)
+			for range 3 {
+				_, d, _ := m.route(t, true)
+				enginetest.Receive(t, m.legs, "the prefill leg never reached its engine")
+				if tc.decodeFirst {
+					d.Observe(tc.status, false)
+					d.Release()
+				}
+				hold <- struct{}{}
+				m.p.Wait() // the leg has ended
+				if !tc.decodeFirst {
+					d.Observe(tc.status, false)
+					d.Release()
+				}
+			}
+			m.p.Wait()
+			prefill, _ := m.p.Pools()
+			if healthy := prefill.Endpoints()[0].Healthy(); healthy == tc.ejected {
+				t.Errorf("prefill endpoint healthy = %v after three such requests, want %v", healthy, !tc.ejected)
 			}
 		})
 	}

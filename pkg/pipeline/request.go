@@ -232,6 +232,7 @@ func (d *Decision) settle(ok, seen bool) {
 	if d.prefill != nil {
 		d.prefill.Report(ok)
 	}
+	d.partner.decodeSettled(ok)
 }
 
 // partner weighs a failure at the decode engine against its prefill
@@ -244,11 +245,42 @@ func (d *Decision) settle(ok, seen bool) {
 // failed is that failure's consequence, as when the decode engine fails at
 // once and its prefill engine then waits for it in vain. So while a leg
 // runs, the decode's failure waits for it.
+//
+// A kv-mooncake prefill engine answers once it computed the prompt, before
+// the decode engine pulls it: as under kv-nixl, whether it served is the
+// decode's outcome, which judges the leg whichever of the two ends first.
 type partner struct {
 	mu      sync.Mutex
 	failed  bool              // the prefill partner failed, or will fail the pull
 	running bool              // a concurrent leg is under way
 	waiting *scheduling.Taken // a decode endpoint whose failure waits for the leg
+	served  *scheduling.Slot  // a served leg that waits for the decode's outcome
+	outcome int8              // the decode's outcome, once settled: 1 ok, -1 failed
+}
+
+// legServed judges a served leg by its decode's outcome, now or once it
+// is settled.
+func (p *partner) legServed(s *scheduling.Slot) {
+	p.mu.Lock()
+	outcome := p.outcome
+	if outcome == 0 {
+		p.served = s
+	}
+	p.mu.Unlock()
+	if outcome != 0 {
+		s.Report(outcome > 0)
+	}
+}
+
+// decodeSettled notes the decode's outcome, and judges a served leg by it.
+func (p *partner) decodeSettled(ok bool) {
+	p.mu.Lock()
+	s := p.served
+	p.served, p.outcome = nil, map[bool]int8{true: 1, false: -1}[ok]
+	p.mu.Unlock()
+	if s != nil {
+		s.Report(ok)
+	}
 }
 
 // fails marks the prefill partner as the failure's cause.

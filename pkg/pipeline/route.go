@@ -307,9 +307,12 @@ func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request
 	d.LegFailed = legFailed
 	ctx = context.WithoutCancel(ctx)
 	p.background.Go(func() {
+		judged := true // by the leg's own outcome: the slot's probe is freed as it ends
 		defer func() {
 			close(legFailed)
-			slot.Release()
+			if slot.Leave(); judged {
+				slot.Judged()
+			}
 			unhold()
 			p.inBackground.Add(-1)
 			p.metrics.BackgroundLeg(-1)
@@ -328,7 +331,13 @@ func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request
 			legFailed <- prefillFailed(failed, r.RequestID)
 			return
 		}
-		taken.Served()
+		if p.connector.Paired() { // an SGLang pair fails together: its prefill engine waits for the decode's handshake
+			taken.Served()
+			return
+		}
+		judged = false
+		slot.JudgedWithin(probeVerdictWait)
+		d.partner.legServed(slot)
 	})
 }
 
