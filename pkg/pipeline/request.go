@@ -276,7 +276,10 @@ func (p *partner) legServed(s *scheduling.Slot) {
 func (p *partner) decodeSettled(ok bool) {
 	p.mu.Lock()
 	s := p.served
-	p.served, p.outcome = nil, map[bool]int8{true: 1, false: -1}[ok]
+	p.served, p.outcome = nil, -1
+	if ok {
+		p.outcome = 1
+	}
 	p.mu.Unlock()
 	if s != nil {
 		s.Report(ok)
