@@ -39,10 +39,9 @@ type Options struct {
 	Attempts       int           // prefill endpoints one request may try
 	// FailClosed answers a failed prefill phase with its error
 	// (prefill.on_failure: fail) instead of sending the request to decode alone.
-	FailClosed    bool
-	BootstrapPort int
-	MaxBodyBytes  int64
-	Connector     string // its name, for the errors that name it
+	FailClosed   bool
+	MaxBodyBytes int64
+	Connector    string // its name, for the errors that name it
 	// RewriteUsage gives P/D answers the prefill engine's cached tokens,
 	// holding at most MaxResponseBytes of an answer for it.
 	RewriteUsage     bool

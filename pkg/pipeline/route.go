@@ -156,22 +156,19 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	h.Room = rand.Uint64() >> 2
 	if p.connector.Dispatch() == kv.Concurrent {
 		eps, slot, err := p.pools.Prefill.Claim(sreq, 1)
-		switch {
-		case err == nil:
-		case p.connector.Paired() || p.opts.FailClosed:
+		if err != nil {
 			return nil, p.noPrefillEndpoint()
-		default:
-			// No prefill engine can be paired with now (kv-mooncake's
-			// engines not read yet): the decode engine computes the prompt.
-			rep.Mode, rep.Reason = ModeDecodeOnly, metrics.ReasonNoPrefill
-			return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
+		}
+		leg, ok := p.pairWith(h, eps[0])
+		if !ok { // its engine ids went since the decision (an ejection)
+			slot.Release()
+			return nil, p.noPrefillEndpoint()
 		}
 		if !p.takeBackground() {
 			slot.Release()
 			return nil, backgroundFull(p.opts.MaxBackground, p.opts.RetryAfter)
 		}
 		rep.Prefill = eps[0].Addr
-		leg := p.pairWith(h, eps[0])
 		d.partner.legStarted()
 		p.launch(ctx, slot, r, leg, d)
 		return kv.DecodeBody(p.connector, h), nil
@@ -255,7 +252,8 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 		}
 		slot = claimed
 		r.Report.Prefill = ep.Addr
-		answer, failed := p.attempt(ctx, ep.Addr, r, p.pairWith(h, ep))
+		leg, _ := p.pairWith(h, ep) // a sequential connector reads nothing more of the engine
+		answer, failed := p.attempt(ctx, ep.Addr, r, leg)
 		slot.Leave()
 		if failed == nil {
 			return answer, slot, nil
@@ -352,18 +350,22 @@ type prefillLeg struct {
 // host and bootstrap port the decode leg names (SGLang's and Mooncake's;
 // NIXL's read neither) and, under kv-mooncake, the engine id of the rank
 // the leg is pinned to. An engine with one rank is not told it: it has no
-// other to pick.
-func (p *Pipeline) pairWith(h *kv.Handoff, prefill *scheduling.Endpoint) prefillLeg {
-	h.PrefillHost, h.BootstrapPort = bootstrapHost(prefill.Addr), prefill.BootstrapPort(p.opts.BootstrapPort)
+// other to pick. It is false when a kv-mooncake engine has no ids: a decode
+// leg naming none would wait for KV it never asks for.
+func (p *Pipeline) pairWith(h *kv.Handoff, prefill *scheduling.Endpoint) (prefillLeg, bool) {
+	h.PrefillHost, h.BootstrapPort = bootstrapHost(prefill.Addr), p.pools.Prefill.BootstrapPort(prefill)
 	var rank string
 	if p.connector.Rendezvous() == kv.MooncakeEngineIDs {
-		// The pool picks only endpoints whose ids it read, and keeps them.
-		rank, h.EngineID, _ = prefill.EngineID(h.Room)
-		if prefill.Ranks() < 2 {
+		var ranks int
+		rank, h.EngineID, ranks = prefill.EngineID(h.Room)
+		switch ranks {
+		case 0:
+			return prefillLeg{}, false
+		case 1:
 			rank = ""
 		}
 	}
-	return prefillLeg{body: kv.PrefillBody(p.connector, h), rank: rank}
+	return prefillLeg{body: kv.PrefillBody(p.connector, h), rank: rank}, true
 }
 
 // bootstrapHost is the host part of ip:port, IPv6 in brackets as SGLang expects.

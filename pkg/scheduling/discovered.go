@@ -33,6 +33,10 @@ func (p *Pool) SetDiscovered(eps []Discovered) {
 	p.rebuild()
 }
 
+// BootstrapPort is e's bootstrap port (SGLang's, Mooncake's), as its
+// requests name it: e's own, else the pool's (pools.prefill.bootstrap_port).
+func (p *Pool) BootstrapPort(e *Endpoint) int { return e.BootstrapPort(p.probe.bootstrapPort) }
+
 // BootstrapPort is the endpoint's SGLang bootstrap port: the one its engine
 // reports (serverinfo.go), else the one discovery gave it, else poolPort.
 func (e *Endpoint) BootstrapPort(poolPort int) int {

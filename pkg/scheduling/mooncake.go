@@ -31,27 +31,27 @@ const maxEngineIDs = 1 << 20 // a rank's entry lists its workers' addresses
 // servers for their engine ids: a kv-mooncake prefill pool.
 func (p *Pool) ReadsEngineIDs() bool { return p.probe.rendezvous == kv.MooncakeEngineIDs }
 
-// bootstrapAddr is the endpoint's bootstrap server, host:port.
-func (e *Endpoint) bootstrapAddr(poolPort int) string {
+// bootstrapAddr is e's bootstrap server, host:port.
+func (p *Pool) bootstrapAddr(e *Endpoint) string {
 	host, _, err := net.SplitHostPort(e.Addr)
 	if err != nil {
 		host = e.Addr
 	}
-	return net.JoinHostPort(host, strconv.Itoa(e.BootstrapPort(poolPort)))
+	return net.JoinHostPort(host, strconv.Itoa(p.BootstrapPort(e)))
 }
 
 // EngineID is, for a kv-mooncake prefill endpoint, one of its engine's
 // data-parallel ranks and that rank's engine id, chosen by seed (a random
-// number per request) among the ranks its bootstrap server listed; ok is
-// false when it listed none, or was never read.
-func (e *Endpoint) EngineID(seed uint64) (rank, id string, ok bool) {
+// number per request) among the ranks its bootstrap server listed, and how
+// many it listed: 0 when none, or it was never read.
+func (e *Endpoint) EngineID(seed uint64) (rank, id string, ranks int) {
 	info := e.info.Load()
 	if info == nil || len(info.engineIDs) == 0 {
-		return "", "", false
+		return "", "", 0
 	}
-	ranks := slices.Sorted(maps.Keys(info.engineIDs))
-	rank = ranks[seed%uint64(len(ranks))]
-	return rank, info.engineIDs[rank], true
+	all := slices.Sorted(maps.Keys(info.engineIDs))
+	rank = all[seed%uint64(len(all))]
+	return rank, info.engineIDs[rank], len(all)
 }
 
 // Ranks says how many data-parallel ranks the endpoint's bootstrap server

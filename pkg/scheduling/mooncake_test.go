@@ -45,7 +45,7 @@ func TestFetchEngineIDs(t *testing.T) {
 }
 
 // Of a kv-mooncake prefill pool, only the engines whose bootstrap server
-// told their engine ids take P/D requests; each request names one rank,
+// told their engine ids take P/D requests, and the pool is ready only with one; each request names one rank,
 // and the engine id is that rank's.
 func TestMooncakeEndpointsWithoutEngineIDsWait(t *testing.T) {
 	tests := []struct {
@@ -67,6 +67,9 @@ func TestMooncakeEndpointsWithoutEngineIDsWait(t *testing.T) {
 				} else {
 					e.info.Store(&serverInfo{err: "connection refused"})
 				}
+			}
+			if ready := p.Ready(); ready != (tc.want != nil) {
+				t.Errorf("Ready() = %v, want %v: the decider goes decode-only (no_prefill) while none is pairable", ready, tc.want != nil)
 			}
 			var picked []string
 			for range 4 {
@@ -91,8 +94,8 @@ func TestMooncakeEndpointsWithoutEngineIDsWait(t *testing.T) {
 	e := &Endpoint{Addr: "10.0.0.1:8000"}
 	e.info.Store(&serverInfo{engineIDs: map[string]string{"0": "e-dp0", "1": "e-dp1"}})
 	for seed, want := range []string{"0", "1", "0"} {
-		if rank, id, ok := e.EngineID(uint64(seed)); !ok || rank != want || id != "e-dp"+want {
-			t.Errorf("EngineID(%d) = %s %s %v, want rank %s and its id", seed, rank, id, ok, want)
+		if rank, id, ranks := e.EngineID(uint64(seed)); ranks != 2 || rank != want || id != "e-dp"+want {
+			t.Errorf("EngineID(%d) = %s %s of %d, want rank %s and its id, of 2", seed, rank, id, ranks, want)
 		}
 	}
 }
@@ -114,7 +117,7 @@ func TestMooncakePrefillPoolReadsEngineIDs(t *testing.T) {
 	done := make(chan struct{})
 	go func() { ps.Run(ctx); close(done) }()
 	e := ps.Prefill.Endpoints()[0]
-	waitFor(t, "the engine ids", func() bool { _, _, ok := e.EngineID(0); return ok })
+	waitFor(t, "the engine ids", func() bool { return e.Ranks() > 0 })
 	cancel()
 	<-done
 	if _, id, _ := e.EngineID(1); id != "e-dp1" || e.Ranks() != 2 {

@@ -152,13 +152,14 @@ func (p *Pool) SelectN(req *Request, n int, exclude ...string) ([]*Endpoint, err
 }
 
 // Ready reports whether some endpoint could take a request now: a healthy
-// one, or in the decode pool one that only passive health keeps out.
+// one, or in the decode pool one that only passive health keeps out; in a
+// kv-mooncake prefill pool, one whose engine ids were read.
 func (p *Pool) Ready() bool {
 	if p == nil {
 		return false
 	}
 	for _, e := range p.state.Load().endpoints {
-		if e.Healthy() || p.decode && !e.CheckedDown() {
+		if (e.Healthy() || p.decode && !e.CheckedDown()) && p.pairable(e) {
 			return true
 		}
 	}

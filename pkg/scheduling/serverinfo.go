@@ -47,16 +47,21 @@ type serverInfo struct {
 func (p *Pool) ReadsBootstrapPorts() bool { return p.probe.rendezvous == kv.SGLangBootstrapPort }
 
 // paired keeps, of the candidates, those a leg can be paired with: under
-// kv-sglang the engines asked first; under kv-mooncake the engines whose
-// ids were read, if any.
+// kv-sglang the engines asked first; under kv-mooncake the pairable ones.
 func (p *Pool) paired(eps []*Endpoint) []*Endpoint {
 	switch p.probe.rendezvous {
 	case kv.SGLangBootstrapPort:
 		return askedFirst(eps)
 	case kv.MooncakeEngineIDs:
-		return slices.DeleteFunc(eps, func(e *Endpoint) bool { return e.Ranks() == 0 })
+		return slices.DeleteFunc(eps, func(e *Endpoint) bool { return !p.pairable(e) })
 	}
 	return eps
+}
+
+// pairable says whether a leg can be paired with e: under kv-mooncake only
+// once its engine ids were read.
+func (p *Pool) pairable(e *Endpoint) bool {
+	return p.probe.rendezvous != kv.MooncakeEngineIDs || e.Ranks() > 0
 }
 
 // askedFirst keeps, of a kv-sglang prefill pool's candidates, those whose
@@ -86,7 +91,7 @@ func (p *Pool) readServerInfo(ctx context.Context, st *poolState, eps []*Endpoin
 		ejections := e.ejections.Load()
 		var info serverInfo
 		if p.probe.rendezvous == kv.MooncakeEngineIDs {
-			info = fetchEngineIDs(ctx, p.probe, e.bootstrapAddr(p.probe.bootstrapPort), timeout)
+			info = fetchEngineIDs(ctx, p.probe, p.bootstrapAddr(e), timeout)
 		} else {
 			info = fetchServerInfo(ctx, p.probe, e.Addr, timeout)
 		}

@@ -5,9 +5,8 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
-// poolStates reads the pools' endpoints as they are at each call;
-// bootstrapPort is pools.prefill.bootstrap_port.
-func poolStates(bootstrapPort int, pools ...*scheduling.Pool) func() []metrics.EndpointState {
+// poolStates reads the pools' endpoints as they are at each call.
+func poolStates(pools ...*scheduling.Pool) func() []metrics.EndpointState {
 	return func() []metrics.EndpointState {
 		var out []metrics.EndpointState
 		for _, p := range pools {
@@ -15,7 +14,7 @@ func poolStates(bootstrapPort int, pools ...*scheduling.Pool) func() []metrics.E
 				st := metrics.EndpointState{Pool: p.Name, Endpoint: e.Addr, InFlight: e.InFlight(), Healthy: e.Healthy(), CheckedDown: e.CheckedDown(), Ejections: e.Ejections(),
 					CacheTrusted: e.CacheTrusted(), EngineRanks: -1}
 				if p.ReadsBootstrapPorts() {
-					st.BootstrapPort = e.BootstrapPort(bootstrapPort)
+					st.BootstrapPort = p.BootstrapPort(e)
 				}
 				if p.ReadsEngineIDs() {
 					st.EngineRanks = e.Ranks()

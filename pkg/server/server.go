@@ -110,7 +110,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	prefill, decode := p.Pools()
 	endpoints := opts.Endpoints
 	if endpoints == nil {
-		endpoints = poolStates(cfg.Pools.Prefill.BootstrapPort, prefill, decode)
+		endpoints = poolStates(prefill, decode)
 	}
 	s.metrics.WatchEndpoints(endpoints)
 	s.metrics.WatchKVEvents(kvEventStates(prefill, decode))

@@ -63,7 +63,6 @@ func pipelineOptions(cfg *config.Config) pipeline.Options {
 		AttemptTimeout:   cfg.Prefill.AttemptTimeout.D(),
 		Attempts:         cfg.Prefill.Attempts,
 		FailClosed:       cfg.Prefill.OnFailure == config.OnFailureFail,
-		BootstrapPort:    cfg.Pools.Prefill.BootstrapPort,
 		MaxBodyBytes:     cfg.Limits.MaxBodyBytes,
 		Connector:        cfg.Connector,
 		RewriteUsage:     cfg.Response.RewriteUsage,
