@@ -8,7 +8,6 @@ import (
 	"net/http"
 	"net/url"
 	"strings"
-	"time"
 )
 
 // vLLM's MooncakeConnector, as vllm/distributed/kv_transfer/kv_connector/v1/mooncake
@@ -18,8 +17,8 @@ import (
 // engine asks the bootstrap server the decode leg names (GET /query) for the
 // engine the leg names, then pulls the blocks from that engine's worker,
 // which waits for a prefill not finished yet. pdsim's worker is the kv
-// listener: GET /transfer/{id} waits up to the handshake timeout, as the
-// connector's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT bounds the wait.
+// listener, the block store's side channel waiting up to the handshake
+// timeout, as the connector's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT bounds it.
 
 // mooncakeRank is one data-parallel rank in a bootstrap server's /query.
 type mooncakeRank struct {
@@ -39,29 +38,6 @@ func (p *mooncakePrefill) bootstrap() http.Handler {
 		writeJSON(w, http.StatusOK, map[string]mooncakeRank{"0": {
 			EngineID: p.s.engineID, WorkerAddr: map[string]map[string]string{"0": {"0": "tcp://" + p.s.KVAddr()}},
 		}})
-	})
-	return mux
-}
-
-// worker serves the blocks by transfer id, waiting for them as the
-// prefill engine's worker waits for a transfer it does not know yet.
-func (p *mooncakePrefill) worker() http.Handler {
-	mux := http.NewServeMux()
-	mux.HandleFunc("GET /transfer/{id}", func(w http.ResponseWriter, r *http.Request) {
-		ctx, cancel := context.WithTimeout(r.Context(), p.s.cfg.HandshakeTimeout)
-		defer cancel()
-		if blk, ok := p.store.await(ctx, r.PathValue("id")); ok {
-			writeJSON(w, http.StatusOK, blk)
-			return
-		}
-		http.Error(w, "Timeout waiting for P side ready.", http.StatusNotFound)
-	})
-	mux.HandleFunc("DELETE /transfer/{id}", func(w http.ResponseWriter, r *http.Request) {
-		if p.store.release(r.PathValue("id")) {
-			w.WriteHeader(http.StatusNoContent)
-			return
-		}
-		http.Error(w, errNoBlocks, http.StatusNotFound)
 	})
 	return mux
 }
@@ -128,7 +104,7 @@ func (d *mooncakeDecode) firstToken(ctx context.Context, req *request) (kvResult
 	if worker == "" {
 		return kvResult{}, fmt.Errorf("remote engine_id %s not found from bootstrap server %s", want.EngineID, want.Bootstrap)
 	}
-	blocksURL := "http://" + worker + "/transfer/" + url.PathEscape(want.TransferID)
+	blocksURL := "http://" + worker + "/kv/" + url.PathEscape(want.TransferID)
 	var held kvBlocks
 	if err := d.s.callPeer(ctx, http.MethodGet, blocksURL, nil, &held); err != nil {
 		return kvResult{}, fmt.Errorf("pulling KV of %s from %s: %w", want.TransferID, worker, err)
@@ -143,23 +119,4 @@ func (d *mooncakeDecode) firstToken(ctx context.Context, req *request) (kvResult
 		return kvResult{}, err
 	}
 	return kvResult{outcome: kvHit, source: worker, requestID: held.RequestID}, nil
-}
-
-// await returns key's blocks once they are issued, or false when ctx ends first.
-func (b *blockStore) await(ctx context.Context, key string) (*kvBlocks, bool) {
-	for {
-		b.mu.Lock()
-		b.expire(time.Now())
-		blk, ok := b.held[key]
-		issued := b.issued
-		b.mu.Unlock()
-		if ok {
-			return blk, true
-		}
-		select {
-		case <-issued:
-		case <-ctx.Done():
-			return nil, false
-		}
-	}
 }

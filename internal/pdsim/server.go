@@ -174,7 +174,7 @@ func Start(cfg Config) (*Server, error) {
 	case cfg.Protocol == ProtocolNIXL && cfg.Role == RolePrefill:
 		store := newBlockStore(s.metrics)
 		s.kv = &nixlPrefill{s: s, store: store}
-		ls = append(ls, listener{listenKV, cfg.KVAddr, store.sideChannel()})
+		ls = append(ls, listener{listenKV, cfg.KVAddr, store.sideChannel(0)})
 	case cfg.Protocol == ProtocolNIXL:
 		s.kv = &nixlDecode{s: s}
 	case cfg.Protocol == ProtocolSGLang && cfg.Role == RolePrefill:
@@ -186,7 +186,8 @@ func Start(cfg Config) (*Server, error) {
 	case cfg.Protocol == ProtocolMooncake && cfg.Role == RolePrefill:
 		p := &mooncakePrefill{s: s, store: newBlockStore(s.metrics)}
 		s.kv = p
-		ls = append(ls, listener{listenKV, cfg.KVAddr, p.worker()}, listener{listenBootstrap, cfg.BootstrapAddr, p.bootstrap()})
+		ls = append(ls, listener{listenKV, cfg.KVAddr, p.store.sideChannel(cfg.HandshakeTimeout)},
+			listener{listenBootstrap, cfg.BootstrapAddr, p.bootstrap()})
 	case cfg.Protocol == ProtocolMooncake:
 		s.kv = &mooncakeDecode{s: s}
 	default:
