@@ -13,14 +13,16 @@ import (
 // Cache, from which the namespace that ranks it and the KV-event lookup both
 // derive.
 
-// PromptOf reads a request for scheduling (Prompt), with its Cache: the
-// adapter SGLang's lora_path names (a string, or a batch's list naming one),
-// else the model; and with the client's name for its Conversation.
+// PromptOf reads a request for scheduling (Prompt), with its Model, its
+// Cache: the adapter SGLang's lora_path names (a string, or a batch's list
+// naming one), else the model; and with the client's name for its
+// Conversation.
 func (a *API) PromptOf(o *body.Object) *Prompt {
 	p := a.Prompt(o)
+	p.Model, _ = o.String("model")
 	model, ok := loraPath(o)
 	if !ok {
-		model, _ = o.String("model")
+		model = p.Model
 	}
 	var salt string
 	if !a.Unsalted {

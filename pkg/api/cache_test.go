@@ -9,7 +9,7 @@ import (
 // TestPromptCache: the model a request names (SGLang's native API, its
 // lora_path) and its cache_salt, what the engine keys its cached blocks with
 // besides their text: a LoRA adapter's and a salted prompt's blocks are
-// their own.
+// their own. The body's "model" alone says which engines serve it.
 func TestPromptCache(t *testing.T) {
 	for _, tt := range []struct {
 		name, body string
@@ -28,8 +28,18 @@ func TestPromptCache(t *testing.T) {
 		{"an empty lora_path", `{"model":"base","messages":[],"lora_path":""}`, Chat, kvevents.Keys{Model: "base"}},
 		{"none", `{"text":"x"}`, SGLangGenerate, kvevents.Keys{}},
 	} {
-		if got := tt.api.PromptOf(parsed(t, tt.body)).Cache; got != tt.want {
-			t.Errorf("%s: cache %+v, want %+v", tt.name, got, tt.want)
+		p := tt.api.PromptOf(parsed(t, tt.body))
+		if p.Cache != tt.want {
+			t.Errorf("%s: cache %+v, want %+v", tt.name, p.Cache, tt.want)
+		}
+		if want := parsedString(t, tt.body, "model"); p.Model != want {
+			t.Errorf("%s: model %q, want the body's %q", tt.name, p.Model, want)
 		}
 	}
+}
+
+// parsedString is body's string field, "" when it has none.
+func parsedString(t *testing.T, body, field string) string {
+	s, _ := parsed(t, body).String(field)
+	return s
 }

@@ -21,6 +21,9 @@ type Prompt struct {
 	// MixedN is each entry's n of SGLang's list of sampling_params when they
 	// differ, which SGLang refuses; nil when they agree.
 	MixedN []int
+	// Model is the "model" the body names, "" for none: only endpoints
+	// serving it may take the request, where the pool knows which do.
+	Model string
 	// Cache is what the engine keys the prompt's cached blocks with besides
 	// their text (API.PromptOf): the model named (SGLang's native API names
 	// an adapter in lora_path instead), as a LoRA adapter's blocks are its

@@ -26,6 +26,9 @@ type EndpointState struct {
 	// data-parallel ranks its bootstrap server listed with their engine ids
 	// (0: none read yet); -1 elsewhere.
 	EngineRanks int
+	// Models is how many models and adapters the engine listed at its last
+	// answer to GET /v1/models; 0 before one.
+	Models int
 }
 
 // WatchEndpoints exports the endpoint_* metrics, read from src at every
@@ -54,6 +57,9 @@ var (
 	engineRanksDesc = endpointDesc("endpoint_engine_ranks",
 		"kv-mooncake prefill endpoints: the data-parallel ranks whose engine ids the engine's Mooncake bootstrap server "+
 			"listed (GET /query); 0 until it answers, and until then the endpoint takes no P/D request.")
+	modelsDesc = endpointDesc("endpoint_models",
+		"Models and LoRA adapters the engine listed at its last answer to GET /v1/models (0 before one): "+
+			"a request naming one of them goes only to endpoints of its pool that list it.")
 )
 
 // endpointDesc describes a series per pool and endpoint.
@@ -64,7 +70,7 @@ func endpointDesc(name, help string) *prometheus.Desc {
 type endpointCollector struct{ src func() []EndpointState }
 
 func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{inflightDesc, healthyDesc, ejectionsDesc, waitingDesc, kvUsageDesc, cacheTrustedDesc, bootstrapPortDesc, engineRanksDesc} {
+	for _, d := range []*prometheus.Desc{inflightDesc, healthyDesc, ejectionsDesc, waitingDesc, kvUsageDesc, cacheTrustedDesc, bootstrapPortDesc, engineRanksDesc, modelsDesc} {
 		ch <- d
 	}
 }
@@ -75,6 +81,7 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, one(e.Healthy), e.Pool, e.Endpoint)
 		ch <- prometheus.MustNewConstMetric(ejectionsDesc, prometheus.CounterValue, float64(e.Ejections), e.Pool, e.Endpoint)
 		ch <- prometheus.MustNewConstMetric(cacheTrustedDesc, prometheus.GaugeValue, one(e.CacheTrusted), e.Pool, e.Endpoint)
+		ch <- prometheus.MustNewConstMetric(modelsDesc, prometheus.GaugeValue, float64(e.Models), e.Pool, e.Endpoint)
 		if e.BootstrapPort > 0 {
 			ch <- prometheus.MustNewConstMetric(bootstrapPortDesc, prometheus.GaugeValue, float64(e.BootstrapPort), e.Pool, e.Endpoint)
 		}

@@ -31,7 +31,7 @@ const maxTokenizeAnswer = 16 << 20
 // The API's TokensOf runs only when a pool follows events: a chat
 // request's /tokenize body copies its messages.
 func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Request, a *api.API, obj *body.Object) {
-	e, tk, ok := p.pools.Tokenizer()
+	e, tk, ok := p.pools.Tokenizer(sreq)
 	if !ok {
 		return
 	}

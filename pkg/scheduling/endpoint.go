@@ -23,7 +23,8 @@ type Endpoint struct {
 	settings *atomic.Pointer[settings] // the pool's; nil for a bare Endpoint
 	// bootstrapPort is the endpoint's own SGLang bootstrap port (Discovered); 0: the pool's.
 	bootstrapPort atomic.Int32
-	info          atomic.Pointer[serverInfo] // what a kv-sglang prefill engine reports of itself; nil: not asked
+	info          atomic.Pointer[serverInfo]   // what a kv-sglang prefill engine reports of itself; nil: not asked
+	models        atomic.Pointer[servedModels] // what the engine lists at GET /v1/models; nil: not asked
 
 	troubled  atomic.Bool   // fast path: false means healthy without taking mu
 	ejections atomic.Uint64 // times taken out of rotation: passive ejections and failed active checks

@@ -190,16 +190,20 @@ func (ps *Pools) followed(usable bool) *poolEvents {
 // /tokenize path and the time allowed of the first pool that follows
 // events. ok is false when no pool does, when none of their views may be
 // routed by now (engines that publish nothing: no round trip for every
-// request then), or when no endpoint is healthy. Whether to ask for a
-// request of an API is Asks'.
-func (ps *Pools) Tokenizer() (e *Endpoint, t Tokenizer, ok bool) {
+// request then), or when no endpoint is healthy. Of a pool whose engines
+// list req's model, only those that do are asked: another model's tokenizer
+// would give other ids. Whether to ask for a request of an API is Asks'.
+func (ps *Pools) Tokenizer(req *Request) (e *Endpoint, t Tokenizer, ok bool) {
 	ev := ps.followed(true)
 	if ev == nil {
 		return nil, Tokenizer{}, false
 	}
+	model := req.model()
 	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
-		for _, c := range p.Endpoints() {
-			if c.Healthy() && (e == nil || c.Busyness() < e.Busyness()) {
+		st := p.state.Load()
+		only := st.servingOnly(model)
+		for _, c := range st.endpoints {
+			if c.Healthy() && (!only || c.serves(model)) && (e == nil || c.Busyness() < e.Busyness()) {
 				e = c
 			}
 		}

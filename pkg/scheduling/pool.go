@@ -80,6 +80,7 @@ type poolState struct {
 	spec    PoolSpec
 	specGen uint64        // the Update whose spec it has
 	changed chan struct{} // closed when the next generation replaces this one
+	models  atomic.Pointer[modelCounts]
 }
 
 func newPool(name string, decode bool, spec PoolSpec, deps Deps) *Pool {
@@ -171,17 +172,19 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 		return nil, fmt.Errorf("%s: %w", p.Name, ErrEmpty)
 	}
 	var subset Subset
+	model := req.model()
 	if req != nil {
 		req.absent = nil
 		if p.decode {
 			subset = req.Subset
 		}
 	}
+	only := st.servingOnly(model) // else any endpoint may serve it (models.go)
 	out := make([]*Endpoint, 0, len(st.endpoints))
 	var ejected, down []*Endpoint // kept out by passive health alone; by either
 	allowed, untried := 0, 0
 	for _, e := range st.endpoints {
-		if !subset.admits(e.ap) {
+		if !subset.admits(e.ap) || only && !e.serves(model) {
 			continue
 		}
 		allowed++
@@ -375,7 +378,7 @@ func (p *Pool) rebuild() {
 	for _, e := range eps {
 		members[e] = true
 	}
-	p.state.Store(&poolState{endpoints: eps, members: members, gone: gone, picker: picker, spec: s, specGen: p.specGen, changed: make(chan struct{})})
+	p.state.Store(counted(&poolState{endpoints: eps, members: members, gone: gone, picker: picker, spec: s, specGen: p.specGen, changed: make(chan struct{})}))
 	if old != nil {
 		close(old.changed)
 	}

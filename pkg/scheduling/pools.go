@@ -105,7 +105,8 @@ func (ps *Pools) Decide(req *Request, decode *Endpoint) Split {
 
 // Run does the pools' background work until ctx is done: active health
 // checks, /metrics scrapes, DNS resolution and KV events, each as configured
-// (and reconfigured) per pool, and a kv-sglang prefill pool's server info. It returns once all of it has stopped.
+// (and reconfigured) per pool, the models each engine serves, and a kv-sglang
+// or kv-mooncake prefill pool's server info. It returns once all of it has stopped.
 func (ps *Pools) Run(ctx context.Context) {
 	var wg sync.WaitGroup
 	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
@@ -129,6 +130,11 @@ func (p *Pool) Run(ctx context.Context) {
 		})
 	})
 	wg.Go(func() { p.followEvents(ctx) })
+	wg.Go(func() {
+		p.every(ctx, func(PoolSpec) time.Duration { return serverInfoEvery }, true, func(st *poolState, eps []*Endpoint) {
+			p.readModels(ctx, st, eps)
+		})
+	})
 	if p.probe.rendezvous != kv.NoRendezvous {
 		wg.Go(func() {
 			p.every(ctx, func(PoolSpec) time.Duration { return serverInfoEvery }, true, func(st *poolState, eps []*Endpoint) {

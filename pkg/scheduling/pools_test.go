@@ -127,7 +127,7 @@ func TestTokenizerAsksWhileAViewCanBeTrusted(t *testing.T) {
 				ps.Decode.events.Store(&poolEvents{index: x, spec: config.KVEvents{ConnectPort: 5557, Tokenize: config.Tokenize{Path: "/tokenize"}}})
 			}
 			tt.do(x)
-			e, tk, ok := ps.Tokenizer()
+			e, tk, ok := ps.Tokenizer(nil)
 			if ok != tt.ok {
 				t.Fatalf("Tokenizer() ok = %v, want %v", ok, tt.ok)
 			}
@@ -175,7 +175,7 @@ func TestTokenizerPausesAfterFailures(t *testing.T) {
 				ps.Unrendered(chat)
 			}
 			clock.Advance(tt.after)
-			if _, _, ok := ps.Tokenizer(); !ok {
+			if _, _, ok := ps.Tokenizer(nil); !ok {
 				t.Error("Tokenizer() ok = false, want an endpoint to ask")
 			}
 			ask, render := ps.Asks(chat)

@@ -143,6 +143,14 @@ func (r *Request) namespace() uint64 {
 	return h.Sum64()
 }
 
+// model is the model (or vLLM adapter) the request names, "" for none.
+func (r *Request) model() string {
+	if r == nil || r.prompt == nil {
+		return ""
+	}
+	return r.prompt.Model
+}
+
 // read is what part says of the request's prompt, "" for a nil request.
 func (r *Request) read(part func(*api.Prompt) string) string {
 	if r == nil {

@@ -12,7 +12,7 @@ func poolStates(pools ...*scheduling.Pool) func() []metrics.EndpointState {
 		for _, p := range pools {
 			for _, e := range p.Endpoints() {
 				st := metrics.EndpointState{Pool: p.Name, Endpoint: e.Addr, InFlight: e.InFlight(), Healthy: e.Healthy(), CheckedDown: e.CheckedDown(), Ejections: e.Ejections(),
-					CacheTrusted: e.CacheTrusted(), EngineRanks: -1}
+					CacheTrusted: e.CacheTrusted(), EngineRanks: -1, Models: e.Models()}
 				if p.ReadsBootstrapPorts() {
 					st.BootstrapPort = p.BootstrapPort(e)
 				}

@@ -4,6 +4,7 @@ package e2e
 
 import (
 	"fmt"
+	"net/http"
 	"os"
 	"strings"
 	"sync"
@@ -91,4 +92,11 @@ func startExtproc(t *testing.T, cfg testbed.ExtprocConfig) *extproc {
 // logTo sends a simulator's lines to the test log (shown on failure or -v).
 func logTo(t *testing.T) testbed.LineFunc {
 	return func(line string) { t.Log(line) }
+}
+
+// poolQuestion says whether r is what pd-extproc's pools ask of every
+// engine on their own (GET /v1/models, the models it serves), not a leg of
+// a client's request: fakes that count legs leave it out.
+func poolQuestion(r *http.Request) bool {
+	return r.Method == http.MethodGet && r.URL.Path == "/v1/models"
 }

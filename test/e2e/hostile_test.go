@@ -83,6 +83,14 @@ func newRecorder(t *testing.T, next string) *recorder {
 		})
 	}
 	rec.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if poolQuestion(r) { // pd-extproc's own, not a leg
+			if proxy == nil {
+				http.NotFound(w, r)
+				return
+			}
+			proxy.ServeHTTP(w, r)
+			return
+		}
 		rec.mu.Lock()
 		rec.headers = append(rec.headers, r.Header.Clone())
 		rec.paths = append(rec.paths, r.URL.Path)

@@ -35,6 +35,10 @@ func startHoldingEngine(t *testing.T) *holdingEngine {
 	t.Helper()
 	e := &holdingEngine{release: make(chan struct{})}
 	e.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if poolQuestion(r) {
+			http.NotFound(w, r)
+			return
+		}
 		_, _ = io.Copy(io.Discard, r.Body)
 		e.arrived.Add(1)
 		w.Header().Set("Content-Type", "text/event-stream")

@@ -327,3 +327,62 @@ func TestTenantsOfOneSystemPromptRankApart(t *testing.T) {
 		t.Errorf("the %d tenants all went to prefill endpoint %v: ranked by the prompt alone", tenants, homes)
 	}
 }
+
+// TestEachModelReachesItsEngines: one pd-extproc in front of two models,
+// each pool holding engines of both (pdsim's own two prefill and two decode
+// engines, and one of each serving "qwen"). Once the pools have read what
+// each engine lists at GET /v1/models, every request goes P/D to engines of
+// the model it names, on both legs: an engine of the other model would
+// answer it 404.
+func TestEachModelReachesItsEngines(t *testing.T) {
+	const other, perModel = "qwen", 12
+	var qwen []*pdsim.Server // its prefill engine, then its decode engine
+	withQwen := func(role string) func(sims []*pdsim.Server) []string {
+		return func(sims []*pdsim.Server) []string {
+			s := testbed.MustStartSim(t, testbed.SimConfig{Role: role, Protocol: pdsim.ProtocolNIXL, Model: other, IP: simIP(role, 9),
+				Timings: testbed.Timings{TTFT: time.Millisecond, TPOT: time.Millisecond, KVTransfer: time.Millisecond, OutputTokens: 5},
+				Log:     logTo(t)})
+			qwen = append(qwen, s)
+			return append(testbed.Addrs(sims), s.Addr())
+		}
+	}
+	r := startRig(t, rigOptions{prefillAddrs: withQwen(pdsim.RolePrefill), decodeAddrs: withQwen(pdsim.RoleDecode)})
+	pools := map[string][]*pdsim.Server{"prefill": append(slices.Clone(r.prefill), qwen[0]), "decode": append(slices.Clone(r.decode), qwen[1])}
+	for pool, sims := range pools {
+		for _, s := range sims {
+			series := fmt.Sprintf(`pd_extproc_endpoint_models{endpoint=%q,pool=%q}`, s.Addr(), pool)
+			waitFor(t, 10*time.Second, "the models of "+s.Addr(), func() bool { return r.extproc.MustMetric(t, series) == 1 })
+		}
+	}
+	for _, model := range []string{"pdsim", other} {
+		for i := range perModel {
+			b, _ := json.Marshal(map[string]any{"model": model, "max_tokens": 4,
+				"messages": []map[string]string{{"role": "user", "content": fmt.Sprintf("[%s %d] which model am I talking to?", model, i)}}})
+			if resp, got := r.must(t, "/v1/chat/completions", string(b), nil); resp.StatusCode != http.StatusOK {
+				t.Fatalf("%s: status %d: %s", model, resp.StatusCode, got)
+			}
+		}
+	}
+	tests := []struct {
+		model      string
+		sims, rest []*pdsim.Server // its engines, the others
+	}{
+		{"pdsim", slices.Concat(r.prefill, r.decode), qwen},
+		{other, qwen, slices.Concat(r.prefill, r.decode)},
+	}
+	for _, tc := range tests {
+		legs := recordsWith(tc.sims, "["+tc.model+" ")
+		hits := 0
+		for _, l := range legs {
+			if l.KV == "hit" {
+				hits++
+			}
+		}
+		if len(legs) != 2*perModel || hits != perModel {
+			t.Errorf("%s: its engines got %d legs, %d decode legs with the KV; want %d and %d", tc.model, len(legs), hits, 2*perModel, perModel)
+		}
+		if stray := recordsWith(tc.rest, "["+tc.model+" "); len(stray) > 0 {
+			t.Errorf("%s: %d legs reached engines of the other model: %+v", tc.model, len(stray), stray)
+		}
+	}
+}

@@ -1,0 +1,201 @@
+package scheduling
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"maps"
+	"net/http"
+	"slices"
+	"sync/atomic"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+// Several models may share a pool: each engine lists what it serves at GET
+// /v1/models, in OpenAI's {"data": [{"id": ...}]}: vLLM every name it serves
+// its model under and its LoRA adapters (OpenAIServingModels.
+// show_available_models), SGLang its served model name. Every pool asks
+// each of its engines as it joins, every minute after and after it was
+// ejected, and a request naming a model that some endpoint of the pool lists
+// goes only to endpoints that list it. A model no endpoint lists (an adapter
+// loaded since the last read, an engine whose --api-key guards the list, a
+// request naming none) may go to any, as before the lists were read.
+const (
+	modelsPath       = "/v1/models"
+	modelsRetry      = 30 * time.Second // a failed read of an engine that never answered is asked again after this
+	maxModelsAnswer  = 4 << 20
+	maxModelsPerList = 4096 // names kept of one list; the rest are cut
+)
+
+// servedModels is what an engine last listed, or why it listed nothing.
+type servedModels struct {
+	names map[string]bool
+	err   string // why the last read failed; "" when it did not
+	// answered: the engine listed its models once; a failed read of it is
+	// asked again soon (it restarts), of one that never did (vLLM's
+	// --api-key guards the list) after modelsRetry.
+	answered bool
+	at       time.Time
+	// ejections is the endpoint's count when it was read: an engine taken
+	// out of rotation since may come back restarted with another model.
+	ejections uint64
+}
+
+// Models is how many names (models and adapters) the engine listed at its
+// last answer: 0 before one.
+func (e *Endpoint) Models() int {
+	if m := e.models.Load(); m != nil {
+		return len(m.names)
+	}
+	return 0
+}
+
+// serves says whether the engine listed model.
+func (e *Endpoint) serves(model string) bool {
+	m := e.models.Load()
+	return m != nil && m.names[model]
+}
+
+// modelCounts is, per name, how many endpoints of a pool state list it:
+// counted as the state is built and again when a list changes, so that a
+// pick looks a model up once rather than on every endpoint.
+type modelCounts map[string]int
+
+func countModels(eps []*Endpoint) *modelCounts {
+	c := modelCounts{}
+	for _, e := range eps {
+		if m := e.models.Load(); m != nil {
+			for n := range m.names {
+				c[n]++
+			}
+		}
+	}
+	return &c
+}
+
+// servingOnly says whether a request naming model may go only to the
+// endpoints of st that list it: some do, and not all (a pool of one model
+// filters nothing).
+func (st *poolState) servingOnly(model string) bool {
+	if model == "" {
+		return false
+	}
+	c := st.models.Load()
+	n := (*c)[model]
+	return n > 0 && n < len(st.endpoints)
+}
+
+// readModels asks the endpoints never read, or not for a while, for the
+// models they serve. An endpoint the active checks find down is left until
+// it is up: a starting engine lists nothing.
+func (p *Pool) readModels(ctx context.Context, st *poolState, eps []*Endpoint) {
+	now := p.deps.Now()
+	timeout := cmp.Or(st.spec.Health.CheckTimeout.D(), config.DefaultCheckTimeout)
+	due := slices.DeleteFunc(slices.Clone(eps), func(e *Endpoint) bool {
+		if e.CheckedDown() {
+			return true
+		}
+		old := e.models.Load()
+		if old == nil || old.ejections != e.ejections.Load() {
+			return false
+		}
+		return now.Sub(old.at) < modelsRetryAfter(old)
+	})
+	var changed atomic.Bool
+	probeEach(due, func(e *Endpoint) {
+		old := e.models.Load()
+		ejections := e.ejections.Load()
+		m := fetchModels(ctx, p.probe, e.Addr, timeout)
+		if ctx.Err() != nil {
+			return
+		}
+		m.at, m.ejections, m.answered = now, ejections, m.err == "" || old != nil && old.answered
+		if m.err != "" && old != nil && old.ejections == ejections {
+			m.names = old.names // a hiccup does not unlearn the list
+		}
+		e.models.Store(&m)
+		if old == nil || !maps.Equal(old.names, m.names) {
+			changed.Store(true)
+		}
+		p.logModels(e.Addr, old, &m)
+	})
+	if changed.Load() {
+		p.recountModels()
+	}
+}
+
+// recountModels counts the lists again for the pool's current state, once
+// they changed. A state built since counted the new lists itself.
+func (p *Pool) recountModels() { counted(p.state.Load()) }
+
+// counted counts the lists of st's endpoints into st.
+func counted(st *poolState) *poolState {
+	st.models.Store(countModels(st.endpoints))
+	return st
+}
+
+// modelsRetryAfter is how long a read stands: a minute, a failed one less.
+func modelsRetryAfter(m *servedModels) time.Duration {
+	switch {
+	case m.err == "":
+		return serverInfoRefresh
+	case m.answered:
+		return serverInfoEvery
+	}
+	return modelsRetry
+}
+
+// logModels says what changed: the list, or a read that began to fail.
+func (p *Pool) logModels(addr string, old, m *servedModels) {
+	log := p.deps.Log.WithValues("pool", p.Name, "endpoint", addr)
+	switch {
+	case m.err != "" && (old == nil || old.err != m.err):
+		// Debug: a single-model pool needs no list, and vLLM's --api-key
+		// guards it (pd_extproc_endpoint_models stays 0).
+		log.V(1).Info("cannot read the models the engine serves: requests naming a model no endpoint lists may reach it", "error", m.err)
+	case m.err == "" && (old == nil || !maps.Equal(old.names, m.names)):
+		log.Info("the models the engine serves", "models", slices.Sorted(maps.Keys(m.names)))
+	}
+}
+
+// fetchModels asks the engine at addr for its model list.
+func fetchModels(ctx context.Context, pr probe, addr string, timeout time.Duration) servedModels {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	url := pr.url(addr, modelsPath)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return servedModels{err: err.Error()}
+	}
+	resp, err := pr.client.Do(req)
+	if err != nil {
+		return servedModels{err: err.Error()}
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // so the connection is reused
+		return servedModels{err: fmt.Sprintf("%s answered %d", url, resp.StatusCode)}
+	}
+	var list struct {
+		Data []struct {
+			ID string `json:"id"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, maxModelsAnswer)).Decode(&list); err != nil {
+		return servedModels{err: fmt.Sprintf("%s: %v", url, err)}
+	}
+	names := make(map[string]bool, min(len(list.Data), maxModelsPerList))
+	for _, m := range list.Data {
+		if m.ID != "" && len(names) < maxModelsPerList {
+			names[m.ID] = true
+		}
+	}
+	if len(names) == 0 {
+		return servedModels{err: url + " lists no model"}
+	}
+	return servedModels{names: names}
+}

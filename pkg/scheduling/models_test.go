@@ -1,0 +1,227 @@
+package scheduling
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+// vllmModels is vLLM's GET /v1/models: a model under two served names and
+// a LoRA adapter on it (show_available_models).
+const vllmModels = `{"object":"list","data":[` +
+	`{"id":"qwen","object":"model","created":1,"owned_by":"vllm","root":"/models/Qwen3-8B","parent":null,"max_model_len":32768,"permission":[{}]},` +
+	`{"id":"Qwen/Qwen3-8B","object":"model","created":1,"owned_by":"vllm","root":"/models/Qwen3-8B","parent":null,"max_model_len":32768,"permission":[{}]},` +
+	`{"id":"sql-lora","object":"model","created":1,"owned_by":"vllm","root":"/adapters/sql","parent":"qwen","max_model_len":null,"permission":[{}]}]}`
+
+func TestFetchModels(t *testing.T) {
+	tests := []struct {
+		name, answer string
+		want         []string
+		err          string
+	}{
+		{"vLLM: served names and adapters", vllmModels, []string{"Qwen/Qwen3-8B", "qwen", "sql-lora"}, ""},
+		{"SGLang", `{"object":"list","data":[{"id":"meta-llama/Llama-3.1-8B-Instruct","object":"model","created":1,"owned_by":"sglang","root":"meta-llama/Llama-3.1-8B-Instruct","max_model_len":131072}]}`,
+			[]string{"meta-llama/Llama-3.1-8B-Instruct"}, ""},
+		{"--api-key guards the list", "401", nil, "answered 401"},
+		{"not JSON", "<html>", nil, "invalid character"},
+		{"an empty list", `{"object":"list","data":[]}`, nil, "lists no model"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			engine := newSGLangEngine(t, modelsPath, tc.answer)
+			m := fetchModels(context.Background(), probe{client: probeClient(nil), scheme: "http"}, engine.addr, config.DefaultCheckTimeout)
+			if got := slices.Sorted(maps.Keys(m.names)); !slices.Equal(got, tc.want) {
+				t.Errorf("names %v, want %v", got, tc.want)
+			}
+			if !strings.Contains(m.err, tc.err) || (tc.err == "") != (m.err == "") {
+				t.Errorf("err %q, want one with %q", m.err, tc.err)
+			}
+		})
+	}
+}
+
+// modelRequest is a completions request naming model, read as the pipeline
+// reads it.
+func modelRequest(t testing.TB, model, prompt string) *Request {
+	t.Helper()
+	fields := map[string]string{"prompt": prompt}
+	if model != "" {
+		fields["model"] = model
+	}
+	b, _ := json.Marshal(fields)
+	obj, err := body.Parse(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return NewRequest(api.Completions.PromptOf(obj))
+}
+
+// serving gives each endpoint of p the models its engine would list; an
+// address missing from lists was never read.
+func serving(p *Pool, lists map[string][]string) {
+	for _, e := range p.Endpoints() {
+		if names, ok := lists[e.Addr]; ok {
+			m := servedModels{names: map[string]bool{}}
+			for _, n := range names {
+				m.names[n] = true
+			}
+			e.models.Store(&m)
+		}
+	}
+	p.recountModels()
+}
+
+// A pool whose engines serve different models sends each request only to
+// the endpoints that list the model it names, under every policy; a model
+// none lists, or no model at all, may go anywhere, as before the lists.
+func TestRequestsGoWhereTheirModelIsServed(t *testing.T) {
+	const a1, a2, b1, fresh = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"
+	lists := map[string][]string{a1: {"llama", "llama-sql"}, a2: {"llama"}, b1: {"qwen"}} // fresh: not read yet
+	tests := []struct {
+		model string
+		want  []string // the endpoints some request reaches
+	}{
+		{"llama", []string{a1, a2}},
+		{"llama-sql", []string{a1}},
+		{"qwen", []string{b1}},
+		{"mistral", []string{a1, a2, b1, fresh}}, // listed nowhere: an adapter loaded since, or a typo the engine answers
+		{"", []string{a1, a2, b1, fresh}},
+	}
+	for _, pol := range []string{config.PolicyLeastLoad, config.PolicyRoundRobin, config.PolicyPrefixAffinity} {
+		for _, tc := range tests {
+			t.Run(pol+"/"+tc.model, func(t *testing.T) {
+				// Two-choices draws its pair in turn (testPool's always draws the first two).
+				draws := 0
+				intn := func(n int) int { draws++; return draws % n }
+				p := newPool("decode", true, PoolSpec{Endpoints: []string{a1, a2, b1, fresh}, PoolScheduling: policy(pol)}, Deps{intn: intn})
+				serving(p, lists)
+				reached := map[string]bool{}
+				for i := range 64 {
+					// prefix-affinity places a prompt's requests together:
+					// many prompts, so that every allowed endpoint is reached.
+					e, err := p.Select(modelRequest(t, tc.model, strings.Repeat(string(rune('a'+i%26)), 8+i)))
+					if err != nil {
+						t.Fatal(err)
+					}
+					reached[e.Addr] = true
+					// Load it, so that load-aware picks move on.
+					acquire(e)
+				}
+				if got := slices.Sorted(maps.Keys(reached)); !slices.Equal(got, tc.want) {
+					t.Errorf("reached %v, want %v", got, tc.want)
+				}
+			})
+		}
+	}
+}
+
+// When every endpoint serving the model is out, or outside the subset hint,
+// the request gets the pool's error, not an engine of another model.
+func TestNoEndpointOfTheModelIsAnError(t *testing.T) {
+	const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
+	tests := []struct {
+		name   string
+		prep   func(p *Pool, req *Request)
+		wantIs error
+	}{
+		{"its engines checked down", func(p *Pool, _ *Request) { checkDown(p, a) }, ErrUnhealthy},
+		{"outside the subset hint", func(_ *Pool, req *Request) { req.Subset = ParseSubset(b) }, ErrSubset},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			p, _ := testPool(t, policy(config.PolicyLeastLoad), a, b)
+			serving(p, map[string][]string{a: {"llama"}, b: {"qwen"}})
+			req := modelRequest(t, "llama", "hello")
+			tc.prep(p, req)
+			e, err := p.Select(req)
+			if !errors.Is(err, tc.wantIs) {
+				t.Errorf("Select = %v, %v; want %v", e, err, tc.wantIs)
+			}
+		})
+	}
+}
+
+// The list is read again after a minute; a failed read after 5 s when the
+// engine answered before (it restarts), else after 30 s (its --api-key
+// guards the list); a failed read keeps the list read before, unless the
+// endpoint was ejected since (it may come back with another model); an
+// endpoint the checks find down is not asked.
+func TestModelsAreReadAgain(t *testing.T) {
+	engine := newSGLangEngine(t, modelsPath, `{"data":[{"id":"llama"}]}`)
+	guarded := newSGLangEngine(t, modelsPath, "401")
+	p, clock := testPool(t, policy(config.PolicyRoundRobin), engine.addr, guarded.addr)
+	e := p.Endpoints()[0]
+	read := func() {
+		st := p.state.Load()
+		p.readModels(context.Background(), st, st.endpoints)
+	}
+	steps := []struct {
+		name                   string
+		do                     func()
+		wantAsked, wantGuarded int64
+		wantLlama              bool
+	}{
+		{"joined", func() {}, 1, 1, true},
+		{"within the minute", func() { clock.Advance(serverInfoRefresh - 1) }, 1, 2, true},
+		{"a minute on, the engine fails", func() { clock.Advance(1); engine.set(modelsPath, "500") }, 2, 2, true},
+		{"within 5 s of the failure", func() { clock.Advance(serverInfoEvery - 1) }, 2, 2, true},
+		{"5 s on, the engine fails again after an ejection", func() { clock.Advance(1); eject(p, e.Addr) }, 3, 2, false},
+		{"checked down", func() { checkDown(p, e.Addr); clock.Advance(modelsRetry) }, 3, 3, false},
+	}
+	for _, s := range steps {
+		s.do()
+		read()
+		if got, guards := engine.asked.Load(), guarded.asked.Load(); got != s.wantAsked || guards != s.wantGuarded || e.serves("llama") != s.wantLlama {
+			t.Fatalf("%s: asked %d times (the guarded engine %d), serves llama %v; want %d (%d), %v",
+				s.name, got, guards, e.serves("llama"), s.wantAsked, s.wantGuarded, s.wantLlama)
+		}
+	}
+}
+
+// BenchmarkSelectByModel: one least-load pick in pools of 16 and 1,000
+// endpoints, for a request naming no model, one all endpoints list, one half
+// of them list (two models) and one none lists.
+func BenchmarkSelectByModel(b *testing.B) {
+	for _, n := range []int{16, 1000} {
+		for _, lists := range []string{"no model", "one model", "two models", "model unlisted"} {
+			b.Run(fmt.Sprintf("%d/%s", n, lists), func(b *testing.B) {
+				addrs := make([]string, n)
+				for i := range addrs {
+					addrs[i] = fmt.Sprintf("10.0.%d.%d:8000", i/250, i%250)
+				}
+				p := newPool("decode", true, PoolSpec{Endpoints: addrs, PoolScheduling: policy(config.PolicyLeastLoad)}, Deps{})
+				if lists != "no model" {
+					m := map[string][]string{}
+					for i, a := range addrs {
+						m[a] = []string{[]string{"llama", "qwen"}[i%2]}
+						if lists == "one model" {
+							m[a] = []string{"llama"}
+						}
+					}
+					serving(p, m)
+				}
+				model := "llama"
+				if lists == "no model" {
+					model = ""
+				}
+				if lists == "model unlisted" {
+					model = "mistral"
+				}
+				req := modelRequest(b, model, "hello there")
+				b.ResetTimer()
+				for b.Loop() {
+					p.Select(req)
+				}
+			})
+		}
+	}
+}
