@@ -388,6 +388,19 @@ func (s *Server) serves(model string) bool {
 	return model == s.cfg.Model || slices.Contains(s.cfg.LoRA, model)
 }
 
+// retrieveModel is SGLang's GET /v1/models/{model}: the served model's
+// card, or its 404 for any other name (retrieve_model,
+// python/sglang/srt/entrypoints/http_server.py).
+func (s *Server) retrieveModel(w http.ResponseWriter, r *http.Request) {
+	model := r.PathValue("model")
+	if model != s.cfg.Model {
+		writeJSON(w, http.StatusNotFound, map[string]any{"error": map[string]any{
+			"message": fmt.Sprintf("The model '%s' does not exist", model), "type": "invalid_request_error", "param": "model", "code": "model_not_found"}})
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"id": model, "object": "model", "created": time.Now().Unix(), "owned_by": "sglang", "root": model})
+}
+
 func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
 	data := []map[string]any{{"id": s.cfg.Model, "object": "model", "created": time.Now().Unix(), "owned_by": "pdsim",
 		"root": s.cfg.Model, "parent": nil}}

@@ -302,6 +302,7 @@ func (s *Server) routes() http.Handler {
 	if s.cfg.Protocol == ProtocolSGLang {
 		mux.HandleFunc("GET /server_info", s.serverInfo)
 		mux.HandleFunc("GET /get_server_info", s.serverInfo)
+		mux.HandleFunc("GET /v1/models/{model...}", s.retrieveModel)
 	}
 	mux.HandleFunc("GET /v1/models", s.models)
 	mux.HandleFunc("GET /metrics", s.metrics.serve(s.cfg.Model, s.cfg.Protocol, s.cfg.Role))

@@ -303,6 +303,26 @@ func TestStreamFraming(t *testing.T) {
 	}
 }
 
+// SGLang retrieves its served model at GET /v1/models/{model}, a name with
+// slashes included, and answers any other name 404; vLLM has no such route.
+func TestModelRetrieval(t *testing.T) {
+	tests := []struct {
+		protocol, path string
+		status         int
+		want           string
+	}{
+		{ProtocolSGLang, "/v1/models/Qwen/Qwen3-8B", 200, `"id":"Qwen/Qwen3-8B"`},
+		{ProtocolSGLang, "/v1/models/llama", 404, `"code":"model_not_found"`},
+		{ProtocolNIXL, "/v1/models/Qwen/Qwen3-8B", 404, `"detail":"Not Found"`},
+	}
+	for _, tt := range tests {
+		s := start(t, Config{Role: RoleDecode, Protocol: tt.protocol, Model: "Qwen/Qwen3-8B"})
+		if r := get(t, s, tt.path); r.status != tt.status || !strings.Contains(string(r.body), tt.want) {
+			t.Errorf("%s: GET %s: %d %s, want %d with %s", tt.protocol, tt.path, r.status, r.body, tt.status, tt.want)
+		}
+	}
+}
+
 func TestOtherEndpoints(t *testing.T) {
 	s := start(t, Config{Role: RolePrefill, Protocol: ProtocolNIXL, Model: "m1"})
 	big := `{"model":"m1","messages":[{"role":"user","content":"x"}],"max_tokens":1,"seed":123456789012345678901234567890}`

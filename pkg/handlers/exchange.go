@@ -152,6 +152,9 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) reply {
 		if err != nil {
 			return x.fail(err)
 		}
+		if d.Answer != nil {
+			return x.answerItself(d)
+		}
 		x.decision = d
 		return reply{msg: headersReply(d, x.req.RequestID), routed: true}
 	}
@@ -237,6 +240,9 @@ func (x *exchange) finishDuplex(trailers bool) reply {
 	if err != nil {
 		return x.fail(err)
 	}
+	if d.Answer != nil {
+		return x.answerItself(d)
+	}
 	x.decision = d
 	r := reply{msg: headersReply(d, x.req.RequestID), request: true, eos: !trailers, routed: true}
 	if x.body.seen { // else Envoy awaits no body reply, and takes one for a spurious message
@@ -254,6 +260,9 @@ func (x *exchange) finishBuffered() reply {
 	d, err := x.route(true)
 	if err != nil {
 		return x.fail(err)
+	}
+	if d.Answer != nil {
+		return x.answerItself(d)
 	}
 	x.decision = d
 	// Envoy keeps the body it buffered unless the reply replaces it: a body the
@@ -322,6 +331,14 @@ func (x *exchange) route(keepAlive bool) (*pipeline.Decision, error) {
 }
 
 // fail ends the exchange with a local reply from Envoy to the client.
+// answerItself answers the client with d.Answer, a 200 that routes
+// nothing (the model list of a decode pool of several models).
+func (x *exchange) answerItself(d *pipeline.Decision) reply {
+	x.requestDone = true
+	x.obs.answered(x.body.bytes())
+	return reply{msg: localReply(http.StatusOK, d.Answer, "application/json", 0), done: true}
+}
+
 func (x *exchange) fail(err error) reply {
 	x.requestDone = true
 	e := pipeline.AsError(err, x.req.RequestID)

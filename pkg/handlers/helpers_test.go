@@ -116,6 +116,9 @@ type fakeRouter struct {
 	rewrite func() *response.Rewriter
 	// legFailed, when set, is each decision's concurrent prefill leg.
 	legFailed chan *pipeline.Error
+	// answer, when set, is what RouteHeaders answers with instead of routing
+	// (Decision.Answer).
+	answer []byte
 
 	calls []string           // "Route" or "RouteHeaders", in order
 	seen  []pipeline.Request // the request of each call, as it was then
@@ -132,6 +135,9 @@ func (f *fakeRouter) RouteHeaders(r *pipeline.Request) (*pipeline.Decision, erro
 	f.calls, f.seen = append(f.calls, "RouteHeaders"), append(f.seen, *r)
 	if f.err != nil {
 		return nil, f.err
+	}
+	if f.answer != nil {
+		return &pipeline.Decision{Answer: f.answer}, nil
 	}
 	return &pipeline.Decision{Endpoint: fakeEndpoint}, nil
 }

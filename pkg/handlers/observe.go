@@ -103,6 +103,12 @@ func (o *observation) routed(d *pipeline.Decision, body []byte) {
 	o.conclude(metrics.OutcomeRouted, nil, d, body)
 }
 
+// answered ends the observation of a request pd-extproc answered itself
+// (Decision.Answer), routing nothing.
+func (o *observation) answered(body []byte) {
+	o.conclude(metrics.OutcomeAnswered, nil, nil, body)
+}
+
 // rejected ends the observation of a request answered with a local reply;
 // cancelled says nobody will see it. No decision is held then: routing failed
 // or never ran.

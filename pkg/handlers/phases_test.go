@@ -273,6 +273,49 @@ func TestBodilessRequestsRouteFromHeaders(t *testing.T) {
 	}
 }
 
+// A request the pipeline answers itself (the model list of a pool of several
+// models) gets that answer as Envoy's local reply, a 200 in JSON, in every
+// body mode and with an empty body too; it is counted answered, mode none.
+func TestAnAnswerOfThePipelineIsALocalReply(t *testing.T) {
+	const list = `{"object":"list","data":[{"id":"llama"},{"id":"qwen"}]}`
+	get := []envoymsg.Header{{":method", "GET"}, {":path", "/v1/models"}}
+	tests := []struct {
+		name string
+		msgs []*extprocv3.ProcessingRequest
+	}{
+		{"FULL_DUPLEX, end_of_stream on the headers", []*extprocv3.ProcessingRequest{
+			envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, true, get...), fullDuplex, fullDuplex)}},
+		{"BUFFERED", []*extprocv3.ProcessingRequest{
+			envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, true, get...), buffered, buffered)}},
+		{"FULL_DUPLEX, an empty body", []*extprocv3.ProcessingRequest{
+			envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, get...), fullDuplex, fullDuplex),
+			envoymsg.Body(envoymsg.Request, nil, true)}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			m := metrics.New("kv-nixl")
+			replies := drive(t, handlers.NewServer(&fakeRouter{answer: []byte(list)}, handlers.Options{Metrics: m}, logr.Discard()), tt.msgs...)
+			if len(replies) != 1 || replies[0].GetImmediateResponse() == nil {
+				t.Fatalf("got %v, want one immediate response", replies)
+			}
+			ir := replies[0].GetImmediateResponse()
+			var contentType string
+			for _, h := range ir.GetHeaders().GetSetHeaders() {
+				if h.GetHeader().GetKey() == "content-type" {
+					contentType = string(h.GetHeader().GetRawValue())
+				}
+			}
+			if ir.GetStatus().GetCode() != 200 || string(ir.GetBody()) != list || contentType != "application/json" {
+				t.Errorf("answered %d %q %s, want 200 application/json %s", ir.GetStatus().GetCode(), contentType, ir.GetBody(), list)
+			}
+			answered := map[string]string{"api": api.LabelOf("GET", "/v1/models"), "mode": metrics.ModeNone, "connector": "kv-nixl", "outcome": metrics.OutcomeAnswered}
+			if got, _ := m.Sample("pd_extproc_requests_total", answered); got != 1 {
+				t.Errorf("%v requests counted %v, want 1", got, answered)
+			}
+		})
+	}
+}
+
 // Every refusal is an ImmediateResponse in OpenAI's error shape, and ends the
 // stream: nothing after it is answered.
 func TestRefusalsAreLocalRepliesThatEndTheStream(t *testing.T) {

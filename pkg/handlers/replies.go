@@ -181,17 +181,24 @@ func continueResponseTrailers() *extprocv3.ProcessingResponse {
 // Anthropic's words with anthropic (pipeline.Error.Body).
 func immediate(e *pipeline.Error, anthropic bool) *extprocv3.ProcessingResponse {
 	b, contentType := e.Body(anthropic)
+	return localReply(e.Status, b, contentType, e.RetryAfter)
+}
+
+// localReply is Envoy's local reply to the client: status, body and its
+// content type, and a Retry-After when retryAfter is set. Its details are
+// pd_extproc_<status>.
+func localReply(status int, body []byte, contentType string, retryAfter time.Duration) *extprocv3.ProcessingResponse {
 	var headers []*corev3.HeaderValueOption
 	if contentType != "" { // else Envoy's local reply keeps its own text/plain
 		headers = append(headers, setHeader("content-type", contentType))
 	}
-	if e.RetryAfter > 0 {
-		headers = append(headers, setHeader("retry-after", strconv.Itoa(int(e.RetryAfter.Round(time.Second)/time.Second))))
+	if retryAfter > 0 {
+		headers = append(headers, setHeader("retry-after", strconv.Itoa(int(retryAfter.Round(time.Second)/time.Second))))
 	}
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{ImmediateResponse: &extprocv3.ImmediateResponse{
-		Status:  &typev3.HttpStatus{Code: typev3.StatusCode(e.Status)},
+		Status:  &typev3.HttpStatus{Code: typev3.StatusCode(status)},
 		Headers: &extprocv3.HeaderMutation{SetHeaders: headers},
-		Body:    b,
-		Details: "pd_extproc_" + strconv.Itoa(e.Status),
+		Body:    body,
+		Details: "pd_extproc_" + strconv.Itoa(status),
 	}}}
 }

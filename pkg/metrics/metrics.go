@@ -37,6 +37,7 @@ const (
 	Outcome4xx       = "4xx"       // rejected with a 4xx local reply (ours, or the prefill engine's own 4xx)
 	Outcome5xx       = "5xx"       // rejected with a 5xx local reply (no decode endpoint, prefill failed under on_failure=fail, ...)
 	OutcomeCancelled = "cancelled" // the stream ended before the request was routed or rejected (client or Envoy gave up)
+	OutcomeAnswered  = "answered"  // answered by pd-extproc itself, a 200 (GET /v1/models of a pool of several models), mode none
 )
 
 // Reason is why a routed request got its mode: String is its
@@ -155,7 +156,7 @@ func histogramVec(name, help string, buckets []float64, labels ...string) *prome
 var (
 	apis          = api.Labels()
 	modes         = []string{ModePD, ModeDecodeOnly, ModeNone}
-	outcomes      = []string{OutcomeRouted, Outcome4xx, Outcome5xx, OutcomeCancelled}
+	outcomes      = []string{OutcomeRouted, Outcome4xx, Outcome5xx, OutcomeCancelled, OutcomeAnswered}
 	prefillStates = []string{PrefillOK, PrefillFailed, PrefillCancelled}
 )
 
@@ -240,8 +241,8 @@ func (m *Metrics) initSeries() {
 	for _, api := range apis {
 		for _, mode := range modes {
 			for _, outcome := range outcomes {
-				if mode == ModeNone && outcome == OutcomeRouted {
-					continue // a routed request always has a mode
+				if mode == ModeNone && outcome == OutcomeRouted || mode != ModeNone && outcome == OutcomeAnswered {
+					continue // a routed request always has a mode, one answered here none
 				}
 				m.requests.WithLabelValues(api, mode, m.connector, outcome)
 			}

@@ -116,7 +116,11 @@ type Decision struct {
 	// the client with the error and has Envoy reset the decode request. nil
 	// when no leg runs beside the decode.
 	LegFailed <-chan *Error
-	decode    scheduling.Taken
+	// Answer, when set, is the whole answer, JSON, which the caller gives
+	// the client itself with a 200, routing nothing: the model list of a
+	// decode pool of several models (modelsAnswer).
+	Answer []byte
+	decode scheduling.Taken
 	// prefill is the engine whose KV the decode engine pulls (a sequential
 	// leg that handed out kv_transfer_params), nil otherwise. Its answer
 	// was a 200, but whether it served the request is the decode engine's

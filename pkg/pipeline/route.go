@@ -34,8 +34,9 @@ func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
 }
 
 // RouteHeaders routes a request that has no body: one the pass-through list
-// admits goes to a decode endpoint; an API that needs a body is refused, and
-// so is every path and method the table does not admit.
+// admits goes to a decode endpoint (the model list of a pool of several
+// models is answered with Decision.Answer); an API that needs a body is
+// refused, and so is every path and method the table does not admit.
 func (p *Pipeline) RouteHeaders(r *Request) (*Decision, error) {
 	r.Report = Report{}
 	a, err := p.match(r)
@@ -45,8 +46,12 @@ func (p *Pipeline) RouteHeaders(r *Request) (*Decision, error) {
 	if !a.IsPassthrough() {
 		return nil, noBody(a)
 	}
+	sreq := &scheduling.Request{N: 1, Prompts: 1, Subset: scheduling.ParseSubset(r.Subset)}
+	if list := p.modelsAnswer(r, sreq); list != nil {
+		return &Decision{Answer: list}, nil
+	}
 	r.Report.Mode, r.Report.Reason = ModeDecodeOnly, metrics.ReasonNoBody
-	d, err := p.pickDecode(&scheduling.Request{N: 1, Prompts: 1, Subset: scheduling.ParseSubset(r.Subset)})
+	d, err := p.pickDecode(sreq)
 	if err != nil {
 		return nil, err
 	}

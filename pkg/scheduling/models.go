@@ -20,10 +20,11 @@ import (
 // its model under and its LoRA adapters (OpenAIServingModels.
 // show_available_models), SGLang its served model name. Every pool asks
 // each of its engines as it joins, every minute after and after it was
-// ejected, and a request naming a model that some endpoint of the pool lists
-// goes only to endpoints that list it. A model no endpoint lists (an adapter
-// loaded since the last read, an engine whose --api-key guards the list, a
-// request naming none) may go to any, as before the lists were read.
+// ejected, and a request naming a model that some endpoints of the pool list
+// and others do not goes only to those that list it. A model every endpoint
+// lists (one model) or none lists (an adapter loaded since the last read, an
+// engine whose --api-key guards the list, a request naming none) may go to
+// any, as before the lists were read.
 const (
 	modelsPath       = "/v1/models"
 	modelsRetry      = 30 * time.Second // a failed read of an engine that never answered is asked again after this
@@ -33,8 +34,8 @@ const (
 
 // servedModels is what an engine last listed, or why it listed nothing.
 type servedModels struct {
-	names map[string]bool
-	err   string // why the last read failed; "" when it did not
+	names map[string]json.RawMessage // each name's card as the engine gave it
+	err   string                     // why the last read failed; "" when it did not
 	// answered: the engine listed its models once; a failed read of it is
 	// asked again soon (it restarts), of one that never did (vLLM's
 	// --api-key guards the list) after modelsRetry.
@@ -57,7 +58,11 @@ func (e *Endpoint) Models() int {
 // serves says whether the engine listed model.
 func (e *Endpoint) serves(model string) bool {
 	m := e.models.Load()
-	return m != nil && m.names[model]
+	if m == nil {
+		return false
+	}
+	_, ok := m.names[model]
+	return ok
 }
 
 // modelCounts is, per name, how many endpoints of a pool state list it:
@@ -118,7 +123,7 @@ func (p *Pool) readModels(ctx context.Context, st *poolState, eps []*Endpoint) {
 			m.names = old.names // a hiccup does not unlearn the list
 		}
 		e.models.Store(&m)
-		if old == nil || !maps.Equal(old.names, m.names) {
+		if old == nil || !sameNames(old.names, m.names) {
 			changed.Store(true)
 		}
 		p.logModels(e.Addr, old, &m)
@@ -157,7 +162,7 @@ func (p *Pool) logModels(addr string, old, m *servedModels) {
 		// Debug: a single-model pool needs no list, and vLLM's --api-key
 		// guards it (pd_extproc_endpoint_models stays 0).
 		log.V(1).Info("cannot read the models the engine serves: requests naming a model no endpoint lists may reach it", "error", m.err)
-	case m.err == "" && (old == nil || !maps.Equal(old.names, m.names)):
+	case m.err == "" && (old == nil || !sameNames(old.names, m.names)):
 		log.Info("the models the engine serves", "models", slices.Sorted(maps.Keys(m.names)))
 	}
 }
@@ -181,21 +186,67 @@ func fetchModels(ctx context.Context, pr probe, addr string, timeout time.Durati
 		return servedModels{err: fmt.Sprintf("%s answered %d", url, resp.StatusCode)}
 	}
 	var list struct {
-		Data []struct {
-			ID string `json:"id"`
-		} `json:"data"`
+		Data []json.RawMessage `json:"data"`
 	}
 	if err := json.NewDecoder(io.LimitReader(resp.Body, maxModelsAnswer)).Decode(&list); err != nil {
 		return servedModels{err: fmt.Sprintf("%s: %v", url, err)}
 	}
-	names := make(map[string]bool, min(len(list.Data), maxModelsPerList))
-	for _, m := range list.Data {
-		if m.ID != "" && len(names) < maxModelsPerList {
-			names[m.ID] = true
+	names := make(map[string]json.RawMessage, min(len(list.Data), maxModelsPerList))
+	for _, card := range list.Data {
+		var m struct {
+			ID string `json:"id"`
+		}
+		if json.Unmarshal(card, &m) == nil && m.ID != "" && len(names) < maxModelsPerList {
+			names[m.ID] = card
 		}
 	}
 	if len(names) == 0 {
 		return servedModels{err: url + " lists no model"}
 	}
 	return servedModels{names: names}
+}
+
+// sameNames says whether two lists name the same models.
+func sameNames(a, b map[string]json.RawMessage) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for n := range a {
+		if _, ok := b[n]; !ok {
+			return false
+		}
+	}
+	return true
+}
+
+// ModelList is what the pool's engines serve together: each name once,
+// with its card as an endpoint listing it gave it, in the order of the
+// names; ok is false when every endpoint read lists the same names (a pool
+// of one model) or none was read, where one engine's own list is the
+// pool's.
+func (p *Pool) ModelList() (cards []json.RawMessage, ok bool) {
+	var first map[string]json.RawMessage
+	all := map[string]json.RawMessage{}
+	for _, e := range p.state.Load().endpoints {
+		m := e.models.Load()
+		if m == nil || len(m.names) == 0 {
+			continue
+		}
+		if first == nil {
+			first = m.names
+		}
+		ok = ok || !sameNames(first, m.names)
+		for n, card := range m.names {
+			if _, seen := all[n]; !seen {
+				all[n] = card
+			}
+		}
+	}
+	if !ok {
+		return nil, false
+	}
+	for _, n := range slices.Sorted(maps.Keys(all)) {
+		cards = append(cards, all[n])
+	}
+	return cards, true
 }

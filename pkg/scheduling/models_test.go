@@ -70,9 +70,9 @@ func modelRequest(t testing.TB, model, prompt string) *Request {
 func serving(p *Pool, lists map[string][]string) {
 	for _, e := range p.Endpoints() {
 		if names, ok := lists[e.Addr]; ok {
-			m := servedModels{names: map[string]bool{}}
+			m := servedModels{names: map[string]json.RawMessage{}}
 			for _, n := range names {
-				m.names[n] = true
+				m.names[n] = json.RawMessage(`{"id":"` + n + `","object":"model","owned_by":"` + e.Addr + `"}`)
 			}
 			e.models.Store(&m)
 		}
@@ -121,6 +121,42 @@ func TestRequestsGoWhereTheirModelIsServed(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// The pool's list is every model its engines list, each once, where they
+// list different ones; else one engine's own list stands for the pool.
+func TestModelListOfAPoolOfSeveralModels(t *testing.T) {
+	const a, b, c = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+	tests := []struct {
+		name  string
+		lists map[string][]string
+		want  string // the cards, or "" for none: one engine answers
+	}{
+		{"one model", map[string][]string{a: {"llama"}, b: {"llama"}, c: {"llama"}}, ""},
+		{"one model, an engine not read", map[string][]string{a: {"llama"}, b: {"llama"}}, ""},
+		{"none read", nil, ""},
+		{"two models, an adapter on one engine", map[string][]string{a: {"llama", "llama-sql"}, b: {"llama"}, c: {"qwen"}},
+			`{"id":"llama","object":"model","owned_by":"10.0.0.1:8000"},` +
+				`{"id":"llama-sql","object":"model","owned_by":"10.0.0.1:8000"},` +
+				`{"id":"qwen","object":"model","owned_by":"10.0.0.3:8000"}`},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			p, _ := testPool(t, policy(config.PolicyLeastLoad), a, b, c)
+			serving(p, tc.lists)
+			cards, ok := p.ModelList()
+			got := ""
+			for i, card := range cards {
+				if i > 0 {
+					got += ","
+				}
+				got += string(card)
+			}
+			if ok != (tc.want != "") || got != tc.want {
+				t.Errorf("ModelList() = %s, %v; want %s", got, ok, tc.want)
+			}
+		})
 	}
 }
 

@@ -34,6 +34,10 @@ type Request struct {
 	// counts whether it sees their conversations whole per address. "" when
 	// unknown: those requests share one count.
 	Client string
+	// Model is the model (or vLLM adapter) the request names, "" for none:
+	// where the pool's engines list different models, only those listing it
+	// may take the request (models.go).
+	Model string
 
 	prompt *api.Prompt // read as the request's API reads it; nil for none
 	// tokens are the prompt's token ids as its engine computes them, when
@@ -91,7 +95,7 @@ func (r *Request) Held(e *Endpoint) int {
 
 // NewRequest is the request whose prompt p is.
 func NewRequest(p *api.Prompt) *Request {
-	return &Request{N: p.N, Prompts: p.Prompts, prompt: p}
+	return &Request{N: p.N, Prompts: p.Prompts, Model: p.Model, prompt: p}
 }
 
 // Prompt is the prompt as the prefix index sees it (api.Prompt.Text).
@@ -143,12 +147,12 @@ func (r *Request) namespace() uint64 {
 	return h.Sum64()
 }
 
-// model is the model (or vLLM adapter) the request names, "" for none.
+// model is the model the request names, "" for none or a nil request.
 func (r *Request) model() string {
-	if r == nil || r.prompt == nil {
+	if r == nil {
 		return ""
 	}
-	return r.prompt.Model
+	return r.Model
 }
 
 // read is what part says of the request's prompt, "" for a nil request.

@@ -268,6 +268,24 @@ func (r *rig) stream(t *testing.T, ctx context.Context, path, body string) *http
 	return resp
 }
 
+// get sends GET path, which has to come back whole.
+func (r *rig) get(t *testing.T, path string) (*http.Response, string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, r.proxy.URL()+path, nil)
+	resp, err := testbed.Client.Do(req)
+	if err != nil {
+		t.Fatalf("GET %s: %v", path, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("GET %s: %v", path, err)
+	}
+	return resp, string(b)
+}
+
 // must sends a request that has to come back whole.
 func (r *rig) must(t *testing.T, path, body string, header http.Header) (*http.Response, string) {
 	t.Helper()

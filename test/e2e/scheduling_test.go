@@ -333,56 +333,87 @@ func TestTenantsOfOneSystemPromptRankApart(t *testing.T) {
 // engines, and one of each serving "qwen"). Once the pools have read what
 // each engine lists at GET /v1/models, every request goes P/D to engines of
 // the model it names, on both legs: an engine of the other model would
-// answer it 404.
+// answer it 404. GET /v1/models through the gateway lists both models, each
+// once; SGLang's GET /v1/models/{model} reaches an engine of that model.
 func TestEachModelReachesItsEngines(t *testing.T) {
-	const other, perModel = "qwen", 12
-	var qwen []*pdsim.Server // its prefill engine, then its decode engine
-	withQwen := func(role string) func(sims []*pdsim.Server) []string {
-		return func(sims []*pdsim.Server) []string {
-			s := testbed.MustStartSim(t, testbed.SimConfig{Role: role, Protocol: pdsim.ProtocolNIXL, Model: other, IP: simIP(role, 9),
-				Timings: testbed.Timings{TTFT: time.Millisecond, TPOT: time.Millisecond, KVTransfer: time.Millisecond, OutputTokens: 5},
-				Log:     logTo(t)})
-			qwen = append(qwen, s)
-			return append(testbed.Addrs(sims), s.Addr())
-		}
-	}
-	r := startRig(t, rigOptions{prefillAddrs: withQwen(pdsim.RolePrefill), decodeAddrs: withQwen(pdsim.RoleDecode)})
-	pools := map[string][]*pdsim.Server{"prefill": append(slices.Clone(r.prefill), qwen[0]), "decode": append(slices.Clone(r.decode), qwen[1])}
-	for pool, sims := range pools {
-		for _, s := range sims {
-			series := fmt.Sprintf(`pd_extproc_endpoint_models{endpoint=%q,pool=%q}`, s.Addr(), pool)
-			waitFor(t, 10*time.Second, "the models of "+s.Addr(), func() bool { return r.extproc.MustMetric(t, series) == 1 })
-		}
-	}
-	for _, model := range []string{"pdsim", other} {
-		for i := range perModel {
-			b, _ := json.Marshal(map[string]any{"model": model, "max_tokens": 4,
-				"messages": []map[string]string{{"role": "user", "content": fmt.Sprintf("[%s %d] which model am I talking to?", model, i)}}})
-			if resp, got := r.must(t, "/v1/chat/completions", string(b), nil); resp.StatusCode != http.StatusOK {
-				t.Fatalf("%s: status %d: %s", model, resp.StatusCode, got)
+	const other, perModel = "qwen", 8
+	for _, connector := range []string{"kv-nixl", "kv-sglang"} {
+		t.Run(connector, func(t *testing.T) {
+			var qwen []*pdsim.Server // its prefill engine, then its decode engine
+			withQwen := func(role string) func(sims []*pdsim.Server) []string {
+				return func(sims []*pdsim.Server) []string {
+					s := testbed.MustStartSim(t, testbed.SimConfig{Role: role, Protocol: testbed.Protocols[connector], Model: other, IP: simIP(role, 9),
+						Timings: testbed.Timings{TTFT: time.Millisecond, TPOT: time.Millisecond, KVTransfer: time.Millisecond, OutputTokens: 5,
+							HandshakeTimeout: 10 * time.Second},
+						Log: logTo(t)})
+					qwen = append(qwen, s)
+					return append(testbed.Addrs(sims), s.Addr())
+				}
 			}
-		}
-	}
-	tests := []struct {
-		model      string
-		sims, rest []*pdsim.Server // its engines, the others
-	}{
-		{"pdsim", slices.Concat(r.prefill, r.decode), qwen},
-		{other, qwen, slices.Concat(r.prefill, r.decode)},
-	}
-	for _, tc := range tests {
-		legs := recordsWith(tc.sims, "["+tc.model+" ")
-		hits := 0
-		for _, l := range legs {
-			if l.KV == "hit" {
-				hits++
+			r := startRig(t, rigOptions{connector: connector, prefillAddrs: withQwen(pdsim.RolePrefill), decodeAddrs: withQwen(pdsim.RoleDecode)})
+			pools := map[string][]*pdsim.Server{"prefill": append(slices.Clone(r.prefill), qwen[0]), "decode": append(slices.Clone(r.decode), qwen[1])}
+			for pool, sims := range pools {
+				for _, s := range sims {
+					series := fmt.Sprintf(`pd_extproc_endpoint_models{endpoint=%q,pool=%q}`, s.Addr(), pool)
+					waitFor(t, 10*time.Second, "the models of "+s.Addr(), func() bool { return r.extproc.MustMetric(t, series) == 1 })
+				}
 			}
-		}
-		if len(legs) != 2*perModel || hits != perModel {
-			t.Errorf("%s: its engines got %d legs, %d decode legs with the KV; want %d and %d", tc.model, len(legs), hits, 2*perModel, perModel)
-		}
-		if stray := recordsWith(tc.rest, "["+tc.model+" "); len(stray) > 0 {
-			t.Errorf("%s: %d legs reached engines of the other model: %+v", tc.model, len(stray), stray)
-		}
+			for _, model := range []string{"pdsim", other} {
+				for i := range perModel {
+					b, _ := json.Marshal(map[string]any{"model": model, "max_tokens": 4,
+						"messages": []map[string]string{{"role": "user", "content": fmt.Sprintf("[%s %d] which model am I talking to?", model, i)}}})
+					if resp, got := r.must(t, "/v1/chat/completions", string(b), nil); resp.StatusCode != http.StatusOK {
+						t.Fatalf("%s: status %d: %s", model, resp.StatusCode, got)
+					}
+				}
+			}
+			tests := []struct {
+				model      string
+				sims, rest []*pdsim.Server // its engines, the others
+			}{
+				{"pdsim", slices.Concat(r.prefill, r.decode), qwen},
+				{other, qwen, slices.Concat(r.prefill, r.decode)},
+			}
+			for _, tc := range tests {
+				legs := recordsWith(tc.sims, "["+tc.model+" ")
+				if len(legs) != 2*perModel {
+					t.Errorf("%s: its engines got %d legs, want %d", tc.model, len(legs), 2*perModel)
+				}
+				if stray := recordsWith(tc.rest, "["+tc.model+" "); len(stray) > 0 {
+					t.Errorf("%s: %d legs reached engines of the other model: %+v", tc.model, len(stray), stray)
+				}
+			}
+			checkModelList(t, r, "pdsim", other)
+			for i := range map[bool]int{true: 6}[connector == "kv-sglang"] { // two decode engines of three would answer 404
+				resp, got := r.get(t, "/v1/models/"+other)
+				if resp.StatusCode != http.StatusOK || !strings.Contains(got, `"id":"`+other+`"`) {
+					t.Errorf("GET /v1/models/%s (%d): %d %s, want its card from an engine serving it", other, i, resp.StatusCode, got)
+				}
+			}
+		})
+	}
+}
+
+// checkModelList asks the gateway for GET /v1/models: an answer of
+// pd-extproc's own in OpenAI's shape, naming each of models once.
+func checkModelList(t *testing.T, r *rig, models ...string) {
+	t.Helper()
+	resp, got := r.get(t, "/v1/models")
+	var list struct {
+		Object string `json:"object"`
+		Data   []struct {
+			ID string `json:"id"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal([]byte(got), &list); err != nil || resp.StatusCode != http.StatusOK || list.Object != "list" ||
+		resp.Header.Get("Content-Type") != "application/json" {
+		t.Fatalf("GET /v1/models: %d %s %s (%v), want 200 and a model list", resp.StatusCode, resp.Header.Get("Content-Type"), got, err)
+	}
+	var ids []string
+	for _, m := range list.Data {
+		ids = append(ids, m.ID)
+	}
+	if !slices.Equal(ids, models) {
+		t.Errorf("GET /v1/models lists %v, want %v", ids, models)
 	}
 }
