@@ -22,9 +22,10 @@ import (
 // each of its engines as it joins, every minute after and after it was
 // ejected, and a request naming a model that some endpoints of the pool list
 // and others do not goes only to those that list it. A model every endpoint
-// lists (one model) or none lists (an adapter loaded since the last read, an
-// engine whose --api-key guards the list, a request naming none) may go to
-// any, as before the lists were read.
+// serves (one model) or none lists (an adapter loaded since the last read, a
+// request naming none) may go to any, as before the lists were read; an
+// engine whose --api-key guards its list is taken to serve every model
+// (blind).
 const (
 	modelsPath       = "/v1/models"
 	modelsRetry      = 30 * time.Second // a failed read of an engine that never answered is asked again after this
@@ -55,27 +56,43 @@ func (e *Endpoint) Models() int {
 	return 0
 }
 
-// serves says whether the engine listed model.
+// serves says whether the engine may take a request naming model: it
+// listed it, or its list could never be read (blind). One not read yet
+// may not, where others list the model: it is asked as it joins.
 func (e *Endpoint) serves(model string) bool {
 	m := e.models.Load()
 	if m == nil {
 		return false
 	}
 	_, ok := m.names[model]
-	return ok
+	return ok || m.blind()
 }
 
-// modelCounts is, per name, how many endpoints of a pool state list it:
-// counted as the state is built and again when a list changes, so that a
-// pick looks a model up once rather than on every endpoint.
-type modelCounts map[string]int
+// blind says the engine never answered for its list (vLLM's --api-key
+// guards it): it is taken to serve any model, so that engines turning
+// --api-key on one by one in a pool of one model are not left without
+// requests meanwhile.
+func (m *servedModels) blind() bool { return m.err != "" && !m.answered }
+
+// modelCounts is what the endpoints of a pool state list: counted as the
+// state is built and again when a list changes, so that a pick looks a
+// model up once rather than on every endpoint.
+type modelCounts struct {
+	listed map[string]int // per name, the endpoints that list it
+	blind  int            // the endpoints whose list could never be read
+}
 
 func countModels(eps []*Endpoint) *modelCounts {
-	c := modelCounts{}
+	c := modelCounts{listed: map[string]int{}}
 	for _, e := range eps {
-		if m := e.models.Load(); m != nil {
+		m := e.models.Load()
+		switch {
+		case m == nil:
+		case m.blind():
+			c.blind++
+		default:
 			for n := range m.names {
-				c[n]++
+				c.listed[n]++
 			}
 		}
 	}
@@ -83,15 +100,15 @@ func countModels(eps []*Endpoint) *modelCounts {
 }
 
 // servingOnly says whether a request naming model may go only to the
-// endpoints of st that list it: some do, and not all (a pool of one model
-// filters nothing).
+// endpoints of st that serve it: some list it, and others would not take
+// it (a pool of one model filters nothing).
 func (st *poolState) servingOnly(model string) bool {
 	if model == "" {
 		return false
 	}
 	c := st.models.Load()
-	n := (*c)[model]
-	return n > 0 && n < len(st.endpoints)
+	n := c.listed[model]
+	return n > 0 && n+c.blind < len(st.endpoints)
 }
 
 // readModels asks the endpoints never read, or not for a while, for the

@@ -66,10 +66,13 @@ func modelRequest(t testing.TB, model, prompt string) *Request {
 }
 
 // serving gives each endpoint of p the models its engine would list; an
-// address missing from lists was never read.
+// address missing from lists was never read, and one listing nil never
+// answered (its --api-key guards the list).
 func serving(p *Pool, lists map[string][]string) {
 	for _, e := range p.Endpoints() {
-		if names, ok := lists[e.Addr]; ok {
+		if names, ok := lists[e.Addr]; ok && names == nil {
+			e.models.Store(&servedModels{err: "answered 401"})
+		} else if ok {
 			m := servedModels{names: map[string]json.RawMessage{}}
 			for _, n := range names {
 				m.names[n] = json.RawMessage(`{"id":"` + n + `","object":"model","owned_by":"` + e.Addr + `"}`)
@@ -84,17 +87,17 @@ func serving(p *Pool, lists map[string][]string) {
 // the endpoints that list the model it names, under every policy; a model
 // none lists, or no model at all, may go anywhere, as before the lists.
 func TestRequestsGoWhereTheirModelIsServed(t *testing.T) {
-	const a1, a2, b1, fresh = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"
-	lists := map[string][]string{a1: {"llama", "llama-sql"}, a2: {"llama"}, b1: {"qwen"}} // fresh: not read yet
+	const a1, a2, b1, fresh, guarded = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000", "10.0.0.5:8000"
+	lists := map[string][]string{a1: {"llama", "llama-sql"}, a2: {"llama"}, b1: {"qwen"}, guarded: nil} // fresh: not read yet
 	tests := []struct {
 		model string
 		want  []string // the endpoints some request reaches
 	}{
-		{"llama", []string{a1, a2}},
-		{"llama-sql", []string{a1}},
-		{"qwen", []string{b1}},
-		{"mistral", []string{a1, a2, b1, fresh}}, // listed nowhere: an adapter loaded since, or a typo the engine answers
-		{"", []string{a1, a2, b1, fresh}},
+		{"llama", []string{a1, a2, guarded}},
+		{"llama-sql", []string{a1, guarded}},
+		{"qwen", []string{b1, guarded}},
+		{"mistral", []string{a1, a2, b1, fresh, guarded}}, // listed nowhere: an adapter loaded since, or a typo the engine answers
+		{"", []string{a1, a2, b1, fresh, guarded}},
 	}
 	for _, pol := range []string{config.PolicyLeastLoad, config.PolicyRoundRobin, config.PolicyPrefixAffinity} {
 		for _, tc := range tests {
@@ -102,7 +105,7 @@ func TestRequestsGoWhereTheirModelIsServed(t *testing.T) {
 				// Two-choices draws its pair in turn (testPool's always draws the first two).
 				draws := 0
 				intn := func(n int) int { draws++; return draws % n }
-				p := newPool("decode", true, PoolSpec{Endpoints: []string{a1, a2, b1, fresh}, PoolScheduling: policy(pol)}, Deps{intn: intn})
+				p := newPool("decode", true, PoolSpec{Endpoints: []string{a1, a2, b1, fresh, guarded}, PoolScheduling: policy(pol)}, Deps{intn: intn})
 				serving(p, lists)
 				reached := map[string]bool{}
 				for i := range 64 {
@@ -155,6 +158,40 @@ func TestModelListOfAPoolOfSeveralModels(t *testing.T) {
 			}
 			if ok != (tc.want != "") || got != tc.want {
 				t.Errorf("ModelList() = %s, %v; want %s", got, ok, tc.want)
+			}
+		})
+	}
+}
+
+// A pool of one model leaves no engine out for good: one whose list its
+// --api-key guards takes its share, as do all where none is read; only an
+// engine not read yet waits, for the read it gets as it joins.
+func TestAPoolOfOneModelLeavesNoEngineOut(t *testing.T) {
+	const a, b, c = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+	tests := []struct {
+		name  string
+		lists map[string][]string
+		want  []string
+	}{
+		{"one engine's list guarded", map[string][]string{a: {"llama"}, b: {"llama"}, c: nil}, []string{a, b, c}},
+		{"every list guarded", map[string][]string{a: nil, b: nil, c: nil}, []string{a, b, c}},
+		{"none read yet", nil, []string{a, b, c}},
+		{"one engine not read yet", map[string][]string{a: {"llama"}, b: {"llama"}}, []string{a, b}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			p, _ := testPool(t, policy(config.PolicyRoundRobin), a, b, c)
+			serving(p, tc.lists)
+			reached := map[string]bool{}
+			for range 6 {
+				e, err := p.Select(modelRequest(t, "llama", "hello"))
+				if err != nil {
+					t.Fatal(err)
+				}
+				reached[e.Addr] = true
+			}
+			if got := slices.Sorted(maps.Keys(reached)); !slices.Equal(got, tc.want) {
+				t.Errorf("reached %v, want %v", got, tc.want)
 			}
 		})
 	}
