@@ -330,7 +330,6 @@ func (x *exchange) route(keepAlive bool) (*pipeline.Decision, error) {
 	return x.router.Route(x.ctx, &x.req)
 }
 
-// fail ends the exchange with a local reply from Envoy to the client.
 // answerItself answers the client with d.Answer, a 200 that routes
 // nothing (the model list of a decode pool of several models).
 func (x *exchange) answerItself(d *pipeline.Decision) reply {
@@ -339,6 +338,7 @@ func (x *exchange) answerItself(d *pipeline.Decision) reply {
 	return reply{msg: localReply(http.StatusOK, d.Answer, "application/json", 0), done: true}
 }
 
+// fail ends the exchange with a local reply from Envoy to the client.
 func (x *exchange) fail(err error) reply {
 	x.requestDone = true
 	e := pipeline.AsError(err, x.req.RequestID)

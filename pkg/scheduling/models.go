@@ -43,7 +43,8 @@ type servedModels struct {
 	answered bool
 	at       time.Time
 	// ejections is the endpoint's count when it was read: an engine taken
-	// out of rotation since may come back restarted with another model.
+	// out of rotation since is asked again at once (it may have restarted
+	// with another model).
 	ejections uint64
 }
 
@@ -136,8 +137,10 @@ func (p *Pool) readModels(ctx context.Context, st *poolState, eps []*Endpoint) {
 			return
 		}
 		m.at, m.ejections, m.answered = now, ejections, m.err == "" || old != nil && old.answered
-		if m.err != "" && old != nil && old.ejections == ejections {
-			m.names = old.names // a hiccup does not unlearn the list
+		if m.err != "" && old != nil {
+			// Neither a hiccup nor a restart unlearns the list: an engine
+			// restarts with the model it had, and is asked again in 5 s.
+			m.names = old.names
 		}
 		e.models.Store(&m)
 		if old == nil || !sameNames(old.names, m.names) {
@@ -176,9 +179,9 @@ func (p *Pool) logModels(addr string, old, m *servedModels) {
 	log := p.deps.Log.WithValues("pool", p.Name, "endpoint", addr)
 	switch {
 	case m.err != "" && (old == nil || old.err != m.err):
-		// Debug: a single-model pool needs no list, and vLLM's --api-key
+		// Debug: a pool of one model needs no list, and vLLM's --api-key
 		// guards it (pd_extproc_endpoint_models stays 0).
-		log.V(1).Info("cannot read the models the engine serves: requests naming a model no endpoint lists may reach it", "error", m.err)
+		log.V(1).Info("cannot read the models the engine serves; until it answers once, it is taken to serve every model", "error", m.err)
 	case m.err == "" && (old == nil || !sameNames(old.names, m.names)):
 		log.Info("the models the engine serves", "models", slices.Sorted(maps.Keys(m.names)))
 	}

@@ -223,11 +223,11 @@ func TestNoEndpointOfTheModelIsAnError(t *testing.T) {
 	}
 }
 
-// The list is read again after a minute; a failed read after 5 s when the
-// engine answered before (it restarts), else after 30 s (its --api-key
-// guards the list); a failed read keeps the list read before, unless the
-// endpoint was ejected since (it may come back with another model); an
-// endpoint the checks find down is not asked.
+// The list is read again after a minute, and at once after an ejection; a
+// failed read after 5 s when the engine answered before (it restarts), else
+// after 30 s (its --api-key guards the list); a failed read keeps the list
+// read before, so that a restarting engine is not left out of its model's
+// requests; an endpoint the checks find down is not asked.
 func TestModelsAreReadAgain(t *testing.T) {
 	engine := newSGLangEngine(t, modelsPath, `{"data":[{"id":"llama"}]}`)
 	guarded := newSGLangEngine(t, modelsPath, "401")
@@ -247,8 +247,12 @@ func TestModelsAreReadAgain(t *testing.T) {
 		{"within the minute", func() { clock.Advance(serverInfoRefresh - 1) }, 1, 2, true},
 		{"a minute on, the engine fails", func() { clock.Advance(1); engine.set(modelsPath, "500") }, 2, 2, true},
 		{"within 5 s of the failure", func() { clock.Advance(serverInfoEvery - 1) }, 2, 2, true},
-		{"5 s on, the engine fails again after an ejection", func() { clock.Advance(1); eject(p, e.Addr) }, 3, 2, false},
-		{"checked down", func() { checkDown(p, e.Addr); clock.Advance(modelsRetry) }, 3, 3, false},
+		{"ejected, the engine fails again at once", func() { eject(p, e.Addr) }, 3, 2, true},
+		{"5 s on, it answers, restarted with another model", func() {
+			clock.Advance(serverInfoEvery)
+			engine.set(modelsPath, `{"data":[{"id":"qwen"}]}`)
+		}, 4, 2, false},
+		{"checked down", func() { checkDown(p, e.Addr); clock.Advance(modelsRetry) }, 4, 3, false},
 	}
 	for _, s := range steps {
 		s.do()
