@@ -2,7 +2,9 @@ package pipeline_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -119,25 +121,37 @@ func (k *keeper) Hold() func() {
 
 // Each prefill engine gets at most prefill.max_conns_per_endpoint
 // connections: with one, a second leg waits for the first's connection
-// instead of opening its own.
+// instead of opening its own, and its request is routed (its decode leg
+// sent) once the leg is written.
 func TestConnectionsPerPrefillEngineAreCapped(t *testing.T) {
 	engine := newGate(t)
 	p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-sglang
 pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {max_conns_per_endpoint: 1}`, engine.addr()))
 	t.Cleanup(p.Wait)
-	for range 2 {
+	route := func() error {
 		d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 			Body: []byte(`{"model":"m","messages":[]}`)})
-		if err != nil {
-			t.Fatal(err)
-		}
 		d.Release()
+		return err
 	}
+	if err := route(); err != nil {
+		t.Fatal(err)
+	}
+	routed := make(chan error, 1)
+	go func() { routed <- route() }()
 	first := engine.await(t)
+	select {
+	case err := <-routed:
+		t.Fatalf("the second request was routed (%v) while its leg had no connection to be written on", err)
+	default:
+	}
 	engine.pass <- struct{}{} // the first leg ends; its connection is free
 	if second := engine.await(t); second != first {
 		t.Errorf("the second leg came on its own connection (%s, the first on %s)", second, first)
+	}
+	if err := enginetest.Receive(t, routed, "the second request was never routed"); err != nil {
+		t.Error(err)
 	}
 	engine.release()
 }
@@ -239,6 +253,62 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, en
 			}
 			if !slices.Equal(got, want) {
 				t.Errorf("handed over %v, want %v", got, want)
+			}
+		})
+	}
+}
+
+// A concurrent leg whose engine refuses the connection was never sent, and
+// no decode engine waits for it yet: it is tried on another prefill
+// endpoint (prefill.attempts), and the request is routed to pair with the
+// engine that took it. When none can, a kv-sglang request gets the leg's
+// error at once, before any decode leg goes, and a kv-mooncake one goes
+// decode-only (prefill.on_failure).
+func TestALegThatCannotBeSentIsTriedElsewhere(t *testing.T) {
+	refusing := func() string {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.Close()
+		return l.Addr().String()
+	}
+	live := enginetest.Start(t, enginetest.JSON(200, `{"choices":[]}`))
+	tests := []struct {
+		name        string
+		prefill     []string
+		wantPrefill string // the endpoint the routed leg went to
+		wantStatus  int    // of the error, 0 for none
+	}{
+		{"the first refuses, the second takes it", []string{refusing(), live.Addr()}, live.Addr(), 0},
+		{"every one refuses", []string{refusing(), refusing()}, "", http.StatusServiceUnavailable},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, m, _ := newPipeline(t, fmt.Sprintf(`connector: kv-sglang
+pools: {prefill: {endpoints: [%q, %q], policy: round-robin}, decode: {endpoints: ["10.1.1.1:8000"]}}`, tt.prefill[0], tt.prefill[1]))
+			t.Cleanup(p.Wait)
+			r := &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+				Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+			d, err := p.Route(context.Background(), r)
+			if tt.wantStatus != 0 {
+				if e := (*pipeline.Error)(nil); !errors.As(err, &e) || e.Status != tt.wantStatus {
+					t.Fatalf("Route = %v, want a %d", err, tt.wantStatus)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Release()
+			if r.Report.Prefill != tt.wantPrefill || !strings.Contains(string(d.Body.Bytes()), `"bootstrap_host"`) {
+				t.Errorf("routed with the leg on %q (decode body %s), want it on %s", r.Report.Prefill, d.Body.Bytes(), tt.wantPrefill)
+			}
+			for e := range d.LegFailed {
+				t.Errorf("the leg that was sent failed: %v", e)
+			}
+			if got, _ := m.Sample("pd_extproc_prefill_failures_total", map[string]string{"reason": "connect"}); got != 1 {
+				t.Errorf("%v refused connections counted, want 1", got)
 			}
 		})
 	}

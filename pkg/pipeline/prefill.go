@@ -36,8 +36,9 @@ const maxPrefillResponseBytes = 8 << 20
 var errAnswerTooLarge = fmt.Errorf("the prefill answer is longer than %d bytes", maxPrefillResponseBytes)
 
 // attempt sends one prefill leg to endpoint inside its own span, and records
-// its duration and any failure, classified.
-func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg prefillLeg) (prefillAnswer, *attemptError) {
+// its duration and any failure, classified. wrote, when set, is called once
+// the request is written whole, before any answer.
+func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg prefillLeg, wrote func()) (prefillAnswer, *attemptError) {
 	attrs := []attribute.KeyValue{semconv.HTTPRequestMethodPost, semconv.URLPath(r.URLPath()), attribute.String("pd.request_id", r.RequestID)}
 	if host, port, err := net.SplitHostPort(endpoint); err == nil {
 		n, _ := strconv.Atoi(port)
@@ -51,6 +52,11 @@ func (p *Pipeline) attempt(ctx context.Context, endpoint string, r *Request, leg
 	answer, err := p.postPrefill(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
 		ConnectStart: func(string, string) { reached.Store(true) },
 		GotConn:      func(httptrace.GotConnInfo) { reached.Store(true) },
+		WroteRequest: func(w httptrace.WroteRequestInfo) {
+			if w.Err == nil && wrote != nil {
+				wrote()
+			}
+		},
 	}), endpoint, r, leg)
 	if err != nil {
 		failed := classify(ctx, err, reached.Load())

@@ -160,23 +160,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	// take room + i (_normalize_bootstrap_params), which must stay an int64.
 	h.Room = rand.Uint64() >> 2
 	if p.connector.Dispatch() == kv.Concurrent {
-		eps, slot, err := p.pools.Prefill.Claim(sreq, 1)
-		if err != nil {
-			return nil, p.noPrefillEndpoint()
-		}
-		leg, ok := p.pairWith(h, eps[0])
-		if !ok { // its engine ids went since the decision (an ejection)
-			slot.Release()
-			return nil, p.noPrefillEndpoint()
-		}
-		if !p.takeBackground() {
-			slot.Release()
-			return nil, backgroundFull(p.opts.MaxBackground, p.opts.RetryAfter)
-		}
-		rep.Prefill = eps[0].Addr
-		d.partner.legStarted()
-		p.launch(ctx, slot, r, leg, d)
-		return kv.DecodeBody(p.connector, h), nil
+		return p.concurrentLegs(ctx, r, h, sreq, d)
 	}
 	answer, prefill, err := p.runPrefill(ctx, sreq, r, h)
 	if err != nil {
@@ -258,7 +242,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 		slot = claimed
 		r.Report.Prefill = ep.Addr
 		leg, _ := p.pairWith(h, ep) // a sequential connector reads nothing more of the engine
-		answer, failed := p.attempt(ctx, ep.Addr, r, leg)
+		answer, failed := p.attempt(ctx, ep.Addr, r, leg, nil)
 		slot.Leave()
 		if failed == nil {
 			return answer, slot, nil
@@ -289,59 +273,6 @@ func (p *Pipeline) takeBackground() bool {
 	}
 	p.metrics.BackgroundLeg(1)
 	return true
-}
-
-// launch sends a concurrent prefill leg in the background, counted by
-// takeBackground, and hands its failure on through d.LegFailed. It runs on
-// its own deadline: Envoy closes the ext_proc
-// stream as soon as its last reply is in, which must not cancel a leg the
-// decode engine is waiting to pair with.
-//
-// The legs fail together: a prefill whose decode never connects answers 5xx,
-// and a decode whose prefill failed does too. So a leg that failed first,
-// or got no answer, spares its decode endpoint the blame for its 5xx
-// (partner), and an answer spares its own (attemptError.blames).
-func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request, leg prefillLeg, d *Decision) {
-	ep, taken, unhold := slot.Endpoint(), slot.Taken(), func() {}
-	if r.Keep != nil { // the leg reads the client's body after Route returns
-		unhold = r.Keep.Hold()
-	}
-	legFailed := make(chan *Error, 1)
-	d.LegFailed = legFailed
-	ctx = context.WithoutCancel(ctx)
-	p.background.Go(func() {
-		judged := true // by the leg's own outcome: the slot's probe is freed as it ends
-		defer func() {
-			close(legFailed)
-			if slot.Leave(); judged {
-				slot.Judged()
-			}
-			unhold()
-			p.inBackground.Add(-1)
-			p.metrics.BackgroundLeg(-1)
-		}()
-		ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
-		defer cancel()
-		_, failed := p.attempt(ctx, ep.Addr, r, leg)
-		// A leg that got no answer spares its decode, whether or not it is
-		// held against the prefill endpoint.
-		d.partner.legEnded(failed != nil, failed != nil && failed.counts() && failed.answer == nil)
-		if failed != nil {
-			if failed.blames(kv.Concurrent, false) {
-				taken.Failed()
-			}
-			p.log.Info("concurrent prefill leg failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())
-			legFailed <- prefillFailed(failed, r.RequestID)
-			return
-		}
-		if p.connector.Paired() { // an SGLang pair fails together: its prefill engine waits for the decode's handshake
-			taken.Served()
-			return
-		}
-		judged = false
-		slot.JudgedWithin(probeVerdictWait)
-		d.partner.legServed(slot)
-	})
 }
 
 // prefillLeg is one prefill request: its body, and the data-parallel rank

@@ -1,0 +1,130 @@
+package pipeline
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
+	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
+)
+
+// concurrentLegs launches the prefill leg of a concurrent connector
+// (kv-sglang, kv-mooncake) and returns the decode leg's body, which names
+// that prefill engine. The decode leg goes out once the prefill leg is
+// written: a leg that fails before (its engine refuses the connection, or
+// is gone) is tried on another prefill endpoint within prefill.attempts, as
+// no decode engine waits for it yet. Once written, the pair's fate is one
+// (launch).
+func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff, sreq *scheduling.Request, d *Decision) (body.Spliced, error) {
+	attempts := p.pools.Prefill.Attempts(sreq, p.opts.Attempts)
+	var last *attemptError // the last leg that could not be sent
+	for {
+		ep, slot, err := attempts.Next()
+		if err != nil && last == nil {
+			return nil, p.noPrefillEndpoint()
+		}
+		if err != nil {
+			return p.unsent(r, h, last)
+		}
+		leg, ok := p.pairWith(h, ep)
+		if !ok { // its engine ids went since the decision (an ejection)
+			slot.Release()
+			return nil, p.noPrefillEndpoint()
+		}
+		if !p.takeBackground() {
+			slot.Release()
+			return nil, backgroundFull(p.opts.MaxBackground, p.opts.RetryAfter)
+		}
+		r.Report.Prefill = ep.Addr
+		d.partner.legStarted()
+		failed, notSent := <-p.launch(ctx, slot, r, leg, d)
+		if !notSent {
+			return kv.DecodeBody(p.connector, h), nil
+		}
+		d.partner.legEnded(false, false) // no decode engine waits for it
+		if last = failed; !failed.retryable() {
+			return p.unsent(r, h, failed)
+		}
+		p.log.V(1).Info("concurrent prefill leg not sent; trying another endpoint", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())
+	}
+}
+
+// unsent answers a request none of whose concurrent legs could be sent:
+// under kv-sglang, whose decode engines serve only pairs, with the leg's
+// error; else as prefill.on_failure says (kv-mooncake's decode engine may
+// compute the prompt itself: no decode leg was sent yet).
+func (p *Pipeline) unsent(r *Request, h *kv.Handoff, failed *attemptError) (body.Spliced, error) {
+	if p.connector.Paired() {
+		return nil, prefillFailed(failed, r.RequestID)
+	}
+	return p.withoutPrefill(r, h, failed)
+}
+
+// launch sends a concurrent prefill leg in the background, counted by
+// takeBackground, and hands its failure on through d.LegFailed. It runs on
+// its own deadline: Envoy closes the ext_proc
+// stream as soon as its last reply is in, which must not cancel a leg the
+// decode engine is waiting to pair with.
+//
+// The channel it returns is closed once the leg is written; a leg that
+// fails before gets its failure there instead, and leaves d as it was: the
+// caller may try another endpoint.
+//
+// The legs fail together: a prefill whose decode never connects answers 5xx,
+// and a decode whose prefill failed does too. So a leg that failed first,
+// or got no answer, spares its decode endpoint the blame for its 5xx
+// (partner), and an answer spares its own (attemptError.blames).
+func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request, leg prefillLeg, d *Decision) <-chan *attemptError {
+	ep, taken, unhold := slot.Endpoint(), slot.Taken(), func() {}
+	if r.Keep != nil { // the leg reads the client's body after Route returns
+		unhold = r.Keep.Hold()
+	}
+	legFailed := make(chan *Error, 1)
+	d.LegFailed = legFailed
+	unsent := make(chan *attemptError, 1)
+	written := sync.OnceFunc(func() { close(unsent) })
+	ctx = context.WithoutCancel(ctx)
+	p.background.Go(func() {
+		judged := true // by the leg's own outcome: the slot's probe is freed as it ends
+		defer func() {
+			close(legFailed)
+			if slot.Leave(); judged {
+				slot.Judged()
+			}
+			unhold()
+			p.inBackground.Add(-1)
+			p.metrics.BackgroundLeg(-1)
+		}()
+		ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
+		defer cancel()
+		var sent atomic.Bool // set on the transport's goroutine
+		_, failed := p.attempt(ctx, ep.Addr, r, leg, func() { sent.Store(true); written() })
+		if failed != nil && failed.blames(kv.Concurrent, false) {
+			taken.Failed()
+		}
+		if failed != nil && !sent.Load() {
+			p.log.V(1).Info("concurrent prefill leg failed before it was sent", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())
+			unsent <- failed
+			return
+		}
+		written() // an answer comes after the request is written; this is for form's sake
+		// A leg that got no answer spares its decode, whether or not it is
+		// held against the prefill endpoint.
+		d.partner.legEnded(failed != nil, failed != nil && failed.counts() && failed.answer == nil)
+		if failed != nil {
+			p.log.Info("concurrent prefill leg failed", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())
+			legFailed <- prefillFailed(failed, r.RequestID)
+			return
+		}
+		if p.connector.Paired() { // an SGLang pair fails together: its prefill engine waits for the decode's handshake
+			taken.Served()
+			return
+		}
+		judged = false
+		slot.JudgedWithin(probeVerdictWait)
+		d.partner.legServed(slot)
+	})
+	return unsent
+}
