@@ -26,7 +26,7 @@ func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff
 			return nil, p.noPrefillEndpoint()
 		}
 		if err != nil {
-			return p.unsent(r, h, last)
+			return p.unsent(r, h, d, last)
 		}
 		leg, ok := p.pairWith(h, ep)
 		if !ok { // its engine ids went since the decision (an ejection)
@@ -45,7 +45,7 @@ func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff
 		}
 		d.partner.legEnded(false, false) // no decode engine waits for it
 		if last = failed; !failed.retryable() {
-			return p.unsent(r, h, failed)
+			return p.unsent(r, h, d, failed)
 		}
 		p.log.V(1).Info("concurrent prefill leg not sent; trying another endpoint", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())
 	}
@@ -54,8 +54,10 @@ func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff
 // unsent answers a request none of whose concurrent legs could be sent:
 // under kv-sglang, whose decode engines serve only pairs, with the leg's
 // error; else as prefill.on_failure says (kv-mooncake's decode engine may
-// compute the prompt itself: no decode leg was sent yet).
-func (p *Pipeline) unsent(r *Request, h *kv.Handoff, failed *attemptError) (body.Spliced, error) {
+// compute the prompt itself: no decode leg was sent yet). No leg runs
+// beside it.
+func (p *Pipeline) unsent(r *Request, h *kv.Handoff, d *Decision, failed *attemptError) (body.Spliced, error) {
+	d.LegFailed = nil
 	if p.connector.Paired() {
 		return nil, prefillFailed(failed, r.RequestID)
 	}

@@ -567,24 +567,29 @@ func TestSGLangNeverGoesDecodeOnly(t *testing.T) {
 	}
 }
 
-// TestSGLangPassesOverAPrefillEngineThatIsGone: a kv-sglang prefill leg
-// whose engine refuses the connection was never sent, and its decode leg
-// not yet either: the leg goes to the next prefill endpoint and the request
-// is served. Every request of a round-robin over a dead engine and a live
-// one comes back 200 with the KV; none waits for a KV that never comes.
-func TestSGLangPassesOverAPrefillEngineThatIsGone(t *testing.T) {
-	dead := testbed.MustFreeAddr(t)
-	r := startRig(t, rigOptions{connector: "kv-sglang", prefillPool: "policy: round-robin",
-		prefillAddrs: func(sims []*pdsim.Server) []string { return []string{dead, sims[0].Addr()} }})
-	for i := range 4 {
-		path, body := request("chat", false, fmt.Sprintf("the first prefill is gone %d", i))
-		resp, got := r.must(t, path, body, nil)
-		if resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
-			t.Errorf("request %d: status %d, KV %q (%.200s), want 200 and the KV from the live prefill engine", i, resp.StatusCode, resp.Header.Get("x-pdsim-kv"), got)
-		}
-	}
-	if n := len(recordsWith(r.prefill[:1], "the first prefill is gone")); n != 4 {
-		t.Errorf("the live prefill engine took %d legs, want all 4", n)
+// TestConcurrentLegsPassOverAPrefillEngineThatIsGone: a kv-sglang or
+// kv-mooncake prefill leg whose engine refuses the connection was never
+// sent, and its decode leg not yet either: the leg goes to the next prefill
+// endpoint and the request is served. Every request of a round-robin over a
+// prefill engine that has gone and a live one comes back 200 with the KV;
+// none waits for a KV that never comes.
+func TestConcurrentLegsPassOverAPrefillEngineThatIsGone(t *testing.T) {
+	for _, connector := range []string{"kv-sglang", "kv-mooncake"} {
+		t.Run(connector, func(t *testing.T) {
+			r := startRig(t, rigOptions{connector: connector, prefillPool: "policy: round-robin"})
+			r.prefill[1].Close() // after its engine ids were read (kv-mooncake): it is pairable, and gone
+			marker := "a prefill engine is gone " + connector
+			for i := range 4 {
+				path, body := request("chat", false, fmt.Sprintf("%s %d", marker, i))
+				resp, got := r.must(t, path, body, nil)
+				if resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
+					t.Errorf("request %d: status %d, KV %q (%.200s), want 200 and the KV from the live prefill engine", i, resp.StatusCode, resp.Header.Get("x-pdsim-kv"), got)
+				}
+			}
+			if n := len(recordsWith(r.prefill[:1], marker)); n != 4 {
+				t.Errorf("the live prefill engine took %d legs, want all 4", n)
+			}
+		})
 	}
 }
 
