@@ -197,6 +197,51 @@ func TestAPoolOfOneModelLeavesNoEngineOut(t *testing.T) {
 	}
 }
 
+// A prefix's home set is sized by its share of the traffic of the endpoints
+// it is ranked over: in a pool of two models, one system prompt carrying all
+// of a small model's requests (a tenth of the pool's) spreads over both of
+// that model's engines, as it would in a pool of its own. Counted against
+// the whole pool's traffic its share would keep it on one.
+func TestAModelsPrefixIsSizedByItsOwnTraffic(t *testing.T) {
+	llama := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000", "10.0.0.5:8000", "10.0.0.6:8000"}
+	qwen := []string{"10.0.1.1:8000", "10.0.1.2:8000"}
+	spec := policy(config.PolicyPrefixAffinity)
+	spec.SetDefaults()
+	p, _ := testPool(t, spec, append(slices.Clone(llama), qwen...)...)
+	lists := map[string][]string{}
+	for _, a := range llama {
+		lists[a] = []string{"llama"}
+	}
+	for _, a := range qwen {
+		lists[a] = []string{"qwen"}
+	}
+	serving(p, lists)
+	system := strings.Repeat("You answer questions about the qwen tenant's billing. ", 40)
+	reached := map[string]bool{}
+	for i := range 600 {
+		model, sys := "llama", fmt.Sprintf("llama tenant %d's assistant. ", i%20)+strings.Repeat("x", 3000)
+		if i%10 == 0 {
+			model, sys = "qwen", system
+		}
+		b, _ := json.Marshal(map[string]any{"model": model, "messages": []map[string]string{
+			{"role": "system", "content": sys}, {"role": "user", "content": fmt.Sprintf("question %d: what is due?", i)}}})
+		obj, err := body.Parse(b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		e, err := p.Select(NewRequest(api.Chat.PromptOf(obj)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if model == "qwen" && i >= 300 { // past the shares' warm-up
+			reached[e.Addr] = true
+		}
+	}
+	if got := slices.Sorted(maps.Keys(reached)); !slices.Equal(got, qwen) {
+		t.Errorf("the qwen system prompt's requests reached %v, want both qwen engines %v", got, qwen)
+	}
+}
+
 // When every endpoint serving the model is out, or outside the subset hint,
 // the request gets the pool's error, not an engine of another model.
 func TestNoEndpointOfTheModelIsAnError(t *testing.T) {

@@ -173,13 +173,13 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 	}
 	var subset Subset
 	model := req.model()
+	only := st.servingOnly(model) // else any endpoint may serve it (models.go)
 	if req != nil {
-		req.absent = nil
+		req.absent, req.modelOnly = nil, only
 		if p.decode {
 			subset = req.Subset
 		}
 	}
-	only := st.servingOnly(model) // else any endpoint may serve it (models.go)
 	out := make([]*Endpoint, 0, len(st.endpoints))
 	var ejected, down []*Endpoint // kept out by passive health alone; by either
 	allowed, untried := 0, 0

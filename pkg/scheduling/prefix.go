@@ -268,3 +268,38 @@ func (s *shares) note(h uint64) float64 {
 	faded := math.Pow(sharesDecay, s.n)
 	return c.count / ((1-faded)/(1-sharesDecay) + faded*sharesPrior)
 }
+
+// poolShares are the shares of a pool's requests and, for requests that only
+// some of its endpoints serve (a pool of several models, models.go), of
+// each model's requests among themselves: a prefix's home set is sized
+// against the endpoints it is ranked over, so its share must be of the
+// traffic those take. At most maxModelShares models are told apart; the
+// others share the pool's count.
+type poolShares struct {
+	all     *shares
+	mu      sync.Mutex
+	byModel map[string]*shares
+}
+
+const maxModelShares = 256
+
+func newPoolShares() *poolShares { return &poolShares{all: newShares(), byModel: map[string]*shares{}} }
+
+// of is the shares req's share is counted in: its model's when only that
+// model's endpoints were candidates, else the pool's.
+func (ps *poolShares) of(req *Request) *shares {
+	if !req.modelOnly {
+		return ps.all
+	}
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	s, ok := ps.byModel[req.Model]
+	if !ok && len(ps.byModel) >= maxModelShares {
+		return ps.all
+	}
+	if !ok {
+		s = newShares()
+		ps.byModel[req.Model] = s
+	}
+	return s
+}

@@ -202,7 +202,7 @@ type prefixAffinity struct {
 	// of the others, per client address (Request.Client).
 	named                     *coverage
 	clients                   *clientCoverages
-	shares                    *shares
+	shares                    *poolShares
 	factor, slack, queueSlack float64
 	// estimateQueueSlack is queueSlack for a request placed without a view
 	// of the engines' caches it may trust (config.PrefixAffinity).
@@ -271,7 +271,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 		}
 	}
 	h := xxhash.Sum64String(prefix) ^ ns
-	conv, share := conversationHash(req, conversation, ns), p.shares.note(h)
+	conv, share := conversationHash(req, conversation, ns), p.shares.of(req).note(h)
 	rs := rank(h, conv, homeSize(share, len(eps), p.spread), eps)
 	queueSlack := p.queueSlack
 	if held == nil {

@@ -53,6 +53,9 @@ type Request struct {
 	absent []*Endpoint
 	// runes is 1 + the prompt's length in runes once counted (promptRunes), 0 before.
 	runes int
+	// modelOnly: the pool last picked for it took only the endpoints
+	// serving its Model as candidates (models.go).
+	modelOnly bool
 }
 
 // estimate is how many leading characters of a prompt (Request.Prompt) an

@@ -31,7 +31,7 @@ func newPicker(s config.PoolScheduling, intn func(int) int, cache func() *kveven
 		return &prefixAffinity{
 			keys:               rendezvousKeys{blockChars: s.Prefix.BlockChars, keyBlocks: s.Prefix.KeyBlocks},
 			index:              newPrefixIndex(s.Prefix.BlockChars, s.Prefix.MaxBlocks),
-			shares:             newShares(),
+			shares:             newPoolShares(),
 			named:              &coverage{},
 			clients:            &clientCoverages{},
 			factor:             s.Prefix.LoadFactor,
