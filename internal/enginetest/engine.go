@@ -31,17 +31,17 @@ type Engine struct {
 	arrived  chan struct{} // one token per request received
 }
 
-// Model is the one model the engine lists at GET /v1/models, which pools
+// model is the one model the engine lists at GET /v1/models, which pools
 // ask of every engine; that question is answered apart, neither recorded
 // nor given to the test's answer.
-const Model = "m"
+const model = "m"
 
 // Start serves answer on loopback until the test ends.
 func Start(t testing.TB, answer http.HandlerFunc) *Engine {
 	e := &Engine{arrived: make(chan struct{}, 100)}
 	e.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodGet && r.URL.Path == "/v1/models" {
-			JSON(http.StatusOK, `{"object":"list","data":[{"id":"`+Model+`","object":"model"}]}`)(w, r)
+			JSON(http.StatusOK, `{"object":"list","data":[{"id":"`+model+`","object":"model"}]}`)(w, r)
 			return
 		}
 		b, _ := io.ReadAll(r.Body)

@@ -4,10 +4,7 @@ import (
 	"cmp"
 	"context"
 	"encoding/json"
-	"fmt"
-	"io"
 	"maps"
-	"net/http"
 	"slices"
 	"sync/atomic"
 	"time"
@@ -189,27 +186,12 @@ func (p *Pool) logModels(addr string, old, m *servedModels) {
 
 // fetchModels asks the engine at addr for its model list.
 func fetchModels(ctx context.Context, pr probe, addr string, timeout time.Duration) servedModels {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
 	url := pr.url(addr, modelsPath)
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err != nil {
-		return servedModels{err: err.Error()}
-	}
-	resp, err := pr.client.Do(req)
-	if err != nil {
-		return servedModels{err: err.Error()}
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // so the connection is reused
-		return servedModels{err: fmt.Sprintf("%s answered %d", url, resp.StatusCode)}
-	}
 	var list struct {
 		Data []json.RawMessage `json:"data"`
 	}
-	if err := json.NewDecoder(io.LimitReader(resp.Body, maxModelsAnswer)).Decode(&list); err != nil {
-		return servedModels{err: fmt.Sprintf("%s: %v", url, err)}
+	if _, err := pr.getJSON(ctx, url, timeout, maxModelsAnswer, &list); err != nil {
+		return servedModels{err: err.Error()}
 	}
 	names := make(map[string]json.RawMessage, min(len(list.Data), maxModelsPerList))
 	for _, card := range list.Data {
@@ -226,17 +208,9 @@ func fetchModels(ctx context.Context, pr probe, addr string, timeout time.Durati
 	return servedModels{names: names}
 }
 
-// sameNames says whether two lists name the same models.
+// sameNames says whether two lists name the same models, whatever their cards.
 func sameNames(a, b map[string]json.RawMessage) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for n := range a {
-		if _, ok := b[n]; !ok {
-			return false
-		}
-	}
-	return true
+	return maps.EqualFunc(a, b, func(json.RawMessage, json.RawMessage) bool { return true })
 }
 
 // ModelList is what the pool's engines serve together: each name once,

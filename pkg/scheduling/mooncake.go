@@ -2,12 +2,9 @@ package scheduling
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
 	"maps"
 	"net"
-	"net/http"
 	"slices"
 	"strconv"
 	"time"
@@ -66,27 +63,12 @@ func (e *Endpoint) Ranks() int {
 // fetchEngineIDs asks the bootstrap server at addr for its engine ids.
 func fetchEngineIDs(ctx context.Context, pr probe, addr string, timeout time.Duration) serverInfo {
 	url := "http://" + addr + "/query"
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err != nil {
-		return serverInfo{err: err.Error()}
-	}
-	resp, err := pr.client.Do(req)
-	if err != nil {
-		return serverInfo{err: err.Error()}
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // so the connection is reused
-		// Before every worker registered, newer servers answer 503.
-		return serverInfo{err: fmt.Sprintf("%s answered %d", url, resp.StatusCode)}
-	}
 	var ranks map[string]struct {
 		EngineID string `json:"engine_id"`
 	}
-	if err := json.NewDecoder(io.LimitReader(resp.Body, maxEngineIDs)).Decode(&ranks); err != nil {
-		return serverInfo{err: fmt.Sprintf("%s: %v", url, err)}
+	// Before every worker registered, newer servers answer 503.
+	if _, err := pr.getJSON(ctx, url, timeout, maxEngineIDs, &ranks); err != nil {
+		return serverInfo{err: err.Error()}
 	}
 	ids := map[string]string{}
 	for rank, entry := range ranks {

@@ -1,7 +1,11 @@
 package scheduling
 
 import (
+	"context"
 	"crypto/tls"
+	"encoding/json"
+	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"sync"
@@ -80,4 +84,30 @@ func probeEach(eps []*Endpoint, work func(*Endpoint)) {
 		wg.Go(func() { work(e) })
 	}
 	wg.Wait()
+}
+
+// getJSON asks url within timeout and decodes a 200's body, at most limit
+// bytes of it, into v. status is the answer's (0 when none came); any other
+// than 200 is an error, and its body is read off so that the connection is
+// reused.
+func (p probe) getJSON(ctx context.Context, url string, timeout time.Duration, limit int64, v any) (status int, err error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := p.client.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+		return resp.StatusCode, fmt.Errorf("%s answered %d", url, resp.StatusCode)
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, limit)).Decode(v); err != nil {
+		return resp.StatusCode, fmt.Errorf("%s: %w", url, err)
+	}
+	return resp.StatusCode, nil
 }

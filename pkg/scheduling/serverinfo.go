@@ -3,9 +3,7 @@ package scheduling
 import (
 	"cmp"
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"slices"
 	"time"
@@ -156,30 +154,16 @@ func fetchServerInfo(ctx context.Context, pr probe, addr string, timeout time.Du
 }
 
 func getServerInfo(ctx context.Context, pr probe, url string, timeout time.Duration) (serverInfo, int, error) {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err != nil {
-		return serverInfo{}, 0, err
-	}
-	resp, err := pr.client.Do(req)
-	if err != nil {
-		return serverInfo{}, 0, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // so the connection is reused
-		return serverInfo{}, resp.StatusCode, fmt.Errorf("%s answered %d", url, resp.StatusCode)
-	}
 	var body struct {
 		Port *int   `json:"disaggregation_bootstrap_port"`
 		Mode string `json:"disaggregation_mode"`
 	}
-	if err := json.NewDecoder(io.LimitReader(resp.Body, maxServerInfo)).Decode(&body); err != nil {
-		return serverInfo{}, resp.StatusCode, fmt.Errorf("%s: %w", url, err)
+	status, err := pr.getJSON(ctx, url, timeout, maxServerInfo, &body)
+	if err != nil {
+		return serverInfo{}, status, err
 	}
 	if body.Port == nil || *body.Port < 1 || *body.Port > 65535 {
-		return serverInfo{}, resp.StatusCode, fmt.Errorf("%s names no disaggregation_bootstrap_port", url)
+		return serverInfo{}, status, fmt.Errorf("%s names no disaggregation_bootstrap_port", url)
 	}
-	return serverInfo{bootstrapPort: *body.Port, mode: body.Mode}, resp.StatusCode, nil
+	return serverInfo{bootstrapPort: *body.Port, mode: body.Mode}, status, nil
 }
