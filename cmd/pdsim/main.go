@@ -61,6 +61,7 @@ func parseFlags(args []string, stderr io.Writer) (pdsim.Config, error) {
 		}
 		return nil
 	})
+	fs.StringVar(&c.APIKey, "api-key", os.Getenv("VLLM_API_KEY"), "ask callers for Authorization: Bearer <key> on every path but /health, /ping, /load, /version, /metrics (401 without), as vLLM's --api-key; default $VLLM_API_KEY")
 	fs.StringVar(&c.Addr, "addr", ":8000", "HTTP (OpenAI API) listen address")
 	fs.StringVar(&c.KVAddr, "kv-addr", ":5600", "vllm-nixl prefill: NIXL side-channel listen address (VLLM_NIXL_SIDE_CHANNEL_PORT); vllm-mooncake prefill: the worker the decode pulls KV from")
 	fs.StringVar(&c.BootstrapAddr, "bootstrap-addr", ":8998", "sglang or vllm-mooncake prefill: bootstrap server listen address (VLLM_MOONCAKE_BOOTSTRAP_PORT)")

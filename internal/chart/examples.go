@@ -41,6 +41,7 @@ config:
       policy: prefix-affinity}
   limits: {max_concurrent_streams: 4096}
   response: {rewrite_usage: true}
+engineAPIKey: {secretName: engine-api-key, key: key}
 rbac: {inferencePools: true, extraNamespaces: [engines]}
 tls:
   certManager: {enabled: false}

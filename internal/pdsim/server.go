@@ -73,6 +73,9 @@ type Config struct {
 	// RefuseServerInfo answers SGLang's server info with 401, as an SGLang
 	// server started with --api-key does to a caller without its key.
 	RefuseServerInfo bool
+	// APIKey, when set, is the key the engine asks of its callers, as
+	// vLLM's and SGLang's --api-key (apikey.go).
+	APIKey string
 	// MaxRecords bounds the requests Requests (and /pdsim/requests) keep,
 	// bodies included: past it the older half is forgotten, so that a
 	// simulator left under load does not grow without end. Default
@@ -314,6 +317,10 @@ func (s *Server) routes() http.Handler {
 	})
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("x-pdsim-role", s.cfg.Role)
+		if !s.admits(r) {
+			writeJSON(w, http.StatusUnauthorized, map[string]string{"error": "Unauthorized"})
+			return
+		}
 		mux.ServeHTTP(w, r)
 	})
 }

@@ -44,6 +44,7 @@ type SimConfig struct {
 	PrefixCacheBlocks          int      // the prefix cache's size; 0: pdsim's default
 	NoRender                   bool     // no render endpoints, as older vLLM releases
 	RefuseServerInfo           bool     // SGLang's server info refused (401), as with --api-key
+	APIKey                     string   // the key it asks of its callers (--api-key)
 	Model                      string   // the served model's name; default pdsim's, "pdsim"
 	LoRA                       []string // LoRA adapters served besides the model
 	Timings
@@ -63,8 +64,8 @@ func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
 	}
 	s, err := pdsim.Start(pdsim.Config{
 		KVEvents: events, PrefixCacheBlocks: cfg.PrefixCacheBlocks, NoRender: cfg.NoRender, Model: cfg.Model, LoRA: cfg.LoRA,
-		RefuseServerInfo: cfg.RefuseServerInfo,
-		Role:             cfg.Role, Protocol: cfg.Protocol, SharedDir: cfg.SharedDir,
+		RefuseServerInfo: cfg.RefuseServerInfo, APIKey: cfg.APIKey,
+		Role: cfg.Role, Protocol: cfg.Protocol, SharedDir: cfg.SharedDir,
 		Addr:          cmp.Or(cfg.Addr, hostPort(ip, 0)),
 		KVAddr:        hostPort(ip, cfg.KVPort),
 		BootstrapAddr: hostPort(ip, cfg.BootstrapPort),

@@ -46,6 +46,8 @@ type Pool struct {
 	// TLS makes the decode pool's health checks and /metrics scrapes HTTPS
 	// (the decode leg itself is Envoy's). The prefill pool's follow prefill.tls.
 	TLS EngineTLS `json:"tls"`
+	// APIKeyFile holds the decode engines' API key (engines.go).
+	APIKeyFile string `json:"api_key_file,omitempty"`
 	// Kubernetes discovers more endpoints from the Kubernetes API (kubernetes.go).
 	Kubernetes *Kubernetes `json:"kubernetes,omitempty"`
 	PoolScheduling
@@ -71,6 +73,8 @@ type Prefill struct {
 	Timeout   Duration  `json:"timeout"`
 	OnFailure string    `json:"on_failure"`
 	TLS       EngineTLS `json:"tls"`
+	// APIKeyFile holds the prefill engines' API key (engines.go).
+	APIKeyFile string `json:"api_key_file,omitempty"`
 	// HTTP2 speaks HTTP/2 to the engines: cleartext with prior knowledge
 	// (h2c), or negotiated with TLS. Off by default: vLLM and SGLang serve HTTP/1.1.
 	HTTP2 bool `json:"http2"`
@@ -85,27 +89,6 @@ type Prefill struct {
 	// with Retry-After. Default: limits.max_concurrent_streams.
 	MaxBackground int `json:"max_background"`
 	PrefillAttempts
-}
-
-// EngineTLS makes the requests to a pool's engines HTTPS: prefill.tls for the
-// prefill legs and the prefill pool's checks and scrapes, pools.decode.tls for
-// the decode pool's.
-type EngineTLS struct {
-	Enabled bool `json:"enabled"`
-	// CAFile is a PEM bundle of the CAs that sign the engines' certificates;
-	// the system's roots when empty.
-	CAFile string `json:"ca_file,omitempty"`
-	// ServerName overrides the name checked in the engines' certificates
-	// (they are dialled by IP).
-	ServerName string `json:"server_name,omitempty"`
-}
-
-// Validate checks the TLS keys under key.
-func (t EngineTLS) Validate(key string) error {
-	if !t.Enabled && (t.CAFile != "" || t.ServerName != "") {
-		return fmt.Errorf("%s: ca_file and server_name need %s.enabled: true", key, key)
-	}
-	return nil
 }
 
 // Limits bounds what one request, and all of them together, may use.
@@ -302,9 +285,7 @@ func (c *Config) validate() error {
 			"%s cannot send a request decode-only (its decode engines serve only prefill/decode pairs)", c.Connector))
 	}
 	errs = append(errs, c.validateCacheRules())
-	if c.Pools.Prefill.TLS != (EngineTLS{}) {
-		errs = append(errs, errors.New("pools.prefill.tls: the prefill pool's checks and scrapes follow prefill.tls"))
-	}
+	errs = append(errs, c.validateEngineAccess())
 	errs = append(errs, c.Prefill.TLS.Validate("prefill.tls"), c.Pools.Decode.TLS.Validate("pools.decode.tls"), c.Response.Validate("response"))
 	if c.Prefill.OnFailure != OnFailureDecodeOnly && c.Prefill.OnFailure != OnFailureFail {
 		errs = append(errs, fmt.Errorf("prefill.on_failure: %q is not %q or %q", c.Prefill.OnFailure, OnFailureDecodeOnly, OnFailureFail))

@@ -219,6 +219,7 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 		{"prefill CA without TLS", `{prefill: {tls: {ca_file: /ca.pem}}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "prefill.tls: ca_file and server_name need prefill.tls.enabled"},
 		{"decode server name without TLS", `pools: {decode: {endpoints: ["10.0.0.2:8000"], tls: {server_name: engine}}}`, "pools.decode.tls: ca_file and server_name need pools.decode.tls.enabled"},
 		{"the prefill pool's TLS is prefill.tls", `pools: {prefill: {tls: {enabled: true}}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "pools.prefill.tls"},
+		{"the prefill pool's key is prefill.api_key_file", `pools: {prefill: {api_key_file: /k}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "pools.prefill.api_key_file"},
 		{"negative response bound", `{response: {max_body_bytes: -1}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "response.max_body_bytes"},
 		{"misspelt response key", `{response: {rewrite_usages: true}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, `unknown field "response.rewrite_usages"`},
 		{"KV events without prefix-affinity", `pools: {decode: {endpoints: ["10.0.0.2:8000"], kv_events: {connect_port: 5557}}}`,

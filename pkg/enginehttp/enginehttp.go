@@ -1,7 +1,7 @@
 // Package enginehttp is how pd-extproc itself speaks HTTP to the engines: the
-// client of the prefill legs, and the TLS of those legs and of each pool's
-// health checks and load scrapes. (The decode leg goes through Envoy, whose
-// cluster carries its TLS.)
+// client of the prefill legs, and the TLS and API key of those legs and of
+// each pool's health checks, scrapes and questions. (The decode leg goes
+// through Envoy, whose cluster carries its TLS; the routing reply, its key.)
 package enginehttp
 
 import (
@@ -13,10 +13,12 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
+	"strings"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
-	"github.com/pd-extproc/pd-extproc/pkg/tlsfiles"
+	"github.com/pd-extproc/pd-extproc/pkg/secretfiles"
 )
 
 // idleConnTimeout closes a connection to an engine before the engine does:
@@ -106,7 +108,7 @@ func DialTLS(c *tls.Config, dial func(ctx context.Context, network, addr string)
 
 // TLS is the client TLS of requests to engines under the config keys at key;
 // nil when they speak plain HTTP. Dial with DialTLS, which checks the
-// engine's name. A ca_file is read again when it changes (tlsfiles), before
+// engine's name. A ca_file is read again when it changes (secretfiles), before
 // the next handshake, so that rotating the engines' CA (the bundle first
 // gains the new CA, then the engines restart with certificates from it)
 // needs no restart. A file that cannot be read or holds no certificate then
@@ -117,7 +119,7 @@ func TLS(key string, cfg config.EngineTLS) (*tls.Config, error) {
 	}
 	c := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: cfg.ServerName}
 	if cfg.CAFile != "" {
-		ca := tlsfiles.New(func() (*x509.CertPool, error) { return tlsfiles.CAPool(cfg.CAFile) }, cfg.CAFile)
+		ca := secretfiles.New(func() (*x509.CertPool, error) { return secretfiles.CAPool(cfg.CAFile) }, cfg.CAFile)
 		if _, _, err := ca.Current(); err != nil {
 			return nil, fmt.Errorf("%s.ca_file: %w", key, err)
 		}
@@ -132,7 +134,7 @@ func TLS(key string, cfg config.EngineTLS) (*tls.Config, error) {
 // verify checks the engine's chain against the CA bundle as it is now (or,
 // mid-rotation, as read before), and its name (or IP address) against
 // cs.ServerName, which DialTLS sets to the one dialled or tls.server_name.
-func verify(ca *tlsfiles.Files[*x509.CertPool], cs tls.ConnectionState) error {
+func verify(ca *secretfiles.Files[*x509.CertPool], cs tls.ConnectionState) error {
 	roots, _, err := ca.Current()
 	if roots == nil {
 		return err
@@ -156,3 +158,68 @@ func verify(ca *tlsfiles.Files[*x509.CertPool], cs tls.ConnectionState) error {
 // the client's Authorization elsewhere, and let that host's
 // kv_transfer_params steer the decode engine.
 func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+
+// Key is an engine API key, read from its file (config's api_key_file) and
+// again when the file changes, as "Bearer <key>".
+type Key struct{ file *secretfiles.Files[string] }
+
+// APIKey reads the key file at path, named key in errors; nil when path is
+// empty. A file that cannot be read, or holds no key, is an error at start;
+// later, the key read before stays.
+func APIKey(key, path string) (*Key, error) {
+	if path == "" {
+		return nil, nil
+	}
+	k := &Key{secretfiles.New(func() (string, error) { return readKey(path) }, path)}
+	if _, _, err := k.file.Current(); err != nil {
+		return nil, fmt.Errorf("%s: %w", key, err)
+	}
+	return k, nil
+}
+
+func readKey(path string) (string, error) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	key := strings.TrimSpace(string(raw))
+	switch {
+	case key == "":
+		return "", fmt.Errorf("%s holds no key", path)
+	case strings.ContainsFunc(key, func(r rune) bool { return r < ' ' || r == 0x7f }):
+		return "", fmt.Errorf("%s: the key holds a control character", path)
+	}
+	return "Bearer " + key, nil
+}
+
+// Authorization is the header value: "Bearer <key>".
+func (k *Key) Authorization() string {
+	v, _, _ := k.file.Current()
+	return v
+}
+
+// Client is c whose requests carry the key, in place of any Authorization
+// they were given (the client's, forwarded). nil k: c itself.
+func (k *Key) Client(c *http.Client) *http.Client {
+	if k == nil {
+		return c
+	}
+	keyed := *c
+	next := c.Transport
+	if next == nil {
+		next = http.DefaultTransport
+	}
+	keyed.Transport = keyedTransport{next, k}
+	return &keyed
+}
+
+type keyedTransport struct {
+	next http.RoundTripper
+	key  *Key
+}
+
+func (t keyedTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	r = r.Clone(r.Context()) // a RoundTripper leaves its request as it was given
+	r.Header.Set("Authorization", t.key.Authorization())
+	return t.next.RoundTrip(r)
+}

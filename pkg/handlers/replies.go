@@ -74,7 +74,10 @@ func routing(d *pipeline.Decision, requestID string) (*extprocv3.HeaderMutation,
 	m := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
 		setHeader(DestinationHeader, d.Endpoint),
 		setHeader(RequestIDHeader, requestID),
-	}, RemoveHeaders: d.RemoveHeaders} // Envoy may remove any of them (docs/envoy.md §3.3)
+	}, RemoveHeaders: d.Headers.Remove} // Envoy may remove any of them (docs/envoy.md §3.3)
+	if d.Headers.Authorization != "" { // Envoy may set it, as any header not its own (§3.3)
+		m.SetHeaders = append(m.SetHeaders, setHeader("authorization", d.Headers.Authorization))
+	}
 	md := &structpb.Struct{Fields: map[string]*structpb.Value{
 		DestinationMetadata: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
 			DestinationHeader: structpb.NewStringValue(d.Endpoint),

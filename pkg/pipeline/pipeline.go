@@ -17,6 +17,7 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/enginehttp"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
@@ -30,6 +31,9 @@ type Parts struct {
 	Pools     *scheduling.Pools
 	Client    *http.Client // of prefill legs
 	Scheme    string       // of prefill legs: http, or https
+	// DecodeKey is the decode engines' API key, set on the decode leg; nil
+	// leaves the client's Authorization.
+	DecodeKey *enginehttp.Key
 }
 
 // Options are the pipeline's settings.
@@ -63,6 +67,7 @@ type Pipeline struct {
 	opts         Options
 	client       *http.Client
 	scheme       string // of prefill legs: http, or https with prefill.tls
+	decodeKey    *enginehttp.Key
 	log          logr.Logger
 	background   sync.WaitGroup // concurrent (SGLang) prefill legs still running
 	inBackground atomic.Int64   // how many, against Options.MaxBackground
@@ -98,6 +103,7 @@ func New(parts Parts, opts Options, log logr.Logger, options ...Option) *Pipelin
 		opts:       opts,
 		client:     parts.Client,
 		scheme:     parts.Scheme,
+		decodeKey:  parts.DecodeKey,
 		log:        log,
 		tracer:     noop.NewTracerProvider().Tracer(""),
 		propagator: propagation.TraceContext{},

@@ -102,10 +102,8 @@ type Decision struct {
 	// pools.decode.fallbacks when configured (comma-separated, in order).
 	Endpoint string
 	Body     body.Spliced // the decode leg's body; nil when the request has none
-	// RemoveHeaders are the client's request headers through which the
-	// decode engine could be steered past the service (the connector's
-	// reserved headers): Envoy must not forward them. Shared: do not modify.
-	RemoveHeaders []string
+	// Headers is what Envoy changes of the client's headers for the decode leg.
+	Headers HeaderEdit
 	// Rewrite fixes the decode engine's answer on its way back (the usage
 	// under response.rewrite_usage), or reads it (what a cached_prefix
 	// decision's engine held: heldReader); nil when it is passed on unread.
@@ -143,6 +141,18 @@ type Decision struct {
 	// leading its API's events before the tokens (api.API.Leading).
 	watch            *response.Opening
 	choices, leading int
+}
+
+// HeaderEdit is what Envoy changes of the client's request headers before
+// it sends the decode leg.
+type HeaderEdit struct {
+	// Authorization replaces the client's: "Bearer " and the decode
+	// engines' API key (pools.decode.api_key_file); empty keeps the client's.
+	Authorization string
+	// Remove are the client's headers through which the decode engine
+	// could be steered past the service (the connector's reserved headers):
+	// Envoy must not forward them. Shared: do not modify.
+	Remove []string
 }
 
 // probeVerdictWait is how long a prefill endpoint's probe holds it waiting

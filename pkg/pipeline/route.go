@@ -29,7 +29,11 @@ func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
 	for i, e := range eps {
 		addrs[i] = e.Addr
 	}
-	return &Decision{Endpoint: strings.Join(addrs, ","), RemoveHeaders: p.connector.ReservedHeaders(),
+	edit := HeaderEdit{Remove: p.connector.ReservedHeaders()}
+	if p.decodeKey != nil {
+		edit.Authorization = p.decodeKey.Authorization()
+	}
+	return &Decision{Endpoint: strings.Join(addrs, ","), Headers: edit,
 		decode: slot.Taken(), release: slot.Release, fallbacks: len(eps) > 1}, nil
 }
 

@@ -85,7 +85,7 @@ type poolState struct {
 
 func newPool(name string, decode bool, spec PoolSpec, deps Deps) *Pool {
 	p := &Pool{Name: name, deps: deps.withDefaults(), decode: decode}
-	p.probe = p.deps.probe(roleUnknown, nil, true)
+	p.probe = p.deps.probe(roleUnknown, nil, nil, true)
 	p.Update(spec)
 	return p
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/go-logr/logr"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/enginehttp"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 )
 
@@ -40,6 +41,9 @@ type Deps struct {
 	// these settings (its engines' CA and name); nil: plain HTTP. A TLS pool
 	// gets a client of its own unless Client is given.
 	PrefillTLS, DecodeTLS *tls.Config
+	// PrefillKey and DecodeKey are the API keys a pool's requests carry
+	// (prefill.api_key_file, pools.decode.api_key_file); nil: none.
+	PrefillKey, DecodeKey *enginehttp.Key
 
 	intn func(int) int // random numbers in [0, n); simulations seed it
 }
@@ -82,8 +86,8 @@ func NewPools(spec Spec, deps Deps) *Pools {
 		Decode:  newPool("decode", true, spec.Decode, deps),
 		deps:    deps,
 	}
-	ps.Prefill.probe = deps.probe(rolePrefill, deps.PrefillTLS, clientGiven)
-	ps.Decode.probe = deps.probe(roleDecode, deps.DecodeTLS, clientGiven)
+	ps.Prefill.probe = deps.probe(rolePrefill, deps.PrefillTLS, deps.PrefillKey, clientGiven)
+	ps.Decode.probe = deps.probe(roleDecode, deps.DecodeTLS, deps.DecodeKey, clientGiven)
 	ps.Prefill.probe.rendezvous, ps.Prefill.probe.bootstrapPort = spec.Rendezvous, spec.BootstrapPort
 	ps.decider.Store(newDecider(spec))
 	return ps

@@ -42,8 +42,9 @@ func (p probe) url(addr, path string) string { return p.scheme + "://" + addr + 
 
 // probe returns how the pool of role r reaches its engines: over HTTPS with
 // tlsCfg when it is set, with the deps' client when one was given (tests) or
-// else one of its own that trusts what tlsCfg trusts.
-func (d Deps) probe(r role, tlsCfg *tls.Config, clientGiven bool) probe {
+// else one of its own that trusts what tlsCfg trusts; each request with the
+// pool's API key when it has one.
+func (d Deps) probe(r role, tlsCfg *tls.Config, key *enginehttp.Key, clientGiven bool) probe {
 	p := probe{client: d.Client, scheme: "http", role: r}
 	if tlsCfg != nil {
 		p.scheme = "https"
@@ -51,6 +52,7 @@ func (d Deps) probe(r role, tlsCfg *tls.Config, clientGiven bool) probe {
 			p.client = probeClient(tlsCfg)
 		}
 	}
+	p.client = key.Client(p.client)
 	return p
 }
 

@@ -8,7 +8,7 @@ import (
 	"strings"
 
 	"github.com/go-logr/logr"
-	"github.com/pd-extproc/pd-extproc/pkg/tlsfiles"
+	"github.com/pd-extproc/pd-extproc/pkg/secretfiles"
 	"google.golang.org/grpc/credentials"
 )
 
@@ -114,7 +114,7 @@ func (f TLSFiles) credentials(log logr.Logger) (credentials.TransportCredentials
 	if f.Cert == "" {
 		return nil, nil
 	}
-	files := tlsfiles.New(func() (*tls.Config, error) { return f.config(log) }, f.Cert, f.Key, f.ClientCA)
+	files := secretfiles.New(func() (*tls.Config, error) { return f.config(log) }, f.Cert, f.Key, f.ClientCA)
 	current := func() (*tls.Config, error) {
 		cfg, fresh, err := files.Current()
 		switch {
@@ -144,7 +144,7 @@ func (f TLSFiles) config(log logr.Logger) (*tls.Config, error) {
 	}
 	cfg := &tls.Config{MinVersion: tls.VersionTLS12, Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2"}}
 	if f.ClientCA != "" {
-		pool, err := tlsfiles.CAPool(f.ClientCA)
+		pool, err := secretfiles.CAPool(f.ClientCA)
 		if err != nil {
 			return nil, fmt.Errorf("CA file: %w", err)
 		}

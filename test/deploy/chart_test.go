@@ -471,3 +471,50 @@ func TestTheGatewaysProxiesAreScraped(t *testing.T) {
 		t.Errorf("%d PodMonitors, want 1", found)
 	}
 }
+
+// engineAPIKey mounts the Secret's key where the rendered config's key files name it, for both
+// pools, unless the config names a file of its own.
+func TestTheEnginesKeyIsMountedWhereTheConfigReadsIt(t *testing.T) {
+	ex := example(t, "everything")
+	ms := chartManifests(t, ex.Name)
+	var cfg extprocconfig.Config
+	if err := yaml.Unmarshal([]byte(digString(find(t, ms, "ConfigMap", fullname(ex)), "data", "extproc.yaml")), &cfg); err != nil {
+		t.Fatal(err)
+	}
+	pod := dig(find(t, ms, "Deployment", fullname(ex)), "spec", "template", "spec")
+	var mountedAt, secret, key string
+	for _, c := range dig(pod, "containers").([]any) {
+		for _, m := range dig(c, "volumeMounts").([]any) {
+			if digString(m, "name") == "engine-api-key" {
+				mountedAt = digString(m, "mountPath")
+			}
+		}
+	}
+	for _, v := range dig(pod, "volumes").([]any) {
+		if digString(v, "name") == "engine-api-key" {
+			secret = digString(v, "secret", "secretName")
+			key = digString(dig(v, "secret", "items").([]any)[0], "key")
+		}
+	}
+	if secret != "engine-api-key" || key != "key" || mountedAt == "" {
+		t.Fatalf("the Secret engine-api-key's key key is not mounted: secret %q, key %q, at %q", secret, key, mountedAt)
+	}
+	for name, file := range map[string]string{"prefill.api_key_file": cfg.Prefill.APIKeyFile, "pools.decode.api_key_file": cfg.Pools.Decode.APIKeyFile} {
+		if filepath.Dir(file) != mountedAt {
+			t.Errorf("%s is %q, outside the key's mount %s", name, file, mountedAt)
+		}
+	}
+
+	values, err := ex.ValuesMap()
+	if err != nil {
+		t.Fatal(err)
+	}
+	values["config"].(map[string]any)["prefill"] = map[string]any{"api_key_file": "/keys/prefill"}
+	for _, m := range render(t, ex, values) {
+		if m.kind() == "ConfigMap" && m.name() == fullname(ex) {
+			if got := digString(m.doc, "data", "extproc.yaml"); !strings.Contains(got, "api_key_file: /keys/prefill") {
+				t.Errorf("the config's own prefill.api_key_file was replaced:\n%s", got)
+			}
+		}
+	}
+}

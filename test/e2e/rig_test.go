@@ -68,6 +68,7 @@ type rigOptions struct {
 	// noRender: the simulators have no render endpoints (older vLLM).
 	noRender bool
 	lora     []string // LoRA adapters the simulators serve besides pdsim
+	apiKey   string   // the key every simulator asks of its callers (--api-key)
 	// ipv6 puts every simulator on ::1 (one host, so at most one SGLang
 	// prefill: its bootstrap port is the pool's).
 	ipv6 bool
@@ -108,6 +109,7 @@ func startRig(t *testing.T, o rigOptions) *rig {
 		PrefixCacheBlocks:   o.prefixCacheBlocks,
 		NoRender:            o.noRender,
 		LoRA:                o.lora,
+		APIKey:              o.apiKey,
 		Log:                 logTo(t),
 	}}
 	if _, err := testbed.WithFreshPorts(func() (struct{}, error) { return struct{}{}, r.startSims(t, o) }); err != nil {

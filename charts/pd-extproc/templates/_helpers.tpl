@@ -63,3 +63,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "pd-extproc.image" -}}
 {{ .Values.image.repository }}:{{ default .Chart.AppVersion .Values.image.tag }}
 {{- end }}
+
+{{- /* Where the engines' API key is mounted (engineAPIKey). */}}
+{{- define "pd-extproc.engineAPIKeyFile" -}}
+/etc/pd-extproc-engine-key/api-key
+{{- end }}

@@ -39,9 +39,16 @@ func Pipeline(cfg *config.Config, log logr.Logger, options ...pipeline.Option) (
 	if deps.DecodeTLS, err = enginehttp.TLS("pools.decode.tls", cfg.Pools.Decode.TLS); err != nil {
 		return nil, err
 	}
+	if deps.PrefillKey, err = enginehttp.APIKey("prefill.api_key_file", cfg.Prefill.APIKeyFile); err != nil {
+		return nil, err
+	}
+	if deps.DecodeKey, err = enginehttp.APIKey("pools.decode.api_key_file", cfg.Pools.Decode.APIKeyFile); err != nil {
+		return nil, err
+	}
 	spec := schedulingSpec(cfg)
 	spec.Paired, spec.Rendezvous, spec.BootstrapPort = c.Paired(), c.Rendezvous(), cfg.Pools.Prefill.BootstrapPort
-	parts := pipeline.Parts{Connector: c, Table: api.NewTable(routes, decodeOnly(cfg)...), Pools: scheduling.NewPools(spec, deps), Client: client, Scheme: scheme}
+	parts := pipeline.Parts{Connector: c, Table: api.NewTable(routes, decodeOnly(cfg)...), Pools: scheduling.NewPools(spec, deps),
+		Client: deps.PrefillKey.Client(client), Scheme: scheme, DecodeKey: deps.DecodeKey}
 	return pipeline.New(parts, pipelineOptions(cfg), log, options...), nil
 }
 

@@ -1,7 +1,8 @@
-// Package tlsfiles keeps what is made of certificate files (a key pair, a
-// CA bundle) and makes it again when one of them changes, so that a
-// rotation (cert-manager, a Kubernetes Secret's volume) needs no restart.
-package tlsfiles
+// Package secretfiles keeps what is made of files holding secrets (a TLS
+// key pair, a CA bundle, an engine API key) and makes it again when one of
+// them changes, so that a rotation (cert-manager, a Kubernetes Secret's
+// volume) needs no restart.
+package secretfiles
 
 import (
 	"crypto/x509"
