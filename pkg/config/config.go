@@ -31,6 +31,9 @@ type Config struct {
 	PD        PD       `json:"pd"`
 	Routes    Routes   `json:"routes"`
 	Response  Response `json:"response"`
+	// Admission sheds requests of low priority while the engines are
+	// saturated (admission.go).
+	Admission Admission `json:"admission"`
 }
 
 // Pools lists the engine endpoints of each role.
@@ -237,6 +240,7 @@ func (c *Config) setDefaults() {
 	orDefault(&c.Envoy.OverrideMessageTimeout, min(c.Prefill.Timeout+Duration(30*time.Second), Duration(maxEnvoyMessageTimeout)))
 	c.Tracing.SetDefaults()
 	c.Response.SetDefaults()
+	c.Admission.SetDefaults()
 	c.Pools.Prefill.PoolScheduling.SetDefaults()
 	c.Pools.Decode.PoolScheduling.SetDecodeDefaults(c.PD.Mode)
 	c.PD.SetDefaults()
@@ -284,7 +288,7 @@ func (c *Config) validate() error {
 		errs = append(errs, fmt.Errorf("pd.mode, pd.min_prompt_tokens, pd.min_uncached_tokens, pd.max_uncached_ratio, pd.load: "+
 			"%s cannot send a request decode-only (its decode engines serve only prefill/decode pairs)", c.Connector))
 	}
-	errs = append(errs, c.validateCacheRules())
+	errs = append(errs, c.validateCacheRules(), c.validateAdmission())
 	errs = append(errs, c.validateEngineAccess())
 	errs = append(errs, c.Prefill.TLS.Validate("prefill.tls"), c.Pools.Decode.TLS.Validate("pools.decode.tls"), c.Response.Validate("response"))
 	if c.Prefill.OnFailure != OnFailureDecodeOnly && c.Prefill.OnFailure != OnFailureFail {

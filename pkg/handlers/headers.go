@@ -26,6 +26,12 @@ var SessionHeaders = []string{"x-session-id", "x-claude-code-session-id", "sessi
 // are counted per address (pipeline.Request.Client).
 const ClientAddressHeader = "x-pd-client-address"
 
+// ObjectiveHeader names the request's objective, as the Gateway API Inference
+// Extension's clients and HTTPRoute filters set it (an InferenceObjective's
+// name; llm-d's EPP also reads x-llm-d-inference-objective): its priority
+// is admission.objectives'.
+const ObjectiveHeader = "x-gateway-inference-objective"
+
 // readHeaders takes what routing needs (begin reads what the observation does). Envoy sends values in raw_value; value is
 // read only as a fallback for Envoys with the raw_value guard off.
 func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
@@ -52,6 +58,8 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 			}
 		case "authorization", "x-vllm-priority":
 			x.forward(key, headerValue(h))
+		case ObjectiveHeader:
+			x.req.Objective = headerValue(h)
 		default:
 			if slices.Contains(SessionHeaders, key) && headerValue(h) != "" {
 				x.req.Session = true

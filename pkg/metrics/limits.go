@@ -8,9 +8,12 @@ const (
 	LimitBodyTime   = "body_timeout"           // 408: the body took longer than limits.body_timeout
 	LimitBuffered   = "max_buffered_bytes"     // 503: the bodies held at once would pass limits.max_buffered_bytes
 	LimitBackground = "max_background"         // 503: prefill.max_background kv-sglang legs already run
+	// LimitSaturated: 429, a request of an objective of negative priority
+	// while a pool it would use was saturated (admission.objectives).
+	LimitSaturated = "saturated"
 )
 
-var limitNames = []string{LimitStreams, LimitBodyTime, LimitBuffered, LimitBackground}
+var limitNames = []string{LimitStreams, LimitBodyTime, LimitBuffered, LimitBackground, LimitSaturated}
 
 // limits counts what the service's resource limits hold and refuse.
 type limits struct {
@@ -23,7 +26,7 @@ type limits struct {
 func newLimits() limits {
 	return limits{
 		refusals: counterVec("limit_refusals_total",
-			"Requests refused by a resource limit, by limit (max_concurrent_streams, body_timeout, max_buffered_bytes, max_background).",
+			"Requests refused by a resource limit, by limit (max_concurrent_streams, body_timeout, max_buffered_bytes, max_background, saturated).",
 			"limit"),
 		bodyBytes: gauge("request_body_buffered_bytes",
 			"Bytes of request bodies held now, all streams together, as counted against limits.max_buffered_bytes."),

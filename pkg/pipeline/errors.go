@@ -95,6 +95,14 @@ func Overloaded(limit int, retryAfter time.Duration) *Error {
 		Message: fmt.Sprintf("too many requests in progress (limits.max_concurrent_streams is %d); retry later", limit)}
 }
 
+// saturated refuses a request of a sheddable objective while pool is
+// saturated (admission.objectives), as the Inference Extension's endpoint
+// picker refuses it.
+func saturated(objective, pool string, retryAfter time.Duration) *Error {
+	return &Error{Status: http.StatusTooManyRequests, Type: "rate_limit_exceeded", RetryAfter: retryAfter,
+		Message: fmt.Sprintf("the %s engines are saturated and objective %q may be shed (its priority is negative); retry later", pool, objective)}
+}
+
 // BodyTimeout refuses a request whose body did not arrive within
 // limits.body_timeout: a slow client must not hold a stream slot and a
 // buffer for as long as it likes.

@@ -57,6 +57,17 @@ type Options struct {
 	// PairBuiltinTools disaggregates Responses requests with built-in tools
 	// too (routes.pair_builtin_tools).
 	PairBuiltinTools bool
+	Shedding         Shedding
+}
+
+// Shedding turns away, with 429 and Retry-After, the requests whose
+// objective has a negative priority while every endpoint of a pool they
+// would use is saturated (admission.*): the engines' capacity goes to the
+// others. Priorities nil: none is.
+type Shedding struct {
+	Priorities     map[string]int // by objective
+	Queue, KVCache float64        // an endpoint's saturation lines (scheduling.Pool.Saturated)
+	RetryAfter     time.Duration  // the 429's
 }
 
 // Pipeline routes requests. It is safe for concurrent use.

@@ -37,6 +37,9 @@ type Request struct {
 	// (handlers.ClientAddressHeader), "" when absent:
 	// scheduling.Request.Client.
 	Client string
+	// Objective is the objective the request names (handlers.ObjectiveHeader),
+	// whose priority Options.Shedding gives; "" when none.
+	Objective string
 
 	// Report is filled in by Route and RouteHeaders, whether they succeed or
 	// fail, with what the caller logs and counts.

@@ -146,6 +146,9 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	rep := &r.Report
 	decision := p.pools.Decide(sreq, d.decode.Endpoint)
 	rep.Reason = decision.Reason
+	if err := p.shed(r, sreq, decision.PD); err != nil {
+		return nil, err
+	}
 	switch {
 	case decision.PD:
 	case decision.Reason == metrics.ReasonNoPrefill && (p.connector.Paired() || p.opts.FailClosed):
@@ -318,4 +321,21 @@ func bootstrapHost(addr string) string {
 		return "[" + host + "]"
 	}
 	return host
+}
+
+// shed refuses r when its objective has a negative priority and a pool it
+// would use is saturated: the decode pool, and the prefill pool for P/D.
+func (p *Pipeline) shed(r *Request, sreq *scheduling.Request, pd bool) error {
+	s := p.opts.Shedding
+	if r.Objective == "" || s.Priorities[r.Objective] >= 0 {
+		return nil
+	}
+	pool := p.pools.Decode
+	if !pool.Saturated(sreq, s.Queue, s.KVCache) {
+		if pool = p.pools.Prefill; !pd || !pool.Saturated(sreq, s.Queue, s.KVCache) {
+			return nil
+		}
+	}
+	p.metrics.LimitRefused(metrics.LimitSaturated)
+	return saturated(r.Objective, pool.Name, s.RetryAfter)
 }

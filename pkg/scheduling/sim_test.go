@@ -1,6 +1,7 @@
 package scheduling
 
 import (
+	"cmp"
 	"container/heap"
 	"container/list"
 	"encoding/json"
@@ -44,6 +45,13 @@ type simParams struct {
 	FailFrom     float64       // share of Duration
 	FailTo       float64
 	ScrapeEvery  time.Duration
+	// Batch makes the workload's completions prompts batch work, of an
+	// objective of negative priority; with Shed, a replica refuses such a
+	// request while its pool is Saturated, and its client sends it again
+	// after the Retry-After (simshed_test.go).
+	Batch, Shed bool
+	ShedQueue   float64       // the saturation line of the engines' queues; 0: admission's default
+	ShedRetry   time.Duration // how long a client waits to send a shed request again; 0: admission's default
 }
 
 // The engines' prefix cache sizes the tables compare, in characters: one
@@ -83,6 +91,25 @@ type simResult struct {
 	Ceiling           float64 // the hit rate of one engine with an unbounded cache
 	Offered           float64 // prompt characters per second over the engines' prefill capacity
 	MeanTTFT, P99TTFT time.Duration
+	// Shed is how many times a batch request was refused; Interactive and
+	// BatchTTFT split the time to first token by class, a batch request's
+	// counted from its first attempt (with Batch only).
+	Shed                   int
+	Interactive, BatchTTFT simTTFT
+}
+
+type simTTFT struct{ Mean, P99 time.Duration }
+
+func ttftOf(ts []time.Duration) simTTFT {
+	if len(ts) == 0 {
+		return simTTFT{}
+	}
+	slices.Sort(ts)
+	var sum time.Duration
+	for _, t := range ts {
+		sum += t
+	}
+	return simTTFT{sum / time.Duration(len(ts)), ts[int(math.Ceil(0.99*float64(len(ts))))-1]}
 }
 
 func (r simResult) String() string {
@@ -404,6 +431,10 @@ type simReq struct {
 	done    func(ok bool)
 	session int    // its conversation's number, for pinned replicas; 0 for none
 	client  string // its client's address (simPolicy.byAddress), "" for none
+	// batch: its objective may be shed (simParams.Batch); first is when its
+	// client first sent it.
+	batch bool
+	first time.Duration
 }
 
 type sim struct {
@@ -420,6 +451,8 @@ type sim struct {
 	byAddress, oneCount bool    // simPolicy's
 
 	ttfts          []time.Duration
+	byClass        [2][]time.Duration // interactive, batch
+	shed           int
 	prompt, cached float64
 	failed, moves  int
 	seen           map[uint64]bool // every block any engine computed, for the ceiling
@@ -505,6 +538,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 	}
 	res.MeanTTFT = sum / time.Duration(len(s.ttfts))
 	res.P99TTFT = s.ttfts[int(math.Ceil(0.99*float64(len(s.ttfts))))-1]
+	res.Shed, res.Interactive, res.BatchTTFT = s.shed, ttftOf(s.byClass[0]), ttftOf(s.byClass[1])
 	return res
 }
 
@@ -515,9 +549,10 @@ func (s *sim) converse(sess simSession) {
 	if sess.completions {
 		t := sess.turns[0]
 		prompt := sess.system + t.user
+		first := s.now
 		var send func()
 		send = func() {
-			s.send(&simReq{prompt: prompt, req: promptRequest(prompt), output: t.output, arrived: s.now, done: func(ok bool) {
+			s.send(&simReq{prompt: prompt, req: promptRequest(prompt), output: t.output, arrived: s.now, batch: s.p.Batch, first: first, done: func(ok bool) {
 				if !ok {
 					s.at(s.now+time.Second, send)
 				}
@@ -535,7 +570,7 @@ func (s *sim) converse(sess simSession) {
 	var turn func(i int)
 	turn = func(i int) {
 		t, prompt, asked := c.ask(i)
-		r := &simReq{prompt: prompt, req: chatRequest(asked), output: t.output, arrived: s.now}
+		r := &simReq{prompt: prompt, req: chatRequest(asked), output: t.output, arrived: s.now, first: s.now}
 		switch {
 		case s.byAddress && id != 0:
 			r.client = fmt.Sprint("client-", id%simClients)
@@ -577,6 +612,14 @@ func (s *sim) send(r *simReq) {
 	}
 	if s.tokens && r.req.Tokens() == nil {
 		r.req.SetTokens(simTokens(r.prompt))
+	}
+	// Past Duration the scrapes stop, and every figure goes stale (which
+	// counts as saturated): what is still sent then is served.
+	if s.p.Shed && r.batch && s.now < s.p.Duration && pool.Saturated(r.req, cmp.Or(s.p.ShedQueue, config.DefaultSaturatedQueue), config.DefaultSaturatedKVCache) {
+		s.shed++
+		// done(false) sends it again after a second, as after a failure.
+		s.at(s.now+cmp.Or(s.p.ShedRetry, config.DefaultShedRetryAfter)-time.Second, func() { r.done(false) })
+		return
 	}
 	ep, err := pool.Select(r.req)
 	if err != nil {
@@ -621,6 +664,11 @@ func (s *sim) prefill(e *simEngine, r *simReq) {
 	d := s.p.PrefillFixed + secs((n-float64(hit))/(s.p.PrefillCPS*e.speed))
 	s.at(s.now+d, func() {
 		s.ttfts = append(s.ttfts, s.now-r.arrived)
+		class := 0
+		if r.batch {
+			class = 1
+		}
+		s.byClass[class] = append(s.byClass[class], s.now-r.first)
 		e.running++
 		// Decoding slows as the batch grows; it does not hold up prefill.
 		tpot := time.Duration(float64(s.p.TPOT) * (1 + float64(e.running)/64) / e.speed)

@@ -77,6 +77,8 @@ func pipelineOptions(cfg *config.Config) pipeline.Options {
 		MaxBackground:    cfg.Prefill.MaxBackground,
 		RetryAfter:       cfg.Limits.RetryAfter.D(),
 		PairBuiltinTools: cfg.Routes.PairBuiltinTools,
+		Shedding: pipeline.Shedding{Priorities: cfg.Admission.Objectives,
+			Queue: cfg.Admission.SaturatedQueue, KVCache: cfg.Admission.SaturatedKVCache, RetryAfter: cfg.Admission.RetryAfter.D()},
 	}
 }
 

@@ -1,0 +1,96 @@
+package config
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// This file holds what turns requests away while the engines are saturated
+// (admission.*), as the Gateway API Inference Extension does: a request
+// names its objective in a header, an objective has a priority, and while
+// every endpoint of a pool the request would use is saturated a request of
+// a negative priority is refused (429, Retry-After) rather than queued on
+// the engines ahead of the others.
+
+// ObjectiveHeader names a request's objective (the Inference Extension's
+// InferenceObjective); llm-d's EPP also reads it as x-llm-d-inference-objective.
+const ObjectiveHeader = "x-gateway-inference-objective"
+
+// Admission defaults: the Inference Extension's saturation detector's
+// (pkg/epp/saturationdetector/config.go: DefaultQueueDepthThreshold,
+// DefaultKVCacheUtilThreshold).
+const (
+	DefaultSaturatedQueue   = 5
+	DefaultSaturatedKVCache = 0.8
+)
+
+// DefaultShedRetryAfter is the Retry-After a shed request is given: long
+// enough that batch clients that honour it stay away while the engines
+// catch up (docs/scheduling.md, shedding: a second bought the chat almost
+// nothing in the simulation, 30 s most of what shedding can buy).
+const DefaultShedRetryAfter = 30 * time.Second
+
+// Admission sheds the requests of negative priority while their pools are
+// saturated.
+type Admission struct {
+	// Objectives gives each objective a request may name (ObjectiveHeader)
+	// its priority, as an InferenceObjective's spec.priority: higher is more
+	// important, a request naming none or an unknown one has 0, and a
+	// negative one is shed while a pool it would use is saturated.
+	Objectives map[string]int `json:"objectives,omitempty"`
+	// An endpoint is saturated while its scraped waiting queue is at or
+	// above SaturatedQueue, or its scraped KV cache use at or above
+	// SaturatedKVCache, or its figures are stale; a pool, while every
+	// endpoint a request may go to is.
+	SaturatedQueue   float64 `json:"saturated_queue,omitempty"`
+	SaturatedKVCache float64 `json:"saturated_kv_cache,omitempty"`
+	// RetryAfter is the Retry-After of a shed request's 429.
+	RetryAfter Duration `json:"retry_after,omitempty"`
+}
+
+// Sheds reports whether some objective may be shed.
+func (a Admission) Sheds() bool {
+	for _, p := range a.Objectives {
+		if p < 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// SetDefaults fills the keys left out.
+func (a *Admission) SetDefaults() {
+	orDefault(&a.SaturatedQueue, DefaultSaturatedQueue)
+	orDefault(&a.SaturatedKVCache, DefaultSaturatedKVCache)
+	orDefault(&a.RetryAfter, Duration(DefaultShedRetryAfter))
+}
+
+// validateAdmission checks admission.*: shedding reads the engines' scraped
+// queues and KV use, so every pool with engines must scrape them.
+func (c *Config) validateAdmission() error {
+	a := c.Admission
+	var errs []error
+	if a.SaturatedQueue < 0 {
+		errs = append(errs, errors.New("admission.saturated_queue: must not be negative"))
+	}
+	if a.RetryAfter.D() < time.Second {
+		errs = append(errs, fmt.Errorf("admission.retry_after: %v is below 1s, the least Retry-After says", a.RetryAfter.D()))
+	}
+	if a.SaturatedKVCache <= 0 || a.SaturatedKVCache > 1 {
+		errs = append(errs, fmt.Errorf("admission.saturated_kv_cache: %g is not in (0, 1]", a.SaturatedKVCache))
+	}
+	if !a.Sheds() {
+		return errors.Join(errs...)
+	}
+	for _, p := range []struct {
+		name string
+		Pool
+	}{{"prefill", c.Pools.Prefill}, {"decode", c.Pools.Decode}} {
+		if p.Configured() && p.Metrics.Interval <= 0 {
+			errs = append(errs, fmt.Errorf("admission.objectives: a negative priority sheds by the engines' scraped queues "+
+				"and KV use: set pools.%s.metrics.interval", p.name))
+		}
+	}
+	return errors.Join(errs...)
+}

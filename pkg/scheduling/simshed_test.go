@@ -1,0 +1,118 @@
+package scheduling
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+// Shedding (admission.objectives): interactive multi-turn chat beside batch
+// work whose objective has a negative priority. With shedding on, a replica
+// refuses a batch request while every engine of its pool reports a queue at
+// or above the line (Pool.Saturated), and the client sends it again after
+// the 1 s Retry-After: batch work is put off, not dropped. The engines, the
+// caches and the scrapes are the aggregated simulation's (sim_test.go).
+
+// batchBeside is (b)'s conversations at their rate beside unrelated
+// completions prompts, the batch work, at k times (b)'s rate of them.
+func batchBeside(k float64) simWorkload {
+	return simWorkload{fmt.Sprintf("b + batch x%g", k), func(r *rand.Rand, w *workload, end, load float64) {
+		w.conversations(r, end, 2.6*load, w.tenants(r, 8, 2_000, 8_000))
+		w.randoms(r, end, 2.5*k*load)
+	}}
+}
+
+// shedding is how a run sheds: its queue line (0: no shedding) and how long
+// a refused client waits before it sends again (the 429's Retry-After).
+type shedding struct {
+	line  float64
+	retry time.Duration
+}
+
+var (
+	noShedding   = shedding{}
+	shedDefaults = shedding{config.DefaultSaturatedQueue, config.DefaultShedRetryAfter}
+)
+
+type shedRow struct {
+	batch  float64 // batchBeside's k
+	policy string
+	shedding
+	shed int // refusals, summed over the seeds
+	// the means over the seeds of each class's mean and p99 TTFT
+	interactive, batchTTFT simTTFT
+	offered                float64
+}
+
+func (r shedRow) String() string {
+	how := "off"
+	if r.line > 0 {
+		how = fmt.Sprintf("line %g, retry %v", r.line, r.retry)
+	}
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+	return fmt.Sprintf("batch x%-3g %-16s %-19s offered %3.0f%%  shed %6d  interactive TTFT mean %7.0f p99 %7.0f ms  batch mean %7.0f p99 %7.0f ms",
+		r.batch, r.policy, how, 100*r.offered, r.shed, ms(r.interactive.Mean), ms(r.interactive.P99), ms(r.batchTTFT.Mean), ms(r.batchTTFT.P99))
+}
+
+func shedTable(batches []float64, ways []shedding, policies []string, d time.Duration, seeds []uint64) []shedRow {
+	var rows []shedRow
+	for _, k := range batches {
+		for _, name := range policies {
+			for _, how := range ways {
+				row := shedRow{batch: k, policy: name, shedding: how}
+				for _, seed := range seeds {
+					p := defaultSimParams()
+					p.Workload, p.Seed, p.Duration = batchBeside(k), seed, d
+					p.Batch, p.Shed, p.ShedQueue, p.ShedRetry = true, how.line > 0, how.line, how.retry
+					r := simulate(p, newWorkload(p), configured(name), 1)
+					n := time.Duration(len(seeds))
+					row.shed += r.Shed
+					row.offered += r.Offered / float64(len(seeds))
+					row.interactive.Mean += r.Interactive.Mean / n
+					row.interactive.P99 += r.Interactive.P99 / n
+					row.batchTTFT.Mean += r.BatchTTFT.Mean / n
+					row.batchTTFT.P99 += r.BatchTTFT.P99 / n
+				}
+				rows = append(rows, row)
+			}
+		}
+	}
+	return rows
+}
+
+// BenchmarkShedding is docs/scheduling.md's shedding table: batch work at
+// 1, 8, 12 and 16 times (b)'s rate beside its chat, least-load and
+// prefix-affinity, without shedding and with it at the default line (5)
+// and Retry-After 1, 5 and 30 s (the default), and at line 2, five
+// simulated minutes, three seeds. Run it as BenchmarkPolicies.
+func BenchmarkShedding(b *testing.B) {
+	ways := []shedding{noShedding, {5, time.Second}, {5, 5 * time.Second}, shedDefaults, {2, config.DefaultShedRetryAfter}}
+	for _, r := range shedTable([]float64{1, 8, 12, 16}, ways, []string{"least-load", "prefix-affinity"}, 5*time.Minute, simSeeds) {
+		b.Log(r)
+	}
+}
+
+// With its defaults shedding changes nothing where the engines keep up, and
+// under heavy overload at least halves the chat's mean and p99 time to
+// first token under either policy.
+func TestSimulatedShedding(t *testing.T) {
+	if testing.Short() || raceDetector {
+		t.Skip("simulation: make test runs it without -race")
+	}
+	rows := shedTable([]float64{1, 16}, []shedding{noShedding, shedDefaults}, []string{"least-load", "prefix-affinity"}, 2*time.Minute, simSeeds[:1])
+	for i := 0; i < len(rows); i += 2 {
+		off, on := rows[i], rows[i+1]
+		t.Log(off)
+		t.Log(on)
+		switch {
+		case off.batch == 1 && (on.shed > 0 || on.interactive != off.interactive || on.batchTTFT != off.batchTTFT):
+			t.Errorf("%s at nominal load: %d shed, figures changed", on.policy, on.shed)
+		case off.batch > 1 && (on.interactive.Mean > off.interactive.Mean/2 || on.interactive.P99 > off.interactive.P99/2):
+			t.Errorf("%s, batch x%g: the chat's TTFT mean %v, p99 %v with shedding against %v, %v without; want at most half",
+				on.policy, on.batch, on.interactive.Mean, on.interactive.P99, off.interactive.Mean, off.interactive.P99)
+		}
+	}
+}

@@ -1,0 +1,75 @@
+package e2e
+
+import (
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
+)
+
+// Requests naming an objective of negative priority (admission.objectives,
+// the Inference Extension's x-gateway-inference-objective) are refused with
+// 429 and Retry-After while every decode engine reports itself saturated,
+// or, for P/D, every prefill engine; the others are served all along, and
+// the shed objective is served again as soon as one engine has room.
+func TestSheddableRequestsAreRefusedWhileThePoolsAreSaturated(t *testing.T) {
+	scrape := "metrics: {interval: 50ms, stale_after: 1h}"
+	r := startRig(t, rigOptions{connector: "kv-sglang", prefillPool: scrape, decodePool: scrape,
+		extra: "admission: {objectives: {batch: -1, chat: 10}}"})
+	// SGLang's P/D queues count as its role's waiting queue; 5 is the saturation line.
+	full := pdsim.PDQueues{PrefillBootstrap: 5, DecodePrealloc: 5}
+	set := func(pool string, sims []*pdsim.Server, q pdsim.PDQueues) {
+		for _, s := range sims {
+			s.SetPDQueues(q)
+			series := fmt.Sprintf(`pd_extproc_endpoint_engine_waiting{endpoint=%q,pool=%q}`, s.Addr(), pool)
+			want := float64(q.PrefillBootstrap)
+			if pool == "decode" {
+				want = float64(q.DecodePrealloc)
+			}
+			waitFor(t, 10*time.Second, series, func() bool { return r.metric(t, series) == want })
+		}
+	}
+	steps := []struct {
+		name       string
+		state      func()
+		objectives map[string]int // objective -> status
+		refusedBy  string         // the pool the 429 names
+	}{
+		{"idle", func() {}, map[string]int{"batch": 200, "chat": 200, "": 200}, ""},
+		{"every decode engine saturated", func() { set("decode", r.decode, full) },
+			map[string]int{"batch": 429, "chat": 200, "": 200, "unknown": 200}, "decode"},
+		{"one decode engine with room", func() { set("decode", r.decode[:1], pdsim.PDQueues{}) }, map[string]int{"batch": 200}, ""},
+		{"every prefill engine saturated", func() { set("decode", r.decode, pdsim.PDQueues{}); set("prefill", r.prefill, full) },
+			map[string]int{"batch": 429, "chat": 200}, "prefill"},
+	}
+	shed := 0
+	for _, st := range steps {
+		st.state()
+		for objective, want := range st.objectives {
+			header := http.Header{}
+			if objective != "" {
+				header.Set("x-gateway-inference-objective", objective)
+			}
+			path, body := request("chat", false, st.name+" "+objective)
+			resp, got := r.must(t, path, body, header)
+			if resp.StatusCode != want {
+				t.Fatalf("%s, objective %q: status %d, want %d: %.300s", st.name, objective, resp.StatusCode, want, got)
+			}
+			if want != http.StatusTooManyRequests {
+				continue
+			}
+			shed++
+			if resp.Header.Get("Retry-After") != "30" || !strings.Contains(got, `"type":"rate_limit_exceeded"`) ||
+				!strings.Contains(got, "the "+st.refusedBy+" engines are saturated") {
+				t.Errorf("%s: Retry-After %q, body %s; want admission.retry_after (30 s) and an OpenAI error naming the %s engines",
+					st.name, resp.Header.Get("Retry-After"), got, st.refusedBy)
+			}
+		}
+	}
+	if got := r.metric(t, `pd_extproc_limit_refusals_total{limit="saturated"}`); got != float64(shed) {
+		t.Errorf("pd_extproc_limit_refusals_total{limit=\"saturated\"} %g, want %d", got, shed)
+	}
+}
