@@ -13,10 +13,6 @@ import (
 // a negative priority is refused (429, Retry-After) rather than queued on
 // the engines ahead of the others.
 
-// ObjectiveHeader names a request's objective (the Inference Extension's
-// InferenceObjective); llm-d's EPP also reads it as x-llm-d-inference-objective.
-const ObjectiveHeader = "x-gateway-inference-objective"
-
 // Admission defaults: the Inference Extension's saturation detector's
 // (pkg/epp/saturationdetector/config.go: DefaultQueueDepthThreshold,
 // DefaultKVCacheUtilThreshold).
@@ -34,8 +30,8 @@ const DefaultShedRetryAfter = 30 * time.Second
 // Admission sheds the requests of negative priority while their pools are
 // saturated.
 type Admission struct {
-	// Objectives gives each objective a request may name (ObjectiveHeader)
-	// its priority, as an InferenceObjective's spec.priority: higher is more
+	// Objectives gives each objective a request may name (its
+	// x-gateway-inference-objective header) its priority, as an InferenceObjective's spec.priority: higher is more
 	// important, a request naming none or an unknown one has 0, and a
 	// negative one is shed while a pool it would use is saturated.
 	Objectives map[string]int `json:"objectives,omitempty"`

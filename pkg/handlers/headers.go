@@ -1,6 +1,7 @@
 package handlers
 
 import (
+	"cmp"
 	"net/http"
 	"slices"
 	"strconv"
@@ -27,10 +28,13 @@ var SessionHeaders = []string{"x-session-id", "x-claude-code-session-id", "sessi
 const ClientAddressHeader = "x-pd-client-address"
 
 // ObjectiveHeader names the request's objective, as the Gateway API Inference
-// Extension's clients and HTTPRoute filters set it (an InferenceObjective's
-// name; llm-d's EPP also reads x-llm-d-inference-objective): its priority
-// is admission.objectives'.
-const ObjectiveHeader = "x-gateway-inference-objective"
+// Extension's clients and authorization filters set it (an InferenceObjective's
+// name): its priority is admission.objectives'. llm-d's name for it,
+// LLMDObjectiveHeader, is read too; where both are sent, this one counts.
+const (
+	ObjectiveHeader     = "x-gateway-inference-objective"
+	LLMDObjectiveHeader = "x-llm-d-inference-objective"
+)
 
 // readHeaders takes what routing needs (begin reads what the observation does). Envoy sends values in raw_value; value is
 // read only as a fallback for Envoys with the raw_value guard off.
@@ -60,6 +64,8 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 			x.forward(key, headerValue(h))
 		case ObjectiveHeader:
 			x.req.Objective = headerValue(h)
+		case LLMDObjectiveHeader:
+			x.req.Objective = cmp.Or(x.req.Objective, headerValue(h))
 		default:
 			if slices.Contains(SessionHeaders, key) && headerValue(h) != "" {
 				x.req.Session = true

@@ -33,7 +33,7 @@ var loggedHeaders = map[string]bool{
 	"content-type": true, "content-length": true, "content-encoding": true, "transfer-encoding": true,
 	"accept": true, "accept-encoding": true, "user-agent": true, "te": true,
 	RequestIDHeader: true, "traceparent": true, "tracestate": true, DestinationHeader: true,
-	"x-forwarded-proto": true, "x-envoy-expected-rq-timeout-ms": true, ObjectiveHeader: true,
+	"x-forwarded-proto": true, "x-envoy-expected-rq-timeout-ms": true, ObjectiveHeader: true, LLMDObjectiveHeader: true,
 }
 
 // redact returns the value of header key as it may be logged: the path

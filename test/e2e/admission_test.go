@@ -11,7 +11,8 @@ import (
 )
 
 // Requests naming an objective of negative priority (admission.objectives,
-// the Inference Extension's x-gateway-inference-objective) are refused with
+// the Inference Extension's x-gateway-inference-objective, or llm-d's
+// x-llm-d-inference-objective) are refused with
 // 429 and Retry-After while every decode engine reports itself saturated,
 // or, for P/D, every prefill engine; the others are served all along, and
 // the shed objective is served again as soon as one engine has room.
@@ -35,12 +36,12 @@ func TestSheddableRequestsAreRefusedWhileThePoolsAreSaturated(t *testing.T) {
 	steps := []struct {
 		name       string
 		state      func()
-		objectives map[string]int // objective -> status
+		objectives map[string]int // objective -> status; "llm-d:" sends it under llm-d's header
 		refusedBy  string         // the pool the 429 names
 	}{
 		{"idle", func() {}, map[string]int{"batch": 200, "chat": 200, "": 200}, ""},
 		{"every decode engine saturated", func() { set("decode", r.decode, full) },
-			map[string]int{"batch": 429, "chat": 200, "": 200, "unknown": 200}, "decode"},
+			map[string]int{"batch": 429, "chat": 200, "": 200, "unknown": 200, "llm-d:batch": 429}, "decode"},
 		{"one decode engine with room", func() { set("decode", r.decode[:1], pdsim.PDQueues{}) }, map[string]int{"batch": 200}, ""},
 		{"every prefill engine saturated", func() { set("decode", r.decode, pdsim.PDQueues{}); set("prefill", r.prefill, full) },
 			map[string]int{"batch": 429, "chat": 200}, "prefill"},
@@ -50,7 +51,9 @@ func TestSheddableRequestsAreRefusedWhileThePoolsAreSaturated(t *testing.T) {
 		st.state()
 		for objective, want := range st.objectives {
 			header := http.Header{}
-			if objective != "" {
+			if name, ok := strings.CutPrefix(objective, "llm-d:"); ok {
+				header.Set("x-llm-d-inference-objective", name)
+			} else if objective != "" {
 				header.Set("x-gateway-inference-objective", objective)
 			}
 			path, body := request("chat", false, st.name+" "+objective)
