@@ -43,12 +43,11 @@ func (p *Pool) bootstrapAddr(e *Endpoint) string {
 // many it listed: 0 when none, or it was never read.
 func (e *Endpoint) EngineID(seed uint64) (rank, id string, ranks int) {
 	info := e.info.Load()
-	if info == nil || len(info.engineIDs) == 0 {
+	if info == nil || len(info.ranks) == 0 {
 		return "", "", 0
 	}
-	all := slices.Sorted(maps.Keys(info.engineIDs))
-	rank = all[seed%uint64(len(all))]
-	return rank, info.engineIDs[rank], len(all)
+	rank = info.ranks[seed%uint64(len(info.ranks))]
+	return rank, info.engineIDs[rank], len(info.ranks)
 }
 
 // Ranks says how many data-parallel ranks the endpoint's bootstrap server
@@ -80,7 +79,13 @@ func fetchEngineIDs(ctx context.Context, pr probe, addr string, timeout time.Dur
 	if len(ids) == 0 {
 		return serverInfo{err: url + " lists no rank"}
 	}
-	return serverInfo{engineIDs: ids}
+	return engineInfo(ids)
+}
+
+// engineInfo is what a bootstrap server's ids say: ids, and their ranks
+// sorted, which EngineID draws from.
+func engineInfo(ids map[string]string) serverInfo {
+	return serverInfo{engineIDs: ids, ranks: slices.Sorted(maps.Keys(ids))}
 }
 
 // logEngineIDs says what changed: the ids learned or changed, a read that

@@ -63,7 +63,8 @@ func TestMooncakeEndpointsWithoutEngineIDsWait(t *testing.T) {
 			p.probe.rendezvous = kv.MooncakeEngineIDs
 			for i, e := range p.Endpoints() {
 				if tc.known[i] {
-					e.info.Store(&serverInfo{engineIDs: map[string]string{"0": "e" + strconv.Itoa(i)}})
+					info := engineInfo(map[string]string{"0": "e" + strconv.Itoa(i)})
+					e.info.Store(&info)
 				} else {
 					e.info.Store(&serverInfo{err: "connection refused"})
 				}
@@ -92,7 +93,8 @@ func TestMooncakeEndpointsWithoutEngineIDsWait(t *testing.T) {
 	}
 
 	e := &Endpoint{Addr: "10.0.0.1:8000"}
-	e.info.Store(&serverInfo{engineIDs: map[string]string{"0": "e-dp0", "1": "e-dp1"}})
+	info := engineInfo(map[string]string{"0": "e-dp0", "1": "e-dp1"})
+	e.info.Store(&info)
 	for seed, want := range []string{"0", "1", "0"} {
 		if rank, id, ranks := e.EngineID(uint64(seed)); ranks != 2 || rank != want || id != "e-dp"+want {
 			t.Errorf("EngineID(%d) = %s %s of %d, want rank %s and its id, of 2", seed, rank, id, ranks, want)

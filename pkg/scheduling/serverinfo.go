@@ -32,6 +32,7 @@ type serverInfo struct {
 	bootstrapPort int               // 0: not said
 	mode          string            // disaggregation_mode: prefill, decode or null
 	engineIDs     map[string]string // kv-mooncake: the engine id of each data-parallel rank
+	ranks         []string          // engineIDs' ranks, sorted
 	err           string            // why the last read failed; "" when it did not
 	at            time.Time
 	// ejections is the endpoint's count when it was read: an engine taken
@@ -102,7 +103,7 @@ func (p *Pool) readServerInfo(ctx context.Context, st *poolState, eps []*Endpoin
 			// since may have restarted, with engine ids of its own.
 			info.bootstrapPort, info.mode = old.bootstrapPort, old.mode
 			if old.ejections == ejections {
-				info.engineIDs = old.engineIDs
+				info.engineIDs, info.ranks = old.engineIDs, old.ranks
 			}
 		}
 		e.info.Store(&info)
