@@ -29,19 +29,21 @@ func TestEnginesThatAskForAKeyGetIt(t *testing.T) {
 	keyed := fmt.Sprintf("api_key_file: %q", file)
 	tests := []struct {
 		name, connector string
+		mode            string // Envoy's processing mode; default full_duplex
 		keys            bool
 		clientKey       string
 		want            int
 	}{
-		{"keys given", "kv-nixl", true, "Bearer client-key", http.StatusOK},
-		{"keys given, no client key", "kv-nixl", true, "", http.StatusOK},
-		{"keys given", "kv-sglang", true, "Bearer client-key", http.StatusOK},
-		{"no keys, the client sends the engines'", "kv-nixl", false, "Bearer " + engineKey, http.StatusOK},
-		{"no keys, the client sends another", "kv-nixl", false, "Bearer client-key", http.StatusUnauthorized},
+		{"keys given", "kv-nixl", "", true, "Bearer client-key", http.StatusOK},
+		{"keys given, BUFFERED", "kv-nixl", "buffered", true, "Bearer client-key", http.StatusOK},
+		{"keys given, no client key", "kv-nixl", "", true, "", http.StatusOK},
+		{"keys given", "kv-sglang", "", true, "Bearer client-key", http.StatusOK},
+		{"no keys, the client sends the engines'", "kv-nixl", "", false, "Bearer " + engineKey, http.StatusOK},
+		{"no keys, the client sends another", "kv-nixl", "", false, "Bearer client-key", http.StatusUnauthorized},
 	}
 	for _, tc := range tests {
 		t.Run(tc.connector+", "+tc.name, func(t *testing.T) {
-			o := rigOptions{connector: tc.connector, apiKey: engineKey}
+			o := rigOptions{connector: tc.connector, mode: tc.mode, apiKey: engineKey}
 			if tc.keys {
 				o.extra, o.decodePool = "prefill: {"+keyed+"}", keyed
 			}
