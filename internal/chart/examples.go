@@ -38,10 +38,12 @@ config:
     # gives the ports, and its own selector narrowed by the label).
     prefill: {kubernetes: {namespace: engines, inference_pool: vllm-prefill, port: null}}
     decode: {kubernetes: {namespace: engines, inference_pool: vllm-decode, port: null}, metrics: {interval: 1s},
-      policy: prefix-affinity}
+      policy: prefix-affinity, tls: {enabled: true}}
+  prefill: {tls: {enabled: true, server_name: vllm.engines.svc}}
   limits: {max_concurrent_streams: 4096}
   response: {rewrite_usage: true}
 engineAPIKey: {secretName: engine-api-key, key: key}
+engineCA: {secretName: engine-ca}
 rbac: {inferencePools: true, extraNamespaces: [engines]}
 tls:
   certManager: {enabled: false}

@@ -472,9 +472,10 @@ func TestTheGatewaysProxiesAreScraped(t *testing.T) {
 	}
 }
 
-// engineAPIKey mounts the Secret's key where the rendered config's key files name it, for both
-// pools, unless the config names a file of its own.
-func TestTheEnginesKeyIsMountedWhereTheConfigReadsIt(t *testing.T) {
+// engineAPIKey and engineCA mount their Secrets' keys where the rendered config's files name
+// them (both pools' key files; the ca_file of each enabled tls block), unless the config names
+// a file of its own; engineCA with no tls block enabled is refused.
+func TestTheEnginesSecretsAreMountedWhereTheConfigReadsThem(t *testing.T) {
 	ex := example(t, "everything")
 	ms := chartManifests(t, ex.Name)
 	var cfg extprocconfig.Config
@@ -482,26 +483,38 @@ func TestTheEnginesKeyIsMountedWhereTheConfigReadsIt(t *testing.T) {
 		t.Fatal(err)
 	}
 	pod := dig(find(t, ms, "Deployment", fullname(ex)), "spec", "template", "spec")
-	var mountedAt, secret, key string
-	for _, c := range dig(pod, "containers").([]any) {
-		for _, m := range dig(c, "volumeMounts").([]any) {
-			if digString(m, "name") == "engine-api-key" {
-				mountedAt = digString(m, "mountPath")
+	tests := []struct {
+		volume, secret, key string
+		files               map[string]string // config key -> the file it names
+	}{
+		{"engine-api-key", "engine-api-key", "key", map[string]string{
+			"prefill.api_key_file": cfg.Prefill.APIKeyFile, "pools.decode.api_key_file": cfg.Pools.Decode.APIKeyFile}},
+		{"engine-ca", "engine-ca", "ca.crt", map[string]string{
+			"prefill.tls.ca_file": cfg.Prefill.TLS.CAFile, "pools.decode.tls.ca_file": cfg.Pools.Decode.TLS.CAFile}},
+	}
+	for _, tc := range tests {
+		var mountedAt, secret, key string
+		for _, c := range dig(pod, "containers").([]any) {
+			for _, m := range dig(c, "volumeMounts").([]any) {
+				if digString(m, "name") == tc.volume {
+					mountedAt = digString(m, "mountPath")
+				}
 			}
 		}
-	}
-	for _, v := range dig(pod, "volumes").([]any) {
-		if digString(v, "name") == "engine-api-key" {
-			secret = digString(v, "secret", "secretName")
-			key = digString(dig(v, "secret", "items").([]any)[0], "key")
+		for _, v := range dig(pod, "volumes").([]any) {
+			if digString(v, "name") == tc.volume {
+				secret = digString(v, "secret", "secretName")
+				key = digString(dig(v, "secret", "items").([]any)[0], "key")
+			}
 		}
-	}
-	if secret != "engine-api-key" || key != "key" || mountedAt == "" {
-		t.Fatalf("the Secret engine-api-key's key key is not mounted: secret %q, key %q, at %q", secret, key, mountedAt)
-	}
-	for name, file := range map[string]string{"prefill.api_key_file": cfg.Prefill.APIKeyFile, "pools.decode.api_key_file": cfg.Pools.Decode.APIKeyFile} {
-		if filepath.Dir(file) != mountedAt {
-			t.Errorf("%s is %q, outside the key's mount %s", name, file, mountedAt)
+		if secret != tc.secret || key != tc.key || mountedAt == "" {
+			t.Errorf("%s: the Secret %s's key %s is not mounted: secret %q, key %q, at %q", tc.volume, tc.secret, tc.key, secret, key, mountedAt)
+			continue
+		}
+		for name, file := range tc.files {
+			if filepath.Dir(file) != mountedAt {
+				t.Errorf("%s is %q, outside its mount %s", name, file, mountedAt)
+			}
 		}
 	}
 
@@ -509,12 +522,20 @@ func TestTheEnginesKeyIsMountedWhereTheConfigReadsIt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	values["config"].(map[string]any)["prefill"] = map[string]any{"api_key_file": "/keys/prefill"}
+	config := values["config"].(map[string]any)
+	config["prefill"] = map[string]any{"api_key_file": "/keys/prefill", "tls": map[string]any{"enabled": true, "ca_file": "/cas/prefill.pem"}}
 	for _, m := range render(t, ex, values) {
 		if m.kind() == "ConfigMap" && m.name() == fullname(ex) {
-			if got := digString(m.doc, "data", "extproc.yaml"); !strings.Contains(got, "api_key_file: /keys/prefill") {
-				t.Errorf("the config's own prefill.api_key_file was replaced:\n%s", got)
+			for _, own := range []string{"api_key_file: /keys/prefill", "ca_file: /cas/prefill.pem"} {
+				if got := digString(m.doc, "data", "extproc.yaml"); !strings.Contains(got, own) {
+					t.Errorf("the config's own %s was replaced:\n%s", own, got)
+				}
 			}
 		}
+	}
+	config["prefill"] = map[string]any{}
+	config["pools"].(map[string]any)["decode"].(map[string]any)["tls"] = nil
+	if _, err := chart.Render(testbed.MustRepoPath(t, chart.Dir), ex.Release, values); err == nil || !strings.Contains(err.Error(), "engineCA.secretName is set, but neither") {
+		t.Errorf("engineCA with no tls block enabled: %v, want the chart's refusal", err)
 	}
 }

@@ -68,3 +68,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "pd-extproc.engineAPIKeyFile" -}}
 /etc/pd-extproc-engine-key/api-key
 {{- end }}
+
+{{- /* Where the engines' CA bundle is mounted (engineCA). */}}
+{{- define "pd-extproc.engineCAFile" -}}
+/etc/pd-extproc-engine-ca/ca.crt
+{{- end }}
