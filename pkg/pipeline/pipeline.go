@@ -79,6 +79,7 @@ type Pipeline struct {
 	client       *http.Client
 	scheme       string // of prefill legs: http, or https with prefill.tls
 	decodeKey    *enginehttp.Key
+	shedding     atomic.Pointer[Shedding] // Options.Shedding, then each reload's
 	log          logr.Logger
 	background   sync.WaitGroup // concurrent (SGLang) prefill legs still running
 	inBackground atomic.Int64   // how many, against Options.MaxBackground
@@ -122,6 +123,7 @@ func New(parts Parts, opts Options, log logr.Logger, options ...Option) *Pipelin
 	for _, o := range options {
 		o(p)
 	}
+	p.SetShedding(opts.Shedding)
 	return p
 }
 
@@ -143,6 +145,10 @@ func (p *Pipeline) Reload(spec scheduling.Spec) {
 	spec.Paired = p.connector.Paired()
 	p.pools.Update(spec)
 }
+
+// SetShedding applies reloaded admission.* keys to the requests routed from
+// now on.
+func (p *Pipeline) SetShedding(s Shedding) { p.shedding.Store(&s) }
 
 // Wait blocks until every background prefill leg has ended.
 func (p *Pipeline) Wait() { p.background.Wait() }

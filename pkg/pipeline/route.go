@@ -326,7 +326,7 @@ func bootstrapHost(addr string) string {
 // shed refuses r when its objective has a negative priority and a pool it
 // would use is saturated: the decode pool, and the prefill pool for P/D.
 func (p *Pipeline) shed(r *Request, sreq *scheduling.Request, pd bool) error {
-	s := p.opts.Shedding
+	s := p.shedding.Load()
 	if r.Objective == "" || s.Priorities[r.Objective] >= 0 {
 		return nil
 	}

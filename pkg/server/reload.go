@@ -15,8 +15,8 @@ import (
 
 // liveKeys are the config keys a reload applies in place, and the keys below
 // them: what assemble.Reload hands to the pipeline for scheduling.Pools.Update (each pool's
-// endpoints and scheduling keys, the P/D decider) and the parallel-sampling
-// switch it keeps itself. Every other key takes effect on restart only. A key
+// endpoints and scheduling keys, the P/D decider), the parallel-sampling
+// switch it keeps itself, and its shedding (admission.*). Every other key takes effect on restart only. A key
 // added to the config is restart-only until it is listed here, so a new key
 // can be wrongly reported as needing a restart, never wrongly as applied.
 var liveKeys = []string{
@@ -30,6 +30,7 @@ var liveKeys = []string{
 	"pools.prefill.kv_events", "pools.decode.kv_events",
 	"pools.decode.fallbacks",
 	"pd",
+	"admission",
 }
 
 // isLive reports whether key is one of liveKeys or below one.

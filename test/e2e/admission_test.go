@@ -3,6 +3,7 @@ package e2e
 import (
 	"fmt"
 	"net/http"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -74,5 +75,18 @@ func TestSheddableRequestsAreRefusedWhileThePoolsAreSaturated(t *testing.T) {
 	}
 	if got := r.metric(t, `pd_extproc_limit_refusals_total{limit="saturated"}`); got != float64(shed) {
 		t.Errorf("pd_extproc_limit_refusals_total{limit=\"saturated\"} %g, want %d", got, shed)
+	}
+
+	// A reload that gives batch a priority of 0 applies at once: it is served, the prefill
+	// engines still saturated.
+	config := strings.Replace(r.config, "batch: -1", "batch: 0", 1)
+	if err := os.WriteFile(r.extproc.ConfigPath, []byte(config), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r.extproc.waitLog(t, `"config reloaded"`)
+	header := http.Header{"X-Gateway-Inference-Objective": {"batch"}}
+	path, body := request("chat", false, "reloaded batch")
+	if resp, got := r.must(t, path, body, header); resp.StatusCode != http.StatusOK {
+		t.Errorf("batch after the reload: status %d, want 200: %.300s", resp.StatusCode, got)
 	}
 }

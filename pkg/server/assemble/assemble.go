@@ -77,8 +77,7 @@ func pipelineOptions(cfg *config.Config) pipeline.Options {
 		MaxBackground:    cfg.Prefill.MaxBackground,
 		RetryAfter:       cfg.Limits.RetryAfter.D(),
 		PairBuiltinTools: cfg.Routes.PairBuiltinTools,
-		Shedding: pipeline.Shedding{Priorities: cfg.Admission.Objectives,
-			Queue: cfg.Admission.SaturatedQueue, KVCache: cfg.Admission.SaturatedKVCache, RetryAfter: cfg.Admission.RetryAfter.D()},
+		Shedding:         shedding(cfg),
 	}
 }
 
@@ -93,7 +92,13 @@ func schedulingSpec(cfg *config.Config) scheduling.Spec {
 }
 
 // Reload applies what a reloaded config changes in place: the pools, their
-// scheduling keys, the pd.* keys (pkg/server's liveKeys).
+// scheduling keys, the pd.* and admission.* keys (pkg/server's liveKeys).
 func Reload(p *pipeline.Pipeline, cfg *config.Config) {
 	p.Reload(schedulingSpec(cfg))
+	p.SetShedding(shedding(cfg))
+}
+
+func shedding(cfg *config.Config) pipeline.Shedding {
+	a := cfg.Admission
+	return pipeline.Shedding{Priorities: a.Objectives, Queue: a.SaturatedQueue, KVCache: a.SaturatedKVCache, RetryAfter: a.RetryAfter.D()}
 }
