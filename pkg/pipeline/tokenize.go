@@ -103,8 +103,9 @@ var (
 	// render this request (501 with an OpenAI error: a NotImplementedError,
 	// as gpt-oss's Responses with a tool_choice other than auto).
 	errRenderFailed = errors.New("render failed")
-	// errDenied: the engine refused the client's credentials (401, 403:
-	// vLLM's --api-key), which say nothing of its tokenizer.
+	// errDenied: the engine refused the credentials (401, 403: vLLM's
+	// --api-key), the client's or prefill.api_key_file's, which say nothing
+	// of its tokenizer.
 	errDenied = errors.New("denied")
 )
 
@@ -116,7 +117,8 @@ const maxErrorAnswer = 4 << 10
 // render endpoints' {"token_ids": [...]} (a list of one for completions),
 // or /tokenize's {"count", "max_model_len", "tokens": [...]}. The client's
 // forwarded headers go along (vLLM's --api-key guards /v1 paths, the render
-// endpoints among them).
+// endpoints among them), its Authorization replaced by the engines' key
+// where prefill.api_key_file gives one (the client's transport sets it).
 //
 // A render endpoint's 404 is the engine lacking it only when the answer is
 // not an OpenAI error (FastAPI's {"detail": "Not Found"} for a path it has
