@@ -54,6 +54,20 @@ type simParams struct {
 	ShedRetry   time.Duration // how long a client waits to send a shed request again; 0: admission's default
 }
 
+// scrapedUntil is when the scrapes stop: with the window, or, where batch
+// work is shed, four windows later, so that the work put off is served as
+// the engines catch up after the arrivals stop, refused while they are
+// still saturated, rather than all at once at the window's end.
+func (p simParams) scrapedUntil() time.Duration {
+	if p.Shed {
+		return 4 * p.Duration
+	}
+	return p.Duration
+}
+
+// shedWait is how long a refused client waits: the Retry-After.
+func (p simParams) shedWait() time.Duration { return cmp.Or(p.ShedRetry, config.DefaultShedRetryAfter) }
+
 // The engines' prefix cache sizes the tables compare, in characters: one
 // that holds every system prompt many times over, and one that holds about a
 // third of the distinct system prompts of the one-shot workload (48 of them,
@@ -510,7 +524,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 			failing.events(kvevents.Event{Kind: kvevents.Cleared})
 		}
 	})
-	s.every(p.ScrapeEvery, p.Duration, func() {
+	s.every(p.ScrapeEvery, p.scrapedUntil(), func() {
 		for _, pool := range s.pools {
 			for _, e := range pool.Endpoints() {
 				eng := s.engines[e.Addr]
@@ -613,12 +627,12 @@ func (s *sim) send(r *simReq) {
 	if s.tokens && r.req.Tokens() == nil {
 		r.req.SetTokens(simTokens(r.prompt))
 	}
-	// Past Duration the scrapes stop, and every figure goes stale (which
-	// counts as saturated): what is still sent then is served.
-	if s.p.Shed && r.batch && s.now < s.p.Duration && pool.Saturated(r.req, cmp.Or(s.p.ShedQueue, config.DefaultSaturatedQueue), config.DefaultSaturatedKVCache) {
+	// Past scrapedUntil every figure goes stale (which counts as
+	// saturated): what is still sent then is served.
+	if s.p.Shed && r.batch && s.now < s.p.scrapedUntil() && pool.Saturated(r.req, cmp.Or(s.p.ShedQueue, config.DefaultSaturatedQueue), config.DefaultSaturatedKVCache) {
 		s.shed++
 		// done(false) sends it again after a second, as after a failure.
-		s.at(s.now+cmp.Or(s.p.ShedRetry, config.DefaultShedRetryAfter)-time.Second, func() { r.done(false) })
+		s.at(s.now+s.p.shedWait()-time.Second, func() { r.done(false) })
 		return
 	}
 	ep, err := pool.Select(r.req)

@@ -113,6 +113,10 @@ type pdReq struct {
 	emitted, left int    // tokens emitted; local prefill characters left
 	started       bool   // local prefill begun
 	done          func()
+	// batch: its objective may be shed (simParams.Batch); first is when its
+	// client first sent it.
+	batch bool
+	first time.Duration
 }
 
 type pdStep struct {
@@ -129,6 +133,8 @@ type pdSim struct {
 	pinned   bool // pdPolicy.pinned
 
 	ttfts              []time.Duration
+	byClass            [2][]time.Duration // interactive, batch (simParams.Batch)
+	shed               int
 	steps              []pdStep
 	prefillWork, local time.Duration // compute on prefill engines; local prefill compute on decode engines
 	decisions          map[[2]int]bool
@@ -151,6 +157,9 @@ type pdResult struct {
 	Cached, PrefillBusy       float64 // shares of requests decided cached_prefix and prefill_busy (decode-only)
 	DecodeBusy                float64 // and decode_busy (P/D)
 	Decisions                 map[[2]int]bool
+	// Shed, Interactive and BatchTTFT are as simResult's.
+	Shed                   int
+	Interactive, BatchTTFT simTTFT
 }
 
 func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult {
@@ -201,7 +210,7 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 		}
 		s.replicas = append(s.replicas, ps)
 	}
-	s.every(p.ScrapeEvery, p.Duration, func() {
+	s.every(p.ScrapeEvery, p.scrapedUntil(), func() {
 		for _, ps := range s.replicas {
 			for _, e := range slices.Concat(ps.Prefill.Endpoints(), ps.Decode.Endpoints()) {
 				eng := s.engines[e.Addr]
@@ -221,14 +230,15 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 func (s *pdSim) converse(i int, sess simSession) {
 	if sess.completions {
 		prompt := sess.system + sess.turns[0].user
-		s.send(&pdReq{session: i, prompt: prompt, req: promptRequest(prompt), output: sess.turns[0].output, done: func() {}})
+		s.send(&pdReq{session: i, prompt: prompt, req: promptRequest(prompt), output: sess.turns[0].output, done: func() {},
+			batch: s.p.Batch, first: s.now})
 		return
 	}
 	c := newChat(&s.simClock, sess, s.p.Duration)
 	var turn func(j int)
 	turn = func(j int) {
 		t, prompt, asked := c.ask(j)
-		r := &pdReq{session: i, turn: j, prompt: prompt, req: chatRequest(asked), output: t.output}
+		r := &pdReq{session: i, turn: j, prompt: prompt, req: chatRequest(asked), output: t.output, first: s.now}
 		if s.p.CacheReplies {
 			r.after = prompt + "\nassistant\n" + t.reply
 		}
@@ -256,6 +266,14 @@ func (s *pdSim) send(r *pdReq) {
 	}
 	r.decode, r.dEng, r.release = eps[0], s.engines[eps[0].Addr], acquire(eps[0])
 	r.split = ps.Decide(r.req, r.decode)
+	line, kv := cmp.Or(s.p.ShedQueue, config.DefaultSaturatedQueue), config.DefaultSaturatedKVCache
+	if s.p.Shed && r.batch && s.now < s.p.scrapedUntil() && // as sim.send sheds
+		(ps.Decode.Saturated(r.req, line, kv) || r.split.PD && ps.Prefill.Saturated(r.req, line, kv)) {
+		s.shed++
+		r.release()
+		s.at(s.now+s.p.shedWait(), func() { s.send(r) })
+		return
+	}
 	if held := heldBlocks(r.dEng.cache, r.hs); r.req.Held(r.decode) == 0 && 2*held*simBlock > len(r.prompt) {
 		s.unseen++
 	}
@@ -357,6 +375,11 @@ func (s *pdSim) step(e *pdEngine) {
 		}
 		for _, r := range slices.Concat(joining, prefilled) {
 			s.ttfts = append(s.ttfts, s.now-r.arrived)
+			class := 0
+			if r.batch {
+				class = 1
+			}
+			s.byClass[class] = append(s.byClass[class], s.now-r.first)
 			s.emit(e, r)
 		}
 		e.stepping = false

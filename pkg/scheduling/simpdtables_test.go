@@ -150,6 +150,7 @@ func (s *pdSim) result() pdResult {
 	if s.heldEst > 0 {
 		res.HeldRatio = s.heldReal / s.heldEst
 	}
+	res.Shed, res.Interactive, res.BatchTTFT = s.shed, ttftOf(s.byClass[0]), ttftOf(s.byClass[1])
 	slices.Sort(s.ttfts)
 	var sum time.Duration
 	for _, t := range s.ttfts {
