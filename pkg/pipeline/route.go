@@ -105,6 +105,10 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if err := p.parallelSamples(sreq); err != nil {
 		return nil, err
 	}
+	// Before the token ids and the pick: a request shed costs no round trip.
+	if err := p.shed(r, sreq, p.pools.Decode); err != nil {
+		return nil, err
+	}
 	p.tokenize(ctx, r, sreq, a, obj)
 	d, err := p.pickDecode(sreq)
 	if err != nil {
@@ -146,8 +150,10 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	rep := &r.Report
 	decision := p.pools.Decide(sreq, d.decode.Endpoint)
 	rep.Reason = decision.Reason
-	if err := p.shed(r, sreq, decision.PD); err != nil {
-		return nil, err
+	if decision.PD {
+		if err := p.shed(r, sreq, p.pools.Prefill); err != nil {
+			return nil, err
+		}
 	}
 	switch {
 	case decision.PD:
@@ -323,18 +329,13 @@ func bootstrapHost(addr string) string {
 	return host
 }
 
-// shed refuses r when its objective has a negative priority and a pool it
-// would use is saturated: the decode pool, and the prefill pool for P/D.
-func (p *Pipeline) shed(r *Request, sreq *scheduling.Request, pd bool) error {
+// shed refuses r when its objective has a negative priority and pool, one
+// it would use, is saturated: Route asks of the decode pool, and of the
+// prefill pool for P/D.
+func (p *Pipeline) shed(r *Request, sreq *scheduling.Request, pool *scheduling.Pool) error {
 	s := p.shedding.Load()
-	if r.Objective == "" || s.Priorities[r.Objective] >= 0 {
+	if r.Objective == "" || s.Priorities[r.Objective] >= 0 || !pool.Saturated(sreq, s.Queue, s.KVCache) {
 		return nil
-	}
-	pool := p.pools.Decode
-	if !pool.Saturated(sreq, s.Queue, s.KVCache) {
-		if pool = p.pools.Prefill; !pd || !pool.Saturated(sreq, s.Queue, s.KVCache) {
-			return nil
-		}
 	}
 	p.metrics.LimitRefused(metrics.LimitSaturated)
 	return saturated(r.Objective, pool.Name, s.RetryAfter)

@@ -201,9 +201,9 @@ func (ps *Pools) Tokenizer(req *Request) (e *Endpoint, t Tokenizer, ok bool) {
 	model := req.model()
 	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
 		st := p.state.Load()
-		only := st.servingOnly(model)
+		sc := scope{model: model, only: st.servingOnly(model)} // the subset hint is the decode leg's, not this question's
 		for _, c := range st.endpoints {
-			if c.Healthy() && (!only || c.serves(model)) && (e == nil || c.Busyness() < e.Busyness()) {
+			if c.Healthy() && sc.admits(c) && (e == nil || c.Busyness() < e.Busyness()) {
 				e = c
 			}
 		}

@@ -244,3 +244,25 @@ func (p *Pool) ModelList() (cards []json.RawMessage, ok bool) {
 	}
 	return cards, true
 }
+
+// scope is which of a pool's endpoints a request may go to: those in its
+// subset hint (the decode pool's only) and, where some endpoints list its
+// model and others do not, those that list it; else any serves it.
+type scope struct {
+	subset Subset
+	model  string
+	only   bool
+}
+
+func (p *Pool) scopeOf(st *poolState, req *Request) scope {
+	sc := scope{model: req.model()}
+	sc.only = st.servingOnly(sc.model)
+	if p.decode && req != nil {
+		sc.subset = req.Subset
+	}
+	return sc
+}
+
+func (sc scope) admits(e *Endpoint) bool {
+	return sc.subset.admits(e.ap) && (!sc.only || e.serves(sc.model))
+}

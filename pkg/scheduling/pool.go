@@ -171,20 +171,15 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 	if len(st.endpoints) == 0 {
 		return nil, fmt.Errorf("%s: %w", p.Name, ErrEmpty)
 	}
-	var subset Subset
-	model := req.model()
-	only := st.servingOnly(model) // else any endpoint may serve it (models.go)
+	sc := p.scopeOf(st, req)
 	if req != nil {
-		req.absent, req.modelOnly = nil, only
-		if p.decode {
-			subset = req.Subset
-		}
+		req.absent, req.modelOnly = nil, sc.only
 	}
 	out := make([]*Endpoint, 0, len(st.endpoints))
 	var ejected, down []*Endpoint // kept out by passive health alone; by either
 	allowed, untried := 0, 0
 	for _, e := range st.endpoints {
-		if !subset.admits(e.ap) || only && !e.serves(model) {
+		if !sc.admits(e) {
 			continue
 		}
 		allowed++

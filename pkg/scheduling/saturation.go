@@ -8,15 +8,10 @@ package scheduling
 // with no such endpoint is not: picking it answers why.
 func (p *Pool) Saturated(req *Request, queue, kvCache float64) bool {
 	st := p.state.Load()
-	model := req.model()
-	only := st.servingOnly(model)
-	var subset Subset
-	if p.decode && req != nil {
-		subset = req.Subset
-	}
+	sc := p.scopeOf(st, req)
 	seen := false
 	for _, e := range st.endpoints {
-		if !subset.admits(e.ap) || only && !e.serves(model) || !e.Healthy() {
+		if !sc.admits(e) || !e.Healthy() {
 			continue
 		}
 		seen = true

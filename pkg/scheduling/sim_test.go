@@ -114,6 +114,13 @@ type simResult struct {
 
 type simTTFT struct{ Mean, P99 time.Duration }
 
+// meanOver adds x's share of a mean over n runs.
+func (t *simTTFT) meanOver(x simTTFT, n int) {
+	t.Mean += x.Mean / time.Duration(n)
+	t.P99 += x.P99 / time.Duration(n)
+}
+
+// ttftOf is the mean and p99 of ts, which it sorts.
 func ttftOf(ts []time.Duration) simTTFT {
 	if len(ts) == 0 {
 		return simTTFT{}
@@ -545,13 +552,8 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 	}
 	res := simResult{Policy: policy.name, Replicas: replicas, Requests: len(s.ttfts) + s.failed, Failed: s.failed, Moves: s.moves,
 		HitRate: s.cached / s.prompt, Ceiling: s.ceiling / s.prompt, Offered: s.prompt / p.Duration.Seconds() / (p.PrefillCPS * speed)}
-	slices.Sort(s.ttfts)
-	var sum time.Duration
-	for _, t := range s.ttfts {
-		sum += t
-	}
-	res.MeanTTFT = sum / time.Duration(len(s.ttfts))
-	res.P99TTFT = s.ttfts[int(math.Ceil(0.99*float64(len(s.ttfts))))-1]
+	all := ttftOf(s.ttfts)
+	res.MeanTTFT, res.P99TTFT = all.Mean, all.P99
 	res.Shed, res.Interactive, res.BatchTTFT = s.shed, ttftOf(s.byClass[0]), ttftOf(s.byClass[1])
 	return res
 }

@@ -151,12 +151,8 @@ func (s *pdSim) result() pdResult {
 		res.HeldRatio = s.heldReal / s.heldEst
 	}
 	res.Shed, res.Interactive, res.BatchTTFT = s.shed, ttftOf(s.byClass[0]), ttftOf(s.byClass[1])
-	slices.Sort(s.ttfts)
-	var sum time.Duration
-	for _, t := range s.ttfts {
-		sum += t
-	}
-	res.MeanTTFT, res.P99TTFT = sum/time.Duration(n), s.ttfts[int(math.Ceil(0.99*float64(n)))-1]
+	all := ttftOf(s.ttfts)
+	res.MeanTTFT, res.P99TTFT = all.Mean, all.P99
 	slices.SortFunc(s.steps, func(a, b pdStep) int { return cmp.Compare(a.d, b.d) })
 	var gaps int
 	var total time.Duration

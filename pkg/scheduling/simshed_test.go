@@ -68,13 +68,10 @@ func shedTable(batches []float64, ways []shedding, policies []string, d time.Dur
 					p.Workload, p.Seed, p.Duration = batchBeside(k), seed, d
 					p.Batch, p.Shed, p.ShedQueue, p.ShedRetry = true, how.line > 0, how.line, how.retry
 					r := simulate(p, newWorkload(p), configured(name), 1)
-					n := time.Duration(len(seeds))
 					row.shed += r.Shed
 					row.offered += r.Offered / float64(len(seeds))
-					row.interactive.Mean += r.Interactive.Mean / n
-					row.interactive.P99 += r.Interactive.P99 / n
-					row.batchTTFT.Mean += r.BatchTTFT.Mean / n
-					row.batchTTFT.P99 += r.BatchTTFT.P99 / n
+					row.interactive.meanOver(r.Interactive, len(seeds))
+					row.batchTTFT.meanOver(r.BatchTTFT, len(seeds))
 				}
 				rows = append(rows, row)
 			}
@@ -168,14 +165,11 @@ func BenchmarkSheddingPD(b *testing.B) {
 					p.Workload, p.Seed, p.Duration, p.Load = batchBeside(k), seed, 5*time.Minute, pdRates[multiTurn.name]
 					p.Batch, p.Shed, p.ShedQueue, p.ShedRetry = true, how.line > 0, how.line, how.retry
 					r := simulatePD(p, newWorkload(p.simParams), pol, 1)
-					n := time.Duration(len(simSeeds))
 					row.shed += r.Shed
 					row.prefillUtil += r.PrefillUtil / float64(len(simSeeds))
-					row.p99ITL += r.P99ITL / n
-					row.interactive.Mean += r.Interactive.Mean / n
-					row.interactive.P99 += r.Interactive.P99 / n
-					row.batchTTFT.Mean += r.BatchTTFT.Mean / n
-					row.batchTTFT.P99 += r.BatchTTFT.P99 / n
+					row.p99ITL += r.P99ITL / time.Duration(len(simSeeds))
+					row.interactive.meanOver(r.Interactive, len(simSeeds))
+					row.batchTTFT.meanOver(r.BatchTTFT, len(simSeeds))
 				}
 				b.Log(row)
 			}
