@@ -213,10 +213,12 @@ func TestSGLangPrefillsOnOneHostKeepTheirBootstrapPorts(t *testing.T) {
 // of repeat: one-shot questions under a system prompt shorter than the key
 // (they share the system prompt, the key), and the turns of a conversation
 // (they share their head, the system and first user message). The system
-// prompts spread over the endpoints: eight of them all ranking one of three
-// endpoints first would happen once in 2,187 runs.
+// prompts spread over the endpoints. The simulators' ports are random, so
+// the ranks are too: eight system prompts all ranked first on one of three
+// endpoints happened once in 2,187 runs (it did, in CI); sixteen do once in
+// 14 million.
 func TestReplicasAgreeOnPrefixAffinity(t *testing.T) {
-	const replicas, prefixes, repeats = 3, 8, 12
+	const replicas, conversations, systems, repeats = 3, 8, 16, 12
 	r := startRig(t, rigOptions{prefills: 3, replicas: replicas, prefillPool: "policy: prefix-affinity"})
 	type message struct {
 		Role    string `json:"role"`
@@ -229,45 +231,55 @@ func TestReplicasAgreeOnPrefixAffinity(t *testing.T) {
 		}
 		return string(b)
 	}
-	histories := make([][]message, prefixes)
-	for i := range prefixes * repeats {
-		p, turn := i%prefixes, i/prefixes // interleaved, so each replica sees every prefix
-		if turn == 0 {
-			histories[p] = []message{{"system", "Be brief."}, {"user", fmt.Sprintf("[conversation %d] Hello.", p)}}
-		} else {
-			histories[p] = append(histories[p], message{"assistant", "Noted: the answer is long enough to cross a block."},
-				message{"user", fmt.Sprintf("Question %d, with some more words.", turn)})
-		}
-		// About 1,000 characters: four blocks, well under the 64 of the key.
-		system := strings.Repeat(fmt.Sprintf("Agent %d: answer as assistant number %d would. ", p, p), 20)
-		for _, body := range []string{chat(histories[p]...), chat(message{"system", system}, message{"user", fmt.Sprintf("[shared %d] question %d: what changed?", p, turn)})} {
-			if resp, got := r.must(t, "/v1/chat/completions", body, nil); resp.StatusCode != http.StatusOK {
-				t.Fatalf("status %d: %s", resp.StatusCode, got)
-			}
+	send := func(body string) {
+		if resp, got := r.must(t, "/v1/chat/completions", body, nil); resp.StatusCode != http.StatusOK {
+			t.Fatalf("status %d: %s", resp.StatusCode, got)
 		}
 	}
+	histories := make([][]message, conversations)
+	for turn := range repeats { // interleaved, so each replica sees every prefix
+		for p := range histories {
+			if turn == 0 {
+				histories[p] = []message{{"system", "Be brief."}, {"user", fmt.Sprintf("[conversation %d] Hello.", p)}}
+			} else {
+				histories[p] = append(histories[p], message{"assistant", "Noted: the answer is long enough to cross a block."},
+					message{"user", fmt.Sprintf("Question %d, with some more words.", turn)})
+			}
+			send(chat(histories[p]...))
+		}
+		for p := range systems {
+			// About 1,000 characters: four blocks, well under the 64 of the key.
+			system := strings.Repeat(fmt.Sprintf("Agent %d: answer as assistant number %d would. ", p, p), 20)
+			send(chat(message{"system", system}, message{"user", fmt.Sprintf("[shared %d] question %d: what changed?", p, turn)}))
+		}
+	}
+	var markers []string
+	for p := range conversations {
+		markers = append(markers, fmt.Sprintf("[conversation %d]", p))
+	}
+	for p := range systems {
+		markers = append(markers, fmt.Sprintf("[shared %d] question", p))
+	}
 	homes := map[int]bool{}
-	for p := range prefixes {
-		for _, marker := range []string{fmt.Sprintf("[conversation %d]", p), fmt.Sprintf("[shared %d] question", p)} {
-			counts := legsOn(r.prefill, marker)
-			top, total, home := 0, 0, 0
-			for e, n := range counts {
-				if n > top {
-					top, home = n, e
-				}
-				total += n
+	for _, marker := range markers {
+		counts := legsOn(r.prefill, marker)
+		top, total, home := 0, 0, 0
+		for e, n := range counts {
+			if n > top {
+				top, home = n, e
 			}
-			t.Logf("%s: prefill legs per endpoint %v", marker, counts)
-			if total != repeats || top*10 < total*9 {
-				t.Errorf("%s: prefill legs per endpoint %v; want all %d and >= 90%% on one", marker, counts, repeats)
-			}
-			if strings.HasPrefix(marker, "[shared") {
-				homes[home] = true
-			}
+			total += n
+		}
+		t.Logf("%s: prefill legs per endpoint %v", marker, counts)
+		if total != repeats || top*10 < total*9 {
+			t.Errorf("%s: prefill legs per endpoint %v; want all %d and >= 90%% on one", marker, counts, repeats)
+		}
+		if strings.HasPrefix(marker, "[shared") {
+			homes[home] = true
 		}
 	}
 	if len(homes) < 2 {
-		t.Errorf("the %d system prompts all went to prefill endpoint %v: they do not spread", prefixes, homes)
+		t.Errorf("the %d system prompts all went to prefill endpoint %v: they do not spread", systems, homes)
 	}
 	for i, x := range r.replicas {
 		if n, err := x.Metric(t.Context(), `pd_extproc_requests_total{api="chat",connector="kv-nixl",mode="pd",outcome="routed"}`); err != nil || n == 0 {
