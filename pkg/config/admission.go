@@ -6,12 +6,13 @@ import (
 	"time"
 )
 
-// This file holds what turns requests away while the engines are saturated
-// (admission.*), as the Gateway API Inference Extension does: a request
-// names its objective in a header, an objective has a priority, and while
-// every endpoint of a pool the request would use is saturated a request of
-// a negative priority is refused (429, Retry-After) rather than queued on
-// the engines ahead of the others.
+// This file holds what holds requests back, and then turns them away, while
+// the engines are saturated (admission.*), as the Gateway API Inference
+// Extension does: a request names its objective in a header, an objective
+// has a priority, and while every endpoint of a pool the request would use
+// is saturated a request of a negative priority waits in pd-extproc for
+// room, and is refused (429, Retry-After) if none comes, rather than
+// queued on the engines ahead of the others.
 
 // Admission defaults: the Inference Extension's saturation detector's
 // (pkg/epp/saturationdetector/config.go: DefaultQueueDepthThreshold,
@@ -27,6 +28,12 @@ const (
 // nothing in the simulation, 30 s most of what shedding can buy).
 const DefaultShedRetryAfter = 30 * time.Second
 
+// DefaultHold is how long a request that may be shed waits for room before
+// it is refused: in the simulations a hold of 30 s beat a refusal at once
+// on every figure of the interactive traffic (docs/scheduling.md,
+// shedding), and the batch work it held was served, not refused.
+const DefaultHold = 30 * time.Second
+
 // Admission sheds the requests of negative priority while their pools are
 // saturated.
 type Admission struct {
@@ -41,6 +48,11 @@ type Admission struct {
 	// endpoint a request may go to is.
 	SaturatedQueue   float64 `json:"saturated_queue,omitempty"`
 	SaturatedKVCache float64 `json:"saturated_kv_cache,omitempty"`
+	// Hold is how long a request that may be shed waits in pd-extproc for
+	// its pool to have room, released by priority and then arrival as the
+	// engines' scraped figures show room, before it is refused; "0s" refuses
+	// at once.
+	Hold *Duration `json:"hold,omitempty"`
 	// RetryAfter is the Retry-After of a shed request's 429.
 	RetryAfter Duration `json:"retry_after,omitempty"`
 }
@@ -60,6 +72,19 @@ func (a *Admission) SetDefaults() {
 	orDefault(&a.SaturatedQueue, DefaultSaturatedQueue)
 	orDefault(&a.SaturatedKVCache, DefaultSaturatedKVCache)
 	orDefault(&a.RetryAfter, Duration(DefaultShedRetryAfter))
+	if a.Hold == nil {
+		d := Duration(DefaultHold)
+		a.Hold = &d
+	}
+}
+
+// Held is the longest a request waits in the hold: admission.hold where
+// some objective may be shed, else 0.
+func (a Admission) Held() Duration {
+	if !a.Sheds() || a.Hold == nil {
+		return 0
+	}
+	return *a.Hold
 }
 
 // validateAdmission checks admission.*: shedding reads the engines' scraped
@@ -72,6 +97,9 @@ func (c *Config) validateAdmission() error {
 	}
 	if a.RetryAfter.D() < time.Second {
 		errs = append(errs, fmt.Errorf("admission.retry_after: %v is below 1s, the least Retry-After says", a.RetryAfter.D()))
+	}
+	if a.Hold != nil && (*a.Hold < 0 || *a.Hold > Duration(maxEnvoyMessageTimeout)) {
+		errs = append(errs, fmt.Errorf("admission.hold: %v is not between 0s and 1h", a.Hold.D()))
 	}
 	if a.SaturatedKVCache <= 0 || a.SaturatedKVCache > 1 {
 		errs = append(errs, fmt.Errorf("admission.saturated_kv_cache: %g is not in (0, 1]", a.SaturatedKVCache))

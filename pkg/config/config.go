@@ -236,11 +236,11 @@ func (c *Config) setDefaults() {
 		// One body of the largest size must always fit.
 		c.Limits.MaxBufferedBytes = max(DefaultMaxBufferedBytes(cgroupFS), c.Limits.MaxBodyBytes)
 	}
+	c.Admission.SetDefaults()
 	orDefault(&c.Envoy.OverrideAfter, Duration(150*time.Millisecond))
-	orDefault(&c.Envoy.OverrideMessageTimeout, min(c.Prefill.Timeout+Duration(30*time.Second), Duration(maxEnvoyMessageTimeout)))
+	orDefault(&c.Envoy.OverrideMessageTimeout, min(c.Prefill.Timeout+c.Admission.Held()+Duration(30*time.Second), Duration(maxEnvoyMessageTimeout)))
 	c.Tracing.SetDefaults()
 	c.Response.SetDefaults()
-	c.Admission.SetDefaults()
 	c.Pools.Prefill.PoolScheduling.SetDefaults()
 	c.Pools.Decode.PoolScheduling.SetDecodeDefaults(c.PD.Mode)
 	c.PD.SetDefaults()

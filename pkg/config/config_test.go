@@ -225,6 +225,8 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 			"set pools.prefill.metrics.interval"},
 		{"a shed request's Retry-After below a second", `{admission: {retry_after: 500ms}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "admission.retry_after: 500ms is below 1s"},
 		{"a KV line above 1", `{admission: {saturated_kv_cache: 1.5}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "admission.saturated_kv_cache: 1.5 is not in (0, 1]"},
+		{"a negative hold", `{admission: {hold: -1s}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "admission.hold: -1s is not between 0s and 1h"},
+		{"a hold past Envoy's bound", `{admission: {hold: 2h}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "admission.hold: 2h0m0s is not between 0s and 1h"},
 		{"the prefill pool's key is prefill.api_key_file", `pools: {prefill: {api_key_file: /k}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "pools.prefill.api_key_file"},
 		{"negative response bound", `{response: {max_body_bytes: -1}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "response.max_body_bytes"},
 		{"misspelt response key", `{response: {rewrite_usages: true}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, `unknown field "response.rewrite_usages"`},
@@ -288,6 +290,10 @@ func TestOverrideMessageTimeoutWithinEnvoysBound(t *testing.T) {
 		{"prefill: {timeout: 2h}", time.Hour},
 		{"envoy: {override_message_timeout: 1h}", time.Hour},
 		{"envoy: {override_message_timeout: 61m}", 0},
+		// A request that may be shed is held first (admission.hold), within the same timer.
+		{"admission: {objectives: {batch: -1}}", 90 * time.Second},
+		{"admission: {objectives: {batch: -1}, hold: 0s}", time.Minute},
+		{"admission: {objectives: {batch: 1}, hold: 10m}", time.Minute},
 	} {
 		c, err := Parse([]byte("connector: kv-nixl\n" + tt.yaml + "\n"))
 		switch {

@@ -60,14 +60,22 @@ type Options struct {
 	Shedding         Shedding
 }
 
-// Shedding turns away, with 429 and Retry-After, the requests whose
-// objective has a negative priority while every endpoint of a pool they
-// would use is saturated (admission.*): the engines' capacity goes to the
-// others. Priorities nil: none is.
+// Shedding holds back, then turns away with 429 and Retry-After, the
+// requests whose objective has a negative priority while every endpoint of
+// a pool they would use is saturated (admission.*): the engines' capacity
+// goes to the others. Priorities nil: none is.
 type Shedding struct {
-	Priorities     map[string]int // by objective
-	Queue, KVCache float64        // an endpoint's saturation lines (scheduling.Pool.Saturated)
-	RetryAfter     time.Duration  // the 429's
+	Priorities map[string]int   // by objective
+	Lines      scheduling.Lines // an endpoint's saturation lines (scheduling.Pool.Saturated)
+	Hold       time.Duration    // how long such a request waits for room before it is refused; 0: not at all
+	RetryAfter time.Duration    // the 429's
+}
+
+// shedder is the pipeline's side of Shedding: its settings as reloaded, and
+// a hold per pool, which outlives reloads as the pools do.
+type shedder struct {
+	settings        atomic.Pointer[Shedding]
+	prefill, decode *scheduling.Hold
 }
 
 // Pipeline routes requests. It is safe for concurrent use.
@@ -79,7 +87,7 @@ type Pipeline struct {
 	client       *http.Client
 	scheme       string // of prefill legs: http, or https with prefill.tls
 	decodeKey    *enginehttp.Key
-	shedding     atomic.Pointer[Shedding] // Options.Shedding, then each reload's
+	shedding     shedder
 	log          logr.Logger
 	background   sync.WaitGroup // concurrent (SGLang) prefill legs still running
 	inBackground atomic.Int64   // how many, against Options.MaxBackground
@@ -123,6 +131,7 @@ func New(parts Parts, opts Options, log logr.Logger, options ...Option) *Pipelin
 	for _, o := range options {
 		o(p)
 	}
+	p.shedding.prefill, p.shedding.decode = scheduling.NewHold(p.pools.Prefill), scheduling.NewHold(p.pools.Decode)
 	p.SetShedding(opts.Shedding)
 	return p
 }
@@ -146,9 +155,18 @@ func (p *Pipeline) Reload(spec scheduling.Spec) {
 	p.pools.Update(spec)
 }
 
+// Held is how many requests wait for room in pool, prefill or decode
+// (admission.hold).
+func (p *Pipeline) Held(pool string) int {
+	if pool == p.pools.Prefill.Name {
+		return p.shedding.prefill.Len()
+	}
+	return p.shedding.decode.Len()
+}
+
 // SetShedding applies reloaded admission.* keys to the requests routed from
 // now on.
-func (p *Pipeline) SetShedding(s Shedding) { p.shedding.Store(&s) }
+func (p *Pipeline) SetShedding(s Shedding) { p.shedding.settings.Store(&s) }
 
 // Wait blocks until every background prefill leg has ended.
 func (p *Pipeline) Wait() { p.background.Wait() }

@@ -106,7 +106,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 		return nil, err
 	}
 	// Before the token ids and the pick: a request shed costs no round trip.
-	if err := p.shed(r, sreq, p.pools.Decode); err != nil {
+	if err := p.shed(ctx, r, sreq, p.pools.Decode); err != nil {
 		return nil, err
 	}
 	p.tokenize(ctx, r, sreq, a, obj)
@@ -151,7 +151,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	decision := p.pools.Decide(sreq, d.decode.Endpoint)
 	rep.Reason = decision.Reason
 	if decision.PD {
-		if err := p.shed(r, sreq, p.pools.Prefill); err != nil {
+		if err := p.shed(ctx, r, sreq, p.pools.Prefill); err != nil {
 			return nil, err
 		}
 	}
@@ -329,12 +329,26 @@ func bootstrapHost(addr string) string {
 	return host
 }
 
-// shed refuses r when its objective has a negative priority and pool, one
-// it would use, is saturated: Route asks of the decode pool, and of the
-// prefill pool for P/D.
-func (p *Pipeline) shed(r *Request, sreq *scheduling.Request, pool *scheduling.Pool) error {
-	s := p.shedding.Load()
-	if r.Objective == "" || s.Priorities[r.Objective] >= 0 || !pool.Saturated(sreq, s.Queue, s.KVCache) {
+// shed holds r, then refuses it if it must, when its objective has a
+// negative priority and pool, one it would use, is saturated: Route asks of
+// the decode pool, and of the prefill pool for P/D. A held request goes on
+// once the pool has room for it (scheduling.Hold); its client gone, it
+// ends with its context's error.
+func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Request, pool *scheduling.Pool) error {
+	s := p.shedding.settings.Load()
+	priority := s.Priorities[r.Objective]
+	if priority >= 0 {
+		return nil
+	}
+	if s.Hold > 0 {
+		hold := p.shedding.decode
+		if pool == p.pools.Prefill {
+			hold = p.shedding.prefill
+		}
+		if err := hold.Wait(ctx, sreq, priority, s.Lines, s.Hold); !errors.Is(err, scheduling.ErrStillSaturated) {
+			return err
+		}
+	} else if !pool.Saturated(sreq, s.Lines) {
 		return nil
 	}
 	p.metrics.LimitRefused(metrics.LimitSaturated)

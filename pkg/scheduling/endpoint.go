@@ -160,6 +160,7 @@ func (s *Slot) JudgedWithin(d time.Duration) {
 // Load is an engine's own account of its load, scraped from /metrics.
 type Load struct {
 	Waiting float64   // requests queued in the engine, not yet running (SGLang P/D: its role's transfer queues too)
+	Running float64   // requests in the engine's running batch
 	KVUsage float64   // KV cache in use, 0..1
 	At      time.Time // when it was scraped
 }

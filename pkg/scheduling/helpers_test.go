@@ -40,13 +40,13 @@ func (c *fakeClock) Advance(d time.Duration) {
 // testPool builds a pool over addrs with a fake clock. Picks are
 // deterministic: intn is always 0, so two-choices compares the first two
 // candidates.
-func testPool(t *testing.T, s config.PoolScheduling, addrs ...string) (*Pool, *fakeClock) {
+func testPool(t testing.TB, s config.PoolScheduling, addrs ...string) (*Pool, *fakeClock) {
 	t.Helper()
 	return testPoolNamed(t, "decode", s, addrs...)
 }
 
 // testPoolNamed is testPool for the pool of that name, prefill or decode.
-func testPoolNamed(t *testing.T, name string, s config.PoolScheduling, addrs ...string) (*Pool, *fakeClock) {
+func testPoolNamed(t testing.TB, name string, s config.PoolScheduling, addrs ...string) (*Pool, *fakeClock) {
 	t.Helper()
 	clock := newFakeClock()
 	spec := PoolSpec{Endpoints: addrs, PoolScheduling: s}

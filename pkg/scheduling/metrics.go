@@ -24,6 +24,7 @@ const maxMetricsBytes = 8 << 20
 var (
 	waitingGauges = []string{"vllm:num_requests_waiting", "sglang:num_queue_reqs"}
 	kvUsageGauges = []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"}
+	runningGauges = []string{"vllm:num_requests_running", "sglang:num_running_reqs"}
 )
 
 // pdQueues are the queues an SGLang engine in P/D mode keeps apart from its
@@ -92,7 +93,8 @@ func parseLoad(r io.Reader, ro role) (Load, error) {
 	if !hasWaiting && !hasKVUsage {
 		return Load{}, fmt.Errorf("no load gauge among %v %v", waitingGauges, kvUsageGauges)
 	}
-	l := Load{Waiting: sum(waiting), KVUsage: min(1, maxOf(kvUsage))} // a missing family sums to 0
+	running, _ := firstOf(families, runningGauges)
+	l := Load{Waiting: sum(waiting), Running: sum(running), KVUsage: min(1, maxOf(kvUsage))} // a missing family sums to 0
 	for _, names := range pdQueues[ro] {
 		if f, ok := firstOf(families, names); ok {
 			l.Waiting += sum(f)
@@ -130,7 +132,7 @@ func loadLines(r io.Reader, ro role) ([]byte, error) {
 // loadGauge says whether parseLoad reads the gauge of that name for an
 // engine in role ro.
 func loadGauge(name string, ro role) bool {
-	if slices.Contains(waitingGauges, name) || slices.Contains(kvUsageGauges, name) {
+	if slices.Contains(waitingGauges, name) || slices.Contains(kvUsageGauges, name) || slices.Contains(runningGauges, name) {
 		return true
 	}
 	for _, names := range pdQueues[ro] {

@@ -55,7 +55,7 @@ func TestAPoolIsSaturatedWhileEveryEndpointItMayUseIs(t *testing.T) {
 			if tt.subset != "" {
 				req.Subset = ParseSubset(tt.subset)
 			}
-			if got := p.Saturated(req, config.DefaultSaturatedQueue, config.DefaultSaturatedKVCache); got != tt.want {
+			if got := p.Saturated(req, Lines{config.DefaultSaturatedQueue, config.DefaultSaturatedKVCache}); got != tt.want {
 				t.Errorf("saturated: %v, want %v", got, tt.want)
 			}
 		})

@@ -52,6 +52,15 @@ type simParams struct {
 	Batch, Shed bool
 	ShedQueue   float64       // the saturation line of the engines' queues; 0: admission's default
 	ShedRetry   time.Duration // how long a client waits to send a shed request again; 0: admission's default
+	// HoldFor, with Shed, holds a batch request that meets its pool saturated
+	// for up to that long (Hold: released on the scrapes, by the replica's
+	// share of the room) before it is refused; 0 refuses at once.
+	HoldFor time.Duration
+}
+
+// shedLines are the saturation lines the simulations shed at.
+func (p simParams) shedLines() Lines {
+	return Lines{cmp.Or(p.ShedQueue, config.DefaultSaturatedQueue), config.DefaultSaturatedKVCache}
 }
 
 // scrapedUntil is when the scrapes stop: with the window, or, where batch
@@ -463,6 +472,7 @@ type sim struct {
 	p                   simParams
 	engines             map[string]*simEngine
 	pools               []*Pool // one per replica
+	holds               []*Hold // each replica's, with simParams.HoldFor
 	sent                int     // requests sent, for the replicas' turns
 	chats               int     // conversations started, which numbers them
 	tokens              bool    // requests carry their tokens (the policy follows KV events)
@@ -519,7 +529,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 		if index != nil {
 			pool.events.Store(&poolEvents{index: index})
 		}
-		s.pools = append(s.pools, pool)
+		s.pools, s.holds = append(s.pools, pool), append(s.holds, NewHold(pool))
 	}
 
 	failing := s.engines[addrs[p.FailEndpoint]]
@@ -536,9 +546,13 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 			for _, e := range pool.Endpoints() {
 				eng := s.engines[e.Addr]
 				if !eng.down {
-					e.observe(Load{Waiting: float64(len(eng.queue)), KVUsage: min(1, float64(eng.running)/128), At: simEpoch.Add(s.now)})
+					e.observe(Load{Waiting: float64(len(eng.queue)), Running: float64(eng.running + busy(eng.busy)),
+						KVUsage: min(1, float64(eng.running)/128), At: simEpoch.Add(s.now)})
 				}
 			}
+		}
+		for _, h := range s.holds {
+			h.Release(p.shedLines())
 		}
 	})
 	for _, sess := range w.sessions {
@@ -615,28 +629,52 @@ func (s *sim) converse(sess simSession) {
 }
 
 func (s *sim) send(r *simReq) {
-	pool := s.pools[s.sent%len(s.pools)]
+	replica := s.sent % len(s.pools)
 	s.sent++
 	if s.pinned && r.session != 0 {
-		pool = s.pools[mix64(uint64(r.session))%uint64(len(s.pools))]
+		replica = int(mix64(uint64(r.session)) % uint64(len(s.pools)))
 	}
 	if r.client != "" {
-		pool = s.pools[mix64(xxhash.Sum64String(r.client))%uint64(len(s.pools))]
+		replica = int(mix64(xxhash.Sum64String(r.client)) % uint64(len(s.pools)))
 		if !s.oneCount {
 			r.req.Client = r.client
 		}
 	}
+	pool := s.pools[replica]
 	if s.tokens && r.req.Tokens() == nil {
 		r.req.SetTokens(simTokens(r.prompt))
 	}
 	// Past scrapedUntil every figure goes stale (which counts as
 	// saturated): what is still sent then is served.
-	if s.p.Shed && r.batch && s.now < s.p.scrapedUntil() && pool.Saturated(r.req, cmp.Or(s.p.ShedQueue, config.DefaultSaturatedQueue), config.DefaultSaturatedKVCache) {
+	if !s.p.Shed || !r.batch || s.now >= s.p.scrapedUntil() {
+		s.dispatch(pool, r)
+		return
+	}
+	refuse := func() {
 		s.shed++
 		// done(false) sends it again after a second, as after a failure.
 		s.at(s.now+s.p.shedWait()-time.Second, func() { r.done(false) })
-		return
 	}
+	switch {
+	case s.p.HoldFor > 0:
+		if !s.holds[replica].Add(r.req, -1, simEpoch.Add(s.now+s.p.HoldFor), s.p.shedLines(), func(released bool) {
+			if released {
+				s.dispatch(pool, r)
+			} else {
+				refuse()
+			}
+		}) {
+			s.dispatch(pool, r)
+		}
+	case pool.Saturated(r.req, s.p.shedLines()):
+		refuse()
+	default:
+		s.dispatch(pool, r)
+	}
+}
+
+// dispatch sends r to the endpoint pool picks for it.
+func (s *sim) dispatch(pool *Pool, r *simReq) {
 	ep, err := pool.Select(r.req)
 	if err != nil {
 		s.failed++
@@ -696,4 +734,11 @@ func (s *sim) prefill(e *simEngine, r *simReq) {
 		})
 		e.done()
 	})
+}
+
+func busy(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }

@@ -129,6 +129,7 @@ type pdSim struct {
 	p        pdParams
 	engines  map[string]*pdEngine
 	replicas []*Pools
+	holds    [][2]*Hold // each replica's decode and prefill holds, with simParams.HoldFor
 	sent     int
 	pinned   bool // pdPolicy.pinned
 
@@ -208,14 +209,19 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 			ps.Prefill.events.Store(&poolEvents{index: index})
 			ps.Decode.events.Store(&poolEvents{index: index})
 		}
-		s.replicas = append(s.replicas, ps)
+		s.replicas, s.holds = append(s.replicas, ps), append(s.holds, [2]*Hold{NewHold(ps.Decode), NewHold(ps.Prefill)})
 	}
 	s.every(p.ScrapeEvery, p.scrapedUntil(), func() {
 		for _, ps := range s.replicas {
 			for _, e := range slices.Concat(ps.Prefill.Endpoints(), ps.Decode.Endpoints()) {
 				eng := s.engines[e.Addr]
-				e.observe(Load{Waiting: eng.waiting(), KVUsage: min(1, float64(len(eng.running))/128), At: simEpoch.Add(s.now)})
+				e.observe(Load{Waiting: eng.waiting(), Running: float64(len(eng.running) + busy(eng.busy)),
+					KVUsage: min(1, float64(len(eng.running))/128), At: simEpoch.Add(s.now)})
 			}
+		}
+		for _, h := range s.holds {
+			h[0].Release(p.shedLines())
+			h[1].Release(p.shedLines())
 		}
 	})
 	for i, sess := range w.sessions {
@@ -249,31 +255,71 @@ func (s *pdSim) converse(i int, sess simSession) {
 }
 
 // send routes r as the pipeline does: the decode endpoint first, then the
-// decision on it, then for P/D the prefill endpoint.
+// decision on it, then for P/D the prefill endpoint. Batch work that meets
+// a saturated pool is refused, and sent again after the Retry-After, after
+// the decision; or, with simParams.HoldFor, held before the decode pick
+// on the decode pool and after the decision on the prefill pool, as
+// pkg/pipeline holds it.
 func (s *pdSim) send(r *pdReq) {
-	ps := s.replicas[s.sent%len(s.replicas)]
+	replica := s.sent % len(s.replicas)
 	s.sent++
 	if s.pinned && r.req.Head() != "" { // a chat request: its conversation's replica
-		ps = s.replicas[mix64(uint64(r.session)+1)%uint64(len(s.replicas))]
+		replica = int(mix64(uint64(r.session)+1) % uint64(len(s.replicas)))
 	}
 	r.arrived, r.hs = s.now, simHashes(r.prompt)
-	if ps.Decode.cache() != nil {
+	if s.replicas[replica].Decode.cache() != nil {
 		r.req.SetTokens(simTokens(r.prompt))
 	}
+	if !s.sheds(r) || s.p.HoldFor == 0 || !s.hold(s.holds[replica][0], r, func() { s.route(replica, r) }) {
+		s.route(replica, r)
+	}
+}
+
+// sheds says whether r is batch work that a saturated pool puts off.
+func (s *pdSim) sheds(r *pdReq) bool { return s.p.Shed && r.batch && s.now < s.p.scrapedUntil() }
+
+// hold holds r in h, unless it may go at once (false); released, it goes on
+// with next; its time up, it is refused.
+func (s *pdSim) hold(h *Hold, r *pdReq, next func()) bool {
+	return h.Add(r.req, -1, simEpoch.Add(s.now+s.p.HoldFor), s.p.shedLines(), func(released bool) {
+		if released {
+			next()
+			return
+		}
+		if r.release != nil { // the decode endpoint picked before the prefill pool held it
+			r.release()
+		}
+		s.shed++
+		s.at(s.now+s.p.shedWait(), func() { s.send(r) })
+	})
+}
+
+// route picks r's decode endpoint and decides on it.
+func (s *pdSim) route(replica int, r *pdReq) {
+	ps := s.replicas[replica]
 	eps, err := ps.Decode.SelectN(r.req, 1)
 	if err != nil {
 		panic(err)
 	}
 	r.decode, r.dEng, r.release = eps[0], s.engines[eps[0].Addr], acquire(eps[0])
 	r.split = ps.Decide(r.req, r.decode)
-	line, kv := cmp.Or(s.p.ShedQueue, config.DefaultSaturatedQueue), config.DefaultSaturatedKVCache
-	if s.p.Shed && r.batch && s.now < s.p.scrapedUntil() && // as sim.send sheds
-		(ps.Decode.Saturated(r.req, line, kv) || r.split.PD && ps.Prefill.Saturated(r.req, line, kv)) {
+	switch {
+	case !s.sheds(r):
+	case s.p.HoldFor > 0:
+		if r.split.PD && s.hold(s.holds[replica][1], r, func() { s.legs(ps, r) }) {
+			return
+		}
+	case ps.Decode.Saturated(r.req, s.p.shedLines()) || r.split.PD && ps.Prefill.Saturated(r.req, s.p.shedLines()):
 		s.shed++
 		r.release()
 		s.at(s.now+s.p.shedWait(), func() { s.send(r) })
 		return
 	}
+	s.legs(ps, r)
+}
+
+// legs runs r decode-only or launches its prefill leg.
+func (s *pdSim) legs(ps *Pools, r *pdReq) {
 	if held := heldBlocks(r.dEng.cache, r.hs); r.req.Held(r.decode) == 0 && 2*held*simBlock > len(r.prompt) {
 		s.unseen++
 	}

@@ -11,10 +11,12 @@ import (
 
 // Shedding (admission.objectives): interactive multi-turn chat beside batch
 // work whose objective has a negative priority. With shedding on, a replica
-// refuses a batch request while every engine of its pool reports a queue at
-// or above the line (Pool.Saturated), and the client sends it again after
-// the 1 s Retry-After: batch work is put off, not dropped. The engines, the
-// caches and the scrapes are the aggregated simulation's (sim_test.go).
+// holds a batch request while every engine of its pool reports a queue at
+// or above the line (Pool.Saturated), releasing it as the scrapes show room
+// (Hold), and refuses it when its hold runs out (or at once, without a
+// hold); the client sends a refused request again after the Retry-After:
+// batch work is put off, not dropped. The engines, the caches and the
+// scrapes are the aggregated simulation's (sim_test.go).
 
 // batchBeside is (b)'s conversations at their rate beside unrelated
 // completions prompts, the batch work, at k times (b)'s rate of them.
@@ -30,11 +32,13 @@ func batchBeside(k float64) simWorkload {
 type shedding struct {
 	line  float64
 	retry time.Duration
+	hold  time.Duration // how long a request is held before it is refused (simParams.HoldFor)
 }
 
 var (
 	noShedding   = shedding{}
-	shedDefaults = shedding{config.DefaultSaturatedQueue, config.DefaultShedRetryAfter}
+	shedDefaults = shedding{config.DefaultSaturatedQueue, config.DefaultShedRetryAfter, config.DefaultHold}
+	refuseAtOnce = shedding{config.DefaultSaturatedQueue, config.DefaultShedRetryAfter, 0} // admission.hold: 0s
 )
 
 type shedRow struct {
@@ -48,12 +52,9 @@ type shedRow struct {
 }
 
 func (r shedRow) String() string {
-	how := "off"
-	if r.line > 0 {
-		how = fmt.Sprintf("line %g, retry %v", r.line, r.retry)
-	}
+	how := r.shedding.String()
 	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
-	return fmt.Sprintf("batch x%-3g %-16s %-19s offered %3.0f%%  shed %6d  interactive TTFT mean %7.0f p99 %7.0f ms  batch mean %7.0f p99 %7.0f ms",
+	return fmt.Sprintf("batch x%-3g %-16s %-30s offered %3.0f%%  shed %6d  interactive TTFT mean %7.0f p99 %7.0f ms  batch mean %7.0f p99 %7.0f ms",
 		r.batch, r.policy, how, 100*r.offered, r.shed, ms(r.interactive.Mean), ms(r.interactive.P99), ms(r.batchTTFT.Mean), ms(r.batchTTFT.P99))
 }
 
@@ -66,7 +67,7 @@ func shedTable(batches []float64, ways []shedding, policies []string, d time.Dur
 				for _, seed := range seeds {
 					p := defaultSimParams()
 					p.Workload, p.Seed, p.Duration = batchBeside(k), seed, d
-					p.Batch, p.Shed, p.ShedQueue, p.ShedRetry = true, how.line > 0, how.line, how.retry
+					p.Batch, p.Shed, p.ShedQueue, p.ShedRetry, p.HoldFor = true, how.line > 0, how.line, how.retry, how.hold
 					r := simulate(p, newWorkload(p), configured(name), 1)
 					row.shed += r.Shed
 					row.offered += r.Offered / float64(len(seeds))
@@ -82,28 +83,33 @@ func shedTable(batches []float64, ways []shedding, policies []string, d time.Dur
 
 // BenchmarkShedding is docs/scheduling.md's shedding table: batch work at
 // 1, 8, 12 and 16 times (b)'s rate beside its chat, least-load and
-// prefix-affinity, without shedding and with it at the default line (5)
-// and Retry-After 1, 5 and 30 s (the default), and at line 2, five
-// simulated minutes, three seeds. Run it as BenchmarkPolicies.
+// prefix-affinity, without shedding; refused at once at the default line
+// (5) with Retry-After 1, 5 and 30 s (the default), and at line 2; and
+// held (the defaults), five simulated minutes, three seeds. Run it as
+// BenchmarkPolicies.
 func BenchmarkShedding(b *testing.B) {
-	ways := []shedding{noShedding, {5, time.Second}, {5, 5 * time.Second}, shedDefaults, {2, config.DefaultShedRetryAfter}}
+	ways := []shedding{noShedding, {5, time.Second, 0}, {5, 5 * time.Second, 0}, refuseAtOnce, {2, config.DefaultShedRetryAfter, 0}, shedDefaults}
 	for _, r := range shedTable([]float64{1, 8, 12, 16}, ways, []string{"least-load", "prefix-affinity"}, 5*time.Minute, simSeeds) {
 		b.Log(r)
 	}
 }
 
-// With its defaults shedding changes nothing where the engines keep up, and
-// under heavy overload at least halves the chat's mean and p99 time to
-// first token under either policy, and in P/D where the prefill pool is
-// saturated (always P/D at 4 × the batch work).
+// With its defaults (a hold of 30 s) shedding changes nothing where the
+// engines keep up; under heavy overload it at least halves the chat's mean
+// and p99 time to first token under either policy, and does as well for the
+// chat as refusing at once or better. In P/D it halves them where the
+// prefill pool is saturated (always P/D at 4 × the batch work), and under
+// cache-aware P/D at 6 ×, where refusing at once made the chat 4 times
+// slower, it leaves the chat no slower than without shedding.
 func TestSimulatedShedding(t *testing.T) {
 	if testing.Short() || raceDetector {
 		t.Skip("simulation: make test runs it without -race")
 	}
-	rows := shedTable([]float64{1, 16}, []shedding{noShedding, shedDefaults}, []string{"least-load", "prefix-affinity"}, 2*time.Minute, simSeeds[:1])
-	for i := 0; i < len(rows); i += 2 {
-		off, on := rows[i], rows[i+1]
+	rows := shedTable([]float64{1, 16}, []shedding{noShedding, refuseAtOnce, shedDefaults}, []string{"least-load", "prefix-affinity"}, 2*time.Minute, simSeeds[:1])
+	for i := 0; i < len(rows); i += 3 {
+		off, refuse, on := rows[i], rows[i+1], rows[i+2]
 		t.Log(off)
+		t.Log(refuse)
 		t.Log(on)
 		switch {
 		// Within 1 %: with shedding on the engines are scraped past the window,
@@ -113,26 +119,32 @@ func TestSimulatedShedding(t *testing.T) {
 		case off.batch > 1 && (on.interactive.Mean > off.interactive.Mean/2 || on.interactive.P99 > off.interactive.P99/2):
 			t.Errorf("%s, batch x%g: the chat's TTFT mean %v, p99 %v with shedding against %v, %v without; want at most half",
 				on.policy, on.batch, on.interactive.Mean, on.interactive.P99, off.interactive.Mean, off.interactive.P99)
+		case off.batch > 1 && (on.interactive.Mean > refuse.interactive.Mean || on.interactive.P99 > refuse.interactive.P99):
+			t.Errorf("%s, batch x%g: the chat's TTFT mean %v, p99 %v holding against %v, %v refusing at once; want no more",
+				on.policy, on.batch, on.interactive.Mean, on.interactive.P99, refuse.interactive.Mean, refuse.interactive.P99)
 		}
 	}
-	var pd [2]pdResult
-	for i, how := range []shedding{noShedding, shedDefaults} {
+	pd := func(pol pdPolicy, k float64, how shedding) simTTFT {
 		p := defaultPDParams()
-		p.Workload, p.Duration, p.Load = batchBeside(4), 2*time.Minute, pdRates[multiTurn.name]
-		p.Batch, p.Shed = true, how.line > 0
-		pd[i] = simulatePD(p, newWorkload(p.simParams), pdAlways, 1)
-		t.Logf("P/D, always, batch x4, shedding %v: shed %d, chat TTFT mean %v p99 %v", how.line > 0, pd[i].Shed, pd[i].Interactive.Mean, pd[i].Interactive.P99)
+		p.Workload, p.Duration, p.Load = batchBeside(k), 2*time.Minute, pdRates[multiTurn.name]
+		p.Batch, p.Shed, p.HoldFor = true, how.line > 0, how.hold
+		r := simulatePD(p, newWorkload(p.simParams), pol, 1)
+		t.Logf("P/D, %s, batch x%g, %v: shed %d, chat TTFT mean %v p99 %v", pol.name, k, how, r.Shed, r.Interactive.Mean, r.Interactive.P99)
+		return r.Interactive
 	}
-	if pd[1].Interactive.Mean > pd[0].Interactive.Mean/2 || pd[1].Interactive.P99 > pd[0].Interactive.P99/2 {
-		t.Errorf("P/D: shedding left the chat's TTFT at mean %v, p99 %v against %v, %v; want at most half",
-			pd[1].Interactive.Mean, pd[1].Interactive.P99, pd[0].Interactive.Mean, pd[0].Interactive.P99)
+	if off, on := pd(pdAlways, 4, noShedding), pd(pdAlways, 4, shedDefaults); on.Mean > off.Mean/2 || on.P99 > off.P99/2 {
+		t.Errorf("P/D, always: shedding left the chat's TTFT at mean %v, p99 %v against %v, %v; want at most half", on.Mean, on.P99, off.Mean, off.P99)
+	}
+	if off, on := pd(pdCache, 6, noShedding), pd(pdCache, 6, shedDefaults); on.Mean > off.Mean*11/10 || on.P99 > off.P99*11/10 {
+		t.Errorf("P/D, cache-aware: shedding left the chat's TTFT at mean %v, p99 %v against %v, %v; want within a tenth", on.Mean, on.P99, off.Mean, off.P99)
 	}
 }
 
 // pdShedRow is one row of the P/D shedding table: the means over the seeds.
 type pdShedRow struct {
-	batch  float64
-	policy string
+	batch    float64
+	policy   string
+	replicas int
 	shedding
 	shed                   int
 	interactive, batchTTFT simTTFT
@@ -141,40 +153,56 @@ type pdShedRow struct {
 }
 
 func (r pdShedRow) String() string {
-	how := "off"
-	if r.line > 0 {
-		how = fmt.Sprintf("line %g, retry %v", r.line, r.retry)
-	}
+	how := r.shedding.String()
 	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
-	return fmt.Sprintf("batch x%-3g %-12s %-19s prefill busy %3.0f%%  shed %6d  chat TTFT mean %7.0f p99 %7.0f ms  batch mean %7.0f p99 %7.0f ms  p99 ITL %5.1f ms",
-		r.batch, r.policy, how, 100*r.prefillUtil, r.shed, ms(r.interactive.Mean), ms(r.interactive.P99), ms(r.batchTTFT.Mean), ms(r.batchTTFT.P99), ms(r.p99ITL))
+	return fmt.Sprintf("replicas %d batch x%-3g %-12s %-30s prefill busy %3.0f%%  shed %6d  chat TTFT mean %7.0f p99 %7.0f ms  batch mean %7.0f p99 %7.0f ms  p99 ITL %5.1f ms",
+		r.replicas, r.batch, r.policy, how, 100*r.prefillUtil, r.shed, ms(r.interactive.Mean), ms(r.interactive.P99), ms(r.batchTTFT.Mean), ms(r.batchTTFT.P99), ms(r.p99ITL))
 }
 
 // BenchmarkSheddingPD is docs/scheduling.md's shedding table for P/D: the P/D
 // simulation (simpd_test.go: four prefill and four decode engines) with
 // batchBeside's traffic at (b)'s P/D rate, always P/D and cache-aware P/D,
-// without shedding and with its defaults, five simulated minutes, three
-// seeds. Run it as BenchmarkPolicies.
+// without shedding, refused at once and held (the defaults), at one and
+// three replicas, five simulated minutes, three seeds. Run it as
+// BenchmarkPolicies.
 func BenchmarkSheddingPD(b *testing.B) {
-	for _, k := range []float64{1, 3, 4, 6, 8} {
-		for _, pol := range []pdPolicy{pdAlways, pdCache} {
-			for _, how := range []shedding{noShedding, shedDefaults} {
-				row := pdShedRow{batch: k, policy: pol.name, shedding: how}
-				for _, seed := range simSeeds {
-					p := defaultPDParams()
-					p.Workload, p.Seed, p.Duration, p.Load = batchBeside(k), seed, 5*time.Minute, pdRates[multiTurn.name]
-					p.Batch, p.Shed, p.ShedQueue, p.ShedRetry = true, how.line > 0, how.line, how.retry
-					r := simulatePD(p, newWorkload(p.simParams), pol, 1)
-					row.shed += r.Shed
-					row.prefillUtil += r.PrefillUtil / float64(len(simSeeds))
-					row.p99ITL += r.P99ITL / time.Duration(len(simSeeds))
-					row.interactive.meanOver(r.Interactive, len(simSeeds))
-					row.batchTTFT.meanOver(r.BatchTTFT, len(simSeeds))
-				}
-				b.Log(row)
-			}
+	for _, replicas := range []int{1, 3} {
+		for _, k := range []float64{1, 3, 4, 6, 8} {
+			benchmarkSheddingPD(b, replicas, k)
 		}
 	}
+}
+
+// benchmarkSheddingPD logs the rows of batch work at k times the chat's
+// rate, at that many replicas.
+func benchmarkSheddingPD(b *testing.B, replicas int, k float64) {
+	for _, pol := range []pdPolicy{pdAlways, pdCache} {
+		for _, how := range []shedding{noShedding, refuseAtOnce, shedDefaults} {
+			row := pdShedRow{batch: k, policy: pol.name, shedding: how, replicas: replicas}
+			for _, seed := range simSeeds {
+				p := defaultPDParams()
+				p.Workload, p.Seed, p.Duration, p.Load = batchBeside(k), seed, 5*time.Minute, pdRates[multiTurn.name]
+				p.Batch, p.Shed, p.ShedQueue, p.ShedRetry, p.HoldFor = true, how.line > 0, how.line, how.retry, how.hold
+				r := simulatePD(p, newWorkload(p.simParams), pol, replicas)
+				row.shed += r.Shed
+				row.prefillUtil += r.PrefillUtil / float64(len(simSeeds))
+				row.p99ITL += r.P99ITL / time.Duration(len(simSeeds))
+				row.interactive.meanOver(r.Interactive, len(simSeeds))
+				row.batchTTFT.meanOver(r.BatchTTFT, len(simSeeds))
+			}
+			b.Log(row)
+		}
+	}
+}
+
+func (s shedding) String() string {
+	switch {
+	case s.line == 0:
+		return "off"
+	case s.hold > 0:
+		return fmt.Sprintf("line %g, hold %v, retry %v", s.line, s.hold, s.retry)
+	}
+	return fmt.Sprintf("line %g, retry %v", s.line, s.retry)
 }
 
 // near: a's figures within 1 % of b's.

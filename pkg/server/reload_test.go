@@ -41,7 +41,7 @@ func TestRestartOnlyNamesTheKeysAReloadDoesNotApply(t *testing.T) {
   decode: {endpoints: ["10.0.0.8:8000"], kubernetes: {selector: "role=decode", port: 8000}, metrics: {interval: 2s}, dns: "d.example:8000", dns_interval: 3s, fallbacks: 1}
 `,
 			more: `pd: {mode: always, chars_per_token: 3}`},
-		{name: "admission.* applies live", more: `admission: {objectives: {chat: 10}, saturated_queue: 3, retry_after: 5s}`},
+		{name: "admission.* applies live", more: `admission: {objectives: {chat: 10}, saturated_queue: 3, hold: 5s, retry_after: 5s}`},
 		{name: "connector", connector: "kv-shared-storage", want: []string{"connector"}},
 		{name: "bootstrap port", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"], bootstrap_port: 9000}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}}}`,
 			want: []string{"pools.prefill.bootstrap_port"}},

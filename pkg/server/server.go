@@ -114,6 +114,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	}
 	s.metrics.WatchEndpoints(endpoints)
 	s.metrics.WatchKVEvents(kvEventStates(prefill, decode))
+	s.metrics.WatchHeld(p.Held)
 
 	grpcOpts := append([]grpc.ServerOption{grpc.MaxRecvMsgSize(int(cfg.Limits.MaxBodyBytes) + grpcHeadroom)}, opts.Keepalive.serverOptions()...)
 	creds, err := opts.TLS.credentials(log.WithName("tls"))

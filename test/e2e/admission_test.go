@@ -13,27 +13,37 @@ import (
 
 // Requests naming an objective of negative priority (admission.objectives,
 // the Inference Extension's x-gateway-inference-objective, or llm-d's
-// x-llm-d-inference-objective) are refused with
+// x-llm-d-inference-objective) are refused, with admission.hold 0s at once, with
 // 429 and Retry-After while every decode engine reports itself saturated,
 // or, for P/D, every prefill engine; the others are served all along, and
 // the shed objective is served again as soon as one engine has room.
-func TestSheddableRequestsAreRefusedWhileThePoolsAreSaturated(t *testing.T) {
-	scrape := "metrics: {interval: 50ms, stale_after: 1h}"
-	r := startRig(t, rigOptions{connector: "kv-sglang", prefillPool: scrape, decodePool: scrape,
-		extra: "admission: {objectives: {batch: -1, chat: 10}}"})
-	// SGLang's P/D queues count as its role's waiting queue; 5 is the saturation line.
-	full := pdsim.PDQueues{PrefillBootstrap: 5, DecodePrealloc: 5}
-	set := func(pool string, sims []*pdsim.Server, q pdsim.PDQueues) {
-		for _, s := range sims {
-			s.SetPDQueues(q)
-			series := fmt.Sprintf(`pd_extproc_endpoint_engine_waiting{endpoint=%q,pool=%q}`, s.Addr(), pool)
-			want := float64(q.PrefillBootstrap)
-			if pool == "decode" {
-				want = float64(q.DecodePrealloc)
-			}
-			waitFor(t, 10*time.Second, series, func() bool { return r.metric(t, series) == want })
+// scraped is a pool's config that reads its engines' figures often and
+// never lets them go stale: what the admission tests set, the rig sees.
+const scraped = "metrics: {interval: 50ms, stale_after: 1h}"
+
+// full is a queue at the saturation line (5) for either role: SGLang's P/D
+// queues count as its role's waiting queue.
+var full = pdsim.PDQueues{PrefillBootstrap: 5, DecodePrealloc: 5}
+
+// setQueues gives sims, engines of pool, the queues q, and waits until the
+// rig's extproc has scraped them.
+func setQueues(t *testing.T, r *rig, pool string, sims []*pdsim.Server, q pdsim.PDQueues) {
+	t.Helper()
+	for _, s := range sims {
+		s.SetPDQueues(q)
+		series := fmt.Sprintf(`pd_extproc_endpoint_engine_waiting{endpoint=%q,pool=%q}`, s.Addr(), pool)
+		want := float64(q.PrefillBootstrap)
+		if pool == "decode" {
+			want = float64(q.DecodePrealloc)
 		}
+		waitFor(t, 10*time.Second, series, func() bool { return r.metric(t, series) == want })
 	}
+}
+
+func TestSheddableRequestsAreRefusedWhileThePoolsAreSaturated(t *testing.T) {
+	r := startRig(t, rigOptions{connector: "kv-sglang", prefillPool: scraped, decodePool: scraped,
+		extra: "admission: {objectives: {batch: -1, chat: 10}, hold: 0s}"})
+	set := func(pool string, sims []*pdsim.Server, q pdsim.PDQueues) { setQueues(t, r, pool, sims, q) }
 	steps := []struct {
 		name       string
 		state      func()
@@ -88,5 +98,58 @@ func TestSheddableRequestsAreRefusedWhileThePoolsAreSaturated(t *testing.T) {
 	path, body := request("chat", false, "reloaded batch")
 	if resp, got := r.must(t, path, body, header); resp.StatusCode != http.StatusOK {
 		t.Errorf("batch after the reload: status %d, want 200: %.300s", resp.StatusCode, got)
+	}
+}
+
+// With the default admission.hold, a request that may be shed and meets
+// every decode engine saturated waits in pd-extproc rather than being
+// refused: pd_extproc_held_requests counts it, and it is served once an
+// engine reports room. One whose hold runs out (a reload shortens it) with
+// the engines still saturated is refused as without a hold.
+func TestRequestsThatMayBeShedWaitForRoom(t *testing.T) {
+	r := startRig(t, rigOptions{connector: "kv-sglang", prefillPool: scraped, decodePool: scraped,
+		extra: "admission: {objectives: {batch: -1}}"})
+	setQueues(t, r, "decode", r.decode, full)
+	batch := http.Header{"X-Gateway-Inference-Objective": {"batch"}}
+	type answer struct {
+		status int
+		body   string
+	}
+	answered := make(chan answer, 1)
+	go func() {
+		path, body := request("chat", false, "held batch")
+		resp, got := r.must(t, path, body, batch)
+		answered <- answer{resp.StatusCode, got}
+	}()
+	held := `pd_extproc_held_requests{pool="decode"}`
+	waitFor(t, 10*time.Second, held+" 1", func() bool { return r.metric(t, held) == 1 })
+	select {
+	case a := <-answered:
+		t.Fatalf("answered while held: status %d: %.300s", a.status, a.body)
+	default:
+	}
+	setQueues(t, r, "decode", r.decode[:1], pdsim.PDQueues{})
+	if a := <-answered; a.status != http.StatusOK {
+		t.Fatalf("released: status %d, want 200: %.300s", a.status, a.body)
+	}
+	if n := r.metric(t, held); n != 0 {
+		t.Errorf("%s %g after the release, want 0", held, n)
+	}
+
+	config := strings.Replace(r.config, "objectives: {batch: -1}", "objectives: {batch: -1}, hold: 200ms", 1)
+	if err := os.WriteFile(r.extproc.ConfigPath, []byte(config), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	// The hold counts toward envoy.override_message_timeout's default, which a
+	// reload does not change: the log says so.
+	r.extproc.waitLog(t, `"msg":"config reloaded, but these keys take effect only on restart`)
+	setQueues(t, r, "decode", r.decode[:1], full)
+	path, body := request("chat", false, "batch held too long")
+	resp, got := r.must(t, path, body, batch)
+	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") != "30" {
+		t.Errorf("hold run out: status %d, Retry-After %q, want 429 and 30: %.300s", resp.StatusCode, resp.Header.Get("Retry-After"), got)
+	}
+	if got := r.metric(t, `pd_extproc_limit_refusals_total{limit="saturated"}`); got != 1 {
+		t.Errorf("pd_extproc_limit_refusals_total{limit=\"saturated\"} %g, want 1", got)
 	}
 }

@@ -100,5 +100,6 @@ func Reload(p *pipeline.Pipeline, cfg *config.Config) {
 
 func shedding(cfg *config.Config) pipeline.Shedding {
 	a := cfg.Admission
-	return pipeline.Shedding{Priorities: a.Objectives, Queue: a.SaturatedQueue, KVCache: a.SaturatedKVCache, RetryAfter: a.RetryAfter.D()}
+	return pipeline.Shedding{Priorities: a.Objectives, Lines: scheduling.Lines{Queue: a.SaturatedQueue, KVCache: a.SaturatedKVCache},
+		Hold: a.Held().D(), RetryAfter: a.RetryAfter.D()}
 }

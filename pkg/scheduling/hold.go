@@ -1,0 +1,232 @@
+package scheduling
+
+import (
+	"context"
+	"slices"
+	"sync"
+	"time"
+)
+
+// Lines are where an endpoint counts as saturated (Pool.Saturated): a
+// scraped waiting queue at or above Queue, or KV cache use at or above
+// KVCache.
+type Lines struct{ Queue, KVCache float64 }
+
+// holdTick is how often a Hold with requests in it looks for a new scrape
+// and for requests whose time is up: reading the endpoints' figures costs
+// nothing next to a scrape.
+const holdTick = 25 * time.Millisecond
+
+// Hold keeps the requests that met their pool saturated until it has room
+// for them or their time is up, rather than refusing them at once: the
+// Gateway API Inference Extension's flow control, by priority and then
+// arrival. It releases only on a new scrape of the engines' figures, as many
+// requests as its share of the room they show (budget): several replicas
+// read the same figures, and each releasing the whole room would send the
+// engines as many times the room as there are replicas.
+type Hold struct {
+	pool *Pool
+
+	mu      sync.Mutex
+	held    []*Held   // in release order: higher priority first, then arrival
+	round   time.Time // the scrape last released on
+	lines   Lines     // the latest Wait's
+	ticking bool      // a goroutine runs tick
+}
+
+// Held is a request in a Hold. done is called once, with true when it is
+// released and false when its time is up first.
+type Held struct {
+	req      *Request
+	priority int
+	until    time.Time
+	done     func(released bool)
+}
+
+// NewHold returns an empty hold for pool's requests.
+func NewHold(pool *Pool) *Hold { return &Hold{pool: pool} }
+
+// Len is the number of requests held.
+func (h *Hold) Len() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return len(h.held)
+}
+
+// Wait holds req, of that priority, until the pool has room for it (nil),
+// its time d is up (ErrStillSaturated) or ctx is done (its error). A
+// request goes at once when nothing is held and its pool is not saturated:
+// one arriving behind held requests waits its turn.
+func (h *Hold) Wait(ctx context.Context, req *Request, priority int, lines Lines, d time.Duration) error {
+	result := make(chan bool, 1)
+	x := &Held{req: req, priority: priority, until: h.pool.deps.Now().Add(d), done: func(ok bool) { result <- ok }}
+	h.mu.Lock()
+	h.lines = lines
+	held := h.add(x, lines)
+	if held && !h.ticking {
+		h.ticking = true
+		go h.tick()
+	}
+	h.mu.Unlock()
+	if !held {
+		return nil
+	}
+	select {
+	case ok := <-result:
+		if !ok {
+			return ErrStillSaturated
+		}
+		return nil
+	case <-ctx.Done():
+		if !h.remove(x) { // released or timed out meanwhile: its answer stands
+			if <-result {
+				return nil
+			}
+			return ErrStillSaturated
+		}
+		return ctx.Err()
+	}
+}
+
+// ErrStillSaturated is Wait's error when a request's time in the hold ran
+// out with its pool still saturated.
+var ErrStillSaturated = errStillSaturated{}
+
+type errStillSaturated struct{}
+
+func (errStillSaturated) Error() string {
+	return "the pool stayed saturated while the request was held"
+}
+
+// Add is Wait without the waiting: it holds x (true) or says it may go at
+// once (false), and Release calls x's done. The simulations drive it with
+// their own clock.
+func (h *Hold) Add(req *Request, priority int, until time.Time, lines Lines, done func(released bool)) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.add(&Held{req: req, priority: priority, until: until, done: done}, lines)
+}
+
+func (h *Hold) add(x *Held, lines Lines) bool {
+	if len(h.held) == 0 && !h.pool.Saturated(x.req, lines) {
+		return false
+	}
+	i, _ := slices.BinarySearchFunc(h.held, x.priority, func(y *Held, p int) int {
+		if y.priority >= p { // behind those of its priority and higher
+			return -1
+		}
+		return 1
+	})
+	h.held = slices.Insert(h.held, i, x)
+	return true
+}
+
+// remove takes x out of the hold, if it is still there.
+func (h *Hold) remove(x *Held) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	i := slices.Index(h.held, x)
+	if i < 0 {
+		return false
+	}
+	h.held = slices.Delete(h.held, i, i+1)
+	return true
+}
+
+// tick releases, every holdTick, until the hold is empty.
+func (h *Hold) tick() {
+	t := time.NewTicker(holdTick)
+	defer t.Stop()
+	for range t.C {
+		h.mu.Lock()
+		lines := h.lines
+		h.mu.Unlock()
+		if h.Release(lines) == 0 {
+			return
+		}
+	}
+}
+
+// Release ends the time of the requests whose time is up and, when the
+// engines' figures were scraped since it last released, releases in order
+// as many of the others as budget allows, each only while its own pool
+// (its model's endpoints, its subset) is not saturated. It returns how many
+// requests are still held; at 0 the ticking stops, for the next Wait to
+// start again.
+func (h *Hold) Release(lines Lines) int {
+	now := h.pool.deps.Now()
+	st := h.pool.state.Load()
+	h.mu.Lock()
+	var ended, released []*Held
+	budget := 0
+	if scraped := newestScrape(st.endpoints); scraped.After(h.round) {
+		h.round, budget = scraped, h.budget(st, lines)
+	}
+	h.held = slices.DeleteFunc(h.held, func(x *Held) bool {
+		switch {
+		case !now.Before(x.until):
+			ended = append(ended, x)
+		case budget > 0 && !h.pool.Saturated(x.req, lines):
+			budget--
+			released = append(released, x)
+		default:
+			return false
+		}
+		return true
+	})
+	left := len(h.held)
+	if left == 0 {
+		h.ticking = false
+	}
+	h.mu.Unlock()
+	for _, x := range ended {
+		x.done(false)
+	}
+	for _, x := range released {
+		x.done(true)
+	}
+	return left
+}
+
+// budget is how many held requests one scrape lets go: this replica's share
+// of the room the figures show. The room is what the healthy endpoints'
+// queues lack of the line (none on an endpoint whose KV cache is at its
+// line); the share is this replica's requests in flight on them over the
+// engines' own count of requests, running and waiting, so that replicas
+// that read the same room take from it in proportion to what they send. At
+// least one while there is room, so that a replica sending nothing else
+// still drains its hold. Figures only estimate: a request picked is in
+// flight here before its engine counts it.
+func (h *Hold) budget(st *poolState, lines Lines) int {
+	var room, mine, engines float64
+	for _, e := range st.endpoints {
+		l, ok := e.Load()
+		if !ok || !e.Healthy() {
+			continue
+		}
+		mine += float64(e.InFlight())
+		engines += l.Running + l.Waiting
+		if l.KVUsage < lines.KVCache {
+			room += max(0, lines.Queue-l.Waiting)
+		}
+	}
+	if room < 1 {
+		return 0
+	}
+	share := 1.0
+	if engines > 0 {
+		share = min(1, mine/engines)
+	}
+	return max(1, int(share*room))
+}
+
+// newestScrape is when the latest of the endpoints' figures were scraped.
+func newestScrape(eps []*Endpoint) time.Time {
+	var t time.Time
+	for _, e := range eps {
+		if l := e.load.Load(); l != nil && l.At.After(t) {
+			t = l.At
+		}
+	}
+	return t
+}

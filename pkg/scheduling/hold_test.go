@@ -1,0 +1,145 @@
+package scheduling
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+)
+
+var defaultLines = Lines{config.DefaultSaturatedQueue, config.DefaultSaturatedKVCache}
+
+// A hold releases only on a new scrape, as many requests as this replica's
+// share of the room the scrape shows (at least one), higher priorities
+// first and then by arrival; a request arriving behind held ones waits its
+// turn; one whose time is up is refused.
+func TestTheHoldReleasesItsShareOfTheRoomByPriority(t *testing.T) {
+	const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
+	type engine struct{ waiting, running float64 }
+	steps := []struct {
+		name     string
+		scrape   map[string]engine // nil: no new scrape
+		add      map[string]int    // name → priority, added in name order
+		advance  time.Duration
+		released []string
+		refused  []string
+		held     []string // that Add held, of those it was given
+	}{
+		{name: "idle: a request goes at once", scrape: map[string]engine{a: {0, 0}, b: {0, 0}}, add: map[string]int{"early": -1}},
+		{name: "saturated: every request is held", scrape: map[string]engine{a: {5, 8}, b: {6, 8}},
+			add: map[string]int{"x1": -1, "x2": -5, "x3": -1, "x4": -1}, held: []string{"x1", "x2", "x3", "x4"}},
+		// Four requests of this replica's in flight (acquired below) of the engines' 16:
+		// a share of a quarter of 8 places.
+		{name: "room for 8, a quarter of it ours", scrape: map[string]engine{a: {1, 7}, b: {1, 7}}, released: []string{"x1", "x3"}},
+		{name: "no scrape since: nothing more", add: map[string]int{"x5": -1}, held: []string{"x5"}},
+		{name: "one place: at least one goes", scrape: map[string]engine{a: {4, 20}, b: {5, 20}}, released: []string{"x4"}},
+		{name: "time up", advance: 31 * time.Second, refused: []string{"x5", "x2"}},
+		{name: "empty again: a request goes at once", scrape: map[string]engine{a: {0, 0}, b: {0, 0}}, add: map[string]int{"late": -1}},
+	}
+	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, a, b)
+	for range 2 {
+		acquire(byAddr(p, a))
+		acquire(byAddr(p, b))
+	}
+	h := NewHold(p)
+	var released, refused []string
+	for _, st := range steps {
+		clock.Advance(time.Second + st.advance)
+		for addr, e := range st.scrape {
+			byAddr(p, addr).observe(Load{Waiting: e.waiting, Running: e.running, At: clock.Now()})
+		}
+		var held []string
+		names := make([]string, 0, len(st.add))
+		for name := range st.add {
+			names = append(names, name)
+		}
+		slices.Sort(names)
+		for _, name := range names {
+			if h.Add(promptRequest(name), st.add[name], clock.Now().Add(30*time.Second), defaultLines, func(ok bool) {
+				if ok {
+					released = append(released, name)
+				} else {
+					refused = append(refused, name)
+				}
+			}) {
+				held = append(held, name)
+			}
+		}
+		released, refused = nil, nil
+		h.Release(defaultLines)
+		if !slices.Equal(held, st.held) || !slices.Equal(released, st.released) || !slices.Equal(refused, st.refused) {
+			t.Errorf("%s: held %v, released %v, refused %v; want %v, %v, %v", st.name, held, released, refused, st.held, st.released, st.refused)
+		}
+	}
+	if n := h.Len(); n != 0 {
+		t.Errorf("%d requests still held", n)
+	}
+}
+
+// Wait returns when its request is released, when its time is up
+// (ErrStillSaturated) or when its client is gone (the context's error,
+// the request no longer held).
+func TestWaitEndsOnReleaseTimeOrCancel(t *testing.T) {
+	const a = "10.0.0.1:8000"
+	tests := []struct {
+		name string
+		end  func(p *Pool, clock *fakeClock, cancel context.CancelFunc)
+		want error
+	}{
+		{"room", func(p *Pool, clock *fakeClock, _ context.CancelFunc) {
+			byAddr(p, a).observe(Load{Waiting: 0, At: clock.Now()})
+		}, nil},
+		{"time up", func(_ *Pool, clock *fakeClock, _ context.CancelFunc) { clock.Advance(11 * time.Second) }, ErrStillSaturated},
+		{"client gone", func(_ *Pool, _ *fakeClock, cancel context.CancelFunc) { cancel() }, context.Canceled},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, a)
+			byAddr(p, a).observe(Load{Waiting: 9, At: clock.Now()})
+			h := NewHold(p)
+			ctx, cancel := context.WithCancel(t.Context())
+			defer cancel()
+			done := make(chan error, 1)
+			go func() { done <- h.Wait(ctx, promptRequest("held"), -1, defaultLines, 10*time.Second) }()
+			for h.Len() == 0 { // held: Wait has added it
+				select {
+				case err := <-done:
+					t.Fatalf("Wait returned %v before it was held", err)
+				default:
+				}
+			}
+			clock.Advance(time.Second)
+			tt.end(p, clock, cancel)
+			if err := <-done; !errors.Is(err, tt.want) {
+				t.Errorf("Wait: %v, want %v", err, tt.want)
+			}
+			if n := h.Len(); n != 0 {
+				t.Errorf("%d still held", n)
+			}
+		})
+	}
+}
+
+// BenchmarkHold is one request held and released per scrape, the cost a
+// held request adds to its routing beside the wait itself.
+func BenchmarkHold(b *testing.B) {
+	addrs := make([]string, 16)
+	for i := range addrs {
+		addrs[i] = fmt.Sprintf("10.0.0.%d:8000", i+1)
+	}
+	p, clock := testPool(b, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, addrs...)
+	h, req := NewHold(p), promptRequest("held")
+	for b.Loop() {
+		for _, e := range p.Endpoints() {
+			e.observe(Load{Waiting: 5, At: clock.Now()})
+		}
+		h.Add(req, -1, clock.Now().Add(time.Minute), defaultLines, func(bool) {})
+		clock.Advance(time.Second)
+		p.Endpoints()[0].observe(Load{Waiting: 0, At: clock.Now()})
+		h.Release(defaultLines)
+	}
+}
