@@ -53,6 +53,11 @@ type Admission struct {
 	// engines' scraped figures show room, before it is refused; "0s" refuses
 	// at once.
 	Hold *Duration `json:"hold,omitempty"`
+	// MaxHeld bounds the requests held at once, both pools together; past
+	// it a request that may be shed is refused at once. Held requests keep
+	// their streams and bodies, which a flood of them would take from the
+	// others: by default half of limits.max_concurrent_streams.
+	MaxHeld int `json:"max_held,omitempty"`
 	// RetryAfter is the Retry-After of a shed request's 429.
 	RetryAfter Duration `json:"retry_after,omitempty"`
 }
@@ -97,6 +102,9 @@ func (c *Config) validateAdmission() error {
 	}
 	if a.RetryAfter.D() < time.Second {
 		errs = append(errs, fmt.Errorf("admission.retry_after: %v is below 1s, the least Retry-After says", a.RetryAfter.D()))
+	}
+	if a.MaxHeld < 0 {
+		errs = append(errs, errors.New("admission.max_held: must not be negative"))
 	}
 	if a.Hold != nil && (*a.Hold < 0 || *a.Hold > Duration(maxEnvoyMessageTimeout)) {
 		errs = append(errs, fmt.Errorf("admission.hold: %v is not between 0s and 1h", a.Hold.D()))

@@ -237,6 +237,7 @@ func (c *Config) setDefaults() {
 		c.Limits.MaxBufferedBytes = max(DefaultMaxBufferedBytes(cgroupFS), c.Limits.MaxBodyBytes)
 	}
 	c.Admission.SetDefaults()
+	orDefault(&c.Admission.MaxHeld, max(1, c.Limits.MaxConcurrentStreams/2))
 	orDefault(&c.Envoy.OverrideAfter, Duration(150*time.Millisecond))
 	orDefault(&c.Envoy.OverrideMessageTimeout, min(c.Prefill.Timeout+c.Admission.Held()+Duration(30*time.Second), Duration(maxEnvoyMessageTimeout)))
 	c.Tracing.SetDefaults()

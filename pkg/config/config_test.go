@@ -81,7 +81,8 @@ func TestDefaultsFillMissingKeys(t *testing.T) {
 	}
 	if c.Pools.Prefill.BootstrapPort != 8998 || c.Prefill.OnFailure != "decode-only" ||
 		c.Limits.MaxBodyBytes != 32<<20 || c.Envoy.OverrideMessageTimeout.D() != 60*time.Second ||
-		c.Response.RewriteUsage || c.Response.MaxBodyBytes != 4<<20 || c.Pools.Decode.TLS.Enabled {
+		c.Response.RewriteUsage || c.Response.MaxBodyBytes != 4<<20 || c.Pools.Decode.TLS.Enabled ||
+		c.Admission.Hold.D() != 30*time.Second || c.Admission.MaxHeld != 512 {
 		t.Errorf("defaults not applied: %+v", c)
 	}
 }
@@ -225,6 +226,7 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 			"set pools.prefill.metrics.interval"},
 		{"a shed request's Retry-After below a second", `{admission: {retry_after: 500ms}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "admission.retry_after: 500ms is below 1s"},
 		{"a KV line above 1", `{admission: {saturated_kv_cache: 1.5}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "admission.saturated_kv_cache: 1.5 is not in (0, 1]"},
+		{"a negative bound on the held", `{admission: {max_held: -1}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "admission.max_held: must not be negative"},
 		{"a negative hold", `{admission: {hold: -1s}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "admission.hold: -1s is not between 0s and 1h"},
 		{"a hold past Envoy's bound", `{admission: {hold: 2h}, pools: {decode: {endpoints: ["10.0.0.2:8000"]}}}`, "admission.hold: 2h0m0s is not between 0s and 1h"},
 		{"the prefill pool's key is prefill.api_key_file", `pools: {prefill: {api_key_file: /k}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "pools.prefill.api_key_file"},

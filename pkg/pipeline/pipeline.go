@@ -68,6 +68,7 @@ type Shedding struct {
 	Priorities map[string]int   // by objective
 	Lines      scheduling.Lines // an endpoint's saturation lines (scheduling.Pool.Saturated)
 	Hold       time.Duration    // how long such a request waits for room before it is refused; 0: not at all
+	MaxHeld    int              // the requests held at once, past which one is refused at once
 	RetryAfter time.Duration    // the 429's
 }
 

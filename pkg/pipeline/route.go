@@ -333,14 +333,15 @@ func bootstrapHost(addr string) string {
 // negative priority and pool, one it would use, is saturated: Route asks of
 // the decode pool, and of the prefill pool for P/D. A held request goes on
 // once the pool has room for it (scheduling.Hold); its client gone, it
-// ends with its context's error.
+// ends with its context's error. With MaxHeld requests held, one more is
+// refused at once (two arriving together may both be held).
 func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Request, pool *scheduling.Pool) error {
 	s := p.shedding.settings.Load()
 	priority := s.Priorities[r.Objective]
 	if priority >= 0 {
 		return nil
 	}
-	if s.Hold > 0 {
+	if s.Hold > 0 && p.shedding.prefill.Len()+p.shedding.decode.Len() < s.MaxHeld {
 		hold := p.shedding.decode
 		if pool == p.pools.Prefill {
 			hold = p.shedding.prefill

@@ -104,11 +104,12 @@ func TestSheddableRequestsAreRefusedWhileThePoolsAreSaturated(t *testing.T) {
 // With the default admission.hold, a request that may be shed and meets
 // every decode engine saturated waits in pd-extproc rather than being
 // refused: pd_extproc_held_requests counts it, and it is served once an
-// engine reports room. One whose hold runs out (a reload shortens it) with
-// the engines still saturated is refused as without a hold.
+// engine reports room. With admission.max_held requests held, the next is
+// refused at once; one whose hold runs out (a reload shortens it) with the
+// engines still saturated is refused as without a hold.
 func TestRequestsThatMayBeShedWaitForRoom(t *testing.T) {
 	r := startRig(t, rigOptions{connector: "kv-sglang", prefillPool: scraped, decodePool: scraped,
-		extra: "admission: {objectives: {batch: -1}}"})
+		extra: "admission: {objectives: {batch: -1}, max_held: 1}"})
 	setQueues(t, r, "decode", r.decode, full)
 	batch := http.Header{"X-Gateway-Inference-Objective": {"batch"}}
 	type answer struct {
@@ -123,6 +124,10 @@ func TestRequestsThatMayBeShedWaitForRoom(t *testing.T) {
 	}()
 	held := `pd_extproc_held_requests{pool="decode"}`
 	waitFor(t, 10*time.Second, held+" 1", func() bool { return r.metric(t, held) == 1 })
+	path, body := request("chat", false, "one more held batch")
+	if resp, got := r.must(t, path, body, batch); resp.StatusCode != http.StatusTooManyRequests {
+		t.Errorf("past admission.max_held: status %d, want 429: %.300s", resp.StatusCode, got)
+	}
 	select {
 	case a := <-answered:
 		t.Fatalf("answered while held: status %d: %.300s", a.status, a.body)
@@ -136,7 +141,7 @@ func TestRequestsThatMayBeShedWaitForRoom(t *testing.T) {
 		t.Errorf("%s %g after the release, want 0", held, n)
 	}
 
-	config := strings.Replace(r.config, "objectives: {batch: -1}", "objectives: {batch: -1}, hold: 200ms", 1)
+	config := strings.Replace(r.config, "max_held: 1", "max_held: 1, hold: 200ms", 1)
 	if err := os.WriteFile(r.extproc.ConfigPath, []byte(config), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -144,12 +149,12 @@ func TestRequestsThatMayBeShedWaitForRoom(t *testing.T) {
 	// reload does not change: the log says so.
 	r.extproc.waitLog(t, `"msg":"config reloaded, but these keys take effect only on restart`)
 	setQueues(t, r, "decode", r.decode[:1], full)
-	path, body := request("chat", false, "batch held too long")
+	path, body = request("chat", false, "batch held too long")
 	resp, got := r.must(t, path, body, batch)
 	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") != "30" {
 		t.Errorf("hold run out: status %d, Retry-After %q, want 429 and 30: %.300s", resp.StatusCode, resp.Header.Get("Retry-After"), got)
 	}
-	if got := r.metric(t, `pd_extproc_limit_refusals_total{limit="saturated"}`); got != 1 {
-		t.Errorf("pd_extproc_limit_refusals_total{limit=\"saturated\"} %g, want 1", got)
+	if got := r.metric(t, `pd_extproc_limit_refusals_total{limit="saturated"}`); got != 2 {
+		t.Errorf("pd_extproc_limit_refusals_total{limit=\"saturated\"} %g, want 2", got)
 	}
 }

@@ -101,5 +101,5 @@ func Reload(p *pipeline.Pipeline, cfg *config.Config) {
 func shedding(cfg *config.Config) pipeline.Shedding {
 	a := cfg.Admission
 	return pipeline.Shedding{Priorities: a.Objectives, Lines: scheduling.Lines{Queue: a.SaturatedQueue, KVCache: a.SaturatedKVCache},
-		Hold: a.Held().D(), RetryAfter: a.RetryAfter.D()}
+		Hold: a.Held().D(), MaxHeld: a.MaxHeld, RetryAfter: a.RetryAfter.D()}
 }
