@@ -2,6 +2,7 @@ package scheduling
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"sync"
 	"time"
@@ -28,15 +29,15 @@ type Hold struct {
 	pool *Pool
 
 	mu      sync.Mutex
-	held    []*Held   // in release order: higher priority first, then arrival
+	held    []*waiter // in release order: higher priority first, then arrival
 	round   time.Time // the scrape last released on
 	lines   Lines     // the latest Wait's
 	ticking bool      // a goroutine runs tick
 }
 
-// Held is a request in a Hold. done is called once, with true when it is
+// waiter is a request in a Hold. done is called once, with true when it is
 // released and false when its time is up first.
-type Held struct {
+type waiter struct {
 	req      *Request
 	priority int
 	until    time.Time
@@ -59,7 +60,7 @@ func (h *Hold) Len() int {
 // one arriving behind held requests waits its turn.
 func (h *Hold) Wait(ctx context.Context, req *Request, priority int, lines Lines, d time.Duration) error {
 	result := make(chan bool, 1)
-	x := &Held{req: req, priority: priority, until: h.pool.deps.Now().Add(d), done: func(ok bool) { result <- ok }}
+	x := &waiter{req: req, priority: priority, until: h.pool.deps.Now().Add(d), done: func(ok bool) { result <- ok }}
 	h.mu.Lock()
 	h.lines = lines
 	held := h.add(x, lines)
@@ -90,28 +91,22 @@ func (h *Hold) Wait(ctx context.Context, req *Request, priority int, lines Lines
 
 // ErrStillSaturated is Wait's error when a request's time in the hold ran
 // out with its pool still saturated.
-var ErrStillSaturated = errStillSaturated{}
+var ErrStillSaturated = errors.New("the pool stayed saturated while the request was held")
 
-type errStillSaturated struct{}
-
-func (errStillSaturated) Error() string {
-	return "the pool stayed saturated while the request was held"
-}
-
-// Add is Wait without the waiting: it holds x (true) or says it may go at
-// once (false), and Release calls x's done. The simulations drive it with
+// Add is Wait without the waiting: it holds req (true), and Release calls
+// done, or says it may go at once (false). The simulations drive it with
 // their own clock.
 func (h *Hold) Add(req *Request, priority int, until time.Time, lines Lines, done func(released bool)) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.add(&Held{req: req, priority: priority, until: until, done: done}, lines)
+	return h.add(&waiter{req: req, priority: priority, until: until, done: done}, lines)
 }
 
-func (h *Hold) add(x *Held, lines Lines) bool {
+func (h *Hold) add(x *waiter, lines Lines) bool {
 	if len(h.held) == 0 && !h.pool.Saturated(x.req, lines) {
 		return false
 	}
-	i, _ := slices.BinarySearchFunc(h.held, x.priority, func(y *Held, p int) int {
+	i, _ := slices.BinarySearchFunc(h.held, x.priority, func(y *waiter, p int) int {
 		if y.priority >= p { // behind those of its priority and higher
 			return -1
 		}
@@ -122,7 +117,7 @@ func (h *Hold) add(x *Held, lines Lines) bool {
 }
 
 // remove takes x out of the hold, if it is still there.
-func (h *Hold) remove(x *Held) bool {
+func (h *Hold) remove(x *waiter) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	i := slices.Index(h.held, x)
@@ -157,12 +152,12 @@ func (h *Hold) Release(lines Lines) int {
 	now := h.pool.deps.Now()
 	st := h.pool.state.Load()
 	h.mu.Lock()
-	var ended, released []*Held
+	var ended, released []*waiter
 	budget := 0
 	if scraped := newestScrape(st.endpoints); scraped.After(h.round) {
 		h.round, budget = scraped, h.budget(st, lines)
 	}
-	h.held = slices.DeleteFunc(h.held, func(x *Held) bool {
+	h.held = slices.DeleteFunc(h.held, func(x *waiter) bool {
 		switch {
 		case !now.Before(x.until):
 			ended = append(ended, x)
