@@ -36,6 +36,15 @@ const (
 	LLMDObjectiveHeader = "x-llm-d-inference-objective"
 )
 
+// FairnessHeader names the flow a request belongs to (a tenant, a client),
+// whose held requests take turns with the other flows' of its priority
+// (admission.hold), as the Inference Extension's flow control reads it;
+// llm-d's name for it, LLMDFairnessHeader, too, and again this one counts.
+const (
+	FairnessHeader     = "x-gateway-inference-fairness-id"
+	LLMDFairnessHeader = "x-llm-d-inference-fairness-id"
+)
+
 // readHeaders takes what routing needs (begin reads what the observation does). Envoy sends values in raw_value; value is
 // read only as a fallback for Envoys with the raw_value guard off.
 func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
@@ -66,6 +75,10 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 			x.req.Objective = headerValue(h)
 		case LLMDObjectiveHeader:
 			x.req.Objective = cmp.Or(x.req.Objective, headerValue(h))
+		case FairnessHeader:
+			x.req.Fairness = headerValue(h)
+		case LLMDFairnessHeader:
+			x.req.Fairness = cmp.Or(x.req.Fairness, headerValue(h))
 		default:
 			if slices.Contains(SessionHeaders, key) && headerValue(h) != "" {
 				x.req.Session = true

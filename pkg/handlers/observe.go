@@ -34,6 +34,7 @@ var loggedHeaders = map[string]bool{
 	"accept": true, "accept-encoding": true, "user-agent": true, "te": true,
 	RequestIDHeader: true, "traceparent": true, "tracestate": true, DestinationHeader: true,
 	"x-forwarded-proto": true, "x-envoy-expected-rq-timeout-ms": true, ObjectiveHeader: true, LLMDObjectiveHeader: true,
+	FairnessHeader: true, LLMDFairnessHeader: true,
 }
 
 // redact returns the value of header key as it may be logged: the path

@@ -777,21 +777,55 @@ func TestSessionHeadersMarkTheRequest(t *testing.T) {
 			if tt.client != "" {
 				ctx = metadata.NewIncomingContext(ctx, metadata.Pairs(handlers.ClientAddressHeader, tt.client))
 			}
-			x := s.Open(ctx, newRecorder())
-			defer x.Close()
-			hs := append([]envoymsg.Header{{"x-request-id", "req-1"}}, tt.headers...)
-			msgs := append([]*extprocv3.ProcessingRequest{envoymsg.WithModes(
-				envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat), hs...)...), fullDuplex, fullDuplex)},
-				envoymsg.Chunks(envoymsg.Request, []byte(clientChat), 1, true)...)
-			for i, m := range msgs {
-				if done, err := x.Handle(m); done || err != nil {
-					t.Fatalf("message %d ended the stream: %v", i, err)
-				}
-			}
+			sendChat(t, s.Open(ctx, newRecorder()), tt.headers)
 			if len(r.seen) != 1 || r.seen[0].Session != tt.want || r.seen[0].Client != tt.client {
 				t.Fatalf("routed %d requests, %+v; want one, Session %v, Client %q", len(r.seen), r.seen, tt.want, tt.client)
 			}
 		})
+	}
+}
+
+// TestAdmissionHeadersNameObjectiveAndFlow: the Inference Extension's
+// objective and fairness id headers, and llm-d's names for them, reach the
+// pipeline (pipeline.Request.Objective, .Fairness); where a request sends
+// both names, the Inference Extension's counts, in either order.
+func TestAdmissionHeadersNameObjectiveAndFlow(t *testing.T) {
+	tests := []struct {
+		name                string
+		headers             []envoymsg.Header
+		objective, fairness string
+	}{
+		{"none", nil, "", ""},
+		{"the Inference Extension's", []envoymsg.Header{{handlers.ObjectiveHeader, "batch"}, {handlers.FairnessHeader, "tenant-a"}}, "batch", "tenant-a"},
+		{"llm-d's", []envoymsg.Header{{handlers.LLMDObjectiveHeader, "batch"}, {handlers.LLMDFairnessHeader, "tenant-b"}}, "batch", "tenant-b"},
+		{"both, llm-d's first", []envoymsg.Header{{handlers.LLMDFairnessHeader, "llm-d"}, {handlers.FairnessHeader, "gie"}}, "", "gie"},
+		{"both, llm-d's last", []envoymsg.Header{{handlers.FairnessHeader, "gie"}, {handlers.LLMDFairnessHeader, "llm-d"}}, "", "gie"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := &fakeRouter{}
+			s := handlers.NewServer(r, handlers.Options{}, logr.Discard())
+			sendChat(t, s.Open(t.Context(), newRecorder()), tt.headers)
+			if len(r.seen) != 1 || r.seen[0].Objective != tt.objective || r.seen[0].Fairness != tt.fairness {
+				t.Fatalf("routed %d requests, %+v; want one, objective %q, fairness %q", len(r.seen), r.seen, tt.objective, tt.fairness)
+			}
+		})
+	}
+}
+
+// sendChat sends x, a stream in FULL_DUPLEX_STREAMED, a chat request with
+// headers besides its request id, and closes it.
+func sendChat(t *testing.T, x *handlers.Exchange, headers []envoymsg.Header) {
+	t.Helper()
+	defer x.Close()
+	hs := append([]envoymsg.Header{{"x-request-id", "req-1"}}, headers...)
+	msgs := append([]*extprocv3.ProcessingRequest{envoymsg.WithModes(
+		envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat), hs...)...), fullDuplex, fullDuplex)},
+		envoymsg.Chunks(envoymsg.Request, []byte(clientChat), 1, true)...)
+	for i, m := range msgs {
+		if done, err := x.Handle(m); done || err != nil {
+			t.Fatalf("message %d ended the stream: %v", i, err)
+		}
 	}
 }
 

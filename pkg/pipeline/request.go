@@ -40,6 +40,9 @@ type Request struct {
 	// Objective is the objective the request names (handlers.ObjectiveHeader),
 	// whose priority Options.Shedding gives; "" when none.
 	Objective string
+	// Fairness is the flow the request names (handlers.FairnessHeader),
+	// whose held requests take turns with other flows'; "" when none.
+	Fairness string
 
 	// Report is filled in by Route and RouteHeaders, whether they succeed or
 	// fail, with what the caller logs and counts.

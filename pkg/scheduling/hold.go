@@ -3,6 +3,7 @@ package scheduling
 import (
 	"context"
 	"errors"
+	"maps"
 	"slices"
 	"sync"
 	"time"
@@ -20,32 +21,43 @@ const holdTick = 25 * time.Millisecond
 
 // Hold keeps the requests that met their pool saturated until it has room
 // for them or their time is up, rather than refusing them at once: the
-// Gateway API Inference Extension's flow control, by priority and then
-// arrival. It releases only on a new scrape of the engines' figures, as many
-// requests as its share of the room they show (budget): several replicas
-// read the same figures, and each releasing the whole room would send the
-// engines as many times the room as there are replicas.
+// Gateway API Inference Extension's flow control. Higher priorities go
+// first; within a priority the flows (the clients' fairness ids) take turns,
+// the one served least lately first, and a flow's requests go by arrival. It
+// releases only on a new scrape of the engines' figures, as many requests as
+// its share of the room they show (budget): several replicas read the same
+// figures, and each releasing the whole room would send the engines as many
+// times the room as there are replicas.
 type Hold struct {
 	pool *Pool
 
 	mu      sync.Mutex
-	held    []*waiter // in release order: higher priority first, then arrival
-	round   time.Time // the scrape last released on
-	lines   Lines     // the latest Wait's
-	ticking bool      // a goroutine runs tick
+	held    []*waiter       // higher priority first, then by arrival
+	served  map[flow]uint64 // when each flow with requests held was last served, by serial
+	serial  uint64          // releases so far
+	round   time.Time       // the scrape last released on
+	lines   Lines           // the latest Wait's
+	ticking bool            // a goroutine runs tick
+}
+
+// flow is what takes turns within a priority: a client's fairness id
+// (x-gateway-inference-fairness-id), "" for those that send none.
+type flow struct {
+	id       string
+	priority int
 }
 
 // waiter is a request in a Hold. done is called once, with true when it is
 // released and false when its time is up first.
 type waiter struct {
-	req      *Request
-	priority int
-	until    time.Time
-	done     func(released bool)
+	req   *Request
+	flow  flow
+	until time.Time
+	done  func(released bool)
 }
 
 // NewHold returns an empty hold for pool's requests.
-func NewHold(pool *Pool) *Hold { return &Hold{pool: pool} }
+func NewHold(pool *Pool) *Hold { return &Hold{pool: pool, served: map[flow]uint64{}} }
 
 // Len is the number of requests held.
 func (h *Hold) Len() int {
@@ -54,13 +66,13 @@ func (h *Hold) Len() int {
 	return len(h.held)
 }
 
-// Wait holds req, of that priority, until the pool has room for it (nil),
-// its time d is up (ErrStillSaturated) or ctx is done (its error). A
-// request goes at once when nothing is held and its pool is not saturated:
-// one arriving behind held requests waits its turn.
-func (h *Hold) Wait(ctx context.Context, req *Request, priority int, lines Lines, d time.Duration) error {
+// Wait holds req, of that priority and fairness id, until the pool has room
+// for it (nil), its time d is up (ErrStillSaturated) or ctx is done (its
+// error). A request goes at once when nothing is held and its pool is not
+// saturated: one arriving behind held requests waits its turn.
+func (h *Hold) Wait(ctx context.Context, req *Request, priority int, fairness string, lines Lines, d time.Duration) error {
 	result := make(chan bool, 1)
-	x := &waiter{req: req, priority: priority, until: h.pool.deps.Now().Add(d), done: func(ok bool) { result <- ok }}
+	x := &waiter{req: req, flow: flow{fairness, priority}, until: h.pool.deps.Now().Add(d), done: func(ok bool) { result <- ok }}
 	h.mu.Lock()
 	h.lines = lines
 	held := h.add(x, lines)
@@ -96,18 +108,18 @@ var ErrStillSaturated = errors.New("the pool stayed saturated while the request 
 // Add is Wait without the waiting: it holds req (true), and Release calls
 // done, or says it may go at once (false). The simulations drive it with
 // their own clock.
-func (h *Hold) Add(req *Request, priority int, until time.Time, lines Lines, done func(released bool)) bool {
+func (h *Hold) Add(req *Request, priority int, fairness string, until time.Time, lines Lines, done func(released bool)) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.add(&waiter{req: req, priority: priority, until: until, done: done}, lines)
+	return h.add(&waiter{req: req, flow: flow{fairness, priority}, until: until, done: done}, lines)
 }
 
 func (h *Hold) add(x *waiter, lines Lines) bool {
 	if len(h.held) == 0 && !h.pool.Saturated(x.req, lines) {
 		return false
 	}
-	i, _ := slices.BinarySearchFunc(h.held, x.priority, func(y *waiter, p int) int {
-		if y.priority >= p { // behind those of its priority and higher
+	i, _ := slices.BinarySearchFunc(h.held, x.flow.priority, func(y *waiter, p int) int {
+		if y.flow.priority >= p { // behind those of its priority and higher
 			return -1
 		}
 		return 1
@@ -143,32 +155,38 @@ func (h *Hold) tick() {
 }
 
 // Release ends the time of the requests whose time is up and, when the
-// engines' figures were scraped since it last released, releases in order
-// as many of the others as budget allows, each only while its own pool
-// (its model's endpoints, its subset) is not saturated. It returns how many
-// requests are still held; at 0 the ticking stops, for the next Wait to
-// start again.
+// engines' figures were scraped since it last released, releases as many
+// of the others as budget allows (next picks each), each only while its
+// own pool (its model's endpoints, its subset) is not saturated. It
+// returns how many requests are still held; at 0 the ticking stops, for
+// the next Wait to start again.
 func (h *Hold) Release(lines Lines) int {
 	now := h.pool.deps.Now()
 	st := h.pool.state.Load()
 	h.mu.Lock()
 	var ended, released []*waiter
-	budget := 0
-	if scraped := newestScrape(st.endpoints); scraped.After(h.round) {
-		h.round, budget = scraped, h.budget(st, lines)
-	}
 	h.held = slices.DeleteFunc(h.held, func(x *waiter) bool {
-		switch {
-		case !now.Before(x.until):
-			ended = append(ended, x)
-		case budget > 0 && !h.pool.Saturated(x.req, lines):
-			budget--
-			released = append(released, x)
-		default:
+		if now.Before(x.until) {
 			return false
 		}
+		ended = append(ended, x)
 		return true
 	})
+	if scraped := newestScrape(st.endpoints); scraped.After(h.round) {
+		h.round = scraped
+		for budget := h.budget(st, lines); budget > 0; budget-- {
+			i := h.next(lines)
+			if i < 0 {
+				break
+			}
+			x := h.held[i]
+			h.held = slices.Delete(h.held, i, i+1)
+			h.serial++
+			h.served[x.flow] = h.serial
+			released = append(released, x)
+		}
+		h.forget()
+	}
 	left := len(h.held)
 	if left == 0 {
 		h.ticking = false
@@ -181,6 +199,35 @@ func (h *Hold) Release(lines Lines) int {
 		x.done(true)
 	}
 	return left
+}
+
+// next is the index of the request to release next, -1 for none: of the
+// highest priority that has one whose pool is not saturated, the first of
+// the flow served least lately.
+func (h *Hold) next(lines Lines) int {
+	best := -1
+	for i, x := range h.held {
+		if best >= 0 && x.flow.priority < h.held[best].flow.priority {
+			break
+		}
+		if (best < 0 || h.served[x.flow] < h.served[h.held[best].flow]) && !h.pool.Saturated(x.req, lines) {
+			best = i
+		}
+	}
+	return best
+}
+
+// forget drops what it remembers of flows with nothing held: a flow that
+// comes back takes its turn as a new one.
+func (h *Hold) forget() {
+	if len(h.served) == 0 {
+		return
+	}
+	waiting := make(map[flow]bool, len(h.held))
+	for _, x := range h.held {
+		waiting[x.flow] = true
+	}
+	maps.DeleteFunc(h.served, func(f flow, _ uint64) bool { return !waiting[f] })
 }
 
 // budget is how many held requests one scrape lets go: this replica's share

@@ -59,7 +59,7 @@ func TestTheHoldReleasesItsShareOfTheRoomByPriority(t *testing.T) {
 		}
 		slices.Sort(names)
 		for _, name := range names {
-			if h.Add(promptRequest(name), st.add[name], clock.Now().Add(30*time.Second), defaultLines, func(ok bool) {
+			if h.Add(promptRequest(name), st.add[name], "", clock.Now().Add(30*time.Second), defaultLines, func(ok bool) {
 				if ok {
 					released = append(released, name)
 				} else {
@@ -77,6 +77,47 @@ func TestTheHoldReleasesItsShareOfTheRoomByPriority(t *testing.T) {
 	}
 	if n := h.Len(); n != 0 {
 		t.Errorf("%d requests still held", n)
+	}
+}
+
+// Within a priority the flows take turns, the one served least lately first
+// (a flow that floods the hold does not starve one that sends a request
+// now and then), each flow's requests by arrival; a higher priority still
+// goes first.
+func TestFlowsTakeTurnsInTheHold(t *testing.T) {
+	const a = "10.0.0.1:8000"
+	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, a)
+	byAddr(p, a).observe(Load{Waiting: 5, At: clock.Now()})
+	for range 2 { // the two the engine counts are this replica's: the whole room is its to fill
+		acquire(byAddr(p, a))
+	}
+	h := NewHold(p)
+	var released []string
+	add := func(name, fairness string, priority int) {
+		if !h.Add(promptRequest(name), priority, fairness, clock.Now().Add(time.Minute), defaultLines, func(ok bool) {
+			if ok {
+				released = append(released, name)
+			}
+		}) {
+			t.Fatalf("%s went at once", name)
+		}
+	}
+	for i := range 4 {
+		add(fmt.Sprint("flood-", i), "tenant-a", -1)
+	}
+	add("b-0", "tenant-b", -1)
+	add("none-0", "", -1)
+	add("b-1", "tenant-b", -1)
+	add("low-0", "tenant-c", -2)
+	add("urgent-0", "tenant-a", 0)
+	for _, room := range []float64{3, 3, 3} { // three places a scrape
+		clock.Advance(time.Second)
+		byAddr(p, a).observe(Load{Waiting: 5 - room, At: clock.Now()})
+		h.Release(defaultLines)
+	}
+	want := []string{"urgent-0", "flood-0", "b-0", "none-0", "flood-1", "b-1", "flood-2", "flood-3", "low-0"}
+	if !slices.Equal(released, want) {
+		t.Errorf("released in the order %v, want %v", released, want)
 	}
 }
 
@@ -104,7 +145,7 @@ func TestWaitEndsOnReleaseTimeOrCancel(t *testing.T) {
 			ctx, cancel := context.WithCancel(t.Context())
 			defer cancel()
 			done := make(chan error, 1)
-			go func() { done <- h.Wait(ctx, promptRequest("held"), -1, defaultLines, 10*time.Second) }()
+			go func() { done <- h.Wait(ctx, promptRequest("held"), -1, "", defaultLines, 10*time.Second) }()
 			for h.Len() == 0 { // held: Wait has added it
 				select {
 				case err := <-done:
@@ -137,7 +178,7 @@ func BenchmarkHold(b *testing.B) {
 		for _, e := range p.Endpoints() {
 			e.observe(Load{Waiting: 5, At: clock.Now()})
 		}
-		h.Add(req, -1, clock.Now().Add(time.Minute), defaultLines, func(bool) {})
+		h.Add(req, -1, "", clock.Now().Add(time.Minute), defaultLines, func(bool) {})
 		clock.Advance(time.Second)
 		p.Endpoints()[0].observe(Load{Waiting: 0, At: clock.Now()})
 		h.Release(defaultLines)

@@ -36,7 +36,7 @@ vllm:num_requests_waiting{engine="0",model_name="m"} 7
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 30
-`, want: Load{Waiting: 7, KVUsage: 0.42}},
+`, want: Load{Waiting: 7, Running: 30, KVUsage: 0.42}},
 		{name: "vLLM data-parallel ranks: queues add up, the fullest cache counts", text: `vllm:num_requests_waiting{engine="0"} 2
 vllm:num_requests_waiting{engine="1"} 3
 vllm:kv_cache_usage_perc{engine="0"} 0.2
@@ -47,7 +47,9 @@ vllm:kv_cache_usage_perc{engine="1"} 0.9
 sglang:num_queue_reqs{model_name="m"} 4
 # TYPE sglang:token_usage gauge
 sglang:token_usage{model_name="m"} 0.25
-`, want: Load{Waiting: 4, KVUsage: 0.25}},
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m"} 12
+`, want: Load{Waiting: 4, Running: 12, KVUsage: 0.25}},
 		{name: "SGLang prefill: its bootstrap and in-flight queues add up", role: rolePrefill,
 			text: sglangPD("num_prefill_bootstrap_queue_reqs", 2, 3, 50, 60), want: Load{Waiting: 4 + 2 + 3, KVUsage: 0.25}},
 		{name: "SGLang prefill, the bootstrap queue's older name", role: rolePrefill,

@@ -657,7 +657,7 @@ func (s *sim) send(r *simReq) {
 	}
 	switch {
 	case s.p.HoldFor > 0:
-		if !s.holds[replica].Add(r.req, -1, simEpoch.Add(s.now+s.p.HoldFor), s.p.shedLines(), func(released bool) {
+		if !s.holds[replica].Add(r.req, -1, "", simEpoch.Add(s.now+s.p.HoldFor), s.p.shedLines(), func(released bool) {
 			if released {
 				s.dispatch(pool, r)
 			} else {

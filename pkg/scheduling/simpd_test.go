@@ -281,7 +281,7 @@ func (s *pdSim) sheds(r *pdReq) bool { return s.p.Shed && r.batch && s.now < s.p
 // hold holds r in h, unless it may go at once (false); released, it goes on
 // with next; its time up, it is refused.
 func (s *pdSim) hold(h *Hold, r *pdReq, next func()) bool {
-	return h.Add(r.req, -1, simEpoch.Add(s.now+s.p.HoldFor), s.p.shedLines(), func(released bool) {
+	return h.Add(r.req, -1, "", simEpoch.Add(s.now+s.p.HoldFor), s.p.shedLines(), func(released bool) {
 		if released {
 			next()
 			return
