@@ -49,9 +49,9 @@ type Admission struct {
 	SaturatedQueue   float64 `json:"saturated_queue,omitempty"`
 	SaturatedKVCache float64 `json:"saturated_kv_cache,omitempty"`
 	// Hold is how long a request that may be shed waits in pd-extproc for
-	// its pool to have room, released by priority and then arrival as the
-	// engines' scraped figures show room, before it is refused; "0s" refuses
-	// at once.
+	// its pool to have room, released as the engines' scraped figures show
+	// room (by priority, then in turns between the flows its fairness id
+	// names, then by arrival), before it is refused; "0s" refuses at once.
 	Hold *Duration `json:"hold,omitempty"`
 	// MaxHeld bounds the requests held at once, both pools together; past
 	// it a request that may be shed is refused at once. Held requests keep

@@ -288,6 +288,7 @@ func (s *pdSim) hold(h *Hold, r *pdReq, next func()) bool {
 		}
 		if r.release != nil { // the decode endpoint picked before the prefill pool held it
 			r.release()
+			r.release = nil
 		}
 		s.shed++
 		s.at(s.now+s.p.shedWait(), func() { s.send(r) })

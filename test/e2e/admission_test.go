@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"os"
@@ -115,12 +116,19 @@ func TestRequestsThatMayBeShedWaitForRoom(t *testing.T) {
 	type answer struct {
 		status int
 		body   string
+		err    error
 	}
 	answered := make(chan answer, 1)
-	go func() {
+	go func() { // r.send, not r.must: t.Fatal belongs to the test's goroutine
+		ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+		defer cancel()
 		path, body := request("chat", false, "held batch")
-		resp, got := r.must(t, path, body, batch)
-		answered <- answer{resp.StatusCode, got}
+		resp, got, err := r.send(ctx, path, body, batch)
+		if err != nil {
+			answered <- answer{err: err}
+			return
+		}
+		answered <- answer{resp.StatusCode, got, nil}
 	}()
 	held := `pd_extproc_held_requests{pool="decode"}`
 	waitFor(t, 10*time.Second, held+" 1", func() bool { return r.metric(t, held) == 1 })
@@ -130,12 +138,12 @@ func TestRequestsThatMayBeShedWaitForRoom(t *testing.T) {
 	}
 	select {
 	case a := <-answered:
-		t.Fatalf("answered while held: status %d: %.300s", a.status, a.body)
+		t.Fatalf("answered while held: status %d, %v: %.300s", a.status, a.err, a.body)
 	default:
 	}
 	setQueues(t, r, "decode", r.decode[:1], pdsim.PDQueues{})
-	if a := <-answered; a.status != http.StatusOK {
-		t.Fatalf("released: status %d, want 200: %.300s", a.status, a.body)
+	if a := <-answered; a.err != nil || a.status != http.StatusOK {
+		t.Fatalf("released: status %d, %v, want 200: %.300s", a.status, a.err, a.body)
 	}
 	if n := r.metric(t, held); n != 0 {
 		t.Errorf("%s %g after the release, want 0", held, n)
