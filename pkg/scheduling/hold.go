@@ -154,8 +154,8 @@ func (h *Hold) tick() {
 	}
 }
 
-// Release ends the time of the requests whose time is up and, when the
-// engines' figures were scraped since it last released, releases as many
+// Release ends the time of the requests whose time is up and, when every
+// endpoint's figures were scraped again since it last released (scrapeSpan), releases as many
 // of the others as budget allows (next picks each), each only while its
 // own pool (its model's endpoints, its subset) is not saturated. It
 // returns how many requests are still held; at 0 the ticking stops, for
@@ -172,8 +172,8 @@ func (h *Hold) Release(lines Lines) int {
 		ended = append(ended, x)
 		return true
 	})
-	if scraped := newestScrape(st.endpoints); scraped.After(h.round) {
-		h.round = scraped
+	if oldest, newest := scrapeSpan(st.endpoints); oldest.After(h.round) {
+		h.round = newest
 		for budget := h.budget(st, lines); budget > 0; budget-- {
 			i := h.next(lines)
 			if i < 0 {
@@ -262,13 +262,23 @@ func (h *Hold) budget(st *poolState, lines Lines) int {
 	return max(1, int(share*room))
 }
 
-// newestScrape is when the latest of the endpoints' figures were scraped.
-func newestScrape(eps []*Endpoint) time.Time {
-	var t time.Time
+// scrapeSpan is when the oldest and the newest of the healthy endpoints'
+// fresh figures were scraped. The endpoints of a pool are scraped together,
+// each answer stamped as it comes: a scrape round is new once the oldest
+// is newer than the last round's newest, not as soon as one endpoint
+// answers, which would release once per answer.
+func scrapeSpan(eps []*Endpoint) (oldest, newest time.Time) {
 	for _, e := range eps {
-		if l := e.load.Load(); l != nil && l.At.After(t) {
-			t = l.At
+		l, ok := e.Load()
+		if !ok || !e.Healthy() {
+			continue
+		}
+		if oldest.IsZero() || l.At.Before(oldest) {
+			oldest = l.At
+		}
+		if l.At.After(newest) {
+			newest = l.At
 		}
 	}
-	return t
+	return oldest, newest
 }

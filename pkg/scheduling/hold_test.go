@@ -80,6 +80,52 @@ func TestTheHoldReleasesItsShareOfTheRoomByPriority(t *testing.T) {
 	}
 }
 
+// The endpoints of a pool answer their scrapes one by one, each stamped as
+// it comes: a hold releases once a round, when every healthy endpoint with
+// fresh figures has answered again, not once per answer.
+func TestTheHoldReleasesOnceAScrapeRound(t *testing.T) {
+	const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
+	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, a, b)
+	scrape := func(addr string, waiting float64) {
+		clock.Advance(5 * time.Millisecond)
+		byAddr(p, addr).observe(Load{Waiting: waiting, At: clock.Now()})
+	}
+	scrape(a, 5)
+	scrape(b, 5)
+	h := NewHold(p)
+	released := 0
+	for i := range 4 {
+		h.Add(promptRequest(fmt.Sprint("held ", i)), -1, "", clock.Now().Add(time.Minute), defaultLines, func(ok bool) {
+			if ok {
+				released++
+			}
+		})
+	}
+	steps := []struct {
+		name    string
+		scrape  func()
+		release int // in all, after the step
+	}{
+		{"a round of full queues", func() { scrape(a, 5); scrape(b, 5) }, 0},
+		{"a answers with room, b not yet", func() { scrape(a, 4) }, 0},
+		{"b answers: the round is whole", func() { scrape(b, 5) }, 1},
+		{"a answers again, b not yet", func() { scrape(a, 4) }, 1},
+		{"b ejected: a's answers make the rounds", func() {
+			for range 3 {
+				byAddr(p, b).ReportFailure()
+			}
+			scrape(a, 4)
+		}, 2},
+	}
+	for _, st := range steps {
+		st.scrape()
+		h.Release(defaultLines)
+		if released != st.release {
+			t.Errorf("%s: %d released in all, want %d", st.name, released, st.release)
+		}
+	}
+}
+
 // Within a priority the flows take turns, the one served least lately first
 // (a flow that floods the hold does not starve one that sends a request
 // now and then), each flow's requests by arrival; a higher priority still
