@@ -155,11 +155,11 @@ func (h *Hold) tick() {
 }
 
 // Release ends the time of the requests whose time is up and, when every
-// endpoint's figures were scraped again since it last released (scrapeSpan), releases as many
-// of the others as budget allows (next picks each), each only while its
-// own pool (its model's endpoints, its subset) is not saturated. It
-// returns how many requests are still held; at 0 the ticking stops, for
-// the next Wait to start again.
+// endpoint's figures were scraped again since it last released
+// (scrapeSpan), releases as many of the others as budget allows (next
+// picks each), each only while its own pool (its model's endpoints, its
+// subset) is not saturated. It returns how many requests are still held;
+// at 0 the ticking stops, for the next Wait to start again.
 func (h *Hold) Release(lines Lines) int {
 	now := h.pool.deps.Now()
 	st := h.pool.state.Load()
@@ -230,7 +230,7 @@ func (h *Hold) forget() {
 	maps.DeleteFunc(h.served, func(f flow, _ uint64) bool { return !waiting[f] })
 }
 
-// budget is how many held requests one scrape lets go: this replica's share
+// budget is how many held requests one scrape round lets go: this replica's share
 // of the room the figures show. The room is what the healthy endpoints'
 // queues lack of the line (none on an endpoint whose KV cache is at its
 // line); the share is this replica's requests in flight on them over the
