@@ -139,13 +139,17 @@ func (o *observation) conclude(outcome string, e *pipeline.Error, d *pipeline.De
 	}
 	rep := o.req.Report
 	api := pipeline.APIOf(o.req)
-	// The prefill leg is the engine's time, not ours; what is left is parsing,
-	// waiting for the body, and talking to Envoy.
-	processing := max(time.Since(o.start)-rep.PrefillTime, 0)
+	// The prefill leg is the engine's time and the hold the engines' lack of
+	// room, not ours; what is left is parsing, waiting for the body, and
+	// talking to Envoy.
+	processing := max(time.Since(o.start)-rep.PrefillTime-rep.HeldTime, 0)
 	o.metrics.ObserveRequest(metrics.Request{API: api, Mode: rep.Mode, Outcome: outcome, Processing: processing})
 
 	kv := []any{"requestID", o.req.RequestID, "api", api, "mode", modeOrNone(rep.Mode), "reason", rep.Reason.String(), "outcome", outcome,
 		"processing", processing, "prefill", rep.Prefill, "prefillTime", rep.PrefillTime}
+	if rep.HeldTime > time.Millisecond {
+		kv = append(kv, "heldTime", rep.HeldTime)
+	}
 	if d != nil {
 		kv = append(kv, "decode", d.Endpoint)
 	}

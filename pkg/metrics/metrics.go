@@ -190,7 +190,7 @@ func New(connector string) *Metrics {
 			"Requests by engine API, P/D mode, KV connector and how their routing ended (routed, 4xx, 5xx, cancelled).",
 			"api", "mode", "connector", "outcome"),
 		processing: histogramVec("request_processing_seconds",
-			"Time the service adds to a routed request, from its first ext_proc message to the routing reply, excluding the prefill leg.",
+			"Time the service adds to a routed request, from its first ext_proc message to the routing reply, excluding the prefill leg and the time held for room (admission.hold).",
 			// Sub-millisecond for small bodies; FULL_DUPLEX includes Envoy streaming the body to us.
 			[]float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5}, "mode"),
 		prefillDuration: histogramVec("prefill_duration_seconds",

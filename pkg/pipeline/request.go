@@ -85,6 +85,7 @@ type Report struct {
 	Decode      string         // decode endpoint
 	Prefill     string         // prefill endpoint of the last attempt; "" when no prefill leg was sent
 	PrefillTime time.Duration  // time spent waiting on sequential prefill legs, retries included
+	HeldTime    time.Duration  // time spent held for room (admission.hold)
 }
 
 // Modes of a routed request.

@@ -346,7 +346,10 @@ func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Reques
 		if pool == p.pools.Prefill {
 			hold = p.shedding.prefill
 		}
-		if err := hold.Wait(ctx, sreq, priority, r.Fairness, s.Lines, s.Hold); !errors.Is(err, scheduling.ErrStillSaturated) {
+		start := time.Now()
+		err := hold.Wait(ctx, sreq, priority, r.Fairness, s.Lines, s.Hold)
+		r.Report.HeldTime += time.Since(start)
+		if !errors.Is(err, scheduling.ErrStillSaturated) {
 			return err
 		}
 	} else if !pool.Saturated(sreq, s.Lines) {
