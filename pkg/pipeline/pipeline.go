@@ -77,6 +77,16 @@ type Shedding struct {
 type shedder struct {
 	settings        atomic.Pointer[Shedding]
 	prefill, decode *scheduling.Hold
+	waiting         atomic.Int64 // requests in either hold's Wait, against MaxHeld
+}
+
+// enter counts a request into the holds' Wait, unless bound are in it.
+func (s *shedder) enter(bound int) bool {
+	if s.waiting.Add(1) <= int64(bound) {
+		return true
+	}
+	s.waiting.Add(-1)
+	return false
 }
 
 // Pipeline routes requests. It is safe for concurrent use.

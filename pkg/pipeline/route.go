@@ -333,15 +333,15 @@ func bootstrapHost(addr string) string {
 // negative priority and pool, one it would use, is saturated: Route asks of
 // the decode pool, and of the prefill pool for P/D. A held request goes on
 // once the pool has room for it (scheduling.Hold); its client gone, it
-// ends with its context's error. With MaxHeld requests held, one more is
-// refused at once (two arriving together may both be held).
+// ends with its context's error. With MaxHeld requests in the holds (or
+// just deciding whether to wait), one more is refused at once.
 func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Request, pool *scheduling.Pool) error {
 	s := p.shedding.settings.Load()
 	priority := s.Priorities[r.Objective]
 	if priority >= 0 {
 		return nil
 	}
-	if s.Hold > 0 && p.shedding.prefill.Len()+p.shedding.decode.Len() < s.MaxHeld {
+	if s.Hold > 0 && p.shedding.enter(s.MaxHeld) {
 		hold := p.shedding.decode
 		if pool == p.pools.Prefill {
 			hold = p.shedding.prefill
@@ -349,6 +349,7 @@ func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Reques
 		start := time.Now()
 		err := hold.Wait(ctx, sreq, priority, r.Fairness, s.Lines, s.Hold)
 		r.Report.HeldTime += time.Since(start)
+		p.shedding.waiting.Add(-1)
 		if !errors.Is(err, scheduling.ErrStillSaturated) {
 			return err
 		}
