@@ -288,15 +288,16 @@ func TestReplicasAgreeOnPrefixAffinity(t *testing.T) {
 	}
 }
 
-// TestTenantsOfOneSystemPromptRankApart: one system prompt asked under ten
-// tenants' namespaces, five with a cache_salt of their own and five for a
-// LoRA adapter of their own, which the engines cache apart: every replica
-// keeps each tenant's prefill legs on one endpoint, and the tenants spread
-// over the endpoints, as ten different prompts would. Ranked by the prompt
-// alone they would all share its one home; ten tenants all ranking one of
-// three endpoints first would happen once in 19,683 runs.
+// TestTenantsOfOneSystemPromptRankApart: one system prompt asked under
+// sixteen tenants' namespaces, eight with a cache_salt of their own and
+// eight for a LoRA adapter of their own, which the engines cache apart:
+// every replica keeps each tenant's prefill legs on one endpoint, and the
+// tenants spread over the endpoints, as sixteen different prompts would.
+// Ranked by the prompt alone they would all share its one home; sixteen
+// tenants all ranking one of three endpoints first (the ranks follow the
+// simulators' random ports) would happen once in 14 million runs.
 func TestTenantsOfOneSystemPromptRankApart(t *testing.T) {
-	const replicas, tenants, questions = 3, 10, 6
+	const replicas, tenants, questions = 3, 16, 6
 	adapters := make([]string, tenants/2)
 	for i := range adapters {
 		adapters[i] = fmt.Sprintf("lora-%d", i)
