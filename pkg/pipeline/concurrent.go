@@ -96,7 +96,7 @@ func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request
 				slot.Judged()
 			}
 			unhold()
-			p.inBackground.Add(-1)
+			p.inBackground.give()
 			p.metrics.BackgroundLeg(-1)
 		}()
 		ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)

@@ -68,7 +68,7 @@ type Shedding struct {
 	Priorities map[string]int   // by objective
 	Lines      scheduling.Lines // an endpoint's saturation lines (scheduling.Pool.Saturated)
 	Hold       time.Duration    // how long such a request waits for room before it is refused; 0: not at all
-	MaxHeld    int              // the requests held at once, past which one is refused at once
+	MaxHeld    int              // the requests held at once, past which one is refused at once; 0: no bound
 	RetryAfter time.Duration    // the 429's
 }
 
@@ -77,17 +77,24 @@ type Shedding struct {
 type shedder struct {
 	settings        atomic.Pointer[Shedding]
 	prefill, decode *scheduling.Hold
-	waiting         atomic.Int64 // requests in either hold's Wait, against MaxHeld
+	waiting         counter // requests in either hold's Wait, against MaxHeld
 }
 
-// enter counts a request into the holds' Wait, unless bound are in it.
-func (s *shedder) enter(bound int) bool {
-	if s.waiting.Add(1) <= int64(bound) {
-		return true
+// counter counts what is under way against a bound: background legs,
+// requests in the holds.
+type counter struct{ n atomic.Int64 }
+
+// take counts one more, unless bound are under way already (0: no bound).
+func (c *counter) take(bound int) bool {
+	if n := c.n.Add(1); bound > 0 && n > int64(bound) {
+		c.n.Add(-1)
+		return false
 	}
-	s.waiting.Add(-1)
-	return false
+	return true
 }
+
+// give counts one fewer.
+func (c *counter) give() { c.n.Add(-1) }
 
 // Pipeline routes requests. It is safe for concurrent use.
 type Pipeline struct {
@@ -101,7 +108,7 @@ type Pipeline struct {
 	shedding     shedder
 	log          logr.Logger
 	background   sync.WaitGroup // concurrent (SGLang) prefill legs still running
-	inBackground atomic.Int64   // how many, against Options.MaxBackground
+	inBackground counter        // how many, against Options.MaxBackground
 	suspects     sync.Map       // prefill endpoints already logged for an unreachable remote_host
 
 	metrics    *metrics.Metrics // nil records nothing
@@ -169,7 +176,7 @@ func (p *Pipeline) Reload(spec scheduling.Spec) {
 // Held is how many requests wait for room in pool, prefill or decode
 // (admission.hold).
 func (p *Pipeline) Held(pool string) int {
-	if pool == p.pools.Prefill.Name {
+	if pool == p.shedding.prefill.Pool.Name {
 		return p.shedding.prefill.Len()
 	}
 	return p.shedding.decode.Len()

@@ -106,7 +106,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 		return nil, err
 	}
 	// Before the token ids and the pick: a request shed costs no round trip.
-	if err := p.shed(ctx, r, sreq, p.pools.Decode); err != nil {
+	if err := p.shed(ctx, r, sreq, p.shedding.decode); err != nil {
 		return nil, err
 	}
 	p.tokenize(ctx, r, sreq, a, obj)
@@ -151,7 +151,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	decision := p.pools.Decide(sreq, d.decode.Endpoint)
 	rep.Reason = decision.Reason
 	if decision.PD {
-		if err := p.shed(ctx, r, sreq, p.pools.Prefill); err != nil {
+		if err := p.shed(ctx, r, sreq, p.shedding.prefill); err != nil {
 			return nil, err
 		}
 	}
@@ -279,8 +279,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 // prefill.max_background of them run already: they outlive their streams, so
 // limits.max_concurrent_streams does not bound them. launch gives it back.
 func (p *Pipeline) takeBackground() bool {
-	if n := p.inBackground.Add(1); p.opts.MaxBackground > 0 && n > int64(p.opts.MaxBackground) {
-		p.inBackground.Add(-1)
+	if !p.inBackground.take(p.opts.MaxBackground) {
 		p.metrics.LimitRefused(metrics.LimitBackground)
 		return false
 	}
@@ -330,32 +329,28 @@ func bootstrapHost(addr string) string {
 }
 
 // shed holds r, then refuses it if it must, when its objective has a
-// negative priority and pool, one it would use, is saturated: Route asks of
-// the decode pool, and of the prefill pool for P/D. A held request goes on
+// negative priority and hold's pool, one it would use, is saturated: Route
+// asks of the decode pool, and of the prefill pool for P/D. A held request goes on
 // once the pool has room for it (scheduling.Hold); its client gone, it
 // ends with its context's error. With MaxHeld requests in the holds (or
 // just deciding whether to wait), one more is refused at once.
-func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Request, pool *scheduling.Pool) error {
+func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Request, hold *scheduling.Hold) error {
 	s := p.shedding.settings.Load()
 	priority := s.Priorities[r.Objective]
 	if priority >= 0 {
 		return nil
 	}
-	if s.Hold > 0 && p.shedding.enter(s.MaxHeld) {
-		hold := p.shedding.decode
-		if pool == p.pools.Prefill {
-			hold = p.shedding.prefill
-		}
+	if s.Hold > 0 && p.shedding.waiting.take(s.MaxHeld) {
 		start := time.Now()
 		err := hold.Wait(ctx, sreq, priority, r.Fairness, s.Lines, s.Hold)
 		r.Report.HeldTime += time.Since(start)
-		p.shedding.waiting.Add(-1)
+		p.shedding.waiting.give()
 		if !errors.Is(err, scheduling.ErrStillSaturated) {
 			return err
 		}
-	} else if !pool.Saturated(sreq, s.Lines) {
+	} else if !hold.Pool.Saturated(sreq, s.Lines) {
 		return nil
 	}
 	p.metrics.LimitRefused(metrics.LimitSaturated)
-	return saturated(r.Objective, pool.Name, s.RetryAfter)
+	return saturated(r.Objective, hold.Pool.Name, s.RetryAfter)
 }

@@ -29,7 +29,7 @@ const holdTick = 25 * time.Millisecond
 // figures, and each releasing the whole room would send the engines as many
 // times the room as there are replicas.
 type Hold struct {
-	pool *Pool
+	Pool *Pool // whose requests it holds
 
 	mu      sync.Mutex
 	held    []*waiter       // higher priority first, then by arrival
@@ -57,7 +57,7 @@ type waiter struct {
 }
 
 // NewHold returns an empty hold for pool's requests.
-func NewHold(pool *Pool) *Hold { return &Hold{pool: pool, served: map[flow]uint64{}} }
+func NewHold(pool *Pool) *Hold { return &Hold{Pool: pool, served: map[flow]uint64{}} }
 
 // Len is the number of requests held.
 func (h *Hold) Len() int {
@@ -72,7 +72,7 @@ func (h *Hold) Len() int {
 // saturated: one arriving behind held requests waits its turn.
 func (h *Hold) Wait(ctx context.Context, req *Request, priority int, fairness string, lines Lines, d time.Duration) error {
 	result := make(chan bool, 1)
-	x := &waiter{req: req, flow: flow{fairness, priority}, until: h.pool.deps.Now().Add(d), done: func(ok bool) { result <- ok }}
+	x := &waiter{req: req, flow: flow{fairness, priority}, until: h.Pool.deps.Now().Add(d), done: func(ok bool) { result <- ok }}
 	h.mu.Lock()
 	h.lines = lines
 	held := h.add(x, lines)
@@ -115,7 +115,7 @@ func (h *Hold) Add(req *Request, priority int, fairness string, until time.Time,
 }
 
 func (h *Hold) add(x *waiter, lines Lines) bool {
-	if len(h.held) == 0 && !h.pool.Saturated(x.req, lines) {
+	if len(h.held) == 0 && !h.Pool.Saturated(x.req, lines) {
 		return false
 	}
 	i, _ := slices.BinarySearchFunc(h.held, x.flow.priority, func(y *waiter, p int) int {
@@ -161,8 +161,8 @@ func (h *Hold) tick() {
 // subset) is not saturated. It returns how many requests are still held;
 // at 0 the ticking stops, for the next Wait to start again.
 func (h *Hold) Release(lines Lines) int {
-	now := h.pool.deps.Now()
-	st := h.pool.state.Load()
+	now := h.Pool.deps.Now()
+	st := h.Pool.state.Load()
 	h.mu.Lock()
 	var ended, released []*waiter
 	h.held = slices.DeleteFunc(h.held, func(x *waiter) bool {
@@ -210,7 +210,7 @@ func (h *Hold) next(lines Lines) int {
 		if best >= 0 && x.flow.priority < h.held[best].flow.priority {
 			break
 		}
-		if (best < 0 || h.served[x.flow] < h.served[h.held[best].flow]) && !h.pool.Saturated(x.req, lines) {
+		if (best < 0 || h.served[x.flow] < h.served[h.held[best].flow]) && !h.Pool.Saturated(x.req, lines) {
 			best = i
 		}
 	}

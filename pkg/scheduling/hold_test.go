@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"testing"
 	"time"
@@ -197,6 +198,7 @@ func TestWaitEndsOnReleaseTimeOrCancel(t *testing.T) {
 				case err := <-done:
 					t.Fatalf("Wait returned %v before it was held", err)
 				default:
+					runtime.Gosched()
 				}
 			}
 			clock.Advance(time.Second)

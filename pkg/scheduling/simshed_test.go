@@ -67,7 +67,7 @@ func shedTable(batches []float64, ways []shedding, policies []string, d time.Dur
 				for _, seed := range seeds {
 					p := defaultSimParams()
 					p.Workload, p.Seed, p.Duration = batchBeside(k), seed, d
-					p.Batch, p.Shed, p.ShedQueue, p.ShedRetry, p.HoldFor = true, how.line > 0, how.line, how.retry, how.hold
+					how.apply(&p)
 					r := simulate(p, newWorkload(p), configured(name), 1)
 					row.shed += r.Shed
 					row.offered += r.Offered / float64(len(seeds))
@@ -127,7 +127,7 @@ func TestSimulatedShedding(t *testing.T) {
 	pd := func(pol pdPolicy, k float64, how shedding) simTTFT {
 		p := defaultPDParams()
 		p.Workload, p.Duration, p.Load = batchBeside(k), 2*time.Minute, pdRates[multiTurn.name]
-		p.Batch, p.Shed, p.HoldFor = true, how.line > 0, how.hold
+		how.apply(&p.simParams)
 		r := simulatePD(p, newWorkload(p.simParams), pol, 1)
 		t.Logf("P/D, %s, batch x%g, %v: shed %d, chat TTFT mean %v p99 %v", pol.name, k, how, r.Shed, r.Interactive.Mean, r.Interactive.P99)
 		return r.Interactive
@@ -182,7 +182,7 @@ func benchmarkSheddingPD(b *testing.B, replicas int, k float64) {
 			for _, seed := range simSeeds {
 				p := defaultPDParams()
 				p.Workload, p.Seed, p.Duration, p.Load = batchBeside(k), seed, 5*time.Minute, pdRates[multiTurn.name]
-				p.Batch, p.Shed, p.ShedQueue, p.ShedRetry, p.HoldFor = true, how.line > 0, how.line, how.retry, how.hold
+				how.apply(&p.simParams)
 				r := simulatePD(p, newWorkload(p.simParams), pol, replicas)
 				row.shed += r.Shed
 				row.prefillUtil += r.PrefillUtil / float64(len(simSeeds))
@@ -193,6 +193,11 @@ func benchmarkSheddingPD(b *testing.B, replicas int, k float64) {
 			b.Log(row)
 		}
 	}
+}
+
+// apply makes p's completions prompts batch work, shed as s says.
+func (s shedding) apply(p *simParams) {
+	p.Batch, p.Shed, p.ShedQueue, p.ShedRetry, p.HoldFor = true, s.line > 0, s.line, s.retry, s.hold
 }
 
 func (s shedding) String() string {
