@@ -9,9 +9,10 @@ import (
 
 const (
 	blockSize = 16 // tokens per KV block, vLLM's default
-	// kvCapacityBlocks is the simulated GPU's KV cache, and so by default what
-	// its prefix cache keeps (Config.PrefixCacheBlocks): vLLM caches prefixes
-	// in the blocks no running request holds.
+	// kvCapacityBlocks is the simulated GPU's KV cache by default
+	// (Config.KVBlocks), and what its prefix cache keeps by default
+	// (Config.PrefixCacheBlocks): vLLM caches prefixes in the blocks no
+	// running request holds.
 	kvCapacityBlocks = 8192
 )
 
@@ -22,7 +23,8 @@ func blocksFor(tokens int) int64 { return int64((tokens + blockSize - 1) / block
 type metrics struct {
 	waiting, running atomic.Int64
 	blocks           atomic.Int64 // held by running requests and by issued NIXL blocks
-	pdQueues         atomic.Pointer[PDQueues]
+	capacity         int          // the KV cache's blocks (Config.KVBlocks)
+	queues           atomic.Pointer[Queues]
 	// cache holds the blocks computed here or received from another engine:
 	// the prefix cache behind usage.prompt_tokens_details.cached_tokens.
 	cache *prefixCache
@@ -31,9 +33,12 @@ type metrics struct {
 	prefixQueries, prefixHits atomic.Int64
 }
 
-// PDQueues are the queues an SGLang engine in P/D mode reports beside its
-// waiting queue, set by a test (Server.SetPDQueues) to stand for a busy engine.
-type PDQueues struct {
+// Queues are what an engine reports queued beyond its own requests, set by a
+// test (Server.SetQueues) to stand for a busy engine: load that did not come
+// through the router.
+type Queues struct {
+	Waiting int // added to its waiting queue (vllm:num_requests_waiting, sglang:num_queue_reqs)
+	// The queues an SGLang engine in P/D mode reports beside its waiting queue.
 	PrefillBootstrap, PrefillInflight int // a prefill's
 	DecodePrealloc, DecodeTransfer    int // a decode's
 }
@@ -88,22 +93,23 @@ func (m *metrics) serve(model, protocol, role string) http.HandlerFunc {
 	}
 	return func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-		usage := min(1, float64(m.blocks.Load())/kvCapacityBlocks)
+		usage := min(1, float64(m.blocks.Load())/float64(m.capacity))
+		var q Queues
+		if p := m.queues.Load(); p != nil {
+			q = *p
+		}
+		waiting := float64(m.waiting.Load() + int64(q.Waiting))
 		var gauges []gauge
 		if protocol != ProtocolSGLang {
 			gauges = []gauge{
 				{"vllm:num_requests_running", "Number of requests in model execution batches.", float64(m.running.Load())},
-				{"vllm:num_requests_waiting", "Number of requests waiting to be processed.", float64(m.waiting.Load())},
+				{"vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting},
 				{"vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage},
 			}
 		} else {
-			var q PDQueues
-			if p := m.pdQueues.Load(); p != nil {
-				q = *p
-			}
 			gauges = []gauge{
 				{"sglang:num_running_reqs", "The number of running requests.", float64(m.running.Load())},
-				{"sglang:num_queue_reqs", "The number of requests in the waiting queue.", float64(m.waiting.Load())},
+				{"sglang:num_queue_reqs", "The number of requests in the waiting queue.", waiting},
 				{"sglang:token_usage", "The token usage.", usage},
 				{"sglang:num_prefill_bootstrap_queue_reqs", "The number of requests in the prefill bootstrap queue.", float64(q.PrefillBootstrap)},
 				{"sglang:num_prefill_inflight_queue_reqs", "The number of requests in the prefill inflight queue.", float64(q.PrefillInflight)},
@@ -127,5 +133,6 @@ func (m *metrics) serve(model, protocol, role string) http.HandlerFunc {
 	}
 }
 
-// SetPDQueues sets the P/D queues an SGLang engine reports from now on.
-func (s *Server) SetPDQueues(q PDQueues) { s.metrics.pdQueues.Store(&q) }
+// SetQueues sets what the engine reports queued beyond its own requests
+// from now on.
+func (s *Server) SetQueues(q Queues) { s.metrics.queues.Store(&q) }

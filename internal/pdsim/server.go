@@ -64,6 +64,9 @@ type Config struct {
 	// prefix cache keeps, the least recently used evicted first; default
 	// kvCapacityBlocks.
 	PrefixCacheBlocks int
+	// KVBlocks is the GPU's KV cache in blocks, the whole of its reported
+	// KV cache use; default kvCapacityBlocks.
+	KVBlocks int
 	// KVEvents publishes the prefix cache's changes as vLLM's KV events;
 	// off unless KVEvents.Endpoint is set.
 	KVEvents KVEvents
@@ -162,7 +165,7 @@ func Start(cfg Config) (*Server, error) {
 	s := &Server{
 		cfg:      cfg,
 		engineID: newUUID(),
-		metrics:  &metrics{cache: newPrefixCache(cfg.PrefixCacheBlocks, events)},
+		metrics:  &metrics{cache: newPrefixCache(cfg.PrefixCacheBlocks, events), capacity: cfg.KVBlocks},
 		kvpub:    kvpub,
 		client:   &http.Client{Transport: &http.Transport{}}, // no HTTP_PROXY: peers are engines next door
 		log:      log,
@@ -397,6 +400,9 @@ func withDefaults(c Config) (Config, error) {
 	def(&c.SharedDir, filepath.Join(os.TempDir(), "pdsim-shared"))
 	if c.OutputTokens <= 0 {
 		c.OutputTokens = 16
+	}
+	if c.KVBlocks <= 0 {
+		c.KVBlocks = kvCapacityBlocks
 	}
 	if c.PrefixCacheBlocks <= 0 {
 		c.PrefixCacheBlocks = kvCapacityBlocks

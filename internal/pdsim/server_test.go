@@ -323,6 +323,23 @@ func TestModelRetrieval(t *testing.T) {
 	}
 }
 
+// A test's Queues.Waiting adds to the waiting queue an engine reports,
+// under either protocol's name, and goes when set back to none.
+func TestQueuesStandForLoadFromElsewhere(t *testing.T) {
+	for protocol, series := range map[string]string{
+		ProtocolNIXL:   `vllm:num_requests_waiting{engine="0",model_name="pdsim"}`,
+		ProtocolSGLang: `sglang:num_queue_reqs{engine_type="decode",model_name="pdsim",pp_rank="0",tp_rank="0"}`,
+	} {
+		s := start(t, Config{Role: RoleDecode, Protocol: protocol})
+		for _, n := range []int{7, 0} {
+			s.SetQueues(Queues{Waiting: n})
+			if want, m := fmt.Sprintf("%s %d\n", series, n), string(get(t, s, "/metrics").body); !strings.Contains(m, want) {
+				t.Errorf("%s, Waiting %d: /metrics lacks %q:\n%s", protocol, n, want, m)
+			}
+		}
+	}
+}
+
 func TestOtherEndpoints(t *testing.T) {
 	s := start(t, Config{Role: RolePrefill, Protocol: ProtocolNIXL, Model: "m1"})
 	big := `{"model":"m1","messages":[{"role":"user","content":"x"}],"max_tokens":1,"seed":123456789012345678901234567890}`

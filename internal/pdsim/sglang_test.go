@@ -131,12 +131,12 @@ func TestSGLangMetricsUseSGLangNames(t *testing.T) {
 	if strings.Contains(m, "vllm:") {
 		t.Errorf("an SGLang engine serves vLLM names:\n%s", m)
 	}
-	s.SetPDQueues(PDQueues{PrefillBootstrap: 1, PrefillInflight: 2, DecodePrealloc: 3, DecodeTransfer: 4})
+	s.SetQueues(Queues{PrefillBootstrap: 1, PrefillInflight: 2, DecodePrealloc: 3, DecodeTransfer: 4})
 	m = string(get(t, s, "/metrics").body)
 	for name, v := range map[string]string{"num_prefill_bootstrap_queue_reqs": "1", "num_prefill_inflight_queue_reqs": "2",
 		"num_decode_prealloc_queue_reqs": "3", "num_decode_transfer_queue_reqs": "4"} {
 		if want := "sglang:" + name + labels + " " + v + "\n"; !strings.Contains(m, want) {
-			t.Errorf("after SetPDQueues /metrics lacks %q", want)
+			t.Errorf("after SetQueues /metrics lacks %q", want)
 		}
 	}
 }

@@ -42,6 +42,7 @@ type SimConfig struct {
 	KVEventsPort, KVReplayPort int
 	KVEncoding                 string
 	PrefixCacheBlocks          int      // the prefix cache's size; 0: pdsim's default
+	KVBlocks                   int      // the KV cache's size; 0: pdsim's default
 	NoRender                   bool     // no render endpoints, as older vLLM releases
 	RefuseServerInfo           bool     // SGLang's server info refused (401), as with --api-key
 	APIKey                     string   // the key it asks of its callers (--api-key)
@@ -63,7 +64,7 @@ func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
 		}
 	}
 	s, err := pdsim.Start(pdsim.Config{
-		KVEvents: events, PrefixCacheBlocks: cfg.PrefixCacheBlocks, NoRender: cfg.NoRender, Model: cfg.Model, LoRA: cfg.LoRA,
+		KVEvents: events, PrefixCacheBlocks: cfg.PrefixCacheBlocks, KVBlocks: cfg.KVBlocks, NoRender: cfg.NoRender, Model: cfg.Model, LoRA: cfg.LoRA,
 		RefuseServerInfo: cfg.RefuseServerInfo, APIKey: cfg.APIKey,
 		Role: cfg.Role, Protocol: cfg.Protocol, SharedDir: cfg.SharedDir,
 		Addr:          cmp.Or(cfg.Addr, hostPort(ip, 0)),

@@ -24,14 +24,14 @@ const scraped = "metrics: {interval: 50ms, stale_after: 1h}"
 
 // full is a queue at the saturation line (5) for either role: SGLang's P/D
 // queues count as its role's waiting queue.
-var full = pdsim.PDQueues{PrefillBootstrap: 5, DecodePrealloc: 5}
+var full = pdsim.Queues{PrefillBootstrap: 5, DecodePrealloc: 5}
 
 // setQueues gives sims, engines of pool, the queues q, and waits until the
 // rig's extproc has scraped them.
-func setQueues(t *testing.T, r *rig, pool string, sims []*pdsim.Server, q pdsim.PDQueues) {
+func setQueues(t *testing.T, r *rig, pool string, sims []*pdsim.Server, q pdsim.Queues) {
 	t.Helper()
 	for _, s := range sims {
-		s.SetPDQueues(q)
+		s.SetQueues(q)
 		series := fmt.Sprintf(`pd_extproc_endpoint_engine_waiting{endpoint=%q,pool=%q}`, s.Addr(), pool)
 		want := float64(q.PrefillBootstrap)
 		if pool == "decode" {
@@ -44,7 +44,7 @@ func setQueues(t *testing.T, r *rig, pool string, sims []*pdsim.Server, q pdsim.
 func TestSheddableRequestsAreRefusedWhileThePoolsAreSaturated(t *testing.T) {
 	r := startRig(t, rigOptions{connector: "kv-sglang", prefillPool: scraped, decodePool: scraped,
 		extra: "admission: {objectives: {batch: -1, chat: 10}, hold: 0s}"})
-	set := func(pool string, sims []*pdsim.Server, q pdsim.PDQueues) { setQueues(t, r, pool, sims, q) }
+	set := func(pool string, sims []*pdsim.Server, q pdsim.Queues) { setQueues(t, r, pool, sims, q) }
 	steps := []struct {
 		name       string
 		state      func()
@@ -54,8 +54,8 @@ func TestSheddableRequestsAreRefusedWhileThePoolsAreSaturated(t *testing.T) {
 		{"idle", func() {}, map[string]int{"batch": 200, "chat": 200, "": 200}, ""},
 		{"every decode engine saturated", func() { set("decode", r.decode, full) },
 			map[string]int{"batch": 429, "chat": 200, "": 200, "unknown": 200, "llm-d:batch": 429}, "decode"},
-		{"one decode engine with room", func() { set("decode", r.decode[:1], pdsim.PDQueues{}) }, map[string]int{"batch": 200}, ""},
-		{"every prefill engine saturated", func() { set("decode", r.decode, pdsim.PDQueues{}); set("prefill", r.prefill, full) },
+		{"one decode engine with room", func() { set("decode", r.decode[:1], pdsim.Queues{}) }, map[string]int{"batch": 200}, ""},
+		{"every prefill engine saturated", func() { set("decode", r.decode, pdsim.Queues{}); set("prefill", r.prefill, full) },
 			map[string]int{"batch": 429, "chat": 200}, "prefill"},
 	}
 	shed := 0
@@ -143,7 +143,7 @@ func TestRequestsThatMayBeShedWaitForRoom(t *testing.T) {
 		t.Fatalf("answered while held: status %d, %v: %.300s", a.status, a.err, a.body)
 	default:
 	}
-	setQueues(t, r, "decode", r.decode[:1], pdsim.PDQueues{})
+	setQueues(t, r, "decode", r.decode[:1], pdsim.Queues{})
 	a := <-answered
 	if a.err != nil || a.status != http.StatusOK {
 		t.Fatalf("released: status %d, %v, want 200: %.300s", a.status, a.err, a.body)

@@ -145,7 +145,7 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}
 // empty like the other's.
 func TestBusySGLangDecodeEndpointIsPassedOver(t *testing.T) {
 	r := startRig(t, rigOptions{connector: "kv-sglang", decodePool: "metrics: {interval: 100ms, stale_after: 1h}"})
-	r.decode[0].SetPDQueues(pdsim.PDQueues{DecodePrealloc: 20, DecodeTransfer: 10})
+	r.decode[0].SetQueues(pdsim.Queues{DecodePrealloc: 20, DecodeTransfer: 10})
 	n := 0
 	onIdle := func() bool {
 		n++

@@ -4,6 +4,7 @@ import (
 	"context"
 	"log"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 
@@ -62,35 +63,70 @@ func (s *stack) killDecode(ctx context.Context) bool {
 	return restarted
 }
 
+// saturate, every o.saturateEvery, has every engine of one pool (the decode
+// pool and the prefill pool in turn) report a full queue for longer than
+// extproc's hold (soakHold): the requests that may be shed (soakObjective)
+// are held, those that arrive early in the window refused after their hold,
+// the others let go when it ends. It runs beside the kills: a decode engine
+// killed in a window comes back without the queue it reported.
+func (s *stack) saturate(ctx context.Context, o options) {
+	t := time.NewTicker(o.saturateEvery)
+	defer t.Stop()
+	for decode := true; ; decode = !decode {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		e := s.engines
+		e.mu.Lock()
+		sims := slices.Clone(e.prefill)
+		if decode {
+			sims = slices.Clone(e.decode)
+		}
+		e.mu.Unlock()
+		s.saturated.begin()
+		for _, sim := range sims {
+			sim.SetQueues(pdsim.Queues{Waiting: soakLine})
+		}
+		sleep(ctx, soakHold+time.Second)
+		for _, sim := range sims {
+			sim.SetQueues(pdsim.Queues{})
+		}
+		s.saturated.end()
+	}
+}
+
 // window is a span in which some failures are expected.
 type window struct{ from, to time.Time }
 
-// killWindows are the spans in which a stack's decode simulator was down.
-type killWindows struct {
+// windows are the spans of one kind of fault, in which some failures are
+// expected.
+type windows struct {
 	mu    sync.Mutex
-	spans []window // the last one open (to zero) while the simulator is down
+	spans []window // the last one open (to zero) while the fault lasts
 }
 
-func (k *killWindows) begin() {
+func (k *windows) begin() {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.spans = append(k.spans, window{from: time.Now()})
 }
 
-func (k *killWindows) end() {
+func (k *windows) end() {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.spans[len(k.spans)-1].to = time.Now()
 }
 
-func (k *killWindows) count() int {
+func (k *windows) count() int {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	return len(k.spans)
 }
 
-// overlaps reports whether a request from from to to overlapped a kill window.
-func (k *killWindows) overlaps(from, to time.Time) bool {
+// overlaps reports whether a request from from to to overlapped a window.
+func (k *windows) overlaps(from, to time.Time) bool {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	for _, w := range k.spans {
@@ -98,7 +134,8 @@ func (k *killWindows) overlaps(from, to time.Time) bool {
 		if end.IsZero() {
 			end = time.Now()
 		}
-		// A grace after the restart: streams Envoy had already routed there.
+		// A grace after the end: streams Envoy had already routed to a killed
+		// engine, figures scraped before a saturation ended.
 		if from.Before(end.Add(time.Second)) && to.After(w.from) {
 			return true
 		}

@@ -16,11 +16,15 @@
 //   - the other prefill simulator is slow, and from time to time slower than
 //     Envoy's 1 s BUFFERED message timer (override_message_timeout must save it);
 //   - one decode simulator per stack is killed and restarted on its address
-//     every -kill-every.
+//     every -kill-every;
+//   - every -saturate-every, a pool's engines report full queues for longer
+//     than extproc holds the requests that may be shed (one in eight names
+//     such an objective): they are held, then let go or refused with 429.
 //
 // Every outcome is classified. Expected: 200 with a whole completion; the
-// 4xx a bad input deserves; a client that gave up; and, inside a decode kill
-// window, Envoy's 503 or a cut stream. Anything else is unexpected, and the
+// 4xx a bad input deserves; a client that gave up; inside a decode kill
+// window, Envoy's 503 or a cut stream; and inside a saturation window, a 429
+// for a request that may be shed. Anything else is unexpected, and the
 // run fails if there is any, or if extproc's goroutines do not come back to
 // where they started, or if a stream stays open.
 //
@@ -45,12 +49,13 @@ import (
 )
 
 type options struct {
-	duration    time.Duration
-	concurrency int
-	failEvery   int
-	killEvery   time.Duration
-	bigEvery    int
-	report      string
+	duration      time.Duration
+	concurrency   int
+	failEvery     int
+	killEvery     time.Duration
+	saturateEvery time.Duration
+	bigEvery      int
+	report        string
 }
 
 func main() {
@@ -68,6 +73,7 @@ func main() {
 	flag.IntVar(&o.concurrency, "concurrency", 8, "requests in flight at most (sized for a 2-CPU machine: beyond that extproc is starved past Envoy's 1 s message timer)")
 	flag.IntVar(&o.failEvery, "fail-every", 7, "one prefill simulator per stack answers 503 to every Nth request")
 	flag.DurationVar(&o.killEvery, "kill-every", 15*time.Second, "kill and restart a decode simulator per stack this often")
+	flag.DurationVar(&o.saturateEvery, "saturate-every", 20*time.Second, "have a pool's engines report full queues this often, the decode and the prefill pool in turn, per stack")
 	flag.IntVar(&o.bigEvery, "big-every", 20, "one request in N carries a 1 MiB prompt")
 	flag.StringVar(&o.report, "report", "", "also write the report (markdown) to this file")
 	flag.Parse()
@@ -112,6 +118,7 @@ func run(o options) error {
 	var chaos sync.WaitGroup
 	for _, s := range stacks {
 		chaos.Go(func() { s.faults(ctx, o) })
+		chaos.Go(func() { s.saturate(ctx, o) })
 		chaos.Go(func() { s.sample(ctx, 5*time.Second) })
 	}
 	start := time.Now()
@@ -124,6 +131,11 @@ func run(o options) error {
 	for _, s := range stacks {
 		if !waitUntil(10*time.Second, func() bool { return s.metric("pd_extproc_streams_in_flight") == 0 }) {
 			problems = append(problems, fmt.Sprintf("%s: %v ext_proc streams still open after the traffic stopped", s.connector, s.metric("pd_extproc_streams_in_flight")))
+		}
+		for _, pool := range []string{"prefill", "decode"} {
+			if n := s.metric(fmt.Sprintf("pd_extproc_held_requests{pool=%q}", pool)); n != 0 {
+				problems = append(problems, fmt.Sprintf("%s: %v requests still held for the %s pool after the traffic stopped", s.connector, n, pool))
+			}
 		}
 	}
 	// Background (kv-sglang) prefill legs may still wait on a handshake: give

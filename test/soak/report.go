@@ -14,8 +14,8 @@ func report(o options, stacks []*stack, st *stats, elapsed time.Duration) string
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	var b strings.Builder
-	fmt.Fprintf(&b, "\n## Soak: %v, %d in flight, prefill 503 every %d, decode kill every %v, 1 MiB prompt 1 in %d\n\n",
-		elapsed.Round(time.Second), o.concurrency, o.failEvery, o.killEvery, o.bigEvery)
+	fmt.Fprintf(&b, "\n## Soak: %v, %d in flight, prefill 503 every %d, decode kill every %v, a pool saturated every %v, 1 MiB prompt 1 in %d\n\n",
+		elapsed.Round(time.Second), o.concurrency, o.failEvery, o.killEvery, o.saturateEvery, o.bigEvery)
 	fmt.Fprintf(&b, "| outcome | requests |\n|---|---:|\n")
 	classes := make([]string, 0, len(st.outcomes))
 	for c := range st.outcomes {
@@ -32,22 +32,22 @@ func report(o options, stacks []*stack, st *stats, elapsed time.Duration) string
 	}
 	fmt.Fprintf(&b, "Requests (unexpected) by minute: %s\n\n", strings.Join(perMinute, ", "))
 	fmt.Fprintf(&b, "| latency of completed requests | n | p50 | p99 | max |\n|---|---:|---:|---:|---:|\n")
-	for _, size := range []string{"small", "1MiB"} {
+	for _, size := range []string{"small prompt", "1MiB prompt", "may be shed (time held included)"} {
 		l := slices.Clone(st.latencies[size])
 		if len(l) == 0 {
 			continue
 		}
 		slices.Sort(l)
 		q := func(p float64) time.Duration { return l[min(len(l)-1, int(p*float64(len(l))))] }
-		fmt.Fprintf(&b, "| %s prompt | %d | %v | %v | %v |\n", size, len(l), q(.5).Round(100*time.Microsecond), q(.99).Round(100*time.Microsecond), l[len(l)-1].Round(100*time.Microsecond))
+		fmt.Fprintf(&b, "| %s | %d | %v | %v | %v |\n", size, len(l), q(.5).Round(100*time.Microsecond), q(.99).Round(100*time.Microsecond), l[len(l)-1].Round(100*time.Microsecond))
 	}
-	fmt.Fprintf(&b, "\n| extproc | goroutines start / peak / end | + idle pool at the end | RSS start / peak / end (MiB) | decode kills |\n|---|---:|---:|---:|---:|\n")
+	fmt.Fprintf(&b, "\n| extproc | goroutines start / peak / end | + idle pool at the end | RSS start / peak / end (MiB) | decode kills | saturations |\n|---|---:|---:|---:|---:|---:|\n")
 	for _, s := range stacks {
 		start, peak := s.usage.figures()
 		total, pooled := s.goroutines()
-		fmt.Fprintf(&b, "| %s | %.0f / %.0f / %d | %d | %.1f / %.1f / %.1f | %d |\n", s.connector,
+		fmt.Fprintf(&b, "| %s | %.0f / %.0f / %d | %d | %.1f / %.1f / %.1f | %d | %d |\n", s.connector,
 			start.goroutines, peak.goroutines, total-pooled, pooled,
-			start.rss/(1<<20), peak.rss/(1<<20), s.rss()/(1<<20), s.kills.count())
+			start.rss/(1<<20), peak.rss/(1<<20), s.rss()/(1<<20), s.kills.count(), s.saturated.count())
 	}
 	fmt.Fprintf(&b, "\n| extproc | its requests by mode / reason / outcome |\n|---|---|\n")
 	for _, s := range stacks {

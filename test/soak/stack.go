@@ -19,7 +19,8 @@ type stack struct {
 	extproc   *testbed.Extproc
 	proxies   map[string]*envoyemu.Proxy // by mode
 	engines   *engines
-	kills     *killWindows // faults.go
+	kills     *windows     // a decode engine down (faults.go)
+	saturated *windows     // a pool's engines reporting full queues (faults.go)
 	routes    *routeCounts // stats.go
 	usage     *usage       // stats.go
 }
@@ -33,6 +34,22 @@ type engines struct {
 	mu              sync.Mutex
 	prefill, decode []*pdsim.Server
 }
+
+// Shedding: one request in eight names soakObjective, of a negative
+// priority; saturate (faults.go) makes a pool's engines report soakLine
+// requests waiting, extproc's admission.saturated_queue, and extproc holds
+// such requests for up to soakHold before it refuses them. The line is far
+// above what the soak's own requests queue (kv-mooncake's prefill engines
+// count the legs whose decode was killed, waiting for their pull, and reach
+// 4), and the KV caches hold over a thousand 1 MiB prompts (a NIXL prefill keeps
+// the blocks no decode pulled for its 30 s lease, and pdsim's default cache
+// is full with one), so that only saturate's windows saturate a pool.
+const (
+	soakObjective = "soak-batch"
+	soakLine      = 50
+	soakHold      = 2 * time.Second
+	soakKVBlocks  = 16 << 20
+)
 
 // soakTimings: a short handshake bound, so a kv-sglang decode whose prefill
 // leg failed gives up after it (see sglangLegTimeoutClass).
@@ -48,7 +65,7 @@ func startStack(ctx context.Context, c testbed.Cleaner, tmp, bin, connector stri
 	}
 	e := &engines{c: c, n: n, sim: testbed.SimConfig{
 		Protocol: testbed.Protocols[connector], SharedDir: filepath.Join(tmp, connector),
-		BootstrapPort: port, Timings: soakTimings,
+		BootstrapPort: port, Timings: soakTimings, KVBlocks: soakKVBlocks,
 	}}
 	for i := range 2 {
 		p, err := e.start(pdsim.RolePrefill, i, "")
@@ -62,7 +79,7 @@ func startStack(ctx context.Context, c testbed.Cleaner, tmp, bin, connector stri
 		e.prefill, e.decode = append(e.prefill, p), append(e.decode, d)
 	}
 	s := &stack{connector: connector, engines: e, proxies: map[string]*envoyemu.Proxy{},
-		kills: &killWindows{}, routes: &routeCounts{n: map[string]int{}}, usage: &usage{}}
+		kills: &windows{}, saturated: &windows{}, routes: &routeCounts{n: map[string]int{}}, usage: &usage{}}
 	mtls, err := testbed.NewMTLS(c, testbed.MTLSConfig{})
 	if err != nil {
 		return nil, err
@@ -71,9 +88,10 @@ func startStack(ctx context.Context, c testbed.Cleaner, tmp, bin, connector stri
 		Bin: bin, Dir: tmp, Log: testbed.LineFunc(s.routes.add), MTLS: mtls,
 		Config: fmt.Sprintf(`connector: %s
 pools:
-  prefill: {endpoints: [%s], bootstrap_port: %d}
-  decode: {endpoints: [%s], health: {check_interval: 1s}}
-`, connector, testbed.QuoteAll(testbed.Addrs(e.prefill)), port, testbed.QuoteAll(testbed.Addrs(e.decode))),
+  prefill: {endpoints: [%s], bootstrap_port: %d, metrics: {interval: 250ms}}
+  decode: {endpoints: [%s], health: {check_interval: 1s}, metrics: {interval: 250ms}}
+admission: {objectives: {%s: -1}, saturated_queue: %d, hold: %v}
+`, connector, testbed.QuoteAll(testbed.Addrs(e.prefill)), port, testbed.QuoteAll(testbed.Addrs(e.decode)), soakObjective, soakLine, soakHold),
 		// --pprof: the goroutine profile tells idle connection pools from
 		// work left behind; the soak reads request lines as they come.
 		Args: []string{"--pprof", "--log-flush-interval", "0"},

@@ -139,13 +139,19 @@ type routeCounts struct {
 
 // add reads one line extproc logged.
 func (r *routeCounts) add(line string) {
-	var l struct{ Msg, Mode, Reason, Outcome string }
+	var l struct {
+		Msg, Mode, Reason, Outcome string
+		HeldTime                   json.RawMessage // logged when the request was held for room
+	}
 	if json.Unmarshal([]byte(line), &l) != nil || l.Msg != "request" {
 		return
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.n[l.Mode+"/"+l.Reason+"/"+l.Outcome]++
+	if l.HeldTime != nil {
+		r.n["held, then "+l.Outcome]++
+	}
 }
 
 // list is "route count" for each route, sorted.

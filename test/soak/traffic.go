@@ -22,6 +22,7 @@ const (
 	badInputClass   = "expected: 4xx for a bad input"
 	gaveUpClass     = "expected: client gave up"
 	decodeKillClass = "expected: decode engine killed (503 or cut stream)"
+	shedClass       = "expected: may be shed, refused after its hold while saturated (429)"
 	// A kv-sglang or kv-mooncake prefill leg runs beside its decode request
 	// and is not retried: when the injected 503 hits it, extproc answers the
 	// request with 502 and Envoy resets the decode request. A known product
@@ -67,10 +68,10 @@ func one(s *stack, rng *rand.Rand, o options, st *stats, withBad bool) {
 	mode := []string{"full_duplex", "buffered"}[rng.IntN(2)]
 	stream := rng.IntN(2) == 0
 	chat := rng.IntN(2) == 0
-	size := "small"
+	size := "small prompt"
 	prompt := fmt.Sprintf("soak %d %s", rng.Int64(), s.connector)
 	if o.bigEvery > 0 && rng.IntN(o.bigEvery) == 0 {
-		size, prompt = "1MiB", prompt+" "+strings.Repeat("lorem ipsum ", (1<<20)/12)
+		size, prompt = "1MiB prompt", prompt+" "+strings.Repeat("lorem ipsum ", (1<<20)/12)
 	}
 	q, _ := json.Marshal(prompt)
 	path, body := "/v1/completions", fmt.Sprintf(`{"model":"pdsim","prompt":%s,"stream":%v,"max_tokens":6}`, q, stream)
@@ -101,6 +102,11 @@ func one(s *stack, rng *rand.Rand, o options, st *stats, withBad bool) {
 
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, s.proxies[mode].URL()+path, strings.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
+	sheddable := rng.IntN(8) == 0
+	if sheddable {
+		req.Header.Set("X-Gateway-Inference-Objective", soakObjective)
+		size = "may be shed (time held included)"
+	}
 	resp, err := client.Do(req)
 	var got []byte
 	if err == nil {
@@ -117,6 +123,8 @@ func one(s *stack, rng *rand.Rand, o options, st *stats, withBad bool) {
 		bad == "unknown path" && err == nil && resp.StatusCode == http.StatusNotFound:
 		class = badInputClass
 	case bad == "" && complete:
+	case sheddable && err == nil && resp.StatusCode == http.StatusTooManyRequests && s.saturated.overlaps(start, end) && strings.Contains(string(got), "may be shed"):
+		class = shedClass
 	case s.kills.overlaps(start, end) && (err != nil || resp.StatusCode == http.StatusServiceUnavailable || (resp.StatusCode == http.StatusOK && !whole(string(got), stream))):
 		class = decodeKillClass
 	case s.connector == "kv-sglang" && err == nil && resp.StatusCode == http.StatusBadGateway && strings.Contains(string(got), "prefill leg failed"):
