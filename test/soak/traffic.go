@@ -105,6 +105,7 @@ func one(s *stack, rng *rand.Rand, o options, st *stats, withBad bool) {
 	sheddable := rng.IntN(8) == 0
 	if sheddable {
 		req.Header.Set("X-Gateway-Inference-Objective", soakObjective)
+		req.Header.Set("X-Gateway-Inference-Fairness-Id", fmt.Sprintf("tenant-%d", rng.IntN(3))) // flows that take turns in the hold
 		size = "may be shed (time held included)"
 	}
 	resp, err := client.Do(req)
