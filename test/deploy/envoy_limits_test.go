@@ -10,6 +10,8 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/pd-extproc/pd-extproc/pkg/server"
 )
 
 // The sizing every shipped Envoy config promises (README "Sizing", docs/envoy.md §12).
@@ -72,6 +74,23 @@ func checkBreakers(c *clusterv3.Cluster, role string, limits serviceLimits, r *r
 	}
 	if streams := http2MaxStreams(c); streams*b.connections < b.requests {
 		r.errorf("ext_proc cluster %q: %d connections of %d HTTP/2 streams cannot carry max_requests %d", c.GetName(), b.connections, streams, b.requests)
+	}
+}
+
+// checkKeepalive: Envoy pings pd-extproc, so that the streams to a replica it can no longer
+// reach (a partition, a frozen node) end within a minute rather than stall until
+// stream_idle_timeout (FULL_DUPLEX has no message timer), and no more often than pd-extproc
+// takes pings, which answers faster ones with GOAWAY too_many_pings and so cuts every stream.
+func checkKeepalive(c *clusterv3.Cluster, r *report) {
+	k := http2Options(c).GetConnectionKeepalive()
+	interval, timeout := k.GetInterval().AsDuration(), k.GetTimeout().AsDuration()
+	switch {
+	case interval <= 0 || timeout <= 0:
+		r.errorf("ext_proc cluster %q sets no http2_protocol_options.connection_keepalive interval and timeout: streams to a replica Envoy cannot reach stall until stream_idle_timeout", c.GetName())
+	case interval < server.DefaultKeepalive.MinPeerPing:
+		r.errorf("ext_proc cluster %q pings every %v, more often than pd-extproc takes pings (%v, --keepalive-min-peer-ping): it answers GOAWAY too_many_pings", c.GetName(), interval, server.DefaultKeepalive.MinPeerPing)
+	case interval+timeout > time.Minute:
+		r.errorf("ext_proc cluster %q finds a replica it cannot reach only after %v (connection_keepalive interval and timeout); keep it within a minute", c.GetName(), interval+timeout)
 	}
 }
 

@@ -353,6 +353,7 @@ func (m *envoyModel) checkExtProc(where string, ep extProcUse, limits serviceLim
 			r.errorf("%s: cluster %q is not HTTP/2, but gRPC needs HTTP/2 (set typed_extension_protocol_options %s explicit_http_config.http2_protocol_options)", where, g.GetClusterName(), httpProtocolOptionsKey)
 		default:
 			checkBreakers(c, "ext_proc", limits, r)
+			checkKeepalive(c, r)
 			checkHostRemoval(c, r)
 			checkSessionAffinity(where, cfg, c, r)
 		}

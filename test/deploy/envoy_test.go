@@ -454,6 +454,27 @@ func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
 			wants: []string{"16 connections of 100 HTTP/2 streams cannot carry max_requests 16384"},
 		},
 		{
+			name: "ext_proc connections that Envoy never pings",
+			brk: forEachExtProcCluster(func(c map[string]any) bool {
+				h2, _ := dig(c, "typed_extension_protocol_options", httpProtocolOptionsKey, "explicit_http_config", "http2_protocol_options").(map[string]any)
+				delete(h2, "connection_keepalive")
+				return h2 != nil
+			}),
+			wants: []string{"sets no http2_protocol_options.connection_keepalive"},
+		},
+		{
+			name: "ext_proc connections pinged faster than pd-extproc takes",
+			brk: forEachExtProcCluster(func(c map[string]any) bool {
+				h2, _ := dig(c, "typed_extension_protocol_options", httpProtocolOptionsKey, "explicit_http_config", "http2_protocol_options").(map[string]any)
+				if h2 == nil {
+					return false
+				}
+				h2["connection_keepalive"] = map[string]any{"interval": "5s", "timeout": "20s"}
+				return true
+			}),
+			wants: []string{"pings every 5s, more often than pd-extproc takes pings"},
+		},
+		{
 			name: "admin interface on every address",
 			brk: func(doc map[string]any) bool {
 				sa, _ := dig(doc, "admin", "address", "socket_address").(map[string]any)
