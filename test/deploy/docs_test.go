@@ -175,3 +175,35 @@ func TestFlagsAreTheBinarys(t *testing.T) {
 		}
 	}
 }
+
+// Every test and benchmark the docs cite exists, so that a reader can run what a claim rests
+// on (go test -run Name).
+func TestDocsNameTestsThatExist(t *testing.T) {
+	root := testbed.MustRepoRoot(t)
+	defined := map[string]bool{}
+	decl := regexp.MustCompile(`(?m)^func ((?:Test|Benchmark|Fuzz)\w+)\(`)
+	err := filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+		switch {
+		case err != nil:
+			return err
+		case d.IsDir() && strings.HasPrefix(d.Name(), ".") && path != root:
+			return filepath.SkipDir
+		case !d.IsDir() && strings.HasSuffix(path, "_test.go"):
+			for _, m := range decl.FindAllStringSubmatch(string(mustRead(t, path)), -1) {
+				defined[m[1]] = true
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cited := regexp.MustCompile(`\b(?:Test|Benchmark|Fuzz)[A-Z]\w*`)
+	for _, doc := range append(documents(t), document{rel: "CHANGELOG.md", text: string(mustRead(t, filepath.Join(root, "CHANGELOG.md")))}) {
+		for _, name := range cited.FindAllString(doc.text, -1) {
+			if !defined[name] {
+				t.Errorf("%s cites %s, which no _test.go defines", doc.rel, name)
+			}
+		}
+	}
+}
