@@ -26,7 +26,7 @@
 // window, Envoy's 503 or a cut stream; and inside a saturation window, a 429
 // for a request that may be shed. Anything else is unexpected, and the
 // run fails if there is any, or if extproc's goroutines do not come back to
-// where they started, or if a stream stays open.
+// where they started, or if a stream stays open or a request held.
 //
 // The files follow the run's jobs: stack.go starts a connector's stack
 // (from internal/testbed), faults.go breaks it on schedule, traffic.go sends
