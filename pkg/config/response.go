@@ -5,11 +5,13 @@ import "fmt"
 // Response configures what the service does with the decode engine's answer
 // on its way back. Its keys take effect on restart.
 type Response struct {
-	// RewriteUsage replaces the decode engine's
-	// usage.prompt_tokens_details.cached_tokens in the answer to a P/D request
-	// (kv-nixl, kv-shared-storage) with the prefill engine's value: the decode
-	// engine counts the KV it pulled as cached. It needs Envoy to send
-	// response bodies in FULL_DUPLEX_STREAMED.
+	// RewriteUsage replaces the decode engine's count of cached prompt tokens
+	// in the answer to a P/D request (kv-nixl, kv-shared-storage) with the
+	// prefill engine's: the decode engine counts the KV it pulled as cached.
+	// Each API's field: usage.prompt_tokens_details.cached_tokens, the
+	// Responses API's input_tokens_details, the Messages API's
+	// cache_read_input_tokens. It needs Envoy to send response bodies in
+	// FULL_DUPLEX_STREAMED.
 	RewriteUsage bool `json:"rewrite_usage"`
 	// MaxBodyBytes bounds a non-streamed answer (or one event of a stream)
 	// held for the rewrite; a larger one is passed on unchanged.
