@@ -23,7 +23,8 @@ const (
 )
 
 // sink takes a stream's replies, in order: the gRPC stream in production.
-// Only exchange.send calls it.
+// Only replies calls it: for exchange.send, and once out of turn for
+// callBack (watchLeg).
 type sink interface {
 	Send(*extprocv3.ProcessingResponse) error
 }

@@ -90,30 +90,36 @@ prefill: {on_failure: %s, attempts: 1, timeout: 100ms}`, engine.Addr(), onFailur
 }
 
 // TestAFailedLegKeepsTheQueryOutOfTheLog: a prefill leg that fails at the
-// transport is logged, and its error kept for the request's log line,
+// transport, or that net/http cannot make (a control character in the
+// query), is logged, and its error kept for the request's log line,
 // without the client's query: it may carry a credential (?api_key=), and
-// Go's transport errors quote the whole URL.
+// Go's errors quote the whole URL.
 func TestAFailedLegKeepsTheQueryOutOfTheLog(t *testing.T) {
-	for _, onFailure := range []string{config.OnFailureDecodeOnly, config.OnFailureFail} {
-		t.Run(onFailure, func(t *testing.T) {
-			p, _, lines := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+	for _, tc := range []struct{ name, path string }{
+		{"unreachable", "/v1/completions?api_key=sk-s3cret"},
+		{"not a URL", "/v1/completions?api_key=sk-s3cret&x=\x7f"},
+	} {
+		for _, onFailure := range []string{config.OnFailureDecodeOnly, config.OnFailureFail} {
+			t.Run(tc.name+"/"+onFailure, func(t *testing.T) {
+				p, _, lines := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
 pools: {prefill: {endpoints: ["127.0.0.1:1"]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {on_failure: %s}`, onFailure))
-			d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions?api_key=sk-s3cret", RequestID: "r1",
-				Body: []byte(`{"model":"m","prompt":"hi"}`)})
-			detail := ""
-			if err == nil {
-				d.Release()
-			} else {
-				detail = pipeline.AsError(err, "r1").Detail // what the request's log line will say
-			}
-			if lines.count("127.0.0.1:1") == 0 && !strings.Contains(detail, "127.0.0.1:1") {
-				t.Fatalf("the failed leg is neither logged nor kept for the log (%q): the test shows nothing", detail)
-			}
-			if n := lines.count("sk-s3cret"); n != 0 || strings.Contains(detail, "sk-s3cret") {
-				t.Errorf("the query's credential is in %d log lines, or in the error kept for the log: %q", n, detail)
-			}
-		})
+				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: tc.path, RequestID: "r1",
+					Body: []byte(`{"model":"m","prompt":"hi"}`)})
+				detail := ""
+				if err == nil {
+					d.Release()
+				} else {
+					detail = pipeline.AsError(err, "r1").Detail // what the request's log line will say
+				}
+				if lines.count("127.0.0.1:1") == 0 && !strings.Contains(detail, "127.0.0.1:1") {
+					t.Fatalf("the failed leg is neither logged nor kept for the log (%q): the test shows nothing", detail)
+				}
+				if n := lines.count("sk-s3cret"); n != 0 || strings.Contains(detail, "sk-s3cret") {
+					t.Errorf("the query's credential is in %d log lines, or in the error kept for the log: %q", n, detail)
+				}
+			})
+		}
 	}
 }
 

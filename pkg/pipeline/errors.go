@@ -215,12 +215,13 @@ func noDecodeEndpoint(cause error) *Error {
 }
 
 // noPrefillEndpoint refuses a request that no prefill endpoint can take
-// when it may not go decode-only: under kv-sglang, whose decode servers
-// serve only paired requests, or under prefill.on_failure fail.
+// when it may not go decode-only: under a paired connector (kv-sglang),
+// whose decode engines serve only paired requests, or under
+// prefill.on_failure fail.
 func (p *Pipeline) noPrefillEndpoint() *Error {
 	why := "prefill.on_failure is fail"
 	if p.connector.Paired() {
-		why = "kv-sglang decode engines serve only prefill/decode pairs"
+		why = p.opts.Connector + " decode engines serve only prefill/decode pairs"
 	}
 	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", RetryAfter: p.opts.RetryAfter,
 		Message: "no healthy prefill endpoint: " + why}

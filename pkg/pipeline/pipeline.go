@@ -50,8 +50,8 @@ type Options struct {
 	// holding at most MaxResponseBytes of an answer for it.
 	RewriteUsage     bool
 	MaxResponseBytes int64
-	// MaxBackground bounds the concurrent (SGLang) prefill legs running at
-	// once; past it a request gets 503 with RetryAfter.
+	// MaxBackground bounds the concurrent prefill legs (kv-sglang,
+	// kv-mooncake) running at once; past it a request gets 503 with RetryAfter.
 	MaxBackground int
 	RetryAfter    time.Duration
 	// PairBuiltinTools disaggregates Responses requests with built-in tools
@@ -107,7 +107,7 @@ type Pipeline struct {
 	decodeKey    *enginehttp.Key
 	shedding     shedder
 	log          logr.Logger
-	background   sync.WaitGroup // concurrent (SGLang) prefill legs still running
+	background   sync.WaitGroup // concurrent prefill legs (kv-sglang, kv-mooncake) still running
 	inBackground counter        // how many, against Options.MaxBackground
 	suspects     sync.Map       // prefill endpoints already logged for an unreachable remote_host
 

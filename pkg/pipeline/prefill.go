@@ -83,7 +83,7 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.scheme+"://"+endpoint+r.Path, nil)
 	if err != nil {
-		return prefillAnswer{}, err
+		return prefillAnswer{}, withoutQuery(err)
 	}
 	setBody(req, leg.body)
 	for k, v := range r.Forward {
