@@ -82,10 +82,13 @@ func (m *Metrics) Limits(streams int, bufferedBytes int64, background int) {
 // WatchHeld exports held_requests{pool}: the requests that may be shed held
 // now, waiting for room in that pool (admission.hold), read from held at
 // every scrape. Call it once.
-func (m *Metrics) WatchHeld(held func(pool string) int) {
-	for _, pool := range []string{"prefill", "decode"} {
+func (m *Metrics) WatchHeld(held func() (prefill, decode int)) {
+	for pool, of := range map[string]func() int{
+		"prefill": func() int { n, _ := held(); return n },
+		"decode":  func() int { _, n := held(); return n },
+	} {
 		m.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Namespace: namespace, Name: "held_requests",
 			Help:        "Requests of an objective of negative priority held now, waiting for room in the pool (admission.hold).",
-			ConstLabels: prometheus.Labels{"pool": pool}}, func() float64 { return float64(held(pool)) }))
+			ConstLabels: prometheus.Labels{"pool": pool}}, func() float64 { return float64(of()) }))
 	}
 }

@@ -173,13 +173,9 @@ func (p *Pipeline) Reload(spec scheduling.Spec) {
 	p.pools.Update(spec)
 }
 
-// Held is how many requests wait for room in pool, prefill or decode
-// (admission.hold).
-func (p *Pipeline) Held(pool string) int {
-	if pool == p.shedding.prefill.Pool.Name {
-		return p.shedding.prefill.Len()
-	}
-	return p.shedding.decode.Len()
+// Held is how many requests wait for room in each pool (admission.hold).
+func (p *Pipeline) Held() (prefill, decode int) {
+	return p.shedding.prefill.Len(), p.shedding.decode.Len()
 }
 
 // SetShedding applies reloaded admission.* keys to the requests routed from

@@ -9,11 +9,6 @@ import (
 	"time"
 )
 
-// Lines are where an endpoint counts as saturated (Pool.Saturated): a
-// scraped waiting queue at or above Queue, or KV cache use at or above
-// KVCache.
-type Lines struct{ Queue, KVCache float64 }
-
 // holdTick is how often a Hold with requests in it looks for a new scrape
 // and for requests whose time is up: reading the endpoints' figures costs
 // nothing next to a scrape.

@@ -1,5 +1,10 @@
 package scheduling
 
+// Lines are where an endpoint counts as saturated (Pool.Saturated): a
+// scraped waiting queue at or above Queue, or KV cache use at or above
+// KVCache.
+type Lines struct{ Queue, KVCache float64 }
+
 // Saturated reports whether every healthy endpoint req may go to is
 // saturated by its engine's own figures: a scraped waiting queue or KV cache
 // use at or above its line, or no fresh scrape. So the

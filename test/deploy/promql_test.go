@@ -47,7 +47,7 @@ func exportedSeries(t *testing.T) seriesCatalog {
 	})
 	m.Limits(1024, 1<<30, 1024)
 	m.WatchKVEvents(func() []metrics.KVEventsState { return []metrics.KVEventsState{{Pool: "prefill"}, {Pool: "decode"}} })
-	m.WatchHeld(func(string) int { return 0 })
+	m.WatchHeld(func() (int, int) { return 0, 0 })
 	families, err := m.Registry().Gather()
 	if err != nil {
 		t.Fatal(err)
