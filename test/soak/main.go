@@ -129,12 +129,12 @@ func run(o options) error {
 	// Let the last streams close, then read the end figures.
 	var problems []string
 	for _, s := range stacks {
-		if !waitUntil(10*time.Second, func() bool { return s.metric("pd_extproc_streams_in_flight") == 0 }) {
-			problems = append(problems, fmt.Sprintf("%s: %v ext_proc streams still open after the traffic stopped", s.connector, s.metric("pd_extproc_streams_in_flight")))
-		}
-		for _, pool := range []string{"prefill", "decode"} {
-			if n := s.metric(fmt.Sprintf("pd_extproc_held_requests{pool=%q}", pool)); n != 0 {
-				problems = append(problems, fmt.Sprintf("%s: %v requests still held for the %s pool after the traffic stopped", s.connector, n, pool))
+		// No stream open, no request held.
+		for _, name := range []string{"pd_extproc_streams_in_flight", `pd_extproc_held_requests{pool="prefill"}`, `pd_extproc_held_requests{pool="decode"}`} {
+			var n float64
+			var err error
+			if !waitUntil(10*time.Second, func() bool { n, err = s.extproc.Metric(context.Background(), name); return err == nil && n == 0 }) {
+				problems = append(problems, fmt.Sprintf("%s: %s is %v, error %v, 10 s after the traffic stopped", s.connector, name, n, err))
 			}
 		}
 	}

@@ -52,7 +52,7 @@ const (
 )
 
 // soakTimings: a short handshake bound, so a kv-sglang decode whose prefill
-// leg failed gives up after it (see sglangLegTimeoutClass).
+// leg failed gives up after it (see knownIssues).
 var soakTimings = testbed.Timings{
 	TTFT: 2 * time.Millisecond, TPOT: time.Millisecond, KVTransfer: time.Millisecond,
 	OutputTokens: 8, HandshakeTimeout: 2 * time.Second,
@@ -117,13 +117,4 @@ func (e *engines) start(role string, i int, addr string) (*pdsim.Server, error) 
 	cfg := e.sim
 	cfg.Role, cfg.IP, cfg.Addr = role, fmt.Sprintf("127.0.%d.%d", 10+e.n, base+i), addr
 	return testbed.StartSim(e.c, cfg)
-}
-
-// metric reads one sample of extproc's /metrics; -1 when it cannot.
-func (s *stack) metric(name string) float64 {
-	v, err := s.extproc.Metric(context.Background(), name)
-	if err != nil {
-		return -1
-	}
-	return v
 }

@@ -94,8 +94,14 @@ func (s *stack) working() float64 {
 	return float64(total - pooled)
 }
 
-// rss is extproc's resident memory in bytes.
-func (s *stack) rss() float64 { return s.metric("process_resident_memory_bytes") }
+// rss is extproc's resident memory in bytes; -1 when it cannot be read.
+func (s *stack) rss() float64 {
+	v, err := s.extproc.Metric(context.Background(), "process_resident_memory_bytes")
+	if err != nil {
+		return -1
+	}
+	return v
+}
 
 // usage is what extproc used: goroutines (idle connection pools aside, see
 // goroutines) and RSS, at the baseline and at their peak.

@@ -18,32 +18,52 @@ import (
 
 // Outcome classes.
 const (
-	okClass         = "ok"
-	badInputClass   = "expected: 4xx for a bad input"
-	gaveUpClass     = "expected: client gave up"
-	decodeKillClass = "expected: decode engine killed (503 or cut stream)"
-	shedClass       = "expected: may be shed, refused after its hold while saturated (429)"
+	okClass          = "ok"
+	badInputClass    = "expected: 4xx for a bad input"
+	gaveUpClass      = "expected: client gave up"
+	decodeKillClass  = "expected: decode engine killed (503 or cut stream)"
+	shedClass        = "expected: may be shed, refused after its hold while saturated (429)"
+	unexpectedPrefix = "UNEXPECTED: "
+)
+
+// knownIssues are the answers of known product limits (docs/reliability.md),
+// counted apart so that they stay visible: a connector's answer of that
+// status whose body says text is of that class.
+var knownIssues = []struct {
+	connector string
+	status    int
+	text      string
+	class     string
+}{
 	// A kv-sglang or kv-mooncake prefill leg runs beside its decode request
 	// and is not retried: when the injected 503 hits it, extproc answers the
-	// request with 502 and Envoy resets the decode request. A known product
-	// limitation (docs/reliability.md), counted apart so it stays visible.
-	sglangLegClass   = "known issue: kv-sglang prefill leg failed (502 at once, decode reset)"
-	mooncakeLegClass = "known issue: kv-mooncake prefill leg failed (502 at once, decode reset)"
+	// request with 502 and Envoy resets the decode request.
+	{"kv-sglang", http.StatusBadGateway, "prefill leg failed", "known issue: kv-sglang prefill leg failed (502 at once, decode reset)"},
+	{"kv-mooncake", http.StatusBadGateway, "prefill leg failed", "known issue: kv-mooncake prefill leg failed (502 at once, decode reset)"},
 	// The same before extproc called the decode back: the decode engine
 	// waits for a bootstrap handshake (SGLang) or the blocks (Mooncake)
 	// that never come and answers 500 after its timeout. Still possible
 	// where the call-back loses a race.
-	sglangLegTimeoutClass   = "known issue: kv-sglang prefill leg failed, decode timed out (500)"
-	mooncakeLegTimeoutClass = "known issue: kv-mooncake prefill leg failed, decode timed out (500)"
+	{"kv-sglang", http.StatusInternalServerError, "bootstrap handshake", "known issue: kv-sglang prefill leg failed, decode timed out (500)"},
+	{"kv-mooncake", http.StatusInternalServerError, "Timeout waiting for P side ready", "known issue: kv-mooncake prefill leg failed, decode timed out (500)"},
 	// A kv-sglang leg that fails because its decode partner died is blamed on
 	// the prefill endpoint; once both prefills are ejected extproc goes
-	// decode-only, which an SGLang decode server refuses (docs/reliability.md).
-	sglangDecodeOnlyClass = "known issue: kv-sglang decode-only refused by the SGLang decode (400)"
+	// decode-only, which an SGLang decode server refuses.
+	{"kv-sglang", http.StatusBadRequest, "bootstrap_room is required", "known issue: kv-sglang decode-only refused by the SGLang decode (400)"},
 	// The other way round: a decode that answers 500 because its prefill leg
-	// failed is ejected by the response-path status (docs/reliability.md).
-	sglangEjectedClass = "known issue: kv-sglang decode pool ejected for its prefills' failures (503)"
-	unexpectedPrefix   = "UNEXPECTED: "
-)
+	// failed is ejected by the response-path status.
+	{"kv-sglang", http.StatusServiceUnavailable, "every endpoint is unhealthy", "known issue: kv-sglang decode pool ejected for its prefills' failures (503)"},
+}
+
+// knownIssue is the class of a connector's answer among knownIssues, "" for none.
+func knownIssue(connector string, status int, body string) string {
+	for _, k := range knownIssues {
+		if k.connector == connector && k.status == status && strings.Contains(body, k.text) {
+			return k.class
+		}
+	}
+	return ""
+}
 
 var client = &http.Client{Transport: &http.Transport{Proxy: nil, MaxIdleConnsPerHost: 64, DisableCompression: true}}
 
@@ -128,18 +148,8 @@ func one(s *stack, rng *rand.Rand, o options, st *stats, withBad bool) {
 		class = shedClass
 	case s.kills.overlaps(start, end) && (err != nil || resp.StatusCode == http.StatusServiceUnavailable || (resp.StatusCode == http.StatusOK && !whole(string(got), stream))):
 		class = decodeKillClass
-	case s.connector == "kv-sglang" && err == nil && resp.StatusCode == http.StatusBadGateway && strings.Contains(string(got), "prefill leg failed"):
-		class = sglangLegClass
-	case s.connector == "kv-mooncake" && err == nil && resp.StatusCode == http.StatusBadGateway && strings.Contains(string(got), "prefill leg failed"):
-		class = mooncakeLegClass
-	case s.connector == "kv-mooncake" && err == nil && resp.StatusCode == http.StatusInternalServerError && strings.Contains(string(got), "Timeout waiting for P side ready"):
-		class = mooncakeLegTimeoutClass
-	case s.connector == "kv-sglang" && err == nil && resp.StatusCode == http.StatusInternalServerError && strings.Contains(string(got), "bootstrap handshake"):
-		class = sglangLegTimeoutClass
-	case s.connector == "kv-sglang" && err == nil && resp.StatusCode == http.StatusBadRequest && strings.Contains(string(got), "bootstrap_room is required"):
-		class = sglangDecodeOnlyClass
-	case s.connector == "kv-sglang" && err == nil && resp.StatusCode == http.StatusServiceUnavailable && strings.Contains(string(got), "every endpoint is unhealthy"):
-		class = sglangEjectedClass
+	case err == nil && knownIssue(s.connector, resp.StatusCode, string(got)) != "":
+		class = knownIssue(s.connector, resp.StatusCode, string(got))
 	case err != nil:
 		class, detail = unexpectedPrefix+"transport error", fmt.Sprintf("%s: %v", desc, err)
 	default:
