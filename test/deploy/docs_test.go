@@ -2,6 +2,7 @@ package deploy
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -205,5 +206,83 @@ func TestDocsNameTestsThatExist(t *testing.T) {
 				t.Errorf("%s cites %s, which no _test.go defines", doc.rel, name)
 			}
 		}
+	}
+}
+
+// docs/architecture.md's package table names, for each package, the packages of this module
+// it imports (a package of tests only, those its tests import; a row may name what tests
+// import besides): a newcomer reads the structure there, so it must be the code's (go list).
+func TestArchitectureTableNamesEachPackagesImports(t *testing.T) {
+	root := testbed.MustRepoRoot(t)
+	const module = "github.com/pd-extproc/pd-extproc/"
+	cmd := exec.Command("go", "list", "-f", `{{.ImportPath}}|{{len .GoFiles}}|{{join .Imports " "}}|{{join .TestImports " "}} {{join .XTestImports " "}}`, "./...")
+	cmd.Dir = root
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("go list: %v", err)
+	}
+	own := func(list string) []string {
+		var out []string
+		for _, imp := range strings.Fields(list) {
+			if p, ok := strings.CutPrefix(imp, module); ok {
+				out = append(out, p)
+			}
+		}
+		return out
+	}
+	imports, tests := map[string][]string{}, map[string][]string{}
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		f := strings.Split(line, "|")
+		pkg := strings.TrimPrefix(f[0], module)
+		imports[pkg], tests[pkg] = own(f[2]), own(f[3])
+		if f[1] == "0" {
+			imports[pkg] = tests[pkg]
+		}
+	}
+	name := regexp.MustCompile("`([a-z][a-z0-9/]*)`")
+	rows := 0
+	for _, line := range strings.Split(string(mustRead(t, filepath.Join(root, "docs", "architecture.md"))), "\n") {
+		cells := strings.Split(line, " | ")
+		if len(cells) != 3 || !strings.HasPrefix(line, "| `") {
+			continue
+		}
+		var pkgs []string
+		for _, m := range name.FindAllStringSubmatch(cells[0], -1) {
+			if _, ok := imports[m[1]]; ok {
+				pkgs = append(pkgs, m[1])
+			}
+		}
+		if len(pkgs) == 0 || strings.Contains(cells[2], "everything in") {
+			continue // a folder of data, or a package that may import anything
+		}
+		rows++
+		want, may := map[string]bool{}, map[string]bool{} // each other aside
+		for _, p := range pkgs {
+			for _, imp := range imports[p] {
+				want[imp], may[imp] = !slices.Contains(pkgs, imp), true
+			}
+			for _, imp := range tests[p] {
+				may[imp] = true
+			}
+		}
+		named := map[string]bool{}
+		for _, m := range name.FindAllStringSubmatch(cells[2], -1) {
+			if _, ok := imports[m[1]]; ok {
+				named[m[1]] = true
+			}
+		}
+		for imp, w := range want {
+			if w && !named[imp] {
+				t.Errorf("docs/architecture.md: %v imports %s, which its row does not name", pkgs, imp)
+			}
+		}
+		for imp := range named {
+			if !may[imp] {
+				t.Errorf("docs/architecture.md: %v's row names %s, which it does not import", pkgs, imp)
+			}
+		}
+	}
+	if rows < 20 {
+		t.Fatalf("read %d rows of docs/architecture.md's package table: the test shows nothing", rows)
 	}
 }
