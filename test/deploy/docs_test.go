@@ -241,7 +241,7 @@ func TestArchitectureTableNamesEachPackagesImports(t *testing.T) {
 	}
 	name := regexp.MustCompile("`([a-z][a-z0-9/]*)`")
 	rows := 0
-	for _, line := range strings.Split(string(mustRead(t, filepath.Join(root, "docs", "architecture.md"))), "\n") {
+	for _, line := range strings.Split(string(mustRead(t, filepath.Join(root, filepath.FromSlash("docs/architecture.md")))), "\n") {
 		cells := strings.Split(line, " | ")
 		if len(cells) != 3 || !strings.HasPrefix(line, "| `") {
 			continue
