@@ -145,29 +145,29 @@ func (o *observation) conclude(outcome string, e *pipeline.Error, d *pipeline.De
 	processing := max(time.Since(o.start)-rep.PrefillTime-rep.HeldTime, 0)
 	o.metrics.ObserveRequest(metrics.Request{API: api, Mode: rep.Mode, Outcome: outcome, Processing: processing})
 
-	kv := []any{"requestID", o.req.RequestID, "api", api, "mode", modeOrNone(rep.Mode), "reason", rep.Reason.String(), "outcome", outcome,
+	fields := []any{"requestID", o.req.RequestID, "api", api, "mode", modeOrNone(rep.Mode), "reason", rep.Reason.String(), "outcome", outcome,
 		"processing", processing, "prefill", rep.Prefill, "prefillTime", rep.PrefillTime}
 	if rep.HeldTime > time.Millisecond {
-		kv = append(kv, "heldTime", rep.HeldTime)
+		fields = append(fields, "heldTime", rep.HeldTime)
 	}
 	if d != nil {
-		kv = append(kv, "decode", d.Endpoint)
+		fields = append(fields, "decode", d.Endpoint)
 	}
 	if e != nil {
-		kv = append(kv, "status", e.Status, "error", e.Message)
+		fields = append(fields, "status", e.Status, "error", e.Message)
 		if e.Detail != "" {
-			kv = append(kv, "detail", e.Detail)
+			fields = append(fields, "detail", e.Detail)
 		}
 	}
 	if body != nil {
-		kv = append(kv, "bodyBytes", len(body))
+		fields = append(fields, "bodyBytes", len(body))
 		if o.logPrompts {
-			kv = append(kv, "body", truncate(body, maxLoggedBody))
+			fields = append(fields, "body", truncate(body, maxLoggedBody))
 		}
 	}
 	o.endSpan(api, outcome, e, d)
 	o.span = nil
-	o.log.Info("request", kv...)
+	o.log.Info("request", fields...)
 }
 
 // endSpan ends the request's span with the decision and outcome; with tracing

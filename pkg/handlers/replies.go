@@ -7,6 +7,7 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
@@ -204,4 +205,10 @@ func localReply(status int, body []byte, contentType string, retryAfter time.Dur
 		Body:    body,
 		Details: "pd_extproc_" + strconv.Itoa(status),
 	}}}
+}
+
+// overrideReply extends Envoy's message timer for the outstanding message. Envoy
+// ignores every other field of such a message.
+func overrideReply(d time.Duration) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{OverrideMessageTimeout: durationpb.New(d)}
 }

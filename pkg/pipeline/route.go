@@ -148,23 +148,23 @@ func checkModel(a *api.API, obj *body.Object) error {
 // the decode leg's body. It records the decision in r.Report.
 func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *scheduling.Request, d *Decision) (body.Spliced, error) {
 	rep := &r.Report
-	decision := p.pools.Decide(sreq, d.decode.Endpoint)
-	rep.Reason = decision.Reason
-	if decision.PD {
+	split := p.pools.Decide(sreq, d.decode.Endpoint)
+	rep.Reason = split.Reason
+	if split.PD {
 		if err := p.shed(ctx, r, sreq, p.shedding.prefill); err != nil {
 			return nil, err
 		}
 	}
 	switch {
-	case decision.PD:
-	case decision.Reason == metrics.ReasonNoPrefill && (p.connector.Paired() || p.opts.FailClosed):
+	case split.PD:
+	case split.Reason == metrics.ReasonNoPrefill && (p.connector.Paired() || p.opts.FailClosed):
 		// The decode engines serve only pairs, or the operator prefers errors
 		// to the decode engine computing the prompt.
 		return nil, p.noPrefillEndpoint()
 	default:
 		rep.Mode = ModeDecodeOnly
-		if decision.Reason == metrics.ReasonCachedPrefix && !d.fallbacks {
-			d.Rewrite = p.heldReader(r, d.decode.Endpoint, decision.Held)
+		if split.Reason == metrics.ReasonCachedPrefix && !d.fallbacks {
+			d.Rewrite = p.heldReader(r, d.decode.Endpoint, split.Held)
 		}
 		return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
 	}

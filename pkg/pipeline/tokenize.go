@@ -40,9 +40,9 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 		sreq.SetTokens(t.IDs)
 		return
 	}
-	api := t.RenderPath
-	ask, render := p.pools.Asks(api)
-	render = render && api != ""
+	renderPath := t.RenderPath
+	ask, render := p.pools.Asks(renderPath)
+	render = render && renderPath != ""
 	if !ask || !render && t.Ask == nil {
 		return
 	}
@@ -55,8 +55,8 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	var ids []int64
 	err := errUnrendered // nothing rendered yet
 	if render {
-		if ids, err = p.askTokens(asking, base+api, obj.Bytes(), r.Forward, true); errors.Is(err, errUnrendered) {
-			p.pools.Unrendered(api)
+		if ids, err = p.askTokens(asking, base+renderPath, obj.Bytes(), r.Forward, true); errors.Is(err, errUnrendered) {
+			p.pools.Unrendered(renderPath)
 		}
 	}
 	// An engine without the render endpoint, or whose render failed (a
@@ -80,7 +80,7 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 		p.metrics.Tokenize(time.Since(start), err == nil)
 	}
 	if ctx.Err() == nil && !errors.Is(err, errDenied) && !errors.Is(err, errNotServed) && (fellBack || !errors.Is(err, errRefused) && !errors.Is(err, errRenderFailed)) {
-		p.pools.Tokenized(api, err == nil)
+		p.pools.Tokenized(renderPath, err == nil)
 	}
 	if err != nil {
 		p.log.V(1).Info("tokenize failed: the request goes by the pools' estimates", "requestID", r.RequestID, "engine", e.Addr, "error", err.Error())
