@@ -226,8 +226,7 @@ func (x *exchange) onRequestTrailers() reply {
 		// headers, answered without the routing. Refuse rather than let them
 		// reach the router unrouted.
 		x.requestDone = true
-		return x.fail(&pipeline.Error{Status: http.StatusBadRequest, Type: "invalid_request_error",
-			Message: "the request has trailers and no body; send the body before any trailers"})
+		return x.fail(pipeline.TrailersWithoutBody())
 	}
 	return answer(continueRequestTrailers())
 }

@@ -127,6 +127,14 @@ func backgroundFull(limit int, retryAfter time.Duration) *Error {
 		Message: fmt.Sprintf("too many prefill legs in progress (prefill.max_background is %d); retry later", limit)}
 }
 
+// TrailersWithoutBody refuses a BUFFERED request whose trailers came before
+// any body: Envoy would pass its headers on unrouted once the trailers are
+// answered.
+func TrailersWithoutBody() *Error {
+	return &Error{Status: http.StatusBadRequest, Type: "invalid_request_error",
+		Message: "the request has trailers and no body; send the body before any trailers"}
+}
+
 // Misconfigured is a 500 for a request the deployment, not the client, cannot
 // serve (a proxy set up in a way the service cannot work with); the message
 // says what to change.
