@@ -307,3 +307,22 @@ func structFields(t *testing.T, path string, src []byte) map[string]int {
 func isConfigType(name string) bool {
 	return strings.HasSuffix(name, "Config") || strings.HasSuffix(name, "Options") || name == "options"
 }
+
+// TestClientErrorsAreBuiltInOnePlace keeps rule 5 of docs/architecture.md true: every error a
+// client gets from pd-extproc is built in pkg/pipeline/errors.go, where its status is chosen
+// beside every other; no other non-test Go file writes a pipeline.Error literal.
+func TestClientErrorsAreBuiltInOnePlace(t *testing.T) {
+	root := testbed.MustRepoRoot(t)
+	literal := regexp.MustCompile(`\bError\{\s*Status:`)
+	for _, path := range repoFiles(t, root, func(rel string) bool {
+		return strings.HasSuffix(rel, ".go") && !strings.HasSuffix(rel, "_test.go") && underAny(rel, []string{"pkg"})
+	}) {
+		rel, _ := filepath.Rel(root, path)
+		if filepath.ToSlash(rel) == "pkg/pipeline/errors.go" {
+			continue
+		}
+		if literal.Match(mustRead(t, path)) {
+			t.Errorf("%s builds a client error itself; add a constructor to pkg/pipeline/errors.go", rel)
+		}
+	}
+}
