@@ -294,8 +294,6 @@ type upstream struct {
 	seen []seenRequest
 }
 
-// startUpstream is an engine stand-in that records each request and answers
-// "upstream:" + body.
 // startOnBody starts an upstream, and the shipped envoy.yaml in front of it
 // with an ext_proc server that reads the request headers and the whole body
 // and hands the body to script, with the upstream's address; a stream whose
@@ -313,6 +311,8 @@ func startOnBody(t testing.TB, script func(s *procStream, upstream string, body 
 	}), up
 }
 
+// startUpstream is an engine stand-in that records each request and answers
+// "upstream:" + body.
 func startUpstream(t testing.TB) *upstream {
 	t.Helper()
 	return startUpstreamWith(t, nil)
