@@ -145,7 +145,7 @@ func (o *observation) conclude(outcome string, e *pipeline.Error, d *pipeline.De
 	processing := max(time.Since(o.start)-rep.PrefillTime-rep.HeldTime, 0)
 	o.metrics.ObserveRequest(metrics.Request{API: api, Mode: rep.Mode, Outcome: outcome, Processing: processing})
 
-	fields := []any{"requestID", o.req.RequestID, "api", api, "mode", modeOrNone(rep.Mode), "reason", rep.Reason.String(), "outcome", outcome,
+	fields := []any{"requestID", o.req.RequestID, "api", api, "mode", rep.Mode.String(), "reason", rep.Reason.String(), "outcome", outcome,
 		"processing", processing, "prefill", rep.Prefill, "prefillTime", rep.PrefillTime}
 	if rep.HeldTime > time.Millisecond {
 		fields = append(fields, "heldTime", rep.HeldTime)
@@ -179,7 +179,7 @@ func (o *observation) endSpan(api, outcome string, e *pipeline.Error, d *pipelin
 	}
 	rep := o.req.Report
 	attrs := []attribute.KeyValue{
-		attribute.String("pd.api", api), attribute.String("pd.mode", modeOrNone(rep.Mode)),
+		attribute.String("pd.api", api), attribute.String("pd.mode", rep.Mode.String()),
 		attribute.String("pd.reason", rep.Reason.String()), attribute.String("pd.outcome", outcome),
 	}
 	if rep.Prefill != "" {
@@ -195,13 +195,6 @@ func (o *observation) endSpan(api, outcome string, e *pipeline.Error, d *pipelin
 	if e != nil && e.Status >= 500 {
 		o.span.SetStatus(codes.Error, e.Message)
 	}
-}
-
-func modeOrNone(mode string) string {
-	if mode == "" {
-		return metrics.ModeNone
-	}
-	return mode
 }
 
 // truncate returns at most n bytes of b as a string, cut on a rune boundary.

@@ -308,7 +308,7 @@ func TestAnAnswerOfThePipelineIsALocalReply(t *testing.T) {
 			if ir.GetStatus().GetCode() != 200 || string(ir.GetBody()) != list || contentType != "application/json" {
 				t.Errorf("answered %d %q %s, want 200 application/json %s", ir.GetStatus().GetCode(), contentType, ir.GetBody(), list)
 			}
-			answered := map[string]string{"api": api.LabelOf("GET", "/v1/models"), "mode": metrics.ModeNone, "connector": "kv-nixl", "outcome": metrics.OutcomeAnswered}
+			answered := map[string]string{"api": api.LabelOf("GET", "/v1/models"), "mode": metrics.ModeNone.String(), "connector": "kv-nixl", "outcome": metrics.OutcomeAnswered}
 			if got, _ := m.Sample("pd_extproc_requests_total", answered); got != 1 {
 				t.Errorf("%v requests counted %v, want 1", got, answered)
 			}

@@ -241,7 +241,7 @@ func TestAPanicEndsOnlyItsStream(t *testing.T) {
 	if got, _ := m.Sample("pd_extproc_panics_total", nil); got != 1 {
 		t.Errorf("%v panics counted, want 1", got)
 	}
-	served := map[string]string{"api": api.NameChat, "mode": metrics.ModeNone, "connector": "kv-nixl", "outcome": metrics.Outcome5xx}
+	served := map[string]string{"api": api.NameChat, "mode": metrics.ModeNone.String(), "connector": "kv-nixl", "outcome": metrics.Outcome5xx}
 	if got, _ := m.Sample("pd_extproc_requests_total", served); got != 1 {
 		t.Errorf("%v requests counted %v, want the panicking one, which Envoy answers 500", got, served)
 	}

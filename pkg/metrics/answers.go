@@ -44,8 +44,8 @@ func (a answers) initSeries() {
 	for _, o := range usageOutcomes {
 		a.usageRewrites.WithLabelValues(o)
 	}
-	for _, m := range []string{ModePD, ModeDecodeOnly} {
-		a.streamErrors.WithLabelValues(m)
+	for _, m := range []Mode{ModePD, ModeDecodeOnly} {
+		a.streamErrors.WithLabelValues(m.String())
 	}
 }
 
@@ -66,9 +66,10 @@ func (m *Metrics) KVParamsSuspect() {
 }
 
 // StreamError counts a decode answer that failed after its 2xx: an error
-// event before its first token. mode is the request's (ModePD, ModeDecodeOnly).
-func (m *Metrics) StreamError(mode string) {
-	if m != nil && mode != "" {
-		m.answers.streamErrors.WithLabelValues(mode).Inc()
+// event before its first token, in the request's mode (ModeNone counts
+// nothing).
+func (m *Metrics) StreamError(mode Mode) {
+	if m != nil && mode != ModeNone {
+		m.answers.streamErrors.WithLabelValues(mode.String()).Inc()
 	}
 }

@@ -23,13 +23,20 @@ import (
 
 const namespace = "pd_extproc"
 
-// Values of the mode label. ModeNone marks a request rejected before the
-// pipeline chose a mode (bad JSON, unknown path, body too large, ...).
+// Mode is how a request was routed, the mode label. ModeNone, the zero
+// value, marks a request rejected before the pipeline chose a mode (bad
+// JSON, unknown path, body too large, ...).
+type Mode uint8
+
+// Modes of a request.
 const (
-	ModePD         = "pd"
-	ModeDecodeOnly = "decode_only"
-	ModeNone       = "none"
+	ModeNone Mode = iota
+	ModePD
+	ModeDecodeOnly
 )
+
+// String is the mode's label value.
+func (m Mode) String() string { return [...]string{"none", "pd", "decode_only"}[m] }
 
 // Values of requests_total{outcome}: how the request path of one ext_proc stream ended.
 const (
@@ -155,7 +162,7 @@ func histogramVec(name, help string, buckets []float64, labels ...string) *prome
 
 var (
 	apis          = api.Labels()
-	modes         = []string{ModePD, ModeDecodeOnly, ModeNone}
+	modes         = []Mode{ModePD, ModeDecodeOnly, ModeNone}
 	outcomes      = []string{OutcomeRouted, Outcome4xx, Outcome5xx, OutcomeCancelled, OutcomeAnswered}
 	prefillStates = []string{PrefillOK, PrefillFailed, PrefillCancelled}
 )
@@ -244,7 +251,7 @@ func (m *Metrics) initSeries() {
 				if mode == ModeNone && outcome == OutcomeRouted || mode != ModeNone && outcome == OutcomeAnswered {
 					continue // a routed request always has a mode, one answered here none
 				}
-				m.requests.WithLabelValues(api, mode, m.connector, outcome)
+				m.requests.WithLabelValues(api, mode.String(), m.connector, outcome)
 			}
 		}
 	}
@@ -254,8 +261,8 @@ func (m *Metrics) initSeries() {
 	for _, f := range failureLabels[1:] {
 		m.prefillFailures.WithLabelValues(f)
 	}
-	m.processing.WithLabelValues(ModePD)
-	m.processing.WithLabelValues(ModeDecodeOnly)
+	m.processing.WithLabelValues(ModePD.String())
+	m.processing.WithLabelValues(ModeDecodeOnly.String())
 	for _, s := range prefillStates {
 		m.prefillDuration.WithLabelValues(s)
 	}
@@ -298,7 +305,7 @@ func (m *Metrics) Panicked() {
 // Request is how the request path of one stream ended.
 type Request struct {
 	API     string // an API* value
-	Mode    string // ModePD, ModeDecodeOnly, or ModeNone when no mode was chosen
+	Mode    Mode   // ModeNone when no mode was chosen
 	Outcome string // an Outcome* value
 	// Processing is the service's own time (prefill legs excluded); recorded for
 	// routed requests only.
@@ -310,12 +317,9 @@ func (m *Metrics) ObserveRequest(r Request) {
 	if m == nil {
 		return
 	}
-	if r.Mode == "" {
-		r.Mode = ModeNone
-	}
-	m.requests.WithLabelValues(r.API, r.Mode, m.connector, r.Outcome).Inc()
+	m.requests.WithLabelValues(r.API, r.Mode.String(), m.connector, r.Outcome).Inc()
 	if r.Outcome == OutcomeRouted {
-		m.processing.WithLabelValues(r.Mode).Observe(r.Processing.Seconds())
+		m.processing.WithLabelValues(r.Mode.String()).Observe(r.Processing.Seconds())
 	}
 }
 

@@ -70,11 +70,11 @@ func TestSeriesExistBeforeTheFirstEvent(t *testing.T) {
 		name   string
 		labels map[string]string
 	}{
-		{"pd_extproc_requests_total", map[string]string{"api": api.NameChat, "mode": ModePD, "connector": "kv-sglang", "outcome": OutcomeRouted}},
-		{"pd_extproc_requests_total", map[string]string{"api": api.Other, "mode": ModeNone, "connector": "kv-sglang", "outcome": Outcome4xx}},
+		{"pd_extproc_requests_total", map[string]string{"api": api.NameChat, "mode": ModePD.String(), "connector": "kv-sglang", "outcome": OutcomeRouted}},
+		{"pd_extproc_requests_total", map[string]string{"api": api.Other, "mode": ModeNone.String(), "connector": "kv-sglang", "outcome": Outcome4xx}},
 		{"pd_extproc_pd_decisions_total", map[string]string{"reason": ReasonPrefillFailed.String()}},
 		{"pd_extproc_prefill_failures_total", map[string]string{"reason": FailureTimeout.String()}},
-		{"pd_extproc_request_processing_seconds", map[string]string{"mode": ModeDecodeOnly}},
+		{"pd_extproc_request_processing_seconds", map[string]string{"mode": ModeDecodeOnly.String()}},
 		{"pd_extproc_kv_params_missing_total", nil},
 		{"pd_extproc_streams_in_flight", nil},
 		{"pd_extproc_usage_rewrites_total", map[string]string{"outcome": UsagePrefillMissing}},
@@ -85,7 +85,7 @@ func TestSeriesExistBeforeTheFirstEvent(t *testing.T) {
 			t.Errorf("%s%v = %v, %v; want an existing zero series", tt.name, tt.labels, v, ok)
 		}
 	}
-	if _, ok := sample(t, m, "pd_extproc_requests_total", map[string]string{"api": api.NameChat, "mode": ModeNone, "connector": "kv-sglang", "outcome": OutcomeRouted}); ok {
+	if _, ok := sample(t, m, "pd_extproc_requests_total", map[string]string{"api": api.NameChat, "mode": ModeNone.String(), "connector": "kv-sglang", "outcome": OutcomeRouted}); ok {
 		t.Error("requests_total{mode=none,outcome=routed} exists: a routed request always has a mode")
 	}
 }

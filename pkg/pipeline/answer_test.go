@@ -357,14 +357,14 @@ func TestAProbeHoldsThePrefillEndpointUntilThePairsVerdict(t *testing.T) {
 	}
 	defer pipeline.SetProbeVerdictWait(time.Second)()
 	probe, r := route("r1")
-	if r.Report.Mode != pipeline.ModePD {
+	if r.Report.Mode != metrics.ModePD {
 		t.Fatalf("the probe went %s, want P/D", r.Report.Mode)
 	}
 	if prefill.Endpoints()[0].Healthy() {
 		t.Error("the prefill endpoint takes requests while its probe's verdict is pending")
 	}
 	d, r = route("r2")
-	if r.Report.Mode != pipeline.ModeDecodeOnly || r.Report.Reason != metrics.ReasonNoPrefill {
+	if r.Report.Mode != metrics.ModeDecodeOnly || r.Report.Reason != metrics.ReasonNoPrefill {
 		t.Errorf("a request during the probe went %s (%s), want decode-only for want of a prefill endpoint", r.Report.Mode, r.Report.Reason)
 	}
 	d.Release()
@@ -378,7 +378,7 @@ func TestAProbeHoldsThePrefillEndpointUntilThePairsVerdict(t *testing.T) {
 	}
 	probe.Observe(http.StatusOK, false)
 	probe.Release()
-	if _, r = route("r3"); r.Report.Mode != pipeline.ModePD {
+	if _, r = route("r3"); r.Report.Mode != metrics.ModePD {
 		t.Errorf("after its probe's pair was served, a request went %s, want P/D", r.Report.Mode)
 	}
 }

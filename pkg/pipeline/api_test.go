@@ -355,7 +355,7 @@ func TestAPITable(t *testing.T) {
 			if r.Report.Reason != tt.wantReason {
 				t.Errorf("reason %q, want %q", r.Report.Reason, tt.wantReason)
 			}
-			pd := r.Report.Mode == pipeline.ModePD
+			pd := r.Report.Mode == metrics.ModePD
 			if pd != (tt.wantReason == metrics.ReasonLongPrompt) || pd != (r.Report.Prefill != "") {
 				t.Errorf("mode %q with prefill %q for reason %q", r.Report.Mode, r.Report.Prefill, r.Report.Reason)
 			}

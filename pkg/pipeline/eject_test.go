@@ -299,7 +299,7 @@ pd: {mode: always}`, lacking.Addr(), serving.Addr()))
 		if err != nil {
 			t.Fatalf("request %d: %v, want it prefilled on the engine that serves the adapter", i, err)
 		}
-		if r.Report.Mode != pipeline.ModePD || r.Report.Prefill != serving.Addr() {
+		if r.Report.Mode != metrics.ModePD || r.Report.Prefill != serving.Addr() {
 			t.Errorf("request %d: mode %v, prefill %s; want P/D on %s", i, r.Report.Mode, r.Report.Prefill, serving.Addr())
 		}
 		d.Release()
@@ -328,7 +328,7 @@ pd: {mode: always}`, a.Addr(), b.Addr()))
 	for i := range 4 {
 		r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"gpt-4","prompt":"hi"}`)}
 		d, err := p.Route(context.Background(), r)
-		if err != nil || r.Report.Mode != pipeline.ModeDecodeOnly {
+		if err != nil || r.Report.Mode != metrics.ModeDecodeOnly {
 			t.Fatalf("request %d: %v, mode %v; want decode-only", i, err, r.Report.Mode)
 		}
 		d.Release()

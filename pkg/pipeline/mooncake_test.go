@@ -96,7 +96,7 @@ func (m *mooncake) route(t *testing.T, pd bool) (*pipeline.Request, *pipeline.De
 		if err != nil {
 			t.Fatal(err)
 		}
-		if pd && r.Report.Mode != pipeline.ModePD && time.Now().Before(deadline) {
+		if pd && r.Report.Mode != metrics.ModePD && time.Now().Before(deadline) {
 			d.Release()
 			continue
 		}
@@ -128,7 +128,7 @@ func TestMooncakeLegsMeet(t *testing.T) {
 			r, d, params := m.route(t, tc.ranks > 0)
 			d.Release()
 			if tc.ranks == 0 {
-				if r.Report.Mode != pipeline.ModeDecodeOnly || r.Report.Reason != metrics.ReasonNoPrefill || params != nil {
+				if r.Report.Mode != metrics.ModeDecodeOnly || r.Report.Reason != metrics.ReasonNoPrefill || params != nil {
 					t.Errorf("%s %s with kv_transfer_params %v; want decode-only, no_prefill, none", r.Report.Mode, r.Report.Reason, params)
 				}
 				return

@@ -28,7 +28,7 @@ func TestReloadKeepsTheRunningConnectorsPairing(t *testing.T) {
 		t.Fatal(err)
 	}
 	d.Release()
-	if r.Report.Mode != pipeline.ModeDecodeOnly || r.Report.Reason != metrics.ReasonNGT1 || r.Report.Prefill != "" {
+	if r.Report.Mode != metrics.ModeDecodeOnly || r.Report.Reason != metrics.ReasonNGT1 || r.Report.Prefill != "" {
 		t.Errorf("after the reload: mode %q, reason %q, prefill %q; want decode_only, %s and no prefill leg",
 			r.Report.Mode, r.Report.Reason, r.Report.Prefill, metrics.ReasonNGT1)
 	}

@@ -80,19 +80,13 @@ func (r *Request) BodyHeld() bool { return r.Report.Prefill != "" }
 // Report is what routing one request did. On a failure it holds what was
 // reached: a prefill failure under on_failure=fail keeps Mode pd.
 type Report struct {
-	Mode        string         // ModePD or ModeDecodeOnly; "" when no mode was chosen
+	Mode        metrics.Mode   // ModePD or ModeDecodeOnly; ModeNone when no mode was chosen
 	Reason      metrics.Reason // why that mode
 	Decode      string         // decode endpoint
 	Prefill     string         // prefill endpoint of the last attempt; "" when no prefill leg was sent
 	PrefillTime time.Duration  // time spent waiting on sequential prefill legs, retries included
 	HeldTime    time.Duration  // time spent held for room (admission.hold)
 }
-
-// Modes of a routed request.
-const (
-	ModePD         = metrics.ModePD
-	ModeDecodeOnly = metrics.ModeDecodeOnly
-)
 
 // APIOf labels a request as metrics and logs do: by the API Route or
 // RouteHeaders matched, or, for one refused before routing, by its path.

@@ -54,7 +54,7 @@ func (p *Pipeline) RouteHeaders(r *Request) (*Decision, error) {
 	if list := p.modelsAnswer(r, sreq); list != nil {
 		return &Decision{Answer: list}, nil
 	}
-	r.Report.Mode, r.Report.Reason = ModeDecodeOnly, metrics.ReasonNoBody
+	r.Report.Mode, r.Report.Reason = metrics.ModeDecodeOnly, metrics.ReasonNoBody
 	d, err := p.pickDecode(sreq)
 	if err != nil {
 		return nil, err
@@ -162,13 +162,13 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		// to the decode engine computing the prompt.
 		return nil, p.noPrefillEndpoint()
 	default:
-		rep.Mode = ModeDecodeOnly
+		rep.Mode = metrics.ModeDecodeOnly
 		if split.Reason == metrics.ReasonCachedPrefix && !d.fallbacks {
 			d.Rewrite = p.heldReader(r, d.decode.Endpoint, split.Held)
 		}
 		return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
 	}
-	rep.Mode = ModePD
+	rep.Mode = metrics.ModePD
 	// 0..2^62-1: SGLang's routers draw up to 2^63-1, but a batch's prompts
 	// take room + i (_normalize_bootstrap_params), which must stay an int64.
 	h.Room = rand.Uint64() >> 2
@@ -212,7 +212,7 @@ func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Sp
 	if p.opts.FailClosed || last != nil && (last.aboutRequest() || last.unsendable()) {
 		return nil, prefillFailed(err, r.RequestID)
 	}
-	r.Report.Mode = ModeDecodeOnly
+	r.Report.Mode = metrics.ModeDecodeOnly
 	if last != nil && last.reason == metrics.FailureNotFound {
 		// No prefill engine asked has the model or adapter: the client's
 		// doing as often as the engines' (a name no engine serves), which is
