@@ -58,3 +58,29 @@ func errString(err error) string {
 	}
 	return err.Error()
 }
+
+// setResolved replaces the endpoints found through DNS under name: the
+// pool's name, or the old one while the pool's has not answered yet.
+func (p *Pool) setResolved(name string, addrs []string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if name != p.spec.DNS && (name != p.resolvedName || p.resolvedName == "") {
+		return
+	}
+	if name == p.resolvedName && slices.Equal(addrs, p.resolved) {
+		return
+	}
+	p.resolved, p.resolvedName = addrs, name
+	p.rebuild()
+}
+
+// dnsNames are the names to look up: the spec's, and the one the pool's
+// resolved addresses came from while the spec's has not answered.
+func (p *Pool) dnsNames() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.resolvedName != "" && p.resolvedName != p.spec.DNS {
+		return []string{p.spec.DNS, p.resolvedName}
+	}
+	return []string{p.spec.DNS}
+}

@@ -258,32 +258,6 @@ func (p *Pool) Update(spec PoolSpec) {
 	p.rebuild()
 }
 
-// setResolved replaces the endpoints found through DNS under name: the
-// pool's name, or the old one while the pool's has not answered yet.
-func (p *Pool) setResolved(name string, addrs []string) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if name != p.spec.DNS && (name != p.resolvedName || p.resolvedName == "") {
-		return
-	}
-	if name == p.resolvedName && slices.Equal(addrs, p.resolved) {
-		return
-	}
-	p.resolved, p.resolvedName = addrs, name
-	p.rebuild()
-}
-
-// dnsNames are the names to look up: the spec's, and the one the pool's
-// resolved addresses came from while the spec's has not answered.
-func (p *Pool) dnsNames() []string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.resolvedName != "" && p.resolvedName != p.spec.DNS {
-		return []string{p.spec.DNS, p.resolvedName}
-	}
-	return []string{p.spec.DNS}
-}
-
 func (p *Pool) rebuild() {
 	old := p.state.Load()
 	s := p.spec
@@ -304,19 +278,9 @@ func (p *Pool) rebuild() {
 			keep[a] = e
 		}
 	}
-	var picker Picker
 	if old != nil {
 		for _, e := range old.endpoints {
 			keep[e.Addr] = e
-		}
-		if old.spec.Policy == s.Policy && old.spec.Prefix == s.Prefix {
-			picker = old.picker
-		}
-	}
-	if picker == nil {
-		picker = newPicker(s.PoolScheduling, p.deps.intn, p.cache)
-		if pa, ok := picker.(*prefixAffinity); ok && old != nil {
-			picker = pa.remembering(old.picker)
 		}
 	}
 	var eps []*Endpoint
@@ -355,28 +319,53 @@ func (p *Pool) rebuild() {
 			p.departed[a] = e
 		}
 	}
-	var gone []*Endpoint
-	if old != nil {
-		for _, e := range old.endpoints {
-			if !seen[e.Addr] { // it leaves: the conversations it held rank anew
-				e.moved.Store(now.UnixNano())
-				gone = append(gone, e)
-			}
-		}
-		for _, e := range old.gone { // left before, and not back
-			if !seen[e.Addr] && recentlyMoved(e, now) {
-				gone = append(gone, e)
-			}
-		}
-	}
 	members := make(map[*Endpoint]bool, len(eps))
 	for _, e := range eps {
 		members[e] = true
 	}
-	p.state.Store(counted(&poolState{endpoints: eps, members: members, gone: gone, picker: picker, spec: s, specGen: p.specGen, changed: make(chan struct{})}))
+	p.state.Store(counted(&poolState{endpoints: eps, members: members, gone: goneSince(old, seen, now), picker: p.pickerAfter(old),
+		spec: s, specGen: p.specGen, changed: make(chan struct{})}))
 	if old != nil {
 		close(old.changed)
 	}
+}
+
+// pickerAfter is the policy of the state that follows old: old's own while
+// the policy and its prefix settings stay, else a new one, which remembers
+// what old's prefix affinity learned.
+func (p *Pool) pickerAfter(old *poolState) Picker {
+	s := p.spec
+	if old != nil && old.spec.Policy == s.Policy && old.spec.Prefix == s.Prefix {
+		return old.picker
+	}
+	picker := newPicker(s.PoolScheduling, p.deps.intn, p.cache)
+	if pa, ok := picker.(*prefixAffinity); ok && old != nil {
+		return pa.remembering(old.picker)
+	}
+	return picker
+}
+
+// goneSince is what left the pool with the state that follows old, whose
+// endpoints are seen: old's endpoints not seen (marked moved now), and those
+// that left before, are not back and moved lately. The conversations they
+// held rank anew.
+func goneSince(old *poolState, seen map[string]bool, now time.Time) []*Endpoint {
+	if old == nil {
+		return nil
+	}
+	var gone []*Endpoint
+	for _, e := range old.endpoints {
+		if !seen[e.Addr] {
+			e.moved.Store(now.UnixNano())
+			gone = append(gone, e)
+		}
+	}
+	for _, e := range old.gone {
+		if !seen[e.Addr] && recentlyMoved(e, now) {
+			gone = append(gone, e)
+		}
+	}
+	return gone
 }
 
 // has says whether e is one of the state's endpoints.

@@ -18,7 +18,7 @@ var blockSeed = maphash.MakeSeed()
 // blocks, the approximate stand-in for the engines' prefix caches. A chain
 // hash covers a block and everything before it, so a match on block i means
 // the endpoint saw the same first i blocks. It is a bounded LRU, and local to
-// one replica: prefix affinity uses it only as a hint (rendezvous.go), and the
+// one replica: prefix affinity uses it only as a hint (affinity.go), and the
 // simulation's baseline as the whole policy.
 type prefixIndex struct {
 	blockChars, capacity int

@@ -1,0 +1,255 @@
+package scheduling
+
+import (
+	"cmp"
+	"slices"
+
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
+)
+
+// prefixAffinity ranks the candidates (rank) and takes the first within the
+// load bounds (consistent hashing with bounded loads): its busyness at most
+// factor × the mean busyness + slack, and its engine's scraped queue at most
+// the mean queue + queueSlack, since a queue is what delays a first token.
+// A hot prefix spills over to the next endpoints in its own order.
+//
+// Its choice depends on the request, the candidates and their busyness,
+// which is the engines' scraped queue and KV use (alike on every replica)
+// plus this replica's own requests in flight, and on the prefix's share of
+// the requests, which every replica behind a round robin sees alike. So
+// replicas agree, without talking, but near a bound.
+//
+// Two exceptions keep it from costing load where nothing is shared:
+//   - a request with no key goes by least load (fallback);
+//   - so does a request without messages (a completions prompt, token ids)
+//     whose prefix this replica never routed: such a prompt is most often
+//     unrelated to any other, and hashing it would ignore load for nothing.
+//
+// The index is a local hint on top, which a request follows within the
+// busyness bound and a queue of up to the mean + 3 × queueSlack: moving
+// would recompute its history elsewhere.
+//   - A request follows the endpoint that this replica
+//     remembers serving more of the prompt than the conversation key covers
+//     (an earlier turn, spilled there), rather than going back to a cold
+//     cache (the higher-ranked of equals).
+//   - While this replica sees its conversations whole (coverage: it routed
+//     the previous request of nearly every later turn it was asked for, as
+//     when it is the only replica), it is trusted further. A later turn
+//     follows the endpoint that served its previous request, and a
+//     conversation's first request goes where the most of its prompt (its
+//     system prompt) is remembered, the less busy of equals. Behind N
+//     replicas taking turns, the next turn would come to a
+//     replica that knows only the ranking, so there every turn takes it.
+type prefixAffinity struct {
+	keys  rendezvousKeys
+	index *prefixIndex
+	// named counts whether this replica sees whole the conversations of
+	// requests that name their session (Request.Session), and clients those
+	// of the others, per client address (Request.Client).
+	named                     *coverage
+	clients                   *clientCoverages
+	shares                    *poolShares
+	factor, slack, queueSlack float64
+	// estimateQueueSlack is queueSlack for a request placed without a view
+	// of the engines' caches it may trust (config.PrefixAffinity).
+	estimateQueueSlack float64
+	spread             float64
+	fallback           Picker // for requests with no key, or unrelated prompts
+	// cache is the pool's view of its engines' caches from their KV events,
+	// nil when it follows none (events.go).
+	cache func() *kvevents.Index
+}
+
+// remembering is p with old's memory (the local hint, the shares, the
+// coverage counts) when old is a prefixAffinity whose memory p's settings
+// would shape alike: a change of the load bounds alone (pd.mode derives the
+// decode pool's queue_slack) keeps what the pool has learnt.
+func (p *prefixAffinity) remembering(old Picker) Picker {
+	o, ok := old.(*prefixAffinity)
+	if !ok || o.keys != p.keys || o.index.capacity != p.index.capacity {
+		return p
+	}
+	p.index, p.shares, p.named, p.clients = o.index, o.shares, o.named, o.clients
+	return p
+}
+
+// Pick goes by what the engines hold when the pool follows their KV events
+// and the request's tokens are known (cached.go), else by the ranking and
+// the local hint.
+func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
+	idx, held, known := p.lookup(req, eps)
+	chosen := p.byRanking(req, eps, held)
+	if idx != nil && known[slices.Index(eps, chosen)] { // else byRanking's estimate stands
+		req.held = estimate{addr: chosen.Addr, tokens: held[chosen.Addr], exact: true}
+		idx.Expect(chosen.Addr, held[chosen.Addr], len(req.Tokens()))
+	}
+	return chosen
+}
+
+// byRanking picks by the ranking, within the load bounds: with the engines'
+// view (held, nil without), the candidate holding the longest start of the
+// prompt, of equals the first in the ranking (a later turn) or the less busy
+// (a first request, within loadBounds.starting); else, or when none within
+// its bound holds a block, the first in the ranking within the bounds, and
+// the local hint.
+func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[string]int) *Endpoint {
+	prefix, conversation := p.keys.keys(req)
+	if held != nil && (prefix == "" || req.Head() == "") {
+		// No ranking that requests share (a completions prompt): the least
+		// busy of those holding the most.
+		rs := busyness(eps)
+		slices.SortStableFunc(rs, func(a, b ranked) int { return cmp.Compare(a.busy, b.busy) })
+		if e := p.holding(rs, held, p.bounds(rs, p.queueSlack)); e != nil {
+			return e
+		}
+	}
+	prompt, previous, ns := req.Prompt(), req.Previous(), req.namespace()
+	var hs []uint64 // the local hint's: hashed only when it is read
+	var served map[string]int
+	if prefix == "" || req.Head() == "" {
+		hs = p.index.hashes(ns, prompt)
+		served = p.index.matched(hs)
+		if !routed(served, len(prefix)/p.keys.blockChars) || prefix == "" {
+			e := p.fallback.Pick(req, eps)
+			p.estimate(req, e, served, false)
+			p.index.record(prompt, hs, e.Addr)
+			return e
+		}
+	}
+	h := xxhash.Sum64String(prefix) ^ ns
+	conv, share := conversationHash(req, conversation, ns), p.shares.of(req).note(h)
+	rs := rank(h, conv, homeSize(share, len(eps), p.spread), eps)
+	queueSlack := p.queueSlack
+	if held == nil {
+		queueSlack = p.estimateQueueSlack
+	}
+	b := p.bounds(rs, queueSlack)
+	if held != nil {
+		order, hb := rs, b
+		if previous == "" {
+			// A conversation's first request (or a one-shot one): the less
+			// busy of equals, as later turns find it wherever it went, and
+			// none busier than the mean.
+			order, hb = slices.Clone(rs), b.starting()
+			slices.SortStableFunc(order, func(a, b ranked) int { return cmp.Compare(a.busy, b.busy) })
+		}
+		if e := p.holding(order, held, hb); e != nil {
+			return e // the local hint is not told: the view knows better while it can be trusted
+		}
+	}
+	within := func(r ranked) bool { return b.within(r.busy, r.queued) }
+	follow := func(r ranked) bool { return b.follows(r.busy, r.queued) }
+	chosen := rs[0] // unless one is within the bounds, and the least busy nearly always is
+	for _, r := range rs {
+		if within(r) {
+			chosen = r
+			break
+		}
+	}
+
+	if hs == nil {
+		hs = p.index.hashes(ns, prompt)
+		served = p.index.matched(hs)
+	}
+	chosen = p.hinted(req, rs, chosen, served, hs, len(conversation)/p.keys.blockChars, follow)
+	first := chosen.e == rs[0].e && p.keys.keyedAlike(req) && p.rankedAlike(req, chosen.e, h, conv, share, eps, served)
+	p.estimate(req, chosen.e, served, first)
+	p.index.record(prompt, hs, chosen.e.Addr)
+	return chosen.e
+}
+
+// hinted is chosen, or the candidate of rs within the bounds for following
+// a history (follow) where the local hint (served: how many of the
+// request's blocks, hashed hs, this replica remembers sending each endpoint)
+// places more of the request: for a conversation's first request, the most
+// of it (its system prompt), the less busy of equals; for another, more than
+// the conversation key (keyBlocks), or, while conversations are whole, the
+// previous request.
+func (p *prefixAffinity) hinted(req *Request, rs []ranked, chosen ranked, served map[string]int, hs []uint64, keyBlocks int, follow func(ranked) bool) ranked {
+	// A later turn tells whether this replica routed the request before it.
+	previous := req.Previous()
+	prevBlocks := len(previous) / p.keys.blockChars
+	cov := p.named
+	if !req.Session {
+		cov = p.clients.of(req.Client)
+	}
+	whole := cov.note(prevBlocks > 0, p.index.ended(previous, hs))
+	if whole && req.Head() != "" && previous == "" {
+		best := served[chosen.e.Addr]
+		for _, r := range rs {
+			if n := served[r.e.Addr]; follow(r) && n > 0 && (n > best || n == best && r.busy < chosen.busy) {
+				chosen, best = r, n
+			}
+		}
+		return chosen
+	}
+	best := 0
+	for _, r := range rs {
+		n := served[r.e.Addr]
+		follows := n > keyBlocks || whole && prevBlocks > 0 && n >= prevBlocks
+		if follows && n > best && follow(r) {
+			chosen, best = r, n
+		}
+	}
+	return chosen
+}
+
+// rankedAlike says whether a later turn's previous request was ranked as it
+// is, and so sent to e, its first, unless a load bound spilled it: e has not
+// moved conversations lately (it joined the pool, or came back into
+// rotation), nor has an endpoint that would rank above it (out of rotation,
+// or gone, since), nor does this replica remember sending the previous
+// request elsewhere.
+func (p *prefixAffinity) rankedAlike(req *Request, e *Endpoint, prefix, conversation uint64, share float64, eps []*Endpoint, served map[string]int) bool {
+	if recentlyMoved(e, e.cfg().now()) {
+		return false
+	}
+	if prev := len(req.Previous()) / p.keys.blockChars; prev > 0 {
+		for addr, n := range served {
+			if n >= prev && addr != e.Addr && served[e.Addr] < prev {
+				return false
+			}
+		}
+	}
+	if len(req.absent) == 0 {
+		return true
+	}
+	all := slices.Concat(eps, req.absent)
+	return rank(prefix, conversation, homeSize(share, len(all), p.spread), all)[0].e == e
+}
+
+// estimate notes on req what e is estimated to hold of its prompt, before
+// the request is recorded as sent there: what this replica remembers
+// sending e, or, when e is the endpoint the request ranks first (its
+// conversation's, with no load in the way) and the previous request ranked
+// alike, at least the conversation's previous request, which every replica
+// sent there unless a load bound spilled it. The second holds whatever
+// replica routed that request, so replicas mostly estimate alike. An
+// endpoint that has failed requests since it last served one (troubled) is
+// estimated to hold nothing: its engine may have restarted, its cache lost.
+func (p *prefixAffinity) estimate(req *Request, e *Endpoint, served map[string]int, first bool) {
+	if req == nil {
+		return
+	}
+	held := served[e.Addr] * p.keys.blockChars
+	if first {
+		held = max(held, len(req.Previous()))
+	}
+	if e.troubled.Load() {
+		held = 0
+	}
+	req.held = estimate{addr: e.Addr, chars: held}
+}
+
+// routed says whether this replica sent a request with these blocks
+// somewhere: whether some endpoint is remembered serving all of them.
+func routed(served map[string]int, blocks int) bool {
+	for _, n := range served {
+		if n >= blocks {
+			return true
+		}
+	}
+	return false
+}
