@@ -23,6 +23,7 @@ import (
 // struct is doing more than one job and is split by concern.
 const (
 	maxFileLines    = 400
+	maxFuncLines    = 80
 	maxStructFields = 15
 )
 
@@ -30,8 +31,9 @@ const (
 var lineLimited = []string{"pkg", "internal/envoyemu"}
 
 // TestSizeLimits keeps rule 7 true: no non-test Go file in pkg/ or the
-// emulator over maxFileLines, and no struct in a non-test Go file anywhere
-// over maxStructFields, config types (named …Config or …Options) aside.
+// emulator over maxFileLines nor any of its functions over maxFuncLines, and
+// no struct in a non-test Go file anywhere over maxStructFields, config types
+// (named …Config or …Options) aside.
 func TestSizeLimits(t *testing.T) {
 	root := testbed.MustRepoRoot(t)
 	for _, path := range repoFiles(t, root, func(rel string) bool {
@@ -44,6 +46,11 @@ func TestSizeLimits(t *testing.T) {
 		}
 		if n := bytes.Count(src, []byte("\n")); n > maxFileLines && underAny(rel, lineLimited) {
 			t.Errorf("%s has %d lines; split it by concern (at most %d)", rel, n, maxFileLines)
+		}
+		for name, n := range funcLines(t, path, src) {
+			if n > maxFuncLines && underAny(rel, lineLimited) {
+				t.Errorf("%s: func %s has %d lines; split it by concern (at most %d)", rel, name, n, maxFuncLines)
+			}
 		}
 		for name, fields := range structFields(t, path, src) {
 			if fields > maxStructFields && !isConfigType(name) {
@@ -299,6 +306,25 @@ func structFields(t *testing.T, path string, src []byte) map[string]int {
 		}
 		return true
 	})
+	return out
+}
+
+// funcLines counts the lines of each function and method declared in src, from
+// its func keyword to its closing brace.
+func funcLines(t *testing.T, path string, src []byte) map[string]int {
+	t.Helper()
+	fset := token.NewFileSet()
+	f, err := parser.ParseFile(fset, path, src, parser.SkipObjectResolution)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]int{}
+	for _, d := range f.Decls {
+		if fd, ok := d.(*ast.FuncDecl); ok && fd.Body != nil {
+			from := fset.Position(fd.Pos()).Line
+			out[fmt.Sprintf("%s (line %d)", fd.Name.Name, from)] = fset.Position(fd.End()).Line - from + 1
+		}
+	}
 	return out
 }
 
