@@ -139,7 +139,7 @@ func (f *fakeRouter) RouteHeaders(r *pipeline.Request) (*pipeline.Decision, erro
 	if f.answer != nil {
 		return &pipeline.Decision{Answer: f.answer}, nil
 	}
-	return &pipeline.Decision{Endpoint: fakeEndpoint}, nil
+	return &pipeline.Decision{Endpoints: []string{fakeEndpoint}}, nil
 }
 
 func (f *fakeRouter) Route(ctx context.Context, r *pipeline.Request) (*pipeline.Decision, error) {
@@ -154,7 +154,7 @@ func (f *fakeRouter) Route(ctx context.Context, r *pipeline.Request) (*pipeline.
 	if f.err != nil {
 		return nil, f.err
 	}
-	d := &pipeline.Decision{Endpoint: fakeEndpoint, Body: body.Spliced{r.Body}}
+	d := &pipeline.Decision{Endpoints: []string{fakeEndpoint}, Body: body.Spliced{r.Body}}
 	if f.decode != nil {
 		d.Body = f.decode(r.Body)
 	}

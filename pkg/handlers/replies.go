@@ -2,6 +2,7 @@ package handlers
 
 import (
 	"strconv"
+	"strings"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -72,8 +73,9 @@ func setHeader(key, value string) *corev3.HeaderValueOption {
 
 // routing returns the header mutation and metadata that send the request to d.
 func routing(d *pipeline.Decision, requestID string) (*extprocv3.HeaderMutation, *structpb.Struct) {
+	destination := strings.Join(d.Endpoints, ",") // the endpoint-picker protocol's list
 	m := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-		setHeader(DestinationHeader, d.Endpoint),
+		setHeader(DestinationHeader, destination),
 		setHeader(RequestIDHeader, requestID),
 	}, RemoveHeaders: d.Headers.Remove} // Envoy may remove any of them (docs/envoy.md §3.3)
 	if d.Headers.Authorization != "" { // Envoy may set it, as any header not its own (§3.3)
@@ -81,7 +83,7 @@ func routing(d *pipeline.Decision, requestID string) (*extprocv3.HeaderMutation,
 	}
 	md := &structpb.Struct{Fields: map[string]*structpb.Value{
 		DestinationMetadata: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
-			DestinationHeader: structpb.NewStringValue(d.Endpoint),
+			DestinationHeader: structpb.NewStringValue(destination),
 		}}),
 	}}
 	return m, md

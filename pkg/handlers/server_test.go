@@ -253,11 +253,11 @@ type panickyRouter struct{}
 
 func (panickyRouter) MaxBodyBytes() int64 { return 1 << 20 }
 func (panickyRouter) RouteHeaders(*pipeline.Request) (*pipeline.Decision, error) {
-	return &pipeline.Decision{Endpoint: fakeEndpoint}, nil
+	return &pipeline.Decision{Endpoints: []string{fakeEndpoint}}, nil
 }
 func (panickyRouter) Route(_ context.Context, r *pipeline.Request) (*pipeline.Decision, error) {
 	if bytes.Contains(r.Body, []byte("boom")) {
 		panic("boom")
 	}
-	return &pipeline.Decision{Endpoint: fakeEndpoint, Body: body.Spliced{r.Body}}, nil
+	return &pipeline.Decision{Endpoints: []string{fakeEndpoint}, Body: body.Spliced{r.Body}}, nil
 }

@@ -99,10 +99,10 @@ func APIOf(r *Request) string {
 
 // Decision is where a request goes and with which body.
 type Decision struct {
-	// Endpoint is the decode endpoint, ip:port, followed by the fallbacks of
-	// pools.decode.fallbacks when configured (comma-separated, in order).
-	Endpoint string
-	Body     body.Spliced // the decode leg's body; nil when the request has none
+	// Endpoints are the decode endpoint, ip:port, then the fallbacks of
+	// pools.decode.fallbacks when configured, in order.
+	Endpoints []string
+	Body      body.Spliced // the decode leg's body; nil when the request has none
 	// Headers is what Envoy changes of the client's headers for the decode leg.
 	Headers HeaderEdit
 	// Rewrite fixes the decode engine's answer on its way back (the usage

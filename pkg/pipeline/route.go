@@ -33,7 +33,7 @@ func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
 	if p.decodeKey != nil {
 		edit.Authorization = p.decodeKey.Authorization()
 	}
-	return &Decision{Endpoint: strings.Join(addrs, ","), Headers: edit,
+	return &Decision{Endpoints: addrs, Headers: edit,
 		decode: slot.Taken(), release: slot.Release, fallbacks: len(eps) > 1}, nil
 }
 
@@ -59,7 +59,7 @@ func (p *Pipeline) RouteHeaders(r *Request) (*Decision, error) {
 	if err != nil {
 		return nil, err
 	}
-	r.Report.Decode = d.Endpoint
+	r.Report.Decode = d.Endpoints[0]
 	p.metrics.Decision(r.Report.Reason)
 	return d, nil
 }
@@ -114,7 +114,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if err != nil {
 		return nil, err
 	}
-	r.Report.Decode, d.choices, d.leading = d.Endpoint, sreq.N, a.Leading
+	r.Report.Decode, d.choices, d.leading = d.Endpoints[0], sreq.N, a.Leading
 	defer func() {
 		if v := recover(); v != nil { // a bug: free what the request holds, or a probe's endpoint stays out for good
 			d.Release()
