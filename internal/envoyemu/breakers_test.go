@@ -243,6 +243,8 @@ func TestDecodeClusterOverflow(t *testing.T) {
 					t.Errorf("queued request = %d %q %v, want 200 done", r.status, r.body, r.err)
 				}
 			}
+			// A request leaves the cluster after its client has the answer.
+			waitUntil(t, "the queued requests to leave the cluster", func() bool { return p.ClusterStats()["pd_original_dst"].RqActive == 0 })
 			st := p.ClusterStats()["pd_original_dst"]
 			if st.RqTotal != 2 || st.RqPendingTotal != 1 || st.RqPendingOverflow != 1 || st.RqActive != 0 {
 				t.Errorf("decode cluster stats = %+v, want 2 requests, 1 pending, 1 pending overflow, none active", st)
