@@ -151,7 +151,7 @@ func (o *observation) conclude(outcome string, e *pipeline.Error, d *pipeline.De
 		fields = append(fields, "heldTime", rep.HeldTime)
 	}
 	if d != nil {
-		fields = append(fields, "decode", strings.Join(d.Endpoints, ","))
+		fields = append(fields, "decode", destination(d))
 	}
 	if e != nil {
 		fields = append(fields, "status", e.Status, "error", e.Message)
@@ -186,7 +186,7 @@ func (o *observation) endSpan(api, outcome string, e *pipeline.Error, d *pipelin
 		attrs = append(attrs, attribute.String("pd.prefill_endpoint", rep.Prefill))
 	}
 	if d != nil {
-		attrs = append(attrs, attribute.String("pd.decode_endpoint", strings.Join(d.Endpoints, ",")))
+		attrs = append(attrs, attribute.String("pd.decode_endpoint", destination(d)))
 	}
 	if e != nil {
 		attrs = append(attrs, semconv.HTTPResponseStatusCode(e.Status))

@@ -71,11 +71,14 @@ func setHeader(key, value string) *corev3.HeaderValueOption {
 	return &corev3.HeaderValueOption{Header: &corev3.HeaderValue{Key: key, RawValue: []byte(value)}}
 }
 
+// destination is d's endpoints as the endpoint-picker protocol writes them:
+// the pick, then its fallbacks, comma-separated.
+func destination(d *pipeline.Decision) string { return strings.Join(d.Endpoints, ",") }
+
 // routing returns the header mutation and metadata that send the request to d.
 func routing(d *pipeline.Decision, requestID string) (*extprocv3.HeaderMutation, *structpb.Struct) {
-	destination := strings.Join(d.Endpoints, ",") // the endpoint-picker protocol's list
 	m := &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-		setHeader(DestinationHeader, destination),
+		setHeader(DestinationHeader, destination(d)),
 		setHeader(RequestIDHeader, requestID),
 	}, RemoveHeaders: d.Headers.Remove} // Envoy may remove any of them (docs/envoy.md §3.3)
 	if d.Headers.Authorization != "" { // Envoy may set it, as any header not its own (§3.3)
@@ -83,7 +86,7 @@ func routing(d *pipeline.Decision, requestID string) (*extprocv3.HeaderMutation,
 	}
 	md := &structpb.Struct{Fields: map[string]*structpb.Value{
 		DestinationMetadata: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
-			DestinationHeader: structpb.NewStringValue(destination),
+			DestinationHeader: structpb.NewStringValue(destination(d)),
 		}}),
 	}}
 	return m, md
