@@ -441,11 +441,7 @@ func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
 		},
 		{
 			name: "ext_proc HTTP/2 connections that cannot carry the streams",
-			brk: forEachExtProcCluster(func(c map[string]any) bool {
-				h2, _ := dig(c, "typed_extension_protocol_options", httpProtocolOptionsKey, "explicit_http_config", "http2_protocol_options").(map[string]any)
-				if h2 == nil {
-					return false
-				}
+			brk: forEachExtProcH2(func(c, h2 map[string]any) bool {
 				h2["max_concurrent_streams"] = 100
 				c["circuit_breakers"] = map[string]any{"thresholds": []any{map[string]any{
 					"max_connections": 16, "max_pending_requests": 16384, "max_requests": 16384}}}
@@ -455,20 +451,15 @@ func TestEnvoyValidatorRejectsBrokenConfigs(t *testing.T) {
 		},
 		{
 			name: "ext_proc connections that Envoy never pings",
-			brk: forEachExtProcCluster(func(c map[string]any) bool {
-				h2, _ := dig(c, "typed_extension_protocol_options", httpProtocolOptionsKey, "explicit_http_config", "http2_protocol_options").(map[string]any)
+			brk: forEachExtProcH2(func(_, h2 map[string]any) bool {
 				delete(h2, "connection_keepalive")
-				return h2 != nil
+				return true
 			}),
 			wants: []string{"sets no http2_protocol_options.connection_keepalive"},
 		},
 		{
 			name: "ext_proc connections pinged faster than pd-extproc takes",
-			brk: forEachExtProcCluster(func(c map[string]any) bool {
-				h2, _ := dig(c, "typed_extension_protocol_options", httpProtocolOptionsKey, "explicit_http_config", "http2_protocol_options").(map[string]any)
-				if h2 == nil {
-					return false
-				}
+			brk: forEachExtProcH2(func(_, h2 map[string]any) bool {
 				h2["connection_keepalive"] = map[string]any{"interval": "5s", "timeout": "20s"}
 				return true
 			}),
@@ -712,6 +703,14 @@ func forEachExtProcCluster(fn func(c map[string]any) bool) breakage {
 		}
 		return changed
 	}
+}
+
+// forEachExtProcH2 visits each ext_proc cluster with its HTTP/2 options.
+func forEachExtProcH2(fn func(c, h2 map[string]any) bool) breakage {
+	return forEachExtProcCluster(func(c map[string]any) bool {
+		h2, _ := dig(c, "typed_extension_protocol_options", httpProtocolOptionsKey, "explicit_http_config", "http2_protocol_options").(map[string]any)
+		return h2 != nil && fn(c, h2)
+	})
 }
 
 // forEachExtProcTLS visits the common_tls_context of each ext_proc cluster's TLS transport socket.
