@@ -3,6 +3,7 @@ package api
 import (
 	"errors"
 	"fmt"
+	"net/url"
 	"slices"
 	"strings"
 )
@@ -51,6 +52,23 @@ var DefaultPassthrough = []string{
 	"GET /v1/responses/*",
 	"DELETE /v1/responses/*",
 	"POST /v1/responses/*",
+}
+
+// ModelsPath is the OpenAI model list; GET ModelsPath/{model} retrieves one.
+const ModelsPath = "/v1/models"
+
+// Models reads a request of the OpenAI model API by its method and path
+// (without query): the list (list), or the retrieval of model; neither for
+// any other request.
+func Models(method, path string) (list bool, model string) {
+	if method != "GET" {
+		return false, ""
+	}
+	if name, ok := strings.CutPrefix(path, ModelsPath+"/"); ok {
+		model, _ = url.PathUnescape(name)
+		return false, model
+	}
+	return path == ModelsPath, ""
 }
 
 // methods are those an entry may name.

@@ -131,3 +131,27 @@ func TestLabelsAreClosed(t *testing.T) {
 		}
 	}
 }
+
+// The OpenAI model API, read by method and path: the list, a model's
+// retrieval (its name unescaped, as a model may be named org/model), or
+// neither.
+func TestModels(t *testing.T) {
+	tests := []struct {
+		method, path string
+		list         bool
+		model        string
+	}{
+		{"GET", "/v1/models", true, ""},
+		{"GET", "/v1/models/llama", false, "llama"},
+		{"GET", "/v1/models/org%2Fmodel", false, "org/model"},
+		{"GET", "/v1/models/org/model", false, "org/model"},
+		{"POST", "/v1/models", false, ""},
+		{"GET", "/v1/modelsx", false, ""},
+		{"GET", "/v1/chat/completions", false, ""},
+	}
+	for _, tt := range tests {
+		if list, model := Models(tt.method, tt.path); list != tt.list || model != tt.model {
+			t.Errorf("Models(%s %s) = %v, %q; want %v, %q", tt.method, tt.path, list, model, tt.list, tt.model)
+		}
+	}
+}

@@ -117,7 +117,7 @@ type Decision struct {
 	LegFailed <-chan *Error
 	// Answer, when set, is the whole answer, JSON, which the caller gives
 	// the client itself with a 200, routing nothing: the model list of a
-	// decode pool of several models (modelsAnswer).
+	// decode pool of several models (modelList).
 	Answer []byte
 	decode scheduling.Taken
 	// prefill is the engine whose KV the decode engine pulls (a sequential

@@ -50,10 +50,13 @@ func (p *Pipeline) RouteHeaders(r *Request) (*Decision, error) {
 	if !a.IsPassthrough() {
 		return nil, noBody(a)
 	}
-	sreq := &scheduling.Request{N: 1, Prompts: 1, Subset: scheduling.ParseSubset(r.Subset)}
-	if list := p.modelsAnswer(r, sreq); list != nil {
-		return &Decision{Answer: list}, nil
+	list, model := api.Models(r.Method, r.URLPath())
+	if list {
+		if answer := p.modelList(); answer != nil {
+			return &Decision{Answer: answer}, nil
+		}
 	}
+	sreq := &scheduling.Request{N: 1, Prompts: 1, Subset: scheduling.ParseSubset(r.Subset), Model: model}
 	r.Report.Mode, r.Report.Reason = metrics.ModeDecodeOnly, metrics.ReasonNoBody
 	d, err := p.pickDecode(sreq)
 	if err != nil {

@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
@@ -24,7 +25,6 @@ import (
 // engine whose --api-key guards its list is taken to serve every model
 // (blind).
 const (
-	modelsPath       = "/v1/models"
 	modelsRetry      = 30 * time.Second // a failed read of an engine that never answered is asked again after this
 	maxModelsAnswer  = 4 << 20
 	maxModelsPerList = 4096 // names kept of one list; the rest are cut
@@ -186,7 +186,7 @@ func (p *Pool) logModels(addr string, old, m *servedModels) {
 
 // fetchModels asks the engine at addr for its model list.
 func fetchModels(ctx context.Context, pr probe, addr string, timeout time.Duration) servedModels {
-	url := pr.url(addr, modelsPath)
+	url := pr.url(addr, api.ModelsPath)
 	var list struct {
 		Data []json.RawMessage `json:"data"`
 	}

@@ -37,7 +37,7 @@ func TestFetchModels(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			engine := newSGLangEngine(t, modelsPath, tc.answer)
+			engine := newSGLangEngine(t, api.ModelsPath, tc.answer)
 			m := fetchModels(context.Background(), probe{client: probeClient(nil), scheme: "http"}, engine.addr, config.DefaultCheckTimeout)
 			if got := slices.Sorted(maps.Keys(m.names)); !slices.Equal(got, tc.want) {
 				t.Errorf("names %v, want %v", got, tc.want)
@@ -274,8 +274,8 @@ func TestNoEndpointOfTheModelIsAnError(t *testing.T) {
 // read before, so that a restarting engine is not left out of its model's
 // requests; an endpoint the checks find down is not asked.
 func TestModelsAreReadAgain(t *testing.T) {
-	engine := newSGLangEngine(t, modelsPath, `{"data":[{"id":"llama"}]}`)
-	guarded := newSGLangEngine(t, modelsPath, "401")
+	engine := newSGLangEngine(t, api.ModelsPath, `{"data":[{"id":"llama"}]}`)
+	guarded := newSGLangEngine(t, api.ModelsPath, "401")
 	p, clock := testPool(t, policy(config.PolicyRoundRobin), engine.addr, guarded.addr)
 	e := p.Endpoints()[0]
 	read := func() {
@@ -290,12 +290,12 @@ func TestModelsAreReadAgain(t *testing.T) {
 	}{
 		{"joined", func() {}, 1, 1, true},
 		{"within the minute", func() { clock.Advance(serverInfoRefresh - 1) }, 1, 2, true},
-		{"a minute on, the engine fails", func() { clock.Advance(1); engine.set(modelsPath, "500") }, 2, 2, true},
+		{"a minute on, the engine fails", func() { clock.Advance(1); engine.set(api.ModelsPath, "500") }, 2, 2, true},
 		{"within 5 s of the failure", func() { clock.Advance(serverInfoEvery - 1) }, 2, 2, true},
 		{"ejected, the engine fails again at once", func() { eject(p, e.Addr) }, 3, 2, true},
 		{"5 s on, it answers, restarted with another model", func() {
 			clock.Advance(serverInfoEvery)
-			engine.set(modelsPath, `{"data":[{"id":"qwen"}]}`)
+			engine.set(api.ModelsPath, `{"data":[{"id":"qwen"}]}`)
 		}, 4, 2, false},
 		{"checked down", func() { checkDown(p, e.Addr); clock.Advance(modelsRetry) }, 4, 3, false},
 	}
