@@ -226,3 +226,41 @@ func TestREADMENamesTheReloadableKeys(t *testing.T) {
 		}
 	}
 }
+
+// Where requests may be held for room, a pool scraped less often than every
+// 250 ms is named at start: the hold lets requests go a scrape at a time.
+func TestSlowScrapesAreNamedWhereRequestsMayBeHeld(t *testing.T) {
+	tests := []struct {
+		name, admission, interval string
+		named                     bool
+	}{
+		{"held, scraped every second", "{objectives: {batch: -1}}", "1s", true},
+		{"held, scraped every 250 ms", "{objectives: {batch: -1}}", "250ms", false},
+		{"refused at once", "{objectives: {batch: -1}, hold: 0s}", "1s", false},
+		{"nothing to shed", "{objectives: {chat: 1}}", "1s", false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			logs := &logLines{}
+			start(t, fmt.Sprintf(`connector: kv-nixl
+pools:
+  prefill: {endpoints: ["127.0.0.1:1"], metrics: {interval: %[2]s}}
+  decode: {endpoints: ["127.0.0.1:2"], metrics: {interval: %[2]s}}
+admission: %[1]s
+`, tt.admission, tt.interval), Options{}, funcr.NewJSON(logs.add, funcr.Options{}))
+			var keys []string
+			for _, l := range logs.all(t) {
+				if msg, _ := l["msg"].(string); strings.HasPrefix(msg, "requests may be held for room") {
+					keys = append(keys, fmt.Sprint(l["key"]))
+				}
+			}
+			want := []string(nil)
+			if tt.named {
+				want = []string{"pools.prefill.metrics.interval", "pools.decode.metrics.interval"}
+			}
+			if !slices.Equal(keys, want) {
+				t.Errorf("named %v, want %v", keys, want)
+			}
+		})
+	}
+}
