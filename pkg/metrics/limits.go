@@ -1,6 +1,10 @@
 package metrics
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // Values of limit_refusals_total{limit}: the limit a refused request met.
 const (
@@ -21,7 +25,17 @@ type limits struct {
 	bodyBytes  prometheus.Gauge
 	background prometheus.Gauge
 	inForce    *prometheus.GaugeVec
+	held       *prometheus.HistogramVec
 }
+
+// Values of held_seconds{outcome}: how a request's time in the hold ended.
+const (
+	HeldReleased  = "released"  // the pool had room for it
+	HeldRefused   = "refused"   // admission.hold ran out: 429
+	HeldCancelled = "cancelled" // its client left
+)
+
+var heldOutcomes = []string{HeldReleased, HeldRefused, HeldCancelled}
 
 func newLimits() limits {
 	return limits{
@@ -35,16 +49,24 @@ func newLimits() limits {
 		inForce: gaugeVec("limit_configured",
 			"The limits in force, by limit (max_concurrent_streams, max_buffered_bytes, max_background), for alerts on what is held against them.",
 			"limit"),
+		held: histogramVec("held_seconds",
+			"Time requests of a negative priority were held for room (admission.hold), by pool and how it ended (released, refused, cancelled).",
+			[]float64{.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300}, "pool", "outcome"),
 	}
 }
 
 func (l limits) collectors() []prometheus.Collector {
-	return []prometheus.Collector{l.refusals, l.bodyBytes, l.background, l.inForce}
+	return []prometheus.Collector{l.refusals, l.bodyBytes, l.background, l.inForce, l.held}
 }
 
 func (l limits) initSeries() {
 	for _, n := range limitNames {
 		l.refusals.WithLabelValues(n)
+	}
+	for _, pool := range []string{"prefill", "decode"} {
+		for _, o := range heldOutcomes {
+			l.held.WithLabelValues(pool, o)
+		}
 	}
 }
 
@@ -52,6 +74,14 @@ func (l limits) initSeries() {
 func (m *Metrics) LimitRefused(limit string) {
 	if m != nil {
 		m.limits.refusals.WithLabelValues(limit).Inc()
+	}
+}
+
+// Held records how long a request was held for room in pool and how it
+// ended (a Held* value).
+func (m *Metrics) Held(pool, outcome string, d time.Duration) {
+	if m != nil {
+		m.limits.held.WithLabelValues(pool, outcome).Observe(d.Seconds())
 	}
 }
 

@@ -75,6 +75,7 @@ func TestSeriesExistBeforeTheFirstEvent(t *testing.T) {
 		{"pd_extproc_pd_decisions_total", map[string]string{"reason": ReasonPrefillFailed.String()}},
 		{"pd_extproc_prefill_failures_total", map[string]string{"reason": FailureTimeout.String()}},
 		{"pd_extproc_request_processing_seconds", map[string]string{"mode": ModeDecodeOnly.String()}},
+		{"pd_extproc_held_seconds", map[string]string{"pool": "decode", "outcome": HeldRefused}},
 		{"pd_extproc_kv_params_missing_total", nil},
 		{"pd_extproc_streams_in_flight", nil},
 		{"pd_extproc_usage_rewrites_total", map[string]string{"outcome": UsagePrefillMissing}},

@@ -331,6 +331,17 @@ func bootstrapHost(addr string) string {
 	return host
 }
 
+// heldOutcome is how a hold's Wait ended, as pd_extproc_held_seconds labels it.
+func heldOutcome(err error) string {
+	switch {
+	case err == nil:
+		return metrics.HeldReleased
+	case errors.Is(err, scheduling.ErrStillSaturated):
+		return metrics.HeldRefused
+	}
+	return metrics.HeldCancelled
+}
+
 // shed holds r, then refuses it if it must, when its objective has a
 // negative priority and hold's pool, one it would use, is saturated: Route
 // asks of the decode pool, and of the prefill pool for P/D. A held request goes on
@@ -345,9 +356,12 @@ func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Reques
 	}
 	if s.Hold > 0 && p.shedding.waiting.take(s.MaxHeld) {
 		start := time.Now()
-		err := hold.Wait(ctx, sreq, priority, r.Fairness, s.Lines, s.Hold)
-		r.Report.HeldTime += time.Since(start)
+		held, err := hold.Wait(ctx, sreq, priority, r.Fairness, s.Lines, s.Hold)
 		p.shedding.waiting.give()
+		if held {
+			r.Report.HeldTime += time.Since(start)
+			p.metrics.Held(hold.Pool.Name, heldOutcome(err), time.Since(start))
+		}
 		if !errors.Is(err, scheduling.ErrStillSaturated) {
 			return err
 		}

@@ -63,36 +63,37 @@ func (h *Hold) Len() int {
 
 // Wait holds req, of that priority and fairness id, until the pool has room
 // for it (nil), its time d is up (ErrStillSaturated) or ctx is done (its
-// error). A request goes at once when nothing is held and its pool is not
-// saturated: one arriving behind held requests waits its turn.
-func (h *Hold) Wait(ctx context.Context, req *Request, priority int, fairness string, lines Lines, d time.Duration) error {
+// error); held says it waited. A request goes at once when nothing is held
+// and its pool is not saturated: one arriving behind held requests waits its
+// turn.
+func (h *Hold) Wait(ctx context.Context, req *Request, priority int, fairness string, lines Lines, d time.Duration) (held bool, err error) {
 	result := make(chan bool, 1)
 	x := &waiter{req: req, flow: flow{fairness, priority}, until: h.Pool.deps.Now().Add(d), done: func(ok bool) { result <- ok }}
 	h.mu.Lock()
 	h.lines = lines
-	held := h.add(x, lines)
+	held = h.add(x, lines)
 	if held && !h.ticking {
 		h.ticking = true
 		go h.tick()
 	}
 	h.mu.Unlock()
 	if !held {
-		return nil
+		return false, nil
 	}
 	select {
 	case ok := <-result:
 		if !ok {
-			return ErrStillSaturated
+			return true, ErrStillSaturated
 		}
-		return nil
+		return true, nil
 	case <-ctx.Done():
 		if !h.remove(x) { // released or timed out meanwhile: its answer stands
 			if <-result {
-				return nil
+				return true, nil
 			}
-			return ErrStillSaturated
+			return true, ErrStillSaturated
 		}
-		return ctx.Err()
+		return true, ctx.Err()
 	}
 }
 

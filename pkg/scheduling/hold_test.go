@@ -192,7 +192,10 @@ func TestWaitEndsOnReleaseTimeOrCancel(t *testing.T) {
 			ctx, cancel := context.WithCancel(t.Context())
 			defer cancel()
 			done := make(chan error, 1)
-			go func() { done <- h.Wait(ctx, promptRequest("held"), -1, "", defaultLines, 10*time.Second) }()
+			go func() {
+				_, err := h.Wait(ctx, promptRequest("held"), -1, "", defaultLines, 10*time.Second)
+				done <- err
+			}()
 			for h.Len() == 0 { // held: Wait has added it
 				select {
 				case err := <-done:

@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -284,5 +285,27 @@ func TestArchitectureTableNamesEachPackagesImports(t *testing.T) {
 	}
 	if rows < 20 {
 		t.Fatalf("read %d rows of docs/architecture.md's package table: the test shows nothing", rows)
+	}
+}
+
+// docs/metrics.md names every metric pd-extproc exports (a histogram by its name, not its
+// _bucket, _sum and _count series): an operator looks there for what a series means.
+func TestEveryMetricIsDocumented(t *testing.T) {
+	doc := string(mustRead(t, filepath.Join(testbed.MustRepoRoot(t), filepath.FromSlash("docs/metrics.md"))))
+	series := exportedSeries(t)
+	missing := map[string]bool{}
+	for name := range series {
+		base := name
+		for _, suffix := range []string{"_bucket", "_sum", "_count"} {
+			if b, ok := strings.CutSuffix(name, suffix); ok && series[b+"_bucket"] != nil {
+				base = b
+			}
+		}
+		if strings.HasPrefix(base, metricPrefix) && !strings.Contains(doc, "`"+base+"`") {
+			missing[base] = true
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(missing)) {
+		t.Errorf("docs/metrics.md does not name %s", name)
 	}
 }

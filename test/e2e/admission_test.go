@@ -156,6 +156,11 @@ func TestRequestsThatMayBeShedWaitForRoom(t *testing.T) {
 	if n := r.metric(t, held); n != 0 {
 		t.Errorf("%s %g after the release, want 0", held, n)
 	}
+	// Its time held is observed, as released; the one refused past max_held was never held.
+	released := `pd_extproc_held_seconds_count{outcome="released",pool="decode"}`
+	if n, sum := r.metric(t, released), r.metric(t, `pd_extproc_held_seconds_sum{outcome="released",pool="decode"}`); n != 1 || sum <= 0 || sum > a.took.Seconds() {
+		t.Errorf("%s %g, its sum %.3fs, want 1 request held within the %v it took", released, n, sum, a.took)
+	}
 
 	config := strings.Replace(r.config, "max_held: 1", "max_held: 1, hold: 200ms", 1)
 	if err := os.WriteFile(r.extproc.ConfigPath, []byte(config), 0o600); err != nil {
@@ -172,5 +177,9 @@ func TestRequestsThatMayBeShedWaitForRoom(t *testing.T) {
 	}
 	if got := r.metric(t, `pd_extproc_limit_refusals_total{limit="saturated"}`); got != 2 {
 		t.Errorf("pd_extproc_limit_refusals_total{limit=\"saturated\"} %g, want 2", got)
+	}
+	refused := `pd_extproc_held_seconds_count{outcome="refused",pool="decode"}`
+	if n, sum := r.metric(t, refused), r.metric(t, `pd_extproc_held_seconds_sum{outcome="refused",pool="decode"}`); n != 1 || sum < 0.2 {
+		t.Errorf("%s %g, its sum %.3fs, want 1 request held its 200ms", refused, n, sum)
 	}
 }
