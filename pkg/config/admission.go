@@ -115,14 +115,37 @@ func (c *Config) validateAdmission() error {
 	if !a.Sheds() {
 		return errors.Join(errs...)
 	}
-	for _, p := range []struct {
-		name string
-		Pool
-	}{{"prefill", c.Pools.Prefill}, {"decode", c.Pools.Decode}} {
+	for _, p := range c.Pools.named() {
 		if p.Configured() && p.Metrics.Interval <= 0 {
 			errs = append(errs, fmt.Errorf("admission.objectives: a negative priority sheds by the engines' scraped queues "+
 				"and KV use: set pools.%s.metrics.interval", p.name))
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// HeldScrape is the longest scrape interval docs/scheduling.md advises where
+// requests may be held for room: the hold lets them go a scrape at a time,
+// and slower scrapes cost the chat in moments of saturation.
+const HeldScrape = 250 * time.Millisecond
+
+// SlowScrape is a pool's scrape interval key and its value.
+type SlowScrape struct {
+	Key      string
+	Interval time.Duration
+}
+
+// SlowScrapes are the pools scraped less often than HeldScrape where
+// requests may be held (admission.hold), prefill first.
+func (c *Config) SlowScrapes() []SlowScrape {
+	if c.Admission.Held() == 0 {
+		return nil
+	}
+	var slow []SlowScrape
+	for _, p := range c.Pools.named() {
+		if p.Configured() && p.Metrics.Interval.D() > HeldScrape {
+			slow = append(slow, SlowScrape{"pools." + p.name + ".metrics.interval", p.Metrics.Interval.D()})
+		}
+	}
+	return slow
 }

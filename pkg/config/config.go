@@ -42,6 +42,15 @@ type Pools struct {
 	Decode  Pool `json:"decode"`
 }
 
+// namedPool is a pool with the name its keys start with (pools.<name>).
+type namedPool struct {
+	name string
+	Pool
+}
+
+// named is each pool with its name, prefill first.
+func (p Pools) named() []namedPool { return []namedPool{{"prefill", p.Prefill}, {"decode", p.Decode}} }
+
 // Pool is one role's endpoints and how they are picked.
 type Pool struct {
 	Endpoints     []string `json:"endpoints"`

@@ -359,8 +359,9 @@ func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Reques
 		held, err := hold.Wait(ctx, sreq, priority, r.Fairness, s.Lines, s.Hold)
 		p.shedding.waiting.give()
 		if held {
-			r.Report.HeldTime += time.Since(start)
-			p.metrics.Held(hold.Pool.Name, heldOutcome(err), time.Since(start))
+			d := time.Since(start)
+			r.Report.HeldTime += d
+			p.metrics.Held(hold.Pool.Name, heldOutcome(err), d)
 		}
 		if !errors.Is(err, scheduling.ErrStillSaturated) {
 			return err

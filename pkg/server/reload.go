@@ -7,7 +7,6 @@ import (
 	"reflect"
 	"slices"
 	"strings"
-	"time"
 
 	"github.com/go-logr/logr"
 
@@ -115,26 +114,13 @@ func logConfigReloaded(log logr.Logger, path string, started, c *config.Config) 
 	warnSlowScrapes(log, c)
 }
 
-// heldScrape is the longest scrape interval docs/scheduling.md advises where
-// requests may be held for room: the hold lets them go a scrape at a time,
-// and slower scrapes cost the chat in moments of saturation.
-const heldScrape = 250 * time.Millisecond
-
-// warnSlowScrapes says to scrape more often a pool whose engines are scraped
-// less often than heldScrape where requests may be held (admission.hold).
+// warnSlowScrapes says to scrape more often the pools scraped less often
+// than config.HeldScrape where requests may be held (Config.SlowScrapes).
 func warnSlowScrapes(log logr.Logger, c *config.Config) {
-	if c.Admission.Held() == 0 {
-		return
-	}
-	for _, p := range []struct {
-		name string
-		config.Pool
-	}{{"prefill", c.Pools.Prefill}, {"decode", c.Pools.Decode}} {
-		if interval := p.Metrics.Interval.D(); p.Configured() && interval > heldScrape {
-			log.Info("requests may be held for room (admission.hold), and are let go as each scrape of the engines shows it: "+
-				"scrape every 250ms or less where requests may be shed (docs/scheduling.md, Scrape often)",
-				"key", "pools."+p.name+".metrics.interval", "interval", interval.String())
-		}
+	for _, s := range c.SlowScrapes() {
+		log.Info("requests may be held for room (admission.hold), and are let go as each scrape of the engines shows it: "+
+			"scrape every 250ms or less where requests may be shed (docs/scheduling.md, Scrape often)",
+			"key", s.Key, "interval", s.Interval.String())
 	}
 }
 
