@@ -39,7 +39,8 @@ const (
 // FairnessHeader names the flow a request belongs to (a tenant, a client),
 // whose held requests take turns with the other flows' of its priority
 // (admission.hold), as the Inference Extension's flow control reads it;
-// llm-d's name for it, LLMDFairnessHeader, too, and again this one counts.
+// llm-d's name for it, LLMDFairnessHeader, too: where both come, this one
+// wins.
 const (
 	FairnessHeader     = "x-gateway-inference-fairness-id"
 	LLMDFairnessHeader = "x-llm-d-inference-fairness-id"
