@@ -56,7 +56,10 @@ type prefixAffinity struct {
 	// of the engines' caches it may trust (config.PrefixAffinity).
 	estimateQueueSlack float64
 	spread             float64
-	fallback           Picker // for requests with no key, or unrelated prompts
+	// turnsOverPool: a conversation's later turns rank over the whole pool
+	// (home; PoolSpec.turnsOverPool).
+	turnsOverPool bool
+	fallback      Picker // for requests with no key, or unrelated prompts
 	// cache is the pool's view of its engines' caches from their KV events,
 	// nil when it follows none (events.go).
 	cache func() *kvevents.Index
@@ -120,7 +123,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	}
 	h := xxhash.Sum64String(prefix) ^ ns
 	conv, share := conversationHash(req, conversation, ns), p.shares.of(req).note(h)
-	rs := rank(h, conv, homeSize(share, len(eps), p.spread), eps)
+	rs := rank(h, conv, p.home(req, share, len(eps)), eps)
 	queueSlack := p.queueSlack
 	if held == nil {
 		queueSlack = p.estimateQueueSlack
@@ -196,12 +199,31 @@ func (p *prefixAffinity) hinted(req *Request, rs []ranked, chosen ranked, served
 	return chosen
 }
 
+// home is how many of a request's first-ranked endpoints, of n, are its
+// prefix's home set (homeSize), which its conversation key reorders. With
+// turnsOverPool, a later turn's are the whole pool, unless the prefix's home
+// set is one endpoint by a margin (twice its share would still be one): the
+// share, which sizes the home set, is each replica's own estimate, and where
+// replicas size it apart they rank a conversation's turns on different
+// endpoints. Over the whole pool the order is the conversation's alone. A
+// conversation's second turn so moves once from where its first went
+// (ranked as one-shot questions are, in the home set) when the whole pool's
+// first is another endpoint.
+func (p *prefixAffinity) home(req *Request, share float64, n int) int {
+	if p.turnsOverPool && req.Previous() != "" && homeSize(2*share, n, p.spread) > 1 {
+		return n
+	}
+	return homeSize(share, n, p.spread)
+}
+
 // rankedAlike says whether a later turn's previous request was ranked as it
 // is, and so sent to e, its first, unless a load bound spilled it: e has not
 // moved conversations lately (it joined the pool, or came back into
 // rotation), nor has an endpoint that would rank above it (out of rotation,
 // or gone, since), nor does this replica remember sending the previous
-// request elsewhere.
+// request elsewhere. A second turn ranked over the whole pool (home) follows
+// a first request ranked in its prefix's home set: that ranking's first must
+// be e too.
 func (p *prefixAffinity) rankedAlike(req *Request, e *Endpoint, prefix, conversation uint64, share float64, eps []*Endpoint, served map[string]int) bool {
 	if recentlyMoved(e, e.cfg().now()) {
 		return false
@@ -213,11 +235,18 @@ func (p *prefixAffinity) rankedAlike(req *Request, e *Endpoint, prefix, conversa
 			}
 		}
 	}
-	if len(req.absent) == 0 {
-		return true
+	all := eps
+	if len(req.absent) > 0 {
+		all = slices.Concat(eps, req.absent) // as ranked before they left
 	}
-	all := slices.Concat(eps, req.absent)
-	return rank(prefix, conversation, homeSize(share, len(all), p.spread), all)[0].e == e
+	home := p.home(req, share, len(all))
+	if len(req.Previous()) <= len(req.Head()) {
+		home = homeSize(share, len(all), p.spread) // the previous request was the conversation's first
+	}
+	if len(all) == len(eps) && home == p.home(req, share, len(eps)) {
+		return true // ranked as this request, whose first e is
+	}
+	return rank(prefix, conversation, home, all)[0].e == e
 }
 
 // estimate notes on req what e is estimated to hold of its prompt, before

@@ -35,6 +35,17 @@ func newDecider(spec Spec) *Decider {
 	return d
 }
 
+// decodeSpec is the decode pool's spec as the cache rule needs it: with the
+// rule on, a conversation's later turns rank over the whole pool rather than
+// its prefix's home set (prefixAffinity.home). The rule assumes a later turn
+// holds its history on the endpoint the turn ranks first; replicas that size
+// the home set apart (each estimates the prefix's share from the requests
+// it sees) would rank a different first, and decide apart.
+func (d *Decider) decodeSpec(s PoolSpec) PoolSpec {
+	s.turnsOverPool = d.cfg.Mode == config.PDAuto && d.minUncached > 0
+	return s
+}
+
 // Decide returns the decision for req, whose decode endpoint is decode,
 // given the prefill pool. Requests the engines cannot disaggregate go
 // decode-only whatever the mode. For paired engines the only decode-only

@@ -30,6 +30,10 @@ var (
 type PoolSpec struct {
 	Endpoints []string
 	config.PoolScheduling
+	// turnsOverPool ranks a conversation's later turns over the whole pool
+	// (prefixAffinity.home): NewPools sets it on the decode pool whose
+	// picks the P/D decider's cache rule reads (Decider.decodeSpec).
+	turnsOverPool bool
 }
 
 // Pool is a named set of endpoints of one role (prefill or decode) and the
@@ -335,10 +339,10 @@ func (p *Pool) rebuild() {
 // what old's prefix affinity learned.
 func (p *Pool) pickerAfter(old *poolState) Picker {
 	s := p.spec
-	if old != nil && old.spec.Policy == s.Policy && old.spec.Prefix == s.Prefix {
+	if old != nil && old.spec.Policy == s.Policy && old.spec.Prefix == s.Prefix && old.spec.turnsOverPool == s.turnsOverPool {
 		return old.picker
 	}
-	picker := newPicker(s.PoolScheduling, p.deps.intn, p.cache)
+	picker := newPicker(s, p.deps.intn, p.cache)
 	if pa, ok := picker.(*prefixAffinity); ok && old != nil {
 		return pa.remembering(old.picker)
 	}

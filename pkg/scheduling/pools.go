@@ -81,24 +81,26 @@ func NewPools(spec Spec, deps Deps) *Pools {
 	deps = deps.withDefaults()
 	// Only the decode pool follows the subset hint: it names candidates for
 	// Envoy's destination, the decode leg; the prefill leg is ours to place.
+	decider := newDecider(spec)
 	ps := &Pools{
 		Prefill: newPool("prefill", false, spec.Prefill, deps),
-		Decode:  newPool("decode", true, spec.Decode, deps),
+		Decode:  newPool("decode", true, decider.decodeSpec(spec.Decode), deps),
 		deps:    deps,
 	}
 	ps.Prefill.probe = deps.probe(rolePrefill, deps.PrefillTLS, deps.PrefillKey, clientGiven)
 	ps.Decode.probe = deps.probe(roleDecode, deps.DecodeTLS, deps.DecodeKey, clientGiven)
 	ps.Prefill.probe.rendezvous, ps.Prefill.probe.bootstrapPort = spec.Rendezvous, spec.BootstrapPort
-	ps.decider.Store(newDecider(spec))
+	ps.decider.Store(decider)
 	return ps
 }
 
 // Update applies a reloaded configuration: endpoints, policies, health and
 // P/D thresholds. Requests in flight are not disturbed.
 func (ps *Pools) Update(spec Spec) {
+	decider := newDecider(spec)
 	ps.Prefill.Update(spec.Prefill)
-	ps.Decode.Update(spec.Decode)
-	ps.decider.Store(newDecider(spec))
+	ps.Decode.Update(decider.decodeSpec(spec.Decode))
+	ps.decider.Store(decider)
 }
 
 // Decide chooses P/D or decode-only for req, whose decode endpoint the

@@ -1,6 +1,7 @@
 package scheduling
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"maps"
@@ -423,6 +424,97 @@ func TestLaterTurnsRankByTheWholeConversation(t *testing.T) {
 			}
 			if len(laters) < 3 {
 				t.Errorf("the later turns of 16 conversations went to %d endpoints, want them spread over the home set of 8: %v", len(laters), laters)
+			}
+		})
+	}
+}
+
+// TestDecodeTurnsAgreeWhereReplicasSizeAHomeSetApart: each replica sizes a
+// system prompt's home set from the share of the requests it sees, and two
+// replicas that size it apart (here 2 and 4 endpoints of 4) rank a
+// conversation's later turns on different endpoints. The decode pool of the
+// cache rule (pd.mode auto) ranks later turns over the whole pool instead, so
+// both send each third turn to one endpoint and estimate it holds the turn
+// before; under always-P/D the decode pool keeps the home set, and the two
+// part. A system prompt few requests share keeps a home set of one endpoint:
+// a conversation's turns stay where its first went, on whichever replica.
+func TestDecodeTurnsAgreeWhereReplicasSizeAHomeSetApart(t *testing.T) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	system := strings.Repeat("You review pull requests for the platform team. ", 20)
+	replica := func(mode string, shared int) *Pool {
+		sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity}
+		ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}, PoolScheduling: sched},
+			Decode: PoolSpec{Endpoints: addrs, PoolScheduling: sched}, PD: config.PD{Mode: mode}}, Deps{Now: newFakeClock().Now})
+		for i := range 200 { // shared of them under the system prompt, the others each under one of its own
+			req := conversation(fmt.Sprint("Agent ", i, ". ", system), "Hello")
+			if i < shared {
+				req = conversation(system, fmt.Sprint("Question ", i))
+			}
+			if _, err := ps.Decode.Select(req); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return ps.Decode
+	}
+	turn := func(c, n int) *Request { // conversation c's nth request
+		msgs := []string{fmt.Sprint("Review change ", c)}
+		for k := 1; k < n; k++ {
+			msgs = append(msgs, fmt.Sprint("Reply ", k), fmt.Sprint("Follow-up ", k))
+		}
+		return conversation(system, msgs...)
+	}
+	tests := []struct {
+		name   string
+		mode   string
+		shared [2]int // of 200 requests each replica saw, under the system prompt
+		agree  bool
+	}{
+		{"cache rule, home sets of 2 and 4", config.PDAuto, [2]int{30, 60}, true},
+		{"always P/D, home sets of 2 and 4", config.PDAlways, [2]int{30, 60}, false},
+		{"cache rule, a system prompt few requests share", config.PDAuto, [2]int{1, 2}, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			few := tt.shared[1] < 10
+			a, b := replica(tt.mode, tt.shared[0]), replica(tt.mode, tt.shared[1])
+			apart := 0
+			for c := range 16 {
+				if few {
+					// Replicas of its own, whose own turns leave the share few.
+					a, b = replica(tt.mode, tt.shared[0]), replica(tt.mode, tt.shared[1])
+				}
+				first, err := a.Select(turn(c, 1))
+				if err != nil {
+					t.Fatal(err)
+				}
+				for n := 2; n <= 3; n++ {
+					reqA, reqB := turn(c, n), turn(c, n)
+					ea, errA := a.Select(reqA)
+					eb, errB := b.Select(reqB)
+					if err := cmp.Or(errA, errB); err != nil {
+						t.Fatal(err)
+					}
+					if ea.Addr != eb.Addr {
+						apart++
+						continue
+					}
+					if !tt.agree {
+						continue
+					}
+					if n == 3 && (reqA.Held(ea) < len(reqA.Previous()) || reqB.Held(eb) < len(reqB.Previous())) {
+						t.Errorf("conversation %d, turn 3 on %s: estimated %d and %d characters held, want the previous request's %d",
+							c, ea.Addr, reqA.Held(ea), reqB.Held(eb), len(reqA.Previous()))
+					}
+					if few && ea.Addr != first.Addr {
+						t.Errorf("conversation %d: turn %d went to %s, its first to %s", c, n, ea.Addr, first.Addr)
+					}
+				}
+			}
+			if tt.agree && apart > 0 {
+				t.Errorf("the replicas sent %d of 32 later turns to different endpoints, want none", apart)
+			}
+			if !tt.agree && apart == 0 {
+				t.Error("the replicas sent every later turn to one endpoint: the test does not size their home sets apart")
 			}
 		})
 	}

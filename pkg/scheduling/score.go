@@ -22,7 +22,7 @@ type Picker interface {
 
 // newPicker builds a pool's policy. intn draws random numbers in [0, n);
 // cache is the pool's view of its engines' caches (nil without KV events).
-func newPicker(s config.PoolScheduling, intn func(int) int, cache func() *kvevents.Index) Picker {
+func newPicker(s PoolSpec, intn func(int) int, cache func() *kvevents.Index) Picker {
 	leastLoad := &twoChoices{scorer: loadScorer{}, intn: intn}
 	switch s.Policy {
 	case config.PolicyRoundRobin:
@@ -39,6 +39,7 @@ func newPicker(s config.PoolScheduling, intn func(int) int, cache func() *kveven
 			queueSlack:         s.Prefix.QueueSlack,
 			estimateQueueSlack: cmp.Or(s.Prefix.EstimateQueueSlack, s.Prefix.QueueSlack),
 			spread:             s.Prefix.Spread,
+			turnsOverPool:      s.turnsOverPool,
 			fallback:           leastLoad,
 			cache:              cache,
 		}
