@@ -79,9 +79,9 @@ type Pools struct {
 func NewPools(spec Spec, deps Deps) *Pools {
 	clientGiven := deps.Client != nil
 	deps = deps.withDefaults()
+	decider := newDecider(spec)
 	// Only the decode pool follows the subset hint: it names candidates for
 	// Envoy's destination, the decode leg; the prefill leg is ours to place.
-	decider := newDecider(spec)
 	ps := &Pools{
 		Prefill: newPool("prefill", false, spec.Prefill, deps),
 		Decode:  newPool("decode", true, decider.decodeSpec(spec.Decode), deps),
