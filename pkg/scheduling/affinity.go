@@ -129,6 +129,12 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 		queueSlack = p.estimateQueueSlack
 	}
 	b := p.bounds(rs, queueSlack)
+	if p.turnsOverPool && previous != "" && held == nil {
+		// A later turn's history is where its conversation ranks first
+		// (home): it stays there within the bound of a followed history,
+		// as the other replicas would not follow it elsewhere.
+		b.queue = b.follow
+	}
 	if held != nil {
 		order, hb := rs, b
 		if previous == "" {

@@ -520,6 +520,55 @@ func TestDecodeTurnsAgreeWhereReplicasSizeAHomeSetApart(t *testing.T) {
 	}
 }
 
+// TestLaterTurnsStayWithTheirHistoryUnderLoad: on the decode pool of the
+// cache rule a later turn's history is on the endpoint its conversation
+// ranks first, whichever replica routed the turn before; it stays there while
+// that engine's queue is within the bound of a followed history (the mean + 3
+// × queue_slack), where a new request would spill at the mean + queue_slack.
+// Under always-P/D it spills as a new request does, and past the looser bound
+// it spills too.
+func TestLaterTurnsStayWithTheirHistoryUnderLoad(t *testing.T) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	turn := conversation(strings.Repeat("You answer questions about the build. ", 20), "Why did it fail?", "A flaky test.", "Which one?")
+	tests := []struct {
+		name   string
+		mode   string
+		queued float64 // the first endpoint's scraped queue; the others' are 0
+		stays  bool
+	}{
+		{"cache rule, above the mean + queue_slack", config.PDAuto, 8, true},       // mean 2: 6 < 8 ≤ 14
+		{"cache rule, above the mean + 3 × queue_slack", config.PDAuto, 24, false}, // mean 6: 24 > 18
+		{"always P/D, above the mean + queue_slack", config.PDAlways, 8, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			clock := newFakeClock()
+			sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}
+			sched.SetDecodeDefaults(tt.mode) // queue_slack 4, as pkg/config sets it
+			ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}, PoolScheduling: sched},
+				Decode: PoolSpec{Endpoints: addrs, PoolScheduling: sched}, PD: config.PD{Mode: tt.mode}}, Deps{Now: clock.Now})
+			first, err := ps.Decode.Select(turn)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, e := range ps.Decode.Endpoints() {
+				waiting := 0.0
+				if e == first {
+					waiting = tt.queued
+				}
+				e.observe(Load{Waiting: waiting, At: clock.Now()})
+			}
+			got, err := ps.Decode.Select(turn)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if stayed := got == first; stayed != tt.stays {
+				t.Errorf("the turn went to %s (its first endpoint %s, queue %v): stayed %v, want %v", got.Addr, first.Addr, tt.queued, stayed, tt.stays)
+			}
+		})
+	}
+}
+
 // conversation is a chat request: the system prompt (none when empty), then
 // messages alternately from the user and the assistant.
 func conversation(system string, msgs ...string) *Request {
