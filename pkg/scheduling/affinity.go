@@ -57,7 +57,8 @@ type prefixAffinity struct {
 	estimateQueueSlack float64
 	spread             float64
 	// turnsOverPool: a conversation's later turns rank over the whole pool
-	// (home; PoolSpec.turnsOverPool).
+	// (home), and without a trusted view stay with their history within
+	// the bound of a followed history (byRanking; PoolSpec.turnsOverPool).
 	turnsOverPool bool
 	fallback      Picker // for requests with no key, or unrelated prompts
 	// cache is the pool's view of its engines' caches from their KV events,
