@@ -58,7 +58,9 @@ const (
 // holds it pays its history again there, and replicas that did not see the
 // spill estimate what it holds apart; with the engines' events every replica
 // sees where it went, and the usual bound does better (docs/scheduling.md,
-// the P/D simulation).
+// the P/D simulation). Under the cache rule (pd.mode auto) the decode pool
+// applies it to later turns only, which stay with their history up to 3 ×
+// it, and DefaultQueueSlack to the requests that start a conversation.
 const DefaultDecodeQueueSlack = 4
 
 // PoolScheduling is how one pool picks its endpoints. Embed it in Pool so that
@@ -104,7 +106,9 @@ type PrefixAffinity struct {
 	// EstimateQueueSlack is QueueSlack for a request placed without a view
 	// of the engines' caches from their KV events (the pool follows none,
 	// or none it may trust now); 0: QueueSlack. Not a key of its own:
-	// SetDecodeDefaults sets it where QueueSlack is left out.
+	// SetDecodeDefaults sets it where QueueSlack is left out, and under the
+	// cache rule the decode pool reads it for later turns only
+	// (DefaultDecodeQueueSlack).
 	EstimateQueueSlack float64 `json:"-"`
 	// Spread sizes a key's home set: its share of the pool's requests ×
 	// the endpoints × Spread, rounded up to a power of two.

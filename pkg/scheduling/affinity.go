@@ -55,7 +55,10 @@ type prefixAffinity struct {
 	// estimateQueueSlack is queueSlack for a request placed without a view
 	// of the engines' caches it may trust (config.PrefixAffinity).
 	estimateQueueSlack float64
-	spread             float64
+	// turnQueueSlack is estimateQueueSlack for a later turn with
+	// turnsOverPool, whose bound is that of a followed history.
+	turnQueueSlack float64
+	spread         float64
 	// turnsOverPool: a conversation's later turns rank over the whole pool
 	// (home), and without a trusted view stay with their history within
 	// the bound of a followed history (byRanking; PoolSpec.turnsOverPool).
@@ -134,6 +137,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 		// A later turn's history is where its conversation ranks first
 		// (home): it stays there within the bound of a followed history,
 		// as the other replicas would not follow it elsewhere.
+		b = p.bounds(rs, p.turnQueueSlack)
 		b.queue = b.follow
 	}
 	if held != nil {

@@ -521,49 +521,55 @@ func TestDecodeTurnsAgreeWhereReplicasSizeAHomeSetApart(t *testing.T) {
 }
 
 // TestLaterTurnsStayWithTheirHistoryUnderLoad: on the decode pool of the
-// cache rule a later turn's history is on the endpoint its conversation
-// ranks first, whichever replica routed the turn before; it stays there while
-// that engine's queue is within the bound of a followed history (the mean + 3
-// × queue_slack), where a new request would spill at the mean + queue_slack.
-// Under always-P/D it spills as a new request does, and past the looser bound
-// it spills too.
+// cache rule, with queue_slack left out, a later turn's history is on the
+// endpoint its conversation ranks first, whichever replica routed the turn
+// before; it stays there while that engine's queue is within the bound of a
+// followed history (the mean + 3 × the decode pool's default slack, 4),
+// where a request that starts a conversation (or a one-shot one) spills at
+// the mean + 1, the usual bound. Under always-P/D every request spills at
+// the mean + 4, and past the looser bound a later turn spills too.
 func TestLaterTurnsStayWithTheirHistoryUnderLoad(t *testing.T) {
 	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
-	turn := conversation(strings.Repeat("You answer questions about the build. ", 20), "Why did it fail?", "A flaky test.", "Which one?")
+	system := strings.Repeat("You answer questions about the build. ", 20)
+	later := conversation(system, "Why did it fail?", "A flaky test.", "Which one?")
+	first := conversation(system, "Why did it fail?")
 	tests := []struct {
 		name   string
 		mode   string
+		req    *Request
 		queued float64 // the first endpoint's scraped queue; the others' are 0
 		stays  bool
 	}{
-		{"cache rule, above the mean + queue_slack", config.PDAuto, 8, true},       // mean 2: 6 < 8 ≤ 14
-		{"cache rule, above the mean + 3 × queue_slack", config.PDAuto, 24, false}, // mean 6: 24 > 18
-		{"always P/D, above the mean + queue_slack", config.PDAlways, 8, false},
+		{"cache rule, a later turn above the mean + 4", config.PDAuto, later, 8, true},     // mean 2: 6 < 8 ≤ 14
+		{"cache rule, a later turn above the mean + 12", config.PDAuto, later, 24, false},  // mean 6: 24 > 18
+		{"cache rule, a first request above the mean + 1", config.PDAuto, first, 4, false}, // mean 1: 2 < 4
+		{"always P/D, a later turn above the mean + 4", config.PDAlways, later, 8, false},
+		{"always P/D, a first request within the mean + 4", config.PDAlways, first, 4, true}, // mean 1: 4 ≤ 5
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			clock := newFakeClock()
 			sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}
-			sched.SetDecodeDefaults(tt.mode) // queue_slack 4, as pkg/config sets it
+			sched.SetDecodeDefaults(tt.mode) // queue_slack left out, as pkg/config fills it in
 			ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}, PoolScheduling: sched},
 				Decode: PoolSpec{Endpoints: addrs, PoolScheduling: sched}, PD: config.PD{Mode: tt.mode}}, Deps{Now: clock.Now})
-			first, err := ps.Decode.Select(turn)
+			ranked, err := ps.Decode.Select(tt.req)
 			if err != nil {
 				t.Fatal(err)
 			}
 			for _, e := range ps.Decode.Endpoints() {
 				waiting := 0.0
-				if e == first {
+				if e == ranked {
 					waiting = tt.queued
 				}
 				e.observe(Load{Waiting: waiting, At: clock.Now()})
 			}
-			got, err := ps.Decode.Select(turn)
+			got, err := ps.Decode.Select(tt.req)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if stayed := got == first; stayed != tt.stays {
-				t.Errorf("the turn went to %s (its first endpoint %s, queue %v): stayed %v, want %v", got.Addr, first.Addr, tt.queued, stayed, tt.stays)
+			if stayed := got == ranked; stayed != tt.stays {
+				t.Errorf("the request went to %s (it ranks %s first, queue %v): stayed %v, want %v", got.Addr, ranked.Addr, tt.queued, stayed, tt.stays)
 			}
 		})
 	}
