@@ -129,15 +129,18 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	conv, share := conversationHash(req, conversation, ns), p.shares.of(req).note(h)
 	rs := rank(h, conv, p.home(req, share, len(eps)), eps)
 	queueSlack := p.queueSlack
-	if held == nil {
+	// A later turn's history is where its conversation ranks first (home):
+	// it stays there within the bound of a followed history, as the other
+	// replicas would not follow it elsewhere.
+	followed := p.turnsOverPool && previous != "" && held == nil
+	switch {
+	case followed:
+		queueSlack = p.turnQueueSlack
+	case held == nil:
 		queueSlack = p.estimateQueueSlack
 	}
 	b := p.bounds(rs, queueSlack)
-	if p.turnsOverPool && previous != "" && held == nil {
-		// A later turn's history is where its conversation ranks first
-		// (home): it stays there within the bound of a followed history,
-		// as the other replicas would not follow it elsewhere.
-		b = p.bounds(rs, p.turnQueueSlack)
+	if followed {
 		b.queue = b.follow
 	}
 	if held != nil {
