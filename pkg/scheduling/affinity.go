@@ -55,15 +55,13 @@ type prefixAffinity struct {
 	// estimateQueueSlack is queueSlack for a request placed without a view
 	// of the engines' caches it may trust (config.PrefixAffinity).
 	estimateQueueSlack float64
-	// turnQueueSlack is estimateQueueSlack for a later turn with
-	// turnsOverPool, whose bound is that of a followed history.
+	// turnQueueSlack, when not 0, ranks a conversation's later turns over
+	// the whole pool (home) and, without a trusted view, is their
+	// estimateQueueSlack, whose bound is that of a followed history
+	// (byRanking; PoolSpec.turnQueueSlack).
 	turnQueueSlack float64
 	spread         float64
-	// turnsOverPool: a conversation's later turns rank over the whole pool
-	// (home), and without a trusted view stay with their history within
-	// the bound of a followed history (byRanking; PoolSpec.turnsOverPool).
-	turnsOverPool bool
-	fallback      Picker // for requests with no key, or unrelated prompts
+	fallback       Picker // for requests with no key, or unrelated prompts
 	// cache is the pool's view of its engines' caches from their KV events,
 	// nil when it follows none (events.go).
 	cache func() *kvevents.Index
@@ -132,7 +130,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	// A later turn's history is where its conversation ranks first (home):
 	// it stays there within the bound of a followed history, as the other
 	// replicas would not follow it elsewhere.
-	followed := p.turnsOverPool && previous != "" && held == nil
+	followed := p.turnQueueSlack > 0 && previous != "" && held == nil
 	switch {
 	case followed:
 		queueSlack = p.turnQueueSlack
@@ -215,7 +213,7 @@ func (p *prefixAffinity) hinted(req *Request, rs []ranked, chosen ranked, served
 
 // home is how many of a request's first-ranked endpoints, of n, are its
 // prefix's home set (homeSize), which its conversation key reorders. With
-// turnsOverPool, a later turn's are the whole pool, unless the prefix's home
+// turnQueueSlack, a later turn's are the whole pool, unless the prefix's home
 // set is one endpoint by a margin (twice its share would still be one): the
 // share, which sizes the home set, is each replica's own estimate, and where
 // replicas size it apart they rank a conversation's turns on different
@@ -224,7 +222,7 @@ func (p *prefixAffinity) hinted(req *Request, rs []ranked, chosen ranked, served
 // (ranked as one-shot questions are, in the home set) when the whole pool's
 // first is another endpoint.
 func (p *prefixAffinity) home(req *Request, share float64, n int) int {
-	if p.turnsOverPool && req.Previous() != "" && homeSize(2*share, n, p.spread) > 1 {
+	if p.turnQueueSlack > 0 && req.Previous() != "" && homeSize(2*share, n, p.spread) > 1 {
 		return n
 	}
 	return homeSize(share, n, p.spread)
@@ -253,14 +251,15 @@ func (p *prefixAffinity) rankedAlike(req *Request, e *Endpoint, prefix, conversa
 	if len(req.absent) > 0 {
 		all = slices.Concat(eps, req.absent) // as ranked before they left
 	}
-	home := p.home(req, share, len(all))
+	now := p.home(req, share, len(all))
+	before := now
 	if len(req.Previous()) <= len(req.Head()) {
-		home = homeSize(share, len(all), p.spread) // the previous request was the conversation's first
+		before = homeSize(share, len(all), p.spread) // the previous request was the conversation's first
 	}
-	if len(all) == len(eps) && home == p.home(req, share, len(eps)) {
+	if len(all) == len(eps) && before == now {
 		return true // ranked as this request, whose first e is
 	}
-	return rank(prefix, conversation, home, all)[0].e == e
+	return rank(prefix, conversation, before, all)[0].e == e
 }
 
 // estimate notes on req what e is estimated to hold of its prompt, before

@@ -1,6 +1,8 @@
 package scheduling
 
 import (
+	"cmp"
+
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
@@ -35,14 +37,25 @@ func newDecider(spec Spec) *Decider {
 	return d
 }
 
-// decodeSpec is the decode pool's spec as the cache rule needs it: with the
-// rule on, a conversation's later turns rank over the whole pool rather than
-// its prefix's home set (prefixAffinity.home). The rule assumes a later turn
-// holds its history on the endpoint the turn ranks first; replicas that size
-// the home set apart (each estimates the prefix's share from the requests
-// it sees) would rank a different first, and decide apart.
+// decodeSpec is the decode pool's spec as the cache rule needs it, its
+// defaults filled in. With the rule on, a conversation's later turns rank
+// over the whole pool rather than its prefix's home set (prefixAffinity.home)
+// and stay with their history within the bound of a followed history
+// (PoolSpec.turnQueueSlack): the rule assumes a later turn holds its history
+// on the endpoint the turn ranks first, and replicas that size the home set
+// apart (each estimates the prefix's share from the requests it sees) would
+// rank a different first, and decide apart. With queue_slack left out, the
+// decode pool's default (config.DefaultDecodeQueueSlack) is then the later
+// turns', and the other requests take the usual one.
 func (d *Decider) decodeSpec(s PoolSpec) PoolSpec {
-	s.turnsOverPool = d.cfg.Mode == config.PDAuto && d.minUncached > 0
+	s.SetDefaults()
+	if d.cfg.Mode != config.PDAuto || d.minUncached == 0 {
+		return s
+	}
+	s.turnQueueSlack = cmp.Or(s.Prefix.EstimateQueueSlack, s.Prefix.QueueSlack)
+	if s.Prefix.EstimateQueueSlack != 0 { // queue_slack left out (config.SetDecodeDefaults)
+		s.Prefix.EstimateQueueSlack = config.DefaultQueueSlack
+	}
 	return s
 }
 

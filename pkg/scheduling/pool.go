@@ -30,10 +30,12 @@ var (
 type PoolSpec struct {
 	Endpoints []string
 	config.PoolScheduling
-	// turnsOverPool ranks a conversation's later turns over the whole pool
-	// (prefixAffinity.home): NewPools sets it on the decode pool whose
-	// picks the P/D decider's cache rule reads (Decider.decodeSpec).
-	turnsOverPool bool
+	// turnQueueSlack, when not 0, ranks a conversation's later turns over
+	// the whole pool (prefixAffinity.home) and, placed without a trusted
+	// view, bounds them at the mean queue + 3 × it, the bound of a followed
+	// history: NewPools sets it on the decode pool whose picks the P/D
+	// decider's cache rule reads (Decider.decodeSpec).
+	turnQueueSlack float64
 }
 
 // Pool is a named set of endpoints of one role (prefill or decode) and the
@@ -339,7 +341,7 @@ func (p *Pool) rebuild() {
 // what old's prefix affinity learned.
 func (p *Pool) pickerAfter(old *poolState) Picker {
 	s := p.spec
-	if old != nil && old.spec.Policy == s.Policy && old.spec.Prefix == s.Prefix && old.spec.turnsOverPool == s.turnsOverPool {
+	if old != nil && old.spec.Policy == s.Policy && old.spec.Prefix == s.Prefix && old.spec.turnQueueSlack == s.turnQueueSlack {
 		return old.picker
 	}
 	picker := newPicker(s, p.deps.intn, p.cache)

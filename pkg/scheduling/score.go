@@ -28,8 +28,7 @@ func newPicker(s PoolSpec, intn func(int) int, cache func() *kvevents.Index) Pic
 	case config.PolicyRoundRobin:
 		return &roundRobin{}
 	case config.PolicyPrefixAffinity:
-		estimate := cmp.Or(s.Prefix.EstimateQueueSlack, s.Prefix.QueueSlack)
-		p := &prefixAffinity{
+		return &prefixAffinity{
 			keys:               rendezvousKeys{blockChars: s.Prefix.BlockChars, keyBlocks: s.Prefix.KeyBlocks},
 			index:              newPrefixIndex(s.Prefix.BlockChars, s.Prefix.MaxBlocks),
 			shares:             newPoolShares(),
@@ -38,21 +37,12 @@ func newPicker(s PoolSpec, intn func(int) int, cache func() *kvevents.Index) Pic
 			factor:             s.Prefix.LoadFactor,
 			slack:              s.Prefix.LoadSlack,
 			queueSlack:         s.Prefix.QueueSlack,
-			estimateQueueSlack: estimate,
-			turnQueueSlack:     estimate,
+			estimateQueueSlack: cmp.Or(s.Prefix.EstimateQueueSlack, s.Prefix.QueueSlack),
+			turnQueueSlack:     s.turnQueueSlack,
 			spread:             s.Prefix.Spread,
-			turnsOverPool:      s.turnsOverPool,
 			fallback:           leastLoad,
 			cache:              cache,
 		}
-		if s.turnsOverPool && s.Prefix.EstimateQueueSlack != 0 {
-			// queue_slack left out on the cache rule's decode pool: the
-			// decode pool's default bounds the later turns, which follow
-			// their history, and the usual one the requests that start
-			// one (PoolSpec.turnsOverPool).
-			p.estimateQueueSlack = config.DefaultQueueSlack
-		}
-		return p
 	}
 	return leastLoad
 }
