@@ -23,8 +23,8 @@ var pdSeeds = simSeeds[:1]
 // them as markdown with the ratios to always-P/D and the targets met (to
 // standard output: go test would cut a benchmark's log to ten lines).
 func BenchmarkPD(b *testing.B) {
-	main := pdTable([]simWorkload{multiTurn, random, oneShot}, []float64{1, 1.5}, []int{1, 3}, pdPolicies)
-	sweep := pdTable([]simWorkload{multiTurn, random}, []float64{1, 1.5}, []int{1}, pdSweep())
+	main := pdTable([]simWorkload{multiTurn, random, oneShot}, []int{largeCache}, []float64{1, 1.5}, []int{1, 3}, pdPolicies)
+	sweep := pdTable([]simWorkload{multiTurn, random}, []int{largeCache}, []float64{1, 1.5}, []int{1}, pdSweep())
 	rows := runPD(slices.Concat(main, sweep), 10*time.Minute, pdSeeds)
 	for _, r := range rows {
 		b.Run(r.pdCell.String(), func(b *testing.B) {
@@ -40,6 +40,18 @@ func BenchmarkPD(b *testing.B) {
 	})
 }
 
+// BenchmarkPDSmallCache is BenchmarkPD's (b) and (a) where each engine's
+// prefix cache is smallCache, a quarter to a half of the tenants' system
+// prompts and far less than the conversations' histories: the decode
+// engines evict what the cache rule assumes they hold. Run it with
+//
+//	GOEXPERIMENT=simd go test -run '^$' -bench '^BenchmarkPDSmallCache$' -benchtime 1x ./pkg/scheduling/
+func BenchmarkPDSmallCache(b *testing.B) {
+	policies := []pdPolicy{pdAggregated, pdAlways, pdLength, pdCache, pdCacheEvents, pdCachePinned}
+	rows := runPD(pdTable([]simWorkload{multiTurn, oneShot}, []int{smallCache}, []float64{1, 1.5}, []int{1, 3}, policies), 10*time.Minute, pdSeeds)
+	b.Run("tables", func(b *testing.B) { fmt.Print(pdMarkdown("P/D", rows, rows)) })
+}
+
 // TestSimulatedPDTargets checks the targets of pdTargets on a short run that
 // make test affords: three simulated minutes of (b) and (e), one seed,
 // always-P/D against cache-aware with pkg/config's defaults, without and
@@ -50,8 +62,8 @@ func TestSimulatedPDTargets(t *testing.T) {
 		t.Skip("simulation: make test runs it without -race")
 	}
 	cells := slices.Concat(
-		pdTable([]simWorkload{multiTurn, random}, []float64{1, 1.5}, []int{1}, []pdPolicy{pdAlways, pdCache, pdCacheEvents}),
-		pdTable([]simWorkload{multiTurn}, []float64{1, 1.5}, []int{3}, []pdPolicy{pdCache, pdCacheEvents}))
+		pdTable([]simWorkload{multiTurn, random}, []int{largeCache}, []float64{1, 1.5}, []int{1}, []pdPolicy{pdAlways, pdCache, pdCacheEvents}),
+		pdTable([]simWorkload{multiTurn}, []int{largeCache}, []float64{1, 1.5}, []int{3}, []pdPolicy{pdCache, pdCacheEvents}))
 	rows := runPD(cells, 3*time.Minute, simSeeds[:1])
 	always := alwaysOf(rows)
 	for _, r := range rows {

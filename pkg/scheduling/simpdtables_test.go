@@ -19,8 +19,22 @@ import (
 // load, always-P/D's prefill pool is some 65 % busy on (b) and (e). (a)'s
 // stops at a third: its requests are many and short, so that at the rate
 // that would keep its prefill pool as busy the decode pool would be past
-// saturation at 1.5×.
+// saturation at 1.5×. The rates are the large cache's; see pdRate for the
+// small one.
 var pdRates = map[string]float64{multiTurn.name: 1.8, random.name: 0.8, oneShot.name: 3}
+
+// pdRate is a cell's rate factor: pdRates', but (b)'s at 0.8 where caches
+// are small. A prefill pool sized for the large cache's hit rates would be
+// past saturation at nominal load (always-P/D's 110 % busy at 1.8), and
+// operators size a pool for the hit rates they get: at 0.8 always-P/D's is
+// again some 65 % busy. (a)'s stays at 3, where the small cache's misses
+// keep it some 65 % busy too (a third with the large).
+func pdRate(c pdCell) float64 {
+	if c.cache == smallCache && c.workload.name == multiTurn.name {
+		return 0.8
+	}
+	return pdRates[c.workload.name]
+}
 
 func pdTokens(n int) *int { return &n }
 
@@ -62,13 +76,14 @@ func pdSweep() []pdPolicy {
 
 type pdCell struct {
 	workload simWorkload
+	cache    int // each engine's prefix cache, in characters
 	load     float64
 	replicas int
 	policy   pdPolicy
 }
 
 func (c pdCell) String() string {
-	return fmt.Sprintf("%s/load=%.1fx/replicas=%d/%s", c.workload.name, c.load, c.replicas, c.policy.name)
+	return fmt.Sprintf("%s/cache=%d/load=%.1fx/replicas=%d/%s", c.workload.name, c.cache, c.load, c.replicas, c.policy.name)
 }
 
 // pdRow is a cell's results, the means over the seeds.
@@ -78,13 +93,15 @@ type pdRow struct {
 	Same float64 // share of requests decided as at one replica; -1: not compared
 }
 
-func pdTable(workloads []simWorkload, loads []float64, replicas []int, policies []pdPolicy) []pdCell {
+func pdTable(workloads []simWorkload, caches []int, loads []float64, replicas []int, policies []pdPolicy) []pdCell {
 	var cells []pdCell
 	for _, w := range workloads {
-		for _, l := range loads {
-			for _, n := range replicas {
-				for _, p := range policies {
-					cells = append(cells, pdCell{w, l, n, p})
+		for _, c := range caches {
+			for _, l := range loads {
+				for _, n := range replicas {
+					for _, p := range policies {
+						cells = append(cells, pdCell{w, c, l, n, p})
+					}
 				}
 			}
 		}
@@ -96,22 +113,22 @@ func pdTable(workloads []simWorkload, loads []float64, replicas []int, policies 
 func runPD(cells []pdCell, duration time.Duration, seeds []uint64) []pdRow {
 	results := simulateCells(cells, seeds, func(c pdCell, seed uint64, ws *workloads) pdResult {
 		p := defaultPDParams()
-		p.Workload, p.Seed, p.Duration, p.Load = c.workload, seed, duration, c.load*pdRates[c.workload.name]
-		p.CacheChars = largeCache
+		p.Workload, p.Seed, p.Duration, p.Load = c.workload, seed, duration, c.load*pdRate(c)
+		p.CacheChars = c.cache
 		return simulatePD(p, ws.of(p.simParams), c.policy, c.replicas)
 	})
 
 	one := map[string]int{} // the cell at one replica of each workload, load and policy
 	for i, c := range cells {
 		if c.replicas == 1 {
-			one[fmt.Sprint(c.workload.name, c.load, c.policy.name)] = i
+			one[fmt.Sprint(c.workload.name, c.cache, c.load, c.policy.name)] = i
 		}
 	}
 	rows := make([]pdRow, len(cells))
 	for i, rs := range results {
 		row := pdRow{pdCell: cells[i], Same: -1}
 		k := float64(len(rs))
-		j, compared := one[fmt.Sprint(cells[i].workload.name, cells[i].load, cells[i].policy.name)]
+		j, compared := one[fmt.Sprint(cells[i].workload.name, cells[i].cache, cells[i].load, cells[i].policy.name)]
 		if compared = compared && cells[i].replicas > 1 && !cells[i].policy.aggregated; compared {
 			row.Same = 0
 		}
@@ -248,10 +265,10 @@ func pdTargets(r, always pdRow) []pdTarget {
 	return ts
 }
 
-// alwaysOf indexes the always-P/D rows by workload, load and replicas.
+// alwaysOf indexes the always-P/D rows by workload, cache, load and replicas.
 func alwaysOf(rows []pdRow) func(pdRow) pdRow {
 	index := map[string]pdRow{}
-	key := func(r pdRow) string { return fmt.Sprint(r.workload.name, r.load, r.replicas) }
+	key := func(r pdRow) string { return fmt.Sprint(r.workload.name, r.cache, r.load, r.replicas) }
 	for _, r := range rows {
 		if r.policy.name == pdAlways.name {
 			index[key(r)] = r
@@ -265,11 +282,11 @@ func alwaysOf(rows []pdRow) func(pdRow) pdRow {
 func pdMarkdown(title string, rows, all []pdRow) string {
 	always := alwaysOf(all)
 	var b strings.Builder
-	last := ""
+	var last pdCell
 	for _, r := range rows {
-		if r.workload.name != last {
-			last = r.workload.name
-			fmt.Fprintf(&b, "\n**%s (%s)**, rates × %g\n\n", title, last, pdRates[last])
+		if r.workload.name != last.workload.name || r.cache != last.cache {
+			last = r.pdCell
+			fmt.Fprintf(&b, "\n**%s (%s), cache %s characters**, rates × %g\n\n", title, r.workload.name, thousands(r.cache), pdRate(r.pdCell))
 			b.WriteString("| policy | load | replicas | requests | decode-only | mean TTFT, ms | p99 TTFT, ms | p99 ITL, ms | prefill work, s (busy) | local prefill, s | same decision | vs always: TTFT / p99 / ITL / work | cached_prefix / prefill_busy / decode_busy | targets |\n")
 			b.WriteString("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 		}
