@@ -112,6 +112,7 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 			s.failLoad(w, req, err)
 			return
 		}
+		s.metrics.promptTokens.Add(int64(req.promptTokens))
 		ph.run()
 		if err := s.answer(ctx, w, req, res); err != nil {
 			ex.rec.Canceled, ex.err = true, fmt.Errorf("answer cut short: %w", err)
@@ -126,6 +127,7 @@ func (s *Server) answer(ctx context.Context, w http.ResponseWriter, req *request
 	if res.oneToken {
 		n, finish = 1, "length"
 	}
+	s.metrics.generationTokens.Add(int64(n))
 	switch req.api {
 	case apiResponses:
 		return s.answerResponses(ctx, w, req, res, n, finish)

@@ -31,6 +31,10 @@ type metrics struct {
 	// prefixQueries and prefixHits are the prompt tokens looked up in cache
 	// and found there, vLLM's prefix_cache_queries and prefix_cache_hits.
 	prefixQueries, prefixHits atomic.Int64
+	// promptTokens and generationTokens are the prompt tokens of the
+	// requests whose first token was made (computed here or received) and
+	// the tokens generated, vLLM's prompt_tokens and generation_tokens.
+	promptTokens, generationTokens atomic.Int64
 }
 
 // Queues are what an engine reports queued beyond its own requests, set by a
@@ -128,7 +132,14 @@ func (m *metrics) serve(model, protocol, role string) http.HandlerFunc {
 			write("counter", []gauge{
 				{"vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.", float64(m.prefixQueries.Load())},
 				{"vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", float64(m.prefixHits.Load())},
+				{"vllm:prompt_tokens_total", "Number of prefill tokens processed.", float64(m.promptTokens.Load())},
+				{"vllm:generation_tokens_total", "Number of generation tokens processed.", float64(m.generationTokens.Load())},
 			})
+			// The KV cache's size, in the labels of an info gauge as vLLM
+			// prints its CacheConfig: all of the GPU's blocks (Config.KVBlocks),
+			// of which its prefix cache keeps those no running request holds.
+			fmt.Fprintf(w, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\n"+
+				"vllm:cache_config_info{block_size=\"%d\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"%d\"} 1.0\n", blockSize, m.capacity)
 		}
 	}
 }

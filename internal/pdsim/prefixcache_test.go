@@ -203,7 +203,9 @@ func ids(from, to int) string {
 }
 
 // vLLM's /metrics counts the prompt tokens the engine looked up in its prefix
-// cache and those it found; KV pulled from a prefill is no lookup.
+// cache and those it found (KV pulled from a prefill is no lookup), the prompt
+// tokens of every request and the tokens generated, and says the size of its
+// KV cache in the labels of cache_config_info.
 func TestPrefixCacheCounters(t *testing.T) {
 	p, d := nixlPair(t)
 	post(t, d, "/v1/chat/completions", chatOf("", turn1...), "")
@@ -218,6 +220,12 @@ func TestPrefixCacheCounters(t *testing.T) {
 		`vllm:prefix_cache_queries_total{engine="0",model_name="pdsim"} 89` + "\n", // 41 + 48
 		"# TYPE vllm:prefix_cache_hits_total counter\n",
 		`vllm:prefix_cache_hits_total{engine="0",model_name="pdsim"} 32` + "\n",
+		"# TYPE vllm:prompt_tokens_total counter\n",
+		`vllm:prompt_tokens_total{engine="0",model_name="pdsim"} 130` + "\n", // 89 and the pulled prompt's 41
+		"# TYPE vllm:generation_tokens_total counter\n",
+		`vllm:generation_tokens_total{engine="0",model_name="pdsim"} 48` + "\n", // 16 a request
+		"# TYPE vllm:cache_config_info gauge\n",
+		`vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0",num_gpu_blocks="8192"} 1.0` + "\n",
 	} {
 		if !strings.Contains(m, want) {
 			t.Errorf("/metrics lacks %q:\n%s", want, m)

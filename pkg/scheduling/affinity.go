@@ -118,8 +118,8 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 		served = p.index.matched(hs)
 		if !routed(served, len(prefix)/p.keys.blockChars) || prefix == "" {
 			e := p.fallback.Pick(req, eps)
-			p.estimate(req, e, served, false)
-			p.index.record(prompt, hs, e.Addr)
+			p.estimate(req, e, hs, served, false)
+			p.record(prompt, hs, e)
 			return e
 		}
 	}
@@ -170,8 +170,8 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	}
 	chosen = p.hinted(req, rs, chosen, served, hs, len(conversation)/p.keys.blockChars, follow)
 	first := chosen.e == rs[0].e && p.keys.keyedAlike(req) && p.rankedAlike(req, chosen.e, h, conv, share, eps, served)
-	p.estimate(req, chosen.e, served, first)
-	p.index.record(prompt, hs, chosen.e.Addr)
+	p.estimate(req, chosen.e, hs, served, first)
+	p.record(prompt, hs, chosen.e)
 	return chosen.e
 }
 
@@ -268,14 +268,21 @@ func (p *prefixAffinity) rankedAlike(req *Request, e *Endpoint, prefix, conversa
 // conversation's, with no load in the way) and the previous request ranked
 // alike, at least the conversation's previous request, which every replica
 // sent there unless a load bound spilled it. The second holds whatever
-// replica routed that request, so replicas mostly estimate alike. An
+// replica routed that request, so replicas mostly estimate alike. What this
+// replica remembers sending counts only while e's engine, by its scraped
+// counters, has since written less than its cache holds (prefixIndex.fresh):
+// a cache smaller than the prompts it serves has evicted the rest. An
 // endpoint that has failed requests since it last served one (troubled) is
 // estimated to hold nothing: its engine may have restarted, its cache lost.
-func (p *prefixAffinity) estimate(req *Request, e *Endpoint, served map[string]int, first bool) {
+func (p *prefixAffinity) estimate(req *Request, e *Endpoint, hs []uint64, served map[string]int, first bool) {
 	if req == nil {
 		return
 	}
-	held := served[e.Addr] * p.keys.blockChars
+	blocks := served[e.Addr]
+	if since, until, ok := e.cacheWindow(); ok && blocks > 0 {
+		blocks = p.index.fresh(hs[:blocks], e.Addr, since, until)
+	}
+	held := blocks * p.keys.blockChars
 	if first {
 		held = max(held, len(req.Previous()))
 	}
@@ -283,6 +290,13 @@ func (p *prefixAffinity) estimate(req *Request, e *Endpoint, served map[string]i
 		held = 0
 	}
 	req.held = estimate{addr: e.Addr, chars: held}
+}
+
+// record notes in the local hint that e now holds prompt, whose chain is hs,
+// with how much its engine had written into its cache by then.
+func (p *prefixAffinity) record(prompt string, hs []uint64, e *Endpoint) {
+	_, written, _ := e.cacheWindow()
+	p.index.record(prompt, hs, e.Addr, written)
 }
 
 // routed says whether this replica sent a request with these blocks

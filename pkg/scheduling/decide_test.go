@@ -273,3 +273,52 @@ func TestTheUncachedShareIsOfCharacters(t *testing.T) {
 		t.Errorf("Decide() = %+v, want P/D", got)
 	}
 }
+
+// TestRememberedPrefixesAgeWithWhatTheEngineWrites: a one-shot question whose
+// system prompt this replica sent the decode endpoint before is estimated to
+// find it there, and goes decode-only (cached_prefix), only while the engine
+// has since written less into its cache than the cache holds, by its scraped
+// counters: a cache smaller than the prompts it serves has evicted it, and
+// decode-only would recompute the system prompt on the decode engine. An
+// engine whose counters went back (a restart) holds nothing sent before; one
+// that does not report its cache is estimated as before.
+func TestRememberedPrefixesAgeWithWhatTheEngineWrites(t *testing.T) {
+	system := simMessage{"system", strings.Repeat("s", 8000)} // some 2,000 tokens
+	tests := []struct {
+		name        string
+		size        float64 // the engine's cache, tokens; 0: not reported
+		before, now float64 // what it had written when the first question went, and now
+		want        Split
+	}{
+		{name: "a cache that does not say its size", before: 5000, now: 500_000, want: Split{Reason: metrics.ReasonCachedPrefix}},
+		{name: "written less than the cache since", size: 10_000, before: 5000, now: 14_000, want: Split{Reason: metrics.ReasonCachedPrefix}},
+		{name: "written more than the cache since", size: 10_000, before: 5000, now: 16_000, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "restarted since", size: 10_000, before: 5000, now: 3000, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "sent before the first scrape, written less than the cache", size: 10_000, now: 9000, want: Split{Reason: metrics.ReasonCachedPrefix}},
+		{name: "sent before the first scrape, written more than the cache", size: 10_000, now: 11_000, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			scrape := config.EngineMetrics{Interval: config.Duration(time.Second)}
+			ps := NewPools(Spec{
+				Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}},
+				Decode:  PoolSpec{Endpoints: []string{"10.0.0.1:8000"}, PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Metrics: scrape}},
+			}, Deps{})
+			e := ps.Decode.Endpoints()[0]
+			if tt.before > 0 {
+				e.observe(Load{CacheTokens: tt.size, Written: tt.before, At: time.Now()})
+			}
+			if _, err := ps.Decode.Select(chatRequest([]simMessage{system, {"user", "What is a haiku?"}})); err != nil {
+				t.Fatal(err)
+			}
+			e.observe(Load{CacheTokens: tt.size, Written: tt.now, At: time.Now()})
+			req := chatRequest([]simMessage{system, {"user", "Who wrote the Iliad?"}})
+			if _, err := ps.Decode.Select(req); err != nil {
+				t.Fatal(err)
+			}
+			if got := ps.Decide(req, e); got.PD != tt.want.PD || got.Reason != tt.want.Reason {
+				t.Fatalf("Decide() = %+v (estimated held %d characters), want %+v", got, req.Held(e), tt.want)
+			}
+		})
+	}
+}

@@ -163,6 +163,24 @@ type Load struct {
 	Running float64   // requests in the engine's running batch
 	KVUsage float64   // KV cache in use, 0..1
 	At      time.Time // when it was scraped
+	// CacheTokens is the engine's KV cache, in tokens (vLLM's
+	// cache_config_info: num_gpu_blocks × block_size), and Written what it
+	// has written into it since it started: the prompt tokens its prefix
+	// cache did not hold, and those it generated (vLLM's counters). 0 when
+	// not reported.
+	CacheTokens, Written float64
+}
+
+// cacheWindow is the range of the engine's Written within which what it
+// wrote is still in its cache, by its last fresh scrape: it keeps the
+// CacheTokens it wrote last, at most (a restarted engine's Written starts
+// again from 0). ok is false when the scrape does not tell.
+func (e *Endpoint) cacheWindow() (since, until float64, ok bool) {
+	l, ok := e.Load()
+	if !ok || l.CacheTokens <= 0 {
+		return 0, 0, false
+	}
+	return l.Written - l.CacheTokens, l.Written, true
 }
 
 // Load returns the last scraped load, and false when there is none or it is stale.

@@ -51,6 +51,6 @@ func (p *learnedAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 	if best == nil {
 		best = p.fallback.Pick(req, within)
 	}
-	p.index.record(req.Prompt(), hs, best.Addr)
+	p.index.record(req.Prompt(), hs, best.Addr, 0)
 	return best
 }

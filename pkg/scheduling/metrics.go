@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"slices"
+	"strconv"
 	"time"
 
 	dto "github.com/prometheus/client_model/go"
@@ -26,6 +27,20 @@ var (
 	kvUsageGauges = []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"}
 	runningGauges = []string{"vllm:num_requests_running", "sglang:num_running_reqs"}
 )
+
+// What a vLLM engine reports of its prefix cache (vllm/v1/metrics/loggers.py):
+// its size in the labels of an info gauge (num_gpu_blocks of block_size
+// tokens), and the counters of its prompt tokens, of those its prefix cache
+// held, and of its generated tokens, from which what it has written into the
+// cache follows (Load.Written).
+const (
+	cacheConfigInfo  = "vllm:cache_config_info"
+	promptTokens     = "vllm:prompt_tokens_total"
+	prefixCacheHits  = "vllm:prefix_cache_hits_total"
+	generationTokens = "vllm:generation_tokens_total"
+)
+
+var cacheSeries = []string{cacheConfigInfo, promptTokens, prefixCacheHits, generationTokens}
 
 // pdQueues are the queues an SGLang engine in P/D mode keeps apart from its
 // waiting queue, by the role it plays (SGLang's
@@ -100,10 +115,38 @@ func parseLoad(r io.Reader, ro role) (Load, error) {
 			l.Waiting += sum(f)
 		}
 	}
+	l.CacheTokens, l.Written = cacheOf(families)
 	return l, nil
 }
 
-// loadLines are the lines of a Prometheus text answer about the gauges
+// cacheOf is the engine's cache in tokens and what it has written into it
+// (Load.CacheTokens, Load.Written), summed over its series (data-parallel
+// ranks); 0, 0 unless it reports them all.
+func cacheOf(families map[string]*dto.MetricFamily) (size, written float64) {
+	for _, name := range cacheSeries {
+		if families[name] == nil {
+			return 0, 0
+		}
+	}
+	for _, m := range families[cacheConfigInfo].GetMetric() {
+		var blocks, tokens float64
+		for _, l := range m.GetLabel() {
+			switch l.GetName() {
+			case "num_gpu_blocks":
+				blocks, _ = strconv.ParseFloat(l.GetValue(), 64) // "None" before the engine has sized its cache
+			case "block_size":
+				tokens, _ = strconv.ParseFloat(l.GetValue(), 64)
+			}
+		}
+		size += blocks * tokens
+	}
+	if size <= 0 {
+		return 0, 0
+	}
+	return size, sum(families[promptTokens]) - sum(families[prefixCacheHits]) + sum(families[generationTokens])
+}
+
+// loadLines are the lines of a Prometheus text answer about the series
 // parseLoad reads: their samples and their HELP and TYPE comments. An
 // engine's answer is some 100 KiB of histograms, whose whole parse took
 // some 35 times as long and 100 times the memory (BenchmarkParseLoad).
@@ -122,17 +165,17 @@ func loadLines(r io.Reader, ro role) ([]byte, error) {
 		if i := bytes.IndexAny(name, "{ \t"); i >= 0 {
 			name = name[:i]
 		}
-		if loadGauge(string(name), ro) {
+		if loadSeries(string(name), ro) {
 			out = append(append(out, line...), '\n')
 		}
 	}
 	return out, s.Err()
 }
 
-// loadGauge says whether parseLoad reads the gauge of that name for an
+// loadSeries says whether parseLoad reads the series of that name for an
 // engine in role ro.
-func loadGauge(name string, ro role) bool {
-	if slices.Contains(waitingGauges, name) || slices.Contains(kvUsageGauges, name) || slices.Contains(runningGauges, name) {
+func loadSeries(name string, ro role) bool {
+	if slices.Contains(waitingGauges, name) || slices.Contains(kvUsageGauges, name) || slices.Contains(runningGauges, name) || slices.Contains(cacheSeries, name) {
 		return true
 	}
 	for _, names := range pdQueues[ro] {

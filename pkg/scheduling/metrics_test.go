@@ -66,6 +66,13 @@ sglang:num_running_reqs{model_name="m"} 12
 			text: "sglang:num_decode_prealloc_queue_reqs 3\n", wantErr: true},
 		{name: "tabs and leading blanks, as the text format allows", text: "  vllm:num_requests_waiting\t7\n# TYPE\tvllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc\t{engine=\"0\"} 0.5\n",
 			want: Load{Waiting: 7, KVUsage: 0.5}},
+		{name: "vLLM's cache: its size and what it wrote (prompt less hits, plus generated)", text: vllmCache(`num_gpu_blocks="661"`, true),
+			want: Load{Waiting: 2, KVUsage: 0.5, CacheTokens: 661 * 16, Written: 9000 - 4000 + 1500}},
+		{name: "vLLM's cache before the engine has sized it", text: vllmCache(`num_gpu_blocks="None"`, true), want: Load{Waiting: 2, KVUsage: 0.5}},
+		{name: "vLLM's cache without the hits counter (prefix caching off)", text: vllmCache(`num_gpu_blocks="661"`, false), want: Load{Waiting: 2, KVUsage: 0.5}},
+		{name: "vLLM's cache, data-parallel ranks add up", text: vllmCache(`num_gpu_blocks="661"`, true) +
+			"vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"339\"} 1.0\nvllm:prompt_tokens_total{engine=\"1\"} 100\n",
+			want: Load{Waiting: 2, KVUsage: 0.5, CacheTokens: 1000 * 16, Written: 9100 - 4000 + 1500}},
 		{name: "KV use above 1 is clamped", text: "vllm:kv_cache_usage_perc 1.7\n", want: Load{KVUsage: 1}},
 		{name: "not an engine we know", text: "process_cpu_seconds_total 12\n", wantErr: true},
 		{name: "not the text format", text: "<html>", wantErr: true},
@@ -81,6 +88,34 @@ sglang:num_running_reqs{model_name="m"} 12
 			}
 		})
 	}
+}
+
+// vllmCache is a vLLM answer with its cache's size and counters as
+// prometheus_client prints them (an info gauge, counters with their _total
+// and _created), the hits counter left out unless hits.
+func vllmCache(blocks string, hits bool) string {
+	text := `vllm:num_requests_waiting{engine="0"} 2
+vllm:kv_cache_usage_perc{engine="0"} 0.5
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",` + blocks + `} 1.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 9000.0
+# HELP vllm:prompt_tokens_created Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_created gauge
+vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e+09
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 1500.0
+`
+	if hits {
+		text += `# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 4000.0
+`
+	}
+	return text
 }
 
 func TestScrapedLoadCountsUntilStale(t *testing.T) {

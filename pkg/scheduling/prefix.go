@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"hash/maphash"
 	"math"
+	"slices"
 	"sync"
 )
 
@@ -30,11 +31,19 @@ type prefixIndex struct {
 
 type prefixEntry struct {
 	hash    uint64
-	servers [serversPerBlock]string // most recent first
+	servers [serversPerBlock]holder // most recent first
 	// The last request recorded to end in this block: a hash of its text
 	// after the block (a partial block, often empty); ends says there is one.
 	tail uint64
 	ends bool
+}
+
+// holder is an endpoint a block was sent to, and how much its engine had
+// written into its cache by then (Load.Written; 0: not known), against which
+// what it writes later ages the block (prefixIndex.fresh).
+type holder struct {
+	addr    string
+	written float64
 }
 
 func newPrefixIndex(blockChars, capacity int) *prefixIndex {
@@ -76,8 +85,8 @@ func (x *prefixIndex) matched(hs []uint64) map[string]int {
 			break // record refreshes a chain head last, so it outlives its tail
 		}
 		for _, s := range el.Value.(*prefixEntry).servers {
-			if s != "" {
-				m[s] = i + 1
+			if s.addr != "" {
+				m[s.addr] = i + 1
 			}
 		}
 	}
@@ -100,9 +109,28 @@ func (x *prefixIndex) ended(text string, hs []uint64) bool {
 	return ok && el.Value.(*prefixEntry).ends && el.Value.(*prefixEntry).tail == tail
 }
 
-// record notes that addr now holds the chain hs of prompt, and that a
-// request ended with prompt.
-func (x *prefixIndex) record(prompt string, hs []uint64, addr string) {
+// fresh is how many leading blocks of the chain hs this replica last sent
+// addr while its engine's Written was within [since, until]
+// (Endpoint.cacheWindow): those an engine that keeps what it wrote last
+// (vLLM's prefix cache evicts the least recently used blocks) still holds,
+// as far as this replica knows.
+func (x *prefixIndex) fresh(hs []uint64, addr string, since, until float64) int {
+	in := func(s holder) bool { return s.addr == addr && s.written >= since && s.written <= until }
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	for i, h := range hs {
+		el, ok := x.entries[h]
+		if !ok || !slices.ContainsFunc(el.Value.(*prefixEntry).servers[:], in) {
+			return i
+		}
+	}
+	return len(hs)
+}
+
+// record notes that addr, whose engine had written written tokens into its
+// cache (Load.Written), now holds the chain hs of prompt, and that a request
+// ended with prompt.
+func (x *prefixIndex) record(prompt string, hs []uint64, addr string, written float64) {
 	if len(hs) == 0 {
 		return
 	}
@@ -123,18 +151,18 @@ func (x *prefixIndex) record(prompt string, hs []uint64, addr string) {
 			e = &prefixEntry{hash: hs[i]}
 			x.entries[hs[i]] = x.lru.PushFront(e)
 		}
-		e.servers = withFirst(e.servers, addr)
+		e.servers = withFirst(e.servers, holder{addr, written})
 		if i == len(hs)-1 {
 			e.tail, e.ends = tail, true
 		}
 	}
 }
 
-func withFirst(s [serversPerBlock]string, addr string) [serversPerBlock]string {
-	out := [serversPerBlock]string{addr}
+func withFirst(s [serversPerBlock]holder, first holder) [serversPerBlock]holder {
+	out := [serversPerBlock]holder{first}
 	k := 1
 	for _, v := range s {
-		if v != addr && v != "" && k < serversPerBlock {
+		if v.addr != first.addr && v.addr != "" && k < serversPerBlock {
 			out[k] = v
 			k++
 		}

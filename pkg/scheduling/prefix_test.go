@@ -78,7 +78,7 @@ func TestPrefixIndexMatch(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			x := newPrefixIndex(16, tt.capacity)
 			for _, s := range tt.served {
-				x.record(s.prompt, x.hashes(0, s.prompt), s.addr)
+				x.record(s.prompt, x.hashes(0, s.prompt), s.addr, 0)
 			}
 			if got := x.matched(x.hashes(0, tt.prompt)); !maps.Equal(got, tt.want) {
 				t.Fatalf("matched() = %v, want %v", got, tt.want)
@@ -107,7 +107,7 @@ func TestPrefixIndexKnowsWhichRequestsItRouted(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			x := newPrefixIndex(16, 100)
 			for _, r := range tt.routed {
-				x.record(r, x.hashes(0, r), "e1")
+				x.record(r, x.hashes(0, r), "e1", 0)
 			}
 			prompt := tt.previous + blocks("zz") // the turn that follows it
 			if got := x.ended(tt.previous, x.hashes(0, prompt)); got != tt.want {
@@ -178,10 +178,10 @@ func TestPrefixAffinityPick(t *testing.T) {
 			aff := p.state.Load().picker.(*prefixAffinity)
 			rank := ranking(p, tt.prompt)
 			if key := tt.prompt[:min(len(tt.prompt), 32)]; !tt.unrouted && len(key) == 32 {
-				aff.index.record(key, aff.index.hashes(0, key), rank[0])
+				aff.index.record(key, aff.index.hashes(0, key), rank[0], 0)
 			}
 			for _, s := range tt.served {
-				aff.index.record(s.prompt, aff.index.hashes(0, s.prompt), rank[s.rank])
+				aff.index.record(s.prompt, aff.index.hashes(0, s.prompt), rank[s.rank], 0)
 			}
 			for i, n := range tt.inflight {
 				for range n {

@@ -261,6 +261,7 @@ type simLRU struct {
 	capacity int
 	m        map[uint64]*list.Element
 	lru      list.List
+	stored   int // hashes added, not touched, since it started: as an engine's Load.Written
 }
 
 func newSimLRU(capacity int) *simLRU {
@@ -282,6 +283,7 @@ func (c *simLRU) add(h uint64) (evicted uint64, ok bool) {
 		c.lru.Remove(old)
 	}
 	c.m[h] = c.lru.PushFront(h)
+	c.stored++
 	return evicted, ok
 }
 

@@ -216,7 +216,8 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 			for _, e := range slices.Concat(ps.Prefill.Endpoints(), ps.Decode.Endpoints()) {
 				eng := s.engines[e.Addr]
 				e.observe(Load{Waiting: eng.waiting(), Running: float64(len(eng.running) + busy(eng.busy)),
-					KVUsage: min(1, float64(len(eng.running))/128), At: simEpoch.Add(s.now)})
+					KVUsage: min(1, float64(len(eng.running))/128), At: simEpoch.Add(s.now),
+					CacheTokens: float64(p.CacheChars / pdCharsPerToken), Written: float64(eng.cache.stored * simBlock / pdCharsPerToken)})
 			}
 		}
 		for _, h := range s.holds {

@@ -8,6 +8,9 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 )
 
 // TestLaterTurnsSkipThePrefillLeg: a conversation's first turn is P/D; its
@@ -154,6 +157,54 @@ func TestAnEvictedDecodeEngineLosesTheCacheRule(t *testing.T) {
 			t.Errorf("turn %d: pd_extproc_endpoint_cache_trusted = %v, want %v", turn, got, want.trusted)
 		}
 	}
+}
+
+// TestAnEngineThatWroteItsCacheOverLosesTheEstimate: one-shot questions
+// under one system prompt, on a decode engine whose cache holds 1,024 tokens.
+// The first goes P/D and leaves the prompt in the decode engine's cache; the
+// second finds it there by what the router remembers sending, and goes
+// decode-only. Then the engine computes other clients' prompts, more than its
+// cache holds, which evicts the system prompt; once the router has scraped
+// its counters, the third question goes P/D, where decode-only would compute
+// the system prompt again on the decode engine. Envoy's response path is off:
+// no answer tells the router of the eviction.
+func TestAnEngineThatWroteItsCacheOverLosesTheEstimate(t *testing.T) {
+	r := startRig(t, rigOptions{mode: "no_response", decodes: 1, promptTokensDetails: true, prefixCacheBlocks: 64, kvBlocks: 64,
+		decodePool: "policy: prefix-affinity, metrics: {interval: 50ms, stale_after: 1h}", prefillPool: "policy: prefix-affinity",
+		extra: "pd: {min_uncached_tokens: 100}"})
+	decode := r.decode[0]
+	ask := func(n int, wantPrefills int) {
+		t.Helper()
+		c := conversation{marker: fmt.Sprintf("[question %d]", n)}
+		c.next(t, r)
+		if got := sum(legsOn(r.prefill, c.marker)); got != wantPrefills {
+			t.Errorf("question %d: %d prefill legs, want %d", n, got, wantPrefills)
+		}
+	}
+	scraped := func(waiting int) {
+		t.Helper()
+		decode.SetQueues(pdsim.Queues{Waiting: waiting})
+		waitFor(t, 20*time.Second, "a scrape of the decode engine", func() bool {
+			return r.metric(t, fmt.Sprintf(`pd_extproc_endpoint_engine_waiting{endpoint=%q,pool="decode"}`, decode.Addr())) == float64(waiting)
+		})
+	}
+	scraped(1)
+	ask(1, 1)
+	scraped(2)
+	ask(2, 0)
+	for i := range 3 { // 1,500 tokens of other prompts, straight to the engine
+		body := fmt.Sprintf(`{"model":"pdsim","max_tokens":1,"prompt":"%d %s"}`, i, strings.Repeat("another client's prompt ", 125))
+		resp, err := http.Post("http://"+decode.Addr()+"/v1/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("prompt %d straight to the decode engine: status %d", i, resp.StatusCode)
+		}
+	}
+	scraped(3)
+	ask(3, 1)
 }
 
 // TestAnEngineThatNeverStatesItsCachedTokensKeepsTheCacheRule: a decode

@@ -63,8 +63,9 @@ type rigOptions struct {
 	// their policy must be prefix-affinity (the prefill pool's only when it
 	// has simulators).
 	kvEvents []string
-	// prefixCacheBlocks sizes the simulators' prefix caches (0: pdsim's).
-	prefixCacheBlocks int
+	// prefixCacheBlocks sizes the simulators' prefix caches, and kvBlocks
+	// their KV caches, whose size they report (0: pdsim's).
+	prefixCacheBlocks, kvBlocks int
 	// noRender: the simulators have no render endpoints (older vLLM).
 	noRender bool
 	lora     []string // LoRA adapters the simulators serve besides pdsim
@@ -107,6 +108,7 @@ func startRig(t *testing.T, o rigOptions) *rig {
 		},
 		PromptTokensDetails: o.promptTokensDetails,
 		PrefixCacheBlocks:   o.prefixCacheBlocks,
+		KVBlocks:            o.kvBlocks,
 		NoRender:            o.noRender,
 		LoRA:                o.lora,
 		APIKey:              o.apiKey,
