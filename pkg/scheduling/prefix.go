@@ -151,23 +151,22 @@ func (x *prefixIndex) record(prompt string, hs []uint64, addr string, written fl
 			e = &prefixEntry{hash: hs[i]}
 			x.entries[hs[i]] = x.lru.PushFront(e)
 		}
-		e.servers = withFirst(e.servers, holder{addr, written})
+		withFirst(&e.servers, holder{addr, written})
 		if i == len(hs)-1 {
 			e.tail, e.ends = tail, true
 		}
 	}
 }
 
-func withFirst(s [serversPerBlock]holder, first holder) [serversPerBlock]holder {
-	out := [serversPerBlock]holder{first}
-	k := 1
-	for _, v := range s {
-		if v.addr != first.addr && v.addr != "" && k < serversPerBlock {
-			out[k] = v
-			k++
-		}
+// withFirst puts first at the front of s, the others after it in their
+// order: first's older place, or else the last, is given up.
+func withFirst(s *[serversPerBlock]holder, first holder) {
+	i := slices.IndexFunc(s[:], func(h holder) bool { return h.addr == first.addr })
+	if i < 0 {
+		i = serversPerBlock - 1
 	}
-	return out
+	copy(s[1:i+1], s[:i])
+	s[0] = first
 }
 
 // coverage is how often this replica routed the previous request of a
