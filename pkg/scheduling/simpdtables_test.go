@@ -27,8 +27,8 @@ var pdRates = map[string]float64{multiTurn.name: 1.8, random.name: 0.8, oneShot.
 // are small. A prefill pool sized for the large cache's hit rates would be
 // past saturation at nominal load (always-P/D's 110 % busy at 1.8), and
 // operators size a pool for the hit rates they get: at 0.8 always-P/D's is
-// again some 65 % busy. (a)'s stays at 3, where the small cache's misses
-// keep it some 65 % busy too (a third with the large).
+// some 60 % busy. (a)'s stays at 3, where the small cache's misses keep it
+// some 65 % busy (a third with the large).
 func pdRate(c pdCell) float64 {
 	if c.cache == smallCache && c.workload.name == multiTurn.name {
 		return 0.8
