@@ -47,7 +47,7 @@ func BenchmarkPD(b *testing.B) {
 //
 //	GOEXPERIMENT=simd go test -run '^$' -bench '^BenchmarkPDSmallCache$' -benchtime 1x ./pkg/scheduling/
 func BenchmarkPDSmallCache(b *testing.B) {
-	policies := []pdPolicy{pdAggregated, pdAlways, pdLength, pdCache, pdCacheEvents, pdCachePinned}
+	policies := []pdPolicy{pdAggregated, pdAlways, pdLength, pdCache, pdLoadArm, pdCacheEvents, pdCachePinned}
 	rows := runPD(pdTable([]simWorkload{multiTurn, oneShot}, []int{smallCache}, []float64{1, 1.5}, []int{1, 3}, policies), 10*time.Minute, pdSeeds)
 	b.Run("tables", func(b *testing.B) { fmt.Print(pdMarkdown("P/D", rows, rows)) })
 }
