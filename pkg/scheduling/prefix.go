@@ -109,22 +109,27 @@ func (x *prefixIndex) ended(text string, hs []uint64) bool {
 	return ok && el.Value.(*prefixEntry).ends && el.Value.(*prefixEntry).tail == tail
 }
 
-// fresh is how many leading blocks of the chain hs this replica last sent
-// addr while its engine's Written was within [since, until]
-// (Endpoint.cacheWindow): those an engine that keeps what it wrote last
-// (vLLM's prefix cache evicts the least recently used blocks) still holds,
-// as far as this replica knows.
+// fresh is how many leading blocks of the chain hs addr holds, as matched
+// counts them, by the blocks this replica last sent addr while its engine's
+// Written was within [since, until] (Endpoint.cacheWindow): those an engine
+// that keeps what it wrote last (vLLM's prefix cache evicts the least
+// recently used blocks) still holds, as far as this replica knows. A block
+// sent carries the chain before it, which was used again with it.
 func (x *prefixIndex) fresh(hs []uint64, addr string, since, until float64) int {
 	in := func(s holder) bool { return s.addr == addr && s.written >= since && s.written <= until }
+	n := 0
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	for i, h := range hs {
 		el, ok := x.entries[h]
-		if !ok || !slices.ContainsFunc(el.Value.(*prefixEntry).servers[:], in) {
-			return i
+		if !ok {
+			break // as matched
+		}
+		if slices.ContainsFunc(el.Value.(*prefixEntry).servers[:], in) {
+			n = i + 1
 		}
 	}
-	return len(hs)
+	return n
 }
 
 // record notes that addr, whose engine had written written tokens into its

@@ -87,6 +87,46 @@ func TestPrefixIndexMatch(t *testing.T) {
 	}
 }
 
+// fresh counts, of what matched counts for an endpoint, the blocks it was
+// sent while its engine's written tokens were within the window: up to the
+// deepest such block, a chain carrying the blocks before it, even where more
+// recent endpoints took the endpoint's place in a popular block's list.
+func TestPrefixIndexFresh(t *testing.T) {
+	type send struct {
+		prompt, addr string
+		written      float64
+	}
+	tests := []struct {
+		name         string
+		sent         []send
+		since, until float64
+		want         int
+	}{
+		{name: "within the window", sent: []send{{blocks("abc"), "e1", 100}}, since: 50, until: 200, want: 3},
+		{name: "written over since", sent: []send{{blocks("abc"), "e1", 100}}, since: 150, until: 400, want: 0},
+		{name: "a restart since", sent: []send{{blocks("abc"), "e1", 100}}, since: -900, until: 50, want: 0},
+		{name: "the head sent again since, the rest written over",
+			sent: []send{{blocks("abc"), "e1", 100}, {blocks("a"), "e1", 300}}, since: 150, until: 400, want: 1},
+		{name: "the chain sent again carries its head", sent: []send{{blocks("a"), "e1", 100}, {blocks("abc"), "e1", 300}}, since: 150, until: 400, want: 3},
+		{name: "the head's list taken over by four other endpoints",
+			sent:  []send{{blocks("abc"), "e1", 100}, {blocks("a"), "e2", 0}, {blocks("a"), "e3", 0}, {blocks("a"), "e4", 0}, {blocks("a"), "e5", 0}},
+			since: 50, until: 200, want: 3},
+		{name: "another endpoint's fresh blocks do not count", sent: []send{{blocks("abc"), "e2", 100}}, since: 50, until: 200, want: 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			x := newPrefixIndex(16, 100)
+			for _, s := range tt.sent {
+				x.record(s.prompt, x.hashes(0, s.prompt), s.addr, s.written)
+			}
+			hs := x.hashes(0, blocks("abc"))
+			if got := x.fresh(hs[:x.matched(hs)["e1"]], "e1", tt.since, tt.until); got != tt.want {
+				t.Fatalf("fresh() = %d, want %d", got, tt.want)
+			}
+		})
+	}
+}
+
 // A later turn's previous request counts as routed here only if a request
 // with exactly its text was: sharing its blocks is not enough.
 func TestPrefixIndexKnowsWhichRequestsItRouted(t *testing.T) {
