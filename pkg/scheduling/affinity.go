@@ -130,7 +130,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	// A later turn's history is where its conversation ranks first (home):
 	// it stays there within the bound of a followed history, as the other
 	// replicas would not follow it elsewhere.
-	followed := p.turnQueueSlack > 0 && previous != "" && held == nil
+	followed := p.cacheRule() && previous != "" && held == nil
 	switch {
 	case followed:
 		queueSlack = p.turnQueueSlack
@@ -222,7 +222,7 @@ func (p *prefixAffinity) hinted(req *Request, rs []ranked, chosen ranked, served
 // (ranked as one-shot questions are, in the home set) when the whole pool's
 // first is another endpoint.
 func (p *prefixAffinity) home(req *Request, share float64, n int) int {
-	if p.turnQueueSlack > 0 && req.Previous() != "" && homeSize(2*share, n, p.spread) > 1 {
+	if p.cacheRule() && req.Previous() != "" && homeSize(2*share, n, p.spread) > 1 {
 		return n
 	}
 	return homeSize(share, n, p.spread)
@@ -269,9 +269,10 @@ func (p *prefixAffinity) rankedAlike(req *Request, e *Endpoint, prefix, conversa
 // alike, at least the conversation's previous request, which every replica
 // sent there unless a load bound spilled it. The second holds whatever
 // replica routed that request, so replicas mostly estimate alike. What this
-// replica remembers sending counts only while e's engine, by its scraped
-// counters, has since written less than its cache holds (prefixIndex.fresh):
-// a cache smaller than the prompts it serves has evicted the rest. An
+// replica remembers sending counts, on the pool whose estimates the cache
+// rule reads, only while e's engine, by its scraped counters, has since
+// written less than its cache holds (prefixIndex.fresh): a cache smaller
+// than the prompts it serves has evicted the rest. An
 // endpoint that has failed requests since it last served one (troubled) is
 // estimated to hold nothing: its engine may have restarted, its cache lost.
 func (p *prefixAffinity) estimate(req *Request, e *Endpoint, hs []uint64, served map[string]int, first bool) {
@@ -279,8 +280,10 @@ func (p *prefixAffinity) estimate(req *Request, e *Endpoint, hs []uint64, served
 		return
 	}
 	blocks := served[e.Addr]
-	if since, until, ok := e.cacheWindow(); ok && blocks > 0 {
-		blocks = p.index.fresh(hs[:blocks], e.Addr, since, until)
+	if blocks > 0 && p.cacheRule() {
+		if since, until, ok := e.cacheWindow(); ok {
+			blocks = p.index.fresh(hs[:blocks], e.Addr, since, until)
+		}
 	}
 	held := blocks * p.keys.blockChars
 	if first {
@@ -293,11 +296,20 @@ func (p *prefixAffinity) estimate(req *Request, e *Endpoint, hs []uint64, served
 }
 
 // record notes in the local hint that e now holds prompt, whose chain is hs,
-// with how much its engine had written into its cache by then.
+// and, where the cache rule reads the estimates, how much its engine had
+// written into its cache by then.
 func (p *prefixAffinity) record(prompt string, hs []uint64, e *Endpoint) {
-	_, written, _ := e.cacheWindow()
+	var written float64
+	if p.cacheRule() {
+		_, written, _ = e.cacheWindow()
+	}
 	p.index.record(prompt, hs, e.Addr, written)
 }
+
+// cacheRule says whether the P/D decider's cache rule reads this pool's
+// picks and their estimates: Decider.decodeSpec gives that pool alone a
+// turnQueueSlack. Elsewhere nothing reads what the engines wrote.
+func (p *prefixAffinity) cacheRule() bool { return p.turnQueueSlack > 0 }
 
 // routed says whether this replica sent a request with these blocks
 // somewhere: whether some endpoint is remembered serving all of them.
