@@ -9,7 +9,6 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -58,14 +57,6 @@ func TestErrorsReachTheClientAsOpenAIStyleLocalReplies(t *testing.T) {
 			name: "prefill engine 4xx is returned as is", prefill: enginetest.JSON(400, engine400),
 			mode: fullDuplex, body: clientChat, chunks: 1, wantStatus: 400, wantRaw: engine400,
 		},
-		{
-			name: "prefill 5xx with on_failure fail", config: "prefill: {on_failure: fail}\n", prefill: enginetest.JSON(503, `{}`),
-			mode: fullDuplex, body: clientChat, chunks: 1, wantStatus: 502, wantMessage: "prefill leg failed",
-		},
-		{
-			name: "prefill unreachable with on_failure fail", config: "prefill: {on_failure: fail}\n",
-			mode: buffered, body: clientChat, chunks: 1, wantStatus: 503, wantMessage: "prefill leg failed",
-		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -96,45 +87,6 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, pr
 				return
 			}
 			checkOpenAIError(t, replies, tt.wantStatus, tt.wantMessage)
-		})
-	}
-}
-
-func TestFailedPrefillIsRetriedThenFallsBackToDecodeOnly(t *testing.T) {
-	tests := []struct {
-		name       string
-		failures   int32 // how many prefill requests fail, across both endpoints, before they succeed
-		wantParams bool
-	}{
-		{"5xx then success on the other endpoint", 1, true},
-		{"both fail: decode recomputes", 2, false},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			var seen atomic.Int32
-			answer := func(w http.ResponseWriter, r *http.Request) {
-				if seen.Add(1) <= tt.failures {
-					enginetest.JSON(503, `{}`)(w, r)
-					return
-				}
-				prefillOK(w, r)
-			}
-			a, b := enginetest.Start(t, answer), enginetest.Start(t, answer)
-			s := newServer(t, fmt.Sprintf(`connector: kv-nixl
-pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, a.Addr(), b.Addr()), handlers.Options{})
-			replies := drive(t, s,
-				envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), fullDuplex, fullDuplex),
-				envoymsg.Body(envoymsg.Request, []byte(clientChat), true))
-			decodeBody := streamedBody(t, replies[1:], false)
-			if got := strings.Contains(decodeBody, nixlParams); got != tt.wantParams {
-				t.Errorf("decode body has prefill params = %v, want %v: %s", got, tt.wantParams, decodeBody)
-			}
-			if strings.Contains(decodeBody, "evil") || strings.Contains(decodeBody, "bootstrap_room") {
-				t.Errorf("client-supplied transfer fields reached the decode body: %s", decodeBody)
-			}
-			if na, nb := len(a.Requests()), len(b.Requests()); na != 1 || nb != 1 {
-				t.Errorf("prefill attempts = %d + %d, want one on each endpoint", na, nb)
-			}
 		})
 	}
 }

@@ -1,0 +1,110 @@
+package pipeline_test
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+)
+
+// A sequential prefill leg that fails is tried once more on another
+// endpoint; when that fails too, prefill.on_failure decides: the decode
+// engine recomputes the prompt (decode-only, the default), or the client
+// gets the error, whose message names the request and never the engine. An
+// engine's own 4xx is the client's to read, as the engine wrote it.
+func TestAFailedPrefillLegIsRetriedThenFallsBackOrFails(t *testing.T) {
+	const engine400 = `{"object":"error","message":"Stream options can only be defined when stream=True.","type":"BadRequestError","code":400}`
+	const dead = "127.0.0.1:1" // nothing listens there
+	tests := []struct {
+		name        string
+		onFailure   string                                   // prefill.on_failure; "" for the default
+		failures    int32                                    // prefill answers that fail, across both endpoints, before they succeed
+		fail        func(http.ResponseWriter, *http.Request) // how they fail
+		unreachable bool                                     // both endpoints refuse connections
+		wantMode    metrics.Mode                             // routed: P/D or decode-only; ModeNone: refused
+		wantStatus  int                                      // refused: the client's status
+		wantRaw     string                                   // refused: the engine's own body, when it is passed on
+	}{
+		{name: "a 5xx, then the other endpoint answers", failures: 1, fail: enginetest.JSON(503, `{}`), wantMode: metrics.ModePD},
+		{name: "both 5xx: the decode engine recomputes", failures: 2, fail: enginetest.JSON(503, `{}`), wantMode: metrics.ModeDecodeOnly},
+		{name: "both 5xx under on_failure fail", onFailure: "fail", failures: 2, fail: enginetest.JSON(503, `{"detail":"10.0.0.5 is sad"}`),
+			wantStatus: http.StatusBadGateway},
+		{name: "both unreachable under on_failure fail", onFailure: "fail", unreachable: true, wantStatus: http.StatusServiceUnavailable},
+		{name: "an engine's 4xx is not retried and reaches the client as is", failures: 2, fail: enginetest.JSON(400, engine400),
+			wantStatus: http.StatusBadRequest, wantRaw: engine400},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var seen atomic.Int32
+			answer := func(w http.ResponseWriter, r *http.Request) {
+				if seen.Add(1) <= tt.failures {
+					tt.fail(w, r)
+					return
+				}
+				enginetest.JSON(200, `{"kv_transfer_params":`+prefillKV+`}`)(w, r)
+			}
+			a, b := enginetest.Start(t, answer), enginetest.Start(t, answer)
+			addrs := []string{a.Addr(), b.Addr()}
+			if tt.unreachable {
+				addrs = []string{dead, "127.0.0.1:2"}
+			}
+			onFailure := ""
+			if tt.onFailure != "" {
+				onFailure = "prefill: {on_failure: " + tt.onFailure + "}\n"
+			}
+			p, _, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\n%spools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}",
+				onFailure, addrs[0], addrs[1]))
+			t.Cleanup(p.Wait)
+			r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-e1",
+				Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}],"kv_transfer_params":{"remote_host":"evil"}}`)}
+			d, err := p.Route(context.Background(), r)
+
+			attempts := len(a.Requests()) + len(b.Requests())
+			if tt.wantRaw != "" && attempts != 1 || tt.wantRaw == "" && !tt.unreachable && (len(a.Requests()) != 1 || len(b.Requests()) != 1) {
+				t.Errorf("prefill attempts %d + %d, want one on each endpoint (one in all for a 4xx)", len(a.Requests()), len(b.Requests()))
+			}
+			if tt.wantStatus != 0 {
+				if err == nil {
+					d.Release()
+					t.Fatalf("routed %s, want a %d", r.Report.Mode, tt.wantStatus)
+				}
+				e := pipeline.AsError(err, r.RequestID)
+				if e.Status != tt.wantStatus || string(e.Raw) != tt.wantRaw {
+					t.Fatalf("error %d %q (raw %s), want %d (raw %s)", e.Status, e.Message, e.Raw, tt.wantStatus, tt.wantRaw)
+				}
+				if tt.wantRaw != "" {
+					return
+				}
+				if !strings.Contains(e.Message, "request id req-e1") || e.Detail == "" {
+					t.Errorf("message %q must name the request, and the log's detail %q give the cause", e.Message, e.Detail)
+				}
+				for _, leak := range []string{addrs[0], addrs[1], "127.0.0.1", "10.0.0.5", "dial", "http://"} {
+					if strings.Contains(e.Message, leak) {
+						t.Errorf("the client's message shows %q: %s", leak, e.Message)
+					}
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Release()
+			body := string(d.Body.Bytes())
+			if r.Report.Mode != tt.wantMode || strings.Contains(body, prefillKV) != (tt.wantMode == metrics.ModePD) {
+				t.Errorf("routed %s (%s) with decode body %s, want %s", r.Report.Mode, r.Report.Reason, body, tt.wantMode)
+			}
+			if tt.wantMode == metrics.ModeDecodeOnly && r.Report.Reason != metrics.ReasonPrefillFailed {
+				t.Errorf("reason %s, want %s", r.Report.Reason, metrics.ReasonPrefillFailed)
+			}
+			if strings.Contains(body, "evil") {
+				t.Errorf("the client's kv_transfer_params reached the decode body: %s", body)
+			}
+		})
+	}
+}
