@@ -19,7 +19,7 @@ type learnedAffinity struct {
 var memoryPolicy = simPolicy{name: "prefix-memory", picker: func(s config.PoolScheduling, intn func(int) int) Picker {
 	s.Prefix.SetDefaults()
 	return &learnedAffinity{index: newPrefixIndex(s.Prefix.BlockChars, s.Prefix.MaxBlocks), factor: 1.5, slack: 4,
-		fallback: &twoChoices{scorer: loadScorer{}, intn: intn}}
+		fallback: &twoChoices{intn: intn}}
 }}
 
 func (p *learnedAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {

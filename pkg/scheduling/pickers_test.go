@@ -23,7 +23,8 @@ func loaded(inflight ...int) []*Endpoint {
 	return eps
 }
 
-func TestLoadScorer(t *testing.T) {
+// Busyness is the requests in flight, plus a fresh scrape's queue and KV use.
+func TestBusynessAddsAFreshScrape(t *testing.T) {
 	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, "a", "b", "c")
 	eps := p.Endpoints()
 	acquire(eps[0])
@@ -31,10 +32,12 @@ func TestLoadScorer(t *testing.T) {
 	eps[1].observe(Load{Waiting: 3, KVUsage: 0.5, At: clock.Now()})
 	eps[2].observe(Load{Waiting: 9, At: clock.Now().Add(-time.Hour)}) // stale: ignored
 
-	got := loadScorer{}.Score(nil, eps)
-	want := []float64{-2, -3.5, 0}
-	if !slices.Equal(got, want) {
-		t.Fatalf("Score() = %v, want %v", got, want)
+	var got []float64
+	for _, e := range eps {
+		got = append(got, e.Busyness())
+	}
+	if want := []float64{2, 3.5, 0}; !slices.Equal(got, want) {
+		t.Fatalf("Busyness() = %v, want %v", got, want)
 	}
 }
 
@@ -55,7 +58,7 @@ func TestTwoChoices(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			draws := slices.Clone(tt.draws)
-			p := &twoChoices{scorer: loadScorer{}, intn: func(int) int { d := draws[0]; draws = draws[1:]; return d }}
+			p := &twoChoices{intn: func(int) int { d := draws[0]; draws = draws[1:]; return d }}
 			if got := p.Pick(nil, loaded(tt.inflight...)); got.Addr != tt.want {
 				t.Fatalf("Pick() = %s, want %s", got.Addr, tt.want)
 			}

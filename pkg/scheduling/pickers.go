@@ -8,12 +8,6 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
 
-// Scorer rates the candidate endpoints of a request: one score per endpoint,
-// in the order given, higher is better.
-type Scorer interface {
-	Score(req *Request, eps []*Endpoint) []float64
-}
-
 // Picker chooses one of the candidate endpoints of a request. Candidates are
 // never empty and are all healthy and allowed; a Picker only ranks.
 type Picker interface {
@@ -23,7 +17,7 @@ type Picker interface {
 // newPicker builds a pool's policy. intn draws random numbers in [0, n);
 // cache is the pool's view of its engines' caches (nil without KV events).
 func newPicker(s PoolSpec, intn func(int) int, cache func() *kvevents.Index) Picker {
-	leastLoad := &twoChoices{scorer: loadScorer{}, intn: intn}
+	leastLoad := &twoChoices{intn: intn}
 	switch s.Policy {
 	case config.PolicyRoundRobin:
 		return &roundRobin{}
@@ -47,26 +41,15 @@ func newPicker(s PoolSpec, intn func(int) int, cache func() *kvevents.Index) Pic
 	return leastLoad
 }
 
-// loadScorer prefers the least busy endpoint (see Endpoint.Busyness).
-type loadScorer struct{}
-
-func (loadScorer) Score(_ *Request, eps []*Endpoint) []float64 {
-	s := make([]float64, len(eps))
-	for i, e := range eps {
-		s[i] = -e.Busyness()
-	}
-	return s
-}
-
-// twoChoices compares two random candidates and keeps the better scored
-// ("power of two choices"): nearly as good as the best of all, and concurrent
-// pickers that see the same counts do not all pile onto one endpoint.
+// twoChoices compares two random candidates and keeps the less busy
+// (Endpoint.Busyness; "power of two choices"): nearly as good as the best of
+// all, and concurrent pickers that see the same counts do not all pile onto
+// one endpoint.
 type twoChoices struct {
-	scorer Scorer
-	intn   func(int) int
+	intn func(int) int
 }
 
-func (p *twoChoices) Pick(req *Request, eps []*Endpoint) *Endpoint {
+func (p *twoChoices) Pick(_ *Request, eps []*Endpoint) *Endpoint {
 	if len(eps) == 1 {
 		return eps[0]
 	}
@@ -75,12 +58,10 @@ func (p *twoChoices) Pick(req *Request, eps []*Endpoint) *Endpoint {
 	if j >= i {
 		j++
 	}
-	pair := []*Endpoint{eps[i], eps[j]}
-	s := p.scorer.Score(req, pair)
-	if s[1] > s[0] {
-		return pair[1]
+	if eps[j].Busyness() < eps[i].Busyness() {
+		return eps[j]
 	}
-	return pair[0]
+	return eps[i]
 }
 
 // roundRobin takes the candidates in turn: the baseline every policy must beat.
