@@ -39,7 +39,9 @@ import (
 //     when it is the only replica), it is trusted further. A later turn
 //     follows the endpoint that served its previous request, and a
 //     conversation's first request goes where the most of its prompt (its
-//     system prompt) is remembered, the less busy of equals. Behind N
+//     system prompt) is remembered and, but on the cache rule's pool, by
+//     the engine's scraped counters not yet written over (holds), the less
+//     busy of equals. Behind N
 //     replicas taking turns, the next turn would come to a
 //     replica that knows only the ranking, so there every turn takes it.
 type prefixAffinity struct {
@@ -178,10 +180,11 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 // hinted is chosen, or the candidate of rs within the bounds for following
 // a history (follow) where the local hint (served: how many of the
 // request's blocks, hashed hs, this replica remembers sending each endpoint)
-// places more of the request: for a conversation's first request, the most
-// of it (its system prompt), the less busy of equals; for another, more than
-// the conversation key (keyBlocks), or, while conversations are whole, the
-// previous request.
+// places more of the request: while conversations are whole, for a
+// conversation's first request the most of it (its system prompt), the less
+// busy of equals, and, but on the cache rule's pool, still cached (holds);
+// for another, more than the conversation key (keyBlocks), or, while
+// conversations are whole, the previous request.
 func (p *prefixAffinity) hinted(req *Request, rs []ranked, chosen ranked, served map[string]int, hs []uint64, keyBlocks int, follow func(ranked) bool) ranked {
 	// A later turn tells whether this replica routed the request before it.
 	previous := req.Previous()
@@ -192,9 +195,15 @@ func (p *prefixAffinity) hinted(req *Request, rs []ranked, chosen ranked, served
 	}
 	whole := cov.note(prevBlocks > 0, p.index.ended(previous, hs))
 	if whole && req.Head() != "" && previous == "" {
-		best := served[chosen.e.Addr]
+		held := func(e *Endpoint) int {
+			if p.cacheRule() {
+				return served[e.Addr] // aged, it cost the cache rule's decode pool (docs/scheduling.md)
+			}
+			return p.holds(e, hs, served[e.Addr])
+		}
+		best := held(chosen.e)
 		for _, r := range rs {
-			if n := served[r.e.Addr]; follow(r) && n > 0 && (n > best || n == best && r.busy < chosen.busy) {
+			if n := held(r.e); follow(r) && n > 0 && (n > best || n == best && r.busy < chosen.busy) {
 				chosen, best = r, n
 			}
 		}
@@ -280,10 +289,8 @@ func (p *prefixAffinity) estimate(req *Request, e *Endpoint, hs []uint64, served
 		return
 	}
 	blocks := served[e.Addr]
-	if blocks > 0 && p.cacheRule() {
-		if since, until, ok := e.cacheWindow(); ok {
-			blocks = p.index.fresh(hs[:blocks], e.Addr, since, until)
-		}
+	if p.cacheRule() {
+		blocks = p.holds(e, hs, blocks)
 	}
 	held := blocks * p.keys.blockChars
 	if first {
@@ -295,20 +302,29 @@ func (p *prefixAffinity) estimate(req *Request, e *Endpoint, hs []uint64, served
 	req.held = estimate{addr: e.Addr, chars: held}
 }
 
-// record notes in the local hint that e now holds prompt, whose chain is hs,
-// and, where the cache rule reads the estimates, how much its engine had
-// written into its cache by then.
-func (p *prefixAffinity) record(prompt string, hs []uint64, e *Endpoint) {
-	var written float64
-	if p.cacheRule() {
-		_, written, _ = e.cacheWindow()
+// holds is how many of the n leading blocks of the chain hs that this
+// replica remembers sending e are still in e's engine's cache, as far as its
+// scraped counters tell (prefixIndex.fresh): n when they tell nothing.
+func (p *prefixAffinity) holds(e *Endpoint, hs []uint64, n int) int {
+	if n == 0 {
+		return 0
 	}
+	if since, until, ok := e.cacheWindow(); ok {
+		return p.index.fresh(hs[:n], e.Addr, since, until)
+	}
+	return n
+}
+
+// record notes in the local hint that e now holds prompt, whose chain is hs,
+// and how much its engine had written into its cache by then.
+func (p *prefixAffinity) record(prompt string, hs []uint64, e *Endpoint) {
+	_, written, _ := e.cacheWindow()
 	p.index.record(prompt, hs, e.Addr, written)
 }
 
 // cacheRule says whether the P/D decider's cache rule reads this pool's
 // picks and their estimates: Decider.decodeSpec gives that pool alone a
-// turnQueueSlack. Elsewhere nothing reads what the engines wrote.
+// turnQueueSlack.
 func (p *prefixAffinity) cacheRule() bool { return p.turnQueueSlack > 0 }
 
 // routed says whether this replica sent a request with these blocks

@@ -647,7 +647,8 @@ func read(t *testing.T, a *api.API, b string) *Request {
 // choice.
 func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.T) {
 	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
-	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Prefix: config.PrefixAffinity{BlockChars: 16, Spread: 1e6}}
+	sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Prefix: config.PrefixAffinity{BlockChars: 16, Spread: 1e6},
+		Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}
 	const system = "Answer in French, and cite the page you read it on."
 	pick := func(p *Pool, req *Request) string {
 		t.Helper()
@@ -679,10 +680,17 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 		// clients: instead of naming sessions, the earlier conversations
 		// come from one client address and the unnamed ones from another
 		// (Request.Client); the new one from the first unless newUnnamed.
-		clients    bool
-		wantMemory bool
+		clients bool
+		// writtenSince, when not 0, is what the engines, scraped with a
+		// cache of 1,000 tokens, have written since the system prompt's
+		// engine was sent it.
+		writtenSince float64
+		wantMemory   bool
 	}{
 		{name: "whole conversations: where the system prompt is", seen: 3, conversations: 8, wantMemory: true},
+		{name: "whole, and the engine wrote less than its cache since: where the system prompt is", seen: 3, conversations: 8,
+			writtenSince: 900, wantMemory: true},
+		{name: "whole, but the engine has since written its cache over: the ranking", seen: 3, conversations: 8, writtenSince: 1100},
 		{name: "conversations continued elsewhere: the ranking", seen: 2, conversations: 8},
 		{name: "too few conversations to tell: the ranking", seen: 3, conversations: 3},
 		{name: "continued elsewhere, and few-shot requests: the ranking", seen: 2, conversations: 8, fewShot: 100},
@@ -698,7 +706,7 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			p, _ := testPool(t, sched, addrs...)
+			p, clock := testPool(t, sched, addrs...)
 			other, _ := testPool(t, sched, addrs...)
 			session := func(req *Request, first bool) *Request {
 				req.Session = tt.named && first
@@ -725,7 +733,18 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 			for i := range tt.fewShot {
 				pick(p, conversation("Translate to French.", "cat", "chat", fmt.Sprintf("dog number %d", i)))
 			}
+			scrape := func(written float64) {
+				for _, e := range p.Endpoints() {
+					e.observe(Load{CacheTokens: 1000, Written: written, At: clock.Now()})
+				}
+			}
+			if tt.writtenSince > 0 {
+				scrape(5000)
+			}
 			cached := pick(p, conversation(system, "Where is the Louvre?"))
+			if tt.writtenSince > 0 {
+				scrape(5000 + tt.writtenSince)
+			}
 			for range tt.busy {
 				acquire(byAddr(p, cached))
 			}

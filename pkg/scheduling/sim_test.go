@@ -548,8 +548,11 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 			for _, e := range pool.Endpoints() {
 				eng := s.engines[e.Addr]
 				if !eng.down {
+					// vLLM's cache size and written tokens (cache_config_info,
+					// prompt − hit + generation tokens): here the blocks stored.
 					e.observe(Load{Waiting: float64(len(eng.queue)), Running: float64(eng.running + busy(eng.busy)),
-						KVUsage: min(1, float64(eng.running)/128), At: simEpoch.Add(s.now)})
+						KVUsage: min(1, float64(eng.running)/128), At: simEpoch.Add(s.now),
+						CacheTokens: float64(p.CacheChars / simCharsPerToken), Written: float64(eng.cache.stored * simBlock / simCharsPerToken)})
 				}
 			}
 		}
