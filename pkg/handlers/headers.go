@@ -10,6 +10,7 @@ import (
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"github.com/google/uuid"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/response"
@@ -148,8 +149,11 @@ func headerValue(h *corev3.HeaderValue) string {
 }
 
 // subsetHint reads the endpoint-picker subset hint Envoy may forward in the
-// envoy.lb.subset_hint metadata namespace; nil when there is none.
-func subsetHint(md *corev3.Metadata) any {
+// envoy.lb.subset_hint metadata namespace: nil when there is none; else a
+// list's strings, or a string (a header-to-metadata filter makes one), as
+// entries. A hint of another shape names no endpoint (not nil, empty): a
+// hint we cannot read must not widen the choice.
+func subsetHint(md *corev3.Metadata) []string {
 	ns, ok := md.GetFilterMetadata()[SubsetHintNamespace]
 	if !ok {
 		return nil
@@ -158,7 +162,18 @@ func subsetHint(md *corev3.Metadata) any {
 	if !ok {
 		return nil
 	}
-	return v.AsInterface()
+	if s, ok := v.GetKind().(*structpb.Value_StringValue); ok {
+		return []string{s.StringValue}
+	}
+	entries := []string{}
+	for _, x := range v.GetListValue().GetValues() {
+		s, ok := x.GetKind().(*structpb.Value_StringValue)
+		if !ok {
+			return []string{}
+		}
+		entries = append(entries, s.StringValue)
+	}
+	return entries
 }
 
 // onResponseHeaders reads the decode engine's answer: its status tells

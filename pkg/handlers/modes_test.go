@@ -207,6 +207,11 @@ func TestSubsetHintRestrictsTheDecodeEndpoint(t *testing.T) {
 		{"comma-separated string", structpb.NewStringValue("10.9.9.9:1, 10.1.1.1:8000"), "10.1.1.1:8000", 0},
 		{"empty list", structpb.NewListValue(&structpb.ListValue{}), "", 503},
 		{"only unknown endpoints", structpb.NewStringValue("10.9.9.9:1"), "", 503},
+		// A hint we cannot read must not widen the choice.
+		{"a list with a number in it", structpb.NewListValue(&structpb.ListValue{Values: []*structpb.Value{
+			structpb.NewStringValue("10.1.1.1:8000"), structpb.NewNumberValue(7)}}), "", 503},
+		{"a number", structpb.NewNumberValue(42), "", 503},
+		{"an object", structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{"10.1.1.1:8000": structpb.NewBoolValue(true)}}), "", 503},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -26,10 +26,11 @@ type Request struct {
 	// is called before Route returns, and the release it returns once that
 	// leg has ended. The caller keeps Body's memory counted until then.
 	Keep interface{ Hold() (release func()) }
-	// Subset is the endpoint-picker subset hint as Envoy sent it in metadata
-	// (envoy.lb.subset_hint): nil when absent, else a list of ip:port or a
-	// comma-separated string. Decode endpoints outside it are never picked.
-	Subset any
+	// Subset is the endpoint-picker subset hint Envoy sent in metadata
+	// (envoy.lb.subset_hint): nil when absent, else its entries, each an
+	// ip:port, a bare IP or several comma-separated; empty, it names none.
+	// Decode endpoints outside it are never picked.
+	Subset []string
 	// Session says the client named its session in a header Envoy's session
 	// hash reads (handlers.SessionHeaders): scheduling.Request.Session.
 	Session bool

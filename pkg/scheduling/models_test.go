@@ -252,7 +252,7 @@ func TestNoEndpointOfTheModelIsAnError(t *testing.T) {
 		wantIs error
 	}{
 		{"its engines checked down", func(p *Pool, _ *Request) { checkDown(p, a) }, ErrUnhealthy},
-		{"outside the subset hint", func(_ *Pool, req *Request) { req.Subset = ParseSubset(b) }, ErrSubset},
+		{"outside the subset hint", func(_ *Pool, req *Request) { req.Subset = ParseSubset([]string{b}) }, ErrSubset},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -182,10 +182,7 @@ func benchPick(b *testing.B, p *Pool, req *Request, want string) {
 func BenchmarkSelectAtScale(b *testing.B) {
 	for _, n := range []int{8, 1000, 2000} {
 		addrs := benchAddrs(n)
-		hint := make([]any, len(addrs))
-		for i, a := range addrs {
-			hint[i] = a
-		}
+		hint := addrs
 		scraped := func(policy string) *Pool {
 			spec := config.PoolScheduling{Policy: policy}
 			spec.Metrics.Interval, spec.Metrics.StaleAfter = config.Duration(time.Second), config.Duration(time.Hour)

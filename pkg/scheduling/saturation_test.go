@@ -53,7 +53,7 @@ func TestAPoolIsSaturatedWhileEveryEndpointItMayUseIs(t *testing.T) {
 			}
 			req := promptRequest("hello")
 			if tt.subset != "" {
-				req.Subset = ParseSubset(tt.subset)
+				req.Subset = ParseSubset([]string{tt.subset})
 			}
 			if got := p.Saturated(req, Lines{config.DefaultSaturatedQueue, config.DefaultSaturatedKVCache}); got != tt.want {
 				t.Errorf("saturated: %v, want %v", got, tt.want)

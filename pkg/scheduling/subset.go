@@ -17,37 +17,19 @@ type Subset struct {
 	set   bool
 }
 
-// ParseSubset reads a subset hint as it arrives: a list of strings (from
-// protobuf Struct metadata: []any), or one string, each an "ip:port" or a
-// bare "ip" or several of them comma-separated, as GIE's own pickers read it
-// (pkg/lwepp/handlers/request.go in kubernetes-sigs/gateway-api-inference-extension
-// splits list items on commas too). A nil hint is "no hint"; anything else
-// that is not a list of strings is an empty hint, which allows nothing: a
-// hint we cannot read must not widen the choice.
-func ParseSubset(hint any) Subset {
-	var parts []string
-	switch v := hint.(type) {
-	case nil:
+// ParseSubset reads a subset hint's entries (pipeline.Request.Subset), each
+// an "ip:port" or a bare "ip" or several of them comma-separated, as GIE's
+// own pickers read it (pkg/lwepp/handlers/request.go in
+// kubernetes-sigs/gateway-api-inference-extension splits list items on
+// commas too). A nil hint is "no hint"; an empty one allows nothing.
+func ParseSubset(hint []string) Subset {
+	if hint == nil {
 		return Subset{}
-	case string:
-		parts = []string{v}
-	case []string:
-		parts = v
-	case []any:
-		for _, x := range v {
-			s, ok := x.(string)
-			if !ok {
-				return Subset{set: true}
-			}
-			parts = append(parts, s)
-		}
-	default:
-		return Subset{set: true}
 	}
 	// Sets, as a hint may name most of a large pool and each endpoint is
 	// looked up in it.
 	s := Subset{set: true, ports: map[netip.AddrPort]bool{}, ips: map[netip.Addr]bool{}}
-	for _, p := range parts {
+	for _, p := range hint {
 		for a := range strings.SplitSeq(p, ",") {
 			a = strings.TrimSpace(a)
 			if ap, err := netip.ParseAddrPort(a); err == nil {
