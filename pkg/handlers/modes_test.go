@@ -211,6 +211,7 @@ func TestSubsetHintRestrictsTheDecodeEndpoint(t *testing.T) {
 		{"a list with a number in it", structpb.NewListValue(&structpb.ListValue{Values: []*structpb.Value{
 			structpb.NewStringValue("10.1.1.1:8000"), structpb.NewNumberValue(7)}}), "", 503},
 		{"a number", structpb.NewNumberValue(42), "", 503},
+		{"null", structpb.NewNullValue(), "", 503},
 		{"an object", structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{"10.1.1.1:8000": structpb.NewBoolValue(true)}}), "", 503},
 	}
 	for _, tt := range tests {

@@ -41,9 +41,9 @@ import (
 //     conversation's first request goes where the most of its prompt (its
 //     system prompt) is remembered and, but on the cache rule's pool, by
 //     the engine's scraped counters not yet written over (holds), the less
-//     busy of equals. Behind N
-//     replicas taking turns, the next turn would come to a
-//     replica that knows only the ranking, so there every turn takes it.
+//     busy of equals. Behind N replicas taking turns, the next turn would
+//     come to a replica that knows only the ranking, so there every turn
+//     takes it.
 type prefixAffinity struct {
 	keys  rendezvousKeys
 	index *prefixIndex
@@ -197,7 +197,7 @@ func (p *prefixAffinity) hinted(req *Request, rs []ranked, chosen ranked, served
 	if whole && req.Head() != "" && previous == "" {
 		held := func(e *Endpoint) int {
 			if p.cacheRule() {
-				return served[e.Addr] // aged, it cost the cache rule's decode pool (docs/scheduling.md)
+				return served[e.Addr] // aged, it cost this pool in the P/D simulation (docs/scheduling.md)
 			}
 			return p.holds(e, hs, served[e.Addr])
 		}
