@@ -42,7 +42,7 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, pr
 			for _, pool := range []*scheduling.Pool{prefillPool, decodePool} {
 				for _, e := range pool.Endpoints() {
 					if n := e.InFlight(); n != 0 {
-						t.Errorf("%s endpoint %s has %d requests in flight after the stream ended, want 0", pool.Name, e.Addr, n)
+						t.Errorf("%s endpoint %s has %d requests in flight after the stream ended, want 0", pool.Name(), e.Addr, n)
 					}
 				}
 			}

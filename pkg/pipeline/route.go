@@ -361,7 +361,7 @@ func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Reques
 		if held {
 			d := time.Since(start)
 			r.Report.HeldTime += d
-			p.metrics.Held(hold.Pool.Name, heldOutcome(err), d)
+			p.metrics.Held(hold.Pool.Name(), heldOutcome(err), d)
 		}
 		if !errors.Is(err, scheduling.ErrStillSaturated) {
 			return err
@@ -370,5 +370,5 @@ func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Reques
 		return nil
 	}
 	p.metrics.LimitRefused(metrics.LimitSaturated)
-	return saturated(r.Objective, hold.Pool.Name, s.RetryAfter)
+	return saturated(r.Objective, hold.Pool.Name(), s.RetryAfter)
 }

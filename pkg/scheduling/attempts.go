@@ -42,7 +42,7 @@ func (p *Pool) Attempts(req *Request, n int) *Attempts {
 // untried endpoint left.
 func (a *Attempts) Next() (*Endpoint, *Slot, error) {
 	if a.left == 0 {
-		return nil, nil, fmt.Errorf("%s: %w", a.pool.Name, ErrTried)
+		return nil, nil, fmt.Errorf("%s: %w", a.pool.Name(), ErrTried)
 	}
 	eps, s, err := a.pool.Claim(a.req, 1, a.tried...)
 	if err != nil {

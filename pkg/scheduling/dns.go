@@ -18,13 +18,13 @@ type Resolver interface {
 func (p *Pool) resolve(ctx context.Context, hostport string) {
 	host, port, err := net.SplitHostPort(hostport)
 	if err != nil {
-		p.deps.Log.Error(err, "bad DNS name for pool", "pool", p.Name, "dns", hostport)
+		p.deps.Log.Error(err, "bad DNS name for pool", "pool", p.Name(), "dns", hostport)
 		return
 	}
 	ips, err := p.deps.Resolver.LookupHost(ctx, host)
 	if err != nil || len(ips) == 0 {
 		if ctx.Err() == nil {
-			p.deps.Log.Info("DNS lookup failed; keeping the endpoints found before", "pool", p.Name, "dns", hostport, "error", errString(err))
+			p.deps.Log.Info("DNS lookup failed; keeping the endpoints found before", "pool", p.Name(), "dns", hostport, "error", errString(err))
 		}
 		return
 	}

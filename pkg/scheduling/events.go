@@ -45,7 +45,7 @@ func (p *Pool) followEvents(ctx context.Context) {
 					k.StaleAfter.D(), p.deps.Now)}
 				ev.sub = kvevents.NewSubscriber(kvevents.Config{ConnectPort: k.ConnectPort, Bind: k.Bind, ReplayPort: k.ReplayPort,
 					Ranks: k.DataParallelSize, StaleAfter: k.StaleAfter.D(), Resync: k.Resync.D(), MaxMessageBytes: k.MaxMessageBytes,
-					Counts: &p.eventCounts}, ev.index, p.deps.Log.WithValues("pool", p.Name))
+					Counts: &p.eventCounts}, ev.index, p.deps.Log.WithValues("pool", p.Name()))
 				p.events.Store(ev)
 				sctx, cancel := context.WithCancel(ctx)
 				done := make(chan struct{})

@@ -227,7 +227,7 @@ func TestChecksAndScrapesSpeakThePoolsTLS(t *testing.T) {
 				scrapeAll(context.Background(), p.probe, p.Endpoints(), "/metrics", time.Second, time.Now)
 				l, scrapedOK := e.Load()
 				if e.Healthy() != tt.wantUp || scrapedOK != tt.wantUp || scrapedOK && l.Waiting != 4 {
-					t.Errorf("%s pool: healthy %v, scraped %v (%+v); want both %v", p.Name, e.Healthy(), scrapedOK, l, tt.wantUp)
+					t.Errorf("%s pool: healthy %v, scraped %v (%+v); want both %v", p.Name(), e.Healthy(), scrapedOK, l, tt.wantUp)
 				}
 			}
 		})
@@ -345,7 +345,7 @@ func TestAVerdictAfterChecksStopIsDropped(t *testing.T) {
 func TestAVerdictHoldsWhileItsEndpointStays(t *testing.T) {
 	spec := PoolSpec{Endpoints: []string{"10.0.0.1:8000"}}
 	spec.Health.CheckInterval = config.Duration(time.Hour)
-	p := newPool("decode", true, spec, Deps{})
+	p := newPool(roleDecode, spec, Deps{})
 	e := byAddr(p, "10.0.0.1:8000")
 	p.SetDiscovered([]Discovered{{Addr: "10.0.0.2:8000"}})
 	if !p.checked(e) {

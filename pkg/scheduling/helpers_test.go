@@ -50,7 +50,7 @@ func testPoolNamed(t testing.TB, name string, s config.PoolScheduling, addrs ...
 	t.Helper()
 	clock := newFakeClock()
 	spec := PoolSpec{Endpoints: addrs, PoolScheduling: s}
-	return newPool(name, name == "decode", spec, Deps{Now: clock.Now, intn: func(int) int { return 0 }}), clock
+	return newPool(map[string]role{"prefill": rolePrefill, "decode": roleDecode}[name], spec, Deps{Now: clock.Now, intn: func(int) int { return 0 }}), clock
 }
 
 // promptRequest is a completions request for prompt, read as the pipeline

@@ -257,7 +257,7 @@ type scope struct {
 func (p *Pool) scopeOf(st *poolState, req *Request) scope {
 	sc := scope{model: req.model()}
 	sc.only = st.servingOnly(sc.model)
-	if p.decode && req != nil {
+	if p.decode() && req != nil {
 		sc.subset = req.Subset
 	}
 	return sc

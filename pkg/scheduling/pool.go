@@ -44,13 +44,12 @@ type PoolSpec struct {
 // Its endpoints are the static ones of its spec, then those DNS resolved,
 // then those a discovery source set (SetDiscovered).
 type Pool struct {
-	Name string
 	deps Deps
-	// decode: the decode pool, which follows the endpoint-picker subset
-	// hint (see NewPools), and which, when passive health has ejected every
+	// probe is how checks and scrapes reach the engines (see NewPools), and
+	// its role the pool's: the decode pool follows the endpoint-picker
+	// subset hint (see NewPools) and, when passive health has ejected every
 	// candidate, still routes among them rather than fail (candidates).
-	decode bool
-	probe  probe // how checks and scrapes reach the engines (see NewPools)
+	probe probe
 
 	mu       sync.Mutex // serialises changes
 	spec     PoolSpec
@@ -89,12 +88,18 @@ type poolState struct {
 	models  atomic.Pointer[modelCounts]
 }
 
-func newPool(name string, decode bool, spec PoolSpec, deps Deps) *Pool {
-	p := &Pool{Name: name, deps: deps.withDefaults(), decode: decode}
-	p.probe = p.deps.probe(roleUnknown, nil, nil, true)
+func newPool(r role, spec PoolSpec, deps Deps) *Pool {
+	p := &Pool{deps: deps.withDefaults()}
+	p.probe = p.deps.probe(r, nil, nil, true)
 	p.Update(spec)
 	return p
 }
+
+// Name is the pool's role, prefill or decode, as metrics and logs label it.
+func (p *Pool) Name() string { return p.probe.role.String() }
+
+// decode says whether this is the decode pool.
+func (p *Pool) decode() bool { return p.probe.role == roleDecode }
 
 // Endpoints returns the pool's current endpoints.
 func (p *Pool) Endpoints() []*Endpoint { return p.state.Load().endpoints }
@@ -166,7 +171,7 @@ func (p *Pool) Ready() bool {
 		return false
 	}
 	for _, e := range p.state.Load().endpoints {
-		if (e.Healthy() || p.decode && !e.CheckedDown()) && p.pairable(e) {
+		if (e.Healthy() || p.decode() && !e.CheckedDown()) && p.pairable(e) {
 			return true
 		}
 	}
@@ -175,7 +180,7 @@ func (p *Pool) Ready() bool {
 
 func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*Endpoint, error) {
 	if len(st.endpoints) == 0 {
-		return nil, fmt.Errorf("%s: %w", p.Name, ErrEmpty)
+		return nil, fmt.Errorf("%s: %w", p.Name(), ErrEmpty)
 	}
 	sc := p.scopeOf(st, req)
 	if req != nil {
@@ -205,20 +210,20 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 	}
 	switch {
 	case allowed == 0:
-		return nil, fmt.Errorf("%s: %w", p.Name, ErrSubset)
+		return nil, fmt.Errorf("%s: %w", p.Name(), ErrSubset)
 	case untried == 0:
-		return nil, fmt.Errorf("%s: %w", p.Name, ErrTried)
-	case len(out) == 0 && p.decode && len(ejected) > 0:
+		return nil, fmt.Errorf("%s: %w", p.Name(), ErrTried)
+	case len(out) == 0 && p.decode() && len(ejected) > 0:
 		// Envoy's panic routing: failed requests alone never leave the decode
 		// pool empty (a client whose requests make every engine answer 5xx,
 		// engines overloaded for a moment), for it has no other way to serve;
 		// the prefill pool has, decode-only.
 		return ejected, nil
 	case len(out) == 0:
-		return nil, fmt.Errorf("%s: %w", p.Name, ErrUnhealthy)
+		return nil, fmt.Errorf("%s: %w", p.Name(), ErrUnhealthy)
 	}
 	if out = p.paired(out); len(out) == 0 {
-		return nil, fmt.Errorf("%s: no engine's Mooncake bootstrap server has told its engine id yet", p.Name)
+		return nil, fmt.Errorf("%s: no engine's Mooncake bootstrap server has told its engine id yet", p.Name())
 	}
 	if req != nil && len(down)+len(st.gone) > 0 { // nothing to read the clock for, most often
 		now := p.deps.Now()

@@ -83,8 +83,8 @@ func NewPools(spec Spec, deps Deps) *Pools {
 	// Only the decode pool follows the subset hint: it names candidates for
 	// Envoy's destination, the decode leg; the prefill leg is ours to place.
 	ps := &Pools{
-		Prefill: newPool("prefill", false, spec.Prefill, deps),
-		Decode:  newPool("decode", true, decider.decodeSpec(spec.Decode), deps),
+		Prefill: newPool(rolePrefill, spec.Prefill, deps),
+		Decode:  newPool(roleDecode, decider.decodeSpec(spec.Decode), deps),
 		deps:    deps,
 	}
 	ps.Prefill.probe = deps.probe(rolePrefill, deps.PrefillTLS, deps.PrefillKey, clientGiven)

@@ -15,8 +15,8 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 )
 
-// role is what a pool's engines do in a P/D pair. It decides which of an
-// engine's P/D queues count as its load (parseLoad).
+// role is what a pool's engines do in a P/D pair. It names the pool and
+// decides which of an engine's P/D queues count as its load (parseLoad).
 type role uint8
 
 const (
@@ -24,6 +24,16 @@ const (
 	rolePrefill
 	roleDecode
 )
+
+func (r role) String() string {
+	switch r {
+	case rolePrefill:
+		return "prefill"
+	case roleDecode:
+		return "decode"
+	}
+	return "pool"
+}
 
 // probe is how a pool's health checks and /metrics scrapes reach its
 // engines, and what else it asks them.

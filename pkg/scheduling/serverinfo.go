@@ -117,7 +117,7 @@ func (p *Pool) logServerInfo(addr string, old, info *serverInfo) {
 	if old == nil {
 		old = &serverInfo{}
 	}
-	log := p.deps.Log.WithValues("pool", p.Name, "endpoint", addr)
+	log := p.deps.Log.WithValues("pool", p.Name(), "endpoint", addr)
 	if p.probe.rendezvous == kv.MooncakeEngineIDs {
 		logEngineIDs(log, old, info)
 		return

@@ -14,8 +14,8 @@ import (
 func (s *Server) newDiscovery(cfg *config.Config, prefill, decode *scheduling.Pool, kubeconfig string, log logr.Logger) (*discovery.Discovery, error) {
 	var countError func(pool, reason string)
 	d, err := discovery.New(
-		map[string]*config.Kubernetes{prefill.Name: cfg.Pools.Prefill.Kubernetes, decode.Name: cfg.Pools.Decode.Kubernetes},
-		map[string]discovery.Sink{prefill.Name: prefill, decode.Name: decode},
+		map[string]*config.Kubernetes{prefill.Name(): cfg.Pools.Prefill.Kubernetes, decode.Name(): cfg.Pools.Decode.Kubernetes},
+		map[string]discovery.Sink{prefill.Name(): prefill, decode.Name(): decode},
 		discovery.Options{Kubeconfig: kubeconfig, Log: log, OnError: func(pool, reason string) { countError(pool, reason) }},
 	)
 	if d == nil || err != nil {

@@ -11,7 +11,7 @@ func poolStates(pools ...*scheduling.Pool) func() []metrics.EndpointState {
 		var out []metrics.EndpointState
 		for _, p := range pools {
 			for _, e := range p.Endpoints() {
-				st := metrics.EndpointState{Pool: p.Name, Endpoint: e.Addr, InFlight: e.InFlight(), Healthy: e.Healthy(), CheckedDown: e.CheckedDown(), Ejections: e.Ejections(),
+				st := metrics.EndpointState{Pool: p.Name(), Endpoint: e.Addr, InFlight: e.InFlight(), Healthy: e.Healthy(), CheckedDown: e.CheckedDown(), Ejections: e.Ejections(),
 					CacheTrusted: e.CacheTrusted(), EngineRanks: -1, Models: e.Models()}
 				if p.ReadsBootstrapPorts() {
 					st.BootstrapPort = p.BootstrapPort(e)
@@ -40,7 +40,7 @@ func kvEventStates(pools ...*scheduling.Pool) func() []metrics.KVEventsState {
 				continue
 			}
 			c := ev.Counts
-			out = append(out, metrics.KVEventsState{Pool: p.Name,
+			out = append(out, metrics.KVEventsState{Pool: p.Name(),
 				Batches: c.Batches.Load(), Gaps: c.Gaps.Load(), Replayed: c.Replayed.Load(), ReplayFailed: c.ReplayFailed.Load(),
 				Restarts: c.Restarts.Load(), UnknownTopics: c.UnknownTopics.Load(), Undecodable: c.Undecodable.Load(),
 				TooLarge: c.TooLarge.Load(), Orphans: c.Orphans.Load(), Skipped: c.Skipped.Load(), UnknownEvents: c.UnknownEvents.Load(),

@@ -135,7 +135,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 		s.shutdownTracing(context.Background())
 		return nil, err
 	}
-	s.ready = newReadiness(hs, decode.Name, endpoints, log.WithName("health"))
+	s.ready = newReadiness(hs, decode.Name(), endpoints, log.WithName("health"))
 	if s.discovery != nil {
 		s.ready.discovery = s.discovery.Status
 	}
