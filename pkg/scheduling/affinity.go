@@ -201,8 +201,11 @@ func (p *prefixAffinity) hinted(req *Request, rs []ranked, chosen ranked, served
 			}
 			return p.holds(e, hs, served[e.Addr])
 		}
-		best := held(chosen.e)
+		first, best := chosen.e, held(chosen.e)
 		for _, r := range rs {
+			if r.e == first {
+				continue // as good as itself
+			}
 			if n := held(r.e); follow(r) && n > 0 && (n > best || n == best && r.busy < chosen.busy) {
 				chosen, best = r, n
 			}

@@ -287,6 +287,13 @@ func (c *simLRU) add(h uint64) (evicted uint64, ok bool) {
 	return evicted, ok
 }
 
+// counters are what vLLM's counters report of a cache of cacheChars holding
+// c (Load.CacheTokens, Load.Written: cache_config_info's size, and prompt −
+// hit + generation tokens, here the blocks stored since it started).
+func (c *simLRU) counters(cacheChars int) (size, written float64) {
+	return float64(cacheChars / simCharsPerToken), float64(c.stored * simBlock / simCharsPerToken)
+}
+
 // simHashes are an engine's block hashes of prompt: the prefix index's own
 // chain hashing, on the engines' 64-character blocks.
 func simHashes(prompt string) []uint64 { return simIndex.hashes(0, prompt) }
@@ -548,11 +555,9 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 			for _, e := range pool.Endpoints() {
 				eng := s.engines[e.Addr]
 				if !eng.down {
-					// vLLM's cache size and written tokens (cache_config_info,
-					// prompt − hit + generation tokens): here the blocks stored.
+					size, written := eng.cache.counters(p.CacheChars)
 					e.observe(Load{Waiting: float64(len(eng.queue)), Running: float64(eng.running + busy(eng.busy)),
-						KVUsage: min(1, float64(eng.running)/128), At: simEpoch.Add(s.now),
-						CacheTokens: float64(p.CacheChars / simCharsPerToken), Written: float64(eng.cache.stored * simBlock / simCharsPerToken)})
+						KVUsage: min(1, float64(eng.running)/128), At: simEpoch.Add(s.now), CacheTokens: size, Written: written})
 				}
 			}
 		}

@@ -215,9 +215,9 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 		for _, ps := range s.replicas {
 			for _, e := range slices.Concat(ps.Prefill.Endpoints(), ps.Decode.Endpoints()) {
 				eng := s.engines[e.Addr]
+				size, written := eng.cache.counters(p.CacheChars)
 				e.observe(Load{Waiting: eng.waiting(), Running: float64(len(eng.running) + busy(eng.busy)),
-					KVUsage: min(1, float64(len(eng.running))/128), At: simEpoch.Add(s.now),
-					CacheTokens: float64(p.CacheChars / pdCharsPerToken), Written: float64(eng.cache.stored * simBlock / pdCharsPerToken)})
+					KVUsage: min(1, float64(len(eng.running))/128), At: simEpoch.Add(s.now), CacheTokens: size, Written: written})
 			}
 		}
 		for _, h := range s.holds {
