@@ -1,7 +1,6 @@
 package scheduling
 
 import (
-	"cmp"
 	"slices"
 
 	"github.com/cespare/xxhash/v2"
@@ -97,17 +96,16 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 
 // byRanking picks by the ranking, within the load bounds: with the engines'
 // view (held, nil without), the candidate holding the longest start of the
-// prompt, of equals the first in the ranking (a later turn) or the less busy
-// (a first request, within loadBounds.starting); else, or when none within
-// its bound holds a block, the first in the ranking within the bounds, and
-// the local hint.
+// prompt, of equals the first in the ranking (a later turn one of them holds
+// more of) or the less busy (any other later turn, and a first request
+// within loadBounds.starting); else, or when none within its bound holds a
+// block, the first in the ranking within the bounds, and the local hint.
 func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[string]int) *Endpoint {
 	prefix, conversation := p.keys.keys(req)
 	if held != nil && (prefix == "" || req.Head() == "") {
 		// No ranking that requests share (a completions prompt): the least
 		// busy of those holding the most.
-		rs := busyness(eps)
-		slices.SortStableFunc(rs, func(a, b ranked) int { return cmp.Compare(a.busy, b.busy) })
+		rs := lessBusyFirst(busyness(eps))
 		if e := p.holding(rs, held, p.bounds(rs, p.queueSlack)); e != nil {
 			return e
 		}
@@ -145,12 +143,18 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	}
 	if held != nil {
 		order, hb := rs, b
-		if previous == "" {
+		switch first, second := leaders(held); {
+		case previous == "":
 			// A conversation's first request (or a one-shot one): the less
 			// busy of equals, as later turns find it wherever it went, and
 			// none busier than the mean.
-			order, hb = slices.Clone(rs), b.starting()
-			slices.SortStableFunc(order, func(a, b ranked) int { return cmp.Compare(a.busy, b.busy) })
+			order, hb = lessBusyFirst(slices.Clone(rs)), b.starting()
+		case first == second && first > 0:
+			// A later turn whose history no engine holds beyond what another
+			// holds too (evicted, past a system prompt cached on several):
+			// placed anew, the less busy of equals. By the ranking, slow
+			// engines drew as many such turns as fast ones, and kept them.
+			order = lessBusyFirst(slices.Clone(rs))
 		}
 		if e := p.holding(order, held, hb); e != nil {
 			return e // the local hint is not told: the view knows better while it can be trusted

@@ -1,6 +1,8 @@
 package scheduling
 
 import (
+	"cmp"
+	"slices"
 	"sync"
 
 	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
@@ -50,14 +52,7 @@ func (p *prefixAffinity) lookup(req *Request, eps []*Endpoint) (idx *kvevents.In
 // (a system prompt cached on several). nil when no candidate within its
 // bound holds a block of it.
 func (p *prefixAffinity) holding(rs []ranked, held map[string]int, b loadBounds) *Endpoint {
-	first, second := 0, 0 // the two largest holdings of different endpoints
-	for _, n := range held {
-		if n > first {
-			first, second = n, first
-		} else if n > second {
-			second = n
-		}
-	}
+	first, second := leaders(held)
 	var best *Endpoint
 	bestHeld := 0
 	for _, r := range rs {
@@ -68,6 +63,24 @@ func (p *prefixAffinity) holding(rs []ranked, held map[string]int, b loadBounds)
 		best, bestHeld = r.e, n
 	}
 	return best
+}
+
+// leaders are the two largest holdings of different endpoints, 0 for none.
+func leaders(held map[string]int) (first, second int) {
+	for _, n := range held {
+		if n > first {
+			first, second = n, first
+		} else if n > second {
+			second = n
+		}
+	}
+	return first, second
+}
+
+// lessBusyFirst sorts rs by busyness, the ranking's order kept among equals.
+func lessBusyFirst(rs []ranked) []ranked {
+	slices.SortStableFunc(rs, func(a, b ranked) int { return cmp.Compare(a.busy, b.busy) })
+	return rs
 }
 
 // loadBounds are prefix-affinity's load bounds over a set of candidates,

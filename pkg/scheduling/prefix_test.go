@@ -1091,6 +1091,11 @@ func TestEventsPlaceRequestsOnHolders(t *testing.T) {
 	withoutEvents, _ := testPool(t, sched, addrs...)
 	ranked := pick(withoutEvents, request(first), "", 0)
 	holder := addrs[(slices.Index(addrs, ranked)+1)%len(addrs)]
+	// Two that hold the same start (a system prompt, a history evicted past
+	// it): the later turn's first in the ranking, and another.
+	fresh, _ := testPool(t, sched, addrs...)
+	rankedLater := pick(fresh, request(later), "", 0)
+	other := addrs[(slices.Index(addrs, rankedLater)+1)%len(addrs)]
 
 	type health int // the holder's record
 	const (
@@ -1104,14 +1109,19 @@ func TestEventsPlaceRequestsOnHolders(t *testing.T) {
 		inflight int // the holder's requests in flight; the others have none
 		health   health
 		want     string
+		// tied: rankedLater and other hold the prompt's start alike (no
+		// holder), and inflight is rankedLater's.
+		tied bool
 	}{
-		{"a first request, the holder idle", first, 0, serving, holder},
-		{"a first request, the holder busier than the mean", first, 3, serving, ranked},
-		{"a later turn, its history's holder idle", later, 0, serving, holder},
-		{"a later turn, its history's holder busier than the mean", later, 3, serving, holder},
-		{"a first request, the holder failing", first, 0, failed, ranked},
-		{"a later turn, its history's holder failing", later, 0, failed, ranked},
-		{"a later turn, its history's holder serving again", later, 0, recovered, holder},
+		{"a first request, the holder idle", first, 0, serving, holder, false},
+		{"a first request, the holder busier than the mean", first, 3, serving, ranked, false},
+		{"a later turn, its history's holder idle", later, 0, serving, holder, false},
+		{"a later turn, its history's holder busier than the mean", later, 3, serving, holder, false},
+		{"a first request, the holder failing", first, 0, failed, ranked, false},
+		{"a later turn, its history's holder failing", later, 0, failed, ranked, false},
+		{"a later turn, its history's holder serving again", later, 0, recovered, holder, false},
+		{"a later turn two hold alike, the ranking's idle", later, 0, serving, rankedLater, true},
+		{"a later turn two hold alike, the ranking's busier", later, 1, serving, other, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -1121,9 +1131,14 @@ func TestEventsPlaceRequestsOnHolders(t *testing.T) {
 			for j := range hashes {
 				hashes[j] = uint64(j + 1)
 			}
-			index.Apply(kvevents.Publisher{Endpoint: holder}, []kvevents.Event{{Kind: kvevents.Stored, Hashes: hashes, Tokens: tokens[:512], BlockSize: 16}})
+			holders, busy := []string{holder}, holder
+			if tt.tied {
+				holders, busy = []string{rankedLater, other}, rankedLater
+			}
 			for _, a := range addrs {
-				if a != holder {
+				if slices.Contains(holders, a) {
+					index.Apply(kvevents.Publisher{Endpoint: a}, []kvevents.Event{{Kind: kvevents.Stored, Hashes: hashes, Tokens: tokens[:512], BlockSize: 16}})
+				} else {
 					index.Reset(kvevents.Publisher{Endpoint: a}, true)
 				}
 			}
@@ -1134,8 +1149,8 @@ func TestEventsPlaceRequestsOnHolders(t *testing.T) {
 			if tt.health == recovered {
 				byAddr(p, holder).ReportSuccess()
 			}
-			if got := pick(p, request(tt.msgs), holder, tt.inflight); got != tt.want {
-				t.Errorf("picked %s, want %s (holder %s, ranking's %s)", got, tt.want, holder, ranked)
+			if got := pick(p, request(tt.msgs), busy, tt.inflight); got != tt.want {
+				t.Errorf("picked %s, want %s (holders %v, ranking's %s)", got, tt.want, holders, ranked)
 			}
 		})
 	}
