@@ -1,7 +1,6 @@
 package kvevents
 
 import (
-	"cmp"
 	"slices"
 	"sync"
 	"time"
@@ -74,11 +73,6 @@ func NewIndex(b Bounds, staleAfter time.Duration, now func() time.Time) *Index {
 	}
 	return &Index{maxPerPub: b.PerPublisher, maxBlocks: b.Total, staleAfter: staleAfter, now: now,
 		blocks: map[uint64][]*pubView{}, pubs: map[Publisher]*pubView{}, byEndpoint: map[string][]*pubView{}, adapters: map[string]struct{}{}}
-}
-
-// usable reports whether routing may go by v now.
-func (x *Index) usable(v *pubView, now time.Time) bool {
-	return v.fresh && !now.Before(v.staleUntil) && (v.expected.IsZero() || now.Sub(v.expected) <= x.staleAfter)
 }
 
 // Stats is the index's size, and how many of its views routing may not
@@ -332,52 +326,6 @@ func (x *Index) Rebuild(p Publisher) {
 	v := x.view(p)
 	x.clear(v)
 	v.fresh, v.staleUntil = true, x.now().Add(x.staleAfter)
-}
-
-// Expect notes that endpoint was sent a prompt of tokens tokens of which its
-// views held held: when that leaves a full block to compute, the engine
-// will store it and publish, and a publisher that stays silent for
-// staleAfter from then on is not trusted until it publishes again. So is
-// one that never published (an engine started without KV events): its
-// block size unknown, it is taken as unpublishedBlock.
-func (x *Index) Expect(endpoint string, held, tokens int) {
-	now := x.now()
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	for _, v := range x.byEndpoint[endpoint] {
-		if !v.expected.IsZero() {
-			continue
-		}
-		if block := cmp.Or(v.blockSize, unpublishedBlock); tokens/block*block > held {
-			v.expected = now
-		}
-	}
-}
-
-// unpublishedBlock is the block size, in tokens, assumed of an engine that
-// has not published yet: larger than vLLM's (16 by default), so that a
-// prompt leaving it this many tokens to compute leaves a full block to
-// store, whatever its engine's block size.
-const unpublishedBlock = 256
-
-// Usable reports whether routing may go by any of the index's views now.
-func (x *Index) Usable() bool {
-	now := x.now()
-	x.mu.RLock()
-	defer x.mu.RUnlock()
-	for _, v := range x.pubs {
-		if x.usable(v, now) {
-			return true
-		}
-	}
-	return false
-}
-
-// SetFresh marks p's view as one routing may trust, or not.
-func (x *Index) SetFresh(p Publisher, fresh bool) {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	x.view(p).fresh = fresh
 }
 
 // Forget drops p's view, as when its endpoint leaves the pool.

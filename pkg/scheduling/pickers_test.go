@@ -103,6 +103,22 @@ func BenchmarkSelect(b *testing.B) {
 		p, req := eventsPool(addrs)
 		benchPick(b, p, req, addrs[0])
 	})
+	// The same picks from every CPU at once, as a replica's streams make
+	// them: the view is read by all and written by its subscriber.
+	b.Run(config.PolicyPrefixAffinity+"+events/chat-32000chars/parallel", func(b *testing.B) {
+		p, shared := eventsPool(addrs)
+		b.ReportAllocs()
+		b.RunParallel(func(pb *testing.PB) {
+			req := chatRequest(benchConversation()) // a pick notes its estimate on the request
+			req.SetTokens(shared.Tokens())
+			for pb.Next() {
+				if e, err := p.Select(req); err != nil || e.Addr != addrs[0] {
+					b.Error(e, err)
+					return
+				}
+			}
+		})
+	})
 }
 
 func benchAddrs(n int) []string {
