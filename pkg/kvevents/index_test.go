@@ -159,6 +159,14 @@ func TestLookupTrustsOnlyViewsItMay(t *testing.T) {
 		{"silent since sent work, within staleAfter", func(x *Index) { x.Expect(a.Endpoint, 4, 8); now = now.Add(time.Minute) }, true},
 		{"silent since sent work, past staleAfter", func(x *Index) { x.Expect(a.Endpoint, 4, 8); now = now.Add(61 * time.Second) }, false},
 		{"sent only what it holds, past staleAfter", func(x *Index) { x.Expect(a.Endpoint, 4, 7); now = now.Add(61 * time.Second) }, true},
+		// The first work sent since the engine last published starts the wait; more sent
+		// later does not restart it.
+		{"sent work twice, past staleAfter from the first", func(x *Index) {
+			x.Expect(a.Endpoint, 4, 8)
+			now = now.Add(40 * time.Second)
+			x.Expect(a.Endpoint, 4, 8)
+			now = now.Add(21 * time.Second)
+		}, false},
 		// An engine started without KV events: its block size unknown, 256 tokens to compute
 		// must leave it one to store.
 		{"never published, sent 256 tokens, past staleAfter", neverPublished(256), false},
