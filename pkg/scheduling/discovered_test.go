@@ -79,7 +79,7 @@ func TestEndpointChangesDoNotRestartTheCycle(t *testing.T) {
 		t.Run(fmt.Sprintf("joined=%v", joined), func(t *testing.T) {
 			spec := PoolSpec{Endpoints: []string{"10.0.0.9:8000"}}
 			spec.Health.CheckInterval = config.Duration(time.Hour)
-			p := newPool(roleDecode, spec, Deps{})
+			p := poolOf(roleDecode, spec, Deps{})
 			calls := make(chan []string)
 			ctx, cancel := context.WithCancel(context.Background())
 			done := make(chan struct{})

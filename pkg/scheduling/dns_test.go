@@ -45,7 +45,7 @@ func (r *fakeResolver) set(host string, ips []string, err error) {
 func dnsPool(t *testing.T, r Resolver, static []string, name string) *Pool {
 	t.Helper()
 	spec := PoolSpec{Endpoints: static, PoolScheduling: config.PoolScheduling{DNS: name, DNSInterval: config.Duration(10 * time.Millisecond)}}
-	return newPool(roleDecode, spec, Deps{Resolver: r})
+	return poolOf(roleDecode, spec, Deps{Resolver: r})
 }
 
 func TestResolve(t *testing.T) {

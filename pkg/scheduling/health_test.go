@@ -345,7 +345,7 @@ func TestAVerdictAfterChecksStopIsDropped(t *testing.T) {
 func TestAVerdictHoldsWhileItsEndpointStays(t *testing.T) {
 	spec := PoolSpec{Endpoints: []string{"10.0.0.1:8000"}}
 	spec.Health.CheckInterval = config.Duration(time.Hour)
-	p := newPool(roleDecode, spec, Deps{})
+	p := poolOf(roleDecode, spec, Deps{})
 	e := byAddr(p, "10.0.0.1:8000")
 	p.SetDiscovered([]Discovered{{Addr: "10.0.0.2:8000"}})
 	if !p.checked(e) {

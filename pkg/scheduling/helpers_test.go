@@ -50,7 +50,7 @@ func testPoolNamed(t testing.TB, name string, s config.PoolScheduling, addrs ...
 	t.Helper()
 	clock := newFakeClock()
 	spec := PoolSpec{Endpoints: addrs, PoolScheduling: s}
-	return newPool(map[string]role{"prefill": rolePrefill, "decode": roleDecode}[name], spec, Deps{Now: clock.Now, intn: func(int) int { return 0 }}), clock
+	return poolOf(map[string]role{"prefill": rolePrefill, "decode": roleDecode}[name], spec, Deps{Now: clock.Now, intn: func(int) int { return 0 }}), clock
 }
 
 // promptRequest is a completions request for prompt, read as the pipeline
@@ -105,3 +105,9 @@ func checkDown(p *Pool, addrs ...string) {
 // acquire takes a slot of e, as a request the pipeline sends there does
 // (Pool.Claim); the returned func releases it.
 func acquire(e *Endpoint) (release func()) { return e.Claim().Release }
+
+// poolOf is a pool of role r whose checks and scrapes go by deps' client
+// over plain HTTP, as NewPools makes one without TLS.
+func poolOf(r role, spec PoolSpec, deps Deps) *Pool {
+	return newPool(deps.withDefaults().probe(r, nil, nil, true), spec, deps)
+}

@@ -105,7 +105,7 @@ func TestRequestsGoWhereTheirModelIsServed(t *testing.T) {
 				// Two-choices draws its pair in turn (testPool's always draws the first two).
 				draws := 0
 				intn := func(n int) int { draws++; return draws % n }
-				p := newPool(roleDecode, PoolSpec{Endpoints: []string{a1, a2, b1, fresh, guarded}, PoolScheduling: policy(pol)}, Deps{intn: intn})
+				p := poolOf(roleDecode, PoolSpec{Endpoints: []string{a1, a2, b1, fresh, guarded}, PoolScheduling: policy(pol)}, Deps{intn: intn})
 				serving(p, lists)
 				reached := map[string]bool{}
 				for i := range 64 {
@@ -320,7 +320,7 @@ func BenchmarkSelectByModel(b *testing.B) {
 				for i := range addrs {
 					addrs[i] = fmt.Sprintf("10.0.%d.%d:8000", i/250, i%250)
 				}
-				p := newPool(roleDecode, PoolSpec{Endpoints: addrs, PoolScheduling: policy(config.PolicyLeastLoad)}, Deps{})
+				p := poolOf(roleDecode, PoolSpec{Endpoints: addrs, PoolScheduling: policy(config.PolicyLeastLoad)}, Deps{})
 				if lists != "no model" {
 					m := map[string][]string{}
 					for i, a := range addrs {

@@ -88,9 +88,8 @@ type poolState struct {
 	models  atomic.Pointer[modelCounts]
 }
 
-func newPool(r role, spec PoolSpec, deps Deps) *Pool {
-	p := &Pool{deps: deps.withDefaults()}
-	p.probe = p.deps.probe(r, nil, nil, true)
+func newPool(pr probe, spec PoolSpec, deps Deps) *Pool {
+	p := &Pool{deps: deps.withDefaults(), probe: pr}
 	p.Update(spec)
 	return p
 }

@@ -80,16 +80,15 @@ func NewPools(spec Spec, deps Deps) *Pools {
 	clientGiven := deps.Client != nil
 	deps = deps.withDefaults()
 	decider := newDecider(spec)
+	prefill := deps.probe(rolePrefill, deps.PrefillTLS, deps.PrefillKey, clientGiven)
+	prefill.rendezvous, prefill.bootstrapPort = spec.Rendezvous, spec.BootstrapPort
 	// Only the decode pool follows the subset hint: it names candidates for
 	// Envoy's destination, the decode leg; the prefill leg is ours to place.
 	ps := &Pools{
-		Prefill: newPool(rolePrefill, spec.Prefill, deps),
-		Decode:  newPool(roleDecode, decider.decodeSpec(spec.Decode), deps),
+		Prefill: newPool(prefill, spec.Prefill, deps),
+		Decode:  newPool(deps.probe(roleDecode, deps.DecodeTLS, deps.DecodeKey, clientGiven), decider.decodeSpec(spec.Decode), deps),
 		deps:    deps,
 	}
-	ps.Prefill.probe = deps.probe(rolePrefill, deps.PrefillTLS, deps.PrefillKey, clientGiven)
-	ps.Decode.probe = deps.probe(roleDecode, deps.DecodeTLS, deps.DecodeKey, clientGiven)
-	ps.Prefill.probe.rendezvous, ps.Prefill.probe.bootstrapPort = spec.Rendezvous, spec.BootstrapPort
 	ps.decider.Store(decider)
 	return ps
 }

@@ -529,7 +529,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 	}}
 	for i := range replicas {
 		r := rand.New(rand.NewPCG(p.Seed, 2+uint64(i)))
-		pool := newPool(roleUnknown, spec, Deps{Now: func() time.Time { return simEpoch.Add(s.now) }, intn: r.IntN})
+		pool := poolOf(roleUnknown, spec, Deps{Now: func() time.Time { return simEpoch.Add(s.now) }, intn: r.IntN})
 		if policy.picker != nil {
 			st := *pool.state.Load()
 			st.picker = policy.picker(spec.PoolScheduling, r.IntN)
