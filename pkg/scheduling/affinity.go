@@ -66,6 +66,11 @@ type prefixAffinity struct {
 	// cache is the pool's view of its engines' caches from their KV events,
 	// nil when it follows none (events.go).
 	cache func() *kvevents.Index
+	// keptStarts: with the view, a request that starts a conversation may
+	// take the usual bounds on an engine that keeps what it writes
+	// (starting). Not on a P/D prefill pool, where in the P/D simulation it
+	// cost one-shot questions on small caches (docs/scheduling.md).
+	keptStarts bool
 }
 
 // remembering is p with old's memory (the local hint, the shares, the
@@ -148,7 +153,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 			// A conversation's first request (or a one-shot one): the less
 			// busy of equals, as later turns find it wherever it went, and
 			// none busier than the mean.
-			order, hb = lessBusyFirst(slices.Clone(rs)), b.starting()
+			order, hb = p.starting(rs, b)
 		case first == second && first > 0:
 			// A later turn whose history no engine holds beyond what another
 			// holds too (evicted, past a system prompt cached on several):
@@ -160,11 +165,9 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 			return e // the local hint is not told: the view knows better while it can be trusted
 		}
 	}
-	within := func(r ranked) bool { return b.within(r.busy, r.queued) }
-	follow := func(r ranked) bool { return b.follows(r.busy, r.queued) }
 	chosen := rs[0] // unless one is within the bounds, and the least busy nearly always is
 	for _, r := range rs {
-		if within(r) {
+		if b.within(r) {
 			chosen = r
 			break
 		}
@@ -174,7 +177,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 		hs = p.index.hashes(ns, prompt)
 		served = p.index.matched(hs)
 	}
-	chosen = p.hinted(req, rs, chosen, served, hs, len(conversation)/p.keys.blockChars, follow)
+	chosen = p.hinted(req, rs, chosen, served, hs, len(conversation)/p.keys.blockChars, b.follows)
 	first := chosen.e == rs[0].e && p.keys.keyedAlike(req) && p.rankedAlike(req, chosen.e, h, conv, share, eps, served)
 	p.estimate(req, chosen.e, hs, served, first)
 	p.record(prompt, hs, chosen.e)

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/kvevents"
 )
@@ -57,7 +58,7 @@ func (p *prefixAffinity) holding(rs []ranked, held map[string]int, b loadBounds)
 	bestHeld := 0
 	for _, r := range rs {
 		n := held[r.e.Addr]
-		if n <= bestHeld || !b.within(r.busy, r.queued) && !(n == first && n > second && b.follows(r.busy, r.queued)) {
+		if n <= bestHeld || !b.within(r) && !(n == first && n > second && b.follows(r)) {
 			continue
 		}
 		best, bestHeld = r.e, n
@@ -84,8 +85,12 @@ func lessBusyFirst(rs []ranked) []ranked {
 }
 
 // loadBounds are prefix-affinity's load bounds over a set of candidates,
-// with the candidates' mean busyness and queue they are set from.
-type loadBounds struct{ busy, queue, follow, meanBusy, meanQueue float64 }
+// with the candidates' mean busyness and queue they are set from; start:
+// for a request that starts a conversation (starting).
+type loadBounds struct {
+	busy, queue, follow, meanBusy, meanQueue float64
+	start                                    bool
+}
 
 // bounds are the bounds over rs: busyness at most factor × the mean + slack,
 // and a queue at most the mean + queueSlack, or, to follow a history, the
@@ -106,16 +111,50 @@ func (p *prefixAffinity) bounds(rs []ranked, queueSlack float64) loadBounds {
 // one-shot one) to go where its system prompt is cached: no busier than the
 // mean, and no longer a queue. Recomputing a system prompt elsewhere costs
 // once; piling new conversations onto its few holders evicts their older
-// conversations' histories and lengthens their queues.
+// conversations' histories and lengthens their queues. An engine that keeps
+// what it writes for keptLong or more (ranked.keeps; prefixAffinity.starting)
+// loses no history to them: the usual bounds hold there.
 func (b loadBounds) starting() loadBounds {
-	return loadBounds{busy: b.meanBusy, queue: b.meanQueue, follow: b.meanQueue, meanBusy: b.meanBusy, meanQueue: b.meanQueue}
+	b.start = true
+	return b
 }
 
-func (b loadBounds) within(busy, queued float64) bool { return busy <= b.busy && queued <= b.queue }
+// keptLong: an engine that takes at least this long to write its whole
+// cache over keeps a conversation's history between turns, as a person
+// reads and types or an agent runs its tools. In the policy simulation
+// (docs/scheduling.md) small caches were written over in 5 to 60 seconds,
+// large ones in 106 seconds and more.
+const keptLong = 90 * time.Second
+
+// starting is the order and the bounds for a request that starts a
+// conversation: the candidates of rs, less busy first, those whose engines
+// keep what they write for keptLong by their scraped counters
+// (Endpoint.rewrite) marked so where the pool allows it (keptStarts).
+func (p *prefixAffinity) starting(rs []ranked, b loadBounds) ([]ranked, loadBounds) {
+	order := lessBusyFirst(slices.Clone(rs))
+	for i := range order {
+		s, ok := order[i].e.rewrite()
+		order[i].keeps = p.keptStarts && ok && s >= keptLong.Seconds()
+	}
+	return order, b.starting()
+}
+
+func (b loadBounds) within(r ranked) bool {
+	if b.start && !r.keeps {
+		return r.busy <= b.meanBusy && r.queued <= b.meanQueue
+	}
+	return r.busy <= b.busy && r.queued <= b.queue
+}
 
 // follows: following a request's history spares recomputing it elsewhere,
-// which is worth a longer queue.
-func (b loadBounds) follows(busy, queued float64) bool { return busy <= b.busy && queued <= b.follow }
+// which is worth a longer queue. A request that starts a conversation has
+// none to follow.
+func (b loadBounds) follows(r ranked) bool {
+	if b.start {
+		return b.within(r)
+	}
+	return r.busy <= b.busy && r.queued <= b.follow
+}
 
 // busyness is the candidates with their busyness, in their order.
 func busyness(eps []*Endpoint) []ranked {

@@ -19,7 +19,7 @@ type Endpoint struct {
 	ap       netip.AddrPort // Addr parsed (not valid when it is not ip:port)
 	addrHash uint64         // xxhash of Addr, for rendezvous weights (0 on a bare Endpoint: computed then)
 	inflight atomic.Int64
-	load     atomic.Pointer[Load]
+	load     atomic.Pointer[scraped]
 	settings *atomic.Pointer[settings] // the pool's; nil for a bare Endpoint
 	// bootstrapPort is the endpoint's own SGLang bootstrap port (Discovered); 0: the pool's.
 	bootstrapPort atomic.Int32
@@ -195,10 +195,43 @@ func (e *Endpoint) loadAt(now func() time.Time) (Load, bool) {
 	if s := e.cfg(); s.staleAfter <= 0 || now().Sub(l.At) > s.staleAfter {
 		return Load{}, false
 	}
-	return *l, true
+	return l.Load, true
 }
 
-func (e *Endpoint) observe(l Load) { e.load.Store(&l) }
+// scraped is the last scraped load, with two past ones (marks), markEvery
+// apart or more, to read the pace of the engine's counters from (rewrite).
+type scraped struct {
+	Load
+	marks [2]Load
+}
+
+func (e *Endpoint) observe(l Load) {
+	s := &scraped{Load: l, marks: [2]Load{l, l}}
+	if last := e.load.Load(); last != nil && l.Written >= last.marks[1].Written { // else the first, or the engine restarted
+		s.marks = last.marks
+		if l.At.Sub(last.marks[1].At) >= markEvery {
+			s.marks = [2]Load{last.marks[1], l}
+		}
+	}
+	e.load.Store(s)
+}
+
+// markEvery spaces the scrapes rewrite measures from, so that it reads the
+// last 15 to 30 seconds: a scrape apart would be the pace of a few requests.
+const markEvery = 15 * time.Second
+
+// rewrite is how many seconds the engine takes to write its whole cache
+// over (Load.CacheTokens) at the pace it wrote (Load.Written) since its older
+// mark, by its last fresh scrape; false when the scrapes do not tell (they
+// span less than markEvery since the first, or since a restart). An engine
+// that wrote nothing keeps what it holds (+Inf).
+func (e *Endpoint) rewrite() (seconds float64, ok bool) {
+	s := e.load.Load()
+	if _, fresh := e.Load(); !fresh || s.CacheTokens <= 0 || s.At.Sub(s.marks[0].At) < markEvery {
+		return 0, false
+	}
+	return s.CacheTokens / (s.Written - s.marks[0].Written) * s.At.Sub(s.marks[0].At).Seconds(), true // x/0 is +Inf
+}
 
 // Busyness is what load-aware pickers compare, lower is better: our requests in
 // flight, plus the engine's queue and KV use when a fresh scrape has them. The

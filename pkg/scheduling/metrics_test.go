@@ -3,6 +3,7 @@ package scheduling
 import (
 	"context"
 	"fmt"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -207,5 +208,54 @@ func BenchmarkParseLoad(b *testing.B) {
 		if l, err := parseLoad(strings.NewReader(answer), roleDecode); err != nil || l.Waiting != 7 {
 			b.Fatal(l, err)
 		}
+	}
+}
+
+// TestRewriteIsReadFromTheLastScrapes: how long an engine takes to write its
+// cache over is its cache's size over the pace of its written counter
+// (vLLM's), read over the last 15 to 30 seconds of scrapes, not since the
+// engine started; scrapes over less than 15 s (since the first, or since a
+// restart), a stale scrape or a cache that does not say its size tell
+// nothing.
+func TestRewriteIsReadFromTheLastScrapes(t *testing.T) {
+	type scrape struct {
+		at      int     // seconds from the first
+		written float64 // the engine's counter, tokens
+	}
+	tests := []struct {
+		name    string
+		size    float64 // tokens; 0: not reported
+		scrapes []scrape
+		later   time.Duration // the clock past the last scrape
+		want    float64       // seconds
+		ok      bool
+	}{
+		{name: "no scrape"},
+		{name: "one scrape", size: 9000, scrapes: []scrape{{0, 0}}},
+		{name: "scraped over less than 15 s", size: 9000, scrapes: []scrape{{0, 0}, {1, 900}, {14, 1000}}},
+		{name: "scraped over 15 s", size: 9000, scrapes: []scrape{{0, 0}, {1, 900}, {15, 1500}}, want: 90, ok: true},
+		{name: "slow lately, fast at first", size: 9000, scrapes: []scrape{{0, 0}, {15, 9000}, {30, 9100}, {31, 9110}}, want: 9000.0 / 110 * 16, ok: true},
+		{name: "written nothing", size: 9000, scrapes: []scrape{{0, 500}, {15, 500}}, want: math.Inf(1), ok: true},
+		{name: "restarted", size: 9000, scrapes: []scrape{{0, 5000}, {15, 9000}, {16, 100}}},
+		{name: "restarted, then scraped 15 s", size: 9000, scrapes: []scrape{{0, 5000}, {15, 9000}, {16, 100}, {31, 1000}}, want: 150, ok: true},
+		{name: "the last scrape stale", size: 9000, scrapes: []scrape{{0, 0}, {15, 900}}, later: 4 * time.Second},
+		{name: "the cache's size not reported", scrapes: []scrape{{0, 0}, {15, 900}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{
+				Interval: config.Duration(time.Second), StaleAfter: config.Duration(3 * time.Second)}}, "10.0.0.1:8000")
+			e := p.Endpoints()[0]
+			start := clock.Now()
+			for _, s := range tt.scrapes {
+				clock.Advance(start.Add(time.Duration(s.at) * time.Second).Sub(clock.Now()))
+				e.observe(Load{CacheTokens: tt.size, Written: s.written, At: clock.Now()})
+			}
+			clock.Advance(tt.later)
+			got, ok := e.rewrite()
+			if ok != tt.ok || math.Abs(got-tt.want) > 1e-9 && !math.IsInf(tt.want, 1) || math.IsInf(tt.want, 1) != math.IsInf(got, 1) {
+				t.Errorf("rewrite() = %g s, %v; want %g s, %v", got, ok, tt.want, tt.ok)
+			}
+		})
 	}
 }

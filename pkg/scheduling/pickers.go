@@ -14,9 +14,10 @@ type Picker interface {
 	Pick(req *Request, eps []*Endpoint) *Endpoint
 }
 
-// newPicker builds a pool's policy. intn draws random numbers in [0, n);
-// cache is the pool's view of its engines' caches (nil without KV events).
-func newPicker(s PoolSpec, intn func(int) int, cache func() *kvevents.Index) Picker {
+// newPicker builds the policy of a pool of role r. intn draws random numbers
+// in [0, n); cache is the pool's view of its engines' caches (nil without KV
+// events).
+func newPicker(s PoolSpec, r role, intn func(int) int, cache func() *kvevents.Index) Picker {
 	leastLoad := &twoChoices{intn: intn}
 	switch s.Policy {
 	case config.PolicyRoundRobin:
@@ -36,6 +37,7 @@ func newPicker(s PoolSpec, intn func(int) int, cache func() *kvevents.Index) Pic
 			spread:             s.Prefix.Spread,
 			fallback:           leastLoad,
 			cache:              cache,
+			keptStarts:         r != rolePrefill,
 		}
 	}
 	return leastLoad

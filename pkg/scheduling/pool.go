@@ -348,7 +348,7 @@ func (p *Pool) pickerAfter(old *poolState) Picker {
 	if old != nil && old.spec.Policy == s.Policy && old.spec.Prefix == s.Prefix && old.spec.turnQueueSlack == s.turnQueueSlack {
 		return old.picker
 	}
-	picker := newPicker(s, p.deps.intn, p.cache)
+	picker := newPicker(s, p.probe.role, p.deps.intn, p.cache)
 	if pa, ok := picker.(*prefixAffinity); ok && old != nil {
 		return pa.remembering(old.picker)
 	}

@@ -1112,20 +1112,37 @@ func TestEventsPlaceRequestsOnHolders(t *testing.T) {
 		// tied: rankedLater and other hold the prompt's start alike (no
 		// holder), and inflight is rankedLater's.
 		tied bool
+		// rewrite: the seconds in which the holder's engine writes its
+		// cache over, by its scrapes; 0: not scraped.
+		rewrite float64
+		pool    string // decode, or prefill (a P/D prefill pool)
 	}{
-		{"a first request, the holder idle", first, 0, serving, holder, false},
-		{"a first request, the holder busier than the mean", first, 3, serving, ranked, false},
-		{"a later turn, its history's holder idle", later, 0, serving, holder, false},
-		{"a later turn, its history's holder busier than the mean", later, 3, serving, holder, false},
-		{"a first request, the holder failing", first, 0, failed, ranked, false},
-		{"a later turn, its history's holder failing", later, 0, failed, ranked, false},
-		{"a later turn, its history's holder serving again", later, 0, recovered, holder, false},
-		{"a later turn two hold alike, the ranking's idle", later, 0, serving, rankedLater, true},
-		{"a later turn two hold alike, the ranking's busier", later, 1, serving, other, true},
+		{"a first request, the holder idle", first, 0, serving, holder, false, 0, "decode"},
+		{"a first request, the holder busier than the mean", first, 3, serving, ranked, false, 0, "decode"},
+		{"a first request, the holder busier than the mean, its cache written over in 10 s", first, 3, serving, ranked, false, 10, "decode"},
+		{"a first request, the holder busier than the mean, its cache written over in 10 min", first, 3, serving, holder, false, 600, "decode"},
+		{"a first request on a P/D prefill pool, the holder busier than the mean, its cache written over in 10 min", first, 3, serving, ranked, false, 600, "prefill"},
+		{"a later turn, its history's holder idle", later, 0, serving, holder, false, 0, "decode"},
+		{"a later turn, its history's holder busier than the mean", later, 3, serving, holder, false, 0, "decode"},
+		{"a first request, the holder failing", first, 0, failed, ranked, false, 0, "decode"},
+		{"a later turn, its history's holder failing", later, 0, failed, ranked, false, 0, "decode"},
+		{"a later turn, its history's holder serving again", later, 0, recovered, holder, false, 0, "decode"},
+		{"a later turn two hold alike, the ranking's idle", later, 0, serving, rankedLater, true, 0, "decode"},
+		{"a later turn two hold alike, the ranking's busier", later, 1, serving, other, true, 0, "decode"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			p, _ := testPool(t, sched, addrs...)
+			sched := sched
+			if tt.rewrite > 0 {
+				sched.Metrics = config.EngineMetrics{Interval: config.Duration(time.Second), StaleAfter: config.Duration(3 * time.Second)}
+			}
+			p, clock := testPoolNamed(t, tt.pool, sched, addrs...)
+			if tt.rewrite > 0 {
+				e := byAddr(p, holder)
+				e.observe(Load{CacheTokens: 9000, At: clock.Now()})
+				clock.Advance(15 * time.Second)
+				e.observe(Load{CacheTokens: 9000, Written: 9000 / tt.rewrite * 15, At: clock.Now()})
+			}
 			index := kvevents.NewIndex(kvevents.Bounds{}, time.Minute, nil)
 			hashes := make([]uint64, 512/16)
 			for j := range hashes {

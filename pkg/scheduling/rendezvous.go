@@ -120,6 +120,7 @@ func homeSize(share float64, n int, spread float64) int {
 type ranked struct {
 	e            *Endpoint
 	busy, queued float64 // busyness
+	keeps        bool    // its engine keeps what it writes long (prefixAffinity.starting); set for a request that starts a conversation
 }
 
 // rank orders the candidates for a request: by the weights of its prefix
