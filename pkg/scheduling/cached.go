@@ -129,12 +129,16 @@ const keptLong = 90 * time.Second
 // starting is the order and the bounds for a request that starts a
 // conversation: the candidates of rs, less busy first, those whose engines
 // keep what they write for keptLong by their scraped counters
-// (Endpoint.rewrite) marked so where the pool allows it (keptStarts).
+// (Endpoint.rewriteAt) marked so where the pool allows it (keptStarts).
 func (p *prefixAffinity) starting(rs []ranked, b loadBounds) ([]ranked, loadBounds) {
 	order := lessBusyFirst(slices.Clone(rs))
-	for i := range order {
-		s, ok := order[i].e.rewrite()
-		order[i].keeps = p.keptStarts && ok && s >= keptLong.Seconds()
+	if p.keptStarts {
+		t := order[0].e.cfg().now()
+		now := func() time.Time { return t }
+		for i := range order {
+			s, ok := order[i].e.rewriteAt(now)
+			order[i].keeps = ok && s >= keptLong.Seconds()
+		}
 	}
 	return order, b.starting()
 }

@@ -199,7 +199,7 @@ func (e *Endpoint) loadAt(now func() time.Time) (Load, bool) {
 }
 
 // scraped is the last scraped load, with two past ones (marks), markEvery
-// apart or more, to read the pace of the engine's counters from (rewrite).
+// apart or more, to read the pace of the engine's counters from (rewriteAt).
 type scraped struct {
 	Load
 	marks [2]Load
@@ -216,18 +216,18 @@ func (e *Endpoint) observe(l Load) {
 	e.load.Store(s)
 }
 
-// markEvery spaces the scrapes rewrite measures from, so that it reads the
+// markEvery spaces the scrapes rewriteAt measures from, so that it reads the
 // last 15 to 30 seconds: a scrape apart would be the pace of a few requests.
 const markEvery = 15 * time.Second
 
-// rewrite is how many seconds the engine takes to write its whole cache
+// rewriteAt is how many seconds the engine takes to write its whole cache
 // over (Load.CacheTokens) at the pace it wrote (Load.Written) since its older
-// mark, by its last fresh scrape; false when the scrapes do not tell (they
-// span less than markEvery since the first, or since a restart). An engine
-// that wrote nothing keeps what it holds (+Inf).
-func (e *Endpoint) rewrite() (seconds float64, ok bool) {
+// mark, by its last scrape fresh by the clock now; false when the scrapes do
+// not tell (they span less than markEvery since the first, or since a
+// restart). An engine that wrote nothing keeps what it holds (+Inf).
+func (e *Endpoint) rewriteAt(now func() time.Time) (seconds float64, ok bool) {
 	s := e.load.Load()
-	if _, fresh := e.Load(); !fresh || s.CacheTokens <= 0 || s.At.Sub(s.marks[0].At) < markEvery {
+	if _, fresh := e.loadAt(now); !fresh || s.CacheTokens <= 0 || s.At.Sub(s.marks[0].At) < markEvery {
 		return 0, false
 	}
 	return s.CacheTokens / (s.Written - s.marks[0].Written) * s.At.Sub(s.marks[0].At).Seconds(), true // x/0 is +Inf
