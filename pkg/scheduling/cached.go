@@ -143,6 +143,8 @@ func (p *prefixAffinity) starting(rs []ranked, b loadBounds) ([]ranked, loadBoun
 	return order, b.starting()
 }
 
+// within: r's busyness and queue within the bounds, the mean's for a request
+// that starts a conversation unless r's engine keeps what it writes.
 func (b loadBounds) within(r ranked) bool {
 	if b.start && !r.keeps {
 		return r.busy <= b.meanBusy && r.queued <= b.meanQueue

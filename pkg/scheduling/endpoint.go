@@ -188,14 +188,23 @@ func (e *Endpoint) Load() (Load, bool) { return e.loadAt(e.cfg().now) }
 
 // loadAt is Load by the clock now, read only when there is a load to judge.
 func (e *Endpoint) loadAt(now func() time.Time) (Load, bool) {
+	if l := e.scrapedAt(now); l != nil {
+		return l.Load, true
+	}
+	return Load{}, false
+}
+
+// scrapedAt is the last scrape, nil when there is none or it is stale by the
+// clock now.
+func (e *Endpoint) scrapedAt(now func() time.Time) *scraped {
 	l := e.load.Load()
 	if l == nil {
-		return Load{}, false
+		return nil
 	}
 	if s := e.cfg(); s.staleAfter <= 0 || now().Sub(l.At) > s.staleAfter {
-		return Load{}, false
+		return nil
 	}
-	return l.Load, true
+	return l
 }
 
 // scraped is the last scraped load, with two past ones (marks), markEvery
@@ -226,8 +235,8 @@ const markEvery = 15 * time.Second
 // not tell (they span less than markEvery since the first, or since a
 // restart). An engine that wrote nothing keeps what it holds (+Inf).
 func (e *Endpoint) rewriteAt(now func() time.Time) (seconds float64, ok bool) {
-	s := e.load.Load()
-	if _, fresh := e.loadAt(now); !fresh || s.CacheTokens <= 0 || s.At.Sub(s.marks[0].At) < markEvery {
+	s := e.scrapedAt(now)
+	if s == nil || s.CacheTokens <= 0 || s.At.Sub(s.marks[0].At) < markEvery {
 		return 0, false
 	}
 	return s.CacheTokens / (s.Written - s.marks[0].Written) * s.At.Sub(s.marks[0].At).Seconds(), true // x/0 is +Inf
