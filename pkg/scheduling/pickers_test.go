@@ -103,6 +103,19 @@ func BenchmarkSelect(b *testing.B) {
 		p, req := eventsPool(addrs)
 		benchPick(b, p, req, addrs[0])
 	})
+	// A conversation's first request, its engines' scrapes telling how long
+	// they keep what they write (prefixAffinity.starting reads each one).
+	b.Run(config.PolicyPrefixAffinity+"+events/first-request-scraped", func(b *testing.B) {
+		p, later := eventsPool(addrs)
+		now := time.Now()
+		for _, e := range p.Endpoints() {
+			e.observe(Load{CacheTokens: 10_000, At: now.Add(-20 * time.Second)})
+			e.observe(Load{CacheTokens: 10_000, Written: 100, At: now})
+		}
+		req := chatRequest(benchConversation()[:2])
+		req.SetTokens(later.Tokens()[:2_500])
+		benchPick(b, p, req, addrs[0])
+	})
 	// The same picks from every CPU at once, as a replica's streams make
 	// them: the view is read by all and written by its subscriber.
 	b.Run(config.PolicyPrefixAffinity+"+events/chat-32000chars/parallel", func(b *testing.B) {
@@ -152,7 +165,8 @@ func benchConversation() []simMessage {
 // first endpoint holds the first 6,000 (its earlier turns), the next three the
 // first 2,000 (the system prompt), the others none, as their events said.
 func eventsPool(addrs []string) (*Pool, *Request) {
-	p := NewPools(Spec{Decode: PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity}}}, Deps{}).Decode
+	scrapes := config.EngineMetrics{Interval: config.Duration(time.Second), StaleAfter: config.Duration(time.Hour)} // read only where a test observes a load
+	p := NewPools(Spec{Decode: PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Metrics: scrapes}}}, Deps{}).Decode
 	index := kvevents.NewIndex(kvevents.Bounds{}, time.Minute, nil)
 	tokens := make([]int64, 8_000)
 	for i := range tokens {
