@@ -68,7 +68,7 @@ type prefixAffinity struct {
 	cache func() *kvevents.Index
 	// keptStarts: with the view, a request that starts a conversation may
 	// take the usual bounds on an engine that keeps what it writes
-	// (starting). Not on a P/D prefill pool, where in the P/D simulation it
+	// (loadBounds.starting). Not on a P/D prefill pool, where in the P/D simulation it
 	// cost one-shot questions on small caches (docs/scheduling.md).
 	keptStarts bool
 }
@@ -153,7 +153,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 			// A conversation's first request (or a one-shot one): the less
 			// busy of equals, as later turns find it wherever it went, and
 			// none busier than the mean.
-			order, hb = p.starting(rs, b)
+			order, hb = lessBusyFirst(slices.Clone(rs)), b.starting(p.keptStarts)
 		case first == second && first > 0:
 			// A later turn whose history no engine holds beyond what another
 			// holds too (evicted, past a system prompt cached on several):

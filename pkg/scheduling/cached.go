@@ -85,11 +85,11 @@ func lessBusyFirst(rs []ranked) []ranked {
 }
 
 // loadBounds are prefix-affinity's load bounds over a set of candidates,
-// with the candidates' mean busyness and queue they are set from; start:
-// for a request that starts a conversation (starting).
+// with the candidates' mean busyness and queue they are set from; start and
+// kept: for a request that starts a conversation (starting).
 type loadBounds struct {
 	busy, queue, follow, meanBusy, meanQueue float64
-	start                                    bool
+	start, kept                              bool
 }
 
 // bounds are the bounds over rs: busyness at most factor × the mean + slack,
@@ -111,11 +111,11 @@ func (p *prefixAffinity) bounds(rs []ranked, queueSlack float64) loadBounds {
 // one-shot one) to go where its system prompt is cached: no busier than the
 // mean, and no longer a queue. Recomputing a system prompt elsewhere costs
 // once; piling new conversations onto its few holders evicts their older
-// conversations' histories and lengthens their queues. An engine that keeps
-// what it writes for keptLong or more (ranked.keeps; prefixAffinity.starting)
-// loses no history to them: the usual bounds hold there.
-func (b loadBounds) starting() loadBounds {
-	b.start = true
+// conversations' histories and lengthens their queues. With kept, an engine
+// that keeps what it writes for keptLong or more loses no history to them:
+// the usual bounds hold there.
+func (b loadBounds) starting(kept bool) loadBounds {
+	b.start, b.kept = true, kept
 	return b
 }
 
@@ -127,27 +127,18 @@ func (b loadBounds) starting() loadBounds {
 // 106 to 513.
 const keptLong = 90 * time.Second
 
-// starting is the order and the bounds for a request that starts a
-// conversation: the candidates of rs, less busy first, those whose engines
-// keep what they write for keptLong by their scraped counters
-// (Endpoint.rewriteAt) marked so where the pool allows it (keptStarts).
-func (p *prefixAffinity) starting(rs []ranked, b loadBounds) ([]ranked, loadBounds) {
-	order := lessBusyFirst(slices.Clone(rs))
-	if p.keptStarts {
-		t := order[0].e.cfg().now()
-		now := func() time.Time { return t }
-		for i := range order {
-			s, ok := order[i].e.rewriteAt(now)
-			order[i].keeps = ok && s >= keptLong.Seconds()
-		}
-	}
-	return order, b.starting()
+// keepsLong reports whether, by its scrape, r's engine keeps what it writes
+// for keptLong or more (scraped.rewrite).
+func keepsLong(r ranked) bool {
+	s, ok := r.scrape.rewrite()
+	return ok && s >= keptLong.Seconds()
 }
 
 // within: r's busyness and queue within the bounds, the mean's for a request
-// that starts a conversation unless r's engine keeps what it writes.
+// that starts a conversation unless kept and r's engine keeps what it
+// writes.
 func (b loadBounds) within(r ranked) bool {
-	if b.start && !r.keeps {
+	if b.start && !(b.kept && keepsLong(r)) {
 		return r.busy <= b.meanBusy && r.queued <= b.meanQueue
 	}
 	return r.busy <= b.busy && r.queued <= b.queue
@@ -171,8 +162,8 @@ func busyness(eps []*Endpoint) []ranked {
 	}
 	now := sync.OnceValue(eps[0].cfg().now) // the pool's clock, read once if at all: it costs more than judging a load
 	for i, e := range eps {
-		rs[i].e = e
-		rs[i].busy, rs[i].queued = e.busynessAt(now)
+		rs[i].e, rs[i].scrape = e, e.scrapedAt(now)
+		rs[i].busy, rs[i].queued = e.busynessOf(rs[i].scrape)
 	}
 	return rs
 }

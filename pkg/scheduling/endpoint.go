@@ -208,7 +208,7 @@ func (e *Endpoint) scrapedAt(now func() time.Time) *scraped {
 }
 
 // scraped is the last scraped load, with two past ones (marks), markEvery
-// apart or more, to read the pace of the engine's counters from (rewriteAt).
+// apart or more, to read the pace of the engine's counters from (rewrite).
 type scraped struct {
 	Load
 	marks [2]Load
@@ -225,17 +225,16 @@ func (e *Endpoint) observe(l Load) {
 	e.load.Store(s)
 }
 
-// markEvery spaces the scrapes rewriteAt measures from, so that it reads the
+// markEvery spaces the scrapes rewrite measures from, so that it reads the
 // last 15 to 30 seconds: a scrape apart would be the pace of a few requests.
 const markEvery = 15 * time.Second
 
-// rewriteAt is how many seconds the engine takes to write its whole cache
-// over (Load.CacheTokens) at the pace it wrote (Load.Written) since its older
-// mark, by its last scrape fresh by the clock now; false when the scrapes do
-// not tell (they span less than markEvery since the first, or since a
-// restart). An engine that wrote nothing keeps what it holds (+Inf).
-func (e *Endpoint) rewriteAt(now func() time.Time) (seconds float64, ok bool) {
-	s := e.scrapedAt(now)
+// rewrite is how many seconds the engine takes to write its whole cache over
+// (Load.CacheTokens) at the pace it wrote (Load.Written) since s's older mark;
+// false when s is nil (no fresh scrape) or its scrapes do not tell (they span
+// less than markEvery since the first, or since a restart). An engine that
+// wrote nothing keeps what it holds (+Inf).
+func (s *scraped) rewrite() (seconds float64, ok bool) {
 	if s == nil || s.CacheTokens <= 0 || s.At.Sub(s.marks[0].At) < markEvery {
 		return 0, false
 	}
@@ -254,10 +253,15 @@ func (e *Endpoint) Busyness() float64 {
 // busynessAt is Busyness by the clock now, and the engine's scraped queue (0
 // without a fresh scrape).
 func (e *Endpoint) busynessAt(now func() time.Time) (busy, queued float64) {
+	return e.busynessOf(e.scrapedAt(now))
+}
+
+// busynessOf is busynessAt with s, the endpoint's fresh scrape (nil: none).
+func (e *Endpoint) busynessOf(s *scraped) (busy, queued float64) {
 	busy = float64(e.InFlight())
-	if l, ok := e.loadAt(now); ok {
-		busy += l.Waiting + l.KVUsage
-		queued = l.Waiting
+	if s != nil {
+		busy += s.Waiting + s.KVUsage
+		queued = s.Waiting
 	}
 	return busy, queued
 }

@@ -252,9 +252,9 @@ func TestRewriteIsReadFromTheLastScrapes(t *testing.T) {
 				e.observe(Load{CacheTokens: tt.size, Written: s.written, At: clock.Now()})
 			}
 			clock.Advance(tt.later)
-			got, ok := e.rewriteAt(clock.Now)
+			got, ok := e.scrapedAt(clock.Now).rewrite()
 			if ok != tt.ok || math.Abs(got-tt.want) > 1e-9 && !math.IsInf(tt.want, 1) || math.IsInf(tt.want, 1) != math.IsInf(got, 1) {
-				t.Errorf("rewriteAt() = %g s, %v; want %g s, %v", got, ok, tt.want, tt.ok)
+				t.Errorf("rewrite() = %g s, %v; want %g s, %v", got, ok, tt.want, tt.ok)
 			}
 		})
 	}

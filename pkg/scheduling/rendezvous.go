@@ -119,8 +119,8 @@ func homeSize(share float64, n int, spread float64) int {
 // ranked is a candidate endpoint as prefixAffinity orders them.
 type ranked struct {
 	e            *Endpoint
-	busy, queued float64 // busyness
-	keeps        bool    // its engine keeps what it writes long (prefixAffinity.starting); set for a request that starts a conversation
+	busy, queued float64  // busyness
+	scrape       *scraped // its engine's last fresh scrape, nil: none
 }
 
 // rank orders the candidates for a request: by the weights of its prefix
