@@ -66,11 +66,14 @@ type prefixAffinity struct {
 	// cache is the pool's view of its engines' caches from their KV events,
 	// nil when it follows none (events.go).
 	cache func() *kvevents.Index
-	// keptStarts: with the view, a request that starts a conversation may
-	// take the usual bounds on an engine that keeps what it writes
-	// (loadBounds.starting). Not on a P/D prefill pool, where in the P/D simulation it
-	// cost one-shot questions on small caches (docs/scheduling.md).
-	keptStarts bool
+	// keeps: an engine that keeps what it writes (keepsLong) loosens the
+	// bounds of a request that starts a conversation with the view
+	// (loadBounds.starting) and of a later turn at its home without one
+	// (byRanking). Not on a P/D prefill pool, which under the cache rule is
+	// sent only what the decode engines lacked: in the P/D simulation it
+	// cost one-shot questions on small caches there, and multi-turn chat
+	// under the load arm (docs/scheduling.md).
+	keeps bool
 }
 
 // remembering is p with old's memory (the local hint, the shares, the
@@ -134,10 +137,12 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	queueSlack := p.queueSlack
 	// A later turn's history is where its conversation ranks first (home):
 	// it stays there within the bound of a followed history, as the other
-	// replicas would not follow it elsewhere.
-	followed := p.cacheRule() && previous != "" && held == nil
+	// replicas would not follow it elsewhere. On the cache rule's pool
+	// always; elsewhere when the home's engine keeps what it writes, so
+	// that the history is surely there and a spill recomputes it.
+	followed := previous != "" && held == nil && (p.cacheRule() || p.keeps && keepsLong(rs[0]))
 	switch {
-	case followed:
+	case followed && p.cacheRule():
 		queueSlack = p.turnQueueSlack
 	case held == nil:
 		queueSlack = p.estimateQueueSlack
@@ -153,7 +158,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 			// A conversation's first request (or a one-shot one): the less
 			// busy of equals, as later turns find it wherever it went, and
 			// none busier than the mean.
-			order, hb = lessBusyFirst(slices.Clone(rs)), b.starting(p.keptStarts)
+			order, hb = lessBusyFirst(slices.Clone(rs)), b.starting(p.keeps)
 		case first == second && first > 0:
 			// A later turn whose history no engine holds beyond what another
 			// holds too (evicted, past a system prompt cached on several):

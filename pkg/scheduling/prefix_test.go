@@ -567,9 +567,13 @@ func TestDecodeTurnsAgreeWhereReplicasSizeAHomeSetApart(t *testing.T) {
 // followed history (the mean + 3 × the decode pool's default slack, 4),
 // where a request that starts a conversation (or a one-shot one) spills at
 // the mean + 1, the usual bound. Under always-P/D every request spills at
-// the mean + 4, and past the looser bound a later turn spills too.
+// the mean + 4, but a later turn whose engines keep what they write for 90 s
+// or more (by their scraped counters) takes the looser bound there too,
+// though not on the prefill pool; past the looser bound a later turn spills
+// anyway.
 func TestLaterTurnsStayWithTheirHistoryUnderLoad(t *testing.T) {
 	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	prefillAddrs := []string{"10.0.1.1:8000", "10.0.1.2:8000", "10.0.1.3:8000", "10.0.1.4:8000"}
 	system := strings.Repeat("You answer questions about the build. ", 20)
 	later := conversation(system, "Why did it fail?", "A flaky test.", "Which one?")
 	first := conversation(system, "Why did it fail?")
@@ -578,33 +582,56 @@ func TestLaterTurnsStayWithTheirHistoryUnderLoad(t *testing.T) {
 		mode   string
 		req    *Request
 		queued float64 // the first endpoint's scraped queue; the others' are 0
-		stays  bool
+		// rewrite: the seconds in which the engines write their caches over,
+		// by their scrapes; 0: not read.
+		rewrite float64
+		stays   bool
+		prefill bool // the P/D prefill pool's pick, else the decode pool's
 	}{
-		{"cache rule, a later turn above the mean + 4", config.PDAuto, later, 8, true},     // mean 2: 6 < 8 ≤ 14
-		{"cache rule, a later turn above the mean + 12", config.PDAuto, later, 24, false},  // mean 6: 24 > 18
-		{"cache rule, a first request above the mean + 1", config.PDAuto, first, 4, false}, // mean 1: 2 < 4
-		{"always P/D, a later turn above the mean + 4", config.PDAlways, later, 8, false},
-		{"always P/D, a first request within the mean + 4", config.PDAlways, first, 4, true}, // mean 1: 4 ≤ 5
+		{"cache rule, a later turn above the mean + 4", config.PDAuto, later, 8, 0, true, false},     // mean 2: 6 < 8 ≤ 14
+		{"cache rule, a later turn above the mean + 12", config.PDAuto, later, 24, 0, false, false},  // mean 6: 24 > 18
+		{"cache rule, a first request above the mean + 1", config.PDAuto, first, 4, 0, false, false}, // mean 1: 2 < 4
+		{"always P/D, a later turn above the mean + 4", config.PDAlways, later, 8, 0, false, false},
+		{"always P/D, a later turn above the mean + 4, caches written over in 10 s", config.PDAlways, later, 8, 10, false, false},
+		{"always P/D, a later turn above the mean + 4, caches written over in 10 min", config.PDAlways, later, 8, 600, true, false},
+		{"always P/D, a later turn above the mean + 12, caches written over in 10 min", config.PDAlways, later, 24, 600, false, false},
+		{"always P/D, a first request above the mean + 4, caches written over in 10 min", config.PDAlways, first, 8, 600, false, false},
+		{"always P/D, a first request within the mean + 4", config.PDAlways, first, 4, 0, true, false},                                // mean 1: 4 ≤ 5
+		{"prefill pool, a later turn above the mean + 1, caches written over in 10 min", config.PDAlways, later, 4, 600, false, true}, // mean 1: 4 > 2
+		{"prefill pool, a later turn within the mean + 1", config.PDAlways, later, 1, 0, true, true},                                  // mean 0.25: 1 ≤ 1.25
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			clock := newFakeClock()
 			sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}
 			sched.SetDecodeDefaults(tt.mode) // queue_slack left out, as pkg/config fills it in
-			ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}, PoolScheduling: sched},
+			prefill := config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Metrics: sched.Metrics}
+			ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: prefillAddrs, PoolScheduling: prefill},
 				Decode: PoolSpec{Endpoints: addrs, PoolScheduling: sched}, PD: config.PD{Mode: tt.mode}}, Deps{Now: clock.Now})
-			ranked, err := ps.Decode.Select(tt.req)
+			pool := ps.Decode
+			if tt.prefill {
+				pool = ps.Prefill
+			}
+			var written float64 // in the last 15 s
+			if tt.rewrite > 0 {
+				for _, e := range pool.Endpoints() {
+					e.observe(Load{CacheTokens: 9000, At: clock.Now()})
+				}
+				clock.Advance(15 * time.Second)
+				written = 9000 / tt.rewrite * 15
+			}
+			ranked, err := pool.Select(tt.req)
 			if err != nil {
 				t.Fatal(err)
 			}
-			for _, e := range ps.Decode.Endpoints() {
+			for _, e := range pool.Endpoints() {
 				waiting := 0.0
 				if e == ranked {
 					waiting = tt.queued
 				}
-				e.observe(Load{Waiting: waiting, At: clock.Now()})
+				e.observe(Load{Waiting: waiting, At: clock.Now(), CacheTokens: 9000 * min(1, tt.rewrite), Written: written})
 			}
-			got, err := ps.Decode.Select(tt.req)
+			got, err := pool.Select(tt.req)
 			if err != nil {
 				t.Fatal(err)
 			}
