@@ -245,18 +245,16 @@ func (s *scraped) rewrite() (seconds float64, ok bool) {
 // flight, plus the engine's queue and KV use when a fresh scrape has them. The
 // queue counts on top of in-flight on purpose: waiting requests are the sign of
 // a saturated engine, and they include other routers' traffic.
-func (e *Endpoint) Busyness() float64 {
-	b, _ := e.busynessAt(e.cfg().now)
-	return b
+func (e *Endpoint) Busyness() float64 { return e.busynessAt(e.cfg().now) }
+
+// busynessAt is Busyness by the clock now.
+func (e *Endpoint) busynessAt(now func() time.Time) float64 {
+	busy, _ := e.busynessOf(e.scrapedAt(now))
+	return busy
 }
 
-// busynessAt is Busyness by the clock now, and the engine's scraped queue (0
-// without a fresh scrape).
-func (e *Endpoint) busynessAt(now func() time.Time) (busy, queued float64) {
-	return e.busynessOf(e.scrapedAt(now))
-}
-
-// busynessOf is busynessAt with s, the endpoint's fresh scrape (nil: none).
+// busynessOf is the busyness with s, the endpoint's fresh scrape (nil:
+// none), and the engine's scraped queue (0 without one).
 func (e *Endpoint) busynessOf(s *scraped) (busy, queued float64) {
 	busy = float64(e.InFlight())
 	if s != nil {

@@ -141,7 +141,7 @@ func (p *Pool) SelectN(req *Request, n int, exclude ...string) ([]*Endpoint, err
 			continue
 		}
 		r := ranked{e: e}
-		r.busy, _ = e.busynessAt(now)
+		r.busy = e.busynessAt(now)
 		i := len(best)
 		for i > 0 && best[i-1].busy > r.busy {
 			i--
