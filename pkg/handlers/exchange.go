@@ -116,6 +116,7 @@ func (x *exchange) phase(req *extprocv3.ProcessingRequest) reply {
 	case *extprocv3.ProcessingRequest_RequestTrailers:
 		return x.onRequestTrailers()
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		x.servedBy(servedEndpoint(req.GetMetadataContext()))
 		x.onResponseHeaders(m.ResponseHeaders.GetHeaders())
 		return answer(continueResponseHeaders())
 	case *extprocv3.ProcessingRequest_ResponseBody:

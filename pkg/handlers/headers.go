@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -148,6 +149,12 @@ func headerValue(h *corev3.HeaderValue) string {
 	return h.GetValue()
 }
 
+// servedEndpoint is the endpoint that the gateway reports serving the
+// request (DestinationServedKey), "" when it reports none.
+func servedEndpoint(md *corev3.Metadata) string {
+	return md.GetFilterMetadata()[DestinationMetadata].GetFields()[DestinationServedKey].GetStringValue()
+}
+
 // subsetHint reads the endpoint-picker subset hint Envoy may forward in the
 // envoy.lb.subset_hint metadata namespace: nil when there is none; else a
 // list's strings, or a string (a header-to-metadata filter makes one), as
@@ -174,6 +181,21 @@ func subsetHint(md *corev3.Metadata) []string {
 		entries = append(entries, s.StringValue)
 	}
 	return entries
+}
+
+// servedBy tells the decision which endpoint the gateway reports serving
+// the request (addr, "" for none), before its answer is judged. One that
+// the service did not offer is a gateway that does not follow
+// DestinationHeader: said once per process.
+func (x *exchange) servedBy(addr string) {
+	if x.decision.ServedBy(addr) {
+		return
+	}
+	x.obs.notFollowed.Do(func() {
+		x.obs.log.Info("the gateway reports serving a request from an endpoint pd-extproc did not pick: its route does not follow "+
+			DestinationHeader+" (an ORIGINAL_DST cluster that reads it); such answers judge no endpoint",
+			"requestID", x.req.RequestID, "served", addr, "picked", strings.Join(x.decision.Endpoints, ","))
+	})
 }
 
 // onResponseHeaders reads the decode engine's answer: its status tells

@@ -64,6 +64,9 @@ type observer struct {
 	// notDuplex: the warning that a usage rewrite cannot see the response
 	// body has been logged; it is a config problem, said once per process.
 	notDuplex sync.Once
+	// notFollowed: the warning that the gateway served a request from an
+	// endpoint it was not offered (exchange.servedBy), once per process.
+	notFollowed sync.Once
 }
 
 // observation is what one request's metrics, log line and span are made of.

@@ -25,6 +25,12 @@ const (
 	// The proxy may restrict the choice to a subset of endpoints.
 	SubsetHintNamespace = "envoy.lb.subset_hint"
 	SubsetHintKey       = "x-gateway-destination-endpoint-subset"
+
+	// On the response path, a gateway that implements the protocol (v1.0.0)
+	// reports the endpoint that served the request, which of a fallback
+	// list, under this key of DestinationMetadata in the message's
+	// metadata_context. Vanilla Envoy reports none.
+	DestinationServedKey = "x-gateway-destination-endpoint-served"
 )
 
 // reply is what a phase answers a message with, sent in this order: a

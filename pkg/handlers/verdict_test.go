@@ -5,9 +5,11 @@ import (
 	"strings"
 	"testing"
 
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr/funcr"
+	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
@@ -97,4 +99,81 @@ func streamErrors(t *testing.T, m *metrics.Metrics, mode string) float64 {
 	}
 	t.Fatalf("no pd_extproc_stream_errors_total{mode=%q}", mode)
 	return 0
+}
+
+// A gateway that implements the endpoint-picker protocol says, on the
+// response path, which endpoint served the request (envoy.lb
+// x-gateway-destination-endpoint-served). With fallbacks offered, a 500
+// then ejects the pick when the pick served it, and no endpoint when another
+// did or the gateway did not say; an endpoint the service never offered is a
+// gateway that does not follow its pick, logged once.
+func TestTheEndpointTheGatewayReportsServingIsJudged(t *testing.T) {
+	const stranger = "10.9.9.9:8000"
+	tests := []struct {
+		name      string
+		fallbacks int
+		served    string // "pick", "fallback", stranger, or "" when the gateway reports none
+		ejected   string // "pick", or "" for none
+		logged    int
+	}{
+		{"fallbacks offered, the pick served", 1, "pick", "pick", 0},
+		{"fallbacks offered, the fallback served", 1, "fallback", "", 0},
+		{"fallbacks offered, none reported", 1, "", "", 0},
+		{"no fallbacks, none reported", 0, "", "pick", 0},
+		{"no fallbacks, the pick served", 0, "pick", "pick", 0},
+		{"no fallbacks, an endpoint never offered served", 0, stranger, "", 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			prefill := enginetest.Start(t, prefillOK)
+			p := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000", "10.1.1.2:8000"], fallbacks: %d, health: {consecutive_failures: 1}}}`,
+				prefill.Addr(), tt.fallbacks))
+			var logged []string
+			s := handlers.NewServer(p, handlers.Options{}, funcr.New(func(_, args string) { logged = append(logged, args) }, funcr.Options{}))
+			rec := newRecorder()
+			x := s.Open(t.Context(), rec)
+			for _, m := range []*extprocv3.ProcessingRequest{
+				envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), fullDuplex, filterv3.ProcessingMode_NONE),
+				envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
+			} {
+				if _, err := x.Handle(m); err != nil {
+					t.Fatal(err)
+				}
+			}
+			dest, _ := headerValue(rec.await(t, 1)[0].GetRequestHeaders().GetResponse().GetHeaderMutation(), handlers.DestinationHeader)
+			offered := strings.Split(dest, ",")
+			if len(offered) != 1+tt.fallbacks {
+				t.Fatalf("offered %q, want the pick and %d fallbacks", dest, tt.fallbacks)
+			}
+			answer := envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "500"})
+			if served := map[string]string{"pick": offered[0], "fallback": offered[len(offered)-1], stranger: stranger}[tt.served]; served != "" {
+				lb, err := structpb.NewStruct(map[string]any{handlers.DestinationServedKey: served})
+				if err != nil {
+					t.Fatal(err)
+				}
+				answer.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{handlers.DestinationMetadata: lb}}
+			}
+			if _, err := x.Handle(answer); err != nil {
+				t.Fatal(err)
+			}
+			x.Close()
+
+			_, decodePool := p.Pools()
+			for _, e := range decodePool.Endpoints() {
+				if want := tt.ejected == "pick" && e.Addr == offered[0]; e.Healthy() == want {
+					t.Errorf("decode endpoint %s ejected = %v, want %v (offered %q)", e.Addr, !e.Healthy(), want, dest)
+				}
+			}
+			lines := 0
+			for _, l := range logged {
+				if strings.Contains(l, "did not pick") && strings.Contains(l, `"served"="`+stranger+`"`) {
+					lines++
+				}
+			}
+			if lines != tt.logged {
+				t.Errorf("%d log lines name an endpoint never offered, want %d: %q", lines, tt.logged, logged)
+			}
+		})
+	}
 }

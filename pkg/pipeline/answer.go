@@ -12,7 +12,6 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/response"
-	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
 // prefillAnswer is what the decode leg and the client's answer take from a
@@ -123,18 +122,20 @@ func cachedTokens(r *Request) response.Paths {
 	return response.Paths{JSON: s.CachedTokens, Event: s.CachedTokensInEvents, Uncached: s.UncachedTokens}
 }
 
-// heldReader reads the answer of a decode engine that got r decode-only,
+// heldReader reads the answer of d's decode engine, which got r decode-only
 // being estimated to hold held of its prompt's tokens (cached_prefix), and
 // tells scheduling how many it says it held: an endpoint whose answers keep
-// belying the estimate stops being trusted with it for a while. nil when the
-// API reports no cached tokens. Without Envoy's response path it reads
-// nothing, and the estimate stands.
-func (p *Pipeline) heldReader(r *Request, decode *scheduling.Endpoint, held int) *response.Rewriter {
+// belying the estimate stops being trusted with it for a while. An answer
+// that may come from another endpoint (Decision.ServedBy) tells nothing.
+// nil when the API reports no cached tokens. Without Envoy's response path
+// it reads nothing, and the estimate stands.
+func (p *Pipeline) heldReader(r *Request, d *Decision, held int) *response.Rewriter {
 	if r.api.Shape.CachedTokens == nil {
 		return nil
 	}
+	decode := d.decode.Endpoint
 	return response.NewReader(cachedTokens(r), int(p.opts.MaxResponseBytes), func(raw []byte, stated bool) {
-		if n, err := strconv.Atoi(string(raw)); err == nil && isCount(raw) {
+		if n, err := strconv.Atoi(string(raw)); err == nil && isCount(raw) && !d.elsewhere {
 			if decode.ReportCached(held, n, stated) {
 				p.log.Info("the decode endpoint's answers belie what the router estimated it caches (evicted, or restarted): "+
 					"later turns sent to it go through a prefill leg for a while", "decode", decode.Addr, "estimated", held, "held", n,

@@ -2,6 +2,8 @@ package pipeline
 
 import (
 	"net/http"
+	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -130,10 +132,11 @@ type Decision struct {
 	// then it takes no other request if this one is its probe.
 	prefill *scheduling.Slot
 	release func()
-	// fallbacks: Envoy was offered more decode endpoints than the pick, and
-	// may have answered from any of them; which is not known, so the answer
-	// judges none of them (health, cached tokens).
-	fallbacks bool
+	// elsewhere: the answer may come from another endpoint than the pick, so
+	// it judges none of them (health, cached tokens): Envoy was offered
+	// fallbacks and the gateway has not said which served (ServedBy), or it
+	// names another.
+	elsewhere bool
 	// partner is what a failure at the decode engine is weighed against.
 	partner partner
 	// settled: the outcome has been reported to the endpoints' health.
@@ -191,6 +194,31 @@ func (d *Decision) Sent() {
 	}
 }
 
+// ServedBy takes the endpoint that the gateway reports serving the request
+// (the endpoint-picker protocol's x-gateway-destination-endpoint-served, on
+// the response path), "" when it reports none: the answer then judges the
+// pick if the pick served it, and no endpoint otherwise. It reports whether
+// the endpoint was one of those offered (or none was named); call it before
+// Observe.
+func (d *Decision) ServedBy(addr string) (offered bool) {
+	if d == nil || addr == "" || len(d.Endpoints) == 0 {
+		return true
+	}
+	d.elsewhere = !sameEndpoint(addr, d.Endpoints[0])
+	return !d.elsewhere || slices.ContainsFunc(d.Endpoints[1:], func(e string) bool { return sameEndpoint(addr, e) })
+}
+
+// sameEndpoint says whether a and b, ip:port, name one endpoint, however
+// an IPv6 address is written.
+func sameEndpoint(a, b string) bool {
+	x, errA := netip.ParseAddrPort(a)
+	y, errB := netip.ParseAddrPort(b)
+	if errA != nil || errB != nil {
+		return a == b
+	}
+	return x == y
+}
+
 // Observe reports the decode engine's response status, so that an endpoint
 // answering 5xx is ejected like one that refuses connections. A 2xx event
 // stream (streamed, its chunks given to Watch) is judged by its opening
@@ -239,7 +267,7 @@ func (d *Decision) settle(ok, seen bool) {
 		return
 	}
 	switch {
-	case !seen || d.fallbacks:
+	case !seen || d.elsewhere:
 	case ok:
 		d.decode.Served()
 	default:

@@ -34,7 +34,7 @@ func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
 		edit.Authorization = p.decodeKey.Authorization()
 	}
 	return &Decision{Endpoints: addrs, Headers: edit,
-		decode: slot.Taken(), release: slot.Release, fallbacks: len(eps) > 1}, nil
+		decode: slot.Taken(), release: slot.Release, elsewhere: len(eps) > 1}, nil
 }
 
 // RouteHeaders routes a request that has no body: one the pass-through list
@@ -166,8 +166,8 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		return nil, p.noPrefillEndpoint()
 	default:
 		rep.Mode = metrics.ModeDecodeOnly
-		if split.Reason == metrics.ReasonCachedPrefix && !d.fallbacks {
-			d.Rewrite = p.heldReader(r, d.decode.Endpoint, split.Held)
+		if split.Reason == metrics.ReasonCachedPrefix {
+			d.Rewrite = p.heldReader(r, d, split.Held)
 		}
 		return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
 	}
