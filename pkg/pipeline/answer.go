@@ -200,3 +200,14 @@ func sameHost(a, b string) bool {
 	ipA, ipB := apA.Addr().Unmap(), apB.Addr().Unmap()
 	return ipA == ipB || ipA.IsLoopback() && ipB.IsLoopback()
 }
+
+// sameEndpoint reports whether two ip:port endpoints are one, however each
+// spells its IP (an IPv4 address mapped into IPv6, zeros, case).
+func sameEndpoint(a, b string) bool {
+	apA, errA := netip.ParseAddrPort(a)
+	apB, errB := netip.ParseAddrPort(b)
+	if errA != nil || errB != nil {
+		return a == b
+	}
+	return apA.Addr().Unmap() == apB.Addr().Unmap() && apA.Port() == apB.Port()
+}

@@ -267,17 +267,25 @@ func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
 		// fallbacks: Envoy is offered a second decode endpoint
 		// (pools.decode.fallbacks), and may have answered from either.
 		fallbacks bool
+		// served is the endpoint the gateway reports serving each request
+		// (Decision.ServedBy): "pick", "fallback", "mapped" (the pick, its
+		// IPv4 address spelt in IPv6), or "" for none.
+		served string
 	}{
-		{"the decode engine answers 200", 200, nil, "served", "served", false},
-		{"it answers 500", 500, nil, "failed", "failed", false},
-		{"a stream that ends whole", 200, []string{role, tok, done}, "served", "served", false},
-		{"a stream that ends in an error event, cut across chunks", 200, []string{role + fail[:20], fail[20:] + done}, "failed", "failed", false},
-		{"a stream whose client left after its first token", 200, []string{role, tok}, "served", "served", false},
-		{"a stream whose client left before", 200, []string{role}, "served", "served", false},
-		{"a 4xx: the request's fault", 400, nil, "served", "served", false},
-		{"no response path: the prefill engine answered", never, nil, "served", "nothing", false},
-		{"a 500 with a fallback offered: the decode endpoints are told nothing", 500, nil, "failed", "nothing", true},
-		{"a 200 with a fallback offered", 200, nil, "served", "nothing", true},
+		{"the decode engine answers 200", 200, nil, "served", "served", false, ""},
+		{"it answers 500", 500, nil, "failed", "failed", false, ""},
+		{"a stream that ends whole", 200, []string{role, tok, done}, "served", "served", false, ""},
+		{"a stream that ends in an error event, cut across chunks", 200, []string{role + fail[:20], fail[20:] + done}, "failed", "failed", false, ""},
+		{"a stream whose client left after its first token", 200, []string{role, tok}, "served", "served", false, ""},
+		{"a stream whose client left before", 200, []string{role}, "served", "served", false, ""},
+		{"a 4xx: the request's fault", 400, nil, "served", "served", false, ""},
+		{"no response path: the prefill engine answered", never, nil, "served", "nothing", false, ""},
+		{"a 500 with a fallback offered: the decode endpoints are told nothing", 500, nil, "failed", "nothing", true, ""},
+		{"a 200 with a fallback offered", 200, nil, "served", "nothing", true, ""},
+		{"a 500 with a fallback offered, from the pick", 500, nil, "failed", "failed", true, "pick"},
+		{"a 200 with a fallback offered, from the pick", 200, nil, "served", "served", true, "pick"},
+		{"a 500 with a fallback offered, from the pick spelt in IPv6", 500, nil, "failed", "failed", true, "mapped"},
+		{"a 500 with a fallback offered, from the fallback", 500, nil, "failed", "nothing", true, "fallback"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -293,10 +301,17 @@ func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
 			for _, e := range append([]*scheduling.Endpoint{pe, pe}, slices.Concat(decode.Endpoints(), decode.Endpoints())...) { // two of the three failures that eject
 				e.ReportFailure()
 			}
+			picked := map[string]bool{}
 			for i := range 3 {
 				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
 				if err != nil {
 					t.Fatal(err)
+				}
+				picked[d.Endpoints[0]] = true
+				served := map[string]string{"pick": d.Endpoints[0], "fallback": d.Endpoints[len(d.Endpoints)-1],
+					"mapped": "[::ffff:" + strings.TrimSuffix(d.Endpoints[0], ":8000") + "]:8000"}[tt.served]
+				if !d.ServedBy(served) {
+					t.Errorf("ServedBy(%q) says it was not offered: %q", served, d.Endpoints)
 				}
 				if tt.status != never {
 					d.Observe(tt.status, tt.stream != nil)
@@ -319,8 +334,12 @@ func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
 				t.Errorf("the prefill endpoint was told %s, want %s", got, tt.prefill)
 			}
 			for _, de := range decode.Endpoints() {
-				if got := told(de); got != tt.decode {
-					t.Errorf("decode endpoint %s was told %s, want %s", de.Addr, got, tt.decode)
+				want := tt.decode
+				if !picked[de.Addr] {
+					want = "nothing"
+				}
+				if got := told(de); got != want {
+					t.Errorf("decode endpoint %s was told %s, want %s", de.Addr, got, want)
 				}
 			}
 		})

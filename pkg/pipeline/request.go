@@ -2,7 +2,6 @@ package pipeline
 
 import (
 	"net/http"
-	"net/netip"
 	"slices"
 	"strings"
 	"sync"
@@ -206,17 +205,6 @@ func (d *Decision) ServedBy(addr string) (offered bool) {
 	}
 	d.elsewhere = !sameEndpoint(addr, d.Endpoints[0])
 	return !d.elsewhere || slices.ContainsFunc(d.Endpoints[1:], func(e string) bool { return sameEndpoint(addr, e) })
-}
-
-// sameEndpoint says whether a and b, ip:port, name one endpoint, however
-// an IPv6 address is written.
-func sameEndpoint(a, b string) bool {
-	x, errA := netip.ParseAddrPort(a)
-	y, errB := netip.ParseAddrPort(b)
-	if errA != nil || errB != nil {
-		return a == b
-	}
-	return x == y
 }
 
 // Observe reports the decode engine's response status, so that an endpoint
