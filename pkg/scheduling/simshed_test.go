@@ -2,7 +2,10 @@ package scheduling
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -86,12 +89,46 @@ func shedTable(batches []float64, ways []shedding, policies []string, d time.Dur
 // prefix-affinity, without shedding; refused at once at the default line
 // (5) with Retry-After 1, 5 and 30 s (the default), and at line 2; and
 // held (the defaults), five simulated minutes, three seeds. Run it as
-// BenchmarkPolicies.
+// BenchmarkPolicies: it logs each row, then the table as the docs have it.
 func BenchmarkShedding(b *testing.B) {
 	ways := []shedding{noShedding, {5, time.Second, 0}, {5, 5 * time.Second, 0}, refuseAtOnce, {2, config.DefaultShedRetryAfter, 0}, shedDefaults}
-	for _, r := range shedTable([]float64{1, 8, 12, 16}, ways, []string{"least-load", "prefix-affinity"}, 5*time.Minute, simSeeds) {
+	rows := shedTable([]float64{1, 8, 12, 16}, ways, []string{"least-load", "prefix-affinity"}, 5*time.Minute, simSeeds)
+	for _, r := range rows {
 		b.Log(r)
 	}
+	var lines []string
+	for g := range slices.Chunk(rows, len(ways)) {
+		cells := make([]string, len(g))
+		for i, r := range g {
+			cells[i] = shedCell(r.interactive, r.batchTTFT, r.shed)
+		}
+		lines = append(lines, fmt.Sprintf("| ×%g | %s | %.0f %% | %s |", g[0].batch, g[0].policy, 100*g[0].offered, strings.Join(sameAsFirst(cells), " | ")))
+	}
+	b.Log("\n| batch | policy | offered | no shedding: mean, p99 | refused, retry 1 s | refused, retry 5 s | refused, retry 30 s | " +
+		"refused at line 2, retry 30 s | **held 30 s, then retry 30 s (defaults)** |\n|---|---|---|---|---|---|---|---|---|\n" + strings.Join(lines, "\n"))
+}
+
+// shedCell is a cell of the shedding tables: the chat's then the batch
+// work's time to first token, mean and p99 in ms, and the refusals.
+func shedCell(chat, batch simTTFT, shed int) string {
+	in := func(d time.Duration) string { return thousands(int(math.RoundToEven(ms(d)))) }
+	s := fmt.Sprintf("%s, %s / %s, %s", in(chat.Mean), in(chat.P99), in(batch.Mean), in(batch.P99))
+	if shed > 0 {
+		s += fmt.Sprintf(" (%s refused)", thousands(shed))
+	}
+	return s
+}
+
+// sameAsFirst reads "the same" for each cell after the first that reads as
+// the first: a way of shedding that changed nothing.
+func sameAsFirst(cells []string) []string {
+	out := slices.Clone(cells)
+	for i := 1; i < len(out); i++ {
+		if out[i] == cells[0] {
+			out[i] = "the same"
+		}
+	}
+	return out
 }
 
 // With its defaults (a hold of 30 s) shedding changes nothing where the
@@ -164,35 +201,48 @@ func (r pdShedRow) String() string {
 // batchBeside's traffic at (b)'s P/D rate, always P/D and cache-aware P/D,
 // without shedding, refused at once and held (the defaults), at one and
 // three replicas, five simulated minutes, three seeds. Run it as
-// BenchmarkPolicies.
+// BenchmarkPolicies: it logs each row, then the table as the docs have it.
 func BenchmarkSheddingPD(b *testing.B) {
+	ways := []shedding{noShedding, refuseAtOnce, shedDefaults}
+	var lines []string
 	for _, replicas := range []int{1, 3} {
 		for _, k := range []float64{1, 3, 4, 6, 8} {
-			benchmarkSheddingPD(b, replicas, k)
+			for _, pol := range []pdPolicy{pdAlways, pdCache} {
+				cells, itl := make([]string, len(ways)), make([]string, len(ways))
+				var busy float64
+				for i, how := range ways {
+					r := sheddingPD(b, replicas, k, pol, how)
+					cells[i], itl[i] = shedCell(r.interactive, r.batchTTFT, r.shed), fmt.Sprintf("%.1f", ms(r.p99ITL))
+					if i == 0 {
+						busy = r.prefillUtil
+					}
+				}
+				lines = append(lines, fmt.Sprintf("| %d | ×%g | %s | %.0f %% | %s | %s |", replicas, k, pol.name, 100*busy,
+					strings.Join(sameAsFirst(cells), " | "), strings.Join(itl, " → ")))
+			}
 		}
 	}
+	b.Log("\n| replicas | batch | policy | prefill busy | no shedding | refused at once | **held (defaults)** | p99 ITL, ms |\n" +
+		"|---|---|---|---|---|---|---|---|\n" + strings.Join(lines, "\n"))
 }
 
-// benchmarkSheddingPD logs the rows of batch work at k times the chat's
-// rate, at that many replicas.
-func benchmarkSheddingPD(b *testing.B, replicas int, k float64) {
-	for _, pol := range []pdPolicy{pdAlways, pdCache} {
-		for _, how := range []shedding{noShedding, refuseAtOnce, shedDefaults} {
-			row := pdShedRow{batch: k, policy: pol.name, shedding: how, replicas: replicas}
-			for _, seed := range simSeeds {
-				p := defaultPDParams()
-				p.Workload, p.Seed, p.Duration, p.Load = batchBeside(k), seed, 5*time.Minute, pdRates[multiTurn.name]
-				how.apply(&p.simParams)
-				r := simulatePD(p, newWorkload(p.simParams), pol, replicas)
-				row.shed += r.Shed
-				row.prefillUtil += r.PrefillUtil / float64(len(simSeeds))
-				row.p99ITL += r.P99ITL / time.Duration(len(simSeeds))
-				row.interactive.meanOver(r.Interactive, len(simSeeds))
-				row.batchTTFT.meanOver(r.BatchTTFT, len(simSeeds))
-			}
-			b.Log(row)
-		}
+// sheddingPD is the row of batch work at k times the chat's rate, at that
+// many replicas, under pol, shed as how says; it logs it.
+func sheddingPD(b *testing.B, replicas int, k float64, pol pdPolicy, how shedding) pdShedRow {
+	row := pdShedRow{batch: k, policy: pol.name, shedding: how, replicas: replicas}
+	for _, seed := range simSeeds {
+		p := defaultPDParams()
+		p.Workload, p.Seed, p.Duration, p.Load = batchBeside(k), seed, 5*time.Minute, pdRates[multiTurn.name]
+		how.apply(&p.simParams)
+		r := simulatePD(p, newWorkload(p.simParams), pol, replicas)
+		row.shed += r.Shed
+		row.prefillUtil += r.PrefillUtil / float64(len(simSeeds))
+		row.p99ITL += r.P99ITL / time.Duration(len(simSeeds))
+		row.interactive.meanOver(r.Interactive, len(simSeeds))
+		row.batchTTFT.meanOver(r.BatchTTFT, len(simSeeds))
 	}
+	b.Log(row)
+	return row
 }
 
 // apply makes p's completions prompts batch work, shed as s says.
