@@ -142,12 +142,6 @@ func ttftOf(ts []time.Duration) simTTFT {
 	return simTTFT{sum / time.Duration(len(ts)), ts[int(math.Ceil(0.99*float64(len(ts))))-1]}
 }
 
-func (r simResult) String() string {
-	return fmt.Sprintf("%-16s x%d  requests %6d  failed %4d  offered %3.0f%%  hit rate %5.1f%%  TTFT mean %7.1f ms  p99 %8.1f ms",
-		r.Policy, r.Replicas, r.Requests, r.Failed, 100*r.Offered, 100*r.HitRate,
-		float64(r.MeanTTFT.Microseconds())/1000, float64(r.P99TTFT.Microseconds())/1000)
-}
-
 type simMessage struct{ Role, Content string }
 
 // chatRequest is a chat completions request with these messages, read as the
