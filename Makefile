@@ -13,11 +13,12 @@ export PATH := $(TOOLS_BIN):$(PATH)
 # builds with the experiment; `make test` also tests pkg/body without it.
 export GOEXPERIMENT ?= simd
 
-GRPCURL_VERSION := v1.9.4
-EGCTL_VERSION   := v1.9.1
-KUBE_VERSION    := v1.37.2
-ETCD_VERSION    := v3.7.3
-K8S_TOOLS       := $(TOOLS_BIN)/kube-apiserver $(TOOLS_BIN)/etcd
+GRPCURL_VERSION  := v1.9.4
+EGCTL_VERSION    := v1.9.1
+KUBE_VERSION     := v1.37.2
+ETCD_VERSION     := v3.7.3
+DEADCODE_VERSION := v0.52.0
+K8S_TOOLS        := $(TOOLS_BIN)/kube-apiserver $(TOOLS_BIN)/etcd
 
 .PHONY: all build test tools run bench clean image certs grpcurl version release-dry-run
 
@@ -83,15 +84,21 @@ grpcurl: $(TOOLS_BIN)/grpcurl
 test: tools
 	@unformatted=$$("$$($(GO) env GOROOT)/bin/gofmt" -l .); if [ -n "$$unformatted" ]; then echo "gofmt -w these files:"; echo "$$unformatted"; exit 1; fi
 	$(GO) vet ./...
+	@dead=$$(deadcode -test ./...) || exit 1; if [ -n "$$dead" ]; then echo "nothing reaches these, tests included: delete them"; echo "$$dead"; exit 1; fi
 	$(GO) test -race -count=1 ./...
 	GOEXPERIMENT= $(GO) test -count=1 ./pkg/body/
 	cd test/envoyapi && $(GO) vet ./... && $(GO) test -count=1 ./...
 	$(GO) test -count=1 -run '^TestSimulated' ./pkg/scheduling/
 
-tools: $(TOOLS_BIN)/grpcurl $(TOOLS_BIN)/egctl $(K8S_TOOLS) docker-compose
+tools: $(TOOLS_BIN)/grpcurl $(TOOLS_BIN)/egctl $(TOOLS_BIN)/deadcode $(K8S_TOOLS) docker-compose
 
 $(TOOLS_BIN)/grpcurl:
 	GOBIN=$(TOOLS_BIN) $(GO) install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)
+
+# deadcode (golang.org/x/tools): `make test` fails on a function that nothing reaches from a
+# main or a test, which is code to delete.
+$(TOOLS_BIN)/deadcode:
+	GOBIN=$(TOOLS_BIN) $(GO) install golang.org/x/tools/cmd/deadcode@$(DEADCODE_VERSION)
 
 # egctl takes about 5 minutes to build; it is built once and cached in TOOLS_BIN.
 $(TOOLS_BIN)/egctl:
