@@ -113,6 +113,12 @@ func (g *fuzzGen) envoyLike(ctl [fuzzCtlLen]byte) []*extprocv3.ProcessingRequest
 			status = "503" // the decode engine failed: scheduling is told
 		}
 		msgs = append(msgs, envoymsg.Headers(envoymsg.Response, respNoBody, [2]string{":status", status}, [2]string{"content-type", "text/event-stream"}))
+		if served := fuzzSubsets[int(ctl[ctlRespChunks]>>4)%len(fuzzSubsets)]; served != nil {
+			// The endpoint a gateway reports serving the request, of any shape.
+			msgs[len(msgs)-1].MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
+				handlers.DestinationMetadata: {Fields: map[string]*structpb.Value{handlers.DestinationServedKey: served}},
+			}}
+		}
 		if !respNoBody {
 			switch g.respMode {
 			case filterv3.ProcessingMode_NONE:
