@@ -356,18 +356,27 @@ func (x *exchange) end() {
 	x.out.close() // nor a call-back (watchLeg)
 	x.requestDone = true
 	x.lim.stop()
-	x.lim.letGo()
 	x.obs.abandon(x.decision, x.body.bytes())
 	if x.rewriting() {
 		x.opts.Metrics.UsageRewrite(x.decision.Rewrite.Outcome())
 	}
-	x.body.budget.give(x.answer.held)
-	x.answer.held = 0
 	if x.decision.StreamFailed() {
 		x.opts.Metrics.StreamError(x.req.Report.Mode)
 		x.obs.log.Info("the decode engine failed the request after its 200: an error event before the first token (in P/D, mostly a KV pull that failed)",
 			"requestID", x.req.RequestID, "mode", x.req.Report.Mode.String(), "decode", x.req.Report.Decode, "prefill", x.req.Report.Prefill)
 	}
+	x.letGo()
+}
+
+// letGo gives back what the request holds, each once: its slot of
+// limits.max_concurrent_streams, its answer's and its body's bytes of the
+// buffer budget (the body's buffer to the pool unless a prefill leg was sent
+// from it), and its decode endpoint's slot. At the stream's end, or at a
+// body deadline that refused it (before any routing). Under mu.
+func (x *exchange) letGo() {
+	x.lim.letGo()
+	x.body.budget.give(x.answer.held)
+	x.answer.held = 0
 	x.body.release(x.req.BodyHeld())
 	x.decision.Release()
 }

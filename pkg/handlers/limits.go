@@ -103,8 +103,9 @@ func (x *exchange) start() {
 }
 
 // expire refuses a request whose body is still incomplete at its deadline,
-// and gives back at once what it holds: a client may keep the stream open
-// after the 408 (Envoy closes it).
+// and gives back at once what it holds (letGo: its body never reached
+// routing, so no leg reads it and no decode slot was taken): a client may
+// keep the stream open after the 408 (Envoy closes it).
 func (x *exchange) expire() {
 	x.mu.Lock()
 	defer x.mu.Unlock()
@@ -114,6 +115,5 @@ func (x *exchange) expire() {
 	x.lim.expired = true
 	x.opts.Metrics.LimitRefused(metrics.LimitBodyTime)
 	x.send(x.fail(pipeline.BodyTimeout(x.opts.BodyTimeout))) // a stream gone meanwhile has nobody to tell
-	x.lim.letGo()
-	x.body.release(false) // no leg was sent: the body never reached routing
+	x.letGo()
 }
