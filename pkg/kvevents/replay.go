@@ -39,7 +39,7 @@ func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
 	if d == nil {
 		return false
 	}
-	defer d.Close()
+	defer closeDrained(d) // the rest of the buffer may still be coming: read up to seq alone
 	initial, applied := st.next == 0, false
 	for st.next < seq {
 		msg, err := d.Recv()
@@ -77,7 +77,8 @@ func (s *Subscriber) replay(ctx context.Context, st *stream, seq int64) bool {
 
 // askReplay asks p's replay socket for its batches from seq on; nil when
 // there is none, or it cannot be reached. The caller reads the answer and
-// closes the socket.
+// closes the socket with closeDrained: the replay sends its whole buffer from
+// seq on, more than the caller may read.
 func (s *Subscriber) askReplay(ctx context.Context, p Publisher, from int64) zmq4.Socket {
 	if s.cfg.ReplayPort == 0 {
 		return nil
@@ -113,7 +114,7 @@ func (s *Subscriber) startedOver(ctx context.Context, st *stream) bool {
 	if d == nil {
 		return false
 	}
-	defer d.Close()
+	defer closeDrained(d) // one batch read of the buffer that follows
 	msg, err := d.Recv()
 	if err != nil {
 		return false

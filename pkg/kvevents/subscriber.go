@@ -215,13 +215,7 @@ func (s *Subscriber) read(ctx context.Context, addr string, st *stream) error {
 	// last one (or below what was read before, on a connection made anew)
 	// is from an engine that started over.
 	st.live, st.ahead = -1, false
-	if st.next < 0 && s.cfg.ReplayPort != 0 {
-		// Subscribed: what the engine cached before is in its replay buffer,
-		// as far as it goes; what it publishes from now on is numbered after,
-		// and its first batches here may be some the replay gave already.
-		st.next, st.ahead = 0, true
-		s.replayOrRebuild(ctx, st, untilEnd)
-	}
+	s.catchUp(ctx, st)
 	var quiet *time.Timer // fires after Resync without a message
 	if s.cfg.Resync > 0 {
 		quiet = time.AfterFunc(s.cfg.Resync, cancel)
@@ -239,6 +233,24 @@ func (s *Subscriber) read(ctx context.Context, addr string, st *stream) error {
 			quiet.Reset(s.cfg.Resync)
 		}
 		s.handle(ctx, st, msg.Frames)
+	}
+}
+
+// catchUp reads, once subscribed to a publisher not read before, what its
+// engine cached before from its replay buffer, as far as it goes: what it
+// publishes from now on is numbered after, and its first batches here may be
+// some the replay gave already. A replay that gave nothing (an engine that
+// has published nothing, a replay socket out of reach) leaves the stream
+// unstarted: its first batch starts it, as without a replay socket, rather
+// than reading as a gap after batch -1.
+func (s *Subscriber) catchUp(ctx context.Context, st *stream) {
+	if st.next >= 0 || s.cfg.ReplayPort == 0 {
+		return
+	}
+	st.next, st.ahead = 0, true
+	s.replayOrRebuild(ctx, st, untilEnd)
+	if st.next == 0 {
+		st.next, st.ahead = -1, false
 	}
 }
 
@@ -304,7 +316,7 @@ func (s *Subscriber) runBound(ctx context.Context, endpoints func() ([]string, <
 
 func (s *Subscriber) listen(ctx context.Context, handle func([][]byte)) error {
 	sub := zmq4.NewSub(s.bounded(ctx))
-	defer sub.Close()
+	defer closeDrained(sub)
 	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		return err
 	}

@@ -608,3 +608,69 @@ func TestABusyConnectionIsKept(t *testing.T) {
 	}
 	eventually(t, "a connection made anew after a silence", func() bool { return connections.Load() > before })
 }
+
+// stuckReaders counts zmq4 readers blocked for good handing a message to a
+// socket's full queue (closeDrained).
+func stuckReaders() int {
+	buf := make([]byte, 8<<20)
+	n := 0
+	for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+		if strings.Contains(g, "zmq4.(*qreader).listen") && strings.Contains(g, "chan send") {
+			n++
+		}
+	}
+	return n
+}
+
+// A gap's replay reads up to the batch that showed it, while vLLM's replay
+// socket sends its whole buffer from the lost one on: what it sends past
+// that must not leave the replay socket's reader blocked for good, holding
+// its batches (one per gap, on a busy engine).
+func TestAGapsReplayLeavesNoReader(t *testing.T) {
+	before := stuckReaders()
+	p := newTestPublisher(t, t.Context(), "", true)
+	x := NewIndex(Bounds{}, time.Minute, nil)
+	s := NewSubscriber(Config{ReplayPort: p.replay, ReplayTimeout: 10 * time.Second}, x, logr.Discard())
+	st := &stream{pub: Publisher{Endpoint: endpoint}, next: 0, live: -1}
+	x.Reset(st.pub, true)
+	deliver := func(seq int64) {
+		p.mu.Lock()
+		payload := p.kept[seq]
+		p.mu.Unlock()
+		s.handle(t.Context(), st, [][]byte{nil, seqBytes(seq), payload})
+	}
+	deliver(p.publish(true))
+	p.publish(true) // lost
+	gap := p.publish(true)
+	for range 30 { // published since, by a busy engine
+		p.publish(true)
+	}
+	deliver(gap)
+	if got := s.Counts().Replayed.Load(); got != 1 {
+		t.Fatalf("%d replays, want the gap's", got)
+	}
+	eventually(t, "the replay socket's readers gone", func() bool { return stuckReaders() <= before })
+}
+
+// A replay socket that gives nothing when a subscriber first joins (out of
+// reach, or an engine that has published nothing) leaves the view as without
+// one: the first batch delivered starts the stream, and is no gap that
+// would distrust the view for stale_after after every start.
+func TestAFirstReplayThatGaveNothingLeavesNoGap(t *testing.T) {
+	x := NewIndex(Bounds{}, time.Minute, nil)
+	s := NewSubscriber(Config{ReplayPort: freePort(t), ReplayTimeout: time.Second}, x, logr.Discard())
+	st := &stream{pub: Publisher{Endpoint: endpoint}, next: -1, live: -1}
+	x.Reset(st.pub, true)
+	s.catchUp(t.Context(), st)
+	payload, err := msgpack.Marshal(map[string]any{"ts": 1.0, "events": []any{storedEvent(1, nil, seq(0, 4))}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.handle(t.Context(), st, [][]byte{nil, seqBytes(5), payload})
+	if gaps, failed := s.Counts().Gaps.Load(), s.Counts().ReplayFailed.Load(); gaps != 0 || failed != 0 {
+		t.Errorf("%d gaps and %d failed replays counted, want none", gaps, failed)
+	}
+	if n, ok := held(x, endpoint, seq(0, 4)); !ok || n != 4 {
+		t.Errorf("the view holds %d tokens (trusted %v), want the batch's 4, trusted", n, ok)
+	}
+}
