@@ -313,3 +313,44 @@ pools: {prefill: {endpoints: [%q, %q], policy: round-robin}, decode: {endpoints:
 		})
 	}
 }
+
+// Until a kv-sglang leg is written, no decode engine waits for it: a client
+// that has left, or leaves while its leg waits for a connection
+// (prefill.max_conns_per_endpoint), takes its leg along. Before, the leg was
+// sent anyway and held a slot of prefill.max_background, with SGLang's
+// prefill waiting for a decode that never came, for up to prefill.timeout.
+func TestAConcurrentLegLeavesWithItsClient(t *testing.T) {
+	for _, waiting := range []bool{false, true} {
+		t.Run(fmt.Sprintf("leaves while waiting for a connection %v", waiting), func(t *testing.T) {
+			engine := newGate(t)
+			p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-sglang
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {max_background: 2, max_conns_per_endpoint: 1}`, engine.addr()))
+			t.Cleanup(p.Wait)
+			route := func(ctx context.Context) error {
+				d, err := p.Route(ctx, &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
+				d.Release()
+				return err
+			}
+			if waiting { // a leg of a client still there holds the one connection
+				if err := route(context.Background()); err != nil {
+					t.Fatal(err)
+				}
+				engine.await(t)
+			}
+			ctx, leave := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- route(ctx) }()
+			leave()
+			if err := enginetest.Receive(t, done, "Route still waits on the leg of a client that left"); err == nil {
+				t.Error("the request of a client that left was routed")
+			}
+			engine.release()
+			p.Wait()
+			if n := len(engine.arrived); n != 0 { // past the one awaited
+				t.Errorf("the gone client's leg reached the engine (%d more legs)", n)
+			}
+		})
+	}
+}

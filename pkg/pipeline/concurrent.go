@@ -2,6 +2,7 @@ package pipeline
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 
@@ -23,7 +24,7 @@ func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff
 	for {
 		ep, slot, err := attempts.Next()
 		if err != nil && last == nil {
-			return nil, p.noPrefillEndpoint()
+			return p.noLeg(r, h, d, err)
 		}
 		if err != nil {
 			return p.unsent(r, h, d, last)
@@ -31,7 +32,10 @@ func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff
 		leg, ok := p.pairWith(h, ep)
 		if !ok { // its engine ids went since the decision (an ejection)
 			slot.Release()
-			return nil, p.noPrefillEndpoint()
+			if last != nil {
+				return p.unsent(r, h, d, last)
+			}
+			return p.noLeg(r, h, d, errNoEngineIDs)
 		}
 		if !p.takeBackground() {
 			slot.Release()
@@ -51,6 +55,22 @@ func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff
 	}
 }
 
+// errNoEngineIDs: the prefill endpoint claimed no longer has the engine ids
+// its leg needs (it was ejected since the decision).
+var errNoEngineIDs = errors.New("the prefill engine's ids are no longer known")
+
+// noLeg answers a request for which no concurrent leg could be started (no
+// prefill endpoint left to claim, or its engine ids gone): kv-sglang's decode
+// engines serve only pairs; kv-mooncake's goes as prefill.on_failure says,
+// as a sequential connector's does. No leg runs beside it.
+func (p *Pipeline) noLeg(r *Request, h *kv.Handoff, d *Decision, cause error) (body.Spliced, error) {
+	d.LegFailed = nil
+	if p.connector.Paired() {
+		return nil, p.noPrefillEndpoint()
+	}
+	return p.withoutPrefill(r, h, cause)
+}
+
 // unsent answers a request none of whose concurrent legs could be sent:
 // under kv-sglang, whose decode engines serve only pairs, with the leg's
 // error; else as prefill.on_failure says (kv-mooncake's decode engine may
@@ -65,10 +85,11 @@ func (p *Pipeline) unsent(r *Request, h *kv.Handoff, d *Decision, failed *attemp
 }
 
 // launch sends a concurrent prefill leg in the background, counted by
-// takeBackground, and hands its failure on through d.LegFailed. It runs on
-// its own deadline: Envoy closes the ext_proc
-// stream as soon as its last reply is in, which must not cancel a leg the
-// decode engine is waiting to pair with.
+// takeBackground, and hands its failure on through d.LegFailed. Until it is
+// written no decode engine waits for it, and a client that leaves takes it
+// along (ctx); once written it runs on its own deadline: Envoy closes the
+// ext_proc stream as soon as its last reply is in, which must not cancel a
+// leg the decode engine is waiting to pair with.
 //
 // The channel it returns is closed once the leg is written; a leg that
 // fails before gets its failure there instead, and leaves d as it was: the
@@ -86,9 +107,11 @@ func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request
 	legFailed := make(chan *Error, 1)
 	d.LegFailed = legFailed
 	unsent := make(chan *attemptError, 1)
-	written := sync.OnceFunc(func() { close(unsent) })
-	ctx = context.WithoutCancel(ctx)
+	legCtx, drop := context.WithCancel(context.WithoutCancel(ctx))
+	keep := context.AfterFunc(ctx, drop) // the client left before the leg was written
+	written := sync.OnceFunc(func() { keep(); close(unsent) })
 	p.background.Go(func() {
+		defer drop()
 		judged := true // by the leg's own outcome: the slot's probe is freed as it ends
 		defer func() {
 			close(legFailed)
@@ -99,7 +122,7 @@ func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request
 			p.inBackground.give()
 			p.metrics.BackgroundLeg(-1)
 		}()
-		ctx, cancel := context.WithTimeout(ctx, p.opts.PrefillTimeout)
+		ctx, cancel := context.WithTimeout(legCtx, p.opts.PrefillTimeout)
 		defer cancel()
 		var sent atomic.Bool // set on the transport's goroutine
 		_, failed := p.attempt(ctx, ep.Addr, r, leg, func() { sent.Store(true); written() })

@@ -194,3 +194,70 @@ func TestMooncakePrefillIsJudgedByItsDecode(t *testing.T) {
 		})
 	}
 }
+
+// kv-mooncake's decode engine can compute a prompt itself, so a request for
+// which no prefill endpoint can be claimed goes as prefill.on_failure says
+// (decode-only by default), as a sequential connector's does: here a pool of
+// two models whose second engine has not told its engine ids (its bootstrap
+// server unreachable), while the first's let the decision be P/D. It was
+// answered 503 "no healthy prefill endpoint: prefill.on_failure is fail".
+func TestMooncakeWithoutALegFollowsOnFailure(t *testing.T) {
+	engine := func(model string) http.HandlerFunc {
+		return func(w http.ResponseWriter, r *http.Request) {
+			if r.Method == http.MethodGet && r.URL.Path == "/v1/models" {
+				enginetest.JSON(200, `{"object":"list","data":[{"id":"`+model+`","object":"model"}]}`)(w, r)
+				return
+			}
+			io.Copy(io.Discard, r.Body)
+			w.Write([]byte(`{"choices":[]}`))
+		}
+	}
+	listen := func(addr string, h http.HandlerFunc) string {
+		l, err := net.Listen("tcp", addr)
+		if err != nil {
+			t.Skip(err) // no second loopback address
+		}
+		s := httptest.NewUnstartedServer(h)
+		s.Listener.Close()
+		s.Listener = l
+		s.Start()
+		t.Cleanup(s.Close)
+		return l.Addr().String()
+	}
+	a, b := listen("127.0.0.1:0", engine("a")), listen("127.0.0.2:0", engine("b"))
+	boot := listen("127.0.0.1:0", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte(`{"0":{"engine_id":"e-0"}}`)) })
+	_, port, _ := net.SplitHostPort(boot) // nothing listens there on 127.0.0.2: b has no ids
+	p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-mooncake
+pools: {prefill: {endpoints: [%q, %q], bootstrap_port: %s}, decode: {endpoints: ["10.1.1.1:8000"]}}`, a, b, port))
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan struct{})
+	go func() { p.Run(ctx); close(ran) }()
+	t.Cleanup(func() { cancel(); <-ran; p.Wait() })
+	route := func(model string) (*pipeline.Request, error) {
+		r := &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+			Body: []byte(`{"model":"` + model + `","messages":[{"role":"user","content":"hi"}]}`)}
+		d, err := p.Route(context.Background(), r)
+		d.Release()
+		return r, err
+	}
+	until := func(what string, ok func() (bool, string)) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			done, last := ok()
+			if done {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: last %s", what, last)
+			}
+		}
+	}
+	until("model a routed P/D", func() (bool, string) {
+		r, err := route("a")
+		return err == nil && r.Report.Mode == metrics.ModePD, fmt.Sprint(err, r.Report)
+	})
+	until("model b routed decode-only as prefill.on_failure says", func() (bool, string) {
+		r, err := route("b")
+		return err == nil && r.Report.Mode == metrics.ModeDecodeOnly && r.Report.Reason == metrics.ReasonPrefillFailed, fmt.Sprint(err, r.Report)
+	})
+}
