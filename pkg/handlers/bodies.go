@@ -112,8 +112,9 @@ func (c *bodyCollector) unhold() {
 // release ends the stream's hold once the request is routed or the stream is
 // over, whichever is first: the bytes go back
 // to the budget unless a background leg still reads them, and a pooled
-// buffer to the pool unless a prefill leg was sent from it (net/http may still
-// be writing it). Once only; later calls do nothing.
+// buffer to the pool unless a request to an engine was sent from it that
+// net/http may still be writing (held: pipeline.Request.BodyHeld). Once
+// only; later calls do nothing.
 func (c *bodyCollector) release(held bool) {
 	if c.released {
 		return
@@ -130,8 +131,8 @@ func (c *bodyCollector) release(held bool) {
 // collected into one. A buffer is taken at the first chunk, at most
 // firstBuffer whatever Content-Length says, replaced by a larger one as the
 // body outgrows it, and given back once the request is routed (or the stream
-// ends before that), unless the body went to a prefill endpoint
-// (pipeline.Request.BodyHeld). Until then the body is read
+// ends before that), unless a request to an engine sent from it may still be
+// written (pipeline.Request.BodyHeld: a prefill leg, a failed render). Until then the body is read
 // only on the stream's goroutine: by the pipeline while it routes, and by gRPC,
 // which copies each reply as it is sent (no stats handler is installed that
 // could keep a sent message).

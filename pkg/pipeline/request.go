@@ -52,6 +52,10 @@ type Request struct {
 
 	scan body.Scanner // what has been validated of Body while it arrived
 	api  *api.API     // the matched API; nil until then
+	// lent: Body went out as a request of its own (the render round trip
+	// for its token ids) that failed, which net/http may still be writing:
+	// a transport closes a request's body after Do returns (BodyHeld).
+	lent bool
 }
 
 // Arrived passes the body received so far, while the rest is on its way: it
@@ -74,10 +78,12 @@ func (r *Request) URLPath() string {
 	return path
 }
 
-// BodyHeld reports whether a prefill leg may read Body after Route returned:
-// net/http may still be writing a leg when the engine has answered, and a
-// concurrent leg runs on its own. Until Route returns, only Route reads Body.
-func (r *Request) BodyHeld() bool { return r.Report.Prefill != "" }
+// BodyHeld reports whether a request to an engine may read Body after Route
+// returned: net/http may still be writing a prefill leg when the engine has
+// answered, a concurrent leg runs on its own, and a render round trip that
+// failed may still be written (lent). Until Route returns, only Route and
+// its requests read Body.
+func (r *Request) BodyHeld() bool { return r.Report.Prefill != "" || r.lent }
 
 // Report is what routing one request did. On a failure it holds what was
 // reached: a prefill failure under on_failure=fail keeps Mode pd.

@@ -55,7 +55,11 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	var ids []int64
 	err := errUnrendered // nothing rendered yet
 	if render {
-		if ids, err = p.askTokens(asking, base+renderPath, obj.Bytes(), r.Forward, true); errors.Is(err, errUnrendered) {
+		ids, err = p.askTokens(asking, base+renderPath, obj.Bytes(), r.Forward, true)
+		// An answer of 200 came after the engine read the body whole; any
+		// other outcome may leave net/http writing it after Route returns.
+		r.lent = r.lent || err != nil
+		if errors.Is(err, errUnrendered) {
 			p.pools.Unrendered(renderPath)
 		}
 	}

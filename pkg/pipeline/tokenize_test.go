@@ -156,3 +156,76 @@ pools: {decode: {endpoints: [%q], policy: prefix-affinity, kv_events: {connect_p
 		}
 	}
 }
+
+// A render round trip for a request's token ids is sent from the client's
+// body. One that failed may still be written by net/http after Route
+// returns (a transport closes a request's body after Do returns), so the
+// body is held as a prefill leg's is: its pooled buffer must not be reused
+// meanwhile. One answered 200 came after the engine read it whole.
+func TestABodyARenderFailedOnIsHeld(t *testing.T) {
+	for _, tt := range []struct {
+		status int
+		held   bool
+	}{{http.StatusOK, false}, {http.StatusInternalServerError, true}} {
+		t.Run(fmt.Sprint(tt.status), func(t *testing.T) {
+			var rendered sync.WaitGroup
+			rendered.Add(1)
+			var once sync.Once
+			engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("Content-Type", "application/json")
+				switch r.URL.Path {
+				case "/v1/chat/completions/render":
+					defer once.Do(rendered.Done)
+					w.WriteHeader(tt.status)
+					fmt.Fprint(w, `{"token_ids":[1,2,3]}`)
+				case "/tokenize":
+					fmt.Fprint(w, `{"count":3,"max_model_len":100,"tokens":[1,2,3]}`)
+				}
+			}))
+			defer engine.Close()
+			cfg, err := config.Parse(fmt.Appendf(nil, `connector: kv-nixl
+pools: {decode: {endpoints: [%q], policy: prefix-affinity, kv_events: {connect_port: 1, tokenize: {timeout: 5s}}}}
+`, strings.TrimPrefix(engine.URL, "http://")))
+			if err != nil {
+				t.Fatal(err)
+			}
+			p, err := assemble.Pipeline(cfg, logr.Discard())
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			var wg sync.WaitGroup
+			wg.Go(func() { p.Run(ctx) })
+			defer func() {
+				cancel()
+				wg.Wait()
+				p.Wait()
+				pipeline.CloseIdle(p)
+			}()
+			// Requests go without token ids until Run has started the pool's
+			// subscriber; the first whose render is asked is the one to judge.
+			asked := make(chan struct{})
+			go func() { rendered.Wait(); close(asked) }()
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+				r := &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+				d, err := p.Route(context.Background(), r)
+				if err != nil {
+					t.Fatal(err)
+				}
+				d.Release()
+				select {
+				case <-asked:
+					if got := r.BodyHeld(); got != tt.held {
+						t.Errorf("BodyHeld() = %v after a render answered %d, want %v", got, tt.status, tt.held)
+					}
+					return
+				default:
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("no request asked for its token ids")
+				}
+			}
+		})
+	}
+}
