@@ -425,17 +425,7 @@ func TestAConnectionMadeAnewTellsAnEngineThatStartedOver(t *testing.T) {
 		{"an engine that started over, more batches", true, 9, 0, 1},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			p := newTestPublisher(t, t.Context(), "", true)
-			x := NewIndex(Bounds{}, time.Minute, nil)
-			s := NewSubscriber(Config{ReplayPort: p.replay, ReplayTimeout: 10 * time.Second}, x, logr.Discard())
-			st := &stream{pub: Publisher{Endpoint: endpoint}, next: -1, live: -1}
-			x.Reset(st.pub, true)
-			deliver := func(seq int64) {
-				p.mu.Lock()
-				payload := p.kept[seq]
-				p.mu.Unlock()
-				s.handle(t.Context(), st, [][]byte{nil, seqBytes(seq), payload})
-			}
+			p, x, s, st, deliver := replaying(t, -1)
 			for i := range 4 { // the old engine's
 				deliver(p.publish(true, storedEvent(uint64(i+1), nil, seq(4*i, 4))))
 			}
@@ -466,16 +456,7 @@ func TestAConnectionMadeAnewTellsAnEngineThatStartedOver(t *testing.T) {
 // gets no answer, leaves no ZeroMQ reader behind: one blocked on the full
 // queue stayed blocked for good, holding its connection's batch.
 func TestAStoppedSubscriberLeavesNoReader(t *testing.T) {
-	stuck := func() int {
-		buf := make([]byte, 8<<20)
-		n := 0
-		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
-			if strings.Contains(g, "zmq4.(*qreader).listen") && strings.Contains(g, "chan send") {
-				n++
-			}
-		}
-		return n
-	}
+	stuck := stuckReaders
 	before := stuck()
 	p := newTestPublisher(t, t.Context(), "", true)
 	stalled := make(chan struct{}, 16)
@@ -628,17 +609,7 @@ func stuckReaders() int {
 // its batches (one per gap, on a busy engine).
 func TestAGapsReplayLeavesNoReader(t *testing.T) {
 	before := stuckReaders()
-	p := newTestPublisher(t, t.Context(), "", true)
-	x := NewIndex(Bounds{}, time.Minute, nil)
-	s := NewSubscriber(Config{ReplayPort: p.replay, ReplayTimeout: 10 * time.Second}, x, logr.Discard())
-	st := &stream{pub: Publisher{Endpoint: endpoint}, next: 0, live: -1}
-	x.Reset(st.pub, true)
-	deliver := func(seq int64) {
-		p.mu.Lock()
-		payload := p.kept[seq]
-		p.mu.Unlock()
-		s.handle(t.Context(), st, [][]byte{nil, seqBytes(seq), payload})
-	}
+	p, _, s, _, deliver := replaying(t, 0)
 	deliver(p.publish(true))
 	p.publish(true) // lost
 	gap := p.publish(true)
@@ -673,4 +644,22 @@ func TestAFirstReplayThatGaveNothingLeavesNoGap(t *testing.T) {
 	if n, ok := held(x, endpoint, seq(0, 4)); !ok || n != 4 {
 		t.Errorf("the view holds %d tokens (trusted %v), want the batch's 4, trusted", n, ok)
 	}
+}
+
+// replaying is a subscriber of one publisher with a replay socket, its
+// stream expecting batch next (-1: none read yet), driven by hand: deliver
+// hands it the publisher's batch seq, published or not.
+func replaying(t *testing.T, next int64) (p *testPublisher, x *Index, s *Subscriber, st *stream, deliver func(seq int64)) {
+	p = newTestPublisher(t, t.Context(), "", true)
+	x = NewIndex(Bounds{}, time.Minute, nil)
+	s = NewSubscriber(Config{ReplayPort: p.replay, ReplayTimeout: 10 * time.Second}, x, logr.Discard())
+	st = &stream{pub: Publisher{Endpoint: endpoint}, next: next, live: -1}
+	x.Reset(st.pub, true)
+	deliver = func(seq int64) {
+		p.mu.Lock()
+		payload := p.kept[seq]
+		p.mu.Unlock()
+		s.handle(t.Context(), st, [][]byte{nil, seqBytes(seq), payload})
+	}
+	return p, x, s, st, deliver
 }

@@ -48,28 +48,11 @@ func TestTokenIDsTakeOneTimeout(t *testing.T) {
 			fmt.Fprint(w, `{"count":3,"max_model_len":100,"tokens":[1,2,3]}`)
 		}
 	}))
-	defer engine.Close()
-	cfg, err := config.Parse(fmt.Appendf(nil, `connector: kv-nixl
-pools: {decode: {endpoints: [%q], policy: prefix-affinity, kv_events: {connect_port: 1, tokenize: {timeout: 5s}}}}
-`, strings.TrimPrefix(engine.URL, "http://")))
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := assemble.Pipeline(cfg, logr.Discard())
-	if err != nil {
-		t.Fatal(err)
-	}
+	t.Cleanup(engine.Close)
 	seen := &deadlines{at: map[string]time.Time{}}
-	pipeline.WrapTransport(p, func(next http.RoundTripper) http.RoundTripper { seen.next = next; return seen })
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Go(func() { p.Run(ctx) })
-	defer func() {
-		cancel()
-		wg.Wait()
-		p.Wait()
-		pipeline.CloseIdle(p)
-	}()
+	p := followingEvents(t, engine.URL, func(p *pipeline.Pipeline) {
+		pipeline.WrapTransport(p, func(next http.RoundTripper) http.RoundTripper { seen.next = next; return seen })
+	})
 	// The pool follows its engine's events (an empty view) once Run has
 	// started its subscriber; until then requests go without token ids.
 	asked := func() bool {
@@ -182,26 +165,8 @@ func TestABodyARenderFailedOnIsHeld(t *testing.T) {
 					fmt.Fprint(w, `{"count":3,"max_model_len":100,"tokens":[1,2,3]}`)
 				}
 			}))
-			defer engine.Close()
-			cfg, err := config.Parse(fmt.Appendf(nil, `connector: kv-nixl
-pools: {decode: {endpoints: [%q], policy: prefix-affinity, kv_events: {connect_port: 1, tokenize: {timeout: 5s}}}}
-`, strings.TrimPrefix(engine.URL, "http://")))
-			if err != nil {
-				t.Fatal(err)
-			}
-			p, err := assemble.Pipeline(cfg, logr.Discard())
-			if err != nil {
-				t.Fatal(err)
-			}
-			ctx, cancel := context.WithCancel(context.Background())
-			var wg sync.WaitGroup
-			wg.Go(func() { p.Run(ctx) })
-			defer func() {
-				cancel()
-				wg.Wait()
-				p.Wait()
-				pipeline.CloseIdle(p)
-			}()
+			t.Cleanup(engine.Close)
+			p := followingEvents(t, engine.URL, nil)
 			// Requests go without token ids until Run has started the pool's
 			// subscriber; the first whose render is asked is the one to judge.
 			asked := make(chan struct{})
@@ -228,4 +193,35 @@ pools: {decode: {endpoints: [%q], policy: prefix-affinity, kv_events: {connect_p
 			}
 		})
 	}
+}
+
+// followingEvents is a pipeline whose decode pool, the engine at engineURL,
+// follows its KV events (an empty view: no publisher answers) and asks it
+// for token ids, running until the test ends; prepare, when set, sees it
+// before it runs.
+func followingEvents(t *testing.T, engineURL string, prepare func(*pipeline.Pipeline)) *pipeline.Pipeline {
+	t.Helper()
+	cfg, err := config.Parse(fmt.Appendf(nil, `connector: kv-nixl
+pools: {decode: {endpoints: [%q], policy: prefix-affinity, kv_events: {connect_port: 1, tokenize: {timeout: 5s}}}}
+`, strings.TrimPrefix(engineURL, "http://")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := assemble.Pipeline(cfg, logr.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if prepare != nil {
+		prepare(p)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() { p.Run(ctx) })
+	t.Cleanup(func() {
+		cancel()
+		wg.Wait()
+		p.Wait()
+		pipeline.CloseIdle(p)
+	})
+	return p
 }
