@@ -154,8 +154,11 @@ func (h *Hold) tick() {
 // endpoint's figures were scraped again since it last released
 // (scrapeSpan), releases as many of the others as budget allows (next
 // picks each), each only while its own pool (its model's endpoints, its
-// subset) is not saturated. It returns how many requests are still held;
-// at 0 the ticking stops, for the next Wait to start again.
+// subset) is not saturated. With no healthy endpoint left to show room,
+// every request whose pool is not saturated by then (Saturated: a pool
+// without one is not) goes on, to the answer routing gives it. It returns
+// how many requests are still held; at 0 the ticking stops, for the next
+// Wait to start again.
 func (h *Hold) Release(lines Lines) int {
 	now := h.Pool.deps.Now()
 	st := h.Pool.state.Load()
@@ -168,9 +171,13 @@ func (h *Hold) Release(lines Lines) int {
 		ended = append(ended, x)
 		return true
 	})
-	if oldest, newest := scrapeSpan(st.endpoints); oldest.After(h.round) {
-		h.round = newest
-		for budget := h.budget(st, lines); budget > 0; budget-- {
+	oldest, newest := scrapeSpan(st.endpoints)
+	if fresh := oldest.After(h.round); fresh || oldest.IsZero() {
+		budget := len(h.held)
+		if fresh {
+			h.round, budget = newest, h.budget(st, lines)
+		}
+		for ; budget > 0; budget-- {
 			i := h.next(lines)
 			if i < 0 {
 				break
@@ -232,7 +239,8 @@ func (h *Hold) forget() {
 // line); the share is this replica's requests in flight on them over the
 // engines' own count of requests, running and waiting, so that replicas
 // that read the same room take from it in proportion to what they send. At
-// least one while there is room, so that a replica sending nothing else
+// least one while there is room (less than a request's, under a line below
+// one: a queue of none is room), so that a replica sending nothing else
 // still drains its hold. Figures only estimate: a request picked is in
 // flight here before its engine counts it.
 func (h *Hold) budget(st *poolState, lines Lines) int {
@@ -248,7 +256,7 @@ func (h *Hold) budget(st *poolState, lines Lines) int {
 			room += max(0, lines.Queue-l.Waiting)
 		}
 	}
-	if room < 1 {
+	if room <= 0 {
 		return 0
 	}
 	share := 1.0

@@ -235,3 +235,53 @@ func BenchmarkHold(b *testing.B) {
 		h.Release(defaultLines)
 	}
 }
+
+// A held request goes on as soon as its pool is not saturated, by the same
+// measure that held it (Saturated): under a queue line below one request, a
+// queue of none is room; and with every endpoint down nothing will show room,
+// so the request goes on to its 503. Both waited the whole hold, then 429.
+func TestAHeldRequestGoesOnOnceItsPoolIsNotSaturated(t *testing.T) {
+	const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
+	for _, tt := range []struct {
+		name  string
+		addrs []string
+		lines Lines
+		down  bool
+	}{
+		{"a queue line below one, its engine idle again", []string{a}, Lines{Queue: 0.5, KVCache: 0.8}, false},
+		{"every endpoint down", []string{a, b}, defaultLines, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, tt.addrs...)
+			scrape := func(waiting float64) {
+				for _, x := range tt.addrs {
+					byAddr(p, x).observe(Load{Waiting: waiting, Running: 8, At: clock.Now()})
+				}
+			}
+			scrape(9)
+			h := NewHold(p)
+			var released, refused int
+			if !h.Add(promptRequest("x"), -1, "", clock.Now().Add(30*time.Second), tt.lines, func(ok bool) {
+				if ok {
+					released++
+				} else {
+					refused++
+				}
+			}) {
+				t.Fatal("not held while every engine's queue is past the line")
+			}
+			if tt.down {
+				checkDown(p, tt.addrs...)
+			}
+			clock.Advance(time.Second)
+			scrape(0)
+			if p.Saturated(promptRequest("x"), tt.lines) {
+				t.Fatal("the pool still reads as saturated")
+			}
+			h.Release(tt.lines)
+			if released != 1 || refused != 0 {
+				t.Errorf("after a scrape of a pool that is not saturated: %d released, %d refused; want it released", released, refused)
+			}
+		})
+	}
+}

@@ -173,7 +173,7 @@ func modelsRetryAfter(m *servedModels) time.Duration {
 
 // logModels says what changed: the list, or a read that began to fail.
 func (p *Pool) logModels(addr string, old, m *servedModels) {
-	log := p.deps.Log.WithValues("pool", p.Name, "endpoint", addr)
+	log := p.deps.Log.WithValues("pool", p.Name(), "endpoint", addr)
 	switch {
 	case m.err != "" && (old == nil || old.err != m.err):
 		// Debug: a pool of one model needs no list, and vLLM's --api-key

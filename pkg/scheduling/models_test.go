@@ -1,14 +1,21 @@
 package scheduling
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
+	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/go-logr/zapr"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
@@ -345,5 +352,22 @@ func BenchmarkSelectByModel(b *testing.B) {
 				}
 			})
 		}
+	}
+}
+
+// The line that says what models an engine serves names its pool, as the
+// production logger (zap, JSON) writes it: it named a function instead,
+// which zap could not encode ("poolError").
+func TestTheModelsLineNamesItsPool(t *testing.T) {
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Write([]byte(vllmModels))
+	}))
+	defer engine.Close()
+	var out bytes.Buffer
+	log := zapr.NewLogger(zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()), zapcore.AddSync(&out), zapcore.DebugLevel)))
+	p := poolOf(roleDecode, PoolSpec{Endpoints: []string{strings.TrimPrefix(engine.URL, "http://")}}, Deps{Log: log, Client: engine.Client()})
+	p.readModels(t.Context(), p.state.Load(), p.Endpoints())
+	if !strings.Contains(out.String(), `"pool":"decode"`) || strings.Contains(out.String(), "poolError") {
+		t.Errorf("the models line does not name its pool: %s", out.String())
 	}
 }
