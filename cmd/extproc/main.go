@@ -50,7 +50,7 @@ func main() {
 	flag.StringVar(&f.logFormat, "log-format", "json", "log format: json or console")
 	flag.DurationVar(&f.logFlush, "log-flush-interval", time.Second,
 		"how long log lines may wait in a buffer before they are written, as Envoy's access logs do; 0 writes each line at once")
-	flag.DurationVar(&f.grace, "shutdown-grace", 30*time.Second, "on SIGTERM, how long in-flight streams may finish")
+	flag.DurationVar(&f.grace, "shutdown-grace", 30*time.Second, "on SIGTERM, how long in-flight streams (and concurrent prefill legs) may finish")
 	flag.DurationVar(&f.keepalive.Ping, "keepalive-ping", server.DefaultKeepalive.Ping,
 		"ping Envoy over a connection silent this long, to find a peer that answers nothing")
 	flag.DurationVar(&f.keepalive.Timeout, "keepalive-timeout", server.DefaultKeepalive.Timeout,

@@ -110,7 +110,9 @@ func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request
 	legCtx, drop := context.WithCancel(context.WithoutCancel(ctx))
 	keep := context.AfterFunc(ctx, drop) // the client left before the leg was written
 	written := sync.OnceFunc(func() { keep(); close(unsent) })
+	stopped := context.AfterFunc(p.legsEnd, drop) // Stop
 	p.background.Go(func() {
+		defer stopped()
 		defer drop()
 		judged := true // by the leg's own outcome: the slot's probe is freed as it ends
 		defer func() {

@@ -109,7 +109,10 @@ type Pipeline struct {
 	log          logr.Logger
 	background   sync.WaitGroup // concurrent prefill legs (kv-sglang, kv-mooncake) still running
 	inBackground counter        // how many, against Options.MaxBackground
-	suspects     sync.Map       // prefill endpoints already logged for an unreachable remote_host
+	// legsEnd is done once Stop cuts the background legs short.
+	legsEnd  context.Context
+	stop     context.CancelFunc
+	suspects sync.Map // prefill endpoints already logged for an unreachable remote_host
 
 	metrics    *metrics.Metrics // nil records nothing
 	tracer     trace.Tracer
@@ -149,6 +152,7 @@ func New(parts Parts, opts Options, log logr.Logger, options ...Option) *Pipelin
 	for _, o := range options {
 		o(p)
 	}
+	p.legsEnd, p.stop = context.WithCancel(context.Background())
 	p.shedding.prefill, p.shedding.decode = scheduling.NewHold(p.pools.Prefill), scheduling.NewHold(p.pools.Decode)
 	p.SetShedding(opts.Shedding)
 	return p
@@ -184,3 +188,8 @@ func (p *Pipeline) SetShedding(s Shedding) { p.shedding.settings.Store(&s) }
 
 // Wait blocks until every background prefill leg has ended.
 func (p *Pipeline) Wait() { p.background.Wait() }
+
+// Stop cuts short the background prefill legs still running (a shutdown's
+// grace is over: their streams are gone, and so are the decode requests
+// they were to pair with); Wait then returns once they have noticed.
+func (p *Pipeline) Stop() { p.stop() }

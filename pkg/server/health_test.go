@@ -163,6 +163,27 @@ func TestShutdownTurnsNotReadyThenDrains(t *testing.T) {
 	}
 }
 
+// A kv-sglang prefill leg outlives its stream (Envoy closes a stream once it
+// is routed), so at shutdown it gets what is left of the grace and is then
+// cut short: Serve waited for it past --shutdown-grace, up to
+// prefill.timeout (an hour here).
+func TestShutdownCutsBackgroundLegsAfterTheGrace(t *testing.T) {
+	release := make(chan struct{})
+	defer close(release)
+	prefill := enginetest.Start(t, blocked(release, prefillOK))
+	r := start(t, fmt.Sprintf("connector: kv-sglang\nprefill: {timeout: 1h}\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
+		prefill.Addr(), decodeEP), Options{Grace: 20 * time.Millisecond}, logr.Discard())
+	replies, err := r.tryExchange(post(chatPath, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)...)
+	if err != nil || len(replies) == 0 || destination(replies[0]) != decodeEP {
+		t.Fatalf("the request was not routed: %v %v", replies, err)
+	}
+	prefill.Await(t) // its leg runs on, held by the prefill engine
+	r.stop()
+	if err := r.wait(t); err != nil {
+		t.Errorf("Serve = %v, want a clean shutdown", err)
+	}
+}
+
 func TestAdminEndpoints(t *testing.T) {
 	tests := []struct {
 		path  string

@@ -205,18 +205,21 @@ func (s *Server) shutdown() {
 	s.ready.drain()
 	close(s.draining)
 
-	drained := make(chan struct{})
+	// Background prefill legs (kv-sglang, kv-mooncake) outlive their
+	// streams: they get what is left of the grace too.
+	drained, legs := make(chan struct{}), make(chan struct{})
 	go func() { s.grpc.GracefulStop(); close(drained) }()
+	go func() { <-drained; s.pipeline.Wait(); close(legs) }()
 	grace := time.NewTimer(s.opts.Grace)
 	defer grace.Stop()
 	select {
-	case <-drained:
+	case <-legs:
 	case <-grace.C:
-		s.log.Info("grace period over; cutting the remaining streams")
+		s.log.Info("grace period over; cutting the remaining streams and prefill legs")
 		s.grpc.Stop()
-		<-drained
+		s.pipeline.Stop()
+		<-legs
 	}
-	s.pipeline.Wait()
 
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
