@@ -110,8 +110,8 @@ func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request
 	legCtx, drop := context.WithCancel(context.WithoutCancel(ctx))
 	keep := context.AfterFunc(ctx, drop) // the client left before the leg was written
 	written := sync.OnceFunc(func() { keep(); close(unsent) })
-	stopped := context.AfterFunc(p.legsEnd, drop) // Stop
-	p.background.Go(func() {
+	stopped := context.AfterFunc(p.background.end, drop) // Stop
+	p.background.running.Go(func() {
 		defer stopped()
 		defer drop()
 		judged := true // by the leg's own outcome: the slot's probe is freed as it ends
@@ -121,7 +121,7 @@ func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request
 				slot.Judged()
 			}
 			unhold()
-			p.inBackground.give()
+			p.background.count.give()
 			p.metrics.BackgroundLeg(-1)
 		}()
 		ctx, cancel := context.WithTimeout(legCtx, p.opts.PrefillTimeout)

@@ -98,21 +98,17 @@ func (c *counter) give() { c.n.Add(-1) }
 
 // Pipeline routes requests. It is safe for concurrent use.
 type Pipeline struct {
-	connector    kv.Connector
-	table        *api.Table // what is routed: the built-in APIs and routes.passthrough
-	pools        *scheduling.Pools
-	opts         Options
-	client       *http.Client
-	scheme       string // of prefill legs: http, or https with prefill.tls
-	decodeKey    *enginehttp.Key
-	shedding     shedder
-	log          logr.Logger
-	background   sync.WaitGroup // concurrent prefill legs (kv-sglang, kv-mooncake) still running
-	inBackground counter        // how many, against Options.MaxBackground
-	// legsEnd is done once Stop cuts the background legs short.
-	legsEnd  context.Context
-	stop     context.CancelFunc
-	suspects sync.Map // prefill endpoints already logged for an unreachable remote_host
+	connector  kv.Connector
+	table      *api.Table // what is routed: the built-in APIs and routes.passthrough
+	pools      *scheduling.Pools
+	opts       Options
+	client     *http.Client
+	scheme     string // of prefill legs: http, or https with prefill.tls
+	decodeKey  *enginehttp.Key
+	shedding   shedder
+	log        logr.Logger
+	background backgroundLegs
+	suspects   sync.Map // prefill endpoints already logged for an unreachable remote_host
 
 	metrics    *metrics.Metrics // nil records nothing
 	tracer     trace.Tracer
@@ -152,7 +148,7 @@ func New(parts Parts, opts Options, log logr.Logger, options ...Option) *Pipelin
 	for _, o := range options {
 		o(p)
 	}
-	p.legsEnd, p.stop = context.WithCancel(context.Background())
+	p.background.end, p.background.stop = context.WithCancel(context.Background())
 	p.shedding.prefill, p.shedding.decode = scheduling.NewHold(p.pools.Prefill), scheduling.NewHold(p.pools.Decode)
 	p.SetShedding(opts.Shedding)
 	return p
@@ -187,9 +183,18 @@ func (p *Pipeline) Held() (prefill, decode int) {
 func (p *Pipeline) SetShedding(s Shedding) { p.shedding.settings.Store(&s) }
 
 // Wait blocks until every background prefill leg has ended.
-func (p *Pipeline) Wait() { p.background.Wait() }
+func (p *Pipeline) Wait() { p.background.running.Wait() }
 
 // Stop cuts short the background prefill legs still running (a shutdown's
 // grace is over: their streams are gone, and so are the decode requests
 // they were to pair with); Wait then returns once they have noticed.
-func (p *Pipeline) Stop() { p.stop() }
+func (p *Pipeline) Stop() { p.background.stop() }
+
+// backgroundLegs are the concurrent prefill legs (kv-sglang, kv-mooncake)
+// still running after their streams.
+type backgroundLegs struct {
+	running sync.WaitGroup
+	count   counter         // how many, against Options.MaxBackground
+	end     context.Context // done once Stop cuts them short
+	stop    context.CancelFunc
+}

@@ -282,7 +282,7 @@ func (p *Pipeline) runPrefill(ctx context.Context, sreq *scheduling.Request, r *
 // prefill.max_background of them run already: they outlive their streams, so
 // limits.max_concurrent_streams does not bound them. launch gives it back.
 func (p *Pipeline) takeBackground() bool {
-	if !p.inBackground.take(p.opts.MaxBackground) {
+	if !p.background.count.take(p.opts.MaxBackground) {
 		p.metrics.LimitRefused(metrics.LimitBackground)
 		return false
 	}
