@@ -78,9 +78,11 @@ func (e *Endpoint) reportFailure(epoch uint64) {
 	if h.failures < s.failures || (!h.until.IsZero() && now.Before(h.until)) {
 		return
 	}
-	backoff := s.ejection << min(h.ejections, 20)
-	if backoff <= 0 || backoff > s.maxEjection {
-		backoff = s.maxEjection
+	// The base doubled at each ejection in a row, up to the most: compared
+	// before the shift, which past a base of hours would overflow.
+	backoff := s.maxEjection
+	if n := min(h.ejections, 20); s.ejection > 0 && s.ejection <= s.maxEjection>>n {
+		backoff = s.ejection << n
 	}
 	h.until = now.Add(backoff)
 	h.ejections++

@@ -463,3 +463,27 @@ func TestAHalfOpenEndpointTakesOnlyItsProbe(t *testing.T) {
 		}
 	})
 }
+
+// An ejection is the base doubled at each one in a row, up to
+// max_ejection, however long the base: the doubling was a shift, which past
+// a base of some 2.4 hours overflows; at this one (2^44 ns and a
+// microsecond, some 4.9 hours) the 21st ejection in a row lasted a second.
+func TestEjectionsGrowToTheMostWithoutOverflow(t *testing.T) {
+	const base, most = time.Duration(1<<44) + time.Microsecond, 1000 * time.Hour
+	p, clock := testPool(t, config.PoolScheduling{Health: config.EngineHealth{ConsecutiveFailures: 1,
+		BaseEjection: config.Duration(base), MaxEjection: config.Duration(most)}}, "10.0.0.1:8000")
+	e := p.Endpoints()[0]
+	want := base
+	for i := range 25 {
+		e.ReportFailure()
+		clock.Advance(want - time.Second)
+		if e.Healthy() {
+			t.Fatalf("ejection %d ended before %v", i+1, want)
+		}
+		clock.Advance(time.Second)
+		if !e.Healthy() {
+			t.Fatalf("ejection %d lasts past %v", i+1, want)
+		}
+		want = min(2*want, most)
+	}
+}
