@@ -1,6 +1,7 @@
 package pipeline
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"sync"
@@ -20,22 +21,16 @@ import (
 // (launch).
 func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff, sreq *scheduling.Request, d *Decision) (body.Spliced, error) {
 	attempts := p.pools.Prefill.Attempts(sreq, p.opts.Attempts)
-	var last *attemptError // the last leg that could not be sent
+	var last error // the last leg that could not be sent, nil before one
 	for {
 		ep, slot, err := attempts.Next()
-		if err != nil && last == nil {
-			return p.noLeg(r, h, d, err)
-		}
 		if err != nil {
-			return p.unsent(r, h, d, last)
+			return p.unsent(r, h, d, cmp.Or(last, err))
 		}
 		leg, ok := p.pairWith(h, ep)
 		if !ok { // its engine ids went since the decision (an ejection)
 			slot.Release()
-			if last != nil {
-				return p.unsent(r, h, d, last)
-			}
-			return p.noLeg(r, h, d, errNoEngineIDs)
+			return p.unsent(r, h, d, cmp.Or(last, errNoEngineIDs))
 		}
 		if !p.takeBackground() {
 			slot.Release()
@@ -59,29 +54,22 @@ func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff
 // its leg needs (it was ejected since the decision).
 var errNoEngineIDs = errors.New("the prefill engine's ids are no longer known")
 
-// noLeg answers a request for which no concurrent leg could be started (no
-// prefill endpoint left to claim, or its engine ids gone): kv-sglang's decode
-// engines serve only pairs; kv-mooncake's goes as prefill.on_failure says,
-// as a sequential connector's does. No leg runs beside it.
-func (p *Pipeline) noLeg(r *Request, h *kv.Handoff, d *Decision, cause error) (body.Spliced, error) {
+// unsent answers a request none of whose concurrent legs could be sent
+// (cause: the last leg's failure, or why none could be started). No leg
+// runs beside it. Under kv-sglang, whose decode engines serve only pairs,
+// it is refused: with the leg's error, or as no prefill endpoint; else it
+// goes as prefill.on_failure says (kv-mooncake's decode engine may compute
+// the prompt itself: no decode leg was sent yet), as a sequential
+// connector's does.
+func (p *Pipeline) unsent(r *Request, h *kv.Handoff, d *Decision, cause error) (body.Spliced, error) {
 	d.LegFailed = nil
-	if p.connector.Paired() {
+	switch {
+	case !p.connector.Paired():
+		return p.withoutPrefill(r, h, cause)
+	case lastAttempt(cause) == nil:
 		return nil, p.noPrefillEndpoint()
 	}
-	return p.withoutPrefill(r, h, cause)
-}
-
-// unsent answers a request none of whose concurrent legs could be sent:
-// under kv-sglang, whose decode engines serve only pairs, with the leg's
-// error; else as prefill.on_failure says (kv-mooncake's decode engine may
-// compute the prompt itself: no decode leg was sent yet). No leg runs
-// beside it.
-func (p *Pipeline) unsent(r *Request, h *kv.Handoff, d *Decision, failed *attemptError) (body.Spliced, error) {
-	d.LegFailed = nil
-	if p.connector.Paired() {
-		return nil, prefillFailed(failed, r.RequestID)
-	}
-	return p.withoutPrefill(r, h, failed)
+	return nil, prefillFailed(cause, r.RequestID)
 }
 
 // launch sends a concurrent prefill leg in the background, counted by
