@@ -2,6 +2,7 @@ package response
 
 import (
 	"bytes"
+	"slices"
 	"strconv"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
@@ -39,16 +40,24 @@ const (
 // choice's role first, then tokens), and failed when an error event with a
 // 5xx code comes before.
 //
-// A data line is JSON on one line, so a line that starts {"error" is such an
-// event and nothing else: inside a JSON string the quotes are escaped. Only
-// such a line is held; the others are read where they lie. Give it every
+// An event is framed as the SSE spec says: a line ends with CRLF, LF or
+// CR, a blank line ends the event, and its data is its data lines' values
+// joined by LF, judged as one. Engines send it on one line, JSON, so data
+// that starts {"error" is such an event and nothing else: inside a JSON
+// string the quotes are escaped. Only the data of an event that may be an
+// error event is held; the others are read where they lie. Give it every
 // chunk in order until it has a verdict.
 type Opening struct {
-	kind    lineKind
-	held    []byte // the line so far, while it is unknown or an error event
-	events  int    // complete data lines that are not error events
-	served  int    // the events that tell the request was served
-	verdict Verdict
+	line      lineKind // the current line: unknown (too little of it yet), other, or data
+	lineBytes int      // how much of the current line has come: none is a blank line
+	held      []byte   // the current line so far, while unknown or a data line of an event that may be an error event
+	data      []byte   // the event's data so far, while it may be an error event
+	event     lineKind // the event's data: unknown (too little yet), other (an error event too long to read), data, errorEvent
+	hasData   bool     // the event has had a data line
+	cr        bool     // the last line ended with CR: an LF now ends no line
+	events    int      // complete data events that are not error events
+	served    int      // the events that tell the request was served
+	verdict   Verdict
 }
 
 // NewOpening reads the opening of a stream of the given number of choices
@@ -60,9 +69,9 @@ func NewOpening(choices, leading int) *Opening { return &Opening{served: max(cho
 type lineKind uint8
 
 const (
-	unknown lineKind = iota // too little of the line yet
+	unknown lineKind = iota // too little of it yet
 	other                   // not a data line: a comment, event:, id:, a blank line
-	data                    // a data line that is not an error event
+	data                    // a data line, or an event that is not an error event
 	errorEvent
 )
 
@@ -80,10 +89,14 @@ var (
 // Scan reads the next chunk of the answer and returns the verdict so far.
 func (o *Opening) Scan(chunk []byte) Verdict {
 	for len(chunk) > 0 && o.verdict == Pending {
-		end := bytes.IndexByte(chunk, '\n')
+		if o.cr && chunk[0] == '\n' { // the LF of a CRLF
+			chunk = chunk[1:]
+		}
+		o.cr = false
+		end := bytes.IndexAny(chunk, "\r\n")
 		part := chunk
 		if end >= 0 {
-			part, chunk = chunk[:end], chunk[end+1:]
+			part, chunk, o.cr = chunk[:end], chunk[end+1:], chunk[end] == '\r'
 		} else {
 			chunk = nil
 		}
@@ -100,54 +113,84 @@ func (o *Opening) Verdict() Verdict { return o.verdict }
 
 // read takes the next part of the current line.
 func (o *Opening) read(part []byte) {
-	if o.kind == unknown && len(o.held) == 0 {
-		if o.kind = classify(part); o.kind != unknown && o.kind != errorEvent {
-			return // decided in place, nothing held
+	o.lineBytes += len(part)
+	if o.line == other || o.line == data && o.event != unknown && o.event != errorEvent {
+		return // nothing to hold
+	}
+	room := max(maxErrorEvent-len(o.data)-len(o.held), 0)
+	o.held = append(o.held, part[:min(len(part), room)]...)
+	if o.line == unknown {
+		if o.line = lineKindOf(o.held); o.line != data {
+			return
+		}
+		if o.event != unknown && o.event != errorEvent {
+			o.held = o.held[:0] // the event is not an error event: its other lines are not held
+			return
 		}
 	}
-	if o.kind != unknown && o.kind != errorEvent {
-		return
+	switch o.event = classify(o.joined()); {
+	case o.event == data:
+		o.held, o.data = o.held[:0], o.data[:0]
+	case len(part) > room:
+		o.line, o.event, o.held, o.data = other, other, o.held[:0], o.data[:0] // an error event too long to read tells nothing
 	}
-	if len(o.held)+len(part) > maxErrorEvent {
-		o.kind, o.held = other, o.held[:0] // an error event too long to read tells nothing
-		return
-	}
-	o.held = append(o.held, part...)
-	o.kind = classify(o.held)
 }
 
-// endLine judges the line that just ended.
-func (o *Opening) endLine() {
-	line := bytes.TrimSuffix(o.held, []byte("\r"))
-	kind := o.kind
-	if kind == unknown {
-		if kind = classify(line); kind == unknown && bytes.HasPrefix(line, dataField) {
-			kind = data // "data:" and a few bytes that cannot be an error
-		}
+// joined is the event's data with the current data line's value so far.
+func (o *Opening) joined() []byte {
+	off, _ := dataStart(o.held)
+	if !o.hasData {
+		return o.held[off:]
 	}
-	switch kind {
-	case data:
+	return slices.Concat(o.data, []byte("\n"), o.held[off:])
+}
+
+// endLine takes the line that just ended: a blank line ends the event.
+func (o *Opening) endLine() {
+	switch {
+	case o.lineBytes == 0:
+		o.dispatch()
+	case o.line == data || o.line == unknown && bytes.HasPrefix(o.held, dataField):
+		if o.event == unknown || o.event == errorEvent {
+			o.data = append(o.data[:0], o.joined()...)
+			o.event = classify(o.data)
+		}
+		o.hasData = true
+	}
+	o.line, o.lineBytes, o.held = unknown, 0, o.held[:0]
+}
+
+// dispatch judges the event that just ended.
+func (o *Opening) dispatch() {
+	switch {
+	case !o.hasData, o.event == other:
+	case o.event == errorEvent:
+		o.verdict = errorVerdict(o.data)
+	case o.event == data, len(o.data) > 0: // "[DONE]", and a few bytes that cannot be an error
 		if o.events++; o.events >= o.served {
 			o.verdict = Served
 		}
-	case errorEvent:
-		o.verdict = errorVerdict(line)
 	}
-	o.kind, o.held = unknown, o.held[:0]
+	o.event, o.hasData, o.data = unknown, false, o.data[:0]
 }
 
-// classify tells what a line is from its start, b.
-func classify(b []byte) lineKind {
+// lineKindOf tells what a line is from its start, b: unknown while it may
+// yet be a data line ("dat", "data: ") without a byte of its value.
+func lineKindOf(b []byte) lineKind {
 	off, ok := dataStart(b)
 	switch {
-	case !ok && bytes.HasPrefix(dataField, b): // "dat", so far
+	case !ok && bytes.HasPrefix(dataField, b):
 		return unknown
 	case !ok:
 		return other
-	case off == len(b): // "data:" or "data: ", so far
+	case off == len(b):
 		return unknown
 	}
-	v := b[off:]
+	return data
+}
+
+// classify tells what an event's data is from its start, v.
+func classify(v []byte) lineKind {
 	kind := data
 	for _, start := range errorStarts {
 		n := min(len(v), len(start))
@@ -166,9 +209,7 @@ func classify(b []byte) lineKind {
 // Anthropic API's server-side types, is the engine's failure; a 4xx (or
 // another type) is the request's own, which the engine served; an event
 // whose code or type cannot be read tells nothing.
-func errorVerdict(line []byte) Verdict {
-	off, _ := dataStart(line)
-	v := line[off:]
+func errorVerdict(v []byte) Verdict {
 	s, e, ok := body.Locate(v, "error", "code")
 	if !ok {
 		if s, e, ok = body.Locate(v, "error", "type"); !ok || !bytes.HasPrefix(v, errorStarts[1]) {

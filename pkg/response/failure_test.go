@@ -70,6 +70,12 @@ func TestOpeningTellsServedFromFailed(t *testing.T) {
 		{"Responses: created and in_progress alone: nothing yet", respCreated + respInProgress, Pending, 0, 2},
 		{"Responses: the first output item", respCreated + respInProgress + "event: response.output_item.added\ndata: {\"type\":\"response.output_item.added\"}\n\n", Served, 0, 2},
 		{"a text that starts {\"type\":\"error\" is not an event", "data: {\"type\":\"errors\"}\n\n" + tok0, Served, 0, 1},
+		// The SSE spec's framing: CR alone ends a line too, and an event's
+		// data is its data lines' values joined by LF, judged as one.
+		{"CR line ends: the role, then the error", strings.ReplaceAll(role+vllmError+done, "\n", "\r"), Failed, 0, 1},
+		{"CR line ends: the role, then a token", strings.ReplaceAll(role+tok0, "\n", "\r"), Served, 0, 1},
+		{"an error event's data on two lines", role + "data: {\"error\":\ndata: {\"message\": \"x\", \"code\": 500}}\n\n" + done, Failed, 0, 1},
+		{"the role's data on two lines is one event", "data: {\"choices\":\ndata: [{\"delta\":{\"role\":\"assistant\"}}]}\n\n" + vllmError, Failed, 0, 1},
 	}
 	for _, tt := range tests {
 		for _, size := range []int{len(tt.stream) + 1, 7, 1} { // whole, and cut across every boundary
