@@ -48,9 +48,10 @@ func completionsAlone(o *body.Object) Reason {
 }
 
 // orTruncation is why, else Truncation for a prompt cut to the context
-// length less the output limit: truncate_prompt_tokens -1 (or any negative).
+// length less the output limit: truncate_prompt_tokens -1 (or any negative),
+// read as pydantic reads an int ("-1" and -1.0 are -1).
 func orTruncation(o *body.Object, why Reason) Reason {
-	if n, ok := o.Int("truncate_prompt_tokens"); why == NoReason && ok && n < 0 {
+	if n, ok := o.LaxInt("truncate_prompt_tokens"); why == NoReason && ok && n < 0 {
 		return Truncation
 	}
 	return why
