@@ -139,10 +139,12 @@ func refusedMinTokens(o *body.Object, limit int64, given bool) bool {
 }
 
 // refusedStream reports whether vLLM's chat, completions or generate refuse
-// the request's stream, which the prefill leg's caps overwrite with
-// stream_options: refusedStreamFlag, or stream_options without stream (`if
+// the request's stream or stream_options, which the prefill leg's caps
+// overwrite: refusedStreamFlag; stream_options without stream (`if
 // data.get("stream_options") and not data.get("stream")`,
-// validate_stream_options, on the raw JSON: Python's truth of each value).
+// validate_stream_options, on the raw JSON: Python's truth of each value);
+// or stream_options that its StreamOptions model refuses (not an object, or
+// include_usage or continuous_usage_stats not a bool: [], false, 5, "{}").
 // Generate's GenerateRequest takes stream_options too; that it is checked
 // alike is our assumption, at the cost of a prefill leg where it is not.
 func refusedStream(o *body.Object) bool {
@@ -150,8 +152,13 @@ func refusedStream(o *body.Object) bool {
 		return true
 	}
 	stream, _ := o.Raw("stream")
-	options, _ := o.Raw("stream_options")
-	return truthy(options) && !truthy(stream)
+	options, given := o.Raw("stream_options")
+	if !given || body.IsNull(options) {
+		return false
+	}
+	parsed, ok := o.Object("stream_options")
+	return !ok || refusedBool(parsed, "include_usage") || refusedBool(parsed, "continuous_usage_stats") ||
+		truthy(options) && !truthy(stream)
 }
 
 // refusedStreamFlag reports whether vLLM refuses the request's stream: one
@@ -159,10 +166,14 @@ func refusedStream(o *body.Object) bool {
 // and Responses APIs check: their requests have no stream_options, and
 // ignore one sent (AnthropicMessagesRequest; ResponsesRequest, whose
 // OpenAIBaseModel ignores unknown fields).
-func refusedStreamFlag(o *body.Object) bool {
-	stream, _ := o.Raw("stream")
-	_, valid := body.LaxBool(stream)
-	return !valid && len(stream) > 0 && !body.IsNull(stream)
+func refusedStreamFlag(o *body.Object) bool { return refusedBool(o, "stream") }
+
+// refusedBool reports whether pydantic refuses key's value as a bool | None:
+// neither null nor a value LaxBool reads.
+func refusedBool(o *body.Object, key string) bool {
+	raw, _ := o.Raw(key)
+	_, valid := body.LaxBool(raw)
+	return !valid && len(raw) > 0 && !body.IsNull(raw)
 }
 
 // truthy is Python's truth of a JSON value (absent: None): false for null,

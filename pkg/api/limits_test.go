@@ -22,6 +22,26 @@ func TestAloneReadsFieldsAsTheEngine(t *testing.T) {
 			body: `{"model":"m","prompt":"hi","truncate_prompt_tokens":" -1 "}`, want: Truncation},
 		{name: "chat truncate_prompt_tokens 8.0 keeps its pair", api: Chat, body: chat + `,"truncate_prompt_tokens":8.0}`, want: NoReason},
 		{name: "chat truncate_prompt_tokens null keeps its pair", api: Chat, body: chat + `,"truncate_prompt_tokens":null}`, want: NoReason},
+		// The prefill leg's caps delete stream_options: one the decode
+		// engine's StreamOptions model refuses must not cost a prefill.
+		{name: "chat stream_options not an object", api: Chat, body: chat + `,"stream":true,"stream_options":5}`, want: InvalidLimits},
+		{name: "chat stream_options [] without stream", api: Chat, body: chat + `,"stream_options":[]}`, want: InvalidLimits},
+		{name: "chat stream_options false", api: Chat, body: chat + `,"stream_options":false}`, want: InvalidLimits},
+		{name: "chat stream_options include_usage not a bool", api: Chat,
+			body: chat + `,"stream":true,"stream_options":{"include_usage":"maybe"}}`, want: InvalidLimits},
+		{name: "completions stream_options continuous_usage_stats not a bool", api: Completions,
+			body: `{"model":"m","prompt":"hi","stream":true,"stream_options":{"continuous_usage_stats":[]}}`, want: InvalidLimits},
+		{name: "generate stream_options a string", api: Generate,
+			body: `{"token_ids":[1],"sampling_params":{},"stream":true,"stream_options":"{}"}`, want: InvalidLimits},
+		{name: "chat stream_options valid, as pydantic reads it", api: Chat,
+			body: chat + `,"stream":true,"stream_options":{"include_usage":"yes","continuous_usage_stats":null,"other":1}}`, want: NoReason},
+		{name: "chat stream_options null", api: Chat, body: chat + `,"stream_options":null}`, want: NoReason},
+		// The Responses caps set store and background false.
+		{name: "responses store not a bool", api: Responses, body: `{"input":"hi","store":"maybe"}`, want: InvalidLimits},
+		{name: "responses background not a bool", api: Responses, body: `{"input":"hi","background":[]}`, want: InvalidLimits},
+		{name: "responses background \"maybe\"", api: Responses, body: `{"input":"hi","background":"maybe"}`, want: InvalidLimits},
+		{name: "responses store and background as pydantic reads bools", api: Responses,
+			body: `{"input":"hi","store":"off","background":0}`, want: NoReason},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

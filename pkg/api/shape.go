@@ -228,8 +228,10 @@ func responsesAlone(o *body.Object) Reason {
 		}
 	}
 	// vLLM's ResponsesRequest.to_sampling_params takes min(max_output_tokens,
-	// the default), and SamplingParams refuses a limit below 1 (limits.go).
-	if n, given, valid := limit(o, "max_output_tokens"); !valid || given && n < 1 || refusedStreamFlag(o) {
+	// the default), and SamplingParams refuses a limit below 1 (limits.go);
+	// store and background, which the caps set false, are bool | None.
+	if n, given, valid := limit(o, "max_output_tokens"); !valid || given && n < 1 || refusedStreamFlag(o) ||
+		refusedBool(o, "store") || refusedBool(o, "background") {
 		return InvalidLimits
 	}
 	if t, _ := o.String("truncation"); t == "auto" {
