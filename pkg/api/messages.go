@@ -73,11 +73,6 @@ func writeMessage(b *strings.Builder, role string, content, calls []byte) {
 	b.WriteByte('\n')
 }
 
-type contentPart struct {
-	Type string `json:"type"`
-	Text string `json:"text"`
-}
-
 // writeContent writes a string, or the parts of a list: text parts (chat's
 // "text", the Responses API's "input_text" and "output_text") as their text,
 // others as their JSON without a "cache_control" (uncached). A system
@@ -92,13 +87,32 @@ func writeContent(b *strings.Builder, raw json.RawMessage, system bool) {
 		return
 	}
 	for p := range body.Items(raw) {
-		var cp contentPart
-		if json.Unmarshal(p, &cp) == nil && (cp.Type == "text" || cp.Type == "input_text" || cp.Type == "output_text") {
-			b.WriteString(unbilled(cp.Text, system && cp.Type == "text"))
+		if kind, text, ok := textPart(p); ok {
+			b.WriteString(unbilled(text, system && kind == "text"))
 		} else {
 			b.Write(uncached(p))
 		}
 	}
+}
+
+// textPart reads a content part that is text: its type (chat's "text", the
+// Responses API's "input_text" and "output_text") and its text, keys read
+// as the engines read them: as spelt, the last duplicate winning (not
+// encoding/json's case-insensitive match, which took "TEXT" for "text").
+func textPart(part []byte) (kind, text string, ok bool) {
+	if len(part) == 0 || part[0] != '{' {
+		return "", "", false
+	}
+	o, err := body.Parse(part)
+	if err != nil {
+		return "", "", false
+	}
+	switch kind, _ = o.String("type"); kind {
+	case "text", "input_text", "output_text":
+		text, ok = o.String("text")
+		return kind, text, ok
+	}
+	return "", "", false
 }
 
 var cacheControl = []byte(`"cache_control"`)

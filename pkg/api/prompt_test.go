@@ -28,6 +28,11 @@ func TestPromptReaders(t *testing.T) {
 		{name: "chat: tools first, tool calls kept, escapes decoded", api: Chat,
 			body:     `{"model":"m","tools":[{"type":"function"}],"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]},{"role":"user","content":"a\"b"}]}`,
 			wantText: "[{\"type\":\"function\"}]\nassistant\n[{\"id\":\"1\"}]\nuser\na\"b\n", wantTokens: -1, wantN: 1, wantPrompts: 1},
+		// The engines read a part's keys as spelt, the last duplicate
+		// winning (Python's json); encoding/json would match "TEXT" too.
+		{name: "chat: a text part's keys as spelt, the last duplicate", api: Chat,
+			body:     `{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"long question","TEXT":""},{"type":"text","Text":"x","text":"a","text":"b"}]}]}`,
+			wantText: "user\nlong questionb\n", wantTokens: -1, wantN: 1, wantPrompts: 1},
 		{name: "chat: n", api: Chat, body: `{"model":"m","n":3,"messages":[{"role":"user","content":"Hi"}]}`,
 			wantText: "user\nHi\n", wantTokens: -1, wantN: 3, wantPrompts: 1},
 		{name: "chat: messages of the wrong shape", api: Chat, body: `{"model":"m","messages":"hi"}`, wantTokens: -1, wantN: 1, wantPrompts: 1},
