@@ -252,10 +252,11 @@ func generatePrompt(o *body.Object) *Prompt {
 }
 
 // sglangGeneratePrompt: SGLang's native API, text or input_ids, either one
-// prompt or a batch; n is in sampling_params.
+// prompt or a batch (a null one is left out, GenerateReqInput's default);
+// n is in sampling_params.
 func sglangGeneratePrompt(o *body.Object) *Prompt {
-	raw, ok := o.Raw("input_ids")
-	if !ok {
+	raw, _ := o.Raw("input_ids")
+	if !present(o, "input_ids") {
 		raw, _ = o.Raw("text")
 	}
 	n, mixed := sglangSamples(o)

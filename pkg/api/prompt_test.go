@@ -104,6 +104,10 @@ func TestPromptReaders(t *testing.T) {
 			wantText: "4,5,6", wantTokens: 3, wantN: 1, wantPrompts: 1},
 		{name: "SGLang generate: a batch of input_ids", api: SGLangGenerate, body: `{"input_ids":[[4,5],[6]]}`,
 			wantText: "4,5", wantTokens: 2, wantN: 1, wantPrompts: 2},
+		// SGLang's own client sends every field of GenerateReqInput, the
+		// unused ones null: a null input_ids leaves the prompt to text.
+		{name: "SGLang generate: text beside a null input_ids", api: SGLangGenerate, body: `{"text":["a b","c"],"input_ids":null}`,
+			wantText: "a b", wantTokens: -1, wantN: 1, wantPrompts: 2},
 		{name: "SGLang generate: input_ids nested deeper are not read", api: SGLangGenerate, body: `{"input_ids":[[[4,5]]]}`,
 			wantTokens: -1, wantN: 1, wantPrompts: 1},
 		{name: "characters, not bytes", api: Completions, body: `{"model":"m","prompt":"héllo wörld"}`,
