@@ -147,9 +147,11 @@ func chatPrompt(o *body.Object) *Prompt {
 // runs an engine request for each entry of prompt_embeds (one string, or a
 // list) besides those of prompt, and hands back the first one's KV params
 // alone (preprocess_completion, vllm/renderers/online_renderer.py;
-// OpenAIServingCompletion), so each counts as a prompt.
+// OpenAIServingCompletion), so each counts as a prompt; a null prompt is
+// none (`if prompt_input is not None`).
 func completionsPrompt(o *body.Object) *Prompt {
-	raw, hasPrompt := o.Raw("prompt")
+	raw, _ := o.Raw("prompt")
+	hasPrompt := present(o, "prompt")
 	p := promptOf(samples(o), raw)
 	render := p.render
 	p.render = func() rendering { return withTokenIDs(o, render) }

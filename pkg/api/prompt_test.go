@@ -56,6 +56,8 @@ func TestPromptReaders(t *testing.T) {
 			wantText: "hi", wantTokens: -1, wantN: 1, wantPrompts: 2},
 		{name: "completions: one embedding alone is one", api: Completions, body: `{"model":"m","prompt_embeds":"QUJD"}`,
 			wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "completions: one embedding beside a null prompt is one", api: Completions, body: `{"model":"m","prompt":null,"prompt_embeds":"QUJD"}`,
+			wantTokens: -1, wantN: 1, wantPrompts: 1},
 		{name: "completions: null embeddings are none", api: Completions, body: `{"model":"m","prompt":"hi","prompt_embeds":null}`,
 			wantText: "hi", wantTokens: -1, wantN: 1, wantPrompts: 1},
 		{name: "completions: prompt_token_ids", api: Completions, body: `{"model":"m","prompt_token_ids":[5,6,7,8,9]}`,
