@@ -29,6 +29,9 @@ type healthState struct {
 	activeDown bool
 	checkRun   int // checks in a row with the last one's verdict; 0: none since checks were on
 	lastPassed bool
+	// offs counts the times checks were found off (unchecked): a check
+	// begun before the last is of checks since turned off, its verdict void.
+	offs uint64
 }
 
 // ReportFailure records a connection error, timeout or 5xx from the endpoint.
@@ -186,11 +189,26 @@ const (
 )
 
 // setActive records a check's verdict, against the pool's thresholds.
-func (e *Endpoint) setActive(v verdict) {
+func (e *Endpoint) setActive(v verdict) { e.recordCheck(v, anyEpoch) }
+
+// checksOff is the count of times checks were found off, as a check begins.
+func (e *Endpoint) checksOff() uint64 {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.health.offs
+}
+
+// recordCheck records the verdict of a check begun when checks had been
+// found off offs times (checksOff; anyEpoch: whenever): one begun before
+// checks were turned off is dropped, however late it comes.
+func (e *Endpoint) recordCheck(v verdict, offs uint64) {
 	s := e.cfg()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	h := &e.health
+	if offs != anyEpoch && offs != h.offs {
+		return
+	}
 	first := h.checkRun == 0
 	if !first && (v == passed) == h.lastPassed {
 		h.checkRun++
@@ -214,6 +232,7 @@ func (e *Endpoint) unchecked() {
 	defer e.mu.Unlock()
 	h := &e.health
 	h.activeDown, h.checkRun, h.lastPassed = false, 0, false
+	h.offs++
 	e.troubled.Store(h.failures > 0)
 }
 
@@ -221,11 +240,13 @@ func (e *Endpoint) unchecked() {
 // (probeEach).
 // current says whether the pool is still as it was when the round began: a
 // verdict that comes after checks were turned off (or the pool changed, and
-// a new round began) is dropped, or it would stand with no check to clear it.
+// a new round began) is dropped, or it would stand with no check to clear it;
+// so is one that checks are turned off under as it is recorded.
 func checkAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration, current func(*Endpoint) bool) {
 	probeEach(eps, func(e *Endpoint) {
+		offs := e.checksOff()
 		if v, ok := check(ctx, pr.client, pr.url(e.Addr, path), timeout); ok && current(e) {
-			e.setActive(v)
+			e.recordCheck(v, offs)
 		}
 	})
 }

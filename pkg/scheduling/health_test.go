@@ -363,6 +363,39 @@ func TestAVerdictHoldsWhileItsEndpointStays(t *testing.T) {
 	}
 }
 
+// TestAVerdictLandingAsChecksAreTurnedOffIsDropped: a reload that turns
+// checks off may land after a running check's verdict was found current and
+// before it is recorded; the verdict is dropped all the same, or the
+// endpoint would stay down with no check left to bring it back.
+func TestAVerdictLandingAsChecksAreTurnedOffIsDropped(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusServiceUnavailable) }))
+	defer srv.Close()
+	addr := strings.TrimPrefix(srv.URL, "http://")
+	for _, tt := range []struct {
+		name string
+		next func(PoolSpec) PoolSpec // the reload that lands
+		down bool                    // the verdict stands
+	}{
+		{"checks turned off", func(s PoolSpec) PoolSpec { s.Health.CheckInterval = 0; return s }, false},
+		{"checks kept on", func(s PoolSpec) PoolSpec { s.Health.CheckInterval = config.Duration(time.Minute); return s }, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			spec := PoolSpec{Endpoints: []string{addr}}
+			spec.Health.CheckInterval = config.Duration(time.Hour)
+			p := poolOf(roleDecode, spec, Deps{})
+			e := byAddr(p, addr)
+			checkAll(context.Background(), p.probe, []*Endpoint{e}, "/health", time.Second, func(e *Endpoint) bool {
+				current := p.checked(e)
+				p.Update(tt.next(spec)) // the reload, between the verdict's test and its record
+				return current
+			})
+			if e.Healthy() == tt.down || e.CheckedDown() != tt.down {
+				t.Errorf("healthy %v, checked down %v; want the 503's verdict to stand: %v", e.Healthy(), e.CheckedDown(), tt.down)
+			}
+		})
+	}
+}
+
 // TestAChecksRedirectIsItsAnswer: an engine that answers its check (or a
 // scrape) with a redirect is not followed: pd-extproc asks no host outside
 // its pools, and the redirect, not 2xx, is the engine's verdict.
