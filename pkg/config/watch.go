@@ -34,7 +34,8 @@ func (c *Config) reloadable(connector string) error {
 	return nil
 }
 
-// Watch re-reads the file at path whenever its directory changes and hands
+// Watch re-reads the file at path whenever its directory changes (and after
+// the watch reports an error, which may have cost it events) and hands
 // each valid config that differs from running, the one the caller runs with,
 // to apply. A file that fails to load or validate goes to reject and the old
 // config stays in force. The file is also read once as soon as the watch is in
@@ -92,6 +93,9 @@ func Watch(ctx context.Context, path string, running *Config, apply func(*Config
 				return nil
 			}
 			reject(fmt.Errorf("config: watching %s: %w", path, err))
+			// Events may have been lost (inotify's queue overflowed): the
+			// file is read again, or a change waits for the next event.
+			timer.Reset(settle)
 		case <-tickerC(poll):
 			if w, err = watchDir(path); err == nil {
 				poll.Stop()

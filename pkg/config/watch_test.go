@@ -314,3 +314,60 @@ func TestWatchPollsWhileTheDirectoryCannotBeWatched(t *testing.T) {
 		})
 	}
 }
+
+// A watch that fails (inotify's queue overflowed: its events were dropped)
+// reads the file again: a change whose events were lost is applied, not left
+// until the next change of the directory.
+func TestWatchReadsTheFileAfterAWatchError(t *testing.T) {
+	var w *fsnotify.Watcher
+	newWatcher = func() (*fsnotify.Watcher, error) {
+		var err error
+		w, err = fsnotify.NewWatcher()
+		return w, err
+	}
+	t.Cleanup(func() { newWatcher = fsnotify.NewWatcher })
+	t.Cleanup(func() { goleak.VerifyNone(t) }) // runs last
+	dir := t.TempDir()
+	path := filepath.Join(dir, "extproc.yaml")
+	write(t, path, validA)
+	running, err := Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Written before the watch, read once it is in place: no event of it
+	// can come later and read the file again.
+	write(t, path, validB)
+	applied, rejected := make(chan *Config, 10), make(chan error, 10)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- Watch(ctx, path, running, func(c *Config) { applied <- c }, func(err error) { rejected <- err })
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Watch() = %v", err)
+		}
+	})
+	if got := decodeEndpoint(t, applied); got != "10.0.0.3:8000" {
+		t.Fatalf("applied %s, want 10.0.0.3:8000", got)
+	}
+	// The next change's events are lost: the directory is no longer
+	// watched, and the watch says its queue overflowed.
+	if err := w.Remove(dir); err != nil {
+		t.Fatal(err)
+	}
+	write(t, path, validA)
+	w.Errors <- fsnotify.ErrEventOverflow
+	select {
+	case err := <-rejected:
+		if !strings.Contains(err.Error(), "queue or buffer overflow") {
+			t.Errorf("rejected %v, want the watch's error", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the watch's error was not reported")
+	}
+	if got := decodeEndpoint(t, applied); got != "10.0.0.2:8000" {
+		t.Fatalf("applied %s, want the change whose events were lost", got)
+	}
+}
