@@ -21,15 +21,35 @@ var watchReady = func() {}
 // editors and Kubernetes write a new file in several steps.
 const settle = 100 * time.Millisecond
 
-// reloadable checks c as it would run under connector, the one the process
-// started with: the connector is read at start only, so the reloadable keys
-// must suit it (a running kv-sglang cannot take pd.mode never, whatever the
-// file now names, or named at an earlier reload).
-func (c *Config) reloadable(connector string) error {
+// startedWith are the keys read at start only that bear on what the others
+// may be: the connector, and each pool's kubernetes discovery, which keeps
+// finding its engines whatever later files name.
+type startedWith struct {
+	connector       string
+	prefill, decode *Kubernetes
+}
+
+// reloadable checks c as it would run with the keys the process started
+// with: those are read at start only, so the reloadable keys must suit them
+// (a running kv-sglang cannot take pd.mode never, whatever the file now
+// names, or named at an earlier reload; a pool whose engines Kubernetes
+// finds must be scraped for shedding, though a reload drops its kubernetes
+// key).
+func (c *Config) reloadable(s startedWith) error {
 	asRun := *c
-	asRun.Connector = connector
+	asRun.Connector = s.connector
+	asRun.Pools.Prefill.Kubernetes, asRun.Pools.Decode.Kubernetes = s.prefill, s.decode
 	if err := asRun.validate(); err != nil {
-		return fmt.Errorf("config: with the running connector %s (a new one takes a restart): %w", connector, err)
+		what := "the running connector " + s.connector
+		for _, p := range []struct {
+			name          string
+			file, running *Kubernetes
+		}{{"prefill", c.Pools.Prefill.Kubernetes, s.prefill}, {"decode", c.Pools.Decode.Kubernetes, s.decode}} {
+			if !reflect.DeepEqual(p.file, p.running) {
+				what += " and the running pools." + p.name + ".kubernetes"
+			}
+		}
+		return fmt.Errorf("config: with %s (a new one takes a restart): %w", what, err)
 	}
 	return nil
 }
@@ -76,8 +96,9 @@ func Watch(ctx context.Context, path string, running *Config, apply func(*Config
 	watchReady()
 
 	var last []byte
-	connector := running.Connector // read at start only, whatever later files name
-	timer := time.NewTimer(0)      // the first read, now that the watch is in place
+	// Read at start only, whatever later files name.
+	started := startedWith{running.Connector, running.Pools.Prefill.Kubernetes, running.Pools.Decode.Kubernetes}
+	timer := time.NewTimer(0) // the first read, now that the watch is in place
 	defer timer.Stop()
 	for {
 		select {
@@ -114,7 +135,7 @@ func Watch(ctx context.Context, path string, running *Config, apply func(*Config
 			last = data
 			c, err := Parse(data)
 			if err == nil {
-				err = c.reloadable(connector)
+				err = c.reloadable(started)
 			}
 			if err != nil {
 				reject(fmt.Errorf("%w; keeping the running config", err))

@@ -1,6 +1,7 @@
 package config
 
 import (
+	"cmp"
 	"context"
 	"os"
 	"path/filepath"
@@ -250,20 +251,28 @@ func TestWatchChecksReloadsAgainstTheConnectorRunning(t *testing.T) {
 
 func TestWatchRefusesAReload(t *testing.T) {
 	const sglang = "connector: kv-sglang\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 8998}, decode: {endpoints: [\"10.0.0.2:8000\"]}}\n"
+	// Prefill engines found through Kubernetes, whose discovery a reload
+	// does not stop (pools.prefill.kubernetes takes a restart), and shedding.
+	const kube = "connector: kv-nixl\nadmission: {objectives: {batch: -1}}\n" +
+		"pools: {prefill: {kubernetes: {selector: app=vllm, port: 8000}, metrics: {interval: 1s}}, decode: {endpoints: [\"10.0.0.2:8000\"], metrics: {interval: 1s}}}\n"
 	tests := []struct {
 		name   string
+		start  string // "": sglang
 		reload string
 		wants  []string
 	}{
-		{"pd.mode never under a running kv-sglang", strings.Replace(sglang, "kv-sglang", "kv-nixl", 1) + "pd: {mode: never}\n",
+		{"pd.mode never under a running kv-sglang", "", strings.Replace(sglang, "kv-sglang", "kv-nixl", 1) + "pd: {mode: never}\n",
 			[]string{"running connector kv-sglang", "pd.mode"}},
-		{"the removed rooms", sglang + "pd: {sglang_parallel_sampling: rooms}\n", []string{"rooms was removed", "never read"}},
-		{"no connector", strings.TrimPrefix(sglang, "connector: kv-sglang\n"), []string{"connector: not set", "kv-nixl", "kv-shared-storage", "kv-sglang"}},
+		{"the removed rooms", "", sglang + "pd: {sglang_parallel_sampling: rooms}\n", []string{"rooms was removed", "never read"}},
+		{"no connector", "", strings.TrimPrefix(sglang, "connector: kv-sglang\n"), []string{"connector: not set", "kv-nixl", "kv-shared-storage", "kv-sglang"}},
+		{"shedding without the scrapes of a pool whose kubernetes key is dropped", kube,
+			"connector: kv-nixl\nadmission: {objectives: {batch: -1}}\npools: {decode: {endpoints: [\"10.0.0.2:8000\"], metrics: {interval: 1s}}}\n",
+			[]string{"running", "pools.prefill.kubernetes", "set pools.prefill.metrics.interval"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			path := filepath.Join(t.TempDir(), "extproc.yaml")
-			write(t, path, sglang)
+			write(t, path, cmp.Or(tt.start, sglang))
 			applied, rejected := watching(t, path)
 			write(t, path, tt.reload)
 			rejectedSaying(t, rejected, applied, tt.wants...)
