@@ -151,8 +151,14 @@ func (p *Pool) readModels(ctx context.Context, st *poolState, eps []*Endpoint) {
 }
 
 // recountModels counts the lists again for the pool's current state, once
-// they changed. A state built since counted the new lists itself.
-func (p *Pool) recountModels() { counted(p.state.Load()) }
+// they changed. Under the pool's lock, as a rebuild counts and publishes its
+// state: one that counted before a list changed has published by then, and
+// is counted again here, not left with the old count.
+func (p *Pool) recountModels() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	counted(p.state.Load())
+}
 
 // counted counts the lists of st's endpoints into st.
 func counted(st *poolState) *poolState {
