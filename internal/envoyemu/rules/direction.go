@@ -83,6 +83,8 @@ func (d *Direction) State() Callback {
 		return HeadersCallback
 	case d.fd.open:
 		return StreamedBodyCallback
+	case d.fd.trailers:
+		return TrailersCallback
 	}
 	return Idle
 }
@@ -126,12 +128,10 @@ func (d *Direction) Headers(eos bool) Fit {
 }
 
 // SkipHeaders records headers passed on unseen (header mode SKIP): in
-// FULL_DUPLEX, body replies may then come with no headers reply.
+// FULL_DUPLEX, body replies may then come with no headers reply, once a
+// chunk went (Body).
 func (d *Direction) SkipHeaders(eos bool) {
 	d.sent.headers, d.sent.headersEOS = true, eos
-	if d.fullDuplex() && !eos {
-		d.fd.open = true
-	}
 }
 
 // Body records a body message as the direction's mode sends it: a STREAMED or
@@ -166,8 +166,14 @@ func (d *Direction) body(eos bool, c Callback) Fit {
 	}
 	d.sent.bodies++
 	d.sent.bodyEOS = eos
-	if !d.fullDuplex() {
+	switch {
+	case !d.fullDuplex():
 		d.call(c)
+	case !d.fd.headers && !d.fd.ended:
+		// A chunk sent once the headers reply came (or headers were skipped)
+		// opens the direction to body replies (handleDataStreamedModeBase);
+		// one sent while it is due leaves it HeadersCallback.
+		d.fd.open = true
 	}
 	return Expected
 }
@@ -235,7 +241,9 @@ func (d *Direction) headersReply(cr *extprocv3.CommonResponse) Verdict {
 	}
 	if d.fullDuplex() {
 		d.fd.headers = false
-		d.fd.open = !d.sent.headersEOS
+		// getCallbackStateAfterHeaderResp: body replies only once a chunk
+		// went (bodyReceived); else Idle, or TrailersCallback (fd.trailers).
+		d.fd.open = d.sent.bodies > 0
 	}
 	d.answer()
 	if replacing {

@@ -135,7 +135,7 @@ func TestReplySequences(t *testing.T) {
 		}},
 		{name: "FULL_DUPLEX: headers answered twice", reqMode: fd, steps: []step{
 			send(hdrs(req, false)), ok(headersReply(req, empty)),
-			answer(headersReply(req, empty), Spurious, "request headers response received in state StreamedBodyCallback"),
+			answer(headersReply(req, empty), Spurious, "request headers response received in state Idle"),
 		}},
 		{name: "FULL_DUPLEX: a body reply to headers that ended the stream", reqMode: fd, steps: []step{
 			send(hdrs(req, true)), ok(headersReply(req, empty)),
@@ -145,6 +145,21 @@ func TestReplySequences(t *testing.T) {
 			send(hdrs(req, false)), send(body(req, false)), send(envoymsg.Trailers(req)),
 			ok(headersReply(req, empty)), ok(bodyReply(req, streamed("x", true))), ok(trailersReply(req)),
 			answer(bodyReply(req, streamed("y", false)), Spurious, "in state Idle"),
+		}},
+		// getCallbackStateAfterHeaderResp: a headers reply before any body
+		// chunk leaves the direction Idle (trailers due: TrailersCallback);
+		// the next chunk sent opens it to body replies.
+		{name: "FULL_DUPLEX: a body reply when trailers came and no body", reqMode: fd, steps: []step{
+			send(hdrs(req, false)), send(envoymsg.Trailers(req)), ok(headersReply(req, empty)),
+			answer(bodyReply(req, streamed("", true)), Spurious, "in state TrailersCallback"),
+		}},
+		{name: "FULL_DUPLEX: a body reply before the first chunk was sent", reqMode: fd, steps: []step{
+			send(hdrs(req, false)), ok(headersReply(req, empty)),
+			answer(bodyReply(req, streamed("x", false)), Spurious, "in state Idle"),
+		}},
+		{name: "FULL_DUPLEX: the first chunk after the headers reply opens body replies", reqMode: fd, steps: []step{
+			send(hdrs(req, false)), ok(headersReply(req, empty)), send(body(req, true)),
+			ok(bodyReply(req, streamed("x", true))),
 		}},
 		{name: "FULL_DUPLEX: the trailers reply before the headers reply", reqMode: fd, steps: []step{
 			send(hdrs(req, false)), send(envoymsg.Trailers(req)),
@@ -329,9 +344,12 @@ func mentions(v Verdict, why string) bool {
 // passed on unseen (SKIP), and a STREAMED body complete before the headers
 // reply, answered as a buffered body (§2.9).
 func TestCallbacksTheCallerChooses(t *testing.T) {
-	t.Run("FULL_DUPLEX with headers skipped takes body replies at once", func(t *testing.T) {
+	t.Run("FULL_DUPLEX with headers skipped takes body replies once a chunk went", func(t *testing.T) {
 		s := NewStream(Config{RequestMode: filterv3.ProcessingMode_FULL_DUPLEX_STREAMED})
 		s.Request.SkipHeaders(false)
+		if st := s.Request.State(); st != Idle {
+			t.Fatalf("state before any chunk %v, want Idle", st)
+		}
 		s.Request.Body(true)
 		if v := s.Reply(bodyReply(req, streamed("x", true))); v.Outcome != Accepted {
 			t.Fatalf("body reply: %v (%s), want accepted", v.Outcome, v.Reason)
