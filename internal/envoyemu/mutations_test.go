@@ -8,6 +8,7 @@ import (
 	mutationrulesv3 "github.com/envoyproxy/go-control-plane/envoy/config/common/mutation_rules/v3"
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	matcherv3 "github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
@@ -77,6 +78,20 @@ func TestHeaderMutations(t *testing.T) {
 			rules:   &mutationrulesv3.HeaderMutationRules{DisallowIsError: wrapperspb.Bool(true)},
 			set:     []*corev3.HeaderValueOption{rawHeader(":authority", "evil.example")},
 			wantErr: "Invalid attempt to modify :authority",
+		},
+		{
+			// Checker::isAllowed refuses removing ":" headers and host "no matter
+			// what", so disallow_is_error fails the stream on it too.
+			name:    "disallow_is_error: removing a pseudo-header is a 500",
+			rules:   &mutationrulesv3.HeaderMutationRules{DisallowIsError: wrapperspb.Bool(true)},
+			remove:  []string{":path"},
+			wantErr: "Invalid attempt to remove :path",
+		},
+		{
+			name:    "disallow_is_error: removing host is a 500, even where allow_expression names it",
+			rules:   &mutationrulesv3.HeaderMutationRules{DisallowIsError: wrapperspb.Bool(true), AllowExpression: &matcherv3.RegexMatcher{Regex: "host"}},
+			remove:  []string{"host"},
+			wantErr: "Invalid attempt to remove host",
 		},
 		{
 			name:    "CR/LF in a value",

@@ -87,14 +87,9 @@ func (r *HeaderRules) Check(op Op, name, value string) Check {
 }
 
 // Remove judges one remove_headers entry on a lower-case name: ":" headers and
-// host are never removed (isModifiableHeader), even where the rules allow it.
-func (r *HeaderRules) Remove(name string) Check {
-	c := r.Check(OpRemove, name, "")
-	if c == CheckOK && isSystemHeader(name) {
-		return CheckIgnore
-	}
-	return c
-}
+// host are never removed (isModifiableHeader), even where the rules allow it,
+// and under disallow_is_error trying to is an error.
+func (r *HeaderRules) Remove(name string) Check { return r.Check(OpRemove, name, "") }
 
 func isSystemHeader(name string) bool { return strings.HasPrefix(name, ":") || name == "host" }
 
@@ -109,6 +104,9 @@ func isRoutingHeader(name string) bool {
 // allowed is the rule table of §3.3: disallow_expression beats everything,
 // allow_expression beats everything else.
 func (r *HeaderRules) allowed(op Op, name string) bool {
+	if op == OpRemove && isSystemHeader(name) {
+		return false // "No matter what", before any expression
+	}
 	if r.disallowExpr != nil && r.disallowExpr.MatchString(name) {
 		return false
 	}
