@@ -111,9 +111,9 @@ func (p *prefixAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[string]int) *Endpoint {
 	prefix, conversation := p.keys.keys(req)
 	if held != nil && (prefix == "" || req.Head() == "") {
-		// No ranking that requests share (a completions prompt): the least
-		// busy of those holding the most.
-		rs := lessBusyFirst(busyness(eps))
+		// No ranking that requests share (a completions prompt): of those
+		// holding the most, the one that would serve it soonest.
+		rs := soonestFirst(busyness(eps))
 		if e := p.holding(rs, held, p.bounds(rs, p.queueSlack)); e != nil {
 			return e
 		}

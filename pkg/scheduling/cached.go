@@ -84,6 +84,19 @@ func lessBusyFirst(rs []ranked) []ranked {
 	return rs
 }
 
+// soonestFirst sorts rs by busyness, the request's own place counted, over
+// their engines' prefill pace (ranked.pace): the sooner it would be served,
+// the first; the ranking's order kept among equals. Of holders equally idle,
+// the faster engine; of engines equally fast, the less busy. For a request
+// that nothing follows onto its engine (a completions prompt): a
+// conversation placed so would draw its later turns to the fast engines,
+// whose caches, where they are small, then keep fewer histories (the
+// policy tables, docs/scheduling.md).
+func soonestFirst(rs []ranked) []ranked {
+	slices.SortStableFunc(rs, func(a, b ranked) int { return cmp.Compare((a.busy+1)/a.pace, (b.busy+1)/b.pace) })
+	return rs
+}
+
 // loadBounds are prefix-affinity's load bounds over a set of candidates,
 // with the candidates' mean busyness and queue they are set from; start and
 // kept: for a request that starts a conversation (starting).
@@ -161,9 +174,20 @@ func busyness(eps []*Endpoint) []ranked {
 		return rs
 	}
 	now := sync.OnceValue(eps[0].cfg().now) // the pool's clock, read once if at all: it costs more than judging a load
+	var paced, known float64
 	for i, e := range eps {
 		rs[i].e, rs[i].scrape = e, e.scrapedAt(now)
 		rs[i].busy, rs[i].queued = e.busynessOf(rs[i].scrape)
+		if rs[i].pace, _ = rs[i].scrape.pace(); rs[i].pace > 0 {
+			paced, known = paced+rs[i].pace, known+1
+		}
+	}
+	for i := range rs {
+		if rs[i].pace > 0 {
+			rs[i].pace /= paced / known
+		} else {
+			rs[i].pace = 1
+		}
 	}
 	return rs
 }

@@ -169,6 +169,13 @@ type Load struct {
 	// cache did not hold, and those it generated (vLLM's counters). 0 when
 	// not reported.
 	CacheTokens, Written float64
+	// Computed is the prompt tokens the engine computed (its prefix cache
+	// did not hold them) and Prefilling the seconds those requests spent in
+	// prefill, from their first step to their first token, both counted as
+	// each request finishes since the engine started (vLLM's
+	// request_prefill_kv_computed_tokens and request_prefill_time_seconds
+	// histograms' sums). 0 when not reported.
+	Computed, Prefilling float64
 }
 
 // cacheWindow is the range of the engine's Written within which what it
@@ -223,6 +230,21 @@ func (e *Endpoint) observe(l Load) {
 		}
 	}
 	e.load.Store(s)
+}
+
+// pace is how many prompt tokens a second the engine computed while it
+// prefilled, since s's older mark (Load.Computed ÷ Load.Prefilling); false
+// when s is nil, its scrapes do not tell (as rewrite) or it finished no
+// prefill since.
+func (s *scraped) pace() (tokensPerSecond float64, ok bool) {
+	if s == nil || s.At.Sub(s.marks[0].At) < markEvery {
+		return 0, false
+	}
+	secs := s.Prefilling - s.marks[0].Prefilling
+	if secs <= 0 || s.Computed < s.marks[0].Computed {
+		return 0, false
+	}
+	return (s.Computed - s.marks[0].Computed) / secs, true
 }
 
 // markEvery spaces the scrapes rewrite measures from, so that it reads the

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	dto "github.com/prometheus/client_model/go"
@@ -41,6 +42,17 @@ const (
 )
 
 var cacheSeries = []string{cacheConfigInfo, promptTokens, prefixCacheHits, generationTokens}
+
+// What a vLLM engine reports of its prefills as each request finishes
+// (vllm/v1/metrics/loggers.py; update_from_finished_request,
+// vllm/v1/metrics/stats.py): histograms of the prompt tokens each computed
+// (its prefix cache did not hold them) and of the seconds from its first
+// step to its first token. Their sums are read (Load.Computed,
+// Load.Prefilling), not their buckets.
+const (
+	computedTokens = "vllm:request_prefill_kv_computed_tokens"
+	prefillSeconds = "vllm:request_prefill_time_seconds"
+)
 
 // pdQueues are the queues an SGLang engine in P/D mode keeps apart from its
 // waiting queue, by the role it plays (SGLang's
@@ -116,6 +128,7 @@ func parseLoad(r io.Reader, ro role) (Load, error) {
 		}
 	}
 	l.CacheTokens, l.Written = cacheOf(families)
+	l.Computed, l.Prefilling = histogramSum(families[computedTokens]), histogramSum(families[prefillSeconds])
 	return l, nil
 }
 
@@ -173,9 +186,15 @@ func loadLines(r io.Reader, ro role) ([]byte, error) {
 }
 
 // loadSeries says whether parseLoad reads the series of that name for an
-// engine in role ro.
+// engine in role ro: a histogram's sum, not its buckets.
 func loadSeries(name string, ro role) bool {
 	if slices.Contains(waitingGauges, name) || slices.Contains(kvUsageGauges, name) || slices.Contains(runningGauges, name) || slices.Contains(cacheSeries, name) {
+		return true
+	}
+	if family, ok := strings.CutSuffix(name, "_sum"); ok {
+		name = family
+	}
+	if name == computedTokens || name == prefillSeconds {
 		return true
 	}
 	for _, names := range pdQueues[ro] {
@@ -212,6 +231,16 @@ func sum(f *dto.MetricFamily) float64 {
 	var s float64
 	for _, m := range f.GetMetric() {
 		s += value(m)
+	}
+	return s
+}
+
+// histogramSum is the sum of f's histograms (data-parallel ranks' series),
+// 0 when f is nil or not histograms.
+func histogramSum(f *dto.MetricFamily) float64 {
+	var s float64
+	for _, m := range f.GetMetric() {
+		s += m.GetHistogram().GetSampleSum()
 	}
 	return s
 }

@@ -74,6 +74,20 @@ sglang:num_running_reqs{model_name="m"} 12
 		{name: "vLLM's cache, data-parallel ranks add up", text: vllmCache(`num_gpu_blocks="661"`, true) +
 			"vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"339\"} 1.0\nvllm:prompt_tokens_total{engine=\"1\"} 100\n",
 			want: Load{Waiting: 2, KVUsage: 0.5, CacheTokens: 1000 * 16, Written: 9100 - 4000 + 1500}},
+		{name: "vLLM's prefills: the computed tokens' and prefill seconds' sums, ranks added, buckets not read", text: `vllm:num_requests_waiting 1
+# HELP vllm:request_prefill_kv_computed_tokens Histogram of new KV tokens computed during prefill (excluding cached tokens).
+# TYPE vllm:request_prefill_kv_computed_tokens histogram
+vllm:request_prefill_kv_computed_tokens_bucket{engine="0",le="1.0",model_name="m"} 0
+vllm:request_prefill_kv_computed_tokens_bucket{engine="0",le="+Inf",model_name="m"} 12
+vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="m"} 12
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="m"} 48000
+vllm:request_prefill_kv_computed_tokens_sum{engine="1",model_name="m"} 2000
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 12
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 12
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 4.5
+vllm:request_prefill_time_seconds_sum{engine="1",model_name="m"} 0.5
+`, want: Load{Waiting: 1, Computed: 50000, Prefilling: 5}},
 		{name: "KV use above 1 is clamped", text: "vllm:kv_cache_usage_perc 1.7\n", want: Load{KVUsage: 1}},
 		{name: "not an engine we know", text: "process_cpu_seconds_total 12\n", wantErr: true},
 		{name: "not the text format", text: "<html>", wantErr: true},

@@ -1293,3 +1293,80 @@ func TestClientCoveragesAreBounded(t *testing.T) {
 		t.Errorf("%d addresses counted, want at most %d", n, maxClients)
 	}
 }
+
+// TestACompletionsPromptGoesToTheHolderThatServesItSoonest: of the engines
+// whose KV events show them holding a completions prompt's start alike, the
+// one whose busyness, the request counted, over its engine's prefill pace
+// (by its scrapes, against the candidates' mean) is least.
+func TestACompletionsPromptGoesToTheHolderThatServesItSoonest(t *testing.T) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	first, second := addrs[1], addrs[2] // the holders, in the pool's order
+	tokens := make([]int64, 1_024)
+	for i := range tokens {
+		tokens[i] = int64(i*7919) % 150_000
+	}
+	tests := []struct {
+		name string
+		// paces: the prompt tokens a second each engine computed while it
+		// prefilled, by two scrapes 15 s apart; nil: not scraped, and an
+		// engine left out finished no prefill between them.
+		paces    map[string]float64
+		inflight map[string]int
+		want     string
+	}{
+		{"not scraped, both idle: the first", nil, nil, first},
+		{"not scraped, the first busier", nil, map[string]int{first: 1}, second},
+		{"equal paces, both idle: the first", map[string]float64{addrs[0]: 1000, first: 1000, second: 1000, addrs[3]: 1000}, nil, first},
+		{"both idle, the second twice as fast", map[string]float64{addrs[0]: 1000, first: 1000, second: 2000, addrs[3]: 1000}, nil, second},
+		{"the second twice as fast, busier by 2", map[string]float64{addrs[0]: 1000, first: 1000, second: 2000, addrs[3]: 1000}, map[string]int{second: 2}, first},
+		{"the second three times as fast, busier by 1", map[string]float64{addrs[0]: 1000, first: 1000, second: 3000, addrs[3]: 1000}, map[string]int{second: 1}, second},
+		{"only the second's pace known: no faster than the mean", map[string]float64{second: 2000}, nil, first},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity,
+				Metrics: config.EngineMetrics{Interval: config.Duration(time.Second), StaleAfter: config.Duration(3 * time.Second)}}
+			p, clock := testPool(t, sched, addrs...)
+			if tt.paces != nil {
+				for _, e := range p.Endpoints() {
+					e.observe(Load{At: clock.Now()})
+				}
+				clock.Advance(15 * time.Second)
+				for _, e := range p.Endpoints() {
+					l := Load{At: clock.Now()}
+					if pace, ok := tt.paces[e.Addr]; ok {
+						l.Computed, l.Prefilling = pace, 1
+					}
+					e.observe(l)
+				}
+			}
+			index := kvevents.NewIndex(kvevents.Bounds{}, time.Minute, nil)
+			hashes := make([]uint64, 512/16)
+			for j := range hashes {
+				hashes[j] = uint64(j + 1)
+			}
+			for _, a := range addrs {
+				if a == first || a == second {
+					index.Apply(kvevents.Publisher{Endpoint: a}, []kvevents.Event{{Kind: kvevents.Stored, Hashes: hashes, Tokens: tokens[:512], BlockSize: 16}})
+				} else {
+					index.Reset(kvevents.Publisher{Endpoint: a}, true)
+				}
+			}
+			p.events.Store(&poolEvents{index: index})
+			for a, n := range tt.inflight {
+				for range n {
+					defer acquire(byAddr(p, a))()
+				}
+			}
+			req := promptRequest(strings.Repeat("The minutes of the board's meeting, page by page. ", 60) + "What was decided?")
+			req.SetTokens(tokens)
+			e, err := p.Select(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if e.Addr != tt.want {
+				t.Errorf("picked %s, want %s", e.Addr, tt.want)
+			}
+		})
+	}
+}

@@ -211,6 +211,10 @@ type simEngine struct {
 	speed   float64
 	down    bool
 	running int
+	// computed and prefilling are what vLLM's prefill histograms sum as
+	// requests finish: the prompt tokens computed and the seconds spent
+	// prefilling them (Load.Computed, Load.Prefilling).
+	computed, prefilling float64
 }
 
 // simCache is an engine's prefix cache.
@@ -539,7 +543,8 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 	s.at(time.Duration(p.FailFrom*float64(p.Duration)), func() { failing.down = true })
 	s.at(time.Duration(p.FailTo*float64(p.Duration)), func() {
 		failing.down = false
-		failing.cache = newSimLRU(p.CacheChars / simBlock) // a restarted engine has a cold cache
+		failing.cache = newSimLRU(p.CacheChars / simBlock) // a restarted engine has a cold cache, and counts anew
+		failing.computed, failing.prefilling = 0, 0
 		if failing.events != nil {
 			failing.events(kvevents.Event{Kind: kvevents.Cleared})
 		}
@@ -551,7 +556,8 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 				if !eng.down {
 					size, written := eng.cache.counters(p.CacheChars)
 					e.observe(Load{Waiting: float64(len(eng.queue)), Running: float64(eng.running + busy(eng.busy)),
-						KVUsage: min(1, float64(eng.running)/128), At: simEpoch.Add(s.now), CacheTokens: size, Written: written})
+						KVUsage: min(1, float64(eng.running)/128), At: simEpoch.Add(s.now), CacheTokens: size, Written: written,
+						Computed: eng.computed, Prefilling: eng.prefilling})
 				}
 			}
 		}
@@ -732,6 +738,8 @@ func (s *sim) prefill(e *simEngine, r *simReq) {
 		tpot := time.Duration(float64(s.p.TPOT) * (1 + float64(e.running)/64) / e.speed)
 		s.at(s.now+time.Duration(r.output)*tpot, func() {
 			e.running--
+			e.computed += (n - float64(hit)) / simCharsPerToken
+			e.prefilling += d.Seconds()
 			r.ep.ReportSuccess()
 			r.release()
 			r.done(true)
