@@ -11,6 +11,7 @@ import (
 	"io"
 	"net/http"
 	"strconv"
+	"time"
 )
 
 // connector is the engine side of one P/D protocol in one role.
@@ -82,6 +83,7 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 		req.phase = ph
 		s.update(ex)
 
+		scheduled := time.Now()
 		res, err := s.kv.firstToken(ctx, req)
 		if errors.As(err, &aerr) {
 			s.writeErrorFor(api, w, aerr)
@@ -113,10 +115,12 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 			return
 		}
 		s.metrics.promptTokens.Add(int64(req.promptTokens))
+		prefill := time.Since(scheduled)
 		ph.run()
 		if err := s.answer(ctx, w, req, res); err != nil {
 			ex.rec.Canceled, ex.err = true, fmt.Errorf("answer cut short: %w", err)
 		}
+		s.metrics.finished(req.promptTokens-req.cached, prefill)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"strings"
 	"sync/atomic"
+	"time"
 )
 
 const (
@@ -35,6 +36,19 @@ type metrics struct {
 	// requests whose first token was made (computed here or received) and
 	// the tokens generated, vLLM's prompt_tokens and generation_tokens.
 	promptTokens, generationTokens atomic.Int64
+	// finishedRequests, computedTokens and prefillNanos are what vLLM's
+	// request_prefill_kv_computed_tokens and request_prefill_time_seconds
+	// histograms count and sum as each request finishes: the prompt tokens
+	// it computed, its prefix cache not holding them, and the time from
+	// its first step to its first token.
+	finishedRequests, computedTokens, prefillNanos atomic.Int64
+}
+
+// finished records a request that ended, as vLLM's prefill histograms do.
+func (m *metrics) finished(computed int, prefill time.Duration) {
+	m.finishedRequests.Add(1)
+	m.computedTokens.Add(int64(computed))
+	m.prefillNanos.Add(int64(prefill))
 }
 
 // Queues are what an engine reports queued beyond its own requests, set by a
@@ -135,6 +149,16 @@ func (m *metrics) serve(model, protocol, role string) http.HandlerFunc {
 				{"vllm:prompt_tokens_total", "Number of prefill tokens processed.", float64(m.promptTokens.Load())},
 				{"vllm:generation_tokens_total", "Number of generation tokens processed.", float64(m.generationTokens.Load())},
 			})
+			// The histograms' buckets are left out but the last: a router reads
+			// their sums.
+			n := m.finishedRequests.Load()
+			for _, h := range []gauge{
+				{"vllm:request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed during prefill (excluding cached tokens).", float64(m.computedTokens.Load())},
+				{"vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", time.Duration(m.prefillNanos.Load()).Seconds()},
+			} {
+				fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s histogram\n%s_bucket{engine=\"0\",le=\"+Inf\",model_name=\"%s\"} %d\n%s_sum%s %g\n%s_count%s %d\n",
+					h.name, h.help, h.name, h.name, name, n, h.name, labels, h.value, h.name, labels, n)
+			}
 			// The KV cache's size, in the labels of an info gauge as vLLM
 			// prints its CacheConfig: all of the GPU's blocks (Config.KVBlocks),
 			// of which its prefix cache keeps those no running request holds.

@@ -205,7 +205,9 @@ func ids(from, to int) string {
 // vLLM's /metrics counts the prompt tokens the engine looked up in its prefix
 // cache and those it found (KV pulled from a prefill is no lookup), the prompt
 // tokens of every request and the tokens generated, and says the size of its
-// KV cache in the labels of cache_config_info.
+// KV cache in the labels of cache_config_info; as each request finishes, its
+// prefill histograms count the prompt tokens it computed and its prefill's
+// seconds.
 func TestPrefixCacheCounters(t *testing.T) {
 	p, d := nixlPair(t)
 	post(t, d, "/v1/chat/completions", chatOf("", turn1...), "")
@@ -224,6 +226,11 @@ func TestPrefixCacheCounters(t *testing.T) {
 		`vllm:prompt_tokens_total{engine="0",model_name="pdsim"} 130` + "\n", // 89 and the pulled prompt's 41
 		"# TYPE vllm:generation_tokens_total counter\n",
 		`vllm:generation_tokens_total{engine="0",model_name="pdsim"} 48` + "\n", // 16 a request
+		"# TYPE vllm:request_prefill_kv_computed_tokens histogram\n",
+		`vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="pdsim"} 57` + "\n", // 41 and 48 less 32; the pulled prompt none
+		`vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="pdsim"} 3` + "\n",
+		"# TYPE vllm:request_prefill_time_seconds histogram\n",
+		`vllm:request_prefill_time_seconds_count{engine="0",model_name="pdsim"} 3` + "\n",
 		"# TYPE vllm:cache_config_info gauge\n",
 		`vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0",num_gpu_blocks="8192"} 1.0` + "\n",
 	} {
