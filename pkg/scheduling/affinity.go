@@ -133,7 +133,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	}
 	h := xxhash.Sum64String(prefix) ^ ns
 	conv, share := conversationHash(req, conversation, ns), p.shares.of(req).note(h)
-	rs := rank(h, conv, p.home(req, share, len(eps)), eps)
+	rs := p.ranking(req, h, conv, share, eps)
 	queueSlack := p.queueSlack
 	// A later turn's history is where its conversation ranks first (home):
 	// it stays there within the bound of a followed history, as the other
@@ -152,21 +152,7 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 		b.queue = b.follow
 	}
 	if held != nil {
-		order, hb := rs, b
-		switch first, second := leaders(held); {
-		case previous == "":
-			// A conversation's first request (or a one-shot one): the less
-			// busy of equals, as later turns find it wherever it went, and
-			// none busier than the mean.
-			order, hb = lessBusyFirst(slices.Clone(rs)), b.starting(p.keeps)
-		case first == second && first > 0:
-			// A later turn whose history no engine holds beyond what another
-			// holds too (evicted, past a system prompt cached on several):
-			// placed anew, the less busy of equals. By the ranking, slow
-			// engines drew as many such turns as fast ones, and kept them.
-			order = lessBusyFirst(slices.Clone(rs))
-		}
-		if e := p.holding(order, held, hb); e != nil {
+		if e := p.byView(rs, b, held, previous != ""); e != nil {
 			return e // the local hint is not told: the view knows better while it can be trusted
 		}
 	}
@@ -187,6 +173,40 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	p.estimate(req, chosen.e, hs, served, first)
 	p.record(prompt, hs, chosen.e)
 	return chosen.e
+}
+
+// ranking ranks eps for req, whose prefix and conversation hash to h and
+// conv: a completions prompt, which no later turn follows, with its home
+// set (where its start is cached) the soonest to serve it first. Every
+// replica ranks the same set.
+func (p *prefixAffinity) ranking(req *Request, h, conv uint64, share float64, eps []*Endpoint) []ranked {
+	home := p.home(req, share, len(eps))
+	rs := rank(h, conv, home, eps)
+	if req.Head() == "" {
+		soonestFirst(rs[:home])
+	}
+	return rs
+}
+
+// byView is, by the engines' view (held), the candidate of rs, in the
+// ranking's order, holding the longest start of the prompt within the
+// bounds b; nil when none within its bound holds a block of it.
+func (p *prefixAffinity) byView(rs []ranked, b loadBounds, held map[string]int, later bool) *Endpoint {
+	order, hb := rs, b
+	switch first, second := leaders(held); {
+	case !later:
+		// A conversation's first request (or a one-shot one): the less
+		// busy of equals, as later turns find it wherever it went, and
+		// none busier than the mean.
+		order, hb = lessBusyFirst(slices.Clone(rs)), b.starting(p.keeps)
+	case first == second && first > 0:
+		// A later turn whose history no engine holds beyond what another
+		// holds too (evicted, past a system prompt cached on several):
+		// placed anew, the less busy of equals. By the ranking, slow
+		// engines drew as many such turns as fast ones, and kept them.
+		order = lessBusyFirst(slices.Clone(rs))
+	}
+	return p.holding(order, held, hb)
 }
 
 // hinted is chosen, or the candidate of rs within the bounds for following

@@ -88,10 +88,11 @@ func lessBusyFirst(rs []ranked) []ranked {
 // their engines' prefill pace (ranked.pace): the sooner it would be served,
 // the first; the ranking's order kept among equals. Of holders equally idle,
 // the faster engine; of engines equally fast, the less busy. For a request
-// that nothing follows onto its engine (a completions prompt): a
-// conversation placed so would draw its later turns to the fast engines,
-// whose caches, where they are small, then keep fewer histories (the
-// policy tables, docs/scheduling.md).
+// that nothing follows onto its engine (a completions prompt), among
+// engines that hold its start alike (by their events, or its prefix's home
+// set): a conversation placed so would draw its later turns to the fast
+// engines, whose caches, where they are small, then keep fewer histories
+// (the policy tables, docs/scheduling.md).
 func soonestFirst(rs []ranked) []ranked {
 	slices.SortStableFunc(rs, func(a, b ranked) int { return cmp.Compare((a.busy+1)/a.pace, (b.busy+1)/b.pace) })
 	return rs

@@ -1370,3 +1370,78 @@ func TestACompletionsPromptGoesToTheHolderThatServesItSoonest(t *testing.T) {
 		})
 	}
 }
+
+// TestACompletionsPromptGoesToTheHomeMemberThatServesItSoonest: without
+// KV events, a completions prompt whose start this replica remembers
+// sending to several members of its prefix's home set goes to the one that
+// would serve it soonest: its busyness, the request counted, over its
+// engine's prefill pace; of equals, the ranking's first.
+func TestACompletionsPromptGoesToTheHomeMemberThatServesItSoonest(t *testing.T) {
+	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	document := strings.Repeat("The minutes of the board's meeting, page by page. ", 400) // past the 16 KiB key
+	question := func(i int) *Request {
+		return promptRequest(document + fmt.Sprintf("Question %d: what was decided?", i))
+	}
+	// picks sends twelve questions once the document's share of the traffic
+	// has grown its home set to the whole pool and every engine holds it,
+	// fast prefilling three times as fast as the others ("": none scraped)
+	// with inflight requests in flight.
+	picks := func(t *testing.T, fast string, inflight int) map[string]int {
+		sched := config.PoolScheduling{Policy: config.PolicyPrefixAffinity,
+			Metrics: config.EngineMetrics{Interval: config.Duration(time.Second), StaleAfter: config.Duration(3 * time.Second)}}
+		p, clock := testPool(t, sched, addrs...)
+		for i := range 40 {
+			if _, err := p.Select(question(i)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		aff, warm := p.state.Load().picker.(*prefixAffinity), question(0)
+		for _, e := range p.Endpoints() {
+			aff.record(warm.Prompt(), aff.index.hashes(warm.namespace(), warm.Prompt()), e)
+		}
+		if fast != "" {
+			for _, e := range p.Endpoints() {
+				e.observe(Load{At: clock.Now()})
+			}
+			clock.Advance(15 * time.Second)
+			for _, e := range p.Endpoints() {
+				e.observe(Load{Computed: cmp.Or(map[string]float64{fast: 3000}[e.Addr], 1000), Prefilling: 1, At: clock.Now()})
+			}
+			for range inflight {
+				defer acquire(byAddr(p, fast))()
+			}
+		}
+		got := map[string]int{}
+		for i := range 12 {
+			e, err := p.Select(question(100 + i))
+			if err != nil {
+				t.Fatal(err)
+			}
+			got[e.Addr]++
+		}
+		return got
+	}
+	var first string // the ranking's
+	for a := range picks(t, "", 0) {
+		first = a
+	}
+	fast := addrs[(slices.Index(addrs, first)+1)%len(addrs)]
+	tests := []struct {
+		name     string
+		fast     string
+		inflight int
+		want     map[string]int
+	}{
+		{"not scraped: the ranking's first", "", 0, map[string]int{first: 12}},
+		{"another engine three times as fast: all to it", fast, 0, map[string]int{fast: 12}},
+		{"that engine three requests busy: the ranking's first", fast, 3, map[string]int{first: 12}},
+		{"the ranking's first three times as fast", first, 0, map[string]int{first: 12}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := picks(t, tt.fast, tt.inflight); !maps.Equal(got, tt.want) {
+				t.Errorf("picked %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
