@@ -28,6 +28,12 @@ func watching(t *testing.T, path string) (applied chan *Config, rejected chan er
 	if err != nil {
 		t.Fatal(err)
 	}
+	return watchingFrom(t, path, running)
+}
+
+// watchingFrom is watching, the process running with running.
+func watchingFrom(t *testing.T, path string, running *Config) (applied chan *Config, rejected chan error) {
+	t.Helper()
 	t.Cleanup(func() { goleak.VerifyNone(t) }) // runs last
 	applied, rejected = make(chan *Config, 10), make(chan error, 10)
 	ready := make(chan struct{})
@@ -335,7 +341,6 @@ func TestWatchReadsTheFileAfterAWatchError(t *testing.T) {
 		return w, err
 	}
 	t.Cleanup(func() { newWatcher = fsnotify.NewWatcher })
-	t.Cleanup(func() { goleak.VerifyNone(t) }) // runs last
 	dir := t.TempDir()
 	path := filepath.Join(dir, "extproc.yaml")
 	write(t, path, validA)
@@ -346,18 +351,7 @@ func TestWatchReadsTheFileAfterAWatchError(t *testing.T) {
 	// Written before the watch, read once it is in place: no event of it
 	// can come later and read the file again.
 	write(t, path, validB)
-	applied, rejected := make(chan *Config, 10), make(chan error, 10)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- Watch(ctx, path, running, func(c *Config) { applied <- c }, func(err error) { rejected <- err })
-	}()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Watch() = %v", err)
-		}
-	})
+	applied, rejected := watchingFrom(t, path, running)
 	if got := decodeEndpoint(t, applied); got != "10.0.0.3:8000" {
 		t.Fatalf("applied %s, want 10.0.0.3:8000", got)
 	}
