@@ -1,11 +1,14 @@
 package enginehttp
 
 import (
+	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -107,5 +110,53 @@ func TestAKeyedClientSendsTheKeyOfTheFileAsItIsNow(t *testing.T) {
 	var none *Key
 	if none.Client(c) != c {
 		t.Error("no key: want the client itself")
+	}
+}
+
+// A keyed client closes its idle connections when asked, as the client it
+// wraps does: the pools close theirs when they stop probing the engines
+// (Pools.Run), and with an API key the keep-alive connections, and their
+// goroutines, stayed open to the engines.
+func TestAKeyedClientClosesItsIdleConnections(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "key")
+	if err := os.WriteFile(path, []byte("sk-1"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	k, err := APIKey("pools.decode.api_key_file", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name string
+		key  *Key
+	}{
+		{"no key", nil},
+		{"keyed", k},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var dialled atomic.Int32
+			engine := httptest.NewUnstartedServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+			engine.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+				if s == http.StateNew {
+					dialled.Add(1)
+				}
+			}
+			engine.Start()
+			defer engine.Close()
+			c := tt.key.Client(&http.Client{Transport: &http.Transport{}})
+			for range 2 {
+				resp, err := c.Get(engine.URL)
+				if err != nil {
+					t.Fatal(err)
+				}
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				c.CloseIdleConnections()
+			}
+			if n := dialled.Load(); n != 2 {
+				t.Errorf("%d connections for two requests with CloseIdleConnections between them; want 2: the idle one stayed open", n)
+			}
+		})
 	}
 }

@@ -223,3 +223,13 @@ func (t keyedTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 	r.Header.Set("Authorization", t.key.Authorization())
 	return t.next.RoundTrip(r)
 }
+
+// CloseIdleConnections closes the wrapped transport's idle connections:
+// http.Client.CloseIdleConnections reaches a transport only through this
+// method, and the pools call it as they stop (leaving no keep-alive
+// connection, nor its goroutines, open to the engines).
+func (t keyedTransport) CloseIdleConnections() {
+	if c, ok := t.next.(interface{ CloseIdleConnections() }); ok {
+		c.CloseIdleConnections()
+	}
+}
