@@ -11,6 +11,9 @@ type EndpointState struct {
 	// CheckedDown says the active checks find it down; an endpoint that only
 	// failed requests is not Healthy but not CheckedDown.
 	CheckedDown bool
+	// AwaitsCheck says the pool's active checks are on and none has judged
+	// the endpoint yet (it is taken healthy meanwhile).
+	AwaitsCheck bool
 	Ejections   uint64 // times taken out of rotation since the endpoint was added
 	// Scraped says the engine's own load below is fresh (pools.<pool>.metrics).
 	Scraped bool

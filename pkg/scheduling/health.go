@@ -226,6 +226,18 @@ func (e *Endpoint) recordCheck(v verdict, offs uint64) {
 	e.troubled.Store(h.activeDown || h.failures > 0)
 }
 
+// AwaitsCheck says the pool's active checks are on and none has given e a
+// verdict yet: e is taken healthy meanwhile (at start, as it joins), which
+// readiness does not count on.
+func (p *Pool) AwaitsCheck(e *Endpoint) bool {
+	if p.state.Load().spec.Health.CheckInterval <= 0 {
+		return false
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.health.checkRun == 0
+}
+
 // unchecked clears the active checks' verdicts: checks are off.
 func (e *Endpoint) unchecked() {
 	e.mu.Lock()

@@ -22,13 +22,17 @@ type check struct {
 // The decode pool passes with a healthy endpoint, or one that only failed
 // requests keep out: the pool still routes among those (Envoy's panic
 // routing), and every replica sees the same engines, so turning them all
-// unready would only take the service away, and bring it back late.
+// unready would only take the service away, and bring it back late. An
+// endpoint the active checks have not judged yet does not count: at start,
+// before the first round ends, its engine may refuse every connection.
 func (r *readiness) checks() []check {
-	healthy, ejected, total := 0, 0, 0
+	healthy, ejected, awaiting, total := 0, 0, 0, 0
 	for _, e := range r.endpoints() {
 		if e.Pool == r.pool {
 			total++
 			switch {
+			case e.AwaitsCheck: // taken healthy, but no check has passed yet
+				awaiting++
 			case e.Healthy:
 				healthy++
 			case !e.CheckedDown:
@@ -40,6 +44,8 @@ func (r *readiness) checks() []check {
 	switch {
 	case healthy == 0 && ejected > 0:
 		out[0].detail = fmt.Sprintf("every endpoint failed requests; routing among the %d no active check finds down (%s)", ejected, out[0].detail)
+	case healthy == 0 && awaiting > 0:
+		out[0].detail = fmt.Sprintf("no decode endpoint has passed a health check yet (%d awaiting their first; %s)", awaiting, out[0].detail)
 	case healthy == 0:
 		out[0].detail = "no healthy decode endpoint (" + out[0].detail + ")"
 	}

@@ -283,3 +283,52 @@ func TestAHealthWatchEndsWithTheDrain(t *testing.T) {
 		t.Errorf("Serve = %v, want a clean shutdown", err)
 	}
 }
+
+// A decode pool whose engines are checked (health.check_interval) is not
+// ready before a check has passed: at start the endpoints were taken healthy
+// before any check, so /readyz said 200 and gRPC health SERVING while the
+// engines refused every connection (vLLM still loading its model), until
+// the first round of checks ended and the next poll (up to check_timeout
+// and a second later) noticed. Without checks, the endpoints are ready at
+// once, as before.
+func TestReadinessWaitsForTheFirstCheck(t *testing.T) {
+	engine := enginetest.Start(t, func(http.ResponseWriter, *http.Request) {}) // /health: 200
+	tests := []struct {
+		name   string
+		health string // the decode pool's health key
+		serve  bool   // run the server (its checks); else only New
+		want   healthpb.HealthCheckResponse_ServingStatus
+	}{
+		{"checks on, none has run: not ready", "{check_interval: 1s}", false, healthpb.HealthCheckResponse_NOT_SERVING},
+		{"checks off: ready at once", "{}", false, healthpb.HealthCheckResponse_SERVING},
+		{"checks on, the first passed: ready", "{check_interval: 1s}", true, healthpb.HealthCheckResponse_SERVING},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			yaml := fmt.Sprintf("connector: kv-nixl\npools: {decode: {endpoints: [%q], health: %s}}", engine.Addr(), tt.health)
+			if tt.serve {
+				r := start(t, yaml, Options{HealthInterval: 10 * time.Millisecond}, logr.Discard())
+				awaitHealth(t, r.health, "", tt.want)
+				return
+			}
+			cfg, err := config.Parse([]byte(yaml))
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, err := New(cfg, Options{}, logr.Discard())
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = s.shutdownTracing(context.Background()) })
+			resp, err := s.ready.health.Check(context.Background(), &healthpb.HealthCheckRequest{})
+			if err != nil || resp.GetStatus() != tt.want {
+				t.Errorf("gRPC health = %v, %v; want %v", resp.GetStatus(), err, tt.want)
+			}
+			rec := httptest.NewRecorder()
+			s.ready.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/readyz?verbose", nil))
+			if wantCode := map[bool]int{true: http.StatusOK, false: http.StatusServiceUnavailable}[tt.want == healthpb.HealthCheckResponse_SERVING]; rec.Code != wantCode {
+				t.Errorf("/readyz = %d, want %d:\n%s", rec.Code, wantCode, rec.Body)
+			}
+		})
+	}
+}
