@@ -340,9 +340,12 @@ prefill: {max_background: 2, max_conns_per_endpoint: 1}`, engine.addr()))
 				engine.await(t)
 			}
 			ctx, leave := context.WithCancel(context.Background())
+			if !waiting {
+				leave() // gone before its request is routed: else its leg may be written first
+			}
 			done := make(chan error, 1)
 			go func() { done <- route(ctx) }()
-			leave()
+			leave() // while its leg waits for the one connection
 			if err := enginetest.Receive(t, done, "Route still waits on the leg of a client that left"); err == nil {
 				t.Error("the request of a client that left was routed")
 			}
