@@ -113,7 +113,8 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	if held != nil && (prefix == "" || req.Head() == "") {
 		// No ranking that requests share (a completions prompt): of those
 		// holding the most, the one that would serve it soonest.
-		rs := soonestFirst(busyness(eps))
+		rs := busyness(eps)
+		soonestFirst(rs, meanPace(rs))
 		if e := p.holding(rs, held, p.bounds(rs, p.queueSlack)); e != nil {
 			return e
 		}
@@ -183,7 +184,7 @@ func (p *prefixAffinity) ranking(req *Request, h, conv uint64, share float64, ep
 	home := p.home(req, share, len(eps))
 	rs := rank(h, conv, home, eps)
 	if req.Head() == "" {
-		soonestFirst(rs[:home])
+		soonestFirst(rs[:home], meanPace(rs))
 	}
 	return rs
 }

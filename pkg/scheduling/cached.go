@@ -85,17 +85,39 @@ func lessBusyFirst(rs []ranked) []ranked {
 }
 
 // soonestFirst sorts rs by busyness, the request's own place counted, over
-// their engines' prefill pace (ranked.pace): the sooner it would be served,
-// the first; the ranking's order kept among equals. Of holders equally idle,
-// the faster engine; of engines equally fast, the less busy. For a request
-// that nothing follows onto its engine (a completions prompt), among
-// engines that hold its start alike (by their events, or its prefix's home
-// set): a conversation placed so would draw its later turns to the fast
-// engines, whose caches, where they are small, then keep fewer histories
-// (the policy tables, docs/scheduling.md).
-func soonestFirst(rs []ranked) []ranked {
-	slices.SortStableFunc(rs, func(a, b ranked) int { return cmp.Compare((a.busy+1)/a.pace, (b.busy+1)/b.pace) })
+// their engines' prefill pace (scraped.pace) relative to mean (meanPace): the
+// sooner it would be served, the first; the ranking's order kept among
+// equals. An engine of unknown pace counts as the mean. Of holders equally
+// idle, the faster engine; of engines equally fast, the less busy. For a
+// request that nothing follows onto its engine (a completions prompt),
+// among engines that hold its start alike (by their events, or its
+// prefix's home set): a conversation placed so would draw its later turns
+// to the fast engines, whose caches, where they are small, then keep fewer
+// histories (the policy tables, docs/scheduling.md).
+func soonestFirst(rs []ranked, mean float64) []ranked {
+	soon := func(r ranked) float64 {
+		if pace, ok := r.scrape.pace(); ok && pace > 0 && mean > 0 {
+			return (r.busy + 1) * mean / pace
+		}
+		return r.busy + 1
+	}
+	slices.SortStableFunc(rs, func(a, b ranked) int { return cmp.Compare(soon(a), soon(b)) })
 	return rs
+}
+
+// meanPace is the mean prefill pace of the engines of rs that tell one, 0
+// when none does.
+func meanPace(rs []ranked) float64 {
+	var paced, known float64
+	for _, r := range rs {
+		if pace, ok := r.scrape.pace(); ok && pace > 0 {
+			paced, known = paced+pace, known+1
+		}
+	}
+	if known == 0 {
+		return 0
+	}
+	return paced / known
 }
 
 // loadBounds are prefix-affinity's load bounds over a set of candidates,
@@ -175,20 +197,9 @@ func busyness(eps []*Endpoint) []ranked {
 		return rs
 	}
 	now := sync.OnceValue(eps[0].cfg().now) // the pool's clock, read once if at all: it costs more than judging a load
-	var paced, known float64
 	for i, e := range eps {
 		rs[i].e, rs[i].scrape = e, e.scrapedAt(now)
 		rs[i].busy, rs[i].queued = e.busynessOf(rs[i].scrape)
-		if rs[i].pace, _ = rs[i].scrape.pace(); rs[i].pace > 0 {
-			paced, known = paced+rs[i].pace, known+1
-		}
-	}
-	for i := range rs {
-		if rs[i].pace > 0 {
-			rs[i].pace /= paced / known
-		} else {
-			rs[i].pace = 1
-		}
 	}
 	return rs
 }

@@ -188,9 +188,6 @@ const (
 	refused                   // an answer that is not 2xx
 )
 
-// setActive records a check's verdict, against the pool's thresholds.
-func (e *Endpoint) setActive(v verdict) { e.recordCheck(v, anyEpoch) }
-
 // checksOff is the count of times checks were found off, as a check begins.
 func (e *Endpoint) checksOff() uint64 {
 	e.mu.Lock()
@@ -198,9 +195,10 @@ func (e *Endpoint) checksOff() uint64 {
 	return e.health.offs
 }
 
-// recordCheck records the verdict of a check begun when checks had been
-// found off offs times (checksOff; anyEpoch: whenever): one begun before
-// checks were turned off is dropped, however late it comes.
+// recordCheck records a check's verdict, against the pool's thresholds: of
+// a check begun when checks had been found off offs times (checksOff;
+// anyEpoch: whenever), one begun before checks were turned off is dropped,
+// however late it comes.
 func (e *Endpoint) recordCheck(v verdict, offs uint64) {
 	s := e.cfg()
 	e.mu.Lock()

@@ -111,3 +111,6 @@ func acquire(e *Endpoint) (release func()) { return e.Claim().Release }
 func poolOf(r role, spec PoolSpec, deps Deps) *Pool {
 	return newPool(deps.withDefaults().probe(r, nil, nil, true), spec, deps)
 }
+
+// setActive records a check's verdict as a check begun whenever would.
+func (e *Endpoint) setActive(v verdict) { e.recordCheck(v, anyEpoch) }

@@ -128,7 +128,7 @@ func parseLoad(r io.Reader, ro role) (Load, error) {
 		}
 	}
 	l.CacheTokens, l.Written = cacheOf(families)
-	l.Computed, l.Prefilling = histogramSum(families[computedTokens]), histogramSum(families[prefillSeconds])
+	l.Computed, l.Prefilling = sum(families[computedTokens]), sum(families[prefillSeconds])
 	return l, nil
 }
 
@@ -223,6 +223,8 @@ func value(m *dto.Metric) float64 {
 		return m.GetUntyped().GetValue()
 	case m.GetCounter() != nil:
 		return m.GetCounter().GetValue()
+	case m.GetHistogram() != nil:
+		return m.GetHistogram().GetSampleSum()
 	}
 	return 0
 }
@@ -231,16 +233,6 @@ func sum(f *dto.MetricFamily) float64 {
 	var s float64
 	for _, m := range f.GetMetric() {
 		s += value(m)
-	}
-	return s
-}
-
-// histogramSum is the sum of f's histograms (data-parallel ranks' series),
-// 0 when f is nil or not histograms.
-func histogramSum(f *dto.MetricFamily) float64 {
-	var s float64
-	for _, m := range f.GetMetric() {
-		s += m.GetHistogram().GetSampleSum()
 	}
 	return s
 }

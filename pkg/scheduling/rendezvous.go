@@ -121,7 +121,6 @@ type ranked struct {
 	e            *Endpoint
 	busy, queued float64  // busyness
 	scrape       *scraped // its engine's last fresh scrape, nil: none
-	pace         float64  // its engine's prefill pace ÷ the candidates' mean (scraped.pace), 1 when unknown
 }
 
 // rank orders the candidates for a request: by the weights of its prefix
