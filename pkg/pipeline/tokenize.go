@@ -46,7 +46,10 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	if !ask || !render && t.Ask == nil {
 		return
 	}
-	base := p.scheme + "://" + e.Addr
+	client, base := p.client, p.scheme+"://"+e.Addr
+	if tk.Client != nil { // a decode engine
+		client, base = tk.Client, tk.Scheme+"://"+e.Addr
+	}
 	start := time.Now()
 	// One deadline for both round trips: a render that fails slowly leaves
 	// /tokenize only what remains of it.
@@ -55,7 +58,7 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 	var ids []int64
 	err := errUnrendered // nothing rendered yet
 	if render {
-		ids, err = p.askTokens(asking, base+renderPath, obj.Bytes(), r.Forward, true)
+		ids, err = askTokens(asking, client, base+renderPath, obj.Bytes(), r.Forward, true)
 		// An answer of 200 came after the engine read the body whole; any
 		// other outcome may leave net/http writing it after Route returns.
 		r.lent = r.lent || err != nil
@@ -70,7 +73,7 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 		if errors.Is(err, errRenderFailed) {
 			p.log.V(1).Info("render failed: asking /tokenize", "requestID", r.RequestID, "engine", e.Addr, "error", err.Error())
 		}
-		ids, err = p.askTokens(asking, base+tk.Path, t.Ask, r.Forward, false)
+		ids, err = askTokens(asking, client, base+tk.Path, t.Ask, r.Forward, false)
 	} else if errors.Is(err, errUnrendered) {
 		return // no way to ask this engine: no failure of its tokenizer
 	}
@@ -117,18 +120,19 @@ var (
 // lacks from an error of the request's.
 const maxErrorAnswer = 4 << 10
 
-// askTokens posts ask to an engine and reads the ids it answers: vLLM's
-// render endpoints' {"token_ids": [...]} (a list of one for completions),
-// or /tokenize's {"count", "max_model_len", "tokens": [...]}. The client's
-// forwarded headers go along (vLLM's --api-key guards /v1 paths, the render
-// endpoints among them), its Authorization replaced by the engines' key
-// where prefill.api_key_file gives one (the client's transport sets it).
+// askTokens posts ask to an engine with client and reads the ids it
+// answers: vLLM's render endpoints' {"token_ids": [...]} (a list of one for
+// completions), or /tokenize's {"count", "max_model_len", "tokens": [...]}.
+// The client's forwarded headers go along (vLLM's --api-key guards /v1
+// paths, the render endpoints among them), its Authorization replaced by
+// the engines' key where prefill.api_key_file or pools.decode.api_key_file
+// gives one (the client's transport sets it).
 //
 // A render endpoint's 404 is the engine lacking it only when the answer is
 // not an OpenAI error (FastAPI's {"detail": "Not Found"} for a path it has
 // no route for); vLLM answers a model it does not serve, or a stored
 // response it does not have, with 404 and {"error": ...}.
-func (p *Pipeline) askTokens(ctx context.Context, url string, ask []byte, forward http.Header, render bool) ([]int64, error) {
+func askTokens(ctx context.Context, client *http.Client, url string, ask []byte, forward http.Header, render bool) ([]int64, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(ask))
 	if err != nil {
 		return nil, err
@@ -137,7 +141,7 @@ func (p *Pipeline) askTokens(ctx context.Context, url string, ask []byte, forwar
 		req.Header[k] = v
 	}
 	req.Header.Set("Content-Type", "application/json")
-	resp, err := p.client.Do(req)
+	resp, err := client.Do(req)
 	if err != nil {
 		return nil, err
 	}

@@ -2,9 +2,12 @@ package pipeline_test
 
 import (
 	"context"
+	"encoding/pem"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -50,7 +53,7 @@ func TestTokenIDsTakeOneTimeout(t *testing.T) {
 	}))
 	t.Cleanup(engine.Close)
 	seen := &deadlines{at: map[string]time.Time{}}
-	p := followingEvents(t, engine.URL, func(p *pipeline.Pipeline) {
+	p := followingEvents(t, engine.URL, true, func(p *pipeline.Pipeline) {
 		pipeline.WrapTransport(p, func(next http.RoundTripper) http.RoundTripper { seen.next = next; return seen })
 	})
 	// The pool follows its engine's events (an empty view) once Run has
@@ -58,7 +61,8 @@ func TestTokenIDsTakeOneTimeout(t *testing.T) {
 	asked := func() bool {
 		seen.mu.Lock()
 		defer seen.mu.Unlock()
-		return len(seen.at) > 0
+		_, ok := seen.at["/v1/chat/completions/render"]
+		return ok
 	}
 	for deadline := time.Now().Add(5 * time.Second); !asked(); time.Sleep(2 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -166,7 +170,7 @@ func TestABodyARenderFailedOnIsHeld(t *testing.T) {
 				}
 			}))
 			t.Cleanup(engine.Close)
-			p := followingEvents(t, engine.URL, nil)
+			p := followingEvents(t, engine.URL, false, nil)
 			// Requests go without token ids until Run has started the pool's
 			// subscriber; the first whose render is asked is the one to judge.
 			asked := make(chan struct{})
@@ -198,12 +202,19 @@ func TestABodyARenderFailedOnIsHeld(t *testing.T) {
 // followingEvents is a pipeline whose decode pool, the engine at engineURL,
 // follows its KV events (an empty view: no publisher answers) and asks it
 // for token ids, running until the test ends; prepare, when set, sees it
-// before it runs.
-func followingEvents(t *testing.T, engineURL string, prepare func(*pipeline.Pipeline)) *pipeline.Pipeline {
+// before it runs. With prefill, the engine is the prefill pool too, which
+// token ids are asked of first, with the client that WrapTransport wraps.
+func followingEvents(t *testing.T, engineURL string, prefill bool, prepare func(*pipeline.Pipeline)) *pipeline.Pipeline {
 	t.Helper()
+	prefillEndpoints := "[]"
+	if prefill {
+		prefillEndpoints = fmt.Sprintf("[%q]", strings.TrimPrefix(engineURL, "http://"))
+	}
 	cfg, err := config.Parse(fmt.Appendf(nil, `connector: kv-nixl
-pools: {decode: {endpoints: [%q], policy: prefix-affinity, kv_events: {connect_port: 1, tokenize: {timeout: 5s}}}}
-`, strings.TrimPrefix(engineURL, "http://")))
+pools:
+  prefill: {endpoints: %[1]s}
+  decode: {endpoints: [%[2]q], policy: prefix-affinity, kv_events: {connect_port: 1, tokenize: {timeout: 5s}}}
+`, prefillEndpoints, strings.TrimPrefix(engineURL, "http://")))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -224,4 +235,76 @@ pools: {decode: {endpoints: [%q], policy: prefix-affinity, kv_events: {connect_p
 		pipeline.CloseIdle(p)
 	})
 	return p
+}
+
+// TestADecodeEngineIsAskedAsItsPoolReachesIt: with no prefill endpoint to
+// ask, a request's token ids are asked of a decode engine over its pool's
+// TLS and with its pool's API key (pools.decode.tls, api_key_file), not the
+// prefill legs': those reach other engines, and the ask failed (plain HTTP
+// to a TLS engine) or was refused (the prefill key), the request then
+// routed by estimates.
+func TestADecodeEngineIsAskedAsItsPoolReachesIt(t *testing.T) {
+	for _, tls := range []bool{false, true} {
+		t.Run(fmt.Sprintf("tls=%v", tls), func(t *testing.T) {
+			asked := make(chan string, 1)
+			handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path != "/v1/chat/completions/render" {
+					return // checks, scrapes
+				}
+				select {
+				case asked <- r.Header.Get("Authorization"):
+				default:
+				}
+				fmt.Fprint(w, `{"token_ids":[1,2,3]}`)
+			})
+			engine, decodeTLS := httptest.NewUnstartedServer(handler), "{}"
+			if !tls {
+				engine.Start()
+			} else {
+				engine.StartTLS()
+				caFile := filepath.Join(t.TempDir(), "ca.crt")
+				os.WriteFile(caFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: engine.Certificate().Raw}), 0o600)
+				decodeTLS = fmt.Sprintf("{enabled: true, ca_file: %q}", caFile)
+			}
+			t.Cleanup(engine.Close)
+			dir := t.TempDir()
+			os.WriteFile(filepath.Join(dir, "prefill"), []byte("prefill-key\n"), 0o600)
+			os.WriteFile(filepath.Join(dir, "decode"), []byte("decode-key\n"), 0o600)
+			cfg, err := config.Parse(fmt.Appendf(nil, `connector: kv-nixl
+prefill: {api_key_file: %q}
+pools: {decode: {endpoints: [%q], tls: %s, api_key_file: %q, policy: prefix-affinity, kv_events: {connect_port: 1, tokenize: {timeout: 5s}}}}
+`, filepath.Join(dir, "prefill"), engine.Listener.Addr().String(), decodeTLS, filepath.Join(dir, "decode")))
+			if err != nil {
+				t.Fatal(err)
+			}
+			p, err := assemble.Pipeline(cfg, logr.Discard())
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			var wg sync.WaitGroup
+			wg.Go(func() { p.Run(ctx) })
+			t.Cleanup(func() { cancel(); wg.Wait(); p.Wait(); pipeline.CloseIdle(p) })
+			// Requests go without token ids until Run has started the pool's subscriber.
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				d.Release()
+				select {
+				case auth := <-asked:
+					if auth != "Bearer decode-key" {
+						t.Errorf("the decode engine was asked for token ids with Authorization %q, want the decode pool's key", auth)
+					}
+					return
+				default:
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the decode engine was never asked for token ids")
+				}
+			}
+		})
+	}
 }

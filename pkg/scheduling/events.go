@@ -2,6 +2,7 @@ package scheduling
 
 import (
 	"context"
+	"net/http"
 	"sync"
 	"time"
 
@@ -186,9 +187,9 @@ func (ps *Pools) followed(usable bool) *poolEvents {
 
 // Tokenizer is where a request's token ids are asked for, when a pool
 // follows its engines' KV events: the least busy healthy prefill endpoint
-// (the prefill leg's client reaches it), else decode endpoint, with the
-// /tokenize path and the time allowed of the first pool that follows
-// events. ok is false when no pool does, when none of their views may be
+// (the prefill leg's client reaches it), else decode endpoint (reached as
+// the decode pool's checks reach it), with the /tokenize path and the time
+// allowed of the first pool that follows events. ok is false when no pool does, when none of their views may be
 // routed by now (engines that publish nothing: no round trip for every
 // request then), or when no endpoint is healthy. Of a pool whose engines
 // list req's model, only those that do are asked: another model's tokenizer
@@ -208,15 +209,23 @@ func (ps *Pools) Tokenizer(req *Request) (e *Endpoint, t Tokenizer, ok bool) {
 			}
 		}
 		if e != nil {
-			return e, Tokenizer{Path: ev.spec.Tokenize.Path, Timeout: ev.spec.Tokenize.Timeout.D()}, true
+			t := Tokenizer{Path: ev.spec.Tokenize.Path, Timeout: ev.spec.Tokenize.Timeout.D()}
+			if p == ps.Decode {
+				t.Client, t.Scheme = p.probe.client, p.probe.scheme
+			}
+			return e, t, true
 		}
 	}
 	return nil, Tokenizer{}, false
 }
 
 // Tokenizer is how to ask an engine for a request's token ids: its render
-// endpoints (Asks), else /tokenize at Path.
+// endpoints (Asks), else /tokenize at Path. A decode engine is asked with
+// Client and Scheme, its pool's TLS and API key; a prefill engine's are nil
+// and "", as the prefill legs' client reaches it.
 type Tokenizer struct {
 	Path    string
 	Timeout time.Duration
+	Client  *http.Client
+	Scheme  string
 }
