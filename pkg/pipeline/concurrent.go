@@ -7,8 +7,10 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
@@ -32,6 +34,11 @@ func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff
 			slot.Release()
 			return p.unsent(r, h, d, cmp.Or(last, errNoEngineIDs))
 		}
+		if leg.rank != "" && !pinsRank(r.api) {
+			slot.Release()
+			r.Report.Mode, r.Report.Reason = metrics.ModeDecodeOnly, metrics.ReasonUnpairedAPI
+			return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
+		}
 		if !p.takeBackground() {
 			slot.Release()
 			return nil, backgroundFull(p.opts.MaxBackground, p.opts.RetryAfter)
@@ -49,6 +56,16 @@ func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff
 		p.log.V(1).Info("concurrent prefill leg not sent; trying another endpoint", "requestID", r.RequestID, "prefill", ep.Addr, "error", failed.Error())
 	}
 }
+
+// pinsRank says whether a's engine handler reads X-Data-Parallel-Rank.
+// vLLM's Responses handler does not (_generate_with_builtin_tools passes no
+// data_parallel_rank, vllm/entrypoints/openai/responses/serving.py @
+// 0001948b): on an engine of several ranks its prefill leg would run on
+// whichever rank the engine's balancer picks, and the decode leg, naming
+// another rank's engine id, would wait for KV that never comes (up to
+// VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT) and fail. Such a request goes
+// decode-only (unpaired_api).
+func pinsRank(a *api.API) bool { return a != api.Responses }
 
 // errNoEngineIDs: the prefill endpoint claimed no longer has the engine ids
 // its leg needs (it was ejected since the decision).

@@ -89,9 +89,14 @@ pools: {prefill: {endpoints: [%q], bootstrap_port: %s}, decode: {endpoints: [%q]
 // its decision and the decode leg's kv_transfer_params.
 func (m *mooncake) route(t *testing.T, pd bool) (*pipeline.Request, *pipeline.Decision, map[string]any) {
 	t.Helper()
+	return m.routeTo(t, "/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":64}`, pd)
+}
+
+// routeTo is route with a request of another API.
+func (m *mooncake) routeTo(t *testing.T, path, body string, pd bool) (*pipeline.Request, *pipeline.Decision, map[string]any) {
+	t.Helper()
 	for deadline := time.Now().Add(5 * time.Second); ; {
-		r := &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
-			Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":64}`)}
+		r := &pipeline.Request{Method: "POST", Path: path, RequestID: "r", Body: []byte(body)}
 		d, err := m.p.Route(context.Background(), r)
 		if err != nil {
 			t.Fatal(err)
@@ -148,6 +153,47 @@ func TestMooncakeLegsMeet(t *testing.T) {
 			}
 			if !leg.params.DoRemoteDecode || leg.maxTokens != 1 || tc.ranks == 2 && leg.rank != "0" && leg.rank != "1" {
 				t.Errorf("prefill leg %+v, want do_remote_decode, max_tokens 1, a rank of the two", leg)
+			}
+		})
+	}
+}
+
+// TestMooncakeResponsesPairOnlyWithOneRank: vLLM's Responses handler does
+// not read X-Data-Parallel-Rank, so a Responses request's prefill leg to an
+// engine of several ranks would run on any of them while its decode leg
+// names one: it goes decode-only (unpaired_api), with no leg and no
+// kv_transfer_params. An engine of one rank takes it P/D.
+func TestMooncakeResponsesPairOnlyWithOneRank(t *testing.T) {
+	tests := []struct {
+		name, query string
+		pd          bool
+	}{
+		{name: "one rank", query: `{"0":{"engine_id":"e-0"}}`, pd: true},
+		{name: "two ranks", query: `{"0":{"engine_id":"e-0"},"1":{"engine_id":"e-1"}}`},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			m := startMooncake(t, tc.query, nil)
+			_, d, _ := m.route(t, true) // the engine ids are read
+			d.Release()
+			enginetest.Receive(t, m.legs, "the chat request's prefill leg never reached its engine")
+			r, d, params := m.routeTo(t, "/v1/responses", `{"model":"m","input":"hi","max_output_tokens":64}`, tc.pd)
+			d.Release()
+			if tc.pd {
+				leg := enginetest.Receive(t, m.legs, "the prefill leg never reached its engine")
+				if r.Report.Mode != metrics.ModePD || params["transfer_id"] != leg.params.TransferID {
+					t.Errorf("%s %s with kv_transfer_params %v, leg %+v; want P/D with the leg's transfer id", r.Report.Mode, r.Report.Reason, params, leg)
+				}
+				return
+			}
+			if r.Report.Mode != metrics.ModeDecodeOnly || r.Report.Reason != metrics.ReasonUnpairedAPI || params != nil || r.Report.Prefill != "" {
+				t.Errorf("%s %s, prefill %q, kv_transfer_params %v; want decode-only, unpaired_api, no prefill, none",
+					r.Report.Mode, r.Report.Reason, r.Report.Prefill, params)
+			}
+			select {
+			case leg := <-m.legs:
+				t.Errorf("a prefill leg %+v was sent", leg)
+			default:
 			}
 		})
 	}
