@@ -156,6 +156,7 @@ func TestReservedFieldsAreTheFamilys(t *testing.T) {
 	}{
 		{NIXL, `{"model":"m","rid":"r","routed_dp_rank":1,"vllm_xargs":{},"messages":[]}`},
 		{SharedStorage, `{"model":"m","rid":"r","routed_dp_rank":1,"vllm_xargs":{},"messages":[]}`},
+		{Mooncake, `{"model":"m","rid":"r","routed_dp_rank":1,"vllm_xargs":{},"messages":[]}`},
 		{SGLang, `{"model":"m","vllm_xargs":{"kv_transfer_params":"x"},"messages":[]}`},
 	}
 	for _, tt := range tests {
@@ -173,7 +174,7 @@ func TestReservedFieldsAreTheFamilys(t *testing.T) {
 // The headers a connector has removed from the request Envoy forwards are its
 // family's, each from the list above.
 func TestReservedHeaders(t *testing.T) {
-	for _, connector := range []string{NIXL, SharedStorage, SGLang} {
+	for _, connector := range []string{NIXL, SharedStorage, Mooncake, SGLang} {
 		c, _ := Build(connector)
 		var want []string
 		for _, h := range reservedHeaders {
