@@ -194,7 +194,7 @@ func New(connector string) *Metrics {
 		registry:  prometheus.NewRegistry(),
 		connector: connector,
 		requests: counterVec("requests_total",
-			"Requests by engine API, P/D mode, KV connector and how their routing ended (routed, 4xx, 5xx, cancelled).",
+			"Requests by engine API, P/D mode, KV connector and how their routing ended (routed, 4xx, 5xx, cancelled, answered).",
 			"api", "mode", "connector", "outcome"),
 		processing: histogramVec("request_processing_seconds",
 			"Time the service adds to a routed request, from its first ext_proc message to the routing reply, excluding the prefill leg and the time held for room (admission.hold).",

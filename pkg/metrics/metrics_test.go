@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"regexp"
 	"testing"
 	"time"
 
@@ -141,5 +142,48 @@ func TestBuildInfo(t *testing.T) {
 	got, ok := sample(t, m, "pd_extproc_build_info", map[string]string{"version": b.Version, "revision": b.Revision, "goversion": b.GoVersion})
 	if !ok || got != 1 {
 		t.Errorf("pd_extproc_build_info{version=%q, revision=%q, goversion=%q} = %v (%v), want 1", b.Version, b.Revision, b.GoVersion, got, ok)
+	}
+}
+
+// A HELP text that lists a label's values, which is what /metrics tells an
+// operator of them, lists every one.
+func TestHelpListsEveryLabelValue(t *testing.T) {
+	m := New("kv-nixl")
+	m.WatchDiscovery([]string{"decode"}, func() []DiscoveryState { return nil })
+	m.Limits(1, 1, 1)
+	families, err := m.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	help := map[string]string{}
+	for _, f := range families {
+		help[f.GetName()] = f.GetHelp()
+	}
+	tests := []struct {
+		metric string
+		values []string
+	}{
+		{"pd_extproc_requests_total", outcomes},
+		{"pd_extproc_prefill_duration_seconds", prefillStates},
+		{"pd_extproc_prefill_failures_total", failureLabels[1:]},
+		{"pd_extproc_pd_decisions_total", Reasons()},
+		{"pd_extproc_limit_refusals_total", limitNames},
+		{"pd_extproc_limit_configured", []string{LimitStreams, LimitBuffered, LimitBackground}},
+		{"pd_extproc_held_seconds", heldOutcomes},
+		{"pd_extproc_config_reloads_total", []string{ReloadApplied, ReloadRejected}},
+		{"pd_extproc_discovery_errors_total", discoveryReasons},
+		{"pd_extproc_tokenize_seconds", []string{"ok", "failed"}},
+	}
+	for _, tt := range tests {
+		h, ok := help[tt.metric]
+		if !ok {
+			t.Errorf("%s is not registered", tt.metric)
+			continue
+		}
+		for _, v := range tt.values {
+			if !regexp.MustCompile(`\b` + regexp.QuoteMeta(v) + `\b`).MatchString(h) {
+				t.Errorf("%s's HELP does not name the value %s: %q", tt.metric, v, h)
+			}
+		}
 	}
 }
