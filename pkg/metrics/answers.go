@@ -26,7 +26,7 @@ type answers struct {
 func newAnswers() answers {
 	return answers{
 		usageRewrites: counterVec("usage_rewrites_total",
-			"P/D answers whose cached tokens (usage.prompt_tokens_details.cached_tokens, the Responses API's input_tokens_details.cached_tokens) were to be replaced by the prefill engine's, by outcome.",
+			"P/D answers whose cached tokens (usage.prompt_tokens_details.cached_tokens, the Responses API's input_tokens_details.cached_tokens, the Messages API's cache_read_input_tokens) were to be replaced by the prefill engine's, by outcome.",
 			"outcome"),
 		kvParamsSuspect: counter("kv_params_suspect_total",
 			"Prefill answers whose kv_transfer_params.remote_host is a loopback or unspecified address while the decode endpoint is on another host."),
