@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"iter"
+	"math"
 	"strconv"
 	"strings"
 	"unicode"
@@ -22,19 +23,36 @@ import (
 type Object struct {
 	raw     []byte
 	members []member
-	open    int // offset just after '{'
-	close   int // offset of the final '}'
+	names   []string // the keys with escapes, decoded
+	open    int      // offset just after '{'
+	close   int      // offset of the final '}'
 }
 
+// member is 16 bytes, its key read from the body: a body of tiny members
+// ({"":0,"":0,...}) is indexed in about three times its size.
 type member struct {
-	name     string // decoded key, so "kv\u005ftransfer_params" matches like Python's json does
-	start    int    // offset of the key's opening quote
-	valStart int
-	valEnd   int
+	start    uint32 // offset of the key's opening quote
+	valStart uint32
+	valEnd   uint32
+	name     uint32 // 1 + the index in names of a key with escapes, or 0
+}
+
+// is reports whether m's key is key, decoded, so that "kv\u005ftransfer_params"
+// matches like Python's json does. A key without escapes is its bytes: when
+// they start with key and a quote follows, that quote ends the key (a quote,
+// backslash or control byte in key would end it sooner).
+func (o *Object) is(m member, key string) bool {
+	if m.name > 0 {
+		return o.names[m.name-1] == key
+	}
+	end := int(m.start) + 1 + len(key)
+	return end < int(m.valStart) && o.raw[end] == '"' && string(o.raw[m.start+1:end]) == key
 }
 
 // ErrNotObject is returned for valid JSON whose top level is not an object.
 var ErrNotObject = errors.New("request body must be a JSON object")
+
+var errTooLarge = errors.New("request body is 4 GiB or more")
 
 // Parse validates b once (JSON syntax, UTF-8, nesting depth) and indexes its members.
 func Parse(b []byte) (*Object, error) {
@@ -79,7 +97,7 @@ func (sc *Scanner) Object(b []byte) (*Object, error) {
 		sc.step(b, true)
 	}
 	switch {
-	case sc.err == errNotUTF8 || sc.err == ErrNotObject:
+	case sc.err == errNotUTF8 || sc.err == ErrNotObject || sc.err == errTooLarge:
 		return nil, sc.err
 	case sc.err != nil:
 		return nil, fmt.Errorf("request body is not valid JSON: %w", sc.err)
@@ -88,7 +106,7 @@ func (sc *Scanner) Object(b []byte) (*Object, error) {
 	for b[close] != '}' {
 		close--
 	}
-	return &Object{raw: b, members: sc.s.members, open: sc.s.open, close: close}, nil
+	return &Object{raw: b, members: sc.s.members, names: sc.s.names, open: sc.s.open, close: close}, nil
 }
 
 func (sc *Scanner) step(b []byte, final bool) {
@@ -96,6 +114,10 @@ func (sc *Scanner) step(b []byte, final bool) {
 		sc.s, sc.started = newScanner(), true
 	}
 	sc.scanned += len(b) - sc.s.resume()
+	if uint64(len(b)) > math.MaxUint32 {
+		sc.err = errTooLarge // for member's offsets
+		return
+	}
 	if !sc.utf8.feed(b, final) {
 		sc.err = errNotUTF8
 		return
@@ -118,7 +140,7 @@ func (o *Object) Bytes() []byte { return o.raw }
 // SGLang use, the last duplicate wins.
 func (o *Object) Raw(key string) ([]byte, bool) {
 	for i := len(o.members) - 1; i >= 0; i-- {
-		if m := o.members[i]; m.name == key {
+		if m := o.members[i]; o.is(m, key) {
 			return o.raw[m.valStart:m.valEnd], true
 		}
 	}

@@ -120,12 +120,12 @@ func (o *Object) Splice(edits ...Edit) Spliced {
 	s := splicer{raw: o.raw, out: make(Spliced, 0, 2*len(final)+3), rawEnd: -1}
 	wrote := false // a member has been written, so the next one needs a separator
 	if len(o.members) == 0 {
-		s.keep(0, o.close)
+		s.keep(0, uint32(o.close))
 	} else {
 		s.keep(0, o.members[0].start)
 	}
 	for i, m := range o.members {
-		k := find(final, m.name)
+		k := o.find(final, m)
 		if k >= 0 && (len(final[k].Value) == 0 || final[k].placed) {
 			continue // deleted, or a duplicate of a key already set
 		}
@@ -154,9 +154,9 @@ func (o *Object) Splice(edits ...Edit) Spliced {
 		wrote = true
 	}
 	if len(o.members) == 0 {
-		s.keep(o.close, len(o.raw))
+		s.keep(uint32(o.close), uint32(len(o.raw)))
 	} else {
-		s.keep(o.members[len(o.members)-1].valEnd, len(o.raw))
+		s.keep(o.members[len(o.members)-1].valEnd, uint32(len(o.raw)))
 	}
 	return s.out
 }
@@ -168,8 +168,9 @@ type splicer struct {
 	rawEnd int // where the last piece ends in raw; -1 when it is not raw
 }
 
-// keep adds raw[i:j].
-func (s *splicer) keep(i, j int) {
+// keep adds raw[i:j], at offsets as members hold them.
+func (s *splicer) keep(i32, j32 uint32) {
+	i, j := int(i32), int(j32)
 	switch {
 	case i == j:
 	case i == s.rawEnd:
@@ -196,6 +197,16 @@ type finalEdit struct {
 func find(final []finalEdit, key string) int {
 	for k := range final {
 		if final[k].Key == key {
+			return k
+		}
+	}
+	return -1
+}
+
+// find is the edit in force for m's key, or -1.
+func (o *Object) find(final []finalEdit, m member) int {
+	for k := range final {
+		if o.is(m, final[k].Key) {
 			return k
 		}
 	}

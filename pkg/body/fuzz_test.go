@@ -52,14 +52,18 @@ func FuzzParse(f *testing.F) {
 			t.Fatalf("encoding/json rejected what Parse accepted: %v", err)
 		}
 		names := make(map[string]bool)
-		prevEnd := o.open
+		prevEnd := uint32(o.open)
 		for _, m := range o.members {
-			names[m.name] = true
+			name := o.key(m)
+			names[name] = true
 			if m.start < prevEnd || m.valStart > m.valEnd || b[m.start] != '"' {
-				t.Fatalf("member %q is located at %d..%d..%d, after %d", m.name, m.start, m.valStart, m.valEnd, prevEnd)
+				t.Fatalf("member %q is located at %d..%d..%d, after %d", name, m.start, m.valStart, m.valEnd, prevEnd)
 			}
 			if !json.Valid(b[m.valStart:m.valEnd]) {
-				t.Fatalf("member %q has value %q, not a JSON value", m.name, b[m.valStart:m.valEnd])
+				t.Fatalf("member %q has value %q, not a JSON value", name, b[m.valStart:m.valEnd])
+			}
+			if !o.is(m, name) {
+				t.Fatalf("member %q is not itself", name)
 			}
 			prevEnd = m.valEnd
 		}
@@ -197,7 +201,7 @@ func FuzzApply(f *testing.F) {
 		}
 		untouched := func(x *Object) (kept [][]byte) {
 			for _, m := range x.members {
-				if !edited[m.name] {
+				if !edited[x.key(m)] {
 					kept = append(kept, x.raw[m.start:m.valEnd])
 				}
 			}
@@ -208,13 +212,18 @@ func FuzzApply(f *testing.F) {
 		}
 		count := make(map[string]int)
 		for _, m := range after.members {
-			if whole[m.name] {
-				if count[m.name]++; count[m.name] > 1 {
-					t.Fatalf("edited key %q appears twice in %q", m.name, out)
+			if name := after.key(m); whole[name] {
+				if count[name]++; count[name] > 1 {
+					t.Fatalf("edited key %q appears twice in %q", name, out)
 				}
 			}
 		}
 	})
+}
+
+// key is m's key, decoded.
+func (o *Object) key(m member) string {
+	return DecodeString(o.raw[m.start:valueEnd(o.raw, int(m.start))])
 }
 
 // applyModel applies edits to the decoded body m by the rules of nested.go

@@ -1,6 +1,7 @@
 package body
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 )
@@ -19,15 +20,17 @@ const maxDepth = 10000
 // or, inside a string, at the last whole character, and the next run goes on
 // from there over a longer b.
 type scanner struct {
-	b       []byte
-	final   bool // b is the whole document
-	i       int
-	state   uint8
-	strFrom int    // inside a string that ran out: where to go on; 0 when not in one
-	stack   []byte // open containers, '{' or '['
-	members []member
-	cur     member // the top-level member being read; start -1 when none
-	open    int    // offset of the top-level '{' + 1, or -1 when the top level is not an object
+	b        []byte
+	final    bool // b is the whole document
+	i        int
+	state    uint8
+	strFrom  int    // inside a string that ran out: where to go on; 0 when not in one
+	stack    []byte // open containers, '{' or '['
+	members  []member
+	names    []string // the decoded keys with escapes
+	cur      member   // the top-level member being read, when inMember
+	inMember bool
+	open     int // offset of the top-level '{' + 1, or -1 when the top level is not an object
 }
 
 // What the scanner expects at s.i.
@@ -84,7 +87,7 @@ func (s *scanner) space() bool {
 }
 
 func newScanner() scanner {
-	return scanner{cur: member{start: -1}, open: -1}
+	return scanner{open: -1}
 }
 
 // run scans s.b from where the last run stopped: nil when the document is
@@ -123,8 +126,8 @@ func (s *scanner) value() error {
 	if !s.space() {
 		return s.short()
 	}
-	if len(s.stack) == 1 && s.cur.start >= 0 {
-		s.cur.valStart = s.i
+	if len(s.stack) == 1 && s.inMember {
+		s.cur.valStart = uint32(s.i)
 	}
 	switch c := s.b[s.i]; c {
 	case '{', '[':
@@ -165,13 +168,13 @@ func (s *scanner) value() error {
 
 // after closes containers or moves to the next element once a value ended at s.i.
 func (s *scanner) after() error {
-	if len(s.stack) == 1 && s.cur.start >= 0 {
-		s.cur.valEnd = s.i
+	if len(s.stack) == 1 && s.inMember {
+		s.cur.valEnd = uint32(s.i)
 		if s.members == nil {
 			s.members = make([]member, 0, 16) // a request's top-level keys; none for {}
 		}
 		s.members = append(s.members, s.cur)
-		s.cur.start = -1
+		s.inMember = false
 	}
 	if len(s.stack) == 0 {
 		s.state = stDone
@@ -210,11 +213,11 @@ func (s *scanner) key() error {
 		return err
 	}
 	if len(s.stack) == 1 && s.open >= 0 {
-		name, err := decodeString(s.b[start:s.i])
-		if err != nil {
-			return fmt.Errorf("request body has an invalid key: %w", err)
+		s.cur, s.inMember = member{start: uint32(start)}, true
+		if key := s.b[start:s.i]; bytes.IndexByte(key, '\\') >= 0 {
+			s.names = append(s.names, DecodeString(key))
+			s.cur.name = uint32(len(s.names))
 		}
-		s.cur = member{name: name, start: start}
 	}
 	s.state = stColon
 	return nil

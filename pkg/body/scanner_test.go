@@ -2,6 +2,7 @@ package body
 
 import (
 	"bytes"
+	"runtime"
 	"strings"
 	"testing"
 )
@@ -48,5 +49,33 @@ func TestScannerWorkStaysLinear(t *testing.T) {
 					tt.name, chunk, sc.scanned, len(b), limit)
 			}
 		}
+	}
+}
+
+// TestIndexStaysSmall parses bodies of nothing but tiny top-level members,
+// the most an index can cost per byte: every member is indexed (an edit drops
+// each duplicate). A 32 MiB body once took 1.5 GB to index, 600 MB of it held
+// with the Object.
+func TestIndexStaysSmall(t *testing.T) {
+	const n = 1 << 20
+	for _, member := range []string{`"":0,`, `"ab":1,`, `"\u0061":1,`} {
+		b := []byte("{" + strings.Repeat(member, n/len(member)) + `"":0}`)
+		var before, after, held runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		o, err := Parse(b)
+		runtime.ReadMemStats(&after)
+		runtime.GC()
+		runtime.ReadMemStats(&held)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := after.TotalAlloc - before.TotalAlloc; got > 20*uint64(len(b)) {
+			t.Errorf("%d members of %s: Parse allocated %d bytes for a %d-byte body, want at most 20 times it", len(o.members), member, got, len(b))
+		}
+		if got := held.HeapAlloc - before.HeapAlloc; got > 6*uint64(len(b)) {
+			t.Errorf("%d members of %s: the Object holds %d bytes for a %d-byte body, want at most 6 times it", len(o.members), member, got, len(b))
+		}
+		runtime.KeepAlive(o)
 	}
 }
