@@ -57,23 +57,24 @@ type prefixAffinity struct {
 	// of the engines' caches it may trust (config.PrefixAffinity).
 	estimateQueueSlack float64
 	// turnQueueSlack, when not 0, ranks a conversation's later turns over
-	// the whole pool (home) and, without a trusted view, is their
-	// estimateQueueSlack, whose bound is that of a followed history
-	// (byRanking; PoolSpec.turnQueueSlack).
+	// the whole pool (home) and, without a trusted view, is the queue slack
+	// of those that follow their history (follows), whose bound is the
+	// mean + 3 × it (byRanking; PoolSpec.turnQueueSlack).
 	turnQueueSlack float64
 	spread         float64
 	fallback       Picker // for requests with no key, or unrelated prompts
 	// cache is the pool's view of its engines' caches from their KV events,
 	// nil when it follows none (events.go).
 	cache func() *kvevents.Index
-	// keeps: an engine that keeps what it writes (keepsLong) loosens the
-	// bounds of a request that starts a conversation with the view
-	// (loadBounds.starting) and of a later turn at its home without one
-	// (byRanking). Not on a P/D prefill pool, which under the cache rule is
-	// sent only what the decode engines lacked: in the P/D simulation it
-	// cost one-shot questions on small caches there, and multi-turn chat
-	// under the load arm (docs/scheduling.md).
-	keeps bool
+	// prefill: the pool is a P/D prefill pool. Elsewhere an engine that
+	// keeps what it writes for keptLong loosens the bounds of a request
+	// that starts a conversation with the view (loadBounds.starting) and of
+	// a later turn at its home without one (follows). Not here: under the
+	// cache rule this pool is sent only what the decode engines lacked, and
+	// in the P/D simulation it cost one-shot questions on small caches, and
+	// multi-turn chat under the load arm (docs/scheduling.md). Its later
+	// turns follow their history by keptTurn instead.
+	prefill bool
 }
 
 // remembering is p with old's memory (the local hint, the shares, the
@@ -136,14 +137,9 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	conv, share := conversationHash(req, conversation, ns), p.shares.of(req).note(h)
 	rs := p.ranking(req, h, conv, share, eps)
 	queueSlack := p.queueSlack
-	// A later turn's history is where its conversation ranks first (home):
-	// it stays there within the bound of a followed history, as the other
-	// replicas would not follow it elsewhere. On the cache rule's pool
-	// always; elsewhere when the home's engine keeps what it writes, so
-	// that the history is surely there and a spill recomputes it.
-	followed := previous != "" && held == nil && (p.cacheRule() || p.keeps && keepsLong(rs[0]))
+	followed := previous != "" && held == nil && p.follows(rs[0])
 	switch {
-	case followed && p.cacheRule():
+	case followed && p.turnQueueSlack > 0:
 		queueSlack = p.turnQueueSlack
 	case held == nil:
 		queueSlack = p.estimateQueueSlack
@@ -176,6 +172,22 @@ func (p *prefixAffinity) byRanking(req *Request, eps []*Endpoint, held map[strin
 	return chosen.e
 }
 
+// follows says whether a later turn placed without a view stays with its
+// history at its home (where its conversation ranks first) within the bound
+// of a followed history, as the other replicas would not follow it
+// elsewhere: on the cache rule's pool always; on a P/D prefill pool while
+// the home's engine keeps what it writes for keptTurn; elsewhere for
+// keptLong, so that the history is surely there and a spill recomputes it.
+func (p *prefixAffinity) follows(home ranked) bool {
+	switch {
+	case p.cacheRule():
+		return true
+	case p.prefill:
+		return p.turnQueueSlack > 0 && keepsFor(home, keptTurn)
+	}
+	return keepsFor(home, keptLong)
+}
+
 // ranking ranks eps for req, whose prefix and conversation hash to h and
 // conv: a completions prompt, which no later turn follows, with its home
 // set (where its start is cached) the soonest to serve it first. Every
@@ -199,7 +211,7 @@ func (p *prefixAffinity) byView(rs []ranked, b loadBounds, held map[string]int, 
 		// A conversation's first request (or a one-shot one): the less
 		// busy of equals, as later turns find it wherever it went, and
 		// none busier than the mean.
-		order, hb = lessBusyFirst(slices.Clone(rs)), b.starting(p.keeps)
+		order, hb = lessBusyFirst(slices.Clone(rs)), b.starting(!p.prefill)
 	case first == second && first > 0:
 		// A later turn whose history no engine holds beyond what another
 		// holds too (evicted, past a system prompt cached on several):
@@ -267,7 +279,7 @@ func (p *prefixAffinity) hinted(req *Request, rs []ranked, chosen ranked, served
 // (ranked as one-shot questions are, in the home set) when the whole pool's
 // first is another endpoint.
 func (p *prefixAffinity) home(req *Request, share float64, n int) int {
-	if p.cacheRule() && req.Previous() != "" && homeSize(2*share, n, p.spread) > 1 {
+	if p.turnQueueSlack > 0 && req.Previous() != "" && homeSize(2*share, n, p.spread) > 1 {
 		return n
 	}
 	return homeSize(share, n, p.spread)
@@ -359,9 +371,9 @@ func (p *prefixAffinity) record(prompt string, hs []uint64, e *Endpoint) {
 }
 
 // cacheRule says whether the P/D decider's cache rule reads this pool's
-// picks and their estimates: Decider.decodeSpec gives that pool alone a
-// turnQueueSlack.
-func (p *prefixAffinity) cacheRule() bool { return p.turnQueueSlack > 0 }
+// picks and their estimates: Decider.decodeSpec gives that pool a
+// turnQueueSlack, and prefillSpec the prefill pool.
+func (p *prefixAffinity) cacheRule() bool { return p.turnQueueSlack > 0 && !p.prefill }
 
 // routed says whether this replica sent a request with these blocks
 // somewhere: whether some endpoint is remembered serving all of them.

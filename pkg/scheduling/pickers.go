@@ -37,7 +37,7 @@ func newPicker(s PoolSpec, r role, intn func(int) int, cache func() *kvevents.In
 			spread:             s.Prefix.Spread,
 			fallback:           leastLoad,
 			cache:              cache,
-			keeps:              r != rolePrefill,
+			prefill:            r == rolePrefill,
 		}
 	}
 	return leastLoad

@@ -104,7 +104,7 @@ func BenchmarkSelect(b *testing.B) {
 		benchPick(b, p, req, addrs[0])
 	})
 	// A conversation's first request, its engines' scrapes telling how long
-	// they keep what they write (keepsLong reads each one).
+	// they keep what they write (keepsFor reads each one).
 	b.Run(config.PolicyPrefixAffinity+"+events/first-request-scraped", func(b *testing.B) {
 		p, later := eventsPool(addrs)
 		now := time.Now()

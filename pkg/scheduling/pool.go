@@ -32,9 +32,10 @@ type PoolSpec struct {
 	config.PoolScheduling
 	// turnQueueSlack, when not 0, ranks a conversation's later turns over
 	// the whole pool (prefixAffinity.home) and, placed without a trusted
-	// view, bounds them at the mean queue + 3 × it, the bound of a followed
-	// history: NewPools sets it on the decode pool whose picks the P/D
-	// decider's cache rule reads (Decider.decodeSpec).
+	// view, bounds those that follow their history at the mean queue + 3 ×
+	// it: NewPools sets it on the decode pool whose picks the P/D decider's
+	// cache rule reads (Decider.decodeSpec), and on the prefill pool
+	// (prefillSpec).
 	turnQueueSlack float64
 }
 

@@ -85,7 +85,7 @@ func NewPools(spec Spec, deps Deps) *Pools {
 	// Only the decode pool follows the subset hint: it names candidates for
 	// Envoy's destination, the decode leg; the prefill leg is ours to place.
 	ps := &Pools{
-		Prefill: newPool(prefill, spec.Prefill, deps),
+		Prefill: newPool(prefill, prefillSpec(spec.Prefill), deps),
 		Decode:  newPool(deps.probe(roleDecode, deps.DecodeTLS, deps.DecodeKey, clientGiven), decider.decodeSpec(spec.Decode), deps),
 		deps:    deps,
 	}
@@ -93,11 +93,26 @@ func NewPools(spec Spec, deps Deps) *Pools {
 	return ps
 }
 
+// prefillSpec is the prefill pool's spec: a conversation's later turns
+// ranked over the whole pool, and kept with their history at their home up
+// to the mean queue + 3 × max(queue_slack, 4) while its engine keeps what it
+// writes (prefixAffinity.follows). Behind replicas that take turns, each
+// routes some of a conversation's turns; one spilled at the usual bound (a
+// FIFO prefill queue passes the mean + 1 often) recomputes its history on
+// another engine, and the next, on another replica, goes back home, where
+// the turn before is missing. In the P/D simulation that took always-P/D's
+// prefill pool from 66 to 93 % busy at three replicas (docs/scheduling.md).
+func prefillSpec(s PoolSpec) PoolSpec {
+	s.SetDefaults()
+	s.turnQueueSlack = max(s.Prefix.QueueSlack, config.DefaultDecodeQueueSlack)
+	return s
+}
+
 // Update applies a reloaded configuration: endpoints, policies, health and
 // P/D thresholds. Requests in flight are not disturbed.
 func (ps *Pools) Update(spec Spec) {
 	decider := newDecider(spec)
-	ps.Prefill.Update(spec.Prefill)
+	ps.Prefill.Update(prefillSpec(spec.Prefill))
 	ps.Decode.Update(decider.decodeSpec(spec.Decode))
 	ps.decider.Store(decider)
 }

@@ -568,9 +568,11 @@ func TestDecodeTurnsAgreeWhereReplicasSizeAHomeSetApart(t *testing.T) {
 // where a request that starts a conversation (or a one-shot one) spills at
 // the mean + 1, the usual bound. Under always-P/D every request spills at
 // the mean + 4, but a later turn whose engines keep what they write for 90 s
-// or more (by their scraped counters) takes the looser bound there too,
-// though not on the prefill pool; past the looser bound a later turn spills
-// anyway.
+// or more (by their scraped counters) takes the looser bound there too. On
+// the prefill pool, under either mode, a later turn takes the decode pool's
+// looser bound (the mean + 12) while its engines keep what they write for
+// 30 s or more, and spills at the mean + 1 otherwise; past the looser bound
+// a later turn spills anyway.
 func TestLaterTurnsStayWithTheirHistoryUnderLoad(t *testing.T) {
 	addrs := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
 	prefillAddrs := []string{"10.0.1.1:8000", "10.0.1.2:8000", "10.0.1.3:8000", "10.0.1.4:8000"}
@@ -596,9 +598,15 @@ func TestLaterTurnsStayWithTheirHistoryUnderLoad(t *testing.T) {
 		{"always P/D, a later turn above the mean + 4, caches written over in 10 min", config.PDAlways, later, 8, 600, true, false},
 		{"always P/D, a later turn above the mean + 12, caches written over in 10 min", config.PDAlways, later, 24, 600, false, false},
 		{"always P/D, a first request above the mean + 4, caches written over in 10 min", config.PDAlways, first, 8, 600, false, false},
-		{"always P/D, a first request within the mean + 4", config.PDAlways, first, 4, 0, true, false},                                // mean 1: 4 ≤ 5
-		{"prefill pool, a later turn above the mean + 1, caches written over in 10 min", config.PDAlways, later, 4, 600, false, true}, // mean 1: 4 > 2
-		{"prefill pool, a later turn within the mean + 1", config.PDAlways, later, 1, 0, true, true},                                  // mean 0.25: 1 ≤ 1.25
+		{"always P/D, a first request within the mean + 4", config.PDAlways, first, 4, 0, true, false},                                  // mean 1: 4 ≤ 5
+		{"prefill pool, a later turn above the mean + 4, caches written over in 10 min", config.PDAlways, later, 8, 600, true, true},    // mean 2: 8 ≤ 14
+		{"prefill pool, a later turn above the mean + 4, caches written over in 40 s", config.PDAlways, later, 8, 40, true, true},       // 40 s < keptLong, ≥ keptTurn
+		{"prefill pool, a later turn above the mean + 12, caches written over in 10 min", config.PDAlways, later, 24, 600, false, true}, // mean 6: 24 > 18
+		{"prefill pool, a later turn above the mean + 1, caches written over in 10 s", config.PDAlways, later, 4, 10, false, true},      // mean 1: 4 > 2
+		{"prefill pool, a later turn above the mean + 1, caches not read", config.PDAlways, later, 4, 0, false, true},
+		{"prefill pool, cache rule, a later turn above the mean + 4, caches written over in 10 min", config.PDAuto, later, 8, 600, true, true},
+		{"prefill pool, a first request above the mean + 1, caches written over in 10 min", config.PDAlways, first, 4, 600, false, true},
+		{"prefill pool, a later turn within the mean + 1", config.PDAlways, later, 1, 0, true, true}, // mean 0.25: 1 ≤ 1.25
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
