@@ -193,7 +193,7 @@ func (p *prefixAffinity) follows(home ranked) bool {
 // set (where its start is cached) the soonest to serve it first. Every
 // replica ranks the same set.
 func (p *prefixAffinity) ranking(req *Request, h, conv uint64, share float64, eps []*Endpoint) []ranked {
-	home := p.home(req, share, len(eps))
+	home := p.home(req, share, eps)
 	rs := rank(h, conv, home, eps)
 	if req.Head() == "" {
 		soonestFirst(rs[:home], meanPace(rs))
@@ -277,9 +277,13 @@ func (p *prefixAffinity) hinted(req *Request, rs []ranked, chosen ranked, served
 // endpoints. Over the whole pool the order is the conversation's alone. A
 // conversation's second turn so moves once from where its first went
 // (ranked as one-shot questions are, in the home set) when the whole pool's
-// first is another endpoint.
-func (p *prefixAffinity) home(req *Request, share float64, n int) int {
-	if p.turnQueueSlack > 0 && req.Previous() != "" && homeSize(2*share, n, p.spread) > 1 {
+// first is another endpoint. On a P/D prefill pool only while its engines
+// keep what they write (keepTurns): where they write their caches over
+// sooner, no history stays to be found, and the home set still holds the
+// system prompt.
+func (p *prefixAffinity) home(req *Request, share float64, eps []*Endpoint) int {
+	n := len(eps)
+	if p.turnQueueSlack > 0 && req.Previous() != "" && homeSize(2*share, n, p.spread) > 1 && (!p.prefill || keepTurns(eps)) {
 		return n
 	}
 	return homeSize(share, n, p.spread)
@@ -308,7 +312,7 @@ func (p *prefixAffinity) rankedAlike(req *Request, e *Endpoint, prefix, conversa
 	if len(req.absent) > 0 {
 		all = slices.Concat(eps, req.absent) // as ranked before they left
 	}
-	now := p.home(req, share, len(all))
+	now := p.home(req, share, all)
 	before := now
 	if len(req.Previous()) <= len(req.Head()) {
 		before = homeSize(share, len(all), p.spread) // the previous request was the conversation's first

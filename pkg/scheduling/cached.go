@@ -174,6 +174,24 @@ const keptLong = 90 * time.Second
 // 41 to 47 at 1.5× load, small ones in 6 to 17 s.
 const keptTurn = 30 * time.Second
 
+// keepTurns reports whether the engines of eps keep what they write for
+// keptTurn, by their scrapes: every one whose scrapes tell, and one at
+// least (an engine that just joined does not tell yet).
+func keepTurns(eps []*Endpoint) bool {
+	if len(eps) == 0 {
+		return false
+	}
+	now, told := sync.OnceValue(eps[0].cfg().now), false
+	for _, e := range eps {
+		s, ok := e.scrapedAt(now).rewrite()
+		if ok && s < keptTurn.Seconds() {
+			return false
+		}
+		told = told || ok
+	}
+	return told
+}
+
 // keepsFor reports whether, by its scrape, r's engine keeps what it writes
 // for d or more (scraped.rewrite).
 func keepsFor(r ranked, d time.Duration) bool {

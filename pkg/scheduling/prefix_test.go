@@ -1453,3 +1453,46 @@ func TestACompletionsPromptGoesToTheHomeMemberThatServesItSoonest(t *testing.T) 
 		})
 	}
 }
+
+// TestPrefillTurnsRankOverThePoolWhileItsEnginesKeep: a P/D prefill pool
+// ranks later turns over the whole pool only while its engines keep what
+// they write for 30 s or more, by their scrapes: every engine whose scrapes
+// tell (one that just joined does not), and one at least. Where one writes
+// its cache over sooner, histories are not kept, and a later turn is ranked
+// in its prefix's home set, which holds the system prompt.
+func TestPrefillTurnsRankOverThePoolWhileItsEnginesKeep(t *testing.T) {
+	tests := []struct {
+		name    string
+		rewrite []float64 // seconds each engine takes to write its cache over; 0: its scrapes do not tell
+		want    bool
+	}{
+		{"every engine in 40 s", []float64{40, 40, 40, 40}, true},
+		{"one in 10 s", []float64{40, 600, 10, 40}, false},
+		{"one that does not tell yet", []float64{40, 40, 40, 0}, true},
+		{"none tells", []float64{0, 0, 0, 0}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var addrs []string
+			for i := range tt.rewrite {
+				addrs = append(addrs, fmt.Sprintf("10.0.1.%d:8000", i+1))
+			}
+			pool, clock := testPool(t, config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, addrs...)
+			eps := pool.Endpoints()
+			for i, e := range eps {
+				if tt.rewrite[i] > 0 {
+					e.observe(Load{CacheTokens: 9000, At: clock.Now()})
+				}
+			}
+			clock.Advance(15 * time.Second)
+			for i, e := range eps {
+				if tt.rewrite[i] > 0 {
+					e.observe(Load{CacheTokens: 9000, Written: 9000 / tt.rewrite[i] * 15, At: clock.Now()})
+				}
+			}
+			if got := keepTurns(eps); got != tt.want {
+				t.Errorf("keepTurns = %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
