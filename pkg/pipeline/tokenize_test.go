@@ -210,30 +210,24 @@ func followingEvents(t *testing.T, engineURL string, prefill bool, prepare func(
 	if prefill {
 		prefillEndpoints = fmt.Sprintf("[%q]", strings.TrimPrefix(engineURL, "http://"))
 	}
-	cfg, err := config.Parse(fmt.Appendf(nil, `connector: kv-nixl
+	p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
 pools:
   prefill: {endpoints: %[1]s}
   decode: {endpoints: [%[2]q], policy: prefix-affinity, kv_events: {connect_port: 1, tokenize: {timeout: 5s}}}
 `, prefillEndpoints, strings.TrimPrefix(engineURL, "http://")))
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := assemble.Pipeline(cfg, logr.Discard())
-	if err != nil {
-		t.Fatal(err)
-	}
 	if prepare != nil {
 		prepare(p)
 	}
+	return running(t, p)
+}
+
+// running runs p's background work (checks, scrapes, subscribers) until the
+// test ends.
+func running(t *testing.T, p *pipeline.Pipeline) *pipeline.Pipeline {
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	wg.Go(func() { p.Run(ctx) })
-	t.Cleanup(func() {
-		cancel()
-		wg.Wait()
-		p.Wait()
-		pipeline.CloseIdle(p)
-	})
+	t.Cleanup(func() { cancel(); wg.Wait(); p.Wait() })
 	return p
 }
 
@@ -270,21 +264,11 @@ func TestADecodeEngineIsAskedAsItsPoolReachesIt(t *testing.T) {
 			dir := t.TempDir()
 			os.WriteFile(filepath.Join(dir, "prefill"), []byte("prefill-key\n"), 0o600)
 			os.WriteFile(filepath.Join(dir, "decode"), []byte("decode-key\n"), 0o600)
-			cfg, err := config.Parse(fmt.Appendf(nil, `connector: kv-nixl
+			p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
 prefill: {api_key_file: %q}
 pools: {decode: {endpoints: [%q], tls: %s, api_key_file: %q, policy: prefix-affinity, kv_events: {connect_port: 1, tokenize: {timeout: 5s}}}}
 `, filepath.Join(dir, "prefill"), engine.Listener.Addr().String(), decodeTLS, filepath.Join(dir, "decode")))
-			if err != nil {
-				t.Fatal(err)
-			}
-			p, err := assemble.Pipeline(cfg, logr.Discard())
-			if err != nil {
-				t.Fatal(err)
-			}
-			ctx, cancel := context.WithCancel(context.Background())
-			var wg sync.WaitGroup
-			wg.Go(func() { p.Run(ctx) })
-			t.Cleanup(func() { cancel(); wg.Wait(); p.Wait(); pipeline.CloseIdle(p) })
+			running(t, p)
 			// Requests go without token ids until Run has started the pool's subscriber.
 			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(2 * time.Millisecond) {
 				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
