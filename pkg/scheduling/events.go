@@ -187,11 +187,13 @@ func (ps *Pools) followed(usable bool) *poolEvents {
 
 // Tokenizer is where a request's token ids are asked for, when a pool
 // follows its engines' KV events: the least busy healthy prefill endpoint
-// (the prefill leg's client reaches it), else decode endpoint (reached as
-// the decode pool's checks reach it), with the /tokenize path and the time
-// allowed of the first pool that follows events. ok is false when no pool does, when none of their views may be
-// routed by now (engines that publish nothing: no round trip for every
-// request then), or when no endpoint is healthy. Of a pool whose engines
+// (the prefill leg's client reaches it), else decode endpoint (as the
+// decode pool's checks reach it: a client of few connections, for a pool
+// whose prefill endpoints are all down), with the /tokenize path and the
+// time allowed of the first pool that follows events. ok is false when no
+// pool does, when none of their views may be routed by now (engines that
+// publish nothing: no round trip for every request then), or when no
+// endpoint is healthy. Of a pool whose engines
 // list req's model, only those that do are asked: another model's tokenizer
 // would give other ids. Whether to ask for a request of an API is Asks'.
 func (ps *Pools) Tokenizer(req *Request) (e *Endpoint, t Tokenizer, ok bool) {
