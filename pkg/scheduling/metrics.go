@@ -43,6 +43,23 @@ const (
 
 var cacheSeries = []string{cacheConfigInfo, promptTokens, prefixCacheHits, generationTokens}
 
+// What an SGLang engine reports of its prefix cache
+// (python/sglang/srt/metrics/collector.py): its KV pool's size in tokens, a
+// gauge of each scheduler (one per data-parallel rank, each of whose
+// tensor-parallel ranks repeats it), and, from its tokenizer manager, the
+// counters of prompt tokens, of those its cache held (by cache_source where
+// the engine labels them: a hit in host memory or storage is written into
+// the device's pool anew) and of generated tokens
+// (observe_one_finished_request). The hits counter appears with the first hit.
+const (
+	sglangPoolTokens = "sglang:max_total_num_tokens"
+	sglangPrompt     = "sglang:prompt_tokens_total"
+	sglangCached     = "sglang:cached_tokens_total"
+	sglangGeneration = "sglang:generation_tokens_total"
+)
+
+var sglangCacheSeries = []string{sglangPoolTokens, sglangPrompt, sglangCached, sglangGeneration}
+
 // What a vLLM engine reports of its prefills as each request finishes
 // (vllm/v1/metrics/loggers.py; update_from_finished_request,
 // vllm/v1/metrics/stats.py): histograms of the prompt tokens each computed
@@ -134,11 +151,11 @@ func parseLoad(r io.Reader, ro role) (Load, error) {
 
 // cacheOf is the engine's cache in tokens and what it has written into it
 // (Load.CacheTokens, Load.Written), summed over its series (data-parallel
-// ranks); 0, 0 unless it reports them all.
+// ranks); 0, 0 unless it reports them all, as vLLM or as SGLang does.
 func cacheOf(families map[string]*dto.MetricFamily) (size, written float64) {
 	for _, name := range cacheSeries {
 		if families[name] == nil {
-			return 0, 0
+			return sglangCacheOf(families)
 		}
 	}
 	for _, m := range families[cacheConfigInfo].GetMetric() {
@@ -157,6 +174,43 @@ func cacheOf(families map[string]*dto.MetricFamily) (size, written float64) {
 		return 0, 0
 	}
 	return size, sum(families[promptTokens]) - sum(families[prefixCacheHits]) + sum(families[generationTokens])
+}
+
+// sglangCacheOf is cacheOf of an SGLang engine: its pools, one per
+// data-parallel rank (the largest its ranks report), added up, and the
+// prompt tokens its device pool did not hold, plus those generated.
+func sglangCacheOf(families map[string]*dto.MetricFamily) (size, written float64) {
+	if families[sglangPoolTokens] == nil || families[sglangPrompt] == nil || families[sglangGeneration] == nil {
+		return 0, 0
+	}
+	pools := map[string]float64{}
+	for _, m := range families[sglangPoolTokens].GetMetric() {
+		rank := labelOf(m, "dp_rank")
+		pools[rank] = max(pools[rank], value(m))
+	}
+	for _, tokens := range pools {
+		size += tokens
+	}
+	if size <= 0 {
+		return 0, 0
+	}
+	var held float64
+	for _, m := range families[sglangCached].GetMetric() {
+		if source := labelOf(m, "cache_source"); source == "" || source == "device" {
+			held += value(m)
+		}
+	}
+	return size, sum(families[sglangPrompt]) - held + sum(families[sglangGeneration])
+}
+
+// labelOf is the value of m's label name, "" when it has none.
+func labelOf(m *dto.Metric, name string) string {
+	for _, l := range m.GetLabel() {
+		if l.GetName() == name {
+			return l.GetValue()
+		}
+	}
+	return ""
 }
 
 // loadLines are the lines of a Prometheus text answer about the series
@@ -188,7 +242,8 @@ func loadLines(r io.Reader, ro role) ([]byte, error) {
 // loadSeries says whether parseLoad reads the series of that name for an
 // engine in role ro: a histogram's sum, not its buckets.
 func loadSeries(name string, ro role) bool {
-	if slices.Contains(waitingGauges, name) || slices.Contains(kvUsageGauges, name) || slices.Contains(runningGauges, name) || slices.Contains(cacheSeries, name) {
+	if slices.Contains(waitingGauges, name) || slices.Contains(kvUsageGauges, name) || slices.Contains(runningGauges, name) ||
+		slices.Contains(cacheSeries, name) || slices.Contains(sglangCacheSeries, name) {
 		return true
 	}
 	if family, ok := strings.CutSuffix(name, "_sum"); ok {

@@ -88,6 +88,15 @@ vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 12
 vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 4.5
 vllm:request_prefill_time_seconds_sum{engine="1",model_name="m"} 0.5
 `, want: Load{Waiting: 1, Computed: 50000, Prefilling: 5}},
+		{name: "SGLang's cache: each data-parallel rank's pool once, and what it wrote (prompt less device hits, plus generated)",
+			text: sglangCache(true) + `sglang:cached_tokens_total{cache_source="device",model_name="m"} 4000
+sglang:cached_tokens_total{cache_source="host",model_name="m"} 1000
+`, want: Load{Waiting: 1, CacheTokens: 50000 + 40000, Written: 9000 - 4000 + 1500}},
+		{name: "SGLang's cache, hits without a source (older releases)", text: sglangCache(true) + "sglang:cached_tokens_total{model_name=\"m\"} 4000\n",
+			want: Load{Waiting: 1, CacheTokens: 50000 + 40000, Written: 9000 - 4000 + 1500}},
+		{name: "SGLang's cache before its first hit: no hits counter yet", text: sglangCache(true),
+			want: Load{Waiting: 1, CacheTokens: 50000 + 40000, Written: 9000 + 1500}},
+		{name: "SGLang's cache before its first request: no counters yet", text: sglangCache(false), want: Load{Waiting: 1}},
 		{name: "KV use above 1 is clamped", text: "vllm:kv_cache_usage_perc 1.7\n", want: Load{KVUsage: 1}},
 		{name: "not an engine we know", text: "process_cpu_seconds_total 12\n", wantErr: true},
 		{name: "not the text format", text: "<html>", wantErr: true},
@@ -103,6 +112,28 @@ vllm:request_prefill_time_seconds_sum{engine="1",model_name="m"} 0.5
 			}
 		})
 	}
+}
+
+// sglangCache is an SGLang answer with its pools (two data-parallel ranks,
+// the first of two tensor-parallel ranks) and, with counters, its prompt and
+// generation counters as prometheus_client prints them; no hits counter.
+func sglangCache(counters bool) string {
+	text := `sglang:num_queue_reqs{model_name="m"} 1
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{dp_rank="0",model_name="m",tp_rank="0"} 50000
+sglang:max_total_num_tokens{dp_rank="0",model_name="m",tp_rank="1"} 50000
+sglang:max_total_num_tokens{dp_rank="1",model_name="m",tp_rank="0"} 40000
+`
+	if counters {
+		text += `# HELP sglang:prompt_tokens_total Number of prefill tokens processed.
+# TYPE sglang:prompt_tokens counter
+sglang:prompt_tokens_total{model_name="m"} 9000
+sglang:prompt_tokens_created{model_name="m"} 1.7e+09
+# TYPE sglang:generation_tokens counter
+sglang:generation_tokens_total{model_name="m"} 1500
+`
+	}
+	return text
 }
 
 // vllmCache is a vLLM answer with its cache's size and counters as
