@@ -135,15 +135,15 @@ func (m *metrics) serve(model, protocol, role string) http.HandlerFunc {
 				{"sglang:num_decode_transfer_queue_reqs", "The number of requests in the decode transfer queue.", float64(q.DecodeTransfer)},
 			}
 		}
-		write := func(kind string, series []gauge) {
+		write := func(kind, labels string, series []gauge) {
 			for _, g := range series {
 				fmt.Fprintf(w, "# HELP %s %s\n# TYPE %s %s\n%s%s %g\n", g.name, g.help, g.name, kind, g.name, labels, g.value)
 			}
 		}
-		write("gauge", gauges)
+		write("gauge", labels, gauges)
 		if protocol != ProtocolSGLang {
 			// Named as prometheus_client prints a Counter, with its _total.
-			write("counter", []gauge{
+			write("counter", labels, []gauge{
 				{"vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.", float64(m.prefixQueries.Load())},
 				{"vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", float64(m.prefixHits.Load())},
 				{"vllm:prompt_tokens_total", "Number of prefill tokens processed.", float64(m.promptTokens.Load())},
@@ -164,7 +164,16 @@ func (m *metrics) serve(model, protocol, role string) http.HandlerFunc {
 			// of which its prefix cache keeps those no running request holds.
 			fmt.Fprintf(w, "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\n"+
 				"vllm:cache_config_info{block_size=\"%d\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"%d\"} 1.0\n", blockSize, m.capacity)
+			return
 		}
+		// SGLang's KV pool in tokens, a gauge of its scheduler, and the
+		// token counters of its tokenizer manager, labelled by model only.
+		write("gauge", labels, []gauge{{"sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", float64(m.capacity * blockSize)}})
+		write("counter", fmt.Sprintf(`{model_name="%s"}`, name), []gauge{
+			{"sglang:prompt_tokens_total", "Number of prefill tokens processed.", float64(m.promptTokens.Load())},
+			{"sglang:cached_tokens_total", "Number of cached prompt tokens.", float64(m.prefixHits.Load())},
+			{"sglang:generation_tokens_total", "Number of generation tokens processed.", float64(m.generationTokens.Load())},
+		})
 	}
 }
 

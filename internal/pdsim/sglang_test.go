@@ -117,13 +117,17 @@ func TestSGLangBootstrapFields(t *testing.T) {
 }
 
 // An SGLang engine reports its load under SGLang's names and labels, P/D
-// queues included; a test sets those to stand for a busy engine.
+// queues included, and its KV pool's size and token counters as SGLang's
+// scheduler and tokenizer manager do; a test sets the queues to stand for a
+// busy engine.
 func TestSGLangMetricsUseSGLangNames(t *testing.T) {
-	s := start(t, Config{Role: RoleDecode, Protocol: ProtocolSGLang})
+	s := start(t, Config{Role: RoleDecode, Protocol: ProtocolSGLang, KVBlocks: 1000})
 	labels := `{engine_type="decode",model_name="pdsim",pp_rank="0",tp_rank="0"}`
 	m := string(get(t, s, "/metrics").body)
 	for _, want := range []string{"sglang:num_running_reqs" + labels + " 0", "sglang:num_queue_reqs" + labels + " 0", "sglang:token_usage" + labels + " 0",
-		"sglang:num_prefill_bootstrap_queue_reqs" + labels + " 0", "sglang:num_decode_transfer_queue_reqs" + labels + " 0"} {
+		"sglang:num_prefill_bootstrap_queue_reqs" + labels + " 0", "sglang:num_decode_transfer_queue_reqs" + labels + " 0",
+		"sglang:max_total_num_tokens" + labels + " 16000", `sglang:prompt_tokens_total{model_name="pdsim"} 0`,
+		`sglang:cached_tokens_total{model_name="pdsim"} 0`, `sglang:generation_tokens_total{model_name="pdsim"} 0`} {
 		if !strings.Contains(m, want+"\n") {
 			t.Errorf("/metrics lacks %q:\n%s", want, m)
 		}
