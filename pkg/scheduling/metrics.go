@@ -29,36 +29,30 @@ var (
 	runningGauges = []string{"vllm:num_requests_running", "sglang:num_running_reqs"}
 )
 
-// What a vLLM engine reports of its prefix cache (vllm/v1/metrics/loggers.py):
-// its size in the labels of an info gauge (num_gpu_blocks of block_size
-// tokens), and the counters of its prompt tokens, of those its prefix cache
-// held, and of its generated tokens, from which what it has written into the
-// cache follows (Load.Written).
-const (
-	cacheConfigInfo  = "vllm:cache_config_info"
-	promptTokens     = "vllm:prompt_tokens_total"
-	prefixCacheHits  = "vllm:prefix_cache_hits_total"
-	generationTokens = "vllm:generation_tokens_total"
-)
+// cacheSeries are how an engine reports its prefix cache: a series of its
+// size (read by sizeOf), and the counters of its prompt tokens, of those its
+// cache held (hits) and of its generated tokens, from which what it has
+// written into the cache follows (Load.Written). hitsAppear: the hits
+// counter first appears with a hit; else it is there from the start, and
+// not at all when the engine runs no prefix cache.
+type cacheSeries struct {
+	size, prompt, hits, generation string
+	hitsAppear                     bool
+	sizeOf                         func(*dto.MetricFamily) float64
+}
 
-var cacheSeries = []string{cacheConfigInfo, promptTokens, prefixCacheHits, generationTokens}
-
-// What an SGLang engine reports of its prefix cache
-// (python/sglang/srt/metrics/collector.py): its KV pool's size in tokens, a
-// gauge of each scheduler (one per data-parallel rank, each of whose
-// tensor-parallel ranks repeats it), and, from its tokenizer manager, the
-// counters of prompt tokens, of those its cache held (by cache_source where
-// the engine labels them: a hit in host memory or storage is written into
-// the device's pool anew) and of generated tokens
-// (observe_one_finished_request). The hits counter appears with the first hit.
-const (
-	sglangPoolTokens = "sglang:max_total_num_tokens"
-	sglangPrompt     = "sglang:prompt_tokens_total"
-	sglangCached     = "sglang:cached_tokens_total"
-	sglangGeneration = "sglang:generation_tokens_total"
-)
-
-var sglangCacheSeries = []string{sglangPoolTokens, sglangPrompt, sglangCached, sglangGeneration}
+var engineCaches = []cacheSeries{
+	// vLLM (vllm/v1/metrics/loggers.py): its size in the labels of an info
+	// gauge (num_gpu_blocks of block_size tokens).
+	{size: "vllm:cache_config_info", prompt: "vllm:prompt_tokens_total", hits: "vllm:prefix_cache_hits_total",
+		generation: "vllm:generation_tokens_total", sizeOf: configuredTokens},
+	// SGLang (python/sglang/srt/metrics/collector.py): its KV pool's size
+	// in tokens, a gauge of each scheduler (poolTokens), and its tokenizer
+	// manager's counters (observe_one_finished_request), the hits by
+	// cache_source where the engine labels them (deviceHits).
+	{size: "sglang:max_total_num_tokens", prompt: "sglang:prompt_tokens_total", hits: "sglang:cached_tokens_total",
+		generation: "sglang:generation_tokens_total", hitsAppear: true, sizeOf: poolTokens},
+}
 
 // What a vLLM engine reports of its prefills as each request finishes
 // (vllm/v1/metrics/loggers.py; update_from_finished_request,
@@ -153,54 +147,53 @@ func parseLoad(r io.Reader, ro role) (Load, error) {
 // (Load.CacheTokens, Load.Written), summed over its series (data-parallel
 // ranks); 0, 0 unless it reports them all, as vLLM or as SGLang does.
 func cacheOf(families map[string]*dto.MetricFamily) (size, written float64) {
-	for _, name := range cacheSeries {
-		if families[name] == nil {
-			return sglangCacheOf(families)
+	for _, c := range engineCaches {
+		if families[c.size] == nil || families[c.prompt] == nil || families[c.generation] == nil || families[c.hits] == nil && !c.hitsAppear {
+			continue
 		}
-	}
-	for _, m := range families[cacheConfigInfo].GetMetric() {
-		var blocks, tokens float64
-		for _, l := range m.GetLabel() {
-			switch l.GetName() {
-			case "num_gpu_blocks":
-				blocks, _ = strconv.ParseFloat(l.GetValue(), 64) // "None" before the engine has sized its cache
-			case "block_size":
-				tokens, _ = strconv.ParseFloat(l.GetValue(), 64)
-			}
+		if size = c.sizeOf(families[c.size]); size <= 0 {
+			return 0, 0
 		}
-		size += blocks * tokens
+		return size, sum(families[c.prompt]) - deviceHits(families[c.hits]) + sum(families[c.generation])
 	}
-	if size <= 0 {
-		return 0, 0
-	}
-	return size, sum(families[promptTokens]) - sum(families[prefixCacheHits]) + sum(families[generationTokens])
+	return 0, 0
 }
 
-// sglangCacheOf is cacheOf of an SGLang engine: its pools, one per
-// data-parallel rank (the largest its ranks report), added up, and the
-// prompt tokens its device pool did not hold, plus those generated.
-func sglangCacheOf(families map[string]*dto.MetricFamily) (size, written float64) {
-	if families[sglangPoolTokens] == nil || families[sglangPrompt] == nil || families[sglangGeneration] == nil {
-		return 0, 0
+// configuredTokens is the size of vLLM's cache, from its CacheConfig's
+// labels, its data-parallel ranks added up.
+func configuredTokens(f *dto.MetricFamily) (size float64) {
+	for _, m := range f.GetMetric() {
+		blocks, _ := strconv.ParseFloat(labelOf(m, "num_gpu_blocks"), 64) // "None" before the engine has sized its cache
+		tokens, _ := strconv.ParseFloat(labelOf(m, "block_size"), 64)
+		size += blocks * tokens
 	}
+	return size
+}
+
+// poolTokens is the size of SGLang's KV pools: each data-parallel rank's
+// once (the largest its tensor-parallel ranks report), added up.
+func poolTokens(f *dto.MetricFamily) (size float64) {
 	pools := map[string]float64{}
-	for _, m := range families[sglangPoolTokens].GetMetric() {
+	for _, m := range f.GetMetric() {
 		rank := labelOf(m, "dp_rank")
 		pools[rank] = max(pools[rank], value(m))
 	}
 	for _, tokens := range pools {
 		size += tokens
 	}
-	if size <= 0 {
-		return 0, 0
-	}
-	var held float64
-	for _, m := range families[sglangCached].GetMetric() {
+	return size
+}
+
+// deviceHits are the prompt tokens the engine's own cache held: of a hits
+// counter labelled by cache_source (SGLang's), the device's, as a hit in
+// host memory or storage is written into the device's cache anew.
+func deviceHits(f *dto.MetricFamily) (held float64) {
+	for _, m := range f.GetMetric() {
 		if source := labelOf(m, "cache_source"); source == "" || source == "device" {
 			held += value(m)
 		}
 	}
-	return size, sum(families[sglangPrompt]) - held + sum(families[sglangGeneration])
+	return held
 }
 
 // labelOf is the value of m's label name, "" when it has none.
@@ -242,9 +235,13 @@ func loadLines(r io.Reader, ro role) ([]byte, error) {
 // loadSeries says whether parseLoad reads the series of that name for an
 // engine in role ro: a histogram's sum, not its buckets.
 func loadSeries(name string, ro role) bool {
-	if slices.Contains(waitingGauges, name) || slices.Contains(kvUsageGauges, name) || slices.Contains(runningGauges, name) ||
-		slices.Contains(cacheSeries, name) || slices.Contains(sglangCacheSeries, name) {
+	if slices.Contains(waitingGauges, name) || slices.Contains(kvUsageGauges, name) || slices.Contains(runningGauges, name) {
 		return true
+	}
+	for _, c := range engineCaches {
+		if name == c.size || name == c.prompt || name == c.hits || name == c.generation {
+			return true
+		}
 	}
 	if family, ok := strings.CutSuffix(name, "_sum"); ok {
 		name = family
