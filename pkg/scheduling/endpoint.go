@@ -163,11 +163,10 @@ type Load struct {
 	Running float64   // requests in the engine's running batch
 	KVUsage float64   // KV cache in use, 0..1
 	At      time.Time // when it was scraped
-	// CacheTokens is the engine's KV cache, in tokens (vLLM's
-	// cache_config_info: num_gpu_blocks × block_size), and Written what it
+	// CacheTokens is the engine's KV cache, in tokens, and Written what it
 	// has written into it since it started: the prompt tokens its prefix
-	// cache did not hold, and those it generated (vLLM's counters). 0 when
-	// not reported.
+	// cache did not hold, and those it generated (vLLM's or SGLang's
+	// series, engineCaches). 0 when not reported.
 	CacheTokens, Written float64
 	// Computed is the prompt tokens the engine computed (its prefix cache
 	// did not hold them) and Prefilling the seconds those requests spent in

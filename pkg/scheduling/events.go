@@ -193,9 +193,9 @@ func (ps *Pools) followed(usable bool) *poolEvents {
 // time allowed of the first pool that follows events. ok is false when no
 // pool does, when none of their views may be routed by now (engines that
 // publish nothing: no round trip for every request then), or when no
-// endpoint is healthy. Of a pool whose engines
-// list req's model, only those that do are asked: another model's tokenizer
-// would give other ids. Whether to ask for a request of an API is Asks'.
+// endpoint is healthy. Of a pool whose engines list req's model, only those
+// that do are asked: another model's tokenizer would give other ids.
+// Whether to ask for a request of an API is Asks'.
 func (ps *Pools) Tokenizer(req *Request) (e *Endpoint, t Tokenizer, ok bool) {
 	ev := ps.followed(true)
 	if ev == nil {
