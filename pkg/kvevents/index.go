@@ -51,6 +51,13 @@ type pubView struct {
 	// once, so that a publisher storing one block under many hashes cannot
 	// make a holder list, and each removal from it, as long as its blocks.
 	dups map[uint64]int
+	// copies counts, of the engine's hashes stored more than once, the
+	// copies past the first: vLLM does not de-duplicate its cache, so
+	// requests that compute one prefix at once each cache and publish a copy
+	// under the same hashes, and evict each on its own (BlockHashToBlockMap,
+	// vllm/v1/core/block_pool.py, vllm-project/vllm @002f3491); a block
+	// leaves the view with its last copy.
+	copies map[uint64]int
 	// fresh is false while a gap is being replayed (Subscriber).
 	fresh bool
 	// staleUntil: a view rebuilt after a gap it could not replay is not
@@ -146,7 +153,7 @@ func (x *Index) Apply(p Publisher, events []Event) Skipped {
 			x.store(v, e, &s)
 		case Removed:
 			for _, h := range e.Hashes {
-				x.remove(v, h)
+				x.evict(v, h)
 			}
 		case Cleared:
 			x.clear(v)
@@ -204,8 +211,12 @@ func (x *Index) store(v *pubView, e Event, s *Skipped) {
 		}
 		key, buf = chain(buf, key, e.Tokens[i*e.BlockSize:(i+1)*e.BlockSize], extra)
 		if old, ok := v.engine[h]; ok {
-			if old == key {
-				continue // stored again
+			if old == key { // another copy
+				if v.copies == nil {
+					v.copies = map[uint64]int{}
+				}
+				v.copies[h]++
+				continue
 			}
 			x.remove(v, h)
 		}
@@ -273,12 +284,26 @@ func (x *Index) forgetOldest(v *pubView) {
 	}
 }
 
+// evict removes one copy of the engine's block h, the block with the last.
+func (x *Index) evict(v *pubView, h uint64) {
+	switch n := v.copies[h]; n {
+	case 0:
+		x.remove(v, h)
+	case 1:
+		delete(v.copies, h)
+	default:
+		v.copies[h] = n - 1
+	}
+}
+
+// remove removes the engine's block h, every copy of it.
 func (x *Index) remove(v *pubView, h uint64) {
 	key, ok := v.engine[h]
 	if !ok {
 		return
 	}
 	delete(v.engine, h)
+	delete(v.copies, h)
 	x.total--
 	if n := v.dups[key]; n > 0 {
 		if n == 1 {
@@ -306,7 +331,7 @@ func (x *Index) clear(v *pubView) {
 	for h := range v.engine {
 		x.remove(v, h)
 	}
-	v.order, v.dups, v.group, v.blockSize = nil, nil, -1, 0 // a restarted engine may lay its cache out anew
+	v.order, v.dups, v.copies, v.group, v.blockSize = nil, nil, nil, -1, 0 // a restarted engine may lay its cache out anew
 }
 
 // Reset forgets p's blocks, and marks its view fresh or not.

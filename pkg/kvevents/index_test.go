@@ -53,6 +53,22 @@ func TestLookupFindsTheLongestCachedPrefix(t *testing.T) {
 		{"a removed block ends the prefix there", map[Publisher][]Event{a: {stored(0, []uint64{1, 2, 3}, seq(0, 12)), removed(2)}},
 			map[string]int{a.Endpoint: 4}},
 		{"all cleared", map[Publisher][]Event{a: {stored(0, []uint64{1, 2, 3}, seq(0, 12)), {Kind: Cleared}}}, map[string]int{}},
+		// vLLM does not de-duplicate: requests that compute one prefix at
+		// once each cache a copy under the same hashes, each stored and
+		// evicted on its own (BlockHashToBlockMap, vllm/v1/core/block_pool.py).
+		{"one of two copies evicted: the other is still cached", map[Publisher][]Event{a: {
+			stored(0, []uint64{1, 2, 3}, seq(0, 12)), stored(0, []uint64{1, 2, 3}, seq(0, 12)), removed(1, 2, 3)}},
+			map[string]int{a.Endpoint: 12}},
+		{"a copy of the first blocks evicted, the tail's only one too", map[Publisher][]Event{a: {
+			stored(0, []uint64{1, 2, 3}, seq(0, 12)), stored(0, []uint64{1, 2}, seq(0, 8)), removed(3, 2, 1)}},
+			map[string]int{a.Endpoint: 8}},
+		{"both copies evicted", map[Publisher][]Event{a: {
+			stored(0, []uint64{1, 2, 3}, seq(0, 12)), stored(0, []uint64{1, 2, 3}, seq(0, 12)), removed(1, 2, 3), removed(1)}},
+			map[string]int{}},
+		{"copies cleared with the rest", map[Publisher][]Event{a: {
+			stored(0, []uint64{1, 2, 3}, seq(0, 12)), stored(0, []uint64{1, 2, 3}, seq(0, 12)), {Kind: Cleared},
+			stored(0, []uint64{1}, seq(0, 4)), removed(1)}},
+			map[string]int{}},
 		{"a parent the view never saw: not indexed", map[Publisher][]Event{a: {stored(9, []uint64{2, 3}, seq(4, 8))}}, map[string]int{}},
 		{"another medium is not the prefix cache", map[Publisher][]Event{a: {{Kind: Stored, Hashes: []uint64{1}, Tokens: seq(0, 4), BlockSize: 4, Medium: "CPU"}}},
 			map[string]int{}},
