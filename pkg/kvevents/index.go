@@ -133,11 +133,16 @@ func (v *pubView) indexed(e Event) bool {
 }
 
 // Apply applies a batch's events to p's view, creating it (fresh) if needed.
+// The engine has published: none of its ranks' views awaits an event any
+// more (Expect), as its data-parallel coordinator, not the router, picked
+// the rank that served the work.
 func (x *Index) Apply(p Publisher, events []Event) Skipped {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	v := x.view(p)
-	v.expected = time.Time{}
+	for _, w := range x.byEndpoint[p.Endpoint] {
+		w.expected = time.Time{}
+	}
 	var s Skipped
 	for _, e := range events {
 		switch {

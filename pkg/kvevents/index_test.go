@@ -187,6 +187,21 @@ func TestLookupTrustsOnlyViewsItMay(t *testing.T) {
 		// must leave it one to store.
 		{"never published, sent 256 tokens, past staleAfter", neverPublished(256), false},
 		{"never published, sent 255 tokens, past staleAfter", neverPublished(255), true},
+		// vLLM's data-parallel coordinator, not the router, picks the rank that
+		// serves a request: whichever rank publishes, the engine did.
+		{"two ranks sent work, one published", func(x *Index) {
+			a1 := Publisher{Endpoint: a.Endpoint, Rank: 1}
+			x.Apply(a1, []Event{stored(0, []uint64{1}, seq(0, 4))})
+			x.Expect(a.Endpoint, 4, 8)
+			now = now.Add(30 * time.Second)
+			x.Apply(a, []Event{stored(1, []uint64{2}, seq(4, 4))})
+			now = now.Add(time.Hour)
+		}, true},
+		{"two ranks sent work, neither published", func(x *Index) {
+			x.Apply(Publisher{Endpoint: a.Endpoint, Rank: 1}, []Event{stored(0, []uint64{1}, seq(0, 4))})
+			x.Expect(a.Endpoint, 4, 8)
+			now = now.Add(61 * time.Second)
+		}, false},
 		{"sent work, then published", func(x *Index) {
 			x.Expect(a.Endpoint, 4, 8)
 			now = now.Add(30 * time.Second)

@@ -16,8 +16,9 @@ func (x *Index) usable(v *pubView, now time.Time) bool {
 
 // Expect notes that endpoint was sent a prompt of tokens tokens of which its
 // views held held: when that leaves a full block to compute, the engine
-// will store it and publish, and a publisher that stays silent for
-// staleAfter from then on is not trusted until it publishes again. So is
+// will store it and publish, and an engine whose publishers (one a
+// data-parallel rank, any of which may have served it) all stay silent for
+// staleAfter from then on is not trusted until one publishes again. So is
 // one that never published (an engine started without KV events): its
 // block size unknown, it is taken as unpublishedBlock.
 func (x *Index) Expect(endpoint string, held, tokens int) {
