@@ -28,8 +28,10 @@ type selection struct {
 }
 
 // endpoints returns the endpoints pod gives under sel, or none and why not.
-// Only a pod that is Ready, has an IP and is not terminating is an endpoint;
-// with an InferencePool, each of its target ports is one. A bootstrap port
+// Only a pod that is Ready, has an IP, is not terminating and has not run to
+// its end (phase Failed or Succeeded, whatever its conditions still say, as
+// Kubernetes leaves it out of a Service's endpoints) is an endpoint; with an
+// InferencePool, each of its target ports is one. A bootstrap port
 // annotation that is not a port is ignored (the pool's is used) and said in why.
 func (sel selection) endpoints(pod *corev1.Pod) (eps []scheduling.Discovered, why string) {
 	switch {
@@ -37,6 +39,8 @@ func (sel selection) endpoints(pod *corev1.Pod) (eps []scheduling.Discovered, wh
 		return nil, "not selected"
 	case pod.DeletionTimestamp != nil:
 		return nil, "terminating"
+	case pod.Status.Phase == corev1.PodFailed || pod.Status.Phase == corev1.PodSucceeded:
+		return nil, string(pod.Status.Phase)
 	case pod.Status.PodIP == "":
 		return nil, "no pod IP"
 	case !podReady(pod):

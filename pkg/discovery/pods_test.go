@@ -64,6 +64,14 @@ func TestPodEndpoints(t *testing.T) {
 		{"no Ready condition", port8000, ready(func(p *corev1.Pod) { p.Status.Conditions = p.Status.Conditions[:1] }), nil, "not Ready"},
 		{"no IP", port8000, ready(func(p *corev1.Pod) { p.Status.PodIP = "" }), nil, "no pod IP"},
 		{"terminating", port8000, ready(func(p *corev1.Pod) { p.DeletionTimestamp = &metav1.Time{} }), nil, "terminating"},
+		// A pod that has run to its end keeps its IP and may keep a Ready
+		// condition no kubelet updates any more (its node gone, the pod
+		// GC marking it Failed); the network may have given the IP to
+		// another pod. Kubernetes leaves it out of a Service's endpoints
+		// whatever its conditions say.
+		{"failed, Ready left True", port8000, ready(func(p *corev1.Pod) { p.Status.Phase = corev1.PodFailed }), nil, "Failed"},
+		{"succeeded, Ready left True", port8000, ready(func(p *corev1.Pod) { p.Status.Phase = corev1.PodSucceeded }), nil, "Succeeded"},
+		{"running", port8000, ready(func(p *corev1.Pod) { p.Status.Phase = corev1.PodRunning }), []scheduling.Discovered{ep("10.1.2.3:8000", 0)}, ""},
 		{"IPv6", port8000, ready(func(p *corev1.Pod) { p.Status.PodIP = "fd00::3" }), []scheduling.Discovered{ep("[fd00::3]:8000", 0)}, ""},
 		{"InferencePool target ports", selection{selector: byLabels, ports: []int{8000, 8001}}, ready(),
 			[]scheduling.Discovered{ep("10.1.2.3:8000", 0), ep("10.1.2.3:8001", 0)}, ""},
