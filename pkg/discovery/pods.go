@@ -58,7 +58,7 @@ func (sel selection) endpoints(pod *corev1.Pod) (eps []scheduling.Discovered, wh
 	}
 	bootstrap, why := bootstrapPorts(pod, len(ports))
 	for i, port := range ports {
-		eps = append(eps, scheduling.Discovered{Addr: net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(port)), BootstrapPort: bootstrap[i]})
+		eps = append(eps, scheduling.Discovered{Addr: net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(port)), BootstrapPort: bootstrap[i], ID: string(pod.UID)})
 	}
 	return eps, why
 }

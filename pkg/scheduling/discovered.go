@@ -13,16 +13,23 @@ type Discovered struct {
 	// BootstrapPort overrides the pool's bootstrap port for this endpoint; 0
 	// keeps the pool's.
 	BootstrapPort int
+	// ID is what the source knows the engine by (a pod's UID); "" when it
+	// knows nothing. An address listed under another ID than before is
+	// another engine, the network having given the address of one that
+	// ended to a new one: it starts anew, with nothing of the engine before.
+	ID string
 }
 
 // SetDiscovered makes eps the pool's discovered endpoints, beside the static
 // and DNS ones. As with a config reload, an address that stays keeps its
-// Endpoint (requests in flight, health, scraped load, prefix memory); one that
-// goes is no longer picked from the moment this returns. A discovery source
+// Endpoint (requests in flight, health, scraped load, prefix memory), unless
+// its ID changed: another engine has it; one that goes is no longer picked
+// from the moment this returns. A discovery source
 // calls it with its whole current set after each change it observes.
 func (p *Pool) SetDiscovered(eps []Discovered) {
 	eps = slices.Clone(eps)
-	slices.SortFunc(eps, func(a, b Discovered) int { return cmp.Compare(a.Addr, b.Addr) })
+	// Of two pods listed at one address, the same one each time.
+	slices.SortFunc(eps, func(a, b Discovered) int { return cmp.Or(cmp.Compare(a.Addr, b.Addr), cmp.Compare(a.ID, b.ID)) })
 	eps = slices.CompactFunc(eps, func(a, b Discovered) bool { return a.Addr == b.Addr })
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -43,8 +50,17 @@ func (e *Endpoint) BootstrapPort(poolPort int) int {
 	if i := e.info.Load(); i != nil && i.bootstrapPort > 0 {
 		return i.bootstrapPort
 	}
-	if n := e.bootstrapPort.Load(); n > 0 {
-		return int(n)
+	if d := e.found.Load(); d != nil && d.BootstrapPort > 0 {
+		return d.BootstrapPort
 	}
 	return poolPort
+}
+
+// anotherEngine says whether d, as a discovery source now lists e's
+// address, names another engine than the one e is of: both have an ID, and
+// they differ. Nothing of e (its requests in flight, ejection, checks'
+// verdict, scraped load, server info) is the new engine's.
+func (e *Endpoint) anotherEngine(d *Discovered) bool {
+	was := e.found.Load()
+	return d != nil && was != nil && d.ID != "" && was.ID != "" && d.ID != was.ID
 }

@@ -163,3 +163,87 @@ func TestAnEndpointThatComesBackKeepsItsState(t *testing.T) {
 		})
 	}
 }
+
+// An address that another pod takes (the network gave the IP of a pod that
+// ended to a new one) is another engine: it starts with nothing of the one
+// before, neither its requests in flight nor its ejection, checks' verdict
+// or server info, and takes requests at once. The same pod back, or an
+// address no source names a pod of (static, DNS), is the same endpoint.
+func TestAnAddressAnotherPodTakesStartsAnew(t *testing.T) {
+	const addr, other = "10.0.0.1:8000", "10.0.0.2:8000"
+	tests := []struct {
+		name           string
+		before, after  string // the IDs discovery gives addr
+		absent         bool   // a set without addr between the two
+		inflight       int
+		eject, down    bool
+		wantSame       bool
+		wantPickedAddr string // least-load's pick of addr and other, other holding a request
+	}{
+		{"ejected, another pod", "pod-a", "pod-b", true, 0, true, false, false, addr},
+		{"checked down, another pod", "pod-a", "pod-b", true, 0, false, true, false, addr},
+		{"requests in flight, another pod", "pod-a", "pod-b", true, 3, false, false, false, addr},
+		{"ejected, another pod in the next set", "pod-a", "pod-b", false, 0, true, false, false, addr},
+		{"ejected, the same pod back", "pod-a", "pod-a", true, 0, true, false, true, other},
+		{"ejected, no pod named", "", "", true, 0, true, false, true, other},
+		{"ejected, a pod named now", "", "pod-b", false, 0, true, false, true, other},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := policy(config.PolicyLeastLoad)
+			s.Health.CheckInterval = config.Duration(time.Minute) // on, but not run here
+			p, _ := testPool(t, s)
+			p.SetDiscovered([]Discovered{{Addr: addr, ID: tt.before}, {Addr: other, ID: "pod-o"}})
+			e := byAddr(p, addr)
+			e.info.Store(&serverInfo{bootstrapPort: 9001})
+			for range tt.inflight {
+				defer acquire(e)()
+			}
+			if tt.eject {
+				eject(p, addr)
+			}
+			if tt.down {
+				checkDown(p, addr)
+			}
+			defer acquire(byAddr(p, other))()
+			if tt.absent {
+				p.SetDiscovered([]Discovered{{Addr: other, ID: "pod-o"}})
+			}
+			p.SetDiscovered([]Discovered{{Addr: addr, ID: tt.after}, {Addr: other, ID: "pod-o"}})
+			now := byAddr(p, addr)
+			if same := now == e; same != tt.wantSame {
+				t.Fatalf("the endpoint at %s is the one before: %v, want %v", addr, same, tt.wantSame)
+			}
+			picked, err := p.Select(nil)
+			if err != nil || picked.Addr != tt.wantPickedAddr {
+				t.Errorf("picked %v (%v), want %s", picked, err, tt.wantPickedAddr)
+			}
+			if tt.wantSame {
+				return
+			}
+			if now.InFlight() != 0 || now.Ejections() != 0 || !now.Healthy() || now.info.Load() != nil || now.BootstrapPort(8998) != 8998 {
+				t.Errorf("the new pod's endpoint: %d in flight, %d ejections, healthy %v, bootstrap port %d; want 0, 0, true, the pool's 8998",
+					now.InFlight(), now.Ejections(), now.Healthy(), now.BootstrapPort(8998))
+			}
+			if e.InFlight() != int64(tt.inflight) {
+				t.Errorf("the old pod's endpoint: %d in flight, want its %d", e.InFlight(), tt.inflight)
+			}
+		})
+	}
+}
+
+// Two pods listed at one address (one that ended, its status not yet
+// updated, and the one the network gave its IP) are one endpoint, the same
+// whichever order discovery lists them in: not another at every change.
+func TestTwoPodsAtOneAddressAreOneSteadyEndpoint(t *testing.T) {
+	p, _ := testPool(t, policy(config.PolicyLeastLoad))
+	a, b := Discovered{Addr: "10.0.0.1:8000", ID: "pod-a"}, Discovered{Addr: "10.0.0.1:8000", ID: "pod-b"}
+	p.SetDiscovered([]Discovered{a, b})
+	e := byAddr(p, a.Addr)
+	for _, eps := range [][]Discovered{{b, a}, {a, b}, {b, a, {Addr: "10.0.0.2:8000"}}} {
+		p.SetDiscovered(eps)
+		if got := byAddr(p, a.Addr); got != e || len(p.Endpoints()) != len(eps)-1 {
+			t.Fatalf("listed as %v: the same endpoint %v, %d endpoints", eps, got == e, len(p.Endpoints()))
+		}
+	}
+}

@@ -21,10 +21,11 @@ type Endpoint struct {
 	inflight atomic.Int64
 	load     atomic.Pointer[scraped]
 	settings *atomic.Pointer[settings] // the pool's; nil for a bare Endpoint
-	// bootstrapPort is the endpoint's own SGLang bootstrap port (Discovered); 0: the pool's.
-	bootstrapPort atomic.Int32
-	info          atomic.Pointer[serverInfo]   // what a kv-sglang prefill engine reports of itself; nil: not asked
-	models        atomic.Pointer[servedModels] // what the engine lists at GET /v1/models; nil: not asked
+	// found is what a discovery source said of the endpoint (its own SGLang
+	// bootstrap port, its engine's ID); nil: it is static or from DNS.
+	found  atomic.Pointer[Discovered]
+	info   atomic.Pointer[serverInfo]   // what a kv-sglang prefill engine reports of itself; nil: not asked
+	models atomic.Pointer[servedModels] // what the engine lists at GET /v1/models; nil: not asked
 
 	troubled  atomic.Bool   // fast path: false means healthy without taking mu
 	ejections atomic.Uint64 // times taken out of rotation: passive ejections and failed active checks

@@ -65,7 +65,8 @@ type Pool struct {
 	// departed are endpoints that left the pool while they still mattered
 	// (departing): one that comes back (a pod failing readiness for a
 	// moment, a DNS answer without it) is the same Endpoint again, with its
-	// requests in flight and its ejection.
+	// requests in flight and its ejection; not when discovery names another
+	// engine at its address (Discovered.ID).
 	departed map[string]*Endpoint
 	settings atomic.Pointer[settings]
 	state    atomic.Pointer[poolState]
@@ -296,30 +297,30 @@ func (p *Pool) rebuild() {
 	}
 	var eps []*Endpoint
 	seen := map[string]bool{}
-	add := func(a string, bootstrapPort int) {
+	add := func(a string, d *Discovered) {
 		a = canonical(a)
 		if seen[a] {
 			return
 		}
 		seen[a] = true
 		e := keep[a]
-		if e == nil {
+		if e == nil || e.anotherEngine(d) {
 			e = newEndpoint(a, &p.settings)
 			if old != nil { // joins a pool already routing
 				e.moved.Store(now.UnixNano())
 			}
 		}
-		e.bootstrapPort.Store(int32(bootstrapPort))
+		e.found.Store(d)
 		if s.Health.CheckInterval <= 0 {
 			e.unchecked() // checks are off: a down verdict no longer holds
 		}
 		eps = append(eps, e)
 	}
 	for _, a := range slices.Concat(s.Endpoints, p.resolved) {
-		add(a, 0)
+		add(a, nil)
 	}
 	for _, d := range p.discovered {
-		add(d.Addr, d.BootstrapPort)
+		add(d.Addr, &d)
 	}
 	p.departed = nil
 	for a, e := range keep {

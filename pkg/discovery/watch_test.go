@@ -1,0 +1,68 @@
+package discovery
+
+import (
+	"testing"
+
+	"github.com/go-logr/logr"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
+)
+
+// A pod that ended, its engine's requests failing until passive health
+// ejected it, and a new pod the network gave its IP: the new pod's engine
+// takes requests at once, with nothing of the old one's state, whether the
+// informer tells of the old pod's deletion first or (after a relist, a
+// StatefulSet pod recreated under its name) only of the pod now under the
+// name.
+func TestAPodOnAReusedIPStartsAnew(t *testing.T) {
+	pod := func(name, uid string) *corev1.Pod {
+		return &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "llm", Name: name, UID: types.UID(uid), Labels: map[string]string{"app": "vllm"}},
+			Status: corev1.PodStatus{PodIP: "10.1.2.3", Conditions: []corev1.PodCondition{
+				{Type: corev1.PodReady, Status: corev1.ConditionTrue}}},
+		}
+	}
+	tests := []struct {
+		name    string
+		deleted bool // the old pod's deletion is told before the new pod
+		newName string
+	}{
+		{"deleted, then another pod", true, "vllm-b"},
+		{"deleted, then a pod under its name", true, "vllm-0"},
+		{"a pod under its name, the deletion unseen", false, "vllm-0"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pools := scheduling.NewPools(scheduling.Spec{}, scheduling.Deps{})
+			w := &poolWatch{pool: "decode", sink: pools.Decode, log: logr.Discard(),
+				sel:   selection{selector: labels.SelectorFromSet(labels.Set{"app": "vllm"}), port: config.PodPort{Number: 8000}},
+				byPod: map[string][]scheduling.Discovered{}, why: map[string]string{}}
+			old := pod("vllm-0", "uid-old")
+			w.podAdded(old, true)
+			e := pools.Decode.Endpoints()[0]
+			for range config.DefaultConsecutiveFailures {
+				e.ReportFailure()
+			}
+			if e.Healthy() {
+				t.Fatal("not ejected: the test shows nothing")
+			}
+			if tt.deleted {
+				w.podDeleted(old)
+			}
+			w.podAdded(pod(tt.newName, "uid-new"), true)
+			got, err := pools.Decode.Select(nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got == e || !got.Healthy() || got.Ejections() != 0 {
+				t.Errorf("picked the old pod's endpoint: %v, healthy %v, %d ejections; want the new pod's, healthy, never ejected",
+					got == e, got.Healthy(), got.Ejections())
+			}
+		})
+	}
+}
