@@ -66,9 +66,16 @@ type vllmFamily struct{}
 
 func (vllmFamily) Family() api.Family { return api.VLLM }
 
-// Reserved: the handoff fields, and kv_transfer_params inside the object the
-// API's handler copies into the engine's extra_args (vllm_xargs), which the
-// connector reads when the top level has none.
+// extraArgsKeys are what vLLM's engine reads from a request's extra_args as
+// a router's: the KV handoff (the connector reads it when the top level has
+// none), the encoder cache's handoff, and the KV events' report mode, with
+// which the engine publishes the blocks a request reuses as stored again (a
+// view following the events would take them for copies and keep them past
+// their eviction).
+var extraArgsKeys = []string{"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"}
+
+// Reserved: the handoff fields, and extraArgsKeys inside the object the
+// API's handler copies into the engine's extra_args (vllm_xargs).
 func (vllmFamily) Reserved(s *api.Shape) []body.Edit {
 	if s.ExtraArgs == nil {
 		return handoffEdits
@@ -79,7 +86,10 @@ func (vllmFamily) Reserved(s *api.Shape) []body.Edit {
 	if edits, ok := vllmEdits.Load(key); ok {
 		return edits.([]body.Edit)
 	}
-	edits := append(slices.Clip(handoffEdits), body.Delete("kv_transfer_params").In(s.ExtraArgs...))
+	edits := slices.Clip(handoffEdits)
+	for _, k := range extraArgsKeys {
+		edits = append(edits, body.Delete(k).In(s.ExtraArgs...))
+	}
 	vllmEdits.Store(key, edits)
 	return edits
 }

@@ -35,6 +35,13 @@ var reservedFields = []reservedField{
 	{api.VLLM, "kv_transfer_params", true, "vLLM vllm/entrypoints/openai/chat_completion/protocol.py @ d5dba2d7, to_sampling_params: " +
 		"extra_args = self.vllm_xargs, then kv_transfer_params only if the top level's is truthy; " +
 		"generate: sampling_params.extra_args, vllm/entrypoints/serve/disagg/serving.py @ fef8b03f"},
+	// The other extra args vLLM's engine reads as a router's: the KV events'
+	// report mode (with "full" the engine publishes the blocks a request
+	// reuses as stored again, which a view following the events cannot tell
+	// from another copy) and the encoder cache's handoff.
+	{api.VLLM, "kv_cache_report_mode", true, "vLLM vllm/v1/request.py (Request reads it from extra_args beside kv_transfer_params); " +
+		"vllm/v1/core/kv_cache_manager.py, get_computed_blocks: \"full\" emits BlockStored for the reused prefix"},
+	{api.VLLM, "ec_transfer_params", true, "vLLM vllm/v1/request.py (Request reads it from extra_args: the encoder cache connector's handoff)"},
 	// SGLang's router-only fields.
 	{api.SGLang, "routed_dp_rank", false, "SGLang openai/protocol.py @ 004c82e0 (chat, completions: \"external router assigns a specific DP worker\"); " +
 		"io_struct.py @ 001067ff"},
