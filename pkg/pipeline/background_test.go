@@ -12,6 +12,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
@@ -354,6 +355,59 @@ prefill: {max_background: 2, max_conns_per_endpoint: 1}`, engine.addr()))
 			if n := len(engine.arrived); n != 0 { // past the one awaited
 				t.Errorf("the gone client's leg reached the engine (%d more legs)", n)
 			}
+		})
+	}
+}
+
+// connectionless is a transport to engines none of whose legs can be
+// written (each waits for a connection, prefill.max_conns_per_endpoint, or
+// for a dial that never ends) until its time is up; it records where each
+// leg was to go.
+type connectionless struct {
+	mu    sync.Mutex
+	tried []string
+}
+
+func (c *connectionless) RoundTrip(r *http.Request) (*http.Response, error) {
+	c.mu.Lock()
+	c.tried = append(c.tried, r.URL.Host)
+	c.mu.Unlock()
+	<-r.Context().Done()
+	return nil, r.Context().Err()
+}
+
+// prefill.timeout bounds the whole prefill phase, retries included, under
+// every connector: a concurrent leg that could not be written in its
+// prefill.attempt_timeout leaves the next one what remains of the phase,
+// as a sequential attempt does. Before, each concurrent leg tried had
+// prefill.timeout of its own, so three attempts of 4 s answered at 12 s a
+// request whose prefill.timeout was 10 s.
+func TestPrefillTimeoutBoundsEveryLegTried(t *testing.T) {
+	const timeout = 10 * time.Second
+	for _, connector := range []string{"kv-nixl", "kv-sglang"} {
+		t.Run(connector, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				p, _, _ := newPipeline(t, fmt.Sprintf(`connector: %s
+pools: {prefill: {endpoints: ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {timeout: %s, attempt_timeout: 4s, attempts: 3, on_failure: fail}`, connector, timeout))
+				t.Cleanup(p.Wait)
+				engines := &connectionless{}
+				pipeline.WrapTransport(p, func(http.RoundTripper) http.RoundTripper { return engines })
+				start := time.Now()
+				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
+				took := time.Since(start)
+				d.Release()
+				if e := (*pipeline.Error)(nil); !errors.As(err, &e) || e.Status != http.StatusServiceUnavailable {
+					t.Errorf("Route = %v, want a 503", err)
+				}
+				if took > timeout {
+					t.Errorf("the client was answered after %s, past prefill.timeout %s", took, timeout)
+				}
+				if slices.Sort(engines.tried); len(slices.Compact(engines.tried)) != 3 {
+					t.Errorf("legs went to %v, want each of the 3 endpoints once", engines.tried)
+				}
+			})
 		})
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
@@ -23,6 +24,9 @@ import (
 // (launch).
 func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff, sreq *scheduling.Request, d *Decision) (body.Spliced, error) {
 	attempts := p.pools.Prefill.Attempts(sreq, p.opts.Attempts)
+	// prefill.timeout bounds the phase, every leg tried included, as
+	// runPrefill's: a leg not written in time leaves the next one less.
+	end := time.Now().Add(p.opts.PrefillTimeout)
 	var last error // the last leg that could not be sent, nil before one
 	for {
 		ep, slot, err := attempts.Next()
@@ -45,7 +49,7 @@ func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff
 		}
 		r.Report.Prefill = ep.Addr
 		d.partner.legStarted()
-		failed, notSent := <-p.launch(ctx, slot, r, leg, d)
+		failed, notSent := <-p.launch(ctx, end, slot, r, leg, d)
 		if !notSent {
 			return kv.DecodeBody(p.connector, h), nil
 		}
@@ -92,9 +96,9 @@ func (p *Pipeline) unsent(r *Request, h *kv.Handoff, d *Decision, cause error) (
 // launch sends a concurrent prefill leg in the background, counted by
 // takeBackground, and hands its failure on through d.LegFailed. Until it is
 // written no decode engine waits for it, and a client that leaves takes it
-// along (ctx); once written it runs on its own deadline: Envoy closes the
-// ext_proc stream as soon as its last reply is in, which must not cancel a
-// leg the decode engine is waiting to pair with.
+// along (ctx); once written it runs on until end, the prefill phase's
+// deadline: Envoy closes the ext_proc stream as soon as its last reply is
+// in, which must not cancel a leg the decode engine is waiting to pair with.
 //
 // The channel it returns is closed once the leg is written; a leg that
 // fails before gets its failure there instead, and leaves d as it was: the
@@ -104,7 +108,7 @@ func (p *Pipeline) unsent(r *Request, h *kv.Handoff, d *Decision, cause error) (
 // and a decode whose prefill failed does too. So a leg that failed first,
 // or got no answer, spares its decode endpoint the blame for its 5xx
 // (partner), and an answer spares its own (attemptError.blames).
-func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request, leg prefillLeg, d *Decision) <-chan *attemptError {
+func (p *Pipeline) launch(ctx context.Context, end time.Time, slot *scheduling.Slot, r *Request, leg prefillLeg, d *Decision) <-chan *attemptError {
 	ep, taken, unhold := slot.Endpoint(), slot.Taken(), func() {}
 	if r.Keep != nil { // the leg reads the client's body after Route returns
 		unhold = r.Keep.Hold()
@@ -129,7 +133,7 @@ func (p *Pipeline) launch(ctx context.Context, slot *scheduling.Slot, r *Request
 			p.background.count.give()
 			p.metrics.BackgroundLeg(-1)
 		}()
-		ctx, cancel := context.WithTimeout(legCtx, p.opts.PrefillTimeout)
+		ctx, cancel := context.WithDeadline(legCtx, end)
 		defer cancel()
 		var sent atomic.Bool // set on the transport's goroutine
 		_, failed := p.attempt(ctx, ep.Addr, r, leg, func() { sent.Store(true); written() })
