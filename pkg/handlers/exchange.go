@@ -85,11 +85,15 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) (done bool, err erro
 	return x.send(r)
 }
 
-// send sends r in order, then concludes a routed request. Under mu while
-// the request is incomplete.
+// send sends r in order, then concludes a routed request. A routing that
+// could not be sent whole lets its concurrent prefill leg go: no decode leg
+// will pair with it. Under mu while the request is incomplete.
 func (x *exchange) send(r reply) (done bool, err error) {
 	for m := range r.messages {
 		if err := x.out.Send(m); err != nil {
+			if r.routed {
+				x.decision.Unsent()
+			}
 			return false, err
 		}
 	}

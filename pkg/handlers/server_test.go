@@ -6,6 +6,7 @@ package handlers_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"strings"
@@ -260,4 +261,50 @@ func (panickyRouter) Route(_ context.Context, r *pipeline.Request) (*pipeline.De
 		panic("boom")
 	}
 	return &pipeline.Decision{Endpoints: []string{fakeEndpoint}, Body: body.Spliced{r.Body}}, nil
+}
+
+// brokenAtRouting is a stream that breaks as the routing reply is sent (the
+// client left, and Envoy reset the stream, just then): every earlier reply
+// goes out, that one and any later fail.
+type brokenAtRouting struct{ broken bool }
+
+func (b *brokenAtRouting) Send(m *extprocv3.ProcessingResponse) error {
+	if b.broken = b.broken || metadataDestination(m) != ""; b.broken {
+		return errors.New("the stream was reset")
+	}
+	return nil
+}
+
+// A concurrent prefill leg (kv-sglang, kv-mooncake) outlives its stream
+// because a decode leg will pair with it; when the routing reply that
+// would send that decode leg never reached Envoy, none will, and the leg is
+// cut short at once. Before, it held its prefill engine and a slot of
+// prefill.max_background until prefill.timeout.
+func TestAConcurrentLegWhoseRoutingNeverWentOutEnds(t *testing.T) {
+	for _, mode := range []filterv3.ProcessingMode_BodySendMode{fullDuplex, buffered} {
+		t.Run(mode.String(), func(t *testing.T) {
+			prefill := newBlockingEngine(t, prefillOK)
+			s := newServer(t, fmt.Sprintf(`connector: kv-sglang
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {timeout: 20s}`, prefill.Addr()), handlers.Options{}) // past the 10 s the test waits for the leg to end
+			x := s.Open(t.Context(), &brokenAtRouting{})
+			msgs := []*extprocv3.ProcessingRequest{
+				envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), mode, fullDuplex),
+				envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
+			}
+			var err error
+			for _, m := range msgs {
+				if _, err = x.Handle(m); err != nil {
+					break
+				}
+			}
+			x.Close()
+			if err == nil {
+				t.Fatal("the routing reply went out: the test shows nothing")
+			}
+			if err := prefill.outcome(t); !errors.Is(err, context.Canceled) {
+				t.Errorf("the prefill leg ended with %v, want cancelled", err)
+			}
+		})
+	}
 }

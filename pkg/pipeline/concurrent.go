@@ -48,7 +48,6 @@ func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff
 			return nil, backgroundFull(p.opts.MaxBackground, p.opts.RetryAfter)
 		}
 		r.Report.Prefill = ep.Addr
-		d.partner.legStarted()
 		failed, notSent := <-p.launch(ctx, end, slot, r, leg, d)
 		if !notSent {
 			return kv.DecodeBody(p.connector, h), nil
@@ -97,8 +96,9 @@ func (p *Pipeline) unsent(r *Request, h *kv.Handoff, d *Decision, cause error) (
 // takeBackground, and hands its failure on through d.LegFailed. Until it is
 // written no decode engine waits for it, and a client that leaves takes it
 // along (ctx); once written it runs on until end, the prefill phase's
-// deadline: Envoy closes the ext_proc stream as soon as its last reply is
-// in, which must not cancel a leg the decode engine is waiting to pair with.
+// deadline, unless its routing never reached Envoy (Decision.Unsent): Envoy
+// closes the ext_proc stream as soon as its last reply is in, which must
+// not cancel a leg the decode engine is waiting to pair with.
 //
 // The channel it returns is closed once the leg is written; a leg that
 // fails before gets its failure there instead, and leaves d as it was: the
@@ -120,6 +120,7 @@ func (p *Pipeline) launch(ctx context.Context, end time.Time, slot *scheduling.S
 	keep := context.AfterFunc(ctx, drop) // the client left before the leg was written
 	written := sync.OnceFunc(func() { keep(); close(unsent) })
 	stopped := context.AfterFunc(p.background.end, drop) // Stop
+	d.partner.legStarted(drop)                           // Decision.Unsent
 	p.background.running.Go(func() {
 		defer stopped()
 		defer drop()

@@ -188,6 +188,22 @@ func (d *Decision) Release() {
 	}
 }
 
+// Unsent cuts short the concurrent prefill leg of a decision whose routing
+// the caller could not pass on (the ext_proc stream broke as it was sent):
+// no decode leg will pair with it, and it would otherwise hold its prefill
+// engine, and a slot of prefill.max_background, until prefill.timeout.
+func (d *Decision) Unsent() {
+	if d == nil {
+		return
+	}
+	d.partner.mu.Lock()
+	drop := d.partner.drop
+	d.partner.mu.Unlock()
+	if drop != nil {
+		drop()
+	}
+}
+
 // Sent drops the decode leg's body once the caller has passed it on (a reply
 // sent over gRPC is a copy): its pieces are the client's body and, in P/D,
 // the prefill engine's answer that kv_transfer_params was spliced from, which
@@ -294,6 +310,7 @@ type partner struct {
 	waiting *scheduling.Taken // a decode endpoint whose failure waits for the leg
 	served  *scheduling.Slot  // a served leg that waits for the decode's outcome
 	outcome int8              // the decode's outcome, once settled: 1 ok, -1 failed
+	drop    func()            // cuts the concurrent leg short (Decision.Unsent)
 }
 
 // legServed judges a served leg by its decode's outcome, now or once it
@@ -331,11 +348,11 @@ func (p *partner) fails() {
 	p.failed = true
 }
 
-// legStarted notes a concurrent leg under way.
-func (p *partner) legStarted() {
+// legStarted notes a concurrent leg under way, which drop cuts short.
+func (p *partner) legStarted(drop func()) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.running = true
+	p.running, p.drop = true, drop
 }
 
 // legEnded notes the concurrent leg's end: failed, and whether unanswered
