@@ -346,17 +346,19 @@ func heldOutcome(err error) string {
 // negative priority and hold's pool, one it would use, is saturated: Route
 // asks of the decode pool, and of the prefill pool for P/D. A held request goes on
 // once the pool has room for it (scheduling.Hold); its client gone, it
-// ends with its context's error. With MaxHeld requests in the holds (or
-// just deciding whether to wait), one more is refused at once.
+// ends with its context's error. Hold bounds its time in both holds
+// together: one held for the decode pool waits for the prefill pool only
+// what is left of it. With MaxHeld requests in the holds (or just deciding
+// whether to wait), one more is refused at once.
 func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Request, hold *scheduling.Hold) error {
 	s := p.shedding.settings.Load()
 	priority := s.Priorities[r.Objective]
 	if priority >= 0 {
 		return nil
 	}
-	if s.Hold > 0 && p.shedding.waiting.take(s.MaxHeld) {
+	if left := s.Hold - r.Report.HeldTime; left > 0 && p.shedding.waiting.take(s.MaxHeld) {
 		start := time.Now()
-		held, err := hold.Wait(ctx, sreq, priority, r.Fairness, s.Lines, s.Hold)
+		held, err := hold.Wait(ctx, sreq, priority, r.Fairness, s.Lines, left)
 		p.shedding.waiting.give()
 		if held {
 			d := time.Since(start)

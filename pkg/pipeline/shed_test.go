@@ -1,0 +1,143 @@
+package pipeline_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/go-logr/logr"
+
+	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
+)
+
+const (
+	shedPrefill = "10.2.0.1:8000"
+	shedDecode  = "10.2.0.2:8000"
+)
+
+// queues are the engines' waiting queues as their /metrics report them, by
+// address, served without a network so that the pools' scrapes run on a
+// synctest bubble's clock.
+type queues struct {
+	mu      sync.Mutex
+	waiting map[string]float64
+}
+
+func (q *queues) set(addr string, waiting float64) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.waiting[addr] = waiting
+}
+
+func (q *queues) RoundTrip(r *http.Request) (*http.Response, error) {
+	q.mu.Lock()
+	waiting := q.waiting[r.URL.Host]
+	q.mu.Unlock()
+	status, text := http.StatusNotFound, ""
+	switch {
+	case r.Method == http.MethodPost: // a prefill leg
+		status, text = http.StatusOK, `{"id":"p","choices":[],"kv_transfer_params":`+prefillKV+`}`
+	case r.URL.Path == "/metrics":
+		status, text = http.StatusOK, fmt.Sprintf("vllm:num_requests_waiting %g\nvllm:num_requests_running 8\nvllm:kv_cache_usage_perc 0.1\n", waiting)
+	}
+	return &http.Response{StatusCode: status, Header: http.Header{}, Body: io.NopCloser(strings.NewReader(text)), Request: r}, nil
+}
+
+// shedPipeline is a kv-nixl pipeline that sheds objective batch, holding it
+// up to hold, whose pools scrape their engines through q.
+func shedPipeline(t *testing.T, q *queues, hold string) *pipeline.Pipeline {
+	t.Helper()
+	cfg, err := config.Parse(fmt.Appendf(nil, `connector: kv-nixl
+pools:
+  prefill: {endpoints: [%q], metrics: {interval: 100ms}}
+  decode: {endpoints: [%q], metrics: {interval: 100ms}}
+admission: {objectives: {batch: -1}, hold: %s}
+`, shedPrefill, shedDecode, hold))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := kv.Build(cfg.Connector)
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec := scheduling.Spec{
+		Prefill: scheduling.PoolSpec{Endpoints: cfg.Pools.Prefill.Endpoints, PoolScheduling: cfg.Pools.Prefill.PoolScheduling},
+		Decode:  scheduling.PoolSpec{Endpoints: cfg.Pools.Decode.Endpoints, PoolScheduling: cfg.Pools.Decode.PoolScheduling},
+		PD:      cfg.PD,
+	}
+	a := cfg.Admission
+	parts := pipeline.Parts{Connector: c, Table: api.NewTable(nil), Client: &http.Client{Transport: q}, Scheme: "http",
+		Pools: scheduling.NewPools(spec, scheduling.Deps{Client: &http.Client{Transport: q}, Log: logr.Discard()})}
+	return pipeline.New(parts, pipeline.Options{MaxBodyBytes: cfg.Limits.MaxBodyBytes, Connector: cfg.Connector,
+		Shedding: pipeline.Shedding{Priorities: a.Objectives, Lines: scheduling.Lines{Queue: a.SaturatedQueue, KVCache: a.SaturatedKVCache},
+			Hold: a.Held().D(), MaxHeld: a.MaxHeld, RetryAfter: a.RetryAfter.D()}}, logr.Discard())
+}
+
+// admission.hold bounds the whole time a request is held: a P/D request
+// held for the decode pool, then for the prefill pool, gets its 429 once
+// admission.hold is up, not after as much again in the second hold (nor
+// past envoy.override_message_timeout, which counts one hold).
+func TestAdmissionHoldBoundsBothPoolsTogether(t *testing.T) {
+	tests := []struct {
+		name             string
+		decodeRoomAfter  time.Duration // the decode engine's queue empties; 0: never full
+		prefillRoomAfter time.Duration // the prefill engine's queue empties; 0: never
+		wantHeld         time.Duration // at most, in all
+		wantErr          bool          // a 429
+		wantHeldAtLeast  time.Duration
+	}{
+		{name: "decode held, then prefill for the rest of the hold", decodeRoomAfter: 6 * time.Second,
+			wantHeldAtLeast: 10 * time.Second, wantHeld: 10*time.Second + 200*time.Millisecond, wantErr: true},
+		{name: "prefill alone held", wantHeldAtLeast: 10 * time.Second, wantHeld: 10*time.Second + 200*time.Millisecond, wantErr: true},
+		{name: "decode held, then prefill with room", decodeRoomAfter: 6 * time.Second, prefillRoomAfter: 7 * time.Second,
+			wantHeldAtLeast: 6 * time.Second, wantHeld: 7*time.Second + 200*time.Millisecond},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				q := &queues{waiting: map[string]float64{shedPrefill: 9, shedDecode: 0}}
+				if tt.decodeRoomAfter > 0 {
+					q.set(shedDecode, 9)
+					time.AfterFunc(tt.decodeRoomAfter, func() { q.set(shedDecode, 0) })
+				}
+				if tt.prefillRoomAfter > 0 {
+					time.AfterFunc(tt.prefillRoomAfter, func() { q.set(shedPrefill, 0) })
+				}
+				p := shedPipeline(t, q, "10s")
+				ctx, cancel := context.WithCancel(t.Context())
+				running := make(chan struct{})
+				go func() { defer close(running); p.Run(ctx) }()
+				synctest.Wait() // the first scrapes are in
+				r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-1", Objective: "batch",
+					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+				d, err := p.Route(t.Context(), r)
+				var perr *pipeline.Error
+				switch {
+				case tt.wantErr && (!errors.As(err, &perr) || perr.Status != http.StatusTooManyRequests):
+					t.Errorf("Route: %v, want a 429", err)
+				case !tt.wantErr && err != nil:
+					t.Errorf("Route: %v, want it routed", err)
+				}
+				if d != nil {
+					d.Release()
+				}
+				if held := r.Report.HeldTime; held < tt.wantHeldAtLeast || held > tt.wantHeld {
+					t.Errorf("held %v in all, want %v to %v (admission.hold 10s)", held, tt.wantHeldAtLeast, tt.wantHeld)
+				}
+				cancel()
+				<-running
+			})
+		})
+	}
+}
