@@ -32,7 +32,8 @@ const ClientAddressHeader = "x-pd-client-address"
 // ObjectiveHeader names the request's objective, as the Gateway API Inference
 // Extension's clients and authorization filters set it (an InferenceObjective's
 // name): its priority is admission.objectives'. llm-d's name for it,
-// LLMDObjectiveHeader, is read too; where both are sent, this one counts.
+// LLMDObjectiveHeader, is read too; where both are sent, this one counts,
+// unless it is empty, which names none.
 const (
 	ObjectiveHeader     = "x-gateway-inference-objective"
 	LLMDObjectiveHeader = "x-llm-d-inference-objective"
@@ -42,7 +43,7 @@ const (
 // whose held requests take turns with the other flows' of its priority
 // (admission.hold), as the Inference Extension's flow control reads it;
 // llm-d's name for it, LLMDFairnessHeader, too: where both come, this one
-// wins.
+// wins, unless it is empty.
 const (
 	FairnessHeader     = "x-gateway-inference-fairness-id"
 	LLMDFairnessHeader = "x-llm-d-inference-fairness-id"
@@ -74,12 +75,12 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 			}
 		case "authorization", "x-vllm-priority":
 			x.forward(key, headerValue(h))
-		case ObjectiveHeader:
-			x.req.Objective = headerValue(h)
+		case ObjectiveHeader: // an empty value names none: llm-d's, whenever it came, stands
+			x.req.Objective = cmp.Or(headerValue(h), x.req.Objective)
 		case LLMDObjectiveHeader:
 			x.req.Objective = cmp.Or(x.req.Objective, headerValue(h))
 		case FairnessHeader:
-			x.req.Fairness = headerValue(h)
+			x.req.Fairness = cmp.Or(headerValue(h), x.req.Fairness)
 		case LLMDFairnessHeader:
 			x.req.Fairness = cmp.Or(x.req.Fairness, headerValue(h))
 		default:

@@ -788,7 +788,8 @@ func TestSessionHeadersMarkTheRequest(t *testing.T) {
 // TestAdmissionHeadersNameObjectiveAndFlow: the Inference Extension's
 // objective and fairness id headers, and llm-d's names for them, reach the
 // pipeline (pipeline.Request.Objective, .Fairness); where a request sends
-// both names, the Inference Extension's counts, in either order.
+// both names, the Inference Extension's counts, in either order, unless its
+// value is empty.
 func TestAdmissionHeadersNameObjectiveAndFlow(t *testing.T) {
 	tests := []struct {
 		name                string
@@ -800,14 +801,24 @@ func TestAdmissionHeadersNameObjectiveAndFlow(t *testing.T) {
 		{"llm-d's", []envoymsg.Header{{handlers.LLMDObjectiveHeader, "batch"}, {handlers.LLMDFairnessHeader, "tenant-b"}}, "batch", "tenant-b"},
 		{"both, llm-d's first", []envoymsg.Header{{handlers.LLMDFairnessHeader, "llm-d"}, {handlers.FairnessHeader, "gie"}}, "", "gie"},
 		{"both, llm-d's last", []envoymsg.Header{{handlers.FairnessHeader, "gie"}, {handlers.LLMDFairnessHeader, "llm-d"}}, "", "gie"},
+		// An empty value names nothing: the other name's counts, in either order.
+		{"the Inference Extension's empty, llm-d's first", []envoymsg.Header{{handlers.LLMDObjectiveHeader, "batch"}, {handlers.LLMDFairnessHeader, "llm-d"},
+			{handlers.ObjectiveHeader, ""}, {handlers.FairnessHeader, ""}}, "batch", "llm-d"},
+		{"the Inference Extension's empty, llm-d's last", []envoymsg.Header{{handlers.ObjectiveHeader, ""}, {handlers.FairnessHeader, ""},
+			{handlers.LLMDObjectiveHeader, "batch"}, {handlers.LLMDFairnessHeader, "llm-d"}}, "batch", "llm-d"},
+		{"the Inference Extension's twice, the second empty", []envoymsg.Header{{handlers.ObjectiveHeader, "batch"}, {handlers.FairnessHeader, "gie"},
+			{handlers.ObjectiveHeader, ""}, {handlers.FairnessHeader, ""}}, "batch", "gie"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			r := &fakeRouter{}
 			s := handlers.NewServer(r, handlers.Options{}, logr.Discard())
 			sendChat(t, s.Open(t.Context(), newRecorder()), tt.headers)
-			if len(r.seen) != 1 || r.seen[0].Objective != tt.objective || r.seen[0].Fairness != tt.fairness {
-				t.Fatalf("routed %d requests, %+v; want one, objective %q, fairness %q", len(r.seen), r.seen, tt.objective, tt.fairness)
+			if len(r.seen) != 1 {
+				t.Fatalf("routed %d requests, want one", len(r.seen))
+			}
+			if got := r.seen[0]; got.Objective != tt.objective || got.Fairness != tt.fairness {
+				t.Errorf("objective %q, fairness %q; want %q, %q", got.Objective, got.Fairness, tt.objective, tt.fairness)
 			}
 		})
 	}
