@@ -220,17 +220,22 @@ func (h *Hold) next(lines Lines) int {
 	return best
 }
 
-// forget drops what it remembers of flows with nothing held: a flow that
-// comes back takes its turn as a new one.
+// forget drops what it remembers of flows with nothing held that were
+// served less lately than every flow with requests held: one that comes
+// back takes its turn as a new one (never served), which it would take
+// anyway. A flow served since keeps its place behind the others: were it
+// forgotten, one that empties the hold at each release and sends again
+// before the next would take every place.
 func (h *Hold) forget() {
 	if len(h.served) == 0 {
 		return
 	}
-	waiting := make(map[flow]bool, len(h.held))
+	waiting, least := make(map[flow]bool, len(h.held)), h.serial+1
 	for _, x := range h.held {
 		waiting[x.flow] = true
+		least = min(least, h.served[x.flow])
 	}
-	maps.DeleteFunc(h.served, func(f flow, _ uint64) bool { return !waiting[f] })
+	maps.DeleteFunc(h.served, func(f flow, n uint64) bool { return !waiting[f] && n < least })
 }
 
 // budget is how many held requests one scrape round lets go: this replica's share

@@ -168,6 +168,51 @@ func TestFlowsTakeTurnsInTheHold(t *testing.T) {
 	}
 }
 
+// A flow served lately goes behind those served less lately, even when it
+// had nothing held between its turns: one that empties the hold at each
+// release and sends again before the next does not take every place from
+// a flow that floods it (nor does a flow that goes away and comes back).
+func TestAFlowThatComesBackTakesItsTurn(t *testing.T) {
+	const a = "10.0.0.1:8000"
+	tests := []struct {
+		name   string
+		rounds [][]string // the flows of the requests added before each release, one place a release
+		want   []string   // the flows released, in order
+	}{
+		{"one request a round against a flood",
+			[][]string{{"flood", "flood", "flood", "flood"}, {"steady"}, {"steady"}, {"steady"}, {}},
+			[]string{"flood", "steady", "flood", "steady", "flood"}},
+		{"a newcomer goes ahead of flows served since it arrived",
+			[][]string{{"a", "a", "b", "b"}, {"c"}, {}, {}},
+			[]string{"a", "b", "c", "a"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, a)
+			h := NewHold(p)
+			byAddr(p, a).observe(Load{Waiting: 5, At: clock.Now()})
+			var released []string
+			for i, add := range tt.rounds {
+				for j, flow := range add {
+					if !h.Add(promptRequest(fmt.Sprint(flow, i, j)), -1, flow, clock.Now().Add(time.Minute), defaultLines, func(ok bool) {
+						if ok {
+							released = append(released, flow)
+						}
+					}) {
+						t.Fatalf("round %d: a request of %s went at once", i, flow)
+					}
+				}
+				clock.Advance(time.Second)
+				byAddr(p, a).observe(Load{Waiting: 4, Running: 8, At: clock.Now()}) // one place, this replica's share less than one
+				h.Release(defaultLines)
+			}
+			if !slices.Equal(released, tt.want) {
+				t.Errorf("released %v, want %v", released, tt.want)
+			}
+		})
+	}
+}
+
 // Wait returns when its request is released, when its time is up
 // (ErrStillSaturated) or when its client is gone (the context's error,
 // the request no longer held).
