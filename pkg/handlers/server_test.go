@@ -265,11 +265,19 @@ func (panickyRouter) Route(_ context.Context, r *pipeline.Request) (*pipeline.De
 
 // brokenAtRouting is a stream that breaks as the routing reply is sent (the
 // client left, and Envoy reset the stream, just then): every earlier reply
-// goes out, that one and any later fail.
-type brokenAtRouting struct{ broken bool }
+// goes out, that one and any later fail. It breaks once the engine has the
+// leg (arrived): a leg cut short as it is written may never reach it.
+type brokenAtRouting struct {
+	broken  bool
+	arrived func()
+}
 
 func (b *brokenAtRouting) Send(m *extprocv3.ProcessingResponse) error {
-	if b.broken = b.broken || metadataDestination(m) != ""; b.broken {
+	if !b.broken && metadataDestination(m) != "" {
+		b.arrived()
+		b.broken = true
+	}
+	if b.broken {
 		return errors.New("the stream was reset")
 	}
 	return nil
@@ -287,7 +295,7 @@ func TestAConcurrentLegWhoseRoutingNeverWentOutEnds(t *testing.T) {
 			s := newServer(t, fmt.Sprintf(`connector: kv-sglang
 pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {timeout: 20s}`, prefill.Addr()), handlers.Options{}) // past the 10 s the test waits for the leg to end
-			x := s.Open(t.Context(), &brokenAtRouting{})
+			x := s.Open(t.Context(), &brokenAtRouting{arrived: func() { prefill.Await(t) }})
 			msgs := []*extprocv3.ProcessingRequest{
 				envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), mode, fullDuplex),
 				envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
