@@ -66,33 +66,25 @@ func (c *Config) reloadable(s startedWith) error {
 // The directory is watched, not the file, because the file is usually replaced
 // rather than written: editors rename a temporary file over it, and a
 // Kubernetes ConfigMap volume swaps its ..data symlink, so a watch on the file
-// itself would follow the old inode and go silent.
+// itself would follow the old inode and go silent. When the directory itself
+// goes (a ConfigMap item in a subdirectory is conf -> ..data/conf, a directory
+// of the copy each update deletes; a tool renames a new directory in place of
+// the old), the watch is set again on what its path now leads to.
 //
 // When the directory exists but cannot be watched (inotify instances or
 // watches run out: fs.inotify.max_user_instances is shared by every process
-// of the user ID on a node, and containers of one image share one), the
-// file is read every pollEvery instead, and the watch tried again each
-// time; the failure goes to reject, so it is counted and logged.
+// of the user ID on a node, and containers of one image share one), or is
+// gone, the file is read every pollEvery instead, and the watch tried again
+// each time; the failure goes to reject, so it is counted and logged.
 func Watch(ctx context.Context, path string, running *Config, apply func(*Config), reject func(error)) error {
-	w, err := watchDir(path)
-	var poll *time.Ticker
-	switch {
+	d := &dirWatch{path: path}
+	defer d.stop()
+	switch err := d.start(); {
 	case errors.Is(err, fs.ErrNotExist):
 		return err
 	case err != nil:
-		reject(fmt.Errorf("%w; reading the file every %s until it can be watched", err, pollEvery))
-		poll = time.NewTicker(pollEvery)
-		defer func() {
-			if poll != nil {
-				poll.Stop()
-			}
-		}()
+		reject(err)
 	}
-	defer func() {
-		if w != nil {
-			w.Close()
-		}
-	}()
 	watchReady()
 
 	var last []byte
@@ -104,12 +96,15 @@ func Watch(ctx context.Context, path string, running *Config, apply func(*Config
 		select {
 		case <-ctx.Done():
 			return nil
-		case _, ok := <-events(w):
+		case ev, ok := <-events(d.w):
 			if !ok {
 				return nil
 			}
+			if ev.Name == filepath.Dir(path) && ev.Op&(fsnotify.Remove|fsnotify.Rename) != 0 {
+				d.drop() // the directory went: its path may lead to a new one once the change settles
+			}
 			timer.Reset(settle)
-		case err, ok := <-errs(w):
+		case err, ok := <-errs(d.w):
 			if !ok {
 				return nil
 			}
@@ -117,13 +112,15 @@ func Watch(ctx context.Context, path string, running *Config, apply func(*Config
 			// Events may have been lost (inotify's queue overflowed): the
 			// file is read again, or a change waits for the next event.
 			timer.Reset(settle)
-		case <-tickerC(poll):
-			if w, err = watchDir(path); err == nil {
-				poll.Stop()
-				poll = nil
-			}
+		case <-tickerC(d.poll):
+			_ = d.start() // said when polling began
 			timer.Reset(0)
 		case <-timer.C:
+			if d.w == nil && d.poll == nil { // dropped: watch where the path now leads, before reading
+				if err := d.start(); err != nil {
+					reject(err)
+				}
+			}
 			data, err := os.ReadFile(path)
 			if err != nil {
 				reject(fmt.Errorf("config: %w; keeping the running config", err))
@@ -156,6 +153,48 @@ var pollEvery = 10 * time.Second
 
 // newWatcher is fsnotify's, or a test's.
 var newWatcher = fsnotify.NewWatcher
+
+// dirWatch watches path's directory, or, while it cannot, ticks every
+// pollEvery for the file to be read and the watch tried again.
+type dirWatch struct {
+	path string
+	w    *fsnotify.Watcher // nil while polling
+	poll *time.Ticker      // nil while watching
+}
+
+// start (re)places the watch on the directory path now leads to; when it
+// cannot, it polls, and says why.
+func (d *dirWatch) start() error {
+	d.drop()
+	w, err := watchDir(d.path)
+	if err != nil {
+		if d.poll == nil {
+			d.poll = time.NewTicker(pollEvery)
+		}
+		return fmt.Errorf("%w; reading the file every %s until it can be watched", err, pollEvery)
+	}
+	d.w = w
+	if d.poll != nil {
+		d.poll.Stop()
+		d.poll = nil
+	}
+	return nil
+}
+
+// drop closes the watch, whose directory went.
+func (d *dirWatch) drop() {
+	if d.w != nil {
+		d.w.Close()
+		d.w = nil
+	}
+}
+
+func (d *dirWatch) stop() {
+	d.drop()
+	if d.poll != nil {
+		d.poll.Stop()
+	}
+}
 
 // watchDir watches path's directory; nil on an error.
 func watchDir(path string) (*fsnotify.Watcher, error) {

@@ -374,3 +374,93 @@ func TestWatchReadsTheFileAfterAWatchError(t *testing.T) {
 		t.Fatalf("applied %s, want the change whose events were lost", got)
 	}
 }
+
+// The watched directory itself can go away while its path stays: a
+// ConfigMap item in a subdirectory (items: [{key: extproc.yaml, path:
+// conf/extproc.yaml}]) is conf -> ..data/conf, a directory of the
+// timestamped copy the kubelet deletes at each update, and a deployment
+// tool may rename a new directory in place of the old one. Each update is
+// applied, not only the first: the watch follows the path to the new
+// directory.
+func TestWatchFollowsAReplacedDirectory(t *testing.T) {
+	tests := []struct {
+		name string
+		// setup writes data as the first version and returns the path to
+		// watch and the function that writes each next version.
+		setup func(t *testing.T, root, data string) (path string, update func(data string))
+	}{
+		{"a ConfigMap item in a subdirectory", func(t *testing.T, root, data string) (string, func(string)) {
+			n := 0
+			version := func(data string) string {
+				n++
+				name := "..v" + string(rune('0'+n))
+				if err := os.MkdirAll(filepath.Join(root, name, "conf"), 0o755); err != nil {
+					t.Fatal(err)
+				}
+				write(t, filepath.Join(root, name, "conf", "extproc.yaml"), data)
+				return name
+			}
+			current := version(data)
+			if err := os.Symlink(current, filepath.Join(root, "..data")); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Symlink(filepath.Join("..data", "conf"), filepath.Join(root, "conf")); err != nil {
+				t.Fatal(err)
+			}
+			// As the kubelet's AtomicWriter: the new copy, ..data swapped by
+			// a rename, the old copy removed.
+			return filepath.Join(root, "conf", "extproc.yaml"), func(data string) {
+				next := version(data)
+				if err := os.Symlink(next, filepath.Join(root, "..data_tmp")); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.Rename(filepath.Join(root, "..data_tmp"), filepath.Join(root, "..data")); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.RemoveAll(filepath.Join(root, current)); err != nil {
+					t.Fatal(err)
+				}
+				current = next
+			}
+		}},
+		{"a new directory renamed in place of the old", func(t *testing.T, root, data string) (string, func(string)) {
+			dir := filepath.Join(root, "conf")
+			if err := os.Mkdir(dir, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			write(t, filepath.Join(dir, "extproc.yaml"), data)
+			return filepath.Join(dir, "extproc.yaml"), func(data string) {
+				if err := os.Mkdir(dir+".new", 0o755); err != nil {
+					t.Fatal(err)
+				}
+				write(t, filepath.Join(dir+".new", "extproc.yaml"), data)
+				if err := os.Rename(dir, dir+".old"); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.Rename(dir+".new", dir); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.RemoveAll(dir + ".old"); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path, update := tt.setup(t, t.TempDir(), validA)
+			applied, _ := watching(t, path)
+			for i, want := range []string{"10.0.0.3:8000", "10.0.0.2:8000", "10.0.0.3:8000"} {
+				update(strings.ReplaceAll(validA, "10.0.0.2:8000", want))
+				select {
+				case c := <-applied:
+					if got := c.Pools.Decode.Endpoints[0]; got != want {
+						t.Fatalf("update %d: applied %s, want %s", i+1, got, want)
+					}
+				case <-time.After(5 * time.Second):
+					t.Fatalf("update %d: not applied within 5s", i+1)
+				}
+			}
+		})
+	}
+}
