@@ -8,6 +8,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"math"
 	"net"
 	"os"
 	"os/signal"
@@ -95,12 +96,13 @@ func main() {
 }
 
 // validate refuses flag values that would run, but not as asked: a negative
-// verbosity drops every per-request line, a negative grace cuts every
+// verbosity drops every per-request line, one past zap's int8 levels wraps
+// to a level above fatal and drops every line, a negative grace cuts every
 // stream at SIGTERM, and a negative keepalive setting is taken for its
 // default.
 func (f flags) validate() error {
 	var errs []error
-	if f.verbosity < 0 {
+	if f.verbosity < 0 || f.verbosity > -math.MinInt8 {
 		errs = append(errs, fmt.Errorf("-v %d: verbosity is 0, 1 or 2", f.verbosity))
 	}
 	for _, d := range []struct {

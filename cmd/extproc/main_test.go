@@ -18,6 +18,11 @@ func TestFlagsThatCannotRunAsAskedAreRefused(t *testing.T) {
 		{"the defaults", func(*flags) {}, ""},
 		{"no grace, no buffering", func(f *flags) { f.grace, f.logFlush = 0, 0 }, ""},
 		{"a negative verbosity", func(f *flags) { f.verbosity = -1 }, "-v -1"},
+		{"more detail than there is", func(f *flags) { f.verbosity = 3 }, ""},
+		// zap's levels are an int8: -v 129 and up wrapped to a level above
+		// fatal, and not even an error was logged.
+		{"the most detail zap can take", func(f *flags) { f.verbosity = 128 }, ""},
+		{"a verbosity past zap's levels", func(f *flags) { f.verbosity = 200 }, "-v 200"},
 		{"a negative grace", func(f *flags) { f.grace = -time.Second }, "--shutdown-grace -1s"},
 		{"a negative keepalive ping", func(f *flags) { f.keepalive.Ping = -time.Second }, "--keepalive-ping -1s"},
 	} {
