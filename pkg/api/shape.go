@@ -144,9 +144,13 @@ func sglangCompletionsAlone(o *body.Object) Reason {
 	return NoReason
 }
 
-// generatePromptLogprobs: vLLM's generate asks in sampling_params.
+// generatePromptLogprobs: vLLM's generate asks in sampling_params, which is
+// the engine's SamplingParams as it is: with prompt_logprobs, or with
+// prompt_logprob_token_ids, which scores the prompt's rows for those ids
+// without prompt_logprobs (SamplingParams in vllm/sampling_params.py @
+// 00388f65; its skip_reading_prefix_cache reads either).
 func generatePromptLogprobs(o *body.Object) Reason {
-	if sp, ok := o.Object("sampling_params"); ok && present(sp, "prompt_logprobs") {
+	if sp, ok := o.Object("sampling_params"); ok && (present(sp, "prompt_logprobs") || present(sp, "prompt_logprob_token_ids")) {
 		return PromptLogprobs
 	}
 	return NoReason
