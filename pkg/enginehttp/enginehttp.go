@@ -21,10 +21,11 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/secretfiles"
 )
 
-// idleConnTimeout closes a connection to an engine before the engine does:
+// IdleConnTimeout closes a connection to an engine before the engine does:
 // vLLM and SGLang close one idle for 5 s (uvicorn's timeout_keep_alive), and
-// a leg sent on one as it closes fails, a POST not being retried.
-const idleConnTimeout = 4 * time.Second
+// a request sent on one as it closes fails, a POST (a prefill leg, a
+// question for token ids) not being retried.
+const IdleConnTimeout = 4 * time.Second
 
 // handshakeTimeout bounds a TLS handshake with an engine: net/http does not
 // cancel a dial with its request, and an engine that accepts connections but
@@ -46,7 +47,7 @@ func Client(cfg config.Prefill) (*http.Client, string, error) {
 		MaxIdleConns:        0, // no bound across engines: MaxIdleConnsPerHost bounds each
 		MaxIdleConnsPerHost: cfg.MaxIdleConnsPerEndpoint,
 		MaxConnsPerHost:     cfg.MaxConnsPerEndpoint,
-		IdleConnTimeout:     idleConnTimeout,
+		IdleConnTimeout:     IdleConnTimeout,
 		DisableCompression:  true,
 		Protocols:           new(http.Protocols),
 	}

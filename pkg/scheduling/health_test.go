@@ -520,3 +520,17 @@ func TestEjectionsGrowToTheMostWithoutOverflow(t *testing.T) {
 		want = min(2*want, most)
 	}
 }
+
+// The checks' client closes an idle connection before the engine does
+// (uvicorn's timeout_keep_alive, 5 s): its POSTs (a decode engine asked for
+// a request's token ids) are not retried, and one sent on a connection the
+// engine is closing would fail, leaving the request to the estimates.
+func TestProbeClientClosesIdleConnectionsBeforeTheEngine(t *testing.T) {
+	const engineKeepAlive = 5 * time.Second
+	for _, tls := range []*tls.Config{nil, {}} {
+		tr := probeClient(tls).Transport.(*http.Transport)
+		if tr.IdleConnTimeout <= 0 || tr.IdleConnTimeout >= engineKeepAlive {
+			t.Errorf("TLS %v: idle connections kept %s; the engines close theirs at %s", tls != nil, tr.IdleConnTimeout, engineKeepAlive)
+		}
+	}
+}

@@ -66,8 +66,10 @@ func (d Deps) probe(r role, tlsCfg *tls.Config, key *enginehttp.Key, clientGiven
 	return p
 }
 
-// probeClient is the client of checks and scrapes: engines are addressed
-// directly (no environment proxy), a couple of connections kept per engine.
+// probeClient is the client of checks, scrapes and questions (a decode
+// engine's token ids, posted): engines are addressed directly (no
+// environment proxy), a couple of connections kept per engine, each closed
+// before the engine would close it.
 // A redirect is the engine's answer, not followed: an endpoint must not send
 // pd-extproc's requests to a host outside its pool, nor vouch with its
 // answer.
@@ -77,7 +79,7 @@ func probeClient(tlsCfg *tls.Config) *http.Client {
 		Proxy:               nil,
 		DialContext:         dialer.DialContext,
 		MaxIdleConnsPerHost: 2,
-		IdleConnTimeout:     time.Minute,
+		IdleConnTimeout:     enginehttp.IdleConnTimeout,
 	}
 	if tlsCfg != nil {
 		t.DialTLSContext = enginehttp.DialTLS(tlsCfg, dialer.DialContext)
