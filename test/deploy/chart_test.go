@@ -283,9 +283,10 @@ func TestABootstrapChangeRollsEnvoy(t *testing.T) {
 }
 
 // The chart refuses values that render objects which cannot run, saying what to change: a
-// PodDisruptionBudget that keeps as many pods as the Deployment runs blocks every node drain
-// (kubectl drain waits for ever on a healthy pod), and a pool's default KV events under another
-// policy than prefix-affinity is a config the pods refuse. One replica without a budget renders.
+// PodDisruptionBudget that keeps as many pods as the Deployment runs, by count or by percentage,
+// blocks every node drain (kubectl drain waits for ever on a healthy pod), and a pool's default
+// KV events under another policy than prefix-affinity is a config the pods refuse. One replica
+// without a budget renders.
 func TestChartRefusesValuesThatCannotRun(t *testing.T) {
 	ex := example(t, "defaults")
 	for _, tt := range []struct {
@@ -299,6 +300,21 @@ func TestChartRefusesValuesThatCannotRun(t *testing.T) {
 			v["podDisruptionBudget"] = map[string]any{"enabled": false, "minAvailable": 1}
 		}, ""},
 		{"one Envoy", func(v map[string]any) { v["envoy"].(map[string]any)["replicas"] = 1 }, "envoy.podDisruptionBudget.enabled=false"},
+		// Kubernetes rounds a percentage up (pkg/controller/disruption): half of one pod is one.
+		{"one pd-extproc replica, half of it kept", func(v map[string]any) {
+			v["replicas"] = 1
+			v["podDisruptionBudget"] = map[string]any{"minAvailable": "50%"}
+		}, "podDisruptionBudget.enabled=false"},
+		{"two Envoys, all of them kept", func(v map[string]any) {
+			v["envoy"].(map[string]any)["podDisruptionBudget"] = map[string]any{"minAvailable": "100%"}
+		}, "envoy.podDisruptionBudget.enabled=false"},
+		{"two pd-extproc replicas, half of them kept", func(v map[string]any) {
+			v["podDisruptionBudget"] = map[string]any{"minAvailable": "50%"}
+		}, ""},
+		{"three Envoys, two thirds of them kept", func(v map[string]any) {
+			v["envoy"].(map[string]any)["replicas"] = 3
+			v["envoy"].(map[string]any)["podDisruptionBudget"] = map[string]any{"minAvailable": "66%"}
+		}, ""},
 		{"the decode pool by least load, its default KV events kept", func(v map[string]any) {
 			v["config"] = map[string]any{"pools": map[string]any{"decode": map[string]any{"policy": "least-load"}}}
 		}, "config.pools.decode.kv_events needs config.pools.decode.policy: prefix-affinity"},

@@ -35,6 +35,19 @@ app.kubernetes.io/name: envoy
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* The pods a PodDisruptionBudget of minAvailable keeps out of replicas, as Kubernetes counts
+them: a percentage is of the replicas, rounded up (pkg/controller/disruption). Takes (list
+replicas minAvailable). */}}
+{{- define "pd-extproc.pdbKeeps" -}}
+{{- $replicas := int (index . 0) }}
+{{- $min := toString (index . 1) }}
+{{- if hasSuffix "%" $min }}
+{{- div (add (mul $replicas (int (trimSuffix "%" $min))) 99) 100 }}
+{{- else }}
+{{- int $min }}
+{{- end }}
+{{- end }}
+
 {{- define "pd-extproc.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "pd-extproc.fullname" .) .Values.serviceAccount.name }}
