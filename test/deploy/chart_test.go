@@ -555,3 +555,30 @@ func TestTheEnginesSecretsAreMountedWhereTheConfigReadsThem(t *testing.T) {
 		t.Errorf("engineCA with no tls block enabled: %v, want the chart's refusal", err)
 	}
 }
+
+// A string value the templates put in the Envoy's command line reaches it as that string, even
+// where YAML 1.1, which Helm and kubectl read manifests with, takes the bare word for a boolean:
+// Envoy's log level off rendered bare was false, and the API server refused the Deployment
+// (args[3]: expected string, got false).
+func TestStringValuesStayStrings(t *testing.T) {
+	ex := example(t, "defaults")
+	for _, level := range []string{"off", "info"} {
+		t.Run("envoy.logLevel="+level, func(t *testing.T) {
+			values, err := ex.ValuesMap()
+			if err != nil {
+				t.Fatal(err)
+			}
+			values["envoy"] = map[string]any{"logLevel": level}
+			c := dig(find(t, render(t, ex, values), "Deployment", "pd-extproc-envoy"), "spec", "template", "spec", "containers").([]any)[0]
+			args, _ := dig(c, "args").([]any)
+			for _, arg := range args {
+				if _, ok := arg.(string); !ok {
+					t.Errorf("argument %v is a %T, not a string: the API server refuses the Deployment", arg, arg)
+				}
+			}
+			if !slices.ContainsFunc(args, func(a any) bool { return a == level }) {
+				t.Errorf("no argument %q in %v", level, args)
+			}
+		})
+	}
+}
