@@ -3,6 +3,7 @@ package deploy
 import (
 	"cmp"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -75,7 +76,8 @@ func example(t *testing.T, name string) chart.Example {
 }
 
 // Every value set renders objects that name themselves, live in the release's namespace (the
-// GatewayClass aside) and appear once; the config it renders loads with pd-extproc's own parser
+// GatewayClass aside; the Roles of rbac.extraNamespaces, and the HTTPRoute's decode Service and
+// its ReferenceGrant, where the decode pods are) and appear once; the config it renders loads with pd-extproc's own parser
 // (an unknown key would otherwise surface only when the pod crash-loops); and helm lint's checks
 // find nothing to warn about.
 func TestChartRendersEachValueSet(t *testing.T) {
@@ -89,7 +91,7 @@ func TestChartRendersEachValueSet(t *testing.T) {
 					t.Errorf("%s: object without apiVersion, kind or metadata.name: %v", m.file, m.doc)
 				}
 				ns := digString(m.doc, "metadata", "namespace")
-				if wantNS := ex.Release.Namespace; clusterScoped[m.kind()] != (ns == "") || (ns != "" && ns != wantNS && m.kind() != "Role" && m.kind() != "RoleBinding") {
+				if wantNS := ex.Release.Namespace; clusterScoped[m.kind()] != (ns == "") || (ns != "" && ns != wantNS && !elsewhere(m)) {
 					t.Errorf("%s: %s has namespace %q; want %q (or none for cluster-scoped kinds)", m.file, id, ns, wantNS)
 				}
 				if prev, dup := seen[id+ns]; dup {
@@ -110,6 +112,19 @@ func TestChartRendersEachValueSet(t *testing.T) {
 			}
 		})
 	}
+}
+
+// elsewhere is whether the chart may render m outside the release's namespace: the Roles of
+// rbac.extraNamespaces, and the decode Service of the Envoy Gateway route with its
+// ReferenceGrant, in the decode pods' namespace.
+func elsewhere(m manifest) bool {
+	switch m.kind() {
+	case "Role", "RoleBinding", "ReferenceGrant":
+		return true
+	case "Service":
+		return strings.HasSuffix(m.name(), "-decode")
+	}
+	return false
 }
 
 // fullname is the release's full name the chart gives its objects.
@@ -581,4 +596,98 @@ func TestStringValuesStayStrings(t *testing.T) {
 			}
 		})
 	}
+}
+
+// The HTTPRoute's backend Service, which Envoy Gateway needs ready endpoints behind to build a
+// route the EnvoyPatchPolicy can point at the ORIGINAL_DST cluster (with none it installs a
+// fixed 503 and the patch finds no cluster to replace), lives where the decode pods are: a
+// Service selects pods of its own namespace only. With the decode pool discovered in another
+// namespace it goes there, with a ReferenceGrant that lets the HTTPRoute name it, and Envoy
+// Gateway resolves the reference.
+func TestTheRoutesBackendSelectsTheDecodePods(t *testing.T) {
+	ex := example(t, "envoy-gateway")
+	for _, tt := range []struct {
+		name   string
+		values string
+		ns     string // where the backend Service must be
+	}{
+		{"decode pods in the release's namespace", ``, "pd-extproc"},
+		{"decode pool discovered in another namespace", `
+config: {pools: {decode: {kubernetes: {namespace: engines}}}}
+rbac: {extraNamespaces: [engines]}
+`, "engines"},
+		{"the Service's namespace given", `
+config: {pools: {decode: {kubernetes: null, dns: "vllm-decode.engines.svc.cluster.local:8000"}}}
+gateway: {decodeService: {namespace: engines}}
+`, "engines"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			values, err := ex.ValuesMap()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var more map[string]any
+			if err := yaml.Unmarshal([]byte(tt.values), &more); err != nil {
+				t.Fatal(err)
+			}
+			maps.Copy(values, more)
+			values["envoy"] = map[string]any{"enabled": false}
+			values["gateway"] = merged(map[string]any{"enabled": true}, values["gateway"])
+			ms := render(t, ex, values)
+			route := find(t, ms, "HTTPRoute", "pd-gateway-inference")
+			ref := dig(route, "spec", "rules").([]any)[0].(map[string]any)["backendRefs"].([]any)[0]
+			ns := cmp.Or(digString(ref, "namespace"), digString(route, "metadata", "namespace"))
+			if ns != tt.ns {
+				t.Errorf("the route's backend is in namespace %q, want %q, where the decode pods are", ns, tt.ns)
+			}
+			var svc, grant map[string]any
+			for _, m := range ms {
+				switch {
+				case m.kind() == "Service" && m.name() == digString(ref, "name") && digString(m.doc, "metadata", "namespace") == ns:
+					svc = m.doc
+				case m.kind() == "ReferenceGrant" && digString(m.doc, "metadata", "namespace") == ns:
+					grant = m.doc
+				}
+			}
+			if svc == nil {
+				t.Fatalf("no Service %s/%s rendered for the route's backend", ns, digString(ref, "name"))
+			}
+			if ns != ex.Release.Namespace && grant == nil {
+				t.Errorf("no ReferenceGrant in %s lets the HTTPRoute of %s name its backend", ns, ex.Release.Namespace)
+			}
+			egctl := testbed.FindTool("egctl")
+			if egctl == "" {
+				t.Skip("egctl not found: `make tools`")
+			}
+			stream := fmt.Appendf(nil, "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: %s}\n---\napiVersion: v1\nkind: Namespace\nmetadata: {name: engines}\n", ex.Release.Namespace)
+			for _, m := range ms {
+				if !strings.HasPrefix(digString(m.doc, "apiVersion"), "cert-manager.io/") {
+					doc, err := yaml.Marshal(m.doc)
+					if err != nil {
+						t.Fatal(err)
+					}
+					stream = append(append(stream, "---\n"...), doc...)
+				}
+			}
+			res, err := translateGateway(t, egctl, append(stream, clientTLSSecret(t)...))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var r report
+			checkGatewayStatus(res, &r)
+			for _, e := range r.errs {
+				t.Error(e)
+			}
+		})
+	}
+}
+
+// merged is a copy of over's keys over base's, base a map or nil.
+func merged(over map[string]any, base any) map[string]any {
+	out := map[string]any{}
+	if b, ok := base.(map[string]any); ok {
+		maps.Copy(out, b)
+	}
+	maps.Copy(out, over)
+	return out
 }

@@ -33,7 +33,7 @@ func shippedManifests(t *testing.T) []*unstructured.Unstructured {
 // example discovers engines in), which namespaced objects need even in a dry run.
 func prepareForManifests(t *testing.T, c *cluster) {
 	t.Helper()
-	c.installCRDs(t, "InferencePool", "GatewayClass", "Gateway", "HTTPRoute", "BackendTLSPolicy",
+	c.installCRDs(t, "InferencePool", "GatewayClass", "Gateway", "HTTPRoute", "ReferenceGrant", "BackendTLSPolicy",
 		"EnvoyExtensionPolicy", "EnvoyPatchPolicy", "ClientTrafficPolicy", "BackendTrafficPolicy", "EnvoyProxy", "Issuer", "Certificate",
 		"ServiceMonitor", "PodMonitor", "PrometheusRule")
 	for _, ns := range []string{"pd-extproc", "llm", "engines"} {
@@ -60,7 +60,7 @@ func TestManifestsPassServerSideDryRun(t *testing.T) {
 		}
 	}
 	for _, k := range []string{"Deployment", "Role", "RoleBinding", "ServiceAccount", "InferencePool", "EnvoyExtensionPolicy", "HTTPRoute",
-		"NetworkPolicy", "BackendTLSPolicy", "EnvoyProxy", "Certificate", "Issuer", "PodDisruptionBudget", "ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"} {
+		"NetworkPolicy", "ReferenceGrant", "BackendTLSPolicy", "EnvoyProxy", "Certificate", "Issuer", "PodDisruptionBudget", "ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap"} {
 		if !kinds[k] {
 			t.Errorf("no %s among the %d objects checked", k, len(objs))
 		}
