@@ -343,3 +343,64 @@ pd: {mode: always}`, a.Addr(), b.Addr()))
 		t.Errorf("%d log lines say the prefill failed", n)
 	}
 }
+
+// TestALegThatWaitedForAConnectionBlamesNoEngine: with every connection
+// prefill.max_conns_per_endpoint allows to an engine busy, a leg waits for
+// one; a leg whose time runs out while it waits never reached the engine,
+// which is busy serving, not broken. It fails as a timeout, but does not
+// eject the engine: that would send its load to the others, or decode-only.
+func TestALegThatWaitedForAConnectionBlamesNoEngine(t *testing.T) {
+	tests := []struct{ connector, path, body string }{
+		{"kv-nixl", "/v1/completions", `{"model":"m","prompt":"hi"}`},
+		{"kv-sglang", "/generate", `{"text":"hi"}`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.connector, func(t *testing.T) {
+			release := make(chan struct{})
+			engine := enginetest.Start(t, func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path == "/hold" {
+					<-release
+				}
+				enginetest.JSON(200, `{}`)(w, r)
+			})
+			p, m, _ := newPipeline(t, fmt.Sprintf(`connector: %s
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
+prefill: {attempts: 1, timeout: 100ms, max_conns_per_endpoint: 1}`, tt.connector, engine.Addr()))
+			var transport http.RoundTripper
+			pipeline.WrapTransport(p, func(rt http.RoundTripper) http.RoundTripper { transport = rt; return rt })
+			held := make(chan error, 1)
+			go func() { // takes the one connection, until released
+				req, _ := http.NewRequest(http.MethodGet, engine.URL+"/hold", nil)
+				resp, err := transport.RoundTrip(req)
+				if err == nil {
+					resp.Body.Close()
+				}
+				held <- err
+			}()
+			engine.Await(t)
+			for range 3 {
+				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: tt.path, RequestID: "r",
+					Body: []byte(tt.body)})
+				if err == nil {
+					d.Release()
+				}
+				p.Wait()
+			}
+			close(release)
+			if err := enginetest.Receive(t, held, "the held request never ended"); err != nil {
+				t.Fatal(err)
+			}
+			if got := counter(t, m, "pd_extproc_prefill_failures_total", "reason", metrics.FailureTimeout.String()); got != 3 {
+				t.Errorf("prefill_failures_total{reason=timeout} = %v, want 3", got)
+			}
+			if got := len(engine.Requests()); got != 1 {
+				t.Errorf("the engine received %d requests, want only the one that held its connection", got)
+			}
+			prefill, _ := p.Pools()
+			if e := prefill.Endpoints()[0]; !e.Healthy() || e.Ejections() != 0 {
+				t.Errorf("prefill endpoint healthy = %v, ejections %d, after three legs that never reached it; want healthy, none",
+					e.Healthy(), e.Ejections())
+			}
+		})
+	}
+}

@@ -126,11 +126,15 @@ func (e *attemptError) retryable() bool {
 // health: it could not be connected to, it timed out, the connection broke,
 // or it answered 5xx. A redirect, an answer too long to read, or a leg that
 // never left, says nothing of it; counting them would let a client eject endpoints with requests no
-// engine could serve.
+// engine could serve. Nor does a timeout before the transport began to
+// connect: the leg waited for a connection, every one that
+// prefill.max_conns_per_endpoint allows busy with the engine's other legs.
 func (e *attemptError) counts() bool {
 	switch e.reason {
-	case metrics.FailureConnect, metrics.FailureTimeout, metrics.FailureTransport, metrics.FailureStatus5xx, metrics.FailureMalformed:
+	case metrics.FailureConnect, metrics.FailureTransport, metrics.FailureStatus5xx, metrics.FailureMalformed:
 		return true
+	case metrics.FailureTimeout:
+		return e.reached
 	}
 	return false
 }
@@ -142,18 +146,18 @@ func (e *attemptError) counts() bool {
 // sent to it for prefill.timeout, with the attempt's timeout left at the
 // phase's. One cut short by an earlier attempt's time is not blamed. A
 // concurrent leg fails with its partner, so any answer, even a 5xx, may be
-// the partner's doing: only no answer at all counts, and not a leg that
-// reached its engine and was still waiting when its time ran out, which
-// SGLang's prefill does for a decode that never bootstraps (one that died,
-// was refused, or is still queued) for up to
-// SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, 300 s by default. An engine that
-// hangs is for the active checks to find (docs/scheduling.md, Health).
+// the partner's doing: only no answer at all counts, and not a leg still
+// waiting when its time ran out, which SGLang's prefill does for a decode
+// that never bootstraps (one that died, was refused, or is still queued)
+// for up to SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT, 300 s by default. An
+// engine that hangs is for the active checks to find (docs/scheduling.md,
+// Health).
 func (e *attemptError) blames(d kv.Dispatch, whole bool) bool {
 	switch {
 	case !e.counts():
 		return false
 	case d == kv.Concurrent:
-		return e.answer == nil && (e.reason != metrics.FailureTimeout || !e.reached)
+		return e.answer == nil && e.reason != metrics.FailureTimeout
 	}
 	return e.retryable() || whole && e.reason == metrics.FailureTimeout
 }

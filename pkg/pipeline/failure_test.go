@@ -52,8 +52,10 @@ func TestClassifyPrefillErrors(t *testing.T) {
 		{"an answer over the read cap", context.Background(), errAnswerTooLarge, false, metrics.FailureTooLarge, false, false, false, 502},
 		{"a URL net/http cannot parse", context.Background(), &url.Error{Op: "parse", Err: errors.New("invalid character")}, true,
 			metrics.FailureNotSent, false, false, false, 400},
+		// Every connection prefill.max_conns_per_endpoint allows is busy
+		// with the engine's other legs: it is busy, not broken.
 		{"attempt timed out waiting for a connection", context.Background(), &url.Error{Op: "Post", Err: context.DeadlineExceeded}, true,
-			metrics.FailureTimeout, true, true, true, 503},
+			metrics.FailureTimeout, true, false, false, 503},
 		{"connection refused", context.Background(), dial, false, metrics.FailureConnect, true, true, true, 503},
 		// A concurrent leg that reached its engine and timed out may be
 		// waiting for its decode (SGLang's prefill does for up to 300 s).
@@ -75,8 +77,8 @@ func TestClassifyPrefillErrors(t *testing.T) {
 				t.Errorf("retry %v, blamed %v, blamed when concurrent %v; want %v, %v, %v",
 					f.retryable(), f.blames(kv.Sequential, false), f.blames(kv.Concurrent, false), tt.retry, tt.blamed, tt.blamedConcurrent)
 			}
-			// The first attempt, which had the whole phase: its timeout is the engine's.
-			if wantWhole := tt.blamed || tt.reason == metrics.FailureTimeout; f.blames(kv.Sequential, true) != wantWhole {
+			// The first attempt, which had the whole phase: its timeout at the engine is the engine's.
+			if wantWhole := tt.blamed || tt.reason == metrics.FailureTimeout && !tt.unreached; f.blames(kv.Sequential, true) != wantWhole {
 				t.Errorf("blamed as the phase's first attempt %v, want %v", f.blames(kv.Sequential, true), wantWhole)
 			}
 			if got := prefillFailed(errors.Join(f, errors.New("no endpoint left")), "r").Status; got != tt.status {
