@@ -534,3 +534,56 @@ func TestProbeClientClosesIdleConnectionsBeforeTheEngine(t *testing.T) {
 		}
 	}
 }
+
+// TestAPoolWithNoWayAroundItRoutesAmongItsEjected: when passive health has
+// ejected every endpoint of a pool a request cannot do without, it routes
+// among them (Envoy's panic routing) and stays ready, rather than answer
+// every request 503 until an ejection, grown to max_ejection, runs out: the
+// decode pool, and the prefill pool of paired engines (kv-sglang), whose
+// decode engines serve only pairs. Other prefill pools have decode-only
+// (no_prefill). Endpoints the active checks find down are left out.
+func TestAPoolWithNoWayAroundItRoutesAmongItsEjected(t *testing.T) {
+	const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
+	tests := []struct {
+		name      string
+		paired    bool
+		pool      string
+		checkDown bool // b is found down by the active checks too
+		want      string
+	}{
+		{name: "decode", pool: "decode", want: a},
+		{name: "prefill of paired engines", paired: true, pool: "prefill", want: a},
+		{name: "prefill of paired engines, one checked down", paired: true, pool: "prefill", checkDown: true, want: a},
+		{name: "prefill with decode-only to fall back on", pool: "prefill"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			clock := newFakeClock()
+			ps := NewPools(Spec{Paired: tt.paired, Prefill: PoolSpec{Endpoints: []string{a, b}}, Decode: PoolSpec{Endpoints: []string{a, b}}},
+				Deps{Now: clock.Now, intn: func(int) int { return 0 }})
+			p := map[string]*Pool{"prefill": ps.Prefill, "decode": ps.Decode}[tt.pool]
+			eject(p, a, b)
+			if tt.checkDown {
+				checkDown(p, a)
+			}
+			eps, slot, err := p.Claim(promptRequest("hi"), 1)
+			got := ""
+			if err == nil {
+				got = eps[0].Addr
+				slot.Release()
+			}
+			if tt.checkDown {
+				tt.want = b
+			}
+			if got != tt.want || (err != nil) != (tt.want == "") || p.Ready() != (tt.want != "") {
+				t.Errorf("with every endpoint ejected: picked %q (%v), ready %v; want %q", got, err, p.Ready(), tt.want)
+			}
+			if tt.pool == "prefill" {
+				want := map[bool]bool{true: true}[tt.want != ""]
+				if split := ps.Decide(promptRequest("hi"), ps.Decode.Endpoints()[0]); split.PD != want {
+					t.Errorf("decided %+v, want P/D %v", split, want)
+				}
+			}
+		})
+	}
+}

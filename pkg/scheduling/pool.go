@@ -37,6 +37,8 @@ type PoolSpec struct {
 	// cache rule reads (Decider.decodeSpec), and on the prefill pool
 	// (prefillSpec).
 	turnQueueSlack float64
+	// paired: the engines serve only P/D pairs (Spec.Paired; Pool.panics).
+	paired bool
 }
 
 // Pool is a named set of endpoints of one role (prefill or decode) and the
@@ -48,8 +50,7 @@ type Pool struct {
 	deps Deps
 	// probe is how checks and scrapes reach the engines (see NewPools), and
 	// its role the pool's: the decode pool follows the endpoint-picker
-	// subset hint (see NewPools) and, when passive health has ejected every
-	// candidate, still routes among them rather than fail (candidates).
+	// subset hint (see NewPools), and panics.
 	probe probe
 
 	mu       sync.Mutex // serialises changes
@@ -165,14 +166,15 @@ func (p *Pool) SelectN(req *Request, n int, exclude ...string) ([]*Endpoint, err
 }
 
 // Ready reports whether some endpoint could take a request now: a healthy
-// one, or in the decode pool one that only passive health keeps out; in a
+// one, or in a pool that panics one that only passive health keeps out; in a
 // kv-mooncake prefill pool, one whose engine ids were read.
 func (p *Pool) Ready() bool {
 	if p == nil {
 		return false
 	}
-	for _, e := range p.state.Load().endpoints {
-		if (e.Healthy() || p.decode() && !e.CheckedDown()) && p.pairable(e) {
+	st := p.state.Load()
+	for _, e := range st.endpoints {
+		if (e.Healthy() || p.panics(st) && !e.CheckedDown()) && p.pairable(e) {
 			return true
 		}
 	}
@@ -214,12 +216,11 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 		return nil, fmt.Errorf("%s: %w", p.Name(), ErrSubset)
 	case untried == 0:
 		return nil, fmt.Errorf("%s: %w", p.Name(), ErrTried)
-	case len(out) == 0 && p.decode() && len(ejected) > 0:
-		// Envoy's panic routing: failed requests alone never leave the decode
+	case len(out) == 0 && p.panics(st) && len(ejected) > 0:
+		// Envoy's panic routing: failed requests alone never leave such a
 		// pool empty (a client whose requests make every engine answer 5xx,
-		// engines overloaded for a moment), for it has no other way to serve;
-		// the prefill pool has, decode-only.
-		return ejected, nil
+		// engines overloaded or restarted for a moment).
+		return p.paired(ejected), nil
 	case len(out) == 0:
 		return nil, fmt.Errorf("%s: %w", p.Name(), ErrUnhealthy)
 	}
@@ -236,6 +237,10 @@ func (p *Pool) candidates(st *poolState, req *Request, exclude []string) ([]*End
 	}
 	return out, nil
 }
+
+// panics: the pool routes among its candidates when passive health ejected them all (Envoy's
+// panic routing), as requests have no way around it; a prefill pool's may go decode-only.
+func (p *Pool) panics(st *poolState) bool { return p.decode() || st.spec.paired }
 
 // rerankWindow is how long an endpoint that joined, left or was taken out
 // of rotation is taken to have moved conversations: a later turn that ranks

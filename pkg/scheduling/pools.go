@@ -85,7 +85,7 @@ func NewPools(spec Spec, deps Deps) *Pools {
 	// Only the decode pool follows the subset hint: it names candidates for
 	// Envoy's destination, the decode leg; the prefill leg is ours to place.
 	ps := &Pools{
-		Prefill: newPool(prefill, prefillSpec(spec.Prefill), deps),
+		Prefill: newPool(prefill, prefillSpec(spec), deps),
 		Decode:  newPool(deps.probe(roleDecode, deps.DecodeTLS, deps.DecodeKey, clientGiven), decider.decodeSpec(spec.Decode), deps),
 		deps:    deps,
 	}
@@ -93,7 +93,7 @@ func NewPools(spec Spec, deps Deps) *Pools {
 	return ps
 }
 
-// prefillSpec is the prefill pool's spec: while its engines keep what they
+// prefillSpec is the prefill pool's spec, paired as its engines are: while its engines keep what they
 // write (keepTurns), a conversation's later turns ranked over the whole
 // pool (prefixAffinity.home), and kept with their history at their home up
 // to the mean queue + 3 × max(queue_slack, 4) while its engine does
@@ -103,8 +103,10 @@ func NewPools(spec Spec, deps Deps) *Pools {
 // another engine, and the next, on another replica, goes back home, where
 // the turn before is missing. In the P/D simulation that took always-P/D's
 // prefill pool from 66 to 93 % busy at three replicas (docs/scheduling.md).
-func prefillSpec(s PoolSpec) PoolSpec {
+func prefillSpec(spec Spec) PoolSpec {
+	s := spec.Prefill
 	s.SetDefaults()
+	s.paired = spec.Paired
 	s.turnQueueSlack = max(s.Prefix.QueueSlack, config.DefaultDecodeQueueSlack)
 	return s
 }
@@ -113,7 +115,7 @@ func prefillSpec(s PoolSpec) PoolSpec {
 // P/D thresholds. Requests in flight are not disturbed.
 func (ps *Pools) Update(spec Spec) {
 	decider := newDecider(spec)
-	ps.Prefill.Update(prefillSpec(spec.Prefill))
+	ps.Prefill.Update(prefillSpec(spec))
 	ps.Decode.Update(decider.decodeSpec(spec.Decode))
 	ps.decider.Store(decider)
 }
