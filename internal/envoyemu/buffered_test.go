@@ -76,6 +76,28 @@ func TestBufferedContentLength(t *testing.T) {
 			},
 			wantStatus: http.StatusInternalServerError,
 		},
+		// ProcessorState::validateContentLength compares the Content-Length
+		// with body_mutation().body().size() whenever has_body_mutation():
+		// a body_mutation that changes nothing (streamed_response, or
+		// clear_body false) counts as an empty body, and fails the check.
+		{
+			name: "streamed_response with a non-zero content-length",
+			reply: func(addr string) *extprocv3.CommonResponse {
+				cr := setHeaders(rawHeader("x-gateway-destination-endpoint", addr))
+				cr.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{StreamedResponse: &extprocv3.StreamedBodyResponse{Body: []byte(newBody), EndOfStream: true}}}
+				return cr
+			},
+			wantStatus: http.StatusInternalServerError,
+		},
+		{
+			name: "clear_body false with a non-zero content-length",
+			reply: func(addr string) *extprocv3.CommonResponse {
+				cr := setHeaders(rawHeader("x-gateway-destination-endpoint", addr))
+				cr.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_ClearBody{ClearBody: false}}
+				return cr
+			},
+			wantStatus: http.StatusInternalServerError,
+		},
 		{
 			name:    "chunked client: nothing to check",
 			chunked: true,

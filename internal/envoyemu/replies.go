@@ -170,15 +170,15 @@ func (d *direction) onBufferedBody(cr *extprocv3.CommonResponse, buffered bool) 
 	}
 	body := d.buf.inflight
 	d.buf.inflight = nil
+	if buffered && held {
+		cl, _ := d.src.headers.get("content-length")
+		if err := rules.CheckContentLength(cl, cr.GetBodyMutation()); err != nil {
+			return fmt.Errorf("%w: %v", errMutation, err)
+		}
+	}
 	// body / clear_body replace the buffer; streamed_response is a no-op here
 	// (§3.4).
 	if nb, ok := rules.Replacement(cr.GetBodyMutation()); ok {
-		if buffered && held {
-			cl, _ := d.src.headers.get("content-length")
-			if err := rules.CheckContentLength(cl, len(nb)); err != nil {
-				return fmt.Errorf("%w: %v", errMutation, err)
-			}
-		}
 		body = nb
 	}
 	if !buffered {

@@ -223,18 +223,18 @@ func (k *fuzzChecker) bodyReply(d *fuzzSide, cr *extprocv3.CommonResponse, r *ex
 		d.repliedBody = append(d.repliedBody, sr.GetBody()...)
 		return
 	}
+	if v.Answered == rules.BufferedBodyCallback { // the headers are still held (§2.3)
+		cl := fuzzContentLength(d.headers, cr.GetHeaderMutation())
+		if err := rules.CheckContentLength(cl, cr.GetBodyMutation()); err != nil {
+			k.fail("%s body reply: %v (content-length %q, %d bytes): Envoy answers 500 (§3.5)", d.Name(), err, cl, len(cr.GetBodyMutation().GetBody()))
+		}
+	}
 	nb, ok := rules.Replacement(cr.GetBodyMutation())
 	if !ok {
 		d.repliedBody = d.sentBody // Envoy forwards the body it buffered
 		return
 	}
 	d.repliedBody, d.bodyReplaced = nb, true
-	if v.Answered == rules.BufferedBodyCallback { // the headers are still held (§2.3)
-		cl := fuzzContentLength(d.headers, cr.GetHeaderMutation())
-		if err := rules.CheckContentLength(cl, len(nb)); err != nil {
-			k.fail("%s body reply: %v (content-length %q, %d bytes): Envoy answers 500 (§3.5)", d.Name(), err, cl, len(nb))
-		}
-	}
 }
 
 // fuzzContentLength is the Content-Length Envoy holds once a reply's header

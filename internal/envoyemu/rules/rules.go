@@ -308,14 +308,19 @@ func Replacement(bm *extprocv3.BodyMutation) (body []byte, ok bool) {
 }
 
 // CheckContentLength is ProcessorState::validateContentLength (§3.5). When a
-// reply to a BufferedBodyCallback replaces the body while Envoy still holds
-// the headers, their Content-Length (first value, as the reply's own header
-// mutation left it) must be the new body's size, or Envoy answers
-// status_on_error even under failure_mode_allow. No value, or one that is not
+// reply to a BufferedBodyCallback carries a body_mutation while Envoy still
+// holds the headers, their Content-Length (first value, as the reply's own
+// header mutation left it) must be the size of the mutation's body field, or
+// Envoy answers status_on_error even under failure_mode_allow: a mutation
+// that changes nothing (streamed_response, clear_body false) counts as an
+// empty body, as clear_body does. No mutation, no value, or one that is not
 // a number, is not checked.
-func CheckContentLength(value string, bodyLen int) error {
+func CheckContentLength(value string, bm *extprocv3.BodyMutation) error {
+	if bm == nil {
+		return nil
+	}
 	cl, err := strconv.ParseUint(value, 10, 64)
-	if err != nil || cl == uint64(bodyLen) {
+	if err != nil || cl == uint64(len(bm.GetBody())) {
 		return nil
 	}
 	return errors.New("mismatch between content length and the length of the mutated body")

@@ -384,20 +384,35 @@ func TestOverrideRestartsEachRunningTimer(t *testing.T) {
 }
 
 func TestCheckContentLength(t *testing.T) {
+	body := func(b string) *extprocv3.BodyMutation {
+		return &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: []byte(b)}}
+	}
+	clear := func(c bool) *extprocv3.BodyMutation {
+		return &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_ClearBody{ClearBody: c}}
+	}
+	streamed := &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_StreamedResponse{StreamedResponse: &extprocv3.StreamedBodyResponse{Body: []byte("abc")}}}
 	for _, tt := range []struct {
 		value string
-		n     int
+		bm    *extprocv3.BodyMutation
 		bad   bool
 	}{
-		{"5", 5, false},
-		{"5", 6, true},
-		{"0", 0, false},
-		{"", 3, false},    // none
-		{"abc", 3, false}, // not a number: not checked
-		{"-1", 3, false},
+		{"5", body("12345"), false},
+		{"5", body("123456"), true},
+		{"0", body(""), false},
+		{"", body("abc"), false},    // none
+		{"abc", body("abc"), false}, // not a number: not checked
+		{"-1", body("abc"), false},
+		{"3", nil, false}, // no body_mutation: not checked
+		{"3", clear(true), true},
+		{"0", clear(true), false},
+		// validateContentLength reads body_mutation().body() whatever the
+		// mutation: one that changes nothing counts as empty.
+		{"3", clear(false), true},
+		{"3", streamed, true},
+		{"0", streamed, false},
 	} {
-		if err := CheckContentLength(tt.value, tt.n); (err != nil) != tt.bad {
-			t.Errorf("CheckContentLength(%q, %d) = %v, want an error %v", tt.value, tt.n, err, tt.bad)
+		if err := CheckContentLength(tt.value, tt.bm); (err != nil) != tt.bad {
+			t.Errorf("CheckContentLength(%q, %v) = %v, want an error %v", tt.value, tt.bm, err, tt.bad)
 		}
 	}
 }
