@@ -20,34 +20,32 @@ type downstream struct {
 }
 
 // readBody turns the request body into data events, one per read (one
-// request_body message per chunk in FULL_DUPLEX). A Content-Length body's
-// last read carries the end of stream; a chunked body ends with an empty
-// end-of-stream chunk or with trailers, as in Envoy's HTTP/1 codec.
+// request_body message per chunk in FULL_DUPLEX), none with the end of
+// stream: as in Envoy's HTTP/1 codec (onBody), a body, Content-Length or
+// chunked, ends with the trailers or with an empty end-of-stream chunk
+// (onMessageCompleteBase).
 func (s *downstream) readBody() {
 	x, r := s.x, s.r
 	buf := make([]byte, 64<<10)
 	for {
 		n, err := r.Body.Read(buf)
-		eof := errors.Is(err, io.EOF)
-		var trailers *headerMap
-		if eof && len(r.Trailer) > 0 {
-			trailers = &headerMap{}
-			fromHTTPHeader(r.Trailer, trailers)
-			if len(trailers.entries) == 0 {
-				trailers = nil
-			}
-		}
-		if n > 0 || (eof && trailers == nil) {
+		if n > 0 {
 			chunk := append([]byte(nil), buf[:n]...)
-			end := eof && trailers == nil
-			if !x.post(func() { s.onData(chunk, end) }) {
+			if !x.post(func() { s.onData(chunk, false) }) {
 				return
 			}
 		}
-		if trailers != nil {
-			x.post(func() { s.onTrailers(trailers) })
-		}
-		if eof {
+		if errors.Is(err, io.EOF) {
+			var trailers *headerMap
+			if len(r.Trailer) > 0 {
+				trailers = &headerMap{}
+				fromHTTPHeader(r.Trailer, trailers)
+			}
+			if trailers != nil && len(trailers.entries) > 0 {
+				x.post(func() { s.onTrailers(trailers) })
+			} else {
+				x.post(func() { s.onData(nil, true) })
+			}
 			return
 		}
 		if err != nil {

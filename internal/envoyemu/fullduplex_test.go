@@ -453,3 +453,80 @@ func TestExtProcUnreachable(t *testing.T) {
 		t.Fatalf("response = %d (%s), want 500 with gRPC Unavailable", res.status, res.header.Get(DetailsHeader))
 	}
 }
+
+// TestHTTP1BodiesEndWithAnEmptyChunk: Envoy's HTTP/1 codecs hand every body
+// over as data with end_stream=false (onBody) and end it with an empty data
+// callback with end_stream=true (onMessageCompleteBase: decodeData(buffer,
+// true) on an empty buffer, in source/common/http/http1/codec_impl.cc; the
+// client codec the same for the response), Content-Length or chunked. In
+// FULL_DUPLEX every one is a message: the last body message of each
+// direction is empty, and only it has end_of_stream.
+func TestHTTP1BodiesEndWithAnEmptyChunk(t *testing.T) {
+	up := startUpstreamWith(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Length", "6")
+		_, _ = w.Write([]byte("answer"))
+	})
+	type msg struct {
+		body string
+		eos  bool
+	}
+	reqMsgs, respMsgs := make(chan []msg, 1), make(chan []msg, 1)
+	p := startProxy(t, loadShipped(t, "envoy.yaml"), func(s *procStream) error {
+		s.next() // request_headers
+		var got []msg
+		for {
+			m := s.next()
+			if m == nil {
+				return nil
+			}
+			b := m.GetRequestBody()
+			got = append(got, msg{string(b.GetBody()), b.GetEndOfStream()})
+			if b.GetEndOfStream() {
+				break
+			}
+		}
+		reqMsgs <- got
+		s.reply(requestHeadersReply(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil))
+		s.reply(requestBodyReply(streamedMutation([]byte(`{"model":"m"}`), true)))
+		got = nil
+		for {
+			m := s.next()
+			if m == nil {
+				return nil
+			}
+			switch r := m.Request.(type) {
+			case *extprocv3.ProcessingRequest_ResponseHeaders:
+				s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}})
+			case *extprocv3.ProcessingRequest_ResponseBody:
+				got = append(got, msg{string(r.ResponseBody.GetBody()), r.ResponseBody.GetEndOfStream()})
+				if r.ResponseBody.GetEndOfStream() {
+					respMsgs <- got
+					s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{
+						Response: streamedMutation([]byte("answer"), true),
+					}}})
+					return nil
+				}
+			}
+		}
+	})
+	res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil)
+	if res.status != http.StatusOK || res.body != "answer" {
+		t.Fatalf("status %d %q", res.status, res.body)
+	}
+	for dir, ch := range map[string]chan []msg{"request": reqMsgs, "response": respMsgs} {
+		got := <-ch
+		var body string
+		for i, m := range got[:len(got)-1] {
+			if m.eos {
+				t.Errorf("%s body message %d of %d has end_of_stream", dir, i, len(got))
+			}
+			body += m.body
+		}
+		if last := got[len(got)-1]; last.body != "" || !last.eos {
+			t.Errorf("%s: last body message %+v, want an empty one with end_of_stream", dir, last)
+		}
+		if body == "" {
+			t.Errorf("%s: no body before the end: %+v", dir, got)
+		}
+	}
+}

@@ -178,22 +178,25 @@ func (x *exchange) startUpstream(req *http.Request, cluster *resources) {
 		if !x.post(func() { x.onUpstreamHeaders(h, noBody) }) || noBody {
 			return
 		}
+		// As Envoy's HTTP/1 client codec: each read is data without
+		// end_stream (onBody), and the body ends with the trailers or with
+		// an empty data callback with end_stream (onMessageCompleteBase).
 		buf := make([]byte, 32<<10)
 		for {
 			n, err := resp.Body.Read(buf)
-			eof := errors.Is(err, io.EOF)
-			if n > 0 || eof {
+			if n > 0 {
 				chunk := append([]byte(nil), buf[:n]...)
-				var tr *headerMap
-				if eof && len(resp.Trailer) > 0 {
-					tr = &headerMap{}
-					fromHTTPHeader(resp.Trailer, tr)
-				}
-				if !x.post(func() { x.onUpstreamData(chunk, eof, tr) }) {
+				if !x.post(func() { x.onUpstreamData(chunk, false, nil) }) {
 					return
 				}
 			}
-			if eof {
+			if errors.Is(err, io.EOF) {
+				var tr *headerMap
+				if len(resp.Trailer) > 0 {
+					tr = &headerMap{}
+					fromHTTPHeader(resp.Trailer, tr)
+				}
+				x.post(func() { x.onUpstreamData(nil, true, tr) })
 				return
 			}
 			if err != nil {
@@ -224,9 +227,6 @@ func (x *exchange) onUpstreamData(b []byte, end bool, tr *headerMap) {
 		x.rt.timer.stop()
 	}
 	if tr != nil && len(tr.entries) > 0 {
-		if len(b) > 0 {
-			x.enc.onData(b, false)
-		}
 		x.enc.onTrailers(tr)
 		return
 	}
