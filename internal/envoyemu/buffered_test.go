@@ -330,7 +330,7 @@ func TestContinueAndReplace(t *testing.T) {
 			return nil
 		}
 		next <- "response_headers"
-		s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}})
+		s.reply(responseHeadersReply())
 		passResponse(s)
 		return nil
 	})
@@ -362,7 +362,7 @@ func TestBufferedResponseBody(t *testing.T) {
 				if s.next().GetResponseHeaders() == nil {
 					t.Error("want response_headers")
 				}
-				s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}})
+				s.reply(responseHeadersReply())
 				m := s.next()
 				if got := string(m.GetResponseBody().GetBody()); got != "upstream:hi" || !m.GetResponseBody().GetEndOfStream() {
 					t.Errorf("response body message = %v", m)
@@ -436,7 +436,7 @@ func TestTheLastResponseHeadersReplyEndsTheStream(t *testing.T) {
 		if m := s.next(); m.GetResponseHeaders() == nil {
 			t.Errorf("message = %v, want response_headers", m)
 		}
-		s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}})
+		s.reply(responseHeadersReply())
 		if m := s.next(); m != nil {
 			t.Errorf("message %v after the last reply", m)
 		}

@@ -187,7 +187,7 @@ func TestFullDuplexStrictReplies(t *testing.T) {
 		{
 			name: "response headers reply before response headers were sent",
 			script: func(s *procStream, addr string, body []byte) {
-				s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}})
+				s.reply(responseHeadersReply())
 			},
 			details: "response headers response received in state Idle",
 		},
@@ -262,7 +262,7 @@ func TestFullDuplexTrailersAndBodiless(t *testing.T) {
 			n := s.next()
 			if n.GetResponseHeaders() != nil {
 				next <- "response_headers"
-				s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}})
+				s.reply(responseHeadersReply())
 				passResponse(s)
 			} else {
 				next <- fmt.Sprintf("%T", n.GetRequest())
@@ -409,7 +409,7 @@ func TestFullDuplexResponseTrailersAndNoTimer(t *testing.T) {
 			}
 			switch r := m.Request.(type) {
 			case *extprocv3.ProcessingRequest_ResponseHeaders:
-				s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}})
+				s.reply(responseHeadersReply())
 			case *extprocv3.ProcessingRequest_ResponseBody:
 				s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{
 					Response: streamedMutation(r.ResponseBody.GetBody(), false),
@@ -496,7 +496,7 @@ func TestHTTP1BodiesEndWithAnEmptyChunk(t *testing.T) {
 			}
 			switch r := m.Request.(type) {
 			case *extprocv3.ProcessingRequest_ResponseHeaders:
-				s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}})
+				s.reply(responseHeadersReply())
 			case *extprocv3.ProcessingRequest_ResponseBody:
 				got = append(got, msg{string(r.ResponseBody.GetBody()), r.ResponseBody.GetEndOfStream()})
 				if r.ResponseBody.GetEndOfStream() {

@@ -159,6 +159,11 @@ func continueHeaders() *extprocv3.ProcessingResponse {
 	return requestHeadersReply(&extprocv3.CommonResponse{}, nil)
 }
 
+// responseHeadersReply continues the response headers unchanged.
+func responseHeadersReply() *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}}
+}
+
 func requestBodyReply(cr *extprocv3.CommonResponse) *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: cr}}}
 }
@@ -239,7 +244,7 @@ func passResponse(s *procStream) {
 		}
 		switch r := m.Request.(type) {
 		case *extprocv3.ProcessingRequest_ResponseHeaders:
-			s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}})
+			s.reply(responseHeadersReply())
 		case *extprocv3.ProcessingRequest_ResponseBody:
 			s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{
 				Response: streamedMutation(r.ResponseBody.GetBody(), r.ResponseBody.GetEndOfStream()),

@@ -126,7 +126,7 @@ func TestBufferedPartial(t *testing.T) {
 			t.Errorf("after the partial body the server got %v, want response_headers", m)
 			return nil
 		}
-		s.reply(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}})
+		s.reply(responseHeadersReply())
 		passResponse(s)
 		return nil
 	})
