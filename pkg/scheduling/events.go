@@ -204,7 +204,8 @@ func (ps *Pools) Tokenizer(req *Request) (e *Endpoint, t Tokenizer, ok bool) {
 	model := req.model()
 	for _, p := range []*Pool{ps.Prefill, ps.Decode} {
 		st := p.state.Load()
-		sc := scope{model: model, only: st.servingOnly(model)} // the subset hint is the decode leg's, not this question's
+		var sc scope // the subset hint is the decode leg's, not this question's
+		sc.model, sc.only = st.servingOnly(model)
 		for _, c := range st.endpoints {
 			if c.Healthy() && sc.admits(c) && (e == nil || c.Busyness() < e.Busyness()) {
 				e = c

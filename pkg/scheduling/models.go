@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"maps"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -97,16 +98,24 @@ func countModels(eps []*Endpoint) *modelCounts {
 	return &c
 }
 
-// servingOnly says whether a request naming model may go only to the
-// endpoints of st that serve it: some list it, and others would not take
-// it (a pool of one model filters nothing).
-func (st *poolState) servingOnly(model string) bool {
+// servingOnly is the name a request naming model is routed by, and whether
+// it may go only to the endpoints of st that list that name: some list it,
+// and others would not take it (a pool of one model filters nothing). A
+// name no endpoint lists whole that reads "base:adapter" is routed by its
+// base, as SGLang reads it (OpenAIServingBase._parse_model_parameter: split
+// at the first colon, each part trimmed): an engine of another model
+// answers it 404.
+func (st *poolState) servingOnly(model string) (string, bool) {
 	if model == "" {
-		return false
+		return "", false
 	}
 	c := st.models.Load()
 	n := c.listed[model]
-	return n > 0 && n+c.blind < len(st.endpoints)
+	if base, _, ok := strings.Cut(model, ":"); ok && n == 0 {
+		model = strings.TrimSpace(base)
+		n = c.listed[model]
+	}
+	return model, n > 0 && n+c.blind < len(st.endpoints)
 }
 
 // readModels asks the endpoints never read, or not for a while, for the
@@ -261,8 +270,8 @@ type scope struct {
 }
 
 func (p *Pool) scopeOf(st *poolState, req *Request) scope {
-	sc := scope{model: req.model()}
-	sc.only = st.servingOnly(sc.model)
+	var sc scope
+	sc.model, sc.only = st.servingOnly(req.model())
 	if p.decode() && req != nil {
 		sc.subset = req.Subset
 	}

@@ -134,6 +134,43 @@ func TestRequestsGoWhereTheirModelIsServed(t *testing.T) {
 	}
 }
 
+// SGLang reads a model named "base:adapter" as the base model under that
+// adapter (OpenAIServingBase._parse_model_parameter, which splits at the
+// first colon and trims each part): such a request goes to the base
+// model's engines, as no engine lists the whole name; an engine of another
+// model answers it 404. A name some engine lists whole goes by that name.
+func TestAnAdapterNamedAfterItsBaseGoesToTheBasesEngines(t *testing.T) {
+	const a1, a2, b1, c1 = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"
+	lists := map[string][]string{a1: {"llama"}, a2: {"llama"}, b1: {"qwen"}, c1: {"gpt-oss:20b"}}
+	tests := []struct {
+		model string
+		want  []string
+	}{
+		{"llama:sql", []string{a1, a2}},
+		{"qwen : sql", []string{b1}},
+		{"gpt-oss:20b", []string{c1}},             // listed whole
+		{"mistral:sql", []string{a1, a2, b1, c1}}, // its base listed nowhere either
+		{"llama:", []string{a1, a2}},              // no adapter: the base
+	}
+	for _, tc := range tests {
+		t.Run(tc.model, func(t *testing.T) {
+			p, _ := testPool(t, policy(config.PolicyRoundRobin), a1, a2, b1, c1)
+			serving(p, lists)
+			reached := map[string]bool{}
+			for range 8 {
+				e, err := p.Select(modelRequest(t, tc.model, "hello"))
+				if err != nil {
+					t.Fatal(err)
+				}
+				reached[e.Addr] = true
+			}
+			if got := slices.Sorted(maps.Keys(reached)); !slices.Equal(got, tc.want) {
+				t.Errorf("reached %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
 // The pool's list is every model its engines list, each once, where they
 // list different ones; else one engine's own list stands for the pool.
 func TestModelListOfAPoolOfSeveralModels(t *testing.T) {
