@@ -79,6 +79,9 @@ func (m *servedModels) blind() bool { return m.err != "" && !m.answered }
 type modelCounts struct {
 	listed map[string]int // per name, the endpoints that list it
 	blind  int            // the endpoints whose list could never be read
+	// missed: a request named a name no list holds (an adapter loaded
+	// since the last read): the lists are read again at the next round.
+	missed atomic.Bool
 }
 
 func countModels(eps []*Endpoint) *modelCounts {
@@ -115,21 +118,26 @@ func (st *poolState) servingOnly(model string) (string, bool) {
 		model = strings.TrimSpace(base)
 		n = c.listed[model]
 	}
+	if n == 0 && len(c.listed) > 0 && !c.missed.Load() {
+		c.missed.Store(true)
+	}
 	return model, n > 0 && n+c.blind < len(st.endpoints)
 }
 
 // readModels asks the endpoints never read, or not for a while, for the
-// models they serve. An endpoint the active checks find down is left until
+// models they serve; every one that answered before, once a request named
+// a name none lists. An endpoint the active checks find down is left until
 // it is up: a starting engine lists nothing.
 func (p *Pool) readModels(ctx context.Context, st *poolState, eps []*Endpoint) {
 	now := p.deps.Now()
 	timeout := cmp.Or(st.spec.Health.CheckTimeout.D(), config.DefaultCheckTimeout)
+	missed := p.state.Load().models.Load().missed.Swap(false)
 	due := slices.DeleteFunc(slices.Clone(eps), func(e *Endpoint) bool {
 		if e.CheckedDown() {
 			return true
 		}
 		old := e.models.Load()
-		if old == nil || old.ejections != e.ejections.Load() {
+		if old == nil || old.ejections != e.ejections.Load() || missed && old.answered {
 			return false
 		}
 		return now.Sub(old.at) < modelsRetryAfter(old)

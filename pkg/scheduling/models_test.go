@@ -353,6 +353,55 @@ func TestModelsAreReadAgain(t *testing.T) {
 	}
 }
 
+// An adapter loaded on one engine at run time (vLLM's
+// /v1/load_lora_adapter) is listed nowhere until the lists are read again,
+// and its requests meanwhile go to any engine, the others answering 404: a
+// request naming a name no list holds has the lists read again at the
+// pool's next round (5 s), not a minute after the last read. Unless one
+// does, they are read on the minute as before.
+func TestAnAdapterLoadedAtRunTimeIsTakenUpAtTheNextRound(t *testing.T) {
+	const before = `{"data":[{"id":"llama"}]}`
+	tests := []struct {
+		name      string
+		ask       string   // the model a request names after the load
+		want      []string // the engines a request for sql reaches after the next round
+		wantReads int64    // the reads of the engine that loaded it
+	}{
+		{"a request names the new adapter", "sql", []string{"loaded"}, 2},
+		{"no request names a name unlisted", "llama", []string{"loaded", "other", "qwen"}, 1}, // sql still listed nowhere: any engine
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			loaded, other := newSGLangEngine(t, api.ModelsPath, before), newSGLangEngine(t, api.ModelsPath, before)
+			qwen := newSGLangEngine(t, api.ModelsPath, `{"data":[{"id":"qwen"}]}`)
+			names := map[string]string{loaded.addr: "loaded", other.addr: "other", qwen.addr: "qwen"}
+			p, clock := testPool(t, policy(config.PolicyRoundRobin), loaded.addr, other.addr, qwen.addr)
+			read := func() {
+				st := p.state.Load()
+				p.readModels(context.Background(), st, st.endpoints)
+			}
+			read()
+			loaded.set(api.ModelsPath, `{"data":[{"id":"llama"},{"id":"sql","parent":"llama"}]}`)
+			if _, err := p.Select(modelRequest(t, tc.ask, "hello")); err != nil {
+				t.Fatal(err)
+			}
+			clock.Advance(serverInfoEvery)
+			read()
+			reached := map[string]bool{}
+			for range 6 {
+				e, err := p.Select(modelRequest(t, "sql", "hello"))
+				if err != nil {
+					t.Fatal(err)
+				}
+				reached[names[e.Addr]] = true
+			}
+			if got := slices.Sorted(maps.Keys(reached)); !slices.Equal(got, tc.want) || loaded.asked.Load() != tc.wantReads {
+				t.Errorf("a request for sql reached %v, the engine read %d times; want %v, %d", got, loaded.asked.Load(), tc.want, tc.wantReads)
+			}
+		})
+	}
+}
+
 // BenchmarkSelectByModel: one least-load pick in pools of 16 and 1,000
 // endpoints, for a request naming no model, one all endpoints list, one half
 // of them list (two models) and one none lists.
