@@ -257,6 +257,9 @@ func randomHex(n int) string {
 // entrypoints/openai/serving_chat.py). pdsim holds its headers until this
 // point, so that they carry the KV outcome; a real engine sends them first.
 //
+// SGLang's /generate stream has no error event: the abort is its last
+// chunk, meta_info.finish_reason {"type": "abort", "status_code": 500}.
+//
 // vLLM's Messages stream turns the chat stream's role chunk into
 // message_start and its error event, which is not a chat chunk, into an
 // Anthropic error event (AnthropicServingMessages.message_stream_converter,
@@ -274,19 +277,34 @@ func (s *Server) failLoad(w http.ResponseWriter, req *request, err error) {
 		out.raw([]byte("[DONE]"))
 		return
 	}
+	sglang := s.cfg.Protocol == ProtocolSGLang
+	message := "Internal server error"
+	if sglang {
+		what := "Decode transfer failed"
+		if s.cfg.Role == RolePrefill {
+			what = "Prefill bootstrap failed"
+		}
+		message = what + " for request " + req.internalID + ": " + err.Error()
+	}
+	if sglang && req.stream && req.api == apiSGLangGenerate {
+		// SGLang's native stream carries the scheduler's abort as its last
+		// chunk, a chunk like the others, and no error event
+		// (_handle_abort_finish_reason, managers/tokenizer_manager.py;
+		// generate_request, entrypoints/http_server.py).
+		ev := newSSE(w)
+		ev.send(sglangAnswer{OutputIDs: []int{}, MetaInfo: sglangMeta{ID: req.id, PromptTokens: req.promptTokens,
+			FinishReason: map[string]any{"type": "abort", "message": message, "status_code": http.StatusInternalServerError, "err_type": nil}}})
+		ev.raw([]byte("[DONE]"))
+		return
+	}
 	if !req.stream || req.api != apiChat && req.api != apiCompletion {
 		s.writeErrorFor(req.api, w, &apiError{http.StatusInternalServerError, err.Error()})
 		return
 	}
 	ev := newSSE(w)
-	e := errorBody{Message: "Internal server error", Type: "InternalServerError", Code: http.StatusInternalServerError}
-	if s.cfg.Protocol == ProtocolSGLang {
-		what := "Decode transfer failed"
-		if s.cfg.Role == RolePrefill {
-			what = "Prefill bootstrap failed"
-		}
-		e = errorBody{Object: "error", Message: what + " for request " + req.internalID + ": " + err.Error(),
-			Type: "INTERNAL_SERVER_ERROR", Code: http.StatusInternalServerError}
+	e := errorBody{Message: message, Type: "InternalServerError", Code: http.StatusInternalServerError}
+	if sglang {
+		e = errorBody{Object: "error", Message: message, Type: "INTERNAL_SERVER_ERROR", Code: http.StatusInternalServerError}
 	} else if req.api == apiChat {
 		c := req.envelope(req.model, true)
 		c.Choices = append(c.Choices, req.choice("", nil, true))
