@@ -116,7 +116,8 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 	if ct := resp.Header.Get("Content-Type"); response.IsEventStream(ct, resp.Header.Get("Content-Encoding")) {
 		if response.StreamFailed(answer) {
 			// A streamed leg (kv-sglang keeps the client's stream) that
-			// failed after its 200: the engine's 500, told in an error event.
+			// failed after its 200: the engine's 500, told in an error event
+			// (SGLang's /generate: in its abort chunk).
 			return prefillAnswer{}, &statusError{status: http.StatusInternalServerError, body: answer, contentType: ct, streamed: true}
 		}
 		return prefillAnswer{}, nil // nothing to take from it: SGLang's legs hand nothing on

@@ -232,7 +232,24 @@ func errorVerdict(v []byte) Verdict {
 }
 
 // StreamFailed reports whether a whole streamed answer failed before its
-// first token (Opening).
+// first token (Opening), or is SGLang's /generate stream of a request its
+// scheduler aborted with a 5xx: that stream has no error event, the abort
+// is its last chunk, one like the others, with meta_info.finish_reason
+// {"type": "abort", "status_code": 500} (_handle_abort_finish_reason in
+// SGLang's managers/tokenizer_manager.py).
 func StreamFailed(answer []byte) bool {
-	return NewOpening(1, 1).Scan(answer) == Failed
+	if NewOpening(1, 1).Scan(answer) == Failed {
+		return true
+	}
+	for line := range bytes.Lines(answer) {
+		v, ok := bytes.CutPrefix(bytes.TrimSpace(line), dataField)
+		if !ok {
+			continue
+		}
+		s, e, ok := body.Locate(v, "meta_info", "finish_reason", "status_code")
+		if code, err := strconv.Atoi(string(v[s:e])); ok && err == nil && code >= 500 {
+			return true
+		}
+	}
+	return false
 }

@@ -116,3 +116,26 @@ func FuzzOpeningIgnoresChunking(f *testing.F) {
 		}
 	})
 }
+
+// SGLang's /generate stream says a scheduler's abort in an ordinary chunk,
+// meta_info.finish_reason {"type": "abort", "status_code": 500}, then
+// [DONE] (_handle_abort_finish_reason in SGLang's
+// managers/tokenizer_manager.py): a prefill leg so answered failed. An
+// abort a client asked for has no status_code, and a 4xx is the request's own.
+func TestStreamFailedSGLangGenerateAbort(t *testing.T) {
+	for _, tt := range []struct {
+		name, finish string
+		want         bool
+	}{
+		{"a 500 abort", `{"type":"abort","message":"Prefill bootstrap failed for request 1","status_code":500,"err_type":null}`, true},
+		{"a 503 abort", `{"type":"abort","message":"busy","status_code":503}`, true},
+		{"a 400 abort", `{"type":"abort","message":"bad","status_code":400}`, false},
+		{"an abort without status", `{"type":"abort","message":"Aborted","status_code":null}`, false},
+		{"a length finish", `{"type":"length","length":1}`, false},
+	} {
+		stream := `data: {"text":"","output_ids":[],"meta_info":{"id":"1","finish_reason":` + tt.finish + `,"prompt_tokens":3}}` + "\n\ndata: [DONE]\n\n"
+		if got := StreamFailed([]byte(stream)); got != tt.want {
+			t.Errorf("%s: StreamFailed = %v, want %v", tt.name, got, tt.want)
+		}
+	}
+}

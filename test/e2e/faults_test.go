@@ -786,6 +786,43 @@ func TestSGLangFailedLegResetsAStreamThatBegan(t *testing.T) {
 	enginetest.Receive(t, ended, "the decode request was not reset")
 }
 
+// TestSGLangGenerateLegAbortedAfterItsHeaders: SGLang's /generate stream
+// does not say a failure in an error event: a prefill leg whose bootstrap
+// fails (here no decode engine ever joins its room) answers 200, then the
+// scheduler's abort as an ordinary chunk, meta_info.finish_reason
+// {"type": "abort", "status_code": 500}, then [DONE]
+// (_handle_abort_finish_reason in SGLang's tokenizer_manager.py). That leg
+// failed, so its decode request, which waits for KV that never comes, is
+// called back, and reset as its stream has begun.
+func TestSGLangGenerateLegAbortedAfterItsHeaders(t *testing.T) {
+	ended := make(chan struct{})
+	decode := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			w.WriteHeader(http.StatusOK) // health checks and scrapes
+			return
+		}
+		w.Header().Set("content-type", "text/event-stream")
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		<-r.Context().Done() // never joins the room, never has the KV
+		close(ended)
+	}))
+	defer decode.Close()
+	r := startRig(t, rigOptions{connector: "kv-sglang", prefills: 1, decodes: 1, handshake: 200 * time.Millisecond,
+		decodeAddrs: func([]*pdsim.Server) []string { return []string{decode.Listener.Addr().String()} }})
+	path, body := request("sglang/generate", true, "an aborted generate leg")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.proxy.URL()+path, strings.NewReader(body))
+	resp, err := testbed.Client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	go io.Copy(io.Discard, resp.Body)
+	enginetest.Receive(t, ended, "the decode request of a prefill leg that SGLang aborted was never called back")
+}
+
 // TestFaultSlowBodyIs408: a client that sends part of its body and stalls
 // gets 408 once limits.body_timeout has passed, through Envoy, in both body
 // modes; the stalled request holds no slot after that (the cap here is one).
