@@ -3,6 +3,8 @@ package deploy
 import (
 	"encoding/json"
 	"maps"
+	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -267,5 +269,27 @@ func TestPromQLCheckCatchesMistakes(t *testing.T) {
 		if tc.want == "" && got != "" || !strings.Contains(got, tc.want) {
 			t.Errorf("check(%q) = %q, want a problem naming %q", tc.expr, got, tc.want)
 		}
+	}
+}
+
+// The alerts fire on the series they are for, and not on others, as Prometheus evaluates them
+// (promtool test rules, testdata/prometheus-rules-test.yaml).
+func TestAlertsFireOnTheSeriesTheyAreFor(t *testing.T) {
+	promtool := testbed.FindTool("promtool")
+	if promtool == "" {
+		t.Skip("promtool not found on PATH or in " + strings.Join(testbed.ToolDirs(), ", ") +
+			" (go install github.com/prometheus/prometheus/cmd/promtool@v0.316.0) to evaluate the alerts")
+	}
+	dir := t.TempDir()
+	for _, f := range []struct{ from, to string }{
+		{testbed.MustRepoPath(t, rulesFile), "prometheus-rules.yaml"},
+		{"testdata/prometheus-rules-test.yaml", "test.yaml"},
+	} {
+		if err := os.WriteFile(filepath.Join(dir, f.to), mustRead(t, f.from), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if out, err := runTool(t, dir, promtool, "test", "rules", "test.yaml"); err != nil {
+		t.Errorf("promtool test rules: %v\n%s", err, out)
 	}
 }
