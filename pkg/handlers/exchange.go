@@ -308,12 +308,12 @@ func untouched(out, in []byte) bool {
 // timer, under mu, while the pipeline routes.
 func (x *exchange) route(keepAlive bool) (*pipeline.Decision, error) {
 	x.req.Body, x.req.Keep = x.body.bytes(), &x.body
-	x.opts.Metrics.RequestBody(len(x.req.Body))
 	if len(x.req.Body) == 0 {
 		// A body of no bytes (a chunked request of its terminator alone, an
 		// empty last DATA frame) is no body.
 		return x.router.RouteHeaders(&x.req)
 	}
+	x.opts.Metrics.RequestBody(len(x.req.Body))
 	x.mu.Unlock()
 	defer x.mu.Lock()
 	if keepAlive && x.opts.OverrideAfter > 0 {

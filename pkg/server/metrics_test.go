@@ -151,6 +151,16 @@ func TestMetricsMoveWithEachKindOfRequest(t *testing.T) {
 				"pd_extproc_request_body_bytes_count":                        0,
 			},
 		},
+		{
+			// A body of no bytes (a chunked request of its terminator alone) is no
+			// body: routed as one without, and no size of 0 among the bodies'.
+			name: "empty body", msgs: []*extprocv3.ProcessingRequest{postHeaders("/v1/embeddings", ""), bodyMsg("")},
+			want: map[string]float64{
+				requests("passthrough", "decode_only", "routed"):             1,
+				series("pd_extproc_pd_decisions_total", "reason", "no_body"): 1,
+				"pd_extproc_request_body_bytes_count":                        0,
+			},
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
