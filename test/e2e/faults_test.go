@@ -727,6 +727,26 @@ func TestFailedConcurrentLegCallsBackItsDecode(t *testing.T) {
 	}
 }
 
+// waitingDecode is an SGLang decode server whose prefill never hands it the
+// KV: it sends its stream's 200 at once (uvicorn writes the headers as the
+// response starts) and no token, until its request is reset, which closes
+// ended. Health checks and scrapes get a 200.
+func waitingDecode(t *testing.T, ended chan<- struct{}) *httptest.Server {
+	decode := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost {
+			w.WriteHeader(http.StatusOK)
+			return
+		}
+		w.Header().Set("content-type", "text/event-stream")
+		w.WriteHeader(http.StatusOK)
+		w.(http.Flusher).Flush()
+		<-r.Context().Done()
+		close(ended)
+	}))
+	t.Cleanup(decode.Close)
+	return decode
+}
+
 // TestSGLangFailedLegResetsAStreamThatBegan: SGLang's decode server sends a
 // stream's 200 before it has the KV (uvicorn writes the headers as the
 // response starts). A prefill leg that fails after the client has that 200
@@ -735,18 +755,7 @@ func TestFailedConcurrentLegCallsBackItsDecode(t *testing.T) {
 // request cancelled at once.
 func TestSGLangFailedLegResetsAStreamThatBegan(t *testing.T) {
 	fail, ended := make(chan struct{}), make(chan struct{})
-	decode := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method != http.MethodPost {
-			w.WriteHeader(http.StatusOK) // health checks and scrapes
-			return
-		}
-		w.Header().Set("content-type", "text/event-stream")
-		w.WriteHeader(http.StatusOK)
-		w.(http.Flusher).Flush()
-		<-r.Context().Done() // no KV, no token: until the request is reset
-		close(ended)
-	}))
-	defer decode.Close()
+	decode := waitingDecode(t, ended)
 	prefill := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method != http.MethodPost {
 			http.NotFound(w, r)
@@ -796,18 +805,7 @@ func TestSGLangFailedLegResetsAStreamThatBegan(t *testing.T) {
 // called back, and reset as its stream has begun.
 func TestSGLangGenerateLegAbortedAfterItsHeaders(t *testing.T) {
 	ended := make(chan struct{})
-	decode := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method != http.MethodPost {
-			w.WriteHeader(http.StatusOK) // health checks and scrapes
-			return
-		}
-		w.Header().Set("content-type", "text/event-stream")
-		w.WriteHeader(http.StatusOK)
-		w.(http.Flusher).Flush()
-		<-r.Context().Done() // never joins the room, never has the KV
-		close(ended)
-	}))
-	defer decode.Close()
+	decode := waitingDecode(t, ended)
 	r := startRig(t, rigOptions{connector: "kv-sglang", prefills: 1, decodes: 1, handshake: 200 * time.Millisecond,
 		decodeAddrs: func([]*pdsim.Server) []string { return []string{decode.Listener.Addr().String()} }})
 	path, body := request("sglang/generate", true, "an aborted generate leg")
