@@ -93,10 +93,11 @@ func NewPools(spec Spec, deps Deps) *Pools {
 	return ps
 }
 
-// prefillSpec is the prefill pool's spec, paired as its engines are: while its engines keep what they
-// write (keepTurns), a conversation's later turns ranked over the whole
-// pool (prefixAffinity.home), and kept with their history at their home up
-// to the mean queue + 3 × max(queue_slack, 4) while its engine does
+// prefillSpec is the prefill pool's spec, paired when its engines serve
+// only pairs (Pool.panics); while its engines keep what they write
+// (keepTurns), a conversation's later turns ranked over the whole pool
+// (prefixAffinity.home), and kept with their history at their home up to
+// the mean queue + 3 × max(queue_slack, 4) while its engine does
 // (prefixAffinity.follows). Behind replicas that take turns, each
 // routes some of a conversation's turns; one spilled at the usual bound (a
 // FIFO prefill queue passes the mean + 1 often) recomputes its history on
