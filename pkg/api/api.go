@@ -10,7 +10,11 @@
 // (routes.go): routed to a decode engine alone, after the same scrub.
 package api
 
-import "github.com/pd-extproc/pd-extproc/pkg/body"
+import (
+	"strings"
+
+	"github.com/pd-extproc/pd-extproc/pkg/body"
+)
 
 // Family is a set of engine families: those that serve an API, or those
 // under which it can be disaggregated. A connector drives one family.
@@ -209,10 +213,18 @@ func LabelOf(method, path string) string {
 }
 
 // AnthropicErrorsAt reports whether errors to a request to path (query
-// included) are worded as Anthropic's API words them (API.AnthropicErrors).
+// included) are worded as Anthropic's API words them: at an API whose
+// engine does (API.AnthropicErrors), and below it, where Anthropic's
+// clients call the rest of that API (POST /v1/messages/count_tokens, which
+// vLLM's Anthropic router answers in the same words: api_router.py).
 func AnthropicErrorsAt(path string) bool {
-	a := builtinAt(stripQuery(path))
-	return a != nil && a.AnthropicErrors
+	path = stripQuery(path)
+	for _, a := range Builtin {
+		if a.AnthropicErrors && (path == a.Path || strings.HasPrefix(path, a.Path+"/")) {
+			return true
+		}
+	}
+	return false
 }
 
 func builtinAt(path string) *API {

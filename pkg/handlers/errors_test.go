@@ -143,13 +143,20 @@ func TestErrorsHideInternalAddressesAndNameTheRequest(t *testing.T) {
 // as vLLM's Messages handler words those it raises: {"type":"error","error":{"type",
 // "message"}}, the type Anthropic's API gives the status.
 func TestMessagesErrorsAreAnthropicStyle(t *testing.T) {
-	const messagesPath = "/v1/messages"
 	tests := []struct {
-		name, config, body    string
-		wantStatus            int
-		wantType, wantMessage string
+		name, path, config, body string
+		wantStatus               int
+		wantType, wantMessage    string
 	}{
 		{name: "missing model", body: `{"max_tokens":8,"messages":[]}`, wantStatus: 400, wantType: "invalid_request_error", wantMessage: `no "model"`},
+		// The Anthropic SDK's beta client (Claude Code's) asks with ?beta=true.
+		{name: "missing model, beta", path: "/v1/messages?beta=true", body: `{"max_tokens":8,"messages":[]}`,
+			wantStatus: 400, wantType: "invalid_request_error", wantMessage: `no "model"`},
+		// Claude Code counts tokens beside its Messages requests: vLLM answers
+		// count_tokens' errors in Anthropic's shape, and so must the router.
+		{name: "count_tokens over the body limit", path: "/v1/messages/count_tokens?beta=true", config: "limits: {max_body_bytes: 100}\n",
+			body: `{"model":"m","messages":[],"x":"` + strings.Repeat("x", 100) + `"}`, wantStatus: 413, wantType: "request_too_large", wantMessage: "limits.max_body_bytes"},
+		{name: "count_tokens not JSON", path: "/v1/messages/count_tokens", body: `{"model":`, wantStatus: 400, wantType: "invalid_request_error", wantMessage: "JSON"},
 		{name: "over the body limit", config: "limits: {max_body_bytes: 100}\n", body: `{"model":"m","max_tokens":8,"messages":[],"x":"` + strings.Repeat("x", 100) + `"}`,
 			wantStatus: 413, wantType: "request_too_large", wantMessage: "limits.max_body_bytes"},
 		{name: "prefill unreachable with on_failure fail", config: "prefill: {on_failure: fail}\n", body: `{"model":"m","max_tokens":8,"messages":[]}`,
@@ -159,7 +166,8 @@ func TestMessagesErrorsAreAnthropicStyle(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			s := newServer(t, tt.config+`connector: kv-nixl
 pools: {prefill: {endpoints: ["127.0.0.1:1"]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, handlers.Options{})
-			replies := drive(t, s, envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(messagesPath, len(tt.body))...), fullDuplex, fullDuplex),
+			path := cmp.Or(tt.path, "/v1/messages")
+			replies := drive(t, s, envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(path, len(tt.body))...), fullDuplex, fullDuplex),
 				envoymsg.Body(envoymsg.Request, []byte(tt.body), true))
 			got, body := immediateOf(t, replies)
 			e, _ := body["error"].(map[string]any)
