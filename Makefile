@@ -102,7 +102,8 @@ $(TOOLS_BIN)/deadcode:
 	GOBIN=$(TOOLS_BIN) $(GO) install golang.org/x/tools/cmd/deadcode@$(DEADCODE_VERSION)
 
 # promtool (Prometheus, the version go.mod's PromQL parser is of): test/deploy evaluates the
-# chart's alerts on series written for them (promtool test rules). About 8 minutes to build once.
+# chart's alerts that add up several replicas on series written for them (promtool test rules).
+# About 8 minutes to build once.
 $(TOOLS_BIN)/promtool:
 	GOBIN=$(TOOLS_BIN) $(GO) install github.com/prometheus/prometheus/cmd/promtool@$(PROMTOOL_VERSION)
 
