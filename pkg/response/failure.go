@@ -18,7 +18,7 @@ type Verdict uint8
 const (
 	Pending Verdict = iota // nothing yet
 	Served                 // its first token came (or an error that is the request's own)
-	Failed                 // an error event with a 5xx code came first
+	Failed                 // an error event with a 5xx code (or SGLang's abort chunk) came first
 )
 
 // Opening reads the start of a streamed answer until it tells whether the
@@ -47,6 +47,24 @@ const (
 // string the quotes are escaped. Only the data of an event that may be an
 // error event is held; the others are read where they lie. Give it every
 // chunk in order until it has a verdict.
+//
+// SGLang's /generate stream (NewGenerateOpening) has no error event: a
+// request its scheduler aborts, as a decode server does whose KV transfer
+// failed (prepare_abort, disaggregation/decode.py), ends its stream with a
+// chunk like the others whose meta_info.finish_reason is the abort, then
+// data: [DONE] (_handle_abort_finish_reason, managers/tokenizer_manager.py
+// @001067ff):
+//
+//	data: {"text":"","output_ids":[],"meta_info":{"id":"...","finish_reason":{"type":"abort","message":"Decode transfer failed ...","status_code":500,"err_type":null},...}}
+//
+// So there a chunk's data is held too, as much as an error event's, until
+// it tells: one with output (text, or token ids) is a token; one without,
+// whose finish_reason is an abort with a 5xx status_code, is the engine's
+// failure, and with a 4xx the request's own. SGLang writes a chunk's text,
+// then its output_ids, first (TokenizerManager._handle_batch_output), so
+// a chunk with output is told from its start and is not held further,
+// however long its meta_info (logprobs); one too long to read otherwise
+// tells nothing, like an error event.
 type Opening struct {
 	line      lineKind // the current line: unknown (too little of it yet), other, or data
 	lineBytes int      // how much of the current line has come: none is a blank line
@@ -58,6 +76,7 @@ type Opening struct {
 	events    int      // complete data events that are not error events
 	served    int      // the events that tell the request was served
 	verdict   Verdict
+	generate  bool // the stream is SGLang's /generate: its chunks are read too
 }
 
 // NewOpening reads the opening of a stream of the given number of choices
@@ -66,6 +85,12 @@ type Opening struct {
 // first event carries a token.
 func NewOpening(choices, leading int) *Opening { return &Opening{served: max(choices, 1) + leading} }
 
+// NewGenerateOpening reads the opening of SGLang's /generate stream of the
+// given number of choices, whose chunks carry its tokens or its abort.
+func NewGenerateOpening(choices int) *Opening {
+	return &Opening{served: max(choices, 1), generate: true}
+}
+
 type lineKind uint8
 
 const (
@@ -73,7 +98,12 @@ const (
 	other                   // not a data line: a comment, event:, id:, a blank line
 	data                    // a data line, or an event that is not an error event
 	errorEvent
+	chunk // a /generate chunk not yet told: held until its event ends
 )
+
+// held tells whether an event's data is held: while it may be, or is, an
+// error event or a /generate chunk that has not told yet.
+func (k lineKind) held() bool { return k == unknown || k == errorEvent || k == chunk }
 
 var (
 	dataField = []byte("data:")
@@ -114,7 +144,7 @@ func (o *Opening) Verdict() Verdict { return o.verdict }
 // read takes the next part of the current line.
 func (o *Opening) read(part []byte) {
 	o.lineBytes += len(part)
-	if o.line == other || o.line == data && o.event != unknown && o.event != errorEvent {
+	if o.line == other || o.line == data && !o.event.held() {
 		return // nothing to hold
 	}
 	room := max(maxErrorEvent-len(o.data)-len(o.held), 0)
@@ -123,16 +153,16 @@ func (o *Opening) read(part []byte) {
 		if o.line = lineKindOf(o.held); o.line != data {
 			return
 		}
-		if o.event != unknown && o.event != errorEvent {
-			o.held = o.held[:0] // the event is not an error event: its other lines are not held
+		if !o.event.held() {
+			o.held = o.held[:0] // the event tells nothing more: its other lines are not held
 			return
 		}
 	}
-	switch o.event = classify(o.joined()); {
+	switch o.event = o.classify(o.joined()); {
 	case o.event == data:
 		o.held, o.data = o.held[:0], o.data[:0]
 	case len(part) > room:
-		o.line, o.event, o.held, o.data = other, other, o.held[:0], o.data[:0] // an error event too long to read tells nothing
+		o.line, o.event, o.held, o.data = other, other, o.held[:0], o.data[:0] // an error event (or chunk) too long to read tells nothing
 	}
 }
 
@@ -151,9 +181,9 @@ func (o *Opening) endLine() {
 	case o.lineBytes == 0:
 		o.dispatch()
 	case o.line == data || o.line == unknown && bytes.HasPrefix(o.held, dataField):
-		if o.event == unknown || o.event == errorEvent {
+		if o.event.held() {
 			o.data = append(o.data[:0], o.joined()...)
-			o.event = classify(o.data)
+			o.event = o.classify(o.data)
 		}
 		o.hasData = true
 	}
@@ -162,11 +192,17 @@ func (o *Opening) endLine() {
 
 // dispatch judges the event that just ended.
 func (o *Opening) dispatch() {
+	counts := false
 	switch {
 	case !o.hasData, o.event == other:
 	case o.event == errorEvent:
 		o.verdict = errorVerdict(o.data)
-	case o.event == data, len(o.data) > 0: // "[DONE]", and a few bytes that cannot be an error
+	case o.event == chunk:
+		o.verdict, counts = chunkVerdict(o.data)
+	default: // data, "[DONE]", and a few bytes that cannot be an error
+		counts = o.event == data || len(o.data) > 0
+	}
+	if counts {
 		if o.events++; o.events >= o.served {
 			o.verdict = Served
 		}
@@ -203,6 +239,73 @@ func classify(v []byte) lineKind {
 		}
 	}
 	return kind
+}
+
+// classify is classify on a /generate stream too: there a JSON object that
+// is not an error event is a chunk, held until it tells, unless its start
+// shows output.
+func (o *Opening) classify(v []byte) lineKind {
+	kind := classify(v)
+	if kind != data || !o.generate || len(v) == 0 || v[0] != '{' || outputLeads(v) {
+		return kind
+	}
+	return chunk
+}
+
+var (
+	textLead = []byte(`{"text":"`)
+	idsAfter = []byte(`","output_ids":[`) // after an empty text
+	idsLead  = []byte(`{"output_ids":[`)  // without text (skip_tokenizer_init)
+)
+
+// outputLeads reports whether the start of a /generate chunk, v, shows
+// output as SGLang writes it (orjson, no spaces): a text that is not
+// empty, or a first token id.
+func outputLeads(v []byte) bool {
+	rest, ok := bytes.CutPrefix(v, textLead)
+	switch {
+	case ok && len(rest) > 0 && rest[0] != '"':
+		return true
+	case ok:
+		rest, ok = bytes.CutPrefix(rest, idsAfter)
+	default:
+		rest, ok = bytes.CutPrefix(v, idsLead)
+	}
+	return ok && len(rest) > 0 && rest[0] >= '0' && rest[0] <= '9'
+}
+
+// chunkVerdict judges a whole /generate chunk, v: one with output (a text
+// that is not empty, or token ids) is a token; one without, whose
+// meta_info.finish_reason is an abort, is the engine's failure with a 5xx
+// status_code and the request's own (served) with another; anything else
+// (an abort a client asked for has no status_code) tells nothing.
+func chunkVerdict(v []byte) (verdict Verdict, token bool) {
+	obj, err := body.Parse(v)
+	if err != nil {
+		return Pending, false
+	}
+	if text, ok := obj.Raw("text"); ok && len(text) > 2 && text[0] == '"' {
+		return Pending, true
+	}
+	if ids, ok := obj.Raw("output_ids"); ok {
+		for range body.Items(ids) {
+			return Pending, true
+		}
+	}
+	b := obj.Bytes()
+	s, e, ok := obj.Locate("meta_info", "finish_reason", "type")
+	if !ok || string(b[s:e]) != `"abort"` {
+		return Pending, false
+	}
+	s, e, ok = obj.Locate("meta_info", "finish_reason", "status_code")
+	code, err := strconv.Atoi(string(b[s:e]))
+	switch {
+	case !ok || err != nil:
+		return Pending, false
+	case code >= 500:
+		return Failed, false
+	}
+	return Served, false
 }
 
 // errorVerdict judges a whole error event: a 5xx code, or one of the

@@ -101,18 +101,26 @@ func FuzzOpeningIgnoresChunking(f *testing.F) {
 	f.Add([]byte(role+tok0), uint8(6))
 	f.Add([]byte("data: {\"error\": {\"code\": 500}}\r\n\r\ndata: [DONE]\n\n"), uint8(0))
 	f.Add([]byte(": c\nevent: e\ndata:{\"error\":{\"code\":400}}\n"), uint8(2))
+	f.Add([]byte(sglangChunk(`""`, `[]`, `{"type":"abort","status_code":500}`)+"data: [DONE]\n\n"), uint8(4))
+	f.Add([]byte(sglangChunk(`"a"`, `[1]`, `null`)), uint8(8))
+	openings := map[string]func() *Opening{
+		"chat":     func() *Opening { return NewOpening(1, 1) },
+		"generate": func() *Opening { return NewGenerateOpening(1) },
+	}
 	f.Fuzz(func(t *testing.T, stream []byte, cut uint8) {
-		whole, chunked := NewOpening(1, 1), NewOpening(1, 1)
-		want := whole.Scan(stream)
-		size := int(cut) + 1
-		var got Verdict
-		for s := stream; len(s) > 0; {
-			n := min(size, len(s))
-			got = chunked.Scan(s[:n])
-			s = s[n:]
-		}
-		if got != want && len(stream) > 0 {
-			t.Errorf("in chunks of %d: %v, whole: %v", size, got, want)
+		for name, open := range openings {
+			whole, chunked := open(), open()
+			want := whole.Scan(stream)
+			size := int(cut) + 1
+			var got Verdict
+			for s := stream; len(s) > 0; {
+				n := min(size, len(s))
+				got = chunked.Scan(s[:n])
+				s = s[n:]
+			}
+			if got != want && len(stream) > 0 {
+				t.Errorf("%s, in chunks of %d: %v, whole: %v", name, size, got, want)
+			}
 		}
 	})
 }
@@ -136,6 +144,80 @@ func TestStreamFailedSGLangGenerateAbort(t *testing.T) {
 		stream := `data: {"text":"","output_ids":[],"meta_info":{"id":"1","finish_reason":` + tt.finish + `,"prompt_tokens":3}}` + "\n\ndata: [DONE]\n\n"
 		if got := StreamFailed([]byte(stream)); got != tt.want {
 			t.Errorf("%s: StreamFailed = %v, want %v", tt.name, got, tt.want)
+		}
+	}
+}
+
+// sglangChunk is one chunk of SGLang's /generate stream as its HTTP server
+// writes it (orjson, no spaces): text, then output_ids, then meta_info
+// (TokenizerManager._handle_batch_output, managers/tokenizer_manager.py
+// @001067ff).
+func sglangChunk(text, ids, finish string) string {
+	return `data: {"text":` + text + `,"output_ids":` + ids + `,"meta_info":{"id":"r1","finish_reason":` + finish +
+		`,"prompt_tokens":5,"weight_version":"default","num_retractions":0,"reasoning_tokens":0,"completion_tokens":1,"cached_tokens":0}}` + "\n\n"
+}
+
+// A decode engine whose KV transfer failed aborts the request (prepare_abort,
+// disaggregation/decode.py), and its /generate stream, already answered 200,
+// says so in an ordinary chunk whose finish_reason is the abort, then
+// [DONE] (_handle_abort_finish_reason, managers/tokenizer_manager.py). The
+// opening of such a stream tells that chunk, before any token, from the
+// first token.
+func TestGenerateOpeningTellsAnAbortFromTheFirstToken(t *testing.T) {
+	const done = "data: [DONE]\n\n"
+	var (
+		abort500  = sglangChunk(`""`, `[]`, `{"type":"abort","message":"Decode transfer failed for request rank=0 req.rid='r1' req.bootstrap_room=3 with exception KVTransferError","status_code":500,"err_type":null}`)
+		abort503  = sglangChunk(`""`, `[]`, `{"type":"abort","message":"busy","status_code":503,"err_type":null}`)
+		abort400  = sglangChunk(`""`, `[]`, `{"type":"abort","message":"The input is too long","status_code":400,"err_type":"BadRequestError"}`)
+		aborted   = sglangChunk(`""`, `[]`, `{"type":"abort","message":"Aborted","status_code":null,"err_type":null}`) // a client's abort
+		tok       = sglangChunk(`" Hello"`, `[22557]`, `null`)
+		tokNoText = sglangChunk(`""`, `[22557]`, `null`) // a token whose text is not whole yet
+		empty     = sglangChunk(`""`, `[]`, `null`)
+		idsOnly   = strings.Replace(tok, `"text":" Hello",`, "", 1) // skip_tokenizer_init
+		// A first chunk that carries the prompt's logprobs is longer than
+		// an error event is held: it leads with its text.
+		logprobs   = strings.Replace(tok, `"cached_tokens":0`, `"input_token_logprobs":[`+strings.Repeat(`[-1.5,42,null],`, maxErrorEvent/10)+`[-1.5,42,null]]`, 1)
+		longAbort  = strings.Replace(abort500, `"cached_tokens":0`, `"input_token_logprobs":[`+strings.Repeat(`[null,1,null],`, maxErrorEvent/10)+`[null,1,null]]`, 1)
+		errorEvent = "data: {\"error\": {\"message\": \"x\"}}\n\n" // http_server.py's ValueError: no code
+	)
+	tests := []struct {
+		name   string
+		stream string
+		want   Verdict
+	}{
+		{"a 500 abort first", abort500 + done, Failed},
+		{"a 503 abort first", abort503 + done, Failed},
+		{"a 500 abort after a chunk without output", empty + abort500 + done, Failed},
+		{"a token first, then an abort: the first token came", tok + abort500 + done, Served},
+		{"a token with the abort in one chunk (coalesced)", sglangChunk(`" Hello"`, `[22557]`, `{"type":"abort","message":"x","status_code":500}`) + done, Served},
+		{"a 400 abort is the request's own", abort400 + done, Served},
+		{"a client's abort, no status_code, tells nothing", aborted, Pending},
+		{"a whole answer", tok + sglangChunk(`" world"`, `[1917]`, `{"type":"length","length":2}`) + done, Served},
+		{"token ids whose text is not whole yet", tokNoText, Served},
+		{"token ids alone (skip_tokenizer_init)", idsOnly, Served},
+		{"a chunk without output tells nothing", empty, Pending},
+		{"a first chunk longer than an error event, text first", logprobs, Served},
+		{"an abort longer than is read tells nothing", longAbort, Pending},
+		{"an error event without a code tells nothing", errorEvent, Pending},
+		{"an error event with a 5xx code", enginetest.StreamError + done, Failed},
+		{"an abort cut short", abort500[:len(abort500)/2], Pending},
+		{"CRLF line ends", strings.ReplaceAll(abort500+done, "\n", "\r\n"), Failed},
+		{"CR line ends", strings.ReplaceAll(abort500+done, "\n", "\r"), Failed},
+		{"the abort's data on two lines", strings.Replace(abort500, `"meta_info":`, "\ndata: \"meta_info\":", 1) + done, Failed},
+		{"an event: line before the abort", "event: message\n" + abort500, Failed},
+	}
+	for _, tt := range tests {
+		for _, size := range []int{len(tt.stream) + 1, 7, 1} { // whole, and cut across every boundary
+			o := NewGenerateOpening(1)
+			var got Verdict
+			for s := tt.stream; s != ""; {
+				n := min(size, len(s))
+				got = o.Scan([]byte(s[:n]))
+				s = s[n:]
+			}
+			if got != tt.want || o.Verdict() != tt.want {
+				t.Errorf("%s, in chunks of %d: %v, want %v", tt.name, size, got, tt.want)
+			}
 		}
 	}
 }
