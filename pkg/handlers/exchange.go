@@ -366,7 +366,7 @@ func (x *exchange) end() {
 	}
 	if x.decision.StreamFailed() {
 		x.opts.Metrics.StreamError(x.req.Report.Mode)
-		x.obs.log.Info("the decode engine failed the request after its 200: an error event before the first token (in P/D, mostly a KV pull that failed)",
+		x.obs.log.Info("the decode engine failed the request after its 200: an error event (or SGLang's abort chunk) before the first token (in P/D, mostly a KV pull that failed)",
 			"requestID", x.req.RequestID, "mode", x.req.Report.Mode.String(), "decode", x.req.Report.Decode, "prefill", x.req.Report.Prefill)
 	}
 	x.letGo()

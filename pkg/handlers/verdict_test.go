@@ -177,3 +177,79 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000", "10.1.
 		})
 	}
 }
+
+// SGLang's /generate stream says no failure in an error event: a decode
+// server whose KV transfer failed aborts the request (prepare_abort,
+// disaggregation/decode.py), and its stream, answered 200 already, carries
+// the abort in an ordinary chunk, then [DONE] (_handle_abort_finish_reason,
+// managers/tokenizer_manager.py). An abort with a 5xx status_code before
+// the first token is counted and blamed on the decode endpoint, and logged
+// with the pair; one after the first token, or with a 4xx (the request's
+// own), is not.
+func TestAGenerateStreamAbortedBeforeItsFirstTokenIsAFailure(t *testing.T) {
+	const (
+		clientGenerate = `{"text":"once upon","sampling_params":{"max_new_tokens":8},"stream":true}`
+		meta           = `"prompt_tokens":3,"weight_version":"default","num_retractions":0,"reasoning_tokens":0,"completion_tokens":0,"cached_tokens":0}}`
+		token          = `data: {"text":" a","output_ids":[264],"meta_info":{"id":"r1","finish_reason":null,` + meta + "\n\n"
+		done           = "data: [DONE]\n\n"
+	)
+	abort := func(status int) string {
+		return `data: {"text":"","output_ids":[],"meta_info":{"id":"r1","finish_reason":{"type":"abort",` +
+			`"message":"Decode transfer failed for request rank=0 req.rid='r1' req.bootstrap_room=7 with exception KVTransferError",` +
+			fmt.Sprintf(`"status_code":%d,"err_type":null},`, status) + meta + "\n\n"
+	}
+	for _, tt := range []struct {
+		name   string
+		chunks []string
+		failed bool
+	}{
+		{"a 500 abort first", []string{abort(500), done}, true},
+		{"a 503 abort first, cut across chunks", []string{abort(503)[:40], abort(503)[40:] + done}, true},
+		{"a token, then a 500 abort", []string{token, abort(500), done}, false},
+		{"a 400 abort: the request's own", []string{abort(400), done}, false},
+	} {
+		for _, mode := range []filterv3.ProcessingMode_BodySendMode{fullDuplex, filterv3.ProcessingMode_STREAMED} {
+			t.Run(fmt.Sprintf("%s, %s", tt.name, mode), func(t *testing.T) {
+				prefill := enginetest.Start(t, enginetest.JSON(200, `{"text":"","output_ids":[],"meta_info":{"id":"r1"}}`))
+				const decode = "10.1.1.1:8000"
+				p := newPipeline(t, fmt.Sprintf(`connector: kv-sglang
+pools: {prefill: {endpoints: [%q], health: {consecutive_failures: 1}}, decode: {endpoints: [%q], health: {consecutive_failures: 1}}}`, prefill.Addr(), decode))
+				m := metrics.New("kv-sglang")
+				msgs := []*extprocv3.ProcessingRequest{
+					envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post("/generate", len(clientGenerate))...), fullDuplex, mode),
+					envoymsg.Body(envoymsg.Request, []byte(clientGenerate), true),
+					envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, envoymsg.Header{"content-type", "text/event-stream"}),
+				}
+				for i, c := range tt.chunks {
+					msgs = append(msgs, envoymsg.Body(envoymsg.Response, []byte(c), i == len(tt.chunks)-1))
+				}
+				var logged []string
+				drive(t, handlers.NewServer(p, handlers.Options{Metrics: m}, funcr.New(func(_, args string) { logged = append(logged, args) }, funcr.Options{})), msgs...)
+				p.Wait() // the concurrent prefill leg has ended: a decode failure no longer waits for it
+
+				want := 0.0
+				if tt.failed {
+					want = 1
+				}
+				if got := streamErrors(t, m, "pd"); got != want {
+					t.Errorf(`pd_extproc_stream_errors_total{mode="pd"} = %v, want %v`, got, want)
+				}
+				_, decodePool := p.Pools()
+				for _, e := range decodePool.Endpoints() {
+					if e.Healthy() == tt.failed {
+						t.Errorf("decode endpoint %s ejected = %v, want %v", e.Addr, !e.Healthy(), tt.failed)
+					}
+				}
+				lines := 0
+				for _, l := range logged {
+					if strings.Contains(l, "after its 200") && strings.Contains(l, `"decode"="`+decode+`"`) && strings.Contains(l, `"prefill"="`+prefill.Addr()+`"`) {
+						lines++
+					}
+				}
+				if lines != int(want) {
+					t.Errorf("%d log lines name the failed pair, want %v: %q", lines, want, logged)
+				}
+			})
+		}
+	}
+}

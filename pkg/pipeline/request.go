@@ -148,9 +148,10 @@ type Decision struct {
 	settled atomic.Bool
 	// watch reads the opening of a streamed answer that began with a 2xx
 	// for its verdict (Observe); nil otherwise. choices is the request's n,
-	// leading its API's events before the tokens (api.API.Leading).
-	watch            *response.Opening
-	choices, leading int
+	// api its API, which says how its streams open (opening).
+	watch   *response.Opening
+	choices int
+	api     *api.API
 }
 
 // HeaderEdit is what Envoy changes of the client's request headers before
@@ -233,12 +234,13 @@ func (d *Decision) ServedBy(addr string) (offered bool) {
 // answering 5xx is ejected like one that refuses connections. A 2xx event
 // stream (streamed, its chunks given to Watch) is judged by its opening
 // instead: an engine that fails a request after its headers went out says
-// so in an error event before the first token (response.Opening).
+// so before the first token, in an error event or, on SGLang's /generate
+// stream, an abort chunk (response.Opening).
 func (d *Decision) Observe(status int, streamed bool) {
 	switch {
 	case d == nil || d.decode.Endpoint == nil:
 	case streamed && status >= 200 && status <= 299:
-		d.watch = response.NewOpening(d.choices, d.leading)
+		d.watch = d.opening()
 	default:
 		d.settle(status < 500, true)
 	}
@@ -259,7 +261,7 @@ func (d *Decision) Watch(chunk []byte) {
 }
 
 // StreamFailed reports whether the answer's stream, begun with a 2xx,
-// carried an error event with a 5xx code before its first token (Watch).
+// said a 5xx failure before its first token (Watch).
 func (d *Decision) StreamFailed() bool {
 	return d != nil && d.watch != nil && d.watch.Verdict() == response.Failed
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/response"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
@@ -35,6 +36,20 @@ func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
 	}
 	return &Decision{Endpoints: addrs, Headers: edit,
 		decode: slot.Taken(), release: slot.Release, elsewhere: len(eps) > 1}, nil
+}
+
+// opening reads the opening of the decode engine's streamed answer
+// (Observe): an API's data events before the tokens (api.API.Leading), or
+// SGLang's /generate chunks, whose abort is a chunk like the others. A
+// request without a body (RouteHeaders) has none before the tokens.
+func (d *Decision) opening() *response.Opening {
+	switch {
+	case d.api == nil:
+		return response.NewOpening(d.choices, 0)
+	case d.api.Name == api.NameSGLangGenerate:
+		return response.NewGenerateOpening(d.choices)
+	}
+	return response.NewOpening(d.choices, d.api.Leading)
 }
 
 // RouteHeaders routes a request that has no body: one the pass-through list
@@ -117,7 +132,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if err != nil {
 		return nil, err
 	}
-	r.Report.Decode, d.choices, d.leading = d.Endpoints[0], sreq.N, a.Leading
+	r.Report.Decode, d.choices, d.api = d.Endpoints[0], sreq.N, a
 	defer func() {
 		if v := recover(); v != nil { // a bug: free what the request holds, or a probe's endpoint stays out for good
 			d.Release()
