@@ -71,7 +71,7 @@ func (x *exchange) sendLocalReply(code int, flag string, body []byte, h *headerM
 	for k := range hdr {
 		delete(hdr, k)
 	}
-	f := replyFacts{body: string(body), code: code, details: details, flag: flag}
+	f := replyFacts{body: string(body), code: code, details: details, flag: flag, request: x.dec.src.headers}
 	if contentType := x.cfg.LocalReplies.rewrite(&f); f.body != "" {
 		if _, ok := h.get("content-type"); !ok || f.body != string(body) {
 			h.set("content-type", contentType)

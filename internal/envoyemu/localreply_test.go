@@ -123,6 +123,19 @@ func celMapper(expr string, status int) string {
 	return m
 }
 
+// messagesMapper is a mapper that answers "messages" to a reply with flag
+// UF whose request's :path matches the string matcher match.
+func messagesMapper(match string) string {
+	return `
+            - filter:
+                and_filter:
+                  filters:
+                  - header_filter: {header: {name: ":path", string_match: ` + match + `}}
+                  - response_flag_filter: {flags: [UF]}
+              body: {inline_string: messages}
+`
+}
+
 // refusingAddr is a loopback address where nothing listens.
 func refusingAddr(t *testing.T) string {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -142,6 +155,7 @@ func TestLocalReplyConfigLoad(t *testing.T) {
 		name     string
 		mappers  string // replaces the shipped mappers
 		wantErr  string // "" for a config that loads
+		path     string // the request's :path ("" for no request headers)
 		code     int    // then what a 503 "refused" with flag UF becomes
 		body, ct string
 	}{
@@ -165,10 +179,24 @@ func TestLocalReplyConfigLoad(t *testing.T) {
 		{name: "a CEL attribute it does not give", mappers: celMapper(`response.headers['x'] == 'y'`, 0), wantErr: "response.headers is not emulated"},
 		{name: "a CEL attribute read by index", mappers: celMapper(`response['code'] == 503`, 0), wantErr: "response[...] is not emulated"},
 		{name: "an attribute outside response", mappers: celMapper(`request.path == '/'`, 0), wantErr: "undeclared reference to 'request'"},
-		{name: "a filter other than response flags", mappers: `
+		{name: "a path prefix and flags", path: "/v1/messages?beta=true", mappers: messagesMapper(`{prefix: /v1/messages}`), code: 503, body: "messages", ct: "text/plain"},
+		{name: "a path prefix, another path", path: "/v1/chat/completions", mappers: messagesMapper(`{prefix: /v1/messages}`), code: 503, body: "refused", ct: "text/plain"},
+		{name: "a path prefix, no request headers", mappers: messagesMapper(`{prefix: /v1/messages}`), code: 503, body: "refused", ct: "text/plain"},
+		{name: "a regex matches the whole path", path: "/v1/messages/count_tokens", mappers: messagesMapper(`{safe_regex: {regex: "/v1/messages([/?].*)?"}}`), code: 503, body: "messages", ct: "text/plain"},
+		{name: "a regex matches the whole path, not a part", path: "/v1/messagesx", mappers: messagesMapper(`{safe_regex: {regex: "/v1/messages([/?].*)?"}}`), code: 503, body: "refused", ct: "text/plain"},
+		{name: "an exact match ignoring case", path: "/V1/Messages", mappers: messagesMapper(`{exact: /v1/messages, ignore_case: true}`), code: 503, body: "messages", ct: "text/plain"},
+		{name: "an inverted match", path: "/v1/chat/completions", mappers: strings.Replace(messagesMapper(`{prefix: /v1/messages}`), "string_match", "invert_match: true, string_match", 1), code: 503, body: "messages", ct: "text/plain"},
+		{name: "an inverted match without the header", mappers: strings.Replace(messagesMapper(`{prefix: /v1/messages}`), "string_match", "invert_match: true, string_match", 1), code: 503, body: "refused", ct: "text/plain"},
+		{name: "or: either filter", path: "/v1/chat/completions", mappers: strings.Replace(messagesMapper(`{prefix: /v1/messages}`), "and_filter", "or_filter", 1), code: 503, body: "messages", ct: "text/plain"},
+		{name: "a header matcher other than string_match", mappers: strings.Replace(messagesMapper(""), "string_match: ", "present_match: true", 1), wantErr: "only a string_match header matcher is emulated"},
+		{name: "an and_filter of one filter, which Envoy refuses", mappers: `
+            - filter: {and_filter: {filters: [{response_flag_filter: {}}]}}
+              body: {inline_string: x}
+`, wantErr: "value must contain at least 2 item(s)"},
+		{name: "a filter other than those", mappers: `
             - filter: {status_code_filter: {comparison: {op: GE, value: {default_value: 500, runtime_key: k}}}}
               body: {inline_string: x}
-`, wantErr: "only response_flag_filter and the CEL extension_filter are emulated"},
+`, wantErr: "only response_flag_filter, header_filter, and_filter, or_filter and the CEL extension_filter are emulated"},
 		{name: "headers to add", mappers: `
             - filter: {response_flag_filter: {}}
               headers_to_add: [{header: {key: a, value: b}}]
@@ -205,6 +233,10 @@ func TestLocalReplyConfigLoad(t *testing.T) {
 				return
 			}
 			f := replyFacts{body: "refused", code: 503, flag: "UF", details: "upstream_reset_before_response_started{connection_failure}"}
+			if tc.path != "" {
+				f.request = &headerMap{}
+				f.request.set(":path", tc.path)
+			}
 			if ct := cfg.LocalReplies.rewrite(&f); f.body != tc.body || f.code != tc.code || ct != tc.ct {
 				t.Errorf("rewrite = %d %q (%s), want %d %q (%s)", f.code, f.body, ct, tc.code, tc.body, tc.ct)
 			}

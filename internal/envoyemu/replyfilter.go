@@ -3,10 +3,14 @@ package envoyemu
 import (
 	"errors"
 	"fmt"
+	"regexp"
 	"slices"
+	"strings"
 
 	accesslogv3 "github.com/envoyproxy/go-control-plane/envoy/config/accesslog/v3"
+	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	celv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/access_loggers/filters/cel/v3"
+	matcherv3 "github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3"
 	"github.com/google/cel-go/cel"
 	"github.com/google/cel-go/common/ast"
 	"github.com/google/cel-go/common/types"
@@ -20,46 +24,166 @@ const celFilterName = "envoy.access_loggers.extension_filters.cel"
 // refused, rather than evaluated unlike Envoy.
 var celAttributes = []string{"code", "code_details"}
 
-// replyFilter is a mapper's access-log filter: a response_flag_filter (flags;
-// empty matches any reply with a flag) or a CEL extension_filter.
-type replyFilter struct {
-	flags []string
-	expr  cel.Program
+// replyFilter is a mapper's access-log filter (AccessLog::FilterFactory::
+// fromProto in Envoy's access_log_impl.cc): its verdict on a reply.
+type replyFilter interface {
+	match(f *replyFacts) bool
 }
 
-// match is the filter's verdict on a reply. A CEL expression matches only
-// when it evaluates to true: an error, or any other value, does not match,
-// as Envoy's CELAccessLogExtensionFilter has it.
-func (rf replyFilter) match(f *replyFacts) bool {
-	if rf.expr != nil {
-		out, _, err := rf.expr.Eval(map[string]any{"response": map[string]any{
-			"code": int64(f.code), "code_details": f.details,
-		}})
-		return err == nil && out == types.True
-	}
+// flagFilter is a response_flag_filter: flags empty matches any reply with
+// a flag (ResponseFlagFilter::evaluate).
+type flagFilter []string
+
+func (flags flagFilter) match(f *replyFacts) bool {
 	if f.flag == "" {
 		return false
 	}
-	return len(rf.flags) == 0 || slices.Contains(rf.flags, f.flag)
+	return len(flags) == 0 || slices.Contains(flags, f.flag)
+}
+
+// celFilter is the CEL extension_filter. It matches only when the
+// expression evaluates to true: an error, or any other value, does not
+// match, as Envoy's CELAccessLogExtensionFilter has it.
+type celFilter struct{ expr cel.Program }
+
+func (c celFilter) match(f *replyFacts) bool {
+	out, _, err := c.expr.Eval(map[string]any{"response": map[string]any{
+		"code": int64(f.code), "code_details": f.details,
+	}})
+	return err == nil && out == types.True
+}
+
+// andFilter and orFilter are and_filter and or_filter: every (any) filter
+// matches, evaluated in order until the verdict is known (AndFilter and
+// OrFilter::evaluate). The proto's validation wants two filters at least.
+type (
+	andFilter []replyFilter
+	orFilter  []replyFilter
+)
+
+func (fs andFilter) match(f *replyFacts) bool {
+	for _, rf := range fs {
+		if !rf.match(f) {
+			return false
+		}
+	}
+	return true
+}
+
+func (fs orFilter) match(f *replyFacts) bool {
+	for _, rf := range fs {
+		if rf.match(f) {
+			return true
+		}
+	}
+	return false
+}
+
+// headerFilter is a header_filter: its matcher on the request's headers, as
+// the filter chain holds them when the reply is made (a processor's header
+// mutations included). Envoy's HeaderFilter::evaluate is
+// HeaderUtility::matchHeaders (header_utility.cc): a header the request
+// lacks matches no string matcher, inverted or not; several values are
+// joined with "," first; then the string matcher, inverted by invert_match.
+type headerFilter struct {
+	name   string
+	value  func(string) bool
+	invert bool
+}
+
+func (h headerFilter) match(f *replyFacts) bool {
+	if f.request == nil {
+		return false // Envoy's empty request headers: no value to match
+	}
+	var values []string
+	for _, e := range f.request.entries {
+		if e.key == h.name {
+			values = append(values, e.value)
+		}
+	}
+	if len(values) == 0 {
+		return false
+	}
+	return h.value(strings.Join(values, ",")) != h.invert
 }
 
 func replyFilterFromProto(f *accesslogv3.AccessLogFilter) (replyFilter, error) {
-	if rf := f.GetResponseFlagFilter(); rf != nil {
-		return replyFilter{flags: rf.GetFlags()}, nil
+	switch {
+	case f.GetResponseFlagFilter() != nil:
+		return flagFilter(f.GetResponseFlagFilter().GetFlags()), nil
+	case f.GetAndFilter() != nil:
+		fs, err := replyFiltersFromProto("and_filter", f.GetAndFilter().GetFilters())
+		return andFilter(fs), err
+	case f.GetOrFilter() != nil:
+		fs, err := replyFiltersFromProto("or_filter", f.GetOrFilter().GetFilters())
+		return orFilter(fs), err
+	case f.GetHeaderFilter() != nil:
+		return headerFilterFromProto(f.GetHeaderFilter().GetHeader())
 	}
 	ext := f.GetExtensionFilter()
 	if ext == nil || ext.GetName() != celFilterName {
-		return replyFilter{}, errors.New("only response_flag_filter and the CEL extension_filter are emulated")
+		return nil, errors.New("only response_flag_filter, header_filter, and_filter, or_filter and the CEL extension_filter are emulated")
 	}
 	var c celv3.ExpressionFilter
 	if err := ext.GetTypedConfig().UnmarshalTo(&c); err != nil {
-		return replyFilter{}, fmt.Errorf("%s: %w", celFilterName, err)
+		return nil, fmt.Errorf("%s: %w", celFilterName, err)
 	}
 	prg, err := compileReplyExpression(c.GetExpression())
 	if err != nil {
-		return replyFilter{}, fmt.Errorf("%s: %w", celFilterName, err)
+		return nil, fmt.Errorf("%s: %w", celFilterName, err)
 	}
-	return replyFilter{expr: prg}, nil
+	return celFilter{expr: prg}, nil
+}
+
+func replyFiltersFromProto(what string, protos []*accesslogv3.AccessLogFilter) ([]replyFilter, error) {
+	var out []replyFilter
+	for i, p := range protos {
+		rf, err := replyFilterFromProto(p)
+		if err != nil {
+			return nil, fmt.Errorf("%s.filters[%d]: %w", what, i, err)
+		}
+		out = append(out, rf)
+	}
+	return out, nil
+}
+
+// headerFilterFromProto takes a HeaderMatcher with a string_match (exact,
+// prefix, suffix, contains or safe_regex, which must match the whole value:
+// Envoy's RE2 FullMatch), inverted or not; it refuses the other specifiers.
+func headerFilterFromProto(m *routev3.HeaderMatcher) (replyFilter, error) {
+	sm := m.GetStringMatch()
+	switch {
+	case sm == nil:
+		return nil, errors.New("header_filter: only a string_match header matcher is emulated")
+	case m.GetTreatMissingHeaderAsEmpty():
+		return nil, errors.New("header_filter: treat_missing_header_as_empty is not emulated")
+	case m.GetName() == "":
+		return nil, errors.New("header_filter: the header matcher names no header")
+	}
+	fold := func(s string) string { return s }
+	if sm.GetIgnoreCase() {
+		fold = strings.ToLower
+	}
+	var value func(string) bool
+	switch p := sm.GetMatchPattern().(type) {
+	case *matcherv3.StringMatcher_Exact:
+		value = func(v string) bool { return fold(v) == fold(p.Exact) }
+	case *matcherv3.StringMatcher_Prefix:
+		value = func(v string) bool { return strings.HasPrefix(fold(v), fold(p.Prefix)) }
+	case *matcherv3.StringMatcher_Suffix:
+		value = func(v string) bool { return strings.HasSuffix(fold(v), fold(p.Suffix)) }
+	case *matcherv3.StringMatcher_Contains:
+		value = func(v string) bool { return strings.Contains(fold(v), fold(p.Contains)) }
+	case *matcherv3.StringMatcher_SafeRegex:
+		re, err := regexp.Compile(`^(?:` + p.SafeRegex.GetRegex() + `)$`)
+		if err != nil {
+			return nil, fmt.Errorf("header_filter: %w", err)
+		}
+		value = re.MatchString
+	default:
+		return nil, errors.New("header_filter: only exact, prefix, suffix, contains and safe_regex string matchers are emulated")
+	}
+	return headerFilter{name: strings.ToLower(m.GetName()), value: value, invert: m.GetInvertMatch()}, nil
 }
 
 // compileReplyExpression parses a CEL expression over `response`, refusing

@@ -51,7 +51,8 @@ type replyFacts struct {
 	body    string
 	code    int
 	details string
-	flag    string // the one response flag set, "" for none
+	flag    string     // the one response flag set, "" for none
+	request *headerMap // the request's headers, nil before any arrived
 }
 
 // rewrite is Envoy's LocalReply rewrite: the first mapper whose filter
