@@ -57,6 +57,13 @@ func envoyError(code int, message, typ string) string {
 	return string(b) + "\n"
 }
 
+// anthropicError is the body the shipped local_reply_config makes of one of
+// Envoy's replies to the Messages API: Anthropic's error JSON.
+func anthropicError(message, typ string) string {
+	b, _ := json.Marshal(map[string]any{"type": "error", "error": map[string]any{"type": typ, "message": message}})
+	return string(b) + "\n"
+}
+
 // ---- scripted ext_proc server ----
 
 // procStream is one Process stream as the scripted server sees it.

@@ -18,9 +18,10 @@ import (
 )
 
 // TestLocalReplyConfig is §15 as the shipped envoy.yaml configures it:
-// Envoy's own replies, each with a response flag, reach the client in
-// OpenAI's error JSON; the processor's immediate responses and its
-// failures set no flag and pass as they are.
+// Envoy's own replies, each with a response flag, and the ext_proc filter's
+// failures reach the client in OpenAI's error JSON, or in Anthropic's on
+// /v1/messages and below; the processor's immediate responses pass as they
+// are.
 func TestLocalReplyConfig(t *testing.T) {
 	const refused = "upstream connect error or disconnect/reset before headers. reset reason: connection failure"
 	const procJSON = `{"error":{"message":"no capacity","type":"service_unavailable","code":503}}`
@@ -42,6 +43,7 @@ func TestLocalReplyConfig(t *testing.T) {
 		timeout time.Duration // the message timer, with envoy-buffered.yaml (FULL_DUPLEX has none)
 		upAddr  string        // where the processor routes; "" for the refusing address
 		script  func(*procStream) error
+		path    string // "" for /v1/completions
 		status  int
 		body    string
 		ctype   string
@@ -50,6 +52,30 @@ func TestLocalReplyConfig(t *testing.T) {
 		{name: "an engine that refuses the connection (UF)", status: 503,
 			body: envoyError(503, refused, "upstream_error"), ctype: "application/json"},
 		{name: "the same without local_reply_config", plain: true, status: 503, body: refused, ctype: "text/plain"},
+		{name: "the same to chat completions", path: "/v1/chat/completions", status: 503,
+			body: envoyError(503, refused, "upstream_error"), ctype: "application/json"},
+		// Anthropic's clients get Anthropic's shape, the type Anthropic gives the status.
+		{name: "the same to the Messages API", path: "/v1/messages?beta=true", status: 503,
+			body: anthropicError(refused, "overloaded_error"), ctype: "application/json"},
+		{name: "the same below the Messages API", path: "/v1/messages/count_tokens", status: 503,
+			body: anthropicError(refused, "overloaded_error"), ctype: "application/json"},
+		{name: "the same to a path that only starts like it", path: "/v1/messagesx", status: 503,
+			body: envoyError(503, refused, "upstream_error"), ctype: "application/json"},
+		{name: "an idle stream to the Messages API", path: "/v1/messages", idle: 100 * time.Millisecond, upAddr: hanging.addr, status: 504,
+			body: anthropicError("stream timeout", "timeout_error"), ctype: "application/json"},
+		{name: "the processor's immediate response to the Messages API", path: "/v1/messages",
+			script: immediate(procJSON, rawHeader("content-type", "application/json")), status: 503, body: procJSON, ctype: "application/json"},
+		{name: "the processor failing, to the Messages API", path: "/v1/messages?beta=true", script: func(s *procStream) error {
+			s.next()
+			return status.Error(codes.Unavailable, "down")
+		}, status: 500, ctype: "application/json",
+			body: anthropicError("request processing failed: ext_proc_error_gRPC_error_14{down}", "api_error")},
+		{name: "the processor too slow, to the Messages API", path: "/v1/messages", timeout: 50 * time.Millisecond, script: func(s *procStream) error {
+			s.next()
+			<-s.Context().Done()
+			return nil
+		}, status: 504, ctype: "application/json",
+			body: anthropicError("request processing failed: ext_proc_error_per-message_timeout_exceeded", "timeout_error")},
 		{name: "a stream idle past its timeout (SI)", idle: 100 * time.Millisecond, upAddr: hanging.addr, status: 504,
 			body: envoyError(504, "stream timeout", "timeout_error"), ctype: "application/json"},
 		{name: "the processor's immediate response", script: immediate(procJSON, rawHeader("content-type", "application/json")),
@@ -96,7 +122,11 @@ func TestLocalReplyConfig(t *testing.T) {
 				script = fullDuplexRouter(setHeaders(rawHeader("x-gateway-destination-endpoint", up)), nil, nil)
 			}
 			p := startProxy(t, cfg, script)
-			res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil)
+			path := tc.path
+			if path == "" {
+				path = "/v1/completions"
+			}
+			res := do(t, p, http.MethodPost, path, `{"model":"m"}`, nil)
 			if res.status != tc.status || res.body != tc.body || res.header.Get("Content-Type") != tc.ctype {
 				t.Errorf("response = %d %q (%s), want %d %q (%s)", res.status, res.body, res.header.Get("Content-Type"), tc.status, tc.body, tc.ctype)
 			}

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
@@ -125,12 +126,26 @@ func TestPrefillFailureFallsBackToDecodeOnly(t *testing.T) {
 	}
 }
 
+// TestDecodeEndpointDownIs503: a decode engine that refuses the connection
+// gets the client Envoy's 503, worded as the client's API words errors: in
+// OpenAI's JSON, and in Anthropic's on the Messages API (any query string
+// included), overloaded_error being the type Anthropic gives a 503.
 func TestDecodeEndpointDownIs503(t *testing.T) {
 	dead := testbed.MustFreeAddr(t)
 	r := startRig(t, rigOptions{decodeAddrs: func([]*pdsim.Server) []string { return []string{dead} }})
 	path, body := request("chat", true, "decode is down")
 	resp, got := r.must(t, path, body, nil)
-	if resp.StatusCode != http.StatusServiceUnavailable {
-		t.Errorf("status %d (%s), want 503 from Envoy", resp.StatusCode, got)
+	checkEnvoyError(t, resp, got, http.StatusServiceUnavailable, "upstream_error", "upstream connect error")
+
+	path, body = request("messages", true, "decode is down, to Claude")
+	resp, got = r.must(t, path+"?beta=true", body, nil)
+	var e struct {
+		Type  string
+		Error struct{ Type, Message string }
+	}
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Content-Type") != "application/json" ||
+		json.Unmarshal([]byte(got), &e) != nil || e.Type != "error" || e.Error.Type != "overloaded_error" ||
+		!strings.HasPrefix(e.Error.Message, "upstream connect error") {
+		t.Errorf("%d %s %q, want Envoy's 503 in Anthropic's JSON, type overloaded_error", resp.StatusCode, resp.Header.Get("Content-Type"), got)
 	}
 }
