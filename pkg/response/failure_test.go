@@ -78,18 +78,7 @@ func TestOpeningTellsServedFromFailed(t *testing.T) {
 		{"the role's data on two lines is one event", "data: {\"choices\":\ndata: [{\"delta\":{\"role\":\"assistant\"}}]}\n\n" + vllmError, Failed, 0, 1},
 	}
 	for _, tt := range tests {
-		for _, size := range []int{len(tt.stream) + 1, 7, 1} { // whole, and cut across every boundary
-			o := NewOpening(tt.n, tt.leading)
-			var got Verdict
-			for s := tt.stream; s != ""; {
-				n := min(size, len(s))
-				got = o.Scan([]byte(s[:n]))
-				s = s[n:]
-			}
-			if got != tt.want || o.Verdict() != tt.want {
-				t.Errorf("%s, in chunks of %d: %v, want %v", tt.name, size, got, tt.want)
-			}
-		}
+		scanInChunks(t, tt.name, func() *Opening { return NewOpening(tt.n, tt.leading) }, tt.stream, tt.want)
 		if tt.n <= 1 && tt.leading == 1 && StreamFailed([]byte(tt.stream)) != (tt.want == Failed) {
 			t.Errorf("%s: StreamFailed = %v", tt.name, !(tt.want == Failed))
 		}
@@ -207,17 +196,24 @@ func TestGenerateOpeningTellsAnAbortFromTheFirstToken(t *testing.T) {
 		{"an event: line before the abort", "event: message\n" + abort500, Failed},
 	}
 	for _, tt := range tests {
-		for _, size := range []int{len(tt.stream) + 1, 7, 1} { // whole, and cut across every boundary
-			o := NewGenerateOpening(1)
-			var got Verdict
-			for s := tt.stream; s != ""; {
-				n := min(size, len(s))
-				got = o.Scan([]byte(s[:n]))
-				s = s[n:]
-			}
-			if got != tt.want || o.Verdict() != tt.want {
-				t.Errorf("%s, in chunks of %d: %v, want %v", tt.name, size, got, tt.want)
-			}
+		scanInChunks(t, tt.name, func() *Opening { return NewGenerateOpening(1) }, tt.stream, tt.want)
+	}
+}
+
+// scanInChunks feeds stream to a new Opening whole, and cut across every
+// boundary, and checks each way ends in want.
+func scanInChunks(t *testing.T, name string, open func() *Opening, stream string, want Verdict) {
+	t.Helper()
+	for _, size := range []int{len(stream) + 1, 7, 1} {
+		o := open()
+		var got Verdict
+		for s := stream; s != ""; {
+			n := min(size, len(s))
+			got = o.Scan([]byte(s[:n]))
+			s = s[n:]
+		}
+		if got != want || o.Verdict() != want {
+			t.Errorf("%s, in chunks of %d: %v, want %v", name, size, got, want)
 		}
 	}
 }
