@@ -2,6 +2,8 @@ package scheduling
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"maps"
 	"slices"
@@ -42,6 +44,25 @@ type flow struct {
 	priority int
 }
 
+// Bounds on what a hold remembers of the flows it served, whatever fairness
+// ids clients send: at most maxFlows flows with nothing held (a flood of
+// distinct ids while a flow never served waits, which keeps forget from
+// dropping any, would grow it without end), each id at most maxFlowIDBytes
+// (a longer one is kept as its digest).
+const (
+	maxFlows       = 4096
+	maxFlowIDBytes = 128
+)
+
+// flowOf is the flow of a request of that fairness id and priority.
+func flowOf(fairness string, priority int) flow {
+	if len(fairness) > maxFlowIDBytes {
+		sum := sha256.Sum256([]byte(fairness))
+		fairness = "sha256:" + hex.EncodeToString(sum[:])
+	}
+	return flow{fairness, priority}
+}
+
 // waiter is a request in a Hold. done is called once, with true when it is
 // released and false when its time is up first.
 type waiter struct {
@@ -68,7 +89,7 @@ func (h *Hold) Len() int {
 // turn.
 func (h *Hold) Wait(ctx context.Context, req *Request, priority int, fairness string, lines Lines, d time.Duration) (held bool, err error) {
 	result := make(chan bool, 1)
-	x := &waiter{req: req, flow: flow{fairness, priority}, until: h.Pool.deps.Now().Add(d), done: func(ok bool) { result <- ok }}
+	x := &waiter{req: req, flow: flowOf(fairness, priority), until: h.Pool.deps.Now().Add(d), done: func(ok bool) { result <- ok }}
 	h.mu.Lock()
 	h.lines = lines
 	held = h.add(x, lines)
@@ -107,7 +128,7 @@ var ErrStillSaturated = errors.New("the pool stayed saturated while the request 
 func (h *Hold) Add(req *Request, priority int, fairness string, until time.Time, lines Lines, done func(released bool)) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.add(&waiter{req: req, flow: flow{fairness, priority}, until: until, done: done}, lines)
+	return h.add(&waiter{req: req, flow: flowOf(fairness, priority), until: until, done: done}, lines)
 }
 
 func (h *Hold) add(x *waiter, lines Lines) bool {
@@ -236,6 +257,29 @@ func (h *Hold) forget() {
 		least = min(least, h.served[x.flow])
 	}
 	maps.DeleteFunc(h.served, func(f flow, n uint64) bool { return !waiting[f] && n < least })
+	if len(h.served)-len(waiting) > maxFlows {
+		h.forgetOldest(waiting)
+	}
+}
+
+// forgetOldest drops the flows with nothing held that were served least
+// lately, keeping half of maxFlows of them: at most one release in
+// maxFlows/2 pays for the sort. One dropped that comes back takes its turn
+// as a new one, ahead of the flows it would have gone behind: only a flow
+// that sent nothing while maxFlows/2 others were served is dropped.
+func (h *Hold) forgetOldest(waiting map[flow]bool) {
+	serials := make([]uint64, 0, len(h.served))
+	for f, n := range h.served {
+		if !waiting[f] {
+			serials = append(serials, n)
+		}
+	}
+	if len(serials) <= maxFlows {
+		return
+	}
+	slices.Sort(serials)
+	keep := serials[len(serials)-maxFlows/2] // serials are distinct: each release takes a new one
+	maps.DeleteFunc(h.served, func(f flow, n uint64) bool { return !waiting[f] && n < keep })
 }
 
 // budget is how many held requests one scrape round lets go: this replica's share

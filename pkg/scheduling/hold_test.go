@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"runtime"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -328,5 +329,48 @@ func TestAHeldRequestGoesOnOnceItsPoolIsNotSaturated(t *testing.T) {
 				t.Errorf("after a scrape of a pool that is not saturated: %d released, %d refused; want it released", released, refused)
 			}
 		})
+	}
+}
+
+// A flood of distinct fairness ids, each long, while the pool stays
+// saturated (the hold never empties, a flow never served always waits) is
+// remembered within bounds: the flows served are forgotten past a number,
+// and a long id is kept as a digest, not whole.
+func TestAFloodOfFairnessIDsIsRememberedWithinBounds(t *testing.T) {
+	const a = "10.0.0.1:8000"
+	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, a)
+	h := NewHold(p)
+	byAddr(p, a).observe(Load{Waiting: 5, At: clock.Now()})
+	long := strings.Repeat("x", 1024)
+	released := 0
+	for i := range 6_000 {
+		for j := range 2 { // two new flows a round, one place a release: the hold never empties
+			id := fmt.Sprint(long, i, "-", j)
+			if !h.Add(promptRequest(id), -1, id, clock.Now().Add(3*time.Second), defaultLines, func(ok bool) {
+				if ok {
+					released++
+				}
+			}) {
+				t.Fatalf("round %d: a request went at once", i)
+			}
+		}
+		clock.Advance(time.Second)
+		byAddr(p, a).observe(Load{Waiting: 4, Running: 8, At: clock.Now()})
+		h.Release(defaultLines)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	bytes := 0
+	for f := range h.served {
+		bytes += len(f.id)
+	}
+	if released < 5_000 {
+		t.Fatalf("%d released, want one a round", released)
+	}
+	if n := len(h.served); n > maxFlows+len(h.held) {
+		t.Errorf("%d flows remembered after %d released, want at most %d", n, released, maxFlows+len(h.held))
+	}
+	if bytes > 1<<20 {
+		t.Errorf("the flows remembered hold %d bytes of ids, want at most 1 MiB", bytes)
 	}
 }
