@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 
@@ -135,6 +136,18 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 		{"POST", "/v1/models", `{}`, 404, "extproc"},
 		{"GET", "/v1/responses/x/..%2F..%2Fflush_cache", "", 404, "extproc"},
 		{"POST", "/v1//embeddings", `{}`, 404, "extproc"},
+		// vLLM's request cancelling (vllm/entrypoints/serve/cancel/api_router.py, abort_requests
+		// with no ids aborts every request in flight) and collective_rpc; SGLang's admin endpoints
+		// (python/sglang/srt/entrypoints/http_server.py).
+		{"POST", "/abort_requests", `{}`, 404, "extproc"},
+		{"POST", "/v1/requests/cancel", `{"request_ids":["x"]}`, 404, "extproc"},
+		{"DELETE", "/v1/requests/x", "", 404, "extproc"},
+		{"POST", "/collective_rpc", `{"method":"x"}`, 404, "extproc"},
+		{"POST", "/update_weights_from_disk", `{"model_path":"/tmp"}`, 404, "extproc"},
+		{"POST", "/abort_request", `{"rid":"x","abort_all":true}`, 404, "extproc"},
+		{"POST", "/shutdown", "", 404, "extproc"},
+		{"GET", "/v1/models/%2e%2e/%2e%2e/flush_cache", "", 404, "extproc"},
+		{"GET", "/v1/models/x/%2E%2E%2fabort_requests", "", 404, "extproc"},
 	}
 	for _, tt := range tests {
 		req, err := http.NewRequest(tt.method, r.proxy.URL()+tt.path, strings.NewReader(tt.body)) // "": no body
@@ -195,7 +208,8 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 	for _, sims := range [][]*pdsim.Server{r.prefill, r.decode} {
 		for _, s := range sims {
 			for _, rec := range s.Requests() {
-				if p := rec.Path; strings.Contains(p, "flush_cache") || p == "/start_profile" || p == "/sleep" || p == "/reset_prefix_cache" {
+				if p := rec.Path; strings.Contains(p, "flush_cache") || strings.Contains(p, "abort_request") || strings.HasPrefix(p, "/v1/requests") ||
+					slices.Contains([]string{"/start_profile", "/sleep", "/reset_prefix_cache", "/collective_rpc", "/update_weights_from_disk", "/shutdown"}, p) {
 					t.Errorf("%s reached the engine at %s", p, s.Addr())
 				}
 			}
