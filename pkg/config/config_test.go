@@ -131,8 +131,8 @@ func TestKVEventPortsApartForTheRanks(t *testing.T) {
 		`{connect_port: 5557, replay_port: 5559, data_parallel_size: 2}`,
 		`{connect_port: 5557, replay_port: 5657, data_parallel_size: 8}`,
 		`{connect_port: 5561, replay_port: 5557, data_parallel_size: 4}`,
-		`{bind: "tcp://0.0.0.0:5557", replay_port: 5558, data_parallel_size: 2}`, // the engines' own ports are theirs to set
-		`{connect_port: 65535, replay_port: 65533, data_parallel_size: 1}`,       // the last port there is
+		`{bind: "tcp://0.0.0.0:5557", replay_port: 5558}`,                  // the engines' own ports are theirs to set
+		`{connect_port: 65535, replay_port: 65533, data_parallel_size: 1}`, // the last port there is
 		`{connect_port: 65534, replay_port: 65530, data_parallel_size: 2}`,
 	} {
 		t.Run(kv, func(t *testing.T) {
@@ -238,6 +238,8 @@ func TestInvalidConfigNamesTheKey(t *testing.T) {
 			"pools.decode.kv_events: connect_port and bind are two modes"},
 		{"KV events bound to no address", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {bind: "0.0.0.0:5557"}}}`,
 			"pools.decode.kv_events.bind"},
+		{"a data-parallel engine publishing to a bound address", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {bind: "tcp://0.0.0.0:5557", data_parallel_size: 2}}}`,
+			"pools.decode.kv_events.data_parallel_size: 2 with bind"},
 		{"a replay port alone", `pools: {prefill: {kv_events: {replay_port: 5558}}, decode: {endpoints: ["10.0.0.2:8000"]}}`,
 			"pools.prefill.kv_events: set without connect_port or bind"},
 		{"event settings without a mode", `pools: {decode: {endpoints: ["10.0.0.2:8000"], kv_events: {data_parallel_size: 999, stale_after: -1s}}}`,

@@ -38,7 +38,7 @@ type KVEvents struct {
 	ReplayPort int `json:"replay_port,omitempty"`
 	// DataParallelSize is the ranks of one engine; rank r publishes on
 	// ConnectPort+r (and replays on ReplayPort+r), so the two ports must be
-	// at least this far apart.
+	// at least this far apart. 1 with Bind.
 	DataParallelSize int `json:"data_parallel_size,omitempty"`
 	// StaleAfter bounds how long a view may go unconfirmed (default 30s):
 	// one rebuilt after an unreplayed gap, or whose engine was sent new work
@@ -103,6 +103,12 @@ func (k KVEvents) Validate(key, policy string) error {
 	case k.Bind != "":
 		if err := validateZMQAddr(k.Bind); err != nil {
 			errs = append(errs, fmt.Errorf("%s.bind: %w", key, err))
+		}
+		if k.DataParallelSize > 1 {
+			// vLLM's rank r connects to the bind port + r, under the same
+			// topic: one listening port hears rank 0 alone.
+			errs = append(errs, fmt.Errorf("%s.data_parallel_size: %d with bind: each rank publishes to the bind port + its rank, "+
+				"under one topic, and only the bind port is listened on; use connect_port, which dials every rank", key, k.DataParallelSize))
 		}
 	}
 	for name, port := range map[string]int{"connect_port": k.ConnectPort, "replay_port": k.ReplayPort} {

@@ -29,7 +29,7 @@ type Config struct {
 	// ReplayPort is the port of the engines' replay socket (vLLM's
 	// replay_endpoint), asked for the batches a gap lost; 0: none.
 	ReplayPort int
-	// Ranks is the engines' data-parallel size (ConnectPort mode).
+	// Ranks is the engines' data-parallel size (ConnectPort mode; 1 with Bind).
 	Ranks int
 	// StaleAfter bounds how long a view may go unconfirmed: one rebuilt after
 	// a gap that could not be replayed is not used until it has followed its
