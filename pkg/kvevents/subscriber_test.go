@@ -663,3 +663,41 @@ func replaying(t *testing.T, next int64) (p *testPublisher, x *Index, s *Subscri
 	}
 	return p, x, s, st, deliver
 }
+
+// TestChurnLeavesNoFollower: endpoints that join and leave the pool, over
+// and over (discovery churn), leave no goroutine behind: a departed
+// endpoint's follower and its connection's readers end with it, and
+// everything once the subscriber stops.
+func TestChurnLeavesNoFollower(t *testing.T) {
+	p := newTestPublisher(t, t.Context(), "", false)
+	before := runtime.NumGoroutine()
+	ctx, cancel := context.WithCancel(t.Context())
+	x := NewIndex(Bounds{}, time.Minute, nil)
+	s := NewSubscriber(Config{ConnectPort: p.port(), StaleAfter: time.Minute}, x, logr.Discard())
+	var mu sync.Mutex
+	addrs, changed := []string{endpoint}, make(chan struct{})
+	set := func(a ...string) {
+		mu.Lock()
+		left := changed
+		addrs, changed = a, make(chan struct{})
+		mu.Unlock()
+		close(left)
+		eventually(t, "the pool's views followed", func() bool { return x.Stats().Publishers == len(a) })
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		s.Run(ctx, func() ([]string, <-chan struct{}) { mu.Lock(); defer mu.Unlock(); return addrs, changed })
+	}()
+	for _, pool := range [][]string{{endpoint}, {endpoint, "127.0.0.2:8000", "127.0.0.3:8000", "127.0.0.4:9000"}, {"127.0.0.2:8000"}, {}} {
+		for range 10 {
+			set(pool...)
+			set(endpoint, "127.0.0.5:8000")
+		}
+	}
+	set()
+	eventually(t, "the departed endpoints' goroutines gone", func() bool { return runtime.NumGoroutine() <= before+1 }) // Run's
+	cancel()
+	<-done
+	eventually(t, "every goroutine gone", func() bool { return runtime.NumGoroutine() <= before })
+}
