@@ -3,6 +3,9 @@ package config
 import (
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
+	"strings"
 	"time"
 )
 
@@ -108,6 +111,14 @@ func (c *Config) validateAdmission() error {
 	}
 	if a.Hold != nil && (*a.Hold < 0 || *a.Hold > Duration(maxEnvoyMessageTimeout)) {
 		errs = append(errs, fmt.Errorf("admission.hold: %v is not between 0s and 1h", a.Hold.D()))
+	}
+	for _, name := range slices.Sorted(maps.Keys(a.Objectives)) {
+		if name == "" || strings.TrimSpace(name) != name {
+			// A request without the header names "": such an entry would
+			// give it that priority. Envoy trims a header value's white space.
+			errs = append(errs, fmt.Errorf("admission.objectives: %q is no objective a request can name: "+
+				"a name is not empty and neither starts nor ends with white space", name))
+		}
 	}
 	if a.SaturatedKVCache <= 0 || a.SaturatedKVCache > 1 {
 		errs = append(errs, fmt.Errorf("admission.saturated_kv_cache: %g is not in (0, 1]", a.SaturatedKVCache))
