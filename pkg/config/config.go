@@ -178,7 +178,7 @@ func Unconfigured(data []byte) (*Config, error) {
 // fills defaults and validates.
 func parse(data []byte, prepare func(*Config) error) (*Config, error) {
 	var c Config
-	if err := caseSensitive(data); err != nil {
+	if err := errors.Join(caseSensitive(data), nonFinite(data)); err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	if err := yaml.UnmarshalStrict(data, &c); err != nil {
