@@ -84,10 +84,11 @@ func (fs orFilter) match(f *replyFacts) bool {
 // mutations included). Envoy's HeaderFilter::evaluate is
 // HeaderUtility::matchHeaders (header_utility.cc): a header the request
 // lacks matches no string matcher, inverted or not; several values are
-// joined with "," first; then the string matcher, inverted by invert_match.
+// joined with "," first; then the string matcher (stringMatches), inverted
+// by invert_match.
 type headerFilter struct {
 	name   string
-	value  func(string) bool
+	value  *matcherv3.StringMatcher
 	invert bool
 }
 
@@ -104,7 +105,7 @@ func (h headerFilter) match(f *replyFacts) bool {
 	if len(values) == 0 {
 		return false
 	}
-	return h.value(strings.Join(values, ",")) != h.invert
+	return stringMatches(h.value, strings.Join(values, ",")) != h.invert
 }
 
 func replyFilterFromProto(f *accesslogv3.AccessLogFilter) (replyFilter, error) {
@@ -160,30 +161,16 @@ func headerFilterFromProto(m *routev3.HeaderMatcher) (replyFilter, error) {
 	case m.GetName() == "":
 		return nil, errors.New("header_filter: the header matcher names no header")
 	}
-	fold := func(s string) string { return s }
-	if sm.GetIgnoreCase() {
-		fold = strings.ToLower
-	}
-	var value func(string) bool
 	switch p := sm.GetMatchPattern().(type) {
-	case *matcherv3.StringMatcher_Exact:
-		value = func(v string) bool { return fold(v) == fold(p.Exact) }
-	case *matcherv3.StringMatcher_Prefix:
-		value = func(v string) bool { return strings.HasPrefix(fold(v), fold(p.Prefix)) }
-	case *matcherv3.StringMatcher_Suffix:
-		value = func(v string) bool { return strings.HasSuffix(fold(v), fold(p.Suffix)) }
-	case *matcherv3.StringMatcher_Contains:
-		value = func(v string) bool { return strings.Contains(fold(v), fold(p.Contains)) }
+	case *matcherv3.StringMatcher_Exact, *matcherv3.StringMatcher_Prefix, *matcherv3.StringMatcher_Suffix, *matcherv3.StringMatcher_Contains:
 	case *matcherv3.StringMatcher_SafeRegex:
-		re, err := regexp.Compile(`^(?:` + p.SafeRegex.GetRegex() + `)$`)
-		if err != nil {
+		if _, err := regexp.Compile(`^(?:` + p.SafeRegex.GetRegex() + `)$`); err != nil {
 			return nil, fmt.Errorf("header_filter: %w", err)
 		}
-		value = re.MatchString
 	default:
 		return nil, errors.New("header_filter: only exact, prefix, suffix, contains and safe_regex string matchers are emulated")
 	}
-	return headerFilter{name: strings.ToLower(m.GetName()), value: value, invert: m.GetInvertMatch()}, nil
+	return headerFilter{name: strings.ToLower(m.GetName()), value: sm, invert: m.GetInvertMatch()}, nil
 }
 
 // compileReplyExpression parses a CEL expression over `response`, refusing
