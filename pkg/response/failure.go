@@ -334,21 +334,25 @@ func errorVerdict(v []byte) Verdict {
 	return Served
 }
 
-// StreamFailed reports whether a whole streamed answer failed before its
-// first token (Opening), or is SGLang's /generate stream of a request its
-// scheduler aborted with a 5xx: that stream has no error event, the abort
-// is its last chunk, one like the others, with meta_info.finish_reason
-// {"type": "abort", "status_code": 500} (_handle_abort_finish_reason in
-// SGLang's managers/tokenizer_manager.py).
+// StreamFailed reports whether a whole streamed answer (a prefill leg that
+// keeps the client's stream) failed before its first token (Opening), or is
+// SGLang's /generate stream of a request its scheduler aborted with a 5xx:
+// that stream has no error event, the abort is a chunk like the others,
+// with meta_info.finish_reason {"type": "abort", "status_code": 500}
+// (_handle_abort_finish_reason in SGLang's managers/tokenizer_manager.py).
+// Unlike NewGenerateOpening's, this abort counts wherever it comes: a leg
+// whose KV handoff failed fails its decode, token or not.
 func StreamFailed(answer []byte) bool {
 	if NewOpening(1, 1).Scan(answer) == Failed {
 		return true
 	}
 	for line := range bytes.Lines(answer) {
-		v, ok := bytes.CutPrefix(bytes.TrimSpace(line), dataField)
+		line = bytes.TrimRight(line, "\r\n")
+		off, ok := dataStart(line)
 		if !ok {
 			continue
 		}
+		v := line[off:]
 		s, e, ok := body.Locate(v, "meta_info", "finish_reason", "status_code")
 		if code, err := strconv.Atoi(string(v[s:e])); ok && err == nil && code >= 500 {
 			return true
