@@ -178,12 +178,15 @@ func Unconfigured(data []byte) (*Config, error) {
 // fills defaults and validates.
 func parse(data []byte, prepare func(*Config) error) (*Config, error) {
 	var c Config
-	if err := errors.Join(caseSensitive(data), nonFinite(data)); err != nil {
+	if err := caseSensitive(data); err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	if err := yaml.UnmarshalStrict(data, &c); err != nil {
 		if bad := (*json.UnmarshalTypeError)(nil); errors.As(err, &bad) && bad.Field != "" {
 			return nil, fmt.Errorf("config: %s: cannot take %s as %s", keyOf(bad.Field), bad.Value, bad.Type)
+		}
+		if nf := nonFinite(data); nf != nil { // YAML's conversion to JSON refused it, naming no key
+			err = nf
 		}
 		return nil, fmt.Errorf("config: %w", err)
 	}

@@ -10,7 +10,7 @@ import (
 
 // nonFinite names the first key that holds .nan or .inf (YAML's spellings),
 // which no key takes and which YAML's conversion to JSON refuses without
-// naming the key.
+// naming the key: read only once the decoding has failed.
 func nonFinite(data []byte) error {
 	var doc any
 	if yamlv2.Unmarshal(data, &doc) != nil {
