@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/netip"
 	"os"
 	"reflect"
 	"slices"
@@ -334,29 +333,6 @@ func (c *Config) validate() error {
 		c.Routes.Validate("routes"),
 		c.Prefill.PrefillAttempts.Validate("prefill", c.Prefill.Timeout))
 	return errors.Join(errs...)
-}
-
-// validateEndpoints requires literal ip:port: Envoy's ORIGINAL_DST cluster cannot
-// resolve host names, so a name here would only fail later, per request.
-func validateEndpoints(key string, addrs []string) []error {
-	var errs []error
-	seen := map[netip.AddrPort]bool{}
-	for i, a := range addrs {
-		ap, err := netip.ParseAddrPort(a)
-		ap = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()) // one engine, however spelt
-		switch {
-		case err != nil:
-			errs = append(errs, fmt.Errorf("%s[%d]: %q is not ip:port", key, i, a))
-		case ap.Port() == 0:
-			errs = append(errs, fmt.Errorf("%s[%d]: %q has no port", key, i, a))
-		case ap.Addr().Zone() != "":
-			errs = append(errs, fmt.Errorf("%s[%d]: %q names a zone: no URL nor Envoy's destination header can carry it", key, i, a))
-		case seen[ap]:
-			errs = append(errs, fmt.Errorf("%s[%d]: %q is listed twice", key, i, a))
-		}
-		seen[ap] = true
-	}
-	return errs
 }
 
 // Duration is a time.Duration written as a Go duration string ("30s", "150ms").

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"strconv"
 	"strings"
 	"time"
@@ -147,15 +148,20 @@ func (k KVEvents) Validate(key, policy string) error {
 	return errors.Join(errs...)
 }
 
-// validateZMQAddr accepts tcp://host:port.
+// validateZMQAddr accepts tcp://host:port that a listener can bind and
+// engines can be told of.
 func validateZMQAddr(s string) error {
 	hostPort, ok := strings.CutPrefix(s, "tcp://")
-	if !ok {
+	host, port, err := net.SplitHostPort(hostPort)
+	n, perr := strconv.Atoi(port)
+	switch {
+	case !ok || err != nil || perr != nil || n < 0 || n > 65535:
 		return fmt.Errorf("%q is not tcp://host:port", s)
+	case n == 0:
+		return fmt.Errorf("%q has port 0: the system would pick a port no engine can know", s)
 	}
-	_, port, err := net.SplitHostPort(hostPort)
-	if n, perr := strconv.Atoi(port); err != nil || perr != nil || n < 0 || n > 65535 {
-		return fmt.Errorf("%q is not tcp://host:port", s)
+	if ip, err := netip.ParseAddr(host); err == nil && notOneHost(ip.Unmap()) != "" {
+		return fmt.Errorf("%q is %s: a TCP listener binds one host's address", s, notOneHost(ip.Unmap()))
 	}
 	return nil
 }
