@@ -33,6 +33,8 @@ type Config struct {
 	// Admission sheds requests of low priority while the engines are
 	// saturated (admission.go).
 	Admission Admission `json:"admission"`
+	// ignored are the keys set that do nothing without their switch (Ignored).
+	ignored []string
 }
 
 // Pools lists the engine endpoints of each role.
@@ -194,6 +196,7 @@ func parse(data []byte, prepare func(*Config) error) (*Config, error) {
 			return nil, fmt.Errorf("config: %w", err)
 		}
 	}
+	c.ignored = c.Pools.ignored() // before the defaults fill the keys left out
 	c.setDefaults()
 	if err := c.validate(); err != nil {
 		return nil, fmt.Errorf("config: %w", err)

@@ -111,6 +111,16 @@ func logConfigReloaded(log logr.Logger, path string, started, c *config.Config) 
 		log.Info("config reloaded", "path", path, "prefill", c.Pools.Prefill.Endpoints, "decode", c.Pools.Decode.Endpoints)
 	}
 	warnNoDecodePool(log, path, c)
+	warnConfig(log, c)
+}
+
+// warnConfig names what the config sets that does not work as written: keys
+// ignored without the key that turns them on, and slow scrapes where
+// requests may be held.
+func warnConfig(log logr.Logger, c *config.Config) {
+	if keys := c.Ignored(); len(keys) > 0 {
+		log.Info("these keys do nothing without the key that turns them on, and are ignored", "ignored", keys)
+	}
 	warnSlowScrapes(log, c)
 }
 

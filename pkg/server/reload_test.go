@@ -264,3 +264,38 @@ admission: %[1]s
 		})
 	}
 }
+
+// Keys that do nothing without the key that turns them on are named, each
+// with that key, in one line at start and at each reload that keeps some.
+func TestIgnoredKeysAreNamedAtStartAndReload(t *testing.T) {
+	const msg = "these keys do nothing without the key that turns them on, and are ignored"
+	steps := []struct{ pools, want string }{ // the first starts the server, the others reload it
+		{`{decode: {endpoints: ["` + decodeEP + `"], dns_interval: 5s}}`, "[pools.decode.dns_interval (needs pools.decode.dns)]"},
+		{`{prefill: {endpoints: ["10.0.0.1:8000"], metrics: {timeout: 1s}}, decode: {endpoints: ["` + decodeEP + `"], health: {check_path: /ready}}}`,
+			"[pools.prefill.metrics.timeout (needs pools.prefill.metrics.interval) pools.decode.health.check_path (needs pools.decode.health.check_interval)]"},
+	}
+	path := filepath.Join(t.TempDir(), "extproc.yaml")
+	logs := &logLines{}
+	for i, step := range steps {
+		file := "connector: kv-nixl\npools: " + step.pools + "\n"
+		if err := os.WriteFile(path, []byte(file), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if i == 0 {
+			start(t, file, Options{ConfigPath: path}, funcr.NewJSON(logs.add, funcr.Options{}))
+		}
+		var named []string
+		for deadline := time.Now().Add(10 * time.Second); len(named) <= i && time.Now().Before(deadline); {
+			time.Sleep(10 * time.Millisecond) // the watch runs on its own goroutine: poll, bounded
+			named = nil
+			for _, l := range logs.all(t) {
+				if l["msg"] == msg {
+					named = append(named, fmt.Sprint(l["ignored"]))
+				}
+			}
+		}
+		if len(named) != i+1 || named[i] != step.want {
+			t.Fatalf("step %d: lines naming ignored keys: %q; want the last to name %s:\n%s", i, named, step.want, logs.raw())
+		}
+	}
+}

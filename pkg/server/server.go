@@ -142,7 +142,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	s.ready.update() // serving from the first health check on, when the pool allows
 	s.admin = &http.Server{Handler: s.adminMux(), ReadHeaderTimeout: 10 * time.Second}
 	warnNoDecodePool(log, opts.ConfigPath, cfg)
-	warnSlowScrapes(log, cfg)
+	warnConfig(log, cfg)
 	return s, nil
 }
 

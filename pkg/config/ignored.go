@@ -1,0 +1,44 @@
+package config
+
+// This file holds the keys that do nothing without the key that turns them
+// on. They are accepted, so that a file that loaded before still does, and
+// named in a warning at load and at reload.
+
+// Ignored names each key of the file that does nothing without the key that
+// turns it on, as "key (needs switch)", the prefill pool's first.
+func (c *Config) Ignored() []string { return c.ignored }
+
+// ignored reads the keys as written, before the defaults fill them.
+func (p Pools) ignored() []string {
+	var keys []string
+	for _, n := range p.named() {
+		keys = append(keys, n.PoolScheduling.ignored("pools."+n.name)...)
+	}
+	return keys
+}
+
+// ignored is the pool's, under key ("pools.decode"). health.check_timeout
+// is not: it also bounds the model lists and server info asked of every
+// engine.
+func (s PoolScheduling) ignored(key string) []string {
+	const checks, scrapes = "health.check_interval", "metrics.interval"
+	h, m := s.Health, s.Metrics
+	var keys []string
+	for _, k := range []struct {
+		set            bool
+		name, switchOn string
+	}{
+		{s.DNS == "" && s.DNSInterval != 0, "dns_interval", "dns"},
+		{h.CheckInterval == 0 && h.CheckPath != "", "health.check_path", checks},
+		{h.CheckInterval == 0 && h.UnhealthyThreshold != 0, "health.unhealthy_threshold", checks},
+		{h.CheckInterval == 0 && h.HealthyThreshold != 0, "health.healthy_threshold", checks},
+		{m.Interval == 0 && m.Path != "", "metrics.path", scrapes},
+		{m.Interval == 0 && m.Timeout != 0, "metrics.timeout", scrapes},
+		{m.Interval == 0 && m.StaleAfter != 0, "metrics.stale_after", scrapes},
+	} {
+		if k.set {
+			keys = append(keys, key+"."+k.name+" (needs "+key+"."+k.switchOn+")")
+		}
+	}
+	return keys
+}
