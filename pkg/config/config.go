@@ -122,12 +122,6 @@ type Limits struct {
 	MaxBufferedBytes int64 `json:"max_buffered_bytes"`
 }
 
-// Envoy tunes how we talk to Envoy.
-type Envoy struct {
-	OverrideAfter          Duration `json:"override_after"`
-	OverrideMessageTimeout Duration `json:"override_message_timeout"`
-}
-
 // Defaults for keys the file leaves out.
 const (
 	DefaultBootstrapPort = 8998

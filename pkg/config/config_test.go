@@ -323,3 +323,33 @@ func TestOverrideMessageTimeoutWithinEnvoysBound(t *testing.T) {
 		}
 	}
 }
+
+// In BUFFERED processing Envoy's message timer runs while the prefill leg
+// does (and while a request is held for room), so an override below that
+// time lets Envoy give up on a request the prefill would still serve. The
+// mode is Envoy's, which the config cannot see (FULL_DUPLEX_STREAMED has no
+// message timer): a warning names the keys and their values.
+func TestOverrideBelowThePrefillIsNamed(t *testing.T) {
+	for _, tt := range []struct {
+		yaml, want string // want: the warning; "" for none
+	}{
+		{"prefill: {timeout: 30s}", ""},
+		{"envoy: {override_message_timeout: 30s}", ""},
+		{"envoy: {override_message_timeout: 10s}", "envoy.override_message_timeout 10s is below prefill.timeout 30s: in BUFFERED processing " +
+			"Envoy answers 504 before the prefill leg may end; raise it (and Envoy's max_message_timeout), or lower prefill.timeout"},
+		{"envoy: {override_message_timeout: 45s}\nprefill: {timeout: 1m}", "envoy.override_message_timeout 45s is below prefill.timeout 1m0s: "},
+		{"envoy: {override_message_timeout: 45s}\nadmission: {objectives: {batch: -1}}", "envoy.override_message_timeout 45s is below prefill.timeout 30s + admission.hold 30s: "},
+		{"envoy: {override_message_timeout: 45s}\nadmission: {objectives: {batch: 1}}", ""}, // nothing is held
+		{"prefill: {timeout: 2h}", "envoy.override_message_timeout 1h0m0s is below prefill.timeout 2h0m0s: "},
+	} {
+		t.Run(tt.yaml, func(t *testing.T) {
+			c, err := Parse([]byte("connector: kv-nixl\n" + tt.yaml + "\n" + `pools: {decode: {endpoints: ["10.0.0.2:8000"], metrics: {interval: 250ms}}}`))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := c.ShortOverride(); tt.want == "" && got != "" || !strings.HasPrefix(got, tt.want) {
+				t.Errorf("ShortOverride() = %q, want %q", got, tt.want)
+			}
+		})
+	}
+}

@@ -115,11 +115,15 @@ func logConfigReloaded(log logr.Logger, path string, started, c *config.Config) 
 }
 
 // warnConfig names what the config sets that does not work as written: keys
-// ignored without the key that turns them on, and slow scrapes where
+// ignored without the key that turns them on, an override of Envoy's
+// message timer shorter than routing may take, and slow scrapes where
 // requests may be held.
 func warnConfig(log logr.Logger, c *config.Config) {
 	if keys := c.Ignored(); len(keys) > 0 {
 		log.Info("these keys do nothing without the key that turns them on, and are ignored", "ignored", keys)
+	}
+	if short := c.ShortOverride(); short != "" {
+		log.Info(short)
 	}
 	warnSlowScrapes(log, c)
 }

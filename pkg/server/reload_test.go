@@ -299,3 +299,31 @@ func TestIgnoredKeysAreNamedAtStartAndReload(t *testing.T) {
 		}
 	}
 }
+
+// An override of Envoy's message timer shorter than the prefill phase is
+// named at start: in BUFFERED processing Envoy would answer 504 first.
+func TestShortOverrideIsNamedAtStart(t *testing.T) {
+	tests := []struct {
+		name, envoy, want string // want: the line's message; "" for none
+	}{
+		{"below prefill.timeout", "{override_message_timeout: 10s}",
+			"envoy.override_message_timeout 10s is below prefill.timeout 30s: in BUFFERED processing Envoy answers 504 before the prefill leg may end; " +
+				"raise it (and Envoy's max_message_timeout), or lower prefill.timeout"},
+		{"the default", "{}", ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			logs := &logLines{}
+			start(t, "connector: kv-nixl\nenvoy: "+tt.envoy+"\npools: {decode: {endpoints: [\""+decodeEP+"\"]}}\n", Options{}, funcr.NewJSON(logs.add, funcr.Options{}))
+			var got []string
+			for _, l := range logs.all(t) {
+				if msg, _ := l["msg"].(string); strings.HasPrefix(msg, "envoy.override_message_timeout") {
+					got = append(got, msg)
+				}
+			}
+			if want := slices.DeleteFunc([]string{tt.want}, func(s string) bool { return s == "" }); !slices.Equal(got, want) {
+				t.Errorf("lines %q, want %q", got, want)
+			}
+		})
+	}
+}
