@@ -1,6 +1,8 @@
 package config
 
 import (
+	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -138,6 +140,60 @@ func TestOperatorValues(t *testing.T) {
 				t.Errorf("Parse() = %v; want it accepted", err)
 			case tt.wantErr == "" && !tt.check(c):
 				t.Errorf("accepted, but not applied as documented: %+v", c)
+			}
+		})
+	}
+}
+
+// A key whose 0 is taken for its default says so in every configuration
+// table that lists it: an operator writing 0 may mean "none" or "off".
+func TestZeroIsTheDefaultWhereTheTablesSay(t *testing.T) {
+	const decode = `pools: {decode: {endpoints: ["10.0.0.2:8000"]}}`
+	tests := []struct {
+		key, yaml string
+		applied   func(zero, left *Config) bool // zero: the key set to 0; left: the key left out
+	}{
+		{"prefill.timeout", "prefill: {timeout: 0s}", func(z, l *Config) bool { return z.Prefill.Timeout == l.Prefill.Timeout }},
+		{"envoy.override_after", "envoy: {override_after: 0s}", func(z, l *Config) bool { return z.Envoy.OverrideAfter == l.Envoy.OverrideAfter }},
+		{"envoy.override_message_timeout", "envoy: {override_message_timeout: 0s}",
+			func(z, l *Config) bool { return z.Envoy.OverrideMessageTimeout == l.Envoy.OverrideMessageTimeout }},
+		{"admission.saturated_queue", "admission: {saturated_queue: 0}", func(z, l *Config) bool { return z.Admission.SaturatedQueue == l.Admission.SaturatedQueue }},
+		{"admission.saturated_kv_cache", "admission: {saturated_kv_cache: 0}",
+			func(z, l *Config) bool { return z.Admission.SaturatedKVCache == l.Admission.SaturatedKVCache }},
+		{"admission.max_held", "admission: {max_held: 0}", func(z, l *Config) bool { return z.Admission.MaxHeld == l.Admission.MaxHeld }},
+	}
+	left, err := Parse([]byte("connector: kv-nixl\n" + decode))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rows []string
+	for _, doc := range []string{"../../README.md", "../../docs/scheduling.md"} {
+		text, err := os.ReadFile(doc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rows = append(rows, slices.Collect(strings.Lines(string(text)))...)
+	}
+	for _, tt := range tests {
+		t.Run(tt.key, func(t *testing.T) {
+			zero, err := Parse([]byte("connector: kv-nixl\n" + tt.yaml + "\n" + decode))
+			if err != nil {
+				t.Fatalf("%s: 0 refused: %v", tt.key, err)
+			}
+			if !tt.applied(zero, left) {
+				t.Errorf("%s: 0 is not the default", tt.key)
+			}
+			listed := 0
+			for _, row := range rows {
+				if strings.HasPrefix(row, "| `"+tt.key+"` |") {
+					listed++
+					if !strings.Contains(row, "0 means the default") {
+						t.Errorf("the table row of %s does not say 0 means the default: %s", tt.key, row)
+					}
+				}
+			}
+			if listed == 0 {
+				t.Errorf("no configuration table lists %s", tt.key)
 			}
 		})
 	}
