@@ -242,9 +242,9 @@ func (p *prefixAffinity) hinted(req *Request, rs []ranked, chosen ranked, served
 	if whole && req.Head() != "" && previous == "" {
 		held := func(e *Endpoint) int {
 			if p.cacheRule() {
-				return served[e.Addr] // aged, it cost this pool in the P/D simulation (docs/scheduling.md)
+				return served[e.engine()] // aged, it cost this pool in the P/D simulation (docs/scheduling.md)
 			}
-			return p.holds(e, hs, served[e.Addr])
+			return p.holds(e, hs, served[e.engine()])
 		}
 		first, best := chosen.e, held(chosen.e)
 		for _, r := range rs {
@@ -259,7 +259,7 @@ func (p *prefixAffinity) hinted(req *Request, rs []ranked, chosen ranked, served
 	}
 	best := 0
 	for _, r := range rs {
-		n := served[r.e.Addr]
+		n := served[r.e.engine()]
 		follows := n > keyBlocks || whole && prevBlocks > 0 && n >= prevBlocks
 		if follows && n > best && follow(r) {
 			chosen, best = r, n
@@ -301,12 +301,8 @@ func (p *prefixAffinity) rankedAlike(req *Request, e *Endpoint, prefix, conversa
 	if recentlyMoved(e, e.cfg().now()) {
 		return false
 	}
-	if prev := len(req.Previous()) / p.keys.blockChars; prev > 0 {
-		for addr, n := range served {
-			if n >= prev && addr != e.Addr && served[e.Addr] < prev {
-				return false
-			}
-		}
+	if prev := len(req.Previous()) / p.keys.blockChars; prev > 0 && served[e.engine()] < prev && routed(served, prev) {
+		return false
 	}
 	all := eps
 	if len(req.absent) > 0 {
@@ -340,7 +336,7 @@ func (p *prefixAffinity) estimate(req *Request, e *Endpoint, hs []uint64, served
 	if req == nil {
 		return
 	}
-	blocks := served[e.Addr]
+	blocks := served[e.engine()]
 	if p.cacheRule() {
 		blocks = p.holds(e, hs, blocks)
 	}
@@ -362,7 +358,7 @@ func (p *prefixAffinity) holds(e *Endpoint, hs []uint64, n int) int {
 		return 0
 	}
 	if since, until, ok := e.cacheWindow(); ok {
-		return p.index.fresh(hs[:n], e.Addr, since, until)
+		return p.index.fresh(hs[:n], e.engine(), since, until)
 	}
 	return n
 }
@@ -371,7 +367,7 @@ func (p *prefixAffinity) holds(e *Endpoint, hs []uint64, n int) int {
 // and how much its engine had written into its cache by then.
 func (p *prefixAffinity) record(prompt string, hs []uint64, e *Endpoint) {
 	_, written, _ := e.cacheWindow()
-	p.index.record(prompt, hs, e.Addr, written)
+	p.index.record(prompt, hs, e.engine(), written)
 }
 
 // cacheRule says whether the P/D decider's cache rule reads this pool's

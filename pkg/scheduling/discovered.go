@@ -18,6 +18,9 @@ type Discovered struct {
 	// another engine, the network having given the address of one that
 	// ended to a new one: it starts anew, with nothing of the engine before.
 	ID string
+	// engine is, with an ID, the address and ID: the name the prefix memory
+	// knows the engine by (Endpoint.engine). SetDiscovered sets it.
+	engine string
 }
 
 // SetDiscovered makes eps the pool's discovered endpoints, beside the static
@@ -31,6 +34,11 @@ func (p *Pool) SetDiscovered(eps []Discovered) {
 	// Of two pods listed at one address, the same one each time.
 	slices.SortFunc(eps, func(a, b Discovered) int { return cmp.Or(cmp.Compare(a.Addr, b.Addr), cmp.Compare(a.ID, b.ID)) })
 	eps = slices.CompactFunc(eps, func(a, b Discovered) bool { return a.Addr == b.Addr })
+	for i, d := range eps {
+		if d.ID != "" {
+			eps[i].engine = canonical(d.Addr) + " " + d.ID
+		}
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if slices.Equal(eps, p.discovered) {
@@ -63,4 +71,15 @@ func (e *Endpoint) BootstrapPort(poolPort int) int {
 func (e *Endpoint) anotherEngine(d *Discovered) bool {
 	was := e.found.Load()
 	return d != nil && was != nil && d.ID != "" && was.ID != "" && d.ID != was.ID
+}
+
+// engine is the name of e's engine in the prefix memory (prefixIndex): its
+// address, with the engine's ID when discovery names one, so that what was
+// sent to a pod is not credited to another pod given its IP, whether at once
+// or after the address was gone a while: its cache holds none of it.
+func (e *Endpoint) engine() string {
+	if d := e.found.Load(); d != nil && d.engine != "" {
+		return d.engine
+	}
+	return e.Addr
 }

@@ -4,10 +4,12 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
 func TestSetDiscovered(t *testing.T) {
@@ -245,5 +247,51 @@ func TestTwoPodsAtOneAddressAreOneSteadyEndpoint(t *testing.T) {
 		if got := byAddr(p, a.Addr); got != e || len(p.Endpoints()) != len(eps)-1 {
 			t.Fatalf("listed as %v: the same endpoint %v, %d endpoints", eps, got == e, len(p.Endpoints()))
 		}
+	}
+}
+
+// A system prompt this replica sent the pod at an address is estimated to
+// be in that pod's cache, and a one-shot question sharing it goes
+// decode-only (cached_prefix), only while the same pod has the address:
+// another pod the network gave the IP, whether in the same set or after the
+// address was gone for a while, holds nothing of it, and decode-only would
+// compute the whole prompt on a decode engine.
+func TestThePrefixMemoryIsOfThePodNotTheAddress(t *testing.T) {
+	const addr = "10.0.0.1:8000"
+	system := simMessage{"system", strings.Repeat("s", 8000)} // some 2,000 tokens
+	tests := []struct {
+		name   string
+		before string
+		gone   bool // a set without addr between the two
+		after  string
+		want   Split
+	}{
+		{"the same pod", "pod-a", false, "pod-a", Split{Reason: metrics.ReasonCachedPrefix}},
+		{"the same pod, back after a while", "pod-a", true, "pod-a", Split{Reason: metrics.ReasonCachedPrefix}},
+		{"no pod named", "", true, "", Split{Reason: metrics.ReasonCachedPrefix}},
+		{"another pod", "pod-a", false, "pod-b", Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{"another pod, after a while", "pod-a", true, "pod-b", Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}},
+				Decode: PoolSpec{PoolScheduling: policy(config.PolicyPrefixAffinity)}}, Deps{})
+			ps.Decode.SetDiscovered([]Discovered{{Addr: addr, ID: tt.before}})
+			if _, err := ps.Decode.Select(chatRequest([]simMessage{system, {"user", "What is a haiku?"}})); err != nil {
+				t.Fatal(err)
+			}
+			if tt.gone {
+				ps.Decode.SetDiscovered(nil)
+			}
+			ps.Decode.SetDiscovered([]Discovered{{Addr: addr, ID: tt.after}})
+			req := chatRequest([]simMessage{system, {"user", "Who wrote the Iliad?"}})
+			e, err := ps.Decode.Select(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := ps.Decide(req, e); got.PD != tt.want.PD || got.Reason != tt.want.Reason {
+				t.Errorf("Decide() = %+v (estimated held %d characters), want %+v", got, req.Held(e), tt.want)
+			}
+		})
 	}
 }

@@ -38,11 +38,11 @@ type prefixEntry struct {
 	ends bool
 }
 
-// holder is an endpoint a block was sent to, and how much its engine had
-// written into its cache by then (Load.Written; 0: not known), against which
-// what it writes later ages the block (prefixIndex.fresh).
+// holder is the engine a block was sent to (Endpoint.engine), and how much
+// it had written into its cache by then (Load.Written; 0: not known),
+// against which what it writes later ages the block (prefixIndex.fresh).
 type holder struct {
-	addr    string
+	engine  string
 	written float64
 }
 
@@ -73,7 +73,7 @@ func (x *prefixIndex) hashes(namespace uint64, prompt string) []uint64 {
 	return out
 }
 
-// matched returns, per endpoint address, the number of leading blocks of the
+// matched returns, per engine (Endpoint.engine), the number of leading blocks of the
 // chain it served last.
 func (x *prefixIndex) matched(hs []uint64) map[string]int {
 	m := map[string]int{}
@@ -85,8 +85,8 @@ func (x *prefixIndex) matched(hs []uint64) map[string]int {
 			break // record refreshes a chain head last, so it outlives its tail
 		}
 		for _, s := range el.Value.(*prefixEntry).servers {
-			if s.addr != "" {
-				m[s.addr] = i + 1
+			if s.engine != "" {
+				m[s.engine] = i + 1
 			}
 		}
 	}
@@ -109,14 +109,14 @@ func (x *prefixIndex) ended(text string, hs []uint64) bool {
 	return ok && el.Value.(*prefixEntry).ends && el.Value.(*prefixEntry).tail == tail
 }
 
-// fresh is how many leading blocks of the chain hs addr holds, as matched
-// counts them, by the blocks this replica last sent addr while its engine's
+// fresh is how many leading blocks of the chain hs engine holds, as matched
+// counts them, by the blocks this replica last sent engine while its
 // Written was within [since, until] (Endpoint.cacheWindow): those an engine
 // that keeps what it wrote last (vLLM's prefix cache evicts the least
 // recently used blocks) still holds, as far as this replica knows. A block
 // sent carries the chain before it, which was used again with it.
-func (x *prefixIndex) fresh(hs []uint64, addr string, since, until float64) int {
-	in := func(s holder) bool { return s.addr == addr && s.written >= since && s.written <= until }
+func (x *prefixIndex) fresh(hs []uint64, engine string, since, until float64) int {
+	in := func(s holder) bool { return s.engine == engine && s.written >= since && s.written <= until }
 	n := 0
 	x.mu.Lock()
 	defer x.mu.Unlock()
@@ -132,10 +132,10 @@ func (x *prefixIndex) fresh(hs []uint64, addr string, since, until float64) int 
 	return n
 }
 
-// record notes that addr, whose engine had written written tokens into its
+// record notes that engine, which had written written tokens into its
 // cache (Load.Written), now holds the chain hs of prompt, and that a request
 // ended with prompt.
-func (x *prefixIndex) record(prompt string, hs []uint64, addr string, written float64) {
+func (x *prefixIndex) record(prompt string, hs []uint64, engine string, written float64) {
 	if len(hs) == 0 {
 		return
 	}
@@ -156,7 +156,7 @@ func (x *prefixIndex) record(prompt string, hs []uint64, addr string, written fl
 			e = &prefixEntry{hash: hs[i]}
 			x.entries[hs[i]] = x.lru.PushFront(e)
 		}
-		withFirst(&e.servers, holder{addr, written})
+		withFirst(&e.servers, holder{engine, written})
 		if i == len(hs)-1 {
 			e.tail, e.ends = tail, true
 		}
@@ -166,7 +166,7 @@ func (x *prefixIndex) record(prompt string, hs []uint64, addr string, written fl
 // withFirst puts first at the front of s, the others after it in their
 // order: first's older place, or else the last, is given up.
 func withFirst(s *[serversPerBlock]holder, first holder) {
-	i := slices.IndexFunc(s[:], func(h holder) bool { return h.addr == first.addr })
+	i := slices.IndexFunc(s[:], func(h holder) bool { return h.engine == first.engine })
 	if i < 0 {
 		i = serversPerBlock - 1
 	}
