@@ -68,7 +68,7 @@ type PoolStatus struct {
 	Reachable   bool
 	LastError   error
 	LastErrorAt time.Time
-	Endpoints   int  // discovered endpoints handed to the pool
+	Endpoints   int  // discovered addresses handed to the pool, each one endpoint there
 	PoolFound   bool // the InferencePool exists (true without one)
 }
 

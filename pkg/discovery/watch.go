@@ -290,9 +290,13 @@ func (w *poolWatch) status() PoolStatus {
 		}
 	}
 	w.mu.Lock()
+	addrs := map[string]bool{} // two pods listed at one are one endpoint (scheduling.Pool.SetDiscovered)
 	for _, eps := range w.byPod {
-		st.Endpoints += len(eps)
+		for _, e := range eps {
+			addrs[e.Addr] = true
+		}
 	}
+	st.Endpoints = len(addrs)
 	st.PoolFound = w.ipFound || w.ipool == nil
 	st.Synced = st.Synced && w.listed // synced means handed to the pool
 	w.mu.Unlock()

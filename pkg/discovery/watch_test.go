@@ -10,6 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
@@ -65,4 +66,65 @@ func TestAPodOnAReusedIPStartsAnew(t *testing.T) {
 			}
 		})
 	}
+}
+
+// pd_extproc_discovery_endpoints counts the endpoints discovery gives the
+// pool as the pool routes to them: two pods listed at one address (one that
+// ended, its status not yet updated, and the one the network gave its IP)
+// are one endpoint.
+func TestDiscoveryEndpointsCountsAddresses(t *testing.T) {
+	pod := func(name, ip string) *corev1.Pod {
+		return &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "llm", Name: name, UID: types.UID("uid-" + name), Labels: map[string]string{"app": "vllm"}},
+			Status: corev1.PodStatus{PodIP: ip, Conditions: []corev1.PodCondition{
+				{Type: corev1.PodReady, Status: corev1.ConditionTrue}}},
+		}
+	}
+	tests := []struct {
+		name  string
+		pods  []*corev1.Pod
+		ports []int // an InferencePool's target ports; nil: 8000
+		want  float64
+	}{
+		{"two pods", []*corev1.Pod{pod("vllm-a", "10.1.2.3"), pod("vllm-b", "10.1.2.4")}, nil, 2},
+		{"two pods at one address", []*corev1.Pod{pod("vllm-a", "10.1.2.3"), pod("vllm-b", "10.1.2.3")}, nil, 1},
+		{"two pods at one address, two ports each", []*corev1.Pod{pod("vllm-a", "10.1.2.3"), pod("vllm-b", "10.1.2.3")}, []int{8000, 8001}, 2},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pools := scheduling.NewPools(scheduling.Spec{}, scheduling.Deps{})
+			w := &poolWatch{pool: "decode", sink: pools.Decode, log: logr.Discard(),
+				pods:  informer{src: newSource("pods", "llm", nil), synced: func() bool { return true }},
+				sel:   selection{selector: labels.SelectorFromSet(labels.Set{"app": "vllm"}), port: config.PodPort{Number: 8000}, ports: tt.ports},
+				byPod: map[string][]scheduling.Discovered{}, why: map[string]string{}}
+			for _, p := range tt.pods {
+				w.podAdded(p, true)
+			}
+			m := metrics.New("kv-nixl")
+			m.WatchDiscovery([]string{w.pool}, func() []metrics.DiscoveryState {
+				st := w.status()
+				return []metrics.DiscoveryState{{Pool: st.Pool, Endpoints: st.Endpoints}}
+			})
+			got := discoveryEndpoints(t, m)
+			if got != tt.want || len(pools.Decode.Endpoints()) != int(tt.want) {
+				t.Errorf("pd_extproc_discovery_endpoints = %v, the pool has %d endpoints; want %v", got, len(pools.Decode.Endpoints()), tt.want)
+			}
+		})
+	}
+}
+
+// discoveryEndpoints is the value of m's pd_extproc_discovery_endpoints, of its one pool.
+func discoveryEndpoints(t *testing.T, m *metrics.Metrics) float64 {
+	t.Helper()
+	families, err := m.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() == "pd_extproc_discovery_endpoints" {
+			return f.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	t.Fatal("no pd_extproc_discovery_endpoints")
+	return 0
 }

@@ -18,14 +18,14 @@ type DiscoveryState struct {
 	Synced    bool   // every informer has delivered its first list
 	Refused   bool   // the API server refuses what discovery needs
 	Reachable bool   // the API server answered the last call
-	Endpoints int    // endpoints discovered
+	Endpoints int    // endpoints discovered, as the pool has them (one an address)
 }
 
 var (
 	discoverySyncedDesc    = poolDesc("discovery_synced", "1 once every Kubernetes informer of the pool has delivered its first list; readiness waits for it.")
 	discoveryRefusedDesc   = poolDesc("discovery_refused", "1 while the API server refuses a list or watch the pool needs (RBAC, a CRD not installed): not ready, unless the pool was followed before, which then serves its last endpoints.")
 	discoveryReachableDesc = poolDesc("discovery_api_reachable", "1 when the Kubernetes API server answered the pool's last list or watch; 0 while the last endpoints are served without it.")
-	discoveryEndpointsDesc = poolDesc("discovery_endpoints", "Endpoints the pool's Kubernetes discovery currently gives it.")
+	discoveryEndpointsDesc = poolDesc("discovery_endpoints", "Endpoints the pool's Kubernetes discovery currently gives it, as it routes to them: two pods at one address are one.")
 )
 
 // poolDesc describes a series per pool.
