@@ -2,11 +2,9 @@ package kvevents
 
 import (
 	"context"
-	"errors"
 	"net"
 	"net/netip"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -78,6 +76,9 @@ func NewSubscriber(cfg Config, index *Index, log logr.Logger) *Subscriber {
 	}
 	if cfg.ReplayTimeout <= 0 {
 		cfg.ReplayTimeout = 2 * time.Second
+	}
+	if cfg.MaxMessageBytes <= 0 {
+		cfg.MaxMessageBytes = defaultMaxMessage
 	}
 	s := &Subscriber{cfg: cfg, index: index, log: log, counts: cfg.Counts}
 	if s.counts == nil {
@@ -252,118 +253,6 @@ func (s *Subscriber) catchUp(ctx context.Context, st *stream) {
 	if st.next == 0 {
 		st.next, st.ahead = -1, false
 	}
-}
-
-// runBound listens for publishers that connect, each naming its endpoint in
-// its topic.
-func (s *Subscriber) runBound(ctx context.Context, endpoints func() ([]string, <-chan struct{})) {
-	var mu sync.Mutex
-	known := map[string]bool{}
-	streams := map[Publisher]*stream{}
-	go func() {
-		for {
-			addrs, changed := endpoints()
-			mu.Lock()
-			known = map[string]bool{}
-			for _, a := range addrs {
-				known[a] = true
-			}
-			for p := range streams {
-				if !known[p.Endpoint] {
-					delete(streams, p)
-					s.index.Forget(p)
-				}
-			}
-			mu.Unlock()
-			select {
-			case <-ctx.Done():
-				return
-			case <-changed:
-			}
-		}
-	}()
-	for ctx.Err() == nil {
-		if err := s.listen(ctx, func(frames [][]byte) {
-			endpoint, ok := topicEndpoint(frames)
-			mu.Lock()
-			ok = ok && known[endpoint]
-			var st *stream
-			if ok {
-				st = streams[Publisher{Endpoint: endpoint}]
-				if st == nil {
-					st = &stream{pub: Publisher{Endpoint: endpoint}, next: -1}
-					streams[st.pub] = st
-					s.index.Reset(st.pub, true)
-				}
-			}
-			if ok {
-				// Under mu, so that the endpoint's view is not forgotten
-				// (above) while its batch is applied, which would bring it back.
-				s.handle(ctx, st, frames)
-			}
-			mu.Unlock()
-			if !ok {
-				s.counts.UnknownTopics.Add(1)
-			}
-		}); err != nil && ctx.Err() == nil {
-			s.log.Info("kv events: listening", "address", s.cfg.Bind, "error", err.Error())
-			if !sleep(ctx, time.Second) {
-				return
-			}
-		}
-	}
-}
-
-func (s *Subscriber) listen(ctx context.Context, handle func([][]byte)) error {
-	sub := zmq4.NewSub(s.bounded(ctx))
-	defer closeDrained(sub)
-	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
-		return err
-	}
-	if err := sub.Listen(boundedAddr(s.cfg.Bind)); err != nil {
-		return err
-	}
-	failed := 0 // Recv fails each time one of the publishers' connections drops: the others go on
-	for failed < maxRecvFailures {
-		msg, err := sub.Recv()
-		if err != nil {
-			if ctx.Err() != nil {
-				return err
-			}
-			failed++
-			continue
-		}
-		failed = 0
-		handle(msg.Frames)
-	}
-	return errors.New("the socket keeps failing")
-}
-
-// maxRecvFailures in a row make a listening socket start anew.
-const maxRecvFailures = 100
-
-// topicEndpoint reads the endpoint of a topic kv@<ip>:<port>@<model>, in the
-// one spelling of its IP that the pool's endpoints have. An IPv6 address may
-// come unbracketed: kv@$(POD_IP):8000@... is so on an IPv6 pod.
-func topicEndpoint(frames [][]byte) (string, bool) {
-	if len(frames) != 3 {
-		return "", false
-	}
-	rest, ok := strings.CutPrefix(string(frames[0]), "kv@")
-	if !ok {
-		return "", false
-	}
-	endpoint, _, _ := strings.Cut(rest, "@")
-	i := strings.LastIndexByte(endpoint, ':')
-	if i < 0 {
-		return "", false
-	}
-	ip, err := netip.ParseAddr(strings.TrimSuffix(strings.TrimPrefix(endpoint[:i], "["), "]"))
-	port, perr := strconv.ParseUint(endpoint[i+1:], 10, 16)
-	if err != nil || perr != nil || ip.Zone() != "" {
-		return "", false
-	}
-	return netip.AddrPortFrom(ip.Unmap(), uint16(port)).String(), true
 }
 
 func sleep(ctx context.Context, d time.Duration) bool {

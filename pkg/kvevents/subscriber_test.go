@@ -33,8 +33,9 @@ type testPublisher struct {
 	// high-water mark drops one; 0: none.
 	hole int64
 	// stalled, when set, is told of each replay request, which then gets
-	// no answer, as from an engine that hangs.
-	stalled chan struct{}
+	// no answer, as from an engine that hangs, or, when release is set, its
+	// answer once release is closed.
+	stalled, release chan struct{}
 }
 
 func newTestPublisher(t *testing.T, ctx context.Context, connect string, replay bool) *testPublisher {
@@ -49,15 +50,20 @@ func newTestPublisher(t *testing.T, ctx context.Context, connect string, replay 
 		t.Fatal(err)
 	}
 	if replay {
-		r := zmq4.NewRouter(ctx)
-		t.Cleanup(func() { r.Close() })
-		if err := r.Listen("tcp://127.0.0.1:0"); err != nil {
-			t.Fatal(err)
-		}
-		p.replay = r.Addr().(*net.TCPAddr).Port
-		go p.serveReplay(r)
+		p.listenReplay(ctx, "tcp://127.0.0.1:0")
 	}
 	return p
+}
+
+// listenReplay has p answer replay requests on addr.
+func (p *testPublisher) listenReplay(ctx context.Context, addr string) {
+	r := zmq4.NewRouter(ctx)
+	p.t.Cleanup(func() { r.Close() })
+	if err := r.Listen(addr); err != nil {
+		p.t.Fatal(err)
+	}
+	p.replay = r.Addr().(*net.TCPAddr).Port
+	go p.serveReplay(r)
 }
 
 func (p *testPublisher) port() int { return p.pub.Addr().(*net.TCPAddr).Port }
@@ -70,11 +76,14 @@ func (p *testPublisher) serveReplay(r zmq4.Socket) {
 		}
 		id, start := msg.Frames[0], int(binary.BigEndian.Uint64(msg.Frames[2]))
 		p.mu.Lock()
-		kept, stalled := p.kept[min(start, len(p.kept)):], p.stalled
+		kept, stalled, release := p.kept[min(start, len(p.kept)):], p.stalled, p.release
 		p.mu.Unlock()
 		if stalled != nil {
 			stalled <- struct{}{}
-			continue
+			if release == nil {
+				continue
+			}
+			<-release
 		}
 		for i, payload := range kept {
 			if n := int64(start + i); n != p.hole || n == 0 {
