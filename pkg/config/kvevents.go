@@ -19,6 +19,7 @@ const (
 	DefaultKVEventsTokenizePath  = "/tokenize"
 	DefaultKVEventsTokenizeLimit = 250 * time.Millisecond
 	DefaultKVEventsMaxMessage    = 64 << 20 // bytes: a batch of vLLM's is some kilobytes, a long prompt's a few megabytes
+	DefaultKVEventsReplayTimeout = 2 * time.Second
 )
 
 // KVEvents has a pool follow its engines' KV cache events (vLLM's
@@ -37,6 +38,9 @@ type KVEvents struct {
 	// ReplayPort is the engines' replay socket (vLLM's replay_endpoint),
 	// asked for the events a gap lost; 0: none, a gap rebuilds the view.
 	ReplayPort int `json:"replay_port,omitempty"`
+	// ReplayTimeout bounds one ask of the replay socket (default 2s); past
+	// it the batches are lost, as without one.
+	ReplayTimeout Duration `json:"replay_timeout,omitempty"`
 	// DataParallelSize is the ranks of one engine; rank r publishes on
 	// ConnectPort+r (and replays on ReplayPort+r), so the two ports must be
 	// at least this far apart. 1 with Bind.
@@ -78,6 +82,7 @@ func (k *KVEvents) SetDefaults() {
 	orDefault(&k.DataParallelSize, 1)
 	orDefault(&k.StaleAfter, Duration(DefaultKVEventsStaleAfter))
 	orDefault(&k.Resync, Duration(DefaultKVEventsResync))
+	orDefault(&k.ReplayTimeout, Duration(DefaultKVEventsReplayTimeout))
 	orDefault(&k.MaxBlocksPerEndpoint, DefaultKVEventsMaxPerEngine)
 	orDefault(&k.MaxBlocks, DefaultKVEventsMaxBlocks)
 	orDefault(&k.MaxMessageBytes, DefaultKVEventsMaxMessage)
@@ -129,6 +134,9 @@ func (k KVEvents) Validate(key, policy string) error {
 	}
 	if k.StaleAfter <= 0 {
 		errs = append(errs, fmt.Errorf("%s.stale_after: must be positive", key))
+	}
+	if k.ReplayTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("%s.replay_timeout: must be positive", key))
 	}
 	if k.Resync < 0 {
 		errs = append(errs, fmt.Errorf("%s.resync: must not be negative (0: the default, %s)", key, DefaultKVEventsResync))

@@ -33,6 +33,8 @@ func TestOperatorValues(t *testing.T) {
 		{"health.check_interval 0s is off", `pools: {decode: {endpoints: ["10.0.0.2:8000"], health: {check_interval: 0s}}}`, "", func(c *Config) bool { return c.Pools.Decode.Health.CheckInterval == 0 }},
 		{"kv_events.resync 0s is the default", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557, resync: 0s}}}`, "",
 			func(c *Config) bool { return c.Pools.Decode.KVEvents.Resync.D() == 5*time.Minute }},
+		{"kv_events.replay_timeout 0s is the default", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557, replay_timeout: 0s}}}`, "",
+			func(c *Config) bool { return c.Pools.Decode.KVEvents.ReplayTimeout.D() == 2*time.Second }},
 		{"pools.prefill.bootstrap_port 0 is the default", `pools: {prefill: {bootstrap_port: 0}, decode: {endpoints: ["10.0.0.2:8000"]}}`, "", func(c *Config) bool { return c.Pools.Prefill.BootstrapPort == 8998 }},
 		{"pools.decode.fallbacks 0 sends one", `pools: {decode: {endpoints: ["10.0.0.2:8000"], fallbacks: 0}}`, "", func(c *Config) bool { return c.Pools.Decode.Fallbacks == 0 }},
 		// Negative values.
@@ -53,6 +55,8 @@ func TestOperatorValues(t *testing.T) {
 		{"negative dns_interval", `pools: {decode: {dns: "decode:8000", dns_interval: -1s}}`, "pools.decode.dns_interval", nil},
 		{"negative kv_events.stale_after", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557, stale_after: -1s}}}`,
 			"pools.decode.kv_events.stale_after", nil},
+		{"negative kv_events.replay_timeout", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557, replay_timeout: -1s}}}`,
+			"pools.decode.kv_events.replay_timeout: must be positive", nil},
 		{"negative kv_events.tokenize.timeout", `pools: {decode: {endpoints: ["10.0.0.2:8000"], policy: prefix-affinity, kv_events: {connect_port: 5557, tokenize: {timeout: -1s}}}}`,
 			"pools.decode.kv_events.tokenize.timeout", nil},
 		{"negative tracing.sample_ratio", "tracing: {sample_ratio: -0.1}\n" + decode, "tracing.sample_ratio", nil},

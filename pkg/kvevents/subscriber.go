@@ -38,7 +38,7 @@ type Config struct {
 	// anew (the ZeroMQ library can miss that a peer restarted, and then
 	// delivers nothing); 0: never.
 	Resync time.Duration
-	// ReplayTimeout bounds one replay.
+	// ReplayTimeout bounds one replay (0: 2 s).
 	ReplayTimeout time.Duration
 	// MaxMessageBytes bounds each message (its frames) read from a
 	// publisher or a replay socket (transport.go); a longer one drops the

@@ -45,8 +45,8 @@ func (p *Pool) followEvents(ctx context.Context) {
 				ev := &poolEvents{spec: k, index: kvevents.NewIndex(kvevents.Bounds{PerPublisher: k.MaxBlocksPerEndpoint, Total: k.MaxBlocks},
 					k.StaleAfter.D(), p.deps.Now)}
 				ev.sub = kvevents.NewSubscriber(kvevents.Config{ConnectPort: k.ConnectPort, Bind: k.Bind, ReplayPort: k.ReplayPort,
-					Ranks: k.DataParallelSize, StaleAfter: k.StaleAfter.D(), Resync: k.Resync.D(), MaxMessageBytes: k.MaxMessageBytes,
-					Counts: &p.eventCounts}, ev.index, p.deps.Log.WithValues("pool", p.Name()))
+					ReplayTimeout: k.ReplayTimeout.D(), Ranks: k.DataParallelSize, StaleAfter: k.StaleAfter.D(), Resync: k.Resync.D(),
+					MaxMessageBytes: k.MaxMessageBytes, Counts: &p.eventCounts}, ev.index, p.deps.Log.WithValues("pool", p.Name()))
 				p.events.Store(ev)
 				sctx, cancel := context.WithCancel(ctx)
 				done := make(chan struct{})
