@@ -54,19 +54,19 @@ const clientChat = `{"model":"m","messages":[{"role":"user","content":"hi"}],"st
 // --- servers ---
 
 // newPipeline is the real pipeline for yaml, waited for when the test ends.
-func newPipeline(t *testing.T, yaml string) *pipeline.Pipeline {
+func newPipeline(t *testing.T, yaml string, opts ...pipeline.Option) *pipeline.Pipeline {
 	t.Helper()
 	cfg, err := config.Parse([]byte(yaml))
 	if err != nil {
 		t.Fatal(err)
 	}
-	return assembled(t, cfg)
+	return assembled(t, cfg, opts...)
 }
 
 // assembled is the real pipeline for cfg, waited for when the test ends.
-func assembled(t testing.TB, cfg *config.Config) *pipeline.Pipeline {
+func assembled(t testing.TB, cfg *config.Config, opts ...pipeline.Option) *pipeline.Pipeline {
 	t.Helper()
-	p, err := assemble.Pipeline(cfg, logr.Discard())
+	p, err := assemble.Pipeline(cfg, logr.Discard(), opts...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -306,6 +306,7 @@ func (m *Metrics) Panicked() {
 type Request struct {
 	API     string // an API* value
 	Mode    Mode   // ModeNone when no mode was chosen
+	Reason  Reason // why the mode: a routed request's decision
 	Outcome string // an Outcome* value
 	// Processing is the service's own time (prefill legs excluded); recorded for
 	// routed requests only.
@@ -318,8 +319,14 @@ func (m *Metrics) ObserveRequest(r Request) {
 		return
 	}
 	m.requests.WithLabelValues(r.API, r.Mode.String(), m.connector, r.Outcome).Inc()
-	if r.Outcome == OutcomeRouted {
-		m.processing.WithLabelValues(r.Mode.String()).Observe(r.Processing.Seconds())
+	if r.Outcome != OutcomeRouted {
+		return
+	}
+	m.processing.WithLabelValues(r.Mode.String()).Observe(r.Processing.Seconds())
+	// Counted with the routing Envoy was told, not when the pipeline chose it:
+	// a routing that never reached Envoy sent nothing to an engine.
+	if r.Reason != 0 {
+		m.decisions.WithLabelValues(r.Reason.String()).Inc()
 	}
 }
 
@@ -327,13 +334,6 @@ func (m *Metrics) ObserveRequest(r Request) {
 func (m *Metrics) RequestBody(n int) {
 	if m != nil {
 		m.bodyBytes.Observe(float64(n))
-	}
-}
-
-// Decision counts a routed request's mode decision.
-func (m *Metrics) Decision(reason Reason) {
-	if m != nil {
-		m.decisions.WithLabelValues(reason.String()).Inc()
 	}
 }
 

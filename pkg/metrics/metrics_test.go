@@ -20,9 +20,8 @@ func TestNilMetricsRecordNothing(t *testing.T) {
 	var m *Metrics // what a pipeline or handler built without metrics holds
 	m.StreamOpened()
 	m.StreamClosed()
-	m.ObserveRequest(Request{API: api.NameChat, Mode: ModePD, Outcome: OutcomeRouted})
+	m.ObserveRequest(Request{API: api.NameChat, Mode: ModePD, Reason: ReasonLongPrompt, Outcome: OutcomeRouted})
 	m.RequestBody(10)
-	m.Decision(ReasonLongPrompt)
 	m.PrefillAttempt(time.Second, FailureTimeout)
 	m.KVParamsMissing()
 	m.UsageRewrite(UsageRewritten)

@@ -209,12 +209,13 @@ func TestFailClosedRefusesWhenNoPrefillEndpointIsReady(t *testing.T) {
 	for _, onFailure := range []string{config.OnFailureFail, config.OnFailureDecodeOnly} {
 		t.Run(onFailure, func(t *testing.T) {
 			engine := enginetest.Start(t, enginetest.JSON(503, `{}`))
-			p, m, _ := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+			p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
 pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {on_failure: %s, attempts: 1}`, engine.Addr(), onFailure))
+			var r *pipeline.Request
 			route := func() error {
-				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r",
-					Body: []byte(`{"model":"m","prompt":"hi"}`)})
+				r = &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r", Body: []byte(`{"model":"m","prompt":"hi"}`)}
+				d, err := p.Route(context.Background(), r)
 				if err == nil {
 					d.Release()
 				}
@@ -225,7 +226,7 @@ prefill: {on_failure: %s, attempts: 1}`, engine.Addr(), onFailure))
 			}
 			err := route()
 			if onFailure == config.OnFailureDecodeOnly {
-				if err != nil || counter(t, m, "pd_extproc_pd_decisions_total", "reason", metrics.ReasonNoPrefill.String()) != 1 {
+				if err != nil || r.Report.Reason != metrics.ReasonNoPrefill {
 					t.Fatalf("Route: %v; want decode-only, reason no_prefill", err)
 				}
 				return
@@ -322,22 +323,16 @@ pd: {mode: always}`, lacking.Addr(), serving.Addr()))
 // verbosity.
 func TestAModelNoEngineServesIsNoPrefillFailure(t *testing.T) {
 	a, b := enginetest.Start(t, enginetest.JSON(404, unservedModel)), enginetest.Start(t, enginetest.JSON(404, unservedModel))
-	p, m, lines := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+	p, _, lines := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
 pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 pd: {mode: always}`, a.Addr(), b.Addr()))
 	for i := range 4 {
 		r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"gpt-4","prompt":"hi"}`)}
 		d, err := p.Route(context.Background(), r)
-		if err != nil || r.Report.Mode != metrics.ModeDecodeOnly {
-			t.Fatalf("request %d: %v, mode %v; want decode-only", i, err, r.Report.Mode)
+		if err != nil || r.Report.Mode != metrics.ModeDecodeOnly || r.Report.Reason != metrics.ReasonUnservedModel {
+			t.Fatalf("request %d: %v, mode %v, reason %v; want decode-only, unserved_model", i, err, r.Report.Mode, r.Report.Reason)
 		}
 		d.Release()
-	}
-	if got := counter(t, m, "pd_extproc_pd_decisions_total", "reason", "unserved_model"); got != 4 {
-		t.Errorf("pd_decisions_total{reason=unserved_model} = %v, want 4", got)
-	}
-	if got := counter(t, m, "pd_extproc_pd_decisions_total", "reason", "prefill_failed"); got != 0 {
-		t.Errorf("pd_decisions_total{reason=prefill_failed} = %v, want 0", got)
 	}
 	if n := lines.count("prefill failed"); n != 0 {
 		t.Errorf("%d log lines say the prefill failed", n)

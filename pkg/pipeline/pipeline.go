@@ -118,7 +118,7 @@ type Pipeline struct {
 // Option adds an optional collaborator to New.
 type Option func(*Pipeline)
 
-// WithMetrics records prefill attempts, P/D decisions and missing KV params in m.
+// WithMetrics records prefill attempts and missing KV params in m.
 func WithMetrics(m *metrics.Metrics) Option { return func(p *Pipeline) { p.metrics = m } }
 
 // WithTracing starts a span for each prefill attempt from tp and writes the

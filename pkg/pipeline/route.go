@@ -78,7 +78,6 @@ func (p *Pipeline) RouteHeaders(r *Request) (*Decision, error) {
 		return nil, err
 	}
 	r.Report.Decode = d.Endpoints[0]
-	p.metrics.Decision(r.Report.Reason)
 	return d, nil
 }
 
@@ -145,7 +144,6 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 		d.Release()
 		return nil, err
 	}
-	p.metrics.Decision(r.Report.Reason)
 	return d, nil
 }
 
