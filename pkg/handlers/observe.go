@@ -2,6 +2,7 @@ package handlers
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync"
 	"time"
@@ -78,6 +79,7 @@ type observation struct {
 	// span is the request's from begin until the observation concludes, and
 	// nil outside that time.
 	span trace.Span
+	done bool // concluded
 }
 
 // begin starts the observation of r, whose headers hm arrived at start: its
@@ -127,6 +129,16 @@ func (o *observation) rejected(e *pipeline.Error, cancelled bool, body []byte) {
 	}
 }
 
+// panicked ends the observation of a request whose handling panicked (p):
+// Envoy answers it 500, so it is counted 5xx even when it panicked before
+// its observation began (r is then what was read of it).
+func (o *observation) panicked(r *pipeline.Request, p any, body []byte) {
+	if o.req == nil {
+		o.req, o.start = r, time.Now()
+	}
+	o.rejected(pipeline.AsError(fmt.Errorf("panic: %v", p), r.RequestID), false, body)
+}
+
 // abandon ends the observation of a stream that closed before its request was
 // routed or rejected.
 func (o *observation) abandon(d *pipeline.Decision, body []byte) {
@@ -137,9 +149,10 @@ func (o *observation) abandon(d *pipeline.Decision, body []byte) {
 // decision, endpoints, timings, outcome, and the local reply e when there is
 // one. It acts once, and only on a request begun.
 func (o *observation) conclude(outcome string, e *pipeline.Error, d *pipeline.Decision, body []byte) {
-	if o.span == nil {
+	if o.req == nil || o.done {
 		return
 	}
+	o.done = true
 	rep := o.req.Report
 	api := pipeline.APIOf(o.req)
 	// The prefill leg is the engine's time and the hold the engines' lack of
@@ -168,8 +181,10 @@ func (o *observation) conclude(outcome string, e *pipeline.Error, d *pipeline.De
 			fields = append(fields, "body", truncate(body, maxLoggedBody))
 		}
 	}
-	o.endSpan(api, outcome, e, d)
-	o.span = nil
+	if o.span != nil { // nil when begin panicked
+		o.endSpan(api, outcome, e, d)
+		o.span = nil
+	}
 	o.log.Info("request", fields...)
 }
 

@@ -1,11 +1,15 @@
 package handlers_test
 
 import (
+	"context"
 	"testing"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
+	"go.opentelemetry.io/otel/propagation"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
 	"github.com/pd-extproc/pd-extproc/pkg/api"
@@ -66,5 +70,46 @@ func TestADecisionIsCountedOnlyOnceSent(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// panickyPropagator panics as it reads a request's trace context, a bug
+// before the request's observation has begun.
+type panickyPropagator struct{ propagation.TraceContext }
+
+func (panickyPropagator) Extract(context.Context, propagation.TextMapCarrier) context.Context {
+	panic("boom")
+}
+
+// A panic on the request path (a bug) ends its stream with INTERNAL, which
+// Envoy answers 500: the request is counted 5xx, wherever it panicked.
+func TestAPanickedRequestIsCounted5xx(t *testing.T) {
+	tests := []struct {
+		name string
+		opts handlers.Options
+		body string
+	}{
+		{"routing", handlers.Options{}, `{"model":"m","prompt":"boom"}`},
+		{"reading the headers", handlers.Options{Propagator: panickyPropagator{}}, `{"model":"m","prompt":"hi"}`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			m := metrics.New("kv-nixl")
+			tt.opts.Metrics = m
+			c := startServer(t, handlers.NewServer(panickyRouter{}, tt.opts, logr.Discard()))
+			_, err := tryExchange(c, true,
+				envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(tt.body))...), fullDuplex, fullDuplex),
+				envoymsg.Body(envoymsg.Request, []byte(tt.body), true))
+			if status.Code(err) != codes.Internal {
+				t.Fatalf("the stream ended with %v, want INTERNAL", err)
+			}
+			if got, _ := m.Sample("pd_extproc_panics_total", nil); got != 1 {
+				t.Errorf("%v panics counted, want 1", got)
+			}
+			labels := map[string]string{"api": api.NameChat, "mode": metrics.ModeNone.String(), "connector": "kv-nixl", "outcome": metrics.Outcome5xx}
+			if got, _ := m.Sample("pd_extproc_requests_total", labels); got != 1 {
+				t.Errorf("requests_total%v = %v, want 1: Envoy answered it 500", labels, got)
+			}
+		})
 	}
 }

@@ -116,7 +116,7 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) (err 
 			s.obs.log.Error(nil, "a bug: handling a stream panicked; the stream ends with INTERNAL", "requestID", x.req.RequestID, "panic", fmt.Sprint(p), "stack", string(debug.Stack()))
 			s.opts.Metrics.Panicked()
 			x.mu.Lock() // the request's line and count say 5xx, as Envoy answers, not cancelled
-			x.obs.rejected(pipeline.AsError(fmt.Errorf("panic: %v", p), x.req.RequestID), false, x.body.bytes())
+			x.obs.panicked(&x.req, p, x.body.bytes())
 			x.mu.Unlock()
 			err = status.Error(codes.Internal, "pd-extproc: internal error")
 		}
