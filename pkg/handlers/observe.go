@@ -3,6 +3,7 @@ package handlers
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"strings"
 	"sync"
 	"time"
@@ -206,8 +207,14 @@ func (o *observation) endSpan(api, outcome string, e *pipeline.Error, d *pipelin
 	if d != nil {
 		attrs = append(attrs, attribute.String("pd.decode_endpoint", destination(d)))
 	}
-	if e != nil {
+	// The status pd-extproc answered with, whenever it sent one, its own 200
+	// included; only a 5xx makes the span's status Error
+	// (https://github.com/open-telemetry/semantic-conventions/blob/v1.45.0/docs/http/http-spans.md).
+	switch {
+	case e != nil:
 		attrs = append(attrs, semconv.HTTPResponseStatusCode(e.Status))
+	case outcome == metrics.OutcomeAnswered:
+		attrs = append(attrs, semconv.HTTPResponseStatusCode(http.StatusOK)) // answerItself
 	}
 	o.span.SetAttributes(attrs...)
 	if e != nil && e.Status >= 500 {

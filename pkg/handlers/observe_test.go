@@ -2,12 +2,16 @@ package handlers_test
 
 import (
 	"context"
+	"net/http"
 	"testing"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
+	otelcodes "go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -109,6 +113,66 @@ func TestAPanickedRequestIsCounted5xx(t *testing.T) {
 			labels := map[string]string{"api": api.NameChat, "mode": metrics.ModeNone.String(), "connector": "kv-nixl", "outcome": metrics.Outcome5xx}
 			if got, _ := m.Sample("pd_extproc_requests_total", labels); got != 1 {
 				t.Errorf("requests_total%v = %v, want 1: Envoy answered it 500", labels, got)
+			}
+		})
+	}
+}
+
+// headersRouter routes every request from its headers with d, or refuses it
+// with err.
+type headersRouter struct {
+	d   *pipeline.Decision
+	err error
+}
+
+func (h headersRouter) MaxBodyBytes() int64 { return 1 << 20 }
+func (h headersRouter) RouteHeaders(*pipeline.Request) (*pipeline.Decision, error) {
+	return h.d, h.err
+}
+func (h headersRouter) Route(context.Context, *pipeline.Request) (*pipeline.Decision, error) {
+	return h.d, h.err
+}
+
+// The request's span says the status pd-extproc answered with, its own 200
+// included, as OpenTelemetry's HTTP server spans do
+// (http.response.status_code whenever one was sent; status Error for a 5xx
+// only). A routed request's status is the engine's, which this span never
+// sees.
+func TestTheRequestSpanSaysTheStatusAnswered(t *testing.T) {
+	tests := []struct {
+		name       string
+		router     headersRouter
+		wantStatus string // http.response.status_code, "" for none
+		wantCode   otelcodes.Code
+	}{
+		{"answered itself", headersRouter{d: &pipeline.Decision{Answer: []byte(`{"object":"list","data":[]}`)}}, "200", otelcodes.Unset},
+		{"routed", headersRouter{d: &pipeline.Decision{Endpoints: []string{fakeEndpoint}}}, "", otelcodes.Unset},
+		{"refused 404", headersRouter{err: &pipeline.Error{Status: http.StatusNotFound, Message: "no"}}, "404", otelcodes.Unset},
+		{"refused 503", headersRouter{err: &pipeline.Error{Status: http.StatusServiceUnavailable, Message: "no"}}, "503", otelcodes.Error},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			exporter := tracetest.NewInMemoryExporter()
+			tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exporter))
+			t.Cleanup(func() { tp.Shutdown(context.Background()) })
+			s := handlers.NewServer(tt.router, handlers.Options{TracerProvider: tp}, logr.Discard())
+			x := s.Open(t.Context(), &routedSink{})
+			if _, err := x.Handle(envoymsg.Headers(envoymsg.Request, true, envoymsg.Header{":method", "GET"}, envoymsg.Header{":path", "/v1/models"})); err != nil {
+				t.Fatal(err)
+			}
+			x.Close()
+			spans := exporter.GetSpans()
+			if len(spans) != 1 {
+				t.Fatalf("%d spans, want the request's", len(spans))
+			}
+			var status string
+			for _, a := range spans[0].Attributes {
+				if a.Key == "http.response.status_code" {
+					status = a.Value.Emit()
+				}
+			}
+			if status != tt.wantStatus || spans[0].Status.Code != tt.wantCode {
+				t.Errorf("http.response.status_code %q, status %v; want %q, %v", status, spans[0].Status.Code, tt.wantStatus, tt.wantCode)
 			}
 		})
 	}
