@@ -2,6 +2,7 @@ package handlers_test
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"testing"
 
@@ -15,6 +16,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
@@ -173,6 +175,59 @@ func TestTheRequestSpanSaysTheStatusAnswered(t *testing.T) {
 			}
 			if status != tt.wantStatus || spans[0].Status.Code != tt.wantCode {
 				t.Errorf("http.response.status_code %q, status %v; want %q, %v", status, spans[0].Status.Code, tt.wantStatus, tt.wantCode)
+			}
+		})
+	}
+}
+
+// usageRewrites is pd_extproc_usage_rewrites_total by outcome, of those not 0.
+func usageRewrites(m *metrics.Metrics) map[string]float64 {
+	got := map[string]float64{}
+	for _, o := range []string{"rewritten", "absent", "prefill_missing", "no_handoff", "too_large", "not_rewritable", "not_full_duplex", "unseen", "cancelled"} {
+		if v, _ := m.Sample("pd_extproc_usage_rewrites_total", map[string]string{"outcome": o}); v != 0 {
+			got[o] = v
+		}
+	}
+	return got
+}
+
+// Every P/D answer whose usage is to be rewritten counts once, also when
+// its end never reaches pd-extproc: the alert's ratio needs them all.
+func TestEveryUsageRewriteCountsAnOutcome(t *testing.T) {
+	const usage = `"usage":{"prompt_tokens":9,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":7}}`
+	prefill := enginetest.Start(t, enginetest.JSON(200, `{"id":"x","choices":[{"text":"a"}],"kv_transfer_params":`+nixlParams+`,`+usage+`}`))
+	headers := envoymsg.Headers(envoymsg.Response, false, envoymsg.Header{":status", "200"}, envoymsg.Header{"content-type", "text/event-stream"})
+	last := `data: {"id":"x","choices":[],` + usage + "}\n\ndata: [DONE]\n\n"
+	tests := []struct {
+		name   string
+		answer []*extprocv3.ProcessingRequest
+		want   string
+	}{
+		{"answered", []*extprocv3.ProcessingRequest{headers, envoymsg.Body(envoymsg.Response, []byte(last), true)}, "rewritten"},
+		{"response headers skipped by Envoy", nil, "unseen"},
+		{"client left mid-answer", []*extprocv3.ProcessingRequest{headers, envoymsg.Body(envoymsg.Response, []byte("data: {}\n\n"), false)}, "cancelled"},
+		{"client left after the usage", []*extprocv3.ProcessingRequest{headers, envoymsg.Body(envoymsg.Response, []byte(last), false)}, "rewritten"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			m := metrics.New("kv-nixl")
+			p := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+pd: {mode: always}
+response: {rewrite_usage: true}
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.Addr()), pipeline.WithMetrics(m))
+			x := handlers.NewServer(p, handlers.Options{Metrics: m}, logr.Discard()).Open(t.Context(), &routedSink{})
+			msgs := append([]*extprocv3.ProcessingRequest{
+				envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), fullDuplex, fullDuplex),
+				envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
+			}, tt.answer...)
+			for _, msg := range msgs {
+				if _, err := x.Handle(msg); err != nil {
+					t.Fatal(err)
+				}
+			}
+			x.Close()
+			if got := usageRewrites(m); len(got) != 1 || got[tt.want] != 1 {
+				t.Errorf("usage_rewrites_total %v, want %s once", got, tt.want)
 			}
 		})
 	}

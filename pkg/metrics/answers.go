@@ -12,9 +12,12 @@ const (
 	UsageTooLarge       = "too_large"       // over response.max_body_bytes: passed on unchanged
 	UsageNotRewritable  = "not_rewritable"  // an error status, an encoded body, or neither JSON nor SSE: passed on unchanged
 	UsageNotFullDuplex  = "not_full_duplex" // Envoy does not send the response body in FULL_DUPLEX_STREAMED: passed on unchanged
+	UsageUnseen         = "unseen"          // the stream ended before the answer's headers came: Envoy sends none (response_header_mode SKIP), or the client left first
+	UsageCancelled      = "cancelled"       // the stream ended before the answer's end and its usage: the client left
 )
 
-var usageOutcomes = []string{UsageRewritten, UsageAbsent, UsagePrefillMissing, UsageNoHandoff, UsageTooLarge, UsageNotRewritable, UsageNotFullDuplex}
+var usageOutcomes = []string{UsageRewritten, UsageAbsent, UsagePrefillMissing, UsageNoHandoff, UsageTooLarge, UsageNotRewritable, UsageNotFullDuplex,
+	UsageUnseen, UsageCancelled}
 
 // answers counts what the engines answered that the service checks or fixes.
 type answers struct {
@@ -50,7 +53,7 @@ func (a answers) initSeries() {
 }
 
 // UsageRewrite counts how one answer's usage fared: outcome is a Usage*
-// value; "" counts nothing (the answer never came).
+// value; "" counts nothing (a reader's, which rewrites nothing).
 func (m *Metrics) UsageRewrite(outcome string) {
 	if m != nil && outcome != "" {
 		m.answers.usageRewrites.WithLabelValues(outcome).Inc()

@@ -149,13 +149,22 @@ func (r *Rewriter) Skip(why string) {
 	r.kind, r.outcome = passing, why
 }
 
-// Outcome is how the answer fared, a metrics.Usage* value; "" while its end
-// has not been seen.
+// Outcome is how the answer fared, a metrics.Usage* value, once its stream
+// has ended: unseen when the answer's headers never came (Envoy sends none
+// under response_header_mode SKIP), cancelled when its end never came (the
+// client left) unless the number had gone out. A reader's is "".
 func (r *Rewriter) Outcome() string {
-	if !r.Writes() {
+	switch {
+	case !r.Writes():
 		return ""
+	case r.outcome != "":
+		return r.outcome
+	case r.fixed:
+		return metrics.UsageRewritten
+	case r.kind == passing: // neither Start nor Skip: no headers
+		return metrics.UsageUnseen
 	}
-	return r.outcome
+	return metrics.UsageCancelled
 }
 
 // Body takes the next chunk of the answer, last when it is the end (the final
