@@ -179,8 +179,12 @@ func (p *Pipeline) Held() (prefill, decode int) {
 }
 
 // SetShedding applies reloaded admission.* keys to the requests routed from
-// now on.
-func (p *Pipeline) SetShedding(s Shedding) { p.shedding.settings.Store(&s) }
+// now on, and its saturation lines to those held too.
+func (p *Pipeline) SetShedding(s Shedding) {
+	p.shedding.settings.Store(&s)
+	p.shedding.prefill.Set(s.Lines)
+	p.shedding.decode.Set(s.Lines)
+}
 
 // Wait blocks until every background prefill leg has ended.
 func (p *Pipeline) Wait() { p.background.running.Wait() }

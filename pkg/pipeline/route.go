@@ -371,7 +371,7 @@ func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Reques
 	}
 	if left := s.Hold - r.Report.HeldTime; left > 0 && p.shedding.waiting.take(s.MaxHeld) {
 		start := time.Now()
-		held, err := hold.Wait(ctx, sreq, priority, r.Fairness, s.Lines, left)
+		held, err := hold.Wait(ctx, sreq, priority, r.Fairness, left)
 		p.shedding.waiting.give()
 		if held {
 			d := time.Since(start)

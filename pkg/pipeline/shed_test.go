@@ -141,3 +141,51 @@ func TestAdmissionHoldBoundsBothPoolsTogether(t *testing.T) {
 		})
 	}
 }
+
+// A config reload reaches the requests already held, at once: new
+// saturation lines judge them on the figures in hand (no scrape of the
+// engines, whose queues stay as they were).
+func TestAReloadReachesTheHeldRequests(t *testing.T) {
+	const reloadAt = 2 * time.Second
+	tests := []struct {
+		name     string
+		queue    float64       // the reloaded admission.saturated_queue
+		hold     time.Duration // the reloaded admission.hold
+		wantHeld time.Duration // when the request is answered
+		want429  bool
+	}{
+		{"a higher queue line: released at the reload", 10, 30 * time.Second, reloadAt, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				q := &queues{waiting: map[string]float64{shedPrefill: 0, shedDecode: 9}}
+				p := shedPipeline(t, q, "30s")
+				ctx, cancel := context.WithCancel(t.Context())
+				running := make(chan struct{})
+				go func() { defer close(running); p.Run(ctx) }()
+				synctest.Wait() // the first scrapes are in
+				time.AfterFunc(reloadAt, func() {
+					p.SetShedding(pipeline.Shedding{Priorities: map[string]int{"batch": -1},
+						Lines: scheduling.Lines{Queue: tt.queue, KVCache: config.DefaultSaturatedKVCache}, Hold: tt.hold, RetryAfter: time.Second})
+				})
+				r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-1", Objective: "batch",
+					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+				d, err := p.Route(t.Context(), r)
+				var perr *pipeline.Error
+				if got429 := errors.As(err, &perr) && perr.Status == http.StatusTooManyRequests; got429 != tt.want429 || err != nil && !got429 {
+					t.Errorf("Route: %v, want a 429: %v", err, tt.want429)
+				}
+				if d != nil {
+					d.Release()
+				}
+				// Within a tick of the hold (25ms), less than a scrape (100ms).
+				if held := r.Report.HeldTime; held < tt.wantHeld || held >= tt.wantHeld+25*time.Millisecond {
+					t.Errorf("answered after %v held, want %v", held, tt.wantHeld)
+				}
+				cancel()
+				<-running
+			})
+		})
+	}
+}

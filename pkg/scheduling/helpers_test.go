@@ -114,3 +114,10 @@ func poolOf(r role, spec PoolSpec, deps Deps) *Pool {
 
 // setActive records a check's verdict as a check begun whenever would.
 func (e *Endpoint) setActive(v verdict) { e.recordCheck(v, anyEpoch) }
+
+// holdAt is a hold of pool's requests at the saturation lines lines.
+func holdAt(pool *Pool, lines Lines) *Hold {
+	h := NewHold(pool)
+	h.Set(lines)
+	return h
+}

@@ -33,8 +33,9 @@ type Hold struct {
 	served  map[flow]uint64 // when each flow with requests held was last served, by serial
 	serial  uint64          // releases so far
 	round   time.Time       // the scrape last released on
-	lines   Lines           // the latest Wait's
+	lines   Lines           // Set's
 	ticking bool            // a goroutine runs tick
+	wake    chan struct{}   // Set's word to tick: judge again now
 }
 
 // flow is what takes turns within a priority: a client's fairness id
@@ -73,7 +74,25 @@ type waiter struct {
 }
 
 // NewHold returns an empty hold for pool's requests.
-func NewHold(pool *Pool) *Hold { return &Hold{Pool: pool, served: map[flow]uint64{}} }
+func NewHold(pool *Pool) *Hold {
+	return &Hold{Pool: pool, served: map[flow]uint64{}, wake: make(chan struct{}, 1)}
+}
+
+// Set applies the saturation lines, at start and at each reload, to the
+// requests held and to come, and has the hold judge those held again at once
+// by the figures in hand rather than at the next scrape: a reload that
+// unsaturates a pool releases them.
+func (h *Hold) Set(lines Lines) {
+	h.mu.Lock()
+	if lines != h.lines {
+		h.lines, h.round = lines, time.Time{} // the last round's figures are a new round by the new lines
+	}
+	h.mu.Unlock()
+	select {
+	case h.wake <- struct{}{}:
+	default: // a word is waiting already
+	}
+}
 
 // Len is the number of requests held.
 func (h *Hold) Len() int {
@@ -87,12 +106,11 @@ func (h *Hold) Len() int {
 // error); held says it waited. A request goes at once when nothing is held
 // and its pool is not saturated: one arriving behind held requests waits its
 // turn.
-func (h *Hold) Wait(ctx context.Context, req *Request, priority int, fairness string, lines Lines, d time.Duration) (held bool, err error) {
+func (h *Hold) Wait(ctx context.Context, req *Request, priority int, fairness string, d time.Duration) (held bool, err error) {
 	result := make(chan bool, 1)
 	x := &waiter{req: req, flow: flowOf(fairness, priority), until: h.Pool.deps.Now().Add(d), done: func(ok bool) { result <- ok }}
 	h.mu.Lock()
-	h.lines = lines
-	held = h.add(x, lines)
+	held = h.add(x)
 	if held && !h.ticking {
 		h.ticking = true
 		go h.tick()
@@ -125,14 +143,14 @@ var ErrStillSaturated = errors.New("the pool stayed saturated while the request 
 // Add is Wait without the waiting: it holds req (true), and Release calls
 // done, or says it may go at once (false). The simulations drive it with
 // their own clock.
-func (h *Hold) Add(req *Request, priority int, fairness string, until time.Time, lines Lines, done func(released bool)) bool {
+func (h *Hold) Add(req *Request, priority int, fairness string, until time.Time, done func(released bool)) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.add(&waiter{req: req, flow: flowOf(fairness, priority), until: until, done: done}, lines)
+	return h.add(&waiter{req: req, flow: flowOf(fairness, priority), until: until, done: done})
 }
 
-func (h *Hold) add(x *waiter, lines Lines) bool {
-	if len(h.held) == 0 && !h.Pool.Saturated(x.req, lines) {
+func (h *Hold) add(x *waiter) bool {
+	if len(h.held) == 0 && !h.Pool.Saturated(x.req, h.lines) {
 		return false
 	}
 	i, _ := slices.BinarySearchFunc(h.held, x.flow.priority, func(y *waiter, p int) int {
@@ -157,15 +175,16 @@ func (h *Hold) remove(x *waiter) bool {
 	return true
 }
 
-// tick releases, every holdTick, until the hold is empty.
+// tick releases, every holdTick and at Set's word, until the hold is empty.
 func (h *Hold) tick() {
 	t := time.NewTicker(holdTick)
 	defer t.Stop()
-	for range t.C {
-		h.mu.Lock()
-		lines := h.lines
-		h.mu.Unlock()
-		if h.Release(lines) == 0 {
+	for {
+		select {
+		case <-t.C:
+		case <-h.wake:
+		}
+		if h.Release() == 0 {
 			return
 		}
 	}
@@ -173,14 +192,14 @@ func (h *Hold) tick() {
 
 // Release ends the time of the requests whose time is up and, when every
 // endpoint's figures were scraped again since it last released
-// (scrapeSpan), releases as many of the others as budget allows (next
-// picks each), each only while its own pool (its model's endpoints, its
-// subset) is not saturated. With no healthy endpoint left to show room,
-// every request whose pool is not saturated by then (Saturated: a pool
-// without one is not) goes on, to the answer routing gives it. It returns
-// how many requests are still held; at 0 the ticking stops, for the next
-// Wait to start again.
-func (h *Hold) Release(lines Lines) int {
+// (scrapeSpan) or Set changed the lines, releases as many of the others as
+// budget allows (next picks each), each only while its own pool (its
+// model's endpoints, its subset) is not saturated. With no healthy endpoint
+// left to show room, every request whose pool is not saturated by then
+// (Saturated: a pool without one is not) goes on, to the answer routing
+// gives it. It returns how many requests are still held; at 0 the ticking
+// stops, for the next Wait to start again.
+func (h *Hold) Release() int {
 	now := h.Pool.deps.Now()
 	st := h.Pool.state.Load()
 	h.mu.Lock()
@@ -196,10 +215,10 @@ func (h *Hold) Release(lines Lines) int {
 	if fresh := oldest.After(h.round); fresh || oldest.IsZero() {
 		budget := len(h.held)
 		if fresh {
-			h.round, budget = newest, h.budget(st, lines)
+			h.round, budget = newest, h.budget(st)
 		}
 		for ; budget > 0; budget-- {
-			i := h.next(lines)
+			i := h.next()
 			if i < 0 {
 				break
 			}
@@ -228,13 +247,13 @@ func (h *Hold) Release(lines Lines) int {
 // next is the index of the request to release next, -1 for none: of the
 // highest priority that has one whose pool is not saturated, the first of
 // the flow served least lately.
-func (h *Hold) next(lines Lines) int {
+func (h *Hold) next() int {
 	best := -1
 	for i, x := range h.held {
 		if best >= 0 && x.flow.priority < h.held[best].flow.priority {
 			break
 		}
-		if (best < 0 || h.served[x.flow] < h.served[h.held[best].flow]) && !h.Pool.Saturated(x.req, lines) {
+		if (best < 0 || h.served[x.flow] < h.served[h.held[best].flow]) && !h.Pool.Saturated(x.req, h.lines) {
 			best = i
 		}
 	}
@@ -292,7 +311,7 @@ func (h *Hold) forgetOldest(waiting map[flow]bool) {
 // one: a queue of none is room), so that a replica sending nothing else
 // still drains its hold. Figures only estimate: a request picked is in
 // flight here before its engine counts it.
-func (h *Hold) budget(st *poolState, lines Lines) int {
+func (h *Hold) budget(st *poolState) int {
 	var room, mine, engines float64
 	for _, e := range st.endpoints {
 		l, ok := e.Load()
@@ -301,8 +320,8 @@ func (h *Hold) budget(st *poolState, lines Lines) int {
 		}
 		mine += float64(e.InFlight())
 		engines += l.Running + l.Waiting
-		if l.KVUsage < lines.KVCache {
-			room += max(0, lines.Queue-l.Waiting)
+		if l.KVUsage < h.lines.KVCache {
+			room += max(0, h.lines.Queue-l.Waiting)
 		}
 	}
 	if room <= 0 {

@@ -47,7 +47,7 @@ func TestTheHoldReleasesItsShareOfTheRoomByPriority(t *testing.T) {
 		acquire(byAddr(p, a))
 		acquire(byAddr(p, b))
 	}
-	h := NewHold(p)
+	h := holdAt(p, defaultLines)
 	var released, refused []string
 	for _, st := range steps {
 		clock.Advance(time.Second + st.advance)
@@ -61,7 +61,7 @@ func TestTheHoldReleasesItsShareOfTheRoomByPriority(t *testing.T) {
 		}
 		slices.Sort(names)
 		for _, name := range names {
-			if h.Add(promptRequest(name), st.add[name], "", clock.Now().Add(30*time.Second), defaultLines, func(ok bool) {
+			if h.Add(promptRequest(name), st.add[name], "", clock.Now().Add(30*time.Second), func(ok bool) {
 				if ok {
 					released = append(released, name)
 				} else {
@@ -72,7 +72,7 @@ func TestTheHoldReleasesItsShareOfTheRoomByPriority(t *testing.T) {
 			}
 		}
 		released, refused = nil, nil
-		h.Release(defaultLines)
+		h.Release()
 		if !slices.Equal(held, st.held) || !slices.Equal(released, st.released) || !slices.Equal(refused, st.refused) {
 			t.Errorf("%s: held %v, released %v, refused %v; want %v, %v, %v", st.name, held, released, refused, st.held, st.released, st.refused)
 		}
@@ -94,10 +94,10 @@ func TestTheHoldReleasesOnceAScrapeRound(t *testing.T) {
 	}
 	scrape(a, 5)
 	scrape(b, 5)
-	h := NewHold(p)
+	h := holdAt(p, defaultLines)
 	released := 0
 	for i := range 4 {
-		h.Add(promptRequest(fmt.Sprint("held ", i)), -1, "", clock.Now().Add(time.Minute), defaultLines, func(ok bool) {
+		h.Add(promptRequest(fmt.Sprint("held ", i)), -1, "", clock.Now().Add(time.Minute), func(ok bool) {
 			if ok {
 				released++
 			}
@@ -121,7 +121,7 @@ func TestTheHoldReleasesOnceAScrapeRound(t *testing.T) {
 	}
 	for _, st := range steps {
 		st.scrape()
-		h.Release(defaultLines)
+		h.Release()
 		if released != st.release {
 			t.Errorf("%s: %d released in all, want %d", st.name, released, st.release)
 		}
@@ -139,10 +139,10 @@ func TestFlowsTakeTurnsInTheHold(t *testing.T) {
 	for range 2 { // the two the engine counts are this replica's: the whole room is its to fill
 		acquire(byAddr(p, a))
 	}
-	h := NewHold(p)
+	h := holdAt(p, defaultLines)
 	var released []string
 	add := func(name, fairness string, priority int) {
-		if !h.Add(promptRequest(name), priority, fairness, clock.Now().Add(time.Minute), defaultLines, func(ok bool) {
+		if !h.Add(promptRequest(name), priority, fairness, clock.Now().Add(time.Minute), func(ok bool) {
 			if ok {
 				released = append(released, name)
 			}
@@ -161,7 +161,7 @@ func TestFlowsTakeTurnsInTheHold(t *testing.T) {
 	for _, room := range []float64{3, 3, 3} { // three places a scrape
 		clock.Advance(time.Second)
 		byAddr(p, a).observe(Load{Waiting: 5 - room, At: clock.Now()})
-		h.Release(defaultLines)
+		h.Release()
 	}
 	want := []string{"urgent-0", "flood-0", "b-0", "none-0", "flood-1", "b-1", "flood-2", "flood-3", "low-0"}
 	if !slices.Equal(released, want) {
@@ -190,12 +190,12 @@ func TestAFlowThatComesBackTakesItsTurn(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, a)
-			h := NewHold(p)
+			h := holdAt(p, defaultLines)
 			byAddr(p, a).observe(Load{Waiting: 5, At: clock.Now()})
 			var released []string
 			for i, add := range tt.rounds {
 				for j, flow := range add {
-					if !h.Add(promptRequest(fmt.Sprint(flow, i, j)), -1, flow, clock.Now().Add(time.Minute), defaultLines, func(ok bool) {
+					if !h.Add(promptRequest(fmt.Sprint(flow, i, j)), -1, flow, clock.Now().Add(time.Minute), func(ok bool) {
 						if ok {
 							released = append(released, flow)
 						}
@@ -205,7 +205,7 @@ func TestAFlowThatComesBackTakesItsTurn(t *testing.T) {
 				}
 				clock.Advance(time.Second)
 				byAddr(p, a).observe(Load{Waiting: 4, Running: 8, At: clock.Now()}) // one place, this replica's share less than one
-				h.Release(defaultLines)
+				h.Release()
 			}
 			if !slices.Equal(released, tt.want) {
 				t.Errorf("released %v, want %v", released, tt.want)
@@ -234,12 +234,12 @@ func TestWaitEndsOnReleaseTimeOrCancel(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, a)
 			byAddr(p, a).observe(Load{Waiting: 9, At: clock.Now()})
-			h := NewHold(p)
+			h := holdAt(p, defaultLines)
 			ctx, cancel := context.WithCancel(t.Context())
 			defer cancel()
 			done := make(chan error, 1)
 			go func() {
-				_, err := h.Wait(ctx, promptRequest("held"), -1, "", defaultLines, 10*time.Second)
+				_, err := h.Wait(ctx, promptRequest("held"), -1, "", 10*time.Second)
 				done <- err
 			}()
 			for h.Len() == 0 { // held: Wait has added it
@@ -270,15 +270,15 @@ func BenchmarkHold(b *testing.B) {
 		addrs[i] = fmt.Sprintf("10.0.0.%d:8000", i+1)
 	}
 	p, clock := testPool(b, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, addrs...)
-	h, req := NewHold(p), promptRequest("held")
+	h, req := holdAt(p, defaultLines), promptRequest("held")
 	for b.Loop() {
 		for _, e := range p.Endpoints() {
 			e.observe(Load{Waiting: 5, At: clock.Now()})
 		}
-		h.Add(req, -1, "", clock.Now().Add(time.Minute), defaultLines, func(bool) {})
+		h.Add(req, -1, "", clock.Now().Add(time.Minute), func(bool) {})
 		clock.Advance(time.Second)
 		p.Endpoints()[0].observe(Load{Waiting: 0, At: clock.Now()})
-		h.Release(defaultLines)
+		h.Release()
 	}
 }
 
@@ -305,9 +305,9 @@ func TestAHeldRequestGoesOnOnceItsPoolIsNotSaturated(t *testing.T) {
 				}
 			}
 			scrape(9)
-			h := NewHold(p)
+			h := holdAt(p, tt.lines)
 			var released, refused int
-			if !h.Add(promptRequest("x"), -1, "", clock.Now().Add(30*time.Second), tt.lines, func(ok bool) {
+			if !h.Add(promptRequest("x"), -1, "", clock.Now().Add(30*time.Second), func(ok bool) {
 				if ok {
 					released++
 				} else {
@@ -324,7 +324,7 @@ func TestAHeldRequestGoesOnOnceItsPoolIsNotSaturated(t *testing.T) {
 			if p.Saturated(promptRequest("x"), tt.lines) {
 				t.Fatal("the pool still reads as saturated")
 			}
-			h.Release(tt.lines)
+			h.Release()
 			if released != 1 || refused != 0 {
 				t.Errorf("after a scrape of a pool that is not saturated: %d released, %d refused; want it released", released, refused)
 			}
@@ -339,14 +339,14 @@ func TestAHeldRequestGoesOnOnceItsPoolIsNotSaturated(t *testing.T) {
 func TestAFloodOfFairnessIDsIsRememberedWithinBounds(t *testing.T) {
 	const a = "10.0.0.1:8000"
 	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, a)
-	h := NewHold(p)
+	h := holdAt(p, defaultLines)
 	byAddr(p, a).observe(Load{Waiting: 5, At: clock.Now()})
 	long := strings.Repeat("x", 1024)
 	released := 0
 	for i := range 6_000 {
 		for j := range 2 { // two new flows a round, one place a release: the hold never empties
 			id := fmt.Sprint(long, i, "-", j)
-			if !h.Add(promptRequest(id), -1, id, clock.Now().Add(3*time.Second), defaultLines, func(ok bool) {
+			if !h.Add(promptRequest(id), -1, id, clock.Now().Add(3*time.Second), func(ok bool) {
 				if ok {
 					released++
 				}
@@ -356,7 +356,7 @@ func TestAFloodOfFairnessIDsIsRememberedWithinBounds(t *testing.T) {
 		}
 		clock.Advance(time.Second)
 		byAddr(p, a).observe(Load{Waiting: 4, Running: 8, At: clock.Now()})
-		h.Release(defaultLines)
+		h.Release()
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()

@@ -536,7 +536,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 		if index != nil {
 			pool.events.Store(&poolEvents{index: index})
 		}
-		s.pools, s.holds = append(s.pools, pool), append(s.holds, NewHold(pool))
+		s.pools, s.holds = append(s.pools, pool), append(s.holds, holdAt(pool, p.shedLines()))
 	}
 
 	failing := s.engines[addrs[p.FailEndpoint]]
@@ -562,7 +562,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 			}
 		}
 		for _, h := range s.holds {
-			h.Release(p.shedLines())
+			h.Release()
 		}
 	})
 	for _, sess := range w.sessions {
@@ -667,7 +667,7 @@ func (s *sim) send(r *simReq) {
 	}
 	switch {
 	case s.p.HoldFor > 0:
-		if !s.holds[replica].Add(r.req, -1, "", simEpoch.Add(s.now+s.p.HoldFor), s.p.shedLines(), func(released bool) {
+		if !s.holds[replica].Add(r.req, -1, "", simEpoch.Add(s.now+s.p.HoldFor), func(released bool) {
 			if released {
 				s.dispatch(pool, r)
 			} else {

@@ -209,7 +209,7 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 			ps.Prefill.events.Store(&poolEvents{index: index})
 			ps.Decode.events.Store(&poolEvents{index: index})
 		}
-		s.replicas, s.holds = append(s.replicas, ps), append(s.holds, [2]*Hold{NewHold(ps.Decode), NewHold(ps.Prefill)})
+		s.replicas, s.holds = append(s.replicas, ps), append(s.holds, [2]*Hold{holdAt(ps.Decode, p.shedLines()), holdAt(ps.Prefill, p.shedLines())})
 	}
 	s.every(p.ScrapeEvery, p.scrapedUntil(), func() {
 		for _, ps := range s.replicas {
@@ -221,8 +221,8 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 			}
 		}
 		for _, h := range s.holds {
-			h[0].Release(p.shedLines())
-			h[1].Release(p.shedLines())
+			h[0].Release()
+			h[1].Release()
 		}
 	})
 	for i, sess := range w.sessions {
@@ -282,7 +282,7 @@ func (s *pdSim) sheds(r *pdReq) bool { return s.p.Shed && r.batch && s.now < s.p
 // hold holds r in h, unless it may go at once (false); released, it goes on
 // with next; its time up, it is refused.
 func (s *pdSim) hold(h *Hold, r *pdReq, next func()) bool {
-	return h.Add(r.req, -1, "", simEpoch.Add(s.now+s.p.HoldFor), s.p.shedLines(), func(released bool) {
+	return h.Add(r.req, -1, "", simEpoch.Add(s.now+s.p.HoldFor), func(released bool) {
 		if released {
 			next()
 			return
