@@ -179,11 +179,11 @@ func (p *Pipeline) Held() (prefill, decode int) {
 }
 
 // SetShedding applies reloaded admission.* keys to the requests routed from
-// now on, and its saturation lines to those held too.
+// now on, and its saturation lines and hold to those held too.
 func (p *Pipeline) SetShedding(s Shedding) {
 	p.shedding.settings.Store(&s)
-	p.shedding.prefill.Set(s.Lines)
-	p.shedding.decode.Set(s.Lines)
+	p.shedding.prefill.Set(s.Lines, s.Hold)
+	p.shedding.decode.Set(s.Lines, s.Hold)
 }
 
 // Wait blocks until every background prefill leg has ended.

@@ -369,9 +369,9 @@ func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Reques
 	if priority >= 0 {
 		return nil
 	}
-	if left := s.Hold - r.Report.HeldTime; left > 0 && p.shedding.waiting.take(s.MaxHeld) {
+	if s.Hold > r.Report.HeldTime && p.shedding.waiting.take(s.MaxHeld) {
 		start := time.Now()
-		held, err := hold.Wait(ctx, sreq, priority, r.Fairness, left)
+		held, err := hold.Wait(ctx, sreq, priority, r.Fairness, r.Report.HeldTime)
 		p.shedding.waiting.give()
 		if held {
 			d := time.Since(start)

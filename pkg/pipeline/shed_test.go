@@ -144,7 +144,9 @@ func TestAdmissionHoldBoundsBothPoolsTogether(t *testing.T) {
 
 // A config reload reaches the requests already held, at once: new
 // saturation lines judge them on the figures in hand (no scrape of the
-// engines, whose queues stay as they were).
+// engines, whose queues stay as they were), and a shorter admission.hold
+// cuts their time to their start + the new hold (a longer one does not
+// lengthen it: Envoy's message timer and the clients' were set by the old).
 func TestAReloadReachesTheHeldRequests(t *testing.T) {
 	const reloadAt = 2 * time.Second
 	tests := []struct {
@@ -155,6 +157,9 @@ func TestAReloadReachesTheHeldRequests(t *testing.T) {
 		want429  bool
 	}{
 		{"a higher queue line: released at the reload", 10, 30 * time.Second, reloadAt, false},
+		{"a shorter hold: refused at its start + the new hold", 5, 5 * time.Second, 5 * time.Second, true},
+		{"a hold already over: refused at the reload", 5, time.Second, reloadAt, true},
+		{"a longer hold: refused at the old one's end", 5, time.Minute, 30 * time.Second, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -115,9 +115,10 @@ func poolOf(r role, spec PoolSpec, deps Deps) *Pool {
 // setActive records a check's verdict as a check begun whenever would.
 func (e *Endpoint) setActive(v verdict) { e.recordCheck(v, anyEpoch) }
 
-// holdAt is a hold of pool's requests at the saturation lines lines.
-func holdAt(pool *Pool, lines Lines) *Hold {
+// holdAt is a hold of pool's requests at the saturation lines lines, for
+// up to hold.
+func holdAt(pool *Pool, lines Lines, hold time.Duration) *Hold {
 	h := NewHold(pool)
-	h.Set(lines)
+	h.Set(lines, hold)
 	return h
 }

@@ -34,6 +34,7 @@ type Hold struct {
 	serial  uint64          // releases so far
 	round   time.Time       // the scrape last released on
 	lines   Lines           // Set's
+	hold    time.Duration   // Set's: the longest a request is held, in all
 	ticking bool            // a goroutine runs tick
 	wake    chan struct{}   // Set's word to tick: judge again now
 }
@@ -69,6 +70,7 @@ func flowOf(fairness string, priority int) flow {
 type waiter struct {
 	req   *Request
 	flow  flow
+	since time.Time // when its time in the holds began
 	until time.Time
 	done  func(released bool)
 }
@@ -78,14 +80,22 @@ func NewHold(pool *Pool) *Hold {
 	return &Hold{Pool: pool, served: map[flow]uint64{}, wake: make(chan struct{}, 1)}
 }
 
-// Set applies the saturation lines, at start and at each reload, to the
-// requests held and to come, and has the hold judge those held again at once
-// by the figures in hand rather than at the next scrape: a reload that
-// unsaturates a pool releases them.
-func (h *Hold) Set(lines Lines) {
+// Set applies the saturation lines and the hold, at start and at each
+// reload, to the requests held and to come, and has the hold judge those
+// held again at once by the figures in hand rather than at the next scrape:
+// a reload that unsaturates a pool releases them. A held request's time is
+// cut to its start + hold where that is sooner, never lengthened: Envoy's
+// message timer and the client's were set by the hold it met.
+func (h *Hold) Set(lines Lines, hold time.Duration) {
 	h.mu.Lock()
 	if lines != h.lines {
 		h.lines, h.round = lines, time.Time{} // the last round's figures are a new round by the new lines
+	}
+	h.hold = hold
+	for _, x := range h.held {
+		if end := x.since.Add(hold); end.Before(x.until) {
+			x.until = end
+		}
 	}
 	h.mu.Unlock()
 	select {
@@ -102,14 +112,16 @@ func (h *Hold) Len() int {
 }
 
 // Wait holds req, of that priority and fairness id, until the pool has room
-// for it (nil), its time d is up (ErrStillSaturated) or ctx is done (its
-// error); held says it waited. A request goes at once when nothing is held
+// for it (nil), its time is up (ErrStillSaturated: the hold Set gave, less
+// what it was held already) or ctx is done (its error); held says it
+// waited. A request goes at once when nothing is held
 // and its pool is not saturated: one arriving behind held requests waits its
 // turn.
-func (h *Hold) Wait(ctx context.Context, req *Request, priority int, fairness string, d time.Duration) (held bool, err error) {
+func (h *Hold) Wait(ctx context.Context, req *Request, priority int, fairness string, already time.Duration) (held bool, err error) {
 	result := make(chan bool, 1)
-	x := &waiter{req: req, flow: flowOf(fairness, priority), until: h.Pool.deps.Now().Add(d), done: func(ok bool) { result <- ok }}
+	x := &waiter{req: req, flow: flowOf(fairness, priority), since: h.Pool.deps.Now().Add(-already), done: func(ok bool) { result <- ok }}
 	h.mu.Lock()
+	x.until = x.since.Add(h.hold)
 	held = h.add(x)
 	if held && !h.ticking {
 		h.ticking = true
@@ -146,7 +158,7 @@ var ErrStillSaturated = errors.New("the pool stayed saturated while the request 
 func (h *Hold) Add(req *Request, priority int, fairness string, until time.Time, done func(released bool)) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.add(&waiter{req: req, flow: flowOf(fairness, priority), until: until, done: done})
+	return h.add(&waiter{req: req, flow: flowOf(fairness, priority), since: until.Add(-h.hold), until: until, done: done})
 }
 
 func (h *Hold) add(x *waiter) bool {

@@ -47,7 +47,7 @@ func TestTheHoldReleasesItsShareOfTheRoomByPriority(t *testing.T) {
 		acquire(byAddr(p, a))
 		acquire(byAddr(p, b))
 	}
-	h := holdAt(p, defaultLines)
+	h := holdAt(p, defaultLines, time.Minute)
 	var released, refused []string
 	for _, st := range steps {
 		clock.Advance(time.Second + st.advance)
@@ -94,7 +94,7 @@ func TestTheHoldReleasesOnceAScrapeRound(t *testing.T) {
 	}
 	scrape(a, 5)
 	scrape(b, 5)
-	h := holdAt(p, defaultLines)
+	h := holdAt(p, defaultLines, time.Minute)
 	released := 0
 	for i := range 4 {
 		h.Add(promptRequest(fmt.Sprint("held ", i)), -1, "", clock.Now().Add(time.Minute), func(ok bool) {
@@ -139,7 +139,7 @@ func TestFlowsTakeTurnsInTheHold(t *testing.T) {
 	for range 2 { // the two the engine counts are this replica's: the whole room is its to fill
 		acquire(byAddr(p, a))
 	}
-	h := holdAt(p, defaultLines)
+	h := holdAt(p, defaultLines, time.Minute)
 	var released []string
 	add := func(name, fairness string, priority int) {
 		if !h.Add(promptRequest(name), priority, fairness, clock.Now().Add(time.Minute), func(ok bool) {
@@ -190,7 +190,7 @@ func TestAFlowThatComesBackTakesItsTurn(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, a)
-			h := holdAt(p, defaultLines)
+			h := holdAt(p, defaultLines, time.Minute)
 			byAddr(p, a).observe(Load{Waiting: 5, At: clock.Now()})
 			var released []string
 			for i, add := range tt.rounds {
@@ -234,12 +234,12 @@ func TestWaitEndsOnReleaseTimeOrCancel(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, a)
 			byAddr(p, a).observe(Load{Waiting: 9, At: clock.Now()})
-			h := holdAt(p, defaultLines)
+			h := holdAt(p, defaultLines, 10*time.Second)
 			ctx, cancel := context.WithCancel(t.Context())
 			defer cancel()
 			done := make(chan error, 1)
 			go func() {
-				_, err := h.Wait(ctx, promptRequest("held"), -1, "", 10*time.Second)
+				_, err := h.Wait(ctx, promptRequest("held"), -1, "", 0)
 				done <- err
 			}()
 			for h.Len() == 0 { // held: Wait has added it
@@ -270,7 +270,7 @@ func BenchmarkHold(b *testing.B) {
 		addrs[i] = fmt.Sprintf("10.0.0.%d:8000", i+1)
 	}
 	p, clock := testPool(b, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, addrs...)
-	h, req := holdAt(p, defaultLines), promptRequest("held")
+	h, req := holdAt(p, defaultLines, time.Minute), promptRequest("held")
 	for b.Loop() {
 		for _, e := range p.Endpoints() {
 			e.observe(Load{Waiting: 5, At: clock.Now()})
@@ -305,7 +305,7 @@ func TestAHeldRequestGoesOnOnceItsPoolIsNotSaturated(t *testing.T) {
 				}
 			}
 			scrape(9)
-			h := holdAt(p, tt.lines)
+			h := holdAt(p, tt.lines, time.Minute)
 			var released, refused int
 			if !h.Add(promptRequest("x"), -1, "", clock.Now().Add(30*time.Second), func(ok bool) {
 				if ok {
@@ -339,7 +339,7 @@ func TestAHeldRequestGoesOnOnceItsPoolIsNotSaturated(t *testing.T) {
 func TestAFloodOfFairnessIDsIsRememberedWithinBounds(t *testing.T) {
 	const a = "10.0.0.1:8000"
 	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, a)
-	h := holdAt(p, defaultLines)
+	h := holdAt(p, defaultLines, time.Minute)
 	byAddr(p, a).observe(Load{Waiting: 5, At: clock.Now()})
 	long := strings.Repeat("x", 1024)
 	released := 0

@@ -536,7 +536,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 		if index != nil {
 			pool.events.Store(&poolEvents{index: index})
 		}
-		s.pools, s.holds = append(s.pools, pool), append(s.holds, holdAt(pool, p.shedLines()))
+		s.pools, s.holds = append(s.pools, pool), append(s.holds, holdAt(pool, p.shedLines(), p.HoldFor))
 	}
 
 	failing := s.engines[addrs[p.FailEndpoint]]

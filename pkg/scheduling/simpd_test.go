@@ -209,7 +209,7 @@ func simulatePD(p pdParams, w *workload, policy pdPolicy, replicas int) pdResult
 			ps.Prefill.events.Store(&poolEvents{index: index})
 			ps.Decode.events.Store(&poolEvents{index: index})
 		}
-		s.replicas, s.holds = append(s.replicas, ps), append(s.holds, [2]*Hold{holdAt(ps.Decode, p.shedLines()), holdAt(ps.Prefill, p.shedLines())})
+		s.replicas, s.holds = append(s.replicas, ps), append(s.holds, [2]*Hold{holdAt(ps.Decode, p.shedLines(), p.HoldFor), holdAt(ps.Prefill, p.shedLines(), p.HoldFor)})
 	}
 	s.every(p.ScrapeEvery, p.scrapedUntil(), func() {
 		for _, ps := range s.replicas {
