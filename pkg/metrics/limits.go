@@ -31,7 +31,7 @@ type limits struct {
 // Values of held_seconds{outcome}: how a request's time in the hold ended.
 const (
 	HeldReleased  = "released"  // the pool had room for it
-	HeldRefused   = "refused"   // admission.hold ran out: 429
+	HeldRefused   = "refused"   // admission.hold ran out (429), or the server shut down (503)
 	HeldCancelled = "cancelled" // its client left
 )
 

@@ -103,6 +103,14 @@ func saturated(objective, pool string, retryAfter time.Duration) *Error {
 		Message: fmt.Sprintf("the %s engines are saturated and objective %q may be shed (its priority is negative); retry later", pool, objective)}
 }
 
+// shuttingDown answers a request held for room (admission.hold) at
+// shutdown, when no room will come in time for it: another replica may have
+// some.
+func shuttingDown(retryAfter time.Duration) *Error {
+	return &Error{Status: http.StatusServiceUnavailable, Type: "service_unavailable", RetryAfter: retryAfter,
+		Message: "this router is shutting down and no longer holds requests for room; retry"}
+}
+
 // BodyTimeout refuses a request whose body did not arrive within
 // limits.body_timeout: a slow client must not hold a stream slot and a
 // buffer for as long as it likes.

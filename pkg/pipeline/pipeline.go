@@ -194,6 +194,14 @@ func (p *Pipeline) Wait() { p.background.running.Wait() }
 // they were to pair with); Wait then returns once they have noticed.
 func (p *Pipeline) Stop() { p.background.stop() }
 
+// Drain answers at once, with a 503 and Retry-After, the requests held for
+// room (admission.hold) and those that would be held from now on: at
+// shutdown no room comes before the grace runs out and cuts their streams.
+func (p *Pipeline) Drain() {
+	p.shedding.prefill.Close()
+	p.shedding.decode.Close()
+}
+
 // backgroundLegs are the concurrent prefill legs (kv-sglang, kv-mooncake)
 // still running after their streams.
 type backgroundLegs struct {

@@ -349,7 +349,7 @@ func heldOutcome(err error) string {
 	switch {
 	case err == nil:
 		return metrics.HeldReleased
-	case errors.Is(err, scheduling.ErrStillSaturated):
+	case errors.Is(err, scheduling.ErrStillSaturated), errors.Is(err, scheduling.ErrHoldClosed):
 		return metrics.HeldRefused
 	}
 	return metrics.HeldCancelled
@@ -362,7 +362,8 @@ func heldOutcome(err error) string {
 // ends with its context's error. Hold bounds its time in both holds
 // together: one held for the decode pool waits for the prefill pool only
 // what is left of it. With MaxHeld requests in the holds (or just deciding
-// whether to wait), one more is refused at once.
+// whether to wait), one more is refused at once. At shutdown (Drain) one
+// held, or to be held, gets a 503 at once.
 func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Request, hold *scheduling.Hold) error {
 	s := p.shedding.settings.Load()
 	priority := s.Priorities[r.Objective]
@@ -378,7 +379,10 @@ func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Reques
 			r.Report.HeldTime += d
 			p.metrics.Held(hold.Pool.Name(), heldOutcome(err), d)
 		}
-		if !errors.Is(err, scheduling.ErrStillSaturated) {
+		switch {
+		case errors.Is(err, scheduling.ErrHoldClosed):
+			return shuttingDown(s.RetryAfter)
+		case !errors.Is(err, scheduling.ErrStillSaturated):
 			return err
 		}
 	} else if !hold.Pool.Saturated(sreq, s.Lines) {

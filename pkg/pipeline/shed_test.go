@@ -194,3 +194,53 @@ func TestAReloadReachesTheHeldRequests(t *testing.T) {
 		})
 	}
 }
+
+// At shutdown (Drain) a request held for room gets a 503 with Retry-After at
+// once, as does one that would be held from then on; one that finds room is
+// routed as ever.
+func TestDrainAnswersTheRequestsHeldForRoom(t *testing.T) {
+	const drainAt = 2 * time.Second
+	tests := []struct {
+		name       string
+		arriveAt   time.Duration
+		waiting    float64 // the decode engine's queue
+		wantStatus int     // 0: routed
+		wantHeld   time.Duration
+	}{
+		{"held when the drain begins", 0, 9, http.StatusServiceUnavailable, drainAt},
+		{"would be held during the drain", drainAt + time.Second, 9, http.StatusServiceUnavailable, 0},
+		{"finds room during the drain", drainAt + time.Second, 0, 0, 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				q := &queues{waiting: map[string]float64{shedPrefill: 0, shedDecode: tt.waiting}}
+				p := shedPipeline(t, q, "30s")
+				ctx, cancel := context.WithCancel(t.Context())
+				running := make(chan struct{})
+				go func() { defer close(running); p.Run(ctx) }()
+				synctest.Wait() // the first scrapes are in
+				time.AfterFunc(drainAt, p.Drain)
+				time.Sleep(tt.arriveAt) // the bubble's clock: no real time passes
+				r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-1", Objective: "batch",
+					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+				d, err := p.Route(t.Context(), r)
+				var perr *pipeline.Error
+				status := 0
+				if errors.As(err, &perr) {
+					status = perr.Status
+				} else if err != nil {
+					t.Fatalf("Route: %v", err)
+				}
+				if d != nil {
+					d.Release()
+				}
+				if status != tt.wantStatus || status != 0 && perr.RetryAfter <= 0 || r.Report.HeldTime != tt.wantHeld {
+					t.Errorf("Route: %v after %v held; want status %d (0: routed) with Retry-After after %v", err, r.Report.HeldTime, tt.wantStatus, tt.wantHeld)
+				}
+				cancel()
+				<-running
+			})
+		})
+	}
+}

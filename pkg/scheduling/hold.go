@@ -36,7 +36,8 @@ type Hold struct {
 	lines   Lines           // Set's
 	hold    time.Duration   // Set's: the longest a request is held, in all
 	ticking bool            // a goroutine runs tick
-	wake    chan struct{}   // Set's word to tick: judge again now
+	closed  bool            // Close: holds nothing any more
+	wake    chan struct{}   // nudge's word to tick: judge again now
 }
 
 // flow is what takes turns within a priority: a client's fairness id
@@ -65,14 +66,15 @@ func flowOf(fairness string, priority int) flow {
 	return flow{fairness, priority}
 }
 
-// waiter is a request in a Hold. done is called once, with true when it is
-// released and false when its time is up first.
+// waiter is a request in a Hold. done is called once, with nil when it is
+// released, ErrStillSaturated when its time is up first, ErrHoldClosed at
+// Close.
 type waiter struct {
 	req   *Request
 	flow  flow
 	since time.Time // when its time in the holds began
 	until time.Time
-	done  func(released bool)
+	done  func(error)
 }
 
 // NewHold returns an empty hold for pool's requests.
@@ -98,6 +100,11 @@ func (h *Hold) Set(lines Lines, hold time.Duration) {
 		}
 	}
 	h.mu.Unlock()
+	h.nudge()
+}
+
+// nudge has tick judge the requests held now, not at its next tick.
+func (h *Hold) nudge() {
 	select {
 	case h.wake <- struct{}{}:
 	default: // a word is waiting already
@@ -114,56 +121,74 @@ func (h *Hold) Len() int {
 // Wait holds req, of that priority and fairness id, until the pool has room
 // for it (nil), its time is up (ErrStillSaturated: the hold Set gave, less
 // what it was held already) or ctx is done (its error); held says it
-// waited. A request goes at once when nothing is held
-// and its pool is not saturated: one arriving behind held requests waits its
-// turn.
+// waited. A request goes at once when nothing is held and its pool is not
+// saturated: one arriving behind held requests waits its turn. Once the hold
+// is closed, one it would hold ends at once with ErrHoldClosed.
 func (h *Hold) Wait(ctx context.Context, req *Request, priority int, fairness string, already time.Duration) (held bool, err error) {
-	result := make(chan bool, 1)
-	x := &waiter{req: req, flow: flowOf(fairness, priority), since: h.Pool.deps.Now().Add(-already), done: func(ok bool) { result <- ok }}
+	result := make(chan error, 1)
+	x := &waiter{req: req, flow: flowOf(fairness, priority), since: h.Pool.deps.Now().Add(-already), done: func(err error) { result <- err }}
 	h.mu.Lock()
 	x.until = x.since.Add(h.hold)
-	held = h.add(x)
+	held, err = h.add(x)
 	if held && !h.ticking {
 		h.ticking = true
 		go h.tick()
 	}
 	h.mu.Unlock()
 	if !held {
-		return false, nil
+		return false, err
 	}
 	select {
-	case ok := <-result:
-		if !ok {
-			return true, ErrStillSaturated
-		}
-		return true, nil
+	case err := <-result:
+		return true, err
 	case <-ctx.Done():
-		if !h.remove(x) { // released or timed out meanwhile: its answer stands
-			if <-result {
-				return true, nil
-			}
-			return true, ErrStillSaturated
+		if !h.remove(x) { // released or ended meanwhile: its answer stands
+			return true, <-result
 		}
 		return true, ctx.Err()
 	}
 }
 
-// ErrStillSaturated is Wait's error when a request's time in the hold ran
-// out with its pool still saturated.
-var ErrStillSaturated = errors.New("the pool stayed saturated while the request was held")
+var (
+	// ErrStillSaturated is Wait's error when a request's time in the hold
+	// ran out with its pool still saturated.
+	ErrStillSaturated = errors.New("the pool stayed saturated while the request was held")
+	// ErrHoldClosed is Wait's error once the hold is closed (Close).
+	ErrHoldClosed = errors.New("the server is shutting down and holds no request for room")
+)
+
+// Close ends the hold, at shutdown: the requests held end at once with
+// ErrHoldClosed, as do those it would hold from now on. No room will come
+// in time for them: the shutdown's grace would run out first and cut their
+// streams.
+func (h *Hold) Close() {
+	h.mu.Lock()
+	held := h.held
+	h.held, h.closed = nil, true
+	h.mu.Unlock()
+	for _, x := range held {
+		x.done(ErrHoldClosed)
+	}
+	h.nudge() // tick finds the hold empty and stops
+}
 
 // Add is Wait without the waiting: it holds req (true), and Release calls
 // done, or says it may go at once (false). The simulations drive it with
-// their own clock.
+// their own clock, and never close the hold.
 func (h *Hold) Add(req *Request, priority int, fairness string, until time.Time, done func(released bool)) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.add(&waiter{req: req, flow: flowOf(fairness, priority), since: until.Add(-h.hold), until: until, done: done})
+	held, _ := h.add(&waiter{req: req, flow: flowOf(fairness, priority), since: until.Add(-h.hold), until: until,
+		done: func(err error) { done(err == nil) }})
+	return held
 }
 
-func (h *Hold) add(x *waiter) bool {
+func (h *Hold) add(x *waiter) (bool, error) {
 	if len(h.held) == 0 && !h.Pool.Saturated(x.req, h.lines) {
-		return false
+		return false, nil
+	}
+	if h.closed {
+		return false, ErrHoldClosed
 	}
 	i, _ := slices.BinarySearchFunc(h.held, x.flow.priority, func(y *waiter, p int) int {
 		if y.flow.priority >= p { // behind those of its priority and higher
@@ -172,7 +197,7 @@ func (h *Hold) add(x *waiter) bool {
 		return 1
 	})
 	h.held = slices.Insert(h.held, i, x)
-	return true
+	return true, nil
 }
 
 // remove takes x out of the hold, if it is still there.
@@ -187,7 +212,7 @@ func (h *Hold) remove(x *waiter) bool {
 	return true
 }
 
-// tick releases, every holdTick and at Set's word, until the hold is empty.
+// tick releases, every holdTick and when nudged, until the hold is empty.
 func (h *Hold) tick() {
 	t := time.NewTicker(holdTick)
 	defer t.Stop()
@@ -248,10 +273,10 @@ func (h *Hold) Release() int {
 	}
 	h.mu.Unlock()
 	for _, x := range ended {
-		x.done(false)
+		x.done(ErrStillSaturated)
 	}
 	for _, x := range released {
-		x.done(true)
+		x.done(nil)
 	}
 	return left
 }

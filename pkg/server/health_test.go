@@ -5,10 +5,13 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
 	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -179,6 +182,51 @@ func TestShutdownCutsBackgroundLegsAfterTheGrace(t *testing.T) {
 	}
 	prefill.Await(t) // its leg runs on, held by the prefill engine
 	r.stop()
+	if err := r.wait(t); err != nil {
+		t.Errorf("Serve = %v, want a clean shutdown", err)
+	}
+}
+
+// A request held for room (admission.hold) is answered at shutdown at once,
+// with a 503 in OpenAI's error JSON and Retry-After: no room will come, and
+// the grace would otherwise run out while it waits, cutting its stream
+// (Envoy then answers per its failure_mode_allow).
+func TestShutdownAnswersTheHeldRequests(t *testing.T) {
+	engine := enginetest.Start(t, func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprint(w, "vllm:num_requests_waiting 9\nvllm:num_requests_running 8\n") // past the queue line
+	})
+	r := start(t, fmt.Sprintf(`connector: kv-nixl
+pools: {decode: {endpoints: [%q], metrics: {interval: 1s}}}
+admission: {objectives: {batch: -1}, hold: 1h, retry_after: 7s}`, engine.Addr()), Options{Grace: time.Hour}, logr.Discard())
+	done := make(chan []*extprocv3.ProcessingResponse, 1)
+	go func() {
+		replies, _ := r.tryExchange(post(chatPath, `{"model":"m","prompt":"hi"}`, hdr{"x-gateway-inference-objective", "batch"})...)
+		done <- replies
+	}()
+	for deadline := time.Now().Add(10 * time.Second); ; runtime.Gosched() {
+		if _, held := r.pipeline.Held(); held == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the request was never held")
+		}
+	}
+	r.stop() // SIGTERM
+	replies := enginetest.Receive(t, done, "the held request was not answered at shutdown")
+	var ir *extprocv3.ImmediateResponse
+	if len(replies) > 0 {
+		ir = replies[len(replies)-1].GetImmediateResponse()
+	}
+	retryAfter := ""
+	for _, h := range ir.GetHeaders().GetSetHeaders() {
+		if h.GetHeader().GetKey() == "retry-after" {
+			retryAfter = string(h.GetHeader().GetRawValue())
+		}
+	}
+	if ir.GetStatus().GetCode() != 503 || retryAfter != "7" || !strings.Contains(string(ir.GetBody()), `"type":"service_unavailable"`) {
+		t.Errorf("the held request's answer at shutdown: %d, Retry-After %q, %s; want 503, 7 and OpenAI's error JSON",
+			ir.GetStatus().GetCode(), retryAfter, ir.GetBody())
+	}
 	if err := r.wait(t); err != nil {
 		t.Errorf("Serve = %v, want a clean shutdown", err)
 	}

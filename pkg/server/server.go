@@ -200,10 +200,12 @@ func (s *Server) watchConfig(ctx context.Context) func() {
 
 func (s *Server) shutdown() {
 	// Readiness goes false first so that Envoy and Kubernetes stop opening new
-	// streams; then in-flight streams get the grace period to finish.
+	// streams; then in-flight streams get the grace period to finish, but
+	// those held for room, to whom none would come in it, are answered now.
 	s.log.Info("shutting down", "grace", s.opts.Grace.String())
 	s.ready.drain()
 	close(s.draining)
+	s.pipeline.Drain()
 
 	// Background prefill legs (kv-sglang, kv-mooncake) outlive their
 	// streams: they get what is left of the grace too.
