@@ -2,6 +2,7 @@ package pipeline_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -28,7 +29,7 @@ const (
 
 // queues are the engines' waiting queues as their /metrics report them, by
 // address, served without a network so that the pools' scrapes run on a
-// synctest bubble's clock.
+// synctest bubble's clock; a negative queue fails the scrape (500).
 type queues struct {
 	mu      sync.Mutex
 	waiting map[string]float64
@@ -48,6 +49,8 @@ func (q *queues) RoundTrip(r *http.Request) (*http.Response, error) {
 	switch {
 	case r.Method == http.MethodPost: // a prefill leg
 		status, text = http.StatusOK, `{"id":"p","choices":[],"kv_transfer_params":`+prefillKV+`}`
+	case r.URL.Path == "/metrics" && waiting < 0:
+		status = http.StatusInternalServerError
 	case r.URL.Path == "/metrics":
 		status, text = http.StatusOK, fmt.Sprintf("vllm:num_requests_waiting %g\nvllm:num_requests_running 8\nvllm:kv_cache_usage_perc 0.1\n", waiting)
 	}
@@ -55,15 +58,20 @@ func (q *queues) RoundTrip(r *http.Request) (*http.Response, error) {
 }
 
 // shedPipeline is a kv-nixl pipeline that sheds objective batch, holding it
-// up to hold, whose pools scrape their engines through q.
-func shedPipeline(t *testing.T, q *queues, hold string) *pipeline.Pipeline {
+// up to hold, whose pools scrape their engines through q: the decode pool
+// decode's (shedDecode alone by default). Figures never go stale by age.
+func shedPipeline(t *testing.T, q *queues, hold string, decode ...string) *pipeline.Pipeline {
 	t.Helper()
+	if decode == nil {
+		decode = []string{shedDecode}
+	}
+	eps, _ := json.Marshal(decode)
 	cfg, err := config.Parse(fmt.Appendf(nil, `connector: kv-nixl
 pools:
-  prefill: {endpoints: [%q], metrics: {interval: 100ms}}
-  decode: {endpoints: [%q], metrics: {interval: 100ms}}
+  prefill: {endpoints: [%q], metrics: {interval: 100ms, stale_after: 1h}}
+  decode: {endpoints: %s, metrics: {interval: 100ms, stale_after: 1h}}
 admission: {objectives: {batch: -1}, hold: %s}
-`, shedPrefill, shedDecode, hold))
+`, shedPrefill, eps, hold))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -237,6 +245,62 @@ func TestDrainAnswersTheRequestsHeldForRoom(t *testing.T) {
 				}
 				if status != tt.wantStatus || status != 0 && perr.RetryAfter <= 0 || r.Report.HeldTime != tt.wantHeld {
 					t.Errorf("Route: %v after %v held; want status %d (0: routed) with Retry-After after %v", err, r.Report.HeldTime, tt.wantStatus, tt.wantHeld)
+				}
+				cancel()
+				<-running
+			})
+		})
+	}
+}
+
+// The saturation of a pool is judged by the endpoints whose last scrape
+// answered: one whose scrapes fail holds no release back (the others' new
+// figures make a round), and its last figures do not read as room.
+func TestAnEndpointWhoseScrapesFailIsNotJudgedByItsLastFigures(t *testing.T) {
+	const failing = "10.2.0.3:8000" // its scrapes fail after the first
+	const arrive = 500 * time.Millisecond
+	tests := []struct {
+		name         string
+		queues       map[string]float64 // the decode engines' at the first scrape
+		room         bool               // shedDecode's queue empties at 1 s
+		wantHeld     time.Duration      // at least
+		wantHeldLess time.Duration
+		want429      bool
+	}{
+		{"the other endpoint has room: released at its next scrape",
+			map[string]float64{shedDecode: 9, failing: 9}, true, 500 * time.Millisecond, 700 * time.Millisecond, false},
+		{"its last figures showed room: held, then refused",
+			map[string]float64{shedDecode: 9, failing: 0}, false, 10 * time.Second, 10100 * time.Millisecond, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				q := &queues{waiting: map[string]float64{shedPrefill: 0}}
+				for addr, n := range tt.queues {
+					q.set(addr, n)
+				}
+				p := shedPipeline(t, q, "10s", shedDecode, failing)
+				ctx, cancel := context.WithCancel(t.Context())
+				running := make(chan struct{})
+				go func() { defer close(running); p.Run(ctx) }()
+				synctest.Wait() // the first scrapes are in
+				q.set(failing, -1)
+				if tt.room {
+					time.AfterFunc(time.Second, func() { q.set(shedDecode, 0) })
+				}
+				time.Sleep(arrive) // the bubble's clock: failed scrapes are in
+				r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-1", Objective: "batch",
+					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+				d, err := p.Route(t.Context(), r)
+				var perr *pipeline.Error
+				if got429 := errors.As(err, &perr) && perr.Status == http.StatusTooManyRequests; got429 != tt.want429 || err != nil && !got429 {
+					t.Errorf("Route: %v, want a 429: %v", err, tt.want429)
+				}
+				if d != nil {
+					d.Release()
+				}
+				if held := r.Report.HeldTime; held < tt.wantHeld || held >= tt.wantHeldLess {
+					t.Errorf("answered after %v held, want %v to %v", held, tt.wantHeld, tt.wantHeldLess)
 				}
 				cancel()
 				<-running

@@ -218,7 +218,29 @@ func (e *Endpoint) scrapedAt(now func() time.Time) *scraped {
 // apart or more, to read the pace of the engine's counters from (rewrite).
 type scraped struct {
 	Load
-	marks [2]Load
+	marks  [2]Load
+	failed bool // a scrape since failed: the figures are not fresh (fresh)
+}
+
+// fresh is Load, but false too when the last scrape failed: a pool's
+// saturation is judged by the figures of its engines' latest scrapes alone
+// (Pool.Saturated, Hold), so that an engine whose scrapes fail neither holds
+// back a round nor shows the room its old figures had.
+func (e *Endpoint) fresh() (Load, bool) {
+	if l := e.scrapedAt(e.cfg().now); l != nil && !l.failed {
+		return l.Load, true
+	}
+	return Load{}, false
+}
+
+// scrapeFailed notes a failed scrape: the last figures stay, to go stale,
+// but are not fresh.
+func (e *Endpoint) scrapeFailed() {
+	if last := e.load.Load(); last != nil && !last.failed {
+		s := *last
+		s.failed = true
+		e.load.CompareAndSwap(last, &s) // a scrape that answered meanwhile stands
+	}
 }
 
 func (e *Endpoint) observe(l Load) {

@@ -351,7 +351,7 @@ func (h *Hold) forgetOldest(waiting map[flow]bool) {
 func (h *Hold) budget(st *poolState) int {
 	var room, mine, engines float64
 	for _, e := range st.endpoints {
-		l, ok := e.Load()
+		l, ok := e.fresh()
 		if !ok || !e.Healthy() {
 			continue
 		}
@@ -372,13 +372,14 @@ func (h *Hold) budget(st *poolState) int {
 }
 
 // scrapeSpan is when the oldest and the newest of the healthy endpoints'
-// fresh figures were scraped. The endpoints of a pool are scraped together,
+// fresh figures (fresh: one whose scrapes fail holds no round back) were
+// scraped. The endpoints of a pool are scraped together,
 // each answer stamped as it comes: a scrape round is new once the oldest
 // is newer than the last round's newest, not as soon as one endpoint
 // answers, which would release once per answer.
 func scrapeSpan(eps []*Endpoint) (oldest, newest time.Time) {
 	for _, e := range eps {
-		l, ok := e.Load()
+		l, ok := e.fresh()
 		if !ok || !e.Healthy() {
 			continue
 		}

@@ -83,13 +83,16 @@ var pdQueues = map[role][][]string{
 }
 
 // scrapeAll reads every endpoint's /metrics concurrently (probeEach). A
-// failed scrape leaves the old figures to go stale.
+// failed scrape leaves the old figures to go stale, no longer fresh.
 func scrapeAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration, now func() time.Time) {
 	probeEach(eps, func(e *Endpoint) {
-		if l, err := scrape(ctx, pr, pr.url(e.Addr, path), timeout); err == nil {
-			l.At = now()
-			e.observe(l)
+		l, err := scrape(ctx, pr, pr.url(e.Addr, path), timeout)
+		if err != nil {
+			e.scrapeFailed()
+			return
 		}
+		l.At = now()
+		e.observe(l)
 	})
 }
 

@@ -7,7 +7,7 @@ type Lines struct{ Queue, KVCache float64 }
 
 // Saturated reports whether every healthy endpoint req may go to is
 // saturated by its engine's own figures: a scraped waiting queue or KV cache
-// use at or above its line, or no fresh scrape. So the
+// use at or above its line, or no fresh scrape (stale, or the last failed). So the
 // Gateway API Inference Extension's saturation detector judges a pool
 // (pkg/epp/saturationdetector: stale figures count as saturated). A pool
 // with no such endpoint is not: picking it answers why.
@@ -20,7 +20,7 @@ func (p *Pool) Saturated(req *Request, lines Lines) bool {
 			continue
 		}
 		seen = true
-		if l, ok := e.Load(); ok && l.Waiting < lines.Queue && l.KVUsage < lines.KVCache {
+		if l, ok := e.fresh(); ok && l.Waiting < lines.Queue && l.KVUsage < lines.KVCache {
 			return false
 		}
 	}

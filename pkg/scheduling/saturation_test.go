@@ -9,13 +9,15 @@ import (
 
 // A pool is saturated while every healthy endpoint a request may go to is,
 // by its engine's scraped figures (queue at or above the line, KV use at or
-// above it, or no fresh figure), as the Inference Extension judges a pool.
+// above it, or no fresh figure: stale, or its last scrape failed), as the
+// Inference Extension judges a pool.
 func TestAPoolIsSaturatedWhileEveryEndpointItMayUseIs(t *testing.T) {
 	const a, b = "10.0.0.1:8000", "10.0.0.2:8000"
 	type load struct {
 		waiting, kv float64
 		none        bool // never scraped
 		old         bool // scraped before stale_after
+		failed      bool // its scrape since failed
 	}
 	tests := []struct {
 		name   string
@@ -30,6 +32,7 @@ func TestAPoolIsSaturatedWhileEveryEndpointItMayUseIs(t *testing.T) {
 		{name: "KV use below its line", a: load{kv: 0.79}, b: load{waiting: 5}, want: false},
 		{name: "an engine never scraped", a: load{none: true}, b: load{waiting: 5}, want: true},
 		{name: "an engine whose figures are stale", a: load{old: true}, b: load{waiting: 5}, want: true},
+		{name: "an idle engine whose scrape since failed", a: load{failed: true}, b: load{waiting: 5}, want: true},
 		{name: "the idle engine is ejected", a: load{}, b: load{waiting: 5}, eject: true, want: true},
 		{name: "the idle engine is outside the subset hint", a: load{}, b: load{waiting: 5}, subset: b, want: true},
 		{name: "no endpoint may be used", a: load{waiting: 5}, b: load{waiting: 5}, subset: "10.0.0.9:8000", want: false},
@@ -44,6 +47,9 @@ func TestAPoolIsSaturatedWhileEveryEndpointItMayUseIs(t *testing.T) {
 				}
 				if !l.none {
 					byAddr(p, addr).observe(Load{Waiting: l.waiting, KVUsage: l.kv, At: at})
+				}
+				if l.failed {
+					byAddr(p, addr).scrapeFailed()
 				}
 			}
 			if tt.eject {
