@@ -34,7 +34,7 @@ type flags struct {
 	config, grpcAddr, adminAddr, logFormat string
 	kubeconfig                             string
 	verbosity                              int
-	grace, logFlush                        time.Duration
+	grace, delay, logFlush                 time.Duration
 	pprof, logPrompts, version             bool
 	tls                                    server.TLSFiles
 	keepalive                              server.Keepalive
@@ -51,7 +51,9 @@ func main() {
 	flag.StringVar(&f.logFormat, "log-format", "json", "log format: json or console")
 	flag.DurationVar(&f.logFlush, "log-flush-interval", time.Second,
 		"how long log lines may wait in a buffer before they are written, as Envoy's access logs do; 0 writes each line at once")
-	flag.DurationVar(&f.grace, "shutdown-grace", 30*time.Second, "on SIGTERM, how long in-flight streams (and concurrent prefill legs) may finish")
+	flag.DurationVar(&f.delay, "shutdown-delay", 0, "on SIGTERM, how long new streams are still served while readiness and gRPC health "+
+		"say NOT_SERVING, for Envoy's health checks to take this replica out; a second SIGTERM or ctrl-C ends it")
+	flag.DurationVar(&f.grace, "shutdown-grace", 30*time.Second, "then, how long in-flight streams (and concurrent prefill legs) may finish")
 	flag.DurationVar(&f.keepalive.Ping, "keepalive-ping", server.DefaultKeepalive.Ping,
 		"ping Envoy over a connection silent this long, to find a peer that answers nothing")
 	flag.DurationVar(&f.keepalive.Timeout, "keepalive-timeout", server.DefaultKeepalive.Timeout,
@@ -98,8 +100,8 @@ func main() {
 // validate refuses flag values that would run, but not as asked: a negative
 // verbosity drops every per-request line, one past zap's int8 levels wraps
 // to a level above fatal and drops every line, a negative grace cuts every
-// stream at SIGTERM, and a negative keepalive setting is taken for its
-// default.
+// stream at SIGTERM, a negative delay would serve none, and a negative
+// keepalive setting is taken for its default.
 func (f flags) validate() error {
 	var errs []error
 	if f.verbosity < 0 || f.verbosity > -math.MinInt8 {
@@ -108,7 +110,7 @@ func (f flags) validate() error {
 	for _, d := range []struct {
 		name string
 		v    time.Duration
-	}{{"--shutdown-grace", f.grace}, {"--log-flush-interval", f.logFlush}, {"--keepalive-ping", f.keepalive.Ping},
+	}{{"--shutdown-grace", f.grace}, {"--shutdown-delay", f.delay}, {"--log-flush-interval", f.logFlush}, {"--keepalive-ping", f.keepalive.Ping},
 		{"--keepalive-timeout", f.keepalive.Timeout}, {"--keepalive-min-peer-ping", f.keepalive.MinPeerPing}} {
 		if d.v < 0 {
 			errs = append(errs, fmt.Errorf("%s %s: must not be negative", d.name, d.v))
@@ -147,8 +149,12 @@ func run(f flags, log logr.Logger, flush func()) error {
 		return err
 	}
 	defer adminLis.Close()
-	s, err := server.New(cfg, server.Options{Grace: f.grace, Pprof: f.pprof, LogPrompts: f.logPrompts, ConfigPath: f.config, TLS: f.tls, Kubeconfig: f.kubeconfig,
-		Keepalive: f.keepalive}, log)
+	// The first SIGTERM or ctrl-C begins the shutdown, a second ends its delay.
+	signals := make(chan os.Signal, 1)
+	signal.Notify(signals, syscall.SIGTERM, os.Interrupt)
+	defer signal.Stop(signals)
+	s, err := server.New(cfg, server.Options{Grace: f.grace, ShutdownDelay: f.delay, Signals: signals, Pprof: f.pprof, LogPrompts: f.logPrompts,
+		ConfigPath: f.config, TLS: f.tls, Kubeconfig: f.kubeconfig, Keepalive: f.keepalive}, log)
 	if err != nil {
 		return err
 	}
@@ -158,10 +164,7 @@ func run(f flags, log logr.Logger, flush func()) error {
 		"tls", f.tls.Cert != "", "mtls", f.tls.ClientCA != "", "allowedSANs", f.tls.AllowedSANs, "maxBufferedBytes", cfg.Limits.MaxBufferedBytes,
 		"goMemoryLimit", goMemLimit)
 	flush() // whoever waits for this line gets it now
-
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
-	defer stop()
-	return s.Serve(ctx, grpcLis, adminLis)
+	return s.Serve(context.Background(), grpcLis, adminLis)
 }
 
 func loadConfig(path string) (*config.Config, error) {

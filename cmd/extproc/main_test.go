@@ -24,6 +24,7 @@ func TestFlagsThatCannotRunAsAskedAreRefused(t *testing.T) {
 		{"the most detail zap can take", func(f *flags) { f.verbosity = 128 }, ""},
 		{"a verbosity past zap's levels", func(f *flags) { f.verbosity = 200 }, "-v 200"},
 		{"a negative grace", func(f *flags) { f.grace = -time.Second }, "--shutdown-grace -1s"},
+		{"a negative delay", func(f *flags) { f.delay = -time.Second }, "--shutdown-delay -1s"},
 		{"a negative keepalive ping", func(f *flags) { f.keepalive.Ping = -time.Second }, "--keepalive-ping -1s"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {

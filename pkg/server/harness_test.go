@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -43,12 +44,15 @@ type running struct {
 	admin    string // http://host:port
 	grpcAddr string // host:port
 	stop     context.CancelFunc
-	served   chan error // Serve's result
+	signals  chan os.Signal // the process's signals, as Options.Signals
+	served   chan error     // Serve's result
 }
 
 // start serves configYAML on loopback ports until the test ends.
 func start(t *testing.T, configYAML string, opts Options, log logr.Logger) *running {
 	t.Helper()
+	signals := make(chan os.Signal, 1)
+	opts.Signals = signals
 	cfg, err := config.Parse([]byte(configYAML))
 	if err != nil {
 		t.Fatal(err)
@@ -66,7 +70,8 @@ func start(t *testing.T, configYAML string, opts Options, log logr.Logger) *runn
 		t.Fatal(err)
 	}
 	ctx, stop := context.WithCancel(context.Background())
-	r := &running{Server: s, admin: "http://" + adminLis.Addr().String(), grpcAddr: grpcLis.Addr().String(), stop: stop, served: make(chan error, 1)}
+	r := &running{Server: s, admin: "http://" + adminLis.Addr().String(), grpcAddr: grpcLis.Addr().String(), stop: stop,
+		signals: signals, served: make(chan error, 1)}
 	go func() { r.served <- s.Serve(ctx, grpcLis, adminLis) }()
 	conn, err := grpc.NewClient(grpcLis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {

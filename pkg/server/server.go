@@ -1,14 +1,15 @@
 // Package server assembles pd-extproc from a config: the pipeline, the ext_proc
 // gRPC service with health and reflection, the admin HTTP endpoints, metrics,
 // tracing and readiness; and it shuts them down in order. cmd/extproc only
-// parses flags, builds the logger and turns signals into a cancelled context,
-// so everything a user relies on at run time is testable here.
+// parses flags, builds the logger and hands the process's signals on, so
+// everything a user relies on at run time is testable here.
 package server
 
 import (
 	"context"
 	"net"
 	"net/http"
+	"os"
 	"sync"
 	"time"
 
@@ -37,9 +38,18 @@ const DefaultHealthInterval = time.Second
 
 // Options are the run-time settings that come from flags, not the config file.
 type Options struct {
-	// Grace bounds how long in-flight streams may finish once shutdown begins;
-	// 0 cuts them at once.
+	// Grace bounds how long in-flight streams may finish once the listener
+	// closes; 0 cuts them at once.
 	Grace time.Duration
+	// ShutdownDelay is how long, once shutdown begins, new streams are still
+	// accepted and served while readiness says not serving, so that a client's
+	// health checks take this server out of rotation before the listener
+	// closes; 0 closes it at once.
+	ShutdownDelay time.Duration
+	// Signals, when set, are the process's signals: SIGTERM or an interrupt
+	// begins the shutdown as a done ctx does, and a second one ends the
+	// shutdown delay.
+	Signals <-chan os.Signal
 	// Pprof serves net/http/pprof under /debug/pprof/ on the admin address.
 	Pprof bool
 	// LogPrompts adds request bodies to the per-request log lines.
@@ -81,7 +91,8 @@ type Server struct {
 	ready           *readiness
 	admin           *http.Server
 	shutdownTracing func(context.Context) error
-	draining        chan struct{} // closed when shutdown begins
+	draining        chan struct{}                        // closed when shutdown begins
+	after           func(time.Duration) <-chan time.Time // time.After, or a test's clock
 }
 
 // New builds a server from a validated config. It listens on nothing yet.
@@ -89,7 +100,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	if opts.HealthInterval <= 0 {
 		opts.HealthInterval = DefaultHealthInterval
 	}
-	s := &Server{opts: opts, log: log, cfg: cfg, metrics: metrics.New(cfg.Connector), draining: make(chan struct{})}
+	s := &Server{opts: opts, log: log, cfg: cfg, metrics: metrics.New(cfg.Connector), draining: make(chan struct{}), after: time.After}
 	s.metrics.Limits(cfg.Limits.MaxConcurrentStreams, cfg.Limits.MaxBufferedBytes, cfg.Prefill.MaxBackground)
 	tp := opts.TracerProvider
 	s.shutdownTracing = func(context.Context) error { return nil }
@@ -147,9 +158,11 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 }
 
 // Serve serves ext_proc on grpcLis and the admin endpoints on adminLis until
-// ctx is done or a listener fails, then shuts down: readiness goes false first,
-// in-flight streams get Options.Grace to finish, background prefill legs end,
-// traces are flushed, and the admin server stops last.
+// ctx is done, a signal arrives or a listener fails, then shuts down:
+// readiness goes false first, new streams are still served for
+// Options.ShutdownDelay, in-flight streams get Options.Grace to finish,
+// background prefill legs end, traces are flushed, and the admin server stops
+// last.
 func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) error {
 	pollCtx, stopPolling := context.WithCancel(context.Background())
 	var polling sync.WaitGroup
@@ -165,12 +178,10 @@ func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) erro
 	errc := make(chan error, 2)
 	go func() { errc <- s.grpc.Serve(grpcLis) }()
 	go func() { errc <- s.admin.Serve(adminLis) }()
-	var err error
 	pending := 2
-	select {
-	case err = <-errc:
+	err, failed := s.awaitStop(ctx, errc)
+	if failed {
 		pending--
-	case <-ctx.Done():
 	}
 	s.shutdown()
 	stopPolling()
@@ -179,6 +190,18 @@ func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) erro
 		<-errc // http.ErrServerClosed, or nil from grpc
 	}
 	return err
+}
+
+// awaitStop returns once ctx is done or a stop signal arrives, or with the
+// error of a listener that failed.
+func (s *Server) awaitStop(ctx context.Context, errc <-chan error) (err error, failed bool) {
+	select {
+	case err = <-errc:
+		return err, true
+	case <-ctx.Done():
+	case <-s.opts.Signals:
+	}
+	return nil, false
 }
 
 // watchConfig returns the loop that reloads the config file when it changes.
@@ -200,11 +223,13 @@ func (s *Server) watchConfig(ctx context.Context) func() {
 
 func (s *Server) shutdown() {
 	// Readiness goes false first so that Envoy and Kubernetes stop opening new
-	// streams; then in-flight streams get the grace period to finish, but
-	// those held for room, to whom none would come in it, are answered now.
-	s.log.Info("shutting down", "grace", s.opts.Grace.String())
+	// streams; new ones are still served for the delay, then in-flight streams
+	// get the grace period to finish, but those held for room, to whom none
+	// would come in it, are answered now.
+	s.log.Info("shutting down", "delay", s.opts.ShutdownDelay.String(), "grace", s.opts.Grace.String())
 	s.ready.drain()
 	close(s.draining)
+	s.delay()
 	s.pipeline.Drain()
 
 	// Background prefill legs (kv-sglang, kv-mooncake) outlive their
@@ -230,5 +255,21 @@ func (s *Server) shutdown() {
 	}
 	if err := s.admin.Shutdown(ctx); err != nil {
 		s.log.Error(err, "stopping the admin server")
+	}
+}
+
+// delay serves on for Options.ShutdownDelay, not ready: an Envoy that finds
+// this server by its active health checks alone (outside Kubernetes) keeps
+// opening streams to it until a check hears NOT_SERVING, and those would fail
+// on a closed listener. A second SIGTERM or interrupt ends it, as an operator
+// in a hurry expects.
+func (s *Server) delay() {
+	if s.opts.ShutdownDelay <= 0 {
+		return
+	}
+	select {
+	case <-s.after(s.opts.ShutdownDelay):
+	case sig := <-s.opts.Signals:
+		s.log.Info("a second signal: closing the listener without the rest of the shutdown delay", "signal", sig.String())
 	}
 }

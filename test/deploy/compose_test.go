@@ -10,8 +10,10 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	bootstrapv3 "github.com/envoyproxy/go-control-plane/envoy/config/bootstrap/v3"
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	"google.golang.org/protobuf/encoding/protojson"
 	"sigs.k8s.io/yaml"
 
@@ -160,6 +162,23 @@ func TestDockerCompose(t *testing.T) {
 		}
 	})
 
+	// Outside Kubernetes only Envoy's health checks take a stopping pd-extproc out of the
+	// rotation: it must serve new streams, not ready, until they have.
+	t.Run("extproc's shutdown delay outlasts envoy.yaml's health checks", func(t *testing.T) {
+		hc := extProcCluster(t, filepath.Join(root, "config", "envoy", "envoy.yaml")).GetHealthChecks()
+		if len(hc) != 1 {
+			t.Fatalf("the ext_proc cluster has %d health checks, want one", len(hc))
+		}
+		interval, timeout := hc[0].GetInterval().AsDuration(), hc[0].GetTimeout().AsDuration()
+		delay, err := time.ParseDuration(flagValue(toStrings(dig(svc("extproc"), "command")), "--shutdown-delay"))
+		// A NOT_SERVING answer ejects at once; the next check is an interval away, and one
+		// lost to its timeout costs one interval more.
+		if want := 2*interval + timeout; err != nil || delay < want {
+			t.Errorf("extproc --shutdown-delay = %v (%v), want at least %v: two checks %v apart and one's %v timeout",
+				delay, err, want, interval, timeout)
+		}
+	})
+
 	t.Run("envoy.yaml reaches extproc by its compose name", func(t *testing.T) {
 		host, port := extProcUpstream(t, filepath.Join(root, "config", "envoy", "envoy.yaml"))
 		if _, ok := services[host]; !ok || port != 9002 {
@@ -170,6 +189,20 @@ func TestDockerCompose(t *testing.T) {
 
 // extProcUpstream returns the address of the first endpoint of the cluster ext_proc uses.
 func extProcUpstream(t *testing.T, path string) (string, uint32) {
+	t.Helper()
+	c := extProcCluster(t, path)
+	for _, le := range c.GetLoadAssignment().GetEndpoints() {
+		for _, lb := range le.GetLbEndpoints() {
+			sa := lb.GetEndpoint().GetAddress().GetSocketAddress()
+			return sa.GetAddress(), sa.GetPortValue()
+		}
+	}
+	t.Fatalf("%s: no ext_proc cluster endpoint found", path)
+	return "", 0
+}
+
+// extProcCluster returns the cluster the first ext_proc filter of a bootstrap streams to.
+func extProcCluster(t *testing.T, path string) *clusterv3.Cluster {
 	t.Helper()
 	raw, err := os.ReadFile(path)
 	if err != nil {
@@ -187,17 +220,13 @@ func extProcUpstream(t *testing.T, path string) (string, uint32) {
 	m := modelFromBootstrap(&b, &r)
 	for _, u := range m.hcms {
 		for _, ep := range extProcFilters(u.hcm) {
-			c := m.clusters[ep.config.GetGrpcService().GetEnvoyGrpc().GetClusterName()]
-			for _, le := range c.GetLoadAssignment().GetEndpoints() {
-				for _, lb := range le.GetLbEndpoints() {
-					sa := lb.GetEndpoint().GetAddress().GetSocketAddress()
-					return sa.GetAddress(), sa.GetPortValue()
-				}
+			if c := m.clusters[ep.config.GetGrpcService().GetEnvoyGrpc().GetClusterName()]; c != nil {
+				return c
 			}
 		}
 	}
-	t.Fatalf("%s: no ext_proc cluster endpoint found", path)
-	return "", 0
+	t.Fatalf("%s: no ext_proc cluster found", path)
+	return nil
 }
 
 // composeSubnet is the fixed subnet of the compose network the services share.

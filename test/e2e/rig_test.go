@@ -28,6 +28,7 @@ type rig struct {
 	extproc         *extproc
 	replicas        []*extproc // every extproc behind the emulator, extproc first
 	config          string     // extproc's config
+	args            []string   // extproc's flags besides the rig's own
 	prefill, decode []*pdsim.Server
 	decodeAddrs     []string          // the decode pool as configured
 	sim             testbed.SimConfig // what the rig's simulators share: protocol, shared dir, bootstrap port, timings
@@ -77,6 +78,7 @@ type rigOptions struct {
 	// (docs/envoy.md §14): the rig's requests, all from 127.0.0.1, then all
 	// meet one replica. Without it, testbed.ManyClients.
 	oneClient bool
+	args      []string // more extproc flags
 }
 
 // simIP is the loopback IP of the rig's i-th simulator of a role: each has
@@ -100,7 +102,7 @@ func startRig(t *testing.T, o rigOptions) *rig {
 	if o.decodes == 0 {
 		o.decodes = 2
 	}
-	r := &rig{mode: o.mode, connector: o.connector, sim: testbed.SimConfig{
+	r := &rig{mode: o.mode, connector: o.connector, args: o.args, sim: testbed.SimConfig{
 		Protocol: testbed.Protocols[o.connector], SharedDir: t.TempDir(),
 		Timings: testbed.Timings{
 			TTFT: time.Millisecond, TPOT: time.Millisecond, KVTransfer: time.Millisecond,
@@ -244,7 +246,7 @@ func (r *rig) restartExtproc(t *testing.T) {
 // startExtproc runs one extproc of the rig, on grpcAddr when it is given.
 func (r *rig) startExtproc(t *testing.T, grpcAddr string) *extproc {
 	t.Helper()
-	return startExtproc(t, testbed.ExtprocConfig{Config: r.config, GRPCAddr: grpcAddr, MTLS: r.mtls})
+	return startExtproc(t, testbed.ExtprocConfig{Config: r.config, GRPCAddr: grpcAddr, MTLS: r.mtls, Args: r.args})
 }
 
 // send posts body to path through the emulator; the context bounds it.

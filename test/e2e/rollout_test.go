@@ -19,19 +19,24 @@ import (
 // meanwhile go to the other replica; and the stopping replica exits cleanly
 // once its streams have ended, well before --shutdown-grace runs out. Left in
 // the rotation, as an Envoy would leave it while DNS still lists the pod, it
-// fails its share of those requests with 500: hence the chart's preStop sleep.
+// fails its share of those requests with 500: hence the chart's preStop sleep,
+// or outside Kubernetes --shutdown-delay, which serves them until Envoy's
+// health checks take the replica out (the emulator has none: a second
+// SIGTERM ends the delay here).
 func TestRolloutDropsNoRequest(t *testing.T) {
 	for _, tt := range []struct {
 		name     string
-		leaves   bool // the replica leaves the rotation before SIGTERM
-		wantFail bool // some requests sent while it stops fail
+		leaves   bool     // the replica leaves the rotation before SIGTERM
+		args     []string // the replicas' flags
+		wantFail bool     // some requests sent while it stops fail
 	}{
 		{name: "left the rotation", leaves: true},
 		{name: "still in the rotation", wantFail: true},
+		{name: "still in the rotation, with --shutdown-delay", args: []string{"--shutdown-delay=1h"}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			const tokens = 1500 // a millisecond each: the streams outlast the stop
-			r := startRig(t, rigOptions{replicas: 2, outputTokens: tokens})
+			r := startRig(t, rigOptions{replicas: 2, outputTokens: tokens, args: tt.args})
 			leaving := r.replicas[0]
 
 			// Four streams, two on each replica (the emulator takes them in turn),
@@ -74,6 +79,11 @@ func TestRolloutDropsNoRequest(t *testing.T) {
 			}
 			if (failed > 0) != tt.wantFail {
 				t.Errorf("%d of 6 requests sent while the replica stopped failed; want failures: %v", failed, tt.wantFail)
+			}
+			if tt.args != nil {
+				if err := leaving.Signal(syscall.SIGTERM); err != nil { // an operator's second: the delay ends
+					t.Fatal(err)
+				}
 			}
 			for i, resp := range streams {
 				rest, err := io.ReadAll(resp.Body)

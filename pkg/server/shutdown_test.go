@@ -1,0 +1,79 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/go-logr/logr"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+)
+
+// Outside Kubernetes nothing takes a stopping replica out of Envoy's
+// rotation before it stops listening but Envoy's own health checks. With a
+// shutdown delay, SIGTERM turns health NOT_SERVING while new streams are still
+// routed, until the delay runs out or a second signal cuts it short; then the
+// listener closes. Without one it closes at once, as before.
+func TestShutdownDelayServesNewStreamsWhileNotReady(t *testing.T) {
+	tests := []struct {
+		name  string
+		delay time.Duration
+		end   func(r *running, over chan<- time.Time) // ends the delay
+	}{
+		{name: "no delay: the listener closes at SIGTERM"},
+		{name: "the delay runs out", delay: time.Hour, end: func(_ *running, over chan<- time.Time) { over <- time.Now() }},
+		{name: "a second SIGTERM ends it", delay: time.Hour, end: func(r *running, _ chan<- time.Time) { r.signals <- syscall.SIGTERM }},
+		{name: "an interrupt ends it", delay: time.Hour, end: func(r *running, _ chan<- time.Time) { r.signals <- os.Interrupt }},
+	}
+	prefill := enginetest.Start(t, prefillOK)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
+				prefill.Addr(), decodeEP), Options{ShutdownDelay: tt.delay, Grace: time.Minute}, logr.Discard())
+			over := make(chan time.Time, 1)
+			r.after = func(d time.Duration) <-chan time.Time {
+				if d != tt.delay {
+					t.Errorf("the delay waited for is %s, want %s", d, tt.delay)
+				}
+				return over
+			}
+
+			r.signals <- syscall.SIGTERM
+			select {
+			case <-r.draining:
+			case <-time.After(10 * time.Second):
+				t.Fatal("SIGTERM did not begin the shutdown")
+			}
+			if tt.end != nil {
+				replies, err := r.tryExchange(post(chatPath, `{"model":"m","prompt":"hi"}`)...)
+				if err != nil || len(replies) == 0 || destination(replies[0]) != decodeEP {
+					t.Errorf("a stream opened during the delay = %v, %v; want it routed to %s", replies, err, decodeEP)
+				}
+				for _, svc := range []string{"", extProcService, "readiness"} {
+					resp, err := r.ready.health.Check(context.Background(), &healthpb.HealthCheckRequest{Service: svc})
+					if err != nil || resp.GetStatus() != healthpb.HealthCheckResponse_NOT_SERVING {
+						t.Errorf("health of %q during the delay = %v, %v; want NOT_SERVING", svc, resp.GetStatus(), err)
+					}
+				}
+				if code, body := r.get(t, "/readyz"); code != http.StatusServiceUnavailable {
+					t.Errorf("/readyz during the delay = %d %q, want 503", code, body)
+				}
+				tt.end(r, over)
+			}
+			if err := r.wait(t); err != nil {
+				t.Errorf("Serve = %v, want a clean shutdown", err)
+			}
+			if c, err := net.Dial("tcp", r.grpcAddr); err == nil {
+				c.Close()
+				t.Errorf("the ext_proc listener still accepts once the server stopped")
+			}
+		})
+	}
+}
