@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"cmp"
 	"fmt"
 	"maps"
 	"net/netip"
@@ -176,6 +177,22 @@ func TestDockerCompose(t *testing.T) {
 		if want := 2*interval + timeout; err != nil || delay < want {
 			t.Errorf("extproc --shutdown-delay = %v (%v), want at least %v: two checks %v apart and one's %v timeout",
 				delay, err, want, interval, timeout)
+		}
+	})
+
+	// Docker kills a container its stop grace after SIGTERM (10 s unless set): extproc's
+	// drain, the delay then the streams' grace and 5 s to flush traces, must fit in it.
+	t.Run("the stop grace covers extproc's drain", func(t *testing.T) {
+		cmd := toStrings(dig(svc("extproc"), "command"))
+		delay, errDelay := time.ParseDuration(flagValue(cmd, "--shutdown-delay"))
+		grace, errGrace := time.ParseDuration(flagValue(cmd, "--shutdown-grace"))
+		if errDelay != nil || errGrace != nil {
+			t.Fatalf("extproc must set --shutdown-delay and --shutdown-grace for the stop grace to cover: %v, %v", errDelay, errGrace)
+		}
+		stop, err := time.ParseDuration(cmp.Or(digString(svc("extproc"), "stop_grace_period"), "10s"))
+		if want := delay + grace + 5*time.Second; err != nil || stop < want {
+			t.Errorf("extproc stop_grace_period = %v (%v), want at least %v: --shutdown-delay %v, --shutdown-grace %v and 5 s to flush",
+				stop, err, want, delay, grace)
 		}
 	})
 
