@@ -149,9 +149,10 @@ func run(f flags, log logr.Logger, flush func()) error {
 		return err
 	}
 	defer adminLis.Close()
-	// The first SIGTERM or ctrl-C begins the shutdown, a second ends its delay.
+	// The first SIGTERM or ctrl-C begins the shutdown, a second ends its
+	// delay; SIGHUP reads --config again instead of exiting, Go's default.
 	signals := make(chan os.Signal, 1)
-	signal.Notify(signals, syscall.SIGTERM, os.Interrupt)
+	signal.Notify(signals, syscall.SIGTERM, os.Interrupt, syscall.SIGHUP)
 	defer signal.Stop(signals)
 	s, err := server.New(cfg, server.Options{Grace: f.grace, ShutdownDelay: f.delay, Signals: signals, Pprof: f.pprof, LogPrompts: f.logPrompts,
 		ConfigPath: f.config, TLS: f.tls, Kubeconfig: f.kubeconfig, Keepalive: f.keepalive}, log)

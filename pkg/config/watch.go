@@ -60,8 +60,9 @@ func (c *Config) reloadable(s startedWith) error {
 // to apply. A file that fails to load or validate goes to reject and the old
 // config stays in force. The file is also read once as soon as the watch is in
 // place, so that a change made between the caller's load and the watch is not
-// lost. Watch returns when ctx is done, or at once with an error when the
-// directory cannot be watched.
+// lost, and again at each receive from reread (SIGHUP), when a file
+// rejected before is rejected again. Watch returns when ctx is done, or at
+// once with an error when the directory cannot be watched.
 //
 // The directory is watched, not the file, because the file is usually replaced
 // rather than written: editors rename a temporary file over it, and a
@@ -76,7 +77,7 @@ func (c *Config) reloadable(s startedWith) error {
 // of the user ID on a node, and containers of one image share one), or is
 // gone, the file is read every pollEvery instead, and the watch tried again
 // each time; the failure goes to reject, so it is counted and logged.
-func Watch(ctx context.Context, path string, running *Config, apply func(*Config), reject func(error)) error {
+func Watch(ctx context.Context, path string, running *Config, reread <-chan struct{}, apply func(*Config), reject func(error)) error {
 	d := &dirWatch{path: path}
 	defer d.stop()
 	switch err := d.start(); {
@@ -114,6 +115,9 @@ func Watch(ctx context.Context, path string, running *Config, apply func(*Config
 			timer.Reset(settle)
 		case <-tickerC(d.poll):
 			_ = d.start() // said when polling began
+			timer.Reset(0)
+		case <-reread:
+			last = nil // answered even when unchanged: a rejected file is rejected again
 			timer.Reset(0)
 		case <-timer.C:
 			if d.w == nil && d.poll == nil { // dropped: watch where the path now leads, before reading

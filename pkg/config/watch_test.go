@@ -34,6 +34,12 @@ func watching(t *testing.T, path string) (applied chan *Config, rejected chan er
 // watchingFrom is watching, the process running with running.
 func watchingFrom(t *testing.T, path string, running *Config) (applied chan *Config, rejected chan error) {
 	t.Helper()
+	return watchingWith(t, path, running, nil)
+}
+
+// watchingWith is watchingFrom, asked to read the file again by reread.
+func watchingWith(t *testing.T, path string, running *Config, reread <-chan struct{}) (applied chan *Config, rejected chan error) {
+	t.Helper()
 	t.Cleanup(func() { goleak.VerifyNone(t) }) // runs last
 	applied, rejected = make(chan *Config, 10), make(chan error, 10)
 	ready := make(chan struct{})
@@ -42,7 +48,7 @@ func watchingFrom(t *testing.T, path string, running *Config) (applied chan *Con
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- Watch(ctx, path, running, func(c *Config) { applied <- c }, func(err error) { rejected <- err })
+		done <- Watch(ctx, path, running, reread, func(c *Config) { applied <- c }, func(err error) { rejected <- err })
 	}()
 	t.Cleanup(func() {
 		cancel()
@@ -199,7 +205,7 @@ func TestWatchConfigMapSymlinkSwap(t *testing.T) {
 }
 
 func TestWatchMissingDirectory(t *testing.T) {
-	err := Watch(context.Background(), filepath.Join(t.TempDir(), "nope", "extproc.yaml"), &Config{}, func(*Config) {}, func(error) {})
+	err := Watch(context.Background(), filepath.Join(t.TempDir(), "nope", "extproc.yaml"), &Config{}, nil, func(*Config) {}, func(error) {})
 	if err == nil {
 		t.Fatal("Watch() on a missing directory = nil, want an error")
 	}
@@ -218,7 +224,7 @@ func TestWatchAppliesAChangeMadeBeforeTheWatchStarted(t *testing.T) {
 	applied := make(chan *Config, 1)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Watch(ctx, path, running, func(c *Config) { applied <- c }, func(error) {}) }()
+	go func() { done <- Watch(ctx, path, running, nil, func(c *Config) { applied <- c }, func(error) {}) }()
 	if got := decodeEndpoint(t, applied); got != "10.0.0.3:8000" {
 		t.Fatalf("applied %s, want the change made before the watch", got)
 	}
@@ -460,6 +466,62 @@ func TestWatchFollowsAReplacedDirectory(t *testing.T) {
 				case <-time.After(5 * time.Second):
 					t.Fatalf("update %d: not applied within 5s", i+1)
 				}
+			}
+		})
+	}
+}
+
+// Asked to read the file again (SIGHUP), the watch reads it at once and
+// answers: a change whose events were lost is applied, and a file it
+// rejected before is rejected again, so each ask gets its log line.
+func TestWatchRereadsWhenAsked(t *testing.T) {
+	tests := []struct {
+		name        string
+		first, then string // the file the watch reads first, and once its events are lost ("": unchanged)
+		wantApplied string // the decode endpoint applied once asked
+		wantRejects string // or what the rejection says
+	}{
+		{name: "a change whose events were lost", first: validB, then: validA, wantApplied: "10.0.0.2:8000"},
+		{name: "a file rejected before", first: broken, wantRejects: "not-an-address"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var w *fsnotify.Watcher
+			newWatcher = func() (*fsnotify.Watcher, error) {
+				var err error
+				w, err = fsnotify.NewWatcher()
+				return w, err
+			}
+			t.Cleanup(func() { newWatcher = fsnotify.NewWatcher })
+			dir := t.TempDir()
+			path := filepath.Join(dir, "extproc.yaml")
+			write(t, path, tt.first)
+			running, err := Parse([]byte(validA))
+			if err != nil {
+				t.Fatal(err)
+			}
+			reread := make(chan struct{})
+			applied, rejected := watchingWith(t, path, running, reread)
+			if tt.wantRejects != "" { // the first read, once the watch is in place
+				rejectedSaying(t, rejected, applied, tt.wantRejects)
+			} else if got := decodeEndpoint(t, applied); got != "10.0.0.3:8000" {
+				t.Fatalf("the first read applied %s, want 10.0.0.3:8000", got)
+			}
+			if err := w.Remove(dir); err != nil { // the directory's events are lost from now on
+				t.Fatal(err)
+			}
+			if tt.then != "" {
+				write(t, path, tt.then)
+			}
+			select {
+			case reread <- struct{}{}:
+			case <-time.After(5 * time.Second):
+				t.Fatal("the watch does not take the ask to read again")
+			}
+			if tt.wantRejects != "" {
+				rejectedSaying(t, rejected, applied, tt.wantRejects)
+			} else if got := decodeEndpoint(t, applied); got != tt.wantApplied {
+				t.Fatalf("asked to read again, applied %s, want %s", got, tt.wantApplied)
 			}
 		})
 	}

@@ -48,7 +48,7 @@ type Options struct {
 	ShutdownDelay time.Duration
 	// Signals, when set, are the process's signals: SIGTERM or an interrupt
 	// begins the shutdown as a done ctx does, and a second one ends the
-	// shutdown delay.
+	// shutdown delay; SIGHUP has ConfigPath read again at once.
 	Signals <-chan os.Signal
 	// Pprof serves net/http/pprof under /debug/pprof/ on the admin address.
 	Pprof bool
@@ -92,6 +92,7 @@ type Server struct {
 	admin           *http.Server
 	shutdownTracing func(context.Context) error
 	draining        chan struct{}                        // closed when shutdown begins
+	reread          chan struct{}                        // SIGHUP: the config watch reads the file now
 	after           func(time.Duration) <-chan time.Time // time.After, or a test's clock
 }
 
@@ -100,7 +101,8 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	if opts.HealthInterval <= 0 {
 		opts.HealthInterval = DefaultHealthInterval
 	}
-	s := &Server{opts: opts, log: log, cfg: cfg, metrics: metrics.New(cfg.Connector), draining: make(chan struct{}), after: time.After}
+	s := &Server{opts: opts, log: log, cfg: cfg, metrics: metrics.New(cfg.Connector), draining: make(chan struct{}),
+		reread: make(chan struct{}, 1), after: time.After}
 	s.metrics.Limits(cfg.Limits.MaxConcurrentStreams, cfg.Limits.MaxBufferedBytes, cfg.Prefill.MaxBackground)
 	tp := opts.TracerProvider
 	s.shutdownTracing = func(context.Context) error { return nil }
@@ -158,11 +160,11 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 }
 
 // Serve serves ext_proc on grpcLis and the admin endpoints on adminLis until
-// ctx is done, a signal arrives or a listener fails, then shuts down:
-// readiness goes false first, new streams are still served for
+// ctx is done, SIGTERM or an interrupt arrives or a listener fails, then
+// shuts down: readiness goes false first, new streams are still served for
 // Options.ShutdownDelay, in-flight streams get Options.Grace to finish,
-// background prefill legs end, traces are flushed, and the admin server stops
-// last.
+// background prefill legs end, traces are flushed, and the admin server
+// stops last.
 func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) error {
 	pollCtx, stopPolling := context.WithCancel(context.Background())
 	var polling sync.WaitGroup
@@ -192,22 +194,10 @@ func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) erro
 	return err
 }
 
-// awaitStop returns once ctx is done or a stop signal arrives, or with the
-// error of a listener that failed.
-func (s *Server) awaitStop(ctx context.Context, errc <-chan error) (err error, failed bool) {
-	select {
-	case err = <-errc:
-		return err, true
-	case <-ctx.Done():
-	case <-s.opts.Signals:
-	}
-	return nil, false
-}
-
 // watchConfig returns the loop that reloads the config file when it changes.
 func (s *Server) watchConfig(ctx context.Context) func() {
 	return func() {
-		err := config.Watch(ctx, s.opts.ConfigPath, s.cfg, func(c *config.Config) {
+		err := config.Watch(ctx, s.opts.ConfigPath, s.cfg, s.reread, func(c *config.Config) {
 			assemble.Reload(s.pipeline, c)
 			s.metrics.ConfigReloaded(len(restartOnly(s.cfg, c)))
 			logConfigReloaded(s.log, s.opts.ConfigPath, s.cfg, c)
@@ -255,21 +245,5 @@ func (s *Server) shutdown() {
 	}
 	if err := s.admin.Shutdown(ctx); err != nil {
 		s.log.Error(err, "stopping the admin server")
-	}
-}
-
-// delay serves on for Options.ShutdownDelay, not ready: an Envoy that finds
-// this server by its active health checks alone (outside Kubernetes) keeps
-// opening streams to it until a check hears NOT_SERVING, and those would fail
-// on a closed listener. A second SIGTERM or interrupt ends it, as an operator
-// in a hurry expects.
-func (s *Server) delay() {
-	if s.opts.ShutdownDelay <= 0 {
-		return
-	}
-	select {
-	case <-s.after(s.opts.ShutdownDelay):
-	case sig := <-s.opts.Signals:
-		s.log.Info("a second signal: closing the listener without the rest of the shutdown delay", "signal", sig.String())
 	}
 }

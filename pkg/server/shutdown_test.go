@@ -2,15 +2,19 @@ package server
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
@@ -75,5 +79,80 @@ func TestShutdownDelayServesNewStreamsWhileNotReady(t *testing.T) {
 				t.Errorf("the ext_proc listener still accepts once the server stopped")
 			}
 		})
+	}
+}
+
+// SIGHUP asks a daemon to read its config again; Go's default for it is to
+// exit, and pd-extproc exited with no drain. It reads --config at once, and
+// says so, whether running or in the shutdown delay, and serves on.
+func TestSIGHUPReadsTheConfigAgain(t *testing.T) {
+	tests := []struct {
+		name      string
+		file      string // the --config file's content; "" none given
+		delaying  bool   // SIGHUP comes during the shutdown delay
+		wantLines []string
+	}{
+		{name: "a file rejected before is rejected again", file: "connector: kv-nixl\npools: {decode: {endpoints: 7}}\n",
+			wantLines: []string{"SIGHUP: reading the config file again", "config change rejected"}},
+		{name: "during the shutdown delay", file: "connector: kv-nixl\npools: {decode: {endpoints: 7}}\n", delaying: true,
+			wantLines: []string{"SIGHUP: reading the config file again", "config change rejected"}},
+		{name: "no --config", wantLines: []string{"SIGHUP: no --config file to read again"}},
+	}
+	prefill := enginetest.Start(t, prefillOK)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			opts := Options{Grace: time.Minute}
+			if tt.file != "" {
+				opts.ConfigPath = filepath.Join(t.TempDir(), "extproc.yaml")
+				if err := os.WriteFile(opts.ConfigPath, []byte(tt.file), 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if tt.delaying {
+				opts.ShutdownDelay = time.Hour
+			}
+			lines := make(chan string, 1024)
+			r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
+				prefill.Addr(), decodeEP), opts, funcr.NewJSON(func(s string) { lines <- s }, funcr.Options{}))
+			if tt.file != "" {
+				awaitLine(t, lines, "config change rejected") // the watch's first read
+			}
+			if tt.delaying {
+				r.signals <- syscall.SIGTERM
+				awaitLine(t, lines, "shutting down")
+			}
+			r.signals <- syscall.SIGHUP
+			for _, want := range tt.wantLines {
+				awaitLine(t, lines, want)
+			}
+			replies, err := r.tryExchange(post(chatPath, `{"model":"m","prompt":"hi"}`)...)
+			if err != nil || len(replies) == 0 || destination(replies[0]) != decodeEP {
+				t.Errorf("a stream opened after SIGHUP = %v, %v; want it routed to %s", replies, err, decodeEP)
+			}
+			if tt.delaying {
+				r.signals <- syscall.SIGTERM // the delay went on: end it
+			}
+		})
+	}
+}
+
+// awaitLine waits, bounded, for the next log line whose message starts with
+// prefix, passing over the others.
+func awaitLine(t *testing.T, lines <-chan string, prefix string) {
+	t.Helper()
+	timeout := time.After(10 * time.Second)
+	for {
+		select {
+		case l := <-lines:
+			var m struct{ Msg string }
+			if err := json.Unmarshal([]byte(l), &m); err != nil {
+				t.Fatalf("log line is not JSON: %s", l)
+			}
+			if strings.HasPrefix(m.Msg, prefix) {
+				return
+			}
+		case <-timeout:
+			t.Fatalf("no log line %q", prefix)
+		}
 	}
 }

@@ -102,3 +102,33 @@ func TestRolloutDropsNoRequest(t *testing.T) {
 		})
 	}
 }
+
+// SIGHUP asks a daemon to read its config again. Go's default for it is to
+// exit, and extproc did, cutting the generations streaming through it; it
+// now reads --config and serves on.
+func TestSIGHUPReadsTheConfigAndServesOn(t *testing.T) {
+	const tokens = 1500 // a millisecond each: the stream outlasts the signal
+	r := startRig(t, rigOptions{outputTokens: tokens})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	path, body := request("chat", true, "streaming through SIGHUP")
+	body = strings.Replace(body, `"max_tokens":4`, fmt.Sprintf(`"max_tokens":%d`, tokens), 1)
+	stream := r.stream(t, ctx, path, body)
+
+	if err := r.extproc.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	r.extproc.waitLog(t, "SIGHUP: reading the config file again")
+	if rest, err := io.ReadAll(stream.Body); err != nil || !strings.HasSuffix(string(rest), "data: [DONE]\n\n") {
+		t.Errorf("the stream was cut by SIGHUP: read %d more bytes, then %v", len(rest), err)
+	}
+	path, body = request("chat", false, "after SIGHUP")
+	if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK {
+		t.Errorf("a request after SIGHUP = %d %.200s, want 200", resp.StatusCode, got)
+	}
+	select {
+	case <-r.extproc.Exited():
+		t.Errorf("extproc exited on SIGHUP with %d", r.extproc.ExitCode())
+	default:
+	}
+}
