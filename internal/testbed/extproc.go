@@ -30,8 +30,8 @@ func BuildExtproc(dir string) (string, error) {
 type Wait int
 
 const (
-	// WaitReady waits until GET /readyz answers 200: the decode pool has a
-	// healthy endpoint.
+	// WaitReady waits until GET /readyz answers 200: the pools requests need
+	// have an endpoint to route to.
 	WaitReady Wait = iota
 	// WaitStarted waits only until the admin server answers GET /healthz,
 	// for a deployment that starts with no healthy decode endpoint.

@@ -160,6 +160,11 @@ func (p *Pipeline) MaxBodyBytes() int64 { return p.opts.MaxBodyBytes }
 // Pools returns the endpoint pools, for health and metrics to read.
 func (p *Pipeline) Pools() (prefill, decode *scheduling.Pool) { return p.pools.Prefill, p.pools.Decode }
 
+// Paired reports whether the connector's decode engines serve only
+// prefill/decode pairs: no request the API table pairs goes decode-only,
+// so none is served without a prefill endpoint.
+func (p *Pipeline) Paired() bool { return p.connector.Paired() }
+
 // Run does the pools' background work (health checks, load scrapes, DNS) until
 // ctx is done.
 func (p *Pipeline) Run(ctx context.Context) { p.pools.Run(ctx) }

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/discovery"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
 
 // check is one condition of readiness, as /readyz?verbose lists it.
@@ -14,21 +15,35 @@ type check struct {
 	detail string
 }
 
-// checks reads every readiness condition now: the decode pool's health, then
-// each discovered pool's sync state and API server reachability. An
-// unreachable API server is reported but passes: the pool serves on with the
-// endpoints it last had.
-//
-// The decode pool passes with a healthy endpoint, or one that only failed
-// requests keep out: the pool still routes among those (Envoy's panic
-// routing), and every replica sees the same engines, so turning them all
-// unready would only take the service away, and bring it back late. An
+// checks reads every readiness condition now: the health of each pool
+// requests need, then each discovered pool's sync state and API server
+// reachability. An unreachable API server is reported but passes: the pool
+// serves on with the endpoints it last had.
+func (r *readiness) checks() []check {
+	states := r.endpoints()
+	var out []check
+	for _, pool := range r.pools {
+		out = append(out, poolCheck(pool, states))
+	}
+	if r.discovery == nil {
+		return out
+	}
+	for _, st := range r.discovery() {
+		out = append(out, discoveryCheck(st))
+	}
+	return out
+}
+
+// poolCheck passes while pool has a healthy endpoint, or one that only
+// failed requests keep out: the pool still routes among those (Envoy's
+// panic routing), and every replica sees the same engines, so turning them
+// all unready would only take the service away, and bring it back late. An
 // endpoint the active checks have not judged yet does not count: at start,
 // before the first round ends, its engine may refuse every connection.
-func (r *readiness) checks() []check {
+func poolCheck(pool string, states []metrics.EndpointState) check {
 	healthy, ejected, awaiting, total := 0, 0, 0, 0
-	for _, e := range r.endpoints() {
-		if e.Pool == r.pool {
+	for _, e := range states {
+		if e.Pool == pool {
 			total++
 			switch {
 			case e.AwaitsCheck: // taken healthy, but no check has passed yet
@@ -40,22 +55,16 @@ func (r *readiness) checks() []check {
 			}
 		}
 	}
-	out := []check{{name: r.pool + " pool", ok: healthy+ejected > 0, detail: fmt.Sprintf("%d of %d endpoints healthy", healthy, total)}}
+	c := check{name: pool + " pool", ok: healthy+ejected > 0, detail: fmt.Sprintf("%d of %d endpoints healthy", healthy, total)}
 	switch {
 	case healthy == 0 && ejected > 0:
-		out[0].detail = fmt.Sprintf("every endpoint failed requests; routing among the %d no active check finds down (%s)", ejected, out[0].detail)
+		c.detail = fmt.Sprintf("every endpoint failed requests; routing among the %d no active check finds down (%s)", ejected, c.detail)
 	case healthy == 0 && awaiting > 0:
-		out[0].detail = fmt.Sprintf("no decode endpoint has passed a health check yet (%d awaiting their first; %s)", awaiting, out[0].detail)
+		c.detail = fmt.Sprintf("no %s endpoint has passed a health check yet (%d awaiting their first; %s)", pool, awaiting, c.detail)
 	case healthy == 0:
-		out[0].detail = "no healthy decode endpoint (" + out[0].detail + ")"
+		c.detail = fmt.Sprintf("no healthy %s endpoint (%s)", pool, c.detail)
 	}
-	if r.discovery == nil {
-		return out
-	}
-	for _, st := range r.discovery() {
-		out = append(out, discoveryCheck(st))
-	}
-	return out
+	return c
 }
 
 func discoveryCheck(st discovery.PoolStatus) check {

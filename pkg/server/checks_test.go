@@ -38,7 +38,7 @@ func TestReadinessNamesTheDecodePoolState(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			r := newReadiness(health.NewServer(), "decode", func() []metrics.EndpointState { return tc.endpoints }, logr.Discard())
+			r := newReadiness(health.NewServer(), []string{"decode"}, func() []metrics.EndpointState { return tc.endpoints }, logr.Discard())
 			r.update()
 			rec := httptest.NewRecorder()
 			r.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/readyz?verbose", nil))
@@ -76,7 +76,7 @@ func TestReadinessFollowsDiscovery(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			st := synced
 			tc.status(&st)
-			r := newReadiness(health.NewServer(), "decode", healthy, logr.Discard())
+			r := newReadiness(health.NewServer(), []string{"decode"}, healthy, logr.Discard())
 			r.discovery = func() []discovery.PoolStatus { return []discovery.PoolStatus{st} }
 			r.update()
 			rec := httptest.NewRecorder()

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"runtime"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -376,6 +377,58 @@ func TestReadinessWaitsForTheFirstCheck(t *testing.T) {
 			s.ready.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/readyz?verbose", nil))
 			if wantCode := map[bool]int{true: http.StatusOK, false: http.StatusServiceUnavailable}[tt.want == healthpb.HealthCheckResponse_SERVING]; rec.Code != wantCode {
 				t.Errorf("/readyz = %d, want %d:\n%s", rec.Code, wantCode, rec.Body)
+			}
+		})
+	}
+}
+
+// Under kv-sglang a request has no way around the prefill pool (SGLang's
+// decode engines in PD mode serve only pairs): with no prefill endpoint to
+// route to, every request is a 503, so the replica is not ready, as with no
+// decode endpoint. Under the other connectors a request goes decode-only
+// then, and the replica stays ready.
+func TestReadinessNeedsThePrefillPoolWherePairsAreAllThatServe(t *testing.T) {
+	prefill := func(healthy, checkedDown, awaits bool) []metrics.EndpointState {
+		return []metrics.EndpointState{{Pool: "prefill", Endpoint: "10.0.0.1:8000", Healthy: healthy, CheckedDown: checkedDown, AwaitsCheck: awaits}}
+	}
+	tests := []struct {
+		name      string
+		connector string
+		prefill   []metrics.EndpointState
+		want      healthpb.HealthCheckResponse_ServingStatus
+		wantLine  string // in /readyz?verbose
+	}{
+		{"kv-sglang, no prefill endpoint", "kv-sglang", nil, healthpb.HealthCheckResponse_NOT_SERVING,
+			"[-]prefill pool: no healthy prefill endpoint (0 of 0 endpoints healthy)"},
+		{"kv-sglang, every prefill endpoint checked down", "kv-sglang", prefill(false, true, false), healthpb.HealthCheckResponse_NOT_SERVING,
+			"[-]prefill pool: no healthy prefill endpoint (0 of 1 endpoints healthy)"},
+		{"kv-sglang, no prefill endpoint checked yet", "kv-sglang", prefill(true, false, true), healthpb.HealthCheckResponse_NOT_SERVING,
+			"[-]prefill pool: no prefill endpoint has passed a health check yet"},
+		// The paired prefill pool routes among endpoints failed requests eject, as the decode pool does.
+		{"kv-sglang, every prefill endpoint ejected", "kv-sglang", prefill(false, false, false), healthpb.HealthCheckResponse_SERVING,
+			"[+]prefill pool: every endpoint failed requests"},
+		{"kv-sglang, a healthy prefill endpoint", "kv-sglang", prefill(true, false, false), healthpb.HealthCheckResponse_SERVING,
+			"[+]prefill pool: 1 of 1 endpoints healthy"},
+		{"kv-nixl, no prefill endpoint: decode-only", "kv-nixl", nil, healthpb.HealthCheckResponse_SERVING, "[+]decode pool"},
+		{"kv-nixl, every prefill endpoint checked down", "kv-nixl", prefill(false, true, false), healthpb.HealthCheckResponse_SERVING, "[+]decode pool"},
+		{"kv-mooncake, no prefill endpoint", "kv-mooncake", nil, healthpb.HealthCheckResponse_SERVING, "[+]decode pool"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			endpoints := func() []metrics.EndpointState {
+				return append(slices.Clone(tt.prefill), metrics.EndpointState{Pool: "decode", Endpoint: decodeEP, Healthy: true})
+			}
+			r := start(t, fmt.Sprintf("connector: %s\npools: {decode: {endpoints: [%q]}}", tt.connector, decodeEP),
+				Options{Endpoints: endpoints}, logr.Discard())
+			for _, svc := range []string{"", extProcService, "readiness"} {
+				resp, err := r.health.Check(context.Background(), &healthpb.HealthCheckRequest{Service: svc})
+				if err != nil || resp.GetStatus() != tt.want {
+					t.Errorf("Check(%q) = %v, %v; want %v", svc, resp.GetStatus(), err, tt.want)
+				}
+			}
+			wantCode := map[bool]int{true: http.StatusOK, false: http.StatusServiceUnavailable}[tt.want == healthpb.HealthCheckResponse_SERVING]
+			if code, body := r.get(t, "/readyz?verbose"); code != wantCode || !strings.Contains(body, tt.wantLine) {
+				t.Errorf("/readyz?verbose = %d\n%s\nwant %d with %q", code, body, wantCode, tt.wantLine)
 			}
 		})
 	}

@@ -27,12 +27,15 @@ var healthServices = []string{"", extprocv3.ExternalProcessor_ServiceDesc.Servic
 const livenessService = "liveness"
 
 // readiness tells Envoy (gRPC health) and Kubernetes (/readyz) whether to send
-// traffic: only while the decode pool has a healthy endpoint and every pool
-// discovered from Kubernetes has synced with nothing refused, and never again
-// once shutdown has begun. A request routed without one would only get a 503.
+// traffic: only while each pool requests need has an endpoint to route to
+// and every pool discovered from Kubernetes has synced with nothing refused,
+// and never again once shutdown has begun. A request routed without one
+// would only get a 503.
 type readiness struct {
-	health    *health.Server
-	pool      string // the decode pool's name
+	health *health.Server
+	// pools are the pools requests need: the decode pool, and the prefill
+	// pool where a request cannot go decode-only (a paired connector).
+	pools     []string
 	endpoints func() []metrics.EndpointState
 	discovery func() []discovery.PoolStatus // nil: no pool is discovered
 	log       logr.Logger
@@ -44,9 +47,9 @@ type readiness struct {
 	draining atomic.Bool
 }
 
-func newReadiness(hs *health.Server, pool string, endpoints func() []metrics.EndpointState, log logr.Logger) *readiness {
+func newReadiness(hs *health.Server, pools []string, endpoints func() []metrics.EndpointState, log logr.Logger) *readiness {
 	hs.SetServingStatus(livenessService, healthpb.HealthCheckResponse_SERVING)
-	return &readiness{health: hs, pool: pool, endpoints: endpoints, log: log}
+	return &readiness{health: hs, pools: pools, endpoints: endpoints, log: log}
 }
 
 // run re-reads the pool every interval until ctx is done. Polling rather than
@@ -87,7 +90,7 @@ func (r *readiness) update() {
 		r.health.SetServingStatus(svc, status) // ignored once draining: Shutdown is final
 	}
 	if up {
-		r.log.Info("ready: the decode pool has an endpoint to route to and every discovered pool has synced")
+		r.log.Info("ready: each pool requests need has an endpoint to route to and every discovered pool has synced", "pools", r.pools)
 	} else {
 		r.log.Info("not ready", "why", why)
 	}

@@ -33,7 +33,7 @@ import (
 // grpcHeadroom is added to the body limit for the rest of an ext_proc message.
 const grpcHeadroom = 1 << 20
 
-// DefaultHealthInterval is how often the decode pool's health is polled.
+// DefaultHealthInterval is how often readiness re-reads the pools.
 const DefaultHealthInterval = time.Second
 
 // Options are the run-time settings that come from flags, not the config file.
@@ -54,7 +54,7 @@ type Options struct {
 	Pprof bool
 	// LogPrompts adds request bodies to the per-request log lines.
 	LogPrompts bool
-	// HealthInterval is how often readiness re-reads the decode pool; 0 means
+	// HealthInterval is how often readiness re-reads the pools; 0 means
 	// DefaultHealthInterval.
 	HealthInterval time.Duration
 	// TracerProvider, when set, replaces the one the config's tracing key
@@ -148,7 +148,11 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 		s.shutdownTracing(context.Background())
 		return nil, err
 	}
-	s.ready = newReadiness(hs, decode.Name(), endpoints, log.WithName("health"))
+	needed := []string{decode.Name()}
+	if p.Paired() { // its decode engines serve only pairs: nothing goes decode-only
+		needed = append(needed, prefill.Name())
+	}
+	s.ready = newReadiness(hs, needed, endpoints, log.WithName("health"))
 	if s.discovery != nil {
 		s.ready.discovery = s.discovery.Status
 	}

@@ -91,3 +91,49 @@ func TestFailedRequestsDoNotEmptyTheDecodePool(t *testing.T) {
 	}
 	r.healthy(t, "with every decode endpoint ejected")
 }
+
+// TestReadinessFollowsThePrefillPoolUnderSGLang: with its only prefill
+// engine gone, a kv-sglang replica answers every request 503 (SGLang's
+// decode engines serve only pairs) and says so: /readyz 503 naming the
+// prefill pool (pkg/server's tests read gRPC health, which follows it). A
+// kv-nixl replica serves the request decode-only and stays ready.
+func TestReadinessFollowsThePrefillPoolUnderSGLang(t *testing.T) {
+	tests := []struct {
+		connector  string
+		wantStatus int // of /readyz and of a request
+	}{
+		{"kv-sglang", http.StatusServiceUnavailable},
+		{"kv-nixl", http.StatusOK},
+	}
+	for _, tt := range tests {
+		t.Run(tt.connector, func(t *testing.T) {
+			checked := "health: {check_interval: 50ms, check_timeout: 1s}"
+			r := startRig(t, rigOptions{connector: tt.connector, prefills: 1, decodes: 1, prefillPool: checked, decodePool: checked})
+			r.prefill[0].Close()
+			down := fmt.Sprintf(`pd_extproc_endpoint_healthy{endpoint=%q,pool="prefill"}`, r.prefill[0].Addr())
+			readyz := func() (int, string) {
+				resp, err := http.Get("http://" + r.extproc.AdminAddr + "/readyz?verbose")
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer resp.Body.Close()
+				b, _ := io.ReadAll(resp.Body)
+				return resp.StatusCode, string(b)
+			}
+			deadline := time.Now().Add(15 * time.Second)
+			for code, body := readyz(); r.metric(t, down) != 0 || code != tt.wantStatus; code, body = readyz() {
+				if time.Now().After(deadline) {
+					t.Fatalf("/readyz = %d with the prefill engine gone, want %d:\n%s", code, tt.wantStatus, body)
+				}
+				time.Sleep(50 * time.Millisecond) // the checks and readiness run on their own clocks; bounded above
+			}
+			if _, body := readyz(); tt.wantStatus != http.StatusOK && !strings.Contains(body, "[-]prefill pool") {
+				t.Errorf("/readyz?verbose does not name the prefill pool:\n%s", body)
+			}
+			path, body := request("chat", false, "the prefill engine is gone "+tt.connector)
+			if resp, got := r.must(t, path, body, nil); resp.StatusCode != tt.wantStatus {
+				t.Errorf("a request = %d (%.200s), want %d", resp.StatusCode, got, tt.wantStatus)
+			}
+		})
+	}
+}
