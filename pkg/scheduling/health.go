@@ -29,6 +29,10 @@ type healthState struct {
 	activeDown bool
 	checkRun   int // checks in a row with the last one's verdict; 0: none since checks were on
 	lastPassed bool
+	// vouched: in the pool while checks were off, so taken healthy and
+	// counted ready on passive health alone; it stays counted until its
+	// first check (AwaitsCheck).
+	vouched bool
 	// offs counts the times checks were found off (unchecked): a check
 	// begun before the last is of checks since turned off, its verdict void.
 	offs uint64
@@ -226,14 +230,16 @@ func (e *Endpoint) recordCheck(v verdict, offs uint64) {
 
 // AwaitsCheck says the pool's active checks are on and none has given e a
 // verdict yet: e is taken healthy meanwhile (at start, as it joins), which
-// readiness does not count on.
+// readiness does not count on. An endpoint vouched for while checks were off
+// does not await: it was counted ready then, and checks turned on by a
+// reload must not take every replica out until their first round ends.
 func (p *Pool) AwaitsCheck(e *Endpoint) bool {
 	if p.state.Load().spec.Health.CheckInterval <= 0 {
 		return false
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return e.health.checkRun == 0
+	return e.health.checkRun == 0 && !e.health.vouched
 }
 
 // unchecked clears the active checks' verdicts: checks are off.
@@ -241,7 +247,7 @@ func (e *Endpoint) unchecked() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	h := &e.health
-	h.activeDown, h.checkRun, h.lastPassed = false, 0, false
+	h.activeDown, h.checkRun, h.lastPassed, h.vouched = false, 0, false, true
 	h.offs++
 	e.troubled.Store(h.failures > 0)
 }

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
@@ -14,6 +16,7 @@ import (
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
 	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
@@ -432,4 +435,78 @@ func TestReadinessNeedsThePrefillPoolWherePairsAreAllThatServe(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Active checks turned on by a reload leave a ready replica ready until
+// their first round has judged the endpoints, which were serving all
+// along: the endpoints awaited their first check as at start, so readiness
+// dipped (NOT_SERVING, /readyz 503) for a round with nothing wrong, taking
+// every replica out at once. A check that then finds the engine down still
+// makes it unready. The test reads readiness itself while the first check
+// is held by the engine; every transition is logged once ("not ready").
+func TestReloadTurningChecksOnKeepsReadiness(t *testing.T) {
+	tests := []struct {
+		name   string
+		health int // what the engine's /health answers the first check
+		want   healthpb.HealthCheckResponse_ServingStatus
+	}{
+		{"the first check passes", http.StatusOK, healthpb.HealthCheckResponse_SERVING},
+		{"the first check finds the engine down", http.StatusServiceUnavailable, healthpb.HealthCheckResponse_NOT_SERVING},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			checked, answer := make(chan struct{}, 1), make(chan int)
+			engine := enginetest.Start(t, func(w http.ResponseWriter, req *http.Request) {
+				if req.URL.Path != "/health" {
+					return // a scrape: 200
+				}
+				checked <- struct{}{}
+				select {
+				case code := <-answer:
+					w.WriteHeader(code)
+				case <-req.Context().Done():
+				}
+			})
+			path := filepath.Join(t.TempDir(), "extproc.yaml")
+			yaml := func(health string) string {
+				return fmt.Sprintf("connector: kv-nixl\npools: {decode: {endpoints: [%q], health: %s}}\n", engine.Addr(), health)
+			}
+			if err := os.WriteFile(path, []byte(yaml("{}")), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			logs := &logLines{}
+			r := start(t, yaml("{}"), Options{ConfigPath: path, HealthInterval: time.Millisecond}, funcr.NewJSON(logs.add, funcr.Options{}))
+			awaitHealth(t, r.health, "", healthpb.HealthCheckResponse_SERVING)
+			if err := os.WriteFile(path, []byte(yaml("{check_interval: 1h}")), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			// The reload is applied and its first check held: a poll now is
+			// surely within the round.
+			enginetest.Receive(t, checked, "the reload's first check never came")
+			r.ready.update()
+			if resp, err := r.health.Check(context.Background(), &healthpb.HealthCheckRequest{}); err != nil ||
+				resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+				t.Errorf("gRPC health while the first check runs = %v, %v; want SERVING", resp.GetStatus(), err)
+			}
+			if code, body := r.get(t, "/readyz?verbose"); code != http.StatusOK {
+				t.Errorf("/readyz?verbose while the first check runs = %d\n%s", code, body)
+			}
+			if n := notReadyLines(t, logs); n != 0 {
+				t.Errorf("%d %q lines while the first check runs, want none:\n%s", n, "not ready", logs.raw())
+			}
+			answer <- tt.health
+			awaitHealth(t, r.health, "", tt.want)
+		})
+	}
+}
+
+func notReadyLines(t *testing.T, logs *logLines) int {
+	t.Helper()
+	n := 0
+	for _, l := range logs.all(t) {
+		if l["msg"] == "not ready" {
+			n++
+		}
+	}
+	return n
 }
