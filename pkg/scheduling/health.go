@@ -19,8 +19,10 @@ import (
 // cannot connect mark the endpoint down after unhealthy_threshold of them in
 // a row, an answer that is not 2xx (an engine that says it is not well, as
 // vLLM's /health does with 503 once its engine is dead) and an endpoint's
-// first check at once; healthy_threshold checks in a row that pass mark it
-// up again. The two signals are independent: an endpoint must pass both.
+// first check at once, unless it was vouched for (it served before checks
+// were on: one slow answer does not take it out); healthy_threshold checks
+// in a row that pass mark it up again. The two signals are independent: an
+// endpoint must pass both.
 type healthState struct {
 	failures   int       // consecutive
 	ejections  int       // consecutive, sizes the next backoff
@@ -31,7 +33,7 @@ type healthState struct {
 	lastPassed bool
 	// vouched: in the pool while checks were off, so taken healthy and
 	// counted ready on passive health alone; it stays counted until its
-	// first check (AwaitsCheck).
+	// first check (AwaitsCheck), and is established for it (recordCheck).
 	vouched bool
 	// offs counts the times checks were found off (unchecked): a check
 	// begun before the last is of checks since turned off, its verdict void.
@@ -220,7 +222,7 @@ func (e *Endpoint) recordCheck(v verdict, offs uint64) {
 	switch {
 	case v == passed:
 		h.activeDown = h.activeDown && h.checkRun < s.healthy
-	case !h.activeDown && (v == refused || first || h.checkRun >= s.unhealthy):
+	case !h.activeDown && (v == refused || first && !h.vouched || h.checkRun >= s.unhealthy):
 		h.activeDown = true
 		e.ejections.Add(1)
 		e.moved.Store(s.now().UnixNano())

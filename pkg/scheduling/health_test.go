@@ -217,7 +217,9 @@ func TestChecksAndScrapesSpeakThePoolsTLS(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			// Checked and scraped, though not run here: checkAll below is the first check.
 			scraped := config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Minute)}}
+			scraped.Health.CheckInterval = config.Duration(time.Minute)
 			spec := PoolSpec{Endpoints: []string{addr}, PoolScheduling: scraped}
 			ps := NewPools(Spec{Prefill: spec, Decode: spec}, Deps{PrefillTLS: tt.tls, DecodeTLS: tt.tls})
 			for _, p := range []*Pool{ps.Prefill, ps.Decode} {
@@ -236,8 +238,9 @@ func TestChecksAndScrapesSpeakThePoolsTLS(t *testing.T) {
 
 // TestActiveCheckThresholds: as Envoy's HTTP checker, checks that go
 // unanswered (a timeout, a connection refused) mark an established endpoint
-// down only after unhealthy_threshold of them in a row; an answer that is
-// not 2xx, or a first check that fails, marks it down at once; and
+// (one that passed a check, or served while checks were off) down only
+// after unhealthy_threshold of them in a row; an answer that is not 2xx, or
+// a new endpoint's first check that fails, marks it down at once; and
 // healthy_threshold passes in a row bring it back. Requests served or
 // failed between checks (passive health) change none of it.
 func TestActiveCheckThresholds(t *testing.T) {
@@ -253,6 +256,10 @@ func TestActiveCheckThresholds(t *testing.T) {
 		{"a pass starts the count over", envoyGatewayThresholds, []verdict{passed, unanswered, unanswered, passed, unanswered, unanswered}, false, 0},
 		{"a 503 after a pass", envoyGatewayThresholds, []verdict{passed, refused}, true, 1},
 		{"a first check unanswered", envoyGatewayThresholds, []verdict{unanswered}, true, 1},
+		// Checks turned on by a reload find the endpoint serving: it is established.
+		{"a first check unanswered, serving before checks", envoyGatewayThresholds, []verdict{servedUnchecked, unanswered}, false, 0},
+		{"three unanswered, serving before checks", envoyGatewayThresholds, []verdict{servedUnchecked, unanswered, unanswered, unanswered}, true, 1},
+		{"a first check's 503, serving before checks", envoyGatewayThresholds, []verdict{servedUnchecked, refused}, true, 1},
 		{"down, then one pass", envoyGatewayThresholds, []verdict{refused, passed}, false, 1},
 		{"down, then one pass of two needed", checkThresholds{unhealthy: 3, healthy: 2}, []verdict{refused, passed}, true, 1},
 		{"down, then two passes of two needed", checkThresholds{unhealthy: 3, healthy: 2}, []verdict{refused, passed, passed}, false, 1},
@@ -273,6 +280,8 @@ func TestActiveCheckThresholds(t *testing.T) {
 					e.ReportFailure()
 				case requestServed:
 					e.ReportSuccess()
+				case servedUnchecked:
+					e.unchecked()
 				default:
 					e.setActive(v)
 				}
@@ -318,10 +327,12 @@ type checkThresholds struct{ unhealthy, healthy int }
 
 var envoyGatewayThresholds = checkThresholds{unhealthy: config.DefaultUnhealthyThreshold, healthy: config.DefaultHealthyThreshold}
 
-// Passive health's reports, among TestActiveCheckThresholds' verdicts.
+// Passive health's reports, and the endpoint serving while checks are off
+// (Pool.Update runs unchecked), among TestActiveCheckThresholds' verdicts.
 const (
 	requestFailed verdict = iota + 100
 	requestServed
+	servedUnchecked
 )
 
 func always(*Endpoint) bool { return true }

@@ -438,33 +438,51 @@ func TestReadinessNeedsThePrefillPoolWherePairsAreAllThatServe(t *testing.T) {
 }
 
 // Active checks turned on by a reload leave a ready replica ready until
-// their first round has judged the endpoints, which were serving all
-// along: the endpoints awaited their first check as at start, so readiness
-// dipped (NOT_SERVING, /readyz 503) for a round with nothing wrong, taking
-// every replica out at once. A check that then finds the engine down still
-// makes it unready. The test reads readiness itself while the first check
-// is held by the engine; every transition is logged once ("not ready").
+// they find something wrong with endpoints that were serving all along:
+// those awaited their first check as at start, so readiness dipped
+// (NOT_SERVING, /readyz 503) for a round with nothing wrong, taking every
+// replica out at once; and a first check that went unanswered (one slow
+// answer) took such an endpoint out at once, not after unhealthy_threshold
+// of them. A check that finds the engine down still makes it unready. The
+// test reads readiness itself while each check is held by the engine (the
+// next check comes only once the one before was recorded); every
+// transition is logged once ("not ready").
 func TestReloadTurningChecksOnKeepsReadiness(t *testing.T) {
 	tests := []struct {
 		name   string
-		health int // what the engine's /health answers the first check
+		checks []int // what the engine answers the checks in turn; 0: no answer, the connection broken
 		want   healthpb.HealthCheckResponse_ServingStatus
 	}{
-		{"the first check passes", http.StatusOK, healthpb.HealthCheckResponse_SERVING},
-		{"the first check finds the engine down", http.StatusServiceUnavailable, healthpb.HealthCheckResponse_NOT_SERVING},
+		{"the first check passes", []int{http.StatusOK}, healthpb.HealthCheckResponse_SERVING},
+		{"the first check finds the engine down", []int{http.StatusServiceUnavailable}, healthpb.HealthCheckResponse_NOT_SERVING},
+		{"unanswered checks: down at the third", []int{0, 0, 0}, healthpb.HealthCheckResponse_NOT_SERVING},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			checked, answer := make(chan struct{}, 1), make(chan int)
+			checked, answer := make(chan struct{}), make(chan int)
 			engine := enginetest.Start(t, func(w http.ResponseWriter, req *http.Request) {
 				if req.URL.Path != "/health" {
 					return // a scrape: 200
 				}
-				checked <- struct{}{}
+				var code int
 				select {
-				case code := <-answer:
-					w.WriteHeader(code)
+				case checked <- struct{}{}:
 				case <-req.Context().Done():
+					return
+				}
+				select {
+				case code = <-answer:
+				case <-req.Context().Done():
+					return
+				}
+				if code != 0 {
+					w.WriteHeader(code)
+				} else if conn, _, err := http.NewResponseController(w).Hijack(); err == nil {
+					// Something that is not HTTP, as a broken peer: Go's
+					// client would resend a GET whose connection closed
+					// with nothing read.
+					conn.Write([]byte("broken\r\n\r\n"))
+					conn.Close()
 				}
 			})
 			path := filepath.Join(t.TempDir(), "extproc.yaml")
@@ -477,24 +495,26 @@ func TestReloadTurningChecksOnKeepsReadiness(t *testing.T) {
 			logs := &logLines{}
 			r := start(t, yaml("{}"), Options{ConfigPath: path, HealthInterval: time.Millisecond}, funcr.NewJSON(logs.add, funcr.Options{}))
 			awaitHealth(t, r.health, "", healthpb.HealthCheckResponse_SERVING)
-			if err := os.WriteFile(path, []byte(yaml("{check_interval: 1h}")), 0o600); err != nil {
+			if err := os.WriteFile(path, []byte(yaml("{check_interval: 10ms, unhealthy_threshold: 3}")), 0o600); err != nil {
 				t.Fatal(err)
 			}
-			// The reload is applied and its first check held: a poll now is
-			// surely within the round.
-			enginetest.Receive(t, checked, "the reload's first check never came")
-			r.ready.update()
-			if resp, err := r.health.Check(context.Background(), &healthpb.HealthCheckRequest{}); err != nil ||
-				resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
-				t.Errorf("gRPC health while the first check runs = %v, %v; want SERVING", resp.GetStatus(), err)
+			for i, code := range tt.checks {
+				// Held by the engine, with the checks before it recorded: a
+				// poll now is surely within the round.
+				enginetest.Receive(t, checked, fmt.Sprintf("check %d never came", i+1))
+				r.ready.update()
+				if resp, err := r.health.Check(context.Background(), &healthpb.HealthCheckRequest{}); err != nil ||
+					resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+					t.Errorf("gRPC health while check %d runs = %v, %v; want SERVING", i+1, resp.GetStatus(), err)
+				}
+				if code, body := r.get(t, "/readyz?verbose"); code != http.StatusOK {
+					t.Errorf("/readyz?verbose while check %d runs = %d\n%s", i+1, code, body)
+				}
+				if n := notReadyLines(t, logs); n != 0 {
+					t.Fatalf("%d %q lines by check %d, want none:\n%s", n, "not ready", i+1, logs.raw())
+				}
+				answer <- code
 			}
-			if code, body := r.get(t, "/readyz?verbose"); code != http.StatusOK {
-				t.Errorf("/readyz?verbose while the first check runs = %d\n%s", code, body)
-			}
-			if n := notReadyLines(t, logs); n != 0 {
-				t.Errorf("%d %q lines while the first check runs, want none:\n%s", n, "not ready", logs.raw())
-			}
-			answer <- tt.health
 			awaitHealth(t, r.health, "", tt.want)
 		})
 	}
