@@ -183,7 +183,7 @@ func TestTheRequestSpanSaysTheStatusAnswered(t *testing.T) {
 // usageRewrites is pd_extproc_usage_rewrites_total by outcome, of those not 0.
 func usageRewrites(m *metrics.Metrics) map[string]float64 {
 	got := map[string]float64{}
-	for _, o := range []string{"rewritten", "absent", "prefill_missing", "no_handoff", "too_large", "not_rewritable", "not_full_duplex", "unseen", "cancelled"} {
+	for _, o := range []string{"rewritten", "absent", "prefill_missing", "too_large", "not_rewritable", "not_full_duplex", "unseen", "cancelled"} {
 		if v, _ := m.Sample("pd_extproc_usage_rewrites_total", map[string]string{"outcome": o}); v != 0 {
 			got[o] = v
 		}

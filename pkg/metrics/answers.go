@@ -8,7 +8,6 @@ const (
 	UsageRewritten      = "rewritten"       // cached_tokens now says the prefill engine's value
 	UsageAbsent         = "absent"          // the answer has no such field (a stream without include_usage, decode without --enable-prompt-tokens-details)
 	UsagePrefillMissing = "prefill_missing" // the prefill's answer had none: the decode's is left as it is
-	UsageNoHandoff      = "no_handoff"      // the prefill engine handed out no KV: the decode engine computed the prompt, and its count stands
 	UsageTooLarge       = "too_large"       // over response.max_body_bytes: passed on unchanged
 	UsageNotRewritable  = "not_rewritable"  // an error status, an encoded body, or neither JSON nor SSE: passed on unchanged
 	UsageNotFullDuplex  = "not_full_duplex" // Envoy does not send the response body in FULL_DUPLEX_STREAMED: passed on unchanged
@@ -16,7 +15,7 @@ const (
 	UsageCancelled      = "cancelled"       // the stream ended before the answer's end and its usage: the client left
 )
 
-var usageOutcomes = []string{UsageRewritten, UsageAbsent, UsagePrefillMissing, UsageNoHandoff, UsageTooLarge, UsageNotRewritable, UsageNotFullDuplex,
+var usageOutcomes = []string{UsageRewritten, UsageAbsent, UsagePrefillMissing, UsageTooLarge, UsageNotRewritable, UsageNotFullDuplex,
 	UsageUnseen, UsageCancelled}
 
 // answers counts what the engines answered that the service checks or fixes.

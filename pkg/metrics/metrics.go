@@ -116,12 +116,14 @@ const (
 	FailureMalformed                     // a 2xx answer that is not a JSON object (nor an event stream): a broken engine or proxy
 	FailureOverloaded                    // the engine answered 429: busy, not wrong; another may take the leg
 	FailureNotFound                      // the engine answered 404 with an OpenAI error: it lacks the model, adapter or stored response the request names, which another may have
+	FailureNoParams                      // a kv-nixl 2xx answer without kv_transfer_params: the decode engine would recompute the prompt
 )
 
 var failureLabels = [...]string{
 	FailureConnect: "connect", FailureTimeout: "timeout", FailureStatus4xx: "status_4xx", FailureStatus5xx: "status_5xx",
 	FailureRedirect: "redirect", FailureTransport: "transport", FailureCancelled: "cancelled", FailureNotSent: "not_sent",
 	FailureTooLarge: "answer_too_large", FailureMalformed: "malformed", FailureOverloaded: "overloaded", FailureNotFound: "not_found",
+	FailureNoParams: "no_kv_params",
 }
 
 func (f Failure) String() string { return label(failureLabels[:], f) }
@@ -204,10 +206,10 @@ func New(connector string) *Metrics {
 			"Duration of each prefill leg attempt the service sent, by outcome (ok, failed, cancelled).",
 			[]float64{.01, .025, .05, .1, .25, .5, 1, 2, 2.5, 5, 10, 20, 30, 60}, "outcome"), // 2: the slow-prefill alert's line
 		prefillFailures: counterVec("prefill_failures_total",
-			"Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled, not_sent, answer_too_large, malformed, overloaded, not_found).",
+			"Failed prefill leg attempts by reason (connect, timeout, status_4xx, status_5xx, redirect, transport, cancelled, not_sent, answer_too_large, malformed, overloaded, not_found, no_kv_params).",
 			"reason"),
 		kvParamsMissing: counter("kv_params_missing_total",
-			"Successful kv-nixl prefill legs that returned no kv_transfer_params, so the decode engine recomputed the prompt."),
+			"kv-nixl prefill legs answered 2xx without kv_transfer_params: failed prefills (prefill_failures_total{reason=\"no_kv_params\"}), which prefill.on_failure decides."),
 		decisions: counterVec("pd_decisions_total",
 			"Routed requests by why they got their mode ("+strings.Join(Reasons(), ", ")+").",
 			"reason"),
@@ -353,12 +355,8 @@ func (m *Metrics) PrefillAttempt(d time.Duration, failure Failure) {
 	if failure != 0 {
 		m.prefillFailures.WithLabelValues(failure.String()).Inc()
 	}
-	m.prefillDuration.WithLabelValues(outcome).Observe(d.Seconds())
-}
-
-// KVParamsMissing counts a prefill answer without kv_transfer_params.
-func (m *Metrics) KVParamsMissing() {
-	if m != nil {
+	if failure == FailureNoParams { // the counter alerts were written on before the failure reason
 		m.kvParamsMissing.Inc()
 	}
+	m.prefillDuration.WithLabelValues(outcome).Observe(d.Seconds())
 }

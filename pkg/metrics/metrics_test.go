@@ -23,7 +23,6 @@ func TestNilMetricsRecordNothing(t *testing.T) {
 	m.ObserveRequest(Request{API: api.NameChat, Mode: ModePD, Reason: ReasonLongPrompt, Outcome: OutcomeRouted})
 	m.RequestBody(10)
 	m.PrefillAttempt(time.Second, FailureTimeout)
-	m.KVParamsMissing()
 	m.UsageRewrite(UsageRewritten)
 	m.KVParamsSuspect()
 }
@@ -37,6 +36,7 @@ func TestPrefillAttemptOutcomes(t *testing.T) {
 		{FailureStatus5xx, PrefillFailed},
 		{FailureConnect, PrefillFailed},
 		{FailureCancelled, PrefillCancelled},
+		{FailureNoParams, PrefillFailed},
 	}
 	for _, tt := range tests {
 		t.Run(tt.wantOutcome+"/"+tt.failure.String(), func(t *testing.T) {
@@ -59,6 +59,9 @@ func TestPrefillAttemptOutcomes(t *testing.T) {
 				if got, _ := sample(t, m, "pd_extproc_prefill_failures_total", map[string]string{"reason": reason}); got != want {
 					t.Errorf("prefill_failures_total{reason=%q} = %v, want %v", reason, got, want)
 				}
+			}
+			if got, _ := sample(t, m, "pd_extproc_kv_params_missing_total", nil); got != map[bool]float64{true: 1}[tt.failure == FailureNoParams] {
+				t.Errorf("kv_params_missing_total = %v, want 1 for %s alone", got, FailureNoParams)
 			}
 		})
 	}

@@ -95,16 +95,10 @@ func isCount(raw []byte) bool {
 // usageRewriter is the rewriter of the decode engine's answer to r, or nil
 // when it is passed on as it is: response.rewrite_usage is off, or the API
 // reports no cached tokens, or (counted: the decode engine's number then
-// stands) the prefill engine handed out no KV under a connector that hands
-// it back (the decode engine computed the prompt itself, so nothing it
-// counts as cached was pulled), or its answer said nothing of them (no
-// usage, or a placeholder).
+// stands) the prefill engine's answer said nothing of them (no usage, or a
+// placeholder).
 func (p *Pipeline) usageRewriter(r *Request, a prefillAnswer) *response.Rewriter {
 	if !p.opts.RewriteUsage || r.api.Shape.CachedTokens == nil {
-		return nil
-	}
-	if a.params == nil && p.connector.HandsBackParams() {
-		p.metrics.UsageRewrite(metrics.UsageNoHandoff)
 		return nil
 	}
 	if a.cached == nil {

@@ -265,7 +265,7 @@ func prefillFailed(cause error, requestID string) *Error {
 		e := hiding(http.StatusServiceUnavailable, "upstream_error", "prefill leg failed: the prefill engines are busy", requestID, cause)
 		e.RetryAfter = last.answer.retryAfter // the engine's say, when it had one
 		return e
-	case last == nil || last.answer == nil && last.reason != metrics.FailureTooLarge && last.reason != metrics.FailureMalformed:
+	case last == nil || !last.answered():
 		return hiding(http.StatusServiceUnavailable, "upstream_error", "prefill leg failed: no prefill engine answered", requestID, cause)
 	case last.refused():
 		return &Error{Status: last.answer.status, Type: "invalid_request_error", Message: "prefill engine rejected the request",

@@ -83,6 +83,8 @@ func classify(ctx context.Context, err error, reached bool) *attemptError {
 		e.reason = metrics.FailureTooLarge
 	case errors.Is(err, errMalformed):
 		e.reason = metrics.FailureMalformed
+	case errors.Is(err, errNoParams):
+		e.reason = metrics.FailureNoParams
 	case errors.Is(ctx.Err(), context.Canceled):
 		e.reason = metrics.FailureCancelled
 	case errors.As(err, &op) && op.Op == "dial":
@@ -117,16 +119,25 @@ func (e *attemptError) clientLeft() bool { return e.reason == metrics.FailureCan
 // retryable reports whether another prefill endpoint may succeed where this
 // one failed: after a transport failure, a timeout, a redirect or a 5xx, as
 // long as the prefill phase lasts. An answer over the read cap would come as
-// long from any engine: the request asks for it (prompt logprobs, say).
+// long from any engine: the request asks for it (prompt logprobs, say). One
+// without kv_transfer_params had its prompt computed already; another
+// engine would compute it again, for an API whose engine release drops
+// them (docs/engines.md) in vain.
 func (e *attemptError) retryable() bool {
-	return !e.aboutRequest() && !e.unsendable() && e.reason != metrics.FailureTooLarge && !e.ended
+	return !e.aboutRequest() && !e.unsendable() && e.reason != metrics.FailureTooLarge && e.reason != metrics.FailureNoParams && !e.ended
+}
+
+// answered reports whether the engine answered the attempt, whatever it said.
+func (e *attemptError) answered() bool {
+	return e.answer != nil || e.reason == metrics.FailureTooLarge || e.reason == metrics.FailureMalformed || e.reason == metrics.FailureNoParams
 }
 
 // counts reports whether the failure says something of the endpoint's
 // health: it could not be connected to, it timed out, the connection broke,
-// or it answered 5xx. A redirect, an answer too long to read, or a leg that
-// never left, says nothing of it; counting them would let a client eject endpoints with requests no
-// engine could serve. Nor does a timeout before the transport began to
+// or it answered 5xx. A redirect, an answer too long to read or without
+// kv_transfer_params (an engine release may drop them for one API), or a
+// leg that never left, says nothing of it; counting them would let a client
+// eject endpoints with requests no engine could serve. Nor does a timeout before the transport began to
 // connect: the leg waited for a connection, every one that
 // prefill.max_conns_per_endpoint allows busy with the engine's other legs.
 func (e *attemptError) counts() bool {

@@ -50,6 +50,7 @@ func TestClassifyPrefillErrors(t *testing.T) {
 		{"engine redirect", context.Background(), &statusError{status: 307}, false, metrics.FailureRedirect, true, false, false, 502},
 		{"a leg net/http refused to send", context.Background(), refused, true, metrics.FailureNotSent, false, false, false, 400},
 		{"an answer over the read cap", context.Background(), errAnswerTooLarge, false, metrics.FailureTooLarge, false, false, false, 502},
+		{"a kv-nixl answer without kv_transfer_params", context.Background(), errNoParams, false, metrics.FailureNoParams, false, false, false, 502},
 		{"a URL net/http cannot parse", context.Background(), &url.Error{Op: "parse", Err: errors.New("invalid character")}, true,
 			metrics.FailureNotSent, false, false, false, 400},
 		// Every connection prefill.max_conns_per_endpoint allows is busy

@@ -113,17 +113,31 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 	if len(answer) > maxPrefillResponseBytes {
 		return prefillAnswer{}, errAnswerTooLarge
 	}
-	if ct := resp.Header.Get("Content-Type"); response.IsEventStream(ct, resp.Header.Get("Content-Encoding")) {
-		if response.StreamFailed(answer) {
-			// A streamed leg (kv-sglang keeps the client's stream) that
-			// failed after its 200: the engine's 500, told in an error event
-			// (SGLang's /generate: in its abort chunk).
-			return prefillAnswer{}, &statusError{status: http.StatusInternalServerError, body: answer, contentType: ct, streamed: true}
+	var a prefillAnswer
+	if ct := resp.Header.Get("Content-Type"); !response.IsEventStream(ct, resp.Header.Get("Content-Encoding")) {
+		if a, err = p.readAnswer(answer, r); err != nil {
+			return prefillAnswer{}, err
 		}
-		return prefillAnswer{}, nil // nothing to take from it: SGLang's legs hand nothing on
+	} else if response.StreamFailed(answer) {
+		// A streamed leg (kv-sglang keeps the client's stream) that
+		// failed after its 200: the engine's 500, told in an error event
+		// (SGLang's /generate: in its abort chunk).
+		return prefillAnswer{}, &statusError{status: http.StatusInternalServerError, body: answer, contentType: ct, streamed: true}
 	}
-	return p.readAnswer(answer, r)
+	if a.params == nil && p.connector.HandsBackParams() {
+		return prefillAnswer{}, errNoParams
+	}
+	return a, nil
 }
+
+// errNoParams is a 2xx prefill answer without the kv_transfer_params its
+// connector hands back: vLLM's NIXL connector is not configured (null), the
+// request was aborted, the engine's release drops them for the API, or the
+// answer is not the engine's (a proxy's error with a 200). Where the API
+// has min_tokens the one token is no stop token, for which an older
+// connector hands none. Sent on, the decode engine would compute the prompt
+// again unseen, so it is a failed prefill.
+var errNoParams = errors.New("the prefill answer has no kv_transfer_params")
 
 // errMalformed is a 2xx prefill answer that is not a JSON object, nor an
 // event stream (a kv-sglang leg keeps the client's stream): a broken engine,

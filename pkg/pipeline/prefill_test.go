@@ -108,3 +108,79 @@ func TestAFailedPrefillLegIsRetriedThenFallsBackOrFails(t *testing.T) {
 		})
 	}
 }
+
+// A kv-nixl prefill answer of 200 that hands out no kv_transfer_params (vLLM
+// without a connector answers null; a proxy in front of the engine may answer
+// its own error with a 200) is a failed prefill: the decode engine would
+// recompute the prompt unseen. It is counted as such, not retried (another
+// engine would be asked to compute the prompt again), and prefill.on_failure
+// decides: decode-only, counted as prefill_failed, or a 502. kv-shared-storage
+// reads nothing from the answer, so its 200 is a served prefill.
+func TestAPrefillAnswerWithoutParamsIsAFailedPrefill(t *testing.T) {
+	const chat = `{"choices":[{"index":0,"message":{"content":"a"},"finish_reason":"length"}]`
+	tests := []struct {
+		name, connector, onFailure, answer string
+		wantMode                           metrics.Mode // ModeNone: refused
+		wantStatus                         int
+	}{
+		{name: "null, as vLLM without a connector", connector: "kv-nixl", answer: chat + `,"kv_transfer_params":null}`, wantMode: metrics.ModeDecodeOnly},
+		{name: "absent", connector: "kv-nixl", answer: chat + `}`, wantMode: metrics.ModeDecodeOnly},
+		{name: "empty", connector: "kv-nixl", answer: chat + `,"kv_transfer_params":{}}`, wantMode: metrics.ModeDecodeOnly},
+		{name: "a proxy's error with a 200", connector: "kv-nixl", answer: `{"error":{"message":"upstream reset","type":"proxy_error"}}`,
+			wantMode: metrics.ModeDecodeOnly},
+		{name: "null under on_failure fail", connector: "kv-nixl", onFailure: "fail", answer: chat + `,"kv_transfer_params":null}`,
+			wantStatus: http.StatusBadGateway},
+		{name: "kv-shared-storage hands nothing back", connector: "kv-shared-storage", answer: chat + `}`, wantMode: metrics.ModePD},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			a, b := enginetest.Start(t, enginetest.JSON(200, tt.answer)), enginetest.Start(t, enginetest.JSON(200, tt.answer))
+			onFailure := ""
+			if tt.onFailure != "" {
+				onFailure = "prefill: {on_failure: " + tt.onFailure + "}\n"
+			}
+			p, m, _ := newPipeline(t, fmt.Sprintf("connector: %s\n%spools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}",
+				tt.connector, onFailure, a.Addr(), b.Addr()))
+			t.Cleanup(p.Wait)
+			r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-np",
+				Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+			d, err := p.Route(context.Background(), r)
+			if n := len(a.Requests()) + len(b.Requests()); n != 1 {
+				t.Errorf("%d prefill legs, want 1: another engine would compute the prompt again", n)
+			}
+			defer func() { // the metrics, once what the client and engines got is checked
+				failed := 0.0
+				if tt.wantMode != metrics.ModePD {
+					failed = 1
+				}
+				if got := counter(t, m, "pd_extproc_prefill_duration_seconds", "outcome", metrics.PrefillOK); got != 1-failed {
+					t.Errorf("prefill_duration_seconds_count{outcome=ok} = %v, want %v", got, 1-failed)
+				}
+				if got := counter(t, m, "pd_extproc_prefill_failures_total", "reason", "no_kv_params"); got != failed {
+					t.Errorf("prefill_failures_total{reason=no_kv_params} = %v, want %v", got, failed)
+				}
+			}()
+			if tt.wantStatus != 0 {
+				if err == nil {
+					d.Release()
+					t.Fatalf("routed %s, want a %d", r.Report.Mode, tt.wantStatus)
+				}
+				if e := pipeline.AsError(err, r.RequestID); e.Status != tt.wantStatus {
+					t.Errorf("error %d %q, want %d", e.Status, e.Message, tt.wantStatus)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Release()
+			body := string(d.Body.Bytes())
+			if r.Report.Mode != tt.wantMode || strings.Contains(body, "kv_transfer_params") {
+				t.Errorf("routed %s (%s) with decode body %s, want %s without kv_transfer_params", r.Report.Mode, r.Report.Reason, body, tt.wantMode)
+			}
+			if tt.wantMode == metrics.ModeDecodeOnly && r.Report.Reason != metrics.ReasonPrefillFailed {
+				t.Errorf("reason %s, want %s", r.Report.Reason, metrics.ReasonPrefillFailed)
+			}
+		})
+	}
+}

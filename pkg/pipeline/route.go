@@ -201,11 +201,6 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	} else {
 		prefill.Report(true)
 	}
-	if answer.params == nil && p.connector.HandsBackParams() {
-		p.metrics.KVParamsMissing()
-		p.log.Info("prefill returned no kv_transfer_params; decode will recompute the prompt",
-			"requestID", r.RequestID, "prefill", rep.Prefill)
-	}
 	if p.checkRemoteHost(answer.params, rep.Prefill, d.decode.Addr, r.RequestID) {
 		d.partner.fails() // the decode engine's failed pull is the prefill engine's fault
 	}

@@ -108,8 +108,11 @@ func TestMetricsMoveWithEachKindOfRequest(t *testing.T) {
 			name: "prefill without kv_transfer_params", prefill: enginetest.JSON(200, `{"choices":[{"text":"a"}],"kv_transfer_params":null}`),
 			msgs: post(chatPath, chat),
 			want: map[string]float64{
-				requests("chat", "pd", "routed"):     1,
-				"pd_extproc_kv_params_missing_total": 1,
+				requests("chat", "decode_only", "routed"):                             1,
+				series("pd_extproc_pd_decisions_total", "reason", "prefill_failed"):   1,
+				series("pd_extproc_prefill_failures_total", "reason", "no_kv_params"): 1,
+				series("pd_extproc_prefill_duration_seconds_count", "outcome", "ok"):  0,
+				"pd_extproc_kv_params_missing_total":                                  1,
 			},
 		},
 		{

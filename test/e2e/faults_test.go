@@ -155,8 +155,9 @@ func TestFaultPrefillLegFails(t *testing.T) {
 
 // TestFaultPrefillReturnsNoTransferParams: a prefill engine without a KV
 // connector (here a simulator in the decode role) answers 200 with
-// kv_transfer_params null. The decode leg then goes without params, the engine
-// recomputes the prompt, and extproc counts it.
+// kv_transfer_params null. That is a failed prefill, counted as one: the
+// decode leg goes decode-only (prefill.on_failure's default), without
+// params, and the engine recomputes the prompt.
 func TestFaultPrefillReturnsNoTransferParams(t *testing.T) {
 	for _, mode := range []string{"full_duplex", "buffered"} {
 		t.Run(mode, func(t *testing.T) {
@@ -175,8 +176,11 @@ func TestFaultPrefillReturnsNoTransferParams(t *testing.T) {
 			if len(d) != 1 || d[0].KV != "none" || strings.Contains(string(d[0].Body), "kv_transfer_params") {
 				t.Errorf("decode legs %+v, want one without kv_transfer_params, recomputed", d)
 			}
-			if n := r.metric(t, "pd_extproc_kv_params_missing_total"); n != 1 {
-				t.Errorf("pd_extproc_kv_params_missing_total = %v, want 1", n)
+			for _, series := range []string{"pd_extproc_kv_params_missing_total", `pd_extproc_prefill_failures_total{reason="no_kv_params"}`,
+				`pd_extproc_pd_decisions_total{reason="prefill_failed"}`} {
+				if n := r.metric(t, series); n != 1 {
+					t.Errorf("%s = %v, want 1", series, n)
+				}
 			}
 		})
 	}
