@@ -113,7 +113,7 @@ const (
 	FailureCancelled                     // the client left (the ext_proc stream ended) while the leg ran
 	FailureNotSent                       // net/http refused the leg before connecting (a header value or query of the client's that is not valid HTTP)
 	FailureTooLarge                      // a 2xx answer longer than the 8 MiB read: its kv_transfer_params would be lost
-	FailureMalformed                     // a 2xx answer that is not a JSON object (nor an event stream): a broken engine or proxy
+	FailureMalformed                     // a 2xx answer that is not a JSON object (nor an event stream), or a 101: a broken engine or proxy
 	FailureOverloaded                    // the engine answered 429: busy, not wrong; another may take the leg
 	FailureNotFound                      // the engine answered 404 with an OpenAI error: it lacks the model, adapter or stored response the request names, which another may have
 	FailureNoParams                      // a kv-nixl 2xx answer without kv_transfer_params: the decode engine would recompute the prompt

@@ -77,6 +77,9 @@ func classify(ctx context.Context, err error, reached bool) *attemptError {
 		e.reason = metrics.FailureStatus4xx
 	case e.answer != nil && e.answer.status >= 500:
 		e.reason = metrics.FailureStatus5xx
+	case e.answer != nil && e.answer.status < 200:
+		// A 101 to a leg that asked no upgrade: no engine answers so.
+		e.reason = metrics.FailureMalformed
 	case e.answer != nil:
 		e.reason = metrics.FailureRedirect
 	case errors.Is(err, errAnswerTooLarge):

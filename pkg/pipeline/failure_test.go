@@ -48,6 +48,7 @@ func TestClassifyPrefillErrors(t *testing.T) {
 		{"a 404 that is no OpenAI error (a path the engine lacks)", context.Background(), &statusError{status: 404, body: []byte(`{"detail":"Not Found"}`)},
 			false, metrics.FailureStatus4xx, false, false, false, 404},
 		{"engine redirect", context.Background(), &statusError{status: 307}, false, metrics.FailureRedirect, true, false, false, 502},
+		{"101 Switching Protocols, no upgrade asked", context.Background(), &statusError{status: 101}, false, metrics.FailureMalformed, true, true, false, 502},
 		{"a leg net/http refused to send", context.Background(), refused, true, metrics.FailureNotSent, false, false, false, 400},
 		{"an answer over the read cap", context.Background(), errAnswerTooLarge, false, metrics.FailureTooLarge, false, false, false, 502},
 		{"a kv-nixl answer without kv_transfer_params", context.Background(), errNoParams, false, metrics.FailureNoParams, false, false, false, 502},

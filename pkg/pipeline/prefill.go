@@ -101,6 +101,11 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 		return prefillAnswer{}, withoutQuery(err)
 	}
 	defer resp.Body.Close()
+	if resp.StatusCode < 200 {
+		// A 101, the one 1xx net/http hands on: its body, with an Upgrade
+		// header, is the connection itself, which no deadline ends.
+		return prefillAnswer{}, &statusError{status: resp.StatusCode}
+	}
 	answer, err := io.ReadAll(io.LimitReader(resp.Body, maxPrefillResponseBytes+1))
 	if err != nil {
 		return prefillAnswer{}, fmt.Errorf("reading prefill answer: %w", err)

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -180,6 +181,78 @@ func TestAPrefillAnswerWithoutParamsIsAFailedPrefill(t *testing.T) {
 			}
 			if tt.wantMode == metrics.ModeDecodeOnly && r.Report.Reason != metrics.ReasonPrefillFailed {
 				t.Errorf("reason %s, want %s", r.Report.Reason, metrics.ReasonPrefillFailed)
+			}
+		})
+	}
+}
+
+// A 101 Switching Protocols to a prefill leg, which asks no upgrade, is no
+// answer an engine gives: a broken engine, or a proxy answering for it. It
+// is malformed (retried elsewhere, blamed, then prefill.on_failure), not a
+// redirect; and what follows it is never read as its body: with an Upgrade
+// header Go hands the connection itself over as the body, which would hold
+// the leg until its timeout.
+func TestASwitchingProtocolsAnswerIsMalformed(t *testing.T) {
+	tests := []struct {
+		name, head string
+		onFailure  string
+		wantStatus int // 0: routed decode-only
+	}{
+		{name: "bare", head: "HTTP/1.1 101 Switching Protocols\r\n\r\n"},
+		{name: "upgrading the connection", head: "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"},
+		{name: "under on_failure fail", head: "HTTP/1.1 101 Switching Protocols\r\n\r\n", onFailure: "fail", wantStatus: http.StatusBadGateway},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			answer := func(w http.ResponseWriter, _ *http.Request) {
+				conn, buf, err := http.NewResponseController(w).Hijack()
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				defer conn.Close()
+				buf.WriteString(tt.head)
+				buf.Flush()
+				// Open until the client closes it; a client that reads it as
+				// the body waits for the engine to give up.
+				conn.SetReadDeadline(time.Now().Add(3 * time.Second))
+				buf.ReadByte()
+			}
+			a, b := enginetest.Start(t, answer), enginetest.Start(t, answer)
+			onFailure := "decode-only"
+			if tt.onFailure != "" {
+				onFailure = tt.onFailure
+			}
+			p, m, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\nprefill: {on_failure: %s, timeout: 20s}\n"+
+				"pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}", onFailure, a.Addr(), b.Addr()))
+			t.Cleanup(p.Wait)
+			r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-101",
+				Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+			d, err := p.Route(context.Background(), r)
+			switch {
+			case tt.wantStatus != 0 && err == nil:
+				d.Release()
+				t.Errorf("routed %s, want a %d", r.Report.Mode, tt.wantStatus)
+			case tt.wantStatus != 0:
+				if e := pipeline.AsError(err, r.RequestID); e.Status != tt.wantStatus {
+					t.Errorf("error %d %q, want %d", e.Status, e.Message, tt.wantStatus)
+				}
+			case err != nil:
+				t.Errorf("Route: %v, want it routed decode-only", err)
+			default:
+				d.Release()
+				if r.Report.Mode != metrics.ModeDecodeOnly || r.Report.Reason != metrics.ReasonPrefillFailed {
+					t.Errorf("routed %s (%s), want decode_only (prefill_failed)", r.Report.Mode, r.Report.Reason)
+				}
+			}
+			if r.Report.PrefillTime >= 3*time.Second {
+				t.Errorf("the prefill phase took %v: a leg read the switched connection as its answer's body", r.Report.PrefillTime)
+			}
+			for _, reason := range []metrics.Failure{metrics.FailureMalformed, metrics.FailureRedirect, metrics.FailureTimeout} {
+				want := map[bool]float64{true: 2}[reason == metrics.FailureMalformed] // one on each endpoint
+				if got := counter(t, m, "pd_extproc_prefill_failures_total", "reason", reason.String()); got != want {
+					t.Errorf("prefill_failures_total{reason=%s} = %v, want %v", reason, got, want)
+				}
 			}
 		})
 	}
