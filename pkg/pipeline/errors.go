@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
@@ -267,6 +268,10 @@ func prefillFailed(cause error, requestID string) *Error {
 		return e
 	case last == nil || !last.answered():
 		return hiding(http.StatusServiceUnavailable, "upstream_error", "prefill leg failed: no prefill engine answered", requestID, cause)
+	case last.refused() && last.answer.cut:
+		return &Error{Status: last.answer.status, Type: "invalid_request_error", Message: fmt.Sprintf(
+			"prefill engine rejected the request with an error over %d bytes, not passed on; it begins: %s",
+			maxPrefillResponseBytes, strings.ToValidUTF8(string(last.answer.body), ""))}
 	case last.refused():
 		return &Error{Status: last.answer.status, Type: "invalid_request_error", Message: "prefill engine rejected the request",
 			Raw: last.answer.body, ContentType: last.answer.contentType}

@@ -24,7 +24,14 @@ type statusError struct {
 	streamed bool
 	// retryAfter is the engine's Retry-After (a 429's, a 503's), 0 for none.
 	retryAfter time.Duration
+	// cut: the body ran past maxPrefillResponseBytes; body is its first
+	// maxQuotedBytes.
+	cut bool
 }
+
+// maxQuotedBytes is how much of an engine's error over the read cap the
+// client's error quotes.
+const maxQuotedBytes = 512
 
 // retryAfter reads a Retry-After header: seconds, or an HTTP date; 0 for
 // none, or one past.

@@ -111,9 +111,12 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 		return prefillAnswer{}, fmt.Errorf("reading prefill answer: %w", err)
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		answer = answer[:min(len(answer), maxPrefillResponseBytes)]
-		return prefillAnswer{}, &statusError{status: resp.StatusCode, body: answer, contentType: resp.Header.Get("Content-Type"),
+		e := &statusError{status: resp.StatusCode, body: answer, contentType: resp.Header.Get("Content-Type"),
 			retryAfter: retryAfter(resp.Header.Get("Retry-After"))}
+		if e.cut = len(answer) > maxPrefillResponseBytes; e.cut {
+			e.body = answer[:maxQuotedBytes] // cut, it is JSON no more: the client is told its beginning
+		}
+		return prefillAnswer{}, e
 	}
 	if len(answer) > maxPrefillResponseBytes {
 		return prefillAnswer{}, errAnswerTooLarge

@@ -2,6 +2,7 @@ package pipeline_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"strings"
@@ -253,6 +254,57 @@ func TestASwitchingProtocolsAnswerIsMalformed(t *testing.T) {
 				if got := counter(t, m, "pd_extproc_prefill_failures_total", "reason", reason.String()); got != want {
 					t.Errorf("prefill_failures_total{reason=%s} = %v, want %v", reason, got, want)
 				}
+			}
+		})
+	}
+}
+
+// An engine's refusal reaches the client as the engine wrote it, read up to
+// the 8 MiB a prefill answer is read to (vLLM's validation errors echo the
+// input they refuse, which a long prompt makes long). One longer would
+// reach it cut, as JSON that does not parse: the client gets the engine's
+// status instead, with an error of its API's shape that says so and quotes
+// the error's beginning.
+func TestAnEnginesRefusalOverTheReadCapKeepsItsStatus(t *testing.T) {
+	refusal := func(n int) string {
+		head, tail := `{"error":{"message":"[{'type': 'string_type', 'loc': ('body', 'messages'), 'input': '`, `'}]","type":"BadRequestError","code":400}}`
+		return head + strings.Repeat("x", n-len(head)-len(tail)) + tail
+	}
+	tests := []struct {
+		name, path string
+		size       int
+		wantRaw    bool   // the engine's body, whole
+		wantShape  string // else a body of this API's shape
+	}{
+		{name: "exactly 8 MiB: as the engine wrote it", path: "/v1/chat/completions", size: pipeline.MaxPrefillResponseBytes, wantRaw: true},
+		{name: "one byte over: OpenAI's shape", path: "/v1/chat/completions", size: pipeline.MaxPrefillResponseBytes + 1, wantShape: `{"error":{"message":`},
+		{name: "one byte over: Anthropic's shape", path: "/v1/messages", size: pipeline.MaxPrefillResponseBytes + 1,
+			wantShape: `{"type":"error","error":{"type":"invalid_request_error","message":`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			answer := refusal(tt.size)
+			engine := enginetest.Start(t, enginetest.JSON(http.StatusBadRequest, answer))
+			p, _, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}", engine.Addr()))
+			r := &pipeline.Request{Method: http.MethodPost, Path: tt.path, RequestID: "req-big",
+				Body: []byte(`{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`)}
+			d, err := p.Route(context.Background(), r)
+			if err == nil {
+				d.Release()
+				t.Fatalf("routed %s, want the engine's 400", r.Report.Mode)
+			}
+			e := pipeline.AsError(err, r.RequestID)
+			got, _ := e.Body(tt.path == "/v1/messages")
+			switch {
+			case e.Status != http.StatusBadRequest:
+				t.Errorf("status %d, want the engine's 400", e.Status)
+			case tt.wantRaw && string(got) != answer:
+				t.Errorf("the client gets %d bytes, want the engine's %d as they are", len(got), len(answer))
+			case tt.wantRaw:
+			case !json.Valid(got) || len(got) > 4<<10 || !strings.HasPrefix(string(got), tt.wantShape):
+				t.Errorf("the client gets %d bytes (valid JSON: %v), want a short error of its API's shape: %.300s", len(got), json.Valid(got), got)
+			case !strings.Contains(string(got), "8388608 bytes") || !strings.Contains(string(got), "string_type"):
+				t.Errorf("the error must say the engine's was over the read cap and quote its beginning: %s", got)
 			}
 		})
 	}
