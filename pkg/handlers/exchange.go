@@ -121,7 +121,7 @@ func (x *exchange) phase(req *extprocv3.ProcessingRequest) reply {
 		return x.onRequestTrailers()
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
 		x.servedBy(servedEndpoint(req.GetMetadataContext()))
-		x.onResponseHeaders(m.ResponseHeaders.GetHeaders())
+		x.onResponseHeaders(m.ResponseHeaders.GetHeaders(), m.ResponseHeaders.GetEndOfStream())
 		return answer(continueResponseHeaders())
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		return x.onResponseBody(m.ResponseBody)

@@ -203,8 +203,9 @@ func (x *exchange) servedBy(addr string) {
 // scheduling how the endpoint is doing (a 5xx ejects it like a refused
 // connection; a 2xx event stream whose body Envoy sends is judged when it
 // ends), and its status and content headers tell a rewrite (or a reader)
-// whether the body can be read, which needs the body in FULL_DUPLEX.
-func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap) {
+// whether the body can be read, which needs the body in FULL_DUPLEX. ends:
+// the headers end the answer (an empty body), which the rewrite is told.
+func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap, ends bool) {
 	status, rewriting := 0, x.rewriting()
 	var contentType, contentEncoding string
 	for _, h := range hm.GetHeaders() {
@@ -236,5 +237,9 @@ func (x *exchange) onResponseHeaders(hm *corev3.HeaderMap) {
 		})
 	default:
 		x.decision.Rewrite.Start(status, contentType, contentEncoding)
+		if ends { // an empty answer: no body follows to end the rewrite
+			x.answer.done = true
+			x.decision.Rewrite.Body(nil, true)
+		}
 	}
 }

@@ -207,6 +207,7 @@ func TestEveryUsageRewriteCountsAnOutcome(t *testing.T) {
 		{"response headers skipped by Envoy", nil, "unseen"},
 		{"client left mid-answer", []*extprocv3.ProcessingRequest{headers, envoymsg.Body(envoymsg.Response, []byte("data: {}\n\n"), false)}, "cancelled"},
 		{"client left after the usage", []*extprocv3.ProcessingRequest{headers, envoymsg.Body(envoymsg.Response, []byte(last), false)}, "rewritten"},
+		{"headers end an empty answer", []*extprocv3.ProcessingRequest{envoymsg.Headers(envoymsg.Response, true, envoymsg.Header{":status", "200"}, envoymsg.Header{"content-type", "text/event-stream"})}, "absent"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
