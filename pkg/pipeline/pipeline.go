@@ -184,11 +184,12 @@ func (p *Pipeline) Held() (prefill, decode int) {
 }
 
 // SetShedding applies reloaded admission.* keys to the requests routed from
-// now on, and its saturation lines and hold to those held too.
+// now on, and its saturation lines and hold to those held too: those of an
+// objective it sheds no more go on at once.
 func (p *Pipeline) SetShedding(s Shedding) {
 	p.shedding.settings.Store(&s)
-	p.shedding.prefill.Set(s.Lines, s.Hold)
-	p.shedding.decode.Set(s.Lines, s.Hold)
+	p.shedding.prefill.Set(s.Lines, s.Hold, s.Priorities)
+	p.shedding.decode.Set(s.Lines, s.Hold, s.Priorities)
 }
 
 // Wait blocks until every background prefill leg has ended.

@@ -353,7 +353,8 @@ func heldOutcome(err error) string {
 // shed holds r, then refuses it if it must, when its objective has a
 // negative priority and hold's pool, one it would use, is saturated: Route
 // asks of the decode pool, and of the prefill pool for P/D. A held request goes on
-// once the pool has room for it (scheduling.Hold); its client gone, it
+// once the pool has room for it, or a reload sheds its objective no more
+// (scheduling.Hold); its client gone, it
 // ends with its context's error. Hold bounds its time in both holds
 // together: one held for the decode pool waits for the prefill pool only
 // what is left of it. With MaxHeld requests in the holds (or just deciding
@@ -367,7 +368,7 @@ func (p *Pipeline) shed(ctx context.Context, r *Request, sreq *scheduling.Reques
 	}
 	if s.Hold > r.Report.HeldTime && p.shedding.waiting.take(s.MaxHeld) {
 		start := time.Now()
-		held, err := hold.Wait(ctx, sreq, priority, r.Fairness, r.Report.HeldTime)
+		held, err := hold.Wait(ctx, sreq, r.Objective, r.Fairness, r.Report.HeldTime)
 		p.shedding.waiting.give()
 		if held {
 			d := time.Since(start)

@@ -155,19 +155,28 @@ func TestAdmissionHoldBoundsBothPoolsTogether(t *testing.T) {
 // engines, whose queues stay as they were), and a shorter admission.hold
 // cuts their time to their start + the new hold (a longer one does not
 // lengthen it: Envoy's message timer and the clients' were set by the old).
+// An objective no longer shed (its priority 0 or more, or gone) has its
+// requests released at once, the pool still saturated: with no negative
+// priority left admission.hold is 0, which would refuse them.
 func TestAReloadReachesTheHeldRequests(t *testing.T) {
 	const reloadAt = 2 * time.Second
+	shed := map[string]int{"batch": -1}
 	tests := []struct {
-		name     string
-		queue    float64       // the reloaded admission.saturated_queue
-		hold     time.Duration // the reloaded admission.hold
-		wantHeld time.Duration // when the request is answered
-		want429  bool
+		name       string
+		priorities map[string]int // the reloaded admission.objectives
+		queue      float64        // the reloaded admission.saturated_queue
+		hold       time.Duration  // the reloaded admission.hold (0 where nothing is shed)
+		wantHeld   time.Duration  // when the request is answered
+		want429    bool
 	}{
-		{"a higher queue line: released at the reload", 10, 30 * time.Second, reloadAt, false},
-		{"a shorter hold: refused at its start + the new hold", 5, 5 * time.Second, 5 * time.Second, true},
-		{"a hold already over: refused at the reload", 5, time.Second, reloadAt, true},
-		{"a longer hold: refused at the old one's end", 5, time.Minute, 30 * time.Second, true},
+		{"a higher queue line: released at the reload", shed, 10, 30 * time.Second, reloadAt, false},
+		{"a shorter hold: refused at its start + the new hold", shed, 5, 5 * time.Second, 5 * time.Second, true},
+		{"a hold already over: refused at the reload", shed, 5, time.Second, reloadAt, true},
+		{"a longer hold: refused at the old one's end", shed, 5, time.Minute, 30 * time.Second, true},
+		{"its objective no longer shed, another still: released at the reload",
+			map[string]int{"batch": 0, "bulk": -1}, 5, 30 * time.Second, reloadAt, false},
+		{"no objective shed any more: released at the reload", map[string]int{"batch": 1}, 5, 0, reloadAt, false},
+		{"its objective gone: released at the reload", nil, 5, 0, reloadAt, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -179,7 +188,7 @@ func TestAReloadReachesTheHeldRequests(t *testing.T) {
 				go func() { defer close(running); p.Run(ctx) }()
 				synctest.Wait() // the first scrapes are in
 				time.AfterFunc(reloadAt, func() {
-					p.SetShedding(pipeline.Shedding{Priorities: map[string]int{"batch": -1},
+					p.SetShedding(pipeline.Shedding{Priorities: tt.priorities,
 						Lines: scheduling.Lines{Queue: tt.queue, KVCache: config.DefaultSaturatedKVCache}, Hold: tt.hold, RetryAfter: time.Second})
 				})
 				r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-1", Objective: "batch",

@@ -116,9 +116,9 @@ func poolOf(r role, spec PoolSpec, deps Deps) *Pool {
 func (e *Endpoint) setActive(v verdict) { e.recordCheck(v, anyEpoch) }
 
 // holdAt is a hold of pool's requests at the saturation lines lines, for
-// up to hold.
+// up to hold, that sheds objective batch.
 func holdAt(pool *Pool, lines Lines, hold time.Duration) *Hold {
 	h := NewHold(pool)
-	h.Set(lines, hold)
+	h.Set(lines, hold, map[string]int{"batch": -1})
 	return h
 }

@@ -25,27 +25,29 @@ const holdTick = 25 * time.Millisecond
 type Hold struct {
 	Pool *Pool // whose requests it holds
 
-	mu      sync.Mutex
-	held    []*waiter       // higher priority first, then by arrival
-	served  map[flow]uint64 // when each flow with requests held was last served, by serial
-	serial  uint64          // releases so far
-	round   time.Time       // the scrape last released on
-	lines   Lines           // Set's
-	hold    time.Duration   // Set's: the longest a request is held, in all
-	ticking bool            // a goroutine runs tick
-	closed  bool            // Close: holds nothing any more
-	wake    chan struct{}   // nudge's word to tick: judge again now
+	mu         sync.Mutex
+	held       []*waiter       // higher priority first, then by arrival
+	served     map[flow]uint64 // when each flow with requests held was last served, by serial
+	serial     uint64          // releases so far
+	round      time.Time       // the scrape last released on
+	lines      Lines           // Set's
+	hold       time.Duration   // Set's: the longest a request is held, in all
+	priorities map[string]int  // Set's: each objective's priority, 0 for one not named
+	ticking    bool            // a goroutine runs tick
+	closed     bool            // Close: holds nothing any more
+	wake       chan struct{}   // nudge's word to tick: judge again now
 }
 
 // waiter is a request in a Hold. done is called once, with nil when it is
 // released, ErrStillSaturated when its time is up first, ErrHoldClosed at
 // Close.
 type waiter struct {
-	req   *Request
-	flow  flow
-	since time.Time // when its time in the holds began
-	until time.Time
-	done  func(error)
+	req       *Request
+	objective string // Wait's; "" for Add's
+	flow      flow
+	since     time.Time // when its time in the holds began
+	until     time.Time
+	done      func(error)
 }
 
 // NewHold returns an empty hold for pool's requests.
@@ -53,24 +55,37 @@ func NewHold(pool *Pool) *Hold {
 	return &Hold{Pool: pool, served: map[flow]uint64{}, wake: make(chan struct{}, 1)}
 }
 
-// Set applies the saturation lines and the hold, at start and at each
-// reload, to the requests held and to come, and has the hold judge those
-// held again at once by the figures in hand rather than at the next scrape:
-// a reload that unsaturates a pool releases them. A held request's time is
-// cut to its start + hold where that is sooner, never lengthened: Envoy's
-// message timer and the client's were set by the hold it met.
-func (h *Hold) Set(lines Lines, hold time.Duration) {
+// Set applies the saturation lines, the hold and the objectives'
+// priorities, at start and at each reload, to the requests held and to come,
+// and has the hold judge those held again at once by the figures in hand
+// rather than at the next scrape: a reload that unsaturates a pool releases
+// them. A held request whose objective is shed no more (its priority 0 or
+// more, or gone) is released at once, its pool saturated or not: no reload
+// leaves it to wait, or refuses it at a hold cut to 0 with the last negative
+// priority. Another's time is cut to its start + hold where that is sooner,
+// never lengthened: Envoy's message timer and the client's were set by the
+// hold it met.
+func (h *Hold) Set(lines Lines, hold time.Duration, priorities map[string]int) {
 	h.mu.Lock()
 	if lines != h.lines {
 		h.lines, h.round = lines, time.Time{} // the last round's figures are a new round by the new lines
 	}
-	h.hold = hold
-	for _, x := range h.held {
+	h.hold, h.priorities = hold, priorities
+	var released []*waiter
+	h.held = slices.DeleteFunc(h.held, func(x *waiter) bool {
+		if x.objective != "" && priorities[x.objective] >= 0 { // Add's keep Add's priority
+			released = append(released, x)
+			return true
+		}
 		if end := x.since.Add(hold); end.Before(x.until) {
 			x.until = end
 		}
-	}
+		return false
+	})
 	h.mu.Unlock()
+	for _, x := range released {
+		x.done(nil)
+	}
 	h.nudge()
 }
 
@@ -89,17 +104,24 @@ func (h *Hold) Len() int {
 	return len(h.held)
 }
 
-// Wait holds req, of that priority and fairness id, until the pool has room
-// for it (nil), its time is up (ErrStillSaturated: the hold Set gave, less
-// what it was held already) or ctx is done (its error); held says it
-// waited. A request goes at once when nothing is held and its pool is not
-// saturated: one arriving behind held requests waits its turn. Once the hold
+// Wait holds req, of that objective and fairness id, until the pool has room
+// for it or Set sheds its objective no more (nil), its time is up
+// (ErrStillSaturated: the hold Set gave, less what it was held already) or
+// ctx is done (its error); held says it waited. A request goes at once when
+// Set's priorities do not shed its objective (0 or more), or when nothing is
+// held and its pool is not saturated: one arriving behind held requests
+// waits its turn. Once the hold
 // is closed, one it would hold ends at once with ErrHoldClosed.
-func (h *Hold) Wait(ctx context.Context, req *Request, priority int, fairness string, already time.Duration) (held bool, err error) {
+func (h *Hold) Wait(ctx context.Context, req *Request, objective, fairness string, already time.Duration) (held bool, err error) {
 	result := make(chan error, 1)
-	x := &waiter{req: req, flow: flowOf(fairness, priority), since: h.Pool.deps.Now().Add(-already), done: func(err error) { result <- err }}
+	x := &waiter{req: req, objective: objective, since: h.Pool.deps.Now().Add(-already), done: func(err error) { result <- err }}
 	h.mu.Lock()
-	x.until = x.since.Add(h.hold)
+	priority := h.priorities[objective]
+	if priority >= 0 { // shed no more since the caller read its priority
+		h.mu.Unlock()
+		return false, nil
+	}
+	x.flow, x.until = flowOf(fairness, priority), x.since.Add(h.hold)
 	held, err = h.add(x)
 	if held && !h.ticking {
 		h.ticking = true
@@ -145,7 +167,8 @@ func (h *Hold) Close() {
 
 // Add is Wait without the waiting: it holds req (true), and Release calls
 // done, or says it may go at once (false). The simulations drive it with
-// their own clock, and never close the hold.
+// their own clock, and never close the hold; a request held by Add names no
+// objective, and keeps the priority given whatever Set gives.
 func (h *Hold) Add(req *Request, priority int, fairness string, until time.Time, done func(released bool)) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()

@@ -242,7 +242,7 @@ func TestWaitEndsOnReleaseTimeOrCancel(t *testing.T) {
 			defer cancel()
 			done := make(chan error, 1)
 			go func() {
-				_, err := h.Wait(ctx, promptRequest("held"), -1, "", 0)
+				_, err := h.Wait(ctx, promptRequest("held"), "batch", "", 0)
 				done <- err
 			}()
 			for h.Len() == 0 { // held: Wait has added it
@@ -260,6 +260,36 @@ func TestWaitEndsOnReleaseTimeOrCancel(t *testing.T) {
 			}
 			if n := h.Len(); n != 0 {
 				t.Errorf("%d still held", n)
+			}
+		})
+	}
+}
+
+// Wait holds only the requests of an objective Set's priorities shed: one
+// whose objective a reload stopped shedding after its caller read the old
+// priority goes at once, its pool saturated.
+func TestWaitHoldsOnlyTheObjectivesSetSheds(t *testing.T) {
+	const a = "10.0.0.1:8000"
+	tests := []struct {
+		objective string
+		wantHeld  bool
+	}{
+		{"batch", true},        // -1
+		{"chat", false},        // 0
+		{"interactive", false}, // not named
+		{"", false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.objective, func(t *testing.T) {
+			p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, a)
+			byAddr(p, a).observe(Load{Waiting: 9, At: clock.Now()})
+			h := NewHold(p)
+			h.Set(defaultLines, time.Minute, map[string]int{"batch": -1, "chat": 0})
+			ctx, cancel := context.WithCancel(t.Context())
+			cancel() // a held request gives up at once, its client gone
+			held, err := h.Wait(ctx, promptRequest("r"), tt.objective, "", 0)
+			if held != tt.wantHeld || held != (err != nil) {
+				t.Errorf("Wait: held %v, %v; want held %v", held, err, tt.wantHeld)
 			}
 		})
 	}
