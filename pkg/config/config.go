@@ -190,7 +190,7 @@ func parse(data []byte, prepare func(*Config) error) (*Config, error) {
 			return nil, fmt.Errorf("config: %w", err)
 		}
 	}
-	c.ignored = c.Pools.ignored() // before the defaults fill the keys left out
+	c.ignored = append(c.Pools.ignored(), c.Admission.ignored()...) // before the defaults fill the keys left out
 	c.setDefaults()
 	if err := c.validate(); err != nil {
 		return nil, fmt.Errorf("config: %w", err)

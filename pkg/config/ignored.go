@@ -5,7 +5,8 @@ package config
 // named in a warning at load and at reload.
 
 // Ignored names each key of the file that does nothing without the key that
-// turns it on, as "key (needs switch)", the prefill pool's first.
+// turns it on, as "key (needs switch)", the prefill pool's first, admission's
+// last.
 func (c *Config) Ignored() []string { return c.ignored }
 
 // ignored reads the keys as written, before the defaults fill them.
@@ -38,6 +39,30 @@ func (s PoolScheduling) ignored(key string) []string {
 	} {
 		if k.set {
 			keys = append(keys, key+"."+k.name+" (needs "+key+"."+k.switchOn+")")
+		}
+	}
+	return keys
+}
+
+// ignored is admission's: every key but objectives bears on the requests it
+// may shed alone, and none is shed without a negative priority.
+func (a Admission) ignored() []string {
+	if a.Sheds() {
+		return nil
+	}
+	var keys []string
+	for _, k := range []struct {
+		set  bool
+		name string
+	}{
+		{a.SaturatedQueue != 0, "saturated_queue"},
+		{a.SaturatedKVCache != 0, "saturated_kv_cache"},
+		{a.Hold != nil, "hold"},
+		{a.MaxHeld != 0, "max_held"},
+		{a.RetryAfter != 0, "retry_after"},
+	} {
+		if k.set {
+			keys = append(keys, "admission."+k.name+" (needs an objective of negative priority under admission.objectives)")
 		}
 	}
 	return keys

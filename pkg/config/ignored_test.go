@@ -8,6 +8,10 @@ import (
 // A key that does nothing without the key that turns it on is accepted, so
 // that a file that loaded before still does, and named with that switch.
 func TestIgnoredKeysNameTheirSwitch(t *testing.T) {
+	const admission = "\nadmission: {saturated_queue: 3, saturated_kv_cache: 0.9, hold: 0s, max_held: 10, retry_after: 5s"
+	const shedding = "objective of negative priority under admission.objectives)"
+	admissionKeys := []string{"admission.saturated_queue (needs an " + shedding, "admission.saturated_kv_cache (needs an " + shedding,
+		"admission.hold (needs an " + shedding, "admission.max_held (needs an " + shedding, "admission.retry_after (needs an " + shedding}
 	tests := []struct {
 		name, pools string
 		want        []string
@@ -31,6 +35,14 @@ func TestIgnoredKeysNameTheirSwitch(t *testing.T) {
 		{"keys that act without checks", `{decode: {endpoints: ["10.0.0.2:8000"], health: {check_timeout: 2s, consecutive_failures: 5, base_ejection: 2s}}}`, nil},
 		{"both pools", `{prefill: {endpoints: ["10.0.0.1:8000"], dns_interval: 5s}, decode: {endpoints: ["10.0.0.2:8000"], health: {check_path: /ready}}}`,
 			[]string{"pools.prefill.dns_interval (needs pools.prefill.dns)", "pools.decode.health.check_path (needs pools.decode.health.check_interval)"}},
+		// Every admission key but objectives acts on the requests it may shed alone.
+		{"admission settings without objectives", `{decode: {endpoints: ["10.0.0.2:8000"]}}` + admission + "}", admissionKeys},
+		{"admission settings without a negative priority", `{decode: {endpoints: ["10.0.0.2:8000"]}}` + admission + ", objectives: {chat: 1, batch: 0}}",
+			admissionKeys},
+		{"admission settings with a negative priority", `{decode: {endpoints: ["10.0.0.2:8000"], metrics: {interval: 1s}}}` + admission + ", objectives: {batch: -1}}", nil},
+		{"objectives without a negative priority", `{decode: {endpoints: ["10.0.0.2:8000"]}}` + "\nadmission: {objectives: {chat: 1}}", nil},
+		{"pool keys first", `{decode: {endpoints: ["10.0.0.2:8000"], dns_interval: 5s}}` + "\nadmission: {hold: 10s}",
+			[]string{"pools.decode.dns_interval (needs pools.decode.dns)", "admission.hold (needs an " + shedding}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
