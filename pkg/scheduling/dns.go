@@ -84,3 +84,18 @@ func (p *Pool) dnsNames() []string {
 	}
 	return []string{p.spec.DNS}
 }
+
+// warm keeps, as a reload sets next, what the pool's DNS served until
+// next's name first answers (setResolved), as Envoy keeps a changed
+// cluster's old hosts until the new one has warmed: a reload must not empty
+// a pool, nor freeze it on a name no longer asked. An old name's addresses
+// follow its answers meanwhile (dnsNames); a reload from static endpoints
+// keeps those it drops. Without a name, the static endpoints apply at once.
+func (p *Pool) warm(next PoolSpec) {
+	switch {
+	case next.DNS == "":
+		p.resolved, p.resolvedName = nil, ""
+	case p.spec.DNS == "":
+		p.resolved = p.spec.Endpoints
+	}
+}

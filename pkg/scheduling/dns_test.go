@@ -166,3 +166,50 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 		time.Sleep(2 * time.Millisecond)
 	}
 }
+
+// A reload that gives a pool a DNS name keeps what served before until the
+// name first answers, as Envoy warms a changed cluster: requests meanwhile
+// are routed, not answered 503 for an empty pool. A reload that takes the
+// name away applies the static list at once.
+func TestReloadToDNSKeepsServingUntilTheNameAnswers(t *testing.T) {
+	const name = "decode.svc:8000"
+	static := func(addrs ...string) PoolSpec { return PoolSpec{Endpoints: addrs} }
+	withDNS := func(addrs ...string) PoolSpec {
+		return PoolSpec{Endpoints: addrs, PoolScheduling: config.PoolScheduling{DNS: name}}
+	}
+	for _, tc := range []struct {
+		name           string
+		from, to       PoolSpec
+		before, answer []string // the endpoints until the name answers, and once it has
+	}{
+		{"static to dns", static("10.0.0.1:8000"), withDNS(),
+			[]string{"10.0.0.1:8000"}, []string{"10.0.0.5:8000"}},
+		{"static to static and dns", static("10.0.0.1:8000", "10.0.0.2:8000"), withDNS("10.0.0.2:8000"),
+			[]string{"10.0.0.2:8000", "10.0.0.1:8000"}, []string{"10.0.0.2:8000", "10.0.0.5:8000"}},
+		{"dns to static", withDNS(), static("10.0.0.1:8000"),
+			[]string{"10.0.0.1:8000"}, []string{"10.0.0.1:8000"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newFakeResolver()
+			p := poolOf(roleDecode, tc.from, Deps{Resolver: r})
+			ctx := context.Background()
+			r.set("decode.svc", []string{"10.0.0.9"}, nil)
+			p.resolve(ctx, name) // what the old spec's name, if any, answered
+
+			p.Update(tc.to)
+			r.set("decode.svc", nil, errors.New("NXDOMAIN"))
+			p.resolve(ctx, name)
+			if got := addrsOf(p.Endpoints()); !slices.Equal(got, tc.before) {
+				t.Errorf("endpoints after the reload, its name not answering = %v, want %v", got, tc.before)
+			}
+			if _, err := p.Select(nil); err != nil || !p.Ready() {
+				t.Errorf("a request after the reload: %v (ready %v), want it routed", err, p.Ready())
+			}
+			r.set("decode.svc", []string{"10.0.0.5"}, nil)
+			p.resolve(ctx, name)
+			if got := addrsOf(p.Endpoints()); !slices.Equal(got, tc.answer) {
+				t.Errorf("endpoints once the name answered = %v, want %v", got, tc.answer)
+			}
+		})
+	}
+}

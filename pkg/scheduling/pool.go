@@ -53,13 +53,14 @@ type Pool struct {
 	// subset hint (see NewPools), and panics.
 	probe probe
 
-	mu       sync.Mutex // serialises changes
-	spec     PoolSpec
-	specGen  uint64   // Updates so far
-	resolved []string // from DNS, under resolvedName
-	// resolvedName is the DNS name resolved holds the answer of: the spec's,
-	// or, until a name changed by a reload first answers, the old one,
-	// which is still looked up meanwhile.
+	mu      sync.Mutex // serialises changes
+	spec    PoolSpec
+	specGen uint64 // Updates so far
+	// resolved are the addresses DNS answered for resolvedName: the spec's
+	// name, or, until a name a reload set first answers, the old one, still
+	// looked up meanwhile; with no name, the static endpoints the reload
+	// replaced (warm).
+	resolved     []string
 	resolvedName string
 	// discovered come from a discovery source (SetDiscovered), sorted by address.
 	discovered []Discovered
@@ -263,13 +264,7 @@ func (p *Pool) Update(spec PoolSpec) {
 	spec.Endpoints = slices.Clone(spec.Endpoints)
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	// A new DNS name's first answer replaces the old name's addresses, which
-	// serve until then (and follow the old name's answers), as Envoy keeps a
-	// changed cluster's old hosts until the new one has warmed: a reload
-	// must not empty a pool, nor freeze it on a name that is no longer asked.
-	if spec.DNS == "" {
-		p.resolved, p.resolvedName = nil, ""
-	}
+	p.warm(spec)
 	p.spec = spec
 	p.specGen++
 	p.rebuild()
