@@ -213,3 +213,54 @@ func TestReloadToDNSKeepsServingUntilTheNameAnswers(t *testing.T) {
 		})
 	}
 }
+
+// With active checks on, an endpoint that leaves a DNS answer for a while
+// (a name answering varied subsets) comes back with its checks' verdict, as
+// Envoy keeps a host its checks pass (updateDynamicHostList): readiness
+// does not await a check of it again, nor does its first unanswered check
+// take it out; one they found down stays down. Past rerankWindow it comes
+// back new.
+func TestAnEndpointBackInTheAnswerKeepsItsChecksVerdict(t *testing.T) {
+	const name, back = "decode.svc:8000", "10.0.0.2:8000"
+	for _, tc := range []struct {
+		name    string
+		verdict verdict    // of both endpoints' checks, an hour before the answers change
+		answers [][]string // then, away apart
+		away    time.Duration
+		awaits  bool // back awaits a check on its return
+		down    bool // back is down after an unanswered check
+	}{
+		{"back at the next answer", passed, [][]string{{"10.0.0.1"}, {"10.0.0.1", "10.0.0.2"}}, 0, false, false},
+		{"every endpoint away in turn", passed, [][]string{{"10.0.0.1"}, {"10.0.0.2"}}, time.Minute, false, false},
+		{"back past the window", passed, [][]string{{"10.0.0.1"}, {"10.0.0.1", "10.0.0.2"}}, rerankWindow, true, true},
+		{"found down, back", refused, [][]string{{"10.0.0.1"}, {"10.0.0.1", "10.0.0.2"}}, time.Minute, false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r, clock := newFakeResolver(), newFakeClock()
+			spec := PoolSpec{PoolScheduling: config.PoolScheduling{DNS: name}}
+			spec.Health.CheckInterval = config.Duration(time.Minute) // on, but not run here
+			p := poolOf(roleDecode, spec, Deps{Resolver: r, Now: clock.Now})
+			r.set("decode.svc", []string{"10.0.0.1", "10.0.0.2"}, nil)
+			p.resolve(t.Context(), name)
+			for _, e := range p.Endpoints() {
+				e.setActive(tc.verdict)
+			}
+			clock.Advance(time.Hour)
+			for i, ips := range tc.answers {
+				if i > 0 {
+					clock.Advance(tc.away)
+				}
+				r.set("decode.svc", ips, nil)
+				p.resolve(t.Context(), name)
+			}
+			e := byAddr(p, back)
+			if awaits := p.AwaitsCheck(e); awaits != tc.awaits {
+				t.Fatalf("%s awaits a check on its return: %v, want %v", back, awaits, tc.awaits)
+			}
+			e.setActive(unanswered)
+			if down := e.CheckedDown(); down != tc.down {
+				t.Errorf("%s down after an unanswered check: %v, want %v", back, down, tc.down)
+			}
+		})
+	}
+}

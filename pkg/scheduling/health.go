@@ -119,15 +119,20 @@ func (e *Endpoint) reportSuccess(epoch uint64) {
 
 // departing says whether an endpoint that leaves its pool still matters,
 // should it come back: requests are in flight on it, its ejection runs, or
-// its checks found it down lately (a new Endpoint would be taken healthy
-// until its first check ended).
+// its checks judged it and it left lately (moved). A new Endpoint would be
+// taken healthy until its first check, and readiness would await that
+// check: a DNS name answering varied subsets would make every endpoint
+// await in turn. Envoy keeps a host its checks pass when discovery drops it,
+// and its health when it returns (updateDynamicHostList,
+// source/common/upstream/upstream_impl.cc @ 000be490); here the verdict
+// stands for rerankWindow, no longer, so that departed endpoints stay few.
 func (e *Endpoint) departing(now time.Time) bool {
 	if e.inflight.Load() > 0 {
 		return true
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return now.Before(e.health.until) || e.health.activeDown && recentlyMoved(e, now)
+	return now.Before(e.health.until) || e.health.checkRun > 0 && recentlyMoved(e, now)
 }
 
 // Healthy reports whether the endpoint may take a request now.

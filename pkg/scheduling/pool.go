@@ -322,6 +322,7 @@ func (p *Pool) rebuild() {
 	for _, d := range p.discovered {
 		add(d.Addr, &d)
 	}
+	gone := goneSince(old, seen, now) // marks those leaving now moved, as departing reads
 	p.departed = nil
 	for a, e := range keep {
 		if !seen[a] && e.departing(now) {
@@ -335,7 +336,7 @@ func (p *Pool) rebuild() {
 	for _, e := range eps {
 		members[e] = true
 	}
-	p.state.Store(counted(&poolState{endpoints: eps, members: members, gone: goneSince(old, seen, now), picker: p.pickerAfter(old),
+	p.state.Store(counted(&poolState{endpoints: eps, members: members, gone: gone, picker: p.pickerAfter(old),
 		spec: s, specGen: p.specGen, changed: make(chan struct{})}))
 	if old != nil {
 		close(old.changed)
