@@ -1,6 +1,7 @@
 package server
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"maps"
@@ -102,15 +103,16 @@ func empty(v any) bool {
 }
 
 // logConfigReloaded is the line a reload writes: what the pools now are,
-// and every changed key that waits for a restart.
-func logConfigReloaded(log logr.Logger, path string, started, c *config.Config) {
+// and every changed key that waits for a restart; then what the config
+// lacks or gets wrong (warnNoPool, warnConfig).
+func logConfigReloaded(log logr.Logger, path string, started, c *config.Config, paired string) {
 	if keys := restartOnly(started, c); len(keys) > 0 {
 		log.Info("config reloaded, but these keys take effect only on restart and keep their running values",
 			"path", path, "restartPending", keys, "prefill", c.Pools.Prefill.Endpoints, "decode", c.Pools.Decode.Endpoints)
 	} else {
 		log.Info("config reloaded", "path", path, "prefill", c.Pools.Prefill.Endpoints, "decode", c.Pools.Decode.Endpoints)
 	}
-	warnNoDecodePool(log, path, c)
+	warnNoPool(log, path, c, paired)
 	warnConfig(log, c)
 }
 
@@ -138,19 +140,24 @@ func warnSlowScrapes(log logr.Logger, c *config.Config) {
 	}
 }
 
-// warnNoDecodePool says what to set when the config names no decode engine
-// (the embedded default, or a file without pools.decode): the server runs but
-// stays not ready, since no request can be routed.
-func warnNoDecodePool(log logr.Logger, path string, c *config.Config) {
-	if c.Pools.Decode.Configured() {
-		return
+// warnNoPool says what to set when the config names no engine of a pool
+// requests need: the decode pool (the embedded default, or a file without
+// pools.decode), or the prefill pool under paired, the running connector
+// when its decode engines serve only pairs (kv-sglang; else ""). The server
+// runs but stays not ready, since no request can be routed.
+func warnNoPool(log logr.Logger, path string, c *config.Config, paired string) {
+	source := cmp.Or(path, "the embedded default config (no --config given)")
+	switch {
+	case !c.Pools.Decode.Configured():
+		log.Info("no decode engine is configured: pd-extproc routes nothing and stays not ready until the config names one; "+
+			"set pools.decode.endpoints (ip:port), pools.decode.dns (a headless Service) or pools.decode.kubernetes, "+
+			"and the prefill pool the same way, in a file given with --config (README, Configuration)",
+			"config", source)
+	case paired != "" && !c.Pools.Prefill.Configured():
+		log.Info("no prefill engine is configured: under "+paired+" the decode engines serve only prefill/decode pairs, "+
+			"so pd-extproc routes nothing and stays not ready until the config names one; "+
+			"set pools.prefill.endpoints (ip:port), pools.prefill.dns (a headless Service) or pools.prefill.kubernetes "+
+			"(README, Configuration)",
+			"config", source)
 	}
-	source := path
-	if source == "" {
-		source = "the embedded default config (no --config given)"
-	}
-	log.Info("no decode engine is configured: pd-extproc routes nothing and stays not ready until the config names one; "+
-		"set pools.decode.endpoints (ip:port), pools.decode.dns (a headless Service) or pools.decode.kubernetes, "+
-		"and the prefill pool the same way, in a file given with --config (README, Configuration)",
-		"config", source)
 }

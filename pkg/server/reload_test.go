@@ -154,6 +154,65 @@ func TestNoDecodePoolServesNotReadyAndSaysWhatToSet(t *testing.T) {
 	}
 }
 
+// Under kv-sglang, whose decode engines serve only prefill/decode pairs, a
+// config that names no prefill engine leaves the replica not ready: the
+// start, and a reload to such a config, say what to set. Under the other
+// connectors requests go decode-only, and nothing is said.
+func TestNoPrefillPoolUnderKVSGLangSaysWhatToSet(t *testing.T) {
+	const decode = `decode: {endpoints: ["` + decodeEP + `"]}`
+	const prefill = `prefill: {endpoints: ["10.1.1.3:8000"]}, `
+	const noPrefill = "no prefill engine is configured"
+	tests := []struct {
+		name, connector, pools string
+		reload                 string // pools of the file a reload reads; "": none
+		want                   bool
+	}{
+		{"kv-sglang without a prefill engine", "kv-sglang", "{" + decode + "}", "", true},
+		{"kv-sglang with one", "kv-sglang", "{" + prefill + decode + "}", "", false},
+		{"kv-nixl without one: requests go decode-only", "kv-nixl", "{" + decode + "}", "", false},
+		{"kv-sglang, reloaded without it", "kv-sglang", "{" + prefill + decode + "}", "{" + decode + "}", true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "extproc.yaml")
+			file := func(pools string) string { return "connector: " + tt.connector + "\npools: " + pools + "\n" }
+			if err := os.WriteFile(path, []byte(file(tt.pools)), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			logs := &logLines{}
+			r := start(t, file(tt.pools), Options{ConfigPath: path}, funcr.NewJSON(logs.add, funcr.Options{}))
+			said := slices.ContainsFunc(logs.all(t), func(l map[string]any) bool { // New logs it, before it returns
+				msg, _ := l["msg"].(string)
+				return strings.HasPrefix(msg, noPrefill)
+			})
+			if said != (tt.want && tt.reload == "") {
+				t.Fatalf("at start, a line saying no prefill engine is configured: %v:\n%s", said, logs.raw())
+			}
+			if !tt.want {
+				return
+			}
+			if tt.reload != "" {
+				if err := os.WriteFile(path, []byte(file(tt.reload)), 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+			line := waitLogLine(t, logs, noPrefill)
+			msg := line["msg"].(string)
+			for _, want := range []string{"kv-sglang", "not ready", "pools.prefill.endpoints", "pools.prefill.dns", "pools.prefill.kubernetes"} {
+				if !strings.Contains(msg, want) {
+					t.Errorf("the line does not name %s: %q", want, msg)
+				}
+			}
+			if line["config"] != path {
+				t.Errorf("config = %v, want %s", line["config"], path)
+			}
+			if code, body := r.get(t, "/readyz"); tt.reload == "" && code != http.StatusServiceUnavailable {
+				t.Errorf("/readyz = %d %q, want 503", code, body) // a reload's, the next poll tells
+			}
+		})
+	}
+}
+
 // waitLogLine waits, bounded, for a line whose message starts with prefix.
 func waitLogLine(t *testing.T, logs *logLines, prefix string) map[string]any {
 	t.Helper()

@@ -158,7 +158,7 @@ func New(cfg *config.Config, opts Options, log logr.Logger) (*Server, error) {
 	}
 	s.ready.update() // serving from the first health check on, when the pool allows
 	s.admin = &http.Server{Handler: s.adminMux(), ReadHeaderTimeout: 10 * time.Second}
-	warnNoDecodePool(log, opts.ConfigPath, cfg)
+	warnNoPool(log, opts.ConfigPath, cfg, s.pairedConnector())
 	warnConfig(log, cfg)
 	return s, nil
 }
@@ -198,13 +198,22 @@ func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) erro
 	return err
 }
 
+// pairedConnector is the running connector when its decode engines serve
+// only prefill/decode pairs, so that no request goes decode-only; else "".
+func (s *Server) pairedConnector() string {
+	if s.pipeline.Paired() {
+		return s.cfg.Connector
+	}
+	return ""
+}
+
 // watchConfig returns the loop that reloads the config file when it changes.
 func (s *Server) watchConfig(ctx context.Context) func() {
 	return func() {
 		err := config.Watch(ctx, s.opts.ConfigPath, s.cfg, s.reread, func(c *config.Config) {
 			assemble.Reload(s.pipeline, c)
 			s.metrics.ConfigReloaded(len(restartOnly(s.cfg, c)))
-			logConfigReloaded(s.log, s.opts.ConfigPath, s.cfg, c)
+			logConfigReloaded(s.log, s.opts.ConfigPath, s.cfg, c, s.pairedConnector())
 		}, func(err error) {
 			s.metrics.ConfigRejected()
 			s.log.Error(err, "config change rejected; the previous config stays", "path", s.opts.ConfigPath)
