@@ -120,7 +120,7 @@ func (s *source) streamBroken(err error) {
 func (s *source) explain(verb string, err error) (string, error) {
 	switch {
 	case apierrors.IsForbidden(err), apierrors.IsUnauthorized(err):
-		return ReasonDenied, fmt.Errorf("may not %s %s in namespace %q: grant the verbs get, list and watch on %s "+
+		return ReasonDenied, fmt.Errorf("may not %s %s in namespace %q: grant the verbs list and watch on %s "+
 			"to pd-extproc's service account (the chart's Role and RoleBinding: rbac.create, rbac.extraNamespaces for another namespace): %w",
 			verb, s.resource, s.namespace, s.resource, err)
 	case apierrors.IsNotFound(err) && s.resource == inferencePools:

@@ -22,7 +22,7 @@ func TestSourceExplainsRefusals(t *testing.T) {
 		want                 []string
 	}{
 		{"watch forbidden", "pods", "watch", apierrors.NewForbidden(pods, "", errors.New("RBAC: no")),
-			ReasonDenied, true, []string{`may not watch pods in namespace "llm"`, "grant the verbs get, list and watch on pods"}},
+			ReasonDenied, true, []string{`may not watch pods in namespace "llm"`, "grant the verbs list and watch on pods"}},
 		{"unauthorized", "pods", "list", apierrors.NewUnauthorized("bad token"),
 			ReasonDenied, true, []string{`may not list pods`}},
 		{"CRD not installed", inferencePools, "list", apierrors.NewNotFound(ipools, ""),

@@ -14,11 +14,11 @@ import (
 )
 
 // The ServiceAccount the chart's Deployment runs as is the one its Roles are bound to, in each
-// namespace discovery reads, and the Roles grant exactly what discovery uses: get, list and
-// watch on pods, and on InferencePools when asked.
+// namespace discovery reads, and the Roles grant exactly what discovery's informers use: list
+// and watch on pods, and on InferencePools when asked (nothing reads one object: no get).
 func TestDiscoveryRBAC(t *testing.T) {
-	pods := map[string]any{"apiGroups": []any{""}, "resources": []any{"pods"}, "verbs": []any{"get", "list", "watch"}}
-	pools := map[string]any{"apiGroups": []any{"inference.networking.k8s.io"}, "resources": []any{"inferencepools"}, "verbs": []any{"get", "list", "watch"}}
+	pods := map[string]any{"apiGroups": []any{""}, "resources": []any{"pods"}, "verbs": []any{"list", "watch"}}
+	pools := map[string]any{"apiGroups": []any{"inference.networking.k8s.io"}, "resources": []any{"inferencepools"}, "verbs": []any{"list", "watch"}}
 	tests := []struct {
 		example    string
 		namespaces []string

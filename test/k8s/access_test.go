@@ -34,7 +34,7 @@ func TestNotReadyUntilDiscoveryCanBeTrusted(t *testing.T) {
 	rbac := c.kube.RbacV1()
 	if _, err := rbac.Roles(noWatch).Create(context.Background(), &rbacv1.Role{
 		ObjectMeta: metav1.ObjectMeta{Name: "list-only"},
-		Rules:      []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list"}}},
+		Rules:      []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"list"}}},
 	}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -59,7 +59,7 @@ func TestNotReadyUntilDiscoveryCanBeTrusted(t *testing.T) {
 		needsNoCRD                  bool
 	}{
 		{"Role without watch", "", nowatchToken, withPrefill(fmt.Sprintf(`{namespace: %s, selector: "a=b", port: 8000}`, noWatch)),
-			[]string{"[-]kubernetes prefill", fmt.Sprintf(`may not watch pods in namespace %q`, noWatch), "grant the verbs get, list and watch on pods"}, true, false},
+			[]string{"[-]kubernetes prefill", fmt.Sprintf(`may not watch pods in namespace %q`, noWatch), "grant the verbs list and watch on pods"}, true, false},
 		{"no Role at all", "", nowatchToken, withPrefill(fmt.Sprintf(`{namespace: %s, selector: "a=b", port: 8000}`, noCRD)),
 			[]string{"[-]kubernetes prefill", fmt.Sprintf(`may not watch pods in namespace %q`, noCRD)}, true, false},
 		{"InferencePool CRD not installed", "", extprocToken, withPrefill(fmt.Sprintf(`{namespace: %s, inference_pool: vllm}`, noCRD)),
