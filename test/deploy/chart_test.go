@@ -13,6 +13,7 @@ import (
 	"sync"
 	"testing"
 
+	"k8s.io/apimachinery/pkg/util/validation"
 	"sigs.k8s.io/yaml"
 
 	"github.com/pd-extproc/pd-extproc/internal/chart"
@@ -690,4 +691,48 @@ func merged(over map[string]any, base any) map[string]any {
 	}
 	maps.Copy(out, over)
 	return out
+}
+
+// Any release name Helm takes (at most 53 characters: a DNS subdomain, so digits first and dots
+// allowed) renders names the API server and cert-manager accept: Services are RFC 1035 labels (a
+// letter first, at most 63 characters), other objects DNS subdomains, the certificates' DNS
+// names hostnames and their common names at most 64 characters (X.509's bound).
+func TestChartNamesFitAnyReleaseName(t *testing.T) {
+	values := map[string]any{
+		"gateway":    map[string]any{"enabled": true},
+		"monitoring": map[string]any{"serviceMonitor": map[string]any{"enabled": true}, "dashboard": map[string]any{"enabled": true}},
+	}
+	for _, release := range []string{
+		"inference-router-for-the-llama-fleet-in-europe-west4", // 52 characters
+		"router-with-pd-extproc-in-its-name-and-forty-four-x",  // 51, kept whole: it holds pd-extproc
+		"2026",
+		"router.v2",
+	} {
+		t.Run(release, func(t *testing.T) {
+			ms := render(t, chart.Example{Name: release, Release: chart.Release{Name: release, Namespace: "pd-extproc"}}, values)
+			for _, m := range ms {
+				check, rule := validation.IsDNS1123Subdomain, "a DNS subdomain"
+				if m.kind() == "Service" {
+					check, rule = validation.IsDNS1035Label, "an RFC 1035 label"
+				}
+				if errs := check(m.name()); errs != nil {
+					t.Errorf("%s %q is not %s: %v", m.kind(), m.name(), rule, errs)
+				}
+				if m.kind() != "Certificate" {
+					continue
+				}
+				if cn := digString(m.doc, "spec", "commonName"); len(cn) > 64 {
+					t.Errorf("Certificate %s: commonName %q is %d characters, over 64", m.name(), cn, len(cn))
+				}
+				names, _ := dig(m.doc, "spec", "dnsNames").([]any)
+				for _, n := range names {
+					for _, label := range strings.Split(n.(string), ".") {
+						if errs := validation.IsDNS1123Label(label); errs != nil {
+							t.Errorf("Certificate %s: DNS name %q: %v", m.name(), n, errs)
+						}
+					}
+				}
+			}
+		})
+	}
 }

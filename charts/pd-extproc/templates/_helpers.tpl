@@ -1,19 +1,24 @@
-{{/* The chart's name, and the release's full name (Kubernetes names are at most 63 bytes). */}}
+{{/* The chart's name, and the release's full name. Services are RFC 1035 labels (a letter first,
+at most 63 characters), and the longest name made from the full name is the Service
+<fullname>-envoy-stats: the full name keeps to 51 characters, a release name that starts with a
+digit goes after the chart's name, and a dot (Helm allows them) becomes a dash. */}}
 {{- define "pd-extproc.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
 {{- define "pd-extproc.fullname" -}}
-{{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
-{{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
-{{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 63 | trimSuffix "-" }}
-{{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- $full := .Values.fullnameOverride }}
+{{- if not $full }}
+{{- $full = ternary .Release.Name (printf "%s-%s" .Release.Name $name) (contains $name .Release.Name) }}
+{{- if not (regexMatch "^[a-z]" $full) }}
+{{- $full = printf "%s-%s" $name .Release.Name }}
 {{- end }}
 {{- end }}
+{{- if not (regexMatch "^[a-z]" $full) }}
+{{- fail (printf "the release's full name %q must start with a letter (Service names do): change fullnameOverride or nameOverride" $full) }}
+{{- end }}
+{{- $full | replace "." "-" | trunc 51 | trimSuffix "-" }}
 {{- end }}
 
 {{/* Labels of every object; the selector labels are a subset that never changes. */}}
