@@ -23,6 +23,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
+	"sigs.k8s.io/yaml"
 
 	"github.com/pd-extproc/pd-extproc/internal/chart"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu"
@@ -66,12 +67,16 @@ func gatewayPaths(t *testing.T) []string {
 }
 
 // gatewayManifests is the chart's rendering with Envoy Gateway in front (its envoy-gateway
-// example), after the namespace helm install --create-namespace makes, without the cert-manager
-// objects: one stream, the form `egctl x translate --file` takes.
-func gatewayManifests(t *testing.T) []byte {
+// example, its top-level keys replaced by those of overrides, YAML), after the namespace helm
+// install --create-namespace makes, without the cert-manager objects: one stream, the form
+// `egctl x translate --file` takes.
+func gatewayManifests(t *testing.T, overrides string) []byte {
 	t.Helper()
 	ex := example(t, "envoy-gateway")
 	values, err := ex.ValuesMap()
+	if err == nil {
+		err = yaml.Unmarshal([]byte(overrides), &values)
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,13 +125,16 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 	limits, paths, replies := defaultServiceLimits(t), gatewayPaths(t), shippedLocalReplies(t, envoyConfigs(t))
 	// The Secret users create (README, "Secure by default"), here from a test CA: Envoy Gateway
 	// refuses the policies that name it until it exists.
-	shipped := append(gatewayManifests(t), clientTLSSecret(t)...)
+	secret := clientTLSSecret(t)
+	shipped := append(gatewayManifests(t, ""), secret...)
 	tests := []struct {
 		name     string
+		values   string   // YAML over the example's values: rendered anew
 		old, new string   // the edit: the first old in the manifests becomes new
 		wants    []string // empty: the translation must be clean
 	}{
 		{name: "as shipped"},
+		{name: "a larger gateway.bufferLimit", values: "gateway: {enabled: true, bufferLimit: 64Mi}"},
 		{
 			// Envoy Gateway reports a patch whose target does not exist only in the policy
 			// status; the route silently keeps its Service cluster and pd-extproc's choice of
@@ -216,6 +224,9 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel() // each case is one egctl process; run them side by side
 			manifests := string(shipped)
+			if tc.values != "" {
+				manifests = string(append(gatewayManifests(t, tc.values), secret...))
+			}
 			if tc.old != "" {
 				edited := strings.Replace(manifests, tc.old, tc.new, 1)
 				if edited == manifests {
@@ -364,8 +375,9 @@ func checkGatewayPromises(m *envoyModel, limits serviceLimits, paths []string, r
 	if port := hcm.listener.GetAddress().GetSocketAddress().GetPortValue(); port != gatewayListenerPort {
 		r.errorf("inference listener port = %d, want %d", port, gatewayListenerPort)
 	}
-	if got := uint64(hcm.listener.GetPerConnectionBufferLimitBytes().GetValue()); got < limits.maxBodyBytes {
-		r.errorf("inference listener buffer limit = %d bytes, below limits.max_body_bytes %d (ClientTrafficPolicy connection.bufferLimit)", got, limits.maxBodyBytes)
+	bufferLimit := hcm.listener.GetPerConnectionBufferLimitBytes().GetValue()
+	if uint64(bufferLimit) < limits.maxBodyBytes {
+		r.errorf("inference listener buffer limit = %d bytes, below limits.max_body_bytes %d (ClientTrafficPolicy connection.bufferLimit)", bufferLimit, limits.maxBodyBytes)
 	}
 
 	var extProc *extprocv3.ExternalProcessor
@@ -438,6 +450,11 @@ func checkGatewayPromises(m *envoyModel, limits serviceLimits, paths []string, r
 			}
 		}
 	}
+	for name, c := range m.clusters {
+		if got := c.GetPerConnectionBufferLimitBytes().GetValue(); c.GetType() == clusterv3.Cluster_ORIGINAL_DST && got != bufferLimit {
+			r.errorf("decode cluster %q buffer limit = %d bytes, not the inference listener's %d (gateway.bufferLimit)", name, got, bufferLimit)
+		}
+	}
 	for _, p := range paths {
 		if !slices.ContainsFunc(matches, func(m *routev3.RouteMatch) bool { return routeMatches(m, p) }) {
 			r.errorf("no inference route for %s", p)
@@ -507,4 +524,36 @@ func clientTLSSecret(t *testing.T) []byte {
 	enc := base64.StdEncoding.EncodeToString
 	return fmt.Appendf(nil, "---\napiVersion: v1\nkind: Secret\nmetadata: {name: pd-extproc-client-tls, namespace: %s}\ntype: kubernetes.io/tls\ndata:\n  tls.crt: %s\n  tls.key: %s\n  ca.crt: %s\n",
 		manifestNamespace, enc(cert), enc(key), enc(ca.PEM))
+}
+
+// The decode cluster the EnvoyPatchPolicy adds takes gateway.bufferLimit in bytes, in each form
+// of a quantity Envoy Gateway reads the same value from; a form the chart cannot count is
+// refused, naming the key.
+func TestGatewayBufferLimitInBytes(t *testing.T) {
+	ex := example(t, "envoy-gateway")
+	for _, tc := range []struct {
+		limit any
+		want  string // the cluster's per_connection_buffer_limit_bytes, or the refusal
+	}{
+		{"32Mi", "33554432"},
+		{33554432, "33554432"},
+		{"64M", "64000000"},
+		{"1Gi", "1073741824"},
+		{"0.5Gi", `gateway.bufferLimit: "0.5Gi" is not a whole number of bytes`},
+	} {
+		t.Run(fmt.Sprint(tc.limit), func(t *testing.T) {
+			values := map[string]any{"envoy": map[string]any{"enabled": false}, "gateway": map[string]any{"enabled": true, "bufferLimit": tc.limit}}
+			out, err := chart.Render(testbed.MustRepoPath(t, chart.Dir), ex.Release, values)
+			if err != nil {
+				if !strings.Contains(err.Error(), tc.want) {
+					t.Errorf("render: %v, want %q", err, tc.want)
+				}
+				return
+			}
+			got := regexp.MustCompile(`(?m)^\s+per_connection_buffer_limit_bytes: (\S+)$`).FindSubmatch(out)
+			if got == nil || string(got[1]) != tc.want {
+				t.Errorf("decode cluster per_connection_buffer_limit_bytes = %q, want %s", got, tc.want)
+			}
+		})
+	}
 }

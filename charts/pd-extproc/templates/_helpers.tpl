@@ -53,6 +53,19 @@ replicas minAvailable). */}}
 {{- end }}
 {{- end }}
 
+{{/* The bytes of a Kubernetes quantity, where Envoy's own config takes a number: a whole number
+with an optional suffix Ki, Mi, Gi, k, M or G. Takes (list key quantity). */}}
+{{- define "pd-extproc.bytes" -}}
+{{- $q := index . 1 }}
+{{- $q = ternary (int64 $q) $q (kindIs "float64" $q) | toString }}
+{{- $units := dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 }}
+{{- $unit := regexReplaceAll "^[0-9]+" $q "" }}
+{{- if not (and (regexMatch "^[0-9]" $q) (hasKey $units $unit)) }}
+{{- fail (printf "%s: %q is not a whole number of bytes with an optional suffix Ki, Mi, Gi, k, M or G" (index . 0) $q) }}
+{{- end }}
+{{- mul (trimSuffix $unit $q | int64) (get $units $unit) }}
+{{- end }}
+
 {{- define "pd-extproc.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "pd-extproc.fullname" .) .Values.serviceAccount.name }}
