@@ -94,6 +94,8 @@ func pool(t *testing.T, file string) *x509.CertPool {
 // The chart's cert-manager objects issue the Secrets its pods read, for the names they check:
 // pd-extproc's certificate for the SAN Envoy's matcher and the BackendTLSPolicy name, Envoy's
 // for the SAN --tls-client-allowed-sans admits, both from one CA (whose ca.crt each side trusts).
+// cert-manager renews that CA on its own and reissues nothing it signed (cert-manager#2478): the
+// CA keeps its key, so that what it signed before still verifies against it.
 func TestCertManagerExampleIssuesWhatTheManifestsRead(t *testing.T) {
 	k8s := chartManifests(t, "defaults")
 	gw := chartManifests(t, "envoy-gateway")
@@ -128,6 +130,8 @@ func TestCertManagerExampleIssuesWhatTheManifestsRead(t *testing.T) {
 		{"the CA issuer signs with the CA certificate", digString(find(t, k8s, "Issuer", digString(client, "spec", "issuerRef", "name")), "spec", "ca", "secretName"),
 			digString(find(t, k8s, "Certificate", "pd-extproc-ca"), "spec", "secretName")},
 		{"the CA certificate is a CA", dig(find(t, k8s, "Certificate", "pd-extproc-ca"), "spec", "isCA"), true},
+		// cert-manager 1.18 and later make a new key at each renewal unless told otherwise.
+		{"the CA keeps its key when renewed", digString(find(t, k8s, "Certificate", "pd-extproc-ca"), "spec", "privateKey", "rotationPolicy"), "Never"},
 	}
 	for _, c := range checks {
 		if !reflect.DeepEqual(c.got, c.want) {
