@@ -2,6 +2,7 @@ package deploy
 
 import (
 	"cmp"
+	"encoding/json"
 	"fmt"
 	"maps"
 	"os"
@@ -696,7 +697,8 @@ func merged(over map[string]any, base any) map[string]any {
 // Any release name Helm takes (at most 53 characters: a DNS subdomain, so digits first and dots
 // allowed) renders names the API server and cert-manager accept: Services are RFC 1035 labels (a
 // letter first, at most 63 characters), other objects DNS subdomains, the certificates' DNS
-// names hostnames and their common names at most 64 characters (X.509's bound).
+// names hostnames and their common names at most 64 characters (X.509's bound); and the release
+// name, a label value, is a string wherever it stands, never a number.
 func TestChartNamesFitAnyReleaseName(t *testing.T) {
 	values := map[string]any{
 		"gateway":    map[string]any{"enabled": true},
@@ -710,7 +712,11 @@ func TestChartNamesFitAnyReleaseName(t *testing.T) {
 	} {
 		t.Run(release, func(t *testing.T) {
 			ms := render(t, chart.Example{Name: release, Release: chart.Release{Name: release, Namespace: "pd-extproc"}}, values)
+			bare := regexp.MustCompile(`[:\[,]` + regexp.QuoteMeta(release) + `[,\]}]`)
 			for _, m := range ms {
+				if js, _ := json.Marshal(m.doc); bare.Match(js) {
+					t.Errorf("%s %s: the release name is rendered as a number, where the API server takes a string", m.kind(), m.name())
+				}
 				check, rule := validation.IsDNS1123Subdomain, "a DNS subdomain"
 				if m.kind() == "Service" {
 					check, rule = validation.IsDNS1035Label, "an RFC 1035 label"

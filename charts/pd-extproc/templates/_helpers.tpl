@@ -31,13 +31,13 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 
 {{- define "pd-extproc.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "pd-extproc.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- end }}
 
 {{/* The standalone Envoy's pods: app.kubernetes.io/name envoy, as the engines' NetworkPolicy admits them. */}}
 {{- define "pd-extproc.envoySelectorLabels" -}}
 app.kubernetes.io/name: envoy
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- end }}
 
 {{/* The pods a PodDisruptionBudget of minAvailable keeps out of replicas, as Kubernetes counts
