@@ -695,27 +695,28 @@ func merged(over map[string]any, base any) map[string]any {
 }
 
 // Any release name Helm takes (at most 53 characters: a DNS subdomain, so digits first and dots
-// allowed) renders names the API server and cert-manager accept: Services are RFC 1035 labels (a
-// letter first, at most 63 characters), other objects DNS subdomains, the certificates' DNS
-// names hostnames and their common names at most 64 characters (X.509's bound); and the release
-// name, a label value, is a string wherever it stands, never a number.
-func TestChartNamesFitAnyReleaseName(t *testing.T) {
+// allowed), in any namespace, renders names the API server and cert-manager accept: Services are
+// RFC 1035 labels (a letter first, at most 63 characters), other objects DNS subdomains, the
+// certificates' DNS names hostnames and their common names at most 64 characters (X.509's
+// bound); and the release name and namespace are strings wherever they stand, never numbers.
+func TestChartNamesFitAnyRelease(t *testing.T) {
 	values := map[string]any{
 		"gateway":    map[string]any{"enabled": true},
 		"monitoring": map[string]any{"serviceMonitor": map[string]any{"enabled": true}, "dashboard": map[string]any{"enabled": true}},
 	}
-	for _, release := range []string{
-		"inference-router-for-the-llama-fleet-in-europe-west4", // 52 characters
-		"router-with-pd-extproc-in-its-name-and-forty-four-x",  // 51, kept whole: it holds pd-extproc
-		"2026",
-		"router.v2",
+	for _, rel := range []chart.Release{
+		{Name: "inference-router-for-the-llama-fleet-in-europe-west4", Namespace: "pd-extproc"}, // 52 characters
+		{Name: "router-with-pd-extproc-in-its-name-and-forty-four-x", Namespace: "pd-extproc"},  // 51, kept whole: it holds pd-extproc
+		{Name: "2026", Namespace: "pd-extproc"},
+		{Name: "router.v2", Namespace: "pd-extproc"},
+		{Name: "pd-extproc", Namespace: "2026"},
 	} {
-		t.Run(release, func(t *testing.T) {
-			ms := render(t, chart.Example{Name: release, Release: chart.Release{Name: release, Namespace: "pd-extproc"}}, values)
-			bare := regexp.MustCompile(`[:\[,]` + regexp.QuoteMeta(release) + `[,\]}]`)
+		t.Run(rel.Name+" in "+rel.Namespace, func(t *testing.T) {
+			ms := render(t, chart.Example{Name: rel.Name, Release: rel}, values)
+			bare := regexp.MustCompile(`[:\[,](` + regexp.QuoteMeta(rel.Name) + "|" + regexp.QuoteMeta(rel.Namespace) + `)[,\]}]`)
 			for _, m := range ms {
 				if js, _ := json.Marshal(m.doc); bare.Match(js) {
-					t.Errorf("%s %s: the release name is rendered as a number, where the API server takes a string", m.kind(), m.name())
+					t.Errorf("%s %s: the release name or namespace is rendered as a number, where the API server takes a string", m.kind(), m.name())
 				}
 				check, rule := validation.IsDNS1123Subdomain, "a DNS subdomain"
 				if m.kind() == "Service" {
