@@ -120,7 +120,7 @@ func (p *Pool) Select(req *Request, exclude ...string) (*Endpoint, error) {
 	if err != nil {
 		return nil, err
 	}
-	return st.picker.Pick(req, cands), nil
+	return st.pick(req, cands), nil
 }
 
 // SelectN returns up to n distinct endpoints, the policy's choice first and
@@ -132,7 +132,7 @@ func (p *Pool) SelectN(req *Request, n int, exclude ...string) ([]*Endpoint, err
 	if err != nil {
 		return nil, err
 	}
-	first := st.picker.Pick(req, cands)
+	first := st.pick(req, cands)
 	if n <= 1 { // no fallbacks (the default): nothing to rank
 		return []*Endpoint{first}, nil
 	}

@@ -38,6 +38,10 @@ type Request struct {
 	// where the pool's engines list different models, only those listing it
 	// may take the request (models.go).
 	Model string
+	// Response is the id of the stored response the request names, "" for
+	// none: the decode pool sends it to the endpoint the id names
+	// (NewResponseID) while it may take it.
+	Response string
 
 	prompt *api.Prompt // read as the request's API reads it; nil for none
 	// tokens are the prompt's token ids as its engine computes them, when
