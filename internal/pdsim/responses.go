@@ -88,7 +88,11 @@ func (s *Server) checkStored(req *request) *apiError {
 // or whole, and stores it unless store is false.
 func (s *Server) answerResponses(ctx context.Context, w http.ResponseWriter, req *request, res kvResult, n int, finish string) error {
 	msgID := "msg_" + randomHex(8)
-	resp := &responseObject{ID: req.internalID, Object: "response", CreatedAt: time.Now().Unix(), Model: s.cfg.Model,
+	id := req.internalID
+	if raw, ok := present(req.fields, "request_id"); ok {
+		json.Unmarshal(raw, &id) // vLLM's response id is the request_id as given (ResponsesResponse.from_request)
+	}
+	resp := &responseObject{ID: id, Object: "response", CreatedAt: time.Now().Unix(), Model: s.cfg.Model,
 		Output: []responseOutput{}, MaxOutputTokens: req.maxTokens, Status: "in_progress", KVTransferParams: orNull(res.params)}
 	resp.Background, _ = boolField(req.fields, "background")
 	if raw, ok := present(req.fields, "previous_response_id"); ok {

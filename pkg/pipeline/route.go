@@ -71,7 +71,8 @@ func (p *Pipeline) RouteHeaders(r *Request) (*Decision, error) {
 			return &Decision{Answer: answer}, nil
 		}
 	}
-	sreq := &scheduling.Request{N: 1, Prompts: 1, Subset: scheduling.ParseSubset(r.Subset), Model: model}
+	sreq := &scheduling.Request{N: 1, Prompts: 1, Subset: scheduling.ParseSubset(r.Subset), Model: model,
+		Response: api.StoredResponseID(a, r.URLPath(), nil)}
 	r.Report.Mode, r.Report.Reason = metrics.ModeDecodeOnly, metrics.ReasonNoBody
 	d, err := p.pickDecode(sreq)
 	if err != nil {
@@ -119,6 +120,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	sreq := scheduling.NewRequest(prompt)
 	sreq.Subset = scheduling.ParseSubset(r.Subset)
 	sreq.Alone, sreq.Session, sreq.Client = alone, r.Session, r.Client
+	sreq.Response = api.StoredResponseID(a, r.URLPath(), obj)
 	if err := p.parallelSamples(sreq); err != nil {
 		return nil, err
 	}
@@ -138,7 +140,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 			panic(v)
 		}
 	}()
-	h := &kv.Handoff{Body: obj, Shape: &a.Shape}
+	h := &kv.Handoff{Body: withResponseID(a, obj, d.decode.Endpoint), Shape: &a.Shape}
 	d.Body, err = p.legs(ctx, r, h, sreq, d)
 	if err != nil {
 		d.Release()

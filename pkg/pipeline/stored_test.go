@@ -1,0 +1,95 @@
+package pipeline_test
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+	"github.com/pd-extproc/pd-extproc/pkg/config"
+	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
+	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
+
+	"github.com/go-logr/logr"
+)
+
+// storedID is the request_id a stored Responses request's legs carry.
+var storedID = regexp.MustCompile(`"request_id":"(resp_[^"]+)"`)
+
+// TestStoredResponseAffinity: a Responses request that the decode engine
+// will store is given a response id naming that engine, and every request
+// naming the id (previous_response_id, GET, DELETE, cancel) reaches it,
+// among three decode endpoints taken in turn.
+func TestStoredResponseAffinity(t *testing.T) {
+	engine := enginetest.Start(t, enginetest.JSON(200, `{"kv_transfer_params":`+prefillKV+`}`))
+	cfg, err := config.Parse([]byte(fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, "+
+		"decode: {policy: round-robin, endpoints: [\"10.1.1.1:8000\", \"10.1.1.2:8000\", \"10.1.1.3:8000\"]}}\n", engine.Addr())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := assemble.Pipeline(cfg, logr.Discard())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Wait(); pipeline.CloseIdle(p) })
+	route := func(method, path, body string) (string, string) {
+		t.Helper()
+		r := &pipeline.Request{Method: method, Path: path, RequestID: "r1"}
+		var d *pipeline.Decision
+		if body == "" {
+			d, err = p.RouteHeaders(r)
+		} else {
+			r.Body = []byte(body)
+			d, err = p.Route(context.Background(), r)
+		}
+		if err != nil {
+			t.Fatalf("%s %s: %v", method, path, err)
+		}
+		d.Release()
+		return r.Report.Decode, string(d.Body.Bytes())
+	}
+
+	stored, first := route(http.MethodPost, "/v1/responses", `{"input":"hi"}`)
+	m := storedID.FindStringSubmatch(first)
+	if m == nil {
+		t.Fatalf("decode body %s has no request_id: the response id would say nothing of its engine", first)
+	}
+	id := m[1]
+	if prefill := engine.Requests(); len(prefill) != 1 || !storedID.MatchString(prefill[0].Body) {
+		t.Errorf("prefill legs %+v, want one with the same request_id", prefill)
+	}
+
+	tests := []struct{ name, method, path, body string }{
+		{"a follow-up naming it", http.MethodPost, "/v1/responses", `{"input":"more","previous_response_id":"` + id + `"}`},
+		{"GET", http.MethodGet, "/v1/responses/" + id, ""},
+		{"GET streamed from a point", http.MethodGet, "/v1/responses/" + id + "?stream=true&starting_after=3", ""},
+		{"DELETE", http.MethodDelete, "/v1/responses/" + id, ""},
+		{"cancel", http.MethodPost, "/v1/responses/" + id + "/cancel", ""},
+		{"cancel with a body", http.MethodPost, "/v1/responses/" + id + "/cancel", `{}`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			for range 6 { // round-robin would take each endpoint twice
+				if got, _ := route(tt.method, tt.path, tt.body); got != stored {
+					t.Fatalf("%s %s reached %s, want %s, which stored %s", tt.method, tt.path, got, stored, id)
+				}
+			}
+		})
+	}
+
+	// What the id is not given to.
+	for _, tt := range []struct{ name, body, want string }{
+		{"store false: nothing is stored", `{"input":"hi","store":false}`, `{"input":"hi","store":false,`},
+		{"the client's own request_id is its response id", `{"input":"hi","request_id":"mine"}`, `{"input":"hi","request_id":"mine",`},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			if _, got := route(http.MethodPost, "/v1/responses", tt.body); !strings.HasPrefix(got, tt.want) ||
+				strings.Count(got, `"request_id"`) != strings.Count(tt.body, `"request_id"`) {
+				t.Errorf("decode body %s, want %s and the connector's fields", got, tt.want)
+			}
+		})
+	}
+}
