@@ -227,11 +227,15 @@ type scraped struct {
 // (Pool.Saturated, Hold), so that an engine whose scrapes fail neither holds
 // back a round nor shows the room its old figures had.
 func (e *Endpoint) fresh() (Load, bool) {
-	if l := e.scrapedAt(e.cfg().now); l != nil && !l.failed {
+	if l := e.scrapedAt(e.cfg().now); l.answered() {
 		return l.Load, true
 	}
 	return Load{}, false
 }
+
+// answered says whether s, a scrape that is not stale (scrapedAt), is the
+// engine's last answer: no scrape failed since.
+func (s *scraped) answered() bool { return s != nil && !s.failed }
 
 // scrapeFailed notes a failed scrape: the last figures stay, to go stale,
 // but are not fresh.
@@ -285,25 +289,39 @@ func (s *scraped) rewrite() (seconds float64, ok bool) {
 	return s.CacheTokens / (s.Written - s.marks[0].Written) * s.At.Sub(s.marks[0].At).Seconds(), true // x/0 is +Inf
 }
 
-// Busyness is what load-aware pickers compare, lower is better: our requests in
-// flight, plus the engine's queue and KV use when a fresh scrape has them. The
-// queue counts on top of in-flight on purpose: waiting requests are the sign of
-// a saturated engine, and they include other routers' traffic.
-func (e *Endpoint) Busyness() float64 { return e.busynessAt(e.cfg().now) }
-
-// busynessAt is Busyness by the clock now.
-func (e *Endpoint) busynessAt(now func() time.Time) float64 {
-	busy, _ := e.busynessOf(e.scrapedAt(now))
-	return busy
+// busynessOf is what load-aware pickers compare, lower is better, with s the
+// endpoint's last scrape (scrapedAt) and mean the candidates' (meanLoad): our
+// requests in flight, plus the engine's queue and KV use by s if it
+// answered, else by the mean of those that did; and the engine's queue so
+// counted. The queue counts on top of in-flight on purpose: waiting
+// requests are the sign of a saturated engine, and they include other
+// routers' traffic. An engine whose scrapes fail (its /metrics often stops
+// answering as it is overloaded), or have not come yet, neither reads idle,
+// drawing the requests, nor is left out: it keeps a fair share.
+func (e *Endpoint) busynessOf(s *scraped, mean func() poolLoad) (busy, queued float64) {
+	busy = float64(e.InFlight())
+	if s.answered() {
+		return busy + s.Waiting + s.KVUsage, s.Waiting
+	}
+	m := mean()
+	return busy + m.busy, m.queued
 }
 
-// busynessOf is the busyness with s, the endpoint's fresh scrape (nil:
-// none), and the engine's scraped queue (0 without one).
-func (e *Endpoint) busynessOf(s *scraped) (busy, queued float64) {
-	busy = float64(e.InFlight())
-	if s != nil {
-		busy += s.Waiting + s.KVUsage
-		queued = s.Waiting
+// poolLoad is the mean of the candidates' engines' figures that busynessOf
+// counts (queue and KV use; queue), over those whose last scrape answered
+// and is fresh; 0 when none did.
+type poolLoad struct{ busy, queued float64 }
+
+// meanLoad is the poolLoad of eps by the clock now.
+func meanLoad(eps []*Endpoint, now func() time.Time) (m poolLoad) {
+	var n float64
+	for _, e := range eps {
+		if s := e.scrapedAt(now); s.answered() {
+			m.busy, m.queued, n = m.busy+s.Waiting+s.KVUsage, m.queued+s.Waiting, n+1
+		}
 	}
-	return busy, queued
+	if n == 0 {
+		return poolLoad{}
+	}
+	return poolLoad{busy: m.busy / n, queued: m.queued / n}
 }

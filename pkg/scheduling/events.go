@@ -1,8 +1,10 @@
 package scheduling
 
 import (
+	"cmp"
 	"context"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 
@@ -206,12 +208,14 @@ func (ps *Pools) Tokenizer(req *Request) (e *Endpoint, t Tokenizer, ok bool) {
 		st := p.state.Load()
 		var sc scope // the subset hint is the decode leg's, not this question's
 		sc.model, sc.only = st.servingOnly(model)
+		var cands []*Endpoint
 		for _, c := range st.endpoints {
-			if c.Healthy() && sc.admits(c) && (e == nil || c.Busyness() < e.Busyness()) {
-				e = c
+			if c.Healthy() && sc.admits(c) {
+				cands = append(cands, c)
 			}
 		}
-		if e != nil {
+		if len(cands) > 0 {
+			e = slices.MinFunc(busyness(cands), func(a, b ranked) int { return cmp.Compare(a.busy, b.busy) }).e
 			t := Tokenizer{Path: ev.spec.Tokenize.Path, Timeout: ev.spec.Tokenize.Timeout.D()}
 			if p == ps.Decode {
 				t.Client, t.Scheme = p.probe.client, p.probe.scheme

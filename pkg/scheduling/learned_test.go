@@ -31,7 +31,10 @@ func (p *learnedAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 	busy := make([]float64, len(eps))
 	var total float64
 	for i, e := range eps {
-		busy[i] = e.Busyness()
+		busy[i] = float64(e.InFlight())
+		if l, ok := e.Load(); ok {
+			busy[i] += l.Waiting + l.KVUsage
+		}
 		total += busy[i]
 	}
 	bound := p.factor*total/float64(len(eps)) + p.slack

@@ -2,6 +2,7 @@ package scheduling
 
 import (
 	"cmp"
+	"sync"
 	"sync/atomic"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -44,9 +45,10 @@ func newPicker(s PoolSpec, r role, intn func(int) int, cache func() *kvevents.In
 }
 
 // twoChoices compares two random candidates and keeps the less busy
-// (Endpoint.Busyness; "power of two choices"): nearly as good as the best of
-// all, and concurrent pickers that see the same counts do not all pile onto
-// one endpoint.
+// (Endpoint.busynessOf; "power of two choices"): nearly as good as the best
+// of all, and concurrent pickers that see the same counts do not all pile
+// onto one endpoint. The candidates' mean load is read only for one of the
+// two without fresh figures.
 type twoChoices struct {
 	intn func(int) int
 }
@@ -60,7 +62,10 @@ func (p *twoChoices) Pick(_ *Request, eps []*Endpoint) *Endpoint {
 	if j >= i {
 		j++
 	}
-	if eps[j].Busyness() < eps[i].Busyness() {
+	now := sync.OnceValue(eps[i].cfg().now)
+	mean := sync.OnceValue(func() poolLoad { return meanLoad(eps, now) })
+	first, _ := eps[i].busynessOf(eps[i].scrapedAt(now), mean)
+	if second, _ := eps[j].busynessOf(eps[j].scrapedAt(now), mean); second < first {
 		return eps[j]
 	}
 	return eps[i]

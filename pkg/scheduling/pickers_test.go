@@ -23,21 +23,23 @@ func loaded(inflight ...int) []*Endpoint {
 	return eps
 }
 
-// Busyness is the requests in flight, plus a fresh scrape's queue and KV use.
+// Busyness is the requests in flight, plus a fresh scrape's queue and KV
+// use, or without one the mean of the fresh ones.
 func TestBusynessAddsAFreshScrape(t *testing.T) {
 	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, "a", "b", "c")
 	eps := p.Endpoints()
 	acquire(eps[0])
 	acquire(eps[0])
+	eps[0].observe(Load{Waiting: 1, At: clock.Now()})
 	eps[1].observe(Load{Waiting: 3, KVUsage: 0.5, At: clock.Now()})
-	eps[2].observe(Load{Waiting: 9, At: clock.Now().Add(-time.Hour)}) // stale: ignored
+	eps[2].observe(Load{Waiting: 9, At: clock.Now().Add(-time.Hour)}) // stale: the mean's
 
 	var got []float64
-	for _, e := range eps {
-		got = append(got, e.Busyness())
+	for _, r := range busyness(eps) {
+		got = append(got, r.busy)
 	}
-	if want := []float64{2, 3.5, 0}; !slices.Equal(got, want) {
-		t.Fatalf("Busyness() = %v, want %v", got, want)
+	if want := []float64{3, 3.5, 2.25}; !slices.Equal(got, want) {
+		t.Fatalf("busyness = %v, want %v", got, want)
 	}
 }
 
@@ -243,6 +245,84 @@ func BenchmarkSelectAtScale(b *testing.B) {
 		b.Run(fmt.Sprint(n, "/prefix-affinity+events/chat-32000chars"), func(b *testing.B) {
 			p, req := eventsPool(addrs)
 			benchPick(b, p, req, addrs[0])
+		})
+	}
+}
+
+// An endpoint without fresh figures (its scrapes fail, they are stale, or
+// none came yet) is scored by its requests in flight here plus, for its
+// engine's queue and KV use, the mean of the candidates' fresh scrapes: it
+// neither reads idle and draws the requests (an engine whose /metrics stops
+// answering is often one overloaded) nor is left out. Figures are by
+// position: the address order for least load (which compares the first two:
+// testPool's draws), the prompt's ranking for prefix affinity (bounds: an
+// engine queue at most the mean + 1).
+func TestEndpointWithoutFreshFiguresScoresThePoolMean(t *testing.T) {
+	type figures struct {
+		inflight int
+		waiting  float64
+		scrape   string // "fresh", "failed" (the last scrape failed), "stale", "" (none yet)
+	}
+	tests := []struct {
+		name   string
+		policy string
+		eps    []figures
+		want   int // position
+	}{
+		{"least load: scrapes failing, idle when they last answered", config.PolicyLeastLoad,
+			[]figures{{0, 0, "failed"}, {0, 2, "fresh"}, {0, 6, "fresh"}}, 1}, // 4 against 2
+		{"least load: figures stale", config.PolicyLeastLoad,
+			[]figures{{0, 0, "stale"}, {0, 2, "fresh"}, {0, 6, "fresh"}}, 1},
+		{"least load: never scraped", config.PolicyLeastLoad,
+			[]figures{{0, 0, ""}, {0, 2, "fresh"}, {0, 6, "fresh"}}, 1},
+		{"least load: the mean is less busy than a busy engine", config.PolicyLeastLoad,
+			[]figures{{0, 0, "failed"}, {0, 6, "fresh"}, {0, 2, "fresh"}}, 0}, // 4 against 6
+		{"least load: busy when they last answered, a share still", config.PolicyLeastLoad,
+			[]figures{{0, 9, "failed"}, {0, 6, "fresh"}, {0, 2, "fresh"}}, 0},
+		{"least load: requests in flight here count on top", config.PolicyLeastLoad,
+			[]figures{{2, 0, "failed"}, {0, 4, "fresh"}, {0, 2, "fresh"}}, 1}, // 2 + 3 against 4
+		{"least load: no fresh figures anywhere, in flight alone", config.PolicyLeastLoad,
+			[]figures{{1, 0, "failed"}, {0, 9, "stale"}, {0, 0, ""}}, 1},
+		{"affinity: the home stays within the bound, not spilled to scrapes failing", config.PolicyPrefixAffinity,
+			[]figures{{0, 5, "fresh"}, {0, 0, "failed"}, {0, 3, "fresh"}, {0, 4, "fresh"}}, 0}, // mean 4 (3 with the failing at 0)
+		{"affinity: scrapes failing keep the home's share", config.PolicyPrefixAffinity,
+			[]figures{{0, 0, "failed"}, {0, 8, "fresh"}, {0, 8, "fresh"}, {0, 8, "fresh"}}, 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			addrs := []string{"a", "b", "c", "d"}[:len(tt.eps)]
+			p, clock := testPool(t, config.PoolScheduling{Policy: tt.policy,
+				Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)},
+				Prefix:  config.PrefixAffinity{BlockChars: 16, KeyBlocks: 2, LoadFactor: 1.5, LoadSlack: 2, QueueSlack: 1}}, addrs...)
+			prompt := blocks("abc")
+			order := addrs
+			if tt.policy == config.PolicyPrefixAffinity {
+				order = ranking(p, prompt)
+				aff := p.state.Load().picker.(*prefixAffinity)
+				aff.index.record(prompt[:32], aff.index.hashes(0, prompt[:32]), order[0], 0)
+			}
+			for i, f := range tt.eps {
+				e := byAddr(p, order[i])
+				for range f.inflight {
+					acquire(e)
+				}
+				switch f.scrape {
+				case "fresh":
+					e.observe(Load{Waiting: f.waiting, At: clock.Now()})
+				case "failed":
+					e.observe(Load{Waiting: f.waiting, At: clock.Now()})
+					e.scrapeFailed()
+				case "stale":
+					e.observe(Load{Waiting: f.waiting, At: clock.Now().Add(-time.Minute)})
+				}
+			}
+			got, err := p.Select(promptRequest(prompt))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got.Addr != order[tt.want] {
+				t.Fatalf("Select() = %s, want %s (order %v)", got.Addr, order[tt.want], order)
+			}
 		})
 	}
 }

@@ -139,13 +139,10 @@ func (p *Pool) SelectN(req *Request, n int, exclude ...string) ([]*Endpoint, err
 	// The n-1 least busy others, of equals the first listed: each read
 	// once, kept in order as they come, not the whole pool sorted.
 	best := make([]ranked, 0, n-1)
-	now := sync.OnceValue(first.cfg().now) // as busyness reads it
-	for _, e := range cands {
-		if e == first {
+	for _, r := range busyness(cands) {
+		if r.e == first {
 			continue
 		}
-		r := ranked{e: e}
-		r.busy = e.busynessAt(now)
 		i := len(best)
 		for i > 0 && best[i-1].busy > r.busy {
 			i--

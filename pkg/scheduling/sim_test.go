@@ -553,12 +553,14 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 		for _, pool := range s.pools {
 			for _, e := range pool.Endpoints() {
 				eng := s.engines[e.Addr]
-				if !eng.down {
-					size, written := eng.cache.counters(p.CacheChars)
-					e.observe(Load{Waiting: float64(len(eng.queue)), Running: float64(eng.running + busy(eng.busy)),
-						KVUsage: min(1, float64(eng.running)/128), At: simEpoch.Add(s.now), CacheTokens: size, Written: written,
-						Computed: eng.computed, Prefilling: eng.prefilling})
+				if eng.down { // its /metrics refuses connections too
+					e.scrapeFailed()
+					continue
 				}
+				size, written := eng.cache.counters(p.CacheChars)
+				e.observe(Load{Waiting: float64(len(eng.queue)), Running: float64(eng.running + busy(eng.busy)),
+					KVUsage: min(1, float64(eng.running)/128), At: simEpoch.Add(s.now), CacheTokens: size, Written: written,
+					Computed: eng.computed, Prefilling: eng.prefilling})
 			}
 		}
 		for _, h := range s.holds {
