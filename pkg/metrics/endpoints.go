@@ -7,7 +7,10 @@ type EndpointState struct {
 	Pool     string // pool name: prefill or decode
 	Endpoint string // ip:port, from the configuration, so the label set stays bounded
 	InFlight int64
-	Healthy  bool
+	// Healthy says the endpoint is in rotation: no ejection runs and the
+	// active checks do not find it down (one back from an ejection is, while
+	// its probe request runs).
+	Healthy bool
 	// CheckedDown says the active checks find it down; an endpoint that only
 	// failed requests is not Healthy but not CheckedDown.
 	CheckedDown bool
@@ -44,7 +47,9 @@ func (m *Metrics) WatchEndpoints(src func() []EndpointState) {
 var (
 	inflightDesc = endpointDesc("endpoint_inflight",
 		"Requests currently holding an endpoint: prefill legs in progress, or routed decode legs whose ext_proc stream is open.")
-	healthyDesc   = endpointDesc("endpoint_healthy", "1 when the endpoint is eligible for new requests, 0 when it is not.")
+	healthyDesc = endpointDesc("endpoint_healthy",
+		"1 while the endpoint is in rotation, 0 while it is ejected after failures or failing active checks. "+
+			"One whose ejection ran out is back (1), and takes one probe request before any other.")
 	ejectionsDesc = endpointDesc("endpoint_ejections_total",
 		"Times the endpoint was taken out of rotation: ejected after consecutive failures, or failing an active check while up.")
 	waitingDesc = endpointDesc("endpoint_engine_waiting",

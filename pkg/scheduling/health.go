@@ -136,7 +136,19 @@ func (e *Endpoint) departing(now time.Time) bool {
 }
 
 // Healthy reports whether the endpoint may take a request now.
-func (e *Endpoint) Healthy() bool {
+func (e *Endpoint) Healthy() bool { return e.inRotation(true) }
+
+// InRotation reports whether the endpoint is in its pool's rotation: no
+// ejection runs and the active checks do not find it down. A half-open
+// endpoint is, its probe under way or not: as Envoy's outlier detection
+// unejects a host once its ejection time ends, its ejection is over, and it
+// takes requests one at a time until the probe tells (Healthy is false
+// meanwhile).
+func (e *Endpoint) InRotation() bool { return e.inRotation(false) }
+
+// inRotation is InRotation, and with probeFree false while a half-open
+// endpoint's probe is under way.
+func (e *Endpoint) inRotation(probeFree bool) bool {
 	if !e.troubled.Load() {
 		return true
 	}
@@ -152,7 +164,7 @@ func (e *Endpoint) Healthy() bool {
 	case now.Before(h.until):
 		return false
 	}
-	return !h.probing
+	return !probeFree || !h.probing
 }
 
 // CheckedDown reports whether the active checks find the endpoint down.
