@@ -303,6 +303,9 @@ func (e *Endpoint) busynessOf(s *scraped, mean func() poolLoad) (busy, queued fl
 	if s.answered() {
 		return busy + s.Waiting + s.KVUsage, s.Waiting
 	}
+	if e.cfg().staleAfter <= 0 { // the pool is not scraped: no figures to stand in for
+		return busy, 0
+	}
 	m := mean()
 	return busy + m.busy, m.queued
 }

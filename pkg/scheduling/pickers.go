@@ -2,7 +2,6 @@ package scheduling
 
 import (
 	"cmp"
-	"sync"
 	"sync/atomic"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
@@ -62,8 +61,10 @@ func (p *twoChoices) Pick(_ *Request, eps []*Endpoint) *Endpoint {
 	if j >= i {
 		j++
 	}
-	now := sync.OnceValue(eps[i].cfg().now)
-	mean := sync.OnceValue(func() poolLoad { return meanLoad(eps, now) })
+	// Neither the clock nor the mean in a sync.OnceValue: allocating one
+	// doubled the cost of a pick, and the mean is rarely read.
+	now := eps[i].cfg().now
+	mean := func() poolLoad { return meanLoad(eps, now) }
 	first, _ := eps[i].busynessOf(eps[i].scrapedAt(now), mean)
 	if second, _ := eps[j].busynessOf(eps[j].scrapedAt(now), mean); second < first {
 		return eps[j]
