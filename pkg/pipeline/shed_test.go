@@ -57,6 +57,29 @@ func (q *queues) RoundTrip(r *http.Request) (*http.Response, error) {
 	return &http.Response{StatusCode: status, Header: http.Header{}, Body: io.NopCloser(strings.NewReader(text)), Request: r}, nil
 }
 
+// runShed runs p's scrapes in the test's bubble until the test ends, and
+// returns once the first are in.
+func runShed(t *testing.T, p *pipeline.Pipeline) {
+	ctx, cancel := context.WithCancel(t.Context())
+	running := make(chan struct{})
+	go func() { defer close(running); p.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-running })
+	synctest.Wait()
+}
+
+// routeBatch routes a chat request of objective batch, which p may shed,
+// and releases its decision: the request (its report says how long it was
+// held) and Route's error.
+func routeBatch(t *testing.T, p *pipeline.Pipeline) (*pipeline.Request, error) {
+	r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-1", Objective: "batch",
+		Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
+	d, err := p.Route(t.Context(), r)
+	if d != nil {
+		d.Release()
+	}
+	return r, err
+}
+
 // shedPipeline is a kv-nixl pipeline that sheds objective batch, holding it
 // up to hold, whose pools scrape their engines through q: the decode pool
 // decode's (shedDecode alone by default). Figures never go stale by age.
@@ -123,13 +146,8 @@ func TestAdmissionHoldBoundsBothPoolsTogether(t *testing.T) {
 					time.AfterFunc(tt.prefillRoomAfter, func() { q.set(shedPrefill, 0) })
 				}
 				p := shedPipeline(t, q, "10s")
-				ctx, cancel := context.WithCancel(t.Context())
-				running := make(chan struct{})
-				go func() { defer close(running); p.Run(ctx) }()
-				synctest.Wait() // the first scrapes are in
-				r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-1", Objective: "batch",
-					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
-				d, err := p.Route(t.Context(), r)
+				runShed(t, p)
+				r, err := routeBatch(t, p)
 				var perr *pipeline.Error
 				switch {
 				case tt.wantErr && (!errors.As(err, &perr) || perr.Status != http.StatusTooManyRequests):
@@ -137,14 +155,9 @@ func TestAdmissionHoldBoundsBothPoolsTogether(t *testing.T) {
 				case !tt.wantErr && err != nil:
 					t.Errorf("Route: %v, want it routed", err)
 				}
-				if d != nil {
-					d.Release()
-				}
 				if held := r.Report.HeldTime; held < tt.wantHeldAtLeast || held > tt.wantHeld {
 					t.Errorf("held %v in all, want %v to %v (admission.hold 10s)", held, tt.wantHeldAtLeast, tt.wantHeld)
 				}
-				cancel()
-				<-running
 			})
 		})
 	}
@@ -183,30 +196,20 @@ func TestAReloadReachesTheHeldRequests(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				q := &queues{waiting: map[string]float64{shedPrefill: 0, shedDecode: 9}}
 				p := shedPipeline(t, q, "30s")
-				ctx, cancel := context.WithCancel(t.Context())
-				running := make(chan struct{})
-				go func() { defer close(running); p.Run(ctx) }()
-				synctest.Wait() // the first scrapes are in
+				runShed(t, p)
 				time.AfterFunc(reloadAt, func() {
 					p.SetShedding(pipeline.Shedding{Priorities: tt.priorities,
 						Lines: scheduling.Lines{Queue: tt.queue, KVCache: config.DefaultSaturatedKVCache}, Hold: tt.hold, RetryAfter: time.Second})
 				})
-				r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-1", Objective: "batch",
-					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
-				d, err := p.Route(t.Context(), r)
+				r, err := routeBatch(t, p)
 				var perr *pipeline.Error
 				if got429 := errors.As(err, &perr) && perr.Status == http.StatusTooManyRequests; got429 != tt.want429 || err != nil && !got429 {
 					t.Errorf("Route: %v, want a 429: %v", err, tt.want429)
-				}
-				if d != nil {
-					d.Release()
 				}
 				// Within a tick of the hold (25ms), less than a scrape (100ms).
 				if held := r.Report.HeldTime; held < tt.wantHeld || held >= tt.wantHeld+25*time.Millisecond {
 					t.Errorf("answered after %v held, want %v", held, tt.wantHeld)
 				}
-				cancel()
-				<-running
 			})
 		})
 	}
@@ -233,15 +236,10 @@ func TestDrainAnswersTheRequestsHeldForRoom(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				q := &queues{waiting: map[string]float64{shedPrefill: 0, shedDecode: tt.waiting}}
 				p := shedPipeline(t, q, "30s")
-				ctx, cancel := context.WithCancel(t.Context())
-				running := make(chan struct{})
-				go func() { defer close(running); p.Run(ctx) }()
-				synctest.Wait() // the first scrapes are in
+				runShed(t, p)
 				time.AfterFunc(drainAt, p.Drain)
 				time.Sleep(tt.arriveAt) // the bubble's clock: no real time passes
-				r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-1", Objective: "batch",
-					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
-				d, err := p.Route(t.Context(), r)
+				r, err := routeBatch(t, p)
 				var perr *pipeline.Error
 				status := 0
 				if errors.As(err, &perr) {
@@ -249,14 +247,9 @@ func TestDrainAnswersTheRequestsHeldForRoom(t *testing.T) {
 				} else if err != nil {
 					t.Fatalf("Route: %v", err)
 				}
-				if d != nil {
-					d.Release()
-				}
 				if status != tt.wantStatus || status != 0 && perr.RetryAfter <= 0 || r.Report.HeldTime != tt.wantHeld {
 					t.Errorf("Route: %v after %v held; want status %d (0: routed) with Retry-After after %v", err, r.Report.HeldTime, tt.wantStatus, tt.wantHeld)
 				}
-				cancel()
-				<-running
 			})
 		})
 	}
@@ -289,30 +282,20 @@ func TestAnEndpointWhoseScrapesFailIsNotJudgedByItsLastFigures(t *testing.T) {
 					q.set(addr, n)
 				}
 				p := shedPipeline(t, q, "10s", shedDecode, failing)
-				ctx, cancel := context.WithCancel(t.Context())
-				running := make(chan struct{})
-				go func() { defer close(running); p.Run(ctx) }()
-				synctest.Wait() // the first scrapes are in
+				runShed(t, p)
 				q.set(failing, -1)
 				if tt.room {
 					time.AfterFunc(time.Second, func() { q.set(shedDecode, 0) })
 				}
 				time.Sleep(arrive) // the bubble's clock: failed scrapes are in
-				r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-1", Objective: "batch",
-					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
-				d, err := p.Route(t.Context(), r)
+				r, err := routeBatch(t, p)
 				var perr *pipeline.Error
 				if got429 := errors.As(err, &perr) && perr.Status == http.StatusTooManyRequests; got429 != tt.want429 || err != nil && !got429 {
 					t.Errorf("Route: %v, want a 429: %v", err, tt.want429)
 				}
-				if d != nil {
-					d.Release()
-				}
 				if held := r.Report.HeldTime; held < tt.wantHeld || held >= tt.wantHeldLess {
 					t.Errorf("answered after %v held, want %v to %v", held, tt.wantHeld, tt.wantHeldLess)
 				}
-				cancel()
-				<-running
 			})
 		})
 	}
