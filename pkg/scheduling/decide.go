@@ -59,13 +59,13 @@ func (d *Decider) decodeSpec(s PoolSpec) PoolSpec {
 	return s
 }
 
-// Decide returns the decision for req, whose decode endpoint is decode,
-// given the prefill pool. Requests the engines cannot disaggregate go
-// decode-only whatever the mode. For paired engines the only decode-only
+// Decide returns the decision for req, whose decode endpoint is decode (of
+// the pool decodes), given the prefill pool. Requests the engines cannot
+// disaggregate go decode-only whatever the mode. For paired engines the only decode-only
 // reasons left are the request's own Alone and no_prefill (config refuses
 // never, min_prompt_tokens, the cache rule and the load arm for them), which
 // the caller must then refuse.
-func (d *Decider) Decide(req *Request, prefill *Pool, decode *Endpoint) Split {
+func (d *Decider) Decide(req *Request, prefill, decodes *Pool, decode *Endpoint) Split {
 	switch {
 	case req != nil && req.Alone != 0:
 		return Split{Reason: req.Alone}
@@ -88,7 +88,7 @@ func (d *Decider) Decide(req *Request, prefill *Pool, decode *Endpoint) Split {
 	}
 	if l := d.cfg.Load; l.On() {
 		switch {
-		case queue(decode) >= l.DecodeQueue:
+		case queue(decodes, decode) >= l.DecodeQueue:
 			if !s.PD {
 				s = Split{PD: true, Reason: metrics.ReasonDecodeBusy}
 			}
@@ -113,31 +113,31 @@ func (d *Decider) cached(req *Request, decode *Endpoint) (held int, ok bool) {
 	return tokens - uncached, uncached < d.minUncached && float64(uncached) < d.cfg.MaxUncachedRatio*float64(tokens)
 }
 
-// queue is e's scraped queue (waiting requests), 0 when it has no fresh
-// figures.
-func queue(e *Endpoint) float64 {
-	if e == nil {
-		return 0
+// queue is e's queue (waiting requests) by its fresh figures; without them
+// (its scrapes failing, its figures stale, or none yet) it is the mean of
+// its pool's (meanQueue), as the pickers count such an engine: an engine
+// whose /metrics stopped answering, often because it is overloaded, reads
+// neither idle nor as its last answer.
+func queue(p *Pool, e *Endpoint) float64 {
+	if e != nil {
+		if l, ok := e.fresh(); ok {
+			return l.Waiting
+		}
 	}
-	l, ok := e.Load()
-	if !ok {
-		return 0
-	}
-	return l.Waiting
+	return meanQueue(p)
 }
 
-// meanQueue is the mean scraped queue of p's healthy endpoints.
+// meanQueue is the mean queue of p's healthy endpoints that have fresh
+// figures, 0 when none has: one without counts neither as 0 nor at all.
 func meanQueue(p *Pool) float64 {
-	var sum float64
-	n := 0
+	var sum, n float64
 	for _, e := range p.Endpoints() {
-		if e.Healthy() {
-			sum += queue(e)
-			n++
+		if l, ok := e.fresh(); ok && e.Healthy() {
+			sum, n = sum+l.Waiting, n+1
 		}
 	}
 	if n == 0 {
 		return 0
 	}
-	return sum / float64(n)
+	return sum / n
 }

@@ -59,7 +59,7 @@ func TestDecide(t *testing.T) {
 			}
 			req := NewRequest(completions(obj))
 			req.Alone = tt.alone
-			if got := newDecider(Spec{PD: tt.pd, Paired: tt.paired}).Decide(req, prefill, nil); got != tt.want {
+			if got := newDecider(Spec{PD: tt.pd, Paired: tt.paired}).Decide(req, prefill, nil, nil); got != tt.want {
 				t.Fatalf("Decide() = %+v, want %+v", got, tt.want)
 			}
 		})
@@ -67,11 +67,11 @@ func TestDecide(t *testing.T) {
 }
 
 func TestDecideWithoutPrefillPool(t *testing.T) {
-	if got := newDecider(Spec{}).Decide(nil, nil, nil); got.PD || got.Reason != metrics.ReasonNoPrefill {
+	if got := newDecider(Spec{}).Decide(nil, nil, nil, nil); got.PD || got.Reason != metrics.ReasonNoPrefill {
 		t.Fatalf("Decide(nil, nil, nil) = %+v, want decode-only for lack of prefill", got)
 	}
 	empty := NewPools(Spec{}, Deps{}).Prefill
-	if got := newDecider(Spec{}).Decide(promptRequest("hi"), empty, nil); got.Reason != metrics.ReasonNoPrefill {
+	if got := newDecider(Spec{}).Decide(promptRequest("hi"), empty, nil, nil); got.Reason != metrics.ReasonNoPrefill {
 		t.Fatalf("Decide() with an empty prefill pool = %+v", got)
 	}
 }
@@ -318,6 +318,64 @@ func TestRememberedPrefixesAgeWithWhatTheEngineWrites(t *testing.T) {
 			}
 			if got := ps.Decide(req, e); got.PD != tt.want.PD || got.Reason != tt.want.Reason {
 				t.Fatalf("Decide() = %+v (estimated held %d characters), want %+v", got, req.Held(e), tt.want)
+			}
+		})
+	}
+}
+
+// TestTheLoadArmReadsFreshFigures: the load arm reads an engine's queue only
+// from a scrape it answered. One whose scrapes fail (often because it is
+// overloaded) or that has no figures yet counts neither as its last figures
+// nor as an idle engine: it is left out of the prefill pool's mean, and a
+// decode endpoint without figures counts its pool's mean of the fresh ones.
+func TestTheLoadArmReadsFreshFigures(t *testing.T) {
+	type engine struct {
+		scrape  string // fresh, failed (after answering waiting), none
+		waiting float64
+	}
+	fresh := func(w float64) engine { return engine{"fresh", w} }
+	failed := func(w float64) engine { return engine{"failed", w} }
+	none := engine{scrape: "none"}
+	tests := []struct {
+		name    string
+		prefill [2]engine
+		decode  [3]engine // the first is the request's decode endpoint
+		want    metrics.Reason
+	}{
+		{"all fresh: prefill busy", [2]engine{fresh(4), fresh(4)}, [3]engine{fresh(0), fresh(0), fresh(0)}, metrics.ReasonPrefillBusy},
+		{"all fresh: prefill below its line", [2]engine{fresh(4), fresh(0)}, [3]engine{fresh(0), fresh(0), fresh(0)}, metrics.ReasonLongPrompt},
+		{"a prefill engine's scrape failed: not its last queue 0", [2]engine{fresh(4), failed(0)}, [3]engine{fresh(0), fresh(0), fresh(0)}, metrics.ReasonPrefillBusy},
+		{"a prefill engine without figures: not a queue of 0", [2]engine{fresh(4), none}, [3]engine{fresh(0), fresh(0), fresh(0)}, metrics.ReasonPrefillBusy},
+		{"no prefill engine with figures: not busy", [2]engine{failed(4), none}, [3]engine{fresh(0), fresh(0), fresh(0)}, metrics.ReasonLongPrompt},
+		{"the decode engine's scrape failed, its last queue 0: its pool's mean, busy", [2]engine{fresh(4), fresh(4)}, [3]engine{failed(0), fresh(2), fresh(2)}, metrics.ReasonLongPrompt},
+		{"the decode engine's scrape failed, its last queue 5: its pool's mean, idle", [2]engine{fresh(4), fresh(4)}, [3]engine{failed(5), fresh(0), fresh(0)}, metrics.ReasonPrefillBusy},
+		{"the decode engine without figures: its pool's mean, busy", [2]engine{fresh(4), fresh(4)}, [3]engine{none, fresh(2), fresh(2)}, metrics.ReasonLongPrompt},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			scrape := config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}
+			ps := NewPools(Spec{
+				Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000", "10.0.1.2:8000"}, PoolScheduling: scrape},
+				Decode:  PoolSpec{Endpoints: []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}, PoolScheduling: scrape},
+				PD:      config.PD{Load: config.PDLoad{PrefillQueue: 4, DecodeQueue: 2}},
+			}, Deps{})
+			see := func(e *Endpoint, g engine) {
+				if g.scrape != "none" {
+					e.observe(Load{Waiting: g.waiting, At: time.Now()})
+				}
+				if g.scrape == "failed" {
+					e.scrapeFailed()
+				}
+			}
+			for i, e := range ps.Prefill.Endpoints() {
+				see(e, tt.prefill[i])
+			}
+			for i, e := range ps.Decode.Endpoints() {
+				see(e, tt.decode[i])
+			}
+			decode := byAddr(ps.Decode, "10.0.0.1:8000")
+			if got := ps.Decide(promptRequest("hello"), decode); got.Reason != tt.want {
+				t.Errorf("Decide() = %+v, want reason %s", got, tt.want)
 			}
 		})
 	}

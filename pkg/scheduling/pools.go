@@ -124,7 +124,7 @@ func (ps *Pools) Update(spec Spec) {
 // Decide chooses P/D or decode-only for req, whose decode endpoint the
 // decode pool picked: decode.
 func (ps *Pools) Decide(req *Request, decode *Endpoint) Split {
-	return ps.decider.Load().Decide(req, ps.Prefill, decode)
+	return ps.decider.Load().Decide(req, ps.Prefill, ps.Decode, decode)
 }
 
 // Run does the pools' background work until ctx is done: active health
