@@ -120,7 +120,7 @@ func (d *Decider) cached(req *Request, decode *Endpoint) (held int, ok bool) {
 // neither idle nor as its last answer.
 func queue(p *Pool, e *Endpoint) float64 {
 	if e != nil {
-		if l, ok := e.fresh(); ok {
+		if l, ok := e.Fresh(); ok {
 			return l.Waiting
 		}
 	}
@@ -132,7 +132,7 @@ func queue(p *Pool, e *Endpoint) float64 {
 func meanQueue(p *Pool) float64 {
 	var sum, n float64
 	for _, e := range p.Endpoints() {
-		if l, ok := e.fresh(); ok && e.Healthy() {
+		if l, ok := e.Fresh(); ok && e.Healthy() {
 			sum, n = sum+l.Waiting, n+1
 		}
 	}

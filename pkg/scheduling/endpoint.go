@@ -219,14 +219,15 @@ func (e *Endpoint) scrapedAt(now func() time.Time) *scraped {
 type scraped struct {
 	Load
 	marks  [2]Load
-	failed bool // a scrape since failed: the figures are not fresh (fresh)
+	failed bool // a scrape since failed: the figures are not fresh (Fresh)
 }
 
-// fresh is Load, but false too when the last scrape failed: a pool's
-// saturation is judged by the figures of its engines' latest scrapes alone
-// (Pool.Saturated, Hold), so that an engine whose scrapes fail neither holds
-// back a round nor shows the room its old figures had.
-func (e *Endpoint) fresh() (Load, bool) {
+// Fresh is Load, but false too when the last scrape failed: a pool's
+// saturation (Pool.Saturated, Hold), the P/D load arm and the engine load
+// gauges read the figures of its engines' latest scrapes alone, so that an
+// engine whose scrapes fail neither holds back a round nor shows the room or
+// the queue its old figures had.
+func (e *Endpoint) Fresh() (Load, bool) {
 	if l := e.scrapedAt(e.cfg().now); l.answered() {
 		return l.Load, true
 	}

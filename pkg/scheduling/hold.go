@@ -304,7 +304,7 @@ func (h *Hold) next() int {
 func (h *Hold) budget(st *poolState) int {
 	var room, mine, engines float64
 	for _, e := range st.endpoints {
-		l, ok := e.fresh()
+		l, ok := e.Fresh()
 		if !ok || !e.Healthy() {
 			continue
 		}
@@ -325,14 +325,14 @@ func (h *Hold) budget(st *poolState) int {
 }
 
 // scrapeSpan is when the oldest and the newest of the healthy endpoints'
-// fresh figures (fresh: one whose scrapes fail holds no round back) were
+// fresh figures (Fresh: one whose scrapes fail holds no round back) were
 // scraped. The endpoints of a pool are scraped together,
 // each answer stamped as it comes: a scrape round is new once the oldest
 // is newer than the last round's newest, not as soon as one endpoint
 // answers, which would release once per answer.
 func scrapeSpan(eps []*Endpoint) (oldest, newest time.Time) {
 	for _, e := range eps {
-		l, ok := e.fresh()
+		l, ok := e.Fresh()
 		if !ok || !e.Healthy() {
 			continue
 		}

@@ -20,7 +20,7 @@ func (p *Pool) Saturated(req *Request, lines Lines) bool {
 			continue
 		}
 		seen = true
-		if l, ok := e.fresh(); ok && l.Waiting < lines.Queue && l.KVUsage < lines.KVCache {
+		if l, ok := e.Fresh(); ok && l.Waiting < lines.Queue && l.KVUsage < lines.KVCache {
 			return false
 		}
 	}

@@ -19,7 +19,7 @@ func poolStates(pools ...*scheduling.Pool) func() []metrics.EndpointState {
 				if p.ReadsEngineIDs() {
 					st.EngineRanks = e.Ranks()
 				}
-				if l, ok := e.Load(); ok {
+				if l, ok := e.Fresh(); ok {
 					st.Scraped, st.Waiting, st.KVUsage = true, l.Waiting, l.KVUsage
 				}
 				out = append(out, st)
