@@ -57,6 +57,7 @@ type Handoff struct {
 	Room          uint64       // random per request, 0..2^62-1 (a batch adds its prompts' indexes): pairs concurrent legs
 	EngineID      string       // kv-mooncake: the chosen prefill engine's id, of the data-parallel rank its leg names
 	PrefillKV     []byte       // Sequential only: raw kv_transfer_params of the prefill response, nil when it gave none
+	Named         []body.Edit  // the router's own fields, set on every leg (a Responses request_id)
 }
 
 // Connector controls the wire shape of the prefill and decode requests, and
@@ -112,20 +113,22 @@ func Build(name string) (Connector, error) {
 }
 
 // PrefillBody returns the body of the prefill leg: the client's without the
-// fields it may not set (Connector.Reserved), plus the connector's.
+// fields it may not set (Connector.Reserved), plus the router's (Named) and
+// the connector's.
 func PrefillBody(c Connector, h *Handoff) body.Spliced {
-	return h.Body.Splice(slices.Concat(c.Reserved(h.Shape), c.PrefillEdits(h))...)
+	return h.Body.Splice(slices.Concat(h.Named, c.Reserved(h.Shape), c.PrefillEdits(h))...)
 }
 
 // DecodeBody returns the body of the decode leg.
 func DecodeBody(c Connector, h *Handoff) body.Spliced {
-	return h.Body.Splice(slices.Concat(c.Reserved(h.Shape), c.DecodeEdits(h))...)
+	return h.Body.Splice(slices.Concat(h.Named, c.Reserved(h.Shape), c.DecodeEdits(h))...)
 }
 
 // Scrubbed returns the client's body without the fields it may not set for
-// c's engines: the body of a request that goes to a decode endpoint alone.
-func Scrubbed(c Connector, o *body.Object, s *api.Shape) body.Spliced {
-	return o.Splice(c.Reserved(s)...)
+// c's engines, plus the router's own (named): the body of a request that
+// goes to a decode endpoint alone.
+func Scrubbed(c Connector, o *body.Object, s *api.Shape, named ...body.Edit) body.Spliced {
+	return o.Splice(slices.Concat(named, c.Reserved(s))...)
 }
 
 // transferParams sets kv_transfer_params where the request's API reads it.

@@ -41,7 +41,7 @@ func (p *Pipeline) concurrentLegs(ctx context.Context, r *Request, h *kv.Handoff
 		if leg.rank != "" && !pinsRank(r.api) {
 			slot.Release()
 			r.Report.Mode, r.Report.Reason = metrics.ModeDecodeOnly, metrics.ReasonUnpairedAPI
-			return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
+			return kv.Scrubbed(p.connector, h.Body, h.Shape, h.Named...), nil
 		}
 		if !p.takeBackground() {
 			slot.Release()

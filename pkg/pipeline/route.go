@@ -140,7 +140,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 			panic(v)
 		}
 	}()
-	h := &kv.Handoff{Body: withResponseID(a, obj, d.decode.Endpoint), Shape: &a.Shape}
+	h := &kv.Handoff{Body: obj, Shape: &a.Shape, Named: responseID(a, obj, d.decode.Endpoint)}
 	d.Body, err = p.legs(ctx, r, h, sreq, d)
 	if err != nil {
 		d.Release()
@@ -184,7 +184,7 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 		if split.Reason == metrics.ReasonCachedPrefix {
 			d.Rewrite = p.heldReader(r, d, split.Held)
 		}
-		return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
+		return kv.Scrubbed(p.connector, h.Body, h.Shape, h.Named...), nil
 	}
 	rep.Mode = metrics.ModePD
 	// 0..2^62-1: SGLang's routers draw up to 2^63-1, but a batch's prompts
@@ -235,7 +235,7 @@ func (p *Pipeline) withoutPrefill(r *Request, h *kv.Handoff, err error) (body.Sp
 	} else {
 		p.log.Info("prefill failed; decode will recompute the prompt", "requestID", r.RequestID, "error", err.Error())
 	}
-	return kv.Scrubbed(p.connector, h.Body, h.Shape), nil
+	return kv.Scrubbed(p.connector, h.Body, h.Shape, h.Named...), nil
 }
 
 // runPrefill sends the sequential prefill leg to one endpoint after another
