@@ -336,10 +336,10 @@ func TestWatchPollsWhileTheDirectoryCannotBeWatched(t *testing.T) {
 	}
 }
 
-// A watch that fails (inotify's queue overflowed: its events were dropped)
-// reads the file again: a change whose events were lost is applied, not left
-// until the next change of the directory.
-func TestWatchReadsTheFileAfterAWatchError(t *testing.T) {
+// keepWatcher has the watch keep its fsnotify watcher where the test can
+// reach it (to drop its events, or send it an error): the func returns it
+// once the watch has made it.
+func keepWatcher(t *testing.T) func() *fsnotify.Watcher {
 	var w *fsnotify.Watcher
 	newWatcher = func() (*fsnotify.Watcher, error) {
 		var err error
@@ -347,6 +347,14 @@ func TestWatchReadsTheFileAfterAWatchError(t *testing.T) {
 		return w, err
 	}
 	t.Cleanup(func() { newWatcher = fsnotify.NewWatcher })
+	return func() *fsnotify.Watcher { return w }
+}
+
+// A watch that fails (inotify's queue overflowed: its events were dropped)
+// reads the file again: a change whose events were lost is applied, not left
+// until the next change of the directory.
+func TestWatchReadsTheFileAfterAWatchError(t *testing.T) {
+	w := keepWatcher(t)
 	dir := t.TempDir()
 	path := filepath.Join(dir, "extproc.yaml")
 	write(t, path, validA)
@@ -363,11 +371,11 @@ func TestWatchReadsTheFileAfterAWatchError(t *testing.T) {
 	}
 	// The next change's events are lost: the directory is no longer
 	// watched, and the watch says its queue overflowed.
-	if err := w.Remove(dir); err != nil {
+	if err := w().Remove(dir); err != nil {
 		t.Fatal(err)
 	}
 	write(t, path, validA)
-	w.Errors <- fsnotify.ErrEventOverflow
+	w().Errors <- fsnotify.ErrEventOverflow
 	select {
 	case err := <-rejected:
 		if !strings.Contains(err.Error(), "queue or buffer overflow") {
@@ -486,13 +494,7 @@ func TestWatchRereadsWhenAsked(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			var w *fsnotify.Watcher
-			newWatcher = func() (*fsnotify.Watcher, error) {
-				var err error
-				w, err = fsnotify.NewWatcher()
-				return w, err
-			}
-			t.Cleanup(func() { newWatcher = fsnotify.NewWatcher })
+			w := keepWatcher(t)
 			dir := t.TempDir()
 			path := filepath.Join(dir, "extproc.yaml")
 			write(t, path, tt.first)
@@ -507,7 +509,7 @@ func TestWatchRereadsWhenAsked(t *testing.T) {
 			} else if got := decodeEndpoint(t, applied); got != "10.0.0.3:8000" {
 				t.Fatalf("the first read applied %s, want 10.0.0.3:8000", got)
 			}
-			if err := w.Remove(dir); err != nil { // the directory's events are lost from now on
+			if err := w().Remove(dir); err != nil { // the directory's events are lost from now on
 				t.Fatal(err)
 			}
 			if tt.then != "" {
