@@ -9,11 +9,7 @@ import (
 	"testing"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
-	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
-	"github.com/pd-extproc/pd-extproc/pkg/server/assemble"
-
-	"github.com/go-logr/logr"
 )
 
 // storedID is the request_id a stored Responses request's legs carry.
@@ -25,20 +21,14 @@ var storedID = regexp.MustCompile(`"request_id":"(resp_[^"]+)"`)
 // among three decode endpoints taken in turn.
 func TestStoredResponseAffinity(t *testing.T) {
 	engine := enginetest.Start(t, enginetest.JSON(200, `{"kv_transfer_params":`+prefillKV+`}`))
-	cfg, err := config.Parse([]byte(fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, "+
-		"decode: {policy: round-robin, endpoints: [\"10.1.1.1:8000\", \"10.1.1.2:8000\", \"10.1.1.3:8000\"]}}\n", engine.Addr())))
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := assemble.Pipeline(cfg, logr.Discard())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { p.Wait(); pipeline.CloseIdle(p) })
+	p, _, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, "+
+		"decode: {policy: round-robin, endpoints: [\"10.1.1.1:8000\", \"10.1.1.2:8000\", \"10.1.1.3:8000\"]}}\n", engine.Addr()))
+	t.Cleanup(p.Wait) // before newPipeline's: idle connections close once the legs are done
 	route := func(method, path, body string) (string, string) {
 		t.Helper()
 		r := &pipeline.Request{Method: method, Path: path, RequestID: "r1"}
 		var d *pipeline.Decision
+		var err error
 		if body == "" {
 			d, err = p.RouteHeaders(r)
 		} else {
