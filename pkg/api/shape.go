@@ -66,7 +66,12 @@ var (
 	}
 	// responsesShape: the same caps in the Responses API's words; the
 	// prefill engine must neither keep the response nor run it in the
-	// background.
+	// background. Its request has no min_tokens, but ignore_eos, which it
+	// passes to SamplingParams: the EOS token then neither stops the answer
+	// nor joins stop_token_ids, so the one token is cut by its length, as
+	// min_tokens makes it on chat (ResponsesRequest.to_sampling_params,
+	// vllm/entrypoints/openai/responses/protocol.py; check_stop,
+	// vllm/v1/core/sched/utils.py @ 018d5dc7).
 	responsesShape = Shape{
 		Caps: []body.Edit{
 			body.Set("stream", body.False),
@@ -74,6 +79,7 @@ var (
 			body.Set("max_output_tokens", body.One),
 			body.Set("store", body.False),
 			body.Set("background", body.False),
+			body.Set("ignore_eos", body.True),
 		},
 		ExtraArgs:            vllmXargs,
 		CachedTokens:         []string{"usage", "input_tokens_details", "cached_tokens"},
@@ -81,7 +87,9 @@ var (
 	}
 	// messagesShape: Anthropic's Messages API, whose max_tokens vLLM also
 	// makes the chat request's max_completion_tokens. Its request has no
-	// vllm_xargs. Since vllm-project/vllm#40912 its usage states the cached
+	// vllm_xargs, nor min_tokens or ignore_eos: a one-token leg whose token
+	// is a stop token gets no kv_transfer_params from an older NixlConnector
+	// (docs/engines.md). Since vllm-project/vllm#40912 its usage states the cached
 	// tokens as cache_read_input_tokens, and input_tokens the rest of the
 	// prompt (cache_creation_input_tokens is always 0), where the engine
 	// states them: in a whole answer, and in a stream's message_delta event.

@@ -87,7 +87,7 @@ func FuzzLegs(f *testing.F) {
 				capsFields["max_completion_tokens"] = one
 			}
 		case api.Responses:
-			capsFields = map[string]any{"stream": false, "stream_options": nil, "max_output_tokens": one, "store": false, "background": false}
+			capsFields = map[string]any{"stream": false, "stream_options": nil, "max_output_tokens": one, "store": false, "background": false, "ignore_eos": true}
 		case api.Generate:
 			capsFields = map[string]any{"stream": false, "stream_options": nil}
 			capsInner = append(capsInner, func(m map[string]any) {

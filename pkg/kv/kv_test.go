@@ -194,14 +194,14 @@ func TestLegBodies(t *testing.T) {
 		{
 			name: "nixl/responses/stream", connector: NIXL, api: api.Responses, in: responsesStream,
 			prefill: `{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":"Hi"}],"stream":false,"max_output_tokens":1,` +
-				`"store":false,"seed":98765432109876543210,"kv_transfer_params":` + nixlAsk + `,"vllm_xargs":{"kind":"a"},"background":false}`,
+				`"store":false,"seed":98765432109876543210,"kv_transfer_params":` + nixlAsk + `,"vllm_xargs":{"kind":"a"},"background":false,"ignore_eos":true}`,
 			decode: `{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":"Hi"}],"stream":true,"max_output_tokens":256,` +
 				`"store":true,"seed":98765432109876543210,"kv_transfer_params":` + prefillAnswer + `,"vllm_xargs":{"kind":"a"}}`,
 		},
 		{
 			name: "shared-storage/responses/stream", connector: SharedStorage, api: api.Responses, in: responsesStream,
 			prefill: `{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":"Hi"}],"stream":false,"max_output_tokens":1,` +
-				`"store":false,"seed":98765432109876543210,"vllm_xargs":{"kind":"a"},"background":false}`,
+				`"store":false,"seed":98765432109876543210,"vllm_xargs":{"kind":"a"},"background":false,"ignore_eos":true}`,
 			decode: `{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":"Hi"}],"stream":true,"max_output_tokens":256,` +
 				`"store":true,"seed":98765432109876543210,"vllm_xargs":{"kind":"a"}}`,
 		},

@@ -45,6 +45,12 @@ func (p *Pipeline) readAnswer(answer []byte, r *Request) (prefillAnswer, error) 
 	var a prefillAnswer
 	if raw, ok := o.Raw("kv_transfer_params"); ok && raw[0] == '{' && kv.HasParams(raw) {
 		a.params = raw
+	} else if p.connector.HandsBackParams() {
+		if stop := stoppedBy(o); stop != "" {
+			return prefillAnswer{}, fmt.Errorf("%w: its one token was a stop token (%s), for which a NixlConnector "+
+				"that hands out KV only for an answer cut by its length gives none", errNoParams, stop)
+		}
+		return prefillAnswer{}, errNoParams
 	}
 	paths := cachedTokens(r)
 	if !p.opts.RewriteUsage || paths.JSON == nil {
@@ -67,6 +73,29 @@ func (p *Pipeline) readAnswer(answer []byte, r *Request) (prefillAnswer, error) 
 		a.cached = []byte("0")
 	}
 	return a, nil
+}
+
+// stoppedBy is what in a one-token answer says its token ended it rather
+// than its length cap, "" when nothing does: chat's and completions'
+// finish_reason "stop", Messages' stop_reason "end_turn" or "stop_sequence",
+// the Responses API's status "completed" (a cut one is "incomplete").
+func stoppedBy(o *body.Object) string {
+	if s, _ := o.String("stop_reason"); s == "end_turn" || s == "stop_sequence" {
+		return "stop_reason " + s
+	}
+	if s, _ := o.String("status"); s == "completed" {
+		return "status " + s
+	}
+	raw, _ := o.Raw("choices")
+	for choice := range body.Items(raw) {
+		if c, err := body.Parse(choice); err == nil {
+			if s, _ := c.String("finish_reason"); s == "stop" {
+				return "finish_reason " + s
+			}
+		}
+		break // the leg asks for one choice
+	}
+	return ""
 }
 
 // countAt is the token count at path in answer (parsed as o), nil when

@@ -140,11 +140,10 @@ func (p *Pipeline) postPrefill(ctx context.Context, endpoint string, r *Request,
 
 // errNoParams is a 2xx prefill answer without the kv_transfer_params its
 // connector hands back: vLLM's NIXL connector is not configured (null), the
-// request was aborted, the engine's release drops them for the API, or the
-// answer is not the engine's (a proxy's error with a 200). Where the API
-// has min_tokens the one token is no stop token, for which an older
-// connector hands none. Sent on, the decode engine would compute the prompt
-// again unseen, so it is a failed prefill.
+// request was aborted, the engine's release drops them for the API, its one
+// token was a stop token (readAnswer says so), or the answer is not the
+// engine's (a proxy's error with a 200). Sent on, the decode engine would
+// compute the prompt again unseen, so it is a failed prefill.
 var errNoParams = errors.New("the prefill answer has no kv_transfer_params")
 
 // errMalformed is a 2xx prefill answer that is not a JSON object, nor an

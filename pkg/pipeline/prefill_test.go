@@ -187,6 +187,55 @@ func TestAPrefillAnswerWithoutParamsIsAFailedPrefill(t *testing.T) {
 	}
 }
 
+// A one-token prefill answer without kv_transfer_params that says its token
+// ended it (a stop token, not the length cap) is logged as such: a
+// NixlConnector that hands out KV only for an answer cut by its length
+// gives none for it, and the Messages API has no min_tokens to prevent it.
+func TestANoParamsAnswerEndedByAStopTokenSaysSo(t *testing.T) {
+	tests := []struct {
+		name, path, body, answer string
+		want                     string // in the log line; "" for no explanation
+	}{
+		{name: "messages, end_turn", path: "/v1/messages", body: `{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}`,
+			answer: `{"type":"message","content":[],"stop_reason":"end_turn","usage":{"input_tokens":3,"output_tokens":1}}`,
+			want:   "its one token was a stop token (stop_reason end_turn)"},
+		{name: "chat, finish_reason stop", path: "/v1/chat/completions", body: `{"model":"m","messages":[{"role":"user","content":"hi"}]}`,
+			answer: `{"choices":[{"index":0,"message":{"content":""},"finish_reason":"stop"}]}`,
+			want:   "its one token was a stop token (finish_reason stop)"},
+		{name: "responses, completed", path: "/v1/responses", body: `{"model":"m","input":"hi"}`,
+			answer: `{"object":"response","status":"completed","output":[]}`,
+			want:   "its one token was a stop token (status completed)"},
+		{name: "chat cut by its length", path: "/v1/chat/completions", body: `{"model":"m","messages":[{"role":"user","content":"hi"}]}`,
+			answer: `{"choices":[{"index":0,"message":{"content":"a"},"finish_reason":"length"}]}`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e := enginetest.Start(t, enginetest.JSON(200, tt.answer))
+			p, _, logs := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}", e.Addr()))
+			t.Cleanup(p.Wait)
+			r := &pipeline.Request{Method: http.MethodPost, Path: tt.path, RequestID: "req-stop", Body: []byte(tt.body)}
+			d, err := p.Route(context.Background(), r)
+			if err != nil {
+				t.Fatal(err)
+			}
+			d.Release()
+			if r.Report.Reason != metrics.ReasonPrefillFailed {
+				t.Errorf("reason %s, want %s", r.Report.Reason, metrics.ReasonPrefillFailed)
+			}
+			if got := logs.count("prefill failed; decode will recompute the prompt"); got != 1 {
+				t.Errorf("%d failed-prefill log lines, want 1", got)
+			}
+			want, wantLines := tt.want, 1
+			if want == "" {
+				want, wantLines = "stop token", 0
+			}
+			if got := logs.count(want); got != wantLines {
+				t.Errorf("%d log lines say %q, want %d", got, want, wantLines)
+			}
+		})
+	}
+}
+
 // A 101 Switching Protocols to a prefill leg, which asks no upgrade, is no
 // answer an engine gives: a broken engine, or a proxy answering for it. It
 // is malformed (retried elsewhere, blamed, then prefill.on_failure), not a
