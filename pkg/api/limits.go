@@ -190,3 +190,28 @@ func truthy(raw []byte) bool {
 	}
 	return true
 }
+
+// ContextLimit is the output limit vLLM checks against the model's context
+// length before it runs a request, and the key that gave it: chat's
+// max_completion_tokens, else max_tokens (chatAlone); the max_tokens of
+// completions and of Messages, which vLLM runs as a chat request. ok is
+// false when none is given, or it is not an integer (the request goes
+// decode-only: InvalidLimits), and for the other APIs: Responses handlers
+// before vllm/renderers' TokenizeParams took max_output_tokens at most up to
+// the context, and generate is not checked here.
+func (a *API) ContextLimit(o *body.Object) (key string, n int64, ok bool) {
+	var keys []string
+	switch a.Name { // the table's entries are copies of the built-in APIs
+	case NameChat:
+		keys = []string{"max_completion_tokens", "max_tokens"}
+	case NameCompletions, NameMessages:
+		keys = []string{"max_tokens"}
+	}
+	for _, k := range keys {
+		if present(o, k) {
+			n, ok = o.LaxInt(k)
+			return k, n, ok
+		}
+	}
+	return "", 0, false
+}

@@ -1,6 +1,9 @@
 package pipeline
 
 import (
+	"fmt"
+	"net/http"
+
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -62,6 +65,27 @@ func (p *Pipeline) admit(a *api.API, obj *body.Object) (alone metrics.Reason, er
 func (p *Pipeline) parallelSamples(sreq *scheduling.Request) error {
 	if p.connector.Paired() && sreq.N > 1 {
 		return parallelSamplesRefused(sreq.N)
+	}
+	return nil
+}
+
+// fitsContext refuses a request of a vLLM pool whose output limit alone fills
+// its model's context, as the decode engine listed it at GET /v1/models
+// (max_model_len): the prompt takes a token at least, so vLLM refuses it
+// with a 400, but only at the decode engine, once the prefill leg (its limit
+// 1) has computed the prompt for nothing. A model of unknown length passes.
+// The message is ours (vLLM's names the prompt's length, which is not
+// counted here); the status and type are vLLM's (VLLMValidationError).
+func (p *Pipeline) fitsContext(a *api.API, obj *body.Object, decode *scheduling.Endpoint) error {
+	key, n, ok := a.ContextLimit(obj)
+	if !ok || p.connector.Family() != api.VLLM {
+		return nil
+	}
+	model, _ := obj.String("model")
+	if limit, known := decode.MaxModelLen(model); known && n >= limit {
+		return &Error{Status: http.StatusBadRequest, Type: "BadRequestError", Message: fmt.Sprintf(
+			"%s=%d leaves no room for the prompt: this model's maximum context length is %d tokens. "+
+				"Please request fewer output tokens.", key, n, limit)}
 	}
 	return nil
 }

@@ -169,6 +169,9 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	split := p.pools.Decide(sreq, d.decode.Endpoint)
 	rep.Reason = split.Reason
 	if split.PD {
+		if err := p.fitsContext(r.api, h.Body, d.decode.Endpoint); err != nil {
+			return nil, err
+		}
 		if err := p.shed(ctx, r, sreq, p.shedding.prefill); err != nil {
 			return nil, err
 		}

@@ -55,6 +55,33 @@ func (e *Endpoint) Models() int {
 	return 0
 }
 
+// MaxModelLen is the context length the engine listed for model at its
+// last answer: the max_model_len of vLLM's card (ModelCard,
+// vllm/entrypoints/openai/models/protocol.py); an adapter's is null and its
+// parent's, the base model, counts. False when it listed none.
+func (e *Endpoint) MaxModelLen(model string) (int64, bool) {
+	m := e.models.Load()
+	if m == nil {
+		return 0, false
+	}
+	for range 2 { // the model, then an adapter's base
+		var card struct {
+			MaxModelLen *int64  `json:"max_model_len"`
+			Parent      *string `json:"parent"`
+		}
+		switch err := json.Unmarshal(m.names[model], &card); {
+		case err != nil:
+			return 0, false
+		case card.MaxModelLen != nil && *card.MaxModelLen > 0:
+			return *card.MaxModelLen, true
+		case card.Parent == nil:
+			return 0, false
+		}
+		model = *card.Parent
+	}
+	return 0, false
+}
+
 // serves says whether the engine may take a request naming model: it
 // listed it, or its list could never be read (blind). One not read yet
 // may not, where others list the model: it is asked as it joins.

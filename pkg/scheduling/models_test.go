@@ -457,3 +457,28 @@ func TestTheModelsLineNamesItsPool(t *testing.T) {
 		t.Errorf("the models line does not name its pool: %s", out.String())
 	}
 }
+
+// An engine's context length is the max_model_len of the card it listed for
+// the model; an adapter's card has none, and its base model's counts.
+func TestMaxModelLen(t *testing.T) {
+	var list struct{ Data []json.RawMessage }
+	if err := json.Unmarshal([]byte(vllmModels), &list); err != nil {
+		t.Fatal(err)
+	}
+	names := map[string]json.RawMessage{"no-length": json.RawMessage(`{"id":"no-length","parent":null}`)}
+	for _, card := range list.Data {
+		var m struct{ ID string }
+		json.Unmarshal(card, &m)
+		names[m.ID] = card
+	}
+	var e Endpoint
+	if _, ok := e.MaxModelLen("qwen"); ok {
+		t.Error("an engine not read yet has a context length")
+	}
+	e.models.Store(&servedModels{names: names})
+	for model, want := range map[string]int64{"qwen": 32768, "Qwen/Qwen3-8B": 32768, "sql-lora": 32768, "no-length": 0, "other": 0} {
+		if got, ok := e.MaxModelLen(model); got != want || ok != (want > 0) {
+			t.Errorf("MaxModelLen(%q) = %d, %v; want %d", model, got, ok, want)
+		}
+	}
+}
