@@ -201,7 +201,7 @@ func truthy(raw []byte) bool {
 // the context, and generate is not checked here.
 func (a *API) ContextLimit(o *body.Object) (key string, n int64, ok bool) {
 	var keys []string
-	switch a.Name { // the table's entries are copies of the built-in APIs
+	switch a.Name { // by name: the table may hold a copy of a built-in API
 	case NameChat:
 		keys = []string{"max_completion_tokens", "max_tokens"}
 	case NameCompletions, NameMessages:

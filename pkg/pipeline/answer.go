@@ -34,6 +34,7 @@ type prefillAnswer struct {
 // hand nothing back (kv-sglang) any JSON will do: SGLang answers a batch
 // (text or input_ids a list) with an array, one answer per prompt
 // (TokenizerManager._handle_batch_request, python/sglang/srt/managers/tokenizer_manager.py).
+// One without the kv_transfer_params its connector hands back is errNoParams.
 func (p *Pipeline) readAnswer(answer []byte, r *Request) (prefillAnswer, error) {
 	o, err := body.Parse(answer)
 	if err != nil {

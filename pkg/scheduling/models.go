@@ -56,8 +56,8 @@ func (e *Endpoint) Models() int {
 }
 
 // MaxModelLen is the context length the engine listed for model at its
-// last answer: the max_model_len of vLLM's card (ModelCard,
-// vllm/entrypoints/openai/models/protocol.py); an adapter's is null and its
+// last answer: the max_model_len of vLLM's card (ModelCard, filled by
+// OpenAIServingModels.show_available_models); an adapter's is null and its
 // parent's, the base model, counts. False when it listed none.
 func (e *Endpoint) MaxModelLen(model string) (int64, bool) {
 	m := e.models.Load()
