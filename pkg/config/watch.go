@@ -54,6 +54,28 @@ func (c *Config) reloadable(s startedWith) error {
 	return nil
 }
 
+// InForce is c as a reload after prev runs it, started being the config
+// the process started with. The keys read at start only that a reload's
+// checks and warnings read keep started's values: the connector, prefill.*,
+// envoy.* and each pool's kubernetes. A pool whose kubernetes key c adds or
+// drops keeps prev's endpoints, dns and dns_interval until the restart:
+// Kubernetes discovery starts and stops only with the process, and the
+// file's sources alone would empty the pool, or mix with those it drops.
+func (c *Config) InForce(started, prev *Config) *Config {
+	run := *c
+	run.Connector, run.Prefill, run.Envoy = started.Connector, started.Prefill, started.Envoy
+	for _, p := range []struct{ run, started, prev *Pool }{
+		{&run.Pools.Prefill, &started.Pools.Prefill, &prev.Pools.Prefill},
+		{&run.Pools.Decode, &started.Pools.Decode, &prev.Pools.Decode},
+	} {
+		if (p.run.Kubernetes == nil) != (p.started.Kubernetes == nil) {
+			p.run.Endpoints, p.run.DNS, p.run.DNSInterval = p.prev.Endpoints, p.prev.DNS, p.prev.DNSInterval
+		}
+		p.run.Kubernetes = p.started.Kubernetes
+	}
+	return &run
+}
+
 // Watch re-reads the file at path whenever its directory changes (and after
 // the watch reports an error, which may have cost it events) and hands
 // each valid config that differs from running, the one the caller runs with,

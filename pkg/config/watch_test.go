@@ -3,6 +3,7 @@ package config
 import (
 	"cmp"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -524,6 +525,46 @@ func TestWatchRereadsWhenAsked(t *testing.T) {
 				rejectedSaying(t, rejected, applied, tt.wantRejects)
 			} else if got := decodeEndpoint(t, applied); got != tt.wantApplied {
 				t.Fatalf("asked to read again, applied %s, want %s", got, tt.wantApplied)
+			}
+		})
+	}
+}
+
+// A pool whose kubernetes key a reload adds or drops keeps the sources in
+// force before it (the last reload's, not the start's) until the restart
+// that starts or stops its discovery; a reload back to the key it started
+// with applies its sources again.
+func TestInForceHoldsAPoolsSourcesAcrossADiscoverySwitch(t *testing.T) {
+	const kube = `kubernetes: {selector: role=decode, port: 8000}`
+	parse := func(decode string) *Config {
+		c, err := Parse([]byte("connector: kv-nixl\npools: {decode: {" + decode + "}}\n"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	tests := []struct {
+		name, started string
+		reloads       []string // each file in turn
+		endpoints     string   // the decode pool's sources in force after the last
+		dns           string
+		kubernetes    bool
+	}{
+		{"DNS, another name, then Kubernetes", `dns: "a.example:8000"`, []string{`dns: "b.example:8000"`, kube}, "[]", "b.example:8000", false},
+		{"static, then Kubernetes and a new list", `endpoints: ["10.0.0.2:8000"]`, []string{kube + `, endpoints: ["10.0.0.3:8000"]`}, "[10.0.0.2:8000]", "", false},
+		{"Kubernetes, then DNS", kube + `, endpoints: ["10.0.0.2:8000"]`, []string{`dns: "b.example:8000"`}, "[10.0.0.2:8000]", "", true},
+		{"Kubernetes, static, then Kubernetes again", kube, []string{`endpoints: ["10.0.0.3:8000"]`, kube + `, endpoints: ["10.0.0.4:8000"]`}, "[10.0.0.4:8000]", "", true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			started := parse(tt.started)
+			run := started
+			for _, f := range tt.reloads {
+				run = parse(f).InForce(started, run)
+			}
+			d := run.Pools.Decode
+			if got := fmt.Sprint(d.Endpoints); got != tt.endpoints || d.DNS != tt.dns || (d.Kubernetes != nil) != tt.kubernetes {
+				t.Errorf("in force: endpoints %s, dns %q, kubernetes %v; want %s, %q, %v", got, d.DNS, d.Kubernetes != nil, tt.endpoints, tt.dns, tt.kubernetes)
 			}
 		})
 	}

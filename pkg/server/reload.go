@@ -39,18 +39,20 @@ func isLive(key string) bool {
 	return slices.ContainsFunc(liveKeys, func(k string) bool { return key == k || strings.HasPrefix(key, k+".") })
 }
 
-// restartOnly names the keys whose value in next differs from the one the
-// process started with and that a reload does not apply: they keep their
-// running value until a restart. Keys are named as a user writes them
-// (limits.max_concurrent_streams, pools.prefill.kubernetes.selector), each
-// leaf once, in order.
-func restartOnly(started, next *config.Config) []string {
-	var keys []string
-	for _, k := range changedKeys(asTree(started), asTree(next), "") {
-		if !isLive(k) {
+// restartOnly names the keys whose value in next, the file, differs from the
+// one in force, run (config.InForce): those a reload does not apply, which
+// keep the value the process started with, and the live keys it holds back
+// for one of them. They take effect on restart. Keys are named as a user
+// writes them (limits.max_concurrent_streams,
+// pools.prefill.kubernetes.selector), each leaf once, in order.
+func restartOnly(started, run, next *config.Config) []string {
+	keys := slices.DeleteFunc(changedKeys(asTree(started), asTree(next), ""), isLive)
+	for _, k := range changedKeys(asTree(run), asTree(next), "") {
+		if isLive(k) {
 			keys = append(keys, k)
 		}
 	}
+	slices.Sort(keys)
 	return keys
 }
 
@@ -103,17 +105,17 @@ func empty(v any) bool {
 }
 
 // logConfigReloaded is the line a reload writes: what the pools now are,
-// and every changed key that waits for a restart; then what the config
-// lacks or gets wrong (warnNoPool, warnConfig).
-func logConfigReloaded(log logr.Logger, path string, started, c *config.Config, paired string) {
-	if keys := restartOnly(started, c); len(keys) > 0 {
+// and every changed key that waits for a restart (pending); then what the
+// config in force, run, lacks or gets wrong (warnNoPool, warnConfig).
+func logConfigReloaded(log logr.Logger, path string, pending []string, run *config.Config, paired string) {
+	if len(pending) > 0 {
 		log.Info("config reloaded, but these keys take effect only on restart and keep their running values",
-			"path", path, "restartPending", keys, "prefill", c.Pools.Prefill.Endpoints, "decode", c.Pools.Decode.Endpoints)
+			"path", path, "restartPending", pending, "prefill", run.Pools.Prefill.Endpoints, "decode", run.Pools.Decode.Endpoints)
 	} else {
-		log.Info("config reloaded", "path", path, "prefill", c.Pools.Prefill.Endpoints, "decode", c.Pools.Decode.Endpoints)
+		log.Info("config reloaded", "path", path, "prefill", run.Pools.Prefill.Endpoints, "decode", run.Pools.Decode.Endpoints)
 	}
-	warnNoPool(log, path, c, paired)
-	warnConfig(log, c)
+	warnNoPool(log, path, run, paired)
+	warnConfig(log, run)
 }
 
 // warnConfig names what the config sets that does not work as written: keys

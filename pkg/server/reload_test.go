@@ -49,6 +49,11 @@ func TestRestartOnlyNamesTheKeysAReloadDoesNotApply(t *testing.T) {
 			want: []string{"pools.decode.kubernetes.selector"}},
 		{name: "Kubernetes discovery added to a pool", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"], kubernetes: {selector: "role=prefill", port: 8000}}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}}}`,
 			want: []string{"pools.prefill.kubernetes"}},
+		// Discovery starts and stops with the process: the pool keeps its other sources until then.
+		{name: "a pool moved from static endpoints to Kubernetes", pools: `pools: {prefill: {kubernetes: {selector: "role=prefill", port: 8000}}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}}}`,
+			want: []string{"pools.prefill.endpoints", "pools.prefill.kubernetes"}},
+		{name: "a pool moved from Kubernetes to DNS", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {dns: "d.example:8000"}}`,
+			want: []string{"pools.decode.dns", "pools.decode.dns_interval", "pools.decode.endpoints", "pools.decode.kubernetes"}},
 		{name: "the decode pool's TLS", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}, tls: {enabled: true}}}`,
 			want: []string{"pools.decode.tls.enabled"}},
 		// prefill.max_background defaults to limits.max_concurrent_streams and follows it.
@@ -71,7 +76,8 @@ func TestRestartOnlyNamesTheKeysAReloadDoesNotApply(t *testing.T) {
 	started := mustParse(t, file("", "", ""))
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if got := restartOnly(started, mustParse(t, file(tt.connector, tt.pools, tt.more))); !slices.Equal(got, tt.want) {
+			next := mustParse(t, file(tt.connector, tt.pools, tt.more))
+			if got := restartOnly(started, next.InForce(started, started), next); !slices.Equal(got, tt.want) {
 				t.Errorf("restart-only keys = %q, want %q", got, tt.want)
 			}
 		})
@@ -382,6 +388,58 @@ func TestShortOverrideIsNamedAtStart(t *testing.T) {
 			}
 			if want := slices.DeleteFunc([]string{tt.want}, func(s string) bool { return s == "" }); !slices.Equal(got, want) {
 				t.Errorf("lines %q, want %q", got, want)
+			}
+		})
+	}
+}
+
+// A reload that moves a pool to Kubernetes discovery, which starts only
+// with the process, keeps the pool's endpoints and DNS name until the
+// restart, and counts them as waiting for it: the pool was empty from the
+// reload on, and every request got 503.
+func TestReloadToKubernetesKeepsThePoolUntilTheRestart(t *testing.T) {
+	tests := []struct {
+		name, decode, want string // want: the endpoint routed to, before and after the reload
+		pending            []string
+	}{
+		{"from static endpoints", `{endpoints: ["127.0.0.1:2"]}`, "127.0.0.1:2",
+			[]string{"pools.decode.endpoints", "pools.decode.kubernetes"}},
+		{"from a DNS name", `{dns: "localhost:3", dns_interval: 1h}`, "127.0.0.1:3",
+			[]string{"pools.decode.dns", "pools.decode.dns_interval", "pools.decode.kubernetes"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "extproc.yaml")
+			first := "connector: kv-nixl\npools: {decode: " + tt.decode + "}\n"
+			if err := os.WriteFile(path, []byte(first), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			logs := &logLines{}
+			r := start(t, first, Options{ConfigPath: path}, funcr.NewJSON(logs.add, funcr.Options{}))
+			route := func() string {
+				replies := r.exchange(t, post(chatPath, `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)...)
+				return destination(replies[0])
+			}
+			deadline := time.Now().Add(10 * time.Second)
+			for route() != tt.want { // a DNS pool has its endpoint once the name answers
+				if time.Now().After(deadline) {
+					t.Fatalf("never routed to %s before the reload", tt.want)
+				}
+				time.Sleep(20 * time.Millisecond) // the lookup runs on its own goroutine: poll, bounded
+			}
+			next := "connector: kv-nixl\npools: {decode: {kubernetes: {selector: role=decode, port: 8000}}}\n"
+			if err := os.WriteFile(path, []byte(next), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			line := waitLogLine(t, logs, "config reloaded")
+			if got, want := fmt.Sprint(line["restartPending"]), fmt.Sprint(tt.pending); got != want {
+				t.Errorf("restartPending = %s, want %s", got, want)
+			}
+			if got := r.scrape(t)["pd_extproc_config_restart_pending"]; got != float64(len(tt.pending)) {
+				t.Errorf("config_restart_pending = %v, want %d", got, len(tt.pending))
+			}
+			if got := route(); got != tt.want {
+				t.Errorf("after the reload routed to %q, want %s", got, tt.want)
 			}
 		})
 	}

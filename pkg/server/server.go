@@ -210,10 +210,13 @@ func (s *Server) pairedConnector() string {
 // watchConfig returns the loop that reloads the config file when it changes.
 func (s *Server) watchConfig(ctx context.Context) func() {
 	return func() {
+		inForce := s.cfg
 		err := config.Watch(ctx, s.opts.ConfigPath, s.cfg, s.reread, func(c *config.Config) {
-			assemble.Reload(s.pipeline, c)
-			s.metrics.ConfigReloaded(len(restartOnly(s.cfg, c)))
-			logConfigReloaded(s.log, s.opts.ConfigPath, s.cfg, c, s.pairedConnector())
+			inForce = c.InForce(s.cfg, inForce)
+			assemble.Reload(s.pipeline, inForce)
+			pending := restartOnly(s.cfg, inForce, c)
+			s.metrics.ConfigReloaded(len(pending))
+			logConfigReloaded(s.log, s.opts.ConfigPath, pending, inForce, s.pairedConnector())
 		}, func(err error) {
 			s.metrics.ConfigRejected()
 			s.log.Error(err, "config change rejected; the previous config stays", "path", s.opts.ConfigPath)

@@ -142,23 +142,30 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}
 
 // A reload that gives the decode pool a DNS name in place of its static
 // endpoints keeps them serving until the name first resolves, as Envoy warms
-// a changed cluster: the name here never does. The pool was empty from the
-// reload on, and every request got 503.
-func TestReloadToDNSKeepsServingUntilTheNameResolves(t *testing.T) {
-	r := startRig(t, rigOptions{})
-	config := fmt.Sprintf(`connector: kv-nixl
-pools: {prefill: {endpoints: [%q]}, decode: {dns: "decode.invalid:8000", dns_interval: 50ms}}
-`, r.prefill[0].Addr())
-	if err := os.WriteFile(r.extproc.ConfigPath, []byte(config), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	r.extproc.waitLog(t, "DNS lookup failed; keeping the endpoints found before")
-	path, body := request("chat", false, "reloaded to a DNS name")
-	if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK {
-		t.Fatalf("status %d after the reload: %s", resp.StatusCode, got)
-	}
-	if up := r.proxy.Upstreams(); !slices.Contains([]string{r.decode[0].Addr(), r.decode[1].Addr()}, up[len(up)-1]) {
-		t.Errorf("routed to %s, want one of the static decode endpoints", up[len(up)-1])
+// a changed cluster: the name here never does. One that moves it to
+// Kubernetes discovery, which starts only with the process, keeps them until
+// the restart. In both the pool was empty from the reload on, and every
+// request got 503.
+func TestReloadToAnotherSourceKeepsServing(t *testing.T) {
+	for _, tt := range []struct{ name, decode, log string }{
+		{"to a DNS name", `{dns: "decode.invalid:8000", dns_interval: 50ms}`, "DNS lookup failed; keeping the endpoints found before"},
+		{"to Kubernetes discovery", `{kubernetes: {selector: role=decode, port: 8000}}`, `"pools.decode.endpoints","pools.decode.kubernetes"`},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			r := startRig(t, rigOptions{})
+			config := fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: %s}\n", r.prefill[0].Addr(), tt.decode)
+			if err := os.WriteFile(r.extproc.ConfigPath, []byte(config), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			r.extproc.waitLog(t, tt.log)
+			path, body := request("chat", false, "reloaded "+tt.name)
+			if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK {
+				t.Fatalf("status %d after the reload: %s", resp.StatusCode, got)
+			}
+			if up := r.proxy.Upstreams(); !slices.Contains([]string{r.decode[0].Addr(), r.decode[1].Addr()}, up[len(up)-1]) {
+				t.Errorf("routed to %s, want one of the static decode endpoints", up[len(up)-1])
+			}
+		})
 	}
 }
 
