@@ -444,3 +444,104 @@ func TestReloadToKubernetesKeepsThePoolUntilTheRestart(t *testing.T) {
 		})
 	}
 }
+
+// reloadedLines starts the server on first, reloads next, then first again,
+// and returns the messages logged before that second reload began: those of
+// the start and of next's reload, whose warnings are written before the
+// watch reads the file again.
+func reloadedLines(t *testing.T, first, next string, opts Options) []string {
+	t.Helper()
+	opts.ConfigPath = filepath.Join(t.TempDir(), "extproc.yaml")
+	if err := os.WriteFile(opts.ConfigPath, []byte(first), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	logs := &logLines{}
+	start(t, first, opts, funcr.NewJSON(logs.add, funcr.Options{}))
+	var msgs []string
+	for _, file := range []string{next, first} {
+		if err := os.WriteFile(opts.ConfigPath, []byte(file), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		for deadline := time.Now().Add(10 * time.Second); ; {
+			msgs = nil
+			reloads := 0
+			for _, l := range logs.all(t) {
+				msg, _ := l["msg"].(string)
+				if strings.HasPrefix(msg, "config reloaded") {
+					reloads++
+				}
+				if reloads == 2 {
+					break
+				}
+				msgs = append(msgs, msg)
+			}
+			if reloads == slices.Index([]string{next, first}, file)+1 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("no reload of %q:\n%s", file, logs.raw())
+			}
+			time.Sleep(10 * time.Millisecond) // the watch runs on its own goroutine: poll, bounded
+		}
+	}
+	return msgs
+}
+
+// A reload is warned of what the keys in force do: a pool whose dropped
+// kubernetes key still finds its engines until the restart is still
+// scraped too seldom where requests may be held.
+func TestSlowScrapesAreNamedAtAReloadDroppingKubernetes(t *testing.T) {
+	dir := t.TempDir()
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	if err := os.WriteFile(kubeconfig, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "http://127.0.0.1:1"}}]
+users: [{name: u, user: {}}]
+contexts: [{name: x, context: {cluster: c, user: u, namespace: llm}}]
+current-context: x
+`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	const admission = "admission: {objectives: {batch: -1}}\n"
+	first := "connector: kv-nixl\npools: {decode: {kubernetes: {namespace: llm, selector: role=decode, port: 8000}, metrics: {interval: 1s}}}\n" + admission
+	next := "connector: kv-nixl\npools: {decode: {metrics: {interval: 1s}}}\n" + admission
+	var named int
+	for _, msg := range reloadedLines(t, first, next, Options{Kubeconfig: kubeconfig}) {
+		if strings.HasPrefix(msg, "requests may be held for room") {
+			named++
+		}
+		if strings.HasPrefix(msg, "no decode engine is configured") {
+			t.Errorf("logged %q: the pool's discovery runs until the restart", msg)
+		}
+	}
+	if named != 2 {
+		t.Errorf("pools.decode.metrics.interval named %d times, want 2: at start and at the reload", named)
+	}
+}
+
+// The override of Envoy's message timer is checked, at a reload, as it
+// runs: envoy.* and prefill.timeout keep their values until a restart,
+// while admission.hold applies at once.
+func TestShortOverrideAtAReloadComparesTheValuesInForce(t *testing.T) {
+	const decode = "pools: {decode: {endpoints: [\"127.0.0.1:2\"], metrics: {interval: 100ms}}}\n"
+	tests := []struct{ name, first, next, want string }{
+		{"an override the file shortens", "envoy: {override_message_timeout: 40s}", "envoy: {override_message_timeout: 10s}", ""},
+		{"a hold added under the running prefill.timeout", "envoy: {override_message_timeout: 35s}",
+			"prefill: {timeout: 5s}\nenvoy: {override_message_timeout: 35s}\nadmission: {objectives: {batch: -1}, hold: 10s}",
+			"envoy.override_message_timeout 35s is below prefill.timeout 30s + admission.hold 10s: in BUFFERED processing Envoy answers 504 " +
+				"before the prefill leg may end; raise it (and Envoy's max_message_timeout), or lower prefill.timeout"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var got []string
+			for _, msg := range reloadedLines(t, "connector: kv-nixl\n"+decode+tt.first+"\n", "connector: kv-nixl\n"+decode+tt.next+"\n", Options{}) {
+				if strings.HasPrefix(msg, "envoy.override_message_timeout") {
+					got = append(got, msg)
+				}
+			}
+			if want := slices.DeleteFunc([]string{tt.want}, func(s string) bool { return s == "" }); !slices.Equal(got, want) {
+				t.Errorf("lines %q, want %q", got, want)
+			}
+		})
+	}
+}
