@@ -22,16 +22,29 @@ func validateEndpoints(key string, addrs []string) []error {
 			errs = append(errs, fmt.Errorf("%s[%d]: %q has no port", key, i, a))
 		case ap.Addr().Zone() != "":
 			errs = append(errs, fmt.Errorf("%s[%d]: %q names a zone: no URL nor Envoy's destination header can carry it", key, i, a))
-		case ap.Addr().IsUnspecified():
-			errs = append(errs, fmt.Errorf("%s[%d]: %q is the unspecified address, a listener's wildcard: it names no engine", key, i, a))
-		case notOneHost(ap.Addr()) != "":
-			errs = append(errs, fmt.Errorf("%s[%d]: %q is %s: TCP connects to one host", key, i, a, notOneHost(ap.Addr())))
+		case NoEngine(ap.Addr()) != "":
+			errs = append(errs, fmt.Errorf("%s[%d]: %q is %s", key, i, a, NoEngine(ap.Addr())))
 		case seen[ap]:
 			errs = append(errs, fmt.Errorf("%s[%d]: %q is listed twice", key, i, a))
 		}
 		seen[ap] = true
 	}
 	return errs
+}
+
+// NoEngine says why a, unmapped, names no engine a connection can reach:
+// it is the unspecified address (a listener's wildcard, and what DNS
+// sinkholes answer for a blocked name) or a group of hosts; "" for one
+// host's address. Static endpoints are refused for it, DNS answers and pod
+// IPs skipped.
+func NoEngine(a netip.Addr) string {
+	switch a = a.Unmap(); {
+	case a.IsUnspecified():
+		return "the unspecified address, a listener's wildcard: it names no engine"
+	case notOneHost(a) != "":
+		return notOneHost(a) + ": TCP connects to one host"
+	}
+	return ""
 }
 
 // notOneHost says what a, unmapped, is when it is a group of hosts, to which

@@ -3,6 +3,7 @@ package discovery
 import (
 	"fmt"
 	"net"
+	"net/netip"
 	"slices"
 	"strconv"
 	"strings"
@@ -43,6 +44,8 @@ func (sel selection) endpoints(pod *corev1.Pod) (eps []scheduling.Discovered, wh
 		return nil, string(pod.Status.Phase)
 	case pod.Status.PodIP == "":
 		return nil, "no pod IP"
+	case noEngine(pod) != "":
+		return nil, noEngine(pod)
 	case !podReady(pod):
 		return nil, "not Ready"
 	}
@@ -92,6 +95,16 @@ func bootstrapPorts(pod *corev1.Pod, n int) (ports []int, why string) {
 		why = fmt.Sprintf("annotation %s: one port, %s, for %d target ports: each SGLang server needs its own; list one per target port", BootstrapPortAnnotation, v, n)
 	}
 	return ports, why
+}
+
+// noEngine says why the pod's IP names no engine (config.NoEngine), "" when it
+// names one.
+func noEngine(pod *corev1.Pod) string {
+	a, err := netip.ParseAddr(pod.Status.PodIP)
+	if err != nil || config.NoEngine(a) == "" {
+		return ""
+	}
+	return "pod IP " + pod.Status.PodIP + " is " + config.NoEngine(a)
 }
 
 func podReady(pod *corev1.Pod) bool {

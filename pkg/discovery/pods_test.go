@@ -63,6 +63,12 @@ func TestPodEndpoints(t *testing.T) {
 		{"not ready", port8000, ready(func(p *corev1.Pod) { p.Status.Conditions[1].Status = corev1.ConditionFalse }), nil, "not Ready"},
 		{"no Ready condition", port8000, ready(func(p *corev1.Pod) { p.Status.Conditions = p.Status.Conditions[:1] }), nil, "not Ready"},
 		{"no IP", port8000, ready(func(p *corev1.Pod) { p.Status.PodIP = "" }), nil, "no pod IP"},
+		{"IP 0.0.0.0", port8000, ready(func(p *corev1.Pod) { p.Status.PodIP = "0.0.0.0" }), nil,
+			"pod IP 0.0.0.0 is the unspecified address, a listener's wildcard: it names no engine"},
+		{"IP ::", port8000, ready(func(p *corev1.Pod) { p.Status.PodIP = "::" }), nil,
+			"pod IP :: is the unspecified address, a listener's wildcard: it names no engine"},
+		{"multicast IP", port8000, ready(func(p *corev1.Pod) { p.Status.PodIP = "ff02::1" }), nil,
+			"pod IP ff02::1 is a multicast address: TCP connects to one host"},
 		{"terminating", port8000, ready(func(p *corev1.Pod) { p.DeletionTimestamp = &metav1.Time{} }), nil, "terminating"},
 		// A pod that has run to its end keeps its IP and may keep a Ready
 		// condition no kubelet updates any more (its node gone, the pod

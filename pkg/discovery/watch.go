@@ -202,7 +202,11 @@ func (w *poolWatch) setPod(key string, pod *corev1.Pod) bool {
 		eps, why = w.sel.endpoints(pod)
 	}
 	if why != w.why[key] && pod != nil {
-		w.log.V(1).Info("pod", "pool", w.pool, "pod", key, "endpoints", len(eps), "why", why)
+		log := w.log.V(1)
+		if why != "" && why == noEngine(pod) { // the network's fault, not a pod's life: said by default
+			log = w.log
+		}
+		log.Info("pod", "pool", w.pool, "pod", key, "endpoints", len(eps), "why", why)
 	}
 	if pod == nil || why == "" {
 		delete(w.why, key)

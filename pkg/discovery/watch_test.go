@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -127,4 +128,37 @@ func discoveryEndpoints(t *testing.T, m *metrics.Metrics) float64 {
 	}
 	t.Fatal("no pd_extproc_discovery_endpoints")
 	return 0
+}
+
+// A pod whose IP names no engine (0.0.0.0, ::, a multicast address) is not
+// an endpoint, and is named in one log line at the default verbosity each
+// time that changes, not at each update of the pod.
+func TestAPodWhoseIPNamesNoEngineIsSkippedAndLoggedOnce(t *testing.T) {
+	var logged []string
+	pools := scheduling.NewPools(scheduling.Spec{}, scheduling.Deps{})
+	w := &poolWatch{pool: "decode", sink: pools.Decode, log: funcr.New(func(_, args string) { logged = append(logged, args) }, funcr.Options{}),
+		sel:   selection{selector: labels.SelectorFromSet(labels.Set{"app": "vllm"}), port: config.PodPort{Number: 8000}},
+		byPod: map[string][]scheduling.Discovered{}, why: map[string]string{}}
+	pod := func(ip, version string) *corev1.Pod {
+		return &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "llm", Name: "vllm-0", ResourceVersion: version, Labels: map[string]string{"app": "vllm"}},
+			Status:     corev1.PodStatus{PodIP: ip, Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}},
+		}
+	}
+	w.podAdded(pod("0.0.0.0", "1"), true)
+	w.podAdded(pod("0.0.0.0", "2"), true) // a status heartbeat
+	if eps := pools.Decode.Endpoints(); len(eps) != 0 {
+		t.Errorf("endpoints %v, want none", eps)
+	}
+	want := `"level"=0 "msg"="pod" "pool"="decode" "pod"="llm/vllm-0" "endpoints"=0 "why"="pod IP 0.0.0.0 is the unspecified address, a listener's wildcard: it names no engine"`
+	if len(logged) != 1 || logged[0] != want {
+		t.Errorf("logged %q, want one line %s", logged, want)
+	}
+	w.podAdded(pod("10.1.2.3", "3"), true)
+	if eps := pools.Decode.Endpoints(); len(eps) != 1 || eps[0].Addr != "10.1.2.3:8000" {
+		t.Errorf("endpoints %v once the pod has an IP of its own, want 10.1.2.3:8000", eps)
+	}
+	if len(logged) != 1 {
+		t.Errorf("logged %q at the default verbosity, want only the line above: a pod that becomes an endpoint is said at -v 1", logged[1:])
+	}
 }

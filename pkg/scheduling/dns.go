@@ -5,6 +5,8 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+
+	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
 // Resolver looks up a host's addresses; *net.Resolver is one.
@@ -22,6 +24,11 @@ func (p *Pool) resolve(ctx context.Context, hostport string) {
 		return
 	}
 	ips, err := p.deps.Resolver.LookupHost(ctx, host)
+	if err == nil && len(ips) > 0 {
+		if ips = p.engines(hostport, ips); len(ips) == 0 {
+			return // said by engines; the endpoints found before stay
+		}
+	}
 	if err != nil || len(ips) == 0 {
 		if ctx.Err() == nil {
 			p.deps.Log.Info("DNS lookup failed; keeping the endpoints found before", "pool", p.Name(), "dns", hostport, "error", errString(err))
@@ -35,6 +42,29 @@ func (p *Pool) resolve(ctx context.Context, hostport string) {
 	slices.Sort(addrs)
 	addrs = slices.Compact(addrs)
 	p.setResolved(hostport, addrs)
+}
+
+// engines drops from name's answer the addresses that name no engine
+// (config.NoEngine: a DNS sinkhole answers 0.0.0.0 or :: for a blocked
+// name), in one log line each time what it drops changes.
+func (p *Pool) engines(name string, ips []string) []string {
+	var skipped []string
+	ips = slices.DeleteFunc(slices.Clone(ips), func(ip string) bool {
+		a, err := netip.ParseAddr(ip)
+		if err != nil || config.NoEngine(a) == "" {
+			return false
+		}
+		skipped = append(skipped, ip+" is "+config.NoEngine(a))
+		return true
+	})
+	p.mu.Lock()
+	changed := !slices.Equal(skipped, p.skipped[name])
+	p.skipped[name] = skipped
+	p.mu.Unlock()
+	if changed && len(skipped) > 0 {
+		p.deps.Log.Info("DNS answered addresses that name no engine; skipping them", "pool", p.Name(), "dns", name, "skipped", skipped)
+	}
+	return ips
 }
 
 // v4Preferred are the IPv4 addresses among ips, or all of them when there is

@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/go-logr/logr/funcr"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
@@ -262,5 +265,42 @@ func TestAnEndpointBackInTheAnswerKeepsItsChecksVerdict(t *testing.T) {
 				t.Errorf("%s down after an unanswered check: %v, want %v", back, down, tc.down)
 			}
 		})
+	}
+}
+
+// A DNS answer of an address no connection can reach (a sinkhole's 0.0.0.0
+// or ::, a multicast or the broadcast address) is skipped, with one log line
+// each time what is skipped changes, not at each lookup; an answer of
+// nothing else keeps the endpoints found before, as an empty one does.
+func TestResolveSkipsAddressesThatNameNoEngine(t *testing.T) {
+	r := newFakeResolver()
+	var logged []string
+	p := dnsPool(t, r, nil, "decode.svc:8000")
+	p.deps.Log = funcr.New(func(_, args string) { logged = append(logged, args) }, funcr.Options{})
+	steps := []struct {
+		answer    []string
+		endpoints []string
+		logged    string // the line this lookup adds, "" for none
+	}{
+		{[]string{"10.0.0.1", "0.0.0.0"}, []string{"10.0.0.1:8000"},
+			`"level"=0 "msg"="DNS answered addresses that name no engine; skipping them" "pool"="decode" "dns"="decode.svc:8000" "skipped"=["0.0.0.0 is the unspecified address, a listener's wildcard: it names no engine"]`},
+		{[]string{"10.0.0.1", "0.0.0.0"}, []string{"10.0.0.1:8000"}, ""},
+		{[]string{"0.0.0.0", "::", "224.0.0.1", "255.255.255.255"}, []string{"10.0.0.1:8000"},
+			`"level"=0 "msg"="DNS answered addresses that name no engine; skipping them" "pool"="decode" "dns"="decode.svc:8000" "skipped"=["0.0.0.0 is the unspecified address, a listener's wildcard: it names no engine" ":: is the unspecified address, a listener's wildcard: it names no engine" "224.0.0.1 is a multicast address: TCP connects to one host" "255.255.255.255 is the broadcast address: TCP connects to one host"]`},
+		{[]string{"0.0.0.0", "::", "224.0.0.1", "255.255.255.255"}, []string{"10.0.0.1:8000"}, ""},
+		{[]string{"::", "fd00::2"}, []string{"[fd00::2]:8000"},
+			`"level"=0 "msg"="DNS answered addresses that name no engine; skipping them" "pool"="decode" "dns"="decode.svc:8000" "skipped"=[":: is the unspecified address, a listener's wildcard: it names no engine"]`},
+		{[]string{"10.0.0.2"}, []string{"10.0.0.2:8000"}, ""},
+	}
+	for i, s := range steps {
+		r.set("decode.svc", s.answer, nil)
+		before := len(logged)
+		p.resolve(context.Background(), "decode.svc:8000")
+		if got := addrsOf(p.Endpoints()); !slices.Equal(got, s.endpoints) {
+			t.Errorf("step %d: answer %v gave endpoints %v, want %v", i, s.answer, got, s.endpoints)
+		}
+		if got := strings.Join(logged[before:], "\n"); got != s.logged {
+			t.Errorf("step %d: logged\n%s\nwant\n%s", i, got, s.logged)
+		}
 	}
 }

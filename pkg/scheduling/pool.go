@@ -62,6 +62,7 @@ type Pool struct {
 	// replaced (warm).
 	resolved     []string
 	resolvedName string
+	skipped      map[string][]string // by DNS name, what its last answer named of no engine (engines)
 	// discovered come from a discovery source (SetDiscovered), sorted by address.
 	discovered []Discovered
 	// departed are endpoints that left the pool while they still mattered
@@ -93,7 +94,7 @@ type poolState struct {
 }
 
 func newPool(pr probe, spec PoolSpec, deps Deps) *Pool {
-	p := &Pool{deps: deps.withDefaults(), probe: pr}
+	p := &Pool{deps: deps.withDefaults(), probe: pr, skipped: map[string][]string{}}
 	p.Update(spec)
 	return p
 }
