@@ -59,7 +59,8 @@ func badRequest(format string, a ...any) *apiError {
 // SamplingParams do, as far as a router can trip over them.
 func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*request, *apiError) {
 	var fields map[string]json.RawMessage // duplicate keys: the last wins, as in Python's json
-	if err := json.Unmarshal(body, &fields); err != nil || fields == nil {
+	// Python's json.loads of bytes skips one leading BOM (utf-8-sig).
+	if err := json.Unmarshal(bytes.TrimPrefix(body, []byte("\ufeff")), &fields); err != nil || fields == nil {
 		return nil, badRequest("JSON decode error: the body must be a JSON object")
 	}
 	req := &request{api: api, fields: fields, model: s.cfg.Model, id: requestID}

@@ -111,7 +111,10 @@ func (sc *Scanner) Object(b []byte) (*Object, error) {
 
 func (sc *Scanner) step(b []byte, final bool) {
 	if !sc.started {
-		sc.s, sc.started = newScanner(), true
+		if !final && len(b) < len(bom) && strings.HasPrefix(bom, string(b)) {
+			return // a BOM may be cut
+		}
+		sc.s, sc.started = newScanner(b), true
 	}
 	sc.scanned += len(b) - sc.s.resume()
 	if uint64(len(b)) > math.MaxUint32 {

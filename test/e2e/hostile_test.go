@@ -351,6 +351,9 @@ func TestHostileInputsGetAClear4xx(t *testing.T) {
 		{name: "exactly limits.max_body_bytes", path: "/v1/completions", body: prompt(small), small: true, want: 200, by: "engine"},
 		{name: "invalid UTF-8", path: "/v1/completions", body: "{\"model\":\"pdsim\",\"prompt\":\"\xff\xfe\xc0\"}", want: 400, by: "extproc", says: "not valid UTF-8"},
 		{name: "not JSON", path: "/v1/completions", body: `model=pdsim&prompt=hi`, want: 400, by: "extproc", says: "not valid JSON"},
+		// Python's json.loads, given the body's bytes, skips a leading BOM: vLLM serves it.
+		{name: "a leading byte order mark", path: "/v1/completions", body: "\ufeff" + prompt(100), want: 200, by: "engine"},
+		{name: "two byte order marks", path: "/v1/completions", body: "\ufeff\ufeff" + prompt(100), want: 400, by: "extproc", says: "not valid JSON"},
 		{name: "a model of 1 MiB", path: "/v1/completions", body: `{"model":"` + strings.Repeat("m", 1<<20) + `","prompt":"x"}`, want: 400, by: "extproc", says: "model names are at most"},
 		{name: "unknown path with a body", path: "/admin/config", body: `{"model":"pdsim","input":"x"}`, want: 404, by: "extproc", says: "unknown path"},
 		{name: "unknown path without a body", method: http.MethodGet, path: "/admin/config", want: 404, by: "extproc", says: "unknown path"},
