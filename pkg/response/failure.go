@@ -41,8 +41,9 @@ const (
 // 5xx code comes before.
 //
 // An event is framed as the SSE spec says: a line ends with CRLF, LF or
-// CR, a blank line ends the event, and its data is its data lines' values
-// joined by LF, judged as one. Engines send it on one line, JSON, so data
+// CR, a blank line ends the event, its data is its data lines' values
+// joined by LF, judged as one, and a byte order mark before the stream's
+// first line is skipped. Engines send it on one line, JSON, so data
 // that starts {"error" is such an event and nothing else: inside a JSON
 // string the quotes are escaped. Only the data of an event that may be an
 // error event is held; the others are read where they lie. Give it every
@@ -107,6 +108,7 @@ func (k lineKind) held() bool { return k == unknown || k == errorEvent || k == c
 
 var (
 	dataField = []byte("data:")
+	bomData   = []byte("\ufeffdata:") // the first line, after the stream's byte order mark
 	// errorStarts are how an error event's data starts: the OpenAI API's
 	// (chat, completions), and the Anthropic API's that vLLM's Messages
 	// stream sends, {"type":"error","error":{"type":"internal_error",...}}
@@ -180,7 +182,7 @@ func (o *Opening) endLine() {
 	switch {
 	case o.lineBytes == 0:
 		o.dispatch()
-	case o.line == data || o.line == unknown && bytes.HasPrefix(o.held, dataField):
+	case o.line == data || o.line == unknown && isData(o.held):
 		if o.event.held() {
 			o.data = append(o.data[:0], o.joined()...)
 			o.event = o.classify(o.data)
@@ -210,12 +212,18 @@ func (o *Opening) dispatch() {
 	o.event, o.hasData, o.data = unknown, false, o.data[:0]
 }
 
+// isData reports whether a line is a data line.
+func isData(line []byte) bool {
+	_, ok := dataStart(line)
+	return ok
+}
+
 // lineKindOf tells what a line is from its start, b: unknown while it may
 // yet be a data line ("dat", "data: ") without a byte of its value.
 func lineKindOf(b []byte) lineKind {
 	off, ok := dataStart(b)
 	switch {
-	case !ok && bytes.HasPrefix(dataField, b):
+	case !ok && (bytes.HasPrefix(dataField, b) || bytes.HasPrefix(bomData, b)):
 		return unknown
 	case !ok:
 		return other
@@ -346,8 +354,7 @@ func StreamFailed(answer []byte) bool {
 	if NewOpening(1, 1).Scan(answer) == Failed {
 		return true
 	}
-	for line := range bytes.Lines(answer) {
-		line = bytes.TrimRight(line, "\r\n")
+	for _, line := range bytes.FieldsFunc(answer, isLineEnd) { // CRLF, LF or CR
 		off, ok := dataStart(line)
 		if !ok {
 			continue

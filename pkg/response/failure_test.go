@@ -131,8 +131,10 @@ func TestStreamFailedSGLangGenerateAbort(t *testing.T) {
 		{"a length finish", `{"type":"length","length":1}`, false},
 	} {
 		stream := `data: {"text":"","output_ids":[],"meta_info":{"id":"1","finish_reason":` + tt.finish + `,"prompt_tokens":3}}` + "\n\ndata: [DONE]\n\n"
-		if got := StreamFailed([]byte(stream)); got != tt.want {
-			t.Errorf("%s: StreamFailed = %v, want %v", tt.name, got, tt.want)
+		for _, end := range []string{"\n", "\r\n", "\r"} { // the line ends of server-sent events
+			if got := StreamFailed([]byte(strings.ReplaceAll(stream, "\n", end))); got != tt.want {
+				t.Errorf("%s, lines ending %q: StreamFailed = %v, want %v", tt.name, end, got, tt.want)
+			}
 		}
 	}
 }

@@ -141,13 +141,22 @@ func failed(line []byte) bool {
 	return o.Has("error") || kind == "error"
 }
 
+// bom is the byte order mark a stream may start with, which a client skips
+// (WHATWG HTML, "Interpreting an event stream"). It is skipped at the start
+// of any line here: only the first can have one, and engines send none.
+var bom = []byte("\ufeff")
+
 // dataStart is where the value of a "data:" line begins.
 func dataStart(line []byte) (int, bool) {
 	const field = "data:"
-	if !bytes.HasPrefix(line, []byte(field)) {
+	off := 0
+	if bytes.HasPrefix(line, bom) {
+		off = len(bom)
+	}
+	if !bytes.HasPrefix(line[off:], []byte(field)) {
 		return 0, false
 	}
-	off := len(field)
+	off += len(field)
 	if off < len(line) && line[off] == ' ' { // one space after the colon is not part of the value
 		off++
 	}
