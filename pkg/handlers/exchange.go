@@ -131,6 +131,11 @@ func (x *exchange) phase(req *extprocv3.ProcessingRequest) reply {
 	return reply{}
 }
 
+// headersSkipped answers a request whose body or trailers come first: Envoy
+// sends them so only under request_header_mode SKIP, and forwards the
+// request unrouted, with any destination header the client set.
+var headersSkipped = pipeline.Misconfigured("ext_proc request_header_mode SKIP is not supported: routing reads the request headers; configure request_header_mode: SEND")
+
 func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) reply {
 	if x.headersSeen {
 		x.obs.log.V(1).Info("ignoring repeated request headers", "requestID", x.req.RequestID)
@@ -181,7 +186,10 @@ func (x *exchange) onRequestHeaders(h *extprocv3.HttpHeaders) reply {
 }
 
 func (x *exchange) onRequestBody(b *extprocv3.HttpBody) reply {
-	if x.requestDone || !x.headersSeen {
+	if !x.headersSeen && !x.requestDone {
+		return x.fail(headersSkipped)
+	}
+	if x.requestDone {
 		x.obs.log.V(1).Info("dropping request body after its end", "requestID", x.req.RequestID, "bytes", len(b.GetBody()))
 		return reply{}
 	}
@@ -218,7 +226,10 @@ func (x *exchange) onRequestBody(b *extprocv3.HttpBody) reply {
 }
 
 func (x *exchange) onRequestTrailers() reply {
-	if !x.headersSeen || x.requestDone {
+	if !x.headersSeen && !x.requestDone {
+		return x.fail(headersSkipped)
+	}
+	if x.requestDone {
 		return answer(continueRequestTrailers())
 	}
 	switch x.requestMode() {

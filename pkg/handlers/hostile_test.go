@@ -5,6 +5,10 @@ import (
 	"strings"
 	"testing"
 
+	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/go-logr/logr"
+
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
@@ -55,6 +59,33 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}`, prefill.Addr(),
 			checkRouting(t, replies[0], fakeEndpoint, "")
 			if got := len(prefill.Requests()); got != tt.wantPrefill {
 				t.Errorf("%d prefill legs, want %d", got, tt.wantPrefill)
+			}
+		})
+	}
+}
+
+// Envoy sends a request's body or trailers before its headers only under
+// request_header_mode SKIP, where it forwards the request the service never
+// routed. The service answers at once with an OpenAI-style 500 naming the
+// setting: Envoy would otherwise wait for the reply until its message timer
+// fired (504, no body), or pass the request on unrouted.
+func TestARequestWithoutItsHeadersGetsAJSONError(t *testing.T) {
+	chat := []byte(clientChat)
+	tests := []struct {
+		name string
+		msgs []*extprocv3.ProcessingRequest
+	}{
+		{"BUFFERED, the whole body", []*extprocv3.ProcessingRequest{envoymsg.WithModes(envoymsg.Body(envoymsg.Request, chat, true), buffered, fullDuplex)}},
+		{"FULL_DUPLEX, a first chunk", []*extprocv3.ProcessingRequest{envoymsg.WithModes(envoymsg.Body(envoymsg.Request, chat[:10], false), fullDuplex, fullDuplex)}},
+		{"trailers", []*extprocv3.ProcessingRequest{envoymsg.WithModes(envoymsg.Trailers(envoymsg.Request), filterv3.ProcessingMode_NONE, fullDuplex)}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := &fakeRouter{}
+			replies := drive(t, handlers.NewServer(f, handlers.Options{}, logr.Discard()), tt.msgs...)
+			checkOpenAIError(t, replies, 500, "request_header_mode")
+			if len(f.calls) != 0 {
+				t.Errorf("routed without its headers: %v", f.calls)
 			}
 		})
 	}

@@ -41,7 +41,6 @@ func TestSlowBodyGets408AndGivesItsSlotBack(t *testing.T) {
 	}{
 		{name: "FULL_DUPLEX, half a body", msgs: []*extprocv3.ProcessingRequest{headers(fullDuplex), envoymsg.Body(envoymsg.Request, chat[:10], false)}},
 		{name: "BUFFERED, Envoy still buffering", msgs: []*extprocv3.ProcessingRequest{headers(buffered)}},
-		{name: "a body without headers", msgs: []*extprocv3.ProcessingRequest{envoymsg.Body(envoymsg.Request, chat[:10], false)}},
 		{name: "complete at 59 s: routed", msgs: []*extprocv3.ProcessingRequest{headers(fullDuplex), envoymsg.Body(envoymsg.Request, chat[:10], false)},
 			finish: envoymsg.Body(envoymsg.Request, chat[10:], true)},
 	}

@@ -540,7 +540,6 @@ func TestBodyAfterItsEndIsDropped(t *testing.T) {
 		{"after trailers ended the body", []*extprocv3.ProcessingRequest{headers(fullDuplex, false),
 			envoymsg.Body(envoymsg.Request, chat, false), envoymsg.Trailers(envoymsg.Request), last()}, 3, []string{"Route"}},
 		{"after headers with end_of_stream", []*extprocv3.ProcessingRequest{headers(fullDuplex, true), last()}, 1, []string{"RouteHeaders"}},
-		{"before the headers", []*extprocv3.ProcessingRequest{last(), headers(fullDuplex, false), last()}, 0, []string{"Route"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
