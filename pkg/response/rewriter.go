@@ -212,17 +212,24 @@ func (r *Rewriter) fix(doc []byte) body.Spliced {
 		}
 		return r.only(doc)
 	}
-	fixed, ok := r.write(doc, r.path)
+	spots, ok := r.spots(doc, r.path)
 	if !ok {
 		return r.only(doc)
 	}
 	r.outcome = metrics.UsageRewritten
-	return fixed
+	out, from := splice(nil, doc, 0, spots)
+	return append(out, doc[from:])
 }
 
-// write is doc, a JSON answer or one event's JSON, with the value at path
-// and the uncached count at its place: false when one of them is not there.
-func (r *Rewriter) write(doc []byte, path []string) (body.Spliced, bool) {
+// spot is where a number sits in a document, and what goes there.
+type spot struct {
+	start, end int
+	value      []byte
+}
+
+// spots are where the value and the uncached count sit in doc, a JSON
+// answer or one event's data, in order: false when one of them is not there.
+func (r *Rewriter) spots(doc []byte, path []string) ([]spot, bool) {
 	o, err := body.Parse(doc) // once for both numbers: a JSON answer may run to megabytes
 	if err != nil {
 		return nil, false
@@ -231,17 +238,28 @@ func (r *Rewriter) write(doc []byte, path []string) (body.Spliced, bool) {
 	if !ok {
 		return nil, false
 	}
+	number := spot{start, end, r.value}
 	if r.uncached.path == nil {
-		return body.Spliced{doc[:start], r.value, doc[end:]}, true
+		return []spot{number}, true
 	}
 	s, e, ok := o.Locate(r.uncached.path...)
 	switch {
 	case !ok:
 		return nil, false
 	case s < start:
-		return body.Spliced{doc[:s], r.uncached.value, doc[e:start], r.value, doc[end:]}, true
+		return []spot{{s, e, r.uncached.value}, number}, true
 	}
-	return body.Spliced{doc[:start], r.value, doc[end:s], r.uncached.value, doc[e:]}, true
+	return []spot{number, {s, e, r.uncached.value}}, true
+}
+
+// splice appends to out doc from doc[from] up to the last spot, each
+// spot's value in its place, and returns where doc goes on.
+func splice(out body.Spliced, doc []byte, from int, spots []spot) (body.Spliced, int) {
+	for _, s := range spots {
+		out = append(out, doc[from:s.start], s.value)
+		from = s.end
+	}
+	return out, from
 }
 
 // Held is how many bytes of the answer the rewrite holds back now.

@@ -63,10 +63,11 @@ func eventsEnd(data []byte, from int) int {
 	return 0
 }
 
-// events fixes the number in the complete events of b. Only a line holding
-// the quoted name is read: a "data:" line whose JSON has the path gets the
-// value; every other byte is passed on as it is. A reader reads the lines
-// that hold the usage, and keeps what the last of them said.
+// events fixes the number in the complete events of b. Only an event
+// holding the quoted name is read: its data (its data lines' values joined
+// by LF, as a client reads them) gets the value where its JSON has the path;
+// every other byte is passed on as it is. A reader reads the events that
+// hold the usage, and keeps what the last of them said.
 func (r *Rewriter) events(b []byte) body.Spliced {
 	if !r.Writes() && !r.broken && bytes.Contains(b, errorKey) {
 		r.broken = slices.ContainsFunc(bytes.FieldsFunc(b, isLineEnd), failed)
@@ -81,23 +82,20 @@ func (r *Rewriter) events(b []byte) body.Spliced {
 		if i < 0 {
 			break
 		}
-		lineStart := bytes.LastIndexAny(b[:at+i], "\r\n") + 1
-		lineEnd := at + i + len(r.key)
-		if j := bytes.IndexAny(b[lineEnd:], "\r\n"); j >= 0 {
-			lineEnd += j
-		} else {
-			lineEnd = len(b)
-		}
+		start, end := max(eventsEnd(b[:at+i], at), at), eventEnd(b, at+i)
+		doc, values := eventData(b[start:end])
 		if !r.Writes() {
-			r.readData(b[lineStart:lineEnd])
-		} else if off, ok := dataStart(b[lineStart:lineEnd]); ok {
-			if fixed, ok := r.write(b[lineStart+off:lineEnd], r.event); ok {
-				out = append(append(out, b[kept:lineStart+off]), fixed...)
-				kept = lineEnd
-				r.fixed = true
+			r.readData(doc)
+		} else if spots, ok := r.spots(doc, r.event); ok {
+			for k := range spots { // into b: a number lies within one line's value
+				shift := start + dataOffset(values, spots[k].start)
+				spots[k].start += shift
+				spots[k].end += shift
 			}
+			out, kept = splice(out, b, kept, spots)
+			r.fixed = true
 		}
-		at = lineEnd
+		at = end
 	}
 	if kept < len(b) {
 		out = append(out, b[kept:])
@@ -105,16 +103,77 @@ func (r *Rewriter) events(b []byte) body.Spliced {
 	return out
 }
 
-// readData keeps what an event line says of the number, for a reader: the
-// number, "0" for a usage without its details (NoneCached), or nothing.
-func (r *Rewriter) readData(line []byte) {
-	off, ok := dataStart(line)
-	if !ok {
-		return
+// eventEnd is where the event that b[i] is in ends: just after the blank
+// line that ends it, or at the end of b.
+func eventEnd(b []byte, i int) int {
+	empty := false // the line now starting is empty so far
+	for i < len(b) {
+		c := b[i]
+		i++
+		if c != '\n' && c != '\r' {
+			empty = false
+			continue
+		}
+		if c == '\r' && i < len(b) && b[i] == '\n' {
+			i++
+		}
+		if empty {
+			return i
+		}
+		empty = true
 	}
-	if start, end, ok := body.Locate(line[off:], r.event...); ok {
-		r.read, r.stated = append(r.read[:0], line[off+start:off+end]...), true // the chunk is Envoy's message's
-	} else if NoneCached(line[off:], r.event) {
+	return len(b)
+}
+
+// eventData is an event's data, its data lines' values joined by LF, and
+// where each value lies in ev; the value of a single data line is ev's own.
+func eventData(ev []byte) ([]byte, [][2]int) {
+	var values [][2]int
+	for i := 0; i < len(ev); {
+		n := bytes.IndexAny(ev[i:], "\r\n")
+		if n < 0 {
+			n = len(ev) - i
+		}
+		if off, ok := dataStart(ev[i : i+n]); ok {
+			values = append(values, [2]int{i + off, i + n})
+		}
+		if i += n + 1; i < len(ev) && ev[i-1] == '\r' && ev[i] == '\n' {
+			i++
+		}
+	}
+	if len(values) == 1 {
+		return ev[values[0][0]:values[0][1]], values
+	}
+	var doc []byte
+	for k, v := range values {
+		if k > 0 {
+			doc = append(doc, '\n')
+		}
+		doc = append(doc, ev[v[0]:v[1]]...)
+	}
+	return doc, values
+}
+
+// dataOffset is what to add to pos, an offset in an event's data, to find
+// it in the event: the start of its value less the start of that value in
+// the data.
+func dataOffset(values [][2]int, pos int) int {
+	at := 0
+	for _, v := range values {
+		if pos <= at+v[1]-v[0] {
+			return v[0] - at
+		}
+		at += v[1] - v[0] + 1
+	}
+	return 0
+}
+
+// readData keeps what an event's data says of the number, for a reader: the
+// number, "0" for a usage without its details (NoneCached), or nothing.
+func (r *Rewriter) readData(doc []byte) {
+	if start, end, ok := body.Locate(doc, r.event...); ok {
+		r.read, r.stated = append(r.read[:0], doc[start:end]...), true // the chunk is Envoy's message's
+	} else if NoneCached(doc, r.event) {
 		r.read, r.stated = append(r.read[:0], zero...), false
 	}
 }

@@ -17,6 +17,8 @@ func TestEventStreamFramingAsAClientReadsIt(t *testing.T) {
 	cr := func(s string) string { return strings.ReplaceAll(s, "\n", "\r") }
 	noSpace := func(s string) string { return strings.ReplaceAll(s, "data: ", "data:") }
 	comment := ": \"cached_tokens\":12 ping\n"
+	// split cuts an event's data in two lines, which a client joins with LF.
+	split := func(ev, at, lead string) string { return strings.Replace(ev, at, at+"\n"+lead, 1) }
 	tests := []struct {
 		name, in, want string
 		read           string  // what a reader reads of the number; "" for nothing
@@ -32,6 +34,10 @@ func TestEventStreamFramingAsAClientReadsIt(t *testing.T) {
 		{"a leading BOM", bom + usageEv + done, bom + fixedEv + done, "12", Served},
 		{"a leading BOM, then an error event", bom + errorEv + done, bom + errorEv + done, "", Failed},
 		{"a leading BOM, CRLF", crlf(bom + role + tok0 + usageEv), crlf(bom + role + tok0 + fixedEv), "12", Served},
+		{"a usage event on two data lines", role + split(usageEv, `"choices":[],`, "data: ") + done,
+			role + split(fixedEv, `"choices":[],`, "data: ") + done, "12", Served},
+		{"a usage event on three data lines, CRLF", crlf(role + split(split(usageEv, `"choices":[],`, "data: "), `"prompt_tokens_details":`, "data:") + done),
+			crlf(role + split(split(fixedEv, `"choices":[],`, "data: "), `"prompt_tokens_details":`, "data:") + done), "12", Served},
 		{"an error event on two data lines", "data: {\"error\":\ndata: {\"code\":503}}\n\n" + done, "data: {\"error\":\ndata: {\"code\":503}}\n\n" + done, "", Failed},
 	}
 	for _, tt := range tests {
