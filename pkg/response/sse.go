@@ -2,7 +2,7 @@ package response
 
 import (
 	"bytes"
-	"slices"
+	"iter"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -69,20 +69,20 @@ func eventsEnd(data []byte, from int) int {
 // every other byte is passed on as it is. A reader reads the events that
 // hold the usage, and keeps what the last of them said.
 func (r *Rewriter) events(b []byte) body.Spliced {
-	if !r.Writes() && !r.broken && bytes.Contains(b, errorKey) {
-		r.broken = slices.ContainsFunc(bytes.FieldsFunc(b, isLineEnd), failed)
+	if !r.Writes() && !r.broken {
+		for start, end := range eventsWith(b, errorKey) {
+			if doc, _ := eventData(b[start:end]); failed(doc) {
+				r.broken = true
+				break
+			}
+		}
 	}
 	if !bytes.Contains(b, r.key) {
 		return r.only(b)
 	}
 	var out body.Spliced
 	kept := 0 // b[kept:] is still to be passed on
-	for at := 0; ; {
-		i := bytes.Index(b[at:], r.key)
-		if i < 0 {
-			break
-		}
-		start, end := max(eventsEnd(b[:at+i], at), at), eventEnd(b, at+i)
+	for start, end := range eventsWith(b, r.key) {
 		doc, values := eventData(b[start:end])
 		if !r.Writes() {
 			r.readData(doc)
@@ -95,12 +95,28 @@ func (r *Rewriter) events(b []byte) body.Spliced {
 			out, kept = splice(out, b, kept, spots)
 			r.fixed = true
 		}
-		at = end
 	}
 	if kept < len(b) {
 		out = append(out, b[kept:])
 	}
 	return out
+}
+
+// eventsWith yields the bounds of each event of b that holds key.
+func eventsWith(b, key []byte) iter.Seq2[int, int] {
+	return func(yield func(start, end int) bool) {
+		for at := 0; ; {
+			i := bytes.Index(b[at:], key)
+			if i < 0 {
+				return
+			}
+			start, end := max(eventsEnd(b[:at+i], at), at), eventEnd(b, at+i)
+			if !yield(start, end) {
+				return
+			}
+			at = end
+		}
+	}
 }
 
 // eventEnd is where the event that b[i] is in ends: just after the blank
@@ -182,17 +198,13 @@ var errorKey = []byte(`"error"`)
 
 func isLineEnd(c rune) bool { return c == '\n' || c == '\r' }
 
-// failed says whether an event line is an engine's error event. vLLM ends a
+// failed says whether an event's data is an engine's error event. vLLM ends a
 // stream that fails after its 200 with `data: {"error": {...}}` (older
 // releases: {"object": "error", ...}) and [DONE], without the final usage
 // event: what its continuous usage said before (no details, read as 0)
 // says nothing of the cache.
-func failed(line []byte) bool {
-	off, ok := dataStart(line)
-	if !ok {
-		return false
-	}
-	o, err := body.Parse(line[off:])
+func failed(data []byte) bool {
+	o, err := body.Parse(data)
 	if err != nil {
 		return false
 	}

@@ -38,6 +38,8 @@ func TestEventStreamFramingAsAClientReadsIt(t *testing.T) {
 			role + split(fixedEv, `"choices":[],`, "data: ") + done, "12", Served},
 		{"a usage event on three data lines, CRLF", crlf(role + split(split(usageEv, `"choices":[],`, "data: "), `"prompt_tokens_details":`, "data:") + done),
 			crlf(role + split(split(fixedEv, `"choices":[],`, "data: "), `"prompt_tokens_details":`, "data:") + done), "12", Served},
+		{"usage, then an error event on two data lines: the reader reads nothing", tok0 + usageEv + split(errorEv, `{"error":`, "data: ") + done,
+			tok0 + fixedEv + split(errorEv, `{"error":`, "data: ") + done, "", Served},
 		{"an error event on two data lines", "data: {\"error\":\ndata: {\"code\":503}}\n\n" + done, "data: {\"error\":\ndata: {\"code\":503}}\n\n" + done, "", Failed},
 	}
 	for _, tt := range tests {
