@@ -281,13 +281,16 @@ func TestTheUncachedShareIsOfCharacters(t *testing.T) {
 // counters: a cache smaller than the prompts it serves has evicted it, and
 // decode-only would recompute the system prompt on the decode engine. An
 // engine whose counters went back (a restart) holds nothing sent before; one
-// that does not report its cache is estimated as before.
+// that does not report its cache is estimated as before. A failed scrape's
+// counters still count: they only grow, and without them the estimate would
+// count every block remembered, and forget those sent meanwhile.
 func TestRememberedPrefixesAgeWithWhatTheEngineWrites(t *testing.T) {
 	system := simMessage{"system", strings.Repeat("s", 8000)} // some 2,000 tokens
 	tests := []struct {
 		name        string
 		size        float64 // the engine's cache, tokens; 0: not reported
 		before, now float64 // what it had written when the first question went, and now
+		failed      string  // a scrape failed after the figures before (first) or now (last)
 		want        Split
 	}{
 		{name: "a cache that does not say its size", before: 5000, now: 500_000, want: Split{Reason: metrics.ReasonCachedPrefix}},
@@ -296,6 +299,10 @@ func TestRememberedPrefixesAgeWithWhatTheEngineWrites(t *testing.T) {
 		{name: "restarted since", size: 10_000, before: 5000, now: 3000, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
 		{name: "sent before the first scrape, written less than the cache", size: 10_000, now: 9000, want: Split{Reason: metrics.ReasonCachedPrefix}},
 		{name: "sent before the first scrape, written more than the cache", size: 10_000, now: 11_000, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "written more than the cache, then a scrape failed", size: 10_000, before: 5000, now: 16_000, failed: "last", want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "restarted, then a scrape failed", size: 10_000, before: 5000, now: 3000, failed: "last", want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "written less than the cache, then a scrape failed", size: 10_000, before: 5000, now: 14_000, failed: "last", want: Split{Reason: metrics.ReasonCachedPrefix}},
+		{name: "sent while a scrape failed, written less than the cache since", size: 10_000, before: 5000, now: 14_000, failed: "first", want: Split{Reason: metrics.ReasonCachedPrefix}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -308,10 +315,16 @@ func TestRememberedPrefixesAgeWithWhatTheEngineWrites(t *testing.T) {
 			if tt.before > 0 {
 				e.observe(Load{CacheTokens: tt.size, Written: tt.before, At: time.Now()})
 			}
+			if tt.failed == "first" {
+				e.scrapeFailed()
+			}
 			if _, err := ps.Decode.Select(chatRequest([]simMessage{system, {"user", "What is a haiku?"}})); err != nil {
 				t.Fatal(err)
 			}
 			e.observe(Load{CacheTokens: tt.size, Written: tt.now, At: time.Now()})
+			if tt.failed == "last" {
+				e.scrapeFailed()
+			}
 			req := chatRequest([]simMessage{system, {"user", "Who wrote the Iliad?"}})
 			if _, err := ps.Decode.Select(req); err != nil {
 				t.Fatal(err)

@@ -179,9 +179,12 @@ type Load struct {
 }
 
 // cacheWindow is the range of the engine's Written within which what it
-// wrote is still in its cache, by its last fresh scrape: it keeps the
+// wrote is still in its cache, by its last scrape (Load): it keeps the
 // CacheTokens it wrote last, at most (a restarted engine's Written starts
-// again from 0). ok is false when the scrape does not tell.
+// again from 0). ok is false when the scrape does not tell. A failed
+// scrape's figures count: Written only grows, so they tell what the engine
+// had written at least, where without them every remembered block would
+// count as held.
 func (e *Endpoint) cacheWindow() (since, until float64, ok bool) {
 	l, ok := e.Load()
 	if !ok || l.CacheTokens <= 0 {
@@ -190,7 +193,8 @@ func (e *Endpoint) cacheWindow() (since, until float64, ok bool) {
 	return l.Written - l.CacheTokens, l.Written, true
 }
 
-// Load returns the last scraped load, and false when there is none or it is stale.
+// Load returns the last scraped load, even when a scrape failed since
+// (Fresh), and false when there is none or it is stale.
 func (e *Endpoint) Load() (Load, bool) { return e.loadAt(e.cfg().now) }
 
 // loadAt is Load by the clock now, read only when there is a load to judge.
