@@ -228,7 +228,7 @@ func busyness(eps []*Endpoint) []ranked {
 	// The pool's clock, read once if at all: it costs more than judging a
 	// load; the candidates' mean load, only for one without fresh figures.
 	now := sync.OnceValue(eps[0].cfg().now)
-	mean := sync.OnceValue(func() poolLoad { return meanLoad(eps, now) })
+	mean := sync.OnceValue(func() poolLoad { return meanLoad(eps, now, nil) })
 	for i, e := range eps {
 		rs[i].e, rs[i].scrape = e, e.scrapedAt(now)
 		rs[i].busy, rs[i].queued = e.busynessOf(rs[i].scrape, mean)

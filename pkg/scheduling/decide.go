@@ -130,14 +130,5 @@ func queue(p *Pool, e *Endpoint) float64 {
 // meanQueue is the mean queue of p's healthy endpoints that have fresh
 // figures, 0 when none has: one without counts neither as 0 nor at all.
 func meanQueue(p *Pool) float64 {
-	var sum, n float64
-	for _, e := range p.Endpoints() {
-		if l, ok := e.Fresh(); ok && e.Healthy() {
-			sum, n = sum+l.Waiting, n+1
-		}
-	}
-	if n == 0 {
-		return 0
-	}
-	return sum / n
+	return meanLoad(p.Endpoints(), p.deps.Now, (*Endpoint).Healthy).queued
 }

@@ -343,11 +343,12 @@ func TestRememberedPrefixesAgeWithWhatTheEngineWrites(t *testing.T) {
 // decode endpoint without figures counts its pool's mean of the fresh ones.
 func TestTheLoadArmReadsFreshFigures(t *testing.T) {
 	type engine struct {
-		scrape  string // fresh, failed (after answering waiting), none
+		scrape  string // fresh, failed (after answering waiting), down (fresh, its checks failing), none
 		waiting float64
 	}
 	fresh := func(w float64) engine { return engine{"fresh", w} }
 	failed := func(w float64) engine { return engine{"failed", w} }
+	down := func(w float64) engine { return engine{"down", w} }
 	none := engine{scrape: "none"}
 	tests := []struct {
 		name    string
@@ -358,6 +359,7 @@ func TestTheLoadArmReadsFreshFigures(t *testing.T) {
 		{"all fresh: prefill busy", [2]engine{fresh(4), fresh(4)}, [3]engine{fresh(0), fresh(0), fresh(0)}, metrics.ReasonPrefillBusy},
 		{"all fresh: prefill below its line", [2]engine{fresh(4), fresh(0)}, [3]engine{fresh(0), fresh(0), fresh(0)}, metrics.ReasonLongPrompt},
 		{"a prefill engine's scrape failed: not its last queue 0", [2]engine{fresh(4), failed(0)}, [3]engine{fresh(0), fresh(0), fresh(0)}, metrics.ReasonPrefillBusy},
+		{"a prefill engine down: not its queue 0", [2]engine{fresh(4), down(0)}, [3]engine{fresh(0), fresh(0), fresh(0)}, metrics.ReasonPrefillBusy},
 		{"a prefill engine without figures: not a queue of 0", [2]engine{fresh(4), none}, [3]engine{fresh(0), fresh(0), fresh(0)}, metrics.ReasonPrefillBusy},
 		{"no prefill engine with figures: not busy", [2]engine{failed(4), none}, [3]engine{fresh(0), fresh(0), fresh(0)}, metrics.ReasonLongPrompt},
 		{"the decode engine's scrape failed, its last queue 0: its pool's mean, busy", [2]engine{fresh(4), fresh(4)}, [3]engine{failed(0), fresh(2), fresh(2)}, metrics.ReasonLongPrompt},
@@ -378,6 +380,9 @@ func TestTheLoadArmReadsFreshFigures(t *testing.T) {
 				}
 				if g.scrape == "failed" {
 					e.scrapeFailed()
+				}
+				if g.scrape == "down" {
+					e.setActive(refused)
 				}
 			}
 			for i, e := range ps.Prefill.Endpoints() {

@@ -315,16 +315,17 @@ func (e *Endpoint) busynessOf(s *scraped, mean func() poolLoad) (busy, queued fl
 	return busy + m.busy, m.queued
 }
 
-// poolLoad is the mean of the candidates' engines' figures that busynessOf
+// poolLoad is the mean of engines' figures (the candidates', a pool's) that busynessOf
 // counts (queue and KV use; queue), over those whose last scrape answered
 // and is fresh; 0 when none did.
 type poolLoad struct{ busy, queued float64 }
 
-// meanLoad is the poolLoad of eps by the clock now.
-func meanLoad(eps []*Endpoint, now func() time.Time) (m poolLoad) {
+// meanLoad is the poolLoad of eps by the clock now; with keep, of those of
+// eps it keeps.
+func meanLoad(eps []*Endpoint, now func() time.Time, keep func(*Endpoint) bool) (m poolLoad) {
 	var n float64
 	for _, e := range eps {
-		if s := e.scrapedAt(now); s.answered() {
+		if s := e.scrapedAt(now); s.answered() && (keep == nil || keep(e)) {
 			m.busy, m.queued, n = m.busy+s.Waiting+s.KVUsage, m.queued+s.Waiting, n+1
 		}
 	}

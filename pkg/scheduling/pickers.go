@@ -64,7 +64,7 @@ func (p *twoChoices) Pick(_ *Request, eps []*Endpoint) *Endpoint {
 	// Neither the clock nor the mean in a sync.OnceValue: allocating one
 	// doubled the cost of a pick, and the mean is rarely read.
 	now := eps[i].cfg().now
-	mean := func() poolLoad { return meanLoad(eps, now) }
+	mean := func() poolLoad { return meanLoad(eps, now, nil) }
 	first, _ := eps[i].busynessOf(eps[i].scrapedAt(now), mean)
 	if second, _ := eps[j].busynessOf(eps[j].scrapedAt(now), mean); second < first {
 		return eps[j]
