@@ -160,7 +160,8 @@ func (o *observation) conclude(outcome string, e *pipeline.Error, d *pipeline.De
 	// room, not ours; what is left is parsing, waiting for the body, and
 	// talking to Envoy.
 	processing := max(time.Since(o.start)-rep.PrefillTime-rep.HeldTime, 0)
-	o.metrics.ObserveRequest(metrics.Request{API: api, Mode: rep.Mode, Reason: rep.Reason, Outcome: outcome, Processing: processing})
+	o.metrics.ObserveRequest(metrics.Request{API: api, Mode: rep.Mode, Reason: rep.Reason, Outcome: outcome,
+		UsageMissing: rep.UsageMissing, Processing: processing})
 
 	fields := []any{"requestID", o.req.RequestID, "api", api, "mode", rep.Mode.String(), "reason", rep.Reason.String(), "outcome", outcome,
 		"processing", processing, "prefill", rep.Prefill, "prefillTime", rep.PrefillTime}

@@ -79,6 +79,46 @@ func TestADecisionIsCountedOnlyOnceSent(t *testing.T) {
 	}
 }
 
+// A prefill answer without usage is counted prefill_missing when Envoy is
+// told the routing, as the decision is: one whose routing reply broke on its
+// way reached no engine, and its usage, as any answer's that never came, is
+// unseen.
+func TestAMissingPrefillUsageIsCountedOnlyOnceSent(t *testing.T) {
+	prefill := enginetest.Start(t, enginetest.JSON(200, `{"id":"x","choices":[{"text":"a"}],"kv_transfer_params":`+nixlParams+`}`))
+	tests := []struct {
+		name string
+		sink func() sender
+		want string
+	}{
+		{"sent", func() sender { return &routedSink{} }, metrics.UsagePrefillMissing},
+		{"never sent", func() sender { return &brokenAtRouting{arrived: func() {}} }, metrics.UsageUnseen},
+	}
+	for _, mode := range []filterv3.ProcessingMode_BodySendMode{fullDuplex, buffered} {
+		for _, tt := range tests {
+			t.Run(mode.String()+"/"+tt.name, func(t *testing.T) {
+				m := metrics.New("kv-nixl")
+				p := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+pd: {mode: always}
+response: {rewrite_usage: true}
+pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.Addr()), pipeline.WithMetrics(m))
+				x := handlers.NewServer(p, handlers.Options{Metrics: m}, logr.Discard()).Open(t.Context(), tt.sink())
+				for _, msg := range []*extprocv3.ProcessingRequest{
+					envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), mode, fullDuplex),
+					envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
+				} {
+					if _, err := x.Handle(msg); err != nil {
+						break
+					}
+				}
+				x.Close()
+				if got := usageRewrites(m); len(got) != 1 || got[tt.want] != 1 {
+					t.Errorf("usage_rewrites_total %v, want %s once", got, tt.want)
+				}
+			})
+		}
+	}
+}
+
 // panickyPropagator panics as it reads a request's trace context, a bug
 // before the request's observation has begun.
 type panickyPropagator struct{ propagation.TraceContext }

@@ -310,6 +310,9 @@ type Request struct {
 	Mode    Mode   // ModeNone when no mode was chosen
 	Reason  Reason // why the mode: a routed request's decision
 	Outcome string // an Outcome* value
+	// UsageMissing: the prefill engine's answer stated no cached tokens to
+	// rewrite the decode engine's with.
+	UsageMissing bool
 	// Processing is the service's own time (prefill legs excluded); recorded for
 	// routed requests only.
 	Processing time.Duration
@@ -321,6 +324,15 @@ func (m *Metrics) ObserveRequest(r Request) {
 		return
 	}
 	m.requests.WithLabelValues(r.API, r.Mode.String(), m.connector, r.Outcome).Inc()
+	// Counted with the routing, as the decision: one that never reached Envoy
+	// got no answer, as any answer unseen.
+	if r.UsageMissing {
+		outcome := UsageUnseen
+		if r.Outcome == OutcomeRouted {
+			outcome = UsagePrefillMissing
+		}
+		m.UsageRewrite(outcome)
+	}
 	if r.Outcome != OutcomeRouted {
 		return
 	}

@@ -10,7 +10,6 @@ import (
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
-	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/response"
 )
 
@@ -124,15 +123,15 @@ func isCount(raw []byte) bool {
 
 // usageRewriter is the rewriter of the decode engine's answer to r, or nil
 // when it is passed on as it is: response.rewrite_usage is off, or the API
-// reports no cached tokens, or (counted: the decode engine's number then
-// stands) the prefill engine's answer said nothing of them (no usage, or a
-// placeholder).
+// reports no cached tokens, or (Report.UsageMissing: the decode engine's
+// number then stands) the prefill engine's answer said nothing of them (no
+// usage, or a placeholder).
 func (p *Pipeline) usageRewriter(r *Request, a prefillAnswer) *response.Rewriter {
 	if !p.opts.RewriteUsage || r.api.Shape.CachedTokens == nil {
 		return nil
 	}
 	if a.cached == nil {
-		p.metrics.UsageRewrite(metrics.UsagePrefillMissing)
+		r.Report.UsageMissing = true
 		return nil
 	}
 	// Copies: a.cached and a.uncached point into the whole prefill answer,

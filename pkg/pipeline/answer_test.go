@@ -108,7 +108,7 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 		status    int    // its status; 0: 200
 		decode    string // the decode engine's answer; "": decodeAnswer
 		want      string // the decode answer as the client gets it; "" when it is not rewritten
-		missing   float64
+		missing   bool   // the prefill engine's answer stated no cached tokens (Report.UsageMissing)
 	}{
 		{name: "kv-nixl completions", connector: "kv-nixl", path: "/v1/completions", prefill: withCached,
 			want: strings.Replace(decodeAnswer, `"cached_tokens":12`, `"cached_tokens":8`, 1)},
@@ -124,13 +124,13 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 			prefill: prefillAnswerWith(`{"prompt_tokens":12,"prompt_tokens_details":null}`),
 			want:    strings.Replace(decodeAnswer, `"cached_tokens":12`, `"cached_tokens":0`, 1)},
 		{name: "no usage", connector: "kv-nixl", path: "/v1/completions",
-			prefill: `{"id":"p","choices":[{"index":0,"text":" a"}],` + prefillParams + `}`, missing: 1},
+			prefill: `{"id":"p","choices":[{"index":0,"text":" a"}],` + prefillParams + `}`, missing: true},
 		{name: "null usage", connector: "kv-nixl", path: "/v1/completions",
-			prefill: `{"id":"p","usage":null,` + prefillParams + `}`, missing: 1},
+			prefill: `{"id":"p","usage":null,` + prefillParams + `}`, missing: true},
 		{name: "details without a count", connector: "kv-nixl", path: "/v1/completions",
-			prefill: prefillAnswerWith(`{"prompt_tokens":12,"prompt_tokens_details":{}}`), missing: 1},
+			prefill: prefillAnswerWith(`{"prompt_tokens":12,"prompt_tokens_details":{}}`), missing: true},
 		{name: "a placeholder is not a count", connector: "kv-nixl", path: "/v1/completions",
-			prefill: prefillAnswerWith(`{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":-1}}`), missing: 1},
+			prefill: prefillAnswerWith(`{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":-1}}`), missing: true},
 		// Anthropic's usage leaves the cached tokens out of input_tokens: the
 		// two are rewritten together (vllm-project/vllm#40912).
 		{name: "messages", connector: "kv-nixl", path: "/v1/messages",
@@ -142,7 +142,7 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 			decode:  messagesAnswerWith(`{"input_tokens":0,"output_tokens":2,"cache_creation_input_tokens":0,"cache_read_input_tokens":12}`),
 			want:    messagesAnswerWith(`{"input_tokens":12,"output_tokens":2,"cache_creation_input_tokens":0,"cache_read_input_tokens":0}`)},
 		{name: "messages, the cached count alone", connector: "kv-nixl", path: "/v1/messages",
-			prefill: messagesAnswerWith(`{"output_tokens":1,"cache_read_input_tokens":8}`), missing: 1},
+			prefill: messagesAnswerWith(`{"output_tokens":1,"cache_read_input_tokens":8}`), missing: true},
 		{name: "rewrite_usage off", connector: "kv-nixl", path: "/v1/completions", settings: "response: {rewrite_usage: false}", prefill: withCached},
 		{name: "decode-only after a failed prefill", connector: "kv-nixl", path: "/v1/completions", prefill: withCached, status: 503},
 		{name: "decode-only by pd.mode", connector: "kv-nixl", path: "/v1/completions", settings: "pd: {mode: never}", prefill: withCached},
@@ -151,10 +151,11 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			engine := enginetest.Start(t, enginetest.JSON(max(tt.status, 200), tt.prefill))
 			settings := cmp.Or(tt.settings, "response: {rewrite_usage: true}")
-			p, m, _ := newPipeline(t, fmt.Sprintf("connector: %s\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\nprefill: {attempts: 1}\n%s\n",
+			p, _, _ := newPipeline(t, fmt.Sprintf("connector: %s\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\nprefill: {attempts: 1}\n%s\n",
 				tt.connector, engine.Addr(), settings))
-			d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: tt.path, RequestID: "r1",
-				Body: []byte(`{"model":"m","prompt":"hi","messages":[{"role":"user","content":"hi"}],"max_tokens":4}`)})
+			r := &pipeline.Request{Method: "POST", Path: tt.path, RequestID: "r1",
+				Body: []byte(`{"model":"m","prompt":"hi","messages":[{"role":"user","content":"hi"}],"max_tokens":4}`)}
+			d, err := p.Route(context.Background(), r)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -168,8 +169,8 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 					t.Errorf("the client gets\n  %s\nwant\n  %s", got, tt.want)
 				}
 			}
-			if got := counter(t, m, "pd_extproc_usage_rewrites_total", "outcome", metrics.UsagePrefillMissing); got != tt.missing {
-				t.Errorf("usage_rewrites_total{outcome=prefill_missing} = %v, want %v", got, tt.missing)
+			if r.Report.UsageMissing != tt.missing {
+				t.Errorf("Report.UsageMissing = %v, want %v", r.Report.UsageMissing, tt.missing)
 			}
 		})
 	}

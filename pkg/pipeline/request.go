@@ -94,6 +94,9 @@ type Report struct {
 	Prefill     string         // prefill endpoint of the last attempt; "" when no prefill leg was sent
 	PrefillTime time.Duration  // time spent waiting on sequential prefill legs, retries included
 	HeldTime    time.Duration  // time spent held for room (admission.hold)
+	// UsageMissing: under response.rewrite_usage, the prefill engine's answer
+	// stated no cached tokens, so the decode engine's stand.
+	UsageMissing bool
 }
 
 // APIOf labels a request as metrics and logs do: by the API Route or
