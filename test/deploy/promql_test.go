@@ -175,7 +175,7 @@ func dashboardExprs(t *testing.T) []string {
 	if err := json.Unmarshal(mustRead(t, testbed.MustRepoPath(t, dashboardFile)), &d); err != nil {
 		t.Fatal(err)
 	}
-	vars := strings.NewReplacer("$__rate_interval", "5m", "$namespace", ".*")
+	vars := strings.NewReplacer("$__rate_interval", "5m", "$namespace", ".*", "$envoy_namespace", ".*")
 	var out []string
 	for _, p := range d.Panels {
 		for _, tg := range p.Targets {
@@ -291,5 +291,85 @@ func TestAlertsFireOnTheSeriesTheyAreFor(t *testing.T) {
 	}
 	if out, err := runTool(t, dir, promtool, "test", "rules", "test.yaml"); err != nil {
 		t.Errorf("promtool test rules: %v\n%s", err, out)
+	}
+}
+
+// The dashboard's Envoy panels read the Envoys that route for pd-extproc, wherever they run: the
+// standalone Envoy beside the release, or Envoy Gateway's proxies in its own namespace
+// (envoy-gateway-system by default). Their namespace is a variable of its own, which lists the
+// namespaces of Envoys with pd-extproc's decode cluster (pd_original_dst, in both installs);
+// pd-extproc's panels keep the release's.
+func TestDashboardEnvoyPanelsReadEnvoysNamespace(t *testing.T) {
+	var d struct {
+		Panels []struct {
+			Title   string
+			Targets []struct{ Expr string }
+		}
+		Templating struct {
+			List []struct {
+				Name, Type, Definition string
+				IncludeAll             bool
+			}
+		}
+	}
+	if err := json.Unmarshal(mustRead(t, testbed.MustRepoPath(t, dashboardFile)), &d); err != nil {
+		t.Fatal(err)
+	}
+	catalog := exportedSeries(t)
+	vars := map[string]string{}
+	for _, v := range d.Templating.List {
+		vars[v.Name] = v.Definition
+		if v.Name != "envoy_namespace" {
+			continue
+		}
+		selector, ok := strings.CutPrefix(v.Definition, "label_values(")
+		selector, ok2 := strings.CutSuffix(selector, ", namespace)")
+		if v.Type != "query" || !v.IncludeAll || !ok || !ok2 {
+			t.Errorf("variable envoy_namespace: %s %q, all %v; want a query of label_values(<an Envoy series>, namespace) with All", v.Type, v.Definition, v.IncludeAll)
+			continue
+		}
+		for _, p := range second(catalog.check(selector)) {
+			t.Errorf("variable envoy_namespace %q: %s", selector, p)
+		}
+		if !strings.HasPrefix(selector, "envoy_") || !strings.Contains(selector, `envoy_cluster_name="pd_original_dst"`) {
+			t.Errorf("variable envoy_namespace lists %q, not the namespaces of Envoys with the cluster pd_original_dst", selector)
+		}
+	}
+	if _, ok := vars["envoy_namespace"]; !ok {
+		t.Error("the dashboard has no variable envoy_namespace")
+	}
+	for _, f := range []string{"config/envoy/envoy.yaml", "charts/pd-extproc/templates/gateway-policies.yaml"} {
+		if !strings.Contains(string(mustRead(t, testbed.MustRepoPath(t, f))), "name: pd_original_dst") {
+			t.Errorf("%s has no cluster pd_original_dst, which the variable envoy_namespace looks for", f)
+		}
+	}
+	envoyPanels := 0
+	for _, p := range d.Panels {
+		for _, tg := range p.Targets {
+			e, err := parser.NewParser(parser.Options{}).ParseExpr(strings.ReplaceAll(tg.Expr, "$__rate_interval", "5m"))
+			if err != nil {
+				t.Fatalf("panel %q: %v", p.Title, err)
+			}
+			parser.Inspect(e, func(n parser.Node, _ []parser.Node) error {
+				vs, ok := n.(*parser.VectorSelector)
+				if !ok {
+					return nil
+				}
+				want := "$namespace"
+				if strings.HasPrefix(vs.Name, "envoy_") {
+					want = "$envoy_namespace"
+					envoyPanels++
+				}
+				if !slices.ContainsFunc(vs.LabelMatchers, func(m *labels.Matcher) bool {
+					return m.Name == "namespace" && m.Type == labels.MatchRegexp && m.Value == want
+				}) {
+					t.Errorf("panel %q: %s selects %v, want namespace=~%q", p.Title, vs.Name, vs.LabelMatchers, want)
+				}
+				return nil
+			})
+		}
+	}
+	if envoyPanels < 4 {
+		t.Errorf("%d Envoy selectors in the dashboard's panels, want its Envoy row's", envoyPanels)
 	}
 }
