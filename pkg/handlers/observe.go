@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -209,18 +210,19 @@ func (o *observation) endSpan(api, outcome string, e *pipeline.Error, d *pipelin
 		attrs = append(attrs, attribute.String("pd.decode_endpoint", destination(d)))
 	}
 	// The status pd-extproc answered with, whenever it sent one, its own 200
-	// included; only a 5xx makes the span's status Error
-	// (https://github.com/open-telemetry/semantic-conventions/blob/v1.45.0/docs/http/http-spans.md).
+	// included; only a 5xx makes the span's status Error, with error.type the
+	// code (https://github.com/open-telemetry/semantic-conventions/blob/v1.45.0/docs/http/http-spans.md).
 	switch {
 	case e != nil:
 		attrs = append(attrs, semconv.HTTPResponseStatusCode(e.Status))
 	case outcome == metrics.OutcomeAnswered:
 		attrs = append(attrs, semconv.HTTPResponseStatusCode(http.StatusOK)) // answerItself
 	}
-	o.span.SetAttributes(attrs...)
 	if e != nil && e.Status >= 500 {
+		attrs = append(attrs, semconv.ErrorTypeKey.String(strconv.Itoa(e.Status)))
 		o.span.SetStatus(codes.Error, e.Message)
 	}
+	o.span.SetAttributes(attrs...)
 }
 
 // truncate returns at most n bytes of b as a string, cut on a rune boundary.

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"testing"
+	"time"
 
 	filterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -177,20 +178,25 @@ func (h headersRouter) Route(context.Context, *pipeline.Request) (*pipeline.Deci
 
 // The request's span says the status pd-extproc answered with, its own 200
 // included, as OpenTelemetry's HTTP server spans do
-// (http.response.status_code whenever one was sent; status Error for a 5xx
-// only). A routed request's status is the engine's, which this span never
-// sees.
+// (http.response.status_code whenever one was sent; status Error, with
+// error.type the status code, for a 5xx only). A routed request's status is
+// the engine's, which this span never sees.
 func TestTheRequestSpanSaysTheStatusAnswered(t *testing.T) {
 	tests := []struct {
 		name       string
 		router     headersRouter
 		wantStatus string // http.response.status_code, "" for none
 		wantCode   otelcodes.Code
+		wantType   string // error.type, "" for none
 	}{
-		{"answered itself", headersRouter{d: &pipeline.Decision{Answer: []byte(`{"object":"list","data":[]}`)}}, "200", otelcodes.Unset},
-		{"routed", headersRouter{d: &pipeline.Decision{Endpoints: []string{fakeEndpoint}}}, "", otelcodes.Unset},
-		{"refused 404", headersRouter{err: &pipeline.Error{Status: http.StatusNotFound, Message: "no"}}, "404", otelcodes.Unset},
-		{"refused 503", headersRouter{err: &pipeline.Error{Status: http.StatusServiceUnavailable, Message: "no"}}, "503", otelcodes.Error},
+		{"answered itself", headersRouter{d: &pipeline.Decision{Answer: []byte(`{"object":"list","data":[]}`)}}, "200", otelcodes.Unset, ""},
+		{"routed", headersRouter{d: &pipeline.Decision{Endpoints: []string{fakeEndpoint}}}, "", otelcodes.Unset, ""},
+		{"refused 404", headersRouter{err: &pipeline.Error{Status: http.StatusNotFound, Message: "no"}}, "404", otelcodes.Unset, ""},
+		{"body timeout 408", headersRouter{err: pipeline.BodyTimeout(time.Second)}, "408", otelcodes.Unset, ""},
+		{"too large 413", headersRouter{err: pipeline.TooLarge(1)}, "413", otelcodes.Unset, ""},
+		{"overloaded 429", headersRouter{err: pipeline.Overloaded(1, time.Second)}, "429", otelcodes.Unset, ""},
+		{"bad gateway 502", headersRouter{err: &pipeline.Error{Status: http.StatusBadGateway, Message: "the prefill leg failed"}}, "502", otelcodes.Error, "502"},
+		{"refused 503", headersRouter{err: pipeline.BuffersFull(1, time.Second)}, "503", otelcodes.Error, "503"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -207,14 +213,18 @@ func TestTheRequestSpanSaysTheStatusAnswered(t *testing.T) {
 			if len(spans) != 1 {
 				t.Fatalf("%d spans, want the request's", len(spans))
 			}
-			var status string
+			var status, errorType string
 			for _, a := range spans[0].Attributes {
-				if a.Key == "http.response.status_code" {
+				switch a.Key {
+				case "http.response.status_code":
 					status = a.Value.Emit()
+				case "error.type":
+					errorType = a.Value.Emit()
 				}
 			}
-			if status != tt.wantStatus || spans[0].Status.Code != tt.wantCode {
-				t.Errorf("http.response.status_code %q, status %v; want %q, %v", status, spans[0].Status.Code, tt.wantStatus, tt.wantCode)
+			if status != tt.wantStatus || spans[0].Status.Code != tt.wantCode || errorType != tt.wantType {
+				t.Errorf("http.response.status_code %q, status %v, error.type %q; want %q, %v, %q",
+					status, spans[0].Status.Code, errorType, tt.wantStatus, tt.wantCode, tt.wantType)
 			}
 		})
 	}
