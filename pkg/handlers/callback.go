@@ -1,9 +1,11 @@
 package handlers
 
 import (
+	"context"
 	"sync"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/pipeline"
@@ -72,10 +74,15 @@ func (r *replies) callBack(m *extprocv3.ProcessingResponse, begun func() bool) (
 // before processing is complete. Envoy then answers the client with it (or
 // resets a stream whose 200 went out, none of whose tokens can come) and
 // resets the decode request, which the engine aborts. It needs the response
-// path: without it Envoy closes the stream once the request is routed.
+// path: without it Envoy closes the stream once the request is routed. The
+// request's span ends with the watch, and says the call-back's status.
 func (x *exchange) watchLeg(failed <-chan *pipeline.Error) {
-	id, anthropic := x.req.RequestID, api.AnthropicErrorsAt(x.req.Path)
+	id, anthropic, span := x.req.RequestID, api.AnthropicErrorsAt(x.req.Path), x.obs.leg
+	if span == nil { // the observation ended before the routing (none begun)
+		span = trace.SpanFromContext(context.Background())
+	}
 	go func() {
+		defer span.End()
 		var e *pipeline.Error
 		select {
 		case e = <-failed:
@@ -89,6 +96,7 @@ func (x *exchange) watchLeg(failed <-chan *pipeline.Error) {
 		case err != nil:
 			x.obs.log.V(1).Info("calling back a request whose prefill leg failed", "requestID", id, "error", err.Error())
 		case sent:
+			answeredWith(span, e.Status, e.Message)
 			x.obs.log.Info("the prefill leg failed before the decode engine answered: the request is answered with its error and its decode request reset",
 				"requestID", id, "status", e.Status, "error", e.Message)
 		}

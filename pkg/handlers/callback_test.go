@@ -1,12 +1,16 @@
 package handlers_test
 
 import (
+	"context"
 	"net/http"
 	"sync"
 	"testing"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"github.com/go-logr/logr"
+	otelcodes "go.opentelemetry.io/otel/codes"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.uber.org/goleak"
 
 	"github.com/pd-extproc/pd-extproc/internal/envoyemu/envoymsg"
@@ -20,6 +24,7 @@ import (
 // sent no event (Envoy then resets the stream and the decode request).
 // Once the decode engine's answer has begun, it is left alone. After the
 // call-back nothing more is sent, and the stream is done at its next message.
+// The request's span ends with the leg, and says the call-back's 5xx.
 func TestAFailedLegCallsTheRequestBack(t *testing.T) {
 	sse := envoymsg.Header{"content-type", "text/event-stream"}
 	jsonType := envoymsg.Header{"content-type", "application/json"}
@@ -44,7 +49,10 @@ func TestAFailedLegCallsTheRequestBack(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			before := goleak.IgnoreCurrent()
 			failed := make(chan *pipeline.Error, 1)
-			s := handlers.NewServer(&fakeRouter{legFailed: failed}, handlers.Options{}, logr.Discard())
+			exporter := tracetest.NewInMemoryExporter()
+			tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exporter))
+			t.Cleanup(func() { tp.Shutdown(context.Background()) })
+			s := handlers.NewServer(&fakeRouter{legFailed: failed}, handlers.Options{TracerProvider: tp}, logr.Discard())
 			rec := newRecorder()
 			x := s.Open(t.Context(), rec)
 			end := sync.OnceFunc(x.Close) // as the stream ends
@@ -65,6 +73,7 @@ func TestAFailedLegCallsTheRequestBack(t *testing.T) {
 			failed <- &pipeline.Error{Status: http.StatusBadGateway, Type: "upstream_error", Message: "prefill leg failed"}
 			close(failed)
 			goleak.VerifyNone(t, before) // the leg's watcher has acted
+			checkCallBackSpan(t, exporter.GetSpans(), tt.calledBack)
 			replies := rec.all()
 			if got := len(replies) - sent; got != map[bool]int{true: 1, false: 0}[tt.calledBack] {
 				t.Fatalf("%d replies after the leg failed, want one only if called back: %v", got, replies[sent:])
@@ -78,5 +87,33 @@ func TestAFailedLegCallsTheRequestBack(t *testing.T) {
 				t.Errorf("a message after the call-back: done %v, err %v, %d more replies; want done and none", done, err, len(rec.all())-len(replies))
 			}
 		})
+	}
+}
+
+// checkCallBackSpan checks the request's span, ended: the call-back's 502
+// when there was one, no status otherwise.
+func checkCallBackSpan(t *testing.T, spans tracetest.SpanStubs, calledBack bool) {
+	t.Helper()
+	if len(spans) != 1 {
+		t.Fatalf("%d spans ended, want the request's", len(spans))
+	}
+	want := map[string]string{"http.response.status_code": "", "error.type": "", "pd.outcome": "routed"}
+	wantCode := otelcodes.Unset
+	if calledBack {
+		want["http.response.status_code"], want["error.type"], wantCode = "502", "502", otelcodes.Error
+	}
+	for key, value := range want {
+		got := ""
+		for _, a := range spans[0].Attributes {
+			if string(a.Key) == key {
+				got = a.Value.Emit()
+			}
+		}
+		if got != value {
+			t.Errorf("span %s = %q, want %q", key, got, value)
+		}
+	}
+	if spans[0].Status.Code != wantCode {
+		t.Errorf("span status %v, want %v", spans[0].Status.Code, wantCode)
 	}
 }

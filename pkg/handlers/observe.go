@@ -81,6 +81,9 @@ type observation struct {
 	// span is the request's from begin until the observation concludes, and
 	// nil outside that time.
 	span trace.Span
+	// leg is the span of a routed request whose concurrent prefill leg may
+	// still answer it (watchLeg), which ends it.
+	leg  trace.Span
 	done bool // concluded
 }
 
@@ -191,10 +194,15 @@ func (o *observation) conclude(outcome string, e *pipeline.Error, d *pipeline.De
 	o.log.Info("request", fields...)
 }
 
-// endSpan ends the request's span with the decision and outcome; with tracing
-// off the span records nothing and the attributes are not built.
+// endSpan ends the request's span with the decision and outcome, or leaves
+// it to the watch of a concurrent prefill leg (leg); with tracing off the
+// span records nothing and the attributes are not built.
 func (o *observation) endSpan(api, outcome string, e *pipeline.Error, d *pipeline.Decision) {
-	defer o.span.End()
+	if outcome == metrics.OutcomeRouted && d != nil && d.LegFailed != nil {
+		o.leg = o.span
+	} else {
+		defer o.span.End()
+	}
 	if !o.span.IsRecording() {
 		return
 	}
@@ -209,20 +217,24 @@ func (o *observation) endSpan(api, outcome string, e *pipeline.Error, d *pipelin
 	if d != nil {
 		attrs = append(attrs, attribute.String("pd.decode_endpoint", destination(d)))
 	}
-	// The status pd-extproc answered with, whenever it sent one, its own 200
-	// included; only a 5xx makes the span's status Error, with error.type the
-	// code (https://github.com/open-telemetry/semantic-conventions/blob/v1.45.0/docs/http/http-spans.md).
+	o.span.SetAttributes(attrs...)
 	switch {
 	case e != nil:
-		attrs = append(attrs, semconv.HTTPResponseStatusCode(e.Status))
+		answeredWith(o.span, e.Status, e.Message)
 	case outcome == metrics.OutcomeAnswered:
-		attrs = append(attrs, semconv.HTTPResponseStatusCode(http.StatusOK)) // answerItself
+		answeredWith(o.span, http.StatusOK, "") // answerItself
 	}
-	if e != nil && e.Status >= 500 {
-		attrs = append(attrs, semconv.ErrorTypeKey.String(strconv.Itoa(e.Status)))
-		o.span.SetStatus(codes.Error, e.Message)
+}
+
+// answeredWith writes on span the status pd-extproc answered with, its own
+// 200 included; only a 5xx makes the span's status Error, with error.type the
+// code (https://github.com/open-telemetry/semantic-conventions/blob/v1.45.0/docs/http/http-spans.md).
+func answeredWith(span trace.Span, status int, message string) {
+	span.SetAttributes(semconv.HTTPResponseStatusCode(status))
+	if status >= 500 {
+		span.SetAttributes(semconv.ErrorTypeKey.String(strconv.Itoa(status)))
+		span.SetStatus(codes.Error, message)
 	}
-	o.span.SetAttributes(attrs...)
 }
 
 // truncate returns at most n bytes of b as a string, cut on a rune boundary.
