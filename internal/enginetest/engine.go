@@ -28,7 +28,8 @@ type Engine struct {
 	*httptest.Server
 	mu       sync.Mutex
 	requests []Request
-	arrived  chan struct{} // one token per request received
+	awaited  int           // of requests, how many Await has returned
+	arrived  chan struct{} // a request came since Await last looked
 }
 
 // model is the one model the engine lists at GET /v1/models, which pools
@@ -38,7 +39,7 @@ const model = "m"
 
 // Start serves answer on loopback until the test ends.
 func Start(t testing.TB, answer http.HandlerFunc) *Engine {
-	e := &Engine{arrived: make(chan struct{}, 100)}
+	e := &Engine{arrived: make(chan struct{}, 1)}
 	e.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Method == http.MethodGet && r.URL.Path == "/v1/models" {
 			JSON(http.StatusOK, `{"object":"list","data":[{"id":"`+model+`","object":"model"}]}`)(w, r)
@@ -48,7 +49,10 @@ func Start(t testing.TB, answer http.HandlerFunc) *Engine {
 		e.mu.Lock()
 		e.requests = append(e.requests, Request{Body: string(b), Header: r.Header.Clone()})
 		e.mu.Unlock()
-		e.arrived <- struct{}{}
+		select { // never blocks: a test's pools scrape and check the engine unawaited
+		case e.arrived <- struct{}{}:
+		default:
+		}
 		answer(w, r)
 	}))
 	t.Cleanup(e.Close)
@@ -61,7 +65,16 @@ func (e *Engine) Addr() string { return strings.TrimPrefix(e.URL, "http://") }
 // Await waits for the next request, bounded so that a missing one fails the test.
 func (e *Engine) Await(t testing.TB) {
 	t.Helper()
-	Receive(t, e.arrived, "the engine never received the request")
+	for {
+		e.mu.Lock()
+		if e.awaited < len(e.requests) {
+			e.awaited++
+			e.mu.Unlock()
+			return
+		}
+		e.mu.Unlock()
+		Receive(t, e.arrived, "the engine never received the request")
+	}
 }
 
 // Receive returns the next value from ch, what an engine fake reports; if
