@@ -106,6 +106,9 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 	if aerr := req.readTokenLimits(); aerr != nil {
 		return nil, aerr
 	}
+	if aerr := s.fitsContext(req); aerr != nil {
+		return nil, aerr
+	}
 	if aerr := req.readSamples(); aerr != nil {
 		return nil, aerr
 	}
@@ -402,12 +405,19 @@ func (s *Server) retrieveModel(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]any{"id": model, "object": "model", "created": time.Now().Unix(), "owned_by": "sglang", "root": model})
 }
 
+// models is the engine's model list; vLLM's cards carry max_model_len, null
+// for an adapter (ModelCard, OpenAIServingModels.show_available_models).
 func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
-	data := []map[string]any{{"id": s.cfg.Model, "object": "model", "created": time.Now().Unix(), "owned_by": "pdsim",
-		"root": s.cfg.Model, "parent": nil}}
+	card := func(id, root string, parent, length any) map[string]any {
+		c := map[string]any{"id": id, "object": "model", "created": time.Now().Unix(), "owned_by": "pdsim", "root": root, "parent": parent}
+		if s.cfg.Protocol != ProtocolSGLang {
+			c["max_model_len"] = length
+		}
+		return c
+	}
+	data := []map[string]any{card(s.cfg.Model, s.cfg.Model, nil, s.cfg.MaxModelLen)}
 	for _, name := range s.cfg.LoRA { // as vLLM lists an adapter: its path as root, the base model as parent
-		data = append(data, map[string]any{"id": name, "object": "model", "created": time.Now().Unix(), "owned_by": "pdsim",
-			"root": "/adapters/" + name, "parent": s.cfg.Model})
+		data = append(data, card(name, "/adapters/"+name, s.cfg.Model, nil))
 	}
 	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
 }

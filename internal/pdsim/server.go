@@ -54,6 +54,10 @@ type Config struct {
 	// after this many tokens (default 16). max_tokens caps it (finish_reason
 	// "length"), min_tokens extends it.
 	OutputTokens int
+	// MaxModelLen is the model's context in tokens (vLLM's --max-model-len),
+	// listed at /v1/models; a vLLM protocol's request whose prompt and
+	// output limit exceed it is refused (context.go). Default 32768.
+	MaxModelLen int
 	// HandshakeTimeout bounds the sglang bootstrap handshake on both legs; default 30s.
 	HandshakeTimeout time.Duration
 	// PromptTokensDetails adds usage.prompt_tokens_details.cached_tokens to
@@ -400,6 +404,9 @@ func withDefaults(c Config) (Config, error) {
 	def(&c.SharedDir, filepath.Join(os.TempDir(), "pdsim-shared"))
 	if c.OutputTokens <= 0 {
 		c.OutputTokens = 16
+	}
+	if c.MaxModelLen <= 0 {
+		c.MaxModelLen = defaultMaxModelLen
 	}
 	if c.KVBlocks <= 0 {
 		c.KVBlocks = kvCapacityBlocks

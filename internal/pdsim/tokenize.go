@@ -7,9 +7,6 @@ import (
 	"net/http"
 )
 
-// maxModelLen is the context window /tokenize reports; pdsim enforces none.
-const maxModelLen = 32768
-
 // tokenizeResponse is vLLM's TokenizeResponse, its fields in order.
 type tokenizeResponse struct {
 	Count       int      `json:"count"`
@@ -62,7 +59,7 @@ func (s *Server) tokenize(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	tokens := append([]uint64{}, tokenize(prompt)...) // [] for an empty prompt, not null
-	writeJSON(w, http.StatusOK, tokenizeResponse{Count: len(tokens), MaxModelLen: maxModelLen, Tokens: tokens})
+	writeJSON(w, http.StatusOK, tokenizeResponse{Count: len(tokens), MaxModelLen: s.cfg.MaxModelLen, Tokens: tokens})
 }
 
 // render serves vLLM's render endpoints (POST /v1/chat/completions/render,

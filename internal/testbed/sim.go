@@ -48,6 +48,7 @@ type SimConfig struct {
 	APIKey                     string   // the key it asks of its callers (--api-key)
 	Model                      string   // the served model's name; default pdsim's, "pdsim"
 	LoRA                       []string // LoRA adapters served besides the model
+	MaxModelLen                int      // the model's context; 0: pdsim's default
 	Timings
 	Log io.Writer // a line per request; nil discards them
 }
@@ -65,7 +66,7 @@ func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
 	}
 	s, err := pdsim.Start(pdsim.Config{
 		KVEvents: events, PrefixCacheBlocks: cfg.PrefixCacheBlocks, KVBlocks: cfg.KVBlocks, NoRender: cfg.NoRender, Model: cfg.Model, LoRA: cfg.LoRA,
-		RefuseServerInfo: cfg.RefuseServerInfo, APIKey: cfg.APIKey,
+		RefuseServerInfo: cfg.RefuseServerInfo, APIKey: cfg.APIKey, MaxModelLen: cfg.MaxModelLen,
 		Role: cfg.Role, Protocol: cfg.Protocol, SharedDir: cfg.SharedDir,
 		Addr:          cmp.Or(cfg.Addr, hostPort(ip, 0)),
 		KVAddr:        hostPort(ip, cfg.KVPort),

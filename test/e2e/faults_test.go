@@ -330,7 +330,7 @@ func TestFaultSlowPrefillPastEnvoysMessageTimer(t *testing.T) {
 func TestFaultDecodeDiesMidStream(t *testing.T) {
 	for _, mode := range []string{"full_duplex", "buffered"} {
 		t.Run(mode, func(t *testing.T) {
-			r := startRig(t, rigOptions{mode: mode, decodes: 1, outputTokens: 1_000_000})
+			r := startRig(t, rigOptions{mode: mode, decodes: 1, outputTokens: 1_000_000, maxModelLen: 2_000_000})
 			marker := "decode dies " + mode
 			path, body := request("chat", true, marker)
 			body = strings.Replace(body, `"max_tokens":4`, `"max_tokens":1000000`, 1)

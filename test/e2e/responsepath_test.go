@@ -21,7 +21,7 @@ func TestResponsePathHoldsTheStreamForTheGeneration(t *testing.T) {
 		held float64 // pd_extproc_streams_in_flight while the generation streams
 	}{{"full_duplex", 1}, {"no_response", 0}} {
 		t.Run(tc.mode, func(t *testing.T) {
-			r := startRig(t, rigOptions{mode: tc.mode, prefills: 1, decodes: 1, outputTokens: 100000})
+			r := startRig(t, rigOptions{mode: tc.mode, prefills: 1, decodes: 1, outputTokens: 100000, maxModelLen: 200000})
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			body := `{"model":"pdsim","messages":[{"role":"user","content":"a long generation"}],"stream":true,"max_tokens":100000}`

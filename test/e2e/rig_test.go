@@ -70,7 +70,9 @@ type rigOptions struct {
 	// noRender: the simulators have no render endpoints (older vLLM).
 	noRender bool
 	lora     []string // LoRA adapters the simulators serve besides pdsim
-	apiKey   string   // the key every simulator asks of its callers (--api-key)
+	// maxModelLen is the simulators' context (0: pdsim's, 32768).
+	maxModelLen int
+	apiKey      string // the key every simulator asks of its callers (--api-key)
 	// ipv6 puts every simulator on ::1 (one host, so at most one SGLang
 	// prefill: its bootstrap port is the pool's).
 	ipv6 bool
@@ -113,6 +115,7 @@ func startRig(t *testing.T, o rigOptions) *rig {
 		KVBlocks:            o.kvBlocks,
 		NoRender:            o.noRender,
 		LoRA:                o.lora,
+		MaxModelLen:         o.maxModelLen,
 		APIKey:              o.apiKey,
 		Log:                 logTo(t),
 	}}

@@ -1,0 +1,73 @@
+package pdsim
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+)
+
+// A vLLM engine refuses, with a 400 of its API's shape, a request whose
+// prompt and output limit together exceed its context, whatever its role,
+// and lists that length for its model (null for an adapter) at /v1/models.
+func TestContextLength(t *testing.T) {
+	const prompt = `"prompt":"a b c"` // 3 tokens
+	tests := []struct {
+		name, role, path, body string
+		status                 int
+		message                string
+	}{
+		{"prompt and limit fill it", RoleDecode, "/v1/completions", `{` + prompt + `,"max_tokens":5}`, 200, ""},
+		{"one over", RoleDecode, "/v1/completions", `{` + prompt + `,"max_tokens":6}`, 400,
+			"You passed 3 input tokens and requested 6 output tokens. However, the model's context length is only 8 tokens, resulting in a maximum input length of 2 tokens."},
+		{"one over, at a prefill", RolePrefill, "/v1/completions", `{` + prompt + `,"max_tokens":6}`, 400, "You passed 3 input tokens"},
+		{"a limit past the context", RoleDecode, "/v1/completions", `{` + prompt + `,"max_tokens":9}`, 400, "max_tokens=9 cannot be greater than max_model_len=8."},
+		{"a prompt past the context, no limit", RoleDecode, "/v1/completions", `{"prompt":"a b c d e f g h i"}`, 400, "You passed 9 input tokens and requested 0 output tokens."},
+		{"chat's max_completion_tokens", RoleDecode, "/v1/chat/completions", chatBody + `,"max_tokens":1,"max_completion_tokens":9}`, 400, "max_completion_tokens=9 cannot be greater"},
+		{"messages", RoleDecode, "/v1/messages", chatBody + `,"max_tokens":9}`, 400, "max_tokens=9 cannot be greater"},
+		{"responses is not checked", RoleDecode, "/v1/responses", `{"input":"a b c","max_output_tokens":9}`, 200, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := start(t, Config{Role: tt.role, MaxModelLen: 8})
+			r := post(t, s, tt.path, tt.body, "")
+			if r.status != tt.status || !strings.Contains(string(r.body), tt.message) {
+				t.Fatalf("%d %s, want %d with %q", r.status, r.body, tt.status, tt.message)
+			}
+			if tt.status != 400 {
+				return
+			}
+			shape := `{"error":{"message":`
+			if tt.path == "/v1/messages" {
+				shape = `{"type":"error","error":{"type":"BadRequestError","message":`
+			}
+			if !strings.HasPrefix(string(r.body), shape) || tt.path != "/v1/messages" && !strings.Contains(string(r.body), `"type":"BadRequestError"`) {
+				t.Errorf("body %s, want it to start %s, of type BadRequestError", r.body, shape)
+			}
+		})
+	}
+
+	t.Run("listed", func(t *testing.T) {
+		s := start(t, Config{Role: RoleDecode, MaxModelLen: 8, LoRA: []string{"sql"}})
+		var list struct {
+			Data []struct {
+				ID          string `json:"id"`
+				MaxModelLen *int   `json:"max_model_len"`
+			} `json:"data"`
+		}
+		r := get(t, s, "/v1/models")
+		if err := json.Unmarshal(r.body, &list); err != nil || len(list.Data) != 2 ||
+			list.Data[0].MaxModelLen == nil || *list.Data[0].MaxModelLen != 8 || list.Data[1].MaxModelLen != nil ||
+			!strings.Contains(string(r.body), `"max_model_len":null`) {
+			t.Errorf("/v1/models %s: want max_model_len 8 for pdsim, null for its adapter", r.body)
+		}
+		if r := post(t, s, "/tokenize", `{"prompt":"a"}`, ""); !strings.Contains(string(r.body), `"max_model_len":8`) {
+			t.Errorf("/tokenize %s: want max_model_len 8", r.body)
+		}
+	})
+	t.Run("default", func(t *testing.T) {
+		s := start(t, Config{Role: RoleDecode})
+		if r := get(t, s, "/v1/models"); !strings.Contains(string(r.body), `"max_model_len":32768`) {
+			t.Errorf("/v1/models %s: want vLLM's length of a small model, 32768", r.body)
+		}
+	})
+}
