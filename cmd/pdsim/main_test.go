@@ -28,13 +28,13 @@ func TestParseFlags(t *testing.T) {
 			"--fail-status", "503", "--fail-every", "2", "--delay", "6ms", "--drop-connections",
 			"--prefix-cache-blocks", "9", "--kv-events-endpoint", "tcp://*:5557", "--kv-events-replay-endpoint", "tcp://*:5558", "--kv-events-topic", "t",
 			"--kv-events-encoding", "array", "--kv-events-int-hashes", "--kv-events-buffer-steps", "7", "--kv-events-drop-every", "8",
-			"--lora-modules", "a,b=/adapters/b", "--lora-modules", "c", "--max-records", "11", "--max-model-len", "12"}, func(c pdsim.Config) bool {
+			"--lora-modules", "a,b=/adapters/b", "--lora-modules", "c", "--max-records", "11", "--max-model-len", "12", "--stop-one-token"}, func(c pdsim.Config) bool {
 			return reflect.DeepEqual(c, pdsim.Config{Role: "prefill", Protocol: "sglang", Model: "m", Addr: "127.0.0.1:1", KVAddr: "127.0.0.1:2",
 				BootstrapAddr: "127.0.0.1:3", AdvertiseHost: "10.0.0.1", SharedDir: "/x", TTFT: time.Second, TPOT: 2 * time.Millisecond,
 				KVTransfer: 3 * time.Millisecond, OutputTokens: 4, HandshakeTimeout: 5 * time.Second, FailStatus: 503, FailEvery: 2,
 				Delay: 6 * time.Millisecond, DropConnections: true, PrefixCacheBlocks: 9, DropKVEventsEvery: 8,
 				KVEvents: pdsim.KVEvents{Endpoint: "tcp://*:5557", ReplayEndpoint: "tcp://*:5558", Topic: "t", Encoding: "array",
-					IntHashes: true, BufferSteps: 7}, LoRA: []string{"a", "b", "c"}, MaxRecords: 11, MaxModelLen: 12})
+					IntHashes: true, BufferSteps: 7}, LoRA: []string{"a", "b", "c"}, MaxRecords: 11, MaxModelLen: 12, StopOneToken: true})
 		}},
 	}
 	for _, tt := range tests {

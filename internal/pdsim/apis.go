@@ -82,6 +82,7 @@ type output struct {
 	samples   int   // n
 	maxTokens int64 // 0: no cap
 	minTokens int64
+	ignoreEOS bool // not read for Messages: vLLM's Anthropic request has no such field
 }
 
 func (r *request) readTokenLimits() *apiError {
@@ -102,6 +103,11 @@ func (r *request) readTokenLimits() *apiError {
 	}
 	if r.minTokens < 0 {
 		return badRequest("min_tokens must be greater than or equal to 0, got %d.", r.minTokens)
+	}
+	if r.api != apiMessages {
+		if r.ignoreEOS, aerr = boolField(fields, "ignore_eos"); aerr != nil {
+			return aerr
+		}
 	}
 	if r.maxTokens > 0 && r.minTokens > r.maxTokens {
 		return badRequest("min_tokens must be less than or equal to max_tokens=%d, got %d.", r.maxTokens, r.minTokens)

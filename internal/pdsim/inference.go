@@ -128,8 +128,11 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 // request's API's shape.
 func (s *Server) answer(ctx context.Context, w http.ResponseWriter, req *request, res kvResult) error {
 	n, finish := req.outputTokens(s.cfg.OutputTokens)
-	if res.oneToken {
+	switch {
+	case res.oneToken:
 		n, finish = 1, "length"
+	case s.stopsAtOnce(req):
+		finish = "stop"
 	}
 	s.metrics.generationTokens.Add(int64(n))
 	switch req.api {

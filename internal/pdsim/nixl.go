@@ -40,8 +40,11 @@ func (p *nixlPrefill) firstToken(ctx context.Context, req *request) (kvResult, e
 		return kvResult{}, err
 	}
 	// A streamed answer has no kv_transfer_params field in vLLM, so the blocks
-	// could never be claimed: treat it as an ordinary request.
-	if !flag(kvParams(req), "do_remote_decode") || req.stream {
+	// could never be claimed: treat it as an ordinary request. Nor does
+	// NixlConnector's single-file release hand out KV for an answer that
+	// stopped rather than hit its length (request_finished,
+	// nixl_connector.py @ 002a1057): it frees the blocks.
+	if !flag(kvParams(req), "do_remote_decode") || req.stream || p.s.stopsAtOnce(req) {
 		return kvResult{outcome: kvNone}, nil
 	}
 	host, portText, _ := net.SplitHostPort(p.s.KVAddr())

@@ -58,6 +58,9 @@ type Config struct {
 	// listed at /v1/models; a vLLM protocol's request whose prompt and
 	// output limit exceed it is refused (context.go). Default 32768.
 	MaxModelLen int
+	// StopOneToken ends a prefill's one-token answer on a stop token
+	// (stoptoken.go).
+	StopOneToken bool
 	// HandshakeTimeout bounds the sglang bootstrap handshake on both legs; default 30s.
 	HandshakeTimeout time.Duration
 	// PromptTokensDetails adds usage.prompt_tokens_details.cached_tokens to

@@ -49,6 +49,7 @@ type SimConfig struct {
 	Model                      string   // the served model's name; default pdsim's, "pdsim"
 	LoRA                       []string // LoRA adapters served besides the model
 	MaxModelLen                int      // the model's context; 0: pdsim's default
+	StopOneToken               bool     // a prefill's one-token answer stops, where the request allows
 	Timings
 	Log io.Writer // a line per request; nil discards them
 }
@@ -66,7 +67,7 @@ func StartSim(c Cleaner, cfg SimConfig) (*pdsim.Server, error) {
 	}
 	s, err := pdsim.Start(pdsim.Config{
 		KVEvents: events, PrefixCacheBlocks: cfg.PrefixCacheBlocks, KVBlocks: cfg.KVBlocks, NoRender: cfg.NoRender, Model: cfg.Model, LoRA: cfg.LoRA,
-		RefuseServerInfo: cfg.RefuseServerInfo, APIKey: cfg.APIKey, MaxModelLen: cfg.MaxModelLen,
+		RefuseServerInfo: cfg.RefuseServerInfo, APIKey: cfg.APIKey, MaxModelLen: cfg.MaxModelLen, StopOneToken: cfg.StopOneToken,
 		Role: cfg.Role, Protocol: cfg.Protocol, SharedDir: cfg.SharedDir,
 		Addr:          cmp.Or(cfg.Addr, hostPort(ip, 0)),
 		KVAddr:        hostPort(ip, cfg.KVPort),

@@ -6,6 +6,8 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 )
 
 // With engines that list their context (max_model_len) at GET /v1/models, a
@@ -72,4 +74,53 @@ func promptTokens(t *testing.T, r *rig, api, marker string) int {
 		t.Fatalf("status %d: %s", resp.StatusCode, got)
 	}
 	return max(a.Usage.Prompt, a.Usage.Input)
+}
+
+// Against prefill engines whose one token may be a stop token, after which
+// an older NixlConnector hands out no kv_transfer_params, chat and Responses
+// legs still get their params (they carry min_tokens, ignore_eos), while a
+// Messages leg, which can carry neither, is a failed prefill that falls back
+// to decode-only (prefill.on_failure's default): the client still gets its
+// answer, and the failure is counted and logged as a stop token's.
+func TestAPrefillWhoseOneTokenMayStop(t *testing.T) {
+	r := startRig(t, rigOptions{prefills: 1, decodes: 1, stopOneToken: true})
+	failed := 0
+	for _, api := range []string{"chat", "responses", "messages"} {
+		for _, stream := range []bool{false, true} {
+			marker := fmt.Sprintf("stop token %s %v", api, stream)
+			path, body := request(api, stream, marker)
+			resp, got := r.must(t, path, body, nil)
+			if resp.StatusCode != http.StatusOK {
+				t.Fatalf("%s: status %d: %s", marker, resp.StatusCode, excerpt(got))
+			}
+			checkAnswer(t, api, stream, got)
+			p, d := recordsWith(r.prefill, marker), recordsWith(r.decode, marker)
+			wantPrefill, wantDecode := "issued", "hit"
+			if api == "messages" {
+				wantPrefill, wantDecode = "none", "none"
+				failed++
+			}
+			if len(p) != 1 || p[0].KV != wantPrefill {
+				t.Errorf("%s: prefill legs' KV %v, want one, %s", marker, outcomes(p), wantPrefill)
+			}
+			if len(d) != 1 || d[0].KV != wantDecode || resp.Header.Get("x-pdsim-kv") != wantDecode {
+				t.Errorf("%s: decode legs' KV %v (header %q), want one, %s", marker, outcomes(d), resp.Header.Get("x-pdsim-kv"), wantDecode)
+			}
+		}
+	}
+	for _, series := range []string{`pd_extproc_prefill_failures_total{reason="no_kv_params"}`, `pd_extproc_pd_decisions_total{reason="prefill_failed"}`} {
+		if n := r.metric(t, series); n != float64(failed) {
+			t.Errorf("%s = %v, want %d", series, n, failed)
+		}
+	}
+	r.extproc.waitLog(t, "its one token was a stop token (stop_reason end_turn)")
+}
+
+// outcomes is the KV outcome of each record.
+func outcomes(recs []pdsim.Record) []string {
+	out := make([]string, len(recs))
+	for i, rec := range recs {
+		out[i] = rec.KV
+	}
+	return out
 }

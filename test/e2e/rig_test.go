@@ -72,7 +72,10 @@ type rigOptions struct {
 	lora     []string // LoRA adapters the simulators serve besides pdsim
 	// maxModelLen is the simulators' context (0: pdsim's, 32768).
 	maxModelLen int
-	apiKey      string // the key every simulator asks of its callers (--api-key)
+	// stopOneToken: a prefill's one-token answer stops on a stop token
+	// where the request allows it, and a NIXL prefill then gives no params.
+	stopOneToken bool
+	apiKey       string // the key every simulator asks of its callers (--api-key)
 	// ipv6 puts every simulator on ::1 (one host, so at most one SGLang
 	// prefill: its bootstrap port is the pool's).
 	ipv6 bool
@@ -116,6 +119,7 @@ func startRig(t *testing.T, o rigOptions) *rig {
 		NoRender:            o.noRender,
 		LoRA:                o.lora,
 		MaxModelLen:         o.maxModelLen,
+		StopOneToken:        o.stopOneToken,
 		APIKey:              o.apiKey,
 		Log:                 logTo(t),
 	}}
