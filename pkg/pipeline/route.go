@@ -21,8 +21,14 @@ import (
 const maxModelBytes = 1024
 
 // pickDecode chooses the decode endpoint (and fallbacks) and takes its slot.
-func (p *Pipeline) pickDecode(req *scheduling.Request) (*Decision, error) {
-	eps, slot, err := p.pools.Decode.Claim(req, 1+p.pools.Decode.Fallbacks())
+// A request whose response id names the pick (named: responseID) gets no
+// fallbacks, on which the response would be stored under an id leading elsewhere.
+func (p *Pipeline) pickDecode(req *scheduling.Request, named bool) (*Decision, error) {
+	n := 1 + p.pools.Decode.Fallbacks()
+	if named {
+		n = 1
+	}
+	eps, slot, err := p.pools.Decode.Claim(req, n)
 	if err != nil {
 		return nil, noDecodeEndpoint(err)
 	}
@@ -74,7 +80,7 @@ func (p *Pipeline) RouteHeaders(r *Request) (*Decision, error) {
 	sreq := &scheduling.Request{N: 1, Prompts: 1, Subset: scheduling.ParseSubset(r.Subset), Model: model,
 		Response: api.StoredResponseID(a, r.URLPath(), nil)}
 	r.Report.Mode, r.Report.Reason = metrics.ModeDecodeOnly, metrics.ReasonNoBody
-	d, err := p.pickDecode(sreq)
+	d, err := p.pickDecode(sreq, false)
 	if err != nil {
 		return nil, err
 	}
@@ -129,7 +135,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 		return nil, err
 	}
 	p.tokenize(ctx, r, sreq, a, obj)
-	d, err := p.pickDecode(sreq)
+	d, err := p.pickDecode(sreq, api.ChoosesResponseID(a, obj))
 	if err != nil {
 		return nil, err
 	}

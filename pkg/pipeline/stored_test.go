@@ -83,3 +83,50 @@ func TestStoredResponseAffinity(t *testing.T) {
 		})
 	}
 }
+
+// TestAStoredResponseIsOfferedOnlyWhereItsIDLeads: with
+// pools.decode.fallbacks, Envoy may send a request to any endpoint offered,
+// after its body, the response id included, is written. A response stored
+// on a fallback under an id naming the pick would be sought on the pick,
+// which answers 404: so a request whose response id pd-extproc chooses is
+// offered only the endpoint its id names, and a request naming that id
+// reaches whichever endpoint Envoy could have sent it to. Others keep their
+// fallbacks.
+func TestAStoredResponseIsOfferedOnlyWhereItsIDLeads(t *testing.T) {
+	engine := enginetest.Start(t, enginetest.JSON(200, `{"kv_transfer_params":`+prefillKV+`}`))
+	p, _, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, "+
+		"decode: {policy: round-robin, fallbacks: 1, endpoints: [\"10.1.1.1:8000\", \"10.1.1.2:8000\", \"10.1.1.3:8000\"]}}\n", engine.Addr()))
+	t.Cleanup(p.Wait)
+	route := func(body string) *pipeline.Decision {
+		t.Helper()
+		d, err := p.Route(context.Background(), &pipeline.Request{Method: http.MethodPost, Path: "/v1/responses", RequestID: "r1", Body: []byte(body)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		d.Release()
+		return d
+	}
+	for _, tt := range []struct {
+		name, body string
+		offered    int // endpoints Envoy may send it to
+	}{
+		{"stored", `{"input":"hi"}`, 1},
+		{"a stored follow-up", `{"input":"hi","previous_response_id":"resp_1"}`, 1},
+		{"store false", `{"input":"hi","store":false}`, 2},
+		{"the client's own request_id", `{"input":"hi","request_id":"mine"}`, 2},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			d := route(tt.body)
+			if m := storedID.FindSubmatch(d.Body.Bytes()); m != nil {
+				for _, servedBy := range d.Endpoints { // where Envoy may have sent it, and the engine stored it
+					if got := route(`{"input":"more","previous_response_id":"` + string(m[1]) + `"}`).Endpoints[0]; got != servedBy {
+						t.Errorf("a follow-up naming %s reached %s; the response may be stored on %s", m[1], got, servedBy)
+					}
+				}
+			}
+			if len(d.Endpoints) != tt.offered {
+				t.Errorf("offered %q, want %d endpoints", d.Endpoints, tt.offered)
+			}
+		})
+	}
+}
