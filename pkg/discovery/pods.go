@@ -29,17 +29,17 @@ type selection struct {
 }
 
 // endpoints returns the endpoints pod gives under sel, or none and why not.
-// Only a pod that is Ready, has an IP, is not terminating and has not run to
-// its end (phase Failed or Succeeded, whatever its conditions still say, as
-// Kubernetes leaves it out of a Service's endpoints) is an endpoint; with an
-// InferencePool, each of its target ports is one. A bootstrap port
-// annotation that is not a port is ignored (the pool's is used) and said in why.
+// Only a pod that is Ready, has an IP and has not run to its end (phase
+// Failed or Succeeded, whatever its conditions still say, as Kubernetes
+// leaves it out of a Service's endpoints) is an endpoint; with an
+// InferencePool, each of its target ports is one. A terminating pod's are
+// given with why "terminating": the pool uses them only when it has no
+// others (poolWatch.serving). A bootstrap port annotation that is not a
+// port is ignored (the pool's is used) and said in why.
 func (sel selection) endpoints(pod *corev1.Pod) (eps []scheduling.Discovered, why string) {
 	switch {
 	case sel.selector == nil || !sel.selector.Matches(labels.Set(pod.Labels)):
 		return nil, "not selected"
-	case pod.DeletionTimestamp != nil:
-		return nil, "terminating"
 	case pod.Status.Phase == corev1.PodFailed || pod.Status.Phase == corev1.PodSucceeded:
 		return nil, string(pod.Status.Phase)
 	case pod.Status.PodIP == "":
@@ -62,6 +62,9 @@ func (sel selection) endpoints(pod *corev1.Pod) (eps []scheduling.Discovered, wh
 	bootstrap, why := bootstrapPorts(pod, len(ports))
 	for i, port := range ports {
 		eps = append(eps, scheduling.Discovered{Addr: net.JoinHostPort(pod.Status.PodIP, strconv.Itoa(port)), BootstrapPort: bootstrap[i], ID: string(pod.UID)})
+	}
+	if pod.DeletionTimestamp != nil {
+		why = strings.TrimSuffix("terminating; "+why, "; ")
 	}
 	return eps, why
 }

@@ -69,7 +69,19 @@ func TestPodEndpoints(t *testing.T) {
 			"pod IP :: is the unspecified address, a listener's wildcard: it names no engine"},
 		{"multicast IP", port8000, ready(func(p *corev1.Pod) { p.Status.PodIP = "ff02::1" }), nil,
 			"pod IP ff02::1 is a multicast address: TCP connects to one host"},
-		{"terminating", port8000, ready(func(p *corev1.Pod) { p.DeletionTimestamp = &metav1.Time{} }), nil, "terminating"},
+		// A terminating pod's endpoints serve only while its pool has no
+		// other (poolWatch.serving); one not Ready has none.
+		{"terminating", port8000, ready(func(p *corev1.Pod) { p.DeletionTimestamp = &metav1.Time{} }),
+			[]scheduling.Discovered{ep("10.1.2.3:8000", 0)}, "terminating"},
+		{"terminating, not ready", port8000, ready(func(p *corev1.Pod) {
+			p.DeletionTimestamp = &metav1.Time{}
+			p.Status.Conditions[1].Status = corev1.ConditionFalse
+		}), nil, "not Ready"},
+		{"terminating, bad bootstrap port annotation", port8000, ready(func(p *corev1.Pod) {
+			p.DeletionTimestamp = &metav1.Time{}
+			p.Annotations = map[string]string{BootstrapPortAnnotation: "x"}
+		}), []scheduling.Discovered{ep("10.1.2.3:8000", 0)},
+			`terminating; annotation sglang.ai/bootstrap-port: "x" is not a port; the pool's bootstrap port applies`},
 		// A pod that has run to its end keeps its IP and may keep a Ready
 		// condition no kubelet updates any more (its node gone, the pod
 		// GC marking it Failed); the network may have given the IP to

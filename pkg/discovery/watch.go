@@ -57,7 +57,8 @@ type poolWatch struct {
 
 	mu       sync.Mutex // orders changes; informers call from their own goroutines
 	sel      selection
-	byPod    map[string][]scheduling.Discovered // the endpoints of each pod, by namespace/name
+	byPod    map[string][]scheduling.Discovered // the endpoints of each pod not terminating, by namespace/name
+	draining map[string][]scheduling.Discovered // those of each terminating pod still Ready (serving)
 	why      map[string]string                  // why a pod is not (fully) an endpoint, to log changes once
 	ipFound  bool
 	ipSynced bool // the InferencePool informer has delivered its first list
@@ -65,7 +66,8 @@ type poolWatch struct {
 }
 
 func newPoolWatch(pool string, spec config.Kubernetes, sink Sink, kube kubernetes.Interface, gie gieclient.Interface, log logr.Logger, onError func(string)) (*poolWatch, error) {
-	w := &poolWatch{pool: pool, spec: spec, sink: sink, log: log, byPod: map[string][]scheduling.Discovered{}, why: map[string]string{}}
+	w := &poolWatch{pool: pool, spec: spec, sink: sink, log: log, byPod: map[string][]scheduling.Discovered{},
+		draining: map[string][]scheduling.Discovered{}, why: map[string]string{}}
 	userSel := spec.ParsedSelector()
 	if spec.InferencePool == "" {
 		w.sel = selection{selector: userSel, port: *spec.Port}
@@ -194,7 +196,7 @@ func (w *poolWatch) podDeleted(obj any) {
 }
 
 // setPod updates one pod's endpoints (nil pod: deleted) and reports whether
-// they changed. Caller holds mu.
+// they, or whether the pod is terminating, changed. Caller holds mu.
 func (w *poolWatch) setPod(key string, pod *corev1.Pod) bool {
 	var eps []scheduling.Discovered
 	why := "deleted"
@@ -213,13 +215,28 @@ func (w *poolWatch) setPod(key string, pod *corev1.Pod) bool {
 	} else {
 		w.why[key] = why
 	}
-	old := w.byPod[key]
-	if len(eps) == 0 {
-		delete(w.byPod, key)
-	} else {
+	old, oldDraining := w.byPod[key], w.draining[key]
+	delete(w.byPod, key)
+	delete(w.draining, key)
+	switch {
+	case len(eps) == 0:
+	case pod.DeletionTimestamp != nil:
+		w.draining[key] = eps
+	default:
 		w.byPod[key] = eps
 	}
-	return !slices.Equal(old, eps)
+	return !slices.Equal(old, w.byPod[key]) || !slices.Equal(oldDraining, w.draining[key])
+}
+
+// serving is what the pool routes to: the endpoints of the pods that are not
+// terminating or, when there are none, those of the terminating pods still
+// Ready, as kube-proxy falls back to serving terminating endpoints
+// (CategorizeEndpoints, kubernetes pkg/proxy/topology.go). Caller holds mu.
+func (w *poolWatch) serving() map[string][]scheduling.Discovered {
+	if len(w.byPod) == 0 {
+		return w.draining
+	}
+	return w.byPod
 }
 
 // inferencePoolChanged applies the InferencePool's selector (ANDed with the
@@ -253,9 +270,11 @@ func (w *poolWatch) inferencePoolChanged(ip *giev1.InferencePool) {
 		seen[key] = true
 		changed = w.setPod(key, pod) || changed
 	}
-	for key := range w.byPod {
-		if !seen[key] {
-			changed = w.setPod(key, nil) || changed
+	for _, known := range []map[string][]scheduling.Discovered{w.byPod, w.draining} {
+		for key := range known {
+			if !seen[key] {
+				changed = w.setPod(key, nil) || changed
+			}
 		}
 	}
 	if changed {
@@ -267,7 +286,7 @@ func (w *poolWatch) inferencePoolChanged(ip *giev1.InferencePool) {
 // arrive in order.
 func (w *poolWatch) publish() {
 	var all []scheduling.Discovered
-	for _, eps := range w.byPod {
+	for _, eps := range w.serving() {
 		all = append(all, eps...)
 	}
 	w.sink.SetDiscovered(all)
@@ -295,7 +314,7 @@ func (w *poolWatch) status() PoolStatus {
 	}
 	w.mu.Lock()
 	addrs := map[string]bool{} // two pods listed at one are one endpoint (scheduling.Pool.SetDiscovered)
-	for _, eps := range w.byPod {
+	for _, eps := range w.serving() {
 		for _, e := range eps {
 			addrs[e.Addr] = true
 		}

@@ -1,6 +1,7 @@
 package discovery
 
 import (
+	"slices"
 	"testing"
 
 	"github.com/go-logr/logr"
@@ -41,9 +42,7 @@ func TestAPodOnAReusedIPStartsAnew(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			pools := scheduling.NewPools(scheduling.Spec{}, scheduling.Deps{})
-			w := &poolWatch{pool: "decode", sink: pools.Decode, log: logr.Discard(),
-				sel:   selection{selector: labels.SelectorFromSet(labels.Set{"app": "vllm"}), port: config.PodPort{Number: 8000}},
-				byPod: map[string][]scheduling.Discovered{}, why: map[string]string{}}
+			w := testWatch(pools.Decode, nil)
 			old := pod("vllm-0", "uid-old")
 			w.podAdded(old, true)
 			e := pools.Decode.Endpoints()[0]
@@ -94,10 +93,7 @@ func TestDiscoveryEndpointsCountsAddresses(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			pools := scheduling.NewPools(scheduling.Spec{}, scheduling.Deps{})
-			w := &poolWatch{pool: "decode", sink: pools.Decode, log: logr.Discard(),
-				pods:  informer{src: newSource("pods", "llm", nil), synced: func() bool { return true }},
-				sel:   selection{selector: labels.SelectorFromSet(labels.Set{"app": "vllm"}), port: config.PodPort{Number: 8000}, ports: tt.ports},
-				byPod: map[string][]scheduling.Discovered{}, why: map[string]string{}}
+			w := testWatch(pools.Decode, tt.ports)
 			for _, p := range tt.pods {
 				w.podAdded(p, true)
 			}
@@ -136,9 +132,8 @@ func discoveryEndpoints(t *testing.T, m *metrics.Metrics) float64 {
 func TestAPodWhoseIPNamesNoEngineIsSkippedAndLoggedOnce(t *testing.T) {
 	var logged []string
 	pools := scheduling.NewPools(scheduling.Spec{}, scheduling.Deps{})
-	w := &poolWatch{pool: "decode", sink: pools.Decode, log: funcr.New(func(_, args string) { logged = append(logged, args) }, funcr.Options{}),
-		sel:   selection{selector: labels.SelectorFromSet(labels.Set{"app": "vllm"}), port: config.PodPort{Number: 8000}},
-		byPod: map[string][]scheduling.Discovered{}, why: map[string]string{}}
+	w := testWatch(pools.Decode, nil)
+	w.log = funcr.New(func(_, args string) { logged = append(logged, args) }, funcr.Options{})
 	pod := func(ip, version string) *corev1.Pod {
 		return &corev1.Pod{
 			ObjectMeta: metav1.ObjectMeta{Namespace: "llm", Name: "vllm-0", ResourceVersion: version, Labels: map[string]string{"app": "vllm"}},
@@ -160,5 +155,107 @@ func TestAPodWhoseIPNamesNoEngineIsSkippedAndLoggedOnce(t *testing.T) {
 	}
 	if len(logged) != 1 {
 		t.Errorf("logged %q at the default verbosity, want only the line above: a pod that becomes an endpoint is said at -v 1", logged[1:])
+	}
+}
+
+// testWatch is a poolWatch of the pods labelled app=vllm, on port 8000 or
+// on ports (an InferencePool's), whose informers never run: tests call
+// podAdded and podDeleted as they would.
+func testWatch(sink Sink, ports []int) *poolWatch {
+	return &poolWatch{pool: "decode", sink: sink, log: logr.Discard(),
+		pods:  informer{src: newSource("pods", "llm", nil), synced: func() bool { return true }},
+		sel:   selection{selector: labels.SelectorFromSet(labels.Set{"app": "vllm"}), port: config.PodPort{Number: 8000}, ports: ports},
+		byPod: map[string][]scheduling.Discovered{}, draining: map[string][]scheduling.Discovered{}, why: map[string]string{}}
+}
+
+// A terminating pod (deletionTimestamp set) that is still Ready serves only
+// while its pool has no Ready pod that is not terminating, as kube-proxy
+// falls back to serving-terminating endpoints: a one-replica rollout or a
+// Recreate gets no 503 while a pod still serves. A pod that is not Ready
+// never serves. Each row is a sequence of pod changes and the pool's
+// endpoints (and pd_extproc_discovery_endpoints) after each.
+func TestTerminatingPodsServeOnlyWhenNoOtherPodIsReady(t *testing.T) {
+	type state string
+	const (
+		ready               state = "Ready"
+		notReady            state = "not Ready"
+		terminating         state = "terminating, Ready"
+		terminatingNotReady state = "terminating, not Ready" // its readiness probe failing
+		deleted             state = "deleted"
+	)
+	ips := map[string]string{"old": "10.1.2.3", "new": "10.1.2.4", "other": "10.1.2.5"}
+	type step struct {
+		pod  string
+		to   state
+		want []string // the pool's endpoint addresses
+	}
+	tests := []struct {
+		name  string
+		steps []step
+	}{
+		{"one replica, rolling update", []step{
+			{"old", ready, []string{"10.1.2.3:8000"}},
+			{"new", notReady, []string{"10.1.2.3:8000"}},
+			{"old", terminating, []string{"10.1.2.3:8000"}},
+			{"new", ready, []string{"10.1.2.4:8000"}},
+			{"old", terminatingNotReady, []string{"10.1.2.4:8000"}},
+			{"old", deleted, []string{"10.1.2.4:8000"}},
+		}},
+		{"recreate: the old pod serves until its probe fails", []step{
+			{"old", ready, []string{"10.1.2.3:8000"}},
+			{"old", terminating, []string{"10.1.2.3:8000"}},
+			{"old", terminatingNotReady, nil},
+			{"new", ready, []string{"10.1.2.4:8000"}},
+		}},
+		{"a terminating pod leaves at once while another is Ready", []step{
+			{"old", ready, []string{"10.1.2.3:8000"}},
+			{"other", ready, []string{"10.1.2.3:8000", "10.1.2.5:8000"}},
+			{"old", terminating, []string{"10.1.2.5:8000"}},
+			{"other", notReady, []string{"10.1.2.3:8000"}},
+			{"other", ready, []string{"10.1.2.5:8000"}},
+			{"other", deleted, []string{"10.1.2.3:8000"}},
+		}},
+		{"every pod terminating: those still Ready serve", []step{
+			{"old", ready, []string{"10.1.2.3:8000"}},
+			{"other", ready, []string{"10.1.2.3:8000", "10.1.2.5:8000"}},
+			{"old", terminating, []string{"10.1.2.5:8000"}},
+			{"other", terminating, []string{"10.1.2.3:8000", "10.1.2.5:8000"}},
+			{"other", terminatingNotReady, []string{"10.1.2.3:8000"}},
+			{"new", notReady, []string{"10.1.2.3:8000"}},
+			{"old", deleted, nil},
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pools := scheduling.NewPools(scheduling.Spec{}, scheduling.Deps{})
+			w := testWatch(pools.Decode, nil)
+			for i, s := range tt.steps {
+				pod := &corev1.Pod{
+					ObjectMeta: metav1.ObjectMeta{Namespace: "llm", Name: s.pod, UID: types.UID("uid-" + s.pod), Labels: map[string]string{"app": "vllm"}},
+					Status: corev1.PodStatus{PodIP: ips[s.pod], Conditions: []corev1.PodCondition{
+						{Type: corev1.PodReady, Status: corev1.ConditionTrue}}},
+				}
+				if s.to == terminating || s.to == terminatingNotReady {
+					pod.DeletionTimestamp = &metav1.Time{}
+				}
+				if s.to == notReady || s.to == terminatingNotReady {
+					pod.Status.Conditions[0].Status = corev1.ConditionFalse
+				}
+				if s.to == deleted {
+					w.podDeleted(pod)
+				} else {
+					w.podAdded(pod, true)
+				}
+				var got []string
+				for _, e := range pools.Decode.Endpoints() {
+					got = append(got, e.Addr)
+				}
+				slices.Sort(got)
+				if !slices.Equal(got, s.want) || w.status().Endpoints != len(s.want) {
+					t.Errorf("step %d (%s %s): endpoints %v, pd_extproc_discovery_endpoints %d; want %v",
+						i, s.pod, s.to, got, w.status().Endpoints, s.want)
+				}
+			}
+		})
 	}
 }
