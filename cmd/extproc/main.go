@@ -53,7 +53,8 @@ func main() {
 		"how long log lines may wait in a buffer before they are written, as Envoy's access logs do; 0 writes each line at once")
 	flag.DurationVar(&f.delay, "shutdown-delay", 0, "on SIGTERM, how long new streams are still served while readiness and gRPC health "+
 		"say NOT_SERVING, for Envoy's health checks to take this replica out; a second SIGTERM or ctrl-C ends it")
-	flag.DurationVar(&f.grace, "shutdown-grace", 30*time.Second, "then, how long in-flight streams (and concurrent prefill legs) may finish")
+	flag.DurationVar(&f.grace, "shutdown-grace", 30*time.Second, "then, how long in-flight streams (and concurrent prefill legs) may finish; "+
+		"a SIGTERM or ctrl-C meanwhile cuts them")
 	flag.DurationVar(&f.keepalive.Ping, "keepalive-ping", server.DefaultKeepalive.Ping,
 		"ping Envoy over a connection silent this long, to find a peer that answers nothing")
 	flag.DurationVar(&f.keepalive.Timeout, "keepalive-timeout", server.DefaultKeepalive.Timeout,
@@ -149,8 +150,9 @@ func run(f flags, log logr.Logger, flush func()) error {
 		return err
 	}
 	defer adminLis.Close()
-	// The first SIGTERM or ctrl-C begins the shutdown, a second ends its
-	// delay; SIGHUP reads --config again instead of exiting, Go's default.
+	// The first SIGTERM or ctrl-C begins the shutdown, the next ends its
+	// delay, then one cuts the grace; SIGHUP reads --config again instead of
+	// exiting, Go's default.
 	signals := make(chan os.Signal, 1)
 	signal.Notify(signals, syscall.SIGTERM, os.Interrupt, syscall.SIGHUP)
 	defer signal.Stop(signals)

@@ -47,8 +47,9 @@ type Options struct {
 	// closes; 0 closes it at once.
 	ShutdownDelay time.Duration
 	// Signals, when set, are the process's signals: SIGTERM or an interrupt
-	// begins the shutdown as a done ctx does, and a second one ends the
-	// shutdown delay; SIGHUP has ConfigPath read again at once.
+	// begins the shutdown as a done ctx does, the next one ends the
+	// shutdown delay, and one in the grace cuts the streams in flight;
+	// SIGHUP has ConfigPath read again at once.
 	Signals <-chan os.Signal
 	// Pprof serves net/http/pprof under /debug/pprof/ on the admin address.
 	Pprof bool
@@ -243,12 +244,7 @@ func (s *Server) shutdown() {
 	drained, legs := make(chan struct{}), make(chan struct{})
 	go func() { s.grpc.GracefulStop(); close(drained) }()
 	go func() { <-drained; s.pipeline.Wait(); close(legs) }()
-	grace := time.NewTimer(s.opts.Grace)
-	defer grace.Stop()
-	select {
-	case <-legs:
-	case <-grace.C:
-		s.log.Info("grace period over; cutting the remaining streams and prefill legs")
+	if s.graceOver(legs) {
 		s.grpc.Stop()
 		s.pipeline.Stop()
 		<-legs

@@ -156,3 +156,64 @@ func awaitLine(t *testing.T, lines <-chan string, prefix string) {
 		}
 	}
 }
+
+// Once the listener has closed, streams in flight get --shutdown-grace
+// (the shipped Deployment's is 555 s). A signal then (the second with no
+// delay, the third after one a second signal ended) cuts them and ends the
+// process now, as an operator pressing ctrl-C again expects; it was
+// ignored. SIGHUP still only reads the config.
+func TestAnotherSignalDuringTheGraceCutsTheStreams(t *testing.T) {
+	tests := []struct {
+		name    string
+		delay   time.Duration
+		signals []os.Signal // after the first SIGTERM, once the stream is held
+		cut     bool
+		line    string // logged for the last signal
+	}{
+		{name: "no delay: a second SIGTERM", signals: []os.Signal{syscall.SIGTERM}, cut: true,
+			line: "another signal: cutting the remaining streams and prefill legs now"},
+		{name: "a second signal ended the delay, a third", delay: time.Hour, signals: []os.Signal{syscall.SIGTERM, os.Interrupt}, cut: true,
+			line: "another signal: cutting the remaining streams and prefill legs now"},
+		{name: "SIGHUP cuts nothing", signals: []os.Signal{syscall.SIGHUP}, line: "SIGHUP: no --config file to read again"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			release := make(chan struct{})
+			prefill := enginetest.Start(t, blocked(release, prefillOK))
+			defer close(release)
+			lines := make(chan string, 1024)
+			r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
+				prefill.Addr(), decodeEP), Options{ShutdownDelay: tt.delay, Grace: time.Hour}, funcr.NewJSON(func(s string) { lines <- s }, funcr.Options{}))
+			r.after = func(time.Duration) <-chan time.Time { return nil } // the delay ends only by a signal
+
+			done := make(chan error, 1)
+			go func() {
+				replies, err := r.tryExchange(post(chatPath, `{"model":"m","prompt":"hi"}`)...)
+				if err == nil && (len(replies) == 0 || destination(replies[0]) != decodeEP) {
+					err = fmt.Errorf("replies %v, not routed to %s", replies, decodeEP)
+				}
+				done <- err
+			}()
+			prefill.Await(t) // the stream is in flight, held by the prefill leg
+			r.signals <- syscall.SIGTERM
+			for _, sig := range tt.signals {
+				r.signals <- sig // each waits until the one before was taken
+			}
+			awaitLine(t, lines, tt.line)
+			if !tt.cut {
+				release <- struct{}{}
+			}
+			select {
+			case err := <-done:
+				if tt.cut != (err != nil) {
+					t.Errorf("the stream in flight ended with %v; want it cut: %v", err, tt.cut)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("the stream in flight is still held: the signal did not cut it")
+			}
+			if err := r.wait(t); err != nil {
+				t.Errorf("Serve = %v, want a clean shutdown", err)
+			}
+		})
+	}
+}

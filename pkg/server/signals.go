@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"syscall"
+	"time"
 )
 
 // awaitStop returns once ctx is done or a stop signal arrives, or with the
@@ -41,6 +42,29 @@ func (s *Server) delay() {
 			if !s.hangUp(sig) {
 				s.log.Info("a second signal: closing the listener without the rest of the shutdown delay", "signal", sig.String())
 				return
+			}
+		}
+	}
+}
+
+// graceOver waits Options.Grace for done, and says whether it is over
+// first: the grace ran out or a stop signal came, which ends the process now,
+// as a signal after the one that began the shutdown (and the one that ended
+// its delay) is expected to.
+func (s *Server) graceOver(done <-chan struct{}) bool {
+	grace := time.NewTimer(s.opts.Grace)
+	defer grace.Stop()
+	for {
+		select {
+		case <-done:
+			return false
+		case <-grace.C:
+			s.log.Info("grace period over; cutting the remaining streams and prefill legs")
+			return true
+		case sig := <-s.opts.Signals:
+			if !s.hangUp(sig) {
+				s.log.Info("another signal: cutting the remaining streams and prefill legs now", "signal", sig.String())
+				return true
 			}
 		}
 	}
