@@ -15,10 +15,46 @@ digit goes after the chart's name, and a dot (Helm allows them) becomes a dash. 
 {{- $full = printf "%s-%s" $name .Release.Name }}
 {{- end }}
 {{- end }}
-{{- if not (regexMatch "^[a-z]" $full) }}
-{{- fail (printf "the release's full name %q must start with a letter (Service names do): change fullnameOverride or nameOverride" $full) }}
+{{- $full = $full | replace "." "-" | trunc 51 | trimSuffix "-" }}
+{{- if not (regexMatch "^([a-z]|[a-z][-a-z0-9]*[a-z0-9])$" $full) }}
+{{- fail (printf "the release's full name %q must be lower-case letters, digits and '-', a letter first (Service names are): change fullnameOverride or nameOverride" $full) }}
 {{- end }}
-{{- $full | replace "." "-" | trunc 51 | trimSuffix "-" }}
+{{- $full }}
+{{- end }}
+
+{{/* Refuses the names the values give that the API server would refuse (or, for gateway.name,
+that make a Service it would refuse), naming the value; an empty one takes the chart's default. */}}
+{{- define "pd-extproc.checkNames" -}}
+{{- $v := .Values }}
+{{- $rows := list (list "serviceAccount.name" $v.serviceAccount.name "subdomain" 253)
+      (list "tls.serverSecret" $v.tls.serverSecret "subdomain" 253)
+      (list "tls.clientSecret" $v.tls.clientSecret "subdomain" 253)
+      (list "engineAPIKey.secretName" $v.engineAPIKey.secretName "subdomain" 253)
+      (list "engineCA.secretName" $v.engineCA.secretName "subdomain" 253) }}
+{{- range $v.rbac.extraNamespaces }}
+{{- $rows = append $rows (list "rbac.extraNamespaces" . "label" 63) }}
+{{- end }}
+{{- with $v.gateway }}
+{{- if .enabled }}
+{{- /* 56: the Service <name>-decode is an RFC 1035 label of at most 63 characters. */}}
+{{- $rows = concat $rows (list (list "gateway.name" .name "service" 56)
+      (list "gateway.className" .className "subdomain" 253)
+      (list "gateway.proxyNamespace" .proxyNamespace "label" 63)
+      (list "gateway.decodeService.namespace" .decodeService.namespace "label" 63)) }}
+{{- end }}
+{{- end }}
+{{- $label := "[a-z0-9]|[a-z0-9][-a-z0-9]*[a-z0-9]" }}
+{{- $rules := dict "label" (printf "^(%s)$" $label) "service" "^([a-z]|[a-z][-a-z0-9]*[a-z0-9])$" "subdomain" (printf "^(%s)(\\.(%s))*$" $label $label) }}
+{{- $says := dict "label" "a DNS label: lower-case letters, digits and '-', a letter or digit at each end"
+      "service" "lower-case letters, digits and '-', a letter first and a letter or digit last: the Service <gateway.name>-decode is named after it"
+      "subdomain" "a DNS subdomain: lower-case letters, digits, '-' and '.', a letter or digit at each end and beside each '.'" }}
+{{- range $rows }}
+{{- $name := index . 1 | toString }}
+{{- $rule := index . 2 }}
+{{- if and (index . 1) (or (gt (len $name) (index . 3)) (not (regexMatch (get $rules $rule) $name))) }}
+{{- fail (printf "%s: %q is not a name Kubernetes takes here: at most %d characters, %s" (index . 0) $name (index . 3) (get $says $rule)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Labels of every object; the selector labels are a subset that never changes. */}}
