@@ -174,3 +174,38 @@ func TestBrokenManifestsAreRefused(t *testing.T) {
 		})
 	}
 }
+
+// The names the chart takes at the bounds it checks (TestChartRefusesNamesKubernetesRefuses in
+// test/deploy) are the API server's: a gateway.name of 56 characters and a GatewayClass name
+// with dots render objects it takes, and the Service <gateway.name>-decode one character longer,
+// or with a dot, it refuses.
+func TestChartNameBoundsAreTheAPIServers(t *testing.T) {
+	c := mustCluster(t)
+	prepareForManifests(t, c)
+	gw := "g" + strings.Repeat("x", 55)
+	objs := chartObjects(t, chart.Release{Name: "pd-extproc", Namespace: "pd-extproc"}, map[string]any{
+		"gateway": map[string]any{"enabled": true, "name": gw, "className": "llm.example.com"},
+	})
+	var decode *unstructured.Unstructured
+	for _, obj := range objs {
+		if err := c.dryRunApply(obj); err != nil {
+			t.Errorf("%s refused: %v", describe(obj), err)
+		}
+		if obj.GetKind() == "Service" && obj.GetName() == gw+"-decode" {
+			decode = obj
+		}
+	}
+	if decode == nil {
+		t.Fatalf("no Service %s-decode rendered", gw)
+	}
+	for name, want := range map[string]string{
+		"x" + gw + "-decode": "must be no more than 63 characters",
+		"pd.gateway-decode":  "must not contain dots",
+	} {
+		o := decode.DeepCopy()
+		o.SetName(name)
+		if err := c.dryRunApply(o); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("dry run of Service %s: %v; want a refusal naming %q", name, err, want)
+		}
+	}
+}
