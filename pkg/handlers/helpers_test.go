@@ -51,6 +51,21 @@ const clientChat = `{"model":"m","messages":[{"role":"user","content":"hi"}],"st
 	`"stream_options":{"include_usage":true},"max_tokens":50,"seed":12345678901234567890,` +
 	`"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"evil"},"bootstrap_room":"x"}`
 
+// sendChatIn hands x clientChat's request headers (their processing mode
+// overridden to mode) and body, as Envoy sends them, up to the first reply
+// that does not go out, whose error it returns.
+func sendChatIn(x *handlers.Exchange, mode filterv3.ProcessingMode_BodySendMode) error {
+	for _, m := range []*extprocv3.ProcessingRequest{
+		envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), mode, fullDuplex),
+		envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
+	} {
+		if _, err := x.Handle(m); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // --- servers ---
 
 // newPipeline is the real pipeline for yaml, waited for when the test ends.

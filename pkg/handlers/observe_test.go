@@ -59,14 +59,7 @@ func TestADecisionIsCountedOnlyOnceSent(t *testing.T) {
 				p := newPipeline(t, `{connector: kv-nixl, pools: {decode: {endpoints: ["10.1.1.1:8000"]}}}`, pipeline.WithMetrics(m))
 				s := handlers.NewServer(p, handlers.Options{Metrics: m}, logr.Discard())
 				x := s.Open(t.Context(), tt.sink())
-				for _, msg := range []*extprocv3.ProcessingRequest{
-					envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), mode, fullDuplex),
-					envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
-				} {
-					if _, err := x.Handle(msg); err != nil {
-						break
-					}
-				}
+				_ = sendChatIn(x, mode) // a reply that does not go out is the case tested
 				x.Close()
 				if got := decisions(m); got != tt.wantDecisions {
 					t.Errorf("pd_decisions_total = %v, want %v", got, tt.wantDecisions)
@@ -103,14 +96,7 @@ pd: {mode: always}
 response: {rewrite_usage: true}
 pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, prefill.Addr()), pipeline.WithMetrics(m))
 				x := handlers.NewServer(p, handlers.Options{Metrics: m}, logr.Discard()).Open(t.Context(), tt.sink())
-				for _, msg := range []*extprocv3.ProcessingRequest{
-					envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), mode, fullDuplex),
-					envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
-				} {
-					if _, err := x.Handle(msg); err != nil {
-						break
-					}
-				}
+				_ = sendChatIn(x, mode) // a reply that does not go out is the case tested
 				x.Close()
 				if got := usageRewrites(m); len(got) != 1 || got[tt.want] != 1 {
 					t.Errorf("usage_rewrites_total %v, want %s once", got, tt.want)

@@ -296,16 +296,7 @@ func TestAConcurrentLegWhoseRoutingNeverWentOutEnds(t *testing.T) {
 pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {timeout: 20s}`, prefill.Addr()), handlers.Options{}) // past the 10 s the test waits for the leg to end
 			x := s.Open(t.Context(), &brokenAtRouting{arrived: func() { prefill.Await(t) }})
-			msgs := []*extprocv3.ProcessingRequest{
-				envoymsg.WithModes(envoymsg.Headers(envoymsg.Request, false, envoymsg.Post(chatPath, len(clientChat))...), mode, fullDuplex),
-				envoymsg.Body(envoymsg.Request, []byte(clientChat), true),
-			}
-			var err error
-			for _, m := range msgs {
-				if _, err = x.Handle(m); err != nil {
-					break
-				}
-			}
+			err := sendChatIn(x, mode)
 			x.Close()
 			if err == nil {
 				t.Fatal("the routing reply went out: the test shows nothing")
