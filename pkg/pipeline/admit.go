@@ -1,9 +1,6 @@
 package pipeline
 
 import (
-	"fmt"
-	"net/http"
-
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -83,9 +80,7 @@ func (p *Pipeline) fitsContext(a *api.API, obj *body.Object, decode *scheduling.
 	}
 	model, _ := obj.String("model")
 	if limit, known := decode.MaxModelLen(model); known && n >= limit {
-		return &Error{Status: http.StatusBadRequest, Type: "BadRequestError", Message: fmt.Sprintf(
-			"%s=%d leaves no room for the prompt: this model's maximum context length is %d tokens. "+
-				"Please request fewer output tokens.", key, n, limit)}
+		return contextFilled(key, n, limit)
 	}
 	return nil
 }

@@ -175,6 +175,14 @@ func badRequest(format string, args ...any) *Error {
 // a method the path does not take, or an unsafe path. All are 404, so that a
 // path the gateway must keep from the engines (their admin and debug
 // endpoints) looks the same as one that does not exist.
+// contextFilled: an output limit that leaves the prompt no room in the
+// model's context, refused as vLLM refuses it (VLLMValidationError, a 400).
+func contextFilled(key string, n, limit int64) *Error {
+	return &Error{Status: http.StatusBadRequest, Type: "BadRequestError", Message: fmt.Sprintf(
+		"%s=%d leaves no room for the prompt: this model's maximum context length is %d tokens. "+
+			"Please request fewer output tokens.", key, n, limit)}
+}
+
 func notFound(cause error) *Error {
 	return &Error{Status: http.StatusNotFound, Type: "invalid_request_error",
 		Message: cause.Error() + "; see the README's API table and routes.passthrough"}
