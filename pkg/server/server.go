@@ -190,7 +190,7 @@ func (s *Server) Serve(ctx context.Context, grpcLis, adminLis net.Listener) erro
 	if failed {
 		pending--
 	}
-	s.shutdown()
+	s.shutdown(err)
 	stopPolling()
 	polling.Wait()
 	for range pending {
@@ -228,12 +228,18 @@ func (s *Server) watchConfig(ctx context.Context) func() {
 	}
 }
 
-func (s *Server) shutdown() {
+// shutdown stops the server; cause is the error of a listener that failed,
+// logged now rather than after the delay and the grace.
+func (s *Server) shutdown(cause error) {
 	// Readiness goes false first so that Envoy and Kubernetes stop opening new
 	// streams; new ones are still served for the delay, then in-flight streams
 	// get the grace period to finish, but those held for room, to whom none
 	// would come in it, are answered now.
-	s.log.Info("shutting down", "delay", s.opts.ShutdownDelay.String(), "grace", s.opts.Grace.String())
+	if cause != nil {
+		s.log.Error(cause, "shutting down: a listener failed", "delay", s.opts.ShutdownDelay.String(), "grace", s.opts.Grace.String())
+	} else {
+		s.log.Info("shutting down", "delay", s.opts.ShutdownDelay.String(), "grace", s.opts.Grace.String())
+	}
 	s.ready.drain()
 	close(s.draining)
 	s.delay()

@@ -3,12 +3,14 @@ package server
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -18,6 +20,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/pd-extproc/pd-extproc/internal/enginetest"
+	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
 // Outside Kubernetes nothing takes a stopping replica out of Envoy's
@@ -137,23 +140,93 @@ func TestSIGHUPReadsTheConfigAgain(t *testing.T) {
 }
 
 // awaitLine waits, bounded, for the next log line whose message starts with
-// prefix, passing over the others.
-func awaitLine(t *testing.T, lines <-chan string, prefix string) {
+// prefix, passing over the others, and returns its fields.
+func awaitLine(t *testing.T, lines <-chan string, prefix string) map[string]any {
 	t.Helper()
 	timeout := time.After(10 * time.Second)
 	for {
 		select {
 		case l := <-lines:
-			var m struct{ Msg string }
+			var m map[string]any
 			if err := json.Unmarshal([]byte(l), &m); err != nil {
 				t.Fatalf("log line is not JSON: %s", l)
 			}
-			if strings.HasPrefix(m.Msg, prefix) {
-				return
+			if msg, _ := m["msg"].(string); strings.HasPrefix(msg, prefix) {
+				return m
 			}
 		case <-timeout:
 			t.Fatalf("no log line %q", prefix)
+			return nil
 		}
+	}
+}
+
+// breakingListener fails its Accept with err once broken, as a listener
+// whose socket the system took away does.
+type breakingListener struct {
+	net.Listener
+	err atomic.Pointer[error]
+}
+
+func (l *breakingListener) breakWith(err error) {
+	l.err.Store(&err)
+	l.Listener.Close()
+}
+
+func (l *breakingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if broke := l.err.Load(); err != nil && broke != nil {
+		return nil, *broke
+	}
+	return c, err
+}
+
+// A listener that fails mid-run begins the shutdown; its error was logged
+// only when Serve returned, after the delay and the grace, so the
+// "shutting down" line an operator reads first gave no cause. It names the
+// error at once, and Serve still returns it.
+func TestAListenerFailureIsLoggedWhenTheShutdownBegins(t *testing.T) {
+	for _, name := range []string{"ext_proc", "admin"} {
+		t.Run(name, func(t *testing.T) {
+			cfg, err := config.Parse([]byte(fmt.Sprintf("connector: kv-nixl\npools: {decode: {endpoints: [%q]}}", decodeEP)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			lines := make(chan string, 1024)
+			signals := make(chan os.Signal, 1)
+			s, err := New(cfg, Options{ShutdownDelay: time.Hour, Grace: time.Minute, Signals: signals},
+				funcr.NewJSON(func(s string) { lines <- s }, funcr.Options{}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			s.after = func(time.Duration) <-chan time.Time { return nil } // the delay ends only by a signal
+			var lis [2]*breakingListener
+			for i := range lis {
+				l, err := net.Listen("tcp", "127.0.0.1:0")
+				if err != nil {
+					t.Fatal(err)
+				}
+				lis[i] = &breakingListener{Listener: l}
+			}
+			served := make(chan error, 1)
+			go func() { served <- s.Serve(context.Background(), lis[0], lis[1]) }()
+
+			broke := errors.New("accept: the socket is gone")
+			lis[map[string]int{"ext_proc": 0, "admin": 1}[name]].breakWith(broke)
+			line := awaitLine(t, lines, "shutting down")
+			if line["error"] != broke.Error() {
+				t.Errorf("the shutting-down line = %v; want error %q", line, broke)
+			}
+			signals <- syscall.SIGTERM // ends the delay
+			select {
+			case err := <-served:
+				if !errors.Is(err, broke) {
+					t.Errorf("Serve = %v, want %v", err, broke)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("Serve did not return")
+			}
+		})
 	}
 }
 
