@@ -11,9 +11,12 @@ const defaultMaxModelLen = 32768
 // then the prompt's tokens against what the limit leaves
 // (TokenizeParams.__post_init__ and _token_len_check,
 // vllm/renderers/params.py @ 017638d7). The Responses API and token-in
-// generate are not checked here, nor SGLang, whose check and words differ.
+// generate are not checked here.
 func (s *Server) fitsContext(req *request) *apiError {
-	if s.cfg.Protocol == ProtocolSGLang || req.api != apiChat && req.api != apiCompletion && req.api != apiMessages {
+	if s.cfg.Protocol == ProtocolSGLang {
+		return s.fitsSGLangContext(req)
+	}
+	if req.api != apiChat && req.api != apiCompletion && req.api != apiMessages {
 		return nil
 	}
 	_, key, _ := req.limitKeys()
@@ -25,6 +28,32 @@ func (s *Server) fitsContext(req *request) *apiError {
 		return badRequest("You passed %d input tokens and requested %d output tokens. However, the model's context "+
 			"length is only %d tokens, resulting in a maximum input length of %d tokens. Please reduce the length of the input prompt.",
 			req.promptTokens, limit, length, left)
+	}
+	return nil
+}
+
+// fitsSGLangContext refuses, as SGLang does, a prompt of the whole context
+// or more, then a prompt and output limit that together reach it, so one
+// token stays free (TokenizerManager._validate_one_request,
+// python/sglang/srt/managers/tokenizer_manager.py). A completion's limit is
+// 16 when not given (CompletionRequest.max_tokens,
+// python/sglang/srt/entrypoints/openai/protocol.py); chat's is none, and
+// then only the prompt is checked. Only chat and completions are checked.
+func (s *Server) fitsSGLangContext(req *request) *apiError {
+	if req.api != apiChat && req.api != apiCompletion {
+		return nil
+	}
+	length, prompt, limit := int64(s.cfg.MaxModelLen), int64(req.promptTokens), req.maxTokens
+	if prompt >= length {
+		return badRequest("The input (%d tokens) is longer than the model's context length (%d tokens).", prompt, length)
+	}
+	if limit == 0 && req.api == apiCompletion {
+		limit = 16
+	}
+	if limit > 0 && prompt+limit >= length {
+		return badRequest("Requested token count exceeds the model's maximum context length of %d tokens. You requested a total of %d "+
+			"tokens: %d tokens from the input messages and %d tokens for the completion. Please reduce the number of tokens in the "+
+			"input messages or the completion to fit within the limit.", length, prompt+limit, prompt, limit)
 	}
 	return nil
 }

@@ -71,3 +71,50 @@ func TestContextLength(t *testing.T) {
 		}
 	})
 }
+
+// An SGLang engine refuses, with its flat 400, a prompt of its whole context
+// or more, and a prompt and output limit that reach it (one token must stay
+// free; a completion's limit is 16 when not given, chat's none), whatever
+// its role; and lists the length at /v1/models as vLLM does.
+func TestSGLangContextLength(t *testing.T) {
+	const prompt = `"prompt":"a b c"` // 3 tokens
+	tests := []struct {
+		name, role, path, body string
+		message                string // "": it fits, and the bootstrap check is next
+	}{
+		{"prompt and limit one short of it", RoleDecode, "/v1/completions", `{` + prompt + `,"max_tokens":4}`, ""},
+		{"prompt and limit fill it", RoleDecode, "/v1/completions", `{` + prompt + `,"max_tokens":5}`,
+			"Requested token count exceeds the model's maximum context length of 8 tokens. You requested a total of 8 tokens: " +
+				"3 tokens from the input messages and 5 tokens for the completion. Please reduce the number of tokens in the input " +
+				"messages or the completion to fit within the limit."},
+		{"at a prefill", RolePrefill, "/v1/completions", `{` + prompt + `,"max_tokens":5}`, "You requested a total of 8 tokens"},
+		{"a completion's default limit, 16", RoleDecode, "/v1/completions", `{` + prompt + `}`,
+			"You requested a total of 19 tokens: 3 tokens from the input messages and 16 tokens for the completion."},
+		{"a prompt of the whole context", RoleDecode, "/v1/completions", `{"prompt":"a b c d e f g h","max_tokens":1}`,
+			"The input (8 tokens) is longer than the model's context length (8 tokens)."},
+		{"chat without a limit", RoleDecode, "/v1/chat/completions", chat("hi", ""), ""},
+		{"chat's max_completion_tokens", RoleDecode, "/v1/chat/completions", chat("hi", `,"max_completion_tokens":100`),
+			"Requested token count exceeds the model's maximum context length of 8 tokens."},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := start(t, Config{Role: tt.role, Protocol: ProtocolSGLang, MaxModelLen: 8})
+			r := post(t, s, tt.path, tt.body, "")
+			want := tt.message
+			if want == "" {
+				want = "bootstrap_room is required"
+			}
+			if r.status != 400 || !strings.HasPrefix(string(r.body), `{"object":"error","message":`) || !strings.Contains(string(r.body), want) ||
+				!strings.Contains(string(r.body), `"type":"BadRequestError"`) {
+				t.Errorf("%d %s, want SGLang's 400 with %q", r.status, r.body, want)
+			}
+		})
+	}
+
+	t.Run("listed", func(t *testing.T) {
+		s := start(t, Config{Role: RoleDecode, Protocol: ProtocolSGLang, MaxModelLen: 8, LoRA: []string{"sql"}})
+		if r := get(t, s, "/v1/models"); !strings.Contains(string(r.body), `"max_model_len":8`) || !strings.Contains(string(r.body), `"max_model_len":null`) {
+			t.Errorf("/v1/models %s: want max_model_len 8 for pdsim, null for its adapter", r.body)
+		}
+	})
+}

@@ -406,14 +406,13 @@ func (s *Server) retrieveModel(w http.ResponseWriter, r *http.Request) {
 }
 
 // models is the engine's model list; vLLM's cards carry max_model_len, null
-// for an adapter (ModelCard, OpenAIServingModels.show_available_models).
+// for an adapter (ModelCard, OpenAIServingModels.show_available_models), and
+// so do SGLang's (ModelCard in python/sglang/srt/entrypoints/openai/protocol.py,
+// available_models in python/sglang/srt/entrypoints/http_server.py).
 func (s *Server) models(w http.ResponseWriter, _ *http.Request) {
 	card := func(id, root string, parent, length any) map[string]any {
-		c := map[string]any{"id": id, "object": "model", "created": time.Now().Unix(), "owned_by": "pdsim", "root": root, "parent": parent}
-		if s.cfg.Protocol != ProtocolSGLang {
-			c["max_model_len"] = length
-		}
-		return c
+		return map[string]any{"id": id, "object": "model", "created": time.Now().Unix(), "owned_by": "pdsim", "root": root, "parent": parent,
+			"max_model_len": length}
 	}
 	data := []map[string]any{card(s.cfg.Model, s.cfg.Model, nil, s.cfg.MaxModelLen)}
 	for _, name := range s.cfg.LoRA { // as vLLM lists an adapter: its path as root, the base model as parent

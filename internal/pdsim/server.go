@@ -54,9 +54,9 @@ type Config struct {
 	// after this many tokens (default 16). max_tokens caps it (finish_reason
 	// "length"), min_tokens extends it.
 	OutputTokens int
-	// MaxModelLen is the model's context in tokens (vLLM's --max-model-len),
-	// listed at /v1/models; a vLLM protocol's request whose prompt and
-	// output limit exceed it is refused (context.go). Default 32768.
+	// MaxModelLen is the model's context in tokens (vLLM's --max-model-len,
+	// SGLang's --context-length), listed at /v1/models; a request whose
+	// prompt and output limit exceed it is refused (context.go). Default 32768.
 	MaxModelLen int
 	// StopOneToken ends a prefill's one-token answer on a stop token
 	// (stoptoken.go).
