@@ -71,7 +71,7 @@ func parseFlags(args []string, stderr io.Writer) (pdsim.Config, error) {
 	fs.DurationVar(&c.TPOT, "tpot", 10*time.Millisecond, "time per output token after the first")
 	fs.DurationVar(&c.KVTransfer, "kv-transfer", 20*time.Millisecond, "KV transfer time, replacing --ttft on a decode that loads remote KV")
 	fs.IntVar(&c.MaxModelLen, "max-model-len", 32768, "the model's context in tokens, as vLLM's --max-model-len or SGLang's --context-length: listed at GET /v1/models; a chat, completions (or, vLLM, Messages) request whose prompt and output limit exceed it gets the engine's 400")
-	fs.BoolVar(&c.StopOneToken, "stop-one-token", false, "prefill: end a one-token answer on a stop token (finish_reason stop) unless the request sets min_tokens >= 1 or ignore_eos; a vllm-nixl prefill then gives no kv_transfer_params, as older NixlConnector releases")
+	fs.BoolVar(&c.StopOneToken, "stop-one-token", false, "prefill: end a one-token answer on a stop token (finish_reason stop) unless the request sets min_tokens >= 1 or ignore_eos; a vllm-nixl prefill then gives no kv_transfer_params, as older NixlConnector releases, and a vllm-mooncake prefill keeps no KV, as MooncakeConnector")
 	fs.IntVar(&c.OutputTokens, "output-tokens", 16, "tokens the model emits before EOS; max_tokens caps it, min_tokens extends it")
 	fs.DurationVar(&c.HandshakeTimeout, "handshake-timeout", 30*time.Second, "sglang, vllm-mooncake: how long each leg waits for the other")
 	fs.IntVar(&c.PrefixCacheBlocks, "prefix-cache-blocks", 8192, "blocks of 16 tokens the prefix cache keeps, the least recently used evicted first")

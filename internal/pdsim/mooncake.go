@@ -59,8 +59,11 @@ func (p *mooncakePrefill) firstToken(ctx context.Context, req *request) (kvResul
 		p.s.log.Warn("Missing transfer_id in kv_transfer_params from router!", "request_id", req.id)
 		return kvResult{outcome: kvNone}, nil
 	}
-	if _, finish := req.outputTokens(p.s.cfg.OutputTokens); finish != "length" {
-		return kvResult{outcome: kvNone}, nil // request_finished keeps the blocks of a length-capped answer only
+	// request_finished keeps the blocks of a length-capped answer only, not
+	// of one that stopped, as a one-token answer may (stoptoken.go)
+	// (MooncakeConnectorScheduler, mooncake_connector.py @ 00f4240e).
+	if _, finish := req.outputTokens(p.s.cfg.OutputTokens); finish != "length" || p.s.stopsAtOnce(req) {
+		return kvResult{outcome: kvNone}, nil
 	}
 	p.store.issue(id, p.s.engineID, req)
 	if p.s.losesKV() {

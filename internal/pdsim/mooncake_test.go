@@ -10,7 +10,8 @@ import (
 // blocks under the router's transfer_id and hands nothing back; the decode
 // engine finds the engine it is told through the bootstrap server and pulls
 // them, waiting for a prefill not finished yet; what vLLM's connector would
-// not find, or would wait for in vain, fails the decode request.
+// not find, or would wait for in vain, fails the decode request. A one-token
+// answer that stopped (Config.StopOneToken) is not length-capped either.
 func TestMooncakeHandoff(t *testing.T) {
 	const ask = `,"max_tokens":1,"min_tokens":1,"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"xfer-1"}`
 	tests := []struct {
@@ -22,6 +23,7 @@ func TestMooncakeHandoff(t *testing.T) {
 		prefillKV     string // x-pdsim-kv of each leg
 		decodeKV      string
 		decodeFailure string // in the decode's error
+		stopOneToken  bool   // the prefill's Config.StopOneToken
 	}{
 		{name: "a transfer", prefill: ask, prefillKV: "issued", decodeKV: "hit"},
 		{name: "the decode leg first", prefill: ask, decodeFirst: true, prefillKV: "issued", decodeKV: "hit"},
@@ -29,6 +31,9 @@ func TestMooncakeHandoff(t *testing.T) {
 			prefillKV: "none", decodeKV: "load-failed", decodeFailure: "Timeout waiting for P side ready"},
 		{name: "an answer its length did not cut: nothing kept", prefill: strings.Replace(ask, `"max_tokens":1,"min_tokens":1`, `"max_tokens":64`, 1),
 			prefillKV: "none", decodeKV: "load-failed", decodeFailure: "Timeout waiting for P side ready"},
+		{name: "a one-token answer that stopped: nothing kept", prefill: strings.Replace(ask, `,"min_tokens":1`, "", 1), stopOneToken: true,
+			prefillKV: "none", decodeKV: "load-failed", decodeFailure: "Timeout waiting for P side ready"},
+		{name: "min_tokens forbids the stop", prefill: ask, stopOneToken: true, prefillKV: "issued", decodeKV: "hit"},
 		{name: "another engine", prefill: ask, engineID: "not-this-one", prefillKV: "issued", decodeKV: "load-failed",
 			decodeFailure: "remote engine_id not-this-one not found from bootstrap server"},
 		{name: "a key missing", prefill: ask, params: `{"do_remote_prefill":true,"transfer_id":"xfer-1"}`, prefillKV: "issued",
@@ -36,7 +41,7 @@ func TestMooncakeHandoff(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			cfg := Config{Role: RolePrefill, Protocol: ProtocolMooncake, HandshakeTimeout: 300 * time.Millisecond}
+			cfg := Config{Role: RolePrefill, Protocol: ProtocolMooncake, HandshakeTimeout: 300 * time.Millisecond, StopOneToken: tc.stopOneToken}
 			if tc.decodeFirst {
 				cfg.TTFT, cfg.HandshakeTimeout = 200*time.Millisecond, 10*time.Second
 			}
