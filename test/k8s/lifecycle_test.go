@@ -6,10 +6,12 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/pd-extproc/pd-extproc/internal/pdsim"
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
@@ -160,5 +162,61 @@ func TestSGLangBootstrapAnnotation(t *testing.T) {
 	eventually(t, "the prefill pod to join", func() bool { return len(s.endpoints(t, "prefill")) == 1 })
 	if _, source := s.mustPost(t, "annotated"); source != prefill.sim.BootstrapAddr() {
 		t.Errorf("decode paired through %q, want the annotated bootstrap server %s", source, prefill.sim.BootstrapAddr())
+	}
+}
+
+// The last Ready pod of a pool keeps serving while it terminates (deleted
+// with a grace period, so it stays with a deletionTimestamp), as kube-proxy
+// falls back to terminating endpoints; once another pod is Ready, the
+// terminating one leaves.
+func TestTerminatingPodServesUntilAnotherIsReady(t *testing.T) {
+	c := mustCluster(t)
+	ns := c.namespace(t, "terminating")
+	var seen atomic.Bool // extproc logged the old pod as terminating
+	s := startStackLogging(t, "", extprocToken, selectorConfig(ns), testbed.LineFunc(func(line string) {
+		t.Log(line)
+		if strings.Contains(line, ns+"/decode-old") && strings.Contains(line, "terminating") {
+			seen.Store(true)
+		}
+	}), "--log-flush-interval=0", "--log-format=console", "-v=1")
+	nixl := pdsim.ProtocolNIXL
+	prefill := c.startEngine(t, ns, "prefill-0", pdsim.RolePrefill, nixl, map[string]string{roleLabel: "prefill"}, nil, nil)
+	old := c.startEngine(t, ns, "decode-old", pdsim.RoleDecode, nixl, map[string]string{roleLabel: "decode"}, nil, nil)
+	c.setReady(t, prefill, true)
+	c.setReady(t, old, true)
+	eventually(t, "readiness", func() bool { code, _ := s.readyz(t); return code == http.StatusOK })
+
+	grace := int64(600)
+	if err := c.kube.CoreV1().Pods(ns).Delete(context.Background(), old.name, metav1.DeleteOptions{GracePeriodSeconds: &grace}); err != nil {
+		t.Fatal(err)
+	}
+	if pod, err := c.kube.CoreV1().Pods(ns).Get(context.Background(), old.name, metav1.GetOptions{}); err != nil || pod.DeletionTimestamp == nil {
+		t.Fatalf("the deleted pod is not terminating: %v %v", pod, err)
+	}
+	eventually(t, "extproc to see the pod terminating", seen.Load)
+	// /readyz?verbose reads the pool's watch under the lock its update holds:
+	// once it answers, the update is published, and the next one's checks see it.
+	s.readyz(t)
+	if _, text := s.readyz(t); !strings.Contains(text, "[+]decode pool") {
+		t.Fatalf("/readyz?verbose with the only decode pod terminating = %q, want the decode pool passing", text)
+	}
+	if eps := s.endpoints(t, "decode"); !slices.Equal(eps, []string{old.addr()}) {
+		t.Fatalf("decode endpoints with the only pod terminating = %v, want it kept: %s", eps, old.addr())
+	}
+	if decode, _ := s.mustPost(t, "while terminating"); decode != old.addr() {
+		t.Fatalf("the request went to %s, want the terminating pod %s", decode, old.addr())
+	}
+
+	fresh := c.startEngine(t, ns, "decode-new", pdsim.RoleDecode, nixl, map[string]string{roleLabel: "decode"}, nil, nil)
+	c.setReady(t, fresh, true)
+	eventually(t, "the terminating pod to give way", func() bool {
+		return slices.Equal(s.endpoints(t, "decode"), []string{fresh.addr()})
+	})
+	before := len(old.sim.Requests())
+	if decode, _ := s.mustPost(t, "after the new pod is Ready"); decode != fresh.addr() {
+		t.Fatalf("the request went to %s, want the Ready pod %s", decode, fresh.addr())
+	}
+	if n := len(old.sim.Requests()); n != before {
+		t.Fatalf("the terminating pod got %d more requests after another was Ready", n-before)
 	}
 }
