@@ -135,6 +135,17 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 	}{
 		{name: "as shipped"},
 		{name: "a larger gateway.bufferLimit", values: "gateway: {enabled: true, bufferLimit: 64Mi}"},
+		// FULL_DUPLEX_STREAMED holds no body in Envoy: a buffer below limits.max_body_bytes is
+		// flow control, not a cap on the body.
+		{name: "a gateway.bufferLimit below limits.max_body_bytes", values: "gateway: {enabled: true, bufferLimit: 1Mi}"},
+		{
+			// BUFFERED holds the whole body in Envoy: there the buffer caps it, with a 413.
+			name:   "BUFFERED behind a gateway.bufferLimit below limits.max_body_bytes",
+			values: "gateway: {enabled: true, bufferLimit: 1Mi}",
+			old:    "request:\n          body: FullDuplexStreamed",
+			new:    "request:\n          body: Buffered",
+			wants:  []string{"BUFFERED ext_proc with a 1048576-byte Envoy buffer limit, below pd-extproc's limits.max_body_bytes 33554432"},
+		},
 		{
 			// Envoy Gateway reports a patch whose target does not exist only in the policy
 			// status; the route silently keeps its Service cluster and pd-extproc's choice of
@@ -355,13 +366,13 @@ func checkGatewayXDS(res map[string]any, limits serviceLimits, paths []string, r
 	}
 	m.check(limits, r)
 	m.checkLink(r)
-	checkGatewayPromises(m, limits, paths, replies, r)
+	checkGatewayPromises(m, paths, replies, r)
 }
 
 // checkGatewayPromises: the inference listener runs pd-extproc in FULL_DUPLEX over HTTP/2 to
 // the extproc Service, answers Envoy's own errors as the standalone Envoy does (replies), and
 // every path of the API table (paths) goes to the ORIGINAL_DST cluster.
-func checkGatewayPromises(m *envoyModel, limits serviceLimits, paths []string, replies *hcmv3.LocalReplyConfig, r *report) {
+func checkGatewayPromises(m *envoyModel, paths []string, replies *hcmv3.LocalReplyConfig, r *report) {
 	var hcm *hcmUse
 	for i, u := range m.hcms {
 		if u.hcm.GetRds().GetRouteConfigName() == gatewayRouteConfig {
@@ -375,10 +386,9 @@ func checkGatewayPromises(m *envoyModel, limits serviceLimits, paths []string, r
 	if port := hcm.listener.GetAddress().GetSocketAddress().GetPortValue(); port != gatewayListenerPort {
 		r.errorf("inference listener port = %d, want %d", port, gatewayListenerPort)
 	}
+	// FULL_DUPLEX_STREAMED (checked below) holds no body in Envoy, so the buffer limit caps
+	// none; m.check holds it to limits.max_body_bytes if the request body is BUFFERED.
 	bufferLimit := hcm.listener.GetPerConnectionBufferLimitBytes().GetValue()
-	if uint64(bufferLimit) < limits.maxBodyBytes {
-		r.errorf("inference listener buffer limit = %d bytes, below limits.max_body_bytes %d (ClientTrafficPolicy connection.bufferLimit)", bufferLimit, limits.maxBodyBytes)
-	}
 
 	var extProc *extprocv3.ExternalProcessor
 	var extProcName string
