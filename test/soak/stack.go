@@ -58,6 +58,11 @@ var soakTimings = testbed.Timings{
 	OutputTokens: 8, HandshakeTimeout: 2 * time.Second,
 }
 
+// soakMaxModelLen is the simulated model's context: room for the 1 MiB
+// prompts (some 175,000 of the simulator's tokens), which pdsim's default,
+// a small model's 32,768, refuses as vLLM would.
+const soakMaxModelLen = 1 << 20
+
 func startStack(ctx context.Context, c testbed.Cleaner, tmp, bin, connector string, n int) (*stack, error) {
 	port, err := testbed.FreePort()
 	if err != nil {
@@ -66,6 +71,7 @@ func startStack(ctx context.Context, c testbed.Cleaner, tmp, bin, connector stri
 	e := &engines{c: c, n: n, sim: testbed.SimConfig{
 		Protocol: testbed.Protocols[connector], SharedDir: filepath.Join(tmp, connector),
 		BootstrapPort: port, Timings: soakTimings, KVBlocks: soakKVBlocks,
+		MaxModelLen: soakMaxModelLen,
 	}}
 	for i := range 2 {
 		p, err := e.start(pdsim.RolePrefill, i, "")
