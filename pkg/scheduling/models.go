@@ -34,7 +34,10 @@ const (
 // servedModels is what an engine last listed, or why it listed nothing.
 type servedModels struct {
 	names map[string]json.RawMessage // each name's card as the engine gave it
-	err   string                     // why the last read failed; "" when it did not
+	// lengths are the names' context lengths (contextLengths), read as the
+	// list is rather than from the cards at each request.
+	lengths map[string]int64
+	err     string // why the last read failed; "" when it did not
 	// answered: the engine listed its models once; a failed read of it is
 	// asked again soon (it restarts), of one that never did (vLLM's
 	// --api-key guards the list) after modelsRetry.
@@ -56,28 +59,11 @@ func (e *Endpoint) Models() int {
 }
 
 // MaxModelLen is the context length the engine listed for model at its
-// last answer: the max_model_len of vLLM's card (ModelCard, filled by
-// OpenAIServingModels.show_available_models); an adapter's is null and its
-// parent's, the base model, counts. False when it listed none.
+// last answer (servedModels.lengths). False when it listed none.
 func (e *Endpoint) MaxModelLen(model string) (int64, bool) {
-	m := e.models.Load()
-	if m == nil {
-		return 0, false
-	}
-	for range 2 { // the model, then an adapter's base
-		var card struct {
-			MaxModelLen *int64  `json:"max_model_len"`
-			Parent      *string `json:"parent"`
-		}
-		switch err := json.Unmarshal(m.names[model], &card); {
-		case err != nil:
-			return 0, false
-		case card.MaxModelLen != nil && *card.MaxModelLen > 0:
-			return *card.MaxModelLen, true
-		case card.Parent == nil:
-			return 0, false
-		}
-		model = *card.Parent
+	if m := e.models.Load(); m != nil {
+		n, ok := m.lengths[model]
+		return n, ok
 	}
 	return 0, false
 }
@@ -181,7 +167,7 @@ func (p *Pool) readModels(ctx context.Context, st *poolState, eps []*Endpoint) {
 		if m.err != "" && old != nil {
 			// Neither a hiccup nor a restart unlearns the list: an engine
 			// restarts with the model it had, and is asked again in 5 s.
-			m.names = old.names
+			m.names, m.lengths = old.names, old.lengths
 		}
 		e.models.Store(&m)
 		if old == nil || !sameNames(old.names, m.names) {
@@ -255,7 +241,35 @@ func fetchModels(ctx context.Context, pr probe, addr string, timeout time.Durati
 	if len(names) == 0 {
 		return servedModels{err: url + " lists no model"}
 	}
-	return servedModels{names: names}
+	return servedModels{names: names, lengths: contextLengths(names)}
+}
+
+// contextLengths are the max_model_len of each name's card (vLLM's
+// ModelCard, filled by OpenAIServingModels.show_available_models); an
+// adapter's is null, and its parent's, the base model's, counts. A name
+// whose card states none has none.
+func contextLengths(names map[string]json.RawMessage) map[string]int64 {
+	type card struct {
+		MaxModelLen int64  `json:"max_model_len"`
+		Parent      string `json:"parent"`
+	}
+	cards := make(map[string]card, len(names))
+	for name, raw := range names {
+		var c card
+		if json.Unmarshal(raw, &c) == nil {
+			cards[name] = c
+		}
+	}
+	lengths := map[string]int64{}
+	for name, c := range cards {
+		if c.MaxModelLen <= 0 && c.Parent != "" {
+			c.MaxModelLen = cards[c.Parent].MaxModelLen
+		}
+		if c.MaxModelLen > 0 {
+			lengths[name] = c.MaxModelLen
+		}
+	}
+	return lengths
 }
 
 // sameNames says whether two lists name the same models, whatever their cards.

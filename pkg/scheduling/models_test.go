@@ -475,7 +475,7 @@ func TestMaxModelLen(t *testing.T) {
 	if _, ok := e.MaxModelLen("qwen"); ok {
 		t.Error("an engine not read yet has a context length")
 	}
-	e.models.Store(&servedModels{names: names})
+	e.models.Store(&servedModels{names: names, lengths: contextLengths(names)})
 	for model, want := range map[string]int64{"qwen": 32768, "Qwen/Qwen3-8B": 32768, "sql-lora": 32768, "no-length": 0, "other": 0} {
 		if got, ok := e.MaxModelLen(model); got != want || ok != (want > 0) {
 			t.Errorf("MaxModelLen(%q) = %d, %v; want %d", model, got, ok, want)
