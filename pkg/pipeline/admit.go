@@ -74,8 +74,11 @@ func (p *Pipeline) parallelSamples(sreq *scheduling.Request) error {
 // The message is ours (vLLM's names the prompt's length, which is not
 // counted here); the status and type are vLLM's (VLLMValidationError).
 func (p *Pipeline) fitsContext(a *api.API, obj *body.Object, decode *scheduling.Endpoint) error {
+	if p.connector.Family() != api.VLLM {
+		return nil
+	}
 	key, n, ok := a.ContextLimit(obj)
-	if !ok || p.connector.Family() != api.VLLM {
+	if !ok {
 		return nil
 	}
 	model, _ := obj.String("model")
