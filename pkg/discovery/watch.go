@@ -196,7 +196,7 @@ func (w *poolWatch) podDeleted(obj any) {
 }
 
 // setPod updates one pod's endpoints (nil pod: deleted) and reports whether
-// they, or whether the pod is terminating, changed. Caller holds mu.
+// what the pool routes to (serving) changed. Caller holds mu.
 func (w *poolWatch) setPod(key string, pod *corev1.Pod) bool {
 	var eps []scheduling.Discovered
 	why := "deleted"
@@ -215,7 +215,7 @@ func (w *poolWatch) setPod(key string, pod *corev1.Pod) bool {
 	} else {
 		w.why[key] = why
 	}
-	old, oldDraining := w.byPod[key], w.draining[key]
+	old, oldDraining, readyBefore := w.byPod[key], w.draining[key], len(w.byPod) > 0
 	delete(w.byPod, key)
 	delete(w.draining, key)
 	switch {
@@ -225,7 +225,16 @@ func (w *poolWatch) setPod(key string, pod *corev1.Pod) bool {
 	default:
 		w.byPod[key] = eps
 	}
-	return !slices.Equal(old, w.byPod[key]) || !slices.Equal(oldDraining, w.draining[key])
+	switch ready := len(w.byPod) > 0; {
+	case readyBefore && ready:
+		return !slices.Equal(old, w.byPod[key])
+	case !readyBefore && !ready:
+		return !slices.Equal(oldDraining, w.draining[key])
+	case readyBefore: // the pool's last Ready pod left: its terminating pods serve
+		return len(w.draining) != 1 || !slices.Equal(old, w.draining[key])
+	default: // the pool's first Ready pod came: its terminating pods stop serving
+		return len(w.draining) != 0 || !slices.Equal(oldDraining, w.byPod[key])
+	}
 }
 
 // serving is what the pool routes to: the endpoints of the pods that are not

@@ -161,6 +161,17 @@ func TestAPodWhoseIPNamesNoEngineIsSkippedAndLoggedOnce(t *testing.T) {
 // testWatch is a poolWatch of the pods labelled app=vllm, on port 8000 or
 // on ports (an InferencePool's), whose informers never run: tests call
 // podAdded and podDeleted as they would.
+// countingSink counts the sets handed to its Sink.
+type countingSink struct {
+	Sink
+	sets int
+}
+
+func (c *countingSink) SetDiscovered(eps []scheduling.Discovered) {
+	c.sets++
+	c.Sink.SetDiscovered(eps)
+}
+
 func testWatch(sink Sink, ports []int) *poolWatch {
 	return &poolWatch{pool: "decode", sink: sink, log: logr.Discard(),
 		pods:  informer{src: newSource("pods", "llm", nil), synced: func() bool { return true }},
@@ -173,7 +184,9 @@ func testWatch(sink Sink, ports []int) *poolWatch {
 // falls back to serving-terminating endpoints: a one-replica rollout or a
 // Recreate gets no 503 while a pod still serves. A pod that is not Ready
 // never serves. Each row is a sequence of pod changes and the pool's
-// endpoints (and pd_extproc_discovery_endpoints) after each.
+// endpoints (and pd_extproc_discovery_endpoints) after each. A change that
+// leaves the endpoints as they were hands the pool no set: each set rebuilds
+// it under its lock.
 func TestTerminatingPodsServeOnlyWhenNoOtherPodIsReady(t *testing.T) {
 	type state string
 	const (
@@ -215,6 +228,12 @@ func TestTerminatingPodsServeOnlyWhenNoOtherPodIsReady(t *testing.T) {
 			{"other", ready, []string{"10.1.2.5:8000"}},
 			{"other", deleted, []string{"10.1.2.3:8000"}},
 		}},
+		{"a terminating pod is deleted while another is Ready", []step{
+			{"old", ready, []string{"10.1.2.3:8000"}},
+			{"other", ready, []string{"10.1.2.3:8000", "10.1.2.5:8000"}},
+			{"old", terminating, []string{"10.1.2.5:8000"}},
+			{"old", deleted, []string{"10.1.2.5:8000"}},
+		}},
 		{"every pod terminating: those still Ready serve", []step{
 			{"old", ready, []string{"10.1.2.3:8000"}},
 			{"other", ready, []string{"10.1.2.3:8000", "10.1.2.5:8000"}},
@@ -228,7 +247,9 @@ func TestTerminatingPodsServeOnlyWhenNoOtherPodIsReady(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			pools := scheduling.NewPools(scheduling.Spec{}, scheduling.Deps{})
-			w := testWatch(pools.Decode, nil)
+			sink := &countingSink{Sink: pools.Decode}
+			w := testWatch(sink, nil)
+			var before []string
 			for i, s := range tt.steps {
 				pod := &corev1.Pod{
 					ObjectMeta: metav1.ObjectMeta{Namespace: "llm", Name: s.pod, UID: types.UID("uid-" + s.pod), Labels: map[string]string{"app": "vllm"}},
@@ -255,6 +276,10 @@ func TestTerminatingPodsServeOnlyWhenNoOtherPodIsReady(t *testing.T) {
 					t.Errorf("step %d (%s %s): endpoints %v, pd_extproc_discovery_endpoints %d; want %v",
 						i, s.pod, s.to, got, w.status().Endpoints, s.want)
 				}
+				if want := !slices.Equal(before, s.want); sink.sets > 0 != want {
+					t.Errorf("step %d (%s %s): %d sets handed to the pool, want a set: %v", i, s.pod, s.to, sink.sets, want)
+				}
+				before, sink.sets = s.want, 0
 			}
 		})
 	}
