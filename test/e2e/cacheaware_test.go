@@ -181,6 +181,10 @@ func TestAnEngineThatWroteItsCacheOverLosesTheEstimate(t *testing.T) {
 			t.Errorf("question %d: %d prefill legs, want %d", n, got, wantPrefills)
 		}
 	}
+	// scraped waits for a scrape taken after the queue was set to waiting,
+	// ten apart each time: a request in flight adds one to what the engine
+	// reports, so a scrape taken while one was could show a next value one
+	// apart, and the counters it read would lack that request's tokens.
 	scraped := func(waiting int) {
 		t.Helper()
 		decode.SetQueues(pdsim.Queues{Waiting: waiting})
@@ -188,9 +192,9 @@ func TestAnEngineThatWroteItsCacheOverLosesTheEstimate(t *testing.T) {
 			return r.metric(t, fmt.Sprintf(`pd_extproc_endpoint_engine_waiting{endpoint=%q,pool="decode"}`, decode.Addr())) == float64(waiting)
 		})
 	}
-	scraped(1)
+	scraped(10)
 	ask(1, 1)
-	scraped(2)
+	scraped(20)
 	ask(2, 0)
 	for i := range 3 { // 1,500 tokens of other prompts, straight to the engine
 		body := fmt.Sprintf(`{"model":"pdsim","max_tokens":1,"prompt":"%d %s"}`, i, strings.Repeat("another client's prompt ", 125))
@@ -203,7 +207,7 @@ func TestAnEngineThatWroteItsCacheOverLosesTheEstimate(t *testing.T) {
 			t.Fatalf("prompt %d straight to the decode engine: status %d", i, resp.StatusCode)
 		}
 	}
-	scraped(3)
+	scraped(30)
 	ask(3, 1)
 }
 
