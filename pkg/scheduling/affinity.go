@@ -352,22 +352,26 @@ func (p *prefixAffinity) estimate(req *Request, e *Endpoint, hs []uint64, served
 
 // holds is how many of the n leading blocks of the chain hs that this
 // replica remembers sending e are still in e's engine's cache, as far as its
-// scraped counters tell (prefixIndex.fresh): n when they tell nothing.
+// scraped counters tell (prefixIndex.fresh): n when they tell nothing, none
+// when they are stale (the engine may have written its cache over since).
 func (p *prefixAffinity) holds(e *Endpoint, hs []uint64, n int) int {
 	if n == 0 {
 		return 0
 	}
-	if since, until, ok := e.cacheWindow(); ok {
+	since, until, ok, stale := e.cacheWindow()
+	switch {
+	case stale:
+		return 0
+	case ok:
 		return p.index.fresh(hs[:n], e.engine(), since, until)
 	}
 	return n
 }
 
 // record notes in the local hint that e now holds prompt, whose chain is hs,
-// and how much its engine had written into its cache by then.
+// and how much its engine had written into its cache by then, at least.
 func (p *prefixAffinity) record(prompt string, hs []uint64, e *Endpoint) {
-	_, written, _ := e.cacheWindow()
-	p.index.record(prompt, hs, e.engine(), written)
+	p.index.record(prompt, hs, e.engine(), e.written())
 }
 
 // cacheRule says whether the P/D decider's cache rule reads this pool's

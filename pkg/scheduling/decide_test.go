@@ -398,3 +398,83 @@ func TestTheLoadArmReadsFreshFigures(t *testing.T) {
 		})
 	}
 }
+
+// TestAnEngineWithoutFreshCountersIsNotAssumedToHoldItsPrompts: a one-shot
+// question whose system prompt this replica sent the decode engine before
+// goes decode-only (cached_prefix) only while the engine's counters tell
+// that it has not written its cache over since. On a pool that scrapes its
+// engines, one whose scrapes failed for longer than stale_after may have
+// written its cache over, or restarted, since: it goes P/D, erring as the
+// docs promise, not decode-only to recompute its system prompt there; as it
+// did, counting every block this replica remembers. A block sent meanwhile
+// is remembered
+// with the last counters the engine gave, so once it answers again it ages
+// from there, and not as a block sent before it restarted. A pool not
+// scraped, and an engine not answered yet, go by memory alone.
+func TestAnEngineWithoutFreshCountersIsNotAssumedToHoldItsPrompts(t *testing.T) {
+	type step func(e *Endpoint, clock *fakeClock, ask func())
+	const size = 10_000                    // the engine's cache, tokens
+	answer := func(written float64) step { // a scrape that answered
+		return func(e *Endpoint, clock *fakeClock, _ func()) {
+			e.observe(Load{CacheTokens: size, Written: written, At: clock.Now()})
+		}
+	}
+	fail := func(seconds int) step { // its scrapes fail, once a second
+		return func(e *Endpoint, clock *fakeClock, _ func()) {
+			for range seconds {
+				clock.Advance(time.Second)
+				e.scrapeFailed()
+			}
+		}
+	}
+	system := simMessage{"system", strings.Repeat("s", 8000)}            // some 2,000 tokens
+	var ask step = func(_ *Endpoint, _ *fakeClock, ask func()) { ask() } // the first question goes
+	pd, cached := Split{PD: true, Reason: metrics.ReasonLongPrompt}, Split{Reason: metrics.ReasonCachedPrefix}
+	tests := []struct {
+		name      string
+		unscraped bool // metrics off
+		steps     []step
+		want      Split
+	}{
+		{name: "fresh counters, written less than the cache since", steps: []step{answer(5000), ask, answer(14_000)}, want: cached},
+		{name: "fresh counters, written more than the cache since", steps: []step{answer(5000), ask, answer(16_000)}, want: pd},
+		{name: "failed, not stale: the last answer's counters", steps: []step{answer(5000), ask, fail(2)}, want: cached},
+		{name: "stale: failing for longer than stale_after", steps: []step{answer(5000), ask, fail(4)}, want: pd},
+		{name: "sent while stale", steps: []step{answer(5000), fail(4), ask}, want: pd},
+		{name: "sent while stale, answering again, written less than the cache since its last answer", steps: []step{answer(5000), fail(4), ask, answer(14_000)}, want: cached},
+		{name: "sent while stale, answering again, written more", steps: []step{answer(5000), fail(4), ask, answer(16_000)}, want: pd},
+		{name: "not answered yet: memory alone", steps: []step{ask}, want: cached},
+		{name: "never scraped: memory alone", unscraped: true, steps: []step{ask}, want: cached},
+		{name: "restarted", steps: []step{answer(5000), ask, answer(3000)}, want: pd},
+		{name: "restarted while stale", steps: []step{answer(5000), fail(4), ask, answer(3000)}, want: pd},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			clock := newFakeClock()
+			var scrape config.EngineMetrics // stale_after defaults to 3 intervals
+			if !tt.unscraped {
+				scrape = config.EngineMetrics{Interval: config.Duration(time.Second)}
+			}
+			ps := NewPools(Spec{
+				Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}},
+				Decode:  PoolSpec{Endpoints: []string{"10.0.0.1:8000"}, PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity, Metrics: scrape}},
+			}, Deps{Now: clock.Now})
+			e := ps.Decode.Endpoints()[0]
+			first := func() {
+				if _, err := ps.Decode.Select(chatRequest([]simMessage{system, {"user", "What is a haiku?"}})); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for _, s := range tt.steps {
+				s(e, clock, first)
+			}
+			req := chatRequest([]simMessage{system, {"user", "Who wrote the Iliad?"}})
+			if _, err := ps.Decode.Select(req); err != nil {
+				t.Fatal(err)
+			}
+			if got := ps.Decide(req, e); got.PD != tt.want.PD || got.Reason != tt.want.Reason {
+				t.Fatalf("Decide() = %+v (estimated held %d characters), want %+v", got, req.Held(e), tt.want)
+			}
+		})
+	}
+}

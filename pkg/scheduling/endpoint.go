@@ -179,18 +179,30 @@ type Load struct {
 }
 
 // cacheWindow is the range of the engine's Written within which what it
-// wrote is still in its cache, by its last scrape (Load): it keeps the
-// CacheTokens it wrote last, at most (a restarted engine's Written starts
-// again from 0). ok is false when the scrape does not tell. A failed
-// scrape's figures count: Written only grows, so they tell what the engine
-// had written at least, where without them every remembered block would
-// count as held.
-func (e *Endpoint) cacheWindow() (since, until float64, ok bool) {
-	l, ok := e.Load()
-	if !ok || l.CacheTokens <= 0 {
-		return 0, 0, false
+// wrote is still in its cache, by its last scrape within stale_after: it
+// keeps the CacheTokens it wrote last, at most (a restarted engine's Written
+// starts again from 0). A failed scrape's figures count: Written only grows,
+// so they tell what the engine had written at least. ok is false when the
+// scrape does not tell (the engine does not report its cache, or has not
+// answered yet, or the pool is not scraped); stale, when the pool is scraped
+// and the engine answered, but not within stale_after.
+func (e *Endpoint) cacheWindow() (since, until float64, ok, stale bool) {
+	s := e.cfg()
+	l := e.scrapedAt(s.now)
+	if l == nil {
+		return 0, 0, false, s.staleAfter > 0 && e.load.Load() != nil
 	}
-	return l.Written - l.CacheTokens, l.Written, true
+	return l.Written - l.CacheTokens, l.Written, l.CacheTokens > 0, false
+}
+
+// written is what the engine had written into its cache (Load.Written) by
+// its last scrape, stale or not: at least that now, a restart aside. 0 when
+// it has not answered yet.
+func (e *Endpoint) written() float64 {
+	if l := e.load.Load(); l != nil {
+		return l.Written
+	}
+	return 0
 }
 
 // Load returns the last scraped load, even when a scrape failed since
