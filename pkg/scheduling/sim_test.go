@@ -63,9 +63,10 @@ func (p simParams) shedLines() Lines {
 	return Lines{cmp.Or(p.ShedQueue, config.DefaultSaturatedQueue), config.DefaultSaturatedKVCache}
 }
 
-// scrapedUntil is when the scrapes stop: with the window, or, where batch
-// work is shed, four windows later, so that the work put off is served as
-// the engines catch up after the arrivals stop, refused while they are
+// scrapedUntil is when the scrapes may stop once nothing is left to send
+// (simClock.every), and when shedding stops: with the window, or, where
+// batch work is shed, four windows later, so that the work put off is served
+// as the engines catch up after the arrivals stop, refused while they are
 // still saturated, rather than all at once at the window's end.
 func (p simParams) scrapedUntil() time.Duration {
 	if p.Shed {
@@ -404,12 +405,15 @@ func (c *simClock) at(t time.Duration, fn func()) {
 	heap.Push(&c.events, simEvent{at: t, seq: c.seq, fn: fn})
 }
 
-// every runs fn at 0, then every d until it has run at or past until.
+// every runs fn at 0, then every d until it has run at or past until and no
+// other event is left: the scrapes go on while the turns and retries set
+// before until are still sent, as an engine's /metrics answers while it
+// serves. A clock has one such ticker.
 func (c *simClock) every(d, until time.Duration, fn func()) {
 	var tick func()
 	tick = func() {
 		fn()
-		if c.now < until {
+		if c.now < until || c.events.Len() > 0 {
 			c.at(c.now+d, tick)
 		}
 	}
@@ -656,8 +660,7 @@ func (s *sim) send(r *simReq) {
 	if s.tokens && r.req.Tokens() == nil {
 		r.req.SetTokens(simTokens(r.prompt))
 	}
-	// Past scrapedUntil every figure goes stale (which counts as
-	// saturated): what is still sent then is served.
+	// Past scrapedUntil nothing is shed: what is still sent then is served.
 	if !s.p.Shed || !r.batch || s.now >= s.p.scrapedUntil() {
 		s.dispatch(pool, r)
 		return
