@@ -10,13 +10,17 @@ const defaultMaxModelLen = 32768
 // limit against max_model_len as it builds the request's TokenizeParams,
 // then the prompt's tokens against what the limit leaves
 // (TokenizeParams.__post_init__ and _token_len_check,
-// vllm/renderers/params.py @ 017638d7). The Responses API and token-in
-// generate are not checked here.
+// vllm/renderers/params.py @ 017638d7), on chat, completions, Messages and
+// Responses (ResponsesRequest.build_tok_params,
+// vllm/entrypoints/openai/responses/protocol.py; pdsim's model is no Harmony
+// model, whose Responses handler clamps the limit on some releases).
+// Token-in generate is not checked: its TokenizeParams have no length, and
+// the engine stops at the context.
 func (s *Server) fitsContext(req *request) *apiError {
 	if s.cfg.Protocol == ProtocolSGLang {
 		return s.fitsSGLangContext(req)
 	}
-	if req.api != apiChat && req.api != apiCompletion && req.api != apiMessages {
+	if req.api == apiGenerate {
 		return nil
 	}
 	_, key, _ := req.limitKeys()
@@ -35,20 +39,29 @@ func (s *Server) fitsContext(req *request) *apiError {
 // fitsSGLangContext refuses, as SGLang does, a prompt of the whole context
 // or more, then a prompt and output limit that together reach it, so one
 // token stays free (TokenizerManager._validate_one_request,
-// python/sglang/srt/managers/tokenizer_manager.py). A completion's limit is
-// 16 when not given (CompletionRequest.max_tokens,
-// python/sglang/srt/entrypoints/openai/protocol.py); chat's is none, and
-// then only the prompt is checked. Only chat and completions are checked.
+// python/sglang/srt/managers/tokenizer_manager.py), on every API: each
+// becomes a GenerateReqInput whose sampling_params.max_new_tokens is
+// checked. A completion's limit is 16 when not given
+// (CompletionRequest.max_tokens, python/sglang/srt/entrypoints/openai/protocol.py);
+// chat's, Messages' (run as chat) and /generate's is none, and then only the
+// prompt counts. The Responses API clamps max_output_tokens to
+// max(context - prompt, 512), then takes 2 off (serving_responses.py, and
+// ResponsesRequest.to_sampling_params in protocol.py).
 func (s *Server) fitsSGLangContext(req *request) *apiError {
-	if req.api != apiChat && req.api != apiCompletion {
-		return nil
-	}
 	length, prompt, limit := int64(s.cfg.MaxModelLen), int64(req.promptTokens), req.maxTokens
 	if prompt >= length {
 		return badRequest("The input (%d tokens) is longer than the model's context length (%d tokens).", prompt, length)
 	}
-	if limit == 0 && req.api == apiCompletion {
-		limit = 16
+	switch req.api {
+	case apiCompletion:
+		if limit == 0 {
+			limit = 16
+		}
+	case apiResponses:
+		if most := max(length-prompt, 512); limit == 0 || limit > most {
+			limit = most
+		}
+		limit -= 2
 	}
 	if limit > 0 && prompt+limit >= length {
 		return badRequest("Requested token count exceeds the model's maximum context length of %d tokens. You requested a total of %d "+

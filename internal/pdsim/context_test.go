@@ -24,7 +24,12 @@ func TestContextLength(t *testing.T) {
 		{"a prompt past the context, no limit", RoleDecode, "/v1/completions", `{"prompt":"a b c d e f g h i"}`, 400, "You passed 9 input tokens and requested 0 output tokens."},
 		{"chat's max_completion_tokens", RoleDecode, "/v1/chat/completions", chatBody + `,"max_tokens":1,"max_completion_tokens":9}`, 400, "max_completion_tokens=9 cannot be greater"},
 		{"messages", RoleDecode, "/v1/messages", chatBody + `,"max_tokens":9}`, 400, "max_tokens=9 cannot be greater"},
-		{"responses is not checked", RoleDecode, "/v1/responses", `{"input":"a b c","max_output_tokens":9}`, 200, ""},
+		{"responses' max_output_tokens", RoleDecode, "/v1/responses", `{"input":"a b c","max_output_tokens":9}`, 400,
+			"max_output_tokens=9 cannot be greater than max_model_len=8."},
+		{"responses one over", RoleDecode, "/v1/responses", `{"input":"a b c","max_output_tokens":6}`, 400, "You passed 3 input tokens and requested 6"},
+		{"responses that fill it", RoleDecode, "/v1/responses", `{"input":"a b c","max_output_tokens":5}`, 200, ""},
+		{"generate is not checked: the engine stops at the context", RoleDecode, "/inference/v1/generate",
+			`{"token_ids":[1,2,3],"sampling_params":{"max_tokens":9}}`, 200, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -95,6 +100,19 @@ func TestSGLangContextLength(t *testing.T) {
 		{"chat without a limit", RoleDecode, "/v1/chat/completions", chat("hi", ""), ""},
 		{"chat's max_completion_tokens", RoleDecode, "/v1/chat/completions", chat("hi", `,"max_completion_tokens":100`),
 			"Requested token count exceeds the model's maximum context length of 8 tokens."},
+		{"generate's max_new_tokens", RoleDecode, "/generate", `{"text":"a b c","sampling_params":{"max_new_tokens":5}}`,
+			"You requested a total of 8 tokens: 3 tokens from the input messages and 5 tokens for the completion."},
+		{"generate's max_new_tokens one short of it", RolePrefill, "/generate", `{"text":"a b c","sampling_params":{"max_new_tokens":4}}`, ""},
+		{"generate without a limit", RoleDecode, "/generate", `{"text":"a b c"}`, ""},
+		{"generate's prompt of the whole context", RoleDecode, "/generate", `{"input_ids":[1,2,3,4,5,6,7,8]}`,
+			"The input (8 tokens) is longer than the model's context length (8 tokens)."},
+		{"messages' max_tokens", RoleDecode, "/v1/messages", chat("hi", `,"max_tokens":7`),
+			"Requested token count exceeds the model's maximum context length of 8 tokens."},
+		// Responses: max_new_tokens is max_output_tokens, at most max(context - prompt, 512), less 2.
+		{"responses' limit, less 2, one short of it", RoleDecode, "/v1/responses", `{"input":"a b c","max_output_tokens":6}`, ""},
+		{"responses' limit, less 2, that fills it", RoleDecode, "/v1/responses", `{"input":"a b c","max_output_tokens":7}`,
+			"You requested a total of 8 tokens: 3 tokens from the input messages and 5 tokens for the completion."},
+		{"responses without a limit: 512 less 2", RoleDecode, "/v1/responses", `{"input":"a b c"}`, "You requested a total of 513 tokens"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -104,7 +122,11 @@ func TestSGLangContextLength(t *testing.T) {
 			if want == "" {
 				want = "bootstrap_room is required"
 			}
-			if r.status != 400 || !strings.HasPrefix(string(r.body), `{"object":"error","message":`) || !strings.Contains(string(r.body), want) ||
+			shape := `{"object":"error","message":`
+			if tt.path == "/v1/messages" {
+				shape = `{"type":"error","error":{"type":"BadRequestError","message":`
+			}
+			if r.status != 400 || !strings.HasPrefix(string(r.body), shape) || !strings.Contains(string(r.body), want) ||
 				!strings.Contains(string(r.body), `"type":"BadRequestError"`) {
 				t.Errorf("%d %s, want SGLang's 400 with %q", r.status, r.body, want)
 			}
