@@ -194,11 +194,11 @@ func truthy(raw []byte) bool {
 // ContextLimit is the output limit vLLM checks against the model's context
 // length before it runs a request, and the key that gave it: chat's
 // max_completion_tokens, else max_tokens (chatAlone); the max_tokens of
-// completions and of Messages, which vLLM runs as a chat request. ok is
-// false when none is given, or it is not an integer (the request goes
-// decode-only: InvalidLimits), and for the other APIs: Responses handlers
-// before vllm/renderers' TokenizeParams took max_output_tokens at most up to
-// the context, and generate is not checked here.
+// completions and of Messages, which vLLM runs as a chat request; the
+// Responses API's max_output_tokens. ok is false when none is given, or it is
+// not an integer (the request goes decode-only: InvalidLimits), and for
+// generate, whose engine stops at the context instead (docs/engines.md, API
+// by API, item 10).
 func (a *API) ContextLimit(o *body.Object) (key string, n int64, ok bool) {
 	var keys []string
 	switch a.Name { // by name: the table may hold a copy of a built-in API
@@ -206,6 +206,8 @@ func (a *API) ContextLimit(o *body.Object) (key string, n int64, ok bool) {
 		keys = []string{"max_completion_tokens", "max_tokens"}
 	case NameCompletions, NameMessages:
 		keys = []string{"max_tokens"}
+	case NameResponses:
+		keys = []string{"max_output_tokens"}
 	}
 	for _, k := range keys {
 		if present(o, k) {

@@ -71,8 +71,10 @@ func TestContextLimit(t *testing.T) {
 		{name: "completions max_tokens \"300\", as pydantic reads it", api: Completions, body: `{"prompt":"hi","max_tokens":"300"}`,
 			wantKey: "max_tokens", wantN: 300},
 		{name: "messages max_tokens", api: Messages, body: `{"model":"m","max_tokens":70000,"messages":[]}`, wantKey: "max_tokens", wantN: 70000},
-		{name: "responses: older handlers clamp it", api: Responses, body: `{"input":"hi","max_output_tokens":70000}`},
-		{name: "generate: not checked", api: Generate, body: `{"token_ids":[1],"sampling_params":{"max_tokens":70000}}`},
+		{name: "responses max_output_tokens", api: Responses, body: `{"input":"hi","max_output_tokens":70000}`,
+			wantKey: "max_output_tokens", wantN: 70000},
+		{name: "responses none given", api: Responses, body: `{"input":"hi","max_output_tokens":null}`},
+		{name: "generate: the engine stops at the context", api: Generate, body: `{"token_ids":[1],"sampling_params":{"max_tokens":70000}}`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

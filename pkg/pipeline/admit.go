@@ -66,24 +66,31 @@ func (p *Pipeline) parallelSamples(sreq *scheduling.Request) error {
 	return nil
 }
 
-// fitsContext refuses a request of a vLLM pool whose output limit alone fills
-// its model's context, as the decode engine listed it at GET /v1/models
-// (max_model_len): the prompt takes a token at least, so vLLM refuses it
-// with a 400, but only at the decode engine, once the prefill leg (its limit
-// 1) has computed the prompt for nothing. A model of unknown length passes.
-// The message is ours (vLLM's names the prompt's length, which is not
-// counted here); the status and type are vLLM's (VLLMValidationError).
-func (p *Pipeline) fitsContext(a *api.API, obj *body.Object, decode *scheduling.Endpoint) error {
-	if p.connector.Family() != api.VLLM {
-		return nil
+// fitsContext refuses a P/D split of a vLLM pool whose output limit alone
+// fills its model's context, as the decode engine listed it at GET
+// /v1/models (max_model_len): the prompt takes a token at least, so vLLM
+// refuses it with a 400, but only at the decode engine, once the prefill leg
+// (its limit 1) has computed the prompt for nothing. A model of unknown
+// length passes. The message is ours (vLLM's names the prompt's length,
+// which is not counted here); the status and type are vLLM's
+// (VLLMValidationError). A Responses request goes to the decode engine alone
+// instead (invalid_limits): some releases clamp its limit for Harmony models
+// (docs/engines.md, API by API, item 10).
+func (p *Pipeline) fitsContext(a *api.API, obj *body.Object, decode *scheduling.Endpoint, split scheduling.Split) (scheduling.Split, error) {
+	if !split.PD || p.connector.Family() != api.VLLM {
+		return split, nil
 	}
 	key, n, ok := a.ContextLimit(obj)
 	if !ok {
-		return nil
+		return split, nil
 	}
 	model, _ := obj.String("model")
-	if limit, known := decode.MaxModelLen(model); known && n >= limit {
-		return contextFilled(key, n, limit)
+	limit, known := decode.MaxModelLen(model)
+	switch {
+	case !known || n < limit:
+		return split, nil
+	case a.Name == api.NameResponses:
+		return scheduling.Split{Reason: metrics.ReasonInvalidLimits}, nil
 	}
-	return nil
+	return split, contextFilled(key, n, limit)
 }

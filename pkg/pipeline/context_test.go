@@ -27,8 +27,9 @@ func TestAnOutputLimitThatFillsTheContextSendsNoPrefillLeg(t *testing.T) {
 	const chat = `"messages":[{"role":"user","content":"hi"}]`
 	tests := []struct {
 		name, path, body string
-		wantStatus       int    // 0: routed P/D
+		wantStatus       int    // 0: routed
 		wantBody         string // in the client's error
+		wantAlone        bool   // routed to the decode engine alone (invalid_limits), else P/D
 	}{
 		{name: "chat max_tokens at the context length", path: "/v1/chat/completions", body: `{"model":"m",` + chat + `,"max_tokens":100}`,
 			wantStatus: 400, wantBody: `{"error":{"message":"max_tokens=100 leaves no room for the prompt: this model's maximum context length is 100 tokens. ` +
@@ -38,6 +39,11 @@ func TestAnOutputLimitThatFillsTheContextSendsNoPrefillLeg(t *testing.T) {
 		{name: "messages, in Anthropic's words", path: "/v1/messages", body: `{"model":"m",` + chat + `,"max_tokens":100}`,
 			wantStatus: 400, wantBody: `{"type":"error","error":{"type":"invalid_request_error","message":"max_tokens=100 leaves no room`},
 		{name: "completions one under it", path: "/v1/completions", body: `{"model":"m","prompt":"hi","max_tokens":99}`},
+		{name: "responses at it: alone, which refuses it or clamps it", path: "/v1/responses",
+			body: `{"model":"m","input":"hi","max_output_tokens":100}`, wantAlone: true},
+		{name: "responses one under it", path: "/v1/responses", body: `{"model":"m","input":"hi","max_output_tokens":99}`},
+		{name: "generate over it: the engine stops at the context", path: "/inference/v1/generate",
+			body: `{"model":"m","token_ids":[1],"sampling_params":{"max_tokens":150}}`},
 		{name: "a model the engine does not list", path: "/v1/chat/completions", body: `{"model":"other",` + chat + `,"max_tokens":100}`},
 		{name: "no model", path: "/v1/chat/completions", body: `{` + chat + `,"max_tokens":100}`},
 	}
@@ -77,7 +83,10 @@ func TestAnOutputLimitThatFillsTheContextSendsNoPrefillLeg(t *testing.T) {
 					t.Fatal(err)
 				}
 				d.Release()
-				if r.Report.Mode != metrics.ModePD || sent != 1 {
+				switch {
+				case tt.wantAlone && (r.Report.Mode != metrics.ModeDecodeOnly || r.Report.Reason != metrics.ReasonInvalidLimits || sent != 0):
+					t.Errorf("routed %s (%s) with %d prefill legs, want decode-only (invalid_limits) with none", r.Report.Mode, r.Report.Reason, sent)
+				case !tt.wantAlone && (r.Report.Mode != metrics.ModePD || sent != 1):
 					t.Errorf("routed %s with %d prefill legs, want P/D with 1", r.Report.Mode, sent)
 				}
 				return

@@ -11,14 +11,15 @@ import (
 )
 
 // With engines that list their context (max_model_len) at GET /v1/models, a
-// request whose output limit fills it is refused before any prefill leg; one
+// request whose output limit fills it is refused before any prefill leg (a
+// Responses request goes to the decode engine alone, which refuses it); one
 // whose prompt and limit just fit runs P/D; one between the two costs a
 // prefill leg before the decode engine refuses it, as vLLM would, since
 // pd-extproc does not count the prompt's tokens.
 func TestOutputLimitsAgainstTheEnginesContext(t *testing.T) {
 	const length = 64
 	r := startRig(t, rigOptions{prefills: 1, decodes: 1, maxModelLen: length})
-	for _, api := range []string{"chat", "completions", "messages"} {
+	for _, api := range []string{"chat", "completions", "messages", "responses"} {
 		t.Run(api, func(t *testing.T) {
 			// Markers of one word count: every case's prompt has as many tokens.
 			prompt := promptTokens(t, r, api, "context warm "+api)
@@ -36,22 +37,28 @@ func TestOutputLimitsAgainstTheEnginesContext(t *testing.T) {
 			for i, tt := range tests {
 				marker := fmt.Sprintf("context case%d %s", i, api)
 				path, body := request(api, false, marker)
-				body = strings.Replace(body, `"max_tokens":4`, fmt.Sprintf(`"max_tokens":%d`, tt.limit), 1)
+				body = strings.Replace(body, `tokens":4}`, fmt.Sprintf(`tokens":%d}`, tt.limit), 1)
 				resp, got := r.must(t, path, body, nil)
-				kind := tt.kind
-				if api == "messages" && tt.prefills == 0 {
+				says, kind := tt.says, tt.kind
+				switch {
+				case api == "messages" && tt.prefills == 0:
 					kind = "invalid_request_error" // pd-extproc's Anthropic error
+				case api == "responses" && tt.status == 400:
+					says = "You passed" // the decode engine's, alone or after the prefill leg
 				}
 				switch {
 				case resp.StatusCode != tt.status:
 					t.Errorf("%s: status %d, want %d: %s", tt.name, resp.StatusCode, tt.status, excerpt(got))
 				case tt.status == 200 && resp.Header.Get("x-pdsim-kv") != "hit":
 					t.Errorf("%s: KV %q, want a P/D hit", tt.name, resp.Header.Get("x-pdsim-kv"))
-				case tt.status != 200 && (!strings.Contains(got, tt.says) || !strings.Contains(got, `"type":"`+kind+`"`)):
-					t.Errorf("%s: %s, want %q of type %s", tt.name, got, tt.says, kind)
+				case tt.status != 200 && (!strings.Contains(got, says) || !strings.Contains(got, `"type":"`+kind+`"`)):
+					t.Errorf("%s: %s, want %q of type %s", tt.name, got, says, kind)
 				}
 				if legs := len(recordsWith(r.prefill, marker)); legs != tt.prefills {
 					t.Errorf("%s: %d prefill legs, want %d", tt.name, legs, tt.prefills)
+				}
+				if decode := len(recordsWith(r.decode, marker)); api == "responses" && decode != 1 {
+					t.Errorf("%s: %d decode legs, want 1", tt.name, decode)
 				}
 			}
 		})
