@@ -358,20 +358,20 @@ func (p *prefixAffinity) holds(e *Endpoint, hs []uint64, n int) int {
 	if n == 0 {
 		return 0
 	}
-	since, until, ok, stale := e.cacheWindow()
+	since, ok, stale := e.cacheWindow()
 	switch {
 	case stale:
 		return 0
 	case ok:
-		return p.index.fresh(hs[:n], e.engine(), since, until)
+		return p.index.fresh(hs[:n], e.engine(), since)
 	}
 	return n
 }
 
 // record notes in the local hint that e now holds prompt, whose chain is hs,
-// and how much its engine had written into its cache by then, at least.
+// and its engine's stamp by then.
 func (p *prefixAffinity) record(prompt string, hs []uint64, e *Endpoint) {
-	p.index.record(prompt, hs, e.engine(), e.written())
+	p.index.record(prompt, hs, e.engine(), e.stamp())
 }
 
 // cacheRule says whether the P/D decider's cache rule reads this pool's

@@ -410,16 +410,23 @@ func TestTheLoadArmReadsFreshFigures(t *testing.T) {
 // is remembered
 // with the last counters the engine gave, so once it answers again it ages
 // from there, and not as a block sent before it restarted. A pool not
-// scraped, and an engine not answered yet, go by memory alone.
+// scraped, and an engine not answered yet, go by memory alone. A restart
+// (a counter that only grows went back) leaves nothing sent before it held,
+// whatever the engine's counters read later: not a block sent before its
+// first answer, nor one whose counters the restarted engine wrote past.
+// vLLM's Written may go back for a while with no restart (it counts cache
+// hits as it schedules a request, the prompt at its first token), which its
+// prefill sums, counted as requests finish, tell apart.
 func TestAnEngineWithoutFreshCountersIsNotAssumedToHoldItsPrompts(t *testing.T) {
 	type step func(e *Endpoint, clock *fakeClock, ask func())
-	const size = 10_000                    // the engine's cache, tokens
-	answer := func(written float64) step { // a scrape that answered
+	const size = 10_000                              // the engine's cache, tokens
+	vllm := func(written, prefilling float64) step { // a scrape that answered, with vLLM's prefill seconds
 		return func(e *Endpoint, clock *fakeClock, _ func()) {
-			e.observe(Load{CacheTokens: size, Written: written, At: clock.Now()})
+			e.observe(Load{CacheTokens: size, Written: written, Prefilling: prefilling, At: clock.Now()})
 		}
 	}
-	fail := func(seconds int) step { // its scrapes fail, once a second
+	answer := func(written float64) step { return vllm(written, 0) } // an engine without the prefill sums (SGLang)
+	fail := func(seconds int) step {                                 // its scrapes fail, once a second
 		return func(e *Endpoint, clock *fakeClock, _ func()) {
 			for range seconds {
 				clock.Advance(time.Second)
@@ -447,6 +454,12 @@ func TestAnEngineWithoutFreshCountersIsNotAssumedToHoldItsPrompts(t *testing.T) 
 		{name: "never scraped: memory alone", unscraped: true, steps: []step{ask}, want: cached},
 		{name: "restarted", steps: []step{answer(5000), ask, answer(3000)}, want: pd},
 		{name: "restarted while stale", steps: []step{answer(5000), fail(4), ask, answer(3000)}, want: pd},
+		{name: "sent before the first answer, restarted since", steps: []step{ask, answer(5000), answer(3000)}, want: pd},
+		{name: "sent before the first answer, restarted while stale", steps: []step{ask, answer(5000), fail(4), answer(3000)}, want: pd},
+		{name: "sent before the first answer, not restarted", steps: []step{ask, answer(5000), answer(9000)}, want: cached},
+		{name: "restarted, then wrote past the block's counters", steps: []step{answer(5000), ask, answer(3000), answer(6000)}, want: pd},
+		{name: "vLLM's Written back for a while, its prefill sum grown", steps: []step{vllm(5000, 10), ask, vllm(4000, 11)}, want: cached},
+		{name: "vLLM restarted, its prefill sum back", steps: []step{vllm(5000, 10), ask, vllm(6000, 1)}, want: pd},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

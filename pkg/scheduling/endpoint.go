@@ -178,31 +178,31 @@ type Load struct {
 	Computed, Prefilling float64
 }
 
-// cacheWindow is the range of the engine's Written within which what it
-// wrote is still in its cache, by its last scrape within stale_after: it
-// keeps the CacheTokens it wrote last, at most (a restarted engine's Written
-// starts again from 0). A failed scrape's figures count: Written only grows,
-// so they tell what the engine had written at least. ok is false when the
-// scrape does not tell (the engine does not report its cache, or has not
-// answered yet, or the pool is not scraped); stale, when the pool is scraped
-// and the engine answered, but not within stale_after.
-func (e *Endpoint) cacheWindow() (since, until float64, ok, stale bool) {
+// cacheWindow is the oldest stamp whose blocks the engine still holds, by
+// its last scrape within stale_after: it keeps the CacheTokens it wrote
+// last, at most, and nothing from before a restart. A failed scrape's
+// figures count: Written only grows, so they tell what the engine had
+// written at least. ok is false when the scrape does not tell (the engine
+// does not report its cache, or has not answered yet, or the pool is not
+// scraped); stale, when the pool is scraped and the engine answered, but not
+// within stale_after.
+func (e *Endpoint) cacheWindow() (since stamp, ok, stale bool) {
 	s := e.cfg()
 	l := e.scrapedAt(s.now)
 	if l == nil {
-		return 0, 0, false, s.staleAfter > 0 && e.load.Load() != nil
+		return stamp{}, false, s.staleAfter > 0 && e.load.Load() != nil
 	}
-	return l.Written - l.CacheTokens, l.Written, l.CacheTokens > 0, false
+	return stamp{l.Written - l.CacheTokens, l.restarts}, l.CacheTokens > 0, false
 }
 
-// written is what the engine had written into its cache (Load.Written) by
-// its last scrape, stale or not: at least that now, a restart aside. 0 when
-// it has not answered yet.
-func (e *Endpoint) written() float64 {
+// stamp is the engine's by its last scrape, stale or not: what it had
+// written by then, at least, in the run it is in, a restart aside. The
+// zero stamp when it has not answered yet.
+func (e *Endpoint) stamp() stamp {
 	if l := e.load.Load(); l != nil {
-		return l.Written
+		return stamp{l.Written, l.restarts}
 	}
-	return 0
+	return stamp{}
 }
 
 // Load returns the last scraped load, even when a scrape failed since
@@ -234,8 +234,9 @@ func (e *Endpoint) scrapedAt(now func() time.Time) *scraped {
 // apart or more, to read the pace of the engine's counters from (rewrite).
 type scraped struct {
 	Load
-	marks  [2]Load
-	failed bool // a scrape since failed: the figures are not fresh (Fresh)
+	marks    [2]Load
+	failed   bool   // a scrape since failed: the figures are not fresh (Fresh)
+	restarts uint32 // the engine's restarts seen since its first scrape (restarted)
 }
 
 // Fresh is Load, but false too when the last scrape failed: a pool's
@@ -266,13 +267,33 @@ func (e *Endpoint) scrapeFailed() {
 
 func (e *Endpoint) observe(l Load) {
 	s := &scraped{Load: l, marks: [2]Load{l, l}}
-	if last := e.load.Load(); last != nil && l.Written >= last.marks[1].Written { // else the first, or the engine restarted
-		s.marks = last.marks
-		if l.At.Sub(last.marks[1].At) >= markEvery {
-			s.marks = [2]Load{last.marks[1], l}
+	if last := e.load.Load(); last != nil { // else the first
+		s.restarts = last.restarts
+		if restarted(last.Load, l) {
+			s.restarts++
+		}
+		if l.Written >= last.marks[1].Written { // else a restart, or Written back for a while
+			s.marks = last.marks
+			if l.At.Sub(last.marks[1].At) >= markEvery {
+				s.marks = [2]Load{last.marks[1], l}
+			}
 		}
 	}
 	e.load.Store(s)
+}
+
+// restarted says whether the engine restarted between the scrapes last and
+// l: a counter that only grows went back. vLLM counts its prefix cache's
+// hits as it schedules a request and the prompt's tokens at its first token
+// (vllm/v1/core/kv_cache_manager.py, vllm/v1/metrics/stats.py), so its
+// Written may go back for a while; its prefill sums (Computed, Prefilling),
+// added as requests finish, do not. SGLang, which reports none, adds all of
+// Written's counters as a request finishes (python/sglang/srt/metrics/collector.py).
+func restarted(last, l Load) bool {
+	if last.Computed > 0 || last.Prefilling > 0 {
+		return l.Computed < last.Computed || l.Prefilling < last.Prefilling
+	}
+	return l.Written < last.Written
 }
 
 // pace is how many prompt tokens a second the engine computed while it

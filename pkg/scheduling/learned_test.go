@@ -54,6 +54,6 @@ func (p *learnedAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 	if best == nil {
 		best = p.fallback.Pick(req, within)
 	}
-	p.index.record(req.Prompt(), hs, best.Addr, 0)
+	p.index.record(req.Prompt(), hs, best.Addr, stamp{})
 	return best
 }

@@ -299,7 +299,7 @@ func TestEndpointWithoutFreshFiguresScoresThePoolMean(t *testing.T) {
 			if tt.policy == config.PolicyPrefixAffinity {
 				order = ranking(p, prompt)
 				aff := p.state.Load().picker.(*prefixAffinity)
-				aff.index.record(prompt[:32], aff.index.hashes(0, prompt[:32]), order[0], 0)
+				aff.index.record(prompt[:32], aff.index.hashes(0, prompt[:32]), order[0], stamp{})
 			}
 			for i, f := range tt.eps {
 				e := byAddr(p, order[i])

@@ -38,12 +38,18 @@ type prefixEntry struct {
 	ends bool
 }
 
-// holder is the engine a block was sent to (Endpoint.engine), and how much
-// it had written into its cache by then (Load.Written; 0: not known),
-// against which what it writes later ages the block (prefixIndex.fresh).
+// holder is the engine a block was sent to (Endpoint.engine), and its stamp
+// then, against which what it writes later ages the block (prefixIndex.fresh).
 type holder struct {
-	engine  string
-	written float64
+	engine string
+	stamp
+}
+
+// stamp is how much an engine had written into its cache (Load.Written; 0:
+// not known), and how many of its restarts had been seen (scraped.restarts).
+type stamp struct {
+	written  float64
+	restarts uint32
 }
 
 func newPrefixIndex(blockChars, capacity int) *prefixIndex {
@@ -110,13 +116,15 @@ func (x *prefixIndex) ended(text string, hs []uint64) bool {
 }
 
 // fresh is how many leading blocks of the chain hs engine holds, as matched
-// counts them, by the blocks this replica last sent engine while its
-// Written was within [since, until] (Endpoint.cacheWindow): those an engine
-// that keeps what it wrote last (vLLM's prefix cache evicts the least
-// recently used blocks) still holds, as far as this replica knows. A block
-// sent carries the chain before it, which was used again with it.
-func (x *prefixIndex) fresh(hs []uint64, engine string, since, until float64) int {
-	in := func(s holder) bool { return s.engine == engine && s.written >= since && s.written <= until }
+// counts them, by the blocks this replica last sent engine since the stamp
+// since (Endpoint.cacheWindow), in the same run: those an engine that keeps
+// what it wrote last (vLLM's prefix cache evicts the least recently used
+// blocks) still holds, as far as this replica knows. A block sent carries
+// the chain before it, which was used again with it.
+func (x *prefixIndex) fresh(hs []uint64, engine string, since stamp) int {
+	in := func(s holder) bool {
+		return s.engine == engine && s.restarts == since.restarts && s.written >= since.written
+	}
 	n := 0
 	x.mu.Lock()
 	defer x.mu.Unlock()
@@ -132,10 +140,9 @@ func (x *prefixIndex) fresh(hs []uint64, engine string, since, until float64) in
 	return n
 }
 
-// record notes that engine, which had written written tokens into its
-// cache (Load.Written), now holds the chain hs of prompt, and that a request
-// ended with prompt.
-func (x *prefixIndex) record(prompt string, hs []uint64, engine string, written float64) {
+// record notes that engine, at the stamp at, now holds the chain hs of
+// prompt, and that a request ended with prompt.
+func (x *prefixIndex) record(prompt string, hs []uint64, engine string, at stamp) {
 	if len(hs) == 0 {
 		return
 	}
@@ -156,7 +163,7 @@ func (x *prefixIndex) record(prompt string, hs []uint64, engine string, written 
 			e = &prefixEntry{hash: hs[i]}
 			x.entries[hs[i]] = x.lru.PushFront(e)
 		}
-		withFirst(&e.servers, holder{engine, written})
+		withFirst(&e.servers, holder{engine, at})
 		if i == len(hs)-1 {
 			e.tail, e.ends = tail, true
 		}

@@ -78,7 +78,7 @@ func TestPrefixIndexMatch(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			x := newPrefixIndex(16, tt.capacity)
 			for _, s := range tt.served {
-				x.record(s.prompt, x.hashes(0, s.prompt), s.addr, 0)
+				x.record(s.prompt, x.hashes(0, s.prompt), s.addr, stamp{})
 			}
 			if got := x.matched(x.hashes(0, tt.prompt)); !maps.Equal(got, tt.want) {
 				t.Fatalf("matched() = %v, want %v", got, tt.want)
@@ -88,39 +88,42 @@ func TestPrefixIndexMatch(t *testing.T) {
 }
 
 // fresh counts, of what matched counts for an endpoint, the blocks it was
-// sent while its engine's written tokens were within the window: up to the
-// deepest such block, a chain carrying the blocks before it, even where more
-// recent endpoints took the endpoint's place in a popular block's list.
+// sent since the window's oldest stamp, in the same run of its engine: up to
+// the deepest such block, a chain carrying the blocks before it, even where
+// more recent endpoints took the endpoint's place in a popular block's list.
 func TestPrefixIndexFresh(t *testing.T) {
 	type send struct {
 		prompt, addr string
-		written      float64
+		at           stamp
 	}
 	tests := []struct {
-		name         string
-		sent         []send
-		since, until float64
-		want         int
+		name  string
+		sent  []send
+		since stamp
+		want  int
 	}{
-		{name: "within the window", sent: []send{{blocks("abc"), "e1", 100}}, since: 50, until: 200, want: 3},
-		{name: "written over since", sent: []send{{blocks("abc"), "e1", 100}}, since: 150, until: 400, want: 0},
-		{name: "a restart since", sent: []send{{blocks("abc"), "e1", 100}}, since: -900, until: 50, want: 0},
+		{name: "within the window", sent: []send{{blocks("abc"), "e1", stamp{100, 0}}}, since: stamp{50, 0}, want: 3},
+		{name: "written over since", sent: []send{{blocks("abc"), "e1", stamp{100, 0}}}, since: stamp{150, 0}, want: 0},
+		{name: "a restart since", sent: []send{{blocks("abc"), "e1", stamp{100, 0}}}, since: stamp{-900, 1}, want: 0},
+		{name: "sent before the engine's first answer, a restart since", sent: []send{{blocks("abc"), "e1", stamp{}}}, since: stamp{-900, 1}, want: 0},
+		{name: "sent past the window's end, no restart (vLLM's Written back for a while)",
+			sent: []send{{blocks("abc"), "e1", stamp{500, 2}}}, since: stamp{-100, 2}, want: 3},
 		{name: "the head sent again since, the rest written over",
-			sent: []send{{blocks("abc"), "e1", 100}, {blocks("a"), "e1", 300}}, since: 150, until: 400, want: 1},
-		{name: "the chain sent again carries its head", sent: []send{{blocks("a"), "e1", 100}, {blocks("abc"), "e1", 300}}, since: 150, until: 400, want: 3},
+			sent: []send{{blocks("abc"), "e1", stamp{100, 0}}, {blocks("a"), "e1", stamp{300, 0}}}, since: stamp{150, 0}, want: 1},
+		{name: "the chain sent again carries its head", sent: []send{{blocks("a"), "e1", stamp{100, 0}}, {blocks("abc"), "e1", stamp{300, 0}}}, since: stamp{150, 0}, want: 3},
 		{name: "the head's list taken over by four other endpoints",
-			sent:  []send{{blocks("abc"), "e1", 100}, {blocks("a"), "e2", 0}, {blocks("a"), "e3", 0}, {blocks("a"), "e4", 0}, {blocks("a"), "e5", 0}},
-			since: 50, until: 200, want: 3},
-		{name: "another endpoint's fresh blocks do not count", sent: []send{{blocks("abc"), "e2", 100}}, since: 50, until: 200, want: 0},
+			sent:  []send{{blocks("abc"), "e1", stamp{100, 0}}, {blocks("a"), "e2", stamp{}}, {blocks("a"), "e3", stamp{}}, {blocks("a"), "e4", stamp{}}, {blocks("a"), "e5", stamp{}}},
+			since: stamp{50, 0}, want: 3},
+		{name: "another endpoint's fresh blocks do not count", sent: []send{{blocks("abc"), "e2", stamp{100, 0}}}, since: stamp{50, 0}, want: 0},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			x := newPrefixIndex(16, 100)
 			for _, s := range tt.sent {
-				x.record(s.prompt, x.hashes(0, s.prompt), s.addr, s.written)
+				x.record(s.prompt, x.hashes(0, s.prompt), s.addr, s.at)
 			}
 			hs := x.hashes(0, blocks("abc"))
-			if got := x.fresh(hs[:x.matched(hs)["e1"]], "e1", tt.since, tt.until); got != tt.want {
+			if got := x.fresh(hs[:x.matched(hs)["e1"]], "e1", tt.since); got != tt.want {
 				t.Fatalf("fresh() = %d, want %d", got, tt.want)
 			}
 		})
@@ -147,7 +150,7 @@ func TestPrefixIndexKnowsWhichRequestsItRouted(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			x := newPrefixIndex(16, 100)
 			for _, r := range tt.routed {
-				x.record(r, x.hashes(0, r), "e1", 0)
+				x.record(r, x.hashes(0, r), "e1", stamp{})
 			}
 			prompt := tt.previous + blocks("zz") // the turn that follows it
 			if got := x.ended(tt.previous, x.hashes(0, prompt)); got != tt.want {
@@ -218,10 +221,10 @@ func TestPrefixAffinityPick(t *testing.T) {
 			aff := p.state.Load().picker.(*prefixAffinity)
 			rank := ranking(p, tt.prompt)
 			if key := tt.prompt[:min(len(tt.prompt), 32)]; !tt.unrouted && len(key) == 32 {
-				aff.index.record(key, aff.index.hashes(0, key), rank[0], 0)
+				aff.index.record(key, aff.index.hashes(0, key), rank[0], stamp{})
 			}
 			for _, s := range tt.served {
-				aff.index.record(s.prompt, aff.index.hashes(0, s.prompt), rank[s.rank], 0)
+				aff.index.record(s.prompt, aff.index.hashes(0, s.prompt), rank[s.rank], stamp{})
 			}
 			for i, n := range tt.inflight {
 				for range n {
