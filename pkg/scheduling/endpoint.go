@@ -205,18 +205,6 @@ func (e *Endpoint) stamp() stamp {
 	return stamp{}
 }
 
-// Load returns the last scraped load, even when a scrape failed since
-// (Fresh), and false when there is none or it is stale.
-func (e *Endpoint) Load() (Load, bool) { return e.loadAt(e.cfg().now) }
-
-// loadAt is Load by the clock now, read only when there is a load to judge.
-func (e *Endpoint) loadAt(now func() time.Time) (Load, bool) {
-	if l := e.scrapedAt(now); l != nil {
-		return l.Load, true
-	}
-	return Load{}, false
-}
-
 // scrapedAt is the last scrape, nil when there is none or it is stale by the
 // clock now.
 func (e *Endpoint) scrapedAt(now func() time.Time) *scraped {
@@ -239,7 +227,8 @@ type scraped struct {
 	restarts uint32 // the engine's restarts seen since its first scrape (restarted)
 }
 
-// Fresh is Load, but false too when the last scrape failed: a pool's
+// Fresh is the last scrape's figures, false when there is none, it is
+// stale, or a scrape failed since: a pool's
 // saturation (Pool.Saturated, Hold), the P/D load arm and the engine load
 // gauges read the figures of its engines' latest scrapes alone, so that an
 // engine whose scrapes fail neither holds back a round nor shows the room or

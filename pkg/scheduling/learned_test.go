@@ -32,8 +32,8 @@ func (p *learnedAffinity) Pick(req *Request, eps []*Endpoint) *Endpoint {
 	var total float64
 	for i, e := range eps {
 		busy[i] = float64(e.InFlight())
-		if l, ok := e.Load(); ok {
-			busy[i] += l.Waiting + l.KVUsage
+		if s := e.scrapedAt(e.cfg().now); s != nil {
+			busy[i] += s.Waiting + s.KVUsage
 		}
 		total += busy[i]
 	}

@@ -81,8 +81,8 @@ func (p *llmdApprox) Pick(req *Request, eps []*Endpoint) *Endpoint {
 	}
 	queue := make([]float64, len(eps))
 	for i, e := range eps {
-		if l, ok := e.Load(); ok {
-			queue[i] = l.Waiting
+		if s := e.scrapedAt(e.cfg().now); s != nil {
+			queue[i] = s.Waiting
 		}
 	}
 	lo, hi := slices.Min(queue), slices.Max(queue)

@@ -192,6 +192,9 @@ func TestScrapedLoadCountsUntilStale(t *testing.T) {
 	}
 }
 
+// TestFailedScrapeKeepsOldFigures: after a failed scrape the engine's last
+// counters still tell what its cache holds, until stale_after; its queue is
+// no longer read as fresh.
 func TestFailedScrapeKeepsOldFigures(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		http.Error(w, "nope", http.StatusInternalServerError)
@@ -199,10 +202,13 @@ func TestFailedScrapeKeepsOldFigures(t *testing.T) {
 	defer srv.Close()
 	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, strings.TrimPrefix(srv.URL, "http://"))
 	e := p.Endpoints()[0]
-	e.observe(Load{Waiting: 2, At: clock.Now()})
+	e.observe(Load{Waiting: 2, CacheTokens: 1000, Written: 5000, At: clock.Now()})
 	scrapeAll(context.Background(), probe{client: srv.Client(), scheme: "http"}, p.Endpoints(), "/metrics", time.Second, clock.Now)
-	if l, ok := e.Load(); !ok || l.Waiting != 2 {
-		t.Fatalf("Load() = %+v, %v after a failed scrape; want the previous figures", l, ok)
+	if since, ok, stale := e.cacheWindow(); !ok || stale || since != (stamp{written: 4000}) {
+		t.Errorf("cacheWindow() = %+v, %v, %v after a failed scrape; want the previous counters' {4000 0}, true, false", since, ok, stale)
+	}
+	if l, ok := e.Fresh(); ok {
+		t.Errorf("Fresh() = %+v, true after a failed scrape; want none", l)
 	}
 }
 

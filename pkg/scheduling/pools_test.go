@@ -58,7 +58,7 @@ func TestRunFollowsReloads(t *testing.T) {
 	spec.Decode.Health.CheckInterval = config.Duration(10 * time.Millisecond)
 	ps.Update(spec)
 	e := ps.Decode.Endpoints()[0]
-	waitFor(t, "a scrape after the reload", func() bool { l, ok := e.Load(); return ok && l.Waiting == 4 })
+	waitFor(t, "a scrape after the reload", func() bool { l, ok := e.Fresh(); return ok && l.Waiting == 4 })
 	up.Store(false)
 	waitFor(t, "a failed check", func() bool { return !e.Healthy() })
 	if !ps.Prefill.Endpoints()[0].Healthy() {
