@@ -53,10 +53,11 @@ func (r *Rewriter) stream(chunk []byte, last bool) body.Spliced {
 // or after data[from] is new, so the bytes before it are not read again.
 func eventsEnd(data []byte, from int) int {
 	for i := len(data) - 1; i >= max(from, 1); i-- {
-		switch c, prev := data[i], data[i-1]; {
-		case c == '\n' && prev == '\n', // LF LF, CRLF LF
-			c == '\n' && prev == '\r' && i >= 2 && data[i-2] == '\n', // LF CRLF, CRLF CRLF
-			c == '\r' && prev == '\r':                                // CR CR
+		before := i - 1 // the byte before the line end that ends at data[i]
+		if data[i] == '\n' && data[before] == '\r' {
+			before--
+		}
+		if isLineEnd(data[i]) && before >= 0 && isLineEnd(data[before]) {
 			return i + 1
 		}
 	}
@@ -196,7 +197,7 @@ func (r *Rewriter) readData(doc []byte) {
 
 var errorKey = []byte(`"error"`)
 
-func isLineEnd(c rune) bool { return c == '\n' || c == '\r' }
+func isLineEnd[C byte | rune](c C) bool { return c == '\n' || c == '\r' }
 
 // failed says whether an event's data is an engine's error event. vLLM ends a
 // stream that fails after its 200 with `data: {"error": {...}}` (older

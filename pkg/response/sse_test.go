@@ -8,42 +8,61 @@ import (
 // The WHATWG server-sent events framing a client reads: lines end in CRLF,
 // LF or CR; a blank line ends an event; "data:" with or without one space;
 // comment lines (":") and other fields are not data; one byte order mark at
-// the stream's start is skipped. Each stream is fed cut at every position
-// (and once whole): the rewriter's bytes, the reader's number and the
-// opening's verdict must not depend on the cut.
+// the stream's start is skipped; an event the stream does not end is none.
+// Each stream is fed cut at every position (and once whole): the rewriter's
+// bytes, the reader's number and the openings' verdicts must not depend on
+// the cut, and StreamFailed reads the whole stream as they do.
 func TestEventStreamFramingAsAClientReadsIt(t *testing.T) {
 	const bom = "\ufeff"
 	crlf := func(s string) string { return strings.ReplaceAll(s, "\n", "\r\n") }
 	cr := func(s string) string { return strings.ReplaceAll(s, "\n", "\r") }
+	// crBlank ends an event's blank line with CR alone after lines ended by end.
+	crBlank := func(s, end string) string {
+		return strings.ReplaceAll(strings.ReplaceAll(s, "\n\n", "\n\r"), "\n", end)
+	}
 	noSpace := func(s string) string { return strings.ReplaceAll(s, "data: ", "data:") }
 	comment := ": \"cached_tokens\":12 ping\n"
 	// split cuts an event's data in two lines, which a client joins with LF.
 	split := func(ev, at, lead string) string { return strings.Replace(ev, at, at+"\n"+lead, 1) }
+	abort := sglangChunk(`""`, `[]`, `{"type":"abort","message":"x","status_code":500}`)
 	tests := []struct {
 		name, in, want string
 		read           string  // what a reader reads of the number; "" for nothing
 		verdict        Verdict // of NewOpening(1, 1)
+		generate       Verdict // of NewGenerateOpening(1)
+		failed         bool    // StreamFailed
 	}{
-		{"LF", role + tok0 + usageEv + done, role + tok0 + fixedEv + done, "12", Served},
-		{"CRLF", crlf(role + tok0 + usageEv + done), crlf(role + tok0 + fixedEv + done), "12", Served},
-		{"CR", cr(role + tok0 + usageEv + done), cr(role + tok0 + fixedEv + done), "12", Served},
-		{"mixed line ends", role + crlf(tok0) + cr(usageEv) + done, role + crlf(tok0) + cr(fixedEv) + done, "12", Served},
-		{"data: without its space", noSpace(role + tok0 + usageEv + done), noSpace(role + tok0 + fixedEv + done), "12", Served},
+		{"LF", role + tok0 + usageEv + done, role + tok0 + fixedEv + done, "12", Served, Served, false},
+		{"CRLF", crlf(role + tok0 + usageEv + done), crlf(role + tok0 + fixedEv + done), "12", Served, Served, false},
+		{"CR", cr(role + tok0 + usageEv + done), cr(role + tok0 + fixedEv + done), "12", Served, Served, false},
+		{"mixed line ends", role + crlf(tok0) + cr(usageEv) + done, role + crlf(tok0) + cr(fixedEv) + done, "12", Served, Served, false},
+		{"data: without its space", noSpace(role + tok0 + usageEv + done), noSpace(role + tok0 + fixedEv + done), "12", Served, Served, false},
 		{"comments and other fields", comment + "event: x\n" + role + comment + tok0 + "id: 3\n" + comment + usageEv + done,
-			comment + "event: x\n" + role + comment + tok0 + "id: 3\n" + comment + fixedEv + done, "12", Served},
-		{"a leading BOM", bom + usageEv + done, bom + fixedEv + done, "12", Served},
-		{"a leading BOM, then an error event", bom + errorEv + done, bom + errorEv + done, "", Failed},
-		{"a leading BOM, CRLF", crlf(bom + role + tok0 + usageEv), crlf(bom + role + tok0 + fixedEv), "12", Served},
+			comment + "event: x\n" + role + comment + tok0 + "id: 3\n" + comment + fixedEv + done, "12", Served, Served, false},
+		{"a leading BOM", bom + usageEv + done, bom + fixedEv + done, "12", Served, Served, false},
+		{"a leading BOM, then an error event", bom + errorEv + done, bom + errorEv + done, "", Failed, Failed, true},
+		{"a leading BOM, CRLF", crlf(bom + role + tok0 + usageEv), crlf(bom + role + tok0 + fixedEv), "12", Served, Pending, false},
 		{"a usage event on two data lines", role + split(usageEv, `"choices":[],`, "data: ") + done,
-			role + split(fixedEv, `"choices":[],`, "data: ") + done, "12", Served},
+			role + split(fixedEv, `"choices":[],`, "data: ") + done, "12", Served, Served, false},
 		{"a usage event on three data lines, CRLF", crlf(role + split(split(usageEv, `"choices":[],`, "data: "), `"prompt_tokens_details":`, "data:") + done),
-			crlf(role + split(split(fixedEv, `"choices":[],`, "data: "), `"prompt_tokens_details":`, "data:") + done), "12", Served},
+			crlf(role + split(split(fixedEv, `"choices":[],`, "data: "), `"prompt_tokens_details":`, "data:") + done), "12", Served, Served, false},
 		{"usage, then an error event on two data lines: the reader reads nothing", tok0 + usageEv + split(errorEv, `{"error":`, "data: ") + done,
-			tok0 + fixedEv + split(errorEv, `{"error":`, "data: ") + done, "", Served},
-		{"an error event on two data lines", "data: {\"error\":\ndata: {\"code\":503}}\n\n" + done, "data: {\"error\":\ndata: {\"code\":503}}\n\n" + done, "", Failed},
+			tok0 + fixedEv + split(errorEv, `{"error":`, "data: ") + done, "", Served, Failed, false},
+		{"an error event on two data lines", "data: {\"error\":\ndata: {\"code\":503}}\n\n" + done, "data: {\"error\":\ndata: {\"code\":503}}\n\n" + done, "", Failed, Failed, true},
+		// A client reads an event's end where a line ended by LF or CRLF
+		// is followed by a CR alone.
+		{"LF lines, CR blank lines", crBlank(role+tok0+usageEv, "\n") + done, crBlank(role+tok0+fixedEv, "\n") + done, "12", Served, Served, false},
+		{"CRLF lines, CR blank lines", crBlank(role+tok0+usageEv+done, "\r\n"), crBlank(role+tok0+fixedEv+done, "\r\n"), "12", Served, Served, false},
+		{"LF lines, CR blank lines, an error event", crBlank(role+errorEv+done, "\n"), crBlank(role+errorEv+done, "\n"), "", Failed, Failed, true},
+		// SGLang's /generate abort (TestGenerateOpeningTellsAnAbortFromTheFirstToken).
+		{"an abort", abort + done, abort + done, "", Served, Failed, true},
+		{"an abort, CR", cr(abort + done), cr(abort + done), "", Served, Failed, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			if StreamFailed([]byte(tt.in)) != tt.failed {
+				t.Errorf("StreamFailed = %v, want %v", !tt.failed, tt.failed)
+			}
 			for cut := 0; cut <= len(tt.in); cut++ {
 				chunks := []string{tt.in[:cut], tt.in[cut:]}
 				w := New(chatPath, []byte("8"), nil, 1<<20)
@@ -56,13 +75,14 @@ func TestEventStreamFramingAsAClientReadsIt(t *testing.T) {
 				})
 				rd.Start(200, "text/event-stream", "")
 				var got strings.Builder
-				o := NewOpening(1, 1)
+				o, g := NewOpening(1, 1), NewGenerateOpening(1)
 				for i, c := range chunks {
 					for _, piece := range w.Body([]byte(c), i == len(chunks)-1) {
 						got.Write(piece)
 					}
 					rd.Body([]byte(c), i == len(chunks)-1)
 					o.Scan([]byte(c))
+					g.Scan([]byte(c))
 				}
 				if got.String() != tt.want {
 					t.Fatalf("cut at %d: the client gets\n%q\nwant\n%q", cut, got.String(), tt.want)
@@ -72,6 +92,9 @@ func TestEventStreamFramingAsAClientReadsIt(t *testing.T) {
 				}
 				if o.Verdict() != tt.verdict {
 					t.Fatalf("cut at %d: verdict %v, want %v", cut, o.Verdict(), tt.verdict)
+				}
+				if g.Verdict() != tt.generate {
+					t.Fatalf("cut at %d: /generate verdict %v, want %v", cut, g.Verdict(), tt.generate)
 				}
 			}
 		})
