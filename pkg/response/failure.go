@@ -2,7 +2,6 @@ package response
 
 import (
 	"bytes"
-	"slices"
 	"strconv"
 
 	"github.com/pd-extproc/pd-extproc/pkg/body"
@@ -40,14 +39,12 @@ const (
 // choice's role first, then tokens), and failed when an error event with a
 // 5xx code comes before.
 //
-// An event is framed as the SSE spec says: a line ends with CRLF, LF or
-// CR, a blank line ends the event, its data is its data lines' values
-// joined by LF, judged as one, and a byte order mark before the stream's
-// first line is skipped. Engines send it on one line, JSON, so data
-// that starts {"error" is such an event and nothing else: inside a JSON
-// string the quotes are escaped. Only the data of an event that may be an
-// error event is held; the others are read where they lie. Give it every
-// chunk in order until it has a verdict.
+// An event is read as a client reads it (eventData): its data is its data
+// lines' values joined by LF, judged as one. Engines send it on one line,
+// JSON, so data that starts {"error" is such an event and nothing else:
+// inside a JSON string the quotes are escaped. Only an event that may be an
+// error event is held, up to maxErrorEvent bytes; the others are told from
+// their start. Give it every chunk in order until it has a verdict.
 //
 // SGLang's /generate stream (NewGenerateOpening) has no error event: a
 // request its scheduler aborts, as a decode server does whose KV transfer
@@ -67,17 +64,14 @@ const (
 // however long its meta_info (logprobs); one too long to read otherwise
 // tells nothing, like an error event.
 type Opening struct {
-	line      lineKind // the current line: unknown (too little of it yet), other, or data
-	lineBytes int      // how much of the current line has come: none is a blank line
-	held      []byte   // the current line so far, while unknown or a data line of an event that may be an error event
-	data      []byte   // the event's data so far, while it may be an error event
-	event     lineKind // the event's data: unknown (too little yet), other (an error event too long to read), data, errorEvent
-	hasData   bool     // the event has had a data line
-	cr        bool     // the last line ended with CR: an LF now ends no line
-	events    int      // complete data events that are not error events
-	served    int      // the events that tell the request was served
-	verdict   Verdict
-	generate  bool // the stream is SGLang's /generate: its chunks are read too
+	// held is the event not yet ended: whole while it is not told, then
+	// only its last two bytes, where the blank line that ends it may begin.
+	held     []byte
+	told     eventKind // data (it counts) or other (it tells nothing) once told before its end
+	events   int       // complete data events that are not error events
+	served   int       // the events that tell the request was served
+	verdict  Verdict
+	generate bool // the stream is SGLang's /generate: its chunks are read too
 }
 
 // NewOpening reads the opening of a stream of the given number of choices
@@ -92,50 +86,47 @@ func NewGenerateOpening(choices int) *Opening {
 	return &Opening{served: max(choices, 1), generate: true}
 }
 
-type lineKind uint8
+type eventKind uint8
 
 const (
-	unknown lineKind = iota // too little of it yet
-	other                   // not a data line: a comment, event:, id:, a blank line
-	data                    // a data line, or an event that is not an error event
-	errorEvent
-	chunk // a /generate chunk not yet told: held until its event ends
+	unknown    eventKind = iota // too little of it yet
+	other                       // an error event (or chunk) too long to read: it tells nothing
+	data                        // an event that is not an error event
+	errorEvent                  // held until its end
+	chunk                       // a /generate chunk not yet told: held until its end
 )
 
-// held tells whether an event's data is held: while it may be, or is, an
-// error event or a /generate chunk that has not told yet.
-func (k lineKind) held() bool { return k == unknown || k == errorEvent || k == chunk }
-
-var (
-	dataField = []byte("data:")
-	bomData   = []byte("\ufeffdata:") // the first line, after the stream's byte order mark
-	// errorStarts are how an error event's data starts: the OpenAI API's
-	// (chat, completions), and the Anthropic API's that vLLM's Messages
-	// stream sends, {"type":"error","error":{"type":"internal_error",...}}
-	// (AnthropicServingMessages.message_stream_converter,
-	// vllm/entrypoints/anthropic/serving.py @82df3f49), pydantic's JSON
-	// without spaces.
-	errorStarts = [][]byte{[]byte(`{"error"`), []byte(`{"type":"error"`)}
-)
+// errorStarts are how an error event's data starts: the OpenAI API's (chat,
+// completions), and the Anthropic API's that vLLM's Messages stream sends,
+// {"type":"error","error":{"type":"internal_error",...}}
+// (AnthropicServingMessages.message_stream_converter,
+// vllm/entrypoints/anthropic/serving.py @82df3f49), pydantic's JSON without
+// spaces.
+var errorStarts = [][]byte{[]byte(`{"error"`), []byte(`{"type":"error"`)}
 
 // Scan reads the next chunk of the answer and returns the verdict so far.
 func (o *Opening) Scan(chunk []byte) Verdict {
-	for len(chunk) > 0 && o.verdict == Pending {
-		if o.cr && chunk[0] == '\n' { // the LF of a CRLF
-			chunk = chunk[1:]
-		}
-		o.cr = false
-		end := bytes.IndexAny(chunk, "\r\n")
-		part := chunk
-		if end >= 0 {
-			part, chunk, o.cr = chunk[:end], chunk[end+1:], chunk[end] == '\r'
-		} else {
-			chunk = nil
-		}
-		o.read(part)
-		if end >= 0 {
-			o.endLine()
-		}
+	if o.verdict != Pending {
+		return o.verdict
+	}
+	b, fresh := chunk, 0
+	if len(o.held) > 0 {
+		b, fresh = append(o.held, chunk...), len(o.held)
+	}
+	cut, at := eventsEnd(b, fresh), 0
+	if cut > 0 && o.told != unknown { // the told event ends first
+		at = eventEnd(b[:cut], 0)
+		o.count(o.told == data)
+		o.told = unknown
+	}
+	for at < cut && o.verdict == Pending {
+		end := eventEnd(b[:cut], at)
+		o.judge(b[at:end])
+		at = end
+	}
+	o.held = nil
+	if o.verdict == Pending {
+		o.hold(b[cut:])
 	}
 	return o.verdict
 }
@@ -143,98 +134,63 @@ func (o *Opening) Scan(chunk []byte) Verdict {
 // Verdict is the verdict so far.
 func (o *Opening) Verdict() Verdict { return o.verdict }
 
-// read takes the next part of the current line.
-func (o *Opening) read(part []byte) {
-	o.lineBytes += len(part)
-	if o.line == other || o.line == data && !o.event.held() {
-		return // nothing to hold
-	}
-	room := max(maxErrorEvent-len(o.data)-len(o.held), 0)
-	o.held = append(o.held, part[:min(len(part), room)]...)
-	if o.line == unknown {
-		if o.line = lineKindOf(o.held); o.line != data {
-			return
-		}
-		if !o.event.held() {
-			o.held = o.held[:0] // the event tells nothing more: its other lines are not held
-			return
-		}
-	}
-	switch o.event = o.classify(o.joined()); {
-	case o.event == data:
-		o.held, o.data = o.held[:0], o.data[:0]
-	case len(part) > room:
-		o.line, o.event, o.held, o.data = other, other, o.held[:0], o.data[:0] // an error event (or chunk) too long to read tells nothing
+// judge reads a complete event.
+func (o *Opening) judge(ev []byte) {
+	kind, doc := o.tell(ev)
+	switch kind {
+	case errorEvent:
+		o.verdict = errorVerdict(doc)
+	case chunk:
+		var token bool
+		o.verdict, token = chunkVerdict(doc)
+		o.count(token)
+	case data, unknown: // data, "[DONE]", and a few bytes that cannot be an error
+		o.count(kind == data || len(doc) > 0)
 	}
 }
 
-// joined is the event's data with the current data line's value so far.
-func (o *Opening) joined() []byte {
-	off, _ := dataStart(o.held)
-	if !o.hasData {
-		return o.held[off:]
-	}
-	return slices.Concat(o.data, []byte("\n"), o.held[off:])
-}
-
-// endLine takes the line that just ended: a blank line ends the event.
-func (o *Opening) endLine() {
-	switch {
-	case o.lineBytes == 0:
-		o.dispatch()
-	case o.line == data || o.line == unknown && isData(o.held):
-		if o.event.held() {
-			o.data = append(o.data[:0], o.joined()...)
-			o.event = o.classify(o.data)
-		}
-		o.hasData = true
-	}
-	o.line, o.lineBytes, o.held = unknown, 0, o.held[:0]
-}
-
-// dispatch judges the event that just ended.
-func (o *Opening) dispatch() {
-	counts := false
-	switch {
-	case !o.hasData, o.event == other:
-	case o.event == errorEvent:
-		o.verdict = errorVerdict(o.data)
-	case o.event == chunk:
-		o.verdict, counts = chunkVerdict(o.data)
-	default: // data, "[DONE]", and a few bytes that cannot be an error
-		counts = o.event == data || len(o.data) > 0
-	}
-	if counts {
-		if o.events++; o.events >= o.served {
-			o.verdict = Served
+// hold keeps rest, the start of an event not yet ended, until it is told.
+func (o *Opening) hold(rest []byte) {
+	if o.told == unknown {
+		if kind, _ := o.tell(rest); kind == data || kind == other {
+			o.told = kind
 		}
 	}
-	o.event, o.hasData, o.data = unknown, false, o.data[:0]
-}
-
-// isData reports whether a line is a data line.
-func isData(line []byte) bool {
-	_, ok := dataStart(line)
-	return ok
-}
-
-// lineKindOf tells what a line is from its start, b: unknown while it may
-// yet be a data line ("dat", "data: ") without a byte of its value.
-func lineKindOf(b []byte) lineKind {
-	off, ok := dataStart(b)
-	switch {
-	case !ok && (bytes.HasPrefix(dataField, b) || bytes.HasPrefix(bomData, b)):
-		return unknown
-	case !ok:
-		return other
-	case off == len(b):
-		return unknown
+	if o.told != unknown {
+		rest = rest[max(len(rest)-2, 0):]
 	}
-	return data
+	o.held = bytes.Clone(rest) // chunk's bytes are Envoy's message's
+}
+
+// count counts an event, when it tells the request was served.
+func (o *Opening) count(served bool) {
+	if !served {
+		return
+	}
+	if o.events++; o.events >= o.served {
+		o.verdict = Served
+	}
+}
+
+// tell is what an event, or the start of one, is, and its data. One that
+// is held (unknown, errorEvent, chunk) past maxErrorEvent bytes is read no
+// further and tells nothing (other), unless its start tells it is data.
+// Blank lines before it carry nothing, and whether the line end before
+// them was cut across chunks does not change what it is.
+func (o *Opening) tell(ev []byte) (eventKind, []byte) {
+	ev = bytes.TrimLeft(ev, "\r\n")
+	if len(ev) > maxErrorEvent {
+		if doc, _ := eventData(ev[:maxErrorEvent]); o.classify(doc) == data {
+			return data, nil
+		}
+		return other, nil
+	}
+	doc, _ := eventData(ev)
+	return o.classify(doc), doc
 }
 
 // classify tells what an event's data is from its start, v.
-func classify(v []byte) lineKind {
+func classify(v []byte) eventKind {
 	kind := data
 	for _, start := range errorStarts {
 		n := min(len(v), len(start))
@@ -252,7 +208,7 @@ func classify(v []byte) lineKind {
 // classify is classify on a /generate stream too: there a JSON object that
 // is not an error event is a chunk, held until it tells, unless its start
 // shows output.
-func (o *Opening) classify(v []byte) lineKind {
+func (o *Opening) classify(v []byte) eventKind {
 	kind := classify(v)
 	if kind != data || !o.generate || len(v) == 0 || v[0] != '{' || outputLeads(v) {
 		return kind
@@ -354,16 +310,15 @@ func StreamFailed(answer []byte) bool {
 	if NewOpening(1, 1).Scan(answer) == Failed {
 		return true
 	}
-	for _, line := range bytes.FieldsFunc(answer, isLineEnd) { // CRLF, LF or CR
-		off, ok := dataStart(line)
-		if !ok {
-			continue
-		}
-		v := line[off:]
-		s, e, ok := body.Locate(v, "meta_info", "finish_reason", "status_code")
-		if code, err := strconv.Atoi(string(v[s:e])); ok && err == nil && code >= 500 {
+	ended := answer[:eventsEnd(answer, 0)] // an event the stream does not end is none
+	for start, end := range eventsWith(ended, statusCode) {
+		doc, _ := eventData(ended[start:end])
+		s, e, ok := body.Locate(doc, "meta_info", "finish_reason", "status_code")
+		if code, err := strconv.Atoi(string(doc[s:e])); ok && err == nil && code >= 500 {
 			return true
 		}
 	}
 	return false
 }
+
+var statusCode = []byte(`"status_code"`)

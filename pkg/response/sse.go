@@ -197,7 +197,7 @@ func (r *Rewriter) readData(doc []byte) {
 
 var errorKey = []byte(`"error"`)
 
-func isLineEnd[C byte | rune](c C) bool { return c == '\n' || c == '\r' }
+func isLineEnd(c byte) bool { return c == '\n' || c == '\r' }
 
 // failed says whether an event's data is an engine's error event. vLLM ends a
 // stream that fails after its 200 with `data: {"error": {...}}` (older

@@ -57,6 +57,9 @@ func TestEventStreamFramingAsAClientReadsIt(t *testing.T) {
 		// SGLang's /generate abort (TestGenerateOpeningTellsAnAbortFromTheFirstToken).
 		{"an abort", abort + done, abort + done, "", Served, Failed, true},
 		{"an abort, CR", cr(abort + done), cr(abort + done), "", Served, Failed, true},
+		{"an abort on two data lines", split(abort, `"meta_info":`, "data: ") + done, split(abort, `"meta_info":`, "data: ") + done, "", Served, Failed, true},
+		{"an abort the stream does not end", strings.TrimSuffix(abort, "\n"), strings.TrimSuffix(abort, "\n"), "", Pending, Pending, false},
+		{"a data line before the abort's makes one event that is no JSON", "data: {}\n" + abort + done, "data: {}\n" + abort + done, "", Served, Served, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
