@@ -313,8 +313,11 @@ func TestRewriterFindsTheResponsesAPIsNumber(t *testing.T) {
 // cached tokens out of input_tokens (vllm-project/vllm#40912), so both
 // numbers get the prefill engine's, in a whole answer and in a stream's
 // message_delta, in whichever order they come; where one of them is missing
-// neither is written. The message_start event, whose usage (inside its
-// message) states no cached tokens, passes as it came. A reader reads
+// neither is written. The message_start event passes as it came: vLLM's
+// states the whole prompt as input_tokens and no cached tokens
+// (message_stream_converter, vllm/entrypoints/anthropic/serving.py
+// @0001948b, pydantic's JSON without unset fields), and the usage inside its
+// message is not read even where it states them. A reader reads
 // cache_read_input_tokens, and an answer without it as telling nothing:
 // vLLM before vllm-project/vllm#40912 never wrote it.
 func TestRewriterWritesTheMessagesAPIsTwoNumbers(t *testing.T) {
@@ -323,8 +326,11 @@ func TestRewriterWritesTheMessagesAPIsTwoNumbers(t *testing.T) {
 		pulled = `"usage":{"input_tokens":0,"output_tokens":2,"cache_creation_input_tokens":0,"cache_read_input_tokens":41}`
 		fixed  = `"usage":{"input_tokens":9,"output_tokens":2,"cache_creation_input_tokens":0,"cache_read_input_tokens":32}`
 		cold   = `"usage":{"input_tokens":41,"output_tokens":2}`
-		start  = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"content\":[],\"usage\":{\"input_tokens\":41,\"output_tokens\":0}}}\n\n"
+		start  = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"chatcmpl-1\",\"content\":[],\"model\":\"m\"," +
+			"\"stop_reason\":null,\"stop_sequence\":null,\"usage\":{\"input_tokens\":41,\"output_tokens\":0}}}\n\n"
 	)
+	// Anthropic's own message_start states the cached tokens in its message.
+	startCached := strings.Replace(start, `"output_tokens":0`, `"output_tokens":0,"cache_creation_input_tokens":0,"cache_read_input_tokens":41`, 1)
 	whole := func(u string) string { return `{"id":"m","type":"message","role":"assistant",` + u + `}` }
 	delta := func(u string) string {
 		return "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"max_tokens\"}," + u + "}\n\n"
@@ -345,6 +351,7 @@ func TestRewriterWritesTheMessagesAPIsTwoNumbers(t *testing.T) {
 		{name: "events", headers: sseOK, in: start + delta(pulled), want: start + delta(fixed), seen: "41"},
 		{name: "events without the cached count", headers: sseOK, in: start + delta(cold), want: start + delta(cold)},
 		{name: "message_start alone", headers: sseOK, in: start, want: start},
+		{name: "a message_start stating cached tokens", headers: sseOK, in: startCached + delta(pulled), want: startCached + delta(fixed), seen: "41"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
