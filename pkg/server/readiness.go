@@ -42,8 +42,8 @@ type readiness struct {
 
 	mu sync.Mutex // orders updates, so each transition is applied and logged once
 	// why is why not ready as update last found it, "" when ready; nil before
-	// the first update (New runs one before anything is served).
-	why      atomic.Pointer[string]
+	// the first update (New runs one before anything is served). Guarded by mu.
+	why      *string
 	draining atomic.Bool
 }
 
@@ -66,34 +66,36 @@ func (r *readiness) run(ctx context.Context, interval time.Duration) {
 	}
 }
 
-// update reads the pools now and applies a change of state.
-func (r *readiness) update() {
-	checks := r.checks()
-	up, why := true, ""
+// update reads the pools now, applies a change of state, and returns the
+// checks it read and why not ready ("" when ready).
+func (r *readiness) update() ([]check, string) {
+	r.mu.Lock() // the checks too: a later reading is never applied before an earlier one
+	defer r.mu.Unlock()
+	checks, why := r.checks(), ""
 	for _, c := range checks {
 		if !c.ok {
-			up, why = false, c.name+": "+c.detail
+			why = c.name + ": " + c.detail
 			break
 		}
 	}
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	old := r.why.Swap(&why)
-	if old != nil && (*old == "") == up {
-		return
+	old := r.why
+	r.why = &why
+	if old != nil && (*old == "") == (why == "") {
+		return checks, why
 	}
 	status := healthpb.HealthCheckResponse_NOT_SERVING
-	if up {
+	if why == "" {
 		status = healthpb.HealthCheckResponse_SERVING
 	}
 	for _, svc := range healthServices {
 		r.health.SetServingStatus(svc, status) // ignored once draining: Shutdown is final
 	}
-	if up {
+	if why == "" {
 		r.log.Info("ready: each pool requests need has an endpoint to route to and every discovered pool has synced", "pools", r.pools)
 	} else {
 		r.log.Info("not ready", "why", why)
 	}
+	return checks, why
 }
 
 // drain makes readiness false for good.
@@ -102,12 +104,13 @@ func (r *readiness) drain() {
 	r.health.Shutdown()
 }
 
-// ServeHTTP answers /readyz with the state update last found; /readyz?verbose
-// also lists each check as it is now, as the Kubernetes API server's own
-// /readyz?verbose does: [+] passing, [-] failing.
+// ServeHTTP answers /readyz from the checks read now, which gRPC health
+// then follows too; /readyz?verbose also lists them, as the Kubernetes API
+// server's own /readyz?verbose does: [+] passing, [-] failing.
 func (r *readiness) ServeHTTP(w http.ResponseWriter, req *http.Request) {
+	checks, why := r.update()
 	code, msg := http.StatusOK, "ready"
-	switch why := *r.why.Load(); {
+	switch {
 	case r.draining.Load():
 		code, msg = http.StatusServiceUnavailable, "shutting down"
 	case why != "":
@@ -117,7 +120,7 @@ func (r *readiness) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	w.Header().Set("X-Content-Type-Options", "nosniff")
 	w.WriteHeader(code)
 	if _, verbose := req.URL.Query()["verbose"]; verbose {
-		for _, c := range r.checks() {
+		for _, c := range checks {
 			mark := "+"
 			if !c.ok {
 				mark = "-"
