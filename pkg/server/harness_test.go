@@ -6,9 +6,12 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"net/netip"
 	"os"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -29,12 +32,76 @@ import (
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	decodeEngine = startDecodeFake()
+	decodeEP = decodeEngine.Listener.Addr().String()
+	code := m.Run()
+	decodeEngine.Close()
+	if code == 0 { // as goleak.VerifyTestMain, with the fake closed first
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
 
 const (
 	chatPath = "/v1/chat/completions"
-	decodeEP = "10.1.1.1:8000" // never contacted: Envoy sends the decode leg
+	// refusedEP is an engine address no test serves: nothing listens on
+	// loopback's port 1, so each connection is refused at once, on the host.
+	refusedEP = "127.0.0.1:1"
 )
+
+// decodeEP is the decode endpoint of the configs here, decodeEngine's
+// address on loopback: the pools ask it for its models, and nothing else
+// leaves the host. pd-extproc never sends it a request: Envoy sends the
+// decode leg (start checks).
+var (
+	decodeEP     string
+	decodeEngine *decodeFake
+)
+
+// decodeFake answers the pools' GETs 404 (a list --api-key guards: blind)
+// and counts them; any other request is a decode leg pd-extproc sent.
+type decodeFake struct {
+	*httptest.Server
+	gets, legs atomic.Int64
+	got        chan struct{} // a GET came; never blocks
+}
+
+func startDecodeFake() *decodeFake {
+	f := &decodeFake{got: make(chan struct{}, 1)}
+	f.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodGet {
+			f.legs.Add(1)
+			http.Error(w, "pd-extproc sent the decode leg", http.StatusInternalServerError)
+			return
+		}
+		f.gets.Add(1)
+		select {
+		case f.got <- struct{}{}:
+		default:
+		}
+		http.NotFound(w, r)
+	}))
+	return f
+}
+
+// The pools ask every endpoint for its models as the server starts, the
+// decode endpoint of the tests too: it is a fake on loopback, so that no
+// test reaches a host of the network (10.1.1.1:8000 was asked; on a network
+// that drops packets each read waited out the check timeout).
+func TestDecodeEPIsALocalFake(t *testing.T) {
+	if ap, err := netip.ParseAddrPort(decodeEP); err != nil || !ap.Addr().IsLoopback() {
+		t.Fatalf("decodeEP = %q, want a loopback address", decodeEP)
+	}
+	gets := decodeEngine.gets.Load()
+	start(t, fmt.Sprintf("connector: kv-nixl\npools: {decode: {endpoints: [%q]}}", decodeEP), Options{}, logr.Discard())
+	for decodeEngine.gets.Load() == gets {
+		enginetest.Receive(t, decodeEngine.got, "the pools never asked the decode endpoint for its models")
+	}
+}
 
 // running is a Server serving on loopback, as cmd/extproc runs it.
 type running struct {
@@ -72,6 +139,7 @@ func start(t *testing.T, configYAML string, opts Options, log logr.Logger) *runn
 	ctx, stop := context.WithCancel(context.Background())
 	r := &running{Server: s, admin: "http://" + adminLis.Addr().String(), grpcAddr: grpcLis.Addr().String(), stop: stop,
 		signals: signals, served: make(chan error, 1)}
+	legs := decodeEngine.legs.Load()
 	go func() { r.served <- s.Serve(ctx, grpcLis, adminLis) }()
 	conn, err := grpc.NewClient(grpcLis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
@@ -83,6 +151,9 @@ func start(t *testing.T, configYAML string, opts Options, log logr.Logger) *runn
 		stop()
 		if err := r.wait(t); err != nil {
 			t.Errorf("Serve: %v", err)
+		}
+		if n := decodeEngine.legs.Load() - legs; n != 0 {
+			t.Errorf("pd-extproc sent %d requests to the decode endpoint; Envoy sends the decode leg", n)
 		}
 	})
 	return r

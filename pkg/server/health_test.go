@@ -300,7 +300,7 @@ func TestProfilerAnswersOnLoopbackOnly(t *testing.T) {
 // shutdown for the grace period.
 func TestAHealthWatchEndsWithTheDrain(t *testing.T) {
 	r := start(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}",
-		"127.0.0.1:1", decodeEP), Options{Grace: time.Minute}, logr.Discard())
+		refusedEP, decodeEP), Options{Grace: time.Minute}, logr.Discard())
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second) // well within the grace
 	defer cancel()
 	watch, err := r.health.Watch(ctx, &healthpb.HealthCheckRequest{Service: ""})

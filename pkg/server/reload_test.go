@@ -104,7 +104,7 @@ func TestReloadLogNamesRestartOnlyKeys(t *testing.T) {
 	}
 	logs := &logLines{}
 	r := start(t, first, Options{ConfigPath: path}, funcr.NewJSON(logs.add, funcr.Options{}))
-	next := "connector: kv-nixl\npools: {decode: {endpoints: [\"10.1.1.2:8000\"]}}\nlimits: {max_concurrent_streams: 7}\n"
+	next := "connector: kv-nixl\npools: {decode: {endpoints: [\"" + refusedEP + "\"]}}\nlimits: {max_concurrent_streams: 7}\n"
 	if err := os.WriteFile(path, []byte(next), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -132,7 +132,7 @@ func TestReloadLogNamesRestartOnlyKeys(t *testing.T) {
 	}
 	// The pool itself is live: the new decode endpoint is the one reported.
 	deadline := time.Now().Add(10 * time.Second)
-	for r.scrape(t)[series("pd_extproc_endpoint_healthy", "endpoint", "10.1.1.2:8000", "pool", "decode")] != 1 {
+	for r.scrape(t)[series("pd_extproc_endpoint_healthy", "endpoint", refusedEP, "pool", "decode")] != 1 {
 		if time.Now().After(deadline) {
 			t.Fatalf("the reloaded decode endpoint never appeared in /metrics")
 		}
@@ -165,8 +165,8 @@ func TestNoDecodePoolServesNotReadyAndSaysWhatToSet(t *testing.T) {
 // start, and a reload to such a config, say what to set. Under the other
 // connectors requests go decode-only, and nothing is said.
 func TestNoPrefillPoolUnderKVSGLangSaysWhatToSet(t *testing.T) {
-	const decode = `decode: {endpoints: ["` + decodeEP + `"]}`
-	const prefill = `prefill: {endpoints: ["10.1.1.3:8000"]}, `
+	decode := `decode: {endpoints: ["` + decodeEP + `"]}`
+	const prefill = `prefill: {endpoints: ["` + refusedEP + `"]}, `
 	const noPrefill = "no prefill engine is configured"
 	tests := []struct {
 		name, connector, pools string
@@ -336,7 +336,7 @@ func TestIgnoredKeysAreNamedAtStartAndReload(t *testing.T) {
 	const msg = "these keys do nothing without the key that turns them on, and are ignored"
 	steps := []struct{ pools, want string }{ // the first starts the server, the others reload it
 		{`{decode: {endpoints: ["` + decodeEP + `"], dns_interval: 5s}}`, "[pools.decode.dns_interval (needs pools.decode.dns)]"},
-		{`{prefill: {endpoints: ["10.0.0.1:8000"], metrics: {timeout: 1s}}, decode: {endpoints: ["` + decodeEP + `"], health: {check_path: /ready}}}`,
+		{`{prefill: {endpoints: ["` + refusedEP + `"], metrics: {timeout: 1s}}, decode: {endpoints: ["` + decodeEP + `"], health: {check_path: /ready}}}`,
 			"[pools.prefill.metrics.timeout (needs pools.prefill.metrics.interval) pools.decode.health.check_path (needs pools.decode.health.check_interval)]"},
 	}
 	path := filepath.Join(t.TempDir(), "extproc.yaml")

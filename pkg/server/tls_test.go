@@ -76,7 +76,7 @@ func TestGRPCListenerServesMTLSAndReloadsRotatedCertificates(t *testing.T) {
 	writeFile(t, files.Key, keyPEM)
 	writeFile(t, files.ClientCA, ca.PEM)
 
-	cfg, err := config.Parse([]byte(`{connector: kv-nixl, pools: {decode: {endpoints: ["10.1.1.1:8000"]}}}`))
+	cfg, err := config.Parse([]byte(`{connector: kv-nixl, pools: {decode: {endpoints: ["` + decodeEP + `"]}}}`))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -190,7 +190,7 @@ func TestClientCertificateSANsAreChecked(t *testing.T) {
 			refusals.WriteString(args + "\n")
 		}
 	}, funcr.Options{})
-	r := start(t, `{connector: kv-nixl, pools: {decode: {endpoints: ["10.1.1.1:8000"]}}}`,
+	r := start(t, `{connector: kv-nixl, pools: {decode: {endpoints: ["`+decodeEP+`"]}}}`,
 		Options{TLS: TLSFiles{Cert: f.Cert, Key: f.Key, ClientCA: f.CA, AllowedSANs: []string{gateway, spiffe, "SPIFFE://cluster.local/ns/debug/sa/envoy"}}}, log)
 	tests := []struct {
 		name   string
