@@ -39,6 +39,18 @@ func TestChartRefusesNamesKubernetesRefuses(t *testing.T) {
 		{"an engine key Secret with a space", "engineAPIKey: {secretName: 'api key'}", "engineAPIKey.secretName"},
 		{"a name override in capitals", "nameOverride: PD", "nameOverride"},
 		{"a full name override with an underscore", "fullnameOverride: router_x", "fullnameOverride"},
+		// The label app.kubernetes.io/name is the name override, cut at 63 characters.
+		{"a name override ending in a dot", "nameOverride: pd.", "nameOverride"},
+		{"a name override with a space beside a full name override", "{fullnameOverride: router, nameOverride: 'pd router'}", "nameOverride"},
+		{"a name override in capitals beside a full name override", "{fullnameOverride: router, nameOverride: PD}", ""},
+		// A Secret's keys are letters, digits, '-', '_' and '.'; the kubelet mounts no other.
+		{"an engine key Secret's key with a slash", "engineAPIKey: {secretName: engine-key, key: keys/api}", "engineAPIKey.key"},
+		{"an engine key Secret's key starting with '..'", "engineAPIKey: {secretName: engine-key, key: ..key}", "engineAPIKey.key"},
+		{"an engine key Secret's empty key", "engineAPIKey: {secretName: engine-key, key: ''}", "engineAPIKey.key"},
+		{"an engine key Secret's key with dots and underscores", "engineAPIKey: {secretName: engine-key, key: API_key.v2}", ""},
+		{"an engine CA Secret's key with a space", "{engineCA: {secretName: engine-ca, key: 'ca bundle'}, config: {pools: {decode: {tls: {enabled: true}}}}}", "engineCA.key"},
+		{"the decode pool's namespace in capitals", "config: {pools: {decode: {kubernetes: {namespace: Engines}}}}", `config.pools.decode.kubernetes.namespace: "Engines" is not a name`},
+		{"the prefill pool's namespace with an underscore", "config: {pools: {prefill: {kubernetes: {namespace: engines_a}}}}", `config.pools.prefill.kubernetes.namespace: "engines_a" is not a name`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			values := map[string]any{}

@@ -209,3 +209,59 @@ func TestChartNameBoundsAreTheAPIServers(t *testing.T) {
 		}
 	}
 }
+
+// The label and Secret key bounds the chart checks at render (TestChartRefusesNamesKubernetesRefuses
+// in test/deploy): app.kubernetes.io/name (nameOverride) is a label value, capitals taken and a
+// trailing dot refused, as the API server has it; a Secret volume's key (engineAPIKey.key) the
+// API server takes whatever it holds but its emptiness, so the chart alone can refuse one no
+// Secret can hold, which the kubelet would never mount.
+func TestChartLabelAndKeyBoundsAreTheAPIServers(t *testing.T) {
+	c := mustCluster(t)
+	prepareForManifests(t, c)
+	objs := chartObjects(t, chart.Release{Name: "pd-extproc", Namespace: "pd-extproc"}, map[string]any{
+		"fullnameOverride": "router", "nameOverride": "PD", "engineAPIKey": map[string]any{"secretName": "engine-key"},
+	})
+	var deploy *unstructured.Unstructured
+	for _, obj := range objs {
+		if err := c.dryRunApply(obj); err != nil {
+			t.Errorf("%s refused: %v", describe(obj), err)
+		}
+		if obj.GetKind() == "Deployment" && obj.GetName() == "router" {
+			deploy = obj
+		}
+	}
+	if deploy == nil {
+		t.Fatal("no Deployment router rendered")
+	}
+	withKey := func(key string) *unstructured.Unstructured {
+		o := deploy.DeepCopy()
+		vols, _, _ := unstructured.NestedSlice(o.Object, "spec", "template", "spec", "volumes")
+		for _, v := range vols {
+			if s, _ := v.(map[string]any)["secret"].(map[string]any); s["secretName"] == "engine-key" {
+				s["items"].([]any)[0].(map[string]any)["key"] = key
+			}
+		}
+		if err := unstructured.SetNestedSlice(o.Object, vols, "spec", "template", "spec", "volumes"); err != nil {
+			t.Fatal(err)
+		}
+		return o
+	}
+	dotted := deploy.DeepCopy()
+	labels := dotted.GetLabels()
+	labels["app.kubernetes.io/name"] = "pd."
+	dotted.SetLabels(labels)
+	for _, tc := range []struct {
+		name string
+		obj  *unstructured.Unstructured
+		want string // "": taken
+	}{
+		{"the label app.kubernetes.io/name ending in a dot", dotted, "a valid label must be"},
+		{"a Secret key with a slash", withKey("keys/api"), ""},
+		{"an empty Secret key", withKey(""), "items[0].key: Required value"},
+	} {
+		err := c.dryRunApply(tc.obj)
+		if tc.want == "" && err != nil || tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)) {
+			t.Errorf("dry run of the Deployment with %s: %v; want %q", tc.name, err, tc.want)
+		}
+	}
+}

@@ -23,7 +23,8 @@ digit goes after the chart's name, and a dot (Helm allows them) becomes a dash. 
 {{- end }}
 
 {{/* Refuses the names the values give that the API server would refuse (or, for gateway.name,
-that make a Service it would refuse), naming the value; an empty one takes the chart's default. */}}
+that make a Service it would refuse), and Secret keys no Secret holds (the kubelet would never
+mount them), naming the value; an empty one takes the chart's default. */}}
 {{- define "pd-extproc.checkNames" -}}
 {{- $v := .Values }}
 {{- $rows := list (list "serviceAccount.name" $v.serviceAccount.name "subdomain" 253)
@@ -34,6 +35,18 @@ that make a Service it would refuse), naming the value; an empty one takes the c
 {{- range $v.rbac.extraNamespaces }}
 {{- $rows = append $rows (list "rbac.extraNamespaces" . "label" 63) }}
 {{- end }}
+{{- range $pool := list "prefill" "decode" }}
+{{- $rows = append $rows (list (printf "config.pools.%s.kubernetes.namespace" $pool) (dig "pools" $pool "kubernetes" "namespace" "" $v.config) "label" 63) }}
+{{- end }}
+{{- range $key := list "engineAPIKey" "engineCA" }}
+{{- with get $v $key }}
+{{- if .secretName }}
+{{- $rows = append $rows (list (printf "%s.key" $key) (required (printf "%s.key: the key of %s.secretName to mount" $key $key) .key) "secretKey" 253) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- /* The label app.kubernetes.io/name: whatever fullnameOverride is. */}}
+{{- $rows = append $rows (list "nameOverride" (include "pd-extproc.name" .) "labelValue" 63) }}
 {{- with $v.gateway }}
 {{- if .enabled }}
 {{- /* 56: the Service <name>-decode is an RFC 1035 label of at most 63 characters. */}}
@@ -44,10 +57,14 @@ that make a Service it would refuse), naming the value; an empty one takes the c
 {{- end }}
 {{- end }}
 {{- $label := "[a-z0-9]|[a-z0-9][-a-z0-9]*[a-z0-9]" }}
-{{- $rules := dict "label" (printf "^(%s)$" $label) "service" "^([a-z]|[a-z][-a-z0-9]*[a-z0-9])$" "subdomain" (printf "^(%s)(\\.(%s))*$" $label $label) }}
+{{- $rules := dict "label" (printf "^(%s)$" $label) "service" "^([a-z]|[a-z][-a-z0-9]*[a-z0-9])$" "subdomain" (printf "^(%s)(\\.(%s))*$" $label $label)
+      "secretKey" "^[.]?[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"
+      "labelValue" "^([A-Za-z0-9]|[A-Za-z0-9][-A-Za-z0-9_.]*[A-Za-z0-9])$" }}
 {{- $says := dict "label" "a DNS label: lower-case letters, digits and '-', a letter or digit at each end"
       "service" "lower-case letters, digits and '-', a letter first and a letter or digit last: the Service <gateway.name>-decode is named after it"
-      "subdomain" "a DNS subdomain: lower-case letters, digits, '-' and '.', a letter or digit at each end and beside each '.'" }}
+      "subdomain" "a DNS subdomain: lower-case letters, digits, '-' and '.', a letter or digit at each end and beside each '.'"
+      "secretKey" "a Secret's key: letters, digits, '-', '_' and '.', not '.' nor starting with '..'"
+      "labelValue" "a label value: letters, digits, '-', '_' and '.', a letter or digit at each end (the label app.kubernetes.io/name is the name override, cut at 63)" }}
 {{- range $rows }}
 {{- $name := index . 1 | toString }}
 {{- $rule := index . 2 }}
