@@ -9,6 +9,8 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -54,26 +56,61 @@ func (c *Config) reloadable(s startedWith) error {
 	return nil
 }
 
+// LiveKeys are the keys a reload applies in place, and the keys below them,
+// as a user writes them: what assemble.Reload hands to the pipeline (each
+// pool's endpoints and scheduling keys, the P/D decider, the shedding).
+// Every other key takes effect on restart only: a key added to the config
+// is restart-only until it is listed here, in the config in force
+// (InForce) and in the reload's log line alike.
+var LiveKeys = []string{
+	"pools.prefill.endpoints", "pools.decode.endpoints",
+	"pools.prefill.policy", "pools.decode.policy",
+	"pools.prefill.prefix", "pools.decode.prefix",
+	"pools.prefill.health", "pools.decode.health",
+	"pools.prefill.metrics", "pools.decode.metrics",
+	"pools.prefill.dns", "pools.decode.dns",
+	"pools.prefill.dns_interval", "pools.decode.dns_interval",
+	"pools.prefill.kv_events", "pools.decode.kv_events",
+	"pools.decode.fallbacks",
+	"pd",
+	"admission",
+}
+
 // InForce is c as a reload after prev runs it, started being the config
-// the process started with. The keys read at start only that a reload's
-// checks and warnings read keep started's values: the connector, prefill.*,
-// envoy.* and each pool's kubernetes. A pool whose kubernetes key c adds or
-// drops keeps prev's endpoints, dns and dns_interval until the restart:
-// Kubernetes discovery starts and stops only with the process, and the
-// file's sources alone would empty the pool, or mix with those it drops.
+// the process started with: started, with c's LiveKeys. A pool whose
+// kubernetes key c adds or drops keeps prev's endpoints, dns and
+// dns_interval until the restart: Kubernetes discovery starts and stops
+// only with the process, and the file's sources alone would empty the
+// pool, or mix with those it drops.
 func (c *Config) InForce(started, prev *Config) *Config {
-	run := *c
-	run.Connector, run.Prefill, run.Envoy = started.Connector, started.Prefill, started.Envoy
-	for _, p := range []struct{ run, started, prev *Pool }{
-		{&run.Pools.Prefill, &started.Pools.Prefill, &prev.Pools.Prefill},
-		{&run.Pools.Decode, &started.Pools.Decode, &prev.Pools.Decode},
+	run := *started
+	for _, key := range LiveKeys {
+		keyField(&run, key).Set(keyField(c, key))
+	}
+	run.ignored = c.ignored // of live keys only (ignored.go)
+	for _, p := range []struct{ run, file, prev *Pool }{
+		{&run.Pools.Prefill, &c.Pools.Prefill, &prev.Pools.Prefill},
+		{&run.Pools.Decode, &c.Pools.Decode, &prev.Pools.Decode},
 	} {
-		if (p.run.Kubernetes == nil) != (p.started.Kubernetes == nil) {
+		if (p.file.Kubernetes == nil) != (p.run.Kubernetes == nil) {
 			p.run.Endpoints, p.run.DNS, p.run.DNSInterval = p.prev.Endpoints, p.prev.DNS, p.prev.DNSInterval
 		}
-		p.run.Kubernetes = p.started.Kubernetes
 	}
 	return &run
+}
+
+// keyField is the field of c that key, as a user writes it, names.
+func keyField(c *Config, key string) reflect.Value {
+	v := reflect.ValueOf(c).Elem()
+	for name := range strings.SplitSeq(key, ".") {
+		fields := reflect.VisibleFields(v.Type()) // with an embedded struct's, whose keys sit beside its parent's
+		i := slices.IndexFunc(fields, func(f reflect.StructField) bool { return strings.Split(f.Tag.Get("json"), ",")[0] == name })
+		if i < 0 {
+			panic("config: no key " + key)
+		}
+		v = v.FieldByIndex(fields[i].Index)
+	}
+	return v
 }
 
 // Watch re-reads the file at path whenever its directory changes (and after

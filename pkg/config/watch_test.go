@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -565,6 +567,55 @@ func TestInForceHoldsAPoolsSourcesAcrossADiscoverySwitch(t *testing.T) {
 			d := run.Pools.Decode
 			if got := fmt.Sprint(d.Endpoints); got != tt.endpoints || d.DNS != tt.dns || (d.Kubernetes != nil) != tt.kubernetes {
 				t.Errorf("in force: endpoints %s, dns %q, kubernetes %v; want %s, %q, %v", got, d.DNS, d.Kubernetes != nil, tt.endpoints, tt.dns, tt.kubernetes)
+			}
+		})
+	}
+}
+
+// The config in force after a reload is the started one with the file's
+// live keys (LiveKeys): every other key the file changes keeps its running
+// value there, for the warnings and the next reload to read.
+func TestInForceKeepsTheRunningValueOfEachRestartOnlyKey(t *testing.T) {
+	const pools = `pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {endpoints: ["10.0.0.2:8000"]}}`
+	const started = "connector: kv-nixl\n" + pools + "\n"
+	tests := []struct {
+		name, next string
+		want       string // the file whose config is in force; "": started
+	}{
+		// Not max_concurrent_streams: admission.max_held, live, follows it (README).
+		{name: "limits", next: started + "limits: {max_body_bytes: 1048576, body_timeout: 5s, retry_after: 2s}\n"},
+		{name: "tracing", next: started + "tracing: {otlp_endpoint: \"http://collector:4317\", sample_ratio: 0.5}\n"},
+		{name: "routes", next: started + "routes: {passthrough: [\"GET /v1/models\"], pair_builtin_tools: true, messages_decode_only: true}\n"},
+		{name: "response", next: started + "response: {rewrite_usage: true, max_body_bytes: 1024}\n"},
+		{name: "a pool's TLS, key and bootstrap port", next: "connector: kv-nixl\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 9000}, " +
+			"decode: {endpoints: [\"10.0.0.2:8000\"], tls: {enabled: true}, api_key_file: /keys/decode}}\n"},
+		{name: "prefill and envoy", next: started + "prefill: {timeout: 10s, attempts: 3}\nenvoy: {override_after: 1s}\n"},
+		{name: "the connector", next: "connector: kv-shared-storage\n" + pools + "\n"},
+		{name: "live keys beside restart-only ones",
+			next: "connector: kv-nixl\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"]}, decode: {endpoints: [\"10.0.0.3:8000\"], policy: round-robin}}\n" +
+				"limits: {max_body_bytes: 1048576}\npd: {mode: always}\nadmission: {objectives: {chat: 1}}\n",
+			want: "connector: kv-nixl\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"]}, decode: {endpoints: [\"10.0.0.3:8000\"], policy: round-robin}}\n" +
+				"pd: {mode: always}\nadmission: {objectives: {chat: 1}}\n"},
+	}
+	parse := func(f string) *Config {
+		c, err := Parse([]byte(f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := parse(started)
+			got, want := parse(tt.next).InForce(s, s), parse(cmp.Or(tt.want, started))
+			g, w := reflect.ValueOf(*got), reflect.ValueOf(*want)
+			for i := range g.NumField() {
+				if g.Type().Field(i).IsExported() && !reflect.DeepEqual(g.Field(i).Interface(), w.Field(i).Interface()) {
+					t.Errorf("in force, %s = %+v; want %+v", g.Type().Field(i).Name, g.Field(i), w.Field(i))
+				}
+			}
+			if !slices.Equal(got.Ignored(), want.Ignored()) {
+				t.Errorf("in force, ignored %q; want %q", got.Ignored(), want.Ignored())
 			}
 		})
 	}

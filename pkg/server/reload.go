@@ -7,53 +7,19 @@ import (
 	"maps"
 	"reflect"
 	"slices"
-	"strings"
 
 	"github.com/go-logr/logr"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
 
-// liveKeys are the config keys a reload applies in place, and the keys below
-// them: what assemble.Reload hands to the pipeline for scheduling.Pools.Update (each pool's
-// endpoints and scheduling keys, the P/D decider), the parallel-sampling
-// switch it keeps itself, and its shedding (admission.*). Every other key takes effect on restart only. A key
-// added to the config is restart-only until it is listed here, so a new key
-// can be wrongly reported as needing a restart, never wrongly as applied.
-var liveKeys = []string{
-	"pools.prefill.endpoints", "pools.decode.endpoints",
-	"pools.prefill.policy", "pools.decode.policy",
-	"pools.prefill.prefix", "pools.decode.prefix",
-	"pools.prefill.health", "pools.decode.health",
-	"pools.prefill.metrics", "pools.decode.metrics",
-	"pools.prefill.dns", "pools.decode.dns",
-	"pools.prefill.dns_interval", "pools.decode.dns_interval",
-	"pools.prefill.kv_events", "pools.decode.kv_events",
-	"pools.decode.fallbacks",
-	"pd",
-	"admission",
-}
-
-// isLive reports whether key is one of liveKeys or below one.
-func isLive(key string) bool {
-	return slices.ContainsFunc(liveKeys, func(k string) bool { return key == k || strings.HasPrefix(key, k+".") })
-}
-
 // restartOnly names the keys whose value in next, the file, differs from the
 // one in force, run (config.InForce): those a reload does not apply, which
-// keep the value the process started with, and the live keys it holds back
-// for one of them. They take effect on restart. Keys are named as a user
+// keep their running values until a restart. Keys are named as a user
 // writes them (limits.max_concurrent_streams,
 // pools.prefill.kubernetes.selector), each leaf once, in order.
-func restartOnly(started, run, next *config.Config) []string {
-	keys := slices.DeleteFunc(changedKeys(asTree(started), asTree(next), ""), isLive)
-	for _, k := range changedKeys(asTree(run), asTree(next), "") {
-		if isLive(k) {
-			keys = append(keys, k)
-		}
-	}
-	slices.Sort(keys)
-	return keys
+func restartOnly(run, next *config.Config) []string {
+	return changedKeys(asTree(run), asTree(next), "")
 }
 
 // asTree is c as its file would spell it: the keys its JSON tags name, with

@@ -215,7 +215,7 @@ func (s *Server) watchConfig(ctx context.Context) func() {
 		err := config.Watch(ctx, s.opts.ConfigPath, s.cfg, s.reread, func(c *config.Config) {
 			inForce = c.InForce(s.cfg, inForce)
 			assemble.Reload(s.pipeline, inForce)
-			pending := restartOnly(s.cfg, inForce, c)
+			pending := restartOnly(inForce, c)
 			s.metrics.ConfigReloaded(len(pending))
 			logConfigReloaded(s.log, s.opts.ConfigPath, pending, inForce, s.pairedConnector())
 		}, func(err error) {

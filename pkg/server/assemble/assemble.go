@@ -92,7 +92,7 @@ func schedulingSpec(cfg *config.Config) scheduling.Spec {
 }
 
 // Reload applies what a reloaded config changes in place: the pools, their
-// scheduling keys, the pd.* and admission.* keys (pkg/server's liveKeys).
+// scheduling keys, the pd.* and admission.* keys (config.LiveKeys).
 func Reload(p *pipeline.Pipeline, cfg *config.Config) {
 	p.Reload(schedulingSpec(cfg))
 	p.SetShedding(shedding(cfg))
