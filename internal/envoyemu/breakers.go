@@ -14,7 +14,7 @@ type Thresholds struct {
 	MaxConnections     int
 	MaxPendingRequests int
 	MaxRequests        int
-	MaxRetries         int // parsed for completeness: the emulator never retries
+	MaxRetries         int // parsed for completeness: retries are not counted against it
 }
 
 // DefaultThresholds are Envoy's for a cluster without circuit_breakers

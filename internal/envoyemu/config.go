@@ -88,6 +88,13 @@ type Config struct {
 	ClientHeaders ClientHeaders
 	// LocalReplies is the connection manager's local_reply_config (§15).
 	LocalReplies LocalReplies
+	// GatewayFallbacks makes the router a gateway of the endpoint-picker
+	// protocol (§8.2) rather than plain Envoy: it reads the ORIGINAL_DST
+	// value as a comma-separated list, sends to its first valid endpoint,
+	// retries down the list as the route's retry policy says, and reports
+	// the endpoint that answered in the stream's envoy.lb metadata
+	// (x-gateway-destination-endpoint-served). Emulator-only knob.
+	GatewayFallbacks bool
 
 	// Mounts maps the directories the bootstrap names to the host's, as a
 	// container's bind mounts do (/etc/envoy/certs to a test's directory):
@@ -178,6 +185,7 @@ type Route struct {
 	Cluster string
 	// Timeout is the route timeout; 0 means none (§5, envoy#35812).
 	Timeout time.Duration
+	Retry   *RetryPolicy // retry_policy, the route's or its virtual host's; nil: none
 }
 
 // Cluster is a static cluster of the bootstrap. Routes may target only

@@ -2,6 +2,7 @@ package envoyemu
 
 import (
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -155,6 +156,53 @@ func TestLoadConfigBreakerDefaults(t *testing.T) {
 	}
 	if got := cfg.Clusters["extproc"].StreamsPerConnection; got != defaultHTTP2Streams {
 		t.Errorf("extproc streams per connection = %d, want %d", got, defaultHTTP2Streams)
+	}
+}
+
+// TestLoadConfigRetryPolicy: a route's retry_policy, else its virtual
+// host's, with num_retries 1 unless set; what the emulator does not retry
+// on is refused.
+func TestLoadConfigRetryPolicy(t *testing.T) {
+	raw := readFile(t, filepath.Join(repoRoot(t), "config", "envoy", "envoy.yaml"))
+	const route = `route: {cluster: pd_original_dst, timeout: 0s}`
+	const vhost = "            - name: inference\n" + `              domains: ["*"]` + "\n"
+	tests := []struct {
+		name, old, new string
+		want           [2]*RetryPolicy // the two routes'
+		err            string
+	}{
+		{name: "none", old: route, new: route},
+		{name: "the route's", old: route,
+			new:  `route: {cluster: pd_original_dst, timeout: 0s, retry_policy: {retry_on: "connect-failure,retriable-status-codes", num_retries: 2, retriable_status_codes: [503]}}`,
+			want: [2]*RetryPolicy{{On: []string{"connect-failure", "retriable-status-codes"}, NumRetries: 2, StatusCodes: []int{503}}}},
+		{name: "the virtual host's", old: vhost, new: vhost + `              retry_policy: {retry_on: reset}` + "\n",
+			want: [2]*RetryPolicy{{On: []string{"reset"}, NumRetries: 1}, {On: []string{"reset"}, NumRetries: 1}}},
+		{name: "a condition not emulated", old: route, new: `route: {cluster: pd_original_dst, retry_policy: {retry_on: refused-stream}}`,
+			err: `retry_on "refused-stream" is not emulated`},
+		{name: "a per-try timeout", old: route, new: `route: {cluster: pd_original_dst, retry_policy: {retry_on: reset, per_try_timeout: 1s}}`,
+			err: "only retry_on, num_retries and retriable_status_codes"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if !strings.Contains(raw, tc.old) {
+				t.Fatalf("envoy.yaml has no %q", tc.old)
+			}
+			cfg, err := LoadConfig(writeFile(t, strings.Replace(raw, tc.old, tc.new, 1)))
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("LoadConfig error = %v, want one mentioning %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i, want := range tc.want {
+				if got := cfg.Routes[i].Retry; !reflect.DeepEqual(got, want) {
+					t.Errorf("route %d: retry %+v, want %+v", i, got, want)
+				}
+			}
+		})
 	}
 }
 

@@ -248,6 +248,14 @@ func (cfg *Config) fromRoutes(rc *routev3.RouteConfiguration) error {
 			if len(r.GetMatch().GetHeaders()) > 0 || len(r.GetMatch().GetQueryParameters()) > 0 {
 				return errors.New("header and query matchers are not emulated")
 			}
+			rp := ra.GetRetryPolicy()
+			if rp == nil {
+				rp = vh.GetRetryPolicy()
+			}
+			var err error
+			if rt.Retry, err = retryPolicyFrom(rp); err != nil {
+				return err
+			}
 			cfg.Routes = append(cfg.Routes, rt)
 		}
 	}

@@ -23,6 +23,22 @@ func buildMetadataContext(namespaces []string, md map[string]*structpb.Struct) *
 	return out
 }
 
+// servedKey is where a gateway of the endpoint-picker protocol reports the
+// endpoint that served the request, in the envoy.lb namespace (§8.2).
+const servedKey = "x-gateway-destination-endpoint-served"
+
+// setServed reports addr as the endpoint that served, on the stream's
+// metadata, which the response path's messages carry where
+// forwarding_namespaces lists envoy.lb.
+func setServed(md map[string]*structpb.Struct, addr string) {
+	s := md["envoy.lb"]
+	if s == nil {
+		s = &structpb.Struct{Fields: map[string]*structpb.Value{}}
+		md["envoy.lb"] = s
+	}
+	s.Fields[servedKey] = structpb.NewStringValue(addr)
+}
+
 // metadataValue walks a MetadataKey (namespace + path) as ORIGINAL_DST does.
 func metadataValue(md map[string]*structpb.Struct, ns string, path []string) (*structpb.Value, bool) {
 	s, ok := md[ns]

@@ -34,6 +34,7 @@ type router struct {
 	cancel  context.CancelFunc
 	body    *streamBody // the upstream request's
 	timer   loopTimer   // the route timeout (§5)
+	attempts
 }
 
 // cancelUpstream abandons the upstream request, if one started.
@@ -69,25 +70,33 @@ func (rt *router) headers(h *headerMap, end bool) {
 	if md == nil {
 		md = x.md.stream
 	}
-	cluster := x.cfg.Clusters[route.Cluster]
-	addr, ok := chooseHost(cluster.OriginalDst, h, md)
-	if !ok {
+	hosts := chooseHosts(x.cfg.Clusters[route.Cluster].OriginalDst, h, md, x.cfg.GatewayFallbacks)
+	if len(hosts) == 0 {
 		x.localReply(http.StatusServiceUnavailable, "UH", "no healthy upstream", "no_healthy_upstream")
 		return
 	}
-	x.p.recordUpstream(addr)
-	req, err := rt.buildRequest(addr, h, end, route)
-	if err != nil {
-		x.localReply(http.StatusBadRequest, "", "", "invalid_upstream_request: "+err.Error())
-		return
-	}
-	x.startUpstream(req, x.p.routed.get(cluster))
-	if end {
+	rt.attempts = attempts{hosts: hosts, headers: h, noBody: end}
+	if rt.send(hosts[0]) && end {
 		rt.startRouteTimer(route.Timeout)
 	}
 }
 
+// send starts an attempt on addr; false when the request cannot be built.
+func (rt *router) send(addr string) bool {
+	x, a := rt.x, &rt.attempts
+	a.made, a.at = a.made+1, addr
+	x.p.recordUpstream(addr)
+	req, err := rt.buildRequest(addr, a.headers, a.noBody, rt.route)
+	if err != nil {
+		x.localReply(http.StatusBadRequest, "", "", "invalid_upstream_request: "+err.Error())
+		return false
+	}
+	x.startUpstream(req, x.p.routed.get(x.cfg.Clusters[rt.route.Cluster]), rt.retriable())
+	return true
+}
+
 func (rt *router) data(b []byte, end bool) {
+	rt.keep(b, end, nil)
 	if len(b) > 0 {
 		rt.body.push(b)
 	}
@@ -98,6 +107,7 @@ func (rt *router) data(b []byte, end bool) {
 }
 
 func (rt *router) trailers(t *headerMap) {
+	rt.keep(nil, true, t)
 	rt.body.end(t)
 	rt.startRouteTimer(rt.route.Timeout)
 }
@@ -150,8 +160,9 @@ func (rt *router) buildRequest(addr string, h *headerMap, end bool, route *Route
 
 // startUpstream runs the upstream exchange in the background, once the
 // cluster's circuit breakers admit it (§12), and reports headers, body chunks
-// and trailers as events.
-func (x *exchange) startUpstream(req *http.Request, cluster *resources) {
+// and trailers as events; or, when retriable says so of its failure or its
+// status, the retry.
+func (x *exchange) startUpstream(req *http.Request, cluster *resources, retriable func(status int, err error) bool) {
 	go func() {
 		release, err := cluster.acquire(req.Context())
 		if err != nil {
@@ -162,11 +173,19 @@ func (x *exchange) startUpstream(req *http.Request, cluster *resources) {
 		}
 		defer release()
 		resp, err := x.p.transport.RoundTrip(req)
+		if err != nil && retriable != nil && retriable(0, err) {
+			x.post(func() { x.rt.retry(err.Error()) })
+			return
+		}
 		if err != nil {
 			x.post(func() { x.onUpstreamError(err, false) })
 			return
 		}
 		defer resp.Body.Close()
+		if retriable != nil && retriable(resp.StatusCode, nil) {
+			x.post(func() { x.rt.retry(resp.Status) })
+			return
+		}
 		h := &headerMap{}
 		h.add(":status", strconv.Itoa(resp.StatusCode))
 		fromHTTPHeader(resp.Header, h)
@@ -214,6 +233,9 @@ func (x *exchange) onUpstreamHeaders(h *headerMap, noBody bool) {
 	x.resetIdle()
 	if noBody {
 		x.rt.timer.stop()
+	}
+	if x.cfg.GatewayFallbacks {
+		setServed(x.md.stream, x.rt.attempts.at)
 	}
 	x.enc.onHeaders(h, noBody)
 }

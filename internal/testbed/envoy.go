@@ -45,3 +45,17 @@ func StartEnvoyOn(c Cleaner, file string, extprocAddrs []string, tweak func(*env
 func ManyClients(cfg *envoyemu.Config) {
 	cfg.InitialMetadata = slices.DeleteFunc(cfg.InitialMetadata, envoyemu.MetadataValue.CarriesAddress)
 }
+
+// GatewayFallbacks has cfg's emulator act as a gateway of the endpoint-picker
+// protocol (docs/envoy.md §8.2) with a retry policy: it takes the list that
+// pools.decode.fallbacks sends, goes down it on a refused connection, a reset
+// or a 503, and reports the endpoint that answered in the envoy.lb metadata
+// that pd-extproc is sent.
+func GatewayFallbacks(cfg *envoyemu.Config) {
+	cfg.GatewayFallbacks = true
+	cfg.Metadata.ForwardingNamespaces = append(cfg.Metadata.ForwardingNamespaces, "envoy.lb")
+	retry := &envoyemu.RetryPolicy{On: []string{"connect-failure", "reset", "retriable-status-codes"}, NumRetries: 8, StatusCodes: []int{503}}
+	for i := range cfg.Routes {
+		cfg.Routes[i].Retry = retry
+	}
+}

@@ -84,6 +84,9 @@ type rigOptions struct {
 	// meet one replica. Without it, testbed.ManyClients.
 	oneClient bool
 	args      []string // more extproc flags
+	// gatewayFallbacks: the emulator is a gateway that takes the fallback
+	// list and reports the endpoint that served (testbed.GatewayFallbacks).
+	gatewayFallbacks bool
 }
 
 // simIP is the loopback IP of the rig's i-th simulator of a role: each has
@@ -179,6 +182,9 @@ func startRig(t *testing.T, o rigOptions) *rig {
 		r.mtls.Envoy(cfg)
 		if !o.oneClient {
 			testbed.ManyClients(cfg)
+		}
+		if o.gatewayFallbacks {
+			testbed.GatewayFallbacks(cfg)
 		}
 		if o.envoy != nil {
 			o.envoy(cfg)
