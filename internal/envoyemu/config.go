@@ -15,7 +15,9 @@
 //
 // Emulator-only additions: local replies carry Envoy's response code
 // details in DetailsHeader; Config.Metadata.Initial stands for metadata an
-// earlier filter would set; Config.Logf traces decisions.
+// earlier filter would set; Config.GatewayFallbacks stands for a gateway
+// that takes the endpoint-picker fallback list (§8.2); Config.Logf traces
+// decisions.
 //
 // Both clusters, ext_proc and ORIGINAL_DST, enforce their circuit breakers
 // (§12); ClusterStats reads Envoy's overflow counters. The ext_proc cluster
@@ -26,7 +28,8 @@
 // Refused rather than guessed (LoadConfig errors): observability mode,
 // CEL attributes, mode_override, http_service, GRPC body mode, other HTTP
 // filters, non-ORIGINAL_DST route clusters, per-host circuit breakers and
-// retry budgets, TLS on a route cluster, TLS settings other than files,
+// retry budgets, retry policies beyond retry_on, num_retries and
+// retriable_status_codes, TLS on a route cluster, TLS settings other than files,
 // file-based SDS, versions, SNI, ALPN and typed SAN matchers, use_remote_address without
 // preserve_external_request_id.
 package envoyemu
