@@ -34,7 +34,8 @@ type router struct {
 	cancel  context.CancelFunc
 	body    *streamBody // the upstream request's
 	timer   loopTimer   // the route timeout (§5)
-	attempts
+	// attempts are the hosts to try and what a retry sends again.
+	attempts attempts
 }
 
 // cancelUpstream abandons the upstream request, if one started.

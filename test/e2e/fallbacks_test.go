@@ -33,7 +33,7 @@ func (r *rig) ejections(t *testing.T, addr string) float64 {
 // endpoints. When the pick is down, or answers a 503, the fallback gets the
 // same body, the prefill leg's transfer fields included (kv_transfer_params,
 // SGLang's bootstrap_room), pulls the KV, and its answer
-// judges no endpoint: neither is ejected, though one failure ejects. When
+// judges no decode endpoint: neither is ejected, though one failure ejects. When
 // the pick answers a 500, which is not retried, the gateway says the pick
 // served, and its answer ejects it.
 func TestTheGatewayGoesDownTheFallbackList(t *testing.T) {
