@@ -122,10 +122,12 @@ func TestResolve(t *testing.T) {
 	}
 }
 
+// The answers are loopback, port 1 refused: Run asks each endpoint found
+// for its models (10.0.0.1:8000 was asked, a host of the network).
 func TestRunReResolves(t *testing.T) {
 	r := newFakeResolver()
-	r.set("decode.svc", []string{"10.0.0.1"}, nil)
-	p := dnsPool(t, r, nil, "decode.svc:8000")
+	r.set("decode.svc", []string{"127.0.0.1"}, nil)
+	p := dnsPool(t, r, nil, "decode.svc:1")
 	if len(p.Endpoints()) != 0 {
 		t.Fatal("a DNS-only pool has endpoints before the first lookup")
 	}
@@ -141,8 +143,8 @@ func TestRunReResolves(t *testing.T) {
 		}
 	}()
 
-	waitFor(t, "the first lookup", func() bool { return slices.Equal(addrsOf(p.Endpoints()), []string{"10.0.0.1:8000"}) })
-	r.set("decode.svc", []string{"10.0.0.1", "10.0.0.2"}, nil)
+	waitFor(t, "the first lookup", func() bool { return slices.Equal(addrsOf(p.Endpoints()), []string{"127.0.0.1:1"}) })
+	r.set("decode.svc", []string{"127.0.0.1", "127.0.0.2"}, nil)
 	waitFor(t, "re-resolution", func() bool { return len(p.Endpoints()) == 2 })
 
 	p.Update(PoolSpec{PoolScheduling: config.PoolScheduling{}}) // DNS off
