@@ -273,8 +273,9 @@ func TestMooncakeWithoutALegFollowsOnFailure(t *testing.T) {
 	a, b := listen("127.0.0.1:0", engine("a")), listen("127.0.0.2:0", engine("b"))
 	boot := listen("127.0.0.1:0", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte(`{"0":{"engine_id":"e-0"}}`)) })
 	_, port, _ := net.SplitHostPort(boot) // nothing listens there on 127.0.0.2: b has no ids
+	// The pools ask the decode endpoint for its models: port 1 of loopback refuses.
 	p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-mooncake
-pools: {prefill: {endpoints: [%q, %q], bootstrap_port: %s}, decode: {endpoints: ["10.1.1.1:8000"]}}`, a, b, port))
+pools: {prefill: {endpoints: [%q, %q], bootstrap_port: %s}, decode: {endpoints: ["127.0.0.1:1"]}}`, a, b, port))
 	ctx, cancel := context.WithCancel(context.Background())
 	ran := make(chan struct{})
 	go func() { p.Run(ctx); close(ran) }()
