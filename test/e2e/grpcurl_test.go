@@ -28,7 +28,8 @@ func grpcurl(t *testing.T, stdin string, args ...string) string {
 }
 
 func TestGrpcurlSeesTheServiceAsEnvoyWould(t *testing.T) {
-	x := startExtproc(t, testbed.ExtprocConfig{Config: `{connector: kv-nixl, pools: {decode: {endpoints: ["10.1.1.1:8000"]}}}`})
+	// The pools ask the decode endpoint for its models: port 1 of loopback refuses.
+	x := startExtproc(t, testbed.ExtprocConfig{Config: `{connector: kv-nixl, pools: {decode: {endpoints: ["127.0.0.1:1"]}}}`})
 
 	t.Run("list shows ext_proc, health and reflection", func(t *testing.T) {
 		out := grpcurl(t, "", "-plaintext", x.GRPCAddr, "list")
@@ -75,8 +76,8 @@ func TestGrpcurlSeesTheServiceAsEnvoyWould(t *testing.T) {
 				dest = string(v)
 			}
 		}
-		if dest != "10.1.1.1:8000" {
-			t.Errorf("destination = %q, want 10.1.1.1:8000:\n%s", dest, out)
+		if dest != "127.0.0.1:1" {
+			t.Errorf("destination = %q, want 127.0.0.1:1:\n%s", dest, out)
 		}
 	})
 }

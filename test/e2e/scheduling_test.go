@@ -142,13 +142,14 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q]}}
 
 // A reload that gives the decode pool a DNS name in place of its static
 // endpoints keeps them serving until the name first resolves, as Envoy warms
-// a changed cluster: the name here never does. One that moves it to
+// a changed cluster: the name here never does, and no resolver sends it (a
+// label of 64 bytes, past DNS's 63). One that moves it to
 // Kubernetes discovery, which starts only with the process, keeps them until
 // the restart. In both the pool was empty from the reload on, and every
 // request got 503.
 func TestReloadToAnotherSourceKeepsServing(t *testing.T) {
 	for _, tt := range []struct{ name, decode, log string }{
-		{"to a DNS name", `{dns: "decode.invalid:8000", dns_interval: 50ms}`, "DNS lookup failed; keeping the endpoints found before"},
+		{"to a DNS name", `{dns: "` + strings.Repeat("x", 64) + `.invalid:8000", dns_interval: 50ms}`, "DNS lookup failed; keeping the endpoints found before"},
 		{"to Kubernetes discovery", `{kubernetes: {selector: role=decode, port: 8000}}`, `"pools.decode.endpoints","pools.decode.kubernetes"`},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
