@@ -3,9 +3,13 @@
 package e2e
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/netip"
 	"os"
+	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -79,6 +83,9 @@ func startExtproc(t *testing.T, cfg testbed.ExtprocConfig) *extproc {
 	x := &extproc{log: &logBuffer{}}
 	// Registered first, so it runs once the process has stopped.
 	t.Cleanup(func() {
+		for _, s := range beyondLoopback(x.Logs()) {
+			t.Errorf("extproc reached beyond loopback: %s", s)
+		}
 		if t.Failed() {
 			t.Logf("extproc logs:\n%s", x.Logs())
 		}
@@ -87,6 +94,52 @@ func startExtproc(t *testing.T, cfg testbed.ExtprocConfig) *extproc {
 	cfg.Args = append([]string{"-v", "1", "--log-flush-interval", "0"}, cfg.Args...)
 	x.Extproc = testbed.MustStartExtproc(t, cfg)
 	return x
+}
+
+// beyondLoopback lists what extproc's log shows it reached off the host: a
+// pool endpoint that is no loopback address (the pools ask each for its
+// models), and a DNS query (Go's resolver names the server: "lookup NAME on
+// SERVER"). Another host may answer, or drop packets until a timeout.
+func beyondLoopback(logs string) []string {
+	var found []string
+	for line := range strings.Lines(logs) {
+		found = append(found, dnsQuery.FindAllString(line, -1)...)
+		var kv map[string]any
+		if json.Unmarshal([]byte(line), &kv) != nil {
+			continue
+		}
+		for _, key := range []string{"prefill", "decode", "endpoint"} {
+			addrs, _ := kv[key].([]any)
+			if s, ok := kv[key].(string); ok {
+				addrs = []any{s}
+			}
+			for _, a := range addrs {
+				s, _ := a.(string)
+				if ap, err := netip.ParseAddrPort(s); err == nil && !ap.Addr().IsLoopback() {
+					found = append(found, key+" "+s)
+				}
+			}
+		}
+	}
+	slices.Sort(found)
+	return slices.Compact(found)
+}
+
+var dnsQuery = regexp.MustCompile(`lookup \S+ on [^\s"]+:\d+`)
+
+// The check reads extproc's own lines (as it logs them at -v 1).
+func TestBeyondLoopbackReadsExtprocsLog(t *testing.T) {
+	for _, tt := range []struct{ name, line, want string }{
+		{"a static endpoint", `{"msg":"extproc serving","grpc":"127.0.0.1:3","prefill":[],"decode":["10.1.1.1:8000"]}`, "decode 10.1.1.1:8000"},
+		{"one found and asked", `{"msg":"the models the engine serves","pool":"decode","endpoint":"[fd00::1]:8000"}`, "endpoint [fd00::1]:8000"},
+		{"a DNS query", `{"msg":"DNS lookup failed","error":"lookup decode.invalid on 10.255.255.53:53: no such host"}`, "lookup decode.invalid on 10.255.255.53:53"},
+		{"all on loopback", `{"msg":"request","prefill":"127.0.0.1:4","decode":"[::1]:5","endpoint":"127.0.0.2:6"}`, ""},
+		{"a name no resolver asks for", `{"msg":"DNS lookup failed","error":"lookup ` + strings.Repeat("x", 64) + `.invalid: no such host"}`, ""},
+	} {
+		if got := strings.Join(beyondLoopback(tt.line+"\n"), "; "); got != tt.want {
+			t.Errorf("%s: %q, want %q", tt.name, got, tt.want)
+		}
+	}
 }
 
 // logTo sends a simulator's lines to the test log (shown on failure or -v).
