@@ -258,14 +258,13 @@ func (e *Endpoint) observe(l Load) {
 	s := &scraped{Load: l, marks: [2]Load{l, l}}
 	if last := e.load.Load(); last != nil { // else the first
 		s.restarts = last.restarts
-		if restarted(last.Load, l) {
+		switch {
+		case restarted(last.Load, l): // the marks start again
 			s.restarts++
-		}
-		if l.Written >= last.marks[1].Written { // else a restart, or Written back for a while
+		case l.Written >= last.marks[1].Written && l.At.Sub(last.marks[1].At) >= markEvery:
+			s.marks = [2]Load{last.marks[1], l}
+		default: // they stay, vLLM's Written back for a while too
 			s.marks = last.marks
-			if l.At.Sub(last.marks[1].At) >= markEvery {
-				s.marks = [2]Load{last.marks[1], l}
-			}
 		}
 	}
 	e.load.Store(s)
@@ -307,10 +306,11 @@ const markEvery = 15 * time.Second
 // rewrite is how many seconds the engine takes to write its whole cache over
 // (Load.CacheTokens) at the pace it wrote (Load.Written) since s's older mark;
 // false when s is nil (no fresh scrape) or its scrapes do not tell (they span
-// less than markEvery since the first, or since a restart). An engine that
-// wrote nothing keeps what it holds (+Inf).
+// less than markEvery since the first, or since a restart, or vLLM's Written
+// is back below the older mark). An engine that wrote nothing keeps what it
+// holds (+Inf).
 func (s *scraped) rewrite() (seconds float64, ok bool) {
-	if s == nil || s.CacheTokens <= 0 || s.At.Sub(s.marks[0].At) < markEvery {
+	if s == nil || s.CacheTokens <= 0 || s.At.Sub(s.marks[0].At) < markEvery || s.Written < s.marks[0].Written {
 		return 0, false
 	}
 	return s.CacheTokens / (s.Written - s.marks[0].Written) * s.At.Sub(s.marks[0].At).Seconds(), true // x/0 is +Inf

@@ -268,11 +268,13 @@ func BenchmarkParseLoad(b *testing.B) {
 // (vLLM's), read over the last 15 to 30 seconds of scrapes, not since the
 // engine started; scrapes over less than 15 s (since the first, or since a
 // restart), a stale scrape or a cache that does not say its size tell
-// nothing.
+// nothing. vLLM's written figure may go back a while without a restart
+// (restarted): that keeps the scrapes read so far.
 func TestRewriteIsReadFromTheLastScrapes(t *testing.T) {
 	type scrape struct {
 		at      int     // seconds from the first
 		written float64 // the engine's counter, tokens
+		prefill float64 // vLLM's prefill sums (Computed, Prefilling), which only grow; 0: not reported
 	}
 	tests := []struct {
 		name    string
@@ -283,15 +285,18 @@ func TestRewriteIsReadFromTheLastScrapes(t *testing.T) {
 		ok      bool
 	}{
 		{name: "no scrape"},
-		{name: "one scrape", size: 9000, scrapes: []scrape{{0, 0}}},
-		{name: "scraped over less than 15 s", size: 9000, scrapes: []scrape{{0, 0}, {1, 900}, {14, 1000}}},
-		{name: "scraped over 15 s", size: 9000, scrapes: []scrape{{0, 0}, {1, 900}, {15, 1500}}, want: 90, ok: true},
-		{name: "slow lately, fast at first", size: 9000, scrapes: []scrape{{0, 0}, {15, 9000}, {30, 9100}, {31, 9110}}, want: 9000.0 / 110 * 16, ok: true},
-		{name: "written nothing", size: 9000, scrapes: []scrape{{0, 500}, {15, 500}}, want: math.Inf(1), ok: true},
-		{name: "restarted", size: 9000, scrapes: []scrape{{0, 5000}, {15, 9000}, {16, 100}}},
-		{name: "restarted, then scraped 15 s", size: 9000, scrapes: []scrape{{0, 5000}, {15, 9000}, {16, 100}, {31, 1000}}, want: 150, ok: true},
-		{name: "the last scrape stale", size: 9000, scrapes: []scrape{{0, 0}, {15, 900}}, later: 4 * time.Second},
-		{name: "the cache's size not reported", scrapes: []scrape{{0, 0}, {15, 900}}},
+		{name: "one scrape", size: 9000, scrapes: []scrape{{0, 0, 0}}},
+		{name: "scraped over less than 15 s", size: 9000, scrapes: []scrape{{0, 0, 0}, {1, 900, 0}, {14, 1000, 0}}},
+		{name: "scraped over 15 s", size: 9000, scrapes: []scrape{{0, 0, 0}, {1, 900, 0}, {15, 1500, 0}}, want: 90, ok: true},
+		{name: "slow lately, fast at first", size: 9000, scrapes: []scrape{{0, 0, 0}, {15, 9000, 0}, {30, 9100, 0}, {31, 9110, 0}}, want: 9000.0 / 110 * 16, ok: true},
+		{name: "written nothing", size: 9000, scrapes: []scrape{{0, 500, 0}, {15, 500, 0}}, want: math.Inf(1), ok: true},
+		{name: "restarted", size: 9000, scrapes: []scrape{{0, 5000, 0}, {15, 9000, 0}, {16, 100, 0}}},
+		{name: "restarted, then scraped 15 s", size: 9000, scrapes: []scrape{{0, 5000, 0}, {15, 9000, 0}, {16, 100, 0}, {31, 1000, 0}}, want: 150, ok: true},
+		{name: "vLLM's written figure back a while", size: 9000, scrapes: []scrape{{0, 0, 1}, {15, 1500, 2}, {16, 1400, 3}}, want: 9000.0 / 1400 * 16, ok: true},
+		{name: "vLLM's written figure back below the older mark", size: 9000, scrapes: []scrape{{0, 0, 1}, {15, 1500, 2}, {30, 3000, 3}, {31, 1400, 4}}},
+		{name: "vLLM restarted", size: 9000, scrapes: []scrape{{0, 0, 1}, {15, 1500, 2}, {16, 1400, 0.5}}},
+		{name: "the last scrape stale", size: 9000, scrapes: []scrape{{0, 0, 0}, {15, 900, 0}}, later: 4 * time.Second},
+		{name: "the cache's size not reported", scrapes: []scrape{{0, 0, 0}, {15, 900, 0}}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -301,7 +306,7 @@ func TestRewriteIsReadFromTheLastScrapes(t *testing.T) {
 			start := clock.Now()
 			for _, s := range tt.scrapes {
 				clock.Advance(start.Add(time.Duration(s.at) * time.Second).Sub(clock.Now()))
-				e.observe(Load{CacheTokens: tt.size, Written: s.written, At: clock.Now()})
+				e.observe(Load{CacheTokens: tt.size, Written: s.written, Computed: s.prefill, Prefilling: s.prefill, At: clock.Now()})
 			}
 			clock.Advance(tt.later)
 			got, ok := e.scrapedAt(clock.Now).rewrite()
