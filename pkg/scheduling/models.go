@@ -230,36 +230,31 @@ func fetchModels(ctx context.Context, pr probe, addr string, timeout time.Durati
 		return servedModels{err: err.Error()}
 	}
 	names := make(map[string]json.RawMessage, min(len(list.Data), maxModelsPerList))
-	for _, card := range list.Data {
-		var m struct {
-			ID string `json:"id"`
-		}
-		if json.Unmarshal(card, &m) == nil && m.ID != "" && len(names) < maxModelsPerList {
-			names[m.ID] = card
+	cards := make(map[string]modelCard, len(names))
+	for _, raw := range list.Data {
+		var c modelCard
+		if json.Unmarshal(raw, &c) == nil && c.ID != "" && len(names) < maxModelsPerList {
+			names[c.ID], cards[c.ID] = raw, c
 		}
 	}
 	if len(names) == 0 {
 		return servedModels{err: url + " lists no model"}
 	}
-	return servedModels{names: names, lengths: contextLengths(names)}
+	return servedModels{names: names, lengths: contextLengths(cards)}
 }
 
-// contextLengths are the max_model_len of each name's card (vLLM's
-// ModelCard, filled by OpenAIServingModels.show_available_models); an
-// adapter's is null, and its parent's, the base model's, counts. A name
-// whose card states none has none.
-func contextLengths(names map[string]json.RawMessage) map[string]int64 {
-	type card struct {
-		MaxModelLen int64  `json:"max_model_len"`
-		Parent      string `json:"parent"`
-	}
-	cards := make(map[string]card, len(names))
-	for name, raw := range names {
-		var c card
-		if json.Unmarshal(raw, &c) == nil {
-			cards[name] = c
-		}
-	}
+// modelCard is what a model card tells the pools: its name, and its context
+// length (vLLM's ModelCard, filled by OpenAIServingModels.show_available_models;
+// null for an adapter, whose parent is the base model).
+type modelCard struct {
+	ID          string `json:"id"`
+	MaxModelLen int64  `json:"max_model_len"`
+	Parent      string `json:"parent"`
+}
+
+// contextLengths are the max_model_len of each card, an adapter's its
+// parent's. A name whose card states none has none.
+func contextLengths(cards map[string]modelCard) map[string]int64 {
 	lengths := map[string]int64{}
 	for name, c := range cards {
 		if c.MaxModelLen <= 0 && c.Parent != "" {

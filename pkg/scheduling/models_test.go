@@ -465,17 +465,19 @@ func TestMaxModelLen(t *testing.T) {
 	if err := json.Unmarshal([]byte(vllmModels), &list); err != nil {
 		t.Fatal(err)
 	}
-	names := map[string]json.RawMessage{"no-length": json.RawMessage(`{"id":"no-length","parent":null}`)}
-	for _, card := range list.Data {
-		var m struct{ ID string }
-		json.Unmarshal(card, &m)
-		names[m.ID] = card
+	cards := map[string]modelCard{}
+	for _, raw := range append(list.Data, json.RawMessage(`{"id":"no-length","parent":null}`)) {
+		var c modelCard
+		if err := json.Unmarshal(raw, &c); err != nil {
+			t.Fatal(err)
+		}
+		cards[c.ID] = c
 	}
 	var e Endpoint
 	if _, ok := e.MaxModelLen("qwen"); ok {
 		t.Error("an engine not read yet has a context length")
 	}
-	e.models.Store(&servedModels{names: names, lengths: contextLengths(names)})
+	e.models.Store(&servedModels{lengths: contextLengths(cards)})
 	for model, want := range map[string]int64{"qwen": 32768, "Qwen/Qwen3-8B": 32768, "sql-lora": 32768, "no-length": 0, "other": 0} {
 		if got, ok := e.MaxModelLen(model); got != want || ok != (want > 0) {
 			t.Errorf("MaxModelLen(%q) = %d, %v; want %d", model, got, ok, want)
