@@ -723,12 +723,17 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 		// cache of 1,000 tokens, have written since the system prompt's
 		// engine was sent it.
 		writtenSince float64
-		wantMemory   bool
+		// stale: the system prompt's engine's scrapes fail for longer than
+		// stale_after once it was sent it, the others' answer.
+		stale      bool
+		wantMemory bool
 	}{
 		{name: "whole conversations: where the system prompt is", seen: 3, conversations: 8, wantMemory: true},
 		{name: "whole, and the engine wrote less than its cache since: where the system prompt is", seen: 3, conversations: 8,
 			writtenSince: 900, wantMemory: true},
 		{name: "whole, but the engine has since written its cache over: the ranking", seen: 3, conversations: 8, writtenSince: 1100},
+		{name: "whole, and the engine's counters stale: where the system prompt is (a placement trusts memory)", seen: 3, conversations: 8,
+			stale: true, wantMemory: true},
 		{name: "conversations continued elsewhere: the ranking", seen: 2, conversations: 8},
 		{name: "too few conversations to tell: the ranking", seen: 3, conversations: 3},
 		{name: "continued elsewhere, and few-shot requests: the ranking", seen: 2, conversations: 8, fewShot: 100},
@@ -776,12 +781,23 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 					e.observe(Load{CacheTokens: 1000, Written: written, At: clock.Now()})
 				}
 			}
-			if tt.writtenSince > 0 {
+			if tt.writtenSince > 0 || tt.stale {
 				scrape(5000)
 			}
 			cached := pick(p, conversation(system, "Where is the Louvre?"))
 			if tt.writtenSince > 0 {
 				scrape(5000 + tt.writtenSince)
+			}
+			if tt.stale {
+				for range 4 { // stale_after: three intervals
+					clock.Advance(time.Second)
+					byAddr(p, cached).scrapeFailed()
+				}
+				for _, e := range p.Endpoints() {
+					if e.Addr != cached {
+						e.observe(Load{CacheTokens: 1000, Written: 5000, At: clock.Now()})
+					}
+				}
 			}
 			for range tt.busy {
 				acquire(byAddr(p, cached))
