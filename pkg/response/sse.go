@@ -11,23 +11,23 @@ import (
 // stream passes on every complete event of a server-sent event stream at
 // once, fixing the number in the events that carry it, and holds back only an
 // event cut across chunks until the rest of it comes. An event that outgrows
-// the limit gives the stream up.
+// the limit gives the stream up. One the stream's end cuts is none to a
+// client: it passes as it came.
 func (r *Rewriter) stream(chunk []byte, last bool) body.Spliced {
 	data, fresh := chunk, 0 // fresh: where the bytes not yet looked at begin
 	if len(r.held) > 0 {
 		data, fresh = append(r.held, chunk...), len(r.held) // held is our own copy
 		r.held = nil
 	}
-	cut := len(data)
-	if !last {
-		cut = eventsEnd(data, fresh)
-	}
-	if len(data)-cut > r.limit { // the events before the one that outgrows it are fixed still
+	cut := eventsEnd(data, fresh)
+	if !last && len(data)-cut > r.limit { // the events before the one that outgrows it are fixed still
 		return append(r.events(data[:cut]), r.giveUp(data[cut:])...)
 	}
 	out := r.events(data[:cut])
 	switch {
 	case cut == len(data):
+	case last:
+		out = append(out, data[cut:])
 	case cut == 0 && fresh > 0:
 		// Still one event, in our own buffer: it grows in place, so an
 		// event cut across many chunks costs its size, not its square.

@@ -60,6 +60,12 @@ func TestEventStreamFramingAsAClientReadsIt(t *testing.T) {
 		{"an abort on two data lines", split(abort, `"meta_info":`, "data: ") + done, split(abort, `"meta_info":`, "data: ") + done, "", Served, Failed, true},
 		{"an abort the stream does not end", strings.TrimSuffix(abort, "\n"), strings.TrimSuffix(abort, "\n"), "", Pending, Pending, false},
 		{"a data line before the abort's makes one event that is no JSON", "data: {}\n" + abort + done, "data: {}\n" + abort + done, "", Served, Served, false},
+		// An event the stream does not end with a blank line is none: its
+		// bytes pass as they came and a reader reads nothing of it.
+		{"a usage event the stream does not end", role + tok0 + strings.TrimSuffix(usageEv, "\n"), role + tok0 + strings.TrimSuffix(usageEv, "\n"), "", Served, Pending, false},
+		{"a usage event cut in its line at the stream's end", role + tok0 + usageEv[:len(usageEv)-2], role + tok0 + usageEv[:len(usageEv)-2], "", Served, Pending, false},
+		{"usage, then an error event the stream does not end", tok0 + usageEv + strings.TrimSuffix(errorEv, "\n"),
+			tok0 + fixedEv + strings.TrimSuffix(errorEv, "\n"), "12", Served, Pending, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
