@@ -72,6 +72,7 @@ type Opening struct {
 	served   int       // the events that tell the request was served
 	verdict  Verdict
 	generate bool // the stream is SGLang's /generate: its chunks are read too
+	begun    bool // the byte order mark one stream may start with is behind
 }
 
 // NewOpening reads the opening of a stream of the given number of choices
@@ -112,6 +113,13 @@ func (o *Opening) Scan(chunk []byte) Verdict {
 	b, fresh := chunk, 0
 	if len(o.held) > 0 {
 		b, fresh = append(o.held, chunk...), len(o.held)
+	}
+	if !o.begun {
+		if len(b) < len(bom) && bytes.HasPrefix(bom, b) {
+			o.held = bytes.Clone(b)
+			return Pending
+		}
+		b, fresh, o.begun = bytes.TrimPrefix(b, bom), 0, true // what is held has no line end
 	}
 	cut, at := eventsEnd(b, fresh), 0
 	if cut > 0 && o.told != unknown { // the told event ends first
@@ -310,6 +318,7 @@ func StreamFailed(answer []byte) bool {
 	if NewOpening(1, 1).Scan(answer) == Failed {
 		return true
 	}
+	answer = bytes.TrimPrefix(answer, bom)
 	ended := answer[:eventsEnd(answer, 0)] // an event the stream does not end is none
 	for start, end := range eventsWith(ended, statusCode) {
 		doc, _ := eventData(ended[start:end])

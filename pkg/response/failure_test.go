@@ -92,6 +92,7 @@ func FuzzOpeningIgnoresChunking(f *testing.F) {
 	f.Add([]byte(": c\nevent: e\ndata:{\"error\":{\"code\":400}}\n"), uint8(2))
 	f.Add([]byte(sglangChunk(`""`, `[]`, `{"type":"abort","status_code":500}`)+"data: [DONE]\n\n"), uint8(4))
 	f.Add([]byte(sglangChunk(`"a"`, `[1]`, `null`)), uint8(8))
+	f.Add([]byte("\ufeff"+errorEv+"\ufeff"+errorEv), uint8(0))
 	openings := map[string]func() *Opening{
 		"chat":     func() *Opening { return NewOpening(1, 1) },
 		"generate": func() *Opening { return NewGenerateOpening(1) },

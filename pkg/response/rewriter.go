@@ -11,9 +11,10 @@ import (
 type kind uint8
 
 const (
-	passing kind = iota // passed on as it comes, unread
-	whole               // one JSON document: held until its end, then fixed
-	events              // server-sent events: each complete event passed on at once
+	passing  kind = iota // passed on as it comes, unread
+	whole                // one JSON document: held until its end, then fixed
+	events               // server-sent events: each complete event passed on at once
+	unopened             // server-sent events before the first one ends: one byte order mark may lead
 )
 
 // Rewriter fixes one answer. Start it with the answer's headers, then give it
@@ -138,7 +139,7 @@ func (r *Rewriter) Start(status int, contentType, contentEncoding string) {
 	case mediaType == "application/json":
 		r.kind = whole
 	case mediaType == "text/event-stream":
-		r.kind = events
+		r.kind = unopened
 	default:
 		r.Skip(metrics.UsageNotRewritable)
 	}
@@ -176,7 +177,7 @@ func (r *Rewriter) Body(chunk []byte, last bool) body.Spliced {
 	switch r.kind {
 	case whole:
 		return r.document(chunk, last)
-	case events:
+	case events, unopened:
 		return r.stream(chunk, last)
 	}
 	return r.only(chunk)

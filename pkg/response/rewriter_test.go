@@ -177,6 +177,7 @@ func FuzzRewriterIgnoresChunking(f *testing.F) {
 	f.Add([]byte(strings.ReplaceAll(tok0+usageEv+done, "\n", "\r\n")), []byte{1, 1, 1, 1, 90})
 	f.Add([]byte("data: x\r\rdata: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":1}}}\r\r"), []byte{9, 1})
 	f.Add([]byte("event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\":0,\"cache_read_input_tokens\":41}}\n\n"), []byte{30, 40})
+	f.Add([]byte("\ufeff"+usageEv+"\ufeff"+usageEv), []byte{1, 1, 1, 200})
 	messages := Paths{JSON: api.Messages.Shape.CachedTokens, Uncached: api.Messages.Shape.UncachedTokens}
 	f.Fuzz(func(t *testing.T, stream, cuts []byte) {
 		for _, paths := range []Paths{chatPath, messages} {

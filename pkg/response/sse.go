@@ -70,6 +70,12 @@ func eventsEnd(data []byte, from int) int {
 // every other byte is passed on as it is. A reader reads the events that
 // hold the usage, and keeps what the last of them said.
 func (r *Rewriter) events(b []byte) body.Spliced {
+	if r.kind == unopened && len(b) > 0 { // b is the stream's start
+		r.kind = events
+		if bytes.HasPrefix(b, bom) {
+			return append(body.Spliced{b[:len(bom)]}, r.events(b[len(bom):])...)
+		}
+	}
 	if !r.Writes() && !r.broken {
 		for start, end := range eventsWith(b, errorKey) {
 			if doc, _ := eventData(b[start:end]); failed(doc) {
@@ -214,21 +220,17 @@ func failed(data []byte) bool {
 }
 
 // bom is the byte order mark a stream may start with, which a client skips
-// (WHATWG HTML, "Interpreting an event stream"). It is skipped at the start
-// of any line here: only the first can have one, and engines send none.
+// there only (WHATWG HTML, "Interpreting an event stream"): elsewhere it is
+// part of its line, "\ufeffdata" a field a client ignores. Engines send none.
 var bom = []byte("\ufeff")
 
 // dataStart is where the value of a "data:" line begins.
 func dataStart(line []byte) (int, bool) {
 	const field = "data:"
-	off := 0
-	if bytes.HasPrefix(line, bom) {
-		off = len(bom)
-	}
-	if !bytes.HasPrefix(line[off:], []byte(field)) {
+	if !bytes.HasPrefix(line, []byte(field)) {
 		return 0, false
 	}
-	off += len(field)
+	off := len(field)
 	if off < len(line) && line[off] == ' ' { // one space after the colon is not part of the value
 		off++
 	}

@@ -8,7 +8,8 @@ import (
 // The WHATWG server-sent events framing a client reads: lines end in CRLF,
 // LF or CR; a blank line ends an event; "data:" with or without one space;
 // comment lines (":") and other fields are not data; one byte order mark at
-// the stream's start is skipped; an event the stream does not end is none.
+// the stream's start is skipped, and only there; an event the stream does not
+// end is none.
 // Each stream is fed cut at every position (and once whole): the rewriter's
 // bytes, the reader's number and the openings' verdicts must not depend on
 // the cut, and StreamFailed reads the whole stream as they do.
@@ -60,6 +61,12 @@ func TestEventStreamFramingAsAClientReadsIt(t *testing.T) {
 		{"an abort on two data lines", split(abort, `"meta_info":`, "data: ") + done, split(abort, `"meta_info":`, "data: ") + done, "", Served, Failed, true},
 		{"an abort the stream does not end", strings.TrimSuffix(abort, "\n"), strings.TrimSuffix(abort, "\n"), "", Pending, Pending, false},
 		{"a data line before the abort's makes one event that is no JSON", "data: {}\n" + abort + done, "data: {}\n" + abort + done, "", Served, Served, false},
+		// A byte order mark anywhere but at the stream's start is part of
+		// its line: "\ufeffdata" is a field a client ignores.
+		{"a BOM after the stream's start: no error event", role + bom + errorEv + done, role + bom + errorEv + done, "", Served, Served, false},
+		{"a BOM after the stream's start: no usage", role + tok0 + bom + usageEv + done, role + tok0 + bom + usageEv + done, "", Served, Served, false},
+		{"a BOM on the first event's second line", bom + "id: 1\n" + bom + errorEv + done, bom + "id: 1\n" + bom + errorEv + done, "", Pending, Served, false},
+		{"two BOMs at the start", bom + bom + errorEv + done, bom + bom + errorEv + done, "", Pending, Served, false},
 		// An event the stream does not end with a blank line is none: its
 		// bytes pass as they came and a reader reads nothing of it.
 		{"a usage event the stream does not end", role + tok0 + strings.TrimSuffix(usageEv, "\n"), role + tok0 + strings.TrimSuffix(usageEv, "\n"), "", Served, Pending, false},
@@ -107,5 +114,28 @@ func TestEventStreamFramingAsAClientReadsIt(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestEventDataIsWhatAClientReads: an event's data is its data lines' values
+// joined by LF, as the WHATWG spec's "Interpreting an event stream" and the
+// OpenAI Python SDK's SSEDecoder (src/openai/_streaming.py) read them.
+func TestEventDataIsWhatAClientReads(t *testing.T) {
+	tests := []struct{ name, ev, want string }{
+		{"one line", "data: x\n\n", "x"},
+		{"no space", "data:x\n\n", "x"},
+		{"two spaces: one is the value's", "data:  x\n\n", " x"},
+		{"two lines", "data: x\ndata:y\n\n", "x\ny"},
+		{"an empty value", "data: x\ndata:\ndata: y\n\n", "x\n\ny"},
+		{"other fields and comments", "event: e\nid: 1\nretry: 5\n: data: c\ndata: x\n\n", "x"},
+		{"a BOM makes another field", "\ufeffdata: x\n\n", ""},
+		{"a space before the colon makes another field", "data : x\n\n", ""},
+		{"field names are case-sensitive", "Data: x\n\n", ""},
+		{"a longer name", "datum: x\ndatax\n\n", ""},
+	}
+	for _, tt := range tests {
+		if got, _ := eventData([]byte(tt.ev)); string(got) != tt.want {
+			t.Errorf("%s: %q has data %q, want %q", tt.name, tt.ev, got, tt.want)
+		}
 	}
 }
