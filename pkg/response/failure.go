@@ -41,10 +41,11 @@ const (
 //
 // An event is read as a client reads it (eventData): its data is its data
 // lines' values joined by LF, judged as one. Engines send it on one line,
-// JSON, so data that starts {"error" is such an event and nothing else:
-// inside a JSON string the quotes are escaped. Only an event that may be an
-// error event is held, up to maxErrorEvent bytes; the others are told from
-// their start. Give it every chunk in order until it has a verdict.
+// JSON, so data that starts {"error" (past white space) is such an event and
+// nothing else: inside a JSON string the quotes are escaped. Only an event
+// that may be an error event is held, up to maxErrorEvent bytes; the others
+// are told from their start. Give it every chunk in order until it has a
+// verdict.
 //
 // SGLang's /generate stream (NewGenerateOpening) has no error event: a
 // request its scheduler aborts, as a decode server does whose KV transfer
@@ -180,21 +181,24 @@ func (o *Opening) count(served bool) {
 	}
 }
 
-// tell is what an event, or the start of one, is, and its data. One that
-// is held (unknown, errorEvent, chunk) past maxErrorEvent bytes is read no
-// further and tells nothing (other), unless its start tells it is data.
-// Blank lines before it carry nothing, and whether the line end before
-// them was cut across chunks does not change what it is.
+// tell is what an event, or the start of one, is, and its data past the
+// white space a client's JSON parser skips (a bare "data" line's LF, a
+// second space after "data:"). One that is held (unknown, errorEvent,
+// chunk) past maxErrorEvent bytes is read no further and tells nothing
+// (other), unless its start tells it is data. Blank lines before it carry
+// nothing, and whether the line end before them was cut across chunks does
+// not change what it is.
 func (o *Opening) tell(ev []byte) (eventKind, []byte) {
 	ev = bytes.TrimLeft(ev, "\r\n")
-	if len(ev) > maxErrorEvent {
-		if doc, _ := eventData(ev[:maxErrorEvent]); o.classify(doc) == data {
-			return data, nil
-		}
-		return other, nil
+	doc, _ := eventData(ev[:min(len(ev), maxErrorEvent)])
+	doc = bytes.TrimLeft(doc, " \t\n")
+	switch kind := o.classify(doc); {
+	case len(ev) <= maxErrorEvent:
+		return kind, doc
+	case kind == data:
+		return data, nil
 	}
-	doc, _ := eventData(ev)
-	return o.classify(doc), doc
+	return other, nil
 }
 
 // classify tells what an event's data is from its start, v.

@@ -224,9 +224,13 @@ func failed(data []byte) bool {
 // part of its line, "\ufeffdata" a field a client ignores. Engines send none.
 var bom = []byte("\ufeff")
 
-// dataStart is where the value of a "data:" line begins.
+// dataStart is where the value of a data line begins: "data:", or a bare
+// "data", whose value is empty (a line without a colon is a field's name).
 func dataStart(line []byte) (int, bool) {
 	const field = "data:"
+	if string(line) == field[:4] {
+		return len(line), true
+	}
 	if !bytes.HasPrefix(line, []byte(field)) {
 		return 0, false
 	}

@@ -7,9 +7,9 @@ import (
 
 // The WHATWG server-sent events framing a client reads: lines end in CRLF,
 // LF or CR; a blank line ends an event; "data:" with or without one space;
-// comment lines (":") and other fields are not data; one byte order mark at
-// the stream's start is skipped, and only there; an event the stream does not
-// end is none.
+// comment lines (":") and other fields are not data, a bare "data" line is an
+// empty one; one byte order mark at the stream's start is skipped, and only
+// there; an event the stream does not end is none.
 // Each stream is fed cut at every position (and once whole): the rewriter's
 // bytes, the reader's number and the openings' verdicts must not depend on
 // the cut, and StreamFailed reads the whole stream as they do.
@@ -67,6 +67,14 @@ func TestEventStreamFramingAsAClientReadsIt(t *testing.T) {
 		{"a BOM after the stream's start: no usage", role + tok0 + bom + usageEv + done, role + tok0 + bom + usageEv + done, "", Served, Served, false},
 		{"a BOM on the first event's second line", bom + "id: 1\n" + bom + errorEv + done, bom + "id: 1\n" + bom + errorEv + done, "", Pending, Served, false},
 		{"two BOMs at the start", bom + bom + errorEv + done, bom + bom + errorEv + done, "", Pending, Served, false},
+		// A bare "data" line adds an empty line to the data; a client's JSON
+		// parser skips the white space it makes, as it does spaces after "data: ".
+		{"a bare data line before an error event", role + "data\n" + errorEv + done, role + "data\n" + errorEv + done, "", Failed, Failed, true},
+		{"a bare data line before an abort", "data\n" + abort + done, "data\n" + abort + done, "", Served, Failed, true},
+		{"bare data lines in a usage event", role + strings.Replace(split(usageEv, `"choices":[],`, "data\ndata: "), "\n\n", "\ndata\n\n", 1) + done,
+			role + strings.Replace(split(fixedEv, `"choices":[],`, "data\ndata: "), "\n\n", "\ndata\n\n", 1) + done, "12", Served, Served, false},
+		{"an error event with two spaces after its colon", role + strings.Replace(errorEv, "data: ", "data:  ", 1) + done,
+			role + strings.Replace(errorEv, "data: ", "data:  ", 1) + done, "", Failed, Failed, true},
 		// An event the stream does not end with a blank line is none: its
 		// bytes pass as they came and a reader reads nothing of it.
 		{"a usage event the stream does not end", role + tok0 + strings.TrimSuffix(usageEv, "\n"), role + tok0 + strings.TrimSuffix(usageEv, "\n"), "", Served, Pending, false},
@@ -127,6 +135,10 @@ func TestEventDataIsWhatAClientReads(t *testing.T) {
 		{"two spaces: one is the value's", "data:  x\n\n", " x"},
 		{"two lines", "data: x\ndata:y\n\n", "x\ny"},
 		{"an empty value", "data: x\ndata:\ndata: y\n\n", "x\n\ny"},
+		{"a bare data line after", "data: x\ndata\n\n", "x\n"},
+		{"a bare data line before", "data\ndata: x\n\n", "\nx"},
+		{"a bare data line, CRLF", "data: x\r\ndata\r\n\r\n", "x\n"},
+		{"a bare data line, CR", "data\rdata: x\r\r", "\nx"},
 		{"other fields and comments", "event: e\nid: 1\nretry: 5\n: data: c\ndata: x\n\n", "x"},
 		{"a BOM makes another field", "\ufeffdata: x\n\n", ""},
 		{"a space before the colon makes another field", "data : x\n\n", ""},
