@@ -28,8 +28,8 @@
 // Refused rather than guessed (LoadConfig errors): observability mode,
 // CEL attributes, mode_override, http_service, GRPC body mode, other HTTP
 // filters, non-ORIGINAL_DST route clusters, per-host circuit breakers and
-// retry budgets, retry policies beyond retry_on, num_retries and
-// retriable_status_codes, TLS on a route cluster, TLS settings other than files,
+// retry budgets, retry policies beyond retry_on, num_retries,
+// retriable_status_codes and retry_back_off, TLS on a route cluster, TLS settings other than files,
 // file-based SDS, versions, SNI, ALPN and typed SAN matchers, use_remote_address without
 // preserve_external_request_id.
 package envoyemu

@@ -180,7 +180,16 @@ func TestLoadConfigRetryPolicy(t *testing.T) {
 		{name: "a condition not emulated", old: route, new: `route: {cluster: pd_original_dst, retry_policy: {retry_on: refused-stream}}`,
 			err: `retry_on "refused-stream" is not emulated`},
 		{name: "a per-try timeout", old: route, new: `route: {cluster: pd_original_dst, retry_policy: {retry_on: reset, per_try_timeout: 1s}}`,
-			err: "only retry_on, num_retries and retriable_status_codes"},
+			err: "only retry_on, num_retries, retriable_status_codes and retry_back_off"},
+		{name: "retry_back_off", old: route,
+			new:  `route: {cluster: pd_original_dst, timeout: 0s, retry_policy: {retry_on: reset, retry_back_off: {base_interval: 0.1s, max_interval: 1s}}}`,
+			want: [2]*RetryPolicy{{On: []string{"reset"}, NumRetries: 1, BaseInterval: 100 * time.Millisecond, MaxInterval: time.Second}}},
+		{name: "retry_back_off below a millisecond counts one", old: route,
+			new:  `route: {cluster: pd_original_dst, timeout: 0s, retry_policy: {retry_on: reset, retry_back_off: {base_interval: 0.0001s, max_interval: 0.0002s}}}`,
+			want: [2]*RetryPolicy{{On: []string{"reset"}, NumRetries: 1, BaseInterval: time.Millisecond, MaxInterval: time.Millisecond}}},
+		{name: "a max interval below the base", old: route,
+			new: `route: {cluster: pd_original_dst, retry_policy: {retry_on: reset, retry_back_off: {base_interval: 1s, max_interval: 0.5s}}}`,
+			err: "max_interval 500ms is below base_interval 1s"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -105,6 +105,21 @@ func (x *exchange) post(fn func()) bool {
 	}
 }
 
+// ask runs fn on the event loop and waits for its answer; false once the
+// exchange is over.
+func (x *exchange) ask(fn func() bool) bool {
+	answer := make(chan bool, 1)
+	if !x.post(func() { answer <- fn() }) {
+		return false
+	}
+	select {
+	case ok := <-answer:
+		return ok
+	case <-x.done:
+		return false
+	}
+}
+
 func (x *exchange) limits() mutationLimits {
 	return mutationLimits{maxHeadersCount: x.cfg.Limits.MaxHeadersCount, maxHeadersKB: x.cfg.Limits.MaxHeadersKB}
 }

@@ -31,6 +31,9 @@ type Proxy struct {
 	// hooks are test-only observation points; set them before any request.
 	hooks struct {
 		clientBodyDone func() // the whole client body reached the filter
+		// backoff, when set, picks the wait before a retry from its
+		// ceiling, in place of Envoy's jitter.
+		backoff func(ceiling time.Duration) time.Duration
 	}
 
 	mu        sync.Mutex

@@ -1,23 +1,31 @@
 package envoyemu
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"slices"
+	"strconv"
 	"strings"
+	"time"
 
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	"google.golang.org/protobuf/types/known/durationpb"
 )
 
 // RetryPolicy is a route's retry_policy, as far as emulated: the conditions
-// of retry_on that apply to HTTP/1.1 upstreams, and the number of retries.
-// Retries have no backoff here, and the whole request body is kept for them
-// (Envoy keeps up to the buffer limit, and retries none past it).
+// of retry_on that apply to HTTP/1.1 upstreams, the number of retries and
+// their backoff. The whole request body is kept for them (Envoy keeps up to
+// the buffer limit, and retries none past it).
 type RetryPolicy struct {
 	On          []string // retry_on
 	NumRetries  int      // num_retries, default 1
 	StatusCodes []int    // retriable_status_codes
+	// BaseInterval and MaxInterval are retry_back_off's; 0: Envoy's
+	// defaults, 25 ms and ten times the base.
+	BaseInterval, MaxInterval time.Duration
 }
 
 // retryOn are the retry_on conditions emulated (RetryStateImpl,
@@ -29,10 +37,10 @@ func retryPolicyFrom(rp *routev3.RetryPolicy) (*RetryPolicy, error) {
 	if rp == nil {
 		return nil, nil
 	}
-	if rp.GetPerTryTimeout() != nil || rp.GetPerTryIdleTimeout() != nil || rp.GetRetryBackOff() != nil ||
+	if rp.GetPerTryTimeout() != nil || rp.GetPerTryIdleTimeout() != nil ||
 		len(rp.GetRetryHostPredicate()) > 0 || rp.GetRetryPriority() != nil || len(rp.GetRetriableHeaders()) > 0 ||
 		len(rp.GetRetriableRequestHeaders()) > 0 || rp.GetRateLimitedRetryBackOff() != nil {
-		return nil, errors.New("retry_policy: only retry_on, num_retries and retriable_status_codes are emulated")
+		return nil, errors.New("retry_policy: only retry_on, num_retries, retriable_status_codes and retry_back_off are emulated")
 	}
 	p := &RetryPolicy{NumRetries: 1}
 	if n := rp.GetNumRetries(); n != nil {
@@ -48,7 +56,27 @@ func retryPolicyFrom(rp *routev3.RetryPolicy) (*RetryPolicy, error) {
 	for _, c := range rp.GetRetriableStatusCodes() {
 		p.StatusCodes = append(p.StatusCodes, int(c))
 	}
-	return p, nil
+	return p, backOffFrom(p, rp.GetRetryBackOff())
+}
+
+// backOffFrom reads retry_back_off as Envoy's RetryPolicyImpl does
+// (source/common/router/retry_policy_impl.cc): whole milliseconds, at least
+// one, and a max_interval below the base refused.
+func backOffFrom(p *RetryPolicy, b *routev3.RetryPolicy_RetryBackOff) error {
+	if b == nil {
+		return nil
+	}
+	ms := func(d *durationpb.Duration) time.Duration {
+		return max(d.AsDuration().Truncate(time.Millisecond), time.Millisecond)
+	}
+	p.BaseInterval = ms(b.GetBaseInterval())
+	if b.GetMaxInterval() == nil {
+		return nil
+	}
+	if p.MaxInterval = ms(b.GetMaxInterval()); p.MaxInterval < p.BaseInterval {
+		return fmt.Errorf("retry_policy: retry_back_off max_interval %v is below base_interval %v", p.MaxInterval, p.BaseInterval)
+	}
+	return nil
 }
 
 // onStatus says whether an answer of this status is retried.
@@ -89,6 +117,7 @@ type attempts struct {
 	body     [][]byte // the request body so far
 	ended    bool
 	trailers *headerMap
+	ceiling  time.Duration // of the next backoff, 0 before the first
 }
 
 // next is the host of the next attempt: ORIGINAL_DST picks the same host
@@ -106,21 +135,6 @@ func (rt *router) next(gateway bool) (string, bool) {
 	return "", false
 }
 
-// retriable is what the upstream goroutine asks of a failed attempt, nil
-// when no other attempt may follow.
-func (rt *router) retriable() func(status int, err error) bool {
-	if _, ok := rt.next(rt.x.cfg.GatewayFallbacks); !ok {
-		return nil
-	}
-	p := rt.route.Retry
-	return func(status int, err error) bool {
-		if err != nil {
-			return p.onError(err)
-		}
-		return p.onStatus(status)
-	}
-}
-
 // keep records what the upstream is sent, for another attempt.
 func (rt *router) keep(b []byte, end bool, tr *headerMap) {
 	if rt.route.Retry == nil {
@@ -133,20 +147,64 @@ func (rt *router) keep(b []byte, end bool, tr *headerMap) {
 	a.ended, a.trailers = a.ended || end, tr
 }
 
-// retry sends the request to the next host, after an attempt that failed
-// as the route's retry policy says to retry.
-func (rt *router) retry(why string) {
-	x := rt.x
-	if x.finished {
-		return
+// retry is asked on the event loop of an attempt that failed (err) or
+// answered status, as Envoy's router asks RetryStateImpl (onUpstreamReset
+// and onUpstreamHeaders in source/common/router/router.cc): true when the
+// request goes to the next host after a backoff.
+func (rt *router) retry(status int, err error) bool {
+	x, p, a := rt.x, rt.route.Retry, &rt.attempts
+	if x.finished || (err != nil && !p.onError(err)) || (err == nil && !p.onStatus(status)) {
+		return false
 	}
-	addr, _ := rt.next(x.cfg.GatewayFallbacks)
-	x.logf("upstream %s: %s; retrying on %s", rt.attempts.at, why, addr)
+	addr, ok := rt.next(x.cfg.GatewayFallbacks)
+	if !ok {
+		return false
+	}
+	why := strconv.Itoa(status)
+	if err != nil {
+		why = err.Error()
+	}
+	wait := rt.backoff()
+	x.logf("upstream %s: %s; retrying on %s in %v", a.at, why, addr, wait)
 	if rt.body != nil {
 		rt.body.abort(errors.New("retried"))
 	}
 	rt.cancelUpstream()
-	if !rt.send(addr) || rt.body == nil {
+	rt.wait.start(x, wait, func() { rt.resend(addr) })
+	return true
+}
+
+// backoff is the wait before the next retry, Envoy's fully jittered
+// exponential backoff (JitteredExponentialBackOffStrategy,
+// source/common/common/backoff_strategy.cc): whole milliseconds below a
+// ceiling that starts at the base interval and doubles while under half the
+// max interval, then stays at the max.
+func (rt *router) backoff() time.Duration {
+	a := &rt.attempts
+	base, most := rt.route.Retry.intervals()
+	ceiling := cmp.Or(a.ceiling, base)
+	a.ceiling = most
+	if ceiling < most/2 {
+		a.ceiling = 2 * ceiling
+	}
+	if h := rt.x.p.hooks.backoff; h != nil {
+		return h(ceiling)
+	}
+	return time.Duration(rand.Int64N(max(ceiling.Milliseconds(), 1))) * time.Millisecond
+}
+
+// intervals are the backoff's base and max: 25 ms and ten times the base
+// unless retry_back_off sets them (RetryStateImpl's constructor,
+// source/common/router/retry_state_impl.cc).
+func (p *RetryPolicy) intervals() (base, most time.Duration) {
+	base = cmp.Or(p.BaseInterval, 25*time.Millisecond)
+	return base, cmp.Or(p.MaxInterval, 10*base)
+}
+
+// resend sends the request, and its body so far, to addr once the backoff
+// has passed.
+func (rt *router) resend(addr string) {
+	if rt.x.finished || !rt.send(addr) || rt.body == nil {
 		return
 	}
 	a := &rt.attempts

@@ -34,6 +34,7 @@ type router struct {
 	cancel  context.CancelFunc
 	body    *streamBody // the upstream request's
 	timer   loopTimer   // the route timeout (§5)
+	wait    loopTimer   // the backoff before a retry
 	// attempts are the hosts to try and what a retry sends again.
 	attempts attempts
 }
@@ -48,6 +49,7 @@ func (rt *router) cancelUpstream() {
 // stop ends everything the router started, at the exchange's end.
 func (rt *router) stop(err error) {
 	rt.timer.stop()
+	rt.wait.stop()
 	if rt.body != nil {
 		rt.body.abort(err)
 	}
@@ -92,7 +94,7 @@ func (rt *router) send(addr string) bool {
 		x.localReply(http.StatusBadRequest, "", "", "invalid_upstream_request: "+err.Error())
 		return false
 	}
-	x.startUpstream(req, x.p.routed.get(x.cfg.Clusters[rt.route.Cluster]), rt.retriable())
+	x.startUpstream(req, x.p.routed.get(x.cfg.Clusters[rt.route.Cluster]), rt.route.Retry != nil)
 	return true
 }
 
@@ -161,9 +163,12 @@ func (rt *router) buildRequest(addr string, h *headerMap, end bool, route *Route
 
 // startUpstream runs the upstream exchange in the background, once the
 // cluster's circuit breakers admit it (§12), and reports headers, body chunks
-// and trailers as events; or, when retriable says so of its failure or its
-// status, the retry.
-func (x *exchange) startUpstream(req *http.Request, cluster *resources, retriable func(status int, err error) bool) {
+// and trailers as events; with a retry policy, it first asks the event loop
+// whether its failure or its status is retried.
+func (x *exchange) startUpstream(req *http.Request, cluster *resources, retries bool) {
+	retried := func(status int, err error) bool {
+		return retries && x.ask(func() bool { return x.rt.retry(status, err) })
+	}
 	go func() {
 		release, err := cluster.acquire(req.Context())
 		if err != nil {
@@ -174,8 +179,7 @@ func (x *exchange) startUpstream(req *http.Request, cluster *resources, retriabl
 		}
 		defer release()
 		resp, err := x.p.transport.RoundTrip(req)
-		if err != nil && retriable != nil && retriable(0, err) {
-			x.post(func() { x.rt.retry(err.Error()) })
+		if err != nil && retried(0, err) {
 			return
 		}
 		if err != nil {
@@ -183,8 +187,7 @@ func (x *exchange) startUpstream(req *http.Request, cluster *resources, retriabl
 			return
 		}
 		defer resp.Body.Close()
-		if retriable != nil && retriable(resp.StatusCode, nil) {
-			x.post(func() { x.rt.retry(resp.Status) })
+		if retried(resp.StatusCode, nil) {
 			return
 		}
 		h := &headerMap{}
