@@ -30,6 +30,9 @@ type ClusterStats struct {
 	RqPendingActive   int    // upstream_rq_pending_active
 	RqPendingOverflow uint64 // upstream_rq_pending_overflow: the pending queue was full
 	RqActiveOverflow  uint64 // upstream_rq_active_overflow: max_requests was reached (Envoy 1.38+)
+	// RetryOrShadowAbandoned is retry_or_shadow_abandoned: a request body
+	// passed the buffer limit, so the request is retried no more.
+	RetryOrShadowAbandoned uint64
 }
 
 // errOverflow is a request the circuit breakers refused: Envoy's pool
@@ -151,6 +154,14 @@ func (r *resources) endLocked() {
 		r.stats.RqPendingActive--
 		ready <- r.startLocked()
 	}
+}
+
+// abandonRetry counts a request whose body grew past what is kept for a
+// retry.
+func (r *resources) abandonRetry() {
+	r.mu.Lock()
+	r.stats.RetryOrShadowAbandoned++
+	r.mu.Unlock()
 }
 
 func (r *resources) snapshot() ClusterStats {

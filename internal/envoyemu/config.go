@@ -29,7 +29,8 @@
 // CEL attributes, mode_override, http_service, GRPC body mode, other HTTP
 // filters, non-ORIGINAL_DST route clusters, per-host circuit breakers and
 // retry budgets, retry policies beyond retry_on, num_retries,
-// retriable_status_codes and retry_back_off, TLS on a route cluster, TLS settings other than files,
+// retriable_status_codes and retry_back_off, route and virtual host buffer
+// limits, TLS on a route cluster, TLS settings other than files,
 // file-based SDS, versions, SNI, ALPN and typed SAN matchers, use_remote_address without
 // preserve_external_request_id.
 package envoyemu
@@ -161,7 +162,7 @@ type Mutations struct {
 
 // Limits bound the exchange outside the filter's own rules.
 type Limits struct {
-	BufferLimitBytes  int           // listener per_connection_buffer_limit_bytes (§2.3)
+	BufferLimitBytes  int           // listener per_connection_buffer_limit_bytes (§2.3), also the most body kept for a retry
 	StreamIdleTimeout time.Duration // HCM stream_idle_timeout; 0 = disabled
 	MaxHeadersCount   int           // HCM common_http_protocol_options.max_headers_count
 	MaxHeadersKB      int           // HCM max_request_headers_kb

@@ -228,6 +228,10 @@ func TestLoadConfigRejects(t *testing.T) {
 		{"header name without use_http_header", "use_http_header: true", "use_http_header: false", "requires use_http_header"},
 		{"unknown field", "failure_mode_allow: false", "failure_mode_alow: false", "failure_mode_alow"},
 		{"message_timeout over the maximum", "message_timeout: 10s", "message_timeout: 7200s", "MessageTimeout"},
+		{"a route's buffer limit", "route: {cluster: pd_original_dst, timeout: 0s}",
+			"route: {cluster: pd_original_dst, timeout: 0s}\n                per_request_buffer_limit_bytes: 1024", "per_request_buffer_limit_bytes"},
+		{"a virtual host's body buffer limit", "- name: inference\n              domains:",
+			"- name: inference\n              request_body_buffer_limit: 1024\n              domains:", "request_body_buffer_limit"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -225,12 +225,18 @@ func (cfg *Config) fromRoutes(rc *routev3.RouteConfiguration) error {
 		if len(vh.GetDomains()) != 1 || vh.GetDomains()[0] != "*" {
 			return fmt.Errorf("virtual host %q: only domains [\"*\"] is emulated", vh.GetName())
 		}
+		if vh.GetPerRequestBufferLimitBytes() != nil || vh.GetRequestBodyBufferLimit() != nil { //nolint:staticcheck // deprecated, still honoured by Envoy
+			return errors.New("per_request_buffer_limit_bytes and request_body_buffer_limit are not emulated: the listener's buffer limit is the stream's")
+		}
 		if len(vh.GetTypedPerFilterConfig()) > 0 || len(rc.GetTypedPerFilterConfig()) > 0 {
 			return errors.New("typed_per_filter_config (ExtProcPerRoute, §6.2) is not emulated")
 		}
 		for _, r := range vh.GetRoutes() {
 			if len(r.GetTypedPerFilterConfig()) > 0 {
 				return errors.New("typed_per_filter_config (ExtProcPerRoute, §6.2) is not emulated")
+			}
+			if r.GetPerRequestBufferLimitBytes() != nil || r.GetRequestBodyBufferLimit() != nil { //nolint:staticcheck // deprecated, still honoured by Envoy
+				return errors.New("per_request_buffer_limit_bytes and request_body_buffer_limit are not emulated: the listener's buffer limit is the stream's")
 			}
 			ra := r.GetRoute()
 			if ra == nil || ra.GetCluster() == "" {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"net/http"
 	"slices"
 	"strconv"
 	"strings"
@@ -17,8 +18,8 @@ import (
 
 // RetryPolicy is a route's retry_policy, as far as emulated: the conditions
 // of retry_on that apply to HTTP/1.1 upstreams, the number of retries and
-// their backoff. The whole request body is kept for them (Envoy keeps up to
-// the buffer limit, and retries none past it).
+// their backoff. The request body is kept for them up to the stream's buffer
+// limit (Limits.BufferLimitBytes); a longer one is not retried.
 type RetryPolicy struct {
 	On          []string // retry_on
 	NumRetries  int      // num_retries, default 1
@@ -109,15 +110,17 @@ func (p *RetryPolicy) onError(err error) bool {
 // attempts is what the router keeps to send the request again: the hosts in
 // order, and the request as the upstream got it.
 type attempts struct {
-	hosts    []string // the gateway's list (GatewayFallbacks), else the one host
-	made     int      // attempts sent
-	at       string   // the host of the last
-	headers  *headerMap
-	noBody   bool
-	body     [][]byte // the request body so far
-	ended    bool
-	trailers *headerMap
-	ceiling  time.Duration // of the next backoff, 0 before the first
+	hosts     []string // the gateway's list (GatewayFallbacks), else the one host
+	made      int      // attempts sent
+	at        string   // the host of the last
+	headers   *headerMap
+	noBody    bool
+	body      [][]byte // the request body so far
+	ended     bool
+	trailers  *headerMap
+	ceiling   time.Duration // of the next backoff, 0 before the first
+	kept      int           // body bytes seen
+	abandoned bool          // the body passed the buffer limit: no retry
 }
 
 // next is the host of the next attempt: ORIGINAL_DST picks the same host
@@ -135,12 +138,25 @@ func (rt *router) next(gateway bool) (string, bool) {
 	return "", false
 }
 
-// keep records what the upstream is sent, for another attempt.
+// keep records what the upstream is sent, for another attempt, up to the
+// stream's buffer limit. Past it Envoy's router retries the request no
+// more, and answers 507 when a retry was waiting its backoff
+// (Filter::decodeData in source/common/router/router.cc).
 func (rt *router) keep(b []byte, end bool, tr *headerMap) {
-	if rt.route.Retry == nil {
+	a := &rt.attempts
+	if rt.route.Retry == nil || a.abandoned {
 		return
 	}
-	a := &rt.attempts
+	if a.kept += len(b); a.kept > rt.x.cfg.Limits.BufferLimitBytes {
+		a.abandoned, a.body = true, nil
+		rt.cluster().abandonRetry()
+		if rt.wait.running() {
+			rt.wait.stop()
+			rt.x.localReply(http.StatusInsufficientStorage, "", "exceeded request buffer limit while retrying upstream",
+				"request_payload_exceeded_retry_buffer_limit")
+		}
+		return
+	}
 	if len(b) > 0 {
 		a.body = append(a.body, append([]byte(nil), b...))
 	}
@@ -153,7 +169,7 @@ func (rt *router) keep(b []byte, end bool, tr *headerMap) {
 // request goes to the next host after a backoff.
 func (rt *router) retry(status int, err error) bool {
 	x, p, a := rt.x, rt.route.Retry, &rt.attempts
-	if x.finished || (err != nil && !p.onError(err)) || (err == nil && !p.onStatus(status)) {
+	if x.finished || a.abandoned || (err != nil && !p.onError(err)) || (err == nil && !p.onStatus(status)) {
 		return false
 	}
 	addr, ok := rt.next(x.cfg.GatewayFallbacks)

@@ -2,11 +2,15 @@ package envoyemu
 
 import (
 	"net/http"
+	"net/http/httptest"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 )
 
 // retryProxy is the shipped envoy.yaml whose routes retry as policy says,
@@ -109,5 +113,96 @@ func TestRetryWaitsItsBackoff(t *testing.T) {
 	}
 	if took := time.Since(start); took < wait {
 		t.Errorf("the retried request took %v, less than its %v backoff", took, wait)
+	}
+}
+
+// TestRetryBufferLimit: the router keeps the request body for a retry up to
+// the stream's buffer limit; a longer body is retried no more, and Envoy
+// counts retry_or_shadow_abandoned.
+func TestRetryBufferLimit(t *testing.T) {
+	const limit = 64
+	tests := []struct {
+		name      string
+		body      int // bytes
+		status    int
+		attempts  int
+		abandoned uint64
+	}{
+		{name: "a body at the limit is retried", body: limit, status: 200, attempts: 2},
+		{name: "a body past the limit is not", body: limit + 1, status: 503, attempts: 1, abandoned: 1},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			up := failingFirst(t, 1)
+			p := retryProxy(t, &RetryPolicy{On: []string{"5xx"}, NumRetries: 1}, false, up.addr,
+				func(cfg *Config) { cfg.Limits.BufferLimitBytes = limit })
+			p.hooks.backoff = func(time.Duration) time.Duration { return 0 }
+			body := `"` + strings.Repeat("x", tc.body-2) + `"`
+			res := do(t, p, http.MethodPost, "/v1/completions", body, nil)
+			if res.status != tc.status {
+				t.Errorf("status %d %q, want %d", res.status, res.body, tc.status)
+			}
+			if n := len(p.Upstreams()); n != tc.attempts {
+				t.Errorf("%d attempts, want %d", n, tc.attempts)
+			}
+			if got := p.ClusterStats()["pd_original_dst"].RetryOrShadowAbandoned; got != tc.abandoned {
+				t.Errorf("retry_or_shadow_abandoned = %d, want %d", got, tc.abandoned)
+			}
+		})
+	}
+}
+
+// TestRetryBufferOverflowWhileBackingOff: a body that passes the buffer
+// limit while a retry waits its backoff, with no attempt under way, gets
+// Envoy's 507 (Filter::decodeData in router.cc).
+func TestRetryBufferOverflowWhileBackingOff(t *testing.T) {
+	// Answers 503 at once, before the body ends.
+	refuse := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		rc := http.NewResponseController(w)
+		_ = rc.EnableFullDuplex()
+		w.WriteHeader(http.StatusServiceUnavailable)
+		_ = rc.Flush()
+	}))
+	t.Cleanup(refuse.Close)
+	addr := strings.TrimPrefix(refuse.URL, "http://")
+	cfg := streamedConfig(t, extprocfilterv3.ProcessingMode_STREAMED)
+	cfg.Limits.BufferLimitBytes = 64
+	for i := range cfg.Routes {
+		cfg.Routes[i].Retry = &RetryPolicy{On: []string{"5xx"}, NumRetries: 1}
+	}
+	chunks := make(chan string, 4)
+	p := startProxy(t, cfg, func(s *procStream) error {
+		s.next()
+		s.reply(requestHeadersReply(setHeaders(rawHeader("x-gateway-destination-endpoint", addr)), nil))
+		for m := s.next(); m.GetRequestBody() != nil; m = s.next() {
+			s.reply(requestBodyReply(bodyMutation(m.GetRequestBody().GetBody())))
+			chunks <- string(m.GetRequestBody().GetBody())
+		}
+		return nil
+	})
+	backingOff := make(chan struct{})
+	p.hooks.backoff = func(time.Duration) time.Duration {
+		close(backingOff)
+		return time.Hour
+	}
+	pw, resc := streamedPost(p.URL() + "/v1/completions")
+	defer pw.Close()
+	_, _ = pw.Write([]byte("ab"))
+	<-chunks
+	<-backingOff // the 503 came back, and the retry waits
+	go func() { _, _ = pw.Write([]byte(strings.Repeat("x", 100))) }()
+	var res result
+	select {
+	case res = <-resc:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no answer: the request still waits its backoff")
+	}
+	const body = "exceeded request buffer limit while retrying upstream"
+	if res.status != http.StatusInsufficientStorage || !strings.Contains(res.body, body) ||
+		res.header.Get(DetailsHeader) != "request_payload_exceeded_retry_buffer_limit" {
+		t.Errorf("answer %d %q (%s), want 507 %q", res.status, res.body, res.header.Get(DetailsHeader), body)
+	}
+	if n := len(p.Upstreams()); n != 1 {
+		t.Errorf("%d attempts, want 1", n)
 	}
 }

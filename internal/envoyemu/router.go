@@ -94,12 +94,19 @@ func (rt *router) send(addr string) bool {
 		x.localReply(http.StatusBadRequest, "", "", "invalid_upstream_request: "+err.Error())
 		return false
 	}
-	x.startUpstream(req, x.p.routed.get(x.cfg.Clusters[rt.route.Cluster]), rt.route.Retry != nil)
+	x.startUpstream(req, rt.cluster(), rt.route.Retry != nil)
 	return true
 }
 
+// cluster is the circuit-breaker accounting of the route's cluster.
+func (rt *router) cluster() *resources {
+	return rt.x.p.routed.get(rt.x.cfg.Clusters[rt.route.Cluster])
+}
+
 func (rt *router) data(b []byte, end bool) {
-	rt.keep(b, end, nil)
+	if rt.keep(b, end, nil); rt.x.finished {
+		return
+	}
 	if len(b) > 0 {
 		rt.body.push(b)
 	}
