@@ -14,7 +14,7 @@ type Thresholds struct {
 	MaxConnections     int
 	MaxPendingRequests int
 	MaxRequests        int
-	MaxRetries         int // parsed for completeness: retries are not counted against it
+	MaxRetries         int // retries under way at once
 }
 
 // DefaultThresholds are Envoy's for a cluster without circuit_breakers
@@ -33,6 +33,8 @@ type ClusterStats struct {
 	// RetryOrShadowAbandoned is retry_or_shadow_abandoned: a request body
 	// passed the buffer limit, so the request is retried no more.
 	RetryOrShadowAbandoned uint64
+	RqRetry                uint64 // upstream_rq_retry: retries made
+	RqRetryOverflow        uint64 // upstream_rq_retry_overflow: max_retries retries were under way
 }
 
 // errOverflow is a request the circuit breakers refused: Envoy's pool
@@ -64,6 +66,7 @@ type resources struct {
 	mu      sync.Mutex
 	stats   ClusterStats
 	waiting list.List // of chan error, the pending requests in arrival order
+	retries int       // retries under way
 }
 
 func newResources(t Thresholds, perConn int) *resources {
@@ -154,6 +157,29 @@ func (r *resources) endLocked() {
 		r.stats.RqPendingActive--
 		ready <- r.startLocked()
 	}
+}
+
+// retry admits one retry while fewer than max_retries are under way
+// (RetryStateImpl::shouldRetry, source/common/router/retry_state_impl.cc).
+// Its release is due once the retried attempt's outcome is judged, or the
+// request ends (RetryStateImpl::resetRetry).
+func (r *resources) retry() (release func(), ok bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.retries >= r.t.MaxRetries {
+		r.stats.RqRetryOverflow++
+		return nil, false
+	}
+	r.retries++
+	r.stats.RqRetry++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			r.mu.Lock()
+			r.retries--
+			r.mu.Unlock()
+		})
+	}, true
 }
 
 // abandonRetry counts a request whose body grew past what is kept for a

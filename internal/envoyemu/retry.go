@@ -169,6 +169,7 @@ func (rt *router) keep(b []byte, end bool, tr *headerMap) {
 // request goes to the next host after a backoff.
 func (rt *router) retry(status int, err error) bool {
 	x, p, a := rt.x, rt.route.Retry, &rt.attempts
+	rt.releaseRetry()
 	if x.finished || a.abandoned || (err != nil && !p.onError(err)) || (err == nil && !p.onStatus(status)) {
 		return false
 	}
@@ -180,6 +181,10 @@ func (rt *router) retry(status int, err error) bool {
 	if err != nil {
 		why = err.Error()
 	}
+	if rt.retrying, ok = rt.cluster().retry(); !ok {
+		x.logf("upstream %s: %s; not retried: the cluster's max_retries retries are under way", a.at, why)
+		return false
+	}
 	wait := rt.backoff()
 	x.logf("upstream %s: %s; retrying on %s in %v", a.at, why, addr, wait)
 	if rt.body != nil {
@@ -188,6 +193,14 @@ func (rt *router) retry(status int, err error) bool {
 	rt.cancelUpstream()
 	rt.wait.start(x, wait, func() { rt.resend(addr) })
 	return true
+}
+
+// releaseRetry ends the retry under way, if any, in the cluster's count.
+func (rt *router) releaseRetry() {
+	if rt.retrying != nil {
+		rt.retrying()
+		rt.retrying = nil
+	}
 }
 
 // backoff is the wait before the next retry, Envoy's fully jittered

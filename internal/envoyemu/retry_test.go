@@ -206,3 +206,75 @@ func TestRetryBufferOverflowWhileBackingOff(t *testing.T) {
 		t.Errorf("%d attempts, want 1", n)
 	}
 }
+
+// TestRetryCircuitBreaker: a retry needs room under the cluster's
+// max_retries, counted from the retry's decision until its attempt's answer
+// is judged; without room the failed answer is the client's, and Envoy
+// counts upstream_rq_retry_overflow (RetryStateImpl::shouldRetry).
+func TestRetryCircuitBreaker(t *testing.T) {
+	policy := &RetryPolicy{On: []string{"5xx"}, NumRetries: 1}
+	maxRetries := func(n int) func(*Config) {
+		return func(cfg *Config) { cfg.Clusters["pd_original_dst"].Breakers.MaxRetries = n }
+	}
+	t.Run("max_retries 0 retries nothing", func(t *testing.T) {
+		up := failingFirst(t, 1)
+		p := retryProxy(t, policy, false, up.addr, maxRetries(0))
+		p.hooks.backoff = func(time.Duration) time.Duration { return 0 }
+		if res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil); res.status != http.StatusServiceUnavailable {
+			t.Errorf("status %d %q, want the upstream's 503", res.status, res.body)
+		}
+		if st := p.ClusterStats()["pd_original_dst"]; len(p.Upstreams()) != 1 || st.RqRetry != 0 || st.RqRetryOverflow != 1 {
+			t.Errorf("%d attempts, stats %+v; want 1 attempt, no retry and 1 retry overflow", len(p.Upstreams()), st)
+		}
+	})
+	t.Run("a retry's room ends with its answer", func(t *testing.T) {
+		var calls atomic.Int32 // odd calls fail, even ones answer
+		up := startUpstreamWith(t, func(w http.ResponseWriter, _ *http.Request) {
+			if calls.Add(1)%2 == 1 {
+				w.WriteHeader(http.StatusServiceUnavailable)
+			}
+		})
+		p := retryProxy(t, policy, false, up.addr, maxRetries(1))
+		p.hooks.backoff = func(time.Duration) time.Duration { return 0 }
+		for i := range 2 {
+			if res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil); res.status != http.StatusOK {
+				t.Errorf("request %d: status %d %q, want 200 after its retry", i, res.status, res.body)
+			}
+		}
+		if st := p.ClusterStats()["pd_original_dst"]; st.RqRetry != 2 || st.RqRetryOverflow != 0 {
+			t.Errorf("stats %+v, want 2 retries and no overflow", st)
+		}
+	})
+	t.Run("a retry under way takes the room of another", func(t *testing.T) {
+		held, release := make(chan struct{}), make(chan struct{})
+		var calls atomic.Int32
+		up := startUpstreamWith(t, func(w http.ResponseWriter, _ *http.Request) {
+			switch calls.Add(1) {
+			case 2: // the first request's retry: held while the second one fails
+				close(held)
+				<-release
+				_, _ = w.Write([]byte("ok"))
+			default:
+				w.WriteHeader(http.StatusServiceUnavailable)
+			}
+		})
+		p := retryProxy(t, policy, false, up.addr, maxRetries(1))
+		p.hooks.backoff = func(time.Duration) time.Duration { return 0 }
+		first := make(chan result, 1)
+		go func() {
+			req, _ := http.NewRequest(http.MethodPost, p.URL()+"/v1/completions", strings.NewReader(`{"model":"m"}`))
+			first <- send(req)
+		}()
+		<-held
+		if res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil); res.status != http.StatusServiceUnavailable {
+			t.Errorf("second request: status %d %q, want its 503 unretried", res.status, res.body)
+		}
+		close(release)
+		if res := <-first; res.status != http.StatusOK || res.body != "ok" {
+			t.Errorf("first request: %d %q, want 200 ok", res.status, res.body)
+		}
+		if st := p.ClusterStats()["pd_original_dst"]; len(p.Upstreams()) != 3 || st.RqRetry != 1 || st.RqRetryOverflow != 1 {
+			t.Errorf("%d attempts, stats %+v; want 3 attempts, 1 retry, 1 retry overflow", len(p.Upstreams()), st)
+		}
+	})
+}

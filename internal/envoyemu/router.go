@@ -35,6 +35,8 @@ type router struct {
 	body    *streamBody // the upstream request's
 	timer   loopTimer   // the route timeout (§5)
 	wait    loopTimer   // the backoff before a retry
+	// retrying releases the retry under way in the cluster's max_retries.
+	retrying func()
 	// attempts are the hosts to try and what a retry sends again.
 	attempts attempts
 }
@@ -50,6 +52,7 @@ func (rt *router) cancelUpstream() {
 func (rt *router) stop(err error) {
 	rt.timer.stop()
 	rt.wait.stop()
+	rt.releaseRetry()
 	if rt.body != nil {
 		rt.body.abort(err)
 	}
@@ -242,6 +245,7 @@ func (x *exchange) onUpstreamHeaders(h *headerMap, noBody bool) {
 		return
 	}
 	x.resetIdle()
+	x.rt.releaseRetry()
 	if noBody {
 		x.rt.timer.stop()
 	}
