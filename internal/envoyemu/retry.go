@@ -80,8 +80,14 @@ func backOffFrom(p *RetryPolicy, b *routev3.RetryPolicy_RetryBackOff) error {
 	return nil
 }
 
-// onStatus says whether an answer of this status is retried.
-func (p *RetryPolicy) onStatus(status int) bool {
+// onStatus says whether an answer of this status is retried. One marked
+// x-envoy-ratelimited never is (retry_on envoy-ratelimited is refused);
+// x-envoy-overloaded no longer stops a retry since Envoy 1.15
+// (wouldRetryFromHeaders in source/common/router/retry_state_impl.cc).
+func (p *RetryPolicy) onStatus(status int, h http.Header) bool {
+	if h.Get("x-envoy-ratelimited") != "" {
+		return false
+	}
 	for _, on := range p.On {
 		switch {
 		case on == "5xx" && status >= 500 && status <= 599,
@@ -164,13 +170,13 @@ func (rt *router) keep(b []byte, end bool, tr *headerMap) {
 }
 
 // retry is asked on the event loop of an attempt that failed (err) or
-// answered status, as Envoy's router asks RetryStateImpl (onUpstreamReset
+// answered status with headers h, as Envoy's router asks RetryStateImpl (onUpstreamReset
 // and onUpstreamHeaders in source/common/router/router.cc): true when the
 // request goes to the next host after a backoff.
-func (rt *router) retry(status int, err error) bool {
+func (rt *router) retry(status int, h http.Header, err error) bool {
 	x, p, a := rt.x, rt.route.Retry, &rt.attempts
 	rt.releaseRetry()
-	if x.finished || a.abandoned || (err != nil && !p.onError(err)) || (err == nil && !p.onStatus(status)) {
+	if x.finished || a.abandoned || (err != nil && !p.onError(err)) || (err == nil && !p.onStatus(status, h)) {
 		return false
 	}
 	addr, ok := rt.next(x.cfg.GatewayFallbacks)

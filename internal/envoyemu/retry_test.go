@@ -278,3 +278,38 @@ func TestRetryCircuitBreaker(t *testing.T) {
 		}
 	})
 }
+
+// TestRetryMarkedAnswers: an answer marked x-envoy-ratelimited (an
+// upstream Envoy's rate limit) is never retried unless retry_on names
+// envoy-ratelimited, which the emulator refuses; one marked
+// x-envoy-overloaded is retried like any other, as Envoy does since 1.15
+// (RetryStateImpl::wouldRetryFromHeaders).
+func TestRetryMarkedAnswers(t *testing.T) {
+	tests := []struct {
+		header   string
+		status   int
+		attempts int
+	}{
+		{header: "x-envoy-ratelimited", status: 503, attempts: 1},
+		{header: "x-envoy-overloaded", status: 200, attempts: 2},
+	}
+	for _, tc := range tests {
+		t.Run(tc.header, func(t *testing.T) {
+			var calls atomic.Int32
+			up := startUpstreamWith(t, func(w http.ResponseWriter, _ *http.Request) {
+				if calls.Add(1) == 1 {
+					w.Header().Set(tc.header, "true")
+					w.WriteHeader(http.StatusServiceUnavailable)
+				}
+			})
+			p := retryProxy(t, &RetryPolicy{On: []string{"5xx"}, NumRetries: 1}, false, up.addr, nil)
+			p.hooks.backoff = func(time.Duration) time.Duration { return 0 }
+			if res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil); res.status != tc.status {
+				t.Errorf("status %d %q, want %d", res.status, res.body, tc.status)
+			}
+			if n := len(p.Upstreams()); n != tc.attempts {
+				t.Errorf("%d attempts, want %d", n, tc.attempts)
+			}
+		})
+	}
+}

@@ -176,8 +176,8 @@ func (rt *router) buildRequest(addr string, h *headerMap, end bool, route *Route
 // and trailers as events; with a retry policy, it first asks the event loop
 // whether its failure or its status is retried.
 func (x *exchange) startUpstream(req *http.Request, cluster *resources, retries bool) {
-	retried := func(status int, err error) bool {
-		return retries && x.ask(func() bool { return x.rt.retry(status, err) })
+	retried := func(status int, h http.Header, err error) bool {
+		return retries && x.ask(func() bool { return x.rt.retry(status, h, err) })
 	}
 	go func() {
 		release, err := cluster.acquire(req.Context())
@@ -189,7 +189,7 @@ func (x *exchange) startUpstream(req *http.Request, cluster *resources, retries 
 		}
 		defer release()
 		resp, err := x.p.transport.RoundTrip(req)
-		if err != nil && retried(0, err) {
+		if err != nil && retried(0, nil, err) {
 			return
 		}
 		if err != nil {
@@ -197,7 +197,7 @@ func (x *exchange) startUpstream(req *http.Request, cluster *resources, retries 
 			return
 		}
 		defer resp.Body.Close()
-		if retried(resp.StatusCode, nil) {
+		if retried(resp.StatusCode, resp.Header, nil) {
 			return
 		}
 		h := &headerMap{}
