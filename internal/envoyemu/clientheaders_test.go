@@ -1,9 +1,11 @@
 package envoyemu
 
 import (
+	"cmp"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 )
 
 // With use_remote_address the connection manager appends the peer's address
@@ -68,5 +70,61 @@ func TestUseRemoteAddressWithoutPreservedRequestIDIsRefused(t *testing.T) {
 	}
 	if !cfg.ClientHeaders.UseRemoteAddress || !cfg.ClientHeaders.PreserveExternalRequestID {
 		t.Errorf("ClientHeaders = %+v, want both read", cfg.ClientHeaders)
+	}
+}
+
+// Without internal_address_config (refused at load) Envoy 1.33 and later
+// deems every request external, and the connection manager removes the
+// client's x-envoy-* headers that steer Envoy before any filter runs
+// (cleanInternalHeaders in conn_manager_utility.cc); with use_remote_address
+// the request is an edge one and three more go. So x-envoy-retry-on and its
+// companions neither reach the engine nor make the router retry.
+func TestExternalRequestsLoseEnvoysSteeringHeaders(t *testing.T) {
+	removed := []string{"retry-on", "retry-grpc-on", "max-retries", "retriable-status-codes", "retriable-header-names",
+		"upstream-rq-timeout-ms", "upstream-rq-per-try-timeout-ms", "upstream-rq-timeout-alt-response",
+		"expected-rq-timeout-ms", "hedge-on-per-try-timeout", "upstream-alt-stat-name", "force-trace",
+		"ip-tags", "original-url", "internal"}
+	edgeOnly := []string{"decorator-operation", "downstream-service-cluster", "downstream-service-node"}
+	values := map[string]string{"retry-on": "5xx", "max-retries": "3", "retriable-status-codes": "503",
+		"upstream-rq-timeout-ms": "60000", "expected-rq-timeout-ms": "60000", "internal": "true"}
+	tests := []struct {
+		name string
+		edge bool // use_remote_address
+	}{
+		{name: "an edge request (use_remote_address)", edge: true},
+		{name: "an external request without use_remote_address"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			up := failingFirst(t, 1)
+			p := retryProxy(t, nil, false, up.addr, func(cfg *Config) {
+				cfg.ClientHeaders = ClientHeaders{UseRemoteAddress: tc.edge, PreserveExternalRequestID: tc.edge}
+			})
+			p.hooks.backoff = func(time.Duration) time.Duration { return 0 }
+			hdr := map[string]string{"x-envoy-custom": "kept"}
+			for _, n := range append(removed, edgeOnly...) {
+				hdr["x-envoy-"+n] = cmp.Or(values[n], "v")
+			}
+			if res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, hdr); res.status != http.StatusServiceUnavailable {
+				t.Errorf("status %d %q, want the engine's 503 unretried", res.status, res.body)
+			}
+			got := up.requests()
+			if len(got) != 1 {
+				t.Fatalf("%d attempts, want 1: x-envoy-retry-on is not the client's to set", len(got))
+			}
+			for _, n := range removed {
+				if v, ok := got[0].Header[http.CanonicalHeaderKey("x-envoy-"+n)]; ok {
+					t.Errorf("the engine got x-envoy-%s: %q; Envoy removes it", n, v)
+				}
+			}
+			for _, n := range edgeOnly {
+				if _, ok := got[0].Header[http.CanonicalHeaderKey("x-envoy-"+n)]; ok == tc.edge {
+					t.Errorf("x-envoy-%s reached the engine: %v, want %v", n, ok, !tc.edge)
+				}
+			}
+			if v := got[0].Header.Get("X-Envoy-Custom"); v != "kept" {
+				t.Errorf("x-envoy-custom = %q, want the client's", v)
+			}
+		})
 	}
 }

@@ -164,8 +164,9 @@ func (x *exchange) cleanup() {
 }
 
 // requestHeaders builds the header map the HCM hands to the filter chain:
-// pseudo-headers first (§1.3), then the client's headers, then what the HCM
-// adds itself (x-forwarded-proto, x-request-id).
+// pseudo-headers first (§1.3), then the client's headers less the x-envoy-*
+// ones Envoy strips, then what the HCM adds itself (x-forwarded-proto,
+// x-request-id).
 func (x *exchange) requestHeaders() *headerMap {
 	r := x.down.r
 	h := &headerMap{}
@@ -178,9 +179,11 @@ func (x *exchange) requestHeaders() *headerMap {
 	if r.ContentLength > 0 && !h.has("content-length") {
 		h.add("content-length", strconv.FormatInt(r.ContentLength, 10))
 	}
-	if ch := x.cfg.ClientHeaders; ch.UseRemoteAddress && !ch.SkipXFFAppend {
+	ch := x.cfg.ClientHeaders
+	if ch.UseRemoteAddress && !ch.SkipXFFAppend {
 		appendXFF(h, r.RemoteAddr)
 	}
+	cleanExternal(h, x.cfg.Mutations.HeaderPrefix, ch.UseRemoteAddress)
 	if !h.has("x-forwarded-proto") {
 		h.add("x-forwarded-proto", "http")
 	}

@@ -150,3 +150,32 @@ func appendXFF(h *headerMap, remoteAddr string) {
 	}
 	h.set("x-forwarded-for", strings.Join(append(vals, host), ","))
 }
+
+// steering are the x-envoy-* request headers (after the bootstrap's
+// header_prefix) the connection manager removes from an external request,
+// and edgeSteering the ones it also removes from an edge request
+// (cleanInternalHeaders in source/common/http/conn_manager_utility.cc).
+var (
+	steering = []string{"-retriable-status-codes", "-retriable-header-names", "-retry-on", "-retry-grpc-on",
+		"-max-retries", "-upstream-alt-stat-name", "-upstream-rq-timeout-ms", "-upstream-rq-per-try-timeout-ms",
+		"-upstream-rq-timeout-alt-response", "-expected-rq-timeout-ms", "-force-trace", "-ip-tags",
+		"-original-url", "-hedge-on-per-try-timeout"}
+	edgeSteering = []string{"-decorator-operation", "-downstream-service-cluster", "-downstream-service-node"}
+)
+
+// cleanExternal is what the connection manager does to the x-envoy-*
+// headers of a request it deems external, as Envoy 1.33 and later deem
+// every request without internal_address_config: x-envoy-internal always
+// goes, and so do the headers that would steer Envoy; edge is
+// use_remote_address (mutateRequestHeaders, conn_manager_utility.cc).
+func cleanExternal(h *headerMap, prefix string, edge bool) {
+	prefix = strings.ToLower(prefix)
+	h.remove(prefix + "-internal")
+	names := steering
+	if edge {
+		names = append(names[:len(names):len(names)], edgeSteering...)
+	}
+	for _, n := range names {
+		h.remove(prefix + n)
+	}
+}
