@@ -1,10 +1,13 @@
 package envoyemu
 
 import (
+	"errors"
 	"io"
+	"net"
 	"net/http"
 	"strconv"
 	"strings"
+	"syscall"
 	"unicode"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -110,4 +113,39 @@ func (x *exchange) bufferOverflow(d *direction) {
 		return
 	}
 	x.localReply(http.StatusRequestEntityTooLarge, "", "Payload Too Large", "request_payload_too_large")
+}
+
+// resetReply is the router's 503 for an attempt that failed before its
+// headers (Filter::onUpstreamReset in source/common/router/router.cc): the
+// body names the reset reason, the transport's failure reason after it, and
+// "retried and the latest" once a retry was made. A refused connection is a
+// remote connection failure whose reason is the connect error's strerror
+// text (ConnectionImpl::onWriteReady in source/common/network/connection_impl.cc;
+// Go's text with a capital, as glibc writes it); a connection closed after
+// connecting is a connection termination (CodecClient::onEvent).
+func resetReply(err error, retried bool) (flag, body, details string) {
+	flag, reason, transport := "UC", "connection termination", ""
+	var op *net.OpError
+	var errno syscall.Errno
+	switch {
+	case errors.As(err, &op) && op.Op == "dial" && op.Timeout():
+		flag, reason = "UF", "connection timeout"
+	case errors.As(err, &op) && op.Op == "dial":
+		flag, reason = "UF", "remote connection failure"
+		if errors.As(err, &errno) {
+			text := errno.Error()
+			transport = "delayed connect error: " + strings.ToUpper(text[:1]) + text[1:]
+		}
+	}
+	body = "upstream connect error or disconnect/reset before headers. "
+	if retried {
+		body += "retried and the latest "
+	}
+	body += "reset reason: " + reason
+	details = reason
+	if transport != "" {
+		body += ", transport failure reason: " + transport
+		details += "|" + transport
+	}
+	return flag, body, noSpaces("upstream_reset_before_response_started{" + details + "}")
 }

@@ -23,7 +23,7 @@ import (
 // /v1/messages and below; the processor's immediate responses pass as they
 // are.
 func TestLocalReplyConfig(t *testing.T) {
-	const refused = "upstream connect error or disconnect/reset before headers. reset reason: connection failure"
+	const refused = "upstream connect error or disconnect/reset before headers. reset reason: remote connection failure, transport failure reason: delayed connect error: Connection refused"
 	const procJSON = `{"error":{"message":"no capacity","type":"service_unavailable","code":503}}`
 	immediate := func(body string, hs ...*corev3.HeaderValueOption) func(*procStream) error {
 		return func(s *procStream) error {

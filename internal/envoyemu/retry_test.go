@@ -313,3 +313,58 @@ func TestRetryMarkedAnswers(t *testing.T) {
 		})
 	}
 }
+
+// TestResetReplyNamesTheReset: an attempt that fails before its headers gets
+// Envoy's 503 whose body names the reset reason, the connect error's text
+// with it, and "retried and the latest" once a retry was made
+// (Filter::onUpstreamReset in router.cc): a refused connection is a remote
+// connection failure (UF), one closed after connecting a connection
+// termination (UC).
+func TestResetReplyNamesTheReset(t *testing.T) {
+	const prefix = "upstream connect error or disconnect/reset before headers. "
+	const refused = "remote connection failure, transport failure reason: delayed connect error: Connection refused"
+	hangUp := startUpstreamWith(t, func(w http.ResponseWriter, _ *http.Request) {
+		conn, _, err := http.NewResponseController(w).Hijack()
+		if err == nil {
+			_ = conn.Close()
+		}
+	})
+	tests := []struct {
+		name    string
+		closed  bool // the engine hangs up after connecting; else it refuses
+		retries bool
+		body    string
+		details string
+		flag    string
+	}{
+		{name: "refused", body: prefix + "reset reason: " + refused, flag: "UF",
+			details: "upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}"},
+		{name: "refused after a retry", retries: true, body: prefix + "retried and the latest reset reason: " + refused, flag: "UF",
+			details: "upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}"},
+		{name: "hung up", closed: true, body: prefix + "reset reason: connection termination", flag: "UC",
+			details: "upstream_reset_before_response_started{connection_termination}"},
+		{name: "hung up after a retry", closed: true, retries: true, body: prefix + "retried and the latest reset reason: connection termination",
+			flag: "UC", details: "upstream_reset_before_response_started{connection_termination}"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			addr := hangUp.addr
+			if !tc.closed {
+				addr = refusingAddr(t)
+			}
+			var policy *RetryPolicy
+			if tc.retries {
+				policy = &RetryPolicy{On: []string{"reset"}, NumRetries: 1}
+			}
+			p := retryProxy(t, policy, false, addr, func(cfg *Config) {
+				cfg.LocalReplies = LocalReplies{Mappers: []ReplyMapper{{filter: flagFilter{tc.flag}, Status: 502}}}
+			})
+			p.hooks.backoff = func(time.Duration) time.Duration { return 0 }
+			res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil)
+			if res.status != http.StatusBadGateway || res.body != tc.body || res.header.Get(DetailsHeader) != tc.details {
+				t.Errorf("answer %d %q (%s), want 502 (flag %s mapped) %q (%s)",
+					res.status, res.body, res.header.Get(DetailsHeader), tc.flag, tc.body, tc.details)
+			}
+		})
+	}
+}

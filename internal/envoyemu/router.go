@@ -286,9 +286,8 @@ func (x *exchange) onUpstreamError(err error, afterHeaders bool) {
 		x.finished, x.abort = true, true
 		return
 	}
-	x.localReply(http.StatusServiceUnavailable, "UF",
-		"upstream connect error or disconnect/reset before headers. reset reason: connection failure",
-		"upstream_reset_before_response_started")
+	flag, body, details := resetReply(err, x.rt.attempts.made > 1)
+	x.localReply(http.StatusServiceUnavailable, flag, body, details)
 }
 
 // streamBody is the upstream request body: the event loop pushes, the
