@@ -2,7 +2,9 @@ package envoyemu
 
 import (
 	"cmp"
+	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -124,6 +126,36 @@ func TestExternalRequestsLoseEnvoysSteeringHeaders(t *testing.T) {
 			}
 			if v := got[0].Header.Get("X-Envoy-Custom"); v != "kept" {
 				t.Errorf("x-envoy-custom = %q, want the client's", v)
+			}
+		})
+	}
+}
+
+// The router tells the upstream the route timeout in
+// x-envoy-expected-rq-timeout-ms unless suppress_envoy_headers is set
+// (FilterUtility::finalTimeout and setTimeoutHeaders in router.cc).
+func TestExpectedTimeoutHeaderFollowsSuppressEnvoyHeaders(t *testing.T) {
+	tests := []struct {
+		suppress bool
+		want     []string
+	}{
+		{suppress: false, want: []string{"30000"}},
+		{suppress: true},
+	}
+	for _, tc := range tests {
+		t.Run(fmt.Sprint("suppress_envoy_headers ", tc.suppress), func(t *testing.T) {
+			up := startUpstream(t)
+			p := retryProxy(t, nil, false, up.addr, func(cfg *Config) {
+				cfg.SuppressEnvoyHeaders = tc.suppress
+				for i := range cfg.Routes {
+					cfg.Routes[i].Timeout = 30 * time.Second
+				}
+			})
+			if res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil); res.status != http.StatusOK {
+				t.Fatalf("status %d: %s", res.status, res.body)
+			}
+			if got := up.requests()[0].Header["X-Envoy-Expected-Rq-Timeout-Ms"]; !slices.Equal(got, tc.want) {
+				t.Errorf("x-envoy-expected-rq-timeout-ms = %q, want %q", got, tc.want)
 			}
 		})
 	}

@@ -85,7 +85,8 @@ type Config struct {
 	// request (session affinity, docs/envoy.md §14).
 	InitialMetadata []MetadataValue
 	// SuppressEnvoyHeaders is the router's suppress_envoy_headers: no
-	// x-envoy-overloaded on an overflow reply (§12).
+	// x-envoy-overloaded on an overflow reply (§12), no
+	// x-envoy-expected-rq-timeout-ms upstream.
 	SuppressEnvoyHeaders bool
 	// ClientHeaders is what the connection manager does with the client's
 	// forwarding headers and request id.

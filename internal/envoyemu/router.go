@@ -159,7 +159,7 @@ func (rt *router) buildRequest(addr string, h *headerMap, end bool, route *Route
 	if _, ok := req.Header["User-Agent"]; !ok {
 		req.Header["User-Agent"] = nil // Go would add its own; Envoy does not
 	}
-	if route.Timeout > 0 {
+	if route.Timeout > 0 && !x.cfg.SuppressEnvoyHeaders {
 		req.Header.Set("X-Envoy-Expected-Rq-Timeout-Ms", strconv.FormatInt(route.Timeout.Milliseconds(), 10))
 	}
 	req.ContentLength = contentLength
