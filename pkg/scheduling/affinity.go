@@ -352,22 +352,18 @@ func (p *prefixAffinity) estimate(req *Request, e *Endpoint, hs []uint64, served
 
 // holds is how many of the n leading blocks of the chain hs that this
 // replica remembers sending e are still in e's engine's cache, as far as its
-// scraped counters tell (prefixIndex.fresh): n when they tell nothing. When
-// they are stale the engine may have written its cache over, or restarted,
-// since: for the P/D cache rule, which would send the request to decode
-// alone on the estimate, it holds none; for a placement, which only chooses
-// among endpoints, the memory stands, as counting none there cost hit rate
-// in the policy simulation (docs/scheduling.md, "What stale counters cost").
+// scraped counters tell (prefixIndex.fresh): n when they tell nothing, none
+// when they are stale (the engine may have written its cache over, or
+// restarted, since; and an engine that cannot be scraped is often one that
+// fails its requests too).
 func (p *prefixAffinity) holds(e *Endpoint, hs []uint64, n int) int {
 	if n == 0 {
 		return 0
 	}
 	since, ok, stale := e.cacheWindow()
 	switch {
-	case stale && p.cacheRule():
-		return 0
 	case stale:
-		return n
+		return 0
 	case ok:
 		return p.index.fresh(hs[:n], e.engine(), since)
 	}
