@@ -198,7 +198,7 @@ func TestSGLangGenerate(t *testing.T) {
 
 func TestOtherEndpointsAreRecorded(t *testing.T) {
 	d := start(t, Config{})
-	for _, path := range []string{"/v1/embeddings", "/tokenize", "/v1/tokenize", "/detokenize", "/flush_cache", "/reset_prefix_cache"} {
+	for _, path := range []string{"/v1/embeddings", "/tokenize", "/v1/messages/count_tokens", "/detokenize", "/flush_cache", "/reset_prefix_cache"} {
 		if r := post(t, d, path, `{"model":"pdsim","input":"x `+path+`","prompt":"x"}`, ""); r.status != 200 {
 			t.Errorf("POST %s: %d %s", path, r.status, r.body)
 		}
@@ -250,5 +250,45 @@ func TestSGLangGenerateAbortedStream(t *testing.T) {
 				t.Errorf("chunk %s (%v), want a generate chunk whose finish_reason is an abort with status_code 500", data[0], err)
 			}
 		})
+	}
+}
+
+// Each engine serves only its own routes; another engine's is FastAPI's 404.
+// vLLM serves token-in generate and /tokenize, SGLang its /generate and
+// /tokenize spelled with /v1 too; both serve Anthropic's /v1/messages.
+func TestRoutesAreTheEngines(t *testing.T) {
+	const notFound = `{"detail":"Not Found"}`
+	tests := []struct {
+		protocol, path, body string
+		served               bool
+	}{
+		{ProtocolNIXL, "/generate", `{"text":"hi"}`, false},
+		{ProtocolSharedStorage, "/generate", `{"text":"hi"}`, false},
+		{ProtocolMooncake, "/generate", `{"text":"hi"}`, false},
+		{ProtocolNIXL, "/v1/tokenize", `{"prompt":"hi"}`, false},
+		{ProtocolNIXL, "/v1/detokenize", `{"tokens":[1]}`, false},
+		{ProtocolSGLang, "/inference/v1/generate", `{"token_ids":[1],"sampling_params":{}}`, false},
+		{ProtocolNIXL, "/inference/v1/generate", `{"token_ids":[1],"sampling_params":{}}`, true},
+		{ProtocolNIXL, "/tokenize", `{"prompt":"hi"}`, true},
+		{ProtocolNIXL, "/detokenize", `{"tokens":[1]}`, true},
+		{ProtocolNIXL, "/v1/messages", `{"model":"pdsim","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}`, true},
+		{ProtocolSGLang, "/generate", `{"text":"hi"}`, true},
+		{ProtocolSGLang, "/tokenize", `{"prompt":"hi"}`, true},
+		{ProtocolSGLang, "/v1/tokenize", `{"prompt":"hi"}`, true},
+		{ProtocolSGLang, "/v1/detokenize", `{"tokens":[1]}`, true},
+		{ProtocolSGLang, "/v1/messages", `{"model":"pdsim","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}`, true},
+		{ProtocolSGLang, "/v1/messages/count_tokens", `{"model":"pdsim","messages":[{"role":"user","content":"hi"}]}`, true},
+	}
+	engines := map[string]*Server{}
+	for _, tt := range tests {
+		d := engines[tt.protocol]
+		if d == nil {
+			d = start(t, Config{Protocol: tt.protocol, SharedDir: t.TempDir()})
+			engines[tt.protocol] = d
+		}
+		r := post(t, d, tt.path, tt.body, "")
+		if missing := r.status == http.StatusNotFound && string(r.body) == notFound; missing == tt.served {
+			t.Errorf("%s POST %s: %d %s, want served %v", tt.protocol, tt.path, r.status, r.body, tt.served)
+		}
 	}
 }

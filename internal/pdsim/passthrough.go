@@ -26,9 +26,11 @@ func (s *Server) otherRoutes(mux *http.ServeMux) {
 		mux.HandleFunc("POST /v1/responses/render", s.recorded(s.render(apiResponses)))
 	}
 	mux.HandleFunc("POST /tokenize", tokenize)
-	mux.HandleFunc("POST /v1/tokenize", tokenize) // SGLang's spelling
 	mux.HandleFunc("POST /detokenize", detokenize)
-	mux.HandleFunc("POST /v1/detokenize", detokenize)
+	if s.cfg.Protocol == ProtocolSGLang { // SGLang's /v1 spellings; vLLM has none (vllm/entrypoints/serve/tokenize/api_router.py)
+		mux.HandleFunc("POST /v1/tokenize", tokenize)
+		mux.HandleFunc("POST /v1/detokenize", detokenize)
+	}
 	// vLLM's Anthropic API counts a Messages request's input tokens.
 	mux.HandleFunc("POST /v1/messages/count_tokens", s.recorded(func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, map[string]int{"input_tokens": 2})

@@ -222,9 +222,14 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("POST /v1/chat/completions", s.inference(apiChat))
 	mux.HandleFunc("POST /v1/completions", s.inference(apiCompletion))
 	mux.HandleFunc("POST /v1/responses", s.inference(apiResponses))
-	mux.HandleFunc("POST /inference/v1/generate", s.inference(apiGenerate))
-	mux.HandleFunc("POST /generate", s.inference(apiSGLangGenerate))
 	mux.HandleFunc("POST /v1/messages", s.inference(apiMessages))
+	// Each engine's own generate: vLLM's token-in one (vllm/entrypoints/serve/disagg/api_router.py),
+	// SGLang's native one (python/sglang/srt/entrypoints/http_server.py); the other's is a 404.
+	if s.cfg.Protocol == ProtocolSGLang {
+		mux.HandleFunc("POST /generate", s.inference(apiSGLangGenerate))
+	} else {
+		mux.HandleFunc("POST /inference/v1/generate", s.inference(apiGenerate))
+	}
 	s.otherRoutes(mux)
 	mux.HandleFunc("GET /health", func(http.ResponseWriter, *http.Request) {})
 	if s.cfg.Protocol == ProtocolSGLang {

@@ -69,7 +69,6 @@ func TestTokenizeAnswers(t *testing.T) {
 	}{
 		{"/tokenize", `{"prompt":"a b c"}`, 200, `{"count":3,"max_model_len":32768,"tokens":[`},
 		{"/tokenize", `{"prompt":"a b c"}`, 200, `],"token_strs":null}`},
-		{"/v1/tokenize", `{"prompt":"a b c"}`, 200, `{"count":3,`}, // SGLang's spelling
 		{"/tokenize", `{"prompt":""}`, 200, `"tokens":[]`},
 		{"/tokenize", `{"model":"other","prompt":"a"}`, 404, "The model `other` does not exist."},
 		{"/tokenize", `{"model":"pdsim"}`, 400, "prompt: Field required"},
