@@ -1,5 +1,7 @@
 package pdsim
 
+import "net/http"
+
 // defaultMaxModelLen is Config.MaxModelLen's default: the length vLLM
 // takes from a small model's config (Qwen2.5-0.5B-Instruct's
 // max_position_embeddings).
@@ -18,7 +20,10 @@ const defaultMaxModelLen = 32768
 // the engine stops at the context.
 func (s *Server) fitsContext(req *request) *apiError {
 	if s.cfg.Protocol == ProtocolSGLang {
-		return s.fitsSGLangContext(req)
+		if aerr := s.fitsSGLangContext(req); aerr == nil || req.api != apiMessages {
+			return aerr
+		}
+		return sglangMessagesRefusal(req.stream)
 	}
 	if req.api == apiGenerate {
 		return nil
@@ -69,4 +74,21 @@ func (s *Server) fitsSGLangContext(req *request) *apiError {
 			"input messages or the completion to fit within the limit.", length, prompt+limit, prompt, limit)
 	}
 	return nil
+}
+
+// sglangMessagesRefusal is how SGLang's /v1/messages answers a request its
+// tokenizer manager refuses. The handler runs it as a chat completion: the
+// chat handler turns the refusal into its error answer, which the Anthropic
+// handler, wanting a completion, answers with its own 500 "Internal
+// processing error" (AnthropicServing._handle_non_streaming,
+// python/sglang/srt/entrypoints/anthropic/serving.py @ 0198d48d). A stream's
+// 200 is sent before the chat stream is read, and the chat stream raises a
+// refusal that comes before its first chunk (_generate_chat_stream,
+// openai/serving_chat.py @ 002897c2; releases before yielded it as an error
+// chunk instead): the connection ends without an event.
+func sglangMessagesRefusal(stream bool) *apiError {
+	if stream {
+		return &apiError{http.StatusOK, "pdsim: the stream ends before its first event"}
+	}
+	return &apiError{http.StatusInternalServerError, "Internal processing error"}
 }

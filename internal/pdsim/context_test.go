@@ -1,6 +1,7 @@
 package pdsim
 
 import (
+	"context"
 	"encoding/json"
 	"strings"
 	"testing"
@@ -106,8 +107,6 @@ func TestSGLangContextLength(t *testing.T) {
 		{"generate without a limit", RoleDecode, "/generate", `{"text":"a b c"}`, ""},
 		{"generate's prompt of the whole context", RoleDecode, "/generate", `{"input_ids":[1,2,3,4,5,6,7,8]}`,
 			"The input (8 tokens) is longer than the model's context length (8 tokens)."},
-		{"messages' max_tokens", RoleDecode, "/v1/messages", chat("hi", `,"max_tokens":7`),
-			"Requested token count exceeds the model's maximum context length of 8 tokens."},
 		// Responses: max_new_tokens is max_output_tokens, at most max(context - prompt, 512), less 2.
 		{"responses' limit, less 2, one short of it", RoleDecode, "/v1/responses", `{"input":"a b c","max_output_tokens":6}`, ""},
 		{"responses' limit, less 2, that fills it", RoleDecode, "/v1/responses", `{"input":"a b c","max_output_tokens":7}`,
@@ -122,11 +121,7 @@ func TestSGLangContextLength(t *testing.T) {
 			if want == "" {
 				want = "bootstrap_room is required"
 			}
-			shape := `{"object":"error","message":`
-			if tt.path == "/v1/messages" {
-				shape = `{"type":"error","error":{"type":"BadRequestError","message":`
-			}
-			if r.status != 400 || !strings.HasPrefix(string(r.body), shape) || !strings.Contains(string(r.body), want) ||
+			if r.status != 400 || !strings.HasPrefix(string(r.body), `{"object":"error","message":`) || !strings.Contains(string(r.body), want) ||
 				!strings.Contains(string(r.body), `"type":"BadRequestError"`) {
 				t.Errorf("%d %s, want SGLang's 400 with %q", r.status, r.body, want)
 			}
@@ -139,4 +134,39 @@ func TestSGLangContextLength(t *testing.T) {
 			t.Errorf("/v1/models %s: want max_model_len 8 for pdsim, null for its adapter", r.body)
 		}
 	})
+}
+
+// SGLang's /v1/messages runs the request as a chat completion; a length the
+// tokenizer manager refuses comes back as the chat handler's error answer,
+// which the Anthropic handler turns into its own 500
+// (AnthropicServing._handle_non_streaming). A stream has sent its 200 before
+// the refusal, which then ends the connection without an event. A request
+// that fits, and vLLM's /v1/messages, are as before.
+func TestSGLangMessagesPastTheContext(t *testing.T) {
+	const over = `,"max_tokens":7` // 3 prompt tokens + 7 > 8
+	tests := []struct {
+		name, protocol, body string
+		status               int
+		want                 string // the whole body; "": cut short
+	}{
+		{"sglang", ProtocolSGLang, chat("hi", over), 500, `{"type":"error","error":{"type":"internal_error","message":"Internal processing error"}}`},
+		{"sglang, streamed", ProtocolSGLang, chat("hi", over+`,"stream":true`), 200, ""},
+		{"sglang, fits", ProtocolSGLang, chat("hi", `,"max_tokens":4`), 400, `{"type":"error","error":{"type":"BadRequestError","message":"bootstrap_room is required for disaggregated serving"}}`},
+		{"vllm", ProtocolNIXL, chat("hi", `,"max_tokens":9`), 400, `{"type":"error","error":{"type":"BadRequestError","message":"max_tokens=9 cannot be greater than max_model_len=8. Please request fewer output tokens."}}`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := start(t, Config{Protocol: tt.protocol, MaxModelLen: 8})
+			r, err := do(context.Background(), s, "/v1/messages", tt.body, "")
+			if tt.want == "" {
+				if r.status != tt.status || r.header.Get("Content-Type") != "text/event-stream; charset=utf-8" || len(r.body) != 0 || err == nil {
+					t.Errorf("%d %q %q (%v), want %d, an event stream, then the connection dropped", r.status, r.header.Get("Content-Type"), r.body, err, tt.status)
+				}
+				return
+			}
+			if err != nil || r.status != tt.status || string(r.body) != tt.want {
+				t.Errorf("%d %s (%v), want %d %s", r.status, r.body, err, tt.status, tt.want)
+			}
+		})
+	}
 }

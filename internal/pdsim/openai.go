@@ -145,6 +145,10 @@ func (s *Server) writeError(w http.ResponseWriter, e *apiError) {
 
 // writeErrorFor prints e as the engine's handler for api does.
 func (s *Server) writeErrorFor(api apiKind, w http.ResponseWriter, e *apiError) {
+	if e.status == http.StatusOK { // a stream begun, then dropped (sglangMessagesRefusal)
+		newSSE(w).rc.Flush()
+		panic(http.ErrAbortHandler)
+	}
 	kind := strings.ReplaceAll(http.StatusText(e.status), " ", "")
 	switch e.status {
 	case http.StatusBadRequest:
@@ -156,6 +160,9 @@ func (s *Server) writeErrorFor(api apiKind, w http.ResponseWriter, e *apiError) 
 	if api == apiMessages {
 		a := anthropicError{Type: "error"}
 		a.Error.Type, a.Error.Message = body.Type, body.Message
+		if s.cfg.Protocol == ProtocolSGLang && e.status == http.StatusInternalServerError {
+			a.Error.Type = "internal_error" // SGLang's AnthropicServing names every 500 so
+		}
 		writeJSON(w, e.status, a)
 		return
 	}
