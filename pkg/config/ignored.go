@@ -1,5 +1,10 @@
 package config
 
+import (
+	"slices"
+	"strings"
+)
+
 // This file holds the keys that do nothing without the key that turns them
 // on. They are accepted, so that a file that loaded before still does, and
 // named in a warning at load and at reload.
@@ -29,7 +34,7 @@ func (s PoolScheduling) ignored(key string) []string {
 		set            bool
 		name, switchOn string
 	}{
-		{s.DNS == "" && s.DNSInterval != 0, "dns_interval", "dns"},
+		{s.dnsIntervalIgnored(), "dns_interval", "dns"},
 		{h.CheckInterval == 0 && h.CheckPath != "", "health.check_path", checks},
 		{h.CheckInterval == 0 && h.UnhealthyThreshold != 0, "health.unhealthy_threshold", checks},
 		{h.CheckInterval == 0 && h.HealthyThreshold != 0, "health.healthy_threshold", checks},
@@ -42,6 +47,28 @@ func (s PoolScheduling) ignored(key string) []string {
 		}
 	}
 	return keys
+}
+
+// dnsIntervalIgnored holds as written and with the defaults filled: the
+// default dns_interval follows dns.
+func (s PoolScheduling) dnsIntervalIgnored() bool { return s.DNS == "" && s.DNSInterval != 0 }
+
+// dnsIgnored is keys with the pool's dns_interval named as s, the pool in
+// force, runs it: a reload that switches the pool's discovery keeps its
+// running dns and dns_interval, not the file's (InForce). The entry is its
+// pool's first, as ignored gives it.
+func (s PoolScheduling) dnsIgnored(keys []string, pool string) []string {
+	key := "pools." + pool
+	entry := key + ".dns_interval (needs " + key + ".dns)"
+	keys = slices.DeleteFunc(slices.Clone(keys), func(k string) bool { return k == entry })
+	if !s.dnsIntervalIgnored() {
+		return keys
+	}
+	i := slices.IndexFunc(keys, func(k string) bool { return pool == "prefill" || !strings.HasPrefix(k, "pools.prefill.") })
+	if i < 0 {
+		i = len(keys)
+	}
+	return slices.Insert(keys, i, entry)
 }
 
 // ignored is admission's: every key but objectives bears on the requests it

@@ -81,19 +81,24 @@ var LiveKeys = []string{
 // kubernetes key c adds or drops keeps prev's endpoints, dns and
 // dns_interval until the restart: Kubernetes discovery starts and stops
 // only with the process, and the file's sources alone would empty the
-// pool, or mix with those it drops.
+// pool, or mix with those it drops. Its dns_interval is then ignored as
+// prev's dns makes it.
 func (c *Config) InForce(started, prev *Config) *Config {
 	run := *started
 	for _, key := range LiveKeys {
 		keyField(&run, key).Set(keyField(c, key))
 	}
 	run.ignored = c.ignored // of live keys only (ignored.go)
-	for _, p := range []struct{ run, file, prev *Pool }{
-		{&run.Pools.Prefill, &c.Pools.Prefill, &prev.Pools.Prefill},
-		{&run.Pools.Decode, &c.Pools.Decode, &prev.Pools.Decode},
+	for _, p := range []struct {
+		name            string
+		run, file, prev *Pool
+	}{
+		{"prefill", &run.Pools.Prefill, &c.Pools.Prefill, &prev.Pools.Prefill},
+		{"decode", &run.Pools.Decode, &c.Pools.Decode, &prev.Pools.Decode},
 	} {
 		if (p.file.Kubernetes == nil) != (p.run.Kubernetes == nil) {
 			p.run.Endpoints, p.run.DNS, p.run.DNSInterval = p.prev.Endpoints, p.prev.DNS, p.prev.DNSInterval
+			run.ignored = p.run.dnsIgnored(run.ignored, p.name)
 		}
 	}
 	return &run

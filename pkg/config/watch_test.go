@@ -538,24 +538,32 @@ func TestWatchRereadsWhenAsked(t *testing.T) {
 // with applies its sources again.
 func TestInForceHoldsAPoolsSourcesAcrossADiscoverySwitch(t *testing.T) {
 	const kube = `kubernetes: {selector: role=decode, port: 8000}`
+	// The prefill pool's ignored key comes before the decode pool's.
 	parse := func(decode string) *Config {
-		c, err := Parse([]byte("connector: kv-nixl\npools: {decode: {" + decode + "}}\n"))
+		c, err := Parse([]byte("connector: kv-nixl\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"], health: {check_path: /ready}}, decode: {" + decode + "}}\n"))
 		if err != nil {
 			t.Fatal(err)
 		}
 		return c
 	}
+	const prefillIgnored = "pools.prefill.health.check_path (needs pools.prefill.health.check_interval)"
 	tests := []struct {
 		name, started string
 		reloads       []string // each file in turn
 		endpoints     string   // the decode pool's sources in force after the last
 		dns           string
 		kubernetes    bool
+		dnsIgnored    bool // the decode pool's dns_interval is named ignored
 	}{
-		{"DNS, another name, then Kubernetes", `dns: "a.example:8000"`, []string{`dns: "b.example:8000"`, kube}, "[]", "b.example:8000", false},
-		{"static, then Kubernetes and a new list", `endpoints: ["10.0.0.2:8000"]`, []string{kube + `, endpoints: ["10.0.0.3:8000"]`}, "[10.0.0.2:8000]", "", false},
-		{"Kubernetes, then DNS", kube + `, endpoints: ["10.0.0.2:8000"]`, []string{`dns: "b.example:8000"`}, "[10.0.0.2:8000]", "", true},
-		{"Kubernetes, static, then Kubernetes again", kube, []string{`endpoints: ["10.0.0.3:8000"]`, kube + `, endpoints: ["10.0.0.4:8000"]`}, "[10.0.0.4:8000]", "", true},
+		{"DNS, another name, then Kubernetes", `dns: "a.example:8000"`, []string{`dns: "b.example:8000"`, kube}, "[]", "b.example:8000", false, false},
+		{"static, then Kubernetes and a new list", `endpoints: ["10.0.0.2:8000"]`, []string{kube + `, endpoints: ["10.0.0.3:8000"]`}, "[10.0.0.2:8000]", "", false, false},
+		{"Kubernetes, then DNS", kube + `, endpoints: ["10.0.0.2:8000"]`, []string{`dns: "b.example:8000"`}, "[10.0.0.2:8000]", "", true, false},
+		{"Kubernetes, static, then Kubernetes again", kube, []string{`endpoints: ["10.0.0.3:8000"]`, kube + `, endpoints: ["10.0.0.4:8000"]`}, "[10.0.0.4:8000]", "", true, false},
+		// The running lookups follow the held dns_interval; with no running
+		// name, none does.
+		{"DNS, then Kubernetes keeping dns_interval", `dns: "a.example:8000", dns_interval: 1h`, []string{kube + ", dns_interval: 1h"}, "[]", "a.example:8000", false, false},
+		{"Kubernetes, then DNS keeping dns_interval", kube + ", dns_interval: 1h", []string{`dns: "b.example:8000", dns_interval: 1h`}, "[]", "", true, true},
+		{"Kubernetes, then Kubernetes with dns_interval", kube, []string{kube + ", dns_interval: 1h"}, "[]", "", true, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -567,6 +575,13 @@ func TestInForceHoldsAPoolsSourcesAcrossADiscoverySwitch(t *testing.T) {
 			d := run.Pools.Decode
 			if got := fmt.Sprint(d.Endpoints); got != tt.endpoints || d.DNS != tt.dns || (d.Kubernetes != nil) != tt.kubernetes {
 				t.Errorf("in force: endpoints %s, dns %q, kubernetes %v; want %s, %q, %v", got, d.DNS, d.Kubernetes != nil, tt.endpoints, tt.dns, tt.kubernetes)
+			}
+			ignored := []string{prefillIgnored}
+			if tt.dnsIgnored {
+				ignored = append(ignored, "pools.decode.dns_interval (needs pools.decode.dns)")
+			}
+			if !slices.Equal(run.Ignored(), ignored) {
+				t.Errorf("in force, ignored %q; want %q", run.Ignored(), ignored)
 			}
 		})
 	}

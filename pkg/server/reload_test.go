@@ -446,10 +446,10 @@ func TestReloadToKubernetesKeepsThePoolUntilTheRestart(t *testing.T) {
 }
 
 // reloadedLines starts the server on first, reloads next, then first again,
-// and returns the messages logged before that second reload began: those of
+// and returns the lines logged before that second reload began: those of
 // the start and of next's reload, whose warnings are written before the
 // watch reads the file again.
-func reloadedLines(t *testing.T, first, next string, opts Options) []string {
+func reloadedLines(t *testing.T, first, next string, opts Options) []map[string]any {
 	t.Helper()
 	opts.ConfigPath = filepath.Join(t.TempDir(), "extproc.yaml")
 	if err := os.WriteFile(opts.ConfigPath, []byte(first), 0o600); err != nil {
@@ -457,23 +457,22 @@ func reloadedLines(t *testing.T, first, next string, opts Options) []string {
 	}
 	logs := &logLines{}
 	start(t, first, opts, funcr.NewJSON(logs.add, funcr.Options{}))
-	var msgs []string
+	var lines []map[string]any
 	for _, file := range []string{next, first} {
 		if err := os.WriteFile(opts.ConfigPath, []byte(file), 0o600); err != nil {
 			t.Fatal(err)
 		}
 		for deadline := time.Now().Add(10 * time.Second); ; {
-			msgs = nil
+			lines = nil
 			reloads := 0
 			for _, l := range logs.all(t) {
-				msg, _ := l["msg"].(string)
-				if strings.HasPrefix(msg, "config reloaded") {
+				if msg, _ := l["msg"].(string); strings.HasPrefix(msg, "config reloaded") {
 					reloads++
 				}
 				if reloads == 2 {
 					break
 				}
-				msgs = append(msgs, msg)
+				lines = append(lines, l)
 			}
 			if reloads == slices.Index([]string{next, first}, file)+1 {
 				break
@@ -484,29 +483,20 @@ func reloadedLines(t *testing.T, first, next string, opts Options) []string {
 			time.Sleep(10 * time.Millisecond) // the watch runs on its own goroutine: poll, bounded
 		}
 	}
-	return msgs
+	return lines
 }
 
 // A reload is warned of what the keys in force do: a pool whose dropped
 // kubernetes key still finds its engines until the restart is still
 // scraped too seldom where requests may be held.
 func TestSlowScrapesAreNamedAtAReloadDroppingKubernetes(t *testing.T) {
-	dir := t.TempDir()
-	kubeconfig := filepath.Join(dir, "kubeconfig")
-	if err := os.WriteFile(kubeconfig, []byte(`apiVersion: v1
-kind: Config
-clusters: [{name: c, cluster: {server: "http://127.0.0.1:1"}}]
-users: [{name: u, user: {}}]
-contexts: [{name: x, context: {cluster: c, user: u, namespace: llm}}]
-current-context: x
-`), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	kubeconfig := refusingKubeconfig(t)
 	const admission = "admission: {objectives: {batch: -1}}\n"
 	first := "connector: kv-nixl\npools: {decode: {kubernetes: {namespace: llm, selector: role=decode, port: 8000}, metrics: {interval: 1s}}}\n" + admission
 	next := "connector: kv-nixl\npools: {decode: {metrics: {interval: 1s}}}\n" + admission
 	var named int
-	for _, msg := range reloadedLines(t, first, next, Options{Kubeconfig: kubeconfig}) {
+	for _, l := range reloadedLines(t, first, next, Options{Kubeconfig: kubeconfig}) {
+		msg, _ := l["msg"].(string)
 		if strings.HasPrefix(msg, "requests may be held for room") {
 			named++
 		}
@@ -534,13 +524,75 @@ func TestShortOverrideAtAReloadComparesTheValuesInForce(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			var got []string
-			for _, msg := range reloadedLines(t, "connector: kv-nixl\n"+decode+tt.first+"\n", "connector: kv-nixl\n"+decode+tt.next+"\n", Options{}) {
-				if strings.HasPrefix(msg, "envoy.override_message_timeout") {
+			for _, l := range reloadedLines(t, "connector: kv-nixl\n"+decode+tt.first+"\n", "connector: kv-nixl\n"+decode+tt.next+"\n", Options{}) {
+				if msg, _ := l["msg"].(string); strings.HasPrefix(msg, "envoy.override_message_timeout") {
 					got = append(got, msg)
 				}
 			}
 			if want := slices.DeleteFunc([]string{tt.want}, func(s string) bool { return s == "" }); !slices.Equal(got, want) {
 				t.Errorf("lines %q, want %q", got, want)
+			}
+		})
+	}
+}
+
+// refusingKubeconfig is a kubeconfig whose API server refuses connections:
+// Kubernetes discovery starts, and finds nothing.
+func refusingKubeconfig(t *testing.T) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := os.WriteFile(path, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "http://127.0.0.1:1"}}]
+users: [{name: u, user: {}}]
+contexts: [{name: x, context: {cluster: c, user: u, namespace: llm}}]
+current-context: x
+`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// A reload that moves a pool between DNS and Kubernetes discovery keeps the
+// pool's dns and dns_interval as they run until the restart: the warnings
+// judge those, so a dns_interval the running lookups still follow is not
+// named as ignored, and one no running lookup follows is.
+func TestReloadNamesDNSIntervalAsItRuns(t *testing.T) {
+	const (
+		kube = "kubernetes: {namespace: llm, selector: role=decode, port: 8000}"
+		dns  = `dns: "localhost:3"`
+	)
+	tests := []struct {
+		name, first, next string // the decode pool's keys
+		pending, ignored  string // the reload's restartPending and ignored keys; "": no such line
+	}{
+		{"DNS to Kubernetes, dns_interval kept", dns + ", dns_interval: 1h", kube + ", dns_interval: 1h",
+			"[pools.decode.dns pools.decode.kubernetes]", ""},
+		{"DNS to Kubernetes, dns_interval changed", dns + ", dns_interval: 1h", kube + ", dns_interval: 30m",
+			"[pools.decode.dns pools.decode.dns_interval pools.decode.kubernetes]", ""},
+		{"Kubernetes to DNS, dns_interval kept", kube + ", dns_interval: 1h", dns + ", dns_interval: 1h",
+			"[pools.decode.dns pools.decode.kubernetes]", "[pools.decode.dns_interval (needs pools.decode.dns)]"},
+		{"dns_interval changed alone", dns + ", dns_interval: 1h", dns + ", dns_interval: 30m", "", ""},
+		{"dns_interval removed alone", dns + ", dns_interval: 1h", dns, "", ""},
+		{"dns_interval changed alone under Kubernetes", kube + ", dns_interval: 1h", kube + ", dns_interval: 30m",
+			"", "[pools.decode.dns_interval (needs pools.decode.dns)]"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			file := func(decode string) string { return "connector: kv-nixl\npools: {decode: {" + decode + "}}\n" }
+			lines := reloadedLines(t, file(tt.first), file(tt.next), Options{Kubeconfig: refusingKubeconfig(t)})
+			lines = lines[slices.IndexFunc(lines, func(l map[string]any) bool { return strings.HasPrefix(fmt.Sprint(l["msg"]), "config reloaded") }):]
+			var pending, ignored string
+			for _, l := range lines {
+				if l["restartPending"] != nil {
+					pending = fmt.Sprint(l["restartPending"])
+				}
+				if l["ignored"] != nil {
+					ignored = fmt.Sprint(l["ignored"])
+				}
+			}
+			if pending != tt.pending || ignored != tt.ignored {
+				t.Errorf("restartPending %q, ignored %q; want %q, %q", pending, ignored, tt.pending, tt.ignored)
 			}
 		})
 	}
