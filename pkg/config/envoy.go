@@ -14,7 +14,7 @@ type Envoy struct {
 // runs meanwhile, and the override is all the time it then gives. Only
 // Envoy knows its processing mode (FULL_DUPLEX_STREAMED has no such timer),
 // so this is a warning, not an error. At a reload c is the config in force
-// (InForce), whose envoy.* and prefill.* are still those of the start.
+// (inForce), whose envoy.* and prefill.* are still those of the start.
 func (c *Config) ShortOverride() string {
 	routing, what := c.Prefill.Timeout, fmt.Sprintf("prefill.timeout %s", c.Prefill.Timeout.D())
 	if held := c.Admission.Held(); held > 0 {

@@ -55,7 +55,7 @@ func (s PoolScheduling) dnsIntervalIgnored() bool { return s.DNS == "" && s.DNSI
 
 // dnsIgnored is keys with the pool's dns_interval named as s, the pool in
 // force, runs it: a reload that switches the pool's discovery keeps its
-// running dns and dns_interval, not the file's (InForce). The entry is its
+// running dns and dns_interval, not the file's (inForce). The entry is its
 // pool's first, as ignored gives it.
 func (s PoolScheduling) dnsIgnored(keys []string, pool string) []string {
 	key := "pools." + pool

@@ -9,8 +9,6 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
-	"slices"
-	"strings"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -23,106 +21,12 @@ var watchReady = func() {}
 // editors and Kubernetes write a new file in several steps.
 const settle = 100 * time.Millisecond
 
-// startedWith are the keys read at start only that bear on what the others
-// may be: the connector, and each pool's kubernetes discovery, which keeps
-// finding its engines whatever later files name.
-type startedWith struct {
-	connector       string
-	prefill, decode *Kubernetes
-}
-
-// reloadable checks c as it would run with the keys the process started
-// with: those are read at start only, so the reloadable keys must suit them
-// (a running kv-sglang cannot take pd.mode never, whatever the file now
-// names, or named at an earlier reload; a pool whose engines Kubernetes
-// finds must be scraped for shedding, though a reload drops its kubernetes
-// key).
-func (c *Config) reloadable(s startedWith) error {
-	asRun := *c
-	asRun.Connector = s.connector
-	asRun.Pools.Prefill.Kubernetes, asRun.Pools.Decode.Kubernetes = s.prefill, s.decode
-	if err := asRun.validate(); err != nil {
-		what := "the running connector " + s.connector
-		for _, p := range []struct {
-			name          string
-			file, running *Kubernetes
-		}{{"prefill", c.Pools.Prefill.Kubernetes, s.prefill}, {"decode", c.Pools.Decode.Kubernetes, s.decode}} {
-			if !reflect.DeepEqual(p.file, p.running) {
-				what += " and the running pools." + p.name + ".kubernetes"
-			}
-		}
-		return fmt.Errorf("config: with %s (a new one takes a restart): %w", what, err)
-	}
-	return nil
-}
-
-// LiveKeys are the keys a reload applies in place, and the keys below them,
-// as a user writes them: what assemble.Reload hands to the pipeline (each
-// pool's endpoints and scheduling keys, the P/D decider, the shedding).
-// Every other key takes effect on restart only: a key added to the config
-// is restart-only until it is listed here, in the config in force
-// (InForce) and in the reload's log line alike.
-var LiveKeys = []string{
-	"pools.prefill.endpoints", "pools.decode.endpoints",
-	"pools.prefill.policy", "pools.decode.policy",
-	"pools.prefill.prefix", "pools.decode.prefix",
-	"pools.prefill.health", "pools.decode.health",
-	"pools.prefill.metrics", "pools.decode.metrics",
-	"pools.prefill.dns", "pools.decode.dns",
-	"pools.prefill.dns_interval", "pools.decode.dns_interval",
-	"pools.prefill.kv_events", "pools.decode.kv_events",
-	"pools.decode.fallbacks",
-	"pd",
-	"admission",
-}
-
-// InForce is c as a reload after prev runs it, started being the config
-// the process started with: started, with c's LiveKeys. A pool whose
-// kubernetes key c adds or drops keeps prev's endpoints, dns and
-// dns_interval until the restart: Kubernetes discovery starts and stops
-// only with the process, and the file's sources alone would empty the
-// pool, or mix with those it drops. Its dns_interval is then ignored as
-// prev's dns makes it.
-func (c *Config) InForce(started, prev *Config) *Config {
-	run := *started
-	for _, key := range LiveKeys {
-		keyField(&run, key).Set(keyField(c, key))
-	}
-	run.ignored = c.ignored // of live keys only (ignored.go)
-	for _, p := range []struct {
-		name            string
-		run, file, prev *Pool
-	}{
-		{"prefill", &run.Pools.Prefill, &c.Pools.Prefill, &prev.Pools.Prefill},
-		{"decode", &run.Pools.Decode, &c.Pools.Decode, &prev.Pools.Decode},
-	} {
-		if (p.file.Kubernetes == nil) != (p.run.Kubernetes == nil) {
-			p.run.Endpoints, p.run.DNS, p.run.DNSInterval = p.prev.Endpoints, p.prev.DNS, p.prev.DNSInterval
-			run.ignored = p.run.dnsIgnored(run.ignored, p.name)
-		}
-	}
-	return &run
-}
-
-// keyField is the field of c that key, as a user writes it, names.
-func keyField(c *Config, key string) reflect.Value {
-	v := reflect.ValueOf(c).Elem()
-	for name := range strings.SplitSeq(key, ".") {
-		fields := reflect.VisibleFields(v.Type()) // with an embedded struct's, whose keys sit beside its parent's
-		i := slices.IndexFunc(fields, func(f reflect.StructField) bool { return strings.Split(f.Tag.Get("json"), ",")[0] == name })
-		if i < 0 {
-			panic("config: no key " + key)
-		}
-		v = v.FieldByIndex(fields[i].Index)
-	}
-	return v
-}
-
 // Watch re-reads the file at path whenever its directory changes (and after
 // the watch reports an error, which may have cost it events) and hands
-// each valid config that differs from running, the one the caller runs with,
-// to apply. A file that fails to load or validate goes to reject and the old
-// config stays in force. The file is also read once as soon as the watch is in
+// apply each valid file that differs from the last, as the process started
+// with started runs it (inForce), with the keys of the file that wait for a
+// restart. A file that fails to load or validate, or would be refused as it
+// runs, goes to reject and the old config stays in force. The file is also read once as soon as the watch is in
 // place, so that a change made between the caller's load and the watch is not
 // lost, and again at each receive from reread (SIGHUP), when a file
 // rejected before is rejected again. Watch returns when ctx is done, or at
@@ -141,7 +45,7 @@ func keyField(c *Config, key string) reflect.Value {
 // of the user ID on a node, and containers of one image share one), or is
 // gone, the file is read every pollEvery instead, and the watch tried again
 // each time; the failure goes to reject, so it is counted and logged.
-func Watch(ctx context.Context, path string, running *Config, reread <-chan struct{}, apply func(*Config), reject func(error)) error {
+func Watch(ctx context.Context, path string, started *Config, reread <-chan struct{}, apply func(run *Config, pending []string), reject func(error)) error {
 	d := &dirWatch{path: path}
 	defer d.stop()
 	switch err := d.start(); {
@@ -153,8 +57,7 @@ func Watch(ctx context.Context, path string, running *Config, reread <-chan stru
 	watchReady()
 
 	var last []byte
-	// Read at start only, whatever later files name.
-	started := startedWith{running.Connector, running.Pools.Prefill.Kubernetes, running.Pools.Decode.Kubernetes}
+	file, run := started, started
 	timer := time.NewTimer(0) // the first read, now that the watch is in place
 	defer timer.Stop()
 	for {
@@ -199,18 +102,20 @@ func Watch(ctx context.Context, path string, running *Config, reread <-chan stru
 			}
 			last = data
 			c, err := Parse(data)
+			var next *Config
+			var pending []string
 			if err == nil {
-				err = c.reloadable(started)
+				next, pending, err = c.reloadable(started, run)
 			}
 			if err != nil {
 				reject(fmt.Errorf("%w; keeping the running config", err))
 				continue
 			}
-			if reflect.DeepEqual(c, running) {
+			if reflect.DeepEqual(c, file) {
 				continue // the same config, perhaps written differently
 			}
-			running = c
-			apply(c)
+			file, run = c, next
+			apply(run, pending)
 		}
 	}
 }

@@ -3,11 +3,8 @@ package config
 import (
 	"cmp"
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
-	"reflect"
-	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -24,7 +21,8 @@ const (
 )
 
 // watching runs Watch on path, with the caller running the config in the
-// file now, and returns channels of what it applied and rejected.
+// file now, and returns channels of what it applied (the config in force)
+// and rejected.
 func watching(t *testing.T, path string) (applied chan *Config, rejected chan error) {
 	t.Helper()
 	running, err := Load(path)
@@ -51,7 +49,7 @@ func watchingWith(t *testing.T, path string, running *Config, reread <-chan stru
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- Watch(ctx, path, running, reread, func(c *Config) { applied <- c }, func(err error) { rejected <- err })
+		done <- Watch(ctx, path, running, reread, func(run *Config, _ []string) { applied <- run }, func(err error) { rejected <- err })
 	}()
 	t.Cleanup(func() {
 		cancel()
@@ -208,7 +206,7 @@ func TestWatchConfigMapSymlinkSwap(t *testing.T) {
 }
 
 func TestWatchMissingDirectory(t *testing.T) {
-	err := Watch(context.Background(), filepath.Join(t.TempDir(), "nope", "extproc.yaml"), &Config{}, nil, func(*Config) {}, func(error) {})
+	err := Watch(context.Background(), filepath.Join(t.TempDir(), "nope", "extproc.yaml"), &Config{}, nil, func(*Config, []string) {}, func(error) {})
 	if err == nil {
 		t.Fatal("Watch() on a missing directory = nil, want an error")
 	}
@@ -227,7 +225,9 @@ func TestWatchAppliesAChangeMadeBeforeTheWatchStarted(t *testing.T) {
 	applied := make(chan *Config, 1)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Watch(ctx, path, running, nil, func(c *Config) { applied <- c }, func(error) {}) }()
+	go func() {
+		done <- Watch(ctx, path, running, nil, func(run *Config, _ []string) { applied <- run }, func(error) {})
+	}()
 	if got := decodeEndpoint(t, applied); got != "10.0.0.3:8000" {
 		t.Fatalf("applied %s, want the change made before the watch", got)
 	}
@@ -254,14 +254,14 @@ func TestWatchChecksReloadsAgainstTheConnectorRunning(t *testing.T) {
 	write(t, path, nixl)
 	select {
 	case c := <-applied:
-		if c.Connector != "kv-nixl" {
-			t.Fatalf("applied connector %s, want the file's kv-nixl (for a restart)", c.Connector)
+		if c.Connector != "kv-sglang" {
+			t.Fatalf("applied connector %s, want the running kv-sglang (the file's waits for a restart)", c.Connector)
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("the file naming another connector was not applied (for a restart) within 5s")
 	}
 	write(t, path, nixl+"pd: {mode: never}\n")
-	rejectedSaying(t, rejected, applied, "running connector kv-sglang", "pd.mode")
+	rejectedSaying(t, rejected, applied, "running connector", "kv-sglang", "pd.mode")
 }
 
 func TestWatchRefusesAReload(t *testing.T) {
@@ -277,7 +277,7 @@ func TestWatchRefusesAReload(t *testing.T) {
 		wants  []string
 	}{
 		{"pd.mode never under a running kv-sglang", "", strings.Replace(sglang, "kv-sglang", "kv-nixl", 1) + "pd: {mode: never}\n",
-			[]string{"running connector kv-sglang", "pd.mode"}},
+			[]string{"running connector", "kv-sglang", "pd.mode"}},
 		{"the removed rooms", "", sglang + "pd: {sglang_parallel_sampling: rooms}\n", []string{"rooms was removed", "never read"}},
 		{"no connector", "", strings.TrimPrefix(sglang, "connector: kv-sglang\n"), []string{"connector: not set", "kv-nixl", "kv-shared-storage", "kv-sglang"}},
 		{"shedding without the scrapes of a pool whose kubernetes key is dropped", kube,
@@ -527,110 +527,6 @@ func TestWatchRereadsWhenAsked(t *testing.T) {
 				rejectedSaying(t, rejected, applied, tt.wantRejects)
 			} else if got := decodeEndpoint(t, applied); got != tt.wantApplied {
 				t.Fatalf("asked to read again, applied %s, want %s", got, tt.wantApplied)
-			}
-		})
-	}
-}
-
-// A pool whose kubernetes key a reload adds or drops keeps the sources in
-// force before it (the last reload's, not the start's) until the restart
-// that starts or stops its discovery; a reload back to the key it started
-// with applies its sources again.
-func TestInForceHoldsAPoolsSourcesAcrossADiscoverySwitch(t *testing.T) {
-	const kube = `kubernetes: {selector: role=decode, port: 8000}`
-	// The prefill pool's ignored key comes before the decode pool's.
-	parse := func(decode string) *Config {
-		c, err := Parse([]byte("connector: kv-nixl\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"], health: {check_path: /ready}}, decode: {" + decode + "}}\n"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c
-	}
-	const prefillIgnored = "pools.prefill.health.check_path (needs pools.prefill.health.check_interval)"
-	tests := []struct {
-		name, started string
-		reloads       []string // each file in turn
-		endpoints     string   // the decode pool's sources in force after the last
-		dns           string
-		kubernetes    bool
-		dnsIgnored    bool // the decode pool's dns_interval is named ignored
-	}{
-		{"DNS, another name, then Kubernetes", `dns: "a.example:8000"`, []string{`dns: "b.example:8000"`, kube}, "[]", "b.example:8000", false, false},
-		{"static, then Kubernetes and a new list", `endpoints: ["10.0.0.2:8000"]`, []string{kube + `, endpoints: ["10.0.0.3:8000"]`}, "[10.0.0.2:8000]", "", false, false},
-		{"Kubernetes, then DNS", kube + `, endpoints: ["10.0.0.2:8000"]`, []string{`dns: "b.example:8000"`}, "[10.0.0.2:8000]", "", true, false},
-		{"Kubernetes, static, then Kubernetes again", kube, []string{`endpoints: ["10.0.0.3:8000"]`, kube + `, endpoints: ["10.0.0.4:8000"]`}, "[10.0.0.4:8000]", "", true, false},
-		// The running lookups follow the held dns_interval; with no running
-		// name, none does.
-		{"DNS, then Kubernetes keeping dns_interval", `dns: "a.example:8000", dns_interval: 1h`, []string{kube + ", dns_interval: 1h"}, "[]", "a.example:8000", false, false},
-		{"Kubernetes, then DNS keeping dns_interval", kube + ", dns_interval: 1h", []string{`dns: "b.example:8000", dns_interval: 1h`}, "[]", "", true, true},
-		{"Kubernetes, then Kubernetes with dns_interval", kube, []string{kube + ", dns_interval: 1h"}, "[]", "", true, true},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			started := parse(tt.started)
-			run := started
-			for _, f := range tt.reloads {
-				run = parse(f).InForce(started, run)
-			}
-			d := run.Pools.Decode
-			if got := fmt.Sprint(d.Endpoints); got != tt.endpoints || d.DNS != tt.dns || (d.Kubernetes != nil) != tt.kubernetes {
-				t.Errorf("in force: endpoints %s, dns %q, kubernetes %v; want %s, %q, %v", got, d.DNS, d.Kubernetes != nil, tt.endpoints, tt.dns, tt.kubernetes)
-			}
-			ignored := []string{prefillIgnored}
-			if tt.dnsIgnored {
-				ignored = append(ignored, "pools.decode.dns_interval (needs pools.decode.dns)")
-			}
-			if !slices.Equal(run.Ignored(), ignored) {
-				t.Errorf("in force, ignored %q; want %q", run.Ignored(), ignored)
-			}
-		})
-	}
-}
-
-// The config in force after a reload is the started one with the file's
-// live keys (LiveKeys): every other key the file changes keeps its running
-// value there, for the warnings and the next reload to read.
-func TestInForceKeepsTheRunningValueOfEachRestartOnlyKey(t *testing.T) {
-	const pools = `pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {endpoints: ["10.0.0.2:8000"]}}`
-	const started = "connector: kv-nixl\n" + pools + "\n"
-	tests := []struct {
-		name, next string
-		want       string // the file whose config is in force; "": started
-	}{
-		// Not max_concurrent_streams: admission.max_held, live, follows it (README).
-		{name: "limits", next: started + "limits: {max_body_bytes: 1048576, body_timeout: 5s, retry_after: 2s}\n"},
-		{name: "tracing", next: started + "tracing: {otlp_endpoint: \"http://collector:4317\", sample_ratio: 0.5}\n"},
-		{name: "routes", next: started + "routes: {passthrough: [\"GET /v1/models\"], pair_builtin_tools: true, messages_decode_only: true}\n"},
-		{name: "response", next: started + "response: {rewrite_usage: true, max_body_bytes: 1024}\n"},
-		{name: "a pool's TLS, key and bootstrap port", next: "connector: kv-nixl\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 9000}, " +
-			"decode: {endpoints: [\"10.0.0.2:8000\"], tls: {enabled: true}, api_key_file: /keys/decode}}\n"},
-		{name: "prefill and envoy", next: started + "prefill: {timeout: 10s, attempts: 3}\nenvoy: {override_after: 1s}\n"},
-		{name: "the connector", next: "connector: kv-shared-storage\n" + pools + "\n"},
-		{name: "live keys beside restart-only ones",
-			next: "connector: kv-nixl\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"]}, decode: {endpoints: [\"10.0.0.3:8000\"], policy: round-robin}}\n" +
-				"limits: {max_body_bytes: 1048576}\npd: {mode: always}\nadmission: {objectives: {chat: 1}}\n",
-			want: "connector: kv-nixl\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"]}, decode: {endpoints: [\"10.0.0.3:8000\"], policy: round-robin}}\n" +
-				"pd: {mode: always}\nadmission: {objectives: {chat: 1}}\n"},
-	}
-	parse := func(f string) *Config {
-		c, err := Parse([]byte(f))
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			s := parse(started)
-			got, want := parse(tt.next).InForce(s, s), parse(cmp.Or(tt.want, started))
-			g, w := reflect.ValueOf(*got), reflect.ValueOf(*want)
-			for i := range g.NumField() {
-				if g.Type().Field(i).IsExported() && !reflect.DeepEqual(g.Field(i).Interface(), w.Field(i).Interface()) {
-					t.Errorf("in force, %s = %+v; want %+v", g.Type().Field(i).Name, g.Field(i), w.Field(i))
-				}
-			}
-			if !slices.Equal(got.Ignored(), want.Ignored()) {
-				t.Errorf("in force, ignored %q; want %q", got.Ignored(), want.Ignored())
 			}
 		})
 	}

@@ -2,73 +2,11 @@ package server
 
 import (
 	"cmp"
-	"encoding/json"
-	"fmt"
-	"maps"
-	"reflect"
-	"slices"
 
 	"github.com/go-logr/logr"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
-
-// restartOnly names the keys whose value in next, the file, differs from the
-// one in force, run (config.InForce): those a reload does not apply, which
-// keep their running values until a restart. Keys are named as a user
-// writes them (limits.max_concurrent_streams,
-// pools.prefill.kubernetes.selector), each leaf once, in order.
-func restartOnly(run, next *config.Config) []string {
-	return changedKeys(asTree(run), asTree(next), "")
-}
-
-// asTree is c as its file would spell it: the keys its JSON tags name, with
-// the defaults filled in.
-func asTree(c *config.Config) any {
-	js, err := json.Marshal(c)
-	if err != nil {
-		// Every field of Config marshals; a failure here is a bug in a new type.
-		panic(fmt.Sprintf("config does not marshal: %v", err))
-	}
-	var tree any
-	if err := json.Unmarshal(js, &tree); err != nil {
-		panic(err)
-	}
-	return tree
-}
-
-// changedKeys lists the leaf keys whose values differ between a and b, under
-// prefix. A list is one value; an empty list and a missing one are the same.
-func changedKeys(a, b any, prefix string) []string {
-	am, aok := a.(map[string]any)
-	bm, bok := b.(map[string]any)
-	if !aok || !bok {
-		if empty(a) && empty(b) || reflect.DeepEqual(a, b) {
-			return nil
-		}
-		return []string{prefix}
-	}
-	var out []string
-	for _, k := range slices.Sorted(maps.Keys(union(am, bm))) {
-		key := k
-		if prefix != "" {
-			key = prefix + "." + k
-		}
-		out = append(out, changedKeys(am[k], bm[k], key)...)
-	}
-	return out
-}
-
-func union(a, b map[string]any) map[string]any {
-	out := maps.Clone(a)
-	maps.Copy(out, b)
-	return out
-}
-
-func empty(v any) bool {
-	l, ok := v.([]any)
-	return v == nil || ok && len(l) == 0
-}
 
 // logConfigReloaded is the line a reload writes: what the pools now are,
 // and every changed key that waits for a restart (pending); then what the

@@ -1,7 +1,6 @@
 package server
 
 import (
-	"cmp"
 	"fmt"
 	"net/http"
 	"os"
@@ -15,83 +14,6 @@ import (
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
-
-// reloadPools is the pools block of the configs below, unless a case gives its own.
-const reloadPools = `pools:
-  prefill: {endpoints: ["10.0.0.1:8000"], bootstrap_port: 8998}
-  decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}}
-`
-
-// Every changed key is either applied by a reload or named as waiting for a
-// restart: the keys of the issue's list (connector, bootstrap_port, limits,
-// prefill.*, envoy.*, tracing) and those the response, Kubernetes and
-// pass-through work added.
-func TestRestartOnlyNamesTheKeysAReloadDoesNotApply(t *testing.T) {
-	tests := []struct {
-		name      string
-		connector string // default kv-nixl
-		pools     string // default reloadPools
-		more      string // other top-level keys
-		want      []string
-	}{
-		{name: "nothing changed"},
-		{name: "pools, policies, health, scrapes, DNS and pd.* apply live",
-			pools: `pools:
-  prefill: {endpoints: ["10.0.0.9:8000"], bootstrap_port: 8998, policy: round-robin, health: {consecutive_failures: 5}, prefix: {key_blocks: 4}}
-  decode: {endpoints: ["10.0.0.8:8000"], kubernetes: {selector: "role=decode", port: 8000}, metrics: {interval: 2s}, dns: "d.example:8000", dns_interval: 3s, fallbacks: 1}
-`,
-			more: `pd: {mode: always, chars_per_token: 3}`},
-		{name: "admission.* applies live", more: `admission: {objectives: {chat: 10}, saturated_queue: 3, hold: 5s, retry_after: 5s}`},
-		{name: "connector", connector: "kv-shared-storage", want: []string{"connector"}},
-		{name: "bootstrap port", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"], bootstrap_port: 9000}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}}}`,
-			want: []string{"pools.prefill.bootstrap_port"}},
-		{name: "a pool's Kubernetes selector", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=other", port: 8000}}}`,
-			want: []string{"pools.decode.kubernetes.selector"}},
-		{name: "Kubernetes discovery added to a pool", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"], kubernetes: {selector: "role=prefill", port: 8000}}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}}}`,
-			want: []string{"pools.prefill.kubernetes"}},
-		// Discovery starts and stops with the process: the pool keeps its other sources until then.
-		{name: "a pool moved from static endpoints to Kubernetes", pools: `pools: {prefill: {kubernetes: {selector: "role=prefill", port: 8000}}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}}}`,
-			want: []string{"pools.prefill.endpoints", "pools.prefill.kubernetes"}},
-		{name: "a pool moved from Kubernetes to DNS", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {dns: "d.example:8000"}}`,
-			want: []string{"pools.decode.dns", "pools.decode.dns_interval", "pools.decode.endpoints", "pools.decode.kubernetes"}},
-		{name: "the decode pool's TLS", pools: `pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {endpoints: ["10.0.0.2:8000"], kubernetes: {selector: "role=decode", port: 8000}, tls: {enabled: true}}}`,
-			want: []string{"pools.decode.tls.enabled"}},
-		// prefill.max_background defaults to limits.max_concurrent_streams and follows it.
-		{name: "limits", more: `limits: {max_concurrent_streams: 10, max_body_bytes: 1048576, body_timeout: 5s, max_buffered_bytes: 104857600}`,
-			want: []string{"limits.body_timeout", "limits.max_body_bytes", "limits.max_buffered_bytes", "limits.max_concurrent_streams", "prefill.max_background"}},
-		// The defaults that follow prefill.timeout change with it.
-		{name: "prefill.timeout", more: `prefill: {timeout: 10s}`, want: []string{"envoy.override_message_timeout", "prefill.attempt_timeout", "prefill.timeout"}},
-		{name: "prefill legs", more: `prefill: {on_failure: fail, http2: true, max_idle_conns_per_endpoint: 8, max_conns_per_endpoint: 16, max_background: 4, attempts: 3, tls: {enabled: true}}`,
-			want: []string{"prefill.attempts", "prefill.http2", "prefill.max_background", "prefill.max_conns_per_endpoint", "prefill.max_idle_conns_per_endpoint", "prefill.on_failure", "prefill.tls.enabled"}},
-		{name: "envoy", more: `envoy: {override_after: 1s}`, want: []string{"envoy.override_after"}},
-		{name: "tracing", more: `tracing: {otlp_endpoint: "http://collector:4317", sample_ratio: 0.5}`, want: []string{"tracing.otlp_endpoint", "tracing.sample_ratio"}},
-		{name: "the pass-through list", more: `routes: {passthrough: ["GET /v1/models"]}`, want: []string{"routes.passthrough"}},
-		{name: "the APIs paired", more: `routes: {pair_builtin_tools: true, messages_decode_only: true}`,
-			want: []string{"routes.messages_decode_only", "routes.pair_builtin_tools"}},
-		{name: "the response path", more: `response: {rewrite_usage: true, max_body_bytes: 1024}`, want: []string{"response.max_body_bytes", "response.rewrite_usage"}},
-	}
-	file := func(connector, pools, more string) string {
-		return "connector: " + cmp.Or(connector, "kv-nixl") + "\n" + cmp.Or(pools, reloadPools) + "\n" + more + "\n"
-	}
-	started := mustParse(t, file("", "", ""))
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			next := mustParse(t, file(tt.connector, tt.pools, tt.more))
-			if got := restartOnly(next.InForce(started, started), next); !slices.Equal(got, tt.want) {
-				t.Errorf("restart-only keys = %q, want %q", got, tt.want)
-			}
-		})
-	}
-}
-
-func mustParse(t *testing.T, yaml string) *config.Config {
-	t.Helper()
-	c, err := config.Parse([]byte(yaml))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return c
-}
 
 // A reload of the watched file applies the pools and names, in its log line,
 // each changed key that keeps its running value until a restart.

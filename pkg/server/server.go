@@ -211,13 +211,10 @@ func (s *Server) pairedConnector() string {
 // watchConfig returns the loop that reloads the config file when it changes.
 func (s *Server) watchConfig(ctx context.Context) func() {
 	return func() {
-		inForce := s.cfg
-		err := config.Watch(ctx, s.opts.ConfigPath, s.cfg, s.reread, func(c *config.Config) {
-			inForce = c.InForce(s.cfg, inForce)
-			assemble.Reload(s.pipeline, inForce)
-			pending := restartOnly(inForce, c)
+		err := config.Watch(ctx, s.opts.ConfigPath, s.cfg, s.reread, func(run *config.Config, pending []string) {
+			assemble.Reload(s.pipeline, run)
 			s.metrics.ConfigReloaded(len(pending))
-			logConfigReloaded(s.log, s.opts.ConfigPath, pending, inForce, s.pairedConnector())
+			logConfigReloaded(s.log, s.opts.ConfigPath, pending, run, s.pairedConnector())
 		}, func(err error) {
 			s.metrics.ConfigRejected()
 			s.log.Error(err, "config change rejected; the previous config stays", "path", s.opts.ConfigPath)
