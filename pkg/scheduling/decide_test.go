@@ -405,12 +405,13 @@ func TestTheLoadArmReadsFreshFigures(t *testing.T) {
 // that it has not written its cache over since. On a pool that scrapes its
 // engines, one whose scrapes failed for longer than stale_after may have
 // written its cache over, or restarted, since: it goes P/D, erring as the
-// docs promise, not decode-only to recompute its system prompt there; as it
-// did, counting every block this replica remembers. A block sent meanwhile
-// is remembered
-// with the last counters the engine gave, so once it answers again it ages
-// from there, and not as a block sent before it restarted. A pool not
-// scraped, and an engine not answered yet, go by memory alone. A restart
+// docs promise, not decode-only to recompute its system prompt there. So
+// does one whose scrapes never answered (a wrong metrics.path, a 401)
+// longer than stale_after after the first failed. A block sent meanwhile is
+// remembered with the last counters the engine gave, so once it answers
+// again it ages from there, and not as a block sent before it restarted. A
+// pool not scraped, and an engine not answered yet within stale_after of
+// its first failed scrape, go by memory alone. A restart
 // (a counter that only grows went back) leaves nothing sent before it held,
 // whatever the engine's counters read later: not a block sent before its
 // first answer, nor one whose counters the restarted engine wrote past.
@@ -452,6 +453,12 @@ func TestAnEngineWithoutFreshCountersIsNotAssumedToHoldItsPrompts(t *testing.T) 
 		{name: "sent while stale, answering again, written more", steps: []step{answer(5000), fail(4), ask, answer(16_000)}, want: pd},
 		{name: "not answered yet: memory alone", steps: []step{ask}, want: cached},
 		{name: "never scraped: memory alone", unscraped: true, steps: []step{ask}, want: cached},
+		{name: "never answered, failing for less than stale_after: memory alone", steps: []step{ask, fail(3)}, want: cached},
+		{name: "never answered, failing for longer than stale_after", steps: []step{ask, fail(5)}, want: pd},
+		{name: "never answered, sent after failing for longer than stale_after", steps: []step{fail(5), ask}, want: pd},
+		{name: "never answered for longer than stale_after, then written less than the cache", steps: []step{ask, fail(5), answer(5000)}, want: cached},
+		{name: "never answered for longer than stale_after, then written more than the cache", steps: []step{ask, fail(5), answer(11_000)}, want: pd},
+		{name: "never scraped, failed scrapes noted: memory alone", unscraped: true, steps: []step{ask, fail(5)}, want: cached},
 		{name: "restarted", steps: []step{answer(5000), ask, answer(3000)}, want: pd},
 		{name: "restarted while stale", steps: []step{answer(5000), fail(4), ask, answer(3000)}, want: pd},
 		{name: "sent before the first answer, restarted since", steps: []step{ask, answer(5000), answer(3000)}, want: pd},

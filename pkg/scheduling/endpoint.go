@@ -185,7 +185,8 @@ type Load struct {
 // written at least. ok is false when the scrape does not tell (the engine
 // does not report its cache, or has not answered yet, or the pool is not
 // scraped); stale, when the pool is scraped and the engine answered, but not
-// within stale_after.
+// within stale_after, or never did, within stale_after of its first failed
+// scrape.
 func (e *Endpoint) cacheWindow() (since stamp, ok, stale bool) {
 	s := e.cfg()
 	l := e.scrapedAt(s.now)
@@ -225,6 +226,7 @@ type scraped struct {
 	marks    [2]Load
 	failed   bool   // a scrape since failed: the figures are not fresh (Fresh)
 	restarts uint32 // the engine's restarts seen since its first scrape (restarted)
+	none     bool   // no scrape has answered: At is when the first failed, the rest zero
 }
 
 // Fresh is the last scrape's figures, false when there is none, it is
@@ -245,18 +247,23 @@ func (e *Endpoint) Fresh() (Load, bool) {
 func (s *scraped) answered() bool { return s != nil && !s.failed }
 
 // scrapeFailed notes a failed scrape: the last figures stay, to go stale,
-// but are not fresh.
+// but are not fresh; with none, the first failure's time, to go stale alike.
 func (e *Endpoint) scrapeFailed() {
-	if last := e.load.Load(); last != nil && !last.failed {
-		s := *last
-		s.failed = true
-		e.load.CompareAndSwap(last, &s) // a scrape that answered meanwhile stands
+	last := e.load.Load()
+	if last != nil && last.failed {
+		return
 	}
+	s := scraped{Load: Load{At: e.cfg().now()}, none: true}
+	if last != nil {
+		s = *last
+	}
+	s.failed = true
+	e.load.CompareAndSwap(last, &s) // a scrape that answered meanwhile stands
 }
 
 func (e *Endpoint) observe(l Load) {
 	s := &scraped{Load: l, marks: [2]Load{l, l}}
-	if last := e.load.Load(); last != nil { // else the first
+	if last := e.load.Load(); last != nil && !last.none { // else the first
 		s.restarts = last.restarts
 		switch {
 		case restarted(last.Load, l): // the marks start again

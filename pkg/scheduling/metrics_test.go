@@ -212,6 +212,44 @@ func TestFailedScrapeKeepsOldFigures(t *testing.T) {
 	}
 }
 
+// TestAnEngineWhoseScrapesNeverAnswerGoesStale: an engine whose /metrics
+// has never answered (an auth proxy's 401, a wrong metrics.path, a port
+// that refuses) is stale once stale_after has passed since its first failed
+// scrape: it holds nothing by memory (cacheWindow), as one whose answers went
+// stale.
+func TestAnEngineWhoseScrapesNeverAnswerGoesStale(t *testing.T) {
+	tests := []struct {
+		name    string
+		handler http.HandlerFunc // nil: the port refuses
+	}{
+		{"401 from an auth proxy", func(w http.ResponseWriter, _ *http.Request) { http.Error(w, "no", http.StatusUnauthorized) }},
+		{"wrong metrics.path", http.NotFound},
+		{"a page that is not an engine's metrics", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("<html></html>\n")) }},
+		{"refused", nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := httptest.NewServer(tt.handler)
+			defer srv.Close()
+			if tt.handler == nil {
+				srv.Close()
+			}
+			p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, strings.TrimPrefix(srv.URL, "http://"))
+			e, start := p.Endpoints()[0], clock.Now()
+			for range 4 { // the first at once, then every interval
+				scrapeAll(context.Background(), probe{client: srv.Client(), scheme: "http"}, p.Endpoints(), "/metrics", time.Second, clock.Now)
+				if _, _, stale := e.cacheWindow(); stale {
+					t.Fatalf("stale %v after the first failed scrape, within stale_after (3s)", clock.Now().Sub(start))
+				}
+				clock.Advance(time.Second)
+			}
+			if _, _, stale := e.cacheWindow(); !stale {
+				t.Fatalf("not stale %v after the first failed scrape, past stale_after (3s)", clock.Now().Sub(start))
+			}
+		})
+	}
+}
+
 // A decode endpoint whose SGLang P/D queues are full is passed over, though
 // its waiting queue is as short as the other's; the prefill queues the other
 // reports (an engine exports all four) do not count against a decode.
@@ -268,8 +306,9 @@ func BenchmarkParseLoad(b *testing.B) {
 // (vLLM's), read over the last 15 to 30 seconds of scrapes, not since the
 // engine started; scrapes over less than 15 s (since the first, or since a
 // restart), a stale scrape or a cache that does not say its size tell
-// nothing. vLLM's written figure may go back a while without a restart
-// (restarted): that keeps the scrapes read so far.
+// nothing, nor does a scrape that failed before the first answer. vLLM's
+// written figure may go back a while without a restart (restarted): that
+// keeps the scrapes read so far.
 func TestRewriteIsReadFromTheLastScrapes(t *testing.T) {
 	type scrape struct {
 		at      int     // seconds from the first
@@ -280,6 +319,7 @@ func TestRewriteIsReadFromTheLastScrapes(t *testing.T) {
 		name    string
 		size    float64 // tokens; 0: not reported
 		scrapes []scrape
+		failed  bool          // a scrape failed before the first answer
 		later   time.Duration // the clock past the last scrape
 		want    float64       // seconds
 		ok      bool
@@ -297,6 +337,8 @@ func TestRewriteIsReadFromTheLastScrapes(t *testing.T) {
 		{name: "vLLM restarted", size: 9000, scrapes: []scrape{{0, 0, 1}, {15, 1500, 2}, {16, 1400, 0.5}}},
 		{name: "the last scrape stale", size: 9000, scrapes: []scrape{{0, 0, 0}, {15, 900, 0}}, later: 4 * time.Second},
 		{name: "the cache's size not reported", scrapes: []scrape{{0, 0, 0}, {15, 900, 0}}},
+		{name: "failed before the first answer, then one scrape", size: 9000, failed: true, scrapes: []scrape{{20, 900, 0}}},
+		{name: "failed before the first answer, then scraped over 15 s", size: 9000, failed: true, scrapes: []scrape{{20, 900, 0}, {35, 1500, 0}}, want: 225, ok: true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -304,6 +346,9 @@ func TestRewriteIsReadFromTheLastScrapes(t *testing.T) {
 				Interval: config.Duration(time.Second), StaleAfter: config.Duration(3 * time.Second)}}, "10.0.0.1:8000")
 			e := p.Endpoints()[0]
 			start := clock.Now()
+			if tt.failed {
+				e.scrapeFailed()
+			}
 			for _, s := range tt.scrapes {
 				clock.Advance(start.Add(time.Duration(s.at) * time.Second).Sub(clock.Now()))
 				e.observe(Load{CacheTokens: tt.size, Written: s.written, Computed: s.prefill, Prefilling: s.prefill, At: clock.Now()})

@@ -725,14 +725,18 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 		writtenSince float64
 		// stale: the system prompt's engine's scrapes fail for longer than
 		// stale_after once it was sent it, the others' answer.
-		stale      bool
-		wantMemory bool
+		stale bool
+		// neverAnswered: its scrapes never answer, failing for longer
+		// than stale_after after the first, the others' answer.
+		neverAnswered bool
+		wantMemory    bool
 	}{
 		{name: "whole conversations: where the system prompt is", seen: 3, conversations: 8, wantMemory: true},
 		{name: "whole, and the engine wrote less than its cache since: where the system prompt is", seen: 3, conversations: 8,
 			writtenSince: 900, wantMemory: true},
 		{name: "whole, but the engine has since written its cache over: the ranking", seen: 3, conversations: 8, writtenSince: 1100},
 		{name: "whole, but the engine's counters stale: the ranking", seen: 3, conversations: 8, stale: true},
+		{name: "whole, but the engine's scrapes never answered: the ranking", seen: 3, conversations: 8, neverAnswered: true},
 		{name: "conversations continued elsewhere: the ranking", seen: 2, conversations: 8},
 		{name: "too few conversations to tell: the ranking", seen: 3, conversations: 3},
 		{name: "continued elsewhere, and few-shot requests: the ranking", seen: 2, conversations: 8, fewShot: 100},
@@ -787,8 +791,8 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 			if tt.writtenSince > 0 {
 				scrape(5000 + tt.writtenSince)
 			}
-			if tt.stale {
-				for range 4 { // stale_after: three intervals
+			if tt.stale || tt.neverAnswered {
+				for range 5 { // stale_after: three intervals, from the first failure where none answered
 					clock.Advance(time.Second)
 					byAddr(p, cached).scrapeFailed()
 				}
