@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strconv"
 
 	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -39,6 +40,7 @@ type exchange struct {
 	proc     extProc
 	md       dynamicMetadata
 	idle     loopTimer // the HCM stream_idle_timeout
+	flags    []string  // the stream's response flags, in the order set
 }
 
 // extProc is the filter's side of the ext_proc stream (§1).
@@ -86,6 +88,14 @@ func newDirection(x *exchange, s sink, r *rules.Direction, m DirectionModes) *di
 		sendHeaders:  m.Headers != extprocfilterv3.ProcessingMode_SKIP,
 		bodyMode:     m.Body,
 		sendTrailers: m.Trailers == extprocfilterv3.ProcessingMode_SEND,
+	}
+}
+
+// setFlag adds a response flag once, after those already set
+// (StreamInfoImpl::setResponseFlag in source/common/stream_info/stream_info_impl.h).
+func (x *exchange) setFlag(flag string) {
+	if flag != "" && !slices.Contains(x.flags, flag) {
+		x.flags = append(x.flags, flag)
 	}
 }
 

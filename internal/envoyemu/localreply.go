@@ -44,7 +44,7 @@ func noSpaces(details string) string {
 }
 
 // localReply is one of Envoy's own replies; flag is the response flag it
-// sets (UH, UF, ...), "" for none.
+// adds to the stream's (UH, UF, ...), "" for none.
 func (x *exchange) localReply(code int, flag, body, details string) {
 	x.sendLocalReply(code, flag, []byte(body), &headerMap{}, details)
 }
@@ -74,7 +74,8 @@ func (x *exchange) sendLocalReply(code int, flag string, body []byte, h *headerM
 	for k := range hdr {
 		delete(hdr, k)
 	}
-	f := replyFacts{body: string(body), code: code, details: details, flag: flag, request: x.dec.src.headers}
+	x.setFlag(flag)
+	f := replyFacts{body: string(body), code: code, details: details, flags: x.flags, request: x.dec.src.headers}
 	if contentType := x.cfg.LocalReplies.rewrite(&f); f.body != "" {
 		if _, ok := h.get("content-type"); !ok || f.body != string(body) {
 			h.set("content-type", contentType)

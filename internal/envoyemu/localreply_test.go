@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -166,15 +167,23 @@ func messagesMapper(match string) string {
 `
 }
 
-// refusingAddr is a loopback address where nothing listens.
+// refusingAddr is a loopback address where nothing listens: a socket bound
+// there and never listening, so that the kernel refuses connections and no
+// other listener of the test (the proxy's own) can take the port.
 func refusingAddr(t *testing.T) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := ln.Addr().String()
-	ln.Close()
-	return addr
+	t.Cleanup(func() { _ = syscall.Close(fd) })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	sa, err := syscall.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return net.JoinHostPort("127.0.0.1", strconv.Itoa(sa.(*syscall.SockaddrInet4).Port))
 }
 
 // TestLocalReplyConfigLoad: the emulator takes the local_reply_config it
@@ -262,7 +271,7 @@ func TestLocalReplyConfigLoad(t *testing.T) {
 			case err != nil:
 				return
 			}
-			f := replyFacts{body: "refused", code: 503, flag: "UF", details: "upstream_reset_before_response_started{connection_failure}"}
+			f := replyFacts{body: "refused", code: 503, flags: []string{"UF"}, details: "upstream_reset_before_response_started{connection_failure}"}
 			if tc.path != "" {
 				f.request = &headerMap{}
 				f.request.set(":path", tc.path)
@@ -270,7 +279,7 @@ func TestLocalReplyConfigLoad(t *testing.T) {
 			if ct := cfg.LocalReplies.rewrite(&f); f.body != tc.body || f.code != tc.code || ct != tc.ct {
 				t.Errorf("rewrite = %d %q (%s), want %d %q (%s)", f.code, f.body, ct, tc.code, tc.body, tc.ct)
 			}
-			if f := (replyFacts{body: "x", code: 503, flag: "UO"}); cfg.LocalReplies.rewrite(&f) != "text/plain" || f.body != "x" {
+			if f := (replyFacts{body: "x", code: 503, flags: []string{"UO"}}); cfg.LocalReplies.rewrite(&f) != "text/plain" || f.body != "x" {
 				t.Errorf("a flag no mapper names: %q, want the body as it is", f.body)
 			}
 		})

@@ -30,15 +30,15 @@ type replyFilter interface {
 	match(f *replyFacts) bool
 }
 
-// flagFilter is a response_flag_filter: flags empty matches any reply with
-// a flag (ResponseFlagFilter::evaluate).
+// flagFilter is a response_flag_filter: it matches a reply carrying any of
+// its flags, or with flags empty any flag (ResponseFlagFilter::evaluate).
 type flagFilter []string
 
 func (flags flagFilter) match(f *replyFacts) bool {
-	if f.flag == "" {
-		return false
+	if len(flags) == 0 {
+		return len(f.flags) > 0
 	}
-	return len(flags) == 0 || slices.Contains(flags, f.flag)
+	return slices.ContainsFunc(f.flags, func(set string) bool { return slices.Contains(flags, set) })
 }
 
 // celFilter is the CEL extension_filter. It matches only when the

@@ -43,7 +43,7 @@ var replyOperators = map[string]func(f *replyFacts) any{
 	"LOCAL_REPLY_BODY":      func(f *replyFacts) any { return f.body },
 	"RESPONSE_CODE":         func(f *replyFacts) any { return f.code },
 	"RESPONSE_CODE_DETAILS": func(f *replyFacts) any { return orNil(f.details) },
-	"RESPONSE_FLAGS":        func(f *replyFacts) any { return orNil(f.flag) },
+	"RESPONSE_FLAGS":        func(f *replyFacts) any { return orNil(strings.Join(f.flags, ",")) },
 }
 
 // replyFacts are what the operators read.
@@ -51,7 +51,7 @@ type replyFacts struct {
 	body    string
 	code    int
 	details string
-	flag    string     // the one response flag set, "" for none
+	flags   []string   // the response flags, in the order set
 	request *headerMap // the request's headers, nil before any arrived
 }
 

@@ -132,10 +132,8 @@ type attempts struct {
 // next is the host of the next attempt: ORIGINAL_DST picks the same host
 // again; a gateway goes down its list, and stops at its end.
 func (rt *router) next(gateway bool) (string, bool) {
-	a, p := &rt.attempts, rt.route.Retry
+	a := &rt.attempts
 	switch {
-	case p == nil || a.made > p.NumRetries:
-		return "", false
 	case !gateway:
 		return a.hosts[0], true
 	case a.made < len(a.hosts):
@@ -179,6 +177,10 @@ func (rt *router) retry(status int, h http.Header, err error) bool {
 	if x.finished || a.abandoned || (err != nil && !p.onError(err)) || (err == nil && !p.onStatus(status, h)) {
 		return false
 	}
+	if a.made > p.NumRetries {
+		x.setFlag("URX") // RetryStatus::NoRetryLimitExceeded
+		return false
+	}
 	addr, ok := rt.next(x.cfg.GatewayFallbacks)
 	if !ok {
 		return false
@@ -188,6 +190,7 @@ func (rt *router) retry(status int, h http.Header, err error) bool {
 		why = err.Error()
 	}
 	if rt.retrying, ok = rt.cluster().retry(); !ok {
+		x.setFlag("UO") // RetryStatus::NoOverflow
 		x.logf("upstream %s: %s; not retried: the cluster's max_retries retries are under way", a.at, why)
 		return false
 	}

@@ -368,3 +368,59 @@ func TestResetReplyNamesTheReset(t *testing.T) {
 		})
 	}
 }
+
+// TestResponseFlagsWhenRetriesRunOut: a retry refused for want of retries
+// left sets URX, one refused by the cluster's max_retries UO, before the
+// reset's own flag; %RESPONSE_FLAGS% joins them with "," in the order they
+// were set, and a response_flag_filter matches any of them
+// (Filter::maybeRetryReset in source/common/router/router.cc;
+// StreamInfoImpl::setResponseFlag, ResponseFlagUtils::toString).
+func TestResponseFlagsWhenRetriesRunOut(t *testing.T) {
+	hangUp := startUpstreamWith(t, func(w http.ResponseWriter, _ *http.Request) {
+		if conn, _, err := http.NewResponseController(w).Hijack(); err == nil {
+			_ = conn.Close()
+		}
+	})
+	reset := &RetryPolicy{On: []string{"reset"}, NumRetries: 1}
+	tests := []struct {
+		name       string
+		closed     bool // the engine hangs up after connecting; else it refuses
+		policy     *RetryPolicy
+		maxRetries int // the cluster's max_retries; 0 leaves Envoy's 3
+		attempts   int
+		status     int // 502 where the URX mapper matched
+		flags      string
+	}{
+		{name: "refused, no retry policy", attempts: 1, status: 503, flags: "UF"},
+		{name: "refused, retries run out", policy: reset, attempts: 2, status: 502, flags: "URX,UF"},
+		{name: "hung up, retries run out", closed: true, policy: reset, attempts: 2, status: 502, flags: "URX,UC"},
+		{name: "refused, no room under max_retries", policy: reset, maxRetries: -1, attempts: 1, status: 503, flags: "UO,UF"},
+		{name: "refused, a policy that does not retry resets", policy: &RetryPolicy{On: []string{"retriable-status-codes"}, NumRetries: 1, StatusCodes: []int{503}},
+			attempts: 1, status: 503, flags: "UF"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			addr := hangUp.addr
+			if !tc.closed {
+				addr = refusingAddr(t)
+			}
+			p := retryProxy(t, tc.policy, false, addr, func(cfg *Config) {
+				if tc.maxRetries < 0 {
+					cfg.Clusters["pd_original_dst"].Breakers.MaxRetries = 0
+				}
+				cfg.LocalReplies = LocalReplies{
+					Mappers: []ReplyMapper{{filter: flagFilter{"URX"}, Status: 502}},
+					Format:  &ReplyFormat{text: "%RESPONSE_FLAGS%", contentType: "text/plain"},
+				}
+			})
+			p.hooks.backoff = func(time.Duration) time.Duration { return 0 }
+			res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, nil)
+			if res.status != tc.status || res.body != tc.flags {
+				t.Errorf("answer %d %q, want %d %q", res.status, res.body, tc.status, tc.flags)
+			}
+			if n := len(p.Upstreams()); n != tc.attempts {
+				t.Errorf("%d attempts, want %d", n, tc.attempts)
+			}
+		})
+	}
+}
