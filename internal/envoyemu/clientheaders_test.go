@@ -160,3 +160,70 @@ func TestExpectedTimeoutHeaderFollowsSuppressEnvoyHeaders(t *testing.T) {
 		})
 	}
 }
+
+// With use_remote_address the connection manager deems every request
+// external (Envoy 1.33 and later, without internal_address_config) and an
+// edge request, and sets x-envoy-external-address (after the bootstrap's
+// header_prefix) to its peer's IP, over any value the client sent; without
+// it the client's value passes (mutateRequestHeaders in
+// source/common/http/conn_manager_utility.cc). The processor sees it as the
+// engine does.
+func TestExternalAddressIsThePeers(t *testing.T) {
+	on := ClientHeaders{UseRemoteAddress: true, PreserveExternalRequestID: true}
+	tests := []struct {
+		name    string
+		headers ClientHeaders
+		prefix  string            // header_prefix; "" for x-envoy
+		sent    map[string]string // the client's headers
+		want    string            // the header's value at the processor and the engine, "" for none
+	}{
+		{name: "on: the peer's IP", headers: on, want: "127.0.0.5"},
+		{name: "on: the client's value replaced", headers: on,
+			sent: map[string]string{"x-envoy-external-address": "203.0.113.9", "x-forwarded-for": "198.51.100.7"}, want: "127.0.0.5"},
+		{name: "on, with a header_prefix", headers: on, prefix: "x-gw", want: "127.0.0.5"},
+		{name: "off: none of Envoy's"},
+		{name: "off: the client's value passes", sent: map[string]string{"x-envoy-external-address": "203.0.113.9"}, want: "203.0.113.9"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			key := cmp.Or(tc.prefix, "x-envoy") + "-external-address"
+			up := startUpstream(t)
+			cfg := loadShipped(t, "envoy.yaml")
+			cfg.ClientHeaders = tc.headers
+			if tc.prefix != "" {
+				cfg.Mutations.HeaderPrefix = tc.prefix
+			}
+			seen := make(chan []string, 1)
+			p := startProxy(t, cfg, func(s *procStream) error {
+				var values []string
+				for _, h := range s.next().GetRequestHeaders().GetHeaders().GetHeaders() {
+					if h.GetKey() == key {
+						values = append(values, string(h.GetRawValue()))
+					}
+				}
+				seen <- values
+				body, _, ok := readRequestBody(s)
+				if !ok {
+					return nil
+				}
+				s.reply(requestHeadersReply(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil))
+				s.reply(requestBodyReply(streamedMutation(body, true)))
+				passResponse(s)
+				return nil
+			})
+			if res := doFrom(t, p, "127.0.0.5", http.MethodPost, "/v1/completions", `{"model":"m"}`, tc.sent); res.status != http.StatusOK {
+				t.Fatalf("status %d: %s", res.status, res.body)
+			}
+			var want []string
+			if tc.want != "" {
+				want = []string{tc.want}
+			}
+			if got := <-seen; !slices.Equal(got, want) {
+				t.Errorf("the processor saw %s %q, want %q", key, got, want)
+			}
+			if got := up.requests()[0].Header.Values(key); !slices.Equal(got, want) {
+				t.Errorf("the engine got %s %q, want %q", key, got, want)
+			}
+		})
+	}
+}

@@ -5,9 +5,11 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 
 	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"google.golang.org/protobuf/proto"
@@ -176,7 +178,8 @@ func (x *exchange) cleanup() {
 // requestHeaders builds the header map the HCM hands to the filter chain:
 // pseudo-headers first (§1.3), then the client's headers less the x-envoy-*
 // ones Envoy strips, then what the HCM adds itself (x-forwarded-proto,
-// x-request-id).
+// x-envoy-external-address with use_remote_address, x-request-id), as
+// mutateRequestHeaders in source/common/http/conn_manager_utility.cc.
 func (x *exchange) requestHeaders() *headerMap {
 	r := x.down.r
 	h := &headerMap{}
@@ -196,6 +199,10 @@ func (x *exchange) requestHeaders() *headerMap {
 	cleanExternal(h, x.cfg.Mutations.HeaderPrefix, ch.UseRemoteAddress)
 	if !h.has("x-forwarded-proto") {
 		h.add("x-forwarded-proto", "http")
+	}
+	if ip, _, err := net.SplitHostPort(r.RemoteAddr); err == nil && ch.UseRemoteAddress {
+		// An edge request: the peer is the client Envoy names.
+		h.set(strings.ToLower(x.cfg.Mutations.HeaderPrefix)+"-external-address", ip)
 	}
 	if !h.has("x-request-id") {
 		h.add("x-request-id", newUUID())

@@ -30,7 +30,7 @@ const maxLoggedBody = 16 << 10
 // of secrets is never complete: each API and gateway brings its own key
 // header (x-goog-api-key, x-auth-token, ...). What is here describes the
 // request, its routing and its trace, and carries no credential or personal
-// data (not x-forwarded-for: client addresses).
+// data (not x-forwarded-for or x-envoy-external-address: client addresses).
 var loggedHeaders = map[string]bool{
 	":method": true, ":scheme": true, ":authority": true, ":path": true,
 	"content-type": true, "content-length": true, "content-encoding": true, "transfer-encoding": true,

@@ -14,6 +14,7 @@ func TestRedactAndTruncate(t *testing.T) {
 		{"x-goog-api-key", "AIza-1"},
 		{"x-auth-token", "t"},
 		{"x-forwarded-for", "198.51.100.7"},
+		{"x-envoy-external-address", "198.51.100.7"}, // Envoy sets it with use_remote_address
 		{"x-anything-new", "v"},
 	} {
 		if got := redact(h.key, h.value); got != "[REDACTED]" {
