@@ -8,7 +8,11 @@ import (
 	"testing"
 	"time"
 
+	mutationrulesv3 "github.com/envoyproxy/go-control-plane/envoy/config/common/mutation_rules/v3"
 	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	matcherv3 "github.com/envoyproxy/go-control-plane/envoy/type/matcher/v3"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
 	"github.com/pd-extproc/pd-extproc/pkg/handlers"
 )
 
@@ -255,5 +259,48 @@ func TestStartRejectsTweakedConfig(t *testing.T) {
 	if p, err := Start(cfg, "127.0.0.1:1"); err == nil {
 		_ = p.Close()
 		t.Fatal("Start accepted FULL_DUPLEX_STREAMED with request trailers skipped")
+	}
+}
+
+// TestMutationRulesThatSteerTheRouterAreRefused: Envoy's router obeys the
+// x-envoy-* request headers it strips from clients (x-envoy-retry-on,
+// x-envoy-max-retries, x-envoy-upstream-rq-timeout-ms, ...) when a filter
+// sets them; the emulator's router reads none, so mutation_rules that let the
+// processor set one are refused (RetryStateImpl::create in
+// source/common/router/retry_state_impl.cc, FilterUtility::finalTimeout in
+// router.cc).
+func TestMutationRulesThatSteerTheRouterAreRefused(t *testing.T) {
+	tests := []struct {
+		name   string
+		rules  *mutationrulesv3.HeaderMutationRules
+		prefix string // header_prefix; "" for x-envoy
+		want   string // "" for accepted
+	}{
+		{name: "the default rules"},
+		{name: "allow_envoy", rules: &mutationrulesv3.HeaderMutationRules{AllowEnvoy: wrapperspb.Bool(true)}, want: "x-envoy-retriable-status-codes"},
+		{name: "allow_expression naming one", rules: &mutationrulesv3.HeaderMutationRules{AllowExpression: &matcherv3.RegexMatcher{Regex: "x-envoy-max-retries"}},
+			want: "x-envoy-max-retries"},
+		{name: "allow_envoy less the steering headers", rules: &mutationrulesv3.HeaderMutationRules{AllowEnvoy: wrapperspb.Bool(true),
+			DisallowExpression: &matcherv3.RegexMatcher{Regex: "x-envoy-(retr.*|max-retries|upstream-.*|expected-rq-timeout-ms|force-trace|ip-tags|original-url|hedge-on-per-try-timeout)"}}},
+		{name: "allow_expression naming one, under another header_prefix", prefix: "x-gw",
+			rules: &mutationrulesv3.HeaderMutationRules{AllowExpression: &matcherv3.RegexMatcher{Regex: "x-envoy-max-retries"}}},
+		{name: "allow_envoy under another header_prefix", prefix: "x-gw", rules: &mutationrulesv3.HeaderMutationRules{AllowEnvoy: wrapperspb.Bool(true)},
+			want: "x-gw-retriable-status-codes"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := loadShipped(t, "envoy.yaml")
+			cfg.Mutations.Rules = tc.rules
+			if tc.prefix != "" {
+				cfg.Mutations.HeaderPrefix = tc.prefix
+			}
+			err := cfg.Validate()
+			switch {
+			case tc.want == "" && err != nil:
+				t.Errorf("Validate: %v, want it accepted", err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+				t.Errorf("Validate error = %v, want one naming %q", err, tc.want)
+			}
+		})
 	}
 }

@@ -1,10 +1,14 @@
 package envoyemu
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
+	"strings"
 
 	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+
+	"github.com/pd-extproc/pd-extproc/internal/envoyemu/rules"
 )
 
 func isFullDuplex(m extprocfilterv3.ProcessingMode_BodySendMode) bool {
@@ -52,6 +56,25 @@ func (cfg *Config) Validate() error {
 	for name, cl := range cfg.Clusters {
 		if err := cl.TLS.validate(); err != nil {
 			return fmt.Errorf("cluster %q: transport_socket: %w", name, err)
+		}
+	}
+	return steeringMutation(cfg.Mutations)
+}
+
+// steeringMutation refuses mutation_rules that let the processor set one of
+// the x-envoy-* headers Envoy strips from clients because they steer it:
+// Envoy's router obeys them when a filter sets them (RetryStateImpl::create
+// in source/common/router/retry_state_impl.cc, FilterUtility::finalTimeout
+// in router.cc), the emulator's reads none.
+func steeringMutation(m Mutations) error {
+	r, err := rules.NewHeaderRules(m.Rules, m.HeaderPrefix)
+	if err != nil {
+		return err
+	}
+	prefix := cmp.Or(strings.ToLower(m.HeaderPrefix), "x-envoy")
+	for _, n := range steering {
+		if r.Check(rules.OpSet, prefix+n, "1") == rules.CheckOK {
+			return fmt.Errorf("mutation_rules let the processor set %s%s, which Envoy's router obeys: not emulated (exclude it with disallow_expression)", prefix, n)
 		}
 	}
 	return nil
