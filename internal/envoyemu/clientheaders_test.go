@@ -3,6 +3,8 @@ package envoyemu
 import (
 	"cmp"
 	"fmt"
+	"maps"
+	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -10,43 +12,96 @@ import (
 	"time"
 )
 
-// With use_remote_address the connection manager appends the peer's address
-// to x-forwarded-for; with preserve_external_request_id the client's
-// x-request-id reaches the server and the engine as it came.
-func TestUseRemoteAddressAppendsTheClientToXFF(t *testing.T) {
+// With use_remote_address the connection manager appends its peer's IP to
+// x-forwarded-for, or, when the peer is 127.0.0.1 or ::1 exactly, the node's
+// own address (Network::Utility::getLocalAddress: the first non-loopback
+// IPv4 address of the host); and, with no trusted hop, it overwrites the
+// client's x-forwarded-proto with the connection's scheme. Without it both
+// pass as the client sent them, x-forwarded-proto added when absent
+// (mutateRequestHeaders in source/common/http/conn_manager_utility.cc). The
+// processor sees them as the engine does; with preserve_external_request_id
+// the client's x-request-id reaches both as it came.
+func TestForwardedHeadersAtTheEdge(t *testing.T) {
+	on := ClientHeaders{UseRemoteAddress: true, PreserveExternalRequestID: true}
+	node := envoyNodeAddress(t)
 	tests := []struct {
-		name    string
-		headers ClientHeaders
-		xff     string // the client's
-		want    string // what the engine gets
+		name     string
+		headers  ClientHeaders
+		peer     string            // the client's source IP
+		sent     map[string]string // the client's headers
+		xff, xfp string            // what the processor and the engine get; "" for none
 	}{
-		{"off: the client's header as it came", ClientHeaders{}, "10.9.9.9", "10.9.9.9"},
-		{"on: the peer appended", ClientHeaders{UseRemoteAddress: true, PreserveExternalRequestID: true}, "10.9.9.9", "10.9.9.9,127.0.0.1"},
-		{"on, no client header: the peer alone", ClientHeaders{UseRemoteAddress: true, PreserveExternalRequestID: true}, "", "127.0.0.1"},
-		{"on with skip_xff_append", ClientHeaders{UseRemoteAddress: true, PreserveExternalRequestID: true, SkipXFFAppend: true}, "10.9.9.9", "10.9.9.9"},
+		{name: "off: the client's headers as they came", peer: "127.0.0.5",
+			sent: map[string]string{"x-forwarded-for": "10.9.9.9", "x-forwarded-proto": "https"}, xff: "10.9.9.9", xfp: "https"},
+		{name: "off, none sent: x-forwarded-proto added", peer: "127.0.0.5", xfp: "http"},
+		{name: "on: the peer appended", headers: on, peer: "127.0.0.5",
+			sent: map[string]string{"x-forwarded-for": "10.9.9.9"}, xff: "10.9.9.9,127.0.0.5", xfp: "http"},
+		{name: "on, none sent: the peer alone", headers: on, peer: "127.0.0.5", xff: "127.0.0.5", xfp: "http"},
+		{name: "on, peer 127.0.0.1: the node's address appended", headers: on, peer: "127.0.0.1",
+			sent: map[string]string{"x-forwarded-for": "10.9.9.9"}, xff: "10.9.9.9," + node, xfp: "http"},
+		{name: "on: the client's x-forwarded-proto overwritten", headers: on, peer: "127.0.0.5",
+			sent: map[string]string{"x-forwarded-proto": "https"}, xff: "127.0.0.5", xfp: "http"},
+		{name: "on with skip_xff_append", headers: ClientHeaders{UseRemoteAddress: true, PreserveExternalRequestID: true, SkipXFFAppend: true},
+			peer: "127.0.0.1", sent: map[string]string{"x-forwarded-for": "10.9.9.9", "x-forwarded-proto": "https"}, xff: "10.9.9.9", xfp: "http"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			up := startUpstream(t)
 			cfg := loadShipped(t, "envoy.yaml")
 			cfg.ClientHeaders = tc.headers
-			p := startProxy(t, cfg, fullDuplexRouter(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil, nil))
-			hdr := map[string]string{"x-request-id": "client-id-1"}
-			if tc.xff != "" {
-				hdr["x-forwarded-for"] = tc.xff
-			}
-			if res := do(t, p, http.MethodPost, "/v1/completions", `{"model":"m"}`, hdr); res.status != http.StatusOK {
+			seen := make(chan http.Header, 1)
+			p := startProxy(t, cfg, func(s *procStream) error {
+				h := http.Header{}
+				for _, e := range s.next().GetRequestHeaders().GetHeaders().GetHeaders() {
+					h.Add(e.GetKey(), string(e.GetRawValue()))
+				}
+				seen <- h
+				body, _, ok := readRequestBody(s)
+				if !ok {
+					return nil
+				}
+				s.reply(requestHeadersReply(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil))
+				s.reply(requestBodyReply(streamedMutation(body, true)))
+				passResponse(s)
+				return nil
+			})
+			sent := map[string]string{"x-request-id": "client-id-1"}
+			maps.Copy(sent, tc.sent)
+			if res := doFrom(t, p, tc.peer, http.MethodPost, "/v1/completions", `{"model":"m"}`, sent); res.status != http.StatusOK {
 				t.Fatalf("status %d: %s", res.status, res.body)
 			}
-			got := up.requests()[0].Header
-			if v := got.Get("X-Forwarded-For"); v != tc.want {
-				t.Errorf("x-forwarded-for = %q, want %q", v, tc.want)
-			}
-			if v := got.Get("X-Request-Id"); v != "client-id-1" {
-				t.Errorf("x-request-id = %q, want the client's", v)
+			for who, got := range map[string]http.Header{"the processor": <-seen, "the engine": up.requests()[0].Header} {
+				for key, want := range map[string]string{"X-Forwarded-For": tc.xff, "X-Forwarded-Proto": tc.xfp, "X-Request-Id": "client-id-1"} {
+					if v := got.Values(key); !slices.Equal(v, nonEmpty(want)) {
+						t.Errorf("%s got %s %q, want %q", who, key, v, want)
+					}
+				}
 			}
 		})
 	}
+}
+
+func nonEmpty(s string) []string {
+	if s == "" {
+		return nil
+	}
+	return []string{s}
+}
+
+// envoyNodeAddress is the address Envoy's getLocalAddress(v4) finds: the
+// first IPv4 interface address other than 127.0.0.1, else 127.0.0.1.
+func envoyNodeAddress(t *testing.T) string {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range addrs {
+		if ipn, ok := a.(*net.IPNet); ok && ipn.IP.To4() != nil && !ipn.IP.Equal(net.IPv4(127, 0, 0, 1)) {
+			return ipn.IP.String()
+		}
+	}
+	t.Log("no IPv4 address but 127.0.0.1: the loopback row cannot tell the node from the peer")
+	return "127.0.0.1"
 }
 
 // Envoy would replace an external request's id with use_remote_address and

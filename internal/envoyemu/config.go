@@ -173,8 +173,9 @@ type Limits struct {
 }
 
 // ClientHeaders are the HCM's use_remote_address and its companions. With
-// UseRemoteAddress Envoy appends the peer's address to x-forwarded-for
-// (unless SkipXFFAppend). The emulator keeps the client's x-request-id, which
+// UseRemoteAddress Envoy appends the peer's address (the node's for a peer
+// on 127.0.0.1 or ::1) to x-forwarded-for (unless SkipXFFAppend) and
+// overwrites x-forwarded-proto. The emulator keeps the client's x-request-id, which
 // is what Envoy does with preserve_external_request_id, or without
 // use_remote_address; the one other combination is refused at load.
 type ClientHeaders struct {

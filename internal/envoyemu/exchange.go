@@ -197,8 +197,9 @@ func (x *exchange) requestHeaders() *headerMap {
 		appendXFF(h, r.RemoteAddr)
 	}
 	cleanExternal(h, x.cfg.Mutations.HeaderPrefix, ch.UseRemoteAddress)
-	if !h.has("x-forwarded-proto") {
-		h.add("x-forwarded-proto", "http")
+	if ch.UseRemoteAddress || !h.has("x-forwarded-proto") {
+		// With no trusted hop (the only case emulated) Envoy overwrites it.
+		h.set("x-forwarded-proto", "http")
 	}
 	if ip, _, err := net.SplitHostPort(r.RemoteAddr); err == nil && ch.UseRemoteAddress {
 		// An edge request: the peer is the client Envoy names.

@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"sort"
 	"strings"
+	"sync"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 )
@@ -136,11 +137,15 @@ func (h *headerMap) toHTTPHeader(dst http.Header) {
 
 // appendXFF is Envoy's Utility::appendXff, run with use_remote_address: the
 // peer's IP joins x-forwarded-for after a "," (Envoy holds the header as one
-// inline entry, the client's values joined by ",").
+// inline entry, the client's values joined by ","), or the node's address
+// for a peer on 127.0.0.1 or ::1 (mutateRequestHeaders).
 func appendXFF(h *headerMap, remoteAddr string) {
 	host, _, err := net.SplitHostPort(remoteAddr)
 	if err != nil {
 		return
+	}
+	if host == "127.0.0.1" || host == "::1" {
+		host = nodeAddress()
 	}
 	var vals []string
 	for _, e := range h.entries {
@@ -150,6 +155,20 @@ func appendXFF(h *headerMap, remoteAddr string) {
 	}
 	h.set("x-forwarded-for", strings.Join(append(vals, host), ","))
 }
+
+// nodeAddress is Envoy's local_info address under the default
+// --local-address-ip-version v4 (Network::Utility::getLocalAddress in
+// source/common/network/utility.cc): the first IPv4 interface address other
+// than 127.0.0.1, or 127.0.0.1 when there is none.
+var nodeAddress = sync.OnceValue(func() string {
+	addrs, _ := net.InterfaceAddrs()
+	for _, a := range addrs {
+		if ipn, ok := a.(*net.IPNet); ok && ipn.IP.To4() != nil && !ipn.IP.Equal(net.IPv4(127, 0, 0, 1)) {
+			return ipn.IP.String()
+		}
+	}
+	return "127.0.0.1"
+})
 
 // steering are the x-envoy-* request headers (after the bootstrap's
 // header_prefix) the connection manager removes from an external request,
