@@ -113,20 +113,17 @@ func TestResponsesStore(t *testing.T) {
 	if r := get(t, d, "/v1/responses/"+unstored); r.status != http.StatusNotFound {
 		t.Errorf("store:false was stored: %d %s", r.status, r.body)
 	}
-	req, _ := http.NewRequest(http.MethodDelete, "http://"+d.Addr()+"/v1/responses/"+resp.ID, nil)
-	if r, err := client.Do(req); err != nil || r.StatusCode != 200 {
-		t.Fatalf("DELETE: %v %v", r, err)
-	} else {
-		r.Body.Close()
+	if r := send(t, d, http.MethodDelete, "/v1/responses/"+resp.ID); r.status != http.StatusMethodNotAllowed {
+		t.Errorf("DELETE: %d %s, want vLLM's 405: it serves no DELETE", r.status, r.body)
 	}
-	if r := get(t, d, "/v1/responses/"+resp.ID); r.status != http.StatusNotFound {
-		t.Errorf("GET after DELETE: %d", r.status)
+	if r := get(t, d, "/v1/responses/"+resp.ID); r.status != http.StatusOK {
+		t.Errorf("GET after DELETE: %d, want the response still stored", r.status)
 	}
 	var paths []string
 	for _, rec := range d.Requests() {
 		paths = append(paths, rec.Path)
 	}
-	if len(paths) != 8 || paths[1] != "/v1/responses/"+resp.ID {
+	if len(paths) != 7 || paths[1] != "/v1/responses/"+resp.ID {
 		t.Errorf("records %q: want every request, stored-response ones included", paths)
 	}
 }
@@ -250,6 +247,43 @@ func TestSGLangGenerateAbortedStream(t *testing.T) {
 				t.Errorf("chunk %s (%v), want a generate chunk whose finish_reason is an abort with status_code 500", data[0], err)
 			}
 		})
+	}
+}
+
+// A path the engine serves, asked with another method, is FastAPI's 405 with
+// an Allow header naming the route's methods (Route.handle in Starlette's
+// routing.py; FastAPI's APIRoute adds no HEAD); an unknown path is its 404
+// whatever the method. Neither vLLM nor SGLang serves DELETE of a stored
+// response (vllm/entrypoints/openai/responses/api_router.py,
+// python/sglang/srt/entrypoints/http_server.py).
+func TestWrongMethodIsFastAPIs405(t *testing.T) {
+	const notAllowed, notFound = `{"detail":"Method Not Allowed"}`, `{"detail":"Not Found"}`
+	tests := []struct {
+		protocol, method, path string
+		status                 int
+		allow, body            string
+	}{
+		{ProtocolNIXL, http.MethodDelete, "/v1/responses/resp_1", 405, "GET", notAllowed},
+		{ProtocolSGLang, http.MethodDelete, "/v1/responses/resp_1", 405, "GET", notAllowed},
+		{ProtocolNIXL, http.MethodGet, "/v1/responses/resp_1/cancel", 405, "POST", notAllowed},
+		{ProtocolNIXL, http.MethodGet, "/v1/chat/completions", 405, "POST", notAllowed},
+		{ProtocolSGLang, http.MethodPut, "/v1/completions", 405, "POST", notAllowed},
+		{ProtocolNIXL, http.MethodPost, "/v1/models", 405, "GET", notAllowed},
+		{ProtocolNIXL, http.MethodGet, "/generate", 404, "", notFound},
+		{ProtocolNIXL, http.MethodDelete, "/nope", 404, "", notFound},
+	}
+	engines := map[string]*Server{}
+	for _, tt := range tests {
+		d := engines[tt.protocol]
+		if d == nil {
+			d = start(t, Config{Protocol: tt.protocol})
+			engines[tt.protocol] = d
+		}
+		r := send(t, d, tt.method, tt.path)
+		if r.status != tt.status || string(r.body) != tt.body || r.header.Get("Allow") != tt.allow {
+			t.Errorf("%s: %s %s: %d %s (Allow %q), want %d %s (Allow %q)", tt.protocol, tt.method, tt.path,
+				r.status, r.body, r.header.Get("Allow"), tt.status, tt.body, tt.allow)
+		}
 	}
 }
 

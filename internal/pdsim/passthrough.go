@@ -37,7 +37,6 @@ func (s *Server) otherRoutes(mux *http.ServeMux) {
 	}))
 	stored := s.recorded(s.storedResponse)
 	mux.HandleFunc("GET /v1/responses/{id}", stored)
-	mux.HandleFunc("DELETE /v1/responses/{id}", stored)
 	mux.HandleFunc("POST /v1/responses/{id}/cancel", stored)
 	for _, admin := range []string{"/flush_cache", "/reset_prefix_cache", "/start_profile", "/stop_profile", "/sleep", "/wake_up", "/collective_rpc"} {
 		mux.HandleFunc(admin, s.recorded(func(w http.ResponseWriter, r *http.Request) {

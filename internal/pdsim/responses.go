@@ -155,22 +155,16 @@ func stores(fields map[string]json.RawMessage) bool {
 	return !ok || string(raw) == "true"
 }
 
-// storedResponse answers GET and DELETE of /v1/responses/{id} and POST of
-// its cancel, from the store.
+// storedResponse answers GET of /v1/responses/{id} and POST of its cancel,
+// from the store.
 func (s *Server) storedResponse(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
 	s.mu.Lock()
 	stored, ok := s.responses[id]
-	if ok && r.Method == http.MethodDelete {
-		delete(s.responses, id)
-	}
 	s.mu.Unlock()
-	switch {
-	case !ok:
+	if !ok {
 		s.writeError(w, &apiError{http.StatusNotFound, fmt.Sprintf("Response with id '%s' not found.", id)})
-	case r.Method == http.MethodDelete:
-		writeJSON(w, http.StatusOK, map[string]any{"id": id, "object": "response", "deleted": true})
-	default:
-		writeJSON(w, http.StatusOK, stored)
+		return
 	}
+	writeJSON(w, http.StatusOK, stored)
 }

@@ -19,6 +19,7 @@ import (
 	"net/http"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
@@ -242,8 +243,13 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("GET /pdsim/requests", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, s.Requests())
 	})
-	mux.HandleFunc("/", func(w http.ResponseWriter, _ *http.Request) {
-		writeJSON(w, http.StatusNotFound, map[string]string{"detail": "Not Found"}) // FastAPI's answer
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		if allow := allowed(mux, r); allow != "" { // FastAPI's answers
+			w.Header().Set("Allow", allow)
+			writeJSON(w, http.StatusMethodNotAllowed, map[string]string{"detail": "Method Not Allowed"})
+			return
+		}
+		writeJSON(w, http.StatusNotFound, map[string]string{"detail": "Not Found"})
 	})
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("x-pdsim-role", s.cfg.Role)
@@ -253,6 +259,20 @@ func (s *Server) routes() http.Handler {
 		}
 		mux.ServeHTTP(w, r)
 	})
+}
+
+// allowed lists the methods mux serves r's path with (pdsim registers GET
+// and POST routes only), as FastAPI's 405 names them in Allow.
+func allowed(mux *http.ServeMux, r *http.Request) string {
+	var out []string
+	for _, m := range []string{http.MethodGet, http.MethodPost} {
+		probe := r.Clone(r.Context())
+		probe.Method = m
+		if _, pattern := mux.Handler(probe); pattern != "/" {
+			out = append(out, m)
+		}
+	}
+	return strings.Join(out, ", ")
 }
 
 // wait sleeps for d unless ctx ends first.

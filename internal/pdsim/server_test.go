@@ -113,7 +113,17 @@ func do(ctx context.Context, s *Server, path, body, requestID string) (reply, er
 
 func get(t *testing.T, s *Server, path string) reply {
 	t.Helper()
-	resp, err := client.Get("http://" + s.Addr() + path)
+	return send(t, s, http.MethodGet, path)
+}
+
+// send makes a request without a body.
+func send(t *testing.T, s *Server, method, path string) reply {
+	t.Helper()
+	req, err := http.NewRequest(method, "http://"+s.Addr()+path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := client.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}

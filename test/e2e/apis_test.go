@@ -127,7 +127,8 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 		{"GET", "/v1/models", "", 200, "engine"},
 		{"POST", "/v1/messages/count_tokens", `{"model":"pdsim","messages":[{"role":"user","content":"` + marker + ` count"}]}`, 200, "engine"},
 		{"POST", "/tokenize", `{"model":"pdsim","prompt":"hi"}`, 200, "engine"},
-		{"GET", "/v1/responses/resp_nowhere", "", 404, "engine"}, // passed through: the engine's own 404
+		{"GET", "/v1/responses/resp_nowhere", "", 404, "engine"},    // passed through: the engine's own 404
+		{"DELETE", "/v1/responses/resp_nowhere", "", 405, "engine"}, // passed through: no engine serves it
 		{"POST", "/flush_cache", `{}`, 404, "extproc"},
 		{"POST", "/flush_cache", "", 404, "extproc"},
 		{"GET", "/start_profile", "", 404, "extproc"},
