@@ -35,6 +35,9 @@ type EndpointState struct {
 	// Models is how many models and adapters the engine listed at its last
 	// answer to GET /v1/models; 0 before one.
 	Models int
+	// ScrapeFailures counts the failed scrapes of the engine's /metrics by
+	// reason; a reason without one may be left out.
+	ScrapeFailures map[string]uint64
 }
 
 // WatchEndpoints exports the endpoint_* metrics, read from src at every
@@ -70,6 +73,10 @@ var (
 			"a request naming one of them goes only to endpoints of its pool that list it.")
 )
 
+var scrapeFailuresDesc = prometheus.NewDesc(prometheus.BuildFQName(namespace, "", "endpoint_scrape_failures_total"),
+	"Failed scrapes of the engine's /metrics (pools.<pool>.metrics), by reason (docs/metrics.md); a reason's series starts at its first failure.",
+	[]string{"pool", "endpoint", "reason"}, nil)
+
 // endpointDesc describes a series per pool and endpoint.
 func endpointDesc(name, help string) *prometheus.Desc {
 	return prometheus.NewDesc(prometheus.BuildFQName(namespace, "", name), help, []string{"pool", "endpoint"}, nil)
@@ -78,7 +85,7 @@ func endpointDesc(name, help string) *prometheus.Desc {
 type endpointCollector struct{ src func() []EndpointState }
 
 func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{inflightDesc, healthyDesc, ejectionsDesc, waitingDesc, kvUsageDesc, cacheTrustedDesc, bootstrapPortDesc, engineRanksDesc, modelsDesc} {
+	for _, d := range []*prometheus.Desc{inflightDesc, healthyDesc, ejectionsDesc, waitingDesc, kvUsageDesc, cacheTrustedDesc, bootstrapPortDesc, engineRanksDesc, modelsDesc, scrapeFailuresDesc} {
 		ch <- d
 	}
 }
@@ -95,6 +102,9 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		if e.EngineRanks >= 0 {
 			ch <- prometheus.MustNewConstMetric(engineRanksDesc, prometheus.GaugeValue, float64(e.EngineRanks), e.Pool, e.Endpoint)
+		}
+		for reason, n := range e.ScrapeFailures {
+			ch <- prometheus.MustNewConstMetric(scrapeFailuresDesc, prometheus.CounterValue, float64(n), e.Pool, e.Endpoint, reason)
 		}
 		if e.Scraped {
 			ch <- prometheus.MustNewConstMetric(waitingDesc, prometheus.GaugeValue, e.Waiting, e.Pool, e.Endpoint)

@@ -316,14 +316,14 @@ func TestRememberedPrefixesAgeWithWhatTheEngineWrites(t *testing.T) {
 				e.observe(Load{CacheTokens: tt.size, Written: tt.before, At: time.Now()})
 			}
 			if tt.failed == "first" {
-				e.scrapeFailed()
+				e.scrapeFailed(scrapeTimeout)
 			}
 			if _, err := ps.Decode.Select(chatRequest([]simMessage{system, {"user", "What is a haiku?"}})); err != nil {
 				t.Fatal(err)
 			}
 			e.observe(Load{CacheTokens: tt.size, Written: tt.now, At: time.Now()})
 			if tt.failed == "last" {
-				e.scrapeFailed()
+				e.scrapeFailed(scrapeTimeout)
 			}
 			req := chatRequest([]simMessage{system, {"user", "Who wrote the Iliad?"}})
 			if _, err := ps.Decode.Select(req); err != nil {
@@ -379,7 +379,7 @@ func TestTheLoadArmReadsFreshFigures(t *testing.T) {
 					e.observe(Load{Waiting: g.waiting, At: time.Now()})
 				}
 				if g.scrape == "failed" {
-					e.scrapeFailed()
+					e.scrapeFailed(scrapeTimeout)
 				}
 				if g.scrape == "down" {
 					e.setActive(refused)
@@ -431,7 +431,7 @@ func TestAnEngineWithoutFreshCountersIsNotAssumedToHoldItsPrompts(t *testing.T) 
 		return func(e *Endpoint, clock *fakeClock, _ func()) {
 			for range seconds {
 				clock.Advance(time.Second)
-				e.scrapeFailed()
+				e.scrapeFailed(scrapeTimeout)
 			}
 		}
 	}

@@ -224,9 +224,10 @@ func (e *Endpoint) scrapedAt(now func() time.Time) *scraped {
 type scraped struct {
 	Load
 	marks    [2]Load
-	failed   bool   // a scrape since failed: the figures are not fresh (Fresh)
-	restarts uint32 // the engine's restarts seen since its first scrape (restarted)
-	none     bool   // no scrape has answered: At is when the first failed, the rest zero
+	run      uint64                // scrapes failed since the last answer: its figures are not fresh (Fresh)
+	failures [scrapeReasons]uint64 // failed scrapes since the endpoint was added, by reason
+	restarts uint32                // the engine's restarts seen since its first scrape (restarted)
+	none     bool                  // no scrape has answered: At is when the first failed, the rest zero
 }
 
 // Fresh is the last scrape's figures, false when there is none, it is
@@ -244,26 +245,46 @@ func (e *Endpoint) Fresh() (Load, bool) {
 
 // answered says whether s, a scrape that is not stale (scrapedAt), is the
 // engine's last answer: no scrape failed since.
-func (s *scraped) answered() bool { return s != nil && !s.failed }
+func (s *scraped) answered() bool { return s != nil && s.run == 0 }
 
-// scrapeFailed notes a failed scrape: the last figures stay, to go stale,
-// but are not fresh; with none, the first failure's time, to go stale alike.
-func (e *Endpoint) scrapeFailed() {
+// scrapeFailed notes a scrape failed for reason: the last figures stay, to
+// go stale, but are not fresh; with none, the first failure's time, to go
+// stale alike. first: no scrape failed since the last answer, if any.
+func (e *Endpoint) scrapeFailed(reason scrapeFailure) (first bool) {
 	last := e.load.Load()
-	if last != nil && last.failed {
-		return
-	}
 	s := scraped{Load: Load{At: e.cfg().now()}, none: true}
 	if last != nil {
 		s = *last
 	}
-	s.failed = true
+	s.run++
+	s.failures[reason]++
 	e.load.CompareAndSwap(last, &s) // a scrape that answered meanwhile stands
+	return s.run == 1
 }
 
-func (e *Endpoint) observe(l Load) {
+// ScrapeFailures are the endpoint's failed scrapes by reason
+// (ScrapeFailureReasons), reasons without any left out.
+func (e *Endpoint) ScrapeFailures() map[string]uint64 {
+	out := map[string]uint64{}
+	if l := e.load.Load(); l != nil {
+		for r, n := range l.failures {
+			if n > 0 {
+				out[ScrapeFailureReasons[r]] = n
+			}
+		}
+	}
+	return out
+}
+
+// observe notes a scrape that answered l; failed is how many had failed
+// since the answer before.
+func (e *Endpoint) observe(l Load) (failed uint64) {
 	s := &scraped{Load: l, marks: [2]Load{l, l}}
-	if last := e.load.Load(); last != nil && !last.none { // else the first
+	last := e.load.Load()
+	if last != nil {
+		s.failures, failed = last.failures, last.run
+	}
+	if last != nil && !last.none { // else the first
 		s.restarts = last.restarts
 		switch {
 		case restarted(last.Load, l): // the marks start again
@@ -275,6 +296,7 @@ func (e *Endpoint) observe(l Load) {
 		}
 	}
 	e.load.Store(s)
+	return failed
 }
 
 // restarted says whether the engine restarted between the scrapes last and

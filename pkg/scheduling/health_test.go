@@ -226,7 +226,7 @@ func TestChecksAndScrapesSpeakThePoolsTLS(t *testing.T) {
 				defer p.probe.client.CloseIdleConnections()
 				e := p.Endpoints()[0]
 				checkAll(context.Background(), p.probe, p.Endpoints(), "/health", time.Second, always)
-				scrapeAll(context.Background(), p.probe, p.Endpoints(), "/metrics", time.Second, time.Now)
+				p.scrapeAll(context.Background(), p.Endpoints(), "/metrics", time.Second)
 				l, scrapedOK := e.Fresh()
 				if e.Healthy() != tt.wantUp || scrapedOK != tt.wantUp || scrapedOK && l.Waiting != 4 {
 					t.Errorf("%s pool: healthy %v, scraped %v (%+v); want both %v", p.Name(), e.Healthy(), scrapedOK, l, tt.wantUp)

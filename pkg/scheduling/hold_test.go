@@ -112,7 +112,7 @@ func TestTheHoldReleasesOnceAScrapeRound(t *testing.T) {
 		{"a answers with room, b not yet", func() { scrape(a, 4) }, 0},
 		{"b answers: the round is whole", func() { scrape(b, 5) }, 1},
 		{"a answers again, b not yet", func() { scrape(a, 4) }, 1},
-		{"b's scrape fails: a's answer makes the round", func() { byAddr(p, b).scrapeFailed() }, 2},
+		{"b's scrape fails: a's answer makes the round", func() { byAddr(p, b).scrapeFailed(scrapeTimeout) }, 2},
 		{"b answers again, a not yet", func() { scrape(b, 5) }, 2},
 		{"a answers: the round is whole", func() { scrape(a, 4) }, 3},
 		{"b ejected: a's answers make the rounds", func() {

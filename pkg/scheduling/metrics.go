@@ -4,14 +4,17 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"slices"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/go-logr/logr"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
@@ -83,17 +86,90 @@ var pdQueues = map[role][][]string{
 }
 
 // scrapeAll reads every endpoint's /metrics concurrently (probeEach). A
-// failed scrape leaves the old figures to go stale, no longer fresh.
-func scrapeAll(ctx context.Context, pr probe, eps []*Endpoint, path string, timeout time.Duration, now func() time.Time) {
+// failed scrape leaves the old figures to go stale, no longer fresh; it is
+// counted by reason, and logged when it is the first since the engine last
+// answered, as is the answer that ends such a run.
+func (p *Pool) scrapeAll(ctx context.Context, eps []*Endpoint, path string, timeout time.Duration) {
 	probeEach(eps, func(e *Endpoint) {
-		l, err := scrape(ctx, pr, pr.url(e.Addr, path), timeout)
-		if err != nil {
-			e.scrapeFailed()
-			return
+		l, err := scrape(ctx, p.probe, p.probe.url(e.Addr, path), timeout)
+		log := func() logr.Logger { return p.deps.Log.WithValues("pool", p.Name(), "endpoint", e.Addr, "path", path) }
+		switch {
+		case err == nil:
+			l.At = p.deps.Now()
+			if failed := e.observe(l); failed > 0 {
+				log().Info("the engine's metrics answer again", "failures", failed)
+			}
+		case ctx.Err() != nil: // shutting down
+		default:
+			reason := failureOf(err)
+			if e.scrapeFailed(reason) {
+				log().Info("cannot scrape the engine's metrics: until it answers, it counts as loaded as the mean of the pool, "+
+					"as saturated, and after metrics.stale_after as holding none of the prompts it was sent",
+					"reason", ScrapeFailureReasons[reason], "error", err.Error())
+			}
 		}
-		l.At = now()
-		e.observe(l)
 	})
+}
+
+// scrapeFailure is why a scrape failed, an index of ScrapeFailureReasons.
+type scrapeFailure uint8
+
+const (
+	scrapeConnect   scrapeFailure = iota // the engine could not be dialled
+	scrapeTimeout                        // no answer within metrics.timeout
+	scrapeTransport                      // the connection broke, or its TLS failed
+	scrapeRedirect                       // a 3xx, never followed
+	scrapeStatus4xx                      // a wrong metrics.path (404), an auth proxy (401, 403)
+	scrapeStatus5xx
+	scrapeMalformed // load series that do not parse, or a status no engine answers (1xx, a 2xx but 200)
+	scrapeNoGauges  // an answer without the load gauges: not an engine's /metrics
+	scrapeReasons
+)
+
+// ScrapeFailureReasons are the reason labels of failed scrapes
+// (pd_extproc_endpoint_scrape_failures_total), by scrapeFailure.
+var ScrapeFailureReasons = [scrapeReasons]string{"connect", "timeout", "transport", "redirect", "status_4xx", "status_5xx", "malformed", "no_gauges"}
+
+var (
+	errMalformed = errors.New("parsing metrics")
+	errNoGauges  = errors.New("no load gauge")
+)
+
+// statusError is an answer other than 200: its status, and the start of its
+// body, which says why (a proxy's, a 404 page).
+type statusError struct {
+	status int
+	body   string
+}
+
+func (e statusError) Error() string { return fmt.Sprintf("answered %d: %q", e.status, e.body) }
+
+// failureOf is why a scrape failed with err.
+func failureOf(err error) scrapeFailure {
+	var st statusError
+	var op *net.OpError
+	var ne net.Error
+	switch {
+	case errors.As(err, &st):
+		switch st.status / 100 {
+		case 3:
+			return scrapeRedirect
+		case 4:
+			return scrapeStatus4xx
+		case 5:
+			return scrapeStatus5xx
+		}
+		return scrapeMalformed
+	case errors.Is(err, errMalformed):
+		return scrapeMalformed
+	case errors.Is(err, errNoGauges):
+		return scrapeNoGauges
+	case errors.As(err, &op) && op.Op == "dial":
+		return scrapeConnect
+	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
+		return scrapeTimeout
+	}
+	return scrapeTransport
 }
 
 func scrape(ctx context.Context, pr probe, url string, timeout time.Duration) (Load, error) {
@@ -110,7 +186,8 @@ func scrape(ctx context.Context, pr probe, url string, timeout time.Duration) (L
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return Load{}, fmt.Errorf("%s answered %d", url, resp.StatusCode)
+		start, _ := io.ReadAll(io.LimitReader(resp.Body, 128))
+		return Load{}, statusError{resp.StatusCode, strings.ToValidUTF8(strings.TrimSpace(string(start)), "")}
 	}
 	return parseLoad(io.LimitReader(resp.Body, maxMetricsBytes), pr.role)
 }
@@ -127,12 +204,12 @@ func parseLoad(r io.Reader, ro role) (Load, error) {
 	p := expfmt.NewTextParser(model.UTF8Validation)
 	families, err := p.TextToMetricFamilies(bytes.NewReader(text))
 	if err != nil {
-		return Load{}, fmt.Errorf("parsing metrics: %w", err)
+		return Load{}, fmt.Errorf("%w: %w", errMalformed, err)
 	}
 	waiting, hasWaiting := firstOf(families, waitingGauges)
 	kvUsage, hasKVUsage := firstOf(families, kvUsageGauges)
 	if !hasWaiting && !hasKVUsage {
-		return Load{}, fmt.Errorf("no load gauge among %v %v", waitingGauges, kvUsageGauges)
+		return Load{}, fmt.Errorf("%w among %v %v", errNoGauges, waitingGauges, kvUsageGauges)
 	}
 	running, _ := firstOf(families, runningGauges)
 	l := Load{Waiting: sum(waiting), Running: sum(running), KVUsage: min(1, maxOf(kvUsage))} // a missing family sums to 0

@@ -3,12 +3,16 @@ package scheduling
 import (
 	"context"
 	"fmt"
+	"maps"
 	"math"
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/go-logr/logr/funcr"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 )
@@ -178,7 +182,7 @@ func TestScrapedLoadCountsUntilStale(t *testing.T) {
 	if got := busy(); got != 1 {
 		t.Fatalf("busyness before any scrape = %g, want the 1 request in flight", got)
 	}
-	scrapeAll(context.Background(), probe{client: srv.Client(), scheme: "http"}, p.Endpoints(), "/metrics", time.Second, clock.Now)
+	p.scrapeAll(context.Background(), p.Endpoints(), "/metrics", time.Second)
 	if got := busy(); got != 6.5 {
 		t.Fatalf("busyness after a scrape = %g, want 1 in flight + 5 waiting + 0.5 KV", got)
 	}
@@ -203,7 +207,7 @@ func TestFailedScrapeKeepsOldFigures(t *testing.T) {
 	p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, strings.TrimPrefix(srv.URL, "http://"))
 	e := p.Endpoints()[0]
 	e.observe(Load{Waiting: 2, CacheTokens: 1000, Written: 5000, At: clock.Now()})
-	scrapeAll(context.Background(), probe{client: srv.Client(), scheme: "http"}, p.Endpoints(), "/metrics", time.Second, clock.Now)
+	p.scrapeAll(context.Background(), p.Endpoints(), "/metrics", time.Second)
 	if since, ok, stale := e.cacheWindow(); !ok || stale || since != (stamp{written: 4000}) {
 		t.Errorf("cacheWindow() = %+v, %v, %v after a failed scrape; want the previous counters' {4000 0}, true, false", since, ok, stale)
 	}
@@ -237,7 +241,7 @@ func TestAnEngineWhoseScrapesNeverAnswerGoesStale(t *testing.T) {
 			p, clock := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, strings.TrimPrefix(srv.URL, "http://"))
 			e, start := p.Endpoints()[0], clock.Now()
 			for range 4 { // the first at once, then every interval
-				scrapeAll(context.Background(), probe{client: srv.Client(), scheme: "http"}, p.Endpoints(), "/metrics", time.Second, clock.Now)
+				p.scrapeAll(context.Background(), p.Endpoints(), "/metrics", time.Second)
 				if _, _, stale := e.cacheWindow(); stale {
 					t.Fatalf("stale %v after the first failed scrape, within stale_after (3s)", clock.Now().Sub(start))
 				}
@@ -245,6 +249,70 @@ func TestAnEngineWhoseScrapesNeverAnswerGoesStale(t *testing.T) {
 			}
 			if _, _, stale := e.cacheWindow(); !stale {
 				t.Fatalf("not stale %v after the first failed scrape, past stale_after (3s)", clock.Now().Sub(start))
+			}
+		})
+	}
+}
+
+// TestScrapeFailuresByReason: each way an engine's /metrics fails is
+// counted under its reason, scrape after scrape, and logged once, at the
+// first, with what the engine answered.
+func TestScrapeFailuresByReason(t *testing.T) {
+	answering := func(status int, body string) http.HandlerFunc {
+		return func(w http.ResponseWriter, _ *http.Request) { http.Error(w, body, status) }
+	}
+	tests := []struct {
+		name    string
+		handler http.HandlerFunc // nil: the port refuses
+		reason  string
+		logged  string // in the log line's error
+	}{
+		{"401 from an auth proxy", answering(http.StatusUnauthorized, "no bearer token"), "status_4xx", `answered 401: \"no bearer token\"`},
+		{"wrong metrics.path", http.NotFound, "status_4xx", `answered 404: \"404 page not found\"`},
+		{"an engine failing", answering(http.StatusServiceUnavailable, "boom"), "status_5xx", `answered 503: \"boom\"`},
+		{"a redirect, not followed", http.RedirectHandler("/metrics/", http.StatusTemporaryRedirect).ServeHTTP, "redirect", "answered 307"},
+		{"a page that is not an engine's metrics", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("<html>login</html>\n")) },
+			"no_gauges", "no load gauge"},
+		{"load gauges that do not parse", func(w http.ResponseWriter, _ *http.Request) { w.Write([]byte("vllm:num_requests_waiting many\n")) },
+			"malformed", "parsing metrics"},
+		{"no answer within metrics.timeout", func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() },
+			"timeout", "deadline exceeded"},
+		{"the connection cut", func(w http.ResponseWriter, _ *http.Request) {
+			conn, _, _ := w.(http.Hijacker).Hijack()
+			conn.Close()
+		}, "transport", "EOF"},
+		{"refused", nil, "connect", "refused"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := httptest.NewServer(tt.handler)
+			defer srv.Close()
+			if tt.handler == nil {
+				srv.Close()
+			}
+			var mu sync.Mutex
+			var lines []string
+			p, _ := testPool(t, config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Second)}}, strings.TrimPrefix(srv.URL, "http://"))
+			p.deps.Log = funcr.New(func(_, args string) {
+				mu.Lock()
+				defer mu.Unlock()
+				lines = append(lines, args)
+			}, funcr.Options{})
+			for range 3 {
+				p.scrapeAll(context.Background(), p.Endpoints(), "/metrics", 100*time.Millisecond)
+			}
+			if got, want := p.Endpoints()[0].ScrapeFailures(), map[string]uint64{tt.reason: 3}; !maps.Equal(got, want) {
+				t.Errorf("ScrapeFailures() = %v after 3 failed scrapes; want %v", got, want)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if len(lines) != 1 {
+				t.Fatalf("logged %q; want 1 line", lines)
+			}
+			for _, want := range []string{`"msg"="cannot scrape the engine's metrics`, `"pool"="decode"`, `"path"="/metrics"`, `"reason"="` + tt.reason + `"`, tt.logged} {
+				if !strings.Contains(lines[0], want) {
+					t.Errorf("logged %s; want it to hold %s", lines[0], want)
+				}
 			}
 		})
 	}
@@ -269,7 +337,7 @@ func TestBusySGLangDecodeEndpointIsAvoided(t *testing.T) {
 	if e, _ := ps.Decode.Select(nil); e.Addr != busy {
 		t.Fatalf("before any scrape the pick is %s; want the first endpoint, %s, on the tie", e.Addr, busy)
 	}
-	scrapeAll(context.Background(), ps.Decode.probe, ps.Decode.Endpoints(), "/metrics", time.Second, time.Now)
+	ps.Decode.scrapeAll(context.Background(), ps.Decode.Endpoints(), "/metrics", time.Second)
 	if e, _ := ps.Decode.Select(nil); e.Addr != idle {
 		t.Errorf("after the scrape the pick is %s; want %s, whose P/D queues are empty (busyness %+v)",
 			e.Addr, idle, busyness(ps.Decode.Endpoints()))
@@ -347,7 +415,7 @@ func TestRewriteIsReadFromTheLastScrapes(t *testing.T) {
 			e := p.Endpoints()[0]
 			start := clock.Now()
 			if tt.failed {
-				e.scrapeFailed()
+				e.scrapeFailed(scrapeTimeout)
 			}
 			for _, s := range tt.scrapes {
 				clock.Advance(start.Add(time.Duration(s.at) * time.Second).Sub(clock.Now()))

@@ -311,7 +311,7 @@ func TestEndpointWithoutFreshFiguresScoresThePoolMean(t *testing.T) {
 					e.observe(Load{Waiting: f.waiting, At: clock.Now()})
 				case "failed":
 					e.observe(Load{Waiting: f.waiting, At: clock.Now()})
-					e.scrapeFailed()
+					e.scrapeFailed(scrapeTimeout)
 				case "stale":
 					e.observe(Load{Waiting: f.waiting, At: clock.Now().Add(-time.Minute)})
 				}

@@ -150,7 +150,7 @@ func (p *Pool) Run(ctx context.Context) {
 	})
 	wg.Go(func() {
 		p.every(ctx, func(s PoolSpec) time.Duration { return s.Metrics.Interval.D() }, true, func(st *poolState, eps []*Endpoint) {
-			scrapeAll(ctx, p.probe, eps, st.spec.Metrics.Path, st.spec.Metrics.Timeout.D(), p.deps.Now)
+			p.scrapeAll(ctx, eps, st.spec.Metrics.Path, st.spec.Metrics.Timeout.D())
 		})
 	})
 	wg.Go(func() { p.followEvents(ctx) })

@@ -794,7 +794,7 @@ func TestFirstTurnsGoWhereTheSystemPromptIsWhenConversationsAreWhole(t *testing.
 			if tt.stale || tt.neverAnswered {
 				for range 5 { // stale_after: three intervals, from the first failure where none answered
 					clock.Advance(time.Second)
-					byAddr(p, cached).scrapeFailed()
+					byAddr(p, cached).scrapeFailed(scrapeTimeout)
 				}
 				for _, e := range p.Endpoints() {
 					if e.Addr != cached {

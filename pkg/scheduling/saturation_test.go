@@ -49,7 +49,7 @@ func TestAPoolIsSaturatedWhileEveryEndpointItMayUseIs(t *testing.T) {
 					byAddr(p, addr).observe(Load{Waiting: l.waiting, KVUsage: l.kv, At: at})
 				}
 				if l.failed {
-					byAddr(p, addr).scrapeFailed()
+					byAddr(p, addr).scrapeFailed(scrapeTimeout)
 				}
 			}
 			if tt.eject {

@@ -558,7 +558,7 @@ func simulate(p simParams, w *workload, policy simPolicy, replicas int) simResul
 			for _, e := range pool.Endpoints() {
 				eng := s.engines[e.Addr]
 				if eng.down { // its /metrics refuses connections too
-					e.scrapeFailed()
+					e.scrapeFailed(scrapeTimeout)
 					continue
 				}
 				size, written := eng.cache.counters(p.CacheChars)

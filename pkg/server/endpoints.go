@@ -12,7 +12,7 @@ func poolStates(pools ...*scheduling.Pool) func() []metrics.EndpointState {
 		for _, p := range pools {
 			for _, e := range p.Endpoints() {
 				st := metrics.EndpointState{Pool: p.Name(), Endpoint: e.Addr, InFlight: e.InFlight(), Healthy: e.InRotation(), CheckedDown: e.CheckedDown(), AwaitsCheck: p.AwaitsCheck(e), Ejections: e.Ejections(),
-					CacheTrusted: e.CacheTrusted(), EngineRanks: -1, Models: e.Models()}
+					CacheTrusted: e.CacheTrusted(), EngineRanks: -1, Models: e.Models(), ScrapeFailures: e.ScrapeFailures()}
 				if p.ReadsBootstrapPorts() {
 					st.BootstrapPort = p.BootstrapPort(e)
 				}

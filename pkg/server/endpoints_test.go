@@ -5,10 +5,13 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/go-logr/logr/funcr"
 
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -145,4 +148,102 @@ func endpointGauge(t *testing.T, m *metrics.Metrics, name, addr string) (float64
 		}
 	}
 	return 0, false
+}
+
+// A failed scrape of an engine's /metrics is counted in
+// pd_extproc_endpoint_scrape_failures_total{pool,endpoint,reason}, and logged
+// once at the first failure since the engine last answered (with the path,
+// the status and the start of the answer) and once when it answers again;
+// the series leave with the endpoint.
+func TestScrapeFailuresAreCountedAndLogged(t *testing.T) {
+	type answer struct {
+		status int
+		body   string
+	}
+	arrived, answers := make(chan struct{}), make(chan answer)
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/metrics" {
+			w.WriteHeader(http.StatusNotFound)
+			return
+		}
+		select { // each scrape waits for the test to say how it is answered
+		case arrived <- struct{}{}:
+		case <-r.Context().Done():
+			return
+		}
+		select {
+		case a := <-answers:
+			w.WriteHeader(a.status)
+			fmt.Fprint(w, a.body)
+		case <-r.Context().Done():
+		}
+	}))
+	t.Cleanup(engine.Close)
+	addr := strings.TrimPrefix(engine.URL, "http://")
+	var mu sync.Mutex
+	var logged []string
+	log := funcr.New(func(_, args string) {
+		mu.Lock()
+		defer mu.Unlock()
+		if strings.Contains(args, `"path"="/metrics"`) {
+			logged = append(logged, args)
+		}
+	}, funcr.Options{})
+	spec := scheduling.PoolSpec{Endpoints: []string{addr},
+		PoolScheduling: config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Millisecond), Timeout: config.Duration(time.Minute)}}}
+	ps := scheduling.NewPools(scheduling.Spec{Decode: spec}, scheduling.Deps{Log: log})
+	m := metrics.New("kv-nixl")
+	m.WatchEndpoints(poolStates(ps.Decode))
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() { ps.Decode.Run(ctx) })
+	t.Cleanup(func() { cancel(); wg.Wait() })
+	<-arrived
+	const good = "vllm:num_requests_waiting 3\nvllm:kv_cache_usage_perc 0.25\n"
+	failures := func(reason string) (float64, bool) {
+		return m.Sample("pd_extproc_endpoint_scrape_failures_total", map[string]string{"pool": "decode", "endpoint": addr, "reason": reason})
+	}
+	steps := []struct {
+		name     string
+		answer   answer
+		want4xx  float64
+		want5xx  float64
+		wantLogs []string // substrings of the lines this scrape logged
+	}{
+		{"an auth proxy's 401", answer{401, "Unauthorized: no bearer token\n"}, 1, 0,
+			[]string{`"msg"="cannot scrape the engine's metrics`, `"pool"="decode"`, `"endpoint"="` + addr + `"`, `"reason"="status_4xx"`, `answered 401: \"Unauthorized: no bearer token\"`}},
+		{"a 404 next: counted, not logged", answer{404, "404 page not found\n"}, 2, 0, nil},
+		{"the engine answers again", answer{200, good}, 2, 0,
+			[]string{`"msg"="the engine's metrics answer again"`, `"endpoint"="` + addr + `"`, `"failures"=2`}},
+		{"a 500: logged as the first failure since", answer{500, "Internal Server Error"}, 2, 1,
+			[]string{`"msg"="cannot scrape the engine's metrics`, `"reason"="status_5xx"`, `answered 500: \"Internal Server Error\"`}},
+	}
+	for _, s := range steps {
+		mu.Lock()
+		before := len(logged)
+		mu.Unlock()
+		answers <- s.answer
+		<-arrived // the next scrape waits: this one is counted and logged
+		got4xx, _ := failures("status_4xx")
+		got5xx, _ := failures("status_5xx")
+		if got4xx != s.want4xx || got5xx != s.want5xx {
+			t.Errorf("%s: scrape_failures_total status_4xx = %v, status_5xx = %v; want %v, %v", s.name, got4xx, got5xx, s.want4xx, s.want5xx)
+		}
+		mu.Lock()
+		lines := slices.Clone(logged[before:])
+		mu.Unlock()
+		if len(lines) != min(1, len(s.wantLogs)) {
+			t.Errorf("%s: logged %q; want %d line", s.name, lines, min(1, len(s.wantLogs)))
+			continue
+		}
+		for _, want := range s.wantLogs {
+			if !strings.Contains(lines[0], want) {
+				t.Errorf("%s: logged %s; want it to hold %s", s.name, lines[0], want)
+			}
+		}
+	}
+	ps.Decode.Update(scheduling.PoolSpec{PoolScheduling: spec.PoolScheduling})
+	if v, ok := failures("status_4xx"); ok {
+		t.Errorf("scrape_failures_total{reason=status_4xx} = %v after the endpoint left the pool; want no series", v)
+	}
 }

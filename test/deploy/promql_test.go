@@ -16,6 +16,7 @@ import (
 
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
+	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
 const (
@@ -34,14 +35,19 @@ var targetLabels = []string{"namespace", "pod", "instance", "job", "service", "c
 type seriesCatalog map[string]map[string]map[string]bool
 
 // exportedSeries builds the registry as the binary does, with an endpoint of each pool (scraped,
-// so that the engine gauges exist), Kubernetes discovery and the limits in force.
+// so that the engine gauges exist, and failed scrapes of every reason), Kubernetes discovery and
+// the limits in force.
 func exportedSeries(t *testing.T) seriesCatalog {
 	t.Helper()
 	m := metrics.New("kv-nixl")
+	failures := map[string]uint64{}
+	for _, reason := range scheduling.ScrapeFailureReasons {
+		failures[reason] = 1
+	}
 	m.WatchEndpoints(func() []metrics.EndpointState {
 		return []metrics.EndpointState{
-			{Pool: "prefill", Endpoint: "10.0.0.1:8000", Scraped: true},
-			{Pool: "decode", Endpoint: "10.0.0.2:8000", Scraped: true},
+			{Pool: "prefill", Endpoint: "10.0.0.1:8000", Scraped: true, ScrapeFailures: failures},
+			{Pool: "decode", Endpoint: "10.0.0.2:8000", Scraped: true, ScrapeFailures: failures},
 		}
 	})
 	m.WatchDiscovery([]string{"prefill", "decode"}, func() []metrics.DiscoveryState {
