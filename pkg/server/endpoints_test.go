@@ -58,29 +58,7 @@ func TestEndpointHealthyDuringTheProbe(t *testing.T) {
 // not once its figures go stale (the clock here never moves), and the next
 // answer brings them back.
 func TestEngineLoadGaugesGoWithAFailedScrape(t *testing.T) {
-	arrived, answers := make(chan struct{}), make(chan bool)
-	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path != "/metrics" {
-			w.WriteHeader(http.StatusNotFound)
-			return
-		}
-		select { // each scrape waits for the test to say how it is answered
-		case arrived <- struct{}{}:
-		case <-r.Context().Done():
-			return
-		}
-		select {
-		case ok := <-answers:
-			if !ok {
-				w.WriteHeader(http.StatusInternalServerError)
-				return
-			}
-			fmt.Fprint(w, "vllm:num_requests_waiting 3\nvllm:kv_cache_usage_perc 0.25\n")
-		case <-r.Context().Done():
-		}
-	}))
-	t.Cleanup(engine.Close)
-	addr := strings.TrimPrefix(engine.URL, "http://")
+	addr, arrived, answers := scriptedEngine(t)
 	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	ps := scheduling.NewPools(scheduling.Spec{Decode: scheduling.PoolSpec{Endpoints: []string{addr},
 		PoolScheduling: config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Millisecond), Timeout: config.Duration(time.Minute)}}}},
@@ -104,7 +82,7 @@ func TestEngineLoadGaugesGoWithAFailedScrape(t *testing.T) {
 		{"the engine answers again", true, true, 3, 0.25},
 	}
 	for _, s := range steps {
-		answers <- s.answer
+		answers <- map[bool]engineAnswer{true: {200, goodScrape}, false: {500, ""}}[s.answer]
 		<-arrived // the next scrape waits: this one's figures are in
 		waiting, ok := endpointGauge(t, m, "pd_extproc_endpoint_engine_waiting", addr)
 		kvUsage, kvOK := endpointGauge(t, m, "pd_extproc_endpoint_engine_kv_usage", addr)
@@ -156,30 +134,7 @@ func endpointGauge(t *testing.T, m *metrics.Metrics, name, addr string) (float64
 // the status and the start of the answer) and once when it answers again;
 // the series leave with the endpoint.
 func TestScrapeFailuresAreCountedAndLogged(t *testing.T) {
-	type answer struct {
-		status int
-		body   string
-	}
-	arrived, answers := make(chan struct{}), make(chan answer)
-	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path != "/metrics" {
-			w.WriteHeader(http.StatusNotFound)
-			return
-		}
-		select { // each scrape waits for the test to say how it is answered
-		case arrived <- struct{}{}:
-		case <-r.Context().Done():
-			return
-		}
-		select {
-		case a := <-answers:
-			w.WriteHeader(a.status)
-			fmt.Fprint(w, a.body)
-		case <-r.Context().Done():
-		}
-	}))
-	t.Cleanup(engine.Close)
-	addr := strings.TrimPrefix(engine.URL, "http://")
+	addr, arrived, answers := scriptedEngine(t)
 	var mu sync.Mutex
 	var logged []string
 	log := funcr.New(func(_, args string) {
@@ -199,23 +154,22 @@ func TestScrapeFailuresAreCountedAndLogged(t *testing.T) {
 	wg.Go(func() { ps.Decode.Run(ctx) })
 	t.Cleanup(func() { cancel(); wg.Wait() })
 	<-arrived
-	const good = "vllm:num_requests_waiting 3\nvllm:kv_cache_usage_perc 0.25\n"
 	failures := func(reason string) (float64, bool) {
 		return m.Sample("pd_extproc_endpoint_scrape_failures_total", map[string]string{"pool": "decode", "endpoint": addr, "reason": reason})
 	}
 	steps := []struct {
 		name     string
-		answer   answer
+		answer   engineAnswer
 		want4xx  float64
 		want5xx  float64
 		wantLogs []string // substrings of the lines this scrape logged
 	}{
-		{"an auth proxy's 401", answer{401, "Unauthorized: no bearer token\n"}, 1, 0,
+		{"an auth proxy's 401", engineAnswer{401, "Unauthorized: no bearer token\n"}, 1, 0,
 			[]string{`"msg"="cannot scrape the engine's metrics`, `"pool"="decode"`, `"endpoint"="` + addr + `"`, `"reason"="status_4xx"`, `answered 401: \"Unauthorized: no bearer token\"`}},
-		{"a 404 next: counted, not logged", answer{404, "404 page not found\n"}, 2, 0, nil},
-		{"the engine answers again", answer{200, good}, 2, 0,
+		{"a 404 next: counted, not logged", engineAnswer{404, "404 page not found\n"}, 2, 0, nil},
+		{"the engine answers again", engineAnswer{200, goodScrape}, 2, 0,
 			[]string{`"msg"="the engine's metrics answer again"`, `"endpoint"="` + addr + `"`, `"failures"=2`}},
-		{"a 500: logged as the first failure since", answer{500, "Internal Server Error"}, 2, 1,
+		{"a 500: logged as the first failure since", engineAnswer{500, "Internal Server Error"}, 2, 1,
 			[]string{`"msg"="cannot scrape the engine's metrics`, `"reason"="status_5xx"`, `answered 500: \"Internal Server Error\"`}},
 	}
 	for _, s := range steps {
@@ -246,4 +200,38 @@ func TestScrapeFailuresAreCountedAndLogged(t *testing.T) {
 	if v, ok := failures("status_4xx"); ok {
 		t.Errorf("scrape_failures_total{reason=status_4xx} = %v after the endpoint left the pool; want no series", v)
 	}
+}
+
+// engineAnswer is how scriptedEngine answers one scrape.
+type engineAnswer struct {
+	status int
+	body   string
+}
+
+// goodScrape is an engine's /metrics with its queue and KV use.
+const goodScrape = "vllm:num_requests_waiting 3\nvllm:kv_cache_usage_perc 0.25\n"
+
+// scriptedEngine is an engine whose every /metrics scrape arrives (a send
+// on arrived) and then waits for the test to say how it is answered.
+func scriptedEngine(t *testing.T) (addr string, arrived chan struct{}, answers chan engineAnswer) {
+	arrived, answers = make(chan struct{}), make(chan engineAnswer)
+	engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/metrics" {
+			w.WriteHeader(http.StatusNotFound)
+			return
+		}
+		select {
+		case arrived <- struct{}{}:
+		case <-r.Context().Done():
+			return
+		}
+		select {
+		case a := <-answers:
+			w.WriteHeader(a.status)
+			fmt.Fprint(w, a.body)
+		case <-r.Context().Done():
+		}
+	}))
+	t.Cleanup(engine.Close)
+	return strings.TrimPrefix(engine.URL, "http://"), arrived, answers
 }
