@@ -2,7 +2,11 @@ package deploy
 
 import (
 	"encoding/json"
+	"slices"
+	"strings"
 	"testing"
+
+	"github.com/prometheus/prometheus/promql/parser"
 
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
@@ -12,6 +16,7 @@ type dashboardPanel struct {
 	ID          int
 	Type, Title string
 	GridPos     struct{ H, W, X, Y int }
+	Targets     []struct{ Expr, LegendFormat string }
 }
 
 func dashboardPanels(t *testing.T) []dashboardPanel {
@@ -47,4 +52,96 @@ func TestDashboardPanelsDoNotOverlap(t *testing.T) {
 			}
 		}
 	}
+}
+
+// The Endpoints row draws, per pool and endpoint, each engine's scraped queue and KV use and
+// the failed scrapes that take them away, per second and by why, each line named by its labels.
+func TestDashboardEndpointsRowDrawsEngineScrapes(t *testing.T) {
+	tests := []struct {
+		metric, fn string // fn: the function over a counter's range, "" for a gauge
+		by         []string
+	}{
+		{"pd_extproc_endpoint_engine_waiting", "", []string{"pool", "endpoint"}},
+		{"pd_extproc_endpoint_engine_kv_usage", "", []string{"pool", "endpoint"}},
+		{"pd_extproc_endpoint_scrape_failures_total", "rate", []string{"pool", "endpoint", "reason"}},
+	}
+	row := rowPanels(t, dashboardPanels(t), "Endpoints")
+	for _, tc := range tests {
+		drawn := false
+		for _, p := range row {
+			for _, tg := range p.Targets {
+				if !aggregates(t, tg.Expr, tc.metric, tc.fn, tc.by) {
+					continue
+				}
+				drawn = true
+				for _, l := range tc.by {
+					if !strings.Contains(tg.LegendFormat, "{{"+l+"}}") {
+						t.Errorf("panel %q: legend %q does not name %s", p.Title, tg.LegendFormat, l)
+					}
+				}
+			}
+		}
+		if !drawn {
+			t.Errorf("the Endpoints row has no panel of %s(%s) by (%s)", tc.fn, tc.metric, strings.Join(tc.by, ", "))
+		}
+	}
+}
+
+// rowPanels are the panels below the row titled title, down to the next row.
+func rowPanels(t *testing.T, panels []dashboardPanel, title string) []dashboardPanel {
+	t.Helper()
+	top, bottom := -1, 1<<30
+	for _, p := range panels {
+		if p.Type == "row" && p.Title == title {
+			top = p.GridPos.Y
+		}
+	}
+	for _, p := range panels {
+		if p.Type == "row" && p.GridPos.Y > top && p.GridPos.Y < bottom {
+			bottom = p.GridPos.Y
+		}
+	}
+	var out []dashboardPanel
+	for _, p := range panels {
+		if p.Type != "row" && top >= 0 && p.GridPos.Y > top && p.GridPos.Y < bottom {
+			out = append(out, p)
+		}
+	}
+	if len(out) == 0 {
+		t.Fatalf("no panels in the dashboard's row %q", title)
+	}
+	return out
+}
+
+// aggregates tells whether expr is an aggregation by exactly the labels by of metric, or of
+// fn over metric's range when fn is not empty.
+func aggregates(t *testing.T, expr, metric, fn string, by []string) bool {
+	t.Helper()
+	e, err := parser.NewParser(parser.Options{}).ParseExpr(strings.ReplaceAll(expr, "$__rate_interval", "5m"))
+	if err != nil {
+		t.Fatalf("%q: %v", expr, err)
+	}
+	agg, ok := e.(*parser.AggregateExpr)
+	if !ok || agg.Without || len(agg.Grouping) != len(by) {
+		return false
+	}
+	for _, l := range by {
+		if !slices.Contains(agg.Grouping, l) {
+			return false
+		}
+	}
+	inner := agg.Expr
+	if fn != "" {
+		call, ok := inner.(*parser.Call)
+		if !ok || call.Func.Name != fn {
+			return false
+		}
+		m, ok := call.Args[0].(*parser.MatrixSelector)
+		if !ok {
+			return false
+		}
+		inner = m.VectorSelector
+	}
+	vs, ok := inner.(*parser.VectorSelector)
+	return ok && vs.Name == metric
 }
