@@ -2,6 +2,7 @@ package deploy
 
 import (
 	"encoding/json"
+	"maps"
 	"slices"
 	"strings"
 	"testing"
@@ -144,4 +145,42 @@ func aggregates(t *testing.T, expr, metric, fn string, by []string) bool {
 	}
 	vs, ok := inner.(*parser.VectorSelector)
 	return ok && vs.Name == metric
+}
+
+// Every alert the chart ships has panels an on-call operator can open from it: each series its
+// expression reads is read by a query of the dashboard.
+func TestDashboardDrawsWhatEachAlertReads(t *testing.T) {
+	drawn := map[string]bool{}
+	for _, expr := range dashboardExprs(t) {
+		for _, name := range selectedSeries(t, expr) {
+			drawn[name] = true
+		}
+	}
+	rules := ruleExprs(t)
+	for _, alert := range slices.Sorted(maps.Keys(rules)) {
+		t.Run(alert, func(t *testing.T) {
+			for _, name := range selectedSeries(t, rules[alert]) {
+				if !drawn[name] {
+					t.Errorf("alert %s reads %s, which no panel of %s draws", alert, name, dashboardFile)
+				}
+			}
+		})
+	}
+}
+
+// selectedSeries are the names of the series expr selects.
+func selectedSeries(t *testing.T, expr string) []string {
+	t.Helper()
+	e, err := parser.NewParser(parser.Options{}).ParseExpr(expr)
+	if err != nil {
+		t.Fatalf("%q: %v", expr, err)
+	}
+	var out []string
+	parser.Inspect(e, func(n parser.Node, _ []parser.Node) error {
+		if vs, ok := n.(*parser.VectorSelector); ok {
+			out = append(out, vs.Name)
+		}
+		return nil
+	})
+	return out
 }
