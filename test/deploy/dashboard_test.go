@@ -3,12 +3,14 @@ package deploy
 import (
 	"encoding/json"
 	"maps"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
 
 	"github.com/prometheus/prometheus/promql/parser"
 
+	"github.com/pd-extproc/pd-extproc/internal/chart"
 	"github.com/pd-extproc/pd-extproc/internal/testbed"
 )
 
@@ -183,4 +185,64 @@ func selectedSeries(t *testing.T, expr string) []string {
 		return nil
 	})
 	return out
+}
+
+// The chart's dashboard opens its Envoy row on the Envoys of this release: the release's
+// namespace with the chart's own Envoy, gateway.proxyNamespace with Envoy Gateway, both with
+// both; with neither (your own Envoy) it keeps the file's "All". Nothing else of the file
+// changes, so that the JSON imported by hand is the same dashboard.
+func TestChartDashboardOpensOnTheReleasesEnvoys(t *testing.T) {
+	var file map[string]any
+	if err := json.Unmarshal(mustRead(t, testbed.MustRepoPath(t, dashboardFile)), &file); err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name, ns string
+		envoy    bool
+		gateway  map[string]any
+		want     []any // the variable's current value; nil: none, Grafana's All
+	}{
+		{"chart's Envoy", "pd-extproc", true, map[string]any{"enabled": false}, []any{"pd-extproc"}},
+		{"Envoy Gateway", "llm", false, map[string]any{"enabled": true}, []any{"envoy-gateway-system"}},
+		{"Envoy Gateway, proxies elsewhere", "llm", false, map[string]any{"enabled": true, "proxyNamespace": "eg"}, []any{"eg"}},
+		{"both", "llm", true, map[string]any{"enabled": true}, []any{"llm", "envoy-gateway-system"}},
+		{"both in one namespace", "eg", true, map[string]any{"enabled": true, "proxyNamespace": "eg"}, []any{"eg"}},
+		{"neither", "llm", false, map[string]any{"enabled": false}, nil},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			values := map[string]any{
+				"envoy":      map[string]any{"enabled": tc.envoy},
+				"gateway":    tc.gateway,
+				"monitoring": map[string]any{"dashboard": map[string]any{"enabled": true}},
+			}
+			rel := chart.Release{Name: "pd-extproc", Namespace: tc.ns}
+			cm := find(t, render(t, chart.Example{Name: tc.name, Release: rel}, values), "ConfigMap", "pd-extproc-dashboard")
+			var got map[string]any
+			if err := json.Unmarshal([]byte(digString(cm, "data", "pd-extproc.json")), &got); err != nil {
+				t.Fatal(err)
+			}
+			found := false
+			for _, v := range dig(got, "templating", "list").([]any) {
+				if digString(v, "name") != "envoy_namespace" {
+					continue
+				}
+				found = true
+				current, _ := v.(map[string]any)["current"].(map[string]any)
+				if value, _ := current["value"].([]any); !reflect.DeepEqual(value, tc.want) {
+					t.Errorf("envoy_namespace opens on %v, want %v", current, tc.want)
+				}
+				if tc.want != nil && !reflect.DeepEqual(current["text"], current["value"]) {
+					t.Errorf("envoy_namespace shows %v for the value %v", current["text"], current["value"])
+				}
+				v.(map[string]any)["current"] = map[string]any{}
+			}
+			if !found {
+				t.Fatal("the chart's dashboard has no variable envoy_namespace")
+			}
+			if !reflect.DeepEqual(got, file) {
+				t.Errorf("the chart's dashboard differs from %s beyond envoy_namespace's current value", dashboardFile)
+			}
+		})
+	}
 }
