@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"maps"
 	"reflect"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -150,20 +151,35 @@ func aggregates(t *testing.T, expr, metric, fn string, by []string) bool {
 }
 
 // Every alert the chart ships has panels an on-call operator can open from it: each series its
-// expression reads is read by a query of the dashboard.
+// expression reads is drawn by a panel whose description names the alert.
 func TestDashboardDrawsWhatEachAlertReads(t *testing.T) {
-	drawn := map[string]bool{}
-	for _, expr := range dashboardExprs(t) {
-		for _, name := range selectedSeries(t, expr) {
-			drawn[name] = true
+	var d struct {
+		Panels []struct {
+			Description string
+			Targets     []struct{ Expr string }
+		}
+	}
+	if err := json.Unmarshal(mustRead(t, testbed.MustRepoPath(t, dashboardFile)), &d); err != nil {
+		t.Fatal(err)
+	}
+	vars := strings.NewReplacer("$__rate_interval", "5m", "$namespace", ".*", "$envoy_namespace", ".*")
+	descriptions := map[string][]string{} // series -> the descriptions of the panels drawing it
+	for _, p := range d.Panels {
+		for _, tg := range p.Targets {
+			for _, name := range selectedSeries(t, vars.Replace(tg.Expr)) {
+				descriptions[name] = append(descriptions[name], p.Description)
+			}
 		}
 	}
 	rules := ruleExprs(t)
 	for _, alert := range slices.Sorted(maps.Keys(rules)) {
 		t.Run(alert, func(t *testing.T) {
-			for _, name := range selectedSeries(t, rules[alert]) {
-				if !drawn[name] {
+			named := regexp.MustCompile(`\b` + alert + `\b`)
+			for _, name := range slices.Compact(slices.Sorted(slices.Values(selectedSeries(t, rules[alert])))) {
+				if len(descriptions[name]) == 0 {
 					t.Errorf("alert %s reads %s, which no panel of %s draws", alert, name, dashboardFile)
+				} else if !slices.ContainsFunc(descriptions[name], named.MatchString) {
+					t.Errorf("alert %s reads %s: no panel drawing it names the alert in its description", alert, name)
 				}
 			}
 		})
