@@ -203,11 +203,11 @@ func selectedSeries(t *testing.T, expr string) []string {
 	return out
 }
 
-// The chart's dashboard opens its Envoy row on the Envoys of this release: the release's
-// namespace with the chart's own Envoy, gateway.proxyNamespace with Envoy Gateway, both with
-// both; with neither (your own Envoy) it keeps the file's "All". Nothing else of the file
-// changes, so that the JSON imported by hand is the same dashboard.
-func TestChartDashboardOpensOnTheReleasesEnvoys(t *testing.T) {
+// The chart's dashboard opens on the release's namespace, and its Envoy row on the Envoys of
+// this release: the release's namespace with the chart's own Envoy, gateway.proxyNamespace
+// with Envoy Gateway, both with both; with neither (your own Envoy) it keeps the file's "All".
+// Nothing else of the file changes, so that the JSON imported by hand is the same dashboard.
+func TestChartDashboardOpensOnTheRelease(t *testing.T) {
 	var file map[string]any
 	if err := json.Unmarshal(mustRead(t, testbed.MustRepoPath(t, dashboardFile)), &file); err != nil {
 		t.Fatal(err)
@@ -240,6 +240,13 @@ func TestChartDashboardOpensOnTheReleasesEnvoys(t *testing.T) {
 			}
 			found := false
 			for _, v := range dig(got, "templating", "list").([]any) {
+				if digString(v, "name") == "namespace" { // pd-extproc's own panels: this release's
+					current, _ := v.(map[string]any)["current"].(map[string]any)
+					if value, _ := current["value"].([]any); !reflect.DeepEqual(value, []any{tc.ns}) || !reflect.DeepEqual(current["text"], current["value"]) {
+						t.Errorf("namespace opens on %v, want [%s]", current, tc.ns)
+					}
+					v.(map[string]any)["current"] = map[string]any{}
+				}
 				if digString(v, "name") != "envoy_namespace" {
 					continue
 				}
@@ -257,7 +264,7 @@ func TestChartDashboardOpensOnTheReleasesEnvoys(t *testing.T) {
 				t.Fatal("the chart's dashboard has no variable envoy_namespace")
 			}
 			if !reflect.DeepEqual(got, file) {
-				t.Errorf("the chart's dashboard differs from %s beyond envoy_namespace's current value", dashboardFile)
+				t.Errorf("the chart's dashboard differs from %s beyond its variables' current values", dashboardFile)
 			}
 		})
 	}
