@@ -60,15 +60,7 @@ func TestEndpointHealthyDuringTheProbe(t *testing.T) {
 func TestEngineLoadGaugesGoWithAFailedScrape(t *testing.T) {
 	addr, arrived, answers := scriptedEngine(t)
 	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-	ps := scheduling.NewPools(scheduling.Spec{Decode: scheduling.PoolSpec{Endpoints: []string{addr},
-		PoolScheduling: config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Millisecond), Timeout: config.Duration(time.Minute)}}}},
-		scheduling.Deps{Now: func() time.Time { return now }})
-	m := metrics.New("kv-nixl")
-	m.WatchEndpoints(poolStates(ps.Decode))
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Go(func() { ps.Decode.Run(ctx) })
-	t.Cleanup(func() { cancel(); wg.Wait() })
+	_, m := runScrapedPool(t, addr, scheduling.Deps{Now: func() time.Time { return now }})
 	<-arrived
 	steps := []struct {
 		name    string
@@ -144,15 +136,7 @@ func TestScrapeFailuresAreCountedAndLogged(t *testing.T) {
 			logged = append(logged, args)
 		}
 	}, funcr.Options{})
-	spec := scheduling.PoolSpec{Endpoints: []string{addr},
-		PoolScheduling: config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Millisecond), Timeout: config.Duration(time.Minute)}}}
-	ps := scheduling.NewPools(scheduling.Spec{Decode: spec}, scheduling.Deps{Log: log})
-	m := metrics.New("kv-nixl")
-	m.WatchEndpoints(poolStates(ps.Decode))
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Go(func() { ps.Decode.Run(ctx) })
-	t.Cleanup(func() { cancel(); wg.Wait() })
+	ps, m := runScrapedPool(t, addr, scheduling.Deps{Log: log})
 	<-arrived
 	failures := func(reason string) (float64, bool) {
 		return m.Sample("pd_extproc_endpoint_scrape_failures_total", map[string]string{"pool": "decode", "endpoint": addr, "reason": reason})
@@ -196,7 +180,7 @@ func TestScrapeFailuresAreCountedAndLogged(t *testing.T) {
 			}
 		}
 	}
-	ps.Decode.Update(scheduling.PoolSpec{PoolScheduling: spec.PoolScheduling})
+	ps.Decode.Update(scheduling.PoolSpec{PoolScheduling: scrapedEvery})
 	if v, ok := failures("status_4xx"); ok {
 		t.Errorf("scrape_failures_total{reason=status_4xx} = %v after the endpoint left the pool; want no series", v)
 	}
@@ -234,4 +218,21 @@ func scriptedEngine(t *testing.T) (addr string, arrived chan struct{}, answers c
 	}))
 	t.Cleanup(engine.Close)
 	return strings.TrimPrefix(engine.URL, "http://"), arrived, answers
+}
+
+// scrapedEvery scrapes a pool's engines every millisecond, each scrape
+// waiting as long as the engine takes (scriptedEngine: the test).
+var scrapedEvery = config.PoolScheduling{Metrics: config.EngineMetrics{Interval: config.Duration(time.Millisecond), Timeout: config.Duration(time.Minute)}}
+
+// runScrapedPool runs a decode pool of the engine at addr, scraped every
+// millisecond, until the test ends, and a registry watching its endpoints.
+func runScrapedPool(t *testing.T, addr string, deps scheduling.Deps) (*scheduling.Pools, *metrics.Metrics) {
+	ps := scheduling.NewPools(scheduling.Spec{Decode: scheduling.PoolSpec{Endpoints: []string{addr}, PoolScheduling: scrapedEvery}}, deps)
+	m := metrics.New("kv-nixl")
+	m.WatchEndpoints(poolStates(ps.Decode))
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() { ps.Decode.Run(ctx) })
+	t.Cleanup(func() { cancel(); wg.Wait() })
+	return ps, m
 }
