@@ -49,22 +49,7 @@ func TestForwardedHeadersAtTheEdge(t *testing.T) {
 			up := startUpstream(t)
 			cfg := loadShipped(t, "envoy.yaml")
 			cfg.ClientHeaders = tc.headers
-			seen := make(chan http.Header, 1)
-			p := startProxy(t, cfg, func(s *procStream) error {
-				h := http.Header{}
-				for _, e := range s.next().GetRequestHeaders().GetHeaders().GetHeaders() {
-					h.Add(e.GetKey(), string(e.GetRawValue()))
-				}
-				seen <- h
-				body, _, ok := readRequestBody(s)
-				if !ok {
-					return nil
-				}
-				s.reply(requestHeadersReply(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil))
-				s.reply(requestBodyReply(streamedMutation(body, true)))
-				passResponse(s)
-				return nil
-			})
+			p, seen := startPassingProxy(t, cfg, up)
 			sent := map[string]string{"x-request-id": "client-id-1"}
 			maps.Copy(sent, tc.sent)
 			if res := doFrom(t, p, tc.peer, http.MethodPost, "/v1/completions", `{"model":"m"}`, sent); res.status != http.StatusOK {
@@ -248,24 +233,7 @@ func TestExternalAddressIsThePeers(t *testing.T) {
 			if tc.prefix != "" {
 				cfg.Mutations.HeaderPrefix = tc.prefix
 			}
-			seen := make(chan []string, 1)
-			p := startProxy(t, cfg, func(s *procStream) error {
-				var values []string
-				for _, h := range s.next().GetRequestHeaders().GetHeaders().GetHeaders() {
-					if h.GetKey() == key {
-						values = append(values, string(h.GetRawValue()))
-					}
-				}
-				seen <- values
-				body, _, ok := readRequestBody(s)
-				if !ok {
-					return nil
-				}
-				s.reply(requestHeadersReply(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil))
-				s.reply(requestBodyReply(streamedMutation(body, true)))
-				passResponse(s)
-				return nil
-			})
+			p, seen := startPassingProxy(t, cfg, up)
 			if res := doFrom(t, p, "127.0.0.5", http.MethodPost, "/v1/completions", `{"model":"m"}`, tc.sent); res.status != http.StatusOK {
 				t.Fatalf("status %d: %s", res.status, res.body)
 			}
@@ -273,7 +241,7 @@ func TestExternalAddressIsThePeers(t *testing.T) {
 			if tc.want != "" {
 				want = []string{tc.want}
 			}
-			if got := <-seen; !slices.Equal(got, want) {
+			if got := (<-seen).Values(key); !slices.Equal(got, want) {
 				t.Errorf("the processor saw %s %q, want %q", key, got, want)
 			}
 			if got := up.requests()[0].Header.Values(key); !slices.Equal(got, want) {
@@ -281,4 +249,27 @@ func TestExternalAddressIsThePeers(t *testing.T) {
 			}
 		})
 	}
+}
+
+// startPassingProxy starts the emulator with cfg and a processor that sends
+// every request, unchanged, to the upstream up, and hands each request's
+// headers as it saw them to seen.
+func startPassingProxy(t *testing.T, cfg *Config, up *upstream) (*Proxy, chan http.Header) {
+	seen := make(chan http.Header, 1)
+	p := startProxy(t, cfg, func(s *procStream) error {
+		h := http.Header{}
+		for _, e := range s.next().GetRequestHeaders().GetHeaders().GetHeaders() {
+			h.Add(e.GetKey(), string(e.GetRawValue()))
+		}
+		seen <- h
+		body, _, ok := readRequestBody(s)
+		if !ok {
+			return nil
+		}
+		s.reply(requestHeadersReply(setHeaders(rawHeader("x-gateway-destination-endpoint", up.addr)), nil))
+		s.reply(requestBodyReply(streamedMutation(body, true)))
+		passResponse(s)
+		return nil
+	})
+	return p, seen
 }
