@@ -234,3 +234,27 @@ func (t keyedTransport) CloseIdleConnections() {
 		c.CloseIdleConnections()
 	}
 }
+
+// Unanswered is how a request to an engine failed before any answer came.
+type Unanswered uint8
+
+const (
+	Broken    Unanswered = iota // the connection broke, or its TLS failed
+	Unreached                   // the engine could not be dialled
+	TimedOut                    // the request's deadline passed first
+)
+
+// HowUnanswered says how err, the failure of a request to an engine that
+// got no answer, came about: the prefill legs' failure reasons and the
+// scrapes' alike.
+func HowUnanswered(err error) Unanswered {
+	var op *net.OpError
+	var ne net.Error
+	switch {
+	case errors.As(err, &op) && op.Op == "dial":
+		return Unreached
+	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
+		return TimedOut
+	}
+	return Broken
+}

@@ -5,11 +5,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"strconv"
 	"time"
 
+	"github.com/pd-extproc/pd-extproc/pkg/enginehttp"
 	"github.com/pd-extproc/pd-extproc/pkg/kv"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 )
@@ -70,8 +70,7 @@ func (e *attemptError) Unwrap() error { return e.err }
 // value or the URL of the leg) is the request's, not the endpoint's.
 func classify(ctx context.Context, err error, reached bool) *attemptError {
 	e := &attemptError{err: err, ended: ctx.Err() != nil, reached: reached}
-	var op *net.OpError
-	var ne net.Error
+	how := enginehttp.HowUnanswered(err)
 	switch {
 	case errors.As(err, &e.answer) && e.answer.status == http.StatusTooManyRequests:
 		e.reason = metrics.FailureOverloaded // busy, not about the request: another endpoint may take it
@@ -97,9 +96,9 @@ func classify(ctx context.Context, err error, reached bool) *attemptError {
 		e.reason = metrics.FailureNoParams
 	case errors.Is(ctx.Err(), context.Canceled):
 		e.reason = metrics.FailureCancelled
-	case errors.As(err, &op) && op.Op == "dial":
+	case how == enginehttp.Unreached:
 		e.reason = metrics.FailureConnect
-	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
+	case how == enginehttp.TimedOut:
 		e.reason = metrics.FailureTimeout
 	case !reached:
 		e.reason = metrics.FailureNotSent

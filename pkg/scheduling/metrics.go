@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"slices"
 	"strconv"
@@ -18,6 +17,8 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+
+	"github.com/pd-extproc/pd-extproc/pkg/enginehttp"
 )
 
 // maxMetricsBytes bounds one /metrics answer; vLLM's is ~100 KiB.
@@ -147,8 +148,6 @@ func (e statusError) Error() string { return fmt.Sprintf("answered %d: %q", e.st
 // failureOf is why a scrape failed with err.
 func failureOf(err error) scrapeFailure {
 	var st statusError
-	var op *net.OpError
-	var ne net.Error
 	switch {
 	case errors.As(err, &st):
 		switch st.status / 100 {
@@ -164,9 +163,11 @@ func failureOf(err error) scrapeFailure {
 		return scrapeMalformed
 	case errors.Is(err, errNoGauges):
 		return scrapeNoGauges
-	case errors.As(err, &op) && op.Op == "dial":
+	}
+	switch enginehttp.HowUnanswered(err) {
+	case enginehttp.Unreached:
 		return scrapeConnect
-	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
+	case enginehttp.TimedOut:
 		return scrapeTimeout
 	}
 	return scrapeTransport
