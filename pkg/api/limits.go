@@ -191,23 +191,30 @@ func truthy(raw []byte) bool {
 	return true
 }
 
-// ContextLimit is the output limit vLLM checks against the model's context
-// length before it runs a request, and the key that gave it: chat's
-// max_completion_tokens, else max_tokens (chatAlone); the max_tokens of
-// completions and of Messages, which vLLM runs as a chat request; the
-// Responses API's max_output_tokens. ok is false when none is given, or it is
-// not an integer (the request goes decode-only: InvalidLimits), and for
-// generate, whose engine stops at the context instead (docs/engines.md, API
-// by API, item 10).
+// ContextLimit is the output limit vLLM checks, with the prompt's tokens,
+// against the model's context length before it runs a request
+// (TokenizeParams, vllm/renderers/params.py @ 017638d7), and the key that
+// gave it: chat's max_completion_tokens, else max_tokens (chatAlone); the
+// max_tokens of completions (16 when left out or null) and of Messages,
+// which vLLM runs as a chat request; the Responses API's max_output_tokens.
+// None given is 0 and key "". ok is false for a limit that is not an
+// integer (the request goes decode-only: InvalidLimits), and for other APIs:
+// generate's engine stops at the context instead (docs/engines.md, API by
+// API, item 10).
 func (a *API) ContextLimit(o *body.Object) (key string, n int64, ok bool) {
 	var keys []string
 	switch a.Name { // by name: the table may hold a copy of a built-in API
 	case NameChat:
 		keys = []string{"max_completion_tokens", "max_tokens"}
-	case NameCompletions, NameMessages:
+	case NameCompletions:
+		n, _, ok = limitOr16(o, true)
+		return "max_tokens", n, ok
+	case NameMessages:
 		keys = []string{"max_tokens"}
 	case NameResponses:
 		keys = []string{"max_output_tokens"}
+	default:
+		return "", 0, false
 	}
 	for _, k := range keys {
 		if present(o, k) {
@@ -215,5 +222,5 @@ func (a *API) ContextLimit(o *body.Object) (key string, n int64, ok bool) {
 			return k, n, ok
 		}
 	}
-	return "", 0, false
+	return "", 0, true
 }

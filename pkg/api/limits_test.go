@@ -52,8 +52,9 @@ func TestAloneReadsFieldsAsTheEngine(t *testing.T) {
 	}
 }
 
-// TestContextLimit reads the output limit vLLM checks against the model's
-// context length before it runs a request, and the key that gave it.
+// TestContextLimit reads the output limit vLLM checks, with the prompt,
+// against the model's context length before it runs a request, and the key
+// that gave it.
 func TestContextLimit(t *testing.T) {
 	const chat = `{"model":"m","messages":[{"role":"user","content":"hi"}]`
 	tests := []struct {
@@ -61,26 +62,30 @@ func TestContextLimit(t *testing.T) {
 		api        *API
 		wantKey    string
 		wantN      int64
+		wantOK     bool
 	}{
-		{name: "chat max_tokens", api: Chat, body: chat + `,"max_tokens":4096}`, wantKey: "max_tokens", wantN: 4096},
+		{name: "chat max_tokens", api: Chat, body: chat + `,"max_tokens":4096}`, wantKey: "max_tokens", wantN: 4096, wantOK: true},
 		{name: "chat prefers max_completion_tokens", api: Chat, body: chat + `,"max_tokens":8,"max_completion_tokens":4096}`,
-			wantKey: "max_completion_tokens", wantN: 4096},
+			wantKey: "max_completion_tokens", wantN: 4096, wantOK: true},
 		{name: "chat max_completion_tokens null: max_tokens", api: Chat, body: chat + `,"max_completion_tokens":null,"max_tokens":9}`,
-			wantKey: "max_tokens", wantN: 9},
-		{name: "chat none given", api: Chat, body: chat + `}`},
+			wantKey: "max_tokens", wantN: 9, wantOK: true},
+		{name: "chat none given: 0", api: Chat, body: chat + `}`, wantOK: true},
+		{name: "chat max_tokens not an integer", api: Chat, body: chat + `,"max_tokens":"many"}`, wantKey: "max_tokens"},
 		{name: "completions max_tokens \"300\", as pydantic reads it", api: Completions, body: `{"prompt":"hi","max_tokens":"300"}`,
-			wantKey: "max_tokens", wantN: 300},
-		{name: "messages max_tokens", api: Messages, body: `{"model":"m","max_tokens":70000,"messages":[]}`, wantKey: "max_tokens", wantN: 70000},
+			wantKey: "max_tokens", wantN: 300, wantOK: true},
+		{name: "completions none given: 16", api: Completions, body: `{"prompt":"hi"}`, wantKey: "max_tokens", wantN: 16, wantOK: true},
+		{name: "completions null: 16", api: Completions, body: `{"prompt":"hi","max_tokens":null}`, wantKey: "max_tokens", wantN: 16, wantOK: true},
+		{name: "messages max_tokens", api: Messages, body: `{"model":"m","max_tokens":70000,"messages":[]}`, wantKey: "max_tokens", wantN: 70000, wantOK: true},
 		{name: "responses max_output_tokens", api: Responses, body: `{"input":"hi","max_output_tokens":70000}`,
-			wantKey: "max_output_tokens", wantN: 70000},
-		{name: "responses none given", api: Responses, body: `{"input":"hi","max_output_tokens":null}`},
+			wantKey: "max_output_tokens", wantN: 70000, wantOK: true},
+		{name: "responses none given: 0", api: Responses, body: `{"input":"hi","max_output_tokens":null}`, wantOK: true},
 		{name: "generate: the engine stops at the context", api: Generate, body: `{"token_ids":[1],"sampling_params":{"max_tokens":70000}}`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			key, n, ok := tt.api.ContextLimit(parsed(t, tt.body))
-			if key != tt.wantKey || n != tt.wantN || ok != (tt.wantKey != "") {
-				t.Errorf("ContextLimit = %q, %d, %v; want %q, %d", key, n, ok, tt.wantKey, tt.wantN)
+			if key != tt.wantKey || n != tt.wantN || ok != tt.wantOK {
+				t.Errorf("ContextLimit = %q, %d, %v; want %q, %d, %v", key, n, ok, tt.wantKey, tt.wantN, tt.wantOK)
 			}
 		})
 	}

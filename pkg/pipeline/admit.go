@@ -66,17 +66,18 @@ func (p *Pipeline) parallelSamples(sreq *scheduling.Request) error {
 	return nil
 }
 
-// fitsContext refuses a P/D split of a vLLM pool whose output limit alone
-// fills its model's context, as the decode engine listed it at GET
-// /v1/models (max_model_len): the prompt takes a token at least, so vLLM
-// refuses it with a 400, but only at the decode engine, once the prefill leg
-// (its limit 1) has computed the prompt for nothing. A model of unknown
-// length passes. The message is ours (vLLM's names the prompt's length,
-// which is not counted here); the status and type are vLLM's
-// (VLLMValidationError). A Responses request goes to the decode engine alone
-// instead (invalid_limits): some releases clamp its limit for Harmony models
-// (docs/engines.md, API by API, item 10).
-func (p *Pipeline) fitsContext(a *api.API, obj *body.Object, decode *scheduling.Endpoint, split scheduling.Split) (scheduling.Split, error) {
+// fitsContext keeps a vLLM P/D split from a prefill leg (its limit 1) whose
+// request the decode engine refuses for its model's context, as it listed
+// it at GET /v1/models (max_model_len): the prompt's tokens and the output
+// limit together past it (api.ContextLimit). An output limit alone that
+// fills it is refused here, with our message (vLLM's names the prompt's
+// length) and vLLM's status and type (VLLMValidationError); a prompt known
+// to pass what the limit leaves (its token ids, kv_events) goes to the
+// decode engine alone (invalid_limits), whose 400 is vLLM's own: the ids of
+// /tokenize may differ from the engine's. So does a Responses request whose
+// limit fills it: some releases clamp it for Harmony models (docs/engines.md,
+// API by API, item 10). A model of unknown length passes.
+func (p *Pipeline) fitsContext(a *api.API, obj *body.Object, sreq *scheduling.Request, decode *scheduling.Endpoint, split scheduling.Split) (scheduling.Split, error) {
 	if !split.PD || p.connector.Family() != api.VLLM {
 		return split, nil
 	}
@@ -86,10 +87,10 @@ func (p *Pipeline) fitsContext(a *api.API, obj *body.Object, decode *scheduling.
 	}
 	model, _ := obj.String("model")
 	limit, known := decode.MaxModelLen(model)
-	switch {
-	case !known || n < limit:
+	switch prompt := int64(len(sreq.Tokens())); {
+	case !known || n < limit && prompt <= limit-n:
 		return split, nil
-	case a.Name == api.NameResponses:
+	case n < limit || a.Name == api.NameResponses:
 		return scheduling.Split{Reason: metrics.ReasonInvalidLimits}, nil
 	}
 	return split, contextFilled(key, n, limit)

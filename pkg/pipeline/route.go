@@ -172,7 +172,7 @@ func checkModel(a *api.API, obj *body.Object) error {
 // the decode leg's body. It records the decision in r.Report.
 func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *scheduling.Request, d *Decision) (body.Spliced, error) {
 	rep := &r.Report
-	split, err := p.fitsContext(r.api, h.Body, d.decode.Endpoint, p.pools.Decide(sreq, d.decode.Endpoint))
+	split, err := p.fitsContext(r.api, h.Body, sreq, d.decode.Endpoint, p.pools.Decide(sreq, d.decode.Endpoint))
 	if err != nil {
 		return nil, err
 	}

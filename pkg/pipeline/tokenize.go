@@ -12,6 +12,7 @@ import (
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
+	"github.com/pd-extproc/pd-extproc/pkg/metrics"
 	"github.com/pd-extproc/pd-extproc/pkg/scheduling"
 )
 
@@ -27,7 +28,8 @@ const maxTokenizeAnswer = 16 << 20
 // (no pool follows events, the API has no way to ask, the engine did not
 // answer in time, the API's round trips are paused after three failures in
 // a row) the pools go by their estimates; the request is never refused for
-// it.
+// it. One the render endpoint refuses goes to the decode engine alone, as
+// its own endpoint refuses it too.
 // The API's TokensOf runs only when a pool follows events: a chat
 // request's /tokenize body copies its messages.
 func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Request, a *api.API, obj *body.Object) {
@@ -64,6 +66,11 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 		r.lent = r.lent || err != nil
 		if errors.Is(err, errUnrendered) {
 			p.pools.Unrendered(renderPath)
+		}
+		if errors.Is(err, errRefused) && sreq.Alone == 0 && !p.connector.Paired() {
+			// Its endpoint refuses it alike (a prompt and limit past the
+			// context among others): the decode engine answers, no prefill.
+			sreq.Alone = metrics.ReasonInvalidLimits
 		}
 	}
 	// An engine without the render endpoint, or whose render failed (a
