@@ -17,7 +17,15 @@ type generateAnswer struct {
 	Choices          []generateChoice `json:"choices"`
 	PromptLogprobs   any              `json:"prompt_logprobs"`
 	KVTransferParams json.RawMessage  `json:"kv_transfer_params,omitempty"`
-	Usage            *usage           `json:"usage,omitempty"`
+	Usage            any              `json:"usage,omitempty"` // *usage, or a stream's *runningGenerateUsage
+}
+
+// runningGenerateUsage is a generate stream's usage in every chunk with
+// continuous_usage_stats, printed with its null details (model_dump_json(),
+// vllm/entrypoints/serve/disagg/serving.py @ 0001948b).
+type runningGenerateUsage struct {
+	usage
+	PromptTokensDetails *tokensDetails `json:"prompt_tokens_details"`
 }
 
 // generateUsage is a stream's last event with stream_options.include_usage,
@@ -53,12 +61,16 @@ func (s *Server) answerGenerate(ctx context.Context, w http.ResponseWriter, req 
 		if i == n-1 {
 			fr = &finish
 		}
-		return out.send(generateAnswer{RequestID: req.internalID, Choices: []generateChoice{{FinishReason: fr, TokenIDs: []int{outputID(i)}}}})
+		a := generateAnswer{RequestID: req.internalID, Choices: []generateChoice{{FinishReason: fr, TokenIDs: []int{outputID(i)}}}}
+		if u := req.runningUsage(i + 1); u != nil {
+			a.Usage = &runningGenerateUsage{usage: *u}
+		}
+		return out.send(a)
 	})
 	if err != nil {
 		return err
 	}
-	if out != nil && req.includeUsage { // newer vLLM streams generate, its usage last, as chat
+	if out != nil && req.usageIn.last { // newer vLLM streams generate, its usage last, as chat
 		if err := out.send(generateUsage{RequestID: req.internalID, Choices: []generateChoice{}, Usage: s.usage(req, n)}); err != nil {
 			return err
 		}

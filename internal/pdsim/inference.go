@@ -187,7 +187,7 @@ func (s *Server) answerOpenAI(ctx context.Context, w http.ResponseWriter, req *r
 	out := newSSE(w)
 	if req.api == apiChat {
 		c := req.envelope(req.model, true)
-		c.Choices = []choice{req.choice("", nil, true)}
+		c.Choices, c.Usage = []choice{req.choice("", nil, true)}, req.runningUsage(0)
 		if err := out.send(c); err != nil {
 			return err
 		}
@@ -198,13 +198,13 @@ func (s *Server) answerOpenAI(ctx context.Context, w http.ResponseWriter, req *r
 		if i == n-1 {
 			fr = &finish
 		}
-		c.Choices = []choice{req.choice(token(i), fr, false)}
+		c.Choices, c.Usage = []choice{req.choice(token(i), fr, false)}, req.runningUsage(i+1)
 		return out.send(c)
 	})
 	if err != nil {
 		return err
 	}
-	if req.includeUsage {
+	if req.usageIn.last {
 		c := req.envelope(req.model, true)
 		c.Usage = u
 		if err := out.send(c); err != nil {

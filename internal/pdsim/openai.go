@@ -58,6 +58,18 @@ func (s *Server) usage(req *request, n int) *usage {
 	return u
 }
 
+// runningUsage is the usage of a stream's chunk after n tokens with
+// continuous_usage_stats, else nil: vLLM's chat and completions give it no
+// prompt_tokens_details, which only the last chunk has
+// (vllm/entrypoints/openai/chat_completion/serving.py @ 006c49d4,
+// completion/serving.py @ 030ea52e).
+func (r *request) runningUsage(n int) *usage {
+	if !r.usageIn.running {
+		return nil
+	}
+	return &usage{PromptTokens: r.promptTokens, CompletionTokens: n, TotalTokens: r.promptTokens + n}
+}
+
 // token is the deterministic text of output token i, so tests can assert content.
 func token(i int) string {
 	if i == 0 {

@@ -19,13 +19,13 @@ type apiKind int
 // The raw top-level fields are kept so protocol code reads its own keys with
 // their exact JSON (big integers included).
 type request struct {
-	api          apiKind
-	id           string // X-Request-Id, or a random id as vLLM makes one
-	internalID   string // vLLM's engine request id: chatcmpl-<id>-<8 hex>
-	fields       map[string]json.RawMessage
-	model        string
-	stream       bool
-	includeUsage bool
+	api        apiKind
+	id         string // X-Request-Id, or a random id as vLLM makes one
+	internalID string // vLLM's engine request id: chatcmpl-<id>-<8 hex>
+	fields     map[string]json.RawMessage
+	model      string
+	stream     bool
+	usageIn    streamUsage
 	output
 	kv           json.RawMessage // kv_transfer_params where the API reads it; nil when absent
 	promptTokens int
@@ -34,6 +34,12 @@ type request struct {
 	cached int    // prompt tokens found in the KV cache (prompt_tokens_details.cached_tokens)
 	phase  *phase // for the engine's load metrics
 }
+
+// streamUsage is where a stream states its usage (stream_options): in a last
+// chunk (include_usage), and in every chunk (continuous_usage_stats, with
+// include_usage), as vLLM's should_include_usage reads them
+// (vllm/entrypoints/serve/utils/api_utils.py @ 95add872).
+type streamUsage struct{ last, running bool }
 
 // cachedPrompt is a request's prompt as the prefix cache sees it.
 type cachedPrompt struct {
@@ -114,11 +120,13 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 	if raw, ok := present(fields, "stream_options"); ok && api != apiMessages { // Anthropic's request has none: ignored
 		var opts struct {
 			IncludeUsage *bool `json:"include_usage"`
+			Continuous   *bool `json:"continuous_usage_stats"`
 		}
 		if err := json.Unmarshal(raw, &opts); err != nil {
 			return nil, badRequest("stream_options: Input should be a valid dictionary")
 		}
-		req.includeUsage = opts.IncludeUsage != nil && *opts.IncludeUsage
+		req.usageIn.last = opts.IncludeUsage != nil && *opts.IncludeUsage
+		req.usageIn.running = req.usageIn.last && opts.Continuous != nil && *opts.Continuous
 		// vLLM's check tests truthiness, so {} passes; SGLang has no such check.
 		if s.cfg.Protocol != ProtocolSGLang && !req.stream && !bytes.Equal(bytes.TrimSpace(raw), []byte("{}")) {
 			return nil, badRequest("Stream options can only be defined when `stream=True`.")

@@ -156,6 +156,28 @@ func TestUsageRewriteOnGenerateAndResponses(t *testing.T) {
 				u := usageOf(t, true, b)
 				return u.PromptTokens, u.CachedTokens
 			}},
+		// With continuous_usage_stats every chunk has a usage, without the
+		// cached tokens (vLLM's chat_completion/serving.py @ 006c49d4,
+		// completion/serving.py @ 030ea52e, serve/disagg/serving.py @
+		// 0001948b): they pass as they came, and the last one gets the number.
+		{name: "chat, streamed with continuous usage", path: "/v1/chat/completions",
+			body: func(m string) string {
+				return fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":"%s %s"}],"max_tokens":4,"stream":true,`+
+					`"stream_options":{"include_usage":true,"continuous_usage_stats":true}}`, m, words)
+			},
+			read: func(t *testing.T, b string) (int, int) { return continuousUsage(t, b, 5) }},
+		{name: "completions, streamed with continuous usage", path: "/v1/completions",
+			body: func(m string) string {
+				return fmt.Sprintf(`{"model":"pdsim","prompt":"%s %s","max_tokens":4,"stream":true,`+
+					`"stream_options":{"include_usage":true,"continuous_usage_stats":true}}`, m, words)
+			},
+			read: func(t *testing.T, b string) (int, int) { return continuousUsage(t, b, 4) }},
+		{name: "generate, streamed with continuous usage", path: "/inference/v1/generate",
+			body: func(m string) string {
+				return `{"model":"pdsim","token_ids":[` + m + `,` + strings.Join(ids, ",") + `],"sampling_params":{"max_tokens":4},` +
+					`"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}}`
+			},
+			read: func(t *testing.T, b string) (int, int) { return continuousUsage(t, b, 4) }},
 		{name: "messages", path: "/v1/messages",
 			body: func(m string) string {
 				return fmt.Sprintf(`{"model":"pdsim","messages":[{"role":"user","content":"%s %s"}],"max_tokens":4}`, m, words)
@@ -226,6 +248,29 @@ func TestUsageRewriteOnGenerateAndResponses(t *testing.T) {
 			}
 		})
 	}
+}
+
+// continuousUsage reads a stream whose chunks, running ones of which there
+// are as many as running, each carry a usage without the cached tokens, the
+// last one the final usage; it returns the last one's prompt and cached tokens.
+func continuousUsage(t *testing.T, body string, running int) (prompt, cached int) {
+	t.Helper()
+	var usages []string
+	for line := range strings.SplitSeq(body, "\n") {
+		if d, ok := strings.CutPrefix(line, "data: "); ok && strings.Contains(d, `"usage":{`) {
+			usages = append(usages, d)
+		}
+	}
+	if len(usages) != running+1 {
+		t.Fatalf("%d chunks with a usage, want %d running ones and the final one: %.800s", len(usages), running, body)
+	}
+	for _, d := range usages[:running] {
+		if strings.Contains(d, "cached_tokens") {
+			t.Errorf("a running usage states cached tokens: %s", d)
+		}
+	}
+	u := usageOf(t, false, usages[running])
+	return u.PromptTokens, u.CachedTokens
 }
 
 // messagesUsage reads the prompt's tokens and the cached ones from an
