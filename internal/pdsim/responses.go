@@ -49,10 +49,20 @@ type outputText struct {
 
 type responsesUsage struct {
 	InputTokens         int            `json:"input_tokens"`
-	InputTokensDetails  map[string]int `json:"input_tokens_details"`
+	InputTokensDetails  inputDetails   `json:"input_tokens_details"`
 	OutputTokens        int            `json:"output_tokens"`
 	OutputTokensDetails map[string]int `json:"output_tokens_details"`
 	TotalTokens         int            `json:"total_tokens"`
+}
+
+// inputDetails is vLLM's InputTokensDetails: the cached tokens, and each
+// turn's input and cached tokens, one turn without built-in tools
+// (responses_full_generator, vllm/entrypoints/openai/responses/serving.py @
+// 4d89a999).
+type inputDetails struct {
+	CachedTokens        int   `json:"cached_tokens"`
+	InputTokensPerTurn  []int `json:"input_tokens_per_turn"`
+	CachedTokensPerTurn []int `json:"cached_tokens_per_turn"`
 }
 
 // responseEvent is one event of a streamed response.
@@ -135,7 +145,8 @@ func (s *Server) answerResponses(ctx context.Context, w http.ResponseWriter, req
 	resp.Output = []responseOutput{{Type: "message", ID: msgID, Role: "assistant", Status: "completed",
 		Content: []outputText{{Type: "output_text", Text: text, Annotations: []any{}}}}}
 	resp.Usage = &responsesUsage{InputTokens: req.promptTokens, OutputTokens: n, TotalTokens: req.promptTokens + n,
-		InputTokensDetails: map[string]int{"cached_tokens": req.cached}, OutputTokensDetails: map[string]int{"reasoning_tokens": 0}}
+		InputTokensDetails: inputDetails{CachedTokens: req.cached, InputTokensPerTurn: []int{req.promptTokens},
+			CachedTokensPerTurn: []int{req.cached}}, OutputTokensDetails: map[string]int{"reasoning_tokens": 0}}
 	stored, _ := json.Marshal(resp)
 	if stores(req.fields) {
 		s.mu.Lock()

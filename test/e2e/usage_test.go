@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -291,18 +292,28 @@ func messagesUsage(t *testing.T, body string) (prompt, cached int) {
 }
 
 // responsesUsage reads a Responses API answer's input tokens and cached ones.
+// The per-turn counts beside them (vllm/entrypoints/openai/responses/serving.py
+// @ 4d89a999, one turn without built-in tools) stay the decode engine's:
+// the whole prompt, cached.
 func responsesUsage(t *testing.T, body string) (prompt, cached int) {
 	t.Helper()
 	var a struct {
 		Usage struct {
 			InputTokens        int `json:"input_tokens"`
 			InputTokensDetails struct {
-				CachedTokens int `json:"cached_tokens"`
+				CachedTokens        int   `json:"cached_tokens"`
+				InputTokensPerTurn  []int `json:"input_tokens_per_turn"`
+				CachedTokensPerTurn []int `json:"cached_tokens_per_turn"`
 			} `json:"input_tokens_details"`
 		} `json:"usage"`
 	}
 	if err := json.Unmarshal([]byte(body), &a); err != nil {
 		t.Fatalf("usage of %.300s: %v", body, err)
 	}
-	return a.Usage.InputTokens, a.Usage.InputTokensDetails.CachedTokens
+	u := a.Usage
+	if whole := []int{u.InputTokens}; !slices.Equal(u.InputTokensDetails.InputTokensPerTurn, whole) ||
+		!slices.Equal(u.InputTokensDetails.CachedTokensPerTurn, whole) {
+		t.Errorf("input_tokens_details %+v: want the per-turn counts the decode engine's, %v", u.InputTokensDetails, whole)
+	}
+	return u.InputTokens, u.InputTokensDetails.CachedTokens
 }
