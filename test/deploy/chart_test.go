@@ -341,18 +341,6 @@ func TestChartRefusesValuesThatCannotRun(t *testing.T) {
 		{"bodies larger than the buffers that hold them", func(v map[string]any) {
 			v["config"] = map[string]any{"limits": map[string]any{"max_body_bytes": 134217728}}
 		}, "config.limits.max_buffered_bytes (100663296) is below config.limits.max_body_bytes (134217728)"},
-		// Discovery in a namespace without the chart's Role is refused list and watch: never ready.
-		{"the decode pool in a namespace no Role covers", func(v map[string]any) { v["config"] = poolNamespace("decode", "engines") },
-			`config.pools.decode.kubernetes.namespace: "engines" is not the release's namespace nor in rbac.extraNamespaces`},
-		{"the prefill pool in a namespace no Role covers", func(v map[string]any) { v["config"] = poolNamespace("prefill", "engines") },
-			`config.pools.prefill.kubernetes.namespace: "engines"`},
-		{"the decode pool's namespace in rbac.extraNamespaces", func(v map[string]any) {
-			v["config"], v["rbac"] = poolNamespace("decode", "engines"), map[string]any{"extraNamespaces": []any{"engines"}}
-		}, ""},
-		{"the decode pool's namespace named the release's", func(v map[string]any) { v["config"] = poolNamespace("decode", "pd-extproc") }, ""},
-		{"the decode pool in another namespace, no RBAC made", func(v map[string]any) {
-			v["config"], v["rbac"] = poolNamespace("decode", "engines"), map[string]any{"create": false}
-		}, ""},
 		{"larger bodies, larger buffers", func(v map[string]any) {
 			v["config"] = map[string]any{"limits": map[string]any{"max_body_bytes": 134217728, "max_buffered_bytes": 402653184}}
 		}, ""},
@@ -372,11 +360,6 @@ func TestChartRefusesValuesThatCannotRun(t *testing.T) {
 			}
 		})
 	}
-}
-
-// poolNamespace is config values that discover pool's pods in namespace ns.
-func poolNamespace(pool, ns string) map[string]any {
-	return map[string]any{"pools": map[string]any{pool: map[string]any{"kubernetes": map[string]any{"namespace": ns}}}}
 }
 
 // With neither the chart's Envoy nor Envoy Gateway in front, networkPolicy.envoyFrom admits the
