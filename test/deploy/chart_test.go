@@ -505,8 +505,7 @@ func TestTheGatewaysProxiesAreScraped(t *testing.T) {
 	}
 }
 
-// engineAPIKey and engineCA mount their Secrets' keys where the rendered config's files name
-// them (both pools' key files; the ca_file of each enabled tls block), unless the config names
+// engineAPIKey and engineCA mount their Secrets' keys at the very files the rendered config names (both pools' key files; the ca_file of each enabled tls block), unless the config names
 // a file of its own; engineCA with no tls block enabled is refused.
 func TestTheEnginesSecretsAreMountedWhereTheConfigReadsThem(t *testing.T) {
 	ex := example(t, "everything")
@@ -526,7 +525,7 @@ func TestTheEnginesSecretsAreMountedWhereTheConfigReadsThem(t *testing.T) {
 			"prefill.tls.ca_file": cfg.Prefill.TLS.CAFile, "pools.decode.tls.ca_file": cfg.Pools.Decode.TLS.CAFile}},
 	}
 	for _, tc := range tests {
-		var mountedAt, secret, key string
+		var mountedAt, secret, key, path string
 		for _, c := range dig(pod, "containers").([]any) {
 			for _, m := range dig(c, "volumeMounts").([]any) {
 				if digString(m, "name") == tc.volume {
@@ -537,7 +536,8 @@ func TestTheEnginesSecretsAreMountedWhereTheConfigReadsThem(t *testing.T) {
 		for _, v := range dig(pod, "volumes").([]any) {
 			if digString(v, "name") == tc.volume {
 				secret = digString(v, "secret", "secretName")
-				key = digString(dig(v, "secret", "items").([]any)[0], "key")
+				item := dig(v, "secret", "items").([]any)[0]
+				key, path = digString(item, "key"), digString(item, "path")
 			}
 		}
 		if secret != tc.secret || key != tc.key || mountedAt == "" {
@@ -545,8 +545,8 @@ func TestTheEnginesSecretsAreMountedWhereTheConfigReadsThem(t *testing.T) {
 			continue
 		}
 		for name, file := range tc.files {
-			if filepath.Dir(file) != mountedAt {
-				t.Errorf("%s is %q, outside its mount %s", name, file, mountedAt)
+			if want := filepath.Join(mountedAt, path); file != want {
+				t.Errorf("%s is %q, but the key %s is mounted at %s", name, file, tc.key, want)
 			}
 		}
 	}
