@@ -126,7 +126,7 @@ func TestTheEndpointTheGatewayReportsServingIsJudged(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			prefill := enginetest.Start(t, prefillOK)
-			p := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
+			p := newPipeline(t, fmt.Sprintf(`connector: kv-shared-storage
 pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000", "10.1.1.2:8000"], fallbacks: %d, health: {consecutive_failures: 1}}}`,
 				prefill.Addr(), tt.fallbacks))
 			var logged []string

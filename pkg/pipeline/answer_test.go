@@ -257,12 +257,11 @@ func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
 		// What the three requests told each endpoint's health: served (a
 		// success), failed, or nothing.
 		prefill, decode string
-		// fallbacks: Envoy is offered a second decode endpoint
-		// (pools.decode.fallbacks), and may have answered from either.
+		// fallbacks: pools.decode.fallbacks is 1.
 		fallbacks bool
 		// served is the endpoint the gateway reports serving each request
-		// (Decision.ServedBy): "pick", "fallback", "mapped" (the pick, its
-		// IPv4 address spelt in IPv6), or "" for none.
+		// (Decision.ServedBy): "pick", "mapped" (the pick, its IPv4 address
+		// spelt in IPv6), or "" for none.
 		served string
 	}{
 		{"the decode engine answers 200", 200, nil, "served", "served", false, ""},
@@ -273,12 +272,11 @@ func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
 		{"a stream whose client left before", 200, []string{role}, "served", "served", false, ""},
 		{"a 4xx: the request's fault", 400, nil, "served", "served", false, ""},
 		{"no response path: the prefill engine answered", never, nil, "served", "nothing", false, ""},
-		{"a 500 with a fallback offered: the decode endpoints are told nothing", 500, nil, "failed", "nothing", true, ""},
-		{"a 200 with a fallback offered", 200, nil, "served", "nothing", true, ""},
-		{"a 500 with a fallback offered, from the pick", 500, nil, "failed", "failed", true, "pick"},
-		{"a 200 with a fallback offered, from the pick", 200, nil, "served", "served", true, "pick"},
-		{"a 500 with a fallback offered, from the pick spelt in IPv6", 500, nil, "failed", "failed", true, "mapped"},
-		{"a 500 with a fallback offered, from the fallback", 500, nil, "failed", "nothing", true, "fallback"},
+		// A pull of blocks handed out is offered its pick alone, whose answer it is.
+		{"a 500 with a fallback configured", 500, nil, "failed", "failed", true, ""},
+		{"a 200 with a fallback configured", 200, nil, "served", "served", true, ""},
+		{"a 500 with a fallback configured, from the pick", 500, nil, "failed", "failed", true, "pick"},
+		{"a 500 with a fallback configured, from the pick spelt in IPv6", 500, nil, "failed", "failed", true, "mapped"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -301,7 +299,7 @@ func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
 					t.Fatal(err)
 				}
 				picked[d.Endpoints[0]] = true
-				served := map[string]string{"pick": d.Endpoints[0], "fallback": d.Endpoints[len(d.Endpoints)-1],
+				served := map[string]string{"pick": d.Endpoints[0],
 					"mapped": "[::ffff:" + strings.TrimSuffix(d.Endpoints[0], ":8000") + "]:8000"}[tt.served]
 				if !d.ServedBy(served) {
 					t.Errorf("ServedBy(%q) says it was not offered: %q", served, d.Endpoints)

@@ -4,6 +4,8 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -164,4 +166,16 @@ func (p *Pipeline) launch(ctx context.Context, end time.Time, slot *scheduling.S
 		d.partner.legServed(slot)
 	})
 	return unsent
+}
+
+// bootstrapHost is the host part of ip:port, IPv6 in brackets as SGLang expects.
+func bootstrapHost(addr string) string {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return addr
+	}
+	if strings.Contains(host, ":") {
+		return "[" + host + "]"
+	}
+	return host
 }

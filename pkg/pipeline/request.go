@@ -111,7 +111,8 @@ func APIOf(r *Request) string {
 // Decision is where a request goes and with which body.
 type Decision struct {
 	// Endpoints are the decode endpoint, ip:port, then the fallbacks of
-	// pools.decode.fallbacks when configured, in order.
+	// pools.decode.fallbacks when configured, in order; none for a decode
+	// leg that pulls blocks the prefill engine handed out (legs).
 	Endpoints []string
 	Body      body.Spliced // the decode leg's body; nil when the request has none
 	// Headers is what Envoy changes of the client's headers for the decode leg.

@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
-	"net"
-	"strings"
 	"time"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
@@ -212,6 +210,9 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	} else {
 		prefill.Report(true)
 	}
+	if p.connector.HandsBackParams() { // the blocks are freed once read: a fallback would read them reused
+		d.Endpoints, d.elsewhere = d.Endpoints[:1], false
+	}
 	if p.checkRemoteHost(answer.params, rep.Prefill, d.decode.Addr, r.RequestID) {
 		d.partner.fails() // the decode engine's failed pull is the prefill engine's fault
 	}
@@ -336,18 +337,6 @@ func (p *Pipeline) pairWith(h *kv.Handoff, prefill *scheduling.Endpoint) (prefil
 		}
 	}
 	return prefillLeg{body: kv.PrefillBody(p.connector, h), rank: rank}, true
-}
-
-// bootstrapHost is the host part of ip:port, IPv6 in brackets as SGLang expects.
-func bootstrapHost(addr string) string {
-	host, _, err := net.SplitHostPort(addr)
-	if err != nil {
-		return addr
-	}
-	if strings.Contains(host, ":") {
-		return "[" + host + "]"
-	}
-	return host
 }
 
 // heldOutcome is how a hold's Wait ended, as pd_extproc_held_seconds labels it.

@@ -91,10 +91,10 @@ func TestStoredResponseAffinity(t *testing.T) {
 // which answers 404: so a request whose response id pd-extproc chooses is
 // offered only the endpoint its id names, and a request naming that id
 // reaches whichever endpoint Envoy could have sent it to. Others keep their
-// fallbacks.
+// fallbacks (kv-shared-storage here: a kv-nixl pull gets none, fallbacks_test.go).
 func TestAStoredResponseIsOfferedOnlyWhereItsIDLeads(t *testing.T) {
-	engine := enginetest.Start(t, enginetest.JSON(200, `{"kv_transfer_params":`+prefillKV+`}`))
-	p, _, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, "+
+	engine := enginetest.Start(t, enginetest.JSON(200, `{"id":"x"}`))
+	p, _, _ := newPipeline(t, fmt.Sprintf("connector: kv-shared-storage\npools: {prefill: {endpoints: [%q]}, "+
 		"decode: {policy: round-robin, fallbacks: 1, endpoints: [\"10.1.1.1:8000\", \"10.1.1.2:8000\", \"10.1.1.3:8000\"]}}\n", engine.Addr()))
 	t.Cleanup(p.Wait)
 	route := func(body string) *pipeline.Decision {

@@ -29,13 +29,15 @@ func (r *rig) ejections(t *testing.T, addr string) float64 {
 	return max(r.metric(t, fmt.Sprintf(`pd_extproc_endpoint_ejections_total{endpoint=%q,pool="decode"}`, addr)), 0)
 }
 
-// TestTheGatewayGoesDownTheFallbackList: a P/D request offered two decode
-// endpoints. When the pick is down, or answers a 503, the fallback gets the
-// same body, the prefill leg's transfer fields included (kv_transfer_params,
-// SGLang's bootstrap_room), pulls the KV, and its answer
-// judges no decode endpoint: neither is ejected, though one failure ejects. When
-// the pick answers a 500, which is not retried, the gateway says the pick
-// served, and its answer ejects it.
+// TestTheGatewayGoesDownTheFallbackList: a P/D request under kv-sglang or
+// kv-mooncake is offered two decode endpoints. When the pick is down, or
+// answers a 503, the fallback gets the same body, the prefill leg's transfer
+// fields included (kv_transfer_params, SGLang's bootstrap_room), gets the KV,
+// and its answer judges no decode endpoint: neither is ejected, though one
+// failure ejects. Under kv-nixl the decode engine reads blocks the prefill
+// engine frees once read, so its pick is offered alone: down, it meets Envoy's
+// 503. When the pick answers a 500, the gateway says the pick served, and its
+// answer ejects it.
 func TestTheGatewayGoesDownTheFallbackList(t *testing.T) {
 	tests := []struct {
 		name      string
@@ -46,12 +48,13 @@ func TestTheGatewayGoesDownTheFallbackList(t *testing.T) {
 		tried     int     // endpoints tried: 1, the pick, or 2
 		ejected   float64 // the pick's ejections
 	}{
-		{name: "the pick is down", pick: func(s *pdsim.Server) { s.Close() }, status: 200, tried: 2},
+		{name: "the pick is down, kv-nixl: offered alone", pick: func(s *pdsim.Server) { s.Close() }, status: 503, tried: 1},
 		{name: "the pick is down, kv-sglang", connector: "kv-sglang", pick: func(s *pdsim.Server) { s.Close() }, status: 200, tried: 2},
 		{name: "the pick is down, kv-mooncake", connector: "kv-mooncake", pick: func(s *pdsim.Server) { s.Close() }, status: 200, tried: 2},
-		{name: "the pick is down, the fallback fails", pick: func(s *pdsim.Server) { s.Close() },
+		{name: "the pick is down, the fallback fails", connector: "kv-mooncake", pick: func(s *pdsim.Server) { s.Close() },
 			fallback: pdsim.Faults{FailStatus: 500}, status: 500, tried: 2},
-		{name: "the pick answers a 503", pick: func(s *pdsim.Server) { s.SetFaults(pdsim.Faults{FailStatus: 503}) }, status: 200, tried: 2},
+		{name: "the pick answers a 503", connector: "kv-mooncake", pick: func(s *pdsim.Server) { s.SetFaults(pdsim.Faults{FailStatus: 503}) },
+			status: 200, tried: 2},
 		{name: "the pick answers a 500", pick: func(s *pdsim.Server) { s.SetFaults(pdsim.Faults{FailStatus: 500}) },
 			status: 500, tried: 1, ejected: 1},
 	}
@@ -159,9 +162,10 @@ func TestTheServedEndpointDecidesWhoseCacheAnAnswerJudges(t *testing.T) {
 // TestAStoredResponseIsOfferedItsPickAlone: a Responses request that
 // pd-extproc gives a response id naming its decode engine (store: true, the
 // default) is offered that engine alone, and meets Envoy's 503 when it is
-// down; one with store: false is offered the fallback, which answers.
+// down; one with store: false is offered the fallback, which answers
+// (kv-shared-storage: a kv-nixl pull is offered its pick alone in any case).
 func TestAStoredResponseIsOfferedItsPickAlone(t *testing.T) {
-	r := startRig(t, rigOptions{prefills: 1, gatewayFallbacks: true, decodePool: "fallbacks: 1, policy: round-robin"})
+	r := startRig(t, rigOptions{prefills: 1, connector: "kv-shared-storage", gatewayFallbacks: true, decodePool: "fallbacks: 1, policy: round-robin"})
 	down, up := r.decodeAddrs[0], r.decodeAddrs[1]
 	r.decode[0].Close()
 	send := func(store, marker string) (int, []string) {
