@@ -51,7 +51,7 @@ func (s *downstream) readBody() {
 		if err != nil {
 			x.post(func() {
 				x.logf("downstream reset while sending the body: %v", err)
-				x.finished = true
+				x.finished, x.abort = true, true // as Envoy, no answer: the stream is reset
 			})
 			return
 		}

@@ -161,7 +161,7 @@ func (x *exchange) run() {
 			fn()
 		case <-x.ctx.Done():
 			x.logf("downstream gone: %v", context.Cause(x.ctx))
-			x.finished = true
+			x.finished, x.abort = true, true // nobody to answer: a half-closed client reads a reset, as from Envoy
 		}
 	}
 }

@@ -36,6 +36,7 @@ func TestAPIKey(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			req, _ := http.NewRequest(tc.method, "http://"+tc.s.Addr()+tc.path, strings.NewReader(tc.body))
+			req.Header.Set("Content-Type", "application/json")
 			if tc.authorization != "" {
 				req.Header.Set("Authorization", tc.authorization)
 			}

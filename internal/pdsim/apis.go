@@ -38,6 +38,11 @@ func (a apiKind) idPrefix() string {
 // checksModel: SGLang's generate has no model field.
 func (a apiKind) checksModel() bool { return a != apiSGLangGenerate }
 
+// jsonOnly says whether the API's route refuses a Content-Type other than
+// application/json (validate_json_request: every vLLM API here; SGLang's
+// OpenAI ones, not its /generate, python/sglang/srt/entrypoints/http_server.py).
+func (a apiKind) jsonOnly() bool { return a != apiSGLangGenerate }
+
 // prompt is the request's prompt as hashed for the KV, and the field that
 // names it in an error: vLLM's Responses API prepends instructions to input,
 // Anthropic's Messages API its system prompt to the messages;

@@ -11,6 +11,7 @@ import (
 	"io"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -71,6 +72,10 @@ func (s *Server) inference(api apiKind) http.HandlerFunc {
 			return
 		}
 		if s.injectFaults(ctx, w) {
+			return
+		}
+		if media, _, _ := strings.Cut(strings.ToLower(r.Header.Get("Content-Type")), ";"); api.jsonOnly() && media != "application/json" {
+			s.writeErrorFor(api, w, badRequest("Unsupported Media Type: Only 'application/json' is allowed"))
 			return
 		}
 		req, aerr := s.parseRequest(api, ex.rec.RequestID, body)

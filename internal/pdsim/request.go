@@ -2,6 +2,7 @@ package pdsim
 
 import (
 	"bytes"
+	"cmp"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -88,6 +89,9 @@ func (s *Server) parseRequest(api apiKind, requestID string, body []byte) (*requ
 		if err := json.Unmarshal(raw, &req.model); err != nil {
 			return nil, badRequest("model: Input should be a valid string")
 		}
+		// vLLM serves "" as no name: its first model (_is_model_supported,
+		// vllm/entrypoints/openai/engine/serving.py).
+		req.model = cmp.Or(req.model, s.cfg.Model)
 		if !s.serves(req.model) {
 			return nil, &apiError{http.StatusNotFound, fmt.Sprintf("The model `%s` does not exist.", req.model)}
 		}
@@ -195,12 +199,24 @@ func present(fields map[string]json.RawMessage, key string) (json.RawMessage, bo
 	return raw, true
 }
 
+// boolField reads a bool as pydantic's lax mode does: JSON's bools, 0 and 1,
+// and the strings it takes for them ("true", "no", ...; any case).
 func boolField(fields map[string]json.RawMessage, key string) (bool, *apiError) {
-	var v bool
-	if raw, ok := present(fields, key); ok && json.Unmarshal(raw, &v) != nil {
-		return false, badRequest("%s: Input should be a valid boolean", key)
+	raw, ok := present(fields, key)
+	if !ok {
+		return false, nil
 	}
-	return v, nil
+	var s string
+	if json.Unmarshal(raw, &s) != nil {
+		s = string(bytes.TrimSpace(raw))
+	}
+	switch strings.ToLower(s) {
+	case "true", "1", "t", "y", "yes", "on":
+		return true, nil
+	case "false", "0", "f", "n", "no", "off":
+		return false, nil
+	}
+	return false, badRequest("%s: Input should be a valid boolean", key)
 }
 
 // intField accepts what pydantic's lax int does: integers and integral floats.

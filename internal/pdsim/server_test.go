@@ -99,6 +99,7 @@ func goPost(s *Server, path, body, requestID string) <-chan reply {
 func do(ctx context.Context, s *Server, path, body, requestID string) (reply, error) {
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+s.Addr()+path, strings.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Content-Type", "application/json")
 	if requestID != "" {
 		req.Header.Set("X-Request-Id", requestID)
 	}
@@ -393,6 +394,7 @@ func streamUntilFirstToken(t *testing.T, s *Server, body string) context.CancelF
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+s.Addr()+"/v1/completions", strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
 	resp, err := client.Do(req)
 	if err != nil {
 		t.Fatal(err)

@@ -779,6 +779,7 @@ func TestSGLangFailedLegResetsAStreamThatBegan(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.proxy.URL()+path, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
 	resp, err := testbed.Client.Do(req)
 	if err != nil || resp.StatusCode != http.StatusOK {
 		t.Fatalf("want the stream's 200 first: %v %v", resp, err)
@@ -816,6 +817,7 @@ func TestSGLangGenerateLegAbortedAfterItsHeaders(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.proxy.URL()+path, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
 	resp, err := testbed.Client.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -840,6 +842,7 @@ func TestFaultSlowBodyIs408(t *testing.T) {
 				t.Fatal(err)
 			}
 			req.ContentLength = int64(len(body))
+			req.Header.Set("Content-Type", "application/json")
 			go pw.Write([]byte(body[:len(body)/2]))
 			start := time.Now()
 			resp, err := testbed.Client.Do(req)

@@ -273,6 +273,7 @@ func (r *rig) send(ctx context.Context, path, body string, header http.Header) (
 func (r *rig) stream(t *testing.T, ctx context.Context, path, body string) *http.Response {
 	t.Helper()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, r.proxy.URL()+path, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
 	resp, err := testbed.Client.Do(req)
 	if err != nil {
 		t.Fatal(err)
