@@ -69,6 +69,8 @@ func (x *exchange) readHeaders(hm *corev3.HeaderMap) {
 			x.req.Path = headerValue(h)
 		case RequestIDHeader:
 			x.req.RequestID = headerValue(h)
+		case "content-type":
+			x.req.ContentType = headerValue(h)
 		case "content-length":
 			if n, err := strconv.ParseInt(headerValue(h), 10, 64); err == nil && n >= 0 {
 				x.contentLength = n

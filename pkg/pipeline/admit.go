@@ -1,6 +1,8 @@
 package pipeline
 
 import (
+	"strings"
+
 	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -94,4 +96,33 @@ func (p *Pipeline) fitsContext(a *api.API, obj *body.Object, sreq *scheduling.Re
 		return scheduling.Split{Reason: metrics.ReasonInvalidLimits}, nil
 	}
 	return split, contextFilled(key, n, limit)
+}
+
+// checkModel: a "model" string where the engine needs one, and never one
+// longer than any real name (it would only cost a prefill leg to be refused).
+func checkModel(a *api.API, obj *body.Object) error {
+	model, ok := obj.String("model")
+	switch {
+	case a.Model && (!ok || model == ""):
+		return badRequest("the request has no \"model\" string")
+	case len(model) > maxModelBytes:
+		return badRequest("\"model\" is %d bytes long; model names are at most %d", len(model), maxModelBytes)
+	}
+	return nil
+}
+
+// checkMediaType refuses a body not sent as application/json to a built-in
+// API whose engines refuse it so: vLLM's routers for all of them, and
+// SGLang's OpenAI ones, depend on validate_json_request, which reads the
+// Content-Type's media type, lowercased, before any ';'; SGLang's /generate
+// does not. The prefill leg, sent as JSON, would run before the decode
+// engine refused it.
+func checkMediaType(a *api.API, contentType string) error {
+	if a.IsPassthrough() || a.Name == api.NameSGLangGenerate {
+		return nil
+	}
+	if media, _, _ := strings.Cut(strings.ToLower(contentType), ";"); media != "application/json" {
+		return notJSON(contentType)
+	}
+	return nil
 }

@@ -51,7 +51,7 @@ func TestManySmallElementsCostLittle(t *testing.T) {
 			b.WriteString(tt.tail)
 			var before, after runtime.MemStats
 			runtime.ReadMemStats(&before)
-			d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: tt.path, RequestID: "r", Body: b.Bytes()})
+			d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: tt.path, RequestID: "r", Body: b.Bytes()})
 			runtime.ReadMemStats(&after)
 			if err != nil {
 				t.Fatal(err)

@@ -153,7 +153,7 @@ func TestUsageRewriteTakesThePrefillEnginesCachedTokens(t *testing.T) {
 			settings := cmp.Or(tt.settings, "response: {rewrite_usage: true}")
 			p, _, _ := newPipeline(t, fmt.Sprintf("connector: %s\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\nprefill: {attempts: 1}\n%s\n",
 				tt.connector, engine.Addr(), settings))
-			r := &pipeline.Request{Method: "POST", Path: tt.path, RequestID: "r1",
+			r := &pipeline.Request{ContentType: "application/json", Method: "POST", Path: tt.path, RequestID: "r1",
 				Body: []byte(`{"model":"m","prompt":"hi","messages":[{"role":"user","content":"hi"}],"max_tokens":4}`)}
 			d, err := p.Route(context.Background(), r)
 			if err != nil {
@@ -208,7 +208,7 @@ func TestUnreachableRemoteHostIsCountedAndLoggedOncePerEndpoint(t *testing.T) {
 			p, m, lines := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [%q], health: {consecutive_failures: 3}}}\n",
 				engine.Addr(), tt.decode))
 			for i := range 3 {
-				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)})
+				d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -294,7 +294,7 @@ func TestThePairsOutcomeIsThePrefillEndpointsHealth(t *testing.T) {
 			}
 			picked := map[string]bool{}
 			for i := range 3 {
-				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
+				d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/chat/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -348,7 +348,7 @@ func TestAProbeHoldsThePrefillEndpointUntilThePairsVerdict(t *testing.T) {
 		"decode: {endpoints: [\"10.1.1.1:8000\", \"10.1.1.2:8000\"]}}\n", engine.Addr()))
 	prefill, _ := p.Pools()
 	route := func(id string) (*pipeline.Decision, *pipeline.Request) {
-		r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: id, Body: []byte(`{"model":"m","prompt":"hi"}`)}
+		r := &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/completions", RequestID: id, Body: []byte(`{"model":"m","prompt":"hi"}`)}
 		d, err := p.Route(context.Background(), r)
 		if err != nil {
 			t.Fatal(err)

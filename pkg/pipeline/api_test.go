@@ -334,7 +334,7 @@ func TestAPITable(t *testing.T) {
 			if method == "" {
 				method = http.MethodPost
 			}
-			r := &pipeline.Request{Method: method, Path: tt.path, RequestID: "r1"}
+			r := &pipeline.Request{ContentType: "application/json", Method: method, Path: tt.path, RequestID: "r1"}
 			var d *pipeline.Decision
 			var err error
 			if tt.body == "" {

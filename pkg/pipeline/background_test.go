@@ -68,7 +68,7 @@ limits: {retry_after: 4s}`, engine.addr()))
 	t.Cleanup(p.Wait)
 	var holds keeper
 	route := func() error {
-		r := &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+		r := &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 			Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`), Keep: &holds}
 		d, err := p.Route(context.Background(), r)
 		d.Release() // the stream ends at once, as Envoy closes it
@@ -131,7 +131,7 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {max_conns_per_endpoint: 1}`, engine.addr()))
 	t.Cleanup(p.Wait)
 	route := func() error {
-		d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+		d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 			Body: []byte(`{"model":"m","messages":[]}`)})
 		d.Release()
 		return err
@@ -184,7 +184,7 @@ func TestPrefillAnswerOverTheReadCapFailsTheAttempt(t *testing.T) {
 pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {on_failure: %s, attempts: 2}`, engines[0].Addr(), engines[1].Addr(), tt.onFailure))
 			for range 3 {
-				r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r", Body: []byte(`{"model":"m","prompt":"hi"}`)}
+				r := &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/completions", RequestID: "r", Body: []byte(`{"model":"m","prompt":"hi"}`)}
 				d, err := p.Route(context.Background(), r)
 				if tt.wantErr != 0 {
 					if e := pipeline.AsError(err, "r"); err == nil || e.Status != tt.wantErr {
@@ -235,7 +235,7 @@ func TestALegsFailureIsHandedToTheExchange(t *testing.T) {
 			p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-sglang
 pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}`, engine.Addr()))
 			t.Cleanup(p.Wait)
-			d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+			d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 				Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
 			if err != nil {
 				t.Fatal(err)
@@ -289,7 +289,7 @@ func TestALegThatCannotBeSentIsTriedElsewhere(t *testing.T) {
 			p, m, _ := newPipeline(t, fmt.Sprintf(`connector: kv-sglang
 pools: {prefill: {endpoints: [%q, %q], policy: round-robin}, decode: {endpoints: ["10.1.1.1:8000"]}}`, tt.prefill[0], tt.prefill[1]))
 			t.Cleanup(p.Wait)
-			r := &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+			r := &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 				Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
 			d, err := p.Route(context.Background(), r)
 			if tt.wantStatus != 0 {
@@ -329,7 +329,7 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {max_background: 2, max_conns_per_endpoint: 1}`, engine.addr()))
 			t.Cleanup(p.Wait)
 			route := func(ctx context.Context) error {
-				d, err := p.Route(ctx, &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+				d, err := p.Route(ctx, &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
 				d.Release()
 				return err
@@ -394,7 +394,7 @@ prefill: {timeout: %s, attempt_timeout: 4s, attempts: 3, on_failure: fail}`, con
 				engines := &connectionless{}
 				pipeline.WrapTransport(p, func(http.RoundTripper) http.RoundTripper { return engines })
 				start := time.Now()
-				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+				d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
 				took := time.Since(start)
 				d.Release()

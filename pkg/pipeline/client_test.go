@@ -37,7 +37,7 @@ func TestPrefillLegSpeaksHTTP2CleartextWhenAsked(t *testing.T) {
 		t.Run(fmt.Sprintf("http2=%v", tt.http2), func(t *testing.T) {
 			p := newNIXL(t, strings.TrimPrefix(engine.URL, "http://"), fmt.Sprintf("{on_failure: fail, http2: %v}", tt.http2))
 			for _, prompt := range []string{"hi", strings.Repeat("x", pipeline.MaxJoinedLeg)} {
-				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"` + prompt + `"}`)})
+				d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"` + prompt + `"}`)})
 				if err != nil {
 					t.Fatal(err)
 				}

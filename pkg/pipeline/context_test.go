@@ -75,7 +75,7 @@ func TestAnOutputLimitThatFillsTheContextSendsNoPrefillLeg(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			legs := len(prefill.Requests())
-			r := &pipeline.Request{Method: http.MethodPost, Path: tt.path, RequestID: "req-ctx", Body: []byte(tt.body)}
+			r := &pipeline.Request{ContentType: "application/json", Method: http.MethodPost, Path: tt.path, RequestID: "req-ctx", Body: []byte(tt.body)}
 			d, err := p.Route(context.Background(), r)
 			sent := len(prefill.Requests()) - legs
 			if tt.wantStatus == 0 {

@@ -56,7 +56,7 @@ func TestOnlyTheEndpointsOwnFailuresEjectIt(t *testing.T) {
 pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {on_failure: %s, attempts: 1, timeout: 100ms}`, engine.Addr(), onFailure))
 				for range 3 {
-					r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: tt.requestID,
+					r := &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/completions", RequestID: tt.requestID,
 						Body: []byte(`{"model":"m","prompt":"hi"}`), Forward: http.Header{}}
 					if tt.auth != "" {
 						r.Forward.Set("Authorization", tt.auth)
@@ -104,7 +104,7 @@ func TestAFailedLegKeepsTheQueryOutOfTheLog(t *testing.T) {
 				p, _, lines := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
 pools: {prefill: {endpoints: ["127.0.0.1:1"]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {on_failure: %s}`, onFailure))
-				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: tc.path, RequestID: "r1",
+				d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: tc.path, RequestID: "r1",
 					Body: []byte(`{"model":"m","prompt":"hi"}`)})
 				detail := ""
 				if err == nil {
@@ -143,7 +143,7 @@ pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {endpoints: ["10.1.1.1:
 				t.Error("no panic: the test shows nothing")
 			}
 		}()
-		_, _ = p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r", Body: []byte(`{"model":"m","prompt":"hi"}`)})
+		_, _ = p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/completions", RequestID: "r", Body: []byte(`{"model":"m","prompt":"hi"}`)})
 	}()
 	prefill, decode := p.Pools()
 	for _, e := range append(prefill.Endpoints(), decode.Endpoints()...) {
@@ -177,7 +177,7 @@ func TestSGLangBatchAnswersAreNoFailures(t *testing.T) {
 pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {attempts: 1}`, tt.connector, engine.Addr()))
 			for range 3 {
-				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: tt.path, RequestID: "r",
+				d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: tt.path, RequestID: "r",
 					Body: []byte(tt.body)})
 				if err != nil {
 					if !tt.failed {
@@ -214,7 +214,7 @@ pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {on_failure: %s, attempts: 1}`, engine.Addr(), onFailure))
 			var r *pipeline.Request
 			route := func() error {
-				r = &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r", Body: []byte(`{"model":"m","prompt":"hi"}`)}
+				r = &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/completions", RequestID: "r", Body: []byte(`{"model":"m","prompt":"hi"}`)}
 				d, err := p.Route(context.Background(), r)
 				if err == nil {
 					d.Release()
@@ -263,7 +263,7 @@ func TestBusyPrefillEnginesSayWhenToRetry(t *testing.T) {
 			p, _, _ := newPipeline(t, fmt.Sprintf(`connector: kv-nixl
 pools: {prefill: {endpoints: [%q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 prefill: {on_failure: fail, attempts: 1}`, engine.Addr()))
-			_, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r",
+			_, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/completions", RequestID: "r",
 				Body: []byte(`{"model":"m","prompt":"hi"}`)})
 			e := pipeline.AsError(err, "r")
 			if err == nil || e.Status != http.StatusServiceUnavailable || !strings.Contains(e.Message, "busy") {
@@ -294,7 +294,7 @@ pools: {prefill: {endpoints: [%q, %q], policy: round-robin}, decode: {endpoints:
 prefill: {attempts: 2}
 pd: {mode: always}`, lacking.Addr(), serving.Addr()))
 	for i := range 4 {
-		r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i),
+		r := &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i),
 			Body: []byte(`{"model":"sql-lora","prompt":"hi"}`)}
 		d, err := p.Route(context.Background(), r)
 		if err != nil {
@@ -327,7 +327,7 @@ func TestAModelNoEngineServesIsNoPrefillFailure(t *testing.T) {
 pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: ["10.1.1.1:8000"]}}
 pd: {mode: always}`, a.Addr(), b.Addr()))
 	for i := range 4 {
-		r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"gpt-4","prompt":"hi"}`)}
+		r := &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"gpt-4","prompt":"hi"}`)}
 		d, err := p.Route(context.Background(), r)
 		if err != nil || r.Report.Mode != metrics.ModeDecodeOnly || r.Report.Reason != metrics.ReasonUnservedModel {
 			t.Fatalf("request %d: %v, mode %v, reason %v; want decode-only, unserved_model", i, err, r.Report.Mode, r.Report.Reason)
@@ -374,7 +374,7 @@ prefill: {attempts: 1, timeout: 100ms, max_conns_per_endpoint: 1}`, tt.connector
 			}()
 			engine.Await(t)
 			for range 3 {
-				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: tt.path, RequestID: "r",
+				d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: tt.path, RequestID: "r",
 					Body: []byte(tt.body)})
 				if err == nil {
 					d.Release()

@@ -201,6 +201,15 @@ func cannotPair(a *api.API, connector, why string) *Error {
 		Message: fmt.Sprintf("%s cannot serve %s %s: %s", connector, a.Method, a.Path, why)}
 }
 
+// notJSON refuses a body sent as contentType ("" for none) where the engines
+// take application/json only (checkMediaType).
+func notJSON(contentType string) *Error {
+	if contentType == "" {
+		return badRequest("the request has no Content-Type; the engines take this API's body as application/json only")
+	}
+	return badRequest("Content-Type is %q; the engines take this API's body as application/json only", contentType)
+}
+
 // noBody refuses a bodiless request to an API that reads its body.
 func noBody(a *api.API) *Error {
 	return &Error{Status: http.StatusBadRequest, Type: "invalid_request_error",

@@ -96,7 +96,7 @@ func (m *mooncake) route(t *testing.T, pd bool) (*pipeline.Request, *pipeline.De
 func (m *mooncake) routeTo(t *testing.T, path, body string, pd bool) (*pipeline.Request, *pipeline.Decision, map[string]any) {
 	t.Helper()
 	for deadline := time.Now().Add(5 * time.Second); ; {
-		r := &pipeline.Request{Method: "POST", Path: path, RequestID: "r", Body: []byte(body)}
+		r := &pipeline.Request{ContentType: "application/json", Method: "POST", Path: path, RequestID: "r", Body: []byte(body)}
 		d, err := m.p.Route(context.Background(), r)
 		if err != nil {
 			t.Fatal(err)
@@ -281,7 +281,7 @@ pools: {prefill: {endpoints: [%q, %q], bootstrap_port: %s}, decode: {endpoints: 
 	go func() { p.Run(ctx); close(ran) }()
 	t.Cleanup(func() { cancel(); <-ran; p.Wait() })
 	route := func(model string) (*pipeline.Request, error) {
-		r := &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+		r := &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 			Body: []byte(`{"model":"` + model + `","messages":[{"role":"user","content":"hi"}]}`)}
 		d, err := p.Route(context.Background(), r)
 		d.Release()

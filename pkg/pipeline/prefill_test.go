@@ -63,7 +63,7 @@ func TestAFailedPrefillLegIsRetriedThenFallsBackOrFails(t *testing.T) {
 			p, _, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\n%spools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}",
 				onFailure, addrs[0], addrs[1]))
 			t.Cleanup(p.Wait)
-			r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-e1",
+			r := &pipeline.Request{ContentType: "application/json", Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-e1",
 				Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}],"kv_transfer_params":{"remote_host":"evil"}}`)}
 			d, err := p.Route(context.Background(), r)
 
@@ -144,7 +144,7 @@ func TestAPrefillAnswerWithoutParamsIsAFailedPrefill(t *testing.T) {
 			p, m, _ := newPipeline(t, fmt.Sprintf("connector: %s\n%spools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}",
 				tt.connector, onFailure, a.Addr(), b.Addr()))
 			t.Cleanup(p.Wait)
-			r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-np",
+			r := &pipeline.Request{ContentType: "application/json", Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-np",
 				Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
 			d, err := p.Route(context.Background(), r)
 			if n := len(a.Requests()) + len(b.Requests()); n != 1 {
@@ -213,7 +213,7 @@ func TestANoParamsAnswerEndedByAStopTokenSaysSo(t *testing.T) {
 			e := enginetest.Start(t, enginetest.JSON(200, tt.answer))
 			p, _, logs := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}", e.Addr()))
 			t.Cleanup(p.Wait)
-			r := &pipeline.Request{Method: http.MethodPost, Path: tt.path, RequestID: "req-stop", Body: []byte(tt.body)}
+			r := &pipeline.Request{ContentType: "application/json", Method: http.MethodPost, Path: tt.path, RequestID: "req-stop", Body: []byte(tt.body)}
 			d, err := p.Route(context.Background(), r)
 			if err != nil {
 				t.Fatal(err)
@@ -276,7 +276,7 @@ func TestASwitchingProtocolsAnswerIsMalformed(t *testing.T) {
 			p, m, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\nprefill: {on_failure: %s, timeout: 20s}\n"+
 				"pools: {prefill: {endpoints: [%q, %q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}", onFailure, a.Addr(), b.Addr()))
 			t.Cleanup(p.Wait)
-			r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-101",
+			r := &pipeline.Request{ContentType: "application/json", Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-101",
 				Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
 			d, err := p.Route(context.Background(), r)
 			switch {
@@ -335,7 +335,7 @@ func TestAnEnginesRefusalOverTheReadCapKeepsItsStatus(t *testing.T) {
 			answer := refusal(tt.size)
 			engine := enginetest.Start(t, enginetest.JSON(http.StatusBadRequest, answer))
 			p, _, _ := newPipeline(t, fmt.Sprintf("connector: kv-nixl\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}", engine.Addr()))
-			r := &pipeline.Request{Method: http.MethodPost, Path: tt.path, RequestID: "req-big",
+			r := &pipeline.Request{ContentType: "application/json", Method: http.MethodPost, Path: tt.path, RequestID: "req-big",
 				Body: []byte(`{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`)}
 			d, err := p.Route(context.Background(), r)
 			if err == nil {

@@ -22,7 +22,7 @@ func TestReloadKeepsTheRunningConnectorsPairing(t *testing.T) {
 		Paired:  true,
 	})
 
-	r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi","n":2}`)}
+	r := &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi","n":2}`)}
 	d, err := p.Route(context.Background(), r)
 	if err != nil {
 		t.Fatal(err)

@@ -17,11 +17,12 @@ import (
 
 // Request is what the pipeline needs of one client request.
 type Request struct {
-	Method    string      // :method
-	Path      string      // :path, query included
-	RequestID string      // sent on both legs
-	Forward   http.Header // client headers copied onto the prefill leg (e.g. Authorization)
-	Body      []byte      // nil for a request without a body
+	Method      string      // :method
+	Path        string      // :path, query included
+	RequestID   string      // sent on both legs
+	Forward     http.Header // client headers copied onto the prefill leg (e.g. Authorization)
+	ContentType string      // the client's Content-Type, "" when absent
+	Body        []byte      // nil for a request without a body
 	// Keep, when set, is told when a leg will read Body after Route has
 	// returned (a concurrent prefill leg, launched in the background): Hold
 	// is called before Route returns, and the release it returns once that
@@ -52,10 +53,6 @@ type Request struct {
 
 	scan body.Scanner // what has been validated of Body while it arrived
 	api  *api.API     // the matched API; nil until then
-	// lent: Body went out as a request of its own (the render round trip
-	// for its token ids) that failed, which net/http may still be writing:
-	// a transport closes a request's body after Do returns (BodyHeld).
-	lent bool
 }
 
 // Arrived passes the body received so far, while the rest is on its way: it
@@ -83,7 +80,7 @@ func (r *Request) URLPath() string {
 // answered, a concurrent leg runs on its own, and a render round trip that
 // failed may still be written (lent). Until Route returns, only Route and
 // its requests read Body.
-func (r *Request) BodyHeld() bool { return r.Report.Prefill != "" || r.lent }
+func (r *Request) BodyHeld() bool { return r.Report.Prefill != "" || r.Report.lent }
 
 // Report is what routing one request did. On a failure it holds what was
 // reached: a prefill failure under on_failure=fail keeps Mode pd.
@@ -97,6 +94,10 @@ type Report struct {
 	// UsageMissing: under response.rewrite_usage, the prefill engine's answer
 	// stated no cached tokens, so the decode engine's stand.
 	UsageMissing bool
+	// lent: Body went out as a request of its own (the render round trip
+	// for its token ids) that failed, which net/http may still be writing:
+	// a transport closes a request's body after Do returns (BodyHeld).
+	lent bool
 }
 
 // APIOf labels a request as metrics and logs do: by the API Route or

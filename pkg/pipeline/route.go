@@ -106,6 +106,9 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if int64(len(r.Body)) > p.opts.MaxBodyBytes {
 		return nil, TooLarge(p.opts.MaxBodyBytes)
 	}
+	if err := checkMediaType(a, r.ContentType); err != nil {
+		return nil, err
+	}
 	obj, err := r.scan.Object(r.Body)
 	if err != nil {
 		return nil, badRequest("%v", err)
@@ -151,19 +154,6 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 		return nil, err
 	}
 	return d, nil
-}
-
-// checkModel: a "model" string where the engine needs one, and never one
-// longer than any real name (it would only cost a prefill leg to be refused).
-func checkModel(a *api.API, obj *body.Object) error {
-	model, ok := obj.String("model")
-	switch {
-	case a.Model && (!ok || model == ""):
-		return badRequest("the request has no \"model\" string")
-	case len(model) > maxModelBytes:
-		return badRequest("\"model\" is %d bytes long; model names are at most %d", len(model), maxModelBytes)
-	}
-	return nil
 }
 
 // legs decides P/D or decode-only, runs or launches the prefill leg, and returns

@@ -71,7 +71,7 @@ func runShed(t *testing.T, p *pipeline.Pipeline) {
 // and releases its decision: the request (its report says how long it was
 // held) and Route's error.
 func routeBatch(t *testing.T, p *pipeline.Pipeline) (*pipeline.Request, error) {
-	r := &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-1", Objective: "batch",
+	r := &pipeline.Request{ContentType: "application/json", Method: http.MethodPost, Path: "/v1/chat/completions", RequestID: "req-1", Objective: "batch",
 		Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
 	d, err := p.Route(t.Context(), r)
 	if d != nil {

@@ -26,7 +26,7 @@ func TestStoredResponseAffinity(t *testing.T) {
 	t.Cleanup(p.Wait) // before newPipeline's: idle connections close once the legs are done
 	route := func(method, path, body string) (string, string) {
 		t.Helper()
-		r := &pipeline.Request{Method: method, Path: path, RequestID: "r1"}
+		r := &pipeline.Request{ContentType: "application/json", Method: method, Path: path, RequestID: "r1"}
 		var d *pipeline.Decision
 		var err error
 		if body == "" {
@@ -99,7 +99,7 @@ func TestAStoredResponseIsOfferedOnlyWhereItsIDLeads(t *testing.T) {
 	t.Cleanup(p.Wait)
 	route := func(body string) *pipeline.Decision {
 		t.Helper()
-		d, err := p.Route(context.Background(), &pipeline.Request{Method: http.MethodPost, Path: "/v1/responses", RequestID: "r1", Body: []byte(body)})
+		d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: http.MethodPost, Path: "/v1/responses", RequestID: "r1", Body: []byte(body)})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -43,7 +43,7 @@ func TestPrefillLegOverTLSWithACAFile(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			p := newNIXL(t, addr, fmt.Sprintf("{on_failure: fail, attempts: 1, tls: %s}", tt.tls))
-			d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi"}`)})
+			d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/completions", RequestID: "r1", Body: []byte(`{"model":"m","prompt":"hi"}`)})
 			if tt.wantStatus != 0 {
 				if e, ok := err.(*pipeline.Error); !ok || e.Status != tt.wantStatus {
 					t.Fatalf("Route error = %v, want status %d", err, tt.wantStatus)

@@ -63,7 +63,7 @@ func (p *Pipeline) tokenize(ctx context.Context, r *Request, sreq *scheduling.Re
 		ids, err = askTokens(asking, client, base+renderPath, obj.Bytes(), r.Forward, true)
 		// An answer of 200 came after the engine read the body whole; any
 		// other outcome may leave net/http writing it after Route returns.
-		r.lent = r.lent || err != nil
+		r.Report.lent = r.Report.lent || err != nil
 		if errors.Is(err, errUnrendered) {
 			p.pools.Unrendered(renderPath)
 		}

@@ -68,7 +68,7 @@ func TestTokenIDsTakeOneTimeout(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatal("no request asked for its token ids")
 		}
-		d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+		d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 			Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
 		if err != nil {
 			t.Fatal(err)
@@ -122,7 +122,7 @@ pools: {decode: {endpoints: [%q], policy: prefix-affinity, kv_events: {connect_p
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
-			if d, err := p.Route(ctx, &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+			if d, err := p.Route(ctx, &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 				Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}); err == nil {
 				d.Release()
 			}
@@ -176,7 +176,7 @@ func TestABodyARenderFailedOnIsHeld(t *testing.T) {
 			asked := make(chan struct{})
 			go func() { rendered.Wait(); close(asked) }()
 			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(2 * time.Millisecond) {
-				r := &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+				r := &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)}
 				d, err := p.Route(context.Background(), r)
 				if err != nil {
@@ -271,7 +271,7 @@ pools: {decode: {endpoints: [%q], tls: %s, api_key_file: %q, policy: prefix-affi
 			running(t, p)
 			// Requests go without token ids until Run has started the pool's subscriber.
 			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(2 * time.Millisecond) {
-				d, err := p.Route(context.Background(), &pipeline.Request{Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
+				d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/chat/completions", RequestID: "r",
 					Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
 				if err != nil {
 					t.Fatal(err)
