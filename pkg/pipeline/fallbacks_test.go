@@ -38,7 +38,7 @@ func TestAPullOfBlocksHandedOutIsOfferedItsPickAlone(t *testing.T) {
 			p, _, _ := newPipeline(t, fmt.Sprintf("connector: %s\npools: {prefill: {endpoints: [%q]}, "+
 				"decode: {fallbacks: 1, endpoints: [\"10.1.1.1:8000\", \"10.1.1.2:8000\"]}}\n", tt.connector, engine.Addr()))
 			t.Cleanup(p.Wait)
-			d, err := p.Route(context.Background(), &pipeline.Request{Method: http.MethodPost, Path: "/v1/chat/completions",
+			d, err := p.Route(context.Background(), &pipeline.Request{ContentType: "application/json", Method: http.MethodPost, Path: "/v1/chat/completions",
 				RequestID: "r1", Body: []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}]}`)})
 			if err != nil {
 				t.Fatal(err)
