@@ -33,7 +33,7 @@ func TestAnOutputLimitThatFillsTheContextSendsNoPrefillLeg(t *testing.T) {
 	}{
 		{name: "chat max_tokens at the context length", path: "/v1/chat/completions", body: `{"model":"m",` + chat + `,"max_tokens":100}`,
 			wantStatus: 400, wantBody: `{"error":{"message":"max_tokens=100 leaves no room for the prompt: this model's maximum context length is 100 tokens. ` +
-				`Please request fewer output tokens.","type":"BadRequestError","code":400}}`},
+				`Please request fewer output tokens.","type":"BadRequestError","param":null,"code":400}}`},
 		{name: "chat max_completion_tokens over it", path: "/v1/chat/completions", body: `{"model":"m",` + chat + `,"max_tokens":5,"max_completion_tokens":150}`,
 			wantStatus: 400, wantBody: `"message":"max_completion_tokens=150 leaves no room`},
 		{name: "messages, in Anthropic's words", path: "/v1/messages", body: `{"model":"m",` + chat + `,"max_tokens":100}`,

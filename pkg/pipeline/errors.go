@@ -36,8 +36,8 @@ func (e *Error) Error() string { return fmt.Sprintf("%d %s: %s", e.Status, e.Typ
 // {"type":"error","error":{"type","message"}} with Anthropic's type for the
 // status, as vLLM's Messages handler words the errors it raises
 // (AnthropicErrorResponse); else OpenAI's
-// {"error":{"message","type","code"}} with the status as the code, as vLLM
-// does.
+// {"error":{"message","type","param","code"}} with param null and the status
+// as the code, as vLLM prints its ErrorInfo.
 func (e *Error) Body(anthropic bool) (body []byte, contentType string) {
 	if e.Raw != nil {
 		return e.Raw, e.ContentType
@@ -54,13 +54,14 @@ func (e *Error) Body(anthropic bool) (body []byte, contentType string) {
 		return b, "application/json"
 	}
 	type detail struct {
-		Message string `json:"message"`
-		Type    string `json:"type"`
-		Code    int    `json:"code"`
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    int     `json:"code"`
 	}
 	b, _ := json.Marshal(struct {
 		Error detail `json:"error"`
-	}{detail{e.Message, e.Type, e.Status}})
+	}{detail{e.Message, e.Type, nil, e.Status}})
 	return b, "application/json"
 }
 
