@@ -240,9 +240,9 @@ func TestEngineExamples(t *testing.T) {
 		check      func(t *testing.T, c any) // engine-specific settings
 	}{
 		// The cached tokens in the answers, which response.rewrite_usage and the cache rule's check read.
-		{"config/k8s/vllm-pd.yaml", "vllm-prefill", "vllm-prefill", []string{"--enable-prompt-tokens-details"}, checkNixl},
+		{"config/k8s/vllm-pd.yaml", "vllm-prefill", "vllm-prefill", []string{"--enable-prompt-tokens-details"}, checkNixl("kv_producer")},
 		// The cache rule computes later turns' new tokens in the decode steps: a small step budget.
-		{"config/k8s/vllm-pd.yaml", "vllm-decode", "vllm-decode", []string{"--max-num-seqs=128", "--max-num-batched-tokens=256", "--enable-prompt-tokens-details"}, checkNixl},
+		{"config/k8s/vllm-pd.yaml", "vllm-decode", "vllm-decode", []string{"--max-num-seqs=128", "--max-num-batched-tokens=256", "--enable-prompt-tokens-details"}, checkNixl("kv_consumer")},
 		// Without RDMA: the nixl backend with UCX over TCP runs on any pod network.
 		{"config/k8s/sglang-pd.yaml", "sglang-prefill", "sglang-prefill",
 			[]string{"--disaggregation-mode=prefill", "--disaggregation-bootstrap-port=" + bootstrapPort, "--disaggregation-transfer-backend=nixl", sglangBlock}, checkUCXOverTCP},
@@ -283,31 +283,35 @@ func TestEngineExamples(t *testing.T) {
 	}
 }
 
-// checkNixl: the NixlConnector flag, and a side channel advertised on the pod IP (vLLM's
-// default host, localhost, is unreachable from the other pool).
-func checkNixl(t *testing.T, c any) {
-	t.Helper()
-	args := toStrings(dig(c, "args"))
-	i := slices.Index(args, "--kv-transfer-config")
-	if i < 0 || i+1 >= len(args) {
-		t.Fatalf("args %v lack --kv-transfer-config", args)
-	}
-	var ktc map[string]any
-	if err := json.Unmarshal([]byte(args[i+1]), &ktc); err != nil {
-		t.Fatalf("--kv-transfer-config is not JSON: %v", err)
-	}
-	if ktc["kv_connector"] != "NixlConnector" || ktc["kv_role"] != "kv_both" {
-		t.Errorf("--kv-transfer-config = %v, want NixlConnector with kv_role kv_both", ktc)
-	}
-	env := map[string]any{}
-	for _, e := range dig(c, "env").([]any) {
-		env[digString(e, "name")] = e
-	}
-	if got := digString(env["VLLM_NIXL_SIDE_CHANNEL_HOST"], "valueFrom", "fieldRef", "fieldPath"); got != "status.podIP" {
-		t.Errorf("VLLM_NIXL_SIDE_CHANNEL_HOST comes from %q, want status.podIP", got)
-	}
-	if digString(env["VLLM_NIXL_SIDE_CHANNEL_PORT"], "value") == "" {
-		t.Error("VLLM_NIXL_SIDE_CHANNEL_PORT is not set")
+// checkNixl: the NixlConnector flag with the pool's role (vLLM deprecates kv_both for
+// NixlConnector: NixlBaseConnector in vllm/backends/distributed/kv_transfer/kv_connector/v1/nixl/connector.py
+// @ 055e47c2), and a side channel advertised on the pod IP (vLLM's default host, localhost, is
+// unreachable from the other pool).
+func checkNixl(role string) func(t *testing.T, c any) {
+	return func(t *testing.T, c any) {
+		t.Helper()
+		args := toStrings(dig(c, "args"))
+		i := slices.Index(args, "--kv-transfer-config")
+		if i < 0 || i+1 >= len(args) {
+			t.Fatalf("args %v lack --kv-transfer-config", args)
+		}
+		var ktc map[string]any
+		if err := json.Unmarshal([]byte(args[i+1]), &ktc); err != nil {
+			t.Fatalf("--kv-transfer-config is not JSON: %v", err)
+		}
+		if ktc["kv_connector"] != "NixlConnector" || ktc["kv_role"] != role {
+			t.Errorf("--kv-transfer-config = %v, want NixlConnector with kv_role %s", ktc, role)
+		}
+		env := map[string]any{}
+		for _, e := range dig(c, "env").([]any) {
+			env[digString(e, "name")] = e
+		}
+		if got := digString(env["VLLM_NIXL_SIDE_CHANNEL_HOST"], "valueFrom", "fieldRef", "fieldPath"); got != "status.podIP" {
+			t.Errorf("VLLM_NIXL_SIDE_CHANNEL_HOST comes from %q, want status.podIP", got)
+		}
+		if digString(env["VLLM_NIXL_SIDE_CHANNEL_PORT"], "value") == "" {
+			t.Error("VLLM_NIXL_SIDE_CHANNEL_PORT is not set")
+		}
 	}
 }
 
