@@ -90,6 +90,76 @@ func TestDocsLinkToFilesThatExist(t *testing.T) {
 	}
 }
 
+// Every pd_extproc_ series the documents name in their prose (a name, a selector such as
+// {reason="no_kv_params"}, or its labels as {pool,reason}) is one the registry exports, with
+// those labels and values, so that a query written from the docs finds something.
+func TestDocsNameSeriesThatExist(t *testing.T) {
+	catalog := exportedSeries(t)
+	for _, doc := range documents(t) {
+		for i, line := range strings.Split(doc.text, "\n") {
+			for _, p := range catalog.proseProblems(line) {
+				t.Errorf("%s:%d %s", doc.rel, i+1, p)
+			}
+		}
+	}
+}
+
+// The prose check catches what it is for, and passes what the docs may write.
+func TestDocsSeriesCheckCatchesMistakes(t *testing.T) {
+	catalog := exportedSeries(t)
+	tests := []struct{ line, want string }{
+		{"counted in `pd_extproc_prefill_failure_total`", "names pd_extproc_prefill_failure_total"},
+		{`pd_extproc_prefill_failures_total{reason="no_kv_param"}`, "never takes the value no_kv_param"},
+		{"`pd_extproc_held_requests{pool,objective}`", "has no label objective"},
+		{"`pd_extproc_endpoint_inflight{pool=\"decode\"}`, `pd_extproc_discovery_*`, `pd_extproc_500`", ""},
+		{"`pd_extproc_tokenize_seconds{outcome=\"ok\"}` ([KV events](docs/metrics.md#kv-events-pd_extproc_kv_events_))", ""},
+	}
+	for _, tc := range tests {
+		got := strings.Join(catalog.proseProblems(tc.line), "; ")
+		if tc.want == "" && got != "" || !strings.Contains(got, tc.want) {
+			t.Errorf("proseProblems(%q) = %q, want a problem naming %q", tc.line, got, tc.want)
+		}
+	}
+}
+
+var (
+	proseSeries = regexp.MustCompile(`pd_extproc_[a-z][a-z0-9_]*[a-z0-9]` + `(\{[^}\n]*\})?(_?\*)?`) // a name, a selector, a family
+	labelList   = regexp.MustCompile(`^\{([a-z_]+(?:, ?[a-z_]+)*)\}$`)
+	linkTarget  = regexp.MustCompile(`\]\([^)]*\)`)
+)
+
+// proseProblems checks the series a line of prose names: a family (pd_extproc_discovery_*),
+// a link's anchor and a histogram by its own name pass.
+func (c seriesCatalog) proseProblems(line string) []string {
+	var out []string
+	for _, m := range proseSeries.FindAllStringSubmatch(linkTarget.ReplaceAllString(line, "]"), -1) {
+		if m[2] != "" {
+			continue
+		}
+		name, sel := strings.TrimSuffix(m[0], m[1]), m[1]
+		if c[name] == nil && c[name+"_bucket"] != nil {
+			name += "_bucket"
+		}
+		expr := name + sel
+		l := labelList.FindStringSubmatch(sel)
+		if l != nil {
+			expr = name
+		}
+		problems := second(c.check(expr))
+		if l != nil && problems == nil {
+			for _, label := range strings.Split(strings.ReplaceAll(l[1], " ", ""), ",") {
+				if _, ok := c[name][label]; !ok {
+					problems = append(problems, name+" has no label "+label)
+				}
+			}
+		}
+		for _, p := range problems {
+			out = append(out, "names "+m[0]+": "+p)
+		}
+	}
+	return out
+}
+
 // anchors are the heading ids GitHub gives a Markdown file: lower case, punctuation other
 // than - and _ dropped, spaces made -.
 func anchors(t *testing.T, path string) []string {

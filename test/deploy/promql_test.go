@@ -46,7 +46,7 @@ func exportedSeries(t *testing.T) seriesCatalog {
 	}
 	m.WatchEndpoints(func() []metrics.EndpointState {
 		return []metrics.EndpointState{
-			{Pool: "prefill", Endpoint: "10.0.0.1:8000", Scraped: true, ScrapeFailures: failures},
+			{Pool: "prefill", Endpoint: "10.0.0.1:8000", Scraped: true, ScrapeFailures: failures, BootstrapPort: 8998},
 			{Pool: "decode", Endpoint: "10.0.0.2:8000", Scraped: true, ScrapeFailures: failures},
 		}
 	})
