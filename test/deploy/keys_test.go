@@ -2,6 +2,8 @@ package deploy
 
 import (
 	"reflect"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
@@ -88,4 +90,57 @@ func configKeys(t reflect.Type, prefix string) []string {
 		out = append(out, prefix+name)
 	}
 	return out
+}
+
+// Every config table row of the documents names a key the parser takes: under pools.<pool>
+// for a key of both pools, or a section with .* (the chart's README documents its values,
+// checked by TestChartValuesAreDocumented). A row for a key renamed or removed would
+// otherwise pass TestDocumentedDefaultsAreApplied unread.
+func TestConfigTablesNameKeysThatExist(t *testing.T) {
+	keys := configKeys(reflect.TypeFor[config.Config](), "")
+	row := regexp.MustCompile("(?m)^\\| `([a-z_<>]+\\.[a-z_<>.*]+)` \\|")
+	rows := 0
+	for _, d := range documents(t) {
+		if strings.HasPrefix(d.rel, "charts") {
+			continue
+		}
+		for _, m := range row.FindAllStringSubmatch(d.text, -1) {
+			if strings.HasSuffix(m[1], ".yaml") {
+				continue // a file of config/k8s
+			}
+			rows++
+			if !keyExists(keys, m[1]) {
+				t.Errorf("%s documents the config key %s, which the parser does not take", d.rel, m[1])
+			}
+		}
+	}
+	if rows < 50 {
+		t.Errorf("%d config rows found: the tables' shape changed?", rows)
+	}
+	for _, k := range []string{"pools.decode.fallbacks", "pools.<pool>.health.*", "pools.<pool>.kv_events", "pd.min_prompt_tokens"} {
+		if !keyExists(keys, k) {
+			t.Errorf("keyExists(%s) = false", k)
+		}
+	}
+	for _, k := range []string{"pools.<pool>.fallback", "pd.min_prompt_token", "routes.passthrough_list", "tracing.otlp.*"} {
+		if keyExists(keys, k) {
+			t.Errorf("keyExists(%s) = true", k)
+		}
+	}
+}
+
+// keyExists says whether a documented key names keys: exactly, in both pools for
+// pools.<pool>, or a section for one ending .* or naming a struct.
+func keyExists(keys []string, doc string) bool {
+	var want []string
+	for _, pool := range []string{"prefill", "decode"} {
+		want = append(want, strings.Replace(doc, "<pool>", pool, 1))
+	}
+	for _, w := range slices.Compact(want) {
+		section := strings.TrimSuffix(w, ".*") + "."
+		if !slices.Contains(keys, w) && !slices.ContainsFunc(keys, func(k string) bool { return strings.HasPrefix(k, section) }) {
+			return false
+		}
+	}
+	return true
 }
