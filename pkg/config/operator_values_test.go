@@ -1,7 +1,11 @@
 package config
 
 import (
+	"encoding/json"
+	"fmt"
+	"maps"
 	"os"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -150,26 +154,16 @@ func TestOperatorValues(t *testing.T) {
 }
 
 // A key whose 0 is taken for its default says so in every configuration
-// table that lists it: an operator writing 0 may mean "none" or "off".
+// table that lists it: an operator writing 0 may mean "none" or "off". The
+// keys are found, not listed: each number or duration of the config set to
+// 0 in a file that turns its section on, parsed as the key left out.
 func TestZeroIsTheDefaultWhereTheTablesSay(t *testing.T) {
-	const decode = `pools: {decode: {endpoints: ["10.0.0.2:8000"]}}`
-	tests := []struct {
-		key, yaml string
-		applied   func(zero, left *Config) bool // zero: the key set to 0; left: the key left out
-	}{
-		{"prefill.timeout", "prefill: {timeout: 0s}", func(z, l *Config) bool { return z.Prefill.Timeout == l.Prefill.Timeout }},
-		{"envoy.override_after", "envoy: {override_after: 0s}", func(z, l *Config) bool { return z.Envoy.OverrideAfter == l.Envoy.OverrideAfter }},
-		{"envoy.override_message_timeout", "envoy: {override_message_timeout: 0s}",
-			func(z, l *Config) bool { return z.Envoy.OverrideMessageTimeout == l.Envoy.OverrideMessageTimeout }},
-		{"admission.saturated_queue", "admission: {saturated_queue: 0}", func(z, l *Config) bool { return z.Admission.SaturatedQueue == l.Admission.SaturatedQueue }},
-		{"admission.saturated_kv_cache", "admission: {saturated_kv_cache: 0}",
-			func(z, l *Config) bool { return z.Admission.SaturatedKVCache == l.Admission.SaturatedKVCache }},
-		{"admission.max_held", "admission: {max_held: 0}", func(z, l *Config) bool { return z.Admission.MaxHeld == l.Admission.MaxHeld }},
-	}
-	left, err := Parse([]byte("connector: kv-nixl\n" + decode))
-	if err != nil {
-		t.Fatal(err)
-	}
+	const base = `{"connector": "kv-nixl", "pools": {
+  "prefill": {"endpoints": ["10.0.0.1:8000"], "policy": "prefix-affinity", "kv_events": {"connect_port": 5557},
+    "metrics": {"interval": "1s"}, "health": {"check_interval": "1s"}},
+  "decode": {"endpoints": ["10.0.0.2:8000"], "policy": "prefix-affinity", "kv_events": {"connect_port": 5557},
+    "metrics": {"interval": "1s"}, "health": {"check_interval": "1s"}}}}`
+	left := asTree(mustParse(t, base))
 	var rows []string
 	for _, doc := range []string{"../../README.md", "../../docs/scheduling.md"} {
 		text, err := os.ReadFile(doc)
@@ -178,27 +172,78 @@ func TestZeroIsTheDefaultWhereTheTablesSay(t *testing.T) {
 		}
 		rows = append(rows, slices.Collect(strings.Lines(string(text)))...)
 	}
-	for _, tt := range tests {
-		t.Run(tt.key, func(t *testing.T) {
-			zero, err := Parse([]byte("connector: kv-nixl\n" + tt.yaml + "\n" + decode))
-			if err != nil {
-				t.Fatalf("%s: 0 refused: %v", tt.key, err)
+	found, unsaid := 0, map[string]bool{} // the rows, each once for both pools
+	for key, zero := range numericKeys(reflect.TypeFor[Config](), "") {
+		file := map[string]any{}
+		if err := json.Unmarshal([]byte(base), &file); err != nil {
+			t.Fatal(err)
+		}
+		setAt(file, strings.Split(key, "."), zero)
+		js, _ := json.Marshal(file)
+		c, err := Parse(js)
+		if err != nil || !reflect.DeepEqual(asTree(c), left) || valueAt(left, key) == nil {
+			continue // 0 refused, taken as 0, or the default itself
+		}
+		found++
+		doc := strings.NewReplacer("pools.prefill.", "pools.<pool>.", "pools.decode.", "pools.<pool>.").Replace(key)
+		for _, row := range rows {
+			if strings.HasPrefix(row, "| `"+doc+"` |") && !strings.Contains(row, "0 means the default") {
+				unsaid[fmt.Sprintf("%s takes 0 for its default, %v, and its table row does not say so: %.120s", doc, valueAt(left, key), row)] = true
 			}
-			if !tt.applied(zero, left) {
-				t.Errorf("%s: 0 is not the default", tt.key)
-			}
-			listed := 0
-			for _, row := range rows {
-				if strings.HasPrefix(row, "| `"+tt.key+"` |") {
-					listed++
-					if !strings.Contains(row, "0 means the default") {
-						t.Errorf("the table row of %s does not say 0 means the default: %s", tt.key, row)
-					}
-				}
-			}
-			if listed == 0 {
-				t.Errorf("no configuration table lists %s", tt.key)
-			}
-		})
+		}
 	}
+	for _, msg := range slices.Sorted(maps.Keys(unsaid)) {
+		t.Error(msg)
+	}
+	if found < 10 {
+		t.Errorf("found %d keys whose 0 is their default: the config's shape changed?", found)
+	}
+}
+
+// numericKeys are the dotted keys of t's numbers and durations, each with
+// its 0 as a file writes it.
+func numericKeys(t reflect.Type, prefix string) map[string]any {
+	out := map[string]any{}
+	for _, f := range reflect.VisibleFields(t) {
+		name, _, _ := strings.Cut(f.Tag.Get("json"), ",")
+		ft := f.Type
+		for ft.Kind() == reflect.Pointer {
+			ft = ft.Elem()
+		}
+		switch {
+		case name == "" || name == "-":
+		case ft == reflect.TypeFor[Duration]():
+			out[prefix+name] = "0s"
+		case ft.Kind() == reflect.Struct:
+			maps.Copy(out, numericKeys(ft, prefix+name+"."))
+		case ft.Kind() >= reflect.Int && ft.Kind() <= reflect.Float64:
+			out[prefix+name] = 0
+		}
+	}
+	return out
+}
+
+// setAt sets the key at path of a file's tree, making the sections it needs.
+func setAt(tree map[string]any, path []string, v any) {
+	for _, p := range path[:len(path)-1] {
+		next, ok := tree[p].(map[string]any)
+		if !ok {
+			next = map[string]any{}
+			tree[p] = next
+		}
+		tree = next
+	}
+	tree[path[len(path)-1]] = v
+}
+
+// valueAt is the value of key in tree (asTree), nil when left out or 0.
+func valueAt(tree any, key string) any {
+	for p := range strings.SplitSeq(key, ".") {
+		m, _ := tree.(map[string]any)
+		tree = m[p]
+	}
+	if tree == 0.0 || tree == "0s" {
+		return nil
+	}
+	return tree
 }
