@@ -106,7 +106,7 @@ func main() {
 func (f flags) validate() error {
 	var errs []error
 	if f.verbosity < 0 || f.verbosity > -math.MinInt8 {
-		errs = append(errs, fmt.Errorf("-v %d: verbosity is 0, 1 or 2", f.verbosity))
+		errs = append(errs, fmt.Errorf("-v %d: verbosity is 0 (info) to 128; 1 and 2 add detail", f.verbosity))
 	}
 	for _, d := range []struct {
 		name string
@@ -189,7 +189,9 @@ func newLogger(format string, verbosity int, flushInterval time.Duration) (logr.
 		zc, enc = zap.NewProductionConfig(), zapcore.NewJSONEncoder
 	case "console":
 		zc, enc = zap.NewDevelopmentConfig(), zapcore.NewConsoleEncoder
-		zc.EncoderConfig.EncodeLevel = zapcore.CapitalColorLevelEncoder
+		if terminal(os.Stderr) { // colour codes only where a terminal draws them, not into a file or pipe
+			zc.EncoderConfig.EncodeLevel = zapcore.CapitalColorLevelEncoder
+		}
 	default:
 		return logr.Logger{}, nil, errors.New("--log-format must be json or console")
 	}
@@ -217,4 +219,10 @@ func connectorName(cfg *config.Config, path string) string {
 		return "none (no --config)"
 	}
 	return cfg.Connector
+}
+
+// terminal reports whether f is a character device, as a terminal is.
+func terminal(f *os.File) bool {
+	fi, err := f.Stat()
+	return err == nil && fi.Mode()&os.ModeCharDevice != 0
 }

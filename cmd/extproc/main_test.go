@@ -1,6 +1,9 @@
 package main
 
 import (
+	"errors"
+	"io"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -35,5 +38,32 @@ func TestFlagsThatCannotRunAsAskedAreRefused(t *testing.T) {
 				t.Errorf("validate() = %v, want %q", err, tt.want)
 			}
 		})
+	}
+}
+
+// The console format colours its levels only on a terminal: written to a
+// file or a pipe (make run > log) the lines carry no escape codes.
+func TestConsoleLogsToAPipeHaveNoColourCodes(t *testing.T) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stderr := os.Stderr
+	os.Stderr = w
+	log, flush, err := newLogger("console", 0, 0)
+	os.Stderr = stderr
+	if err != nil {
+		t.Fatal(err)
+	}
+	log.Info("started")
+	log.Error(errors.New("boom"), "failed")
+	flush()
+	w.Close()
+	out, _ := io.ReadAll(r)
+	if !strings.Contains(string(out), "INFO") || !strings.Contains(string(out), "ERROR") {
+		t.Fatalf("log %q: want INFO and ERROR levels", out)
+	}
+	if strings.Contains(string(out), "\x1b[") {
+		t.Errorf("log %q carries colour codes into a pipe", out)
 	}
 }
