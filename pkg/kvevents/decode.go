@@ -37,9 +37,9 @@ type Event struct {
 	// Extra holds, per stored block, the extra keys its hash covers (LoRA
 	// name, multimodal inputs, cache_salt), nil for none, in this package's
 	// form (keys.go). An event without extra_keys that names a LoRA adapter
-	// (lora_name, else lora_id) or carries SGLang's metadata (its
-	// cache_salt) gets those for every block, so that its blocks never match
-	// a plain request's.
+	// (lora_name, else lora_id) or SGLang's cache_salt (in its metadata, or,
+	// since its events are maps, a field of its own) gets those for every
+	// block, so that its blocks never match a plain request's.
 	Extra [][]byte
 	// Adapter is the LoRA adapter the blocks were computed for (lora_name,
 	// or a typed LoRA extra key), "" for the base model.
@@ -52,7 +52,7 @@ type Event struct {
 	// "sliding_window", "mamba", ...), "" from engines that do not say.
 	Group    int
 	SpecKind string
-	// keyed is the raw msgpack of a LoRA id or metadata named without
+	// keyed is the raw msgpack of a LoRA id or cache_salt named without
 	// extra_keys or a lora_name (Extra).
 	keyed []byte
 }
@@ -203,7 +203,7 @@ func readNamedEvent(d *decoder) (Event, error) {
 	return e, nil
 }
 
-// finish keys a stored event's blocks by the adapter or metadata it named
+// finish keys a stored event's blocks by the adapter or cache_salt it named
 // without extra_keys (Extra): by the adapter's name as a request for it is
 // keyed, else by what it named as it is, which no request's keys match.
 func (e *Event) finish() {
@@ -273,25 +273,38 @@ func (e *Event) read(d *decoder, name string) error {
 		e.Group = int(n)
 	case "kv_cache_spec_kind":
 		e.SpecKind, err = readOptionalString(d)
-	case "lora_id", "lora_name", "metadata":
-		// Position 7 is SGLang's metadata map where vLLM has lora_name.
-		var c byte
-		if c, err = d.PeekCode(); err != nil {
-			break
-		}
-		switch {
-		case c == msgpcode.Nil:
-			err = d.DecodeNil()
-		case name == "lora_name" && msgpcode.IsString(c):
-			e.Adapter, err = d.DecodeString()
-		default:
-			var raw []byte
-			raw, err = d.raw()
-			e.keyed = append(e.keyed, raw...)
-		}
+	case "lora_id", "lora_name", "metadata", "cache_salt":
+		err = e.readKey(d, name, true)
 	default:
 		err = d.skip()
 	}
+	return err
+}
+
+// readKey reads a field that keys the blocks where no extra_keys do (finish):
+// a lora_name as the adapter, anything else but nil as it is. A map is
+// SGLang's metadata (at position 7, where vLLM has lora_name), of which only
+// the cache_salt keys a page, not the session_id (sgl-project/sglang#37482).
+func (e *Event) readKey(d *decoder, name string, top bool) error {
+	c, err := d.PeekCode()
+	switch {
+	case err != nil:
+		return err
+	case c == msgpcode.Nil:
+		return d.DecodeNil()
+	case name == "lora_name" && msgpcode.IsString(c):
+		e.Adapter, err = d.DecodeString()
+		return err
+	case top && isMap(c):
+		return readStruct(d, func(field string, _ int) error {
+			if field != "cache_salt" {
+				return d.skip()
+			}
+			return e.readKey(d, field, false)
+		})
+	}
+	raw, err := d.raw()
+	e.keyed = append(e.keyed, raw...)
 	return err
 }
 

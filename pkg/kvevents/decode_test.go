@@ -236,19 +236,34 @@ func TestDecodeBatchReadsPastUnknownEvents(t *testing.T) {
 }
 
 // TestDecodeBatchKeysAdaptersWithoutExtraKeys: blocks of a LoRA adapter or
-// with SGLang's metadata (its cache_salt, where vLLM has lora_name), from a
-// publisher that writes no extra_keys, are keyed by them, so that they never
-// match a plain request's blocks; nil fields key nothing.
+// with SGLang's cache_salt (in its metadata, where vLLM has lora_name, or,
+// since SGLang's events are maps, a field of its own), from a publisher that
+// writes no extra_keys, are keyed by them, so that they never match a plain
+// request's blocks; nil fields, and SGLang's session_id, which is no part of
+// a page's identity (sgl-project/sglang#37482), key nothing.
 func TestDecodeBatchKeysAdaptersWithoutExtraKeys(t *testing.T) {
+	sglang := func(extra map[string]any) map[string]any {
+		m := map[string]any{"type": "BlockStored", "block_hashes": []int{1, 2}, "parent_block_hash": nil,
+			"token_ids": seq(0, 4), "block_size": 2, "lora_id": nil, "medium": "GPU"}
+		for k, v := range extra {
+			m[k] = v
+		}
+		return m
+	}
 	for _, tt := range []struct {
 		name  string
-		event []any
+		event any
 		keyed bool
 	}{
 		{"a plain block", []any{"BlockStored", []int{1, 2}, nil, seq(0, 4), 2, nil, "GPU", nil}, false},
 		{"vLLM before extra_keys, a LoRA name", []any{"BlockStored", []int{1, 2}, nil, seq(0, 4), 2, nil, "GPU", "sql-lora"}, true},
 		{"vLLM before lora_name, a LoRA id", []any{"BlockStored", []int{1, 2}, nil, seq(0, 4), 2, 3, "GPU"}, true},
 		{"SGLang, a cache_salt", []any{"BlockStored", []int{1, 2}, nil, seq(0, 4), 2, nil, nil, map[string]any{"cache_salt": "t1"}}, true},
+		{"SGLang, a cache_salt and a session_id", []any{"BlockStored", []int{1, 2}, nil, seq(0, 4), 2, nil, nil,
+			map[string]any{"cache_salt": "t1", "session_id": "s1"}}, true},
+		{"SGLang, a session_id alone", []any{"BlockStored", []int{1, 2}, nil, seq(0, 4), 2, nil, nil, map[string]any{"session_id": "s1"}}, false},
+		{"SGLang's map, a cache_salt", sglang(map[string]any{"cache_salt": "t1", "session_id": "s1"}), true},
+		{"SGLang's map, a session_id alone", sglang(map[string]any{"cache_salt": nil, "session_id": "s1"}), false},
 		{"extra_keys given: theirs", []any{"BlockStored", []int{1, 2}, nil, seq(0, 4), 2, nil, "GPU", "sql-lora", []any{nil, nil}}, false},
 	} {
 		payload, err := msgpack.Marshal([]any{1.0, []any{tt.event}})
