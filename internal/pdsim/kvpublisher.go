@@ -211,7 +211,8 @@ var endOfReplay = binary.BigEndian.AppendUint64(nil, math.MaxUint64)
 
 // serveReplay answers each request [empty, start_seq] (a ROUTER sees the
 // client's identity before them) with every buffered batch from start_seq
-// on, [empty, seq, payload], then [empty, -1, empty].
+// on, [empty, topic, seq, payload], then [empty, empty, -1, empty], as vLLM
+// does since vllm-project/vllm#45177 (before, without the topic frames).
 func (p *publisher) serveReplay(zc *zmq4.Conn) {
 	for {
 		msg, err := zc.RecvMsg()
@@ -223,11 +224,11 @@ func (p *publisher) serveReplay(zc *zmq4.Conn) {
 			continue
 		}
 		for _, e := range p.buffer.since(bigEndian(msg.Frames[1])) {
-			if zc.SendMsg(zmq4.NewMsgFrom(nil, binary.BigEndian.AppendUint64(nil, e.seq), e.payload)) != nil {
+			if zc.SendMsg(zmq4.NewMsgFrom(nil, p.topic, binary.BigEndian.AppendUint64(nil, e.seq), e.payload)) != nil {
 				return
 			}
 		}
-		if zc.SendMsg(zmq4.NewMsgFrom(nil, endOfReplay, nil)) != nil {
+		if zc.SendMsg(zmq4.NewMsgFrom(nil, nil, endOfReplay, nil)) != nil {
 			return
 		}
 	}

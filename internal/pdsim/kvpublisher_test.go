@@ -73,6 +73,9 @@ func TestKVEventsGapAndReplay(t *testing.T) {
 		t.Fatalf("replay from 1: %d batches, want 1 and 2", len(got))
 	}
 	wantStored(t, got[0], 1, b)
+	if got[0].topic != first.topic {
+		t.Errorf("replayed under topic %q, sent under %q", got[0].topic, first.topic)
+	}
 	if got[1].seq != 2 || !bytes.Equal(got[1].payload, third.payload) {
 		t.Errorf("replayed batch %d differs from the one sent", got[1].seq)
 	}

@@ -114,7 +114,8 @@ func waitSubscribed(t *testing.T, s *Server, n int) {
 }
 
 // replayKV asks the replay socket at addr for the batches from seq on, as a
-// DEALER: [empty, seq] out, [empty, seq, payload]... and [empty, -1, empty] back.
+// DEALER: [empty, seq] out, [empty, topic, seq, payload]... and
+// [empty, empty, -1, empty] back.
 func replayKV(t *testing.T, addr string, from uint64) []kvMessage {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
@@ -133,13 +134,13 @@ func replayKV(t *testing.T, addr string, from uint64) []kvMessage {
 		if err != nil {
 			t.Fatalf("replay from %d: %v after %d batches", from, err, len(out))
 		}
-		if len(msg.Frames) != 3 || len(msg.Frames[0]) != 0 || len(msg.Frames[1]) != 8 {
-			t.Fatalf("replay answer %q: want [empty, seq, payload]", msg.Frames)
+		if len(msg.Frames) != 4 || len(msg.Frames[0]) != 0 || len(msg.Frames[2]) != 8 {
+			t.Fatalf("replay answer %q: want [empty, topic, seq, payload]", msg.Frames)
 		}
-		if bytes.Equal(msg.Frames[1], bytes.Repeat([]byte{0xff}, 8)) && len(msg.Frames[2]) == 0 {
+		if bytes.Equal(msg.Frames[2], bytes.Repeat([]byte{0xff}, 8)) && len(msg.Frames[1]) == 0 && len(msg.Frames[3]) == 0 {
 			return out
 		}
-		out = append(out, kvMessage{"", binary.BigEndian.Uint64(msg.Frames[1]), msg.Frames[2]})
+		out = append(out, kvMessage{string(msg.Frames[1]), binary.BigEndian.Uint64(msg.Frames[2]), msg.Frames[3]})
 	}
 }
 

@@ -12,7 +12,9 @@ import (
 
 // A publisher's replay socket (vLLM's replay_endpoint) is a ROUTER that
 // answers a sequence number, 8 bytes big-endian, with every batch it still
-// buffers from that number on, each as [seq, payload], then [-1, ""].
+// buffers from that number on, each as [topic, seq, payload], then
+// ["", -1, ""] (vLLM since vllm-project/vllm#45177), or without the first
+// frames (older vLLM, SGLang): frames reads either.
 
 // endSeq ends a replay.
 const endSeq = -1
