@@ -50,8 +50,8 @@ func TestAClientsMistakesThroughTheStack(t *testing.T) {
 	}
 	tests := []clientMistake{
 		// No engine decodes a request body (vLLM's FastAPI reads the bytes as JSON).
-		{name: "gzip", body: chatOf + "}", encoding: "gzip", want: 400, by: "extproc", errType: "invalid_request_error", says: "not valid JSON"},
-		{name: "deflate", body: chatOf + "}", encoding: "deflate", want: 400, by: "extproc", errType: "invalid_request_error", says: "not valid JSON"},
+		{name: "gzip", body: chatOf + "}", encoding: "gzip", want: 400, by: "extproc", errType: "invalid_request_error", says: "not valid"},
+		{name: "deflate", body: chatOf + "}", encoding: "deflate", want: 400, by: "extproc", errType: "invalid_request_error", says: "not valid"},
 		{name: "br", body: chatOf + "}", encoding: "br", want: 400, by: "extproc", errType: "invalid_request_error", says: "not valid JSON"},
 		{name: "a byte order mark", body: "\ufeff" + chatOf + "}", want: 200, prefills: 1, decodes: 1},
 		{name: "stream null", body: chatOf + `,"stream":null}`, want: 200, prefills: 1, decodes: 1},
@@ -215,7 +215,7 @@ func legCounts(r *rig) legs {
 func (l legs) minus(o legs) (int, int) { return l.prefill - o.prefill, l.decode - o.decode }
 
 // brotliStored frames b as a brotli stream of one uncompressed meta-block
-// (RFC 7932 §9.2: WBITS 16, MNIBBLES 4, ISUNCOMPRESSED), then an empty last
+// (RFC 7932, section 9.2: WBITS 16, MNIBBLES 4, ISUNCOMPRESSED), then an empty last
 // one: brotli's bytes for b without a brotli library.
 func brotliStored(b []byte) []byte {
 	v := uint32(len(b)-1)<<4 | 1<<20

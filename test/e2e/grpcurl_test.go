@@ -51,8 +51,8 @@ func TestGrpcurlSeesTheServiceAsEnvoyWould(t *testing.T) {
 		b64 := base64.StdEncoding.EncodeToString
 		body := `{"model":"m","messages":[{"role":"user","content":"hi"}]}`
 		msgs := fmt.Sprintf(`{"protocolConfig":{"requestBodyMode":"FULL_DUPLEX_STREAMED"},
- "requestHeaders":{"headers":{"headers":[{"key":":method","rawValue":%q},{"key":":path","rawValue":%q}]}}}
-{"requestBody":{"body":%q,"endOfStream":true}}`, b64([]byte("POST")), b64([]byte("/v1/chat/completions")), b64([]byte(body)))
+ "requestHeaders":{"headers":{"headers":[{"key":":method","rawValue":%q},{"key":":path","rawValue":%q},{"key":"content-type","rawValue":%q}]}}}
+{"requestBody":{"body":%q,"endOfStream":true}}`, b64([]byte("POST")), b64([]byte("/v1/chat/completions")), b64([]byte("application/json")), b64([]byte(body)))
 		out := grpcurl(t, msgs, "-plaintext", "-d", "@", x.GRPCAddr, "envoy.service.ext_proc.v3.ExternalProcessor/Process")
 		dec := json.NewDecoder(strings.NewReader(out))
 		var first struct {
