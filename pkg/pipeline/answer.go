@@ -16,9 +16,8 @@ import (
 // prefillAnswer is what the decode leg and the client's answer take from a
 // sequential prefill engine's (non-streamed) answer.
 type prefillAnswer struct {
-	// params is the raw kv_transfer_params; nil when the engine returned none
-	// (absent, null or empty: a streamed answer, no connector on the prefill
-	// engine, an EOS token).
+	// params is the raw kv_transfer_params, which only a connector that
+	// hands them back (kv-nixl) reads.
 	params []byte
 	// cached is the prompt tokens the engine found in its cache, a raw JSON
 	// integer; nil when it reports none (vLLM without
@@ -43,14 +42,16 @@ func (p *Pipeline) readAnswer(answer []byte, r *Request) (prefillAnswer, error) 
 		return prefillAnswer{}, fmt.Errorf("%w: %v", errMalformed, err)
 	}
 	var a prefillAnswer
-	if raw, ok := o.Raw("kv_transfer_params"); ok && raw[0] == '{' && kv.HasParams(raw) {
-		a.params = raw
-	} else if p.connector.HandsBackParams() {
-		if stop := stoppedBy(o); stop != "" {
-			return prefillAnswer{}, fmt.Errorf("%w: its one token was a stop token (%s), for which a NixlConnector "+
-				"that hands out KV only for an answer cut by its length gives none", errNoParams, stop)
+	if p.connector.HandsBackParams() { // else none is read: a kv-shared-storage decode engine finds the KV by the prompt
+		raw, ok := o.Raw("kv_transfer_params")
+		if !ok || raw[0] != '{' || !kv.HasParams(raw) {
+			if stop := stoppedBy(o); stop != "" {
+				return prefillAnswer{}, fmt.Errorf("%w: its one token was a stop token (%s), for which a NixlConnector "+
+					"that hands out KV only for an answer cut by its length gives none", errNoParams, stop)
+			}
+			return prefillAnswer{}, errNoParams
 		}
-		return prefillAnswer{}, errNoParams
+		a.params = raw
 	}
 	paths := cachedTokens(r)
 	if !p.opts.RewriteUsage || paths.JSON == nil {

@@ -236,6 +236,46 @@ func TestUnreachableRemoteHostIsCountedAndLoggedOncePerEndpoint(t *testing.T) {
 	}
 }
 
+// A kv-shared-storage decode engine finds the prompt's KV in the store, and
+// reads nothing a prefill answer names. Should that answer carry
+// kv_transfer_params all the same, the prefill endpoint's health is still
+// its own answer's, and the decode engine's 500s are its own: no remote
+// host is checked, none counted or logged.
+func TestASharedStoragePrefillIsJudgedByItsOwnAnswer(t *testing.T) {
+	for _, remoteHost := range []string{"localhost", "10.0.0.9"} {
+		t.Run(remoteHost, func(t *testing.T) {
+			engine := enginetest.Start(t, enginetest.JSON(200, `{"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[[1]],`+
+				`"remote_engine_id":"e","remote_request_id":"r","remote_host":"`+remoteHost+`","remote_port":5600}}`))
+			p, m, lines := newPipeline(t, fmt.Sprintf("connector: kv-shared-storage\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\n", engine.Addr()))
+			for i := range 3 {
+				r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)}
+				d, err := p.Route(context.Background(), r)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if r.Report.Mode != metrics.ModePD {
+					t.Fatalf("mode %v, want P/D", r.Report.Mode)
+				}
+				d.Observe(http.StatusInternalServerError, false)
+				d.Release()
+			}
+			prefill, decode := p.Pools()
+			if !prefill.Endpoints()[0].Healthy() {
+				t.Error("the prefill endpoint, which answered 200 three times, was ejected for the decode engine's 500s")
+			}
+			if decode.Endpoints()[0].Healthy() {
+				t.Error("the decode endpoint is still healthy after three 500s of its own")
+			}
+			if got := counter(t, m, "pd_extproc_kv_params_suspect_total", "", ""); got != 0 {
+				t.Errorf("kv_params_suspect_total = %v, want 0", got)
+			}
+			if got := lines.count("VLLM_NIXL_SIDE_CHANNEL_HOST"); got != 0 {
+				t.Errorf("%d warnings about the NIXL side channel logged, want none: %v", got, lines.lines)
+			}
+		})
+	}
+}
+
 // A prefill engine answers 200 with kv_transfer_params, and the request
 // fails only when the decode engine pulls them: a 5xx, or, on a stream that
 // answered 200 already, an error event (vLLM's kv_load_failure_policy
