@@ -327,7 +327,7 @@ func (c *Config) validate() error {
 		c.Pools.Prefill.PoolScheduling.Validate("pools.prefill"),
 		c.Pools.Decode.PoolScheduling.Validate("pools.decode"),
 		c.PD.Validate("pd"),
-		c.Routes.Validate("routes"),
+		c.Routes.Validate("routes", c.Connector, connector),
 		c.Prefill.PrefillAttempts.Validate("prefill", c.Prefill.Timeout))
 	return errors.Join(errs...)
 }

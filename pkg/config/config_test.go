@@ -353,3 +353,37 @@ func TestOverrideBelowThePrefillIsNamed(t *testing.T) {
 		})
 	}
 }
+
+// vLLM's Responses server runs a generation after each built-in tool call
+// with the decode leg's kv_transfer_params again (docs/engines.md, item 8).
+// routes.pair_builtin_tools is refused where that second pull goes wrong:
+// kv-nixl reads blocks freed since, kv-mooncake waits for a transfer already
+// sent. SGLang's Responses requests never go P/D; a store serves every reader.
+func TestPairingBuiltinToolsIsRefusedWhereAHandoffServesOnce(t *testing.T) {
+	tests := []struct {
+		connector string
+		wants     []string // what the error says; none: the file loads
+	}{
+		{"kv-nixl", []string{"routes.pair_builtin_tools", "kv-nixl", "freed", "builtin_tools"}},
+		{"kv-mooncake", []string{"routes.pair_builtin_tools", "kv-mooncake", "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "builtin_tools"}},
+		{"kv-sglang", nil},
+		{"kv-shared-storage", nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.connector, func(t *testing.T) {
+			_, err := Parse([]byte("connector: " + tt.connector + "\n" +
+				`pools: {prefill: {endpoints: ["10.0.0.1:8000"]}, decode: {endpoints: ["10.0.0.2:8000"]}}` + "\nroutes: {pair_builtin_tools: true}\n"))
+			if tt.wants == nil {
+				if err != nil {
+					t.Fatalf("Parse() = %v, want the file loaded", err)
+				}
+				return
+			}
+			for _, want := range tt.wants {
+				if err == nil || !strings.Contains(err.Error(), want) {
+					t.Errorf("Parse() error = %v, want one saying %q", err, want)
+				}
+			}
+		})
+	}
+}

@@ -67,8 +67,10 @@ func TestRestartPendingNamesTheKeysAReloadDoesNotApply(t *testing.T) {
 		{name: "envoy", more: `envoy: {override_after: 1s}`, want: []string{"envoy.override_after"}},
 		{name: "tracing", more: `tracing: {otlp_endpoint: "http://collector:4317", sample_ratio: 0.5}`, want: []string{"tracing.otlp_endpoint", "tracing.sample_ratio"}},
 		{name: "the pass-through list", more: `routes: {passthrough: ["GET /v1/models"]}`, want: []string{"routes.passthrough"}},
-		{name: "the APIs paired", more: `routes: {pair_builtin_tools: true, messages_decode_only: true}`,
-			want: []string{"routes.messages_decode_only", "routes.pair_builtin_tools"}},
+		{name: "the APIs paired", more: `routes: {messages_decode_only: true, responses_decode_only: true}`,
+			want: []string{"routes.messages_decode_only", "routes.responses_decode_only"}},
+		{name: "built-in tools paired, under another connector", connector: "kv-shared-storage", more: `routes: {pair_builtin_tools: true}`,
+			want: []string{"connector", "routes.pair_builtin_tools"}},
 		{name: "the response path", more: `response: {rewrite_usage: true, max_body_bytes: 1024}`, want: []string{"response.max_body_bytes", "response.rewrite_usage"}},
 	}
 	file := func(connector, pools, more string) string {
@@ -153,7 +155,7 @@ func TestInForceKeepsTheRunningValueOfEachRestartOnlyKey(t *testing.T) {
 		// Not max_concurrent_streams: admission.max_held, live, follows it (README).
 		{name: "limits", next: started + "limits: {max_body_bytes: 1048576, body_timeout: 5s, retry_after: 2s}\n"},
 		{name: "tracing", next: started + "tracing: {otlp_endpoint: \"http://collector:4317\", sample_ratio: 0.5}\n"},
-		{name: "routes", next: started + "routes: {passthrough: [\"GET /v1/models\"], pair_builtin_tools: true, messages_decode_only: true}\n"},
+		{name: "routes", next: started + "routes: {passthrough: [\"GET /v1/models\"], messages_decode_only: true, responses_decode_only: true}\n"},
 		{name: "response", next: started + "response: {rewrite_usage: true, max_body_bytes: 1024}\n"},
 		{name: "a pool's TLS, key and bootstrap port", next: "connector: kv-nixl\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"], bootstrap_port: 9000}, " +
 			"decode: {endpoints: [\"10.0.0.2:8000\"], tls: {enabled: true}, api_key_file: /keys/decode}}\n"},

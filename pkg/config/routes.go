@@ -1,6 +1,12 @@
 package config
 
-import "github.com/pd-extproc/pd-extproc/pkg/api"
+import (
+	"errors"
+	"fmt"
+
+	"github.com/pd-extproc/pd-extproc/pkg/api"
+	"github.com/pd-extproc/pd-extproc/pkg/kv"
+)
 
 // Routes is what the service routes besides the APIs it disaggregates
 // (pkg/api): everything else gets its 404.
@@ -11,7 +17,9 @@ type Routes struct {
 	Passthrough []string `json:"passthrough"`
 	// PairBuiltinTools disaggregates Responses requests whose tools include
 	// one other than a function, which go decode-only by default
-	// (builtin_tools): vLLM may run several generations in such a request.
+	// (builtin_tools): vLLM may run several generations in such a request,
+	// each pulling the decode leg's KV again. Refused where a second pull
+	// goes wrong (kv.Connector.RepeatedPull).
 	PairBuiltinTools bool `json:"pair_builtin_tools,omitempty"`
 	// MessagesDecodeOnly sends Anthropic Messages requests to a decode
 	// engine alone, for vLLM before 0.19.0, whose prefill answer carries no
@@ -31,9 +39,15 @@ func (r *Routes) SetDefaults() {
 	}
 }
 
-// Validate checks the entries under key ("routes").
-func (r Routes) Validate(key string) error {
+// Validate checks the entries under key ("routes") for connector c, named
+// name (c is nil when the name is unknown).
+func (r Routes) Validate(key, name string, c kv.Connector) error {
 	_, err := api.ParseRoutes(key+".passthrough", r.Passthrough)
+	if c != nil && r.PairBuiltinTools && api.Responses.Pairs.Has(c.Family()) && c.RepeatedPull() != "" {
+		err = errors.Join(err, fmt.Errorf("%s.pair_builtin_tools: not with %s: vLLM's Responses server runs a generation after "+
+			"each built-in tool call, each with the decode leg's kv_transfer_params again, and %s; drop the key: such "+
+			"requests then go to a decode engine alone (builtin_tools)", key, name, c.RepeatedPull()))
+	}
 	return err
 }
 

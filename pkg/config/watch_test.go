@@ -270,6 +270,7 @@ func TestWatchRefusesAReload(t *testing.T) {
 	// does not stop (pools.prefill.kubernetes takes a restart), and shedding.
 	const kube = "connector: kv-nixl\nadmission: {objectives: {batch: -1}}\n" +
 		"pools: {prefill: {kubernetes: {selector: app=vllm, port: 8000}, metrics: {interval: 1s}}, decode: {endpoints: [\"10.0.0.2:8000\"], metrics: {interval: 1s}}}\n"
+	const nixl = "connector: kv-nixl\npools: {prefill: {endpoints: [\"10.0.0.1:8000\"]}, decode: {endpoints: [\"10.0.0.2:8000\"]}}\n"
 	tests := []struct {
 		name   string
 		start  string // "": sglang
@@ -280,6 +281,8 @@ func TestWatchRefusesAReload(t *testing.T) {
 			[]string{"running connector", "kv-sglang", "pd.mode"}},
 		{"the removed rooms", "", sglang + "pd: {sglang_parallel_sampling: rooms}\n", []string{"rooms was removed", "never read"}},
 		{"no connector", "", strings.TrimPrefix(sglang, "connector: kv-sglang\n"), []string{"connector: not set", "kv-nixl", "kv-shared-storage", "kv-sglang"}},
+		{"built-in tools paired under kv-nixl", nixl, nixl + "routes: {pair_builtin_tools: true}\n",
+			[]string{"routes.pair_builtin_tools", "kv-nixl", "keeping the running config"}},
 		{"shedding without the scrapes of a pool whose kubernetes key is dropped", kube,
 			"connector: kv-nixl\nadmission: {objectives: {batch: -1}}\npools: {decode: {endpoints: [\"10.0.0.2:8000\"], metrics: {interval: 1s}}}\n",
 			[]string{"running", "pools.prefill.kubernetes", "set pools.prefill.metrics.interval"}},

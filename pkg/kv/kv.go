@@ -89,6 +89,11 @@ type Connector interface {
 	// kv_transfer_params the decode leg needs (Handoff.PrefillKV): an answer
 	// without them means the decode engine recomputes the prompt.
 	HandsBackParams() bool
+	// RepeatedPull is what a second decode request carrying the decode
+	// leg's transfer parameters meets (vLLM's Responses server sends one
+	// per generation after a built-in tool call), "" when it finds the KV
+	// as the first did.
+	RepeatedPull() string
 	// PrefillEdits turns the client's body into the prefill leg's body.
 	PrefillEdits(h *Handoff) []body.Edit
 	// DecodeEdits turns the client's body into the decode leg's body.

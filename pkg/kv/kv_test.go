@@ -443,15 +443,16 @@ func TestBuild(t *testing.T) {
 		dispatch                Dispatch
 		paired, handsBackParams bool
 		rendezvous              Rendezvous
+		repeatedPull            bool // a second pull goes wrong (RepeatedPull says how)
 	}
 	tests := []struct {
 		name string
 		want properties
 	}{
-		{name: "kv-nixl", want: properties{family: api.VLLM, dispatch: Sequential, handsBackParams: true}},
+		{name: "kv-nixl", want: properties{family: api.VLLM, dispatch: Sequential, handsBackParams: true, repeatedPull: true}},
 		{name: "kv-shared-storage", want: properties{family: api.VLLM, dispatch: Sequential}},
-		{name: "kv-sglang", want: properties{family: api.SGLang, dispatch: Concurrent, paired: true, rendezvous: SGLangBootstrapPort}},
-		{name: "kv-mooncake", want: properties{family: api.VLLM, dispatch: Concurrent, rendezvous: MooncakeEngineIDs}},
+		{name: "kv-sglang", want: properties{family: api.SGLang, dispatch: Concurrent, paired: true, rendezvous: SGLangBootstrapPort, repeatedPull: true}},
+		{name: "kv-mooncake", want: properties{family: api.VLLM, dispatch: Concurrent, rendezvous: MooncakeEngineIDs, repeatedPull: true}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -459,7 +460,7 @@ func TestBuild(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Build(%q): %v", tt.name, err)
 			}
-			if got := (properties{c.Family(), c.Dispatch(), c.Paired(), c.HandsBackParams(), c.Rendezvous()}); got != tt.want {
+			if got := (properties{c.Family(), c.Dispatch(), c.Paired(), c.HandsBackParams(), c.Rendezvous(), c.RepeatedPull() != ""}); got != tt.want {
 				t.Fatalf("Build(%q) = %+v, want %+v", tt.name, got, tt.want)
 			}
 		})

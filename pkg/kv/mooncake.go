@@ -22,6 +22,12 @@ func (mooncakeKV) Paired() bool           { return false }
 func (mooncakeKV) HandsBackParams() bool  { return false }
 func (mooncakeKV) Rendezvous() Rendezvous { return MooncakeEngineIDs }
 
+// RepeatedPull: MooncakeConnectorWorker.send_kv_to_decode, mooncake_connector.py @ 00f4240e.
+func (mooncakeKV) RepeatedPull() string {
+	return "the prefill engine forgets a transfer once sent: the decode engine waits VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT " +
+		"(480 s by default) for it, then fails its load (or recomputes the prompt, under kv_load_failure_policy recompute)"
+}
+
 func (mooncakeKV) PrefillEdits(h *Handoff) []body.Edit {
 	params := `{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":` + string(body.Quote(transferID(h))) + `}`
 	return append(slices.Clip(h.Shape.Caps), transferParams(h.Shape, []byte(params)))

@@ -22,6 +22,13 @@ func (nixlKV) Paired() bool           { return false }
 func (nixlKV) HandsBackParams() bool  { return true }
 func (nixlKV) Rendezvous() Rendezvous { return NoRendezvous }
 
+// RepeatedPull: NixlConnectorWorker._read_blocks and _get_new_notifs,
+// nixl_connector.py @ 002a1057 (docs/envoy.md, "No fallbacks for a kv-nixl pull").
+func (nixlKV) RepeatedPull() string {
+	return "the prefill engine freed the blocks once the first pull read them, and a second read of the same ids " +
+		"completes with no error: the decode engine computes from blocks other requests hold by then"
+}
+
 func (nixlKV) PrefillEdits(h *Handoff) []body.Edit {
 	return append(slices.Clip(h.Shape.Caps), transferParams(h.Shape, nixlPrefillParams))
 }

@@ -15,6 +15,13 @@ func (sglangKV) Paired() bool           { return true }
 func (sglangKV) HandsBackParams() bool  { return false }
 func (sglangKV) Rendezvous() Rendezvous { return SGLangBootstrapPort }
 
+// RepeatedPull: the bootstrap thread's transfer_infos[room],
+// python/sglang/srt/disaggregation/mooncake/conn.py.
+func (sglangKV) RepeatedPull() string {
+	return "the prefill engine sends a bootstrap room's KV once: a second decode request for the room waits " +
+		"SGLANG_DISAGGREGATION_WAITING_TIMEOUT for KV that never comes, and fails"
+}
+
 // The prefill leg is not capped: SGLang's prefill engine stops after the forward
 // pass by itself, and the reference routers send it the client's body unchanged.
 func (sglangKV) PrefillEdits(h *Handoff) []body.Edit { return bootstrapFields(h) }

@@ -13,5 +13,6 @@ func (sharedStorageKV) Dispatch() Dispatch                  { return Sequential 
 func (sharedStorageKV) Paired() bool                        { return false }
 func (sharedStorageKV) HandsBackParams() bool               { return false }
 func (sharedStorageKV) Rendezvous() Rendezvous              { return NoRendezvous }
+func (sharedStorageKV) RepeatedPull() string                { return "" } // a read frees nothing
 func (sharedStorageKV) PrefillEdits(h *Handoff) []body.Edit { return h.Shape.Caps }
 func (sharedStorageKV) DecodeEdits(*Handoff) []body.Edit    { return nil }

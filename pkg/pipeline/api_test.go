@@ -74,7 +74,7 @@ func TestAPITable(t *testing.T) {
 			body: `{"input":"hi","tools":[null]}`, wantReason: metrics.ReasonBuiltinTools},
 		{name: "responses with function tools", connector: "kv-nixl", path: "/v1/responses",
 			body: `{"input":"hi","tools":[{"type":"function","name":"f"}]}`, wantReason: metrics.ReasonLongPrompt},
-		{name: "responses with a built-in tool, paired by config", connector: "kv-nixl", more: "routes: {pair_builtin_tools: true}", path: "/v1/responses",
+		{name: "responses with a built-in tool, paired by config", connector: "kv-shared-storage", more: "routes: {pair_builtin_tools: true}", path: "/v1/responses",
 			body: `{"input":"hi","tools":[{"type":"code_interpreter"}]}`, wantReason: metrics.ReasonLongPrompt},
 		{name: "chat without a model, which the engine serves by its own", connector: "kv-nixl", path: "/v1/chat/completions",
 			body: `{"messages":[{"role":"user","content":"hi"}]}`, wantReason: metrics.ReasonLongPrompt},

@@ -221,7 +221,7 @@ func (r *rig) checkRoutes(t *testing.T, marker string) {
 // TestDecodeOnlyByRequestOrConfig: a Responses request with a tool other
 // than a function goes to the decode engine alone (builtin_tools), in both
 // body modes; with function tools it is P/D, and routes.pair_builtin_tools
-// pairs both. routes.messages_decode_only sends Anthropic Messages requests,
+// pairs both (under kv-shared-storage: kv-nixl refuses the key). routes.messages_decode_only sends Anthropic Messages requests,
 // P/D by default, to the decode engine alone (unpaired_api).
 func TestDecodeOnlyByRequestOrConfig(t *testing.T) {
 	responses := func(tools string) string {
@@ -229,6 +229,7 @@ func TestDecodeOnlyByRequestOrConfig(t *testing.T) {
 	}
 	tests := []struct {
 		name, mode, extra, path, body string // body: {marker} marks the case's legs
+		connector                     string // "": kv-nixl
 		wantPrefill                   int
 		reason                        string // of a decode-only request
 	}{
@@ -236,14 +237,14 @@ func TestDecodeOnlyByRequestOrConfig(t *testing.T) {
 			body: responses(`[{"type":"function","name":"f","parameters":{}},{"type":"web_search_preview"}]`), reason: "builtin_tools"},
 		{name: "a built-in tool, buffered", mode: "buffered", path: "/v1/responses", body: responses(`[{"type":"mcp","server_label":"x"}]`), reason: "builtin_tools"},
 		{name: "function tools", path: "/v1/responses", body: responses(`[{"type":"function","name":"f","parameters":{}}]`), wantPrefill: 1},
-		{name: "a built-in tool, paired by config", extra: "routes: {pair_builtin_tools: true}", path: "/v1/responses",
+		{name: "a built-in tool, paired by config", connector: "kv-shared-storage", extra: "routes: {pair_builtin_tools: true}", path: "/v1/responses",
 			body: responses(`[{"type":"code_interpreter","container":{"type":"auto"}}]`), wantPrefill: 1},
 		{name: "messages, decode-only by config", extra: "routes: {messages_decode_only: true}", path: "/v1/messages",
 			body: `{"model":"pdsim","messages":[{"role":"user","content":"{marker} what is new?"}],"max_tokens":4}`, reason: "unpaired_api"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r := startRig(t, rigOptions{mode: tt.mode, extra: tt.extra})
+			r := startRig(t, rigOptions{mode: tt.mode, connector: tt.connector, extra: tt.extra})
 			marker := "[decode-only? " + tt.name + "]"
 			if resp, got := r.must(t, tt.path, strings.ReplaceAll(tt.body, "{marker}", marker), nil); resp.StatusCode != http.StatusOK {
 				t.Fatalf("status %d: %.300s", resp.StatusCode, got)
