@@ -248,7 +248,7 @@ func TestASharedStoragePrefillIsJudgedByItsOwnAnswer(t *testing.T) {
 				`"remote_engine_id":"e","remote_request_id":"r","remote_host":"`+remoteHost+`","remote_port":5600}}`))
 			p, m, lines := newPipeline(t, fmt.Sprintf("connector: kv-shared-storage\npools: {prefill: {endpoints: [%q]}, decode: {endpoints: [\"10.1.1.1:8000\"]}}\n", engine.Addr()))
 			for i := range 3 {
-				r := &pipeline.Request{Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)}
+				r := &pipeline.Request{ContentType: "application/json", Method: "POST", Path: "/v1/completions", RequestID: fmt.Sprint("r", i), Body: []byte(`{"model":"m","prompt":"hi"}`)}
 				d, err := p.Route(context.Background(), r)
 				if err != nil {
 					t.Fatal(err)
