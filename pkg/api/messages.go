@@ -22,7 +22,7 @@ import (
 // does (anthropicRole).
 func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 	b.Grow(len(raw)) // the rendering is shorter than the messages' JSON: one buffer, not a chain of them
-	preamble, head, previous := 0, 0, 0
+	preamble, head, previous, media := 0, 0, 0, 0
 	// reply is where the run of model output being read began, -1 outside one.
 	reply := -1
 	for item := range body.Items(raw) { // none when raw is not a list
@@ -53,52 +53,71 @@ func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 		if first {
 			preamble = b.Len()
 		}
-		writeMessage(b, role, content, calls)
+		if end := writeMessage(b, role, content, calls); end > 0 {
+			media = end
+		}
 		if first {
 			head = b.Len()
 		}
 	}
-	return rendering{text: b.String(), tokens: -1, preamble: preamble, head: head, previous: previous}
+	return rendering{text: b.String(), tokens: -1, preamble: preamble, head: head, previous: previous, media: media}
 }
 
 // writeMessage writes a message as its role, a newline, its content and its
-// tool calls (JSON), and a newline.
-func writeMessage(b *strings.Builder, role string, content, calls []byte) {
+// tool calls (JSON), and a newline. It returns where its last media part
+// ends, 0 for none (writeContent).
+func writeMessage(b *strings.Builder, role string, content, calls []byte) (media int) {
 	b.WriteString(role)
 	b.WriteByte('\n')
-	writeContent(b, content, role == "system")
+	media = writeContent(b, content, role == "system")
 	if len(calls) > 0 && !body.IsNull(calls) {
 		b.Write(calls)
 	}
 	b.WriteByte('\n')
+	return media
 }
 
 // writeContent writes a string, or the parts of a list: text parts (chat's
 // "text", the Responses API's "input_text" and "output_text") as their text,
-// others as their JSON without a "cache_control" (uncached). A system
-// message's string or "text" parts are written without Claude Code's
-// billing-header line (unbilled), as vLLM reads them.
-func writeContent(b *strings.Builder, raw json.RawMessage, system bool) {
+// others as their JSON without a "cache_control" (uncached), so that parts
+// of different media differ. A system message's string or "text" parts are
+// written without Claude Code's billing-header line (unbilled), as vLLM
+// reads them. It returns where the last media part (mediaParts) ends, 0
+// for none.
+func writeContent(b *strings.Builder, raw json.RawMessage, system bool) (media int) {
 	if len(raw) == 0 || body.IsNull(raw) {
-		return
+		return 0
 	}
 	if raw[0] == '"' {
 		b.WriteString(unbilled(body.DecodeString(raw), system))
-		return
+		return 0
 	}
 	for p := range body.Items(raw) {
-		if kind, text, ok := textPart(p); ok {
+		kind, text, ok := textPart(p)
+		if ok {
 			b.WriteString(unbilled(text, system && kind == "text"))
-		} else {
-			b.Write(uncached(p))
+			continue
+		}
+		b.Write(uncached(p))
+		if mediaParts[kind] {
+			media = b.Len()
 		}
 	}
+	return media
 }
 
-// textPart reads a content part that is text: its type (chat's "text", the
-// Responses API's "input_text" and "output_text") and its text, keys read
-// as the engines read them: as spelt, the last duplicate winning (not
-// encoding/json's case-insensitive match, which took "TEXT" for "text").
+// mediaParts are the content parts that vLLM hands its multimodal processor
+// (MM_PARSER_MAP, vllm/renderers/chat_utils/mm_parser_map.py @ 5e29e21a),
+// and Anthropic's image blocks, which its Messages handler makes image_url
+// parts. Each becomes as many tokens as the processor makes of the media
+// (hundreds to thousands an image), which the request does not tell.
+var mediaParts = map[string]bool{"image_url": true, "input_image": true, "image_embeds": true, "image_pil": true,
+	"audio_url": true, "input_audio": true, "audio_embeds": true, "video_url": true, "video_embeds": true, "image": true}
+
+// textPart reads a content part: its type, and its text when it is text
+// (ok: chat's "text", the Responses API's "input_text" and "output_text"),
+// keys read as the engines read them: as spelt, the last duplicate winning
+// (not encoding/json's case-insensitive match, which took "TEXT" for "text").
 func textPart(part []byte) (kind, text string, ok bool) {
 	if len(part) == 0 || part[0] != '{' {
 		return "", "", false
@@ -110,9 +129,8 @@ func textPart(part []byte) (kind, text string, ok bool) {
 	switch kind, _ = o.String("type"); kind {
 	case "text", "input_text", "output_text":
 		text, ok = o.String("text")
-		return kind, text, ok
 	}
-	return "", "", false
+	return kind, text, ok
 }
 
 var cacheControl = []byte(`"cache_control"`)

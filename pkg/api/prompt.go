@@ -42,12 +42,12 @@ type Prompt struct {
 }
 
 // rendering is a prompt as text, with what rendering it tells: its exact
-// length when the body carries token ids (else -1), and the lengths of its
+// length when the body carries token ids (else -1), the lengths of its
 // preamble, its head and its previous request (0: none, see Preamble, Head
-// and Previous).
+// and Previous), and where its last media part ends (0: none, see Media).
 type rendering struct {
-	text                             string
-	tokens, preamble, head, previous int
+	text                                    string
+	tokens, preamble, head, previous, media int
 }
 
 // plain is a rendering of text alone: no token ids, no head.
@@ -114,6 +114,18 @@ func (p *Prompt) Previous() string {
 	}
 	p.once.Do(p.do)
 	return p.r.text[:p.r.previous]
+}
+
+// Media is where in Text the prompt's last image, audio or video part (or
+// their embeddings) ends, 0 when it has none: the tokens the engine makes
+// of such a part are not in the request, and its JSON, which Text holds,
+// tells only which media it is.
+func (p *Prompt) Media() int {
+	if p == nil {
+		return 0
+	}
+	p.once.Do(p.do)
+	return p.r.media
 }
 
 func (p *Prompt) do() { p.r = p.render() }

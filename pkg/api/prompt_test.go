@@ -132,9 +132,47 @@ func TestPromptReaders(t *testing.T) {
 	}
 }
 
+// TestPromptMedia: Media is where the last image, audio or video part ends
+// in Text, in each API that takes them; 0 for text, tool calls and the
+// Responses API's other items.
+func TestPromptMedia(t *testing.T) {
+	tests := []struct {
+		name string
+		api  *API
+		body string
+		want string // Text up to Media; "" for none
+	}{
+		{name: "chat: an image between texts", api: Chat,
+			body: `{"messages":[{"role":"user","content":[{"type":"text","text":"Is"},{"type":"image_url","image_url":{"url":"u"}},{"type":"text","text":" red?"}]}]}`,
+			want: `user` + "\n" + `Is{"type":"image_url","image_url":{"url":"u"}}`},
+		{name: "chat: the last of audio and video", api: Chat,
+			body: `{"messages":[{"role":"user","content":[{"type":"input_audio","input_audio":{"data":"QQ==","format":"wav"}}]},` +
+				`{"role":"assistant","content":"ok"},{"role":"user","content":[{"type":"video_url","video_url":{"url":"v"}},{"type":"text","text":"?"}]}]}`,
+			want: "user\n" + `{"type":"input_audio","input_audio":{"data":"QQ==","format":"wav"}}` + "\nassistant\nok\nuser\n" + `{"type":"video_url","video_url":{"url":"v"}}`},
+		{name: "chat: text and tool calls only", api: Chat,
+			body: `{"messages":[{"role":"user","content":[{"type":"text","text":"Hi"}]},{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]}]}`},
+		{name: "responses: input_image", api: Responses,
+			body: `{"input":[{"role":"user","content":[{"type":"input_image","image_url":"data:image/png;base64,QQ=="},{"type":"input_text","text":"?"}]}]}`,
+			want: "user\n" + `{"type":"input_image","image_url":"data:image/png;base64,QQ=="}`},
+		{name: "responses: a function call output is no media", api: Responses,
+			body: `{"input":[{"type":"function_call_output","call_id":"c","output":"42"}]}`},
+		{name: "messages: an image block", api: Messages,
+			body: `{"max_tokens":1,"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"u"}},{"type":"text","text":"?"}]}]}`,
+			want: "user\n" + `{"type":"image","source":{"type":"url","url":"u"}}`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := tt.api.Prompt(parsed(t, tt.body))
+			if got := p.Text()[:p.Media()]; got != tt.want {
+				t.Errorf("Text()[:Media()] = %q, want %q", got, tt.want)
+			}
+		})
+	}
+}
+
 func TestNilPromptHasNothingToGoBy(t *testing.T) {
 	var p *Prompt
-	if p.Text() != "" || p.Tokens() != -1 || p.Preamble() != "" || p.Head() != "" || p.Previous() != "" {
+	if p.Text() != "" || p.Tokens() != -1 || p.Preamble() != "" || p.Head() != "" || p.Previous() != "" || p.Media() != 0 {
 		t.Fatal("a nil prompt has a text")
 	}
 }

@@ -75,7 +75,8 @@ func (d *Decider) Decide(req *Request, prefill, decodes *Pool, decode *Endpoint)
 		return Split{Reason: metrics.ReasonNGT1}
 	case req != nil && req.Prompts > 1 && !d.paired:
 		return Split{Reason: metrics.ReasonBatch}
-	case d.cfg.Mode == config.PDAuto && d.cfg.MinPromptTokens > 0 && req.PromptTokens(d.cfg.CharsPerToken) < d.cfg.MinPromptTokens:
+	case d.cfg.Mode == config.PDAuto && d.cfg.MinPromptTokens > 0 && req.PromptTokens(d.cfg.CharsPerToken) < d.cfg.MinPromptTokens &&
+		!req.uncountedMedia(0):
 		return Split{Reason: metrics.ReasonShortPrompt}
 	case !prefill.Ready():
 		return Split{Reason: metrics.ReasonNoPrefill}
@@ -104,9 +105,11 @@ func (d *Decider) Decide(req *Request, prefill, decodes *Pool, decode *Endpoint)
 // pd.min_uncached_tokens and pd.max_uncached_ratio of the prompt, so that
 // computing it there costs less than a prefill leg's round trip and queue;
 // and decode's answers have not belied its estimates lately (trust.go).
+// A media part decode is not estimated to hold is never below them: decode
+// would encode it and compute its tokens, which no estimate counts.
 // It returns the tokens decode is estimated to hold.
 func (d *Decider) cached(req *Request, decode *Endpoint) (held int, ok bool) {
-	if d.minUncached <= 0 || req.Held(decode) == 0 || !decode.CacheTrusted() {
+	if d.minUncached <= 0 || req.Held(decode) == 0 || !decode.CacheTrusted() || req.uncountedMedia(req.Held(decode)) {
 		return 0, false
 	}
 	uncached, tokens := req.UncachedTokens(decode, d.cfg.CharsPerToken)

@@ -192,6 +192,14 @@ func (r *Request) UncachedTokens(e *Endpoint, charsPerToken float64) (uncached, 
 	return tokens - int(int64(tokens)*int64(held)/int64(r.promptRunes())), tokens
 }
 
+// uncountedMedia says a media part of the prompt (api.Prompt.Media) ends
+// past its first held characters while its tokens are estimated from
+// characters: the part's JSON tells nothing of the tokens the engine makes
+// of it. Token ids from the engine (SetTokens) count them.
+func (r *Request) uncountedMedia(held int) bool {
+	return r != nil && r.tokens == nil && r.prompt.Tokens() < 0 && r.prompt.Media() > held
+}
+
 // promptRunes is the prompt's length in runes, counted once.
 func (r *Request) promptRunes() int {
 	if r.runes == 0 {
