@@ -85,3 +85,34 @@ func chatMessages(messages []string) *Request {
 	}
 	return NewRequest(api.Chat.Prompt(obj))
 }
+
+// TestMediaIsNotHeldByTheEnginesKVEvents: with the prompt's token ids from
+// the engine and the decode endpoint's hit read from its KV events, a new
+// image still sends the request P/D: the hit stops before the image (its
+// blocks carry the media's hash, which a lookup never gives), and whether
+// the ids count the image's tokens is the engine's affair.
+func TestMediaIsNotHeldByTheEnginesKVEvents(t *testing.T) {
+	history := []string{`{"role":"system","content":"` + strings.Repeat("s", 2000) + `"}`, `{"role":"user","content":"Hi"}`,
+		`{"role":"assistant","content":"Hello"}`}
+	tests := []struct {
+		name string
+		last string // the last user message's content
+		want Split
+	}{
+		{name: "a new image", last: `[{"type":"image_url","image_url":{"url":"https://example.com/b.png"}}]`, want: Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{name: "new text", last: `"And then?"`, want: Split{Reason: metrics.ReasonCachedPrefix}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ps := NewPools(Spec{Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}},
+				Decode: PoolSpec{Endpoints: []string{"10.0.0.1:8000"}, PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity}}}, Deps{})
+			e := ps.Decode.Endpoints()[0]
+			req := chatMessages(append(history, `{"role":"user","content":`+tt.last+`}`))
+			req.SetTokens(make([]int64, 600))
+			req.held = estimate{addr: e.Addr, tokens: 590, exact: true} // as the KV events' lookup sets it
+			if got := ps.Decide(req, e); got.PD != tt.want.PD || got.Reason != tt.want.Reason {
+				t.Fatalf("Decide() = %+v, want %+v", got, tt.want)
+			}
+		})
+	}
+}

@@ -193,11 +193,12 @@ func (r *Request) UncachedTokens(e *Endpoint, charsPerToken float64) (uncached, 
 }
 
 // uncountedMedia says a media part of the prompt (api.Prompt.Media) ends
-// past its first held characters while its tokens are estimated from
-// characters: the part's JSON tells nothing of the tokens the engine makes
-// of it. Token ids from the engine (SetTokens) count them.
+// past its first held characters: its JSON tells nothing of the tokens the
+// engine makes of it, and vLLM keys those tokens' blocks by the media's
+// hash, which no request's keys give (kvevents.Keys), so that the engines'
+// KV events never show them held either.
 func (r *Request) uncountedMedia(held int) bool {
-	return r != nil && r.tokens == nil && r.prompt.Tokens() < 0 && r.prompt.Media() > held
+	return r != nil && r.prompt.Media() > held
 }
 
 // promptRunes is the prompt's length in runes, counted once.
