@@ -30,6 +30,10 @@ type Prompt struct {
 	// own, and the cache_salt. Prompts alike in text and not in Cache share
 	// no cache.
 	Cache kvevents.Keys
+	// Variant is a hash of what else has the engine render the prompt
+	// otherwise than its text says, or key its blocks apart (API.PromptOf);
+	// 0 for none.
+	Variant uint64
 	// Conversation is the client's own name for the conversation, OpenAI's
 	// prompt_cache_key ("" when it sends none): Codex sends its conversation's
 	// id there, which its requests' text does not tell apart (the first user

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pd-extproc/pd-extproc/pkg/api"
 	"github.com/pd-extproc/pd-extproc/pkg/body"
 	"github.com/pd-extproc/pd-extproc/pkg/config"
 	"github.com/pd-extproc/pd-extproc/pkg/metrics"
@@ -494,6 +495,55 @@ func TestAnEngineWithoutFreshCountersIsNotAssumedToHoldItsPrompts(t *testing.T) 
 			}
 			if got := ps.Decide(req, e); got.PD != tt.want.PD || got.Reason != tt.want.Reason {
 				t.Fatalf("Decide() = %+v (estimated held %d characters), want %+v", got, req.Held(e), tt.want)
+			}
+		})
+	}
+}
+
+// TestARequestRenderedOtherwiseIsNotAssumedHeld: a question under the
+// system prompt and tools of one this replica just sent a decode endpoint
+// goes there decode-only (cached_prefix), unless a field besides the
+// messages has the engine render its prompt otherwise from the start (a
+// chat template of its own, gpt-oss's reasoning effort in its system
+// message): then nothing of it is held, and it goes P/D.
+func TestARequestRenderedOtherwiseIsNotAssumedHeld(t *testing.T) {
+	system := strings.Repeat("You answer from the manual. ", 80)
+	const tools = `[{"type":"function","function":{"name":"search","parameters":{"type":"object"}}}]`
+	chat := func(question, fields string) *Request {
+		t.Helper()
+		raw := fmt.Sprintf(`{"model":"m",%s"messages":[{"role":"system","content":%q},{"role":"user","content":%q}]}`, fields, system, question)
+		obj, err := body.Parse([]byte(raw))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return NewRequest(api.Chat.PromptOf(obj))
+	}
+	first := `"tools":` + tools + `,"chat_template_kwargs":{"reasoning_effort":"low"},`
+	tests := []struct {
+		name, fields string
+		want         Split
+	}{
+		{"the same fields", first, Split{Reason: metrics.ReasonCachedPrefix}},
+		{"another reasoning effort", `"tools":` + tools + `,"chat_template_kwargs":{"reasoning_effort":"high"},`, Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{"a chat template of its own", first + `"chat_template":"{{ messages }}",`, Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ps := NewPools(Spec{
+				Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}},
+				Decode: PoolSpec{Endpoints: []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"},
+					PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity}},
+			}, Deps{})
+			if _, err := ps.Decode.Select(chat("What does the red light mean?", first)); err != nil {
+				t.Fatal(err)
+			}
+			req := chat("How do I reset it?", tt.fields)
+			e, err := ps.Decode.Select(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := ps.Decide(req, e); got.PD != tt.want.PD || got.Reason != tt.want.Reason {
+				t.Fatalf("Decide() = %+v, want %+v", got, tt.want)
 			}
 		})
 	}

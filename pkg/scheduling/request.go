@@ -1,6 +1,7 @@
 package scheduling
 
 import (
+	"encoding/binary"
 	"math"
 	"unicode/utf8"
 
@@ -138,19 +139,26 @@ func (r *Request) cache() kvevents.Keys {
 	return r.prompt.Cache
 }
 
-// namespace is a hash of cache, 0 for none: it keys the request's
-// rendezvous ranking and the local hint's blocks, as the engine keys its
-// cached blocks.
+// namespace is a hash of cache and of the prompt's Variant, 0 for none: it
+// keys the request's rendezvous ranking and the local hint's blocks, as
+// the engine keys its cached blocks.
 func (r *Request) namespace() uint64 {
-	k := r.cache()
-	if k == (kvevents.Keys{}) {
+	k, v := r.cache(), uint64(0)
+	if r != nil && r.prompt != nil {
+		v = r.prompt.Variant
+	}
+	if k == (kvevents.Keys{}) && v == 0 {
 		return 0
 	}
-	var h xxhash.Digest // of model, NUL, salt, without building the string
+	var h xxhash.Digest // of model, NUL, salt (and NUL, variant), without building the string
 	h.Reset()
 	h.WriteString(k.Model)
 	h.WriteString("\x00")
 	h.WriteString(k.Salt)
+	if v != 0 {
+		h.WriteString("\x00")
+		h.Write(binary.LittleEndian.AppendUint64(nil, v))
+	}
 	return h.Sum64()
 }
 

@@ -1,6 +1,7 @@
 package scheduling
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/pd-extproc/pd-extproc/pkg/api"
@@ -41,4 +42,64 @@ func TestNilRequestHasNothingToGoBy(t *testing.T) {
 	if (&Request{N: 1, Prompts: 1}).Prompt() != "" {
 		t.Fatal("a request without a prompt has one")
 	}
+}
+
+// TestTheKeyFollowsTheRenderedPrompt: two requests get the same prefix key
+// (namespace and rendered text, which the ranking and the local hint both
+// hash) exactly when the engine renders and caches their prompts alike. The
+// fields besides the messages that change what vLLM or SGLang renders (a
+// request's own chat template, its template kwargs, with the documents and
+// reasoning effort merged into them, a message's name) or what their
+// caches key blocks with (SGLang's extra_key) set requests apart; the
+// JSON's whitespace and key order, which the engines parse away, do not.
+func TestTheKeyFollowsTheRenderedPrompt(t *testing.T) {
+	const msgs = `"messages":[{"role":"system","content":"S"},{"role":"user","content":"Q"}]`
+	chat := func(fields string) string { return `{"model":"m",` + fields + msgs + `}` }
+	tests := []struct {
+		name string
+		api  *api.API
+		a, b string
+		same bool
+	}{
+		{"a request's chat template", api.Chat, chat(``), chat(`"chat_template":"{{ messages }}",`), false},
+		{"two chat templates", api.Chat, chat(`"chat_template":"A",`), chat(`"chat_template":"B",`), false},
+		{"enable_thinking", api.Chat, chat(``), chat(`"chat_template_kwargs":{"enable_thinking":false},`), false},
+		{"gpt-oss's reasoning effort in the kwargs", api.Chat,
+			chat(`"chat_template_kwargs":{"reasoning_effort":"low"},`), chat(`"chat_template_kwargs":{"reasoning_effort":"high"},`), false},
+		{"reasoning_effort", api.Chat, chat(`"reasoning_effort":"low",`), chat(`"reasoning_effort":"high",`), false},
+		{"documents", api.Chat, chat(``), chat(`"documents":[{"title":"a","text":"x"}],`), false},
+		{"SGLang's extra_key", api.Chat, chat(``), chat(`"extra_key":"k",`), false},
+		{"cache_salt", api.Chat, chat(`"cache_salt":"a",`), chat(`"cache_salt":"b",`), false},
+		{"the adapter", api.Chat, chat(`"model":"lora-a",`), chat(`"model":"lora-b",`), false},
+		{"the Responses API's reasoning effort", api.Responses,
+			`{"input":"Q","reasoning":{"effort":"low"}}`, `{"input":"Q","reasoning":{"effort":"high"}}`, false},
+		{"Anthropic's effort, which vLLM reads as reasoning_effort", api.Messages,
+			`{"model":"m","messages":[{"role":"user","content":"Q"}],"output_config":{"effort":"low"}}`,
+			`{"model":"m","messages":[{"role":"user","content":"Q"}],"output_config":{"effort":"high"}}`, false},
+		{"the body's key order", api.Chat, `{"model":"m",` + msgs + `,"stream":true}`, `{"stream":true,` + msgs + `,"model":"m"}`, true},
+		{"the kwargs' key order and whitespace", api.Chat,
+			chat(`"chat_template_kwargs":{"enable_thinking":false,"x":[1,2]},`), chat(`"chat_template_kwargs": { "x": [1, 2], "enable_thinking": false },`), true},
+		{"documents merged into the kwargs, as vLLM does", api.Chat,
+			chat(`"documents":[{"title":"a","text":"x"}],`), chat(`"chat_template_kwargs":{"documents":[{"title":"a","text":"x"}]},`), true},
+		{"add_generation_prompt: the end of the prompt only", api.Chat, chat(``), chat(`"add_generation_prompt":false,`), true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			a, b := keyOf(t, tt.api, tt.a), keyOf(t, tt.api, tt.b)
+			if same := a == b; same != tt.same {
+				t.Errorf("keyed alike: %v, want %v\n%s\n%s", same, tt.same, a, b)
+			}
+		})
+	}
+}
+
+// keyOf is what keys body's blocks in the ranking and the local hint.
+func keyOf(t *testing.T, a *api.API, raw string) string {
+	t.Helper()
+	obj, err := body.Parse([]byte(raw))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := NewRequest(a.PromptOf(obj))
+	return fmt.Sprintf("%x %q", r.namespace(), r.Prompt())
 }
