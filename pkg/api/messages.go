@@ -40,7 +40,7 @@ func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 			previous, reply = reply, -1
 		}
 		if role == "" {
-			b.Write(item)
+			writeCompact(b, item)
 			b.WriteByte('\n')
 			continue
 		}
@@ -53,7 +53,8 @@ func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 		if first {
 			preamble = b.Len()
 		}
-		if end := writeMessage(b, role, content, calls); end > 0 {
+		name, _ := m.String("name")
+		if end := writeMessage(b, role, name, content, calls); end > 0 {
 			media = end
 		}
 		if first {
@@ -63,15 +64,21 @@ func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 	return rendering{text: b.String(), tokens: -1, preamble: preamble, head: head, previous: previous, media: media}
 }
 
-// writeMessage writes a message as its role, a newline, its content and its
-// tool calls (JSON), and a newline. It returns where its last media part
-// ends, 0 for none (writeContent).
-func writeMessage(b *strings.Builder, role string, content, calls []byte) (media int) {
+// writeMessage writes a message as its role (and name, which vLLM hands
+// the chat template: _parse_chat_message_content,
+// vllm/renderers/chat_utils/parse_chat_message_content.py), a newline, its
+// content and its tool calls (JSON), and a newline. It returns where its last
+// media part ends, 0 for none (writeContent).
+func writeMessage(b *strings.Builder, role, name string, content, calls []byte) (media int) {
 	b.WriteString(role)
+	if name != "" {
+		b.WriteByte(' ')
+		b.WriteString(name)
+	}
 	b.WriteByte('\n')
 	media = writeContent(b, content, role == "system")
 	if len(calls) > 0 && !body.IsNull(calls) {
-		b.Write(calls)
+		writeCompact(b, calls)
 	}
 	b.WriteByte('\n')
 	return media
@@ -155,9 +162,29 @@ func uncached(part []byte) []byte {
 // writeTools writes the request's tools, when it has any, as their JSON.
 func writeTools(b *strings.Builder, o *body.Object) {
 	if raw, ok := o.Raw("tools"); ok && !body.IsNull(raw) {
-		b.Write(raw)
+		writeCompact(b, raw)
 		b.WriteByte('\n')
 	}
+}
+
+// writeCompact writes JSON without the whitespace between its tokens: the
+// engines parse the tools and tool calls, and their templates write them
+// anew, so a client that spaces them out (Python's json.dumps does) sends
+// the prompt of one that does not.
+func writeCompact(b *strings.Builder, raw []byte) {
+	start, in := 0, false
+	for i := 0; i < len(raw); i++ {
+		switch c := raw[i]; {
+		case in && c == '\\':
+			i++
+		case c == '"':
+			in = !in
+		case !in && (c == ' ' || c == '\n' || c == '\t' || c == '\r'):
+			b.Write(raw[start:i])
+			start = i + 1
+		}
+	}
+	b.Write(raw[start:])
 }
 
 // billingHeader starts the line Claude Code puts first in its system prompt,

@@ -505,7 +505,8 @@ func TestAnEngineWithoutFreshCountersIsNotAssumedToHoldItsPrompts(t *testing.T) 
 // goes there decode-only (cached_prefix), unless a field besides the
 // messages has the engine render its prompt otherwise from the start (a
 // chat template of its own, gpt-oss's reasoning effort in its system
-// message): then nothing of it is held, and it goes P/D.
+// message): then nothing of it is held, and it goes P/D. The tools'
+// whitespace, which the engine parses away, changes nothing.
 func TestARequestRenderedOtherwiseIsNotAssumedHeld(t *testing.T) {
 	system := strings.Repeat("You answer from the manual. ", 80)
 	const tools = `[{"type":"function","function":{"name":"search","parameters":{"type":"object"}}}]`
@@ -524,6 +525,8 @@ func TestARequestRenderedOtherwiseIsNotAssumedHeld(t *testing.T) {
 		want         Split
 	}{
 		{"the same fields", first, Split{Reason: metrics.ReasonCachedPrefix}},
+		{"the tools spaced out", `"tools": [ { "type": "function", "function": { "name": "search", "parameters": { "type": "object" } } } ], "chat_template_kwargs": { "reasoning_effort": "low" },`,
+			Split{Reason: metrics.ReasonCachedPrefix}},
 		{"another reasoning effort", `"tools":` + tools + `,"chat_template_kwargs":{"reasoning_effort":"high"},`, Split{PD: true, Reason: metrics.ReasonLongPrompt}},
 		{"a chat template of its own", first + `"chat_template":"{{ messages }}",`, Split{PD: true, Reason: metrics.ReasonLongPrompt}},
 	}
