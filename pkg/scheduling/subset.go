@@ -39,8 +39,9 @@ func ParseSubset(hint []string) Subset {
 			if ip, err := netip.ParseAddr(a); err == nil {
 				s.ips[ip.Unmap()] = true
 			}
-			// An IPv6 ip:port unbracketed, as GIE's locator reads one (split at
-			// the last colon): also read so, beside the bare IP it spells.
+			// An IPv6 ip:port unbracketed, as GIE's full picker read one (split at
+			// the last colon, pkg/epp/requestcontrol/candidates.go @ 1748e829):
+			// also read so, beside the bare IP it spells.
 			if i := strings.LastIndexByte(a, ':'); strings.Count(a, ":") > 1 {
 				if ip, err := netip.ParseAddr(a[:i]); err == nil && ip.Is6() {
 					if port, err := strconv.ParseUint(a[i+1:], 10, 16); err == nil {
@@ -56,7 +57,7 @@ func ParseSubset(hint []string) Subset {
 // admits reports whether the hint lets the request go to the endpoint at ap
 // (Endpoint.ap): named with its port (which tells a data-parallel rank's
 // port from another's), or by its IP alone (any port of it, as GIE's
-// endpoint picker matches hints, pkg/epp/requestcontrol/locator.go), in any
+// pkg/lwepp/handlers/request.go @ 84436a96 matches a bare IP), in any
 // spelling of the address. Pool endpoints are ip:port: a name is in no hint.
 func (s Subset) admits(ap netip.AddrPort) bool {
 	return !s.set || ap.IsValid() && (s.ports[ap] || s.ips[ap.Addr()])
