@@ -156,8 +156,9 @@ func (r *Request) namespace() uint64 {
 	h.WriteString("\x00")
 	h.WriteString(k.Salt)
 	if v != 0 {
-		h.WriteString("\x00")
-		h.Write(binary.LittleEndian.AppendUint64(nil, v))
+		var b [9]byte // NUL, variant
+		binary.LittleEndian.PutUint64(b[1:], v)
+		h.Write(b[:])
 	}
 	return h.Sum64()
 }
