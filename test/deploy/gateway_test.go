@@ -225,6 +225,15 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 			wants: []string{"preserve_external_request_id is not true"},
 		},
 		{
+			// Envoy Gateway v1.9.1 has no InferencePool translation (validateBackendRefGroup in
+			// internal/gatewayapi/validate.go): the route is refused and answers 500, so the
+			// chart cannot attach pd-extproc as an endpointPickerRef (README).
+			name:  "an InferencePool as the route's backend",
+			old:   "backendRefs:\n        - name: pd-gateway-decode\n",
+			new:   "backendRefs:\n        - group: inference.networking.k8s.io\n          kind: InferencePool\n          name: pd-gateway-decode\n",
+			wants: []string{"condition ResolvedRefs is False (InvalidKind): Failed to process route rule 0 backendRef 0: Group is invalid"},
+		},
+		{
 			name:  "envoy.lb not writable by the processor",
 			old:   "- envoy.lb",
 			new:   "- pd-extproc",
