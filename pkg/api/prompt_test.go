@@ -313,3 +313,23 @@ func TestTokenIDsReadAsEncodingJSONDoes(t *testing.T) {
 		}
 	}
 }
+
+// writeCompact drops the whitespace between JSON tokens and keeps every
+// byte of the strings, escapes included.
+func TestWriteCompact(t *testing.T) {
+	for _, tt := range []struct{ in, want string }{
+		{`{ "a" : [ 1, 2 ],` + "\n\t" + `"b": "x y" }`, `{"a":[1,2],"b":"x y"}`},
+		{`{"q": "say \"hi there\" ", "n": 1}`, `{"q":"say \"hi there\" ","n":1}`},
+		{`{"path": "C:\\dir\\", "next": " k "}`, `{"path":"C:\\dir\\","next":" k "}`},
+		{`{"p": "\\\" x", "z": 2}`, `{"p":"\\\" x","z":2}`},
+		{`["a b", "c`, `["a b","c`}, // a string that never closes keeps its bytes
+		{`""`, `""`},
+		{` `, ``},
+	} {
+		var b strings.Builder
+		writeCompact(&b, []byte(tt.in))
+		if b.String() != tt.want {
+			t.Errorf("writeCompact(%q) = %q, want %q", tt.in, b.String(), tt.want)
+		}
+	}
+}
