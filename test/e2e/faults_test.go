@@ -405,6 +405,26 @@ func TestFaultClientDisconnectsDuringPrefill(t *testing.T) {
 	}
 }
 
+// TestFaultAPrefillAttemptTimedOutIsCancelledAtItsEngine: a sequential leg
+// past prefill.attempt_timeout is cancelled before the next endpoint is
+// tried, so its engine aborts it and keeps no blocks for it (a NIXL prefill
+// engine keeps a finished prefill's for its lease, kv_lease_duration).
+func TestFaultAPrefillAttemptTimedOutIsCancelledAtItsEngine(t *testing.T) {
+	r := startRig(t, rigOptions{prefillPool: "policy: round-robin", extra: "prefill: {timeout: 10s, attempt_timeout: 300ms}"})
+	r.prefill[0].SetFaults(pdsim.Faults{Delay: time.Minute})
+	const marker = "an attempt that timed out"
+	for i := range 2 { // round robin: one of them tries the slow engine first
+		path, body := request("chat", false, fmt.Sprintf("%s %d", marker, i))
+		if resp, got := r.must(t, path, body, nil); resp.StatusCode != http.StatusOK || resp.Header.Get("x-pdsim-kv") != "hit" {
+			t.Errorf("request %d: status %d, KV %q (%.200s), want 200 with the KV of the other engine", i, resp.StatusCode, resp.Header.Get("x-pdsim-kv"), got)
+		}
+	}
+	waitFor(t, 10*time.Second, "the slow engine to see its leg cancelled", func() bool {
+		recs := recordsWith(r.prefill[:1], marker)
+		return len(recs) >= 1 && !slices.ContainsFunc(recs, func(rec pdsim.Record) bool { return !rec.Canceled })
+	})
+}
+
 // ---------------------------------------------------------------- extproc faults
 
 // TestFaultExtprocRestartsUnderLoad kills extproc (SIGKILL: no graceful
