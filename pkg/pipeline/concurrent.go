@@ -98,9 +98,10 @@ func (p *Pipeline) unsent(r *Request, h *kv.Handoff, d *Decision, cause error) (
 // takeBackground, and hands its failure on through d.LegFailed. Until it is
 // written no decode engine waits for it, and a client that leaves takes it
 // along (ctx); once written it runs on until end, the prefill phase's
-// deadline, unless its routing never reached Envoy (Decision.Unsent): Envoy
-// closes the ext_proc stream as soon as its last reply is in, which must
-// not cancel a leg the decode engine is waiting to pair with.
+// deadline, unless its routing never reached Envoy (Decision.Unsent) or
+// its decode request ended unserved (Decision.Observe, partner.decodeOver):
+// Envoy closes the ext_proc stream as soon as its last reply is in, which
+// must not cancel a leg the decode engine is waiting to pair with.
 //
 // The channel it returns is closed once the leg is written; a leg that
 // fails before gets its failure there instead, and leaves d as it was: the
@@ -122,7 +123,7 @@ func (p *Pipeline) launch(ctx context.Context, end time.Time, slot *scheduling.S
 	keep := context.AfterFunc(ctx, drop) // the client left before the leg was written
 	written := sync.OnceFunc(func() { keep(); close(unsent) })
 	stopped := context.AfterFunc(p.background.end, drop) // Stop
-	d.partner.legStarted(drop)                           // Decision.Unsent
+	d.partner.legStarted(drop, p.connector.Paired())     // Decision.Unsent, Observe
 	p.background.running.Go(func() {
 		defer stopped()
 		defer drop()
@@ -149,6 +150,14 @@ func (p *Pipeline) launch(ctx context.Context, end time.Time, slot *scheduling.S
 			return
 		}
 		written() // an answer comes after the request is written; this is for form's sake
+		if failed != nil && failed.clientLeft() && d.partner.wasCut() {
+			p.log.V(1).Info("concurrent prefill leg cut short: its decode request ended unserved", "requestID", r.RequestID, "prefill", ep.Addr)
+			failed = nil // a kv-mooncake leg is judged by its decode's outcome, as a served one
+			if p.connector.Paired() {
+				d.partner.legEnded(false, false)
+				return
+			}
+		}
 		// A leg that got no answer spares its decode, whether or not it is
 		// held against the prefill endpoint.
 		d.partner.legEnded(failed != nil, failed != nil && failed.counts() && failed.answer == nil)

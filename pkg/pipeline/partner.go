@@ -27,7 +27,9 @@ type partner struct {
 	waiting *scheduling.Taken // a decode endpoint whose failure waits for the leg
 	served  *scheduling.Slot  // a served leg that waits for the decode's outcome
 	outcome int8              // the decode's outcome, once settled: 1 ok, -1 failed
-	drop    func()            // cuts the concurrent leg short (Decision.Unsent)
+	drop    func()            // cuts the concurrent leg short
+	paired  bool              // the leg's connector pairs legs (kv-sglang)
+	cut     bool              // decodeOver cut the leg
 }
 
 // legServed judges a served leg by its decode's outcome, now or once it
@@ -65,11 +67,49 @@ func (p *partner) fails() {
 	p.failed = true
 }
 
-// legStarted notes a concurrent leg under way, which drop cuts short.
-func (p *partner) legStarted(drop func()) {
+// legStarted notes a concurrent leg under way, which drop cuts short;
+// paired: its connector pairs legs.
+func (p *partner) legStarted(drop func(), paired bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.running, p.drop = true, drop
+	p.running, p.drop, p.paired = true, drop, paired
+}
+
+// cutShort cuts the concurrent leg short, if one was started.
+func (p *partner) cutShort() {
+	p.mu.Lock()
+	drop := p.drop
+	p.mu.Unlock()
+	if drop != nil {
+		drop()
+	}
+}
+
+// decodeOver cuts short the concurrent leg of a decode request that ended
+// unserved (refused: with a 4xx), which no decode engine will pair with. A
+// Mooncake prefill engine would compute the prompt and keep its blocks for
+// a pull that never comes, up to VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT; cut,
+// it aborts the request and frees them. A kv-sglang leg is cut only when its
+// decode refused the request: after a decode failure, the leg's own outcome
+// says whose it was (legEnded), and SGLang's prefill holds no KV for a
+// decode that never bootstraps.
+func (p *partner) decodeOver(refused bool) {
+	p.mu.Lock()
+	drop := p.drop
+	if p.cut = p.running && (refused || !p.paired); !p.cut {
+		drop = nil
+	}
+	p.mu.Unlock()
+	if drop != nil {
+		drop()
+	}
+}
+
+// wasCut reports whether decodeOver cut the leg.
+func (p *partner) wasCut() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cut
 }
 
 // legEnded notes the concurrent leg's end: failed, and whether unanswered

@@ -198,14 +198,8 @@ func (d *Decision) Release() {
 // no decode leg will pair with it, and it would otherwise hold its prefill
 // engine, and a slot of prefill.max_background, until prefill.timeout.
 func (d *Decision) Unsent() {
-	if d == nil {
-		return
-	}
-	d.partner.mu.Lock()
-	drop := d.partner.drop
-	d.partner.mu.Unlock()
-	if drop != nil {
-		drop()
+	if d != nil {
+		d.partner.cutShort()
 	}
 }
 
@@ -247,6 +241,9 @@ func (d *Decision) Observe(status int, streamed bool) {
 		d.watch = d.opening()
 	default:
 		d.settle(status < 500, true)
+		if status >= 300 { // the decode request is over, unserved
+			d.partner.decodeOver(status < 500)
+		}
 	}
 }
 
@@ -259,6 +256,7 @@ func (d *Decision) Watch(chunk []byte) {
 	switch d.watch.Scan(chunk) {
 	case response.Failed:
 		d.settle(false, true)
+		d.partner.decodeOver(false)
 	case response.Served:
 		d.settle(true, true)
 	}

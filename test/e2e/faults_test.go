@@ -405,6 +405,45 @@ func TestFaultClientDisconnectsDuringPrefill(t *testing.T) {
 	}
 }
 
+// TestFaultAConcurrentLegOfAnUnservedDecodeIsCut: a kv-mooncake or
+// kv-sglang prefill leg still running when the decode engine's answer ends
+// the decode request unserved (a 400; under kv-mooncake a 500 too) has
+// nothing to pair with: extproc cuts it, and the prefill engine sees it
+// cancelled (vLLM aborts it and frees the prompt's blocks, which a Mooncake
+// prefill engine would otherwise compute and keep for a pull that never
+// comes, up to VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT). Before, it ran on until
+// prefill.timeout (30 s here).
+func TestFaultAConcurrentLegOfAnUnservedDecodeIsCut(t *testing.T) {
+	for _, tt := range []struct {
+		name, connector string
+		fault           pdsim.Faults // the decode engine's
+		status          int          // the client's
+	}{
+		{"kv-mooncake, the decode engine fails", "kv-mooncake", pdsim.Faults{FailStatus: http.StatusInternalServerError}, http.StatusInternalServerError},
+		{"kv-mooncake, the decode engine refuses", "kv-mooncake", pdsim.Faults{FailStatus: http.StatusBadRequest}, http.StatusBadRequest},
+		{"kv-sglang, the decode engine refuses", "kv-sglang", pdsim.Faults{FailStatus: http.StatusBadRequest}, http.StatusBadRequest},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			r := startRig(t, rigOptions{connector: tt.connector, prefills: 1, decodes: 1, handshake: time.Minute})
+			r.healthy(t, "before "+tt.name) // kv-mooncake: the engine ids are read
+			r.prefill[0].SetFaults(pdsim.Faults{Delay: time.Minute})
+			r.decode[0].SetFaults(tt.fault)
+			marker := "an unserved decode, " + tt.name
+			path, body := request("chat", false, marker)
+			if resp, got := r.must(t, path, body, nil); resp.StatusCode != tt.status {
+				t.Errorf("status %d (%.200s), want %d", resp.StatusCode, got, tt.status)
+			}
+			waitFor(t, 10*time.Second, "the prefill engine to see its leg cancelled", func() bool {
+				recs := recordsWith(r.prefill, marker)
+				return len(recs) == 1 && recs[0].Canceled
+			})
+			r.prefill[0].SetFaults(pdsim.Faults{})
+			r.decode[0].SetFaults(pdsim.Faults{})
+			r.healthy(t, "after "+tt.name)
+		})
+	}
+}
+
 // TestFaultAPrefillAttemptTimedOutIsCancelledAtItsEngine: a sequential leg
 // past prefill.attempt_timeout is cancelled before the next endpoint is
 // tried, so its engine aborts it and keeps no blocks for it (a NIXL prefill
@@ -667,13 +706,13 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 				return len(recs) == 1 && recs[0].Status != 0
 			})
 		}},
-		{"a decode that refuses at once leaves its prefill waiting past prefill.timeout: neither is ejected", "prefill", "", "prefill: {timeout: 1s}", func(t *testing.T, r *rig) {
+		{"a decode that refuses at once has its waiting prefill leg cut: neither is ejected", "prefill", "", "", func(t *testing.T, r *rig) {
 			r.decode[0].SetFaults(pdsim.Faults{FailStatus: http.StatusBadRequest})
 			path, body := request("chat", false, "decode refuses")
-			r.must(t, path, body, nil) // the prefill leg waits for a handshake that never comes
+			r.must(t, path, body, nil) // no handshake will come: the leg is cut, not left to prefill.timeout
 			r.decode[0].SetFaults(pdsim.Faults{})
-			waitFor(t, 10*time.Second, "the prefill leg to be given up", func() bool {
-				return r.metric(t, `pd_extproc_prefill_failures_total{reason="timeout"}`) == 1
+			waitFor(t, 10*time.Second, "the prefill leg to be cut", func() bool {
+				return r.metric(t, `pd_extproc_prefill_failures_total{reason="cancelled"}`) == 1
 			})
 		}},
 		{"a dead decode ejects the prefill", "prefill", "", "", func(t *testing.T, r *rig) {
@@ -690,7 +729,7 @@ func TestSGLangFailuresAreNotBlamedOnThePartner(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			handshake := 300 * time.Millisecond
 			if strings.Contains(tt.name, "refuses") {
-				handshake = 3 * time.Second // SGLang's is 300 s: the leg outlasts prefill.timeout
+				handshake = 3 * time.Second // SGLang's is 300 s: the leg waits, unless it is cut
 			}
 			r := startRig(t, rigOptions{connector: "kv-sglang", prefills: 1, decodes: 1, handshake: handshake,
 				prefillPool: health, decodePool: health, extra: tt.extra})
