@@ -71,7 +71,7 @@ func loraPath(o *body.Object) (string, bool) {
 // Values are read as parsed: whitespace and key order change nothing.
 func (a *API) variant(o *body.Object) uint64 {
 	var parts [4][]byte
-	if a == Chat || a == Responses || a == Messages {
+	if n := a.Name; n == NameChat || n == NameResponses || n == NameMessages { // by name: the table may hold a copy
 		parts[0], _ = o.Raw("chat_template")
 		if parts[1] = templateKwargs(o); parts[1] == nil {
 			parts[1], _ = o.Raw("chat_template_kwargs")

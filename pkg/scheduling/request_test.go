@@ -55,6 +55,11 @@ func TestNilRequestHasNothingToGoBy(t *testing.T) {
 func TestTheKeyFollowsTheRenderedPrompt(t *testing.T) {
 	const msgs = `"messages":[{"role":"system","content":"S"},{"role":"user","content":"Q"}]`
 	chat := func(fields string) string { return `{"model":"m",` + fields + msgs + `}` }
+	// routes.messages_decode_only routes the table's copy of the Messages API.
+	decodeOnlyMessages, err := api.NewTable(nil, api.Messages).Match("POST", "/v1/messages")
+	if err != nil || decodeOnlyMessages == api.Messages {
+		t.Fatalf("Match = %p, %v; want the table's copy of the Messages API", decodeOnlyMessages, err)
+	}
 	tests := []struct {
 		name string
 		api  *api.API
@@ -76,6 +81,9 @@ func TestTheKeyFollowsTheRenderedPrompt(t *testing.T) {
 		{"the Responses API's reasoning effort", api.Responses,
 			`{"input":"Q","reasoning":{"effort":"low"}}`, `{"input":"Q","reasoning":{"effort":"high"}}`, false},
 		{"Anthropic's effort, which vLLM reads as reasoning_effort", api.Messages,
+			`{"model":"m","messages":[{"role":"user","content":"Q"}],"output_config":{"effort":"low"}}`,
+			`{"model":"m","messages":[{"role":"user","content":"Q"}],"output_config":{"effort":"high"}}`, false},
+		{"Anthropic's effort under routes.messages_decode_only", decodeOnlyMessages,
 			`{"model":"m","messages":[{"role":"user","content":"Q"}],"output_config":{"effort":"low"}}`,
 			`{"model":"m","messages":[{"role":"user","content":"Q"}],"output_config":{"effort":"high"}}`, false},
 		{"whitespace in the tools", api.Chat,
