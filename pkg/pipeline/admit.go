@@ -111,18 +111,24 @@ func checkModel(a *api.API, obj *body.Object) error {
 	return nil
 }
 
-// checkMediaType refuses a body not sent as application/json to a built-in
-// API whose engines refuse it so: vLLM's routers for all of them, and
-// SGLang's OpenAI ones, depend on validate_json_request, which reads the
-// Content-Type's media type, lowercased, before any ';'; SGLang's /generate
-// does not. The prefill leg, sent as JSON, would run before the decode
-// engine refused it.
+// checkMediaType refuses a body not sent as JSON to a built-in API whose
+// engines refuse it so: vLLM's routers for all of them, and SGLang's OpenAI
+// ones, depend on validate_json_request, which reads the Content-Type's
+// media type, lowercased, before any ';'. SGLang's /generate does not, but
+// FastAPI reads its body as JSON only without a Content-Type or under
+// application/json or application/*+json, and hands its model the bytes
+// otherwise, which it refuses (get_request_handler, fastapi/routing.py).
+// The prefill leg, sent as JSON, would run before the decode engine refused it.
 func checkMediaType(a *api.API, contentType string) error {
-	if a.IsPassthrough() || a.Name == api.NameSGLangGenerate {
+	switch media, _, _ := strings.Cut(strings.ToLower(contentType), ";"); {
+	case a.IsPassthrough(), media == "application/json":
 		return nil
+	case a.Name == api.NameSGLangGenerate:
+		// Python's email parsing: stripped, one '/' or text/plain.
+		main, sub, _ := strings.Cut(strings.TrimSpace(media), "/")
+		if contentType == "" || main == "application" && !strings.Contains(sub, "/") && (sub == "json" || strings.HasSuffix(sub, "+json")) {
+			return nil
+		}
 	}
-	if media, _, _ := strings.Cut(strings.ToLower(contentType), ";"); media != "application/json" {
-		return notJSON(contentType)
-	}
-	return nil
+	return notJSON(contentType)
 }
