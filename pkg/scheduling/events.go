@@ -197,10 +197,13 @@ func (ps *Pools) followed(usable bool) *poolEvents {
 // publish nothing: no round trip for every request then), or when no
 // endpoint is healthy. Of a pool whose engines list req's model, only those
 // that do are asked: another model's tokenizer would give other ids.
+// Nor is ok for a prompt with an image, audio or video part: vLLM fetches
+// and processes the media to answer, and no view holds its blocks from the
+// first such part on (uncountedMedia); it goes by the estimates.
 // Whether to ask for a request of an API is Asks'.
 func (ps *Pools) Tokenizer(req *Request) (e *Endpoint, t Tokenizer, ok bool) {
 	ev := ps.followed(true)
-	if ev == nil {
+	if ev == nil || req.uncountedMedia(0) {
 		return nil, Tokenizer{}, false
 	}
 	model := req.model()
