@@ -25,10 +25,10 @@ const maxTokenizeAnswer = 16 << 20
 // an engine answers for it. Its API's render endpoint is asked first, as it
 // renders the request as generation does; an engine without one is asked
 // /tokenize, and that render endpoint again after stale_after. Without ids
-// (no pool follows events, the API has no way to ask, the engine did not
-// answer in time, the API's round trips are paused after three failures in
-// a row) the pools go by their estimates; the request is never refused for
-// it. One the render endpoint refuses goes to the decode engine alone, as
+// (no pool follows events, the prompt has a media part, the API has no way
+// to ask, the engine did not answer in time, the API's round trips are
+// paused after three failures in a row) the pools go by their estimates;
+// the request is never refused for it. One the render endpoint refuses goes to the decode engine alone, as
 // its own endpoint refuses it too.
 // The API's TokensOf runs only when a pool follows events: a chat
 // request's /tokenize body copies its messages.
