@@ -28,6 +28,14 @@ func TestPromptReaders(t *testing.T) {
 		{name: "chat: tools first, tool calls kept, escapes decoded", api: Chat,
 			body:     `{"model":"m","tools":[{"type":"function"}],"messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]},{"role":"user","content":"a\"b"}]}`,
 			wantText: "[{\"type\":\"function\"}]\nassistant\n[{\"id\":\"1\"}]\nuser\na\"b\n", wantTokens: -1, wantN: 1, wantPrompts: 1},
+		// The engines hand the template a tool as pydantic dumps it, and a
+		// tool call's arguments parsed.
+		{name: "chat: a tool's fields in the engines' order, a call's arguments as the JSON they hold", api: Chat,
+			body: `{"tools":[{"function":{"x":1,"parameters":{"b":{},"a":{}},"description":"d","name":"f","name":"g"}},{"type":"web"}],` +
+				`"messages":[{"role":"user","content":"Q"},{"role":"assistant","tool_calls":[{"id":"1","function":{"arguments":"{\"a\": [1, \"x y\"]}","name":"g"}},{"id":"2","function":{"arguments":{"a":1}}}]}]}`,
+			wantText: `[{"type":"function","function":{"name":"g","description":"d","parameters":{"b":{},"a":{}}}},{"type":"web"}]` + "\nuser\nQ\nassistant\n" +
+				`[{"id":"1","function":{"arguments":{"a":[1,"x y"]},"name":"g"}},{"id":"2","function":{"arguments":{"a":1}}}]` + "\n",
+			wantTokens: -1, wantN: 1, wantPrompts: 1},
 		// The engines read a part's keys as spelt, the last duplicate
 		// winning (Python's json); encoding/json would match "TEXT" too.
 		{name: "chat: a text part's keys as spelt, the last duplicate", api: Chat,

@@ -225,6 +225,30 @@ func Items(raw []byte) iter.Seq[[]byte] {
 	}
 }
 
+// Members yields the members of raw, a JSON object as an Object's Raw
+// returns it (so already validated), in order, duplicates included: each key
+// as spelt (quotes and escapes included) and its value, without decoding or
+// indexing them. Nothing when raw is not an object.
+func Members(raw []byte) iter.Seq2[[]byte, []byte] {
+	return func(yield func(key, value []byte) bool) {
+		i := skipSpace(raw, 0)
+		if i == len(raw) || raw[i] != '{' {
+			return
+		}
+		for i = skipSpace(raw, i+1); i < len(raw) && raw[i] == '"'; {
+			keyEnd := valueEnd(raw, i)
+			start := skipSpace(raw, skipSpace(raw, keyEnd)+1) // past the colon
+			end := valueEnd(raw, start)
+			if !yield(raw[i:keyEnd], raw[start:end]) {
+				return
+			}
+			if i = skipSpace(raw, end); i < len(raw) && raw[i] == ',' {
+				i = skipSpace(raw, i+1)
+			}
+		}
+	}
+}
+
 func skipSpace(b []byte, i int) int {
 	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
 		i++

@@ -201,6 +201,32 @@ func TestItems(t *testing.T) {
 	}
 }
 
+// TestMembers: an object's keys as spelt and their values, in order,
+// duplicates included; nothing for anything else.
+func TestMembers(t *testing.T) {
+	tests := []struct {
+		raw  string
+		want []string // key, value, key, value...
+	}{
+		{raw: `{}`},
+		{raw: `{"a":1,"b":"x"}`, want: []string{`"a"`, `1`, `"b"`, `"x"`}},
+		{raw: "{ \"a\" :\n [1, {\"}\":2}] ,\t\"a\" : null }", want: []string{`"a"`, `[1, {"}":2}]`, `"a"`, `null`}},
+		{raw: `{"k\"\u0065y":{"n":{}},"z":true}`, want: []string{`"k\"\u0065y"`, `{"n":{}}`, `"z"`, `true`}},
+		{raw: `[{"a":1}]`},
+		{raw: `"{}"`},
+		{raw: ``},
+	}
+	for _, tt := range tests {
+		var got []string
+		for k, v := range Members([]byte(tt.raw)) {
+			got = append(got, string(k), string(v))
+		}
+		if !slices.Equal(got, tt.want) {
+			t.Errorf("Members(%q) = %q, want %q", tt.raw, got, tt.want)
+		}
+	}
+}
+
 // FuzzItems: on any valid JSON array, Items splits as encoding/json does.
 func FuzzItems(f *testing.F) {
 	for _, seed := range []string{`[]`, `[1,"a]",{"b":[2,"\\"]}]`, ` [ null , true ] `, `[[[]],{}]`} {

@@ -506,7 +506,7 @@ func TestAnEngineWithoutFreshCountersIsNotAssumedToHoldItsPrompts(t *testing.T) 
 // messages has the engine render its prompt otherwise from the start (a
 // chat template of its own, gpt-oss's reasoning effort in its system
 // message): then nothing of it is held, and it goes P/D. The tools'
-// whitespace, which the engine parses away, changes nothing.
+// whitespace and key order, which the engine parses away, change nothing.
 func TestARequestRenderedOtherwiseIsNotAssumedHeld(t *testing.T) {
 	system := strings.Repeat("You answer from the manual. ", 80)
 	const tools = `[{"type":"function","function":{"name":"search","parameters":{"type":"object"}}}]`
@@ -526,6 +526,8 @@ func TestARequestRenderedOtherwiseIsNotAssumedHeld(t *testing.T) {
 	}{
 		{"the same fields", first, Split{Reason: metrics.ReasonCachedPrefix}},
 		{"the tools spaced out", `"tools": [ { "type": "function", "function": { "name": "search", "parameters": { "type": "object" } } } ], "chat_template_kwargs": { "reasoning_effort": "low" },`,
+			Split{Reason: metrics.ReasonCachedPrefix}},
+		{"the tools' keys in another order", `"tools":[{"function":{"parameters":{"type":"object"},"name":"search"},"type":"function"}],"chat_template_kwargs":{"reasoning_effort":"low"},`,
 			Split{Reason: metrics.ReasonCachedPrefix}},
 		{"another reasoning effort", `"tools":` + tools + `,"chat_template_kwargs":{"reasoning_effort":"high"},`, Split{PD: true, Reason: metrics.ReasonLongPrompt}},
 		{"a chat template of its own", first + `"chat_template":"{{ messages }}",`, Split{PD: true, Reason: metrics.ReasonLongPrompt}},

@@ -95,6 +95,26 @@ func TestTheKeyFollowsTheRenderedPrompt(t *testing.T) {
 		{"whitespace in a Responses item", api.Responses,
 			`{"input":[{"role":"user","content":"Q"},{"type":"function_call","call_id":"c","name":"f","arguments":"{}"}]}`,
 			`{"input":[{"role":"user","content":"Q"},{ "type": "function_call", "call_id": "c", "name": "f", "arguments": "{}" }]}`, true},
+		// vLLM and SGLang hand the template each tool as pydantic dumps it:
+		// its known fields, in the model's order, whatever the client sent.
+		{"a tool's keys in another order", api.Chat,
+			chat(`"tools":[{"type":"function","function":{"name":"f","description":"d","parameters":{"a":1}}}],`),
+			chat(`"tools":[{"function":{"parameters":{"a":1},"description":"d","name":"f"},"type":"function"}],`), true},
+		{"a field of a tool that no engine reads", api.Chat,
+			chat(`"tools":[{"type":"function","function":{"name":"f"}}],`), chat(`"tools":[{"type":"function","function":{"name":"f","x-origin":"mcp"},"x-origin":"mcp"}],`), true},
+		{"a tool without its type, which the engines default", api.Chat,
+			chat(`"tools":[{"type":"function","function":{"name":"f"}}],`), chat(`"tools":[{"function":{"name":"f"}}],`), true},
+		{"a tool's parameters in another order, which templates write as sent", api.Chat,
+			chat(`"tools":[{"type":"function","function":{"name":"f","parameters":{"a":1,"b":2}}}],`),
+			chat(`"tools":[{"type":"function","function":{"name":"f","parameters":{"b":2,"a":1}}}],`), false},
+		// Both engines parse a tool call's arguments before the template
+		// writes them: the string's whitespace never reaches the prompt.
+		{"whitespace inside a tool call's arguments", api.Chat,
+			`{"messages":[{"role":"user","content":"Q"},{"role":"assistant","tool_calls":[{"id":"1","function":{"name":"f","arguments":"{\"city\":\"Paris\",\"n\":[1,2]}"}}]},{"role":"tool","content":"4"}]}`,
+			`{"messages":[{"role":"user","content":"Q"},{"role":"assistant","tool_calls":[{"id":"1","function":{"name":"f","arguments":"{\"city\": \"Paris\", \"n\": [1, 2]}"}}]},{"role":"tool","content":"4"}]}`, true},
+		{"another argument", api.Chat,
+			`{"messages":[{"role":"user","content":"Q"},{"role":"assistant","tool_calls":[{"id":"1","function":{"name":"f","arguments":"{\"city\":\"Paris\"}"}}]}]}`,
+			`{"messages":[{"role":"user","content":"Q"},{"role":"assistant","tool_calls":[{"id":"1","function":{"name":"f","arguments":"{\"city\":\"Rome\"}"}}]}]}`, false},
 		{"the body's key order", api.Chat, `{"model":"m",` + msgs + `,"stream":true}`, `{"stream":true,` + msgs + `,"model":"m"}`, true},
 		{"the kwargs' key order and whitespace", api.Chat,
 			chat(`"chat_template_kwargs":{"enable_thinking":false,"x":[1,2]},`), chat(`"chat_template_kwargs": { "x": [1, 2], "enable_thinking": false },`), true},
