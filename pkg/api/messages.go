@@ -54,7 +54,11 @@ func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 			preamble = b.Len()
 		}
 		name, _ := m.String("name")
-		if end := writeMessage(b, role, name, content, calls); end > 0 {
+		var reasoning string
+		if role == "assistant" {
+			reasoning = reasoningOf(m)
+		}
+		if end := writeMessage(b, role, name, reasoning, content, calls); end > 0 {
 			media = end
 		}
 		if first {
@@ -64,18 +68,38 @@ func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 	return rendering{text: b.String(), tokens: -1, preamble: preamble, head: head, previous: previous, media: media}
 }
 
+// reasoningOf is an assistant message's reasoning, which the engines hand
+// the chat template and some templates write (Qwen3's, in the turns after
+// the last user message): vLLM reads "reasoning"
+// (_parse_chat_message_content,
+// vllm/renderers/chat_utils/parse_chat_message_content.py @ be90fe16),
+// SGLang "reasoning_content" (ChatCompletionMessageGenericParam,
+// python/sglang/srt/entrypoints/openai/protocol.py @ 004c82e0).
+func reasoningOf(m *body.Object) string {
+	if s, ok := m.String("reasoning"); ok {
+		return s
+	}
+	s, _ := m.String("reasoning_content")
+	return s
+}
+
 // writeMessage writes a message as its role (and name, which vLLM hands
 // the chat template: _parse_chat_message_content,
 // vllm/renderers/chat_utils/parse_chat_message_content.py), a newline, its
-// content and its tool calls (JSON), and a newline. It returns where its last
-// media part ends, 0 for none (writeContent).
-func writeMessage(b *strings.Builder, role, name string, content, calls []byte) (media int) {
+// reasoning and a newline when it has one, its content and its tool calls
+// (JSON), and a newline. It returns where its last media part ends, 0 for
+// none (writeContent).
+func writeMessage(b *strings.Builder, role, name, reasoning string, content, calls []byte) (media int) {
 	b.WriteString(role)
 	if name != "" {
 		b.WriteByte(' ')
 		b.WriteString(name)
 	}
 	b.WriteByte('\n')
+	if reasoning != "" {
+		b.WriteString(reasoning)
+		b.WriteByte('\n')
+	}
 	media = writeContent(b, content, role == "system")
 	if len(calls) > 0 && !body.IsNull(calls) {
 		writeCalls(b, calls)

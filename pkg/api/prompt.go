@@ -232,7 +232,7 @@ func responsesPrompt(o *body.Object) *Prompt {
 		raw, _ := o.Raw("input")
 		if len(raw) > 0 && raw[0] == '"' {
 			preamble := b.Len()
-			writeMessage(&b, "user", "", raw, nil)
+			writeMessage(&b, "user", "", "", raw, nil)
 			return rendering{text: b.String(), tokens: -1, preamble: preamble, head: b.Len()}
 		}
 		return withMessages(&b, raw, false)

@@ -36,6 +36,9 @@ func TestPromptReaders(t *testing.T) {
 			wantText: `[{"type":"function","function":{"name":"g","description":"d","parameters":{"b":{},"a":{}}}},{"type":"web"}]` + "\nuser\nQ\nassistant\n" +
 				`[{"id":"1","function":{"arguments":{"a":[1,"x y"]},"name":"g"}},{"id":"2","function":{"arguments":{"a":1}}}]` + "\n",
 			wantTokens: -1, wantN: 1, wantPrompts: 1},
+		{name: "chat: an assistant's reasoning before its content", api: Chat,
+			body:     `{"messages":[{"role":"user","content":"Q"},{"role":"assistant","reasoning":"think","content":"A"},{"role":"assistant","reasoning_content":"more","content":"B"}]}`,
+			wantText: "user\nQ\nassistant\nthink\nA\nassistant\nmore\nB\n", wantTokens: -1, wantN: 1, wantPrompts: 1},
 		// The engines read a part's keys as spelt, the last duplicate
 		// winning (Python's json); encoding/json would match "TEXT" too.
 		{name: "chat: a text part's keys as spelt, the last duplicate", api: Chat,

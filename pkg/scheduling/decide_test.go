@@ -553,3 +553,48 @@ func TestARequestRenderedOtherwiseIsNotAssumedHeld(t *testing.T) {
 		})
 	}
 }
+
+// TestAReplysReasoningIsNotAssumedHeld: a later turn of an agent's tool loop
+// repeats the model's reasoning, which the engine's template writes back
+// (Qwen3's, after the last user message) and no engine holds as written: a
+// long one is a long uncached part, which goes P/D.
+func TestAReplysReasoningIsNotAssumedHeld(t *testing.T) {
+	system := strings.Repeat("You answer from the manual. ", 80)
+	first := fmt.Sprintf(`{"role":"system","content":%q},{"role":"user","content":"Why is the light red?"}`, system)
+	chat := func(messages string) *Request {
+		t.Helper()
+		obj, err := body.Parse([]byte(`{"model":"m","messages":[` + messages + `]}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return NewRequest(api.Chat.PromptOf(obj))
+	}
+	for _, tt := range []struct {
+		name      string
+		reasoning int // characters
+		want      Split
+	}{
+		{"a short reasoning", 400, Split{Reason: metrics.ReasonCachedPrefix}},
+		{"a reasoning of min_uncached_tokens and more", 4 * 4 * config.DefaultMinUncachedTokens, Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ps := NewPools(Spec{
+				Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}},
+				Decode: PoolSpec{Endpoints: []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"},
+					PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity}},
+			}, Deps{})
+			if _, err := ps.Decode.Select(chat(first)); err != nil {
+				t.Fatal(err)
+			}
+			req := chat(first + fmt.Sprintf(`,{"role":"assistant","reasoning":%q,"tool_calls":[{"id":"1","type":"function","function":{"name":"manual","arguments":"{}"}}]},`,
+				strings.Repeat("r", tt.reasoning)) + `{"role":"tool","tool_call_id":"1","content":"Overheated."}`)
+			e, err := ps.Decode.Select(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := ps.Decide(req, e); got.PD != tt.want.PD || got.Reason != tt.want.Reason {
+				t.Fatalf("Decide() = %+v, want %+v", got, tt.want)
+			}
+		})
+	}
+}

@@ -115,6 +115,15 @@ func TestTheKeyFollowsTheRenderedPrompt(t *testing.T) {
 		{"another argument", api.Chat,
 			`{"messages":[{"role":"user","content":"Q"},{"role":"assistant","tool_calls":[{"id":"1","function":{"name":"f","arguments":"{\"city\":\"Paris\"}"}}]}]}`,
 			`{"messages":[{"role":"user","content":"Q"},{"role":"assistant","tool_calls":[{"id":"1","function":{"name":"f","arguments":"{\"city\":\"Rome\"}"}}]}]}`, false},
+		// vLLM hands the template an assistant message's reasoning, SGLang
+		// its reasoning_content; Qwen3's template writes it in the turns
+		// after the last user message.
+		{"an assistant message's reasoning", api.Chat,
+			`{"messages":[{"role":"user","content":"Q"},{"role":"assistant","reasoning":"look it up","tool_calls":[{"id":"1","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","content":"4"}]}`,
+			`{"messages":[{"role":"user","content":"Q"},{"role":"assistant","reasoning":"ask","tool_calls":[{"id":"1","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","content":"4"}]}`, false},
+		{"an assistant message's reasoning_content", api.Chat,
+			`{"messages":[{"role":"user","content":"Q"},{"role":"assistant","content":"A"},{"role":"user","content":"R"}]}`,
+			`{"messages":[{"role":"user","content":"Q"},{"role":"assistant","reasoning_content":"think","content":"A"},{"role":"user","content":"R"}]}`, false},
 		{"the body's key order", api.Chat, `{"model":"m",` + msgs + `,"stream":true}`, `{"stream":true,` + msgs + `,"model":"m"}`, true},
 		{"the kwargs' key order and whitespace", api.Chat,
 			chat(`"chat_template_kwargs":{"enable_thinking":false,"x":[1,2]},`), chat(`"chat_template_kwargs": { "x": [1, 2], "enable_thinking": false },`), true},
