@@ -18,12 +18,13 @@ import (
 // messages, its Variant, which the namespace alone reads (the KV-event
 // lookup hashes token ids the engine rendered with it).
 
-// PromptOf reads a request for scheduling (Prompt), with its Model, its
-// Cache: the adapter SGLang's lora_path names (a string, or a batch's list
-// naming one), else the model; and with the client's name for its
-// Conversation; and its Variant.
-func (a *API) PromptOf(o *body.Object) *Prompt {
+// PromptOf reads a request for scheduling (Prompt) as engine renders it,
+// with its Model, its Cache: the adapter SGLang's lora_path names (a
+// string, or a batch's list naming one), else the model; and with the
+// client's name for its Conversation; and its Variant.
+func (a *API) PromptOf(o *body.Object, engine Family) *Prompt {
 	p := a.Prompt(o)
+	p.engine = engine
 	p.Model, _ = o.String("model")
 	model, ok := loraPath(o)
 	if !ok {

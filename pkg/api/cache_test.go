@@ -28,7 +28,7 @@ func TestPromptCache(t *testing.T) {
 		{"an empty lora_path", `{"model":"base","messages":[],"lora_path":""}`, Chat, kvevents.Keys{Model: "base"}},
 		{"none", `{"text":"x"}`, SGLangGenerate, kvevents.Keys{}},
 	} {
-		p := tt.api.PromptOf(parsed(t, tt.body))
+		p := tt.api.PromptOf(parsed(t, tt.body), VLLM)
 		if p.Cache != tt.want {
 			t.Errorf("%s: cache %+v, want %+v", tt.name, p.Cache, tt.want)
 		}

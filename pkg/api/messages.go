@@ -215,27 +215,56 @@ func writeCalls(b *strings.Builder, calls []byte) {
 	b.WriteByte(']')
 }
 
-// writeTools writes the request's tools, when it has any, as their JSON; a
-// chat tool as writeTool does.
-func writeTools(b *strings.Builder, o *body.Object) {
+// writeTools writes the request's tools that keep says the engine renders
+// (all when keep is nil), when there are any, as their JSON; a chat tool as
+// writeTool does.
+func writeTools(b *strings.Builder, o *body.Object, keep func(tool []byte) bool) {
 	raw, ok := o.Raw("tools")
 	if !ok || body.IsNull(raw) {
 		return
 	}
 	if raw[0] != '[' {
 		writeCompact(b, raw)
-	} else {
-		b.WriteByte('[')
-		n := 0
-		for tool := range body.Items(raw) {
-			if n++; n > 1 {
-				b.WriteByte(',')
-			}
-			writeTool(b, tool)
-		}
-		b.WriteByte(']')
+		b.WriteByte('\n')
+		return
 	}
-	b.WriteByte('\n')
+	n := 0
+	for tool := range body.Items(raw) {
+		if keep != nil && !keep(tool) {
+			continue
+		}
+		if n++; n == 1 {
+			b.WriteByte('[')
+		} else {
+			b.WriteByte(',')
+		}
+		writeTool(b, tool)
+	}
+	if n > 0 {
+		b.WriteString("]\n")
+	}
+}
+
+// sglangTools says which of a chat request's tools SGLang renders
+// (_process_messages, serving_chat.py @ 002897c2): none for tool_choice
+// "none", only the one a named choice names, else all (nil). vLLM renders
+// them all unless started with --exclude-tools-when-tool-choice-none
+// (render_chat, vllm/renderers/online_renderer.py @ 01063cd0), which a
+// request does not tell.
+func sglangTools(o *body.Object) func(tool []byte) bool {
+	if choice, _ := o.String("tool_choice"); choice == "none" {
+		return func([]byte) bool { return false }
+	}
+	choice, _ := o.Raw("tool_choice")
+	name := member(member(choice, "function"), "name")
+	if len(name) == 0 || name[0] != '"' {
+		return nil
+	}
+	want := body.DecodeString(name)
+	return func(tool []byte) bool {
+		name := member(member(tool, "function"), "name")
+		return len(name) > 0 && name[0] == '"' && body.DecodeString(name) == want
+	}
 }
 
 // functionFields are the fields of a chat tool's function that the engines

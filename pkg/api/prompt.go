@@ -40,6 +40,7 @@ type Prompt struct {
 	// item is the working directory's context).
 	Conversation string
 
+	engine Family // the family whose rendering Text follows (API.PromptOf), 0: vLLM's
 	once   sync.Once
 	render func() rendering
 	r      rendering
@@ -146,16 +147,23 @@ func samples(o *body.Object) int {
 	return 1
 }
 
-// chatPrompt: messages, after the tools chat templates put first.
+// chatPrompt: messages, after the tools chat templates put first (those
+// SGLang renders, under SGLang).
 func chatPrompt(o *body.Object) *Prompt {
-	return newPrompt(samples(o), func() rendering {
+	p := newPrompt(samples(o), nil)
+	p.render = func() rendering {
 		return withTokenIDs(o, func() rendering {
 			var b strings.Builder
-			writeTools(&b, o)
+			var keep func([]byte) bool
+			if p.engine == SGLang {
+				keep = sglangTools(o)
+			}
+			writeTools(&b, o, keep)
 			raw, _ := o.Raw("messages")
 			return withMessages(&b, raw, false)
 		})
-	})
+	}
+	return p
 }
 
 // completionsPrompt: a string, token ids, or a batch of either. An array is
@@ -224,7 +232,7 @@ func withTokenIDs(o *body.Object, render func() rendering) rendering {
 func responsesPrompt(o *body.Object) *Prompt {
 	return newPrompt(1, func() rendering {
 		var b strings.Builder
-		writeTools(&b, o)
+		writeTools(&b, o, nil)
 		if s, ok := o.String("instructions"); ok {
 			b.WriteString(s)
 			b.WriteByte('\n')
@@ -247,7 +255,7 @@ func responsesPrompt(o *body.Object) *Prompt {
 func messagesPrompt(o *body.Object) *Prompt {
 	return newPrompt(1, func() rendering {
 		var b strings.Builder
-		writeTools(&b, o)
+		writeTools(&b, o, nil)
 		if raw, ok := o.Raw("system"); ok && !body.IsNull(raw) {
 			writeContent(&b, raw, true)
 			b.WriteByte('\n')

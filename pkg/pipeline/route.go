@@ -120,7 +120,7 @@ func (p *Pipeline) Route(ctx context.Context, r *Request) (*Decision, error) {
 	if err != nil {
 		return nil, err
 	}
-	prompt := a.PromptOf(obj)
+	prompt := a.PromptOf(obj, p.connector.Family())
 	if prompt.MixedN != nil {
 		return nil, mixedSamples(prompt.MixedN)
 	}

@@ -506,7 +506,8 @@ func TestAnEngineWithoutFreshCountersIsNotAssumedToHoldItsPrompts(t *testing.T) 
 // messages has the engine render its prompt otherwise from the start (a
 // chat template of its own, gpt-oss's reasoning effort in its system
 // message): then nothing of it is held, and it goes P/D. The tools'
-// whitespace and key order, which the engine parses away, change nothing.
+// whitespace and key order, which the engine parses away, change nothing,
+// nor does tool_choice: vLLM renders every tool whatever it says.
 func TestARequestRenderedOtherwiseIsNotAssumedHeld(t *testing.T) {
 	system := strings.Repeat("You answer from the manual. ", 80)
 	const tools = `[{"type":"function","function":{"name":"search","parameters":{"type":"object"}}}]`
@@ -517,7 +518,7 @@ func TestARequestRenderedOtherwiseIsNotAssumedHeld(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		return NewRequest(api.Chat.PromptOf(obj))
+		return NewRequest(api.Chat.PromptOf(obj, api.VLLM))
 	}
 	first := `"tools":` + tools + `,"chat_template_kwargs":{"reasoning_effort":"low"},`
 	tests := []struct {
@@ -531,6 +532,7 @@ func TestARequestRenderedOtherwiseIsNotAssumedHeld(t *testing.T) {
 			Split{Reason: metrics.ReasonCachedPrefix}},
 		{"another reasoning effort", `"tools":` + tools + `,"chat_template_kwargs":{"reasoning_effort":"high"},`, Split{PD: true, Reason: metrics.ReasonLongPrompt}},
 		{"a chat template of its own", first + `"chat_template":"{{ messages }}",`, Split{PD: true, Reason: metrics.ReasonLongPrompt}},
+		{"tool_choice none: vLLM renders the tools all the same", first + `"tool_choice":"none",`, Split{Reason: metrics.ReasonCachedPrefix}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -567,7 +569,7 @@ func TestAReplysReasoningIsNotAssumedHeld(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		return NewRequest(api.Chat.PromptOf(obj))
+		return NewRequest(api.Chat.PromptOf(obj, api.VLLM))
 	}
 	for _, tt := range []struct {
 		name      string

@@ -69,7 +69,7 @@ func modelRequest(t testing.TB, model, prompt string) *Request {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return NewRequest(api.Completions.PromptOf(obj))
+	return NewRequest(api.Completions.PromptOf(obj, api.VLLM))
 }
 
 // serving gives each endpoint of p the models its engine would list; an
@@ -273,7 +273,7 @@ func TestAModelsPrefixIsSizedByItsOwnTraffic(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		e, err := p.Select(NewRequest(api.Chat.PromptOf(obj)))
+		e, err := p.Select(NewRequest(api.Chat.PromptOf(obj, api.VLLM)))
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -434,7 +434,7 @@ func TestLaterTurnsRankByTheWholeConversation(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			return NewRequest(api.Responses.PromptOf(obj))
+			return NewRequest(api.Responses.PromptOf(obj, api.VLLM))
 		}},
 	}
 	for _, tt := range tests {
@@ -1077,7 +1077,7 @@ func TestNamespacesRankApart(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		return NewRequest(api.Chat.PromptOf(obj))
+		return NewRequest(api.Chat.PromptOf(obj, api.VLLM))
 	}
 	where := map[string]map[string]int{} // tenant → endpoint → requests
 	for tenant := range 12 {

@@ -102,6 +102,7 @@ func TestTheKeyFollowsTheRenderedPrompt(t *testing.T) {
 			chat(`"tools":[{"function":{"parameters":{"a":1},"description":"d","name":"f"},"type":"function"}],`), true},
 		{"a field of a tool that no engine reads", api.Chat,
 			chat(`"tools":[{"type":"function","function":{"name":"f"}}],`), chat(`"tools":[{"type":"function","function":{"name":"f","x-origin":"mcp"},"x-origin":"mcp"}],`), true},
+		{"an empty list of tools, which the engines render as none", api.Chat, chat(``), chat(`"tools":[],`), true},
 		{"a tool without its type, which the engines default", api.Chat,
 			chat(`"tools":[{"type":"function","function":{"name":"f"}}],`), chat(`"tools":[{"function":{"name":"f"}}],`), true},
 		{"a tool's parameters in another order, which templates write as sent", api.Chat,
@@ -133,7 +134,32 @@ func TestTheKeyFollowsTheRenderedPrompt(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			a, b := keyOf(t, tt.api, tt.a), keyOf(t, tt.api, tt.b)
+			a, b := keyOf(t, tt.api, api.VLLM, tt.a), keyOf(t, tt.api, api.VLLM, tt.b)
+			if same := a == b; same != tt.same {
+				t.Errorf("keyed alike: %v, want %v\n%s\n%s", same, tt.same, a, b)
+			}
+		})
+	}
+	// tool_choice: vLLM renders every tool whatever it says (unless started
+	// with --exclude-tools-when-tool-choice-none); SGLang none for "none",
+	// and only the one a named choice names.
+	const tools = `"tools":[{"type":"function","function":{"name":"f"}},{"type":"function","function":{"name":"g"}}],`
+	for _, tt := range []struct {
+		name   string
+		engine api.Family
+		a, b   string
+		same   bool
+	}{
+		{"vLLM: tool_choice none", api.VLLM, chat(tools), chat(tools + `"tool_choice":"none",`), true},
+		{"vLLM: a named tool_choice", api.VLLM, chat(tools), chat(tools + `"tool_choice":{"type":"function","function":{"name":"g"}},`), true},
+		{"SGLang: tool_choice none renders no tools", api.SGLang, chat(``), chat(tools + `"tool_choice":"none",`), true},
+		{"SGLang: a named tool_choice renders that tool", api.SGLang,
+			chat(`"tools":[{"type":"function","function":{"name":"g"}}],`), chat(tools + `"tool_choice":{"type":"function","function":{"name":"g"}},`), true},
+		{"SGLang: tool_choice auto renders every tool", api.SGLang, chat(tools), chat(tools + `"tool_choice":"auto",`), true},
+		{"SGLang: tools and none", api.SGLang, chat(tools), chat(tools + `"tool_choice":"none",`), false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			a, b := keyOf(t, api.Chat, tt.engine, tt.a), keyOf(t, api.Chat, tt.engine, tt.b)
 			if same := a == b; same != tt.same {
 				t.Errorf("keyed alike: %v, want %v\n%s\n%s", same, tt.same, a, b)
 			}
@@ -141,13 +167,14 @@ func TestTheKeyFollowsTheRenderedPrompt(t *testing.T) {
 	}
 }
 
-// keyOf is what keys body's blocks in the ranking and the local hint.
-func keyOf(t *testing.T, a *api.API, raw string) string {
+// keyOf is what keys body's blocks in the ranking and the local hint, as
+// engine renders the prompt.
+func keyOf(t *testing.T, a *api.API, engine api.Family, raw string) string {
 	t.Helper()
 	obj, err := body.Parse([]byte(raw))
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := NewRequest(a.PromptOf(obj))
+	r := NewRequest(a.PromptOf(obj, engine))
 	return fmt.Sprintf("%x %q", r.namespace(), r.Prompt())
 }
