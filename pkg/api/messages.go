@@ -26,12 +26,8 @@ func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 	// reply is where the run of model output being read began, -1 outside one.
 	reply := -1
 	for item := range body.Items(raw) { // none when raw is not a list
-		m, err := body.Parse(item) // read as the engines read it: keys as spelt, the last duplicate
-		role, kind := "", ""
-		if err == nil {
-			role, _ = m.String("role")
-			kind, _ = m.String("type")
-		}
+		m := readMessage(item)
+		role, kind := m.role, m.kind
 		switch output := role == "assistant" || role == "" && (kind == "reasoning" || strings.HasSuffix(kind, "_call")); {
 		case head == 0:
 		case output && reply < 0:
@@ -44,21 +40,17 @@ func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 			b.WriteByte('\n')
 			continue
 		}
-		content, _ := m.Raw("content")
 		if anthropic {
 			role = anthropicRole(role)
 		}
-		calls, _ := m.Raw("tool_calls")
 		first := head == 0 && role == "user"
 		if first {
 			preamble = b.Len()
 		}
-		name, _ := m.String("name")
-		var reasoning string
-		if role == "assistant" {
-			reasoning = reasoningOf(m)
+		if role != "assistant" {
+			m.reasoning = ""
 		}
-		if end := writeMessage(b, role, name, reasoning, content, calls); end > 0 {
+		if end := writeMessage(b, role, m.name, m.reasoning, m.content, m.calls); end > 0 {
 			media = end
 		}
 		if first {
@@ -68,19 +60,58 @@ func withMessages(b *strings.Builder, raw []byte, anthropic bool) rendering {
 	return rendering{text: b.String(), tokens: -1, preamble: preamble, head: head, previous: previous, media: media}
 }
 
-// reasoningOf is an assistant message's reasoning, which the engines hand
-// the chat template and some templates write (Qwen3's, in the turns after
-// the last user message): vLLM reads "reasoning"
+// message is what the rendering reads of a chat message, read as the
+// engines read it: keys decoded, the last duplicate winning; its role, type,
+// name and reasoning when strings, "" else. Its reasoning is what the engines
+// hand the chat template and some templates write (Qwen3's, in the turns
+// after the last user message): vLLM reads "reasoning"
 // (_parse_chat_message_content,
 // vllm/renderers/chat_utils/parse_chat_message_content.py @ be90fe16),
 // SGLang "reasoning_content" (ChatCompletionMessageGenericParam,
 // python/sglang/srt/entrypoints/openai/protocol.py @ 004c82e0).
-func reasoningOf(m *body.Object) string {
-	if s, ok := m.String("reasoning"); ok {
-		return s
+type message struct {
+	role, kind, name, reasoning string
+	content, calls              []byte
+}
+
+// readMessage reads item, a message of a validated body, in one pass over
+// its members: nothing when it is not an object.
+func readMessage(item []byte) (m message) {
+	var reasoning, reasoningContent []byte
+	for k, v := range body.Members(item) {
+		key := k[1 : len(k)-1]
+		if bytes.IndexByte(key, '\\') >= 0 {
+			key = []byte(body.DecodeString(k))
+		}
+		switch string(key) {
+		case "role":
+			m.role = text(v)
+		case "type":
+			m.kind = text(v)
+		case "name":
+			m.name = text(v)
+		case "content":
+			m.content = v
+		case "tool_calls":
+			m.calls = v
+		case "reasoning":
+			reasoning = v
+		case "reasoning_content":
+			reasoningContent = v
+		}
 	}
-	s, _ := m.String("reasoning_content")
-	return s
+	if m.reasoning = text(reasoning); len(reasoning) == 0 || reasoning[0] != '"' {
+		m.reasoning = text(reasoningContent)
+	}
+	return m
+}
+
+// text is raw decoded when it is a JSON string, else "".
+func text(raw []byte) string {
+	if len(raw) == 0 || raw[0] != '"' {
+		return ""
+	}
+	return body.DecodeString(raw)
 }
 
 // writeMessage writes a message as its role (and name, which vLLM hands
@@ -181,172 +212,6 @@ func uncached(part []byte) []byte {
 		return o.Splice(body.Delete("cache_control")).Bytes()
 	}
 	return part
-}
-
-var arguments = []byte(`"arguments"`)
-
-// writeCalls writes an assistant's tool calls as their JSON, each call's
-// arguments string as the JSON it holds: vLLM (_postprocess_messages,
-// vllm/renderers/chat_utils/parse_chat_message.py @ be90fe16) and SGLang
-// (normalize_assistant_tool_call_arguments, serving_chat.py @ 002897c2)
-// parse it before the template writes it, so its whitespace never reaches
-// the prompt.
-func writeCalls(b *strings.Builder, calls []byte) {
-	if calls[0] != '[' || !bytes.Contains(calls, arguments) {
-		writeCompact(b, calls)
-		return
-	}
-	b.WriteByte('[')
-	n := 0
-	for call := range body.Items(calls) {
-		if n++; n > 1 {
-			b.WriteByte(',')
-		}
-		args := member(member(call, "function"), "arguments")
-		if len(args) == 0 || args[0] != '"' {
-			writeCompact(b, call)
-			continue
-		}
-		start := cap(call) - cap(args) // args is call[start:start+len(args)]
-		writeCompact(b, call[:start])
-		writeCompact(b, []byte(body.DecodeString(args)))
-		writeCompact(b, call[start+len(args):])
-	}
-	b.WriteByte(']')
-}
-
-// writeTools writes the request's tools that keep says the engine renders
-// (all when keep is nil), when there are any, as their JSON; a chat tool as
-// writeTool does.
-func writeTools(b *strings.Builder, o *body.Object, keep func(tool []byte) bool) {
-	raw, ok := o.Raw("tools")
-	if !ok || body.IsNull(raw) {
-		return
-	}
-	if raw[0] != '[' {
-		writeCompact(b, raw)
-		b.WriteByte('\n')
-		return
-	}
-	n := 0
-	for tool := range body.Items(raw) {
-		if keep != nil && !keep(tool) {
-			continue
-		}
-		if n++; n == 1 {
-			b.WriteByte('[')
-		} else {
-			b.WriteByte(',')
-		}
-		writeTool(b, tool)
-	}
-	if n > 0 {
-		b.WriteString("]\n")
-	}
-}
-
-// sglangTools says which of a chat request's tools SGLang renders
-// (_process_messages, serving_chat.py @ 002897c2): none for tool_choice
-// "none", only the one a named choice names, else all (nil). vLLM renders
-// them all unless started with --exclude-tools-when-tool-choice-none
-// (render_chat, vllm/renderers/online_renderer.py @ 01063cd0), which a
-// request does not tell.
-func sglangTools(o *body.Object) func(tool []byte) bool {
-	if choice, _ := o.String("tool_choice"); choice == "none" {
-		return func([]byte) bool { return false }
-	}
-	choice, _ := o.Raw("tool_choice")
-	name := member(member(choice, "function"), "name")
-	if len(name) == 0 || name[0] != '"' {
-		return nil
-	}
-	want := body.DecodeString(name)
-	return func(tool []byte) bool {
-		name := member(member(tool, "function"), "name")
-		return len(name) > 0 && name[0] == '"' && body.DecodeString(name) == want
-	}
-}
-
-// functionFields are the fields of a chat tool's function that the engines
-// hand the template, in their order: pydantic's model_dump writes the fields
-// a model declares, in its order, whatever order the client sent, and no
-// others (FunctionDefinition, vllm/entrypoints/generate/base/protocol.py @
-// 022e555d; SGLang's Function, python/sglang/srt/entrypoints/openai/protocol.py
-// @ 004c82e0, declares the same fields, description first).
-var functionFields = [...]string{"name", "description", "parameters", "strict", "defer_loading"}
-
-// writeTool writes a chat tool ({"type", "function"}) as its type ("function"
-// when absent, the models' default), its function's fields (functionFields)
-// and its defer_loading, in that order (ChatCompletionToolsParam,
-// vllm/entrypoints/openai/chat_completion/protocol.py @ 002032ee; SGLang's
-// Tool); another API's tool as its JSON.
-func writeTool(b *strings.Builder, tool []byte) {
-	kind, function, deferred := []byte(`"function"`), []byte(nil), []byte(nil)
-	for k, v := range body.Members(tool) {
-		switch {
-		case named(k, "type"):
-			kind = v
-		case named(k, "function"):
-			function = v
-		case named(k, "defer_loading"):
-			deferred = v
-		}
-	}
-	if len(function) == 0 || function[0] != '{' {
-		writeCompact(b, tool)
-		return
-	}
-	var fields [len(functionFields)][]byte
-	for k, v := range body.Members(function) {
-		for i, name := range functionFields {
-			if named(k, name) {
-				fields[i] = v
-			}
-		}
-	}
-	b.WriteString(`{"type":`)
-	writeCompact(b, kind)
-	b.WriteString(`,"function":`)
-	sep := byte('{')
-	for i, v := range fields {
-		if v != nil {
-			b.WriteByte(sep)
-			b.WriteByte('"')
-			b.WriteString(functionFields[i])
-			b.WriteString(`":`)
-			writeCompact(b, v)
-			sep = ','
-		}
-	}
-	if sep == '{' {
-		b.WriteByte('{')
-	}
-	b.WriteByte('}')
-	if deferred != nil {
-		b.WriteString(`,"defer_loading":`)
-		writeCompact(b, deferred)
-	}
-	b.WriteByte('}')
-}
-
-// member is the value of key in raw, a validated JSON object (the last
-// duplicate, keys read decoded, as the engines read them); nil when raw is
-// not an object or has no such key.
-func member(raw []byte, key string) (value []byte) {
-	for k, v := range body.Members(raw) {
-		if named(k, key) {
-			value = v
-		}
-	}
-	return value
-}
-
-// named says whether k, a key as spelt, is name once decoded.
-func named(k []byte, name string) bool {
-	if bytes.IndexByte(k, '\\') < 0 {
-		return len(k) == len(name)+2 && string(k[1:len(k)-1]) == name
-	}
-	return body.DecodeString(k) == name
 }
 
 // writeCompact writes JSON without the whitespace between its tokens: the

@@ -262,11 +262,7 @@ func valueEnd(b []byte, i int) int {
 	for ; i < len(b); i++ {
 		switch b[i] {
 		case '"':
-			for i++; i < len(b) && b[i] != '"'; i++ {
-				if b[i] == '\\' {
-					i++
-				}
-			}
+			i = stringEnd(b, i+1)
 			if depth == 0 {
 				return min(i+1, len(b))
 			}
@@ -286,6 +282,28 @@ func valueEnd(b []byte, i int) int {
 		}
 	}
 	return i
+}
+
+// stringEnd returns the offset of the quote that ends the string whose
+// content starts at i (len(b) when none does): the first quote after i not
+// escaped by an odd run of backslashes. Strings are most of a body's bytes,
+// and IndexByte reads them many at a time.
+func stringEnd(b []byte, i int) int {
+	for {
+		j := bytes.IndexByte(b[i:], '"')
+		if j < 0 {
+			return len(b)
+		}
+		i += j
+		k := i - 1
+		for b[k] == '\\' { // the string's opening quote ends the run
+			k--
+		}
+		if (i-1-k)%2 == 0 {
+			return i
+		}
+		i++
+	}
 }
 
 // IsNull reports whether raw is the JSON literal null.
