@@ -536,11 +536,7 @@ func TestARequestRenderedOtherwiseIsNotAssumedHeld(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			ps := NewPools(Spec{
-				Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}},
-				Decode: PoolSpec{Endpoints: []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"},
-					PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity}},
-			}, Deps{})
+			ps := affinityPools()
 			if _, err := ps.Decode.Select(chat("What does the red light mean?", first)); err != nil {
 				t.Fatal(err)
 			}
@@ -580,11 +576,7 @@ func TestAReplysReasoningIsNotAssumedHeld(t *testing.T) {
 		{"a reasoning of min_uncached_tokens and more", 4 * 4 * config.DefaultMinUncachedTokens, Split{PD: true, Reason: metrics.ReasonLongPrompt}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			ps := NewPools(Spec{
-				Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}},
-				Decode: PoolSpec{Endpoints: []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"},
-					PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity}},
-			}, Deps{})
+			ps := affinityPools()
 			if _, err := ps.Decode.Select(chat(first)); err != nil {
 				t.Fatal(err)
 			}
@@ -599,4 +591,14 @@ func TestAReplysReasoningIsNotAssumedHeld(t *testing.T) {
 			}
 		})
 	}
+}
+
+// affinityPools are one prefill endpoint and four decode endpoints under
+// prefix-affinity, the pools' defaults otherwise.
+func affinityPools() *Pools {
+	return NewPools(Spec{
+		Prefill: PoolSpec{Endpoints: []string{"10.0.1.1:8000"}},
+		Decode: PoolSpec{Endpoints: []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"},
+			PoolScheduling: config.PoolScheduling{Policy: config.PolicyPrefixAffinity}},
+	}, Deps{})
 }
