@@ -86,9 +86,10 @@ func TestTheChartsRBACLetsEachPoolBeDiscovered(t *testing.T) {
 				}
 				for _, w := range wants {
 					for _, verb := range []string{"list", "watch"} {
-						if !can(verb, w[0], w[1], ns) {
-							t.Errorf("%s may not %s %s in %s, where the %s pool is discovered: the pool is never ready", user.User, verb, w[1], ns, pool)
-						}
+						// The authorizer reads the RBAC objects from its informers:
+						// a binding just made may take a moment to count.
+						eventually(t, fmt.Sprintf("%s to be let %s %s in %s, where the %s pool is discovered (else the pool is never ready)",
+							user.User, verb, w[1], ns, pool), func() bool { return can(verb, w[0], w[1], ns) })
 					}
 				}
 			}
