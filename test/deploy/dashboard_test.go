@@ -17,10 +17,22 @@ import (
 
 // dashboardPanel is a panel of the dashboard, rows among them, as Grafana places it.
 type dashboardPanel struct {
-	ID          int
-	Type, Title string
-	GridPos     struct{ H, W, X, Y int }
-	Targets     []struct{ Expr, LegendFormat string }
+	ID                       int
+	Type, Title, Description string
+	GridPos                  struct{ H, W, X, Y int }
+	Targets                  []struct{ Expr, LegendFormat string }
+}
+
+// grafanaVars gives Grafana's variables values a query may hold.
+var grafanaVars = strings.NewReplacer("$__rate_interval", "5m", "$namespace", ".*", "$envoy_namespace", ".*")
+
+// exprs are the panel's queries, its variables given values (grafanaVars).
+func (p dashboardPanel) exprs() []string {
+	out := make([]string, len(p.Targets))
+	for i, tg := range p.Targets {
+		out[i] = grafanaVars.Replace(tg.Expr)
+	}
+	return out
 }
 
 func dashboardPanels(t *testing.T) []dashboardPanel {
@@ -153,20 +165,10 @@ func aggregates(t *testing.T, expr, metric, fn string, by []string) bool {
 // Every alert the chart ships has panels an on-call operator can open from it: each series its
 // expression reads is drawn by a panel whose description names the alert.
 func TestDashboardDrawsWhatEachAlertReads(t *testing.T) {
-	var d struct {
-		Panels []struct {
-			Description string
-			Targets     []struct{ Expr string }
-		}
-	}
-	if err := json.Unmarshal(mustRead(t, testbed.MustRepoPath(t, dashboardFile)), &d); err != nil {
-		t.Fatal(err)
-	}
-	vars := strings.NewReplacer("$__rate_interval", "5m", "$namespace", ".*", "$envoy_namespace", ".*")
 	descriptions := map[string][]string{} // series -> the descriptions of the panels drawing it
-	for _, p := range d.Panels {
-		for _, tg := range p.Targets {
-			for _, name := range selectedSeries(t, vars.Replace(tg.Expr)) {
+	for _, p := range dashboardPanels(t) {
+		for _, expr := range p.exprs() {
+			for _, name := range selectedSeries(t, expr) {
 				descriptions[name] = append(descriptions[name], p.Description)
 			}
 		}

@@ -168,25 +168,12 @@ func ruleExprs(t *testing.T) map[string]string {
 	return out
 }
 
-// dashboardExprs are the queries of the dashboard's panels, with Grafana's variables given
-// values a query may hold.
+// dashboardExprs are the queries of the dashboard's panels (dashboardPanel.exprs).
 func dashboardExprs(t *testing.T) []string {
 	t.Helper()
-	var d struct {
-		Panels []struct {
-			Title   string
-			Targets []struct{ Expr string }
-		}
-	}
-	if err := json.Unmarshal(mustRead(t, testbed.MustRepoPath(t, dashboardFile)), &d); err != nil {
-		t.Fatal(err)
-	}
-	vars := strings.NewReplacer("$__rate_interval", "5m", "$namespace", ".*", "$envoy_namespace", ".*")
 	var out []string
-	for _, p := range d.Panels {
-		for _, tg := range p.Targets {
-			out = append(out, vars.Replace(tg.Expr))
-		}
+	for _, p := range dashboardPanels(t) {
+		out = append(out, p.exprs()...)
 	}
 	return out
 }
