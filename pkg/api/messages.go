@@ -79,11 +79,7 @@ type message struct {
 func readMessage(item []byte) (m message) {
 	var reasoning, reasoningContent []byte
 	for k, v := range body.Members(item) {
-		key := k[1 : len(k)-1]
-		if bytes.IndexByte(key, '\\') >= 0 {
-			key = []byte(body.DecodeString(k))
-		}
-		switch string(key) {
+		switch string(keyOf(k)) {
 		case "role":
 			m.role = text(v)
 		case "type":
@@ -180,19 +176,21 @@ var mediaParts = map[string]bool{"image_url": true, "input_image": true, "image_
 // (ok: chat's "text", the Responses API's "input_text" and "output_text"),
 // keys read as the engines read them: as spelt, the last duplicate winning
 // (not encoding/json's case-insensitive match, which took "TEXT" for "text").
-func textPart(part []byte) (kind, text string, ok bool) {
-	if len(part) == 0 || part[0] != '{' {
-		return "", "", false
+func textPart(part []byte) (kind, words string, ok bool) {
+	var t []byte
+	for k, v := range body.Members(part) {
+		switch string(keyOf(k)) {
+		case "type":
+			kind = text(v)
+		case "text":
+			t = v
+		}
 	}
-	o, err := body.Parse(part)
-	if err != nil {
-		return "", "", false
-	}
-	switch kind, _ = o.String("type"); kind {
+	switch kind {
 	case "text", "input_text", "output_text":
-		text, ok = o.String("text")
+		return kind, text(t), len(t) > 0 && t[0] == '"'
 	}
-	return kind, text, ok
+	return kind, "", false
 }
 
 var cacheControl = []byte(`"cache_control"`)

@@ -110,12 +110,12 @@ var functionFields = [...]string{"name", "description", "parameters", "strict", 
 func writeTool(b *strings.Builder, tool []byte) {
 	kind, function, deferred := []byte(`"function"`), []byte(nil), []byte(nil)
 	for k, v := range body.Members(tool) {
-		switch {
-		case named(k, "type"):
+		switch string(keyOf(k)) {
+		case "type":
 			kind = v
-		case named(k, "function"):
+		case "function":
 			function = v
-		case named(k, "defer_loading"):
+		case "defer_loading":
 			deferred = v
 		}
 	}
@@ -125,8 +125,9 @@ func writeTool(b *strings.Builder, tool []byte) {
 	}
 	var fields [len(functionFields)][]byte
 	for k, v := range body.Members(function) {
+		key := keyOf(k)
 		for i, name := range functionFields {
-			if named(k, name) {
+			if string(key) == name {
 				fields[i] = v
 			}
 		}
@@ -161,17 +162,18 @@ func writeTool(b *strings.Builder, tool []byte) {
 // not an object or has no such key.
 func member(raw []byte, key string) (value []byte) {
 	for k, v := range body.Members(raw) {
-		if named(k, key) {
+		if string(keyOf(k)) == key {
 			value = v
 		}
 	}
 	return value
 }
 
-// named says whether k, a key as spelt, is name once decoded.
-func named(k []byte, name string) bool {
+// keyOf is k, an object's key as spelt, decoded: the bytes between its
+// quotes when it has no escape, so that a switch on it allocates nothing.
+func keyOf(k []byte) []byte {
 	if bytes.IndexByte(k, '\\') < 0 {
-		return len(k) == len(name)+2 && string(k[1:len(k)-1]) == name
+		return k[1 : len(k)-1]
 	}
-	return body.DecodeString(k) == name
+	return []byte(body.DecodeString(k))
 }
