@@ -35,7 +35,12 @@ func (a *API) PromptOf(o *body.Object, engine Family) *Prompt {
 		salt, _ = o.String("cache_salt")
 	}
 	p.Cache = kvevents.Keys{Model: model, Salt: salt}
-	p.Variant = a.variant(o)
+	render := p.render
+	p.render = func() rendering {
+		r := render()
+		r.variant = a.variant(o)
+		return r
+	}
 	p.Conversation, _ = o.String("prompt_cache_key")
 	return p
 }

@@ -30,10 +30,6 @@ type Prompt struct {
 	// own, and the cache_salt. Prompts alike in text and not in Cache share
 	// no cache.
 	Cache kvevents.Keys
-	// Variant is a hash of what else has the engine render the prompt
-	// otherwise than its text says, or key its blocks apart (API.PromptOf);
-	// 0 for none.
-	Variant uint64
 	// Conversation is the client's own name for the conversation, OpenAI's
 	// prompt_cache_key ("" when it sends none): Codex sends its conversation's
 	// id there, which its requests' text does not tell apart (the first user
@@ -53,6 +49,7 @@ type Prompt struct {
 type rendering struct {
 	text                                    string
 	tokens, preamble, head, previous, media int
+	variant                                 uint64 // see Variant
 }
 
 // plain is a rendering of text alone: no token ids, no head.
@@ -131,6 +128,17 @@ func (p *Prompt) Media() int {
 	}
 	p.once.Do(p.do)
 	return p.r.media
+}
+
+// Variant is a hash of what else has the engine render the prompt
+// otherwise than its text says, or key its blocks apart (API.PromptOf); 0
+// for none. Like Text, it is worked out only when asked for.
+func (p *Prompt) Variant() uint64 {
+	if p == nil {
+		return 0
+	}
+	p.once.Do(p.do)
+	return p.r.variant
 }
 
 func (p *Prompt) do() { p.r = p.render() }

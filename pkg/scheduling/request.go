@@ -144,8 +144,8 @@ func (r *Request) cache() kvevents.Keys {
 // the engine keys its cached blocks.
 func (r *Request) namespace() uint64 {
 	k, v := r.cache(), uint64(0)
-	if r != nil && r.prompt != nil {
-		v = r.prompt.Variant
+	if r != nil {
+		v = r.prompt.Variant()
 	}
 	if k == (kvevents.Keys{}) && v == 0 {
 		return 0
