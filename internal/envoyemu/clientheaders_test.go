@@ -237,10 +237,7 @@ func TestExternalAddressIsThePeers(t *testing.T) {
 			if res := doFrom(t, p, "127.0.0.5", http.MethodPost, "/v1/completions", `{"model":"m"}`, tc.sent); res.status != http.StatusOK {
 				t.Fatalf("status %d: %s", res.status, res.body)
 			}
-			var want []string
-			if tc.want != "" {
-				want = []string{tc.want}
-			}
+			want := nonEmpty(tc.want)
 			if got := (<-seen).Values(key); !slices.Equal(got, want) {
 				t.Errorf("the processor saw %s %q, want %q", key, got, want)
 			}

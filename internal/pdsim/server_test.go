@@ -99,7 +99,6 @@ func goPost(s *Server, path, body, requestID string) <-chan reply {
 func do(ctx context.Context, s *Server, path, body, requestID string) (reply, error) {
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+s.Addr()+path, strings.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("Content-Type", "application/json")
 	if requestID != "" {
 		req.Header.Set("X-Request-Id", requestID)
 	}

@@ -132,11 +132,7 @@ func TestConfigTablesNameKeysThatExist(t *testing.T) {
 // keyExists says whether a documented key names keys: exactly, in both pools for
 // pools.<pool>, or a section for one ending .* or naming a struct.
 func keyExists(keys []string, doc string) bool {
-	var want []string
-	for _, pool := range []string{"prefill", "decode"} {
-		want = append(want, strings.Replace(doc, "<pool>", pool, 1))
-	}
-	for _, w := range slices.Compact(want) {
+	for _, w := range expandPool(doc) {
 		section := strings.TrimSuffix(w, ".*") + "."
 		if !slices.Contains(keys, w) && !slices.ContainsFunc(keys, func(k string) bool { return strings.HasPrefix(k, section) }) {
 			return false

@@ -90,24 +90,13 @@ func checkContextLimits(t *testing.T, r *rig, api string, length, overPrefills i
 		case tt.status != 200 && (!strings.Contains(got, says) || !strings.Contains(got, `"type":"`+kind+`"`)):
 			t.Errorf("%s: %s, want %q of type %s", tt.name, got, says, kind)
 		}
-		if legs := legsWith(r.prefill, marker); legs != tt.prefills {
+		if legs := sum(legsOn(r.prefill, marker)); legs != tt.prefills {
 			t.Errorf("%s: %d prefill legs, want %d", tt.name, legs, tt.prefills)
 		}
 		if decode := len(recordsWith(r.decode, marker)); api == "responses" && decode != 1 {
 			t.Errorf("%s: %d decode legs, want 1", tt.name, decode)
 		}
 	}
-}
-
-// legsWith counts the requests of sims whose body has marker, but for those
-// asked for its tokens.
-func legsWith(sims []*pdsim.Server, marker string) (n int) {
-	for _, rec := range recordsWith(sims, marker) {
-		if !askedTokens(rec.Path) {
-			n++
-		}
-	}
-	return n
 }
 
 // promptTokens is how many tokens the engines count in the prompt of
