@@ -194,17 +194,16 @@ func (p *Pipeline) legs(ctx context.Context, r *Request, h *kv.Handoff, sreq *sc
 	if err != nil {
 		return p.withoutPrefill(r, h, err)
 	}
-	if answer.params != nil {
+	if p.connector.HandsBackParams() { // readAnswer gave its params, or failed
 		d.prefill = prefill // served, if the decode engine can pull what it handed out (Decision.settle)
 		prefill.JudgedWithin(probeVerdictWait)
+		// The blocks are freed once read: a fallback would read them reused.
+		d.Endpoints, d.elsewhere = d.Endpoints[:1], false
+		if p.checkRemoteHost(answer.params, rep.Prefill, d.decode.Addr, r.RequestID) {
+			d.partner.fails() // the decode engine's failed pull is the prefill engine's fault
+		}
 	} else {
 		prefill.Report(true)
-	}
-	if p.connector.HandsBackParams() { // the blocks are freed once read: a fallback would read them reused
-		d.Endpoints, d.elsewhere = d.Endpoints[:1], false
-	}
-	if p.checkRemoteHost(answer.params, rep.Prefill, d.decode.Addr, r.RequestID) {
-		d.partner.fails() // the decode engine's failed pull is the prefill engine's fault
 	}
 	d.Rewrite = p.usageRewriter(r, answer)
 	h.PrefillKV = answer.params
